@@ -1,0 +1,85 @@
+// The plain-data contract between the engine and every backend: one linear + cross-entropy
+// problem (views of caller-owned buffers plus options) and where its results go. Knows nothing
+// of gRPC, protobuf or CUDA; owns no memory.
+//
+// Math, per row i with target t_i != ignore_index (z = X W^T + b, optionally softcapped):
+//   lse_i   = log sum_j exp z_ij
+//   nll_i   = -cw[t_i] (z_it - lse_i)                     (cw = class weights, or 1)
+//   smooth_i= -(1/V) sum_j cw[j] (z_ij - lse_i)
+//   loss_i  = (1 - eps) nll_i + eps smooth_i + zs lse_i^2   (eps = label_smoothing, zs = z-loss)
+// mean divides the cross-entropy part by sum_i cw[t_i] (PyTorch) and the z-loss part by the
+// non-ignored token count (Liger-Kernel); sum adds; none returns loss_i. Ignored rows give 0.
+#ifndef LOSSD_KERNELS_LOSS_PROBLEM_H_
+#define LOSSD_KERNELS_LOSS_PROBLEM_H_
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace lossd {
+
+enum class Reduction : int32_t { kMean = 0, kSum = 1, kNone = 2 };
+
+struct LossOptions {
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kMean;
+  float label_smoothing = 0.0f;   // eps in [0, 1]
+  float z_loss_scale = 0.0f;      // zs >= 0 (Liger's lse_square_scale)
+  float softcap = 0.0f;           // > 0: z = softcap * tanh(z / softcap); 0 = off
+  // Upstream gradient of the scalar loss (mean, sum). With none, grad_output is used instead.
+  float grad_scale = 1.0f;
+  // Rows per chunk; 0 = the backend chooses from its memory budget.
+  int64_t chunk_rows = 0;
+};
+
+// Where a buffer lives. kHost: ordinary (or pinned) host memory. kBackend: memory the backend
+// allocated through Backend::Allocate (device memory for the CUDA backend).
+enum class Memory : int32_t { kHost = 0, kBackend = 1 };
+
+struct LossProblem {
+  int64_t bt = 0;  // rows (tokens)
+  int64_t h = 0;   // hidden size
+  int64_t v = 0;   // vocabulary size
+  DType dtype = DType::kBF16;  // of X, W and bias (bf16, fp16 or fp32)
+
+  const void* x = nullptr;        // (BT, H) row-major, dtype, host
+  const void* w = nullptr;        // (V, H) row-major, dtype, in w_memory
+  Memory w_memory = Memory::kHost;
+  const void* bias = nullptr;     // (V) dtype, in w_memory; null = no bias
+  const void* targets = nullptr;  // (BT) target_dtype, host
+  DType target_dtype = DType::kI64;  // kI32 or kI64
+  const float* class_weights = nullptr;  // (V) fp32, host; null = all ones
+  const float* grad_output = nullptr;    // (BT) fp32, host; reduction none only; null = ones
+  LossOptions options;
+};
+
+// Caller-owned output buffers, all in host memory unless noted. A null pointer means the
+// output is not wanted, and the backend may skip the work it needs.
+struct LossOutputs {
+  DType grad_dtype = DType::kBF16;  // of dx, dw, db: the input dtype or kF32
+  float* loss = nullptr;            // (BT) with reduction none, else (1)
+  float* z_loss = nullptr;          // (BT) with reduction none, else (1), same reduction as loss
+  float* lse = nullptr;             // (BT)
+  int64_t* predictions = nullptr;   // (BT) argmax over V, first index on ties
+  float* accuracy = nullptr;        // (1) fraction of non-ignored rows with argmax == target
+  int64_t* tokens = nullptr;        // (1) non-ignored rows
+  void* dx = nullptr;               // (BT, H) grad_dtype, overwritten
+  void* dw = nullptr;               // (V, H) grad_dtype, overwritten
+  void* db = nullptr;               // (V) grad_dtype, overwritten
+  // Server-side accumulation: dW and db are ADDED (in a fixed order) into these fp32 buffers
+  // in accum_memory instead of being written to dw/db.
+  float* dw_accum = nullptr;        // (V, H) fp32
+  float* db_accum = nullptr;        // (V) fp32
+  Memory accum_memory = Memory::kHost;
+};
+
+// What a backend reports about one Compute, for metrics.
+struct LossStats {
+  double compute_seconds = 0.0;
+  uint64_t peak_extra_bytes = 0;  // workspace above inputs and outputs
+  int64_t chunk_rows = 0;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_LOSS_PROBLEM_H_

@@ -1,0 +1,49 @@
+"""A repository of cc_library targets for the system's packages, generated with pkg-config.
+
+Hand-written -l flags break (Abseil's library names are not what one would guess), so every
+target takes its link flags from `pkg-config --libs`. Headers are on the default include path.
+"""
+
+# target name -> (pkg-config modules, extra linkopts)
+_LIBS = {
+    "grpc++": (["grpc++"], []),
+    "grpc++_reflection": (["grpc++"], ["-Wl,--no-as-needed", "-lgrpc++_reflection", "-Wl,--as-needed"]),
+    "protobuf": (["protobuf"], []),
+    "absl": ([
+        "absl_flags",
+        "absl_flags_parse",
+        "absl_flags_usage",
+        "absl_strings",
+        "absl_str_format",
+        "absl_status",
+        "absl_statusor",
+        "absl_synchronization",
+        "absl_time",
+        "absl_random_random",
+    ], []),
+    "prometheus": (["prometheus-cpp-pull", "prometheus-cpp-core"], []),
+    "gtest": (["gtest", "gmock"], []),
+    "gtest_main": (["gtest_main", "gtest", "gmock"], []),
+    "openblas": (["openblas"], []),
+}
+
+def _system_libs_impl(ctx):
+    lines = ['package(default_visibility = ["//visibility:public"])', ""]
+    for name, (modules, extra) in _LIBS.items():
+        res = ctx.execute(["pkg-config", "--libs"] + modules)
+        if res.return_code != 0:
+            fail("pkg-config --libs %s failed: %s" % (" ".join(modules), res.stderr))
+        flags = res.stdout.strip().split(" ")
+        flags = [f for f in flags if f] + extra
+        lines.append("cc_library(")
+        lines.append('    name = "%s",' % name)
+        lines.append("    linkopts = %s," % repr(flags + ["-lpthread"]))
+        lines.append(")")
+        lines.append("")
+    ctx.file("BUILD", "\n".join(lines))
+    ctx.file("WORKSPACE", 'workspace(name = "%s")\n' % ctx.name)
+
+system_libs = repository_rule(
+    implementation = _system_libs_impl,
+    local = True,
+)
