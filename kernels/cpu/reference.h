@@ -1,0 +1,40 @@
+// The float64 reference of linear + cross-entropy: the oracle every backend is tested against.
+// Reads the inputs as stored (bf16/fp16 widened exactly), computes in double, one row of V
+// logits at a time; it never materialises BT x V, never rounds logits, and is never fast.
+#ifndef LOSSD_KERNELS_CPU_REFERENCE_H_
+#define LOSSD_KERNELS_CPU_REFERENCE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+
+// Every output of one problem, in float64. Always computed in full (all outputs, all
+// gradients), whatever a LossOutputs would ask for.
+struct ReferenceOutputs {
+  std::vector<double> loss;          // (BT) with reduction none, else (1)
+  std::vector<double> z_loss;        // (BT) with reduction none, else (1)
+  std::vector<double> lse;           // (BT) every row, ignored rows included
+  std::vector<int64_t> predictions;  // (BT) argmax of the final logits, first index on ties
+  double accuracy = 0;               // over non-ignored rows; 0 when there are none
+  int64_t tokens = 0;                // non-ignored rows
+  std::vector<double> dx;            // (BT, H) row-major
+  std::vector<double> dw;            // (V, H) row-major
+  std::vector<double> db;            // (V) empty when the problem has no bias
+};
+
+// Computes every output of `p` (the semantics of kernels/loss_problem.h). Host memory only:
+// p.w_memory must be kHost. Returns INVALID_ARGUMENT for a problem it cannot read (null or
+// mis-sized inputs, targets out of range); never aborts.
+//
+// Mean reduction divides the cross-entropy part by the class-weight sum of the non-ignored
+// targets (their count without weights) and the z-loss part by the non-ignored count; a zero
+// denominator (every target ignored) gives loss 0 and zero gradients, never NaN.
+absl::Status ReferenceCompute(const LossProblem& p, ReferenceOutputs* out);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_REFERENCE_H_
