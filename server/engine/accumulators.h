@@ -1,0 +1,61 @@
+// Named server-side fp32 gradient accumulators (dW, db) kept across the micro-batches of one
+// optimizer step, so a trainer sends W once and fetches dW once per step. Never evicted: an
+// accumulator holds accepted work, so a full store refuses new names instead.
+#ifndef LOSSD_SERVER_ENGINE_ACCUMULATORS_H_
+#define LOSSD_SERVER_ENGINE_ACCUMULATORS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
+
+namespace lossd {
+
+struct Accumulator {
+  std::string name;
+  int64_t v = 0;
+  int64_t h = 0;
+  bool has_bias = false;
+  std::unique_ptr<BackendBuffer> dw;  // (V, H) fp32, backend memory
+  std::unique_ptr<BackendBuffer> db;  // (V) fp32, or null
+  // Serialises updates and reads: micro-batches add in the order they reach the executor.
+  absl::Mutex mu;
+  uint64_t micro_batches ABSL_GUARDED_BY(mu) = 0;
+  int64_t tokens ABSL_GUARDED_BY(mu) = 0;
+  bool poisoned ABSL_GUARDED_BY(mu) = false;  // a failed update may have left it partial
+};
+
+class AccumulatorStore {
+ public:
+  AccumulatorStore(Backend* backend, uint64_t budget_bytes, size_t max_count);
+
+  // Returns the named accumulator, creating a zeroed one on first use. INVALID_ARGUMENT when
+  // it exists with another shape; RESOURCE_EXHAUSTED when a new one does not fit.
+  absl::StatusOr<std::shared_ptr<Accumulator>> GetOrCreate(const std::string& name, int64_t v,
+                                                           int64_t h, bool has_bias);
+  absl::StatusOr<std::shared_ptr<Accumulator>> Get(const std::string& name);
+  absl::Status Drop(const std::string& name);
+
+  size_t count() const;
+  uint64_t bytes() const;
+
+ private:
+  Backend* const backend_;
+  const uint64_t budget_;
+  const size_t max_count_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Accumulator>> map_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Accumulator names: 1 to 128 characters of [A-Za-z0-9._:/-].
+absl::Status ValidateAccumulatorName(const std::string& name, absl::string_view field);
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_ENGINE_ACCUMULATORS_H_

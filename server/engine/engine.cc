@@ -1,0 +1,649 @@
+#include "server/engine/engine.h"
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace lossd {
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+uint64_t NumElements(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// Checks rank and that every dimension is positive and the element count cannot overflow.
+absl::Status CheckShape(const TensorDesc& t, const char* name, size_t rank) {
+  if (t.shape.size() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".shape must have ", rank,
+                                                   " dimensions, got ", ShapeString(t.shape)));
+  }
+  uint64_t n = 1;
+  for (int64_t d : t.shape) {
+    if (d <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".shape ", ShapeString(t.shape), " has a dimension <= 0"));
+    }
+    if (static_cast<uint64_t>(d) > (uint64_t{1} << 40) / n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".shape ", ShapeString(t.shape), " is too large"));
+    }
+    n *= static_cast<uint64_t>(d);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFloatDType(const TensorDesc& t, const char* name) {
+  if (!IsFloatDType(t.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ".dtype must be bf16, fp16 or fp32, got ", DTypeName(t.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const char* name,
+                         int64_t cols) {
+  for (uint64_t i = 0; i < n; ++i) {
+    float f = LoadAsFloat(data, dtype, i);
+    if (!std::isfinite(f)) {
+      std::string where = cols > 0 ? absl::StrCat("[", i / cols, ", ", i % cols, "]")
+                                   : absl::StrCat("[", i, "]");
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " contains a non-finite value (", std::isnan(f) ? "nan" : "inf", ") at ",
+          where, "; lossd refuses NaN and Inf inputs (--check_finite)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+}  // namespace
+
+const char* InputSlotName(InputSlot s) {
+  switch (s) {
+    case InputSlot::kX: return "x";
+    case InputSlot::kW: return "w";
+    case InputSlot::kBias: return "bias";
+    case InputSlot::kTargets: return "targets";
+    case InputSlot::kClassWeights: return "class_weights";
+    case InputSlot::kGradOutput: return "grad_output";
+    case InputSlot::kCount: break;
+  }
+  return "unknown";
+}
+
+const char* OutputSlotName(OutputSlot s) {
+  switch (s) {
+    case OutputSlot::kLoss: return "loss";
+    case OutputSlot::kZLoss: return "z_loss";
+    case OutputSlot::kLse: return "lse";
+    case OutputSlot::kPredictions: return "predictions";
+    case OutputSlot::kDx: return "dx";
+    case OutputSlot::kDw: return "dw";
+    case OutputSlot::kDb: return "db";
+    case OutputSlot::kCount: break;
+  }
+  return "unknown";
+}
+
+HostBuffer NewHostBuffer(uint64_t bytes) {
+  return HostBuffer(new uint8_t[bytes == 0 ? 1 : bytes]);
+}
+
+PendingWeights::~PendingWeights() {
+  if (engine != nullptr && reserved > 0) engine->weights_.Unreserve(reserved);
+}
+
+Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
+    : backend_(std::move(backend)),
+      options_(std::move(options)),
+      budget_(options_.memory_budget_bytes, options_.max_queue),
+      weights_(options_.weight_cache_bytes, options_.instance),
+      accumulators_(backend_.get(), options_.accumulator_bytes, options_.max_accumulators),
+      executor_(options_.executor_threads) {}
+
+Engine::~Engine() = default;
+
+void Engine::Drain() {
+  draining_.store(true);
+  budget_.Close();
+}
+
+absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
+  auto in = [&](InputSlot s) -> const TensorDesc& { return spec.inputs[static_cast<int>(s)]; };
+  const TensorDesc& x = in(InputSlot::kX);
+  const TensorDesc& w = in(InputSlot::kW);
+  const TensorDesc& bias = in(InputSlot::kBias);
+  const TensorDesc& targets = in(InputSlot::kTargets);
+  const TensorDesc& cw = in(InputSlot::kClassWeights);
+  const TensorDesc& go = in(InputSlot::kGradOutput);
+  ComputePlan plan;
+
+  if (!x.present) return absl::InvalidArgumentError("header.x is missing");
+  absl::Status s = CheckShape(x, "x", 2);
+  if (!s.ok()) return s;
+  s = CheckFloatDType(x, "x");
+  if (!s.ok()) return s;
+  plan.bt = x.shape[0];
+  plan.h = x.shape[1];
+  plan.dtype = x.dtype;
+
+  if (!spec.weight_handle.empty()) {
+    if (w.present || bias.present) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header names weight_handle '", spec.weight_handle,
+          "' and also describes inline ", w.present ? "w" : "bias",
+          "; send one or the other (a handle carries its own bias)"));
+    }
+    auto entry = weights_.Get(spec.weight_handle);
+    if (!entry.ok()) return entry.status();
+    plan.weights = *entry;
+    plan.weight_handle = spec.weight_handle;
+    plan.v = plan.weights->v;
+    plan.has_bias = plan.weights->bias != nullptr;
+    if (plan.weights->h != plan.h) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "x.shape ", ShapeString(x.shape), " has H=", plan.h, " but the weights of handle '",
+          spec.weight_handle, "' have H=", plan.weights->h));
+    }
+    if (plan.weights->dtype != plan.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "x.dtype ", DTypeName(plan.dtype), " differs from the dtype of handle '",
+          spec.weight_handle, "' (", DTypeName(plan.weights->dtype), ")"));
+    }
+  } else {
+    if (!w.present) {
+      return absl::InvalidArgumentError("header has neither w nor weight_handle");
+    }
+    s = CheckShape(w, "w", 2);
+    if (!s.ok()) return s;
+    s = CheckFloatDType(w, "w");
+    if (!s.ok()) return s;
+    if (w.shape[1] != plan.h) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "w.shape ", ShapeString(w.shape), " must be (V, H) with H = x.shape[1] = ", plan.h));
+    }
+    if (w.dtype != plan.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat("w.dtype ", DTypeName(w.dtype),
+                                                     " differs from x.dtype ",
+                                                     DTypeName(plan.dtype)));
+    }
+    plan.v = w.shape[0];
+    if (bias.present) {
+      s = CheckShape(bias, "bias", 1);
+      if (!s.ok()) return s;
+      if (bias.shape[0] != plan.v) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "bias.shape ", ShapeString(bias.shape), " must be (V) = [", plan.v, "]"));
+      }
+      if (bias.dtype != plan.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat("bias.dtype ", DTypeName(bias.dtype),
+                                                       " differs from x.dtype ",
+                                                       DTypeName(plan.dtype)));
+      }
+      plan.has_bias = true;
+    }
+  }
+
+  if (plan.bt > options_.max_bt || plan.h > options_.max_h || plan.v > options_.max_v) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shape (BT=", plan.bt, ", H=", plan.h, ", V=", plan.v, ") exceeds the limits (BT <= ",
+        options_.max_bt, ", H <= ", options_.max_h, ", V <= ", options_.max_v,
+        "; --max_bt, --max_h, --max_v)"));
+  }
+
+  if (!targets.present) return absl::InvalidArgumentError("header.targets is missing");
+  s = CheckShape(targets, "targets", 1);
+  if (!s.ok()) return s;
+  if (targets.shape[0] != plan.bt) {
+    return absl::InvalidArgumentError(absl::StrCat("targets.shape ", ShapeString(targets.shape),
+                                                   " must be (BT) = [", plan.bt, "]"));
+  }
+  if (targets.dtype != DType::kI32 && targets.dtype != DType::kI64) {
+    return absl::InvalidArgumentError(absl::StrCat("targets.dtype must be int32 or int64, got ",
+                                                   DTypeName(targets.dtype)));
+  }
+  plan.target_dtype = targets.dtype;
+
+  if (cw.present) {
+    s = CheckShape(cw, "class_weights", 1);
+    if (!s.ok()) return s;
+    if (cw.shape[0] != plan.v) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "class_weights.shape ", ShapeString(cw.shape), " must be (V) = [", plan.v, "]"));
+    }
+    if (cw.dtype != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("class_weights.dtype must be fp32, got ", DTypeName(cw.dtype)));
+    }
+  }
+
+  const LossOptions& o = spec.options;
+  if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
+      o.reduction != Reduction::kNone) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.reduction ", static_cast<int>(o.reduction), " is unknown"));
+  }
+  if (go.present) {
+    if (o.reduction != Reduction::kNone) {
+      return absl::InvalidArgumentError(
+          "grad_output is only accepted with reduction none (use options.grad_scale for mean "
+          "and sum)");
+    }
+    s = CheckShape(go, "grad_output", 1);
+    if (!s.ok()) return s;
+    if (go.shape[0] != plan.bt) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "grad_output.shape ", ShapeString(go.shape), " must be (BT) = [", plan.bt, "]"));
+    }
+    if (go.dtype != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grad_output.dtype must be fp32, got ", DTypeName(go.dtype)));
+    }
+  }
+  if (!(o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.label_smoothing must be in [0, 1], got ", o.label_smoothing));
+  }
+  if (!(o.z_loss_scale >= 0.0f) || !std::isfinite(o.z_loss_scale)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.lse_square_scale must be finite and >= 0, got ", o.z_loss_scale));
+  }
+  if (!(o.softcap >= 0.0f) || !std::isfinite(o.softcap)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.softcap must be finite and >= 0 (0 = off), got ", o.softcap));
+  }
+  if (!std::isfinite(o.grad_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.grad_scale must be finite, got ", o.grad_scale));
+  }
+  if (o.chunk_rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.chunk_rows must be >= 0 (0 = automatic), got ", o.chunk_rows));
+  }
+  plan.options = o;
+  plan.wanted = spec.wanted;
+  plan.grad_dtype = spec.grad_fp32 ? DType::kF32 : plan.dtype;
+
+  if (!spec.accumulator.empty()) {
+    s = ValidateAccumulatorName(spec.accumulator, "header.accumulator");
+    if (!s.ok()) return s;
+    plan.accumulator = spec.accumulator;
+  }
+
+  // Byte counts of the inline inputs.
+  const uint64_t es = DTypeSize(plan.dtype);
+  auto& ib = plan.input_bytes;
+  ib[static_cast<int>(InputSlot::kX)] = static_cast<uint64_t>(plan.bt) * plan.h * es;
+  if (!plan.weights) {
+    ib[static_cast<int>(InputSlot::kW)] = static_cast<uint64_t>(plan.v) * plan.h * es;
+    if (plan.has_bias) ib[static_cast<int>(InputSlot::kBias)] = plan.v * es;
+  }
+  ib[static_cast<int>(InputSlot::kTargets)] = plan.bt * DTypeSize(plan.target_dtype);
+  if (cw.present) ib[static_cast<int>(InputSlot::kClassWeights)] = plan.v * 4;
+  if (go.present) ib[static_cast<int>(InputSlot::kGradOutput)] = plan.bt * 4;
+
+  // Outputs, in the order they are sent.
+  const bool none = o.reduction == Reduction::kNone;
+  const uint64_t gs = DTypeSize(plan.grad_dtype);
+  auto add = [&](OutputSlot slot, DType dt, std::vector<int64_t> shape) {
+    uint64_t bytes = NumElements(shape) * DTypeSize(dt);
+    plan.outputs.push_back(OutputDesc{slot, dt, std::move(shape), bytes});
+  };
+  if (none) add(OutputSlot::kLoss, DType::kF32, {plan.bt});
+  if (none && plan.wanted.z_loss) add(OutputSlot::kZLoss, DType::kF32, {plan.bt});
+  if (plan.wanted.lse) add(OutputSlot::kLse, DType::kF32, {plan.bt});
+  if (plan.wanted.predictions) add(OutputSlot::kPredictions, DType::kI64, {plan.bt});
+  if (plan.wanted.dx) add(OutputSlot::kDx, plan.grad_dtype, {plan.bt, plan.h});
+  if (plan.accumulator.empty()) {
+    if (plan.wanted.dw) add(OutputSlot::kDw, plan.grad_dtype, {plan.v, plan.h});
+    if (plan.wanted.db && plan.has_bias) add(OutputSlot::kDb, plan.grad_dtype, {plan.v});
+  }
+  (void)gs;
+
+  uint64_t host = 0;
+  for (uint64_t b : ib) host += b;
+  for (const OutputDesc& d : plan.outputs) host += d.bytes;
+  plan.host_bytes = host;
+  if (host > options_.max_request_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request of (BT=", plan.bt, ", H=", plan.h, ", V=", plan.v, ") moves ", host,
+        " bytes of tensors, more than --max_request_bytes=", options_.max_request_bytes));
+  }
+
+  // The backend's worst case for this shape, with a stand-in problem (no data yet).
+  LossProblem p;
+  p.bt = plan.bt;
+  p.h = plan.h;
+  p.v = plan.v;
+  p.dtype = plan.dtype;
+  p.w_memory = plan.weights ? Memory::kBackend : Memory::kHost;
+  p.target_dtype = plan.target_dtype;
+  p.options = plan.options;
+  static uint8_t marker;  // non-null stand-ins: "this input/output is present"
+  p.x = &marker;
+  p.w = &marker;
+  p.targets = &marker;
+  p.bias = plan.has_bias ? &marker : nullptr;
+  LossOutputs out;
+  out.grad_dtype = plan.grad_dtype;
+  out.loss = reinterpret_cast<float*>(&marker);
+  if (plan.wanted.dx) out.dx = &marker;
+  if (!plan.accumulator.empty()) {
+    out.dw_accum = reinterpret_cast<float*>(&marker);
+    out.accum_memory = Memory::kBackend;
+  } else if (plan.wanted.dw) {
+    out.dw = &marker;
+  }
+  plan.workspace_bytes = backend_->WorkspaceBytes(p, out);
+  return plan;
+}
+
+void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
+                 std::function<void(ComputeOutcome)> done) {
+  const absl::Time submitted = absl::Now();
+  executor_.Submit([this, plan, inputs, done = std::move(done), submitted]() {
+    const double queued = Seconds(submitted);
+    ComputeOutcome outcome = RunNow(*plan, *inputs);
+    outcome.queue_seconds = queued;
+    done(std::move(outcome));
+  });
+}
+
+ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
+  ComputeOutcome r;
+  auto buf = [&](InputSlot s) { return in[static_cast<int>(s)].get(); };
+
+  // Data checks that need the bytes: target range and finiteness.
+  const uint8_t* targets = buf(InputSlot::kTargets);
+  const int64_t ignore = plan.options.ignore_index;
+  for (int64_t i = 0; i < plan.bt; ++i) {
+    int64_t t = LoadAsInt(targets, plan.target_dtype, i);
+    if (t != ignore && (t < 0 || t >= plan.v)) {
+      r.status = absl::InvalidArgumentError(absl::StrCat(
+          "targets[", i, "] = ", t, " is outside [0, V=", plan.v,
+          ") and is not ignore_index (", ignore, ")"));
+      return r;
+    }
+  }
+  if (options_.check_finite) {
+    r.status = CheckFinite(buf(InputSlot::kX), plan.dtype,
+                           static_cast<uint64_t>(plan.bt) * plan.h, "x", plan.h);
+    if (!r.status.ok()) return r;
+    if (!plan.weights) {
+      r.status = CheckFinite(buf(InputSlot::kW), plan.dtype,
+                             static_cast<uint64_t>(plan.v) * plan.h, "w", plan.h);
+      if (!r.status.ok()) return r;
+      if (plan.has_bias) {
+        r.status = CheckFinite(buf(InputSlot::kBias), plan.dtype, plan.v, "bias", 0);
+        if (!r.status.ok()) return r;
+      }
+    }
+    if (buf(InputSlot::kClassWeights) != nullptr) {
+      r.status = CheckFinite(buf(InputSlot::kClassWeights), DType::kF32, plan.v,
+                             "class_weights", 0);
+      if (!r.status.ok()) return r;
+    }
+    if (buf(InputSlot::kGradOutput) != nullptr) {
+      r.status = CheckFinite(buf(InputSlot::kGradOutput), DType::kF32, plan.bt,
+                             "grad_output", 0);
+      if (!r.status.ok()) return r;
+    }
+  }
+  if (const uint8_t* cw = buf(InputSlot::kClassWeights)) {
+    for (int64_t j = 0; j < plan.v; ++j) {
+      float f = reinterpret_cast<const float*>(cw)[j];
+      if (f < 0.0f) {
+        r.status = absl::InvalidArgumentError(absl::StrCat(
+            "class_weights[", j, "] = ", f, " is negative; class weights must be >= 0"));
+        return r;
+      }
+    }
+  }
+
+  LossProblem p;
+  p.bt = plan.bt;
+  p.h = plan.h;
+  p.v = plan.v;
+  p.dtype = plan.dtype;
+  p.x = buf(InputSlot::kX);
+  if (plan.weights) {
+    p.w = plan.weights->w->data();
+    p.bias = plan.weights->bias ? plan.weights->bias->data() : nullptr;
+    p.w_memory = Memory::kBackend;
+  } else {
+    p.w = buf(InputSlot::kW);
+    p.bias = plan.has_bias ? buf(InputSlot::kBias) : nullptr;
+  }
+  p.targets = targets;
+  p.target_dtype = plan.target_dtype;
+  p.class_weights = reinterpret_cast<const float*>(buf(InputSlot::kClassWeights));
+  p.grad_output = reinterpret_cast<const float*>(buf(InputSlot::kGradOutput));
+  p.options = plan.options;
+
+  LossOutputs out;
+  out.grad_dtype = plan.grad_dtype;
+  float loss_scalar = 0, z_scalar = 0, accuracy = 0;
+  int64_t tokens = 0;
+  const bool none = plan.options.reduction == Reduction::kNone;
+  r.outputs.reserve(plan.outputs.size());
+  for (const OutputDesc& d : plan.outputs) {
+    r.outputs.push_back(NewHostBuffer(d.bytes));
+    void* ptr = r.outputs.back().get();
+    switch (d.slot) {
+      case OutputSlot::kLoss: out.loss = static_cast<float*>(ptr); break;
+      case OutputSlot::kZLoss: out.z_loss = static_cast<float*>(ptr); break;
+      case OutputSlot::kLse: out.lse = static_cast<float*>(ptr); break;
+      case OutputSlot::kPredictions: out.predictions = static_cast<int64_t*>(ptr); break;
+      case OutputSlot::kDx: out.dx = ptr; break;
+      case OutputSlot::kDw: out.dw = ptr; break;
+      case OutputSlot::kDb: out.db = ptr; break;
+      case OutputSlot::kCount: break;
+    }
+  }
+  if (!none) out.loss = &loss_scalar;
+  if (!none && plan.wanted.z_loss) out.z_loss = &z_scalar;
+  out.accuracy = &accuracy;  // cheap beside the loss: always computed
+  out.tokens = &tokens;
+
+  std::shared_ptr<Accumulator> acc;
+  if (!plan.accumulator.empty()) {
+    auto a = accumulators_.GetOrCreate(plan.accumulator, plan.v, plan.h, plan.has_bias);
+    if (!a.ok()) {
+      r.status = a.status();
+      return r;
+    }
+    acc = *a;
+    out.dw_accum = static_cast<float*>(acc->dw->data());
+    out.db_accum = acc->db ? static_cast<float*>(acc->db->data()) : nullptr;
+    out.accum_memory = Memory::kBackend;
+  }
+
+  if (acc) {
+    absl::MutexLock lock(&acc->mu);
+    if (acc->poisoned) {
+      r.status = absl::FailedPreconditionError(absl::StrCat(
+          "accumulator '", acc->name, "' may hold a partial sum: an earlier micro-batch failed "
+          "while adding into it; drop it and redo the step"));
+      return r;
+    }
+    r.status = backend_->Compute(p, out, &r.stats);
+    if (!r.status.ok()) {
+      acc->poisoned = true;
+      return r;
+    }
+    acc->micro_batches += 1;
+    acc->tokens += tokens;
+    r.accumulated_micro_batches = acc->micro_batches;
+  } else {
+    r.status = backend_->Compute(p, out, &r.stats);
+    if (!r.status.ok()) return r;
+  }
+  if (none) {
+    // The summary carries the sum of the per-token values.
+    double sum = 0, zsum = 0;
+    const float* l = out.loss;
+    for (int64_t i = 0; i < plan.bt; ++i) sum += l[i];
+    if (out.z_loss != nullptr) {
+      for (int64_t i = 0; i < plan.bt; ++i) zsum += out.z_loss[i];
+    }
+    r.loss = static_cast<float>(sum);
+    r.z_loss = static_cast<float>(zsum);
+  } else {
+    r.loss = loss_scalar;
+    r.z_loss = z_scalar;
+  }
+  r.accuracy = accuracy;
+  r.tokens = tokens;
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(const TensorDesc& w,
+                                                                      const TensorDesc& bias) {
+  if (draining_.load()) return absl::UnavailableError("server is draining");
+  if (!w.present) return absl::InvalidArgumentError("weights header.w is missing");
+  absl::Status s = CheckShape(w, "w", 2);
+  if (!s.ok()) return s;
+  s = CheckFloatDType(w, "w");
+  if (!s.ok()) return s;
+  if (w.shape[0] > options_.max_v || w.shape[1] > options_.max_h) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "w.shape ", ShapeString(w.shape), " exceeds the limits (V <= ", options_.max_v,
+        ", H <= ", options_.max_h, ")"));
+  }
+  if (bias.present) {
+    s = CheckShape(bias, "bias", 1);
+    if (!s.ok()) return s;
+    if (bias.shape[0] != w.shape[0]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bias.shape ", ShapeString(bias.shape), " must be (V) = [", w.shape[0], "]"));
+    }
+    if (bias.dtype != w.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bias.dtype ", DTypeName(bias.dtype), " differs from w.dtype ", DTypeName(w.dtype)));
+    }
+  }
+  auto p = std::make_unique<PendingWeights>();
+  auto e = std::make_shared<WeightEntry>();
+  e->dtype = w.dtype;
+  e->v = w.shape[0];
+  e->h = w.shape[1];
+  const uint64_t wb = static_cast<uint64_t>(e->v) * e->h * DTypeSize(w.dtype);
+  const uint64_t bb = bias.present ? e->v * DTypeSize(w.dtype) : 0;
+  s = weights_.Reserve(wb + bb);
+  if (!s.ok()) return s;
+  p->engine = this;
+  p->reserved = wb + bb;
+  auto wbuf = backend_->Allocate(wb);
+  if (!wbuf.ok()) return wbuf.status();
+  e->w = std::move(*wbuf);
+  if (bias.present) {
+    auto bbuf = backend_->Allocate(bb);
+    if (!bbuf.ok()) return bbuf.status();
+    e->bias = std::move(*bbuf);
+  }
+  p->entry = std::move(e);
+  return p;
+}
+
+absl::Status Engine::WriteWeights(PendingWeights& p, bool bias, uint64_t offset,
+                                  const void* data, uint64_t bytes) {
+  BackendBuffer* dst = bias ? p.entry->bias.get() : p.entry->w.get();
+  const char* name = bias ? "bias" : "w";
+  if (dst == nullptr) {
+    return absl::InvalidArgumentError("a bias part arrived but the weights header has no bias");
+  }
+  uint64_t& got = p.received[bias ? 1 : 0];
+  if (offset != got) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "part of ", name, " at offset ", offset, " but ", got,
+        " bytes were received so far: parts must arrive in order without gaps or overlaps"));
+  }
+  if (offset + bytes > dst->size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "part of ", name, " at offset ", offset, " with ", bytes, " bytes runs past its ",
+        dst->size(), " bytes (shape x dtype)"));
+  }
+  if (options_.check_finite) {
+    absl::Status s = CheckFinite(static_cast<const uint8_t*>(data), p.entry->dtype,
+                                 bytes / DTypeSize(p.entry->dtype), name, 0);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(s.message(), " (relative to the part at byte offset ", offset, ")"));
+    }
+  }
+  absl::Status s = backend_->CopyToBackend(*dst, offset, data, bytes);
+  if (!s.ok()) return s;
+  got += bytes;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Engine::CommitWeights(std::unique_ptr<PendingWeights> p) {
+  const WeightEntry& e = *p->entry;
+  if (p->received[0] != e.w->size() || (e.bias && p->received[1] != e.bias->size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights stream closed early: w has ", p->received[0], " of ", e.w->size(), " bytes",
+        e.bias ? absl::StrCat(", bias ", p->received[1], " of ", e.bias->size()) : ""));
+  }
+  p->reserved = 0;  // the cache takes the reservation over
+  return weights_.Insert(std::move(p->entry));
+}
+
+absl::Status Engine::DropWeights(const std::string& handle) { return weights_.Drop(handle); }
+
+absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset) {
+  absl::Status s = ValidateAccumulatorName(name, "accumulator");
+  if (!s.ok()) return s;
+  auto a = accumulators_.Get(name);
+  if (!a.ok()) return a.status();
+  Accumulator& acc = **a;
+  GradientsSnapshot g;
+  absl::MutexLock lock(&acc.mu);
+  if (acc.poisoned) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "accumulator '", name, "' may hold a partial sum: a micro-batch failed while adding "
+        "into it; drop it and redo the step"));
+  }
+  g.v = acc.v;
+  g.h = acc.h;
+  g.has_bias = acc.has_bias;
+  g.micro_batches = acc.micro_batches;
+  g.tokens = acc.tokens;
+  g.dw = NewHostBuffer(acc.dw->size());
+  s = backend_->CopyFromBackend(*acc.dw, 0, g.dw.get(), acc.dw->size());
+  if (!s.ok()) return s;
+  if (acc.db) {
+    g.db = NewHostBuffer(acc.db->size());
+    s = backend_->CopyFromBackend(*acc.db, 0, g.db.get(), acc.db->size());
+    if (!s.ok()) return s;
+  }
+  if (reset) {
+    s = backend_->Zero(*acc.dw);
+    if (s.ok() && acc.db) s = backend_->Zero(*acc.db);
+    if (!s.ok()) {
+      acc.poisoned = true;
+      return s;
+    }
+    acc.micro_batches = 0;
+    acc.tokens = 0;
+  }
+  return g;
+}
+
+absl::Status Engine::DropAccumulator(const std::string& name) {
+  absl::Status s = ValidateAccumulatorName(name, "accumulator");
+  if (!s.ok()) return s;
+  return accumulators_.Drop(name);
+}
+
+}  // namespace lossd

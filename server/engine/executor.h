@@ -1,0 +1,34 @@
+// A fixed pool of threads that runs compute jobs in submission order. Reactors hand their GPU
+// or CPU work here so that no gRPC thread ever blocks on compute.
+#ifndef LOSSD_SERVER_ENGINE_EXECUTOR_H_
+#define LOSSD_SERVER_ENGINE_EXECUTOR_H_
+
+#include <deque>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+
+namespace lossd {
+
+class Executor {
+ public:
+  explicit Executor(int threads);
+  ~Executor();  // runs every queued job, then joins
+
+  void Submit(std::function<void()> job);
+  size_t queued() const;
+
+ private:
+  void Loop();
+
+  mutable absl::Mutex mu_;
+  std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_ENGINE_EXECUTOR_H_

@@ -1,0 +1,122 @@
+#include "server/engine/weight_cache.h"
+
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace lossd {
+
+WeightCache::WeightCache(uint64_t budget_bytes, std::string instance)
+    : budget_(budget_bytes), instance_(std::move(instance)) {}
+
+absl::Status WeightCache::EvictForLocked(uint64_t bytes) {
+  while (bytes_ + reserved_ + bytes > budget_ && !lru_.empty()) {
+    const std::string victim = lru_.back();
+    lru_.pop_back();
+    auto it = slots_.find(victim);
+    bytes_ -= it->second.entry->bytes();
+    slots_.erase(it);
+    evicted_.insert(victim);
+    ++evictions_;
+  }
+  if (bytes_ + reserved_ + bytes > budget_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "weights of ", bytes, " bytes do not fit in the weight cache: ", reserved_,
+        " of its ", budget_, " bytes (--weight_cache_bytes) are taken by uploads in progress"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WeightCache::Reserve(uint64_t bytes) {
+  if (bytes > budget_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("weights of ", bytes, " bytes exceed the weight cache budget of ",
+                     budget_, " bytes (--weight_cache_bytes); send W inline instead"));
+  }
+  absl::MutexLock lock(&mu_);
+  absl::Status s = EvictForLocked(bytes);
+  if (!s.ok()) return s;
+  reserved_ += bytes;
+  return absl::OkStatus();
+}
+
+void WeightCache::Unreserve(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  reserved_ = bytes > reserved_ ? 0 : reserved_ - bytes;
+}
+
+std::string WeightCache::Insert(std::shared_ptr<const WeightEntry> entry) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t bytes = entry->bytes();
+  reserved_ = bytes > reserved_ ? 0 : reserved_ - bytes;
+  std::string handle = absl::StrCat("w-", instance_, "-", next_id_++);
+  lru_.push_front(handle);
+  bytes_ += bytes;
+  slots_[handle] = Slot{std::move(entry), lru_.begin()};
+  return handle;
+}
+
+absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::string& handle) {
+  absl::MutexLock lock(&mu_);
+  auto it = slots_.find(handle);
+  if (it != slots_.end()) {
+    ++hits_;
+    lru_.splice(lru_.begin(), lru_, it->second.lru);
+    return it->second.entry;
+  }
+  ++misses_;
+  if (evicted_.contains(handle)) {
+    return absl::NotFoundError(absl::StrCat(
+        "weight handle '", handle, "' was evicted (least recently used) to make room in the ",
+        budget_, "-byte weight cache; upload the weights again with PutWeights"));
+  }
+  if (dropped_.contains(handle)) {
+    return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' was dropped"));
+  }
+  const std::string prefix = absl::StrCat("w-", instance_, "-");
+  if (absl::StartsWith(handle, "w-") && !absl::StartsWith(handle, prefix)) {
+    return absl::NotFoundError(absl::StrCat(
+        "weight handle '", handle, "' belongs to another server instance (this one is '",
+        instance_, "'; the server restarted or the call reached another replica); upload the "
+        "weights again"));
+  }
+  return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' not found"));
+}
+
+absl::Status WeightCache::Drop(const std::string& handle) {
+  absl::MutexLock lock(&mu_);
+  auto it = slots_.find(handle);
+  if (it == slots_.end()) {
+    return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' not found",
+                                            evicted_.contains(handle) ? " (evicted)" : ""));
+  }
+  bytes_ -= it->second.entry->bytes();
+  lru_.erase(it->second.lru);
+  slots_.erase(it);
+  dropped_.insert(handle);
+  return absl::OkStatus();
+}
+
+uint64_t WeightCache::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+size_t WeightCache::count() const {
+  absl::MutexLock lock(&mu_);
+  return slots_.size();
+}
+uint64_t WeightCache::hits() const {
+  absl::MutexLock lock(&mu_);
+  return hits_;
+}
+uint64_t WeightCache::misses() const {
+  absl::MutexLock lock(&mu_);
+  return misses_;
+}
+uint64_t WeightCache::evictions() const {
+  absl::MutexLock lock(&mu_);
+  return evictions_;
+}
+
+}  // namespace lossd

@@ -1,0 +1,81 @@
+// Weights uploaded once and referenced by handle: held in backend memory within a byte
+// budget, least recently used evicted first. Knows nothing of gRPC.
+// An entry in use by a running request stays alive (shared ownership) even when evicted, so
+// a request never sees its weights change or vanish under it; an evicted handle is never
+// served again.
+#ifndef LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
+#define LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
+
+namespace lossd {
+
+struct WeightEntry {
+  DType dtype = DType::kBF16;
+  int64_t v = 0;
+  int64_t h = 0;
+  std::unique_ptr<BackendBuffer> w;     // (V, H) dtype, backend memory
+  std::unique_ptr<BackendBuffer> bias;  // (V) dtype, or null
+  uint64_t bytes() const {
+    return (w ? w->size() : 0) + (bias ? bias->size() : 0);
+  }
+};
+
+class WeightCache {
+ public:
+  WeightCache(uint64_t budget_bytes, std::string instance);
+
+  // Makes room for an upload of `bytes` (evicting least recently used entries) and holds it
+  // until Insert or Unreserve. RESOURCE_EXHAUSTED when it can never fit.
+  absl::Status Reserve(uint64_t bytes);
+  void Unreserve(uint64_t bytes);
+
+  // Adds a complete upload made under a reservation of entry->bytes(); returns its handle.
+  std::string Insert(std::shared_ptr<const WeightEntry> entry);
+
+  // NOT_FOUND (saying whether it was evicted, dropped or is from another server instance).
+  absl::StatusOr<std::shared_ptr<const WeightEntry>> Get(const std::string& handle);
+  absl::Status Drop(const std::string& handle);
+
+  uint64_t budget() const { return budget_; }
+  uint64_t bytes() const;
+  size_t count() const;
+  uint64_t hits() const;
+  uint64_t misses() const;
+  uint64_t evictions() const;
+
+ private:
+  struct Slot {
+    std::shared_ptr<const WeightEntry> entry;
+    std::list<std::string>::iterator lru;  // position in lru_, front = most recent
+  };
+  absl::Status EvictForLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint64_t budget_;
+  const std::string instance_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Slot> slots_ ABSL_GUARDED_BY(mu_);
+  std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> evicted_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> dropped_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // inserted entries
+  uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // uploads in progress
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t hits_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t misses_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
