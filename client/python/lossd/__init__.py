@@ -1,0 +1,42 @@
+"""lossd: client for the lossd fused linear + cross-entropy service.
+
+    import lossd
+    with lossd.Client("localhost:50051") as c:
+        r = c.compute(x, w, targets)          # numpy / BF16Array / torch tensors
+        r.loss, r.dx, r.dw
+
+PyTorch users: lossd.nn.LossdFusedLinearCrossEntropyLoss (imports torch on first use).
+"""
+
+from lossd.errors import (  # noqa: F401
+    AbortedError,
+    AlreadyExistsError,
+    CancelledError,
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    LossdError,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    ProtocolError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+    UnknownError,
+)
+from lossd.tensors import BF16Array, bf16, bf16_bits_to_float, float_to_bf16_bits  # noqa: F401
+from lossd.client import (  # noqa: F401
+    DEFAULT_PART_BYTES,
+    Client,
+    ComputeResult,
+    Gradients,
+    ServerInfo,
+    WeightHandle,
+    connect,
+)
+
+__version__ = "0.1.0"

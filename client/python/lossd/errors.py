@@ -1,0 +1,125 @@
+"""Exceptions of the lossd client: one LossdError subclass per gRPC status code.
+
+Every error carries the gRPC code, the server's message and the method. Inputs the client can
+reject before sending raise InvalidArgumentError too (also a ValueError), so callers handle
+bad input one way wherever it is caught.
+"""
+
+import grpc
+
+
+class LossdError(Exception):
+    """A failed lossd call. `code` is a grpc.StatusCode, `message` the server's text."""
+
+    code = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message, code=None, method=None):
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.method = method
+        where = "%s: " % method if method else ""
+        super().__init__("%s%s: %s" % (where, self.code.name, message))
+
+    @property
+    def code_name(self):
+        return self.code.name
+
+
+class CancelledError(LossdError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class UnknownError(LossdError):
+    code = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgumentError(LossdError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DeadlineExceededError(LossdError, TimeoutError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFoundError(LossdError, LookupError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(LossdError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDeniedError(LossdError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhaustedError(LossdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPreconditionError(LossdError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AbortedError(LossdError):
+    code = grpc.StatusCode.ABORTED
+
+
+class OutOfRangeError(LossdError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class UnimplementedError(LossdError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class InternalError(LossdError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class UnavailableError(LossdError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DataLossError(LossdError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class UnauthenticatedError(LossdError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ProtocolError(InternalError):
+    """The server's reply broke the wire contract (parts out of order, sizes wrong)."""
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        CancelledError,
+        UnknownError,
+        InvalidArgumentError,
+        DeadlineExceededError,
+        NotFoundError,
+        AlreadyExistsError,
+        PermissionDeniedError,
+        ResourceExhaustedError,
+        FailedPreconditionError,
+        AbortedError,
+        OutOfRangeError,
+        UnimplementedError,
+        InternalError,
+        UnavailableError,
+        DataLossError,
+        UnauthenticatedError,
+    )
+}
+
+
+def from_rpc_error(err, method=None):
+    """Turns a grpc.RpcError into the matching LossdError subclass."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, LossdError)
+    return cls(details or "", code=code, method=method)
