@@ -1,0 +1,462 @@
+#include "kernels/cpu/test_util.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace {
+
+std::vector<uint8_t> StoreAll(const std::vector<float>& v, DType t) {
+  std::vector<uint8_t> out(v.size() * DTypeSize(t));
+  for (size_t i = 0; i < v.size(); ++i) StoreFromFloat(out.data(), t, i, v[i]);
+  return out;
+}
+
+// Raw logits of row i (x_i W^T + b) in double, from the stored inputs.
+void RowLogits(const LossProblem& p, int64_t i, std::vector<double>* z) {
+  z->assign(p.v, 0.0);
+  for (int64_t j = 0; j < p.v; ++j) {
+    double acc = p.bias != nullptr ? LoadAsFloat(p.bias, p.dtype, j) : 0.0;
+    for (int64_t k = 0; k < p.h; ++k) {
+      acc += static_cast<double>(LoadAsFloat(p.x, p.dtype, i * p.h + k)) *
+             LoadAsFloat(p.w, p.dtype, j * p.h + k);
+    }
+    (*z)[j] = acc;
+  }
+}
+
+double Softcapped(double z, double cap) { return cap > 0 ? cap * std::tanh(z / cap) : z; }
+
+}  // namespace
+
+LogitStats ComputeLogitStats(const LossProblem& p) {
+  LogitStats s;
+  s.row_abs_max.assign(p.bt, 0.0);
+  std::vector<double> z;
+  double sq = 0;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    RowLogits(p, i, &z);
+    double m = 0;
+    for (double e : z) m = std::max(m, std::fabs(e));
+    s.row_abs_max[i] = m;
+    sq += m * m;
+    s.abs_max = std::max(s.abs_max, m);
+  }
+  s.rms_row_abs_max = p.bt > 0 ? std::sqrt(sq / p.bt) : 0.0;
+  return s;
+}
+
+RandomProblem RandomProblem::Make(const RandomProblemSpec& spec) {
+  RandomProblem r;
+  r.spec_ = spec;
+  std::mt19937_64 rng(spec.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  const float w_std = static_cast<float>(spec.logit_scale / std::sqrt(static_cast<double>(spec.h)));
+  std::vector<float> x(spec.bt * spec.h), w(spec.v * spec.h);
+  for (float& e : x) e = normal(rng);
+  for (float& e : w) e = w_std * normal(rng);
+  r.x = StoreAll(x, spec.dtype);
+  r.w = StoreAll(w, spec.dtype);
+  if (spec.bias) {
+    std::vector<float> b(spec.v);
+    for (float& e : b) e = 0.5f * normal(rng);
+    r.bias = StoreAll(b, spec.dtype);
+  }
+  if (spec.class_weights) {
+    r.class_weights.resize(spec.v);
+    for (float& e : r.class_weights) e = 0.25f + 1.75f * unit(rng);
+  }
+  if (spec.grad_output) {
+    r.grad_output.resize(spec.bt);
+    for (float& e : r.grad_output) e = 4.0f * unit(rng) - 2.0f;
+  }
+  // Targets: some ignored, some the row's argmax (so accuracy is not trivially 0), one V-1,
+  // the rest uniform.
+  r.targets.assign(spec.bt, 0);
+  std::uniform_int_distribution<int64_t> any(0, spec.v - 1);
+  for (int64_t& t : r.targets) t = any(rng);
+  r.targets32_.assign(spec.bt, 0);
+  const LossProblem view = r.problem();
+  std::vector<double> z;
+  for (int64_t i = 0; i < spec.bt; ++i) {
+    const float u = unit(rng);
+    if (u < spec.ignore_fraction) {
+      r.targets[i] = spec.options.ignore_index;
+    } else if (u < spec.ignore_fraction + (1 - spec.ignore_fraction) * spec.argmax_fraction) {
+      RowLogits(view, i, &z);
+      int64_t arg = 0;
+      for (int64_t j = 1; j < spec.v; ++j) {
+        if (Softcapped(z[j], spec.options.softcap) > Softcapped(z[arg], spec.options.softcap)) {
+          arg = j;
+        }
+      }
+      r.targets[i] = arg;
+    }
+  }
+  if (spec.bt > 1 && r.targets[spec.bt / 2] != spec.options.ignore_index) {
+    r.targets[spec.bt / 2] = spec.v - 1;
+  }
+  r.RecomputeStats();
+  return r;
+}
+
+LossProblem RandomProblem::problem() const {
+  LossProblem p;
+  p.bt = spec_.bt;
+  p.h = spec_.h;
+  p.v = spec_.v;
+  p.dtype = spec_.dtype;
+  p.x = x.data();
+  p.w = w.data();
+  p.bias = bias.empty() ? nullptr : bias.data();
+  p.target_dtype = spec_.target_dtype;
+  if (spec_.target_dtype == DType::kI32) {
+    targets32_.assign(targets.begin(), targets.end());
+    p.targets = targets32_.data();
+  } else {
+    p.targets = targets.data();
+  }
+  p.class_weights = class_weights.empty() ? nullptr : class_weights.data();
+  p.grad_output = grad_output.empty() ? nullptr : grad_output.data();
+  p.options = spec_.options;
+  return p;
+}
+
+HostOutputs::HostOutputs(const LossProblem& p, DType grad_dtype_in, bool want_grads,
+                         bool accumulate_in)
+    : grad_dtype(grad_dtype_in), accumulate(accumulate_in) {
+  const bool none = p.options.reduction == Reduction::kNone;
+  loss.resize(none ? p.bt : 1);
+  z_loss.resize(none ? p.bt : 1);
+  lse.resize(p.bt);
+  predictions.resize(p.bt);
+  if (want_grads) {
+    dx.resize(p.bt * p.h * DTypeSize(grad_dtype));
+    if (accumulate) {
+      dw_accum.assign(p.v * p.h, 0.0f);
+      if (p.bias != nullptr) db_accum.assign(p.v, 0.0f);
+    } else {
+      dw.resize(p.v * p.h * DTypeSize(grad_dtype));
+      if (p.bias != nullptr) db.resize(p.v * DTypeSize(grad_dtype));
+    }
+  }
+  Poison();
+}
+
+void HostOutputs::Poison() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::fill(loss.begin(), loss.end(), nan);
+  std::fill(z_loss.begin(), z_loss.end(), nan);
+  std::fill(lse.begin(), lse.end(), nan);
+  std::fill(predictions.begin(), predictions.end(), int64_t{-1});
+  accuracy = nan;
+  tokens = -1;
+  // 0xFF bytes are a NaN in bf16, fp16 and fp32 alike.
+  std::fill(dx.begin(), dx.end(), 0xFF);
+  std::fill(dw.begin(), dw.end(), 0xFF);
+  std::fill(db.begin(), db.end(), 0xFF);
+}
+
+LossOutputs HostOutputs::outputs() {
+  LossOutputs o;
+  o.grad_dtype = grad_dtype;
+  o.loss = loss.data();
+  o.z_loss = z_loss.data();
+  o.lse = lse.data();
+  o.predictions = predictions.data();
+  o.accuracy = &accuracy;
+  o.tokens = &tokens;
+  o.dx = dx.empty() ? nullptr : dx.data();
+  o.dw = dw.empty() ? nullptr : dw.data();
+  o.db = db.empty() ? nullptr : db.data();
+  o.dw_accum = dw_accum.empty() ? nullptr : dw_accum.data();
+  o.db_accum = db_accum.empty() ? nullptr : db_accum.data();
+  o.accum_memory = Memory::kHost;
+  return o;
+}
+
+Tolerance ToleranceFor(DType input, DType grad) {
+  auto unit_roundoff = [](DType t) {
+    switch (t) {
+      case DType::kBF16:
+        return std::ldexp(1.0, -8);  // 8 significant bits
+      case DType::kF16:
+        return std::ldexp(1.0, -11);  // 11 significant bits
+      default:
+        return std::ldexp(1.0, -24);  // fp32
+    }
+  };
+  Tolerance t;
+  t.logit_u = unit_roundoff(input);
+  t.grad_u = unit_roundoff(grad);
+  // fp32 sums of up to a few thousand terms in the row pass and the GEMMs (blocked, so the
+  // error grows far slower than n * 2^-24), and fp32 exp/log.
+  t.fp32_rel = 1e-5;
+  return t;
+}
+
+std::string CompareResult::ToString() const {
+  return absl::StrFormat(
+      "%s: %d of %d elements mismatch; worst index %d; max abs err %.3g, max rel err %.3g, "
+      "rel norm err %.3g, tolerance %.3g",
+      name, mismatches, count, worst_index, max_abs, max_rel, rel_norm, tolerance);
+}
+
+CompareResult CompareElementwise(const std::string& name, const std::vector<double>& ref,
+                                 const std::vector<double>& got,
+                                 const std::vector<double>& bound) {
+  CompareResult r;
+  r.name = name;
+  r.count = static_cast<int64_t>(ref.size());
+  if (got.size() != ref.size() || bound.size() != ref.size()) {
+    r.mismatches = r.count + 1;
+    r.name += absl::StrCat(" (size ", got.size(), " vs reference ", ref.size(), ")");
+    return r;
+  }
+  double worst_ratio = -1;
+  for (size_t k = 0; k < ref.size(); ++k) {
+    const double err = std::fabs(got[k] - ref[k]);
+    const bool bad = !(err <= bound[k]);  // NaN is bad
+    const double ratio = std::isnan(err) ? std::numeric_limits<double>::infinity()
+                                         : err / std::max(bound[k], 1e-300);
+    if (bad) ++r.mismatches;
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      r.worst_index = static_cast<int64_t>(k);
+      r.tolerance = bound[k];
+    }
+    if (!(err <= r.max_abs)) r.max_abs = err;
+    if (ref[k] != 0) r.max_rel = std::max(r.max_rel, err / std::fabs(ref[k]));
+  }
+  return r;
+}
+
+CompareResult CompareRelNorm(const std::string& name, const std::vector<double>& ref,
+                             const std::vector<double>& got, double tol) {
+  CompareResult r;
+  r.name = name;
+  r.count = static_cast<int64_t>(ref.size());
+  r.tolerance = tol;
+  if (got.size() != ref.size()) {
+    r.mismatches = r.count + 1;
+    r.name += absl::StrCat(" (size ", got.size(), " vs reference ", ref.size(), ")");
+    return r;
+  }
+  double err2 = 0, ref2 = 0, worst = -1;
+  int64_t non_finite = 0;
+  for (size_t k = 0; k < ref.size(); ++k) {
+    const double err = std::fabs(got[k] - ref[k]);
+    if (!std::isfinite(got[k])) ++non_finite;
+    err2 += err * err;
+    ref2 += ref[k] * ref[k];
+    if (!(err <= worst)) {
+      worst = err;
+      r.worst_index = static_cast<int64_t>(k);
+    }
+    if (!(err <= r.max_abs)) r.max_abs = err;
+    if (ref[k] != 0) r.max_rel = std::max(r.max_rel, err / std::fabs(ref[k]));
+  }
+  r.rel_norm = ref2 > 0 ? std::sqrt(err2 / ref2) : (err2 == 0 ? 0.0 : std::numeric_limits<double>::infinity());
+  // Count the elements whose error share exceeds their share of the allowed norm, so a
+  // failure says how widespread it is.
+  const double allowed = tol * std::sqrt(ref2);
+  if (non_finite > 0 || !(r.rel_norm <= tol)) {
+    for (size_t k = 0; k < ref.size(); ++k) {
+      const double err = std::fabs(got[k] - ref[k]);
+      if (!(err <= allowed / std::sqrt(static_cast<double>(ref.size())) + tol * std::fabs(ref[k]))) {
+        ++r.mismatches;
+      }
+    }
+    if (r.mismatches == 0) r.mismatches = 1;
+  }
+  return r;
+}
+
+std::vector<double> Widen(const void* data, DType t, size_t n) {
+  std::vector<double> out(n);
+  for (size_t k = 0; k < n; ++k) out[k] = LoadAsFloat(data, t, k);
+  return out;
+}
+
+::testing::AssertionResult MatchesReference(const LossProblem& p, const LogitStats& stats,
+                                            const ReferenceOutputs& ref,
+                                            const LossOutputs& got) {
+  const Tolerance tol = ToleranceFor(p.dtype, got.grad_dtype);
+  const LossOptions& o = p.options;
+  const bool none = o.reduction == Reduction::kNone;
+  double cw_max = 1;
+  if (p.class_weights != nullptr) {
+    cw_max = 0;
+    for (int64_t j = 0; j < p.v; ++j) cw_max = std::max(cw_max, double{p.class_weights[j]});
+  }
+  // Per-token first-order bounds of the CE and z-loss parts.
+  std::vector<double> ce_bound(p.bt, 0.0), z_bound(p.bt, 0.0);
+  std::vector<bool> ignored(p.bt);
+  double weight_sum = 0;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
+    ignored[i] = t == o.ignore_index;
+    if (ignored[i]) continue;
+    weight_sum += p.class_weights != nullptr ? p.class_weights[t] : 1.0;
+    const double m = stats.row_abs_max[i];
+    ce_bound[i] = tol.logit_u * m * 2 * cw_max;
+    z_bound[i] = tol.logit_u * m * 2 * o.z_loss_scale * std::fabs(ref.lse[i]);
+  }
+  std::vector<CompareResult> results;
+  auto floor = [&](double r) { return tol.fp32_rel * (std::fabs(r) + 1); };
+
+  if (got.loss != nullptr || got.z_loss != nullptr) {
+    std::vector<double> loss_b, zl_b, loss_got, zl_got;
+    if (none) {
+      for (int64_t i = 0; i < p.bt; ++i) {
+        loss_b.push_back(ce_bound[i] + z_bound[i] + floor(ref.loss[i]));
+        zl_b.push_back(z_bound[i] + floor(ref.z_loss[i]));
+      }
+    } else {
+      double ce_sum = 0, z_sum = 0;
+      for (int64_t i = 0; i < p.bt; ++i) {
+        ce_sum += ce_bound[i];
+        z_sum += z_bound[i];
+      }
+      double ce_div = 1, z_div = 1;
+      if (o.reduction == Reduction::kMean) {
+        ce_div = weight_sum > 0 ? weight_sum : 1;
+        z_div = ref.tokens > 0 ? static_cast<double>(ref.tokens) : 1;
+      }
+      loss_b.push_back(ce_sum / ce_div + z_sum / z_div + floor(ref.loss[0]));
+      zl_b.push_back(z_sum / z_div + floor(ref.z_loss[0]));
+    }
+    if (got.loss != nullptr) {
+      results.push_back(CompareElementwise(
+          "loss", ref.loss, Widen(got.loss, DType::kF32, ref.loss.size()), loss_b));
+    }
+    if (got.z_loss != nullptr) {
+      results.push_back(CompareElementwise(
+          "z_loss", ref.z_loss, Widen(got.z_loss, DType::kF32, ref.z_loss.size()), zl_b));
+    }
+  }
+  if (got.lse != nullptr) {
+    std::vector<double> b(p.bt);
+    for (int64_t i = 0; i < p.bt; ++i) b[i] = tol.logit_u * stats.row_abs_max[i] + floor(ref.lse[i]);
+    results.push_back(CompareElementwise("lse", ref.lse, Widen(got.lse, DType::kF32, p.bt), b));
+  }
+  int64_t flips = 0;
+  if (got.predictions != nullptr) {
+    CompareResult r;
+    r.name = "predictions";
+    r.count = p.bt;
+    std::vector<double> z;
+    for (int64_t i = 0; i < p.bt; ++i) {
+      const int64_t g = got.predictions[i];
+      if (g == ref.predictions[i]) continue;
+      bool accepted = false;
+      if (g >= 0 && g < p.v) {
+        RowLogits(p, i, &z);
+        const double gap = Softcapped(z[ref.predictions[i]], o.softcap) - Softcapped(z[g], o.softcap);
+        accepted = gap <= 2 * tol.logit_u * stats.row_abs_max[i] + 1e-6 * stats.row_abs_max[i];
+      }
+      if (accepted) {
+        ++flips;
+      } else {
+        ++r.mismatches;
+        if (r.worst_index < 0) r.worst_index = i;
+      }
+    }
+    results.push_back(r);
+  }
+  if (got.tokens != nullptr) {
+    CompareResult r;
+    r.name = absl::StrCat("tokens (got ", *got.tokens, ", want ", ref.tokens, ")");
+    r.count = 1;
+    r.mismatches = *got.tokens == ref.tokens ? 0 : 1;
+    results.push_back(r);
+  }
+  if (got.accuracy != nullptr) {
+    const double tokens = static_cast<double>(std::max<int64_t>(ref.tokens, 1));
+    std::vector<double> b = {flips / tokens + 1e-6};
+    results.push_back(CompareElementwise("accuracy", {ref.accuracy},
+                                         {static_cast<double>(*got.accuracy)}, b));
+    if (got.predictions != nullptr) {
+      int64_t correct = 0;
+      for (int64_t i = 0; i < p.bt; ++i) {
+        if (!ignored[i] && got.predictions[i] == LoadAsInt(p.targets, p.target_dtype, i)) {
+          ++correct;
+        }
+      }
+      const double own = ref.tokens > 0 ? correct / static_cast<double>(ref.tokens) : 0.0;
+      results.push_back(CompareElementwise("accuracy vs own predictions", {own},
+                                           {static_cast<double>(*got.accuracy)}, {1e-6}));
+    }
+  }
+  const double grad_tol = 2 * tol.logit_u * stats.rms_row_abs_max + tol.logit_u + tol.grad_u +
+                          tol.fp32_rel;
+  if (got.dx != nullptr) {
+    std::vector<double> dx = Widen(got.dx, got.grad_dtype, p.bt * p.h);
+    results.push_back(CompareRelNorm("dx", ref.dx, dx, grad_tol));
+    CompareResult r;
+    r.name = "dx rows of ignored targets (must be exactly 0)";
+    r.count = p.bt * p.h;
+    for (int64_t i = 0; i < p.bt; ++i) {
+      if (!ignored[i]) continue;
+      for (int64_t k = 0; k < p.h; ++k) {
+        if (dx[i * p.h + k] != 0) {
+          ++r.mismatches;
+          if (r.worst_index < 0) r.worst_index = i * p.h + k;
+        }
+      }
+    }
+    results.push_back(r);
+  }
+  if (got.dw_accum != nullptr) {
+    results.push_back(CompareRelNorm("dw_accum", ref.dw,
+                                     Widen(got.dw_accum, DType::kF32, p.v * p.h),
+                                     grad_tol - tol.grad_u + tol.fp32_rel));
+  } else if (got.dw != nullptr) {
+    results.push_back(
+        CompareRelNorm("dw", ref.dw, Widen(got.dw, got.grad_dtype, p.v * p.h), grad_tol));
+  }
+  if (p.bias != nullptr) {
+    if (got.db_accum != nullptr) {
+      results.push_back(CompareRelNorm("db_accum", ref.db, Widen(got.db_accum, DType::kF32, p.v),
+                                       grad_tol - tol.grad_u + tol.fp32_rel));
+    } else if (got.db != nullptr) {
+      results.push_back(
+          CompareRelNorm("db", ref.db, Widen(got.db, got.grad_dtype, p.v), grad_tol));
+    }
+  }
+
+  bool ok = true;
+  std::string report;
+  for (const CompareResult& r : results) {
+    if (!r.ok()) {
+      ok = false;
+      absl::StrAppend(&report, "\n  FAIL ", r.ToString());
+    } else {
+      absl::StrAppend(&report, "\n  ok   ", r.ToString());
+    }
+  }
+  const std::string head = absl::StrFormat(
+      "bt=%d h=%d v=%d dtype=%s grad=%s reduction=%d eps=%g zs=%g cap=%g bias=%d cw=%d "
+      "logit |z| max %.3g, rms row max %.3g",
+      p.bt, p.h, p.v, DTypeName(p.dtype), DTypeName(got.grad_dtype),
+      static_cast<int>(o.reduction), o.label_smoothing, o.z_loss_scale, o.softcap,
+      p.bias != nullptr, p.class_weights != nullptr, stats.abs_max, stats.rms_row_abs_max);
+  if (ok) return ::testing::AssertionSuccess() << head << report;
+  return ::testing::AssertionFailure() << head << report;
+}
+
+}  // namespace lossd

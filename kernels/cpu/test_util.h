@@ -1,0 +1,160 @@
+// Shared test helpers for every backend: a random problem generator (host buffers it owns),
+// poisoned host output buffers, the tolerance table per dtype, and comparisons against the
+// float64 reference that report mismatch count, worst index and max abs/rel error.
+// Test-only; never linked into the server.
+#ifndef LOSSD_KERNELS_CPU_TEST_UTIL_H_
+#define LOSSD_KERNELS_CPU_TEST_UTIL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+
+// What RandomProblem::Make draws. Inputs are random, never zero-filled; X ~ N(0, 1) and
+// W ~ N(0, logit_scale^2 / H), so the raw logits are ~ N(0, logit_scale^2) and the softmax is
+// far from flat.
+struct RandomProblemSpec {
+  int64_t bt = 4;
+  int64_t h = 8;
+  int64_t v = 16;
+  DType dtype = DType::kBF16;
+  DType target_dtype = DType::kI64;
+  LossOptions options;
+  bool bias = false;           // bias ~ N(0, 0.5^2)
+  bool class_weights = false;  // cw in [0.25, 2)
+  bool grad_output = false;    // (BT) in [-2, 2), used with reduction none
+  double ignore_fraction = 0;  // share of rows whose target is options.ignore_index
+  double argmax_fraction = 0.25;  // share of the other rows whose target is the row's argmax
+  double logit_scale = 2.0;
+  uint64_t seed = 1;
+};
+
+// Statistics of the raw logits x W^T + b (before softcap) that the tolerances are made of.
+struct LogitStats {
+  std::vector<double> row_abs_max;  // (BT) max_j |z_ij|
+  double rms_row_abs_max = 0;       // sqrt(mean_i row_abs_max_i^2)
+  double abs_max = 0;               // max over everything
+};
+
+// Computes LogitStats in double from the stored inputs (cost BT*V*H, like the reference).
+LogitStats ComputeLogitStats(const LossProblem& p);
+
+// One random problem; owns every host buffer its LossProblem views. Movable, not copyable
+// (problem() points into the buffers).
+class RandomProblem {
+ public:
+  static RandomProblem Make(const RandomProblemSpec& spec);
+
+  RandomProblem(RandomProblem&&) = default;
+  RandomProblem& operator=(RandomProblem&&) = default;
+  RandomProblem(const RandomProblem&) = delete;
+  RandomProblem& operator=(const RandomProblem&) = delete;
+
+  // Views of this object's buffers (all host memory); rebuilt on every call.
+  LossProblem problem() const;
+  const RandomProblemSpec& spec() const { return spec_; }
+  const LogitStats& stats() const { return stats_; }
+
+  // Raw buffers, editable by tests (e.g. to force a target); call RecomputeStats() after
+  // changing x, w or bias.
+  std::vector<uint8_t> x;             // (BT, H) dtype
+  std::vector<uint8_t> w;             // (V, H) dtype
+  std::vector<uint8_t> bias;          // (V) dtype, empty = none
+  std::vector<int64_t> targets;       // (BT) the values; stored as target_dtype below
+  std::vector<float> class_weights;   // (V) empty = none
+  std::vector<float> grad_output;     // (BT) empty = none
+  void RecomputeStats() { stats_ = ComputeLogitStats(problem()); }
+
+ private:
+  RandomProblem() = default;
+  RandomProblemSpec spec_;
+  LogitStats stats_;
+  // targets as int32 when spec_.target_dtype is kI32, refreshed by problem() so that tests
+  // may edit `targets`.
+  mutable std::vector<int32_t> targets32_;
+};
+
+// Host output buffers for one problem, poisoned (NaN floats, 0xFF bytes) on creation and by
+// Poison(), so an element a backend never writes fails every comparison.
+class HostOutputs {
+ public:
+  // want_grads: dx, dw (and db when the problem has a bias). accumulate: dw_accum/db_accum
+  // (zeroed, not poisoned) instead of dw/db.
+  HostOutputs(const LossProblem& p, DType grad_dtype, bool want_grads = true,
+              bool accumulate = false);
+  LossOutputs outputs();  // views of the buffers below (host memory)
+  void Poison();
+
+  DType grad_dtype;
+  std::vector<float> loss, z_loss, lse;
+  std::vector<int64_t> predictions;
+  float accuracy = 0;
+  int64_t tokens = 0;
+  std::vector<uint8_t> dx, dw, db;         // grad_dtype
+  std::vector<float> dw_accum, db_accum;   // fp32
+  bool accumulate;
+};
+
+// The tolerance table. Every bound is derived from how a backend computes: logits made by an
+// fp32-accumulating GEMM from the stored inputs and then stored in the input dtype (relative
+// rounding logit_u), the gradient G stored in the input dtype too, outputs rounded to the
+// gradient dtype (grad_u), and fp32 arithmetic elsewhere (fp32_rel).
+struct Tolerance {
+  double logit_u;   // unit roundoff of a stored logit: bf16 2^-8, fp16 2^-11, fp32 2^-24
+  double grad_u;    // unit roundoff of the gradient dtype
+  double fp32_rel;  // fp32 row-pass and GEMM arithmetic, relative (and absolute at scale 1)
+};
+Tolerance ToleranceFor(DType input, DType grad);
+
+// Result of one comparison. Mismatches are elements outside their bound (NaN always is).
+struct CompareResult {
+  std::string name;
+  int64_t count = 0;
+  int64_t mismatches = 0;
+  int64_t worst_index = -1;  // element with the largest error / bound ratio
+  double max_abs = 0;        // largest |got - ref|
+  double max_rel = 0;        // largest |got - ref| / |ref| (ref != 0)
+  double rel_norm = 0;       // ||got - ref|| / ||ref|| (gradients)
+  double tolerance = 0;      // bound on rel_norm (gradients) or at worst_index
+  bool ok() const { return mismatches == 0; }
+  std::string ToString() const;
+};
+
+// Elementwise: |got_k - ref_k| <= bound_k for every k.
+CompareResult CompareElementwise(const std::string& name, const std::vector<double>& ref,
+                                 const std::vector<double>& got,
+                                 const std::vector<double>& bound);
+// Relative norm: ||got - ref||_2 <= tol * ||ref||_2, every element finite. A zero reference
+// must be matched exactly.
+CompareResult CompareRelNorm(const std::string& name, const std::vector<double>& ref,
+                             const std::vector<double>& got, double tol);
+
+// Widens n elements of a float tensor of dtype t.
+std::vector<double> Widen(const void* data, DType t, size_t n);
+
+// Every output in `got` (host buffers; null ones skipped) against the reference, with bounds
+// from ToleranceFor(p.dtype, got.grad_dtype) and the problem's logit statistics:
+//   loss/z-loss per token: logit_u * m_i * (2 cw_max + 2 zs |lse_i|) + fp32_rel (|ref| + 1),
+//     m_i = max_j |z_ij| (first order in the stored-logit rounding); the scalar forms reduce
+//     these bounds as the loss is reduced;
+//   lse: logit_u * m_i + fp32_rel (|lse| + 1);
+//   predictions: a different argmax is accepted when its reference logit is within
+//     2 logit_u m_i of the maximum; accuracy must equal the backend's own predictions'
+//     accuracy and the reference's within the accepted flips; tokens exactly;
+//   dx, dw, db, dw_accum, db_accum: relative norm 2 logit_u m_rms + logit_u + grad_u +
+//     fp32_rel (first-order bound on the relative error of G, which the GEMMs carry over),
+//     dx rows of ignored targets exactly 0. dw_accum/db_accum are expected to have started
+//     at zero.
+::testing::AssertionResult MatchesReference(const LossProblem& p, const LogitStats& stats,
+                                            const ReferenceOutputs& ref,
+                                            const LossOutputs& got);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_TEST_UTIL_H_
