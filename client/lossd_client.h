@@ -1,0 +1,204 @@
+// The C++ client of the lossd service: Compute (linear + cross-entropy loss and gradients),
+// weight upload by handle, server-side gradient accumulators, and server info, in plain C++
+// types. Tensor bytes are sent from caller memory without copies and received straight into
+// their output buffers. Never retries a call and never changes a request's semantics: every
+// server error comes back with its gRPC code (1:1 as an absl::StatusCode) and message.
+#ifndef LOSSD_CLIENT_LOSSD_CLIENT_H_
+#define LOSSD_CLIENT_LOSSD_CLIENT_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/host_tensor.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace grpc {
+class Channel;
+class ClientContext;
+class Status;
+}  // namespace grpc
+
+namespace lossd {
+namespace client {
+
+struct ClientOptions {
+  std::string target = "localhost:50051";
+  // Largest data bytes of one sent TensorPart. 1-4 MiB moves fastest.
+  size_t part_bytes = 4 << 20;
+  // Largest data bytes of one received part the server is asked to send (0 = its default).
+  uint32_t response_part_bytes = 0;
+  // Per-call deadline (each Compute, PutWeights, ... call); InfiniteDuration = none.
+  absl::Duration deadline = absl::Minutes(10);
+  // Message size limits set on the channel. Parts of 16 MiB and more must fit; gRPC's 4 MiB
+  // default receive limit would refuse them.
+  int max_receive_message_bytes = 256 << 20;
+  int max_send_message_bytes = 256 << 20;
+  // Channels to open, each its own TCP connection. One connection tops out near 4.5 GB/s;
+  // concurrent calls round-robin over the channels.
+  int connections = 1;
+  // Wait for the server to become reachable instead of failing fast with UNAVAILABLE.
+  bool wait_for_ready = false;
+  // Metadata added to every call, e.g. {"authorization", "Bearer ..."}.
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+// Per-call overrides of ClientOptions.
+struct CallOptions {
+  std::optional<absl::Duration> deadline;
+};
+
+// Output tensors a Compute can return.
+enum class OutputTensor : int32_t {
+  kLoss = 16,         // (BT) fp32 per-token loss, reduction none only
+  kLse = 17,          // (BT) fp32
+  kZLoss = 18,        // (BT) fp32 per-token z-loss, reduction none only
+  kPredictions = 19,  // (BT) int64 argmax
+  kDx = 20,           // (BT, H) grad dtype
+  kDw = 21,           // (V, H) grad dtype
+  kDb = 22,           // (V) grad dtype
+};
+const char* OutputTensorName(OutputTensor t);  // "loss", "lse", ..., "dx", "dw", "db"
+
+// Which outputs to return; the scalar loss always comes back.
+struct WantedOutputs {
+  bool dx = true;
+  bool dw = true;  // ignored (never returned) when an accumulator is named
+  bool db = false;
+  bool lse = false;
+  bool z_loss = false;
+  bool accuracy = false;
+  bool predictions = false;
+};
+
+// Where a wanted output should land instead of a newly allocated buffer (no extra copy).
+struct OutputBuffer {
+  void* data = nullptr;  // caller memory, at least `capacity` bytes, alive during the call
+  size_t capacity = 0;
+};
+
+struct ComputeRequest {
+  HostTensor x;                        // (BT, H) bf16, fp16 or fp32
+  std::optional<HostTensor> w;         // (V, H) x's dtype; absent when weight_handle is set
+  std::string weight_handle;           // from PutWeights (which carries its own bias)
+  std::optional<HostTensor> bias;      // (V) x's dtype, inline weights only
+  HostTensor targets;                  // (BT) int32 or int64
+  std::optional<HostTensor> class_weights;  // (V) fp32
+  std::optional<HostTensor> grad_output;    // (BT) fp32, reduction none only
+  LossOptions options;                 // ignore_index, reduction, smoothing, z-loss, ...
+  std::optional<DType> grad_dtype;     // nullopt = x's dtype; else kF32 (or x's dtype)
+  WantedOutputs want;
+  // When set, dW (and db) are added into this server-side fp32 accumulator, not returned.
+  std::string accumulator;
+  std::map<OutputTensor, OutputBuffer> output_into;
+};
+
+struct ComputeResult {
+  float loss = 0.0f;      // mean or sum; for reduction none the sum of the per-token loss
+  float z_loss = 0.0f;
+  float accuracy = 0.0f;  // when wanted
+  int64_t tokens = 0;     // non-ignored tokens
+  double compute_seconds = 0.0;  // server-side compute time
+  std::string backend;
+  uint64_t accumulated_micro_batches = 0;
+  // Returned tensors, as the server listed them. Those with an output_into buffer are
+  // mutable views of it; the rest own their bytes.
+  std::map<OutputTensor, HostTensor> outputs;
+  // Client-side measurements.
+  double wall_seconds = 0.0;
+  uint64_t bytes_sent = 0;      // tensor data bytes
+  uint64_t bytes_received = 0;  // tensor data bytes
+
+  // The output or null when it was not returned.
+  const HostTensor* Find(OutputTensor t) const;
+};
+
+struct PutWeightsResult {
+  std::string handle;
+  uint64_t bytes = 0;  // server-side bytes the weights take
+};
+
+struct FetchGradientsResult {
+  HostTensor dw;                  // (V, H) fp32
+  std::optional<HostTensor> db;   // (V) fp32, when the accumulator saw a bias
+  uint64_t micro_batches = 0;
+  int64_t tokens = 0;
+  std::string instance;
+};
+
+struct ServerInfoResult {
+  std::string version;
+  std::string instance;
+  std::string backend;
+  std::string device;
+  uint64_t memory_total_bytes = 0;
+  uint64_t memory_budget_bytes = 0;
+  uint64_t memory_in_use_bytes = 0;
+  uint64_t weight_cache_budget_bytes = 0;
+  uint64_t weight_cache_bytes = 0;
+  uint32_t max_part_bytes = 0;
+  int64_t max_bt = 0;
+  int64_t max_h = 0;
+  int64_t max_v = 0;
+  uint32_t max_in_flight = 0;
+  uint32_t accumulators = 0;
+};
+
+// absl::Status with the same code (gRPC and absl codes are numerically equal) and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// Thread-safe: share one client among threads; concurrent calls spread over the connections.
+// Caller tensors must stay alive and unchanged until the call that uses them returns.
+class LossClient {
+ public:
+  // INVALID_ARGUMENT for bad options. Connects lazily: an unreachable server shows on the
+  // first call (UNAVAILABLE).
+  static absl::StatusOr<std::unique_ptr<LossClient>> Create(const ClientOptions& options);
+  ~LossClient();
+
+  absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request,
+                                        const CallOptions& call = {});
+  // w: (V, H) bf16/fp16/fp32; bias: (V) same dtype, or null.
+  absl::StatusOr<PutWeightsResult> PutWeights(const HostTensor& w, const HostTensor* bias,
+                                              const CallOptions& call = {});
+  absl::Status DropWeights(const std::string& handle, const CallOptions& call = {});
+  // Reads the accumulator's dW (and db); `reset` zeroes it afterwards.
+  absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator,
+                                                      bool reset,
+                                                      const CallOptions& call = {});
+  absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
+  absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  struct Connection;
+
+  explicit LossClient(const ClientOptions& options);
+  Connection& NextConnection();
+  void PrepareContext(const CallOptions& call, grpc::ClientContext* ctx) const;
+
+  ClientOptions options_;
+  std::vector<std::unique_ptr<Connection>> connections_;
+  std::atomic<uint64_t> next_{0};
+};
+
+// Sets glibc's malloc to keep multi-MiB blocks instead of returning them to the kernel after
+// every message (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD max): nearly doubles upload speed.
+// Process-wide, so left to the program's main() to call once at start-up.
+void TuneMallocForLargeMessages();
+
+}  // namespace client
+}  // namespace lossd
+
+#endif  // LOSSD_CLIENT_LOSSD_CLIENT_H_
