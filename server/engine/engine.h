@@ -101,6 +101,9 @@ class Engine {
   absl::StatusOr<GradientsSnapshot> FetchGradients(const std::string& name, bool reset);
   absl::Status DropAccumulator(const std::string& name);
 
+  // Runs `job` on the executor, after every compute submitted before it.
+  void Submit(std::function<void()> job) { executor_.Submit(std::move(job)); }
+
   // Stops admitting; queued requests fail with UNAVAILABLE.
   void Drain();
   bool draining() const { return draining_.load(); }

@@ -1,0 +1,65 @@
+#include "server/loss_server.h"
+
+#include <chrono>
+#include <utility>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace lossd {
+
+absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
+                                                               ServerMetrics* metrics,
+                                                               LossServerOptions options) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  std::unique_ptr<LossServer> s(new LossServer());
+  s->engine_ = engine;
+  s->service_ = std::make_unique<LossService>(engine, metrics, options.service);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  // A part plus its framing must fit in one message.
+  const int limit = static_cast<int>(options.service.max_part_bytes) + (1 << 20);
+  builder.SetMaxReceiveMessageSize(limit);
+  builder.SetMaxSendMessageSize(limit);
+  if (options.grpc_threads > 0) {
+    builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
+                                options.grpc_threads);
+  }
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen for gRPC on ", options.address));
+  }
+  s->SetServing(true);
+  return s;
+}
+
+LossServer::~LossServer() {
+  if (!shut_down_) Shutdown(absl::ZeroDuration());
+}
+
+void LossServer::SetServing(bool serving) {
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus(serving);
+  health->SetServingStatus("lossd.v1.Loss", serving);
+}
+
+void LossServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  SetServing(false);
+  engine_->Drain();
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
+  server_->Wait();
+}
+
+void LossServer::Wait() { server_->Wait(); }
+
+}  // namespace lossd

@@ -1,0 +1,51 @@
+// Builds and runs the gRPC server: the Loss service, grpc.health.v1 and server reflection,
+// with message limits raised for tensor parts. Used by main and by the end-to-end tests.
+#ifndef LOSSD_SERVER_LOSS_SERVER_H_
+#define LOSSD_SERVER_LOSS_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/engine/engine.h"
+#include "server/loss_service.h"
+#include "server/metrics.h"
+
+namespace lossd {
+
+struct LossServerOptions {
+  std::string address = "0.0.0.0:50051";  // port 0 picks a free port
+  int grpc_threads = 0;                   // 0 = gRPC's default
+  ServiceOptions service;
+};
+
+class LossServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<LossServer>> Start(Engine* engine,
+                                                           ServerMetrics* metrics,
+                                                           LossServerOptions options);
+  ~LossServer();
+
+  int port() const { return port_; }
+  // Marks health SERVING or NOT_SERVING for "" and "lossd.v1.Loss".
+  void SetServing(bool serving);
+  // Graceful drain: health NOT_SERVING, refuse new work, let in-flight calls finish until
+  // `grace` has passed, then cancel what is left.
+  void Shutdown(absl::Duration grace);
+  void Wait();
+
+ private:
+  LossServer() = default;
+  std::unique_ptr<LossService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  Engine* engine_ = nullptr;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_LOSS_SERVER_H_

@@ -1,0 +1,590 @@
+#include "server/loss_service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/status_util.h"
+#include "server/wire_convert.h"
+
+namespace lossd {
+namespace {
+
+double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t); }
+
+uint32_t ResponsePartBytes(const ServiceOptions& o, uint32_t asked) {
+  uint32_t n = asked == 0 ? o.default_response_part_bytes : asked;
+  return std::max<uint32_t>(1, std::min(n, o.max_part_bytes));
+}
+
+// ---------------------------------------------------------------------------------------
+// Compute: header -> admission -> parts -> compute (executor) -> summary + output parts.
+// Lifetime: the reactor deletes itself in OnDone, which gRPC calls only after Finish; Finish is
+// never called while a compute job holds `this`, so the job never sees a dead reactor.
+class ComputeReactor final
+    : public grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse> {
+ public:
+  ComputeReactor(LossService* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx), engine_(service->engine()), started_(absl::Now()) {
+    absl::Status s = service_->Enter("Compute");
+    if (!s.ok()) {
+      entered_ = false;
+      FinishOnce(s);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::Status s;
+    if (!ok) {
+      s = EndOfStream();
+    } else if (state_ == State::kHeader) {
+      s = OnHeader();
+    } else {
+      s = OnPart();
+      if (s.ok()) StartRead(&request_);
+    }
+    if (!s.ok()) FinishOnce(s);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      FinishOnce(absl::CancelledError("the client went away while results were being sent"));
+      return;
+    }
+    SendNext();
+  }
+
+  void OnCancel() override {
+    uint64_t ticket = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ != State::kAdmitting) return;  // pending reads/writes or the job finish us
+      ticket = ticket_;
+    }
+    engine_->budget().Cancel(ticket);  // its callback fails the call with CANCELLED
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  enum class State { kHeader, kAdmitting, kReceiving, kComputing, kSending, kFinished };
+
+  absl::Status OnHeader() {
+    if (!request_.has_header()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the first message of a Compute stream must be a header, got a part of ",
+          v1::TensorId_Name(request_.part().tensor())));
+    }
+    auto spec = ComputeSpecFromWire(request_.header());
+    if (!spec.ok()) return spec.status();
+    auto plan = engine_->Plan(*spec);
+    if (!plan.ok()) return plan.status();
+    plan_ = std::make_shared<const ComputePlan>(std::move(*plan));
+    response_part_bytes_ =
+        ResponsePartBytes(service_->options(), request_.header().response_part_bytes());
+    {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kAdmitting;
+    }
+    const std::string what = absl::StrCat("Compute of (BT=", plan_->bt, ", H=", plan_->h,
+                                          ", V=", plan_->v, ")");
+    uint64_t ticket = 0;
+    // The callback may run before Reserve returns (memory free now) or later, on the thread
+    // that releases memory; either way it resumes reading.
+    absl::Status s = engine_->budget().Reserve(
+        plan_->admission_bytes(), what, [this](absl::Status st) { OnAdmitted(st); }, &ticket);
+    if (!s.ok()) return s;
+    absl::MutexLock lock(&mu_);
+    ticket_ = ticket;
+    return absl::OkStatus();
+  }
+
+  void OnAdmitted(absl::Status s) {
+    if (!s.ok()) {
+      FinishOnce(s);
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      admitted_bytes_ = plan_->admission_bytes();
+      state_ = State::kReceiving;
+    }
+    queue_seconds_ = SecondsSince(started_);
+    receive_started_ = absl::Now();
+    inputs_ = std::make_shared<Engine::InputBuffers>();
+    for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
+      if (plan_->input_bytes[i] > 0) (*inputs_)[i] = NewHostBuffer(plan_->input_bytes[i]);
+    }
+    StartRead(&request_);
+  }
+
+  absl::Status OnPart() {
+    if (request_.has_header()) {
+      return absl::InvalidArgumentError("the Compute stream carries a second header");
+    }
+    if (!request_.has_part()) {
+      return absl::InvalidArgumentError("a Compute message carries neither header nor part");
+    }
+    const v1::TensorPart& part = request_.part();
+    auto slot = InputSlotFromWire(part.tensor());
+    if (!slot.ok()) return slot.status();
+    const int i = static_cast<int>(*slot);
+    const char* name = InputSlotName(*slot);
+    const uint64_t expected = plan_->input_bytes[i];
+    const uint64_t size = part.data().size();
+    if (expected == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a part of ", name, " arrived but the header does not send ", name,
+          *slot == InputSlot::kW || *slot == InputSlot::kBias ? " inline" : ""));
+    }
+    if (size > service_->options().max_part_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a part of ", name, " carries ", size, " bytes, more than --max_part_bytes=",
+          service_->options().max_part_bytes));
+    }
+    if (part.offset() != received_[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a part of ", name, " starts at byte offset ", part.offset(), " but ", received_[i],
+          " bytes of it were received: parts must arrive in order, without gaps or overlaps"));
+    }
+    if (part.offset() + size > expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a part of ", name, " at offset ", part.offset(), " with ", size,
+          " bytes runs past the ", expected, " bytes that its shape and dtype give"));
+    }
+    std::memcpy((*inputs_)[i].get() + part.offset(), part.data().data(), size);
+    received_[i] += size;
+    bytes_in_ += size;
+    return absl::OkStatus();
+  }
+
+  absl::Status EndOfStream() {
+    if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the Compute");
+    if (state_ == State::kHeader) {
+      return absl::InvalidArgumentError("the Compute stream closed before its header");
+    }
+    for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
+      if (received_[i] != plan_->input_bytes[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the Compute stream closed early: ", InputSlotName(static_cast<InputSlot>(i)),
+            " has ", received_[i], " of its ", plan_->input_bytes[i], " bytes"));
+      }
+    }
+    ServerMetrics* m = service_->metrics();
+    m->ObservePhase("Compute", "receive", SecondsSince(receive_started_));
+    m->AddBytesIn(static_cast<double>(bytes_in_));
+    if (ctx_->deadline() < std::chrono::system_clock::now()) {
+      return absl::DeadlineExceededError("the deadline passed before the compute started");
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kComputing;
+    }
+    engine_->Run(plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); });
+    return absl::OkStatus();
+  }
+
+  // Runs on the executor thread.
+  void OnComputed(ComputeOutcome outcome) {
+    inputs_.reset();  // inputs are no longer needed; free them before sending
+    ServerMetrics* m = service_->metrics();
+    m->ObservePhase("Compute", "queue", outcome.queue_seconds + queue_seconds_);
+    if (!outcome.status.ok()) {
+      FinishOnce(outcome.status);
+      return;
+    }
+    m->ObservePhase("Compute", "compute", outcome.stats.compute_seconds);
+    m->AddTokens(static_cast<double>(outcome.tokens));
+    m->AddFlops(plan_->flops());
+    if (outcome.stats.compute_seconds > 0) {
+      m->SetLastTflops(plan_->flops() / outcome.stats.compute_seconds * 1e-12);
+    }
+    if (ctx_->IsCancelled()) {
+      FinishOnce(absl::CancelledError("the client cancelled the Compute"));
+      return;
+    }
+    outcome_ = std::move(outcome);
+    v1::ComputeSummary* s = response_.mutable_summary();
+    s->set_loss(outcome_.loss);
+    s->set_z_loss(outcome_.z_loss);
+    s->set_accuracy(outcome_.accuracy);
+    s->set_tokens(outcome_.tokens);
+    s->set_compute_seconds(outcome_.stats.compute_seconds);
+    s->set_backend(engine_->backend_info().name);
+    s->set_accumulated_micro_batches(outcome_.accumulated_micro_batches);
+    for (const OutputDesc& d : plan_->outputs) {
+      s->add_tensors(OutputSlotToWire(d.slot));
+      *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kSending;
+    }
+    send_started_ = absl::Now();
+    StartWrite(&response_);
+  }
+
+  // Sends the next part of the current output, or finishes when all are sent.
+  void SendNext() {
+    while (output_ < plan_->outputs.size() &&
+           offset_ >= plan_->outputs[output_].bytes) {
+      ++output_;
+      offset_ = 0;
+    }
+    if (output_ == plan_->outputs.size()) {
+      service_->metrics()->ObservePhase("Compute", "send", SecondsSince(send_started_));
+      service_->metrics()->AddBytesOut(static_cast<double>(bytes_out_));
+      FinishOnce(absl::OkStatus());
+      return;
+    }
+    const OutputDesc& d = plan_->outputs[output_];
+    const uint64_t n = std::min<uint64_t>(response_part_bytes_, d.bytes - offset_);
+    v1::TensorPart* part = response_.mutable_part();
+    part->set_tensor(OutputSlotToWire(d.slot));
+    part->set_offset(offset_);
+    part->set_data(outcome_.outputs[output_].get() + offset_, n);
+    offset_ += n;
+    bytes_out_ += n;
+    StartWrite(&response_);
+  }
+
+  void FinishOnce(const absl::Status& s) {
+    uint64_t release = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ == State::kFinished) return;
+      state_ = State::kFinished;
+      release = admitted_bytes_;
+      admitted_bytes_ = 0;
+    }
+    inputs_.reset();
+    outcome_.outputs.clear();
+    if (release > 0) engine_->budget().Release(release);
+    grpc::Status g = ToGrpcStatus(s);
+    ServerMetrics* m = service_->metrics();
+    m->CountRequest("Compute", GrpcCodeName(g.error_code()));
+    m->ObservePhase("Compute", "total", SecondsSince(started_));
+    if (entered_) service_->Leave();
+    Finish(g);
+  }
+
+  LossService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  Engine* const engine_;
+  const absl::Time started_;
+  bool entered_ = true;
+
+  absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
+  uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+
+  v1::ComputeRequest request_;
+  v1::ComputeResponse response_;
+  std::shared_ptr<const ComputePlan> plan_;
+  std::shared_ptr<Engine::InputBuffers> inputs_;
+  std::array<uint64_t, static_cast<int>(InputSlot::kCount)> received_{};
+  ComputeOutcome outcome_;
+  uint32_t response_part_bytes_ = 4u << 20;
+  size_t output_ = 0;
+  uint64_t offset_ = 0;
+  uint64_t bytes_in_ = 0;
+  uint64_t bytes_out_ = 0;
+  double queue_seconds_ = 0;
+  absl::Time receive_started_;
+  absl::Time send_started_;
+};
+
+// ---------------------------------------------------------------------------------------
+// PutWeights: header, then W (and bias) parts copied straight into backend memory.
+class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsRequest> {
+ public:
+  PutWeightsReactor(LossService* service, grpc::CallbackServerContext* ctx,
+                    v1::PutWeightsResponse* response)
+      : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
+    absl::Status s = service_->Enter("PutWeights");
+    if (!s.ok()) {
+      entered_ = false;
+      FinishOnce(s);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::Status s = ok ? OnMessage() : OnEnd();
+    if (!s.ok() || !ok) {
+      FinishOnce(s);
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status OnMessage() {
+    Engine* engine = service_->engine();
+    if (request_.has_header()) {
+      if (pending_) return absl::InvalidArgumentError("the PutWeights stream carries a second header");
+      auto w = TensorDescFromWire(request_.header().has_w(), request_.header().w(), "header.w");
+      if (!w.ok()) return w.status();
+      auto b = TensorDescFromWire(request_.header().has_bias(), request_.header().bias(),
+                                  "header.bias");
+      if (!b.ok()) return b.status();
+      auto p = engine->BeginPutWeights(*w, *b);
+      if (!p.ok()) return p.status();
+      pending_ = std::move(*p);
+      return absl::OkStatus();
+    }
+    if (!pending_) {
+      return absl::InvalidArgumentError(
+          "the first message of a PutWeights stream must be a header");
+    }
+    const v1::TensorPart& part = request_.part();
+    if (part.tensor() != v1::TENSOR_W && part.tensor() != v1::TENSOR_BIAS) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PutWeights accepts parts of TENSOR_W and TENSOR_BIAS, got ",
+          v1::TensorId_IsValid(part.tensor()) ? v1::TensorId_Name(part.tensor())
+                                              : absl::StrCat(static_cast<int>(part.tensor()))));
+    }
+    if (part.data().size() > service_->options().max_part_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a part carries ", part.data().size(), " bytes, more than --max_part_bytes=",
+          service_->options().max_part_bytes));
+    }
+    bytes_in_ += part.data().size();
+    return engine->WriteWeights(*pending_, part.tensor() == v1::TENSOR_BIAS, part.offset(),
+                                part.data().data(), part.data().size());
+  }
+
+  absl::Status OnEnd() {
+    if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled PutWeights");
+    if (!pending_) return absl::InvalidArgumentError("the PutWeights stream closed before its header");
+    const uint64_t bytes = pending_->entry->bytes();
+    auto handle = service_->engine()->CommitWeights(std::move(pending_));
+    if (!handle.ok()) return handle.status();
+    response_->set_handle(*handle);
+    response_->set_bytes(bytes);
+    service_->metrics()->AddBytesIn(static_cast<double>(bytes_in_));
+    return absl::OkStatus();
+  }
+
+  void FinishOnce(const absl::Status& s) {
+    if (finished_) return;
+    finished_ = true;
+    pending_.reset();  // an upload cut off half way leaves no handle and frees its memory
+    grpc::Status g = ToGrpcStatus(s);
+    service_->metrics()->CountRequest("PutWeights", GrpcCodeName(g.error_code()));
+    service_->metrics()->ObservePhase("PutWeights", "total", SecondsSince(started_));
+    if (entered_) service_->Leave();
+    Finish(g);
+  }
+
+  LossService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::PutWeightsResponse* const response_;
+  const absl::Time started_;
+  bool entered_ = true;
+  bool finished_ = false;
+  v1::PutWeightsRequest request_;
+  std::unique_ptr<PendingWeights> pending_;
+  uint64_t bytes_in_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------
+// FetchGradients: the snapshot is taken on the executor (after every Compute queued before
+// it), then streamed as a header and DW / DB parts.
+class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGradientsResponse> {
+ public:
+  FetchGradientsReactor(LossService* service, grpc::CallbackServerContext* ctx,
+                        const v1::FetchGradientsRequest* request)
+      : service_(service), ctx_(ctx), started_(absl::Now()) {
+    absl::Status s = service_->Enter("FetchGradients");
+    if (!s.ok()) {
+      entered_ = false;
+      FinishOnce(s);
+      return;
+    }
+    part_bytes_ = ResponsePartBytes(service_->options(), request->response_part_bytes());
+    name_ = request->accumulator();
+    reset_ = request->reset();
+    service_->engine()->Submit([this] { TakeSnapshot(); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      FinishOnce(absl::CancelledError("the client went away while gradients were being sent"));
+      return;
+    }
+    SendNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void TakeSnapshot() {
+    auto g = service_->engine()->FetchGradients(name_, reset_);
+    if (!g.ok()) {
+      FinishOnce(g.status());
+      return;
+    }
+    snapshot_ = std::move(*g);
+    v1::GradientsHeader* h = response_.mutable_header();
+    *h->mutable_dw() = TensorSpecToWire(DType::kF32, {snapshot_.v, snapshot_.h});
+    if (snapshot_.has_bias) *h->mutable_db() = TensorSpecToWire(DType::kF32, {snapshot_.v});
+    h->set_micro_batches(snapshot_.micro_batches);
+    h->set_tokens(snapshot_.tokens);
+    h->set_instance(service_->options().instance);
+    StartWrite(&response_);
+  }
+
+  void SendNext() {
+    const uint64_t dw_bytes = static_cast<uint64_t>(snapshot_.v) * snapshot_.h * 4;
+    const uint64_t db_bytes = snapshot_.has_bias ? snapshot_.v * 4 : 0;
+    const bool in_db = offset_ >= dw_bytes;
+    if (offset_ >= dw_bytes + db_bytes) {
+      service_->metrics()->AddBytesOut(static_cast<double>(dw_bytes + db_bytes));
+      FinishOnce(absl::OkStatus());
+      return;
+    }
+    const uint64_t local = in_db ? offset_ - dw_bytes : offset_;
+    const uint64_t size = in_db ? db_bytes : dw_bytes;
+    const uint64_t n = std::min<uint64_t>(part_bytes_, size - local);
+    v1::TensorPart* part = response_.mutable_part();
+    part->set_tensor(in_db ? v1::TENSOR_DB : v1::TENSOR_DW);
+    part->set_offset(local);
+    part->set_data((in_db ? snapshot_.db.get() : snapshot_.dw.get()) + local, n);
+    offset_ += n;
+    StartWrite(&response_);
+  }
+
+  void FinishOnce(const absl::Status& s) {
+    if (finished_.exchange(true)) return;
+    grpc::Status g = ToGrpcStatus(s);
+    service_->metrics()->CountRequest("FetchGradients", GrpcCodeName(g.error_code()));
+    service_->metrics()->ObservePhase("FetchGradients", "total", SecondsSince(started_));
+    if (entered_) service_->Leave();
+    Finish(g);
+  }
+
+  LossService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const absl::Time started_;
+  bool entered_ = true;
+  std::atomic<bool> finished_{false};
+  std::string name_;
+  bool reset_ = false;
+  uint32_t part_bytes_ = 4u << 20;
+  GradientsSnapshot snapshot_;
+  v1::FetchGradientsResponse response_;
+  uint64_t offset_ = 0;
+};
+
+// A unary call: run `body`, record metrics, finish.
+template <typename Body>
+grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContext* ctx,
+                                const char* method, Body body) {
+  const absl::Time started = absl::Now();
+  absl::Status s = service->Enter(method);
+  if (s.ok()) {
+    s = body();
+    service->Leave();
+  }
+  grpc::Status g = ToGrpcStatus(s);
+  service->metrics()->CountRequest(method, GrpcCodeName(g.error_code()));
+  service->metrics()->ObservePhase(method, "total", SecondsSince(started));
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(g);
+  return reactor;
+}
+
+}  // namespace
+
+LossService::LossService(Engine* engine, ServerMetrics* metrics, ServiceOptions options)
+    : engine_(engine), metrics_(metrics), options_(std::move(options)) {}
+
+absl::Status LossService::Enter(const char* method) {
+  if (engine_->draining()) {
+    return absl::UnavailableError(
+        absl::StrCat(method, " refused: the server is draining; retry on another replica"));
+  }
+  uint32_t now = in_flight_.fetch_add(1) + 1;
+  if (now > options_.max_in_flight) {
+    in_flight_.fetch_sub(1);
+    return absl::UnavailableError(absl::StrCat(
+        method, " refused: ", options_.max_in_flight,
+        " RPCs are in flight (--max_in_flight); retry later"));
+  }
+  metrics_->InFlight(+1);
+  return absl::OkStatus();
+}
+
+void LossService::Leave() {
+  in_flight_.fetch_sub(1);
+  metrics_->InFlight(-1);
+}
+
+grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::Compute(
+    grpc::CallbackServerContext* ctx) {
+  return new ComputeReactor(this, ctx);
+}
+
+grpc::ServerReadReactor<v1::PutWeightsRequest>* LossService::PutWeights(
+    grpc::CallbackServerContext* ctx, v1::PutWeightsResponse* response) {
+  return new PutWeightsReactor(this, ctx, response);
+}
+
+grpc::ServerWriteReactor<v1::FetchGradientsResponse>* LossService::FetchGradients(
+    grpc::CallbackServerContext* ctx, const v1::FetchGradientsRequest* request) {
+  return new FetchGradientsReactor(this, ctx, request);
+}
+
+grpc::ServerUnaryReactor* LossService::DropWeights(grpc::CallbackServerContext* ctx,
+                                                   const v1::DropWeightsRequest* request,
+                                                   v1::DropWeightsResponse*) {
+  return Unary(this, ctx, "DropWeights",
+               [&] { return engine_->DropWeights(request->handle()); });
+}
+
+grpc::ServerUnaryReactor* LossService::DropAccumulator(
+    grpc::CallbackServerContext* ctx, const v1::DropAccumulatorRequest* request,
+    v1::DropAccumulatorResponse*) {
+  return Unary(this, ctx, "DropAccumulator",
+               [&] { return engine_->DropAccumulator(request->accumulator()); });
+}
+
+grpc::ServerUnaryReactor* LossService::ServerInfo(grpc::CallbackServerContext* ctx,
+                                                  const v1::ServerInfoRequest*,
+                                                  v1::ServerInfoResponse* r) {
+  return Unary(this, ctx, "ServerInfo", [&] {
+    const BackendInfo b = engine_->backend_info();
+    const EngineOptions& o = engine_->options();
+    r->set_version(options_.version);
+    r->set_instance(options_.instance);
+    r->set_backend(b.name);
+    r->set_device(b.device);
+    r->set_memory_total_bytes(b.memory_total_bytes);
+    r->set_memory_budget_bytes(o.memory_budget_bytes);
+    r->set_memory_in_use_bytes(engine_->budget().in_use());
+    r->set_weight_cache_budget_bytes(o.weight_cache_bytes);
+    r->set_weight_cache_bytes(engine_->weights().bytes());
+    r->set_max_part_bytes(options_.max_part_bytes);
+    r->set_max_bt(o.max_bt);
+    r->set_max_h(o.max_h);
+    r->set_max_v(o.max_v);
+    r->set_max_in_flight(options_.max_in_flight);
+    r->set_accumulators(static_cast<uint32_t>(engine_->accumulators().count()));
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace lossd

@@ -1,0 +1,63 @@
+// The lossd.v1.Loss gRPC service on the callback API: thin reactors that assemble stream
+// parts into host buffers, hand validated work to the engine (whose executor runs the
+// compute, so no reactor ever blocks on it), stream results back, and record metrics at the
+// edge. Never includes CUDA headers.
+#ifndef LOSSD_SERVER_LOSS_SERVICE_H_
+#define LOSSD_SERVER_LOSS_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "server/engine/engine.h"
+#include "server/metrics.h"
+
+namespace lossd {
+
+struct ServiceOptions {
+  std::string version;
+  std::string instance;
+  uint32_t max_part_bytes = 16u << 20;           // largest part data a client may send
+  uint32_t default_response_part_bytes = 4u << 20;
+  uint32_t max_in_flight = 256;                  // RPCs at once; more get UNAVAILABLE
+};
+
+class LossService final : public v1::Loss::CallbackService {
+ public:
+  LossService(Engine* engine, ServerMetrics* metrics, ServiceOptions options);
+
+  grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* Compute(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerReadReactor<v1::PutWeightsRequest>* PutWeights(
+      grpc::CallbackServerContext* ctx, v1::PutWeightsResponse* response) override;
+  grpc::ServerUnaryReactor* DropWeights(grpc::CallbackServerContext* ctx,
+                                        const v1::DropWeightsRequest* request,
+                                        v1::DropWeightsResponse* response) override;
+  grpc::ServerWriteReactor<v1::FetchGradientsResponse>* FetchGradients(
+      grpc::CallbackServerContext* ctx, const v1::FetchGradientsRequest* request) override;
+  grpc::ServerUnaryReactor* DropAccumulator(grpc::CallbackServerContext* ctx,
+                                            const v1::DropAccumulatorRequest* request,
+                                            v1::DropAccumulatorResponse* response) override;
+  grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
+                                       const v1::ServerInfoRequest* request,
+                                       v1::ServerInfoResponse* response) override;
+
+  // Shared by the reactors.
+  Engine* engine() { return engine_; }
+  ServerMetrics* metrics() { return metrics_; }
+  const ServiceOptions& options() const { return options_; }
+  // Admits one more RPC (UNAVAILABLE while draining or at --max_in_flight); pair with Leave.
+  absl::Status Enter(const char* method);
+  void Leave();
+
+ private:
+  Engine* const engine_;
+  ServerMetrics* const metrics_;
+  const ServiceOptions options_;
+  std::atomic<uint32_t> in_flight_{0};
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_LOSS_SERVICE_H_

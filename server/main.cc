@@ -1,0 +1,213 @@
+// lossd: the loss service. Parses flags, picks a backend (CUDA where a GPU is present, else
+// CPU), starts the gRPC server and the metrics exposer, and drains gracefully on SIGTERM or
+// SIGINT. The CUDA backend is loaded as a plugin (dlopen) so that cuBLAS never sits in this
+// binary's static TLS, which would starve civetweb's small thread stacks.
+#include <malloc.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/plugin_loader.h"
+#include "server/engine/engine.h"
+#include "server/loss_server.h"
+#include "server/metrics.h"
+
+ABSL_FLAG(std::string, address, "0.0.0.0", "Address the gRPC server listens on.");
+ABSL_FLAG(int, port, 50051, "gRPC port (0 picks a free one and prints it).");
+ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "Address the /metrics endpoint listens on.");
+ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port; 0 disables the endpoint.");
+ABSL_FLAG(std::string, backend, "auto", "auto (CUDA where a GPU is present, else CPU), cpu or cuda.");
+ABSL_FLAG(std::string, cuda_plugin, "", "Path of liblossd_cuda.so; empty searches beside the binary.");
+ABSL_FLAG(int, cuda_device, 0, "CUDA device index.");
+ABSL_FLAG(int, threads, 0, "CPU backend threads; 0 = all cores.");
+ABSL_FLAG(int, executor_threads, 1, "Requests computed at once (each backend call is parallel inside).");
+ABSL_FLAG(uint64_t, memory_budget_bytes, 8ull << 30,
+          "Admission budget: host buffers and backend workspace of requests in flight.");
+ABSL_FLAG(uint64_t, device_memory_budget_bytes, 0,
+          "CUDA backend: device memory it may use for workspaces; 0 = 90% of free memory.");
+ABSL_FLAG(uint64_t, weight_cache_bytes, 4ull << 30, "Budget of weights held by handle (LRU).");
+ABSL_FLAG(uint64_t, accumulator_bytes, 8ull << 30, "Budget of gradient accumulators.");
+ABSL_FLAG(uint32_t, max_accumulators, 64, "Most gradient accumulators held at once.");
+ABSL_FLAG(uint32_t, max_queue, 64, "Most requests waiting for memory; more get UNAVAILABLE.");
+ABSL_FLAG(uint32_t, max_in_flight, 256, "Most RPCs at once; more get UNAVAILABLE.");
+ABSL_FLAG(int64_t, max_bt, 1 << 20, "Largest BT (rows) of one request.");
+ABSL_FLAG(int64_t, max_h, 1 << 16, "Largest hidden size H.");
+ABSL_FLAG(int64_t, max_v, 1 << 21, "Largest vocabulary V.");
+ABSL_FLAG(uint64_t, max_request_bytes, 16ull << 30, "Most tensor bytes one Compute may move.");
+ABSL_FLAG(uint32_t, max_part_bytes, 16u << 20, "Largest tensor part a client may send.");
+ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20, "Default size of response parts.");
+ABSL_FLAG(bool, check_finite, true, "Refuse NaN and Inf in X, W and bias (INVALID_ARGUMENT).");
+ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
+
+namespace lossd {
+namespace {
+
+constexpr char kVersion[] = "0.1.0";
+
+std::string NewInstanceId() {
+  std::random_device rd;
+  return absl::StrFormat("%08x", static_cast<uint32_t>(rd()));
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
+  const std::string which = absl::GetFlag(FLAGS_backend);
+  if (which != "auto" && which != "cpu" && which != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be auto, cpu or cuda, got '", which, "'"));
+  }
+  if (which != "cpu") {
+    LossdCudaOptions o{};
+    o.device = absl::GetFlag(FLAGS_cuda_device);
+    o.memory_budget_bytes = absl::GetFlag(FLAGS_device_memory_budget_bytes);
+    auto cuda = LoadCudaBackend(absl::GetFlag(FLAGS_cuda_plugin), o);
+    if (cuda.ok()) return cuda;
+    if (which == "cuda") return cuda.status();
+    std::fprintf(stderr, "lossd: no CUDA backend (%s); using the CPU backend\n",
+                 std::string(cuda.status().message()).c_str());
+  }
+  return NewCpuBackend(absl::GetFlag(FLAGS_threads));
+}
+
+int Main() {
+  // gRPC allocates and frees multi-MiB buffers per message; keep glibc from handing them back
+  // to the kernel each time (every message would page-fault again).
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, INT_MAX);
+
+  // Signals are taken by a waiting thread, not a handler, so the drain runs in normal code.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto backend = MakeBackend();
+  if (!backend.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", backend.status().ToString().c_str());
+    return 1;
+  }
+  const BackendInfo info = (*backend)->Info();
+
+  EngineOptions eo;
+  eo.instance = NewInstanceId();
+  eo.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  eo.max_queue = absl::GetFlag(FLAGS_max_queue);
+  eo.executor_threads = absl::GetFlag(FLAGS_executor_threads);
+  eo.weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
+  eo.accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
+  eo.max_accumulators = absl::GetFlag(FLAGS_max_accumulators);
+  eo.max_bt = absl::GetFlag(FLAGS_max_bt);
+  eo.max_h = absl::GetFlag(FLAGS_max_h);
+  eo.max_v = absl::GetFlag(FLAGS_max_v);
+  eo.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  eo.check_finite = absl::GetFlag(FLAGS_check_finite);
+  Engine engine(std::move(*backend), eo);
+
+  ServerMetrics metrics([&engine] {
+    StateSample s;
+    const BackendInfo b = engine.backend_info();
+    s.memory_in_use_bytes = static_cast<double>(engine.budget().in_use());
+    s.memory_budget_bytes = static_cast<double>(engine.budget().budget());
+    if (b.name == "cuda") {
+      s.gpu_memory_used_bytes = static_cast<double>(b.memory_used_bytes);
+      s.gpu_memory_total_bytes = static_cast<double>(b.memory_total_bytes);
+      s.gpu_memory_peak_bytes = static_cast<double>(b.memory_peak_bytes);
+    }
+    s.weight_cache_bytes = static_cast<double>(engine.weights().bytes());
+    s.weight_cache_budget_bytes = static_cast<double>(engine.weights().budget());
+    s.weight_cache_entries = static_cast<double>(engine.weights().count());
+    s.weight_cache_hits = static_cast<double>(engine.weights().hits());
+    s.weight_cache_misses = static_cast<double>(engine.weights().misses());
+    s.weight_cache_evictions = static_cast<double>(engine.weights().evictions());
+    s.accumulators = static_cast<double>(engine.accumulators().count());
+    s.accumulator_bytes = static_cast<double>(engine.accumulators().bytes());
+    s.queued_requests = static_cast<double>(engine.budget().waiting());
+    s.healthy = b.healthy ? 1 : 0;
+    return s;
+  });
+
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (absl::GetFlag(FLAGS_metrics_port) != 0) {
+    auto e = StartMetricsExposer(absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":",
+                                              absl::GetFlag(FLAGS_metrics_port)),
+                                 metrics);
+    if (!e.ok()) {
+      std::fprintf(stderr, "lossd: %s\n", e.status().ToString().c_str());
+      return 1;
+    }
+    exposer = std::move(*e);
+  }
+
+  LossServerOptions so;
+  so.address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", absl::GetFlag(FLAGS_port));
+  so.service.version = kVersion;
+  so.service.instance = eo.instance;
+  so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
+  so.service.default_response_part_bytes = absl::GetFlag(FLAGS_response_part_bytes);
+  so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  auto server = LossServer::Start(&engine, &metrics, so);
+  if (!server.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("lossd %s listening on port %d (backend %s, device %s, instance %s)%s\n",
+              kVersion, (*server)->port(), info.name.c_str(), info.device.c_str(),
+              eo.instance.c_str(),
+              exposer ? absl::StrCat(", metrics on port ",
+                                     exposer->GetListeningPorts().empty()
+                                         ? 0
+                                         : exposer->GetListeningPorts()[0])
+                            .c_str()
+                      : "");
+  std::fflush(stdout);
+
+  // Health follows the backend: a sticky device error turns it NOT_SERVING.
+  std::atomic<bool> stop{false};
+  std::thread health([&] {
+    bool serving = true;
+    while (!stop.load()) {
+      bool healthy = engine.backend_info().healthy;
+      if (healthy != serving) {
+        (*server)->SetServing(healthy);
+        serving = healthy;
+        if (!healthy) std::fprintf(stderr, "lossd: backend unhealthy; health is NOT_SERVING\n");
+      }
+      absl::SleepFor(absl::Seconds(1));
+    }
+  });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "lossd: signal %d, draining for up to %d s\n", sig,
+               absl::GetFlag(FLAGS_drain_seconds));
+  stop.store(true);
+  health.join();
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  std::fprintf(stderr, "lossd: stopped\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("lossd: fused linear + cross-entropy as a gRPC service");
+  absl::ParseCommandLine(argc, argv);
+  return lossd::Main();
+}

@@ -1,0 +1,140 @@
+#include "server/metrics.h"
+
+#include <exception>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace lossd {
+namespace {
+
+// Gauges computed from a StateSample at collection time.
+class StateCollector : public prometheus::Collectable {
+ public:
+  explicit StateCollector(std::function<StateSample()> sample) : sample_(std::move(sample)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const StateSample s = sample_();
+    std::vector<prometheus::MetricFamily> out;
+    auto gauge = [&](const char* name, const char* help, double v) {
+      prometheus::MetricFamily f;
+      f.name = name;
+      f.help = help;
+      f.type = prometheus::MetricType::Gauge;
+      prometheus::ClientMetric m;
+      m.gauge.value = v;
+      f.metric.push_back(m);
+      out.push_back(std::move(f));
+    };
+    auto counter = [&](const char* name, const char* help, double v) {
+      prometheus::MetricFamily f;
+      f.name = name;
+      f.help = help;
+      f.type = prometheus::MetricType::Counter;
+      prometheus::ClientMetric m;
+      m.counter.value = v;
+      f.metric.push_back(m);
+      out.push_back(std::move(f));
+    };
+    gauge("lossd_memory_in_use_bytes", "Bytes admitted for requests in flight (host buffers "
+          "and backend workspace).", s.memory_in_use_bytes);
+    gauge("lossd_memory_budget_bytes", "The admission memory budget.", s.memory_budget_bytes);
+    gauge("lossd_gpu_memory_used_bytes", "Device memory in use, as the driver reports it.",
+          s.gpu_memory_used_bytes);
+    gauge("lossd_gpu_memory_total_bytes", "Device memory in all.", s.gpu_memory_total_bytes);
+    gauge("lossd_gpu_memory_peak_bytes", "Most device memory the backend held at once.",
+          s.gpu_memory_peak_bytes);
+    gauge("lossd_weight_cache_bytes", "Bytes of cached weights.", s.weight_cache_bytes);
+    gauge("lossd_weight_cache_budget_bytes", "Weight cache budget.", s.weight_cache_budget_bytes);
+    gauge("lossd_weight_cache_entries", "Weight handles held.", s.weight_cache_entries);
+    counter("lossd_weight_cache_hits_total", "Computes that found their weight handle.",
+            s.weight_cache_hits);
+    counter("lossd_weight_cache_misses_total", "Computes whose weight handle was missing.",
+            s.weight_cache_misses);
+    counter("lossd_weight_cache_evictions_total", "Handles evicted to make room.",
+            s.weight_cache_evictions);
+    gauge("lossd_accumulators", "Gradient accumulators held.", s.accumulators);
+    gauge("lossd_accumulator_bytes", "Bytes of gradient accumulators.", s.accumulator_bytes);
+    gauge("lossd_queued_requests", "Requests waiting for memory admission.", s.queued_requests);
+    gauge("lossd_healthy", "1 while the backend is healthy, 0 after a sticky device error.",
+          s.healthy);
+    return out;
+  }
+
+ private:
+  std::function<StateSample()> sample_;
+};
+
+}  // namespace
+
+ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      state_(std::make_shared<StateCollector>(std::move(sample))) {
+  requests_ = &prometheus::BuildCounter()
+                   .Name("lossd_requests_total")
+                   .Help("Finished RPCs by method and gRPC status code.")
+                   .Register(*registry_);
+  durations_ = &prometheus::BuildHistogram()
+                    .Name("lossd_request_duration_seconds")
+                    .Help("Time per RPC phase: receive, queue, compute, send, total.")
+                    .Register(*registry_);
+  tokens_ = &prometheus::BuildCounter()
+                 .Name("lossd_tokens_total")
+                 .Help("Non-ignored tokens computed.")
+                 .Register(*registry_)
+                 .Add({});
+  bytes_in_ = &prometheus::BuildCounter()
+                   .Name("lossd_bytes_received_total")
+                   .Help("Tensor bytes received.")
+                   .Register(*registry_)
+                   .Add({});
+  bytes_out_ = &prometheus::BuildCounter()
+                    .Name("lossd_bytes_sent_total")
+                    .Help("Tensor bytes sent.")
+                    .Register(*registry_)
+                    .Add({});
+  flops_ = &prometheus::BuildCounter()
+                .Name("lossd_compute_flops_total")
+                .Help("Floating-point operations done (6 BT H V per Compute); rate() is FLOP/s.")
+                .Register(*registry_)
+                .Add({});
+  tflops_ = &prometheus::BuildGauge()
+                 .Name("lossd_last_compute_tflops")
+                 .Help("Achieved TFLOP/s of the last Compute (6 BT H V / compute time).")
+                 .Register(*registry_)
+                 .Add({});
+  in_flight_ = &prometheus::BuildGauge()
+                    .Name("lossd_requests_in_flight")
+                    .Help("RPCs started and not yet finished.")
+                    .Register(*registry_)
+                    .Add({});
+}
+
+void ServerMetrics::CountRequest(const std::string& method, const char* code) {
+  requests_->Add({{"method", method}, {"code", code}}).Increment();
+}
+
+void ServerMetrics::ObservePhase(const std::string& method, const char* phase,
+                                 double seconds) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+      0.25,   0.5,   1,      2.5,   5,    10,    30,    60};
+  durations_->Add({{"method", method}, {"phase", phase}}, kBuckets).Observe(seconds);
+}
+
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
+    const std::string& address, ServerMetrics& metrics) {
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {
+    exposer = std::make_unique<prometheus::Exposer>(address);
+  } catch (const std::exception& e) {
+    // civetweb reports bind failures (and too-small thread stacks) by throwing.
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  exposer->RegisterCollectable(metrics.registry());
+  exposer->RegisterCollectable(metrics.state_collector());
+  return exposer;
+}
+
+}  // namespace lossd
