@@ -1,0 +1,377 @@
+"""PyTorch integration: a drop-in for Liger-Kernel's LigerFusedLinearCrossEntropyLoss that runs
+the linear + cross-entropy (forward and backward) on a lossd server.
+
+Same constructor and forward arguments as Liger's module, plus keyword-only connection
+settings. Never materialises the logits locally; tensors on a GPU are copied to the host to
+travel. Importing this module imports torch.
+
+Two ways a call runs (both give the gradients torch would):
+  eager    (reduction mean/sum, no server accumulator): one Compute in forward returns the
+           loss and dX, dW, db; backward only scales them by the upstream gradient.
+  deferred (reduction none, or a server accumulator): forward asks for the loss only;
+           backward sends a second Compute carrying the upstream gradient (per-token for none,
+           grad_scale for mean/sum), so `(loss / k).backward()` accumulates exactly on the
+           server. X travels twice; W does not when weight caching is on.
+"""
+
+import dataclasses
+import uuid
+from typing import Optional
+
+import numpy as np
+import torch
+
+from lossd import errors
+from lossd.client import Client
+from lossd.tensors import BF16Array
+
+
+@dataclasses.dataclass
+class CrossEntropyOutput:
+    """Returned instead of the bare loss when any return_* flag is set (Liger's shape)."""
+
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
+
+
+def _to_torch(value, device):
+    """A received ndarray / BF16Array -> torch tensor on `device` (no copy on the host)."""
+    if value is None:
+        return None
+    if isinstance(value, BF16Array):
+        t = torch.from_numpy(value.bits.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(value)
+    return t.to(device) if device is not None and device.type != "cpu" else t
+
+
+class LossdRuntime:
+    """Connection, weight cache and accumulator shared by the calls of one loss module.
+
+    cache_weights: upload W (and bias) once with PutWeights and send only the handle while the
+      tensors are unchanged (same storage and autograd version counter, which in-place
+      optimizer steps bump); a handle the server dropped is uploaded again once.
+    accumulator: None, a name, or True for a fresh unique name: dW and db go into that
+      server-side fp32 accumulator instead of weight.grad / bias.grad; call
+      `apply_accumulated_gradients` before the optimizer step.
+    eager_accumulation: accumulate in the forward Compute (one call per micro-batch instead of
+      two). The upstream gradient of the loss must then be exactly 1: scale with `grad_scale`.
+    """
+
+    def __init__(self, client=None, server="localhost:50051", *, cache_weights=True,
+                 accumulator=None, eager_accumulation=False, grad_scale=1.0, timeout=None,
+                 part_bytes=None):
+        if client is None:
+            kw = {} if part_bytes is None else {"part_bytes": part_bytes}
+            client = Client(server, timeout=timeout, **kw)
+        self.client = client
+        self.timeout = timeout
+        self.cache_weights = cache_weights
+        if accumulator is True:
+            accumulator = "acc-" + uuid.uuid4().hex
+        self.accumulator = accumulator or None
+        self.eager_accumulation = eager_accumulation
+        self.grad_scale = float(grad_scale)
+        self._handle = None
+        self._key = None
+
+    # -- weights ------------------------------------------------------------------------
+
+    @staticmethod
+    def _key_of(weight, bias):
+        def k(t):
+            if t is None:
+                return None
+            return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device))
+
+        return (k(weight), k(bias))
+
+    def weight_ref(self, weight, bias):
+        """A WeightHandle for (weight, bias), uploading when they changed; None = send inline."""
+        if not self.cache_weights:
+            return None
+        key = self._key_of(weight, bias)
+        if self._handle is not None and key == self._key:
+            return self._handle
+        self.drop_weights()
+        self._handle = self.client.put_weights(weight, bias, timeout=self.timeout)
+        self._key = key
+        return self._handle
+
+    def drop_weights(self):
+        if self._handle is not None:
+            try:
+                self.client.drop_weights(self._handle, timeout=self.timeout)
+            except errors.LossdError:
+                pass  # already evicted or the server restarted: nothing left to free
+            self._handle = None
+            self._key = None
+
+    def compute(self, x, weight, target, bias, **kw):
+        """client.compute with W by handle when caching, re-uploading once if it was dropped."""
+        ref = self.weight_ref(weight, bias)
+        try:
+            if ref is None:
+                return self.client.compute(x, weight, target, bias=bias, timeout=self.timeout, **kw)
+            return self.client.compute(x, ref, target, timeout=self.timeout, **kw)
+        except (errors.NotFoundError, errors.FailedPreconditionError):
+            if ref is None:
+                raise
+            self._handle = None
+            self._key = None
+            ref = self.weight_ref(weight, bias)
+            return self.client.compute(x, ref, target, timeout=self.timeout, **kw)
+
+    # -- accumulator --------------------------------------------------------------------
+
+    def fetch_gradients(self, reset=True):
+        if self.accumulator is None:
+            raise errors.FailedPreconditionError("no accumulator configured", method="nn")
+        return self.client.fetch_gradients(self.accumulator, reset=reset, timeout=self.timeout)
+
+    def apply_accumulated_gradients(self, weight, bias=None, reset=True):
+        """Adds the accumulated fp32 dW (and db) into weight.grad (bias.grad); returns the
+        Gradients read (micro_batches, tokens)."""
+        g = self.fetch_gradients(reset=reset)
+        for p, val in ((weight, g.dw), (bias, g.db)):
+            if p is None or val is None:
+                continue
+            t = torch.from_numpy(val).to(device=p.device, dtype=p.dtype)
+            if p.grad is None:
+                p.grad = t.clone()  # own the memory; t may share the received buffer
+            else:
+                p.grad.add_(t)
+        return g
+
+    def drop_accumulator(self):
+        if self.accumulator is not None:
+            self.client.drop_accumulator(self.accumulator, timeout=self.timeout)
+
+    def close(self):
+        self.drop_weights()
+
+
+def _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+             accum_dtype, input_dtype, chunk_rows):
+    kw = dict(ignore_index=int(ignore_index), lse_square_scale=float(lse_square_scale),
+              label_smoothing=float(label_smoothing), reduction=reduction,
+              softcap=float(softcap) if softcap else None, chunk_rows=int(chunk_rows or 0))
+    if ce_weight is not None:
+        kw["class_weights"] = ce_weight.detach().to(torch.float32)
+    if accum_dtype is not None and accum_dtype != input_dtype:
+        if accum_dtype != torch.float32:
+            raise errors.InvalidArgumentError(
+                "accum_dtype must be None, the input dtype or torch.float32, got %s" % accum_dtype)
+        kw["grad_dtype"] = "fp32"
+    return kw
+
+
+class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """apply(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
+    label_smoothing, reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
+    return_token_accuracy, return_predicted_tokens, chunk_size, runtime)
+    -> (loss, z_loss, token_accuracy, predicted_tokens); the last three may be None."""
+
+    @staticmethod
+    def forward(ctx, _input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
+                label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
+                use_token_scaling, return_token_accuracy, return_predicted_tokens, chunk_size,
+                runtime):
+        if use_token_scaling:
+            raise errors.UnimplementedError(
+                "use_token_scaling is not part of the lossd v1 wire contract", method="nn")
+        if reduction not in ("mean", "sum", "none"):
+            raise errors.InvalidArgumentError(
+                "reduction must be 'mean', 'sum' or 'none', got %r" % (reduction,))
+        h = _input.shape[-1]
+        x2 = _input.reshape(-1, h)
+        t1 = target.reshape(-1)
+        opts = _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+                        softcap, accum_dtype, _input.dtype, chunk_size)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[3]
+        any_grad = need_dx or need_dw or need_db
+        acc = runtime.accumulator
+        deferred = any_grad and (reduction == "none" or (acc is not None
+                                                         and not runtime.eager_accumulation))
+        eager = any_grad and not deferred
+        wants = dict(want_z_loss=bool(return_z_loss), want_accuracy=bool(return_token_accuracy),
+                     want_predictions=bool(return_predicted_tokens))
+        if eager:
+            r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=need_dw,
+                                want_db=need_db, accumulator=acc,
+                                grad_scale=runtime.grad_scale if acc else None, **opts, **wants)
+        else:
+            r = runtime.compute(x2, weight, t1, bias, want_dx=False, want_dw=False,
+                                want_db=False, **opts, **wants)
+        dev = _input.device
+        if reduction == "none":
+            loss = _to_torch(r.per_token_loss, dev).reshape(target.shape)
+            z_loss = (_to_torch(r.per_token_z_loss, dev).reshape(target.shape)
+                      if return_z_loss and r.per_token_z_loss is not None else None)
+        else:
+            loss = torch.tensor(r.loss, dtype=torch.float32, device=dev)
+            z_loss = torch.tensor(r.z_loss, dtype=torch.float32, device=dev) if return_z_loss else None
+        acc_t = (torch.tensor(r.accuracy, dtype=torch.float32, device=dev)
+                 if return_token_accuracy else None)
+        pred = (_to_torch(r.predictions, dev).reshape(target.shape)
+                if return_predicted_tokens and r.predictions is not None else None)
+        for extra in (z_loss, acc_t, pred):
+            if extra is not None:
+                ctx.mark_non_differentiable(extra)
+
+        ctx.mode = "eager" if eager else ("deferred" if deferred else "none")
+        ctx.runtime = runtime
+        ctx.reduction = reduction
+        ctx.opts = opts
+        ctx.needs = (need_dx, need_dw, need_db)
+        ctx.shapes = (_input.shape, _input.dtype, weight.dtype, weight.device,
+                      None if bias is None else (bias.dtype, bias.device))
+        if eager:
+            dx = _to_torch(r.dx, dev) if need_dx else None
+            dw = _to_torch(r.dw, weight.device) if need_dw and acc is None else None
+            db = _to_torch(r.db, bias.device) if need_db and acc is None else None
+            ctx.grads = (dx, dw, db)
+        elif deferred:
+            ctx.save_for_backward(_input, weight, target, bias)
+        return loss, z_loss, acc_t, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        in_shape, in_dtype, w_dtype, w_dev, b_meta = ctx.shapes
+        need_dx, need_dw, need_db = ctx.needs
+        runtime = ctx.runtime
+        acc = runtime.accumulator
+        if ctx.mode == "eager":
+            dx, dw, db = ctx.grads
+            ctx.grads = None
+            g = grad_loss.detach()
+            unit = bool(torch.all(g == 1.0))
+            if acc is not None and not unit:
+                raise errors.FailedPreconditionError(
+                    "eager_accumulation needs an upstream gradient of exactly 1 (the server has "
+                    "already accumulated dW); scale the loss with grad_scale instead", method="nn")
+            if not unit:
+                gf = g.to(torch.float32)
+                dx = None if dx is None else (dx.float() * gf.to(dx.device)).to(dx.dtype)
+                dw = None if dw is None else (dw.float() * gf.to(dw.device)).to(dw.dtype)
+                db = None if db is None else (db.float() * gf.to(db.device)).to(db.dtype)
+        elif ctx.mode == "deferred":
+            _input, weight, target, bias = ctx.saved_tensors
+            h = _input.shape[-1]
+            kw = dict(ctx.opts)
+            if ctx.reduction == "none":
+                go = grad_loss.detach().reshape(-1).to(torch.float32).cpu()
+                kw["grad_output"] = go * runtime.grad_scale if acc else go
+            else:
+                kw["grad_scale"] = float(grad_loss.detach()) * (runtime.grad_scale if acc else 1.0)
+            r = runtime.compute(_input.reshape(-1, h), weight, target.reshape(-1), bias,
+                                want_dx=need_dx, want_dw=need_dw, want_db=need_db,
+                                accumulator=acc, **kw)
+            dx = _to_torch(r.dx, _input.device) if need_dx else None
+            dw = _to_torch(r.dw, weight.device) if need_dw and acc is None else None
+            db = _to_torch(r.db, bias.device) if need_db and acc is None else None
+        else:
+            dx = dw = db = None
+        if dx is not None:
+            dx = dx.reshape(in_shape).to(in_dtype)
+        if dw is not None:
+            dw = dw.to(device=w_dev, dtype=w_dtype)
+        if db is not None:
+            db = db.to(device=b_meta[1], dtype=b_meta[0])
+        return (dx, dw, None, db) + (None,) * 13
+
+
+def lossd_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None,
+                                     ignore_index=-100, lse_square_scale=0.0,
+                                     label_smoothing=0.0, reduction="mean", softcap=None,
+                                     return_z_loss=False, accum_dtype=None,
+                                     use_token_scaling=False, return_token_accuracy=False,
+                                     return_predicted_tokens=False, chunk_size=None, *,
+                                     runtime=None, **runtime_kwargs):
+    """Functional form; `runtime` (a LossdRuntime) or its keyword arguments say where to go."""
+    if runtime is None:
+        runtime = LossdRuntime(**runtime_kwargs)
+    loss, z_loss, acc, pred = LossdFusedLinearCrossEntropyFunction.apply(
+        input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
+        reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
+        return_token_accuracy, return_predicted_tokens, chunk_size, runtime)
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return loss
+    return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=acc,
+                              predicted_tokens=pred)
+
+
+class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
+    """Liger's LigerFusedLinearCrossEntropyLoss, computed by a lossd server.
+
+    forward(lin_weight, _input, target, bias=None): _input (..., H), lin_weight (V, H),
+    target (...) int, bias (V). Returns the loss, or a CrossEntropyOutput when any of
+    return_z_loss / return_token_accuracy / return_predicted_tokens is set.
+
+    Keyword-only extras: server ("host:port") or client (a lossd.Client), cache_weights,
+    accumulator, eager_accumulation, grad_scale, timeout, part_bytes (see LossdRuntime).
+    chunk_size maps to the server's chunk_rows. use_token_scaling is not supported.
+    """
+
+    def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                 label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False,
+                 accum_dtype=None, use_token_scaling=False, return_token_accuracy=False,
+                 return_predicted_tokens=False, chunk_size=None, *, server="localhost:50051",
+                 client=None, cache_weights=True, accumulator=None, eager_accumulation=False,
+                 grad_scale=1.0, timeout=None, part_bytes=None):
+        super().__init__()
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise errors.InvalidArgumentError(
+                "label_smoothing must be between 0.0 and 1.0. Got: %s" % label_smoothing)
+        if reduction not in ("mean", "sum", "none"):
+            raise errors.InvalidArgumentError(
+                "reduction must be 'mean' or 'sum' or 'none'. Got: %s" % reduction)
+        if softcap is not None and not softcap > 0:
+            raise errors.InvalidArgumentError(
+                "softcap must greater than 0.0 or None. Got: %s" % softcap)
+        if use_token_scaling:
+            raise errors.UnimplementedError(
+                "use_token_scaling is not part of the lossd v1 wire contract", method="nn")
+        self.ce_weight = ce_weight
+        self.ignore_index = ignore_index
+        self.lse_square_scale = lse_square_scale
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.accum_dtype = accum_dtype
+        self.use_token_scaling = use_token_scaling
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
+        self.chunk_size = chunk_size
+        self.runtime = LossdRuntime(client=client, server=server, cache_weights=cache_weights,
+                                    accumulator=accumulator,
+                                    eager_accumulation=eager_accumulation,
+                                    grad_scale=grad_scale, timeout=timeout,
+                                    part_bytes=part_bytes)
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return lossd_fused_linear_cross_entropy(
+            _input, lin_weight, target, bias, self.ce_weight, self.ignore_index,
+            self.lse_square_scale, self.label_smoothing, self.reduction, self.softcap,
+            self.return_z_loss, self.accum_dtype, self.use_token_scaling,
+            self.return_token_accuracy, self.return_predicted_tokens, self.chunk_size,
+            runtime=self.runtime)
+
+    # Gradient accumulation on the server (accumulator=...).
+    def apply_accumulated_gradients(self, lin_weight, bias=None, reset=True):
+        return self.runtime.apply_accumulated_gradients(lin_weight, bias, reset=reset)
+
+    def fetch_gradients(self, reset=True):
+        return self.runtime.fetch_gradients(reset=reset)
+
+    def release(self):
+        """Drops the cached weight handle on the server."""
+        self.runtime.close()
+
+
+__all__ = ["LossdFusedLinearCrossEntropyLoss", "LossdFusedLinearCrossEntropyFunction",
+           "lossd_fused_linear_cross_entropy", "LossdRuntime", "CrossEntropyOutput"]

@@ -1,0 +1,145 @@
+"""Fixtures: a real lossd server (CPU backend, free port) for the whole session, a client for
+it, and the comparison helper with one tolerance table per dtype.
+
+The binary is $LOSSD_BIN, else <repo>/bazel-bin/server/lossd. Without one the server tests
+are skipped, unless LOSSD_BIN is set (then a missing binary is a failure).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+
+import lossd  # noqa: E402
+
+# One tolerance table per dtype: |got - ref| <= atol * max|ref| + rtol * |ref|, element-wise.
+# fp32: fp32 accumulation over short sums. fp16/bf16: logits and outputs rounded to the
+# input dtype (2^-11 and 2^-8 relative), errors scaling with |logit| ~ 3-10.
+TOLERANCES = {
+    "fp32": dict(rtol=1e-4, atol=1e-5),
+    "fp16": dict(rtol=1e-2, atol=2e-3),
+    "bf16": dict(rtol=5e-2, atol=1.5e-2),
+}
+# Scalars (loss, z-loss, accuracy) against the float64 reference.
+SCALAR_RTOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2}
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_lossd_binary():
+    env = os.environ.get("LOSSD_BIN")
+    if env:
+        if not os.access(env, os.X_OK):
+            pytest.fail("LOSSD_BIN=%s is not an executable file" % env)
+        return env
+    cand = REPO / "bazel-bin" / "server" / "lossd"
+    if cand.is_file() and os.access(cand, os.X_OK):
+        return str(cand)
+    pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
+
+
+class LossdProcess:
+    """One lossd server on loopback; stopped with SIGTERM (graceful drain) at teardown."""
+
+    def __init__(self, binary, log_path, extra_flags=()):
+        self.port = free_port()
+        self.address = "127.0.0.1:%d" % self.port
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        cmd = [binary, "--port=%d" % self.port, "--backend=cpu", "--metrics_port=0",
+               "--drain_seconds=2"] + list(extra_flags)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_serving(60.0)
+
+    def log_tail(self, n=3000):
+        self.log.flush()
+        try:
+            return Path(self.log_path).read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_serving(self, timeout):
+        deadline = time.monotonic() + timeout
+        with lossd.Client(self.address, timeout=2.0) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("lossd exited with %s at start:\n%s" % (
+                        self.proc.returncode, self.log_tail()))
+                try:
+                    if c.health() == "SERVING":
+                        return
+                except lossd.LossdError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("lossd not SERVING after %.0f s:\n%s" % (
+                        timeout, self.log_tail()))
+                time.sleep(0.1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def lossd_server(tmp_path_factory):
+    binary = find_lossd_binary()
+    srv = LossdProcess(binary, str(tmp_path_factory.mktemp("lossd") / "lossd.log"))
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode == 0, "lossd exit status %s after SIGTERM:\n%s" % (
+        srv.proc.returncode, srv.log_tail())
+
+
+@pytest.fixture(scope="session")
+def client(lossd_server):
+    with lossd.Client(lossd_server.address, timeout=120.0) as c:
+        yield c
+
+
+def assert_close(name, got, ref, dtype):
+    """Element-wise check against the float64 reference; the message names the worst element."""
+    tol = TOLERANCES[dtype]
+    g = lossd.tensors.to_float64(got)
+    r = np.asarray(ref, dtype=np.float64)
+    assert g.shape == r.shape, "%s: shape %s, expected %s" % (name, g.shape, r.shape)
+    assert np.all(np.isfinite(g)), "%s: %d non-finite values" % (name, np.sum(~np.isfinite(g)))
+    scale = float(np.max(np.abs(r))) if r.size else 0.0
+    err = np.abs(g - r)
+    bound = tol["atol"] * scale + tol["rtol"] * np.abs(r)
+    bad = err > bound
+    if np.any(bad):
+        worst = np.unravel_index(int(np.argmax(err - bound)), err.shape)
+        rel = err / np.maximum(np.abs(r), 1e-30)
+        pytest.fail("%s (%s): %d of %d mismatches; worst at %s got %.7g ref %.7g; max abs err "
+                    "%.3g, max rel err %.3g; tolerance rtol=%g atol=%g*%.3g" % (
+                        name, dtype, int(bad.sum()), bad.size, tuple(int(i) for i in worst),
+                        g[worst], r[worst], float(err.max()), float(rel.max()), tol["rtol"],
+                        tol["atol"], scale))
+
+
+def assert_scalar(name, got, ref, dtype, abs_floor=1e-6):
+    rtol = SCALAR_RTOL[dtype]
+    assert np.isfinite(got), "%s is %r" % (name, got)
+    assert abs(got - ref) <= rtol * abs(ref) + abs_floor, "%s (%s): got %.8g, ref %.8g, rel err " \
+        "%.3g > %g" % (name, dtype, got, ref, abs(got - ref) / max(abs(ref), 1e-30), rtol)

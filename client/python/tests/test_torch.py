@@ -1,0 +1,292 @@
+"""LossdFusedLinearCrossEntropyLoss against torch's own linear + cross_entropy (float64,
+autograd) forward and backward, for every option. Skipped where torch is not installed."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import lossd  # noqa: E402
+from lossd.nn import (  # noqa: E402
+    CrossEntropyOutput,
+    LossdFusedLinearCrossEntropyLoss,
+    lossd_fused_linear_cross_entropy,
+)
+from conftest import assert_close, assert_scalar  # noqa: E402
+
+BT, H, V = 47, 31, 123
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                    label_smoothing=0.0, reduction="mean", softcap=None, upstream=None):
+    """float64 torch: returns loss, z_loss, accuracy, predictions and grads of x, w, b."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    z = F.linear(x64, w64, b64)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z2, t1 = z.reshape(-1, z.shape[-1]), t.reshape(-1)
+    cw = None if ce_weight is None else ce_weight.double()
+    loss = F.cross_entropy(z2, t1, weight=cw, ignore_index=ignore_index,
+                           label_smoothing=label_smoothing, reduction=reduction)
+    valid = t1 != ignore_index
+    zl = lse_square_scale * torch.logsumexp(z2, -1) ** 2 * valid
+    if reduction == "mean":
+        n = valid.sum()
+        z_loss = zl.sum() / n if n > 0 else zl.sum() * 0
+        if n > 0:
+            loss = loss + z_loss
+        else:
+            loss = z_loss  # torch gives NaN for an all-ignored mean; lossd gives 0
+    elif reduction == "sum":
+        z_loss = zl.sum()
+        loss = loss + z_loss
+    else:
+        z_loss = zl.reshape(t.shape)
+        loss = loss.reshape(t.shape) + z_loss
+    up = torch.ones_like(loss) if upstream is None else upstream.double()
+    loss.backward(up)
+    pred = z2.argmax(-1)
+    acc = ((pred == t1) & valid).sum().double() / valid.sum().clamp(min=1)
+    return dict(loss=loss.detach(), z_loss=z_loss.detach(), acc=float(acc), pred=pred,
+                dx=x64.grad, dw=w64.grad, db=None if b64 is None else b64.grad, z=z2.detach())
+
+
+def make(dtype, bias=False, seed=0, shape=(BT,), v=V, h=H):
+    g = torch.Generator().manual_seed(seed)
+    td = TORCH_DTYPES[dtype]
+    x = torch.randn(*shape, h, generator=g).to(td).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * 3.0 / h ** 0.5).to(td).requires_grad_()
+    b = torch.randn(v, generator=g).to(td).requires_grad_() if bias else None
+    t = torch.randint(0, v, shape, generator=g)
+    return x, w, b, t
+
+
+CASES = {
+    "plain": {},
+    "bias": {"bias": True},
+    "ce_weight": {"ce_weight": True},
+    "ignore_index": {"ignore": True},
+    "ignore_index_custom": {"ignore_index": 3},
+    "lse_square_scale": {"lse_square_scale": 0.05},
+    "label_smoothing": {"label_smoothing": 0.2},
+    "ce_weight_label_smoothing": {"ce_weight": True, "label_smoothing": 0.3, "ignore": True},
+    "reduction_sum": {"reduction": "sum"},
+    "reduction_none": {"reduction": "none"},
+    "softcap": {"softcap": 2.0},
+    "return_z_loss": {"lse_square_scale": 0.03, "return_z_loss": True},
+    "return_z_loss_none": {"lse_square_scale": 0.03, "return_z_loss": True,
+                           "reduction": "none"},
+    "return_token_accuracy": {"return_token_accuracy": True},
+    "return_predicted_tokens": {"return_predicted_tokens": True},
+    "accum_dtype_fp32": {"accum_dtype": torch.float32},
+    "chunk_size": {"chunk_size": 8},
+    "batch_by_time_input": {"shape": (5, 9)},
+    "no_weight_cache": {"cache_weights": False, "bias": True},
+    "everything": {"bias": True, "ce_weight": True, "ignore": True, "lse_square_scale": 0.02,
+                   "label_smoothing": 0.1, "softcap": 3.0, "return_z_loss": True,
+                   "return_token_accuracy": True, "return_predicted_tokens": True},
+}
+MODULE_ARGS = ("ignore_index", "lse_square_scale", "label_smoothing", "reduction", "softcap",
+               "return_z_loss", "accum_dtype", "return_token_accuracy",
+               "return_predicted_tokens", "chunk_size")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_module_matches_torch(client, dtype, case):
+    o = dict(CASES[case])
+    shape = o.pop("shape", (BT,))
+    x, w, b, t = make(dtype, bias=o.pop("bias", False), seed=len(case), shape=shape)
+    g = torch.Generator().manual_seed(7)
+    ignore_index = o.get("ignore_index", -100)
+    if o.pop("ignore", False):
+        t[torch.rand(t.shape, generator=g) < 0.3] = ignore_index
+    if "ignore_index" in o:
+        t.view(-1)[:4] = ignore_index
+    ce_weight = torch.rand(V, generator=g) * 1.8 + 0.2 if o.pop("ce_weight", False) else None
+    cache = o.pop("cache_weights", True)
+    module = LossdFusedLinearCrossEntropyLoss(ce_weight=ce_weight, client=client,
+                                              cache_weights=cache, **o)
+    reduction = o.get("reduction", "mean")
+    upstream = (torch.rand(t.shape, generator=g) * 3 - 1) if reduction == "none" else None
+    out = module(w, x, t, b)
+    returns = any(o.get(k) for k in ("return_z_loss", "return_token_accuracy",
+                                     "return_predicted_tokens"))
+    assert isinstance(out, CrossEntropyOutput) == returns
+    loss = out.loss if returns else out
+    loss.backward(upstream) if upstream is not None else loss.backward()
+    ref = torch_reference(x, w, t, b, ce_weight=ce_weight, ignore_index=ignore_index,
+                          lse_square_scale=o.get("lse_square_scale", 0.0),
+                          label_smoothing=o.get("label_smoothing", 0.0), reduction=reduction,
+                          softcap=o.get("softcap"), upstream=upstream)
+    if reduction == "none":
+        assert loss.shape == t.shape
+        assert_close("loss", loss.detach().numpy(), ref["loss"].numpy(), dtype)
+    else:
+        assert loss.dim() == 0
+        assert_scalar("loss", float(loss), float(ref["loss"]), dtype)
+    if o.get("return_z_loss"):
+        if reduction == "none":
+            assert_close("z_loss", out.z_loss.numpy(), ref["z_loss"].numpy(), dtype)
+        else:
+            assert_scalar("z_loss", float(out.z_loss), float(ref["z_loss"]), dtype)
+    top2 = torch.topk(ref["z"], 2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05
+    if o.get("return_token_accuracy"):
+        assert out.token_accuracy.dim() == 0
+        if bool(clear.all()):
+            assert_scalar("accuracy", float(out.token_accuracy), ref["acc"], "fp32")
+    if o.get("return_predicted_tokens"):
+        assert out.predicted_tokens.shape == t.shape
+        assert torch.equal(out.predicted_tokens.reshape(-1)[clear], ref["pred"][clear])
+    assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
+    assert_close("x.grad", x.grad.float().numpy(), ref["dx"].numpy(), dtype)
+    assert_close("w.grad", w.grad.float().numpy(), ref["dw"].numpy(), dtype)
+    if b is not None:
+        assert b.grad.dtype == b.dtype
+        assert_close("b.grad", b.grad.float().numpy(), ref["db"].numpy(), dtype)
+    module.release()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_upstream_gradient_scales_the_gradients(client, reduction):
+    x, w, b, t = make("fp32", bias=True, seed=11)
+    module = LossdFusedLinearCrossEntropyLoss(reduction=reduction, client=client)
+    (module(w, x, t, b) * 2.5).backward()
+    x2, w2, b2 = (a.detach().clone().requires_grad_() for a in (x, w, b))
+    ref = torch_reference(x2, w2, t, b2, reduction=reduction, upstream=torch.tensor(2.5))
+    assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
+    assert_close("w.grad", w.grad.numpy(), ref["dw"].numpy(), "fp32")
+    assert_close("b.grad", b.grad.numpy(), ref["db"].numpy(), "fp32")
+
+
+def test_only_hidden_states_need_grad(client):
+    x, w, _, t = make("fp32", seed=12)
+    w.requires_grad_(False)
+    module = LossdFusedLinearCrossEntropyLoss(client=client)
+    module(w, x, t).backward()
+    ref = torch_reference(x, w, t)
+    assert w.grad is None
+    assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
+    with torch.no_grad():
+        loss = module(w, x, t)
+    assert_scalar("loss", float(loss), float(ref["loss"]), "fp32")
+
+
+def test_weight_cache_uploads_again_after_an_inplace_update(client):
+    x, w, b, t = make("fp32", bias=True, seed=13)
+    module = LossdFusedLinearCrossEntropyLoss(client=client)
+    module(w, x, t, b).backward()
+    first = module.runtime._handle
+    module(w, x.detach(), t, b)
+    assert module.runtime._handle == first, "unchanged weights travel by handle"
+    with torch.no_grad():
+        w.add_(0.01 * torch.ones_like(w))  # what an optimizer step does
+    w.grad = None
+    module(w, x.detach(), t, b).backward()
+    assert module.runtime._handle != first
+    ref = torch_reference(x, w, t, b)
+    assert_close("w.grad after update", w.grad.numpy(), ref["dw"].numpy(), "fp32")
+    module.release()
+    with pytest.raises(lossd.NotFoundError):
+        client.compute(x.detach(), first, t)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_gradient_accumulation_on_the_server(client, eager):
+    k = 3
+    w = (torch.randn(V, H, generator=torch.Generator().manual_seed(1)) / H ** 0.5 * 3)
+    w.requires_grad_()
+    b = torch.randn(V, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator=True,
+                                              eager_accumulation=eager,
+                                              grad_scale=1.0 / k if eager else 1.0)
+    ref_dw = torch.zeros(V, H, dtype=torch.float64)
+    ref_db = torch.zeros(V, dtype=torch.float64)
+    for i in range(k):
+        x, _, _, t = make("fp32", seed=20 + i)
+        loss = module(w, x, t, b)
+        (loss if eager else loss / k).backward()
+        ref = torch_reference(x, w, t, b, upstream=torch.tensor(1.0 / k))
+        ref_dw += ref["dw"]
+        ref_db += ref["db"]
+        assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
+        assert w.grad is None and b.grad is None, "dW and db stay on the server until fetched"
+    got = module.apply_accumulated_gradients(w, b)
+    assert got.micro_batches == k
+    assert_close("w.grad", w.grad.numpy(), ref_dw.numpy(), "fp32")
+    assert_close("b.grad", b.grad.numpy(), ref_db.numpy(), "fp32")
+    assert module.fetch_gradients().micro_batches == 0, "apply resets the accumulator"
+    module.runtime.drop_accumulator()
+    module.release()
+
+
+def test_eager_accumulation_refuses_a_scaled_loss(client):
+    x, w, _, t = make("fp32", seed=30)
+    module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator="eager-refuse",
+                                              eager_accumulation=True)
+    with pytest.raises(lossd.FailedPreconditionError):
+        (module(w, x, t) * 0.5).backward()
+    module.runtime.drop_accumulator()
+    module.release()
+
+
+def test_use_token_scaling_is_refused():
+    with pytest.raises(lossd.UnimplementedError):
+        LossdFusedLinearCrossEntropyLoss(use_token_scaling=True, server="127.0.0.1:1")
+
+
+def test_functional_form(client):
+    x, w, _, t = make("bf16", seed=31)
+    out = lossd_fused_linear_cross_entropy(x, w, t, return_token_accuracy=True,
+                                           runtime=lossd.nn.LossdRuntime(client=client))
+    ref = torch_reference(x, w, t)
+    assert_scalar("loss", float(out.loss), float(ref["loss"]), "bf16")
+
+
+def test_numpy_client_takes_torch_tensors(client):
+    x, w, _, t = make("bf16", seed=32)
+    a = client.compute(x, w, t)
+    xb = lossd.bf16(x.detach().view(torch.int16).numpy().view(np.uint16))
+    wb = lossd.bf16(w.detach().view(torch.int16).numpy().view(np.uint16))
+    c = client.compute(xb, wb, t.numpy())
+    assert a.loss == c.loss
+    np.testing.assert_array_equal(a.dw.bits, c.dw.bits)
+
+
+def test_same_signature_as_liger():
+    """Liger-Kernel's LigerFusedLinearCrossEntropyLoss arguments, in its order."""
+    liger_init = ["ce_weight", "ignore_index", "lse_square_scale", "label_smoothing",
+                  "reduction", "softcap", "return_z_loss", "accum_dtype", "use_token_scaling",
+                  "return_token_accuracy", "return_predicted_tokens", "chunk_size"]
+    params = list(inspect.signature(LossdFusedLinearCrossEntropyLoss.__init__).parameters)
+    assert params[1:1 + len(liger_init)] == liger_init
+    fwd = list(inspect.signature(LossdFusedLinearCrossEntropyLoss.forward).parameters)
+    assert fwd == ["self", "lin_weight", "_input", "target", "bias"]
+
+
+def test_numpy_reference_agrees_with_torch():
+    """The numpy oracle of test_client.py, checked against torch autograd (no server)."""
+    from test_client import reference
+
+    x, w, b, t = make("fp32", bias=True, seed=40)
+    t[::5] = -100
+    cw = torch.rand(V, generator=torch.Generator().manual_seed(3)) + 0.5
+    for reduction in ("mean", "sum", "none"):
+        up = torch.rand(BT, dtype=torch.float64) if reduction == "none" else None
+        ref_t = torch_reference(x, w, t, b, ce_weight=cw, lse_square_scale=0.05,
+                                label_smoothing=0.2, reduction=reduction, softcap=2.5,
+                                upstream=up)
+        ref_n = reference(x.detach().numpy(), w.detach().numpy(), t.numpy(),
+                          b=b.detach().numpy(), cw=cw.numpy(), reduction=reduction, eps=0.2,
+                          zs=0.05, softcap=2.5, grad_output=None if up is None else up.numpy())
+        np.testing.assert_allclose(ref_n["loss"], float(ref_t["loss"].sum()), rtol=1e-12)
+        for name in ("dx", "dw", "db"):
+            np.testing.assert_allclose(ref_n[name], ref_t[name].numpy(), rtol=1e-10,
+                                       atol=1e-12, err_msg=name)
