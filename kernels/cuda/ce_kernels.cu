@@ -1,0 +1,348 @@
+// Device code of the fused linear + cross-entropy; see ce_kernels.h for the math and contract.
+#include "kernels/cuda/ce_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+// One block per row. 512 threads keep 16 warps of 16-byte loads in flight per row while
+// leaving room for two or more rows per multiprocessor.
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T>
+__device__ __forceinline__ float ToFloat(T x);
+template <>
+__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float ToFloat<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float ToFloat<float>(float x) {
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) {
+  return x;
+}
+
+// Loads kVec consecutive elements starting at p, widened to fp32. With kVec == 8, p is
+// 16-byte aligned: one 16-byte load for 16-bit types, two for fp32.
+template <typename T, int kVec>
+__device__ __forceinline__ void LoadVec(const T* p, float (&out)[kVec]) {
+  if constexpr (kVec == 8 && sizeof(T) == 2) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) out[k] = ToFloat<T>(e[k]);
+  } else if constexpr (kVec == 8 && sizeof(T) == 4) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out[k] = ToFloat<T>(p[k]);
+  }
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void StoreVec(T* p, const float (&in)[kVec]) {
+  if constexpr (kVec == 8 && sizeof(T) == 2) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = FromFloat<T>(in[k]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else if constexpr (kVec == 8 && sizeof(T) == 4) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) p[k] = FromFloat<T>(in[k]);
+  }
+}
+
+struct RowStats {
+  float m;     // running max
+  float s;     // sum of exp(z - m)
+  float best;  // argmax value
+  int best_j;  // argmax index (first on ties)
+  float wz;    // sum_j cw_j z_j (label smoothing only)
+};
+
+__device__ __forceinline__ RowStats Merge(const RowStats& a, const RowStats& b) {
+  RowStats r;
+  r.m = fmaxf(a.m, b.m);
+  // A side that saw nothing has m = -inf and s = 0; skip it so -inf - -inf never makes a NaN.
+  const float sa = a.m == -INFINITY ? 0.0f : a.s * exp2f((a.m - r.m) * kLog2e);
+  const float sb = b.m == -INFINITY ? 0.0f : b.s * exp2f((b.m - r.m) * kLog2e);
+  r.s = sa + sb;
+  const bool take_b = b.best > a.best || (b.best == a.best && b.best_j < a.best_j);
+  r.best = take_b ? b.best : a.best;
+  r.best_j = take_b ? b.best_j : a.best_j;
+  r.wz = a.wz + b.wz;
+  return r;
+}
+
+__device__ __forceinline__ RowStats ShuffleXor(const RowStats& a, int mask) {
+  RowStats r;
+  r.m = __shfl_xor_sync(0xffffffffu, a.m, mask);
+  r.s = __shfl_xor_sync(0xffffffffu, a.s, mask);
+  r.best = __shfl_xor_sync(0xffffffffu, a.best, mask);
+  r.best_j = __shfl_xor_sync(0xffffffffu, a.best_j, mask);
+  r.wz = __shfl_xor_sync(0xffffffffu, a.wz, mask);
+  return r;
+}
+
+// Fixed butterfly order within warps, then warp 0 over the warps' results: the same tree on
+// every run, so the result is deterministic.
+__device__ RowStats BlockReduce(RowStats x, RowStats* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) x = Merge(x, ShuffleXor(x, mask));
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < kWarps ? shared[lane] : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) x = Merge(x, ShuffleXor(x, mask));
+    if (lane == 0) shared[kWarps] = x;
+  }
+  __syncthreads();
+  return shared[kWarps];
+}
+
+// Final logit of element j from its stored value u (bias and softcap applied in fp32).
+__device__ __forceinline__ float Capped(float u, float cap) {
+  return cap > 0.0f ? cap * tanhf(u / cap) : u;
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntropyParams p) {
+  __shared__ RowStats shared[kWarps + 1];
+  __shared__ float coef[4];
+  const int64_t row = blockIdx.x;
+  const int64_t v = p.v;
+  T* z = static_cast<T*>(p.logits) + row * v;
+  const T* bias = static_cast<const T*>(p.bias);
+  const float* cw = p.class_weights;
+  const float cap = p.softcap;
+  const float eps = p.label_smoothing;
+  const bool smooth = eps > 0.0f;
+  const int t = p.targets[row];
+  const int64_t stride = static_cast<int64_t>(kThreads) * kVec;
+
+  // Pass 1: online max / sum of exp, argmax and the smoothing sum, one read of the row.
+  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+  for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < v; j0 += stride) {
+    float x[kVec];
+    LoadVec<T, kVec>(z + j0, x);
+    if (bias != nullptr) {
+      float b[kVec];
+      LoadVec<T, kVec>(bias + j0, b);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x[k] += b[k];
+    }
+    float vmax = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      x[k] = Capped(x[k], cap);
+      vmax = fmaxf(vmax, x[k]);
+      if (x[k] > st.best) {  // strict, in increasing j: the first index wins ties
+        st.best = x[k];
+        st.best_j = static_cast<int>(j0 + k);
+      }
+    }
+    if (vmax > st.m) {
+      st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
+      st.m = vmax;
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) st.s += exp2f((x[k] - st.m) * kLog2e);
+    if (smooth) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[j0 + k] : 1.0f) * x[k];
+    }
+  }
+  st = BlockReduce(st, shared);
+
+  if (threadIdx.x == 0) {
+    const float lse = st.m + logf(st.s);
+    float ce = 0.0f, zl = 0.0f;
+    if (t >= 0) {
+      float zt = ToFloat<T>(z[t]);
+      if (bias != nullptr) zt += ToFloat<T>(bias[t]);
+      zt = Capped(zt, cap);
+      const float cwt = cw != nullptr ? cw[t] : 1.0f;
+      ce = (1.0f - eps) * cwt * (lse - zt);
+      if (smooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - st.wz);
+      zl = p.z_loss_scale * lse * lse;
+      const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+      const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
+      // g_j = a p_j - hot [j == t] - sm cw_j
+      float a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
+      if (smooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
+      coef[0] = a;
+      coef[1] = ce_s * (1.0f - eps) * cwt;
+      coef[2] = smooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
+    }
+    coef[3] = lse;
+    p.row_lse[row] = lse;
+    p.row_ce[row] = ce;
+    p.row_z[row] = zl;
+    p.row_pred[row] = st.best_j == 0x7fffffff ? 0 : st.best_j;
+  }
+  if (!p.write_grad) return;
+  __syncthreads();
+
+  // Pass 2: the gradient over the same elements, in place. Ignored rows get zeros.
+  const float lse = coef[3];
+  const float a = coef[0], hot = coef[1], sm = coef[2];
+  for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < v; j0 += stride) {
+    float g[kVec];
+    if (t < 0) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
+    } else {
+      LoadVec<T, kVec>(z + j0, g);
+      if (bias != nullptr) {
+        float b[kVec];
+        LoadVec<T, kVec>(bias + j0, b);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) g[k] += b[k];
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        float th = 0.0f, x = g[k];
+        if (cap > 0.0f) {
+          th = tanhf(x / cap);
+          x = cap * th;
+        }
+        const float pj = exp2f((x - lse) * kLog2e);
+        float gk = a * pj;
+        if (j0 + k == t) gk -= hot;
+        if (smooth) gk -= sm * (cw != nullptr ? cw[j0 + k] : 1.0f);
+        if (cap > 0.0f) gk *= 1.0f - th * th;
+        g[k] = gk;
+      }
+    }
+    StoreVec<T, kVec>(z + j0, g);
+  }
+}
+
+template <typename T>
+__global__ void ColumnSumKernel(const T* g, int64_t rows, int64_t v, float alpha, float* acc) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= v) return;
+  float s = 0.0f;
+#pragma unroll 8
+  for (int64_t r = 0; r < rows; ++r) s += ToFloat<T>(g[r * v + j]);
+  acc[j] += alpha * s;
+}
+
+template <typename T>
+__global__ void CastKernel(const float* src, T* dst, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = FromFloat<T>(src[i]);
+  }
+}
+
+template <typename T>
+cudaError_t LaunchCrossEntropyT(const CrossEntropyParams& p, cudaStream_t stream) {
+  // The 8-wide path needs every row start 16-byte aligned for every dtype alike (V % 8 == 0),
+  // so the choice, and with it the summation order, depends on V alone.
+  const bool aligned = reinterpret_cast<uintptr_t>(p.logits) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
+  if (p.v % 8 == 0 && aligned) {
+    CrossEntropyKernel<T, 8><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+  } else {
+    CrossEntropyKernel<T, 1><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream) {
+  if (p.rows <= 0) return cudaSuccess;
+  if (p.rows > 0x7fffffff || p.v > 0x7fffffff) return cudaErrorInvalidValue;
+  switch (p.elem) {
+    case kElemBF16:
+      return LaunchCrossEntropyT<__nv_bfloat16>(p, stream);
+    case kElemF16:
+      return LaunchCrossEntropyT<__half>(p, stream);
+    case kElemF32:
+      return LaunchCrossEntropyT<float>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchColumnSumAccumulate(const void* g, int32_t elem, int64_t rows, int64_t v,
+                                      float alpha, float* acc, cudaStream_t stream) {
+  if (rows <= 0 || v <= 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((v + 255) / 256);
+  switch (elem) {
+    case kElemBF16:
+      ColumnSumKernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(g), rows, v,
+                                                  alpha, acc);
+      break;
+    case kElemF16:
+      ColumnSumKernel<<<blocks, 256, 0, stream>>>(static_cast<const __half*>(g), rows, v, alpha,
+                                                  acc);
+      break;
+    case kElemF32:
+      ColumnSumKernel<<<blocks, 256, 0, stream>>>(static_cast<const float*>(g), rows, v, alpha,
+                                                  acc);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCastFromFloat(const float* src, void* dst, int32_t elem, int64_t n,
+                                cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int64_t want = (n + 255) / 256;
+  const unsigned blocks = static_cast<unsigned>(want < 4096 ? want : 4096);
+  switch (elem) {
+    case kElemBF16:
+      CastKernel<<<blocks, 256, 0, stream>>>(src, static_cast<__nv_bfloat16*>(dst), n);
+      break;
+    case kElemF16:
+      CastKernel<<<blocks, 256, 0, stream>>>(src, static_cast<__half*>(dst), n);
+      break;
+    case kElemF32:
+      CastKernel<<<blocks, 256, 0, stream>>>(src, static_cast<float*>(dst), n);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace lossd

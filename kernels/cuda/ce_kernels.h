@@ -1,0 +1,66 @@
+// Device kernels of the fused linear + cross-entropy, behind plain POD parameter structs and
+// host launchers: the per-row cross-entropy (forward statistics and the logits gradient written
+// in place over the stored logits), the bias-gradient column sum and the accumulator cast.
+// Never allocates memory and never synchronises; every launcher returns the launch's error.
+#ifndef LOSSD_KERNELS_CUDA_CE_KERNELS_H_
+#define LOSSD_KERNELS_CUDA_CE_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace lossd {
+namespace cuda {
+
+// Element type codes shared with lossd::DType (kBF16 = 0, kF16 = 1, kF32 = 2).
+enum ElemType : int32_t { kElemBF16 = 0, kElemF16 = 1, kElemF32 = 2 };
+
+// One chunk of C rows of stored logits z = x W^T (no bias yet, input dtype).
+//   z'_ij  = softcap(z_ij + b_j)                                  (fp32, in registers)
+//   lse_i  = log sum_j exp z'_ij
+//   ce_i   = (1 - eps) cw_t (lse_i - z'_it) + (eps / V) (S lse_i - sum_j cw_j z'_ij)
+//   g_ij   = [ ce_s ((1 - eps) cw_t (p_ij - [j == t]) + (eps / V)(S p_ij - cw_j))
+//            + z_s 2 zs lse_i p_ij ] * softcap'(z_ij + b_j)
+// with S = sum_j cw_j, ce_s = ce_scale * row_scale_i, z_s = z_scale * row_scale_i.
+// Every value is read in the input dtype and widened to fp32 inside the kernel, with the same
+// per-thread element order for every dtype, so bf16 logits and the same values given as fp32
+// give bit-identical statistics, and gradients that are identical after rounding.
+struct CrossEntropyParams {
+  void* logits;                 // (rows, v) row-major, elem; overwritten by g when write_grad
+  int32_t elem;                 // ElemType of logits and bias
+  int64_t rows;                 // C
+  int64_t v;                    // V
+  const void* bias;             // (v) elem, or null
+  const int32_t* targets;       // (rows) in [0, v), or -1 for an ignored row
+  const float* class_weights;   // (v), or null for all ones
+  const float* row_scale;       // (rows) upstream per-row gradient (reduction none), or null
+  float ce_scale;               // gradient multiplier of the cross-entropy part
+  float z_scale;                // gradient multiplier of the z-loss part
+  float label_smoothing;        // eps
+  float z_loss_scale;           // zs
+  float softcap;                // > 0: z' = softcap * tanh(z / softcap)
+  float class_weight_sum;       // S
+  int32_t write_grad;           // 0: statistics only, logits left as they are
+  float* row_lse;               // (rows) lse_i, every row
+  float* row_ce;                // (rows) ce_i, 0 for ignored rows
+  float* row_z;                 // (rows) zs lse_i^2, 0 for ignored rows
+  int32_t* row_pred;            // (rows) argmax_j z'_ij, first index on ties
+};
+
+cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream);
+
+// acc[j] += alpha * sum_{r < rows} g[r, j], rows summed in a fixed order (deterministic).
+cudaError_t LaunchColumnSumAccumulate(const void* g,  // (rows, v) row-major, elem
+                                      int32_t elem, int64_t rows, int64_t v, float alpha,
+                                      float* acc,  // (v) fp32
+                                      cudaStream_t stream);
+
+// dst[i] = round(src[i]) into elem, for i < n.
+cudaError_t LaunchCastFromFloat(const float* src,  // (n) fp32
+                                void* dst,         // (n) elem
+                                int32_t elem, int64_t n, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_CE_KERNELS_H_

@@ -1,0 +1,519 @@
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cuda/ce_kernels.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/fused_loss.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+constexpr uint64_t kMinAllocation = 256;
+
+class DeviceBuffer : public BackendBuffer {
+ public:
+  DeviceBuffer(void* ptr, size_t bytes, size_t counted, int device,
+               std::shared_ptr<MemoryCounters> counters)
+      : ptr_(ptr), bytes_(bytes), counted_(counted), device_(device),
+        counters_(std::move(counters)) {}
+  ~DeviceBuffer() override {
+    // cudaFree waits for work still using the memory; its error has no caller to go to.
+    cudaSetDevice(device_);
+    cudaFree(ptr_);
+    counters_->current -= counted_;
+  }
+  void* data() override { return ptr_; }
+  size_t size() const override { return bytes_; }
+  const void* cdata() const { return ptr_; }
+
+ private:
+  void* ptr_;
+  size_t bytes_;
+  size_t counted_;
+  int device_;
+  std::shared_ptr<MemoryCounters> counters_;
+};
+
+uint64_t Align(uint64_t x) { return (x + 255) / 256 * 256; }
+
+// Device bytes one Compute allocates, and the part of them that is workspace (not a device
+// copy of an input or an output).
+struct DevicePlan {
+  uint64_t total = 0;
+  uint64_t extra = 0;
+};
+
+DevicePlan PlanDeviceBytes(const LossProblem& p, const LossOutputs& out, const ChunkPlan& plan) {
+  const uint64_t bt = static_cast<uint64_t>(p.bt), h = static_cast<uint64_t>(p.h),
+                 v = static_cast<uint64_t>(p.v);
+  const uint64_t elem = DTypeSize(p.dtype), g = DTypeSize(out.grad_dtype);
+  DevicePlan d;
+  d.total += Align(bt * h * elem);                       // x
+  if (p.w_memory == Memory::kHost) {
+    d.total += Align(v * h * elem);                      // w
+    if (p.bias != nullptr) d.total += Align(v * elem);   // bias
+  }
+  d.total += Align(bt * 4);                              // targets
+  if (p.class_weights != nullptr) d.total += Align(v * 4);
+  if (p.grad_output != nullptr) d.total += Align(bt * 4);
+  d.total += 4 * Align(bt * 4);                          // per-row statistics
+  if (out.dx != nullptr) d.total += Align(bt * h * g);
+  if (out.dw_accum != nullptr) {
+    if (out.accum_memory == Memory::kHost) d.total += Align(v * h * 4);
+  } else if (out.dw != nullptr) {
+    d.total += Align(v * h * 4);
+    if (out.grad_dtype != DType::kF32) {
+      d.total += Align(v * h * g);
+      d.extra += Align(v * h * 4);  // the fp32 accumulator behind a 16-bit dW
+    }
+  }
+  if (p.bias != nullptr) {
+    if (out.db_accum != nullptr) {
+      if (out.accum_memory == Memory::kHost) d.total += Align(v * 4);
+    } else if (out.db != nullptr) {
+      d.total += 2 * Align(v * 4);
+    }
+  }
+  d.total += plan.workspace_bytes;
+  d.extra += plan.workspace_bytes;
+  return d;
+}
+
+int32_t Elem(DType t) { return static_cast<int32_t>(t); }
+
+absl::Status ValidateProblem(const LossProblem& p, const LossOutputs& out) {
+  if (p.bt < 0 || p.h <= 0 || p.v <= 0 || p.bt > 0x7fffffff || p.v > 0x7fffffff ||
+      p.h > 0x7fffffff) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda: shape must have 0 <= bt, 0 < h, 0 < v, each below 2^31; got bt=", p.bt,
+        " h=", p.h, " v=", p.v));
+  }
+  if (!IsFloatDType(p.dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: dtype must be bf16, fp16 or fp32; got ", DTypeName(p.dtype)));
+  }
+  if (out.grad_dtype != p.dtype && out.grad_dtype != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda: grad_dtype must be the input dtype (", DTypeName(p.dtype), ") or fp32; got ",
+        DTypeName(out.grad_dtype)));
+  }
+  if (p.w == nullptr || (p.bt > 0 && (p.x == nullptr || p.targets == nullptr))) {
+    return absl::InvalidArgumentError("cuda: x, w and targets must be non-null");
+  }
+  const LossOptions& o = p.options;
+  if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
+      o.reduction != Reduction::kNone) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: unknown reduction ", static_cast<int>(o.reduction)));
+  }
+  if (!(o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: label_smoothing must be in [0, 1]; got ", o.label_smoothing));
+  }
+  if (!(o.z_loss_scale >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: z_loss_scale must be >= 0; got ", o.z_loss_scale));
+  }
+  if (!(o.softcap >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: softcap must be >= 0; got ", o.softcap));
+  }
+  if (o.chunk_rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: chunk_rows must be >= 0; got ", o.chunk_rows));
+  }
+  if (p.bias == nullptr && (out.db != nullptr || out.db_accum != nullptr)) {
+    return absl::InvalidArgumentError("cuda: db requested but the problem has no bias");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(const CudaBackendOptions& options)
+    : options_(options), counters_(std::make_shared<MemoryCounters>()) {}
+
+CudaBackend::~CudaBackend() {
+  absl::MutexLock lock(&mu_);
+  engine_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
+    const CudaBackendOptions& options) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (IsNoGpuError(e) || (e == cudaSuccess && count == 0)) {
+    return absl::UnavailableError(absl::StrCat(
+        "no GPU: cudaGetDeviceCount: ",
+        e == cudaSuccess ? "no CUDA device" : cudaGetErrorString(e)));
+  }
+  LOSSD_CUDA_RETURN_IF_ERROR(e);
+  if (options.device < 0 || options.device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda: device ", options.device,
+                                                   " does not exist; there are ", count));
+  }
+  std::unique_ptr<CudaBackend> b(new CudaBackend(options));
+  cudaDeviceProp prop;
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options.device));
+  b->device_name_ = prop.name;
+  absl::StatusOr<std::unique_ptr<FusedLoss>> engine = FusedLoss::Create(options.device);
+  if (!engine.ok()) return engine.status();
+  absl::MutexLock lock(&b->mu_);
+  b->engine_ = *std::move(engine);
+  return b;
+}
+
+BackendInfo CudaBackend::Info() {
+  BackendInfo info;
+  info.name = "cuda";
+  info.device = device_name_;
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaSetDevice(options_.device) == cudaSuccess &&
+      cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    info.memory_total_bytes = total_bytes;
+    info.memory_used_bytes = total_bytes - free_bytes;
+  } else {
+    cudaGetLastError();  // a failed query is reported as zeros, not left pending
+  }
+  info.memory_peak_bytes = counters_->peak.load();
+  info.healthy = healthy_.load();
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::AllocateDevice(size_t bytes) {
+  const uint64_t counted = Align(bytes < kMinAllocation ? kMinAllocation : bytes);
+  const uint64_t held = counters_->current.load();
+  if (options_.memory_budget_bytes != 0 && held + counted > options_.memory_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cuda: allocating ", bytes, " bytes would exceed the memory budget of ",
+        options_.memory_budget_bytes, " bytes (", held, " held)"));
+  }
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  void* ptr = nullptr;
+  const cudaError_t e = cudaMalloc(&ptr, counted);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // out-of-memory is not sticky: clear it and keep serving
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    cudaGetLastError();
+    if (e == cudaErrorMemoryAllocation) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cuda: cudaMalloc(", counted, " bytes) on ", device_name_,
+                       ": out of memory (", free_bytes, " of ", total_bytes, " bytes free)"));
+    }
+    return CudaStatus(e, absl::StrCat("cudaMalloc(", counted, " bytes)"));
+  }
+  const uint64_t now = (counters_->current += counted);
+  uint64_t peak = counters_->peak.load();
+  while (now > peak && !counters_->peak.compare_exchange_weak(peak, now)) {
+  }
+  return std::unique_ptr<BackendBuffer>(
+      new DeviceBuffer(ptr, bytes, counted, options_.device, counters_));
+}
+
+absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::Allocate(size_t bytes) {
+  return AllocateDevice(bytes);
+}
+
+absl::Status CudaBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
+                                        size_t bytes) {
+  if (offset > dst.size() || bytes > dst.size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("cuda: copy of ", bytes, " bytes at offset ",
+                                              offset, " overruns a buffer of ", dst.size()));
+  }
+  if (bytes == 0) return absl::OkStatus();
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  return Check(CudaStatus(cudaMemcpy(static_cast<char*>(dst.data()) + offset, src, bytes,
+                                     cudaMemcpyHostToDevice),
+                          "cudaMemcpy(host to device)"));
+}
+
+absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
+                                          size_t bytes) {
+  if (offset > src.size() || bytes > src.size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("cuda: copy of ", bytes, " bytes at offset ",
+                                              offset, " overruns a buffer of ", src.size()));
+  }
+  if (bytes == 0) return absl::OkStatus();
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  const char* from = static_cast<const char*>(const_cast<BackendBuffer&>(src).data()) + offset;
+  return Check(CudaStatus(cudaMemcpy(dst, from, bytes, cudaMemcpyDeviceToHost),
+                          "cudaMemcpy(device to host)"));
+}
+
+absl::Status CudaBackend::Zero(BackendBuffer& buf) {
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  return Check(CudaStatus(cudaMemset(buf.data(), 0, buf.size()), "cudaMemset"));
+}
+
+ChunkPlan CudaBackend::Plan(const LossProblem& p) const {
+  const uint64_t budget =
+      options_.chunk_budget_bytes != 0 ? options_.chunk_budget_bytes : kDefaultChunkBudgetBytes;
+  return PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows);
+}
+
+uint64_t CudaBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out) {
+  return PlanDeviceBytes(p, out, Plan(p)).total;
+}
+
+absl::Status CudaBackend::Check(absl::Status s) {
+  if (s.ok() || absl::IsResourceExhausted(s) || absl::IsInvalidArgument(s) ||
+      absl::IsOutOfRange(s)) {
+    return s;
+  }
+  // Anything else may have come from a device fault: a sticky error shows on every call.
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (IsStickyCudaError(e)) {
+    healthy_ = false;
+    return absl::InternalError(absl::StrCat(s.message(), "; the device is in a sticky error ",
+                                            "state (", cudaGetErrorName(e), ")"));
+  }
+  cudaGetLastError();
+  return s;
+}
+
+absl::Status CudaBackend::Compute(const LossProblem& p, const LossOutputs& out,
+                                  LossStats* stats) {
+  absl::MutexLock lock(&mu_);
+  if (!healthy_) {
+    return absl::UnavailableError(
+        "cuda: the device hit a sticky error earlier; this backend can no longer compute");
+  }
+  return Check(ComputeLocked(p, out, stats));
+}
+
+absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs& out,
+                                        LossStats* stats) {
+  const auto t0 = std::chrono::steady_clock::now();
+  LOSSD_CUDA_RETURN_IF_NOT_OK(ValidateProblem(p, out));
+  std::vector<int32_t> targets32;
+  absl::StatusOr<TargetSummary> summary =
+      SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
+                       p.class_weights, &targets32);
+  if (!summary.ok()) return summary.status();
+  const ChunkPlan plan = Plan(p);
+  const DevicePlan bytes = PlanDeviceBytes(p, out, plan);
+  if (options_.memory_budget_bytes != 0 && bytes.total > options_.memory_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cuda: this problem needs ", bytes.total, " device bytes; the budget is ",
+        options_.memory_budget_bytes));
+  }
+
+  const int64_t bt = p.bt, h = p.h, v = p.v;
+  const size_t elem = DTypeSize(p.dtype), gsize = DTypeSize(out.grad_dtype);
+  const bool none = p.options.reduction == Reduction::kNone;
+  cudaStream_t stream = engine_->stream();
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+
+  // Every buffer lives until the end of this call; destroying them (also on an error path)
+  // frees them after the device is done with them.
+  std::vector<std::unique_ptr<BackendBuffer>> held;
+  auto alloc = [&](uint64_t n) -> absl::StatusOr<void*> {
+    absl::StatusOr<std::unique_ptr<BackendBuffer>> b = AllocateDevice(n);
+    if (!b.ok()) return b.status();
+    held.push_back(*std::move(b));
+    return held.back()->data();
+  };
+  auto upload = [&](const void* src, uint64_t n, void** dst) -> absl::Status {
+    absl::StatusOr<void*> d = alloc(n);
+    if (!d.ok()) return d.status();
+    *dst = *d;
+    if (n == 0) return absl::OkStatus();
+    return CudaStatus(cudaMemcpyAsync(*dst, src, n, cudaMemcpyHostToDevice, stream),
+                      "cudaMemcpyAsync(host to device)");
+  };
+
+  DeviceLossArgs a;
+  a.bt = bt;
+  a.h = h;
+  a.v = v;
+  a.dtype = p.dtype;
+  a.options = p.options;
+  a.summary = *summary;
+  void* ptr = nullptr;
+  LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.x, bt * h * elem, &ptr));
+  a.x = ptr;
+  if (p.w_memory == Memory::kHost) {
+    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.w, v * h * elem, &ptr));
+    a.w = ptr;
+    if (p.bias != nullptr) {
+      LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.bias, v * elem, &ptr));
+      a.bias = ptr;
+    }
+  } else {
+    a.w = p.w;
+    a.bias = p.bias;
+  }
+  LOSSD_CUDA_RETURN_IF_NOT_OK(upload(targets32.data(), bt * 4, &ptr));
+  a.targets = static_cast<const int32_t*>(ptr);
+  if (p.class_weights != nullptr) {
+    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.class_weights, v * 4, &ptr));
+    a.class_weights = static_cast<const float*>(ptr);
+  }
+  if (p.grad_output != nullptr) {
+    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.grad_output, bt * 4, &ptr));
+    a.row_grad = static_cast<const float*>(ptr);
+  }
+  absl::StatusOr<void*> rows_mem = alloc(4 * Align(bt * 4));
+  if (!rows_mem.ok()) return rows_mem.status();
+  char* rows_base = static_cast<char*>(*rows_mem);
+  a.row_lse = reinterpret_cast<float*>(rows_base);
+  a.row_ce = reinterpret_cast<float*>(rows_base + Align(bt * 4));
+  a.row_z = reinterpret_cast<float*>(rows_base + 2 * Align(bt * 4));
+  a.row_pred = reinterpret_cast<int32_t*>(rows_base + 3 * Align(bt * 4));
+  if (out.dx != nullptr) {
+    absl::StatusOr<void*> d = alloc(bt * h * gsize);
+    if (!d.ok()) return d.status();
+    a.dx = *d;
+    a.dx_dtype = out.grad_dtype;
+  }
+  // dW: straight into a device accumulator, through a device copy of a host accumulator, or
+  // into a fresh fp32 buffer (cast at the end when the gradient is 16-bit).
+  void* dw_cast = nullptr;
+  if (out.dw_accum != nullptr) {
+    a.accumulate_dw = true;
+    if (out.accum_memory == Memory::kBackend) {
+      a.dw_acc = out.dw_accum;
+    } else {
+      LOSSD_CUDA_RETURN_IF_NOT_OK(upload(out.dw_accum, v * h * 4, &ptr));
+      a.dw_acc = static_cast<float*>(ptr);
+    }
+  } else if (out.dw != nullptr) {
+    absl::StatusOr<void*> d = alloc(v * h * 4);
+    if (!d.ok()) return d.status();
+    a.dw_acc = static_cast<float*>(*d);
+    if (out.grad_dtype != DType::kF32) {
+      absl::StatusOr<void*> c = alloc(v * h * gsize);
+      if (!c.ok()) return c.status();
+      dw_cast = *c;
+    }
+  }
+  void* db_cast = nullptr;
+  if (p.bias != nullptr) {
+    if (out.db_accum != nullptr) {
+      a.accumulate_db = true;
+      if (out.accum_memory == Memory::kBackend) {
+        a.db_acc = out.db_accum;
+      } else {
+        LOSSD_CUDA_RETURN_IF_NOT_OK(upload(out.db_accum, v * 4, &ptr));
+        a.db_acc = static_cast<float*>(ptr);
+      }
+    } else if (out.db != nullptr) {
+      absl::StatusOr<void*> d = alloc(v * 4);
+      if (!d.ok()) return d.status();
+      a.db_acc = static_cast<float*>(*d);
+      absl::StatusOr<void*> c = alloc(v * 4);
+      if (!c.ok()) return c.status();
+      db_cast = *c;
+    }
+  }
+  absl::StatusOr<void*> workspace = alloc(plan.workspace_bytes);
+  if (!workspace.ok()) return workspace.status();
+
+  LOSSD_CUDA_RETURN_IF_NOT_OK(engine_->Enqueue(a, plan, *workspace));
+
+  // Results back to the host, on the same stream.
+  std::vector<float> lse(bt), ce(bt), zl(bt);
+  std::vector<int32_t> pred(bt);
+  auto download = [&](void* dst, const void* src, uint64_t n) -> absl::Status {
+    if (n == 0) return absl::OkStatus();
+    return CudaStatus(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream),
+                      "cudaMemcpyAsync(device to host)");
+  };
+  LOSSD_CUDA_RETURN_IF_NOT_OK(download(lse.data(), a.row_lse, bt * 4));
+  LOSSD_CUDA_RETURN_IF_NOT_OK(download(ce.data(), a.row_ce, bt * 4));
+  LOSSD_CUDA_RETURN_IF_NOT_OK(download(zl.data(), a.row_z, bt * 4));
+  LOSSD_CUDA_RETURN_IF_NOT_OK(download(pred.data(), a.row_pred, bt * 4));
+  if (out.dx != nullptr) LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dx, a.dx, bt * h * gsize));
+  if (out.dw_accum != nullptr) {
+    if (out.accum_memory == Memory::kHost) {
+      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw_accum, a.dw_acc, v * h * 4));
+    }
+  } else if (out.dw != nullptr) {
+    if (dw_cast != nullptr) {
+      LOSSD_CUDA_RETURN_IF_ERROR(
+          LaunchCastFromFloat(a.dw_acc, dw_cast, Elem(out.grad_dtype), v * h, stream));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw, dw_cast, v * h * gsize));
+    } else {
+      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw, a.dw_acc, v * h * 4));
+    }
+  }
+  if (p.bias != nullptr) {
+    if (out.db_accum != nullptr) {
+      if (out.accum_memory == Memory::kHost) {
+        LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.db_accum, a.db_acc, v * 4));
+      }
+    } else if (out.db != nullptr) {
+      LOSSD_CUDA_RETURN_IF_ERROR(
+          LaunchCastFromFloat(a.db_acc, db_cast, Elem(out.grad_dtype), v, stream));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.db, db_cast, v * gsize));
+    }
+  }
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+
+  // Reductions on the host, in double and in row order: deterministic and exact enough.
+  const TargetSummary& s = *summary;
+  double ce_total = 0, z_total = 0;
+  int64_t correct = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (targets32[i] < 0) continue;
+    ce_total += ce[i];
+    z_total += zl[i];
+    if (pred[i] == targets32[i]) ++correct;
+  }
+  double ce_loss = ce_total, z_loss = z_total;
+  if (p.options.reduction == Reduction::kMean) {
+    ce_loss = s.weight_sum != 0 ? ce_total / s.weight_sum : 0.0;
+    z_loss = s.tokens != 0 ? z_total / static_cast<double>(s.tokens) : 0.0;
+  }
+  if (out.loss != nullptr) {
+    if (none) {
+      for (int64_t i = 0; i < bt; ++i) out.loss[i] = ce[i] + zl[i];
+    } else {
+      out.loss[0] = static_cast<float>(ce_loss + z_loss);
+    }
+  }
+  if (out.z_loss != nullptr) {
+    if (none) {
+      for (int64_t i = 0; i < bt; ++i) out.z_loss[i] = zl[i];
+    } else {
+      out.z_loss[0] = static_cast<float>(z_loss);
+    }
+  }
+  if (out.lse != nullptr) std::memcpy(out.lse, lse.data(), bt * sizeof(float));
+  if (out.predictions != nullptr) {
+    for (int64_t i = 0; i < bt; ++i) out.predictions[i] = pred[i];
+  }
+  if (out.accuracy != nullptr) {
+    *out.accuracy = s.tokens != 0 ? static_cast<float>(static_cast<double>(correct) /
+                                                       static_cast<double>(s.tokens))
+                                  : 0.0f;
+  }
+  if (out.tokens != nullptr) *out.tokens = s.tokens;
+  if (stats != nullptr) {
+    stats->compute_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    stats->peak_extra_bytes = bytes.extra;
+    stats->chunk_rows = plan.chunk_rows;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace lossd

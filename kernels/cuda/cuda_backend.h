@@ -1,0 +1,77 @@
+// lossd::Backend on one CUDA GPU: copies a LossProblem's host tensors to the device (weights
+// and accumulators may already be there), runs the chunked fused linear + cross-entropy
+// (fused_loss.h) and copies the results back. Never aborts; out-of-memory is
+// RESOURCE_EXHAUSTED and frees everything the call held; a sticky device error marks the
+// backend unhealthy.
+#ifndef LOSSD_KERNELS_CUDA_CUDA_BACKEND_H_
+#define LOSSD_KERNELS_CUDA_CUDA_BACKEND_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/fused_loss.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace cuda {
+
+struct CudaBackendOptions {
+  int device = 0;
+  uint64_t memory_budget_bytes = 0;  // most device bytes held at once; 0 = no own limit
+  uint64_t chunk_budget_bytes = 0;   // chunk buffer + GEMM workspaces; 0 = 512 MiB
+};
+
+// Byte counters shared by the backend and every buffer it hands out.
+struct MemoryCounters {
+  std::atomic<uint64_t> current{0};
+  std::atomic<uint64_t> peak{0};
+};
+
+class CudaBackend : public Backend {
+ public:
+  // UNAVAILABLE (message "no GPU: ...") when the machine has no usable GPU.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
+  ~CudaBackend() override;
+
+  BackendInfo Info() override;
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override;
+  absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
+                             size_t bytes) override;
+  absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
+                               size_t bytes) override;
+  absl::Status Zero(BackendBuffer& buf) override;
+  uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override;
+  absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
+
+  // The chunk plan Compute would use for this problem.
+  ChunkPlan Plan(const LossProblem& p) const;
+
+ private:
+  explicit CudaBackend(const CudaBackendOptions& options);
+  absl::Status ComputeLocked(const LossProblem& p, const LossOutputs& out, LossStats* stats)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Device memory counted against the budget and the peak.
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> AllocateDevice(size_t bytes);
+  // Marks the backend unhealthy when `s` came with a sticky device error; returns `s`.
+  absl::Status Check(absl::Status s);
+
+  CudaBackendOptions options_;
+  std::string device_name_;
+  std::shared_ptr<MemoryCounters> counters_;
+  std::atomic<bool> healthy_{true};
+  absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
+  std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace cuda
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_CUDA_BACKEND_H_

@@ -1,0 +1,93 @@
+// Turns CUDA runtime and cuBLASLt return codes into absl::Status values that name the failed
+// call. Out-of-memory becomes RESOURCE_EXHAUSTED; nothing here aborts or throws.
+#ifndef LOSSD_KERNELS_CUDA_CUDA_STATUS_H_
+#define LOSSD_KERNELS_CUDA_CUDA_STATUS_H_
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace lossd {
+namespace cuda {
+
+// True for errors that leave the CUDA context unusable (every later call fails too).
+inline bool IsStickyCudaError(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorContextIsDestroyed:
+    case cudaErrorUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// True for the errors a process without a usable GPU gets from its first runtime call.
+inline bool IsNoGpuError(cudaError_t e) {
+  return e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ||
+         e == cudaErrorInitializationError;
+}
+
+inline absl::Status CudaStatus(cudaError_t e, absl::string_view call) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  std::string msg = absl::StrCat(call, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
+  if (IsNoGpuError(e)) return absl::UnavailableError(msg);
+  if (e == cudaErrorInvalidValue || e == cudaErrorInvalidConfiguration) {
+    return absl::InvalidArgumentError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+inline absl::Status CublasStatus(cublasStatus_t s, absl::string_view call) {
+  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  std::string msg = absl::StrCat(call, ": cuBLAS status ", static_cast<int>(s), " (",
+                                 cublasLtGetStatusName(s), ": ", cublasLtGetStatusString(s), ")");
+  if (s == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(msg);
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_INVALID_VALUE) {
+    return absl::InvalidArgumentError(msg);
+  }
+  return absl::InternalError(msg);
+}
+
+}  // namespace cuda
+}  // namespace lossd
+
+// Evaluates `expr` (a cudaError_t) once and returns a Status naming it on failure.
+#define LOSSD_CUDA_RETURN_IF_ERROR(expr)                                   \
+  do {                                                                     \
+    const cudaError_t lossd_cuda_err_ = (expr);                            \
+    if (lossd_cuda_err_ != cudaSuccess) {                                  \
+      return ::lossd::cuda::CudaStatus(lossd_cuda_err_, #expr);            \
+    }                                                                      \
+  } while (0)
+
+// Same for a cublasStatus_t.
+#define LOSSD_CUBLAS_RETURN_IF_ERROR(expr)                                 \
+  do {                                                                     \
+    const cublasStatus_t lossd_cublas_st_ = (expr);                        \
+    if (lossd_cublas_st_ != CUBLAS_STATUS_SUCCESS) {                       \
+      return ::lossd::cuda::CublasStatus(lossd_cublas_st_, #expr);         \
+    }                                                                      \
+  } while (0)
+
+// Same for an absl::Status.
+#define LOSSD_CUDA_RETURN_IF_NOT_OK(expr)                                  \
+  do {                                                                     \
+    absl::Status lossd_cuda_status_ = (expr);                              \
+    if (!lossd_cuda_status_.ok()) return lossd_cuda_status_;               \
+  } while (0)
+
+#endif  // LOSSD_KERNELS_CUDA_CUDA_STATUS_H_

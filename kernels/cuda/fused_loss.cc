@@ -1,0 +1,359 @@
+#include "kernels/cuda/fused_loss.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/ce_kernels.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+constexpr uint64_t kAlign = 256;
+
+uint64_t RoundUp(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
+
+cudaDataType CudaType(DType t) {
+  switch (t) {
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+// Largest power of two (up to 256) dividing the address: what cuBLASLt may assume of it.
+uint32_t PointerAlignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && a % align != 0) align >>= 1;
+  return align;
+}
+
+const char* Offset(const void* base, int64_t elements, size_t elem_size) {
+  return static_cast<const char*>(base) + elements * static_cast<int64_t>(elem_size);
+}
+
+// Frees whatever cuBLASLt descriptors were created, on every path out of Gemm.
+struct LtDescriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtDescriptors() {
+    if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+    if (d != nullptr) cublasLtMatrixLayoutDestroy(d);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (op != nullptr) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target_dtype,
+                                               int64_t bt, int64_t v, int64_t ignore_index,
+                                               const float* class_weights,
+                                               std::vector<int32_t>* targets32) {
+  if (target_dtype != DType::kI32 && target_dtype != DType::kI64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda: target_dtype must be int32 or int64; got ", DTypeName(target_dtype)));
+  }
+  if (bt > 0 && targets == nullptr) {
+    return absl::InvalidArgumentError("cuda: targets must be non-null");
+  }
+  TargetSummary s;
+  targets32->assign(bt, -1);
+  for (int64_t i = 0; i < bt; ++i) {
+    const int64_t t = LoadAsInt(targets, target_dtype, i);
+    if (t == ignore_index) continue;
+    if (t < 0 || t >= v) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda: targets[", i, "] = ", t,
+                                                     " is outside [0, ", v,
+                                                     ") and is not ignore_index ",
+                                                     ignore_index));
+    }
+    (*targets32)[i] = static_cast<int32_t>(t);
+    ++s.tokens;
+    s.weight_sum += class_weights != nullptr ? class_weights[t] : 1.0;
+  }
+  if (class_weights != nullptr) {
+    for (int64_t j = 0; j < v; ++j) s.class_weight_sum += class_weights[j];
+  } else {
+    s.class_weight_sum = static_cast<double>(v);
+  }
+  return s;
+}
+
+ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
+                     int64_t requested_rows) {
+  const uint64_t fixed = 2 * kGemmWorkspaceBytes;
+  const uint64_t row_bytes = static_cast<uint64_t>(std::max<int64_t>(v, 1)) * DTypeSize(dtype);
+  int64_t c = 0;
+  if (requested_rows > 0) {
+    c = std::min<int64_t>(requested_rows, std::max<int64_t>(bt, 1));
+  } else {
+    const uint64_t avail = budget_bytes > fixed ? budget_bytes - fixed : 0;
+    const int64_t cmax = std::max<int64_t>(1, static_cast<int64_t>(avail / row_bytes));
+    if (cmax >= bt) {
+      c = std::max<int64_t>(bt, 1);
+    } else {
+      const int64_t n = (bt + cmax - 1) / cmax;
+      c = (bt + n - 1) / n;
+      // A multiple of 64 keeps the GEMM tiles full; take it only where it still fits.
+      const int64_t rounded = (c + 63) / 64 * 64;
+      if (c > 64 && rounded <= cmax) c = rounded;
+    }
+  }
+  ChunkPlan plan;
+  plan.chunk_rows = c;
+  // Two halves let the cross-entropy of one overlap the logits GEMM of the other; below a few
+  // hundred rows the GEMMs would lose more than the overlap gains.
+  plan.sub_chunks = c >= 512 ? 2 : 1;
+  plan.workspace_bytes = RoundUp(static_cast<uint64_t>(c) * row_bytes, kAlign) + fixed;
+  return plan;
+}
+
+GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {
+  double ce = o.grad_scale, z = o.grad_scale;
+  if (o.reduction == Reduction::kMean) {
+    ce = s.weight_sum != 0 ? o.grad_scale / s.weight_sum : 0.0;
+    z = s.tokens != 0 ? o.grad_scale / static_cast<double>(s.tokens) : 0.0;
+  } else if (o.reduction == Reduction::kNone) {
+    ce = z = 1.0;  // the per-row upstream gradient carries the scale
+  }
+  GradScales g;
+  const double alpha = (ce != 0 && std::isfinite(ce)) ? ce : 1.0;
+  g.alpha = static_cast<float>(alpha);
+  g.ce = static_cast<float>(ce / alpha);
+  g.z = static_cast<float>(z / alpha);
+  return g;
+}
+
+absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
+  std::unique_ptr<FusedLoss> f(new FusedLoss());
+  f->device_ = device;
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&f->main_, cudaStreamNonBlocking));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&f->ce_, cudaStreamNonBlocking));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&f->side_, cudaStreamNonBlocking));
+  for (auto& e : f->logits_done_) {
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  for (auto& e : f->ce_done_) {
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&f->dw_done_, cudaEventDisableTiming));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&f->lt_));
+  return f;
+}
+
+FusedLoss::~FusedLoss() {
+  // Teardown errors have no caller to go to; the device is left as it is.
+  cudaSetDevice(device_);
+  if (lt_ != nullptr) cublasLtDestroy(lt_);
+  if (dw_done_ != nullptr) cudaEventDestroy(dw_done_);
+  for (auto e : ce_done_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  for (auto e : logits_done_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  if (side_ != nullptr) cudaStreamDestroy(side_);
+  if (ce_ != nullptr) cudaStreamDestroy(ce_);
+  if (main_ != nullptr) cudaStreamDestroy(main_);
+}
+
+absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, bool trans_a, bool trans_b,
+                             int64_t m, int64_t n, int64_t k, float alpha, const void* a,
+                             int64_t lda, const void* b, int64_t ldb, cudaDataType ab_type,
+                             float beta, void* d, int64_t ldd, cudaDataType d_type) {
+  LtDescriptors desc;
+  LOSSD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
+      &desc.a, ab_type, trans_a ? k : m, trans_a ? m : k, lda));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
+      &desc.b, ab_type, trans_b ? n : k, trans_b ? k : n, ldb));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.d, d_type, m, n, ldd));
+
+  const uint32_t align_a = PointerAlignment(a), align_b = PointerAlignment(b),
+                 align_d = PointerAlignment(d);
+  const AlgoKey key{trans_a, trans_b, static_cast<int>(ab_type), static_cast<int>(d_type),
+                    m, n, k, lda, ldb, ldd, static_cast<int>(align_a),
+                    static_cast<int>(align_b), static_cast<int>(align_d) | (beta != 0) << 16};
+  auto it = algos_.find(key);
+  if (it == algos_.end()) {
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.pref));
+    const uint64_t ws_bytes = kGemmWorkspaceBytes;
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)));
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(
+        lt_, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1, &result, &found));
+    if (found == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", m, " n=", n, " k=", k));
+    }
+    it = algos_.emplace(key, result.algo).first;
+  }
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b,
+                                              &beta, d, desc.d, d, desc.d, &it->second, ws,
+                                              kGemmWorkspaceBytes, stream));
+  return absl::OkStatus();
+}
+
+absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan,
+                                void* workspace) {
+  if (a.bt < 0 || a.h <= 0 || a.v <= 0 || a.v > 0x7fffffff || a.bt > 0x7fffffff) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: bad shape bt=", a.bt, " h=", a.h, " v=", a.v));
+  }
+  if (!IsFloatDType(a.dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: dtype must be bf16, fp16 or fp32; got ", DTypeName(a.dtype)));
+  }
+  if (a.dx != nullptr && a.dx_dtype != a.dtype && a.dx_dtype != DType::kF32) {
+    return absl::InvalidArgumentError("cuda: gradient dtype must be the input dtype or fp32");
+  }
+  if (a.db_acc != nullptr && a.bias == nullptr) {
+    return absl::InvalidArgumentError("cuda: db wanted but the problem has no bias");
+  }
+  if (plan.chunk_rows <= 0 || workspace == nullptr) {
+    return absl::InvalidArgumentError("cuda: no chunk plan or workspace");
+  }
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const size_t elem = DTypeSize(a.dtype);
+  const cudaDataType ab = CudaType(a.dtype);
+  const GradScales scales = ComputeGradScales(a.options, a.summary);
+  const bool want_dw = a.dw_acc != nullptr, want_db = a.db_acc != nullptr;
+  const bool write_grad = a.dx != nullptr || want_dw || want_db;
+
+  char* logits = static_cast<char*>(workspace);
+  void* ws_main = logits + RoundUp(static_cast<uint64_t>(plan.chunk_rows) * a.v * elem, kAlign);
+  void* ws_side = static_cast<char*>(ws_main) + kGemmWorkspaceBytes;
+
+  // The side streams start after whatever the caller queued on main_ (input copies).
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_, main_));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dw_done_, 0));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, dw_done_, 0));
+  if (want_db && !a.accumulate_db) {
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(a.db_acc, 0, static_cast<size_t>(a.v) * sizeof(float), side_));
+  }
+  if (want_dw && !a.accumulate_dw && a.bt == 0) {
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(a.dw_acc, 0, static_cast<size_t>(a.v) * a.h * sizeof(float), side_));
+  }
+
+  for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
+    const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
+    // Sub-chunk boundaries: [0, split) and [split, rows).
+    int64_t split = rows;
+    if (plan.sub_chunks > 1 && rows >= 256) split = (rows / 2 + 63) / 64 * 64;
+    const int64_t nsub = split < rows ? 2 : 1;
+    const int64_t begin[2] = {0, split};
+    const int64_t count[2] = {split, rows - split};
+
+    // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
+    if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_, 0));
+    for (int64_t s = 0; s < nsub; ++s) {
+      // z^T (V x n) = W (as H x V col-major, transposed) * X_c^T (H x n col-major).
+      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(main_, ws_main, true, false, a.v, count[s], a.h, 1.0f,
+                                       a.w, a.h, Offset(a.x, (c0 + begin[s]) * a.h, elem),
+                                       a.h, ab, 0.0f, logits + begin[s] * a.v * elem, a.v, ab));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
+    }
+    for (int64_t s = 0; s < nsub; ++s) {
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
+      const int64_t r0 = c0 + begin[s];
+      CrossEntropyParams p{};
+      p.logits = logits + begin[s] * a.v * elem;
+      p.elem = static_cast<int32_t>(a.dtype);
+      p.rows = count[s];
+      p.v = a.v;
+      p.bias = a.bias;
+      p.targets = a.targets + r0;
+      p.class_weights = a.class_weights;
+      p.row_scale = a.options.reduction == Reduction::kNone && a.row_grad != nullptr
+                        ? a.row_grad + r0
+                        : nullptr;
+      p.ce_scale = scales.ce;
+      p.z_scale = scales.z;
+      p.label_smoothing = a.options.label_smoothing;
+      p.z_loss_scale = a.options.z_loss_scale;
+      p.softcap = a.options.softcap;
+      p.class_weight_sum = static_cast<float>(a.summary.class_weight_sum);
+      p.write_grad = write_grad ? 1 : 0;
+      p.row_lse = a.row_lse + r0;
+      p.row_ce = a.row_ce + r0;
+      p.row_z = a.row_z + r0;
+      p.row_pred = a.row_pred + r0;
+      LOSSD_CUDA_RETURN_IF_ERROR(LaunchCrossEntropy(p, ce_));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[s], ce_));
+    }
+    for (int64_t s = 0; s < nsub; ++s) {
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[s], 0));
+      if (a.dx == nullptr) continue;
+      // dX_c^T (H x n) = W (H x V col-major) * G^T (V x n col-major).
+      const size_t dx_elem = DTypeSize(a.dx_dtype);
+      char* dx = static_cast<char*>(a.dx) + (c0 + begin[s]) * a.h * dx_elem;
+      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(main_, ws_main, false, false, a.h, count[s], a.v,
+                                       scales.alpha, a.w, a.h, logits + begin[s] * a.v * elem,
+                                       a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype)));
+    }
+    if (want_dw || want_db) {
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[nsub - 1], 0));
+      if (want_dw) {
+        // dW^T (H x V) += X_c^T (H x C col-major) * G (G^T is V x C col-major, transposed).
+        // Chunks are added in increasing row order, one GEMM each: a fixed order.
+        const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
+        LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(side_, ws_side, false, true, a.h, a.v, rows,
+                                         scales.alpha, Offset(a.x, c0 * a.h, elem), a.h,
+                                         logits, a.v, ab, beta, a.dw_acc, a.h, CUDA_R_32F));
+      }
+      if (want_db) {
+        LOSSD_CUDA_RETURN_IF_ERROR(LaunchColumnSumAccumulate(
+            logits, static_cast<int32_t>(a.dtype), rows, a.v, scales.alpha, a.db_acc, side_));
+      }
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_, side_));
+    }
+  }
+  // Everything ends on main_.
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_, side_));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_, 0));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace lossd

@@ -1,0 +1,134 @@
+// The GPU engine of the fused linear + cross-entropy on device pointers: plans chunks from a
+// memory budget, and enqueues per chunk the logits GEMM (cuBLASLt), the fused cross-entropy
+// kernel (gradient in place over the logits), the dX GEMM and the fixed-order fp32 dW/db
+// accumulation. Owns its streams, events and cuBLASLt handle; never allocates device memory
+// (the caller passes the workspace) and never touches host tensors.
+#ifndef LOSSD_KERNELS_CUDA_FUSED_LOSS_H_
+#define LOSSD_KERNELS_CUDA_FUSED_LOSS_H_
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace cuda {
+
+// Host-side facts about the targets that the mean reduction needs before any gradient row.
+struct TargetSummary {
+  int64_t tokens = 0;             // non-ignored rows
+  double weight_sum = 0;          // sum of cw[t_i] over non-ignored rows (tokens without weights)
+  double class_weight_sum = 0;    // sum_j cw_j (V without weights)
+};
+
+// Validates targets (each in [0, V) or ignore_index), converts them to int32 with -1 for an
+// ignored row, and sums what the reductions need. INVALID_ARGUMENT names the first bad row.
+absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets,  // (BT) target_dtype, host
+                                               DType target_dtype, int64_t bt, int64_t v,
+                                               int64_t ignore_index,
+                                               const float* class_weights,  // (V) host or null
+                                               std::vector<int32_t>* targets32);  // (BT) out
+
+// Every tensor lives in device memory.
+struct DeviceLossArgs {
+  int64_t bt = 0, h = 0, v = 0;
+  DType dtype = DType::kBF16;
+  const void* x = nullptr;               // (BT, H) row-major, dtype
+  const void* w = nullptr;               // (V, H) row-major, dtype
+  const void* bias = nullptr;            // (V) dtype, or null
+  const int32_t* targets = nullptr;      // (BT) in [0, V) or -1 (ignored)
+  const float* class_weights = nullptr;  // (V), or null
+  const float* row_grad = nullptr;       // (BT) upstream gradient for reduction none, or null
+  LossOptions options;
+  TargetSummary summary;
+  // Per-row statistics, always written (the reductions are done by the caller on the host).
+  float* row_lse = nullptr;    // (BT)
+  float* row_ce = nullptr;     // (BT)
+  float* row_z = nullptr;      // (BT)
+  int32_t* row_pred = nullptr;  // (BT)
+  void* dx = nullptr;          // (BT, H) row-major, dx_dtype, or null
+  DType dx_dtype = DType::kBF16;
+  float* dw_acc = nullptr;     // (V, H) row-major fp32, or null
+  float* db_acc = nullptr;     // (V) fp32, or null (needs bias)
+  bool accumulate_dw = false;  // true: add into dw_acc; false: overwrite it
+  bool accumulate_db = false;  // true: add into db_acc; false: overwrite it
+};
+
+struct ChunkPlan {
+  int64_t chunk_rows = 0;          // C
+  int64_t sub_chunks = 1;          // the logits GEMM and the CE kernel overlap across these
+  uint64_t workspace_bytes = 0;    // device bytes Enqueue needs as `workspace`
+};
+
+// Bytes of cuBLASLt workspace per stream.
+inline constexpr uint64_t kGemmWorkspaceBytes = 4ull << 20;
+// Default budget for the chunk buffer plus GEMM workspaces.
+inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
+
+// The largest chunk whose C x V logits buffer (input dtype) and GEMM workspaces fit in
+// `budget_bytes`, balanced so the chunks are of equal size (a multiple of 64 rows where it
+// can be). `requested_rows` > 0 overrides the budget. Never returns fewer than 1 row.
+ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
+                     int64_t requested_rows);
+
+// Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
+// common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow.
+struct GradScales {
+  float ce = 1, z = 1, alpha = 1;
+};
+GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s);
+
+class FusedLoss {
+ public:
+  // Makes `device` current for the calling thread and creates streams, events and the handle.
+  static absl::StatusOr<std::unique_ptr<FusedLoss>> Create(int device);
+  ~FusedLoss();
+  FusedLoss(const FusedLoss&) = delete;
+  FusedLoss& operator=(const FusedLoss&) = delete;
+
+  int device() const { return device_; }
+  // Everything Enqueue does is finished once this stream is.
+  cudaStream_t stream() const { return main_; }
+
+  // Enqueues forward + backward; `workspace` holds plan.workspace_bytes device bytes, 256-byte
+  // aligned. Deterministic: the same inputs and plan give bit-identical outputs. Not
+  // thread-safe: one caller at a time.
+  absl::Status Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
+
+ private:
+  FusedLoss() = default;
+
+  // D = alpha op(A) op(B) + beta D, column-major (cuBLASLt's view of our row-major tensors).
+  absl::Status Gemm(cudaStream_t stream, void* ws, bool trans_a, bool trans_b, int64_t m,
+                    int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
+                    const void* b, int64_t ldb, cudaDataType ab_type, float beta, void* d,
+                    int64_t ldd, cudaDataType d_type);
+
+  int device_ = 0;
+  cudaStream_t main_ = nullptr;  // logits GEMM, dX GEMM
+  cudaStream_t ce_ = nullptr;    // cross-entropy kernels
+  cudaStream_t side_ = nullptr;  // dW / db accumulation
+  std::array<cudaEvent_t, 2> logits_done_{};
+  std::array<cudaEvent_t, 2> ce_done_{};
+  cudaEvent_t dw_done_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  // Heuristic choices by problem key: picked once, so every run uses the same algorithm.
+  using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             int64_t, int, int, int>;
+  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
+};
+
+}  // namespace cuda
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_FUSED_LOSS_H_

@@ -1,0 +1,38 @@
+// The entry point of liblossd_cuda.so: the only symbol the plugin exports. The server loads
+// it with dlopen (kernels/plugin_loader.h) so cuBLAS never enters its static link.
+#include <cstddef>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/plugin_loader.h"
+
+namespace {
+
+void WriteError(const std::string& msg, char* err, size_t err_len) {
+  if (err == nullptr || err_len == 0) return;
+  std::snprintf(err, err_len, "%s", msg.c_str());
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) lossd::Backend* LossdCreateCudaBackend(
+    const LossdCudaOptions* opts, char* err, size_t err_len) {
+  lossd::cuda::CudaBackendOptions o;
+  if (opts != nullptr) {
+    o.device = opts->device;
+    o.memory_budget_bytes = opts->memory_budget_bytes;
+    o.chunk_budget_bytes = opts->chunk_budget_bytes;
+  }
+  absl::StatusOr<std::unique_ptr<lossd::cuda::CudaBackend>> b =
+      lossd::cuda::CudaBackend::Create(o);
+  if (!b.ok()) {
+    // The backend's "no GPU: " messages pass through unchanged; callers match the prefix.
+    WriteError(std::string(b.status().message()), err, err_len);
+    return nullptr;
+  }
+  return b->release();
+}

@@ -1,0 +1,55 @@
+// Loads the CUDA backend from its plugin shared library (liblossd_cuda.so) with dlopen, so a
+// binary that serves metrics never links cuBLAS statically (cuBLAS's static TLS leaves
+// civetweb's small thread stacks too little room). Includes no CUDA header; never aborts.
+#ifndef LOSSD_KERNELS_PLUGIN_LOADER_H_
+#define LOSSD_KERNELS_PLUGIN_LOADER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+// Options the plugin's factory takes: plain data, the same layout on both sides of dlopen.
+extern "C" {
+struct LossdCudaOptions {
+  int32_t device;                // CUDA device index
+  uint64_t memory_budget_bytes;  // most device bytes the backend may hold; 0 = no own limit
+  uint64_t chunk_budget_bytes;   // chunk buffer + GEMM workspaces per Compute; 0 = 512 MiB
+};
+}
+
+// The plugin's one exported symbol, and its type. Returns null and writes a NUL-terminated
+// message into err (at most err_len bytes) when there is no usable GPU or on any other error.
+#define LOSSD_CUDA_FACTORY_SYMBOL "LossdCreateCudaBackend"
+typedef lossd::Backend* (*LossdCreateCudaBackendFn)(const LossdCudaOptions* opts, char* err,
+                                                    size_t err_len);
+
+// Message prefix the plugin uses when the machine has no usable GPU (no device, or a driver
+// too old for the runtime), so callers can fall back to the CPU backend quietly.
+#define LOSSD_CUDA_NO_GPU_PREFIX "no GPU: "
+
+namespace lossd {
+
+inline LossdCudaOptions DefaultCudaOptions() { return LossdCudaOptions{0, 0, 0}; }
+
+// The file names LoadCudaBackend tries, in order: `path` if non-empty; then
+// <dir of /proc/self/exe>/liblossd_cuda.so; <dir>/lib/liblossd_cuda.so; and the Bazel
+// runfiles copies ($RUNFILES_DIR/lossd/kernels/cuda/liblossd_cuda.so, then
+// <exe>.runfiles/lossd/kernels/cuda/liblossd_cuda.so).
+std::vector<std::string> CudaPluginCandidates(const std::string& path);
+
+// dlopens the first candidate that exists and creates a backend through its factory.
+// NOT_FOUND: no candidate file exists. UNAVAILABLE: the plugin loaded but there is no usable
+// GPU (message starts with "no GPU: "). FAILED_PRECONDITION: the file could not be loaded or
+// lacks the factory. INTERNAL: the factory failed otherwise. The library stays loaded
+// for the life of the process (the backend's code lives in it).
+absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(const std::string& path_or_empty,
+                                                         const LossdCudaOptions& options);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_PLUGIN_LOADER_H_
