@@ -1,0 +1,851 @@
+// Tests the client against an in-process fake lossd service over real loopback gRPC: part
+// splitting and ordering, response validation, status propagation, deadlines, striping.
+#include "client/lossd_client.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "lossd/v1/lossd.pb.h"
+
+namespace lossd {
+namespace client {
+namespace {
+
+using ::testing::HasSubstr;
+
+// How the fake misbehaves in Compute.
+enum class Mode {
+  kEcho,          // dx = x's bytes, dw = w's bytes, lse = targets as fp32, predictions = targets
+  kError,         // fails with error_code / error_message after reading the header
+  kSleep,         // sleeps until cancelled (or 10 s), then answers
+  kOutOfOrder,    // sends dx's second part before its first
+  kShort,         // sends dx one byte short
+  kOverflow,      // sends dx with one byte too many
+  kUnannounced,   // sends a part of z_loss, which the summary does not list
+  kNoSummary,     // sends nothing and returns OK
+  kPartFirst,     // sends a part before the summary
+  kBadShape,      // announces dx with one row too many
+  kTwoSummaries,  // sends the summary twice
+};
+
+size_t SpecBytes(const v1::TensorSpec& spec) {
+  size_t n = spec.dtype() == v1::DTYPE_BF16 || spec.dtype() == v1::DTYPE_FP16 ? 2
+             : spec.dtype() == v1::DTYPE_INT64                                 ? 8
+                                                                               : 4;
+  for (int64_t d : spec.shape()) n *= static_cast<size_t>(d);
+  return n;
+}
+
+// Reassembles the parts of one stream, checking that each tensor's parts come in byte order.
+struct Assembler {
+  std::map<int, std::string> data;
+  std::map<int, int> parts;
+  size_t max_part = 0;
+  std::string error;
+
+  void Add(const v1::TensorPart& p) {
+    std::string& d = data[p.tensor()];
+    if (p.offset() != d.size() && error.empty()) {
+      error = absl::StrCat("tensor ", p.tensor(), " part at ", p.offset(), ", expected ",
+                           d.size());
+    }
+    d += p.data();
+    ++parts[p.tensor()];
+    max_part = std::max(max_part, p.data().size());
+  }
+};
+
+class FakeLoss final : public v1::Loss::Service {
+ public:
+  std::atomic<Mode> mode{Mode::kEcho};
+  grpc::StatusCode error_code = grpc::StatusCode::INVALID_ARGUMENT;
+  std::string error_message;
+
+  // What the fake saw, for the tests to check.
+  absl::Mutex mu;
+  std::set<std::string> peers ABSL_GUARDED_BY(mu);
+  v1::ComputeHeader last_header ABSL_GUARDED_BY(mu);
+  std::map<int, int> last_parts ABSL_GUARDED_BY(mu);
+  size_t last_max_part ABSL_GUARDED_BY(mu) = 0;
+  std::string last_metadata ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::pair<v1::WeightsHeader, Assembler>> weights ABSL_GUARDED_BY(mu);
+  struct Accumulator {
+    int64_t v = 0, h = 0;
+    bool bias = false;
+    uint64_t micro_batches = 0;
+    int64_t tokens = 0;
+  };
+  std::map<std::string, Accumulator> accumulators ABSL_GUARDED_BY(mu);
+
+  grpc::Status Compute(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) override {
+    v1::ComputeRequest req;
+    if (!stream->Read(&req) || !req.has_header()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "first message must be a header");
+    }
+    const v1::ComputeHeader h = req.header();
+    {
+      absl::MutexLock lock(&mu);
+      peers.insert(ctx->peer());
+      last_header = h;
+      auto it = ctx->client_metadata().find("authorization");
+      last_metadata = it == ctx->client_metadata().end()
+                          ? ""
+                          : std::string(it->second.data(), it->second.size());
+    }
+    if (mode == Mode::kError) return grpc::Status(error_code, error_message);
+    Assembler in;
+    while (stream->Read(&req)) {
+      if (!req.has_part()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no part");
+      in.Add(req.part());
+    }
+    if (!in.error.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, in.error);
+    const std::pair<int, const v1::TensorSpec*> inputs[] = {
+        {v1::TENSOR_X, &h.x()},           {v1::TENSOR_W, &h.w()},
+        {v1::TENSOR_BIAS, &h.bias()},     {v1::TENSOR_TARGETS, &h.targets()},
+        {v1::TENSOR_CLASS_WEIGHTS, &h.class_weights()},
+        {v1::TENSOR_GRAD_OUTPUT, &h.grad_output()}};
+    for (const auto& [id, spec] : inputs) {
+      const size_t want = spec->dtype() == v1::DTYPE_UNSPECIFIED ? 0 : SpecBytes(*spec);
+      if (in.data[id].size() != want) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("tensor ", id, ": ", in.data[id].size(),
+                                         " bytes, spec says ", want));
+      }
+    }
+    {
+      absl::MutexLock lock(&mu);
+      last_parts = in.parts;
+      last_max_part = in.max_part;
+    }
+    if (mode == Mode::kSleep) {
+      const absl::Time end = absl::Now() + absl::Seconds(10);
+      while (!ctx->IsCancelled() && absl::Now() < end) absl::SleepFor(absl::Milliseconds(5));
+    }
+    const int64_t bt = h.x().shape(0);
+    std::string w_bytes = in.data[v1::TENSOR_W];
+    v1::TensorSpec w_spec = h.w();
+    if (!h.weight_handle().empty()) {
+      absl::MutexLock lock(&mu);
+      auto it = weights.find(h.weight_handle());
+      if (it == weights.end()) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown weight handle");
+      }
+      w_spec = it->second.first.w();
+      w_bytes = it->second.second.data[v1::TENSOR_W];
+    }
+
+    v1::ComputeResponse summary;
+    v1::ComputeSummary* s = summary.mutable_summary();
+    int64_t tokens = 0;
+    std::vector<int64_t> targets(bt);
+    for (int64_t i = 0; i < bt; ++i) {
+      const std::string& t = in.data[v1::TENSOR_TARGETS];
+      if (h.targets().dtype() == v1::DTYPE_INT32) {
+        int32_t v;
+        std::memcpy(&v, t.data() + 4 * i, 4);
+        targets[i] = v;
+      } else {
+        std::memcpy(&targets[i], t.data() + 8 * i, 8);
+      }
+      tokens += targets[i] != h.options().ignore_index();
+    }
+    s->set_loss(1.5f);
+    s->set_z_loss(0.25f);
+    s->set_accuracy(0.125f);
+    s->set_tokens(tokens);
+    s->set_compute_seconds(0.5);
+    s->set_backend("fake");
+    std::vector<std::pair<int, std::string>> outs;
+    auto announce = [&](int id, v1::DType dtype, std::vector<int64_t> shape, std::string bytes) {
+      s->add_tensors(static_cast<v1::TensorId>(id));
+      v1::TensorSpec* spec = s->add_specs();
+      spec->set_dtype(dtype);
+      for (int64_t d : shape) spec->add_shape(d);
+      outs.emplace_back(id, std::move(bytes));
+    };
+    const v1::DType grad = h.options().grad_dtype() == v1::DTYPE_UNSPECIFIED
+                               ? h.x().dtype()
+                               : h.options().grad_dtype();
+    if (h.outputs().dx()) {
+      std::string dx = in.data[v1::TENSOR_X];
+      if (grad != h.x().dtype()) dx.assign(bt * h.x().shape(1) * 4, '\x3f');
+      announce(v1::TENSOR_DX, grad, {bt, h.x().shape(1)}, dx);
+    }
+    if (!h.accumulator().empty()) {
+      absl::MutexLock lock(&mu);
+      Accumulator& a = accumulators[h.accumulator()];
+      a.v = w_spec.shape(0);
+      a.h = w_spec.shape(1);
+      a.bias = h.has_bias();
+      ++a.micro_batches;
+      a.tokens += tokens;
+      s->set_accumulated_micro_batches(a.micro_batches);
+    } else if (h.outputs().dw()) {
+      if (grad != w_spec.dtype()) w_bytes.assign(w_spec.shape(0) * w_spec.shape(1) * 4, '\x3f');
+      announce(v1::TENSOR_DW, grad, {w_spec.shape(0), w_spec.shape(1)}, w_bytes);
+    }
+    if (h.outputs().lse()) {
+      std::string lse(bt * 4, '\0');
+      for (int64_t i = 0; i < bt; ++i) {
+        const float f = static_cast<float>(targets[i]);
+        std::memcpy(&lse[4 * i], &f, 4);
+      }
+      announce(v1::TENSOR_LSE, v1::DTYPE_FP32, {bt}, lse);
+    }
+    if (h.outputs().predictions()) {
+      std::string p(bt * 8, '\0');
+      std::memcpy(&p[0], targets.data(), bt * 8);
+      announce(v1::TENSOR_PREDICTIONS, v1::DTYPE_INT64, {bt}, p);
+    }
+
+    const Mode m = mode;
+    if (m == Mode::kNoSummary) return grpc::Status::OK;
+    if (m == Mode::kBadShape) s->mutable_specs(0)->set_shape(0, bt + 1);
+    if (m == Mode::kPartFirst) stream->Write(PartMessage(outs[0].first, 0, "ab"));
+    stream->Write(summary);
+    if (m == Mode::kTwoSummaries) stream->Write(summary);
+    const size_t part = h.response_part_bytes() == 0 ? (1 << 20) : h.response_part_bytes();
+    for (auto& [id, bytes] : outs) {
+      if (id == outs[0].first) {
+        if (m == Mode::kShort) bytes.pop_back();
+        if (m == Mode::kOverflow) bytes.push_back('!');
+      }
+      std::vector<v1::ComputeResponse> msgs;
+      for (size_t off = 0; off < bytes.size(); off += part) {
+        msgs.push_back(PartMessage(id, off, bytes.substr(off, part)));
+      }
+      if (m == Mode::kOutOfOrder && msgs.size() >= 2) std::swap(msgs[0], msgs[1]);
+      for (const auto& msg : msgs) stream->Write(msg);
+    }
+    if (m == Mode::kUnannounced) {
+      stream->Write(PartMessage(v1::TENSOR_Z_LOSS, 0, std::string(4, '\0')));
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PutWeights(grpc::ServerContext* ctx,
+                          grpc::ServerReader<v1::PutWeightsRequest>* reader,
+                          v1::PutWeightsResponse* resp) override {
+    v1::PutWeightsRequest req;
+    if (!reader->Read(&req) || !req.has_header()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "first message must be a header");
+    }
+    Assembler in;
+    const v1::WeightsHeader header = req.header();
+    while (reader->Read(&req)) in.Add(req.part());
+    if (!in.error.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, in.error);
+    if (in.data[v1::TENSOR_W].size() != SpecBytes(header.w())) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "w size");
+    }
+    absl::MutexLock lock(&mu);
+    const std::string handle = absl::StrCat("fake-", weights.size());
+    resp->set_handle(handle);
+    resp->set_bytes(in.data[v1::TENSOR_W].size() + in.data[v1::TENSOR_BIAS].size());
+    weights[handle] = {header, std::move(in)};
+    return grpc::Status::OK;
+  }
+
+  grpc::Status DropWeights(grpc::ServerContext*, const v1::DropWeightsRequest* req,
+                           v1::DropWeightsResponse*) override {
+    absl::MutexLock lock(&mu);
+    if (weights.erase(req->handle()) == 0) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("unknown weight handle '", req->handle(), "'"));
+    }
+    return grpc::Status::OK;
+  }
+
+  // dw[i] = i + micro_batches (fp32), db[j] = -j.
+  grpc::Status FetchGradients(grpc::ServerContext*, const v1::FetchGradientsRequest* req,
+                              grpc::ServerWriter<v1::FetchGradientsResponse>* writer) override {
+    Accumulator a;
+    {
+      absl::MutexLock lock(&mu);
+      auto it = accumulators.find(req->accumulator());
+      if (it == accumulators.end()) {
+        return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                            absl::StrCat("no accumulator '", req->accumulator(), "'"));
+      }
+      a = it->second;
+      if (req->reset()) it->second.micro_batches = 0;
+    }
+    v1::FetchGradientsResponse head;
+    v1::GradientsHeader* g = head.mutable_header();
+    g->mutable_dw()->set_dtype(v1::DTYPE_FP32);
+    g->mutable_dw()->add_shape(a.v);
+    g->mutable_dw()->add_shape(a.h);
+    if (a.bias) {
+      g->mutable_db()->set_dtype(v1::DTYPE_FP32);
+      g->mutable_db()->add_shape(a.v);
+    }
+    g->set_micro_batches(a.micro_batches);
+    g->set_tokens(a.tokens);
+    g->set_instance("fake-instance");
+    writer->Write(head);
+    std::string dw(a.v * a.h * 4, '\0');
+    for (int64_t i = 0; i < a.v * a.h; ++i) {
+      const float f = static_cast<float>(i + a.micro_batches);
+      std::memcpy(&dw[4 * i], &f, 4);
+    }
+    const size_t part = req->response_part_bytes() == 0 ? 1000 : req->response_part_bytes();
+    for (size_t off = 0; off < dw.size(); off += part) {
+      v1::FetchGradientsResponse msg;
+      msg.mutable_part()->set_tensor(v1::TENSOR_DW);
+      msg.mutable_part()->set_offset(off);
+      msg.mutable_part()->set_data(dw.substr(off, part));
+      writer->Write(msg);
+    }
+    if (a.bias) {
+      std::string db(a.v * 4, '\0');
+      for (int64_t j = 0; j < a.v; ++j) {
+        const float f = -static_cast<float>(j);
+        std::memcpy(&db[4 * j], &f, 4);
+      }
+      v1::FetchGradientsResponse msg;
+      msg.mutable_part()->set_tensor(v1::TENSOR_DB);
+      msg.mutable_part()->set_data(db);
+      writer->Write(msg);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status DropAccumulator(grpc::ServerContext*, const v1::DropAccumulatorRequest* req,
+                               v1::DropAccumulatorResponse*) override {
+    absl::MutexLock lock(&mu);
+    if (accumulators.erase(req->accumulator()) == 0) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("no accumulator '", req->accumulator(), "'"));
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ServerInfo(grpc::ServerContext* ctx, const v1::ServerInfoRequest*,
+                          v1::ServerInfoResponse* resp) override {
+    {
+      absl::MutexLock lock(&mu);
+      peers.insert(ctx->peer());
+    }
+    resp->set_version("0.0-fake");
+    resp->set_instance("fake-instance");
+    resp->set_backend("cpu");
+    resp->set_device("fake device");
+    resp->set_memory_total_bytes(1000);
+    resp->set_max_part_bytes(16 << 20);
+    resp->set_max_bt(1 << 20);
+    resp->set_accumulators(3);
+    return grpc::Status::OK;
+  }
+
+ private:
+  static v1::ComputeResponse PartMessage(int id, uint64_t offset, std::string data) {
+    v1::ComputeResponse msg;
+    msg.mutable_part()->set_tensor(static_cast<v1::TensorId>(id));
+    msg.mutable_part()->set_offset(offset);
+    msg.mutable_part()->set_data(std::move(data));
+    return msg;
+  }
+};
+
+// Random bytes: every test tensor is distinct, so an echo that mixes tensors up shows.
+ByteVector RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  ByteVector b(n);
+  for (size_t i = 0; i < n; ++i) b[i] = static_cast<uint8_t>(gen());
+  return b;
+}
+
+HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, uint32_t seed) {
+  const size_t n = *TensorByteSize(dtype, shape);
+  return HostTensor::FromBytes(dtype, std::move(shape), RandomBytes(n, seed));
+}
+
+HostTensor Targets(int64_t bt, int64_t v, uint32_t seed) {
+  std::mt19937 gen(seed);
+  HostTensor t = HostTensor::Owned(DType::kI64, {bt});
+  for (int64_t i = 0; i < bt; ++i) t.mutable_data_as<int64_t>()[i] = gen() % v;
+  return t;
+}
+
+bool SameBytes(const HostTensor& a, const HostTensor& b) {
+  return a.num_bytes() == b.num_bytes() &&
+         std::memcmp(a.data(), b.data(), a.num_bytes()) == 0;
+}
+
+class LossClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.SetMaxReceiveMessageSize(-1);
+    builder.RegisterService(&fake_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port_, 0);
+  }
+  void TearDown() override { server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1))); }
+
+  ClientOptions Options() {
+    ClientOptions o;
+    o.target = absl::StrCat("127.0.0.1:", port_);
+    o.deadline = absl::Seconds(30);
+    return o;
+  }
+
+  std::unique_ptr<LossClient> Client(const ClientOptions& o) {
+    auto c = LossClient::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  // A small bf16 request with inline weights.
+  ComputeRequest SmallRequest(int64_t bt = 6, int64_t h = 5, int64_t v = 7) {
+    ComputeRequest r;
+    r.x = RandomTensor(DType::kBF16, {bt, h}, 1);
+    r.w = RandomTensor(DType::kBF16, {v, h}, 2);
+    r.targets = Targets(bt, v, 3);
+    r.want.lse = true;
+    r.want.predictions = true;
+    return r;
+  }
+
+  FakeLoss fake_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+TEST_F(LossClientTest, ComputeReturnsSummaryAndEveryWantedOutput) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest();
+  r.targets.mutable_data_as<int64_t>()[2] = -100;  // ignored: not counted in tokens
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->loss, 1.5f);
+  EXPECT_EQ(res->z_loss, 0.25f);
+  EXPECT_EQ(res->accuracy, 0.125f);
+  EXPECT_EQ(res->tokens, 5);
+  EXPECT_EQ(res->compute_seconds, 0.5);
+  EXPECT_EQ(res->backend, "fake");
+  EXPECT_EQ(res->outputs.size(), 4u);
+  ASSERT_NE(res->Find(OutputTensor::kDx), nullptr);
+  ASSERT_NE(res->Find(OutputTensor::kDw), nullptr);
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDx), r.x));
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDw), *r.w));
+  EXPECT_EQ(res->Find(OutputTensor::kDx)->shape(), (std::vector<int64_t>{6, 5}));
+  EXPECT_EQ(res->Find(OutputTensor::kDx)->dtype(), DType::kBF16);
+  const HostTensor* lse = res->Find(OutputTensor::kLse);
+  const HostTensor* pred = res->Find(OutputTensor::kPredictions);
+  ASSERT_NE(lse, nullptr);
+  ASSERT_NE(pred, nullptr);
+  EXPECT_EQ(pred->dtype(), DType::kI64);
+  for (int64_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(pred->data_as<int64_t>()[i], r.targets.data_as<int64_t>()[i]) << i;
+    EXPECT_EQ(lse->data_as<float>()[i], static_cast<float>(r.targets.data_as<int64_t>()[i]));
+  }
+  EXPECT_EQ(res->Find(OutputTensor::kDb), nullptr);
+  EXPECT_EQ(res->bytes_sent, r.x.num_bytes() + r.w->num_bytes() + r.targets.num_bytes());
+  EXPECT_EQ(res->bytes_received, r.x.num_bytes() + r.w->num_bytes() + 6 * 4 + 6 * 8);
+
+  absl::MutexLock lock(&fake_.mu);
+  const v1::ComputeHeader& h = fake_.last_header;
+  EXPECT_EQ(h.x().dtype(), v1::DTYPE_BF16);
+  EXPECT_EQ(h.x().shape_size(), 2);
+  EXPECT_EQ(h.w().shape(0), 7);
+  EXPECT_EQ(h.targets().dtype(), v1::DTYPE_INT64);
+  EXPECT_FALSE(h.has_bias());
+  EXPECT_TRUE(h.options().has_ignore_index());
+  EXPECT_EQ(h.options().ignore_index(), -100);
+  EXPECT_TRUE(h.outputs().dx() && h.outputs().dw() && h.outputs().lse());
+  EXPECT_FALSE(h.outputs().db() || h.outputs().z_loss());
+}
+
+TEST_F(LossClientTest, OptionsReachTheHeader) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest();
+  r.options.ignore_index = 3;
+  r.options.reduction = Reduction::kNone;
+  r.options.label_smoothing = 0.1f;
+  r.options.z_loss_scale = 1e-4f;
+  r.options.softcap = 30.0f;
+  r.options.grad_scale = 0.5f;
+  r.options.chunk_rows = 128;
+  r.grad_dtype = DType::kF32;
+  r.bias = RandomTensor(DType::kBF16, {7}, 4);
+  r.class_weights = RandomTensor(DType::kF32, {7}, 5);
+  r.grad_output = RandomTensor(DType::kF32, {6}, 6);
+  r.want.db = true;
+  r.want.z_loss = true;
+  r.want.accuracy = true;
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->Find(OutputTensor::kDx)->dtype(), DType::kF32);
+  absl::MutexLock lock(&fake_.mu);
+  const v1::ComputeHeader& h = fake_.last_header;
+  EXPECT_EQ(h.options().ignore_index(), 3);
+  EXPECT_EQ(h.options().reduction(), v1::REDUCTION_NONE);
+  EXPECT_EQ(h.options().label_smoothing(), 0.1f);
+  EXPECT_EQ(h.options().lse_square_scale(), 1e-4f);
+  EXPECT_EQ(h.options().softcap(), 30.0f);
+  EXPECT_EQ(h.options().grad_scale(), 0.5f);
+  EXPECT_EQ(h.options().chunk_rows(), 128);
+  EXPECT_EQ(h.options().grad_dtype(), v1::DTYPE_FP32);
+  EXPECT_EQ(h.bias().shape(0), 7);
+  EXPECT_EQ(h.class_weights().dtype(), v1::DTYPE_FP32);
+  EXPECT_EQ(h.grad_output().shape(0), 6);
+  EXPECT_TRUE(h.outputs().db() && h.outputs().z_loss() && h.outputs().accuracy());
+  EXPECT_EQ(fake_.last_parts[v1::TENSOR_BIAS], 1);
+  EXPECT_EQ(fake_.last_parts[v1::TENSOR_CLASS_WEIGHTS], 1);
+  EXPECT_EQ(fake_.last_parts[v1::TENSOR_GRAD_OUTPUT], 1);
+}
+
+// A tensor much larger than part_bytes goes as ceil(bytes / part_bytes) parts in byte order
+// (the fake refuses out-of-order parts), and comes back split at response_part_bytes.
+TEST_F(LossClientTest, LargeTensorsAreSplitIntoOrderedParts) {
+  ClientOptions o = Options();
+  o.part_bytes = 64 << 10;
+  o.response_part_bytes = 100000;  // not a divisor of anything
+  auto client = Client(o);
+  ComputeRequest r;
+  r.x = RandomTensor(DType::kF32, {1000, 701}, 11);  // 2804000 bytes
+  r.w = RandomTensor(DType::kF32, {300, 701}, 12);
+  r.targets = Targets(1000, 300, 13);
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDx), r.x));
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDw), *r.w));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.last_parts[v1::TENSOR_X], (2804000 + 65535) / 65536);
+  EXPECT_EQ(fake_.last_parts[v1::TENSOR_W], (300 * 701 * 4 + 65535) / 65536);
+  EXPECT_EQ(fake_.last_parts[v1::TENSOR_TARGETS], 1);
+  EXPECT_EQ(fake_.last_max_part, 65536u);
+}
+
+TEST_F(LossClientTest, PartBytesAboveGrpcsDefaultLimitWork) {
+  ClientOptions o = Options();
+  o.part_bytes = 17 << 20;
+  o.response_part_bytes = 17 << 20;
+  auto client = Client(o);
+  ComputeRequest r;
+  r.x = RandomTensor(DType::kBF16, {4096, 4096}, 21);  // 32 MiB: two parts
+  r.w = RandomTensor(DType::kBF16, {16, 4096}, 22);
+  r.targets = Targets(4096, 16, 23);
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDx), r.x));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.last_parts[v1::TENSOR_X], 2);
+  EXPECT_EQ(fake_.last_max_part, 17u << 20);
+}
+
+TEST_F(LossClientTest, OutputsLandInCallerBuffers) {
+  ClientOptions o = Options();
+  o.response_part_bytes = 7;
+  auto client = Client(o);
+  ComputeRequest r = SmallRequest(33, 9, 5);
+  std::vector<uint8_t> dx(r.x.num_bytes() + 16, 0xFF);  // poisoned
+  r.output_into[OutputTensor::kDx] = {dx.data(), dx.size()};
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  const HostTensor* got = res->Find(OutputTensor::kDx);
+  ASSERT_NE(got, nullptr);
+  EXPECT_TRUE(got->is_view());
+  EXPECT_EQ(got->data(), dx.data());
+  EXPECT_EQ(std::memcmp(dx.data(), r.x.data(), r.x.num_bytes()), 0);
+  for (size_t i = r.x.num_bytes(); i < dx.size(); ++i) EXPECT_EQ(dx[i], 0xFF) << i;
+
+  r.output_into[OutputTensor::kDx] = {dx.data(), r.x.num_bytes() - 1};
+  res = client->Compute(r);
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(res.status().message()), HasSubstr("output_into[dx]"));
+}
+
+class ErrorCodeTest : public LossClientTest,
+                      public ::testing::WithParamInterface<grpc::StatusCode> {};
+
+TEST_P(ErrorCodeTest, ServerCodeAndMessageReachTheCaller) {
+  fake_.mode = Mode::kError;
+  fake_.error_code = GetParam();
+  fake_.error_message = "x: shape (6, 5) does not match w (7, 4) on H";
+  auto client = Client(Options());
+  absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
+  ASSERT_FALSE(res.ok());
+  EXPECT_EQ(static_cast<int>(res.status().code()), static_cast<int>(GetParam()));
+  EXPECT_EQ(res.status().message(), fake_.error_message);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codes, ErrorCodeTest,
+                         ::testing::Values(grpc::StatusCode::INVALID_ARGUMENT,
+                                           grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                           grpc::StatusCode::UNAVAILABLE,
+                                           grpc::StatusCode::NOT_FOUND,
+                                           grpc::StatusCode::FAILED_PRECONDITION,
+                                           grpc::StatusCode::INTERNAL));
+
+TEST_F(LossClientTest, DeadlineExceeded) {
+  fake_.mode = Mode::kSleep;
+  auto client = Client(Options());
+  const absl::Time start = absl::Now();
+  CallOptions call;
+  call.deadline = absl::Milliseconds(300);
+  absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest(), call);
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded) << res.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+TEST_F(LossClientTest, ClientDeadlineOptionApplies) {
+  fake_.mode = Mode::kSleep;
+  ClientOptions o = Options();
+  o.deadline = absl::Milliseconds(200);
+  auto client = Client(o);
+  absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded) << res.status();
+}
+
+struct BadResponse {
+  Mode mode;
+  absl::StatusCode code;
+  const char* message;
+};
+
+class BadResponseTest : public LossClientTest,
+                        public ::testing::WithParamInterface<BadResponse> {};
+
+TEST_P(BadResponseTest, IsRejectedWithAClearMessage) {
+  fake_.mode = GetParam().mode;
+  ClientOptions o = Options();
+  o.response_part_bytes = 16;  // several parts per tensor
+  auto client = Client(o);
+  absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
+  EXPECT_EQ(res.status().code(), GetParam().code) << res.status();
+  EXPECT_THAT(std::string(res.status().message()), HasSubstr(GetParam().message));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, BadResponseTest,
+    ::testing::Values(
+        BadResponse{Mode::kOutOfOrder, absl::StatusCode::kInternal,
+                    "parts out of order: dx part at byte offset 16, expected 0"},
+        BadResponse{Mode::kShort, absl::StatusCode::kDataLoss,
+                    "stream ended early: dx got 59 of 60 bytes"},
+        BadResponse{Mode::kOverflow, absl::StatusCode::kDataLoss, "runs past the 60 bytes"},
+        BadResponse{Mode::kUnannounced, absl::StatusCode::kInternal,
+                    "part of z_loss, which it did not announce"},
+        BadResponse{Mode::kNoSummary, absl::StatusCode::kInternal, "without a summary"},
+        BadResponse{Mode::kPartFirst, absl::StatusCode::kInternal, "part before its summary"},
+        BadResponse{Mode::kBadShape, absl::StatusCode::kInternal,
+                    "announced dx as bf16[7, 5], expected bf16[6, 5]"},
+        BadResponse{Mode::kTwoSummaries, absl::StatusCode::kInternal, "second summary"}));
+
+TEST_F(LossClientTest, RequestsThatCannotBeSentAreRefusedLocally) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest();
+  r.weight_handle = "h";
+  EXPECT_EQ(client->Compute(r).status().code(), absl::StatusCode::kInvalidArgument);
+  r = SmallRequest();
+  r.w.reset();
+  EXPECT_THAT(std::string(client->Compute(r).status().message()), HasSubstr("exactly one of w"));
+  r = SmallRequest();
+  r.x = HostTensor::View(DType::kBF16, {6, 5}, nullptr);
+  EXPECT_THAT(std::string(client->Compute(r).status().message()), HasSubstr("x: null data"));
+  r = SmallRequest();
+  r.x = HostTensor::FromBytes(DType::kBF16, {6, 5}, ByteVector(59));
+  EXPECT_THAT(std::string(client->Compute(r).status().message()), HasSubstr("x: holds 59 bytes"));
+  r = SmallRequest();
+  r.x = RandomTensor(DType::kBF16, {30}, 1);
+  EXPECT_THAT(std::string(client->Compute(r).status().message()), HasSubstr("x must be (BT, H)"));
+  r = SmallRequest();
+  r.weight_handle = "h";
+  r.w.reset();
+  r.bias = RandomTensor(DType::kBF16, {7}, 1);
+  EXPECT_THAT(std::string(client->Compute(r).status().message()), HasSubstr("carries its own bias"));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_TRUE(fake_.peers.empty());  // nothing reached the server
+}
+
+TEST_F(LossClientTest, WeightHandleLifecycle) {
+  ClientOptions o = Options();
+  o.part_bytes = 1000;
+  auto client = Client(o);
+  HostTensor w = RandomTensor(DType::kF16, {50, 33}, 31);
+  HostTensor bias = RandomTensor(DType::kF16, {50}, 32);
+  absl::StatusOr<PutWeightsResult> put = client->PutWeights(w, &bias);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->handle, "fake-0");
+  EXPECT_EQ(put->bytes, w.num_bytes() + bias.num_bytes());
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const Assembler& a = fake_.weights["fake-0"].second;
+    EXPECT_EQ(a.parts.at(v1::TENSOR_W), (50 * 33 * 2 + 999) / 1000);
+    EXPECT_EQ(a.data.at(v1::TENSOR_BIAS),
+              std::string(reinterpret_cast<const char*>(bias.data()), bias.num_bytes()));
+  }
+  ComputeRequest r;
+  r.x = RandomTensor(DType::kF16, {4, 33}, 33);
+  r.weight_handle = put->handle;
+  r.targets = Targets(4, 50, 34);
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDw), w));
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.weight_handle(), "fake-0");
+    EXPECT_FALSE(fake_.last_header.has_w());
+  }
+  EXPECT_TRUE(client->DropWeights(put->handle).ok());
+  absl::Status again = client->DropWeights(put->handle);
+  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(again.message(), "unknown weight handle 'fake-0'");
+}
+
+TEST_F(LossClientTest, AccumulateThenFetchGradients) {
+  ClientOptions o = Options();
+  o.response_part_bytes = 333;
+  auto client = Client(o);
+  ComputeRequest r = SmallRequest(6, 40, 25);
+  r.bias = RandomTensor(DType::kBF16, {25}, 41);
+  r.accumulator = "step-1";
+  for (int i = 1; i <= 3; ++i) {
+    absl::StatusOr<ComputeResult> res = client->Compute(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->accumulated_micro_batches, static_cast<uint64_t>(i));
+    EXPECT_EQ(res->Find(OutputTensor::kDw), nullptr);
+  }
+  absl::StatusOr<FetchGradientsResult> g = client->FetchGradients("step-1", /*reset=*/true);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->micro_batches, 3u);
+  EXPECT_EQ(g->tokens, 18);
+  EXPECT_EQ(g->instance, "fake-instance");
+  ASSERT_EQ(g->dw.shape(), (std::vector<int64_t>{25, 40}));
+  EXPECT_EQ(g->dw.dtype(), DType::kF32);
+  for (int64_t i = 0; i < 25 * 40; ++i) {
+    ASSERT_EQ(g->dw.data_as<float>()[i], static_cast<float>(i + 3)) << i;
+  }
+  ASSERT_TRUE(g->db.has_value());
+  for (int64_t j = 0; j < 25; ++j) EXPECT_EQ(g->db->data_as<float>()[j], -static_cast<float>(j));
+  g = client->FetchGradients("step-1", false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->micro_batches, 0u);  // reset
+  EXPECT_TRUE(client->DropAccumulator("step-1").ok());
+  EXPECT_EQ(client->DropAccumulator("step-1").code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<FetchGradientsResult> gone = client->FetchGradients("step-1", false);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(gone.status().message(), "no accumulator 'step-1'");
+}
+
+TEST_F(LossClientTest, ServerInfo) {
+  auto client = Client(Options());
+  absl::StatusOr<ServerInfoResult> info = client->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->version, "0.0-fake");
+  EXPECT_EQ(info->backend, "cpu");
+  EXPECT_EQ(info->device, "fake device");
+  EXPECT_EQ(info->memory_total_bytes, 1000u);
+  EXPECT_EQ(info->max_part_bytes, 16u << 20);
+  EXPECT_EQ(info->max_bt, 1 << 20);
+  EXPECT_EQ(info->accumulators, 3u);
+}
+
+TEST_F(LossClientTest, MetadataIsSentWithEveryCall) {
+  ClientOptions o = Options();
+  o.metadata = {{"authorization", "Bearer t0ken"}};
+  auto client = Client(o);
+  ASSERT_TRUE(client->Compute(SmallRequest()).ok());
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.last_metadata, "Bearer t0ken");
+}
+
+class ConnectionsTest : public LossClientTest, public ::testing::WithParamInterface<int> {};
+
+// Each channel is its own TCP connection (distinct client ports), and calls rotate over them.
+TEST_P(ConnectionsTest, EachChannelIsItsOwnConnection) {
+  ClientOptions o = Options();
+  o.connections = GetParam();
+  auto client = Client(o);
+  for (int i = 0; i < 2 * GetParam(); ++i) ASSERT_TRUE(client->ServerInfo().ok());
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.peers.size(), static_cast<size_t>(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Counts, ConnectionsTest, ::testing::Values(1, 2, 4));
+
+TEST_F(LossClientTest, TwoClientsDoNotShareAConnection) {
+  auto a = Client(Options());
+  auto b = Client(Options());
+  ASSERT_TRUE(a->ServerInfo().ok());
+  ASSERT_TRUE(b->ServerInfo().ok());
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.peers.size(), 2u);
+}
+
+TEST_F(LossClientTest, ConcurrentCallsFromManyThreads) {
+  ClientOptions o = Options();
+  o.connections = 3;
+  o.part_bytes = 4096;
+  auto client = Client(o);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 4; ++i) {
+        ComputeRequest r;
+        r.x = RandomTensor(DType::kF32, {64, 100}, 100 * t + i);
+        r.w = RandomTensor(DType::kF32, {20, 100}, 1000 + 100 * t + i);
+        r.targets = Targets(64, 20, t);
+        absl::StatusOr<ComputeResult> res = client->Compute(r);
+        if (!res.ok() || !SameBytes(*res->Find(OutputTensor::kDx), r.x) ||
+            !SameBytes(*res->Find(OutputTensor::kDw), *r.w)) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.peers.size(), 3u);
+}
+
+TEST_F(LossClientTest, UnreachableServerIsUnavailable) {
+  ClientOptions o = Options();
+  server_->Shutdown();
+  auto client = Client(o);
+  absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kUnavailable) << res.status();
+  EXPECT_EQ(client->ServerInfo().status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(LossClientOptionsTest, BadOptionsAreRefused) {
+  ClientOptions o;
+  o.connections = 0;
+  EXPECT_EQ(LossClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = ClientOptions();
+  o.part_bytes = 0;
+  EXPECT_EQ(LossClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = ClientOptions();
+  o.part_bytes = 64 << 20;
+  o.max_send_message_bytes = 32 << 20;
+  EXPECT_THAT(std::string(LossClient::Create(o).status().message()), HasSubstr("max_send_message_bytes"));
+  o = ClientOptions();
+  o.target = "";
+  EXPECT_EQ(LossClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace client
+}  // namespace lossd
