@@ -40,7 +40,7 @@ ABSL_FLAG(int, executor_threads, 1, "Requests computed at once (each backend cal
 ABSL_FLAG(uint64_t, memory_budget_bytes, 8ull << 30,
           "Admission budget: host buffers and backend workspace of requests in flight.");
 ABSL_FLAG(uint64_t, device_memory_budget_bytes, 0,
-          "CUDA backend: device memory it may use for workspaces; 0 = 90% of free memory.");
+          "CUDA backend: most device bytes it may hold; 0 = no limit of its own.");
 ABSL_FLAG(uint64_t, weight_cache_bytes, 4ull << 30, "Budget of weights held by handle (LRU).");
 ABSL_FLAG(uint64_t, accumulator_bytes, 8ull << 30, "Budget of gradient accumulators.");
 ABSL_FLAG(uint32_t, max_accumulators, 64, "Most gradient accumulators held at once.");

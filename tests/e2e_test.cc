@@ -1,0 +1,587 @@
+// End to end over real gRPC on loopback: a lossd server in this process (CPU backend) and raw
+// wire clients. Every result is compared with the float64 reference; every refusal is checked
+// for its exact code and a message naming the field and the values, and the server must
+// answer a valid request afterwards.
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <condition_variable>
+#include <mutex>
+
+#include <grpcpp/generic/generic_stub.h>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cpu/test_util.h"
+#include "tests/server_harness.h"
+
+namespace lossd {
+namespace {
+
+using testing_harness::ComputeReply;
+using testing_harness::Harness;
+using testing_harness::HarnessOptions;
+using testing_harness::HeaderFor;
+using testing_harness::MetricValue;
+using testing_harness::OutputsOf;
+using testing_harness::PartsFor;
+using testing_harness::ReplyScalars;
+using testing_harness::RunCompute;
+
+RandomProblemSpec SmallSpec(DType dtype = DType::kBF16, uint64_t seed = 1) {
+  RandomProblemSpec s;
+  s.bt = 47;
+  s.h = 31;
+  s.v = 123;
+  s.dtype = dtype;
+  s.seed = seed;
+  s.ignore_fraction = 0.1;
+  return s;
+}
+
+::testing::AssertionResult ReplyMatchesReference(const RandomProblem& rp, ComputeReply& reply,
+                                                 DType grad_dtype) {
+  if (!reply.status.ok()) {
+    return ::testing::AssertionFailure()
+           << "status " << reply.status.error_code() << ": " << reply.status.error_message();
+  }
+  LossProblem p = rp.problem();
+  ReferenceOutputs ref;
+  absl::Status s = ReferenceCompute(p, &ref);
+  if (!s.ok()) return ::testing::AssertionFailure() << "reference: " << s;
+  ReplyScalars scalars;
+  LossOutputs got = OutputsOf(reply, p, grad_dtype, &scalars);
+  return MatchesReference(p, rp.stats(), ref, got);
+}
+
+// A valid request succeeds: used after every refusal to show the server keeps serving.
+void ExpectServes(Harness& h) {
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kBF16, 99));
+  ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_TRUE(std::isfinite(r.summary.loss()));
+}
+
+struct E2eCase {
+  const char* name;
+  DType dtype;
+  Reduction reduction;
+  bool bias, class_weights;
+  float label_smoothing, z_loss, softcap;
+};
+
+class E2eOptionsTest : public ::testing::TestWithParam<E2eCase> {};
+
+TEST_P(E2eOptionsTest, InlineWeightsMatchTheReference) {
+  static Harness* h = new Harness();
+  const E2eCase& c = GetParam();
+  RandomProblemSpec s = SmallSpec(c.dtype, 7);
+  s.options.reduction = c.reduction;
+  s.options.label_smoothing = c.label_smoothing;
+  s.options.z_loss_scale = c.z_loss;
+  s.options.softcap = c.softcap;
+  s.bias = c.bias;
+  s.class_weights = c.class_weights;
+  s.grad_output = c.reduction == Reduction::kNone;
+  RandomProblem rp = RandomProblem::Make(s);
+  ComputeReply r = RunCompute(h->stub(), HeaderFor(rp), PartsFor(rp, 4096));
+  EXPECT_TRUE(ReplyMatchesReference(rp, r, c.dtype));
+  EXPECT_EQ(r.summary.backend(), "cpu");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Options, E2eOptionsTest,
+    ::testing::Values(
+        E2eCase{"bf16_mean", DType::kBF16, Reduction::kMean, false, false, 0, 0, 0},
+        E2eCase{"fp16_sum_bias", DType::kF16, Reduction::kSum, true, false, 0, 0, 0},
+        E2eCase{"fp32_none", DType::kF32, Reduction::kNone, false, false, 0, 0, 0},
+        E2eCase{"bf16_all_options", DType::kBF16, Reduction::kMean, true, true, 0.1f, 1e-3f,
+                15.0f},
+        E2eCase{"fp32_smooth_weights_none", DType::kF32, Reduction::kNone, true, true, 0.2f,
+                1e-2f, 0}),
+    [](const ::testing::TestParamInfo<E2eCase>& i) { return std::string(i.param.name); });
+
+class E2eTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { h_ = new Harness(); }
+  static Harness* h_;
+};
+Harness* E2eTest::h_ = nullptr;
+
+TEST_F(E2eTest, WeightsByHandleGiveTheSameBitsAsInline) {
+  RandomProblemSpec s = SmallSpec(DType::kBF16, 3);
+  s.bias = true;
+  RandomProblem rp = RandomProblem::Make(s);
+  std::string handle;
+  grpc::Status put = testing_harness::PutWeights(h_->stub(), rp, 1000, &handle);
+  ASSERT_TRUE(put.ok()) << put.error_message();
+  ASSERT_FALSE(handle.empty());
+  ComputeReply by_handle =
+      RunCompute(h_->stub(), HeaderFor(rp, handle), PartsFor(rp, 4096, false));
+  ComputeReply inline_w = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 4096));
+  ASSERT_TRUE(ReplyMatchesReference(rp, by_handle, s.dtype));
+  ASSERT_TRUE(inline_w.status.ok());
+  EXPECT_EQ(by_handle.summary.loss(), inline_w.summary.loss());
+  for (const auto& [id, bytes] : inline_w.tensors) {
+    EXPECT_EQ(bytes, by_handle.tensors[id]) << "tensor " << v1::TensorId_Name(static_cast<v1::TensorId>(id));
+  }
+  // Dropped handles are gone, with a message that says so.
+  grpc::ClientContext ctx;
+  v1::DropWeightsRequest drop;
+  drop.set_handle(handle);
+  v1::DropWeightsResponse dropped;
+  ASSERT_TRUE(h_->stub().DropWeights(&ctx, drop, &dropped).ok());
+  ComputeReply after = RunCompute(h_->stub(), HeaderFor(rp, handle), PartsFor(rp, 4096, false));
+  EXPECT_EQ(after.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(after.status.error_message().find("was dropped"), std::string::npos)
+      << after.status.error_message();
+}
+
+TEST_F(E2eTest, FourAccumulatedMicroBatchesEqualOneBatchFourTimesAsLarge) {
+  RandomProblemSpec big = SmallSpec(DType::kBF16, 11);
+  big.bt = 4 * 24;
+  big.bias = true;
+  big.options.reduction = Reduction::kSum;
+  RandomProblem whole = RandomProblem::Make(big);
+  std::string handle;
+  ASSERT_TRUE(testing_harness::PutWeights(h_->stub(), whole, 1 << 20, &handle).ok());
+
+  // The whole batch, inline, with fp32 gradients.
+  v1::ComputeHeader hw = HeaderFor(whole);
+  hw.mutable_options()->set_grad_dtype(v1::DTYPE_FP32);
+  ComputeReply ref = RunCompute(h_->stub(), hw, PartsFor(whole, 1 << 20));
+  ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+
+  const int64_t rows = big.bt / 4;
+  const size_t xrow = big.h * DTypeSize(big.dtype);
+  for (int k = 0; k < 4; ++k) {
+    RandomProblemSpec ms = big;
+    ms.bt = rows;
+    RandomProblem micro = RandomProblem::Make(ms);
+    micro.x.assign(whole.x.begin() + k * rows * xrow, whole.x.begin() + (k + 1) * rows * xrow);
+    micro.targets.assign(whole.targets.begin() + k * rows, whole.targets.begin() + (k + 1) * rows);
+    micro.w = whole.w;
+    micro.bias = whole.bias;
+    v1::ComputeHeader hm = HeaderFor(micro, handle);
+    hm.set_accumulator("step-1");
+    ComputeReply r = RunCompute(h_->stub(), hm, PartsFor(micro, 1 << 20, false));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.summary.accumulated_micro_batches(), static_cast<uint64_t>(k + 1));
+    EXPECT_EQ(r.tensors.count(v1::TENSOR_DW), 0u) << "dW must stay on the server";
+  }
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest fr;
+  fr.set_accumulator("step-1");
+  fr.set_reset(true);
+  fr.set_response_part_bytes(3000);  // many parts
+  auto reader = h_->stub().FetchGradients(&ctx, fr);
+  v1::FetchGradientsResponse msg;
+  std::vector<uint8_t> dw(big.v * big.h * 4, 0xFF), db(big.v * 4, 0xFF);
+  v1::GradientsHeader header;
+  while (reader->Read(&msg)) {
+    if (msg.has_header()) {
+      header = msg.header();
+      continue;
+    }
+    auto& dst = msg.part().tensor() == v1::TENSOR_DW ? dw : db;
+    ASSERT_LE(msg.part().offset() + msg.part().data().size(), dst.size());
+    std::memcpy(dst.data() + msg.part().offset(), msg.part().data().data(),
+                msg.part().data().size());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(header.micro_batches(), 4u);
+  EXPECT_EQ(header.tokens(), ref.summary.tokens());
+  // Same sums in another order: equal up to fp32 rounding of the dW summation.
+  std::vector<double> want_dw = Widen(ref.tensors[v1::TENSOR_DW].data(), DType::kF32, big.v * big.h);
+  std::vector<double> got_dw = Widen(dw.data(), DType::kF32, big.v * big.h);
+  CompareResult c = CompareRelNorm("dw", want_dw, got_dw, 1e-5);
+  EXPECT_TRUE(c.ok()) << c.ToString();
+  CompareResult cb = CompareRelNorm("db", Widen(ref.tensors[v1::TENSOR_DB].data(), DType::kF32, big.v),
+                                    Widen(db.data(), DType::kF32, big.v), 1e-5);
+  EXPECT_TRUE(cb.ok()) << cb.ToString();
+
+  // reset zeroed it: the next fetch has no micro-batches.
+  grpc::ClientContext ctx2;
+  auto again = h_->stub().FetchGradients(&ctx2, fr);
+  ASSERT_TRUE(again->Read(&msg));
+  EXPECT_EQ(msg.header().micro_batches(), 0u);
+  while (again->Read(&msg)) {
+  }
+  EXPECT_TRUE(again->Finish().ok());
+}
+
+TEST_F(E2eTest, ATensorFarLargerThanOneMessageTravelsInManyParts) {
+  // A small part size makes "far larger than the message limit" cheap: W is 4000 parts.
+  RandomProblemSpec s = SmallSpec(DType::kF32, 5);
+  s.v = 4000;
+  s.h = 64;
+  RandomProblem rp = RandomProblem::Make(s);
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 256);
+  ASSERT_GT(parts.size(), 4000u);
+  v1::ComputeHeader header = HeaderFor(rp);
+  header.set_response_part_bytes(512);
+  ComputeReply small = RunCompute(h_->stub(), header, parts);
+  ASSERT_TRUE(ReplyMatchesReference(rp, small, s.dtype));
+  ComputeReply large = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 4 << 20));
+  ASSERT_TRUE(large.status.ok());
+  EXPECT_EQ(small.tensors, large.tensors);
+}
+
+TEST_F(E2eTest, TheSameRequestTwiceGivesBitIdenticalOutputs) {
+  RandomProblemSpec s = SmallSpec(DType::kBF16, 8);
+  s.v = 1000;
+  s.h = 64;
+  s.bt = 70;
+  RandomProblem rp = RandomProblem::Make(s);
+  ComputeReply a = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 16));
+  ComputeReply b = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 16));
+  ASSERT_TRUE(a.status.ok() && b.status.ok());
+  const float la = a.summary.loss(), lb = b.summary.loss();
+  EXPECT_EQ(std::memcmp(&la, &lb, 4), 0);
+  EXPECT_EQ(a.tensors, b.tensors);
+}
+
+TEST_F(E2eTest, ServerInfoDescribesTheServer) {
+  grpc::ClientContext ctx;
+  v1::ServerInfoResponse info;
+  ASSERT_TRUE(h_->stub().ServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.backend(), "cpu");
+  EXPECT_FALSE(info.instance().empty());
+  EXPECT_EQ(info.memory_budget_bytes(), h_->engine().options().memory_budget_bytes);
+  EXPECT_GT(info.max_part_bytes(), 0u);
+}
+
+TEST_F(E2eTest, HealthCheckSaysServing) {
+  // grpc.health.v1.Health/Check with an empty request; SERVING is field 1 = 1.
+  grpc::GenericStub generic(h_->channel());
+  grpc::ClientContext ctx;
+  grpc::ByteBuffer request;
+  grpc::Slice empty("");
+  request = grpc::ByteBuffer(&empty, 1);
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                    &response, [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> l(mu);
+                      status = s;
+                      done = true;
+                      cv.notify_one();
+                    });
+  std::unique_lock<std::mutex> l(mu);
+  cv.wait(l, [&] { return done; });
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad input: exact code, a message naming the field and the values, and service afterwards.
+
+struct BadCase {
+  const char* name;
+  grpc::StatusCode code;
+  const char* message;
+};
+
+class BadInputTest : public E2eTest {
+ protected:
+  void Expect(const ComputeReply& r, grpc::StatusCode code, const std::string& substring) {
+    EXPECT_EQ(r.status.error_code(), code) << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(substring), std::string::npos)
+        << "message: " << r.status.error_message() << "\nwanted: " << substring;
+    ExpectServes(*h_);
+    EXPECT_EQ(h_->WaitForIdleMemory(), 0u) << "a refused request left memory behind";
+  }
+  RandomProblem Problem() { return RandomProblem::Make(SmallSpec(DType::kBF16, 21)); }
+};
+
+TEST_F(BadInputTest, HiddenSizeMismatch) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.mutable_w()->set_shape(1, 30);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "w.shape [123, 30] must be (V, H) with H = x.shape[1] = 31");
+}
+
+TEST_F(BadInputTest, TargetsOfTheWrongLength) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.mutable_targets()->set_shape(0, 46);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "targets.shape [46] must be (BT) = [47]");
+}
+
+TEST_F(BadInputTest, UnknownDType) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.mutable_x()->set_dtype(static_cast<v1::DType>(17));
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "header.x.dtype 17 is not a known dtype");
+}
+
+TEST_F(BadInputTest, MixedDTypes) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.mutable_w()->set_dtype(v1::DTYPE_FP16);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "w.dtype fp16 differs from x.dtype bf16");
+}
+
+TEST_F(BadInputTest, APartRunsPastItsShape) {
+  RandomProblem rp = Problem();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1 << 20);
+  parts[0].mutable_part()->mutable_data()->append("xx");
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), parts), grpc::StatusCode::INVALID_ARGUMENT,
+         "a part of x at offset 0 with 2916 bytes runs past the 2914 bytes");
+}
+
+TEST_F(BadInputTest, TargetOutsideTheVocabulary) {
+  RandomProblem rp = Problem();
+  rp.targets[5] = 123;
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 20)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "targets[5] = 123 is outside [0, V=123) and is not ignore_index (-100)");
+}
+
+TEST_F(BadInputTest, NegativeTargetThatIsNotIgnoreIndex) {
+  RandomProblem rp = Problem();
+  rp.targets[0] = -1;
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 20)),
+         grpc::StatusCode::INVALID_ARGUMENT, "targets[0] = -1 is outside [0, V=123)");
+}
+
+TEST_F(BadInputTest, NaNInX) {
+  RandomProblem rp = Problem();
+  reinterpret_cast<uint16_t*>(rp.x.data())[2 * 31 + 4] = 0x7fc0;  // bf16 NaN at [2, 4]
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 20)),
+         grpc::StatusCode::INVALID_ARGUMENT, "x contains a non-finite value (nan) at [2, 4]");
+}
+
+TEST_F(BadInputTest, InfInW) {
+  RandomProblem rp = Problem();
+  reinterpret_cast<uint16_t*>(rp.w.data())[31 * 10 + 3] = 0x7f80;  // bf16 +inf at [10, 3]
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 20)),
+         grpc::StatusCode::INVALID_ARGUMENT, "w contains a non-finite value (inf) at [10, 3]");
+}
+
+TEST_F(BadInputTest, HeaderMissing) {
+  RandomProblem rp = Problem();
+  Expect(RunCompute(h_->stub(), PartsFor(rp, 1 << 20)), grpc::StatusCode::INVALID_ARGUMENT,
+         "the first message of a Compute stream must be a header, got a part of TENSOR_X");
+}
+
+TEST_F(BadInputTest, HeaderRepeated) {
+  RandomProblem rp = Problem();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1 << 20);
+  v1::ComputeRequest again;
+  *again.mutable_header() = HeaderFor(rp);
+  parts.insert(parts.begin() + 1, again);
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), parts), grpc::StatusCode::INVALID_ARGUMENT,
+         "the Compute stream carries a second header");
+}
+
+TEST_F(BadInputTest, PartsOutOfOrder) {
+  RandomProblem rp = Problem();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1000);
+  std::swap(parts[0], parts[1]);  // x: offset 1000 arrives first
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), parts), grpc::StatusCode::INVALID_ARGUMENT,
+         "a part of x starts at byte offset 1000 but 0 bytes of it were received");
+}
+
+TEST_F(BadInputTest, PartsOverlapping) {
+  RandomProblem rp = Problem();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1000);
+  parts[1].mutable_part()->set_offset(500);
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), parts), grpc::StatusCode::INVALID_ARGUMENT,
+         "a part of x starts at byte offset 500 but 1000 bytes of it were received");
+}
+
+TEST_F(BadInputTest, PartMissingAndStreamClosedEarly) {
+  RandomProblem rp = Problem();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1000);
+  parts.pop_back();  // the last part of targets
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), parts), grpc::StatusCode::INVALID_ARGUMENT,
+         "the Compute stream closed early: targets has 0 of its 376 bytes");
+}
+
+TEST_F(BadInputTest, StreamClosedBeforeTheHeader) {
+  Expect(RunCompute(h_->stub(), std::vector<v1::ComputeRequest>{}),
+         grpc::StatusCode::INVALID_ARGUMENT, "the Compute stream closed before its header");
+}
+
+TEST_F(BadInputTest, APartOfATensorTheHeaderDoesNotSend) {
+  RandomProblem rp = Problem();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1 << 20);
+  parts[0].mutable_part()->set_tensor(v1::TENSOR_BIAS);
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), parts), grpc::StatusCode::INVALID_ARGUMENT,
+         "a part of bias arrived but the header does not send bias inline");
+}
+
+TEST_F(BadInputTest, APartOfAnOutputTensor) {
+  RandomProblem rp = Problem();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1 << 20);
+  parts[0].mutable_part()->set_tensor(v1::TENSOR_DX);
+  Expect(RunCompute(h_->stub(), HeaderFor(rp), parts), grpc::StatusCode::INVALID_ARGUMENT,
+         "part.tensor TENSOR_DX is not an input tensor of Compute");
+}
+
+TEST_F(BadInputTest, UnknownHandle) {
+  RandomProblem rp = Problem();
+  Expect(RunCompute(h_->stub(), HeaderFor(rp, "no-such-handle"), {}),
+         grpc::StatusCode::NOT_FOUND, "weight handle 'no-such-handle' not found");
+}
+
+TEST_F(BadInputTest, HandleFromAnotherServerInstance) {
+  RandomProblem rp = Problem();
+  Expect(RunCompute(h_->stub(), HeaderFor(rp, "w-deadbeef-1"), {}),
+         grpc::StatusCode::NOT_FOUND, "belongs to another server instance");
+}
+
+TEST_F(BadInputTest, OptionsOutOfRange) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.mutable_options()->set_label_smoothing(1.5f);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "options.label_smoothing must be in [0, 1], got 1.5");
+  h = HeaderFor(rp);
+  h.mutable_options()->set_softcap(-2.0f);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "options.softcap must be finite and >= 0 (0 = off), got -2");
+  h = HeaderFor(rp);
+  *h.mutable_grad_output() = h.targets();
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "grad_output is only accepted with reduction none");
+}
+
+TEST_F(BadInputTest, AccumulatorShapeMismatch) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.set_accumulator("shape-check");
+  ASSERT_TRUE(RunCompute(h_->stub(), h, PartsFor(rp, 1 << 20)).status.ok());
+  RandomProblemSpec other = SmallSpec(DType::kBF16, 22);
+  other.v = 100;
+  RandomProblem rp2 = RandomProblem::Make(other);
+  v1::ComputeHeader h2 = HeaderFor(rp2);
+  h2.set_accumulator("shape-check");
+  Expect(RunCompute(h_->stub(), h2, PartsFor(rp2, 1 << 20)), grpc::StatusCode::INVALID_ARGUMENT,
+         "accumulator 'shape-check' holds dW of shape (V=123, H=31) without db but this "
+         "request has (V=100, H=31)");
+}
+
+TEST(BudgetTest, ARequestOverTheMemoryBudgetIsRefusedAtOnce) {
+  HarnessOptions o;
+  o.engine.memory_budget_bytes = 200 << 10;  // the small problem fits, W of 512 KB not
+  Harness h(o);
+  RandomProblemSpec s = SmallSpec(DType::kF32, 2);
+  s.v = 2000;
+  s.h = 64;  // W alone is 512 KB
+  RandomProblem rp = RandomProblem::Make(s);
+  ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), {});
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(r.status.error_message().find("more than the whole memory budget of 204800 bytes"),
+            std::string::npos)
+      << r.status.error_message();
+  ExpectServes(h);
+}
+
+TEST(BudgetTest, ARequestOverMaxRequestBytesIsRefused) {
+  HarnessOptions o;
+  o.engine.max_request_bytes = 10000;
+  Harness h(o);
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kF32, 2));
+  ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), {});
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("more than --max_request_bytes=10000"),
+            std::string::npos)
+      << r.status.error_message();
+}
+
+TEST(DrainTest, ADrainingServerRefusesNewWorkWithUnavailable) {
+  Harness h;
+  h.engine().Drain();
+  RandomProblem rp = RandomProblem::Make(SmallSpec());
+  ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(r.status.error_message().find("draining"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------
+// Cancellation and deadlines free everything a request holds.
+
+TEST_F(E2eTest, ACancelledStreamLeavesNoMemoryBehind) {
+  RandomProblemSpec s = SmallSpec(DType::kF32, 4);
+  s.v = 3000;
+  s.h = 64;
+  RandomProblem rp = RandomProblem::Make(s);
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 4096);
+  grpc::ClientContext ctx;
+  auto stream = h_->stub().Compute(&ctx);
+  v1::ComputeRequest header;
+  *header.mutable_header() = HeaderFor(rp);
+  ASSERT_TRUE(stream->Write(header));
+  for (size_t i = 0; i < parts.size() / 2; ++i) ASSERT_TRUE(stream->Write(parts[i]));
+  // The server holds the admitted request now.
+  for (int i = 0; i < 200 && h_->engine().budget().in_use() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(h_->engine().budget().in_use(), 0u);
+  ctx.TryCancel();
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
+  EXPECT_EQ(MetricValue(h_->ScrapeMetrics(), "lossd_memory_in_use_bytes"), 0);
+  ExpectServes(*h_);
+}
+
+TEST_F(E2eTest, ADeadlineThatPassesMidStreamFreesTheRequest) {
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kF32, 6));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  auto stream = h_->stub().Compute(&ctx);
+  v1::ComputeRequest header;
+  *header.mutable_header() = HeaderFor(rp);
+  ASSERT_TRUE(stream->Write(header));  // then nothing: the deadline passes
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
+  ExpectServes(*h_);
+}
+
+// ---------------------------------------------------------------------------------------
+
+TEST_F(E2eTest, MetricsPageShowsTheCountersMoved) {
+  const std::string before = h_->ScrapeMetrics();
+  const double ok0 = std::max(0.0, MetricValue(before, "lossd_requests_total",
+                                               R"(code="OK",method="Compute")"));
+  const double bad0 = std::max(0.0, MetricValue(before, "lossd_requests_total",
+                                                R"(code="INVALID_ARGUMENT",method="Compute")"));
+  const double tokens0 = std::max(0.0, MetricValue(before, "lossd_tokens_total"));
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kBF16, 31));
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 20)).status.ok());
+  }
+  ASSERT_FALSE(RunCompute(h_->stub(), std::vector<v1::ComputeRequest>{}).status.ok());
+  const std::string after = h_->ScrapeMetrics();
+  EXPECT_EQ(MetricValue(after, "lossd_requests_total", R"(code="OK",method="Compute")"), ok0 + 3);
+  EXPECT_EQ(MetricValue(after, "lossd_requests_total",
+                        R"(code="INVALID_ARGUMENT",method="Compute")"),
+            bad0 + 1);
+  int64_t tokens = 0;
+  for (int64_t t : rp.targets) tokens += t != -100;
+  EXPECT_EQ(MetricValue(after, "lossd_tokens_total"), tokens0 + 3 * tokens);
+  EXPECT_GT(MetricValue(after, "lossd_bytes_received_total"), 0);
+  EXPECT_GT(MetricValue(after, "lossd_request_duration_seconds_count",
+                        R"(method="Compute",phase="compute")"),
+            0);
+  EXPECT_EQ(MetricValue(after, "lossd_requests_in_flight"), 0);
+}
+
+}  // namespace
+}  // namespace lossd
