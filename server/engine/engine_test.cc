@@ -1,0 +1,152 @@
+// Engine-level tests (no gRPC): validation messages, data checks and the accumulator's
+// failure rule, run against the CPU backend with the float64 reference as the oracle.
+#include "server/engine/engine.h"
+
+#include <cstring>
+#include <future>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cpu/test_util.h"
+
+namespace lossd {
+namespace {
+
+ComputeSpec SpecFor(const RandomProblem& rp) {
+  const RandomProblemSpec& s = rp.spec();
+  ComputeSpec c;
+  auto set = [&](InputSlot slot, DType dt, std::vector<int64_t> shape) {
+    TensorDesc& t = c.inputs[static_cast<int>(slot)];
+    t.present = true;
+    t.dtype = dt;
+    t.shape = std::move(shape);
+  };
+  set(InputSlot::kX, s.dtype, {s.bt, s.h});
+  set(InputSlot::kW, s.dtype, {s.v, s.h});
+  set(InputSlot::kTargets, s.target_dtype, {s.bt});
+  c.options = s.options;
+  c.wanted.dx = c.wanted.dw = true;
+  return c;
+}
+
+std::shared_ptr<Engine::InputBuffers> Inputs(const RandomProblem& rp, const ComputePlan& plan) {
+  auto in = std::make_shared<Engine::InputBuffers>();
+  LossProblem p = rp.problem();
+  auto copy = [&](InputSlot s, const void* src) {
+    const uint64_t n = plan.input_bytes[static_cast<int>(s)];
+    (*in)[static_cast<int>(s)] = NewHostBuffer(n);
+    std::memcpy((*in)[static_cast<int>(s)].get(), src, n);
+  };
+  copy(InputSlot::kX, p.x);
+  copy(InputSlot::kW, p.w);
+  copy(InputSlot::kTargets, p.targets);
+  return in;
+}
+
+ComputeOutcome RunSync(Engine& e, const ComputePlan& plan,
+                       std::shared_ptr<Engine::InputBuffers> in) {
+  std::promise<ComputeOutcome> done;
+  e.Run(std::make_shared<const ComputePlan>(plan), in,
+        [&](ComputeOutcome o) { done.set_value(std::move(o)); });
+  return done.get_future().get();
+}
+
+TEST(EngineTest, PlanComputesByteCountsAndOutputs) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblemSpec s;
+  s.bt = 5;
+  s.h = 3;
+  s.v = 7;
+  RandomProblem rp = RandomProblem::Make(s);
+  auto plan = e.Plan(SpecFor(rp));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->input_bytes[static_cast<int>(InputSlot::kX)], 5u * 3 * 2);
+  EXPECT_EQ(plan->input_bytes[static_cast<int>(InputSlot::kW)], 7u * 3 * 2);
+  EXPECT_EQ(plan->input_bytes[static_cast<int>(InputSlot::kTargets)], 5u * 8);
+  ASSERT_EQ(plan->outputs.size(), 2u);
+  EXPECT_EQ(plan->outputs[0].slot, OutputSlot::kDx);
+  EXPECT_EQ(plan->outputs[1].slot, OutputSlot::kDw);
+  EXPECT_GT(plan->admission_bytes(), plan->host_bytes);
+}
+
+TEST(EngineTest, ShapeLimitsAreNamed) {
+  EngineOptions o;
+  o.max_v = 100;
+  Engine e(NewCpuBackend(1), o);
+  RandomProblemSpec s;
+  s.v = 101;
+  RandomProblem rp = RandomProblem::Make(s);
+  auto plan = e.Plan(SpecFor(rp));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("V <= 100"), std::string::npos) << plan.status();
+}
+
+TEST(EngineTest, RunMatchesTheReference) {
+  Engine e(NewCpuBackend(2), EngineOptions{});
+  RandomProblemSpec s;
+  s.bt = 33;
+  s.h = 17;
+  s.v = 77;
+  s.ignore_fraction = 0.2;
+  RandomProblem rp = RandomProblem::Make(s);
+  auto plan = e.Plan(SpecFor(rp));
+  ASSERT_TRUE(plan.ok());
+  ComputeOutcome o = RunSync(e, *plan, Inputs(rp, *plan));
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  ReferenceOutputs ref;
+  LossProblem p = rp.problem();
+  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+  LossOutputs got;
+  got.grad_dtype = s.dtype;
+  got.loss = &o.loss;
+  got.tokens = &o.tokens;
+  got.dx = o.outputs[0].get();
+  got.dw = o.outputs[1].get();
+  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, got));
+}
+
+TEST(EngineTest, EveryIgnoredTargetGivesZeroLossAndZeroGradients) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblemSpec s;
+  s.bt = 9;
+  s.h = 5;
+  s.v = 11;
+  s.ignore_fraction = 1.0;
+  RandomProblem rp = RandomProblem::Make(s);
+  auto plan = e.Plan(SpecFor(rp));
+  ASSERT_TRUE(plan.ok());
+  ComputeOutcome o = RunSync(e, *plan, Inputs(rp, *plan));
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.loss, 0.0f);
+  EXPECT_EQ(o.tokens, 0);
+  for (int k = 0; k < 2; ++k) {
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(o.outputs[k].get());
+    for (uint64_t i = 0; i < plan->outputs[k].bytes / 2; ++i) ASSERT_EQ(g[i] & 0x7fff, 0) << i;
+  }
+}
+
+TEST(EngineTest, AnAccumulatorOfAFailedMicroBatchIsNeverServedAsWhole) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblemSpec s;
+  s.bt = 4;
+  s.h = 3;
+  s.v = 5;
+  RandomProblem rp = RandomProblem::Make(s);
+  ComputeSpec spec = SpecFor(rp);
+  spec.accumulator = "acc";
+  auto plan = e.Plan(spec);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  // A micro-batch refused before it touches the accumulator leaves it whole.
+  auto bad = Inputs(rp, *plan);
+  reinterpret_cast<int64_t*>((*bad)[static_cast<int>(InputSlot::kTargets)].get())[0] = 99;
+  ComputeOutcome o = RunSync(e, *plan, bad);
+  EXPECT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument);
+  auto g = e.FetchGradients("acc", false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->micro_batches, 1u);
+}
+
+}  // namespace
+}  // namespace lossd

@@ -1,0 +1,73 @@
+#include "server/engine/weight_cache.h"
+
+#include <memory>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+
+namespace lossd {
+namespace {
+
+std::shared_ptr<WeightEntry> Entry(Backend& b, uint64_t bytes) {
+  auto e = std::make_shared<WeightEntry>();
+  e->dtype = DType::kF32;
+  e->v = static_cast<int64_t>(bytes / 4);
+  e->h = 1;
+  e->w = std::move(*b.Allocate(bytes));
+  return e;
+}
+
+TEST(WeightCacheTest, LeastRecentlyUsedIsEvictedFirstAndSaysSo) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(300, "inst");
+  ASSERT_TRUE(cache.Reserve(100).ok());
+  const std::string a = cache.Insert(Entry(*backend, 100));
+  ASSERT_TRUE(cache.Reserve(100).ok());
+  const std::string b = cache.Insert(Entry(*backend, 100));
+  ASSERT_TRUE(cache.Reserve(100).ok());
+  const std::string c = cache.Insert(Entry(*backend, 100));
+  ASSERT_TRUE(cache.Get(a).ok());  // a is now the most recent; b the least
+  ASSERT_TRUE(cache.Reserve(100).ok());
+  const std::string d = cache.Insert(Entry(*backend, 100));
+  EXPECT_TRUE(cache.Get(a).ok());
+  EXPECT_TRUE(cache.Get(c).ok());
+  EXPECT_TRUE(cache.Get(d).ok());
+  auto gone = cache.Get(b);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(gone.status().message().find("was evicted"), std::string::npos) << gone.status();
+  EXPECT_EQ(cache.bytes(), 300u);
+  EXPECT_EQ(cache.evictions(), 1u);
+  EXPECT_EQ(cache.misses(), 1u);
+}
+
+TEST(WeightCacheTest, AnEntryInUseOutlivesItsEviction) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(100, "inst");
+  ASSERT_TRUE(cache.Reserve(100).ok());
+  const std::string a = cache.Insert(Entry(*backend, 100));
+  auto held = cache.Get(a);
+  ASSERT_TRUE(held.ok());
+  static_cast<float*>((*held)->w->data())[0] = 42.0f;
+  ASSERT_TRUE(cache.Reserve(100).ok());  // evicts a
+  EXPECT_FALSE(cache.Get(a).ok());
+  EXPECT_EQ(static_cast<const float*>((*held)->w->data())[0], 42.0f);
+}
+
+TEST(WeightCacheTest, TooLargeForTheBudgetIsResourceExhausted) {
+  WeightCache cache(100, "inst");
+  absl::Status s = cache.Reserve(101);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("budget of 100 bytes"), std::string::npos) << s;
+}
+
+TEST(WeightCacheTest, HandlesNameTheirInstance) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(100, "abc");
+  ASSERT_TRUE(cache.Reserve(10).ok());
+  EXPECT_EQ(cache.Insert(Entry(*backend, 8)).rfind("w-abc-", 0), 0u);
+  auto other = cache.Get("w-xyz-1");
+  EXPECT_NE(other.status().message().find("another server instance"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace lossd
