@@ -149,13 +149,14 @@ void SliceTracker::WaitUntilReleased() {
 
 grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data, size_t size,
                             SliceTracker* tracker) {
-  // TensorPart body: tensor (varint), offset (varint, omitted when 0 as protobuf does), data.
+  // TensorPart body: tensor (varint), offset (varint), data; each omitted when 0 or empty,
+  // as protobuf does, so the bytes equal protobuf's own encoding.
   // Enums are int32 on the wire: a negative one takes 10 bytes, as protobuf encodes it.
   const uint64_t tensor = static_cast<uint64_t>(static_cast<int64_t>(tensor_id));
   size_t body = 0;
   if (tensor_id != 0) body += 1 + VarintSize(tensor);
   if (offset != 0) body += 1 + VarintSize(offset);
-  body += 1 + VarintSize(size) + size;
+  if (size != 0) body += 1 + VarintSize(size) + size;
 
   uint8_t prefix[48];
   size_t n = 0;
@@ -169,12 +170,12 @@ grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data
     prefix[n++] = static_cast<uint8_t>(kPartOffsetField << 3 | kWireVarint);
     n += PutVarint(offset, prefix + n);
   }
-  prefix[n++] = static_cast<uint8_t>(kPartDataField << 3 | kWireLength);
-  n += PutVarint(size, prefix + n);
   if (size == 0) {
     grpc::Slice only(prefix, n);
     return grpc::ByteBuffer(&only, 1);
   }
+  prefix[n++] = static_cast<uint8_t>(kPartDataField << 3 | kWireLength);
+  n += PutVarint(size, prefix + n);
   grpc::Slice slices[2] = {grpc::Slice(prefix, n), tracker->Wrap(data, size)};
   return grpc::ByteBuffer(slices, 2);
 }
