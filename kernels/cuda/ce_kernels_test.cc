@@ -1,0 +1,240 @@
+// GPU tests of the cross-entropy kernel alone: bf16 logits and the same values given as fp32
+// must give bit-identical statistics and identically rounded gradients (the fp32-compute
+// path), and both must match a float64 computation of the same formulas.
+#include "kernels/cuda/ce_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
+
+struct Case {
+  int64_t rows, v;
+  bool bias, weights, row_scale;
+  float eps, zs, cap;
+};
+
+std::string Name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return "r" + std::to_string(c.rows) + "_v" + std::to_string(c.v) + (c.bias ? "_bias" : "") +
+         (c.weights ? "_cw" : "") + (c.row_scale ? "_rs" : "") + (c.eps > 0 ? "_eps" : "") +
+         (c.zs > 0 ? "_z" : "") + (c.cap > 0 ? "_cap" : "");
+}
+
+// Host inputs with bf16-representable values, and device copies in both dtypes.
+struct Inputs {
+  std::vector<float> z, bias, cw, rs;  // fp32 values that are exact in bf16 (z, bias)
+  std::vector<int32_t> targets;
+};
+
+Inputs MakeInputs(const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  std::uniform_real_distribution<float> u(0.25f, 2.0f);
+  Inputs in;
+  in.z.resize(c.rows * c.v);
+  for (float& x : in.z) x = Bf16ToFloat(FloatToBf16(n(rng)));
+  if (c.bias) {
+    in.bias.resize(c.v);
+    for (float& x : in.bias) x = Bf16ToFloat(FloatToBf16(0.5f * n(rng)));
+  }
+  if (c.weights) {
+    in.cw.resize(c.v);
+    for (float& x : in.cw) x = u(rng);
+  }
+  if (c.row_scale) {
+    in.rs.resize(c.rows);
+    for (float& x : in.rs) x = u(rng) - 1.0f;
+  }
+  in.targets.resize(c.rows);
+  std::uniform_int_distribution<int64_t> t(0, c.v - 1);
+  for (int64_t i = 0; i < c.rows; ++i) in.targets[i] = (i % 7 == 3) ? -1 : static_cast<int32_t>(t(rng));
+  return in;
+}
+
+struct Outputs {
+  std::vector<float> lse, ce, z;
+  std::vector<int32_t> pred;
+  std::vector<float> grad;  // widened
+  std::vector<uint16_t> grad16;  // raw bf16 (bf16 run only)
+};
+
+template <typename T>
+T* ToDevice(const std::vector<T>& h) {
+  if (h.empty()) return nullptr;
+  T* d = nullptr;
+  if (cudaMalloc(reinterpret_cast<void**>(&d), h.size() * sizeof(T)) != cudaSuccess) return nullptr;
+  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+// Runs the kernel on `in` stored as elem (kElemBF16 or kElemF32).
+void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out) {
+  const int64_t n = c.rows * c.v;
+  std::vector<uint16_t> z16(n), b16(in.bias.size());
+  for (int64_t i = 0; i < n; ++i) z16[i] = FloatToBf16(in.z[i]);
+  for (size_t i = 0; i < in.bias.size(); ++i) b16[i] = FloatToBf16(in.bias[i]);
+  void* z = elem == kElemBF16 ? static_cast<void*>(ToDevice(z16)) : ToDevice(in.z);
+  void* bias = nullptr;
+  if (c.bias) bias = elem == kElemBF16 ? static_cast<void*>(ToDevice(b16)) : ToDevice(in.bias);
+  int32_t* t = ToDevice(in.targets);
+  float* cw = ToDevice(in.cw);
+  float* rs = ToDevice(in.rs);
+  float* rows = nullptr;
+  ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&rows), 4 * c.rows * sizeof(float)));
+  ASSERT_CUDA(cudaMemset(rows, 0xFF, 4 * c.rows * sizeof(float)));  // poison
+  ASSERT_NE(z, nullptr);
+  CrossEntropyParams p{};
+  p.logits = z;
+  p.elem = elem;
+  p.rows = c.rows;
+  p.v = c.v;
+  p.bias = bias;
+  p.targets = t;
+  p.class_weights = cw;
+  p.row_scale = rs;
+  p.ce_scale = 0.75f;
+  p.z_scale = 1.25f;
+  p.label_smoothing = c.eps;
+  p.z_loss_scale = c.zs;
+  p.softcap = c.cap;
+  double s = 0;
+  for (float w : in.cw) s += w;
+  p.class_weight_sum = c.weights ? static_cast<float>(s) : static_cast<float>(c.v);
+  p.write_grad = 1;
+  p.row_lse = rows;
+  p.row_ce = rows + c.rows;
+  p.row_z = rows + 2 * c.rows;
+  p.row_pred = reinterpret_cast<int32_t*>(rows + 3 * c.rows);
+  ASSERT_CUDA(LaunchCrossEntropy(p, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<float> r(4 * c.rows);
+  ASSERT_CUDA(cudaMemcpy(r.data(), rows, r.size() * 4, cudaMemcpyDeviceToHost));
+  out->lse.assign(r.begin(), r.begin() + c.rows);
+  out->ce.assign(r.begin() + c.rows, r.begin() + 2 * c.rows);
+  out->z.assign(r.begin() + 2 * c.rows, r.begin() + 3 * c.rows);
+  out->pred.resize(c.rows);
+  std::memcpy(out->pred.data(), r.data() + 3 * c.rows, c.rows * 4);
+  out->grad.resize(n);
+  if (elem == kElemBF16) {
+    out->grad16.resize(n);
+    ASSERT_CUDA(cudaMemcpy(out->grad16.data(), z, n * 2, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < n; ++i) out->grad[i] = Bf16ToFloat(out->grad16[i]);
+  } else {
+    ASSERT_CUDA(cudaMemcpy(out->grad.data(), z, n * 4, cudaMemcpyDeviceToHost));
+  }
+  for (void* ptr : {static_cast<void*>(z), bias, static_cast<void*>(t), static_cast<void*>(cw),
+                    static_cast<void*>(rs), static_cast<void*>(rows)}) {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+}
+
+class CrossEntropyKernelTest : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no GPU";
+  }
+};
+
+TEST_P(CrossEntropyKernelTest, Bf16AndFp32AreBitIdenticalAndMatchFloat64) {
+  const Case c = GetParam();
+  const Inputs in = MakeInputs(c, 1234 + c.v);
+  Outputs b, f;
+  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemBF16, &b));
+  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemF32, &f));
+  int64_t stat_diff = 0, grad_diff = 0;
+  for (int64_t i = 0; i < c.rows; ++i) {
+    stat_diff += std::memcmp(&b.lse[i], &f.lse[i], 4) != 0;
+    stat_diff += std::memcmp(&b.ce[i], &f.ce[i], 4) != 0;
+    stat_diff += std::memcmp(&b.z[i], &f.z[i], 4) != 0;
+    stat_diff += b.pred[i] != f.pred[i];
+  }
+  for (size_t k = 0; k < b.grad16.size(); ++k) grad_diff += b.grad16[k] != FloatToBf16(f.grad[k]);
+  EXPECT_EQ(stat_diff, 0) << "row statistics differ between bf16 and fp32 storage";
+  EXPECT_EQ(grad_diff, 0) << "gradients differ after rounding the fp32 one to bf16";
+
+  // Float64 of the same formulas from the same values.
+  double worst_lse = 0, worst_ce = 0, worst_g = 0, g_scale = 0;
+  int64_t pred_bad = 0;
+  for (int64_t i = 0; i < c.rows; ++i) {
+    const int t = in.targets[i];
+    std::vector<double> zz(c.v), th(c.v, 0.0);
+    double m = -INFINITY;
+    int64_t arg = 0;
+    for (int64_t j = 0; j < c.v; ++j) {
+      double u = in.z[i * c.v + j] + (c.bias ? in.bias[j] : 0.0);
+      if (c.cap > 0) {
+        th[j] = std::tanh(u / c.cap);
+        u = c.cap * th[j];
+      }
+      zz[j] = u;
+      if (u > m) {
+        m = u;
+        arg = j;
+      }
+    }
+    double s = 0, wz = 0, cws = 0;
+    for (int64_t j = 0; j < c.v; ++j) {
+      s += std::exp(zz[j] - m);
+      const double w = c.weights ? in.cw[j] : 1.0;
+      wz += w * zz[j];
+      cws += w;
+    }
+    const double lse = m + std::log(s);
+    worst_lse = std::max(worst_lse, std::fabs(lse - f.lse[i]) / (1 + std::fabs(lse)));
+    if (f.pred[i] != arg && zz[f.pred[i]] < m - 1e-5 * (1 + std::fabs(m))) ++pred_bad;
+    if (t < 0) {
+      EXPECT_EQ(f.ce[i], 0.0f);
+      for (int64_t j = 0; j < c.v; ++j) ASSERT_EQ(f.grad[i * c.v + j], 0.0f) << i << "," << j;
+      continue;
+    }
+    const double cwt = c.weights ? in.cw[t] : 1.0;
+    const double ce = (1 - c.eps) * cwt * (lse - zz[t]) + c.eps / c.v * (cws * lse - wz);
+    worst_ce = std::max(worst_ce, std::fabs(ce - f.ce[i]) / (1 + std::fabs(ce)));
+    const double rs = c.row_scale ? in.rs[i] : 1.0;
+    const double ce_s = 0.75 * rs, z_s = 1.25 * rs;
+    for (int64_t j = 0; j < c.v; ++j) {
+      const double pj = std::exp(zz[j] - lse);
+      const double w = c.weights ? in.cw[j] : 1.0;
+      double g = ce_s * ((1 - c.eps) * cwt * (pj - (j == t)) + c.eps / c.v * (cws * pj - w)) +
+                 z_s * 2 * c.zs * lse * pj;
+      if (c.cap > 0) g *= 1 - th[j] * th[j];
+      worst_g = std::max(worst_g, std::fabs(g - f.grad[i * c.v + j]));
+      g_scale = std::max(g_scale, std::fabs(g));
+    }
+  }
+  EXPECT_LT(worst_lse, 2e-6) << "lse";
+  EXPECT_LT(worst_ce, 2e-5) << "ce";
+  EXPECT_LT(worst_g, 2e-6 * (1 + g_scale)) << "gradient";
+  EXPECT_EQ(pred_bad, 0) << "argmax";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CrossEntropyKernelTest,
+    testing::Values(Case{3, 123, false, false, false, 0, 0, 0},
+                    Case{9, 123, true, true, true, 0.1f, 1e-3f, 0},
+                    Case{5, 1000, true, false, false, 0, 0, 5.0f},
+                    Case{16, 4096, false, false, false, 0, 0, 0},
+                    Case{16, 4096, true, true, true, 0.2f, 1e-2f, 8.0f},
+                    Case{4, 32000, false, true, false, 0.1f, 1e-4f, 0},
+                    Case{3, 32001, true, false, true, 0, 0, 30.0f}),
+    Name);
+
+}  // namespace
+}  // namespace cuda
+}  // namespace lossd

@@ -1,0 +1,344 @@
+// GPU tests of the CUDA backend against the float64 reference: every option and dtype over
+// tiny, odd, medium and realistic shapes, outputs poisoned before each run; determinism;
+// weights and accumulators already on the device; out-of-memory and bad input.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cpu/test_util.h"
+#include "kernels/cuda/fused_loss.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// One backend per test binary: creating a cuBLASLt handle and streams per test is slow.
+CudaBackend* SharedBackend() {
+  static CudaBackend* backend = [] {
+    absl::StatusOr<std::unique_ptr<CudaBackend>> b = CudaBackend::Create(CudaBackendOptions{});
+    return b.ok() ? b->release() : nullptr;
+  }();
+  return backend;
+}
+
+class CudaTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+    backend_ = SharedBackend();
+    ASSERT_NE(backend_, nullptr);
+  }
+  CudaBackend* backend_ = nullptr;
+};
+
+struct Shape {
+  const char* name;
+  int64_t bt, h, v;
+};
+
+struct OptionSet {
+  const char* name;
+  Reduction reduction = Reduction::kMean;
+  float eps = 0, zs = 0, cap = 0;
+  bool bias = false, weights = false, grad_output = false;
+  double ignore = 0;
+  int64_t chunk_rows = 0;
+  DType target_dtype = DType::kI64;
+  bool fp32_grads = false;
+  bool accumulate = false;
+};
+
+const Shape kShapes[] = {
+    {"tiny", 4, 8, 16},
+    {"odd", 47, 31, 123},
+    {"medium", 300, 96, 1000},
+};
+
+const OptionSet kOptions[] = {
+    {"mean"},
+    {"sum_smooth_weights", Reduction::kSum, 0.1f, 0, 0, false, true},
+    {"none_gradout_zloss_softcap", Reduction::kNone, 0, 1e-3f, 5.0f, false, false, true},
+    {"mean_all", Reduction::kMean, 0.1f, 1e-4f, 4.0f, true, true, false, 0.3, 0,
+     DType::kI32},
+    {"chunked_bias_ignore", Reduction::kMean, 0, 0, 0, true, false, false, 0.2, 7},
+    {"fp32_grads", Reduction::kSum, 0.05f, 0, 0, true, false, false, 0.1, 0, DType::kI64,
+     true},
+    {"accumulate", Reduction::kMean, 0, 1e-4f, 0, true, true, false, 0.1, 16, DType::kI64,
+     false, true},
+};
+
+RandomProblemSpec MakeSpec(const Shape& s, const OptionSet& o, DType dtype, uint64_t seed) {
+  RandomProblemSpec spec;
+  spec.bt = s.bt;
+  spec.h = s.h;
+  spec.v = s.v;
+  spec.dtype = dtype;
+  spec.target_dtype = o.target_dtype;
+  spec.options.reduction = o.reduction;
+  spec.options.label_smoothing = o.eps;
+  spec.options.z_loss_scale = o.zs;
+  spec.options.softcap = o.cap;
+  spec.options.chunk_rows = o.chunk_rows;
+  spec.options.grad_scale = o.reduction == Reduction::kNone ? 1.0f : 0.7f;
+  spec.bias = o.bias;
+  spec.class_weights = o.weights;
+  spec.grad_output = o.grad_output;
+  spec.ignore_fraction = o.ignore;
+  spec.seed = seed;
+  return spec;
+}
+
+using MatrixParam = std::tuple<int, int, DType>;
+
+class CudaMatrixTest : public CudaTest, public testing::WithParamInterface<MatrixParam> {};
+
+TEST_P(CudaMatrixTest, MatchesReference) {
+  const Shape& shape = kShapes[std::get<0>(GetParam())];
+  const OptionSet& opt = kOptions[std::get<1>(GetParam())];
+  const DType dtype = std::get<2>(GetParam());
+  RandomProblem rp = RandomProblem::Make(MakeSpec(shape, opt, dtype, 17 + shape.v));
+  const LossProblem p = rp.problem();
+  ReferenceOutputs ref;
+  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+  const DType grad_dtype = opt.fp32_grads ? DType::kF32 : dtype;
+  HostOutputs out(p, grad_dtype, /*want_grads=*/true, opt.accumulate);
+  LossStats stats;
+  const absl::Status st = backend_->Compute(p, out.outputs(), &stats);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_GT(stats.chunk_rows, 0);
+  if (opt.chunk_rows > 0) {
+    EXPECT_EQ(stats.chunk_rows, std::min(opt.chunk_rows, shape.bt));
+  }
+  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()));
+}
+
+std::string MatrixName(const testing::TestParamInfo<MatrixParam>& info) {
+  return std::string(kShapes[std::get<0>(info.param)].name) + "_" +
+         kOptions[std::get<1>(info.param)].name + "_" +
+         std::string(DTypeName(std::get<2>(info.param)));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllOptions, CudaMatrixTest,
+                         testing::Combine(testing::Range(0, 3), testing::Range(0, 7),
+                                          testing::Values(DType::kBF16, DType::kF16,
+                                                          DType::kF32)),
+                         MatrixName);
+
+// Realistic widths (GPU only: the reference takes seconds here). Several chunks, with the
+// two-half overlap inside each.
+TEST_F(CudaTest, RealisticShapeMatchesReference) {
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    OptionSet o{"realistic", Reduction::kMean, 0.1f, 1e-4f, 0, true, false, false, 0.05,
+                512};
+    RandomProblem rp = RandomProblem::Make(MakeSpec({"real", 1100, 256, 32000}, o, dtype, 5));
+    const LossProblem p = rp.problem();
+    ReferenceOutputs ref;
+    ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+    HostOutputs out(p, dtype);
+    LossStats stats;
+    ASSERT_TRUE(backend_->Compute(p, out.outputs(), &stats).ok());
+    EXPECT_EQ(stats.chunk_rows, 512);
+    EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs())) << DTypeName(dtype);
+  }
+}
+
+// Outputs of two identical requests, byte for byte.
+TEST_F(CudaTest, SameRequestTwiceIsBitIdentical) {
+  OptionSet o{"det", Reduction::kMean, 0.1f, 1e-4f, 10.0f, true, true, false, 0.1, 0};
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"d", 1500, 192, 4000}, o, DType::kBF16, 9));
+  const LossProblem p = rp.problem();
+  HostOutputs a(p, DType::kBF16), b(p, DType::kBF16);
+  ASSERT_TRUE(backend_->Compute(p, a.outputs(), nullptr).ok());
+  ASSERT_TRUE(backend_->Compute(p, b.outputs(), nullptr).ok());
+  EXPECT_EQ(std::memcmp(a.loss.data(), b.loss.data(), a.loss.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4), 0);
+  EXPECT_EQ(a.predictions, b.predictions);
+  EXPECT_EQ(a.dx, b.dx);
+  EXPECT_EQ(a.dw, b.dw);
+  EXPECT_EQ(a.db, b.db);
+}
+
+// Chunk size changes the dW summation only: the loss and dX are the same to fp32 rounding.
+TEST_F(CudaTest, ChunkSizeDoesNotChangeTheLoss) {
+  OptionSet o{"chunks", Reduction::kSum, 0, 0, 0, false, false, false, 0, 0};
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"c", 200, 64, 500}, o, DType::kF32, 3));
+  LossProblem p = rp.problem();
+  HostOutputs a(p, DType::kF32), b(p, DType::kF32);
+  p.options.chunk_rows = 200;
+  ASSERT_TRUE(backend_->Compute(p, a.outputs(), nullptr).ok());
+  p.options.chunk_rows = 33;
+  ASSERT_TRUE(backend_->Compute(p, b.outputs(), nullptr).ok());
+  EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4), 0);
+  EXPECT_NEAR(a.loss[0], b.loss[0], 1e-5 * std::abs(a.loss[0]));
+}
+
+// Weights, bias and the accumulators already on the device (the server's cached weights and
+// per-step accumulators), two micro-batches added into the same accumulator.
+TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
+  OptionSet o{"dev", Reduction::kMean, 0.05f, 0, 0, true, false, false, 0.1, 0};
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"dev", 64, 40, 300}, o, DType::kBF16, 21));
+  LossProblem p = rp.problem();
+  ReferenceOutputs ref;
+  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+  auto w = backend_->Allocate(rp.w.size());
+  auto bias = backend_->Allocate(rp.bias.size());
+  auto dw = backend_->Allocate(p.v * p.h * 4);
+  auto db = backend_->Allocate(p.v * 4);
+  ASSERT_TRUE(w.ok() && bias.ok() && dw.ok() && db.ok());
+  ASSERT_TRUE(backend_->CopyToBackend(**w, 0, rp.w.data(), rp.w.size()).ok());
+  ASSERT_TRUE(backend_->CopyToBackend(**bias, 0, rp.bias.data(), rp.bias.size()).ok());
+  ASSERT_TRUE(backend_->Zero(**dw).ok());
+  ASSERT_TRUE(backend_->Zero(**db).ok());
+  LossProblem pd = p;
+  pd.w = (*w)->data();
+  pd.bias = (*bias)->data();
+  pd.w_memory = Memory::kBackend;
+  HostOutputs out(p, DType::kBF16, /*want_grads=*/true, /*accumulate=*/true);
+  LossOutputs lo = out.outputs();
+  lo.dw_accum = static_cast<float*>((*dw)->data());
+  lo.db_accum = static_cast<float*>((*db)->data());
+  lo.accum_memory = Memory::kBackend;
+  for (int step = 0; step < 2; ++step) {
+    out.Poison();
+    ASSERT_TRUE(backend_->Compute(pd, lo, nullptr).ok());
+    EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, [&] {
+      LossOutputs only = out.outputs();
+      only.dw_accum = nullptr;
+      only.db_accum = nullptr;
+      return only;
+    }()));
+  }
+  // The accumulators hold twice the reference gradient.
+  std::vector<float> dw_host(p.v * p.h), db_host(p.v);
+  ASSERT_TRUE(backend_->CopyFromBackend(**dw, 0, dw_host.data(), dw_host.size() * 4).ok());
+  ASSERT_TRUE(backend_->CopyFromBackend(**db, 0, db_host.data(), db_host.size() * 4).ok());
+  std::vector<double> ref2(ref.dw.size()), got(dw_host.begin(), dw_host.end());
+  for (size_t k = 0; k < ref.dw.size(); ++k) ref2[k] = 2 * ref.dw[k];
+  const Tolerance tol = ToleranceFor(DType::kBF16, DType::kF32);
+  const double bound = 2 * tol.logit_u * rp.stats().rms_row_abs_max + tol.logit_u + tol.grad_u +
+                       tol.fp32_rel;
+  CompareResult r = CompareRelNorm("dw_accum x2", ref2, got, bound);
+  EXPECT_TRUE(r.ok()) << r.ToString();
+  std::vector<double> dbr(ref.db.size()), dbg(db_host.begin(), db_host.end());
+  for (size_t k = 0; k < ref.db.size(); ++k) dbr[k] = 2 * ref.db[k];
+  r = CompareRelNorm("db_accum x2", dbr, dbg, bound);
+  EXPECT_TRUE(r.ok()) << r.ToString();
+}
+
+TEST_F(CudaTest, EveryTargetIgnoredGivesZeros) {
+  OptionSet o{"ign", Reduction::kMean, 0.1f, 1e-3f, 0, true, true, false, 1.0, 0};
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"i", 12, 16, 50}, o, DType::kBF16, 4));
+  const LossProblem p = rp.problem();
+  ReferenceOutputs ref;
+  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+  HostOutputs out(p, DType::kBF16);
+  ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
+  EXPECT_EQ(out.loss[0], 0.0f);
+  EXPECT_EQ(out.tokens, 0);
+  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()));
+}
+
+TEST_F(CudaTest, EmptyBatch) {
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"e", 1, 16, 50}, {"e"}, DType::kF32, 4));
+  LossProblem p = rp.problem();
+  p.bt = 0;
+  HostOutputs out(p, DType::kF32);
+  ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
+  EXPECT_EQ(out.loss[0], 0.0f);
+  EXPECT_EQ(out.tokens, 0);
+  for (size_t k = 0; k < out.dw.size(); ++k) ASSERT_EQ(out.dw[k], 0) << k;
+}
+
+TEST_F(CudaTest, BadInputIsInvalidArgument) {
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"b", 8, 16, 50}, {"b"}, DType::kBF16, 4));
+  HostOutputs out(rp.problem(), DType::kBF16);
+  LossProblem p = rp.problem();
+  p.h = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, out.outputs(), nullptr)));
+  p = rp.problem();
+  rp.targets[3] = 50;
+  p = rp.problem();
+  absl::Status st = backend_->Compute(p, out.outputs(), nullptr);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_NE(st.message().find("targets[3]"), std::string::npos) << st;
+  rp.targets[3] = 1;
+  p = rp.problem();
+  LossOutputs lo = out.outputs();
+  lo.grad_dtype = DType::kI32;
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, lo, nullptr)));
+  p.options.label_smoothing = 2.0f;
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, out.outputs(), nullptr)));
+  EXPECT_TRUE(backend_->Info().healthy);
+}
+
+TEST_F(CudaTest, OutOfMemoryIsResourceExhaustedAndTheBackendKeepsServing) {
+  // More than the device has.
+  const BackendInfo before = backend_->Info();
+  ASSERT_GT(before.memory_total_bytes, 0u);
+  auto huge = backend_->Allocate(before.memory_total_bytes * 2);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(huge.status())) << huge.status();
+  // A budget smaller than the problem.
+  CudaBackendOptions small;
+  small.memory_budget_bytes = 1 << 20;
+  auto tight = CudaBackend::Create(small);
+  ASSERT_TRUE(tight.ok());
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"o", 64, 64, 4000}, {"o"}, DType::kF32, 4));
+  const LossProblem p = rp.problem();
+  HostOutputs out(p, DType::kF32);
+  absl::Status st = (*tight)->Compute(p, out.outputs(), nullptr);
+  EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
+  EXPECT_GT((*tight)->WorkspaceBytes(p, out.outputs()), small.memory_budget_bytes);
+  // Both keep serving.
+  ReferenceOutputs ref;
+  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+  out.Poison();
+  ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
+  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()));
+  EXPECT_TRUE(backend_->Info().healthy);
+  EXPECT_TRUE((*tight)->Info().healthy);
+}
+
+TEST_F(CudaTest, InfoReportsTheDevice) {
+  const BackendInfo info = backend_->Info();
+  EXPECT_EQ(info.name, "cuda");
+  EXPECT_FALSE(info.device.empty());
+  EXPECT_GT(info.memory_total_bytes, 0u);
+  EXPECT_GT(info.memory_used_bytes, 0u);
+  EXPECT_TRUE(info.healthy);
+}
+
+TEST(ChunkPlanTest, FromBudgetAndShape) {
+  // The Llama-3 head at the default budget: four equal chunks of 2048 rows, within 512 MiB.
+  const ChunkPlan p = PlanChunks(8192, 128256, DType::kBF16, kDefaultChunkBudgetBytes, 0);
+  EXPECT_EQ(p.chunk_rows, 2048);
+  EXPECT_LE(p.workspace_bytes, kDefaultChunkBudgetBytes);
+  // Small problems take one chunk; an explicit chunk_rows wins.
+  EXPECT_EQ(PlanChunks(47, 123, DType::kF32, kDefaultChunkBudgetBytes, 0).chunk_rows, 47);
+  EXPECT_EQ(PlanChunks(47, 123, DType::kF32, kDefaultChunkBudgetBytes, 5).chunk_rows, 5);
+  // fp32 logits take twice the bytes: half the rows.
+  EXPECT_EQ(PlanChunks(8192, 128256, DType::kF32, kDefaultChunkBudgetBytes, 0).chunk_rows,
+            1024);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace lossd
