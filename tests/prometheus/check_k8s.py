@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Checks of deploy/ that no schema knows: how the rendered Kubernetes objects fit together
+(selectors match pod labels, probes hit the gRPC port, grace period covers the drain, GPU only
+in the GPU overlay), the PodMonitor's required fields, the Grafana dashboard (every query
+parses as PromQL and names only metrics lossd exports) and the Dockerfile's shape.
+
+Usage: check_k8s.py k8s OVERLAY RENDERED.yaml | podmonitor RENDERED.yaml |
+       dashboard DASHBOARD.json RULES_OUT.yml | dockerfile Dockerfile
+Prints one line per failed property; exits 1 if any failed.
+"""
+
+import json
+import re
+import sys
+
+import yaml
+
+METRICS = {
+    "lossd_requests_total", "lossd_request_duration_seconds_bucket",
+    "lossd_request_duration_seconds_sum", "lossd_request_duration_seconds_count",
+    "lossd_tokens_total", "lossd_bytes_received_total", "lossd_bytes_sent_total",
+    "lossd_requests_in_flight", "lossd_memory_in_use_bytes", "lossd_memory_budget_bytes",
+    "lossd_gpu_memory_used_bytes", "lossd_gpu_memory_total_bytes", "lossd_gpu_memory_peak_bytes",
+    "lossd_weight_cache_bytes", "lossd_weight_cache_hits_total",
+    "lossd_weight_cache_misses_total", "lossd_weight_cache_evictions_total",
+    "lossd_accumulators", "lossd_compute_flops_total", "lossd_healthy",
+}
+
+failures = []
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+    return cond
+
+
+def flag_value(args, name):
+    for a in args:
+        if a.startswith("--%s=" % name):
+            return a.split("=", 1)[1]
+    return None
+
+
+def matches(selector, labels):
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_k8s(overlay, path):
+    objs = [o for o in yaml.safe_load_all(open(path)) if o]
+    by_kind = {}
+    for o in objs:
+        by_kind.setdefault(o["kind"], []).append(o)
+    check(len(by_kind.get("Deployment", [])) == 1, "one Deployment")
+    if not by_kind.get("Deployment"):
+        return
+    dep = by_kind["Deployment"][0]
+    ns = dep["metadata"].get("namespace")
+    check(ns, "Deployment has a namespace")
+    for o in objs:
+        if o["kind"] != "Namespace":
+            check(o["metadata"].get("namespace") == ns,
+                  "%s/%s in namespace %s" % (o["kind"], o["metadata"]["name"], ns))
+    tpl = dep["spec"]["template"]
+    labels = tpl["metadata"]["labels"]
+    check(matches(dep["spec"]["selector"]["matchLabels"], labels),
+          "Deployment selector matches its pod labels")
+    pod = tpl["spec"]
+    containers = pod["containers"]
+    check(len(containers) == 1, "one container")
+    c = containers[0]
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    check(ports.get("grpc") == 50051 and ports.get("metrics") == 9464,
+          "container ports grpc=50051 and metrics=9464, got %s" % ports)
+    args = c.get("args", [])
+    check(flag_value(args, "port") == "50051", "--port=50051")
+    check(flag_value(args, "metrics_port") == "9464", "--metrics_port=9464")
+    drain = int(flag_value(args, "drain_seconds") or 30)
+    pre_stop = 0
+    cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    if len(cmd) == 2 and cmd[0] == "sleep":
+        pre_stop = int(cmd[1])
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    check(grace > drain + pre_stop,
+          "terminationGracePeriodSeconds %d > --drain_seconds %d + preStop %d" % (
+              grace, drain, pre_stop))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = c.get(probe)
+        if check(p is not None, "%s present" % probe):
+            check(p.get("grpc", {}).get("port") == 50051,
+                  "%s is a gRPC health probe on 50051" % probe)
+    ann = tpl["metadata"].get("annotations", {})
+    check(ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/port") == "9464",
+          "pod scrape annotations")
+    sc = pod.get("securityContext", {})
+    check(sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, "pod runs as non-root")
+    csc = c.get("securityContext", {})
+    check(csc.get("allowPrivilegeEscalation") is False, "no privilege escalation")
+    check(csc.get("readOnlyRootFilesystem") is True, "read-only root filesystem")
+    res = c.get("resources", {})
+    check(res.get("requests", {}).get("cpu") and res.get("requests", {}).get("memory"),
+          "cpu and memory requests")
+    check(res.get("limits", {}).get("memory"), "memory limit")
+    gpu_req = res.get("limits", {}).get("nvidia.com/gpu")
+    backend = flag_value(args, "backend")
+    if overlay == "gpu-prod":
+        check(gpu_req == "1" and res.get("requests", {}).get("nvidia.com/gpu") == "1",
+              "GPU overlay requests nvidia.com/gpu: 1")
+        check(backend == "cuda", "GPU overlay runs --backend=cuda")
+        check(dep["spec"].get("replicas", 1) >= 2, "GPU overlay has several replicas")
+        check(any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", [])),
+              "GPU overlay tolerates the nvidia.com/gpu taint")
+        check(len(by_kind.get("PodMonitor", [])) == 1, "GPU overlay has a PodMonitor")
+    elif overlay == "dev-cpu":
+        check(gpu_req is None, "CPU overlay requests no GPU")
+        check(backend == "cpu", "CPU overlay runs --backend=cpu")
+    services = by_kind.get("Service", [])
+    check(len(services) == 2, "two Services (ClusterIP and headless)")
+    headless = [s for s in services if s["spec"].get("clusterIP") == "None"]
+    check(len(headless) == 1, "one headless Service")
+    for s in services:
+        name = s["metadata"]["name"]
+        check(matches(s["spec"].get("selector", {}), labels), "Service %s selects the pods" % name)
+        for p in s["spec"]["ports"]:
+            check(p.get("targetPort") in ports, "Service %s targets a named container port %s" % (
+                name, p.get("targetPort")))
+    pdbs = by_kind.get("PodDisruptionBudget", [])
+    if check(len(pdbs) == 1, "one PodDisruptionBudget"):
+        check(matches(pdbs[0]["spec"]["selector"]["matchLabels"], labels),
+              "PodDisruptionBudget selects the pods")
+    check_podmonitors(by_kind.get("PodMonitor", []), labels, ports)
+
+
+def check_podmonitors(pms, pod_labels=None, ports=None):
+    for pm in pms:
+        name = pm["metadata"].get("name")
+        check(pm.get("apiVersion") == "monitoring.coreos.com/v1", "PodMonitor apiVersion")
+        check(name, "PodMonitor has a name")
+        spec = pm.get("spec", {})
+        sel = spec.get("selector", {}).get("matchLabels", {})
+        check(sel, "PodMonitor %s has selector.matchLabels" % name)
+        if pod_labels is not None:
+            check(matches(sel, pod_labels), "PodMonitor %s selects the lossd pods" % name)
+        eps = spec.get("podMetricsEndpoints", [])
+        check(eps, "PodMonitor %s has podMetricsEndpoints" % name)
+        for ep in eps:
+            check(ep.get("port") and (ports is None or ep["port"] in ports),
+                  "PodMonitor endpoint port %s names a container port" % ep.get("port"))
+            check(ep.get("path", "/metrics") == "/metrics", "PodMonitor path /metrics")
+
+
+def check_dashboard(path, rules_out):
+    d = json.load(open(path))
+    check(d.get("title") and d.get("uid"), "dashboard has title and uid")
+    panels = d.get("panels", [])
+    ids = [p.get("id") for p in panels]
+    check(len(ids) == len(set(ids)), "panel ids unique")
+    exprs = []
+    for p in panels:
+        if p.get("type") == "row":
+            continue
+        gp = p.get("gridPos", {})
+        check(all(k in gp for k in "xywh") and gp["x"] + gp["w"] <= 24,
+              "panel %r has a gridPos inside 24 columns" % p.get("title"))
+        tg = p.get("targets", [])
+        check(tg, "panel %r has queries" % p.get("title"))
+        for t in tg:
+            e = t.get("expr", "")
+            check(e, "panel %r query has an expr" % p.get("title"))
+            exprs.append((p.get("title"), e))
+            for m in re.findall(r"\b(lossd_[a-z_]+)\b", e):
+                check(m in METRICS, "panel %r uses unknown metric %s" % (p.get("title"), m))
+    text = json.dumps(d)
+    for want, what in (("lossd_request_duration_seconds_bucket", "latency"),
+                       ("phase", "latency by phase"), ("lossd_tokens_total", "tokens/s"),
+                       ("lossd_bytes_received_total", "GB/s"),
+                       ("lossd_gpu_memory_used_bytes", "GPU memory"),
+                       ("by (code)", "errors by code")):
+        check(want in text, "dashboard shows %s" % what)
+    # Grafana's variables replaced by plain values, so promtool can parse every query.
+    rules = {"groups": [{"name": "dashboard", "rules": []}]}
+    for i, (title, e) in enumerate(exprs):
+        e = e.replace("$__rate_interval", "1m").replace("$namespace", ".*").replace("$pod", ".*")
+        rules["groups"][0]["rules"].append({"record": "dashboard:query_%d" % i, "expr": e})
+    with open(rules_out, "w") as f:
+        yaml.safe_dump(rules, f)
+
+
+def check_dockerfile(path):
+    text = open(path).read()
+    froms = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.M | re.I)
+    check(len(froms) >= 2, "multi-stage build (%d FROM lines)" % len(froms))
+    if froms:
+        check("devel" in froms[0][0], "build stage on a CUDA devel base: %s" % froms[0][0])
+        check("runtime" in froms[-1][0], "final stage on a CUDA runtime base: %s" % froms[-1][0])
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    check(users and users[-1].split(":")[0] not in ("root", "0"), "final USER is not root")
+    check(re.search(r'^ENTRYPOINT\s+\[', text, re.M), "ENTRYPOINT in exec form (lossd is PID 1)")
+    check(re.search(r"^EXPOSE\s+.*50051", text, re.M), "EXPOSE 50051")
+    check("bazel" in text and "//server:lossd" in text, "builds //server:lossd with Bazel")
+    final = text[text.rfind("FROM"):]
+    check("apt-get install" not in final, "runtime stage installs no packages")
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == "k8s":
+        check_k8s(sys.argv[2], sys.argv[3])
+    elif mode == "podmonitor":
+        check_podmonitors([o for o in yaml.safe_load_all(open(sys.argv[2]))
+                           if o and o.get("kind") == "PodMonitor"])
+    elif mode == "dashboard":
+        check_dashboard(sys.argv[2], sys.argv[3])
+    elif mode == "dockerfile":
+        check_dockerfile(sys.argv[2])
+    else:
+        sys.exit("unknown mode %s" % mode)
+    for f in failures:
+        print("  not ok: %s" % f)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
