@@ -1,0 +1,749 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/strip.h"
+#include "kernels/backend.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Memory and threads.
+
+// 64-byte aligned fp32 buffer that reports allocation failure instead of throwing.
+class FloatBuffer {
+ public:
+  FloatBuffer() = default;
+  FloatBuffer(const FloatBuffer&) = delete;
+  FloatBuffer& operator=(const FloatBuffer&) = delete;
+  ~FloatBuffer() { std::free(data_); }
+
+  bool Allocate(size_t n) {
+    std::free(data_);
+    const size_t bytes = ((std::max<size_t>(n, 1) * sizeof(float)) + 63) / 64 * 64;
+    data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+    size_ = data_ != nullptr ? n : 0;
+    return data_ != nullptr;
+  }
+  float* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  float* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+class HostBuffer : public BackendBuffer {
+ public:
+  HostBuffer(void* data, size_t size, std::function<void(int64_t)> on_free)
+      : data_(data), size_(size), on_free_(std::move(on_free)) {}
+  ~HostBuffer() override {
+    std::free(data_);
+    on_free_(-static_cast<int64_t>(size_));
+  }
+  void* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  void* data_;
+  size_t size_;
+  std::function<void(int64_t)> on_free_;
+};
+
+// Runs fn(task) for every task in [0, n) on up to `threads` threads, the caller included.
+// What a task computes never depends on which thread runs it, so neither do the results.
+void ParallelFor(int threads, int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  const int64_t workers = std::min<int64_t>(threads, n);
+  std::atomic<int64_t> next{0};
+  auto run = [&] {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t k = 1; k < workers; ++k) {
+    try {
+      pool.emplace_back(run);
+    } catch (...) {
+      break;  // fewer threads give the same results, only later
+    }
+  }
+  run();
+  for (std::thread& t : pool) t.join();
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Fixed task sizes: they depend on the shape only, never on the thread count.
+constexpr int64_t kVBlock = 1024;     // vocabulary columns per logits / dW task
+constexpr int64_t kRowBlock = 256;    // rows per dX task
+constexpr int64_t kPassRows = 8;      // rows per row-pass task
+constexpr int64_t kConvertBlock = 1 << 16;  // elements per conversion task
+
+// ---------------------------------------------------------------------------------------------
+// GEMM.
+
+// C (m x n) = A (m x k) B^T (trans_b, B is n x k) or A B (B is k x n), row-major, beta 0.
+// OpenBLAS computes a one-row product by another path whose rounding differs from the
+// many-row kernels; computing it as two identical rows keeps every row's result independent
+// of how rows are grouped into calls, so the chunk size never changes z or dX.
+void GemmRows(bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+              const float* b, int64_t ldb, float* c, int64_t ldc) {
+  const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
+  if (m != 1) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    return;
+  }
+  std::vector<float> a2(2 * k), c2(2 * n);
+  std::memcpy(a2.data(), a, k * sizeof(float));
+  std::memcpy(a2.data() + k, a, k * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, 2, n, k, 1.0f, a2.data(), k, b, ldb, 0.0f,
+              c2.data(), n);
+  std::memcpy(c, c2.data(), n * sizeof(float));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element conversion.
+
+// x rounded to bf16 and widened back (round to nearest even; NaN stays NaN).
+inline float RoundBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  uint32_t r = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  r = nan ? (bits | 0x00400000u) & 0xffff0000u : r;
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
+inline float RoundF16(float x) { return F16ToFloat(FloatToF16(x)); }
+
+// Rounds n fp32 values in place to dtype t (no-op for fp32).
+void RoundInPlace(float* v, int64_t n, DType t) {
+  if (t == DType::kBF16) {
+    for (int64_t k = 0; k < n; ++k) v[k] = RoundBf16(v[k]);
+  } else if (t == DType::kF16) {
+    for (int64_t k = 0; k < n; ++k) v[k] = RoundF16(v[k]);
+  }
+}
+
+// Widens n elements of src (dtype t) starting at element `first` into dst.
+void WidenRange(const void* src, DType t, int64_t first, int64_t n, float* dst) {
+  if (t == DType::kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + first;
+    for (int64_t k = 0; k < n; ++k) dst[k] = Bf16ToFloat(s[k]);
+  } else if (t == DType::kF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + first;
+    for (int64_t k = 0; k < n; ++k) dst[k] = F16ToFloat(s[k]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(src) + first, n * sizeof(float));
+  }
+}
+
+// Stores n fp32 values as elements [first, first + n) of dst (dtype t), rounding to nearest even.
+void NarrowRange(const float* src, int64_t n, DType t, void* dst, int64_t first) {
+  if (t == DType::kBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst) + first;
+    for (int64_t k = 0; k < n; ++k) d[k] = FloatToBf16(src[k]);
+  } else if (t == DType::kF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst) + first;
+    for (int64_t k = 0; k < n; ++k) d[k] = FloatToF16(src[k]);
+  } else {
+    std::memcpy(static_cast<float*>(dst) + first, src, n * sizeof(float));
+  }
+}
+
+void ParallelWiden(int threads, const void* src, DType t, int64_t n, float* dst) {
+  ParallelFor(threads, CeilDiv(n, kConvertBlock), [&](int64_t task) {
+    const int64_t first = task * kConvertBlock;
+    WidenRange(src, t, first, std::min(kConvertBlock, n - first), dst + first);
+  });
+}
+
+void ParallelNarrow(int threads, const float* src, int64_t n, DType t, void* dst) {
+  ParallelFor(threads, CeilDiv(n, kConvertBlock), [&](int64_t task) {
+    const int64_t first = task * kConvertBlock;
+    NarrowRange(src + first, std::min(kConvertBlock, n - first), t, dst, first);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The row pass.
+
+// exp(x) for x <= 0 (every argument here is z - max or z - lse), to about 1 ulp, in a form
+// the compiler vectorises: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial
+// (Cephes' coefficients), 2^n put into the exponent bits. Below -87 (where exp underflows to
+// a denormal) it returns about 1e-38 instead of 0; a NaN stays NaN.
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+// Per-problem constants of the row pass.
+struct RowPassParams {
+  int64_t v = 0;
+  DType dtype = DType::kBF16;
+  const float* cw = nullptr;  // (V) class weights, null = ones
+  double cw_sum = 0;          // S = sum_j cw[j]
+  double eps = 0, zs = 0, cap = 0;
+  bool want_grad = false;
+};
+
+// What the row pass reports for one row.
+struct RowResult {
+  double ce = 0, zl = 0;
+  float lse = 0;
+  int64_t argmax = 0;
+};
+
+constexpr int kLanes = 16;  // independent fp32 partial sums: vectorisable, and more accurate
+
+// One row: z (V) holds the stored logits (rounded to the input dtype) and is overwritten with
+// G = dL/dz (rounded to the input dtype) when want_grad. t < 0 marks an ignored row, whose G is
+// zero. sc and sz scale the cross-entropy and z-loss gradients.
+RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, double sz) {
+  const int64_t v = rp.v;
+  RowResult res;
+  if (rp.cap > 0) {
+    const float cap = static_cast<float>(rp.cap), inv = static_cast<float>(1.0 / rp.cap);
+    for (int64_t j = 0; j < v; ++j) z[j] = cap * std::tanh(z[j] * inv);
+  }
+  // Max and the first index reaching it.
+  float m = z[0];
+  int64_t arg = 0;
+  for (int64_t j = 1; j < v; ++j) {
+    if (z[j] > m) {
+      m = z[j];
+      arg = j;
+    }
+  }
+  res.argmax = arg;
+  // sum_j exp(z_j - m), and sum_j cw_j z_j for label smoothing.
+  float acc[kLanes] = {0}, wz[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += ExpNonPositive(z[j + l] - m);
+  }
+  for (int l = 0; j < v; ++j, ++l) acc[l] += ExpNonPositive(z[j] - m);
+  double sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  const double lse = m + std::log(sum);
+  res.lse = static_cast<float>(lse);
+  if (t < 0) {
+    if (rp.want_grad) std::fill(z, z + v, 0.0f);
+    return res;
+  }
+  double smooth = 0;
+  if (rp.eps > 0) {
+    j = 0;
+    if (rp.cw != nullptr) {
+      for (; j + kLanes <= v; j += kLanes) {
+        for (int l = 0; l < kLanes; ++l) wz[l] += rp.cw[j + l] * z[j + l];
+      }
+      for (int l = 0; j < v; ++j, ++l) wz[l] += rp.cw[j] * z[j];
+    } else {
+      for (; j + kLanes <= v; j += kLanes) {
+        for (int l = 0; l < kLanes; ++l) wz[l] += z[j + l];
+      }
+      for (int l = 0; j < v; ++j, ++l) wz[l] += z[j];
+    }
+    double s = 0;
+    for (int l = 0; l < kLanes; ++l) s += wz[l];
+    smooth = (rp.cw_sum * lse - s) / static_cast<double>(v);  // -(1/V) sum_j cw_j (z_j - lse)
+  }
+  const double cwt = rp.cw != nullptr ? rp.cw[t] : 1.0;
+  res.ce = (1 - rp.eps) * cwt * (lse - z[t]) + rp.eps * smooth;
+  res.zl = rp.zs * lse * lse;
+  if (!rp.want_grad) return res;
+
+  // g_j = A p_j - B cw_j - [j == t] C, p_j = exp(z_j - lse), then times the softcap's
+  // 1 - tanh^2 = 1 - (z_j / cap)^2.
+  const float a = static_cast<float>(
+      sc * ((1 - rp.eps) * cwt + rp.eps * rp.cw_sum / static_cast<double>(v)) +
+      2 * sz * rp.zs * lse);
+  const float b = static_cast<float>(sc * rp.eps / static_cast<double>(v));
+  const float c = static_cast<float>(sc * (1 - rp.eps) * cwt);
+  const float lse_f = static_cast<float>(lse);
+  const float zt = z[t];
+  if (rp.cap > 0) {
+    const float inv = static_cast<float>(1.0 / rp.cap);
+    for (j = 0; j < v; ++j) {
+      const float th = z[j] * inv;
+      const float cwj = rp.cw != nullptr ? rp.cw[j] : 1.0f;
+      z[j] = (a * ExpNonPositive(z[j] - lse_f) - b * cwj) * (1.0f - th * th);
+    }
+    const float th = zt * inv;
+    z[t] = (a * ExpNonPositive(zt - lse_f) - b * (rp.cw != nullptr ? rp.cw[t] : 1.0f) - c) *
+           (1.0f - th * th);
+  } else if (rp.cw != nullptr) {
+    for (j = 0; j < v; ++j) z[j] = a * ExpNonPositive(z[j] - lse_f) - b * rp.cw[j];
+    z[t] -= c;
+  } else {
+    for (j = 0; j < v; ++j) z[j] = a * ExpNonPositive(z[j] - lse_f) - b;
+    z[t] -= c;
+  }
+  // G is stored in the input dtype, as the GPU stores it over its logits.
+  RoundInPlace(z, v, rp.dtype);
+  return res;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation.
+
+absl::Status CheckProblem(const LossProblem& p, const LossOutputs& out) {
+  if (p.bt < 0 || p.h <= 0 || p.v <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu backend: shape must have bt >= 0, h > 0, v > 0; got bt=", p.bt, " h=", p.h,
+        " v=", p.v));
+  }
+  if (!IsFloatDType(p.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu backend: dtype must be bf16, fp16 or fp32; got ", DTypeName(p.dtype)));
+  }
+  if (p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu backend: target_dtype must be int32 or int64; got ", DTypeName(p.target_dtype)));
+  }
+  if (out.grad_dtype != p.dtype && out.grad_dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: grad_dtype must be fp32 or the input dtype ",
+                     DTypeName(p.dtype), "; got ", DTypeName(out.grad_dtype)));
+  }
+  if (p.w == nullptr || (p.bt > 0 && (p.x == nullptr || p.targets == nullptr))) {
+    return absl::InvalidArgumentError("cpu backend: x, w and targets must be non-null");
+  }
+  const LossOptions& o = p.options;
+  if (!(o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu backend: label_smoothing must be in [0, 1]; got ", o.label_smoothing));
+  }
+  if (!(o.z_loss_scale >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: z_loss_scale must be >= 0; got ", o.z_loss_scale));
+  }
+  if (!(o.softcap >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: softcap must be >= 0; got ", o.softcap));
+  }
+  if (o.chunk_rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: chunk_rows must be >= 0; got ", o.chunk_rows));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Info helpers.
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "model name")) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) {
+        return std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+      }
+    }
+  }
+  return "unknown CPU";
+}
+
+// A "Name:   123 kB" field of /proc/meminfo in bytes; 0 when absent.
+uint64_t MemInfoBytes(absl::string_view name) {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view rest = line;
+    if (absl::ConsumePrefix(&rest, name) && absl::ConsumePrefix(&rest, ":")) {
+      rest = absl::StripAsciiWhitespace(rest);
+      absl::ConsumeSuffix(&rest, "kB");
+      uint64_t kb = 0;
+      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kb)) return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+// Workspace plan shared by WorkspaceBytes and Compute.
+struct Plan {
+  int64_t chunk = 0;
+  bool want_dx = false, want_dw = false, want_db = false, want_grad = false;
+  bool w_copy = false, x_copy = false, dx_scratch = false, dw_scratch = false;
+  bool db_scratch = false;
+  uint64_t bytes = 0;
+};
+
+Plan MakePlan(const LossProblem& p, const LossOutputs& out) {
+  Plan pl;
+  pl.chunk = CpuBackend::ChunkRows(p);
+  pl.want_dx = out.dx != nullptr;
+  pl.want_dw = out.dw_accum != nullptr || out.dw != nullptr;
+  pl.want_db = p.bias != nullptr && (out.db_accum != nullptr || out.db != nullptr);
+  pl.want_grad = pl.want_dx || pl.want_dw || pl.want_db;
+  pl.w_copy = p.dtype != DType::kF32;
+  pl.x_copy = p.dtype != DType::kF32;
+  pl.dx_scratch = pl.want_dx && out.grad_dtype != DType::kF32;
+  pl.dw_scratch = out.dw_accum == nullptr && out.dw != nullptr && out.grad_dtype != DType::kF32;
+  pl.db_scratch = pl.want_db && out.db_accum == nullptr;
+  const uint64_t c = pl.chunk, h = p.h, v = p.v, f = sizeof(float);
+  pl.bytes = c * v * f;                     // the logits / G chunk
+  if (pl.w_copy) pl.bytes += v * h * f;     // W in fp32
+  if (pl.x_copy) pl.bytes += c * h * f;     // X_c in fp32
+  if (pl.dx_scratch) pl.bytes += c * h * f;
+  if (pl.dw_scratch) pl.bytes += v * h * f;
+  pl.bytes += 3 * v * f;                    // bias, class weights, db in fp32
+  pl.bytes += static_cast<uint64_t>(p.bt) * (sizeof(RowResult) + 2 * sizeof(double) + 8);
+  return pl;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// CpuBackend.
+
+CpuBackend::CpuBackend(int threads)
+    : threads_(std::max(1, threads)),
+      device_(CpuModel()),
+      memory_total_bytes_(MemInfoBytes("MemTotal")) {
+  // Every sgemm runs single-threaded inside one of this backend's tasks (see the header).
+  openblas_set_num_threads(1);
+}
+
+int64_t CpuBackend::ChunkRows(const LossProblem& p) {
+  int64_t c = p.options.chunk_rows;
+  if (c <= 0) {
+    c = static_cast<int64_t>(kDefaultChunkBytes / (static_cast<uint64_t>(std::max<int64_t>(p.v, 1)) *
+                                                  sizeof(float)));
+  }
+  return std::max<int64_t>(1, std::min<int64_t>(c, std::max<int64_t>(p.bt, 1)));
+}
+
+void CpuBackend::AddHeld(int64_t bytes) {
+  const int64_t now = held_bytes_.fetch_add(bytes) + bytes;
+  int64_t peak = peak_bytes_.load();
+  while (now > peak && !peak_bytes_.compare_exchange_weak(peak, now)) {
+  }
+}
+
+BackendInfo CpuBackend::Info() {
+  BackendInfo info;
+  info.name = "cpu";
+  info.device = device_;
+  info.memory_total_bytes = memory_total_bytes_;
+  const uint64_t available = MemInfoBytes("MemAvailable");
+  info.memory_used_bytes = memory_total_bytes_ > available ? memory_total_bytes_ - available : 0;
+  info.memory_peak_bytes = static_cast<uint64_t>(std::max<int64_t>(0, peak_bytes_.load()));
+  info.healthy = true;
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<BackendBuffer>> CpuBackend::Allocate(size_t bytes) {
+  const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  if (rounded < bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ", bytes,
+                                                     " bytes"));
+  }
+  void* data = std::aligned_alloc(64, rounded);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend: out of host memory allocating ", bytes, " bytes"));
+  }
+  AddHeld(static_cast<int64_t>(bytes));
+  return std::unique_ptr<BackendBuffer>(
+      new HostBuffer(data, bytes, [this](int64_t b) { AddHeld(b); }));
+}
+
+namespace {
+absl::Status CheckRange(const char* what, size_t size, size_t offset, size_t bytes) {
+  if (offset > size || bytes > size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("cpu backend: ", what, " of ", bytes,
+                                                   " bytes at offset ", offset,
+                                                   " overruns a buffer of ", size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status CpuBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
+                                       size_t bytes) {
+  absl::Status st = CheckRange("CopyToBackend", dst.size(), offset, bytes);
+  if (!st.ok()) return st;
+  if (bytes > 0) std::memcpy(static_cast<char*>(dst.data()) + offset, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
+                                         size_t bytes) {
+  absl::Status st = CheckRange("CopyFromBackend", src.size(), offset, bytes);
+  if (!st.ok()) return st;
+  // data() is not const in the interface; reading through it does not modify the buffer.
+  const char* from = static_cast<const char*>(const_cast<BackendBuffer&>(src).data());
+  if (bytes > 0) std::memcpy(dst, from + offset, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Zero(BackendBuffer& buf) {
+  if (buf.size() > 0) std::memset(buf.data(), 0, buf.size());
+  return absl::OkStatus();
+}
+
+uint64_t CpuBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out) {
+  return MakePlan(p, out).bytes;
+}
+
+absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
+                                 LossStats* stats) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status st = CheckProblem(p, out);
+  if (!st.ok()) return st;
+  const Plan plan = MakePlan(p, out);
+  const int64_t bt = p.bt, h = p.h, v = p.v, chunk = plan.chunk;
+  const LossOptions& o = p.options;
+  const bool none = o.reduction == Reduction::kNone;
+  const int threads = threads_;
+
+  // Targets: range check, the non-ignored count and the class-weight sum (mean's
+  // denominators are needed before any gradient). -1 marks an ignored row below.
+  std::vector<int64_t> targets(bt);
+  int64_t tokens = 0;
+  double weight_sum = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
+    if (t == o.ignore_index) {
+      targets[i] = -1;
+      continue;
+    }
+    if (t < 0 || t >= v) {
+      return absl::InvalidArgumentError(absl::StrCat("cpu backend: targets[", i, "] = ", t,
+                                                     " is outside [0, ", v,
+                                                     ") and is not ignore_index ",
+                                                     o.ignore_index));
+    }
+    targets[i] = t;
+    ++tokens;
+    weight_sum += p.class_weights != nullptr ? p.class_weights[t] : 1.0;
+  }
+  double ce_scale = o.grad_scale, z_scale = o.grad_scale;
+  if (o.reduction == Reduction::kMean) {
+    ce_scale = weight_sum != 0 ? o.grad_scale / weight_sum : 0.0;
+    z_scale = tokens != 0 ? o.grad_scale / static_cast<double>(tokens) : 0.0;
+  }
+
+  AddHeld(static_cast<int64_t>(plan.bytes));
+  struct Release {
+    CpuBackend* self;
+    int64_t bytes;
+    ~Release() { self->AddHeld(-bytes); }
+  } release{this, static_cast<int64_t>(plan.bytes)};
+  auto oom = [&](const char* what, uint64_t bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: out of host memory for ",
+                                                     what, " (", bytes, " bytes)"));
+  };
+
+  // Inputs in fp32.
+  FloatBuffer w_copy, bias_f, z_buf, x_copy, dx_scratch, dw_scratch, db_f;
+  const float* wf = static_cast<const float*>(p.w);
+  if (plan.w_copy) {
+    if (!w_copy.Allocate(v * h)) return oom("W in fp32", uint64_t(v) * h * 4);
+    ParallelWiden(threads, p.w, p.dtype, v * h, w_copy.data());
+    wf = w_copy.data();
+  }
+  if (p.bias != nullptr) {
+    if (!bias_f.Allocate(v)) return oom("bias", uint64_t(v) * 4);
+    WidenRange(p.bias, p.dtype, 0, v, bias_f.data());
+  }
+  if (!z_buf.Allocate(chunk * v)) return oom("the logits chunk", uint64_t(chunk) * v * 4);
+  if (plan.x_copy && !x_copy.Allocate(chunk * h)) {
+    return oom("X chunk in fp32", uint64_t(chunk) * h * 4);
+  }
+  if (plan.dx_scratch && !dx_scratch.Allocate(chunk * h)) {
+    return oom("dX chunk in fp32", uint64_t(chunk) * h * 4);
+  }
+  float* dw_f = out.dw_accum;  // accumulate straight into the caller's fp32 buffer
+  if (dw_f == nullptr && out.dw != nullptr) {
+    if (plan.dw_scratch) {
+      if (!dw_scratch.Allocate(v * h)) return oom("dW in fp32", uint64_t(v) * h * 4);
+      dw_f = dw_scratch.data();
+    } else {
+      dw_f = static_cast<float*>(out.dw);
+    }
+  }
+  const bool dw_overwrite = out.dw_accum == nullptr;  // first chunk writes, later ones add
+  float* db_acc = out.db_accum;
+  if (plan.db_scratch) {
+    if (!db_f.Allocate(v)) return oom("db in fp32", uint64_t(v) * 4);
+    std::fill(db_f.data(), db_f.data() + v, 0.0f);
+    db_acc = db_f.data();
+  }
+
+  RowPassParams rp;
+  rp.v = v;
+  rp.dtype = p.dtype;
+  rp.cw = p.class_weights;
+  for (int64_t j = 0; j < v && p.class_weights != nullptr; ++j) rp.cw_sum += p.class_weights[j];
+  if (p.class_weights == nullptr) rp.cw_sum = static_cast<double>(v);
+  rp.eps = o.label_smoothing;
+  rp.zs = o.z_loss_scale;
+  rp.cap = o.softcap;
+  rp.want_grad = plan.want_grad;
+
+  std::vector<RowResult> rows(bt);
+  const int64_t v_tasks = CeilDiv(v, kVBlock);
+  for (int64_t c0 = 0; c0 < bt; c0 += chunk) {
+    const int64_t rows_c = std::min(chunk, bt - c0);
+    float* z = z_buf.data();
+    // X_c in fp32.
+    const float* xc = static_cast<const float*>(p.x) + c0 * h;
+    if (plan.x_copy) {
+      ParallelFor(threads, CeilDiv(rows_c * h, kConvertBlock), [&](int64_t task) {
+        const int64_t first = task * kConvertBlock;
+        const int64_t n = std::min(kConvertBlock, rows_c * h - first);
+        WidenRange(p.x, p.dtype, c0 * h + first, n, x_copy.data() + first);
+      });
+      xc = x_copy.data();
+    }
+    // z = X_c W^T + b, rounded to the input dtype; one task per block of V columns.
+    ParallelFor(threads, v_tasks, [&](int64_t task) {
+      const int64_t j0 = task * kVBlock, nj = std::min(kVBlock, v - j0);
+      GemmRows(/*trans_b=*/true, rows_c, nj, h, xc, h, wf + j0 * h, h, z + j0, v);
+      for (int64_t r = 0; r < rows_c; ++r) {
+        float* zr = z + r * v + j0;
+        if (p.bias != nullptr) {
+          const float* b = bias_f.data() + j0;
+          for (int64_t j = 0; j < nj; ++j) zr[j] += b[j];
+        }
+        RoundInPlace(zr, nj, p.dtype);
+      }
+    });
+    // Row pass: loss, lse, argmax and G over z.
+    ParallelFor(threads, CeilDiv(rows_c, kPassRows), [&](int64_t task) {
+      const int64_t r_end = std::min(rows_c, (task + 1) * kPassRows);
+      for (int64_t r = task * kPassRows; r < r_end; ++r) {
+        const int64_t i = c0 + r;
+        double sc = ce_scale, sz = z_scale;
+        if (none) sc = sz = p.grad_output != nullptr ? p.grad_output[i] : 1.0;
+        rows[i] = RowPass(rp, z + r * v, targets[i], sc, sz);
+      }
+    });
+    if (!plan.want_grad) continue;
+    // dX_c = G W; one task per block of rows.
+    if (plan.want_dx) {
+      float* dxc = plan.dx_scratch ? dx_scratch.data() : static_cast<float*>(out.dx) + c0 * h;
+      ParallelFor(threads, CeilDiv(rows_c, kRowBlock), [&](int64_t task) {
+        const int64_t r0 = task * kRowBlock, nr = std::min(kRowBlock, rows_c - r0);
+        GemmRows(/*trans_b=*/false, nr, h, v, z + r0 * v, v, wf, h, dxc + r0 * h, h);
+        if (plan.dx_scratch) NarrowRange(dxc + r0 * h, nr * h, out.grad_dtype, out.dx, (c0 + r0) * h);
+      });
+    }
+    // dW += G^T X_c and db += colsum G; one task per block of V rows of dW, rows of the
+    // chunk summed in order.
+    if (dw_f != nullptr || db_acc != nullptr) {
+      const float beta = (dw_overwrite && c0 == 0) ? 0.0f : 1.0f;
+      ParallelFor(threads, v_tasks, [&](int64_t task) {
+        const int64_t j0 = task * kVBlock, nj = std::min(kVBlock, v - j0);
+        if (dw_f != nullptr) {
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nj, h, rows_c, 1.0f, z + j0, v,
+                      xc, h, beta, dw_f + j0 * h, h);
+        }
+        if (db_acc != nullptr) {
+          float* db = db_acc + j0;
+          for (int64_t r = 0; r < rows_c; ++r) {
+            const float* g = z + r * v + j0;
+            for (int64_t j = 0; j < nj; ++j) db[j] += g[j];
+          }
+        }
+      });
+    }
+  }
+
+  // Outputs of the row pass, reduced in row order.
+  double ce_total = 0, z_total = 0;
+  int64_t correct = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    const RowResult& r = rows[i];
+    if (out.lse != nullptr) out.lse[i] = r.lse;
+    if (out.predictions != nullptr) out.predictions[i] = r.argmax;
+    if (targets[i] >= 0) {
+      ce_total += r.ce;
+      z_total += r.zl;
+      if (r.argmax == targets[i]) ++correct;
+    }
+    if (none) {
+      if (out.loss != nullptr) out.loss[i] = static_cast<float>(r.ce + r.zl);
+      if (out.z_loss != nullptr) out.z_loss[i] = static_cast<float>(r.zl);
+    }
+  }
+  if (!none) {
+    double ce_loss = ce_total, z_loss = z_total;
+    if (o.reduction == Reduction::kMean) {
+      ce_loss = weight_sum != 0 ? ce_total / weight_sum : 0.0;
+      z_loss = tokens != 0 ? z_total / static_cast<double>(tokens) : 0.0;
+    }
+    if (out.loss != nullptr) out.loss[0] = static_cast<float>(ce_loss + z_loss);
+    if (out.z_loss != nullptr) out.z_loss[0] = static_cast<float>(z_loss);
+  }
+  if (out.accuracy != nullptr) {
+    out.accuracy[0] =
+        tokens != 0 ? static_cast<float>(static_cast<double>(correct) / tokens) : 0.0f;
+  }
+  if (out.tokens != nullptr) out.tokens[0] = tokens;
+
+  // Gradients in the gradient dtype. An empty batch never ran a chunk: write zeros.
+  if (bt == 0) {
+    if (dw_f != nullptr && dw_overwrite) std::fill(dw_f, dw_f + v * h, 0.0f);
+  }
+  if (plan.dw_scratch) ParallelNarrow(threads, dw_f, v * h, out.grad_dtype, out.dw);
+  if (plan.db_scratch && out.db != nullptr) {
+    NarrowRange(db_f.data(), v, out.grad_dtype, out.db, 0);
+  }
+
+  if (stats != nullptr) {
+    stats->compute_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    stats->peak_extra_bytes = plan.bytes;
+    stats->chunk_rows = chunk;
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<Backend> NewCpuBackend(int threads) {
+  if (threads <= 0) threads = static_cast<int>(std::thread::hardware_concurrency());
+  return std::make_unique<CpuBackend>(std::max(1, threads));
+}
+
+}  // namespace lossd

@@ -1,0 +1,69 @@
+// The CPU backend: chunked linear + cross-entropy on OpenBLAS sgemm plus a multithreaded
+// row pass, for bf16/fp16/fp32 inputs and every LossOptions. It never materialises BT x V
+// logits (one C x V fp32 chunk at a time), and its results never depend on the thread count.
+#ifndef LOSSD_KERNELS_CPU_CPU_BACKEND_H_
+#define LOSSD_KERNELS_CPU_CPU_BACKEND_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+
+// Numerics (what the GPU backend does too, so the two agree): per chunk of C rows,
+//   z = X_c W^T + b   sgemm on the stored inputs widened to fp32, fp32 accumulate, then
+//                     rounded to the input dtype (as the GPU stores logits), kept in fp32;
+//   row pass          softcap, lse (max then sum of exp, fp32), loss, z-loss, argmax, and
+//                     G = dL/dz written over z, rounded to the input dtype;
+//   dX_c = G W, dW += G^T X_c, db += colsum G   sgemm, fp32 accumulate, fixed order.
+// Memory: besides the C x V chunk, a per-call fp32 copy of W (V x H, bf16/fp16 inputs only)
+// and, unless an accumulator or an fp32 dw is given, an fp32 dW; all freed on return.
+// Determinism: OpenBLAS runs single-threaded inside fixed tasks (blocks of V or of rows whose
+// bounds depend on the shape only), and this backend's threads take tasks; so the same request
+// gives bit-identical outputs at any thread count. Results depend on the chunk size only
+// through the fp32 rounding of the dW/db sums over chunks.
+class CpuBackend : public Backend {
+ public:
+  // threads >= 1: the most threads one Compute uses.
+  explicit CpuBackend(int threads);
+
+  BackendInfo Info() override;
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override;
+  absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
+                             size_t bytes) override;
+  absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
+                               size_t bytes) override;
+  absl::Status Zero(BackendBuffer& buf) override;
+  uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override;
+  absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
+
+  int threads() const { return threads_; }
+
+  // Rows per chunk for p: options.chunk_rows when set (clamped to BT), else as many rows as
+  // keep the C x V fp32 chunk within kDefaultChunkBytes.
+  static int64_t ChunkRows(const LossProblem& p);
+  static constexpr uint64_t kDefaultChunkBytes = uint64_t{256} << 20;
+
+ private:
+  void AddHeld(int64_t bytes);
+
+  const int threads_;
+  std::string device_;
+  uint64_t memory_total_bytes_ = 0;
+  std::atomic<int64_t> held_bytes_{0};  // buffers from Allocate plus running workspaces
+  std::atomic<int64_t> peak_bytes_{0};
+};
+
+// threads = 0: the hardware concurrency.
+std::unique_ptr<Backend> NewCpuBackend(int threads);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_CPU_BACKEND_H_
