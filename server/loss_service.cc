@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/compute_assembler.h"
 #include "server/status_util.h"
 #include "server/wire_convert.h"
 
@@ -119,10 +120,7 @@ class ComputeReactor final
     }
     queue_seconds_ = SecondsSince(started_);
     receive_started_ = absl::Now();
-    inputs_ = std::make_shared<Engine::InputBuffers>();
-    for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
-      if (plan_->input_bytes[i] > 0) (*inputs_)[i] = NewHostBuffer(plan_->input_bytes[i]);
-    }
+    assembler_ = std::make_unique<ComputeAssembler>(plan_, service_->options().max_part_bytes);
     StartRead(&request_);
   }
 
@@ -133,37 +131,7 @@ class ComputeReactor final
     if (!request_.has_part()) {
       return absl::InvalidArgumentError("a Compute message carries neither header nor part");
     }
-    const v1::TensorPart& part = request_.part();
-    auto slot = InputSlotFromWire(part.tensor());
-    if (!slot.ok()) return slot.status();
-    const int i = static_cast<int>(*slot);
-    const char* name = InputSlotName(*slot);
-    const uint64_t expected = plan_->input_bytes[i];
-    const uint64_t size = part.data().size();
-    if (expected == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a part of ", name, " arrived but the header does not send ", name,
-          *slot == InputSlot::kW || *slot == InputSlot::kBias ? " inline" : ""));
-    }
-    if (size > service_->options().max_part_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a part of ", name, " carries ", size, " bytes, more than --max_part_bytes=",
-          service_->options().max_part_bytes));
-    }
-    if (part.offset() != received_[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a part of ", name, " starts at byte offset ", part.offset(), " but ", received_[i],
-          " bytes of it were received: parts must arrive in order, without gaps or overlaps"));
-    }
-    if (part.offset() + size > expected) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a part of ", name, " at offset ", part.offset(), " with ", size,
-          " bytes runs past the ", expected, " bytes that its shape and dtype give"));
-    }
-    std::memcpy((*inputs_)[i].get() + part.offset(), part.data().data(), size);
-    received_[i] += size;
-    bytes_in_ += size;
-    return absl::OkStatus();
+    return assembler_->Accept(request_.part());
   }
 
   absl::Status EndOfStream() {
@@ -171,16 +139,11 @@ class ComputeReactor final
     if (state_ == State::kHeader) {
       return absl::InvalidArgumentError("the Compute stream closed before its header");
     }
-    for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
-      if (received_[i] != plan_->input_bytes[i]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the Compute stream closed early: ", InputSlotName(static_cast<InputSlot>(i)),
-            " has ", received_[i], " of its ", plan_->input_bytes[i], " bytes"));
-      }
-    }
+    absl::Status complete = assembler_->CheckComplete();
+    if (!complete.ok()) return complete;
     ServerMetrics* m = service_->metrics();
     m->ObservePhase("Compute", "receive", SecondsSince(receive_started_));
-    m->AddBytesIn(static_cast<double>(bytes_in_));
+    m->AddBytesIn(static_cast<double>(assembler_->bytes_received()));
     if (ctx_->deadline() < std::chrono::system_clock::now()) {
       return absl::DeadlineExceededError("the deadline passed before the compute started");
     }
@@ -188,6 +151,8 @@ class ComputeReactor final
       absl::MutexLock lock(&mu_);
       state_ = State::kComputing;
     }
+    inputs_ = assembler_->buffers();
+    assembler_.reset();
     engine_->Run(plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); });
     return absl::OkStatus();
   }
@@ -266,6 +231,7 @@ class ComputeReactor final
       admitted_bytes_ = 0;
     }
     inputs_.reset();
+    assembler_.reset();
     outcome_.outputs.clear();
     if (release > 0) engine_->budget().Release(release);
     grpc::Status g = ToGrpcStatus(s);
@@ -291,12 +257,11 @@ class ComputeReactor final
   v1::ComputeResponse response_;
   std::shared_ptr<const ComputePlan> plan_;
   std::shared_ptr<Engine::InputBuffers> inputs_;
-  std::array<uint64_t, static_cast<int>(InputSlot::kCount)> received_{};
+  std::unique_ptr<ComputeAssembler> assembler_;
   ComputeOutcome outcome_;
   uint32_t response_part_bytes_ = 4u << 20;
   size_t output_ = 0;
   uint64_t offset_ = 0;
-  uint64_t bytes_in_ = 0;
   uint64_t bytes_out_ = 0;
   double queue_seconds_ = 0;
   absl::Time receive_started_;
