@@ -11,8 +11,7 @@ namespace client {
 absl::StatusOr<size_t> TensorByteSize(DType dtype, const std::vector<int64_t>& shape) {
   size_t bytes = DTypeSize(dtype);
   if (bytes == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
+    return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
   }
   for (int64_t d : shape) {
     if (d < 0) {
@@ -87,9 +86,8 @@ absl::Status HostTensor::Validate(const std::string& name) const {
     return absl::OkStatus();
   }
   if (bytes_.size() != *bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": holds ", bytes_.size(),
-                                                   " bytes, its shape ", DebugString(),
-                                                   " needs ", *bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": holds ", bytes_.size(), " bytes, its shape ", DebugString(), " needs ", *bytes));
   }
   return absl::OkStatus();
 }

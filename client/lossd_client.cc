@@ -22,9 +22,9 @@
 namespace lossd {
 namespace client {
 
-#define LOSSD_CLIENT_RETURN_IF_ERROR(expr)  \
-  do {                                      \
-    const absl::Status _lossd_status = (expr); \
+#define LOSSD_CLIENT_RETURN_IF_ERROR(expr)         \
+  do {                                             \
+    const absl::Status _lossd_status = (expr);     \
     if (!_lossd_status.ok()) return _lossd_status; \
   } while (0)
 
@@ -173,12 +173,11 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
 };
 
 // Appends the parts of one tensor: at most part_bytes each, in byte order.
-void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes,
-                 SliceTracker* tracker, std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
+void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
+                 std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
   const size_t size = t.num_bytes();
   for (size_t off = 0; off < size; off += part_bytes) {
-    out->push_back(
-        EncodePart(id, off, t.data() + off, std::min(part_bytes, size - off), tracker));
+    out->push_back(EncodePart(id, off, t.data() + off, std::min(part_bytes, size - off), tracker));
   }
   *bytes += size;
 }
@@ -214,17 +213,17 @@ class TensorReceiver {
     in.size = *size;
     if (into != nullptr && into->data != nullptr) {
       if (into->capacity < in.size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "output_into[", TensorIdName(id), "] holds ", into->capacity, " bytes; the ",
-            ShapeString(dtype, shape), " result needs ", in.size));
+        return absl::InvalidArgumentError(
+            absl::StrCat("output_into[", TensorIdName(id), "] holds ", into->capacity,
+                         " bytes; the ", ShapeString(dtype, shape), " result needs ", in.size));
       }
       in.tensor = HostTensor::MutableView(dtype, std::move(shape), into->data);
     } else {
       try {
         in.tensor = HostTensor::Owned(dtype, std::move(shape));
       } catch (const std::bad_alloc&) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "cannot allocate ", in.size, " bytes for output ", TensorIdName(id)));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cannot allocate ", in.size, " bytes for output ", TensorIdName(id)));
       }
     }
     incoming_.push_back(std::move(in));
@@ -246,9 +245,9 @@ class TensorReceiver {
                                               in->received));
     }
     if (f.data_size() > in->size - in->received) {
-      return absl::DataLossError(absl::StrCat(
-          TensorIdName(in->id), ": part [", f.offset(), ", ", f.offset() + f.data_size(),
-          ") runs past the ", in->size, " bytes of ", in->tensor.DebugString()));
+      return absl::DataLossError(absl::StrCat(TensorIdName(in->id), ": part [", f.offset(), ", ",
+                                              f.offset() + f.data_size(), ") runs past the ",
+                                              in->size, " bytes of ", in->tensor.DebugString()));
     }
     f.CopyDataTo(in->tensor.mutable_data() + in->received);
     in->received += f.data_size();
@@ -260,8 +259,8 @@ class TensorReceiver {
     for (const Incoming& in : incoming_) {
       if (in.received != in.size) {
         return absl::DataLossError(absl::StrCat("stream ended early: ", TensorIdName(in.id),
-                                                " got ", in.received, " of ", in.size,
-                                                " bytes of ", in.tensor.DebugString()));
+                                                " got ", in.received, " of ", in.size, " bytes of ",
+                                                in.tensor.DebugString()));
       }
     }
     return absl::OkStatus();
@@ -311,9 +310,9 @@ absl::Status CheckOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtyp
       break;
   }
   if (dtype != want_dtype || shape != want_shape || (!shape.empty() && shape[0] < 0)) {
-    return absl::InternalError(absl::StrCat(
-        "server announced ", OutputTensorName(t), " as ", ShapeString(dtype, shape),
-        ", expected ", ShapeString(want_dtype, want_shape)));
+    return absl::InternalError(absl::StrCat("server announced ", OutputTensorName(t), " as ",
+                                            ShapeString(dtype, shape), ", expected ",
+                                            ShapeString(want_dtype, want_shape)));
   }
   return absl::OkStatus();
 }
@@ -322,8 +321,7 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
   LOSSD_CLIENT_RETURN_IF_ERROR(r.x.Validate("x"));
   LOSSD_CLIENT_RETURN_IF_ERROR(r.targets.Validate("targets"));
   if (r.x.rank() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("x must be (BT, H), got ", r.x.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat("x must be (BT, H), got ", r.x.DebugString()));
   }
   if (r.w.has_value() == !r.weight_handle.empty()) {
     return absl::InvalidArgumentError("give exactly one of w and weight_handle");
@@ -374,8 +372,7 @@ const HostTensor* ComputeResult::Find(OutputTensor t) const {
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 struct LossClient::Connection {
@@ -390,9 +387,9 @@ absl::StatusOr<std::unique_ptr<LossClient>> LossClient::Create(const ClientOptio
   // A part's message adds a few dozen bytes of framing to its data.
   if (options.max_send_message_bytes >= 0 &&
       options.part_bytes + 64 > static_cast<size_t>(options.max_send_message_bytes)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("part_bytes ", options.part_bytes, " does not fit max_send_message_bytes ",
-                     options.max_send_message_bytes));
+    return absl::InvalidArgumentError(absl::StrCat("part_bytes ", options.part_bytes,
+                                                   " does not fit max_send_message_bytes ",
+                                                   options.max_send_message_bytes));
   }
   if (options.connections < 1 || options.connections > 256) {
     return absl::InvalidArgumentError(
@@ -482,13 +479,11 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     AppendParts(v1::TENSOR_BIAS, *r.bias, pb, &tracker, &out, &result.bytes_sent);
   }
   if (r.class_weights.has_value()) {
-    AppendParts(v1::TENSOR_CLASS_WEIGHTS, *r.class_weights, pb, &tracker, &out,
-                &result.bytes_sent);
+    AppendParts(v1::TENSOR_CLASS_WEIGHTS, *r.class_weights, pb, &tracker, &out, &result.bytes_sent);
   }
   AppendParts(v1::TENSOR_TARGETS, r.targets, pb, &tracker, &out, &result.bytes_sent);
   if (r.grad_output.has_value()) {
-    AppendParts(v1::TENSOR_GRAD_OUTPUT, *r.grad_output, pb, &tracker, &out,
-                &result.bytes_sent);
+    AppendParts(v1::TENSOR_GRAD_OUTPUT, *r.grad_output, pb, &tracker, &out, &result.bytes_sent);
   }
   AppendParts(v1::TENSOR_X, r.x, pb, &tracker, &out, &result.bytes_sent);
 
@@ -512,8 +507,8 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
       return absl::InternalError("cannot parse the server's ComputeSummary");
     }
     if (s.tensors_size() != s.specs_size()) {
-      return absl::InternalError(absl::StrCat("summary lists ", s.tensors_size(),
-                                              " tensors but ", s.specs_size(), " specs"));
+      return absl::InternalError(absl::StrCat("summary lists ", s.tensors_size(), " tensors but ",
+                                              s.specs_size(), " specs"));
     }
     result.loss = s.loss();
     result.z_loss = s.z_loss();
@@ -561,8 +556,7 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   return result;
 }
 
-absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w,
-                                                        const HostTensor* bias,
+absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, const HostTensor* bias,
                                                         const CallOptions& call) {
   LOSSD_CLIENT_RETURN_IF_ERROR(w.Validate("w"));
   if (bias != nullptr) LOSSD_CLIENT_RETURN_IF_ERROR(bias->Validate("bias"));
@@ -655,10 +649,9 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
     if (g.has_db()) {
       std::vector<int64_t> db = ShapeOf(g.db());
       if (g.db().dtype() != v1::DTYPE_FP32 || db != std::vector<int64_t>{v}) {
-        return absl::InternalError(absl::StrCat("server announced db as dtype ",
-                                                g.db().dtype(), " shape [",
-                                                absl::StrJoin(db, ", "), "], expected fp32 (",
-                                                v, ")"));
+        return absl::InternalError(absl::StrCat("server announced db as dtype ", g.db().dtype(),
+                                                " shape [", absl::StrJoin(db, ", "),
+                                                "], expected fp32 (", v, ")"));
       }
       have_db = true;
       LOSSD_CLIENT_RETURN_IF_ERROR(
@@ -682,8 +675,7 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
   return result;
 }
 
-absl::Status LossClient::DropAccumulator(const std::string& accumulator,
-                                         const CallOptions& call) {
+absl::Status LossClient::DropAccumulator(const std::string& accumulator, const CallOptions& call) {
   v1::DropAccumulatorRequest req;
   req.set_accumulator(accumulator);
   v1::DropAccumulatorResponse resp;
@@ -697,8 +689,7 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
   v1::ServerInfoResponse resp;
   grpc::ClientContext ctx;
   PrepareContext(call, &ctx);
-  LOSSD_CLIENT_RETURN_IF_ERROR(
-      FromGrpcStatus(NextConnection().stub->ServerInfo(&ctx, req, &resp)));
+  LOSSD_CLIENT_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->ServerInfo(&ctx, req, &resp)));
   ServerInfoResult info;
   info.version = resp.version();
   info.instance = resp.instance();

@@ -88,15 +88,15 @@ struct OutputBuffer {
 };
 
 struct ComputeRequest {
-  HostTensor x;                        // (BT, H) bf16, fp16 or fp32
-  std::optional<HostTensor> w;         // (V, H) x's dtype; absent when weight_handle is set
-  std::string weight_handle;           // from PutWeights (which carries its own bias)
-  std::optional<HostTensor> bias;      // (V) x's dtype, inline weights only
-  HostTensor targets;                  // (BT) int32 or int64
+  HostTensor x;                             // (BT, H) bf16, fp16 or fp32
+  std::optional<HostTensor> w;              // (V, H) x's dtype; absent when weight_handle is set
+  std::string weight_handle;                // from PutWeights (which carries its own bias)
+  std::optional<HostTensor> bias;           // (V) x's dtype, inline weights only
+  HostTensor targets;                       // (BT) int32 or int64
   std::optional<HostTensor> class_weights;  // (V) fp32
   std::optional<HostTensor> grad_output;    // (BT) fp32, reduction none only
-  LossOptions options;                 // ignore_index, reduction, smoothing, z-loss, ...
-  std::optional<DType> grad_dtype;     // nullopt = x's dtype; else kF32 (or x's dtype)
+  LossOptions options;                      // ignore_index, reduction, smoothing, z-loss, ...
+  std::optional<DType> grad_dtype;          // nullopt = x's dtype; else kF32 (or x's dtype)
   WantedOutputs want;
   // When set, dW (and db) are added into this server-side fp32 accumulator, not returned.
   std::string accumulator;
@@ -104,10 +104,10 @@ struct ComputeRequest {
 };
 
 struct ComputeResult {
-  float loss = 0.0f;      // mean or sum; for reduction none the sum of the per-token loss
+  float loss = 0.0f;  // mean or sum; for reduction none the sum of the per-token loss
   float z_loss = 0.0f;
-  float accuracy = 0.0f;  // when wanted
-  int64_t tokens = 0;     // non-ignored tokens
+  float accuracy = 0.0f;         // when wanted
+  int64_t tokens = 0;            // non-ignored tokens
   double compute_seconds = 0.0;  // server-side compute time
   std::string backend;
   uint64_t accumulated_micro_batches = 0;
@@ -129,8 +129,8 @@ struct PutWeightsResult {
 };
 
 struct FetchGradientsResult {
-  HostTensor dw;                  // (V, H) fp32
-  std::optional<HostTensor> db;   // (V) fp32, when the accumulator saw a bias
+  HostTensor dw;                 // (V, H) fp32
+  std::optional<HostTensor> db;  // (V) fp32, when the accumulator saw a bias
   uint64_t micro_batches = 0;
   int64_t tokens = 0;
   std::string instance;
@@ -173,8 +173,7 @@ class LossClient {
                                               const CallOptions& call = {});
   absl::Status DropWeights(const std::string& handle, const CallOptions& call = {});
   // Reads the accumulator's dW (and db); `reset` zeroes it afterwards.
-  absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator,
-                                                      bool reset,
+  absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator, bool reset,
                                                       const CallOptions& call = {});
   absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
   absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});

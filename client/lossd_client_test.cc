@@ -45,8 +45,8 @@ enum class Mode {
 
 size_t SpecBytes(const v1::TensorSpec& spec) {
   size_t n = spec.dtype() == v1::DTYPE_BF16 || spec.dtype() == v1::DTYPE_FP16 ? 2
-             : spec.dtype() == v1::DTYPE_INT64                                 ? 8
-                                                                               : 4;
+             : spec.dtype() == v1::DTYPE_INT64                                ? 8
+                                                                              : 4;
   for (int64_t d : spec.shape()) n *= static_cast<size_t>(d);
   return n;
 }
@@ -61,8 +61,7 @@ struct Assembler {
   void Add(const v1::TensorPart& p) {
     std::string& d = data[p.tensor()];
     if (p.offset() != d.size() && error.empty()) {
-      error = absl::StrCat("tensor ", p.tensor(), " part at ", p.offset(), ", expected ",
-                           d.size());
+      error = absl::StrCat("tensor ", p.tensor(), " part at ", p.offset(), ", expected ", d.size());
     }
     d += p.data();
     ++parts[p.tensor()];
@@ -117,16 +116,18 @@ class FakeLoss final : public v1::Loss::Service {
     }
     if (!in.error.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, in.error);
     const std::pair<int, const v1::TensorSpec*> inputs[] = {
-        {v1::TENSOR_X, &h.x()},           {v1::TENSOR_W, &h.w()},
-        {v1::TENSOR_BIAS, &h.bias()},     {v1::TENSOR_TARGETS, &h.targets()},
+        {v1::TENSOR_X, &h.x()},
+        {v1::TENSOR_W, &h.w()},
+        {v1::TENSOR_BIAS, &h.bias()},
+        {v1::TENSOR_TARGETS, &h.targets()},
         {v1::TENSOR_CLASS_WEIGHTS, &h.class_weights()},
         {v1::TENSOR_GRAD_OUTPUT, &h.grad_output()}};
     for (const auto& [id, spec] : inputs) {
       const size_t want = spec->dtype() == v1::DTYPE_UNSPECIFIED ? 0 : SpecBytes(*spec);
       if (in.data[id].size() != want) {
-        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("tensor ", id, ": ", in.data[id].size(),
-                                         " bytes, spec says ", want));
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("tensor ", id, ": ", in.data[id].size(), " bytes, spec says ", want));
       }
     }
     {
@@ -384,8 +385,7 @@ HostTensor Targets(int64_t bt, int64_t v, uint32_t seed) {
 }
 
 bool SameBytes(const HostTensor& a, const HostTensor& b) {
-  return a.num_bytes() == b.num_bytes() &&
-         std::memcmp(a.data(), b.data(), a.num_bytes()) == 0;
+  return a.num_bytes() == b.num_bytes() && std::memcmp(a.data(), b.data(), a.num_bytes()) == 0;
 }
 
 class LossClientTest : public ::testing::Test {
@@ -399,7 +399,9 @@ class LossClientTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
   }
-  void TearDown() override { server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1))); }
+  void TearDown() override {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  }
 
   ClientOptions Options() {
     ClientOptions o;
@@ -589,13 +591,11 @@ TEST_P(ErrorCodeTest, ServerCodeAndMessageReachTheCaller) {
   EXPECT_EQ(res.status().message(), fake_.error_message);
 }
 
-INSTANTIATE_TEST_SUITE_P(Codes, ErrorCodeTest,
-                         ::testing::Values(grpc::StatusCode::INVALID_ARGUMENT,
-                                           grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                           grpc::StatusCode::UNAVAILABLE,
-                                           grpc::StatusCode::NOT_FOUND,
-                                           grpc::StatusCode::FAILED_PRECONDITION,
-                                           grpc::StatusCode::INTERNAL));
+INSTANTIATE_TEST_SUITE_P(
+    Codes, ErrorCodeTest,
+    ::testing::Values(grpc::StatusCode::INVALID_ARGUMENT, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::NOT_FOUND,
+                      grpc::StatusCode::FAILED_PRECONDITION, grpc::StatusCode::INTERNAL));
 
 TEST_F(LossClientTest, DeadlineExceeded) {
   fake_.mode = Mode::kSleep;
@@ -623,8 +623,7 @@ struct BadResponse {
   const char* message;
 };
 
-class BadResponseTest : public LossClientTest,
-                        public ::testing::WithParamInterface<BadResponse> {};
+class BadResponseTest : public LossClientTest, public ::testing::WithParamInterface<BadResponse> {};
 
 TEST_P(BadResponseTest, IsRejectedWithAClearMessage) {
   fake_.mode = GetParam().mode;
@@ -673,7 +672,8 @@ TEST_F(LossClientTest, RequestsThatCannotBeSentAreRefusedLocally) {
   r.weight_handle = "h";
   r.w.reset();
   r.bias = RandomTensor(DType::kBF16, {7}, 1);
-  EXPECT_THAT(std::string(client->Compute(r).status().message()), HasSubstr("carries its own bias"));
+  EXPECT_THAT(std::string(client->Compute(r).status().message()),
+              HasSubstr("carries its own bias"));
   absl::MutexLock lock(&fake_.mu);
   EXPECT_TRUE(fake_.peers.empty());  // nothing reached the server
 }
@@ -840,7 +840,8 @@ TEST(LossClientOptionsTest, BadOptionsAreRefused) {
   o = ClientOptions();
   o.part_bytes = 64 << 20;
   o.max_send_message_bytes = 32 << 20;
-  EXPECT_THAT(std::string(LossClient::Create(o).status().message()), HasSubstr("max_send_message_bytes"));
+  EXPECT_THAT(std::string(LossClient::Create(o).status().message()),
+              HasSubstr("max_send_message_bytes"));
   o = ClientOptions();
   o.target = "";
   EXPECT_EQ(LossClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);

@@ -162,8 +162,8 @@ class HeaderParser {
   }
 
   void SkipSpace() {
-    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\t' ||
-                                s_[pos_] == '\r')) {
+    while (pos_ < s_.size() &&
+           (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\t' || s_[pos_] == '\r')) {
       ++pos_;
     }
   }
@@ -202,8 +202,8 @@ absl::StatusOr<NpyLayout> ParseLayout(absl::string_view bytes) {
 }
 
 absl::Status DataSizeMismatch(const NpyLayout& layout, size_t want, size_t have) {
-  return Malformed(absl::StrCat("shape ", ShapeString(layout.dtype, layout.shape), " needs ",
-                                want, " data bytes, the file holds ", have));
+  return Malformed(absl::StrCat("shape ", ShapeString(layout.dtype, layout.shape), " needs ", want,
+                                " data bytes, the file holds ", have));
 }
 
 absl::Status IoError(int err, absl::string_view what, const std::string& path) {
@@ -278,7 +278,8 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
   std::string head(kPreambleV2, '\0');
   head.resize(std::fread(&head[0], 1, head.size(), f.get()));
   absl::StatusOr<size_t> end = HeaderEnd(head);
-  if (!end.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", end.status().message()));
+  if (!end.ok())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", end.status().message()));
   if (*end > head.size()) {
     const size_t have = head.size();
     head.resize(*end);

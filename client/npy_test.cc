@@ -89,8 +89,8 @@ TEST(NpyTest, AcceptsEquivalentHeaderSpellings) {
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(t->data()), 4), "abcd");
 }
 
-class NpyRoundTripTest
-    : public ::testing::TestWithParam<std::tuple<DType, std::vector<int64_t>>> {};
+class NpyRoundTripTest : public ::testing::TestWithParam<std::tuple<DType, std::vector<int64_t>>> {
+};
 
 TEST_P(NpyRoundTripTest, ThroughMemoryAndFile) {
   const auto& [dtype, shape] = GetParam();
@@ -115,13 +115,11 @@ TEST_P(NpyRoundTripTest, ThroughMemoryAndFile) {
 
 INSTANTIATE_TEST_SUITE_P(
     DTypesAndShapes, NpyRoundTripTest,
-    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16, DType::kF32, DType::kI32,
-                                         DType::kI64),
-                       ::testing::Values(std::vector<int64_t>{}, std::vector<int64_t>{1},
-                                         std::vector<int64_t>{47, 31},
-                                         std::vector<int64_t>{0, 5},
-                                         std::vector<int64_t>{3, 1, 123},
-                                         std::vector<int64_t>{100000})));
+    ::testing::Combine(
+        ::testing::Values(DType::kBF16, DType::kF16, DType::kF32, DType::kI32, DType::kI64),
+        ::testing::Values(std::vector<int64_t>{}, std::vector<int64_t>{1},
+                          std::vector<int64_t>{47, 31}, std::vector<int64_t>{0, 5},
+                          std::vector<int64_t>{3, 1, 123}, std::vector<int64_t>{100000})));
 
 TEST(NpyTest, ViewsAreWrittenWithoutCopying) {
   std::vector<int32_t> v = {1, -2, 3, -4, 5, -6};
@@ -182,8 +180,7 @@ INSTANTIATE_TEST_SUITE_P(
         Malformed{"unknown_key",
                   WithDict("{'descr': '<f4', 'fortran_order': False, 'shape': (), 'x': 1}"),
                   "unexpected key 'x'"},
-        Malformed{"duplicate",
-                  WithDict("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False}"),
+        Malformed{"duplicate", WithDict("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False}"),
                   "duplicate 'descr'"},
         Malformed{"fortran",
                   WithDict("{'descr': '<f4', 'fortran_order': True, 'shape': (2,), }", "12345678"),

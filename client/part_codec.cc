@@ -186,8 +186,7 @@ grpc::ByteBuffer EncodeMessage(const google::protobuf::MessageLite& message) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-absl::Status DecodeMessage(const grpc::ByteBuffer& buffer,
-                           google::protobuf::MessageLite* message) {
+absl::Status DecodeMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
   grpc::Slice slice;
   if (!buffer.DumpToSingleSlice(&slice).ok() ||
       !message->ParseFromArray(slice.begin(), static_cast<int>(slice.size()))) {

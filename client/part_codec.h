@@ -57,8 +57,7 @@ grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data
 grpc::ByteBuffer EncodeMessage(const google::protobuf::MessageLite& message);
 
 // Parses a whole received message into a typed one (headers, unary responses).
-absl::Status DecodeMessage(const grpc::ByteBuffer& buffer,
-                           google::protobuf::MessageLite* message);
+absl::Status DecodeMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
 
 // A received streamed message, parsed without copying its part data.
 class StreamFrame {

@@ -87,12 +87,13 @@ TEST_P(EncodePartTest, ProtobufParsesWhatWeEncode) {
   tracker.WaitUntilReleased();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, EncodePartTest,
-    ::testing::Values(PartCase{v1::TENSOR_X, 0, 1000}, PartCase{v1::TENSOR_W, 4 << 20, 127},
-                      PartCase{v1::TENSOR_TARGETS, 1ull << 40, 128},
-                      PartCase{v1::TENSOR_BIAS, 5, 0}, PartCase{0, 0, 3},
-                      PartCase{v1::TENSOR_DB, 300, 70000}, PartCase{-1, 9, 17}));
+INSTANTIATE_TEST_SUITE_P(Cases, EncodePartTest,
+                         ::testing::Values(PartCase{v1::TENSOR_X, 0, 1000},
+                                           PartCase{v1::TENSOR_W, 4 << 20, 127},
+                                           PartCase{v1::TENSOR_TARGETS, 1ull << 40, 128},
+                                           PartCase{v1::TENSOR_BIAS, 5, 0}, PartCase{0, 0, 3},
+                                           PartCase{v1::TENSOR_DB, 300, 70000},
+                                           PartCase{-1, 9, 17}));
 
 TEST(StreamFrameTest, DecodesProtobufsEncodingFromAnySlicing) {
   v1::ComputeResponse msg;
@@ -155,14 +156,14 @@ TEST(StreamFrameTest, ProtoRulesUnknownFieldsAndLastOneofWins) {
 
 TEST(StreamFrameTest, MalformedMessagesAreRejected) {
   const std::string cases[] = {
-      std::string("\x12", 1),                         // truncated length
-      std::string("\x12\x05\x08\x14", 4),             // part longer than the message
-      std::string("\x12\x04\x1a\x09xy", 6),           // data longer than the part
-      std::string("\x10\x01", 2),                     // oneof member as a varint
-      std::string("\x0b", 1),                         // group start (not proto3)
-      std::string("\x12\x02\x08", 3),                 // truncated part field
+      std::string("\x12", 1),                // truncated length
+      std::string("\x12\x05\x08\x14", 4),    // part longer than the message
+      std::string("\x12\x04\x1a\x09xy", 6),  // data longer than the part
+      std::string("\x10\x01", 2),            // oneof member as a varint
+      std::string("\x0b", 1),                // group start (not proto3)
+      std::string("\x12\x02\x08", 3),        // truncated part field
       std::string("\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", 11),  // 11-byte varint
-      std::string("\x00\x01", 2),                     // field number 0
+      std::string("\x00\x01", 2),                                       // field number 0
   };
   for (const std::string& c : cases) {
     StreamFrame f;

@@ -1,0 +1,630 @@
+// lossctl: the command-line client of lossd. Inspects a server, runs one Compute from .npy
+// files or random data and saves what comes back, benchmarks many Computes, and manages
+// weight handles and gradient accumulators. Never changes what the server computes.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/host_tensor.h"
+#include "client/lossd_client.h"
+#include "client/npy.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+// Connection.
+ABSL_FLAG(std::string, target, "localhost:50051", "server address host:port");
+ABSL_FLAG(double, deadline_seconds, 600, "deadline of each call, seconds (0 = none)");
+ABSL_FLAG(int64_t, part_bytes, 4 << 20, "largest data bytes of one sent part");
+ABSL_FLAG(int64_t, response_part_bytes, 0, "largest part the server should send (0 = its default)");
+ABSL_FLAG(int32_t, connections, 1, "TCP connections (channels); calls round-robin over them");
+ABSL_FLAG(bool, wait_for_ready, false, "wait for the server instead of failing fast");
+ABSL_FLAG(std::string, metadata, "", "call metadata, key=value[,key=value...]");
+
+// Inputs: .npy files, or random data of a shape.
+ABSL_FLAG(std::string, x, "", ".npy of X (BT, H)");
+ABSL_FLAG(std::string, w, "", ".npy of W (V, H)");
+ABSL_FLAG(std::string, bias, "", ".npy of the bias (V)");
+ABSL_FLAG(std::string, targets, "", ".npy of the targets (BT), int32 or int64");
+ABSL_FLAG(std::string, class_weights, "", ".npy of class weights (V), converted to fp32");
+ABSL_FLAG(std::string, grad_output, "", ".npy of the upstream per-token gradient (BT), fp32");
+ABSL_FLAG(int64_t, bt, 0, "random data: rows (tokens)");
+ABSL_FLAG(int64_t, h, 0, "random data: hidden size");
+ABSL_FLAG(int64_t, v, 0, "random data: vocabulary size");
+ABSL_FLAG(std::string, dtype, "",
+          "bf16|fp16|fp32: dtype of X, W, bias (random data default bf16; .npy files are "
+          "converted to it when set)");
+ABSL_FLAG(std::string, target_dtype, "int64", "random data: int32|int64");
+ABSL_FLAG(bool, with_bias, false, "random data: add a random bias");
+ABSL_FLAG(double, ignore_fraction, 0.0, "random data: fraction of targets set to ignore_index");
+ABSL_FLAG(uint64_t, seed, 1, "random data: seed");
+
+// Options.
+ABSL_FLAG(int64_t, ignore_index, -100, "target value to ignore");
+ABSL_FLAG(std::string, reduction, "mean", "mean|sum|none");
+ABSL_FLAG(double, label_smoothing, 0.0, "label smoothing in [0, 1]");
+ABSL_FLAG(double, lse_square_scale, 0.0, "z-loss scale");
+ABSL_FLAG(double, softcap, 0.0, "final logit softcap (0 = off)");
+ABSL_FLAG(double, grad_scale, 1.0, "upstream gradient of the scalar loss");
+ABSL_FLAG(std::string, grad_dtype, "", "gradient dtype: empty = input dtype, or fp32");
+ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk (0 = server chooses)");
+ABSL_FLAG(std::string, weight_handle, "", "use weights uploaded with put-weights");
+ABSL_FLAG(std::string, accumulator, "", "add dW/db into this server-side accumulator");
+ABSL_FLAG(std::string, want, "dx,dw",
+          "outputs: any of dx,dw,db,lse,z_loss,accuracy,predictions (or none)");
+ABSL_FLAG(std::string, out_dir, "", "write returned tensors here as <name>.npy");
+
+// bench.
+ABSL_FLAG(int64_t, calls, 20, "bench: timed calls");
+ABSL_FLAG(int32_t, concurrency, 1, "bench: calls in flight at once");
+ABSL_FLAG(int64_t, warmup, 2, "bench: untimed calls first");
+ABSL_FLAG(bool, put_weights, false, "bench: upload W once and use the handle");
+
+// Handles and accumulators.
+ABSL_FLAG(std::string, handle, "", "drop-weights: the handle");
+ABSL_FLAG(bool, reset, false, "fetch-gradients: zero the accumulator after reading");
+
+namespace lossd {
+namespace client {
+namespace {
+
+constexpr char kUsage[] = R"(lossctl <command> [flags]
+
+Commands:
+  info              print the server's backend, device, memory and limits
+  compute           one Compute: inputs from --x --w --targets [--bias --class_weights
+                    --grad_output] (.npy) or random (--bt --h --v [--dtype]); prints the loss,
+                    writes outputs (--want) to --out_dir as <name>.npy
+  bench             --calls Computes at --concurrency on random data; latency p50/p90/p99,
+                    calls/s, tokens/s, GB/s; --put_weights uploads W once
+  put-weights       upload W [and bias] (--w/--bias or random --v --h); prints the handle
+  drop-weights      --handle
+  fetch-gradients   --accumulator [--reset] [--out_dir]: the accumulated fp32 dW (and db)
+  drop-accumulator  --accumulator
+
+Global flags: --target --deadline_seconds --part_bytes --connections --metadata.
+bf16 .npy files hold the raw bits as '<u2'. Run with --helpfull for every flag.)";
+
+#define LOSSCTL_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    const absl::Status _lossctl_status = (expr);       \
+    if (!_lossctl_status.ok()) return _lossctl_status; \
+  } while (0)
+
+#define LOSSCTL_ASSIGN_OR_RETURN(lhs, expr)     \
+  auto lhs##_or = (expr);                       \
+  if (!lhs##_or.ok()) return lhs##_or.status(); \
+  auto lhs = std::move(*lhs##_or)
+
+absl::StatusOr<DType> ParseDType(const std::string& s) {
+  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  if (s == "fp16" || s == "f16" || s == "float16") return DType::kF16;
+  if (s == "fp32" || s == "f32" || s == "float32") return DType::kF32;
+  if (s == "int32") return DType::kI32;
+  if (s == "int64") return DType::kI64;
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", s, "'"));
+}
+
+absl::StatusOr<ClientOptions> OptionsFromFlags() {
+  ClientOptions o;
+  o.target = absl::GetFlag(FLAGS_target);
+  const double deadline = absl::GetFlag(FLAGS_deadline_seconds);
+  o.deadline = deadline > 0 ? absl::Seconds(deadline) : absl::InfiniteDuration();
+  if (absl::GetFlag(FLAGS_part_bytes) <= 0) {
+    return absl::InvalidArgumentError("--part_bytes must be > 0");
+  }
+  o.part_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_part_bytes));
+  o.response_part_bytes = static_cast<uint32_t>(absl::GetFlag(FLAGS_response_part_bytes));
+  // Room for the largest part either way.
+  const int64_t limit = std::max<int64_t>({256 << 20, absl::GetFlag(FLAGS_part_bytes) + (1 << 20),
+                                           absl::GetFlag(FLAGS_response_part_bytes) + (1 << 20)});
+  o.max_send_message_bytes = o.max_receive_message_bytes =
+      static_cast<int>(std::min<int64_t>(limit, INT32_MAX));
+  o.connections = absl::GetFlag(FLAGS_connections);
+  o.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  const std::string md = absl::GetFlag(FLAGS_metadata);
+  if (!md.empty()) {
+    for (absl::string_view kv : absl::StrSplit(md, ',')) {
+      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      if (p.first.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("--metadata: bad entry '", kv, "'"));
+      }
+      o.metadata.push_back(std::move(p));
+    }
+  }
+  return o;
+}
+
+// Uniform in (-scale, scale), as dtype; split over threads (a 1 GiB weight is 512M values).
+void FillRandom(HostTensor* t, float scale, uint64_t seed) {
+  const int64_t n = t->num_elements();
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), n / (1 << 20)));
+  std::vector<std::thread> pool;
+  for (int64_t k = 0; k < threads; ++k) {
+    pool.emplace_back([=] {
+      uint64_t s = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(k) + 1;
+      const int64_t begin = n * k / threads, end = n * (k + 1) / threads;
+      for (int64_t i = begin; i < end; ++i) {
+        // splitmix64: fast and good enough for test data.
+        uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+        StoreFromFloat(t->mutable_data(), t->dtype(), static_cast<size_t>(i), u * scale);
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+HostTensor RandomFloat(DType dtype, std::vector<int64_t> shape, float scale, uint64_t seed) {
+  HostTensor t = HostTensor::Owned(dtype, std::move(shape));
+  FillRandom(&t, scale, seed);
+  return t;
+}
+
+HostTensor RandomTargets(DType dtype, int64_t bt, int64_t v, double ignore_fraction,
+                         int64_t ignore_index, uint64_t seed) {
+  HostTensor t = HostTensor::Owned(dtype, {bt});
+  uint64_t s = seed * 0xD1B54A32D192ED03ull + 7;
+  for (int64_t i = 0; i < bt; ++i) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    const uint64_t r = s >> 17;
+    int64_t y = static_cast<int64_t>(r % static_cast<uint64_t>(v));
+    if (static_cast<double>((s >> 3) & 0xffff) / 65536.0 < ignore_fraction) y = ignore_index;
+    if (dtype == DType::kI32) {
+      t.mutable_data_as<int32_t>()[i] = static_cast<int32_t>(y);
+    } else {
+      t.mutable_data_as<int64_t>()[i] = y;
+    }
+  }
+  return t;
+}
+
+// A float tensor converted to `dtype` (a no-op move when it already is).
+absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::string& name) {
+  if (t.dtype() == dtype) return t;
+  if (!IsFloatDType(t.dtype()) || !IsFloatDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " is ", t.DebugString(), ", cannot convert to ", DTypeName(dtype)));
+  }
+  HostTensor out = HostTensor::Owned(dtype, t.shape());
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    StoreFromFloat(out.mutable_data(), dtype, i, LoadAsFloat(t.data(), t.dtype(), i));
+  }
+  return out;
+}
+
+absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path) {
+  if (path.empty()) return std::optional<HostTensor>();
+  LOSSCTL_ASSIGN_OR_RETURN(t, ReadNpy(path));
+  return std::optional<HostTensor>(std::move(t));
+}
+
+absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
+  WantedOutputs w;
+  w.dx = w.dw = false;
+  if (s.empty() || s == "none") return w;
+  for (absl::string_view name : absl::StrSplit(s, ',')) {
+    if (name == "dx") {
+      w.dx = true;
+    } else if (name == "dw") {
+      w.dw = true;
+    } else if (name == "db") {
+      w.db = true;
+    } else if (name == "lse") {
+      w.lse = true;
+    } else if (name == "z_loss") {
+      w.z_loss = true;
+    } else if (name == "accuracy") {
+      w.accuracy = true;
+    } else if (name == "predictions") {
+      w.predictions = true;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--want: unknown output '", name, "' (dx,dw,db,lse,z_loss,accuracy,predictions)"));
+    }
+  }
+  return w;
+}
+
+// Weights from --w/--bias, or random (--v, --h, --dtype, --with_bias).
+absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias) {
+  const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
+  if (!absl::GetFlag(FLAGS_w).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(wt, ReadNpy(absl::GetFlag(FLAGS_w)));
+    LOSSCTL_ASSIGN_OR_RETURN(b, ReadOptional(absl::GetFlag(FLAGS_bias)));
+    if (!dtype_flag.empty()) {
+      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDType(dtype_flag));
+      LOSSCTL_ASSIGN_OR_RETURN(cw, CastFloat(std::move(wt), dt, "w"));
+      wt = std::move(cw);
+      if (b.has_value()) {
+        LOSSCTL_ASSIGN_OR_RETURN(cb, CastFloat(std::move(*b), dt, "bias"));
+        b = std::move(cb);
+      }
+    }
+    *w = std::move(wt);
+    *bias = std::move(b);
+    return absl::OkStatus();
+  }
+  const int64_t v = absl::GetFlag(FLAGS_v), h = absl::GetFlag(FLAGS_h);
+  if (v <= 0 || h <= 0) {
+    return absl::InvalidArgumentError("give --w (a .npy file) or random shape --v and --h");
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDType(dtype_flag.empty() ? "bf16" : dtype_flag));
+  // Scaled so that logits of unit-range X have a standard deviation near 3: a softmax that
+  // is neither flat nor one-hot.
+  *w = RandomFloat(dt, {v, h}, 9.0f / std::sqrt(static_cast<float>(h)),
+                   absl::GetFlag(FLAGS_seed) + 1);
+  if (absl::GetFlag(FLAGS_with_bias))
+    *bias = RandomFloat(dt, {v}, 1.0f, absl::GetFlag(FLAGS_seed) + 2);
+  return absl::OkStatus();
+}
+
+// The whole request from flags; `v` gets the vocabulary size when known (0 otherwise).
+absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
+  ComputeRequest r;
+  const std::string reduction = absl::GetFlag(FLAGS_reduction);
+  if (reduction == "mean") {
+    r.options.reduction = Reduction::kMean;
+  } else if (reduction == "sum") {
+    r.options.reduction = Reduction::kSum;
+  } else if (reduction == "none") {
+    r.options.reduction = Reduction::kNone;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--reduction must be mean, sum or none, got '", reduction, "'"));
+  }
+  r.options.ignore_index = absl::GetFlag(FLAGS_ignore_index);
+  r.options.label_smoothing = static_cast<float>(absl::GetFlag(FLAGS_label_smoothing));
+  r.options.z_loss_scale = static_cast<float>(absl::GetFlag(FLAGS_lse_square_scale));
+  r.options.softcap = static_cast<float>(absl::GetFlag(FLAGS_softcap));
+  r.options.grad_scale = static_cast<float>(absl::GetFlag(FLAGS_grad_scale));
+  r.options.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
+  if (!absl::GetFlag(FLAGS_grad_dtype).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(g, ParseDType(absl::GetFlag(FLAGS_grad_dtype)));
+    r.grad_dtype = g;
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(want, ParseWant(absl::GetFlag(FLAGS_want)));
+  r.want = want;
+  r.accumulator = absl::GetFlag(FLAGS_accumulator);
+  r.weight_handle = absl::GetFlag(FLAGS_weight_handle);
+  const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
+
+  if (r.weight_handle.empty()) LOSSCTL_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
+  int64_t v = r.w.has_value() ? r.w->dim(0) : absl::GetFlag(FLAGS_v);
+
+  if (!absl::GetFlag(FLAGS_x).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(x, ReadNpy(absl::GetFlag(FLAGS_x)));
+    r.x = std::move(x);
+    if (!dtype_flag.empty()) {
+      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDType(dtype_flag));
+      LOSSCTL_ASSIGN_OR_RETURN(cx, CastFloat(std::move(r.x), dt, "x"));
+      r.x = std::move(cx);
+    }
+  } else {
+    const int64_t bt = absl::GetFlag(FLAGS_bt);
+    const int64_t h = r.w.has_value() ? r.w->dim(1) : absl::GetFlag(FLAGS_h);
+    if (bt <= 0 || h <= 0) {
+      return absl::InvalidArgumentError("give --x (a .npy file) or random shape --bt and --h");
+    }
+    LOSSCTL_ASSIGN_OR_RETURN(flag_dt, ParseDType(dtype_flag.empty() ? "bf16" : dtype_flag));
+    const DType dt = r.w.has_value() ? r.w->dtype() : flag_dt;
+    r.x = RandomFloat(dt, {bt, h}, 1.0f, absl::GetFlag(FLAGS_seed));
+  }
+  if (!absl::GetFlag(FLAGS_targets).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(t, ReadNpy(absl::GetFlag(FLAGS_targets)));
+    r.targets = std::move(t);
+  } else {
+    if (v <= 0) {
+      return absl::InvalidArgumentError(
+          "random targets need the vocabulary size: give --targets or --v");
+    }
+    LOSSCTL_ASSIGN_OR_RETURN(tdt, ParseDType(absl::GetFlag(FLAGS_target_dtype)));
+    r.targets =
+        RandomTargets(tdt, r.x.rank() > 0 ? r.x.dim(0) : 0, v, absl::GetFlag(FLAGS_ignore_fraction),
+                      r.options.ignore_index, absl::GetFlag(FLAGS_seed) + 3);
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(cw, ReadOptional(absl::GetFlag(FLAGS_class_weights)));
+  if (cw.has_value()) {
+    LOSSCTL_ASSIGN_OR_RETURN(c, CastFloat(std::move(*cw), DType::kF32, "class_weights"));
+    r.class_weights = std::move(c);
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(go, ReadOptional(absl::GetFlag(FLAGS_grad_output)));
+  if (go.has_value()) {
+    LOSSCTL_ASSIGN_OR_RETURN(g, CastFloat(std::move(*go), DType::kF32, "grad_output"));
+    r.grad_output = std::move(g);
+  }
+  if (r.bias.has_value() && !r.want.db && absl::GetFlag(FLAGS_want) == "dx,dw") {
+    r.want.db = true;  // the default --want includes db when there is a bias
+  }
+  *v_out = v;
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
+  LOSSCTL_ASSIGN_OR_RETURN(o, OptionsFromFlags());
+  return LossClient::Create(o);
+}
+
+std::string Gb(double bytes) { return absl::StrFormat("%.3f GB", bytes / 1e9); }
+
+absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t) {
+  const std::string path = (std::filesystem::path(dir) / (name + ".npy")).string();
+  LOSSCTL_RETURN_IF_ERROR(WriteNpy(path, t));
+  absl::PrintF("wrote       %s %s\n", path, t.DebugString());
+  return absl::OkStatus();
+}
+
+absl::Status MakeDir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::Status RunInfo() {
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSCTL_ASSIGN_OR_RETURN(info, client->ServerInfo());
+  absl::PrintF("target              %s\n", client->options().target);
+  absl::PrintF("version             %s\n", info.version);
+  absl::PrintF("instance            %s\n", info.instance);
+  absl::PrintF("backend             %s\n", info.backend);
+  absl::PrintF("device              %s\n", info.device);
+  absl::PrintF("memory_total        %d bytes (%s)\n", info.memory_total_bytes,
+               Gb(info.memory_total_bytes));
+  absl::PrintF("memory_budget       %d bytes (%s)\n", info.memory_budget_bytes,
+               Gb(info.memory_budget_bytes));
+  absl::PrintF("memory_in_use       %d bytes\n", info.memory_in_use_bytes);
+  absl::PrintF("weight_cache        %d of %d bytes\n", info.weight_cache_bytes,
+               info.weight_cache_budget_bytes);
+  absl::PrintF("max_part_bytes      %d\n", info.max_part_bytes);
+  absl::PrintF("max_bt max_h max_v  %d %d %d\n", info.max_bt, info.max_h, info.max_v);
+  absl::PrintF("max_in_flight       %d\n", info.max_in_flight);
+  absl::PrintF("accumulators        %d\n", info.accumulators);
+  return absl::OkStatus();
+}
+
+void PrintResult(const ComputeResult& res) {
+  absl::PrintF("loss        %.9g\n", res.loss);
+  absl::PrintF("z_loss      %.9g\n", res.z_loss);
+  absl::PrintF("accuracy    %.6g\n", res.accuracy);
+  absl::PrintF("tokens      %d\n", res.tokens);
+  absl::PrintF("backend     %s\n", res.backend);
+  absl::PrintF("compute_s   %.6f\n", res.compute_seconds);
+  absl::PrintF("wall_s      %.6f\n", res.wall_seconds);
+  absl::PrintF("sent        %s, received %s\n", Gb(res.bytes_sent), Gb(res.bytes_received));
+  if (res.accumulated_micro_batches > 0) {
+    absl::PrintF("micro_batches %d\n", res.accumulated_micro_batches);
+  }
+  for (const auto& [id, t] : res.outputs) {
+    absl::PrintF("output      %s %s\n", OutputTensorName(id), t.DebugString());
+  }
+}
+
+absl::Status RunCompute() {
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  int64_t v = 0;
+  LOSSCTL_ASSIGN_OR_RETURN(req, RequestFromFlags(&v));
+  LOSSCTL_ASSIGN_OR_RETURN(res, client->Compute(req));
+  PrintResult(res);
+  const std::string dir = absl::GetFlag(FLAGS_out_dir);
+  if (dir.empty()) return absl::OkStatus();
+  LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));
+  for (const auto& [id, t] : res.outputs) {
+    LOSSCTL_RETURN_IF_ERROR(WriteOutput(dir, OutputTensorName(id), t));
+  }
+  // The scalars too, so a script can compare them without parsing stdout.
+  HostTensor scalars = HostTensor::Owned(DType::kF32, {3});
+  scalars.mutable_data_as<float>()[0] = res.loss;
+  scalars.mutable_data_as<float>()[1] = res.z_loss;
+  scalars.mutable_data_as<float>()[2] = res.accuracy;
+  return WriteOutput(dir, "scalars_loss_zloss_accuracy", scalars);
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(std::ceil(p * v.size())) - 1);
+  return v[p <= 0 ? 0 : i];
+}
+
+absl::Status RunBench() {
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  int64_t v = 0;
+  LOSSCTL_ASSIGN_OR_RETURN(req, RequestFromFlags(&v));
+  const int64_t calls = absl::GetFlag(FLAGS_calls);
+  const int concurrency = std::max(1, absl::GetFlag(FLAGS_concurrency));
+  std::string dropped_handle;
+  if (absl::GetFlag(FLAGS_put_weights)) {
+    if (!req.w.has_value()) return absl::InvalidArgumentError("--put_weights needs weights");
+    const absl::Time t0 = absl::Now();
+    LOSSCTL_ASSIGN_OR_RETURN(
+        put, client->PutWeights(*req.w, req.bias.has_value() ? &*req.bias : nullptr));
+    const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+    const double bytes = req.w->num_bytes() + (req.bias.has_value() ? req.bias->num_bytes() : 0);
+    absl::PrintF("put_weights %s in %.3f s (%.3f GB/s), handle %s\n", Gb(bytes), s, bytes / s / 1e9,
+                 put.handle);
+    req.weight_handle = put.handle;
+    dropped_handle = put.handle;
+    req.w.reset();
+    req.bias.reset();
+  }
+  absl::PrintF("request     x %s, %s, targets %s, %d calls at concurrency %d over %d connections\n",
+               req.x.DebugString(),
+               req.w.has_value() ? absl::StrCat("w ", req.w->DebugString())
+                                 : absl::StrCat("handle ", req.weight_handle),
+               req.targets.DebugString(), calls, concurrency, client->options().connections);
+
+  for (int64_t i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) {
+    LOSSCTL_ASSIGN_OR_RETURN(res, client->Compute(req));
+    if (i == 0) absl::PrintF("first call  loss %.6g, %.3f s\n", res.loss, res.wall_seconds);
+  }
+
+  absl::Mutex mu;
+  std::vector<double> latency, compute;
+  uint64_t sent = 0, received = 0;
+  absl::Status first_error;
+  int64_t errors = 0;
+  std::atomic<int64_t> next{0};
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < concurrency; ++t) {
+    threads.emplace_back([&] {
+      while (next.fetch_add(1) < calls) {
+        absl::StatusOr<ComputeResult> res = client->Compute(req);
+        absl::MutexLock lock(&mu);
+        if (!res.ok()) {
+          if (errors++ == 0) first_error = res.status();
+          continue;
+        }
+        latency.push_back(res->wall_seconds);
+        compute.push_back(res->compute_seconds);
+        sent += res->bytes_sent;
+        received += res->bytes_received;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const double wall = absl::ToDoubleSeconds(absl::Now() - start);
+  const double ok = static_cast<double>(latency.size());
+  double compute_sum = 0;
+  for (double c : compute) compute_sum += c;
+  absl::PrintF("calls       %d ok, %d failed in %.3f s\n", latency.size(), errors, wall);
+  absl::PrintF("latency_ms  p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n",
+               1e3 * Percentile(latency, 0.5), 1e3 * Percentile(latency, 0.9),
+               1e3 * Percentile(latency, 0.99), 1e3 * Percentile(latency, 1.0));
+  absl::PrintF("compute_ms  mean %.2f (server-side)\n", ok > 0 ? 1e3 * compute_sum / ok : 0.0);
+  absl::PrintF("calls/s     %.2f\n", ok / wall);
+  absl::PrintF("tokens/s    %.0f\n", ok * static_cast<double>(req.x.dim(0)) / wall);
+  absl::PrintF("GB/s        %.3f (up %.3f, down %.3f)\n", (sent + received) / wall / 1e9,
+               sent / wall / 1e9, received / wall / 1e9);
+  if (!absl::GetFlag(FLAGS_accumulator).empty()) {
+    const absl::Time t0 = absl::Now();
+    LOSSCTL_ASSIGN_OR_RETURN(g, client->FetchGradients(absl::GetFlag(FLAGS_accumulator), true));
+    absl::PrintF("fetch       dw %s over %d micro-batches in %.3f s\n", g.dw.DebugString(),
+                 g.micro_batches, absl::ToDoubleSeconds(absl::Now() - t0));
+  }
+  if (!dropped_handle.empty()) LOSSCTL_RETURN_IF_ERROR(client->DropWeights(dropped_handle));
+  if (errors > 0) {
+    return absl::Status(
+        first_error.code(),
+        absl::StrCat(errors, " of ", calls, " calls failed; first: ", first_error.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunPutWeights() {
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  std::optional<HostTensor> w, bias;
+  LOSSCTL_RETURN_IF_ERROR(LoadWeights(&w, &bias));
+  const absl::Time t0 = absl::Now();
+  LOSSCTL_ASSIGN_OR_RETURN(put, client->PutWeights(*w, bias.has_value() ? &*bias : nullptr));
+  const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+  const double bytes = w->num_bytes() + (bias.has_value() ? bias->num_bytes() : 0);
+  absl::PrintF("handle      %s\n", put.handle);
+  absl::PrintF("bytes       %d (server-side)\n", put.bytes);
+  absl::PrintF("upload      %s in %.3f s (%.3f GB/s)\n", Gb(bytes), s, bytes / s / 1e9);
+  return absl::OkStatus();
+}
+
+absl::Status RunDropWeights() {
+  if (absl::GetFlag(FLAGS_handle).empty()) {
+    return absl::InvalidArgumentError("drop-weights needs --handle");
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSCTL_RETURN_IF_ERROR(client->DropWeights(absl::GetFlag(FLAGS_handle)));
+  absl::PrintF("dropped     %s\n", absl::GetFlag(FLAGS_handle));
+  return absl::OkStatus();
+}
+
+absl::Status RunFetchGradients() {
+  const std::string name = absl::GetFlag(FLAGS_accumulator);
+  if (name.empty()) return absl::InvalidArgumentError("fetch-gradients needs --accumulator");
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  const absl::Time t0 = absl::Now();
+  LOSSCTL_ASSIGN_OR_RETURN(g, client->FetchGradients(name, absl::GetFlag(FLAGS_reset)));
+  absl::PrintF("micro_batches %d\n", g.micro_batches);
+  absl::PrintF("tokens        %d\n", g.tokens);
+  absl::PrintF("dw            %s\n", g.dw.DebugString());
+  if (g.db.has_value()) absl::PrintF("db            %s\n", g.db->DebugString());
+  absl::PrintF("seconds       %.3f\n", absl::ToDoubleSeconds(absl::Now() - t0));
+  const std::string dir = absl::GetFlag(FLAGS_out_dir);
+  if (dir.empty()) return absl::OkStatus();
+  LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));
+  LOSSCTL_RETURN_IF_ERROR(WriteOutput(dir, "dw", g.dw));
+  if (g.db.has_value()) LOSSCTL_RETURN_IF_ERROR(WriteOutput(dir, "db", *g.db));
+  return absl::OkStatus();
+}
+
+absl::Status RunDropAccumulator() {
+  const std::string name = absl::GetFlag(FLAGS_accumulator);
+  if (name.empty()) return absl::InvalidArgumentError("drop-accumulator needs --accumulator");
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSCTL_RETURN_IF_ERROR(client->DropAccumulator(name));
+  absl::PrintF("dropped     %s\n", name);
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace client
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  using namespace lossd::client;  // NOLINT(build/namespaces): main only
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::fprintf(stderr, "%s\n", kUsage);
+    return 2;
+  }
+  TuneMallocForLargeMessages();
+  const std::string command = args[1];
+  const std::map<std::string, absl::Status (*)()> commands = {
+      {"info", &RunInfo},
+      {"compute", &RunCompute},
+      {"bench", &RunBench},
+      {"put-weights", &RunPutWeights},
+      {"drop-weights", &RunDropWeights},
+      {"fetch-gradients", &RunFetchGradients},
+      {"drop-accumulator", &RunDropAccumulator},
+  };
+  auto it = commands.find(command);
+  if (it == commands.end()) {
+    std::fprintf(stderr, "lossctl: unknown command '%s'\n\n%s\n", command.c_str(), kUsage);
+    return 2;
+  }
+  const absl::Status status = it->second();
+  if (!status.ok()) {
+    std::fprintf(stderr, "lossctl %s: %s: %s\n", command.c_str(),
+                 absl::StatusCodeToString(status.code()).c_str(),
+                 std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
