@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Runs the Python client tests, the live Prometheus test and the deploy/ manifest checks, each
+# writing a JUnit report into REPORT_DIR (default: a temporary folder), and prints PASS/FAIL
+# per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
+# Env: LOSSD_BIN (the lossd binary; default <repo>/bazel-bin/server/lossd),
+#      LOSSD_SKIP_PIP=1 to skip installing the Python packages below.
+# Needs: apt packages prometheus (promtool too) and kubectl (kustomize), python3 + pip.
+# torch is optional: its tests are skipped where it is not installed.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+REPORTS=${1:-$(mktemp -d)}
+mkdir -p "$REPORTS"
+export LOSSD_BIN=${LOSSD_BIN:-$ROOT/bazel-bin/server/lossd}
+
+PY_PACKAGES=(numpy grpcio grpcio-tools grpcio-health-checking protobuf pytest pyyaml
+             yamllint kubernetes-validate)
+if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
+  missing=$(python3 - "${PY_PACKAGES[@]}" <<'PY'
+import importlib.metadata as md
+import sys
+missing = []
+for name in sys.argv[1:]:
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        missing.append(name)
+print(" ".join(missing))
+PY
+  ) || exit 1
+  if [[ -n "$missing" ]]; then
+    echo "run_all: pip install $missing"
+    python3 -m pip install -q $missing || exit 1
+  fi
+fi
+
+status=0
+suite() {  # name command...
+  local name=$1
+  shift
+  if "$@"; then
+    echo "PASS suite $name"
+  else
+    local rc=$?
+    echo "FAIL suite $name (exit $rc)"
+    status=1
+  fi
+}
+
+suite "python client" python3 -m pytest -q -p no:cacheprovider client/python/tests \
+  --junitxml="$REPORTS/python_client.xml"
+suite "prometheus end-to-end" python3 -m pytest -q -p no:cacheprovider \
+  tests/prometheus/test_prometheus.py --junitxml="$REPORTS/prometheus_e2e.xml"
+suite "deploy manifests" env JUNIT_XML="$REPORTS/deploy_manifests.xml" \
+  tests/prometheus/check_manifests.sh
+exit $status
