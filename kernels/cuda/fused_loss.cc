@@ -64,13 +64,13 @@ struct LtDescriptors {
 
 }  // namespace
 
-absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target_dtype,
-                                               int64_t bt, int64_t v, int64_t ignore_index,
+absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target_dtype, int64_t bt,
+                                               int64_t v, int64_t ignore_index,
                                                const float* class_weights,
                                                std::vector<int32_t>* targets32) {
   if (target_dtype != DType::kI32 && target_dtype != DType::kI64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda: target_dtype must be int32 or int64; got ", DTypeName(target_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: target_dtype must be int32 or int64; got ", DTypeName(target_dtype)));
   }
   if (bt > 0 && targets == nullptr) {
     return absl::InvalidArgumentError("cuda: targets must be non-null");
@@ -83,8 +83,7 @@ absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target
     if (t < 0 || t >= v) {
       return absl::InvalidArgumentError(absl::StrCat("cuda: targets[", i, "] = ", t,
                                                      " is outside [0, ", v,
-                                                     ") and is not ignore_index ",
-                                                     ignore_index));
+                                                     ") and is not ignore_index ", ignore_index));
     }
     (*targets32)[i] = static_cast<int32_t>(t);
     ++s.tokens;
@@ -177,34 +176,44 @@ FusedLoss::~FusedLoss() {
   if (main_ != nullptr) cudaStreamDestroy(main_);
 }
 
-absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, bool trans_a, bool trans_b,
-                             int64_t m, int64_t n, int64_t k, float alpha, const void* a,
-                             int64_t lda, const void* b, int64_t ldb, cudaDataType ab_type,
-                             float beta, void* d, int64_t ldd, cudaDataType d_type) {
+absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a,
+                             bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                             const void* a, int64_t lda, const void* b, int64_t ldb,
+                             cudaDataType ab_type, float beta, void* d, int64_t ldd,
+                             cudaDataType d_type) {
   LtDescriptors desc;
-  LOSSD_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-      desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-      desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
-      &desc.a, ab_type, trans_a ? k : m, trans_a ? m : k, lda));
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
-      &desc.b, ab_type, trans_b ? n : k, trans_b ? k : n, ldb));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatrixLayoutCreate(&desc.a, ab_type, trans_a ? k : m, trans_a ? m : k, lda));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatrixLayoutCreate(&desc.b, ab_type, trans_b ? n : k, trans_b ? k : n, ldb));
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.d, d_type, m, n, ldd));
 
   const uint32_t align_a = PointerAlignment(a), align_b = PointerAlignment(b),
                  align_d = PointerAlignment(d);
-  const AlgoKey key{trans_a, trans_b, static_cast<int>(ab_type), static_cast<int>(d_type),
-                    m, n, k, lda, ldb, ldd, static_cast<int>(align_a),
-                    static_cast<int>(align_b), static_cast<int>(align_d) | (beta != 0) << 16};
+  const AlgoKey key{trans_a,
+                    trans_b,
+                    static_cast<int>(ab_type),
+                    static_cast<int>(d_type),
+                    m,
+                    n,
+                    k,
+                    lda,
+                    ldb,
+                    ldd,
+                    static_cast<int>(align_a),
+                    static_cast<int>(align_b),
+                    static_cast<int>(align_d) | (beta != 0) << 16,
+                    ws_bytes};
   auto it = algos_.find(key);
   if (it == algos_.end()) {
     LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.pref));
-    const uint64_t ws_bytes = kGemmWorkspaceBytes;
     LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
         desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
     LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
@@ -225,14 +234,13 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, bool trans_a, bool t
     }
     it = algos_.emplace(key, result.algo).first;
   }
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b,
-                                              &beta, d, desc.d, d, desc.d, &it->second, ws,
-                                              kGemmWorkspaceBytes, stream));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d,
+                                              desc.d, d, desc.d, &it->second, ws, ws_bytes,
+                                              stream));
   return absl::OkStatus();
 }
 
-absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan,
-                                void* workspace) {
+absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace) {
   if (a.bt < 0 || a.h <= 0 || a.v <= 0 || a.v > 0x7fffffff || a.bt > 0x7fffffff) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda: bad shape bt=", a.bt, " h=", a.h, " v=", a.v));
@@ -287,9 +295,10 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan,
     if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_, 0));
     for (int64_t s = 0; s < nsub; ++s) {
       // z^T (V x n) = W (as H x V col-major, transposed) * X_c^T (H x n col-major).
-      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(main_, ws_main, true, false, a.v, count[s], a.h, 1.0f,
-                                       a.w, a.h, Offset(a.x, (c0 + begin[s]) * a.h, elem),
-                                       a.h, ab, 0.0f, logits + begin[s] * a.v * elem, a.v, ab));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(main_, ws_main, kGemmWorkspaceBytes, true, false, a.v,
+                                       count[s], a.h, 1.0f, a.w, a.h,
+                                       Offset(a.x, (c0 + begin[s]) * a.h, elem), a.h, ab, 0.0f,
+                                       logits + begin[s] * a.v * elem, a.v, ab));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
     }
     for (int64_t s = 0; s < nsub; ++s) {
@@ -326,9 +335,9 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan,
       // dX_c^T (H x n) = W (H x V col-major) * G^T (V x n col-major).
       const size_t dx_elem = DTypeSize(a.dx_dtype);
       char* dx = static_cast<char*>(a.dx) + (c0 + begin[s]) * a.h * dx_elem;
-      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(main_, ws_main, false, false, a.h, count[s], a.v,
-                                       scales.alpha, a.w, a.h, logits + begin[s] * a.v * elem,
-                                       a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype)));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(
+          main_, ws_main, kGemmWorkspaceBytes, false, false, a.h, count[s], a.v, scales.alpha, a.w,
+          a.h, logits + begin[s] * a.v * elem, a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype)));
     }
     if (want_dw || want_db) {
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[nsub - 1], 0));
@@ -336,8 +345,8 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan,
         // dW^T (H x V) += X_c^T (H x C col-major) * G (G^T is V x C col-major, transposed).
         // Chunks are added in increasing row order, one GEMM each: a fixed order.
         const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
-        LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(side_, ws_side, false, true, a.h, a.v, rows,
-                                         scales.alpha, Offset(a.x, c0 * a.h, elem), a.h,
+        LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(side_, ws_side, kGemmWorkspaceBytes, false, true, a.h, a.v,
+                                         rows, scales.alpha, Offset(a.x, c0 * a.h, elem), a.h,
                                          logits, a.v, ab, beta, a.dw_acc, a.h, CUDA_R_32F));
       }
       if (want_db) {

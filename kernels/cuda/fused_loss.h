@@ -105,14 +105,20 @@ class FusedLoss {
   // thread-safe: one caller at a time.
   absl::Status Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
 
+  // D = alpha op(A) op(B) + beta D on `stream`, column-major (cuBLASLt's view of row-major
+  // tensors), fp32 accumulation, with `ws_bytes` of device workspace at `ws`. The algorithm is
+  // chosen once per problem key and reused. Public so that benchmarks time the same GEMMs.
+  absl::Status Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a,
+                    bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                    const void* a,  // op(A): (m, k) column-major, lda
+                    int64_t lda,
+                    const void* b,  // op(B): (k, n) column-major, ldb
+                    int64_t ldb, cudaDataType ab_type, float beta,
+                    void* d,  // (m, n) column-major, ldd
+                    int64_t ldd, cudaDataType d_type);
+
  private:
   FusedLoss() = default;
-
-  // D = alpha op(A) op(B) + beta D, column-major (cuBLASLt's view of our row-major tensors).
-  absl::Status Gemm(cudaStream_t stream, void* ws, bool trans_a, bool trans_b, int64_t m,
-                    int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
-                    const void* b, int64_t ldb, cudaDataType ab_type, float beta, void* d,
-                    int64_t ldd, cudaDataType d_type);
 
   int device_ = 0;
   cudaStream_t main_ = nullptr;  // logits GEMM, dX GEMM
@@ -124,7 +130,7 @@ class FusedLoss {
   cublasLtHandle_t lt_ = nullptr;
   // Heuristic choices by problem key: picked once, so every run uses the same algorithm.
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, int, int, int>;
+                             int64_t, int, int, int, uint64_t>;
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
 };
 

@@ -1,0 +1,305 @@
+// Times the fused linear + cross-entropy (forward + backward, bf16, all tensors on the GPU)
+// against the 3-GEMM cuBLAS floor at the same shapes in the same process: median of CUDA-event
+// timings after warm-up, on random data. Also reports the chunk workspace (peak extra device
+// memory), TFLOP/s = 6 BT H V / t, and checks that two runs give bit-identical dX and dW.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/kernel/bench_util.h"
+#include "kernels/cuda/fused_loss.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+ABSL_FLAG(std::string, shapes,
+          "1024x1024x32000,8192x4096x128256,8192x2304x256000,16384x4096x128256,"
+          "32768x4096x128256",
+          "comma-separated BTxHxV");
+ABSL_FLAG(int, runs, 20, "timed runs per measurement (median reported)");
+ABSL_FLAG(int, warmup, 3, "untimed runs first");
+ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the fused op at");
+ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
+
+namespace lossd {
+namespace bench {
+namespace {
+
+#define BENCH_CHECK_CUDA(expr)                                                          \
+  do {                                                                                  \
+    cudaError_t e_ = (expr);                                                            \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(e_),    \
+                   __FILE__, __LINE__);                                                 \
+      return 1;                                                                         \
+    }                                                                                   \
+  } while (0)
+#define BENCH_CHECK_OK(expr)                                                            \
+  do {                                                                                  \
+    absl::Status s_ = (expr);                                                           \
+    if (!s_.ok()) {                                                                     \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, s_.ToString().c_str());            \
+      return 1;                                                                         \
+    }                                                                                   \
+  } while (0)
+
+struct Row {
+  int64_t bt, h, v;
+  double floor_ms;
+  struct Fused {
+    uint64_t budget;
+    int64_t chunk_rows;
+    double ms;
+    uint64_t workspace;
+    int64_t measured_extra;
+  };
+  std::vector<Fused> fused;
+  bool deterministic;
+  double mean_loss;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Times `body` (which enqueues on `stream`) with events: median milliseconds.
+template <typename F>
+int TimeMs(cudaStream_t stream, int warmup, int runs, F body, double* median_ms) {
+  cudaEvent_t start, stop;
+  BENCH_CHECK_CUDA(cudaEventCreate(&start));
+  BENCH_CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < warmup; ++i) BENCH_CHECK_OK(body());
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int i = 0; i < runs; ++i) {
+    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
+    BENCH_CHECK_OK(body());
+    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  *median_ms = Median(ms);
+  return 0;
+}
+
+int64_t FreeBytes() {
+  size_t free_b = 0, total = 0;
+  cudaMemGetInfo(&free_b, &total);
+  return static_cast<int64_t>(free_b);
+}
+
+int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
+             const std::vector<uint64_t>& budgets, Row* row) {
+  cudaStream_t stream = engine.stream();
+  const int warmup = absl::GetFlag(FLAGS_warmup), runs = absl::GetFlag(FLAGS_runs);
+  row->bt = bt;
+  row->h = h;
+  row->v = v;
+  void *x, *w, *dx, *dw, *rows, *tg;
+  BENCH_CHECK_CUDA(cudaMalloc(&x, bt * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&w, v * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&dx, bt * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&dw, v * h * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&rows, bt * 16));
+  BENCH_CHECK_CUDA(cudaMalloc(&tg, bt * 4));
+  // x ~ U(-1, 1) and w ~ U(-a, a) with a = 6 / sqrt(H): logits of standard deviation 2.
+  BENCH_CHECK_CUDA(FillUniformBf16(x, bt * h, 1, 1.0f, stream));
+  BENCH_CHECK_CUDA(FillUniformBf16(w, v * h, 2, 6.0f / std::sqrt(static_cast<float>(h)), stream));
+  BENCH_CHECK_CUDA(FillTargets(static_cast<int32_t*>(tg), bt, 3, static_cast<int32_t>(v), stream));
+
+  // The floor: the same three GEMMs unchunked (logits bf16, dX bf16, dW fp32), 32 MiB workspace.
+  {
+    void *z, *ws;
+    const uint64_t ws_bytes = 32ull << 20;
+    BENCH_CHECK_CUDA(cudaMalloc(&z, bt * v * 2));
+    BENCH_CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+    auto floor = [&]() -> absl::Status {
+      absl::Status s = engine.Gemm(stream, ws, ws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
+                                   CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF);
+      if (!s.ok()) return s;
+      s = engine.Gemm(stream, ws, ws_bytes, false, false, h, bt, v, 1.0f, w, h, z, v,
+                      CUDA_R_16BF, 0.0f, dx, h, CUDA_R_16BF);
+      if (!s.ok()) return s;
+      return engine.Gemm(stream, ws, ws_bytes, false, true, h, v, bt, 1.0f, x, h, z, v,
+                         CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F);
+    };
+    if (TimeMs(stream, warmup, runs, floor, &row->floor_ms)) return 1;
+    BENCH_CHECK_CUDA(cudaFree(z));
+    BENCH_CHECK_CUDA(cudaFree(ws));
+  }
+
+  cuda::DeviceLossArgs a;
+  a.bt = bt;
+  a.h = h;
+  a.v = v;
+  a.dtype = DType::kBF16;
+  a.x = x;
+  a.w = w;
+  a.targets = static_cast<const int32_t*>(tg);
+  a.summary.tokens = bt;
+  a.summary.weight_sum = static_cast<double>(bt);
+  a.summary.class_weight_sum = static_cast<double>(v);
+  a.row_lse = static_cast<float*>(rows);
+  a.row_ce = a.row_lse + bt;
+  a.row_z = a.row_ce + bt;
+  a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
+  a.dx = dx;
+  a.dx_dtype = DType::kBF16;
+  a.dw_acc = static_cast<float*>(dw);
+  a.accumulate_dw = false;
+
+  for (size_t bi = 0; bi < budgets.size(); ++bi) {
+    Row::Fused f;
+    f.budget = budgets[bi];
+    const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0);
+    f.chunk_rows = plan.chunk_rows;
+    f.workspace = plan.workspace_bytes;
+    BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+    const int64_t free_before = FreeBytes();
+    void* ws;
+    BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
+    auto fused = [&]() { return engine.Enqueue(a, plan, ws); };
+    if (TimeMs(stream, warmup, runs, fused, &f.ms)) return 1;
+    BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+    f.measured_extra = free_before - FreeBytes();
+    if (bi == 0) {
+      // Determinism at full size: two runs, dX and dW compared word for word.
+      void *dx0, *dw0;
+      unsigned long long* count;
+      BENCH_CHECK_CUDA(cudaMalloc(&dx0, bt * h * 2));
+      BENCH_CHECK_CUDA(cudaMalloc(&dw0, v * h * 4));
+      BENCH_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&count), sizeof(*count)));
+      BENCH_CHECK_OK(engine.Enqueue(a, plan, ws));
+      BENCH_CHECK_CUDA(cudaMemcpyAsync(dx0, dx, bt * h * 2, cudaMemcpyDeviceToDevice, stream));
+      BENCH_CHECK_CUDA(cudaMemcpyAsync(dw0, dw, v * h * 4, cudaMemcpyDeviceToDevice, stream));
+      BENCH_CHECK_CUDA(cudaMemsetAsync(dx, 0xFF, bt * h * 2, stream));
+      BENCH_CHECK_CUDA(cudaMemsetAsync(dw, 0xFF, v * h * 4, stream));
+      BENCH_CHECK_OK(engine.Enqueue(a, plan, ws));
+      unsigned long long m1 = 0, m2 = 0;
+      BENCH_CHECK_CUDA(CountMismatches(dx0, dx, bt * h / 2, count, stream));
+      BENCH_CHECK_CUDA(cudaMemcpyAsync(&m1, count, sizeof(m1), cudaMemcpyDeviceToHost, stream));
+      BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+      BENCH_CHECK_CUDA(CountMismatches(dw0, dw, v * h, count, stream));
+      BENCH_CHECK_CUDA(cudaMemcpyAsync(&m2, count, sizeof(m2), cudaMemcpyDeviceToHost, stream));
+      BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+      row->deterministic = m1 == 0 && m2 == 0;
+      std::vector<float> ce(bt);
+      BENCH_CHECK_CUDA(cudaMemcpy(ce.data(), a.row_ce, bt * 4, cudaMemcpyDeviceToHost));
+      double sum = 0;
+      for (float c : ce) sum += c;
+      row->mean_loss = sum / static_cast<double>(bt);
+      cudaFree(dx0);
+      cudaFree(dw0);
+      cudaFree(count);
+    }
+    BENCH_CHECK_CUDA(cudaFree(ws));
+    row->fused.push_back(f);
+    std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: C=%lld %.2f ms (floor %.2f)\n",
+                 static_cast<long long>(bt), static_cast<long long>(h),
+                 static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20),
+                 static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms);
+  }
+  for (void* p : {x, w, dx, dw, rows, tg}) BENCH_CHECK_CUDA(cudaFree(p));
+  return 0;
+}
+
+int Main() {
+  std::vector<uint64_t> budgets;
+  for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_budgets_mib), ',')) {
+    uint64_t mib = 0;
+    if (!absl::SimpleAtoi(b, &mib)) {
+      std::fprintf(stderr, "bad --budgets_mib entry '%s'\n", std::string(b).c_str());
+      return 2;
+    }
+    budgets.push_back(mib << 20);
+  }
+  auto engine = cuda::FusedLoss::Create(0);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  cudaDeviceProp prop;
+  BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::vector<Row> rows;
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',')) {
+    std::vector<std::string> parts = absl::StrSplit(s, 'x');
+    int64_t bt, h, v;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &bt) ||
+        !absl::SimpleAtoi(parts[1], &h) || !absl::SimpleAtoi(parts[2], &v)) {
+      std::fprintf(stderr, "bad shape '%s'\n", std::string(s).c_str());
+      return 2;
+    }
+    Row row;
+    if (RunShape(**engine, bt, h, v, budgets, &row)) return 1;
+    rows.push_back(row);
+  }
+  std::printf("GPU: %s (%d SMs), fwd+bwd bf16, median of %d runs after %d warm-up\n\n",
+              prop.name, prop.multiProcessorCount, absl::GetFlag(FLAGS_runs),
+              absl::GetFlag(FLAGS_warmup));
+  std::printf("| BT, H, V | 3-GEMM floor | budget | C | fused | fused / floor | TFLOP/s "
+              "| workspace | measured extra | deterministic | mean loss |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  FILE* csv = nullptr;
+  if (!absl::GetFlag(FLAGS_csv).empty()) {
+    csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
+    if (csv != nullptr) {
+      std::fprintf(csv, "bt,h,v,floor_ms,budget_mib,chunk_rows,fused_ms,ratio,tflops,"
+                        "workspace_mib,measured_extra_mib,deterministic,mean_loss\n");
+    }
+  }
+  for (const Row& r : rows) {
+    const double flop = 6.0 * r.bt * r.h * r.v;
+    for (const Row::Fused& f : r.fused) {
+      std::printf("| %lld, %lld, %lld | %.2f ms | %llu MiB | %lld | %.2f ms | %.3fx | %.0f | "
+                  "%.0f MiB | %.0f MiB | %s | %.4f |\n",
+                  static_cast<long long>(r.bt), static_cast<long long>(r.h),
+                  static_cast<long long>(r.v), r.floor_ms,
+                  static_cast<unsigned long long>(f.budget >> 20),
+                  static_cast<long long>(f.chunk_rows), f.ms, f.ms / r.floor_ms,
+                  flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
+                  f.measured_extra / 1048576.0, r.deterministic ? "yes" : "NO", r.mean_loss);
+      if (csv != nullptr) {
+        std::fprintf(csv, "%lld,%lld,%lld,%.4f,%llu,%lld,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
+                     static_cast<long long>(r.bt), static_cast<long long>(r.h),
+                     static_cast<long long>(r.v), r.floor_ms,
+                     static_cast<unsigned long long>(f.budget >> 20),
+                     static_cast<long long>(f.chunk_rows), f.ms, f.ms / r.floor_ms,
+                     flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
+                     f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
+      }
+    }
+    std::printf("| %lld, %lld, %lld | floor TFLOP/s: %.0f | | | | | | | | | |\n",
+                static_cast<long long>(r.bt), static_cast<long long>(r.h),
+                static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12);
+  }
+  if (csv != nullptr) std::fclose(csv);
+  for (const Row& r : rows) {
+    if (!r.deterministic) return 3;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace bench
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return lossd::bench::Main();
+}
