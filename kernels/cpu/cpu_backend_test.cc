@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -133,7 +134,10 @@ TEST_P(CpuBackendMatrixTest, MatchesReference) {
   LossStats stats;
   absl::Status st = backend->Compute(p, got.outputs(), &stats);
   ASSERT_TRUE(st.ok()) << st;
-  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, got.outputs()));
+  const ::testing::AssertionResult match = MatchesReference(p, rp.stats(), ref, got.outputs());
+  EXPECT_TRUE(match);
+  // The margins of passing cases, for the log.
+  if (match) std::cout << match.message() << "\n";
   EXPECT_EQ(stats.chunk_rows, shape.bt);
   EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(p, got.outputs()));
 }
