@@ -7,6 +7,9 @@ behind the caller's back: bf16 travels as bf16 (see lossd.tensors.BF16Array).
 """
 
 import dataclasses
+import itertools
+import threading
+import time
 from typing import Any, Optional
 
 import grpc
@@ -14,12 +17,16 @@ import numpy as np
 
 from lossd import errors
 from lossd._proto import pb, pb_grpc
-from lossd.tensors import FLOAT_DTYPES, INT_DTYPES, dtype_name, from_wire, parse_dtype, to_wire
+from lossd.tensors import (FLOAT_DTYPES, INT_DTYPES, BF16Array, dtype_name, from_wire,
+                           parse_dtype, to_wire)
 
 # Data bytes per TensorPart message (the wire contract's default bound).
 DEFAULT_PART_BYTES = 4 << 20
-# Replies carry parts of up to the server's part size plus a few bytes of framing.
-_MAX_RECEIVE_BYTES = 64 << 20
+# Channel message limits: parts of 16 MiB and more must fit (gRPC's default receive limit is
+# 4 MiB).
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# Per-call deadline unless the caller says otherwise (the C++ client's default too).
+DEFAULT_TIMEOUT_S = 600.0
 
 _REDUCTIONS = {"mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE}
 
@@ -45,6 +52,9 @@ class ComputeResult:
     compute_seconds: float
     backend: str
     accumulated_micro_batches: int
+    wall_seconds: float = 0.0  # client-side, the whole call
+    bytes_sent: int = 0  # tensor data bytes
+    bytes_received: int = 0  # tensor data bytes
     dx: Any = None  # (BT, H) grad dtype
     dw: Any = None  # (V, H) grad dtype
     db: Any = None  # (V) grad dtype
@@ -113,8 +123,10 @@ def _parts(tensor_id, arr, part_bytes):
 class _Assembler:
     """Reassembles tensors from reply parts, checking the wire contract as it goes."""
 
-    def __init__(self, method):
+    def __init__(self, method, into=None):
         self.method = method
+        self.into = into or {}  # tensor id -> caller ndarray to receive into
+        self.received = 0
         self.specs = {}
         self.order = []
         self.bufs = {}
@@ -132,7 +144,17 @@ class _Assembler:
              pb.DTYPE_INT32: "i4", pb.DTYPE_INT64: "i8"}[spec.dtype]).itemsize
         self.specs[tensor_id] = (spec.dtype, shape)
         self.order.append(tensor_id)
-        self.bufs[tensor_id] = bytearray(nbytes)
+        target = self.into.get(tensor_id)
+        if target is not None:
+            mv = memoryview(target)
+            if mv.readonly or not mv.c_contiguous or mv.nbytes != nbytes:
+                raise errors.InvalidArgumentError(
+                    "output buffer for tensor %d: needs %d writable C-contiguous bytes, has %d%s"
+                    % (tensor_id, nbytes, mv.nbytes, " (read-only)" if mv.readonly else ""),
+                    method=self.method)
+            self.bufs[tensor_id] = mv.cast("B")
+        else:
+            self.bufs[tensor_id] = bytearray(nbytes)
         self.filled[tensor_id] = 0
 
     def add(self, part):
@@ -149,6 +171,7 @@ class _Assembler:
                 t, end, len(buf)), method=self.method)
         buf[got:end] = part.data
         self.filled[t] = end
+        self.received += len(part.data)
 
     def finish(self):
         out = {}
@@ -157,18 +180,29 @@ class _Assembler:
                 raise errors.ProtocolError("tensor %d: got %d of %d bytes" % (
                     t, self.filled[t], len(self.bufs[t])), method=self.method)
             dt, shape = self.specs[t]
-            out[t] = from_wire(dt, shape, self.bufs[t])
+            if t in self.into:
+                target = self.into[t]
+                out[t] = BF16Array(target) if dt == pb.DTYPE_BF16 else target
+            else:
+                out[t] = from_wire(dt, shape, self.bufs[t])
         return out
 
 
 class Client:
     """A connection to one lossd server (or a load-balanced name: see `channel_options`).
+    Thread-safe: share one client among threads.
 
     target: "host:port" (any gRPC target, e.g. "dns:///lossd-headless:50051").
-    part_bytes: data bytes per outgoing TensorPart (default 4 MiB).
+    part_bytes: data bytes per outgoing TensorPart (default 4 MiB; 1-4 MiB moves fastest).
     response_part_bytes: data bytes per reply part the server should use (0 = its default).
-    timeout: default deadline in seconds for every call (None = no deadline); each method
-      takes its own `timeout` too.
+    timeout: default deadline in seconds for every call (default 600; None = no deadline);
+      each method takes its own `timeout` too.
+    max_message_bytes: the channel's send and receive message limits.
+    connections: channels to open, each its own TCP connection; calls round-robin over them
+      (one connection tops out at a few GB/s).
+    wait_for_ready: wait for the server to become reachable (until the deadline) instead of
+      failing fast with UnavailableError.
+    metadata: [(key, value)] added to every call, e.g. [("authorization", "Bearer ...")].
     channel_options: extra gRPC channel arguments, e.g.
       [("grpc.lb_policy_name", "round_robin")] for client-side balancing over a headless
       Service.
@@ -177,31 +211,52 @@ class Client:
     """
 
     def __init__(self, target="localhost:50051", *, part_bytes=DEFAULT_PART_BYTES,
-                 response_part_bytes=0, timeout=None, channel_options=None, credentials=None,
+                 response_part_bytes=0, timeout=DEFAULT_TIMEOUT_S,
+                 max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, connections=1,
+                 wait_for_ready=False, metadata=None, channel_options=None, credentials=None,
                  channel=None):
         if int(part_bytes) <= 0:
             raise errors.InvalidArgumentError("part_bytes must be positive, got %r" % part_bytes)
+        if int(connections) < 1:
+            raise errors.InvalidArgumentError("connections must be >= 1, got %r" % connections)
+        if int(part_bytes) > int(max_message_bytes) - 1024:
+            raise errors.InvalidArgumentError(
+                "part_bytes %d does not fit in max_message_bytes %d" % (part_bytes,
+                                                                        max_message_bytes))
         self.target = target
         self.part_bytes = int(part_bytes)
         self.response_part_bytes = int(response_part_bytes)
         self.timeout = timeout
+        self.wait_for_ready = bool(wait_for_ready)
+        self.metadata = tuple(metadata or ())
         self._own_channel = channel is None
         if channel is None:
-            opts = [("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES),
-                    ("grpc.max_send_message_length", _MAX_RECEIVE_BYTES)]
+            opts = [("grpc.max_receive_message_length", int(max_message_bytes)),
+                    ("grpc.max_send_message_length", int(max_message_bytes))]
+            if int(connections) > 1:
+                # A private subchannel pool per channel: otherwise gRPC shares one connection.
+                opts.append(("grpc.use_local_subchannel_pool", 1))
             opts += list(channel_options or [])
-            if credentials is not None:
-                channel = grpc.secure_channel(target, credentials, options=opts)
-            else:
-                channel = grpc.insecure_channel(target, options=opts)
-        self.channel = channel
-        self._stub = pb_grpc.LossStub(channel)
+            channels = []
+            for _ in range(int(connections)):
+                if credentials is not None:
+                    channels.append(grpc.secure_channel(target, credentials, options=opts))
+                else:
+                    channels.append(grpc.insecure_channel(target, options=opts))
+        else:
+            channels = [channel]
+        self._channels = channels
+        self.channel = channels[0]
+        self._stubs = [pb_grpc.LossStub(c) for c in channels]
+        self._next = itertools.count()
+        self._next_lock = threading.Lock()
 
     # -- plumbing -----------------------------------------------------------------------
 
     def close(self):
         if self._own_channel:
-            self.channel.close()
+            for c in self._channels:
+                c.close()
 
     def __enter__(self):
         return self
@@ -209,8 +264,21 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _deadline(self, timeout):
-        return self.timeout if timeout is None else timeout
+    @property
+    def _stub(self):
+        with self._next_lock:
+            i = next(self._next)
+        return self._stubs[i % len(self._stubs)]
+
+    def _call_kwargs(self, timeout):
+        """timeout: None = the client's default; a number of seconds; or float('inf')."""
+        t = self.timeout if timeout is None else timeout
+        if t is not None and t == float("inf"):
+            t = None
+        kw = {"timeout": t, "wait_for_ready": self.wait_for_ready}
+        if self.metadata:
+            kw["metadata"] = self.metadata
+        return kw
 
     def wait_for_ready(self, timeout=30.0):
         """Blocks until the channel connects; raises UnavailableError after `timeout` s."""
@@ -227,7 +295,7 @@ class Client:
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service),
-                              timeout=self._deadline(timeout))
+                              **self._call_kwargs(timeout))
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "Health.Check") from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -236,7 +304,7 @@ class Client:
 
     def server_info(self, timeout=None):
         try:
-            r = self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=self._deadline(timeout))
+            r = self._stub.ServerInfo(pb.ServerInfoRequest(), **self._call_kwargs(timeout))
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "ServerInfo") from None
         return ServerInfo(**{f.name: getattr(r, f.name) for f in dataclasses.fields(ServerInfo)})
@@ -267,7 +335,7 @@ class Client:
                     yield pb.PutWeightsRequest(part=p)
 
         try:
-            r = self._stub.PutWeights(requests(), timeout=self._deadline(timeout))
+            r = self._stub.PutWeights(requests(), **self._call_kwargs(timeout))
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "PutWeights") from None
         return WeightHandle(handle=r.handle, bytes=r.bytes, v=wshape[0], h=wshape[1],
@@ -276,7 +344,7 @@ class Client:
     def drop_weights(self, handle, *, timeout=None):
         try:
             self._stub.DropWeights(pb.DropWeightsRequest(handle=str(handle)),
-                                   timeout=self._deadline(timeout))
+                                   **self._call_kwargs(timeout))
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "DropWeights") from None
 
@@ -289,7 +357,7 @@ class Client:
         asm = _Assembler("FetchGradients")
         header = None
         try:
-            for msg in self._stub.FetchGradients(req, timeout=self._deadline(timeout)):
+            for msg in self._stub.FetchGradients(req, **self._call_kwargs(timeout)):
                 kind = msg.WhichOneof("kind")
                 if kind == "header":
                     if header is not None:
@@ -314,7 +382,7 @@ class Client:
     def drop_accumulator(self, accumulator, *, timeout=None):
         try:
             self._stub.DropAccumulator(pb.DropAccumulatorRequest(accumulator=accumulator),
-                                       timeout=self._deadline(timeout))
+                                       **self._call_kwargs(timeout))
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "DropAccumulator") from None
 
@@ -323,7 +391,7 @@ class Client:
                 softcap=None, grad_dtype=None, grad_scale=None, chunk_rows=0,
                 want_dx=True, want_dw=True, want_db=None, want_lse=False, want_z_loss=False,
                 want_accuracy=False, want_predictions=False, accumulator=None,
-                response_part_bytes=None, timeout=None):
+                response_part_bytes=None, out=None, timeout=None):
         """Linear + cross-entropy forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
@@ -339,7 +407,12 @@ class Client:
         want_*: which outputs to return (the loss always is). want_db defaults to "a bias is
           in use". With `accumulator`, dW and db are added to that server-side fp32
           accumulator (created on first use) instead of being returned.
+        out: {"dx": array, "dw": ..., "lse": ...} caller buffers (C-contiguous, writable, the
+          exact size; a BF16Array or uint16 array for bf16) to receive outputs into without
+          a copy; the result then holds those same arrays.
+        timeout: seconds (None = the client's default, float("inf") = none).
         """
+        t_start = time.perf_counter()
         if reduction not in _REDUCTIONS:
             raise errors.InvalidArgumentError(
                 "reduction must be 'mean', 'sum' or 'none', got %r" % (reduction,))
@@ -410,16 +483,25 @@ class Client:
         header.response_part_bytes = int(rpb)
         part_bytes = self.part_bytes
 
+        bytes_sent = sum(arr.nbytes for _, arr in inline)
+
         def requests():
             yield pb.ComputeRequest(header=header)
             for tid, arr in inline:
                 for p in _parts(tid, arr, part_bytes):
                     yield pb.ComputeRequest(part=p)
 
-        asm = _Assembler("Compute")
+        into = {}
+        by_name = {v: k for k, v in _OUTPUT_NAMES.items()}
+        for name, buf in (out or {}).items():
+            if name not in by_name:
+                raise errors.InvalidArgumentError("out: unknown output %r (one of %s)" % (
+                    name, ", ".join(sorted(by_name))))
+            into[by_name[name]] = buf.bits if isinstance(buf, BF16Array) else buf
+        asm = _Assembler("Compute", into)
         summary = None
         try:
-            for msg in self._stub.Compute(requests(), timeout=self._deadline(timeout)):
+            for msg in self._stub.Compute(requests(), **self._call_kwargs(timeout)):
                 kind = msg.WhichOneof("kind")
                 if kind == "summary":
                     if summary is not None:
@@ -442,7 +524,9 @@ class Client:
         res = ComputeResult(loss=summary.loss, z_loss=summary.z_loss, accuracy=summary.accuracy,
                             tokens=summary.tokens, compute_seconds=summary.compute_seconds,
                             backend=summary.backend,
-                            accumulated_micro_batches=summary.accumulated_micro_batches)
+                            accumulated_micro_batches=summary.accumulated_micro_batches,
+                            wall_seconds=time.perf_counter() - t_start, bytes_sent=bytes_sent,
+                            bytes_received=asm.received)
         for tid, value in tensors.items():
             name = _OUTPUT_NAMES.get(tid)
             if name is None:

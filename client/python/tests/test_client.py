@@ -361,3 +361,38 @@ def test_bf16_conversions_round_to_nearest_even():
     assert np.isnan(lossd.bf16_bits_to_float(nan))[0]
     back = lossd.bf16_bits_to_float(expect[:5])
     np.testing.assert_array_equal(back, [1.0, -2.5, 1.0, 1.0 + 2 ** -6, 1.0 + 2 ** -7])
+
+
+def test_outputs_into_caller_buffers(client):
+    x, w, b, t = make_inputs("bf16", bias=True, seed=8)
+    ref = client.compute(x, w, t, bias=b, want_lse=True)
+    dx = lossd.BF16Array(np.full((BT, H), 0xFFFF, np.uint16))  # poisoned: NaN bit patterns
+    dw = np.full((V, H), 0xFFFF, np.uint16)
+    lse = np.full(BT, np.nan, np.float32)
+    r = client.compute(x, w, t, bias=b, want_lse=True, out={"dx": dx, "dw": dw, "lse": lse})
+    assert r.dx.bits is dx.bits and r.dw.bits is dw and r.lse is lse
+    np.testing.assert_array_equal(dx.bits, ref.dx.bits)
+    np.testing.assert_array_equal(dw, ref.dw.bits)
+    np.testing.assert_array_equal(lse, ref.lse)
+    with pytest.raises(lossd.InvalidArgumentError):
+        client.compute(x, w, t, bias=b, out={"dx": np.zeros((BT, H + 1), np.uint16)})
+    with pytest.raises(lossd.InvalidArgumentError):
+        client.compute(x, w, t, bias=b, out={"gradient": dw})
+
+
+def test_client_side_measurements(client):
+    x, w, b, t = make_inputs("fp32", bias=True, seed=9)
+    r = client.compute(x, w, t, bias=b)
+    assert r.bytes_sent == x.nbytes + w.nbytes + b.nbytes + t.nbytes
+    assert r.bytes_received == r.dx.nbytes + r.dw.nbytes + r.db.nbytes
+    assert r.wall_seconds >= r.compute_seconds > 0.0
+
+
+def test_several_connections_metadata_and_wait_for_ready(lossd_server):
+    x, w, _, t = make_inputs("fp32", seed=4)
+    with lossd.Client(lossd_server.address, connections=3, wait_for_ready=True,
+                      metadata=[("x-lossd-test", "1")], timeout=60) as c:
+        assert len(c._channels) == 3
+        losses = {c.compute(x, w, t).loss for _ in range(4)}
+        assert len(losses) == 1
+        assert c.server_info().backend == "cpu"
