@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/kernel/bench_util.h"
+#include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/dtype.h"
 #include "kernels/loss_problem.h"
@@ -65,6 +66,8 @@ struct Row {
     int64_t measured_extra;
   };
   std::vector<Fused> fused;
+  double gemms_ms = 0;  // the chunked GEMMs alone, one stream, first budget's chunks
+  double ce_ms = 0;     // the cross-entropy kernels alone over the same chunks
   bool deterministic;
   double mean_loss;
 };
@@ -179,6 +182,54 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     f.measured_extra = free_before - FreeBytes();
     if (bi == 0) {
+      // Where the time goes: the same chunks' GEMMs alone (one stream), and the CE kernels.
+      char* z = static_cast<char*>(ws);
+      char* gws = z + ((plan.chunk_rows * v * 2 + 255) / 256 * 256);
+      auto gemms = [&]() -> absl::Status {
+        for (int64_t c0 = 0; c0 < bt; c0 += plan.chunk_rows) {
+          const int64_t r = std::min(plan.chunk_rows, bt - c0);
+          const char* xc = static_cast<const char*>(x) + c0 * h * 2;
+          absl::Status s = engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, true, false, v,
+                                       r, h, 1.0f, w, h, xc, h, CUDA_R_16BF, 0.0f, z, v,
+                                       CUDA_R_16BF);
+          if (!s.ok()) return s;
+          s = engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, false, false, h, r, v, 1.0f,
+                          w, h, z, v, CUDA_R_16BF, 0.0f, static_cast<char*>(dx) + c0 * h * 2,
+                          h, CUDA_R_16BF);
+          if (!s.ok()) return s;
+          s = engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, false, true, h, v, r, 1.0f,
+                          xc, h, z, v, CUDA_R_16BF, c0 > 0 ? 1.0f : 0.0f, dw, h, CUDA_R_32F);
+          if (!s.ok()) return s;
+        }
+        return absl::OkStatus();
+      };
+      if (TimeMs(stream, warmup, runs, gemms, &row->gemms_ms)) return 1;
+      auto ce_only = [&]() -> absl::Status {
+        for (int64_t c0 = 0; c0 < bt; c0 += plan.chunk_rows) {
+          cuda::CrossEntropyParams p{};
+          p.logits = z;
+          p.elem = cuda::kElemBF16;
+          p.rows = std::min(plan.chunk_rows, bt - c0);
+          p.v = v;
+          p.targets = a.targets + c0;
+          p.ce_scale = 1.0f / bt;
+          p.class_weight_sum = static_cast<float>(v);
+          p.write_grad = 1;
+          p.row_lse = a.row_lse + c0;
+          p.row_ce = a.row_ce + c0;
+          p.row_z = a.row_z + c0;
+          p.row_pred = a.row_pred + c0;
+          const cudaError_t e = cuda::LaunchCrossEntropy(p, stream);
+          if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
+        }
+        return absl::OkStatus();
+      };
+      // Real logits in the buffer first, so the kernel sees realistic values.
+      BENCH_CHECK_OK(engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, true, false, v,
+                                 std::min(plan.chunk_rows, bt), h, 1.0f, w, h, x, h,
+                                 CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
+      if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
+
       // Determinism at full size: two runs, dX and dW compared word for word.
       void *dx0, *dw0;
       unsigned long long* count;
@@ -284,9 +335,11 @@ int Main() {
                      f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }
     }
-    std::printf("| %lld, %lld, %lld | floor TFLOP/s: %.0f | | | | | | | | | |\n",
+    std::printf("| %lld, %lld, %lld | floor %.0f TFLOP/s; chunked GEMMs alone %.2f ms, "
+                "CE kernels alone %.2f ms | | | | | | | | | |\n",
                 static_cast<long long>(r.bt), static_cast<long long>(r.h),
-                static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12);
+                static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12, r.gemms_ms,
+                r.ce_ms);
   }
   if (csv != nullptr) std::fclose(csv);
   for (const Row& r : rows) {

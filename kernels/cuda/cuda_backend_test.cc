@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
 #include "kernels/cuda/fused_loss.h"
@@ -324,6 +325,37 @@ TEST_F(CudaTest, InfoReportsTheDevice) {
   EXPECT_GT(info.memory_total_bytes, 0u);
   EXPECT_GT(info.memory_used_bytes, 0u);
   EXPECT_TRUE(info.healthy);
+}
+
+// The two backends agree with each other as closely as each agrees with the reference.
+TEST_F(CudaTest, AgreesWithTheCpuBackend) {
+  std::unique_ptr<Backend> cpu = NewCpuBackend(2);
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (int oi : {0, 3, 5}) {
+      const OptionSet& o = kOptions[oi];
+      RandomProblem rp = RandomProblem::Make(MakeSpec(kShapes[2], o, dtype, 77 + oi));
+      const LossProblem p = rp.problem();
+      const DType g = o.fp32_grads ? DType::kF32 : dtype;
+      HostOutputs a(p, g), b(p, g);
+      ASSERT_TRUE(backend_->Compute(p, a.outputs(), nullptr).ok());
+      ASSERT_TRUE(cpu->Compute(p, b.outputs(), nullptr).ok());
+      const Tolerance tol = ToleranceFor(dtype, g);
+      const double bound = 2 * (2 * tol.logit_u * rp.stats().rms_row_abs_max + tol.logit_u +
+                                tol.grad_u + tol.fp32_rel);
+      const size_t n_dx = p.bt * p.h, n_dw = p.v * p.h;
+      CompareResult r = CompareRelNorm("dx cuda vs cpu", Widen(b.dx.data(), g, n_dx),
+                                       Widen(a.dx.data(), g, n_dx), bound);
+      EXPECT_TRUE(r.ok()) << DTypeName(dtype) << " " << o.name << ": " << r.ToString();
+      r = CompareRelNorm("dw cuda vs cpu", Widen(b.dw.data(), g, n_dw),
+                         Widen(a.dw.data(), g, n_dw), bound);
+      EXPECT_TRUE(r.ok()) << DTypeName(dtype) << " " << o.name << ": " << r.ToString();
+      EXPECT_NEAR(a.loss[0], b.loss[0], bound * (std::abs(b.loss[0]) + 1)) << o.name;
+      EXPECT_EQ(a.tokens, b.tokens);
+      int64_t same = 0;
+      for (int64_t i = 0; i < p.bt; ++i) same += a.predictions[i] == b.predictions[i];
+      EXPECT_GE(same, p.bt * 95 / 100) << "argmax agreement";
+    }
+  }
 }
 
 TEST(ChunkPlanTest, FromBudgetAndShape) {
