@@ -20,7 +20,9 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
   s->engine_ = engine;
   s->service_ = std::make_unique<LossService>(engine, metrics, options.service);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(
+      options.address,
+      options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &s->port_);
   builder.RegisterService(s->service_.get());
   // A part plus its framing must fit in one message.
   const int limit = static_cast<int>(options.service.max_part_bytes) + (1 << 20);

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 
 #include "absl/status/statusor.h"
@@ -19,6 +20,7 @@ namespace lossd {
 struct LossServerOptions {
   std::string address = "0.0.0.0:50051";  // port 0 picks a free port
   int grpc_threads = 0;                   // 0 = gRPC's default
+  std::shared_ptr<grpc::ServerCredentials> credentials;  // null = plaintext
   ServiceOptions service;
 };
 

@@ -33,7 +33,7 @@ class ComputeReactor final
  public:
   ComputeReactor(LossService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx), engine_(service->engine()), started_(absl::Now()) {
-    absl::Status s = service_->Enter("Compute");
+    absl::Status s = service_->Enter(ctx, "Compute");
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
@@ -275,7 +275,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   PutWeightsReactor(LossService* service, grpc::CallbackServerContext* ctx,
                     v1::PutWeightsResponse* response)
       : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
-    absl::Status s = service_->Enter("PutWeights");
+    absl::Status s = service_->Enter(ctx, "PutWeights");
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
@@ -373,7 +373,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
   FetchGradientsReactor(LossService* service, grpc::CallbackServerContext* ctx,
                         const v1::FetchGradientsRequest* request)
       : service_(service), ctx_(ctx), started_(absl::Now()) {
-    absl::Status s = service_->Enter("FetchGradients");
+    absl::Status s = service_->Enter(ctx, "FetchGradients");
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
@@ -459,7 +459,7 @@ template <typename Body>
 grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContext* ctx,
                                 const char* method, Body body) {
   const absl::Time started = absl::Now();
-  absl::Status s = service->Enter(method);
+  absl::Status s = service->Enter(ctx, method);
   if (s.ok()) {
     s = body();
     service->Leave();
@@ -477,7 +477,11 @@ grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContex
 LossService::LossService(Engine* engine, ServerMetrics* metrics, ServiceOptions options)
     : engine_(engine), metrics_(metrics), options_(std::move(options)) {}
 
-absl::Status LossService::Enter(const char* method) {
+absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* method) {
+  if (options_.auth) {
+    absl::Status s = options_.auth->Check(ctx->client_metadata());
+    if (!s.ok()) return s;
+  }
   if (engine_->draining()) {
     return absl::UnavailableError(
         absl::StrCat(method, " refused: the server is draining; retry on another replica"));

@@ -7,9 +7,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/auth.h"
 #include "server/engine/engine.h"
 #include "server/metrics.h"
 
@@ -21,6 +23,8 @@ struct ServiceOptions {
   uint32_t max_part_bytes = 16u << 20;           // largest part data a client may send
   uint32_t default_response_part_bytes = 4u << 20;
   uint32_t max_in_flight = 256;                  // RPCs at once; more get UNAVAILABLE
+  // When set, every Loss RPC must carry a valid bearer token (health checks need none).
+  std::shared_ptr<const TokenAuthenticator> auth;
 };
 
 class LossService final : public v1::Loss::CallbackService {
@@ -47,8 +51,9 @@ class LossService final : public v1::Loss::CallbackService {
   Engine* engine() { return engine_; }
   ServerMetrics* metrics() { return metrics_; }
   const ServiceOptions& options() const { return options_; }
-  // Admits one more RPC (UNAVAILABLE while draining or at --max_in_flight); pair with Leave.
-  absl::Status Enter(const char* method);
+  // Admits one more RPC: UNAUTHENTICATED without a valid token, UNAVAILABLE while draining
+  // or at --max_in_flight. Pair an OK with Leave.
+  absl::Status Enter(grpc::CallbackServerContext* ctx, const char* method);
   void Leave();
 
  private:

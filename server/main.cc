@@ -25,8 +25,10 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/plugin_loader.h"
 #include "server/engine/engine.h"
+#include "server/auth.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
+#include "server/tls.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0", "Address the gRPC server listens on.");
 ABSL_FLAG(int, port, 50051, "gRPC port (0 picks a free one and prints it).");
@@ -53,6 +55,13 @@ ABSL_FLAG(uint64_t, max_request_bytes, 16ull << 30, "Most tensor bytes one Compu
 ABSL_FLAG(uint32_t, max_part_bytes, 16u << 20, "Largest tensor part a client may send.");
 ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20, "Default size of response parts.");
 ABSL_FLAG(bool, check_finite, true, "Refuse NaN and Inf in X, W and bias (INVALID_ARGUMENT).");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (chain); with --tls_key enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; when set, clients must present a certificate it signed (mTLS).");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "File of bearer tokens (one per line, # comments); when set every Loss RPC needs "
+          "'authorization: Bearer <token>'. Health checks need none.");
 ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
 
 namespace lossd {
@@ -96,6 +105,23 @@ int Main() {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_tls_cert),
+                                           absl::GetFlag(FLAGS_tls_key),
+                                           absl::GetFlag(FLAGS_tls_client_ca));
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", credentials.status().ToString().c_str());
+    return 1;
+  }
+  std::shared_ptr<const TokenAuthenticator> auth;
+  if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
+    auto a = TokenAuthenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file));
+    if (!a.ok()) {
+      std::fprintf(stderr, "lossd: %s\n", a.status().ToString().c_str());
+      return 1;
+    }
+    auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
+  }
 
   auto backend = MakeBackend();
   if (!backend.ok()) {
@@ -161,6 +187,8 @@ int Main() {
   so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
   so.service.default_response_part_bytes = absl::GetFlag(FLAGS_response_part_bytes);
   so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  so.service.auth = auth;
+  so.credentials = *credentials;
   auto server = LossServer::Start(&engine, &metrics, so);
   if (!server.ok()) {
     std::fprintf(stderr, "lossd: %s\n", server.status().ToString().c_str());

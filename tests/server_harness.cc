@@ -79,6 +79,7 @@ Harness::Harness(HarnessOptions o) {
   LossServerOptions so;
   so.address = "127.0.0.1:0";
   so.service = o.service;
+  so.credentials = o.server_credentials;
   auto server = LossServer::Start(engine_.get(), metrics_.get(), so);
   if (!server.ok()) {
     ADD_FAILURE() << server.status();
@@ -88,9 +89,21 @@ Harness::Harness(HarnessOptions o) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
-  channel_ = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                       grpc::InsecureChannelCredentials(), args);
-  stub_ = v1::Loss::NewStub(channel_);
+  if (!o.server_credentials) {
+    channel_ = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                         grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::Loss::NewStub(channel_);
+  }
+}
+
+std::unique_ptr<v1::Loss::Stub> Harness::NewStub(
+    std::shared_ptr<grpc::ChannelCredentials> creds) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a fresh connection per stub
+  return v1::Loss::NewStub(grpc::CreateCustomChannel(
+      absl::StrCat("127.0.0.1:", server_->port()), creds, args));
 }
 
 Harness::~Harness() {

@@ -25,6 +25,7 @@ struct HarnessOptions {
   EngineOptions engine;
   ServiceOptions service;
   int cpu_threads = 2;
+  std::shared_ptr<grpc::ServerCredentials> server_credentials;  // null = plaintext
 };
 
 class Harness {
@@ -33,6 +34,8 @@ class Harness {
   ~Harness();
 
   v1::Loss::Stub& stub() { return *stub_; }
+  // A stub on a new channel to this server with the given credentials.
+  std::unique_ptr<v1::Loss::Stub> NewStub(std::shared_ptr<grpc::ChannelCredentials> creds);
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
   Engine& engine() { return *engine_; }
   LossServer& server() { return *server_; }

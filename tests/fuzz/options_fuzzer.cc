@@ -1,0 +1,180 @@
+// Fuzz target: option handling. The input is one serialized lossd.v1.ComputeHeader; it goes
+// through ComputeSpecFromWire and Engine::Plan. A header the engine accepts is then run with
+// valid inputs made up here (finite values, targets in range or ignore_index) drawn from a
+// seed taken from the input, so that every accepted combination of shapes, dtypes and options
+// is also computed: the compute must succeed, and where the options are in the range the
+// tolerance table models it must match the float64 reference.
+#include <cmath>
+#include <memory>
+#include <utility>
+
+#include "kernels/cpu/reference.h"
+#include "kernels/cpu/test_util.h"
+#include "lossd/v1/lossd.pb.h"
+#include "server/wire_convert.h"
+#include "tests/fuzz/fuzz_env.h"
+
+namespace lossd {
+namespace fuzz {
+namespace {
+
+uint64_t Fnv1a(const uint8_t* data, size_t size) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < size; ++i) h = (h ^ data[i]) * 1099511628211ull;
+  return h;
+}
+
+struct Rng {
+  uint64_t s;
+  uint32_t Next() {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(s >> 33);
+  }
+  float Uniform(float lo, float hi) { return lo + (hi - lo) * (Next() % 100001) / 100000.0f; }
+};
+
+// Valid inputs for a plan: X in [-2, 2), inline W scaled by 1/sqrt(H) so logits are O(1..4),
+// targets mostly in range with some ignore_index, class weights in [0.25, 2), grad_output in
+// [-2, 2).
+std::shared_ptr<Engine::InputBuffers> MakeInputs(const ComputePlan& p, Rng* rng) {
+  auto in = std::make_shared<Engine::InputBuffers>();
+  auto slot = [&](InputSlot s) -> HostBuffer& { return (*in)[static_cast<int>(s)]; };
+  auto bytes = [&](InputSlot s) { return p.input_bytes[static_cast<int>(s)]; };
+  for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
+    if (p.input_bytes[i] > 0) (*in)[i] = NewHostBuffer(p.input_bytes[i]);
+  }
+  for (int64_t i = 0; i < p.bt * p.h; ++i) {
+    StoreFromFloat(slot(InputSlot::kX).get(), p.dtype, i, rng->Uniform(-2, 2));
+  }
+  if (bytes(InputSlot::kW) > 0) {
+    const float scale = 2.0f / std::sqrt(static_cast<float>(p.h));
+    for (int64_t i = 0; i < p.v * p.h; ++i) {
+      StoreFromFloat(slot(InputSlot::kW).get(), p.dtype, i, scale * rng->Uniform(-1, 1));
+    }
+  }
+  if (bytes(InputSlot::kBias) > 0) {
+    for (int64_t i = 0; i < p.v; ++i) {
+      StoreFromFloat(slot(InputSlot::kBias).get(), p.dtype, i, rng->Uniform(-0.5f, 0.5f));
+    }
+  }
+  for (int64_t i = 0; i < p.bt; ++i) {
+    int64_t t = (rng->Next() % 8 == 0) ? p.options.ignore_index
+                                       : static_cast<int64_t>(rng->Next() % p.v);
+    if (p.target_dtype == DType::kI32) {
+      // An ignore_index that int32 cannot hold cannot be sent as an int32 target.
+      if (t != static_cast<int32_t>(t)) t = static_cast<int64_t>(rng->Next() % p.v);
+      reinterpret_cast<int32_t*>(slot(InputSlot::kTargets).get())[i] = static_cast<int32_t>(t);
+    } else {
+      reinterpret_cast<int64_t*>(slot(InputSlot::kTargets).get())[i] = t;
+    }
+  }
+  if (bytes(InputSlot::kClassWeights) > 0) {
+    float* cw = reinterpret_cast<float*>(slot(InputSlot::kClassWeights).get());
+    for (int64_t j = 0; j < p.v; ++j) cw[j] = rng->Uniform(0.25f, 2.0f);
+  }
+  if (bytes(InputSlot::kGradOutput) > 0) {
+    float* go = reinterpret_cast<float*>(slot(InputSlot::kGradOutput).get());
+    for (int64_t i = 0; i < p.bt; ++i) go[i] = rng->Uniform(-2.0f, 2.0f);
+  }
+  return in;
+}
+
+// The range the tolerance table is derived for (first-order rounding bounds); outside it a
+// mismatch says more about the bound than about the backend.
+bool InModeledRange(const LossOptions& o) {
+  return o.z_loss_scale <= 1.0f && std::fabs(o.grad_scale) <= 1e3f &&
+         (o.softcap == 0.0f || (o.softcap >= 1.0f && o.softcap <= 1e4f));
+}
+
+void CompareWithReference(const ComputePlan& plan, const Engine::InputBuffers& in,
+                          ComputeOutcome& out) {
+  auto buf = [&](InputSlot s) -> const void* { return in[static_cast<int>(s)].get(); };
+  const FuzzEnv& env = Env();
+  LossProblem p;
+  p.bt = plan.bt;
+  p.h = plan.h;
+  p.v = plan.v;
+  p.dtype = plan.dtype;
+  p.x = buf(InputSlot::kX);
+  if (plan.weights) {
+    // Only the preloaded weights can be named by a handle here.
+    p.w = env.preload_w.data();
+    p.bias = env.preload_bias.data();
+  } else {
+    p.w = buf(InputSlot::kW);
+    p.bias = plan.has_bias ? buf(InputSlot::kBias) : nullptr;
+  }
+  p.targets = buf(InputSlot::kTargets);
+  p.target_dtype = plan.target_dtype;
+  p.class_weights = static_cast<const float*>(buf(InputSlot::kClassWeights));
+  p.grad_output = static_cast<const float*>(buf(InputSlot::kGradOutput));
+  p.options = plan.options;
+  ReferenceOutputs ref;
+  absl::Status s = ReferenceCompute(p, &ref);
+  Check(s.ok(), "the reference refused inputs the engine accepted");
+
+  LossOutputs got;
+  got.grad_dtype = plan.grad_dtype;
+  float loss = out.loss, z_loss = out.z_loss, accuracy = out.accuracy;
+  int64_t tokens = out.tokens;
+  const bool none = plan.options.reduction == Reduction::kNone;
+  if (!none) {
+    got.loss = &loss;
+    got.z_loss = plan.wanted.z_loss ? &z_loss : nullptr;
+  }
+  got.accuracy = &accuracy;
+  got.tokens = &tokens;
+  for (size_t i = 0; i < plan.outputs.size(); ++i) {
+    void* ptr = out.outputs[i].get();
+    switch (plan.outputs[i].slot) {
+      case OutputSlot::kLoss: got.loss = static_cast<float*>(ptr); break;
+      case OutputSlot::kZLoss: got.z_loss = static_cast<float*>(ptr); break;
+      case OutputSlot::kLse: got.lse = static_cast<float*>(ptr); break;
+      case OutputSlot::kPredictions: got.predictions = static_cast<int64_t*>(ptr); break;
+      case OutputSlot::kDx: got.dx = ptr; break;
+      case OutputSlot::kDw: got.dw = ptr; break;
+      case OutputSlot::kDb: got.db = ptr; break;
+      case OutputSlot::kCount: break;
+    }
+  }
+  LogitStats stats = ComputeLogitStats(p);
+  ::testing::AssertionResult r = MatchesReference(p, stats, ref, got);
+  if (!r) {
+    std::fprintf(stderr, "%s\n", r.message());
+    Check(false, "a compute with modeled options does not match the float64 reference");
+  }
+}
+
+}  // namespace
+
+void OptionsOneInput(const uint8_t* data, size_t size) {
+  v1::ComputeHeader header;
+  if (!header.ParseFromArray(data, static_cast<int>(size))) return;
+  Engine& engine = *Env().engine;
+  auto spec = ComputeSpecFromWire(header);
+  if (!spec.ok()) {
+    CheckCleanError(spec.status(), "ComputeSpecFromWire");
+    return;
+  }
+  auto planned = engine.Plan(*spec);
+  if (!planned.ok()) {
+    CheckCleanError(planned.status(), "Engine::Plan");
+    return;
+  }
+  auto plan = std::make_shared<const ComputePlan>(std::move(*planned));
+  Check(plan->admission_bytes() <= kMemoryBudget,
+        "a plan within the shape and request limits exceeds the memory budget");
+  Rng rng{Fnv1a(data, size)};
+  std::shared_ptr<Engine::InputBuffers> inputs = MakeInputs(*plan, &rng);
+  ComputeOutcome out = RunAndWait(plan, inputs);
+  if (!plan->accumulator.empty()) (void)engine.DropAccumulator(plan->accumulator);
+  if (!out.status.ok()) {
+    std::fprintf(stderr, "status: %s\n", out.status.ToString().c_str());
+    Check(false, "a compute of valid inputs under accepted options failed");
+  }
+  if (InModeledRange(plan->options)) CompareWithReference(*plan, *inputs, out);
+  CheckIdle("an options input");
+}
+
+}  // namespace fuzz
+}  // namespace lossd

@@ -1,0 +1,116 @@
+// Fuzz target: the PutWeights path. The input is a list of records (see fuzz_env.h), each
+// parsed as a lossd.v1.PutWeightsRequest, fed through what the PutWeights reactor does with
+// them (TensorDescFromWire -> Engine::BeginPutWeights -> WriteWeights per part ->
+// CommitWeights at the end of the stream). Promises checked: no crash or sanitizer report,
+// refusals are clean errors, a committed handle serves exactly the bytes that were sent,
+// --check_finite holds for what was committed (no NaN or Inf is ever stored), and an upload
+// cut off or refused leaves no reservation behind.
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "kernels/dtype.h"
+#include "lossd/v1/lossd.pb.h"
+#include "server/wire_convert.h"
+#include "tests/fuzz/fuzz_env.h"
+
+namespace lossd {
+namespace fuzz {
+
+void PutWeightsOneInput(const uint8_t* data, size_t size) {
+  Engine& engine = *Env().engine;
+  const std::vector<absl::string_view> records = SplitRecords(data, size, 256);
+  std::unique_ptr<PendingWeights> pending;
+  std::vector<uint8_t> sent_w, sent_bias;  // what the stream wrote, in order
+  bool failed = false;
+  for (absl::string_view rec : records) {
+    v1::PutWeightsRequest m;
+    if (!m.ParseFromArray(rec.data(), static_cast<int>(rec.size()))) {
+      failed = true;
+      break;
+    }
+    absl::Status s;
+    if (m.has_header()) {
+      if (pending) {
+        failed = true;  // the reactor refuses a second header
+        break;
+      }
+      auto w = TensorDescFromWire(m.header().has_w(), m.header().w(), "header.w");
+      auto b = TensorDescFromWire(m.header().has_bias(), m.header().bias(), "header.bias");
+      if (!w.ok() || !b.ok()) {
+        CheckCleanError(w.ok() ? b.status() : w.status(), "TensorDescFromWire");
+        failed = true;
+        break;
+      }
+      auto p = engine.BeginPutWeights(*w, *b);
+      if (!p.ok()) {
+        CheckCleanError(p.status(), "Engine::BeginPutWeights");
+        failed = true;
+        break;
+      }
+      pending = std::move(*p);
+      continue;
+    }
+    if (!pending) {
+      failed = true;  // the reactor wants a header first
+      break;
+    }
+    const v1::TensorPart& part = m.part();
+    if ((part.tensor() != v1::TENSOR_W && part.tensor() != v1::TENSOR_BIAS) ||
+        part.data().size() > kMaxPartBytes) {
+      failed = true;  // refused by the reactor before the engine
+      break;
+    }
+    const bool bias = part.tensor() == v1::TENSOR_BIAS;
+    s = engine.WriteWeights(*pending, bias, part.offset(), part.data().data(),
+                            part.data().size());
+    if (!s.ok()) {
+      CheckCleanError(s, "Engine::WriteWeights");
+      failed = true;
+      break;
+    }
+    std::vector<uint8_t>& sent = bias ? sent_bias : sent_w;
+    sent.insert(sent.end(), part.data().begin(), part.data().end());
+  }
+
+  if (!failed && pending) {
+    const DType dtype = pending->entry->dtype;
+    auto handle = engine.CommitWeights(std::move(pending));
+    if (!handle.ok()) {
+      CheckCleanError(handle.status(), "Engine::CommitWeights");
+    } else {
+      auto entry = engine.weights().Get(*handle);
+      Check(entry.ok(), "a committed handle is not served");
+      const WeightEntry& e = **entry;
+      Check(e.w->size() == sent_w.size(), "committed w differs in size from what was sent");
+      Check(std::memcmp(e.w->data(), sent_w.data(), sent_w.size()) == 0,
+            "committed w differs from the bytes sent");
+      Check(e.bias != nullptr || sent_bias.empty(), "bias bytes were taken without a bias");
+      if (e.bias) {
+        Check(e.bias->size() == sent_bias.size() &&
+                  std::memcmp(e.bias->data(), sent_bias.data(), sent_bias.size()) == 0,
+              "committed bias differs from the bytes sent");
+      }
+      if (engine.options().check_finite) {
+        for (size_t i = 0; i < sent_w.size() / DTypeSize(dtype); ++i) {
+          Check(std::isfinite(LoadAsFloat(sent_w.data(), dtype, i)),
+                "--check_finite: a non-finite value in w was committed");
+        }
+        for (size_t i = 0; i < sent_bias.size() / DTypeSize(dtype); ++i) {
+          Check(std::isfinite(LoadAsFloat(sent_bias.data(), dtype, i)),
+                "--check_finite: a non-finite value in bias was committed");
+        }
+      }
+      Check(engine.DropWeights(*handle).ok(), "DropWeights of a fresh handle failed");
+      auto gone = engine.weights().Get(*handle);
+      Check(!gone.ok() && gone.status().code() == absl::StatusCode::kNotFound,
+            "a dropped handle is still served");
+    }
+  }
+  pending.reset();  // a stream cut off here: the reservation must go back
+  CheckIdle("a PutWeights stream");
+}
+
+}  // namespace fuzz
+}  // namespace lossd

@@ -1,0 +1,374 @@
+// Writes the committed seed corpus of the lossd fuzz targets: small valid requests over every
+// dtype, reduction and option, and invalid ones (bad shapes, parts out of order or past their
+// tensor, NaN, targets out of range, streams cut short), one file each, into
+// <out>/compute_stream, <out>/options and <out>/put_weights.
+// Usage: seed_writer <out_dir>. Deterministic: the same files on every run.
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "kernels/dtype.h"
+#include "lossd/v1/lossd.pb.h"
+#include "tests/fuzz/fuzz_env.h"
+
+namespace lossd {
+namespace fuzz {
+namespace {
+
+struct Rng {
+  uint64_t s = 7;
+  uint32_t Next() {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(s >> 33);
+  }
+  float Uniform(float lo, float hi) { return lo + (hi - lo) * (Next() % 10001) / 10000.0f; }
+};
+
+DType FromWire(v1::DType d) {
+  switch (d) {
+    case v1::DTYPE_FP16: return DType::kF16;
+    case v1::DTYPE_FP32: return DType::kF32;
+    case v1::DTYPE_INT32: return DType::kI32;
+    case v1::DTYPE_INT64: return DType::kI64;
+    default: return DType::kBF16;
+  }
+}
+
+v1::TensorSpec Spec(v1::DType dt, std::vector<int64_t> shape) {
+  v1::TensorSpec s;
+  s.set_dtype(dt);
+  for (int64_t d : shape) s.add_shape(d);
+  return s;
+}
+
+std::string Floats(v1::DType dt, int64_t n, Rng* rng, float lo, float hi) {
+  std::string b(n * DTypeSize(FromWire(dt)), '\0');
+  for (int64_t i = 0; i < n; ++i) StoreFromFloat(&b[0], FromWire(dt), i, rng->Uniform(lo, hi));
+  return b;
+}
+
+std::string Targets(v1::DType dt, int64_t bt, int64_t v, Rng* rng) {
+  std::string b(bt * (dt == v1::DTYPE_INT32 ? 4 : 8), '\0');
+  for (int64_t i = 0; i < bt; ++i) {
+    const int64_t t = (i % 5 == 4) ? -100 : static_cast<int64_t>(rng->Next() % v);
+    if (dt == v1::DTYPE_INT32) {
+      reinterpret_cast<int32_t*>(&b[0])[i] = static_cast<int32_t>(t);
+    } else {
+      reinterpret_cast<int64_t*>(&b[0])[i] = t;
+    }
+  }
+  return b;
+}
+
+// One Compute stream: its header and its tensors, split into parts of `part_bytes`.
+struct Stream {
+  v1::ComputeHeader header;
+  std::vector<std::pair<v1::TensorId, std::string>> tensors;
+  size_t part_bytes = 64;
+
+  std::vector<v1::ComputeRequest> Messages() const {
+    std::vector<v1::ComputeRequest> out(1);
+    *out[0].mutable_header() = header;
+    for (const auto& [id, bytes] : tensors) {
+      for (size_t off = 0; off < bytes.size(); off += part_bytes) {
+        v1::ComputeRequest r;
+        r.mutable_part()->set_tensor(id);
+        r.mutable_part()->set_offset(off);
+        r.mutable_part()->set_data(bytes.substr(off, part_bytes));
+        out.push_back(std::move(r));
+      }
+    }
+    return out;
+  }
+};
+
+struct Shape {
+  int64_t bt = 4, h = 8, v = 16;
+  v1::DType dtype = v1::DTYPE_BF16;
+  v1::DType target_dtype = v1::DTYPE_INT64;
+  bool bias = false, class_weights = false, grad_output = false;
+  std::string handle;  // W by handle (the preloaded one) instead of inline
+};
+
+Stream MakeStream(const Shape& s, Rng* rng) {
+  Stream st;
+  v1::ComputeHeader& h = st.header;
+  *h.mutable_x() = Spec(s.dtype, {s.bt, s.h});
+  st.tensors.push_back({v1::TENSOR_X, Floats(s.dtype, s.bt * s.h, rng, -2, 2)});
+  if (s.handle.empty()) {
+    *h.mutable_w() = Spec(s.dtype, {s.v, s.h});
+    st.tensors.push_back({v1::TENSOR_W, Floats(s.dtype, s.v * s.h, rng, -0.7f, 0.7f)});
+    if (s.bias) {
+      *h.mutable_bias() = Spec(s.dtype, {s.v});
+      st.tensors.push_back({v1::TENSOR_BIAS, Floats(s.dtype, s.v, rng, -0.5f, 0.5f)});
+    }
+  } else {
+    h.set_weight_handle(s.handle);
+  }
+  *h.mutable_targets() = Spec(s.target_dtype, {s.bt});
+  st.tensors.push_back({v1::TENSOR_TARGETS, Targets(s.target_dtype, s.bt, s.v, rng)});
+  if (s.class_weights) {
+    *h.mutable_class_weights() = Spec(v1::DTYPE_FP32, {s.v});
+    st.tensors.push_back({v1::TENSOR_CLASS_WEIGHTS, Floats(v1::DTYPE_FP32, s.v, rng, 0.25f, 2)});
+  }
+  if (s.grad_output) {
+    *h.mutable_grad_output() = Spec(v1::DTYPE_FP32, {s.bt});
+    st.tensors.push_back({v1::TENSOR_GRAD_OUTPUT, Floats(v1::DTYPE_FP32, s.bt, rng, -2, 2)});
+  }
+  v1::Outputs* o = h.mutable_outputs();
+  o->set_dx(true);
+  o->set_dw(true);
+  o->set_db(true);
+  o->set_lse(true);
+  o->set_z_loss(true);
+  o->set_accuracy(true);
+  o->set_predictions(true);
+  return st;
+}
+
+void Write(const std::string& dir, const std::string& name, const std::string& bytes) {
+  mkdir(dir.c_str(), 0755);
+  std::ofstream f(dir + "/" + name, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string Records(const std::vector<v1::ComputeRequest>& messages) {
+  std::string out;
+  for (const auto& m : messages) AppendRecord(&out, m.SerializeAsString());
+  return out;
+}
+
+void WriteCompute(const std::string& root, const std::string& name, const Stream& s) {
+  Write(root + "/compute_stream", name, Records(s.Messages()));
+  Write(root + "/options", name, s.header.SerializeAsString());
+}
+
+void WriteComputeSeeds(const std::string& root) {
+  Rng rng;
+  {  // The plain case.
+    Shape s;
+    WriteCompute(root, "valid_bf16_mean", MakeStream(s, &rng));
+  }
+  {
+    Shape s;
+    s.dtype = v1::DTYPE_FP32;
+    s.bias = s.class_weights = s.grad_output = true;
+    Stream st = MakeStream(s, &rng);
+    st.header.mutable_options()->set_reduction(v1::REDUCTION_NONE);
+    st.header.mutable_options()->set_label_smoothing(0.1f);
+    WriteCompute(root, "valid_fp32_none_everything", st);
+  }
+  {
+    Shape s;
+    s.dtype = v1::DTYPE_FP16;
+    s.bias = true;
+    s.target_dtype = v1::DTYPE_INT32;
+    s.bt = 7;
+    s.h = 5;
+    s.v = 13;
+    Stream st = MakeStream(s, &rng);
+    v1::LossOptions* o = st.header.mutable_options();
+    o->set_reduction(v1::REDUCTION_SUM);
+    o->set_lse_square_scale(1e-3f);
+    o->set_softcap(15.0f);
+    o->set_chunk_rows(3);
+    o->set_grad_dtype(v1::DTYPE_FP32);
+    st.part_bytes = 7;  // odd parts
+    WriteCompute(root, "valid_fp16_sum_softcap_chunked", st);
+  }
+  {
+    Shape s;
+    s.h = kPreloadH;
+    s.v = kPreloadV;
+    s.handle = kPreloadHandle;
+    Stream st = MakeStream(s, &rng);
+    st.header.set_accumulator("step-1");
+    st.header.mutable_options()->set_grad_scale(0.25f);
+    WriteCompute(root, "valid_handle_accumulator", st);
+  }
+  {
+    Shape s;
+    s.bt = 3;
+    Stream st = MakeStream(s, &rng);
+    st.header.mutable_options()->set_ignore_index(5);
+    // Every row's target is the ignore_index: loss 0 and zero gradients, never NaN.
+    for (int i = 0; i < 3; ++i) reinterpret_cast<int64_t*>(&st.tensors[2].second[0])[i] = 5;
+    WriteCompute(root, "valid_all_ignored", st);
+  }
+  // Invalid streams.
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    auto m = st.Messages();
+    std::swap(m[1], m[2]);
+    Write(root + "/compute_stream", "bad_parts_out_of_order", Records(m));
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    auto m = st.Messages();
+    m[1].mutable_part()->mutable_data()->append("xx");
+    Write(root + "/compute_stream", "bad_part_past_shape", Records(m));
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    auto m = st.Messages();
+    m.pop_back();
+    Write(root + "/compute_stream", "bad_stream_closed_early", Records(m));
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    auto m = st.Messages();
+    m[1].mutable_part()->set_tensor(v1::TENSOR_DW);
+    Write(root + "/compute_stream", "bad_output_tensor_part", Records(m));
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    auto m = st.Messages();
+    m.insert(m.begin() + 2, m[0]);
+    Write(root + "/compute_stream", "bad_second_header", Records(m));
+  }
+  {
+    Shape s;
+    s.dtype = v1::DTYPE_FP32;
+    Stream st = MakeStream(s, &rng);
+    float nan = std::nanf("");
+    std::memcpy(&st.tensors[0].second[12], &nan, 4);
+    WriteCompute(root, "bad_nan_in_x", st);
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    reinterpret_cast<int64_t*>(&st.tensors[2].second[0])[1] = 16;
+    WriteCompute(root, "bad_target_out_of_range", st);
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    st.header.mutable_w()->set_shape(1, 7);
+    WriteCompute(root, "bad_hidden_mismatch", st);
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    st.header.mutable_x()->set_shape(0, 1 << 20);
+    WriteCompute(root, "bad_over_limits", st);
+  }
+  {
+    Shape s;
+    s.h = kPreloadH;
+    s.v = kPreloadV;
+    s.handle = "w-another-1";
+    WriteCompute(root, "bad_handle_other_instance", MakeStream(s, &rng));
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    st.header.mutable_options()->set_label_smoothing(1.5f);
+    st.header.mutable_options()->set_reduction(static_cast<v1::Reduction>(9));
+    WriteCompute(root, "bad_options", st);
+  }
+  {
+    Shape s;
+    Stream st = MakeStream(s, &rng);
+    st.header.set_accumulator("bad name!");
+    WriteCompute(root, "bad_accumulator_name", st);
+  }
+}
+
+void WritePutWeightsSeeds(const std::string& root) {
+  Rng rng;
+  const std::string dir = root + "/put_weights";
+  auto header = [](v1::DType dt, int64_t v, int64_t h, bool bias) {
+    v1::PutWeightsRequest r;
+    *r.mutable_header()->mutable_w() = Spec(dt, {v, h});
+    if (bias) *r.mutable_header()->mutable_bias() = Spec(dt, {v});
+    return r;
+  };
+  auto parts = [](std::string* out, v1::TensorId id, const std::string& bytes, size_t n) {
+    for (size_t off = 0; off < bytes.size(); off += n) {
+      v1::PutWeightsRequest r;
+      r.mutable_part()->set_tensor(id);
+      r.mutable_part()->set_offset(off);
+      r.mutable_part()->set_data(bytes.substr(off, n));
+      AppendRecord(out, r.SerializeAsString());
+    }
+  };
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_BF16, 12, 8, true).SerializeAsString());
+    parts(&s, v1::TENSOR_W, Floats(v1::DTYPE_BF16, 96, &rng, -1, 1), 64);
+    parts(&s, v1::TENSOR_BIAS, Floats(v1::DTYPE_BF16, 12, &rng, -1, 1), 64);
+    Write(dir, "valid_bf16_bias", s);
+  }
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_FP32, 5, 3, false).SerializeAsString());
+    parts(&s, v1::TENSOR_W, Floats(v1::DTYPE_FP32, 15, &rng, -1, 1), 60);
+    Write(dir, "valid_fp32_one_part", s);
+  }
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_FP16, 6, 4, true).SerializeAsString());
+    parts(&s, v1::TENSOR_W, Floats(v1::DTYPE_FP16, 24, &rng, -1, 1), 3);  // odd parts
+    parts(&s, v1::TENSOR_BIAS, Floats(v1::DTYPE_FP16, 6, &rng, -1, 1), 5);
+    Write(dir, "valid_fp16_odd_parts", s);
+  }
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_FP32, 4, 4, false).SerializeAsString());
+    std::string w = Floats(v1::DTYPE_FP32, 16, &rng, -1, 1);
+    float inf = INFINITY;
+    std::memcpy(&w[20], &inf, 4);
+    parts(&s, v1::TENSOR_W, w, 32);
+    Write(dir, "bad_inf_in_w", s);
+  }
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_BF16, 4, 4, false).SerializeAsString());
+    parts(&s, v1::TENSOR_W, Floats(v1::DTYPE_BF16, 16, &rng, -1, 1), 16);
+    parts(&s, v1::TENSOR_BIAS, Floats(v1::DTYPE_BF16, 4, &rng, -1, 1), 16);
+    Write(dir, "bad_bias_without_header_bias", s);
+  }
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_BF16, 8, 8, false).SerializeAsString());
+    parts(&s, v1::TENSOR_W, Floats(v1::DTYPE_BF16, 40, &rng, -1, 1), 16);  // short
+    Write(dir, "bad_cut_off", s);
+  }
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_BF16, 1 << 20, 8, false).SerializeAsString());
+    Write(dir, "bad_over_limits", s);
+  }
+  {
+    std::string s;
+    AppendRecord(&s, header(v1::DTYPE_INT32, 4, 4, false).SerializeAsString());
+    Write(dir, "bad_int_weights", s);
+  }
+}
+
+}  // namespace
+}  // namespace fuzz
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s <out_dir>\n", argv[0]);
+    return 2;
+  }
+  const std::string root = argv[1];
+  mkdir(root.c_str(), 0755);
+  lossd::fuzz::WriteComputeSeeds(root);
+  lossd::fuzz::WritePutWeightsSeeds(root);
+  return 0;
+}
