@@ -218,9 +218,8 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                  if return_token_accuracy else None)
         pred = (_to_torch(r.predictions, dev).reshape(target.shape)
                 if return_predicted_tokens and r.predictions is not None else None)
-        for extra in (z_loss, acc_t, pred):
-            if extra is not None:
-                ctx.mark_non_differentiable(extra)
+        # One call: each call replaces the set marked before.
+        ctx.mark_non_differentiable(*[e for e in (z_loss, acc_t, pred) if e is not None])
 
         ctx.mode = "eager" if eager else ("deferred" if deferred else "none")
         ctx.runtime = runtime
