@@ -138,19 +138,31 @@ CompareResult CompareRelNorm(const std::string& name, const std::vector<double>&
 // Widens n elements of a float tensor of dtype t.
 std::vector<double> Widen(const void* data, DType t, size_t n);
 
+// First-order bounds of what rounding the stored logits (relative u, |dz_j| <= u |z_j|)
+// changes: per row, |d lse| <= L_i = sum_j p_j |d zf_j| (zf the softcapped logits), the CE
+// part <= (1-eps) cw_t (|d zf_t| + L_i) + (eps/V) sum_j cw_j (|d zf_j| + L_i), the z-loss part
+// <= 2 zs |lse_i| L_i; and ||dG|| / ||G|| over the whole batch (G = dL/dz with every option,
+// including G's own storage rounding u |G|).
+struct ErrorBounds {
+  std::vector<double> ce, zl, lse;  // (BT) each; ignored rows 0 (lse: every row)
+  double grad_rel = 0;
+};
+ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref, double u);
+
 // Every output in `got` (host buffers; null ones skipped) against the reference, with bounds
-// from ToleranceFor(p.dtype, got.grad_dtype) and the problem's logit statistics:
-//   loss/z-loss per token: logit_u * m_i * (2 cw_max + 2 zs |lse_i|) + fp32_rel (|ref| + 1),
-//     m_i = max_j |z_ij| (first order in the stored-logit rounding); the scalar forms reduce
-//     these bounds as the loss is reduced;
-//   lse: logit_u * m_i + fp32_rel (|lse| + 1);
-//   predictions: a different argmax is accepted when its reference logit is within
-//     2 logit_u m_i of the maximum; accuracy must equal the backend's own predictions'
-//     accuracy and the reference's within the accepted flips; tokens exactly;
-//   dx, dw, db, dw_accum, db_accum: relative norm 2 logit_u m_rms + logit_u + grad_u +
-//     fp32_rel (first-order bound on the relative error of G, which the GEMMs carry over),
-//     dx rows of ignored targets exactly 0. dw_accum/db_accum are expected to have started
-//     at zero.
+// from ToleranceFor(p.dtype, got.grad_dtype) and ComputeErrorBounds(p, ref, logit_u):
+//   loss/z-loss per token: the row bounds + fp32_rel (|ref| + 1); the scalar forms: 4 times
+//     the root sum of squares of the row bounds, reduced as the loss is (rows' rounding
+//     errors are independent), + fp32_rel (|ref| + 1);
+//   lse: L_i + fp32_rel (|lse| + 1);
+//   predictions: a different argmax is accepted when its reference logit is within the two
+//     logits' rounding of the maximum; accuracy must equal the backend's own predictions'
+//     accuracy, and the reference's within the accepted flips; tokens exactly;
+//   dx, dw, db, dw_accum, db_accum: relative norm 2 grad_rel + grad_u + fp32_rel (the GEMMs
+//     with random X and W carry G's relative error over about unchanged; 2x margin), every
+//     element finite, dx rows of ignored targets exactly 0. dw_accum/db_accum are expected to
+//     have started at zero.
+// `stats` is used for the predictions' fp32 slack and the report.
 ::testing::AssertionResult MatchesReference(const LossProblem& p, const LogitStats& stats,
                                             const ReferenceOutputs& ref,
                                             const LossOutputs& got);
