@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the Python client tests, the live Prometheus test and the deploy/ manifest checks, each
+# Runs the Python client tests, the live Prometheus test, the deploy/ manifest checks and the
+# bench/plots parser test, each
 # writing a JUnit report into REPORT_DIR (default: a temporary folder), and prints PASS/FAIL
 # per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
 # Env: LOSSD_BIN (the lossd binary; default <repo>/bazel-bin/server/lossd),
@@ -14,7 +15,7 @@ mkdir -p "$REPORTS"
 export LOSSD_BIN=${LOSSD_BIN:-$ROOT/bazel-bin/server/lossd}
 
 PY_PACKAGES=(numpy grpcio grpcio-tools grpcio-health-checking protobuf pytest pyyaml
-             yamllint kubernetes-validate)
+             yamllint kubernetes-validate matplotlib)
 if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
   missing=$(python3 - "${PY_PACKAGES[@]}" <<'PY'
 import importlib.metadata as md
@@ -53,4 +54,6 @@ suite "prometheus end-to-end" python3 -m pytest -q -p no:cacheprovider \
   tests/prometheus/test_prometheus.py --junitxml="$REPORTS/prometheus_e2e.xml"
 suite "deploy manifests" env JUNIT_XML="$REPORTS/deploy_manifests.xml" \
   tests/prometheus/check_manifests.sh
+suite "bench plots parser" python3 -m pytest -q -p no:cacheprovider \
+  bench/plots/test_plot_results.py --junitxml="$REPORTS/bench_plots.xml"
 exit $status
