@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Runs the Python client tests, the live Prometheus test, the deploy/ manifest checks and the
-# bench/plots parser test, each
-# writing a JUnit report into REPORT_DIR (default: a temporary folder), and prints PASS/FAIL
-# per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
+# bench/plots parser test, each writing a JUnit report into REPORT_DIR (default: a temporary
+# folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
 # Env: LOSSD_BIN (the lossd binary; default <repo>/bazel-bin/server/lossd),
 #      LOSSD_SKIP_PIP=1 to skip installing the Python packages below.
 # Needs: apt packages prometheus (promtool too) and kubectl (kustomize), python3 + pip.

@@ -97,7 +97,7 @@ MODULE_ARGS = ("ignore_index", "lse_square_scale", "label_smoothing", "reduction
                "return_predicted_tokens", "chunk_size")
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_module_matches_torch(client, dtype, case):
     o = dict(CASES[case])
@@ -227,6 +227,25 @@ def test_gradient_accumulation_on_the_server(client, eager):
     assert_close("w.grad", w.grad.numpy(), ref_dw.numpy(), "fp32")
     assert_close("b.grad", b.grad.numpy(), ref_db.numpy(), "fp32")
     assert module.fetch_gradients().micro_batches == 0, "apply resets the accumulator"
+    module.runtime.drop_accumulator()
+    module.release()
+
+
+def test_reduction_none_accumulates_with_the_per_token_upstream_gradient(client):
+    w = (torch.randn(V, H, generator=torch.Generator().manual_seed(5)) / H ** 0.5 * 3)
+    w.requires_grad_()
+    module = LossdFusedLinearCrossEntropyLoss(client=client, reduction="none",
+                                              accumulator="none-acc", label_smoothing=0.1)
+    ref_dw = torch.zeros(V, H, dtype=torch.float64)
+    for i in range(2):
+        x, _, _, t = make("fp32", seed=50 + i)
+        up = torch.rand(BT, generator=torch.Generator().manual_seed(60 + i))
+        module(w, x, t).backward(up)
+        ref = torch_reference(x, w, t, label_smoothing=0.1, reduction="none", upstream=up)
+        ref_dw += ref["dw"]
+        assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
+    module.apply_accumulated_gradients(w)
+    assert_close("w.grad", w.grad.numpy(), ref_dw.numpy(), "fp32")
     module.runtime.drop_accumulator()
     module.release()
 
