@@ -95,9 +95,15 @@ void ParallelFor(int threads, int64_t n, const std::function<void(int64_t)>& fn)
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Fixed task sizes: they depend on the shape only, never on the thread count.
-constexpr int64_t kVBlock = 1024;     // vocabulary columns per logits / dW task
-constexpr int64_t kRowBlock = 256;    // rows per dX task
+// Task sizes depend on the shape only, never on the thread count. Larger tasks repack less
+// (every sgemm call packs its whole shared operand); at least 4 to 8 tasks keep threads busy.
+int64_t RoundUp(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+int64_t VBlock(int64_t v) {  // vocabulary columns per logits / dW task
+  return std::min<int64_t>(2048, std::max<int64_t>(256, RoundUp(CeilDiv(v, 8), 64)));
+}
+int64_t RowBlock(int64_t rows) {  // chunk rows per dX task
+  return std::min<int64_t>(512, std::max<int64_t>(16, RoundUp(CeilDiv(rows, 4), 16)));
+}
 constexpr int64_t kPassRows = 8;      // rows per row-pass task
 constexpr int64_t kConvertBlock = 1 << 16;  // elements per conversion task
 
@@ -628,7 +634,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   rp.want_grad = plan.want_grad;
 
   std::vector<RowResult> rows(bt);
-  const int64_t v_tasks = CeilDiv(v, kVBlock);
+  const int64_t v_block = VBlock(v), v_tasks = CeilDiv(v, v_block);
   for (int64_t c0 = 0; c0 < bt; c0 += chunk) {
     const int64_t rows_c = std::min(chunk, bt - c0);
     float* z = z_buf.data();
@@ -644,7 +650,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     }
     // z = X_c W^T + b, rounded to the input dtype; one task per block of V columns.
     ParallelFor(threads, v_tasks, [&](int64_t task) {
-      const int64_t j0 = task * kVBlock, nj = std::min(kVBlock, v - j0);
+      const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
       GemmRows(/*trans_b=*/true, rows_c, nj, h, xc, h, wf + j0 * h, h, z + j0, v);
       for (int64_t r = 0; r < rows_c; ++r) {
         float* zr = z + r * v + j0;
@@ -669,8 +675,9 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     // dX_c = G W; one task per block of rows.
     if (plan.want_dx) {
       float* dxc = plan.dx_scratch ? dx_scratch.data() : static_cast<float*>(out.dx) + c0 * h;
-      ParallelFor(threads, CeilDiv(rows_c, kRowBlock), [&](int64_t task) {
-        const int64_t r0 = task * kRowBlock, nr = std::min(kRowBlock, rows_c - r0);
+      const int64_t row_block = RowBlock(rows_c);
+      ParallelFor(threads, CeilDiv(rows_c, row_block), [&](int64_t task) {
+        const int64_t r0 = task * row_block, nr = std::min(row_block, rows_c - r0);
         GemmRows(/*trans_b=*/false, nr, h, v, z + r0 * v, v, wf, h, dxc + r0 * h, h);
         if (plan.dx_scratch) NarrowRange(dxc + r0 * h, nr * h, out.grad_dtype, out.dx, (c0 + r0) * h);
       });
@@ -680,7 +687,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     if (dw_f != nullptr || db_acc != nullptr) {
       const float beta = (dw_overwrite && c0 == 0) ? 0.0f : 1.0f;
       ParallelFor(threads, v_tasks, [&](int64_t task) {
-        const int64_t j0 = task * kVBlock, nj = std::min(kVBlock, v - j0);
+        const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
         if (dw_f != nullptr) {
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nj, h, rows_c, 1.0f, z + j0, v,
                       xc, h, beta, dw_f + j0 * h, h);
