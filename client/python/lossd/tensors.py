@@ -199,5 +199,5 @@ def to_float64(value):
     if isinstance(value, BF16Array):
         return value.to_float32().astype(np.float64)
     if _is_torch_tensor(value):
-        return value.detach().float().cpu().numpy().astype(np.float64)
+        return value.detach().cpu().double().numpy()
     return np.asarray(value, dtype=np.float64)

@@ -2,7 +2,9 @@
 it, and the comparison helper with one tolerance table per dtype.
 
 The binary is $LOSSD_BIN, else <repo>/bazel-bin/server/lossd. Without one the server tests
-are skipped, unless LOSSD_BIN is set (then a missing binary is a failure).
+are skipped, unless LOSSD_BIN is set (then a missing binary is a failure). On a GPU host,
+LOSSD_TEST_BACKEND=cuda runs the server on its CUDA backend and LOSSD_TEST_DEVICE=cuda puts the
+torch tests' tensors on the GPU (defaults: cpu, cpu).
 """
 
 import os
@@ -21,6 +23,8 @@ REPO = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 import lossd  # noqa: E402
+
+BACKEND = os.environ.get("LOSSD_TEST_BACKEND", "cpu")
 
 # One tolerance table per dtype: |got - ref| <= atol * max|ref| + rtol * |ref|, element-wise.
 # fp32: fp32 accumulation over short sums. fp16/bf16: logits and outputs rounded to the
@@ -60,7 +64,7 @@ class LossdProcess:
         self.address = "127.0.0.1:%d" % self.port
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        cmd = [binary, "--port=%d" % self.port, "--backend=cpu", "--metrics_port=0",
+        cmd = [binary, "--port=%d" % self.port, "--backend=%s" % BACKEND, "--metrics_port=0",
                "--drain_seconds=2"] + list(extra_flags)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_serving(60.0)
@@ -121,7 +125,7 @@ def assert_close(name, got, ref, dtype):
     """Element-wise check against the float64 reference; the message names the worst element."""
     tol = TOLERANCES[dtype]
     g = lossd.tensors.to_float64(got)
-    r = np.asarray(ref, dtype=np.float64)
+    r = lossd.tensors.to_float64(ref)
     assert g.shape == r.shape, "%s: shape %s, expected %s" % (name, g.shape, r.shape)
     assert np.all(np.isfinite(g)), "%s: %d non-finite values" % (name, np.sum(~np.isfinite(g)))
     scale = float(np.max(np.abs(r))) if r.size else 0.0

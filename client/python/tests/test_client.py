@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import lossd
-from conftest import assert_close, assert_scalar
+from conftest import BACKEND, assert_close, assert_scalar
 
 # Odd shapes: nothing a multiple of 8.
 BT, H, V = 47, 31, 123
@@ -126,7 +126,7 @@ def test_compute_matches_reference(client, dtype, case):
     assert_scalar("loss", r.loss, ref["loss"], dtype)
     assert_scalar("z_loss", r.z_loss, ref["z_loss"], dtype)
     assert r.tokens == ref["tokens"]
-    assert r.backend == "cpu"
+    assert r.backend == BACKEND
     assert r.compute_seconds >= 0.0
     assert_close("lse", r.lse, ref["lse"], dtype)
     if reduction == "none":
@@ -345,7 +345,7 @@ def test_unreachable_server_is_unavailable():
 def test_server_info_and_health(client):
     assert client.health() == "SERVING"
     info = client.server_info()
-    assert info.backend == "cpu" and info.instance and info.version
+    assert info.backend == BACKEND and info.instance and info.version
     assert info.max_part_bytes >= 1 and info.max_bt > 0 and info.max_h > 0 and info.max_v > 0
     assert info.memory_budget_bytes > 0
 
@@ -395,4 +395,4 @@ def test_several_connections_metadata_and_wait_for_ready(lossd_server):
         assert len(c._channels) == 3
         losses = {c.compute(x, w, t).loss for _ in range(4)}
         assert len(losses) == 1
-        assert c.server_info().backend == "cpu"
+        assert c.server_info().backend == BACKEND

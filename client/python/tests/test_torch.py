@@ -2,6 +2,7 @@
 autograd) forward and backward, for every option. Skipped where torch is not installed."""
 
 import inspect
+import os
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from lossd.nn import (  # noqa: E402
 from conftest import assert_close, assert_scalar  # noqa: E402
 
 BT, H, V = 47, 31, 123
+DEVICE = os.environ.get("LOSSD_TEST_DEVICE", "cpu")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -57,13 +59,15 @@ def torch_reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, lse_squa
                 dx=x64.grad, dw=w64.grad, db=None if b64 is None else b64.grad, z=z2.detach())
 
 
-def make(dtype, bias=False, seed=0, shape=(BT,), v=V, h=H):
+def make(dtype, bias=False, seed=0, shape=(BT,), v=V, h=H, device=None):
+    """Random leaf tensors (made on the CPU for reproducibility, then moved to the device)."""
+    dev = device or DEVICE
     g = torch.Generator().manual_seed(seed)
     td = TORCH_DTYPES[dtype]
-    x = torch.randn(*shape, h, generator=g).to(td).requires_grad_()
-    w = (torch.randn(v, h, generator=g) * 3.0 / h ** 0.5).to(td).requires_grad_()
-    b = torch.randn(v, generator=g).to(td).requires_grad_() if bias else None
-    t = torch.randint(0, v, shape, generator=g)
+    x = torch.randn(*shape, h, generator=g).to(dev, td).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * 3.0 / h ** 0.5).to(dev, td).requires_grad_()
+    b = torch.randn(v, generator=g).to(dev, td).requires_grad_() if bias else None
+    t = torch.randint(0, v, shape, generator=g).to(dev)
     return x, w, b, t
 
 
@@ -106,15 +110,17 @@ def test_module_matches_torch(client, dtype, case):
     g = torch.Generator().manual_seed(7)
     ignore_index = o.get("ignore_index", -100)
     if o.pop("ignore", False):
-        t[torch.rand(t.shape, generator=g) < 0.3] = ignore_index
+        t[(torch.rand(t.shape, generator=g) < 0.3).to(DEVICE)] = ignore_index
     if "ignore_index" in o:
         t.view(-1)[:4] = ignore_index
-    ce_weight = torch.rand(V, generator=g) * 1.8 + 0.2 if o.pop("ce_weight", False) else None
+    ce_weight = ((torch.rand(V, generator=g) * 1.8 + 0.2).to(DEVICE)
+                 if o.pop("ce_weight", False) else None)
     cache = o.pop("cache_weights", True)
     module = LossdFusedLinearCrossEntropyLoss(ce_weight=ce_weight, client=client,
                                               cache_weights=cache, **o)
     reduction = o.get("reduction", "mean")
-    upstream = (torch.rand(t.shape, generator=g) * 3 - 1) if reduction == "none" else None
+    upstream = ((torch.rand(t.shape, generator=g) * 3 - 1).to(DEVICE)
+                if reduction == "none" else None)
     out = module(w, x, t, b)
     returns = any(o.get(k) for k in ("return_z_loss", "return_token_accuracy",
                                      "return_predicted_tokens"))
@@ -131,13 +137,13 @@ def test_module_matches_torch(client, dtype, case):
                           softcap=o.get("softcap"), upstream=upstream)
     if reduction == "none":
         assert loss.shape == t.shape
-        assert_close("loss", loss.detach().numpy(), ref["loss"].numpy(), dtype)
+        assert_close("loss", loss, ref["loss"], dtype)
     else:
         assert loss.dim() == 0
         assert_scalar("loss", float(loss.detach()), float(ref["loss"]), dtype)
     if o.get("return_z_loss"):
         if reduction == "none":
-            assert_close("z_loss", out.z_loss.numpy(), ref["z_loss"].numpy(), dtype)
+            assert_close("z_loss", out.z_loss, ref["z_loss"], dtype)
         else:
             assert_scalar("z_loss", float(out.z_loss.detach()), float(ref["z_loss"]), dtype)
     top2 = torch.topk(ref["z"], 2, dim=-1).values
@@ -150,11 +156,11 @@ def test_module_matches_torch(client, dtype, case):
         assert out.predicted_tokens.shape == t.shape
         assert torch.equal(out.predicted_tokens.reshape(-1)[clear], ref["pred"][clear])
     assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
-    assert_close("x.grad", x.grad.float().numpy(), ref["dx"].numpy(), dtype)
-    assert_close("w.grad", w.grad.float().numpy(), ref["dw"].numpy(), dtype)
+    assert_close("x.grad", x.grad, ref["dx"], dtype)
+    assert_close("w.grad", w.grad, ref["dw"], dtype)
     if b is not None:
         assert b.grad.dtype == b.dtype
-        assert_close("b.grad", b.grad.float().numpy(), ref["db"].numpy(), dtype)
+        assert_close("b.grad", b.grad, ref["db"], dtype)
     module.release()
 
 
@@ -165,9 +171,9 @@ def test_upstream_gradient_scales_the_gradients(client, reduction):
     (module(w, x, t, b) * 2.5).backward()
     x2, w2, b2 = (a.detach().clone().requires_grad_() for a in (x, w, b))
     ref = torch_reference(x2, w2, t, b2, reduction=reduction, upstream=torch.tensor(2.5))
-    assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
-    assert_close("w.grad", w.grad.numpy(), ref["dw"].numpy(), "fp32")
-    assert_close("b.grad", b.grad.numpy(), ref["db"].numpy(), "fp32")
+    assert_close("x.grad", x.grad, ref["dx"], "fp32")
+    assert_close("w.grad", w.grad, ref["dw"], "fp32")
+    assert_close("b.grad", b.grad, ref["db"], "fp32")
 
 
 def test_only_hidden_states_need_grad(client):
@@ -177,7 +183,7 @@ def test_only_hidden_states_need_grad(client):
     module(w, x, t).backward()
     ref = torch_reference(x, w, t)
     assert w.grad is None
-    assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
+    assert_close("x.grad", x.grad, ref["dx"], "fp32")
     with torch.no_grad():
         loss = module(w, x, t)
     assert_scalar("loss", float(loss.detach()), float(ref["loss"]), "fp32")
@@ -196,7 +202,7 @@ def test_weight_cache_uploads_again_after_an_inplace_update(client):
     module(w, x.detach(), t, b).backward()
     assert module.runtime._handle != first
     ref = torch_reference(x, w, t, b)
-    assert_close("w.grad after update", w.grad.numpy(), ref["dw"].numpy(), "fp32")
+    assert_close("w.grad after update", w.grad, ref["dw"], "fp32")
     module.release()
     with pytest.raises(lossd.NotFoundError):
         client.compute(x.detach(), first, t)
@@ -206,13 +212,13 @@ def test_weight_cache_uploads_again_after_an_inplace_update(client):
 def test_gradient_accumulation_on_the_server(client, eager):
     k = 3
     w = (torch.randn(V, H, generator=torch.Generator().manual_seed(1)) / H ** 0.5 * 3)
-    w.requires_grad_()
-    b = torch.randn(V, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    w = w.to(DEVICE).requires_grad_()
+    b = torch.randn(V, generator=torch.Generator().manual_seed(2)).to(DEVICE).requires_grad_()
     module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator=True,
                                               eager_accumulation=eager,
                                               grad_scale=1.0 / k if eager else 1.0)
-    ref_dw = torch.zeros(V, H, dtype=torch.float64)
-    ref_db = torch.zeros(V, dtype=torch.float64)
+    ref_dw = torch.zeros(V, H, dtype=torch.float64, device=DEVICE)
+    ref_db = torch.zeros(V, dtype=torch.float64, device=DEVICE)
     for i in range(k):
         x, _, _, t = make("fp32", seed=20 + i)
         loss = module(w, x, t, b)
@@ -220,12 +226,12 @@ def test_gradient_accumulation_on_the_server(client, eager):
         ref = torch_reference(x, w, t, b, upstream=torch.tensor(1.0 / k))
         ref_dw += ref["dw"]
         ref_db += ref["db"]
-        assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
+        assert_close("x.grad", x.grad, ref["dx"], "fp32")
         assert w.grad is None and b.grad is None, "dW and db stay on the server until fetched"
     got = module.apply_accumulated_gradients(w, b)
     assert got.micro_batches == k
-    assert_close("w.grad", w.grad.numpy(), ref_dw.numpy(), "fp32")
-    assert_close("b.grad", b.grad.numpy(), ref_db.numpy(), "fp32")
+    assert_close("w.grad", w.grad, ref_dw, "fp32")
+    assert_close("b.grad", b.grad, ref_db, "fp32")
     assert module.fetch_gradients().micro_batches == 0, "apply resets the accumulator"
     module.runtime.drop_accumulator()
     module.release()
@@ -233,19 +239,19 @@ def test_gradient_accumulation_on_the_server(client, eager):
 
 def test_reduction_none_accumulates_with_the_per_token_upstream_gradient(client):
     w = (torch.randn(V, H, generator=torch.Generator().manual_seed(5)) / H ** 0.5 * 3)
-    w.requires_grad_()
+    w = w.to(DEVICE).requires_grad_()
     module = LossdFusedLinearCrossEntropyLoss(client=client, reduction="none",
                                               accumulator="none-acc", label_smoothing=0.1)
-    ref_dw = torch.zeros(V, H, dtype=torch.float64)
+    ref_dw = torch.zeros(V, H, dtype=torch.float64, device=DEVICE)
     for i in range(2):
         x, _, _, t = make("fp32", seed=50 + i)
-        up = torch.rand(BT, generator=torch.Generator().manual_seed(60 + i))
+        up = torch.rand(BT, generator=torch.Generator().manual_seed(60 + i)).to(DEVICE)
         module(w, x, t).backward(up)
         ref = torch_reference(x, w, t, label_smoothing=0.1, reduction="none", upstream=up)
         ref_dw += ref["dw"]
-        assert_close("x.grad", x.grad.numpy(), ref["dx"].numpy(), "fp32")
+        assert_close("x.grad", x.grad, ref["dx"], "fp32")
     module.apply_accumulated_gradients(w)
-    assert_close("w.grad", w.grad.numpy(), ref_dw.numpy(), "fp32")
+    assert_close("w.grad", w.grad, ref_dw, "fp32")
     module.runtime.drop_accumulator()
     module.release()
 
@@ -276,9 +282,9 @@ def test_functional_form(client):
 def test_numpy_client_takes_torch_tensors(client):
     x, w, _, t = make("bf16", seed=32)
     a = client.compute(x, w, t)
-    xb = lossd.bf16(x.detach().view(torch.int16).numpy().view(np.uint16))
-    wb = lossd.bf16(w.detach().view(torch.int16).numpy().view(np.uint16))
-    c = client.compute(xb, wb, t.numpy())
+    xb = lossd.bf16(x.detach().cpu().view(torch.int16).numpy().view(np.uint16))
+    wb = lossd.bf16(w.detach().cpu().view(torch.int16).numpy().view(np.uint16))
+    c = client.compute(xb, wb, t.cpu().numpy())
     assert a.loss == c.loss
     np.testing.assert_array_equal(a.dw.bits, c.dw.bits)
 
@@ -298,7 +304,7 @@ def test_numpy_reference_agrees_with_torch():
     """The numpy oracle of test_client.py, checked against torch autograd (no server)."""
     from test_client import reference
 
-    x, w, b, t = make("fp32", bias=True, seed=40)
+    x, w, b, t = make("fp32", bias=True, seed=40, device="cpu")
     t[::5] = -100
     cw = torch.rand(V, generator=torch.Generator().manual_seed(3)) + 0.5
     for reduction in ("mean", "sum", "none"):
