@@ -31,6 +31,7 @@ ABSL_FLAG(std::string, shapes,
 ABSL_FLAG(int, runs, 20, "timed runs per measurement (median reported)");
 ABSL_FLAG(int, warmup, 3, "untimed runs first");
 ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the fused op at");
+ABSL_FLAG(std::string, schedules, "0,1", "schedules to time (0 row halves, 1 column halves)");
 ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
 
 namespace lossd {
@@ -60,6 +61,7 @@ struct Row {
   double floor_ms;
   struct Fused {
     uint64_t budget;
+    int schedule;
     int64_t chunk_rows;
     double ms;
     uint64_t workspace;
@@ -68,7 +70,7 @@ struct Row {
   std::vector<Fused> fused;
   double gemms_ms = 0;  // the chunked GEMMs alone, one stream, first budget's chunks
   double ce_ms = 0;     // the cross-entropy kernels alone over the same chunks
-  bool deterministic;
+  bool deterministic = true;
   double mean_loss;
 };
 
@@ -108,7 +110,8 @@ int64_t FreeBytes() {
 }
 
 int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
-             const std::vector<uint64_t>& budgets, Row* row) {
+             const std::vector<uint64_t>& budgets, const std::vector<int>& schedules,
+             Row* row) {
   cudaStream_t stream = engine.stream();
   const int warmup = absl::GetFlag(FLAGS_warmup), runs = absl::GetFlag(FLAGS_runs);
   row->bt = bt;
@@ -167,10 +170,13 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
   a.dw_acc = static_cast<float*>(dw);
   a.accumulate_dw = false;
 
-  for (size_t bi = 0; bi < budgets.size(); ++bi) {
+  for (size_t run = 0; run < budgets.size() * schedules.size(); ++run) {
+    const size_t bi = run / schedules.size(), si = run % schedules.size();
     Row::Fused f;
     f.budget = budgets[bi];
-    const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0);
+    f.schedule = schedules[si];
+    const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
+                                                  static_cast<cuda::Schedule>(f.schedule));
     f.chunk_rows = plan.chunk_rows;
     f.workspace = plan.workspace_bytes;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
@@ -181,7 +187,7 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     if (TimeMs(stream, warmup, runs, fused, &f.ms)) return 1;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     f.measured_extra = free_before - FreeBytes();
-    if (bi == 0) {
+    if (run == 0) {
       // Where the time goes: the same chunks' GEMMs alone (one stream), and the CE kernels.
       char* z = static_cast<char*>(ws);
       char* gws = z + ((plan.chunk_rows * v * 2 + 255) / 256 * 256);
@@ -229,7 +235,8 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
                                  std::min(plan.chunk_rows, bt), h, 1.0f, w, h, x, h,
                                  CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
       if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
-
+    }
+    if (bi == 0) {
       // Determinism at full size: two runs, dX and dW compared word for word.
       void *dx0, *dw0;
       unsigned long long* count;
@@ -249,7 +256,7 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
       BENCH_CHECK_CUDA(CountMismatches(dw0, dw, v * h, count, stream));
       BENCH_CHECK_CUDA(cudaMemcpyAsync(&m2, count, sizeof(m2), cudaMemcpyDeviceToHost, stream));
       BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-      row->deterministic = m1 == 0 && m2 == 0;
+      row->deterministic = row->deterministic && m1 == 0 && m2 == 0;
       std::vector<float> ce(bt);
       BENCH_CHECK_CUDA(cudaMemcpy(ce.data(), a.row_ce, bt * 4, cudaMemcpyDeviceToHost));
       double sum = 0;
@@ -261,9 +268,11 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     }
     BENCH_CHECK_CUDA(cudaFree(ws));
     row->fused.push_back(f);
-    std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: C=%lld %.2f ms (floor %.2f)\n",
+    std::fprintf(stderr,
+                 "  %lldx%lldx%lld budget %llu MiB schedule %d: C=%lld %.2f ms (floor %.2f)\n",
                  static_cast<long long>(bt), static_cast<long long>(h),
                  static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20),
+                 f.schedule,
                  static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms);
   }
   for (void* p : {x, w, dx, dw, rows, tg}) BENCH_CHECK_CUDA(cudaFree(p));
@@ -279,6 +288,15 @@ int Main() {
       return 2;
     }
     budgets.push_back(mib << 20);
+  }
+  std::vector<int> schedules;
+  for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',')) {
+    int sc = 0;
+    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 1) {
+      std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
+      return 2;
+    }
+    schedules.push_back(sc);
   }
   auto engine = cuda::FusedLoss::Create(0);
   if (!engine.ok()) {
@@ -297,46 +315,47 @@ int Main() {
       return 2;
     }
     Row row;
-    if (RunShape(**engine, bt, h, v, budgets, &row)) return 1;
+    if (RunShape(**engine, bt, h, v, budgets, schedules, &row)) return 1;
     rows.push_back(row);
   }
   std::printf("GPU: %s (%d SMs), fwd+bwd bf16, median of %d runs after %d warm-up\n\n",
               prop.name, prop.multiProcessorCount, absl::GetFlag(FLAGS_runs),
               absl::GetFlag(FLAGS_warmup));
-  std::printf("| BT, H, V | 3-GEMM floor | budget | C | fused | fused / floor | TFLOP/s "
-              "| workspace | measured extra | deterministic | mean loss |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| BT, H, V | 3-GEMM floor | budget | C | schedule | fused | fused / floor "
+              "| TFLOP/s | workspace | measured extra | deterministic | mean loss |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   FILE* csv = nullptr;
   if (!absl::GetFlag(FLAGS_csv).empty()) {
     csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
     if (csv != nullptr) {
-      std::fprintf(csv, "bt,h,v,floor_ms,budget_mib,chunk_rows,fused_ms,ratio,tflops,"
+      std::fprintf(csv, "bt,h,v,floor_ms,budget_mib,chunk_rows,schedule,fused_ms,ratio,tflops,"
                         "workspace_mib,measured_extra_mib,deterministic,mean_loss\n");
     }
   }
   for (const Row& r : rows) {
     const double flop = 6.0 * r.bt * r.h * r.v;
     for (const Row::Fused& f : r.fused) {
-      std::printf("| %lld, %lld, %lld | %.2f ms | %llu MiB | %lld | %.2f ms | %.3fx | %.0f | "
-                  "%.0f MiB | %.0f MiB | %s | %.4f |\n",
+      std::printf("| %lld, %lld, %lld | %.2f ms | %llu MiB | %lld | %s | %.2f ms | %.3fx | "
+                  "%.0f | %.0f MiB | %.0f MiB | %s | %.4f |\n",
                   static_cast<long long>(r.bt), static_cast<long long>(r.h),
                   static_cast<long long>(r.v), r.floor_ms,
                   static_cast<unsigned long long>(f.budget >> 20),
-                  static_cast<long long>(f.chunk_rows), f.ms, f.ms / r.floor_ms,
+                  static_cast<long long>(f.chunk_rows), f.schedule == 0 ? "rows" : "columns",
+                  f.ms, f.ms / r.floor_ms,
                   flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                   f.measured_extra / 1048576.0, r.deterministic ? "yes" : "NO", r.mean_loss);
       if (csv != nullptr) {
-        std::fprintf(csv, "%lld,%lld,%lld,%.4f,%llu,%lld,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
+        std::fprintf(csv, "%lld,%lld,%lld,%.4f,%llu,%lld,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
                      static_cast<long long>(r.bt), static_cast<long long>(r.h),
                      static_cast<long long>(r.v), r.floor_ms,
                      static_cast<unsigned long long>(f.budget >> 20),
-                     static_cast<long long>(f.chunk_rows), f.ms, f.ms / r.floor_ms,
+                     static_cast<long long>(f.chunk_rows), f.schedule, f.ms, f.ms / r.floor_ms,
                      flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                      f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }
     }
     std::printf("| %lld, %lld, %lld | floor %.0f TFLOP/s; chunked GEMMs alone %.2f ms, "
-                "CE kernels alone %.2f ms | | | | | | | | | |\n",
+                "CE kernels alone %.2f ms | | | | | | | | | | |\n",
                 static_cast<long long>(r.bt), static_cast<long long>(r.h),
                 static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12, r.gemms_ms,
                 r.ce_ms);

@@ -149,7 +149,7 @@ TEST_F(CudaTest, RealisticShapeMatchesReference) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     OptionSet o{"realistic", Reduction::kMean, 0.1f, 1e-4f, 0, true, false, false, 0.05,
                 512};
-    RandomProblem rp = RandomProblem::Make(MakeSpec({"real", 1100, 256, 32000}, o, dtype, 5));
+    RandomProblem rp = RandomProblem::Make(MakeSpec({"real", 600, 256, 32000}, o, dtype, 5));
     const LossProblem p = rp.problem();
     ReferenceOutputs ref;
     ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
@@ -177,8 +177,9 @@ TEST_F(CudaTest, SameRequestTwiceIsBitIdentical) {
   EXPECT_EQ(a.db, b.db);
 }
 
-// Chunk size changes the dW summation only: the loss and dX are the same to fp32 rounding.
-TEST_F(CudaTest, ChunkSizeDoesNotChangeTheLoss) {
+// Chunk size changes the result only at fp32 rounding (the design's promise): cuBLAS may pick
+// another algorithm, and so another fp32 summation order, for a GEMM of another width.
+TEST_F(CudaTest, ChunkSizeChangesTheLossOnlyAtFp32Rounding) {
   OptionSet o{"chunks", Reduction::kSum, 0, 0, 0, false, false, false, 0, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"c", 200, 64, 500}, o, DType::kF32, 3));
   LossProblem p = rp.problem();
@@ -187,8 +188,42 @@ TEST_F(CudaTest, ChunkSizeDoesNotChangeTheLoss) {
   ASSERT_TRUE(backend_->Compute(p, a.outputs(), nullptr).ok());
   p.options.chunk_rows = 33;
   ASSERT_TRUE(backend_->Compute(p, b.outputs(), nullptr).ok());
-  EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4), 0);
-  EXPECT_NEAR(a.loss[0], b.loss[0], 1e-5 * std::abs(a.loss[0]));
+  std::vector<double> la(a.lse.begin(), a.lse.end()), lb(b.lse.begin(), b.lse.end());
+  // A few fp32 ulps of the row's lse (H = 64 products per logit, V = 500 terms per lse).
+  std::vector<double> bound(la.size());
+  for (size_t i = 0; i < la.size(); ++i) bound[i] = 1e-6 * (std::abs(la[i]) + 1);
+  CompareResult r = CompareElementwise("lse chunk 200 vs 33", la, lb, bound);
+  EXPECT_TRUE(r.ok()) << r.ToString();
+  EXPECT_NEAR(a.loss[0], b.loss[0], 1e-6 * std::abs(a.loss[0]));
+  r = CompareRelNorm("dx chunk 200 vs 33", Widen(a.dx.data(), DType::kF32, p.bt * p.h),
+                     Widen(b.dx.data(), DType::kF32, p.bt * p.h), 1e-6);
+  EXPECT_TRUE(r.ok()) << r.ToString();
+}
+
+// Both schedules over several chunks, with every gradient and the accumulators.
+TEST_F(CudaTest, BothSchedulesMatchReference) {
+  for (Schedule schedule : {Schedule::kRowHalves, Schedule::kColumnHalves}) {
+    CudaBackendOptions bo;
+    bo.schedule = schedule;
+    auto b = CudaBackend::Create(bo);
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (int oi : {0, 3, 4, 6}) {
+      OptionSet o = kOptions[oi];
+      o.chunk_rows = 512;  // row halves take effect from 512 rows
+      for (DType dtype : {DType::kBF16, DType::kF32}) {
+        RandomProblem rp =
+            RandomProblem::Make(MakeSpec({"sched", 1200, 48, 1000}, o, dtype, 31 + oi));
+        const LossProblem p = rp.problem();
+        ReferenceOutputs ref;
+        ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+        HostOutputs out(p, dtype, /*want_grads=*/true, o.accumulate);
+        ASSERT_TRUE((*b)->Compute(p, out.outputs(), nullptr).ok());
+        EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()))
+            << "schedule " << static_cast<int>(schedule) << " " << o.name << " "
+            << DTypeName(dtype);
+      }
+    }
+  }
 }
 
 // Weights, bias and the accumulators already on the device (the server's cached weights and

@@ -98,7 +98,7 @@ absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target
 }
 
 ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
-                     int64_t requested_rows) {
+                     int64_t requested_rows, Schedule schedule) {
   const uint64_t fixed = 2 * kGemmWorkspaceBytes;
   const uint64_t row_bytes = static_cast<uint64_t>(std::max<int64_t>(v, 1)) * DTypeSize(dtype);
   int64_t c = 0;
@@ -119,9 +119,7 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
   }
   ChunkPlan plan;
   plan.chunk_rows = c;
-  // Two halves let the cross-entropy of one overlap the logits GEMM of the other; below a few
-  // hundred rows the GEMMs would lose more than the overlap gains.
-  plan.sub_chunks = c >= 512 ? 2 : 1;
+  plan.schedule = schedule;
   plan.workspace_bytes = RoundUp(static_cast<uint64_t>(c) * row_bytes, kAlign) + fixed;
   return plan;
 }
@@ -149,13 +147,11 @@ absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&f->main_, cudaStreamNonBlocking));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&f->ce_, cudaStreamNonBlocking));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&f->side_, cudaStreamNonBlocking));
-  for (auto& e : f->logits_done_) {
-    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  for (cudaEvent_t* e :
+       {&f->start_, &f->logits_done_[0], &f->logits_done_[1], &f->ce_done_[0], &f->ce_done_[1],
+        &f->dw_done_[0], &f->dw_done_[1], &f->ce_end_, &f->side_end_}) {
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
-  for (auto& e : f->ce_done_) {
-    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  }
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&f->dw_done_, cudaEventDisableTiming));
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&f->lt_));
   return f;
 }
@@ -164,11 +160,8 @@ FusedLoss::~FusedLoss() {
   // Teardown errors have no caller to go to; the device is left as it is.
   cudaSetDevice(device_);
   if (lt_ != nullptr) cublasLtDestroy(lt_);
-  if (dw_done_ != nullptr) cudaEventDestroy(dw_done_);
-  for (auto e : ce_done_) {
-    if (e != nullptr) cudaEventDestroy(e);
-  }
-  for (auto e : logits_done_) {
+  for (cudaEvent_t e : {start_, logits_done_[0], logits_done_[1], ce_done_[0], ce_done_[1],
+                        dw_done_[0], dw_done_[1], ce_end_, side_end_}) {
     if (e != nullptr) cudaEventDestroy(e);
   }
   if (side_ != nullptr) cudaStreamDestroy(side_);
@@ -270,9 +263,9 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   void* ws_side = static_cast<char*>(ws_main) + kGemmWorkspaceBytes;
 
   // The side streams start after whatever the caller queued on main_ (input copies).
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_, main_));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dw_done_, 0));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, dw_done_, 0));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_, main_));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, start_, 0));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, start_, 0));
   if (want_db && !a.accumulate_db) {
     LOSSD_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(a.db_acc, 0, static_cast<size_t>(a.v) * sizeof(float), side_));
@@ -282,85 +275,124 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         cudaMemsetAsync(a.dw_acc, 0, static_cast<size_t>(a.v) * a.h * sizeof(float), side_));
   }
 
+  // The cross-entropy of rows [r0, r0 + n) of the chunk starting at c0, on ce_.
+  auto cross_entropy = [&](int64_t c0, int64_t r0, int64_t n) -> absl::Status {
+    CrossEntropyParams p{};
+    p.logits = logits + r0 * a.v * elem;
+    p.elem = static_cast<int32_t>(a.dtype);
+    p.rows = n;
+    p.v = a.v;
+    p.bias = a.bias;
+    p.targets = a.targets + c0 + r0;
+    p.class_weights = a.class_weights;
+    p.row_scale = a.options.reduction == Reduction::kNone && a.row_grad != nullptr
+                      ? a.row_grad + c0 + r0
+                      : nullptr;
+    p.ce_scale = scales.ce;
+    p.z_scale = scales.z;
+    p.label_smoothing = a.options.label_smoothing;
+    p.z_loss_scale = a.options.z_loss_scale;
+    p.softcap = a.options.softcap;
+    p.class_weight_sum = static_cast<float>(a.summary.class_weight_sum);
+    p.write_grad = write_grad ? 1 : 0;
+    p.row_lse = a.row_lse + c0 + r0;
+    p.row_ce = a.row_ce + c0 + r0;
+    p.row_z = a.row_z + c0 + r0;
+    p.row_pred = a.row_pred + c0 + r0;
+    return CudaStatus(LaunchCrossEntropy(p, ce_), "LaunchCrossEntropy");
+  };
+  // z[r0:r0+n, v0:v0+nv] = X_c[r0:r0+n] W[v0:v0+nv]^T, as z^T (nv x n) = W^T-view * X_c^T.
+  auto logits_gemm = [&](int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv) {
+    return Gemm(main_, ws_main, kGemmWorkspaceBytes, true, false, nv, n, a.h, 1.0f,
+                Offset(a.w, v0 * a.h, elem), a.h, Offset(a.x, (c0 + r0) * a.h, elem), a.h, ab, 0.0f,
+                logits + (r0 * a.v + v0) * elem, a.v, ab);
+  };
+  // dX_c^T (H x C) = W (H x V col-major) * G^T (V x C col-major).
+  auto dx_gemm = [&](int64_t c0, int64_t rows) -> absl::Status {
+    if (a.dx == nullptr) return absl::OkStatus();
+    const size_t dx_elem = DTypeSize(a.dx_dtype);
+    char* dx = static_cast<char*>(a.dx) + c0 * a.h * dx_elem;
+    return Gemm(main_, ws_main, kGemmWorkspaceBytes, false, false, a.h, rows, a.v, scales.alpha,
+                a.w, a.h, logits, a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype));
+  };
+  // dW[v0:v0+nv]^T (H x nv) += X_c^T (H x C col-major) * G[:, v0:v0+nv]; chunks are added in
+  // increasing row order, one GEMM per chunk and half: a fixed order.
+  auto dw_gemm = [&](int64_t c0, int64_t rows, int64_t v0, int64_t nv) -> absl::Status {
+    const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
+    return Gemm(side_, ws_side, kGemmWorkspaceBytes, false, true, a.h, nv, rows, scales.alpha,
+                Offset(a.x, c0 * a.h, elem), a.h, logits + v0 * elem, a.v, ab, beta,
+                a.dw_acc + v0 * a.h, a.h, CUDA_R_32F);
+  };
+  auto db_sum = [&](int64_t rows) {
+    return CudaStatus(LaunchColumnSumAccumulate(logits, static_cast<int32_t>(a.dtype), rows, a.v,
+                                                scales.alpha, a.db_acc, side_),
+                      "LaunchColumnSumAccumulate");
+  };
+
+  const bool columns = plan.schedule == Schedule::kColumnHalves && a.v >= 256;
+  const int64_t vsplit = columns ? (a.v / 2 + 63) / 64 * 64 : a.v;
+  const int64_t vbegin[2] = {0, vsplit};
+  const int64_t vcount[2] = {vsplit, a.v - vsplit};
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
-    // Sub-chunk boundaries: [0, split) and [split, rows).
-    int64_t split = rows;
-    if (plan.sub_chunks > 1 && rows >= 256) split = (rows / 2 + 63) / 64 * 64;
-    const int64_t nsub = split < rows ? 2 : 1;
-    const int64_t begin[2] = {0, split};
-    const int64_t count[2] = {split, rows - split};
-
-    // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
-    if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_, 0));
-    for (int64_t s = 0; s < nsub; ++s) {
-      // z^T (V x n) = W (as H x V col-major, transposed) * X_c^T (H x n col-major).
-      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(main_, ws_main, kGemmWorkspaceBytes, true, false, a.v,
-                                       count[s], a.h, 1.0f, a.w, a.h,
-                                       Offset(a.x, (c0 + begin[s]) * a.h, elem), a.h, ab, 0.0f,
-                                       logits + begin[s] * a.v * elem, a.v, ab));
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
-    }
-    for (int64_t s = 0; s < nsub; ++s) {
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-      const int64_t r0 = c0 + begin[s];
-      CrossEntropyParams p{};
-      p.logits = logits + begin[s] * a.v * elem;
-      p.elem = static_cast<int32_t>(a.dtype);
-      p.rows = count[s];
-      p.v = a.v;
-      p.bias = a.bias;
-      p.targets = a.targets + r0;
-      p.class_weights = a.class_weights;
-      p.row_scale = a.options.reduction == Reduction::kNone && a.row_grad != nullptr
-                        ? a.row_grad + r0
-                        : nullptr;
-      p.ce_scale = scales.ce;
-      p.z_scale = scales.z;
-      p.label_smoothing = a.options.label_smoothing;
-      p.z_loss_scale = a.options.z_loss_scale;
-      p.softcap = a.options.softcap;
-      p.class_weight_sum = static_cast<float>(a.summary.class_weight_sum);
-      p.write_grad = write_grad ? 1 : 0;
-      p.row_lse = a.row_lse + r0;
-      p.row_ce = a.row_ce + r0;
-      p.row_z = a.row_z + r0;
-      p.row_pred = a.row_pred + r0;
-      LOSSD_CUDA_RETURN_IF_ERROR(LaunchCrossEntropy(p, ce_));
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[s], ce_));
-    }
-    for (int64_t s = 0; s < nsub; ++s) {
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[s], 0));
-      if (a.dx == nullptr) continue;
-      // dX_c^T (H x n) = W (H x V col-major) * G^T (V x n col-major).
-      const size_t dx_elem = DTypeSize(a.dx_dtype);
-      char* dx = static_cast<char*>(a.dx) + (c0 + begin[s]) * a.h * dx_elem;
-      LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(
-          main_, ws_main, kGemmWorkspaceBytes, false, false, a.h, count[s], a.v, scales.alpha, a.w,
-          a.h, logits + begin[s] * a.v * elem, a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype)));
-    }
-    if (want_dw || want_db) {
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[nsub - 1], 0));
-      if (want_dw) {
-        // dW^T (H x V) += X_c^T (H x C col-major) * G (G^T is V x C col-major, transposed).
-        // Chunks are added in increasing row order, one GEMM each: a fixed order.
-        const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
-        LOSSD_CUDA_RETURN_IF_NOT_OK(Gemm(side_, ws_side, kGemmWorkspaceBytes, false, true, a.h, a.v,
-                                         rows, scales.alpha, Offset(a.x, c0 * a.h, elem), a.h,
-                                         logits, a.v, ab, beta, a.dw_acc, a.h, CUDA_R_32F));
+    if (columns) {
+      // Each half of the buffer is rewritten once the previous chunk's dW half has read it
+      // (the previous dX, on main_, is already ordered before).
+      for (int half = 0; half < 2; ++half) {
+        if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[half], 0));
+        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, rows, vbegin[half], vcount[half]));
       }
-      if (want_db) {
-        LOSSD_CUDA_RETURN_IF_ERROR(LaunchColumnSumAccumulate(
-            logits, static_cast<int32_t>(a.dtype), rows, a.v, scales.alpha, a.db_acc, side_));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[0], 0));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, 0, rows));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows));
+      if (want_dw || want_db) {
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
+        // db reads every column, so it goes before the first half is released.
+        if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
+        for (int half = 0; half < 2; ++half) {
+          if (want_dw) {
+            LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, vbegin[half], vcount[half]));
+          }
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[half], side_));
+        }
       }
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_, side_));
+    } else {
+      // Row halves for the logits GEMM and the CE kernel; below a few hundred rows the
+      // GEMMs would lose more than the overlap gains.
+      const int64_t split = rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows;
+      const int64_t nsub = split < rows ? 2 : 1;
+      const int64_t begin[2] = {0, split};
+      const int64_t count[2] = {split, rows - split};
+      // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
+      if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
+      for (int64_t s = 0; s < nsub; ++s) {
+        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v));
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
+      }
+      for (int64_t s = 0; s < nsub; ++s) {
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
+        LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
+      }
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
+      // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows));
+      if (want_dw || want_db) {
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
+        if (want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, 0, a.v));
+        if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));
+      }
     }
   }
   // Everything ends on main_.
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_, side_));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_, 0));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(side_end_, side_));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, side_end_, 0));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_end_, ce_));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_end_, 0));
   return absl::OkStatus();
 }
 

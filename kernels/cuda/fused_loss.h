@@ -26,9 +26,9 @@ namespace cuda {
 
 // Host-side facts about the targets that the mean reduction needs before any gradient row.
 struct TargetSummary {
-  int64_t tokens = 0;             // non-ignored rows
-  double weight_sum = 0;          // sum of cw[t_i] over non-ignored rows (tokens without weights)
-  double class_weight_sum = 0;    // sum_j cw_j (V without weights)
+  int64_t tokens = 0;           // non-ignored rows
+  double weight_sum = 0;        // sum of cw[t_i] over non-ignored rows (tokens without weights)
+  double class_weight_sum = 0;  // sum_j cw_j (V without weights)
 };
 
 // Validates targets (each in [0, V) or ignore_index), converts them to int32 with -1 for an
@@ -52,11 +52,11 @@ struct DeviceLossArgs {
   LossOptions options;
   TargetSummary summary;
   // Per-row statistics, always written (the reductions are done by the caller on the host).
-  float* row_lse = nullptr;    // (BT)
-  float* row_ce = nullptr;     // (BT)
-  float* row_z = nullptr;      // (BT)
+  float* row_lse = nullptr;     // (BT)
+  float* row_ce = nullptr;      // (BT)
+  float* row_z = nullptr;       // (BT)
   int32_t* row_pred = nullptr;  // (BT)
-  void* dx = nullptr;          // (BT, H) row-major, dx_dtype, or null
+  void* dx = nullptr;           // (BT, H) row-major, dx_dtype, or null
   DType dx_dtype = DType::kBF16;
   float* dw_acc = nullptr;     // (V, H) row-major fp32, or null
   float* db_acc = nullptr;     // (V) fp32, or null (needs bias)
@@ -64,10 +64,25 @@ struct DeviceLossArgs {
   bool accumulate_db = false;  // true: add into db_acc; false: overwrite it
 };
 
+// How one chunk's work is spread over the three streams. Both are deterministic (each GEMM
+// and kernel sees the same inputs whatever overlaps it); they differ in what overlaps what.
+enum class Schedule : int32_t {
+  // The logits GEMM and the CE kernel in two row halves (the first half's CE runs under the
+  // second half's GEMM); dX and dW whole-chunk on two streams, side by side.
+  kRowHalves = 0,
+  // The logits GEMM and the dW GEMM in two column (vocabulary) halves: the next chunk's
+  // first-half logits GEMM (compute-bound) runs under this chunk's second-half dW GEMM, whose
+  // fp32 accumulator read and write are memory-bound; dX runs under the first-half dW.
+  kColumnHalves = 1,
+};
+
+// What the backend uses unless told otherwise (the faster one in bench/RESULTS.md).
+inline constexpr Schedule kDefaultSchedule = Schedule::kRowHalves;
+
 struct ChunkPlan {
-  int64_t chunk_rows = 0;          // C
-  int64_t sub_chunks = 1;          // the logits GEMM and the CE kernel overlap across these
-  uint64_t workspace_bytes = 0;    // device bytes Enqueue needs as `workspace`
+  int64_t chunk_rows = 0;  // C
+  Schedule schedule = Schedule::kRowHalves;
+  uint64_t workspace_bytes = 0;  // device bytes Enqueue needs as `workspace`
 };
 
 // Bytes of cuBLASLt workspace per stream.
@@ -79,7 +94,7 @@ inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
 // `budget_bytes`, balanced so the chunks are of equal size (a multiple of 64 rows where it
 // can be). `requested_rows` > 0 overrides the budget. Never returns fewer than 1 row.
 ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
-                     int64_t requested_rows);
+                     int64_t requested_rows, Schedule schedule = Schedule::kRowHalves);
 
 // Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
 // common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow.
@@ -108,8 +123,8 @@ class FusedLoss {
   // D = alpha op(A) op(B) + beta D on `stream`, column-major (cuBLASLt's view of row-major
   // tensors), fp32 accumulation, with `ws_bytes` of device workspace at `ws`. The algorithm is
   // chosen once per problem key and reused. Public so that benchmarks time the same GEMMs.
-  absl::Status Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a,
-                    bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+  absl::Status Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a, bool trans_b,
+                    int64_t m, int64_t n, int64_t k, float alpha,
                     const void* a,  // op(A): (m, k) column-major, lda
                     int64_t lda,
                     const void* b,  // op(B): (k, n) column-major, ldb
@@ -121,12 +136,14 @@ class FusedLoss {
   FusedLoss() = default;
 
   int device_ = 0;
-  cudaStream_t main_ = nullptr;  // logits GEMM, dX GEMM
-  cudaStream_t ce_ = nullptr;    // cross-entropy kernels
-  cudaStream_t side_ = nullptr;  // dW / db accumulation
-  std::array<cudaEvent_t, 2> logits_done_{};
-  std::array<cudaEvent_t, 2> ce_done_{};
-  cudaEvent_t dw_done_ = nullptr;
+  cudaStream_t main_ = nullptr;               // logits GEMM, dX GEMM
+  cudaStream_t ce_ = nullptr;                 // cross-entropy kernels
+  cudaStream_t side_ = nullptr;               // dW / db accumulation
+  cudaEvent_t start_ = nullptr;               // caller's work on main_ before Enqueue
+  std::array<cudaEvent_t, 2> logits_done_{};  // per half
+  std::array<cudaEvent_t, 2> ce_done_{};      // per half
+  std::array<cudaEvent_t, 2> dw_done_{};      // per half (one for the row-halves schedule)
+  cudaEvent_t ce_end_ = nullptr, side_end_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   // Heuristic choices by problem key: picked once, so every run uses the same algorithm.
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
