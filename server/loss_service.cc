@@ -269,7 +269,9 @@ class ComputeReactor final
 };
 
 // ---------------------------------------------------------------------------------------
-// PutWeights: header, then W (and bias) parts copied straight into backend memory.
+// PutWeights: header, then W (and bias) parts copied straight into backend memory. A striped
+// upload (header.upload_id set) is one of several streams; the engine joins them, and this
+// reactor waits, without blocking, for the last stripe to make the handle.
 class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsRequest> {
  public:
   PutWeightsReactor(LossService* service, grpc::CallbackServerContext* ctx,
@@ -286,11 +288,20 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
 
   void OnReadDone(bool ok) override {
     absl::Status s = ok ? OnMessage() : OnEnd();
-    if (!s.ok() || !ok) {
+    if (!s.ok()) {
+      if (stripe_) service_->engine()->FailStripedUpload(stripe_, s);
       FinishOnce(s);
       return;
     }
-    StartRead(&request_);
+    if (ok) StartRead(&request_);
+  }
+
+  void OnCancel() override {
+    // Only a stripe waiting for its siblings has no operation pending to report the cancel.
+    if (waiting_.load() && stripe_) {
+      service_->engine()->FailStripedUpload(stripe_,
+                                            absl::CancelledError("a stripe was cancelled"));
+    }
   }
 
   void OnDone() override { delete this; }
@@ -299,18 +310,36 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   absl::Status OnMessage() {
     Engine* engine = service_->engine();
     if (request_.has_header()) {
-      if (pending_) return absl::InvalidArgumentError("the PutWeights stream carries a second header");
-      auto w = TensorDescFromWire(request_.header().has_w(), request_.header().w(), "header.w");
+      if (pending_ || stripe_) {
+        return absl::InvalidArgumentError("the PutWeights stream carries a second header");
+      }
+      const v1::WeightsHeader& h = request_.header();
+      auto w = TensorDescFromWire(h.has_w(), h.w(), "header.w");
       if (!w.ok()) return w.status();
-      auto b = TensorDescFromWire(request_.header().has_bias(), request_.header().bias(),
-                                  "header.bias");
+      auto b = TensorDescFromWire(h.has_bias(), h.bias(), "header.bias");
       if (!b.ok()) return b.status();
+      if (!h.upload_id().empty()) {
+        carries_bias_ = b->present && h.w_begin() == 0;
+        auto u = engine->JoinStripedUpload(h.upload_id(), h.stripes(), *w, *b, h.w_begin(),
+                                           h.w_end(), carries_bias_);
+        if (!u.ok()) {
+          engine->FailStripedUpload(h.upload_id(), u.status());
+          return u.status();
+        }
+        stripe_ = std::move(*u);
+        next_w_ = h.w_begin();
+        w_end_ = h.w_end();
+        bias_bytes_ = carries_bias_ ? static_cast<uint64_t>(b->shape[0]) * DTypeSize(b->dtype) : 0;
+        upload_bytes_ = static_cast<uint64_t>(w->shape[0]) * w->shape[1] * DTypeSize(w->dtype) +
+                        (b->present ? static_cast<uint64_t>(b->shape[0]) * DTypeSize(b->dtype) : 0);
+        return absl::OkStatus();
+      }
       auto p = engine->BeginPutWeights(*w, *b);
       if (!p.ok()) return p.status();
       pending_ = std::move(*p);
       return absl::OkStatus();
     }
-    if (!pending_) {
+    if (!pending_ && !stripe_) {
       return absl::InvalidArgumentError(
           "the first message of a PutWeights stream must be a header");
     }
@@ -321,31 +350,74 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
           v1::TensorId_IsValid(part.tensor()) ? v1::TensorId_Name(part.tensor())
                                               : absl::StrCat(static_cast<int>(part.tensor()))));
     }
-    if (part.data().size() > service_->options().max_part_bytes) {
+    const uint64_t size = part.data().size();
+    if (size > service_->options().max_part_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "a part carries ", part.data().size(), " bytes, more than --max_part_bytes=",
+          "a part carries ", size, " bytes, more than --max_part_bytes=",
           service_->options().max_part_bytes));
     }
-    bytes_in_ += part.data().size();
-    return engine->WriteWeights(*pending_, part.tensor() == v1::TENSOR_BIAS, part.offset(),
-                                part.data().data(), part.data().size());
+    bytes_in_ += size;
+    const bool bias = part.tensor() == v1::TENSOR_BIAS;
+    if (!stripe_) {
+      return engine->WriteWeights(*pending_, bias, part.offset(), part.data().data(), size);
+    }
+    // A stripe: parts in order within its own range.
+    uint64_t& next = bias ? next_bias_ : next_w_;
+    const uint64_t limit = bias ? bias_bytes_ : w_end_;
+    if (bias && !carries_bias_) {
+      return absl::InvalidArgumentError(
+          "a bias part arrived on a stripe that does not carry the bias (the stripe with "
+          "w_begin 0 does)");
+    }
+    if (part.offset() != next) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a part of ", bias ? "bias" : "w", " starts at byte offset ", part.offset(),
+          " but this stripe expects offset ", next,
+          ": parts must arrive in order, without gaps or overlaps"));
+    }
+    if (size > limit - next) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a part of ", bias ? "bias" : "w", " at offset ", part.offset(), " with ", size,
+          " bytes runs past the stripe's end at ", limit));
+    }
+    absl::Status s = engine->WriteStripe(*stripe_, bias, part.offset(), part.data().data(), size);
+    if (s.ok()) next += size;
+    return s;
   }
 
   absl::Status OnEnd() {
     if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled PutWeights");
-    if (!pending_) return absl::InvalidArgumentError("the PutWeights stream closed before its header");
+    if (!pending_ && !stripe_) {
+      return absl::InvalidArgumentError("the PutWeights stream closed before its header");
+    }
+    service_->metrics()->AddBytesIn(static_cast<double>(bytes_in_));
+    if (stripe_) {
+      if (next_w_ != w_end_ || next_bias_ != bias_bytes_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the stripe closed early: w has ", next_w_, " of the bytes up to ", w_end_,
+            carries_bias_ ? absl::StrCat(", bias ", next_bias_, " of ", bias_bytes_) : ""));
+      }
+      waiting_.store(true);
+      service_->engine()->FinishStripe(stripe_, [this](absl::StatusOr<std::string> handle) {
+        if (handle.ok()) {
+          response_->set_handle(*handle);
+          response_->set_bytes(upload_bytes_);
+        }
+        FinishOnce(handle.status());
+      });
+      return absl::OkStatus();
+    }
     const uint64_t bytes = pending_->entry->bytes();
     auto handle = service_->engine()->CommitWeights(std::move(pending_));
     if (!handle.ok()) return handle.status();
     response_->set_handle(*handle);
     response_->set_bytes(bytes);
-    service_->metrics()->AddBytesIn(static_cast<double>(bytes_in_));
+    FinishOnce(absl::OkStatus());
     return absl::OkStatus();
   }
 
   void FinishOnce(const absl::Status& s) {
-    if (finished_) return;
-    finished_ = true;
+    if (finished_.exchange(true)) return;
     pending_.reset();  // an upload cut off half way leaves no handle and frees its memory
     grpc::Status g = ToGrpcStatus(s);
     service_->metrics()->CountRequest("PutWeights", GrpcCodeName(g.error_code()));
@@ -359,10 +431,16 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   v1::PutWeightsResponse* const response_;
   const absl::Time started_;
   bool entered_ = true;
-  bool finished_ = false;
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> waiting_{false};
   v1::PutWeightsRequest request_;
   std::unique_ptr<PendingWeights> pending_;
   uint64_t bytes_in_ = 0;
+  // Striped uploads.
+  std::shared_ptr<StripedUpload> stripe_;
+  bool carries_bias_ = false;
+  uint64_t next_w_ = 0, w_end_ = 0, next_bias_ = 0, bias_bytes_ = 0;
+  uint64_t upload_bytes_ = 0;  // W and bias of the whole upload
 };
 
 // ---------------------------------------------------------------------------------------
@@ -382,6 +460,8 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
     part_bytes_ = ResponsePartBytes(service_->options(), request->response_part_bytes());
     name_ = request->accumulator();
     reset_ = request->reset();
+    range_begin_ = request->range_begin();
+    range_end_ = request->range_end();
     service_->engine()->Submit([this] { TakeSnapshot(); });
   }
 
@@ -397,7 +477,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
 
  private:
   void TakeSnapshot() {
-    auto g = service_->engine()->FetchGradients(name_, reset_);
+    auto g = service_->engine()->FetchGradients(name_, reset_, range_begin_, range_end_);
     if (!g.ok()) {
       FinishOnce(g.status());
       return;
@@ -409,25 +489,25 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
     h->set_micro_batches(snapshot_.micro_batches);
     h->set_tokens(snapshot_.tokens);
     h->set_instance(service_->options().instance);
+    offset_ = snapshot_.begin;
     StartWrite(&response_);
   }
 
+  // Sends the snapshot's bytes as parts of DW and DB (a part never straddles the two).
   void SendNext() {
-    const uint64_t dw_bytes = static_cast<uint64_t>(snapshot_.v) * snapshot_.h * 4;
-    const uint64_t db_bytes = snapshot_.has_bias ? snapshot_.v * 4 : 0;
-    const bool in_db = offset_ >= dw_bytes;
-    if (offset_ >= dw_bytes + db_bytes) {
-      service_->metrics()->AddBytesOut(static_cast<double>(dw_bytes + db_bytes));
+    const uint64_t dw_bytes = snapshot_.dw_bytes();
+    if (offset_ >= snapshot_.end) {
+      service_->metrics()->AddBytesOut(static_cast<double>(snapshot_.end - snapshot_.begin));
       FinishOnce(absl::OkStatus());
       return;
     }
-    const uint64_t local = in_db ? offset_ - dw_bytes : offset_;
-    const uint64_t size = in_db ? db_bytes : dw_bytes;
-    const uint64_t n = std::min<uint64_t>(part_bytes_, size - local);
+    const bool in_db = offset_ >= dw_bytes;
+    const uint64_t tensor_end = in_db ? snapshot_.end : std::min(snapshot_.end, dw_bytes);
+    const uint64_t n = std::min<uint64_t>(part_bytes_, tensor_end - offset_);
     v1::TensorPart* part = response_.mutable_part();
     part->set_tensor(in_db ? v1::TENSOR_DB : v1::TENSOR_DW);
-    part->set_offset(local);
-    part->set_data((in_db ? snapshot_.db.get() : snapshot_.dw.get()) + local, n);
+    part->set_offset(in_db ? offset_ - dw_bytes : offset_);
+    part->set_data(snapshot_.data.get() + (offset_ - snapshot_.begin), n);
     offset_ += n;
     StartWrite(&response_);
   }
@@ -448,6 +528,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
   std::atomic<bool> finished_{false};
   std::string name_;
   bool reset_ = false;
+  uint64_t range_begin_ = 0, range_end_ = 0;
   uint32_t part_bytes_ = 4u << 20;
   GradientsSnapshot snapshot_;
   v1::FetchGradientsResponse response_;

@@ -1,5 +1,6 @@
 #include "server/engine/engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -601,30 +602,49 @@ absl::StatusOr<std::string> Engine::CommitWeights(std::unique_ptr<PendingWeights
 
 absl::Status Engine::DropWeights(const std::string& handle) { return weights_.Drop(handle); }
 
-absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset) {
+absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset,
+                                                         uint64_t begin, uint64_t end) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");
   if (!s.ok()) return s;
   auto a = accumulators_.Get(name);
   if (!a.ok()) return a.status();
   Accumulator& acc = **a;
   GradientsSnapshot g;
+  g.v = acc.v;
+  g.h = acc.h;
+  g.has_bias = acc.has_bias;
+  const uint64_t total = g.dw_bytes() + g.db_bytes();
+  if (begin == 0 && end == 0) end = total;
+  if (begin >= end || end > total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range [", begin, ", ", end, ") is not a non-empty byte range of accumulator '", name,
+        "', whose dW | db holds ", total, " bytes"));
+  }
+  if (reset && (begin != 0 || end != total)) {
+    return absl::InvalidArgumentError(
+        "reset applies to whole fetches only; drop the accumulator after the last range");
+  }
   absl::MutexLock lock(&acc.mu);
   if (acc.poisoned) {
     return absl::FailedPreconditionError(absl::StrCat(
         "accumulator '", name, "' may hold a partial sum: a micro-batch failed while adding "
         "into it; drop it and redo the step"));
   }
-  g.v = acc.v;
-  g.h = acc.h;
-  g.has_bias = acc.has_bias;
   g.micro_batches = acc.micro_batches;
   g.tokens = acc.tokens;
-  g.dw = NewHostBuffer(acc.dw->size());
-  s = backend_->CopyFromBackend(*acc.dw, 0, g.dw.get(), acc.dw->size());
-  if (!s.ok()) return s;
-  if (acc.db) {
-    g.db = NewHostBuffer(acc.db->size());
-    s = backend_->CopyFromBackend(*acc.db, 0, g.db.get(), acc.db->size());
+  g.begin = begin;
+  g.end = end;
+  g.data = NewHostBuffer(end - begin);
+  const uint64_t dw_bytes = g.dw_bytes();
+  if (begin < dw_bytes) {
+    const uint64_t n = std::min(end, dw_bytes) - begin;
+    s = backend_->CopyFromBackend(*acc.dw, begin, g.data.get(), n);
+    if (!s.ok()) return s;
+  }
+  if (end > dw_bytes) {
+    const uint64_t from = std::max(begin, dw_bytes);
+    s = backend_->CopyFromBackend(*acc.db, from - dw_bytes, g.data.get() + (from - begin),
+                                  end - from);
     if (!s.ok()) return s;
   }
   if (reset) {
@@ -638,6 +658,157 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
     acc.tokens = 0;
   }
   return g;
+}
+
+absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
+    const std::string& upload_id, uint32_t stripes, const TensorDesc& w,
+    const TensorDesc& bias, uint64_t begin, uint64_t end, bool carries_bias) {
+  if (upload_id.size() > 128) {
+    return absl::InvalidArgumentError("header.upload_id is longer than 128 characters");
+  }
+  if (stripes < 1 || stripes > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.stripes must be in [1, 64], got ", stripes));
+  }
+  std::shared_ptr<StripedUpload> u;
+  {
+    absl::MutexLock lock(&uploads_mu_);
+    auto it = uploads_.find(upload_id);
+    if (it != uploads_.end()) {
+      u = it->second;
+    } else {
+      auto pending = BeginPutWeights(w, bias);
+      if (!pending.ok()) return pending.status();
+      u = std::make_shared<StripedUpload>();
+      u->id_ = upload_id;
+      u->stripes_ = stripes;
+      u->w_ = w;
+      u->bias_ = bias;
+      absl::MutexLock ulock(&u->mu_);
+      u->pending_ = std::move(*pending);
+      uploads_[upload_id] = u;
+    }
+  }
+  absl::MutexLock lock(&u->mu_);
+  if (u->done_) {
+    return absl::AbortedError(absl::StrCat("striped upload '", upload_id, "' has already ended"));
+  }
+  if (u->stripes_ != stripes || u->w_.dtype != w.dtype || u->w_.shape != w.shape ||
+      u->bias_.present != bias.present || (bias.present && u->bias_.dtype != bias.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stripe of upload '", upload_id, "' disagrees with its first stripe about the "
+        "stripe count or the w/bias specs"));
+  }
+  const uint64_t w_bytes = u->pending_->entry->w->size();
+  if (begin >= end || end > w_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stripe range [", begin, ", ", end, ") is not a non-empty range of w's ", w_bytes,
+        " bytes"));
+  }
+  for (const auto& r : u->ranges_) {
+    if (begin < r.second && r.first < end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stripe range [", begin, ", ", end, ") overlaps the range [", r.first, ", ",
+          r.second, ") of another stripe of upload '", upload_id, "'"));
+    }
+  }
+  if (u->joined_ >= u->stripes_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "upload '", upload_id, "' already has its ", u->stripes_, " stripes"));
+  }
+  if (carries_bias) {
+    if (u->bias_claimed_) {
+      return absl::InvalidArgumentError("two stripes of one upload both send the bias");
+    }
+    u->bias_claimed_ = true;
+  }
+  u->ranges_.emplace_back(begin, end);
+  ++u->joined_;
+  return u;
+}
+
+absl::Status Engine::WriteStripe(StripedUpload& u, bool bias, uint64_t offset,
+                                 const void* data, uint64_t bytes) {
+  PendingWeights* p = nullptr;
+  {
+    absl::MutexLock lock(&u.mu_);
+    if (u.done_) return absl::AbortedError(absl::StrCat("striped upload '", u.id_, "' was aborted"));
+    p = u.pending_.get();
+  }
+  BackendBuffer* dst = bias ? p->entry->bias.get() : p->entry->w.get();
+  if (dst == nullptr) {
+    return absl::InvalidArgumentError("a bias part arrived but the weights header has no bias");
+  }
+  if (options_.check_finite) {
+    absl::Status s = CheckFinite(static_cast<const uint8_t*>(data), p->entry->dtype,
+                                 bytes / DTypeSize(p->entry->dtype), bias ? "bias" : "w", 0);
+    if (!s.ok()) return s;
+  }
+  // Stripes write disjoint ranges of the same buffer, so no lock is held for the copy.
+  absl::Status s = backend_->CopyToBackend(*dst, offset, data, bytes);
+  if (!s.ok()) return s;
+  absl::MutexLock lock(&u.mu_);
+  if (bias) {
+    p->received[1] += bytes;
+  } else {
+    u.w_received_ += bytes;
+  }
+  return absl::OkStatus();
+}
+
+void Engine::FinishStripe(const std::shared_ptr<StripedUpload>& u, StripedUpload::Waiter done) {
+  std::vector<StripedUpload::Waiter> waiters;
+  absl::StatusOr<std::string> result =
+      absl::AbortedError(absl::StrCat("striped upload '", u->id_, "' was aborted"));
+  bool completes = false;
+  {
+    absl::MutexLock lock(&u->mu_);
+    if (u->done_) {
+      waiters.push_back(std::move(done));  // aborted meanwhile
+    } else {
+      u->waiters_.push_back(std::move(done));
+      if (++u->finished_ < u->stripes_) return;  // the last stripe completes the upload
+      u->done_ = true;
+      completes = true;
+      u->pending_->received[0] = u->w_received_;
+      result = CommitWeights(std::move(u->pending_));
+      waiters.swap(u->waiters_);
+    }
+  }
+  if (completes) {
+    absl::MutexLock lock(&uploads_mu_);
+    uploads_.erase(u->id_);
+  }
+  for (auto& w : waiters) w(result);
+}
+
+void Engine::FailStripedUpload(const std::string& upload_id, const absl::Status& why) {
+  std::shared_ptr<StripedUpload> u;
+  {
+    absl::MutexLock lock(&uploads_mu_);
+    auto it = uploads_.find(upload_id);
+    if (it == uploads_.end()) return;
+    u = it->second;
+  }
+  FailStripedUpload(u, why);
+}
+
+void Engine::FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const absl::Status& why) {
+  std::vector<StripedUpload::Waiter> waiters;
+  {
+    absl::MutexLock lock(&u->mu_);
+    if (u->done_) return;
+    u->done_ = true;
+    u->pending_.reset();  // frees the memory and the cache reservation
+    waiters.swap(u->waiters_);
+  }
+  {
+    absl::MutexLock lock(&uploads_mu_);
+    uploads_.erase(u->id_);
+  }
+  const absl::Status aborted = absl::AbortedError(absl::StrCat(
+      "striped upload '", u->id_, "' was aborted because a stripe failed: ", why.message()));
+  for (auto& w : waiters) w(aborted);
 }
 
 absl::Status Engine::DropAccumulator(const std::string& name) {

@@ -10,10 +10,13 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "server/engine/accumulators.h"
 #include "server/engine/compute_plan.h"
@@ -62,13 +65,40 @@ struct PendingWeights {
   ~PendingWeights();  // gives the reservation back if never committed
 };
 
+// A copy of the bytes [begin, end) of an accumulator's concatenation dW (V, H) fp32 | db (V)
+// fp32.
 struct GradientsSnapshot {
   int64_t v = 0, h = 0;
   bool has_bias = false;
   uint64_t micro_batches = 0;
   int64_t tokens = 0;
-  HostBuffer dw;  // (V, H) fp32
-  HostBuffer db;  // (V) fp32, or null
+  uint64_t begin = 0, end = 0;
+  HostBuffer data;  // end - begin bytes
+  uint64_t dw_bytes() const { return static_cast<uint64_t>(v) * h * 4; }
+  uint64_t db_bytes() const { return has_bias ? static_cast<uint64_t>(v) * 4 : 0; }
+};
+
+// One weight upload striped over several streams (see WeightsHeader in the proto).
+class StripedUpload {
+ public:
+  // Called once, with the handle or the reason the upload failed.
+  using Waiter = std::function<void(absl::StatusOr<std::string>)>;
+  const std::string& id() const { return id_; }
+
+ private:
+  friend class Engine;
+  std::string id_;
+  uint32_t stripes_ = 0;
+  TensorDesc w_, bias_;
+  absl::Mutex mu_;
+  std::unique_ptr<PendingWeights> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> ranges_ ABSL_GUARDED_BY(mu_);
+  uint32_t joined_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t finished_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t w_received_ ABSL_GUARDED_BY(mu_) = 0;
+  bool bias_claimed_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
 };
 
 class Engine {
@@ -97,8 +127,25 @@ class Engine {
   absl::StatusOr<std::string> CommitWeights(std::unique_ptr<PendingWeights> p);
   absl::Status DropWeights(const std::string& handle);
 
-  // Copies an accumulator to the host (and zeroes it when `reset`), under its lock.
-  absl::StatusOr<GradientsSnapshot> FetchGradients(const std::string& name, bool reset);
+  // Striped uploads. Join registers one stripe with its W byte range [begin, end) (and
+  // whether it carries the bias); the first stripe creates the upload. WriteStripe copies a
+  // part (the caller checks order within its range). FinishStripe records a complete stripe:
+  // when every stripe is in, the weights are committed and every waiter gets the handle.
+  // FailStripedUpload aborts the upload for all its stripes.
+  absl::StatusOr<std::shared_ptr<StripedUpload>> JoinStripedUpload(
+      const std::string& upload_id, uint32_t stripes, const TensorDesc& w,
+      const TensorDesc& bias, uint64_t begin, uint64_t end, bool carries_bias);
+  absl::Status WriteStripe(StripedUpload& u, bool bias, uint64_t offset, const void* data,
+                           uint64_t bytes);
+  void FinishStripe(const std::shared_ptr<StripedUpload>& u, StripedUpload::Waiter done);
+  void FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const absl::Status& why);
+  // The same for a stripe refused before it joined (a bad range, a mismatched header).
+  void FailStripedUpload(const std::string& upload_id, const absl::Status& why);
+
+  // Copies the bytes [begin, end) of an accumulator's dW | db to the host under its lock
+  // (0, 0 = all of it), zeroing it afterwards when `reset` (whole fetches only).
+  absl::StatusOr<GradientsSnapshot> FetchGradients(const std::string& name, bool reset,
+                                                   uint64_t begin = 0, uint64_t end = 0);
   absl::Status DropAccumulator(const std::string& name);
 
   // Runs `job` on the executor, after every compute submitted before it.
@@ -124,6 +171,9 @@ class Engine {
   WeightCache weights_;
   AccumulatorStore accumulators_;
   std::atomic<bool> draining_{false};
+  absl::Mutex uploads_mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<StripedUpload>> uploads_
+      ABSL_GUARDED_BY(uploads_mu_);
   Executor executor_;  // last: joined first, while everything above is alive
 };
 

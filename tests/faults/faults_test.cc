@@ -1,0 +1,466 @@
+// Fault injection over real gRPC on loopback (CPU backend): clients that vanish mid-upload
+// and mid-download, a backend that fails half way through adding into an accumulator, LRU
+// eviction of a weight handle, and a server restart between the micro-batches of one step.
+// Each test asserts the exact status code and a message substring, that nothing is left
+// behind (admitted memory, weight-cache reservations, handles, accumulators) and that the
+// server keeps serving.
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cpu/test_util.h"
+#include "server/loss_server.h"
+#include "server/metrics.h"
+#include "tests/server_harness.h"
+
+namespace lossd {
+namespace {
+
+using testing_harness::ComputeReply;
+using testing_harness::Harness;
+using testing_harness::HarnessOptions;
+using testing_harness::HeaderFor;
+using testing_harness::OutputsOf;
+using testing_harness::PartsFor;
+using testing_harness::ReplyScalars;
+using testing_harness::RunCompute;
+
+RandomProblemSpec Spec(uint64_t seed, int64_t bt = 47, int64_t h = 31, int64_t v = 123) {
+  RandomProblemSpec s;
+  s.bt = bt;
+  s.h = h;
+  s.v = v;
+  s.dtype = DType::kBF16;
+  s.seed = seed;
+  s.ignore_fraction = 0.1;
+  return s;
+}
+
+::testing::AssertionResult MatchesRef(const RandomProblem& rp, ComputeReply& reply) {
+  if (!reply.status.ok()) {
+    return ::testing::AssertionFailure() << "status " << reply.status.error_code() << ": "
+                                         << reply.status.error_message();
+  }
+  LossProblem p = rp.problem();
+  ReferenceOutputs ref;
+  absl::Status s = ReferenceCompute(p, &ref);
+  if (!s.ok()) return ::testing::AssertionFailure() << "reference: " << s;
+  ReplyScalars scalars;
+  LossOutputs got = OutputsOf(reply, p, rp.spec().dtype, &scalars);
+  return MatchesReference(p, rp.stats(), ref, got);
+}
+
+void ExpectServes(Harness& h) {
+  RandomProblem rp = RandomProblem::Make(Spec(99));
+  ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
+  EXPECT_TRUE(MatchesRef(rp, r));
+}
+
+// Room left in the weight cache that can be reserved: a reservation leaked by a cut-off
+// upload shows as room that cannot be.
+bool WeightCacheRoomIsFree(Engine& e) {
+  const uint64_t room = e.weights().budget() - e.weights().bytes();
+  if (!e.weights().Reserve(room).ok()) return false;
+  e.weights().Unreserve(room);
+  return true;
+}
+
+// Waits until `pred` holds or `seconds` pass.
+template <typename Pred>
+bool Eventually(Pred pred, double seconds = 5) {
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(static_cast<int>(seconds * 1000));
+  while (std::chrono::steady_clock::now() < until) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return pred();
+}
+
+// ---------------------------------------------------------------------------------------
+// A client killed mid-stream.
+
+class ClientKilledTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { h_ = new Harness(); }
+  static Harness* h_;
+};
+Harness* ClientKilledTest::h_ = nullptr;
+
+TEST_F(ClientKilledTest, CancelMidUploadOfComputeFreesEverythingAndCreatesNothing) {
+  RandomProblemSpec s = Spec(5, 64, 32, 2000);
+  RandomProblem rp = RandomProblem::Make(s);
+  v1::ComputeHeader header = HeaderFor(rp);
+  header.set_accumulator("killed-mid-upload");
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 1024);
+  ASSERT_GT(parts.size(), 10u);
+
+  grpc::ClientContext ctx;
+  auto stream = h_->stub().Compute(&ctx);
+  v1::ComputeRequest first;
+  *first.mutable_header() = header;
+  ASSERT_TRUE(stream->Write(first));
+  for (size_t i = 0; i < parts.size() / 2; ++i) ASSERT_TRUE(stream->Write(parts[i]));
+  // The server has admitted the request and holds its buffers now.
+  ASSERT_TRUE(Eventually([&] { return h_->engine().budget().in_use() > 0; }))
+      << "the request was never admitted";
+  ctx.TryCancel();  // the client dies half way through its upload
+  grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+
+  EXPECT_EQ(h_->WaitForIdleMemory(), 0u) << "a cancelled upload left admitted memory behind";
+  EXPECT_EQ(h_->engine().accumulators().count(), 0u)
+      << "a cancelled upload created its accumulator";
+  ExpectServes(*h_);
+}
+
+TEST_F(ClientKilledTest, CancelMidUploadOfPutWeightsCreatesNoHandleAndFreesTheReservation) {
+  RandomProblemSpec s = Spec(6, 4, 64, 4000);
+  s.bias = true;
+  RandomProblem rp = RandomProblem::Make(s);
+  const size_t handles_before = h_->engine().weights().count();
+  const uint64_t bytes_before = h_->engine().weights().bytes();
+
+  grpc::ClientContext ctx;
+  v1::PutWeightsResponse resp;
+  auto writer = h_->stub().PutWeights(&ctx, &resp);
+  v1::PutWeightsRequest hdr;
+  *hdr.mutable_header()->mutable_w() = HeaderFor(rp).w();
+  *hdr.mutable_header()->mutable_bias() = HeaderFor(rp).bias();
+  ASSERT_TRUE(writer->Write(hdr));
+  const size_t part = 4096;
+  for (size_t off = 0; off < rp.w.size() / 2; off += part) {
+    v1::PutWeightsRequest r;
+    r.mutable_part()->set_tensor(v1::TENSOR_W);
+    r.mutable_part()->set_offset(off);
+    r.mutable_part()->set_data(rp.w.data() + off, part);
+    ASSERT_TRUE(writer->Write(r));
+  }
+  // Wait until the server has begun the upload (it reserved the weights' bytes).
+  ASSERT_TRUE(Eventually([&] { return !WeightCacheRoomIsFree(h_->engine()); }))
+      << "the upload never reserved its bytes";
+  ctx.TryCancel();
+  grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+  EXPECT_TRUE(resp.handle().empty()) << "a cancelled upload returned handle " << resp.handle();
+
+  EXPECT_TRUE(Eventually([&] { return WeightCacheRoomIsFree(h_->engine()); }))
+      << "a cancelled upload kept its weight-cache reservation";
+  EXPECT_EQ(h_->engine().weights().count(), handles_before);
+  EXPECT_EQ(h_->engine().weights().bytes(), bytes_before);
+  EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
+  ExpectServes(*h_);
+}
+
+TEST_F(ClientKilledTest, ClientGoneWhileResultsAreSentFreesEverything) {
+  RandomProblemSpec s = Spec(7, 64, 64, 3000);
+  RandomProblem rp = RandomProblem::Make(s);
+  v1::ComputeHeader header = HeaderFor(rp);
+  header.set_response_part_bytes(1024);  // dW alone is hundreds of parts
+  grpc::ClientContext ctx;
+  auto stream = h_->stub().Compute(&ctx);
+  v1::ComputeRequest first;
+  *first.mutable_header() = header;
+  ASSERT_TRUE(stream->Write(first));
+  for (const auto& p : PartsFor(rp, 1 << 20)) ASSERT_TRUE(stream->Write(p));
+  ASSERT_TRUE(stream->WritesDone());
+  v1::ComputeResponse r;
+  ASSERT_TRUE(stream->Read(&r));
+  ASSERT_TRUE(r.has_summary());
+  ASSERT_TRUE(stream->Read(&r));  // one part, then the client dies
+  ctx.TryCancel();
+  grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+  EXPECT_EQ(h_->WaitForIdleMemory(), 0u) << "a client gone mid-download left memory behind";
+  ExpectServes(*h_);
+}
+
+// ---------------------------------------------------------------------------------------
+// A failed micro-batch never leaves an accumulator half-updated without saying so.
+
+// A backend that forwards to the CPU backend and, when armed, fails a Compute half way
+// through: it has already added garbage into half of the dW accumulator, as a device fault
+// or an out-of-memory in the middle of a chunk loop would.
+class FailingBackend : public Backend {
+ public:
+  explicit FailingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  void ArmFailure() { armed_.store(true); }
+
+  BackendInfo Info() override { return inner_->Info(); }
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override {
+    return inner_->Allocate(bytes);
+  }
+  absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
+                             size_t bytes) override {
+    return inner_->CopyToBackend(dst, offset, src, bytes);
+  }
+  absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
+                               size_t bytes) override {
+    return inner_->CopyFromBackend(src, offset, dst, bytes);
+  }
+  absl::Status Zero(BackendBuffer& buf) override { return inner_->Zero(buf); }
+  uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override {
+    return inner_->WorkspaceBytes(p, out);
+  }
+  absl::Status Compute(const LossProblem& p, const LossOutputs& out,
+                       LossStats* stats) override {
+    if (armed_.exchange(false)) {
+      if (out.dw_accum != nullptr) {
+        for (int64_t i = 0; i < p.v * p.h / 2; ++i) out.dw_accum[i] += 1.0f;
+      }
+      return absl::InternalError("injected fault half way through the chunk loop");
+    }
+    return inner_->Compute(p, out, stats);
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::atomic<bool> armed_{false};
+};
+
+// A server around an engine on FailingBackend.
+struct FaultyServer {
+  FaultyServer() {
+    auto backend = std::make_unique<FailingBackend>(NewCpuBackend(2));
+    failing = backend.get();
+    EngineOptions eo;
+    eo.instance = "faulty";
+    engine = std::make_unique<Engine>(std::move(backend), eo);
+    metrics = std::make_unique<ServerMetrics>([] { return StateSample(); });
+    LossServerOptions so;
+    so.address = "127.0.0.1:0";
+    so.service.instance = "faulty";
+    so.service.version = "test";
+    auto s = LossServer::Start(engine.get(), metrics.get(), so);
+    EXPECT_TRUE(s.ok()) << s.status();
+    server = std::move(*s);
+    channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                  grpc::InsecureChannelCredentials());
+    stub = v1::Loss::NewStub(channel);
+  }
+  ~FaultyServer() { server->Shutdown(absl::Seconds(5)); }
+
+  FailingBackend* failing = nullptr;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<LossServer> server;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Loss::Stub> stub;
+};
+
+struct Fetched {
+  grpc::Status status;
+  v1::GradientsHeader header;
+  std::vector<uint8_t> dw;
+};
+
+Fetched Fetch(v1::Loss::Stub& stub, const std::string& name) {
+  Fetched f;
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest req;
+  req.set_accumulator(name);
+  auto reader = stub.FetchGradients(&ctx, req);
+  v1::FetchGradientsResponse m;
+  while (reader->Read(&m)) {
+    if (m.has_header()) {
+      f.header = m.header();
+      f.dw.assign(f.header.dw().shape(0) * f.header.dw().shape(1) * 4, 0xFF);
+    } else if (m.part().tensor() == v1::TENSOR_DW) {
+      EXPECT_LE(m.part().offset() + m.part().data().size(), f.dw.size());
+      std::memcpy(f.dw.data() + m.part().offset(), m.part().data().data(),
+                  m.part().data().size());
+    }
+  }
+  f.status = reader->Finish();
+  return f;
+}
+
+ComputeReply Accumulate(v1::Loss::Stub& stub, const RandomProblem& rp, const std::string& acc) {
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.set_accumulator(acc);
+  return RunCompute(stub, h, PartsFor(rp, 1 << 20));
+}
+
+TEST(AccumulatorFaultTest, RefusedBeforeTheBackendLeavesTheSumUntouched) {
+  FaultyServer s;
+  RandomProblem a = RandomProblem::Make(Spec(31));
+  ComputeReply r1 = Accumulate(*s.stub, a, "step");
+  ASSERT_TRUE(r1.status.ok()) << r1.status.error_message();
+  Fetched before = Fetch(*s.stub, "step");
+  ASSERT_TRUE(before.status.ok()) << before.status.error_message();
+
+  // Bad data is refused before anything is added.
+  RandomProblem bad = RandomProblem::Make(Spec(32));
+  bad.targets[3] = 123;
+  ComputeReply r2 = Accumulate(*s.stub, bad, "step");
+  EXPECT_EQ(r2.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r2.status.error_message().find("targets[3] = 123"), std::string::npos)
+      << r2.status.error_message();
+
+  Fetched after = Fetch(*s.stub, "step");
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.header.micro_batches(), 1u);
+  EXPECT_EQ(after.dw, before.dw) << "a refused micro-batch changed the accumulated dW";
+}
+
+TEST(AccumulatorFaultTest, FailureHalfWayPoisonsTheAccumulatorUntilDropped) {
+  FaultyServer s;
+  RandomProblem a = RandomProblem::Make(Spec(41));
+  ASSERT_TRUE(Accumulate(*s.stub, a, "step").status.ok());
+
+  s.failing->ArmFailure();
+  RandomProblem b = RandomProblem::Make(Spec(42));
+  ComputeReply failed = Accumulate(*s.stub, b, "step");
+  EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_NE(failed.status.error_message().find("injected fault"), std::string::npos)
+      << failed.status.error_message();
+
+  // The half-updated sum is never served nor added to.
+  Fetched f = Fetch(*s.stub, "step");
+  EXPECT_EQ(f.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(f.status.error_message().find("may hold a partial sum"), std::string::npos)
+      << f.status.error_message();
+  EXPECT_TRUE(f.dw.empty()) << "gradients of a poisoned accumulator were sent";
+  ComputeReply next = Accumulate(*s.stub, b, "step");
+  EXPECT_EQ(next.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(next.status.error_message().find("drop it and redo the step"), std::string::npos)
+      << next.status.error_message();
+
+  // Dropped and redone, the step starts from zero.
+  grpc::ClientContext ctx;
+  v1::DropAccumulatorRequest drop;
+  drop.set_accumulator("step");
+  v1::DropAccumulatorResponse dropped;
+  ASSERT_TRUE(s.stub->DropAccumulator(&ctx, drop, &dropped).ok());
+  ComputeReply redo = Accumulate(*s.stub, b, "step");
+  ASSERT_TRUE(redo.status.ok()) << redo.status.error_message();
+  EXPECT_EQ(redo.summary.accumulated_micro_batches(), 1u);
+
+  // And it holds exactly b's dW: the same as b's own fp32 dW computed without accumulator.
+  Fetched g = Fetch(*s.stub, "step");
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  v1::ComputeHeader hb = HeaderFor(b);
+  hb.mutable_options()->set_grad_dtype(v1::DTYPE_FP32);
+  ComputeReply own = RunCompute(*s.stub, hb, PartsFor(b, 1 << 20));
+  ASSERT_TRUE(own.status.ok());
+  EXPECT_EQ(g.dw, own.tensors[v1::TENSOR_DW]);
+  EXPECT_EQ(s.engine->budget().in_use(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------
+// An evicted handle is never served.
+
+TEST(EvictionTest, AnEvictedHandleIsRefusedAndAComputeHoldingItFinishes) {
+  // Room for one W of (V=500, H=64) bf16 = 64000 bytes, not two.
+  HarnessOptions o;
+  o.engine.weight_cache_bytes = 100000;
+  Harness h(o);
+  RandomProblem a = RandomProblem::Make(Spec(51, 16, 64, 500));
+  RandomProblem b = RandomProblem::Make(Spec(52, 16, 64, 500));
+  std::string ha, hb;
+  ASSERT_TRUE(testing_harness::PutWeights(h.stub(), a, 1 << 16, &ha).ok());
+
+  // A compute planned on A holds A's weights (shared ownership), whatever happens next.
+  ComputeSpec spec;
+  spec.inputs[static_cast<int>(InputSlot::kX)] = {true, DType::kBF16, {16, 64}};
+  spec.inputs[static_cast<int>(InputSlot::kTargets)] = {true, DType::kI64, {16}};
+  spec.weight_handle = ha;
+  spec.wanted.dx = true;
+  auto plan = h.engine().Plan(spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  ASSERT_TRUE(testing_harness::PutWeights(h.stub(), b, 1 << 16, &hb).ok());  // evicts A
+  ComputeReply by_a = RunCompute(h.stub(), HeaderFor(a, ha), PartsFor(a, 1 << 20, false));
+  EXPECT_EQ(by_a.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(by_a.status.error_message().find("was evicted"), std::string::npos)
+      << by_a.status.error_message();
+  EXPECT_TRUE(by_a.tensors.empty());
+  ComputeReply by_b = RunCompute(h.stub(), HeaderFor(b, hb), PartsFor(b, 1 << 20, false));
+  EXPECT_TRUE(MatchesRef(b, by_b));
+
+  // The compute planned before the eviction still runs on A's weights, unchanged.
+  auto inputs = std::make_shared<Engine::InputBuffers>();
+  (*inputs)[static_cast<int>(InputSlot::kX)] = NewHostBuffer(a.x.size());
+  std::memcpy((*inputs)[static_cast<int>(InputSlot::kX)].get(), a.x.data(), a.x.size());
+  (*inputs)[static_cast<int>(InputSlot::kTargets)] = NewHostBuffer(16 * 8);
+  std::memcpy((*inputs)[static_cast<int>(InputSlot::kTargets)].get(), a.targets.data(), 16 * 8);
+  std::promise<ComputeOutcome> done;
+  h.engine().Run(std::make_shared<const ComputePlan>(std::move(*plan)), inputs,
+                 [&done](ComputeOutcome o) { done.set_value(std::move(o)); });
+  ComputeOutcome out = done.get_future().get();
+  ASSERT_TRUE(out.status.ok()) << out.status;
+  ComputeReply inline_a = RunCompute(h.stub(), HeaderFor(a), PartsFor(a, 1 << 20));
+  ASSERT_TRUE(inline_a.status.ok());
+  EXPECT_EQ(out.loss, inline_a.summary.loss());
+  const std::vector<uint8_t>& dx = inline_a.tensors[v1::TENSOR_DX];
+  ASSERT_EQ(dx.size(), 16u * 64 * 2);
+  EXPECT_EQ(std::memcmp(out.outputs[0].get(), dx.data(), dx.size()), 0)
+      << "a compute holding evicted weights saw them change";
+}
+
+// ---------------------------------------------------------------------------------------
+// A server restart between micro-batches is detected.
+
+TEST(RestartTest, HandlesAndAccumulatorsOfTheOldInstanceAreRefused) {
+  RandomProblemSpec s = Spec(61);
+  s.bias = true;
+  RandomProblem rp = RandomProblem::Make(s);
+  std::string handle;
+  std::string old_instance;
+  {
+    HarnessOptions o;
+    o.engine.instance = "before-restart";
+    Harness before(o);
+    ASSERT_TRUE(testing_harness::PutWeights(before.stub(), rp, 1 << 16, &handle).ok());
+    v1::ComputeHeader h = HeaderFor(rp, handle);
+    h.set_accumulator("step-7");
+    ComputeReply r = RunCompute(before.stub(), h, PartsFor(rp, 1 << 20, false));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.summary.accumulated_micro_batches(), 1u);
+    old_instance = o.engine.instance;
+  }  // the server goes away between micro-batches
+  HarnessOptions o;
+  o.engine.instance = "after-restart";
+  Harness after(o);
+
+  v1::ComputeHeader h = HeaderFor(rp, handle);
+  h.set_accumulator("step-7");
+  ComputeReply r = RunCompute(after.stub(), h, PartsFor(rp, 1 << 20, false));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(r.status.error_message().find("another server instance"), std::string::npos)
+      << r.status.error_message();
+  EXPECT_EQ(after.engine().accumulators().count(), 0u)
+      << "a refused micro-batch created the accumulator on the new instance";
+
+  Fetched f = Fetch(after.stub(), "step-7");
+  EXPECT_EQ(f.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(f.status.error_message().find("accumulator 'step-7' not found"), std::string::npos)
+      << f.status.error_message();
+
+  // A client that resends W inline sees the count restart at 1, not 2: the lost micro-batch
+  // is visible, and FetchGradients names the new instance.
+  v1::ComputeHeader inline_h = HeaderFor(rp);
+  inline_h.set_accumulator("step-7");
+  ComputeReply again = RunCompute(after.stub(), inline_h, PartsFor(rp, 1 << 20));
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.summary.accumulated_micro_batches(), 1u);
+  Fetched g = Fetch(after.stub(), "step-7");
+  ASSERT_TRUE(g.status.ok());
+  EXPECT_EQ(g.header.instance(), "after-restart");
+  EXPECT_NE(g.header.instance(), old_instance);
+  EXPECT_EQ(after.WaitForIdleMemory(), 0u);
+}
+
+}  // namespace
+}  // namespace lossd

@@ -1,0 +1,217 @@
+// Striping over several connections: a weight upload split into stripes (each its own
+// stream on its own channel) and gradients fetched by byte range; a stripe cut off half way
+// aborts the upload and leaves no handle.
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
+#include "tests/server_harness.h"
+
+namespace lossd {
+namespace {
+
+using testing_harness::ComputeReply;
+using testing_harness::Harness;
+using testing_harness::HeaderFor;
+using testing_harness::PartsFor;
+using testing_harness::RunCompute;
+
+v1::TensorSpec Spec(v1::DType dt, std::vector<int64_t> shape) {
+  v1::TensorSpec s;
+  s.set_dtype(dt);
+  for (int64_t d : shape) s.add_shape(d);
+  return s;
+}
+
+struct StripeResult {
+  grpc::Status status;
+  std::string handle;
+};
+
+// Sends W bytes [begin, end) (and the bias when begin == 0) as one stripe. With
+// `cancel_after_parts` >= 0 the stream is cancelled after that many parts.
+StripeResult SendStripe(v1::Loss::Stub& stub, const RandomProblem& rp, const std::string& id,
+                        uint32_t stripes, uint64_t begin, uint64_t end, size_t part_bytes,
+                        int cancel_after_parts = -1) {
+  StripeResult out;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::PutWeightsResponse resp;
+  auto writer = stub.PutWeights(&ctx, &resp);
+  v1::PutWeightsRequest h;
+  v1::WeightsHeader* wh = h.mutable_header();
+  *wh->mutable_w() = Spec(v1::DTYPE_BF16, {rp.spec().v, rp.spec().h});
+  if (!rp.bias.empty()) *wh->mutable_bias() = Spec(v1::DTYPE_BF16, {rp.spec().v});
+  wh->set_upload_id(id);
+  wh->set_stripes(stripes);
+  wh->set_w_begin(begin);
+  wh->set_w_end(end);
+  writer->Write(h);
+  int sent = 0;
+  for (uint64_t off = begin; off < end; off += part_bytes) {
+    if (sent++ == cancel_after_parts) {
+      ctx.TryCancel();
+      out.status = writer->Finish();
+      return out;
+    }
+    v1::PutWeightsRequest r;
+    r.mutable_part()->set_tensor(v1::TENSOR_W);
+    r.mutable_part()->set_offset(off);
+    r.mutable_part()->set_data(rp.w.data() + off, std::min<uint64_t>(part_bytes, end - off));
+    if (!writer->Write(r)) break;
+  }
+  if (begin == 0 && !rp.bias.empty()) {
+    v1::PutWeightsRequest r;
+    r.mutable_part()->set_tensor(v1::TENSOR_BIAS);
+    r.mutable_part()->set_offset(0);
+    r.mutable_part()->set_data(rp.bias.data(), rp.bias.size());
+    writer->Write(r);
+  }
+  writer->WritesDone();
+  out.status = writer->Finish();
+  out.handle = resp.handle();
+  return out;
+}
+
+RandomProblem Problem() {
+  RandomProblemSpec s;
+  s.bt = 32;
+  s.h = 48;
+  s.v = 1000;
+  s.bias = true;
+  s.seed = 17;
+  return RandomProblem::Make(s);
+}
+
+TEST(StripingTest, FourStripesOnFourConnectionsMakeOneHandle) {
+  Harness h;
+  RandomProblem rp = Problem();
+  const uint64_t w_bytes = rp.w.size();
+  const uint64_t cuts[] = {0, 10000, 40000, 41000, w_bytes};
+  std::vector<StripeResult> results(4);
+  std::vector<std::unique_ptr<v1::Loss::Stub>> stubs;
+  for (int i = 0; i < 4; ++i) stubs.push_back(h.NewStub(grpc::InsecureChannelCredentials()));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = SendStripe(*stubs[i], rp, "up-1", 4, cuts[i], cuts[i + 1], 3000);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    EXPECT_EQ(results[i].handle, results[0].handle);
+  }
+  ComputeReply by_handle =
+      RunCompute(h.stub(), HeaderFor(rp, results[0].handle), PartsFor(rp, 1 << 20, false));
+  ComputeReply inline_w = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
+  ASSERT_TRUE(by_handle.status.ok()) << by_handle.status.error_message();
+  ASSERT_TRUE(inline_w.status.ok());
+  EXPECT_EQ(by_handle.tensors, inline_w.tensors);
+  EXPECT_EQ(h.engine().weights().count(), 1u);
+}
+
+TEST(StripingTest, AStripeCutOffHalfWayAbortsTheUploadAndLeavesNoHandle) {
+  Harness h;
+  RandomProblem rp = Problem();
+  const uint64_t w_bytes = rp.w.size();
+  auto a = h.NewStub(grpc::InsecureChannelCredentials());
+  auto b = h.NewStub(grpc::InsecureChannelCredentials());
+  StripeResult first, second;
+  std::thread t1([&] { first = SendStripe(*a, rp, "up-2", 2, 0, w_bytes / 2, 2000); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // first stripe sent, waiting
+  second = SendStripe(*b, rp, "up-2", 2, w_bytes / 2, w_bytes, 2000, /*cancel_after_parts=*/3);
+  t1.join();
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(first.status.error_code(), grpc::StatusCode::ABORTED) << first.status.error_message();
+  EXPECT_NE(first.status.error_message().find("was aborted"), std::string::npos);
+  EXPECT_TRUE(first.handle.empty());
+  EXPECT_EQ(h.engine().weights().count(), 0u);
+  EXPECT_EQ(h.engine().weights().bytes(), 0u);
+  // The cache reservation was given back: the whole budget can be reserved again.
+  EXPECT_TRUE(h.engine().weights().Reserve(h.engine().weights().budget()).ok());
+  h.engine().weights().Unreserve(h.engine().weights().budget());
+}
+
+TEST(StripingTest, OverlappingStripesAreRefused) {
+  Harness h;
+  RandomProblem rp = Problem();
+  auto a = h.NewStub(grpc::InsecureChannelCredentials());
+  auto b = h.NewStub(grpc::InsecureChannelCredentials());
+  StripeResult first;
+  std::thread t([&] { first = SendStripe(*a, rp, "up-3", 2, 0, 50000, 4000); });
+  // Let the first stripe register its range before the overlapping one joins.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  StripeResult second = SendStripe(*b, rp, "up-3", 2, 40000, rp.w.size(), 4000);
+  t.join();
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(second.status.error_message().find("overlaps the range [0, 50000)"), std::string::npos)
+      << second.status.error_message();
+  EXPECT_EQ(first.status.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(h.engine().weights().count(), 0u);
+}
+
+std::vector<uint8_t> Fetch(v1::Loss::Stub& stub, const std::string& name, uint64_t begin,
+                           uint64_t end, grpc::Status* status, uint64_t dw_bytes,
+                           uint64_t total) {
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest r;
+  r.set_accumulator(name);
+  r.set_range_begin(begin);
+  r.set_range_end(end);
+  r.set_response_part_bytes(777);
+  auto reader = stub.FetchGradients(&ctx, r);
+  std::vector<uint8_t> all(total, 0xEE);
+  v1::FetchGradientsResponse m;
+  while (reader->Read(&m)) {
+    if (!m.has_part()) continue;
+    const uint64_t base = m.part().tensor() == v1::TENSOR_DW ? 0 : dw_bytes;
+    std::memcpy(all.data() + base + m.part().offset(), m.part().data().data(),
+                m.part().data().size());
+  }
+  *status = reader->Finish();
+  return all;
+}
+
+TEST(StripingTest, GradientsFetchedByRangeEqualOneWholeFetch) {
+  Harness h;
+  RandomProblem rp = Problem();
+  v1::ComputeHeader header = HeaderFor(rp);
+  header.set_accumulator("acc");
+  ASSERT_TRUE(RunCompute(h.stub(), header, PartsFor(rp, 1 << 20)).status.ok());
+  const uint64_t dw_bytes = rp.spec().v * rp.spec().h * 4, total = dw_bytes + rp.spec().v * 4;
+  grpc::Status s;
+  std::vector<uint8_t> whole = Fetch(h.stub(), "acc", 0, 0, &s, dw_bytes, total);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<uint8_t> striped(total, 0xEE);
+  const uint64_t cuts[] = {0, 5000, dw_bytes - 3, dw_bytes + 10, total};
+  for (int i = 0; i < 4; ++i) {
+    auto stub = h.NewStub(grpc::InsecureChannelCredentials());
+    std::vector<uint8_t> part = Fetch(*stub, "acc", cuts[i], cuts[i + 1], &s, dw_bytes, total);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    std::memcpy(striped.data() + cuts[i], part.data() + cuts[i], cuts[i + 1] - cuts[i]);
+  }
+  EXPECT_EQ(striped, whole);
+
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest bad;
+  bad.set_accumulator("acc");
+  bad.set_range_begin(0);
+  bad.set_range_end(100);
+  bad.set_reset(true);
+  auto reader = h.stub().FetchGradients(&ctx, bad);
+  v1::FetchGradientsResponse m;
+  while (reader->Read(&m)) {
+  }
+  grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("reset applies to whole fetches only"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace lossd
