@@ -25,17 +25,37 @@ std::vector<uint8_t> StoreAll(const std::vector<float>& v, DType t) {
   return out;
 }
 
-// Raw logits of row i (x_i W^T + b) in double, from the stored inputs.
-void RowLogits(const LossProblem& p, int64_t i, std::vector<double>* z) {
-  z->assign(p.v, 0.0);
-  for (int64_t j = 0; j < p.v; ++j) {
-    double acc = p.bias != nullptr ? LoadAsFloat(p.bias, p.dtype, j) : 0.0;
-    for (int64_t k = 0; k < p.h; ++k) {
-      acc += static_cast<double>(LoadAsFloat(p.x, p.dtype, i * p.h + k)) *
-             LoadAsFloat(p.w, p.dtype, j * p.h + k);
-    }
-    (*z)[j] = acc;
+// Raw logits (x_i W^T + b) in double from the stored inputs, with W and b widened once.
+class RowLogitCalculator {
+ public:
+  explicit RowLogitCalculator(const LossProblem& p)
+      : p_(p), w_(Widen(p.w, p.dtype, p.v * p.h)), x_(p.h) {
+    bias_ = p.bias != nullptr ? Widen(p.bias, p.dtype, p.v) : std::vector<double>(p.v, 0.0);
   }
+  // (V) logits of row i.
+  void Row(int64_t i, std::vector<double>* z) {
+    for (int64_t k = 0; k < p_.h; ++k) x_[k] = LoadAsFloat(p_.x, p_.dtype, i * p_.h + k);
+    z->resize(p_.v);
+    for (int64_t j = 0; j < p_.v; ++j) {
+      // Four partial sums: faster, and no less exact in double at these sizes.
+      const double* wj = &w_[j * p_.h];
+      double a[4] = {0, 0, 0, 0};
+      int64_t k = 0;
+      for (; k + 4 <= p_.h; k += 4) {
+        for (int l = 0; l < 4; ++l) a[l] += x_[k + l] * wj[k + l];
+      }
+      for (; k < p_.h; ++k) a[0] += x_[k] * wj[k];
+      (*z)[j] = bias_[j] + ((a[0] + a[1]) + (a[2] + a[3]));
+    }
+  }
+
+ private:
+  const LossProblem& p_;
+  std::vector<double> w_, bias_, x_;
+};
+
+void RowLogits(const LossProblem& p, int64_t i, std::vector<double>* z) {
+  RowLogitCalculator(p).Row(i, z);
 }
 
 double Softcapped(double z, double cap) { return cap > 0 ? cap * std::tanh(z / cap) : z; }
@@ -47,8 +67,9 @@ LogitStats ComputeLogitStats(const LossProblem& p) {
   s.row_abs_max.assign(p.bt, 0.0);
   std::vector<double> z;
   double sq = 0;
+  RowLogitCalculator calc(p);
   for (int64_t i = 0; i < p.bt; ++i) {
-    RowLogits(p, i, &z);
+    calc.Row(i, &z);
     double m = 0;
     for (double e : z) m = std::max(m, std::fabs(e));
     s.row_abs_max[i] = m;
@@ -91,13 +112,14 @@ RandomProblem RandomProblem::Make(const RandomProblemSpec& spec) {
   for (int64_t& t : r.targets) t = any(rng);
   r.targets32_.assign(spec.bt, 0);
   const LossProblem view = r.problem();
+  RowLogitCalculator calc(view);
   std::vector<double> z;
   for (int64_t i = 0; i < spec.bt; ++i) {
     const float u = unit(rng);
     if (u < spec.ignore_fraction) {
       r.targets[i] = spec.options.ignore_index;
     } else if (u < spec.ignore_fraction + (1 - spec.ignore_fraction) * spec.argmax_fraction) {
-      RowLogits(view, i, &z);
+      calc.Row(i, &z);
       int64_t arg = 0;
       for (int64_t j = 1; j < spec.v; ++j) {
         if (Softcapped(z[j], spec.options.softcap) > Softcapped(z[arg], spec.options.softcap)) {
@@ -297,9 +319,8 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
   const bool none = o.reduction == Reduction::kNone;
   const int64_t v = p.v;
   const double eps = o.label_smoothing, zs = o.z_loss_scale, cap = o.softcap;
-  std::vector<double> w(p.v * p.h), bias(p.v, 0.0), cw(p.v, 1.0);
-  for (int64_t k = 0; k < p.v * p.h; ++k) w[k] = LoadAsFloat(p.w, p.dtype, k);
-  if (p.bias != nullptr) bias = Widen(p.bias, p.dtype, p.v);
+  std::vector<double> cw(p.v, 1.0);
+  RowLogitCalculator calc(p);
   if (p.class_weights != nullptr) {
     for (int64_t j = 0; j < v; ++j) cw[j] = p.class_weights[j];
   }
@@ -323,15 +344,13 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
   b.ce.assign(p.bt, 0.0);
   b.zl.assign(p.bt, 0.0);
   b.lse.assign(p.bt, 0.0);
-  std::vector<double> x(p.h), zraw(v), th(v), dcap(v, 1.0), dzraw(v), dzf(v), pr(v);
+  std::vector<double> zraw(v), th(v), dcap(v, 1.0), dzraw(v), dzf(v), pr(v);
   double err2 = 0, g2 = 0;
   for (int64_t i = 0; i < p.bt; ++i) {
-    for (int64_t k = 0; k < p.h; ++k) x[k] = LoadAsFloat(p.x, p.dtype, i * p.h + k);
+    calc.Row(i, &zraw);
     double l = 0;  // bound on |d lse_i| = sum_j p_j |d zf_j|
     for (int64_t j = 0; j < v; ++j) {
-      double acc = bias[j];
-      for (int64_t k = 0; k < p.h; ++k) acc += x[k] * w[j * p.h + k];
-      zraw[j] = acc;
+      const double acc = zraw[j];
       double zf = acc;
       if (cap > 0) {
         th[j] = std::tanh(acc / cap);
