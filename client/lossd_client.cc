@@ -172,6 +172,18 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   absl::Status handler_status_ ABSL_GUARDED_BY(mu_);
 };
 
+// Runs one streaming call on a ClientContext of its own, destroyed before this returns: the
+// context holds the call, and the call keeps any slice it did not send (after an early error)
+// until it is destroyed, so a SliceTracker could not finish waiting while it lives.
+absl::Status RunStream(grpc::GenericStub* stub, const char* method,
+                       const std::function<void(grpc::ClientContext*)>& prepare,
+                       std::vector<grpc::ByteBuffer> out, StreamCall::Handler on_message) {
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  StreamCall stream(std::move(out), std::move(on_message));
+  return stream.Run(stub, method, &ctx);
+}
+
 // Appends the parts of one tensor: at most part_bytes each, in byte order.
 void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
                  std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
@@ -536,14 +548,9 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     return absl::OkStatus();
   };
 
-  Connection& conn = NextConnection();
-  grpc::ClientContext ctx;
-  PrepareContext(call, &ctx);
-  absl::Status status;
-  {
-    StreamCall stream(std::move(out), on_message);
-    status = stream.Run(conn.generic.get(), kComputeMethod, &ctx);
-  }
+  const absl::Status status = RunStream(
+      NextConnection().generic.get(), kComputeMethod,
+      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message);
   tracker.WaitUntilReleased();
   LOSSD_CLIENT_RETURN_IF_ERROR(status);
   if (!have_summary) return absl::InternalError("server ended the stream without a summary");
@@ -580,14 +587,9 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, con
     absl::Status s = DecodeMessage(msg, &reply);
     return s.ok() ? s : absl::InternalError(s.message());
   };
-  Connection& conn = NextConnection();
-  grpc::ClientContext ctx;
-  PrepareContext(call, &ctx);
-  absl::Status status;
-  {
-    StreamCall stream(std::move(out), on_message);
-    status = stream.Run(conn.generic.get(), kPutWeightsMethod, &ctx);
-  }
+  const absl::Status status = RunStream(
+      NextConnection().generic.get(), kPutWeightsMethod,
+      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message);
   tracker.WaitUntilReleased();
   LOSSD_CLIENT_RETURN_IF_ERROR(status);
   if (replies != 1) return absl::InternalError("server ended PutWeights without a reply");
@@ -659,14 +661,9 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
     }
     return absl::OkStatus();
   };
-  Connection& conn = NextConnection();
-  grpc::ClientContext ctx;
-  PrepareContext(call, &ctx);
-  absl::Status status;
-  {
-    StreamCall stream(std::move(out), on_message);
-    status = stream.Run(conn.generic.get(), kFetchGradientsMethod, &ctx);
-  }
+  const absl::Status status = RunStream(
+      NextConnection().generic.get(), kFetchGradientsMethod,
+      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message);
   LOSSD_CLIENT_RETURN_IF_ERROR(status);
   if (!have_header) return absl::InternalError("server ended the stream without a header");
   LOSSD_CLIENT_RETURN_IF_ERROR(receiver.CheckComplete());

@@ -597,6 +597,30 @@ INSTANTIATE_TEST_SUITE_P(
                       grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::NOT_FOUND,
                       grpc::StatusCode::FAILED_PRECONDITION, grpc::StatusCode::INTERNAL));
 
+// The server fails after the header while most parts are still unsent: the call must end
+// promptly with the server's status, and every slice of caller memory must be let go (Compute
+// waits for that before it returns).
+TEST_F(LossClientTest, EarlyErrorWhileSendingALargeTensor) {
+  fake_.mode = Mode::kError;
+  fake_.error_message = "w: V 4096 exceeds max_v 1024";
+  ClientOptions o = Options();
+  o.part_bytes = 16 << 10;
+  auto client = Client(o);
+  ComputeRequest r;
+  r.x = RandomTensor(DType::kBF16, {2048, 1024}, 51);  // 4 MiB: 256 parts
+  r.w = RandomTensor(DType::kBF16, {4096, 1024}, 52);  // 8 MiB: 512 parts
+  r.targets = Targets(2048, 4096, 53);
+  for (int i = 0; i < 5; ++i) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<ComputeResult> res = client->Compute(r);
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument) << res.status();
+    EXPECT_EQ(res.status().message(), fake_.error_message);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    absl::StatusOr<PutWeightsResult> put = client->PutWeights(*r.w, nullptr);
+    ASSERT_TRUE(put.ok()) << put.status();  // the connection is still good
+  }
+}
+
 TEST_F(LossClientTest, DeadlineExceeded) {
   fake_.mode = Mode::kSleep;
   auto client = Client(Options());
