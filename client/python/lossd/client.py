@@ -202,19 +202,26 @@ class Client:
       (one connection tops out at a few GB/s).
     wait_for_ready: wait for the server to become reachable (until the deadline) instead of
       failing fast with UnavailableError.
-    metadata: [(key, value)] added to every call, e.g. [("authorization", "Bearer ...")].
+    metadata: [(key, value)] added to every call.
+    auth_token: a bearer token (servers started with --auth_tokens_file); sent as
+      "authorization: Bearer <token>" metadata.
+    tls_ca_file / tls_cert_file / tls_key_file: PEM files for TLS (servers started with
+      --tls_cert): the CA that signed the server's certificate (None = the system roots), and a
+      client certificate and key for mutual TLS (--tls_client_ca). tls=True turns TLS on with
+      the system roots alone. tls_server_name overrides the name checked in the certificate.
     channel_options: extra gRPC channel arguments, e.g.
       [("grpc.lb_policy_name", "round_robin")] for client-side balancing over a headless
       Service.
-    credentials: grpc.ChannelCredentials for TLS; None = plaintext.
+    credentials: grpc.ChannelCredentials (instead of the tls_* files); None = plaintext.
     channel: an existing grpc.Channel to use instead (target and the above are then ignored).
     """
 
     def __init__(self, target="localhost:50051", *, part_bytes=DEFAULT_PART_BYTES,
                  response_part_bytes=0, timeout=DEFAULT_TIMEOUT_S,
                  max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, connections=1,
-                 wait_for_ready=False, metadata=None, channel_options=None, credentials=None,
-                 channel=None):
+                 wait_for_ready=False, metadata=None, auth_token=None, tls=False,
+                 tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None,
+                 channel_options=None, credentials=None, channel=None):
         if int(part_bytes) <= 0:
             raise errors.InvalidArgumentError("part_bytes must be positive, got %r" % part_bytes)
         if int(connections) < 1:
@@ -229,10 +236,26 @@ class Client:
         self.timeout = timeout
         self.wait_for_ready = bool(wait_for_ready)
         self.metadata = tuple(metadata or ())
+        if auth_token:
+            self.metadata += (("authorization", "Bearer %s" % auth_token),)
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise errors.InvalidArgumentError("tls_cert_file and tls_key_file go together")
+        if credentials is None and (tls or tls_ca_file or tls_cert_file):
+            def read(path):
+                if path is None:
+                    return None
+                with open(path, "rb") as f:
+                    return f.read()
+
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=read(tls_ca_file), private_key=read(tls_key_file),
+                certificate_chain=read(tls_cert_file))
         self._own_channel = channel is None
         if channel is None:
             opts = [("grpc.max_receive_message_length", int(max_message_bytes)),
                     ("grpc.max_send_message_length", int(max_message_bytes))]
+            if tls_server_name:
+                opts.append(("grpc.ssl_target_name_override", tls_server_name))
             if int(connections) > 1:
                 # A private subchannel pool per channel: otherwise gRPC shares one connection.
                 opts.append(("grpc.use_local_subchannel_pool", 1))

@@ -59,9 +59,10 @@ def find_lossd_binary():
 class LossdProcess:
     """One lossd server on loopback; stopped with SIGTERM (graceful drain) at teardown."""
 
-    def __init__(self, binary, log_path, extra_flags=()):
+    def __init__(self, binary, log_path, extra_flags=(), client_kwargs=None, host="127.0.0.1"):
         self.port = free_port()
-        self.address = "127.0.0.1:%d" % self.port
+        self.address = "%s:%d" % (host, self.port)
+        self.client_kwargs = dict(client_kwargs or {})
         self.log_path = log_path
         self.log = open(log_path, "wb")
         cmd = [binary, "--port=%d" % self.port, "--backend=%s" % BACKEND, "--metrics_port=0",
@@ -78,7 +79,7 @@ class LossdProcess:
 
     def wait_serving(self, timeout):
         deadline = time.monotonic() + timeout
-        with lossd.Client(self.address, timeout=2.0) as c:
+        with lossd.Client(self.address, timeout=2.0, **self.client_kwargs) as c:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError("lossd exited with %s at start:\n%s" % (
