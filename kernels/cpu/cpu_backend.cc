@@ -5,13 +5,16 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <utility>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +30,19 @@
 #include "kernels/loss_problem.h"
 
 namespace lossd {
+
+// Bytes held (buffers from Allocate plus running workspaces) and their peak.
+struct CpuMemoryCounter {
+  std::atomic<int64_t> held{0};
+  std::atomic<int64_t> peak{0};
+  void Add(int64_t bytes) {
+    const int64_t now = held.fetch_add(bytes) + bytes;
+    int64_t p = peak.load();
+    while (now > p && !peak.compare_exchange_weak(p, now)) {
+    }
+  }
+};
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -57,11 +73,11 @@ class FloatBuffer {
 
 class HostBuffer : public BackendBuffer {
  public:
-  HostBuffer(void* data, size_t size, std::function<void(int64_t)> on_free)
-      : data_(data), size_(size), on_free_(std::move(on_free)) {}
+  HostBuffer(void* data, size_t size, std::shared_ptr<CpuMemoryCounter> counter)
+      : data_(data), size_(size), counter_(std::move(counter)) {}
   ~HostBuffer() override {
     std::free(data_);
-    on_free_(-static_cast<int64_t>(size_));
+    counter_->Add(-static_cast<int64_t>(size_));
   }
   void* data() override { return data_; }
   size_t size() const override { return size_; }
@@ -69,29 +85,96 @@ class HostBuffer : public BackendBuffer {
  private:
   void* data_;
   size_t size_;
-  std::function<void(int64_t)> on_free_;
+  std::shared_ptr<CpuMemoryCounter> counter_;  // may outlive the backend
 };
 
-// Runs fn(task) for every task in [0, n) on up to `threads` threads, the caller included.
-// What a task computes never depends on which thread runs it, so neither do the results.
-void ParallelFor(int threads, int64_t n, const std::function<void(int64_t)>& fn) {
-  if (n <= 0) return;
-  const int64_t workers = std::min<int64_t>(threads, n);
-  std::atomic<int64_t> next{0};
-  auto run = [&] {
-    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t);
-  };
-  std::vector<std::thread> pool;
-  for (int64_t k = 1; k < workers; ++k) {
-    try {
-      pool.emplace_back(run);
-    } catch (...) {
-      break;  // fewer threads give the same results, only later
+}  // namespace
+
+// A fixed set of worker threads, started once: a server calls Compute often, and OpenBLAS
+// keeps per-thread state, so short-lived threads would cost both time and memory.
+class CpuTaskPool {
+ public:
+  explicit CpuTaskPool(int threads) {
+    for (int k = 1; k < threads; ++k) {
+      try {
+        workers_.emplace_back([this] { WorkerLoop(); });
+      } catch (...) {
+        break;  // fewer threads give the same results, only later
+      }
     }
   }
-  run();
-  for (std::thread& t : pool) t.join();
-}
+
+  ~CpuTaskPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+
+  // Runs fn(task) for every task in [0, n) on the workers and the caller; returns when all
+  // are done. What a task computes never depends on which thread runs it, so neither do the
+  // results. One Run at a time: concurrent callers queue.
+  void Run(int64_t n, const std::function<void(int64_t)>& fn) {
+    if (n <= 0) return;
+    std::lock_guard<std::mutex> run_lock(run_mu_);
+    if (n == 1 || workers_.empty()) {
+      for (int64_t t = 0; t < n; ++t) fn(t);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      n_ = n;
+      next_.store(0);
+      busy_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    Drain(fn, n);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return busy_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void Drain(const std::function<void(int64_t)>& fn, int64_t n) {
+    for (int64_t t = next_.fetch_add(1); t < n; t = next_.fetch_add(1)) fn(t);
+  }
+
+  void WorkerLoop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int64_t)>* fn;
+      int64_t n;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        fn = fn_;
+        n = n_;
+      }
+      Drain(*fn, n);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex run_mu_;  // serialises Run
+  std::mutex mu_;      // guards everything below but next_
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0;
+  std::atomic<int64_t> next_{0};
+  int busy_ = 0;  // workers still in the current generation
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
+namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -182,15 +265,15 @@ void NarrowRange(const float* src, int64_t n, DType t, void* dst, int64_t first)
   }
 }
 
-void ParallelWiden(int threads, const void* src, DType t, int64_t n, float* dst) {
-  ParallelFor(threads, CeilDiv(n, kConvertBlock), [&](int64_t task) {
+void ParallelWiden(CpuTaskPool& pool, const void* src, DType t, int64_t n, float* dst) {
+  pool.Run(CeilDiv(n, kConvertBlock), [&](int64_t task) {
     const int64_t first = task * kConvertBlock;
     WidenRange(src, t, first, std::min(kConvertBlock, n - first), dst + first);
   });
 }
 
-void ParallelNarrow(int threads, const float* src, int64_t n, DType t, void* dst) {
-  ParallelFor(threads, CeilDiv(n, kConvertBlock), [&](int64_t task) {
+void ParallelNarrow(CpuTaskPool& pool, const float* src, int64_t n, DType t, void* dst) {
+  pool.Run(CeilDiv(n, kConvertBlock), [&](int64_t task) {
     const int64_t first = task * kConvertBlock;
     NarrowRange(src + first, std::min(kConvertBlock, n - first), t, dst, first);
   });
@@ -450,10 +533,14 @@ Plan MakePlan(const LossProblem& p, const LossOutputs& out) {
 CpuBackend::CpuBackend(int threads)
     : threads_(std::max(1, threads)),
       device_(CpuModel()),
-      memory_total_bytes_(MemInfoBytes("MemTotal")) {
+      memory_total_bytes_(MemInfoBytes("MemTotal")),
+      memory_(std::make_shared<CpuMemoryCounter>()),
+      pool_(std::make_unique<CpuTaskPool>(threads_)) {
   // Every sgemm runs single-threaded inside one of this backend's tasks (see the header).
   openblas_set_num_threads(1);
 }
+
+CpuBackend::~CpuBackend() = default;
 
 int64_t CpuBackend::ChunkRows(const LossProblem& p) {
   int64_t c = p.options.chunk_rows;
@@ -464,13 +551,6 @@ int64_t CpuBackend::ChunkRows(const LossProblem& p) {
   return std::max<int64_t>(1, std::min<int64_t>(c, std::max<int64_t>(p.bt, 1)));
 }
 
-void CpuBackend::AddHeld(int64_t bytes) {
-  const int64_t now = held_bytes_.fetch_add(bytes) + bytes;
-  int64_t peak = peak_bytes_.load();
-  while (now > peak && !peak_bytes_.compare_exchange_weak(peak, now)) {
-  }
-}
-
 BackendInfo CpuBackend::Info() {
   BackendInfo info;
   info.name = "cpu";
@@ -478,7 +558,7 @@ BackendInfo CpuBackend::Info() {
   info.memory_total_bytes = memory_total_bytes_;
   const uint64_t available = MemInfoBytes("MemAvailable");
   info.memory_used_bytes = memory_total_bytes_ > available ? memory_total_bytes_ - available : 0;
-  info.memory_peak_bytes = static_cast<uint64_t>(std::max<int64_t>(0, peak_bytes_.load()));
+  info.memory_peak_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->peak.load()));
   info.healthy = true;
   return info;
 }
@@ -494,9 +574,8 @@ absl::StatusOr<std::unique_ptr<BackendBuffer>> CpuBackend::Allocate(size_t bytes
     return absl::ResourceExhaustedError(
         absl::StrCat("cpu backend: out of host memory allocating ", bytes, " bytes"));
   }
-  AddHeld(static_cast<int64_t>(bytes));
-  return std::unique_ptr<BackendBuffer>(
-      new HostBuffer(data, bytes, [this](int64_t b) { AddHeld(b); }));
+  memory_->Add(static_cast<int64_t>(bytes));
+  return std::unique_ptr<BackendBuffer>(new HostBuffer(data, bytes, memory_));
 }
 
 namespace {
@@ -546,7 +625,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   const int64_t bt = p.bt, h = p.h, v = p.v, chunk = plan.chunk;
   const LossOptions& o = p.options;
   const bool none = o.reduction == Reduction::kNone;
-  const int threads = threads_;
+  CpuTaskPool& pool = *pool_;
 
   // Targets: range check, the non-ignored count and the class-weight sum (mean's
   // denominators are needed before any gradient). -1 marks an ignored row below.
@@ -575,12 +654,12 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     z_scale = tokens != 0 ? o.grad_scale / static_cast<double>(tokens) : 0.0;
   }
 
-  AddHeld(static_cast<int64_t>(plan.bytes));
+  memory_->Add(static_cast<int64_t>(plan.bytes));
   struct Release {
-    CpuBackend* self;
+    CpuMemoryCounter* counter;
     int64_t bytes;
-    ~Release() { self->AddHeld(-bytes); }
-  } release{this, static_cast<int64_t>(plan.bytes)};
+    ~Release() { counter->Add(-bytes); }
+  } release{memory_.get(), static_cast<int64_t>(plan.bytes)};
   auto oom = [&](const char* what, uint64_t bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("cpu backend: out of host memory for ",
                                                      what, " (", bytes, " bytes)"));
@@ -591,7 +670,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   const float* wf = static_cast<const float*>(p.w);
   if (plan.w_copy) {
     if (!w_copy.Allocate(v * h)) return oom("W in fp32", uint64_t(v) * h * 4);
-    ParallelWiden(threads, p.w, p.dtype, v * h, w_copy.data());
+    ParallelWiden(pool, p.w, p.dtype, v * h, w_copy.data());
     wf = w_copy.data();
   }
   if (p.bias != nullptr) {
@@ -641,7 +720,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     // X_c in fp32.
     const float* xc = static_cast<const float*>(p.x) + c0 * h;
     if (plan.x_copy) {
-      ParallelFor(threads, CeilDiv(rows_c * h, kConvertBlock), [&](int64_t task) {
+      pool.Run(CeilDiv(rows_c * h, kConvertBlock), [&](int64_t task) {
         const int64_t first = task * kConvertBlock;
         const int64_t n = std::min(kConvertBlock, rows_c * h - first);
         WidenRange(p.x, p.dtype, c0 * h + first, n, x_copy.data() + first);
@@ -649,7 +728,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
       xc = x_copy.data();
     }
     // z = X_c W^T + b, rounded to the input dtype; one task per block of V columns.
-    ParallelFor(threads, v_tasks, [&](int64_t task) {
+    pool.Run(v_tasks, [&](int64_t task) {
       const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
       GemmRows(/*trans_b=*/true, rows_c, nj, h, xc, h, wf + j0 * h, h, z + j0, v);
       for (int64_t r = 0; r < rows_c; ++r) {
@@ -662,7 +741,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
       }
     });
     // Row pass: loss, lse, argmax and G over z.
-    ParallelFor(threads, CeilDiv(rows_c, kPassRows), [&](int64_t task) {
+    pool.Run(CeilDiv(rows_c, kPassRows), [&](int64_t task) {
       const int64_t r_end = std::min(rows_c, (task + 1) * kPassRows);
       for (int64_t r = task * kPassRows; r < r_end; ++r) {
         const int64_t i = c0 + r;
@@ -676,7 +755,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     if (plan.want_dx) {
       float* dxc = plan.dx_scratch ? dx_scratch.data() : static_cast<float*>(out.dx) + c0 * h;
       const int64_t row_block = RowBlock(rows_c);
-      ParallelFor(threads, CeilDiv(rows_c, row_block), [&](int64_t task) {
+      pool.Run(CeilDiv(rows_c, row_block), [&](int64_t task) {
         const int64_t r0 = task * row_block, nr = std::min(row_block, rows_c - r0);
         GemmRows(/*trans_b=*/false, nr, h, v, z + r0 * v, v, wf, h, dxc + r0 * h, h);
         if (plan.dx_scratch) NarrowRange(dxc + r0 * h, nr * h, out.grad_dtype, out.dx, (c0 + r0) * h);
@@ -686,7 +765,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     // chunk summed in order.
     if (dw_f != nullptr || db_acc != nullptr) {
       const float beta = (dw_overwrite && c0 == 0) ? 0.0f : 1.0f;
-      ParallelFor(threads, v_tasks, [&](int64_t task) {
+      pool.Run(v_tasks, [&](int64_t task) {
         const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
         if (dw_f != nullptr) {
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nj, h, rows_c, 1.0f, z + j0, v,
@@ -739,7 +818,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   if (bt == 0) {
     if (dw_f != nullptr && dw_overwrite) std::fill(dw_f, dw_f + v * h, 0.0f);
   }
-  if (plan.dw_scratch) ParallelNarrow(threads, dw_f, v * h, out.grad_dtype, out.dw);
+  if (plan.dw_scratch) ParallelNarrow(pool, dw_f, v * h, out.grad_dtype, out.dw);
   if (plan.db_scratch && out.db != nullptr) {
     NarrowRange(db_f.data(), v, out.grad_dtype, out.db, 0);
   }

@@ -4,7 +4,6 @@
 #ifndef LOSSD_KERNELS_CPU_CPU_BACKEND_H_
 #define LOSSD_KERNELS_CPU_CPU_BACKEND_H_
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -17,6 +16,9 @@
 
 namespace lossd {
 
+class CpuTaskPool;
+struct CpuMemoryCounter;
+
 // Numerics (what the GPU backend does too, so the two agree): per chunk of C rows,
 //   z = X_c W^T + b   sgemm on the stored inputs widened to fp32, fp32 accumulate, then
 //                     rounded to the input dtype (as the GPU stores logits), kept in fp32;
@@ -25,14 +27,17 @@ namespace lossd {
 //   dX_c = G W, dW += G^T X_c, db += colsum G   sgemm, fp32 accumulate, fixed order.
 // Memory: besides the C x V chunk, a per-call fp32 copy of W (V x H, bf16/fp16 inputs only)
 // and, unless an accumulator or an fp32 dw is given, an fp32 dW; all freed on return.
+// Threads: threads - 1 workers started with the backend plus the calling thread; concurrent
+// Compute calls share them (one parallel step at a time).
 // Determinism: OpenBLAS runs single-threaded inside fixed tasks (blocks of V or of rows whose
-// bounds depend on the shape only), and this backend's threads take tasks; so the same request
+// bounds depend on the shape only), and the threads take tasks in any order; so the same request
 // gives bit-identical outputs at any thread count. Results depend on the chunk size only
 // through the fp32 rounding of the dW/db sums over chunks.
 class CpuBackend : public Backend {
  public:
   // threads >= 1: the most threads one Compute uses.
   explicit CpuBackend(int threads);
+  ~CpuBackend() override;
 
   BackendInfo Info() override;
   absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override;
@@ -52,13 +57,13 @@ class CpuBackend : public Backend {
   static constexpr uint64_t kDefaultChunkBytes = uint64_t{256} << 20;
 
  private:
-  void AddHeld(int64_t bytes);
-
   const int threads_;
   std::string device_;
   uint64_t memory_total_bytes_ = 0;
-  std::atomic<int64_t> held_bytes_{0};  // buffers from Allocate plus running workspaces
-  std::atomic<int64_t> peak_bytes_{0};
+  // Buffers from Allocate plus running workspaces; shared with the buffers, which may
+  // outlive the backend.
+  std::shared_ptr<CpuMemoryCounter> memory_;
+  std::unique_ptr<CpuTaskPool> pool_;  // threads_ - 1 workers, started once
 };
 
 // threads = 0: the hardware concurrency.

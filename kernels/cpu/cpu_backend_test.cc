@@ -9,6 +9,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -330,6 +331,32 @@ std::vector<double> MaxAbsDot(const LossProblem& p) {
   return out;
 }
 
+TEST(CpuBackendTest, ConcurrentComputesShareThePoolAndAgree) {
+  RandomProblemSpec spec;
+  spec.bt = 100;
+  spec.h = 32;
+  spec.v = 700;
+  spec.bias = true;
+  spec.options.chunk_rows = 30;
+  const RandomProblem rp = RandomProblem::Make(spec);
+  const LossProblem p = rp.problem();
+  CpuBackend backend(3);
+  HostOutputs alone(p, DType::kBF16);
+  ASSERT_TRUE(backend.Compute(p, alone.outputs(), nullptr).ok());
+  std::vector<std::unique_ptr<HostOutputs>> outs;
+  for (int k = 0; k < 4; ++k) outs.push_back(std::make_unique<HostOutputs>(p, DType::kBF16));
+  std::vector<std::thread> callers;
+  std::vector<absl::Status> status(4);
+  for (int k = 0; k < 4; ++k) {
+    callers.emplace_back([&, k] { status[k] = backend.Compute(p, outs[k]->outputs(), nullptr); });
+  }
+  for (std::thread& t : callers) t.join();
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_TRUE(status[k].ok()) << status[k];
+    EXPECT_TRUE(Bytes(*outs[k]) == Bytes(alone)) << "caller " << k;
+  }
+}
+
 TEST(CpuBackendTest, ChunkSizeChangesOnlyFp32Rounding) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     RandomProblemSpec spec;
@@ -564,6 +591,12 @@ TEST(CpuBackendTest, MemoryInterface) {
   ASSERT_TRUE(backend.Zero(**buf).ok());
   ASSERT_TRUE(backend.CopyFromBackend(**buf, 0, dst.data(), 60).ok());
   EXPECT_EQ(dst, std::vector<uint8_t>(60, 0));
+  // A buffer may outlive its backend.
+  auto backend2 = NewCpuBackend(2);
+  auto late = backend2->Allocate(10);
+  ASSERT_TRUE(late.ok());
+  backend2.reset();
+  late->reset();
 }
 
 TEST(CpuBackendTest, DefaultChunkKeepsTheChunkBufferBounded) {
