@@ -396,3 +396,24 @@ def test_several_connections_metadata_and_wait_for_ready(lossd_server):
         losses = {c.compute(x, w, t).loss for _ in range(4)}
         assert len(losses) == 1
         assert c.server_info().backend == BACKEND
+
+
+def test_request_that_can_never_fit_is_resource_exhausted(tmp_path):
+    """A server with a 4 MiB budget refuses a larger problem at once, naming the limit, while
+    the client is still streaming its tensors; smaller requests still work after it."""
+    from conftest import LossdProcess, find_lossd_binary
+
+    srv = LossdProcess(find_lossd_binary(), str(tmp_path / "lossd.log"),
+                       extra_flags=["--memory_budget_bytes=4194304"])
+    try:
+        with lossd.Client(srv.address, timeout=60, part_bytes=1 << 16) as c:
+            x, w, _, t = make_inputs("fp32", bt=512, h=256, v=4096, seed=6)
+            with pytest.raises(lossd.ResourceExhaustedError) as e:
+                c.compute(x, w, t)
+            assert e.value.code.name == "RESOURCE_EXHAUSTED"
+            assert "4194304" in e.value.message or "4.0 MiB" in e.value.message or \
+                "4 MiB" in e.value.message, e.value.message
+            x, w, _, t = make_inputs("fp32", seed=6)
+            assert np.isfinite(c.compute(x, w, t).loss)
+    finally:
+        srv.stop()
