@@ -26,13 +26,15 @@ struct CpuMemoryCounter;
 //                     G = dL/dz written over z, rounded to the input dtype;
 //   dX_c = G W, dW += G^T X_c, db += colsum G   sgemm, fp32 accumulate, fixed order.
 // Memory: besides the C x V chunk, a per-call fp32 copy of W (V x H, bf16/fp16 inputs only)
-// and, unless an accumulator or an fp32 dw is given, an fp32 dW; all freed on return.
+// and, unless an accumulator or an fp32 dw is given, an fp32 dW; all freed on return and all
+// counted by WorkspaceBytes (OpenBLAS's own packing buffers, kept per thread for the life of
+// the process, are not). Memory::kBackend is host memory here: Allocate returns host buffers.
 // Threads: threads - 1 workers started with the backend plus the calling thread; concurrent
 // Compute calls share them (one parallel step at a time).
 // Determinism: OpenBLAS runs single-threaded inside fixed tasks (blocks of V or of rows whose
-// bounds depend on the shape only), and the threads take tasks in any order; so the same request
-// gives bit-identical outputs at any thread count. Results depend on the chunk size only
-// through the fp32 rounding of the dW/db sums over chunks.
+// bounds depend on the shape only), and the threads take tasks in any order; so the same
+// request gives bit-identical outputs at any thread count. The chunk size changes results by
+// fp32 rounding only: OpenBLAS picks kernels by shape, and dW/db sum over chunks.
 class CpuBackend : public Backend {
  public:
   // threads >= 1: the most threads one Compute uses.
