@@ -32,6 +32,8 @@ ABSL_FLAG(int, runs, 20, "timed runs per measurement (median reported)");
 ABSL_FLAG(int, warmup, 3, "untimed runs first");
 ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the fused op at");
 ABSL_FLAG(std::string, schedules, "0,1", "schedules to time (0 row halves, 1 column halves)");
+ABSL_FLAG(std::string, side_sms, "44,66",
+          "SM targets for the dW GEMMs to time with the column-halves schedule");
 ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
 
 namespace lossd {
@@ -62,6 +64,7 @@ struct Row {
   struct Fused {
     uint64_t budget;
     int schedule;
+    int side_sms;
     int64_t chunk_rows;
     double ms;
     uint64_t workspace;
@@ -109,8 +112,14 @@ int64_t FreeBytes() {
   return static_cast<int64_t>(free_b);
 }
 
+// One timed configuration: a schedule and the dW GEMMs' SM target.
+struct Config {
+  int schedule;
+  int side_sms;
+};
+
 int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
-             const std::vector<uint64_t>& budgets, const std::vector<int>& schedules,
+             const std::vector<uint64_t>& budgets, const std::vector<Config>& schedules,
              Row* row) {
   cudaStream_t stream = engine.stream();
   const int warmup = absl::GetFlag(FLAGS_warmup), runs = absl::GetFlag(FLAGS_runs);
@@ -174,9 +183,11 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     const size_t bi = run / schedules.size(), si = run % schedules.size();
     Row::Fused f;
     f.budget = budgets[bi];
-    f.schedule = schedules[si];
-    const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
-                                                  static_cast<cuda::Schedule>(f.schedule));
+    f.schedule = schedules[si].schedule;
+    f.side_sms = schedules[si].side_sms;
+    cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
+                                            static_cast<cuda::Schedule>(f.schedule));
+    plan.side_sms = f.side_sms;
     f.chunk_rows = plan.chunk_rows;
     f.workspace = plan.workspace_bytes;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
@@ -269,10 +280,10 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     BENCH_CHECK_CUDA(cudaFree(ws));
     row->fused.push_back(f);
     std::fprintf(stderr,
-                 "  %lldx%lldx%lld budget %llu MiB schedule %d: C=%lld %.2f ms (floor %.2f)\n",
+                 "  %lldx%lldx%lld budget %llu MiB schedule %d/%d: C=%lld %.2f ms (floor %.2f)\n",
                  static_cast<long long>(bt), static_cast<long long>(h),
                  static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20),
-                 f.schedule,
+                 f.schedule, f.side_sms,
                  static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms);
   }
   for (void* p : {x, w, dx, dw, rows, tg}) BENCH_CHECK_CUDA(cudaFree(p));
@@ -289,14 +300,24 @@ int Main() {
     }
     budgets.push_back(mib << 20);
   }
-  std::vector<int> schedules;
+  std::vector<Config> schedules;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',')) {
     int sc = 0;
     if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 1) {
       std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
       return 2;
     }
-    schedules.push_back(sc);
+    schedules.push_back({sc, 0});
+    if (sc == 1 && !absl::GetFlag(FLAGS_side_sms).empty()) {
+      for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_side_sms), ',')) {
+        int sms = 0;
+        if (!absl::SimpleAtoi(t, &sms) || sms < 0) {
+          std::fprintf(stderr, "bad --side_sms entry '%s'\n", std::string(t).c_str());
+          return 2;
+        }
+        if (sms > 0) schedules.push_back({1, sms});
+      }
+    }
   }
   auto engine = cuda::FusedLoss::Create(0);
   if (!engine.ok()) {
@@ -328,7 +349,8 @@ int Main() {
   if (!absl::GetFlag(FLAGS_csv).empty()) {
     csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
     if (csv != nullptr) {
-      std::fprintf(csv, "bt,h,v,floor_ms,budget_mib,chunk_rows,schedule,fused_ms,ratio,tflops,"
+      std::fprintf(csv, "bt,h,v,floor_ms,budget_mib,chunk_rows,schedule,side_sms,fused_ms,ratio,"
+                        "tflops,"
                         "workspace_mib,measured_extra_mib,deterministic,mean_loss\n");
     }
   }
@@ -340,16 +362,22 @@ int Main() {
                   static_cast<long long>(r.bt), static_cast<long long>(r.h),
                   static_cast<long long>(r.v), r.floor_ms,
                   static_cast<unsigned long long>(f.budget >> 20),
-                  static_cast<long long>(f.chunk_rows), f.schedule == 0 ? "rows" : "columns",
+                  static_cast<long long>(f.chunk_rows),
+                  f.schedule == 0 ? "rows"
+                                  : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
+                                                                      f.side_sms)
+                                                    : std::string("columns"))
+                                        .c_str(),
                   f.ms, f.ms / r.floor_ms,
                   flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                   f.measured_extra / 1048576.0, r.deterministic ? "yes" : "NO", r.mean_loss);
       if (csv != nullptr) {
-        std::fprintf(csv, "%lld,%lld,%lld,%.4f,%llu,%lld,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
+        std::fprintf(csv,
+                     "%lld,%lld,%lld,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
                      static_cast<long long>(r.bt), static_cast<long long>(r.h),
                      static_cast<long long>(r.v), r.floor_ms,
                      static_cast<unsigned long long>(f.budget >> 20),
-                     static_cast<long long>(f.chunk_rows), f.schedule, f.ms, f.ms / r.floor_ms,
+                     static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.ms, f.ms / r.floor_ms,
                      flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                      f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }

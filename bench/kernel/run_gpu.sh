@@ -22,7 +22,7 @@ for t in plugin_exposer_test ce_kernels_test cuda_backend_test; do
     "$(grep -E '^\[  PASSED  \]' "$OUTDIR/$t.log" | tail -1)"
 done
 if [ -x ./bench_kernel ]; then
-  timeout "${BENCH_TIMEOUT:-150}" ./bench_kernel --csv="$OUTDIR/bench.csv" ${BENCH_ARGS:-} \
+  timeout "${BENCH_TIMEOUT:-240}" ./bench_kernel --csv="$OUTDIR/bench.csv" ${BENCH_ARGS:-} \
     > "$OUTDIR/bench.log" 2>&1 || rc=1
 fi
 if command -v python3 >/dev/null; then

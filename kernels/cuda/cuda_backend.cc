@@ -265,7 +265,10 @@ absl::Status CudaBackend::Zero(BackendBuffer& buf) {
 ChunkPlan CudaBackend::Plan(const LossProblem& p) const {
   const uint64_t budget =
       options_.chunk_budget_bytes != 0 ? options_.chunk_budget_bytes : kDefaultChunkBudgetBytes;
-  return PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
+  ChunkPlan plan =
+      PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
+  plan.side_sms = options_.side_sms;
+  return plan;
 }
 
 uint64_t CudaBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out) {

@@ -28,6 +28,7 @@ struct CudaBackendOptions {
   uint64_t memory_budget_bytes = 0;  // most device bytes held at once; 0 = no own limit
   uint64_t chunk_budget_bytes = 0;   // chunk buffer + GEMM workspaces; 0 = 512 MiB
   Schedule schedule = kDefaultSchedule;
+  int32_t side_sms = kDefaultSideSms;  // see ChunkPlan::side_sms
 };
 
 // Byte counters shared by the backend and every buffer it hands out.

@@ -202,9 +202,12 @@ TEST_F(CudaTest, ChunkSizeChangesTheLossOnlyAtFp32Rounding) {
 
 // Both schedules over several chunks, with every gradient and the accumulators.
 TEST_F(CudaTest, BothSchedulesMatchReference) {
-  for (Schedule schedule : {Schedule::kRowHalves, Schedule::kColumnHalves}) {
+  const std::pair<Schedule, int32_t> configs[] = {
+      {Schedule::kRowHalves, 0}, {Schedule::kColumnHalves, 0}, {Schedule::kColumnHalves, 56}};
+  for (const auto& [schedule, side_sms] : configs) {
     CudaBackendOptions bo;
     bo.schedule = schedule;
+    bo.side_sms = side_sms;
     auto b = CudaBackend::Create(bo);
     ASSERT_TRUE(b.ok()) << b.status();
     for (int oi : {0, 3, 4, 6}) {
@@ -219,7 +222,8 @@ TEST_F(CudaTest, BothSchedulesMatchReference) {
         HostOutputs out(p, dtype, /*want_grads=*/true, o.accumulate);
         ASSERT_TRUE((*b)->Compute(p, out.outputs(), nullptr).ok());
         EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()))
-            << "schedule " << static_cast<int>(schedule) << " " << o.name << " "
+            << "schedule " << static_cast<int>(schedule) << " side_sms " << side_sms << " "
+            << o.name << " "
             << DTypeName(dtype);
       }
     }

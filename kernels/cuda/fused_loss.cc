@@ -153,6 +153,8 @@ absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&f->lt_));
+  LOSSD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&f->sm_count_, cudaDevAttrMultiProcessorCount, device));
   return f;
 }
 
@@ -173,7 +175,7 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
                              bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                              const void* a, int64_t lda, const void* b, int64_t ldb,
                              cudaDataType ab_type, float beta, void* d, int64_t ldd,
-                             cudaDataType d_type) {
+                             cudaDataType d_type, int32_t sm_target) {
   LtDescriptors desc;
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -182,6 +184,10 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
       cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   LOSSD_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (sm_target > 0) {
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target, sizeof(sm_target)));
+  }
   LOSSD_CUBLAS_RETURN_IF_ERROR(
       cublasLtMatrixLayoutCreate(&desc.a, ab_type, trans_a ? k : m, trans_a ? m : k, lda));
   LOSSD_CUBLAS_RETURN_IF_ERROR(
@@ -203,7 +209,8 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
                     static_cast<int>(align_a),
                     static_cast<int>(align_b),
                     static_cast<int>(align_d) | (beta != 0) << 16,
-                    ws_bytes};
+                    ws_bytes,
+                    sm_target};
   auto it = algos_.find(key);
   if (it == algos_.end()) {
     LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.pref));
@@ -301,27 +308,31 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
     p.row_pred = a.row_pred + c0 + r0;
     return CudaStatus(LaunchCrossEntropy(p, ce_), "LaunchCrossEntropy");
   };
+  // SM targets when the column-halves schedule pairs a main GEMM with a dW GEMM.
+  const int32_t side_sms = plan.side_sms > 0 && plan.side_sms < sm_count_ ? plan.side_sms : 0;
+  const int32_t main_sms = side_sms > 0 ? sm_count_ - side_sms : 0;
   // z[r0:r0+n, v0:v0+nv] = X_c[r0:r0+n] W[v0:v0+nv]^T, as z^T (nv x n) = W^T-view * X_c^T.
-  auto logits_gemm = [&](int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv) {
+  auto logits_gemm = [&](int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv, int32_t sms) {
     return Gemm(main_, ws_main, kGemmWorkspaceBytes, true, false, nv, n, a.h, 1.0f,
                 Offset(a.w, v0 * a.h, elem), a.h, Offset(a.x, (c0 + r0) * a.h, elem), a.h, ab, 0.0f,
-                logits + (r0 * a.v + v0) * elem, a.v, ab);
+                logits + (r0 * a.v + v0) * elem, a.v, ab, sms);
   };
   // dX_c^T (H x C) = W (H x V col-major) * G^T (V x C col-major).
-  auto dx_gemm = [&](int64_t c0, int64_t rows) -> absl::Status {
+  auto dx_gemm = [&](int64_t c0, int64_t rows, int32_t sms) -> absl::Status {
     if (a.dx == nullptr) return absl::OkStatus();
     const size_t dx_elem = DTypeSize(a.dx_dtype);
     char* dx = static_cast<char*>(a.dx) + c0 * a.h * dx_elem;
     return Gemm(main_, ws_main, kGemmWorkspaceBytes, false, false, a.h, rows, a.v, scales.alpha,
-                a.w, a.h, logits, a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype));
+                a.w, a.h, logits, a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype), sms);
   };
   // dW[v0:v0+nv]^T (H x nv) += X_c^T (H x C col-major) * G[:, v0:v0+nv]; chunks are added in
   // increasing row order, one GEMM per chunk and half: a fixed order.
-  auto dw_gemm = [&](int64_t c0, int64_t rows, int64_t v0, int64_t nv) -> absl::Status {
+  auto dw_gemm = [&](int64_t c0, int64_t rows, int64_t v0, int64_t nv,
+                     int32_t sms) -> absl::Status {
     const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
     return Gemm(side_, ws_side, kGemmWorkspaceBytes, false, true, a.h, nv, rows, scales.alpha,
                 Offset(a.x, c0 * a.h, elem), a.h, logits + v0 * elem, a.v, ab, beta,
-                a.dw_acc + v0 * a.h, a.h, CUDA_R_32F);
+                a.dw_acc + v0 * a.h, a.h, CUDA_R_32F, sms);
   };
   auto db_sum = [&](int64_t rows) {
     return CudaStatus(LaunchColumnSumAccumulate(logits, static_cast<int32_t>(a.dtype), rows, a.v,
@@ -340,21 +351,23 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       // (the previous dX, on main_, is already ordered before).
       for (int half = 0; half < 2; ++half) {
         if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[half], 0));
-        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, rows, vbegin[half], vcount[half]));
+        // The first half runs beside the previous chunk's second-half dW; the second alone.
+        const int32_t sms = half == 0 && c0 > 0 ? main_sms : 0;
+        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, rows, vbegin[half], vcount[half], sms));
       }
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[0], 0));
       LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, 0, rows));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, want_dw ? main_sms : 0));
       if (want_dw || want_db) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
         // db reads every column, so it goes before the first half is released.
         if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
         for (int half = 0; half < 2; ++half) {
           if (want_dw) {
-            LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, vbegin[half], vcount[half]));
+            LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, vbegin[half], vcount[half], side_sms));
           }
           LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[half], side_));
         }
@@ -369,7 +382,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
       if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
       for (int64_t s = 0; s < nsub; ++s) {
-        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v));
+        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
         LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
       }
       for (int64_t s = 0; s < nsub; ++s) {
@@ -379,10 +392,10 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
       // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, 0));
       if (want_dw || want_db) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
-        if (want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, 0, a.v));
+        if (want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, 0, a.v, 0));
         if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
         LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));
       }

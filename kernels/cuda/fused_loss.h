@@ -77,11 +77,16 @@ enum class Schedule : int32_t {
 };
 
 // What the backend uses unless told otherwise (the faster one in bench/RESULTS.md).
-inline constexpr Schedule kDefaultSchedule = Schedule::kRowHalves;
+inline constexpr Schedule kDefaultSchedule = Schedule::kColumnHalves;
+inline constexpr int32_t kDefaultSideSms = 0;
 
 struct ChunkPlan {
   int64_t chunk_rows = 0;  // C
   Schedule schedule = Schedule::kRowHalves;
+  // Column halves only: > 0 asks cuBLASLt to size the dW GEMMs for this many SMs and the main
+  // stream's GEMMs that run beside them for the rest, so that the two really run side by side
+  // (a hint to cuBLASLt's heuristics, not a hard partition). 0: every GEMM sized for the GPU.
+  int32_t side_sms = 0;
   uint64_t workspace_bytes = 0;  // device bytes Enqueue needs as `workspace`
 };
 
@@ -130,12 +135,13 @@ class FusedLoss {
                     const void* b,  // op(B): (k, n) column-major, ldb
                     int64_t ldb, cudaDataType ab_type, float beta,
                     void* d,  // (m, n) column-major, ldd
-                    int64_t ldd, cudaDataType d_type);
+                    int64_t ldd, cudaDataType d_type, int32_t sm_target = 0);
 
  private:
   FusedLoss() = default;
 
   int device_ = 0;
+  int sm_count_ = 0;
   cudaStream_t main_ = nullptr;               // logits GEMM, dX GEMM
   cudaStream_t ce_ = nullptr;                 // cross-entropy kernels
   cudaStream_t side_ = nullptr;               // dW / db accumulation
@@ -147,7 +153,7 @@ class FusedLoss {
   cublasLtHandle_t lt_ = nullptr;
   // Heuristic choices by problem key: picked once, so every run uses the same algorithm.
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, int, int, int, uint64_t>;
+                             int64_t, int, int, int, uint64_t, int32_t>;
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
 };
 
