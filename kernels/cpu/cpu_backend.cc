@@ -308,7 +308,8 @@ inline float ExpNonPositive(float x) {
 struct RowPassParams {
   int64_t v = 0;
   DType dtype = DType::kBF16;
-  const float* cw = nullptr;  // (V) class weights, null = ones
+  const float* cw = nullptr;    // (V) class weights, null = ones
+  const float* bias = nullptr;  // (V) fp32, null = none
   double cw_sum = 0;          // S = sum_j cw[j]
   double eps = 0, zs = 0, cap = 0;
   bool want_grad = false;
@@ -323,7 +324,8 @@ struct RowResult {
 
 constexpr int kLanes = 16;  // independent fp32 partial sums: vectorisable, and more accurate
 
-// One row: z (V) holds the stored logits (rounded to the input dtype) and is overwritten with
+// One row: z (V) holds x W^T in fp32; the bias is added and the sum rounded to the input
+// dtype here (the stored logits, done while the row is in cache), and z is overwritten with
 // G = dL/dz (rounded to the input dtype) when want_grad. t < 0 marks an ignored row, whose G is
 // zero. sc and sz scale the cross-entropy and z-loss gradients.
 // Compiled for AVX-512, AVX2 and baseline x86-64, picked at load time. Without FMA
@@ -332,6 +334,10 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, double sz) {
   const int64_t v = rp.v;
   RowResult res;
+  if (rp.bias != nullptr) {
+    for (int64_t j = 0; j < v; ++j) z[j] += rp.bias[j];
+  }
+  RoundInPlace(z, v, rp.dtype);
   if (rp.cap > 0) {
     const float cap = static_cast<float>(rp.cap), inv = static_cast<float>(1.0 / rp.cap);
     for (int64_t j = 0; j < v; ++j) z[j] = cap * std::tanh(z[j] * inv);
@@ -705,6 +711,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   rp.v = v;
   rp.dtype = p.dtype;
   rp.cw = p.class_weights;
+  rp.bias = p.bias != nullptr ? bias_f.data() : nullptr;
   for (int64_t j = 0; j < v && p.class_weights != nullptr; ++j) rp.cw_sum += p.class_weights[j];
   if (p.class_weights == nullptr) rp.cw_sum = static_cast<double>(v);
   rp.eps = o.label_smoothing;
@@ -727,20 +734,12 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
       });
       xc = x_copy.data();
     }
-    // z = X_c W^T + b, rounded to the input dtype; one task per block of V columns.
+    // z = X_c W^T; one task per block of V columns.
     pool.Run(v_tasks, [&](int64_t task) {
       const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
       GemmRows(/*trans_b=*/true, rows_c, nj, h, xc, h, wf + j0 * h, h, z + j0, v);
-      for (int64_t r = 0; r < rows_c; ++r) {
-        float* zr = z + r * v + j0;
-        if (p.bias != nullptr) {
-          const float* b = bias_f.data() + j0;
-          for (int64_t j = 0; j < nj; ++j) zr[j] += b[j];
-        }
-        RoundInPlace(zr, nj, p.dtype);
-      }
     });
-    // Row pass: loss, lse, argmax and G over z.
+    // Row pass: + b and the rounding to the input dtype, then loss, lse, argmax and G over z.
     pool.Run(CeilDiv(rows_c, kPassRows), [&](int64_t task) {
       const int64_t r_end = std::min(rows_c, (task + 1) * kPassRows);
       for (int64_t r = task * kPassRows; r < r_end; ++r) {
