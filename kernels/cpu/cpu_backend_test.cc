@@ -270,6 +270,25 @@ TEST(CpuBackendTest, HugeLogitsDoNotOverflow) {
   }
 }
 
+TEST(CpuBackendTest, NaNInputPropagatesWithoutHarm) {
+  RandomProblemSpec spec;
+  spec.bt = 12;
+  spec.h = 16;
+  spec.v = 40;
+  spec.dtype = DType::kF32;
+  RandomProblem rp = RandomProblem::Make(spec);
+  reinterpret_cast<float*>(rp.x.data())[3 * spec.h + 5] = std::nanf("");
+  const LossProblem p = rp.problem();
+  HostOutputs got(p, DType::kF32);
+  ASSERT_TRUE(NewCpuBackend(2)->Compute(p, got.outputs(), nullptr).ok());
+  EXPECT_TRUE(std::isnan(got.loss[0]));
+  for (int64_t i = 0; i < p.bt; ++i) {
+    EXPECT_EQ(std::isnan(got.lse[i]), i == 3) << i;
+    EXPECT_EQ(std::isnan(LoadAsFloat(got.dx.data(), DType::kF32, i * p.h)), i == 3) << i;
+  }
+  EXPECT_EQ(got.tokens, p.bt);
+}
+
 // Bytes of every output, for bit-exact comparisons.
 std::vector<uint8_t> Bytes(const HostOutputs& o) {
   std::vector<uint8_t> b;
