@@ -310,7 +310,7 @@ struct RowPassParams {
   DType dtype = DType::kBF16;
   const float* cw = nullptr;    // (V) class weights, null = ones
   const float* bias = nullptr;  // (V) fp32, null = none
-  double cw_sum = 0;          // S = sum_j cw[j]
+  double cw_sum = 0;            // S = sum_j cw[j]
   double eps = 0, zs = 0, cap = 0;
   bool want_grad = false;
 };
@@ -342,7 +342,8 @@ RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, doubl
     const float cap = static_cast<float>(rp.cap), inv = static_cast<float>(1.0 / rp.cap);
     for (int64_t j = 0; j < v; ++j) z[j] = cap * std::tanh(z[j] * inv);
   }
-  // Max and the first index reaching it.
+  // Max and the first index reaching it. Two passes (max, then the sum of exp) rather than an
+  // online max/sum: the row is in cache, and the exact max needs no rescaling.
   float m = z[0];
   int64_t arg = 0;
   for (int64_t j = 1; j < v; ++j) {
@@ -675,25 +676,25 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   FloatBuffer w_copy, bias_f, z_buf, x_copy, dx_scratch, dw_scratch, db_f;
   const float* wf = static_cast<const float*>(p.w);
   if (plan.w_copy) {
-    if (!w_copy.Allocate(v * h)) return oom("W in fp32", uint64_t(v) * h * 4);
+    if (!w_copy.Allocate(v * h)) return oom("W in fp32", static_cast<uint64_t>(v) * h * 4);
     ParallelWiden(pool, p.w, p.dtype, v * h, w_copy.data());
     wf = w_copy.data();
   }
   if (p.bias != nullptr) {
-    if (!bias_f.Allocate(v)) return oom("bias", uint64_t(v) * 4);
+    if (!bias_f.Allocate(v)) return oom("bias", static_cast<uint64_t>(v) * 4);
     WidenRange(p.bias, p.dtype, 0, v, bias_f.data());
   }
-  if (!z_buf.Allocate(chunk * v)) return oom("the logits chunk", uint64_t(chunk) * v * 4);
+  if (!z_buf.Allocate(chunk * v)) return oom("the logits chunk", static_cast<uint64_t>(chunk) * v * 4);
   if (plan.x_copy && !x_copy.Allocate(chunk * h)) {
-    return oom("X chunk in fp32", uint64_t(chunk) * h * 4);
+    return oom("X chunk in fp32", static_cast<uint64_t>(chunk) * h * 4);
   }
   if (plan.dx_scratch && !dx_scratch.Allocate(chunk * h)) {
-    return oom("dX chunk in fp32", uint64_t(chunk) * h * 4);
+    return oom("dX chunk in fp32", static_cast<uint64_t>(chunk) * h * 4);
   }
   float* dw_f = out.dw_accum;  // accumulate straight into the caller's fp32 buffer
   if (dw_f == nullptr && out.dw != nullptr) {
     if (plan.dw_scratch) {
-      if (!dw_scratch.Allocate(v * h)) return oom("dW in fp32", uint64_t(v) * h * 4);
+      if (!dw_scratch.Allocate(v * h)) return oom("dW in fp32", static_cast<uint64_t>(v) * h * 4);
       dw_f = dw_scratch.data();
     } else {
       dw_f = static_cast<float*>(out.dw);
@@ -702,7 +703,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   const bool dw_overwrite = out.dw_accum == nullptr;  // first chunk writes, later ones add
   float* db_acc = out.db_accum;
   if (plan.db_scratch) {
-    if (!db_f.Allocate(v)) return oom("db in fp32", uint64_t(v) * 4);
+    if (!db_f.Allocate(v)) return oom("db in fp32", static_cast<uint64_t>(v) * 4);
     std::fill(db_f.data(), db_f.data() + v, 0.0f);
     db_acc = db_f.data();
   }
