@@ -7,9 +7,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -20,6 +22,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -42,6 +45,13 @@ ABSL_FLAG(int64_t, response_part_bytes, 0, "largest part the server should send 
 ABSL_FLAG(int32_t, connections, 1, "TCP connections (channels); calls round-robin over them");
 ABSL_FLAG(bool, wait_for_ready, false, "wait for the server instead of failing fast");
 ABSL_FLAG(std::string, metadata, "", "call metadata, key=value[,key=value...]");
+ABSL_FLAG(bool, tls, false, "connect with TLS");
+ABSL_FLAG(std::string, tls_ca, "", "TLS: PEM file of the CAs to trust (empty = defaults)");
+ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM file of this client's certificate");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM file of its private key");
+ABSL_FLAG(std::string, tls_server_name, "", "TLS: name to check the server certificate for");
+ABSL_FLAG(std::string, auth_token, "", "bearer token sent as 'authorization: Bearer <token>'");
+ABSL_FLAG(std::string, auth_token_file, "", "file whose first line is the bearer token");
 
 // Inputs: .npy files, or random data of a shape.
 ABSL_FLAG(std::string, x, "", ".npy of X (BT, H)");
@@ -104,7 +114,8 @@ Commands:
   fetch-gradients   --accumulator [--reset] [--out_dir]: the accumulated fp32 dW (and db)
   drop-accumulator  --accumulator
 
-Global flags: --target --deadline_seconds --part_bytes --connections --metadata.
+Global flags: --target --deadline_seconds --part_bytes --connections --metadata
+              --tls --tls_ca --tls_cert --tls_key --tls_server_name --auth_token[_file].
 bf16 .npy files hold the raw bits as '<u2'. Run with --helpfull for every flag.)";
 
 #define LOSSCTL_RETURN_IF_ERROR(expr)                  \
@@ -127,6 +138,14 @@ absl::StatusOr<DType> ParseDType(const std::string& s) {
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", s, "'"));
 }
 
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, const char* flag) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
 absl::StatusOr<ClientOptions> OptionsFromFlags() {
   ClientOptions o;
   o.target = absl::GetFlag(FLAGS_target);
@@ -144,6 +163,25 @@ absl::StatusOr<ClientOptions> OptionsFromFlags() {
       static_cast<int>(std::min<int64_t>(limit, INT32_MAX));
   o.connections = absl::GetFlag(FLAGS_connections);
   o.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  o.tls = absl::GetFlag(FLAGS_tls);
+  const std::pair<const char*, std::string*> pem_files[] = {{"--tls_ca", &o.tls_root_certs},
+                                                            {"--tls_cert", &o.tls_client_cert},
+                                                            {"--tls_key", &o.tls_client_key}};
+  const std::string pem_paths[] = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+                                   absl::GetFlag(FLAGS_tls_key)};
+  for (int i = 0; i < 3; ++i) {
+    if (pem_paths[i].empty()) continue;
+    LOSSCTL_ASSIGN_OR_RETURN(pem, ReadTextFile(pem_paths[i], pem_files[i].first));
+    *pem_files[i].second = std::move(pem);
+  }
+  o.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  o.auth_token = absl::GetFlag(FLAGS_auth_token);
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(
+        text, ReadTextFile(absl::GetFlag(FLAGS_auth_token_file), "--auth_token_file"));
+    o.auth_token = std::string(absl::StripAsciiWhitespace(
+        std::pair<std::string, std::string>(absl::StrSplit(text, '\n')).first));
+  }
   const std::string md = absl::GetFlag(FLAGS_metadata);
   if (!md.empty()) {
     for (absl::string_view kv : absl::StrSplit(md, ',')) {

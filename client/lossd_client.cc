@@ -403,6 +403,13 @@ absl::StatusOr<std::unique_ptr<LossClient>> LossClient::Create(const ClientOptio
                                                    " does not fit max_send_message_bytes ",
                                                    options.max_send_message_bytes));
   }
+  if (options.tls_client_cert.empty() != options.tls_client_key.empty()) {
+    return absl::InvalidArgumentError("tls_client_cert and tls_client_key go together");
+  }
+  if (!options.tls && (!options.tls_root_certs.empty() || !options.tls_client_cert.empty() ||
+                       !options.tls_server_name.empty())) {
+    return absl::InvalidArgumentError("TLS settings given without tls = true");
+  }
   if (options.connections < 1 || options.connections > 256) {
     return absl::InvalidArgumentError(
         absl::StrCat("connections must be in [1, 256], got ", options.connections));
@@ -419,9 +426,19 @@ LossClient::LossClient(const ClientOptions& options) : options_(options) {
     // pool; a local pool plus a distinct argument gives each channel its own.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt(kConnectionIndexArg, i);
+    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+    if (options_.tls) {
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = options_.tls_root_certs;
+      ssl.pem_cert_chain = options_.tls_client_cert;
+      ssl.pem_private_key = options_.tls_client_key;
+      creds = grpc::SslCredentials(ssl);
+      if (!options_.tls_server_name.empty()) {
+        args.SetSslTargetNameOverride(options_.tls_server_name);
+      }
+    }
     auto c = std::make_unique<Connection>();
-    c->channel =
-        grpc::CreateCustomChannel(options_.target, grpc::InsecureChannelCredentials(), args);
+    c->channel = grpc::CreateCustomChannel(options_.target, creds, args);
     c->generic = std::make_unique<grpc::GenericStub>(c->channel);
     c->stub = v1::Loss::NewStub(c->channel);
     connections_.push_back(std::move(c));
@@ -440,6 +457,9 @@ void LossClient::PrepareContext(const CallOptions& call, grpc::ClientContext* ct
     ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(deadline));
   }
   ctx->set_wait_for_ready(options_.wait_for_ready);
+  if (!options_.auth_token.empty()) {
+    ctx->AddMetadata("authorization", "Bearer " + options_.auth_token);
+  }
   for (const auto& kv : options_.metadata) ctx->AddMetadata(kv.first, kv.second);
 }
 

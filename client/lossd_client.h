@@ -49,7 +49,17 @@ struct ClientOptions {
   int connections = 1;
   // Wait for the server to become reachable instead of failing fast with UNAVAILABLE.
   bool wait_for_ready = false;
-  // Metadata added to every call, e.g. {"authorization", "Bearer ..."}.
+  // Transport security: plaintext unless `tls` is set. PEM contents, not file paths.
+  bool tls = false;
+  std::string tls_root_certs;   // CAs the server certificate must chain to; empty = defaults
+  std::string tls_client_cert;  // mutual TLS: this client's certificate (chain) ...
+  std::string tls_client_key;   // ... and its private key
+  // Checked against the server certificate instead of the target's host name (an IP target,
+  // a test certificate).
+  std::string tls_server_name;
+  // When set, every call carries "authorization: Bearer <auth_token>".
+  std::string auth_token;
+  // Metadata added to every call.
   std::vector<std::pair<std::string, std::string>> metadata;
 };
 

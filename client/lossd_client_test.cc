@@ -5,10 +5,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -854,6 +856,101 @@ TEST_F(LossClientTest, UnreachableServerIsUnavailable) {
   EXPECT_EQ(client->ServerInfo().status().code(), absl::StatusCode::kUnavailable);
 }
 
+std::string ReadTestFile(const std::string& name) {
+  std::ifstream f("client/testdata/" + name, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  EXPECT_FALSE(ss.str().empty()) << name;
+  return ss.str();
+}
+
+// A fake behind TLS (mutual TLS when `require_client_cert`), with a test CA whose server
+// certificate names localhost and 127.0.0.1.
+class TlsTest : public ::testing::Test {
+ protected:
+  void Start(bool require_client_cert) {
+    grpc::SslServerCredentialsOptions o(
+        require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                            : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    o.pem_key_cert_pairs.push_back({ReadTestFile("server.key"), ReadTestFile("server.pem")});
+    if (require_client_cert) o.pem_root_certs = ReadTestFile("ca.pem");
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::SslServerCredentials(o), &port_);
+    builder.RegisterService(&fake_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  }
+
+  ClientOptions TlsOptions() {
+    ClientOptions o;
+    o.target = absl::StrCat("127.0.0.1:", port_);
+    o.deadline = absl::Seconds(20);
+    o.tls = true;
+    o.tls_root_certs = ReadTestFile("ca.pem");
+    return o;
+  }
+
+  absl::Status Info(const ClientOptions& o) {
+    auto c = LossClient::Create(o);
+    if (!c.ok()) return c.status();
+    return (*c)->ServerInfo().status();
+  }
+
+  FakeLoss fake_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+TEST_F(TlsTest, ComputeOverTls) {
+  Start(false);
+  ClientOptions o = TlsOptions();
+  o.auth_token = "s3cret";
+  o.part_bytes = 1 << 16;
+  auto client = LossClient::Create(o);
+  ASSERT_TRUE(client.ok());
+  ComputeRequest r;
+  r.x = RandomTensor(DType::kF32, {300, 300}, 61);
+  r.w = RandomTensor(DType::kF32, {50, 300}, 62);
+  r.targets = Targets(300, 50, 63);
+  absl::StatusOr<ComputeResult> res = (*client)->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDx), r.x));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.last_metadata, "Bearer s3cret");
+}
+
+TEST_F(TlsTest, ServerNameIsChecked) {
+  Start(false);
+  ClientOptions o = TlsOptions();
+  o.tls_server_name = "localhost";
+  EXPECT_TRUE(Info(o).ok()) << Info(o);
+  o.tls_server_name = "elsewhere.example";
+  EXPECT_EQ(Info(o).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(TlsTest, WrongCaOrPlaintextFails) {
+  Start(false);
+  ClientOptions o = TlsOptions();
+  o.tls_root_certs = ReadTestFile("client.pem");  // not the CA that signed the server
+  EXPECT_EQ(Info(o).code(), absl::StatusCode::kUnavailable);
+  o = TlsOptions();
+  o.tls = false;
+  o.tls_root_certs.clear();
+  EXPECT_EQ(Info(o).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(TlsTest, MutualTlsNeedsTheClientCertificate) {
+  Start(true);
+  ClientOptions o = TlsOptions();
+  EXPECT_EQ(Info(o).code(), absl::StatusCode::kUnavailable);
+  o.tls_client_cert = ReadTestFile("client.pem");
+  o.tls_client_key = ReadTestFile("client.key");
+  EXPECT_TRUE(Info(o).ok()) << Info(o);
+}
+
 TEST(LossClientOptionsTest, BadOptionsAreRefused) {
   ClientOptions o;
   o.connections = 0;
@@ -866,6 +963,13 @@ TEST(LossClientOptionsTest, BadOptionsAreRefused) {
   o.max_send_message_bytes = 32 << 20;
   EXPECT_THAT(std::string(LossClient::Create(o).status().message()),
               HasSubstr("max_send_message_bytes"));
+  o = ClientOptions();
+  o.tls_root_certs = "pem";
+  EXPECT_THAT(std::string(LossClient::Create(o).status().message()), HasSubstr("tls = true"));
+  o = ClientOptions();
+  o.tls = true;
+  o.tls_client_cert = "pem";
+  EXPECT_THAT(std::string(LossClient::Create(o).status().message()), HasSubstr("go together"));
   o = ClientOptions();
   o.target = "";
   EXPECT_EQ(LossClient::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
