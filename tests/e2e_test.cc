@@ -585,3 +585,25 @@ TEST_F(E2eTest, MetricsPageShowsTheCountersMoved) {
 
 }  // namespace
 }  // namespace lossd
+
+namespace lossd {
+namespace {
+
+// Found by the PutWeights fuzzer: parts that split an element let a NaN slip past the
+// finiteness check. Parts must now hold whole elements.
+TEST_F(E2eTest, PutWeightsPartsMustHoldWholeElements) {
+  RandomProblemSpec s = SmallSpec(DType::kBF16, 41);
+  RandomProblem rp = RandomProblem::Make(s);
+  const size_t handles_before = h_->engine().weights().count();
+  std::string handle;
+  grpc::Status st = testing_harness::PutWeights(h_->stub(), rp, 1001, &handle);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("does not hold whole bf16 elements"), std::string::npos)
+      << st.error_message();
+  EXPECT_TRUE(handle.empty());
+  EXPECT_EQ(h_->engine().weights().count(), handles_before);
+  ASSERT_TRUE(testing_harness::PutWeights(h_->stub(), rp, 1000, &handle).ok());
+}
+
+}  // namespace
+}  // namespace lossd

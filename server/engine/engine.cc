@@ -565,6 +565,13 @@ absl::Status Engine::WriteWeights(PendingWeights& p, bool bias, uint64_t offset,
   if (dst == nullptr) {
     return absl::InvalidArgumentError("a bias part arrived but the weights header has no bias");
   }
+  const uint64_t es = DTypeSize(p.entry->dtype);
+  if (offset % es != 0 || bytes % es != 0) {
+    // Whole elements only: the finiteness check reads each part as elements.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a part of ", name, " at offset ", offset, " with ", bytes, " bytes does not hold whole ",
+        DTypeName(p.entry->dtype), " elements (offset and size must be multiples of ", es, ")"));
+  }
   uint64_t& got = p.received[bias ? 1 : 0];
   if (offset != got) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -700,6 +707,12 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
         "stripe count or the w/bias specs"));
   }
   const uint64_t w_bytes = u->pending_->entry->w->size();
+  const uint64_t es = DTypeSize(w.dtype);
+  if (begin % es != 0 || end % es != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stripe range [", begin, ", ", end, ") must hold whole ", DTypeName(w.dtype),
+        " elements (multiples of ", es, " bytes)"));
+  }
   if (begin >= end || end > w_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "stripe range [", begin, ", ", end, ") is not a non-empty range of w's ", w_bytes,
@@ -738,6 +751,13 @@ absl::Status Engine::WriteStripe(StripedUpload& u, bool bias, uint64_t offset,
   BackendBuffer* dst = bias ? p->entry->bias.get() : p->entry->w.get();
   if (dst == nullptr) {
     return absl::InvalidArgumentError("a bias part arrived but the weights header has no bias");
+  }
+  const uint64_t es = DTypeSize(p->entry->dtype);
+  if (offset % es != 0 || bytes % es != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a part of ", bias ? "bias" : "w", " at offset ", offset, " with ", bytes,
+        " bytes does not hold whole ", DTypeName(p->entry->dtype),
+        " elements (offset and size must be multiples of ", es, ")"));
   }
   if (options_.check_finite) {
     absl::Status s = CheckFinite(static_cast<const uint8_t*>(data), p->entry->dtype,
