@@ -153,7 +153,9 @@ class ComputeReactor final
     }
     inputs_ = assembler_->buffers();
     assembler_.reset();
-    engine_->Run(plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); });
+    engine_->Run(
+        plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); },
+        absl::FromChrono(ctx_->deadline()));
     return absl::OkStatus();
   }
 

@@ -352,10 +352,18 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
 }
 
 void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
-                 std::function<void(ComputeOutcome)> done) {
+                 std::function<void(ComputeOutcome)> done, absl::Time deadline) {
   const absl::Time submitted = absl::Now();
-  executor_.Submit([this, plan, inputs, done = std::move(done), submitted]() {
+  executor_.Submit([this, plan, inputs, done = std::move(done), submitted, deadline]() {
     const double queued = Seconds(submitted);
+    if (absl::Now() > deadline) {
+      ComputeOutcome late;
+      late.status = absl::DeadlineExceededError(absl::StrCat(
+          "the deadline passed after ", queued, " s in the compute queue; not started"));
+      late.queue_seconds = queued;
+      done(std::move(late));
+      return;
+    }
     ComputeOutcome outcome = RunNow(*plan, *inputs);
     outcome.queue_seconds = queued;
     done(std::move(outcome));

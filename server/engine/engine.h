@@ -17,6 +17,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "server/engine/accumulators.h"
 #include "server/engine/compute_plan.h"
@@ -116,8 +117,11 @@ class Engine {
   // Checks the received data (target range, finiteness), runs the backend on the executor and
   // calls `done` there. `inputs` must hold plan.input_bytes for every slot sent inline.
   using InputBuffers = std::array<HostBuffer, static_cast<int>(InputSlot::kCount)>;
+  // A request whose deadline has passed when its turn comes is not started
+  // (DEADLINE_EXCEEDED).
   void Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
-           std::function<void(ComputeOutcome)> done);
+           std::function<void(ComputeOutcome)> done,
+           absl::Time deadline = absl::InfiniteFuture());
 
   // Weight uploads: Begin (validate + reserve + allocate), Write parts, Commit.
   absl::StatusOr<std::unique_ptr<PendingWeights>> BeginPutWeights(const TensorDesc& w,

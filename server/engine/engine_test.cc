@@ -150,3 +150,31 @@ TEST(EngineTest, AnAccumulatorOfAFailedMicroBatchIsNeverServedAsWhole) {
 
 }  // namespace
 }  // namespace lossd
+
+namespace lossd {
+namespace {
+
+TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblemSpec s;
+  s.bt = 4;
+  s.h = 3;
+  s.v = 5;
+  RandomProblem rp = RandomProblem::Make(s);
+  ComputeSpec spec = SpecFor(rp);
+  spec.accumulator = "late";
+  auto plan = e.Plan(spec);
+  ASSERT_TRUE(plan.ok());
+  std::promise<ComputeOutcome> done;
+  e.Run(std::make_shared<const ComputePlan>(*plan), Inputs(rp, *plan),
+        [&](ComputeOutcome o) { done.set_value(std::move(o)); },
+        absl::Now() - absl::Seconds(1));
+  ComputeOutcome o = done.get_future().get();
+  EXPECT_EQ(o.status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(o.status.message().find("not started"), std::string::npos) << o.status;
+  // Not started: the accumulator was never even created.
+  EXPECT_EQ(e.FetchGradients("late", false).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace lossd
