@@ -306,6 +306,11 @@ def test_server_errors_carry_code_and_message(client):
         client.compute(x, w, t, label_smoothing=1.5)
     with pytest.raises(lossd.InvalidArgumentError):
         client.compute(x.astype(np.float16), w, t)  # dtypes differ
+    nan_x = x.copy()
+    nan_x[2, 3] = np.nan
+    with pytest.raises(lossd.InvalidArgumentError) as e:
+        client.compute(nan_x, w, t)
+    assert "nan" in e.value.message.lower()
     with pytest.raises(lossd.NotFoundError):
         client.drop_weights("no-such-handle")
     with pytest.raises(lossd.NotFoundError):
