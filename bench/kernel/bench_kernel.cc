@@ -32,7 +32,7 @@ ABSL_FLAG(int, runs, 20, "timed runs per measurement (median reported)");
 ABSL_FLAG(int, warmup, 3, "untimed runs first");
 ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the fused op at");
 ABSL_FLAG(std::string, schedules, "0,1", "schedules to time (0 row halves, 1 column halves)");
-ABSL_FLAG(std::string, side_sms, "44,66",
+ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
 ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
 
