@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/test_util.h"
 #include "kernels/dtype.h"
 #include "kernels/loss_problem.h"
 
@@ -153,6 +154,39 @@ INSTANTIATE_TEST_SUITE_P(
         FdCase{"combined_mean", Reduction::kMean, 0.1f, 1e-2f, 3.0f, true, true, true, false},
         FdCase{"combined_none", Reduction::kNone, 0.1f, 1e-2f, 3.0f, true, true, true, true}),
     [](const ::testing::TestParamInfo<FdCase>& info) { return info.param.name; });
+
+// The reference reads bf16/fp16 exactly: the same values given as fp32 give bit-identical
+// float64 outputs.
+TEST(ReferenceTest, HalfInputsAreWidenedExactly) {
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    RandomProblemSpec spec;
+    spec.bt = 9;
+    spec.h = 12;
+    spec.v = 33;
+    spec.dtype = dtype;
+    spec.bias = true;
+    spec.options.label_smoothing = 0.1f;
+    const RandomProblem rp = RandomProblem::Make(spec);
+    const LossProblem half = rp.problem();
+    std::vector<float> x(spec.bt * spec.h), w(spec.v * spec.h), b(spec.v);
+    for (size_t k = 0; k < x.size(); ++k) x[k] = LoadAsFloat(half.x, dtype, k);
+    for (size_t k = 0; k < w.size(); ++k) w[k] = LoadAsFloat(half.w, dtype, k);
+    for (size_t k = 0; k < b.size(); ++k) b[k] = LoadAsFloat(half.bias, dtype, k);
+    LossProblem full = half;
+    full.dtype = DType::kF32;
+    full.x = x.data();
+    full.w = w.data();
+    full.bias = b.data();
+    ReferenceOutputs a, c;
+    ASSERT_TRUE(ReferenceCompute(half, &a).ok());
+    ASSERT_TRUE(ReferenceCompute(full, &c).ok());
+    EXPECT_EQ(a.loss, c.loss) << DTypeName(dtype);
+    EXPECT_EQ(a.lse, c.lse);
+    EXPECT_EQ(a.dx, c.dx);
+    EXPECT_EQ(a.dw, c.dw);
+    EXPECT_EQ(a.db, c.db);
+  }
+}
 
 TEST(ReferenceTest, AllIgnoredGivesZeroLossAndGradients) {
   const float x[6] = {1, 2, 3, 4, 5, 6};
