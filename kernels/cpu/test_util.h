@@ -158,8 +158,9 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
 //   predictions: a different argmax is accepted when its reference logit is within the two
 //     logits' rounding of the maximum; accuracy must equal the backend's own predictions'
 //     accuracy, and the reference's within the accepted flips; tokens exactly;
-//   dx, dw, db, dw_accum, db_accum: relative norm 2 grad_rel + grad_u + fp32_rel (the GEMMs
-//     with random X and W carry G's relative error over about unchanged; 2x margin), every
+//   dx, dw, db, dw_accum, db_accum: relative norm 2 grad_rel + grad_u + fp32_rel +
+//     4 sqrt(max(V, BT)) 2^-24 (the GEMMs with random X and W carry G's relative error over
+//     about unchanged, 2x margin; plus their own fp32 rounding), every
 //     element finite, dx rows of ignored targets exactly 0. dw_accum/db_accum are expected to
 //     have started at zero.
 // `stats` is used for the predictions' fp32 slack and the report.
