@@ -15,6 +15,7 @@
 #include <utility>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -200,16 +201,20 @@ constexpr int64_t kConvertBlock = 1 << 16;  // elements per conversion task
 void GemmRows(bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
               const float* b, int64_t ldb, float* c, int64_t ldc) {
   const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
-  if (m != 1) {
+  std::unique_ptr<float[]> a2, c2;
+  if (m == 1) {
+    a2.reset(new (std::nothrow) float[2 * k]);
+    c2.reset(new (std::nothrow) float[2 * n]);
+  }
+  if (a2 == nullptr || c2 == nullptr) {  // m > 1, or (out of memory) the one-row path
     cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
     return;
   }
-  std::vector<float> a2(2 * k), c2(2 * n);
-  std::memcpy(a2.data(), a, k * sizeof(float));
-  std::memcpy(a2.data() + k, a, k * sizeof(float));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, 2, n, k, 1.0f, a2.data(), k, b, ldb, 0.0f,
-              c2.data(), n);
-  std::memcpy(c, c2.data(), n * sizeof(float));
+  std::memcpy(a2.get(), a, k * sizeof(float));
+  std::memcpy(a2.get() + k, a, k * sizeof(float));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, 2, n, k, 1.0f, a2.get(), k, b, ldb, 0.0f,
+              c2.get(), n);
+  std::memcpy(c, c2.get(), n * sizeof(float));
 }
 
 // ---------------------------------------------------------------------------------------------
