@@ -480,7 +480,8 @@ class Soak {
       }
       case 3: {
         std::vector<v1::ComputeRequest> parts = p.parts;
-        std::swap(parts[0], parts[1]);
+        std::swap(parts[1], parts[2]);  // W's first two parts (parts of different tensors
+                                        // may interleave; parts of one may not)
         ExpectRefusal("invalid_order", RunCompute(stub, p.header, parts),
                       grpc::StatusCode::INVALID_ARGUMENT, "parts must arrive in order");
         break;
