@@ -346,29 +346,18 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   const int64_t vcount[2] = {vsplit, a.v - vsplit};
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
-    // Row halves for the logits GEMM and the CE kernel: the first half's CE runs under the
-    // second half's GEMM. Below a few hundred rows the GEMMs would lose more than that gains.
-    const int64_t split = rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows;
-    const int64_t nsub = split < rows ? 2 : 1;
-    const int64_t begin[2] = {0, split};
-    const int64_t count[2] = {split, rows - split};
     if (columns) {
-      for (int64_t s = 0; s < nsub; ++s) {
-        for (int half = 0; half < 2; ++half) {
-          // Each column half of the buffer is rewritten once the previous chunk's dW half has
-          // read it (the previous dX, on main_, is already ordered before).
-          if (s == 0 && c0 > 0) {
-            LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[half], 0));
-          }
-          // The first block runs beside the previous chunk's second-half dW.
-          const int32_t sms = s == 0 && half == 0 && c0 > 0 ? main_sms : 0;
-          LOSSD_CUDA_RETURN_IF_NOT_OK(
-              logits_gemm(c0, begin[s], count[s], vbegin[half], vcount[half], sms));
-        }
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-        LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
+      // Each half of the buffer is rewritten once the previous chunk's dW half has read it
+      // (the previous dX, on main_, is already ordered before).
+      for (int half = 0; half < 2; ++half) {
+        if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[half], 0));
+        // The first half runs beside the previous chunk's second-half dW; the second alone.
+        const int32_t sms = half == 0 && c0 > 0 ? main_sms : 0;
+        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, rows, vbegin[half], vcount[half], sms));
       }
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[0], 0));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, 0, rows));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
       LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, want_dw ? main_sms : 0));
@@ -384,6 +373,12 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         }
       }
     } else {
+      // Row halves for the logits GEMM and the CE kernel; below a few hundred rows the
+      // GEMMs would lose more than the overlap gains.
+      const int64_t split = rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows;
+      const int64_t nsub = split < rows ? 2 : 1;
+      const int64_t begin[2] = {0, split};
+      const int64_t count[2] = {split, rows - split};
       // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
       if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
       for (int64_t s = 0; s < nsub; ++s) {

@@ -70,10 +70,9 @@ enum class Schedule : int32_t {
   // The logits GEMM and the CE kernel in two row halves (the first half's CE runs under the
   // second half's GEMM); dX and dW whole-chunk on two streams, side by side.
   kRowHalves = 0,
-  // As kRowHalves, and the logits GEMM and the dW GEMM also in two column (vocabulary)
-  // halves: the next chunk's first logits block (compute-bound) runs under this chunk's
-  // second-half dW GEMM, whose fp32 accumulator read and write are memory-bound; dX runs under
-  // the first-half dW.
+  // The logits GEMM and the dW GEMM in two column (vocabulary) halves: the next chunk's
+  // first-half logits GEMM (compute-bound) runs under this chunk's second-half dW GEMM, whose
+  // fp32 accumulator read and write are memory-bound; dX runs under the first-half dW.
   kColumnHalves = 1,
 };
 
