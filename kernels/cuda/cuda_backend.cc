@@ -239,9 +239,13 @@ absl::Status CudaBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const
   }
   if (bytes == 0) return absl::OkStatus();
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  return Check(CudaStatus(cudaMemcpy(static_cast<char*>(dst.data()) + offset, src, bytes,
-                                     cudaMemcpyHostToDevice),
-                          "cudaMemcpy(host to device)"));
+  LOSSD_CUDA_RETURN_IF_NOT_OK(Check(CudaStatus(
+      cudaMemcpy(static_cast<char*>(dst.data()) + offset, src, bytes, cudaMemcpyHostToDevice),
+      "cudaMemcpy(host to device)")));
+  // From pageable memory cudaMemcpy may return before the data has landed, and Compute runs
+  // on non-blocking streams that do not wait for the default stream: wait here.
+  return Check(CudaStatus(cudaStreamSynchronize(cudaStreamLegacy),
+                          "cudaStreamSynchronize(after host to device)"));
 }
 
 absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
@@ -259,7 +263,11 @@ absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offse
 
 absl::Status CudaBackend::Zero(BackendBuffer& buf) {
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  return Check(CudaStatus(cudaMemset(buf.data(), 0, buf.size()), "cudaMemset"));
+  LOSSD_CUDA_RETURN_IF_NOT_OK(
+      Check(CudaStatus(cudaMemset(buf.data(), 0, buf.size()), "cudaMemset")));
+  // cudaMemset is asynchronous; Compute's non-blocking streams would not wait for it.
+  return Check(
+      CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(after memset)"));
 }
 
 ChunkPlan CudaBackend::Plan(const LossProblem& p) const {
