@@ -58,10 +58,10 @@ else
   # 16 clients x 2 GiB fp32 accumulators; W by handle (1 GiB) plus the transfer tests' uploads;
   # up to ~8 inline Computes (W, X, dX, dW host copies + device workspace) admitted at once.
   CEIL_ARGS=(--bytes=$((2 << 30)) --runs=3)
-  BENCH_ARGS=()
+  BENCH_ARGS=(--budget_s=300)
   SERVER_ARGS=(--memory_budget_bytes=$((48 << 30)) --weight_cache_bytes=$((8 << 30))
                --accumulator_bytes=$((40 << 30)) --max_accumulators=64)
-  BENCH_TIMEOUT=420
+  BENCH_TIMEOUT=390
 fi
 
 PIDS=()
