@@ -42,6 +42,25 @@ def test_parses_both_tables():
     assert r["floor_mem"] == 2.0 * 8192 * 128256
 
 
+def test_headline_table_of_results_md():
+    """RESULTS.md's headline layout: 'lossd CUDA (fused)', 'peak extra (workspace /
+    measured)', a speed-up column; its fused numbers win over a later all-settings table."""
+    text = """
+| BT, H, V | 3-GEMM floor | lossd CUDA (fused) | fused / floor | TFLOP/s | peak extra (workspace / measured) | naive PyTorch | naive peak extra | speed-up over naive |
+|---|---|---|---|---|---|---|---|---|
+| 8192, 4096, 128256 | 37.58 ms | 40.26 ms | 1.071x | 641 | 509 / 510 MiB | 47.66 ms | 11.74 GiB | 1.18x |
+
+| BT, H, V | floor | budget | C | schedule | fused | fused / floor | TFLOP/s | workspace |
+|---|---|---|---|---|---|---|---|---|
+| 8192, 4096, 128256 | 37.58 ms | 1024 MiB | 4096 | columns | 39.75 ms | 1.058x | 650 | 1010 MiB |
+"""
+    r = plot_results.parse_results(text)[(8192, 4096, 128256)]
+    assert r["fused_ms"] == 40.26 and r["fused_mem"] == 510 * 2 ** 20
+    assert r["floor_ms"] == 37.58 and r["naive_ms"] == 47.66
+    assert r["naive_mem"] == 11.74 * 2 ** 30
+    assert "fused_workspace" not in r
+
+
 def test_units():
     assert plot_results.parse_time_ms("1.5 s") == 1500.0
     assert plot_results.parse_time_ms("250 us") == 0.25
