@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/kernel/bench_util.h"
 #include "kernels/cuda/ce_kernels.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/dtype.h"
 #include "kernels/loss_problem.h"
@@ -34,6 +35,9 @@ ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the
 ABSL_FLAG(std::string, schedules, "0,1", "schedules to time (0 row halves, 1 column halves)");
 ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
+ABSL_FLAG(std::string, host_io, "",
+          "BTxHxV: also time CudaBackend::Compute with host tensors (fresh W each call, dX and "
+          "bf16 dW back), with and without pinned staging");
 ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
 
 namespace lossd {
@@ -290,6 +294,62 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
   return 0;
 }
 
+// The backend's whole Compute from host memory: uploads of X and W, the fused op, downloads of
+// dX and dW (bf16). Median of 5 after one warm-up.
+int RunHostIo(int64_t bt, int64_t h, int64_t v) {
+  std::vector<uint16_t> x(bt * h), w(v * h);
+  uint64_t state = 12345;
+  auto next = [&state]() {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return static_cast<float>(state >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+  };
+  for (auto& e : x) e = FloatToBf16(next());
+  const float a = 6.0f / std::sqrt(static_cast<float>(h));
+  for (auto& e : w) e = FloatToBf16(a * next());
+  std::vector<int64_t> targets(bt);
+  for (int64_t i = 0; i < bt; ++i) targets[i] = (i * 7919) % v;
+  std::vector<uint16_t> dx(bt * h), dw(v * h);
+  float loss = 0;
+  for (bool staged : {false, true}) {
+    cuda::CudaBackendOptions o;
+    o.pinned_staging = staged;
+    auto backend = cuda::CudaBackend::Create(o);
+    if (!backend.ok()) {
+      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+      return 1;
+    }
+    LossProblem p;
+    p.bt = bt;
+    p.h = h;
+    p.v = v;
+    p.dtype = DType::kBF16;
+    p.x = x.data();
+    p.w = w.data();
+    p.targets = targets.data();
+    LossOutputs out;
+    out.grad_dtype = DType::kBF16;
+    out.loss = &loss;
+    out.dx = dx.data();
+    out.dw = dw.data();
+    std::vector<double> secs;
+    for (int i = 0; i < 6; ++i) {
+      LossStats stats;
+      BENCH_CHECK_OK((*backend)->Compute(p, out, &stats));
+      if (i > 0) secs.push_back(stats.compute_seconds);
+    }
+    const double t = Median(secs);
+    const double gb = 2.0 * (bt * h * 2 + v * h * 2) / 1e9;
+    std::printf("host I/O %lldx%lldx%lld, %s: Compute %.1f ms (%.2f GB moved, %.1f GB/s), "
+                "loss %.4f\n",
+                static_cast<long long>(bt), static_cast<long long>(h),
+                static_cast<long long>(v), staged ? "pinned staging" : "pageable copies",
+                t * 1e3, gb, gb / t, loss);
+  }
+  return 0;
+}
+
 int Main() {
   std::vector<uint64_t> budgets;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_budgets_mib), ',')) {
@@ -338,6 +398,16 @@ int Main() {
     Row row;
     if (RunShape(**engine, bt, h, v, budgets, schedules, &row)) return 1;
     rows.push_back(row);
+  }
+  if (!absl::GetFlag(FLAGS_host_io).empty()) {
+    std::vector<std::string> parts = absl::StrSplit(absl::GetFlag(FLAGS_host_io), 'x');
+    int64_t bt, h, v;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &bt) ||
+        !absl::SimpleAtoi(parts[1], &h) || !absl::SimpleAtoi(parts[2], &v)) {
+      std::fprintf(stderr, "bad --host_io shape\n");
+      return 2;
+    }
+    if (RunHostIo(bt, h, v)) return 1;
   }
   std::printf("GPU: %s (%d SMs), fwd+bwd bf16, median of %d runs after %d warm-up\n\n",
               prop.name, prop.multiProcessorCount, absl::GetFlag(FLAGS_runs),
