@@ -894,6 +894,15 @@ int Main() {
   const std::string md = write_report();
   std::fputs(md.c_str(), stdout);
   std::fflush(stdout);
+  // Missed targets are results; a failed call is not: exit non-zero so a script notices.
+  int errors = 0;
+  for (const Transfer& t : transfers) errors += !t.error.empty();
+  for (const Point& p : points) errors += !p.error.empty();
+  if (errors > 0) {
+    std::fprintf(stderr, "service_bench: %d transfer(s) or point(s) failed; see the error column\n",
+                 errors);
+    return 1;
+  }
   return 0;
 }
 
