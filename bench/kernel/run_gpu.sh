@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
 # kernel benchmark and the naive PyTorch baseline. Writes 8 files into OUT_DIR (gpu.txt, one
-# log per test binary, bench.log/.csv, torch.log/.csv) and prints a short summary last.
+# log per test binary, bench.log/.csv, torch.log) and prints a short summary last.
 # Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / GTEST_ARGS pass extra flags)
 set -uo pipefail
 OUTDIR=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
@@ -27,7 +27,7 @@ if [ -x ./bench_kernel ]; then
 fi
 if command -v python3 >/dev/null; then
   PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-150}" python3 torch_baseline.py \
-    --csv "$OUTDIR/torch.csv" ${TORCH_ARGS:-} > "$OUTDIR/torch.log" 2>&1 || rc=1
+    --csv "$(mktemp)" ${TORCH_ARGS:-} > "$OUTDIR/torch.log" 2>&1 || rc=1
 fi
 echo "== bench =="
 tail -25 "$OUTDIR/bench.log" 2>/dev/null
