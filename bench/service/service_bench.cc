@@ -349,6 +349,7 @@ struct Transfer {
   int connections = 1;
   bool upload = true;
   std::vector<double> seconds;
+  std::vector<double> header_seconds;  // fetches: time to the header (the server's snapshot)
   std::string error;
   double Gbps() const {
     const double m = Median(seconds);
@@ -437,10 +438,14 @@ std::vector<Transfer> RunTransfers(const Env& env, const Shape& s, const uint8_t
     StripedTransfer x(env.target, n, env.part_bytes, env.deadline);
     for (int i = -1; i < runs && t.error.empty(); ++i) {
       const auto t0 = Clock::now();
-      absl::Status st = x.FetchGradients(acc, s.AccBytes(), dst);
+      double header = 0;
+      absl::Status st = x.FetchGradients(acc, s.AccBytes(), dst, &header);
       const double sec = Since(t0);
       if (!st.ok()) t.error = st.ToString();
-      if (i >= 0 && st.ok()) t.seconds.push_back(sec);
+      if (i >= 0 && st.ok()) {
+        t.seconds.push_back(sec);
+        t.header_seconds.push_back(header);
+      }
     }
     out.push_back(t);
   }
@@ -535,15 +540,32 @@ std::string Report(const std::string& header, const std::map<std::string, double
   line(absl::StrCat("| lossd PutWeights (bf16 W) / FetchGradients (fp32 dW), raw client | ",
                     cell(put1), " | ", cell(fet1), " | ", cell(putn), " | ", cell(fetn), " |"));
   line(absl::StrCat("| same through LossClient | ", cell(putl), " | ", cell(fetl), " | - | - |"));
+  auto pct_row = [&](const std::string& what, const std::string& prefix) {
+    auto pct = [&](const Transfer* t, double ceiling) -> std::string {
+      if (t == nullptr || !t->error.empty() || ceiling <= 0) return "-";
+      return Pct(t->Gbps() / ceiling);
+    };
+    line(absl::StrCat("| lossd raw client as % of ", what, " | ", pct(put1, c(prefix + "up_1")),
+                      " | ", pct(fet1, c(prefix + "down_1")), " | ",
+                      pct(putn, c(prefix + "up_" + n)), " | ", pct(fetn, c(prefix + "down_" + n)),
+                      " |"));
+  };
+  pct_row("plain TCP", "tcp_");
+  pct_row("bare gRPC", "grpc_");
   line("");
-  line("| transfer | bytes | connections | median s | runs (s) | GB/s | error |");
-  line("|---|---|---|---|---|---|---|");
+  line("Fetch times include the server's device-to-host snapshot, taken before the first byte "
+       "is sent (`to header`); upload times include the server's host-to-device copies, made "
+       "part by part as they arrive.");
+  line("");
+  line("| transfer | bytes | connections | median s | runs (s) | to header, median s | GB/s | error |");
+  line("|---|---|---|---|---|---|---|---|");
   for (const Transfer& t : transfers) {
     std::vector<std::string> runs;
     for (double s : t.seconds) runs.push_back(Num(s, "%.3f"));
     line(absl::StrCat("| ", t.name, " | ", t.bytes, " | ", t.connections, " | ",
                       Num(Median(t.seconds), "%.3f"), " | ", absl::StrJoin(runs, ", "), " | ",
-                      Num(t.Gbps()), " | ", t.error, " |"));
+                      t.header_seconds.empty() ? "-" : Num(Median(t.header_seconds), "%.3f"),
+                      " | ", Num(t.Gbps()), " | ", t.error, " |"));
   }
   line("");
 

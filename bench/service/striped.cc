@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -97,9 +98,11 @@ absl::StatusOr<std::string> StripedTransfer::PutWeights(const uint8_t* w, int64_
 }
 
 absl::Status StripedTransfer::FetchGradients(const std::string& accumulator, uint64_t total_bytes,
-                                             uint8_t* dst) {
+                                             uint8_t* dst, double* header_seconds) {
   const int n = connections();
-  return ParallelFor(n, [&](int i) -> absl::Status {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<double> header_at(n, 0.0);
+  absl::Status status = ParallelFor(n, [&](int i) -> absl::Status {
     const auto [begin, end] = Range(total_bytes, i, n, 4);
     v1::FetchGradientsRequest req;
     req.set_accumulator(accumulator);
@@ -122,6 +125,8 @@ absl::Status StripedTransfer::FetchGradients(const std::string& accumulator, uin
         }
         dw_bytes = static_cast<uint64_t>(g.dw().shape(0)) * g.dw().shape(1) * 4;
         have_header = true;
+        header_at[i] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         return absl::OkStatus();
       }
       if (f.kind() != ReceivedFrame::Kind::kPart || !have_header) {
@@ -142,6 +147,8 @@ absl::Status StripedTransfer::FetchGradients(const std::string& accumulator, uin
     }
     return s;
   });
+  if (header_seconds != nullptr) *header_seconds = *std::max_element(header_at.begin(), header_at.end());
+  return status;
 }
 
 }  // namespace bench

@@ -33,8 +33,11 @@ class StripedTransfer {
 
   // Fetches the fp32 accumulator's dW | db (total_bytes) into dst, one byte range per
   // connection (the whole tensor in one call when there is one connection).
+  // `header_seconds` (nullable): the longest wait, over the stripes, from the call's start to
+  // its GradientsHeader, which the server sends once its device-to-host snapshot is taken.
   absl::Status FetchGradients(const std::string& accumulator, uint64_t total_bytes,
-                              uint8_t* dst);  // (total_bytes) dW | db bytes
+                              uint8_t* dst,  // (total_bytes) dW | db bytes
+                              double* header_seconds = nullptr);
 
  private:
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
