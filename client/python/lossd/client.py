@@ -110,12 +110,16 @@ class ServerInfo:
 
 
 def _parts(tensor_id, arr, part_bytes):
-    """Yields TensorPart messages for one tensor, in byte order, each at most part_bytes."""
+    """Yields TensorPart messages for one tensor, in byte order, each at most part_bytes
+    rounded down to whole elements (at least one): servers may refuse a part that splits an
+    element."""
     mv = memoryview(arr).cast("B")
     n = len(mv)
+    elem = arr.itemsize
+    step = max(elem, part_bytes - part_bytes % elem)
     off = 0
     while off < n:
-        end = min(n, off + part_bytes)
+        end = min(n, off + step)
         yield pb.TensorPart(tensor=tensor_id, offset=off, data=mv[off:end].tobytes())
         off = end
 
@@ -193,7 +197,8 @@ class Client:
     Thread-safe: share one client among threads.
 
     target: "host:port" (any gRPC target, e.g. "dns:///lossd-headless:50051").
-    part_bytes: data bytes per outgoing TensorPart (default 4 MiB; 1-4 MiB moves fastest).
+    part_bytes: data bytes per outgoing TensorPart (default 4 MiB; 1-4 MiB moves fastest),
+      rounded down to whole elements of each tensor (at least one element).
     response_part_bytes: data bytes per reply part the server should use (0 = its default).
     timeout: default deadline in seconds for every call (default 600; None = no deadline);
       each method takes its own `timeout` too.

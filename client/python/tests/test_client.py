@@ -186,30 +186,36 @@ def test_same_request_twice_is_bit_identical(client):
 
 
 def test_tiny_parts_give_the_same_bits(lossd_server):
-    """Parts of 7 bytes split elements across messages; replies in 13-byte parts."""
+    """part_bytes=7 sends one-element parts (rounded down to whole elements) for Compute and
+    PutWeights; replies come in 13-byte parts that split elements. Same bits as big parts."""
     x, w, b, t = make_inputs("fp32", bt=9, h=5, v=11, bias=True)
     with lossd.Client(lossd_server.address, timeout=60) as big:
         ref = big.compute(x, w, t, bias=b)
     with lossd.Client(lossd_server.address, part_bytes=7, response_part_bytes=13,
                       timeout=60) as small:
         got = small.compute(x, w, t, bias=b)
-    assert got.loss == ref.loss
-    for name in ("dx", "dw", "db"):
-        np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
-
-
-def test_put_weights_with_parts_that_split_elements(lossd_server):
-    """PutWeights takes parts at any byte boundary too (the wire speaks of bytes)."""
-    x, w, b, t = make_inputs("fp32", bt=9, h=5, v=11, bias=True)
-    with lossd.Client(lossd_server.address, timeout=60) as big:
-        ref = big.compute(x, w, t, bias=b)
-    with lossd.Client(lossd_server.address, part_bytes=7, timeout=60) as small:
         h = small.put_weights(w, b)
-        got = small.compute(x, h, t)
+        by_handle = small.compute(x, h, t)
         small.drop_weights(h)
-    assert got.loss == ref.loss
-    for name in ("dx", "dw", "db"):
-        np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+    for r in (got, by_handle):
+        assert r.loss == ref.loss
+        for name in ("dx", "dw", "db"):
+            np.testing.assert_array_equal(getattr(r, name), getattr(ref, name), err_msg=name)
+
+
+def test_parts_hold_whole_elements_in_byte_order():
+    from lossd._proto import pb
+    from lossd.client import _parts
+
+    for arr, part_bytes, want in ((np.arange(10, dtype=np.float32), 7, 4),
+                                  (np.arange(10, dtype=np.int64), 7, 8),
+                                  (lossd.float_to_bf16_bits(np.arange(9.0)), 7, 6),
+                                  (np.arange(1000, dtype=np.float32), 4 << 20, 4000)):
+        parts = list(_parts(pb.TENSOR_X, arr, part_bytes))
+        assert all(len(p.data) == want for p in parts[:-1]), (arr.dtype, part_bytes)
+        assert all(len(p.data) % arr.itemsize == 0 for p in parts)
+        assert [p.offset for p in parts] == list(range(0, arr.nbytes, want))
+        assert b"".join(p.data for p in parts) == arr.tobytes()
 
 
 def test_multi_part_tensors_default_part_size(client):
