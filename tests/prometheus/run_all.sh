@@ -3,7 +3,8 @@
 # bench/plots parser test, each writing a JUnit report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
 # Env: LOSSD_BIN (the lossd binary; default <repo>/bazel-bin/server/lossd),
-#      LOSSD_SKIP_PIP=1 to skip installing the Python packages below.
+#      LOSSD_SKIP_PIP=1 to skip installing the Python packages below,
+#      LOSSD_TEST_TORCH=1 to pip install torch too (large: about 3 GB with its CUDA wheels).
 # Needs: apt packages prometheus (promtool too) and kubectl (kustomize), python3 + pip.
 # torch is optional: its tests are skipped where it is not installed.
 set -uo pipefail
@@ -15,6 +16,7 @@ export LOSSD_BIN=${LOSSD_BIN:-$ROOT/bazel-bin/server/lossd}
 
 PY_PACKAGES=(numpy grpcio grpcio-tools grpcio-health-checking protobuf pytest pyyaml
              yamllint kubernetes-validate matplotlib)
+[[ "${LOSSD_TEST_TORCH:-0}" == "1" ]] && PY_PACKAGES+=(torch)
 if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
   missing=$(python3 - "${PY_PACKAGES[@]}" <<'PY'
 import importlib.metadata as md
