@@ -37,7 +37,7 @@ ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
 ABSL_FLAG(std::string, host_io, "",
           "BTxHxV: also time CudaBackend::Compute with host tensors (fresh W each call, dX and "
-          "bf16 dW back), with and without pinned staging");
+          "bf16 dW back)");
 ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
 
 namespace lossd {
@@ -312,10 +312,8 @@ int RunHostIo(int64_t bt, int64_t h, int64_t v) {
   for (int64_t i = 0; i < bt; ++i) targets[i] = (i * 7919) % v;
   std::vector<uint16_t> dx(bt * h), dw(v * h);
   float loss = 0;
-  for (bool staged : {false, true}) {
-    cuda::CudaBackendOptions o;
-    o.pinned_staging = staged;
-    auto backend = cuda::CudaBackend::Create(o);
+  {
+    auto backend = cuda::CudaBackend::Create(cuda::CudaBackendOptions{});
     if (!backend.ok()) {
       std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
       return 1;
@@ -341,11 +339,10 @@ int RunHostIo(int64_t bt, int64_t h, int64_t v) {
     }
     const double t = Median(secs);
     const double gb = 2.0 * (bt * h * 2 + v * h * 2) / 1e9;
-    std::printf("host I/O %lldx%lldx%lld, %s: Compute %.1f ms (%.2f GB moved, %.1f GB/s), "
+    std::printf("host I/O %lldx%lldx%lld: Compute %.1f ms (%.2f GB moved, %.1f GB/s), "
                 "loss %.4f\n",
                 static_cast<long long>(bt), static_cast<long long>(h),
-                static_cast<long long>(v), staged ? "pinned staging" : "pageable copies",
-                t * 1e3, gb, gb / t, loss);
+                static_cast<long long>(v), t * 1e3, gb, gb / t, loss);
   }
   return 0;
 }

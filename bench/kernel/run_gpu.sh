@@ -12,7 +12,7 @@ rc=0
   cat BUNDLE_INFO
 } > "$OUTDIR/gpu.txt" 2>&1
 cat "$OUTDIR/gpu.txt"
-for t in plugin_exposer_test pinned_staging_test ce_kernels_test cuda_backend_test; do
+for t in plugin_exposer_test ce_kernels_test cuda_backend_test; do
   [ -x "./$t" ] || { echo "$t: absent"; continue; }
   timeout "${TEST_TIMEOUT:-200}" "./$t" ${GTEST_ARGS:-} > "$OUTDIR/$t.log" 2>&1
   code=$?

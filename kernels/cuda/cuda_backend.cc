@@ -25,17 +25,12 @@ namespace cuda {
 namespace {
 
 constexpr uint64_t kMinAllocation = 256;
-// Smaller host copies go straight from pageable memory: staging would not pay.
-constexpr uint64_t kStagingMinBytes = uint64_t{1} << 20;
 
 class DeviceBuffer : public BackendBuffer {
  public:
   DeviceBuffer(void* ptr, size_t bytes, size_t counted, int device,
                std::shared_ptr<MemoryCounters> counters)
-      : ptr_(ptr),
-        bytes_(bytes),
-        counted_(counted),
-        device_(device),
+      : ptr_(ptr), bytes_(bytes), counted_(counted), device_(device),
         counters_(std::move(counters)) {}
   ~DeviceBuffer() override {
     // cudaFree waits for work still using the memory; its error has no caller to go to.
@@ -69,15 +64,15 @@ DevicePlan PlanDeviceBytes(const LossProblem& p, const LossOutputs& out, const C
                  v = static_cast<uint64_t>(p.v);
   const uint64_t elem = DTypeSize(p.dtype), g = DTypeSize(out.grad_dtype);
   DevicePlan d;
-  d.total += Align(bt * h * elem);  // x
+  d.total += Align(bt * h * elem);                       // x
   if (p.w_memory == Memory::kHost) {
-    d.total += Align(v * h * elem);                     // w
-    if (p.bias != nullptr) d.total += Align(v * elem);  // bias
+    d.total += Align(v * h * elem);                      // w
+    if (p.bias != nullptr) d.total += Align(v * elem);   // bias
   }
-  d.total += Align(bt * 4);  // targets
+  d.total += Align(bt * 4);                              // targets
   if (p.class_weights != nullptr) d.total += Align(v * 4);
   if (p.grad_output != nullptr) d.total += Align(bt * 4);
-  d.total += 4 * Align(bt * 4);  // per-row statistics
+  d.total += 4 * Align(bt * 4);                          // per-row statistics
   if (out.dx != nullptr) d.total += Align(bt * h * g);
   if (out.dw_accum != nullptr) {
     if (out.accum_memory == Memory::kHost) d.total += Align(v * h * 4);
@@ -105,18 +100,18 @@ int32_t Elem(DType t) { return static_cast<int32_t>(t); }
 absl::Status ValidateProblem(const LossProblem& p, const LossOutputs& out) {
   if (p.bt < 0 || p.h <= 0 || p.v <= 0 || p.bt > 0x7fffffff || p.v > 0x7fffffff ||
       p.h > 0x7fffffff) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: shape must have 0 <= bt, 0 < h, 0 < v, each below 2^31; got bt=", p.bt,
-                     " h=", p.h, " v=", p.v));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda: shape must have 0 <= bt, 0 < h, 0 < v, each below 2^31; got bt=", p.bt,
+        " h=", p.h, " v=", p.v));
   }
   if (!IsFloatDType(p.dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda: dtype must be bf16, fp16 or fp32; got ", DTypeName(p.dtype)));
   }
   if (out.grad_dtype != p.dtype && out.grad_dtype != DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda: grad_dtype must be the input dtype (",
-                                                   DTypeName(p.dtype), ") or fp32; got ",
-                                                   DTypeName(out.grad_dtype)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda: grad_dtype must be the input dtype (", DTypeName(p.dtype), ") or fp32; got ",
+        DTypeName(out.grad_dtype)));
   }
   if (p.w == nullptr || (p.bt > 0 && (p.x == nullptr || p.targets == nullptr))) {
     return absl::InvalidArgumentError("cuda: x, w and targets must be non-null");
@@ -136,7 +131,8 @@ absl::Status ValidateProblem(const LossProblem& p, const LossOutputs& out) {
         absl::StrCat("cuda: z_loss_scale must be >= 0; got ", o.z_loss_scale));
   }
   if (!(o.softcap >= 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda: softcap must be >= 0; got ", o.softcap));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: softcap must be >= 0; got ", o.softcap));
   }
   if (o.chunk_rows < 0) {
     return absl::InvalidArgumentError(
@@ -155,12 +151,7 @@ CudaBackend::CudaBackend(const CudaBackendOptions& options)
 
 CudaBackend::~CudaBackend() {
   absl::MutexLock lock(&mu_);
-  absl::MutexLock copy_lock(&copy_mu_);
-  cudaSetDevice(options_.device);
   engine_.reset();
-  staging_.reset();
-  copy_staging_.reset();
-  if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
 }
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
@@ -168,14 +159,14 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (IsNoGpuError(e) || (e == cudaSuccess && count == 0)) {
-    return absl::UnavailableError(
-        absl::StrCat("no GPU: cudaGetDeviceCount: ",
-                     e == cudaSuccess ? "no CUDA device" : cudaGetErrorString(e)));
+    return absl::UnavailableError(absl::StrCat(
+        "no GPU: cudaGetDeviceCount: ",
+        e == cudaSuccess ? "no CUDA device" : cudaGetErrorString(e)));
   }
   LOSSD_CUDA_RETURN_IF_ERROR(e);
   if (options.device < 0 || options.device >= count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: device ", options.device, " does not exist; there are ", count));
+    return absl::InvalidArgumentError(absl::StrCat("cuda: device ", options.device,
+                                                   " does not exist; there are ", count));
   }
   std::unique_ptr<CudaBackend> b(new CudaBackend(options));
   cudaDeviceProp prop;
@@ -183,22 +174,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   b->device_name_ = prop.name;
   absl::StatusOr<std::unique_ptr<FusedLoss>> engine = FusedLoss::Create(options.device);
   if (!engine.ok()) return engine.status();
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->copy_stream_, cudaStreamNonBlocking));
-  {
-    absl::MutexLock lock(&b->mu_);
-    b->engine_ = *std::move(engine);
-    if (options.pinned_staging) {
-      absl::StatusOr<std::unique_ptr<PinnedStaging>> s = PinnedStaging::Create();
-      if (!s.ok()) return s.status();
-      b->staging_ = *std::move(s);
-    }
-  }
-  if (options.pinned_staging) {
-    absl::MutexLock lock(&b->copy_mu_);
-    absl::StatusOr<std::unique_ptr<PinnedStaging>> s = PinnedStaging::Create();
-    if (!s.ok()) return s.status();
-    b->copy_staging_ = *std::move(s);
-  }
+  absl::MutexLock lock(&b->mu_);
+  b->engine_ = *std::move(engine);
   return b;
 }
 
@@ -223,9 +200,9 @@ absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::AllocateDevice(size_
   const uint64_t counted = Align(bytes < kMinAllocation ? kMinAllocation : bytes);
   const uint64_t held = counters_->current.load();
   if (options_.memory_budget_bytes != 0 && held + counted > options_.memory_budget_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cuda: allocating ", bytes, " bytes would exceed the memory budget of ",
-                     options_.memory_budget_bytes, " bytes (", held, " held)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cuda: allocating ", bytes, " bytes would exceed the memory budget of ",
+        options_.memory_budget_bytes, " bytes (", held, " held)"));
   }
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   void* ptr = nullptr;
@@ -257,20 +234,11 @@ absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::Allocate(size_t byte
 absl::Status CudaBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
                                         size_t bytes) {
   if (offset > dst.size() || bytes > dst.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat("cuda: copy of ", bytes, " bytes at offset ", offset,
-                                              " overruns a buffer of ", dst.size()));
+    return absl::OutOfRangeError(absl::StrCat("cuda: copy of ", bytes, " bytes at offset ",
+                                              offset, " overruns a buffer of ", dst.size()));
   }
   if (bytes == 0) return absl::OkStatus();
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  {
-    absl::MutexLock lock(&copy_mu_);
-    if (copy_staging_ != nullptr && bytes >= kStagingMinBytes) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(Check(copy_staging_->Upload(
-          static_cast<char*>(dst.data()) + offset, src, bytes, copy_stream_)));
-      return Check(CudaStatus(cudaStreamSynchronize(copy_stream_),
-                              "cudaStreamSynchronize(after staged host to device)"));
-    }
-  }
   LOSSD_CUDA_RETURN_IF_NOT_OK(Check(CudaStatus(
       cudaMemcpy(static_cast<char*>(dst.data()) + offset, src, bytes, cudaMemcpyHostToDevice),
       "cudaMemcpy(host to device)")));
@@ -283,18 +251,12 @@ absl::Status CudaBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const
 absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
                                           size_t bytes) {
   if (offset > src.size() || bytes > src.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat("cuda: copy of ", bytes, " bytes at offset ", offset,
-                                              " overruns a buffer of ", src.size()));
+    return absl::OutOfRangeError(absl::StrCat("cuda: copy of ", bytes, " bytes at offset ",
+                                              offset, " overruns a buffer of ", src.size()));
   }
   if (bytes == 0) return absl::OkStatus();
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   const char* from = static_cast<const char*>(const_cast<BackendBuffer&>(src).data()) + offset;
-  {
-    absl::MutexLock lock(&copy_mu_);
-    if (copy_staging_ != nullptr && bytes >= kStagingMinBytes) {
-      return Check(copy_staging_->Download(dst, from, bytes, copy_stream_));
-    }
-  }
   return Check(CudaStatus(cudaMemcpy(dst, from, bytes, cudaMemcpyDeviceToHost),
                           "cudaMemcpy(device to host)"));
 }
@@ -311,7 +273,8 @@ absl::Status CudaBackend::Zero(BackendBuffer& buf) {
 ChunkPlan CudaBackend::Plan(const LossProblem& p) const {
   const uint64_t budget =
       options_.chunk_budget_bytes != 0 ? options_.chunk_budget_bytes : kDefaultChunkBudgetBytes;
-  ChunkPlan plan = PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
+  ChunkPlan plan =
+      PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
   plan.side_sms = options_.side_sms;
   return plan;
 }
@@ -336,7 +299,8 @@ absl::Status CudaBackend::Check(absl::Status s) {
   return s;
 }
 
-absl::Status CudaBackend::Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) {
+absl::Status CudaBackend::Compute(const LossProblem& p, const LossOutputs& out,
+                                  LossStats* stats) {
   absl::MutexLock lock(&mu_);
   if (!healthy_) {
     return absl::UnavailableError(
@@ -350,15 +314,16 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   const auto t0 = std::chrono::steady_clock::now();
   LOSSD_CUDA_RETURN_IF_NOT_OK(ValidateProblem(p, out));
   std::vector<int32_t> targets32;
-  absl::StatusOr<TargetSummary> summary = SummarizeTargets(
-      p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index, p.class_weights, &targets32);
+  absl::StatusOr<TargetSummary> summary =
+      SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
+                       p.class_weights, &targets32);
   if (!summary.ok()) return summary.status();
   const ChunkPlan plan = Plan(p);
   const DevicePlan bytes = PlanDeviceBytes(p, out, plan);
   if (options_.memory_budget_bytes != 0 && bytes.total > options_.memory_budget_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("cuda: this problem needs ", bytes.total,
-                                                     " device bytes; the budget is ",
-                                                     options_.memory_budget_bytes));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cuda: this problem needs ", bytes.total, " device bytes; the budget is ",
+        options_.memory_budget_bytes));
   }
 
   const int64_t bt = p.bt, h = p.h, v = p.v;
@@ -381,7 +346,6 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     if (!d.ok()) return d.status();
     *dst = *d;
     if (n == 0) return absl::OkStatus();
-    if (staging_ != nullptr && n >= kStagingMinBytes) return staging_->Upload(*dst, src, n, stream);
     return CudaStatus(cudaMemcpyAsync(*dst, src, n, cudaMemcpyHostToDevice, stream),
                       "cudaMemcpyAsync(host to device)");
   };
@@ -480,8 +444,6 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   std::vector<int32_t> pred(bt);
   auto download = [&](void* dst, const void* src, uint64_t n) -> absl::Status {
     if (n == 0) return absl::OkStatus();
-    if (staging_ != nullptr && n >= kStagingMinBytes)
-      return staging_->Download(dst, src, n, stream);
     return CudaStatus(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream),
                       "cudaMemcpyAsync(device to host)");
   };
@@ -550,10 +512,9 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     for (int64_t i = 0; i < bt; ++i) out.predictions[i] = pred[i];
   }
   if (out.accuracy != nullptr) {
-    *out.accuracy =
-        s.tokens != 0
-            ? static_cast<float>(static_cast<double>(correct) / static_cast<double>(s.tokens))
-            : 0.0f;
+    *out.accuracy = s.tokens != 0 ? static_cast<float>(static_cast<double>(correct) /
+                                                       static_cast<double>(s.tokens))
+                                  : 0.0f;
   }
   if (out.tokens != nullptr) *out.tokens = s.tokens;
   if (stats != nullptr) {

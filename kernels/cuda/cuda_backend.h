@@ -6,8 +6,6 @@
 #ifndef LOSSD_KERNELS_CUDA_CUDA_BACKEND_H_
 #define LOSSD_KERNELS_CUDA_CUDA_BACKEND_H_
 
-#include <cuda_runtime_api.h>
-
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -20,7 +18,6 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/fused_loss.h"
-#include "kernels/cuda/pinned_staging.h"
 #include "kernels/loss_problem.h"
 
 namespace lossd {
@@ -32,9 +29,6 @@ struct CudaBackendOptions {
   uint64_t chunk_budget_bytes = 0;   // chunk buffer + GEMM workspaces; 0 = 512 MiB
   Schedule schedule = kDefaultSchedule;
   int32_t side_sms = kDefaultSideSms;  // see ChunkPlan::side_sms
-  // Host copies of 1 MiB and more go through pinned staging buffers (pinned_staging.h);
-  // false: straight from pageable memory (slower; kept for comparison).
-  bool pinned_staging = true;
 };
 
 // Byte counters shared by the backend and every buffer it hands out.
@@ -77,12 +71,6 @@ class CudaBackend : public Backend {
   std::atomic<bool> healthy_{true};
   absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
   std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<PinnedStaging> staging_ ABSL_GUARDED_BY(mu_);  // Compute's host copies
-  // CopyToBackend / CopyFromBackend: their own staging area and stream, so they need not wait
-  // for a running Compute.
-  absl::Mutex copy_mu_;
-  std::unique_ptr<PinnedStaging> copy_staging_ ABSL_GUARDED_BY(copy_mu_);
-  cudaStream_t copy_stream_ = nullptr;
 };
 
 }  // namespace cuda

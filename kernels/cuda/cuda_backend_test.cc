@@ -231,8 +231,7 @@ TEST_F(CudaTest, BothSchedulesMatchReference) {
 }
 
 // Weights, bias and the accumulators already on the device (the server's cached weights and
-// per-step accumulators), two micro-batches added into the same accumulator. W is 1 MiB and
-// dW 2 MiB, so CopyToBackend / CopyFromBackend go through the pinned staging path.
+// per-step accumulators), two micro-batches added into the same accumulator.
 TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
   OptionSet o{"dev", Reduction::kMean, 0.05f, 0, 0, true, false, false, 0.1, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"dev", 64, 256, 2048}, o, DType::kBF16, 21));

@@ -76,7 +76,7 @@ enum class Schedule : int32_t {
   kColumnHalves = 1,
 };
 
-// What the backend uses unless told otherwise (the faster one in bench/RESULTS.md).
+// What the backend uses unless told otherwise: column halves measured faster (bench/RESULTS.md).
 inline constexpr Schedule kDefaultSchedule = Schedule::kColumnHalves;
 inline constexpr int32_t kDefaultSideSms = 0;
 

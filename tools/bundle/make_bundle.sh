@@ -28,7 +28,6 @@ WANT=(
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:cuda_backend_test
   //kernels/cuda:plugin_exposer_test
-  //kernels/cuda:pinned_staging_test
 )
 TARGETS=()
 for t in "${WANT[@]}"; do
