@@ -31,11 +31,14 @@ constexpr int kBenchPartField = 2;
 // slice that borrows `data` (size bytes) with a no-op release. Nothing tracks when gRPC lets
 // go of it, so `data` must stay alive and unchanged for the whole process (the benchmark's
 // buffers do).
-grpc::ByteBuffer EncodeBorrowedPart(int32_t tensor, uint64_t offset, const void* data, size_t size);
+grpc::ByteBuffer EncodeBorrowedPart(int32_t tensor, uint64_t offset,
+                                    const void* data,  // (size) bytes
+                                    size_t size);
 
 // A slice over `data` (size bytes, alive and unchanged for the process's life), no copy: a
 // borrowed slice with a no-op release, the kind LossClient sends.
-grpc::Slice BorrowedSlice(const void* data, size_t size);
+grpc::Slice BorrowedSlice(const void* data,  // (size) bytes
+                          size_t size);
 
 // Any small message, serialized (one copy).
 grpc::ByteBuffer EncodeSmallMessage(const google::protobuf::MessageLite& message);

@@ -2,7 +2,8 @@
 # The service benchmark in one run: loopback ceilings (net_ceiling), then a lossd started here
 # (free ports, budgets sized for W = 128256 x 4096 bf16 and 16 clients) measured end to end
 # (service_bench), then lossd stopped. Writes into OUT_DIR: ceilings.txt/.log, lossd.log,
-# service_bench.log and service_bench.md (the report, also printed last).
+# lossd_metrics.txt (its /metrics at the end), host.txt, service_bench.log and
+# service_bench.md (the report, also printed last).
 #
 # On a GPU host, from the bundle folder (binaries beside lib/):
 #   ./run_service_bench.sh [OUT_DIR]                 (default: $OUT, else ./service_bench_out)
@@ -97,8 +98,16 @@ timeout 150 "$NET" --client --tcp_port="$TCP_PORT" --grpc_port="$GRPC_PORT" \
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "net_ceiling --client failed" >&2; rc=1; }
 cleanup
 
+# A free port for /metrics (scraped at the end: the receive/queue/compute/send phases).
+METRICS_PORT=0
+if command -v python3 >/dev/null; then
+  METRICS_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null || echo 0)
+fi
+{ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; nproc; free -g; } > "$OUT_DIR/host.txt" 2>&1
+
 echo "== lossd ($BACKEND, $(date -u +%H:%M:%S))"
-"$LOSSD" --backend="$BACKEND" --port=0 --address=127.0.0.1 --metrics_port=0 \
+"$LOSSD" --backend="$BACKEND" --port=0 --address=127.0.0.1 --metrics_address=127.0.0.1 \
+  --metrics_port="$METRICS_PORT" \
   --max_in_flight=1024 --max_queue=256 --drain_seconds=5 "${SERVER_ARGS[@]}" \
   > "$OUT_DIR/lossd.log" 2>&1 &
 PIDS+=($!)
@@ -113,6 +122,10 @@ timeout "$BENCH_TIMEOUT" "$BENCH" --target="127.0.0.1:$PORT" --ceilings="$OUT_DI
   > "$OUT_DIR/service_bench.stdout" 2> "$OUT_DIR/service_bench.log"
 code=$?
 [ $code = 0 ] || { echo "service_bench exited $code (log: $OUT_DIR/service_bench.log)" >&2; rc=1; }
+if [ "$METRICS_PORT" != 0 ]; then
+  python3 -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics', timeout=10).read().decode())" \
+    > "$OUT_DIR/lossd_metrics.txt" 2>&1 || echo "could not scrape /metrics" >&2
+fi
 tail -5 "$OUT_DIR/service_bench.log"
 cleanup
 echo "== done ($(date -u +%H:%M:%S)); lossd log tail:"

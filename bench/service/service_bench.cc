@@ -839,7 +839,7 @@ int Main() {
 
   // The plan, most important first (what the targets need), so a time budget cuts the least
   // important points: accumulator points at <= 4 clients, the GPU-busy point, handle and
-  // inline at <= 4 clients, then everything above 4 clients.
+  // inline at <= 4 clients, then above 4 clients in the same order.
   struct Planned {
     size_t shape;
     Mode mode;
@@ -852,7 +852,7 @@ int Main() {
     for (Mode m : modes) {
       for (int n : clients[std::min(si, clients.size() - 1)]) {
         const int base = m == Mode::kAccum ? 0 : m == Mode::kHandle ? 2 : 3;
-        plan.push_back({si, m, n, n > 4 ? 4 : base});
+        plan.push_back({si, m, n, (n > 4 ? 4 : 0) + base});
       }
     }
   }
