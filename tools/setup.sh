@@ -18,6 +18,11 @@ missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# kubectl (for its built-in kustomize) comes from Kubernetes' own apt repository where one is
+# configured; the manifest checks need it.
+if [[ "${LOSSD_SETUP_TEST_EXTRAS:-0}" == "1" ]] && ! command -v kubectl >/dev/null; then
+  apt-cache show kubectl >/dev/null 2>&1 && missing+=(kubectl)
+fi
 if ((${#missing[@]})); then
   SUDO=""
   [[ $(id -u) -ne 0 ]] && SUDO="sudo"
