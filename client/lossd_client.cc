@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <deque>
 #include <functional>
 #include <new>
 
@@ -96,9 +97,15 @@ std::string TensorIdName(int32_t id) {
 }
 
 // Drives one streaming call (any of the three streaming kinds: on the wire they are all a
-// stream each way) to its end: sends every message in order and half-closes, handing each
-// received message to `on_message` as it arrives. Writes and reads run at once, so a server
-// that answers early (an error after the header) is heard at once.
+// stream each way) to its end: sends every message in order and half-closes, and hands each
+// received message to `on_message`. Writes and reads run at once, so a server that answers
+// early (an error after the header) is heard at once.
+//
+// Received messages are handled on the thread that called Run(), not in gRPC's reactions:
+// copying a multi-MiB part into its (often freshly allocated, page-faulting) output buffer is
+// long work that would otherwise hold up gRPC's event threads; here it overlaps with gRPC
+// reading the next part. Up to kMaxQueued messages wait; beyond that reading pauses, so flow
+// control holds the server back.
 class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   using Handler = std::function<absl::Status(const grpc::ByteBuffer&)>;
@@ -111,15 +118,43 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   absl::Status Run(grpc::GenericStub* stub, const char* method, grpc::ClientContext* ctx) {
     ctx_ = ctx;
     stub->PrepareBidiStreamingCall(ctx, method, grpc::StubOptions(), this);
+    // The hold keeps the call open while this thread may still restart a paused read.
+    AddHold();
+    reading_ = true;
     StartRead(&in_);
     StartNextWrite();
     StartCall();
+
+    absl::Status handler_status;
+    for (;;) {
+      grpc::ByteBuffer msg;
+      bool restart = false;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &StreamCall::HasWork));
+        if (queue_.empty()) break;  // the response stream has ended
+        msg = std::move(queue_.front());
+        queue_.pop_front();
+        if (!reading_ && !read_ended_) restart = reading_ = true;
+      }
+      if (restart) StartRead(&in_);
+      handler_status = on_message_(msg);
+      if (!handler_status.ok()) {
+        absl::MutexLock lock(&mu_);
+        stop_reading_ = true;
+        queue_.clear();
+        break;
+      }
+    }
+    if (!handler_status.ok()) ctx_->TryCancel();
+    RemoveHold();
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(&done_));
     // gRPC has released these by now, except for slices the transport still holds (the
     // caller's SliceTracker waits for those).
     out_.clear();
-    if (!handler_status_.ok()) return handler_status_;
+    queue_.clear();
+    if (!handler_status.ok()) return handler_status;
     return FromGrpcStatus(status_);
   }
 
@@ -130,17 +165,21 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) return;  // end of the response stream
-    absl::Status s = on_message_(in_);
-    if (!s.ok()) {
-      {
-        absl::MutexLock lock(&mu_);
-        handler_status_ = std::move(s);
+    bool restart = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ok) {  // end of the response stream
+        reading_ = false;
+        read_ended_ = true;
+        return;
       }
-      ctx_->TryCancel();
-      return;
+      queue_.push_back(std::move(in_));
+      in_ = grpc::ByteBuffer();
+      restart = queue_.size() < kMaxQueued && !stop_reading_;
+      reading_ = restart;
     }
-    StartRead(&in_);
+    // Only one read is ever outstanding, so in_ is free to reuse.
+    if (restart) StartRead(&in_);
   }
 
   void OnDone(const grpc::Status& status) override {
@@ -150,6 +189,10 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   }
 
  private:
+  static constexpr size_t kMaxQueued = 8;
+
+  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || read_ended_; }
+
   void StartNextWrite() {
     if (next_ + 1 < out_.size()) {
       StartWrite(&out_[next_]);
@@ -161,15 +204,18 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   }
 
   std::vector<grpc::ByteBuffer> out_;
-  size_t next_ = 0;  // touched only by StartNextWrite, before StartCall and in OnWriteDone
-  grpc::ByteBuffer in_;
+  size_t next_ = 0;      // touched only by StartNextWrite, before StartCall and in OnWriteDone
+  grpc::ByteBuffer in_;  // the outstanding read's target
   Handler on_message_;
   grpc::ClientContext* ctx_ = nullptr;
 
   absl::Mutex mu_;
+  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;  // a read is outstanding
+  bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_reading_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
-  absl::Status handler_status_ ABSL_GUARDED_BY(mu_);
 };
 
 // Runs one streaming call on a ClientContext of its own, destroyed before this returns: the
