@@ -495,6 +495,7 @@ struct Target {
   std::string what, measured, needed;
   bool pass = false;
   bool known = true;  // false: an input was missing
+  bool info = false;  // printed for comparison, not counted
 };
 
 std::string Report(const std::string& header, const std::map<std::string, double>& ceil,
@@ -668,8 +669,10 @@ std::string Report(const std::string& header, const std::map<std::string, double
     // the amortised time means anything there.
     if (p.clients != 1) continue;
     Target y = x;
+    y.info = true;
     y.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", p.clients,
-                          " client(s): Compute latency (X up, dX down) vs bound");
+                          " client: Compute latency (X up, compute, dX down, nothing overlaps) "
+                          "vs bound");
     const double lat = Median(p.call_seconds);
     y.measured = y.known ? absl::StrCat(Ms(lat), " ms = ", Num(lat / b), " x") : "missing";
     y.pass = y.known && lat <= 1.25 * b;
@@ -693,7 +696,8 @@ std::string Report(const std::string& header, const std::map<std::string, double
     }
     Target x;
     x.what = absl::StrCat("GPU busy, ", p.clients, " clients, ", p.shape.Name(),
-                          ", handle + accumulator with the per-step fetch (information)");
+                          ", handle + accumulator with the per-step fetch");
+    x.info = true;
     x.known = p.error.empty() && p.window_seconds > 0;
     x.needed = ">= 85%";
     x.measured = x.known ? Pct(p.Busy()) : "missing";
@@ -706,8 +710,13 @@ std::string Report(const std::string& header, const std::map<std::string, double
   line("|---|---|---|---|");
   int passed = 0, failed = 0;
   for (const Target& t : targets) {
-    const char* res = !t.known ? "MISSING" : t.pass ? "PASS" : "FAIL";
-    (t.known && t.pass ? passed : failed)++;
+    std::string res = !t.known ? "MISSING" : t.pass ? "PASS" : "FAIL";
+    if (t.info) {
+      res = absl::StrCat("(", res == "PASS" ? "met" : res == "FAIL" ? "not met" : res,
+                         ", for information)");
+    } else {
+      (t.known && t.pass ? passed : failed)++;
+    }
     line(absl::StrCat("| ", t.what, " | ", t.measured, " | ", t.needed, " | ", res, " |"));
   }
   line("");
