@@ -28,6 +28,8 @@ WANT=(
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:cuda_backend_test
   //kernels/cuda:plugin_exposer_test
+  //bench/service:net_ceiling
+  //bench/service:service_bench
 )
 TARGETS=()
 for t in "${WANT[@]}"; do
@@ -53,7 +55,7 @@ for t in "${TARGETS[@]}"; do
   strip --strip-debug "$OUT/$(basename "$f")"
   FILES+=("$f")
 done
-cp -f bench/kernel/torch_baseline.py bench/kernel/run_gpu.sh "$OUT/"
+cp -f bench/kernel/torch_baseline.py bench/kernel/run_gpu.sh bench/service/run_service_bench.sh "$OUT/"
 
 # Libraries every file needs, except the ones the GPU host has (glibc, the C++ runtime, CUDA).
 skip() {
