@@ -17,6 +17,8 @@
 
 extern "C" void __tsan_acquire(void* addr);
 extern "C" void __tsan_release(void* addr);
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
 
 namespace {
 
@@ -34,6 +36,14 @@ F Real(const char* mangled) {
 #define LOSSD_ABSL_SYM(name) "_ZN4absl7debian3" name
 #define LOSSD_ABSL_CSYM(name) "_ZNK4absl7debian3" name
 
+// Memory accesses inside the real calls are not reported: absl evaluates Conditions (our code)
+// there, in whichever thread holds or hands over the lock, which is synchronised by absl
+// itself but falls outside the acquire/release pair this shim can place around the call.
+struct IgnoreAccesses {
+  IgnoreAccesses() { __tsan_ignore_thread_begin(); }
+  ~IgnoreAccesses() { __tsan_ignore_thread_end(); }
+};
+
 }  // namespace
 
 namespace absl {
@@ -41,39 +51,58 @@ ABSL_NAMESPACE_BEGIN
 
 void Mutex::Lock() {
   static auto real = Real<void (*)(Mutex*)>(LOSSD_ABSL_SYM("5Mutex4LockEv"));
-  real(this);
+  {
+    IgnoreAccesses ignore;
+    real(this);
+  }
   __tsan_acquire(this);
 }
 
 void Mutex::Unlock() {
   static auto real = Real<void (*)(Mutex*)>(LOSSD_ABSL_SYM("5Mutex6UnlockEv"));
   __tsan_release(this);
-  real(this);
+  {
+    IgnoreAccesses ignore;
+    real(this);
+  }
 }
 
 bool Mutex::TryLock() {
   static auto real = Real<bool (*)(Mutex*)>(LOSSD_ABSL_SYM("5Mutex7TryLockEv"));
-  const bool locked = real(this);
+  bool locked;
+  {
+    IgnoreAccesses ignore;
+    locked = real(this);
+  }
   if (locked) __tsan_acquire(this);
   return locked;
 }
 
 void Mutex::ReaderLock() {
   static auto real = Real<void (*)(Mutex*)>(LOSSD_ABSL_SYM("5Mutex10ReaderLockEv"));
-  real(this);
+  {
+    IgnoreAccesses ignore;
+    real(this);
+  }
   __tsan_acquire(this);
 }
 
 void Mutex::ReaderUnlock() {
   static auto real = Real<void (*)(Mutex*)>(LOSSD_ABSL_SYM("5Mutex12ReaderUnlockEv"));
   __tsan_release(this);
-  real(this);
+  {
+    IgnoreAccesses ignore;
+    real(this);
+  }
 }
 
 void Mutex::LockWhen(const Condition& cond) {
   static auto real =
       Real<void (*)(Mutex*, const Condition&)>(LOSSD_ABSL_SYM("5Mutex8LockWhenERKNS0_9ConditionE"));
-  real(this, cond);
+  {
+    IgnoreAccesses ignore;
+    real(this, cond);
+  }
   __tsan_acquire(this);
 }
 
@@ -81,7 +110,10 @@ void Mutex::Await(const Condition& cond) {
   static auto real =
       Real<void (*)(Mutex*, const Condition&)>(LOSSD_ABSL_SYM("5Mutex5AwaitERKNS0_9ConditionE"));
   __tsan_release(this);
-  real(this, cond);
+  {
+    IgnoreAccesses ignore;
+    real(this, cond);
+  }
   __tsan_acquire(this);
 }
 
@@ -89,7 +121,11 @@ bool Mutex::AwaitWithTimeout(const Condition& cond, absl::Duration timeout) {
   static auto real = Real<bool (*)(Mutex*, const Condition&, absl::Duration)>(
       LOSSD_ABSL_SYM("5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE"));
   __tsan_release(this);
-  const bool r = real(this, cond, timeout);
+  bool r;
+  {
+    IgnoreAccesses ignore;
+    r = real(this, cond, timeout);
+  }
   __tsan_acquire(this);
   return r;
 }
@@ -98,7 +134,11 @@ bool Mutex::AwaitWithDeadline(const Condition& cond, absl::Time deadline) {
   static auto real = Real<bool (*)(Mutex*, const Condition&, absl::Time)>(
       LOSSD_ABSL_SYM("5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE"));
   __tsan_release(this);
-  const bool r = real(this, cond, deadline);
+  bool r;
+  {
+    IgnoreAccesses ignore;
+    r = real(this, cond, deadline);
+  }
   __tsan_acquire(this);
   return r;
 }
@@ -106,7 +146,10 @@ bool Mutex::AwaitWithDeadline(const Condition& cond, absl::Time deadline) {
 void CondVar::Wait(Mutex* mu) {
   static auto real = Real<void (*)(CondVar*, Mutex*)>(LOSSD_ABSL_SYM("7CondVar4WaitEPNS0_5MutexE"));
   __tsan_release(mu);
-  real(this, mu);
+  {
+    IgnoreAccesses ignore;
+    real(this, mu);
+  }
   __tsan_acquire(mu);
 }
 
@@ -114,7 +157,11 @@ bool CondVar::WaitWithTimeout(Mutex* mu, absl::Duration timeout) {
   static auto real = Real<bool (*)(CondVar*, Mutex*, absl::Duration)>(
       LOSSD_ABSL_SYM("7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE"));
   __tsan_release(mu);
-  const bool r = real(this, mu, timeout);
+  bool r;
+  {
+    IgnoreAccesses ignore;
+    r = real(this, mu, timeout);
+  }
   __tsan_acquire(mu);
   return r;
 }
@@ -123,7 +170,11 @@ bool CondVar::WaitWithDeadline(Mutex* mu, absl::Time deadline) {
   static auto real = Real<bool (*)(CondVar*, Mutex*, absl::Time)>(
       LOSSD_ABSL_SYM("7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE"));
   __tsan_release(mu);
-  const bool r = real(this, mu, deadline);
+  bool r;
+  {
+    IgnoreAccesses ignore;
+    r = real(this, mu, deadline);
+  }
   __tsan_acquire(mu);
   return r;
 }
@@ -131,20 +182,30 @@ bool CondVar::WaitWithDeadline(Mutex* mu, absl::Time deadline) {
 void Notification::Notify() {
   static auto real = Real<void (*)(Notification*)>(LOSSD_ABSL_SYM("12Notification6NotifyEv"));
   __tsan_release(this);
-  real(this);
+  {
+    IgnoreAccesses ignore;
+    real(this);
+  }
 }
 
 void Notification::WaitForNotification() const {
   static auto real = Real<void (*)(const Notification*)>(
       LOSSD_ABSL_CSYM("12Notification19WaitForNotificationEv"));
-  real(this);
+  {
+    IgnoreAccesses ignore;
+    real(this);
+  }
   __tsan_acquire(const_cast<Notification*>(this));
 }
 
 bool Notification::WaitForNotificationWithTimeout(absl::Duration timeout) const {
   static auto real = Real<bool (*)(const Notification*, absl::Duration)>(
       LOSSD_ABSL_CSYM("12Notification30WaitForNotificationWithTimeoutENS0_8DurationE"));
-  const bool r = real(this, timeout);
+  bool r;
+  {
+    IgnoreAccesses ignore;
+    r = real(this, timeout);
+  }
   if (r) __tsan_acquire(const_cast<Notification*>(this));
   return r;
 }
@@ -152,7 +213,11 @@ bool Notification::WaitForNotificationWithTimeout(absl::Duration timeout) const 
 bool Notification::WaitForNotificationWithDeadline(absl::Time deadline) const {
   static auto real = Real<bool (*)(const Notification*, absl::Time)>(
       LOSSD_ABSL_CSYM("12Notification31WaitForNotificationWithDeadlineENS0_4TimeE"));
-  const bool r = real(this, deadline);
+  bool r;
+  {
+    IgnoreAccesses ignore;
+    r = real(this, deadline);
+  }
   if (r) __tsan_acquire(const_cast<Notification*>(this));
   return r;
 }
