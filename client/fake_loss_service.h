@@ -1,0 +1,100 @@
+// A fake lossd service for client tests, served over real gRPC: it reassembles what a client
+// sends (refusing out-of-order parts), echoes inputs back as outputs (dx = x's bytes, dw = w's
+// bytes, lse = targets as fp32, predictions = targets), and can be told to misbehave. It
+// computes no loss; the real server's tests own the math.
+#ifndef LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
+#define LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/grpcpp.h"
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "lossd/v1/lossd.pb.h"
+
+namespace lossd {
+namespace client {
+
+// How the fake misbehaves in Compute.
+enum class Mode {
+  kEcho,          // dx = x's bytes, dw = w's bytes, lse = targets as fp32, predictions = targets
+  kError,         // fails with error_code / error_message after reading the header
+  kSleep,         // sleeps until cancelled (or 10 s), then answers
+  kOutOfOrder,    // sends dx's second part before its first
+  kShort,         // sends dx one byte short
+  kOverflow,      // sends dx with one byte too many
+  kUnannounced,   // sends a part of z_loss, which the summary does not list
+  kNoSummary,     // sends nothing and returns OK
+  kPartFirst,     // sends a part before the summary
+  kBadShape,      // announces dx with one row too many
+  kTwoSummaries,  // sends the summary twice
+};
+
+// Reassembles the parts of one stream, checking that each tensor's parts come in byte order.
+struct Assembler {
+  std::map<int, std::string> data;
+  std::map<int, int> parts;
+  size_t max_part = 0;
+  std::string error;
+
+  void Add(const v1::TensorPart& p) {
+    std::string& d = data[p.tensor()];
+    if (p.offset() != d.size() && error.empty()) {
+      error = absl::StrCat("tensor ", p.tensor(), " part at ", p.offset(), ", expected ", d.size());
+    }
+    d += p.data();
+    ++parts[p.tensor()];
+    max_part = std::max(max_part, p.data().size());
+  }
+};
+
+class FakeLossService final : public v1::Loss::Service {
+ public:
+  // Behaviour; set before calls.
+  std::atomic<Mode> mode{Mode::kEcho};
+  grpc::StatusCode error_code = grpc::StatusCode::INVALID_ARGUMENT;
+  std::string error_message;
+
+  // What the fake saw, for the tests to check.
+  absl::Mutex mu;
+  std::set<std::string> peers ABSL_GUARDED_BY(mu);
+  v1::ComputeHeader last_header ABSL_GUARDED_BY(mu);
+  std::map<int, int> last_parts ABSL_GUARDED_BY(mu);
+  size_t last_max_part ABSL_GUARDED_BY(mu) = 0;
+  std::string last_metadata ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::pair<v1::WeightsHeader, Assembler>> weights ABSL_GUARDED_BY(mu);
+  struct Accumulator {
+    int64_t v = 0, h = 0;
+    bool bias = false;
+    uint64_t micro_batches = 0;
+    int64_t tokens = 0;
+  };
+  std::map<std::string, Accumulator> accumulators ABSL_GUARDED_BY(mu);
+
+  grpc::Status Compute(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) override;
+  grpc::Status PutWeights(grpc::ServerContext* ctx,
+                          grpc::ServerReader<v1::PutWeightsRequest>* reader,
+                          v1::PutWeightsResponse* resp) override;
+  grpc::Status DropWeights(grpc::ServerContext*, const v1::DropWeightsRequest* req,
+                           v1::DropWeightsResponse*) override;
+  grpc::Status FetchGradients(grpc::ServerContext*, const v1::FetchGradientsRequest* req,
+                              grpc::ServerWriter<v1::FetchGradientsResponse>* writer) override;
+  grpc::Status DropAccumulator(grpc::ServerContext*, const v1::DropAccumulatorRequest* req,
+                               v1::DropAccumulatorResponse*) override;
+  grpc::Status ServerInfo(grpc::ServerContext* ctx, const v1::ServerInfoRequest*,
+                          v1::ServerInfoResponse* resp) override;
+};
+
+}  // namespace client
+}  // namespace lossd
+
+#endif  // LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_

@@ -1,0 +1,265 @@
+// Runs the lossctl binary against a fake lossd service: exit codes, printed results, .npy
+// outputs, and that every flag reaches the request header.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/fake_loss_service.h"
+#include "client/host_tensor.h"
+#include "client/npy.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+
+namespace lossd {
+namespace client {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Result {
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+HostTensor RandomF32(std::vector<int64_t> shape, uint32_t seed) {
+  HostTensor t = HostTensor::Owned(DType::kF32, std::move(shape));
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  for (int64_t i = 0; i < t.num_elements(); ++i) t.mutable_data_as<float>()[i] = u(gen);
+  return t;
+}
+
+bool SameBytes(const HostTensor& a, const HostTensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), a.num_bytes()) == 0;
+}
+
+class LossctlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&fake_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/",
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    ASSERT_EQ(std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_).c_str()), 0);
+  }
+  void TearDown() override {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  }
+
+  Result Lossctl(const std::string& args) {
+    const std::string cmd = absl::StrCat("client/lossctl --target=127.0.0.1:", port_,
+                                         " --deadline_seconds=30 ", args, " 2>&1");
+    Result r;
+    FILE* p = popen(cmd.c_str(), "r");
+    if (p == nullptr) return r;
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
+    const int status = pclose(p);
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return r;
+  }
+
+  std::string Path(const std::string& name) { return dir_ + "/" + name; }
+
+  HostTensor Read(const std::string& name) {
+    absl::StatusOr<HostTensor> t = ReadNpy(Path(name));
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? *std::move(t) : HostTensor();
+  }
+
+  FakeLossService fake_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string dir_;
+};
+
+TEST_F(LossctlTest, Info) {
+  Result r = Lossctl("info");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("backend             cpu"));
+  EXPECT_THAT(r.output, HasSubstr("device              fake device"));
+  EXPECT_THAT(r.output, HasSubstr("version             0.0-fake"));
+}
+
+TEST_F(LossctlTest, ComputeFromNpyFilesWritesEveryOutput) {
+  HostTensor x = RandomF32({47, 31}, 1);
+  HostTensor w = RandomF32({123, 31}, 2);
+  HostTensor t = HostTensor::Owned(DType::kI64, {47});
+  for (int i = 0; i < 47; ++i) t.mutable_data_as<int64_t>()[i] = (i * 37) % 123;
+  t.mutable_data_as<int64_t>()[5] = -1;  // ignored with --ignore_index=-1
+  ASSERT_TRUE(WriteNpy(Path("x.npy"), x).ok());
+  ASSERT_TRUE(WriteNpy(Path("w.npy"), w).ok());
+  ASSERT_TRUE(WriteNpy(Path("t.npy"), t).ok());
+  Result r = Lossctl(absl::StrCat(
+      "compute --x=", Path("x.npy"), " --w=", Path("w.npy"), " --targets=", Path("t.npy"),
+      " --ignore_index=-1 --reduction=sum --label_smoothing=0.125 --lse_square_scale=0.001",
+      " --softcap=15 --grad_scale=0.5 --chunk_rows=64 --want=dx,dw,lse,predictions,accuracy",
+      " --out_dir=", Path("out")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("loss        1.5\n"));
+  EXPECT_THAT(r.output, HasSubstr("tokens      46\n"));
+  EXPECT_THAT(r.output, HasSubstr("backend     fake\n"));
+  EXPECT_TRUE(SameBytes(Read("out/dx.npy"), x));
+  EXPECT_TRUE(SameBytes(Read("out/dw.npy"), w));
+  EXPECT_TRUE(SameBytes(Read("out/predictions.npy"), t));
+  HostTensor lse = Read("out/lse.npy");
+  ASSERT_EQ(lse.num_elements(), 47);
+  EXPECT_EQ(lse.data_as<float>()[7], static_cast<float>(t.data_as<int64_t>()[7]));
+  HostTensor scalars = Read("out/scalars_loss_zloss_accuracy.npy");
+  ASSERT_EQ(scalars.num_elements(), 3);
+  EXPECT_EQ(scalars.data_as<float>()[0], 1.5f);
+  EXPECT_EQ(scalars.data_as<float>()[1], 0.25f);
+  EXPECT_EQ(scalars.data_as<float>()[2], 0.125f);
+
+  absl::MutexLock lock(&fake_.mu);
+  const v1::LossOptions& o = fake_.last_header.options();
+  EXPECT_EQ(o.ignore_index(), -1);
+  EXPECT_EQ(o.reduction(), v1::REDUCTION_SUM);
+  EXPECT_EQ(o.label_smoothing(), 0.125f);
+  EXPECT_EQ(o.lse_square_scale(), 0.001f);
+  EXPECT_EQ(o.softcap(), 15.0f);
+  EXPECT_EQ(o.grad_scale(), 0.5f);
+  EXPECT_EQ(o.chunk_rows(), 64);
+  EXPECT_EQ(o.grad_dtype(), v1::DTYPE_UNSPECIFIED);
+  EXPECT_TRUE(fake_.last_header.outputs().accuracy());
+  EXPECT_FALSE(fake_.last_header.outputs().db());
+}
+
+TEST_F(LossctlTest, DtypeFlagConvertsFloatFiles) {
+  HostTensor x = RandomF32({9, 4}, 3);
+  HostTensor w = RandomF32({6, 4}, 4);
+  ASSERT_TRUE(WriteNpy(Path("x.npy"), x).ok());
+  ASSERT_TRUE(WriteNpy(Path("w.npy"), w).ok());
+  Result r = Lossctl(absl::StrCat("compute --x=", Path("x.npy"), " --w=", Path("w.npy"),
+                                  " --v=6 --dtype=bf16 --want=dx --out_dir=", Path("out")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  HostTensor dx = Read("out/dx.npy");
+  ASSERT_EQ(dx.dtype(), DType::kBF16);
+  for (int i = 0; i < 36; ++i) {
+    EXPECT_EQ(dx.data_as<uint16_t>()[i], FloatToBf16(x.data_as<float>()[i])) << i;
+  }
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.last_header.w().dtype(), v1::DTYPE_BF16);
+}
+
+TEST_F(LossctlTest, RandomDataWithBias) {
+  Result r = Lossctl(
+      "compute --bt=16 --h=8 --v=32 --with_bias --target_dtype=int32 "
+      "--grad_dtype=fp32 --out_dir=" +
+      Path("out"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  HostTensor dx = Read("out/dx.npy");
+  EXPECT_EQ(dx.dtype(), DType::kF32);  // --grad_dtype
+  absl::MutexLock lock(&fake_.mu);
+  const v1::ComputeHeader& h = fake_.last_header;
+  EXPECT_EQ(h.x().dtype(), v1::DTYPE_BF16);
+  EXPECT_EQ(h.bias().shape(0), 32);
+  EXPECT_EQ(h.targets().dtype(), v1::DTYPE_INT32);
+  EXPECT_EQ(h.options().grad_dtype(), v1::DTYPE_FP32);
+  EXPECT_TRUE(h.outputs().db());  // the default --want adds db when there is a bias
+}
+
+TEST_F(LossctlTest, ServerErrorsExitNonZeroWithTheCodeName) {
+  fake_.mode = Mode::kError;
+  fake_.error_code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  fake_.error_message = "needs 9 GiB, budget 8 GiB";
+  Result r = Lossctl("compute --bt=4 --h=4 --v=4");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output,
+              HasSubstr("lossctl compute: RESOURCE_EXHAUSTED: needs 9 GiB, budget 8 GiB"));
+}
+
+TEST_F(LossctlTest, UsageErrors) {
+  EXPECT_EQ(Lossctl("").code, 2);
+  Result r = Lossctl("frobnicate");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.output, HasSubstr("unknown command 'frobnicate'"));
+  r = Lossctl("compute --bt=4 --h=4 --v=4 --reduction=avg");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("INVALID_ARGUMENT: --reduction must be mean, sum or none"));
+  r = Lossctl("compute --v=4");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("give --w (a .npy file) or random shape --v and --h"));
+  r = Lossctl("compute --bt=4 --h=4 --v=4 --want=dx,gradients");
+  EXPECT_THAT(r.output, HasSubstr("unknown output 'gradients'"));
+  r = Lossctl("compute --x=" + Path("missing.npy") + " --w=" + Path("missing.npy"));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("NOT_FOUND"));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
+}
+
+TEST_F(LossctlTest, WeightHandleLifecycle) {
+  Result r = Lossctl("put-weights --v=10 --h=4 --dtype=fp16");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("handle      fake-0\n"));
+  r = Lossctl("compute --weight_handle=fake-0 --bt=3 --h=4 --v=10 --dtype=fp16");
+  EXPECT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.weight_handle(), "fake-0");
+    EXPECT_FALSE(fake_.last_header.has_w());
+  }
+  EXPECT_EQ(Lossctl("drop-weights --handle=fake-0").code, 0);
+  r = Lossctl("drop-weights --handle=fake-0");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("NOT_FOUND: unknown weight handle 'fake-0'"));
+  EXPECT_EQ(Lossctl("drop-weights").code, 1);
+}
+
+TEST_F(LossctlTest, AccumulateFetchAndDrop) {
+  for (int i = 0; i < 2; ++i) {
+    Result r = Lossctl("compute --bt=4 --h=3 --v=5 --accumulator=acc --want=dx");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr(absl::StrCat("micro_batches ", i + 1)));
+  }
+  Result r = Lossctl("fetch-gradients --accumulator=acc --reset --out_dir=" + Path("g"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("micro_batches 2\n"));
+  HostTensor dw = Read("g/dw.npy");
+  ASSERT_EQ(dw.shape(), (std::vector<int64_t>{5, 3}));
+  for (int i = 0; i < 15; ++i) EXPECT_EQ(dw.data_as<float>()[i], static_cast<float>(i + 2));
+  EXPECT_EQ(Lossctl("drop-accumulator --accumulator=acc").code, 0);
+  r = Lossctl("drop-accumulator --accumulator=acc");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("NOT_FOUND: no accumulator 'acc'"));
+}
+
+TEST_F(LossctlTest, Bench) {
+  Result r =
+      Lossctl("bench --bt=8 --h=8 --v=16 --calls=6 --concurrency=2 --connections=2 --put_weights");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("put_weights "));
+  EXPECT_THAT(r.output, HasSubstr("calls       6 ok, 0 failed"));
+  EXPECT_THAT(r.output, HasSubstr("latency_ms  p50 "));
+  EXPECT_THAT(r.output, HasSubstr("tokens/s "));
+  EXPECT_THAT(r.output, HasSubstr("GB/s "));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.peers.size(), 2u);   // two connections
+  EXPECT_TRUE(fake_.weights.empty());  // the uploaded weights were dropped at the end
+}
+
+TEST_F(LossctlTest, UnreachableServer) {
+  Result r = Lossctl("info --target=127.0.0.1:1");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("lossctl info: UNAVAILABLE"));
+}
+
+}  // namespace
+}  // namespace client
+}  // namespace lossd
