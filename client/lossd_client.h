@@ -3,6 +3,16 @@
 // types. Tensor bytes are sent from caller memory without copies and received straight into
 // their output buffers. Never retries a call and never changes a request's semantics: every
 // server error comes back with its gRPC code (1:1 as an absl::StatusCode) and message.
+//
+//   ClientOptions opts;                      // target localhost:50051, 4 MiB parts
+//   opts.connections = 4;                    // concurrent calls spread over 4 TCP connections
+//   auto client = LossClient::Create(opts);  // absl::StatusOr<std::unique_ptr<LossClient>>
+//   ComputeRequest r;
+//   r.x = HostTensor::View(DType::kBF16, {bt, h}, x_ptr);        // no copy
+//   r.w = HostTensor::View(DType::kBF16, {v, h}, w_ptr);
+//   r.targets = HostTensor::View(DType::kI64, {bt}, y_ptr);
+//   r.output_into[OutputTensor::kDx] = {dx_ptr, dx_bytes};       // optional: land dX here
+//   absl::StatusOr<ComputeResult> res = (*client)->Compute(r);   // res->loss, res->outputs
 #ifndef LOSSD_CLIENT_LOSSD_CLIENT_H_
 #define LOSSD_CLIENT_LOSSD_CLIENT_H_
 
