@@ -230,12 +230,15 @@ absl::Status RunStream(grpc::GenericStub* stub, const char* method,
   return stream.Run(stub, method, &ctx);
 }
 
-// Appends the parts of one tensor: at most part_bytes each, in byte order.
+// Appends the parts of one tensor, in byte order: each at most part_bytes rounded down to
+// whole elements (at least one), because a server may refuse a part that splits an element.
 void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
                  std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
   const size_t size = t.num_bytes();
-  for (size_t off = 0; off < size; off += part_bytes) {
-    out->push_back(EncodePart(id, off, t.data() + off, std::min(part_bytes, size - off), tracker));
+  const size_t elem = DTypeSize(t.dtype());
+  const size_t step = std::max(elem, part_bytes - part_bytes % elem);
+  for (size_t off = 0; off < size; off += step) {
+    out->push_back(EncodePart(id, off, t.data() + off, std::min(step, size - off), tracker));
   }
   *bytes += size;
 }

@@ -205,6 +205,33 @@ TEST_F(LossClientTest, LargeTensorsAreSplitIntoOrderedParts) {
   EXPECT_EQ(fake_.last_max_part, 65536u);
 }
 
+// Parts never split an element: part_bytes is rounded down to whole elements of each tensor
+// (at least one), for inline weights and PutWeights alike.
+TEST_F(LossClientTest, PartsHoldWholeElements) {
+  ClientOptions o = Options();
+  o.part_bytes = 7;
+  auto client = Client(o);
+  ComputeRequest r;
+  r.x = RandomTensor(DType::kBF16, {5, 3}, 71);  // 30 bytes: 6-byte parts
+  r.w = RandomTensor(DType::kBF16, {4, 3}, 72);
+  r.targets = Targets(5, 4, 73);  // int64: one element (8 bytes) a part
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDx), r.x));
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_parts[v1::TENSOR_X], 5);
+    EXPECT_EQ(fake_.last_parts[v1::TENSOR_W], 4);
+    EXPECT_EQ(fake_.last_parts[v1::TENSOR_TARGETS], 5);
+    EXPECT_EQ(fake_.last_max_part, 8u);
+  }
+  HostTensor w = RandomTensor(DType::kF32, {3, 3}, 74);
+  ASSERT_TRUE(client->PutWeights(w, nullptr).ok());
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.weights["fake-0"].second.parts.at(v1::TENSOR_W), 9);
+  EXPECT_EQ(fake_.weights["fake-0"].second.max_part, 4u);
+}
+
 TEST_F(LossClientTest, PartBytesAboveGrpcsDefaultLimitWork) {
   ClientOptions o = Options();
   o.part_bytes = 17 << 20;
