@@ -44,7 +44,8 @@ namespace client {
 
 struct ClientOptions {
   std::string target = "localhost:50051";
-  // Largest data bytes of one sent TensorPart. 1-4 MiB moves fastest.
+  // Largest data bytes of one sent TensorPart, rounded down to whole elements of each tensor
+  // (at least one). 1-4 MiB moves fastest; the server caps it (16 MiB by default).
   size_t part_bytes = 4 << 20;
   // Largest data bytes of one received part the server is asked to send (0 = its default).
   uint32_t response_part_bytes = 0;
