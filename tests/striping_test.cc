@@ -55,6 +55,10 @@ StripeResult SendStripe(v1::Loss::Stub& stub, const RandomProblem& rp, const std
   int sent = 0;
   for (uint64_t off = begin; off < end; off += part_bytes) {
     if (sent++ == cancel_after_parts) {
+      // Let the server read the header and join the stripe first: a stripe cancelled before
+      // its header arrives is unknown to the upload, which then ends at its siblings'
+      // deadline instead (still without a handle).
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
       ctx.TryCancel();
       out.status = writer->Finish();
       return out;
