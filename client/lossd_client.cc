@@ -8,8 +8,11 @@
 #include <deque>
 #include <functional>
 #include <new>
+#include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/part_codec.h"
@@ -37,6 +40,15 @@ constexpr char kFetchGradientsMethod[] = "/lossd.v1.Loss/FetchGradients";
 // A channel argument that differs between a client's channels, so that gRPC gives each its
 // own subchannel (and TCP connection) even in a local subchannel pool.
 constexpr char kConnectionIndexArg[] = "lossd.connection_index";
+// The default rule stripes over at most this many connections: four gave 3-6x one, more
+// adds little on one host.
+constexpr int kDefaultMaxStripes = 4;
+// The server accepts at most this many stripes per upload.
+constexpr int kMaxStripes = 64;
+// After a stripe hears ABORTED (the server aborted the whole upload and tells every stripe),
+// how long the others may take to report on their own before they are cancelled: the stripe
+// that caused the abort is then heard with its own error.
+constexpr absl::Duration kAbortedGrace = absl::Seconds(1);
 
 v1::DType ToProto(DType t) {
   switch (t) {
@@ -218,29 +230,141 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
+// Runs the streams of one striped call at once, one thread each, and gathers their statuses.
+// Once a stripe has failed the others are pointless, and a stripe the server never heard of
+// would leave its siblings waiting there until their deadline, so the group cancels the
+// streams still running: at once after any error but ABORTED, and `aborted_grace` after an
+// ABORTED (the server aborted the whole upload and is telling every stripe; the grace lets
+// the stripe that caused it report why).
+class StripeGroup {
+ public:
+  StripeGroup(int n, absl::Duration aborted_grace)
+      : n_(n), grace_(aborted_grace), contexts_(n, nullptr), statuses_(n), cancelled_(n, false) {}
+
+  // Runs body(i) for every stripe i in [0, n) on a thread of its own and returns when all are
+  // over: OK when every stripe succeeded, else the first error (in the order they happened)
+  // that is neither ABORTED nor the group's own cancelling, else the first error.
+  absl::Status Run(const std::function<absl::Status(int)>& body) {
+    std::vector<std::thread> threads;
+    threads.reserve(n_);
+    for (int i = 0; i < n_; ++i) {
+      threads.emplace_back([this, &body, i] { Finish(i, body(i)); });
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      while (finished_ < n_) {
+        if (absl::Now() >= cancel_at_) CancelAllLocked();
+        // Polls, because cancel_at_ can move earlier while this waits.
+        mu_.AwaitWithTimeout(absl::Condition(this, &StripeGroup::AllFinished),
+                             absl::Milliseconds(20));
+      }
+    }
+    for (std::thread& t : threads) t.join();
+    absl::MutexLock lock(&mu_);
+    for (int i : failed_) {
+      if (!cancelled_[i] && statuses_[i].code() != absl::StatusCode::kAborted) {
+        return statuses_[i];
+      }
+    }
+    for (int i : failed_) {
+      if (!cancelled_[i]) return statuses_[i];
+    }
+    return failed_.empty() ? absl::OkStatus() : statuses_[failed_.front()];
+  }
+
+  // Stripe i's call is live on `ctx` (until Unregister): the group may cancel it. A stripe
+  // that registers after the group gave up is cancelled at once.
+  void Register(int i, grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    contexts_[i] = ctx;
+    if (cancel_all_) {
+      ctx->TryCancel();
+      cancelled_[i] = true;
+    }
+  }
+  void Unregister(int i) {
+    absl::MutexLock lock(&mu_);
+    contexts_[i] = nullptr;
+  }
+
+ private:
+  bool AllFinished() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ == n_; }
+
+  void Finish(int i, absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    ++finished_;
+    if (status.ok()) return;
+    failed_.push_back(i);
+    const bool aborted = status.code() == absl::StatusCode::kAborted;
+    statuses_[i] = std::move(status);
+    cancel_at_ = std::min(cancel_at_, absl::Now() + (aborted ? grace_ : absl::ZeroDuration()));
+  }
+
+  void CancelAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (cancel_all_) return;
+    cancel_all_ = true;
+    for (int i = 0; i < n_; ++i) {
+      if (contexts_[i] == nullptr) continue;
+      contexts_[i]->TryCancel();
+      cancelled_[i] = true;
+    }
+  }
+
+  const int n_;
+  const absl::Duration grace_;
+  absl::Mutex mu_;
+  std::vector<grpc::ClientContext*> contexts_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Status> statuses_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> cancelled_ ABSL_GUARDED_BY(mu_);  // cancelled by the group
+  std::vector<int> failed_ ABSL_GUARDED_BY(mu_);      // stripes that failed, in order
+  int finished_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time cancel_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  bool cancel_all_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 // Runs one streaming call on a ClientContext of its own, destroyed before this returns: the
 // context holds the call, and the call keeps any slice it did not send (after an early error)
-// until it is destroyed, so a SliceTracker could not finish waiting while it lives.
+// until it is destroyed, so a SliceTracker could not finish waiting while it lives. With a
+// group, the call is stripe `stripe` of it, which may cancel it.
 absl::Status RunStream(grpc::GenericStub* stub, const char* method,
                        const std::function<void(grpc::ClientContext*)>& prepare,
-                       std::vector<grpc::ByteBuffer> out, StreamCall::Handler on_message) {
+                       std::vector<grpc::ByteBuffer> out, StreamCall::Handler on_message,
+                       StripeGroup* group = nullptr, int stripe = 0) {
   grpc::ClientContext ctx;
   prepare(&ctx);
+  if (group != nullptr) group->Register(stripe, &ctx);
   StreamCall stream(std::move(out), std::move(on_message));
-  return stream.Run(stub, method, &ctx);
+  absl::Status status = stream.Run(stub, method, &ctx);
+  if (group != nullptr) group->Unregister(stripe);
+  return status;
+}
+
+// A random 128-bit upload id, in hex: stripes of one upload share it, and no two uploads
+// (from any client) should.
+std::string RandomUploadId() {
+  std::random_device rd;
+  uint64_t half[2];
+  for (uint64_t& h : half) h = (static_cast<uint64_t>(rd()) << 32) | rd();
+  return absl::StrFormat("%016x%016x", half[0], half[1]);
 }
 
 // Appends the parts of one tensor, in byte order: each at most part_bytes rounded down to
 // whole elements (at least one), because a server may refuse a part that splits an element.
-void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
-                 std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
-  const size_t size = t.num_bytes();
+// The same for the bytes [begin, end) of a tensor (whole elements), offsets into the tensor.
+void AppendRange(v1::TensorId id, const HostTensor& t, size_t begin, size_t end,
+                 size_t part_bytes, SliceTracker* tracker, std::vector<grpc::ByteBuffer>* out,
+                 uint64_t* bytes) {
   const size_t elem = DTypeSize(t.dtype());
   const size_t step = std::max(elem, part_bytes - part_bytes % elem);
-  for (size_t off = 0; off < size; off += step) {
-    out->push_back(EncodePart(id, off, t.data() + off, std::min(step, size - off), tracker));
+  for (size_t off = begin; off < end; off += step) {
+    out->push_back(EncodePart(id, off, t.data() + off, std::min(step, end - off), tracker));
   }
-  *bytes += size;
+  *bytes += end - begin;
+}
+
+void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
+                 std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
+  AppendRange(id, t, 0, t.num_bytes(), part_bytes, tracker, out, bytes);
 }
 
 // One announced output tensor being received.
@@ -337,6 +461,159 @@ class TensorReceiver {
 
 std::vector<int64_t> ShapeOf(const v1::TensorSpec& spec) {
   return std::vector<int64_t>(spec.shape().begin(), spec.shape().end());
+}
+
+// Checks a GradientsHeader's specs (fp32 dW (V, H), optional fp32 db (V)); returns their
+// byte sizes.
+absl::Status CheckGradientsHeader(const v1::GradientsHeader& g, uint64_t* dw_bytes,
+                                  uint64_t* db_bytes) {
+  const std::vector<int64_t> dw = ShapeOf(g.dw());
+  absl::StatusOr<size_t> dw_size = TensorByteSize(DType::kF32, dw);
+  if (g.dw().dtype() != v1::DTYPE_FP32 || dw.size() != 2 || !dw_size.ok()) {
+    return absl::InternalError(absl::StrCat("server announced dw as dtype ", g.dw().dtype(),
+                                            " shape [", absl::StrJoin(dw, ", "),
+                                            "], expected fp32 (V, H)"));
+  }
+  *dw_bytes = *dw_size;
+  *db_bytes = 0;
+  if (g.has_db()) {
+    const std::vector<int64_t> db = ShapeOf(g.db());
+    if (g.db().dtype() != v1::DTYPE_FP32 || db != std::vector<int64_t>{dw[0]}) {
+      return absl::InternalError(absl::StrCat("server announced db as dtype ", g.db().dtype(),
+                                              " shape [", absl::StrJoin(db, ", "),
+                                              "], expected fp32 (", dw[0], ")"));
+    }
+    *db_bytes = static_cast<uint64_t>(dw[0]) * sizeof(float);
+  }
+  return absl::OkStatus();
+}
+
+// Allocates the result's dW (and db) for a header already checked, and copies its counters.
+absl::Status AllocateGradients(const v1::GradientsHeader& g, FetchGradientsResult* r) {
+  try {
+    r->dw = HostTensor::Owned(DType::kF32, ShapeOf(g.dw()));
+    if (g.has_db()) r->db = HostTensor::Owned(DType::kF32, ShapeOf(g.db()));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate the fp32 gradients ", ShapeString(DType::kF32, ShapeOf(g.dw()))));
+  }
+  r->micro_batches = g.micro_batches();
+  r->tokens = g.tokens();
+  r->instance = g.instance();
+  return absl::OkStatus();
+}
+
+// One FetchGradients stream (everything, or a byte range of the concatenation dW | db),
+// received straight into place: checks that the parts come in byte order, never leave the
+// range or cross from one tensor into the other, and cover the range exactly.
+class GradientsStream {
+ public:
+  // Where dW and db land (null: the bytes are checked and dropped).
+  struct Dest {
+    uint8_t* dw = nullptr;  // (V, H) fp32
+    uint8_t* db = nullptr;  // (V) fp32
+  };
+  // Called with the (checked) header; says where the bytes go, or fails the stream.
+  using HeaderFn = std::function<absl::StatusOr<Dest>(const v1::GradientsHeader&)>;
+
+  // [begin, end): the range asked for; 0, 0 = everything.
+  GradientsStream(uint64_t begin, uint64_t end, HeaderFn on_header)
+      : begin_(begin), end_(end), on_header_(std::move(on_header)) {}
+
+  absl::Status OnMessage(const grpc::ByteBuffer& msg) {
+    absl::Status parsed = frame_.Parse(msg);
+    if (!parsed.ok()) return absl::InternalError(parsed.message());
+    if (frame_.kind() == StreamFrame::Kind::kHeader) return OnHeader();
+    if (frame_.kind() != StreamFrame::Kind::kPart) {
+      return absl::InternalError("server sent a message with neither header nor part");
+    }
+    if (!have_header_) return absl::InternalError("server sent a part before its header");
+    const bool is_db = frame_.tensor() == v1::TENSOR_DB;
+    if (frame_.tensor() != v1::TENSOR_DW && !(is_db && db_bytes_ > 0)) {
+      return absl::InternalError(absl::StrCat("server sent a part of ",
+                                              TensorIdName(frame_.tensor()),
+                                              ", which it did not announce"));
+    }
+    const uint64_t limit = is_db ? db_bytes_ : dw_bytes_;
+    const uint64_t off = frame_.offset(), size = frame_.data_size();
+    if (off > limit || size > limit - off) {
+      return absl::DataLossError(absl::StrCat(TensorIdName(frame_.tensor()), ": part [", off,
+                                              ", ", off + size, ") runs past its ", limit,
+                                              " bytes"));
+    }
+    const uint64_t at = (is_db ? dw_bytes_ : 0) + off;  // in dW | db
+    if (at != next_) {
+      return absl::InternalError(absl::StrCat("parts out of order: ", TensorIdName(frame_.tensor()),
+                                              " part at byte offset ", off, " (", at,
+                                              " in dw|db), expected ", next_));
+    }
+    if (size > end_ - next_) {
+      return absl::DataLossError(absl::StrCat("a part [", at, ", ", at + size,
+                                              ") of dw|db runs past the range's end ", end_));
+    }
+    uint8_t* dst = is_db ? dest_.db : dest_.dw;
+    if (dst != nullptr) frame_.CopyDataTo(dst + off);
+    next_ += size;
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckComplete() const {
+    if (!have_header_) return absl::InternalError("server ended the stream without a header");
+    if (next_ != end_) {
+      return absl::DataLossError(absl::StrCat("stream ended early: got dw|db bytes [", begin_,
+                                              ", ", next_, ") of [", begin_, ", ", end_, ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  const v1::GradientsHeader& header() const { return header_; }
+  uint64_t total_bytes() const { return dw_bytes_ + db_bytes_; }
+
+ private:
+  absl::Status OnHeader() {
+    if (have_header_) return absl::InternalError("server sent a second GradientsHeader");
+    have_header_ = true;
+    if (!header_.ParseFromString(frame_.header_bytes())) {
+      return absl::InternalError("cannot parse the server's GradientsHeader");
+    }
+    LOSSD_CLIENT_RETURN_IF_ERROR(CheckGradientsHeader(header_, &dw_bytes_, &db_bytes_));
+    if (begin_ == 0 && end_ == 0) end_ = total_bytes();
+    if (end_ > total_bytes()) {
+      return absl::InternalError(absl::StrCat("server answered the range [", begin_, ", ", end_,
+                                              ") of an accumulator of ", total_bytes(),
+                                              " bytes"));
+    }
+    next_ = begin_;
+    absl::StatusOr<Dest> dest = on_header_(header_);
+    if (!dest.ok()) return dest.status();
+    dest_ = *dest;
+    return absl::OkStatus();
+  }
+
+  uint64_t begin_, end_;
+  HeaderFn on_header_;
+  StreamFrame frame_;
+  bool have_header_ = false;
+  v1::GradientsHeader header_;
+  uint64_t dw_bytes_ = 0, db_bytes_ = 0;
+  uint64_t next_ = 0;  // the next expected byte of dW | db
+  Dest dest_;
+};
+
+// ABORTED unless a range's header says what the first look said: a Compute that added to the
+// accumulator in between would make the ranges disagree.
+absl::Status CheckSameGradients(const std::string& name, const v1::GradientsHeader& first,
+                                const v1::GradientsHeader& g) {
+  const bool same = g.dw().SerializeAsString() == first.dw().SerializeAsString() &&
+                    g.has_db() == first.has_db() &&
+                    g.db().SerializeAsString() == first.db().SerializeAsString() &&
+                    g.micro_batches() == first.micro_batches() && g.tokens() == first.tokens() &&
+                    g.instance() == first.instance();
+  if (same) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat(
+      "accumulator '", name, "' changed while its ranges were fetched (micro_batches ",
+      first.micro_batches(), " then ", g.micro_batches(), ", tokens ", first.tokens(), " then ",
+      g.tokens(), "): a Compute added to it in between; fetch again"));
 }
 
 // What Compute expects of each output, from the request.
@@ -463,6 +740,16 @@ absl::StatusOr<std::unique_ptr<LossClient>> LossClient::Create(const ClientOptio
     return absl::InvalidArgumentError(
         absl::StrCat("connections must be in [1, 256], got ", options.connections));
   }
+  if (options.stripes < 0 || options.stripes > kMaxStripes) {
+    return absl::InvalidArgumentError(absl::StrCat("stripes must be in [0, ", kMaxStripes,
+                                                   "] (0 = the default rule), got ",
+                                                   options.stripes));
+  }
+  if (options.stripes > options.connections) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripes (", options.stripes, ") needs as many connections, got ",
+                     options.connections, ": each stripe is a stream on a connection of its own"));
+  }
   return std::unique_ptr<LossClient>(new LossClient(options));
 }
 
@@ -498,6 +785,19 @@ LossClient::~LossClient() = default;
 
 LossClient::Connection& LossClient::NextConnection() {
   return *connections_[next_.fetch_add(1, std::memory_order_relaxed) % connections_.size()];
+}
+
+std::vector<LossClient::Connection*> LossClient::NextConnections(int n) {
+  const uint64_t first = next_.fetch_add(n, std::memory_order_relaxed);
+  std::vector<Connection*> out;
+  for (int i = 0; i < n; ++i) out.push_back(connections_[(first + i) % connections_.size()].get());
+  return out;
+}
+
+int LossClient::StripesFor(uint64_t bytes) const {
+  if (options_.stripes > 0) return options_.stripes;
+  if (bytes < options_.auto_stripe_bytes) return 1;
+  return std::min(options_.connections, kDefaultMaxStripes);
 }
 
 void LossClient::PrepareContext(const CallOptions& call, grpc::ClientContext* ctx) const {
@@ -632,14 +932,40 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   return result;
 }
 
+namespace {
+
+// Runs one PutWeights stream and takes its single reply.
+absl::Status RunPutWeightsStream(grpc::GenericStub* stub,
+                                 const std::function<void(grpc::ClientContext*)>& prepare,
+                                 std::vector<grpc::ByteBuffer> out, v1::PutWeightsResponse* reply,
+                                 StripeGroup* group = nullptr, int stripe = 0) {
+  int replies = 0;
+  auto on_message = [&](const grpc::ByteBuffer& msg) -> absl::Status {
+    if (++replies > 1) return absl::InternalError("server sent more than one PutWeights reply");
+    absl::Status s = DecodeMessage(msg, reply);
+    return s.ok() ? s : absl::InternalError(s.message());
+  };
+  LOSSD_CLIENT_RETURN_IF_ERROR(
+      RunStream(stub, kPutWeightsMethod, prepare, std::move(out), on_message, group, stripe));
+  if (replies != 1) return absl::InternalError("server ended PutWeights without a reply");
+  if (reply->handle().empty()) return absl::InternalError("server returned an empty handle");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, const HostTensor* bias,
                                                         const CallOptions& call) {
   LOSSD_CLIENT_RETURN_IF_ERROR(w.Validate("w"));
   if (bias != nullptr) LOSSD_CLIENT_RETURN_IF_ERROR(bias->Validate("bias"));
+  // Every stripe needs at least one element of W.
+  const int stripes = static_cast<int>(std::min<int64_t>(
+      StripesFor(w.num_bytes() + (bias != nullptr ? bias->num_bytes() : 0)), w.num_elements()));
+  if (stripes > 1) return PutWeightsStriped(w, bias, stripes, call);
+
   v1::PutWeightsRequest head;
   FillSpec(w, head.mutable_header()->mutable_w());
   if (bias != nullptr) FillSpec(*bias, head.mutable_header()->mutable_bias());
-
   SliceTracker tracker;
   uint64_t sent = 0;
   std::vector<grpc::ByteBuffer> out;
@@ -648,22 +974,59 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, con
   if (bias != nullptr) {
     AppendParts(v1::TENSOR_BIAS, *bias, options_.part_bytes, &tracker, &out, &sent);
   }
-
-  int replies = 0;
   v1::PutWeightsResponse reply;
-  auto on_message = [&](const grpc::ByteBuffer& msg) -> absl::Status {
-    if (++replies > 1) return absl::InternalError("server sent more than one PutWeights reply");
-    absl::Status s = DecodeMessage(msg, &reply);
-    return s.ok() ? s : absl::InternalError(s.message());
-  };
-  const absl::Status status = RunStream(
-      NextConnection().generic.get(), kPutWeightsMethod,
-      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message);
+  const absl::Status status = RunPutWeightsStream(
+      NextConnection().generic.get(), [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); },
+      std::move(out), &reply);
   tracker.WaitUntilReleased();
   LOSSD_CLIENT_RETURN_IF_ERROR(status);
-  if (replies != 1) return absl::InternalError("server ended PutWeights without a reply");
-  if (reply.handle().empty()) return absl::InternalError("server returned an empty handle");
-  return PutWeightsResult{reply.handle(), reply.bytes()};
+  return PutWeightsResult{reply.handle(), reply.bytes(), 1};
+}
+
+absl::StatusOr<PutWeightsResult> LossClient::PutWeightsStriped(const HostTensor& w,
+                                                               const HostTensor* bias, int stripes,
+                                                               const CallOptions& call) {
+  const std::string upload_id = RandomUploadId();
+  const uint64_t elem = DTypeSize(w.dtype());
+  const uint64_t elems = static_cast<uint64_t>(w.num_elements());
+  std::vector<Connection*> conns = NextConnections(stripes);
+  std::vector<v1::PutWeightsResponse> replies(stripes);
+  StripeGroup group(stripes, kAbortedGrace);
+  const absl::Status status = group.Run([&](int i) -> absl::Status {
+    // Equal shares of whole elements; the bias rides with the first.
+    const uint64_t begin = elem * (elems * i / stripes);
+    const uint64_t end = elem * (elems * (i + 1) / stripes);
+    v1::PutWeightsRequest head;
+    v1::WeightsHeader* h = head.mutable_header();
+    FillSpec(w, h->mutable_w());
+    if (bias != nullptr) FillSpec(*bias, h->mutable_bias());
+    h->set_upload_id(upload_id);
+    h->set_stripes(static_cast<uint32_t>(stripes));
+    h->set_w_begin(begin);
+    h->set_w_end(end);
+    SliceTracker tracker;
+    uint64_t sent = 0;
+    std::vector<grpc::ByteBuffer> out;
+    out.push_back(EncodeMessage(head));
+    AppendRange(v1::TENSOR_W, w, begin, end, options_.part_bytes, &tracker, &out, &sent);
+    if (i == 0 && bias != nullptr) {
+      AppendParts(v1::TENSOR_BIAS, *bias, options_.part_bytes, &tracker, &out, &sent);
+    }
+    const absl::Status s = RunPutWeightsStream(
+        conns[i]->generic.get(), [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); },
+        std::move(out), &replies[i], &group, i);
+    tracker.WaitUntilReleased();
+    return s;
+  });
+  LOSSD_CLIENT_RETURN_IF_ERROR(status);
+  for (int i = 1; i < stripes; ++i) {
+    if (replies[i].handle() != replies[0].handle()) {
+      return absl::InternalError(absl::StrCat("stripes of upload '", upload_id,
+                                              "' got different handles: '", replies[0].handle(),
+                                              "' and '", replies[i].handle(), "'"));
+    }
+  }
+  return PutWeightsResult{replies[0].handle(), replies[0].bytes(), stripes};
 }
 
 absl::Status LossClient::DropWeights(const std::string& handle, const CallOptions& call) {
@@ -678,66 +1041,74 @@ absl::Status LossClient::DropWeights(const std::string& handle, const CallOption
 absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::string& accumulator,
                                                                 bool reset,
                                                                 const CallOptions& call) {
-  v1::FetchGradientsRequest req;
-  req.set_accumulator(accumulator);
-  req.set_reset(reset);
-  req.set_response_part_bytes(options_.response_part_bytes);
-  std::vector<grpc::ByteBuffer> out;
-  out.push_back(EncodeMessage(req));
+  auto prepare = [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); };
+  auto request = [&](bool reset_it, uint64_t begin, uint64_t end) {
+    v1::FetchGradientsRequest req;
+    req.set_accumulator(accumulator);
+    req.set_reset(reset_it);
+    req.set_response_part_bytes(options_.response_part_bytes);
+    req.set_range_begin(begin);
+    req.set_range_end(end);
+    std::vector<grpc::ByteBuffer> out;
+    out.push_back(EncodeMessage(req));
+    return out;
+  };
+
+  // Striping needs the accumulator's size: a one-element range fetch says it.
+  std::optional<GradientsStream> look;
+  const bool may_stripe =
+      options_.stripes > 1 || (options_.stripes == 0 && options_.connections > 1);
+  int stripes = 1;
+  if (may_stripe) {
+    look.emplace(0, sizeof(float), [](const v1::GradientsHeader&) {
+      return GradientsStream::Dest{};
+    });
+    LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
+        NextConnection().generic.get(), kFetchGradientsMethod, prepare, request(false, 0, 4),
+        [&](const grpc::ByteBuffer& msg) { return look->OnMessage(msg); }));
+    LOSSD_CLIENT_RETURN_IF_ERROR(look->CheckComplete());
+    stripes = static_cast<int>(
+        std::min<uint64_t>(StripesFor(look->total_bytes()), look->total_bytes() / sizeof(float)));
+  }
 
   FetchGradientsResult result;
-  bool have_header = false;
-  bool have_db = false;
-  TensorReceiver receiver;
-  StreamFrame frame;
-  auto on_message = [&](const grpc::ByteBuffer& msg) -> absl::Status {
-    absl::Status parsed = frame.Parse(msg);
-    if (!parsed.ok()) return absl::InternalError(parsed.message());
-    if (frame.kind() == StreamFrame::Kind::kPart) {
-      if (!have_header) return absl::InternalError("server sent a part before its header");
-      return receiver.Accept(frame);
-    }
-    if (frame.kind() != StreamFrame::Kind::kHeader) {
-      return absl::InternalError("server sent a message with neither header nor part");
-    }
-    if (have_header) return absl::InternalError("server sent a second GradientsHeader");
-    have_header = true;
-    v1::GradientsHeader g;
-    if (!g.ParseFromString(frame.header_bytes())) {
-      return absl::InternalError("cannot parse the server's GradientsHeader");
-    }
-    result.micro_batches = g.micro_batches();
-    result.tokens = g.tokens();
-    result.instance = g.instance();
-    std::vector<int64_t> dw = ShapeOf(g.dw());
-    if (g.dw().dtype() != v1::DTYPE_FP32 || dw.size() != 2) {
-      return absl::InternalError(absl::StrCat("server announced dw as dtype ", g.dw().dtype(),
-                                              " rank ", dw.size(), ", expected fp32 (V, H)"));
-    }
-    const int64_t v = dw[0];
-    LOSSD_CLIENT_RETURN_IF_ERROR(
-        receiver.Announce(v1::TENSOR_DW, DType::kF32, std::move(dw), nullptr));
-    if (g.has_db()) {
-      std::vector<int64_t> db = ShapeOf(g.db());
-      if (g.db().dtype() != v1::DTYPE_FP32 || db != std::vector<int64_t>{v}) {
-        return absl::InternalError(absl::StrCat("server announced db as dtype ", g.db().dtype(),
-                                                " shape [", absl::StrJoin(db, ", "),
-                                                "], expected fp32 (", v, ")"));
-      }
-      have_db = true;
-      LOSSD_CLIENT_RETURN_IF_ERROR(
-          receiver.Announce(v1::TENSOR_DB, DType::kF32, std::move(db), nullptr));
-    }
-    return absl::OkStatus();
-  };
-  const absl::Status status = RunStream(
-      NextConnection().generic.get(), kFetchGradientsMethod,
-      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message);
-  LOSSD_CLIENT_RETURN_IF_ERROR(status);
-  if (!have_header) return absl::InternalError("server ended the stream without a header");
-  LOSSD_CLIENT_RETURN_IF_ERROR(receiver.CheckComplete());
-  result.dw = std::move(receiver.incoming()[0].tensor);
-  if (have_db) result.db = std::move(receiver.incoming()[1].tensor);
+  if (stripes <= 1) {
+    GradientsStream whole(0, 0, [&](const v1::GradientsHeader& g)
+                                    -> absl::StatusOr<GradientsStream::Dest> {
+      LOSSD_CLIENT_RETURN_IF_ERROR(AllocateGradients(g, &result));
+      return GradientsStream::Dest{result.dw.mutable_data(),
+                                   result.db.has_value() ? result.db->mutable_data() : nullptr};
+    });
+    LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
+        NextConnection().generic.get(), kFetchGradientsMethod, prepare, request(reset, 0, 0),
+        [&](const grpc::ByteBuffer& msg) { return whole.OnMessage(msg); }));
+    LOSSD_CLIENT_RETURN_IF_ERROR(whole.CheckComplete());
+    return result;
+  }
+
+  // Ranges of whole fp32 values, each on its own connection, straight into the result.
+  LOSSD_CLIENT_RETURN_IF_ERROR(AllocateGradients(look->header(), &result));
+  const GradientsStream::Dest dest{result.dw.mutable_data(),
+                                   result.db.has_value() ? result.db->mutable_data() : nullptr};
+  const uint64_t values = look->total_bytes() / sizeof(float);
+  std::vector<Connection*> conns = NextConnections(stripes);
+  StripeGroup group(stripes, absl::ZeroDuration());
+  LOSSD_CLIENT_RETURN_IF_ERROR(group.Run([&](int i) -> absl::Status {
+    const uint64_t begin = sizeof(float) * (values * i / stripes);
+    const uint64_t end = sizeof(float) * (values * (i + 1) / stripes);
+    GradientsStream range(begin, end, [&](const v1::GradientsHeader& g)
+                                          -> absl::StatusOr<GradientsStream::Dest> {
+      LOSSD_CLIENT_RETURN_IF_ERROR(CheckSameGradients(accumulator, look->header(), g));
+      return dest;
+    });
+    LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
+        conns[i]->generic.get(), kFetchGradientsMethod, prepare, request(false, begin, end),
+        [&](const grpc::ByteBuffer& msg) { return range.OnMessage(msg); }, &group, i));
+    return range.CheckComplete();
+  }));
+  // A ranged fetch cannot reset: drop it instead, now that every range is here.
+  if (reset) LOSSD_CLIENT_RETURN_IF_ERROR(DropAccumulator(accumulator, call));
+  result.stripes = stripes;
   return result;
 }
 

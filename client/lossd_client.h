@@ -58,6 +58,13 @@ struct ClientOptions {
   // Channels to open, each its own TCP connection. One connection tops out near 4.5 GB/s;
   // concurrent calls round-robin over the channels.
   int connections = 1;
+  // Striping: how many connections one big PutWeights or FetchGradients is split over, each
+  // carrying a byte range of the tensor on its own stream (4 connections move 3-6x what one
+  // does). 0 = the default rule: min(connections, 4) for tensors of at least
+  // auto_stripe_bytes, else 1. 1 = never stripe. Must not exceed `connections` (so with one
+  // connection striping is off) nor 64.
+  int stripes = 0;
+  uint64_t auto_stripe_bytes = 64ull << 20;
   // Wait for the server to become reachable instead of failing fast with UNAVAILABLE.
   bool wait_for_ready = false;
   // Transport security: plaintext unless `tls` is set. PEM contents, not file paths.
@@ -147,6 +154,7 @@ struct ComputeResult {
 struct PutWeightsResult {
   std::string handle;
   uint64_t bytes = 0;  // server-side bytes the weights take
+  int stripes = 1;     // streams (connections) the upload was split over
 };
 
 struct FetchGradientsResult {
@@ -155,6 +163,7 @@ struct FetchGradientsResult {
   uint64_t micro_batches = 0;
   int64_t tokens = 0;
   std::string instance;
+  int stripes = 1;  // range streams (connections) the fetch was split over
 };
 
 struct ServerInfoResult {
@@ -190,10 +199,25 @@ class LossClient {
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request,
                                         const CallOptions& call = {});
   // w: (V, H) bf16/fp16/fp32; bias: (V) same dtype, or null.
+  // Striped (see ClientOptions::stripes): W is cut into element-aligned byte ranges sent at
+  // once, one stream per connection, under one random upload id; the bias goes with the first
+  // range. The server makes the handle once every range has arrived; if any stripe fails the
+  // whole upload is aborted, no handle exists, and the first error that is not the siblings'
+  // ABORTED comes back.
   absl::StatusOr<PutWeightsResult> PutWeights(const HostTensor& w, const HostTensor* bias,
                                               const CallOptions& call = {});
   absl::Status DropWeights(const std::string& handle, const CallOptions& call = {});
   // Reads the accumulator's dW (and db); `reset` zeroes it afterwards.
+  //
+  // Striped (see ClientOptions::stripes; possible only with connections > 1): a small ranged
+  // fetch first learns the accumulator's size (one extra round trip), then byte ranges of
+  // dW | db are fetched at once, one stream per connection, straight into the result. Every
+  // range must report the same micro_batches and tokens as the first look, else ABORTED (a
+  // Compute added to the accumulator in between: fetch again). A ranged fetch cannot reset,
+  // so `reset` then drops the accumulator after the last range has arrived: the next Compute
+  // naming it creates it again, zeroed, and until then fetching it is NOT_FOUND rather than
+  // zeros. A Compute adding to the accumulator while a striped reset is under way may be
+  // lost with it; a whole fetch resets atomically.
   absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator, bool reset,
                                                       const CallOptions& call = {});
   absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
@@ -206,6 +230,12 @@ class LossClient {
 
   explicit LossClient(const ClientOptions& options);
   Connection& NextConnection();
+  // `n` distinct connections (n <= connections), taken round-robin.
+  std::vector<Connection*> NextConnections(int n);
+  // Stripes for a transfer of `bytes` under ClientOptions::stripes.
+  int StripesFor(uint64_t bytes) const;
+  absl::StatusOr<PutWeightsResult> PutWeightsStriped(const HostTensor& w, const HostTensor* bias,
+                                                     int stripes, const CallOptions& call);
   void PrepareContext(const CallOptions& call, grpc::ClientContext* ctx) const;
 
   ClientOptions options_;
