@@ -9,9 +9,10 @@
 namespace lossd {
 
 ComputeAssembler::ComputeAssembler(std::shared_ptr<const ComputePlan> plan,
-                                   uint64_t max_part_bytes)
+                                   uint64_t max_part_bytes, uint64_t max_parts)
     : plan_(std::move(plan)),
       max_part_bytes_(max_part_bytes),
+      max_parts_(max_parts),
       buffers_(std::make_shared<Engine::InputBuffers>()) {
   for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
     if (plan_->input_bytes[i] > 0) (*buffers_)[i] = NewHostBuffer(plan_->input_bytes[i]);
@@ -19,6 +20,11 @@ ComputeAssembler::ComputeAssembler(std::shared_ptr<const ComputePlan> plan,
 }
 
 absl::Status ComputeAssembler::Accept(const v1::TensorPart& part) {
+  if (++parts_ > max_parts_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the stream sent more than --max_parts_per_request=", max_parts_,
+        " parts; send larger parts"));
+  }
   auto slot = InputSlotFromWire(part.tensor());
   if (!slot.ok()) return slot.status();
   const int i = static_cast<int>(*slot);

@@ -18,7 +18,8 @@ namespace lossd {
 
 class ComputeAssembler {
  public:
-  ComputeAssembler(std::shared_ptr<const ComputePlan> plan, uint64_t max_part_bytes);
+  ComputeAssembler(std::shared_ptr<const ComputePlan> plan, uint64_t max_part_bytes,
+                   uint64_t max_parts = UINT64_MAX);
 
   // Copies one part into place; INVALID_ARGUMENT naming the tensor, offset and sizes.
   absl::Status Accept(const v1::TensorPart& part);
@@ -31,6 +32,8 @@ class ComputeAssembler {
  private:
   std::shared_ptr<const ComputePlan> plan_;
   const uint64_t max_part_bytes_;
+  const uint64_t max_parts_;
+  uint64_t parts_ = 0;
   std::shared_ptr<Engine::InputBuffers> buffers_;
   std::array<uint64_t, static_cast<int>(InputSlot::kCount)> received_{};
   uint64_t bytes_received_ = 0;

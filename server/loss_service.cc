@@ -33,7 +33,7 @@ class ComputeReactor final
  public:
   ComputeReactor(LossService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx), engine_(service->engine()), started_(absl::Now()) {
-    absl::Status s = service_->Enter(ctx, "Compute");
+    absl::Status s = service_->Enter(ctx, "Compute", &client_);
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
@@ -120,7 +120,8 @@ class ComputeReactor final
     }
     queue_seconds_ = SecondsSince(started_);
     receive_started_ = absl::Now();
-    assembler_ = std::make_unique<ComputeAssembler>(plan_, service_->options().max_part_bytes);
+    assembler_ = std::make_unique<ComputeAssembler>(plan_, service_->options().max_part_bytes,
+                                                    service_->options().max_parts_per_request);
     StartRead(&request_);
   }
 
@@ -240,7 +241,7 @@ class ComputeReactor final
     ServerMetrics* m = service_->metrics();
     m->CountRequest("Compute", GrpcCodeName(g.error_code()));
     m->ObservePhase("Compute", "total", SecondsSince(started_));
-    if (entered_) service_->Leave();
+    if (entered_) service_->Leave(client_);
     Finish(g);
   }
 
@@ -249,6 +250,7 @@ class ComputeReactor final
   Engine* const engine_;
   const absl::Time started_;
   bool entered_ = true;
+  std::string client_;  // for the per-client in-flight count
 
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
@@ -279,7 +281,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   PutWeightsReactor(LossService* service, grpc::CallbackServerContext* ctx,
                     v1::PutWeightsResponse* response)
       : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
-    absl::Status s = service_->Enter(ctx, "PutWeights");
+    absl::Status s = service_->Enter(ctx, "PutWeights", &client_);
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
@@ -353,6 +355,11 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
                                               : absl::StrCat(static_cast<int>(part.tensor()))));
     }
     const uint64_t size = part.data().size();
+    if (++parts_ > service_->options().max_parts_per_request) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the stream sent more than --max_parts_per_request=",
+          service_->options().max_parts_per_request, " parts; send larger parts"));
+    }
     if (size > service_->options().max_part_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a part carries ", size, " bytes, more than --max_part_bytes=",
@@ -424,7 +431,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
     grpc::Status g = ToGrpcStatus(s);
     service_->metrics()->CountRequest("PutWeights", GrpcCodeName(g.error_code()));
     service_->metrics()->ObservePhase("PutWeights", "total", SecondsSince(started_));
-    if (entered_) service_->Leave();
+    if (entered_) service_->Leave(client_);
     Finish(g);
   }
 
@@ -433,6 +440,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   v1::PutWeightsResponse* const response_;
   const absl::Time started_;
   bool entered_ = true;
+  std::string client_;  // for the per-client in-flight count
   std::atomic<bool> finished_{false};
   std::atomic<bool> waiting_{false};
   v1::PutWeightsRequest request_;
@@ -443,6 +451,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   bool carries_bias_ = false;
   uint64_t next_w_ = 0, w_end_ = 0, next_bias_ = 0, bias_bytes_ = 0;
   uint64_t upload_bytes_ = 0;  // W and bias of the whole upload
+  uint64_t parts_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -453,7 +462,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
   FetchGradientsReactor(LossService* service, grpc::CallbackServerContext* ctx,
                         const v1::FetchGradientsRequest* request)
       : service_(service), ctx_(ctx), started_(absl::Now()) {
-    absl::Status s = service_->Enter(ctx, "FetchGradients");
+    absl::Status s = service_->Enter(ctx, "FetchGradients", &client_);
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
@@ -519,7 +528,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
     grpc::Status g = ToGrpcStatus(s);
     service_->metrics()->CountRequest("FetchGradients", GrpcCodeName(g.error_code()));
     service_->metrics()->ObservePhase("FetchGradients", "total", SecondsSince(started_));
-    if (entered_) service_->Leave();
+    if (entered_) service_->Leave(client_);
     Finish(g);
   }
 
@@ -527,6 +536,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
   grpc::CallbackServerContext* const ctx_;
   const absl::Time started_;
   bool entered_ = true;
+  std::string client_;  // for the per-client in-flight count
   std::atomic<bool> finished_{false};
   std::string name_;
   bool reset_ = false;
@@ -542,10 +552,11 @@ template <typename Body>
 grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContext* ctx,
                                 const char* method, Body body) {
   const absl::Time started = absl::Now();
-  absl::Status s = service->Enter(ctx, method);
+  std::string client;
+  absl::Status s = service->Enter(ctx, method, &client);
   if (s.ok()) {
     s = body();
-    service->Leave();
+    service->Leave(client);
   }
   grpc::Status g = ToGrpcStatus(s);
   service->metrics()->CountRequest(method, GrpcCodeName(g.error_code()));
@@ -560,7 +571,22 @@ grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContex
 LossService::LossService(Engine* engine, ServerMetrics* metrics, ServiceOptions options)
     : engine_(engine), metrics_(metrics), options_(std::move(options)) {}
 
-absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* method) {
+// The client's identity for fairness: its bearer token when there is one (hashed, never
+// kept in clear), else its address without the port.
+static std::string ClientKey(grpc::CallbackServerContext* ctx) {
+  auto it = ctx->client_metadata().find("authorization");
+  if (it != ctx->client_metadata().end()) {
+    return absl::StrCat("token:",
+                        std::hash<std::string>()(std::string(it->second.data(), it->second.size())));
+  }
+  std::string peer = ctx->peer();
+  const size_t colon = peer.rfind(':');
+  if (colon != std::string::npos && colon > peer.find(':')) peer.resize(colon);
+  return peer;
+}
+
+absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* method,
+                                std::string* client) {
   if (options_.auth) {
     absl::Status s = options_.auth->Check(ctx->client_metadata());
     if (!s.ok()) return s;
@@ -569,9 +595,21 @@ absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* me
     return absl::UnavailableError(
         absl::StrCat(method, " refused: the server is draining; retry on another replica"));
   }
+  *client = ClientKey(ctx);
+  {
+    absl::MutexLock lock(&clients_mu_);
+    uint32_t& mine = client_in_flight_[*client];
+    if (mine >= options_.max_in_flight_per_client) {
+      return absl::UnavailableError(absl::StrCat(
+          method, " refused: this client has ", mine,
+          " RPCs in flight (--max_in_flight_per_client); retry later"));
+    }
+    ++mine;
+  }
   uint32_t now = in_flight_.fetch_add(1) + 1;
   if (now > options_.max_in_flight) {
     in_flight_.fetch_sub(1);
+    LeaveClient(*client);
     return absl::UnavailableError(absl::StrCat(
         method, " refused: ", options_.max_in_flight,
         " RPCs are in flight (--max_in_flight); retry later"));
@@ -580,8 +618,15 @@ absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* me
   return absl::OkStatus();
 }
 
-void LossService::Leave() {
+void LossService::LeaveClient(const std::string& client) {
+  absl::MutexLock lock(&clients_mu_);
+  auto it = client_in_flight_.find(client);
+  if (it != client_in_flight_.end() && --it->second == 0) client_in_flight_.erase(it);
+}
+
+void LossService::Leave(const std::string& client) {
   in_flight_.fetch_sub(1);
+  LeaveClient(client);
   metrics_->InFlight(-1);
 }
 

@@ -10,6 +10,8 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/auth.h"
 #include "server/engine/engine.h"
@@ -23,6 +25,8 @@ struct ServiceOptions {
   uint32_t max_part_bytes = 16u << 20;           // largest part data a client may send
   uint32_t default_response_part_bytes = 4u << 20;
   uint32_t max_in_flight = 256;                  // RPCs at once; more get UNAVAILABLE
+  uint32_t max_in_flight_per_client = 64;        // per client (token, else peer address)
+  uint64_t max_parts_per_request = 1u << 20;     // tensor parts one stream may send
   // When set, every Loss RPC must carry a valid bearer token (health checks need none).
   std::shared_ptr<const TokenAuthenticator> auth;
 };
@@ -51,16 +55,20 @@ class LossService final : public v1::Loss::CallbackService {
   Engine* engine() { return engine_; }
   ServerMetrics* metrics() { return metrics_; }
   const ServiceOptions& options() const { return options_; }
-  // Admits one more RPC: UNAUTHENTICATED without a valid token, UNAVAILABLE while draining
-  // or at --max_in_flight. Pair an OK with Leave.
-  absl::Status Enter(grpc::CallbackServerContext* ctx, const char* method);
-  void Leave();
+  // Admits one more RPC: UNAUTHENTICATED without a valid token, UNAVAILABLE while draining,
+  // at --max_in_flight or at --max_in_flight_per_client. On OK, `client` is set to the
+  // client's key; pair with Leave(client).
+  absl::Status Enter(grpc::CallbackServerContext* ctx, const char* method, std::string* client);
+  void Leave(const std::string& client);
 
  private:
+  void LeaveClient(const std::string& client);
   Engine* const engine_;
   ServerMetrics* const metrics_;
   const ServiceOptions options_;
   std::atomic<uint32_t> in_flight_{0};
+  absl::Mutex clients_mu_;
+  absl::flat_hash_map<std::string, uint32_t> client_in_flight_ ABSL_GUARDED_BY(clients_mu_);
 };
 
 }  // namespace lossd

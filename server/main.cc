@@ -48,6 +48,10 @@ ABSL_FLAG(uint64_t, accumulator_bytes, 8ull << 30, "Budget of gradient accumulat
 ABSL_FLAG(uint32_t, max_accumulators, 64, "Most gradient accumulators held at once.");
 ABSL_FLAG(uint32_t, max_queue, 64, "Most requests waiting for memory; more get UNAVAILABLE.");
 ABSL_FLAG(uint32_t, max_in_flight, 256, "Most RPCs at once; more get UNAVAILABLE.");
+ABSL_FLAG(uint32_t, max_in_flight_per_client, 64,
+          "Most RPCs at once from one client (its bearer token, else its address).");
+ABSL_FLAG(uint64_t, max_parts_per_request, 1ull << 20, "Most tensor parts one stream may send.");
+ABSL_FLAG(uint32_t, max_weight_handles, 1024, "Most weight handles held (LRU beyond it).");
 ABSL_FLAG(int64_t, max_bt, 1 << 20, "Largest BT (rows) of one request.");
 ABSL_FLAG(int64_t, max_h, 1 << 16, "Largest hidden size H.");
 ABSL_FLAG(int64_t, max_v, 1 << 21, "Largest vocabulary V.");
@@ -136,6 +140,7 @@ int Main() {
   eo.max_queue = absl::GetFlag(FLAGS_max_queue);
   eo.executor_threads = absl::GetFlag(FLAGS_executor_threads);
   eo.weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
+  eo.max_weight_handles = absl::GetFlag(FLAGS_max_weight_handles);
   eo.accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
   eo.max_accumulators = absl::GetFlag(FLAGS_max_accumulators);
   eo.max_bt = absl::GetFlag(FLAGS_max_bt);
@@ -187,6 +192,8 @@ int Main() {
   so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
   so.service.default_response_part_bytes = absl::GetFlag(FLAGS_response_part_bytes);
   so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  so.service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
+  so.service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
   so.service.auth = auth;
   so.credentials = *credentials;
   auto server = LossServer::Start(&engine, &metrics, so);

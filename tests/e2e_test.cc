@@ -607,3 +607,53 @@ TEST_F(E2eTest, PutWeightsPartsMustHoldWholeElements) {
 
 }  // namespace
 }  // namespace lossd
+
+namespace lossd {
+namespace {
+
+TEST(LimitsTest, PartsPerRequestIsLimited) {
+  HarnessOptions o;
+  o.service.max_parts_per_request = 10;
+  Harness h(o);
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kF32, 3));
+  ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 64));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("more than --max_parts_per_request=10"),
+            std::string::npos)
+      << r.status.error_message();
+  EXPECT_EQ(h.WaitForIdleMemory(), 0u);
+  ExpectServes(h);
+}
+
+TEST(LimitsTest, InFlightPerClientIsLimited) {
+  HarnessOptions o;
+  o.service.max_in_flight_per_client = 1;
+  Harness h(o);
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kF32, 3));
+  // One stream held open (header sent, nothing more) takes this client's only slot.
+  grpc::ClientContext ctx;
+  auto held = h.stub().Compute(&ctx);
+  v1::ComputeRequest header;
+  *header.mutable_header() = HeaderFor(rp);
+  ASSERT_TRUE(held->Write(header));
+  for (int i = 0; i < 200 && h.engine().budget().in_use() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ComputeReply second = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(second.status.error_message().find("--max_in_flight_per_client"), std::string::npos)
+      << second.status.error_message();
+  ctx.TryCancel();
+  held->Finish();
+  // The slot is given back when the held call ends.
+  grpc::Status last;
+  for (int i = 0; i < 100; ++i) {
+    last = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 1 << 20)).status;
+    if (last.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(last.ok()) << last.error_message();
+}
+
+}  // namespace
+}  // namespace lossd

@@ -129,7 +129,7 @@ Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
     : backend_(std::move(backend)),
       options_(std::move(options)),
       budget_(options_.memory_budget_bytes, options_.max_queue),
-      weights_(options_.weight_cache_bytes, options_.instance),
+      weights_(options_.weight_cache_bytes, options_.instance, options_.max_weight_handles),
       accumulators_(backend_.get(), options_.accumulator_bytes, options_.max_accumulators),
       executor_(options_.executor_threads) {}
 

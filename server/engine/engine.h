@@ -35,6 +35,7 @@ struct EngineOptions {
   size_t max_queue = 64;                       // requests waiting for memory
   int executor_threads = 1;
   uint64_t weight_cache_bytes = 4ull << 30;
+  size_t max_weight_handles = 1024;
   uint64_t accumulator_bytes = 8ull << 30;
   size_t max_accumulators = 64;
   int64_t max_bt = 1 << 20;

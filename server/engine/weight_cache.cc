@@ -7,8 +7,8 @@
 
 namespace lossd {
 
-WeightCache::WeightCache(uint64_t budget_bytes, std::string instance)
-    : budget_(budget_bytes), instance_(std::move(instance)) {}
+WeightCache::WeightCache(uint64_t budget_bytes, std::string instance, size_t max_entries)
+    : budget_(budget_bytes), instance_(std::move(instance)), max_entries_(max_entries) {}
 
 absl::Status WeightCache::EvictForLocked(uint64_t bytes) {
   while (bytes_ + reserved_ + bytes > budget_ && !lru_.empty()) {
@@ -50,6 +50,16 @@ std::string WeightCache::Insert(std::shared_ptr<const WeightEntry> entry) {
   absl::MutexLock lock(&mu_);
   const uint64_t bytes = entry->bytes();
   reserved_ = bytes > reserved_ ? 0 : reserved_ - bytes;
+  // Over the handle count (--max_weight_handles), the least recently used goes too.
+  while (slots_.size() >= max_entries_ && !lru_.empty()) {
+    const std::string victim = lru_.back();
+    lru_.pop_back();
+    auto it = slots_.find(victim);
+    bytes_ -= it->second.entry->bytes();
+    slots_.erase(it);
+    evicted_.insert(victim);
+    ++evictions_;
+  }
   std::string handle = absl::StrCat("w-", instance_, "-", next_id_++);
   lru_.push_front(handle);
   bytes_ += bytes;

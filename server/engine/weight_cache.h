@@ -33,7 +33,7 @@ struct WeightEntry {
 
 class WeightCache {
  public:
-  WeightCache(uint64_t budget_bytes, std::string instance);
+  WeightCache(uint64_t budget_bytes, std::string instance, size_t max_entries = 1024);
 
   // Makes room for an upload of `bytes` (evicting least recently used entries) and holds it
   // until Insert or Unreserve. RESOURCE_EXHAUSTED when it can never fit.
@@ -63,6 +63,7 @@ class WeightCache {
 
   const uint64_t budget_;
   const std::string instance_;
+  const size_t max_entries_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);

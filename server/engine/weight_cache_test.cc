@@ -71,3 +71,24 @@ TEST(WeightCacheTest, HandlesNameTheirInstance) {
 
 }  // namespace
 }  // namespace lossd
+
+namespace lossd {
+namespace {
+
+TEST(WeightCacheTest, TheHandleCountIsLimitedLeastRecentlyUsedFirst) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(1000, "inst", /*max_entries=*/2);
+  ASSERT_TRUE(cache.Reserve(8).ok());
+  const std::string a = cache.Insert(Entry(*backend, 8));
+  ASSERT_TRUE(cache.Reserve(8).ok());
+  const std::string b = cache.Insert(Entry(*backend, 8));
+  ASSERT_TRUE(cache.Reserve(8).ok());
+  const std::string c = cache.Insert(Entry(*backend, 8));
+  EXPECT_EQ(cache.count(), 2u);
+  EXPECT_NE(cache.Get(a).status().message().find("was evicted"), std::string::npos);
+  EXPECT_TRUE(cache.Get(b).ok());
+  EXPECT_TRUE(cache.Get(c).ok());
+}
+
+}  // namespace
+}  // namespace lossd
