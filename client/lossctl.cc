@@ -43,6 +43,9 @@ ABSL_FLAG(double, deadline_seconds, 600, "deadline of each call, seconds (0 = no
 ABSL_FLAG(int64_t, part_bytes, 4 << 20, "largest data bytes of one sent part");
 ABSL_FLAG(int64_t, response_part_bytes, 0, "largest part the server should send (0 = its default)");
 ABSL_FLAG(int32_t, connections, 1, "TCP connections (channels); calls round-robin over them");
+ABSL_FLAG(int32_t, stripes, 0,
+          "connections one put-weights / fetch-gradients is split over (at most --connections; "
+          "0 = min(connections, 4) for tensors of 64 MiB and more, else 1; 1 = never)");
 ABSL_FLAG(bool, wait_for_ready, false, "wait for the server instead of failing fast");
 ABSL_FLAG(std::string, metadata, "", "call metadata, key=value[,key=value...]");
 ABSL_FLAG(bool, tls, false, "connect with TLS");
@@ -114,7 +117,7 @@ Commands:
   fetch-gradients   --accumulator [--reset] [--out_dir]: the accumulated fp32 dW (and db)
   drop-accumulator  --accumulator
 
-Global flags: --target --deadline_seconds --part_bytes --connections --metadata
+Global flags: --target --deadline_seconds --part_bytes --connections --stripes --metadata
               --tls --tls_ca --tls_cert --tls_key --tls_server_name --auth_token[_file].
 bf16 .npy files hold the raw bits as '<u2'. Run with --helpfull for every flag.)";
 
@@ -162,6 +165,7 @@ absl::StatusOr<ClientOptions> OptionsFromFlags() {
   o.max_send_message_bytes = o.max_receive_message_bytes =
       static_cast<int>(std::min<int64_t>(limit, INT32_MAX));
   o.connections = absl::GetFlag(FLAGS_connections);
+  o.stripes = absl::GetFlag(FLAGS_stripes);
   o.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
   o.tls = absl::GetFlag(FLAGS_tls);
   const std::pair<const char*, std::string*> pem_files[] = {{"--tls_ca", &o.tls_root_certs},
@@ -506,8 +510,8 @@ absl::Status RunBench() {
         put, client->PutWeights(*req.w, req.bias.has_value() ? &*req.bias : nullptr));
     const double s = absl::ToDoubleSeconds(absl::Now() - t0);
     const double bytes = req.w->num_bytes() + (req.bias.has_value() ? req.bias->num_bytes() : 0);
-    absl::PrintF("put_weights %s in %.3f s (%.3f GB/s), handle %s\n", Gb(bytes), s, bytes / s / 1e9,
-                 put.handle);
+    absl::PrintF("put_weights %s in %.3f s (%.3f GB/s) over %d stripe(s), handle %s\n", Gb(bytes),
+                 s, bytes / s / 1e9, put.stripes, put.handle);
     req.weight_handle = put.handle;
     dropped_handle = put.handle;
     req.w.reset();
@@ -565,8 +569,9 @@ absl::Status RunBench() {
   if (!absl::GetFlag(FLAGS_accumulator).empty()) {
     const absl::Time t0 = absl::Now();
     LOSSCTL_ASSIGN_OR_RETURN(g, client->FetchGradients(absl::GetFlag(FLAGS_accumulator), true));
-    absl::PrintF("fetch       dw %s over %d micro-batches in %.3f s\n", g.dw.DebugString(),
-                 g.micro_batches, absl::ToDoubleSeconds(absl::Now() - t0));
+    absl::PrintF("fetch       dw %s over %d micro-batches in %.3f s over %d stripe(s)\n",
+                 g.dw.DebugString(), g.micro_batches, absl::ToDoubleSeconds(absl::Now() - t0),
+                 g.stripes);
   }
   if (!dropped_handle.empty()) LOSSCTL_RETURN_IF_ERROR(client->DropWeights(dropped_handle));
   if (errors > 0) {
@@ -588,6 +593,7 @@ absl::Status RunPutWeights() {
   absl::PrintF("handle      %s\n", put.handle);
   absl::PrintF("bytes       %d (server-side)\n", put.bytes);
   absl::PrintF("upload      %s in %.3f s (%.3f GB/s)\n", Gb(bytes), s, bytes / s / 1e9);
+  absl::PrintF("stripes     %d\n", put.stripes);
   return absl::OkStatus();
 }
 
@@ -611,7 +617,10 @@ absl::Status RunFetchGradients() {
   absl::PrintF("tokens        %d\n", g.tokens);
   absl::PrintF("dw            %s\n", g.dw.DebugString());
   if (g.db.has_value()) absl::PrintF("db            %s\n", g.db->DebugString());
-  absl::PrintF("seconds       %.3f\n", absl::ToDoubleSeconds(absl::Now() - t0));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+  const double bytes = g.dw.num_bytes() + (g.db.has_value() ? g.db->num_bytes() : 0);
+  absl::PrintF("seconds       %.3f (%.3f GB/s)\n", seconds, bytes / seconds / 1e9);
+  absl::PrintF("stripes       %d\n", g.stripes);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
   LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));

@@ -2,7 +2,11 @@
 // loopback, in this process): a weight upload split over several connections, gradients
 // fetched by byte range, the reset that drops the accumulator, failures half way, and the
 // default rule for how many stripes a transfer gets.
+#include <sys/wait.h>
+
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -13,6 +17,7 @@
 #include "absl/time/time.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
+#include "client/npy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/test_util.h"
@@ -367,6 +372,64 @@ TEST_F(StripingTest, DefaultRule) {
     EXPECT_EQ(g->micro_batches, 1u);
     ASSERT_TRUE(client->DropWeights(put->handle).ok());
   }
+}
+
+// lossctl's --stripes reaches put-weights, fetch-gradients and bench --put_weights.
+TEST_F(StripingTest, LossctlStripes) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/lossctl_stripes");
+  auto run = [&](const std::string& args, std::string* output) {
+    const std::string cmd = absl::StrCat("client/lossctl --target=127.0.0.1:", harness_.port(),
+                                         " --deadline_seconds=30 --part_bytes=4096 ", args,
+                                         " 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    if (p == nullptr) return -1;
+    char buf[4096];
+    size_t n;
+    output->clear();
+    while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
+    const int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  std::string out;
+  ASSERT_EQ(run("put-weights --v=1001 --h=40 --with_bias --connections=4 --stripes=4", &out), 0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("stripes     4\n"));
+  EXPECT_EQ(harness_.engine().weights().count(), 1u);
+  // The default rule: 160 KB is below 64 MiB, so one stripe.
+  ASSERT_EQ(run("put-weights --v=1001 --h=40 --connections=4", &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("stripes     1\n"));
+  EXPECT_EQ(run("put-weights --v=1001 --h=40 --connections=2 --stripes=3", &out), 1);
+  EXPECT_THAT(out, HasSubstr("INVALID_ARGUMENT"));
+
+  ASSERT_EQ(run("compute --bt=16 --h=40 --v=1001 --with_bias --accumulator=cli --want=dx", &out),
+            0)
+      << out;
+  auto client = Client(Options(1, 1));
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<FetchGradientsResult> whole = client->FetchGradients("cli", false);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_EQ(run("fetch-gradients --accumulator=cli --reset --connections=4 --stripes=3 --out_dir=" +
+                    dir,
+                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("stripes       3\n"));
+  EXPECT_THAT(out, HasSubstr("micro_batches 1\n"));
+  absl::StatusOr<HostTensor> dw = ReadNpy(dir + "/dw.npy");
+  absl::StatusOr<HostTensor> db = ReadNpy(dir + "/db.npy");
+  ASSERT_TRUE(dw.ok()) << dw.status();
+  ASSERT_TRUE(db.ok()) << db.status();
+  ExpectSameBytes("dw", *dw, whole->dw);
+  ExpectSameBytes("db", *db, *whole->db);
+  EXPECT_EQ(client->FetchGradients("cli", false).status().code(), absl::StatusCode::kNotFound);
+
+  ASSERT_EQ(run("bench --bt=8 --h=40 --v=1001 --calls=2 --warmup=0 --connections=4 --stripes=2 "
+                "--put_weights",
+                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("over 2 stripe(s), handle "));
 }
 
 TEST(StripingOptionsTest, StripesNeedAsManyConnections) {
