@@ -8,6 +8,7 @@ behind the caller's back: bf16 travels as bf16 (see lossd.tensors.BF16Array).
 
 import dataclasses
 import itertools
+import secrets
 import threading
 import time
 from typing import Any, Optional
@@ -27,6 +28,16 @@ DEFAULT_PART_BYTES = 4 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 # Per-call deadline unless the caller says otherwise (the C++ client's default too).
 DEFAULT_TIMEOUT_S = 600.0
+# Striping's default rule (stripes=0): tensors of at least this many bytes go over
+# min(connections, DEFAULT_MAX_STRIPES) connections at once; one connection tops out near
+# 4.5 GB/s, four give 3-6x.
+DEFAULT_AUTO_STRIPE_BYTES = 64 << 20
+DEFAULT_MAX_STRIPES = 4
+_MAX_STRIPES = 64  # the server's limit per upload
+# After a stripe hears ABORTED (the server aborted the whole upload and tells every stripe),
+# how long the others may take to report before they are cancelled: the stripe that caused the
+# abort is then heard with its own error.
+_ABORTED_GRACE_S = 1.0
 
 _REDUCTIONS = {"mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE}
 
@@ -74,6 +85,7 @@ class WeightHandle:
     h: int
     dtype: str
     has_bias: bool
+    stripes: int = 1  # streams (connections) the upload was split over
 
     def __str__(self):
         return self.handle
@@ -88,6 +100,7 @@ class Gradients:
     micro_batches: int
     tokens: int
     instance: str
+    stripes: int = 1  # range streams (connections) the fetch was split over
 
 
 @dataclasses.dataclass
@@ -109,19 +122,151 @@ class ServerInfo:
     accumulators: int
 
 
-def _parts(tensor_id, arr, part_bytes):
-    """Yields TensorPart messages for one tensor, in byte order, each at most part_bytes
-    rounded down to whole elements (at least one): servers may refuse a part that splits an
-    element."""
+def _parts(tensor_id, arr, part_bytes, begin=0, end=None):
+    """Yields TensorPart messages for one tensor's bytes [begin, end) (default: all), in byte
+    order, each at most part_bytes rounded down to whole elements (at least one): servers may
+    refuse a part that splits an element. Offsets are offsets into the tensor."""
     mv = memoryview(arr).cast("B")
-    n = len(mv)
+    n = len(mv) if end is None else end
     elem = arr.itemsize
     step = max(elem, part_bytes - part_bytes % elem)
-    off = 0
+    off = begin
     while off < n:
-        end = min(n, off + step)
-        yield pb.TensorPart(tensor=tensor_id, offset=off, data=mv[off:end].tobytes())
-        off = end
+        stop = min(n, off + step)
+        yield pb.TensorPart(tensor=tensor_id, offset=off, data=mv[off:stop].tobytes())
+        off = stop
+
+
+class _StripeGroup:
+    """Runs the stripes of one striped call at once, a thread each, and gathers the outcome.
+
+    Once a stripe has failed the others are pointless, and a stripe the server never heard of
+    would leave its siblings waiting there until their deadline, so the group cancels the
+    calls still running: at once after any error but ABORTED, and a grace period after an
+    ABORTED (the server aborted the whole upload and tells every stripe; the grace lets the
+    stripe that caused it report why). Raises the first error (in the order they happened)
+    that is neither ABORTED nor the group's own cancelling, else the first error.
+    """
+
+    def __init__(self, n, aborted_grace):
+        self._n = n
+        self._grace = aborted_grace
+        self._cv = threading.Condition()
+        self._calls = [None] * n
+        self._errors = [None] * n
+        self._cancelled = [False] * n
+        self._failed = []
+        self._finished = 0
+        self._cancel_at = float("inf")
+        self._cancel_all = False
+
+    def register(self, i, call):
+        """Stripe i's call (anything with cancel()) is live; one registered after the group
+        gave up is cancelled at once."""
+        with self._cv:
+            self._calls[i] = call
+            if self._cancel_all:
+                self._cancelled[i] = True
+                call.cancel()
+
+    def run(self, body):
+        threads = [threading.Thread(target=self._stripe, args=(body, i), daemon=True,
+                                    name="lossd-stripe-%d" % i) for i in range(self._n)]
+        for t in threads:
+            t.start()
+        with self._cv:
+            while self._finished < self._n:
+                now = time.monotonic()
+                if now >= self._cancel_at and not self._cancel_all:
+                    self._cancel_all = True
+                    for i, call in enumerate(self._calls):
+                        if call is not None:
+                            self._cancelled[i] = True
+                            call.cancel()
+                wait = None if self._cancel_at == float("inf") else max(0.0, self._cancel_at - now)
+                if self._cancel_all:
+                    wait = None
+                self._cv.wait(wait)
+        for t in threads:
+            t.join()
+        live = [i for i in self._failed if not self._cancelled[i]]
+        for i in live:
+            if getattr(self._errors[i], "code", None) != grpc.StatusCode.ABORTED:
+                raise self._errors[i]
+        if live:
+            raise self._errors[live[0]]
+        if self._failed:
+            raise self._errors[self._failed[0]]
+
+    def _stripe(self, body, i):
+        err = None
+        try:
+            body(i)
+        except BaseException as e:  # noqa: B902 - handed to the caller's thread by run()
+            err = e
+        with self._cv:
+            self._finished += 1
+            self._calls[i] = None
+            if err is not None:
+                self._failed.append(i)
+                self._errors[i] = err
+                aborted = getattr(err, "code", None) == grpc.StatusCode.ABORTED
+                self._cancel_at = min(self._cancel_at,
+                                      time.monotonic() + (self._grace if aborted else 0.0))
+            self._cv.notify_all()
+
+
+def _check_gradients_header(header, method="FetchGradients"):
+    """Returns (dw shape, db shape or None, dw bytes, db bytes) of a checked GradientsHeader."""
+    dw = tuple(int(s) for s in header.dw.shape)
+    if header.dw.dtype != pb.DTYPE_FP32 or len(dw) != 2 or min(dw) < 0:
+        raise errors.ProtocolError("dw announced as %s %s, expected fp32 (V, H)" % (
+            dtype_name(header.dw.dtype), dw), method=method)
+    db = None
+    if header.HasField("db") and len(header.db.shape) > 0:
+        db = tuple(int(s) for s in header.db.shape)
+        if header.db.dtype != pb.DTYPE_FP32 or db != (dw[0],):
+            raise errors.ProtocolError("db announced as %s %s, expected fp32 (%d,)" % (
+                dtype_name(header.db.dtype), db, dw[0]), method=method)
+    return dw, db, 4 * dw[0] * dw[1], 4 * dw[0] if db is not None else 0
+
+
+class _RangeReceiver:
+    """Receives one ranged FetchGradients stream (bytes [begin, end) of dW | db) straight into
+    place, checking that parts come in byte order, stay in the range and within their tensor,
+    and cover it exactly. dw/db: writable byte memoryviews, or None to check and drop."""
+
+    def __init__(self, begin, end, dw_bytes, dw=None, db=None):
+        self.begin, self.end, self.next = begin, end, begin
+        self.dw_bytes = dw_bytes
+        self.dw, self.db = dw, db
+
+    def add(self, part, db_bytes):
+        is_db = part.tensor == pb.TENSOR_DB
+        if part.tensor != pb.TENSOR_DW and not (is_db and db_bytes > 0):
+            raise errors.ProtocolError("part for unannounced tensor %d" % part.tensor,
+                                       method="FetchGradients")
+        limit = db_bytes if is_db else self.dw_bytes
+        n = len(part.data)
+        if part.offset + n > limit:
+            raise errors.ProtocolError("tensor %d: part [%d, %d) runs past its %d bytes" % (
+                part.tensor, part.offset, part.offset + n, limit), method="FetchGradients")
+        at = part.offset + (self.dw_bytes if is_db else 0)
+        if at != self.next:
+            raise errors.ProtocolError("part at byte %d of dw|db, expected %d" % (at, self.next),
+                                       method="FetchGradients")
+        if at + n > self.end:
+            raise errors.ProtocolError("part [%d, %d) runs past the range's end %d" % (
+                at, at + n, self.end), method="FetchGradients")
+        dst = self.db if is_db else self.dw
+        if dst is not None:
+            dst[part.offset:part.offset + n] = part.data
+        self.next += n
+
+    def finish(self):
+        if self.next != self.end:
+            raise errors.ProtocolError("range [%d, %d) ended at %d" % (
+                self.begin, self.end, self.next), method="FetchGradients")
 
 
 class _Assembler:
@@ -205,6 +350,10 @@ class Client:
     max_message_bytes: the channel's send and receive message limits.
     connections: channels to open, each its own TCP connection; calls round-robin over them
       (one connection tops out at a few GB/s).
+    stripes: how many connections one put_weights / fetch_gradients is split over, each
+      carrying a byte range on its own stream (four give 3-6x one). 0 = the default rule:
+      min(connections, 4) for tensors of at least auto_stripe_bytes (64 MiB), else 1; 1 =
+      never. At most `connections` (so with one connection striping is off).
     wait_for_ready: wait for the server to become reachable (until the deadline) instead of
       failing fast with UnavailableError.
     metadata: [(key, value)] added to every call.
@@ -223,14 +372,25 @@ class Client:
 
     def __init__(self, target="localhost:50051", *, part_bytes=DEFAULT_PART_BYTES,
                  response_part_bytes=0, timeout=DEFAULT_TIMEOUT_S,
-                 max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, connections=1,
-                 wait_for_ready=False, metadata=None, auth_token=None, tls=False,
+                 max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, connections=1, stripes=0,
+                 auto_stripe_bytes=DEFAULT_AUTO_STRIPE_BYTES, wait_for_ready=False, metadata=None, auth_token=None, tls=False,
                  tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None,
                  channel_options=None, credentials=None, channel=None):
         if int(part_bytes) <= 0:
             raise errors.InvalidArgumentError("part_bytes must be positive, got %r" % part_bytes)
         if int(connections) < 1:
             raise errors.InvalidArgumentError("connections must be >= 1, got %r" % connections)
+        if not 0 <= int(stripes) <= _MAX_STRIPES:
+            raise errors.InvalidArgumentError(
+                "stripes must be in [0, %d] (0 = the default rule), got %r" % (_MAX_STRIPES,
+                                                                             stripes))
+        n_channels = 1 if channel is not None else int(connections)
+        if int(stripes) > n_channels:
+            raise errors.InvalidArgumentError(
+                "stripes=%d needs as many connections, got %d: each stripe is a stream on a "
+                "connection of its own" % (int(stripes), n_channels))
+        self.stripes = int(stripes)
+        self.auto_stripe_bytes = int(auto_stripe_bytes)
         if int(part_bytes) > int(max_message_bytes) - 1024:
             raise errors.InvalidArgumentError(
                 "part_bytes %d does not fit in max_message_bytes %d" % (part_bytes,
@@ -298,6 +458,21 @@ class Client:
             i = next(self._next)
         return self._stubs[i % len(self._stubs)]
 
+    def _next_stubs(self, n):
+        """n distinct stubs (n <= connections), taken round-robin."""
+        with self._next_lock:
+            first = next(self._next)
+            for _ in range(n - 1):
+                next(self._next)
+        return [self._stubs[(first + i) % len(self._stubs)] for i in range(n)]
+
+    def _stripes_for(self, nbytes):
+        if self.stripes > 0:
+            return self.stripes
+        if nbytes < self.auto_stripe_bytes:
+            return 1
+        return min(len(self._stubs), DEFAULT_MAX_STRIPES)
+
     def _call_kwargs(self, timeout):
         """timeout: None = the client's default; a number of seconds; or float('inf')."""
         t = self.timeout if timeout is None else timeout
@@ -343,6 +518,12 @@ class Client:
         The server keeps them in its weight cache (LRU, memory-budgeted); a handle it has
         evicted, or one from before a restart, fails with NotFoundError or
         FailedPreconditionError: upload again.
+
+        Striped (see `stripes`): W is cut into element-aligned byte ranges sent at once, one
+        stream per connection, under one random upload id; the bias goes with the first. The
+        server makes the handle once every range has arrived; if any stripe fails the whole
+        upload is aborted, no handle exists, and the first error that is not the siblings'
+        AbortedError is raised.
         """
         wdt, wshape, warr = to_wire(w, "w", FLOAT_DTYPES)
         if len(wshape) != 2:
@@ -353,21 +534,65 @@ class Client:
             bdt, bshape, barr = to_wire(bias, "bias", FLOAT_DTYPES)
             header.bias.CopyFrom(pb.TensorSpec(dtype=bdt, shape=bshape))
         part_bytes = self.part_bytes
+        elems = int(warr.size)
+        stripes = min(self._stripes_for(warr.nbytes + (barr.nbytes if barr is not None else 0)),
+                      elems)
 
-        def requests():
-            yield pb.PutWeightsRequest(header=header)
-            for p in _parts(pb.TENSOR_W, warr, part_bytes):
+        def requests(head, begin, end, with_bias):
+            yield pb.PutWeightsRequest(header=head)
+            for p in _parts(pb.TENSOR_W, warr, part_bytes, begin, end):
                 yield pb.PutWeightsRequest(part=p)
-            if barr is not None:
+            if with_bias:
                 for p in _parts(pb.TENSOR_BIAS, barr, part_bytes):
                     yield pb.PutWeightsRequest(part=p)
 
-        try:
-            r = self._stub.PutWeights(requests(), **self._call_kwargs(timeout))
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "PutWeights") from None
-        return WeightHandle(handle=r.handle, bytes=r.bytes, v=wshape[0], h=wshape[1],
-                            dtype=dtype_name(wdt), has_bias=barr is not None)
+        def result(r, n):
+            if not r.handle:
+                raise errors.ProtocolError("empty handle", method="PutWeights")
+            return WeightHandle(handle=r.handle, bytes=r.bytes, v=wshape[0], h=wshape[1],
+                                dtype=dtype_name(wdt), has_bias=barr is not None, stripes=n)
+
+        if stripes <= 1:
+            try:
+                r = self._stub.PutWeights(requests(header, 0, warr.nbytes, barr is not None),
+                                          **self._call_kwargs(timeout))
+            except grpc.RpcError as e:
+                raise errors.from_rpc_error(e, "PutWeights") from None
+            return result(r, 1)
+
+        upload_id = secrets.token_hex(16)
+        stubs = self._next_stubs(stripes)
+        kw = self._call_kwargs(timeout)
+        replies = [None] * stripes
+        group = _StripeGroup(stripes, _ABORTED_GRACE_S)
+        elem = warr.itemsize
+
+        def stripe(i):
+            begin = elem * (elems * i // stripes)
+            end = elem * (elems * (i + 1) // stripes)
+            head = pb.WeightsHeader()
+            head.CopyFrom(header)
+            head.upload_id = upload_id
+            head.stripes = stripes
+            head.w_begin = begin
+            head.w_end = end
+            fut = stubs[i].PutWeights.future(
+                requests(head, begin, end, i == 0 and barr is not None), **kw)
+            group.register(i, fut)
+            try:
+                replies[i] = fut.result()
+            except grpc.RpcError as e:
+                raise errors.from_rpc_error(e, "PutWeights") from None
+            except grpc.FutureCancelledError:
+                raise errors.CancelledError("cancelled: another stripe failed",
+                                            method="PutWeights") from None
+
+        group.run(stripe)
+        handles = {r.handle for r in replies}
+        if len(handles) != 1:
+            raise errors.ProtocolError("stripes of upload %s got different handles: %s" % (
+                upload_id, sorted(handles)), method="PutWeights")
+        return result(replies[0], stripes)
 
     def drop_weights(self, handle, *, timeout=None):
         try:
@@ -378,8 +603,23 @@ class Client:
 
     def fetch_gradients(self, accumulator, *, reset=False, response_part_bytes=None,
                         timeout=None):
-        """Reads a server-side accumulator (fp32 dW and db); `reset` zeroes it after."""
+        """Reads a server-side accumulator (fp32 dW and db); `reset` zeroes it after.
+
+        Striped (see `stripes`; needs connections > 1): a one-value ranged fetch first learns
+        the accumulator's size (one extra round trip), then byte ranges of dW | db are fetched
+        at once, one stream per connection, straight into the result. Every range must report
+        the micro_batches and tokens of the first look, else AbortedError (a compute added to
+        the accumulator in between: fetch again). A ranged fetch cannot reset, so `reset` then
+        drops the accumulator after the last range has arrived: the next compute naming it
+        creates it again, zeroed, and until then fetching it raises NotFoundError rather than
+        returning zeros. A compute adding to it while a striped reset is under way may be lost
+        with it; a whole fetch resets atomically.
+        """
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
+        if self.stripes > 1 or (self.stripes == 0 and len(self._stubs) > 1):
+            got = self._fetch_striped(accumulator, reset, int(rpb), timeout)
+            if got is not None:
+                return got
         req = pb.FetchGradientsRequest(accumulator=accumulator, reset=reset,
                                        response_part_bytes=int(rpb))
         asm = _Assembler("FetchGradients")
@@ -406,6 +646,85 @@ class Client:
         return Gradients(dw=t[pb.TENSOR_DW], db=t.get(pb.TENSOR_DB),
                          micro_batches=header.micro_batches, tokens=header.tokens,
                          instance=header.instance)
+
+    def _fetch_range(self, stub, accumulator, begin, end, rpb, kw, on_header, group=None, i=0):
+        """One ranged FetchGradients stream; on_header(header) returns a _RangeReceiver."""
+        req = pb.FetchGradientsRequest(accumulator=accumulator, response_part_bytes=rpb,
+                                       range_begin=begin, range_end=end)
+        header, recv, db_bytes, call = None, None, 0, None
+        try:
+            call = stub.FetchGradients(req, **kw)
+            if group is not None:
+                group.register(i, call)
+            for msg in call:
+                kind = msg.WhichOneof("kind")
+                if kind == "header":
+                    if header is not None:
+                        raise errors.ProtocolError("two headers", method="FetchGradients")
+                    header = msg.header
+                    _, _, dw_bytes, db_bytes = _check_gradients_header(header)
+                    if end > dw_bytes + db_bytes:
+                        raise errors.ProtocolError(
+                            "range [%d, %d) answered for an accumulator of %d bytes" % (
+                                begin, end, dw_bytes + db_bytes), method="FetchGradients")
+                    recv = on_header(header, dw_bytes)
+                elif kind == "part":
+                    if header is None:
+                        raise errors.ProtocolError("part before header", method="FetchGradients")
+                    recv.add(msg.part, db_bytes)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, "FetchGradients") from None
+        except BaseException:
+            if call is not None:
+                call.cancel()  # a reply that broke the contract: stop the stream
+            raise
+        if header is None:
+            raise errors.ProtocolError("no header in reply", method="FetchGradients")
+        recv.finish()
+        return header
+
+    def _fetch_striped(self, accumulator, reset, rpb, timeout):
+        """The striped fetch, or None when the accumulator is too small to stripe."""
+        kw = self._call_kwargs(timeout)
+        look = self._fetch_range(self._stub, accumulator, 0, 4, rpb, kw,
+                                 lambda h, dw_bytes: _RangeReceiver(0, 4, dw_bytes))
+        dw_shape, db_shape, dw_bytes, db_bytes = _check_gradients_header(look)
+        total = dw_bytes + db_bytes
+        stripes = min(self._stripes_for(total), total // 4)
+        if stripes <= 1:
+            return None
+        dw = np.empty(dw_shape, dtype=np.float32)
+        db = np.empty(db_shape, dtype=np.float32) if db_shape is not None else None
+        dw_mv = memoryview(dw).cast("B")
+        db_mv = memoryview(db).cast("B") if db is not None else None
+        first = (look.dw.SerializeToString(), look.HasField("db"), look.db.SerializeToString(),
+                 look.micro_batches, look.tokens, look.instance)
+        values = total // 4
+        stubs = self._next_stubs(stripes)
+        group = _StripeGroup(stripes, 0.0)
+
+        def stripe(i):
+            begin, end = 4 * (values * i // stripes), 4 * (values * (i + 1) // stripes)
+
+            def on_header(h, n_dw):
+                now = (h.dw.SerializeToString(), h.HasField("db"), h.db.SerializeToString(),
+                       h.micro_batches, h.tokens, h.instance)
+                if now != first:
+                    raise errors.AbortedError(
+                        "accumulator %r changed while its ranges were fetched (micro_batches "
+                        "%d then %d, tokens %d then %d): a compute added to it in between; "
+                        "fetch again" % (accumulator, look.micro_batches, h.micro_batches,
+                                         look.tokens, h.tokens), method="FetchGradients")
+                return _RangeReceiver(begin, end, n_dw, dw_mv, db_mv)
+
+            self._fetch_range(stubs[i], accumulator, begin, end, rpb, kw, on_header, group, i)
+
+        group.run(stripe)
+        if reset:
+            # A ranged fetch cannot reset: drop it instead, now that every range is here.
+            self.drop_accumulator(accumulator, timeout=timeout)
+        return Gradients(dw=dw, db=db, micro_batches=look.micro_batches, tokens=look.tokens,
+                         instance=look.instance, stripes=stripes)
 
     def drop_accumulator(self, accumulator, *, timeout=None):
         try:
