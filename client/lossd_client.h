@@ -5,7 +5,8 @@
 // server error comes back with its gRPC code (1:1 as an absl::StatusCode) and message.
 //
 //   ClientOptions opts;                      // target localhost:50051, 4 MiB parts
-//   opts.connections = 4;                    // concurrent calls spread over 4 TCP connections
+//   opts.connections = 4;                    // concurrent calls spread over 4 TCP connections;
+//                                            // PutWeights/FetchGradients of >= 64 MiB striped
 //   auto client = LossClient::Create(opts);  // absl::StatusOr<std::unique_ptr<LossClient>>
 //   ComputeRequest r;
 //   r.x = HostTensor::View(DType::kBF16, {bt, h}, x_ptr);        // no copy
