@@ -106,7 +106,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 class E2eTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { h_ = new Harness(); }
+  // Shared by the derived suites too (SetUpTestSuite runs once per suite).
+  static void SetUpTestSuite() {
+    if (h_ == nullptr) h_ = new Harness();
+  }
   static Harness* h_;
 };
 Harness* E2eTest::h_ = nullptr;
@@ -653,6 +656,25 @@ TEST(LimitsTest, InFlightPerClientIsLimited) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_TRUE(last.ok()) << last.error_message();
+}
+
+}  // namespace
+}  // namespace lossd
+
+namespace lossd {
+namespace {
+
+// Found by fuzzing: finite but huge inputs overflow the fp32 logits; the answer must be a
+// clear refusal, never a NaN loss presented as a result.
+TEST_F(E2eTest, LogitsThatOverflowFp32AreRefused) {
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kBF16, 51));
+  for (size_t i = 0; i < rp.x.size() / 2; ++i) reinterpret_cast<uint16_t*>(rp.x.data())[i] = 0x7e00;  // 4.25e37
+  for (size_t i = 0; i < rp.w.size() / 2; ++i) reinterpret_cast<uint16_t*>(rp.w.data())[i] = 0x7e00;
+  ComputeReply r = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("overflow fp32"), std::string::npos)
+      << r.status.error_message();
+  ExpectServes(*h_);
 }
 
 }  // namespace

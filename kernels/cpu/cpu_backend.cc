@@ -30,6 +30,14 @@
 #include "kernels/dtype.h"
 #include "kernels/loss_problem.h"
 
+// Functions built for several instruction sets, picked at load time. Not under TSan: gcc
+// instruments the load-time resolvers, which run before TSan is ready.
+#if defined(__SANITIZE_THREAD__)
+#define LOSSD_CPU_TARGET_CLONES
+#else
+#define LOSSD_CPU_TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+
 namespace lossd {
 
 // Bytes held (buffers from Allocate plus running workspaces) and their peak.
@@ -235,7 +243,7 @@ inline float RoundBf16(float x) {
 inline float RoundF16(float x) { return F16ToFloat(FloatToF16(x)); }
 
 // Rounds n fp32 values in place to dtype t (no-op for fp32).
-__attribute__((target_clones("avx512f", "avx2", "default")))
+LOSSD_CPU_TARGET_CLONES
 void RoundInPlace(float* v, int64_t n, DType t) {
   if (t == DType::kBF16) {
     for (int64_t k = 0; k < n; ++k) v[k] = RoundBf16(v[k]);
@@ -303,7 +311,8 @@ inline float ExpNonPositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  // n is NaN when x is; converting a NaN to int is undefined, so feed 0 (p stays NaN).
+  const int32_t e = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;
   float scale;
   std::memcpy(&scale, &e, 4);
   return p * scale;
@@ -335,7 +344,7 @@ constexpr int kLanes = 16;  // independent fp32 partial sums: vectorisable, and 
 // zero. sc and sz scale the cross-entropy and z-loss gradients.
 // Compiled for AVX-512, AVX2 and baseline x86-64, picked at load time. Without FMA
 // contraction (ISO C++ mode) every variant rounds alike, so results do not depend on it.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+LOSSD_CPU_TARGET_CLONES
 RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, double sz) {
   const int64_t v = rp.v;
   RowResult res;

@@ -498,6 +498,17 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
     out.accum_memory = Memory::kBackend;
   }
 
+  // Finite inputs can still overflow fp32 logits (|x . w| > 3.4e38): the loss is then not
+  // finite, and the request is refused rather than answered with NaN.
+  auto loss_is_finite = [&]() {
+    const int64_t n = none ? plan.bt : 1;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(out.loss[i])) return false;
+    }
+    return true;
+  };
+  const char* kOverflow =
+      "the loss is not finite: the logits X W^T (+ b) overflow fp32; scale the inputs down";
   if (acc) {
     absl::MutexLock lock(&acc->mu);
     if (acc->poisoned) {
@@ -507,6 +518,11 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
       return r;
     }
     r.status = backend_->Compute(p, out, &r.stats);
+    if (r.status.ok() && !loss_is_finite()) {
+      r.status = absl::InvalidArgumentError(absl::StrCat(
+          kOverflow, " (accumulator '", acc->name, "' received non-finite values and must be "
+          "dropped)"));
+    }
     if (!r.status.ok()) {
       acc->poisoned = true;
       return r;
@@ -517,6 +533,10 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
   } else {
     r.status = backend_->Compute(p, out, &r.stats);
     if (!r.status.ok()) return r;
+    if (!loss_is_finite()) {
+      r.status = absl::InvalidArgumentError(kOverflow);
+      return r;
+    }
   }
   if (none) {
     // The summary carries the sum of the per-token values.
