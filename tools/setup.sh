@@ -11,7 +11,7 @@ APT_PACKAGES=(
 )
 # Extra packages for the full test suite (Prometheus and manifest checks).
 if [[ "${LOSSD_SETUP_TEST_EXTRAS:-0}" == "1" ]]; then
-  APT_PACKAGES+=(prometheus yamllint)
+  APT_PACKAGES+=(prometheus yamllint clang libclang-rt-14-dev openssl)
 fi
 
 missing=()

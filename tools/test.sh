@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Quick start, command 2: installs what is missing and runs every test that runs without a
 # GPU: the Bazel tests (GPU tests, tagged `gpu`, are built but skipped), the Python client
-# tests against a live server, the Prometheus test and the manifest checks. Ends with one line
-# "N passed, N failed, N skipped" summed over every JUnit report.
+# tests against a live server, the Prometheus test, the manifest checks and a bounded fuzz
+# run. Ends with one line "N passed, N failed, N skipped" summed over every JUnit report.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOSSD_SETUP_TEST_EXTRAS=1 tools/setup.sh || exit 1
@@ -25,6 +25,11 @@ if [[ -x tests/python_and_prometheus.sh ]]; then
   LOSSD_BIN="$(bazel info bazel-bin)/server/lossd" LOSSCTL_BIN="$(bazel info bazel-bin)/client/lossctl" \
     tests/python_and_prometheus.sh "$reports" || status=1
 fi
+
+# 3. Fuzzing: a bounded, repeatable run per target (fixed seed and input count) plus a replay
+#    of every committed seed and regression, built with clang, ASan and UBSan.
+FUZZ_RUNS="${FUZZ_RUNS:-1000000}" FUZZ_SEED="${FUZZ_SEED:-1}" \
+  bash tests/fuzz/build_and_run.sh "$reports" || status=1
 
 python3 tools/test_summary.py --skipped-targets "$gpu_skipped" "$reports"/*.xml || status=1
 exit $status

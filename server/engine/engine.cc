@@ -498,8 +498,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
     out.accum_memory = Memory::kBackend;
   }
 
-  // Finite inputs can still overflow fp32 logits (|x . w| > 3.4e38): the loss is then not
-  // finite, and the request is refused rather than answered with NaN.
+  // Finite inputs can still push the loss past fp32 (logits |x . w| > 3.4e38, or a huge
+  // lse_square_scale): the request is refused rather than answered with inf or NaN.
   auto loss_is_finite = [&]() {
     const int64_t n = none ? plan.bt : 1;
     for (int64_t i = 0; i < n; ++i) {
@@ -507,8 +507,9 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
     }
     return true;
   };
-  const char* kOverflow =
-      "the loss is not finite: the logits X W^T (+ b) overflow fp32; scale the inputs down";
+  const std::string kOverflow = absl::StrCat(
+      "the loss is not finite: the logits X W^T (+ b) or the z-loss (lse_square_scale=",
+      plan.options.z_loss_scale, ") exceed fp32; scale them down");
   if (acc) {
     absl::MutexLock lock(&acc->mu);
     if (acc->poisoned) {

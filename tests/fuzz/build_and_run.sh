@@ -7,6 +7,8 @@
 #   XML_DIR             where fuzz.xml (JUnit) goes; default /tmp/lossd_fuzz/xml
 # Environment:
 #   FUZZ_SECONDS        fuzzing time per target (default 60; 0 = replay only)
+#   FUZZ_RUNS           instead of a time: this many inputs per target with a fixed seed
+#                       (FUZZ_SEED, default 1), so a run is repeatable (CI uses this)
 #   FUZZ_TARGETS        targets to run (default: compute_stream options put_weights)
 #   FUZZ_BUILD_DIR      objects, binaries, working corpora, crash files (default /tmp/lossd_fuzz)
 #   FUZZ_REGEN_SEEDS=1  rewrite tests/fuzz/corpus with seed_writer before running
@@ -124,7 +126,12 @@ for t in $TARGETS; do
   rm -rf "$work"
   mkdir -p "$work" "$BUILD/artifacts/$t"
   start=$(date +%s)
-  "$bin" -max_total_time="$SECONDS_PER_TARGET" -timeout=30 -rss_limit_mb=4096 -max_len=65536 \
+  if [[ -n "${FUZZ_RUNS:-}" ]]; then
+    budget=(-runs="$FUZZ_RUNS" -seed="${FUZZ_SEED:-1}")
+  else
+    budget=(-max_total_time="$SECONDS_PER_TARGET")
+  fi
+  "$bin" "${budget[@]}" -timeout=30 -rss_limit_mb=4096 -max_len=65536 \
     -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$t/" "$work" \
     "$ROOT/tests/fuzz/corpus/$t" > "$BUILD/fuzz_$t.log" 2>&1
   rc=$?
@@ -138,7 +145,7 @@ for t in $TARGETS; do
     cases+=("fuzz_$t|fail|$(( $(date +%s) - start ))|$msg; input $art")
     failures=$((failures + 1))
   else
-    echo "FUZZ PASS $t: ${execs:-?} execs in ${SECONDS_PER_TARGET} s (${rate:-?} exec/s, ${cov:-cov ?})"
+    echo "FUZZ PASS $t: ${execs:-?} execs in $(( $(date +%s) - start )) s (${rate:-?} exec/s, ${cov:-cov ?})"
     cases+=("fuzz_$t|pass|$(( $(date +%s) - start ))|")
   fi
 done
