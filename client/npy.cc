@@ -318,8 +318,10 @@ absl::Status WriteNpy(const std::string& path, const HostTensor& tensor) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
   if (f == nullptr) return IoError(errno, "cannot create", path);
   const std::string header = EncodeNpyHeader(tensor.dtype(), tensor.shape());
+  // An empty tensor has no data pointer, and fwrite must not be handed a null one.
   if (std::fwrite(header.data(), 1, header.size(), f.get()) != header.size() ||
-      std::fwrite(tensor.data(), 1, tensor.num_bytes(), f.get()) != tensor.num_bytes()) {
+      (tensor.num_bytes() > 0 &&
+       std::fwrite(tensor.data(), 1, tensor.num_bytes(), f.get()) != tensor.num_bytes())) {
     return IoError(errno, "cannot write", path);
   }
   if (std::fclose(f.release()) != 0) return IoError(errno, "cannot close", path);
