@@ -176,7 +176,10 @@ grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data
   }
   prefix[n++] = static_cast<uint8_t>(kPartDataField << 3 | kWireLength);
   n += PutVarint(size, prefix + n);
-  grpc::Slice slices[2] = {grpc::Slice(prefix, n), tracker->Wrap(data, size)};
+  grpc::Slice body_slice =
+      tracker != nullptr ? tracker->Wrap(data, size)
+                         : grpc::Slice(data, size, grpc::Slice::STATIC_SLICE);
+  grpc::Slice slices[2] = {grpc::Slice(prefix, n), std::move(body_slice)};
   return grpc::ByteBuffer(slices, 2);
 }
 

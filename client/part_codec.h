@@ -49,7 +49,8 @@ class SliceTracker {
 
 // One streamed message {oneof kind: field 2 = TensorPart{tensor, offset, data}}: a small
 // copied slice with the tags and lengths, then `data` itself (size bytes, caller memory,
-// tracked), no copy.
+// tracked), no copy. A null tracker borrows `data` untracked: it must then stay alive and
+// unchanged for the rest of the process (benchmarks with fixed buffers).
 grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data, size_t size,
                             SliceTracker* tracker);
 

@@ -130,7 +130,7 @@ uint64_t CopyOut(const grpc::ByteBuffer& m, uint8_t* dst, uint64_t* pos) {
 
 grpc::ByteBuffer SourceMessage(uint64_t offset, uint64_t size) {
   const uint8_t* p = Source() + offset % (kBufferBytes - size + 1);
-  grpc::Slice s = BorrowedSlice(p, size);
+  grpc::Slice s(p, size, grpc::Slice::STATIC_SLICE);  // the source buffer lives forever
   return grpc::ByteBuffer(&s, 1);
 }
 

@@ -1,7 +1,7 @@
-// Byte-level helpers for the service benchmark: lossd's streamed messages built and read as
-// gRPC byte buffers (a sent part references the caller's bytes, a received part is copied once
-// to its destination), one blocking streaming-call runner, and channels that each own a TCP
-// connection. Never owns tensor memory, never retries, never parses tensor data.
+// Byte-level helpers for the service benchmark: lossd's streamed messages as gRPC byte buffers
+// (the client library's framing: a sent part references the caller's bytes, a received part is
+// copied once to its destination), one blocking streaming-call runner, and channels that each
+// own a TCP connection. Never owns tensor memory, never retries, never parses tensor data.
 #ifndef LOSSD_BENCH_SERVICE_RAW_WIRE_H_
 #define LOSSD_BENCH_SERVICE_RAW_WIRE_H_
 
@@ -18,56 +18,29 @@
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "client/part_codec.h"
 #include "grpcpp/support/byte_buffer.h"
 
 namespace lossd {
 namespace bench {
 
-// Field numbers of every streamed lossd message: oneof {1: header, 2: TensorPart}.
-constexpr int kBenchHeaderField = 1;
-constexpr int kBenchPartField = 2;
+// The framing is the client library's (client/part_codec.h): parts that borrow the caller's
+// bytes, small messages, and received frames parsed without copying their data.
+using ReceivedFrame = client::StreamFrame;
+constexpr int kBenchHeaderField = client::kStreamHeaderField;
+constexpr int kBenchPartField = client::kStreamPartField;
 
-// A message {2: TensorPart{1: tensor, 2: offset, 3: data}}: a small copied prefix and a
-// slice that borrows `data` (size bytes) with a no-op release. Nothing tracks when gRPC lets
-// go of it, so `data` must stay alive and unchanged for the whole process (the benchmark's
-// buffers do).
-grpc::ByteBuffer EncodeBorrowedPart(int32_t tensor, uint64_t offset,
-                                    const void* data,  // (size) bytes
-                                    size_t size);
+// A part borrowing `data` (size bytes) for the rest of the process: the benchmark's buffers
+// live that long, so nothing tracks when gRPC lets go of them.
+inline grpc::ByteBuffer EncodeBorrowedPart(int32_t tensor, uint64_t offset,
+                                           const void* data,  // (size) bytes
+                                           size_t size) {
+  return client::EncodePart(tensor, offset, data, size, /*tracker=*/nullptr);
+}
 
-// A slice over `data` (size bytes, alive and unchanged for the process's life), no copy: a
-// borrowed slice with a no-op release, the kind LossClient sends.
-grpc::Slice BorrowedSlice(const void* data,  // (size) bytes
-                          size_t size);
-
-// Any small message, serialized (one copy).
-grpc::ByteBuffer EncodeSmallMessage(const google::protobuf::MessageLite& message);
-
-// A received streamed message: its header bytes, or a part whose data is copied out once.
-class ReceivedFrame {
- public:
-  enum class Kind { kNone, kHeader, kPart };
-
-  // INVALID_ARGUMENT for bytes that are not a well-formed {1: bytes | 2: TensorPart}.
-  absl::Status Parse(const grpc::ByteBuffer& buffer);
-
-  Kind kind() const { return kind_; }
-  const std::string& header_bytes() const { return header_; }
-  int32_t tensor() const { return tensor_; }
-  uint64_t offset() const { return offset_; }
-  size_t data_size() const { return data_size_; }
-  // Copies the data_size() bytes of the part to dst.
-  void CopyDataTo(uint8_t* dst) const;  // (data_size()) bytes
-
- private:
-  Kind kind_ = Kind::kNone;
-  std::string header_;
-  int32_t tensor_ = 0;
-  uint64_t offset_ = 0;
-  size_t data_size_ = 0;
-  std::vector<grpc::Slice> slices_;                       // keep the pieces alive
-  std::vector<std::pair<const uint8_t*, size_t>> data_;  // the part data, in order
-};
+inline grpc::ByteBuffer EncodeSmallMessage(const google::protobuf::MessageLite& message) {
+  return client::EncodeMessage(message);
+}
 
 // Runs one streaming call (client, server or bidi streaming: on the wire all are a stream
 // each way) to its end: writes `out` in order, half-closes, and hands each received message
