@@ -58,6 +58,9 @@ ABSL_FLAG(int64_t, max_v, 1 << 21, "Largest vocabulary V.");
 ABSL_FLAG(uint64_t, max_request_bytes, 16ull << 30, "Most tensor bytes one Compute may move.");
 ABSL_FLAG(uint32_t, max_part_bytes, 16u << 20, "Largest tensor part a client may send.");
 ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20, "Default size of response parts.");
+ABSL_FLAG(uint64_t, host_buffer_pool_bytes, 2ull << 30,
+          "Most bytes of freed request buffers kept for reuse (same shapes again skip the "
+          "page faults of fresh memory); 0 turns the pool off.");
 ABSL_FLAG(bool, check_finite, true, "Refuse NaN and Inf in X, W and bias (INVALID_ARGUMENT).");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (chain); with --tls_key enables TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
@@ -127,6 +130,8 @@ int Main() {
     auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
   }
 
+  SetHostBufferPoolBytes(absl::GetFlag(FLAGS_host_buffer_pool_bytes));
+
   auto backend = MakeBackend();
   if (!backend.ok()) {
     std::fprintf(stderr, "lossd: %s\n", backend.status().ToString().c_str());
@@ -169,6 +174,7 @@ int Main() {
     s.accumulators = static_cast<double>(engine.accumulators().count());
     s.accumulator_bytes = static_cast<double>(engine.accumulators().bytes());
     s.queued_requests = static_cast<double>(engine.budget().waiting());
+    s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());
     s.healthy = b.healthy ? 1 : 0;
     return s;
   });

@@ -56,6 +56,8 @@ class StateCollector : public prometheus::Collectable {
     gauge("lossd_accumulators", "Gradient accumulators held.", s.accumulators);
     gauge("lossd_accumulator_bytes", "Bytes of gradient accumulators.", s.accumulator_bytes);
     gauge("lossd_queued_requests", "Requests waiting for memory admission.", s.queued_requests);
+    gauge("lossd_host_buffer_pool_bytes", "Idle request buffers kept for reuse.",
+          s.host_buffer_pool_bytes);
     gauge("lossd_healthy", "1 while the backend is healthy, 0 after a sticky device error.",
           s.healthy);
     return out;

@@ -38,6 +38,7 @@ struct StateSample {
   double accumulators = 0;
   double accumulator_bytes = 0;
   double queued_requests = 0;
+  double host_buffer_pool_bytes = 0;
   double healthy = 1;
 };
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -117,9 +118,88 @@ const char* OutputSlotName(OutputSlot s) {
   return "unknown";
 }
 
+namespace {
+
+// Idle buffers by exact size, most recently freed last. Only buffers of at least 1 MiB are
+// kept: smaller ones are cheap for malloc, which keeps them itself below the mmap threshold.
+class HostBufferPool {
+ public:
+  static HostBufferPool& Get() {
+    static HostBufferPool* pool = new HostBufferPool();  // never destroyed: freed at exit
+    return *pool;
+  }
+
+  uint8_t* Take(uint64_t bytes) {
+    if (bytes >= kMinPooled) {
+      absl::MutexLock lock(&mu_);
+      auto it = idle_.find(bytes);
+      if (it != idle_.end() && !it->second.empty()) {
+        uint8_t* p = it->second.back();
+        it->second.pop_back();
+        idle_bytes_ -= bytes;
+        return p;
+      }
+    }
+    return new uint8_t[bytes == 0 ? 1 : bytes];
+  }
+
+  void Give(uint8_t* p, uint64_t bytes) {
+    if (bytes >= kMinPooled) {
+      absl::MutexLock lock(&mu_);
+      // Make room by dropping other sizes first: the sizes in use now are the likely next.
+      for (auto it = idle_.begin(); idle_bytes_ + bytes > cap_ && it != idle_.end(); ++it) {
+        if (it->first == bytes) continue;
+        while (!it->second.empty() && idle_bytes_ + bytes > cap_) {
+          delete[] it->second.back();
+          it->second.pop_back();
+          idle_bytes_ -= it->first;
+        }
+      }
+      if (idle_bytes_ + bytes <= cap_) {
+        idle_[bytes].push_back(p);
+        idle_bytes_ += bytes;
+        return;
+      }
+    }
+    delete[] p;
+  }
+
+  void SetCap(uint64_t cap) {
+    absl::MutexLock lock(&mu_);
+    cap_ = cap;
+    for (auto& [size, list] : idle_) {
+      while (!list.empty() && idle_bytes_ > cap_) {
+        delete[] list.back();
+        list.pop_back();
+        idle_bytes_ -= size;
+      }
+    }
+  }
+
+  uint64_t idle_bytes() {
+    absl::MutexLock lock(&mu_);
+    return idle_bytes_;
+  }
+
+ private:
+  static constexpr uint64_t kMinPooled = 1 << 20;
+  absl::Mutex mu_;
+  uint64_t cap_ ABSL_GUARDED_BY(mu_) = 2ull << 30;
+  uint64_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uint64_t, std::vector<uint8_t*>> idle_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+void HostBufferDeleter::operator()(uint8_t* p) const { HostBufferPool::Get().Give(p, bytes); }
+
 HostBuffer NewHostBuffer(uint64_t bytes) {
-  return HostBuffer(new uint8_t[bytes == 0 ? 1 : bytes]);
+  return HostBuffer(HostBufferPool::Get().Take(bytes), HostBufferDeleter{bytes});
 }
+
+void SetHostBufferPoolBytes(uint64_t bytes) { HostBufferPool::Get().SetCap(bytes); }
+
+uint64_t HostBufferPoolIdleBytes() { return HostBufferPool::Get().idle_bytes(); }
 
 PendingWeights::~PendingWeights() {
   if (engine != nullptr && reserved > 0) engine->weights_.Unreserve(reserved);

@@ -46,8 +46,18 @@ struct EngineOptions {
 };
 
 // A host byte buffer that is not zero-filled on allocation (it is overwritten in full).
-using HostBuffer = std::unique_ptr<uint8_t[]>;
+// Large ones come from and go back to a process-wide pool of recently freed buffers of the
+// same size: trainers send the same shapes call after call, and a fresh multi-MiB buffer
+// page-faults on every first touch (a 1 GiB W: 262k faults).
+struct HostBufferDeleter {
+  uint64_t bytes = 0;
+  void operator()(uint8_t* p) const;
+};
+using HostBuffer = std::unique_ptr<uint8_t[], HostBufferDeleter>;
 HostBuffer NewHostBuffer(uint64_t bytes);
+// Most bytes the pool keeps idle (default 2 GiB); 0 turns it off.
+void SetHostBufferPoolBytes(uint64_t bytes);
+uint64_t HostBufferPoolIdleBytes();
 
 struct ComputeOutcome {
   absl::Status status;

@@ -178,3 +178,34 @@ TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
 
 }  // namespace
 }  // namespace lossd
+
+namespace lossd {
+namespace {
+
+TEST(HostBufferPoolTest, AFreedLargeBufferIsReusedForTheSameSizeWithinTheCap) {
+  SetHostBufferPoolBytes(8 << 20);
+  const uint64_t before = HostBufferPoolIdleBytes();
+  uint8_t* first = nullptr;
+  {
+    HostBuffer a = NewHostBuffer(3 << 20);
+    first = a.get();
+  }
+  EXPECT_EQ(HostBufferPoolIdleBytes(), before + (3 << 20));
+  HostBuffer b = NewHostBuffer(3 << 20);
+  EXPECT_EQ(b.get(), first) << "the same size must reuse the idle buffer";
+  EXPECT_EQ(HostBufferPoolIdleBytes(), before);
+  {
+    HostBuffer big = NewHostBuffer(9 << 20);  // larger than the cap: never kept
+  }
+  EXPECT_EQ(HostBufferPoolIdleBytes(), before);
+  {
+    HostBuffer small = NewHostBuffer(1000);  // small ones are left to malloc
+  }
+  EXPECT_EQ(HostBufferPoolIdleBytes(), before);
+  SetHostBufferPoolBytes(0);
+  EXPECT_EQ(HostBufferPoolIdleBytes(), 0u);
+  SetHostBufferPoolBytes(2ull << 30);
+}
+
+}  // namespace
+}  // namespace lossd
