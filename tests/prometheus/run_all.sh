@@ -2,7 +2,7 @@
 # Runs the Python client tests, the live Prometheus test, the deploy/ manifest checks and the
 # bench/plots parser test, each writing a JUnit report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
-# Env: LOSSD_BIN (the lossd binary; default <repo>/bazel-bin/server/lossd),
+# Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/server/lossd),
 #      LOSSD_SKIP_PIP=1 to skip installing the Python packages below,
 #      LOSSD_TEST_TORCH=1 to pip install torch too (large: about 3 GB with its CUDA wheels).
 # Needs: apt packages prometheus (promtool too) and kubectl (kustomize), python3 + pip.
@@ -12,7 +12,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 REPORTS=${1:-$(mktemp -d)}
 mkdir -p "$REPORTS"
-export LOSSD_BIN=${LOSSD_BIN:-$ROOT/bazel-bin/server/lossd}
+export LOSSD_BIN=${LOSSD_BIN:-$(cd "$ROOT" && bazel info bazel-bin 2>/dev/null)/server/lossd}
 
 PY_PACKAGES=(numpy grpcio grpcio-tools grpcio-health-checking protobuf pytest pyyaml
              yamllint kubernetes-validate matplotlib)

@@ -2,7 +2,7 @@
 recording rules loaded; the test makes calls with the Python client and reads the metrics
 back through Prometheus's HTTP API.
 
-Needs: the lossd binary ($LOSSD_BIN, else <repo>/bazel-bin/server/lossd), the `prometheus`
+Needs: the lossd binary ($LOSSD_BIN, else $(bazel info bazel-bin)/server/lossd), the `prometheus`
 binary (Debian package prometheus; $PROMETHEUS_BIN overrides), and the Python client's
 dependencies. Run: pytest tests/prometheus/test_prometheus.py --junitxml=prometheus.xml
 """
@@ -42,8 +42,14 @@ def lossd_binary():
         if not os.access(env, os.X_OK):
             pytest.fail("LOSSD_BIN=%s is not an executable file" % env)
         return env
-    cand = REPO / "bazel-bin" / "server" / "lossd"
-    if os.access(cand, os.X_OK):
+    # The build keeps no bazel-bin link in the tree (.bazelrc): ask Bazel where its outputs are.
+    try:
+        out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    cand = Path(out) / "server" / "lossd" if out else None
+    if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
         return str(cand)
     pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
 

@@ -1,7 +1,7 @@
 """Fixtures: a real lossd server (CPU backend, free port) for the whole session, a client for
 it, and the comparison helper with one tolerance table per dtype.
 
-The binary is $LOSSD_BIN, else <repo>/bazel-bin/server/lossd. Without one the server tests
+The binary is $LOSSD_BIN, else $(bazel info bazel-bin)/server/lossd. Without one the server tests
 are skipped, unless LOSSD_BIN is set (then a missing binary is a failure). On a GPU host,
 LOSSD_TEST_BACKEND=cuda runs the server on its CUDA backend and LOSSD_TEST_DEVICE=cuda puts the
 torch tests' tensors on the GPU (defaults: cpu, cpu).
@@ -50,8 +50,14 @@ def find_lossd_binary():
         if not os.access(env, os.X_OK):
             pytest.fail("LOSSD_BIN=%s is not an executable file" % env)
         return env
-    cand = REPO / "bazel-bin" / "server" / "lossd"
-    if cand.is_file() and os.access(cand, os.X_OK):
+    # The build keeps no bazel-bin link in the tree (.bazelrc): ask Bazel where its outputs are.
+    try:
+        out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    cand = Path(out) / "server" / "lossd" if out else None
+    if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
         return str(cand)
     pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
 
