@@ -193,6 +193,19 @@ class HostBufferPool {
 
 void HostBufferDeleter::operator()(uint8_t* p) const { HostBufferPool::Get().Give(p, bytes); }
 
+void BindOutput(OutputSlot slot, void* ptr, LossOutputs* out) {
+  switch (slot) {
+    case OutputSlot::kLoss: out->loss = static_cast<float*>(ptr); break;
+    case OutputSlot::kZLoss: out->z_loss = static_cast<float*>(ptr); break;
+    case OutputSlot::kLse: out->lse = static_cast<float*>(ptr); break;
+    case OutputSlot::kPredictions: out->predictions = static_cast<int64_t*>(ptr); break;
+    case OutputSlot::kDx: out->dx = ptr; break;
+    case OutputSlot::kDw: out->dw = ptr; break;
+    case OutputSlot::kDb: out->db = ptr; break;
+    case OutputSlot::kCount: break;
+  }
+}
+
 HostBuffer NewHostBuffer(uint64_t bytes) {
   return HostBuffer(HostBufferPool::Get().Take(bytes), HostBufferDeleter{bytes});
 }
@@ -549,16 +562,7 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
   for (const OutputDesc& d : plan.outputs) {
     r.outputs.push_back(NewHostBuffer(d.bytes));
     void* ptr = r.outputs.back().get();
-    switch (d.slot) {
-      case OutputSlot::kLoss: out.loss = static_cast<float*>(ptr); break;
-      case OutputSlot::kZLoss: out.z_loss = static_cast<float*>(ptr); break;
-      case OutputSlot::kLse: out.lse = static_cast<float*>(ptr); break;
-      case OutputSlot::kPredictions: out.predictions = static_cast<int64_t*>(ptr); break;
-      case OutputSlot::kDx: out.dx = ptr; break;
-      case OutputSlot::kDw: out.dw = ptr; break;
-      case OutputSlot::kDb: out.db = ptr; break;
-      case OutputSlot::kCount: break;
-    }
+    BindOutput(d.slot, ptr, &out);
   }
   if (!none) out.loss = &loss_scalar;
   if (!none && plan.wanted.z_loss) out.z_loss = &z_scalar;

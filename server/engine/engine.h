@@ -59,6 +59,9 @@ HostBuffer NewHostBuffer(uint64_t bytes);
 void SetHostBufferPoolBytes(uint64_t bytes);
 uint64_t HostBufferPoolIdleBytes();
 
+// Points the LossOutputs field of `slot` at `ptr` (a buffer of that output's OutputDesc).
+void BindOutput(OutputSlot slot, void* ptr, LossOutputs* out);
+
 struct ComputeOutcome {
   absl::Status status;
   float loss = 0, z_loss = 0, accuracy = 0;

@@ -142,17 +142,7 @@ void CompareWithReference(const ComputePlan& plan, const Engine::InputBuffers& i
   got.accuracy = plan.wanted.predictions ? &accuracy : nullptr;
   got.tokens = &tokens;
   for (size_t i = 0; i < plan.outputs.size(); ++i) {
-    void* ptr = out.outputs[i].get();
-    switch (plan.outputs[i].slot) {
-      case OutputSlot::kLoss: got.loss = static_cast<float*>(ptr); break;
-      case OutputSlot::kZLoss: got.z_loss = static_cast<float*>(ptr); break;
-      case OutputSlot::kLse: got.lse = static_cast<float*>(ptr); break;
-      case OutputSlot::kPredictions: got.predictions = static_cast<int64_t*>(ptr); break;
-      case OutputSlot::kDx: got.dx = ptr; break;
-      case OutputSlot::kDw: got.dw = ptr; break;
-      case OutputSlot::kDb: got.db = ptr; break;
-      case OutputSlot::kCount: break;
-    }
+    BindOutput(plan.outputs[i].slot, out.outputs[i].get(), &got);
   }
   LogitStats stats = ComputeLogitStats(p);
   ::testing::AssertionResult r = MatchesReference(p, stats, ref, got);
