@@ -690,39 +690,45 @@ absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(const Te
   return p;
 }
 
-absl::Status Engine::WriteWeights(PendingWeights& p, bool bias, uint64_t offset,
-                                  const void* data, uint64_t bytes) {
-  BackendBuffer* dst = bias ? p.entry->bias.get() : p.entry->w.get();
+absl::Status Engine::CopyWeightPart(const WeightEntry& e, bool bias, uint64_t offset,
+                                    const void* data, uint64_t bytes) {
+  BackendBuffer* dst = bias ? e.bias.get() : e.w.get();
   const char* name = bias ? "bias" : "w";
   if (dst == nullptr) {
     return absl::InvalidArgumentError("a bias part arrived but the weights header has no bias");
   }
-  const uint64_t es = DTypeSize(p.entry->dtype);
+  const uint64_t es = DTypeSize(e.dtype);
   if (offset % es != 0 || bytes % es != 0) {
     // Whole elements only: the finiteness check reads each part as elements.
     return absl::InvalidArgumentError(absl::StrCat(
         "a part of ", name, " at offset ", offset, " with ", bytes, " bytes does not hold whole ",
-        DTypeName(p.entry->dtype), " elements (offset and size must be multiples of ", es, ")"));
+        DTypeName(e.dtype), " elements (offset and size must be multiples of ", es, ")"));
   }
-  uint64_t& got = p.received[bias ? 1 : 0];
-  if (offset != got) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "part of ", name, " at offset ", offset, " but ", got,
-        " bytes were received so far: parts must arrive in order without gaps or overlaps"));
-  }
-  if (offset + bytes > dst->size()) {
+  if (offset > dst->size() || bytes > dst->size() - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
         "part of ", name, " at offset ", offset, " with ", bytes, " bytes runs past its ",
         dst->size(), " bytes (shape x dtype)"));
   }
   if (options_.check_finite) {
-    absl::Status s = CheckFinite(static_cast<const uint8_t*>(data), p.entry->dtype,
-                                 bytes / DTypeSize(p.entry->dtype), name, 0);
+    absl::Status s =
+        CheckFinite(static_cast<const uint8_t*>(data), e.dtype, bytes / es, name, 0);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(s.message(), " (relative to the part at byte offset ", offset, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          s.message(), " (relative to the part at byte offset ", offset, ")"));
     }
   }
-  absl::Status s = backend_->CopyToBackend(*dst, offset, data, bytes);
+  return backend_->CopyToBackend(*dst, offset, data, bytes);
+}
+
+absl::Status Engine::WriteWeights(PendingWeights& p, bool bias, uint64_t offset,
+                                  const void* data, uint64_t bytes) {
+  uint64_t& got = p.received[bias ? 1 : 0];
+  if (offset != got) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "part of ", bias ? "bias" : "w", " at offset ", offset, " but ", got,
+        " bytes were received so far: parts must arrive in order without gaps or overlaps"));
+  }
+  absl::Status s = CopyWeightPart(*p.entry, bias, offset, data, bytes);
   if (!s.ok()) return s;
   got += bytes;
   return absl::OkStatus();
@@ -874,34 +880,22 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
 
 absl::Status Engine::WriteStripe(StripedUpload& u, bool bias, uint64_t offset,
                                  const void* data, uint64_t bytes) {
-  PendingWeights* p = nullptr;
+  // A sibling stripe may abort the upload (and free its pending state) while this one copies:
+  // the copy holds its own reference to the buffers, and the count is kept only if the
+  // upload is still alive afterwards.
+  std::shared_ptr<WeightEntry> entry;
   {
     absl::MutexLock lock(&u.mu_);
     if (u.done_) return absl::AbortedError(absl::StrCat("striped upload '", u.id_, "' was aborted"));
-    p = u.pending_.get();
-  }
-  BackendBuffer* dst = bias ? p->entry->bias.get() : p->entry->w.get();
-  if (dst == nullptr) {
-    return absl::InvalidArgumentError("a bias part arrived but the weights header has no bias");
-  }
-  const uint64_t es = DTypeSize(p->entry->dtype);
-  if (offset % es != 0 || bytes % es != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a part of ", bias ? "bias" : "w", " at offset ", offset, " with ", bytes,
-        " bytes does not hold whole ", DTypeName(p->entry->dtype),
-        " elements (offset and size must be multiples of ", es, ")"));
-  }
-  if (options_.check_finite) {
-    absl::Status s = CheckFinite(static_cast<const uint8_t*>(data), p->entry->dtype,
-                                 bytes / DTypeSize(p->entry->dtype), bias ? "bias" : "w", 0);
-    if (!s.ok()) return s;
+    entry = u.pending_->entry;
   }
   // Stripes write disjoint ranges of the same buffer, so no lock is held for the copy.
-  absl::Status s = backend_->CopyToBackend(*dst, offset, data, bytes);
+  absl::Status s = CopyWeightPart(*entry, bias, offset, data, bytes);
   if (!s.ok()) return s;
   absl::MutexLock lock(&u.mu_);
+  if (u.done_) return absl::AbortedError(absl::StrCat("striped upload '", u.id_, "' was aborted"));
   if (bias) {
-    p->received[1] += bytes;
+    u.pending_->received[1] += bytes;
   } else {
     u.w_received_ += bytes;
   }

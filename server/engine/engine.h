@@ -182,6 +182,10 @@ class Engine {
  private:
   friend struct PendingWeights;
   ComputeOutcome RunNow(const ComputePlan& plan, InputBuffers& in);
+  // Checks one weight part (whole elements, inside its tensor, finite) and copies it to the
+  // backend; shared by plain and striped uploads.
+  absl::Status CopyWeightPart(const WeightEntry& e, bool bias, uint64_t offset,
+                              const void* data, uint64_t bytes);
 
   std::unique_ptr<Backend> backend_;
   const EngineOptions options_;
