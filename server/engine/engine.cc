@@ -87,6 +87,13 @@ absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const cha
   return absl::OkStatus();
 }
 
+// An accumulator a failed micro-batch may have left half-updated is never served as whole.
+absl::Status PartialSumError(const std::string& name) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "accumulator '", name, "' may hold a partial sum: a micro-batch failed while adding "
+      "into it; drop it and redo the step"));
+}
+
 double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
 
 }  // namespace
@@ -597,9 +604,7 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
   if (acc) {
     absl::MutexLock lock(&acc->mu);
     if (acc->poisoned) {
-      r.status = absl::FailedPreconditionError(absl::StrCat(
-          "accumulator '", acc->name, "' may hold a partial sum: an earlier micro-batch failed "
-          "while adding into it; drop it and redo the step"));
+      r.status = PartialSumError(acc->name);
       return r;
     }
     r.status = backend_->Compute(p, out, &r.stats);
@@ -771,9 +776,7 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
   }
   absl::MutexLock lock(&acc.mu);
   if (acc.poisoned) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "accumulator '", name, "' may hold a partial sum: a micro-batch failed while adding "
-        "into it; drop it and redo the step"));
+    return PartialSumError(name);
   }
   g.micro_batches = acc.micro_batches;
   g.tokens = acc.tokens;
