@@ -149,6 +149,15 @@ void SliceTracker::WaitUntilReleased() {
 
 grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data, size_t size,
                             SliceTracker* tracker) {
+  if (size == 0) return EncodePartSlice(tensor_id, offset, grpc::Slice());
+  return EncodePartSlice(tensor_id, offset,
+                         tracker != nullptr
+                             ? tracker->Wrap(data, size)
+                             : grpc::Slice(data, size, grpc::Slice::STATIC_SLICE));
+}
+
+grpc::ByteBuffer EncodePartSlice(int32_t tensor_id, uint64_t offset, grpc::Slice data) {
+  const size_t size = data.size();
   // TensorPart body: tensor (varint), offset (varint), data; each omitted when 0 or empty,
   // as protobuf does, so the bytes equal protobuf's own encoding.
   // Enums are int32 on the wire: a negative one takes 10 bytes, as protobuf encodes it.
@@ -176,10 +185,7 @@ grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data
   }
   prefix[n++] = static_cast<uint8_t>(kPartDataField << 3 | kWireLength);
   n += PutVarint(size, prefix + n);
-  grpc::Slice body_slice =
-      tracker != nullptr ? tracker->Wrap(data, size)
-                         : grpc::Slice(data, size, grpc::Slice::STATIC_SLICE);
-  grpc::Slice slices[2] = {grpc::Slice(prefix, n), std::move(body_slice)};
+  grpc::Slice slices[2] = {grpc::Slice(prefix, n), std::move(data)};
   return grpc::ByteBuffer(slices, 2);
 }
 

@@ -53,6 +53,9 @@ class SliceTracker {
 // unchanged for the rest of the process (benchmarks with fixed buffers).
 grpc::ByteBuffer EncodePart(int32_t tensor_id, uint64_t offset, const void* data, size_t size,
                             SliceTracker* tracker);
+// The same with the data given as a slice (the caller decides how its memory is kept alive,
+// e.g. a slice whose release drops a reference to the buffer it points into).
+grpc::ByteBuffer EncodePartSlice(int32_t tensor_id, uint64_t offset, grpc::Slice data);
 
 // Any small message (a header, a unary request), serialized and copied.
 grpc::ByteBuffer EncodeMessage(const google::protobuf::MessageLite& message);
@@ -74,6 +77,9 @@ class StreamFrame {
   size_t data_size() const { return data_size_; }
   // Copies the part's data_size() bytes to dst.
   void CopyDataTo(uint8_t* dst) const;  // (data_size()) bytes
+  // Where the part's data lies: pieces of the received slices, in order, adding up to
+  // data_size() bytes. Valid until the next Parse or the frame's destruction.
+  const std::vector<std::pair<const uint8_t*, size_t>>& data_pieces() const { return data_; }
 
   // Parses `buffer`, keeping references to its slices. Proto3 rules: fields in any order,
   // unknown fields skipped, the last oneof member wins. INVALID_ARGUMENT for bytes that are

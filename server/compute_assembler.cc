@@ -9,10 +9,11 @@
 namespace lossd {
 
 ComputeAssembler::ComputeAssembler(std::shared_ptr<const ComputePlan> plan,
-                                   uint64_t max_part_bytes, uint64_t max_parts)
+                                   uint64_t max_part_bytes, uint64_t max_parts, bool check_finite)
     : plan_(std::move(plan)),
       max_part_bytes_(max_part_bytes),
       max_parts_(max_parts),
+      check_finite_(check_finite),
       buffers_(std::make_shared<Engine::InputBuffers>()) {
   for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
     if (plan_->input_bytes[i] > 0) (*buffers_)[i] = NewHostBuffer(plan_->input_bytes[i]);
@@ -20,17 +21,22 @@ ComputeAssembler::ComputeAssembler(std::shared_ptr<const ComputePlan> plan,
 }
 
 absl::Status ComputeAssembler::Accept(const v1::TensorPart& part) {
+  const Piece piece(reinterpret_cast<const uint8_t*>(part.data().data()), part.data().size());
+  return Accept(part.tensor(), part.offset(), absl::MakeConstSpan(&piece, 1), piece.second);
+}
+
+absl::Status ComputeAssembler::Accept(int32_t tensor, uint64_t offset,
+                                      absl::Span<const Piece> pieces, uint64_t size) {
   if (++parts_ > max_parts_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the stream sent more than --max_parts_per_request=", max_parts_,
         " parts; send larger parts"));
   }
-  auto slot = InputSlotFromWire(part.tensor());
+  auto slot = InputSlotFromWire(static_cast<v1::TensorId>(tensor));
   if (!slot.ok()) return slot.status();
   const int i = static_cast<int>(*slot);
   const char* name = InputSlotName(*slot);
   const uint64_t expected = plan_->input_bytes[i];
-  const uint64_t size = part.data().size();
   if (expected == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a part of ", name, " arrived but the header does not send ", name,
@@ -41,20 +47,50 @@ absl::Status ComputeAssembler::Accept(const v1::TensorPart& part) {
                                                    " bytes, more than --max_part_bytes=",
                                                    max_part_bytes_));
   }
-  if (part.offset() != received_[i]) {
+  if (offset != received_[i]) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "a part of ", name, " starts at byte offset ", part.offset(), " but ", received_[i],
+        "a part of ", name, " starts at byte offset ", offset, " but ", received_[i],
         " bytes of it were received: parts must arrive in order, without gaps or overlaps"));
   }
-  if (size > expected - part.offset()) {
+  if (size > expected - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "a part of ", name, " at offset ", part.offset(), " with ", size,
+        "a part of ", name, " at offset ", offset, " with ", size,
         " bytes runs past the ", expected, " bytes that its shape and dtype give"));
   }
-  std::memcpy((*buffers_)[i].get() + part.offset(), part.data().data(), size);
+  uint8_t* dst = (*buffers_)[i].get() + offset;
+  for (const Piece& p : pieces) {
+    std::memcpy(dst, p.first, p.second);
+    dst += p.second;
+  }
   received_[i] += size;
   bytes_received_ += size;
-  return absl::OkStatus();
+  return check_finite_ ? CheckNewElements(i) : absl::OkStatus();
+}
+
+absl::Status ComputeAssembler::CheckNewElements(int i) {
+  const InputSlot slot = static_cast<InputSlot>(i);
+  DType dtype = plan_->dtype;
+  int64_t cols = 0;  // row width for the message's [row, col]
+  switch (slot) {
+    case InputSlot::kX:
+    case InputSlot::kW:
+      cols = plan_->h;
+      break;
+    case InputSlot::kBias:
+      break;
+    case InputSlot::kClassWeights:
+    case InputSlot::kGradOutput:
+      dtype = DType::kF32;
+      break;
+    default:
+      return absl::OkStatus();  // targets: not floats
+  }
+  // Only whole elements: a part may end inside one; the rest of it comes with the next part.
+  const uint64_t whole = received_[i] / DTypeSize(dtype);
+  const uint64_t first = checked_[i];
+  checked_[i] = whole;
+  return CheckFiniteElements((*buffers_)[i].get(), dtype, first, whole - first,
+                             InputSlotName(slot), cols);
 }
 
 absl::Status ComputeAssembler::CheckComplete() const {

@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/part_codec.h"
 #include "server/compute_assembler.h"
 #include "server/status_util.h"
 #include "server/wire_convert.h"
@@ -24,12 +25,34 @@ uint32_t ResponsePartBytes(const ServiceOptions& o, uint32_t asked) {
   return std::max<uint32_t>(1, std::min(n, o.max_part_bytes));
 }
 
+// The name of a tensor id for messages, also for ids the enum does not know.
+std::string TensorIdName(int32_t id) {
+  return v1::TensorId_IsValid(id) ? v1::TensorId_Name(static_cast<v1::TensorId>(id))
+                                  : absl::StrCat(id);
+}
+
+// Output buffers shared by the reactor and the response slices that point into them: gRPC
+// may hold a sent slice a little after its write completes, so the buffers go back to the
+// pool when the last of them is released, never while the transport can still read them.
+using SharedOutputs = std::shared_ptr<std::vector<HostBuffer>>;
+
+void ReleaseOutputs(void* hold) { delete static_cast<SharedOutputs*>(hold); }
+
+// A slice over bytes [data, data + n) of one of `outputs`' buffers, no copy.
+grpc::Slice OutputSlice(const SharedOutputs& outputs, const uint8_t* data, size_t n) {
+  // gRPC never writes through a send slice; the cast only satisfies grpc_slice's type.
+  return grpc::Slice(const_cast<uint8_t*>(data), n, &ReleaseOutputs,
+                     new SharedOutputs(outputs));
+}
+
 // ---------------------------------------------------------------------------------------
 // Compute: header -> admission -> parts -> compute (executor) -> summary + output parts.
+// Served as a raw method: request parts are parsed in place (client::StreamFrame) and copied
+// once, straight into the request's host buffer; response parts are slices of the output
+// buffers, so lossd copies no returned byte (see bench/service/README.md, copy counts).
 // Lifetime: the reactor deletes itself in OnDone, which gRPC calls only after Finish; Finish is
 // never called while a compute job holds `this`, so the job never sees a dead reactor.
-class ComputeReactor final
-    : public grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse> {
+class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   ComputeReactor(LossService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx), engine_(service->engine()), started_(absl::Now()) {
@@ -46,6 +69,9 @@ class ComputeReactor final
     absl::Status s;
     if (!ok) {
       s = EndOfStream();
+    } else if (absl::Status parsed = frame_.Parse(request_); !parsed.ok()) {
+      s = absl::InvalidArgumentError(
+          absl::StrCat("a Compute message is not a ComputeRequest: ", parsed.message()));
     } else if (state_ == State::kHeader) {
       s = OnHeader();
     } else {
@@ -79,18 +105,24 @@ class ComputeReactor final
   enum class State { kHeader, kAdmitting, kReceiving, kComputing, kSending, kFinished };
 
   absl::Status OnHeader() {
-    if (!request_.has_header()) {
+    if (frame_.kind() != client::StreamFrame::Kind::kHeader) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "the first message of a Compute stream must be a header, got a part of ",
-          v1::TensorId_Name(request_.part().tensor())));
+          "the first message of a Compute stream must be a header, got ",
+          frame_.kind() == client::StreamFrame::Kind::kPart
+              ? absl::StrCat("a part of ", TensorIdName(frame_.tensor()))
+              : std::string("a message with neither header nor part")));
     }
-    auto spec = ComputeSpecFromWire(request_.header());
+    v1::ComputeHeader header;
+    if (!header.ParseFromString(frame_.header_bytes())) {
+      return absl::InvalidArgumentError("the Compute header is not a valid ComputeHeader");
+    }
+    auto spec = ComputeSpecFromWire(header);
     if (!spec.ok()) return spec.status();
     auto plan = engine_->Plan(*spec);
     if (!plan.ok()) return plan.status();
     plan_ = std::make_shared<const ComputePlan>(std::move(*plan));
     response_part_bytes_ =
-        ResponsePartBytes(service_->options(), request_.header().response_part_bytes());
+        ResponsePartBytes(service_->options(), header.response_part_bytes());
     {
       absl::MutexLock lock(&mu_);
       state_ = State::kAdmitting;
@@ -120,19 +152,23 @@ class ComputeReactor final
     }
     queue_seconds_ = SecondsSince(started_);
     receive_started_ = absl::Now();
+    // The NaN/Inf test runs on each part as it arrives (while the next one is on the wire)
+    // instead of in one pass over X after the last.
     assembler_ = std::make_unique<ComputeAssembler>(plan_, service_->options().max_part_bytes,
-                                                    service_->options().max_parts_per_request);
+                                                    service_->options().max_parts_per_request,
+                                                    engine_->options().check_finite);
     StartRead(&request_);
   }
 
   absl::Status OnPart() {
-    if (request_.has_header()) {
+    if (frame_.kind() == client::StreamFrame::Kind::kHeader) {
       return absl::InvalidArgumentError("the Compute stream carries a second header");
     }
-    if (!request_.has_part()) {
+    if (frame_.kind() != client::StreamFrame::Kind::kPart) {
       return absl::InvalidArgumentError("a Compute message carries neither header nor part");
     }
-    return assembler_->Accept(request_.part());
+    return assembler_->Accept(frame_.tensor(), frame_.offset(), frame_.data_pieces(),
+                              frame_.data_size());
   }
 
   absl::Status EndOfStream() {
@@ -153,10 +189,12 @@ class ComputeReactor final
       state_ = State::kComputing;
     }
     inputs_ = assembler_->buffers();
+    const bool checked = assembler_->finite_checked();
     assembler_.reset();
+    frame_ = client::StreamFrame();  // drops the last received message
     engine_->Run(
         plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); },
-        absl::FromChrono(ctx_->deadline()));
+        absl::FromChrono(ctx_->deadline()), checked);
     return absl::OkStatus();
   }
 
@@ -179,15 +217,16 @@ class ComputeReactor final
       FinishOnce(absl::CancelledError("the client cancelled the Compute"));
       return;
     }
-    outcome_ = std::move(outcome);
-    v1::ComputeSummary* s = response_.mutable_summary();
-    s->set_loss(outcome_.loss);
-    s->set_z_loss(outcome_.z_loss);
-    s->set_accuracy(outcome_.accuracy);
-    s->set_tokens(outcome_.tokens);
-    s->set_compute_seconds(outcome_.stats.compute_seconds);
+    outputs_ = std::make_shared<std::vector<HostBuffer>>(std::move(outcome.outputs));
+    v1::ComputeResponse response;
+    v1::ComputeSummary* s = response.mutable_summary();
+    s->set_loss(outcome.loss);
+    s->set_z_loss(outcome.z_loss);
+    s->set_accuracy(outcome.accuracy);
+    s->set_tokens(outcome.tokens);
+    s->set_compute_seconds(outcome.stats.compute_seconds);
     s->set_backend(engine_->backend_info().name);
-    s->set_accumulated_micro_batches(outcome_.accumulated_micro_batches);
+    s->set_accumulated_micro_batches(outcome.accumulated_micro_batches);
     for (const OutputDesc& d : plan_->outputs) {
       s->add_tensors(OutputSlotToWire(d.slot));
       *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
@@ -197,6 +236,7 @@ class ComputeReactor final
       state_ = State::kSending;
     }
     send_started_ = absl::Now();
+    response_ = client::EncodeMessage(response);
     StartWrite(&response_);
   }
 
@@ -215,10 +255,9 @@ class ComputeReactor final
     }
     const OutputDesc& d = plan_->outputs[output_];
     const uint64_t n = std::min<uint64_t>(response_part_bytes_, d.bytes - offset_);
-    v1::TensorPart* part = response_.mutable_part();
-    part->set_tensor(OutputSlotToWire(d.slot));
-    part->set_offset(offset_);
-    part->set_data(outcome_.outputs[output_].get() + offset_, n);
+    response_ = client::EncodePartSlice(
+        OutputSlotToWire(d.slot), offset_,
+        OutputSlice(outputs_, (*outputs_)[output_].get() + offset_, n));
     offset_ += n;
     bytes_out_ += n;
     StartWrite(&response_);
@@ -235,7 +274,7 @@ class ComputeReactor final
     }
     inputs_.reset();
     assembler_.reset();
-    outcome_.outputs.clear();
+    outputs_.reset();  // the buffers go back once gRPC has released every slice of them
     if (release > 0) engine_->budget().Release(release);
     grpc::Status g = ToGrpcStatus(s);
     ServerMetrics* m = service_->metrics();
@@ -257,12 +296,13 @@ class ComputeReactor final
   uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 
-  v1::ComputeRequest request_;
-  v1::ComputeResponse response_;
+  grpc::ByteBuffer request_;
+  client::StreamFrame frame_;  // request_ parsed in place
+  grpc::ByteBuffer response_;
   std::shared_ptr<const ComputePlan> plan_;
   std::shared_ptr<Engine::InputBuffers> inputs_;
   std::unique_ptr<ComputeAssembler> assembler_;
-  ComputeOutcome outcome_;
+  SharedOutputs outputs_;  // one per plan_->outputs, same order
   uint32_t response_part_bytes_ = 4u << 20;
   size_t output_ = 0;
   uint64_t offset_ = 0;
@@ -630,7 +670,7 @@ void LossService::Leave(const std::string& client) {
   metrics_->InFlight(-1);
 }
 
-grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::Compute(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* LossService::Compute(
     grpc::CallbackServerContext* ctx) {
   return new ComputeReactor(this, ctx);
 }

@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/auth.h"
 #include "server/engine/engine.h"
@@ -31,11 +32,18 @@ struct ServiceOptions {
   std::shared_ptr<const TokenAuthenticator> auth;
 };
 
-class LossService final : public v1::Loss::CallbackService {
+// Compute is a raw method (byte buffers in and out, parsed and built in place without
+// copying tensor data); the rest are typed.
+using LossServiceBase = v1::Loss::WithRawCallbackMethod_Compute<
+    v1::Loss::WithCallbackMethod_PutWeights<v1::Loss::WithCallbackMethod_DropWeights<
+        v1::Loss::WithCallbackMethod_FetchGradients<v1::Loss::WithCallbackMethod_DropAccumulator<
+            v1::Loss::WithCallbackMethod_ServerInfo<v1::Loss::Service>>>>>>;
+
+class LossService final : public LossServiceBase {
  public:
   LossService(Engine* engine, ServerMetrics* metrics, ServiceOptions options);
 
-  grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* Compute(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Compute(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerReadReactor<v1::PutWeightsRequest>* PutWeights(
       grpc::CallbackServerContext* ctx, v1::PutWeightsResponse* response) override;

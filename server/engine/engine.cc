@@ -64,8 +64,10 @@ bool AnyNonFinite(const uint8_t* data, uint64_t n, Bits exponent_mask) {
   return hit != 0;
 }
 
+// Elements [0, n) of `data` are elements [first, first + n) of the tensor `name` (for the
+// index in the message).
 absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const char* name,
-                         int64_t cols) {
+                         int64_t cols, uint64_t first = 0) {
   bool any = false;
   switch (dtype) {
     case DType::kBF16: any = AnyNonFinite<uint16_t>(data, n, 0x7f80u); break;
@@ -77,8 +79,9 @@ absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const cha
   for (uint64_t i = 0; i < n; ++i) {  // the slow path only finds where
     float f = LoadAsFloat(data, dtype, i);
     if (!std::isfinite(f)) {
-      std::string where = cols > 0 ? absl::StrCat("[", i / cols, ", ", i % cols, "]")
-                                   : absl::StrCat("[", i, "]");
+      const uint64_t at = first + i;
+      std::string where = cols > 0 ? absl::StrCat("[", at / cols, ", ", at % cols, "]")
+                                   : absl::StrCat("[", at, "]");
       return absl::InvalidArgumentError(absl::StrCat(
           name, " contains a non-finite value (", std::isnan(f) ? "nan" : "inf", ") at ",
           where, "; lossd refuses NaN and Inf inputs (--check_finite)"));
@@ -97,6 +100,11 @@ absl::Status PartialSumError(const std::string& name) {
 double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
 
 }  // namespace
+
+absl::Status CheckFiniteElements(const uint8_t* tensor, DType dtype, uint64_t first, uint64_t n,
+                                 const char* name, int64_t cols) {
+  return CheckFinite(tensor + first * DTypeSize(dtype), dtype, n, name, cols, first);
+}
 
 const char* InputSlotName(InputSlot s) {
   switch (s) {
@@ -471,9 +479,11 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
 }
 
 void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
-                 std::function<void(ComputeOutcome)> done, absl::Time deadline) {
+                 std::function<void(ComputeOutcome)> done, absl::Time deadline,
+                 bool inputs_checked_finite) {
   const absl::Time submitted = absl::Now();
-  executor_.Submit([this, plan, inputs, done = std::move(done), submitted, deadline]() {
+  executor_.Submit([this, plan, inputs, done = std::move(done), submitted, deadline,
+                    inputs_checked_finite]() {
     const double queued = Seconds(submitted);
     if (absl::Now() > deadline) {
       ComputeOutcome late;
@@ -483,13 +493,13 @@ void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputB
       done(std::move(late));
       return;
     }
-    ComputeOutcome outcome = RunNow(*plan, *inputs);
+    ComputeOutcome outcome = RunNow(*plan, *inputs, inputs_checked_finite);
     outcome.queue_seconds = queued;
     done(std::move(outcome));
   });
 }
 
-ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
+ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite) {
   ComputeOutcome r;
   auto buf = [&](InputSlot s) { return in[static_cast<int>(s)].get(); };
 
@@ -505,7 +515,7 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in) {
       return r;
     }
   }
-  if (options_.check_finite) {
+  if (options_.check_finite && !checked_finite) {
     r.status = CheckFinite(buf(InputSlot::kX), plan.dtype,
                            static_cast<uint64_t>(plan.bt) * plan.h, "x", plan.h);
     if (!r.status.ok()) return r;

@@ -59,6 +59,13 @@ HostBuffer NewHostBuffer(uint64_t bytes);
 void SetHostBufferPoolBytes(uint64_t bytes);
 uint64_t HostBufferPoolIdleBytes();
 
+// The --check_finite test of elements [first, first + n) of a float tensor (bf16, fp16, fp32;
+// other dtypes pass) that starts at `tensor`: INVALID_ARGUMENT "<name> contains a non-finite
+// value (nan|inf) at [row, col]" (`cols` > 0) or "at [i]" (cols = 0) for the first bad one.
+// Lets a receiver check parts as they arrive, off the compute's critical path.
+absl::Status CheckFiniteElements(const uint8_t* tensor, DType dtype, uint64_t first, uint64_t n,
+                                 const char* name, int64_t cols);  // tensor: whole tensor
+
 // Points the LossOutputs field of `slot` at `ptr` (a buffer of that output's OutputDesc).
 void BindOutput(OutputSlot slot, void* ptr, LossOutputs* out);
 
@@ -132,10 +139,11 @@ class Engine {
   // calls `done` there. `inputs` must hold plan.input_bytes for every slot sent inline.
   using InputBuffers = std::array<HostBuffer, static_cast<int>(InputSlot::kCount)>;
   // A request whose deadline has passed when its turn comes is not started
-  // (DEADLINE_EXCEEDED).
+  // (DEADLINE_EXCEEDED). `inputs_checked_finite`: the caller has already run the
+  // --check_finite test (CheckFiniteElements) on every float input it sent, so it is skipped.
   void Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
            std::function<void(ComputeOutcome)> done,
-           absl::Time deadline = absl::InfiniteFuture());
+           absl::Time deadline = absl::InfiniteFuture(), bool inputs_checked_finite = false);
 
   // Weight uploads: Begin (validate + reserve + allocate), Write parts, Commit.
   absl::StatusOr<std::unique_ptr<PendingWeights>> BeginPutWeights(const TensorDesc& w,
@@ -181,7 +189,7 @@ class Engine {
 
  private:
   friend struct PendingWeights;
-  ComputeOutcome RunNow(const ComputePlan& plan, InputBuffers& in);
+  ComputeOutcome RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite);
   // Checks one weight part (whole elements, inside its tensor, finite) and copies it to the
   // backend; shared by plain and striped uploads.
   absl::Status CopyWeightPart(const WeightEntry& e, bool bias, uint64_t offset,

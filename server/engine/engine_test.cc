@@ -207,5 +207,22 @@ TEST(HostBufferPoolTest, AFreedLargeBufferIsReusedForTheSameSizeWithinTheCap) {
   SetHostBufferPoolBytes(2ull << 30);
 }
 
+// A range check reports the tensor's own index, whatever range it was given.
+TEST(CheckFiniteElementsTest, ChecksOnlyItsRangeAndNamesTheGlobalIndex) {
+  std::vector<float> t(40);
+  for (size_t i = 0; i < t.size(); ++i) t[i] = 0.25f + static_cast<float>(i);
+  t[5] = INFINITY;
+  t[27] = NAN;
+  const auto* p = reinterpret_cast<const uint8_t*>(t.data());
+  EXPECT_TRUE(CheckFiniteElements(p, DType::kF32, 6, 21, "x", 8).ok());  // [6, 27)
+  absl::Status s = CheckFiniteElements(p, DType::kF32, 20, 20, "x", 8);
+  EXPECT_EQ(s.message(), "x contains a non-finite value (nan) at [3, 3]; lossd refuses NaN and "
+                         "Inf inputs (--check_finite)");
+  s = CheckFiniteElements(p, DType::kF32, 5, 1, "bias", 0);
+  EXPECT_EQ(s.message(), "bias contains a non-finite value (inf) at [5]; lossd refuses NaN and "
+                         "Inf inputs (--check_finite)");
+  EXPECT_TRUE(CheckFiniteElements(p, DType::kI32, 0, 40, "targets", 0).ok());  // not floats
+}
+
 }  // namespace
 }  // namespace lossd
