@@ -19,6 +19,9 @@ struct LossdCudaOptions {
   int32_t device;                // CUDA device index
   uint64_t memory_budget_bytes;  // most device bytes the backend may hold; 0 = no own limit
   uint64_t chunk_budget_bytes;   // chunk buffer + GEMM workspaces per Compute; 0 = 512 MiB
+  // 0: time cuBLASLt's candidates on the first Compute of each shape and keep the fastest
+  // (CudaBackendOptions::autotune_gemms); 1: its first choice, the same in every process.
+  int32_t fixed_gemm_algorithms;
 };
 }
 
@@ -34,7 +37,7 @@ typedef lossd::Backend* (*LossdCreateCudaBackendFn)(const LossdCudaOptions* opts
 
 namespace lossd {
 
-inline LossdCudaOptions DefaultCudaOptions() { return LossdCudaOptions{0, 0, 0}; }
+inline LossdCudaOptions DefaultCudaOptions() { return LossdCudaOptions{0, 0, 0, 0}; }
 
 // The file names LoadCudaBackend tries, in order: `path` if non-empty; then
 // <dir of /proc/self/exe>/liblossd_cuda.so; <dir>/lib/liblossd_cuda.so; and the Bazel

@@ -43,6 +43,12 @@ ABSL_FLAG(uint64_t, memory_budget_bytes, 8ull << 30,
           "Admission budget: host buffers and backend workspace of requests in flight.");
 ABSL_FLAG(uint64_t, device_memory_budget_bytes, 0,
           "CUDA backend: most device bytes it may hold; 0 = no limit of its own.");
+ABSL_FLAG(uint64_t, cuda_chunk_budget_bytes, 0,
+          "CUDA backend: device bytes per Compute for the logits chunk and the GEMM workspaces "
+          "(fewer, larger chunks run closer to the GEMM floor); 0 = 512 MiB.");
+ABSL_FLAG(bool, cuda_autotune, true,
+          "CUDA backend: time cuBLASLt's candidate algorithms on the first Compute of each shape "
+          "and keep the fastest; false = its first choice, identical in every process.");
 ABSL_FLAG(uint64_t, weight_cache_bytes, 4ull << 30, "Budget of weights held by handle (LRU).");
 ABSL_FLAG(uint64_t, accumulator_bytes, 8ull << 30, "Budget of gradient accumulators.");
 ABSL_FLAG(uint32_t, max_accumulators, 64, "Most gradient accumulators held at once.");
@@ -91,6 +97,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
     LossdCudaOptions o{};
     o.device = absl::GetFlag(FLAGS_cuda_device);
     o.memory_budget_bytes = absl::GetFlag(FLAGS_device_memory_budget_bytes);
+    o.chunk_budget_bytes = absl::GetFlag(FLAGS_cuda_chunk_budget_bytes);
+    o.fixed_gemm_algorithms = absl::GetFlag(FLAGS_cuda_autotune) ? 0 : 1;
     auto cuda = LoadCudaBackend(absl::GetFlag(FLAGS_cuda_plugin), o);
     if (cuda.ok()) return cuda;
     if (which == "cuda") return cuda.status();

@@ -39,6 +39,15 @@ ABSL_FLAG(std::string, host_io, "",
           "BTxHxV: also time CudaBackend::Compute with host tensors (fresh W each call, dX and "
           "bf16 dW back)");
 ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
+ABSL_FLAG(bool, autotune, true,
+          "time cuBLASLt's candidates for the fused op's GEMMs on first use (the backend's "
+          "default); the floor is timed both ways");
+ABSL_FLAG(int, gemm_ws_mib, 4, "cuBLASLt workspace per stream (MiB) for the fused op's GEMMs");
+ABSL_FLAG(std::string, algo_ranks, "0,0,0",
+          "cuBLASLt heuristic rank for the fused op's logits, dX and dW GEMMs");
+ABSL_FLAG(int, algo_sweep, 0,
+          "> 0: also time each GEMM of the floor and of the first budget's chunks alone at "
+          "heuristic ranks 0..N-1 and workspaces 4 and 32 MiB (which algorithm pays)");
 
 namespace lossd {
 namespace bench {
@@ -64,7 +73,8 @@ namespace {
 
 struct Row {
   int64_t bt, h, v;
-  double floor_ms;
+  double floor_ms;        // cuBLASLt's first choice for each GEMM
+  double tuned_floor_ms;  // the fastest of its first kTuneCandidates for each GEMM
   struct Fused {
     uint64_t budget;
     int schedule;
@@ -116,6 +126,68 @@ int64_t FreeBytes() {
   return static_cast<int64_t>(free_b);
 }
 
+// Each GEMM alone at cuBLASLt heuristic ranks 0..N-1 and workspaces of 4 and 32 MiB: the
+// floor's three (unchunked) and the chunks' three (all chunks of `chunk` rows, dW with beta 1
+// after the first, as the fused op runs them). Prints one line per point; a rank cuBLASLt does
+// not offer ends that sweep.
+int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_t chunk,
+               const void* x, const void* w, void* dx, void* dw) {
+  cudaStream_t stream = engine.stream();
+  const int runs = std::max(5, absl::GetFlag(FLAGS_runs) / 2);
+  void *z, *ws;
+  BENCH_CHECK_CUDA(cudaMalloc(&z, bt * v * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&ws, 32ull << 20));
+  BENCH_CHECK_CUDA(FillUniformBf16(z, bt * v, 4, 0.01f, stream));
+  const char* names[3] = {"logits", "dX", "dW"};
+  for (int chunked = 0; chunked < 2; ++chunked) {
+    const int64_t c = chunked ? chunk : bt;
+    for (int role = 0; role < 3; ++role) {
+      for (unsigned long long ws_mib : {4ull, 32ull}) {
+        for (int rank = 0; rank < absl::GetFlag(FLAGS_algo_sweep); ++rank) {
+          auto body = [&]() -> absl::Status {
+            for (int64_t c0 = 0; c0 < bt; c0 += c) {
+              const int64_t r = std::min(c, bt - c0);
+              const char* xc = static_cast<const char*>(x) + c0 * h * 2;
+              absl::Status s;
+              if (role == 0) {
+                s = engine.Gemm(stream, ws, ws_mib << 20, true, false, v, r, h, 1.0f, w, h, xc, h,
+                                CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF, 0, rank);
+              } else if (role == 1) {
+                s = engine.Gemm(stream, ws, ws_mib << 20, false, false, h, r, v, 1.0f, w, h, z, v,
+                                CUDA_R_16BF, 0.0f, static_cast<char*>(dx) + c0 * h * 2, h,
+                                CUDA_R_16BF, 0, rank);
+              } else {
+                s = engine.Gemm(stream, ws, ws_mib << 20, false, true, h, v, r, 1.0f, xc, h, z, v,
+                                CUDA_R_16BF, c0 > 0 ? 1.0f : 0.0f, dw, h, CUDA_R_32F, 0, rank);
+              }
+              if (!s.ok()) return s;
+            }
+            return absl::OkStatus();
+          };
+          // A rank that is not offered fails on the first call; probe before timing.
+          const absl::Status probe = body();
+          if (!probe.ok()) {
+            std::fprintf(stderr, "  sweep %s %s ws %llu MiB rank %d: %s\n",
+                         chunked ? "chunks" : "floor", names[role], ws_mib, rank,
+                         probe.ToString().c_str());
+            break;
+          }
+          double ms = 0;
+          if (TimeMs(stream, 1, runs, body, &ms)) return 1;
+          std::printf("sweep %lldx%lldx%lld %s C=%lld %s ws=%llu MiB rank=%d: %.3f ms\n",
+                      static_cast<long long>(bt), static_cast<long long>(h),
+                      static_cast<long long>(v), chunked ? "chunks" : "floor",
+                      static_cast<long long>(c), names[role], ws_mib, rank, ms);
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  BENCH_CHECK_CUDA(cudaFree(z));
+  BENCH_CHECK_CUDA(cudaFree(ws));
+  return 0;
+}
+
 // One timed configuration: a schedule and the dW GEMMs' SM target.
 struct Config {
   int schedule;
@@ -159,6 +231,15 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
                          CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F);
     };
     if (TimeMs(stream, warmup, runs, floor, &row->floor_ms)) return 1;
+    // The same GEMMs, each with the fastest of cuBLASLt's candidates (what the fused op gets
+    // when it autotunes): the floor it is judged against too.
+    BENCH_CHECK_OK(engine.TuneGemm(stream, ws, ws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
+                                   CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
+    BENCH_CHECK_OK(engine.TuneGemm(stream, ws, ws_bytes, false, false, h, bt, v, 1.0f, w, h, z, v,
+                                   CUDA_R_16BF, 0.0f, dx, h, CUDA_R_16BF));
+    BENCH_CHECK_OK(engine.TuneGemm(stream, ws, ws_bytes, false, true, h, v, bt, 1.0f, x, h, z, v,
+                                   CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F));
+    if (TimeMs(stream, warmup, runs, floor, &row->tuned_floor_ms)) return 1;
     BENCH_CHECK_CUDA(cudaFree(z));
     BENCH_CHECK_CUDA(cudaFree(ws));
   }
@@ -189,8 +270,9 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     f.budget = budgets[bi];
     f.schedule = schedules[si].schedule;
     f.side_sms = schedules[si].side_sms;
-    cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
-                                            static_cast<cuda::Schedule>(f.schedule));
+    cuda::ChunkPlan plan =
+        cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0, static_cast<cuda::Schedule>(f.schedule),
+                         static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20);
     plan.side_sms = f.side_sms;
     f.chunk_rows = plan.chunk_rows;
     f.workspace = plan.workspace_bytes;
@@ -206,19 +288,23 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
       // Where the time goes: the same chunks' GEMMs alone (one stream), and the CE kernels.
       char* z = static_cast<char*>(ws);
       char* gws = z + ((plan.chunk_rows * v * 2 + 255) / 256 * 256);
+      if (absl::GetFlag(FLAGS_algo_sweep) > 0 &&
+          SweepAlgos(engine, bt, h, v, plan.chunk_rows, x, w, dx, dw)) {
+        return 1;
+      }
       auto gemms = [&]() -> absl::Status {
         for (int64_t c0 = 0; c0 < bt; c0 += plan.chunk_rows) {
           const int64_t r = std::min(plan.chunk_rows, bt - c0);
           const char* xc = static_cast<const char*>(x) + c0 * h * 2;
-          absl::Status s = engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, true, false, v,
+          absl::Status s = engine.Gemm(stream, gws, plan.gemm_workspace_bytes, true, false, v,
                                        r, h, 1.0f, w, h, xc, h, CUDA_R_16BF, 0.0f, z, v,
                                        CUDA_R_16BF);
           if (!s.ok()) return s;
-          s = engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, false, false, h, r, v, 1.0f,
+          s = engine.Gemm(stream, gws, plan.gemm_workspace_bytes, false, false, h, r, v, 1.0f,
                           w, h, z, v, CUDA_R_16BF, 0.0f, static_cast<char*>(dx) + c0 * h * 2,
                           h, CUDA_R_16BF);
           if (!s.ok()) return s;
-          s = engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, false, true, h, v, r, 1.0f,
+          s = engine.Gemm(stream, gws, plan.gemm_workspace_bytes, false, true, h, v, r, 1.0f,
                           xc, h, z, v, CUDA_R_16BF, c0 > 0 ? 1.0f : 0.0f, dw, h, CUDA_R_32F);
           if (!s.ok()) return s;
         }
@@ -246,7 +332,7 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
         return absl::OkStatus();
       };
       // Real logits in the buffer first, so the kernel sees realistic values.
-      BENCH_CHECK_OK(engine.Gemm(stream, gws, cuda::kGemmWorkspaceBytes, true, false, v,
+      BENCH_CHECK_OK(engine.Gemm(stream, gws, plan.gemm_workspace_bytes, true, false, v,
                                  std::min(plan.chunk_rows, bt), h, 1.0f, w, h, x, h,
                                  CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
       if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
@@ -284,11 +370,12 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     BENCH_CHECK_CUDA(cudaFree(ws));
     row->fused.push_back(f);
     std::fprintf(stderr,
-                 "  %lldx%lldx%lld budget %llu MiB schedule %d/%d: C=%lld %.2f ms (floor %.2f)\n",
+                 "  %lldx%lldx%lld budget %llu MiB schedule %d/%d: C=%lld %.2f ms (floor %.2f, "
+                 "tuned %.2f)\n",
                  static_cast<long long>(bt), static_cast<long long>(h),
                  static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20),
                  f.schedule, f.side_sms,
-                 static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms);
+                 static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms, row->tuned_floor_ms);
   }
   for (void* p : {x, w, dx, dw, rows, tg}) BENCH_CHECK_CUDA(cudaFree(p));
   return 0;
@@ -381,6 +468,19 @@ int Main() {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
     return 1;
   }
+  {
+    std::vector<std::string> r = absl::StrSplit(absl::GetFlag(FLAGS_algo_ranks), ',');
+    int ranks[3];
+    if (r.size() != 3 || !absl::SimpleAtoi(r[0], &ranks[0]) ||
+        !absl::SimpleAtoi(r[1], &ranks[1]) || !absl::SimpleAtoi(r[2], &ranks[2])) {
+      std::fprintf(stderr, "bad --algo_ranks\n");
+      return 2;
+    }
+    for (int i = 0; i < 3; ++i) {
+      (*engine)->set_algo_rank(static_cast<cuda::GemmRole>(i), ranks[i]);
+    }
+    (*engine)->set_autotune(absl::GetFlag(FLAGS_autotune));
+  }
   cudaDeviceProp prop;
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::vector<Row> rows;
@@ -409,14 +509,15 @@ int Main() {
   std::printf("GPU: %s (%d SMs), fwd+bwd bf16, median of %d runs after %d warm-up\n\n",
               prop.name, prop.multiProcessorCount, absl::GetFlag(FLAGS_runs),
               absl::GetFlag(FLAGS_warmup));
-  std::printf("| BT, H, V | 3-GEMM floor | budget | C | schedule | fused | fused / floor "
+  std::printf("| BT, H, V | 3-GEMM floor | tuned floor | budget | C | schedule | fused "
+              "| fused / floor | fused / tuned floor "
               "| TFLOP/s | workspace | measured extra | deterministic | mean loss |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   FILE* csv = nullptr;
   if (!absl::GetFlag(FLAGS_csv).empty()) {
     csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
     if (csv != nullptr) {
-      std::fprintf(csv, "bt,h,v,floor_ms,budget_mib,chunk_rows,schedule,side_sms,fused_ms,ratio,"
+      std::fprintf(csv, "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,fused_ms,ratio,"
                         "tflops,"
                         "workspace_mib,measured_extra_mib,deterministic,mean_loss\n");
     }
@@ -424,10 +525,10 @@ int Main() {
   for (const Row& r : rows) {
     const double flop = 6.0 * r.bt * r.h * r.v;
     for (const Row::Fused& f : r.fused) {
-      std::printf("| %lld, %lld, %lld | %.2f ms | %llu MiB | %lld | %s | %.2f ms | %.3fx | "
-                  "%.0f | %.0f MiB | %.0f MiB | %s | %.4f |\n",
+      std::printf("| %lld, %lld, %lld | %.2f ms | %.2f ms | %llu MiB | %lld | %s | %.2f ms | "
+                  "%.3fx | %.3fx | %.0f | %.0f MiB | %.0f MiB | %s | %.4f |\n",
                   static_cast<long long>(r.bt), static_cast<long long>(r.h),
-                  static_cast<long long>(r.v), r.floor_ms,
+                  static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
                   static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
                   f.schedule == 0 ? "rows"
@@ -435,14 +536,14 @@ int Main() {
                                                                       f.side_sms)
                                                     : std::string("columns"))
                                         .c_str(),
-                  f.ms, f.ms / r.floor_ms,
+                  f.ms, f.ms / r.floor_ms, f.ms / r.tuned_floor_ms,
                   flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                   f.measured_extra / 1048576.0, r.deterministic ? "yes" : "NO", r.mean_loss);
       if (csv != nullptr) {
         std::fprintf(csv,
-                     "%lld,%lld,%lld,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
+                     "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
                      static_cast<long long>(r.bt), static_cast<long long>(r.h),
-                     static_cast<long long>(r.v), r.floor_ms,
+                     static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
                      static_cast<unsigned long long>(f.budget >> 20),
                      static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.ms, f.ms / r.floor_ms,
                      flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
@@ -450,7 +551,7 @@ int Main() {
       }
     }
     std::printf("| %lld, %lld, %lld | floor %.0f TFLOP/s; chunked GEMMs alone %.2f ms, "
-                "CE kernels alone %.2f ms | | | | | | | | | | |\n",
+                "CE kernels alone %.2f ms | | | | | | | | | | | | |\n",
                 static_cast<long long>(r.bt), static_cast<long long>(r.h),
                 static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12, r.gemms_ms,
                 r.ce_ms);

@@ -174,6 +174,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   b->device_name_ = prop.name;
   absl::StatusOr<std::unique_ptr<FusedLoss>> engine = FusedLoss::Create(options.device);
   if (!engine.ok()) return engine.status();
+  (*engine)->set_autotune(options.autotune_gemms);
   absl::MutexLock lock(&b->mu_);
   b->engine_ = *std::move(engine);
   return b;

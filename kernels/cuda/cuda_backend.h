@@ -29,6 +29,8 @@ struct CudaBackendOptions {
   uint64_t chunk_budget_bytes = 0;   // chunk buffer + GEMM workspaces; 0 = 512 MiB
   Schedule schedule = kDefaultSchedule;
   int32_t side_sms = kDefaultSideSms;  // see ChunkPlan::side_sms
+  // Time cuBLASLt's candidates on the first Compute of each shape (FusedLoss::set_autotune).
+  bool autotune_gemms = true;
 };
 
 // Byte counters shared by the backend and every buffer it hands out.

@@ -283,6 +283,47 @@ TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
   EXPECT_TRUE(r.ok()) << r.ToString();
 }
 
+// The first Compute of a shape times cuBLASLt's candidates on the real buffers before any
+// real work. Into an accumulator that already holds a sum, that must add exactly one
+// micro-batch: the accumulator starts at the reference dW and must end at twice it, for
+// both schedules, with autotuning on (a fresh backend, so this shape is new) and off.
+TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
+  OptionSet o{"tune", Reduction::kMean, 0.05f, 0, 0, false, false, false, 0.1, 256};
+  RandomProblem rp = RandomProblem::Make(MakeSpec({"tune", 1000, 64, 1500}, o, DType::kBF16, 41));
+  const LossProblem p = rp.problem();
+  ReferenceOutputs ref;
+  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+  const std::vector<float> start(ref.dw.begin(), ref.dw.end());
+  for (Schedule schedule : {Schedule::kRowHalves, Schedule::kColumnHalves}) {
+    for (bool autotune : {true, false}) {
+      CudaBackendOptions bo;
+      bo.schedule = schedule;
+      bo.autotune_gemms = autotune;
+      auto b = CudaBackend::Create(bo);
+      ASSERT_TRUE(b.ok()) << b.status();
+      auto dw = (*b)->Allocate(p.v * p.h * 4);
+      ASSERT_TRUE(dw.ok());
+      ASSERT_TRUE((*b)->CopyToBackend(**dw, 0, start.data(), start.size() * 4).ok());
+      HostOutputs out(p, DType::kBF16, /*want_grads=*/true, /*accumulate=*/true);
+      LossOutputs lo = out.outputs();
+      lo.dw_accum = static_cast<float*>((*dw)->data());
+      lo.db_accum = nullptr;
+      lo.accum_memory = Memory::kBackend;
+      ASSERT_TRUE((*b)->Compute(p, lo, nullptr).ok());
+      std::vector<float> dw_host(p.v * p.h);
+      ASSERT_TRUE((*b)->CopyFromBackend(**dw, 0, dw_host.data(), dw_host.size() * 4).ok());
+      std::vector<double> ref2(ref.dw.size()), got(dw_host.begin(), dw_host.end());
+      for (size_t k = 0; k < ref.dw.size(); ++k) ref2[k] = 2 * ref.dw[k];
+      const Tolerance tol = ToleranceFor(DType::kBF16, DType::kF32);
+      const double bound = 2 * tol.logit_u * rp.stats().rms_row_abs_max + tol.logit_u +
+                           tol.grad_u + tol.fp32_rel;
+      CompareResult r = CompareRelNorm("dw_accum start + one micro-batch", ref2, got, bound);
+      EXPECT_TRUE(r.ok()) << r.ToString() << " schedule " << static_cast<int>(schedule)
+                          << " autotune " << autotune;
+    }
+  }
+}
+
 TEST_F(CudaTest, EveryTargetIgnoredGivesZeros) {
   OptionSet o{"ign", Reduction::kMean, 0.1f, 1e-3f, 0, true, true, false, 1.0, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"i", 12, 16, 50}, o, DType::kBF16, 4));

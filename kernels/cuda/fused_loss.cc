@@ -98,8 +98,8 @@ absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target
 }
 
 ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
-                     int64_t requested_rows, Schedule schedule) {
-  const uint64_t fixed = 2 * kGemmWorkspaceBytes;
+                     int64_t requested_rows, Schedule schedule, uint64_t gemm_workspace_bytes) {
+  const uint64_t fixed = 2 * RoundUp(gemm_workspace_bytes, kAlign);
   const uint64_t row_bytes = static_cast<uint64_t>(std::max<int64_t>(v, 1)) * DTypeSize(dtype);
   int64_t c = 0;
   if (requested_rows > 0) {
@@ -120,6 +120,7 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
   ChunkPlan plan;
   plan.chunk_rows = c;
   plan.schedule = schedule;
+  plan.gemm_workspace_bytes = RoundUp(gemm_workspace_bytes, kAlign);
   plan.workspace_bytes = RoundUp(static_cast<uint64_t>(c) * row_bytes, kAlign) + fixed;
   return plan;
 }
@@ -171,72 +172,182 @@ FusedLoss::~FusedLoss() {
   if (main_ != nullptr) cudaStreamDestroy(main_);
 }
 
+struct FusedLoss::Spec {
+  bool trans_a, trans_b;
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  cudaDataType ab_type;
+  float beta;
+  void* d;
+  int64_t ldd;
+  cudaDataType d_type;
+  uint64_t ws_bytes;
+  int32_t sm_target;
+};
+
+namespace {
+
+// The cuBLASLt descriptors and preference of one GEMM (fp32 compute, D = alpha op(A) op(B) +
+// beta D), with the pointers' alignments told to the heuristic.
+template <typename SpecT>
+absl::Status Describe(const SpecT& g, LtDescriptors* desc) {
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&desc->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  LOSSD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (g.sm_target > 0) {
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &g.sm_target, sizeof(g.sm_target)));
+  }
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
+      &desc->a, g.ab_type, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
+      &desc->b, g.ab_type, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc->d, g.d_type, g.m, g.n, g.ldd));
+  const uint32_t align_a = PointerAlignment(g.a), align_b = PointerAlignment(g.b),
+                 align_d = PointerAlignment(g.d);
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc->pref));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g.ws_bytes, sizeof(g.ws_bytes)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
+  return absl::OkStatus();
+}
+
+// Destroys the timing events on every path out of TuneGemm.
+struct EventPair {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  ~EventPair() {
+    if (start != nullptr) cudaEventDestroy(start);
+    if (stop != nullptr) cudaEventDestroy(stop);
+  }
+};
+
+}  // namespace
+
+FusedLoss::AlgoKey FusedLoss::KeyOf(const Spec& g, int32_t rank) {
+  return AlgoKey{g.trans_a,
+                 g.trans_b,
+                 static_cast<int>(g.ab_type),
+                 static_cast<int>(g.d_type),
+                 g.m,
+                 g.n,
+                 g.k,
+                 g.lda,
+                 g.ldb,
+                 g.ldd,
+                 static_cast<int>(PointerAlignment(g.a)),
+                 static_cast<int>(PointerAlignment(g.b)),
+                 static_cast<int>(PointerAlignment(g.d)) | (g.beta != 0) << 16,
+                 g.ws_bytes,
+                 g.sm_target,
+                 rank};
+}
+
 absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a,
                              bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                              const void* a, int64_t lda, const void* b, int64_t ldb,
                              cudaDataType ab_type, float beta, void* d, int64_t ldd,
-                             cudaDataType d_type, int32_t sm_target) {
+                             cudaDataType d_type, int32_t sm_target, int32_t algo_rank) {
+  const Spec g{trans_a, trans_b, m,     n,   k,      a,        lda,      b,
+               ldb,     ab_type, beta,  d,   ldd,    d_type,   ws_bytes, sm_target};
   LtDescriptors desc;
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  LOSSD_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  LOSSD_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  if (sm_target > 0) {
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-        desc.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target, sizeof(sm_target)));
-  }
-  LOSSD_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatrixLayoutCreate(&desc.a, ab_type, trans_a ? k : m, trans_a ? m : k, lda));
-  LOSSD_CUBLAS_RETURN_IF_ERROR(
-      cublasLtMatrixLayoutCreate(&desc.b, ab_type, trans_b ? n : k, trans_b ? k : n, ldb));
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.d, d_type, m, n, ldd));
-
-  const uint32_t align_a = PointerAlignment(a), align_b = PointerAlignment(b),
-                 align_d = PointerAlignment(d);
-  const AlgoKey key{trans_a,
-                    trans_b,
-                    static_cast<int>(ab_type),
-                    static_cast<int>(d_type),
-                    m,
-                    n,
-                    k,
-                    lda,
-                    ldb,
-                    ldd,
-                    static_cast<int>(align_a),
-                    static_cast<int>(align_b),
-                    static_cast<int>(align_d) | (beta != 0) << 16,
-                    ws_bytes,
-                    sm_target};
+  LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
+  const AlgoKey key = KeyOf(g, algo_rank);
   auto it = algos_.find(key);
   if (it == algos_.end()) {
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.pref));
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-        desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)));
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-        desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
-    cublasLtMatmulHeuristicResult_t result{};
+    const int wanted = std::max(algo_rank, 0) + 1;
+    std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
     int found = 0;
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(
-        lt_, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1, &result, &found));
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(lt_, desc.op, desc.a, desc.b,
+                                                                desc.d, desc.d, desc.pref, wanted,
+                                                                results.data(), &found));
     if (found == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", m, " n=", n, " k=", k));
     }
-    it = algos_.emplace(key, result.algo).first;
+    if (found < wanted) {
+      return absl::NotFoundError(absl::StrCat("cublasLtMatmulAlgoGetHeuristic: ", found,
+                                              " algorithms for m=", m, " n=", n, " k=", k,
+                                              ", no rank ", algo_rank));
+    }
+    it = algos_.emplace(key, results[wanted - 1].algo).first;
   }
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d,
                                               desc.d, d, desc.d, &it->second, ws, ws_bytes,
                                               stream));
+  return absl::OkStatus();
+}
+
+absl::Status FusedLoss::TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a,
+                                 bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                                 const void* a, int64_t lda, const void* b, int64_t ldb,
+                                 cudaDataType ab_type, float beta, void* d, int64_t ldd,
+                                 cudaDataType d_type, int32_t sm_target) {
+  const Spec g{trans_a, trans_b, m,     n,   k,      a,        lda,      b,
+               ldb,     ab_type, beta,  d,   ldd,    d_type,   ws_bytes, sm_target};
+  LtDescriptors desc;
+  LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
+  std::vector<cublasLtMatmulHeuristicResult_t> results(kTuneCandidates);
+  int found = 0;
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(lt_, desc.op, desc.a, desc.b,
+                                                              desc.d, desc.d, desc.pref,
+                                                              kTuneCandidates, results.data(),
+                                                              &found));
+  if (found == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", m, " n=", n, " k=", k));
+  }
+  EventPair ev;
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.start));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.stop));
+  // Candidate 0 (the heuristic's choice) unless another is faster by more than the timing
+  // noise; the median of three runs after one warm-up each.
+  int best = 0;
+  float best_ms = 0;
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    // Split-K that reduces in place in the output may add in a varying order; never taken.
+    cublasLtReductionScheme_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo,
+                                             CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                             sizeof(scheme), &written) == CUBLAS_STATUS_SUCCESS &&
+        scheme == CUBLASLT_REDUCTION_SCHEME_INPLACE) {
+      continue;
+    }
+    float times[3] = {0, 0, 0};
+    bool ok = true;
+    for (int r = 0; r < 4 && ok; ++r) {
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.start, stream));
+      ok = cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d,
+                          &results[i].algo, ws, ws_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.stop, stream));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev.stop));
+      if (r > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&times[r - 1], ev.start, ev.stop));
+    }
+    if (!ok) continue;  // a candidate that fails to launch is simply not chosen
+    std::sort(times, times + 3);
+    if (best_ms == 0 || times[1] < best_ms * 0.98f) {
+      best = i;
+      best_ms = times[1];
+    }
+  }
+  const AlgoKey key = KeyOf(g, 0);
+  algos_[key] = results[best].algo;
+  tuned_.insert(key);
   return absl::OkStatus();
 }
 
@@ -265,22 +376,21 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   const bool want_dw = a.dw_acc != nullptr, want_db = a.db_acc != nullptr;
   const bool write_grad = a.dx != nullptr || want_dw || want_db;
 
+  const uint64_t gws = plan.gemm_workspace_bytes;
   char* logits = static_cast<char*>(workspace);
   void* ws_main = logits + RoundUp(static_cast<uint64_t>(plan.chunk_rows) * a.v * elem, kAlign);
-  void* ws_side = static_cast<char*>(ws_main) + kGemmWorkspaceBytes;
+  void* ws_side = static_cast<char*>(ws_main) + gws;
+  const int32_t rank_logits = algo_ranks_[static_cast<int>(GemmRole::kLogits)];
+  const int32_t rank_dx = algo_ranks_[static_cast<int>(GemmRole::kDx)];
+  const int32_t rank_dw = algo_ranks_[static_cast<int>(GemmRole::kDw)];
 
-  // The side streams start after whatever the caller queued on main_ (input copies).
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_, main_));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, start_, 0));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, start_, 0));
-  if (want_db && !a.accumulate_db) {
-    LOSSD_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(a.db_acc, 0, static_cast<size_t>(a.v) * sizeof(float), side_));
-  }
-  if (want_dw && !a.accumulate_dw && a.bt == 0) {
-    LOSSD_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(a.dw_acc, 0, static_cast<size_t>(a.v) * a.h * sizeof(float), side_));
-  }
+  const bool columns = plan.schedule == Schedule::kColumnHalves && a.v >= 256;
+  const int64_t vsplit = columns ? (a.v / 2 + 63) / 64 * 64 : a.v;
+  const int64_t vbegin[2] = {0, vsplit};
+  const int64_t vcount[2] = {vsplit, a.v - vsplit};
+  // Row halves for the logits GEMM and the CE kernel (row-halves schedule); below a few
+  // hundred rows the GEMMs would lose more than the overlap gains.
+  auto row_split = [](int64_t rows) { return rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows; };
 
   // The cross-entropy of rows [r0, r0 + n) of the chunk starting at c0, on ce_.
   auto cross_entropy = [&](int64_t c0, int64_t r0, int64_t n) -> absl::Status {
@@ -311,39 +421,104 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   // SM targets when the column-halves schedule pairs a main GEMM with a dW GEMM.
   const int32_t side_sms = plan.side_sms > 0 && plan.side_sms < sm_count_ ? plan.side_sms : 0;
   const int32_t main_sms = side_sms > 0 ? sm_count_ - side_sms : 0;
+  // Every chunk GEMM goes through here. In the tuning pass (before any real work) a GEMM whose
+  // key is new is timed instead, on main_ alone; a GEMM with a pinned rank is left as it is.
+  bool tuning = false;
+  auto gemm = [&](cudaStream_t stream, void* ws, bool ta, bool tb, int64_t m, int64_t n,
+                  int64_t k, float alpha, const void* ap, int64_t lda, const void* bp,
+                  int64_t ldb, float beta, void* dp, int64_t ldd, cudaDataType dt, int32_t sms,
+                  int32_t rank) -> absl::Status {
+    if (!tuning) {
+      return Gemm(stream, ws, gws, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab, beta, dp, ldd,
+                  dt, sms, rank);
+    }
+    const Spec g{ta, tb, m, n, k, ap, lda, bp, ldb, ab, beta, dp, ldd, dt, gws, sms};
+    if (rank != 0 || tuned_.count(KeyOf(g, 0)) != 0) return absl::OkStatus();
+    return TuneGemm(main_, ws, gws, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab, beta, dp, ldd,
+                    dt, sms);
+  };
   // z[r0:r0+n, v0:v0+nv] = X_c[r0:r0+n] W[v0:v0+nv]^T, as z^T (nv x n) = W^T-view * X_c^T.
   auto logits_gemm = [&](int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv, int32_t sms) {
-    return Gemm(main_, ws_main, kGemmWorkspaceBytes, true, false, nv, n, a.h, 1.0f,
-                Offset(a.w, v0 * a.h, elem), a.h, Offset(a.x, (c0 + r0) * a.h, elem), a.h, ab, 0.0f,
-                logits + (r0 * a.v + v0) * elem, a.v, ab, sms);
+    return gemm(main_, ws_main, true, false, nv, n, a.h, 1.0f, Offset(a.w, v0 * a.h, elem), a.h,
+                Offset(a.x, (c0 + r0) * a.h, elem), a.h, 0.0f, logits + (r0 * a.v + v0) * elem,
+                a.v, ab, sms, rank_logits);
   };
   // dX_c^T (H x C) = W (H x V col-major) * G^T (V x C col-major).
   auto dx_gemm = [&](int64_t c0, int64_t rows, int32_t sms) -> absl::Status {
     if (a.dx == nullptr) return absl::OkStatus();
     const size_t dx_elem = DTypeSize(a.dx_dtype);
     char* dx = static_cast<char*>(a.dx) + c0 * a.h * dx_elem;
-    return Gemm(main_, ws_main, kGemmWorkspaceBytes, false, false, a.h, rows, a.v, scales.alpha,
-                a.w, a.h, logits, a.v, ab, 0.0f, dx, a.h, CudaType(a.dx_dtype), sms);
+    return gemm(main_, ws_main, false, false, a.h, rows, a.v, scales.alpha, a.w, a.h, logits, a.v,
+                0.0f, dx, a.h, CudaType(a.dx_dtype), sms, rank_dx);
   };
   // dW[v0:v0+nv]^T (H x nv) += X_c^T (H x C col-major) * G[:, v0:v0+nv]; chunks are added in
   // increasing row order, one GEMM per chunk and half: a fixed order.
   auto dw_gemm = [&](int64_t c0, int64_t rows, int64_t v0, int64_t nv,
                      int32_t sms) -> absl::Status {
     const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
-    return Gemm(side_, ws_side, kGemmWorkspaceBytes, false, true, a.h, nv, rows, scales.alpha,
-                Offset(a.x, c0 * a.h, elem), a.h, logits + v0 * elem, a.v, ab, beta,
-                a.dw_acc + v0 * a.h, a.h, CUDA_R_32F, sms);
+    return gemm(side_, ws_side, false, true, a.h, nv, rows, scales.alpha,
+                Offset(a.x, c0 * a.h, elem), a.h, logits + v0 * elem, a.v, beta,
+                a.dw_acc + v0 * a.h, a.h, CUDA_R_32F, sms, rank_dw);
   };
+  // Tuning pass: the same GEMMs the chunks below issue, each new one timed on the real
+  // buffers, serially on main_, before any real work. Logits and dX trials write the chunk
+  // buffer and dX (both rewritten later); dW trials run with the chunk buffer zeroed, so
+  // D = beta D + alpha X^T 0 leaves an accumulator as it was and a fresh dW is overwritten by
+  // the first chunk.
+  if (autotune_ && a.bt > 0) {
+    tuning = true;
+    for (int round = 0; round < 2; ++round) {
+      if (round == 1) {
+        if (!want_dw) break;
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+            logits, 0, static_cast<size_t>(plan.chunk_rows) * a.v * elem, main_));
+      }
+      for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
+        const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
+        if (round == 1) {
+          for (int half = 0; half < (columns ? 2 : 1); ++half) {
+            LOSSD_CUDA_RETURN_IF_NOT_OK(
+                dw_gemm(c0, rows, vbegin[half], vcount[half], columns ? side_sms : 0));
+          }
+          continue;
+        }
+        if (columns) {
+          for (int half = 0; half < 2; ++half) {
+            LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, rows, vbegin[half], vcount[half],
+                                                    half == 0 && c0 > 0 ? main_sms : 0));
+          }
+        } else {
+          const int64_t split = row_split(rows);
+          LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, split, 0, a.v, 0));
+          if (split < rows) {
+            LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, split, rows - split, 0, a.v, 0));
+          }
+        }
+        LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, columns && want_dw ? main_sms : 0));
+      }
+    }
+    tuning = false;
+  }
+
+  // The side streams start after whatever the caller queued on main_ (input copies).
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_, main_));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, start_, 0));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, start_, 0));
+  if (want_db && !a.accumulate_db) {
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(a.db_acc, 0, static_cast<size_t>(a.v) * sizeof(float), side_));
+  }
+  if (want_dw && !a.accumulate_dw && a.bt == 0) {
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(a.dw_acc, 0, static_cast<size_t>(a.v) * a.h * sizeof(float), side_));
+  }
+
   auto db_sum = [&](int64_t rows) {
     return CudaStatus(LaunchColumnSumAccumulate(logits, static_cast<int32_t>(a.dtype), rows, a.v,
                                                 scales.alpha, a.db_acc, side_),
                       "LaunchColumnSumAccumulate");
   };
 
-  const bool columns = plan.schedule == Schedule::kColumnHalves && a.v >= 256;
-  const int64_t vsplit = columns ? (a.v / 2 + 63) / 64 * 64 : a.v;
-  const int64_t vbegin[2] = {0, vsplit};
-  const int64_t vcount[2] = {vsplit, a.v - vsplit};
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
     if (columns) {
@@ -373,9 +548,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         }
       }
     } else {
-      // Row halves for the logits GEMM and the CE kernel; below a few hundred rows the
-      // GEMMs would lose more than the overlap gains.
-      const int64_t split = rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows;
+      const int64_t split = row_split(rows);
       const int64_t nsub = split < rows ? 2 : 1;
       const int64_t begin[2] = {0, split};
       const int64_t count[2] = {split, rows - split};

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -87,10 +88,17 @@ struct ChunkPlan {
   // stream's GEMMs that run beside them for the rest, so that the two really run side by side
   // (a hint to cuBLASLt's heuristics, not a hard partition). 0: every GEMM sized for the GPU.
   int32_t side_sms = 0;
+  // cuBLASLt workspace per stream (two streams run GEMMs side by side); part of the budget.
+  uint64_t gemm_workspace_bytes = 0;
   uint64_t workspace_bytes = 0;  // device bytes Enqueue needs as `workspace`
 };
 
-// Bytes of cuBLASLt workspace per stream.
+// Which GEMM of a chunk a cuBLASLt algorithm choice is for.
+enum class GemmRole : int32_t { kLogits = 0, kDx = 1, kDw = 2 };
+
+// How many of cuBLASLt's heuristic candidates autotuning times per GEMM.
+inline constexpr int kTuneCandidates = 8;
+// Bytes of cuBLASLt workspace per stream unless the plan says otherwise.
 inline constexpr uint64_t kGemmWorkspaceBytes = 4ull << 20;
 // Default budget for the chunk buffer plus GEMM workspaces.
 inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
@@ -98,8 +106,10 @@ inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
 // The largest chunk whose C x V logits buffer (input dtype) and GEMM workspaces fit in
 // `budget_bytes`, balanced so the chunks are of equal size (a multiple of 64 rows where it
 // can be). `requested_rows` > 0 overrides the budget. Never returns fewer than 1 row.
+// `gemm_workspace_bytes` is the cuBLASLt workspace per stream (two of them are in the budget).
 ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
-                     int64_t requested_rows, Schedule schedule = Schedule::kRowHalves);
+                     int64_t requested_rows, Schedule schedule = Schedule::kRowHalves,
+                     uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
 
 // Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
 // common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow.
@@ -125,6 +135,32 @@ class FusedLoss {
   // thread-safe: one caller at a time.
   absl::Status Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
 
+  // Which of cuBLASLt's heuristic candidates (0 = its first choice) each chunk GEMM uses; a
+  // rank the heuristic does not offer is NOT_FOUND at Enqueue. For benchmarks that compare
+  // algorithms; fixed for the life of the object, so results stay deterministic.
+  void set_algo_rank(GemmRole role, int32_t rank) { algo_ranks_[static_cast<int>(role)] = rank; }
+
+  // On: the first Enqueue of a shape times cuBLASLt's first kTuneCandidates heuristic
+  // candidates for each of its GEMMs (before any real work, on the real buffers) and keeps the
+  // fastest for the life of the object. cuBLASLt's first choice was 5-15% slower than the best
+  // candidate for the chunked GEMMs on an H200 (bench/RESULTS.md). The choice is made once, so
+  // a process stays deterministic; another process may choose differently (results then differ
+  // at the rounding level). Off: the heuristic's first choice, the same in every process.
+  void set_autotune(bool on) { autotune_ = on; }
+
+  // Times the candidates for this GEMM on `stream` with these very pointers and keeps the
+  // fastest for its key (replacing an earlier choice); later Gemm calls with the same key (and
+  // algo_rank 0) use it. D is written (the caller passes a D that may be scratch, or B = 0 with
+  // beta = 1, which leaves D as it was). Blocks until the trials are done.
+  absl::Status TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a,
+                        bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                        const void* a,  // op(A): (m, k) column-major, lda
+                        int64_t lda,
+                        const void* b,  // op(B): (k, n) column-major, ldb
+                        int64_t ldb, cudaDataType ab_type, float beta,
+                        void* d,  // (m, n) column-major, ldd
+                        int64_t ldd, cudaDataType d_type, int32_t sm_target = 0);
+
   // D = alpha op(A) op(B) + beta D on `stream`, column-major (cuBLASLt's view of row-major
   // tensors), fp32 accumulation, with `ws_bytes` of device workspace at `ws`. The algorithm is
   // chosen once per problem key and reused. Public so that benchmarks time the same GEMMs.
@@ -135,10 +171,15 @@ class FusedLoss {
                     const void* b,  // op(B): (k, n) column-major, ldb
                     int64_t ldb, cudaDataType ab_type, float beta,
                     void* d,  // (m, n) column-major, ldd
-                    int64_t ldd, cudaDataType d_type, int32_t sm_target = 0);
+                    int64_t ldd, cudaDataType d_type, int32_t sm_target = 0,
+                    int32_t algo_rank = 0);
 
  private:
   FusedLoss() = default;
+  struct Spec;  // one GEMM's arguments (fused_loss.cc)
+  using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             int64_t, int, int, int, uint64_t, int32_t, int32_t>;
+  static AlgoKey KeyOf(const Spec& g, int32_t rank);
 
   int device_ = 0;
   int sm_count_ = 0;
@@ -152,9 +193,10 @@ class FusedLoss {
   cudaEvent_t ce_end_ = nullptr, side_end_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   // Heuristic choices by problem key: picked once, so every run uses the same algorithm.
-  using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, int, int, int, uint64_t, int32_t>;
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
+  std::array<int32_t, 3> algo_ranks_{};  // by GemmRole
+  bool autotune_ = false;
+  std::set<AlgoKey> tuned_;  // keys whose algorithm TuneGemm chose
 };
 
 }  // namespace cuda

@@ -26,6 +26,7 @@ extern "C" __attribute__((visibility("default"))) lossd::Backend* LossdCreateCud
     o.device = opts->device;
     o.memory_budget_bytes = opts->memory_budget_bytes;
     o.chunk_budget_bytes = opts->chunk_budget_bytes;
+    o.autotune_gemms = opts->fixed_gemm_algorithms == 0;
   }
   absl::StatusOr<std::unique_ptr<lossd::cuda::CudaBackend>> b =
       lossd::cuda::CudaBackend::Create(o);
