@@ -54,13 +54,28 @@ absl::Status CheckFloatDType(const TensorDesc& t, const char* name) {
 }
 
 // True when any element is Inf or NaN: an all-ones exponent. Works on the raw bits with no
-// branch per element, so the compiler vectorises it (a per-element float conversion took
-// 40% of the server's CPU on large uploads).
+// branch per element (a per-element float conversion took 40% of the server's CPU on large
+// uploads), in blocks of a fixed element count: gcc's -O2 vectoriser takes only loops with a
+// known trip count, so the block loop is vectorised where one loop over n is not (a 64 MiB
+// bf16 X: 31 ms -> 4 ms on the 2-core development machine).
 template <typename Bits>
 bool AnyNonFinite(const uint8_t* data, uint64_t n, Bits exponent_mask) {
-  const Bits* p = reinterpret_cast<const Bits*>(data);
+  constexpr uint64_t kBlock = 512 / sizeof(Bits);
   Bits hit = 0;
-  for (uint64_t i = 0; i < n; ++i) hit |= static_cast<Bits>((p[i] & exponent_mask) == exponent_mask);
+  uint64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    Bits block[kBlock];
+    std::memcpy(block, data + i * sizeof(Bits), sizeof(block));  // unaligned parts
+    for (uint64_t j = 0; j < kBlock; ++j) {
+      hit |= static_cast<Bits>((block[j] & exponent_mask) == exponent_mask);
+    }
+    if (hit != 0) return true;
+  }
+  for (; i < n; ++i) {
+    Bits b;
+    std::memcpy(&b, data + i * sizeof(Bits), sizeof(b));
+    hit |= static_cast<Bits>((b & exponent_mask) == exponent_mask);
+  }
   return hit != 0;
 }
 
