@@ -57,7 +57,9 @@ struct Assembler {
 
 class FakeLossService final : public v1::Loss::Service {
  public:
-  // Behaviour; set before calls.
+  // Behaviour; set before calls, `mode` last. The server's threads read `mode` (atomic) first,
+  // so setting it last publishes error_code and error_message to them: the call that follows
+  // orders them only through the kernel's sockets, which ThreadSanitizer cannot see.
   std::atomic<Mode> mode{Mode::kEcho};
   grpc::StatusCode error_code = grpc::StatusCode::INVALID_ARGUMENT;
   std::string error_message;

@@ -175,9 +175,9 @@ TEST_F(LossctlTest, RandomDataWithBias) {
 }
 
 TEST_F(LossctlTest, ServerErrorsExitNonZeroWithTheCodeName) {
-  fake_.mode = Mode::kError;
   fake_.error_code = grpc::StatusCode::RESOURCE_EXHAUSTED;
   fake_.error_message = "needs 9 GiB, budget 8 GiB";
+  fake_.mode = Mode::kError;  // last: publishes the two above to the server's threads
   Result r = Lossctl("compute --bt=4 --h=4 --v=4");
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.output,

@@ -275,9 +275,9 @@ class ErrorCodeTest : public LossClientTest,
                       public ::testing::WithParamInterface<grpc::StatusCode> {};
 
 TEST_P(ErrorCodeTest, ServerCodeAndMessageReachTheCaller) {
-  fake_.mode = Mode::kError;
   fake_.error_code = GetParam();
   fake_.error_message = "x: shape (6, 5) does not match w (7, 4) on H";
+  fake_.mode = Mode::kError;  // last: publishes the two above to the server's threads
   auto client = Client(Options());
   absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
   ASSERT_FALSE(res.ok());
@@ -295,8 +295,8 @@ INSTANTIATE_TEST_SUITE_P(
 // promptly with the server's status, and every slice of caller memory must be let go (Compute
 // waits for that before it returns).
 TEST_F(LossClientTest, EarlyErrorWhileSendingALargeTensor) {
-  fake_.mode = Mode::kError;
   fake_.error_message = "w: V 4096 exceeds max_v 1024";
+  fake_.mode = Mode::kError;  // last: publishes the message to the server's threads
   ClientOptions o = Options();
   o.part_bytes = 16 << 10;
   auto client = Client(o);
