@@ -496,11 +496,12 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
 
 // ---------------------------------------------------------------------------------------
 // FetchGradients: the snapshot is taken on the executor (after every Compute queued before
-// it), then streamed as a header and DW / DB parts.
-class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGradientsResponse> {
+// it), then streamed as a header and DW / DB parts. A raw method: the parts are slices of the
+// snapshot buffer, so lossd copies no byte of it on the way out.
+class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   FetchGradientsReactor(LossService* service, grpc::CallbackServerContext* ctx,
-                        const v1::FetchGradientsRequest* request)
+                        const grpc::ByteBuffer* raw_request)
       : service_(service), ctx_(ctx), started_(absl::Now()) {
     absl::Status s = service_->Enter(ctx, "FetchGradients", &client_);
     if (!s.ok()) {
@@ -508,11 +509,17 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
       FinishOnce(s);
       return;
     }
-    part_bytes_ = ResponsePartBytes(service_->options(), request->response_part_bytes());
-    name_ = request->accumulator();
-    reset_ = request->reset();
-    range_begin_ = request->range_begin();
-    range_end_ = request->range_end();
+    v1::FetchGradientsRequest request;
+    if (!client::DecodeMessage(*raw_request, &request).ok()) {
+      FinishOnce(absl::InvalidArgumentError(
+          "the FetchGradients request is not a valid FetchGradientsRequest"));
+      return;
+    }
+    part_bytes_ = ResponsePartBytes(service_->options(), request.response_part_bytes());
+    name_ = request.accumulator();
+    reset_ = request.reset();
+    range_begin_ = request.range_begin();
+    range_end_ = request.range_end();
     service_->engine()->Submit([this] { TakeSnapshot(); });
   }
 
@@ -534,13 +541,17 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
       return;
     }
     snapshot_ = std::move(*g);
-    v1::GradientsHeader* h = response_.mutable_header();
+    data_ = std::make_shared<std::vector<HostBuffer>>();
+    data_->push_back(std::move(snapshot_.data));
+    v1::FetchGradientsResponse response;
+    v1::GradientsHeader* h = response.mutable_header();
     *h->mutable_dw() = TensorSpecToWire(DType::kF32, {snapshot_.v, snapshot_.h});
     if (snapshot_.has_bias) *h->mutable_db() = TensorSpecToWire(DType::kF32, {snapshot_.v});
     h->set_micro_batches(snapshot_.micro_batches);
     h->set_tokens(snapshot_.tokens);
     h->set_instance(service_->options().instance);
     offset_ = snapshot_.begin;
+    response_ = client::EncodeMessage(response);
     StartWrite(&response_);
   }
 
@@ -555,16 +566,16 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
     const bool in_db = offset_ >= dw_bytes;
     const uint64_t tensor_end = in_db ? snapshot_.end : std::min(snapshot_.end, dw_bytes);
     const uint64_t n = std::min<uint64_t>(part_bytes_, tensor_end - offset_);
-    v1::TensorPart* part = response_.mutable_part();
-    part->set_tensor(in_db ? v1::TENSOR_DB : v1::TENSOR_DW);
-    part->set_offset(in_db ? offset_ - dw_bytes : offset_);
-    part->set_data(snapshot_.data.get() + (offset_ - snapshot_.begin), n);
+    response_ = client::EncodePartSlice(
+        in_db ? v1::TENSOR_DB : v1::TENSOR_DW, in_db ? offset_ - dw_bytes : offset_,
+        OutputSlice(data_, (*data_)[0].get() + (offset_ - snapshot_.begin), n));
     offset_ += n;
     StartWrite(&response_);
   }
 
   void FinishOnce(const absl::Status& s) {
     if (finished_.exchange(true)) return;
+    data_.reset();  // the buffer goes back once gRPC has released every slice of it
     grpc::Status g = ToGrpcStatus(s);
     service_->metrics()->CountRequest("FetchGradients", GrpcCodeName(g.error_code()));
     service_->metrics()->ObservePhase("FetchGradients", "total", SecondsSince(started_));
@@ -582,8 +593,9 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<v1::FetchGra
   bool reset_ = false;
   uint64_t range_begin_ = 0, range_end_ = 0;
   uint32_t part_bytes_ = 4u << 20;
-  GradientsSnapshot snapshot_;
-  v1::FetchGradientsResponse response_;
+  GradientsSnapshot snapshot_;  // its data moved into data_
+  SharedOutputs data_;
+  grpc::ByteBuffer response_;
   uint64_t offset_ = 0;
 };
 
@@ -680,8 +692,8 @@ grpc::ServerReadReactor<v1::PutWeightsRequest>* LossService::PutWeights(
   return new PutWeightsReactor(this, ctx, response);
 }
 
-grpc::ServerWriteReactor<v1::FetchGradientsResponse>* LossService::FetchGradients(
-    grpc::CallbackServerContext* ctx, const v1::FetchGradientsRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossService::FetchGradients(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
   return new FetchGradientsReactor(this, ctx, request);
 }
 

@@ -32,12 +32,13 @@ struct ServiceOptions {
   std::shared_ptr<const TokenAuthenticator> auth;
 };
 
-// Compute is a raw method (byte buffers in and out, parsed and built in place without
+// Compute and FetchGradients are raw methods (byte buffers, parsed and built in place without
 // copying tensor data); the rest are typed.
 using LossServiceBase = v1::Loss::WithRawCallbackMethod_Compute<
     v1::Loss::WithCallbackMethod_PutWeights<v1::Loss::WithCallbackMethod_DropWeights<
-        v1::Loss::WithCallbackMethod_FetchGradients<v1::Loss::WithCallbackMethod_DropAccumulator<
-            v1::Loss::WithCallbackMethod_ServerInfo<v1::Loss::Service>>>>>>;
+        v1::Loss::WithRawCallbackMethod_FetchGradients<
+            v1::Loss::WithCallbackMethod_DropAccumulator<
+                v1::Loss::WithCallbackMethod_ServerInfo<v1::Loss::Service>>>>>>;
 
 class LossService final : public LossServiceBase {
  public:
@@ -50,8 +51,8 @@ class LossService final : public LossServiceBase {
   grpc::ServerUnaryReactor* DropWeights(grpc::CallbackServerContext* ctx,
                                         const v1::DropWeightsRequest* request,
                                         v1::DropWeightsResponse* response) override;
-  grpc::ServerWriteReactor<v1::FetchGradientsResponse>* FetchGradients(
-      grpc::CallbackServerContext* ctx, const v1::FetchGradientsRequest* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchGradients(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* DropAccumulator(grpc::CallbackServerContext* ctx,
                                             const v1::DropAccumulatorRequest* request,
                                             v1::DropAccumulatorResponse* response) override;
