@@ -13,6 +13,7 @@
 #include "client/part_codec.h"
 #include "server/compute_assembler.h"
 #include "server/status_util.h"
+#include "server/tsan_annotations.h"
 #include "server/wire_convert.h"
 
 namespace lossd {
@@ -90,6 +91,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   void OnCancel() override {
+    // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
+    LOSSD_TSAN_RELEASE_ON_EXIT(this);
     uint64_t ticket = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -99,7 +102,10 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     engine_->budget().Cancel(ticket);  // its callback fails the call with CANCELLED
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    delete this;
+  }
 
  private:
   enum class State { kHeader, kAdmitting, kReceiving, kComputing, kSending, kFinished };
@@ -341,6 +347,8 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   }
 
   void OnCancel() override {
+    // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
+    LOSSD_TSAN_RELEASE_ON_EXIT(this);
     // Only a stripe waiting for its siblings has no operation pending to report the cancel.
     if (waiting_.load() && stripe_) {
       service_->engine()->FailStripedUpload(stripe_,
@@ -348,7 +356,10 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
     }
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    delete this;
+  }
 
  private:
   absl::Status OnMessage() {
@@ -531,7 +542,10 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
     SendNext();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    delete this;
+  }
 
  private:
   void TakeSnapshot() {
