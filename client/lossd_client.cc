@@ -367,6 +367,65 @@ void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceT
   AppendRange(id, t, 0, t.num_bytes(), part_bytes, tracker, out, bytes);
 }
 
+// Owned output buffers of the sizes a request implies, allocated when the call starts and
+// written once per page on a helper thread while the inputs travel and the server computes,
+// so the received parts land in memory that is already mapped: a fresh 64 MiB buffer takes
+// 16k page faults, which otherwise happen inside the receive copy (about 20 ms a call on a
+// 2-core machine). Only for outputs without an output_into buffer, of at least 1 MiB.
+class OutputPrefetcher {
+ public:
+  OutputPrefetcher() = default;
+  OutputPrefetcher(const OutputPrefetcher&) = delete;
+  OutputPrefetcher& operator=(const OutputPrefetcher&) = delete;
+  ~OutputPrefetcher() { Join(); }
+
+  static constexpr size_t kMinBytes = 1 << 20;
+
+  // Allocates an output expected as (dtype, shape); nothing when it is small or memory is
+  // short (the receiver then allocates as usual).
+  void Add(int32_t id, DType dtype, std::vector<int64_t> shape) {
+    absl::StatusOr<size_t> size = TensorByteSize(dtype, shape);
+    if (!size.ok() || *size < kMinBytes) return;
+    try {
+      ready_.push_back({id, HostTensor::Owned(dtype, std::move(shape))});
+    } catch (const std::bad_alloc&) {
+    }
+  }
+
+  // Touches every page of the buffers added so far on a thread of its own.
+  void Start() {
+    if (ready_.empty()) return;
+    std::vector<std::pair<uint8_t*, size_t>> spans;
+    for (auto& [id, t] : ready_) spans.emplace_back(t.mutable_data(), t.num_bytes());
+    toucher_ = std::thread([spans] {
+      for (const auto& [p, n] : spans) {
+        for (size_t i = 0; i < n; i += 4096) p[i] = 0;
+      }
+    });
+  }
+
+  // The buffer prepared for `id` if it has this dtype and shape, else nullopt.
+  std::optional<HostTensor> Take(int32_t id, DType dtype, const std::vector<int64_t>& shape) {
+    for (auto it = ready_.begin(); it != ready_.end(); ++it) {
+      if (it->first != id) continue;
+      if (it->second.dtype() != dtype || it->second.shape() != shape) return std::nullopt;
+      Join();  // the pages are touched before anyone writes the data
+      HostTensor t = std::move(it->second);
+      ready_.erase(it);
+      return t;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  void Join() {
+    if (toucher_.joinable()) toucher_.join();
+  }
+
+  std::vector<std::pair<int32_t, HostTensor>> ready_;
+  std::thread toucher_;
+};
+
 // One announced output tensor being received.
 struct Incoming {
   int32_t id = 0;
@@ -379,9 +438,10 @@ struct Incoming {
 // tensor's parts come in byte order and add up to exactly its size.
 class TensorReceiver {
  public:
-  // `into` (nullable): caller memory to receive into.
+  // `into` (nullable): caller memory to receive into. Else a buffer from `prefetched`
+  // (nullable) when it holds one of this shape, else a new one.
   absl::Status Announce(int32_t id, DType dtype, std::vector<int64_t> shape,
-                        const OutputBuffer* into) {
+                        const OutputBuffer* into, OutputPrefetcher* prefetched = nullptr) {
     for (const Incoming& in : incoming_) {
       if (in.id == id) {
         return absl::InternalError(
@@ -403,6 +463,10 @@ class TensorReceiver {
                          " bytes; the ", ShapeString(dtype, shape), " result needs ", in.size));
       }
       in.tensor = HostTensor::MutableView(dtype, std::move(shape), into->data);
+    } else if (std::optional<HostTensor> t = prefetched != nullptr
+                                                 ? prefetched->Take(id, dtype, shape)
+                                                 : std::nullopt) {
+      in.tensor = std::move(*t);
     } else {
       try {
         in.tensor = HostTensor::Owned(dtype, std::move(shape));
@@ -868,6 +932,20 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   }
   AppendParts(v1::TENSOR_X, r.x, pb, &tracker, &out, &result.bytes_sent);
 
+  // dX (and dW with inline weights) have known shapes: their buffers get ready meanwhile.
+  OutputPrefetcher prefetched;
+  const int32_t dx_id = static_cast<int32_t>(OutputTensor::kDx);
+  const int32_t dw_id = static_cast<int32_t>(OutputTensor::kDw);
+  const DType grad = r.grad_dtype.value_or(r.x.dtype());
+  if (r.want.dx && r.output_into.count(OutputTensor::kDx) == 0) {
+    prefetched.Add(dx_id, grad, {r.x.dim(0), r.x.dim(1)});
+  }
+  if (r.want.dw && r.accumulator.empty() && r.w.has_value() &&
+      r.output_into.count(OutputTensor::kDw) == 0) {
+    prefetched.Add(dw_id, grad, {r.w->dim(0), r.w->dim(1)});
+  }
+  prefetched.Start();
+
   bool have_summary = false;
   TensorReceiver receiver;
   StreamFrame frame;
@@ -911,8 +989,9 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
       std::vector<int64_t> shape = ShapeOf(s.specs(i));
       LOSSD_CLIENT_RETURN_IF_ERROR(CheckOutputSpec(r, t, *dtype, shape));
       auto into = r.output_into.find(t);
-      LOSSD_CLIENT_RETURN_IF_ERROR(receiver.Announce(
-          id, *dtype, std::move(shape), into == r.output_into.end() ? nullptr : &into->second));
+      LOSSD_CLIENT_RETURN_IF_ERROR(
+          receiver.Announce(id, *dtype, std::move(shape),
+                            into == r.output_into.end() ? nullptr : &into->second, &prefetched));
     }
     return absl::OkStatus();
   };

@@ -205,6 +205,34 @@ TEST_F(LossClientTest, LargeTensorsAreSplitIntoOrderedParts) {
   EXPECT_EQ(fake_.last_max_part, 65536u);
 }
 
+// Outputs of a shape known from the request (dX, dW with inline weights) and at least 1 MiB
+// are allocated, and their pages touched, while the call runs: they still come back intact,
+// owned by the result, call after call; a call that fails meanwhile leaves nothing behind.
+TEST_F(LossClientTest, OwnedLargeOutputsPreparedDuringTheCallArriveIntact) {
+  ClientOptions o = Options();
+  o.response_part_bytes = 1 << 20;
+  auto client = Client(o);
+  ComputeRequest r;
+  r.x = RandomTensor(DType::kF32, {1000, 701}, 21);  // 2.8 MB
+  r.w = RandomTensor(DType::kF32, {600, 701}, 22);   // 1.7 MB
+  r.targets = Targets(1000, 600, 23);
+  r.want.dw = true;
+  for (int call = 0; call < 3; ++call) {
+    absl::StatusOr<ComputeResult> res = client->Compute(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_NE(res->Find(OutputTensor::kDx), nullptr);
+    ASSERT_NE(res->Find(OutputTensor::kDw), nullptr);
+    EXPECT_FALSE(res->Find(OutputTensor::kDx)->is_view());
+    EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDx), r.x)) << call;
+    EXPECT_TRUE(SameBytes(*res->Find(OutputTensor::kDw), *r.w)) << call;
+  }
+  fake_.error_code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  fake_.error_message = "no room";
+  fake_.mode = Mode::kError;  // last: publishes the two above to the server's threads
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kResourceExhausted) << res.status();
+}
+
 // Parts never split an element: part_bytes is rounded down to whole elements of each tensor
 // (at least one), for inline weights and PutWeights alike.
 TEST_F(LossClientTest, PartsHoldWholeElements) {

@@ -88,11 +88,16 @@ int Main() {
     return 1;
   }
   HostTensor wt = HostTensor::View(DType::kBF16, {v, h}, w.data());
+  const auto p0 = Clock::now();
   auto put = (*lc)->PutWeights(wt, nullptr);
   if (!put.ok()) {
     std::fprintf(stderr, "PutWeights: %s\n", put.status().ToString().c_str());
     return 1;
   }
+  const double put_s = std::chrono::duration<double>(Clock::now() - p0).count();
+  std::printf("PutWeights of %.1f MB: %.1f ms, %.2f GB/s (first upload: includes the server's "
+              "first touch of the weight memory)\n",
+              w.size() * 2e-6, put_s * 1e3, w.size() * 2 / put_s * 1e-9);
   ComputeRequest r;
   r.x = HostTensor::View(DType::kBF16, {bt, h}, x.data());
   r.weight_handle = put->handle;
