@@ -9,15 +9,17 @@
 // last owner to drop a slice, on any thread, frees it after every owner's reads), and a
 // server reactor's count of outstanding callbacks (OnDone runs after every other reaction),
 // whose last decrement is often made inside libgrpc++.
-// Interposes C entry points of libgrpc and one of libgrpc++ (reached through -rdynamic, like
-// the Abseil shim) and calls the real ones. Never adds an edge gRPC does not promise; never
+// Interposes entry points of libgrpc and libgrpc++ (reached through -rdynamic, like the
+// Abseil shim) and calls the real ones. Never adds an edge gRPC does not promise; never
 // part of a production binary.
 #include <dlfcn.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 
+#include "absl/status/status.h"
 #include "grpc/grpc.h"
 #include "grpc/slice.h"
 #include "grpcpp/support/server_callback.h"
@@ -105,6 +107,26 @@ grpc_event grpc_completion_queue_pluck(grpc_completion_queue* cq, void* tag,
   if (ev.type == GRPC_OP_COMPLETE) __tsan_acquire(ev.tag);
   return ev;
 }
+
+}  // extern "C"
+
+// libgrpc's internal call (through its own PLT) that posts a finished operation's tag: the
+// results gRPC's threads wrote for it (a received status, message or metadata) are visible to
+// whoever takes the completion. Releasing on the tag here pairs with the acquires above.
+struct grpc_cq_completion;
+void grpc_cq_end_op(grpc_completion_queue* cq, void* tag, absl::Status error,
+                    void (*done)(void* done_arg, grpc_cq_completion* storage), void* done_arg,
+                    grpc_cq_completion* storage, bool internal) {
+  using EndOp = void (*)(grpc_completion_queue*, void*, absl::Status,
+                         void (*)(void*, grpc_cq_completion*), void*, grpc_cq_completion*, bool);
+  static const auto real = RealGrpc<EndOp>(
+      "_Z14grpc_cq_end_opP21grpc_completion_queuePvN4absl7debian36StatusEPFvS1_P18grpc_cq_"
+      "completionES1_S6_b");
+  __tsan_release(tag);
+  real(cq, tag, std::move(error), done, done_arg, storage, internal);
+}
+
+extern "C" {
 
 // A slice's reference count is an acquire-release counter: every owner's accesses happen
 // before the free made by the last one. Static slices share a no-op count (address 1),
