@@ -8,6 +8,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/tsan_annotations.h"
 
 namespace lossd {
 
@@ -60,8 +61,13 @@ void LossServer::Shutdown(absl::Duration grace) {
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
   server_->Wait();
+  // gRPC returns from a shutdown only after every call's OnDone, ordered inside libgrpc++.
+  LOSSD_TSAN_ACQUIRE(service_.get());
 }
 
-void LossServer::Wait() { server_->Wait(); }
+void LossServer::Wait() {
+  server_->Wait();
+  LOSSD_TSAN_ACQUIRE(service_.get());  // as in Shutdown
+}
 
 }  // namespace lossd

@@ -104,6 +104,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
     delete this;
   }
 
@@ -358,6 +359,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
 
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
     delete this;
   }
 
@@ -544,6 +546,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
 
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
     delete this;
   }
 
@@ -629,6 +632,7 @@ grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContex
   service->metrics()->ObservePhase(method, "total", SecondsSince(started));
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(g);
+  LOSSD_TSAN_RELEASE(service);  // the call (and the server's shutdown) ends after we return
   return reactor;
 }
 
