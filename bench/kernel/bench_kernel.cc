@@ -32,7 +32,9 @@ ABSL_FLAG(std::string, shapes,
 ABSL_FLAG(int, runs, 20, "timed runs per measurement (median reported)");
 ABSL_FLAG(int, warmup, 3, "untimed runs first");
 ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the fused op at");
-ABSL_FLAG(std::string, schedules, "0,1", "schedules to time (0 row halves, 1 column halves)");
+ABSL_FLAG(std::string, schedules, "0,1,2",
+          "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
+          "applies)");
 ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
 ABSL_FLAG(std::string, host_io, "",
@@ -80,6 +82,7 @@ struct Row {
     int schedule;
     int side_sms;
     int64_t chunk_rows;
+    int blocks = 0;  // whole-batch layout's vocabulary blocks
     double ms;
     uint64_t workspace;
     int64_t measured_extra;
@@ -87,6 +90,7 @@ struct Row {
   std::vector<Fused> fused;
   double gemms_ms = 0;  // the chunked GEMMs alone, one stream, first budget's chunks
   double ce_ms = 0;     // the cross-entropy kernels alone over the same chunks
+  double whole_gemms_ms = 0;  // the whole-batch layout's GEMMs alone, first budget
   bool deterministic = true;
   double mean_loss;
 };
@@ -270,11 +274,21 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     f.budget = budgets[bi];
     f.schedule = schedules[si].schedule;
     f.side_sms = schedules[si].side_sms;
+    const uint64_t gws = static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20;
     cuda::ChunkPlan plan =
-        cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0, static_cast<cuda::Schedule>(f.schedule),
-                         static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20);
+        f.schedule == 2
+            ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
+            : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
+                               static_cast<cuda::Schedule>(f.schedule), gws);
+    if (f.schedule == 2 && plan.blocks == 0) {
+      std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: whole-batch layout does not apply\n",
+                   static_cast<long long>(bt), static_cast<long long>(h),
+                   static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20));
+      continue;
+    }
     plan.side_sms = f.side_sms;
     f.chunk_rows = plan.chunk_rows;
+    f.blocks = plan.blocks;
     f.workspace = plan.workspace_bytes;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     const int64_t free_before = FreeBytes();
@@ -284,6 +298,51 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     if (TimeMs(stream, warmup, runs, fused, &f.ms)) return 1;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     f.measured_extra = free_before - FreeBytes();
+    if (f.schedule == 2 && row->whole_gemms_ms == 0) {
+      // The whole-batch layout's GEMMs alone, one stream, no CE: what its layout costs.
+      const int64_t n = plan.blocks, nb = plan.block_cols, first = v - (n - 1) * nb;
+      const int64_t split = bt >= 512 ? (bt / 2 + 63) / 64 * 64 : bt;
+      char* last = static_cast<char*>(ws);
+      float* dxs = reinterpret_cast<float*>(last + (bt * nb * 2 + 255) / 256 * 256);
+      char* gws_p = reinterpret_cast<char*>(dxs) + (bt * h * 4 + 255) / 256 * 256;
+      auto col0 = [&](int64_t b) { return b == 0 ? 0 : first + (b - 1) * nb; };
+      auto cols = [&](int64_t b) { return b == 0 ? first : nb; };
+      auto region = [&](int64_t b) { return static_cast<float*>(dw) + col0(b) * h; };
+      auto gbase = [&](int64_t b) {
+        return b + 1 < n ? reinterpret_cast<char*>(region(b + 1)) : last;
+      };
+      auto gemms = [&]() -> absl::Status {
+        const int64_t r0s[2] = {0, split}, rns[2] = {split, bt - split};
+        for (int hh = 0; hh < (split < bt ? 2 : 1); ++hh) {
+          for (int64_t b = 0; b < n; ++b) {
+            absl::Status st = engine.Gemm(
+                stream, gws_p, plan.gemm_workspace_bytes, true, false, cols(b), rns[hh], h, 1.0f,
+                static_cast<const char*>(w) + col0(b) * h * 2, h,
+                static_cast<const char*>(x) + r0s[hh] * h * 2, h, CUDA_R_16BF, 0.0f,
+                gbase(b) + r0s[hh] * cols(b) * 2, cols(b), CUDA_R_16BF);
+            if (!st.ok()) return st;
+          }
+        }
+        for (int hh = 0; hh < (split < bt ? 2 : 1); ++hh) {
+          for (int64_t b = 0; b < n; ++b) {
+            absl::Status st = engine.Gemm(
+                stream, gws_p, plan.gemm_workspace_bytes, false, false, h, rns[hh], cols(b), 1.0f,
+                static_cast<const char*>(w) + col0(b) * h * 2, h,
+                gbase(b) + r0s[hh] * cols(b) * 2, cols(b), CUDA_R_16BF, b > 0 ? 1.0f : 0.0f,
+                dxs + r0s[hh] * h, h, CUDA_R_32F);
+            if (!st.ok()) return st;
+          }
+        }
+        for (int64_t b = 0; b < n; ++b) {
+          absl::Status st = engine.Gemm(stream, gws_p, plan.gemm_workspace_bytes, false, true, h,
+                                        cols(b), bt, 1.0f, x, h, gbase(b), cols(b), CUDA_R_16BF,
+                                        0.0f, region(b), h, CUDA_R_32F);
+          if (!st.ok()) return st;
+        }
+        return absl::OkStatus();
+      };
+      if (TimeMs(stream, warmup, runs, gemms, &row->whole_gemms_ms)) return 1;
+    }
     if (run == 0) {
       // Where the time goes: the same chunks' GEMMs alone (one stream), and the CE kernels.
       char* z = static_cast<char*>(ws);
@@ -447,7 +506,7 @@ int Main() {
   std::vector<Config> schedules;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',')) {
     int sc = 0;
-    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 1) {
+    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 2) {
       std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
       return 2;
     }
@@ -531,8 +590,9 @@ int Main() {
                   static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
                   static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
-                  f.schedule == 0 ? "rows"
-                                  : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
+                  f.schedule == 0   ? "rows"
+                  : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
+                                    : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                       f.side_sms)
                                                     : std::string("columns"))
                                         .c_str(),
@@ -551,10 +611,11 @@ int Main() {
       }
     }
     std::printf("| %lld, %lld, %lld | floor %.0f TFLOP/s; chunked GEMMs alone %.2f ms, "
-                "CE kernels alone %.2f ms | | | | | | | | | | | | |\n",
+                "CE kernels alone %.2f ms, whole-batch GEMMs alone %.2f ms | | | | | | | | | | | "
+                "| |\n",
                 static_cast<long long>(r.bt), static_cast<long long>(r.h),
                 static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12, r.gemms_ms,
-                r.ce_ms);
+                r.ce_ms, r.whole_gemms_ms);
   }
   if (csv != nullptr) std::fclose(csv);
   for (const Row& r : rows) {

@@ -145,7 +145,14 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
   __shared__ float coef[4];
   const int64_t row = blockIdx.x;
   const int64_t v = p.v;
-  T* z = static_cast<T*>(p.logits) + row * v;
+  // The row's blocks: one contiguous run, or the blocked layout's runs in column order.
+  const int nseg = p.segments > 0 ? p.segments : 1;
+  auto seg_ptr = [&](int s) -> T* {
+    return p.segments > 0 ? static_cast<T*>(p.seg_base[s]) + row * p.seg_cols[s]
+                          : static_cast<T*>(p.logits) + row * v;
+  };
+  auto seg_col0 = [&](int s) -> int64_t { return p.segments > 0 ? p.seg_col0[s] : 0; };
+  auto seg_cols = [&](int s) -> int64_t { return p.segments > 0 ? p.seg_cols[s] : v; };
   const T* bias = static_cast<const T*>(p.bias);
   const float* cw = p.class_weights;
   const float cap = p.softcap;
@@ -156,34 +163,38 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
 
   // Pass 1: online max / sum of exp, argmax and the smoothing sum, one read of the row.
   RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-  for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < v; j0 += stride) {
-    float x[kVec];
-    LoadVec<T, kVec>(z + j0, x);
-    if (bias != nullptr) {
-      float b[kVec];
-      LoadVec<T, kVec>(bias + j0, b);
+  for (int s = 0; s < nseg; ++s) {
+    const T* z = seg_ptr(s);
+    const int64_t c0 = seg_col0(s), n = seg_cols(s);
+    for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < n; j0 += stride) {
+      float x[kVec];
+      LoadVec<T, kVec>(z + j0, x);
+      if (bias != nullptr) {
+        float b[kVec];
+        LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[k] += b[k];
-    }
-    float vmax = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      x[k] = Capped(x[k], cap);
-      vmax = fmaxf(vmax, x[k]);
-      if (x[k] > st.best) {  // strict, in increasing j: the first index wins ties
-        st.best = x[k];
-        st.best_j = static_cast<int>(j0 + k);
+        for (int k = 0; k < kVec; ++k) x[k] += b[k];
       }
-    }
-    if (vmax > st.m) {
-      st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
-      st.m = vmax;
-    }
+      float vmax = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) st.s += exp2f((x[k] - st.m) * kLog2e);
-    if (smooth) {
+      for (int k = 0; k < kVec; ++k) {
+        x[k] = Capped(x[k], cap);
+        vmax = fmaxf(vmax, x[k]);
+        if (x[k] > st.best) {  // strict, in increasing j: the first index wins ties
+          st.best = x[k];
+          st.best_j = static_cast<int>(c0 + j0 + k);
+        }
+      }
+      if (vmax > st.m) {
+        st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
+        st.m = vmax;
+      }
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[j0 + k] : 1.0f) * x[k];
+      for (int k = 0; k < kVec; ++k) st.s += exp2f((x[k] - st.m) * kLog2e);
+      if (smooth) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
+      }
     }
   }
   st = BlockReduce(st, shared);
@@ -192,7 +203,9 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
     const float lse = st.m + logf(st.s);
     float ce = 0.0f, zl = 0.0f;
     if (t >= 0) {
-      float zt = ToFloat<T>(z[t]);
+      int ts = 0;
+      while (ts + 1 < nseg && seg_col0(ts + 1) <= t) ++ts;
+      float zt = ToFloat<T>(seg_ptr(ts)[t - seg_col0(ts)]);
       if (bias != nullptr) zt += ToFloat<T>(bias[t]);
       zt = Capped(zt, cap);
       const float cwt = cw != nullptr ? cw[t] : 1.0f;
@@ -220,35 +233,39 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
   // Pass 2: the gradient over the same elements, in place. Ignored rows get zeros.
   const float lse = coef[3];
   const float a = coef[0], hot = coef[1], sm = coef[2];
-  for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < v; j0 += stride) {
-    float g[kVec];
-    if (t < 0) {
+  for (int s = 0; s < nseg; ++s) {
+    T* z = seg_ptr(s);
+    const int64_t c0 = seg_col0(s), n = seg_cols(s);
+    for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < n; j0 += stride) {
+      float g[kVec];
+      if (t < 0) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
-    } else {
-      LoadVec<T, kVec>(z + j0, g);
-      if (bias != nullptr) {
-        float b[kVec];
-        LoadVec<T, kVec>(bias + j0, b);
+        for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
+      } else {
+        LoadVec<T, kVec>(z + j0, g);
+        if (bias != nullptr) {
+          float b[kVec];
+          LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) g[k] += b[k];
-      }
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        float th = 0.0f, x = g[k];
-        if (cap > 0.0f) {
-          th = tanhf(x / cap);
-          x = cap * th;
+          for (int k = 0; k < kVec; ++k) g[k] += b[k];
         }
-        const float pj = exp2f((x - lse) * kLog2e);
-        float gk = a * pj;
-        if (j0 + k == t) gk -= hot;
-        if (smooth) gk -= sm * (cw != nullptr ? cw[j0 + k] : 1.0f);
-        if (cap > 0.0f) gk *= 1.0f - th * th;
-        g[k] = gk;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          float th = 0.0f, x = g[k];
+          if (cap > 0.0f) {
+            th = tanhf(x / cap);
+            x = cap * th;
+          }
+          const float pj = exp2f((x - lse) * kLog2e);
+          float gk = a * pj;
+          if (c0 + j0 + k == t) gk -= hot;
+          if (smooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+          if (cap > 0.0f) gk *= 1.0f - th * th;
+          g[k] = gk;
+        }
       }
+      StoreVec<T, kVec>(z + j0, g);
     }
-    StoreVec<T, kVec>(z + j0, g);
   }
 }
 
@@ -274,8 +291,17 @@ template <typename T>
 cudaError_t LaunchCrossEntropyT(const CrossEntropyParams& p, cudaStream_t stream) {
   // The 8-wide path needs every row start 16-byte aligned for every dtype alike (V % 8 == 0),
   // so the choice, and with it the summation order, depends on V alone.
-  const bool aligned = reinterpret_cast<uintptr_t>(p.logits) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
+  bool aligned = reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
+  if (p.segments > 0) {
+    // Blocked rows: every block's rows 16-byte aligned too (each block but the first is a
+    // multiple of 64 columns wide, so this still depends on V alone for a given layout).
+    for (int s = 0; s < p.segments; ++s) {
+      aligned = aligned && reinterpret_cast<uintptr_t>(p.seg_base[s]) % 16 == 0 &&
+                p.seg_cols[s] % 8 == 0 && p.seg_col0[s] % 8 == 0;
+    }
+  } else {
+    aligned = aligned && reinterpret_cast<uintptr_t>(p.logits) % 16 == 0;
+  }
   if (p.v % 8 == 0 && aligned) {
     CrossEntropyKernel<T, 8><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
   } else {
@@ -289,6 +315,7 @@ cudaError_t LaunchCrossEntropyT(const CrossEntropyParams& p, cudaStream_t stream
 cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
   if (p.rows > 0x7fffffff || p.v > 0x7fffffff) return cudaErrorInvalidValue;
+  if (p.segments < 0 || p.segments > kMaxSegments) return cudaErrorInvalidValue;
   switch (p.elem) {
     case kElemBF16:
       return LaunchCrossEntropyT<__nv_bfloat16>(p, stream);

@@ -25,6 +25,9 @@ enum ElemType : int32_t { kElemBF16 = 0, kElemF16 = 1, kElemF32 = 2 };
 // Every value is read in the input dtype and widened to fp32 inside the kernel, with the same
 // per-thread element order for every dtype, so bf16 logits and the same values given as fp32
 // give bit-identical statistics, and gradients that are identical after rounding.
+// Most vocabulary blocks a row may be split into (CrossEntropyParams::segments).
+inline constexpr int kMaxSegments = 16;
+
 struct CrossEntropyParams {
   void* logits;                 // (rows, v) row-major, elem; overwritten by g when write_grad
   int32_t elem;                 // ElemType of logits and bias
@@ -45,6 +48,14 @@ struct CrossEntropyParams {
   float* row_ce;                // (rows) ce_i, 0 for ignored rows
   float* row_z;                 // (rows) zs lse_i^2, 0 for ignored rows
   int32_t* row_pred;            // (rows) argmax_j z'_ij, first index on ties
+  // Blocked rows (the whole-batch layout of fused_loss.h): when segments > 0, logits is unused
+  // and the row's columns come in `segments` blocks in increasing column order: block s holds
+  // columns [seg_col0[s], seg_col0[s] + seg_cols[s]), row r at seg_base[s] + r * seg_cols[s]
+  // elements. The seg_cols sum to v.
+  int32_t segments;
+  void* seg_base[kMaxSegments];
+  int64_t seg_col0[kMaxSegments];
+  int64_t seg_cols[kMaxSegments];
 };
 
 cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream);

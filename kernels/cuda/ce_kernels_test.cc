@@ -82,13 +82,43 @@ T* ToDevice(const std::vector<T>& h) {
   return d;
 }
 
-// Runs the kernel on `in` stored as elem (kElemBF16 or kElemF32).
-void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out) {
+// The blocked layout's column blocks (as fused_loss.cc's PlanWhole makes them): block 0 takes
+// the rest, the others a multiple of 64 columns each.
+void Blocks(int64_t v, int segments, std::vector<int64_t>* col0, std::vector<int64_t>* cols) {
+  const int64_t nb = ((v + segments - 1) / segments + 63) / 64 * 64;
+  const int64_t n = (v + nb - 1) / nb, first = v - (n - 1) * nb;
+  for (int64_t b = 0; b < n; ++b) {
+    col0->push_back(b == 0 ? 0 : first + (b - 1) * nb);
+    cols->push_back(b == 0 ? first : nb);
+  }
+}
+
+// Runs the kernel on `in` stored as elem (kElemBF16 or kElemF32); segments > 0: with the rows
+// split into that many column blocks, each in its own allocation.
+void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out, int segments = 0) {
   const int64_t n = c.rows * c.v;
   std::vector<uint16_t> z16(n), b16(in.bias.size());
   for (int64_t i = 0; i < n; ++i) z16[i] = FloatToBf16(in.z[i]);
   for (size_t i = 0; i < in.bias.size(); ++i) b16[i] = FloatToBf16(in.bias[i]);
-  void* z = elem == kElemBF16 ? static_cast<void*>(ToDevice(z16)) : ToDevice(in.z);
+  std::vector<int64_t> col0, cols;
+  std::vector<void*> blocks;
+  if (segments > 0) {
+    Blocks(c.v, segments, &col0, &cols);
+    for (size_t b = 0; b < cols.size(); ++b) {
+      std::vector<float> zb(c.rows * cols[b]);
+      std::vector<uint16_t> zb16(zb.size());
+      for (int64_t i = 0; i < c.rows; ++i) {
+        for (int64_t j = 0; j < cols[b]; ++j) {
+          zb[i * cols[b] + j] = in.z[i * c.v + col0[b] + j];
+          zb16[i * cols[b] + j] = z16[i * c.v + col0[b] + j];
+        }
+      }
+      blocks.push_back(elem == kElemBF16 ? static_cast<void*>(ToDevice(zb16)) : ToDevice(zb));
+      ASSERT_NE(blocks.back(), nullptr);
+    }
+  }
+  void* z = segments > 0 ? nullptr
+                         : (elem == kElemBF16 ? static_cast<void*>(ToDevice(z16)) : ToDevice(in.z));
   void* bias = nullptr;
   if (c.bias) bias = elem == kElemBF16 ? static_cast<void*>(ToDevice(b16)) : ToDevice(in.bias);
   int32_t* t = ToDevice(in.targets);
@@ -97,9 +127,15 @@ void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out) {
   float* rows = nullptr;
   ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&rows), 4 * c.rows * sizeof(float)));
   ASSERT_CUDA(cudaMemset(rows, 0xFF, 4 * c.rows * sizeof(float)));  // poison
-  ASSERT_NE(z, nullptr);
+  ASSERT_TRUE(z != nullptr || segments > 0);
   CrossEntropyParams p{};
   p.logits = z;
+  p.segments = static_cast<int32_t>(blocks.size());
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    p.seg_base[b] = blocks[b];
+    p.seg_col0[b] = col0[b];
+    p.seg_cols[b] = cols[b];
+  }
   p.elem = elem;
   p.rows = c.rows;
   p.v = c.v;
@@ -130,7 +166,27 @@ void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out) {
   out->pred.resize(c.rows);
   std::memcpy(out->pred.data(), r.data() + 3 * c.rows, c.rows * 4);
   out->grad.resize(n);
-  if (elem == kElemBF16) {
+  if (segments > 0) {
+    // Gathered back into (rows, v) row-major.
+    const size_t es = elem == kElemBF16 ? 2 : 4;
+    if (elem == kElemBF16) out->grad16.resize(n);
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      std::vector<uint8_t> raw(c.rows * cols[b] * es);
+      ASSERT_CUDA(cudaMemcpy(raw.data(), blocks[b], raw.size(), cudaMemcpyDeviceToHost));
+      for (int64_t i = 0; i < c.rows; ++i) {
+        for (int64_t j = 0; j < cols[b]; ++j) {
+          const int64_t k = i * c.v + col0[b] + j;
+          if (elem == kElemBF16) {
+            std::memcpy(&out->grad16[k], raw.data() + (i * cols[b] + j) * 2, 2);
+            out->grad[k] = Bf16ToFloat(out->grad16[k]);
+          } else {
+            std::memcpy(&out->grad[k], raw.data() + (i * cols[b] + j) * 4, 4);
+          }
+        }
+      }
+      cudaFree(blocks[b]);
+    }
+  } else if (elem == kElemBF16) {
     out->grad16.resize(n);
     ASSERT_CUDA(cudaMemcpy(out->grad16.data(), z, n * 2, cudaMemcpyDeviceToHost));
     for (int64_t i = 0; i < n; ++i) out->grad[i] = Bf16ToFloat(out->grad16[i]);
@@ -151,12 +207,14 @@ class CrossEntropyKernelTest : public testing::TestWithParam<Case> {
   }
 };
 
-TEST_P(CrossEntropyKernelTest, Bf16AndFp32AreBitIdenticalAndMatchFloat64) {
-  const Case c = GetParam();
+// bf16 and fp32 storage of the same values give bit-identical statistics and identically
+// rounded gradients, and both match float64 of the same formulas; with `segments` > 0 the
+// rows come in that many column blocks.
+void CheckBothDtypes(const Case& c, int segments) {
   const Inputs in = MakeInputs(c, 1234 + c.v);
   Outputs b, f;
-  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemBF16, &b));
-  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemF32, &f));
+  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemBF16, &b, segments));
+  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemF32, &f, segments));
   int64_t stat_diff = 0, grad_diff = 0;
   for (int64_t i = 0; i < c.rows; ++i) {
     stat_diff += std::memcmp(&b.lse[i], &f.lse[i], 4) != 0;
@@ -222,6 +280,18 @@ TEST_P(CrossEntropyKernelTest, Bf16AndFp32AreBitIdenticalAndMatchFloat64) {
   EXPECT_LT(worst_ce, 2e-5) << "ce";
   EXPECT_LT(worst_g, 2e-6 * (1 + g_scale)) << "gradient";
   EXPECT_EQ(pred_bad, 0) << "argmax";
+}
+
+TEST_P(CrossEntropyKernelTest, Bf16AndFp32AreBitIdenticalAndMatchFloat64) {
+  CheckBothDtypes(GetParam(), 0);
+}
+
+// The whole-batch layout's rows: the same promises over column blocks (3 and 5 of them).
+TEST_P(CrossEntropyKernelTest, BlockedRowsMatchFloat64) {
+  for (int segments : {3, 5}) {
+    SCOPED_TRACE(segments);
+    CheckBothDtypes(GetParam(), segments);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -271,9 +271,15 @@ absl::Status CudaBackend::Zero(BackendBuffer& buf) {
       CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(after memset)"));
 }
 
-ChunkPlan CudaBackend::Plan(const LossProblem& p) const {
+ChunkPlan CudaBackend::Plan(const LossProblem& p, const LossOutputs& out) const {
   const uint64_t budget =
       options_.chunk_budget_bytes != 0 ? options_.chunk_budget_bytes : kDefaultChunkBudgetBytes;
+  // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads.
+  if (options_.whole_batch && p.options.chunk_rows == 0 && out.dw != nullptr &&
+      out.dw_accum == nullptr) {
+    ChunkPlan whole = PlanWhole(p.bt, p.h, p.v, p.dtype, out.dx != nullptr, out.grad_dtype, budget);
+    if (whole.blocks > 0) return whole;
+  }
   ChunkPlan plan =
       PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
   plan.side_sms = options_.side_sms;
@@ -281,7 +287,7 @@ ChunkPlan CudaBackend::Plan(const LossProblem& p) const {
 }
 
 uint64_t CudaBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out) {
-  return PlanDeviceBytes(p, out, Plan(p)).total;
+  return PlanDeviceBytes(p, out, Plan(p, out)).total;
 }
 
 absl::Status CudaBackend::Check(absl::Status s) {
@@ -319,7 +325,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
       SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
                        p.class_weights, &targets32);
   if (!summary.ok()) return summary.status();
-  const ChunkPlan plan = Plan(p);
+  const ChunkPlan plan = Plan(p, out);
   const DevicePlan bytes = PlanDeviceBytes(p, out, plan);
   if (options_.memory_budget_bytes != 0 && bytes.total > options_.memory_budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(

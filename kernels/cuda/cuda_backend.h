@@ -31,6 +31,9 @@ struct CudaBackendOptions {
   int32_t side_sms = kDefaultSideSms;  // see ChunkPlan::side_sms
   // Time cuBLASLt's candidates on the first Compute of each shape (FusedLoss::set_autotune).
   bool autotune_gemms = true;
+  // Use the whole-batch layout (PlanWhole) where it applies: a fresh dW, no chunk_rows asked.
+  // Off by default: on an H200 it measured no faster than row chunks (bench/RESULTS.md).
+  bool whole_batch = false;
 };
 
 // Byte counters shared by the backend and every buffer it hands out.
@@ -55,8 +58,8 @@ class CudaBackend : public Backend {
   uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override;
   absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
 
-  // The chunk plan Compute would use for this problem.
-  ChunkPlan Plan(const LossProblem& p) const;
+  // The chunk plan Compute would use for this problem and these outputs.
+  ChunkPlan Plan(const LossProblem& p, const LossOutputs& out) const;
 
  private:
   explicit CudaBackend(const CudaBackendOptions& options);

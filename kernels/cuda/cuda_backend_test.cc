@@ -283,6 +283,53 @@ TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
   EXPECT_TRUE(r.ok()) << r.ToString();
 }
 
+// The whole-batch layout (a fresh dW lends its memory to the logits, fused_loss.h): the
+// option sets it applies to (a fresh dW, no chunk_rows) in each dtype, over about four
+// vocabulary blocks, with one and with two row halves and V % 8 != 0. The plan is asserted,
+// so a fallback to row chunks cannot pass unseen; the same request twice is bit-identical.
+TEST_F(CudaTest, WholeBatchLayoutMatchesReference) {
+  struct WholeShape {
+    int64_t bt, h, v;
+    DType dtype;
+  };
+  const WholeShape shapes[] = {{200, 128, 3000, DType::kBF16},
+                               {600, 320, 2999, DType::kBF16},
+                               {100, 128, 3001, DType::kF32},
+                               {120, 64, 1000, DType::kF16}};
+  for (const WholeShape& ws : shapes) {
+    const uint64_t elem = DTypeSize(ws.dtype);
+    const uint64_t cols = ((ws.v / 4) + 63) / 64 * 64;
+    CudaBackendOptions bo;
+    bo.whole_batch = true;
+    bo.chunk_budget_bytes = 2 * kGemmWorkspaceBytes + 256 +
+                            (static_cast<uint64_t>(ws.bt) * ws.h * 4 + 255) / 256 * 256 +
+                            static_cast<uint64_t>(ws.bt) * elem * cols;
+    auto b = CudaBackend::Create(bo);
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (int oi : {0, 1, 2, 3, 5}) {
+      const OptionSet& o = kOptions[oi];
+      RandomProblem rp = RandomProblem::Make(
+          MakeSpec({"whole", ws.bt, ws.h, ws.v}, o, ws.dtype, 51 + oi + ws.v));
+      const LossProblem p = rp.problem();
+      ReferenceOutputs ref;
+      ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+      const DType grad_dtype = o.fp32_grads ? DType::kF32 : ws.dtype;
+      HostOutputs out(p, grad_dtype), again(p, grad_dtype);
+      const ChunkPlan plan = (*b)->Plan(p, out.outputs());
+      EXPECT_GE(plan.blocks, 3) << o.name << " " << DTypeName(ws.dtype) << " bt " << ws.bt;
+      EXPECT_EQ(plan.chunk_rows, ws.bt);
+      ASSERT_TRUE((*b)->Compute(p, out.outputs(), nullptr).ok());
+      EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()))
+          << o.name << " " << DTypeName(ws.dtype) << " bt " << ws.bt << " v " << ws.v;
+      ASSERT_TRUE((*b)->Compute(p, again.outputs(), nullptr).ok());
+      EXPECT_EQ(out.dx, again.dx) << o.name;
+      EXPECT_EQ(out.dw, again.dw) << o.name;
+      EXPECT_EQ(out.db, again.db) << o.name;
+      EXPECT_EQ(std::memcmp(out.lse.data(), again.lse.data(), out.lse.size() * 4), 0) << o.name;
+    }
+  }
+}
+
 // The first Compute of a shape times cuBLASLt's candidates on the real buffers before any
 // real work. Into an accumulator that already holds a sum, that must add exactly one
 // micro-batch: the accumulator starts at the reference dW and must end at twice it, for

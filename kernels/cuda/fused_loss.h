@@ -77,8 +77,9 @@ enum class Schedule : int32_t {
   kColumnHalves = 1,
 };
 
-// What the backend uses unless told otherwise: column halves measured faster (bench/RESULTS.md).
-inline constexpr Schedule kDefaultSchedule = Schedule::kColumnHalves;
+// What the backend uses unless told otherwise: with autotuned GEMMs, row halves measured
+// faster at three of the four benchmark shapes with BT >= 8192 (bench/RESULTS.md).
+inline constexpr Schedule kDefaultSchedule = Schedule::kRowHalves;
 inline constexpr int32_t kDefaultSideSms = 0;
 
 struct ChunkPlan {
@@ -91,6 +92,11 @@ struct ChunkPlan {
   // cuBLASLt workspace per stream (two streams run GEMMs side by side); part of the budget.
   uint64_t gemm_workspace_bytes = 0;
   uint64_t workspace_bytes = 0;  // device bytes Enqueue needs as `workspace`
+  // Whole-batch layout (PlanWhole) when blocks > 0: no row chunks (chunk_rows = BT); the
+  // logits of all rows live in the fp32 dW buffer, split into `blocks` vocabulary blocks
+  // (block 0 takes what is left over; the others `block_cols` columns each).
+  int32_t blocks = 0;
+  int64_t block_cols = 0;
 };
 
 // Which GEMM of a chunk a cuBLASLt algorithm choice is for.
@@ -110,6 +116,18 @@ inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
 ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
                      int64_t requested_rows, Schedule schedule = Schedule::kRowHalves,
                      uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
+
+// The whole-batch layout, for a fresh dW (not added into an accumulator) where it fits:
+// the logits of every row, in vocabulary blocks, live in the fp32 dW buffer itself, block b
+// in the dW rows of block b + 1 (the last block in the workspace), so that dW_b = X^T G_b is
+// one GEMM over all BT rows, written over the rows that held block b - 1 (already used). No
+// fp32 accumulator is read back; dX is summed over the blocks in an fp32 buffer. Applies when
+// a block of BT rows fits in the dW rows of the same width (BT * elem <= 4 H), H % 64 == 0,
+// and the last block, the fp32 dX (unless dX is already fp32) and the two GEMM workspaces fit
+// in `budget_bytes` with at most kMaxSegments blocks. Otherwise returns blocks == 0 (use
+// PlanChunks).
+ChunkPlan PlanWhole(int64_t bt, int64_t h, int64_t v, DType dtype, bool want_dx, DType dx_dtype,
+                    uint64_t budget_bytes, uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
 
 // Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
 // common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow.
@@ -131,7 +149,8 @@ class FusedLoss {
   cudaStream_t stream() const { return main_; }
 
   // Enqueues forward + backward; `workspace` holds plan.workspace_bytes device bytes, 256-byte
-  // aligned. Deterministic: the same inputs and plan give bit-identical outputs. Not
+  // aligned. A whole-batch plan (plan.blocks > 0) needs a fresh dW (accumulate_dw false) of
+  // the plan's shape. Deterministic: the same inputs and plan give bit-identical outputs. Not
   // thread-safe: one caller at a time.
   absl::Status Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
 
@@ -142,8 +161,9 @@ class FusedLoss {
 
   // On: the first Enqueue of a shape times cuBLASLt's first kTuneCandidates heuristic
   // candidates for each of its GEMMs (before any real work, on the real buffers) and keeps the
-  // fastest for the life of the object. cuBLASLt's first choice was 5-15% slower than the best
-  // candidate for the chunked GEMMs on an H200 (bench/RESULTS.md). The choice is made once, so
+  // fastest for the life of the object. On an H200 that took the fused op at (8192, 4096,
+  // 128256) from 43.1 to 40.1 ms and at (8192, 2304, 256000) from 56.5 to 50.6 ms
+  // (bench/RESULTS.md). The choice is made once, so
   // a process stays deterministic; another process may choose differently (results then differ
   // at the rounding level). Off: the heuristic's first choice, the same in every process.
   void set_autotune(bool on) { autotune_ = on; }
@@ -176,6 +196,14 @@ class FusedLoss {
 
  private:
   FusedLoss() = default;
+  absl::Status EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
+  // Gemm (tuning false), or in a tuning pass TuneGemm on main_ when the key is new and the rank
+  // is not pinned.
+  absl::Status RunOrTune(bool tuning, cudaStream_t stream, void* ws, uint64_t ws_bytes, bool ta,
+                         bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* ap,
+                         int64_t lda, const void* bp, int64_t ldb, cudaDataType ab_type,
+                         float beta, void* dp, int64_t ldd, cudaDataType d_type, int32_t sms,
+                         int32_t rank);
   struct Spec;  // one GEMM's arguments (fused_loss.cc)
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                              int64_t, int, int, int, uint64_t, int32_t, int32_t>;
