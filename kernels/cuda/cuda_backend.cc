@@ -2,7 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -364,6 +366,12 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   a.dtype = p.dtype;
   a.options = p.options;
   a.summary = *summary;
+  if (p.options.reduction == Reduction::kNone && p.grad_output != nullptr) {
+    for (int64_t i = 0; i < bt; ++i) {
+      a.summary.row_grad_max_abs =
+          std::max(a.summary.row_grad_max_abs, std::fabs(static_cast<double>(p.grad_output[i])));
+    }
+  }
   void* ptr = nullptr;
   LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.x, bt * h * elem, &ptr));
   a.x = ptr;

@@ -371,6 +371,24 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
   }
 }
 
+// Reduction none with small upstream gradients (1e-5, as from a mean over many tokens done
+// by the caller) in fp16: stored as rs (p - onehot), every gradient element would be an fp16
+// subnormal (below 6.1e-5) and lose most of its bits; the largest |rs| leaves the stored
+// gradient as a power of two, so the results keep fp16 accuracy.
+TEST_F(CudaTest, SmallUpstreamGradientsDoNotUnderflowFp16) {
+  OptionSet o{"tiny_rs", Reduction::kNone, 0, 0, 0, true, false, true, 0.1, 0};
+  for (DType dtype : {DType::kF16, DType::kBF16}) {
+    RandomProblem rp = RandomProblem::Make(MakeSpec({"rs", 300, 128, 2000}, o, dtype, 61));
+    for (float& g : rp.grad_output) g *= 1e-5f;
+    const LossProblem p = rp.problem();
+    ReferenceOutputs ref;
+    ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+    HostOutputs out(p, dtype);
+    ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
+    EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs())) << DTypeName(dtype);
+  }
+}
+
 TEST_F(CudaTest, EveryTargetIgnoredGivesZeros) {
   OptionSet o{"ign", Reduction::kMean, 0.1f, 1e-3f, 0, true, true, false, 1.0, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"i", 12, 16, 50}, o, DType::kBF16, 4));

@@ -126,14 +126,25 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
 }
 
 GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {
+  GradScales g;
+  if (o.reduction == Reduction::kNone) {
+    // The per-row upstream gradient carries the scale; its largest magnitude, as the power of
+    // two 2^e just above it, leaves the stored gradient (ce = z = 2^-e) for the GEMMs' alpha.
+    double scale = 1.0;
+    if (s.row_grad_max_abs > 0 && std::isfinite(s.row_grad_max_abs)) {
+      int e = 0;
+      std::frexp(s.row_grad_max_abs, &e);  // max = f 2^e, f in [0.5, 1)
+      scale = std::ldexp(1.0, -std::clamp(e, -100, 100));
+    }
+    g.ce = g.z = static_cast<float>(scale);
+    g.alpha = static_cast<float>(1.0 / scale);
+    return g;
+  }
   double ce = o.grad_scale, z = o.grad_scale;
   if (o.reduction == Reduction::kMean) {
     ce = s.weight_sum != 0 ? o.grad_scale / s.weight_sum : 0.0;
     z = s.tokens != 0 ? o.grad_scale / static_cast<double>(s.tokens) : 0.0;
-  } else if (o.reduction == Reduction::kNone) {
-    ce = z = 1.0;  // the per-row upstream gradient carries the scale
   }
-  GradScales g;
   const double alpha = (ce != 0 && std::isfinite(ce)) ? ce : 1.0;
   g.alpha = static_cast<float>(alpha);
   g.ce = static_cast<float>(ce / alpha);

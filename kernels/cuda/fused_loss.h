@@ -30,6 +30,9 @@ struct TargetSummary {
   int64_t tokens = 0;           // non-ignored rows
   double weight_sum = 0;        // sum of cw[t_i] over non-ignored rows (tokens without weights)
   double class_weight_sum = 0;  // sum_j cw_j (V without weights)
+  // max_i |row_grad_i| for reduction none with an upstream gradient (0 otherwise): taken out
+  // of the stored gradient as a power of two, so small upstream gradients do not underflow fp16.
+  double row_grad_max_abs = 0;
 };
 
 // Validates targets (each in [0, V) or ignore_index), converts them to int32 with -1 for an
@@ -130,7 +133,9 @@ ChunkPlan PlanWhole(int64_t bt, int64_t h, int64_t v, DType dtype, bool want_dx,
                     uint64_t budget_bytes, uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
 
 // Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
-// common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow.
+// common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow:
+// grad_scale / N for the mean, and for reduction none the power of two at or above the largest
+// upstream |row_grad| (a power of two, so bf16 and fp32 results are unchanged by it).
 struct GradScales {
   float ce = 1, z = 1, alpha = 1;
 };
