@@ -23,6 +23,17 @@ class BackendBuffer {
   virtual size_t size() const = 0;
 };
 
+// Page-locked ("pinned") host memory from a backend's runtime, for host buffers the backend
+// copies to and from: the device's DMA engine reads and writes them directly, with no staging
+// copy through driver buffers. Lives as long as the process, so memory taken from it may be
+// given back after the backend that offered it is gone.
+class HostMemory {
+ public:
+  virtual ~HostMemory() = default;
+  virtual void* Allocate(size_t bytes) = 0;  // null when none can be had
+  virtual void Free(void* p) = 0;
+};
+
 struct BackendInfo {
   std::string name;    // "cpu" or "cuda"
   std::string device;  // e.g. "NVIDIA H200"
@@ -55,6 +66,9 @@ class Backend {
   // target range); a backend still refuses what it cannot do with INVALID_ARGUMENT.
   virtual absl::Status Compute(const LossProblem& p, const LossOutputs& out,
                                LossStats* stats) = 0;
+
+  // This backend's pinned host memory, or null when ordinary memory is as good (CPU).
+  virtual HostMemory* host_memory() { return nullptr; }
 };
 
 }  // namespace lossd

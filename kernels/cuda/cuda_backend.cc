@@ -273,6 +273,36 @@ absl::Status CudaBackend::Zero(BackendBuffer& buf) {
       CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(after memset)"));
 }
 
+namespace {
+
+// Pinned host memory for the engine's request and response buffers. Never destroyed: buffers
+// from it may outlive every backend (they go back to the engine's pool first).
+class PinnedHostMemory : public HostMemory {
+ public:
+  explicit PinnedHostMemory(int device) : device_(device) {}
+  void* Allocate(size_t bytes) override {
+    void* p = nullptr;
+    // Any thread may ask: make this backend's device current for it first.
+    if (cudaSetDevice(device_) != cudaSuccess ||
+        cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: ordinary memory serves instead
+      return nullptr;
+    }
+    return p;
+  }
+  void Free(void* p) override { cudaFreeHost(p); }
+
+ private:
+  const int device_;
+};
+
+}  // namespace
+
+HostMemory* CudaBackend::host_memory() {
+  static PinnedHostMemory* memory = new PinnedHostMemory(options_.device);
+  return memory;
+}
+
 ChunkPlan CudaBackend::Plan(const LossProblem& p, const LossOutputs& out) const {
   const uint64_t budget =
       options_.chunk_budget_bytes != 0 ? options_.chunk_budget_bytes : kDefaultChunkBudgetBytes;

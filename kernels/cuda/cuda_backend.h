@@ -57,6 +57,8 @@ class CudaBackend : public Backend {
   absl::Status Zero(BackendBuffer& buf) override;
   uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override;
   absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
+  // Page-locked memory (cudaHostAlloc, portable to every context); lives for the process.
+  HostMemory* host_memory() override;
 
   // The chunk plan Compute would use for this problem and these outputs.
   ChunkPlan Plan(const LossProblem& p, const LossOutputs& out) const;

@@ -161,16 +161,35 @@ class HostBufferPool {
 
   uint8_t* Take(uint64_t bytes) {
     if (bytes >= kMinPooled) {
-      absl::MutexLock lock(&mu_);
-      auto it = idle_.find(bytes);
-      if (it != idle_.end() && !it->second.empty()) {
-        uint8_t* p = it->second.back();
-        it->second.pop_back();
-        idle_bytes_ -= bytes;
-        return p;
+      HostMemory* memory = nullptr;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = idle_.find(bytes);
+        if (it != idle_.end() && !it->second.empty()) {
+          uint8_t* p = it->second.back();
+          it->second.pop_back();
+          idle_bytes_ -= bytes;
+          return p;
+        }
+        // Only what the pool can keep is pinned: pinning and unpinning cost more than a copy
+        // saves when the buffer is used once (a 2 GiB gradient snapshot, say).
+        if (bytes <= cap_) memory = memory_;
+      }
+      // Pinning is slow (the pages are faulted in and locked): outside the lock.
+      if (memory != nullptr) {
+        if (auto* p = static_cast<uint8_t*>(memory->Allocate(bytes)); p != nullptr) {
+          absl::MutexLock lock(&mu_);
+          owner_[p] = memory;
+          return p;
+        }
       }
     }
     return new uint8_t[bytes == 0 ? 1 : bytes];
+  }
+
+  void SetMemory(HostMemory* memory) {
+    absl::MutexLock lock(&mu_);
+    memory_ = memory;
   }
 
   void Give(uint8_t* p, uint64_t bytes) {
@@ -180,7 +199,7 @@ class HostBufferPool {
       for (auto it = idle_.begin(); idle_bytes_ + bytes > cap_ && it != idle_.end(); ++it) {
         if (it->first == bytes) continue;
         while (!it->second.empty() && idle_bytes_ + bytes > cap_) {
-          delete[] it->second.back();
+          ReleaseLocked(it->second.back());
           it->second.pop_back();
           idle_bytes_ -= it->first;
         }
@@ -190,6 +209,8 @@ class HostBufferPool {
         idle_bytes_ += bytes;
         return;
       }
+      ReleaseLocked(p);
+      return;
     }
     delete[] p;
   }
@@ -199,7 +220,7 @@ class HostBufferPool {
     cap_ = cap;
     for (auto& [size, list] : idle_) {
       while (!list.empty() && idle_bytes_ > cap_) {
-        delete[] list.back();
+        ReleaseLocked(list.back());
         list.pop_back();
         idle_bytes_ -= size;
       }
@@ -212,8 +233,21 @@ class HostBufferPool {
   }
 
  private:
+  // Back to wherever the buffer came from: its HostMemory, or the heap.
+  void ReleaseLocked(uint8_t* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = owner_.find(p);
+    if (it == owner_.end()) {
+      delete[] p;
+      return;
+    }
+    it->second->Free(p);
+    owner_.erase(it);
+  }
+
   static constexpr uint64_t kMinPooled = 1 << 20;
   absl::Mutex mu_;
+  HostMemory* memory_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::flat_hash_map<uint8_t*, HostMemory*> owner_ ABSL_GUARDED_BY(mu_);  // pinned buffers
   uint64_t cap_ ABSL_GUARDED_BY(mu_) = 2ull << 30;
   uint64_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, std::vector<uint8_t*>> idle_ ABSL_GUARDED_BY(mu_);
@@ -242,6 +276,8 @@ HostBuffer NewHostBuffer(uint64_t bytes) {
 
 void SetHostBufferPoolBytes(uint64_t bytes) { HostBufferPool::Get().SetCap(bytes); }
 
+void SetHostBufferMemory(HostMemory* memory) { HostBufferPool::Get().SetMemory(memory); }
+
 uint64_t HostBufferPoolIdleBytes() { return HostBufferPool::Get().idle_bytes(); }
 
 PendingWeights::~PendingWeights() {
@@ -254,7 +290,11 @@ Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
       budget_(options_.memory_budget_bytes, options_.max_queue),
       weights_(options_.weight_cache_bytes, options_.instance, options_.max_weight_handles),
       accumulators_(backend_.get(), options_.accumulator_bytes, options_.max_accumulators),
-      executor_(options_.executor_threads) {}
+      executor_(options_.executor_threads) {
+  // Request and response buffers in the backend's pinned memory where it has any, so its
+  // copies to and from the device are direct DMA.
+  SetHostBufferMemory(backend_->host_memory());
+}
 
 Engine::~Engine() = default;
 

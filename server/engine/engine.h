@@ -58,6 +58,10 @@ HostBuffer NewHostBuffer(uint64_t bytes);
 // Most bytes the pool keeps idle (default 2 GiB); 0 turns it off.
 void SetHostBufferPoolBytes(uint64_t bytes);
 uint64_t HostBufferPoolIdleBytes();
+// Where the pool's new large buffers come from: a backend's pinned memory (the Engine sets
+// its backend's), or null for ordinary memory. Buffers already made keep their origin and go
+// back to it.
+void SetHostBufferMemory(HostMemory* memory);
 
 // The --check_finite test of elements [first, first + n) of a float tensor (bf16, fp16, fp32;
 // other dtypes pass) that starts at `tensor`: INVALID_ARGUMENT "<name> contains a non-finite
