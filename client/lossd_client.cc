@@ -122,8 +122,11 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
  public:
   using Handler = std::function<absl::Status(const grpc::ByteBuffer&)>;
 
-  StreamCall(std::vector<grpc::ByteBuffer> out, Handler on_message)
-      : out_(std::move(out)), on_message_(std::move(on_message)) {}
+  // on_sent (nullable): called once, on a gRPC thread, when the last message has been
+  // written; it must return quickly.
+  StreamCall(std::vector<grpc::ByteBuffer> out, Handler on_message,
+             std::function<void()> on_sent = nullptr)
+      : out_(std::move(out)), on_message_(std::move(on_message)), on_sent_(std::move(on_sent)) {}
 
   // Blocks until the call is over. Returns the handler's first error (the call is cancelled
   // then), else the call's status.
@@ -173,6 +176,7 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   void OnWriteDone(bool ok) override {
     if (!ok) return;  // the call is broken; OnDone brings the status
     ++next_;
+    if (next_ == out_.size() && on_sent_) on_sent_();
     StartNextWrite();
   }
 
@@ -219,6 +223,7 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   size_t next_ = 0;      // touched only by StartNextWrite, before StartCall and in OnWriteDone
   grpc::ByteBuffer in_;  // the outstanding read's target
   Handler on_message_;
+  std::function<void()> on_sent_;
   grpc::ClientContext* ctx_ = nullptr;
 
   absl::Mutex mu_;
@@ -329,11 +334,12 @@ class StripeGroup {
 absl::Status RunStream(grpc::GenericStub* stub, const char* method,
                        const std::function<void(grpc::ClientContext*)>& prepare,
                        std::vector<grpc::ByteBuffer> out, StreamCall::Handler on_message,
-                       StripeGroup* group = nullptr, int stripe = 0) {
+                       StripeGroup* group = nullptr, int stripe = 0,
+                       std::function<void()> on_sent = nullptr) {
   grpc::ClientContext ctx;
   prepare(&ctx);
   if (group != nullptr) group->Register(stripe, &ctx);
-  StreamCall stream(std::move(out), std::move(on_message));
+  StreamCall stream(std::move(out), std::move(on_message), std::move(on_sent));
   absl::Status status = stream.Run(stub, method, &ctx);
   if (group != nullptr) group->Unregister(stripe);
   return status;
@@ -368,10 +374,11 @@ void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceT
 }
 
 // Owned output buffers of the sizes a request implies, allocated when the call starts and
-// written once per page on a helper thread while the inputs travel and the server computes,
-// so the received parts land in memory that is already mapped: a fresh 64 MiB buffer takes
-// 16k page faults, which otherwise happen inside the receive copy (about 20 ms a call on a
-// 2-core machine). Only for outputs without an output_into buffer, of at least 1 MiB.
+// written once per page on a helper thread once the inputs are sent, while the server
+// computes (the client is idle then; touching pages during the upload would compete with it
+// for cores), so the received parts land in memory that is already mapped: a fresh 64 MiB
+// buffer takes 16k page faults, which otherwise happen inside the receive copy (about 20 ms
+// a call on a 2-core machine). Only for outputs without an output_into buffer, of >= 1 MiB.
 class OutputPrefetcher {
  public:
   OutputPrefetcher() = default;
@@ -392,16 +399,26 @@ class OutputPrefetcher {
     }
   }
 
-  // Touches every page of the buffers added so far on a thread of its own.
+  // Touches every page of the buffers added so far on a thread of its own, after Sent().
   void Start() {
     if (ready_.empty()) return;
     std::vector<std::pair<uint8_t*, size_t>> spans;
     for (auto& [id, t] : ready_) spans.emplace_back(t.mutable_data(), t.num_bytes());
-    toucher_ = std::thread([spans] {
+    toucher_ = std::thread([this, spans] {
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(&go_));
+      }
       for (const auto& [p, n] : spans) {
         for (size_t i = 0; i < n; i += 4096) p[i] = 0;
       }
     });
+  }
+
+  // The inputs are sent: touching may begin. Safe from any thread, any number of times.
+  void Sent() {
+    absl::MutexLock lock(&mu_);
+    go_ = true;
   }
 
   // The buffer prepared for `id` if it has this dtype and shape, else nullopt.
@@ -419,11 +436,14 @@ class OutputPrefetcher {
 
  private:
   void Join() {
+    Sent();  // a call that ends before its inputs are all sent still lets the thread finish
     if (toucher_.joinable()) toucher_.join();
   }
 
   std::vector<std::pair<int32_t, HostTensor>> ready_;
   std::thread toucher_;
+  absl::Mutex mu_;
+  bool go_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // One announced output tensor being received.
@@ -998,7 +1018,8 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
 
   const absl::Status status = RunStream(
       NextConnection().generic.get(), kComputeMethod,
-      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message);
+      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message,
+      /*group=*/nullptr, /*stripe=*/0, [&prefetched] { prefetched.Sent(); });
   tracker.WaitUntilReleased();
   LOSSD_CLIENT_RETURN_IF_ERROR(status);
   if (!have_summary) return absl::InternalError("server ended the stream without a summary");
