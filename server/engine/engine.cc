@@ -889,6 +889,10 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
     auto it = uploads_.find(upload_id);
     if (it != uploads_.end()) {
       u = it->second;
+    } else if (ended_.contains(upload_id)) {
+      return absl::AbortedError(absl::StrCat(
+          "striped upload '", upload_id,
+          "' has already ended (completed or aborted); send it again under a new upload_id"));
     } else {
       auto pending = BeginPutWeights(w, bias);
       if (!pending.ok()) return pending.status();
@@ -992,6 +996,7 @@ void Engine::FinishStripe(const std::shared_ptr<StripedUpload>& u, StripedUpload
   if (completes) {
     absl::MutexLock lock(&uploads_mu_);
     uploads_.erase(u->id_);
+    RememberEndedLocked(u->id_);
   }
   for (auto& w : waiters) w(result);
 }
@@ -1019,10 +1024,20 @@ void Engine::FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const ab
   {
     absl::MutexLock lock(&uploads_mu_);
     uploads_.erase(u->id_);
+    RememberEndedLocked(u->id_);
   }
   const absl::Status aborted = absl::AbortedError(absl::StrCat(
       "striped upload '", u->id_, "' was aborted because a stripe failed: ", why.message()));
   for (auto& w : waiters) w(aborted);
+}
+
+void Engine::RememberEndedLocked(const std::string& id) {
+  if (!ended_.insert(id).second) return;
+  ended_order_.push_back(id);
+  if (ended_order_.size() > kEndedUploadsKept) {
+    ended_.erase(ended_order_.front());
+    ended_order_.pop_front();
+  }
 }
 
 absl::Status Engine::DropAccumulator(const std::string& name) {

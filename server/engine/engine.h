@@ -7,6 +7,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -15,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -208,6 +210,13 @@ class Engine {
   absl::Mutex uploads_mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<StripedUpload>> uploads_
       ABSL_GUARDED_BY(uploads_mu_);
+  // The ids of the last kEndedUploadsKept uploads that completed or were aborted, oldest
+  // first: a stripe that arrives after its upload ended is refused instead of starting a
+  // fresh upload under the same id (which would hold a reservation no one completes).
+  static constexpr size_t kEndedUploadsKept = 4096;
+  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(uploads_mu_);
+  absl::flat_hash_set<std::string> ended_ ABSL_GUARDED_BY(uploads_mu_);
+  void RememberEndedLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(uploads_mu_);
   Executor executor_;  // last: joined first, while everything above is alive
 };
 

@@ -185,6 +185,32 @@ TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
 namespace lossd {
 namespace {
 
+// A stripe whose header arrives after its upload was aborted (a sibling failed) or completed
+// is refused, and starts no fresh upload under the same id: nothing stays reserved.
+TEST(EngineTest, AStripeOfAnEndedUploadIsRefusedAndReservesNothing) {
+  EngineOptions o;
+  o.weight_cache_bytes = 1 << 20;
+  Engine e(NewCpuBackend(1), o);
+  TensorDesc w, bias;
+  w.present = true;
+  w.dtype = DType::kF32;
+  w.shape = {64, 32};  // 8 KiB
+  const uint64_t bytes = 64 * 32 * 4;
+  auto first = e.JoinStripedUpload("u1", 2, w, bias, 0, bytes / 2, false);
+  ASSERT_TRUE(first.ok()) << first.status();
+  e.FailStripedUpload("u1", absl::InvalidArgumentError("w contains a non-finite value"));
+  auto late = e.JoinStripedUpload("u1", 2, w, bias, bytes / 2, bytes, false);
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << late.status();
+  EXPECT_NE(late.status().message().find("already ended"), std::string::npos) << late.status();
+  EXPECT_TRUE(e.weights().Reserve(e.weights().budget()).ok()) << "a reservation was left held";
+  e.weights().Unreserve(e.weights().budget());
+  // A new id works as before.
+  auto fresh = e.JoinStripedUpload("u2", 2, w, bias, 0, bytes / 2, false);
+  EXPECT_TRUE(fresh.ok()) << fresh.status();
+  e.FailStripedUpload("u2", absl::CancelledError("test done"));
+}
+
 // Hands out heap memory and counts what it gave and got back, like a backend's pinned memory.
 class CountingHostMemory : public HostMemory {
  public:
