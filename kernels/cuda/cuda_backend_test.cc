@@ -372,9 +372,10 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
 }
 
 // Reduction none with small upstream gradients (1e-5, as from a mean over many tokens done
-// by the caller) in fp16: stored as rs (p - onehot), every gradient element would be an fp16
-// subnormal (below 6.1e-5) and lose most of its bits; the largest |rs| leaves the stored
-// gradient as a power of two, so the results keep fp16 accuracy.
+// by the caller) with fp16 inputs and fp32 gradients out: stored as rs (p - onehot), most
+// gradient elements would be fp16 subnormals or zero (below 6.1e-5), and dX would lose the
+// softmax-weighted part of W; the largest |rs| leaves the stored gradient as a power of two,
+// so the results keep fp16 accuracy. (fp16 gradients out would be subnormal themselves.)
 TEST_F(CudaTest, SmallUpstreamGradientsDoNotUnderflowFp16) {
   OptionSet o{"tiny_rs", Reduction::kNone, 0, 0, 0, true, false, true, 0.1, 0};
   for (DType dtype : {DType::kF16, DType::kBF16}) {
@@ -383,7 +384,7 @@ TEST_F(CudaTest, SmallUpstreamGradientsDoNotUnderflowFp16) {
     const LossProblem p = rp.problem();
     ReferenceOutputs ref;
     ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-    HostOutputs out(p, dtype);
+    HostOutputs out(p, DType::kF32);
     ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
     EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs())) << DTypeName(dtype);
   }
