@@ -120,7 +120,10 @@ def parse_results(text):
                 val = parse_time_ms(cell) if kind.endswith("_ms") else parse_bytes(
                     cell, unit or "MiB", last)
                 if val is not None:
-                    row[kind] = val
+                    # Two floors in one row (cuBLASLt's first choice and the tuned one): the
+                    # lower is the floor.
+                    keep_min = kind in row and not kind.startswith("fused_")
+                    row[kind] = min(val, row[kind]) if keep_min else val
             rec = data[shape]
             # The fused numbers of a shape come from the first table that has them (the
             # headline: the backend's defaults), and within it from its fastest row, so time
