@@ -314,6 +314,15 @@ ChunkPlan CudaBackend::Plan(const LossProblem& p, const LossOutputs& out) const 
   }
   ChunkPlan plan =
       PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
+  if (options_.auto_schedule && out.dw_accum == nullptr && out.dw == nullptr) {
+    plan.schedule = Schedule::kRowHalves;  // no dW to overlap
+  } else if (options_.auto_schedule) {
+    // Short chunks re-read the fp32 dW often; the column halves hide part of that traffic
+    // under the next chunk's logits GEMM. Long chunks gain more from the row halves' CE
+    // overlap (bench/RESULTS.md: columns won at C = 1024, rows at C >= 2048).
+    plan.schedule = plan.chunk_rows < 2048 && plan.chunk_rows < p.bt ? Schedule::kColumnHalves
+                                                                      : Schedule::kRowHalves;
+  }
   plan.side_sms = options_.side_sms;
   return plan;
 }

@@ -28,6 +28,9 @@ struct CudaBackendOptions {
   uint64_t memory_budget_bytes = 0;  // most device bytes held at once; 0 = no own limit
   uint64_t chunk_budget_bytes = 0;   // chunk buffer + GEMM workspaces; 0 = 512 MiB
   Schedule schedule = kDefaultSchedule;
+  // Pick the schedule per problem (column halves for chunks under 2048 rows when there is
+  // more than one, row halves otherwise) instead of `schedule`.
+  bool auto_schedule = true;
   int32_t side_sms = kDefaultSideSms;  // see ChunkPlan::side_sms
   // Time cuBLASLt's candidates on the first Compute of each shape (FusedLoss::set_autotune).
   bool autotune_gemms = true;

@@ -207,6 +207,7 @@ TEST_F(CudaTest, BothSchedulesMatchReference) {
   for (const auto& [schedule, side_sms] : configs) {
     CudaBackendOptions bo;
     bo.schedule = schedule;
+    bo.auto_schedule = false;
     bo.side_sms = side_sms;
     auto b = CudaBackend::Create(bo);
     ASSERT_TRUE(b.ok()) << b.status();
@@ -345,6 +346,7 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
     for (bool autotune : {true, false}) {
       CudaBackendOptions bo;
       bo.schedule = schedule;
+      bo.auto_schedule = false;
       bo.autotune_gemms = autotune;
       auto b = CudaBackend::Create(bo);
       ASSERT_TRUE(b.ok()) << b.status();
@@ -388,6 +390,27 @@ TEST_F(CudaTest, SmallUpstreamGradientsDoNotUnderflowFp16) {
     ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
     EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs())) << DTypeName(dtype);
   }
+}
+
+// The schedule follows the chunk length: column halves for short chunks (several of them,
+// with a dW to accumulate), row halves otherwise.
+TEST_F(CudaTest, ScheduleFollowsTheChunkLength) {
+  LossProblem p;
+  p.dtype = DType::kBF16;
+  LossOutputs with_dw, dx_only;
+  float marker = 0;
+  with_dw.dw = &marker;  // never dereferenced: Plan reads only which outputs are wanted
+  with_dw.dx = &marker;
+  dx_only.dx = &marker;
+  p.bt = 8192, p.h = 2304, p.v = 256000;  // 512 MiB holds 1024 rows
+  EXPECT_EQ(backend_->Plan(p, with_dw).chunk_rows, 1024);
+  EXPECT_EQ(backend_->Plan(p, with_dw).schedule, Schedule::kColumnHalves);
+  EXPECT_EQ(backend_->Plan(p, dx_only).schedule, Schedule::kRowHalves);
+  p.bt = 8192, p.h = 4096, p.v = 128256;  // 2048 rows
+  EXPECT_EQ(backend_->Plan(p, with_dw).chunk_rows, 2048);
+  EXPECT_EQ(backend_->Plan(p, with_dw).schedule, Schedule::kRowHalves);
+  p.bt = 1000, p.h = 64, p.v = 1000;  // one chunk: nothing to overlap across chunks
+  EXPECT_EQ(backend_->Plan(p, with_dw).schedule, Schedule::kRowHalves);
 }
 
 TEST_F(CudaTest, EveryTargetIgnoredGivesZeros) {
