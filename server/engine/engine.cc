@@ -79,6 +79,20 @@ bool AnyNonFinite(const uint8_t* data, uint64_t n, Bits exponent_mask) {
   return hit != 0;
 }
 
+// Element i of a float tensor (bf16, fp16, fp32) as fp32, read through memcpy: like the
+// fast path, the slow one may see a part's data at any byte address (LoadAsFloat's typed
+// load of a misaligned element is undefined behaviour).
+float LoadFloatUnaligned(const uint8_t* data, DType dtype, uint64_t i) {
+  if (dtype == DType::kF32) {
+    float f;
+    std::memcpy(&f, data + i * sizeof(f), sizeof(f));
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, data + i * sizeof(h), sizeof(h));
+  return dtype == DType::kBF16 ? Bf16ToFloat(h) : F16ToFloat(h);
+}
+
 // Elements [0, n) of `data` are elements [first, first + n) of the tensor `name` (for the
 // index in the message).
 absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const char* name,
@@ -92,7 +106,7 @@ absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const cha
   }
   if (!any) return absl::OkStatus();
   for (uint64_t i = 0; i < n; ++i) {  // the slow path only finds where
-    float f = LoadAsFloat(data, dtype, i);
+    const float f = LoadFloatUnaligned(data, dtype, i);
     if (!std::isfinite(f)) {
       const uint64_t at = first + i;
       std::string where = cols > 0 ? absl::StrCat("[", at / cols, ", ", at % cols, "]")
