@@ -58,10 +58,14 @@ if [ $QUICK = 1 ]; then
 else
   # 16 clients x 2 GiB fp32 accumulators; W by handle (1 GiB) plus the transfer tests' uploads;
   # up to ~8 inline Computes (W, X, dX, dW host copies + device workspace) admitted at once.
+  # The pool of freed host buffers keeps 8 GiB (default 2): 16 clients' X and dX (64 MiB
+  # each) and a few inline W / dW (1 GiB each) stay mapped between calls instead of
+  # page-faulting again.
   CEIL_ARGS=(--bytes=$((2 << 30)) --runs=3)
   BENCH_ARGS=(--budget_s=300)
   SERVER_ARGS=(--memory_budget_bytes=$((48 << 30)) --weight_cache_bytes=$((8 << 30))
-               --accumulator_bytes=$((40 << 30)) --max_accumulators=64)
+               --accumulator_bytes=$((40 << 30)) --max_accumulators=64
+               --host_buffer_pool_bytes=$((8 << 30)))
   BENCH_TIMEOUT=390
 fi
 
