@@ -33,7 +33,7 @@ command -v "$CXX" >/dev/null || { echo "FUZZ FAIL build: $CXX not found (apt-get
 /usr/bin/protoc -I"$ROOT/proto" --cpp_out="$BUILD/gen" "$ROOT/proto/lossd/v1/lossd.proto" || {
   echo "FUZZ FAIL build: protoc"; exit 1; }
 
-PKGS="protobuf openblas gtest absl_status absl_statusor absl_strings absl_str_format \
+PKGS="protobuf grpc++ openblas gtest absl_status absl_statusor absl_strings absl_str_format \
 absl_synchronization absl_time absl_hash absl_raw_hash_set"
 CFLAGS_PKG="$(pkg-config --cflags $PKGS)"
 LIBS_PKG="$(pkg-config --libs $PKGS)"
@@ -42,8 +42,8 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 
 # Our code gets coverage instrumentation; the generated protobuf code does not (it would only
 # lead the fuzzer into protobuf's own parser, which is not ours to test).
-SRCS_COVERED="server/wire_convert.cc server/compute_assembler.cc server/engine/engine.cc
-server/engine/memory_budget.cc server/engine/weight_cache.cc server/engine/accumulators.cc
+SRCS_COVERED="client/part_codec.cc server/wire_convert.cc server/compute_assembler.cc
+server/engine/engine.cc server/engine/memory_budget.cc server/engine/weight_cache.cc server/engine/accumulators.cc
 server/engine/executor.cc kernels/cpu/cpu_backend.cc kernels/cpu/reference.cc
 kernels/cpu/test_util.cc tests/fuzz/fuzz_env.cc tests/fuzz/compute_stream_fuzzer.cc
 tests/fuzz/options_fuzzer.cc tests/fuzz/put_weights_fuzzer.cc"
@@ -65,7 +65,7 @@ OBJS=()
   done
 } > "$BUILD/compile_list"
 # Headers change objects too: rebuild everything when any header under the tree is newer.
-newest_header=$(find "$ROOT/server" "$ROOT/kernels" "$ROOT/tests/fuzz" -name '*.h' -newer "$BUILD/obj/.stamp" 2>/dev/null | head -1)
+newest_header=$(find "$ROOT/client" "$ROOT/server" "$ROOT/kernels" "$ROOT/tests/fuzz" -name '*.h' -newer "$BUILD/obj/.stamp" 2>/dev/null | head -1)
 if [[ ! -e "$BUILD/obj/.stamp" || -n "$newest_header" ]]; then export FUZZ_REBUILD=1; fi
 if ! xargs -P "$JOBS" -L 1 bash -c 'compile "$@"' _ < "$BUILD/compile_list"; then
   build_failed=1

@@ -1,14 +1,26 @@
 // Fuzz target: one Compute stream as the server sees it. The input is a list of records (see
-// fuzz_env.h), each parsed as a lossd.v1.ComputeRequest; the first must be the header. It
-// goes through ComputeSpecFromWire -> Engine::Plan -> admission -> ComputeAssembler::Accept
-// for every part -> CheckComplete -> Engine::Run, as the reactor drives them. Promises
-// checked: no crash or sanitizer report, no hang, refusals are clean errors, a plan stays
-// within the limits, a completed compute returns exactly the planned outputs, accumulators
-// count the micro-batch, and nothing (memory, reservations, accumulators) is left behind.
+// fuzz_env.h), each one received message; the first must be the header. As in the raw
+// Compute method, every record arrives as a gRPC byte buffer (split into slices at places
+// the record's bytes choose, empty slices included) and is parsed in place by
+// client::StreamFrame; protobuf's own parse of the same bytes is the oracle for what it
+// finds. Then ComputeSpecFromWire -> Engine::Plan -> admission -> ComputeAssembler::Accept
+// (pieces, NaN/Inf checked part by part) for every part -> CheckComplete -> Engine::Run
+// (skipping its own NaN/Inf scan, as the server does), as the reactor drives them. Promises
+// checked: no crash or sanitizer report, no hang, the in-place parse agrees with protobuf,
+// refusals are clean errors, a plan stays within the limits, a completed compute had finite
+// inputs and returns exactly the planned outputs, accumulators count the micro-batch, and
+// nothing (memory, reservations, accumulators) is left behind.
 #include <cmath>
+#include <algorithm>
 #include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "client/part_codec.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
+#include "kernels/dtype.h"
 #include "lossd/v1/lossd.pb.h"
 #include "server/compute_assembler.h"
 #include "server/wire_convert.h"
@@ -17,6 +29,95 @@
 namespace lossd {
 namespace fuzz {
 namespace {
+
+// Parts one fuzzed stream may send (the server's --max_parts_per_request): small, so that the
+// refusal is reachable within the 256 records of an input.
+constexpr uint64_t kMaxParts = 64;
+
+uint64_t Fnv1a(absl::string_view bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : bytes) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+// The record as gRPC may hand it to a raw method: one slice, or slices of 1..48 bytes with
+// or without empty slices between them. Each slice is its own copy, so a read past one is
+// a sanitizer report.
+grpc::ByteBuffer AsReceived(absl::string_view record) {
+  const uint64_t h = Fnv1a(record);
+  std::vector<grpc::Slice> slices;
+  if (h % 4 == 0 || record.empty()) {
+    if (!record.empty()) slices.emplace_back(record.data(), record.size());
+  } else {
+    const size_t step = 1 + (h >> 2) % 48;
+    const bool empties = ((h >> 10) & 1) != 0;
+    for (size_t pos = 0; pos < record.size(); pos += step) {
+      if (empties) slices.emplace_back();
+      slices.emplace_back(record.data() + pos, std::min(step, record.size() - pos));
+    }
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// Parses `record` in place into `frame` as the raw Compute method does; when protobuf parses
+// the same bytes too, both must have found the same message.
+absl::Status ParseFrame(absl::string_view record, client::StreamFrame* frame) {
+  const grpc::ByteBuffer buffer = AsReceived(record);
+  absl::Status parsed = frame->Parse(buffer);
+  if (!parsed.ok()) {
+    CheckCleanError(parsed, "StreamFrame::Parse");
+    return parsed;
+  }
+  v1::ComputeRequest m;
+  if (!m.ParseFromArray(record.data(), static_cast<int>(record.size()))) return parsed;
+  using Kind = client::StreamFrame::Kind;
+  switch (m.kind_case()) {
+    case v1::ComputeRequest::kHeader: {
+      Check(frame->kind() == Kind::kHeader, "protobuf parses a header, StreamFrame does not");
+      v1::ComputeHeader header;
+      Check(header.ParseFromString(frame->header_bytes()),
+            "the header bytes StreamFrame found do not parse");
+      Check(header.SerializeAsString() == m.header().SerializeAsString(),
+            "StreamFrame's header differs from protobuf's");
+      break;
+    }
+    case v1::ComputeRequest::kPart: {
+      Check(frame->kind() == Kind::kPart, "protobuf parses a part, StreamFrame does not");
+      const v1::TensorPart& p = m.part();
+      Check(frame->tensor() == static_cast<int32_t>(p.tensor()),
+            "StreamFrame's part tensor differs from protobuf's");
+      Check(frame->offset() == p.offset(), "StreamFrame's part offset differs from protobuf's");
+      Check(frame->data_size() == p.data().size(),
+            "StreamFrame's part size differs from protobuf's");
+      std::string data;
+      for (const auto& piece : frame->data_pieces()) {
+        data.append(reinterpret_cast<const char*>(piece.first), piece.second);
+      }
+      Check(data == p.data(), "StreamFrame's part data pieces differ from protobuf's data");
+      break;
+    }
+    default:
+      Check(frame->kind() == Kind::kNone, "StreamFrame finds a member protobuf does not");
+  }
+  return parsed;
+}
+
+// The oracle of --check_finite, element by element (a compute may succeed only when this
+// holds): every float input is finite.
+bool InputsFinite(const ComputePlan& plan, const Engine::InputBuffers& inputs) {
+  for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
+    const InputSlot slot = static_cast<InputSlot>(i);
+    if (plan.input_bytes[i] == 0 || slot == InputSlot::kTargets) continue;
+    const DType dtype = slot == InputSlot::kClassWeights || slot == InputSlot::kGradOutput
+                            ? DType::kF32
+                            : plan.dtype;
+    const uint64_t n = plan.input_bytes[i] / DTypeSize(dtype);
+    for (uint64_t e = 0; e < n; ++e) {
+      if (!std::isfinite(LoadAsFloat(inputs[i].get(), dtype, e))) return false;
+    }
+  }
+  return true;
+}
 
 void CheckPlan(const ComputePlan& p) {
   Check(p.bt >= 1 && p.bt <= kMaxBT && p.h >= 1 && p.h <= kMaxH && p.v >= 1 && p.v <= kMaxV,
@@ -60,11 +161,13 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
   Engine& engine = *env.engine;
   const std::vector<absl::string_view> records = SplitRecords(data, size, 256);
   if (records.empty()) return;
-  v1::ComputeRequest first;
-  if (!first.ParseFromArray(records[0].data(), static_cast<int>(records[0].size()))) return;
-  if (!first.has_header()) return;  // the reactor refuses this before any engine call
+  client::StreamFrame frame;
+  if (!ParseFrame(records[0], &frame).ok()) return;  // the reactor refuses the call
+  if (frame.kind() != client::StreamFrame::Kind::kHeader) return;  // refused as well
+  v1::ComputeHeader header;
+  if (!header.ParseFromString(frame.header_bytes())) return;
 
-  auto spec = ComputeSpecFromWire(first.header());
+  auto spec = ComputeSpecFromWire(header);
   if (!spec.ok()) {
     CheckCleanError(spec.status(), "ComputeSpecFromWire");
     return;
@@ -91,19 +194,20 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
   }
   Check(granted, "an idle budget did not grant a request that fits");
 
-  auto assembler = std::make_unique<ComputeAssembler>(plan, kMaxPartBytes);
+  auto assembler = std::make_unique<ComputeAssembler>(plan, kMaxPartBytes, kMaxParts,
+                                                      /*check_finite=*/true);
   bool stream_ok = true;
   for (size_t i = 1; i < records.size(); ++i) {
-    v1::ComputeRequest m;
-    if (!m.ParseFromArray(records[i].data(), static_cast<int>(records[i].size()))) {
-      stream_ok = false;  // gRPC would fail the call before the reactor sees it
+    if (!ParseFrame(records[i], &frame).ok()) {
+      stream_ok = false;  // the reactor fails the call
       break;
     }
-    if (!m.has_part()) {
+    if (frame.kind() != client::StreamFrame::Kind::kPart) {
       stream_ok = false;  // a second header or an empty message: the reactor refuses it
       break;
     }
-    absl::Status s = assembler->Accept(m.part());
+    absl::Status s = assembler->Accept(frame.tensor(), frame.offset(), frame.data_pieces(),
+                                       frame.data_size());
     if (!s.ok()) {
       CheckCleanError(s, "ComputeAssembler::Accept");
       stream_ok = false;
@@ -116,9 +220,13 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
       CheckCleanError(complete, "ComputeAssembler::CheckComplete");
     } else {
       auto inputs = assembler->buffers();
+      const bool checked = assembler->finite_checked();
+      const bool finite = InputsFinite(*plan, *inputs);
       assembler.reset();
-      ComputeOutcome out = RunAndWait(plan, std::move(inputs));
+      ComputeOutcome out = RunAndWait(plan, std::move(inputs), checked);
       CheckOutcome(*plan, out);
+      Check(finite || !out.status.ok(),
+            "a compute with a NaN/Inf input succeeded (--check_finite is on)");
       if (!plan->accumulator.empty() && out.status.ok()) {
         auto g = engine.FetchGradients(plan->accumulator, /*reset=*/false);
         Check(g.ok(), "FetchGradients after a successful accumulation failed");

@@ -118,13 +118,14 @@ void CheckCleanError(const absl::Status& s, absl::string_view where) {
 }
 
 ComputeOutcome RunAndWait(std::shared_ptr<const ComputePlan> plan,
-                          std::shared_ptr<Engine::InputBuffers> inputs) {
+                          std::shared_ptr<Engine::InputBuffers> inputs,
+                          bool inputs_checked_finite) {
   auto done = std::make_shared<absl::Notification>();
   auto outcome = std::make_shared<ComputeOutcome>();
   Env().engine->Run(std::move(plan), std::move(inputs), [done, outcome](ComputeOutcome o) {
     *outcome = std::move(o);
     done->Notify();
-  });
+  }, absl::InfiniteFuture(), inputs_checked_finite);
   // Generous: the largest admissible request takes milliseconds even under sanitizers.
   Check(done->WaitForNotificationWithTimeout(absl::Seconds(30)),
         "Engine::Run did not finish within 30 s (hang)");

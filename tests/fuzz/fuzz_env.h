@@ -1,7 +1,8 @@
 // What every lossd fuzz target shares: one engine on the CPU backend with small limits (so no
 // input can ask for a large allocation), weights preloaded under a known handle, the record
 // framing of fuzz inputs, and the checks that turn a broken promise into a crash the fuzzer
-// sees. Test-only; it never talks gRPC (the reactors are covered by tests/e2e and faults).
+// sees. Test-only; it makes no RPC (gRPC byte buffers at most; the reactors are covered by
+// tests/e2e and faults).
 #ifndef LOSSD_TESTS_FUZZ_FUZZ_ENV_H_
 #define LOSSD_TESTS_FUZZ_FUZZ_ENV_H_
 
@@ -59,8 +60,10 @@ void Check(bool ok, absl::string_view what);
 // A refusal must be a clean error: one of the codes a request may earn and a message.
 void CheckCleanError(const absl::Status& s, absl::string_view where);
 // Runs a plan on the engine's executor and waits; aborts when it does not finish in time.
+// `inputs_checked_finite` as in Engine::Run.
 ComputeOutcome RunAndWait(std::shared_ptr<const ComputePlan> plan,
-                          std::shared_ptr<Engine::InputBuffers> inputs);
+                          std::shared_ptr<Engine::InputBuffers> inputs,
+                          bool inputs_checked_finite = false);
 // Checks what must hold once an input is done: no admitted memory and no weight-cache
 // reservation left behind, and the preloaded handle still served.
 void CheckIdle(absl::string_view where);
