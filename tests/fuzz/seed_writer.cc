@@ -144,6 +144,63 @@ std::string Records(const std::vector<v1::ComputeRequest>& messages) {
   return out;
 }
 
+// Raw protobuf wire encoding, for messages protobuf itself would write differently.
+std::string WireVarint(uint64_t v) {
+  std::string out;
+  for (; v >= 0x80; v >>= 7) out.push_back(static_cast<char>(v | 0x80));
+  out.push_back(static_cast<char>(v));
+  return out;
+}
+std::string WireTag(int field, int wire_type) { return WireVarint(field << 3 | wire_type); }
+std::string WireVarintField(int field, uint64_t v) { return WireTag(field, 0) + WireVarint(v); }
+std::string WireBytesField(int field, const std::string& bytes) {
+  return WireTag(field, 2) + WireVarint(bytes.size()) + bytes;
+}
+
+// A valid stream whose messages use encodings protobuf accepts but does not write, which the
+// in-place parser of the raw Compute method must read as protobuf does: the header in two
+// occurrences that merge, part fields in reverse order, unknown fields of every wire type at
+// both levels, a part's data given twice (the last wins), a part in two occurrences that merge.
+std::string WireVariants(const Stream& st) {
+  const std::vector<v1::ComputeRequest> m = st.Messages();
+  std::string out;
+  v1::ComputeHeader first = m[0].header(), second = m[0].header();
+  first.clear_targets();
+  first.clear_outputs();
+  second.clear_x();
+  second.clear_w();
+  second.clear_bias();  // in both, its repeated shape would merge to (V, V)
+  AppendRecord(&out, WireBytesField(1, first.SerializeAsString()) +
+                         WireBytesField(1, second.SerializeAsString()));
+  for (size_t i = 1; i < m.size(); ++i) {
+    const v1::TensorPart& p = m[i].part();
+    const std::string tensor = WireVarintField(1, static_cast<uint64_t>(p.tensor()));
+    const std::string offset = WireVarintField(2, p.offset());
+    const std::string data = WireBytesField(3, p.data());
+    std::string record;
+    switch (i % 4) {
+      case 0:
+        record = WireBytesField(2, data + offset + tensor);
+        break;
+      case 1:
+        record = WireVarintField(7, 1) +
+                 WireBytesField(2, WireVarintField(15, 7) + tensor + WireTag(9, 5) + "abcd" +
+                                       offset + WireBytesField(14, "skip") + data +
+                                       WireTag(13, 1) + "12345678") +
+                 WireTag(8, 5) + "wxyz";
+        break;
+      case 2:
+        record = WireBytesField(2, tensor + WireBytesField(3, "decoy") + offset + data);
+        break;
+      default:
+        record = WireBytesField(2, tensor + offset) + WireBytesField(2, data);
+        break;
+    }
+    AppendRecord(&out, record);
+  }
+  return out;
+}
+
 void WriteCompute(const std::string& root, const std::string& name, const Stream& s) {
   Write(root + "/compute_stream", name, Records(s.Messages()));
   Write(root + "/options", name, s.header.SerializeAsString());
@@ -282,6 +339,11 @@ void WriteComputeSeeds(const std::string& root) {
     Stream st = MakeStream(s, &rng);
     st.header.set_accumulator("bad name!");
     WriteCompute(root, "bad_accumulator_name", st);
+  }
+  {  // Last, so that the seeds above keep their random bytes.
+    Shape s;
+    s.bias = true;
+    Write(root + "/compute_stream", "valid_wire_variants", WireVariants(MakeStream(s, &rng)));
   }
 }
 
