@@ -6,6 +6,8 @@
 #ifndef LOSSD_KERNELS_CUDA_CUDA_BACKEND_H_
 #define LOSSD_KERNELS_CUDA_CUDA_BACKEND_H_
 
+#include <cuda_runtime_api.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -79,6 +81,9 @@ class CudaBackend : public Backend {
   std::string device_name_;
   std::shared_ptr<MemoryCounters> counters_;
   std::atomic<bool> healthy_{true};
+  // Allocations and frees are ordered on this stream, which runs no work (DeviceBuffer). Never
+  // destroyed: buffers may be freed after the backend is gone.
+  cudaStream_t alloc_stream_ = nullptr;
   absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
   std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
 };
