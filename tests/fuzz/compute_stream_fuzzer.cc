@@ -8,10 +8,12 @@
 // (skipping its own NaN/Inf scan, as the server does), as the reactor drives them. Promises
 // checked: no crash or sanitizer report, no hang, the in-place parse agrees with protobuf,
 // refusals are clean errors, a plan stays within the limits, a completed compute had finite
-// inputs and returns exactly the planned outputs, accumulators count the micro-batch, and
-// nothing (memory, reservations, accumulators) is left behind.
-#include <cmath>
+// inputs and returns exactly the planned outputs, accumulators count the micro-batch and
+// serve any byte range of their dW | db, and nothing (memory, reservations, accumulators) is
+// left behind.
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -117,6 +119,38 @@ bool InputsFinite(const ComputePlan& plan, const Engine::InputBuffers& inputs) {
     }
   }
   return true;
+}
+
+// A ranged fetch (FetchGradients' range_begin/range_end) with a range the input's bytes
+// choose, empty or past the end at times: a valid range gives exactly those bytes of the whole
+// snapshot `whole`, an invalid one a clean refusal; a ranged reset is refused and resets
+// nothing.
+void CheckRangeFetch(const std::string& name, const GradientsSnapshot& whole, uint64_t pick) {
+  Engine& engine = *Env().engine;
+  const uint64_t total = whole.dw_bytes() + whole.db_bytes();
+  Check(whole.begin == 0 && whole.end == total, "a whole fetch does not cover dW | db");
+  const uint64_t begin = pick % (total + 2), end = (pick >> 32) % (total + 2);
+  auto r = engine.FetchGradients(name, /*reset=*/false, begin, end);
+  if (begin == 0 && end == 0) {
+    Check(r.ok() && r->begin == 0 && r->end == total, "the range (0, 0) is not the whole");
+  } else if (begin < end && end <= total) {
+    Check(r.ok(), "a valid range fetch failed");
+    Check(r->begin == begin && r->end == end, "a range fetch covers other bytes");
+    Check(std::memcmp(r->data.get(), whole.data.get() + begin, end - begin) == 0,
+          "a range fetch differs from those bytes of the whole");
+    auto reset = engine.FetchGradients(name, /*reset=*/true, begin, end);
+    if (begin != 0 || end != total) {
+      Check(!reset.ok(), "a ranged reset was accepted");
+      CheckCleanError(reset.status(), "FetchGradients (ranged reset)");
+      auto again = engine.FetchGradients(name, /*reset=*/false);
+      Check(again.ok() && again->micro_batches == whole.micro_batches &&
+                std::memcmp(again->data.get(), whole.data.get(), total) == 0,
+            "a refused ranged reset changed the accumulator");
+    }
+  } else {
+    Check(!r.ok(), "an empty or out-of-bounds range fetch was accepted");
+    CheckCleanError(r.status(), "FetchGradients (range)");
+  }
 }
 
 void CheckPlan(const ComputePlan& p) {
@@ -233,6 +267,8 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
         Check(g->micro_batches == 1, "a fresh accumulator does not count one micro-batch");
         Check(g->tokens == out.tokens, "the accumulator's tokens differ from the compute's");
         Check(g->v == plan->v && g->h == plan->h, "the accumulator's shape is not the plan's");
+        CheckRangeFetch(plan->accumulator, *g,
+                        Fnv1a(absl::string_view(reinterpret_cast<const char*>(data), size)));
       }
     }
   }
