@@ -4,11 +4,13 @@
 // CommitWeights at the end of the stream). Promises checked: no crash or sanitizer report,
 // refusals are clean errors, a committed handle serves exactly the bytes that were sent,
 // --check_finite holds for what was committed (no NaN or Inf is ever stored), and an upload
-// cut off or refused leaves no reservation behind.
+// cut off or refused leaves no reservation behind. Part data is handed over at odd addresses
+// too.
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "kernels/dtype.h"
 #include "lossd/v1/lossd.pb.h"
@@ -63,7 +65,12 @@ void PutWeightsOneInput(const uint8_t* data, size_t size) {
       break;
     }
     const bool bias = part.tensor() == v1::TENSOR_BIAS;
-    s = engine.WriteWeights(*pending, bias, part.offset(), part.data().data(),
+    // The data at an odd address for records of odd size: a part's bytes may lie anywhere
+    // in a received buffer, and every read of them must allow for that.
+    const size_t shift = rec.size() % 2;
+    std::vector<uint8_t> moved(part.data().size() + shift);
+    std::memcpy(moved.data() + shift, part.data().data(), part.data().size());
+    s = engine.WriteWeights(*pending, bias, part.offset(), moved.data() + shift,
                             part.data().size());
     if (!s.ok()) {
       CheckCleanError(s, "Engine::WriteWeights");
