@@ -68,7 +68,7 @@ void PutWeightsOneInput(const uint8_t* data, size_t size) {
     // The data at an odd address for records of odd size: a part's bytes may lie anywhere
     // in a received buffer, and every read of them must allow for that.
     const size_t shift = rec.size() % 2;
-    std::vector<uint8_t> moved(part.data().size() + shift);
+    std::vector<uint8_t> moved(part.data().size() + 1);  // never empty: data() not null
     std::memcpy(moved.data() + shift, part.data().data(), part.data().size());
     s = engine.WriteWeights(*pending, bias, part.offset(), moved.data() + shift,
                             part.data().size());
