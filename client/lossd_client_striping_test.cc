@@ -20,6 +20,7 @@
 #include "client/npy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
 #include "kernels/dtype.h"
 #include "tests/server_harness.h"
@@ -268,6 +269,45 @@ TEST_F(StripingTest, StripedFetchEqualsAWholeFetchBitForBit) {
     ASSERT_TRUE(striped->db.has_value());
     ExpectSameBytes("db", *striped->db, *whole->db);
   }
+}
+
+// A fetch of more than 64 MiB: the client faults the result's pages in on a helper thread
+// while the bytes arrive (PagePopulator); whole and striped results must still be exactly
+// what the server holds (bit for bit against each other, and the reference's dW).
+TEST_F(StripingTest, LargeFetchesWhoseBufferIsPopulatedWhileReceivingAreExact) {
+  RandomProblemSpec s;
+  s.bt = 4;
+  s.h = 1024;
+  s.v = 18500;  // 75.8 MB of fp32 dW
+  s.dtype = DType::kF32;
+  s.seed = 31;
+  RandomProblem rp = RandomProblem::Make(s);
+  ClientOptions o = Options(1, 1);
+  o.part_bytes = 4 << 20;
+  o.response_part_bytes = 4 << 20;
+  auto whole_client = Client(o);
+  ASSERT_NE(whole_client, nullptr);
+  ComputeRequest r = RequestFor(rp);
+  r.accumulator = "big";
+  r.want.dx = false;
+  ASSERT_TRUE(whole_client->Compute(r).ok());
+  absl::StatusOr<FetchGradientsResult> whole = whole_client->FetchGradients("big", false);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ReferenceOutputs ref;
+  ASSERT_TRUE(ReferenceCompute(rp.problem(), &ref).ok());
+  ASSERT_EQ(static_cast<size_t>(whole->dw.num_elements()), ref.dw.size());
+  std::vector<double> got(whole->dw.data_as<float>(),
+                          whole->dw.data_as<float>() + whole->dw.num_elements());
+  const CompareResult c = CompareRelNorm("dw", ref.dw, got, 1e-5);
+  EXPECT_TRUE(c.ok()) << c.ToString();
+  o.connections = 4;
+  o.stripes = 4;
+  auto client = Client(o);
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<FetchGradientsResult> striped = client->FetchGradients("big", false);
+  ASSERT_TRUE(striped.ok()) << striped.status();
+  EXPECT_EQ(striped->stripes, 4);
+  ExpectSameBytes("dw", striped->dw, whole->dw);
 }
 
 TEST_F(StripingTest, StripedFetchWithoutBias) {
