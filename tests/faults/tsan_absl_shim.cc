@@ -14,23 +14,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-extern "C" void __tsan_ignore_thread_begin();
-extern "C" void __tsan_ignore_thread_end();
+#include "tests/faults/tsan_shim_util.h"
 
 namespace {
 
 // The real function of `mangled` in the next object (libabsl_synchronization.so).
 template <typename F>
 F Real(const char* mangled) {
-  void* p = dlsym(RTLD_NEXT, mangled);
-  if (p == nullptr) {
-    std::fprintf(stderr, "tsan_absl_shim: %s not found: %s\n", mangled, dlerror());
-    std::abort();
-  }
-  return reinterpret_cast<F>(p);
+  return lossd_tsan::RealSymbol<F>("tsan_absl_shim", mangled);
 }
 
 #define LOSSD_ABSL_SYM(name) "_ZN4absl7debian3" name

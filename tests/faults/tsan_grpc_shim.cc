@@ -23,23 +23,14 @@
 #include "grpc/grpc.h"
 #include "grpc/slice.h"
 #include "grpcpp/support/server_callback.h"
-
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-extern "C" void __tsan_ignore_thread_begin();
-extern "C" void __tsan_ignore_thread_end();
+#include "tests/faults/tsan_shim_util.h"
 
 namespace {
 
 // The real function `name` in the next object (libgrpc.so, libgrpc++.so).
 template <typename F>
 F RealGrpc(const char* name) {
-  void* p = dlsym(RTLD_NEXT, name);
-  if (p == nullptr) {
-    std::fprintf(stderr, "tsan_grpc_shim: %s not found: %s\n", name, dlerror());
-    std::abort();
-  }
-  return reinterpret_cast<F>(p);
+  return lossd_tsan::RealSymbol<F>("tsan_grpc_shim", name);
 }
 
 using FunctorRun = void (*)(grpc_completion_queue_functor*, int);
