@@ -85,14 +85,21 @@ absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::Get(const std::st
 }
 
 absl::Status AccumulatorStore::Drop(const std::string& name) {
-  absl::MutexLock lock(&mu_);
-  auto it = map_.find(name);
-  if (it == map_.end()) {
-    return absl::NotFoundError(absl::StrCat("accumulator '", name, "' not found"));
+  std::shared_ptr<Accumulator> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = map_.find(name);
+    if (it == map_.end()) {
+      return absl::NotFoundError(absl::StrCat("accumulator '", name, "' not found"));
+    }
+    const Accumulator& a = *it->second;
+    bytes_ -= static_cast<uint64_t>(a.v) * a.h * 4 + (a.has_bias ? a.v * 4 : 0);
+    dropped = std::move(it->second);
+    map_.erase(it);
   }
-  const Accumulator& a = *it->second;
-  bytes_ -= static_cast<uint64_t>(a.v) * a.h * 4 + (a.has_bias ? a.v * 4 : 0);
-  map_.erase(it);
+  // Its memory (GiBs of device or host memory) is given back here, outside the lock, so that
+  // other clients' lookups do not wait for the free.
+  dropped.reset();
   return absl::OkStatus();
 }
 
