@@ -300,13 +300,13 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     f.measured_extra = free_before - FreeBytes();
     if (f.schedule == 2 && row->whole_gemms_ms == 0) {
       // The whole-batch layout's GEMMs alone, one stream, no CE: what its layout costs.
-      const int64_t n = plan.blocks, nb = plan.block_cols, first = v - (n - 1) * nb;
-      const int64_t split = bt >= 512 ? (bt / 2 + 63) / 64 * 64 : bt;
+      const int64_t n = plan.blocks, nb = plan.block_cols;
+      const int64_t split = cuda::RowSplit(bt);
       char* last = static_cast<char*>(ws);
       float* dxs = reinterpret_cast<float*>(last + (bt * nb * 2 + 255) / 256 * 256);
       char* gws_p = reinterpret_cast<char*>(dxs) + (bt * h * 4 + 255) / 256 * 256;
-      auto col0 = [&](int64_t b) { return b == 0 ? 0 : first + (b - 1) * nb; };
-      auto cols = [&](int64_t b) { return b == 0 ? first : nb; };
+      auto col0 = [&](int64_t b) { return cuda::WholeBlock(plan, v, static_cast<int>(b)).col0; };
+      auto cols = [&](int64_t b) { return cuda::WholeBlock(plan, v, static_cast<int>(b)).cols; };
       auto region = [&](int64_t b) { return static_cast<float*>(dw) + col0(b) * h; };
       auto gbase = [&](int64_t b) {
         return b + 1 < n ? reinterpret_cast<char*>(region(b + 1)) : last;

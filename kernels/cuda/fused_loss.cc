@@ -182,11 +182,17 @@ CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, 
   return p;
 }
 
-// Row halves of a batch for the CE kernel's overlap with the GEMMs; below a few hundred rows
-// the GEMMs would lose more than the overlap gains.
+}  // namespace
+
 int64_t RowSplit(int64_t rows) { return rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows; }
 
-}  // namespace
+VocabBlock WholeBlock(const ChunkPlan& plan, int64_t v, int b) {
+  const int64_t first = v - (plan.blocks - 1) * plan.block_cols;
+  VocabBlock block;
+  block.col0 = b == 0 ? 0 : first + (b - 1) * plan.block_cols;
+  block.cols = b == 0 ? first : plan.block_cols;
+  return block;
+}
 
 ChunkPlan PlanWhole(int64_t bt, int64_t h, int64_t v, DType dtype, bool want_dx, DType dx_dtype,
                     uint64_t budget_bytes, uint64_t gemm_workspace_bytes) {
@@ -509,8 +515,6 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   const int64_t vsplit = columns ? (a.v / 2 + 63) / 64 * 64 : a.v;
   const int64_t vbegin[2] = {0, vsplit};
   const int64_t vcount[2] = {vsplit, a.v - vsplit};
-  // Row halves for the logits GEMM and the CE kernel (row-halves schedule).
-  auto row_split = RowSplit;
 
   // The cross-entropy of rows [r0, r0 + n) of the chunk starting at c0, on ce_.
   auto cross_entropy = [&](int64_t c0, int64_t r0, int64_t n) -> absl::Status {
@@ -582,7 +586,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
                                                     half == 0 && c0 > 0 ? main_sms : 0));
           }
         } else {
-          const int64_t split = row_split(rows);
+          const int64_t split = RowSplit(rows);
           LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, split, 0, a.v, 0));
           if (split < rows) {
             LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, split, rows - split, 0, a.v, 0));
@@ -642,7 +646,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         }
       }
     } else {
-      const int64_t split = row_split(rows);
+      const int64_t split = RowSplit(rows);
       const int64_t nsub = split < rows ? 2 : 1;
       const int64_t begin[2] = {0, split};
       const int64_t count[2] = {split, rows - split};
@@ -715,13 +719,13 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
   void* ws_main = next;
   // Block b: columns [col0[b], col0[b] + cols[b]); its dW rows (region) and where its G lives:
   // the region of block b + 1, or the workspace for the last block.
-  const int64_t first = v - (n - 1) * nb;
   int64_t col0[kMaxSegments], cols[kMaxSegments];
   float* region[kMaxSegments];
   char* gbase[kMaxSegments];
   for (int b = 0; b < n; ++b) {
-    col0[b] = b == 0 ? 0 : first + (b - 1) * nb;
-    cols[b] = b == 0 ? first : nb;
+    const VocabBlock block = WholeBlock(plan, v, b);
+    col0[b] = block.col0;
+    cols[b] = block.cols;
     region[b] = a.dw_acc + col0[b] * h;
   }
   for (int b = 0; b < n; ++b) {

@@ -132,6 +132,18 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
 ChunkPlan PlanWhole(int64_t bt, int64_t h, int64_t v, DType dtype, bool want_dx, DType dx_dtype,
                     uint64_t budget_bytes, uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
 
+// Block b (0 <= b < plan.blocks) of a whole-batch plan over V columns: columns
+// [col0, col0 + cols). Block 0 takes what is left over; the others plan.block_cols each.
+struct VocabBlock {
+  int64_t col0 = 0, cols = 0;
+};
+VocabBlock WholeBlock(const ChunkPlan& plan, int64_t v, int b);
+
+// Where a batch of `rows` rows splits into the two row halves whose CE runs under the other
+// half's GEMMs; `rows` itself (no split) below a few hundred rows, where the GEMMs would lose
+// more than the overlap gains.
+int64_t RowSplit(int64_t rows);
+
 // Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
 // common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow:
 // grad_scale / N for the mean, and for reduction none the power of two at or above the largest
