@@ -152,11 +152,22 @@ grpc::Status FakeLossService::Compute(
   }
 
   const Mode m = mode;
+  const bool overlap = h.overlap();
   if (m == Mode::kNoSummary) return grpc::Status::OK;
   if (m == Mode::kBadShape) s->mutable_specs(0)->set_shape(0, bt + 1);
   if (m == Mode::kPartFirst) stream->Write(PartMessage(outs[0].first, 0, "ab"));
-  stream->Write(summary);
-  if (m == Mode::kTwoSummaries) stream->Write(summary);
+  if (overlap) {
+    v1::ComputeResponse preliminary;
+    v1::ComputeSummary* p = preliminary.mutable_summary();
+    *p->mutable_tensors() = s->tensors();
+    *p->mutable_specs() = s->specs();
+    p->set_backend(s->backend());
+    p->set_preliminary(true);
+    stream->Write(preliminary);
+  } else {
+    stream->Write(summary);
+    if (m == Mode::kTwoSummaries) stream->Write(summary);
+  }
   const size_t part = h.response_part_bytes() == 0 ? (1 << 20) : h.response_part_bytes();
   for (auto& [id, bytes] : outs) {
     if (id == outs[0].first) {
@@ -172,6 +183,10 @@ grpc::Status FakeLossService::Compute(
   }
   if (m == Mode::kUnannounced) {
     stream->Write(PartMessage(v1::TENSOR_Z_LOSS, 0, std::string(4, '\0')));
+  }
+  if (overlap && m != Mode::kNoFinal) {
+    stream->Write(summary);
+    if (m == Mode::kTwoSummaries) stream->Write(summary);
   }
   return grpc::Status::OK;
 }

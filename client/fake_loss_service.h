@@ -35,7 +35,10 @@ enum class Mode {
   kPartFirst,     // sends a part before the summary
   kBadShape,      // announces dx with one row too many
   kTwoSummaries,  // sends the summary twice
+  kNoFinal,       // overlap: sends the preliminary summary and the parts, not the final one
 };
+// A Compute whose header asks for overlap gets a preliminary summary (the outputs, no
+// results), the parts, then the final summary, as lossd sends it.
 
 // Reassembles the parts of one stream, checking that each tensor's parts come in byte order.
 struct Assembler {

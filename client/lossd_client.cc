@@ -971,6 +971,8 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   want->set_predictions(r.want.predictions);
   h->set_accumulator(r.accumulator);
   h->set_response_part_bytes(options_.response_part_bytes);
+  const bool overlap = r.overlap.value_or(options_.overlap);
+  h->set_overlap(overlap);
 
   // The tracker outlives the call: it waits (in its destructor too) until gRPC lets go of
   // the caller's memory.
@@ -1008,7 +1010,11 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   }
   prefetched.Start();
 
-  bool have_summary = false;
+  // Without overlap: the summary, then the parts. With overlap: a preliminary summary that
+  // announces the outputs, the parts, then the final summary (the same outputs) last.
+  bool have_summary = false;    // the outputs are announced
+  bool have_results = false;    // the final summary arrived
+  int announced = 0;
   TensorReceiver receiver;
   StreamFrame frame;
   auto on_message = [&](const grpc::ByteBuffer& msg) -> absl::Status {
@@ -1016,13 +1022,15 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     if (!parsed.ok()) return absl::InternalError(parsed.message());
     if (frame.kind() == StreamFrame::Kind::kPart) {
       if (!have_summary) return absl::InternalError("server sent a part before its summary");
+      if (have_results && overlap) {
+        return absl::InternalError("server sent a part after its final summary");
+      }
       return receiver.Accept(frame);
     }
     if (frame.kind() != StreamFrame::Kind::kHeader) {
       return absl::InternalError("server sent a ComputeResponse with neither summary nor part");
     }
-    if (have_summary) return absl::InternalError("server sent a second summary");
-    have_summary = true;
+    if (have_results) return absl::InternalError("server sent a second summary");
     v1::ComputeSummary s;
     if (!s.ParseFromString(frame.header_bytes())) {
       return absl::InternalError("cannot parse the server's ComputeSummary");
@@ -1031,6 +1039,20 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
       return absl::InternalError(absl::StrCat("summary lists ", s.tensors_size(), " tensors but ",
                                               s.specs_size(), " specs"));
     }
+    if (s.preliminary() != (overlap && !have_summary)) {
+      return absl::InternalError(absl::StrCat(
+          "server sent a ", s.preliminary() ? "preliminary" : "final", " summary where a ",
+          s.preliminary() ? "final" : "preliminary", " one was due (overlap ",
+          overlap ? "on" : "off", ")"));
+    }
+    if (have_summary) {  // the final summary of an overlapped call: the same outputs
+      if (s.tensors_size() != announced) {
+        return absl::InternalError(absl::StrCat("final summary lists ", s.tensors_size(),
+                                                " tensors; the preliminary one ", announced));
+      }
+      LOSSD_CLIENT_RETURN_IF_ERROR(receiver.CheckComplete());
+    }
+    have_results = !s.preliminary();
     result.loss = s.loss();
     result.z_loss = s.z_loss();
     result.accuracy = s.accuracy();
@@ -1038,6 +1060,9 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     result.compute_seconds = s.compute_seconds();
     result.backend = s.backend();
     result.accumulated_micro_batches = s.accumulated_micro_batches();
+    if (have_summary) return absl::OkStatus();
+    have_summary = true;
+    announced = s.tensors_size();
     for (int i = 0; i < s.tensors_size(); ++i) {
       const int32_t id = s.tensors(i);
       if (id < static_cast<int32_t>(OutputTensor::kLoss) ||
@@ -1064,7 +1089,10 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
       /*group=*/nullptr, /*stripe=*/0, [&prefetched] { prefetched.Sent(); });
   tracker.WaitUntilReleased();
   LOSSD_CLIENT_RETURN_IF_ERROR(status);
-  if (!have_summary) return absl::InternalError("server ended the stream without a summary");
+  if (!have_results) {
+    return absl::InternalError(have_summary ? "server ended the stream without its final summary"
+                                            : "server ended the stream without a summary");
+  }
   LOSSD_CLIENT_RETURN_IF_ERROR(receiver.CheckComplete());
   for (Incoming& in : receiver.incoming()) {
     result.outputs.emplace(static_cast<OutputTensor>(in.id), std::move(in.tensor));

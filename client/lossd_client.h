@@ -66,6 +66,12 @@ struct ClientOptions {
   // connection striping is off) nor 64.
   int stripes = 0;
   uint64_t auto_stripe_bytes = 64ull << 20;
+  // Compute overlaps transfer with compute (ComputeHeader.overlap): the server computes each
+  // chunk of rows as its part of X arrives and sends dX back while later chunks compute, so a
+  // call takes about max(transfer, compute) instead of their sum. The cost: once computing
+  // has started, a call that fails (cut off, a NaN in a late part of X) poisons the named
+  // accumulator, as a failed update always does. Per call: ComputeRequest::overlap.
+  bool overlap = true;
   // Wait for the server to become reachable instead of failing fast with UNAVAILABLE.
   bool wait_for_ready = false;
   // Transport security: plaintext unless `tls` is set. PEM contents, not file paths.
@@ -130,6 +136,8 @@ struct ComputeRequest {
   // When set, dW (and db) are added into this server-side fp32 accumulator, not returned.
   std::string accumulator;
   std::map<OutputTensor, OutputBuffer> output_into;
+  // nullopt = ClientOptions::overlap.
+  std::optional<bool> overlap;
 };
 
 struct ComputeResult {

@@ -376,9 +376,28 @@ TEST_P(BadResponseTest, IsRejectedWithAClearMessage) {
   ClientOptions o = Options();
   o.response_part_bytes = 16;  // several parts per tensor
   auto client = Client(o);
-  absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
-  EXPECT_EQ(res.status().code(), GetParam().code) << res.status();
-  EXPECT_THAT(std::string(res.status().message()), HasSubstr(GetParam().message));
+  // Both response orders: summary first, and overlap's preliminary summary ... final summary.
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "no overlap");
+    ComputeRequest r = SmallRequest();
+    r.overlap = overlap;
+    absl::StatusOr<ComputeResult> res = client->Compute(r);
+    EXPECT_EQ(res.status().code(), GetParam().code) << res.status();
+    EXPECT_THAT(std::string(res.status().message()), HasSubstr(GetParam().message));
+  }
+}
+
+TEST_F(LossClientTest, OverlappedCallWithoutItsFinalSummaryIsRejected) {
+  fake_.mode = Mode::kNoFinal;
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest();
+  r.overlap = true;
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kInternal) << res.status();
+  EXPECT_THAT(std::string(res.status().message()), HasSubstr("without its final summary"));
+  // Without overlap the fake's single summary is the final one: the call succeeds.
+  r.overlap = false;
+  EXPECT_TRUE(client->Compute(r).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "kernels/dtype.h"
 
 namespace lossd {
@@ -36,6 +37,23 @@ struct LossOptions {
 // allocated through Backend::Allocate (device memory for the CUDA backend).
 enum class Memory : int32_t { kHost = 0, kBackend = 1 };
 
+// Rows that arrive and leave while a Compute runs (the server's overlapped path): X is still
+// being received when the backend starts, and dX can be sent as it is written. A backend that
+// is handed one reads rows [0, r) of X only after WaitX(r) returned OK, and calls DxReady(r)
+// once rows [0, r) of dx hold their final values in the caller's buffer, in increasing r,
+// ending with r = BT. Rows are visited in increasing order, so the results are bit-identical
+// to the same problem given whole.
+class RowStream {
+ public:
+  virtual ~RowStream() = default;
+  // Blocks until rows [0, rows) of X are in place. An error (the sender went away, a part was
+  // refused, the rows stalled) ends the Compute with that status; nothing more is read.
+  virtual absl::Status WaitX(int64_t rows) = 0;
+  // Rows [0, rows) of dx are final. Cheap and never blocks; may run on any thread, including a
+  // device runtime's callback thread (so it must not call into the device runtime).
+  virtual void DxReady(int64_t rows) = 0;
+};
+
 struct LossProblem {
   int64_t bt = 0;  // rows (tokens)
   int64_t h = 0;   // hidden size
@@ -51,6 +69,9 @@ struct LossProblem {
   const float* class_weights = nullptr;  // (V) fp32, host; null = all ones
   const float* grad_output = nullptr;    // (BT) fp32, host; reduction none only; null = ones
   LossOptions options;
+  // Null: X is complete. Else X (host) fills in while the Compute runs; see RowStream. Every
+  // other input is complete before Compute is called.
+  RowStream* rows = nullptr;
 };
 
 // Caller-owned output buffers, all in host memory unless noted. A null pointer means the

@@ -93,6 +93,21 @@ absl::Status ComputeAssembler::CheckNewElements(int i) {
                              InputSlotName(slot), cols);
 }
 
+bool ComputeAssembler::AllButXComplete() const {
+  for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
+    if (i != static_cast<int>(InputSlot::kX) && received_[i] != plan_->input_bytes[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int64_t ComputeAssembler::XRowsReady() const {
+  const uint64_t row_bytes = static_cast<uint64_t>(plan_->h) * DTypeSize(plan_->dtype);
+  if (row_bytes == 0) return plan_->bt;
+  return static_cast<int64_t>(received_[static_cast<int>(InputSlot::kX)] / row_bytes);
+}
+
 absl::Status ComputeAssembler::CheckComplete() const {
   for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
     if (received_[i] != plan_->input_bytes[i]) {

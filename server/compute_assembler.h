@@ -40,6 +40,11 @@ class ComputeAssembler {
   // OK when every input of the plan has all its bytes.
   absl::Status CheckComplete() const;
 
+  // Overlapped Computes: every input but X has all its bytes (the compute can start).
+  bool AllButXComplete() const;
+  // Whole rows of X received (and, with check_finite, checked) after the last OK Accept.
+  int64_t XRowsReady() const;
+
   std::shared_ptr<Engine::InputBuffers> buffers() { return buffers_; }
   uint64_t bytes_received() const { return bytes_received_; }
   bool finite_checked() const { return check_finite_; }

@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "client/part_codec.h"
 #include "server/compute_assembler.h"
+#include "server/engine/streamed_rows.h"
 #include "server/status_util.h"
 #include "server/tsan_annotations.h"
 #include "server/wire_convert.h"
@@ -67,6 +68,10 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   void OnReadDone(bool ok) override {
+    if (overlap_) {
+      OnOverlapReadDone(ok);
+      return;
+    }
     absl::Status s;
     if (!ok) {
       s = EndOfStream();
@@ -83,6 +88,18 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   void OnWriteDone(bool ok) override {
+    if (overlap_) {
+      {
+        absl::MutexLock lock(&mu_);
+        writing_ = false;
+        if (!ok && error_.ok()) {
+          error_ = absl::CancelledError("the client went away while results were being sent");
+        }
+      }
+      if (!ok) FailRows();
+      Progress();
+      return;
+    }
     if (!ok) {
       FinishOnce(absl::CancelledError("the client went away while results were being sent"));
       return;
@@ -94,9 +111,16 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
     LOSSD_TSAN_RELEASE_ON_EXIT(this);
     uint64_t ticket = 0;
+    std::shared_ptr<StreamedRows> rows;
     {
       absl::MutexLock lock(&mu_);
-      if (state_ != State::kAdmitting) return;  // pending reads/writes or the job finish us
+      rows = rows_;
+      if (state_ != State::kAdmitting) {
+        // Pending reads/writes or the job finish us; an overlapped compute waiting for rows
+        // of X that will never come is let go at once.
+        if (rows != nullptr) rows->Fail(absl::CancelledError("the client cancelled the Compute"));
+        return;
+      }
       ticket = ticket_;
     }
     engine_->budget().Cancel(ticket);  // its callback fails the call with CANCELLED
@@ -130,6 +154,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     plan_ = std::make_shared<const ComputePlan>(std::move(*plan));
     response_part_bytes_ =
         ResponsePartBytes(service_->options(), header.response_part_bytes());
+    overlap_ = header.overlap();
     {
       absl::MutexLock lock(&mu_);
       state_ = State::kAdmitting;
@@ -164,6 +189,10 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     assembler_ = std::make_unique<ComputeAssembler>(plan_, service_->options().max_part_bytes,
                                                     service_->options().max_parts_per_request,
                                                     engine_->options().check_finite);
+    if (overlap_) {
+      StartOverlap();
+      return;
+    }
     StartRead(&request_);
   }
 
@@ -270,6 +299,259 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     StartWrite(&response_);
   }
 
+  // --- Overlapped Compute (ComputeHeader.overlap) ---------------------------------------
+  // Reads, the compute and writes run at once: the compute starts once every input but X is
+  // in and takes X's rows as they arrive (StreamedRows); dX parts go out as the backend
+  // reports rows final; the final summary goes last. Every event (a read, a write done, dX
+  // rows, the compute's end) ends in Progress(), which under mu_ picks the one next write or
+  // the finish. The call finishes only when no compute job holds `this`, no write is in
+  // flight and no read is being handled (a read still pending is fine: Finish ends it).
+
+  // After admission: the preliminary summary (outputs and specs) goes out while X comes in.
+  void StartOverlap() {
+    outputs_ = std::make_shared<std::vector<HostBuffer>>(Engine::NewOutputs(*plan_));
+    for (size_t i = 0; i < plan_->outputs.size(); ++i) {
+      if (plan_->outputs[i].slot == OutputSlot::kDx) dx_output_ = static_cast<int>(i);
+    }
+    v1::ComputeResponse response;
+    v1::ComputeSummary* s = response.mutable_summary();
+    s->set_preliminary(true);
+    s->set_backend(engine_->backend_info().name);
+    for (const OutputDesc& d : plan_->outputs) {
+      s->add_tensors(OutputSlotToWire(d.slot));
+      *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = true;
+      handling_read_ = true;
+      response_ = client::EncodeMessage(response);
+    }
+    StartWrite(&response_);
+    // Nothing but X to wait for (BT = 0 and every other input empty): start at once.
+    absl::Status s_start = MaybeStartCompute();
+    if (!s_start.ok()) {
+      FailOverlap(s_start);
+    } else {
+      StartRead(&request_);
+    }
+    EndHandlingRead();
+  }
+
+  void OnOverlapReadDone(bool ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ == State::kFinished) return;
+      handling_read_ = true;
+    }
+    absl::Status s;
+    bool more = false;
+    if (!ok) {
+      s = OverlapEndOfStream();
+    } else if (absl::Status parsed = frame_.Parse(request_); !parsed.ok()) {
+      s = absl::InvalidArgumentError(
+          absl::StrCat("a Compute message is not a ComputeRequest: ", parsed.message()));
+    } else {
+      s = OnPart();
+      if (s.ok()) s = MaybeStartCompute();
+      if (s.ok() && rows_ != nullptr) rows_->Arrived(assembler_->XRowsReady());
+      more = s.ok();
+    }
+    if (!s.ok()) {
+      FailOverlap(s);
+    } else if (more) {
+      StartRead(&request_);
+    }
+    EndHandlingRead();
+  }
+
+  // Runs on the reactor's thread while it handles a read.
+  absl::Status MaybeStartCompute() {
+    if (rows_ != nullptr || !assembler_->AllButXComplete()) return absl::OkStatus();
+    if (ctx_->deadline() < std::chrono::system_clock::now()) {
+      return absl::DeadlineExceededError("the deadline passed before the compute started");
+    }
+    auto rows = std::make_shared<StreamedRows>(
+        plan_->bt, engine_->options().overlap_stall, absl::FromChrono(ctx_->deadline()),
+        [this](int64_t r) { OnDxRows(r); });
+    rows->Arrived(assembler_->XRowsReady());
+    {
+      absl::MutexLock lock(&mu_);
+      rows_ = rows;
+      computing_ = true;
+    }
+    engine_->Run(
+        plan_, assembler_->buffers(),
+        [this](ComputeOutcome outcome) { OnOverlapComputed(std::move(outcome)); },
+        absl::FromChrono(ctx_->deadline()), assembler_->finite_checked(),
+        OverlapIo{rows, outputs_});
+    return absl::OkStatus();
+  }
+
+  absl::Status OverlapEndOfStream() {
+    if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the Compute");
+    absl::Status complete = assembler_->CheckComplete();
+    if (!complete.ok()) return complete;
+    ServerMetrics* m = service_->metrics();
+    m->ObservePhase("Compute", "receive", SecondsSince(receive_started_));
+    m->AddBytesIn(static_cast<double>(assembler_->bytes_received()));
+    absl::Status s = MaybeStartCompute();  // X came before the other inputs: start now
+    if (!s.ok()) return s;
+    absl::MutexLock lock(&mu_);
+    read_done_ = true;
+    return absl::OkStatus();
+  }
+
+  void EndHandlingRead() {
+    {
+      absl::MutexLock lock(&mu_);
+      handling_read_ = false;
+    }
+    Progress();
+  }
+
+  // The first failure wins; the compute, if running, stops at the next rows it waits for.
+  void FailOverlap(const absl::Status& s) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (error_.ok()) error_ = s;
+    }
+    FailRows();
+  }
+  void FailRows() {
+    std::shared_ptr<StreamedRows> rows;
+    absl::Status why;
+    {
+      absl::MutexLock lock(&mu_);
+      rows = rows_;
+      why = error_;
+    }
+    if (rows != nullptr && !why.ok()) rows->Fail(why);
+  }
+
+  // On the backend's thread (a device callback for CUDA): rows [0, r) of dX are final.
+  void OnDxRows(int64_t r) {
+    {
+      absl::MutexLock lock(&mu_);
+      dx_rows_ = std::max(dx_rows_, r);
+    }
+    Progress();
+  }
+
+  // On the executor thread.
+  void OnOverlapComputed(ComputeOutcome outcome) {
+    ServerMetrics* m = service_->metrics();
+    m->ObservePhase("Compute", "queue", outcome.queue_seconds + queue_seconds_);
+    if (outcome.status.ok()) {
+      m->ObservePhase("Compute", "compute", outcome.stats.compute_seconds);
+      m->AddTokens(static_cast<double>(outcome.tokens));
+      m->AddFlops(plan_->flops());
+      if (outcome.stats.compute_seconds > 0) {
+        m->SetLastTflops(plan_->flops() / outcome.stats.compute_seconds * 1e-12);
+      }
+    }
+    v1::ComputeResponse response;
+    v1::ComputeSummary* s = response.mutable_summary();
+    s->set_loss(outcome.loss);
+    s->set_z_loss(outcome.z_loss);
+    s->set_accuracy(outcome.accuracy);
+    s->set_tokens(outcome.tokens);
+    s->set_compute_seconds(outcome.stats.compute_seconds);
+    s->set_backend(engine_->backend_info().name);
+    s->set_accumulated_micro_batches(outcome.accumulated_micro_batches);
+    for (const OutputDesc& d : plan_->outputs) {
+      s->add_tensors(OutputSlotToWire(d.slot));
+      *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      computing_ = false;
+      if (!outcome.status.ok() && error_.ok()) error_ = outcome.status;
+      if (outcome.status.ok()) {
+        computed_ = true;
+        dx_rows_ = plan_->bt;  // every row is final now, reported or not
+        final_summary_ = std::move(response);
+      }
+      send_started_ = absl::Now();
+    }
+    Progress();
+  }
+
+  // Picks the next write, or finishes the call; any thread.
+  void Progress() {
+    absl::Status finish;
+    bool write = false, done = false;
+    double send_seconds = 0, bytes_out = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ == State::kFinished || writing_) return;
+      if (!error_.ok()) {
+        if (computing_ || handling_read_) return;  // they call Progress when they end
+        finish = error_;
+        done = true;
+      } else if (NextOverlapWriteLocked()) {
+        writing_ = true;
+        write = true;
+      } else if (computed_ && read_done_ && !handling_read_) {
+        if (!final_sent_) {
+          final_sent_ = true;
+          writing_ = true;
+          write = true;
+          response_ = client::EncodeMessage(final_summary_);
+        } else {
+          done = true;
+          // The part of sending the compute did not hide: from its end to the last write.
+          send_seconds = SecondsSince(send_started_);
+          bytes_out = static_cast<double>(bytes_out_);
+        }
+      }
+    }
+    if (write) {
+      StartWrite(&response_);
+    } else if (done) {
+      if (finish.ok()) {
+        service_->metrics()->ObservePhase("Compute", "send", send_seconds);
+        service_->metrics()->AddBytesOut(bytes_out);
+      }
+      FinishOnce(finish);
+    }
+  }
+
+  // Sets response_ to the next output part that may go now: dX up to the rows reported, and
+  // once the compute is done the rest of dX and every other output. False: nothing yet.
+  bool NextOverlapWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (dx_output_ >= 0) {
+      const OutputDesc& d = plan_->outputs[dx_output_];
+      const uint64_t row_bytes = plan_->bt > 0 ? d.bytes / plan_->bt : 0;
+      const uint64_t ready = static_cast<uint64_t>(dx_rows_) * row_bytes;
+      if (dx_sent_ < ready) {
+        const uint64_t n = std::min<uint64_t>(response_part_bytes_, ready - dx_sent_);
+        response_ = client::EncodePartSlice(
+            OutputSlotToWire(d.slot), dx_sent_,
+            OutputSlice(outputs_, (*outputs_)[dx_output_].get() + dx_sent_, n));
+        dx_sent_ += n;
+        bytes_out_ += n;
+        return true;
+      }
+    }
+    if (!computed_) return false;
+    while (output_ < plan_->outputs.size() &&
+           (static_cast<int>(output_) == dx_output_ ||
+            offset_ >= plan_->outputs[output_].bytes)) {
+      ++output_;
+      offset_ = 0;
+    }
+    if (output_ == plan_->outputs.size()) return false;
+    const OutputDesc& d = plan_->outputs[output_];
+    const uint64_t n = std::min<uint64_t>(response_part_bytes_, d.bytes - offset_);
+    response_ = client::EncodePartSlice(
+        OutputSlotToWire(d.slot), offset_,
+        OutputSlice(outputs_, (*outputs_)[output_].get() + offset_, n));
+    offset_ += n;
+    bytes_out_ += n;
+    return true;
+  }
+
   void FinishOnce(const absl::Status& s) {
     uint64_t release = 0;
     {
@@ -302,6 +584,21 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
   uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Overlapped Compute only.
+  bool overlap_ = false;
+  int dx_output_ = -1;  // index of dX in plan_->outputs
+  std::shared_ptr<StreamedRows> rows_;  // set once, on the reactor's thread, under mu_
+  bool computing_ ABSL_GUARDED_BY(mu_) = false;
+  bool computed_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool handling_read_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool final_sent_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  int64_t dx_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t dx_sent_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::ComputeResponse final_summary_ ABSL_GUARDED_BY(mu_);
 
   grpc::ByteBuffer request_;
   client::StreamFrame frame_;  // request_ parsed in place

@@ -739,6 +739,11 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   for (int64_t c0 = 0; c0 < bt; c0 += chunk) {
     const int64_t rows_c = std::min(chunk, bt - c0);
     float* z = z_buf.data();
+    // Overlapped path: this chunk's rows of X may still be on their way.
+    if (p.rows != nullptr) {
+      absl::Status arrived = p.rows->WaitX(c0 + rows_c);
+      if (!arrived.ok()) return arrived;
+    }
     // X_c in fp32.
     const float* xc = static_cast<const float*>(p.x) + c0 * h;
     if (plan.x_copy) {
@@ -774,6 +779,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
         GemmRows(/*trans_b=*/false, nr, h, v, z + r0 * v, v, wf, h, dxc + r0 * h, h);
         if (plan.dx_scratch) NarrowRange(dxc + r0 * h, nr * h, out.grad_dtype, out.dx, (c0 + r0) * h);
       });
+      if (p.rows != nullptr) p.rows->DxReady(c0 + rows_c);
     }
     // dW += G^T X_c and db += colsum G; one task per block of V rows of dW, rows of the
     // chunk summed in order.

@@ -549,10 +549,10 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
 
 void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
                  std::function<void(ComputeOutcome)> done, absl::Time deadline,
-                 bool inputs_checked_finite) {
+                 bool inputs_checked_finite, OverlapIo overlap) {
   const absl::Time submitted = absl::Now();
   executor_.Submit([this, plan, inputs, done = std::move(done), submitted, deadline,
-                    inputs_checked_finite]() {
+                    inputs_checked_finite, overlap = std::move(overlap)]() {
     const double queued = Seconds(submitted);
     if (absl::Now() > deadline) {
       ComputeOutcome late;
@@ -562,14 +562,29 @@ void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputB
       done(std::move(late));
       return;
     }
-    ComputeOutcome outcome = RunNow(*plan, *inputs, inputs_checked_finite);
+    ComputeOutcome outcome = RunNow(*plan, *inputs, inputs_checked_finite, overlap);
     outcome.queue_seconds = queued;
     done(std::move(outcome));
   });
 }
 
-ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite) {
+std::vector<HostBuffer> Engine::NewOutputs(const ComputePlan& plan) {
+  std::vector<HostBuffer> outputs;
+  outputs.reserve(plan.outputs.size());
+  for (const OutputDesc& d : plan.outputs) outputs.push_back(NewHostBuffer(d.bytes));
+  return outputs;
+}
+
+ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite,
+                              const OverlapIo& overlap) {
   ComputeOutcome r;
+  if (overlap.rows != nullptr &&
+      (overlap.outputs == nullptr || overlap.outputs->size() != plan.outputs.size() ||
+       (options_.check_finite && !checked_finite))) {
+    r.status = absl::InternalError(
+        "an overlapped compute needs its outputs made beforehand and X checked as it arrives");
+    return r;
+  }
   auto buf = [&](InputSlot s) { return in[static_cast<int>(s)].get(); };
 
   // Data checks that need the bytes: target range and finiteness.
@@ -584,7 +599,7 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
       return r;
     }
   }
-  if (options_.check_finite && !checked_finite) {
+  if (options_.check_finite && !checked_finite && overlap.rows == nullptr) {
     r.status = CheckFinite(buf(InputSlot::kX), plan.dtype,
                            static_cast<uint64_t>(plan.bt) * plan.h, "x", plan.h);
     if (!r.status.ok()) return r;
@@ -638,17 +653,17 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
   p.class_weights = reinterpret_cast<const float*>(buf(InputSlot::kClassWeights));
   p.grad_output = reinterpret_cast<const float*>(buf(InputSlot::kGradOutput));
   p.options = plan.options;
+  p.rows = overlap.rows.get();
 
   LossOutputs out;
   out.grad_dtype = plan.grad_dtype;
   float loss_scalar = 0, z_scalar = 0, accuracy = 0;
   int64_t tokens = 0;
   const bool none = plan.options.reduction == Reduction::kNone;
-  r.outputs.reserve(plan.outputs.size());
-  for (const OutputDesc& d : plan.outputs) {
-    r.outputs.push_back(NewHostBuffer(d.bytes));
-    void* ptr = r.outputs.back().get();
-    BindOutput(d.slot, ptr, &out);
+  if (overlap.outputs == nullptr) r.outputs = NewOutputs(plan);
+  std::vector<HostBuffer>& outputs = overlap.outputs != nullptr ? *overlap.outputs : r.outputs;
+  for (size_t i = 0; i < plan.outputs.size(); ++i) {
+    BindOutput(plan.outputs[i].slot, outputs[i].get(), &out);
   }
   if (!none) out.loss = &loss_scalar;
   if (!none && plan.wanted.z_loss) out.z_loss = &z_scalar;

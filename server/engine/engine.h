@@ -25,6 +25,7 @@
 #include "server/engine/compute_plan.h"
 #include "server/engine/executor.h"
 #include "server/engine/memory_budget.h"
+#include "server/engine/streamed_rows.h"
 #include "server/engine/weight_cache.h"
 
 namespace lossd {
@@ -45,6 +46,9 @@ struct EngineOptions {
   int64_t max_v = 1 << 21;
   uint64_t max_request_bytes = 16ull << 30;
   bool check_finite = true;  // refuse NaN/Inf in X, W and bias
+  // Overlapped Computes: the longest the backend waits for the next rows of X (it holds the
+  // device meanwhile) before the call fails with DEADLINE_EXCEEDED.
+  absl::Duration overlap_stall = absl::Seconds(10);
 };
 
 // A host byte buffer that is not zero-filled on allocation (it is overwritten in full).
@@ -83,6 +87,14 @@ struct ComputeOutcome {
   LossStats stats;
   double queue_seconds = 0;
   std::vector<HostBuffer> outputs;  // one per plan.outputs, same order
+};
+
+// An overlapped Compute (ComputeHeader.overlap): X is still arriving when the compute starts
+// (the receiver reports rows to `rows`), and the outputs are made beforehand so that dX can
+// be sent from its buffer while later chunks compute.
+struct OverlapIo {
+  std::shared_ptr<StreamedRows> rows;
+  std::shared_ptr<std::vector<HostBuffer>> outputs;  // from Engine::NewOutputs(plan)
 };
 
 struct PendingWeights {
@@ -147,9 +159,16 @@ class Engine {
   // A request whose deadline has passed when its turn comes is not started
   // (DEADLINE_EXCEEDED). `inputs_checked_finite`: the caller has already run the
   // --check_finite test (CheckFiniteElements) on every float input it sent, so it is skipped.
+  // `overlap.rows` set: every input but X is complete, X fills in while the compute runs
+  // (its --check_finite test is the receiver's, part by part, before rows are reported), and
+  // the results land in `overlap.outputs` (ComputeOutcome.outputs stays empty).
   void Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
            std::function<void(ComputeOutcome)> done,
-           absl::Time deadline = absl::InfiniteFuture(), bool inputs_checked_finite = false);
+           absl::Time deadline = absl::InfiniteFuture(), bool inputs_checked_finite = false,
+           OverlapIo overlap = {});
+
+  // Output buffers for `plan`, one per plan.outputs in order (not zero-filled).
+  static std::vector<HostBuffer> NewOutputs(const ComputePlan& plan);
 
   // Weight uploads: Begin (validate + reserve + allocate), Write parts, Commit.
   absl::StatusOr<std::unique_ptr<PendingWeights>> BeginPutWeights(const TensorDesc& w,
@@ -195,7 +214,8 @@ class Engine {
 
  private:
   friend struct PendingWeights;
-  ComputeOutcome RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite);
+  ComputeOutcome RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite,
+                        const OverlapIo& overlap);
   // Checks one weight part (whole elements, inside its tensor, finite) and copies it to the
   // backend; shared by plain and striped uploads.
   absl::Status CopyWeightPart(const WeightEntry& e, bool bias, uint64_t offset,
