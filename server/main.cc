@@ -68,6 +68,9 @@ ABSL_FLAG(uint64_t, host_buffer_pool_bytes, 2ull << 30,
           "Most bytes of freed request buffers kept for reuse (same shapes again skip the "
           "page faults of fresh memory); 0 turns the pool off.");
 ABSL_FLAG(bool, check_finite, true, "Refuse NaN and Inf in X, W and bias (INVALID_ARGUMENT).");
+ABSL_FLAG(absl::Duration, overlap_stall, absl::Seconds(10),
+          "Overlapped Computes: longest wait for the next rows of X while the compute holds "
+          "the device; then DEADLINE_EXCEEDED.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (chain); with --tls_key enables TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -161,6 +164,12 @@ int Main() {
   eo.max_v = absl::GetFlag(FLAGS_max_v);
   eo.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   eo.check_finite = absl::GetFlag(FLAGS_check_finite);
+  eo.overlap_stall = absl::GetFlag(FLAGS_overlap_stall);
+  if (eo.overlap_stall <= absl::ZeroDuration()) {
+    std::fprintf(stderr, "lossd: --overlap_stall must be positive; got %s\n",
+                 absl::FormatDuration(eo.overlap_stall).c_str());
+    return 1;
+  }
   Engine engine(std::move(*backend), eo);
 
   ServerMetrics metrics([&engine] {

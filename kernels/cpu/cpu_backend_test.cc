@@ -2,6 +2,7 @@
 // cases, determinism, chunk-size invariance, accumulation, and the memory interface.
 #include "kernels/cpu/cpu_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/reference.h"
@@ -616,6 +618,134 @@ TEST(CpuBackendTest, MemoryInterface) {
   ASSERT_TRUE(late.ok());
   backend2.reset();
   late->reset();
+}
+
+// The overlapped path (LossProblem::rows): X released in uneven steps while the Compute runs,
+// unreleased rows NaN. Every output must equal the whole-X Compute's byte for byte, every
+// WaitX ask for at most BT rows in non-decreasing order ending at BT, and DxReady come in
+// strictly increasing rows ending at BT exactly when dX is wanted.
+TEST(CpuBackendTest, StreamedRowsGiveTheWholeProblemsBytes) {
+  struct Case {
+    const char* name;
+    bool want_dx, want_grads, accumulate;
+  };
+  const Case cases[] = {{"all", true, true, false},
+                        {"accumulate", true, true, true},
+                        {"dw_only", false, true, false},
+                        {"loss_only", false, false, false}};
+  const std::vector<OptionCase> options = OptionCases();
+  std::unique_ptr<Backend> backend = NewCpuBackend(3);
+  uint64_t seed = 300;
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (const OptionCase& oc : options) {
+      const std::string opt_name = oc.name;
+      if (opt_name != "combined_mean" && opt_name != "combined_none") continue;
+      for (const Case& k : cases) {
+        RandomProblemSpec spec = SpecFor(kShapes[2], dtype, oc, ++seed);  // 47 x 31 x 123
+        spec.options.chunk_rows = 10;  // 5 chunks, the last of 7 rows
+        const RandomProblem rp = RandomProblem::Make(spec);
+        const LossProblem whole = rp.problem();
+        const DType g = oc.grad_f32 ? DType::kF32 : dtype;
+        HostOutputs want(whole, g, k.want_grads, k.accumulate);
+        HostOutputs got(whole, g, k.want_grads, k.accumulate);
+        LossOutputs want_out = want.outputs(), got_out = got.outputs();
+        if (!k.want_dx) want_out.dx = got_out.dx = nullptr;
+        ASSERT_TRUE(backend->Compute(whole, want_out, nullptr).ok());
+
+        TrickleRows::Spec ts;
+        ts.steps = 4 + static_cast<int>(seed % 4);  // 4 to 7 releases
+        ts.seed = seed;
+        TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(dtype), ts);
+        LossProblem streamed = whole;
+        streamed.x = rows.x();
+        streamed.rows = &rows;
+        const absl::Status st = backend->Compute(streamed, got_out, nullptr);
+        const std::string where = std::string(DTypeName(dtype)) + " " + opt_name + " " + k.name;
+        ASSERT_TRUE(st.ok()) << where << ": " << st;
+        EXPECT_TRUE(BitIdentical(want, got)) << where;
+
+        const std::vector<int64_t> waits = rows.waits();
+        ASSERT_FALSE(waits.empty()) << where;
+        for (size_t i = 1; i < waits.size(); ++i) {
+          EXPECT_GE(waits[i], waits[i - 1]) << where << " wait " << i;
+        }
+        EXPECT_LE(*std::max_element(waits.begin(), waits.end()), whole.bt) << where;
+        EXPECT_EQ(waits.back(), whole.bt) << where;
+        const std::vector<int64_t> ready = rows.dx_ready();
+        if (k.want_dx) {
+          ASSERT_FALSE(ready.empty()) << where;
+          EXPECT_GT(ready.front(), 0) << where;
+          for (size_t i = 1; i < ready.size(); ++i) {
+            EXPECT_GT(ready[i], ready[i - 1]) << where << " DxReady " << i;
+          }
+          EXPECT_EQ(ready.back(), whole.bt) << where;
+          // One per chunk: dX leaves as it is written, not all at the end.
+          EXPECT_EQ(ready.size(), 5u) << where;
+        } else {
+          EXPECT_TRUE(ready.empty()) << where << ": " << ready.size() << " DxReady calls";
+        }
+      }
+    }
+  }
+}
+
+// A WaitX that fails ends the Compute with its status; no row past the released ones is
+// reported ready.
+TEST(CpuBackendTest, FailedRowWaitEndsTheComputeWithItsStatus) {
+  const std::vector<OptionCase> options = OptionCases();
+  for (const absl::Status& failure :
+       {absl::CancelledError("test: the client went away"),
+        absl::DeadlineExceededError("test: rows stalled")}) {
+    for (int64_t fail_after : {0, 20, 46}) {
+      RandomProblemSpec spec = SpecFor(kShapes[2], DType::kBF16, options[0], 77 + fail_after);
+      spec.options.chunk_rows = 10;
+      const RandomProblem rp = RandomProblem::Make(spec);
+      const LossProblem whole = rp.problem();
+      TrickleRows::Spec ts;
+      ts.fail_after = fail_after;
+      ts.failure = failure;
+      TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
+      LossProblem streamed = whole;
+      streamed.x = rows.x();
+      streamed.rows = &rows;
+      HostOutputs got(whole, DType::kBF16);
+      const absl::Status st = NewCpuBackend(2)->Compute(streamed, got.outputs(), nullptr);
+      EXPECT_EQ(st.code(), failure.code()) << "after " << fail_after << ": " << st;
+      EXPECT_EQ(st.message(), failure.message()) << "after " << fail_after;
+      // The chunk that asked past the released rows was the last one read.
+      const std::vector<int64_t> waits = rows.waits();
+      ASSERT_FALSE(waits.empty());
+      EXPECT_GT(waits.back(), fail_after);
+      for (int64_t r : rows.dx_ready()) EXPECT_LE(r, fail_after) << "after " << fail_after;
+      if (fail_after == 0) {
+        // The poison is what makes an early read visible: X never released is all NaN.
+        LossProblem unreleased = whole;
+        unreleased.x = rows.x();
+        HostOutputs nan_out(whole, DType::kBF16);
+        ASSERT_TRUE(NewCpuBackend(1)->Compute(unreleased, nan_out.outputs(), nullptr).ok());
+        EXPECT_TRUE(std::isnan(nan_out.loss[0]));
+      }
+    }
+  }
+}
+
+// No rows: nothing to wait for and no dX to report.
+TEST(CpuBackendTest, StreamedEmptyBatch) {
+  RandomProblemSpec spec;
+  spec.bt = 1;
+  spec.h = 8;
+  spec.v = 20;
+  const RandomProblem rp = RandomProblem::Make(spec);
+  LossProblem p = rp.problem();
+  p.bt = 0;
+  TrickleRows rows(p.x, 0, p.h * DTypeSize(p.dtype), TrickleRows::Spec{});
+  p.x = rows.x();
+  p.rows = &rows;
+  HostOutputs got(p, DType::kBF16);
+  ASSERT_TRUE(NewCpuBackend(1)->Compute(p, got.outputs(), nullptr).ok());
+  EXPECT_EQ(got.tokens, 0);
+  EXPECT_TRUE(rows.dx_ready().empty());
+  for (int64_t r : rows.waits()) EXPECT_EQ(r, 0);
 }
 
 TEST(CpuBackendTest, DefaultChunkKeepsTheChunkBufferBounded) {

@@ -9,8 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/dtype.h"
@@ -556,6 +559,108 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
       eb.grad_rel);
   if (ok) return ::testing::AssertionSuccess() << head << report;
   return ::testing::AssertionFailure() << head << report;
+}
+
+::testing::AssertionResult BitIdentical(const HostOutputs& a, const HostOutputs& b) {
+  std::string diffs;
+  auto check = [&](const char* name, const void* pa, size_t na, const void* pb, size_t nb) {
+    if (na != nb) {
+      absl::StrAppend(&diffs, " ", name, ": ", na, " vs ", nb, " bytes;");
+      return;
+    }
+    const uint8_t* ua = static_cast<const uint8_t*>(pa);
+    const uint8_t* ub = static_cast<const uint8_t*>(pb);
+    for (size_t k = 0; k < na; ++k) {
+      if (ua[k] != ub[k]) {
+        absl::StrAppend(&diffs, " ", name, ": first differing byte ", k, " of ", na, ";");
+        return;
+      }
+    }
+  };
+  check("loss", a.loss.data(), a.loss.size() * 4, b.loss.data(), b.loss.size() * 4);
+  check("z_loss", a.z_loss.data(), a.z_loss.size() * 4, b.z_loss.data(), b.z_loss.size() * 4);
+  check("lse", a.lse.data(), a.lse.size() * 4, b.lse.data(), b.lse.size() * 4);
+  check("predictions", a.predictions.data(), a.predictions.size() * 8, b.predictions.data(),
+        b.predictions.size() * 8);
+  check("accuracy", &a.accuracy, 4, &b.accuracy, 4);
+  check("tokens", &a.tokens, 8, &b.tokens, 8);
+  check("dx", a.dx.data(), a.dx.size(), b.dx.data(), b.dx.size());
+  check("dw", a.dw.data(), a.dw.size(), b.dw.data(), b.dw.size());
+  check("db", a.db.data(), a.db.size(), b.db.data(), b.db.size());
+  check("dw_accum", a.dw_accum.data(), a.dw_accum.size() * 4, b.dw_accum.data(),
+        b.dw_accum.size() * 4);
+  check("db_accum", a.db_accum.data(), a.db_accum.size() * 4, b.db_accum.data(),
+        b.db_accum.size() * 4);
+  if (diffs.empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "outputs differ:" << diffs;
+}
+
+TrickleRows::TrickleRows(const void* x, int64_t bt, size_t row_bytes, const Spec& spec)
+    : bt_(bt), row_bytes_(row_bytes), spec_(spec),
+      real_(static_cast<const uint8_t*>(x), static_cast<const uint8_t*>(x) + bt * row_bytes),
+      buf_(bt * row_bytes, 0xFF) {
+  thread_ = std::thread([this] { Release(); });
+}
+
+TrickleRows::~TrickleRows() { thread_.join(); }
+
+void TrickleRows::Release() {
+  const int64_t last = spec_.fail_after >= 0 ? std::min(spec_.fail_after, bt_) : bt_;
+  // Uneven steps: distinct random cuts in [1, last), then `last` itself.
+  std::mt19937_64 rng(spec_.seed);
+  std::vector<int64_t> cuts;
+  if (last > 1) {
+    std::uniform_int_distribution<int64_t> any(1, last - 1);
+    for (int k = 0; k + 1 < spec_.steps && static_cast<int64_t>(cuts.size()) < last - 1; ++k) {
+      int64_t c = any(rng);
+      while (std::find(cuts.begin(), cuts.end(), c) != cuts.end()) c = any(rng);
+      cuts.push_back(c);
+    }
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.push_back(last);
+  int64_t from = 0;
+  for (int64_t to : cuts) {
+    absl::SleepFor(spec_.pause);
+    if (to > from) {
+      std::memcpy(buf_.data() + from * row_bytes_, real_.data() + from * row_bytes_,
+                  (to - from) * row_bytes_);
+    }
+    absl::MutexLock lock(&mu_);
+    released_ = to;
+    from = to;
+  }
+  absl::MutexLock lock(&mu_);
+  done_ = true;
+}
+
+absl::Status TrickleRows::WaitX(int64_t rows) {
+  absl::MutexLock lock(&mu_);
+  waits_.push_back(rows);
+  auto arrived = [&] { return released_ >= rows || done_; };
+  mu_.Await(absl::Condition(&arrived));
+  if (released_ >= rows) return absl::OkStatus();
+  return spec_.failure;
+}
+
+void TrickleRows::DxReady(int64_t rows) {
+  absl::MutexLock lock(&mu_);
+  dx_ready_.push_back(rows);
+}
+
+std::vector<int64_t> TrickleRows::waits() const {
+  absl::MutexLock lock(&mu_);
+  return waits_;
+}
+
+std::vector<int64_t> TrickleRows::dx_ready() const {
+  absl::MutexLock lock(&mu_);
+  return dx_ready_;
+}
+
+void TrickleRows::Drain() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(&done_));
 }
 
 }  // namespace lossd

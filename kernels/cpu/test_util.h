@@ -7,8 +7,13 @@
 
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/dtype.h"
@@ -167,6 +172,60 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
 ::testing::AssertionResult MatchesReference(const LossProblem& p, const LogitStats& stats,
                                             const ReferenceOutputs& ref,
                                             const LossOutputs& got);
+
+// Every output buffer of `a` and `b` byte for byte (NaN payloads included); the failure names
+// each buffer that differs and its first differing byte.
+::testing::AssertionResult BitIdentical(const HostOutputs& a, const HostOutputs& b);
+
+// A RowStream for tests of the overlapped path (LossProblem::rows). Holds its own copy of X,
+// every byte poisoned (0xFF: NaN in bf16, fp16 and fp32) until a helper thread releases it:
+// the real rows go in a few uneven steps with a pause between them, starting at construction.
+// A backend that reads a row before WaitX covered it computes with NaN, which a bit-exact
+// comparison with the whole problem catches. Records every WaitX and DxReady call.
+class TrickleRows : public RowStream {
+ public:
+  struct Spec {
+    int steps = 5;  // releases (fewer when BT is smaller), cut at random rows
+    absl::Duration pause = absl::Milliseconds(1);
+    // >= 0: release only rows [0, fail_after), then fail every wait for more with `failure`
+    // (the sender went away).
+    int64_t fail_after = -1;
+    absl::Status failure = absl::CancelledError("test: the sender went away");
+    uint64_t seed = 1;
+  };
+  // x: (BT, row_bytes) host, the real rows; copied, so the caller's buffer may go.
+  TrickleRows(const void* x, int64_t bt, size_t row_bytes, const Spec& spec);
+  ~TrickleRows() override;  // joins the helper thread
+  TrickleRows(const TrickleRows&) = delete;
+  TrickleRows& operator=(const TrickleRows&) = delete;
+
+  // (BT, row_bytes): what to give the backend as LossProblem::x.
+  const void* x() const { return buf_.data(); }
+  absl::Status WaitX(int64_t rows) override;
+  void DxReady(int64_t rows) override;
+
+  std::vector<int64_t> waits() const;     // every WaitX argument, in call order
+  std::vector<int64_t> dx_ready() const;  // every DxReady argument, in call order
+  // Blocks until the helper thread has released all it will.
+  void Drain();
+
+ private:
+  void Release();  // the helper thread
+
+  const int64_t bt_;
+  const size_t row_bytes_;
+  const Spec spec_;
+  std::vector<uint8_t> real_;  // (BT, row_bytes)
+  // (BT, row_bytes): rows [released_, BT) are 0xFF. Written by the helper thread before it
+  // publishes the rows under mu_, read by the backend after WaitX: ordered by mu_.
+  std::vector<uint8_t> buf_;
+  mutable absl::Mutex mu_;
+  int64_t released_ ABSL_GUARDED_BY(mu_) = 0;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;  // the helper thread released its last step
+  std::vector<int64_t> waits_ ABSL_GUARDED_BY(mu_);
+  std::vector<int64_t> dx_ready_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
 
 }  // namespace lossd
 

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -153,6 +155,103 @@ absl::Status ValidateProblem(const LossProblem& p, const LossOutputs& out) {
   return absl::OkStatus();
 }
 
+// The overlapped path's hooks (LossProblem::rows). X rows go up on x_stream as WaitX releases
+// them; dX rows come down on dx_stream as soon as each chunk's dX GEMM is queued, and a host
+// function queued behind the copy tells the RowStream. One object per Compute; it must outlive
+// every host function it queued (ComputeLocked drains the device before it goes).
+class StreamedChunkHooks : public ChunkHooks {
+ public:
+  struct Streams {
+    cudaStream_t main = nullptr;  // the engine's stream: the zero fill of X and the trials
+    cudaStream_t x = nullptr, dx = nullptr;
+    cudaEvent_t x_start = nullptr, x_copied = nullptr, dx_done = nullptr;
+  };
+  StreamedChunkHooks(RowStream* rows, const Streams& s,
+               const void* host_x,  // (BT, H) input dtype, host; fills in as WaitX says
+               void* device_x,      // (BT, H) input dtype, device
+               size_t x_row_bytes,
+               void* host_dx,          // (BT, H) grad dtype, host, or null (no dX)
+               const void* device_dx,  // (BT, H) grad dtype, device, or null
+               size_t dx_row_bytes)
+      : rows_(rows), s_(s), host_x_(static_cast<const char*>(host_x)),
+        device_x_(static_cast<char*>(device_x)), x_row_bytes_(x_row_bytes),
+        host_dx_(static_cast<char*>(host_dx)), device_dx_(static_cast<const char*>(device_dx)),
+        dx_row_bytes_(dx_row_bytes) {}
+
+  absl::StatusOr<cudaEvent_t> XReady(int64_t row0, int64_t row1) override {
+    LOSSD_CUDA_RETURN_IF_NOT_OK(rows_->WaitX(row1));
+    if (row1 <= uploaded_) return nullptr;
+    if (uploaded_ == 0) {
+      // The first rows go up after everything main_ holds so far: the zero fill of X and the
+      // autotuning trials that read it (fused_loss.cc, the tuning pass), so neither a trial
+      // sees a half-copied X nor the fill lands over copied rows.
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(s_.x_start, s_.main));
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s_.x, s_.x_start, 0));
+    }
+    const size_t offset = static_cast<size_t>(uploaded_) * x_row_bytes_;
+    LOSSD_CUDA_RETURN_IF_NOT_OK(
+        CudaStatus(cudaMemcpyAsync(device_x_ + offset, host_x_ + offset,
+                                   static_cast<size_t>(row1 - uploaded_) * x_row_bytes_,
+                                   cudaMemcpyHostToDevice, s_.x),
+                   "cudaMemcpyAsync(X rows, host to device)"));
+    uploaded_ = row1;
+    // Re-recorded per chunk: Enqueue has queued main_'s wait on the previous recording
+    // before it calls a hook again, and a wait holds the state the event had when queued.
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(s_.x_copied, s_.x));
+    return s_.x_copied;
+  }
+
+  absl::Status DxEnqueued(int64_t row0, int64_t row1, cudaStream_t stream) override {
+    if (host_dx_ == nullptr || row1 <= row0) return absl::OkStatus();
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(s_.dx_done, stream));
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s_.dx, s_.dx_done, 0));
+    // Into pinned memory this runs beside the next chunk's GEMMs. Into pageable memory the
+    // runtime stages it and returns only once it is done, so this thread waits for the
+    // chunk's dX GEMM here (correct, but the next chunk is queued late).
+    const size_t offset = static_cast<size_t>(row0) * dx_row_bytes_;
+    LOSSD_CUDA_RETURN_IF_NOT_OK(
+        CudaStatus(cudaMemcpyAsync(host_dx_ + offset, device_dx_ + offset,
+                                   static_cast<size_t>(row1 - row0) * dx_row_bytes_,
+                                   cudaMemcpyDeviceToHost, s_.dx),
+                   "cudaMemcpyAsync(dX rows, device to host)"));
+    // The host function runs once the copy has landed; dx_stream_ runs them in queue order,
+    // so the RowStream sees increasing rows. Its argument must stay put: a deque does not
+    // move its elements as it grows.
+    notes_.push_back(Note{rows_, row1});
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(s_.dx, &Notify, &notes_.back()));
+    return absl::OkStatus();
+  }
+
+  // Waits until every copy and host function queued here has run.
+  absl::Status Finish() {
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s_.x));
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s_.dx));
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Note {
+    RowStream* rows;
+    int64_t ready;
+  };
+  // On the runtime's callback thread: must not call into CUDA (DxReady does not).
+  static void CUDART_CB Notify(void* arg) {
+    const Note* note = static_cast<const Note*>(arg);
+    note->rows->DxReady(note->ready);
+  }
+
+  RowStream* rows_;
+  Streams s_;
+  const char* host_x_;
+  char* device_x_;
+  size_t x_row_bytes_;
+  char* host_dx_;
+  const char* device_dx_;
+  size_t dx_row_bytes_;
+  int64_t uploaded_ = 0;  // rows [0, uploaded_) of X have their copies queued
+  std::deque<Note> notes_;
+};
+
 }  // namespace
 
 CudaBackend::CudaBackend(const CudaBackendOptions& options)
@@ -161,6 +260,14 @@ CudaBackend::CudaBackend(const CudaBackendOptions& options)
 CudaBackend::~CudaBackend() {
   absl::MutexLock lock(&mu_);
   engine_.reset();
+  // Teardown errors have no caller to go to.
+  cudaSetDevice(options_.device);
+  for (cudaEvent_t e : {x_start_, x_copied_, dx_done_}) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  for (cudaStream_t st : {x_stream_, dx_stream_}) {
+    if (st != nullptr) cudaStreamDestroy(st);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
@@ -196,6 +303,12 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   (*engine)->set_autotune(options.autotune_gemms);
   absl::MutexLock lock(&b->mu_);
   b->engine_ = *std::move(engine);
+  // Non-blocking: the copies must not wait for (or hold up) work on the legacy default stream.
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->x_stream_, cudaStreamNonBlocking));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->dx_stream_, cudaStreamNonBlocking));
+  for (cudaEvent_t* e : {&b->x_start_, &b->x_copied_, &b->dx_done_}) {
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  }
   return b;
 }
 
@@ -336,9 +449,10 @@ HostMemory* CudaBackend::host_memory() {
 ChunkPlan CudaBackend::Plan(const LossProblem& p, const LossOutputs& out) const {
   const uint64_t budget =
       options_.chunk_budget_bytes != 0 ? options_.chunk_budget_bytes : kDefaultChunkBudgetBytes;
-  // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads.
+  // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads. Not
+  // with rows still arriving: every whole-batch GEMM reads all of X.
   if (options_.whole_batch && p.options.chunk_rows == 0 && out.dw != nullptr &&
-      out.dw_accum == nullptr) {
+      out.dw_accum == nullptr && p.rows == nullptr) {
     ChunkPlan whole = PlanWhole(p.bt, p.h, p.v, p.dtype, out.dx != nullptr, out.grad_dtype, budget);
     if (whole.blocks > 0) return whole;
   }
@@ -410,9 +524,13 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   cudaStream_t stream = engine_->stream();
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
 
+  // The overlapped path's hooks, when p.rows is set: declared before `drain`, so that the
+  // host functions they queued have run (the device drained) before they go.
+  std::optional<StreamedChunkHooks> streamed;
   // Every buffer lives until the end of this call. On an error path work may still be queued
-  // on the engine's streams: wait for the device before the buffers go back to the pool
-  // (declared after `held`, so it runs first).
+  // on the engine's streams (and, overlapped, on the copy streams, host functions included):
+  // wait for the device before the buffers go back to the pool (declared after `held`, so it
+  // runs first).
   std::vector<std::unique_ptr<BackendBuffer>> held;
   struct DrainOnError {
     bool done = false;
@@ -449,7 +567,19 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     }
   }
   void* ptr = nullptr;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.x, bt * h * elem, &ptr));
+  void* x_device = nullptr;  // (BT, H) input dtype; written by StreamedChunkHooks when overlapped
+  if (p.rows == nullptr) {
+    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.x, bt * h * elem, &ptr));
+  } else {
+    // Rows go up as they arrive (StreamedChunkHooks). Until then X holds zeros, not the pool's
+    // leftovers: the autotuning trials read it, and their X^T 0 must be 0 (fused_loss.cc).
+    absl::StatusOr<void*> d = alloc(bt * h * elem);
+    if (!d.ok()) return d.status();
+    ptr = x_device = *d;
+    if (bt > 0) {
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ptr, 0, bt * h * elem, stream));
+    }
+  }
   a.x = ptr;
   if (p.w_memory == Memory::kHost) {
     LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.w, v * h * elem, &ptr));
@@ -527,6 +657,17 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   }
   absl::StatusOr<void*> workspace = alloc(plan.workspace_bytes);
   if (!workspace.ok()) return workspace.status();
+  if (p.rows != nullptr) {
+    StreamedChunkHooks::Streams s;
+    s.main = stream;
+    s.x = x_stream_;
+    s.dx = dx_stream_;
+    s.x_start = x_start_;
+    s.x_copied = x_copied_;
+    s.dx_done = dx_done_;
+    streamed.emplace(p.rows, s, p.x, x_device, h * elem, out.dx, a.dx, h * gsize);
+    a.hooks = &*streamed;
+  }
 
   LOSSD_CUDA_RETURN_IF_NOT_OK(engine_->Enqueue(a, plan, *workspace));
 
@@ -542,7 +683,10 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   LOSSD_CUDA_RETURN_IF_NOT_OK(download(ce.data(), a.row_ce, bt * 4));
   LOSSD_CUDA_RETURN_IF_NOT_OK(download(zl.data(), a.row_z, bt * 4));
   LOSSD_CUDA_RETURN_IF_NOT_OK(download(pred.data(), a.row_pred, bt * 4));
-  if (out.dx != nullptr) LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dx, a.dx, bt * h * gsize));
+  // Overlapped, dX came down chunk by chunk (StreamedChunkHooks::DxEnqueued).
+  if (out.dx != nullptr && !streamed.has_value()) {
+    LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dx, a.dx, bt * h * gsize));
+  }
   if (out.dw_accum != nullptr) {
     if (out.accum_memory == Memory::kHost) {
       LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw_accum, a.dw_acc, v * h * 4));
@@ -568,6 +712,8 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     }
   }
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  // main_ waited for every X copy, but the last dX copies and their host functions may trail.
+  if (streamed.has_value()) LOSSD_CUDA_RETURN_IF_NOT_OK(streamed->Finish());
   drain.done = true;  // everything the call queued has run
 
   // Reductions on the host, in double and in row order: deterministic and exact enough.

@@ -86,6 +86,13 @@ class CudaBackend : public Backend {
   cudaStream_t alloc_stream_ = nullptr;
   absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
   std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
+  // The overlapped path (LossProblem::rows): X rows go up on x_stream_ and dX rows come down
+  // on dx_stream_, beside the engine's streams, so neither copy waits behind a GEMM.
+  cudaStream_t x_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  cudaStream_t dx_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  cudaEvent_t x_start_ ABSL_GUARDED_BY(mu_) = nullptr;   // main_ before the first X rows
+  cudaEvent_t x_copied_ ABSL_GUARDED_BY(mu_) = nullptr;  // the latest X rows are up
+  cudaEvent_t dx_done_ ABSL_GUARDED_BY(mu_) = nullptr;   // the latest dX GEMM has run
 };
 
 }  // namespace cuda

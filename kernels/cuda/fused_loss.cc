@@ -495,6 +495,11 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   if (plan.chunk_rows <= 0 || workspace == nullptr) {
     return absl::InvalidArgumentError("cuda: no chunk plan or workspace");
   }
+  if (a.hooks != nullptr && plan.blocks > 0) {
+    return absl::InvalidArgumentError(
+        "cuda: rows that arrive during the compute need a row-chunk plan, not the whole-batch "
+        "layout (each of its GEMMs reads every row of X)");
+  }
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (plan.blocks > 0) return EnqueueWhole(a, plan, workspace);
   const size_t elem = DTypeSize(a.dtype);
@@ -562,7 +567,11 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   // buffers, serially on main_, before any real work. Logits and dX trials write the chunk
   // buffer and dX (both rewritten later); dW trials run with the chunk buffer zeroed, so
   // D = beta D + alpha X^T 0 leaves an accumulator as it was and a fresh dW is overwritten by
-  // the first chunk.
+  // the first chunk. With hooks the trials run before any row of X has arrived (no hook is
+  // called here): they read whatever the device X holds, which only changes what is timed,
+  // not what is kept, except through the dW trials' X^T 0, which is 0 only for a finite X. So
+  // the caller fills a streamed X with zeros before Enqueue and uploads rows only after it
+  // (CudaBackend orders its copies after main_ at the first XReady).
   if (autotune_ && a.bt > 0) {
     tuning = true;
     for (int round = 0; round < 2; ++round) {
@@ -611,6 +620,23 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         cudaMemsetAsync(a.dw_acc, 0, static_cast<size_t>(a.v) * a.h * sizeof(float), side_));
   }
 
+  // Overlapped path: main_ waits for rows [c0, c0 + rows) of X to be on the device before the
+  // chunk's logits GEMM(s). The dW GEMM on side_ reads the same rows without a wait of its
+  // own: it follows ce_done_ (after the CE kernel), which follows logits_done_ on main_, which
+  // follows this wait, so it is covered in both schedules.
+  auto x_ready = [&](int64_t c0, int64_t rows) -> absl::Status {
+    if (a.hooks == nullptr) return absl::OkStatus();
+    absl::StatusOr<cudaEvent_t> arrived = a.hooks->XReady(c0, c0 + rows);
+    if (!arrived.ok()) return arrived.status();
+    if (*arrived == nullptr) return absl::OkStatus();
+    return CudaStatus(cudaStreamWaitEvent(main_, *arrived, 0), "cudaStreamWaitEvent(X rows)");
+  };
+  // Tells the hooks that the chunk's dX GEMM is on main_.
+  auto dx_enqueued = [&](int64_t c0, int64_t rows) -> absl::Status {
+    if (a.hooks == nullptr || a.dx == nullptr) return absl::OkStatus();
+    return a.hooks->DxEnqueued(c0, c0 + rows, main_);
+  };
+
   auto db_sum = [&](int64_t rows) {
     return CudaStatus(LaunchColumnSumAccumulate(logits, static_cast<int32_t>(a.dtype), rows, a.v,
                                                 scales.alpha, a.db_acc, side_),
@@ -620,6 +646,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
     if (columns) {
+      LOSSD_CUDA_RETURN_IF_NOT_OK(x_ready(c0, rows));
       // Each half of the buffer is rewritten once the previous chunk's dW half has read it
       // (the previous dX, on main_, is already ordered before).
       for (int half = 0; half < 2; ++half) {
@@ -634,6 +661,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
       LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, want_dw ? main_sms : 0));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_enqueued(c0, rows));
       if (want_dw || want_db) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
         // db reads every column, so it goes before the first half is released.
@@ -650,6 +678,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       const int64_t nsub = split < rows ? 2 : 1;
       const int64_t begin[2] = {0, split};
       const int64_t count[2] = {split, rows - split};
+      LOSSD_CUDA_RETURN_IF_NOT_OK(x_ready(c0, rows));
       // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
       if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
       for (int64_t s = 0; s < nsub; ++s) {
@@ -664,6 +693,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
       LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, 0));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_enqueued(c0, rows));
       if (want_dw || want_db) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
         if (want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, 0, a.v, 0));

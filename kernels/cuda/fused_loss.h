@@ -43,6 +43,24 @@ absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets,  // (BT) tar
                                                const float* class_weights,  // (V) host or null
                                                std::vector<int32_t>* targets32);  // (BT) out
 
+// The host side of the overlapped path (LossProblem::rows): X arrives while Enqueue runs and
+// dX leaves chunk by chunk. Enqueue calls both on its own thread, in increasing row order, for
+// row-chunk plans only (a whole-batch plan reads all of X in every GEMM).
+class ChunkHooks {
+ public:
+  virtual ~ChunkHooks() = default;
+  // Called before the first GEMM that reads rows [row0, row1) of the device X is enqueued; may
+  // block until those rows have arrived on the host. Returns an event that, once complete,
+  // means the rows are on the device (null: they already are); Enqueue makes main_ wait on it
+  // before that chunk's logits GEMM(s), and does so before it calls either hook again, so the
+  // hook may re-record the same event next time. An error ends the Enqueue with it.
+  virtual absl::StatusOr<cudaEvent_t> XReady(int64_t row0, int64_t row1) = 0;
+  // Called right after the dX GEMM that writes rows [row0, row1) of the device dX was enqueued
+  // on `stream` (only when dX is wanted): work the hook orders after `stream`'s current end
+  // sees those rows final.
+  virtual absl::Status DxEnqueued(int64_t row0, int64_t row1, cudaStream_t stream) = 0;
+};
+
 // Every tensor lives in device memory.
 struct DeviceLossArgs {
   int64_t bt = 0, h = 0, v = 0;
@@ -66,6 +84,9 @@ struct DeviceLossArgs {
   float* db_acc = nullptr;     // (V) fp32, or null (needs bias)
   bool accumulate_dw = false;  // true: add into dw_acc; false: overwrite it
   bool accumulate_db = false;  // true: add into db_acc; false: overwrite it
+  // Null: x is complete on the device before Enqueue's work starts. Else x fills in as the
+  // hooks say (row-chunk plans only); see ChunkHooks. Not owned.
+  ChunkHooks* hooks = nullptr;
 };
 
 // How one chunk's work is spread over the three streams. Both are deterministic (each GEMM
