@@ -189,11 +189,24 @@ struct Point {
   double compute_sum = 0;               // in the window
   // Bytes one micro-batch Compute moves, each way.
   uint64_t up_bytes = 0, down_bytes = 0;
+  // Overlapped runs: the median compute_seconds of the same calls made without overlap by one
+  // client in the same run. An overlapped compute_seconds includes the waits for rows of X
+  // still on the wire, so it is no measure of the device's work; this is (0: not measured).
+  double plain_compute = 0;
 
   double PerMicroBatch() const {  // window-amortised
     return micro_batches ? window_seconds / micro_batches : 0;
   }
-  double Busy() const { return window_seconds > 0 ? compute_sum / window_seconds : 0; }
+  // The device's work per call: measured without overlap where that was run.
+  double DeviceCompute() const {
+    return plain_compute > 0 ? plain_compute : compute_seconds.empty() ? 0 : Median(compute_seconds);
+  }
+  // Share of the window the device computed: its work per call times the calls.
+  double Busy() const {
+    if (window_seconds <= 0) return 0;
+    return plain_compute > 0 ? plain_compute * micro_batches / window_seconds
+                             : compute_sum / window_seconds;
+  }
 };
 
 struct Env {
@@ -579,7 +592,7 @@ std::string Report(const std::string& header, const std::map<std::string, double
   line("");
 
   // Compute per shape, from the accum points at 1 client (X in, dX out only).
-  line("## Server compute time per Compute (ComputeSummary.compute_seconds, median, ms)");
+  line("## Server compute time per Compute (ComputeSummary.compute_seconds, median, ms; of calls without overlap where the run overlaps)");
   line("");
   line("| shape (BT, H, V) | handle + accumulator | W by handle (+ dW to host) | W inline (+ W to device) | TFLOP/s (accumulator) |");
   line("|---|---|---|---|---|");
@@ -593,7 +606,7 @@ std::string Report(const std::string& header, const std::map<std::string, double
     for (const Point& p : points) {
       if (p.shape.bt == s.bt && p.shape.h == s.h && p.shape.v == s.v && p.mode == m &&
           p.clients == 1 && p.error.empty()) {
-        return Median(p.compute_seconds);
+        return p.DeviceCompute();
       }
     }
     return 0;
@@ -611,17 +624,20 @@ std::string Report(const std::string& header, const std::map<std::string, double
   const double up1 = c("tcp_up_1") * 1e9, down1 = c("tcp_down_1") * 1e9;
   auto bound = [&](const Point& p) {
     const double wire = (up1 > 0 && down1 > 0) ? p.up_bytes / up1 + p.down_bytes / down1 : 0;
-    return std::max(Median(p.compute_seconds), wire);
+    return std::max(p.DeviceCompute(), wire);
   };
   line("## End to end per micro-batch (ms; bf16; one connection per client)");
   line("");
   line("`latency`: median wall time of one Compute call at the client. `amortised`: timed window / "
        "micro-batches done by all clients (accumulator: the step's fetch and drop included). "
-       "`bound`: max(median compute, the call's bytes at the plain-TCP one-connection rate, up "
-       "then down).");
+       "`compute`: median compute_seconds of the point's calls (overlapped, this includes the "
+       "waits for rows of X); `no overlap`: the same calls without overlap, one client, same "
+       "run. `bound`: max(device compute (`no overlap` where measured), the call's bytes at the "
+       "plain-TCP one-connection rate, up then down). `GPU busy`: device compute x calls / "
+       "window.");
   line("");
-  line("| shape | mode | clients | latency | amortised | step (fetch) | compute | MB up / down per call | bound | amortised / bound | GPU busy | error |");
-  line("|---|---|---|---|---|---|---|---|---|---|---|---|");
+  line("| shape | mode | clients | latency | amortised | step (fetch) | compute | no overlap | MB up / down per call | bound | amortised / bound | GPU busy | error |");
+  line("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   for (const Point& p : points) {
     const double b = bound(p);
     line(absl::StrCat(
@@ -630,7 +646,8 @@ std::string Report(const std::string& header, const std::map<std::string, double
         p.step_seconds.empty() ? "-"
                                : absl::StrCat(Ms(Median(p.step_seconds)), " (",
                                               Ms(Median(p.fetch_seconds)), ")"),
-        " | ", Ms(Median(p.compute_seconds)), " | ", Num(p.up_bytes * 1e-6, "%.4g"), " / ",
+        " | ", Ms(Median(p.compute_seconds)), " | ",
+        p.plain_compute > 0 ? Ms(p.plain_compute) : "-", " | ", Num(p.up_bytes * 1e-6, "%.4g"), " / ",
         Num(p.down_bytes * 1e-6, "%.4g"), " | ", Ms(b), " | ",
         b > 0 ? Num(p.PerMicroBatch() / b) : "-", " | ", Pct(p.Busy()), " | ", p.error, " |"));
   }
@@ -912,6 +929,7 @@ int Main() {
     }
     return md;
   };
+  std::map<std::pair<size_t, int>, double> plain_compute;  // (shape, mode) -> seconds
   for (const Planned& q : plan) {
     const Shape& s = shapes[q.shape];
     const std::string name = absl::StrCat(s.Name(), " ", ModeName(q.mode), " x", q.clients);
@@ -921,8 +939,26 @@ int Main() {
       continue;
     }
     Log(name);
-    points.push_back(RunPoint(env, data[q.shape], wptr(s),
-                              handles[std::make_pair(s.v, s.h)], q.mode, q.clients));
+    const std::string& handle = handles[std::make_pair(s.v, s.h)];
+    // Overlapped: the device's work per call, from the same calls without overlap (once per
+    // shape and kind of call; accumulating calls are timed without the fetch).
+    double plain = 0;
+    if (env.overlap) {
+      const Mode cm = q.mode == Mode::kAccum ? Mode::kAccumNoFetch : q.mode;
+      const auto key = std::make_pair(q.shape, static_cast<int>(cm));
+      auto it = plain_compute.find(key);
+      if (it == plain_compute.end()) {
+        Env plain_env = env;
+        plain_env.overlap = false;
+        const Point c = RunPoint(plain_env, data[q.shape], wptr(s), handle, cm, 1);
+        const double m = c.error.empty() ? Median(c.compute_seconds) : 0;
+        Log(absl::StrCat("  without overlap: compute ", Ms(m), " ms ", c.error));
+        it = plain_compute.emplace(key, m).first;
+      }
+      plain = it->second;
+    }
+    points.push_back(RunPoint(env, data[q.shape], wptr(s), handle, q.mode, q.clients));
+    points.back().plain_compute = plain;
     const Point& p = points.back();
     Log(absl::StrCat("  latency ", Ms(Median(p.call_seconds)), " ms, amortised ",
                      Ms(p.PerMicroBatch()), " ms, compute ", Ms(Median(p.compute_seconds)),

@@ -621,7 +621,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   }
 
   // Overlapped path: main_ waits for rows [c0, c0 + rows) of X to be on the device before the
-  // chunk's logits GEMM(s). The dW GEMM on side_ reads the same rows without a wait of its
+  // GEMM(s) that read them (row halves: each half's own rows). The dW GEMM on side_ reads the same rows without a wait of its
   // own: it follows ce_done_ (after the CE kernel), which follows logits_done_ on main_, which
   // follows this wait, so it is covered in both schedules.
   auto x_ready = [&](int64_t c0, int64_t rows) -> absl::Status {
@@ -678,16 +678,28 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       const int64_t nsub = split < rows ? 2 : 1;
       const int64_t begin[2] = {0, split};
       const int64_t count[2] = {split, rows - split};
-      LOSSD_CUDA_RETURN_IF_NOT_OK(x_ready(c0, rows));
       // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
       if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
-      for (int64_t s = 0; s < nsub; ++s) {
-        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
-      }
-      for (int64_t s = 0; s < nsub; ++s) {
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-        LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
+      if (a.hooks != nullptr) {
+        // Rows still arriving: each half starts once its own rows are in, and its CE is
+        // queued before this thread waits for the next half's rows (the same kernels and
+        // dependencies as below, so the same bits).
+        for (int64_t s = 0; s < nsub; ++s) {
+          LOSSD_CUDA_RETURN_IF_NOT_OK(x_ready(c0 + begin[s], count[s]));
+          LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
+          LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
+        }
+      } else {
+        for (int64_t s = 0; s < nsub; ++s) {
+          LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
+        }
+        for (int64_t s = 0; s < nsub; ++s) {
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
+          LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
+        }
       }
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
       // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
