@@ -232,7 +232,7 @@ absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&f->side_, cudaStreamNonBlocking));
   for (cudaEvent_t* e :
        {&f->start_, &f->logits_done_[0], &f->logits_done_[1], &f->ce_done_[0], &f->ce_done_[1],
-        &f->dw_done_[0], &f->dw_done_[1], &f->ce_end_, &f->side_end_}) {
+        &f->dw_done_[0], &f->dw_done_[1], &f->ce_end_, &f->side_end_, &f->dx_last_}) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&f->lt_));
@@ -246,7 +246,7 @@ FusedLoss::~FusedLoss() {
   cudaSetDevice(device_);
   if (lt_ != nullptr) cublasLtDestroy(lt_);
   for (cudaEvent_t e : {start_, logits_done_[0], logits_done_[1], ce_done_[0], ce_done_[1],
-                        dw_done_[0], dw_done_[1], ce_end_, side_end_}) {
+                        dw_done_[0], dw_done_[1], ce_end_, side_end_, dx_last_}) {
     if (e != nullptr) cudaEventDestroy(e);
   }
   if (side_ != nullptr) cudaStreamDestroy(side_);
@@ -708,6 +708,14 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       LOSSD_CUDA_RETURN_IF_NOT_OK(dx_enqueued(c0, rows));
       if (want_dw || want_db) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
+        // Overlapped, the last chunk's dX is what the caller still waits for on the wire:
+        // its dX GEMM gets the whole GPU and its rows go out while this dW GEMM runs, instead
+        // of both sharing the SMs and dX finishing last. Only the order of two independent
+        // GEMMs changes, not what either computes.
+        if (a.hooks != nullptr && a.dx != nullptr && c0 + rows >= a.bt) {
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dx_last_, main_));
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dx_last_, 0));
+        }
         if (want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, 0, a.v, 0));
         if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
         LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));

@@ -257,6 +257,7 @@ class FusedLoss {
   std::array<cudaEvent_t, 2> ce_done_{};      // per half
   std::array<cudaEvent_t, 2> dw_done_{};      // per half (one for the row-halves schedule)
   cudaEvent_t ce_end_ = nullptr, side_end_ = nullptr;
+  cudaEvent_t dx_last_ = nullptr;  // overlapped path: the last chunk's dX GEMM is done
   cublasLtHandle_t lt_ = nullptr;
   // Heuristic choices by problem key: picked once, so every run uses the same algorithm.
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
