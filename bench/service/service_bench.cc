@@ -677,37 +677,59 @@ std::string Report(const std::string& header, const std::map<std::string, double
                c("tcp_up_" + n), 0.75);
   ratio_target(absl::StrCat("striped ", n, " conn download of fp32 dW vs plain TCP ", n, " conn"),
                fetn, c("tcp_down_" + n), 0.75);
+  // Per micro-batch with a weight handle: the bound counts the call's own bytes (X up, dX
+  // down) and its compute, so the counted figure is one call's time: the latency of a single
+  // client, and, with several clients sharing the GPU, the window per micro-batch without the
+  // per-step fetch (whose 2 GiB are not in the bound). The step with its fetch amortised over
+  // the micro-batches is printed beside them, for information.
   for (const Point& p : points) {
-    if (p.mode != Mode::kAccum) continue;
-    Target x;
-    x.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", p.clients,
-                          " client(s): amortised per micro-batch (step incl. fetch) vs bound");
+    if (p.mode != Mode::kAccum && p.mode != Mode::kAccumNoFetch) continue;
     const double b = bound(p);
-    x.known = p.error.empty() && b > 0 && p.micro_batches > 0;
-    x.needed = absl::StrCat("<= 1.25 x ", Ms(b), " ms");
-    x.measured = x.known ? absl::StrCat(Ms(p.PerMicroBatch()), " ms = ",
-                                        Num(p.PerMicroBatch() / b), " x")
-                         : "missing";
-    x.pass = x.known && p.PerMicroBatch() <= 1.25 * b;
+    const bool known = p.error.empty() && b > 0 && p.micro_batches > 0;
+    const std::string needed = absl::StrCat("<= 1.25 x ", Ms(b), " ms");
+    auto ratio = [&](double t) {
+      return known ? absl::StrCat(Ms(t), " ms = ", Num(t / b), " x") : std::string("missing");
+    };
+    if (p.mode == Mode::kAccum && p.clients == 1) {
+      Target y;
+      y.what = absl::StrCat("handle + accumulator ", p.shape.Name(),
+                            ", 1 client: Compute latency per micro-batch (", overlap_words,
+                            ") vs bound");
+      const double lat = Median(p.call_seconds);
+      y.known = known;
+      y.needed = needed;
+      y.measured = ratio(lat);
+      y.pass = known && lat <= 1.25 * b;
+      targets.push_back(y);
+    }
+    if (p.mode == Mode::kAccumNoFetch) {
+      Target z;
+      z.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", p.clients,
+                            " clients: per micro-batch (window / micro-batches, no fetch) vs "
+                            "bound");
+      z.known = known;
+      z.needed = needed;
+      z.measured = ratio(p.PerMicroBatch());
+      z.pass = known && p.PerMicroBatch() <= 1.25 * b;
+      targets.push_back(z);
+      continue;
+    }
+    Target x;
+    x.info = true;
+    x.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", p.clients,
+                          " client(s): amortised per micro-batch (step incl. its fp32 dW fetch) "
+                          "vs bound");
+    x.known = known;
+    x.needed = needed;
+    x.measured = ratio(p.PerMicroBatch());
+    x.pass = known && p.PerMicroBatch() <= 1.25 * b;
     targets.push_back(x);
-    // With several clients a call's latency includes waiting for the others' computes; only
-    // the amortised time means anything there.
-    if (p.clients != 1) continue;
-    Target y = x;
-    y.info = true;
-    y.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", p.clients,
-                          " client: Compute latency per micro-batch (", overlap_words,
-                          ") vs bound");
-    const double lat = Median(p.call_seconds);
-    y.measured = y.known ? absl::StrCat(Ms(lat), " ms = ", Num(lat / b), " x") : "missing";
-    y.pass = y.known && lat <= 1.25 * b;
-    targets.push_back(y);
   }
   for (const Point& p : points) {
     if (p.mode != Mode::kAccumNoFetch) continue;
     Target x;
     x.what = absl::StrCat("GPU busy, ", p.clients, " clients, ", p.shape.Name(),
-                          ", handle + accumulator (sum of compute_seconds / wall)");
+                          ", handle + accumulator (device compute x calls / wall)");
     x.known = p.error.empty() && p.window_seconds > 0;
     x.needed = ">= 85%";
     x.measured = x.known ? Pct(p.Busy()) : "missing";
