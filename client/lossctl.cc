@@ -47,6 +47,9 @@ ABSL_FLAG(int32_t, stripes, 0,
           "connections one put-weights / fetch-gradients is split over (at most --connections; "
           "0 = min(connections, 4) for tensors of 64 MiB and more, else 1; 1 = never)");
 ABSL_FLAG(bool, wait_for_ready, false, "wait for the server instead of failing fast");
+ABSL_FLAG(bool, overlap, true,
+          "compute: overlap transfer with compute (the server computes rows as X arrives and "
+          "sends dX back meanwhile)");
 ABSL_FLAG(std::string, metadata, "", "call metadata, key=value[,key=value...]");
 ABSL_FLAG(bool, tls, false, "connect with TLS");
 ABSL_FLAG(std::string, tls_ca, "", "TLS: PEM file of the CAs to trust (empty = defaults)");
@@ -166,6 +169,7 @@ absl::StatusOr<ClientOptions> OptionsFromFlags() {
       static_cast<int>(std::min<int64_t>(limit, INT32_MAX));
   o.connections = absl::GetFlag(FLAGS_connections);
   o.stripes = absl::GetFlag(FLAGS_stripes);
+  o.overlap = absl::GetFlag(FLAGS_overlap);
   o.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
   o.tls = absl::GetFlag(FLAGS_tls);
   const std::pair<const char*, std::string*> pem_files[] = {{"--tls_ca", &o.tls_root_certs},

@@ -366,6 +366,12 @@ class Client:
     channel_options: extra gRPC channel arguments, e.g.
       [("grpc.lb_policy_name", "round_robin")] for client-side balancing over a headless
       Service.
+    overlap: compute() overlaps transfer with compute (ComputeHeader.overlap): the server
+      computes each chunk of rows as its part of X arrives and sends dX back while later
+      chunks compute, so a call takes about max(transfer, compute) instead of their sum.
+      The cost: once computing has started, a call that fails (cut off, a NaN in a late part
+      of X) poisons the named accumulator, as a failed update always does. Per call:
+      compute(overlap=...).
     credentials: grpc.ChannelCredentials (instead of the tls_* files); None = plaintext.
     channel: an existing grpc.Channel to use instead (target and the above are then ignored).
     """
@@ -375,7 +381,7 @@ class Client:
                  max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, connections=1, stripes=0,
                  auto_stripe_bytes=DEFAULT_AUTO_STRIPE_BYTES, wait_for_ready=False, metadata=None, auth_token=None, tls=False,
                  tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None,
-                 channel_options=None, credentials=None, channel=None):
+                 channel_options=None, credentials=None, channel=None, overlap=True):
         if int(part_bytes) <= 0:
             raise errors.InvalidArgumentError("part_bytes must be positive, got %r" % part_bytes)
         if int(connections) < 1:
@@ -398,6 +404,7 @@ class Client:
         self.target = target
         self.part_bytes = int(part_bytes)
         self.response_part_bytes = int(response_part_bytes)
+        self.overlap = bool(overlap)
         self.timeout = timeout
         self.wait_for_ready = bool(wait_for_ready)
         self.metadata = tuple(metadata or ())
@@ -738,7 +745,7 @@ class Client:
                 softcap=None, grad_dtype=None, grad_scale=None, chunk_rows=0,
                 want_dx=True, want_dw=True, want_db=None, want_lse=False, want_z_loss=False,
                 want_accuracy=False, want_predictions=False, accumulator=None,
-                response_part_bytes=None, out=None, timeout=None):
+                response_part_bytes=None, out=None, timeout=None, overlap=None):
         """Linear + cross-entropy forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
@@ -758,6 +765,7 @@ class Client:
           exact size; a BF16Array or uint16 array for bf16) to receive outputs into without
           a copy; the result then holds those same arrays.
         timeout: seconds (None = the client's default, float("inf") = none).
+        overlap: None = the client's setting (see Client).
         """
         t_start = time.perf_counter()
         if reduction not in _REDUCTIONS:
@@ -828,6 +836,8 @@ class Client:
             header.accumulator = accumulator
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         header.response_part_bytes = int(rpb)
+        overlapped = self.overlap if overlap is None else bool(overlap)
+        header.overlap = overlapped
         part_bytes = self.part_bytes
 
         bytes_sent = sum(arr.nbytes for _, arr in inline)
@@ -846,27 +856,48 @@ class Client:
                     name, ", ".join(sorted(by_name))))
             into[by_name[name]] = buf.bits if isinstance(buf, BF16Array) else buf
         asm = _Assembler("Compute", into)
-        summary = None
+        # Without overlap: the summary, then the parts. With overlap: a preliminary summary
+        # that announces the outputs, the parts, then the final summary last.
+        announced = None  # the summary that listed the outputs
+        summary = None    # the one with the results
         try:
             for msg in self._stub.Compute(requests(), **self._call_kwargs(timeout)):
                 kind = msg.WhichOneof("kind")
                 if kind == "summary":
+                    s = msg.summary
                     if summary is not None:
                         raise errors.ProtocolError("two summaries", method="Compute")
-                    summary = msg.summary
-                    if len(summary.tensors) != len(summary.specs):
+                    if len(s.tensors) != len(s.specs):
                         raise errors.ProtocolError("summary lists %d tensors but %d specs" % (
-                            len(summary.tensors), len(summary.specs)), method="Compute")
-                    for tid, spec in zip(summary.tensors, summary.specs):
-                        asm.expect(tid, spec)
+                            len(s.tensors), len(s.specs)), method="Compute")
+                    if s.preliminary != (overlapped and announced is None):
+                        raise errors.ProtocolError(
+                            "a %s summary where a %s one was due" % (
+                                "preliminary" if s.preliminary else "final",
+                                "final" if s.preliminary else "preliminary"), method="Compute")
+                    if announced is None:
+                        announced = s
+                        for tid, spec in zip(s.tensors, s.specs):
+                            asm.expect(tid, spec)
+                    elif list(s.tensors) != list(announced.tensors):
+                        raise errors.ProtocolError(
+                            "the final summary lists other outputs than the preliminary one",
+                            method="Compute")
+                    if not s.preliminary:
+                        summary = s
                 elif kind == "part":
-                    if summary is None:
+                    if announced is None:
                         raise errors.ProtocolError("part before summary", method="Compute")
+                    if overlapped and summary is not None:
+                        raise errors.ProtocolError("part after the final summary",
+                                                   method="Compute")
                     asm.add(msg.part)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "Compute") from None
         if summary is None:
-            raise errors.ProtocolError("no summary in reply", method="Compute")
+            raise errors.ProtocolError(
+                "no final summary in reply" if announced is not None else "no summary in reply",
+                method="Compute")
         tensors = asm.finish()
         res = ComputeResult(loss=summary.loss, z_loss=summary.z_loss, accuracy=summary.accuracy,
                             tokens=summary.tokens, compute_seconds=summary.compute_seconds,

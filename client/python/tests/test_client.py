@@ -185,6 +185,35 @@ def test_same_request_twice_is_bit_identical(client):
         np.testing.assert_array_equal(a, c, err_msg=name)
 
 
+def test_overlap_on_and_off_give_the_same_bits(lossd_server):
+    """Overlapped (the default: a preliminary summary, dX while X still arrives, the final
+    summary last) and not: the same bits, with inline weights and by handle with an
+    accumulator, in small chunks and parts so that many chunks overlap."""
+    x, w, b, t = make_inputs("bf16", bias=True)
+    with lossd.Client(lossd_server.address, part_bytes=512, response_part_bytes=700,
+                      timeout=60) as c:
+        assert c.overlap
+        on = c.compute(x, w, t, bias=b, chunk_rows=3, want_lse=True)
+        off = c.compute(x, w, t, bias=b, chunk_rows=3, want_lse=True, overlap=False)
+        assert on.loss == off.loss and on.tokens == off.tokens
+        for name in ("dx", "dw", "db", "lse"):
+            a, o = getattr(on, name), getattr(off, name)
+            a = a.bits if isinstance(a, lossd.BF16Array) else a
+            o = o.bits if isinstance(o, lossd.BF16Array) else o
+            np.testing.assert_array_equal(a, o, err_msg=name)
+        h = c.put_weights(w, b)
+        for acc, ov in (("py-ov-on", True), ("py-ov-off", False)):
+            for _ in range(2):
+                r = c.compute(x, h, t, chunk_rows=3, accumulator=acc, overlap=ov)
+                assert r.dw is None
+        g_on = c.fetch_gradients("py-ov-on", reset=True)
+        g_off = c.fetch_gradients("py-ov-off", reset=True)
+        np.testing.assert_array_equal(g_on.dw, g_off.dw)
+        np.testing.assert_array_equal(g_on.db, g_off.db)
+        assert g_on.micro_batches == g_off.micro_batches == 2
+        c.drop_weights(h)
+
+
 def test_tiny_parts_give_the_same_bits(lossd_server):
     """part_bytes=7 sends one-element parts (rounded down to whole elements) for Compute and
     PutWeights; replies come in 13-byte parts that split elements. Same bits as big parts."""
