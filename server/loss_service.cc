@@ -237,36 +237,17 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   // Runs on the executor thread.
   void OnComputed(ComputeOutcome outcome) {
     inputs_.reset();  // inputs are no longer needed; free them before sending
-    ServerMetrics* m = service_->metrics();
-    m->ObservePhase("Compute", "queue", outcome.queue_seconds + queue_seconds_);
+    ObserveCompute(outcome);
     if (!outcome.status.ok()) {
       FinishOnce(outcome.status);
       return;
-    }
-    m->ObservePhase("Compute", "compute", outcome.stats.compute_seconds);
-    m->AddTokens(static_cast<double>(outcome.tokens));
-    m->AddFlops(plan_->flops());
-    if (outcome.stats.compute_seconds > 0) {
-      m->SetLastTflops(plan_->flops() / outcome.stats.compute_seconds * 1e-12);
     }
     if (ctx_->IsCancelled()) {
       FinishOnce(absl::CancelledError("the client cancelled the Compute"));
       return;
     }
     outputs_ = std::make_shared<std::vector<HostBuffer>>(std::move(outcome.outputs));
-    v1::ComputeResponse response;
-    v1::ComputeSummary* s = response.mutable_summary();
-    s->set_loss(outcome.loss);
-    s->set_z_loss(outcome.z_loss);
-    s->set_accuracy(outcome.accuracy);
-    s->set_tokens(outcome.tokens);
-    s->set_compute_seconds(outcome.stats.compute_seconds);
-    s->set_backend(engine_->backend_info().name);
-    s->set_accumulated_micro_batches(outcome.accumulated_micro_batches);
-    for (const OutputDesc& d : plan_->outputs) {
-      s->add_tensors(OutputSlotToWire(d.slot));
-      *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
-    }
+    v1::ComputeResponse response = Summary(outcome);
     {
       absl::MutexLock lock(&mu_);
       state_ = State::kSending;
@@ -275,6 +256,43 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     response_ = client::EncodeMessage(response);
     StartWrite(&response_);
   }
+
+  // The queue and compute metrics of a finished compute job (the compute ones if it worked).
+  void ObserveCompute(const ComputeOutcome& outcome) {
+    ServerMetrics* m = service_->metrics();
+    m->ObservePhase("Compute", "queue", outcome.queue_seconds + queue_seconds_);
+    if (!outcome.status.ok()) return;
+    m->ObservePhase("Compute", "compute", outcome.stats.compute_seconds);
+    m->AddTokens(static_cast<double>(outcome.tokens));
+    m->AddFlops(plan_->flops());
+    if (outcome.stats.compute_seconds > 0) {
+      m->SetLastTflops(plan_->flops() / outcome.stats.compute_seconds * 1e-12);
+    }
+  }
+
+  // The summary of a compute (results, and the outputs that follow with their specs); with
+  // `outcome` null, the preliminary one of an overlapped Compute (the outputs alone).
+  v1::ComputeResponse Summary(const ComputeOutcome* outcome) {
+    v1::ComputeResponse response;
+    v1::ComputeSummary* s = response.mutable_summary();
+    if (outcome != nullptr) {
+      s->set_loss(outcome->loss);
+      s->set_z_loss(outcome->z_loss);
+      s->set_accuracy(outcome->accuracy);
+      s->set_tokens(outcome->tokens);
+      s->set_compute_seconds(outcome->stats.compute_seconds);
+      s->set_accumulated_micro_batches(outcome->accumulated_micro_batches);
+    } else {
+      s->set_preliminary(true);
+    }
+    s->set_backend(engine_->backend_info().name);
+    for (const OutputDesc& d : plan_->outputs) {
+      s->add_tensors(OutputSlotToWire(d.slot));
+      *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
+    }
+    return response;
+  }
+  v1::ComputeResponse Summary(const ComputeOutcome& outcome) { return Summary(&outcome); }
 
   // Sends the next part of the current output, or finishes when all are sent.
   void SendNext() {
@@ -313,14 +331,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     for (size_t i = 0; i < plan_->outputs.size(); ++i) {
       if (plan_->outputs[i].slot == OutputSlot::kDx) dx_output_ = static_cast<int>(i);
     }
-    v1::ComputeResponse response;
-    v1::ComputeSummary* s = response.mutable_summary();
-    s->set_preliminary(true);
-    s->set_backend(engine_->backend_info().name);
-    for (const OutputDesc& d : plan_->outputs) {
-      s->add_tensors(OutputSlotToWire(d.slot));
-      *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
-    }
+    v1::ComputeResponse response = Summary(nullptr);
     {
       absl::MutexLock lock(&mu_);
       writing_ = true;
@@ -440,29 +451,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
   // On the executor thread.
   void OnOverlapComputed(ComputeOutcome outcome) {
-    ServerMetrics* m = service_->metrics();
-    m->ObservePhase("Compute", "queue", outcome.queue_seconds + queue_seconds_);
-    if (outcome.status.ok()) {
-      m->ObservePhase("Compute", "compute", outcome.stats.compute_seconds);
-      m->AddTokens(static_cast<double>(outcome.tokens));
-      m->AddFlops(plan_->flops());
-      if (outcome.stats.compute_seconds > 0) {
-        m->SetLastTflops(plan_->flops() / outcome.stats.compute_seconds * 1e-12);
-      }
-    }
-    v1::ComputeResponse response;
-    v1::ComputeSummary* s = response.mutable_summary();
-    s->set_loss(outcome.loss);
-    s->set_z_loss(outcome.z_loss);
-    s->set_accuracy(outcome.accuracy);
-    s->set_tokens(outcome.tokens);
-    s->set_compute_seconds(outcome.stats.compute_seconds);
-    s->set_backend(engine_->backend_info().name);
-    s->set_accumulated_micro_batches(outcome.accumulated_micro_batches);
-    for (const OutputDesc& d : plan_->outputs) {
-      s->add_tensors(OutputSlotToWire(d.slot));
-      *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
-    }
+    ObserveCompute(outcome);
+    v1::ComputeResponse response = Summary(outcome);
     {
       absl::MutexLock lock(&mu_);
       computing_ = false;

@@ -658,6 +658,36 @@ std::vector<int64_t> TrickleRows::dx_ready() const {
   return dx_ready_;
 }
 
+::testing::AssertionResult TrickleRows::CallsAreValid(int64_t bt, size_t dx_calls) const {
+  const std::vector<int64_t> w = waits(), d = dx_ready();
+  if (w.empty()) return ::testing::AssertionFailure() << "WaitX was never called";
+  for (size_t i = 0; i < w.size(); ++i) {
+    if ((i > 0 && w[i] < w[i - 1]) || w[i] > bt) {
+      return ::testing::AssertionFailure()
+             << "WaitX call " << i << " asked for " << w[i] << " rows (before: "
+             << (i > 0 ? w[i - 1] : 0) << ", BT " << bt << ")";
+    }
+  }
+  if (w.back() != bt) {
+    return ::testing::AssertionFailure() << "the last WaitX asked for " << w.back() << " of "
+                                         << bt << " rows";
+  }
+  if (d.size() != dx_calls) {
+    return ::testing::AssertionFailure() << d.size() << " DxReady calls, expected " << dx_calls;
+  }
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (d[i] <= (i > 0 ? d[i - 1] : 0)) {
+      return ::testing::AssertionFailure() << "DxReady call " << i << " reported " << d[i]
+                                           << " rows after " << (i > 0 ? d[i - 1] : 0);
+    }
+  }
+  if (!d.empty() && d.back() != bt) {
+    return ::testing::AssertionFailure() << "the last DxReady reported " << d.back() << " of "
+                                         << bt << " rows";
+  }
+  return ::testing::AssertionSuccess();
+}
+
 void TrickleRows::Drain() {
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(&done_));

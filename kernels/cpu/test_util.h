@@ -206,6 +206,10 @@ class TrickleRows : public RowStream {
 
   std::vector<int64_t> waits() const;     // every WaitX argument, in call order
   std::vector<int64_t> dx_ready() const;  // every DxReady argument, in call order
+  // After a successful Compute of `bt` rows: WaitX asked for non-decreasing rows, none past
+  // BT, the last BT; DxReady came `dx_calls` times (0: never, no dX wanted) with strictly
+  // increasing rows, the first above 0, the last BT.
+  ::testing::AssertionResult CallsAreValid(int64_t bt, size_t dx_calls) const;
   // Blocks until the helper thread has released all it will.
   void Drain();
 
