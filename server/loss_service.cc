@@ -307,14 +307,18 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       FinishOnce(absl::OkStatus());
       return;
     }
-    const OutputDesc& d = plan_->outputs[output_];
-    const uint64_t n = std::min<uint64_t>(response_part_bytes_, d.bytes - offset_);
-    response_ = client::EncodePartSlice(
-        OutputSlotToWire(d.slot), offset_,
-        OutputSlice(outputs_, (*outputs_)[output_].get() + offset_, n));
-    offset_ += n;
-    bytes_out_ += n;
+    offset_ += EncodeOutputPart(output_, offset_, plan_->outputs[output_].bytes);
     StartWrite(&response_);
+  }
+
+  // Sets response_ to the part of output `i` that starts at `offset`, at most
+  // response_part_bytes_ and not past `end`; returns its size.
+  uint64_t EncodeOutputPart(size_t i, uint64_t offset, uint64_t end) {
+    const uint64_t n = std::min<uint64_t>(response_part_bytes_, end - offset);
+    response_ = client::EncodePartSlice(OutputSlotToWire(plan_->outputs[i].slot), offset,
+                                        OutputSlice(outputs_, (*outputs_)[i].get() + offset, n));
+    bytes_out_ += n;
+    return n;
   }
 
   // --- Overlapped Compute (ComputeHeader.overlap) ---------------------------------------
@@ -515,12 +519,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       const uint64_t row_bytes = plan_->bt > 0 ? d.bytes / plan_->bt : 0;
       const uint64_t ready = static_cast<uint64_t>(dx_rows_) * row_bytes;
       if (dx_sent_ < ready) {
-        const uint64_t n = std::min<uint64_t>(response_part_bytes_, ready - dx_sent_);
-        response_ = client::EncodePartSlice(
-            OutputSlotToWire(d.slot), dx_sent_,
-            OutputSlice(outputs_, (*outputs_)[dx_output_].get() + dx_sent_, n));
-        dx_sent_ += n;
-        bytes_out_ += n;
+        dx_sent_ += EncodeOutputPart(dx_output_, dx_sent_, ready);
         return true;
       }
     }
@@ -532,13 +531,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       offset_ = 0;
     }
     if (output_ == plan_->outputs.size()) return false;
-    const OutputDesc& d = plan_->outputs[output_];
-    const uint64_t n = std::min<uint64_t>(response_part_bytes_, d.bytes - offset_);
-    response_ = client::EncodePartSlice(
-        OutputSlotToWire(d.slot), offset_,
-        OutputSlice(outputs_, (*outputs_)[output_].get() + offset_, n));
-    offset_ += n;
-    bytes_out_ += n;
+    offset_ += EncodeOutputPart(output_, offset_, plan_->outputs[output_].bytes);
     return true;
   }
 
