@@ -1,5 +1,6 @@
 #include "tests/server_harness.h"
 
+#include <algorithm>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -211,6 +212,13 @@ std::vector<v1::ComputeRequest> PartsFor(const RandomProblem& rp, size_t part_by
   return out;
 }
 
+std::vector<v1::ComputeRequest> XLast(std::vector<v1::ComputeRequest> parts) {
+  std::stable_partition(parts.begin(), parts.end(), [](const v1::ComputeRequest& r) {
+    return r.part().tensor() != v1::TENSOR_X;
+  });
+  return parts;
+}
+
 ComputeReply RunCompute(v1::Loss::Stub& stub, const std::vector<v1::ComputeRequest>& messages,
                         double deadline_seconds) {
   ComputeReply reply;
@@ -229,8 +237,12 @@ ComputeReply RunCompute(v1::Loss::Stub& stub, const std::vector<v1::ComputeReque
   bool have_summary = false;
   while (stream->Read(&r)) {
     if (r.has_summary()) {
+      // Overlapped (header.overlap): a preliminary summary announces the outputs and the
+      // final one comes after the parts; the buffers are made once, at the first.
+      const bool announced = have_summary;
       reply.summary = r.summary();
       have_summary = true;
+      if (announced) continue;
       for (int i = 0; i < r.summary().tensors_size(); ++i) {
         uint64_t n = 1;
         for (int64_t d : r.summary().specs(i).shape()) n *= d;

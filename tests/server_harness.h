@@ -70,7 +70,12 @@ v1::ComputeHeader HeaderFor(const RandomProblem& rp, const std::string& weight_h
 std::vector<v1::ComputeRequest> PartsFor(const RandomProblem& rp, size_t part_bytes,
                                          bool include_weights = true);
 
-// Sends `messages` in order on one Compute stream, closes it and collects the reply.
+// The same parts with every input but X first: the order that lets an overlapped Compute
+// (header.overlap) start before X is in.
+std::vector<v1::ComputeRequest> XLast(std::vector<v1::ComputeRequest> parts);
+
+// Sends `messages` in order on one Compute stream, closes it and collects the reply (either
+// order: summary then parts, or overlapped: preliminary summary, parts, final summary).
 ComputeReply RunCompute(v1::Loss::Stub& stub, const std::vector<v1::ComputeRequest>& messages,
                         double deadline_seconds = 60);
 // Header + parts in one call.

@@ -113,6 +113,9 @@ struct Problem {
   std::unique_ptr<RandomProblem> rp;
   v1::ComputeHeader header;
   std::vector<v1::ComputeRequest> parts;
+  // The same request overlapped (header.overlap, X last): must give the same bits.
+  v1::ComputeHeader overlap_header;
+  std::vector<v1::ComputeRequest> overlap_parts;
   ComputeReply golden;  // checked against the reference once; every later OK must equal it
 };
 
@@ -283,6 +286,9 @@ class Soak {
       p.rp = std::make_unique<RandomProblem>(RandomProblem::Make(spec));
       p.header = HeaderFor(*p.rp);
       p.parts = PartsFor(*p.rp, 16 << 10);
+      p.overlap_header = p.header;
+      p.overlap_header.set_overlap(true);
+      p.overlap_parts = testing_harness::XLast(p.parts);
       p.golden = RunCompute(stub, p.header, p.parts, o_.call_deadline_seconds);
       if (!p.golden.status.ok()) {
         Fail(absl::StrCat("preparing: ", p.golden.status.error_message()));
@@ -390,13 +396,16 @@ class Soak {
 
   void ValidInline(v1::Loss::Stub& stub, std::mt19937_64& rng, std::vector<double>* lat) {
     const Problem& p = problems_[rng() % problems_.size()];
-    ComputeReply r = Timed(stub, p.header, p.parts, lat);
-    Count("valid_inline", r.status.error_code());
+    const bool overlap = rng() % 2 == 0;
+    const char* kind = overlap ? "valid_overlap" : "valid_inline";
+    ComputeReply r = overlap ? Timed(stub, p.overlap_header, p.overlap_parts, lat)
+                             : Timed(stub, p.header, p.parts, lat);
+    Count(kind, r.status.error_code());
     if (!r.status.ok()) {
-      Fail(absl::StrCat("valid_inline: ", CodeName(r.status.error_code()), " ",
+      Fail(absl::StrCat(kind, ": ", CodeName(r.status.error_code()), " ",
                         r.status.error_message()));
     } else if (!SameReply(r, p.golden)) {
-      Fail("valid_inline: a result differs from the checked answer");
+      Fail(absl::StrCat(kind, ": a result differs from the checked answer"));
     }
   }
 
@@ -513,14 +522,19 @@ class Soak {
 
   void Cancel(v1::Loss::Stub& stub, std::mt19937_64& rng) {
     const Problem& p = problems_[3];  // the largest: many parts each way
+    // Half of them overlapped: the cancel or the deadline then lands while the compute runs
+    // (or waits for rows of X).
+    const bool overlap = rng() % 2 == 0;
+    const v1::ComputeHeader& header = overlap ? p.overlap_header : p.header;
+    const std::vector<v1::ComputeRequest>& parts = overlap ? p.overlap_parts : p.parts;
     switch (rng() % 3) {
       case 0: {  // the client dies half way through its upload
         grpc::ClientContext ctx;
         auto stream = stub.Compute(&ctx);
         v1::ComputeRequest first;
-        *first.mutable_header() = p.header;
+        *first.mutable_header() = header;
         stream->Write(first);
-        for (size_t i = 0; i < p.parts.size() / 2; ++i) stream->Write(p.parts[i]);
+        for (size_t i = 0; i < parts.size() / 2; ++i) stream->Write(parts[i]);
         ctx.TryCancel();
         grpc::Status s = stream->Finish();
         Count("cancel_upload", s.error_code());
@@ -533,10 +547,10 @@ class Soak {
         grpc::ClientContext ctx;
         auto stream = stub.Compute(&ctx);
         v1::ComputeRequest first;
-        *first.mutable_header() = p.header;
+        *first.mutable_header() = header;
         first.mutable_header()->set_response_part_bytes(4096);
         stream->Write(first);
-        for (const auto& m : p.parts) stream->Write(m);
+        for (const auto& m : parts) stream->Write(m);
         stream->WritesDone();
         v1::ComputeResponse r;
         stream->Read(&r);
@@ -550,7 +564,7 @@ class Soak {
         break;
       }
       default: {  // a deadline that passes during the call
-        ComputeReply r = RunCompute(stub, p.header, p.parts, 0.002);
+        ComputeReply r = RunCompute(stub, header, parts, 0.002);
         Count("deadline", r.status.error_code());
         if (r.status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
             !(r.status.ok() && SameReply(r, p.golden))) {
