@@ -55,7 +55,8 @@ for t in "${TARGETS[@]}"; do
   strip --strip-debug "$OUT/$(basename "$f")"
   FILES+=("$f")
 done
-cp -f bench/kernel/torch_baseline.py bench/kernel/run_gpu.sh bench/service/run_service_bench.sh "$OUT/"
+cp -f bench/kernel/torch_baseline.py bench/kernel/run_gpu.sh bench/service/run_service_bench.sh \
+  tools/bundle/gpu_e2e_check.sh tools/bundle/compare_outputs.py "$OUT/"
 
 # Libraries every file needs, except the ones the GPU host has (glibc, the C++ runtime, CUDA).
 skip() {
