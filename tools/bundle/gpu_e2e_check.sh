@@ -38,6 +38,7 @@ CASES=(
 for c in "${CASES[@]}"; do
   name=${c%%|*}
   flags=${c#*|}
+  mkdir -p "$OUTDIR/$name"
   for run in "cuda $CUDA_PORT true" "cuda $CUDA_PORT false" "cpu $CPU_PORT false"; do
     read -r be port ov <<< "$run"
     dir="$OUTDIR/$name/${be}_overlap_$ov"
