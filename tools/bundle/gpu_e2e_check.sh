@@ -34,6 +34,7 @@ CASES=(
   "bf16_default|--dtype=bf16 --want=dx,dw,lse,predictions"
   "fp32_grads|--dtype=bf16 --chunk_rows=512 --grad_dtype=fp32 --want=dx,dw"
   "fp16_none|--dtype=fp16 --chunk_rows=300 --reduction=none --softcap=20 --lse_square_scale=1e-3 --want=dx,dw,lse"
+  "fp32_bias|--dtype=fp32 --chunk_rows=400 --with_bias --want=dx,dw,db,lse"
 )
 for c in "${CASES[@]}"; do
   name=${c%%|*}
@@ -47,7 +48,8 @@ for c in "${CASES[@]}"; do
       --ignore_fraction=0.1 --seed=7 $flags --out_dir="$dir" > "$dir.txt" 2>&1 || {
         echo "FAIL $name $be overlap=$ov: lossctl failed"; cat "$dir.txt"; rc=1; }
   done
-  python3 compare_outputs.py "$OUTDIR/$name" >> "$OUTDIR/check.txt" 2>&1 || rc=1
+  dtype=$(sed -E 's/.*--dtype=([a-z0-9]+).*/\1/' <<< "$flags")
+  python3 compare_outputs.py "$OUTDIR/$name" "$dtype" >> "$OUTDIR/check.txt" 2>&1 || rc=1
 done
 cat "$OUTDIR/check.txt"
 echo "gpu_e2e_check: $([ $rc = 0 ] && echo PASS || echo FAIL)"
