@@ -10,7 +10,12 @@
 // refusals are clean errors, a plan stays within the limits, a completed compute had finite
 // inputs and returns exactly the planned outputs, accumulators count the micro-batch and
 // serve any byte range of their dW | db, and nothing (memory, reservations, accumulators) is
-// left behind.
+// left behind. A header with `overlap` drives the overlapped path as the reactor does: the
+// compute starts once every input but X is in and takes X's rows as the parts bring them
+// (StreamedRows); a stream that fails or ends early fails the rows, and the compute with it
+// unless every row was already in; dX rows are reported in increasing order and never ahead
+// of the rows of X; a completed overlapped compute gives the same bits as the same inputs
+// computed whole.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -24,7 +29,9 @@
 #include "grpcpp/support/slice.h"
 #include "kernels/dtype.h"
 #include "lossd/v1/lossd.pb.h"
+#include "absl/synchronization/notification.h"
 #include "server/compute_assembler.h"
+#include "server/engine/streamed_rows.h"
 #include "server/wire_convert.h"
 #include "tests/fuzz/fuzz_env.h"
 
@@ -188,6 +195,84 @@ void CheckOutcome(const ComputePlan& plan, const ComputeOutcome& out) {
   }
 }
 
+// One overlapped compute, driven as the reactor drives it.
+struct Overlapped {
+  std::shared_ptr<StreamedRows> rows;
+  std::shared_ptr<std::vector<HostBuffer>> outputs;
+  std::shared_ptr<absl::Notification> done = std::make_shared<absl::Notification>();
+  std::shared_ptr<ComputeOutcome> outcome = std::make_shared<ComputeOutcome>();
+  // What DxReady reported: increasing, never ahead of the rows of X that had arrived.
+  struct DxSeen {
+    StreamedRows* rows = nullptr;
+    int64_t last = 0;
+    bool ahead = false, backwards = false;
+  };
+  std::shared_ptr<DxSeen> seen = std::make_shared<DxSeen>();
+
+  // Every input but X is in: the compute starts on the executor, as MaybeStartCompute does.
+  void Start(const std::shared_ptr<const ComputePlan>& plan, ComputeAssembler& assembler) {
+    std::shared_ptr<DxSeen> s = seen;
+    rows = std::make_shared<StreamedRows>(plan->bt, absl::Seconds(30), absl::InfiniteFuture(),
+                                          [s](int64_t r) {
+                                            if (r <= s->last) s->backwards = true;
+                                            if (r > s->rows->arrived()) s->ahead = true;
+                                            s->last = r;
+                                          });
+    seen->rows = rows.get();
+    outputs = std::make_shared<std::vector<HostBuffer>>(Engine::NewOutputs(*plan));
+    auto d = done;
+    auto o = outcome;
+    Env().engine->Run(plan, assembler.buffers(),
+                      [d, o](ComputeOutcome r) {
+                        *o = std::move(r);
+                        d->Notify();
+                      },
+                      absl::InfiniteFuture(), assembler.finite_checked(),
+                      OverlapIo{rows, outputs});
+  }
+
+  // The stream has ended (stream_ok: without a refused message).
+  void Finish(const std::shared_ptr<const ComputePlan>& plan, ComputeAssembler& assembler,
+              bool stream_ok) {
+    absl::Status complete = stream_ok ? assembler.CheckComplete()
+                                      : absl::InvalidArgumentError("the stream failed");
+    if (stream_ok && !complete.ok()) CheckCleanError(complete, "ComputeAssembler::CheckComplete");
+    if (complete.ok() && rows == nullptr) {
+      Start(plan, assembler);  // X came before the other inputs: everything is in now
+      rows->Arrived(plan->bt);
+    }
+    if (rows == nullptr) return;  // never started
+    if (!complete.ok()) rows->Fail(complete);
+    Check(done->WaitForNotificationWithTimeout(absl::Seconds(30)),
+          "an overlapped Engine::Run did not finish within 30 s (hang)");
+    ComputeOutcome& out = *outcome;
+    Check(!seen->ahead, "dX rows were reported ahead of the rows of X that had arrived");
+    Check(!seen->backwards, "dX rows were reported out of order");
+    Check(out.outputs.empty(), "an overlapped compute returned outputs of its own");
+    if (!out.status.ok()) {
+      CheckCleanError(out.status, "Engine::Run (overlapped)");
+      return;
+    }
+    Check(rows->arrived() == plan->bt, "an overlapped compute succeeded without all of X");
+    if (!complete.ok()) return;  // the call fails anyway; the rows it needed were all in
+    const bool finite = InputsFinite(*plan, *assembler.buffers());
+    Check(finite, "an overlapped compute with a NaN/Inf input succeeded");
+    out.outputs = std::move(*outputs);
+    CheckOutcome(*plan, out);
+    if (!plan->accumulator.empty()) return;  // a second run would add to it again
+    ComputeOutcome whole = RunAndWait(plan, assembler.buffers(), assembler.finite_checked());
+    Check(whole.status.ok(), "the same inputs computed whole failed");
+    Check(std::memcmp(&whole.loss, &out.loss, sizeof(float)) == 0 &&
+              std::memcmp(&whole.z_loss, &out.z_loss, sizeof(float)) == 0 &&
+              whole.tokens == out.tokens,
+          "the overlapped loss differs from the whole compute's");
+    for (size_t i = 0; i < plan->outputs.size(); ++i) {
+      Check(std::memcmp(whole.outputs[i].get(), out.outputs[i].get(), plan->outputs[i].bytes) == 0,
+            "an overlapped output differs from the whole compute's");
+    }
+  }
+};
+
 }  // namespace
 
 void ComputeStreamOneInput(const uint8_t* data, size_t size) {
@@ -230,25 +315,33 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
 
   auto assembler = std::make_unique<ComputeAssembler>(plan, kMaxPartBytes, kMaxParts,
                                                       /*check_finite=*/true);
+  Overlapped ov;
   bool stream_ok = true;
   for (size_t i = 1; i < records.size(); ++i) {
-    if (!ParseFrame(records[i], &frame).ok()) {
-      stream_ok = false;  // the reactor fails the call
-      break;
+    absl::Status s = ParseFrame(records[i], &frame);  // an error fails the call
+    if (s.ok() && frame.kind() != client::StreamFrame::Kind::kPart) {
+      // A second header or an empty message: the reactor refuses it.
+      s = absl::InvalidArgumentError("not a part");
     }
-    if (frame.kind() != client::StreamFrame::Kind::kPart) {
-      stream_ok = false;  // a second header or an empty message: the reactor refuses it
-      break;
+    if (s.ok()) {
+      s = assembler->Accept(frame.tensor(), frame.offset(), frame.data_pieces(),
+                            frame.data_size());
+      if (!s.ok()) CheckCleanError(s, "ComputeAssembler::Accept");
     }
-    absl::Status s = assembler->Accept(frame.tensor(), frame.offset(), frame.data_pieces(),
-                                       frame.data_size());
     if (!s.ok()) {
-      CheckCleanError(s, "ComputeAssembler::Accept");
       stream_ok = false;
+      if (ov.rows != nullptr) ov.rows->Fail(s);
       break;
+    }
+    if (header.overlap()) {
+      if (ov.rows == nullptr && assembler->AllButXComplete()) ov.Start(plan, *assembler);
+      if (ov.rows != nullptr) ov.rows->Arrived(assembler->XRowsReady());
     }
   }
-  if (stream_ok) {
+  if (header.overlap()) {
+    ov.Finish(plan, *assembler, stream_ok);
+    assembler.reset();
+  } else if (stream_ok) {
     absl::Status complete = assembler->CheckComplete();
     if (!complete.ok()) {
       CheckCleanError(complete, "ComputeAssembler::CheckComplete");

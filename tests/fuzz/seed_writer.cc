@@ -3,6 +3,7 @@
 // tensor, NaN, targets out of range, streams cut short), one file each, into
 // <out>/compute_stream, <out>/options and <out>/put_weights.
 // Usage: seed_writer <out_dir>. Deterministic: the same files on every run.
+#include <algorithm>
 #include <sys/stat.h>
 
 #include <cmath>
@@ -344,6 +345,49 @@ void WriteComputeSeeds(const std::string& root) {
     Shape s;
     s.bias = true;
     Write(root + "/compute_stream", "valid_wire_variants", WireVariants(MakeStream(s, &rng)));
+  }
+  // Overlapped streams (header.overlap, X last, one row of X a part), from an RNG of their
+  // own so that the seeds above keep their bytes.
+  Rng orng;
+  auto overlapped = [&](const Shape& s, int64_t chunk_rows) {
+    Stream st = MakeStream(s, &orng);
+    st.header.set_overlap(true);
+    st.header.mutable_options()->set_chunk_rows(chunk_rows);
+    std::rotate(st.tensors.begin(), st.tensors.begin() + 1, st.tensors.end());  // X last
+    st.part_bytes = static_cast<size_t>(s.h) * (s.dtype == v1::DTYPE_FP32 ? 4 : 2);
+    return st;
+  };
+  {
+    Shape s;
+    s.bt = 9;
+    s.bias = true;
+    WriteCompute(root, "valid_overlap_chunked", overlapped(s, 2));
+  }
+  {
+    Shape s;
+    s.h = kPreloadH;
+    s.v = kPreloadV;
+    s.handle = kPreloadHandle;
+    s.bt = 6;
+    Stream st = overlapped(s, 2);
+    st.header.set_accumulator("step-overlap");
+    WriteCompute(root, "valid_overlap_handle_accumulator", st);
+  }
+  {
+    Shape s;
+    s.bt = 8;
+    s.dtype = v1::DTYPE_FP32;
+    Stream st = overlapped(s, 2);
+    float nan = std::nanf("");
+    std::memcpy(&st.tensors.back().second[6 * s.h * 4 + 12], &nan, 4);  // x[6, 3]
+    WriteCompute(root, "bad_overlap_nan_late", st);
+  }
+  {
+    Shape s;
+    s.bt = 8;
+    auto m = overlapped(s, 2).Messages();
+    m.resize(m.size() - 3);  // the last three rows of X never come
+    Write(root + "/compute_stream", "bad_overlap_cut_off", Records(m));
   }
 }
 
