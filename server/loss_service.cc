@@ -383,6 +383,14 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   // Runs on the reactor's thread while it handles a read.
   absl::Status MaybeStartCompute() {
     if (rows_ != nullptr || !assembler_->AllButXComplete()) return absl::OkStatus();
+    // Start before all of X is in only while the executor is idle: overlap is for hiding the
+    // wire from a device that would otherwise wait. With other computes queued or running, an
+    // early start would hold the executor on this stream's rows while theirs are all in, so
+    // this one is submitted once its X is complete (a later part or the end of the stream
+    // checks again).
+    if (assembler_->XRowsReady() < plan_->bt && !engine_->executor_idle()) {
+      return absl::OkStatus();
+    }
     if (ctx_->deadline() < std::chrono::system_clock::now()) {
       return absl::DeadlineExceededError("the deadline passed before the compute started");
     }

@@ -8,11 +8,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
@@ -42,6 +45,7 @@ struct OverlapReply {
   std::vector<std::string> order;             // "preliminary", "final" or a tensor name
   std::map<int, std::vector<uint8_t>> tensors;
   bool dx_before_x_done = false;  // a dX part arrived before the last X part was sent
+  bool dx_during_hook = false;    // a dX part arrived before OverlapScript::before_last_x returned
 };
 
 struct OverlapScript {
@@ -52,6 +56,8 @@ struct OverlapScript {
   bool cancel_instead_of_close = false;
   bool hold_open_after = false;  // neither close nor cancel: let the server's limits act
   double deadline_seconds = 30;
+  // Called on the writer's thread just before the last part of X goes (null: nothing).
+  std::function<void()> before_last_x;
 };
 
 OverlapReply RunOverlap(v1::Loss::Stub& stub, v1::ComputeHeader header,
@@ -64,7 +70,10 @@ OverlapReply RunOverlap(v1::Loss::Stub& stub, v1::ComputeHeader header,
   auto stream = stub.Compute(&ctx);
   std::mutex mu;
   std::condition_variable cv;
-  bool saw_dx = false, read_over = false, x_done = false;
+  bool saw_dx = false, read_over = false, x_done = false, hook_done = false;
+  const int x_parts = static_cast<int>(
+      std::count_if(parts.begin(), parts.end(),
+                    [](const v1::ComputeRequest& r) { return r.part().tensor() == v1::TENSOR_X; }));
   std::thread writer([&] {
     v1::ComputeRequest h;
     *h.mutable_header() = header;
@@ -72,6 +81,11 @@ OverlapReply RunOverlap(v1::Loss::Stub& stub, v1::ComputeHeader header,
     int x_sent = 0;
     for (const v1::ComputeRequest& m : parts) {
       const bool is_x = m.part().tensor() == v1::TENSOR_X;
+      if (is_x && x_sent == x_parts - 1 && sc.before_last_x) {
+        sc.before_last_x();
+        std::lock_guard<std::mutex> lock(mu);
+        hook_done = true;
+      }
       if (is_x && x_sent == sc.x_parts_before_wait) {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait_for(lock, std::chrono::seconds(10), [&] { return saw_dx || read_over; });
@@ -124,6 +138,7 @@ OverlapReply RunOverlap(v1::Loss::Stub& stub, v1::ComputeHeader header,
     if (p.tensor() == v1::TENSOR_DX) {
       std::lock_guard<std::mutex> lock(mu);
       if (!x_done) reply.dx_before_x_done = true;
+      if (sc.before_last_x && !hook_done) reply.dx_during_hook = true;
       saw_dx = true;
       cv.notify_all();
     }
@@ -335,6 +350,35 @@ TEST_F(OverlapTest, ACancelWhileTheComputeWaitsForRowsFreesEverything) {
   EXPECT_EQ(o.status.error_code(), grpc::StatusCode::CANCELLED) << o.status.error_message();
   EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
   ExpectServes();
+}
+
+// Overlap hides the wire from an idle device only: a call whose other inputs are in while
+// another compute holds the executor is submitted once all of its X is in, so it never
+// holds the executor on rows still on the wire while others' are ready.
+TEST_F(OverlapTest, ABusyExecutorWaitsForAllOfXBeforeStarting) {
+  RandomProblem rp = RandomProblem::Make(Spec(DType::kBF16, 18));
+  absl::Notification blocked, release;
+  h_->engine().Submit([&] {
+    blocked.Notify();
+    release.WaitForNotification();
+  });
+  blocked.WaitForNotification();
+  OverlapScript sc;
+  sc.before_last_x = [&] {
+    // Let the server take in every part sent so far (each refused an early start: the
+    // executor is busy), then free the executor: with no new part to look again, the compute
+    // must not start until the last part comes, so no dX may arrive meanwhile.
+    absl::SleepFor(absl::Milliseconds(300));
+    release.Notify();
+    absl::SleepFor(absl::Milliseconds(300));
+  };
+  OverlapReply o = RunOverlap(h_->stub(), HeaderFor(rp),
+                              OverlapOrder(PartsFor(rp, RowBytes(rp.spec()))), sc);
+  ASSERT_TRUE(o.status.ok()) << o.status.error_message();
+  EXPECT_FALSE(o.dx_during_hook) << "the compute started on a busy executor before X was in";
+  ComputeReply plain = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
+  ASSERT_TRUE(plain.status.ok());
+  for (const auto& [id, bytes] : plain.tensors) EXPECT_TRUE(o.tensors[id] == bytes);
 }
 
 TEST(OverlapLimitsTest, RowsThatStopComingEndTheCallAtTheStallLimit) {

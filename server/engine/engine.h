@@ -211,6 +211,8 @@ class Engine {
   WeightCache& weights() { return weights_; }
   AccumulatorStore& accumulators() { return accumulators_; }
   size_t executor_queued() const { return executor_.queued(); }
+  // A compute submitted now would start at once (nothing queued, a thread free).
+  bool executor_idle() const { return executor_.idle(); }
 
  private:
   friend struct PendingWeights;

@@ -27,6 +27,11 @@ size_t Executor::queued() const {
   return jobs_.size();
 }
 
+bool Executor::idle() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.empty() && running_ < threads_.size();
+}
+
 void Executor::Loop() {
   for (;;) {
     std::function<void()> job;
@@ -40,8 +45,12 @@ void Executor::Loop() {
       if (jobs_.empty()) return;  // stopping and drained
       job = std::move(jobs_.front());
       jobs_.pop_front();
+      ++running_;
     }
     job();
+    job = nullptr;  // what the job holds goes before the thread counts as free
+    absl::MutexLock lock(&mu_);
+    --running_;
   }
 }
 

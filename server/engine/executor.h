@@ -19,6 +19,8 @@ class Executor {
 
   void Submit(std::function<void()> job);
   size_t queued() const;
+  // No job queued and every thread free: a job submitted now starts at once.
+  bool idle() const;
 
  private:
   void Loop();
@@ -26,6 +28,7 @@ class Executor {
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  size_t running_ ABSL_GUARDED_BY(mu_) = 0;  // jobs being run now
   std::vector<std::thread> threads_;
 };
 
