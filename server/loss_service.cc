@@ -388,7 +388,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     // early start would hold the executor on this stream's rows while theirs are all in, so
     // this one is submitted once its X is complete (a later part or the end of the stream
     // checks again).
-    if (assembler_->XRowsReady() < plan_->bt && !engine_->executor_idle()) {
+    if (assembler_->XRowsReady() < plan_->bt && !service_->options().overlap_start_when_busy &&
+        !engine_->executor_idle()) {
       return absl::OkStatus();
     }
     if (ctx_->deadline() < std::chrono::system_clock::now()) {

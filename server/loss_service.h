@@ -28,6 +28,9 @@ struct ServiceOptions {
   uint32_t max_in_flight = 256;                  // RPCs at once; more get UNAVAILABLE
   uint32_t max_in_flight_per_client = 64;        // per client (token, else peer address)
   uint64_t max_parts_per_request = 1u << 20;     // tensor parts one stream may send
+  // Overlapped Computes: start before X is all in even while other computes are queued or
+  // running (false: only on an idle executor; see MaybeStartCompute).
+  bool overlap_start_when_busy = false;
   // When set, every Loss RPC must carry a valid bearer token (health checks need none).
   std::shared_ptr<const TokenAuthenticator> auth;
 };

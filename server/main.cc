@@ -68,6 +68,9 @@ ABSL_FLAG(uint64_t, host_buffer_pool_bytes, 2ull << 30,
           "Most bytes of freed request buffers kept for reuse (same shapes again skip the "
           "page faults of fresh memory); 0 turns the pool off.");
 ABSL_FLAG(bool, check_finite, true, "Refuse NaN and Inf in X, W and bias (INVALID_ARGUMENT).");
+ABSL_FLAG(bool, overlap_start_when_busy, false,
+          "Overlapped Computes start before X is all in even while other computes are queued "
+          "or running (default: only on an idle executor).");
 ABSL_FLAG(absl::Duration, overlap_stall, absl::Seconds(10),
           "Overlapped Computes: longest wait for the next rows of X while the compute holds "
           "the device; then DEADLINE_EXCEEDED.");
@@ -217,6 +220,7 @@ int Main() {
   so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
   so.service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
   so.service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
+  so.service.overlap_start_when_busy = absl::GetFlag(FLAGS_overlap_start_when_busy);
   so.service.auth = auth;
   so.credentials = *credentials;
   auto server = LossServer::Start(&engine, &metrics, so);

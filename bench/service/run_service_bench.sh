@@ -11,7 +11,7 @@
 #   bench/service/run_service_bench.sh --quick --bazel_bin="$(bazel info bazel-bin)" /tmp/sb
 # Options: --quick, --backend=cpu|cuda (default cuda; --quick: cpu), --bin_dir=DIR (binaries,
 # default the script's folder), --bazel_bin=DIR (binaries in Bazel's layout), and anything after
-# `--` goes to service_bench (e.g. -- --modes=accum --runs=7).
+# `--` goes to service_bench (e.g. -- --modes=accum --runs=7). $LOSSD_ARGS: extra lossd flags.
 set -uo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -112,7 +112,7 @@ fi
 echo "== lossd ($BACKEND, $(date -u +%H:%M:%S))"
 "$LOSSD" --backend="$BACKEND" --port=0 --address=127.0.0.1 --metrics_address=127.0.0.1 \
   --metrics_port="$METRICS_PORT" \
-  --max_in_flight=1024 --max_queue=256 --drain_seconds=5 "${SERVER_ARGS[@]}" \
+  --max_in_flight=1024 --max_queue=256 --drain_seconds=5 "${SERVER_ARGS[@]}" ${LOSSD_ARGS:-} \
   > "$OUT_DIR/lossd.log" 2>&1 &
 PIDS+=($!)
 l=$(wait_line "$OUT_DIR/lossd.log" "listening on port [0-9]+" 90) || {
