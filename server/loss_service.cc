@@ -212,11 +212,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (state_ == State::kHeader) {
       return absl::InvalidArgumentError("the Compute stream closed before its header");
     }
-    absl::Status complete = assembler_->CheckComplete();
+    absl::Status complete = ReceiveComplete();
     if (!complete.ok()) return complete;
-    ServerMetrics* m = service_->metrics();
-    m->ObservePhase("Compute", "receive", SecondsSince(receive_started_));
-    m->AddBytesIn(static_cast<double>(assembler_->bytes_received()));
     if (ctx_->deadline() < std::chrono::system_clock::now()) {
       return absl::DeadlineExceededError("the deadline passed before the compute started");
     }
@@ -231,6 +228,16 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     engine_->Run(
         plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); },
         absl::FromChrono(ctx_->deadline()), checked);
+    return absl::OkStatus();
+  }
+
+  // The client closed its side: every input must be complete; records the receive phase.
+  absl::Status ReceiveComplete() {
+    absl::Status complete = assembler_->CheckComplete();
+    if (!complete.ok()) return complete;
+    ServerMetrics* m = service_->metrics();
+    m->ObservePhase("Compute", "receive", SecondsSince(receive_started_));
+    m->AddBytesIn(static_cast<double>(assembler_->bytes_received()));
     return absl::OkStatus();
   }
 
@@ -397,7 +404,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     }
     auto rows = std::make_shared<StreamedRows>(
         plan_->bt, engine_->options().overlap_stall, absl::FromChrono(ctx_->deadline()),
-        [this](int64_t r) { OnDxRows(r); });
+        [this](int64_t) { OnDxRows(); });
     rows->Arrived(assembler_->XRowsReady());
     {
       absl::MutexLock lock(&mu_);
@@ -414,11 +421,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
   absl::Status OverlapEndOfStream() {
     if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the Compute");
-    absl::Status complete = assembler_->CheckComplete();
+    absl::Status complete = ReceiveComplete();
     if (!complete.ok()) return complete;
-    ServerMetrics* m = service_->metrics();
-    m->ObservePhase("Compute", "receive", SecondsSince(receive_started_));
-    m->AddBytesIn(static_cast<double>(assembler_->bytes_received()));
     absl::Status s = MaybeStartCompute();  // X came before the other inputs: start now
     if (!s.ok()) return s;
     absl::MutexLock lock(&mu_);
@@ -453,14 +457,9 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (rows != nullptr && !why.ok()) rows->Fail(why);
   }
 
-  // On the backend's thread (a device callback for CUDA): rows [0, r) of dX are final.
-  void OnDxRows(int64_t r) {
-    {
-      absl::MutexLock lock(&mu_);
-      dx_rows_ = std::max(dx_rows_, r);
-    }
-    Progress();
-  }
+  // On the backend's thread (a device callback for CUDA): more rows of dX are final
+  // (rows_->dx_ready() says how many).
+  void OnDxRows() { Progress(); }
 
   // On the executor thread.
   void OnOverlapComputed(ComputeOutcome outcome) {
@@ -472,7 +471,6 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       if (!outcome.status.ok() && error_.ok()) error_ = outcome.status;
       if (outcome.status.ok()) {
         computed_ = true;
-        dx_rows_ = plan_->bt;  // every row is final now, reported or not
         final_summary_ = std::move(response);
       }
       send_started_ = absl::Now();
@@ -526,7 +524,9 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (dx_output_ >= 0) {
       const OutputDesc& d = plan_->outputs[dx_output_];
       const uint64_t row_bytes = plan_->bt > 0 ? d.bytes / plan_->bt : 0;
-      const uint64_t ready = static_cast<uint64_t>(dx_rows_) * row_bytes;
+      // Once the compute is done every row is final, reported or not.
+      const int64_t rows = computed_ ? plan_->bt : rows_ != nullptr ? rows_->dx_ready() : 0;
+      const uint64_t ready = static_cast<uint64_t>(rows) * row_bytes;
       if (dx_sent_ < ready) {
         dx_sent_ += EncodeOutputPart(dx_output_, dx_sent_, ready);
         return true;
@@ -588,7 +588,6 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   bool read_done_ ABSL_GUARDED_BY(mu_) = false;
   bool final_sent_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
-  int64_t dx_rows_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t dx_sent_ ABSL_GUARDED_BY(mu_) = 0;
   v1::ComputeResponse final_summary_ ABSL_GUARDED_BY(mu_);
 

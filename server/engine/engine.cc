@@ -599,7 +599,7 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
       return r;
     }
   }
-  if (options_.check_finite && !checked_finite && overlap.rows == nullptr) {
+  if (options_.check_finite && !checked_finite) {
     r.status = CheckFinite(buf(InputSlot::kX), plan.dtype,
                            static_cast<uint64_t>(plan.bt) * plan.h, "x", plan.h);
     if (!r.status.ok()) return r;
