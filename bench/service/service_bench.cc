@@ -687,43 +687,30 @@ std::string Report(const std::string& header, const std::map<std::string, double
     const double b = bound(p);
     const bool known = p.error.empty() && b > 0 && p.micro_batches > 0;
     const std::string needed = absl::StrCat("<= 1.25 x ", Ms(b), " ms");
-    auto ratio = [&](double t) {
-      return known ? absl::StrCat(Ms(t), " ms = ", Num(t / b), " x") : std::string("missing");
+    // One target: time `t` per micro-batch against 1.25 x the bound.
+    auto add = [&](std::string what, double t, bool info) {
+      Target x;
+      x.info = info;
+      x.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", what, " vs bound");
+      x.known = known;
+      x.needed = needed;
+      x.measured =
+          known ? absl::StrCat(Ms(t), " ms = ", Num(t / b), " x") : std::string("missing");
+      x.pass = known && t <= 1.25 * b;
+      targets.push_back(x);
     };
     if (p.mode == Mode::kAccum && p.clients == 1) {
-      Target y;
-      y.what = absl::StrCat("handle + accumulator ", p.shape.Name(),
-                            ", 1 client: Compute latency per micro-batch (", overlap_words,
-                            ") vs bound");
-      const double lat = Median(p.call_seconds);
-      y.known = known;
-      y.needed = needed;
-      y.measured = ratio(lat);
-      y.pass = known && lat <= 1.25 * b;
-      targets.push_back(y);
+      add(absl::StrCat("1 client: Compute latency per micro-batch (", overlap_words, ")"),
+          Median(p.call_seconds), /*info=*/false);
     }
     if (p.mode == Mode::kAccumNoFetch) {
-      Target z;
-      z.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", p.clients,
-                            " clients: per micro-batch (window / micro-batches, no fetch) vs "
-                            "bound");
-      z.known = known;
-      z.needed = needed;
-      z.measured = ratio(p.PerMicroBatch());
-      z.pass = known && p.PerMicroBatch() <= 1.25 * b;
-      targets.push_back(z);
+      add(absl::StrCat(p.clients, " clients: per micro-batch (window / micro-batches, no fetch)"),
+          p.PerMicroBatch(), /*info=*/false);
       continue;
     }
-    Target x;
-    x.info = true;
-    x.what = absl::StrCat("handle + accumulator ", p.shape.Name(), ", ", p.clients,
-                          " client(s): amortised per micro-batch (step incl. its fp32 dW fetch) "
-                          "vs bound");
-    x.known = known;
-    x.needed = needed;
-    x.measured = ratio(p.PerMicroBatch());
-    x.pass = known && p.PerMicroBatch() <= 1.25 * b;
-    targets.push_back(x);
+    add(absl::StrCat(p.clients,
+                     " client(s): amortised per micro-batch (step incl. its fp32 dW fetch)"),
+        p.PerMicroBatch(), /*info=*/true);
   }
   for (const Point& p : points) {
     if (p.mode != Mode::kAccumNoFetch) continue;
