@@ -35,6 +35,9 @@ ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the
 ABSL_FLAG(std::string, schedules, "0,1,2",
           "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
           "applies)");
+ABSL_FLAG(std::string, tail_dens, "4",
+          "row-halves schedule: the second row piece is 1/N of the chunk, for each N listed "
+          "(2: equal halves; the backend's default is kDefaultTailDen)");
 ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
 ABSL_FLAG(std::string, host_io, "",
@@ -81,6 +84,7 @@ struct Row {
     uint64_t budget;
     int schedule;
     int side_sms;
+    int tail_den;
     int64_t chunk_rows;
     int blocks = 0;  // whole-batch layout's vocabulary blocks
     double ms;
@@ -90,6 +94,8 @@ struct Row {
   std::vector<Fused> fused;
   double gemms_ms = 0;  // the chunked GEMMs alone, one stream, first budget's chunks
   double ce_ms = 0;     // the cross-entropy kernels alone over the same chunks
+  double ce_two_pass_ms = 0;  // the same with the two-pass kernel forced
+  int ce_cluster = 0;         // blocks per row of the one-read kernel (0: two-pass)
   double whole_gemms_ms = 0;  // the whole-batch layout's GEMMs alone, first budget
   bool deterministic = true;
   double mean_loss;
@@ -196,6 +202,7 @@ int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_
 struct Config {
   int schedule;
   int side_sms;
+  int tail_den = cuda::kDefaultTailDen;
 };
 
 int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
@@ -274,6 +281,7 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     f.budget = budgets[bi];
     f.schedule = schedules[si].schedule;
     f.side_sms = schedules[si].side_sms;
+    f.tail_den = schedules[si].tail_den;
     const uint64_t gws = static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20;
     cuda::ChunkPlan plan =
         f.schedule == 2
@@ -287,6 +295,7 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
       continue;
     }
     plan.side_sms = f.side_sms;
+    plan.tail_den = f.tail_den;
     f.chunk_rows = plan.chunk_rows;
     f.blocks = plan.blocks;
     f.workspace = plan.workspace_bytes;
@@ -370,9 +379,11 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
         return absl::OkStatus();
       };
       if (TimeMs(stream, warmup, runs, gemms, &row->gemms_ms)) return 1;
+      bool two_pass = false;
       auto ce_only = [&]() -> absl::Status {
         for (int64_t c0 = 0; c0 < bt; c0 += plan.chunk_rows) {
           cuda::CrossEntropyParams p{};
+          p.two_pass = two_pass ? 1 : 0;
           p.logits = z;
           p.elem = cuda::kElemBF16;
           p.rows = std::min(plan.chunk_rows, bt - c0);
@@ -385,6 +396,7 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
           p.row_ce = a.row_ce + c0;
           p.row_z = a.row_z + c0;
           p.row_pred = a.row_pred + c0;
+          if (c0 == 0 && !two_pass) row->ce_cluster = cuda::CrossEntropyCluster(p);
           const cudaError_t e = cuda::LaunchCrossEntropy(p, stream);
           if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
         }
@@ -395,6 +407,8 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
                                  std::min(plan.chunk_rows, bt), h, 1.0f, w, h, x, h,
                                  CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
       if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
+      two_pass = true;
+      if (TimeMs(stream, 1, runs, ce_only, &row->ce_two_pass_ms)) return 1;
     }
     if (bi == 0) {
       // Determinism at full size: two runs, dX and dW compared word for word.
@@ -429,11 +443,11 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     BENCH_CHECK_CUDA(cudaFree(ws));
     row->fused.push_back(f);
     std::fprintf(stderr,
-                 "  %lldx%lldx%lld budget %llu MiB schedule %d/%d: C=%lld %.2f ms (floor %.2f, "
+                 "  %lldx%lldx%lld budget %llu MiB schedule %d/%d/%d: C=%lld %.2f ms (floor %.2f, "
                  "tuned %.2f)\n",
                  static_cast<long long>(bt), static_cast<long long>(h),
                  static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20),
-                 f.schedule, f.side_sms,
+                 f.schedule, f.side_sms, f.tail_den,
                  static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms, row->tuned_floor_ms);
   }
   for (void* p : {x, w, dx, dw, rows, tg}) BENCH_CHECK_CUDA(cudaFree(p));
@@ -510,6 +524,18 @@ int Main() {
       std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
       return 2;
     }
+    if (sc == 0) {
+      for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_tail_dens), ',')) {
+        int den = 0;
+        if (!absl::SimpleAtoi(t, &den) || den < 2) {
+          std::fprintf(stderr, "bad --tail_dens entry '%s' (want N >= 2)\n",
+                       std::string(t).c_str());
+          return 2;
+        }
+        schedules.push_back({0, 0, den});
+      }
+      continue;
+    }
     schedules.push_back({sc, 0});
     if (sc == 1 && !absl::GetFlag(FLAGS_side_sms).empty()) {
       for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_side_sms), ',')) {
@@ -576,7 +602,7 @@ int Main() {
   if (!absl::GetFlag(FLAGS_csv).empty()) {
     csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
     if (csv != nullptr) {
-      std::fprintf(csv, "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,fused_ms,ratio,"
+      std::fprintf(csv, "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,tail_den,fused_ms,ratio,"
                         "tflops,"
                         "workspace_mib,measured_extra_mib,deterministic,mean_loss\n");
     }
@@ -590,7 +616,7 @@ int Main() {
                   static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
                   static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
-                  f.schedule == 0   ? "rows"
+                  f.schedule == 0   ? absl::StrFormat("rows, tail 1/%d", f.tail_den).c_str()
                   : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
                                     : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                       f.side_sms)
@@ -601,21 +627,24 @@ int Main() {
                   f.measured_extra / 1048576.0, r.deterministic ? "yes" : "NO", r.mean_loss);
       if (csv != nullptr) {
         std::fprintf(csv,
-                     "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
+                     "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
                      static_cast<long long>(r.bt), static_cast<long long>(r.h),
                      static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
                      static_cast<unsigned long long>(f.budget >> 20),
-                     static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.ms, f.ms / r.floor_ms,
+                     static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.tail_den, f.ms, f.ms / r.floor_ms,
                      flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                      f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }
     }
     std::printf("| %lld, %lld, %lld | floor %.0f TFLOP/s; chunked GEMMs alone %.2f ms, "
-                "CE kernels alone %.2f ms, whole-batch GEMMs alone %.2f ms | | | | | | | | | | | "
-                "| |\n",
+                "CE kernels alone %.2f ms (%s; two-pass kernel %.2f ms), whole-batch GEMMs "
+                "alone %.2f ms | | | | | | | | | | | | |\n",
                 static_cast<long long>(r.bt), static_cast<long long>(r.h),
                 static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12, r.gemms_ms,
-                r.ce_ms, r.whole_gemms_ms);
+                r.ce_ms,
+                r.ce_cluster > 0 ? absl::StrFormat("one-read, %d blocks a row", r.ce_cluster).c_str()
+                                 : "two-pass",
+                r.ce_two_pass_ms, r.whole_gemms_ms);
   }
   if (csv != nullptr) std::fclose(csv);
   for (const Row& r : rows) {

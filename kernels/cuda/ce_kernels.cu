@@ -3,6 +3,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -269,6 +270,259 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
   }
 }
 
+// One read of each row: the row is split over a cluster of K blocks (kOneReadMaxCluster at
+// most), each holding its segment of at most kOneReadSegCols columns in shared memory. Every
+// block reduces its segment's statistics, the cluster's blocks exchange them through
+// distributed shared memory and merge all K in rank order (so every block gets the same lse),
+// and each writes its segment's gradient from shared memory. The two-pass kernel above reads
+// each row twice; at V = 256000 a row is 512 KB, too big to be still in L2 for the second
+// read, so this one moves 2/3 of its bytes.
+constexpr int kOneReadThreads = 512;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int kOneReadWarps = kOneReadThreads / 32;
+
+// The two halves of a cluster barrier, so that a block can do its own work in between.
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+#endif
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Eight consecutive elements as raw bits: one 16-byte word for 16-bit types, two for fp32.
+template <typename T>
+struct Raw8 {
+  uint4 q[sizeof(T) / 2];
+};
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> LoadRaw(const T* p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) r.q[i] = reinterpret_cast<const uint4*>(p)[i];
+  return r;
+}
+
+// Read once and not again: a streaming load keeps it from displacing what L2 holds for others.
+template <typename T>
+__device__ __forceinline__ Raw8<T> LoadRawStreaming(const T* p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) r.q[i] = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreRaw(T* p, const Raw8<T>& r) {
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) reinterpret_cast<uint4*>(p)[i] = r.q[i];
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& q, int i) {
+  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+template <typename T>
+__device__ __forceinline__ T FromBits16(uint16_t b);
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromBits16<__nv_bfloat16>(uint16_t b) {
+  return __ushort_as_bfloat16(b);
+}
+template <>
+__device__ __forceinline__ __half FromBits16<__half>(uint16_t b) {
+  return __ushort_as_half(b);
+}
+
+// The eight values widened to fp32, element k of the eight in x[k] (the order LoadVec gives).
+template <typename T>
+__device__ __forceinline__ void Widen(const Raw8<T>& r, float (&x)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    if constexpr (sizeof(T) == 4) {
+      x[k] = __uint_as_float(Word(r.q[k / 4], k % 4));
+    } else {
+      const uint32_t w = Word(r.q[0], k / 2);
+      x[k] = ToFloat<T>(FromBits16<T>(static_cast<uint16_t>((k & 1) ? (w >> 16) : (w & 0xffffu))));
+    }
+  }
+}
+
+#endif
+
+// Statistics of a block's segment and the facts the row outputs need, read by the other
+// blocks of the cluster.
+struct SegmentShare {
+  RowStats st;
+  float zt;  // final logit of the target, written by the block whose segment holds it
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kOneReadThreads)
+    OneReadCrossEntropyKernel(const CrossEntropyParams p, int64_t seg_cols, int cluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) unsigned char seg_raw[];
+  T* seg = reinterpret_cast<T*>(seg_raw);
+  __shared__ RowStats shared[kOneReadWarps + 1];
+  __shared__ SegmentShare share;
+  __shared__ float coef[4];
+  constexpr int kVec = 8;
+  cg::cluster_group cl = cg::this_cluster();
+  const int rank = static_cast<int>(cl.block_rank());
+  const int64_t row = blockIdx.x / cluster;
+  const int64_t v = p.v;
+  const int64_t c0 = rank * seg_cols;
+  const int64_t n = c0 < v ? (v - c0 < seg_cols ? v - c0 : seg_cols) : 0;
+  T* z = static_cast<T*>(p.logits) + row * v + c0;
+  const T* bias = static_cast<const T*>(p.bias);
+  const float* cw = p.class_weights;
+  const float cap = p.softcap;
+  const float eps = p.label_smoothing;
+  const bool smooth = eps > 0.0f;
+  const int t = p.targets[row];
+  constexpr int64_t stride = static_cast<int64_t>(kOneReadThreads) * kVec;
+
+  // Statistics over the segment, read once from global memory and kept in shared memory. Each
+  // thread reads back only the slots it wrote, so no barrier is needed before the gradient.
+  // Loads go out kBatch at a time, before any of their values is used.
+  constexpr int kBatch = 4;
+  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+  for (int64_t base = static_cast<int64_t>(threadIdx.x) * kVec; base < n;
+       base += kBatch * stride) {
+    Raw8<T> r[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + u * stride < n) r[u] = LoadRawStreaming<T>(z + base + u * stride);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t j0 = base + u * stride;
+      if (j0 >= n) break;
+      StoreRaw<T>(seg + j0, r[u]);
+      float x[kVec];
+      Widen<T>(r[u], x);
+      if (bias != nullptr) {
+        float b[kVec];
+        LoadVec<T, kVec>(bias + c0 + j0, b);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) x[k] += b[k];
+      }
+      float vmax = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        x[k] = Capped(x[k], cap);
+        vmax = fmaxf(vmax, x[k]);
+        if (x[k] > st.best) {  // strict, in increasing j: the first index wins ties
+          st.best = x[k];
+          st.best_j = static_cast<int>(c0 + j0 + k);
+        }
+        if (c0 + j0 + k == t) share.zt = x[k];
+      }
+      if (vmax > st.m) {
+        st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
+        st.m = vmax;
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) st.s += exp2f((x[k] - st.m) * kLog2e);
+      if (smooth) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
+      }
+    }
+  }
+  // The block's reduction (the same fixed tree as the two-pass kernel's).
+  {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
+    if (lane == 0) shared[warp] = st;
+    __syncthreads();
+    if (warp == 0) {
+      st = lane < kOneReadWarps ? shared[lane]
+                                : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+#pragma unroll
+      for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
+      if (lane == 0) share.st = st;
+    }
+  }
+  // Every block's share is written and visible cluster-wide past this barrier.
+  cl.sync();
+  if (threadIdx.x == 0) {
+    // All K segments merged in rank order: the same result in every block of the cluster.
+    RowStats all = cl.map_shared_rank(&share, 0)->st;
+    for (int r = 1; r < cluster; ++r) all = Merge(all, cl.map_shared_rank(&share, r)->st);
+    const float lse = all.m + logf(all.s);
+    float a = 0.0f, hot = 0.0f, sm = 0.0f;
+    if (t >= 0) {
+      const float cwt = cw != nullptr ? cw[t] : 1.0f;
+      const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+      const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
+      a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
+      if (smooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
+      hot = ce_s * (1.0f - eps) * cwt;
+      sm = smooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
+      if (rank == 0) {
+        const float zt = cl.map_shared_rank(&share, static_cast<int>(t / seg_cols))->zt;
+        float ce = (1.0f - eps) * cwt * (lse - zt);
+        if (smooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - all.wz);
+        p.row_ce[row] = ce;
+        p.row_z[row] = p.z_loss_scale * lse * lse;
+      }
+    } else if (rank == 0) {
+      p.row_ce[row] = 0.0f;
+      p.row_z[row] = 0.0f;
+    }
+    if (rank == 0) {
+      p.row_lse[row] = lse;
+      p.row_pred[row] = all.best_j == 0x7fffffff ? 0 : all.best_j;
+    }
+    coef[0] = a, coef[1] = hot, coef[2] = sm, coef[3] = lse;
+  }
+  // Done reading the other blocks' shares; a block leaves (and its shared memory goes) only
+  // once every block has arrived here.
+  ClusterArrive();
+  __syncthreads();
+  if (p.write_grad) {
+    const float a = coef[0], hot = coef[1], sm = coef[2], lse = coef[3];
+#pragma unroll 4
+    for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < n; j0 += stride) {
+      float g[kVec];
+      if (t < 0) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
+      } else {
+        Widen<T>(LoadRaw<T>(seg + j0), g);
+        if (bias != nullptr) {
+          float b[kVec];
+          LoadVec<T, kVec>(bias + c0 + j0, b);
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) g[k] += b[k];
+        }
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          float th = 0.0f, x = g[k];
+          if (cap > 0.0f) {
+            th = tanhf(x / cap);
+            x = cap * th;
+          }
+          const float pj = exp2f((x - lse) * kLog2e);
+          float gk = a * pj;
+          if (c0 + j0 + k == t) gk -= hot;
+          if (smooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+          if (cap > 0.0f) gk *= 1.0f - th * th;
+          g[k] = gk;
+        }
+      }
+      StoreVec<T, kVec>(z + j0, g);
+    }
+  }
+  ClusterWait();
+#endif
+}
+
 template <typename T>
 __global__ void ColumnSumKernel(const T* g, int64_t rows, int64_t v, float alpha, float* acc) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -287,8 +541,48 @@ __global__ void CastKernel(const float* src, T* dst, int64_t n) {
   }
 }
 
+// Whether this device can run the one-read kernel (thread block clusters: compute 9.0 on).
+bool DeviceHasClusters() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    return false;
+  }
+  return major >= 9;
+}
+
+int64_t OneReadSegmentCols(int64_t v, int cluster) {
+  return ((v + cluster - 1) / cluster + 7) / 8 * 8;
+}
+
+template <typename T>
+cudaError_t LaunchOneRead(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
+  const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
+  const size_t smem = static_cast<size_t>(seg_cols) * sizeof(T);
+  // On every launch: the attribute belongs to the current device, which may change.
+  const cudaError_t attr = cudaFuncSetAttribute(
+      OneReadCrossEntropyKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(kOneReadSegCols * sizeof(T)));
+  if (attr != cudaSuccess) return attr;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.rows * cluster));
+  cfg.blockDim = dim3(kOneReadThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute la[1];
+  la[0].id = cudaLaunchAttributeClusterDimension;
+  la[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  la[0].val.clusterDim.y = 1;
+  la[0].val.clusterDim.z = 1;
+  cfg.attrs = la;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, OneReadCrossEntropyKernel<T>, p, seg_cols, cluster);
+}
+
 template <typename T>
 cudaError_t LaunchCrossEntropyT(const CrossEntropyParams& p, cudaStream_t stream) {
+  const int cluster = CrossEntropyCluster(p);
+  if (cluster > 0) return LaunchOneRead<T>(p, cluster, stream);
   // The 8-wide path needs every row start 16-byte aligned for every dtype alike (V % 8 == 0),
   // so the choice, and with it the summation order, depends on V alone.
   bool aligned = reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
@@ -311,6 +605,19 @@ cudaError_t LaunchCrossEntropyT(const CrossEntropyParams& p, cudaStream_t stream
 }
 
 }  // namespace
+
+int CrossEntropyCluster(const CrossEntropyParams& p) {
+  // Contiguous rows, 16-byte aligned for every dtype alike (V % 8 == 0), so that, as for the
+  // two-pass kernel's 8-wide path, the choice depends on V (and the GPU) alone.
+  if (p.two_pass != 0 || p.segments != 0 || p.v % 8 != 0 || p.v <= 0) return 0;
+  if (reinterpret_cast<uintptr_t>(p.logits) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(p.bias) % 16 != 0) {
+    return 0;
+  }
+  const int64_t cluster = (p.v + kOneReadSegCols - 1) / kOneReadSegCols;
+  if (cluster > kOneReadMaxCluster || p.rows * cluster > 0x7fffffff) return 0;
+  return DeviceHasClusters() ? static_cast<int>(cluster) : 0;
+}
 
 cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;

@@ -53,10 +53,27 @@ struct CrossEntropyParams {
   // columns [seg_col0[s], seg_col0[s] + seg_cols[s]), row r at seg_base[s] + r * seg_cols[s]
   // elements. The seg_cols sum to v.
   int32_t segments;
+  // 1: the two-pass kernel even where the one-read kernel applies (tests and benchmarks that
+  // compare the two).
+  int32_t two_pass;
   void* seg_base[kMaxSegments];
   int64_t seg_col0[kMaxSegments];
   int64_t seg_cols[kMaxSegments];
 };
+
+// Two kernels compute the same formulas. The one-read kernel splits each row over a cluster of
+// blocks that keep their segments in shared memory, so the row is read from global memory once
+// (the two-pass kernel reads it twice: for the statistics, then for the gradient). It is used
+// for contiguous rows with V % 8 == 0 and V <= kOneReadMaxCluster * kOneReadSegCols, on GPUs
+// with thread block clusters (compute capability 9.0 and later); the two-pass kernel
+// otherwise (the blocked layout, odd V, older GPUs). Each kernel is deterministic, with the
+// same per-thread element order for every dtype.
+inline constexpr int64_t kOneReadSegCols = 32768;  // columns per block at most
+inline constexpr int kOneReadMaxCluster = 8;       // blocks per row at most (portable size)
+
+// Blocks per row of the one-read kernel for these parameters on the current device, or 0 when
+// the two-pass kernel runs them.
+int CrossEntropyCluster(const CrossEntropyParams& p);
 
 cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream);
 

@@ -95,7 +95,8 @@ void Blocks(int64_t v, int segments, std::vector<int64_t>* col0, std::vector<int
 
 // Runs the kernel on `in` stored as elem (kElemBF16 or kElemF32); segments > 0: with the rows
 // split into that many column blocks, each in its own allocation.
-void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out, int segments = 0) {
+void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out, int segments = 0,
+               bool two_pass = false) {
   const int64_t n = c.rows * c.v;
   std::vector<uint16_t> z16(n), b16(in.bias.size());
   for (int64_t i = 0; i < n; ++i) z16[i] = FloatToBf16(in.z[i]);
@@ -136,6 +137,7 @@ void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out, int 
     p.seg_col0[b] = col0[b];
     p.seg_cols[b] = cols[b];
   }
+  p.two_pass = two_pass ? 1 : 0;
   p.elem = elem;
   p.rows = c.rows;
   p.v = c.v;
@@ -209,12 +211,12 @@ class CrossEntropyKernelTest : public testing::TestWithParam<Case> {
 
 // bf16 and fp32 storage of the same values give bit-identical statistics and identically
 // rounded gradients, and both match float64 of the same formulas; with `segments` > 0 the
-// rows come in that many column blocks.
-void CheckBothDtypes(const Case& c, int segments) {
+// rows come in that many column blocks; `two_pass` forces the two-pass kernel.
+void CheckBothDtypes(const Case& c, int segments, bool two_pass = false) {
   const Inputs in = MakeInputs(c, 1234 + c.v);
   Outputs b, f;
-  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemBF16, &b, segments));
-  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemF32, &f, segments));
+  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemBF16, &b, segments, two_pass));
+  ASSERT_NO_FATAL_FAILURE(RunKernel(c, in, kElemF32, &f, segments, two_pass));
   int64_t stat_diff = 0, grad_diff = 0;
   for (int64_t i = 0; i < c.rows; ++i) {
     stat_diff += std::memcmp(&b.lse[i], &f.lse[i], 4) != 0;
@@ -286,6 +288,9 @@ TEST_P(CrossEntropyKernelTest, Bf16AndFp32AreBitIdenticalAndMatchFloat64) {
   CheckBothDtypes(GetParam(), 0);
 }
 
+// The same promises from the two-pass kernel where the one-read kernel would run.
+TEST_P(CrossEntropyKernelTest, TwoPassKernelMatchesFloat64) { CheckBothDtypes(GetParam(), 0, true); }
+
 // The whole-batch layout's rows: the same promises over column blocks (3 and 5 of them).
 TEST_P(CrossEntropyKernelTest, BlockedRowsMatchFloat64) {
   for (int segments : {3, 5}) {
@@ -302,8 +307,53 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{16, 4096, false, false, false, 0, 0, 0},
                     Case{16, 4096, true, true, true, 0.2f, 1e-2f, 8.0f},
                     Case{4, 32000, false, true, false, 0.1f, 1e-4f, 0},
-                    Case{3, 32001, true, false, true, 0, 0, 30.0f}),
+                    Case{3, 32001, true, false, true, 0, 0, 30.0f},
+                    // The one-read kernel's cluster sizes (blocks per row): 1 at its widest
+                    // segment, 2 with a short last segment, 4, 8, 8 at its largest V, then
+                    // the two-pass kernel just above it (OneReadClusterSizes pins these).
+                    Case{5, 32768, true, false, false, 0.1f, 0, 0},
+                    Case{5, 32776, false, true, true, 0, 1e-3f, 0},
+                    Case{6, 128256, true, true, false, 0.1f, 1e-4f, 15.0f},
+                    Case{5, 256000, false, false, false, 0, 0, 0},
+                    Case{5, 256000, true, true, true, 0.1f, 1e-4f, 30.0f},
+                    Case{4, 262144, false, false, true, 0, 1e-4f, 0},
+                    Case{4, 262152, true, false, false, 0, 0, 0}),
     Name);
+
+// Which kernel runs which shape: the cases above cover every branch only if these hold.
+TEST(CrossEntropyDispatchTest, OneReadClusterSizes) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no GPU";
+  int major = 0;
+  ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  void* buf = nullptr;
+  ASSERT_CUDA(cudaMalloc(&buf, 256));
+  auto cluster = [&](int64_t v, void* logits, void* bias, int segments, int two_pass) {
+    CrossEntropyParams p{};
+    p.logits = logits;
+    p.bias = bias;
+    p.rows = 5;
+    p.v = v;
+    p.segments = segments;
+    p.two_pass = two_pass;
+    return CrossEntropyCluster(p);
+  };
+  const int on = major >= 9 ? 1 : 0;  // clusters exist from compute capability 9.0
+  EXPECT_EQ(cluster(8, buf, nullptr, 0, 0), 1 * on);
+  EXPECT_EQ(cluster(4096, buf, buf, 0, 0), 1 * on);
+  EXPECT_EQ(cluster(32768, buf, nullptr, 0, 0), 1 * on);
+  EXPECT_EQ(cluster(32776, buf, nullptr, 0, 0), 2 * on);
+  EXPECT_EQ(cluster(128256, buf, nullptr, 0, 0), 4 * on);
+  EXPECT_EQ(cluster(256000, buf, nullptr, 0, 0), 8 * on);
+  EXPECT_EQ(cluster(262144, buf, nullptr, 0, 0), 8 * on);
+  EXPECT_EQ(cluster(262152, buf, nullptr, 0, 0), 0);  // more than 8 blocks a row
+  EXPECT_EQ(cluster(4095, buf, nullptr, 0, 0), 0);    // V % 8 != 0
+  EXPECT_EQ(cluster(4096, static_cast<char*>(buf) + 2, nullptr, 0, 0), 0);  // misaligned
+  EXPECT_EQ(cluster(4096, buf, static_cast<char*>(buf) + 8, 0, 0), 0);      // misaligned bias
+  EXPECT_EQ(cluster(4096, nullptr, nullptr, 3, 0), 0);  // the blocked layout
+  EXPECT_EQ(cluster(4096, buf, nullptr, 0, 1), 0);      // forced two-pass
+  cudaFree(buf);
+}
 
 }  // namespace
 }  // namespace cuda

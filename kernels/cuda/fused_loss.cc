@@ -184,7 +184,11 @@ CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, 
 
 }  // namespace
 
-int64_t RowSplit(int64_t rows) { return rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows; }
+int64_t RowSplit(int64_t rows, int32_t tail_den) {
+  if (rows < 512) return rows;
+  const int64_t den = std::max<int32_t>(tail_den, 2);
+  return rows - (rows / den + 63) / 64 * 64;
+}
 
 VocabBlock WholeBlock(const ChunkPlan& plan, int64_t v, int b) {
   const int64_t first = v - (plan.blocks - 1) * plan.block_cols;
@@ -595,7 +599,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
                                                     half == 0 && c0 > 0 ? main_sms : 0));
           }
         } else {
-          const int64_t split = RowSplit(rows);
+          const int64_t split = RowSplit(rows, plan.tail_den);
           LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, split, 0, a.v, 0));
           if (split < rows) {
             LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, split, rows - split, 0, a.v, 0));
@@ -674,7 +678,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         }
       }
     } else {
-      const int64_t split = RowSplit(rows);
+      const int64_t split = RowSplit(rows, plan.tail_den);
       const int64_t nsub = split < rows ? 2 : 1;
       const int64_t begin[2] = {0, split};
       const int64_t count[2] = {split, rows - split};

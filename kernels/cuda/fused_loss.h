@@ -105,6 +105,7 @@ enum class Schedule : int32_t {
 // faster at three of the four benchmark shapes with BT >= 8192 (bench/RESULTS.md).
 inline constexpr Schedule kDefaultSchedule = Schedule::kRowHalves;
 inline constexpr int32_t kDefaultSideSms = 0;
+inline constexpr int32_t kDefaultTailDen = 4;
 
 struct ChunkPlan {
   int64_t chunk_rows = 0;  // C
@@ -121,6 +122,10 @@ struct ChunkPlan {
   // (block 0 takes what is left over; the others `block_cols` columns each).
   int32_t blocks = 0;
   int64_t block_cols = 0;
+  // Row halves only: the chunk's second row piece is about 1 / tail_den of its rows (see
+  // RowSplit). The second piece's CE is the one with no logits GEMM to run under, so a small
+  // tail hides more of the CE; the first piece's CE must still fit under the tail's GEMM.
+  int32_t tail_den = kDefaultTailDen;
 };
 
 // Which GEMM of a chunk a cuBLASLt algorithm choice is for.
@@ -160,10 +165,11 @@ struct VocabBlock {
 };
 VocabBlock WholeBlock(const ChunkPlan& plan, int64_t v, int b);
 
-// Where a batch of `rows` rows splits into the two row halves whose CE runs under the other
-// half's GEMMs; `rows` itself (no split) below a few hundred rows, where the GEMMs would lose
-// more than the overlap gains.
-int64_t RowSplit(int64_t rows);
+// Where a batch of `rows` rows splits into the two row pieces whose first CE runs under the
+// second piece's logits GEMM: the second piece is rows / tail_den rounded up to a multiple of
+// 64 (tail_den >= 2); `rows` itself (no split) below 512 rows, where the GEMMs would lose more
+// than the overlap gains.
+int64_t RowSplit(int64_t rows, int32_t tail_den = 2);
 
 // Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
 // common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow:
