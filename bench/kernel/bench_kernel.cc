@@ -38,6 +38,8 @@ ABSL_FLAG(std::string, schedules, "0,1,2",
 ABSL_FLAG(std::string, tail_dens, "4",
           "row-halves schedule: the second row piece is 1/N of the chunk, for each N listed "
           "(2: equal halves; the backend's default is kDefaultTailDen)");
+ABSL_FLAG(bool, ce_only, false,
+          "time only the cross-entropy kernels (both of them) at each shape's first-budget chunks");
 ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
 ABSL_FLAG(std::string, host_io, "",
@@ -205,6 +207,46 @@ struct Config {
   int tail_den = cuda::kDefaultTailDen;
 };
 
+// The cross-entropy kernels alone over the chunks of `chunk_rows` rows, both kernels: the
+// one-read kernel where it applies (row->ce_ms) and the two-pass kernel (row->ce_two_pass_ms),
+// over real logits in z (C x V bf16; gws is a GEMM workspace).
+int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int64_t bt,
+                     int64_t h, int64_t v, int64_t chunk_rows, const void* w, const void* x,
+                     void* z, void* gws, uint64_t gws_bytes, Row* row) {
+  cudaStream_t stream = engine.stream();
+  const int runs = absl::GetFlag(FLAGS_runs);
+  bool two_pass = false;
+  auto ce_only = [&]() -> absl::Status {
+    for (int64_t c0 = 0; c0 < bt; c0 += chunk_rows) {
+      cuda::CrossEntropyParams p{};
+      p.two_pass = two_pass ? 1 : 0;
+      p.logits = z;
+      p.elem = cuda::kElemBF16;
+      p.rows = std::min(chunk_rows, bt - c0);
+      p.v = v;
+      p.targets = a.targets + c0;
+      p.ce_scale = 1.0f / bt;
+      p.class_weight_sum = static_cast<float>(v);
+      p.write_grad = 1;
+      p.row_lse = a.row_lse + c0;
+      p.row_ce = a.row_ce + c0;
+      p.row_z = a.row_z + c0;
+      p.row_pred = a.row_pred + c0;
+      if (c0 == 0 && !two_pass) row->ce_cluster = cuda::CrossEntropyCluster(p);
+      const cudaError_t e = cuda::LaunchCrossEntropy(p, stream);
+      if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
+    }
+    return absl::OkStatus();
+  };
+  // Real logits in the buffer first, so the kernel sees realistic values.
+  BENCH_CHECK_OK(engine.Gemm(stream, gws, gws_bytes, true, false, v, std::min(chunk_rows, bt), h,
+                             1.0f, w, h, x, h, CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
+  if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
+  two_pass = true;
+  if (TimeMs(stream, 1, runs, ce_only, &row->ce_two_pass_ms)) return 1;
+  return 0;
+}
+
 int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
              const std::vector<uint64_t>& budgets, const std::vector<Config>& schedules,
              Row* row) {
@@ -224,6 +266,27 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
   BENCH_CHECK_CUDA(FillUniformBf16(x, bt * h, 1, 1.0f, stream));
   BENCH_CHECK_CUDA(FillUniformBf16(w, v * h, 2, 6.0f / std::sqrt(static_cast<float>(h)), stream));
   BENCH_CHECK_CUDA(FillTargets(static_cast<int32_t*>(tg), bt, 3, static_cast<int32_t>(v), stream));
+
+  if (absl::GetFlag(FLAGS_ce_only)) {
+    // The CE kernels alone at the first budget's chunks; no floor, no fused op.
+    cuda::DeviceLossArgs a;
+    a.targets = static_cast<const int32_t*>(tg);
+    a.row_lse = static_cast<float*>(rows);
+    a.row_ce = a.row_lse + bt;
+    a.row_z = a.row_ce + bt;
+    a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
+    const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, budgets[0], 0);
+    void* ws;
+    BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
+    char* z = static_cast<char*>(ws);
+    char* gws = z + ((plan.chunk_rows * v * 2 + 255) / 256 * 256);
+    if (TimeCrossEntropy(engine, a, bt, h, v, plan.chunk_rows, w, x, z, gws,
+                         plan.gemm_workspace_bytes, row)) {
+      return 1;
+    }
+    for (void* p : {x, w, dx, dw, rows, tg, ws}) BENCH_CHECK_CUDA(cudaFree(p));
+    return 0;
+  }
 
   // The floor: the same three GEMMs unchunked (logits bf16, dX bf16, dW fp32), 32 MiB workspace.
   {
@@ -379,36 +442,10 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
         return absl::OkStatus();
       };
       if (TimeMs(stream, warmup, runs, gemms, &row->gemms_ms)) return 1;
-      bool two_pass = false;
-      auto ce_only = [&]() -> absl::Status {
-        for (int64_t c0 = 0; c0 < bt; c0 += plan.chunk_rows) {
-          cuda::CrossEntropyParams p{};
-          p.two_pass = two_pass ? 1 : 0;
-          p.logits = z;
-          p.elem = cuda::kElemBF16;
-          p.rows = std::min(plan.chunk_rows, bt - c0);
-          p.v = v;
-          p.targets = a.targets + c0;
-          p.ce_scale = 1.0f / bt;
-          p.class_weight_sum = static_cast<float>(v);
-          p.write_grad = 1;
-          p.row_lse = a.row_lse + c0;
-          p.row_ce = a.row_ce + c0;
-          p.row_z = a.row_z + c0;
-          p.row_pred = a.row_pred + c0;
-          if (c0 == 0 && !two_pass) row->ce_cluster = cuda::CrossEntropyCluster(p);
-          const cudaError_t e = cuda::LaunchCrossEntropy(p, stream);
-          if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
-        }
-        return absl::OkStatus();
-      };
-      // Real logits in the buffer first, so the kernel sees realistic values.
-      BENCH_CHECK_OK(engine.Gemm(stream, gws, plan.gemm_workspace_bytes, true, false, v,
-                                 std::min(plan.chunk_rows, bt), h, 1.0f, w, h, x, h,
-                                 CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
-      if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
-      two_pass = true;
-      if (TimeMs(stream, 1, runs, ce_only, &row->ce_two_pass_ms)) return 1;
+      if (TimeCrossEntropy(engine, a, bt, h, v, plan.chunk_rows, w, x, z, gws,
+                           plan.gemm_workspace_bytes, row)) {
+        return 1;
+      }
     }
     if (bi == 0) {
       // Determinism at full size: two runs, dX and dW compared word for word.

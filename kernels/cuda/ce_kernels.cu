@@ -306,15 +306,6 @@ __device__ __forceinline__ Raw8<T> LoadRaw(const T* p) {
   return r;
 }
 
-// Read once and not again: a streaming load keeps it from displacing what L2 holds for others.
-template <typename T>
-__device__ __forceinline__ Raw8<T> LoadRawStreaming(const T* p) {
-  Raw8<T> r;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) r.q[i] = __ldcs(reinterpret_cast<const uint4*>(p) + i);
-  return r;
-}
-
 template <typename T>
 __device__ __forceinline__ void StoreRaw(T* p, const Raw8<T>& r) {
 #pragma unroll
@@ -359,9 +350,21 @@ struct SegmentShare {
   float zt;  // final logit of the target, written by the block whose segment holds it
 };
 
-template <typename T>
+// 2^x in one multi-function-unit instruction; results below 2^-126 flush to zero (they are
+// below what the gradient's bf16/fp16/fp32 values are compared at).
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// kCap: softcap on; kSmooth: label smoothing on. Templated so that the common case (neither)
+// spends about ten instructions an element: the kernel is bound by instructions as much as by
+// memory, so the per-element work is kept to the exponentials and what feeds them; the argmax
+// and the target are checked once per 8 elements.
+template <typename T, bool kCap, bool kSmooth>
 __global__ void __launch_bounds__(kOneReadThreads)
-    OneReadCrossEntropyKernel(const CrossEntropyParams p, int64_t seg_cols, int cluster) {
+    OneReadCrossEntropyKernel(const CrossEntropyParams p, int32_t seg_cols, int cluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) unsigned char seg_raw[];
@@ -370,150 +373,193 @@ __global__ void __launch_bounds__(kOneReadThreads)
   __shared__ SegmentShare share;
   __shared__ float coef[4];
   constexpr int kVec = 8;
+  constexpr int kStride = kOneReadThreads * kVec;
   cg::cluster_group cl = cg::this_cluster();
   const int rank = static_cast<int>(cl.block_rank());
   const int64_t row = blockIdx.x / cluster;
-  const int64_t v = p.v;
-  const int64_t c0 = rank * seg_cols;
-  const int64_t n = c0 < v ? (v - c0 < seg_cols ? v - c0 : seg_cols) : 0;
-  T* z = static_cast<T*>(p.logits) + row * v + c0;
+  const int32_t v = static_cast<int32_t>(p.v);
+  const int32_t c0 = rank * seg_cols;
+  const int32_t n = c0 < v ? min(v - c0, seg_cols) : 0;
+  T* z = static_cast<T*>(p.logits) + row * p.v + c0;
   const T* bias = static_cast<const T*>(p.bias);
   const float* cw = p.class_weights;
   const float cap = p.softcap;
   const float eps = p.label_smoothing;
-  const bool smooth = eps > 0.0f;
   const int t = p.targets[row];
-  constexpr int64_t stride = static_cast<int64_t>(kOneReadThreads) * kVec;
+  const int t_local = t - c0;  // the target's column within the segment (may be outside it)
 
-  // Statistics over the segment, read once from global memory and kept in shared memory. Each
-  // thread reads back only the slots it wrote, so no barrier is needed before the gradient.
-  // Loads go out kBatch at a time, before any of their values is used.
-  constexpr int kBatch = 4;
-  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-  for (int64_t base = static_cast<int64_t>(threadIdx.x) * kVec; base < n;
-       base += kBatch * stride) {
-    Raw8<T> r[kBatch];
+  // The segment, global to shared memory asynchronously: every load of the thread is in flight
+  // at once, and none takes a register. Each thread reads back only what it copied, so waiting
+  // for its own copies is enough (no barrier).
+  for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (base + u * stride < n) r[u] = LoadRawStreaming<T>(z + base + u * stride);
+    for (int q = 0; q < static_cast<int>(sizeof(T) / 2); ++q) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(seg + j0)) + 16 * q;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                   "l"(reinterpret_cast<const char*>(z + j0) + 16 * q)
+                   : "memory");
     }
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+
+  // Final logits of 8 elements: stored value, plus bias, through the softcap.
+  auto final8 = [&](int j0, float (&x)[kVec]) {
+    Widen<T>(LoadRaw<T>(seg + j0), x);
+    if (bias != nullptr) {
+      float b[kVec];
+      LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t j0 = base + u * stride;
-      if (j0 >= n) break;
-      StoreRaw<T>(seg + j0, r[u]);
-      float x[kVec];
-      Widen<T>(r[u], x);
-      if (bias != nullptr) {
-        float b[kVec];
-        LoadVec<T, kVec>(bias + c0 + j0, b);
+      for (int k = 0; k < kVec; ++k) x[k] += b[k];
+    }
+    if constexpr (kCap) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) x[k] += b[k];
-      }
-      float vmax = -INFINITY;
+      for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] / cap);
+    }
+  };
+
+  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+  float m2 = -INFINITY;  // st.m * log2(e)
+  for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
+    float x[kVec];
+    final8(j0, x);
+    float vmax = x[0];
+#pragma unroll
+    for (int k = 1; k < kVec; ++k) vmax = fmaxf(vmax, x[k]);
+    if (vmax > st.best) {  // strict, in increasing j: the first index wins ties
+      int kb = 0;
+#pragma unroll
+      for (int k = kVec - 1; k >= 0; --k) kb = x[k] == vmax ? k : kb;
+      st.best = vmax;
+      st.best_j = c0 + j0 + kb;
+    }
+    if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        x[k] = Capped(x[k], cap);
-        vmax = fmaxf(vmax, x[k]);
-        if (x[k] > st.best) {  // strict, in increasing j: the first index wins ties
-          st.best = x[k];
-          st.best_j = static_cast<int>(c0 + j0 + k);
-        }
-        if (c0 + j0 + k == t) share.zt = x[k];
+        if (k == t_local - j0) share.zt = x[k];
       }
-      if (vmax > st.m) {
-        st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
-        st.m = vmax;
-      }
+    }
+    if (vmax > st.m) {
+      st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
+      st.m = vmax;
+      m2 = vmax * kLog2e;
+    }
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) st.s += exp2f((x[k] - st.m) * kLog2e);
-      if (smooth) {
+    for (int k = 0; k < kVec; ++k) st.s += Exp2Ftz(fmaf(x[k], kLog2e, -m2));
+    if constexpr (kSmooth) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
-      }
+      for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
     }
   }
   // The block's reduction (the same fixed tree as the two-pass kernel's).
-  {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
+  if (lane == 0) shared[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    st = lane < kOneReadWarps ? shared[lane]
+                              : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
 #pragma unroll
     for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
-    if (lane == 0) shared[warp] = st;
-    __syncthreads();
-    if (warp == 0) {
-      st = lane < kOneReadWarps ? shared[lane]
-                                : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-#pragma unroll
-      for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
-      if (lane == 0) share.st = st;
-    }
+    if (lane == 0) share.st = st;
   }
   // Every block's share is written and visible cluster-wide past this barrier.
   cl.sync();
-  if (threadIdx.x == 0) {
-    // All K segments merged in rank order: the same result in every block of the cluster.
-    RowStats all = cl.map_shared_rank(&share, 0)->st;
-    for (int r = 1; r < cluster; ++r) all = Merge(all, cl.map_shared_rank(&share, r)->st);
-    const float lse = all.m + logf(all.s);
-    float a = 0.0f, hot = 0.0f, sm = 0.0f;
-    if (t >= 0) {
-      const float cwt = cw != nullptr ? cw[t] : 1.0f;
-      const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
-      const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
-      a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
-      if (smooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
-      hot = ce_s * (1.0f - eps) * cwt;
-      sm = smooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
-      if (rank == 0) {
-        const float zt = cl.map_shared_rank(&share, static_cast<int>(t / seg_cols))->zt;
-        float ce = (1.0f - eps) * cwt * (lse - zt);
-        if (smooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - all.wz);
-        p.row_ce[row] = ce;
-        p.row_z[row] = p.z_loss_scale * lse * lse;
+  if (warp == 0) {
+    // Lane r fetches block r's share (all at once), then every lane merges the K of them in
+    // rank order: the same result in every block of the cluster.
+    SegmentShare mine{{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f}, 0.0f};
+    if (lane < cluster) mine = *cl.map_shared_rank(&share, lane);
+    auto from = [&](int r) {
+      RowStats o;
+      o.m = __shfl_sync(0xffffffffu, mine.st.m, r);
+      o.s = __shfl_sync(0xffffffffu, mine.st.s, r);
+      o.best = __shfl_sync(0xffffffffu, mine.st.best, r);
+      o.best_j = __shfl_sync(0xffffffffu, mine.st.best_j, r);
+      o.wz = __shfl_sync(0xffffffffu, mine.st.wz, r);
+      return o;
+    };
+    RowStats all = from(0);
+    for (int r = 1; r < cluster; ++r) all = Merge(all, from(r));
+    const float zt = __shfl_sync(0xffffffffu, mine.zt, t >= 0 ? t / seg_cols : 0);
+    if (lane == 0) {
+      const float lse = all.m + logf(all.s);
+      float a = 0.0f, hot = 0.0f, sm = 0.0f;
+      if (t >= 0) {
+        const float cwt = cw != nullptr ? cw[t] : 1.0f;
+        const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+        const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
+        a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
+        if (kSmooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
+        hot = ce_s * (1.0f - eps) * cwt;
+        sm = kSmooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
       }
-    } else if (rank == 0) {
-      p.row_ce[row] = 0.0f;
-      p.row_z[row] = 0.0f;
+      if (rank == 0) {
+        float ce = 0.0f, zl = 0.0f;
+        if (t >= 0) {
+          const float cwt = cw != nullptr ? cw[t] : 1.0f;
+          ce = (1.0f - eps) * cwt * (lse - zt);
+          if (kSmooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - all.wz);
+          zl = p.z_loss_scale * lse * lse;
+        }
+        p.row_lse[row] = lse;
+        p.row_ce[row] = ce;
+        p.row_z[row] = zl;
+        p.row_pred[row] = all.best_j == 0x7fffffff ? 0 : all.best_j;
+      }
+      coef[0] = a, coef[1] = hot, coef[2] = sm, coef[3] = lse;
     }
-    if (rank == 0) {
-      p.row_lse[row] = lse;
-      p.row_pred[row] = all.best_j == 0x7fffffff ? 0 : all.best_j;
-    }
-    coef[0] = a, coef[1] = hot, coef[2] = sm, coef[3] = lse;
   }
   // Done reading the other blocks' shares; a block leaves (and its shared memory goes) only
   // once every block has arrived here.
   ClusterArrive();
   __syncthreads();
   if (p.write_grad) {
-    const float a = coef[0], hot = coef[1], sm = coef[2], lse = coef[3];
-#pragma unroll 4
-    for (int64_t j0 = static_cast<int64_t>(threadIdx.x) * kVec; j0 < n; j0 += stride) {
+    const float a = coef[0], hot = coef[1], sm = coef[2], lse2 = coef[3] * kLog2e;
+    for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
       float g[kVec];
       if (t < 0) {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
       } else {
-        Widen<T>(LoadRaw<T>(seg + j0), g);
+        float u[kVec];
+        Widen<T>(LoadRaw<T>(seg + j0), u);
         if (bias != nullptr) {
           float b[kVec];
           LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
-          for (int k = 0; k < kVec; ++k) g[k] += b[k];
+          for (int k = 0; k < kVec; ++k) u[k] += b[k];
         }
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
-          float th = 0.0f, x = g[k];
-          if (cap > 0.0f) {
+          float x = u[k], th = 0.0f;
+          if constexpr (kCap) {
             th = tanhf(x / cap);
             x = cap * th;
           }
-          const float pj = exp2f((x - lse) * kLog2e);
-          float gk = a * pj;
-          if (c0 + j0 + k == t) gk -= hot;
-          if (smooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-          if (cap > 0.0f) gk *= 1.0f - th * th;
+          float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
+          if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+          if constexpr (kCap) gk *= 1.0f - th * th;
           g[k] = gk;
+        }
+        if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
+          // The target's element: recomputed with the one-hot term in the same order as the
+          // formula (a p - hot, then the smoothing and the softcap factor).
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            if (k == t_local - j0) {
+              float x = u[k], th = 0.0f;
+              if constexpr (kCap) {
+                th = tanhf(x / cap);
+                x = cap * th;
+              }
+              float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2)) - hot;
+              if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+              if constexpr (kCap) gk *= 1.0f - th * th;
+              g[k] = gk;
+            }
+          }
         }
       }
       StoreVec<T, kVec>(z + j0, g);
@@ -555,19 +601,22 @@ int64_t OneReadSegmentCols(int64_t v, int cluster) {
   return ((v + cluster - 1) / cluster + 7) / 8 * 8;
 }
 
-template <typename T>
-cudaError_t LaunchOneRead(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
+template <typename T, bool kCap, bool kSmooth>
+cudaError_t LaunchOneReadK(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
+  auto* kernel = OneReadCrossEntropyKernel<T, kCap, kSmooth>;
   const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
-  const size_t smem = static_cast<size_t>(seg_cols) * sizeof(T);
-  // On every launch: the attribute belongs to the current device, which may change.
-  const cudaError_t attr = cudaFuncSetAttribute(
-      OneReadCrossEntropyKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(kOneReadSegCols * sizeof(T)));
-  if (attr != cudaSuccess) return attr;
+  // On every launch: the attributes belong to the current device, which may change.
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kOneReadSegCols * sizeof(T)));
+  if (e != cudaSuccess) return e;
+  // As much of the unified L1 as shared memory as can be: three blocks of 64 KB a multiprocessor.
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared);
+  if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows * cluster));
   cfg.blockDim = dim3(kOneReadThreads);
-  cfg.dynamicSmemBytes = smem;
+  cfg.dynamicSmemBytes = static_cast<size_t>(seg_cols) * sizeof(T);
   cfg.stream = stream;
   cudaLaunchAttribute la[1];
   la[0].id = cudaLaunchAttributeClusterDimension;
@@ -576,7 +625,16 @@ cudaError_t LaunchOneRead(const CrossEntropyParams& p, int cluster, cudaStream_t
   la[0].val.clusterDim.z = 1;
   cfg.attrs = la;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, OneReadCrossEntropyKernel<T>, p, seg_cols, cluster);
+  return cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int32_t>(seg_cols), cluster);
+}
+
+template <typename T>
+cudaError_t LaunchOneRead(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
+  const bool cap = p.softcap > 0.0f, smooth = p.label_smoothing > 0.0f;
+  if (cap && smooth) return LaunchOneReadK<T, true, true>(p, cluster, stream);
+  if (cap) return LaunchOneReadK<T, true, false>(p, cluster, stream);
+  if (smooth) return LaunchOneReadK<T, false, true>(p, cluster, stream);
+  return LaunchOneReadK<T, false, false>(p, cluster, stream);
 }
 
 template <typename T>
