@@ -18,7 +18,8 @@ extern "C" {
 struct LossdCudaOptions {
   int32_t device;                // CUDA device index
   uint64_t memory_budget_bytes;  // most device bytes the backend may hold; 0 = no own limit
-  uint64_t chunk_budget_bytes;   // chunk buffer + GEMM workspaces per Compute; 0 = 512 MiB
+  uint64_t chunk_budget_bytes;   // chunk buffer + GEMM workspaces per Compute; 0 = the default
+                                 // (512 MiB, more for V > ~128K: DefaultChunkBudget)
   // 0: time cuBLASLt's candidates on the first Compute of each shape and keep the fastest
   // (CudaBackendOptions::autotune_gemms); 1: its first choice, the same in every process.
   int32_t fixed_gemm_algorithms;

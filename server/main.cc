@@ -45,7 +45,8 @@ ABSL_FLAG(uint64_t, device_memory_budget_bytes, 0,
           "CUDA backend: most device bytes it may hold; 0 = no limit of its own.");
 ABSL_FLAG(uint64_t, cuda_chunk_budget_bytes, 0,
           "CUDA backend: device bytes per Compute for the logits chunk and the GEMM workspaces "
-          "(fewer, larger chunks run closer to the GEMM floor); 0 = 512 MiB.");
+          "(fewer, larger chunks run closer to the GEMM floor); 0 = 512 MiB, or enough for 2048 "
+          "rows of logits where V is wider (at most 2 GiB).");
 ABSL_FLAG(bool, cuda_autotune, true,
           "CUDA backend: time cuBLASLt's candidate algorithms on the first Compute of each shape "
           "and keep the fastest; false = its first choice, identical in every process.");

@@ -31,13 +31,12 @@ ABSL_FLAG(std::string, shapes,
           "comma-separated BTxHxV");
 ABSL_FLAG(int, runs, 20, "timed runs per measurement (median reported)");
 ABSL_FLAG(int, warmup, 3, "untimed runs first");
-ABSL_FLAG(std::string, budgets_mib, "512,1024", "chunk budgets (MiB) to time the fused op at");
+ABSL_FLAG(std::string, budgets_mib, "0,1024",
+          "chunk budgets (MiB) to time the fused op at; 0 = the backend's default for the shape "
+          "(DefaultChunkBudget)");
 ABSL_FLAG(std::string, schedules, "0,1,2",
           "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
           "applies)");
-ABSL_FLAG(std::string, tail_dens, "4",
-          "row-halves schedule: the second row piece is 1/N of the chunk, for each N listed "
-          "(2: equal halves; the backend's default is kDefaultTailDen)");
 ABSL_FLAG(bool, ce_only, false,
           "time only the cross-entropy kernels (both of them) at each shape's first-budget chunks");
 ABSL_FLAG(std::string, side_sms, "",
@@ -84,9 +83,9 @@ struct Row {
   double tuned_floor_ms;  // the fastest of its first kTuneCandidates for each GEMM
   struct Fused {
     uint64_t budget;
+    bool is_default = false;  // the backend's default budget for the shape
     int schedule;
     int side_sms;
-    int tail_den;
     int64_t chunk_rows;
     int blocks = 0;  // whole-batch layout's vocabulary blocks
     double gemms_ms = 0;  // this budget's chunked GEMMs alone (first schedule of each budget)
@@ -205,7 +204,6 @@ int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_
 struct Config {
   int schedule;
   int side_sms;
-  int tail_den = cuda::kDefaultTailDen;
 };
 
 // The cross-entropy kernels alone over the chunks of `chunk_rows` rows, both kernels: the
@@ -276,7 +274,9 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     a.row_ce = a.row_lse + bt;
     a.row_z = a.row_ce + bt;
     a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
-    const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, budgets[0], 0);
+    const uint64_t budget =
+        budgets[0] != 0 ? budgets[0] : cuda::DefaultChunkBudget(bt, v, DType::kBF16);
+    const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, budget, 0);
     void* ws;
     BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
     char* z = static_cast<char*>(ws);
@@ -342,11 +342,11 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
   for (size_t run = 0; run < budgets.size() * schedules.size(); ++run) {
     const size_t bi = run / schedules.size(), si = run % schedules.size();
     Row::Fused f;
-    f.budget = budgets[bi];
+    const uint64_t gws = static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20;
+    f.is_default = budgets[bi] == 0;
+    f.budget = f.is_default ? cuda::DefaultChunkBudget(bt, v, DType::kBF16, gws) : budgets[bi];
     f.schedule = schedules[si].schedule;
     f.side_sms = schedules[si].side_sms;
-    f.tail_den = schedules[si].tail_den;
-    const uint64_t gws = static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20;
     cuda::ChunkPlan plan =
         f.schedule == 2
             ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
@@ -359,7 +359,6 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
       continue;
     }
     plan.side_sms = f.side_sms;
-    plan.tail_den = f.tail_den;
     f.chunk_rows = plan.chunk_rows;
     f.blocks = plan.blocks;
     f.workspace = plan.workspace_bytes;
@@ -483,11 +482,11 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     BENCH_CHECK_CUDA(cudaFree(ws));
     row->fused.push_back(f);
     std::fprintf(stderr,
-                 "  %lldx%lldx%lld budget %llu MiB schedule %d/%d/%d: C=%lld %.2f ms (floor %.2f, "
+                 "  %lldx%lldx%lld budget %llu MiB schedule %d/%d: C=%lld %.2f ms (floor %.2f, "
                  "tuned %.2f)\n",
                  static_cast<long long>(bt), static_cast<long long>(h),
                  static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20),
-                 f.schedule, f.side_sms, f.tail_den,
+                 f.schedule, f.side_sms,
                  static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms, row->tuned_floor_ms);
   }
   for (void* p : {x, w, dx, dw, rows, tg}) BENCH_CHECK_CUDA(cudaFree(p));
@@ -564,18 +563,6 @@ int Main() {
       std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
       return 2;
     }
-    if (sc == 0) {
-      for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_tail_dens), ',')) {
-        int den = 0;
-        if (!absl::SimpleAtoi(t, &den) || den < 2) {
-          std::fprintf(stderr, "bad --tail_dens entry '%s' (want N >= 2)\n",
-                       std::string(t).c_str());
-          return 2;
-        }
-        schedules.push_back({0, 0, den});
-      }
-      continue;
-    }
     schedules.push_back({sc, 0});
     if (sc == 1 && !absl::GetFlag(FLAGS_side_sms).empty()) {
       for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_side_sms), ',')) {
@@ -643,7 +630,7 @@ int Main() {
   if (!absl::GetFlag(FLAGS_csv).empty()) {
     csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
     if (csv != nullptr) {
-      std::fprintf(csv, "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,tail_den,fused_ms,ratio,"
+      std::fprintf(csv, "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,fused_ms,ratio,"
                         "tflops,"
                         "workspace_mib,measured_extra_mib,deterministic,mean_loss\n");
     }
@@ -651,13 +638,13 @@ int Main() {
   for (const Row& r : rows) {
     const double flop = 6.0 * r.bt * r.h * r.v;
     for (const Row::Fused& f : r.fused) {
-      std::printf("| %lld, %lld, %lld | %.2f ms | %.2f ms | %llu MiB | %lld | %s | %.2f ms | "
+      std::printf("| %lld, %lld, %lld | %.2f ms | %.2f ms | %s%llu MiB | %lld | %s | %.2f ms | "
                   "%.3fx | %.3fx | %.0f | %.0f MiB | %.0f MiB | %s | %.4f | %s |\n",
                   static_cast<long long>(r.bt), static_cast<long long>(r.h),
                   static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
-                  static_cast<unsigned long long>(f.budget >> 20),
+                  f.is_default ? "default, " : "", static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
-                  f.schedule == 0   ? absl::StrFormat("rows, tail 1/%d", f.tail_den).c_str()
+                  f.schedule == 0   ? "rows"
                   : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
                                     : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                       f.side_sms)
@@ -669,11 +656,11 @@ int Main() {
                   f.gemms_ms > 0 ? absl::StrFormat("%.2f ms", f.gemms_ms).c_str() : "");
       if (csv != nullptr) {
         std::fprintf(csv,
-                     "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
+                     "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
                      static_cast<long long>(r.bt), static_cast<long long>(r.h),
                      static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
                      static_cast<unsigned long long>(f.budget >> 20),
-                     static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.tail_den, f.ms, f.ms / r.floor_ms,
+                     static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.ms, f.ms / r.floor_ms,
                      flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                      f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }

@@ -6,7 +6,6 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 namespace lossd {
@@ -272,16 +271,13 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
 }
 
 // One read of each row: the row is split over a cluster of K blocks (kOneReadMaxCluster at
-// most), each holding its segment of at most kOneReadSegCols columns in registers (4 vectors of
-// 8 a thread). Every block reduces its segment's statistics, the cluster's blocks exchange them
-// through distributed shared memory and merge all K in rank order (so every block gets the
-// same lse), and each writes its segment's gradient from its registers. The two-pass kernel
-// above reads each row twice and computes every exponential twice; this one moves 2/3 of the
-// bytes and, without a softcap, computes each exponential once: p_j = e_j 2^(m - lse) with
-// e_j = 2^(z_j - m) kept from the statistics (m the thread's own maximum).
+// most), each holding its segment of at most kOneReadSegCols columns in shared memory. Every
+// block reduces its segment's statistics, the cluster's blocks exchange them through
+// distributed shared memory and merge all K in rank order (so every block gets the same lse),
+// and each writes its segment's gradient from shared memory. The two-pass kernel above reads
+// each row twice; at V = 256000 a row is 512 KB, too big to be still in L2 for the second
+// read, so this one moves 2/3 of its bytes.
 constexpr int kOneReadThreads = 512;
-constexpr int kOneReadIters = static_cast<int>(kOneReadSegCols / (kOneReadThreads * 8));
-static_assert(kOneReadIters * kOneReadThreads * 8 == kOneReadSegCols, "segment = 4 vectors a thread");
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr int kOneReadWarps = kOneReadThreads / 32;
@@ -365,14 +361,16 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
 #endif
 
 // kCap: softcap on; kSmooth: label smoothing on. Templated so that the common case (neither)
-// spends a handful of instructions an element: the argmax and the target are checked once per
-// 8 elements, the maximum is taken before any exponential (no running rescale), and the
-// gradient is one multiply of the kept exponential.
+// spends about ten instructions an element: the kernel is bound by instructions as much as by
+// memory, so the per-element work is kept to the exponentials and what feeds them; the argmax
+// and the target are checked once per 8 elements.
 template <typename T, bool kCap, bool kSmooth>
-__global__ void __launch_bounds__(kOneReadThreads, 2)
+__global__ void __launch_bounds__(kOneReadThreads)
     OneReadCrossEntropyKernel(const CrossEntropyParams p, int32_t seg_cols, int cluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) unsigned char seg_raw[];
+  T* seg = reinterpret_cast<T*>(seg_raw);
   __shared__ RowStats shared[kOneReadWarps + 1];
   __shared__ SegmentShare share;
   __shared__ float coef[4];
@@ -391,39 +389,42 @@ __global__ void __launch_bounds__(kOneReadThreads, 2)
   const float eps = p.label_smoothing;
   const int t = p.targets[row];
   const int t_local = t - c0;  // the target's column within the segment (may be outside it)
-  const int j_first = threadIdx.x * kVec;
 
-  // Every load of the thread in flight at once.
-  Raw8<T> raw[kOneReadIters];
+  // The segment, global to shared memory asynchronously: every load of the thread is in flight
+  // at once, and none takes a register. Each thread reads back only what it copied, so waiting
+  // for its own copies is enough (no barrier).
+  for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
 #pragma unroll
-  for (int i = 0; i < kOneReadIters; ++i) {
-    const int j0 = j_first + i * kStride;
-    if (j0 < n) raw[i] = LoadRaw<T>(z + j0);
+    for (int q = 0; q < static_cast<int>(sizeof(T) / 2); ++q) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(seg + j0)) + 16 * q;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                   "l"(reinterpret_cast<const char*>(z + j0) + 16 * q)
+                   : "memory");
+    }
   }
-  // keep[i][k]: the final logit (then its exponential), or with a softcap tanh(u / cap).
-  float keep[kOneReadIters][kVec];
-  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-#pragma unroll
-  for (int i = 0; i < kOneReadIters; ++i) {
-    const int j0 = j_first + i * kStride;
-    if (j0 >= n) break;
-    float x[kVec];
-    Widen<T>(raw[i], x);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+
+  // Final logits of 8 elements: stored value, plus bias, through the softcap.
+  auto final8 = [&](int j0, float (&x)[kVec]) {
+    Widen<T>(LoadRaw<T>(seg + j0), x);
     if (bias != nullptr) {
       float b[kVec];
       LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) x[k] += b[k];
     }
+    if constexpr (kCap) {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      if constexpr (kCap) {
-        keep[i][k] = tanhf(x[k] / cap);
-        x[k] = cap * keep[i][k];
-      } else {
-        keep[i][k] = x[k];
-      }
+      for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] / cap);
     }
+  };
+
+  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+  float m2 = -INFINITY;  // st.m * log2(e)
+  for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
+    float x[kVec];
+    final8(j0, x);
     float vmax = x[0];
 #pragma unroll
     for (int k = 1; k < kVec; ++k) vmax = fmaxf(vmax, x[k]);
@@ -440,41 +441,30 @@ __global__ void __launch_bounds__(kOneReadThreads, 2)
         if (k == t_local - j0) share.zt = x[k];
       }
     }
+    if (vmax > st.m) {
+      st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
+      st.m = vmax;
+      m2 = vmax * kLog2e;
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) st.s += Exp2Ftz(fmaf(x[k], kLog2e, -m2));
     if constexpr (kSmooth) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
     }
   }
-  st.m = st.best;  // the thread's maximum (-inf when it has no element)
-  const float m2 = st.m * kLog2e;
-  if (st.m != -INFINITY) {
-#pragma unroll
-    for (int i = 0; i < kOneReadIters; ++i) {
-      if (j_first + i * kStride >= n) break;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const float x = kCap ? cap * keep[i][k] : keep[i][k];
-        const float e = Exp2Ftz(fmaf(x, kLog2e, -m2));
-        if constexpr (!kCap) keep[i][k] = e;
-        st.s += e;
-      }
-    }
-  }
   // The block's reduction (the same fixed tree as the two-pass kernel's).
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  {
-    RowStats r = st;
 #pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) r = Merge(r, ShuffleXor(r, mask));
-    if (lane == 0) shared[warp] = r;
-    __syncthreads();
-    if (warp == 0) {
-      r = lane < kOneReadWarps ? shared[lane]
-                               : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+  for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
+  if (lane == 0) shared[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    st = lane < kOneReadWarps ? shared[lane]
+                              : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
 #pragma unroll
-      for (int mask = 16; mask > 0; mask >>= 1) r = Merge(r, ShuffleXor(r, mask));
-      if (lane == 0) share.st = r;
-    }
+    for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
+    if (lane == 0) share.st = st;
   }
   // Every block's share is written and visible cluster-wide past this barrier.
   cl.sync();
@@ -529,31 +519,49 @@ __global__ void __launch_bounds__(kOneReadThreads, 2)
   __syncthreads();
   if (p.write_grad) {
     const float a = coef[0], hot = coef[1], sm = coef[2], lse2 = coef[3] * kLog2e;
-    // Without a softcap p_j = e_j 2^(m - lse): the thread's factor once, then one multiply.
-    const float ap = kCap || st.m == -INFINITY ? 0.0f : a * Exp2Ftz(m2 - lse2);
-#pragma unroll
-    for (int i = 0; i < kOneReadIters; ++i) {
-      const int j0 = j_first + i * kStride;
-      if (j0 >= n) break;
+    for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
       float g[kVec];
       if (t < 0) {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
       } else {
-        const int tk = t_local - j0;
+        float u[kVec];
+        Widen<T>(LoadRaw<T>(seg + j0), u);
+        if (bias != nullptr) {
+          float b[kVec];
+          LoadVec<T, kVec>(bias + c0 + j0, b);
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) u[k] += b[k];
+        }
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
-          float gk;
+          float x = u[k], th = 0.0f;
           if constexpr (kCap) {
-            const float th = keep[i][k];
-            gk = a * Exp2Ftz(fmaf(cap * th, kLog2e, -lse2));
-          } else {
-            gk = ap * keep[i][k];
+            th = tanhf(x / cap);
+            x = cap * th;
           }
-          if (k == tk) gk -= hot;
+          float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
           if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-          if constexpr (kCap) gk *= 1.0f - keep[i][k] * keep[i][k];
+          if constexpr (kCap) gk *= 1.0f - th * th;
           g[k] = gk;
+        }
+        if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
+          // The target's element: recomputed with the one-hot term in the same order as the
+          // formula (a p - hot, then the smoothing and the softcap factor).
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            if (k == t_local - j0) {
+              float x = u[k], th = 0.0f;
+              if constexpr (kCap) {
+                th = tanhf(x / cap);
+                x = cap * th;
+              }
+              float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2)) - hot;
+              if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+              if constexpr (kCap) gk *= 1.0f - th * th;
+              g[k] = gk;
+            }
+          }
         }
       }
       StoreVec<T, kVec>(z + j0, g);
@@ -581,45 +589,14 @@ __global__ void CastKernel(const float* src, T* dst, int64_t n) {
   }
 }
 
-// The largest cluster of one-read blocks the current device runs: 0 before compute
-// capability 9.0 (no clusters), 8 (the portable size) unless it can place a cluster of 16 of
-// them; asked once per device.
-int DeviceMaxCluster() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};  // 0: not asked yet; else the answer + 1
+// Whether this device can run the one-read kernel (thread block clusters: compute 9.0 on).
+bool DeviceHasClusters() {
   int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 0;
-  if (device < kDevices) {
-    const int k = known[device].load(std::memory_order_relaxed);
-    if (k > 0) return k - 1;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    return false;
   }
-  int best = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-      major >= 9) {
-    best = 8;
-    auto* kernel = OneReadCrossEntropyKernel<__nv_bfloat16, false, false>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-        cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(16 * 64);
-      cfg.blockDim = dim3(kOneReadThreads);
-      cudaLaunchAttribute la[1];
-      la[0].id = cudaLaunchAttributeClusterDimension;
-      la[0].val.clusterDim.x = 16;
-      la[0].val.clusterDim.y = 1;
-      la[0].val.clusterDim.z = 1;
-      cfg.attrs = la;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess &&
-          clusters > 0) {
-        best = 16;
-      }
-    }
-    cudaGetLastError();  // a refused query leaves no error behind for the next launch
-  }
-  if (device < kDevices) known[device].store(best + 1, std::memory_order_relaxed);
-  return best;
+  return major >= 9;
 }
 
 int64_t OneReadSegmentCols(int64_t v, int cluster) {
@@ -630,17 +607,18 @@ template <typename T, bool kCap, bool kSmooth>
 cudaError_t LaunchOneReadK(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
   auto* kernel = OneReadCrossEntropyKernel<T, kCap, kSmooth>;
   const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
-  if (cluster > 8) {
-    // Clusters above 8 blocks are a non-portable size (Hopper has 16); the attribute belongs
-    // to the current device, so it is set on every launch.
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
+  // On every launch: the attributes belong to the current device, which may change.
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kOneReadSegCols * sizeof(T)));
+  if (e != cudaSuccess) return e;
+  // As much of the unified L1 as shared memory as can be: three blocks of 64 KB a multiprocessor.
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared);
+  if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows * cluster));
   cfg.blockDim = dim3(kOneReadThreads);
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = static_cast<size_t>(seg_cols) * sizeof(T);
   cfg.stream = stream;
   cudaLaunchAttribute la[1];
   la[0].id = cudaLaunchAttributeClusterDimension;
@@ -698,7 +676,7 @@ int CrossEntropyCluster(const CrossEntropyParams& p) {
   }
   const int64_t cluster = (p.v + kOneReadSegCols - 1) / kOneReadSegCols;
   if (cluster > kOneReadMaxCluster || p.rows * cluster > 0x7fffffff) return 0;
-  return cluster <= DeviceMaxCluster() ? static_cast<int>(cluster) : 0;
+  return DeviceHasClusters() ? static_cast<int>(cluster) : 0;
 }
 
 cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream) {

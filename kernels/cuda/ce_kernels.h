@@ -62,17 +62,14 @@ struct CrossEntropyParams {
 };
 
 // Two kernels compute the same formulas. The one-read kernel splits each row over a cluster of
-// blocks that keep their segments in registers, so the row is read from global memory once and
-// (without a softcap) each exponential is computed once; the two-pass kernel reads it twice:
-// for the statistics, then for the gradient. The one-read kernel is used for contiguous rows
-// with V % 8 == 0 and V <= (blocks per row) * kOneReadSegCols, on GPUs with thread block
-// clusters (compute capability 9.0 and later); the two-pass kernel otherwise (the blocked
-// layout, odd V, larger V, older GPUs). Each kernel is deterministic, with the same per-thread
-// element order for every dtype.
-inline constexpr int64_t kOneReadSegCols = 16384;  // columns per block at most
-// Blocks per row at most: 16 where the GPU can place such a cluster (Hopper), else 8 (the
-// portable size), so V <= 262144 (or 131072) runs one-read.
-inline constexpr int kOneReadMaxCluster = 16;
+// blocks that keep their segments in shared memory, so the row is read from global memory once
+// (the two-pass kernel reads it twice: for the statistics, then for the gradient). It is used
+// for contiguous rows with V % 8 == 0 and V <= kOneReadMaxCluster * kOneReadSegCols, on GPUs
+// with thread block clusters (compute capability 9.0 and later); the two-pass kernel
+// otherwise (the blocked layout, odd V, older GPUs). Each kernel is deterministic, with the
+// same per-thread element order for every dtype.
+inline constexpr int64_t kOneReadSegCols = 32768;  // columns per block at most
+inline constexpr int kOneReadMaxCluster = 8;       // blocks per row at most (portable size)
 
 // Blocks per row of the one-read kernel for these parameters on the current device, or 0 when
 // the two-pass kernel runs them.

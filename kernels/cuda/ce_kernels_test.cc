@@ -309,10 +309,10 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{4, 32000, false, true, false, 0.1f, 1e-4f, 0},
                     Case{3, 32001, true, false, true, 0, 0, 30.0f},
                     // The one-read kernel's cluster sizes (blocks per row): 1 at its widest
-                    // segment, 2 with a short last segment, 8, 16, 16 at its largest V, then
+                    // segment, 2 with a short last segment, 4, 8, 8 at its largest V, then
                     // the two-pass kernel just above it (OneReadClusterSizes pins these).
-                    Case{5, 16384, true, false, false, 0.1f, 0, 0},
-                    Case{5, 16392, false, true, true, 0, 1e-3f, 0},
+                    Case{5, 32768, true, false, false, 0.1f, 0, 0},
+                    Case{5, 32776, false, true, true, 0, 1e-3f, 0},
                     Case{6, 128256, true, true, false, 0.1f, 1e-4f, 15.0f},
                     Case{5, 256000, false, false, false, 0, 0, 0},
                     Case{5, 256000, true, true, true, 0.1f, 1e-4f, 30.0f},
@@ -338,16 +338,15 @@ TEST(CrossEntropyDispatchTest, OneReadClusterSizes) {
     p.two_pass = two_pass;
     return CrossEntropyCluster(p);
   };
-  // Clusters exist from compute capability 9.0; 16 blocks a cluster on Hopper (H100/H200).
-  const int on = major >= 9 ? 1 : 0;
+  const int on = major >= 9 ? 1 : 0;  // clusters exist from compute capability 9.0
   EXPECT_EQ(cluster(8, buf, nullptr, 0, 0), 1 * on);
   EXPECT_EQ(cluster(4096, buf, buf, 0, 0), 1 * on);
-  EXPECT_EQ(cluster(16384, buf, nullptr, 0, 0), 1 * on);
-  EXPECT_EQ(cluster(16392, buf, nullptr, 0, 0), 2 * on);
-  EXPECT_EQ(cluster(128256, buf, nullptr, 0, 0), 8 * on);
-  EXPECT_EQ(cluster(256000, buf, nullptr, 0, 0), 16 * on);
-  EXPECT_EQ(cluster(262144, buf, nullptr, 0, 0), 16 * on);
-  EXPECT_EQ(cluster(262152, buf, nullptr, 0, 0), 0);  // more than 16 blocks a row
+  EXPECT_EQ(cluster(32768, buf, nullptr, 0, 0), 1 * on);
+  EXPECT_EQ(cluster(32776, buf, nullptr, 0, 0), 2 * on);
+  EXPECT_EQ(cluster(128256, buf, nullptr, 0, 0), 4 * on);
+  EXPECT_EQ(cluster(256000, buf, nullptr, 0, 0), 8 * on);
+  EXPECT_EQ(cluster(262144, buf, nullptr, 0, 0), 8 * on);
+  EXPECT_EQ(cluster(262152, buf, nullptr, 0, 0), 0);  // more than 8 blocks a row
   EXPECT_EQ(cluster(4095, buf, nullptr, 0, 0), 0);    // V % 8 != 0
   EXPECT_EQ(cluster(4096, static_cast<char*>(buf) + 2, nullptr, 0, 0), 0);  // misaligned
   EXPECT_EQ(cluster(4096, buf, static_cast<char*>(buf) + 8, 0, 0), 0);      // misaligned bias

@@ -447,8 +447,9 @@ HostMemory* CudaBackend::host_memory() {
 }
 
 ChunkPlan CudaBackend::Plan(const LossProblem& p, const LossOutputs& out) const {
-  const uint64_t budget =
-      options_.chunk_budget_bytes != 0 ? options_.chunk_budget_bytes : kDefaultChunkBudgetBytes;
+  const uint64_t budget = options_.chunk_budget_bytes != 0
+                              ? options_.chunk_budget_bytes
+                              : DefaultChunkBudget(p.bt, p.v, p.dtype);
   // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads. Not
   // with rows still arriving: every whole-batch GEMM reads all of X.
   if (options_.whole_batch && p.options.chunk_rows == 0 && out.dw != nullptr &&

@@ -28,7 +28,7 @@ namespace cuda {
 struct CudaBackendOptions {
   int device = 0;
   uint64_t memory_budget_bytes = 0;  // most device bytes held at once; 0 = no own limit
-  uint64_t chunk_budget_bytes = 0;   // chunk buffer + GEMM workspaces; 0 = 512 MiB
+  uint64_t chunk_budget_bytes = 0;   // chunk buffer + GEMM workspaces; 0 = DefaultChunkBudget
   Schedule schedule = kDefaultSchedule;
   // Pick the schedule per problem (column halves for chunks under 2048 rows when there is
   // more than one, row halves otherwise) instead of `schedule`.

@@ -700,6 +700,23 @@ TEST(ChunkPlanTest, FromBudgetAndShape) {
             1024);
 }
 
+TEST(ChunkPlanTest, DefaultBudgetHoldsTwoThousandRows) {
+  // The reference shape keeps 512 MiB (2048 rows fit in it).
+  EXPECT_EQ(DefaultChunkBudget(8192, 128256, DType::kBF16), kDefaultChunkBudgetBytes);
+  // V = 256000: grown to 2048 rows plus the two workspaces, and planned as 2048-row chunks.
+  const uint64_t wide = DefaultChunkBudget(8192, 256000, DType::kBF16);
+  EXPECT_EQ(wide, 2048ull * 256000 * 2 + 2 * kGemmWorkspaceBytes);
+  EXPECT_EQ(PlanChunks(8192, 256000, DType::kBF16, wide, 0).chunk_rows, 2048);
+  // A short batch needs only its own rows; fp32 logits twice the bytes of bf16.
+  EXPECT_EQ(DefaultChunkBudget(1000, 256000, DType::kBF16),
+            (1000ull * 256000 * 2 + 255) / 256 * 256 + 2 * kGemmWorkspaceBytes);
+  EXPECT_EQ(DefaultChunkBudget(8192, 256000, DType::kF32), 2048ull * 256000 * 4 +
+                                                              2 * kGemmWorkspaceBytes);
+  // Never above the ceiling, never below the floor.
+  EXPECT_EQ(DefaultChunkBudget(8192, 4000000, DType::kBF16), kMaxDefaultChunkBudgetBytes);
+  EXPECT_EQ(DefaultChunkBudget(1, 8, DType::kBF16), kDefaultChunkBudgetBytes);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace lossd

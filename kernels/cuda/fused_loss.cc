@@ -97,6 +97,15 @@ absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target
   return s;
 }
 
+uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype, uint64_t gemm_workspace_bytes) {
+  const uint64_t rows = static_cast<uint64_t>(std::clamp<int64_t>(bt, 1, kMinDefaultChunkRows));
+  const uint64_t want = RoundUp(rows * static_cast<uint64_t>(std::max<int64_t>(v, 1)) *
+                                    DTypeSize(dtype),
+                                kAlign) +
+                        2 * RoundUp(gemm_workspace_bytes, kAlign);
+  return std::clamp(want, kDefaultChunkBudgetBytes, kMaxDefaultChunkBudgetBytes);
+}
+
 ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
                      int64_t requested_rows, Schedule schedule, uint64_t gemm_workspace_bytes) {
   const uint64_t fixed = 2 * RoundUp(gemm_workspace_bytes, kAlign);
@@ -184,11 +193,7 @@ CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, 
 
 }  // namespace
 
-int64_t RowSplit(int64_t rows, int32_t tail_den) {
-  if (rows < 512) return rows;
-  const int64_t den = std::max<int32_t>(tail_den, 2);
-  return rows - (rows / den + 63) / 64 * 64;
-}
+int64_t RowSplit(int64_t rows) { return rows >= 512 ? (rows / 2 + 63) / 64 * 64 : rows; }
 
 VocabBlock WholeBlock(const ChunkPlan& plan, int64_t v, int b) {
   const int64_t first = v - (plan.blocks - 1) * plan.block_cols;
@@ -599,7 +604,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
                                                     half == 0 && c0 > 0 ? main_sms : 0));
           }
         } else {
-          const int64_t split = RowSplit(rows, plan.tail_den);
+          const int64_t split = RowSplit(rows);
           LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, split, 0, a.v, 0));
           if (split < rows) {
             LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, split, rows - split, 0, a.v, 0));
@@ -678,7 +683,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         }
       }
     } else {
-      const int64_t split = RowSplit(rows, plan.tail_den);
+      const int64_t split = RowSplit(rows);
       const int64_t nsub = split < rows ? 2 : 1;
       const int64_t begin[2] = {0, split};
       const int64_t count[2] = {split, rows - split};

@@ -105,7 +105,6 @@ enum class Schedule : int32_t {
 // faster at three of the four benchmark shapes with BT >= 8192 (bench/RESULTS.md).
 inline constexpr Schedule kDefaultSchedule = Schedule::kRowHalves;
 inline constexpr int32_t kDefaultSideSms = 0;
-inline constexpr int32_t kDefaultTailDen = 4;
 
 struct ChunkPlan {
   int64_t chunk_rows = 0;  // C
@@ -122,10 +121,6 @@ struct ChunkPlan {
   // (block 0 takes what is left over; the others `block_cols` columns each).
   int32_t blocks = 0;
   int64_t block_cols = 0;
-  // Row halves only: the chunk's second row piece is about 1 / tail_den of its rows (see
-  // RowSplit). The second piece's CE is the one with no logits GEMM to run under, so a small
-  // tail hides more of the CE; the first piece's CE must still fit under the tail's GEMM.
-  int32_t tail_den = kDefaultTailDen;
 };
 
 // Which GEMM of a chunk a cuBLASLt algorithm choice is for.
@@ -137,6 +132,20 @@ inline constexpr int kTuneCandidates = 8;
 inline constexpr uint64_t kGemmWorkspaceBytes = 4ull << 20;
 // Default budget for the chunk buffer plus GEMM workspaces.
 inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
+// Wide vocabularies: the default budget grows to hold this many rows of logits (or all of BT),
+// up to kMaxDefaultChunkBudgetBytes.
+inline constexpr int64_t kMinDefaultChunkRows = 2048;
+inline constexpr uint64_t kMaxDefaultChunkBudgetBytes = 2048ull << 20;
+
+// The budget the backend plans with when none is given: kDefaultChunkBudgetBytes, or where
+// that holds fewer than kMinDefaultChunkRows rows of logits (V above about 128K for 16-bit
+// logits), enough for min(BT, kMinDefaultChunkRows) rows, at most kMaxDefaultChunkBudgetBytes.
+// Why rows and not bytes: every chunk after the first reads and writes back the fp32 dW
+// (8 V H bytes against the chunk's 6 C V H flops), so the share of that traffic depends on C
+// alone, whatever V is; at (8192, 2304, 256000) 1024-row chunks measured 5-6% slower than
+// 2048-row ones (bench/RESULTS.md).
+uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype,
+                            uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
 
 // The largest chunk whose C x V logits buffer (input dtype) and GEMM workspaces fit in
 // `budget_bytes`, balanced so the chunks are of equal size (a multiple of 64 rows where it
@@ -165,11 +174,10 @@ struct VocabBlock {
 };
 VocabBlock WholeBlock(const ChunkPlan& plan, int64_t v, int b);
 
-// Where a batch of `rows` rows splits into the two row pieces whose first CE runs under the
-// second piece's logits GEMM: the second piece is rows / tail_den rounded up to a multiple of
-// 64 (tail_den >= 2); `rows` itself (no split) below 512 rows, where the GEMMs would lose more
-// than the overlap gains.
-int64_t RowSplit(int64_t rows, int32_t tail_den = 2);
+// Where a batch of `rows` rows splits into the two row halves whose CE runs under the other
+// half's GEMMs; `rows` itself (no split) below a few hundred rows, where the GEMMs would lose
+// more than the overlap gains.
+int64_t RowSplit(int64_t rows);
 
 // Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
 // common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow:
