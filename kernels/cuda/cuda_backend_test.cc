@@ -406,10 +406,14 @@ TEST_F(CudaTest, ScheduleFollowsTheChunkLength) {
   with_dw.dw = &marker;  // never dereferenced: Plan reads only which outputs are wanted
   with_dw.dx = &marker;
   dx_only.dx = &marker;
-  p.bt = 8192, p.h = 2304, p.v = 256000;  // 512 MiB holds 1024 rows
-  EXPECT_EQ(backend_->Plan(p, with_dw).chunk_rows, 1024);
+  // The default budget's 2 GiB ceiling holds fewer than 2048 rows of a 2^20 vocabulary.
+  p.bt = 8192, p.h = 2304, p.v = 1 << 20;
+  EXPECT_LT(backend_->Plan(p, with_dw).chunk_rows, 2048);
   EXPECT_EQ(backend_->Plan(p, with_dw).schedule, Schedule::kColumnHalves);
   EXPECT_EQ(backend_->Plan(p, dx_only).schedule, Schedule::kRowHalves);
+  p.bt = 8192, p.h = 2304, p.v = 256000;  // the default budget grows to 2048 rows
+  EXPECT_EQ(backend_->Plan(p, with_dw).chunk_rows, 2048);
+  EXPECT_EQ(backend_->Plan(p, with_dw).schedule, Schedule::kRowHalves);
   p.bt = 8192, p.h = 4096, p.v = 128256;  // 2048 rows
   EXPECT_EQ(backend_->Plan(p, with_dw).chunk_rows, 2048);
   EXPECT_EQ(backend_->Plan(p, with_dw).schedule, Schedule::kRowHalves);
@@ -708,8 +712,14 @@ TEST(ChunkPlanTest, DefaultBudgetHoldsTwoThousandRows) {
   EXPECT_EQ(wide, 2048ull * 256000 * 2 + 2 * kGemmWorkspaceBytes);
   EXPECT_EQ(PlanChunks(8192, 256000, DType::kBF16, wide, 0).chunk_rows, 2048);
   // A short batch needs only its own rows; fp32 logits twice the bytes of bf16.
-  EXPECT_EQ(DefaultChunkBudget(1000, 256000, DType::kBF16),
-            (1000ull * 256000 * 2 + 255) / 256 * 256 + 2 * kGemmWorkspaceBytes);
+  EXPECT_EQ(DefaultChunkBudget(1500, 256000, DType::kBF16),
+            1500ull * 256000 * 2 + 2 * kGemmWorkspaceBytes);
+  EXPECT_EQ(PlanChunks(1500, 256000, DType::kBF16, DefaultChunkBudget(1500, 256000, DType::kBF16),
+                       0)
+                .chunk_rows,
+            1500);
+  // Below the floor's rows the 512 MiB floor stands.
+  EXPECT_EQ(DefaultChunkBudget(1000, 256000, DType::kBF16), kDefaultChunkBudgetBytes);
   EXPECT_EQ(DefaultChunkBudget(8192, 256000, DType::kF32), 2048ull * 256000 * 4 +
                                                               2 * kGemmWorkspaceBytes);
   // Never above the ceiling, never below the floor.
