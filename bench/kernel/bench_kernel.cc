@@ -37,6 +37,9 @@ ABSL_FLAG(std::string, budgets_mib, "0,1024",
 ABSL_FLAG(std::string, schedules, "0,1,2",
           "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
           "applies)");
+ABSL_FLAG(std::string, ce_cols, "",
+          "also time the one-read CE kernel with at most these many columns a block (comma "
+          "list), beside its default, and a device copy of the same bytes");
 ABSL_FLAG(bool, ce_only, false,
           "time only the cross-entropy kernels (both of them) at each shape's first-budget chunks");
 ABSL_FLAG(std::string, side_sms, "",
@@ -215,10 +218,12 @@ int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int
   cudaStream_t stream = engine.stream();
   const int runs = absl::GetFlag(FLAGS_runs);
   bool two_pass = false;
+  int32_t cols = 0;
   auto ce_only = [&]() -> absl::Status {
     for (int64_t c0 = 0; c0 < bt; c0 += chunk_rows) {
       cuda::CrossEntropyParams p{};
       p.two_pass = two_pass ? 1 : 0;
+      p.one_read_cols = cols;
       p.logits = z;
       p.elem = cuda::kElemBF16;
       p.rows = std::min(chunk_rows, bt - c0);
@@ -243,6 +248,47 @@ int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int
   if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
   two_pass = true;
   if (TimeMs(stream, 1, runs, ce_only, &row->ce_two_pass_ms)) return 1;
+  two_pass = false;
+  for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_ce_cols), ',', absl::SkipEmpty())) {
+    if (!absl::SimpleAtoi(c, &cols)) {
+      std::fprintf(stderr, "bad --ce_cols entry\n");
+      return 1;
+    }
+    double ms = 0;
+    cuda::CrossEntropyParams probe{};
+    probe.logits = z;
+    probe.rows = std::min(chunk_rows, bt);
+    probe.v = v;
+    probe.one_read_cols = cols;
+    const int k = cuda::CrossEntropyCluster(probe);
+    if (TimeMs(stream, 1, runs, ce_only, &ms)) return 1;
+    std::fprintf(stderr, "  %lldx%lldx%lld CE one-read, at most %d columns a block (%d blocks a "
+                 "row): %.2f ms\n",
+                 static_cast<long long>(bt), static_cast<long long>(h), static_cast<long long>(v),
+                 cols, k, ms);
+  }
+  if (!absl::GetFlag(FLAGS_ce_cols).empty()) {
+    // What the memory system gives a plain read + write of the same bytes (logits in, the
+    // gradient out, chunk by chunk): the one-read kernel's floor.
+    void* dst = nullptr;
+    const size_t bytes = static_cast<size_t>(std::min(chunk_rows, bt)) * v * 2;
+    BENCH_CHECK_CUDA(cudaMalloc(&dst, bytes));
+    auto copy = [&]() -> absl::Status {
+      for (int64_t c0 = 0; c0 < bt; c0 += chunk_rows) {
+        const size_t n = static_cast<size_t>(std::min(chunk_rows, bt - c0)) * v * 2;
+        const cudaError_t e = cudaMemcpyAsync(dst, z, n, cudaMemcpyDeviceToDevice, stream);
+        if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
+      }
+      return absl::OkStatus();
+    };
+    double ms = 0;
+    if (TimeMs(stream, 1, runs, copy, &ms)) return 1;
+    std::fprintf(stderr, "  %lldx%lldx%lld device copy of the same bytes: %.2f ms (%.2f TB/s "
+                 "read + write)\n",
+                 static_cast<long long>(bt), static_cast<long long>(h), static_cast<long long>(v),
+                 ms, 2.0 * bt * v * 2 / (ms * 1e-3) / 1e12);
+    BENCH_CHECK_CUDA(cudaFree(dst));
+  }
   return 0;
 }
 

@@ -6,6 +6,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace lossd {
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
   }
 }
 
-// One read of each row: the row is split over a cluster of K blocks (kOneReadMaxCluster at
+// One read of each row: the row is split over a cluster of K blocks (16 at
 // most), each holding its segment of at most kOneReadSegCols columns in shared memory. Every
 // block reduces its segment's statistics, the cluster's blocks exchange them through
 // distributed shared memory and merge all K in rank order (so every block gets the same lse),
@@ -392,18 +393,23 @@ __global__ void __launch_bounds__(kOneReadThreads)
 
   // The segment, global to shared memory asynchronously: every load of the thread is in flight
   // at once, and none takes a register. Each thread reads back only what it copied, so waiting
-  // for its own copies is enough (no barrier).
-  for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
+  // for its own copies is enough (no barrier). Two groups: the first half's statistics are
+  // computed while the second half is still arriving.
+  const int half_end = min(n, (n / 2 + kStride - 1) / kStride * kStride);
+  auto copy = [&](int begin, int end) {
+    for (int j0 = threadIdx.x * kVec + begin; j0 < end; j0 += kStride) {
 #pragma unroll
-    for (int q = 0; q < static_cast<int>(sizeof(T) / 2); ++q) {
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(seg + j0)) + 16 * q;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
-                   "l"(reinterpret_cast<const char*>(z + j0) + 16 * q)
-                   : "memory");
+      for (int q = 0; q < static_cast<int>(sizeof(T) / 2); ++q) {
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(seg + j0)) + 16 * q;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                     "l"(reinterpret_cast<const char*>(z + j0) + 16 * q)
+                     : "memory");
+      }
     }
-  }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  copy(0, half_end);
+  copy(half_end, n);
 
   // Final logits of 8 elements: stored value, plus bias, through the softcap.
   auto final8 = [&](int j0, float (&x)[kVec]) {
@@ -422,7 +428,11 @@ __global__ void __launch_bounds__(kOneReadThreads)
 
   RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
   float m2 = -INFINITY;  // st.m * log2(e)
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
   for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
+    if (j0 >= half_end && j0 - kStride < half_end) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
     float x[kVec];
     final8(j0, x);
     float vmax = x[0];
@@ -589,14 +599,48 @@ __global__ void CastKernel(const float* src, T* dst, int64_t n) {
   }
 }
 
-// Whether this device can run the one-read kernel (thread block clusters: compute 9.0 on).
-bool DeviceHasClusters() {
+// The largest cluster of one-read blocks the current device runs: 0 before compute
+// capability 9.0 (no clusters), else 8 (the portable size), or 16 where the device can place a
+// cluster of 16 of them; asked once per device.
+int DeviceMaxCluster() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};  // 0: not asked yet; else the answer + 1
   int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    return false;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 0;
+  if (device < kDevices) {
+    const int k = known[device].load(std::memory_order_relaxed);
+    if (k > 0) return k - 1;
   }
-  return major >= 9;
+  int best = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      major >= 9) {
+    best = 8;
+    auto* kernel = OneReadCrossEntropyKernel<__nv_bfloat16, false, false>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+            cudaSuccess &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kOneReadSegCols * 2)) == cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16 * 64);
+      cfg.blockDim = dim3(kOneReadThreads);
+      cfg.dynamicSmemBytes = static_cast<size_t>(kOneReadSegCols) * 2;  // widest 16-bit segment
+      cudaLaunchAttribute la[1];
+      la[0].id = cudaLaunchAttributeClusterDimension;
+      la[0].val.clusterDim.x = 16;
+      la[0].val.clusterDim.y = 1;
+      la[0].val.clusterDim.z = 1;
+      cfg.attrs = la;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess &&
+          clusters > 0) {
+        best = 16;
+      }
+    }
+    cudaGetLastError();  // a refused query leaves no error behind for the next launch
+  }
+  if (device < kDevices) known[device].store(best + 1, std::memory_order_relaxed);
+  return best;
 }
 
 int64_t OneReadSegmentCols(int64_t v, int cluster) {
@@ -607,6 +651,12 @@ template <typename T, bool kCap, bool kSmooth>
 cudaError_t LaunchOneReadK(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
   auto* kernel = OneReadCrossEntropyKernel<T, kCap, kSmooth>;
   const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
+  if (cluster > 8) {
+    // A non-portable cluster size (Hopper places 16); set per launch, as the attributes below.
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
   // On every launch: the attributes belong to the current device, which may change.
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kOneReadSegCols * sizeof(T)));
@@ -666,6 +716,8 @@ cudaError_t LaunchCrossEntropyT(const CrossEntropyParams& p, cudaStream_t stream
 
 }  // namespace
 
+int CrossEntropyMaxCluster() { return DeviceMaxCluster(); }
+
 int CrossEntropyCluster(const CrossEntropyParams& p) {
   // Contiguous rows, 16-byte aligned for every dtype alike (V % 8 == 0), so that, as for the
   // two-pass kernel's 8-wide path, the choice depends on V (and the GPU) alone.
@@ -674,9 +726,13 @@ int CrossEntropyCluster(const CrossEntropyParams& p) {
       reinterpret_cast<uintptr_t>(p.bias) % 16 != 0) {
     return 0;
   }
-  const int64_t cluster = (p.v + kOneReadSegCols - 1) / kOneReadSegCols;
-  if (cluster > kOneReadMaxCluster || p.rows * cluster > 0x7fffffff) return 0;
-  return DeviceHasClusters() ? static_cast<int>(cluster) : 0;
+  if (p.one_read_cols < 0 || p.one_read_cols % 8 != 0 || p.one_read_cols > kOneReadSegCols) {
+    return 0;
+  }
+  const int64_t cols = p.one_read_cols > 0 ? p.one_read_cols : kOneReadSegCols;
+  const int64_t cluster = (p.v + cols - 1) / cols;
+  if (cluster > 16 || p.rows * cluster > 0x7fffffff) return 0;
+  return cluster <= DeviceMaxCluster() ? static_cast<int>(cluster) : 0;
 }
 
 cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream) {

@@ -56,6 +56,10 @@ struct CrossEntropyParams {
   // 1: the two-pass kernel even where the one-read kernel applies (tests and benchmarks that
   // compare the two).
   int32_t two_pass;
+  // > 0: at most this many columns per block of the one-read kernel (a multiple of 8, at most
+  // kOneReadSegCols; narrower segments mean more blocks per row, up to 16 where the GPU places
+  // such clusters). 0: kOneReadSegCols. For benchmarks that compare segment widths.
+  int32_t one_read_cols;
   void* seg_base[kMaxSegments];
   int64_t seg_col0[kMaxSegments];
   int64_t seg_cols[kMaxSegments];
@@ -64,12 +68,15 @@ struct CrossEntropyParams {
 // Two kernels compute the same formulas. The one-read kernel splits each row over a cluster of
 // blocks that keep their segments in shared memory, so the row is read from global memory once
 // (the two-pass kernel reads it twice: for the statistics, then for the gradient). It is used
-// for contiguous rows with V % 8 == 0 and V <= kOneReadMaxCluster * kOneReadSegCols, on GPUs
-// with thread block clusters (compute capability 9.0 and later); the two-pass kernel
-// otherwise (the blocked layout, odd V, older GPUs). Each kernel is deterministic, with the
-// same per-thread element order for every dtype.
+// for contiguous rows with V % 8 == 0 and V <= (blocks per row) * kOneReadSegCols, on GPUs
+// with thread block clusters (compute capability 9.0 and later): 8 blocks per row (the
+// portable cluster size, V <= 262144), or 16 where the GPU places such clusters (Hopper,
+// V <= 524288). The two-pass kernel runs the rest (the blocked layout, odd V, wider V, older
+// GPUs). Each kernel is deterministic, with the same per-thread element order for every dtype.
 inline constexpr int64_t kOneReadSegCols = 32768;  // columns per block at most
-inline constexpr int kOneReadMaxCluster = 8;       // blocks per row at most (portable size)
+
+// Blocks per row the one-read kernel may use on the current device: 0 (no clusters), 8 or 16.
+int CrossEntropyMaxCluster();
 
 // Blocks per row of the one-read kernel for these parameters on the current device, or 0 when
 // the two-pass kernel runs them.

@@ -309,15 +309,17 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{4, 32000, false, true, false, 0.1f, 1e-4f, 0},
                     Case{3, 32001, true, false, true, 0, 0, 30.0f},
                     // The one-read kernel's cluster sizes (blocks per row): 1 at its widest
-                    // segment, 2 with a short last segment, 4, 8, 8 at its largest V, then
-                    // the two-pass kernel just above it (OneReadClusterSizes pins these).
+                    // segment, 2 with a short last segment, 4, 8, 8 at the portable limit, 9,
+                    // 16 (Hopper), then the two-pass kernel (OneReadClusterSizes pins these).
                     Case{5, 32768, true, false, false, 0.1f, 0, 0},
                     Case{5, 32776, false, true, true, 0, 1e-3f, 0},
                     Case{6, 128256, true, true, false, 0.1f, 1e-4f, 15.0f},
                     Case{5, 256000, false, false, false, 0, 0, 0},
                     Case{5, 256000, true, true, true, 0.1f, 1e-4f, 30.0f},
                     Case{4, 262144, false, false, true, 0, 1e-4f, 0},
-                    Case{4, 262152, true, false, false, 0, 0, 0}),
+                    Case{4, 262152, true, false, false, 0, 0, 0},
+                    Case{3, 524288, false, true, false, 0, 1e-4f, 0},
+                    Case{3, 524296, false, false, false, 0, 0, 0}),
     Name);
 
 // Which kernel runs which shape: the cases above cover every branch only if these hold.
@@ -346,7 +348,25 @@ TEST(CrossEntropyDispatchTest, OneReadClusterSizes) {
   EXPECT_EQ(cluster(128256, buf, nullptr, 0, 0), 4 * on);
   EXPECT_EQ(cluster(256000, buf, nullptr, 0, 0), 8 * on);
   EXPECT_EQ(cluster(262144, buf, nullptr, 0, 0), 8 * on);
-  EXPECT_EQ(cluster(262152, buf, nullptr, 0, 0), 0);  // more than 8 blocks a row
+  // Wider rows take 9 to 16 blocks where the GPU places clusters of 16 (Hopper does).
+  const int wide = CrossEntropyMaxCluster() >= 16 ? 1 : 0;
+  if (major == 9) {
+    EXPECT_EQ(wide, 1) << "a Hopper GPU places clusters of 16";
+  }
+  EXPECT_EQ(cluster(262152, buf, nullptr, 0, 0), 9 * wide);
+  EXPECT_EQ(cluster(524288, buf, nullptr, 0, 0), 16 * wide);
+  EXPECT_EQ(cluster(524296, buf, nullptr, 0, 0), 0);  // more than 16 blocks a row
+  // Narrower segments on request: more blocks per row.
+  {
+    CrossEntropyParams p{};
+    p.logits = buf;
+    p.rows = 5;
+    p.v = 256000;
+    p.one_read_cols = 16384;
+    EXPECT_EQ(CrossEntropyCluster(p), 16 * wide);
+    p.one_read_cols = 12;  // not a multiple of 8
+    EXPECT_EQ(CrossEntropyCluster(p), 0);
+  }
   EXPECT_EQ(cluster(4095, buf, nullptr, 0, 0), 0);    // V % 8 != 0
   EXPECT_EQ(cluster(4096, static_cast<char*>(buf) + 2, nullptr, 0, 0), 0);  // misaligned
   EXPECT_EQ(cluster(4096, buf, static_cast<char*>(buf) + 8, 0, 0), 0);      // misaligned bias
