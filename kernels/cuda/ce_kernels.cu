@@ -6,7 +6,6 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -284,6 +283,13 @@ constexpr int kOneReadThreads = 512;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr int kOneReadWarps = kOneReadThreads / 32;
 
+// The two halves of a cluster barrier, so that a block can do its own work in between.
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 #endif
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -359,241 +365,219 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
 // spends about ten instructions an element: the kernel is bound by instructions as much as by
 // memory, so the per-element work is kept to the exponentials and what feeds them; the argmax
 // and the target are checked once per 8 elements.
-//
-// Persistent: `nclusters` clusters (as many as the GPU holds at once) walk the rows, cluster c
-// taking rows c, c + nclusters, ...; with two buffers (16-bit logits) the next row's segment
-// is in flight while this row is computed, so a block never waits on memory between rows.
-// fp32 logits fit one buffer: the next row is fetched right after this row's gradient.
 template <typename T, bool kCap, bool kSmooth>
-__global__ void __launch_bounds__(kOneReadThreads, 1)
-    OneReadCrossEntropyKernel(const CrossEntropyParams p, int32_t seg_cols, int cluster,
-                              int nclusters) {
+__global__ void __launch_bounds__(kOneReadThreads)
+    OneReadCrossEntropyKernel(const CrossEntropyParams p, int32_t seg_cols, int cluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
-  constexpr int kBufs = sizeof(T) == 2 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char seg_raw[];
+  T* seg = reinterpret_cast<T*>(seg_raw);
   __shared__ RowStats shared[kOneReadWarps + 1];
-  __shared__ SegmentShare share[2];  // by row parity: read by the cluster until the next sync
-  __shared__ float coef[2][4];
+  __shared__ SegmentShare share;
+  __shared__ float coef[4];
   constexpr int kVec = 8;
   constexpr int kStride = kOneReadThreads * kVec;
   cg::cluster_group cl = cg::this_cluster();
   const int rank = static_cast<int>(cl.block_rank());
-  const int64_t first_row = blockIdx.x / cluster;
+  const int64_t row = blockIdx.x / cluster;
   const int32_t v = static_cast<int32_t>(p.v);
   const int32_t c0 = rank * seg_cols;
   const int32_t n = c0 < v ? min(v - c0, seg_cols) : 0;
+  T* z = static_cast<T*>(p.logits) + row * p.v + c0;
   const T* bias = static_cast<const T*>(p.bias);
   const float* cw = p.class_weights;
   const float cap = p.softcap;
   const float eps = p.label_smoothing;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  auto buffer = [&](int b) { return reinterpret_cast<T*>(seg_raw) + b * seg_cols; };
-  auto row_ptr = [&](int64_t row) { return static_cast<T*>(p.logits) + row * p.v + c0; };
+  const int t = p.targets[row];
+  const int t_local = t - c0;  // the target's column within the segment (may be outside it)
 
-  // This thread's slots of `row`'s segment, global to shared memory asynchronously (none takes
-  // a register); one commit group per call. Each thread reads back only the slots it copied,
-  // so waiting for its own groups is enough (no barrier), and a buffer is refilled only after
-  // the same thread has read it.
-  auto fetch = [&](int64_t row, int b) {
-    if (row < p.rows) {
-      const T* z = row_ptr(row);
-      T* seg = buffer(b);
-      for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
+  // The segment, global to shared memory asynchronously: every load of the thread is in flight
+  // at once, and none takes a register. Each thread reads back only what it copied, so waiting
+  // for its own copies is enough (no barrier). Two groups: the first half's statistics are
+  // computed while the second half is still arriving.
+  const int half_end = min(n, (n / 2 + kStride - 1) / kStride * kStride);
+  auto copy = [&](int begin, int end) {
+    for (int j0 = threadIdx.x * kVec + begin; j0 < end; j0 += kStride) {
 #pragma unroll
-        for (int q = 0; q < static_cast<int>(sizeof(T) / 2); ++q) {
-          const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(seg + j0)) + 16 * q;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
-                       "l"(reinterpret_cast<const char*>(z + j0) + 16 * q)
-                       : "memory");
-        }
+      for (int q = 0; q < static_cast<int>(sizeof(T) / 2); ++q) {
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(seg + j0)) + 16 * q;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                     "l"(reinterpret_cast<const char*>(z + j0) + 16 * q)
+                     : "memory");
       }
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
+  copy(0, half_end);
+  copy(half_end, n);
 
-  fetch(first_row, 0);
-  int it = 0;
-  for (int64_t row = first_row; row < p.rows; row += nclusters, ++it) {
-    const int par = it & 1;
-    const int b = kBufs == 2 ? par : 0;
-    T* seg = buffer(b);
-    T* z = row_ptr(row);
-    if constexpr (kBufs == 2) {
-      fetch(row + nclusters, b ^ 1);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    } else {
+  // Final logits of 8 elements: stored value, plus bias, through the softcap.
+  auto final8 = [&](int j0, float (&x)[kVec]) {
+    Widen<T>(LoadRaw<T>(seg + j0), x);
+    if (bias != nullptr) {
+      float b[kVec];
+      LoadVec<T, kVec>(bias + c0 + j0, b);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x[k] += b[k];
+    }
+    if constexpr (kCap) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] / cap);
+    }
+  };
+
+  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+  float m2 = -INFINITY;  // st.m * log2(e)
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
+    if (j0 >= half_end && j0 - kStride < half_end) {
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     }
-    const int t = p.targets[row];
-    const int t_local = t - c0;  // the target's column within the segment (may be outside it)
-
-    // Final logits of 8 elements: stored value, plus bias, through the softcap.
-    auto final8 = [&](int j0, float (&x)[kVec]) {
-      Widen<T>(LoadRaw<T>(seg + j0), x);
-      if (bias != nullptr) {
-        float bv[kVec];
-        LoadVec<T, kVec>(bias + c0 + j0, bv);
+    float x[kVec];
+    final8(j0, x);
+    float vmax = x[0];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) x[k] += bv[k];
-      }
-      if constexpr (kCap) {
+    for (int k = 1; k < kVec; ++k) vmax = fmaxf(vmax, x[k]);
+    if (vmax > st.best) {  // strict, in increasing j: the first index wins ties
+      int kb = 0;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] / cap);
-      }
-    };
-
-    RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-    float m2 = -INFINITY;  // st.m * log2(e)
-    for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
-      float x[kVec];
-      final8(j0, x);
-      float vmax = x[0];
+      for (int k = kVec - 1; k >= 0; --k) kb = x[k] == vmax ? k : kb;
+      st.best = vmax;
+      st.best_j = c0 + j0 + kb;
+    }
+    if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
 #pragma unroll
-      for (int k = 1; k < kVec; ++k) vmax = fmaxf(vmax, x[k]);
-      if (vmax > st.best) {  // strict, in increasing j: the first index wins ties
-        int kb = 0;
-#pragma unroll
-        for (int k = kVec - 1; k >= 0; --k) kb = x[k] == vmax ? k : kb;
-        st.best = vmax;
-        st.best_j = c0 + j0 + kb;
-      }
-      if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          if (k == t_local - j0) share[par].zt = x[k];
-        }
-      }
-      if (vmax > st.m) {
-        st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
-        st.m = vmax;
-        m2 = vmax * kLog2e;
-      }
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) st.s += Exp2Ftz(fmaf(x[k], kLog2e, -m2));
-      if constexpr (kSmooth) {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
+      for (int k = 0; k < kVec; ++k) {
+        if (k == t_local - j0) share.zt = x[k];
       }
     }
-    // The block's reduction (the same fixed tree as the two-pass kernel's).
+    if (vmax > st.m) {
+      st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
+      st.m = vmax;
+      m2 = vmax * kLog2e;
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) st.s += Exp2Ftz(fmaf(x[k], kLog2e, -m2));
+    if constexpr (kSmooth) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
+    }
+  }
+  // The block's reduction (the same fixed tree as the two-pass kernel's).
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
+  if (lane == 0) shared[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    st = lane < kOneReadWarps ? shared[lane]
+                              : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
 #pragma unroll
     for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
-    if (lane == 0) shared[warp] = st;
-    __syncthreads();
-    if (warp == 0) {
-      st = lane < kOneReadWarps ? shared[lane]
-                                : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-#pragma unroll
-      for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
-      if (lane == 0) share[par].st = st;
-    }
-    // Every block's share of this row is written and visible cluster-wide past this barrier;
-    // each block reads the others' before it reaches the next row's barrier, and a share slot
-    // is rewritten only two rows later, after that barrier.
-    cl.sync();
-    if (warp == 0) {
-      // Lane r fetches block r's share (all at once), then every lane merges the K of them in
-      // rank order: the same result in every block of the cluster.
-      SegmentShare mine{{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f}, 0.0f};
-      if (lane < cluster) mine = *cl.map_shared_rank(&share[par], lane);
-      auto from = [&](int r) {
-        RowStats o;
-        o.m = __shfl_sync(0xffffffffu, mine.st.m, r);
-        o.s = __shfl_sync(0xffffffffu, mine.st.s, r);
-        o.best = __shfl_sync(0xffffffffu, mine.st.best, r);
-        o.best_j = __shfl_sync(0xffffffffu, mine.st.best_j, r);
-        o.wz = __shfl_sync(0xffffffffu, mine.st.wz, r);
-        return o;
-      };
-      RowStats all = from(0);
-      for (int r = 1; r < cluster; ++r) all = Merge(all, from(r));
-      const float zt = __shfl_sync(0xffffffffu, mine.zt, t >= 0 ? t / seg_cols : 0);
-      if (lane == 0) {
-        const float lse = all.m + logf(all.s);
-        float a = 0.0f, hot = 0.0f, sm = 0.0f;
+    if (lane == 0) share.st = st;
+  }
+  // Every block's share is written and visible cluster-wide past this barrier.
+  cl.sync();
+  if (warp == 0) {
+    // Lane r fetches block r's share (all at once), then every lane merges the K of them in
+    // rank order: the same result in every block of the cluster.
+    SegmentShare mine{{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f}, 0.0f};
+    if (lane < cluster) mine = *cl.map_shared_rank(&share, lane);
+    auto from = [&](int r) {
+      RowStats o;
+      o.m = __shfl_sync(0xffffffffu, mine.st.m, r);
+      o.s = __shfl_sync(0xffffffffu, mine.st.s, r);
+      o.best = __shfl_sync(0xffffffffu, mine.st.best, r);
+      o.best_j = __shfl_sync(0xffffffffu, mine.st.best_j, r);
+      o.wz = __shfl_sync(0xffffffffu, mine.st.wz, r);
+      return o;
+    };
+    RowStats all = from(0);
+    for (int r = 1; r < cluster; ++r) all = Merge(all, from(r));
+    const float zt = __shfl_sync(0xffffffffu, mine.zt, t >= 0 ? t / seg_cols : 0);
+    if (lane == 0) {
+      const float lse = all.m + logf(all.s);
+      float a = 0.0f, hot = 0.0f, sm = 0.0f;
+      if (t >= 0) {
+        const float cwt = cw != nullptr ? cw[t] : 1.0f;
+        const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+        const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
+        a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
+        if (kSmooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
+        hot = ce_s * (1.0f - eps) * cwt;
+        sm = kSmooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
+      }
+      if (rank == 0) {
+        float ce = 0.0f, zl = 0.0f;
         if (t >= 0) {
           const float cwt = cw != nullptr ? cw[t] : 1.0f;
-          const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
-          const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
-          a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
-          if (kSmooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
-          hot = ce_s * (1.0f - eps) * cwt;
-          sm = kSmooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
+          ce = (1.0f - eps) * cwt * (lse - zt);
+          if (kSmooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - all.wz);
+          zl = p.z_loss_scale * lse * lse;
         }
-        if (rank == 0) {
-          float ce = 0.0f, zl = 0.0f;
-          if (t >= 0) {
-            const float cwt = cw != nullptr ? cw[t] : 1.0f;
-            ce = (1.0f - eps) * cwt * (lse - zt);
-            if (kSmooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - all.wz);
-            zl = p.z_loss_scale * lse * lse;
-          }
-          p.row_lse[row] = lse;
-          p.row_ce[row] = ce;
-          p.row_z[row] = zl;
-          p.row_pred[row] = all.best_j == 0x7fffffff ? 0 : all.best_j;
-        }
-        coef[par][0] = a, coef[par][1] = hot, coef[par][2] = sm, coef[par][3] = lse;
+        p.row_lse[row] = lse;
+        p.row_ce[row] = ce;
+        p.row_z[row] = zl;
+        p.row_pred[row] = all.best_j == 0x7fffffff ? 0 : all.best_j;
       }
+      coef[0] = a, coef[1] = hot, coef[2] = sm, coef[3] = lse;
     }
-    // coef is written, and warp 0 is done with `shared` before any warp writes the next row's.
-    __syncthreads();
-    if (p.write_grad) {
-      const float a = coef[par][0], hot = coef[par][1], sm = coef[par][2];
-      const float lse2 = coef[par][3] * kLog2e;
-      for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
-        float g[kVec];
-        if (t < 0) {
+  }
+  // Done reading the other blocks' shares; a block leaves (and its shared memory goes) only
+  // once every block has arrived here.
+  ClusterArrive();
+  __syncthreads();
+  if (p.write_grad) {
+    const float a = coef[0], hot = coef[1], sm = coef[2], lse2 = coef[3] * kLog2e;
+    for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
+      float g[kVec];
+      if (t < 0) {
 #pragma unroll
-          for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
-        } else {
-          float u[kVec];
-          Widen<T>(LoadRaw<T>(seg + j0), u);
-          if (bias != nullptr) {
-            float bv[kVec];
-            LoadVec<T, kVec>(bias + c0 + j0, bv);
+        for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
+      } else {
+        float u[kVec];
+        Widen<T>(LoadRaw<T>(seg + j0), u);
+        if (bias != nullptr) {
+          float b[kVec];
+          LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
-            for (int k = 0; k < kVec; ++k) u[k] += bv[k];
+          for (int k = 0; k < kVec; ++k) u[k] += b[k];
+        }
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          float x = u[k], th = 0.0f;
+          if constexpr (kCap) {
+            th = tanhf(x / cap);
+            x = cap * th;
           }
+          float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
+          if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+          if constexpr (kCap) gk *= 1.0f - th * th;
+          g[k] = gk;
+        }
+        if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
+          // The target's element: recomputed with the one-hot term in the same order as the
+          // formula (a p - hot, then the smoothing and the softcap factor).
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
-            float x = u[k], th = 0.0f;
-            if constexpr (kCap) {
-              th = tanhf(x / cap);
-              x = cap * th;
-            }
-            float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
-            if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-            if constexpr (kCap) gk *= 1.0f - th * th;
-            g[k] = gk;
-          }
-          if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
-            // The target's element: recomputed with the one-hot term in the same order as the
-            // formula (a p - hot, then the smoothing and the softcap factor).
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) {
-              if (k == t_local - j0) {
-                float x = u[k], th = 0.0f;
-                if constexpr (kCap) {
-                  th = tanhf(x / cap);
-                  x = cap * th;
-                }
-                float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2)) - hot;
-                if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-                if constexpr (kCap) gk *= 1.0f - th * th;
-                g[k] = gk;
+            if (k == t_local - j0) {
+              float x = u[k], th = 0.0f;
+              if constexpr (kCap) {
+                th = tanhf(x / cap);
+                x = cap * th;
               }
+              float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2)) - hot;
+              if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+              if constexpr (kCap) gk *= 1.0f - th * th;
+              g[k] = gk;
             }
           }
         }
-        StoreVec<T, kVec>(z + j0, g);
       }
+      StoreVec<T, kVec>(z + j0, g);
     }
-    if constexpr (kBufs == 1) fetch(row + nclusters, 0);
   }
-  // No block leaves (taking its shared memory) while another may still read its last share.
-  cl.sync();
+  ClusterWait();
 #endif
 }
 
@@ -615,58 +599,48 @@ __global__ void CastKernel(const float* src, T* dst, int64_t n) {
   }
 }
 
-// Shared memory of a one-read block: two buffers of the widest segment for 16-bit logits, one
-// for fp32 (the same 128 KB either way).
-size_t OneReadSmemBytes(size_t elem) {
-  return static_cast<size_t>(kOneReadSegCols) * elem * (elem == 2 ? 2 : 1);
-}
-
-// How many clusters of `cluster` one-read blocks the current device holds at once (the
-// persistent grid), asked once per device and size; 0 if it cannot place one.
-int ActiveClusters(int device, int cluster) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices][17] = {};  // 0: not asked yet; else the answer + 1
-  if (device < 0 || cluster < 1 || cluster > 16) return 0;
-  if (device < kDevices) {
-    const int k = known[device][cluster].load(std::memory_order_relaxed);
-    if (k > 0) return k - 1;
-  }
-  auto* kernel = OneReadCrossEntropyKernel<__nv_bfloat16, false, false>;
-  int clusters = 0;
-  if ((cluster <= 8 ||
-       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-           cudaSuccess) &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(OneReadSmemBytes(2))) == cudaSuccess) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(cluster) * 1024);
-    cfg.blockDim = dim3(kOneReadThreads);
-    cfg.dynamicSmemBytes = OneReadSmemBytes(2);
-    cudaLaunchAttribute la[1];
-    la[0].id = cudaLaunchAttributeClusterDimension;
-    la[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-    la[0].val.clusterDim.y = 1;
-    la[0].val.clusterDim.z = 1;
-    cfg.attrs = la;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
-  }
-  cudaGetLastError();  // a refused query leaves no error behind for the next launch
-  if (device < kDevices) known[device][cluster].store(clusters + 1, std::memory_order_relaxed);
-  return clusters;
-}
-
 // The largest cluster of one-read blocks the current device runs: 0 before compute
 // capability 9.0 (no clusters), else 8 (the portable size), or 16 where the device can place a
-// cluster of 16 of them.
+// cluster of 16 of them; asked once per device.
 int DeviceMaxCluster() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};  // 0: not asked yet; else the answer + 1
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      major < 9) {
-    return 0;
+  if (device < kDevices) {
+    const int k = known[device].load(std::memory_order_relaxed);
+    if (k > 0) return k - 1;
   }
-  return ActiveClusters(device, 16) > 0 ? 16 : 8;
+  int best = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      major >= 9) {
+    best = 8;
+    auto* kernel = OneReadCrossEntropyKernel<__nv_bfloat16, false, false>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+            cudaSuccess &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kOneReadSegCols * 2)) == cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16 * 64);
+      cfg.blockDim = dim3(kOneReadThreads);
+      cfg.dynamicSmemBytes = static_cast<size_t>(kOneReadSegCols) * 2;  // widest 16-bit segment
+      cudaLaunchAttribute la[1];
+      la[0].id = cudaLaunchAttributeClusterDimension;
+      la[0].val.clusterDim.x = 16;
+      la[0].val.clusterDim.y = 1;
+      la[0].val.clusterDim.z = 1;
+      cfg.attrs = la;
+      cfg.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess &&
+          clusters > 0) {
+        best = 16;
+      }
+    }
+    cudaGetLastError();  // a refused query leaves no error behind for the next launch
+  }
+  if (device < kDevices) known[device].store(best + 1, std::memory_order_relaxed);
+  return best;
 }
 
 int64_t OneReadSegmentCols(int64_t v, int cluster) {
@@ -677,30 +651,24 @@ template <typename T, bool kCap, bool kSmooth>
 cudaError_t LaunchOneReadK(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
   auto* kernel = OneReadCrossEntropyKernel<T, kCap, kSmooth>;
   const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return e;
-  const int active = ActiveClusters(device, cluster);
-  if (active <= 0) return cudaErrorLaunchOutOfResources;  // CrossEntropyCluster rules this out
   if (cluster > 8) {
     // A non-portable cluster size (Hopper places 16); set per launch, as the attributes below.
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
   }
   // On every launch: the attributes belong to the current device, which may change.
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(OneReadSmemBytes(sizeof(T))));
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kOneReadSegCols * sizeof(T)));
   if (e != cudaSuccess) return e;
+  // As much of the unified L1 as shared memory as can be: three blocks of 64 KB a multiprocessor.
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                            cudaSharedmemCarveoutMaxShared);
   if (e != cudaSuccess) return e;
-  // The persistent grid: every cluster resident at once, each walking its rows.
-  const int nclusters = static_cast<int>(std::min<int64_t>(p.rows, active));
-  const int bufs = sizeof(T) == 2 ? 2 : 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(nclusters * cluster));
+  cfg.gridDim = dim3(static_cast<unsigned>(p.rows * cluster));
   cfg.blockDim = dim3(kOneReadThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(seg_cols) * sizeof(T) * bufs;
+  cfg.dynamicSmemBytes = static_cast<size_t>(seg_cols) * sizeof(T);
   cfg.stream = stream;
   cudaLaunchAttribute la[1];
   la[0].id = cudaLaunchAttributeClusterDimension;
@@ -709,7 +677,7 @@ cudaError_t LaunchOneReadK(const CrossEntropyParams& p, int cluster, cudaStream_
   la[0].val.clusterDim.z = 1;
   cfg.attrs = la;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int32_t>(seg_cols), cluster, nclusters);
+  return cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int32_t>(seg_cols), cluster);
 }
 
 template <typename T>
@@ -764,10 +732,7 @@ int CrossEntropyCluster(const CrossEntropyParams& p) {
   const int64_t cols = p.one_read_cols > 0 ? p.one_read_cols : kOneReadSegCols;
   const int64_t cluster = (p.v + cols - 1) / cols;
   if (cluster > 16 || p.rows * cluster > 0x7fffffff) return 0;
-  if (cluster > DeviceMaxCluster()) return 0;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  return ActiveClusters(device, static_cast<int>(cluster)) > 0 ? static_cast<int>(cluster) : 0;
+  return cluster <= DeviceMaxCluster() ? static_cast<int>(cluster) : 0;
 }
 
 cudaError_t LaunchCrossEntropy(const CrossEntropyParams& p, cudaStream_t stream) {
