@@ -36,7 +36,7 @@ ABSL_FLAG(std::string, budgets_mib, "0,1024",
           "(DefaultChunkBudget)");
 ABSL_FLAG(std::string, schedules, "0,1,2",
           "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
-          "applies, 3 row halves with the dX GEMM in row halves too)");
+          "applies)");
 ABSL_FLAG(std::string, ce_cols, "",
           "also time the one-read CE kernel with at most these many columns a block (comma "
           "list), beside its default, and a device copy of the same bytes");
@@ -397,9 +397,7 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
         f.schedule == 2
             ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
             : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
-                               f.schedule == 3 ? cuda::Schedule::kRowHalvesSplitDx
-                                               : static_cast<cuda::Schedule>(f.schedule),
-                               gws);
+                               static_cast<cuda::Schedule>(f.schedule), gws);
     if (f.schedule == 2 && plan.blocks == 0) {
       std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: whole-batch layout does not apply\n",
                    static_cast<long long>(bt), static_cast<long long>(h),
@@ -607,7 +605,7 @@ int Main() {
   std::vector<Config> schedules;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',')) {
     int sc = 0;
-    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 3) {
+    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 2) {
       std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
       return 2;
     }
@@ -693,7 +691,6 @@ int Main() {
                   f.is_default ? "default, " : "", static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
                   f.schedule == 0   ? "rows"
-                  : f.schedule == 3 ? "rows, dX in halves"
                   : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
                                     : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                       f.side_sms)

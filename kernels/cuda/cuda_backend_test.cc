@@ -204,13 +204,10 @@ TEST_F(CudaTest, ChunkSizeChangesTheLossOnlyAtFp32Rounding) {
   EXPECT_TRUE(r.ok()) << r.ToString();
 }
 
-// Every schedule over several chunks, with every gradient and the accumulators.
+// Both schedules over several chunks, with every gradient and the accumulators.
 TEST_F(CudaTest, BothSchedulesMatchReference) {
   const std::pair<Schedule, int32_t> configs[] = {
-      {Schedule::kRowHalves, 0},
-      {Schedule::kRowHalvesSplitDx, 0},
-      {Schedule::kColumnHalves, 0},
-      {Schedule::kColumnHalves, 56}};
+      {Schedule::kRowHalves, 0}, {Schedule::kColumnHalves, 0}, {Schedule::kColumnHalves, 56}};
   for (const auto& [schedule, side_sms] : configs) {
     CudaBackendOptions bo;
     bo.schedule = schedule;
@@ -349,8 +346,7 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
   ReferenceOutputs ref;
   ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
   const std::vector<float> start(ref.dw.begin(), ref.dw.end());
-  for (Schedule schedule :
-       {Schedule::kRowHalves, Schedule::kRowHalvesSplitDx, Schedule::kColumnHalves}) {
+  for (Schedule schedule : {Schedule::kRowHalves, Schedule::kColumnHalves}) {
     for (bool autotune : {true, false}) {
       CudaBackendOptions bo;
       bo.schedule = schedule;
@@ -552,7 +548,6 @@ TEST_F(CudaTest, StreamedRowsGiveTheWholeProblemsBytes) {
   };
   const Config configs[] = {{Schedule::kRowHalves, 1201, 512},
                             {Schedule::kRowHalves, 47, 10},
-                            {Schedule::kRowHalvesSplitDx, 1201, 512},
                             {Schedule::kColumnHalves, 1201, 512},
                             {Schedule::kColumnHalves, 47, 10}};
   uint64_t seed = 900;

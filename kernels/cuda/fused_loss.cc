@@ -555,19 +555,14 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
                 Offset(a.x, (c0 + r0) * a.h, elem), a.h, 0.0f, logits + (r0 * a.v + v0) * elem,
                 a.v, ab, sms, rank_logits);
   };
-  // dX rows [c0 + r0, c0 + r0 + rows) of the chunk at c0: dX^T (H x rows) = W (H x V
-  // col-major) * G^T (V x rows col-major).
-  auto dx_rows_gemm = [&](int64_t c0, int64_t r0, int64_t rows, int32_t sms) -> absl::Status {
+  // dX_c^T (H x C) = W (H x V col-major) * G^T (V x C col-major).
+  auto dx_gemm = [&](int64_t c0, int64_t rows, int32_t sms) -> absl::Status {
     if (a.dx == nullptr) return absl::OkStatus();
     const size_t dx_elem = DTypeSize(a.dx_dtype);
-    char* dx = static_cast<char*>(a.dx) + (c0 + r0) * a.h * dx_elem;
-    return gemm(main_, ws_main, false, false, a.h, rows, a.v, scales.alpha, a.w, a.h,
-                logits + r0 * a.v * elem, a.v, 0.0f, dx, a.h, CudaType(a.dx_dtype), sms, rank_dx);
+    char* dx = static_cast<char*>(a.dx) + c0 * a.h * dx_elem;
+    return gemm(main_, ws_main, false, false, a.h, rows, a.v, scales.alpha, a.w, a.h, logits, a.v,
+                0.0f, dx, a.h, CudaType(a.dx_dtype), sms, rank_dx);
   };
-  auto dx_gemm = [&](int64_t c0, int64_t rows, int32_t sms) {
-    return dx_rows_gemm(c0, 0, rows, sms);
-  };
-  const bool split_dx = plan.schedule == Schedule::kRowHalvesSplitDx && a.dx != nullptr;
   // dW[v0:v0+nv]^T (H x nv) += X_c^T (H x C col-major) * G[:, v0:v0+nv]; chunks are added in
   // increasing row order, one GEMM per chunk and half: a fixed order.
   auto dw_gemm = [&](int64_t c0, int64_t rows, int64_t v0, int64_t nv,
@@ -613,11 +608,6 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
           LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, split, 0, a.v, 0));
           if (split < rows) {
             LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, split, rows - split, 0, a.v, 0));
-          }
-          if (split_dx && split < rows) {
-            LOSSD_CUDA_RETURN_IF_NOT_OK(dx_rows_gemm(c0, 0, split, 0));
-            LOSSD_CUDA_RETURN_IF_NOT_OK(dx_rows_gemm(c0, split, rows - split, 0));
-            continue;
           }
         }
         LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, columns && want_dw ? main_sms : 0));
@@ -709,7 +699,6 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
           LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
           LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
           LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
-          LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[s], ce_));
         }
       } else {
         for (int64_t s = 0; s < nsub; ++s) {
@@ -719,25 +708,15 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         for (int64_t s = 0; s < nsub; ++s) {
           LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
           LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
-          LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[s], ce_));
         }
       }
-      // ce_done_[nsub - 1]: every CE of the chunk (one stream, in order).
-      const cudaEvent_t all_ce = ce_done_[nsub - 1];
-      if (split_dx && nsub == 2) {
-        // Each half's dX GEMM once its own CE is done; the first runs beside the second CE.
-        for (int64_t s = 0; s < nsub; ++s) {
-          LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[s], 0));
-          LOSSD_CUDA_RETURN_IF_NOT_OK(dx_rows_gemm(c0, begin[s], count[s], 0));
-        }
-      } else {
-        // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, all_ce, 0));
-        LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, 0));
-      }
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
+      // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
+      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, 0));
       LOSSD_CUDA_RETURN_IF_NOT_OK(dx_enqueued(c0, rows));
       if (want_dw || want_db) {
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, all_ce, 0));
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
         // Overlapped, the last chunk's dX is what the caller still waits for on the wire:
         // its dX GEMM gets the whole GPU and its rows go out while this dW GEMM runs, instead
         // of both sharing the SMs and dX finishing last. Only the order of two independent

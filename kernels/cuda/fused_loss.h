@@ -99,10 +99,6 @@ enum class Schedule : int32_t {
   // first-half logits GEMM (compute-bound) runs under this chunk's second-half dW GEMM, whose
   // fp32 accumulator read and write are memory-bound; dX runs under the first-half dW.
   kColumnHalves = 1,
-  // Row halves, with the dX GEMM in the same two row halves: the first half's dX GEMM starts
-  // as soon as its CE is done, beside the second half's CE (and then the dW GEMM), which take
-  // the SMs a half-chunk dX GEMM with few output tiles leaves free.
-  kRowHalvesSplitDx = 2,
 };
 
 // What the backend uses unless told otherwise: with autotuned GEMMs, row halves measured
