@@ -141,6 +141,32 @@ __device__ __forceinline__ float Capped(float u, float cap) {
   return cap > 0.0f ? cap * tanhf(u / cap) : u;
 }
 
+// The per-row results and gradient coefficients of a non-ignored row (t >= 0) from its lse,
+// its target's final logit zt and the smoothing sum wz; both kernels use it, so they agree on
+// every formula: g_j = a p_j - hot [j == t] - sm cw_j.
+struct RowTerms {
+  float ce, zl;      // the row's cross-entropy and z-loss
+  float a, hot, sm;  // gradient coefficients
+};
+
+__device__ __forceinline__ RowTerms TermsOf(const CrossEntropyParams& p, int64_t row, int t,
+                                            float lse, float zt, float wz) {
+  const float eps = p.label_smoothing;
+  const bool smooth = eps > 0.0f;
+  const float cwt = p.class_weights != nullptr ? p.class_weights[t] : 1.0f;
+  RowTerms r;
+  r.ce = (1.0f - eps) * cwt * (lse - zt);
+  if (smooth) r.ce += (eps / static_cast<float>(p.v)) * (p.class_weight_sum * lse - wz);
+  r.zl = p.z_loss_scale * lse * lse;
+  const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+  const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
+  r.a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
+  if (smooth) r.a += ce_s * (eps / static_cast<float>(p.v)) * p.class_weight_sum;
+  r.hot = ce_s * (1.0f - eps) * cwt;
+  r.sm = smooth ? ce_s * (eps / static_cast<float>(p.v)) : 0.0f;
+  return r;
+}
+
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntropyParams p) {
   __shared__ RowStats shared[kWarps + 1];
@@ -210,18 +236,12 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
       float zt = ToFloat<T>(seg_ptr(ts)[t - seg_col0(ts)]);
       if (bias != nullptr) zt += ToFloat<T>(bias[t]);
       zt = Capped(zt, cap);
-      const float cwt = cw != nullptr ? cw[t] : 1.0f;
-      ce = (1.0f - eps) * cwt * (lse - zt);
-      if (smooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - st.wz);
-      zl = p.z_loss_scale * lse * lse;
-      const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
-      const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
-      // g_j = a p_j - hot [j == t] - sm cw_j
-      float a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
-      if (smooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
-      coef[0] = a;
-      coef[1] = ce_s * (1.0f - eps) * cwt;
-      coef[2] = smooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
+      const RowTerms r = TermsOf(p, row, t, lse, zt, st.wz);
+      ce = r.ce;
+      zl = r.zl;
+      coef[0] = r.a;
+      coef[1] = r.hot;
+      coef[2] = r.sm;
     }
     coef[3] = lse;
     p.row_lse[row] = lse;
@@ -387,7 +407,6 @@ __global__ void __launch_bounds__(kOneReadThreads)
   const T* bias = static_cast<const T*>(p.bias);
   const float* cw = p.class_weights;
   const float cap = p.softcap;
-  const float eps = p.label_smoothing;
   const int t = p.targets[row];
   const int t_local = t - c0;  // the target's column within the segment (may be outside it)
 
@@ -497,30 +516,15 @@ __global__ void __launch_bounds__(kOneReadThreads)
     const float zt = __shfl_sync(0xffffffffu, mine.zt, t >= 0 ? t / seg_cols : 0);
     if (lane == 0) {
       const float lse = all.m + logf(all.s);
-      float a = 0.0f, hot = 0.0f, sm = 0.0f;
-      if (t >= 0) {
-        const float cwt = cw != nullptr ? cw[t] : 1.0f;
-        const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
-        const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
-        a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
-        if (kSmooth) a += ce_s * (eps / static_cast<float>(v)) * p.class_weight_sum;
-        hot = ce_s * (1.0f - eps) * cwt;
-        sm = kSmooth ? ce_s * (eps / static_cast<float>(v)) : 0.0f;
-      }
+      RowTerms r{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // ignored rows: zeros
+      if (t >= 0) r = TermsOf(p, row, t, lse, zt, all.wz);
       if (rank == 0) {
-        float ce = 0.0f, zl = 0.0f;
-        if (t >= 0) {
-          const float cwt = cw != nullptr ? cw[t] : 1.0f;
-          ce = (1.0f - eps) * cwt * (lse - zt);
-          if (kSmooth) ce += (eps / static_cast<float>(v)) * (p.class_weight_sum * lse - all.wz);
-          zl = p.z_loss_scale * lse * lse;
-        }
         p.row_lse[row] = lse;
-        p.row_ce[row] = ce;
-        p.row_z[row] = zl;
+        p.row_ce[row] = r.ce;
+        p.row_z[row] = r.zl;
         p.row_pred[row] = all.best_j == 0x7fffffff ? 0 : all.best_j;
       }
-      coef[0] = a, coef[1] = hot, coef[2] = sm, coef[3] = lse;
+      coef[0] = r.a, coef[1] = r.hot, coef[2] = r.sm, coef[3] = lse;
     }
   }
   // Done reading the other blocks' shares; a block leaves (and its shared memory goes) only
@@ -543,34 +547,27 @@ __global__ void __launch_bounds__(kOneReadThreads)
 #pragma unroll
           for (int k = 0; k < kVec; ++k) u[k] += b[k];
         }
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
+        // g_j = (a p_j - hot [j == t] - sm cw_j) softcap'(u_j), in that order.
+        auto grad = [&](int k, bool target) {
           float x = u[k], th = 0.0f;
           if constexpr (kCap) {
             th = tanhf(x / cap);
             x = cap * th;
           }
           float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
+          if (target) gk -= hot;
           if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
           if constexpr (kCap) gk *= 1.0f - th * th;
-          g[k] = gk;
-        }
+          return gk;
+        };
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) g[k] = grad(k, false);
         if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
-          // The target's element: recomputed with the one-hot term in the same order as the
-          // formula (a p - hot, then the smoothing and the softcap factor).
+          // The target's element once more, with the one-hot term: checked once per 8
+          // elements instead of once per element.
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
-            if (k == t_local - j0) {
-              float x = u[k], th = 0.0f;
-              if constexpr (kCap) {
-                th = tanhf(x / cap);
-                x = cap * th;
-              }
-              float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2)) - hot;
-              if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-              if constexpr (kCap) gk *= 1.0f - th * th;
-              g[k] = gk;
-            }
+            if (k == t_local - j0) g[k] = grad(k, true);
           }
         }
       }
