@@ -84,7 +84,9 @@ done
 
 {
   echo "lossd bundle"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  # "-dirty": built from a tree with uncommitted changes to tracked files (then HEAD alone
+  # does not name what was measured).
+  echo "commit: $(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)"
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "targets: ${TARGETS[*]}"
 } > "$OUT/BUNDLE_INFO"
