@@ -1,0 +1,61 @@
+// The chunk plans (host-side arithmetic only): run everywhere the toolkit is, GPU or not.
+#include <cstdint>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/fused_loss.h"
+#include "kernels/dtype.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+TEST(ChunkPlanTest, FromBudgetAndShape) {
+  // The Llama-3 head at the default budget: four equal chunks of 2048 rows, within 512 MiB.
+  const ChunkPlan p = PlanChunks(8192, 128256, DType::kBF16, kDefaultChunkBudgetBytes, 0);
+  EXPECT_EQ(p.chunk_rows, 2048);
+  EXPECT_LE(p.workspace_bytes, kDefaultChunkBudgetBytes);
+  // Small problems take one chunk; an explicit chunk_rows wins.
+  EXPECT_EQ(PlanChunks(47, 123, DType::kF32, kDefaultChunkBudgetBytes, 0).chunk_rows, 47);
+  EXPECT_EQ(PlanChunks(47, 123, DType::kF32, kDefaultChunkBudgetBytes, 5).chunk_rows, 5);
+  // fp32 logits take twice the bytes: half the rows.
+  EXPECT_EQ(PlanChunks(8192, 128256, DType::kF32, kDefaultChunkBudgetBytes, 0).chunk_rows,
+            1024);
+}
+
+TEST(ChunkPlanTest, DefaultBudgetHoldsTwoThousandRows) {
+  // The reference shape keeps 512 MiB (2048 rows fit in it).
+  EXPECT_EQ(DefaultChunkBudget(8192, 128256, DType::kBF16), kDefaultChunkBudgetBytes);
+  // V = 256000: grown to 2048 rows plus the two workspaces, and planned as 2048-row chunks.
+  const uint64_t wide = DefaultChunkBudget(8192, 256000, DType::kBF16);
+  EXPECT_EQ(wide, 2048ull * 256000 * 2 + 2 * kGemmWorkspaceBytes);
+  EXPECT_EQ(PlanChunks(8192, 256000, DType::kBF16, wide, 0).chunk_rows, 2048);
+  // A short batch needs only its own rows; fp32 logits twice the bytes of bf16.
+  EXPECT_EQ(DefaultChunkBudget(1500, 256000, DType::kBF16),
+            1500ull * 256000 * 2 + 2 * kGemmWorkspaceBytes);
+  EXPECT_EQ(PlanChunks(1500, 256000, DType::kBF16, DefaultChunkBudget(1500, 256000, DType::kBF16),
+                       0)
+                .chunk_rows,
+            1500);
+  // Below the floor's rows the 512 MiB floor stands.
+  EXPECT_EQ(DefaultChunkBudget(1000, 256000, DType::kBF16), kDefaultChunkBudgetBytes);
+  EXPECT_EQ(DefaultChunkBudget(8192, 256000, DType::kF32), 2048ull * 256000 * 4 +
+                                                              2 * kGemmWorkspaceBytes);
+  // Never above the ceiling, never below the floor.
+  EXPECT_EQ(DefaultChunkBudget(8192, 4000000, DType::kBF16), kMaxDefaultChunkBudgetBytes);
+  EXPECT_EQ(DefaultChunkBudget(1, 8, DType::kBF16), kDefaultChunkBudgetBytes);
+}
+
+
+TEST(ChunkPlanTest, RowSplitHalvesFromFiveHundredTwelveRows) {
+  EXPECT_EQ(RowSplit(511), 511);  // one piece
+  EXPECT_EQ(RowSplit(512), 256);
+  EXPECT_EQ(RowSplit(2048), 1024);
+  const int64_t s = RowSplit(1201);
+  EXPECT_EQ(s % 64, 0);
+  EXPECT_GT(s, 0);
+  EXPECT_LT(s, 1201);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace lossd
