@@ -330,12 +330,6 @@ __device__ __forceinline__ Raw8<T> LoadRaw(const T* p) {
   return r;
 }
 
-template <typename T>
-__device__ __forceinline__ void StoreRaw(T* p, const Raw8<T>& r) {
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) reinterpret_cast<uint4*>(p)[i] = r.q[i];
-}
-
 __device__ __forceinline__ uint32_t Word(const uint4& q, int i) {
   return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
 }
