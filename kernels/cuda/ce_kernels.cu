@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 namespace lossd {
 namespace cuda {
@@ -307,8 +308,8 @@ constexpr int kOneReadThreads = 512;
 constexpr int kOneReadWarps = kOneReadThreads / 32;
 
 // The two halves of a cluster barrier, so that a block can do its own work in between.
-__device__ __forceinline__ void ClusterArrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void ClusterWait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -337,21 +338,22 @@ __device__ __forceinline__ uint32_t Word(const uint4& q, int i) {
 template <typename T>
 __device__ __forceinline__ T FromBits16(uint16_t b);
 template <>
-__device__ __forceinline__ __nv_bfloat16 FromBits16<__nv_bfloat16>(uint16_t b) {
-  return __ushort_as_bfloat16(b);
-}
-template <>
 __device__ __forceinline__ __half FromBits16<__half>(uint16_t b) {
   return __ushort_as_half(b);
 }
 
 // The eight values widened to fp32, element k of the eight in x[k] (the order LoadVec gives).
+// bf16 is the top half of an fp32, so a pair takes two integer instructions (a shift and a
+// mask), not the three of a 16-bit extract and a convert; the values are the same.
 template <typename T>
 __device__ __forceinline__ void Widen(const Raw8<T>& r, float (&x)[8]) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     if constexpr (sizeof(T) == 4) {
       x[k] = __uint_as_float(Word(r.q[k / 4], k % 4));
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const uint32_t w = Word(r.q[0], k / 2);
+      x[k] = __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
     } else {
       const uint32_t w = Word(r.q[0], k / 2);
       x[k] = ToFloat<T>(FromBits16<T>(static_cast<uint16_t>((k & 1) ? (w >> 16) : (w & 0xffffu))));
@@ -361,11 +363,14 @@ __device__ __forceinline__ void Widen(const Raw8<T>& r, float (&x)[8]) {
 
 #endif
 
-// Statistics of a block's segment and the facts the row outputs need, read by the other
-// blocks of the cluster.
+// A block's segment statistics and the facts the row outputs need, read by the other blocks of
+// the cluster: the max m, the sum s of exp(z - m), the first column holding m, the smoothing
+// sum, and the target's final logit (written by the block whose segment holds it).
 struct SegmentShare {
-  RowStats st;
-  float zt;  // final logit of the target, written by the block whose segment holds it
+  float m, s;
+  int best_j;
+  float wz;
+  float zt;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -376,20 +381,48 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+// Combines the (m, s, best_j, wz) of the 32 lanes; every lane gets the same result. The max
+// first, then each s rescaled to it once, then plain sums and a min: three butterflies of one
+// value each instead of five rounds of merging whole records. Every step is commutative, so the
+// two lanes of a butterfly pair compute the same bits and the order is fixed: deterministic.
+template <bool kSmooth>
+__device__ __forceinline__ void WarpCombine(float& m, float& s, int& best_j, float& wz) {
+  float mm = m;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, mask));
+  // A lane that saw nothing has m = -inf and s = 0; skip it so -inf - -inf never makes a NaN.
+  float ss = m == -INFINITY ? 0.0f : s * exp2f((m - mm) * kLog2e);
+  int jj = m == mm ? best_j : 0x7fffffff;  // the first column of the max, over the lanes that hold it
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    ss += __shfl_xor_sync(0xffffffffu, ss, mask);
+    jj = min(jj, __shfl_xor_sync(0xffffffffu, jj, mask));
+  }
+  if constexpr (kSmooth) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) wz += __shfl_xor_sync(0xffffffffu, wz, mask);
+  }
+  m = mm, s = ss, best_j = jj;
+}
 #endif
 
 // kCap: softcap on; kSmooth: label smoothing on. Templated so that the common case (neither)
-// spends about ten instructions an element: the kernel is bound by instructions as much as by
-// memory, so the per-element work is kept to the exponentials and what feeds them; the argmax
-// and the target are checked once per 8 elements.
+// spends about twelve instructions an element over both passes: the kernel issued one
+// instruction a cycle on every scheduler at 31 an element (H200 counters), about as many
+// cycles as the memory took, so the loops are kept to the exponentials and what feeds them.
+// The bias and an ignored row are decided once a block, outside the loops; the argmax and the
+// target are checked once per 8 elements.
 template <typename T, bool kCap, bool kSmooth>
 __global__ void __launch_bounds__(kOneReadThreads)
     OneReadCrossEntropyKernel(const CrossEntropyParams p, int32_t seg_cols, int cluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
+  using NoBias = std::integral_constant<bool, false>;
+  using WithBias = std::integral_constant<bool, true>;
   extern __shared__ __align__(16) unsigned char seg_raw[];
   T* seg = reinterpret_cast<T*>(seg_raw);
-  __shared__ RowStats shared[kOneReadWarps + 1];
+  __shared__ SegmentShare warps[kOneReadWarps];
   __shared__ SegmentShare share;
   __shared__ float coef[4];
   constexpr int kVec = 8;
@@ -406,6 +439,7 @@ __global__ void __launch_bounds__(kOneReadThreads)
   const float cap = p.softcap;
   const int t = p.targets[row];
   const int t_local = t - c0;  // the target's column within the segment (may be outside it)
+  const int j_first = threadIdx.x * kVec;
 
   // The segment, global to shared memory asynchronously: every load of the thread is in flight
   // at once, and none takes a register. Each thread reads back only what it copied, so waiting
@@ -413,7 +447,7 @@ __global__ void __launch_bounds__(kOneReadThreads)
   // computed while the second half is still arriving.
   const int half_end = min(n, (n / 2 + kStride - 1) / kStride * kStride);
   auto copy = [&](int begin, int end) {
-    for (int j0 = threadIdx.x * kVec + begin; j0 < end; j0 += kStride) {
+    for (int j0 = j_first + begin; j0 < end; j0 += kStride) {
 #pragma unroll
       for (int q = 0; q < static_cast<int>(sizeof(T) / 2); ++q) {
         const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(seg + j0)) + 16 * q;
@@ -428,9 +462,9 @@ __global__ void __launch_bounds__(kOneReadThreads)
   copy(half_end, n);
 
   // Final logits of 8 elements: stored value, plus bias, through the softcap.
-  auto final8 = [&](int j0, float (&x)[kVec]) {
+  auto final8 = [&](int j0, float (&x)[kVec], auto has_bias) {
     Widen<T>(LoadRaw<T>(seg + j0), x);
-    if (bias != nullptr) {
+    if constexpr (decltype(has_bias)::value) {
       float b[kVec];
       LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
@@ -442,133 +476,146 @@ __global__ void __launch_bounds__(kOneReadThreads)
     }
   };
 
-  RowStats st{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-  float m2 = -INFINITY;  // st.m * log2(e)
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-  for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
-    if (j0 >= half_end && j0 - kStride < half_end) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    }
-    float x[kVec];
-    final8(j0, x);
-    float vmax = x[0];
+  // The thread's statistics: max, sum of exp(z - max), the first column of the max (a
+  // strictly greater max, in increasing j, replaces it: the first index wins ties), smoothing sum.
+  float m = -INFINITY, s = 0.0f, wz = 0.0f;
+  int best_j = 0x7fffffff;
+  float m2 = -INFINITY;  // m * log2(e)
+  auto stats = [&](int begin, int end, auto has_bias) {
+    for (int j0 = j_first + begin; j0 < end; j0 += kStride) {
+      float x[kVec];
+      final8(j0, x, has_bias);
+      float vmax = x[0];
 #pragma unroll
-    for (int k = 1; k < kVec; ++k) vmax = fmaxf(vmax, x[k]);
-    if (vmax > st.best) {  // strict, in increasing j: the first index wins ties
-      int kb = 0;
+      for (int k = 1; k < kVec; ++k) vmax = fmaxf(vmax, x[k]);
+      if (vmax > m) {
+        int kb = 0;
 #pragma unroll
-      for (int k = kVec - 1; k >= 0; --k) kb = x[k] == vmax ? k : kb;
-      st.best = vmax;
-      st.best_j = c0 + j0 + kb;
-    }
-    if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
+        for (int k = kVec - 1; k >= 0; --k) kb = x[k] == vmax ? k : kb;
+        best_j = c0 + j0 + kb;
+        s = m == -INFINITY ? 0.0f : s * exp2f((m - vmax) * kLog2e);
+        m = vmax;
+        m2 = vmax * kLog2e;
+      }
+      if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        if (k == t_local - j0) share.zt = x[k];
+        for (int k = 0; k < kVec; ++k) {
+          if (k == t_local - j0) share.zt = x[k];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) s += Exp2Ftz(fmaf(x[k], kLog2e, -m2));
+      if constexpr (kSmooth) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
       }
     }
-    if (vmax > st.m) {
-      st.s = st.m == -INFINITY ? 0.0f : st.s * exp2f((st.m - vmax) * kLog2e);
-      st.m = vmax;
-      m2 = vmax * kLog2e;
-    }
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) st.s += Exp2Ftz(fmaf(x[k], kLog2e, -m2));
-    if constexpr (kSmooth) {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
-    }
+  };
+  auto both_halves = [&](auto has_bias) {
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    stats(0, half_end, has_bias);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    stats(half_end, n, has_bias);
+  };
+  if (bias != nullptr) {
+    both_halves(WithBias{});
+  } else {
+    both_halves(NoBias{});
   }
-  // The block's reduction (the same fixed tree as the two-pass kernel's).
+
+  // The block's statistics: each warp's, then warp 0 combines the warps'.
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
-  if (lane == 0) shared[warp] = st;
+  WarpCombine<kSmooth>(m, s, best_j, wz);
+  if (lane == 0) warps[warp] = SegmentShare{m, s, best_j, wz, 0.0f};
   __syncthreads();
   if (warp == 0) {
-    st = lane < kOneReadWarps ? shared[lane]
-                              : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) st = Merge(st, ShuffleXor(st, mask));
-    if (lane == 0) share.st = st;
+    m = -INFINITY, s = 0.0f, best_j = 0x7fffffff, wz = 0.0f;
+    if (lane < kOneReadWarps) {
+      const SegmentShare w = warps[lane];
+      m = w.m, s = w.s, best_j = w.best_j, wz = w.wz;
+    }
+    WarpCombine<kSmooth>(m, s, best_j, wz);
+    if (lane == 0) share.m = m, share.s = s, share.best_j = best_j, share.wz = wz;
   }
   // Every block's share is written and visible cluster-wide past this barrier.
   cl.sync();
   if (warp == 0) {
-    // Lane r fetches block r's share (all at once), then every lane merges the K of them in
-    // rank order: the same result in every block of the cluster.
-    SegmentShare mine{{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f}, 0.0f};
+    // Lane r fetches block r's share (all at once), and the lanes combine them in the same
+    // fixed order in every block of the cluster, so every block gets the same lse.
+    SegmentShare mine{-INFINITY, 0.0f, 0x7fffffff, 0.0f, 0.0f};
     if (lane < cluster) mine = *cl.map_shared_rank(&share, lane);
-    auto from = [&](int r) {
-      RowStats o;
-      o.m = __shfl_sync(0xffffffffu, mine.st.m, r);
-      o.s = __shfl_sync(0xffffffffu, mine.st.s, r);
-      o.best = __shfl_sync(0xffffffffu, mine.st.best, r);
-      o.best_j = __shfl_sync(0xffffffffu, mine.st.best_j, r);
-      o.wz = __shfl_sync(0xffffffffu, mine.st.wz, r);
-      return o;
-    };
-    RowStats all = from(0);
-    for (int r = 1; r < cluster; ++r) all = Merge(all, from(r));
     const float zt = __shfl_sync(0xffffffffu, mine.zt, t >= 0 ? t / seg_cols : 0);
+    float am = mine.m, as = mine.s, awz = mine.wz;
+    int aj = mine.best_j;
+    WarpCombine<kSmooth>(am, as, aj, awz);
     if (lane == 0) {
-      const float lse = all.m + logf(all.s);
+      const float lse = am + logf(as);
       RowTerms r{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // ignored rows: zeros
-      if (t >= 0) r = TermsOf(p, row, t, lse, zt, all.wz);
+      if (t >= 0) r = TermsOf(p, row, t, lse, zt, awz);
       if (rank == 0) {
         p.row_lse[row] = lse;
         p.row_ce[row] = r.ce;
         p.row_z[row] = r.zl;
-        p.row_pred[row] = all.best_j == 0x7fffffff ? 0 : all.best_j;
+        p.row_pred[row] = aj == 0x7fffffff ? 0 : aj;
       }
       coef[0] = r.a, coef[1] = r.hot, coef[2] = r.sm, coef[3] = lse;
     }
   }
-  // Done reading the other blocks' shares; a block leaves (and its shared memory goes) only
-  // once every block has arrived here.
-  ClusterArrive();
+  // Done reading the other blocks' shares (their values are in registers, consumed above); a
+  // block leaves, and its shared memory goes, only once every block has arrived here. Relaxed:
+  // nothing written before this point is read through the barrier, so the release's wait for
+  // this block's global stores to land is not needed.
+  ClusterArriveRelaxed();
   __syncthreads();
   if (p.write_grad) {
-    const float a = coef[0], hot = coef[1], sm = coef[2], lse2 = coef[3] * kLog2e;
-    for (int j0 = threadIdx.x * kVec; j0 < n; j0 += kStride) {
-      float g[kVec];
-      if (t < 0) {
+    if (t < 0) {
+      // An ignored row: a zero gradient.
+      const float zero[kVec] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (int j0 = j_first; j0 < n; j0 += kStride) StoreVec<T, kVec>(z + j0, zero);
+    } else {
+      const float a = coef[0], hot = coef[1], sm = coef[2], lse2 = coef[3] * kLog2e;
+      auto grad_loop = [&](auto has_bias) {
+        for (int j0 = j_first; j0 < n; j0 += kStride) {
+          float u[kVec], g[kVec];
+          Widen<T>(LoadRaw<T>(seg + j0), u);
+          if constexpr (decltype(has_bias)::value) {
+            float b[kVec];
+            LoadVec<T, kVec>(bias + c0 + j0, b);
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) g[k] = 0.0f;
+            for (int k = 0; k < kVec; ++k) u[k] += b[k];
+          }
+          // g_j = (a p_j - hot [j == t] - sm cw_j) softcap'(u_j), in that order.
+          auto grad = [&](int k, bool target) {
+            float x = u[k];
+            [[maybe_unused]] float th = 0.0f;
+            if constexpr (kCap) {
+              th = tanhf(x / cap);
+              x = cap * th;
+            }
+            float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
+            if (target) gk -= hot;
+            if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
+            if constexpr (kCap) gk *= 1.0f - th * th;
+            return gk;
+          };
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) g[k] = grad(k, false);
+          if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
+            // The target's element once more, with the one-hot term: checked once per 8
+            // elements instead of once per element.
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) {
+              if (k == t_local - j0) g[k] = grad(k, true);
+            }
+          }
+          StoreVec<T, kVec>(z + j0, g);
+        }
+      };
+      if (bias != nullptr) {
+        grad_loop(WithBias{});
       } else {
-        float u[kVec];
-        Widen<T>(LoadRaw<T>(seg + j0), u);
-        if (bias != nullptr) {
-          float b[kVec];
-          LoadVec<T, kVec>(bias + c0 + j0, b);
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) u[k] += b[k];
-        }
-        // g_j = (a p_j - hot [j == t] - sm cw_j) softcap'(u_j), in that order.
-        auto grad = [&](int k, bool target) {
-          float x = u[k], th = 0.0f;
-          if constexpr (kCap) {
-            th = tanhf(x / cap);
-            x = cap * th;
-          }
-          float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
-          if (target) gk -= hot;
-          if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-          if constexpr (kCap) gk *= 1.0f - th * th;
-          return gk;
-        };
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) g[k] = grad(k, false);
-        if (static_cast<unsigned>(t_local - j0) < static_cast<unsigned>(kVec)) {
-          // The target's element once more, with the one-hot term: checked once per 8
-          // elements instead of once per element.
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            if (k == t_local - j0) g[k] = grad(k, true);
-          }
-        }
+        grad_loop(NoBias{});
       }
-      StoreVec<T, kVec>(z + j0, g);
     }
   }
   ClusterWait();
@@ -645,20 +692,27 @@ template <typename T, bool kCap, bool kSmooth>
 cudaError_t LaunchOneReadK(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
   auto* kernel = OneReadCrossEntropyKernel<T, kCap, kSmooth>;
   const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
-  if (cluster > 8) {
-    // A non-portable cluster size (Hopper places 16); set per launch, as the attributes below.
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  // The attributes belong to the function on a device: set once per device (bit d of `ready`),
+  // not on every launch. Two threads may both set them the first time; that is harmless.
+  static std::atomic<uint64_t> ready{0};
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || (ready.load(std::memory_order_acquire) & bit) == 0) {
+    // Non-portable cluster sizes (Hopper places 16).
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kOneReadSegCols * sizeof(T)));
+    if (e != cudaSuccess) return e;
+    // As much of the unified L1 as shared memory as can be: three blocks of 64 KB a
+    // multiprocessor.
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+    if (e != cudaSuccess) return e;
+    ready.fetch_or(bit, std::memory_order_release);
   }
-  // On every launch: the attributes belong to the current device, which may change.
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kOneReadSegCols * sizeof(T)));
-  if (e != cudaSuccess) return e;
-  // As much of the unified L1 as shared memory as can be: three blocks of 64 KB a multiprocessor.
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared);
-  if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows * cluster));
   cfg.blockDim = dim3(kOneReadThreads);
