@@ -535,6 +535,60 @@ TEST_F(CudaTest, AgreesWithTheCpuBackend) {
   }
 }
 
+// The bias is part of the logits before they are stored (DESIGN.md: z = X W^T + b, stored in
+// the input dtype), on both backends and in every schedule. X and W hold small integers, so
+// X W^T is exact in fp32 and lands in [256, 576], where bf16 steps by 2 or 4, and the bias
+// holds quarters: bf16(X W^T + b) and bf16(X W^T) + b differ by up to 2 there. With the logits
+// equal the two backends differ only by fp32 arithmetic in the CE; rounding the bias
+// separately moves a row's lse by up to 2 (about 4e-3 relative), 400 times the bound below.
+TEST_F(CudaTest, BiasIsRoundedWithTheLogitsAsOnTheCpu) {
+  std::unique_ptr<Backend> cpu = NewCpuBackend(2);
+  OptionSet o = kOptions[0];
+  o.bias = true;
+  struct Config {
+    const char* name;
+    Schedule schedule;
+    bool whole_batch;
+    int64_t bt;  // the whole-batch layout needs BT * 2 <= 4 H
+  };
+  for (const Config& c : {Config{"rows", Schedule::kRowHalves, false, 700},
+                          Config{"columns", Schedule::kColumnHalves, false, 700},
+                          Config{"whole batch", Schedule::kRowHalves, true, 120}}) {
+    CudaBackendOptions bo;
+    bo.schedule = c.schedule;
+    bo.auto_schedule = false;
+    bo.whole_batch = c.whole_batch;
+    auto cuda = CudaBackend::Create(bo);
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    RandomProblem rp = RandomProblem::Make(MakeSpec({"b", c.bt, 64, 1536}, o, DType::kBF16, 21));
+    uint64_t state = 12345;
+    auto next = [&state] {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<int>(state >> 33);
+    };
+    for (size_t i = 0; i < rp.x.size() / 2; ++i) {
+      StoreFromFloat(rp.x.data(), DType::kBF16, i, static_cast<float>(2 + next() % 2));
+    }
+    for (size_t i = 0; i < rp.w.size() / 2; ++i) {
+      StoreFromFloat(rp.w.data(), DType::kBF16, i, static_cast<float>(2 + next() % 2));
+    }
+    for (size_t j = 0; j < rp.bias.size() / 2; ++j) {
+      StoreFromFloat(rp.bias.data(), DType::kBF16, j, 0.25f * static_cast<float>(next() % 7 - 3));
+    }
+    rp.RecomputeStats();
+    const LossProblem p = rp.problem();
+    HostOutputs a(p, DType::kBF16), b(p, DType::kBF16);
+    ASSERT_TRUE((*cuda)->Compute(p, a.outputs(), nullptr).ok()) << c.name;
+    ASSERT_TRUE(cpu->Compute(p, b.outputs(), nullptr).ok()) << c.name;
+    double worst = 0;
+    for (int64_t i = 0; i < p.bt; ++i) {
+      worst = std::max(worst, std::abs(static_cast<double>(a.lse[i]) - b.lse[i]) /
+                                  std::abs(static_cast<double>(b.lse[i])));
+    }
+    EXPECT_LE(worst, 1e-5) << c.name << ": largest relative lse difference, cuda vs cpu";
+  }
+}
+
 // The overlapped path (LossProblem::rows): X released in uneven steps while the Compute runs,
 // unreleased rows NaN. Every output must equal the whole-X Compute's byte for byte, in both
 // schedules, over several chunks (odd BT, so the last chunk is short), with a fresh dW and an

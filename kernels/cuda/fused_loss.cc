@@ -48,6 +48,16 @@ const char* Offset(const void* base, int64_t elements, size_t elem_size) {
   return static_cast<const char*>(base) + elements * static_cast<int64_t>(elem_size);
 }
 
+// Whether the logits GEMMs add the bias (cuBLASLt's bias epilogue): there is one, and its slice
+// at each of the `n` first columns is 16-byte aligned.
+bool BiasInGemm(const void* bias, size_t elem, const int64_t* first_cols, int n) {
+  if (bias == nullptr) return false;
+  for (int i = 0; i < n; ++i) {
+    if (PointerAlignment(Offset(bias, first_cols[i], elem)) < 16) return false;
+  }
+  return true;
+}
+
 // Frees whatever cuBLASLt descriptors were created, on every path out of Gemm.
 struct LtDescriptors {
   cublasLtMatmulDesc_t op = nullptr;
@@ -277,6 +287,9 @@ struct FusedLoss::Spec {
   cudaDataType d_type;
   uint64_t ws_bytes;
   int32_t sm_target;
+  // Non-null: cuBLASLt's bias epilogue adds bias[i] to row i of D (m values, D's type) before D
+  // is rounded to its type, so the stored logits are X W^T + b rounded once, as DESIGN.md says.
+  const void* bias;
 };
 
 namespace {
@@ -295,6 +308,13 @@ absl::Status Describe(const SpecT& g, LtDescriptors* desc) {
   if (g.sm_target > 0) {
     LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         desc->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &g.sm_target, sizeof(g.sm_target)));
+  }
+  if (g.bias != nullptr) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
   }
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
       &desc->a, g.ab_type, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda));
@@ -341,7 +361,8 @@ FusedLoss::AlgoKey FusedLoss::KeyOf(const Spec& g, int32_t rank) {
                  g.ldd,
                  static_cast<int>(PointerAlignment(g.a)),
                  static_cast<int>(PointerAlignment(g.b)),
-                 static_cast<int>(PointerAlignment(g.d)) | (g.beta != 0) << 16,
+                 static_cast<int>(PointerAlignment(g.d)) | (g.beta != 0) << 16 |
+                     (g.bias != nullptr) << 17,
                  g.ws_bytes,
                  g.sm_target,
                  rank};
@@ -351,9 +372,10 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
                              bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                              const void* a, int64_t lda, const void* b, int64_t ldb,
                              cudaDataType ab_type, float beta, void* d, int64_t ldd,
-                             cudaDataType d_type, int32_t sm_target, int32_t algo_rank) {
-  const Spec g{trans_a, trans_b, m,     n,   k,      a,        lda,      b,
-               ldb,     ab_type, beta,  d,   ldd,    d_type,   ws_bytes, sm_target};
+                             cudaDataType d_type, int32_t sm_target, int32_t algo_rank,
+                             const void* bias) {
+  const Spec g{trans_a, trans_b, m, n,      k,        a,         lda,  b,
+               ldb,     ab_type, beta, d, ldd, d_type, ws_bytes, sm_target, bias};
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   const AlgoKey key = KeyOf(g, algo_rank);
@@ -386,9 +408,9 @@ absl::Status FusedLoss::TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_byte
                                  bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                                  const void* a, int64_t lda, const void* b, int64_t ldb,
                                  cudaDataType ab_type, float beta, void* d, int64_t ldd,
-                                 cudaDataType d_type, int32_t sm_target) {
-  const Spec g{trans_a, trans_b, m,     n,   k,      a,        lda,      b,
-               ldb,     ab_type, beta,  d,   ldd,    d_type,   ws_bytes, sm_target};
+                                 cudaDataType d_type, int32_t sm_target, const void* bias) {
+  const Spec g{trans_a, trans_b, m, n,      k,        a,         lda,  b,
+               ldb,     ab_type, beta, d, ldd, d_type, ws_bytes, sm_target, bias};
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kTuneCandidates);
@@ -475,15 +497,17 @@ absl::Status FusedLoss::RunOrTune(bool tuning, cudaStream_t stream, void* ws, ui
                                   bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                                   const void* ap, int64_t lda, const void* bp, int64_t ldb,
                                   cudaDataType ab_type, float beta, void* dp, int64_t ldd,
-                                  cudaDataType d_type, int32_t sms, int32_t rank) {
+                                  cudaDataType d_type, int32_t sms, int32_t rank,
+                                  const void* bias) {
   if (!tuning) {
     return Gemm(stream, ws, ws_bytes, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab_type, beta, dp,
-                ldd, d_type, sms, rank);
+                ldd, d_type, sms, rank, bias);
   }
-  const Spec g{ta, tb, m, n, k, ap, lda, bp, ldb, ab_type, beta, dp, ldd, d_type, ws_bytes, sms};
+  const Spec g{ta,  tb,  m,      n,        k,   ap,  lda, bp, ldb,
+               ab_type, beta, dp, ldd, d_type, ws_bytes, sms, bias};
   if (rank != 0 || tuned_.count(KeyOf(g, 0)) != 0) return absl::OkStatus();
   return TuneGemm(main_, ws, ws_bytes, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab_type, beta, dp,
-                  ldd, d_type, sms);
+                  ldd, d_type, sms, bias);
 }
 
 absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace) {
@@ -529,10 +553,15 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   const int64_t vsplit = columns ? (a.v / 2 + 63) / 64 * 64 : a.v;
   const int64_t vbegin[2] = {0, vsplit};
   const int64_t vcount[2] = {vsplit, a.v - vsplit};
+  // The bias goes into the logits GEMM's epilogue (rounded with the logits, as on the CPU)
+  // where every logits GEMM's slice of it is 16-byte aligned, which the epilogue needs; else
+  // the CE kernel adds it to the stored logits in fp32.
+  const bool gemm_bias = BiasInGemm(a.bias, elem, vbegin, columns ? 2 : 1);
 
   // The cross-entropy of rows [r0, r0 + n) of the chunk starting at c0, on ce_.
   auto cross_entropy = [&](int64_t c0, int64_t r0, int64_t n) -> absl::Status {
     CrossEntropyParams p = RowParams(a, scales, write_grad, c0 + r0, n);
+    if (gemm_bias) p.bias = nullptr;  // already in the stored logits
     p.logits = logits + r0 * a.v * elem;
     return CudaStatus(LaunchCrossEntropy(p, ce_), "LaunchCrossEntropy");
   };
@@ -545,15 +574,16 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   auto gemm = [&](cudaStream_t stream, void* ws, bool ta, bool tb, int64_t m, int64_t n,
                   int64_t k, float alpha, const void* ap, int64_t lda, const void* bp,
                   int64_t ldb, float beta, void* dp, int64_t ldd, cudaDataType dt, int32_t sms,
-                  int32_t rank) -> absl::Status {
+                  int32_t rank, const void* bias = nullptr) -> absl::Status {
     return RunOrTune(tuning, stream, ws, gws, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab, beta,
-                     dp, ldd, dt, sms, rank);
+                     dp, ldd, dt, sms, rank, bias);
   };
-  // z[r0:r0+n, v0:v0+nv] = X_c[r0:r0+n] W[v0:v0+nv]^T, as z^T (nv x n) = W^T-view * X_c^T.
+  // z[r0:r0+n, v0:v0+nv] = X_c[r0:r0+n] W[v0:v0+nv]^T (+ b[v0:v0+nv] where the GEMM adds the
+  // bias), as z^T (nv x n) = W^T-view * X_c^T.
   auto logits_gemm = [&](int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv, int32_t sms) {
     return gemm(main_, ws_main, true, false, nv, n, a.h, 1.0f, Offset(a.w, v0 * a.h, elem), a.h,
                 Offset(a.x, (c0 + r0) * a.h, elem), a.h, 0.0f, logits + (r0 * a.v + v0) * elem,
-                a.v, ab, sms, rank_logits);
+                a.v, ab, sms, rank_logits, gemm_bias ? Offset(a.bias, v0, elem) : nullptr);
   };
   // dX_c^T (H x C) = W (H x V col-major) * G^T (V x C col-major).
   auto dx_gemm = [&](int64_t c0, int64_t rows, int32_t sms) -> absl::Status {
@@ -795,10 +825,12 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
   const int32_t rank_dw = algo_ranks_[static_cast<int>(GemmRole::kDw)];
   bool tuning = false;
   // Z_b[r0:r0+rows] = X[r0:r0+rows] W_b^T, stored (rows, cols_b) row-major in block b.
+  const bool gemm_bias = BiasInGemm(a.bias, elem, col0, n);  // as in Enqueue
   auto logits_gemm = [&](int b, int64_t r0, int64_t rows) {
     return RunOrTune(tuning, main_, ws_main, gws, true, false, cols[b], rows, h, 1.0f,
                      Offset(a.w, col0[b] * h, elem), h, Offset(a.x, r0 * h, elem), h, ab, 0.0f,
-                     gbase[b] + r0 * cols[b] * elem, cols[b], ab, 0, rank_logits);
+                     gbase[b] + r0 * cols[b] * elem, cols[b], ab, 0, rank_logits,
+                     gemm_bias ? Offset(a.bias, col0[b], elem) : nullptr);
   };
   // dX[r0:r0+rows] (+)= G_b[r0:r0+rows] W_b into fp32, blocks added in increasing order.
   auto dx_gemm = [&](int b, int64_t r0, int64_t rows) -> absl::Status {
@@ -846,6 +878,7 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
   for (int s = 0; s < halves; ++s) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
     CrossEntropyParams p = RowParams(a, scales, /*write_grad=*/true, hbegin[s], hcount[s]);
+    if (gemm_bias) p.bias = nullptr;  // already in the stored logits
     p.logits = nullptr;
     p.segments = n;
     for (int b = 0; b < n; ++b) {

@@ -231,10 +231,12 @@ class FusedLoss {
                         const void* b,  // op(B): (k, n) column-major, ldb
                         int64_t ldb, cudaDataType ab_type, float beta,
                         void* d,  // (m, n) column-major, ldd
-                        int64_t ldd, cudaDataType d_type, int32_t sm_target = 0);
+                        int64_t ldd, cudaDataType d_type, int32_t sm_target = 0,
+                        const void* bias = nullptr);
 
-  // D = alpha op(A) op(B) + beta D on `stream`, column-major (cuBLASLt's view of row-major
-  // tensors), fp32 accumulation, with `ws_bytes` of device workspace at `ws`. The algorithm is
+  // D = alpha op(A) op(B) + beta D (+ bias[i] on row i where `bias` is set: m values of D's
+  // type, 16-byte aligned, added before D is rounded) on `stream`, column-major (cuBLASLt's
+  // view of row-major tensors), fp32 accumulation, with `ws_bytes` of device workspace at `ws`. The algorithm is
   // chosen once per problem key and reused. Public so that benchmarks time the same GEMMs.
   absl::Status Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a, bool trans_b,
                     int64_t m, int64_t n, int64_t k, float alpha,
@@ -244,7 +246,7 @@ class FusedLoss {
                     int64_t ldb, cudaDataType ab_type, float beta,
                     void* d,  // (m, n) column-major, ldd
                     int64_t ldd, cudaDataType d_type, int32_t sm_target = 0,
-                    int32_t algo_rank = 0);
+                    int32_t algo_rank = 0, const void* bias = nullptr);
 
  private:
   FusedLoss() = default;
@@ -255,7 +257,7 @@ class FusedLoss {
                          bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* ap,
                          int64_t lda, const void* bp, int64_t ldb, cudaDataType ab_type,
                          float beta, void* dp, int64_t ldd, cudaDataType d_type, int32_t sms,
-                         int32_t rank);
+                         int32_t rank, const void* bias = nullptr);
   struct Spec;  // one GEMM's arguments (fused_loss.cc)
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                              int64_t, int, int, int, uint64_t, int32_t, int32_t>;
