@@ -60,9 +60,25 @@ struct OverlapScript {
   std::function<void()> before_last_x;
 };
 
+// `engine`: the server's engine, needed when the script waits for dX mid-stream. The server
+// starts a call before all of its X is in only on an idle executor, and looks again only when
+// another part comes, so a writer that stops to wait for dX while the previous test's job still
+// holds an executor thread (a loaded machine) would wait in vain: the call is made only once
+// the executor is idle.
 OverlapReply RunOverlap(v1::Loss::Stub& stub, v1::ComputeHeader header,
-                        const std::vector<v1::ComputeRequest>& parts, const OverlapScript& sc) {
+                        const std::vector<v1::ComputeRequest>& parts, const OverlapScript& sc,
+                        Engine* engine = nullptr) {
   header.set_overlap(true);
+  if (sc.x_parts_before_wait >= 0) {
+    EXPECT_NE(engine, nullptr) << "a script that waits for dX needs the engine";
+    if (engine != nullptr) {
+      const absl::Time limit = absl::Now() + absl::Seconds(10);
+      while (!engine->executor_idle() && absl::Now() < limit) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+      EXPECT_TRUE(engine->executor_idle()) << "the executor stayed busy for 10 s";
+    }
+  }
   OverlapReply reply;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
@@ -210,7 +226,7 @@ TEST_P(OverlapOptionsTest, ComputesWhileXArrivesAndGivesTheSameBits) {
 
   OverlapScript sc;
   sc.x_parts_before_wait = 30;  // rows [0, 30) in: chunks 0-2 can finish
-  OverlapReply o = RunOverlap(h_->stub(), HeaderFor(rp), parts, sc);
+  OverlapReply o = RunOverlap(h_->stub(), HeaderFor(rp), parts, sc, &h_->engine());
   ASSERT_TRUE(o.status.ok()) << o.status.error_message();
   EXPECT_TRUE(o.dx_before_x_done);
   ASSERT_EQ(o.summaries.size(), 2u);
@@ -304,7 +320,8 @@ TEST_F(OverlapTest, XCutOffWhileComputingFailsAndPoisonsTheAccumulator) {
   OverlapScript sc;
   sc.x_parts_before_wait = 20;
   sc.x_parts_total = 40;  // then the stream closes
-  OverlapReply o = RunOverlap(h_->stub(), hd, OverlapOrder(PartsFor(rp, RowBytes(s), false)), sc);
+  OverlapReply o = RunOverlap(h_->stub(), hd, OverlapOrder(PartsFor(rp, RowBytes(s), false)), sc,
+                              &h_->engine());
   EXPECT_EQ(o.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << o.status.error_message();
   const std::string want = "the Compute stream closed early: x has " +
                            std::to_string(40 * RowBytes(s)) + " of its " +
@@ -346,7 +363,7 @@ TEST_F(OverlapTest, ACancelWhileTheComputeWaitsForRowsFreesEverything) {
   sc.x_parts_total = 20;
   sc.cancel_instead_of_close = true;
   OverlapReply o = RunOverlap(h_->stub(), HeaderFor(rp), OverlapOrder(PartsFor(rp, RowBytes(s))),
-                              sc);
+                              sc, &h_->engine());
   EXPECT_EQ(o.status.error_code(), grpc::StatusCode::CANCELLED) << o.status.error_message();
   EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
   ExpectServes();
@@ -392,7 +409,8 @@ TEST(OverlapLimitsTest, RowsThatStopComingEndTheCallAtTheStallLimit) {
   sc.x_parts_total = 24;
   sc.hold_open_after = true;  // the sender neither closes nor cancels
   const auto t0 = std::chrono::steady_clock::now();
-  OverlapReply o = RunOverlap(h.stub(), HeaderFor(rp), OverlapOrder(PartsFor(rp, RowBytes(s))), sc);
+  OverlapReply o =
+      RunOverlap(h.stub(), HeaderFor(rp), OverlapOrder(PartsFor(rp, RowBytes(s))), sc, &h.engine());
   const double took =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(o.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << o.status.error_message();
