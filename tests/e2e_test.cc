@@ -14,7 +14,6 @@
 #include <grpcpp/generic/generic_stub.h>
 
 #include "gtest/gtest.h"
-#include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
 #include "tests/server_harness.h"
 
@@ -26,9 +25,7 @@ using testing_harness::Harness;
 using testing_harness::HarnessOptions;
 using testing_harness::HeaderFor;
 using testing_harness::MetricValue;
-using testing_harness::OutputsOf;
 using testing_harness::PartsFor;
-using testing_harness::ReplyScalars;
 using testing_harness::RunCompute;
 
 RandomProblemSpec SmallSpec(DType dtype = DType::kBF16, uint64_t seed = 1) {
@@ -42,20 +39,7 @@ RandomProblemSpec SmallSpec(DType dtype = DType::kBF16, uint64_t seed = 1) {
   return s;
 }
 
-::testing::AssertionResult ReplyMatchesReference(const RandomProblem& rp, ComputeReply& reply,
-                                                 DType grad_dtype) {
-  if (!reply.status.ok()) {
-    return ::testing::AssertionFailure()
-           << "status " << reply.status.error_code() << ": " << reply.status.error_message();
-  }
-  LossProblem p = rp.problem();
-  ReferenceOutputs ref;
-  absl::Status s = ReferenceCompute(p, &ref);
-  if (!s.ok()) return ::testing::AssertionFailure() << "reference: " << s;
-  ReplyScalars scalars;
-  LossOutputs got = OutputsOf(reply, p, grad_dtype, &scalars);
-  return MatchesReference(p, rp.stats(), ref, got);
-}
+using testing_harness::ReplyMatchesReference;
 
 // A valid request succeeds: used after every refusal to show the server keeps serving.
 void ExpectServes(Harness& h) {

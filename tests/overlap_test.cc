@@ -17,7 +17,6 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
 #include "tests/server_harness.h"
 
@@ -28,9 +27,7 @@ using testing_harness::ComputeReply;
 using testing_harness::Harness;
 using testing_harness::HarnessOptions;
 using testing_harness::HeaderFor;
-using testing_harness::OutputsOf;
 using testing_harness::PartsFor;
-using testing_harness::ReplyScalars;
 using testing_harness::RunCompute;
 
 // Every input but X first, then X: the order that lets the server start early.
@@ -250,12 +247,7 @@ TEST_P(OverlapOptionsTest, ComputesWhileXArrivesAndGivesTheSameBits) {
   as_reply.status = o.status;
   as_reply.summary = o.summaries[1];
   as_reply.tensors = o.tensors;
-  LossProblem p = rp.problem();
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-  ReplyScalars scalars;
-  LossOutputs got = OutputsOf(as_reply, p, s.dtype, &scalars);
-  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, got));
+  EXPECT_TRUE(testing_harness::ReplyMatchesReference(rp, as_reply, s.dtype));
   EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
 }
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/reference.h"
 
 namespace lossd {
 namespace testing_harness {
@@ -328,6 +329,21 @@ LossOutputs OutputsOf(ComputeReply& reply, const LossProblem& p, DType grad_dtyp
   out.dw = tensor(v1::TENSOR_DW);
   out.db = tensor(v1::TENSOR_DB);
   return out;
+}
+
+::testing::AssertionResult ReplyMatchesReference(const RandomProblem& rp, ComputeReply& reply,
+                                                 DType grad_dtype) {
+  if (!reply.status.ok()) {
+    return ::testing::AssertionFailure()
+           << "status " << reply.status.error_code() << ": " << reply.status.error_message();
+  }
+  LossProblem p = rp.problem();
+  ReferenceOutputs ref;
+  absl::Status s = ReferenceCompute(p, &ref);
+  if (!s.ok()) return ::testing::AssertionFailure() << "reference: " << s;
+  ReplyScalars scalars;
+  LossOutputs got = OutputsOf(reply, p, grad_dtype, &scalars);
+  return MatchesReference(p, rp.stats(), ref, got);
 }
 
 }  // namespace testing_harness

@@ -95,6 +95,12 @@ struct ReplyScalars {
 LossOutputs OutputsOf(ComputeReply& reply, const LossProblem& p, DType grad_dtype,
                       ReplyScalars* scalars);
 
+// A reply to rp's Compute is OK and its outputs (gradients in grad_dtype) match the float64
+// reference within the tolerance table; otherwise the failure says which (status, reference
+// or the mismatching elements).
+::testing::AssertionResult ReplyMatchesReference(const RandomProblem& rp, ComputeReply& reply,
+                                                 DType grad_dtype);
+
 }  // namespace testing_harness
 }  // namespace lossd
 

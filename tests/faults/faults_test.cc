@@ -18,7 +18,6 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
@@ -31,9 +30,7 @@ using testing_harness::ComputeReply;
 using testing_harness::Harness;
 using testing_harness::HarnessOptions;
 using testing_harness::HeaderFor;
-using testing_harness::OutputsOf;
 using testing_harness::PartsFor;
-using testing_harness::ReplyScalars;
 using testing_harness::RunCompute;
 
 RandomProblemSpec Spec(uint64_t seed, int64_t bt = 47, int64_t h = 31, int64_t v = 123) {
@@ -48,17 +45,7 @@ RandomProblemSpec Spec(uint64_t seed, int64_t bt = 47, int64_t h = 31, int64_t v
 }
 
 ::testing::AssertionResult MatchesRef(const RandomProblem& rp, ComputeReply& reply) {
-  if (!reply.status.ok()) {
-    return ::testing::AssertionFailure() << "status " << reply.status.error_code() << ": "
-                                         << reply.status.error_message();
-  }
-  LossProblem p = rp.problem();
-  ReferenceOutputs ref;
-  absl::Status s = ReferenceCompute(p, &ref);
-  if (!s.ok()) return ::testing::AssertionFailure() << "reference: " << s;
-  ReplyScalars scalars;
-  LossOutputs got = OutputsOf(reply, p, rp.spec().dtype, &scalars);
-  return MatchesReference(p, rp.stats(), ref, got);
+  return testing_harness::ReplyMatchesReference(rp, reply, rp.spec().dtype);
 }
 
 void ExpectServes(Harness& h) {

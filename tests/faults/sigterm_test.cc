@@ -22,7 +22,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
 #include "tests/server_harness.h"
 
@@ -31,9 +30,7 @@ namespace {
 
 using testing_harness::ComputeReply;
 using testing_harness::HeaderFor;
-using testing_harness::OutputsOf;
 using testing_harness::PartsFor;
-using testing_harness::ReplyScalars;
 using testing_harness::RunCompute;
 
 std::string ServerBinary() {
@@ -147,15 +144,7 @@ TEST(SigtermTest, InFlightComputesFinishOrFailCleanlyAndTheProcessExitsZero) {
 
   // The answer, checked against the float64 reference once; every later OK must equal it.
   ComputeReply want = RunCompute(*stub, header, parts);
-  ASSERT_TRUE(want.status.ok()) << want.status.error_message();
-  {
-    LossProblem p = rp.problem();
-    ReferenceOutputs ref;
-    ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-    ReplyScalars scalars;
-    LossOutputs got = OutputsOf(want, p, s.dtype, &scalars);
-    ASSERT_TRUE(MatchesReference(p, rp.stats(), ref, got));
-  }
+  ASSERT_TRUE(testing_harness::ReplyMatchesReference(rp, want, s.dtype));
 
   std::atomic<bool> signalled{false};
   std::atomic<bool> stop{false};

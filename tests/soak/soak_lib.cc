@@ -16,7 +16,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/cpu/reference.h"
 #include "kernels/cpu/test_util.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "tests/server_harness.h"
@@ -27,9 +26,7 @@ namespace {
 
 using testing_harness::ComputeReply;
 using testing_harness::HeaderFor;
-using testing_harness::OutputsOf;
 using testing_harness::PartsFor;
-using testing_harness::ReplyScalars;
 using testing_harness::RunCompute;
 using Clock = std::chrono::steady_clock;
 
@@ -294,15 +291,11 @@ class Soak {
         Fail(absl::StrCat("preparing: ", p.golden.status.error_message()));
         return false;
       }
-      LossProblem lp = p.rp->problem();
-      ReferenceOutputs ref;
-      absl::Status s = ReferenceCompute(lp, &ref);
-      ReplyScalars scalars;
-      LossOutputs got = OutputsOf(p.golden, lp, spec.dtype, &scalars);
-      ::testing::AssertionResult m = MatchesReference(lp, p.rp->stats(), ref, got);
-      if (!s.ok() || !m) {
+      ::testing::AssertionResult m =
+          testing_harness::ReplyMatchesReference(*p.rp, p.golden, spec.dtype);
+      if (!m) {
         Fail(absl::StrCat("problem ", problems_.size(), " does not match the reference: ",
-                          s.ok() ? m.message() : std::string(s.message())));
+                          m.message()));
         return false;
       }
       problems_.push_back(std::move(p));
