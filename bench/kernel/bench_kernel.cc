@@ -40,6 +40,10 @@ ABSL_FLAG(std::string, schedules, "0,1,2",
 ABSL_FLAG(std::string, ce_cols, "",
           "also time the one-read CE kernel with at most these many columns a block (comma "
           "list), beside its default, and a device copy of the same bytes");
+ABSL_FLAG(double, ce_softcap, 0,
+          "softcap for the CE kernels timed alone (--ce_only and the CE summary; 0: off)");
+ABSL_FLAG(double, ce_smoothing, 0,
+          "label smoothing for the CE kernels timed alone (--ce_only and the CE summary; 0: off)");
 ABSL_FLAG(bool, ce_only, false,
           "time only the cross-entropy kernels (both of them) at each shape's first-budget chunks");
 ABSL_FLAG(std::string, side_sms, "",
@@ -231,6 +235,8 @@ int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int
       p.targets = a.targets + c0;
       p.ce_scale = 1.0f / bt;
       p.class_weight_sum = static_cast<float>(v);
+      p.softcap = static_cast<float>(absl::GetFlag(FLAGS_ce_softcap));
+      p.label_smoothing = static_cast<float>(absl::GetFlag(FLAGS_ce_smoothing));
       p.write_grad = 1;
       p.row_lse = a.row_lse + c0;
       p.row_ce = a.row_ce + c0;
