@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,34 +23,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "client" / "python"))
+sys.path.insert(0, str(REPO / "client" / "python" / "tests"))
 
 import lossd  # noqa: E402
+from lossd_servers import find_lossd_binary as lossd_binary, free_port  # noqa: E402
 
 BT, H, V = 64, 32, 100
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def lossd_binary():
-    env = os.environ.get("LOSSD_BIN")
-    if env:
-        if not os.access(env, os.X_OK):
-            pytest.fail("LOSSD_BIN=%s is not an executable file" % env)
-        return env
-    # The build keeps no bazel-bin link in the tree (.bazelrc): ask Bazel where its outputs are.
-    try:
-        out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    cand = Path(out) / "server" / "lossd" if out else None
-    if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
-        return str(cand)
-    pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
 
 
 def prometheus_binary():

@@ -9,7 +9,6 @@ torch tests' tensors on the GPU (defaults: cpu, cpu).
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,10 +18,10 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 import lossd  # noqa: E402
+from lossd_servers import find_lossd_binary, free_port  # noqa: E402,F401
 
 BACKEND = os.environ.get("LOSSD_TEST_BACKEND", "cpu")
 
@@ -36,30 +35,6 @@ TOLERANCES = {
 }
 # Scalars (loss, z-loss, accuracy) against the float64 reference.
 SCALAR_RTOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2}
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def find_lossd_binary():
-    env = os.environ.get("LOSSD_BIN")
-    if env:
-        if not os.access(env, os.X_OK):
-            pytest.fail("LOSSD_BIN=%s is not an executable file" % env)
-        return env
-    # The build keeps no bazel-bin link in the tree (.bazelrc): ask Bazel where its outputs are.
-    try:
-        out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    cand = Path(out) / "server" / "lossd" if out else None
-    if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
-        return str(cand)
-    pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
 
 
 class LossdProcess:

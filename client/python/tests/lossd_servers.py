@@ -1,0 +1,37 @@
+"""What the Python client tests and the Prometheus end-to-end test both need to start a real
+lossd: a free loopback port and the lossd binary ($LOSSD_BIN, else
+$(bazel info bazel-bin)/server/lossd; skipped without one unless LOSSD_BIN is set, then a
+missing binary is a failure)."""
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_lossd_binary():
+    env = os.environ.get("LOSSD_BIN")
+    if env:
+        if not os.access(env, os.X_OK):
+            pytest.fail("LOSSD_BIN=%s is not an executable file" % env)
+        return env
+    # The build keeps no bazel-bin link in the tree (.bazelrc): ask Bazel where its outputs are.
+    try:
+        out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    cand = Path(out) / "server" / "lossd" if out else None
+    if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
+        return str(cand)
+    pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
