@@ -8,6 +8,16 @@
 namespace lossd {
 namespace {
 
+// A metric family with a single unlabelled series, registered in `r`; the series lives as long
+// as the registry.
+prometheus::Counter* UnlabelledCounter(prometheus::Registry& r, const char* name,
+                                       const char* help) {
+  return &prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});
+}
+prometheus::Gauge* UnlabelledGauge(prometheus::Registry& r, const char* name, const char* help) {
+  return &prometheus::BuildGauge().Name(name).Help(help).Register(r).Add({});
+}
+
 // Gauges computed from a StateSample at collection time.
 class StateCollector : public prometheus::Collectable {
  public:
@@ -80,36 +90,16 @@ ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
                     .Name("lossd_request_duration_seconds")
                     .Help("Time per RPC phase: receive, queue, compute, send, total.")
                     .Register(*registry_);
-  tokens_ = &prometheus::BuildCounter()
-                 .Name("lossd_tokens_total")
-                 .Help("Non-ignored tokens computed.")
-                 .Register(*registry_)
-                 .Add({});
-  bytes_in_ = &prometheus::BuildCounter()
-                   .Name("lossd_bytes_received_total")
-                   .Help("Tensor bytes received.")
-                   .Register(*registry_)
-                   .Add({});
-  bytes_out_ = &prometheus::BuildCounter()
-                    .Name("lossd_bytes_sent_total")
-                    .Help("Tensor bytes sent.")
-                    .Register(*registry_)
-                    .Add({});
-  flops_ = &prometheus::BuildCounter()
-                .Name("lossd_compute_flops_total")
-                .Help("Floating-point operations done (6 BT H V per Compute); rate() is FLOP/s.")
-                .Register(*registry_)
-                .Add({});
-  tflops_ = &prometheus::BuildGauge()
-                 .Name("lossd_last_compute_tflops")
-                 .Help("Achieved TFLOP/s of the last Compute (6 BT H V / compute time).")
-                 .Register(*registry_)
-                 .Add({});
-  in_flight_ = &prometheus::BuildGauge()
-                    .Name("lossd_requests_in_flight")
-                    .Help("RPCs started and not yet finished.")
-                    .Register(*registry_)
-                    .Add({});
+  tokens_ = UnlabelledCounter(*registry_, "lossd_tokens_total", "Non-ignored tokens computed.");
+  bytes_in_ = UnlabelledCounter(*registry_, "lossd_bytes_received_total", "Tensor bytes received.");
+  bytes_out_ = UnlabelledCounter(*registry_, "lossd_bytes_sent_total", "Tensor bytes sent.");
+  flops_ = UnlabelledCounter(
+      *registry_, "lossd_compute_flops_total",
+      "Floating-point operations done (6 BT H V per Compute); rate() is FLOP/s.");
+  tflops_ = UnlabelledGauge(*registry_, "lossd_last_compute_tflops",
+                            "Achieved TFLOP/s of the last Compute (6 BT H V / compute time).");
+  in_flight_ =
+      UnlabelledGauge(*registry_, "lossd_requests_in_flight", "RPCs started and not yet finished.");
 }
 
 void ServerMetrics::CountRequest(const std::string& method, const char* code) {
