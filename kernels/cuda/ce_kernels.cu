@@ -412,7 +412,8 @@ __device__ __forceinline__ void WarpCombine(float& m, float& s, int& best_j, flo
   for (int mask = 16; mask > 0; mask >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, mask));
   // A lane that saw nothing has m = -inf and s = 0; skip it so -inf - -inf never makes a NaN.
   float ss = m == -INFINITY ? 0.0f : s * exp2f((m - mm) * kLog2e);
-  int jj = m == mm ? best_j : 0x7fffffff;  // the first column of the max, over the lanes that hold it
+  // The first column of the max, over the lanes that hold it.
+  int jj = m == mm ? best_j : 0x7fffffff;
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) {
     ss += __shfl_xor_sync(0xffffffffu, ss, mask);

@@ -374,8 +374,8 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
                              cudaDataType ab_type, float beta, void* d, int64_t ldd,
                              cudaDataType d_type, int32_t sm_target, int32_t algo_rank,
                              const void* bias) {
-  const Spec g{trans_a, trans_b, m, n,      k,        a,         lda,  b,
-               ldb,     ab_type, beta, d, ldd, d_type, ws_bytes, sm_target, bias};
+  const Spec g{trans_a, trans_b, m, n,   k,      a,        lda,       b,   ldb,
+               ab_type, beta,    d, ldd, d_type, ws_bytes, sm_target, bias};
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   const AlgoKey key = KeyOf(g, algo_rank);
@@ -409,8 +409,8 @@ absl::Status FusedLoss::TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_byte
                                  const void* a, int64_t lda, const void* b, int64_t ldb,
                                  cudaDataType ab_type, float beta, void* d, int64_t ldd,
                                  cudaDataType d_type, int32_t sm_target, const void* bias) {
-  const Spec g{trans_a, trans_b, m, n,      k,        a,         lda,  b,
-               ldb,     ab_type, beta, d, ldd, d_type, ws_bytes, sm_target, bias};
+  const Spec g{trans_a, trans_b, m, n,   k,      a,        lda,       b,   ldb,
+               ab_type, beta,    d, ldd, d_type, ws_bytes, sm_target, bias};
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kTuneCandidates);
@@ -503,7 +503,7 @@ absl::Status FusedLoss::RunOrTune(bool tuning, cudaStream_t stream, void* ws, ui
     return Gemm(stream, ws, ws_bytes, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab_type, beta, dp,
                 ldd, d_type, sms, rank, bias);
   }
-  const Spec g{ta,  tb,  m,      n,        k,   ap,  lda, bp, ldb,
+  const Spec g{ta,      tb,   m,  n,   k,      ap,       lda, bp,  ldb,
                ab_type, beta, dp, ldd, d_type, ws_bytes, sms, bias};
   if (rank != 0 || tuned_.count(KeyOf(g, 0)) != 0) return absl::OkStatus();
   return TuneGemm(main_, ws, ws_bytes, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab_type, beta, dp,
@@ -660,9 +660,9 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   }
 
   // Overlapped path: main_ waits for rows [c0, c0 + rows) of X to be on the device before the
-  // GEMM(s) that read them (row halves: each half's own rows). The dW GEMM on side_ reads the same rows without a wait of its
-  // own: it follows ce_done_ (after the CE kernel), which follows logits_done_ on main_, which
-  // follows this wait, so it is covered in both schedules.
+  // GEMM(s) that read them (row halves: each half's own rows). The dW GEMM on side_ reads the
+  // same rows without a wait of its own: it follows ce_done_ (after the CE kernel), which
+  // follows logits_done_ on main_, which follows this wait, so it is covered in both schedules.
   auto x_ready = [&](int64_t c0, int64_t rows) -> absl::Status {
     if (a.hooks == nullptr) return absl::OkStatus();
     absl::StatusOr<cudaEvent_t> arrived = a.hooks->XReady(c0, c0 + rows);

@@ -236,8 +236,9 @@ class FusedLoss {
 
   // D = alpha op(A) op(B) + beta D (+ bias[i] on row i where `bias` is set: m values of D's
   // type, 16-byte aligned, added before D is rounded) on `stream`, column-major (cuBLASLt's
-  // view of row-major tensors), fp32 accumulation, with `ws_bytes` of device workspace at `ws`. The algorithm is
-  // chosen once per problem key and reused. Public so that benchmarks time the same GEMMs.
+  // view of row-major tensors), fp32 accumulation, with `ws_bytes` of device workspace at `ws`.
+  // The algorithm is chosen once per problem key and reused. Public so that benchmarks time the
+  // same GEMMs.
   absl::Status Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a, bool trans_b,
                     int64_t m, int64_t n, int64_t k, float alpha,
                     const void* a,  // op(A): (m, k) column-major, lda
