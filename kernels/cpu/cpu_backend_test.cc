@@ -683,26 +683,16 @@ TEST(CpuBackendTest, FailedRowWaitEndsTheComputeWithItsStatus) {
       spec.options.chunk_rows = 10;
       const RandomProblem rp = RandomProblem::Make(spec);
       const LossProblem whole = rp.problem();
-      TrickleRows::Spec ts;
-      ts.fail_after = fail_after;
-      ts.failure = failure;
-      TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
-      LossProblem streamed = whole;
-      streamed.x = rows.x();
-      streamed.rows = &rows;
-      HostOutputs got(whole, DType::kBF16);
-      const absl::Status st = NewCpuBackend(2)->Compute(streamed, got.outputs(), nullptr);
-      EXPECT_EQ(st.code(), failure.code()) << "after " << fail_after << ": " << st;
-      EXPECT_EQ(st.message(), failure.message()) << "after " << fail_after;
-      // The chunk that asked past the released rows was the last one read.
-      const std::vector<int64_t> waits = rows.waits();
-      ASSERT_FALSE(waits.empty());
-      EXPECT_GT(waits.back(), fail_after);
-      for (int64_t r : rows.dx_ready()) EXPECT_LE(r, fail_after) << "after " << fail_after;
+      std::unique_ptr<Backend> cpu = NewCpuBackend(2);
+      const std::unique_ptr<TrickleRows> rows = ExpectComputeEndsWithTheFailedWait(
+          [&](const LossProblem& p, const LossOutputs& out) {
+            return cpu->Compute(p, out, nullptr);
+          },
+          whole, failure, fail_after);
       if (fail_after == 0) {
         // The poison is what makes an early read visible: X never released is all NaN.
         LossProblem unreleased = whole;
-        unreleased.x = rows.x();
+        unreleased.x = rows->x();
         HostOutputs nan_out(whole, DType::kBF16);
         ASSERT_TRUE(NewCpuBackend(1)->Compute(unreleased, nan_out.outputs(), nullptr).ok());
         EXPECT_TRUE(std::isnan(nan_out.loss[0]));

@@ -693,4 +693,26 @@ void TrickleRows::Drain() {
   mu_.Await(absl::Condition(&done_));
 }
 
+std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
+    const std::function<absl::Status(const LossProblem&, const LossOutputs&)>& compute,
+    const LossProblem& whole, const absl::Status& failure, int64_t fail_after) {
+  TrickleRows::Spec ts;
+  ts.fail_after = fail_after;
+  ts.failure = failure;
+  auto rows = std::make_unique<TrickleRows>(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
+  LossProblem streamed = whole;
+  streamed.x = rows->x();
+  streamed.rows = rows.get();
+  HostOutputs got(whole, DType::kBF16);
+  const absl::Status st = compute(streamed, got.outputs());
+  EXPECT_EQ(st.code(), failure.code()) << "after " << fail_after << ": " << st;
+  EXPECT_EQ(st.message(), failure.message()) << "after " << fail_after;
+  // The chunk that asked past the released rows was the last one read.
+  const std::vector<int64_t> waits = rows->waits();
+  EXPECT_FALSE(waits.empty()) << "after " << fail_after;
+  if (!waits.empty()) EXPECT_GT(waits.back(), fail_after);
+  for (int64_t r : rows->dx_ready()) EXPECT_LE(r, fail_after) << "after " << fail_after;
+  return rows;
+}
+
 }  // namespace lossd

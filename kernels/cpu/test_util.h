@@ -6,6 +6,8 @@
 #define LOSSD_KERNELS_CPU_TEST_UTIL_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -230,6 +232,15 @@ class TrickleRows : public RowStream {
   std::vector<int64_t> dx_ready_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
+
+// The checks every backend shares for a compute whose rows of X stop coming: `whole`'s X goes
+// out through a TrickleRows that fails every wait past `fail_after` rows with `failure`, and
+// `compute` (a backend's Compute, outputs in bf16) must end with that very status, must have
+// waited past the released rows, and must not have reported dX for rows it never had. Returns
+// the TrickleRows, for the backend's own checks.
+std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
+    const std::function<absl::Status(const LossProblem&, const LossOutputs&)>& compute,
+    const LossProblem& whole, const absl::Status& failure, int64_t fail_after);
 
 }  // namespace lossd
 
