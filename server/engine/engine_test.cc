@@ -47,6 +47,16 @@ std::shared_ptr<Engine::InputBuffers> Inputs(const RandomProblem& rp, const Comp
   return in;
 }
 
+// A random problem of shape (bt, h, v), the spec's defaults otherwise.
+RandomProblem ProblemOf(int64_t bt, int64_t h, int64_t v, double ignore_fraction = 0) {
+  RandomProblemSpec s;
+  s.bt = bt;
+  s.h = h;
+  s.v = v;
+  s.ignore_fraction = ignore_fraction;
+  return RandomProblem::Make(s);
+}
+
 ComputeOutcome RunSync(Engine& e, const ComputePlan& plan,
                        std::shared_ptr<Engine::InputBuffers> in) {
   std::promise<ComputeOutcome> done;
@@ -57,11 +67,7 @@ ComputeOutcome RunSync(Engine& e, const ComputePlan& plan,
 
 TEST(EngineTest, PlanComputesByteCountsAndOutputs) {
   Engine e(NewCpuBackend(1), EngineOptions{});
-  RandomProblemSpec s;
-  s.bt = 5;
-  s.h = 3;
-  s.v = 7;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = ProblemOf(5, 3, 7);
   auto plan = e.Plan(SpecFor(rp));
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->input_bytes[static_cast<int>(InputSlot::kX)], 5u * 3 * 2);
@@ -87,12 +93,7 @@ TEST(EngineTest, ShapeLimitsAreNamed) {
 
 TEST(EngineTest, RunMatchesTheReference) {
   Engine e(NewCpuBackend(2), EngineOptions{});
-  RandomProblemSpec s;
-  s.bt = 33;
-  s.h = 17;
-  s.v = 77;
-  s.ignore_fraction = 0.2;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = ProblemOf(33, 17, 77, 0.2);
   auto plan = e.Plan(SpecFor(rp));
   ASSERT_TRUE(plan.ok());
   ComputeOutcome o = RunSync(e, *plan, Inputs(rp, *plan));
@@ -101,7 +102,7 @@ TEST(EngineTest, RunMatchesTheReference) {
   LossProblem p = rp.problem();
   ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
   LossOutputs got;
-  got.grad_dtype = s.dtype;
+  got.grad_dtype = rp.spec().dtype;
   got.loss = &o.loss;
   got.tokens = &o.tokens;
   got.dx = o.outputs[0].get();
@@ -111,12 +112,7 @@ TEST(EngineTest, RunMatchesTheReference) {
 
 TEST(EngineTest, EveryIgnoredTargetGivesZeroLossAndZeroGradients) {
   Engine e(NewCpuBackend(1), EngineOptions{});
-  RandomProblemSpec s;
-  s.bt = 9;
-  s.h = 5;
-  s.v = 11;
-  s.ignore_fraction = 1.0;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = ProblemOf(9, 5, 11, 1.0);
   auto plan = e.Plan(SpecFor(rp));
   ASSERT_TRUE(plan.ok());
   ComputeOutcome o = RunSync(e, *plan, Inputs(rp, *plan));
@@ -131,11 +127,7 @@ TEST(EngineTest, EveryIgnoredTargetGivesZeroLossAndZeroGradients) {
 
 TEST(EngineTest, AnAccumulatorOfAFailedMicroBatchIsNeverServedAsWhole) {
   Engine e(NewCpuBackend(1), EngineOptions{});
-  RandomProblemSpec s;
-  s.bt = 4;
-  s.h = 3;
-  s.v = 5;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = ProblemOf(4, 3, 5);
   ComputeSpec spec = SpecFor(rp);
   spec.accumulator = "acc";
   auto plan = e.Plan(spec);
@@ -151,19 +143,10 @@ TEST(EngineTest, AnAccumulatorOfAFailedMicroBatchIsNeverServedAsWhole) {
   EXPECT_EQ(g->micro_batches, 1u);
 }
 
-}  // namespace
-}  // namespace lossd
-
-namespace lossd {
-namespace {
 
 TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
   Engine e(NewCpuBackend(1), EngineOptions{});
-  RandomProblemSpec s;
-  s.bt = 4;
-  s.h = 3;
-  s.v = 5;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = ProblemOf(4, 3, 5);
   ComputeSpec spec = SpecFor(rp);
   spec.accumulator = "late";
   auto plan = e.Plan(spec);
@@ -179,11 +162,6 @@ TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
   EXPECT_EQ(e.FetchGradients("late", false).status().code(), absl::StatusCode::kNotFound);
 }
 
-}  // namespace
-}  // namespace lossd
-
-namespace lossd {
-namespace {
 
 // A stripe whose header arrives after its upload was aborted (a sibling failed) or completed
 // is refused, and starts no fresh upload under the same id: nothing stays reserved.
