@@ -486,8 +486,8 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
 
-  // Final logits of 8 elements: stored value, plus bias, through the softcap.
-  auto final8 = [&](int j0, float (&x)[kVec], auto has_bias) {
+  // 8 elements as stored, plus the bias where there is one (before the softcap).
+  auto stored8 = [&](int j0, float (&x)[kVec], auto has_bias) {
     Widen<T>(LoadRaw<T>(seg + j0), x);
     if constexpr (decltype(has_bias)::value) {
       float b[kVec];
@@ -495,6 +495,10 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
 #pragma unroll
       for (int k = 0; k < kVec; ++k) x[k] += b[k];
     }
+  };
+  // Final logits of 8 elements: stored value, plus bias, through the softcap.
+  auto final8 = [&](int j0, float (&x)[kVec], auto has_bias) {
+    stored8(j0, x, has_bias);
     if constexpr (kCap) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] / cap);
@@ -608,13 +612,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
       auto grad_loop = [&](auto has_bias) {
         for (int j0 = j_first; j0 < n; j0 += kStride) {
           float u[kVec], g[kVec];
-          Widen<T>(LoadRaw<T>(seg + j0), u);
-          if constexpr (decltype(has_bias)::value) {
-            float b[kVec];
-            LoadVec<T, kVec>(bias + c0 + j0, b);
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) u[k] += b[k];
-          }
+          stored8(j0, u, has_bias);
           // g_j = (a p_j - hot [j == t] - sm cw_j) softcap'(u_j), in that order.
           auto grad = [&](int k, bool target) {
             float x = u[k];
