@@ -50,20 +50,58 @@ __device__ __forceinline__ float FromFloat<float>(float x) {
   return x;
 }
 
+// Eight consecutive elements as raw bits: one 16-byte word for 16-bit types, two for fp32.
+template <typename T>
+struct Raw8 {
+  uint4 q[sizeof(T) / 2];
+};
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> LoadRaw(const T* p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) {
+    r.q[i] = reinterpret_cast<const uint4*>(p)[i];
+  }
+  return r;
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& q, int i) {
+  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+template <typename T>
+__device__ __forceinline__ T FromBits16(uint16_t b);
+template <>
+__device__ __forceinline__ __half FromBits16<__half>(uint16_t b) {
+  return __ushort_as_half(b);
+}
+
+// The eight values widened to fp32, element k of the eight in x[k] (in memory order).
+// bf16 is the top half of an fp32, so a pair takes two integer instructions (a shift and a
+// mask), not the three of a 16-bit extract and a convert; the values are the same.
+template <typename T>
+__device__ __forceinline__ void Widen(const Raw8<T>& r, float (&x)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    if constexpr (sizeof(T) == 4) {
+      x[k] = __uint_as_float(Word(r.q[k / 4], k % 4));
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const uint32_t w = Word(r.q[0], k / 2);
+      x[k] = __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
+    } else {
+      const uint32_t w = Word(r.q[0], k / 2);
+      x[k] = ToFloat<T>(FromBits16<T>(static_cast<uint16_t>((k & 1) ? (w >> 16) : (w & 0xffffu))));
+    }
+  }
+}
+
 // Loads kVec consecutive elements starting at p, widened to fp32. With kVec == 8, p is
 // 16-byte aligned: one 16-byte load for 16-bit types, two for fp32.
 template <typename T, int kVec>
 __device__ __forceinline__ void LoadVec(const T* p, float (&out)[kVec]) {
-  if constexpr (kVec == 8 && sizeof(T) == 2) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) out[k] = ToFloat<T>(e[k]);
-  } else if constexpr (kVec == 8 && sizeof(T) == 4) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  if constexpr (kVec == 8) {
+    Widen<T>(LoadRaw<T>(p), out);
   } else {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) out[k] = ToFloat<T>(p[k]);
@@ -137,10 +175,14 @@ __device__ RowStats BlockReduce(RowStats x, RowStats* shared) {
   return shared[kWarps];
 }
 
-// Final logit of element j from its stored value u (bias and softcap applied in fp32).
-__device__ __forceinline__ float Capped(float u, float cap) {
-  return cap > 0.0f ? cap * tanhf(u / cap) : u;
+// Final logit of element j from its stored value u (bias and softcap applied in fp32). The
+// softcap multiplies by 1 / cap (inv_cap) as the CPU backend does: an fp32 division is a
+// dozen instructions and a branch to its slow path, more than the tanhf itself.
+__device__ __forceinline__ float Capped(float u, float cap, float inv_cap) {
+  return cap > 0.0f ? cap * tanhf(u * inv_cap) : u;
 }
+
+__device__ __forceinline__ float InverseOf(float cap) { return cap > 0.0f ? 1.0f / cap : 0.0f; }
 
 // The per-row results and gradient coefficients of a non-ignored row (t >= 0) from its lse,
 // its target's final logit zt and the smoothing sum wz; both kernels use it, so they agree on
@@ -185,6 +227,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
   const T* bias = static_cast<const T*>(p.bias);
   const float* cw = p.class_weights;
   const float cap = p.softcap;
+  const float inv_cap = InverseOf(cap);
   const float eps = p.label_smoothing;
   const bool smooth = eps > 0.0f;
   const int t = p.targets[row];
@@ -207,7 +250,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
       float vmax = -INFINITY;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        x[k] = Capped(x[k], cap);
+        x[k] = Capped(x[k], cap, inv_cap);
         vmax = fmaxf(vmax, x[k]);
         if (x[k] > st.best) {  // strict, in increasing j: the first index wins ties
           st.best = x[k];
@@ -236,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
       while (ts + 1 < nseg && seg_col0(ts + 1) <= t) ++ts;
       float zt = ToFloat<T>(seg_ptr(ts)[t - seg_col0(ts)]);
       if (bias != nullptr) zt += ToFloat<T>(bias[t]);
-      zt = Capped(zt, cap);
+      zt = Capped(zt, cap, inv_cap);
       const RowTerms r = TermsOf(p, row, t, lse, zt, st.wz);
       ce = r.ce;
       zl = r.zl;
@@ -276,7 +319,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
         for (int k = 0; k < kVec; ++k) {
           float th = 0.0f, x = g[k];
           if (cap > 0.0f) {
-            th = tanhf(x / cap);
+            th = tanhf(x * inv_cap);
             x = cap * th;
           }
           const float pj = exp2f((x - lse) * kLog2e);
@@ -320,52 +363,6 @@ __device__ __forceinline__ void ClusterWait() {
 }
 #endif
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Eight consecutive elements as raw bits: one 16-byte word for 16-bit types, two for fp32.
-template <typename T>
-struct Raw8 {
-  uint4 q[sizeof(T) / 2];
-};
-
-template <typename T>
-__device__ __forceinline__ Raw8<T> LoadRaw(const T* p) {
-  Raw8<T> r;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(T) / 2); ++i) r.q[i] = reinterpret_cast<const uint4*>(p)[i];
-  return r;
-}
-
-__device__ __forceinline__ uint32_t Word(const uint4& q, int i) {
-  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
-}
-
-template <typename T>
-__device__ __forceinline__ T FromBits16(uint16_t b);
-template <>
-__device__ __forceinline__ __half FromBits16<__half>(uint16_t b) {
-  return __ushort_as_half(b);
-}
-
-// The eight values widened to fp32, element k of the eight in x[k] (the order LoadVec gives).
-// bf16 is the top half of an fp32, so a pair takes two integer instructions (a shift and a
-// mask), not the three of a 16-bit extract and a convert; the values are the same.
-template <typename T>
-__device__ __forceinline__ void Widen(const Raw8<T>& r, float (&x)[8]) {
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    if constexpr (sizeof(T) == 4) {
-      x[k] = __uint_as_float(Word(r.q[k / 4], k % 4));
-    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      const uint32_t w = Word(r.q[0], k / 2);
-      x[k] = __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
-    } else {
-      const uint32_t w = Word(r.q[0], k / 2);
-      x[k] = ToFloat<T>(FromBits16<T>(static_cast<uint16_t>((k & 1) ? (w >> 16) : (w & 0xffffu))));
-    }
-  }
-}
-
-#endif
 
 // A block's segment statistics and the facts the row outputs need, read by the other blocks of
 // the cluster: the max m, the sum s of exp(z - m), the first column holding m, the smoothing
@@ -460,6 +457,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
   const T* bias = static_cast<const T*>(p.bias);
   const float* cw = p.class_weights;
   const float cap = p.softcap;
+  const float inv_cap = InverseOf(cap);
   const int t = p.targets[row];
   const int t_local = t - c0;  // the target's column within the segment (may be outside it)
   const int j_first = threadIdx.x * kVec;
@@ -488,7 +486,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
 
   // 8 elements as stored, plus the bias where there is one (before the softcap).
   auto stored8 = [&](int j0, float (&x)[kVec], auto has_bias) {
-    Widen<T>(LoadRaw<T>(seg + j0), x);
+    LoadVec<T, kVec>(seg + j0, x);
     if constexpr (decltype(has_bias)::value) {
       float b[kVec];
       LoadVec<T, kVec>(bias + c0 + j0, b);
@@ -501,7 +499,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
     stored8(j0, x, has_bias);
     if constexpr (kCap) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] / cap);
+      for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] * inv_cap);
     }
   };
 
@@ -618,7 +616,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
             float x = u[k];
             [[maybe_unused]] float th = 0.0f;
             if constexpr (kCap) {
-              th = tanhf(x / cap);
+              th = tanhf(x * inv_cap);
               x = cap * th;
             }
             float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
@@ -669,6 +667,53 @@ __global__ void CastKernel(const float* src, T* dst, int64_t n) {
   }
 }
 
+// The one-read kernel's function attributes on the current device, set once per device (bit d
+// of `ready`), not on every launch; two threads may both set them the first time, harmlessly.
+template <typename T, bool kCap, bool kSmooth>
+cudaError_t PrepareOneRead() {
+  auto* kernel = OneReadCrossEntropyKernel<T, kCap, kSmooth>;
+  static std::atomic<uint64_t> ready{0};
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (ready.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  // Non-portable cluster sizes (Hopper places 16).
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kOneReadSegCols * sizeof(T)));
+  if (e != cudaSuccess) return e;
+  // As much of the unified L1 as shared memory as can be: three blocks of 64 KB a
+  // multiprocessor.
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared);
+  if (e != cudaSuccess) return e;
+  ready.fetch_or(bit, std::memory_order_release);
+  return cudaSuccess;
+}
+
+// The launch configuration of `blocks` one-read blocks in clusters of `cluster`, each with
+// `smem` bytes of segment. Holds the attribute the configuration points at, so it is not copied.
+struct OneReadLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  OneReadLaunch(unsigned blocks, int cluster, size_t smem, cudaStream_t stream) {
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(kOneReadThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  OneReadLaunch(const OneReadLaunch&) = delete;
+  OneReadLaunch& operator=(const OneReadLaunch&) = delete;
+};
+
 // The largest cluster of one-read blocks the current device runs: 0 before compute
 // capability 9.0 (no clusters), else 8 (the portable size), or 16 where the device can place a
 // cluster of 16 of them; asked once per device.
@@ -685,24 +730,12 @@ int DeviceMaxCluster() {
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
       major >= 9) {
     best = 8;
-    auto* kernel = OneReadCrossEntropyKernel<__nv_bfloat16, false, false>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-            cudaSuccess &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(kOneReadSegCols * 2)) == cudaSuccess) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(16 * 64);
-      cfg.blockDim = dim3(kOneReadThreads);
-      cfg.dynamicSmemBytes = static_cast<size_t>(kOneReadSegCols) * 2;  // widest 16-bit segment
-      cudaLaunchAttribute la[1];
-      la[0].id = cudaLaunchAttributeClusterDimension;
-      la[0].val.clusterDim.x = 16;
-      la[0].val.clusterDim.y = 1;
-      la[0].val.clusterDim.z = 1;
-      cfg.attrs = la;
-      cfg.numAttrs = 1;
+    if (PrepareOneRead<__nv_bfloat16, false, false>() == cudaSuccess) {
+      // 64 clusters of 16 blocks, each with the widest 16-bit segment.
+      const OneReadLaunch l(16 * 64, 16, static_cast<size_t>(kOneReadSegCols) * 2, nullptr);
+      auto* kernel = OneReadCrossEntropyKernel<__nv_bfloat16, false, false>;
       int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess &&
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &l.cfg) == cudaSuccess &&
           clusters > 0) {
         best = 16;
       }
@@ -719,42 +752,13 @@ int64_t OneReadSegmentCols(int64_t v, int cluster) {
 
 template <typename T, bool kCap, bool kSmooth>
 cudaError_t LaunchOneReadK(const CrossEntropyParams& p, int cluster, cudaStream_t stream) {
-  auto* kernel = OneReadCrossEntropyKernel<T, kCap, kSmooth>;
-  const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
-  // The attributes belong to the function on a device: set once per device (bit d of `ready`),
-  // not on every launch. Two threads may both set them the first time; that is harmless.
-  static std::atomic<uint64_t> ready{0};
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
+  const cudaError_t e = PrepareOneRead<T, kCap, kSmooth>();
   if (e != cudaSuccess) return e;
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || (ready.load(std::memory_order_acquire) & bit) == 0) {
-    // Non-portable cluster sizes (Hopper places 16).
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(kOneReadSegCols * sizeof(T)));
-    if (e != cudaSuccess) return e;
-    // As much of the unified L1 as shared memory as can be: three blocks of 64 KB a
-    // multiprocessor.
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
-    if (e != cudaSuccess) return e;
-    ready.fetch_or(bit, std::memory_order_release);
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.rows * cluster));
-  cfg.blockDim = dim3(kOneReadThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(seg_cols) * sizeof(T);
-  cfg.stream = stream;
-  cudaLaunchAttribute la[1];
-  la[0].id = cudaLaunchAttributeClusterDimension;
-  la[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  la[0].val.clusterDim.y = 1;
-  la[0].val.clusterDim.z = 1;
-  cfg.attrs = la;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int32_t>(seg_cols), cluster);
+  const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
+  const OneReadLaunch l(static_cast<unsigned>(p.rows * cluster), cluster,
+                        static_cast<size_t>(seg_cols) * sizeof(T), stream);
+  return cudaLaunchKernelEx(&l.cfg, OneReadCrossEntropyKernel<T, kCap, kSmooth>, p,
+                            static_cast<int32_t>(seg_cols), cluster);
 }
 
 template <typename T>
