@@ -175,14 +175,43 @@ __device__ RowStats BlockReduce(RowStats x, RowStats* shared) {
   return shared[kWarps];
 }
 
-// Final logit of element j from its stored value u (bias and softcap applied in fp32). The
-// softcap multiplies by 1 / cap (inv_cap) as the CPU backend does: an fp32 division is a
-// dozen instructions and a branch to its slow path, more than the tanhf itself.
+// The element formulas of both kernels say where an FMA goes (fmaf) and round every other
+// product, sum and difference on its own (__fmul_rn and its kin are never contracted). Left
+// to itself the compiler may fuse a p - sm cw either way round, and did so differently in the
+// bf16 and the fp32 instantiation of the one-read kernel, which then disagreed in the last bit
+// of about one gradient element in a million (GPU host, smoothing with softcap); the
+// fp32-compute path must give the same bits for bf16 storage and for the same values in fp32.
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
+
+// The softcapped logit cap tanh(u / cap), as cap tanh(u (1 / cap)) the way the CPU backend has
+// it (inv_cap = 1 / cap): an fp32 division is a dozen instructions and a call to its slow path,
+// more than the tanhf itself. th gets the tanh, for the derivative 1 - th^2.
+__device__ __forceinline__ float Softcap(float u, float cap, float inv_cap, float& th) {
+  th = tanhf(Mul(u, inv_cap));
+  return Mul(cap, th);
+}
+
+// Final logit of element j from its stored value u (bias and softcap applied in fp32).
 __device__ __forceinline__ float Capped(float u, float cap, float inv_cap) {
-  return cap > 0.0f ? cap * tanhf(u * inv_cap) : u;
+  float th;
+  return cap > 0.0f ? Softcap(u, cap, inv_cap, th) : u;
 }
 
 __device__ __forceinline__ float InverseOf(float cap) { return cap > 0.0f ? 1.0f / cap : 0.0f; }
+
+// The gradient of element j from its p_j: a p_j - hot [j == t] - sm cw_j, times the softcap's
+// 1 - th^2 where there is one, in that order.
+template <bool kSmooth, bool kCap>
+__device__ __forceinline__ float GradOf(float a, float pj, bool target, float hot, float sm,
+                                        float cwj, float th) {
+  float g = Mul(a, pj);
+  if (target) g = Sub(g, hot);
+  if constexpr (kSmooth) g = fmaf(-sm, cwj, g);
+  if constexpr (kCap) g = Mul(g, fmaf(-th, th, 1.0f));
+  return g;
+}
 
 // The per-row results and gradient coefficients of a non-ignored row (t >= 0) from its lse,
 // its target's final logit zt and the smoothing sum wz; both kernels use it, so they agree on
@@ -198,15 +227,16 @@ __device__ __forceinline__ RowTerms TermsOf(const CrossEntropyParams& p, int64_t
   const bool smooth = eps > 0.0f;
   const float cwt = p.class_weights != nullptr ? p.class_weights[t] : 1.0f;
   RowTerms r;
-  r.ce = (1.0f - eps) * cwt * (lse - zt);
-  if (smooth) r.ce += (eps / static_cast<float>(p.v)) * (p.class_weight_sum * lse - wz);
-  r.zl = p.z_loss_scale * lse * lse;
+  const float keep = Sub(1.0f, eps), spread = eps / static_cast<float>(p.v);
+  r.ce = Mul(Mul(keep, cwt), Sub(lse, zt));
+  if (smooth) r.ce = Add(r.ce, Mul(spread, Sub(Mul(p.class_weight_sum, lse), wz)));
+  r.zl = Mul(Mul(p.z_loss_scale, lse), lse);
   const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
-  const float ce_s = p.ce_scale * rs, z_s = p.z_scale * rs;
-  r.a = ce_s * (1.0f - eps) * cwt + z_s * 2.0f * p.z_loss_scale * lse;
-  if (smooth) r.a += ce_s * (eps / static_cast<float>(p.v)) * p.class_weight_sum;
-  r.hot = ce_s * (1.0f - eps) * cwt;
-  r.sm = smooth ? ce_s * (eps / static_cast<float>(p.v)) : 0.0f;
+  const float ce_s = Mul(p.ce_scale, rs), z_s = Mul(p.z_scale, rs);
+  r.hot = Mul(Mul(ce_s, keep), cwt);
+  r.a = Add(r.hot, Mul(Mul(Mul(z_s, 2.0f), p.z_loss_scale), lse));
+  if (smooth) r.a = Add(r.a, Mul(Mul(ce_s, spread), p.class_weight_sum));
+  r.sm = smooth ? Mul(ce_s, spread) : 0.0f;
   return r;
 }
 
@@ -265,7 +295,9 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
       for (int k = 0; k < kVec; ++k) st.s += exp2f((x[k] - st.m) * kLog2e);
       if (smooth) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) st.wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
+        for (int k = 0; k < kVec; ++k) {
+          st.wz = fmaf(cw != nullptr ? cw[c0 + j0 + k] : 1.0f, x[k], st.wz);
+        }
       }
     }
   }
@@ -318,16 +350,17 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           float th = 0.0f, x = g[k];
-          if (cap > 0.0f) {
-            th = tanhf(x * inv_cap);
-            x = cap * th;
-          }
+          if (cap > 0.0f) x = Softcap(x, cap, inv_cap, th);
           const float pj = exp2f((x - lse) * kLog2e);
-          float gk = a * pj;
-          if (c0 + j0 + k == t) gk -= hot;
-          if (smooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-          if (cap > 0.0f) gk *= 1.0f - th * th;
-          g[k] = gk;
+          const float cwj = smooth && cw != nullptr ? cw[c0 + j0 + k] : 1.0f;
+          const bool target = c0 + j0 + k == t;
+          if (smooth) {
+            g[k] = cap > 0.0f ? GradOf<true, true>(a, pj, target, hot, sm, cwj, th)
+                              : GradOf<true, false>(a, pj, target, hot, sm, cwj, th);
+          } else {
+            g[k] = cap > 0.0f ? GradOf<false, true>(a, pj, target, hot, sm, cwj, th)
+                              : GradOf<false, false>(a, pj, target, hot, sm, cwj, th);
+          }
         }
       }
       StoreVec<T, kVec>(z + j0, g);
@@ -499,7 +532,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
     stored8(j0, x, has_bias);
     if constexpr (kCap) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[k] = cap * tanhf(x[k] * inv_cap);
+      for (int k = 0; k < kVec; ++k) x[k] = Capped(x[k], cap, inv_cap);
     }
   };
 
@@ -538,7 +571,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
       for (int k = 0; k < kVec; ++k) s += Exp2Ftz(fmaf(x[k], kLog2e, -m2));
       if constexpr (kSmooth) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) wz += (cw != nullptr ? cw[c0 + j0 + k] : 1.0f) * x[k];
+        for (int k = 0; k < kVec; ++k) wz = fmaf(cw != nullptr ? cw[c0 + j0 + k] : 1.0f, x[k], wz);
       }
     }
   };
@@ -613,17 +646,11 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
           stored8(j0, u, has_bias);
           // g_j = (a p_j - hot [j == t] - sm cw_j) softcap'(u_j), in that order.
           auto grad = [&](int k, bool target) {
-            float x = u[k];
-            [[maybe_unused]] float th = 0.0f;
-            if constexpr (kCap) {
-              th = tanhf(x * inv_cap);
-              x = cap * th;
-            }
-            float gk = a * Exp2Ftz(fmaf(x, kLog2e, -lse2));
-            if (target) gk -= hot;
-            if constexpr (kSmooth) gk -= sm * (cw != nullptr ? cw[c0 + j0 + k] : 1.0f);
-            if constexpr (kCap) gk *= 1.0f - th * th;
-            return gk;
+            float x = u[k], th = 0.0f;
+            if constexpr (kCap) x = Softcap(x, cap, inv_cap, th);
+            const float cwj = kSmooth && cw != nullptr ? cw[c0 + j0 + k] : 1.0f;
+            return GradOf<kSmooth, kCap>(a, Exp2Ftz(fmaf(x, kLog2e, -lse2)), target, hot, sm,
+                                         cwj, th);
           };
 #pragma unroll
           for (int k = 0; k < kVec; ++k) g[k] = grad(k, false);
