@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -86,8 +88,8 @@ namespace {
 
 struct Row {
   int64_t bt, h, v;
-  double floor_ms;        // cuBLASLt's first choice for each GEMM
-  double tuned_floor_ms;  // the fastest of its first kTuneCandidates for each GEMM
+  double floor_ms = 0;        // the first configuration's floor (below)
+  double tuned_floor_ms = 0;  // and tuned floor
   struct Fused {
     uint64_t budget;
     bool is_default = false;  // the backend's default budget for the shape
@@ -97,6 +99,9 @@ struct Row {
     int blocks = 0;  // whole-batch layout's vocabulary blocks
     double gemms_ms = 0;  // this budget's chunked GEMMs alone (first schedule of each budget)
     double ms;
+    // The floor timed in the same rounds as this configuration: cuBLASLt's first choice for
+    // each GEMM, and the fastest of its first kTuneCandidates for each.
+    double floor_ms = 0, tuned_floor_ms = 0;
     uint64_t workspace;
     int64_t measured_extra;
   };
@@ -115,27 +120,46 @@ double Median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// Times `body` (which enqueues on `stream`) with events: median milliseconds.
-template <typename F>
-int TimeMs(cudaStream_t stream, int warmup, int runs, F body, double* median_ms) {
+// Times the bodies (which enqueue on `stream`) in rounds, each once a round and in turn, after
+// `warmup` rounds: the median milliseconds of each. The H200 runs these GEMMs at its power cap,
+// and the clock that the cap allows drops as the GPU warms (on a GPU host: 1472 MHz over the
+// first 8 s of a run, 1425-1437 MHz from the 10th s on, at 690 W of 700 W throughout), so bodies
+// timed one after the other, the floor first, would not run at the same clock; in rounds they do.
+int TimeRoundsMs(cudaStream_t stream, int warmup, int runs,
+                 const std::vector<std::function<absl::Status()>>& bodies,
+                 std::vector<double>* medians) {
   cudaEvent_t start, stop;
   BENCH_CHECK_CUDA(cudaEventCreate(&start));
   BENCH_CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < warmup; ++i) BENCH_CHECK_OK(body());
+  for (int i = 0; i < warmup; ++i) {
+    for (const auto& body : bodies) BENCH_CHECK_OK(body());
+  }
   BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
+  std::vector<std::vector<double>> ms(bodies.size());
   for (int i = 0; i < runs; ++i) {
-    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
-    BENCH_CHECK_OK(body());
-    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
+    for (size_t b = 0; b < bodies.size(); ++b) {
+      BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
+      BENCH_CHECK_OK(bodies[b]());
+      BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
+      BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+      float t = 0;
+      BENCH_CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+      ms[b].push_back(t);
+    }
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  *median_ms = Median(ms);
+  medians->clear();
+  for (auto& m : ms) medians->push_back(Median(m));
+  return 0;
+}
+
+// Times `body` (which enqueues on `stream`) alone: median milliseconds.
+int TimeMs(cudaStream_t stream, int warmup, int runs, std::function<absl::Status()> body,
+           double* median_ms) {
+  std::vector<double> ms;
+  if (TimeRoundsMs(stream, warmup, runs, {std::move(body)}, &ms)) return 1;
+  *median_ms = ms[0];
   return 0;
 }
 
@@ -298,7 +322,8 @@ int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int
   return 0;
 }
 
-int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
+int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt, int64_t h,
+             int64_t v,
              const std::vector<uint64_t>& budgets, const std::vector<Config>& schedules,
              Row* row) {
   cudaStream_t stream = engine.stream();
@@ -341,35 +366,37 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     return 0;
   }
 
-  // The floor: the same three GEMMs unchunked (logits bf16, dX bf16, dW fp32), 32 MiB workspace.
-  {
-    void *z, *ws;
-    const uint64_t ws_bytes = 32ull << 20;
-    BENCH_CHECK_CUDA(cudaMalloc(&z, bt * v * 2));
-    BENCH_CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
-    auto floor = [&]() -> absl::Status {
-      absl::Status s = engine.Gemm(stream, ws, ws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
-                                   CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF);
+  // The floor: the same three GEMMs unchunked (logits bf16, dX bf16, dW fp32), 32 MiB workspace,
+  // with cuBLASLt's first choice for each (floor_engine, never tuned) and with the fastest of its
+  // candidates (engine, tuned here: what the fused op gets when it autotunes). Both are timed in
+  // the same rounds as each fused configuration below.
+  void *fz, *fws;
+  const uint64_t fws_bytes = 32ull << 20;
+  BENCH_CHECK_CUDA(cudaMalloc(&fz, bt * v * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&fws, fws_bytes));
+  auto floor_on = [&](cuda::FusedLoss* e) {
+    return [=]() -> absl::Status {
+      absl::Status s = e->Gemm(stream, fws, fws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
+                               CUDA_R_16BF, 0.0f, fz, v, CUDA_R_16BF);
       if (!s.ok()) return s;
-      s = engine.Gemm(stream, ws, ws_bytes, false, false, h, bt, v, 1.0f, w, h, z, v,
-                      CUDA_R_16BF, 0.0f, dx, h, CUDA_R_16BF);
+      s = e->Gemm(stream, fws, fws_bytes, false, false, h, bt, v, 1.0f, w, h, fz, v, CUDA_R_16BF,
+                  0.0f, dx, h, CUDA_R_16BF);
       if (!s.ok()) return s;
-      return engine.Gemm(stream, ws, ws_bytes, false, true, h, v, bt, 1.0f, x, h, z, v,
-                         CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F);
+      return e->Gemm(stream, fws, fws_bytes, false, true, h, v, bt, 1.0f, x, h, fz, v,
+                     CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F);
     };
-    if (TimeMs(stream, warmup, runs, floor, &row->floor_ms)) return 1;
-    // The same GEMMs, each with the fastest of cuBLASLt's candidates (what the fused op gets
-    // when it autotunes): the floor it is judged against too.
-    BENCH_CHECK_OK(engine.TuneGemm(stream, ws, ws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
-                                   CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
-    BENCH_CHECK_OK(engine.TuneGemm(stream, ws, ws_bytes, false, false, h, bt, v, 1.0f, w, h, z, v,
-                                   CUDA_R_16BF, 0.0f, dx, h, CUDA_R_16BF));
-    BENCH_CHECK_OK(engine.TuneGemm(stream, ws, ws_bytes, false, true, h, v, bt, 1.0f, x, h, z, v,
-                                   CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F));
-    if (TimeMs(stream, warmup, runs, floor, &row->tuned_floor_ms)) return 1;
-    BENCH_CHECK_CUDA(cudaFree(z));
-    BENCH_CHECK_CUDA(cudaFree(ws));
-  }
+  };
+  const std::function<absl::Status()> floor = floor_on(&floor_engine);
+  const std::function<absl::Status()> tuned_floor = floor_on(&engine);
+  BENCH_CHECK_OK(engine.TuneGemm(stream, fws, fws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
+                                 CUDA_R_16BF, 0.0f, fz, v, CUDA_R_16BF));
+  BENCH_CHECK_OK(engine.TuneGemm(stream, fws, fws_bytes, false, false, h, bt, v, 1.0f, w, h, fz,
+                                 v, CUDA_R_16BF, 0.0f, dx, h, CUDA_R_16BF));
+  BENCH_CHECK_OK(engine.TuneGemm(stream, fws, fws_bytes, false, true, h, v, bt, 1.0f, x, h, fz, v,
+                                 CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F));
+  // Once each before any memory is measured (the first launch of a kernel loads its code).
+  BENCH_CHECK_OK(floor());
+  BENCH_CHECK_OK(tuned_floor());
 
   cuda::DeviceLossArgs a;
   a.bt = bt;
@@ -419,7 +446,10 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
     void* ws;
     BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
     auto fused = [&]() { return engine.Enqueue(a, plan, ws); };
-    if (TimeMs(stream, warmup, runs, fused, &f.ms)) return 1;
+    std::vector<double> ms;
+    if (TimeRoundsMs(stream, warmup, runs, {floor, tuned_floor, fused}, &ms)) return 1;
+    f.floor_ms = ms[0], f.tuned_floor_ms = ms[1], f.ms = ms[2];
+    if (row->fused.empty()) row->floor_ms = f.floor_ms, row->tuned_floor_ms = f.tuned_floor_ms;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     f.measured_extra = free_before - FreeBytes();
     if (f.schedule == 2 && row->whole_gemms_ms == 0) {
@@ -539,9 +569,9 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v,
                  static_cast<long long>(bt), static_cast<long long>(h),
                  static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20),
                  f.schedule, f.side_sms,
-                 static_cast<long long>(f.chunk_rows), f.ms, row->floor_ms, row->tuned_floor_ms);
+                 static_cast<long long>(f.chunk_rows), f.ms, f.floor_ms, f.tuned_floor_ms);
   }
-  for (void* p : {x, w, dx, dw, rows, tg}) BENCH_CHECK_CUDA(cudaFree(p));
+  for (void* p : {x, w, dx, dw, rows, tg, fz, fws}) BENCH_CHECK_CUDA(cudaFree(p));
   return 0;
 }
 
@@ -628,8 +658,12 @@ int Main() {
     }
   }
   auto engine = cuda::FusedLoss::Create(0);
-  if (!engine.ok()) {
-    std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
+  // A second engine for the floor with cuBLASLt's first choices: its algorithm cache is never
+  // tuned (the first engine's is, for the fused op and the tuned floor).
+  auto floor_engine = cuda::FusedLoss::Create(0);
+  if (!engine.ok() || !floor_engine.ok()) {
+    std::fprintf(stderr, "%s\n",
+                 (engine.ok() ? floor_engine.status() : engine.status()).ToString().c_str());
     return 1;
   }
   {
@@ -657,7 +691,7 @@ int Main() {
       return 2;
     }
     Row row;
-    if (RunShape(**engine, bt, h, v, budgets, schedules, &row)) return 1;
+    if (RunShape(**engine, **floor_engine, bt, h, v, budgets, schedules, &row)) return 1;
     rows.push_back(row);
   }
   if (!absl::GetFlag(FLAGS_host_io).empty()) {
@@ -682,9 +716,10 @@ int Main() {
   if (!absl::GetFlag(FLAGS_csv).empty()) {
     csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
     if (csv != nullptr) {
-      std::fprintf(csv, "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,fused_ms,ratio,"
-                        "tflops,"
-                        "workspace_mib,measured_extra_mib,deterministic,mean_loss\n");
+      std::fprintf(csv,
+                   "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,"
+                   "fused_ms,ratio,tflops,workspace_mib,measured_extra_mib,deterministic,"
+                   "mean_loss\n");
     }
   }
   for (const Row& r : rows) {
@@ -693,7 +728,7 @@ int Main() {
       std::printf("| %lld, %lld, %lld | %.2f ms | %.2f ms | %s%llu MiB | %lld | %s | %.2f ms | "
                   "%.3fx | %.3fx | %.0f | %.0f MiB | %.0f MiB | %s | %.4f | %s |\n",
                   static_cast<long long>(r.bt), static_cast<long long>(r.h),
-                  static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
+                  static_cast<long long>(r.v), f.floor_ms, f.tuned_floor_ms,
                   f.is_default ? "default, " : "", static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
                   f.schedule == 0   ? "rows"
@@ -702,7 +737,7 @@ int Main() {
                                                                       f.side_sms)
                                                     : std::string("columns"))
                                         .c_str(),
-                  f.ms, f.ms / r.floor_ms, f.ms / r.tuned_floor_ms,
+                  f.ms, f.ms / f.floor_ms, f.ms / f.tuned_floor_ms,
                   flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                   f.measured_extra / 1048576.0, r.deterministic ? "yes" : "NO", r.mean_loss,
                   f.gemms_ms > 0 ? absl::StrFormat("%.2f ms", f.gemms_ms).c_str() : "");
@@ -710,9 +745,10 @@ int Main() {
         std::fprintf(csv,
                      "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
                      static_cast<long long>(r.bt), static_cast<long long>(r.h),
-                     static_cast<long long>(r.v), r.floor_ms, r.tuned_floor_ms,
+                     static_cast<long long>(r.v), f.floor_ms, f.tuned_floor_ms,
                      static_cast<unsigned long long>(f.budget >> 20),
-                     static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.ms, f.ms / r.floor_ms,
+                     static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.ms,
+                     f.ms / f.floor_ms,
                      flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
                      f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }
@@ -723,8 +759,9 @@ int Main() {
                 static_cast<long long>(r.bt), static_cast<long long>(r.h),
                 static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12, r.gemms_ms,
                 r.ce_ms,
-                r.ce_cluster > 0 ? absl::StrFormat("one-read, %d blocks a row", r.ce_cluster).c_str()
-                                 : "two-pass",
+                r.ce_cluster > 0
+                    ? absl::StrFormat("one-read, %d blocks a row", r.ce_cluster).c_str()
+                    : "two-pass",
                 r.ce_two_pass_ms, r.whole_gemms_ms);
   }
   if (csv != nullptr) std::fclose(csv);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
-# kernel benchmark and the naive PyTorch baseline. Writes 8 files into OUT_DIR (gpu.txt, one
-# log per test binary, bench.log/.csv, torch.log) and prints a short summary last.
+# kernel benchmark and the naive PyTorch baseline. Writes 9 files into OUT_DIR (gpu.txt, one
+# log per test binary, bench.log/.csv, gpu_clocks.csv, torch.log) and prints a short summary
+# last.
 # Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / GTEST_ARGS pass extra flags)
 set -uo pipefail
 OUTDIR=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
@@ -22,8 +23,14 @@ for t in plugin_exposer_test ce_kernels_test cuda_backend_test; do
     "$(grep -E '^\[  PASSED  \]' "$OUTDIR/$t.log" | tail -1)"
 done
 if [ -x ./bench_kernel ]; then
-  timeout "${BENCH_TIMEOUT:-240}" ./bench_kernel --csv="$OUTDIR/bench.csv" ${BENCH_ARGS:-} \
+  # The SM clock, power and throttle reasons every 200 ms while the benchmark runs: the H200
+  # runs these GEMMs at its power cap, where the clock, not the kernels, can decide a ratio.
+  q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active
+  nvidia-smi --query-gpu="$q" --format=csv,noheader -lms 200 > "$OUTDIR/gpu_clocks.csv" 2>/dev/null &
+  smi=$!
+  timeout "${BENCH_TIMEOUT:-400}" ./bench_kernel --csv="$OUTDIR/bench.csv" ${BENCH_ARGS:-} \
     > "$OUTDIR/bench.log" 2>&1 || rc=1
+  kill "$smi" 2>/dev/null
 fi
 if command -v python3 >/dev/null; then
   PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-150}" python3 torch_baseline.py \
