@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -120,7 +121,7 @@ double Median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// Times the bodies (which enqueue on `stream`) in rounds, each once a round and in turn, after
+// Times the bodies (which enqueue on `stream`) in rounds, each once a round, after
 // `warmup` rounds: the median milliseconds of each. The H200 runs these GEMMs at its power cap,
 // and the clock that the cap allows drops as the GPU warms (on a GPU host: 1472 MHz over the
 // first 8 s of a run, 1425-1437 MHz from the 10th s on, at 690 W of 700 W throughout), so bodies
@@ -136,8 +137,13 @@ int TimeRoundsMs(cudaStream_t stream, int warmup, int runs,
   }
   BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<std::vector<double>> ms(bodies.size());
+  // The rounds go through every order of the bodies in turn, so that each body runs first,
+  // last and after each other one about equally often (what ran just before sets the clock a
+  // body starts at).
+  std::vector<size_t> order(bodies.size());
+  std::iota(order.begin(), order.end(), size_t{0});
   for (int i = 0; i < runs; ++i) {
-    for (size_t b = 0; b < bodies.size(); ++b) {
+    for (const size_t b : order) {
       BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
       BENCH_CHECK_OK(bodies[b]());
       BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
@@ -146,6 +152,7 @@ int TimeRoundsMs(cudaStream_t stream, int warmup, int runs,
       BENCH_CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
       ms[b].push_back(t);
     }
+    std::next_permutation(order.begin(), order.end());
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
