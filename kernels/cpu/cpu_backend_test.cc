@@ -30,15 +30,6 @@ struct Shape {
   int64_t bt, h, v;
 };
 
-struct OptionCase {
-  const char* name;
-  Reduction reduction = Reduction::kMean;
-  float eps = 0, zs = 0, cap = 0;
-  double ignore = 0;
-  bool weights = false, bias = false, grad_f32 = false, grad_output = false;
-  DType target_dtype = DType::kI64;
-};
-
 const Shape kShapes[] = {
     {"tiny", 2, 3, 5}, {"bt1", 1, 16, 37}, {"odd", 47, 31, 123}, {"medium", 256, 128, 1000}};
 
@@ -102,23 +93,7 @@ std::vector<OptionCase> OptionCases() {
 }
 
 RandomProblemSpec SpecFor(const Shape& s, DType dtype, const OptionCase& c, uint64_t seed) {
-  RandomProblemSpec spec;
-  spec.bt = s.bt;
-  spec.h = s.h;
-  spec.v = s.v;
-  spec.dtype = dtype;
-  spec.target_dtype = c.target_dtype;
-  spec.options.reduction = c.reduction;
-  spec.options.label_smoothing = c.eps;
-  spec.options.z_loss_scale = c.zs;
-  spec.options.softcap = c.cap;
-  spec.options.grad_scale = 0.5f;
-  spec.ignore_fraction = c.ignore;
-  spec.class_weights = c.weights;
-  spec.bias = c.bias;
-  spec.grad_output = c.grad_output;
-  spec.seed = seed;
-  return spec;
+  return SpecOf(s.bt, s.h, s.v, dtype, c, 0.5f, seed);
 }
 
 using MatrixParam = std::tuple<Shape, DType, OptionCase>;

@@ -83,6 +83,28 @@ LogitStats ComputeLogitStats(const LossProblem& p) {
   return s;
 }
 
+RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const OptionCase& c,
+                         float grad_scale, uint64_t seed) {
+  RandomProblemSpec spec;
+  spec.bt = bt;
+  spec.h = h;
+  spec.v = v;
+  spec.dtype = dtype;
+  spec.target_dtype = c.target_dtype;
+  spec.options.reduction = c.reduction;
+  spec.options.label_smoothing = c.eps;
+  spec.options.z_loss_scale = c.zs;
+  spec.options.softcap = c.cap;
+  spec.options.chunk_rows = c.chunk_rows;
+  spec.options.grad_scale = grad_scale;
+  spec.bias = c.bias;
+  spec.class_weights = c.weights;
+  spec.grad_output = c.grad_output;
+  spec.ignore_fraction = c.ignore;
+  spec.seed = seed;
+  return spec;
+}
+
 RandomProblem RandomProblem::Make(const RandomProblemSpec& spec) {
   RandomProblem r;
   r.spec_ = spec;

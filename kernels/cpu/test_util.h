@@ -42,6 +42,25 @@ struct RandomProblemSpec {
   uint64_t seed = 1;
 };
 
+// One combination of loss options of the backend tests' matrices (the CPU and the CUDA
+// backend's alike); the fields in this order, so that a case reads as one initializer.
+struct OptionCase {
+  const char* name = "";
+  Reduction reduction = Reduction::kMean;
+  float eps = 0, zs = 0, cap = 0;  // label smoothing, z-loss scale, softcap
+  bool bias = false, weights = false, grad_output = false;
+  double ignore = 0;        // share of ignored rows
+  int64_t chunk_rows = 0;   // LossOptions.chunk_rows (0: the backend's choice)
+  DType target_dtype = DType::kI64;
+  bool grad_f32 = false;    // dX and dW asked for in fp32
+  bool accumulate = false;  // dW added to what the output holds
+};
+
+// The RandomProblemSpec of case `c` at shape (bt, h, v): its options, bias, class weights,
+// grad_output and ignored share, with options.grad_scale = grad_scale.
+RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const OptionCase& c,
+                         float grad_scale, uint64_t seed);
+
 // Statistics of the raw logits x W^T + b (before softcap) that the tolerances are made of.
 struct LogitStats {
   std::vector<double> row_abs_max;  // (BT) max_j |z_ij|

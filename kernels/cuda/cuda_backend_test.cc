@@ -59,56 +59,28 @@ struct Shape {
   int64_t bt, h, v;
 };
 
-struct OptionSet {
-  const char* name;
-  Reduction reduction = Reduction::kMean;
-  float eps = 0, zs = 0, cap = 0;
-  bool bias = false, weights = false, grad_output = false;
-  double ignore = 0;
-  int64_t chunk_rows = 0;
-  DType target_dtype = DType::kI64;
-  bool fp32_grads = false;
-  bool accumulate = false;
-};
-
 const Shape kShapes[] = {
     {"tiny", 4, 8, 16},
     {"odd", 47, 31, 123},
     {"medium", 300, 96, 1000},
 };
 
-const OptionSet kOptions[] = {
+const OptionCase kOptions[] = {
     {"mean"},
     {"sum_smooth_weights", Reduction::kSum, 0.1f, 0, 0, false, true},
     {"none_gradout_zloss_softcap", Reduction::kNone, 0, 1e-3f, 5.0f, false, false, true},
     {"mean_all", Reduction::kMean, 0.1f, 1e-4f, 4.0f, true, true, false, 0.3, 0,
      DType::kI32},
     {"chunked_bias_ignore", Reduction::kMean, 0, 0, 0, true, false, false, 0.2, 7},
-    {"fp32_grads", Reduction::kSum, 0.05f, 0, 0, true, false, false, 0.1, 0, DType::kI64,
+    {"grad_f32", Reduction::kSum, 0.05f, 0, 0, true, false, false, 0.1, 0, DType::kI64,
      true},
     {"accumulate", Reduction::kMean, 0, 1e-4f, 0, true, true, false, 0.1, 16, DType::kI64,
      false, true},
 };
 
-RandomProblemSpec MakeSpec(const Shape& s, const OptionSet& o, DType dtype, uint64_t seed) {
-  RandomProblemSpec spec;
-  spec.bt = s.bt;
-  spec.h = s.h;
-  spec.v = s.v;
-  spec.dtype = dtype;
-  spec.target_dtype = o.target_dtype;
-  spec.options.reduction = o.reduction;
-  spec.options.label_smoothing = o.eps;
-  spec.options.z_loss_scale = o.zs;
-  spec.options.softcap = o.cap;
-  spec.options.chunk_rows = o.chunk_rows;
-  spec.options.grad_scale = o.reduction == Reduction::kNone ? 1.0f : 0.7f;
-  spec.bias = o.bias;
-  spec.class_weights = o.weights;
-  spec.grad_output = o.grad_output;
-  spec.ignore_fraction = o.ignore;
-  spec.seed = seed;
-  return spec;
+// grad_scale 1 for reduction none (the per-row losses scale by grad_output), 0.7 otherwise.
+RandomProblemSpec MakeSpec(const Shape& s, const OptionCase& o, DType dtype, uint64_t seed) {
+  return SpecOf(s.bt, s.h, s.v, dtype, o, o.reduction == Reduction::kNone ? 1.0f : 0.7f, seed);
 }
 
 using MatrixParam = std::tuple<int, int, DType>;
@@ -117,13 +89,13 @@ class CudaMatrixTest : public CudaTest, public testing::WithParamInterface<Matri
 
 TEST_P(CudaMatrixTest, MatchesReference) {
   const Shape& shape = kShapes[std::get<0>(GetParam())];
-  const OptionSet& opt = kOptions[std::get<1>(GetParam())];
+  const OptionCase& opt = kOptions[std::get<1>(GetParam())];
   const DType dtype = std::get<2>(GetParam());
   RandomProblem rp = RandomProblem::Make(MakeSpec(shape, opt, dtype, 17 + shape.v));
   const LossProblem p = rp.problem();
   ReferenceOutputs ref;
   ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-  const DType grad_dtype = opt.fp32_grads ? DType::kF32 : dtype;
+  const DType grad_dtype = opt.grad_f32 ? DType::kF32 : dtype;
   HostOutputs out(p, grad_dtype, /*want_grads=*/true, opt.accumulate);
   LossStats stats;
   const absl::Status st = backend_->Compute(p, out.outputs(), &stats);
@@ -151,7 +123,7 @@ INSTANTIATE_TEST_SUITE_P(AllOptions, CudaMatrixTest,
 // two-half overlap inside each.
 TEST_F(CudaTest, RealisticShapeMatchesReference) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
-    OptionSet o{"realistic", Reduction::kMean, 0.1f, 1e-4f, 0, true, false, false, 0.05,
+    OptionCase o{"realistic", Reduction::kMean, 0.1f, 1e-4f, 0, true, false, false, 0.05,
                 512};
     RandomProblem rp = RandomProblem::Make(MakeSpec({"real", 600, 256, 32000}, o, dtype, 5));
     const LossProblem p = rp.problem();
@@ -167,7 +139,7 @@ TEST_F(CudaTest, RealisticShapeMatchesReference) {
 
 // Outputs of two identical requests, byte for byte.
 TEST_F(CudaTest, SameRequestTwiceIsBitIdentical) {
-  OptionSet o{"det", Reduction::kMean, 0.1f, 1e-4f, 10.0f, true, true, false, 0.1, 0};
+  OptionCase o{"det", Reduction::kMean, 0.1f, 1e-4f, 10.0f, true, true, false, 0.1, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"d", 1500, 192, 4000}, o, DType::kBF16, 9));
   const LossProblem p = rp.problem();
   HostOutputs a(p, DType::kBF16), b(p, DType::kBF16);
@@ -184,7 +156,7 @@ TEST_F(CudaTest, SameRequestTwiceIsBitIdentical) {
 // Chunk size changes the result only at fp32 rounding (the design's promise): cuBLAS may pick
 // another algorithm, and so another fp32 summation order, for a GEMM of another width.
 TEST_F(CudaTest, ChunkSizeChangesTheLossOnlyAtFp32Rounding) {
-  OptionSet o{"chunks", Reduction::kSum, 0, 0, 0, false, false, false, 0, 0};
+  OptionCase o{"chunks", Reduction::kSum, 0, 0, 0, false, false, false, 0, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"c", 200, 64, 500}, o, DType::kF32, 3));
   LossProblem p = rp.problem();
   HostOutputs a(p, DType::kF32), b(p, DType::kF32);
@@ -216,7 +188,7 @@ TEST_F(CudaTest, BothSchedulesMatchReference) {
     auto b = CudaBackend::Create(bo);
     ASSERT_TRUE(b.ok()) << b.status();
     for (int oi : {0, 3, 4, 6}) {
-      OptionSet o = kOptions[oi];
+      OptionCase o = kOptions[oi];
       o.chunk_rows = 512;  // row halves take effect from 512 rows
       for (DType dtype : {DType::kBF16, DType::kF32}) {
         RandomProblem rp =
@@ -238,7 +210,7 @@ TEST_F(CudaTest, BothSchedulesMatchReference) {
 // Weights, bias and the accumulators already on the device (the server's cached weights and
 // per-step accumulators), two micro-batches added into the same accumulator.
 TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
-  OptionSet o{"dev", Reduction::kMean, 0.05f, 0, 0, true, false, false, 0.1, 0};
+  OptionCase o{"dev", Reduction::kMean, 0.05f, 0, 0, true, false, false, 0.1, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"dev", 64, 256, 2048}, o, DType::kBF16, 21));
   LossProblem p = rp.problem();
   ReferenceOutputs ref;
@@ -312,13 +284,13 @@ TEST_F(CudaTest, WholeBatchLayoutMatchesReference) {
     auto b = CudaBackend::Create(bo);
     ASSERT_TRUE(b.ok()) << b.status();
     for (int oi : {0, 1, 2, 3, 5}) {
-      const OptionSet& o = kOptions[oi];
+      const OptionCase& o = kOptions[oi];
       RandomProblem rp = RandomProblem::Make(
           MakeSpec({"whole", ws.bt, ws.h, ws.v}, o, ws.dtype, 51 + oi + ws.v));
       const LossProblem p = rp.problem();
       ReferenceOutputs ref;
       ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-      const DType grad_dtype = o.fp32_grads ? DType::kF32 : ws.dtype;
+      const DType grad_dtype = o.grad_f32 ? DType::kF32 : ws.dtype;
       HostOutputs out(p, grad_dtype), again(p, grad_dtype);
       const ChunkPlan plan = (*b)->Plan(p, out.outputs());
       EXPECT_GE(plan.blocks, 3) << o.name << " " << DTypeName(ws.dtype) << " bt " << ws.bt;
@@ -340,7 +312,7 @@ TEST_F(CudaTest, WholeBatchLayoutMatchesReference) {
 // micro-batch: the accumulator starts at the reference dW and must end at twice it, for
 // both schedules, with autotuning on (a fresh backend, so this shape is new) and off.
 TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
-  OptionSet o{"tune", Reduction::kMean, 0.05f, 0, 0, false, false, false, 0.1, 256};
+  OptionCase o{"tune", Reduction::kMean, 0.05f, 0, 0, false, false, false, 0.1, 256};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"tune", 1000, 64, 1500}, o, DType::kBF16, 41));
   const LossProblem p = rp.problem();
   ReferenceOutputs ref;
@@ -383,7 +355,7 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
 // softmax-weighted part of W; the largest |rs| leaves the stored gradient as a power of two,
 // so the results keep fp16 accuracy. (fp16 gradients out would be subnormal themselves.)
 TEST_F(CudaTest, SmallUpstreamGradientsDoNotUnderflowFp16) {
-  OptionSet o{"tiny_rs", Reduction::kNone, 0, 0, 0, true, false, true, 0.1, 0};
+  OptionCase o{"tiny_rs", Reduction::kNone, 0, 0, 0, true, false, true, 0.1, 0};
   for (DType dtype : {DType::kF16, DType::kBF16}) {
     RandomProblem rp = RandomProblem::Make(MakeSpec({"rs", 300, 128, 2000}, o, dtype, 61));
     for (float& g : rp.grad_output) g *= 1e-5f;
@@ -422,7 +394,7 @@ TEST_F(CudaTest, ScheduleFollowsTheChunkLength) {
 }
 
 TEST_F(CudaTest, EveryTargetIgnoredGivesZeros) {
-  OptionSet o{"ign", Reduction::kMean, 0.1f, 1e-3f, 0, true, true, false, 1.0, 0};
+  OptionCase o{"ign", Reduction::kMean, 0.1f, 1e-3f, 0, true, true, false, 1.0, 0};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"i", 12, 16, 50}, o, DType::kBF16, 4));
   const LossProblem p = rp.problem();
   ReferenceOutputs ref;
@@ -509,10 +481,10 @@ TEST_F(CudaTest, AgreesWithTheCpuBackend) {
   std::unique_ptr<Backend> cpu = NewCpuBackend(2);
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     for (int oi : {0, 3, 5}) {
-      const OptionSet& o = kOptions[oi];
+      const OptionCase& o = kOptions[oi];
       RandomProblem rp = RandomProblem::Make(MakeSpec(kShapes[2], o, dtype, 77 + oi));
       const LossProblem p = rp.problem();
-      const DType g = o.fp32_grads ? DType::kF32 : dtype;
+      const DType g = o.grad_f32 ? DType::kF32 : dtype;
       HostOutputs a(p, g), b(p, g);
       ASSERT_TRUE(backend_->Compute(p, a.outputs(), nullptr).ok());
       ASSERT_TRUE(cpu->Compute(p, b.outputs(), nullptr).ok());
@@ -543,7 +515,7 @@ TEST_F(CudaTest, AgreesWithTheCpuBackend) {
 // separately moves a row's lse by up to 2 (about 4e-3 relative), 400 times the bound below.
 TEST_F(CudaTest, BiasIsRoundedWithTheLogitsAsOnTheCpu) {
   std::unique_ptr<Backend> cpu = NewCpuBackend(2);
-  OptionSet o = kOptions[0];
+  OptionCase o = kOptions[0];
   o.bias = true;
   struct Config {
     const char* name;
@@ -613,15 +585,15 @@ TEST_F(CudaTest, StreamedRowsGiveTheWholeProblemsBytes) {
       bo.autotune_gemms = autotune;
       auto b = CudaBackend::Create(bo);
       ASSERT_TRUE(b.ok()) << b.status();
-      for (int oi : {3, 5, 6}) {  // mean_all, fp32_grads, accumulate
-        OptionSet o = kOptions[oi];
+      for (int oi : {3, 5, 6}) {  // mean_all, grad_f32, accumulate
+        OptionCase o = kOptions[oi];
         o.chunk_rows = c.chunk_rows;
         for (DType dtype : {DType::kBF16, DType::kF32}) {
           ++seed;
           RandomProblem rp =
               RandomProblem::Make(MakeSpec({"stream", c.bt, 48, 1000}, o, dtype, seed));
           const LossProblem whole = rp.problem();
-          const DType g = o.fp32_grads ? DType::kF32 : dtype;
+          const DType g = o.grad_f32 ? DType::kF32 : dtype;
           const std::string where = absl::StrCat(
               "schedule ", static_cast<int>(c.schedule), " bt ", c.bt, " autotune ", autotune,
               " ", o.name, " ", DTypeName(dtype));
@@ -651,7 +623,7 @@ TEST_F(CudaTest, StreamedRowsGiveTheWholeProblemsBytes) {
 
 // Without dX wanted there is nothing to report; the other outputs still match the whole X.
 TEST_F(CudaTest, StreamedRowsWithoutDxReportNothing) {
-  OptionSet o = kOptions[4];  // chunked_bias_ignore: 7-row chunks
+  OptionCase o = kOptions[4];  // chunked_bias_ignore: 7-row chunks
   RandomProblem rp = RandomProblem::Make(MakeSpec(kShapes[1], o, DType::kBF16, 12));
   const LossProblem whole = rp.problem();
   HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
@@ -672,7 +644,7 @@ TEST_F(CudaTest, StreamedRowsWithoutDxReportNothing) {
 // A WaitX that fails ends the Compute with its status; no row past the released ones is
 // reported ready, and the backend keeps serving.
 TEST_F(CudaTest, FailedRowWaitEndsTheComputeWithItsStatus) {
-  OptionSet o = kOptions[0];
+  OptionCase o = kOptions[0];
   o.chunk_rows = 10;
   for (const absl::Status& failure :
        {absl::CancelledError("test: the client went away"),
