@@ -201,15 +201,15 @@ __device__ __forceinline__ float Capped(float u, float cap, float inv_cap) {
 
 __device__ __forceinline__ float InverseOf(float cap) { return cap > 0.0f ? 1.0f / cap : 0.0f; }
 
-// The gradient of element j from its p_j: a p_j - hot [j == t] - sm cw_j, times the softcap's
-// 1 - th^2 where there is one, in that order.
-template <bool kSmooth, bool kCap>
-__device__ __forceinline__ float GradOf(float a, float pj, bool target, float hot, float sm,
-                                        float cwj, float th) {
+// The gradient of element j from its p_j: a p_j - hot [j == t] - sm cw_j (with smoothing),
+// times the softcap's 1 - th^2 (with a softcap), in that order. The one-read kernel passes
+// `smooth` and `cap` as template constants, which the inlining folds away.
+__device__ __forceinline__ float GradOf(bool smooth, bool cap, float a, float pj, bool target,
+                                        float hot, float sm, float cwj, float th) {
   float g = Mul(a, pj);
   if (target) g = Sub(g, hot);
-  if constexpr (kSmooth) g = fmaf(-sm, cwj, g);
-  if constexpr (kCap) g = Mul(g, fmaf(-th, th, 1.0f));
+  if (smooth) g = fmaf(-sm, cwj, g);
+  if (cap) g = Mul(g, fmaf(-th, th, 1.0f));
   return g;
 }
 
@@ -353,14 +353,7 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
           if (cap > 0.0f) x = Softcap(x, cap, inv_cap, th);
           const float pj = exp2f((x - lse) * kLog2e);
           const float cwj = smooth && cw != nullptr ? cw[c0 + j0 + k] : 1.0f;
-          const bool target = c0 + j0 + k == t;
-          if (smooth) {
-            g[k] = cap > 0.0f ? GradOf<true, true>(a, pj, target, hot, sm, cwj, th)
-                              : GradOf<true, false>(a, pj, target, hot, sm, cwj, th);
-          } else {
-            g[k] = cap > 0.0f ? GradOf<false, true>(a, pj, target, hot, sm, cwj, th)
-                              : GradOf<false, false>(a, pj, target, hot, sm, cwj, th);
-          }
+          g[k] = GradOf(smooth, cap > 0.0f, a, pj, c0 + j0 + k == t, hot, sm, cwj, th);
         }
       }
       StoreVec<T, kVec>(z + j0, g);
@@ -395,7 +388,6 @@ __device__ __forceinline__ void ClusterWait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 #endif
-
 
 // A block's segment statistics and the facts the row outputs need, read by the other blocks of
 // the cluster: the max m, the sum s of exp(z - m), the first column holding m, the smoothing
@@ -649,8 +641,8 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
             float x = u[k], th = 0.0f;
             if constexpr (kCap) x = Softcap(x, cap, inv_cap, th);
             const float cwj = kSmooth && cw != nullptr ? cw[c0 + j0 + k] : 1.0f;
-            return GradOf<kSmooth, kCap>(a, Exp2Ftz(fmaf(x, kLog2e, -lse2)), target, hot, sm,
-                                         cwj, th);
+            return GradOf(kSmooth, kCap, a, Exp2Ftz(fmaf(x, kLog2e, -lse2)), target, hot, sm,
+                          cwj, th);
           };
 #pragma unroll
           for (int k = 0; k < kVec; ++k) g[k] = grad(k, false);
