@@ -37,9 +37,9 @@ ABSL_FLAG(int, warmup, 3, "untimed runs first");
 ABSL_FLAG(std::string, budgets_mib, "0,1024",
           "chunk budgets (MiB) to time the fused op at; 0 = the backend's default for the shape "
           "(DefaultChunkBudget)");
-ABSL_FLAG(std::string, schedules, "0,1,2,3",
-          "schedules to time (0 row halves, 1 column halves, 2 row halves with dX and dW one "
-          "after the other, 3 the whole-batch layout where it applies)");
+ABSL_FLAG(std::string, schedules, "0,1,2",
+          "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
+          "applies)");
 ABSL_FLAG(std::string, ce_cols, "",
           "also time the one-read CE kernel with at most these many columns a block (comma "
           "list), beside its default, and a device copy of the same bytes");
@@ -238,9 +238,6 @@ int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_
   return 0;
 }
 
-// The bench's id for the whole-batch layout (PlanWhole), after the cuda::Schedule values.
-constexpr int kWholeBatch = 3;
-
 // One timed configuration: a schedule and the dW GEMMs' SM target.
 struct Config {
   int schedule;
@@ -437,11 +434,11 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
     f.schedule = schedules[si].schedule;
     f.side_sms = schedules[si].side_sms;
     cuda::ChunkPlan plan =
-        f.schedule == kWholeBatch
+        f.schedule == 2
             ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
             : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
                                static_cast<cuda::Schedule>(f.schedule), gws);
-    if (f.schedule == kWholeBatch && plan.blocks == 0) {
+    if (f.schedule == 2 && plan.blocks == 0) {
       std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: whole-batch layout does not apply\n",
                    static_cast<long long>(bt), static_cast<long long>(h),
                    static_cast<long long>(v), static_cast<unsigned long long>(f.budget >> 20));
@@ -462,7 +459,7 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
     if (row->fused.empty()) row->floor_ms = f.floor_ms, row->tuned_floor_ms = f.tuned_floor_ms;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     f.measured_extra = free_before - FreeBytes();
-    if (f.schedule == kWholeBatch && row->whole_gemms_ms == 0) {
+    if (f.schedule == 2 && row->whole_gemms_ms == 0) {
       // The whole-batch layout's GEMMs alone, one stream, no CE: what its layout costs.
       const int64_t n = plan.blocks, nb = plan.block_cols;
       const int64_t split = cuda::RowSplit(bt);
@@ -651,7 +648,7 @@ int Main() {
   std::vector<Config> schedules;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',')) {
     int sc = 0;
-    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > kWholeBatch) {
+    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 2) {
       std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
       return 2;
     }
@@ -742,9 +739,7 @@ int Main() {
                   f.is_default ? "default, " : "", static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
                   f.schedule == 0   ? "rows"
-                  : f.schedule == 2 ? "rows, dX then dW"
-                  : f.schedule == kWholeBatch
-                      ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
+                  : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
                                     : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                       f.side_sms)
                                                     : std::string("columns"))

@@ -176,12 +176,10 @@ TEST_F(CudaTest, ChunkSizeChangesTheLossOnlyAtFp32Rounding) {
   EXPECT_TRUE(r.ok()) << r.ToString();
 }
 
-// Every schedule over several chunks, with every gradient and the accumulators.
-TEST_F(CudaTest, EveryScheduleMatchesReference) {
-  const std::pair<Schedule, int32_t> configs[] = {{Schedule::kRowHalves, 0},
-                                                  {Schedule::kColumnHalves, 0},
-                                                  {Schedule::kColumnHalves, 56},
-                                                  {Schedule::kRowsSerial, 0}};
+// Both schedules over several chunks, with every gradient and the accumulators.
+TEST_F(CudaTest, BothSchedulesMatchReference) {
+  const std::pair<Schedule, int32_t> configs[] = {
+      {Schedule::kRowHalves, 0}, {Schedule::kColumnHalves, 0}, {Schedule::kColumnHalves, 56}};
   for (const auto& [schedule, side_sms] : configs) {
     CudaBackendOptions bo;
     bo.schedule = schedule;
@@ -312,7 +310,7 @@ TEST_F(CudaTest, WholeBatchLayoutMatchesReference) {
 // The first Compute of a shape times cuBLASLt's candidates on the real buffers before any
 // real work. Into an accumulator that already holds a sum, that must add exactly one
 // micro-batch: the accumulator starts at the reference dW and must end at twice it, for
-// every schedule, with autotuning on (a fresh backend, so this shape is new) and off.
+// both schedules, with autotuning on (a fresh backend, so this shape is new) and off.
 TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
   OptionCase o{"tune", Reduction::kMean, 0.05f, 0, 0, false, false, false, 0.1, 256};
   RandomProblem rp = RandomProblem::Make(MakeSpec({"tune", 1000, 64, 1500}, o, DType::kBF16, 41));
@@ -320,8 +318,7 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
   ReferenceOutputs ref;
   ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
   const std::vector<float> start(ref.dw.begin(), ref.dw.end());
-  for (Schedule schedule :
-       {Schedule::kRowHalves, Schedule::kColumnHalves, Schedule::kRowsSerial}) {
+  for (Schedule schedule : {Schedule::kRowHalves, Schedule::kColumnHalves}) {
     for (bool autotune : {true, false}) {
       CudaBackendOptions bo;
       bo.schedule = schedule;
@@ -528,7 +525,6 @@ TEST_F(CudaTest, BiasIsRoundedWithTheLogitsAsOnTheCpu) {
   };
   for (const Config& c : {Config{"rows", Schedule::kRowHalves, false, 700},
                           Config{"columns", Schedule::kColumnHalves, false, 700},
-                          Config{"rows serial", Schedule::kRowsSerial, false, 700},
                           Config{"whole batch", Schedule::kRowHalves, true, 120}}) {
     CudaBackendOptions bo;
     bo.schedule = c.schedule;
@@ -566,8 +562,8 @@ TEST_F(CudaTest, BiasIsRoundedWithTheLogitsAsOnTheCpu) {
 }
 
 // The overlapped path (LossProblem::rows): X released in uneven steps while the Compute runs,
-// unreleased rows NaN. Every output must equal the whole-X Compute's byte for byte, in every
-// schedule, over several chunks (odd BT, so the last chunk is short), with a fresh dW and an
+// unreleased rows NaN. Every output must equal the whole-X Compute's byte for byte, in both
+// schedules, over several chunks (odd BT, so the last chunk is short), with a fresh dW and an
 // accumulator. Each backend is fresh and its first Compute of a shape is the streamed one, so
 // the autotuning trials run before any row of X is on the device (and must leave an
 // accumulator as it was). DxReady comes once per chunk in increasing rows, ending at BT.
@@ -579,9 +575,7 @@ TEST_F(CudaTest, StreamedRowsGiveTheWholeProblemsBytes) {
   const Config configs[] = {{Schedule::kRowHalves, 1201, 512},
                             {Schedule::kRowHalves, 47, 10},
                             {Schedule::kColumnHalves, 1201, 512},
-                            {Schedule::kColumnHalves, 47, 10},
-                            {Schedule::kRowsSerial, 1201, 512},
-                            {Schedule::kRowsSerial, 47, 10}};
+                            {Schedule::kColumnHalves, 47, 10}};
   uint64_t seed = 900;
   for (const Config& c : configs) {
     for (bool autotune : {true, false}) {

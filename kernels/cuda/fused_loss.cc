@@ -541,21 +541,15 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   const bool want_dw = a.dw_acc != nullptr, want_db = a.db_acc != nullptr;
   const bool write_grad = a.dx != nullptr || want_dw || want_db;
 
-  const bool columns = plan.schedule == Schedule::kColumnHalves && a.v >= 256;
-  const bool serial = plan.schedule == Schedule::kRowsSerial;
   const uint64_t gws = plan.gemm_workspace_bytes;
   char* logits = static_cast<char*>(workspace);
   void* ws_main = logits + RoundUp(static_cast<uint64_t>(plan.chunk_rows) * a.v * elem, kAlign);
   void* ws_side = static_cast<char*>(ws_main) + gws;
-  // Serial: main_ runs every GEMM, in one workspace of both streams' share.
-  const uint64_t main_ws_bytes = serial ? 2 * gws : gws;
-  cudaStream_t dw_stream = serial ? main_ : side_;
-  void* ws_dw = serial ? ws_main : ws_side;
-  const uint64_t dw_ws_bytes = serial ? main_ws_bytes : gws;
   const int32_t rank_logits = algo_ranks_[static_cast<int>(GemmRole::kLogits)];
   const int32_t rank_dx = algo_ranks_[static_cast<int>(GemmRole::kDx)];
   const int32_t rank_dw = algo_ranks_[static_cast<int>(GemmRole::kDw)];
 
+  const bool columns = plan.schedule == Schedule::kColumnHalves && a.v >= 256;
   const int64_t vsplit = columns ? (a.v / 2 + 63) / 64 * 64 : a.v;
   const int64_t vbegin[2] = {0, vsplit};
   const int64_t vcount[2] = {vsplit, a.v - vsplit};
@@ -577,18 +571,17 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   // Every chunk GEMM goes through here. In the tuning pass (before any real work) a GEMM whose
   // key is new is timed instead, on main_ alone; a GEMM with a pinned rank is left as it is.
   bool tuning = false;
-  auto gemm = [&](cudaStream_t stream, void* ws, uint64_t ws_bytes, bool ta, bool tb, int64_t m,
-                  int64_t n, int64_t k, float alpha, const void* ap, int64_t lda, const void* bp,
+  auto gemm = [&](cudaStream_t stream, void* ws, bool ta, bool tb, int64_t m, int64_t n,
+                  int64_t k, float alpha, const void* ap, int64_t lda, const void* bp,
                   int64_t ldb, float beta, void* dp, int64_t ldd, cudaDataType dt, int32_t sms,
                   int32_t rank, const void* bias = nullptr) -> absl::Status {
-    return RunOrTune(tuning, stream, ws, ws_bytes, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab,
-                     beta, dp, ldd, dt, sms, rank, bias);
+    return RunOrTune(tuning, stream, ws, gws, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab, beta,
+                     dp, ldd, dt, sms, rank, bias);
   };
   // z[r0:r0+n, v0:v0+nv] = X_c[r0:r0+n] W[v0:v0+nv]^T (+ b[v0:v0+nv] where the GEMM adds the
   // bias), as z^T (nv x n) = W^T-view * X_c^T.
   auto logits_gemm = [&](int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv, int32_t sms) {
-    return gemm(main_, ws_main, main_ws_bytes, true, false, nv, n, a.h, 1.0f,
-                Offset(a.w, v0 * a.h, elem), a.h,
+    return gemm(main_, ws_main, true, false, nv, n, a.h, 1.0f, Offset(a.w, v0 * a.h, elem), a.h,
                 Offset(a.x, (c0 + r0) * a.h, elem), a.h, 0.0f, logits + (r0 * a.v + v0) * elem,
                 a.v, ab, sms, rank_logits, gemm_bias ? Offset(a.bias, v0, elem) : nullptr);
   };
@@ -597,15 +590,15 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
     if (a.dx == nullptr) return absl::OkStatus();
     const size_t dx_elem = DTypeSize(a.dx_dtype);
     char* dx = static_cast<char*>(a.dx) + c0 * a.h * dx_elem;
-    return gemm(main_, ws_main, main_ws_bytes, false, false, a.h, rows, a.v, scales.alpha, a.w,
-                a.h, logits, a.v, 0.0f, dx, a.h, CudaType(a.dx_dtype), sms, rank_dx);
+    return gemm(main_, ws_main, false, false, a.h, rows, a.v, scales.alpha, a.w, a.h, logits, a.v,
+                0.0f, dx, a.h, CudaType(a.dx_dtype), sms, rank_dx);
   };
   // dW[v0:v0+nv]^T (H x nv) += X_c^T (H x C col-major) * G[:, v0:v0+nv]; chunks are added in
   // increasing row order, one GEMM per chunk and half: a fixed order.
   auto dw_gemm = [&](int64_t c0, int64_t rows, int64_t v0, int64_t nv,
                      int32_t sms) -> absl::Status {
     const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
-    return gemm(dw_stream, ws_dw, dw_ws_bytes, false, true, a.h, nv, rows, scales.alpha,
+    return gemm(side_, ws_side, false, true, a.h, nv, rows, scales.alpha,
                 Offset(a.x, c0 * a.h, elem), a.h, logits + v0 * elem, a.v, beta,
                 a.dw_acc + v0 * a.h, a.h, CUDA_R_32F, sms, rank_dw);
   };
@@ -657,9 +650,9 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_, main_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, start_, 0));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, start_, 0));
-  if (want_db && !a.accumulate_db) {  // on the stream that adds into it
+  if (want_db && !a.accumulate_db) {
     LOSSD_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(a.db_acc, 0, static_cast<size_t>(a.v) * sizeof(float), dw_stream));
+        cudaMemsetAsync(a.db_acc, 0, static_cast<size_t>(a.v) * sizeof(float), side_));
   }
   if (want_dw && !a.accumulate_dw && a.bt == 0) {
     LOSSD_CUDA_RETURN_IF_ERROR(
@@ -669,7 +662,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   // Overlapped path: main_ waits for rows [c0, c0 + rows) of X to be on the device before the
   // GEMM(s) that read them (row halves: each half's own rows). The dW GEMM on side_ reads the
   // same rows without a wait of its own: it follows ce_done_ (after the CE kernel), which
-  // follows logits_done_ on main_, which follows this wait, so it is covered in every schedule.
+  // follows logits_done_ on main_, which follows this wait, so it is covered in both schedules.
   auto x_ready = [&](int64_t c0, int64_t rows) -> absl::Status {
     if (a.hooks == nullptr) return absl::OkStatus();
     absl::StatusOr<cudaEvent_t> arrived = a.hooks->XReady(c0, c0 + rows);
@@ -685,7 +678,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
 
   auto db_sum = [&](int64_t rows) {
     return CudaStatus(LaunchColumnSumAccumulate(logits, static_cast<int32_t>(a.dtype), rows, a.v,
-                                                scales.alpha, a.db_acc, dw_stream),
+                                                scales.alpha, a.db_acc, side_),
                       "LaunchColumnSumAccumulate");
   };
 
@@ -724,11 +717,8 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       const int64_t nsub = split < rows ? 2 : 1;
       const int64_t begin[2] = {0, split};
       const int64_t count[2] = {split, rows - split};
-      // The chunk buffer is reused: wait until the previous chunk's dW/db read it (serial:
-      // they ran on main_ itself).
-      if (c0 > 0 && !serial) {
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
-      }
+      // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
+      if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
       if (a.hooks != nullptr) {
         // Rows still arriving: each half starts once its own rows are in, and its CE is
         // queued before this thread waits for the next half's rows (the same kernels and
@@ -756,21 +746,18 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
       LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, 0));
       LOSSD_CUDA_RETURN_IF_NOT_OK(dx_enqueued(c0, rows));
       if (want_dw || want_db) {
-        // Serial, dw_stream is main_: dW follows dX there, and the next chunk follows dW.
-        if (!serial) {
-          LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
-          // Overlapped, the last chunk's dX is what the caller still waits for on the wire:
-          // its dX GEMM gets the whole GPU and its rows go out while this dW GEMM runs,
-          // instead of both sharing the SMs and dX finishing last. Only the order of two
-          // independent GEMMs changes, not what either computes.
-          if (a.hooks != nullptr && a.dx != nullptr && c0 + rows >= a.bt) {
-            LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dx_last_, main_));
-            LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dx_last_, 0));
-          }
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
+        // Overlapped, the last chunk's dX is what the caller still waits for on the wire:
+        // its dX GEMM gets the whole GPU and its rows go out while this dW GEMM runs, instead
+        // of both sharing the SMs and dX finishing last. Only the order of two independent
+        // GEMMs changes, not what either computes.
+        if (a.hooks != nullptr && a.dx != nullptr && c0 + rows >= a.bt) {
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dx_last_, main_));
+          LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dx_last_, 0));
         }
         if (want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, 0, a.v, 0));
         if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
-        LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], dw_stream));
+        LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));
       }
     }
   }

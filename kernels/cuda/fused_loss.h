@@ -99,11 +99,6 @@ enum class Schedule : int32_t {
   // first-half logits GEMM (compute-bound) runs under this chunk's second-half dW GEMM, whose
   // fp32 accumulator read and write are memory-bound; dX runs under the first-half dW.
   kColumnHalves = 1,
-  // As row halves, but the dX GEMM and then the dW/db accumulation run one after the other on
-  // the main stream: no GEMM ever shares the GPU with another (two measured slower side by
-  // side than one after the other), and the main stream's single cuBLASLt workspace is both
-  // streams' share of the budget, room for split-K kernels where the dX GEMM has few tiles.
-  kRowsSerial = 2,
 };
 
 // What the backend uses unless told otherwise: with autotuned GEMMs, row halves measured
@@ -118,8 +113,7 @@ struct ChunkPlan {
   // stream's GEMMs that run beside them for the rest, so that the two really run side by side
   // (a hint to cuBLASLt's heuristics, not a hard partition). 0: every GEMM sized for the GPU.
   int32_t side_sms = 0;
-  // cuBLASLt workspace per stream (two streams run GEMMs side by side; kRowsSerial gives
-  // main_ both, one workspace of twice this); part of the budget.
+  // cuBLASLt workspace per stream (two streams run GEMMs side by side); part of the budget.
   uint64_t gemm_workspace_bytes = 0;
   uint64_t workspace_bytes = 0;  // device bytes Enqueue needs as `workspace`
   // Whole-batch layout (PlanWhole) when blocks > 0: no row chunks (chunk_rows = BT); the
