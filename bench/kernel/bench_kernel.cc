@@ -89,8 +89,6 @@ namespace {
 
 struct Row {
   int64_t bt, h, v;
-  double floor_ms = 0;        // the first configuration's floor (below)
-  double tuned_floor_ms = 0;  // and tuned floor
   struct Fused {
     uint64_t budget;
     bool is_default = false;  // the backend's default budget for the shape
@@ -176,6 +174,41 @@ int64_t FreeBytes() {
   return static_cast<int64_t>(free_b);
 }
 
+// The fused op's three GEMMs over chunks of `chunk` rows, one after the other on the engine's
+// stream, no CE: logits z = X_c W^T (bf16), dX_c = z W (bf16), dW (+)= z^T X_c into fp32 (beta
+// 1 after the first chunk). With chunk = BT these are the 3-GEMM floor. `role` picks one of the
+// three (0 logits, 1 dX, 2 dW; -1 all), `rank` cuBLASLt's candidate (0: the engine's choice);
+// `tune` times the candidates (FusedLoss::TuneGemm) instead of running the GEMMs.
+absl::Status ChunkedGemms(cuda::FusedLoss& engine, void* ws, uint64_t ws_bytes, int64_t bt,
+                          int64_t h, int64_t v, int64_t chunk, const void* x, const void* w,
+                          void* z, void* dx, void* dw, int role = -1, int32_t rank = 0,
+                          bool tune = false) {
+  cudaStream_t stream = engine.stream();
+  auto gemm = [&](bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+                  const void* b, int64_t ldb, float beta, void* d, int64_t ldd,
+                  cudaDataType dt) {
+    return tune ? engine.TuneGemm(stream, ws, ws_bytes, ta, tb, m, n, k, 1.0f, a, lda, b, ldb,
+                                  CUDA_R_16BF, beta, d, ldd, dt)
+                : engine.Gemm(stream, ws, ws_bytes, ta, tb, m, n, k, 1.0f, a, lda, b, ldb,
+                              CUDA_R_16BF, beta, d, ldd, dt, 0, rank);
+  };
+  for (int64_t c0 = 0; c0 < bt; c0 += chunk) {
+    const int64_t r = std::min(chunk, bt - c0);
+    const char* xc = static_cast<const char*>(x) + c0 * h * 2;
+    absl::Status s;
+    if (role < 0 || role == 0) s = gemm(true, false, v, r, h, w, h, xc, h, 0.0f, z, v, CUDA_R_16BF);
+    if (s.ok() && (role < 0 || role == 1)) {
+      s = gemm(false, false, h, r, v, w, h, z, v, 0.0f, static_cast<char*>(dx) + c0 * h * 2, h,
+               CUDA_R_16BF);
+    }
+    if (s.ok() && (role < 0 || role == 2)) {
+      s = gemm(false, true, h, v, r, xc, h, z, v, c0 > 0 ? 1.0f : 0.0f, dw, h, CUDA_R_32F);
+    }
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 // Each GEMM alone at cuBLASLt heuristic ranks 0..N-1 and workspaces of 4 and 32 MiB: the
 // floor's three (unchunked) and the chunks' three (all chunks of `chunk` rows, dW with beta 1
 // after the first, as the fused op runs them). Prints one line per point; a rank cuBLASLt does
@@ -194,25 +227,9 @@ int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_
     for (int role = 0; role < 3; ++role) {
       for (unsigned long long ws_mib : {4ull, 32ull}) {
         for (int rank = 0; rank < absl::GetFlag(FLAGS_algo_sweep); ++rank) {
-          auto body = [&]() -> absl::Status {
-            for (int64_t c0 = 0; c0 < bt; c0 += c) {
-              const int64_t r = std::min(c, bt - c0);
-              const char* xc = static_cast<const char*>(x) + c0 * h * 2;
-              absl::Status s;
-              if (role == 0) {
-                s = engine.Gemm(stream, ws, ws_mib << 20, true, false, v, r, h, 1.0f, w, h, xc, h,
-                                CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF, 0, rank);
-              } else if (role == 1) {
-                s = engine.Gemm(stream, ws, ws_mib << 20, false, false, h, r, v, 1.0f, w, h, z, v,
-                                CUDA_R_16BF, 0.0f, static_cast<char*>(dx) + c0 * h * 2, h,
-                                CUDA_R_16BF, 0, rank);
-              } else {
-                s = engine.Gemm(stream, ws, ws_mib << 20, false, true, h, v, r, 1.0f, xc, h, z, v,
-                                CUDA_R_16BF, c0 > 0 ? 1.0f : 0.0f, dw, h, CUDA_R_32F, 0, rank);
-              }
-              if (!s.ok()) return s;
-            }
-            return absl::OkStatus();
+          auto body = [&]() {
+            return ChunkedGemms(engine, ws, ws_mib << 20, bt, h, v, c, x, w, z, dx, dw, role,
+                                rank);
           };
           // A rank that is not offered fails on the first call; probe before timing.
           const absl::Status probe = body();
@@ -381,26 +398,13 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
   const uint64_t fws_bytes = 32ull << 20;
   BENCH_CHECK_CUDA(cudaMalloc(&fz, bt * v * 2));
   BENCH_CHECK_CUDA(cudaMalloc(&fws, fws_bytes));
-  auto floor_on = [&](cuda::FusedLoss* e) {
-    return [=]() -> absl::Status {
-      absl::Status s = e->Gemm(stream, fws, fws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
-                               CUDA_R_16BF, 0.0f, fz, v, CUDA_R_16BF);
-      if (!s.ok()) return s;
-      s = e->Gemm(stream, fws, fws_bytes, false, false, h, bt, v, 1.0f, w, h, fz, v, CUDA_R_16BF,
-                  0.0f, dx, h, CUDA_R_16BF);
-      if (!s.ok()) return s;
-      return e->Gemm(stream, fws, fws_bytes, false, true, h, v, bt, 1.0f, x, h, fz, v,
-                     CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F);
-    };
+  auto floor_on = [&](cuda::FusedLoss* e) -> std::function<absl::Status()> {
+    return [=]() { return ChunkedGemms(*e, fws, fws_bytes, bt, h, v, bt, x, w, fz, dx, dw); };
   };
   const std::function<absl::Status()> floor = floor_on(&floor_engine);
   const std::function<absl::Status()> tuned_floor = floor_on(&engine);
-  BENCH_CHECK_OK(engine.TuneGemm(stream, fws, fws_bytes, true, false, v, bt, h, 1.0f, w, h, x, h,
-                                 CUDA_R_16BF, 0.0f, fz, v, CUDA_R_16BF));
-  BENCH_CHECK_OK(engine.TuneGemm(stream, fws, fws_bytes, false, false, h, bt, v, 1.0f, w, h, fz,
-                                 v, CUDA_R_16BF, 0.0f, dx, h, CUDA_R_16BF));
-  BENCH_CHECK_OK(engine.TuneGemm(stream, fws, fws_bytes, false, true, h, v, bt, 1.0f, x, h, fz, v,
-                                 CUDA_R_16BF, 0.0f, dw, h, CUDA_R_32F));
+  BENCH_CHECK_OK(ChunkedGemms(engine, fws, fws_bytes, bt, h, v, bt, x, w, fz, dx, dw, -1, 0,
+                              /*tune=*/true));
   // Once each before any memory is measured (the first launch of a kernel loads its code).
   BENCH_CHECK_OK(floor());
   BENCH_CHECK_OK(tuned_floor());
@@ -456,7 +460,6 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
     std::vector<double> ms;
     if (TimeRoundsMs(stream, warmup, runs, {floor, tuned_floor, fused}, &ms)) return 1;
     f.floor_ms = ms[0], f.tuned_floor_ms = ms[1], f.ms = ms[2];
-    if (row->fused.empty()) row->floor_ms = f.floor_ms, row->tuned_floor_ms = f.tuned_floor_ms;
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     f.measured_extra = free_before - FreeBytes();
     if (f.schedule == 2 && row->whole_gemms_ms == 0) {
@@ -513,23 +516,9 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
           SweepAlgos(engine, bt, h, v, plan.chunk_rows, x, w, dx, dw)) {
         return 1;
       }
-      auto gemms = [&]() -> absl::Status {
-        for (int64_t c0 = 0; c0 < bt; c0 += plan.chunk_rows) {
-          const int64_t r = std::min(plan.chunk_rows, bt - c0);
-          const char* xc = static_cast<const char*>(x) + c0 * h * 2;
-          absl::Status s = engine.Gemm(stream, gws, plan.gemm_workspace_bytes, true, false, v,
-                                       r, h, 1.0f, w, h, xc, h, CUDA_R_16BF, 0.0f, z, v,
-                                       CUDA_R_16BF);
-          if (!s.ok()) return s;
-          s = engine.Gemm(stream, gws, plan.gemm_workspace_bytes, false, false, h, r, v, 1.0f,
-                          w, h, z, v, CUDA_R_16BF, 0.0f, static_cast<char*>(dx) + c0 * h * 2,
-                          h, CUDA_R_16BF);
-          if (!s.ok()) return s;
-          s = engine.Gemm(stream, gws, plan.gemm_workspace_bytes, false, true, h, v, r, 1.0f,
-                          xc, h, z, v, CUDA_R_16BF, c0 > 0 ? 1.0f : 0.0f, dw, h, CUDA_R_32F);
-          if (!s.ok()) return s;
-        }
-        return absl::OkStatus();
+      auto gemms = [&]() {
+        return ChunkedGemms(engine, gws, plan.gemm_workspace_bytes, bt, h, v, plan.chunk_rows, x,
+                            w, z, dx, dw);
       };
       if (TimeMs(stream, warmup, runs, gemms, &f.gemms_ms)) return 1;
       if (run == 0) row->gemms_ms = f.gemms_ms;
@@ -760,16 +749,21 @@ int Main() {
                      f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }
     }
+    // The first configuration's floor; the whole-batch GEMMs only where that layout was timed.
+    const double floor_ms = r.fused.empty() ? 0 : r.fused.front().floor_ms;
     std::printf("| %lld, %lld, %lld | floor %.0f TFLOP/s; chunked GEMMs alone %.2f ms, "
-                "CE kernels alone %.2f ms (%s; two-pass kernel %.2f ms), whole-batch GEMMs "
-                "alone %.2f ms | | | | | | | | | | | | |\n",
+                "CE kernels alone %.2f ms (%s; two-pass kernel %.2f ms)%s | | | | | | | | | | | "
+                "| |\n",
                 static_cast<long long>(r.bt), static_cast<long long>(r.h),
-                static_cast<long long>(r.v), flop / (r.floor_ms * 1e-3) / 1e12, r.gemms_ms,
-                r.ce_ms,
+                static_cast<long long>(r.v), floor_ms > 0 ? flop / (floor_ms * 1e-3) / 1e12 : 0.0,
+                r.gemms_ms, r.ce_ms,
                 r.ce_cluster > 0
                     ? absl::StrFormat("one-read, %d blocks a row", r.ce_cluster).c_str()
                     : "two-pass",
-                r.ce_two_pass_ms, r.whole_gemms_ms);
+                r.ce_two_pass_ms,
+                r.whole_gemms_ms > 0
+                    ? absl::StrFormat(", whole-batch GEMMs alone %.2f ms", r.whole_gemms_ms).c_str()
+                    : "");
   }
   if (csv != nullptr) std::fclose(csv);
   for (const Row& r : rows) {

@@ -374,8 +374,15 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
                              cudaDataType ab_type, float beta, void* d, int64_t ldd,
                              cudaDataType d_type, int32_t sm_target, int32_t algo_rank,
                              const void* bias) {
-  const Spec g{trans_a, trans_b, m, n,   k,      a,        lda,       b,   ldb,
-               ab_type, beta,    d, ldd, d_type, ws_bytes, sm_target, bias};
+  return RunSpec(stream, ws, alpha,
+                 Spec{trans_a, trans_b, m, n, k, a, lda, b, ldb, ab_type, beta, d, ldd, d_type,
+                      ws_bytes, sm_target, bias},
+                 algo_rank);
+}
+
+absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g,
+                                int32_t algo_rank) {
+  const int64_t m = g.m, n = g.n, k = g.k;
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   const AlgoKey key = KeyOf(g, algo_rank);
@@ -398,9 +405,9 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
     }
     it = algos_.emplace(key, results[wanted - 1].algo).first;
   }
-  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d,
-                                              desc.d, d, desc.d, &it->second, ws, ws_bytes,
-                                              stream));
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, g.a, desc.a, g.b, desc.b,
+                                              &g.beta, g.d, desc.d, g.d, desc.d, &it->second, ws,
+                                              g.ws_bytes, stream));
   return absl::OkStatus();
 }
 
@@ -409,8 +416,17 @@ absl::Status FusedLoss::TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_byte
                                  const void* a, int64_t lda, const void* b, int64_t ldb,
                                  cudaDataType ab_type, float beta, void* d, int64_t ldd,
                                  cudaDataType d_type, int32_t sm_target, const void* bias) {
-  const Spec g{trans_a, trans_b, m, n,   k,      a,        lda,       b,   ldb,
-               ab_type, beta,    d, ldd, d_type, ws_bytes, sm_target, bias};
+  return TuneSpec(stream, ws, alpha,
+                  Spec{trans_a, trans_b, m, n, k, a, lda, b, ldb, ab_type, beta, d, ldd, d_type,
+                       ws_bytes, sm_target, bias});
+}
+
+absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g) {
+  const int64_t m = g.m, n = g.n, k = g.k;
+  const void *a = g.a, *b = g.b;
+  void* d = g.d;
+  const float beta = g.beta;
+  const uint64_t ws_bytes = g.ws_bytes;
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kTuneCandidates);
@@ -499,15 +515,11 @@ absl::Status FusedLoss::RunOrTune(bool tuning, cudaStream_t stream, void* ws, ui
                                   cudaDataType ab_type, float beta, void* dp, int64_t ldd,
                                   cudaDataType d_type, int32_t sms, int32_t rank,
                                   const void* bias) {
-  if (!tuning) {
-    return Gemm(stream, ws, ws_bytes, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab_type, beta, dp,
-                ldd, d_type, sms, rank, bias);
-  }
   const Spec g{ta,      tb,   m,  n,   k,      ap,       lda, bp,  ldb,
                ab_type, beta, dp, ldd, d_type, ws_bytes, sms, bias};
+  if (!tuning) return RunSpec(stream, ws, alpha, g, rank);
   if (rank != 0 || tuned_.count(KeyOf(g, 0)) != 0) return absl::OkStatus();
-  return TuneGemm(main_, ws, ws_bytes, ta, tb, m, n, k, alpha, ap, lda, bp, ldb, ab_type, beta, dp,
-                  ldd, d_type, sms, bias);
+  return TuneSpec(main_, ws, alpha, g);
 }
 
 absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace) {

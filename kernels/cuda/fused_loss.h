@@ -260,6 +260,10 @@ class FusedLoss {
                          float beta, void* dp, int64_t ldd, cudaDataType d_type, int32_t sms,
                          int32_t rank, const void* bias = nullptr);
   struct Spec;  // one GEMM's arguments (fused_loss.cc)
+  // Gemm and TuneGemm on a Spec (alpha, the one host scalar, is not part of its key).
+  absl::Status RunSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g,
+                       int32_t algo_rank);
+  absl::Status TuneSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g);
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                              int64_t, int, int, int, uint64_t, int32_t, int32_t>;
   static AlgoKey KeyOf(const Spec& g, int32_t rank);
