@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace lossd {
@@ -10,16 +11,35 @@ namespace lossd {
 WeightCache::WeightCache(uint64_t budget_bytes, std::string instance, size_t max_entries)
     : budget_(budget_bytes), instance_(std::move(instance)), max_entries_(max_entries) {}
 
-absl::Status WeightCache::EvictForLocked(uint64_t bytes) {
-  while (bytes_ + reserved_ + bytes > budget_ && !lru_.empty()) {
-    const std::string victim = lru_.back();
-    lru_.pop_back();
-    auto it = slots_.find(victim);
-    bytes_ -= it->second.entry->bytes();
-    slots_.erase(it);
-    evicted_.insert(victim);
-    ++evictions_;
+void WeightCache::EvictOldestLocked() {
+  const std::string victim = lru_.back();
+  lru_.pop_back();
+  auto it = slots_.find(victim);
+  bytes_ -= it->second.entry->bytes();
+  slots_.erase(it);
+  RetireLocked(victim, Retired::kEvicted);
+  ++evictions_;
+}
+
+void WeightCache::RetireLocked(const std::string& handle, Retired why) {
+  if (!retired_.insert_or_assign(handle, why).second) return;  // already remembered
+  retired_order_.push_back(handle);
+  if (retired_order_.size() > kRetiredKept) {
+    retired_.erase(retired_order_.front());
+    retired_order_.pop_front();
   }
+}
+
+bool WeightCache::IssuedLocked(const std::string& handle) const {
+  const std::string prefix = absl::StrCat("w-", instance_, "-");
+  uint64_t id = 0;
+  return absl::StartsWith(handle, prefix) &&
+         absl::SimpleAtoi(absl::string_view(handle).substr(prefix.size()), &id) && id >= 1 &&
+         id < next_id_;
+}
+
+absl::Status WeightCache::EvictForLocked(uint64_t bytes) {
+  while (bytes_ + reserved_ + bytes > budget_ && !lru_.empty()) EvictOldestLocked();
   if (bytes_ + reserved_ + bytes > budget_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "weights of ", bytes, " bytes do not fit in the weight cache: ", reserved_,
@@ -51,15 +71,7 @@ std::string WeightCache::Insert(std::shared_ptr<const WeightEntry> entry) {
   const uint64_t bytes = entry->bytes();
   reserved_ = bytes > reserved_ ? 0 : reserved_ - bytes;
   // Over the handle count (--max_weight_handles), the least recently used goes too.
-  while (slots_.size() >= max_entries_ && !lru_.empty()) {
-    const std::string victim = lru_.back();
-    lru_.pop_back();
-    auto it = slots_.find(victim);
-    bytes_ -= it->second.entry->bytes();
-    slots_.erase(it);
-    evicted_.insert(victim);
-    ++evictions_;
-  }
+  while (slots_.size() >= max_entries_ && !lru_.empty()) EvictOldestLocked();
   std::string handle = absl::StrCat("w-", instance_, "-", next_id_++);
   lru_.push_front(handle);
   bytes_ += bytes;
@@ -76,13 +88,19 @@ absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::s
     return it->second.entry;
   }
   ++misses_;
-  if (evicted_.contains(handle)) {
+  auto retired = retired_.find(handle);
+  if (retired != retired_.end() && retired->second == Retired::kEvicted) {
     return absl::NotFoundError(absl::StrCat(
         "weight handle '", handle, "' was evicted (least recently used) to make room in the ",
         budget_, "-byte weight cache; upload the weights again with PutWeights"));
   }
-  if (dropped_.contains(handle)) {
+  if (retired != retired_.end()) {
     return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' was dropped"));
+  }
+  if (IssuedLocked(handle)) {
+    return absl::NotFoundError(absl::StrCat(
+        "weight handle '", handle, "' is no longer held (evicted or dropped, longer ago than the ",
+        kRetiredKept, " handles whose fate is kept); upload the weights again with PutWeights"));
   }
   const std::string prefix = absl::StrCat("w-", instance_, "-");
   if (absl::StartsWith(handle, "w-") && !absl::StartsWith(handle, prefix)) {
@@ -98,13 +116,15 @@ absl::Status WeightCache::Drop(const std::string& handle) {
   absl::MutexLock lock(&mu_);
   auto it = slots_.find(handle);
   if (it == slots_.end()) {
-    return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' not found",
-                                            evicted_.contains(handle) ? " (evicted)" : ""));
+    auto retired = retired_.find(handle);
+    const bool evicted = retired != retired_.end() && retired->second == Retired::kEvicted;
+    return absl::NotFoundError(
+        absl::StrCat("weight handle '", handle, "' not found", evicted ? " (evicted)" : ""));
   }
   bytes_ -= it->second.entry->bytes();
   lru_.erase(it->second.lru);
   slots_.erase(it);
-  dropped_.insert(handle);
+  RetireLocked(handle, Retired::kDropped);
   return absl::OkStatus();
 }
 

@@ -2,17 +2,18 @@
 // budget, least recently used evicted first. Knows nothing of gRPC.
 // An entry in use by a running request stays alive (shared ownership) even when evicted, so
 // a request never sees its weights change or vanish under it; an evicted handle is never
-// served again.
+// served again. The last kRetiredKept evicted or dropped handles are remembered, to say which
+// happened; older ones are known as this instance's only by their number.
 #ifndef LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
 #define LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
 
 #include <cstdint>
+#include <deque>
 #include <list>
 #include <memory>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -34,6 +35,10 @@ struct WeightEntry {
 class WeightCache {
  public:
   WeightCache(uint64_t budget_bytes, std::string instance, size_t max_entries = 1024);
+
+  // How many evicted or dropped handles keep their reason (a long-running server retires
+  // handles without end; this bounds what it remembers of them).
+  static constexpr size_t kRetiredKept = 4096;
 
   // Makes room for an upload of `bytes` (evicting least recently used entries) and holds it
   // until Insert or Unreserve. RESOURCE_EXHAUSTED when it can never fit.
@@ -60,6 +65,13 @@ class WeightCache {
     std::list<std::string>::iterator lru;  // position in lru_, front = most recent
   };
   absl::Status EvictForLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the least recently used entry (lru_ not empty); its handle is remembered as evicted.
+  void EvictOldestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  enum class Retired : uint8_t { kEvicted, kDropped };
+  // Remembers why `handle` left, forgetting the oldest reason past kRetiredKept.
+  void RetireLocked(const std::string& handle, Retired why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether this instance issued `handle` (by its number, whether still held or not).
+  bool IssuedLocked(const std::string& handle) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t budget_;
   const std::string instance_;
@@ -67,8 +79,8 @@ class WeightCache {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> evicted_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> dropped_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Retired> retired_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> retired_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // inserted entries
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // uploads in progress
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

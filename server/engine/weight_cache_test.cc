@@ -1,7 +1,10 @@
 #include "server/engine/weight_cache.h"
 
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -88,6 +91,44 @@ TEST(WeightCacheTest, TheHandleCountIsLimitedLeastRecentlyUsedFirst) {
   EXPECT_NE(cache.Get(a).status().message().find("was evicted"), std::string::npos);
   EXPECT_TRUE(cache.Get(b).ok());
   EXPECT_TRUE(cache.Get(c).ok());
+}
+
+}  // namespace
+}  // namespace lossd
+
+namespace lossd {
+namespace {
+
+// A long-running server retires handles without end: the reason is kept for the last
+// kRetiredKept of them, and an older handle of this instance is still told apart from one it
+// never issued.
+TEST(WeightCacheTest, RetiredHandlesAreRememberedWithinABound) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(8, "inst");
+  std::vector<std::string> handles;
+  for (size_t i = 0; i < WeightCache::kRetiredKept + 3; ++i) {
+    ASSERT_TRUE(cache.Reserve(8).ok());  // evicts the one before
+    handles.push_back(cache.Insert(Entry(*backend, 8)));
+  }
+  ASSERT_TRUE(cache.Drop(handles.back()).ok());
+  EXPECT_EQ(cache.evictions(), WeightCache::kRetiredKept + 2);
+  // kRetiredKept + 3 retired: the first three are past the bound.
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    const absl::Status s = cache.Get(handles[i]).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+    EXPECT_NE(s.message().find("is no longer held (evicted or dropped"), std::string::npos) << s;
+  }
+  const absl::Status kept = cache.Get(handles[3]).status();
+  EXPECT_NE(kept.message().find("was evicted"), std::string::npos) << kept;
+  const absl::Status dropped = cache.Get(handles.back()).status();
+  EXPECT_NE(dropped.message().find("was dropped"), std::string::npos) << dropped;
+  // Never issued by this instance: a number past the last, and no number at all.
+  const std::string past = absl::StrCat("w-inst-", handles.size() + 1);
+  for (const std::string& h : {past, std::string("w-inst-x"), std::string("w-inst-0")}) {
+    const absl::Status s = cache.Get(h).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+    EXPECT_NE(s.message().find("not found"), std::string::npos) << s;
+  }
 }
 
 }  // namespace
