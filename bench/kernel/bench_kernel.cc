@@ -174,16 +174,15 @@ int64_t FreeBytes() {
   return static_cast<int64_t>(free_b);
 }
 
-// The fused op's three GEMMs over chunks of `chunk` rows, one after the other on the engine's
-// stream, no CE: logits z = X_c W^T (bf16), dX_c = z W (bf16), dW (+)= z^T X_c into fp32 (beta
+// The fused op's three GEMMs over chunks of `chunk` rows, one after the other on `stream` (the
+// timed stream, whichever engine's algorithm cache picks the kernels), no CE: logits z = X_c W^T (bf16), dX_c = z W (bf16), dW (+)= z^T X_c into fp32 (beta
 // 1 after the first chunk). With chunk = BT these are the 3-GEMM floor. `role` picks one of the
 // three (0 logits, 1 dX, 2 dW; -1 all), `rank` cuBLASLt's candidate (0: the engine's choice);
 // `tune` times the candidates (FusedLoss::TuneGemm) instead of running the GEMMs.
-absl::Status ChunkedGemms(cuda::FusedLoss& engine, void* ws, uint64_t ws_bytes, int64_t bt,
-                          int64_t h, int64_t v, int64_t chunk, const void* x, const void* w,
-                          void* z, void* dx, void* dw, int role = -1, int32_t rank = 0,
-                          bool tune = false) {
-  cudaStream_t stream = engine.stream();
+absl::Status ChunkedGemms(cuda::FusedLoss& engine, cudaStream_t stream, void* ws,
+                          uint64_t ws_bytes, int64_t bt, int64_t h, int64_t v, int64_t chunk,
+                          const void* x, const void* w, void* z, void* dx, void* dw,
+                          int role = -1, int32_t rank = 0, bool tune = false) {
   auto gemm = [&](bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
                   const void* b, int64_t ldb, float beta, void* d, int64_t ldd,
                   cudaDataType dt) {
@@ -228,8 +227,8 @@ int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_
       for (unsigned long long ws_mib : {4ull, 32ull}) {
         for (int rank = 0; rank < absl::GetFlag(FLAGS_algo_sweep); ++rank) {
           auto body = [&]() {
-            return ChunkedGemms(engine, ws, ws_mib << 20, bt, h, v, c, x, w, z, dx, dw, role,
-                                rank);
+            return ChunkedGemms(engine, stream, ws, ws_mib << 20, bt, h, v, c, x, w, z, dx, dw,
+                                role, rank);
           };
           // A rank that is not offered fails on the first call; probe before timing.
           const absl::Status probe = body();
@@ -399,12 +398,14 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
   BENCH_CHECK_CUDA(cudaMalloc(&fz, bt * v * 2));
   BENCH_CHECK_CUDA(cudaMalloc(&fws, fws_bytes));
   auto floor_on = [&](cuda::FusedLoss* e) -> std::function<absl::Status()> {
-    return [=]() { return ChunkedGemms(*e, fws, fws_bytes, bt, h, v, bt, x, w, fz, dx, dw); };
+    return [=]() {
+      return ChunkedGemms(*e, stream, fws, fws_bytes, bt, h, v, bt, x, w, fz, dx, dw);
+    };
   };
   const std::function<absl::Status()> floor = floor_on(&floor_engine);
   const std::function<absl::Status()> tuned_floor = floor_on(&engine);
-  BENCH_CHECK_OK(ChunkedGemms(engine, fws, fws_bytes, bt, h, v, bt, x, w, fz, dx, dw, -1, 0,
-                              /*tune=*/true));
+  BENCH_CHECK_OK(ChunkedGemms(engine, stream, fws, fws_bytes, bt, h, v, bt, x, w, fz, dx, dw,
+                              -1, 0, /*tune=*/true));
   // Once each before any memory is measured (the first launch of a kernel loads its code).
   BENCH_CHECK_OK(floor());
   BENCH_CHECK_OK(tuned_floor());
@@ -459,6 +460,16 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
     auto fused = [&]() { return engine.Enqueue(a, plan, ws); };
     std::vector<double> ms;
     if (TimeRoundsMs(stream, warmup, runs, {floor, tuned_floor, fused}, &ms)) return 1;
+    // A time that implies more than any GPU's tensor cores (5 PFLOP/s) means the events did not
+    // enclose the work (work queued on another stream): a wrong table, not a fast one.
+    for (double t : ms) {
+      if (6.0 * bt * h * v / (t * 1e-3) > 5e15) {
+        std::fprintf(stderr, "%lldx%lldx%lld: %.3f ms is faster than any GPU; timing broken\n",
+                     static_cast<long long>(bt), static_cast<long long>(h),
+                     static_cast<long long>(v), t);
+        return 1;
+      }
+    }
     f.floor_ms = ms[0], f.tuned_floor_ms = ms[1], f.ms = ms[2];
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     f.measured_extra = free_before - FreeBytes();
@@ -517,8 +528,8 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
         return 1;
       }
       auto gemms = [&]() {
-        return ChunkedGemms(engine, gws, plan.gemm_workspace_bytes, bt, h, v, plan.chunk_rows, x,
-                            w, z, dx, dw);
+        return ChunkedGemms(engine, stream, gws, plan.gemm_workspace_bytes, bt, h, v,
+                            plan.chunk_rows, x, w, z, dx, dw);
       };
       if (TimeMs(stream, warmup, runs, gemms, &f.gemms_ms)) return 1;
       if (run == 0) row->gemms_ms = f.gemms_ms;
