@@ -51,9 +51,6 @@ ABSL_FLAG(bool, ce_only, false,
           "time only the cross-entropy kernels (both of them) at each shape's first-budget chunks");
 ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
-ABSL_FLAG(std::string, dx_ranks, "",
-          "also time the row-halves schedule with the dX GEMM pinned to each of these cuBLASLt "
-          "heuristic ranks (comma list; the rank runs beside the dW GEMM, not alone)");
 ABSL_FLAG(std::string, host_io, "",
           "BTxHxV: also time CudaBackend::Compute with host tensors (fresh W each call, dX and "
           "bf16 dW back)");
@@ -97,7 +94,6 @@ struct Row {
     bool is_default = false;  // the backend's default budget for the shape
     int schedule;
     int side_sms;
-    int dx_rank = -1;
     int64_t chunk_rows;
     int blocks = 0;  // whole-batch layout's vocabulary blocks
     double gemms_ms = 0;  // this budget's chunked GEMMs alone (first schedule of each budget)
@@ -258,12 +254,10 @@ int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_
   return 0;
 }
 
-// One timed configuration: a schedule, the dW GEMMs' SM target and, where >= 0, the dX GEMM's
-// pinned heuristic rank.
+// One timed configuration: a schedule and the dW GEMMs' SM target.
 struct Config {
   int schedule;
   int side_sms;
-  int dx_rank = -1;
 };
 
 // The cross-entropy kernels alone over the chunks of `chunk_rows` rows, both kernels: the
@@ -444,7 +438,6 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
     f.budget = f.is_default ? cuda::DefaultChunkBudget(bt, v, DType::kBF16, gws) : budgets[bi];
     f.schedule = schedules[si].schedule;
     f.side_sms = schedules[si].side_sms;
-    f.dx_rank = schedules[si].dx_rank;
     cuda::ChunkPlan plan =
         f.schedule == 2
             ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
@@ -466,8 +459,6 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
     BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
     auto fused = [&]() { return engine.Enqueue(a, plan, ws); };
     std::vector<double> ms;
-    const int32_t dx_rank_before = engine.algo_rank(cuda::GemmRole::kDx);
-    if (f.dx_rank >= 0) engine.set_algo_rank(cuda::GemmRole::kDx, f.dx_rank);
     if (TimeRoundsMs(stream, warmup, runs, {floor, tuned_floor, fused}, &ms)) return 1;
     // A time that implies more than any GPU's tensor cores (5 PFLOP/s) means the events did not
     // enclose the work (work queued on another stream): a wrong table, not a fast one.
@@ -578,7 +569,6 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
       cudaFree(count);
     }
     BENCH_CHECK_CUDA(cudaFree(ws));
-    engine.set_algo_rank(cuda::GemmRole::kDx, dx_rank_before);
     row->fused.push_back(f);
     std::fprintf(stderr,
                  "  %lldx%lldx%lld budget %llu MiB schedule %d/%d: C=%lld %.2f ms (floor %.2f, "
@@ -663,16 +653,6 @@ int Main() {
       return 2;
     }
     schedules.push_back({sc, 0});
-    if (sc == 0 && !absl::GetFlag(FLAGS_dx_ranks).empty()) {
-      for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_dx_ranks), ',')) {
-        int rank = 0;
-        if (!absl::SimpleAtoi(t, &rank) || rank < 0) {
-          std::fprintf(stderr, "bad --dx_ranks entry '%s'\n", std::string(t).c_str());
-          return 2;
-        }
-        schedules.push_back({0, 0, rank});
-      }
-    }
     if (sc == 1 && !absl::GetFlag(FLAGS_side_sms).empty()) {
       for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_side_sms), ',')) {
         int sms = 0;
@@ -746,7 +726,7 @@ int Main() {
       std::fprintf(csv,
                    "bt,h,v,floor_ms,tuned_floor_ms,budget_mib,chunk_rows,schedule,side_sms,"
                    "fused_ms,ratio,tflops,workspace_mib,measured_extra_mib,deterministic,"
-                   "mean_loss,dx_rank\n");
+                   "mean_loss\n");
     }
   }
   for (const Row& r : rows) {
@@ -758,9 +738,7 @@ int Main() {
                   static_cast<long long>(r.v), f.floor_ms, f.tuned_floor_ms,
                   f.is_default ? "default, " : "", static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
-                  f.schedule == 0 && f.dx_rank >= 0
-                      ? absl::StrFormat("rows, dX rank %d", f.dx_rank).c_str()
-                  : f.schedule == 0 ? "rows"
+                  f.schedule == 0   ? "rows"
                   : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
                                     : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                       f.side_sms)
@@ -772,15 +750,14 @@ int Main() {
                   f.gemms_ms > 0 ? absl::StrFormat("%.2f ms", f.gemms_ms).c_str() : "");
       if (csv != nullptr) {
         std::fprintf(csv,
-                     "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f,%d\n",
+                     "%lld,%lld,%lld,%.4f,%.4f,%llu,%lld,%d,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%d,%.5f\n",
                      static_cast<long long>(r.bt), static_cast<long long>(r.h),
                      static_cast<long long>(r.v), f.floor_ms, f.tuned_floor_ms,
                      static_cast<unsigned long long>(f.budget >> 20),
                      static_cast<long long>(f.chunk_rows), f.schedule, f.side_sms, f.ms,
                      f.ms / f.floor_ms,
                      flop / (f.ms * 1e-3) / 1e12, f.workspace / 1048576.0,
-                     f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss,
-                     f.dx_rank);
+                     f.measured_extra / 1048576.0, r.deterministic ? 1 : 0, r.mean_loss);
       }
     }
     // The first configuration's floor; the whole-batch GEMMs only where that layout was timed.

@@ -210,7 +210,6 @@ class FusedLoss {
   // rank the heuristic does not offer is NOT_FOUND at Enqueue. For benchmarks that compare
   // algorithms; fixed for the life of the object, so results stay deterministic.
   void set_algo_rank(GemmRole role, int32_t rank) { algo_ranks_[static_cast<int>(role)] = rank; }
-  int32_t algo_rank(GemmRole role) const { return algo_ranks_[static_cast<int>(role)]; }
 
   // On: the first Enqueue of a shape times cuBLASLt's first kTuneCandidates heuristic
   // candidates for each of its GEMMs (before any real work, on the real buffers) and keeps the
