@@ -51,9 +51,6 @@ ABSL_FLAG(bool, ce_only, false,
           "time only the cross-entropy kernels (both of them) at each shape's first-budget chunks");
 ABSL_FLAG(std::string, side_sms, "",
           "SM targets for the dW GEMMs to time with the column-halves schedule");
-ABSL_FLAG(bool, dx_f32, false,
-          "also time the row-halves schedule with the dX GEMM into fp32 rows and a cast "
-          "(cuda::UseFp32Dx)");
 ABSL_FLAG(std::string, host_io, "",
           "BTxHxV: also time CudaBackend::Compute with host tensors (fresh W each call, dX and "
           "bf16 dW back)");
@@ -97,7 +94,6 @@ struct Row {
     bool is_default = false;  // the backend's default budget for the shape
     int schedule;
     int side_sms;
-    bool dx_f32 = false;
     int64_t chunk_rows;
     int blocks = 0;  // whole-batch layout's vocabulary blocks
     double gemms_ms = 0;  // this budget's chunked GEMMs alone (first schedule of each budget)
@@ -259,11 +255,10 @@ int SweepAlgos(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v, int64_
   return 0;
 }
 
-// One timed configuration: a schedule, the dW GEMMs' SM target, fp32 dX rows.
+// One timed configuration: a schedule and the dW GEMMs' SM target.
 struct Config {
   int schedule;
   int side_sms;
-  bool dx_f32 = false;
 };
 
 // The cross-entropy kernels alone over the chunks of `chunk_rows` rows, both kernels: the
@@ -456,8 +451,6 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
       continue;
     }
     plan.side_sms = f.side_sms;
-    f.dx_f32 = schedules[si].dx_f32;
-    if (f.dx_f32) cuda::UseFp32Dx(&plan, h);
     f.chunk_rows = plan.chunk_rows;
     f.blocks = plan.blocks;
     f.workspace = plan.workspace_bytes;
@@ -661,7 +654,6 @@ int Main() {
       return 2;
     }
     schedules.push_back({sc, 0});
-    if (sc == 0 && absl::GetFlag(FLAGS_dx_f32)) schedules.push_back({0, 0, true});
     if (sc == 1 && !absl::GetFlag(FLAGS_side_sms).empty()) {
       for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_side_sms), ',')) {
         int sms = 0;
@@ -747,8 +739,7 @@ int Main() {
                   static_cast<long long>(r.v), f.floor_ms, f.tuned_floor_ms,
                   f.is_default ? "default, " : "", static_cast<unsigned long long>(f.budget >> 20),
                   static_cast<long long>(f.chunk_rows),
-                  f.schedule == 0 && f.dx_f32 ? "rows, fp32 dX rows"
-                  : f.schedule == 0           ? "rows"
+                  f.schedule == 0   ? "rows"
                   : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
                                     : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                       f.side_sms)

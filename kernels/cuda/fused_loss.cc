@@ -144,12 +144,6 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
   return plan;
 }
 
-void UseFp32Dx(ChunkPlan* plan, int64_t h) {
-  if (plan->dx_f32 || plan->blocks > 0) return;
-  plan->dx_f32 = true;
-  plan->workspace_bytes += RoundUp(static_cast<uint64_t>(plan->chunk_rows) * h * 4, kAlign);
-}
-
 GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {
   GradScales g;
   if (o.reduction == Reduction::kNone) {
@@ -332,15 +326,14 @@ absl::Status Describe(const SpecT& g, LtDescriptors* desc) {
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc->pref));
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
       desc->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g.ws_bytes, sizeof(g.ws_bytes)));
-  // Split-K may add its parts in the output's type (in place, or through the workspace): for
-  // a 16-bit D that rounds every part, so only parts in fp32 (the compute type) are allowed
-  // there; an fp32 D may take any scheme. In place, cuBLASLt orders the parts with counters
-  // (cublasLt.h), so the sum is the same every run.
+  // Split-K parts are added through the workspace, in fp32 (the compute type) or, for an
+  // fp32 D, in D's type, which is the same. Parts in a 16-bit D's type would round every part,
+  // against the fp32 accumulation the numerics promise; parts added in place in D are ordered
+  // by counters whose order this code does not control. Both are kept out, for every GEMM
+  // and also where nothing is tuned.
   const uint32_t schemes =
-      g.d_type == CUDA_R_32F
-          ? static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_MASK)
-          : static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_NONE |
-                                  CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE);
+      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+      (g.d_type == CUDA_R_32F ? CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE : 0);
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
       desc->pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
@@ -459,7 +452,8 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
   EventPair ev;
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.start));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.stop));
-  // The candidates that launch (Describe already kept out the reductions in 16 bits).
+  // The candidates that launch (Describe has kept out the split-K reductions in place or in
+  // 16 bits).
   std::vector<int> cand;
   for (int i = 0; i < found; ++i) {
     if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
@@ -565,10 +559,6 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   char* logits = static_cast<char*>(workspace);
   void* ws_main = logits + RoundUp(static_cast<uint64_t>(plan.chunk_rows) * a.v * elem, kAlign);
   void* ws_side = static_cast<char*>(ws_main) + gws;
-  // fp32 dX rows of one chunk (plan.dx_f32, 16-bit dX only), after the GEMM workspaces.
-  float* dx32 = plan.dx_f32 && a.dx != nullptr && a.dx_dtype != DType::kF32
-                    ? reinterpret_cast<float*>(static_cast<char*>(ws_side) + gws)
-                    : nullptr;
   const int32_t rank_logits = algo_ranks_[static_cast<int>(GemmRole::kLogits)];
   const int32_t rank_dx = algo_ranks_[static_cast<int>(GemmRole::kDx)];
   const int32_t rank_dw = algo_ranks_[static_cast<int>(GemmRole::kDw)];
@@ -610,23 +600,12 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
                 a.v, ab, sms, rank_logits, gemm_bias ? Offset(a.bias, v0, elem) : nullptr);
   };
   // dX_c^T (H x C) = W (H x V col-major) * G^T (V x C col-major).
-  // With dx32 the GEMM writes fp32 rows there and a cast on main_ rounds them into dX (not
-  // in a tuning pass: the trials only time the GEMM).
   auto dx_gemm = [&](int64_t c0, int64_t rows, int32_t sms) -> absl::Status {
     if (a.dx == nullptr) return absl::OkStatus();
     const size_t dx_elem = DTypeSize(a.dx_dtype);
     char* dx = static_cast<char*>(a.dx) + c0 * a.h * dx_elem;
-    if (dx32 == nullptr) {
-      return gemm(main_, ws_main, false, false, a.h, rows, a.v, scales.alpha, a.w, a.h, logits,
-                  a.v, 0.0f, dx, a.h, CudaType(a.dx_dtype), sms, rank_dx);
-    }
-    LOSSD_CUDA_RETURN_IF_NOT_OK(gemm(main_, ws_main, false, false, a.h, rows, a.v, scales.alpha,
-                                     a.w, a.h, logits, a.v, 0.0f, dx32, a.h, CUDA_R_32F, sms,
-                                     rank_dx));
-    if (tuning) return absl::OkStatus();
-    return CudaStatus(LaunchCastFromFloat(dx32, dx, static_cast<int32_t>(a.dx_dtype),
-                                          rows * a.h, main_),
-                      "LaunchCastFromFloat(dX rows)");
+    return gemm(main_, ws_main, false, false, a.h, rows, a.v, scales.alpha, a.w, a.h, logits, a.v,
+                0.0f, dx, a.h, CudaType(a.dx_dtype), sms, rank_dx);
   };
   // dW[v0:v0+nv]^T (H x nv) += X_c^T (H x C col-major) * G[:, v0:v0+nv]; chunks are added in
   // increasing row order, one GEMM per chunk and half: a fixed order.

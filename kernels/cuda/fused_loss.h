@@ -121,15 +121,7 @@ struct ChunkPlan {
   // (block 0 takes what is left over; the others `block_cols` columns each).
   int32_t blocks = 0;
   int64_t block_cols = 0;
-  // Row chunks with a 16-bit dX: the dX GEMM writes its C x H rows in fp32 at the end of the
-  // workspace and a cast rounds them into dX, so that cuBLASLt may split K = V and add the
-  // parts in place in fp32 (a 16-bit output would round every part; see Describe). Set by
-  // UseFp32Dx, which also grows workspace_bytes.
-  bool dx_f32 = false;
 };
-
-// Gives a row-chunk plan the fp32 dX rows of ChunkPlan::dx_f32 (C x H x 4 more bytes).
-void UseFp32Dx(ChunkPlan* plan, int64_t h);
 
 // Which GEMM of a chunk a cuBLASLt algorithm choice is for.
 enum class GemmRole : int32_t { kLogits = 0, kDx = 1, kDw = 2 };
