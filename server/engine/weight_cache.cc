@@ -92,7 +92,8 @@ absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::s
   if (retired != retired_.end() && retired->second == Retired::kEvicted) {
     return absl::NotFoundError(absl::StrCat(
         "weight handle '", handle, "' was evicted (least recently used) to make room in the ",
-        budget_, "-byte weight cache; upload the weights again with PutWeights"));
+        "weight cache (", budget_, " bytes, --weight_cache_bytes; ", max_entries_,
+        " handles, --max_weight_handles); upload the weights again with PutWeights"));
   }
   if (retired != retired_.end()) {
     return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' was dropped"));
