@@ -32,10 +32,11 @@ void WeightCache::RetireLocked(const std::string& handle, Retired why) {
 
 bool WeightCache::IssuedLocked(const std::string& handle) const {
   const std::string prefix = absl::StrCat("w-", instance_, "-");
+  if (!absl::StartsWith(handle, prefix)) return false;
+  const absl::string_view number = absl::string_view(handle).substr(prefix.size());
   uint64_t id = 0;
-  return absl::StartsWith(handle, prefix) &&
-         absl::SimpleAtoi(absl::string_view(handle).substr(prefix.size()), &id) && id >= 1 &&
-         id < next_id_;
+  // Only the number as Insert writes it ("w-inst-01" was never issued).
+  return absl::SimpleAtoi(number, &id) && id >= 1 && id < next_id_ && absl::StrCat(id) == number;
 }
 
 absl::Status WeightCache::EvictForLocked(uint64_t bytes) {

@@ -126,7 +126,8 @@ TEST(WeightCacheTest, RetiredHandlesAreRememberedWithinABound) {
   EXPECT_NE(dropped.message().find("was dropped"), std::string::npos) << dropped;
   // Never issued by this instance: a number past the last, and no number at all.
   const std::string past = absl::StrCat("w-inst-", handles.size() + 1);
-  for (const std::string& h : {past, std::string("w-inst-x"), std::string("w-inst-0")}) {
+  for (const std::string& h : {past, std::string("w-inst-x"), std::string("w-inst-0"),
+                               std::string("w-inst-05"), std::string("w-inst-+5")}) {
     const absl::Status s = cache.Get(h).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
     EXPECT_NE(s.message().find("not found"), std::string::npos) << s;
