@@ -177,9 +177,9 @@ int64_t FreeBytes() {
 // The fused op's three GEMMs over chunks of `chunk` rows, one after the other on `stream` (the
 // timed stream, whichever engine's algorithm cache picks the kernels), no CE: logits
 // z = X_c W^T (bf16), dX_c = z W (bf16), dW (+)= z^T X_c into fp32 (beta 1 after the first
-// chunk). With chunk = BT these are the 3-GEMM floor. `role` picks one of the
-// three (0 logits, 1 dX, 2 dW; -1 all), `rank` cuBLASLt's candidate (0: the engine's choice);
-// `tune` times the candidates (FusedLoss::TuneGemm) instead of running the GEMMs.
+// chunk). With chunk = BT these are the 3-GEMM floor. `role` picks one of the three (0 logits,
+// 1 dX, 2 dW; -1 all), `rank` cuBLASLt's candidate (0: the engine's choice); `tune` times the
+// candidates (FusedLoss::TuneGemm) instead of running the GEMMs.
 absl::Status ChunkedGemms(cuda::FusedLoss& engine, cudaStream_t stream, void* ws,
                           uint64_t ws_bytes, int64_t bt, int64_t h, int64_t v, int64_t chunk,
                           const void* x, const void* w, void* z, void* dx, void* dw,

@@ -721,7 +721,8 @@ std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
   TrickleRows::Spec ts;
   ts.fail_after = fail_after;
   ts.failure = failure;
-  auto rows = std::make_unique<TrickleRows>(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
+  auto rows =
+      std::make_unique<TrickleRows>(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
   LossProblem streamed = whole;
   streamed.x = rows->x();
   streamed.rows = rows.get();

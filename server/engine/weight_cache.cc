@@ -9,7 +9,10 @@
 namespace lossd {
 
 WeightCache::WeightCache(uint64_t budget_bytes, std::string instance, size_t max_entries)
-    : budget_(budget_bytes), instance_(std::move(instance)), max_entries_(max_entries) {}
+    : budget_(budget_bytes),
+      instance_(std::move(instance)),
+      prefix_(absl::StrCat("w-", instance_, "-")),
+      max_entries_(max_entries) {}
 
 void WeightCache::EvictOldestLocked() {
   const std::string victim = lru_.back();
@@ -31,9 +34,8 @@ void WeightCache::RetireLocked(const std::string& handle, Retired why) {
 }
 
 bool WeightCache::IssuedLocked(const std::string& handle) const {
-  const std::string prefix = absl::StrCat("w-", instance_, "-");
-  if (!absl::StartsWith(handle, prefix)) return false;
-  const absl::string_view number = absl::string_view(handle).substr(prefix.size());
+  if (!absl::StartsWith(handle, prefix_)) return false;
+  const absl::string_view number = absl::string_view(handle).substr(prefix_.size());
   uint64_t id = 0;
   // Only the number as Insert writes it ("w-inst-01" was never issued).
   return absl::SimpleAtoi(number, &id) && id >= 1 && id < next_id_ && absl::StrCat(id) == number;
@@ -73,7 +75,7 @@ std::string WeightCache::Insert(std::shared_ptr<const WeightEntry> entry) {
   reserved_ = bytes > reserved_ ? 0 : reserved_ - bytes;
   // Over the handle count (--max_weight_handles), the least recently used goes too.
   while (slots_.size() >= max_entries_ && !lru_.empty()) EvictOldestLocked();
-  std::string handle = absl::StrCat("w-", instance_, "-", next_id_++);
+  std::string handle = absl::StrCat(prefix_, next_id_++);
   lru_.push_front(handle);
   bytes_ += bytes;
   slots_[handle] = Slot{std::move(entry), lru_.begin()};
@@ -104,8 +106,7 @@ absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::s
         "weight handle '", handle, "' is no longer held (evicted or dropped, longer ago than the ",
         kRetiredKept, " handles whose fate is kept); upload the weights again with PutWeights"));
   }
-  const std::string prefix = absl::StrCat("w-", instance_, "-");
-  if (absl::StartsWith(handle, "w-") && !absl::StartsWith(handle, prefix)) {
+  if (absl::StartsWith(handle, "w-") && !absl::StartsWith(handle, prefix_)) {
     return absl::NotFoundError(absl::StrCat(
         "weight handle '", handle, "' belongs to another server instance (this one is '",
         instance_, "'; the server restarted or the call reached another replica); upload the "

@@ -75,6 +75,7 @@ class WeightCache {
 
   const uint64_t budget_;
   const std::string instance_;
+  const std::string prefix_;  // "w-<instance>-": every handle this cache issues starts so
   const size_t max_entries_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Slot> slots_ ABSL_GUARDED_BY(mu_);
