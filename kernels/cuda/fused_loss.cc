@@ -392,7 +392,6 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
 
 absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g,
                                 int32_t algo_rank) {
-  const int64_t m = g.m, n = g.n, k = g.k;
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   const AlgoKey key = KeyOf(g, algo_rank);
@@ -406,11 +405,11 @@ absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, cons
                                                                 results.data(), &found));
     if (found == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", m, " n=", n, " k=", k));
+          "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", g.m, " n=", g.n, " k=", g.k));
     }
     if (found < wanted) {
       return absl::NotFoundError(absl::StrCat("cublasLtMatmulAlgoGetHeuristic: ", found,
-                                              " algorithms for m=", m, " n=", n, " k=", k,
+                                              " algorithms for m=", g.m, " n=", g.n, " k=", g.k,
                                               ", no rank ", algo_rank));
     }
     it = algos_.emplace(key, results[wanted - 1].algo).first;
@@ -432,11 +431,6 @@ absl::Status FusedLoss::TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_byte
 }
 
 absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g) {
-  const int64_t m = g.m, n = g.n, k = g.k;
-  const void *a = g.a, *b = g.b;
-  void* d = g.d;
-  const float beta = g.beta;
-  const uint64_t ws_bytes = g.ws_bytes;
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kTuneCandidates);
@@ -447,7 +441,7 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
                                                               &found));
   if (found == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", m, " n=", n, " k=", k));
+        "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", g.m, " n=", g.n, " k=", g.k));
   }
   EventPair ev;
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.start));
@@ -457,8 +451,9 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
   std::vector<int> cand;
   for (int i = 0; i < found; ++i) {
     if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    if (cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d,
-                       &results[i].algo, ws, ws_bytes, stream) != CUBLAS_STATUS_SUCCESS) {
+    if (cublasLtMatmul(lt_, desc.op, &alpha, g.a, desc.a, g.b, desc.b, &g.beta, g.d, desc.d, g.d,
+                       desc.d, &results[i].algo, ws, g.ws_bytes,
+                       stream) != CUBLAS_STATUS_SUCCESS) {
       continue;
     }
     cand.push_back(i);
@@ -470,8 +465,8 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
     // a drift in clocks touches all of them alike; each candidate's median counts.
     for (int r = 0; r < 2; ++r) {
       for (int i : cand) {
-        cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d,
-                       &results[i].algo, ws, ws_bytes, stream);
+        cublasLtMatmul(lt_, desc.op, &alpha, g.a, desc.a, g.b, desc.b, &g.beta, g.d, desc.d, g.d,
+                       desc.d, &results[i].algo, ws, g.ws_bytes, stream);
       }
     }
     constexpr int kRounds = 5;
@@ -479,9 +474,9 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
     for (int r = 0; r < kRounds; ++r) {
       for (size_t c = 0; c < cand.size(); ++c) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.start, stream));
-        LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, a, desc.a, b, desc.b,
-                                                    &beta, d, desc.d, d, desc.d,
-                                                    &results[cand[c]].algo, ws, ws_bytes,
+        LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, g.a, desc.a, g.b,
+                                                    desc.b, &g.beta, g.d, desc.d, g.d, desc.d,
+                                                    &results[cand[c]].algo, ws, g.ws_bytes,
                                                     stream));
         LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.stop, stream));
         LOSSD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev.stop));
