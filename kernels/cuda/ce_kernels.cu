@@ -1,5 +1,6 @@
 // Device code of the fused linear + cross-entropy; see ce_kernels.h for the math and contract.
 #include "kernels/cuda/ce_kernels.h"
+#include "kernels/cuda/softcap_tanh.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -186,11 +187,33 @@ __device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b);
 __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
 
 // The softcapped logit cap tanh(u / cap), as cap tanh(u (1 / cap)) the way the CPU backend has
-// it (inv_cap = 1 / cap): an fp32 division is a dozen instructions and a call to its slow path,
-// more than the tanhf itself. th gets the tanh, for the derivative 1 - th^2.
+// it (inv_cap = 1 / cap): an fp32 division is a dozen instructions and a call to its slow path.
+// th gets the tanh (softcap_tanh.h), for the derivative 1 - th^2.
 __device__ __forceinline__ float Softcap(float u, float cap, float inv_cap, float& th) {
-  th = tanhf(Mul(u, inv_cap));
+  th = SoftcapTanh(Mul(u, inv_cap));
   return Mul(cap, th);
+}
+
+// The softcap's tanh(u_k / cap) over a thread's kVec elements, in place, with the same bits as
+// Softcap's th for each: the polynomial alone unless one of them is at or past kTanhNear (with
+// a softcap of 30, a logit of 30 or more in magnitude), and only then the exponential form. A
+// branch on the thread's elements, not a select per element: tanhf's select of its two forms
+// was most of the softcap's cost.
+template <int kVec>
+__device__ __forceinline__ void SoftcapTanhVec(float (&y)[kVec], float inv_cap) {
+  bool far = false;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    y[k] = Mul(y[k], inv_cap);
+    far |= !(fabsf(y[k]) < kTanhNear);  // a NaN takes the exponential form, which keeps it
+  }
+  if (far) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) y[k] = SoftcapTanh(y[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) y[k] = TanhNear(y[k]);
+  }
 }
 
 // Final logit of element j from its stored value u (bias and softcap applied in fp32).
@@ -523,8 +546,9 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
   auto final8 = [&](int j0, float (&x)[kVec], auto has_bias) {
     stored8(j0, x, has_bias);
     if constexpr (kCap) {
+      SoftcapTanhVec(x, inv_cap);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[k] = Capped(x[k], cap, inv_cap);
+      for (int k = 0; k < kVec; ++k) x[k] = Mul(cap, x[k]);
     }
   };
 
@@ -636,10 +660,11 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
         for (int j0 = j_first; j0 < n; j0 += kStride) {
           float u[kVec], g[kVec];
           stored8(j0, u, has_bias);
+          if constexpr (kCap) SoftcapTanhVec(u, inv_cap);  // u now holds the tanh
           // g_j = (a p_j - hot [j == t] - sm cw_j) softcap'(u_j), in that order.
           auto grad = [&](int k, bool target) {
             float x = u[k], th = 0.0f;
-            if constexpr (kCap) x = Softcap(x, cap, inv_cap, th);
+            if constexpr (kCap) th = u[k], x = Mul(cap, th);
             const float cwj = kSmooth && cw != nullptr ? cw[c0 + j0 + k] : 1.0f;
             return GradOf(kSmooth, kCap, a, Exp2Ftz(fmaf(x, kLog2e, -lse2)), target, hot, sm,
                           cwj, th);
@@ -683,6 +708,13 @@ __global__ void CastKernel(const float* src, T* dst, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     dst[i] = FromFloat<T>(src[i]);
+  }
+}
+
+__global__ void SoftcapTanhKernel(const float* x, float* y, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] = SoftcapTanh(x[i]);
   }
 }
 
@@ -891,6 +923,14 @@ cudaError_t LaunchCastFromFloat(const float* src, void* dst, int32_t elem, int64
     default:
       return cudaErrorInvalidValue;
   }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSoftcapTanh(const float* x, float* y, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int64_t want = (n + 255) / 256;
+  const unsigned blocks = static_cast<unsigned>(want < 4096 ? want : 4096);
+  SoftcapTanhKernel<<<blocks, 256, 0, stream>>>(x, y, n);
   return cudaGetLastError();
 }
 

@@ -95,6 +95,10 @@ cudaError_t LaunchCastFromFloat(const float* src,  // (n) fp32
                                 void* dst,         // (n) elem
                                 int32_t elem, int64_t n, cudaStream_t stream);
 
+// y[i] = tanh(x[i]) as the softcap computes it on this GPU (softcap_tanh.h's SoftcapTanh), for
+// i < n: the accuracy test's window onto the kernels' tanh.
+cudaError_t LaunchSoftcapTanh(const float* x, float* y, int64_t n, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace lossd
 

@@ -8,12 +8,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/softcap_tanh.h"
 #include "kernels/dtype.h"
 
 namespace lossd {
@@ -321,6 +323,72 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{3, 524288, false, true, false, 0, 1e-4f, 0},
                     Case{3, 524296, false, false, false, 0, 0, 0}),
     Name);
+
+// The softcap's tanh as this GPU computes it, against long double tanhl: the polynomial must
+// give the host's bits (softcap_tanh_test bounds those), the exponential form must stay within
+// its bound with the GPU's approximate 2^x and reciprocal. The bound: the host's 1.5 ulp plus
+// what those two instructions add through the 2 / (e + 1) term (at most 0.24 of the result):
+// about 2 ulp of relative error each (ex2.approx, rcp.approx), times 0.48.
+TEST(SoftcapTanhGpuTest, MatchesTheHostAndTanh) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no GPU";
+  constexpr double kFarGpuUlps = 3.5;
+  std::vector<float> x;
+  auto bits = [](float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return b;
+  };
+  auto from = [](uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+  };
+  for (uint32_t b = bits(0x1p-30f); b < bits(48.0f); b += 13) x.push_back(from(b));
+  for (uint32_t b = bits(kTanhNear - 0x1p-10f); b <= bits(kTanhNear + 0x1p-10f); ++b) {
+    x.push_back(from(b));
+  }
+  const size_t half = x.size();
+  for (size_t i = 0; i < half; ++i) x.push_back(-x[i]);
+  x.push_back(INFINITY);
+  x.push_back(-INFINITY);
+  x.push_back(NAN);
+  float *dx = nullptr, *dy = nullptr;
+  ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&dx), x.size() * sizeof(float)));
+  ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&dy), x.size() * sizeof(float)));
+  ASSERT_CUDA(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemset(dy, 0xFF, x.size() * sizeof(float)));  // poison: NaN
+  ASSERT_CUDA(LaunchSoftcapTanh(dx, dy, static_cast<int64_t>(x.size()), nullptr));
+  std::vector<float> y(x.size());
+  ASSERT_CUDA(cudaMemcpy(y.data(), dy, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  cudaFree(dx);
+  cudaFree(dy);
+  int64_t near_differs = 0, far_n = 0;
+  double far_worst = 0;
+  float far_at = 0;
+  for (size_t i = 0; i + 3 < x.size(); ++i) {
+    if (std::fabs(x[i]) < kTanhNear) {
+      near_differs += bits(y[i]) != bits(SoftcapTanh(x[i]));
+      continue;
+    }
+    const long double want = tanhl(static_cast<long double>(x[i]));
+    const float w = std::fabs(static_cast<float>(want));
+    const double ulps =
+        static_cast<double>(std::fabs(static_cast<long double>(y[i]) - want)) /
+        (std::nextafter(w, INFINITY) - w);
+    if (!(ulps <= far_worst)) far_worst = ulps, far_at = x[i];
+    ++far_n;
+  }
+  EXPECT_EQ(near_differs, 0) << "polynomial: GPU and host bits differ";
+  EXPECT_GT(far_n, 100000);
+  EXPECT_LE(far_worst, kFarGpuUlps) << "exponential form, at y = " << far_at;
+  std::printf("softcap tanh on the GPU: exponential form at most %.3f ulp (y = %.9g), %lld "
+              "values\n", far_worst, far_at, static_cast<long long>(far_n));
+  const size_t n = x.size();
+  EXPECT_EQ(y[n - 3], 1.0f);
+  EXPECT_EQ(y[n - 2], -1.0f);
+  EXPECT_TRUE(std::isnan(y[n - 1]));
+}
 
 // Which kernel runs which shape: the cases above cover every branch only if these hold.
 TEST(CrossEntropyDispatchTest, OneReadClusterSizes) {
