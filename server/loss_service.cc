@@ -674,9 +674,8 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
         stripe_ = std::move(*u);
         next_w_ = h.w_begin();
         w_end_ = h.w_end();
-        bias_bytes_ = carries_bias_ ? static_cast<uint64_t>(b->shape[0]) * DTypeSize(b->dtype) : 0;
-        upload_bytes_ = static_cast<uint64_t>(w->shape[0]) * w->shape[1] * DTypeSize(w->dtype) +
-                        (b->present ? static_cast<uint64_t>(b->shape[0]) * DTypeSize(b->dtype) : 0);
+        bias_bytes_ = carries_bias_ ? stripe_->bias_bytes() : 0;
+        upload_bytes_ = stripe_->w_bytes() + stripe_->bias_bytes();
         return absl::OkStatus();
       }
       auto p = engine->BeginPutWeights(*w, *b);

@@ -37,7 +37,8 @@ struct StripeResult {
 // `cancel_after_parts` >= 0 the stream is cancelled after that many parts.
 StripeResult SendStripe(v1::Loss::Stub& stub, const RandomProblem& rp, const std::string& id,
                         uint32_t stripes, uint64_t begin, uint64_t end, size_t part_bytes,
-                        int cancel_after_parts = -1) {
+                        int cancel_after_parts = -1,
+                        const std::vector<int64_t>* bias_shape = nullptr) {
   StripeResult out;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
@@ -47,6 +48,10 @@ StripeResult SendStripe(v1::Loss::Stub& stub, const RandomProblem& rp, const std
   v1::WeightsHeader* wh = h.mutable_header();
   *wh->mutable_w() = Spec(v1::DTYPE_BF16, {rp.spec().v, rp.spec().h});
   if (!rp.bias.empty()) *wh->mutable_bias() = Spec(v1::DTYPE_BF16, {rp.spec().v});
+  if (bias_shape != nullptr) {
+    wh->mutable_bias()->clear_shape();
+    for (int64_t d : *bias_shape) wh->mutable_bias()->add_shape(d);
+  }
   wh->set_upload_id(id);
   wh->set_stripes(stripes);
   wh->set_w_begin(begin);
@@ -158,6 +163,47 @@ TEST(StripingTest, OverlappingStripesAreRefused) {
       << second.status.error_message();
   EXPECT_EQ(first.status.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(h.engine().weights().count(), 0u);
+}
+
+// A later stripe's header must say what the first one said; the upload's byte counts come
+// from the first. A bias spec of no dimensions once crashed the server (it read shape[0]).
+TEST(StripingTest, AStripeThatDisagreesAboutTheBiasIsRefusedAndTheServerKeepsServing) {
+  Harness h;
+  RandomProblem rp = Problem();
+  const std::vector<std::vector<int64_t>> bad_shapes = {{}, {999}, {1000, 1}};
+  const std::vector<std::string> said = {"bf16[]", "bf16[999]", "bf16[1000, 1]"};
+  for (size_t i = 0; i < bad_shapes.size(); ++i) {
+    SCOPED_TRACE(said[i]);
+    const std::string id = "up-bias-" + std::to_string(i);
+    auto a = h.NewStub(grpc::InsecureChannelCredentials());
+    auto b = h.NewStub(grpc::InsecureChannelCredentials());
+    StripeResult first;
+    std::thread t([&] { first = SendStripe(*a, rp, id, 2, 0, 20000, 4000); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the first stripe joined
+    StripeResult second =
+        SendStripe(*b, rp, id, 2, 20000, rp.w.size(), 4000, -1, &bad_shapes[i]);
+    t.join();
+    EXPECT_EQ(second.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(second.status.error_message().find("header.bias is " + said[i] +
+                                                  ", the first stripe's is bf16[1000]"),
+              std::string::npos)
+        << second.status.error_message();
+    EXPECT_EQ(first.status.error_code(), grpc::StatusCode::ABORTED);
+    EXPECT_TRUE(first.handle.empty());
+  }
+  EXPECT_EQ(h.engine().weights().count(), 0u);
+  // Still serving: a whole upload in two stripes, then a Compute with the handle.
+  auto a = h.NewStub(grpc::InsecureChannelCredentials());
+  auto b = h.NewStub(grpc::InsecureChannelCredentials());
+  StripeResult first, second;
+  std::thread t([&] { first = SendStripe(*a, rp, "up-bias-ok", 2, 0, 20000, 4000); });
+  second = SendStripe(*b, rp, "up-bias-ok", 2, 20000, rp.w.size(), 4000);
+  t.join();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  ComputeReply by_handle =
+      RunCompute(h.stub(), HeaderFor(rp, first.handle), PartsFor(rp, 1 << 20, false));
+  EXPECT_TRUE(by_handle.status.ok()) << by_handle.status.error_message();
 }
 
 std::vector<uint8_t> Fetch(v1::Loss::Stub& stub, const std::string& name, uint64_t begin,

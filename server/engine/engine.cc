@@ -939,11 +939,26 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
   if (u->done_) {
     return absl::AbortedError(absl::StrCat("striped upload '", upload_id, "' has already ended"));
   }
-  if (u->stripes_ != stripes || u->w_.dtype != w.dtype || u->w_.shape != w.shape ||
-      u->bias_.present != bias.present || (bias.present && u->bias_.dtype != bias.dtype)) {
+  // Every stripe's header must repeat the first one's: the byte counts of the upload are the
+  // first stripe's (validated when it began), never a later header's.
+  auto spec = [](const TensorDesc& t) {
+    return t.present ? absl::StrCat(DTypeName(t.dtype), "[", absl::StrJoin(t.shape, ", "), "]")
+                     : std::string("absent");
+  };
+  auto disagree = [&](absl::string_view field, absl::string_view got, absl::string_view first) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "stripe of upload '", upload_id, "' disagrees with its first stripe about the "
-        "stripe count or the w/bias specs"));
+        "a stripe of upload '", upload_id, "' disagrees with its first stripe: ", field, " is ",
+        got, ", the first stripe's is ", first));
+  };
+  if (u->stripes_ != stripes) {
+    return disagree("header.stripes", absl::StrCat(stripes), absl::StrCat(u->stripes_));
+  }
+  if (u->w_.dtype != w.dtype || u->w_.shape != w.shape) {
+    return disagree("header.w", spec(w), spec(u->w_));
+  }
+  if (u->bias_.present != bias.present ||
+      (bias.present && (u->bias_.dtype != bias.dtype || u->bias_.shape != bias.shape))) {
+    return disagree("header.bias", spec(bias), spec(u->bias_));
   }
   const uint64_t w_bytes = u->pending_->entry->w->size();
   const uint64_t es = DTypeSize(w.dtype);

@@ -124,6 +124,15 @@ class StripedUpload {
   // Called once, with the handle or the reason the upload failed.
   using Waiter = std::function<void(absl::StatusOr<std::string>)>;
   const std::string& id() const { return id_; }
+  // The upload's sizes, from its first stripe's header (validated when the upload began; a
+  // later stripe's header joins only if it says the same). Fixed once the upload exists.
+  uint64_t w_bytes() const {
+    return static_cast<uint64_t>(w_.shape[0]) * static_cast<uint64_t>(w_.shape[1]) *
+           DTypeSize(w_.dtype);
+  }
+  uint64_t bias_bytes() const {
+    return bias_.present ? static_cast<uint64_t>(bias_.shape[0]) * DTypeSize(bias_.dtype) : 0;
+  }
 
  private:
   friend class Engine;
