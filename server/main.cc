@@ -17,6 +17,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -270,7 +272,15 @@ int Main() {
 }  // namespace lossd
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("lossd: fused linear + cross-entropy as a gRPC service");
+  absl::SetProgramUsageMessage("fused linear + cross-entropy as a gRPC service");
+  // --help lists the flags of the files named after the program (lossd.cc, lossd_main.cc);
+  // lossd's flags are all in this file, so it counts as the program's.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return lossd::Main();
 }
