@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -820,7 +821,47 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
     reset_ = request.reset();
     range_begin_ = request.range_begin();
     range_end_ = request.range_end();
-    service_->engine()->Submit([this] { TakeSnapshot(); });
+    // The host copy of the range comes out of the memory budget like a Compute's buffers:
+    // fetches in parallel wait for memory instead of running the host out of it.
+    Engine* engine = service_->engine();
+    auto range = engine->CheckFetch(name_, reset_, range_begin_, range_end_);
+    if (!range.ok()) {
+      FinishOnce(range.status());
+      return;
+    }
+    std::tie(range_begin_, range_end_) = *range;
+    const uint64_t bytes = range_end_ - range_begin_;
+    const std::string what = absl::StrCat("fetching bytes [", range_begin_, ", ", range_end_,
+                                          ") of accumulator '", name_, "'");
+    if (bytes > engine->budget().budget()) {
+      FinishOnce(absl::ResourceExhaustedError(absl::StrCat(
+          what, " needs a host copy of ", bytes, " bytes, more than the whole memory budget of ",
+          engine->budget().budget(),
+          " bytes (--memory_budget_bytes); fetch it in smaller ranges (range_begin, range_end)")));
+      return;
+    }
+    uint64_t ticket = 0;
+    s = engine->budget().Reserve(
+        bytes, what, [this, bytes](absl::Status st) { OnAdmitted(st, bytes); }, &ticket);
+    if (!s.ok()) {
+      FinishOnce(s);
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    ticket_ = ticket;
+  }
+
+  void OnCancel() override {
+    // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
+    LOSSD_TSAN_RELEASE_ON_EXIT(this);
+    uint64_t ticket = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!admitting_) return;  // the snapshot or its writes finish the call
+      ticket = ticket_;
+    }
+    // Still waiting for memory: withdrawn, its callback fails the call with CANCELLED.
+    service_->engine()->budget().Cancel(ticket);
   }
 
   void OnWriteDone(bool ok) override {
@@ -838,6 +879,20 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   }
 
  private:
+  // Runs once, from Reserve or from whichever thread released the memory it waited for.
+  void OnAdmitted(absl::Status s, uint64_t bytes) {
+    {
+      absl::MutexLock lock(&mu_);
+      admitting_ = false;
+      if (s.ok()) admitted_bytes_ = bytes;
+    }
+    if (!s.ok()) {
+      FinishOnce(s);
+      return;
+    }
+    service_->engine()->Submit([this] { TakeSnapshot(); });
+  }
+
   void TakeSnapshot() {
     auto g = service_->engine()->FetchGradients(name_, reset_, range_begin_, range_end_);
     if (!g.ok()) {
@@ -880,6 +935,13 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   void FinishOnce(const absl::Status& s) {
     if (finished_.exchange(true)) return;
     data_.reset();  // the buffer goes back once gRPC has released every slice of it
+    uint64_t release = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      release = admitted_bytes_;
+      admitted_bytes_ = 0;
+    }
+    if (release > 0) service_->engine()->budget().Release(release);
     grpc::Status g = ToGrpcStatus(s);
     service_->metrics()->CountRequest("FetchGradients", GrpcCodeName(g.error_code()));
     service_->metrics()->ObservePhase("FetchGradients", "total", SecondsSince(started_));
@@ -897,6 +959,10 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   bool reset_ = false;
   uint64_t range_begin_ = 0, range_end_ = 0;
   uint32_t part_bytes_ = 4u << 20;
+  absl::Mutex mu_;
+  bool admitting_ ABSL_GUARDED_BY(mu_) = true;  // until the memory budget answers
+  uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // released when the call finishes
   GradientsSnapshot snapshot_;  // its data moved into data_
   SharedOutputs data_;
   grpc::ByteBuffer response_;

@@ -480,6 +480,72 @@ TEST(BudgetTest, ARequestOverTheMemoryBudgetIsRefusedAtOnce) {
   ExpectServes(h);
 }
 
+// FetchGradients' host copy of its range comes out of the memory budget: a range larger than
+// the whole budget is refused, ranges that fit are served, and two that do not fit together
+// take turns instead of both taking memory.
+TEST(BudgetTest, FetchGradientsCopiesComeOutOfTheMemoryBudget) {
+  RandomProblemSpec s = SmallSpec(DType::kF32, 5);
+  s.v = 1000;
+  s.h = 256;  // dW in fp32: 1024000 bytes; a Compute into an accumulator needs about 300 KB
+  s.options.reduction = Reduction::kSum;
+  RandomProblem rp = RandomProblem::Make(s);
+  // The same gradient returned by a server with room for it.
+  ComputeReply ref;
+  {
+    Harness roomy;
+    v1::ComputeHeader whole = HeaderFor(rp);
+    whole.mutable_options()->set_grad_dtype(v1::DTYPE_FP32);
+    ref = RunCompute(roomy.stub(), whole, PartsFor(rp, 1 << 20));
+    ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+  }
+  HarnessOptions o;
+  o.engine.memory_budget_bytes = 700000;
+  Harness h(o);
+  std::string handle;
+  ASSERT_TRUE(testing_harness::PutWeights(h.stub(), rp, 1 << 20, &handle).ok());
+  v1::ComputeHeader acc = HeaderFor(rp, handle);
+  acc.set_accumulator("fetch-budget");
+  ComputeReply r = RunCompute(h.stub(), acc, PartsFor(rp, 1 << 20, false));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+
+  auto fetch = [&](uint64_t begin, uint64_t end, std::vector<uint8_t>* bytes) {
+    grpc::ClientContext ctx;
+    v1::FetchGradientsRequest fr;
+    fr.set_accumulator("fetch-budget");
+    fr.set_range_begin(begin);
+    fr.set_range_end(end);
+    auto reader = h.stub().FetchGradients(&ctx, fr);
+    v1::FetchGradientsResponse msg;
+    while (reader->Read(&msg)) {
+      if (msg.has_part()) {
+        bytes->insert(bytes->end(), msg.part().data().begin(), msg.part().data().end());
+      }
+    }
+    return reader->Finish();
+  };
+  std::vector<uint8_t> all;
+  grpc::Status st = fetch(0, 0, &all);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(st.error_message().find("fetching bytes [0, 1024000) of accumulator 'fetch-budget' "
+                                    "needs a host copy of 1024000 bytes, more than the whole "
+                                    "memory budget of 700000 bytes"),
+            std::string::npos)
+      << st.error_message();
+  // Two halves at once: 512000 bytes each, so one waits for the other to finish.
+  std::vector<uint8_t> lo, hi;
+  grpc::Status st_lo, st_hi;
+  std::thread t([&] { st_lo = fetch(0, 512000, &lo); });
+  st_hi = fetch(512000, 1024000, &hi);
+  t.join();
+  ASSERT_TRUE(st_lo.ok()) << st_lo.error_message();
+  ASSERT_TRUE(st_hi.ok()) << st_hi.error_message();
+  // One micro-batch added to zeros: the bits of the same gradient returned in fp32.
+  lo.insert(lo.end(), hi.begin(), hi.end());
+  EXPECT_EQ(lo, ref.tensors[v1::TENSOR_DW]);
+  EXPECT_EQ(h.WaitForIdleMemory(), 0u) << "a fetch left memory reserved";
+  ExpectServes(h);
+}
+
 TEST(BudgetTest, ARequestOverMaxRequestBytesIsRefused) {
   HarnessOptions o;
   o.engine.max_request_bytes = 10000;

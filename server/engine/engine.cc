@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -846,18 +847,14 @@ absl::StatusOr<std::string> Engine::CommitWeights(std::unique_ptr<PendingWeights
 
 absl::Status Engine::DropWeights(const std::string& handle) { return weights_.Drop(handle); }
 
-absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset,
-                                                         uint64_t begin, uint64_t end) {
-  absl::Status s = ValidateAccumulatorName(name, "accumulator");
-  if (!s.ok()) return s;
-  auto a = accumulators_.Get(name);
-  if (!a.ok()) return a.status();
-  Accumulator& acc = **a;
-  GradientsSnapshot g;
-  g.v = acc.v;
-  g.h = acc.h;
-  g.has_bias = acc.has_bias;
-  const uint64_t total = g.dw_bytes() + g.db_bytes();
+namespace {
+
+// The fetch's range of `acc` with (0, 0) resolved to all of it, or why it is not one.
+absl::StatusOr<std::pair<uint64_t, uint64_t>> FetchRangeOf(const Accumulator& acc,
+                                                           const std::string& name, bool reset,
+                                                           uint64_t begin, uint64_t end) {
+  const uint64_t v = static_cast<uint64_t>(acc.v);  // dW | db in fp32
+  const uint64_t total = v * static_cast<uint64_t>(acc.h) * 4 + (acc.has_bias ? v * 4 : 0);
   if (begin == 0 && end == 0) end = total;
   if (begin >= end || end > total) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -868,6 +865,35 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
     return absl::InvalidArgumentError(
         "reset applies to whole fetches only; drop the accumulator after the last range");
   }
+  return std::make_pair(begin, end);
+}
+
+}  // namespace
+
+absl::StatusOr<std::pair<uint64_t, uint64_t>> Engine::CheckFetch(const std::string& name,
+                                                                 bool reset, uint64_t begin,
+                                                                 uint64_t end) {
+  absl::Status s = ValidateAccumulatorName(name, "accumulator");
+  if (!s.ok()) return s;
+  auto a = accumulators_.Get(name);
+  if (!a.ok()) return a.status();
+  return FetchRangeOf(**a, name, reset, begin, end);
+}
+
+absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset,
+                                                         uint64_t begin, uint64_t end) {
+  absl::Status s = ValidateAccumulatorName(name, "accumulator");
+  if (!s.ok()) return s;
+  auto a = accumulators_.Get(name);
+  if (!a.ok()) return a.status();
+  Accumulator& acc = **a;
+  auto range = FetchRangeOf(acc, name, reset, begin, end);
+  if (!range.ok()) return range.status();
+  std::tie(begin, end) = *range;
+  GradientsSnapshot g;
+  g.v = acc.v;
+  g.h = acc.h;
+  g.has_bias = acc.has_bias;
   absl::MutexLock lock(&acc.mu);
   if (acc.poisoned) {
     return PartialSumError(name);

@@ -202,6 +202,12 @@ class Engine {
   // The same for a stripe refused before it joined (a bad range, a mismatched header).
   void FailStripedUpload(const std::string& upload_id, const absl::Status& why);
 
+  // Checks a fetch of the bytes [begin, end) of an accumulator's dW | db (0, 0 = all of it;
+  // `reset`: whole fetches only) and returns the range with (0, 0) resolved: the bytes the
+  // fetch's host copy takes, which the caller reserves in the memory budget first.
+  // INVALID_ARGUMENT / NOT_FOUND naming the accumulator and the range.
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> CheckFetch(const std::string& name, bool reset,
+                                                           uint64_t begin, uint64_t end);
   // Copies the bytes [begin, end) of an accumulator's dW | db to the host under its lock
   // (0, 0 = all of it), zeroing it afterwards when `reset` (whole fetches only).
   absl::StatusOr<GradientsSnapshot> FetchGradients(const std::string& name, bool reset,
