@@ -186,19 +186,16 @@ __device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b);
 __device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
 
-// The softcapped logit cap tanh(u / cap), as cap tanh(u (1 / cap)) the way the CPU backend has
-// it (inv_cap = 1 / cap): an fp32 division is a dozen instructions and a call to its slow path.
-// th gets the tanh (softcap_tanh.h), for the derivative 1 - th^2.
-__device__ __forceinline__ float Softcap(float u, float cap, float inv_cap, float& th) {
-  th = SoftcapTanh(Mul(u, inv_cap));
-  return Mul(cap, th);
-}
-
-// The softcap's tanh(u_k / cap) over a thread's kVec elements, in place, with the same bits as
-// Softcap's th for each: the polynomial alone unless one of them is at or past kTanhNear (with
-// a softcap of 30, a logit of 30 or more in magnitude), and only then the exponential form. A
-// branch on the thread's elements, not a select per element: tanhf's select of its two forms
-// was most of the softcap's cost.
+// The softcap: the final logit cap tanh(u / cap), computed as cap tanh(u (1 / cap)) the way the
+// CPU backend has it (inv_cap = 1 / cap; an fp32 division is a dozen instructions and a call to
+// its slow path), and its derivative 1 - tanh^2.
+//
+// SoftcapTanhVec: tanh(u_k / cap) over a thread's kVec elements, in place, each with the bits of
+// SoftcapTanh (softcap_tanh.h): the polynomial alone unless one of them is at or past kTanhNear
+// (with a softcap of 30, a logit of 30 or more in magnitude), and only then both forms. A
+// branch on the thread's elements, not a select per element: the two-pass kernel is bound by
+// its instructions, and with the select it was slower than with tanhf (H200, softcap 30,
+// V = 256000: 6.21 against 5.62 ms).
 template <int kVec>
 __device__ __forceinline__ void SoftcapTanhVec(float (&y)[kVec], float inv_cap) {
   bool far = false;
@@ -216,10 +213,10 @@ __device__ __forceinline__ void SoftcapTanhVec(float (&y)[kVec], float inv_cap) 
   }
 }
 
-// Final logit of element j from its stored value u (bias and softcap applied in fp32).
+// Final logit of one element from its stored value u (bias and softcap applied in fp32), with
+// the same bits as SoftcapTanhVec's.
 __device__ __forceinline__ float Capped(float u, float cap, float inv_cap) {
-  float th;
-  return cap > 0.0f ? Softcap(u, cap, inv_cap, th) : u;
+  return cap > 0.0f ? Mul(cap, SoftcapTanh(Mul(u, inv_cap))) : u;
 }
 
 __device__ __forceinline__ float InverseOf(float cap) { return cap > 0.0f ? 1.0f / cap : 0.0f; }
@@ -300,10 +297,14 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
 #pragma unroll
         for (int k = 0; k < kVec; ++k) x[k] += b[k];
       }
+      if (cap > 0.0f) {
+        SoftcapTanhVec(x, inv_cap);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) x[k] = Mul(cap, x[k]);
+      }
       float vmax = -INFINITY;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        x[k] = Capped(x[k], cap, inv_cap);
         vmax = fmaxf(vmax, x[k]);
         if (x[k] > st.best) {  // strict, in increasing j: the first index wins ties
           st.best = x[k];
@@ -370,10 +371,11 @@ __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntrop
 #pragma unroll
           for (int k = 0; k < kVec; ++k) g[k] += b[k];
         }
+        if (cap > 0.0f) SoftcapTanhVec(g, inv_cap);  // g now holds the tanh
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           float th = 0.0f, x = g[k];
-          if (cap > 0.0f) x = Softcap(x, cap, inv_cap, th);
+          if (cap > 0.0f) th = g[k], x = Mul(cap, th);
           const float pj = exp2f((x - lse) * kLog2e);
           const float cwj = smooth && cw != nullptr ? cw[c0 + j0 + k] : 1.0f;
           g[k] = GradOf(smooth, cap > 0.0f, a, pj, c0 + j0 + k == t, hot, sm, cwj, th);
