@@ -666,10 +666,10 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
       if (!b.ok()) return b.status();
       if (!h.upload_id().empty()) {
         carries_bias_ = b->present && h.w_begin() == 0;
-        auto u = engine->JoinStripedUpload(h.upload_id(), h.stripes(), *w, *b, h.w_begin(),
-                                           h.w_end(), carries_bias_);
+        auto u = engine->JoinStripedUpload(client_, h.upload_id(), h.stripes(), *w, *b,
+                                           h.w_begin(), h.w_end(), carries_bias_);
         if (!u.ok()) {
-          engine->FailStripedUpload(h.upload_id(), u.status());
+          engine->FailStripedUpload(client_, h.upload_id(), u.status());
           return u.status();
         }
         stripe_ = std::move(*u);

@@ -928,9 +928,19 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
   return g;
 }
 
+namespace {
+
+// Length-prefixed, so no owner and id pair reads as another.
+std::string UploadKey(const std::string& owner, const std::string& upload_id) {
+  return absl::StrCat(owner.size(), ":", owner, upload_id);
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
-    const std::string& upload_id, uint32_t stripes, const TensorDesc& w,
-    const TensorDesc& bias, uint64_t begin, uint64_t end, bool carries_bias) {
+    const std::string& owner, const std::string& upload_id, uint32_t stripes,
+    const TensorDesc& w, const TensorDesc& bias, uint64_t begin, uint64_t end,
+    bool carries_bias) {
   if (upload_id.size() > 128) {
     return absl::InvalidArgumentError("header.upload_id is longer than 128 characters");
   }
@@ -940,11 +950,12 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
   }
   std::shared_ptr<StripedUpload> u;
   {
+    const std::string key = UploadKey(owner, upload_id);
     absl::MutexLock lock(&uploads_mu_);
-    auto it = uploads_.find(upload_id);
+    auto it = uploads_.find(key);
     if (it != uploads_.end()) {
       u = it->second;
-    } else if (ended_.contains(upload_id)) {
+    } else if (ended_.contains(key)) {
       return absl::AbortedError(absl::StrCat(
           "striped upload '", upload_id,
           "' has already ended (completed or aborted); send it again under a new upload_id"));
@@ -953,12 +964,13 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
       if (!pending.ok()) return pending.status();
       u = std::make_shared<StripedUpload>();
       u->id_ = upload_id;
+      u->key_ = key;
       u->stripes_ = stripes;
       u->w_ = w;
       u->bias_ = bias;
       absl::MutexLock ulock(&u->mu_);
       u->pending_ = std::move(*pending);
-      uploads_[upload_id] = u;
+      uploads_[key] = u;
     }
   }
   absl::MutexLock lock(&u->mu_);
@@ -1065,17 +1077,18 @@ void Engine::FinishStripe(const std::shared_ptr<StripedUpload>& u, StripedUpload
   }
   if (completes) {
     absl::MutexLock lock(&uploads_mu_);
-    uploads_.erase(u->id_);
-    RememberEndedLocked(u->id_);
+    uploads_.erase(u->key_);
+    RememberEndedLocked(u->key_);
   }
   for (auto& w : waiters) w(result);
 }
 
-void Engine::FailStripedUpload(const std::string& upload_id, const absl::Status& why) {
+void Engine::FailStripedUpload(const std::string& owner, const std::string& upload_id,
+                               const absl::Status& why) {
   std::shared_ptr<StripedUpload> u;
   {
     absl::MutexLock lock(&uploads_mu_);
-    auto it = uploads_.find(upload_id);
+    auto it = uploads_.find(UploadKey(owner, upload_id));
     if (it == uploads_.end()) return;
     u = it->second;
   }
@@ -1093,8 +1106,8 @@ void Engine::FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const ab
   }
   {
     absl::MutexLock lock(&uploads_mu_);
-    uploads_.erase(u->id_);
-    RememberEndedLocked(u->id_);
+    uploads_.erase(u->key_);
+    RememberEndedLocked(u->key_);
   }
   const absl::Status aborted = absl::AbortedError(absl::StrCat(
       "striped upload '", u->id_, "' was aborted because a stripe failed: ", why.message()));

@@ -136,7 +136,8 @@ class StripedUpload {
 
  private:
   friend class Engine;
-  std::string id_;
+  std::string id_;   // the client's upload_id, for messages
+  std::string key_;  // owner and upload_id: the upload's key in the engine
   uint32_t stripes_ = 0;
   TensorDesc w_, bias_;
   absl::Mutex mu_;
@@ -191,16 +192,20 @@ class Engine {
   // whether it carries the bias); the first stripe creates the upload. WriteStripe copies a
   // part (the caller checks order within its range). FinishStripe records a complete stripe:
   // when every stripe is in, the weights are committed and every waiter gets the handle.
-  // FailStripedUpload aborts the upload for all its stripes.
+  // FailStripedUpload aborts the upload for all its stripes. An upload belongs to its
+  // `owner` (the client: its bearer token, or its host without auth): the same upload_id
+  // from another client is another upload, which can neither join nor abort this one.
   absl::StatusOr<std::shared_ptr<StripedUpload>> JoinStripedUpload(
-      const std::string& upload_id, uint32_t stripes, const TensorDesc& w,
-      const TensorDesc& bias, uint64_t begin, uint64_t end, bool carries_bias);
+      const std::string& owner, const std::string& upload_id, uint32_t stripes,
+      const TensorDesc& w, const TensorDesc& bias, uint64_t begin, uint64_t end,
+      bool carries_bias);
   absl::Status WriteStripe(StripedUpload& u, bool bias, uint64_t offset, const void* data,
                            uint64_t bytes);
   void FinishStripe(const std::shared_ptr<StripedUpload>& u, StripedUpload::Waiter done);
   void FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const absl::Status& why);
   // The same for a stripe refused before it joined (a bad range, a mismatched header).
-  void FailStripedUpload(const std::string& upload_id, const absl::Status& why);
+  void FailStripedUpload(const std::string& owner, const std::string& upload_id,
+                         const absl::Status& why);
 
   // Checks a fetch of the bytes [begin, end) of an accumulator's dW | db (0, 0 = all of it;
   // `reset`: whole fetches only) and returns the range with (0, 0) resolved: the bytes the

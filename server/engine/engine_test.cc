@@ -174,19 +174,45 @@ TEST(EngineTest, AStripeOfAnEndedUploadIsRefusedAndReservesNothing) {
   w.dtype = DType::kF32;
   w.shape = {64, 32};  // 8 KiB
   const uint64_t bytes = 64 * 32 * 4;
-  auto first = e.JoinStripedUpload("u1", 2, w, bias, 0, bytes / 2, false);
+  auto first = e.JoinStripedUpload("client-a", "u1", 2, w, bias, 0, bytes / 2, false);
   ASSERT_TRUE(first.ok()) << first.status();
-  e.FailStripedUpload("u1", absl::InvalidArgumentError("w contains a non-finite value"));
-  auto late = e.JoinStripedUpload("u1", 2, w, bias, bytes / 2, bytes, false);
+  e.FailStripedUpload("client-a", "u1", absl::InvalidArgumentError("w contains a non-finite value"));
+  auto late = e.JoinStripedUpload("client-a", "u1", 2, w, bias, bytes / 2, bytes, false);
   ASSERT_FALSE(late.ok());
   EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << late.status();
   EXPECT_NE(late.status().message().find("already ended"), std::string::npos) << late.status();
   EXPECT_TRUE(e.weights().Reserve(e.weights().budget()).ok()) << "a reservation was left held";
   e.weights().Unreserve(e.weights().budget());
   // A new id works as before.
-  auto fresh = e.JoinStripedUpload("u2", 2, w, bias, 0, bytes / 2, false);
+  auto fresh = e.JoinStripedUpload("client-a", "u2", 2, w, bias, 0, bytes / 2, false);
   EXPECT_TRUE(fresh.ok()) << fresh.status();
-  e.FailStripedUpload("u2", absl::CancelledError("test done"));
+  e.FailStripedUpload("client-a", "u2", absl::CancelledError("test done"));
+}
+
+// An upload belongs to the client that began it: the same upload_id from another client is
+// another upload, which can neither join this one's ranges nor abort it.
+TEST(EngineTest, AnUploadIdIsTheClientsOwn) {
+  EngineOptions o;
+  o.weight_cache_bytes = 1 << 20;
+  Engine e(NewCpuBackend(1), o);
+  TensorDesc w, bias;
+  w.present = true;
+  w.dtype = DType::kF32;
+  w.shape = {64, 32};  // 8 KiB
+  const uint64_t bytes = 64 * 32 * 4;
+  auto mine = e.JoinStripedUpload("client-a", "u1", 2, w, bias, 0, bytes / 2, false);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  // Another client, the same id, the other half: a fresh upload of its own (its own first
+  // stripe), not the second stripe of client-a's.
+  auto theirs = e.JoinStripedUpload("client-b", "u1", 2, w, bias, bytes / 2, bytes, false);
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  EXPECT_NE(mine->get(), theirs->get());
+  // Its failure aborts its own upload only.
+  e.FailStripedUpload("client-b", "u1", absl::InvalidArgumentError("bad header"));
+  auto second = e.JoinStripedUpload("client-a", "u1", 2, w, bias, bytes / 2, bytes, false);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(mine->get(), second->get());
+  e.FailStripedUpload("client-a", "u1", absl::CancelledError("test done"));
 }
 
 // Hands out heap memory and counts what it gave and got back, like a backend's pinned memory.
