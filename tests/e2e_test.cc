@@ -462,6 +462,29 @@ TEST_F(BadInputTest, AccumulatorShapeMismatch) {
   Expect(RunCompute(h_->stub(), h2, PartsFor(rp2, 1 << 20)), grpc::StatusCode::INVALID_ARGUMENT,
          "accumulator 'shape-check' holds dW of shape (V=123, H=31) without db but this "
          "request has (V=100, H=31)");
+  // The header alone is enough to refuse it: the client need not send X and W first.
+  Expect(RunCompute(h_->stub(), h2, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "accumulator 'shape-check' holds dW of shape (V=123, H=31) without db but this "
+         "request has (V=100, H=31)");
+}
+
+TEST(AccumulatorLimitTest, ANewAccumulatorOverTheLimitsIsRefusedAtTheHeader) {
+  HarnessOptions o;
+  o.engine.max_accumulators = 1;
+  Harness h(o);
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kBF16, 23));
+  v1::ComputeHeader first = HeaderFor(rp);
+  first.set_accumulator("only-one");
+  ASSERT_TRUE(RunCompute(h.stub(), first, PartsFor(rp, 1 << 20)).status.ok());
+  v1::ComputeHeader second = HeaderFor(rp);
+  second.set_accumulator("one-too-many");
+  ComputeReply r = RunCompute(h.stub(), second, {});  // no tensors sent
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(r.status.error_message().find("cannot create accumulator 'one-too-many': 1 "
+                                          "accumulators exist (--max_accumulators=1)"),
+            std::string::npos)
+      << r.status.error_message();
+  ExpectServes(h);
 }
 
 TEST(BudgetTest, ARequestOverTheMemoryBudgetIsRefusedAtOnce) {

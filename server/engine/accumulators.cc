@@ -25,9 +25,8 @@ absl::Status ValidateAccumulatorName(const std::string& name, absl::string_view 
 AccumulatorStore::AccumulatorStore(Backend* backend, uint64_t budget_bytes, size_t max_count)
     : backend_(backend), budget_(budget_bytes), max_count_(max_count) {}
 
-absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
-    const std::string& name, int64_t v, int64_t h, bool has_bias) {
-  absl::MutexLock lock(&mu_);
+absl::Status AccumulatorStore::CheckLocked(const std::string& name, int64_t v, int64_t h,
+                                           bool has_bias) const {
   auto it = map_.find(name);
   if (it != map_.end()) {
     const Accumulator& a = *it->second;
@@ -37,7 +36,7 @@ absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
           a.has_bias ? " with db" : " without db", " but this request has (V=", v, ", H=", h,
           ")", has_bias ? " with a bias" : " without a bias"));
     }
-    return it->second;
+    return absl::OkStatus();
   }
   const uint64_t bytes = static_cast<uint64_t>(v) * h * 4 + (has_bias ? v * 4 : 0);
   if (map_.size() >= max_count_) {
@@ -51,6 +50,23 @@ absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
         "cannot create accumulator '", name, "' of ", bytes, " bytes: ", bytes_, " of ",
         budget_, " bytes (--accumulator_bytes) are in use"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status AccumulatorStore::Check(const std::string& name, int64_t v, int64_t h,
+                                     bool has_bias) const {
+  absl::MutexLock lock(&mu_);
+  return CheckLocked(name, v, h, has_bias);
+}
+
+absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
+    const std::string& name, int64_t v, int64_t h, bool has_bias) {
+  absl::MutexLock lock(&mu_);
+  absl::Status checked = CheckLocked(name, v, h, has_bias);
+  if (!checked.ok()) return checked;
+  auto it = map_.find(name);
+  if (it != map_.end()) return it->second;
+  const uint64_t bytes = static_cast<uint64_t>(v) * h * 4 + (has_bias ? v * 4 : 0);
   auto acc = std::make_shared<Accumulator>();
   acc->name = name;
   acc->v = v;

@@ -38,6 +38,9 @@ class AccumulatorStore {
   // it exists with another shape; RESOURCE_EXHAUSTED when a new one does not fit.
   absl::StatusOr<std::shared_ptr<Accumulator>> GetOrCreate(const std::string& name, int64_t v,
                                                            int64_t h, bool has_bias);
+  // GetOrCreate's refusals without creating anything: the Compute's plan asks before any of
+  // its tensors are received. GetOrCreate asks again (another request may have come between).
+  absl::Status Check(const std::string& name, int64_t v, int64_t h, bool has_bias) const;
   absl::StatusOr<std::shared_ptr<Accumulator>> Get(const std::string& name);
   absl::Status Drop(const std::string& name);
 
@@ -45,6 +48,9 @@ class AccumulatorStore {
   uint64_t bytes() const;
 
  private:
+  absl::Status CheckLocked(const std::string& name, int64_t v, int64_t h, bool has_bias) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   Backend* const backend_;
   const uint64_t budget_;
   const size_t max_count_;

@@ -477,6 +477,9 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   if (!spec.accumulator.empty()) {
     s = ValidateAccumulatorName(spec.accumulator, "header.accumulator");
     if (!s.ok()) return s;
+    // Refused now rather than after every byte of X and W has arrived.
+    s = accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias);
+    if (!s.ok()) return s;
     plan.accumulator = spec.accumulator;
   }
 
