@@ -679,6 +679,12 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
         upload_bytes_ = stripe_->w_bytes() + stripe_->bias_bytes();
         return absl::OkStatus();
       }
+      if (h.stripes() != 0 || h.w_begin() != 0 || h.w_end() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "header.stripes (", h.stripes(), "), header.w_begin (", h.w_begin(),
+            ") and header.w_end (", h.w_end(), ") describe one stripe of a striped upload "
+            "and need header.upload_id, which is empty"));
+      }
       auto p = engine->BeginPutWeights(*w, *b);
       if (!p.ok()) return p.status();
       pending_ = std::move(*p);

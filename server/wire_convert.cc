@@ -93,9 +93,12 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
     // The input dtype itself is accepted too (it is the default).
     const TensorDesc& x = spec.inputs[static_cast<int>(InputSlot::kX)];
     if (!x.present || DTypeToWire(x.dtype) != o.grad_dtype()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.options.grad_dtype ", v1::DType_Name(o.grad_dtype()),
-          " must be DTYPE_UNSPECIFIED (the input dtype) or DTYPE_FP32"));
+      const std::string name = v1::DType_IsValid(o.grad_dtype())
+                                   ? v1::DType_Name(o.grad_dtype())
+                                   : absl::StrCat(static_cast<int>(o.grad_dtype()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.options.grad_dtype ", name,
+                       " must be DTYPE_UNSPECIFIED (the input dtype) or DTYPE_FP32"));
     }
   }
   const v1::Outputs& w = h.outputs();

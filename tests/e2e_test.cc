@@ -447,6 +447,17 @@ TEST_F(BadInputTest, OptionsOutOfRange) {
   *h.mutable_grad_output() = h.targets();
   Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
          "grad_output is only accepted with reduction none");
+  // The converse: grad_scale would be ignored with reduction none, so it is refused.
+  h = HeaderFor(rp);
+  h.mutable_options()->set_reduction(v1::REDUCTION_NONE);
+  h.mutable_options()->set_grad_scale(0.5f);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "options.grad_scale 0.5 applies to reduction mean and sum; with reduction none scale "
+         "grad_output");
+  h = HeaderFor(rp);
+  h.mutable_options()->set_grad_dtype(static_cast<v1::DType>(77));
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "header.options.grad_dtype 77 must be DTYPE_UNSPECIFIED");
 }
 
 TEST_F(BadInputTest, AccumulatorShapeMismatch) {

@@ -165,6 +165,20 @@ TEST(StripingTest, OverlappingStripesAreRefused) {
   EXPECT_EQ(h.engine().weights().count(), 0u);
 }
 
+// A stripe's fields without an upload_id would be ignored: refused, naming them.
+TEST(StripingTest, StripeFieldsWithoutAnUploadIdAreRefused) {
+  Harness h;
+  RandomProblem rp = Problem();
+  StripeResult r = SendStripe(h.stub(), rp, "", 2, 0, 20000, 4000);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("header.stripes (2), header.w_begin (0) and "
+                                          "header.w_end (20000) describe one stripe of a "
+                                          "striped upload and need header.upload_id"),
+            std::string::npos)
+      << r.status.error_message();
+  EXPECT_EQ(h.engine().weights().count(), 0u);
+}
+
 // A later stripe's header must say what the first one said; the upload's byte counts come
 // from the first. A bias spec of no dimensions once crashed the server (it read shape[0]).
 TEST(StripingTest, AStripeThatDisagreesAboutTheBiasIsRefusedAndTheServerKeepsServing) {

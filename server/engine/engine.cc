@@ -466,6 +466,12 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.grad_scale must be finite, got ", o.grad_scale));
   }
+  if (o.reduction == Reduction::kNone && o.grad_scale != 1.0f) {
+    // Both backends scale per row by grad_output there; a grad_scale would be ignored.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.grad_scale ", o.grad_scale, " applies to reduction mean and sum; with "
+        "reduction none scale grad_output (one value per row) instead"));
+  }
   if (o.chunk_rows < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.chunk_rows must be >= 0 (0 = automatic), got ", o.chunk_rows));
