@@ -58,17 +58,23 @@ grpc::Slice OutputSlice(const SharedOutputs& outputs, const uint8_t* data, size_
 class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   ComputeReactor(LossService* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx), engine_(service->engine()), started_(absl::Now()) {
+      : service_(service),
+        ctx_(ctx),
+        engine_(service->engine()),
+        started_(absl::Now()),
+        idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {
     absl::Status s = service_->Enter(ctx, "Compute", &client_);
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
       return;
     }
+    idle_->Arm();  // waiting for the header
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
+    if (ok) idle_->Touch();
     if (overlap_) {
       OnOverlapReadDone(ok);
       return;
@@ -119,7 +125,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       if (state_ != State::kAdmitting) {
         // Pending reads/writes or the job finish us; an overlapped compute waiting for rows
         // of X that will never come is let go at once.
-        if (rows != nullptr) rows->Fail(absl::CancelledError("the client cancelled the Compute"));
+        if (rows != nullptr) rows->Fail(Cancelled());
         return;
       }
       ticket = ticket_;
@@ -129,12 +135,22 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    service_->idle_watch().Unwatch(idle_);
     LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
     delete this;
   }
 
  private:
   enum class State { kHeader, kAdmitting, kReceiving, kComputing, kSending, kFinished };
+
+  // Why a cancelled call ended: the client cancelled it, or the idle watch did.
+  absl::Status Cancelled() const {
+    if (idle_->expired()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the Compute was cancelled by the server: ", idle_->Reason()));
+    }
+    return absl::CancelledError("the client cancelled the Compute");
+  }
 
   absl::Status OnHeader() {
     if (frame_.kind() != client::StreamFrame::Kind::kHeader) {
@@ -160,6 +176,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       absl::MutexLock lock(&mu_);
       state_ = State::kAdmitting;
     }
+    idle_->Disarm();  // waiting for memory, not for the client
     const std::string what = absl::StrCat("Compute of (BT=", plan_->bt, ", H=", plan_->h,
                                           ", V=", plan_->v, ")");
     uint64_t ticket = 0;
@@ -190,6 +207,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     assembler_ = std::make_unique<ComputeAssembler>(plan_, service_->options().max_part_bytes,
                                                     service_->options().max_parts_per_request,
                                                     engine_->options().check_finite);
+    idle_->Arm();  // waiting for the parts
     if (overlap_) {
       StartOverlap();
       return;
@@ -209,7 +227,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   absl::Status EndOfStream() {
-    if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the Compute");
+    idle_->Disarm();
+    if (ctx_->IsCancelled()) return Cancelled();
     if (state_ == State::kHeader) {
       return absl::InvalidArgumentError("the Compute stream closed before its header");
     }
@@ -251,7 +270,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       return;
     }
     if (ctx_->IsCancelled()) {
-      FinishOnce(absl::CancelledError("the client cancelled the Compute"));
+      FinishOnce(Cancelled());
       return;
     }
     outputs_ = std::make_shared<std::vector<HostBuffer>>(std::move(outcome.outputs));
@@ -412,6 +431,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       rows_ = rows;
       computing_ = true;
     }
+    idle_->Disarm();  // from here a stall of X fails the compute (--overlap_stall)
     engine_->Run(
         plan_, assembler_->buffers(),
         [this](ComputeOutcome outcome) { OnOverlapComputed(std::move(outcome)); },
@@ -421,7 +441,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   absl::Status OverlapEndOfStream() {
-    if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled the Compute");
+    idle_->Disarm();
+    if (ctx_->IsCancelled()) return Cancelled();
     absl::Status complete = ReceiveComplete();
     if (!complete.ok()) return complete;
     absl::Status s = MaybeStartCompute();  // X came before the other inputs: start now
@@ -570,6 +591,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   grpc::CallbackServerContext* const ctx_;
   Engine* const engine_;
   const absl::Time started_;
+  const std::shared_ptr<IdleWatch::Entry> idle_;  // armed while waiting for the client
   bool entered_ = true;
   std::string client_;  // for the per-client in-flight count
 
@@ -616,17 +638,28 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
  public:
   PutWeightsReactor(LossService* service, grpc::CallbackServerContext* ctx,
                     v1::PutWeightsResponse* response)
-      : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
+      : service_(service),
+        ctx_(ctx),
+        response_(response),
+        started_(absl::Now()),
+        idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {
     absl::Status s = service_->Enter(ctx, "PutWeights", &client_);
     if (!s.ok()) {
       entered_ = false;
       FinishOnce(s);
       return;
     }
+    // Armed until the weights are committed: a stripe done with its own range waits for its
+    // siblings, which are the same client, and follows their activity (see OnMessage).
+    idle_->Arm();
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
+    if (ok) {
+      idle_->Touch();
+      if (stripe_) stripe_->activity_ns.store(IdleWatch::Entry::Now());
+    }
     absl::Status s = ok ? OnMessage() : OnEnd();
     if (!s.ok()) {
       if (stripe_) service_->engine()->FailStripedUpload(stripe_, s);
@@ -640,14 +673,12 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
     // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
     LOSSD_TSAN_RELEASE_ON_EXIT(this);
     // Only a stripe waiting for its siblings has no operation pending to report the cancel.
-    if (waiting_.load() && stripe_) {
-      service_->engine()->FailStripedUpload(stripe_,
-                                            absl::CancelledError("a stripe was cancelled"));
-    }
+    if (waiting_.load() && stripe_) service_->engine()->FailStripedUpload(stripe_, Cancelled());
   }
 
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    service_->idle_watch().Unwatch(idle_);
     LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
     delete this;
   }
@@ -673,6 +704,8 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
           return u.status();
         }
         stripe_ = std::move(*u);
+        stripe_->activity_ns.store(IdleWatch::Entry::Now());
+        idle_->Follow(&stripe_->activity_ns);
         next_w_ = h.w_begin();
         w_end_ = h.w_end();
         bias_bytes_ = carries_bias_ ? stripe_->bias_bytes() : 0;
@@ -741,8 +774,19 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
     return s;
   }
 
+  // Why a cancelled call ended: the client cancelled it, or the idle watch did.
+  absl::Status Cancelled() const {
+    if (idle_->expired()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(stripe_ ? "a stripe" : "PutWeights", " was cancelled by the server: ",
+                       idle_->Reason()));
+    }
+    return absl::CancelledError(stripe_ ? "a stripe was cancelled"
+                                        : "the client cancelled PutWeights");
+  }
+
   absl::Status OnEnd() {
-    if (ctx_->IsCancelled()) return absl::CancelledError("the client cancelled PutWeights");
+    if (ctx_->IsCancelled()) return Cancelled();
     if (!pending_ && !stripe_) {
       return absl::InvalidArgumentError("the PutWeights stream closed before its header");
     }
@@ -763,6 +807,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
       });
       return absl::OkStatus();
     }
+    idle_->Disarm();
     const uint64_t bytes = pending_->entry->bytes();
     auto handle = service_->engine()->CommitWeights(std::move(pending_));
     if (!handle.ok()) return handle.status();
@@ -786,6 +831,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   grpc::CallbackServerContext* const ctx_;
   v1::PutWeightsResponse* const response_;
   const absl::Time started_;
+  const std::shared_ptr<IdleWatch::Entry> idle_;  // armed while waiting for the client
   bool entered_ = true;
   std::string client_;  // for the per-client in-flight count
   std::atomic<bool> finished_{false};
@@ -998,7 +1044,10 @@ grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContex
 }  // namespace
 
 LossService::LossService(Engine* engine, ServerMetrics* metrics, ServiceOptions options)
-    : engine_(engine), metrics_(metrics), options_(std::move(options)) {}
+    : engine_(engine),
+      metrics_(metrics),
+      options_(std::move(options)),
+      idle_watch_(options_.stream_idle_timeout) {}
 
 // The client's identity for fairness: its bearer token when there is one (hashed, never
 // kept in clear), else its address without the port.

@@ -12,10 +12,12 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/auth.h"
 #include "server/engine/engine.h"
+#include "server/idle_watch.h"
 #include "server/metrics.h"
 
 namespace lossd {
@@ -31,6 +33,9 @@ struct ServiceOptions {
   // Overlapped Computes: start before X is all in even while other computes are queued or
   // running (false: only on an idle executor; see MaybeStartCompute).
   bool overlap_start_when_busy = false;
+  // A stream on which lossd waits for the client and nothing arrives for this long is
+  // cancelled (IdleWatch); zero: never.
+  absl::Duration stream_idle_timeout = absl::Seconds(60);
   // When set, every Loss RPC must carry a valid bearer token (health checks need none).
   std::shared_ptr<const TokenAuthenticator> auth;
 };
@@ -67,6 +72,7 @@ class LossService final : public LossServiceBase {
   Engine* engine() { return engine_; }
   ServerMetrics* metrics() { return metrics_; }
   const ServiceOptions& options() const { return options_; }
+  IdleWatch& idle_watch() { return idle_watch_; }
   // Admits one more RPC: UNAUTHENTICATED without a valid token, UNAVAILABLE while draining,
   // at --max_in_flight or at --max_in_flight_per_client. On OK, `client` is set to the
   // client's key; pair with Leave(client).
@@ -79,6 +85,7 @@ class LossService final : public LossServiceBase {
   ServerMetrics* const metrics_;
   const ServiceOptions options_;
   std::atomic<uint32_t> in_flight_{0};
+  IdleWatch idle_watch_;
   absl::Mutex clients_mu_;
   absl::flat_hash_map<std::string, uint32_t> client_in_flight_ ABSL_GUARDED_BY(clients_mu_);
 };

@@ -74,6 +74,10 @@ ABSL_FLAG(bool, check_finite, true, "Refuse NaN and Inf in X, W and bias (INVALI
 ABSL_FLAG(bool, overlap_start_when_busy, false,
           "Overlapped Computes start before X is all in even while other computes are queued "
           "or running (default: only on an idle executor).");
+ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Seconds(60),
+          "A Compute or PutWeights stream on which lossd waits for the client (its header, "
+          "its parts, a striped upload's other stripes) and nothing arrives for this long is "
+          "cancelled, giving back its memory and reservations; 0 turns it off.");
 ABSL_FLAG(absl::Duration, overlap_stall, absl::Seconds(10),
           "Overlapped Computes: longest wait for the next rows of X while the compute holds "
           "the device; then DEADLINE_EXCEEDED.");
@@ -224,6 +228,12 @@ int Main() {
   so.service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
   so.service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
   so.service.overlap_start_when_busy = absl::GetFlag(FLAGS_overlap_start_when_busy);
+  so.service.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  if (so.service.stream_idle_timeout < absl::ZeroDuration()) {
+    std::fprintf(stderr, "lossd: --stream_idle_timeout must be >= 0 (0 = off); got %s\n",
+                 absl::FormatDuration(so.service.stream_idle_timeout).c_str());
+    return 1;
+  }
   so.service.auth = auth;
   so.credentials = *credentials;
   auto server = LossServer::Start(&engine, &metrics, so);

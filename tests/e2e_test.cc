@@ -2,6 +2,7 @@
 // wire clients. Every result is compared with the float64 reference; every refusal is checked
 // for its exact code and a message naming the field and the values, and the server must
 // answer a valid request afterwards.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -13,6 +14,8 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/test_util.h"
 #include "tests/server_harness.h"
@@ -626,6 +629,63 @@ TEST_F(E2eTest, ACancelledStreamLeavesNoMemoryBehind) {
   EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
   EXPECT_EQ(MetricValue(h_->ScrapeMetrics(), "lossd_memory_in_use_bytes"), 0);
   ExpectServes(*h_);
+}
+
+// --stream_idle_timeout: a client that stops sending, with no deadline of its own, loses its
+// stream and what it held (its memory reservation here), and the server keeps serving.
+TEST(IdleStreamTest, AComputeThatStopsSendingIsCancelledAndFreesItsMemory) {
+  HarnessOptions o;
+  o.service.stream_idle_timeout = absl::Milliseconds(300);
+  Harness h(o);
+  const std::string labels = R"(code="DEADLINE_EXCEEDED",method="Compute")";
+  const double before =
+      std::max(0.0, MetricValue(h.ScrapeMetrics(), "lossd_requests_total", labels));
+  RandomProblemSpec s = SmallSpec(DType::kF32, 4);
+  s.v = 3000;
+  s.h = 64;
+  RandomProblem rp = RandomProblem::Make(s);
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp, 4096);
+  grpc::ClientContext ctx;  // no deadline
+  auto stream = h.stub().Compute(&ctx);
+  v1::ComputeRequest header;
+  *header.mutable_header() = HeaderFor(rp);
+  ASSERT_TRUE(stream->Write(header));
+  // Parts at a pace well inside the timeout keep the stream alive past it.
+  const size_t half = parts.size() / 2;
+  const absl::Time start = absl::Now();
+  for (size_t i = 0; i < half; ++i) {
+    ASSERT_TRUE(stream->Write(parts[i]));
+    if (i < 8) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_GT(absl::Now() - start, absl::Milliseconds(700));
+  EXPECT_GT(h.engine().budget().in_use(), 0u) << "the compute was admitted and is receiving";
+  // Then silence, with the stream left open: cancelled by the server.
+  v1::ComputeResponse r;
+  EXPECT_FALSE(stream->Read(&r));
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::CANCELLED) << st.error_message();
+  EXPECT_EQ(h.WaitForIdleMemory(), 0u);
+  EXPECT_EQ(MetricValue(h.ScrapeMetrics(), "lossd_requests_total", labels), before + 1)
+      << "the server's own status for the call";
+  ExpectServes(h);
+}
+
+// A header and nothing else: the same.
+TEST(IdleStreamTest, AComputeWithAHeaderAloneIsCancelled) {
+  HarnessOptions o;
+  o.service.stream_idle_timeout = absl::Milliseconds(300);
+  Harness h(o);
+  RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kBF16, 6));
+  grpc::ClientContext ctx;
+  auto stream = h.stub().Compute(&ctx);
+  v1::ComputeRequest header;
+  *header.mutable_header() = HeaderFor(rp);
+  ASSERT_TRUE(stream->Write(header));
+  v1::ComputeResponse r;
+  EXPECT_FALSE(stream->Read(&r));
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(h.WaitForIdleMemory(), 0u);
+  ExpectServes(h);
 }
 
 TEST_F(E2eTest, ADeadlineThatPassesMidStreamFreesTheRequest) {

@@ -8,6 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/test_util.h"
 #include "tests/server_harness.h"
@@ -38,7 +39,8 @@ struct StripeResult {
 StripeResult SendStripe(v1::Loss::Stub& stub, const RandomProblem& rp, const std::string& id,
                         uint32_t stripes, uint64_t begin, uint64_t end, size_t part_bytes,
                         int cancel_after_parts = -1,
-                        const std::vector<int64_t>* bias_shape = nullptr) {
+                        const std::vector<int64_t>* bias_shape = nullptr,
+                        std::chrono::milliseconds pause = std::chrono::milliseconds(0)) {
   StripeResult out;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
@@ -73,6 +75,7 @@ StripeResult SendStripe(v1::Loss::Stub& stub, const RandomProblem& rp, const std
     r.mutable_part()->set_offset(off);
     r.mutable_part()->set_data(rp.w.data() + off, std::min<uint64_t>(part_bytes, end - off));
     if (!writer->Write(r)) break;
+    if (pause.count() > 0) std::this_thread::sleep_for(pause);
   }
   if (begin == 0 && !rp.bias.empty()) {
     v1::PutWeightsRequest r;
@@ -163,6 +166,40 @@ TEST(StripingTest, OverlappingStripesAreRefused) {
       << second.status.error_message();
   EXPECT_EQ(first.status.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(h.engine().weights().count(), 0u);
+}
+
+// --stream_idle_timeout and striped uploads: a stripe done with its range waits for its
+// siblings without a message of its own, which is not idle while a sibling still sends; when
+// no stripe sends (a sibling never comes), the upload is aborted and leaves nothing held.
+TEST(StripingTest, AWaitingStripeFollowsItsSiblingsAndAnAbandonedUploadIsAborted) {
+  testing_harness::HarnessOptions o;
+  o.service.stream_idle_timeout = absl::Milliseconds(300);
+  Harness h(o);
+  RandomProblem rp = Problem();
+  const uint64_t w_bytes = rp.w.size();
+  {
+    auto a = h.NewStub(grpc::InsecureChannelCredentials());
+    auto b = h.NewStub(grpc::InsecureChannelCredentials());
+    StripeResult first, second;
+    std::thread t([&] { first = SendStripe(*a, rp, "idle-ok", 2, 0, 4000, 4000); });
+    // The sibling takes about 1.2 s in parts 100 ms apart, four times the timeout.
+    second = SendStripe(*b, rp, "idle-ok", 2, 4000, w_bytes, (w_bytes - 4000) / 12 + 8, -1,
+                        nullptr, std::chrono::milliseconds(100));
+    t.join();
+    ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+    ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+    EXPECT_EQ(first.handle, second.handle);
+  }
+  // Two stripes announced, one sent: the one waits, then the upload is aborted.
+  auto a = h.NewStub(grpc::InsecureChannelCredentials());
+  StripeResult lone = SendStripe(*a, rp, "idle-abandoned", 2, 0, 4000, 4000);
+  EXPECT_FALSE(lone.status.ok());
+  EXPECT_TRUE(lone.handle.empty());
+  EXPECT_EQ(h.engine().weights().count(), 1u) << "only the first upload's handle";
+  // Its cache reservation is back: all but the first upload's bytes can be reserved.
+  const uint64_t free_bytes = h.engine().weights().budget() - h.engine().weights().bytes();
+  EXPECT_TRUE(h.engine().weights().Reserve(free_bytes).ok());
+  h.engine().weights().Unreserve(free_bytes);
 }
 
 // A stripe's fields without an upload_id would be ignored: refused, naming them.

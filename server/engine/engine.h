@@ -133,6 +133,9 @@ class StripedUpload {
   uint64_t bias_bytes() const {
     return bias_.present ? static_cast<uint64_t>(bias_.shape[0]) * DTypeSize(bias_.dtype) : 0;
   }
+  // When any stripe last received a message (ns since the epoch), kept by the service: a
+  // stripe that waits for its siblings is not idle while they still send.
+  std::atomic<int64_t> activity_ns{0};
 
  private:
   friend class Engine;
