@@ -141,6 +141,13 @@ def check_podmonitors(pms, pod_labels=None, ports=None):
         check(sel, "PodMonitor %s has selector.matchLabels" % name)
         if pod_labels is not None:
             check(matches(sel, pod_labels), "PodMonitor %s selects the lossd pods" % name)
+        # The alert rules select job="lossd": without a jobLabel the operator names the job
+        # "<namespace>/<podmonitor>" and LossdInstanceDown could never fire.
+        job_label = spec.get("jobLabel")
+        check(job_label, "PodMonitor %s sets jobLabel (the rules select job=\"lossd\")" % name)
+        if pod_labels is not None and job_label:
+            check(pod_labels.get(job_label) == "lossd",
+                  "PodMonitor %s jobLabel %s is 'lossd' on the pods" % (name, job_label))
         eps = spec.get("podMetricsEndpoints", [])
         check(eps, "PodMonitor %s has podMetricsEndpoints" % name)
         for ep in eps:
