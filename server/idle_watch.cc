@@ -11,7 +11,9 @@ int64_t IdleWatch::Entry::Now() { return absl::GetCurrentTimeNanos(); }
 
 void IdleWatch::Entry::Arm() {
   last_ns_.store(Now(), std::memory_order_relaxed);
-  armed_.store(true, std::memory_order_relaxed);
+  // Release: what the caller set before arming is visible to the expiry (which reads armed_
+  // with acquire).
+  armed_.store(true, std::memory_order_release);
 }
 
 int64_t IdleWatch::Entry::LastActivity() const {
@@ -70,7 +72,7 @@ void IdleWatch::Loop() {
     const int64_t now = Entry::Now();
     std::vector<std::shared_ptr<Entry>> due;
     for (const auto& e : entries_) {
-      if (e->armed_.load(std::memory_order_relaxed) && !e->expired_.load() &&
+      if (e->armed_.load(std::memory_order_acquire) && !e->expired_.load() &&
           now - e->LastActivity() >= limit) {
         e->expired_.store(true);
         e->firing_ = true;
