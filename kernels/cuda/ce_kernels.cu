@@ -195,7 +195,8 @@ __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b);
 // (with a softcap of 30, a logit of 30 or more in magnitude), and only then both forms. A
 // branch on the thread's elements, not a select per element: the two-pass kernel is bound by
 // its instructions, and with the select it was slower than with tanhf (H200, softcap 30,
-// V = 256000: 6.21 against 5.62 ms).
+// V = 256000: 6.21 against 5.62 ms; 4.77 ms with the branch, and the one-read kernel 3.73
+// against 4.50 ms with tanhf, bench/RESULTS.md).
 template <int kVec>
 __device__ __forceinline__ void SoftcapTanhVec(float (&y)[kVec], float inv_cap) {
   bool far = false;
@@ -260,8 +261,9 @@ __device__ __forceinline__ RowTerms TermsOf(const CrossEntropyParams& p, int64_t
   return r;
 }
 
-// kCap: softcap on, a template constant as in the one-read kernel: with it decided at run time
-// the softcap's code cost the plain pass 17% (H200, V = 256000: 4.31 against 3.69 ms).
+// kCap: softcap on, a template constant as in the one-read kernel: decided at run time, the
+// softcap's code cost the plain pass 17% (H200, V = 256000: 4.31 ms; 3.44 ms as a constant,
+// 3.70 ms before the softcap had its own tanh).
 template <typename T, int kVec, bool kCap>
 __global__ void __launch_bounds__(kThreads) CrossEntropyKernel(const CrossEntropyParams p) {
   __shared__ RowStats shared[kWarps + 1];
