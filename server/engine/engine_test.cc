@@ -162,6 +162,14 @@ TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
   EXPECT_EQ(e.FetchGradients("late", false).status().code(), absl::StatusCode::kNotFound);
 }
 
+// The W of the striped-upload tests: fp32 (64, 32), 8 KiB.
+TensorDesc StripedW() {
+  TensorDesc w;
+  w.present = true;
+  w.dtype = DType::kF32;
+  w.shape = {64, 32};
+  return w;
+}
 
 // A stripe whose header arrives after its upload was aborted (a sibling failed) or completed
 // is refused, and starts no fresh upload under the same id: nothing stays reserved.
@@ -169,14 +177,12 @@ TEST(EngineTest, AStripeOfAnEndedUploadIsRefusedAndReservesNothing) {
   EngineOptions o;
   o.weight_cache_bytes = 1 << 20;
   Engine e(NewCpuBackend(1), o);
-  TensorDesc w, bias;
-  w.present = true;
-  w.dtype = DType::kF32;
-  w.shape = {64, 32};  // 8 KiB
+  const TensorDesc w = StripedW(), bias;
   const uint64_t bytes = 64 * 32 * 4;
   auto first = e.JoinStripedUpload("client-a", "u1", 2, w, bias, 0, bytes / 2, false);
   ASSERT_TRUE(first.ok()) << first.status();
-  e.FailStripedUpload("client-a", "u1", absl::InvalidArgumentError("w contains a non-finite value"));
+  e.FailStripedUpload("client-a", "u1",
+                      absl::InvalidArgumentError("w contains a non-finite value"));
   auto late = e.JoinStripedUpload("client-a", "u1", 2, w, bias, bytes / 2, bytes, false);
   ASSERT_FALSE(late.ok());
   EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << late.status();
@@ -195,10 +201,7 @@ TEST(EngineTest, AnUploadIdIsTheClientsOwn) {
   EngineOptions o;
   o.weight_cache_bytes = 1 << 20;
   Engine e(NewCpuBackend(1), o);
-  TensorDesc w, bias;
-  w.present = true;
-  w.dtype = DType::kF32;
-  w.shape = {64, 32};  // 8 KiB
+  const TensorDesc w = StripedW(), bias;
   const uint64_t bytes = 64 * 32 * 4;
   auto mine = e.JoinStripedUpload("client-a", "u1", 2, w, bias, 0, bytes / 2, false);
   ASSERT_TRUE(mine.ok()) << mine.status();
