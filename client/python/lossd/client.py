@@ -337,6 +337,37 @@ class _Assembler:
         return out
 
 
+_NUMPY_OF = {pb.DTYPE_BF16: np.dtype("<u2"), pb.DTYPE_FP16: np.dtype("<f2"),
+             pb.DTYPE_FP32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8")}
+
+
+def _returned_outputs(header, xdt, xshape, wshape, has_bias):
+    """{output name: (dtype, shape)} of what a Compute with `header` returns; shapes hold
+    None where the request does not tell (V behind a bare handle string; has_bias None)."""
+    bt = xshape[0] if xshape else None
+    h = xshape[1] if len(xshape) > 1 else None
+    v = wshape[0] if wshape else None
+    gdt = pb.DTYPE_FP32 if header.options.grad_dtype == pb.DTYPE_FP32 else xdt
+    none = header.options.reduction == pb.REDUCTION_NONE
+    o = header.outputs
+    got = {}
+    if none:
+        got["per_token_loss"] = (pb.DTYPE_FP32, (bt,))
+        if o.z_loss:
+            got["per_token_z_loss"] = (pb.DTYPE_FP32, (bt,))
+    if o.lse:
+        got["lse"] = (pb.DTYPE_FP32, (bt,))
+    if o.predictions:
+        got["predictions"] = (pb.DTYPE_INT64, (bt,))
+    if o.dx:
+        got["dx"] = (gdt, (bt, h))
+    if o.dw:
+        got["dw"] = (gdt, None if v is None else (v, h))
+    if o.db and has_bias is not False:  # None: a bare handle string, which may carry one
+        got["db"] = (gdt, None if v is None else (v,))
+    return got
+
+
 class Client:
     """A connection to one lossd server (or a load-balanced name: see `channel_options`).
     Thread-safe: share one client among threads.
@@ -523,8 +554,8 @@ class Client:
         """Uploads W (V, H) and an optional bias (V) once; returns a WeightHandle for compute.
 
         The server keeps them in its weight cache (LRU, memory-budgeted); a handle it has
-        evicted, or one from before a restart, fails with NotFoundError or
-        FailedPreconditionError: upload again.
+        evicted or dropped, or one from before a restart, fails with NotFoundError: upload
+        again.
 
         Striped (see `stripes`): W is cut into element-aligned byte ranges sent at once, one
         stream per connection, under one random upload id; the bias goes with the first. The
@@ -850,11 +881,30 @@ class Client:
 
         into = {}
         by_name = {v: k for k, v in _OUTPUT_NAMES.items()}
+        # Caller buffers are checked before anything is sent: found wrong once the server has
+        # answered, a micro-batch would already be in its accumulator, and a retry would add
+        # it twice.
+        returned = _returned_outputs(header, xdt, xshape, wshape if handle is None else (
+            (w.v, w.h) if isinstance(w, WeightHandle) else None),
+            None if handle is not None and not isinstance(w, WeightHandle) else has_bias)
         for name, buf in (out or {}).items():
             if name not in by_name:
                 raise errors.InvalidArgumentError("out: unknown output %r (one of %s)" % (
                     name, ", ".join(sorted(by_name))))
-            into[by_name[name]] = buf.bits if isinstance(buf, BF16Array) else buf
+            arr = buf.bits if isinstance(buf, BF16Array) else buf
+            if name not in returned:
+                raise errors.InvalidArgumentError(
+                    "out[%r]: this call does not return %s (see want_* and accumulator)" % (
+                        name, name))
+            dt, shape = returned[name]
+            if isinstance(arr, np.ndarray):
+                want_np = _NUMPY_OF[dt]
+                if arr.dtype != want_np or (shape is not None and arr.shape != shape):
+                    raise errors.InvalidArgumentError(
+                        "out[%r]: needs a %s array of shape %s (%s), got %s %s" % (
+                            name, want_np, "?" if shape is None else shape, dtype_name(dt),
+                            arr.dtype, arr.shape))
+            into[by_name[name]] = arr
         asm = _Assembler("Compute", into)
         # Without overlap: the summary, then the parts. With overlap: a preliminary summary
         # that announces the outputs, the parts, then the final summary last.

@@ -53,6 +53,7 @@ class LossdRuntime:
     cache_weights: upload W (and bias) once with PutWeights and send only the handle while the
       tensors are unchanged (same storage and autograd version counter, which in-place
       optimizer steps bump); a handle the server dropped is uploaded again once.
+    timeout: deadline of every call in seconds; None = the Client's default (600 s).
     accumulator: None, a name, or True for a fresh unique name: dW and db go into that
       server-side fp32 accumulator instead of weight.grad / bias.grad; call
       `apply_accumulated_gradients` before the optimizer step.
@@ -65,7 +66,12 @@ class LossdRuntime:
                  part_bytes=None):
         if client is None:
             kw = {} if part_bytes is None else {"part_bytes": part_bytes}
-            client = Client(server, timeout=timeout, **kw)
+            # timeout None: the Client's own default deadline, as for its methods (a Client
+            # built with timeout=None would have no deadline at all, and a stalled call would
+            # hang the training step).
+            if timeout is not None:
+                kw["timeout"] = timeout
+            client = Client(server, **kw)
         self.client = client
         self.timeout = timeout
         self.cache_weights = cache_weights
@@ -116,7 +122,9 @@ class LossdRuntime:
             if ref is None:
                 return self.client.compute(x, weight, target, bias=bias, timeout=self.timeout, **kw)
             return self.client.compute(x, ref, target, timeout=self.timeout, **kw)
-        except (errors.NotFoundError, errors.FailedPreconditionError):
+        except errors.NotFoundError:
+            # Only a handle the server no longer holds is worth an upload; any other error
+            # (a poisoned accumulator is FailedPrecondition) would fail the same way again.
             if ref is None:
                 raise
             self._handle = None
@@ -135,6 +143,14 @@ class LossdRuntime:
         """Adds the accumulated fp32 dW (and db) into weight.grad (bias.grad); returns the
         Gradients read (micro_batches, tokens)."""
         g = self.fetch_gradients(reset=reset)
+        if g.micro_batches == 0:
+            # Nothing was added since the last reset: no backward ran, or a fetch that reset
+            # the sum was lost on its way (the server zeroes when it takes the snapshot).
+            # Adding zeros would make the step look done.
+            raise errors.FailedPreconditionError(
+                "accumulator %r holds no micro-batches: no backward added to it since its last "
+                "reset, or the fetch that reset it did not arrive" % self.accumulator,
+                method="nn")
         for p, val in ((weight, g.dw), (bias, g.db)):
             if p is None or val is None:
                 continue

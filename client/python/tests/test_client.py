@@ -420,6 +420,26 @@ def test_outputs_into_caller_buffers(client):
         client.compute(x, w, t, bias=b, out={"gradient": dw})
 
 
+def test_caller_buffers_are_checked_before_anything_is_sent(client):
+    """The right bytes in the wrong dtype or shape, or a buffer for an output the call does
+    not return, are refused before the Compute goes out: a micro-batch refused only after the
+    server had added it to an accumulator would be added twice by a retry."""
+    x, w, b, t = make_inputs("bf16", bias=True, seed=8)
+    bad = {
+        "int16 for bf16": {"dx": np.zeros((BT, H), np.int16)},
+        "flat": {"dx": np.zeros(BT * H, np.uint16)},
+        "fp16 for bf16": {"dx": np.zeros((BT, H), np.float16)},
+        "dw with an accumulator": {"dw": np.zeros((V, H), np.uint16)},
+        "lse not asked for": {"lse": np.zeros(BT, np.float32)},
+    }
+    for what, out in bad.items():
+        with pytest.raises(lossd.InvalidArgumentError) as e:
+            client.compute(x, w, t, bias=b, accumulator="out-check", out=out)
+        assert "out[" in e.value.message, what
+    with pytest.raises(lossd.NotFoundError):
+        client.fetch_gradients("out-check")  # no call reached the server
+
+
 def test_client_side_measurements(client):
     x, w, b, t = make_inputs("fp32", bias=True, seed=9)
     r = client.compute(x, w, t, bias=b)

@@ -233,7 +233,22 @@ def test_gradient_accumulation_on_the_server(client, eager):
     assert_close("w.grad", w.grad, ref_dw, "fp32")
     assert_close("b.grad", b.grad, ref_db, "fp32")
     assert module.fetch_gradients().micro_batches == 0, "apply resets the accumulator"
+    # Applying again adds nothing: refused rather than making the step look done.
+    grad_before = w.grad.clone()
+    with pytest.raises(lossd.FailedPreconditionError, match="holds no micro-batches"):
+        module.apply_accumulated_gradients(w, b)
+    assert torch.equal(w.grad, grad_before)
     module.runtime.drop_accumulator()
+    module.release()
+
+
+def test_the_module_has_the_clients_default_deadline(lossd_server):
+    """timeout=None means the Client's default (600 s), not no deadline at all."""
+    module = LossdFusedLinearCrossEntropyLoss(server=lossd_server.address)
+    assert module.runtime.client.timeout == lossd.client.DEFAULT_TIMEOUT_S
+    module.release()
+    module = LossdFusedLinearCrossEntropyLoss(server=lossd_server.address, timeout=7.0)
+    assert module.runtime.client.timeout == 7.0
     module.release()
 
 
