@@ -99,6 +99,7 @@ RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const Op
   spec.options.grad_scale = grad_scale;
   spec.bias = c.bias;
   spec.class_weights = c.weights;
+  spec.class_weight_scale = c.weight_scale;
   spec.grad_output = c.grad_output;
   spec.ignore_fraction = c.ignore;
   spec.seed = seed;
@@ -124,7 +125,8 @@ RandomProblem RandomProblem::Make(const RandomProblemSpec& spec) {
   }
   if (spec.class_weights) {
     r.class_weights.resize(spec.v);
-    for (float& e : r.class_weights) e = 0.25f + 1.75f * unit(rng);
+    const float scale = static_cast<float>(spec.class_weight_scale);
+    for (float& e : r.class_weights) e = scale * (0.25f + 1.75f * unit(rng));
   }
   if (spec.grad_output) {
     r.grad_output.resize(spec.bt);

@@ -1,4 +1,5 @@
 // The chunk plans (host-side arithmetic only): run everywhere the toolkit is, GPU or not.
+#include <cmath>
 #include <cstdint>
 
 #include "gtest/gtest.h"
@@ -20,6 +21,45 @@ TEST(ChunkPlanTest, FromBudgetAndShape) {
   // fp32 logits take twice the bytes: half the rows.
   EXPECT_EQ(PlanChunks(8192, 128256, DType::kF32, kDefaultChunkBudgetBytes, 0).chunk_rows,
             1024);
+}
+
+// The gradient's scales: alpha times the stored ce (z) scale is the true one, and the stored
+// gradient keeps the class weights' magnitude out (power-of-two factors, exact in fp32).
+TEST(GradScalesTest, TheClassWeightsMagnitudeGoesIntoAlpha) {
+  LossOptions o;
+  o.reduction = Reduction::kMean;
+  o.grad_scale = 0.75f;
+  TargetSummary s;
+  s.tokens = 1000;
+  s.weight_sum = 1000;  // no class weights
+  GradScales g = ComputeGradScales(o, s);
+  EXPECT_EQ(g.ce, 1.0f);
+  EXPECT_FLOAT_EQ(g.alpha, 0.75f / 1000);
+  EXPECT_FLOAT_EQ(g.alpha * g.z, 0.75f / 1000);
+  // Weights of about 1e-6 (summing to ~1 over a million classes): cw_t / 2^-19 is in
+  // [0.5, 1) at the largest, so an fp16 G does not underflow.
+  s.weight_sum = 1.2e-3;
+  s.class_weight_max_abs = 1.5e-6;  // = 0.786 * 2^-19
+  g = ComputeGradScales(o, s);
+  EXPECT_EQ(g.ce, 524288.0f);  // 2^19
+  EXPECT_FLOAT_EQ(static_cast<double>(g.alpha) * g.ce, 0.75 / 1.2e-3);
+  EXPECT_FLOAT_EQ(static_cast<double>(g.alpha) * g.z, 0.75 / 1000);
+  EXPECT_LT(1.5e-6 * g.ce, 1.0);
+  EXPECT_GE(1.5e-6 * g.ce, 0.5);
+  // Huge weights: cw_t times the stored scale stays below 1, where fp16 would overflow.
+  s.weight_sum = 7e7;
+  s.class_weight_max_abs = 7e4;
+  g = ComputeGradScales(o, s);
+  EXPECT_LT(7e4 * g.ce, 1.0);
+  EXPECT_FLOAT_EQ(static_cast<double>(g.alpha) * g.ce, 0.75 / 7e7);
+  // Reduction none: the upstream gradient's magnitude and the weights' both go to alpha.
+  o.reduction = Reduction::kNone;
+  s.row_grad_max_abs = 3.0;        // 2^2 above it
+  s.class_weight_max_abs = 1e-6;   // 2^-19 above it
+  g = ComputeGradScales(o, s);
+  EXPECT_EQ(g.ce, g.z);
+  EXPECT_EQ(static_cast<double>(g.alpha) * g.ce, 1.0);
+  EXPECT_EQ(g.ce, std::ldexp(1.0f, -2 + 19));
 }
 
 TEST(ChunkPlanTest, DefaultBudgetHoldsTwoThousandRows) {

@@ -477,8 +477,12 @@ uint64_t CudaBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& ou
 }
 
 absl::Status CudaBackend::Check(absl::Status s) {
-  if (s.ok() || absl::IsResourceExhausted(s) || absl::IsInvalidArgument(s) ||
-      absl::IsOutOfRange(s)) {
+  if (s.ok()) return s;
+  if (absl::IsResourceExhausted(s) || absl::IsInvalidArgument(s) || absl::IsOutOfRange(s)) {
+    // Not a device fault, but a failed launch or copy (out of memory, an invalid value)
+    // leaves its error pending on this thread: cleared here, or the next request's first
+    // cudaGetLastError would report it and fail a request that did nothing wrong.
+    cudaGetLastError();
     return s;
   }
   // Anything else may have come from a device fault: a sticky error shows on every call.

@@ -100,7 +100,11 @@ absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target
     s.weight_sum += class_weights != nullptr ? class_weights[t] : 1.0;
   }
   if (class_weights != nullptr) {
-    for (int64_t j = 0; j < v; ++j) s.class_weight_sum += class_weights[j];
+    for (int64_t j = 0; j < v; ++j) {
+      s.class_weight_sum += class_weights[j];
+      s.class_weight_max_abs =
+          std::max(s.class_weight_max_abs, std::fabs(static_cast<double>(class_weights[j])));
+    }
   } else {
     s.class_weight_sum = static_cast<double>(v);
   }
@@ -144,19 +148,32 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
   return plan;
 }
 
+namespace {
+
+// 2^e for max = f 2^e, f in [0.5, 1): the power of two just above a positive finite max (1
+// otherwise). Scaling by it is exact, so bf16 and fp32 storage still give the same bits.
+double PowerOfTwoAbove(double max) {
+  if (!(max > 0) || !std::isfinite(max)) return 1.0;
+  int e = 0;
+  std::frexp(max, &e);
+  return std::ldexp(1.0, std::clamp(e, -100, 100));
+}
+
+}  // namespace
+
 GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {
   GradScales g;
+  // The class weights multiply the stored gradient (cw_t (p - [j == t]), smoothing's cw_j):
+  // their largest magnitude goes into the GEMMs' alpha with the rest, so that an fp16 G
+  // neither underflows (weights normalised to sum to 1 over a large V) nor overflows (weights
+  // of 65504 and more).
+  const double cw = PowerOfTwoAbove(s.class_weight_max_abs);
   if (o.reduction == Reduction::kNone) {
-    // The per-row upstream gradient carries the scale; its largest magnitude, as the power of
-    // two 2^e just above it, leaves the stored gradient (ce = z = 2^-e) for the GEMMs' alpha.
-    double scale = 1.0;
-    if (s.row_grad_max_abs > 0 && std::isfinite(s.row_grad_max_abs)) {
-      int e = 0;
-      std::frexp(s.row_grad_max_abs, &e);  // max = f 2^e, f in [0.5, 1)
-      scale = std::ldexp(1.0, -std::clamp(e, -100, 100));
-    }
-    g.ce = g.z = static_cast<float>(scale);
-    g.alpha = static_cast<float>(1.0 / scale);
+    // The per-row upstream gradient carries the scale; its largest magnitude, as a power of
+    // two, leaves the stored gradient for the GEMMs' alpha too.
+    const double scale = 1.0 / PowerOfTwoAbove(s.row_grad_max_abs);
+    g.ce = g.z = static_cast<float>(scale / cw);
+    g.alpha = static_cast<float>(cw / scale);
     return g;
   }
   double ce = o.grad_scale, z = o.grad_scale;
@@ -164,7 +181,7 @@ GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {
     ce = s.weight_sum != 0 ? o.grad_scale / s.weight_sum : 0.0;
     z = s.tokens != 0 ? o.grad_scale / static_cast<double>(s.tokens) : 0.0;
   }
-  const double alpha = (ce != 0 && std::isfinite(ce)) ? ce : 1.0;
+  const double alpha = ((ce != 0 && std::isfinite(ce)) ? ce : 1.0) * cw;
   g.alpha = static_cast<float>(alpha);
   g.ce = static_cast<float>(ce / alpha);
   g.z = static_cast<float>(z / alpha);
@@ -458,7 +475,14 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
     }
     cand.push_back(i);
   }
-  int best = 0;
+  if (cand.empty()) {
+    // Nothing to remember: storing an algorithm that did not launch would fail every later
+    // request of this shape, where the next one may tune again (after a transient failure).
+    return absl::InternalError(absl::StrCat("cublasLtMatmul: none of the ", found,
+                                            " candidates for m=", g.m, " n=", g.n, " k=", g.k,
+                                            " launched"));
+  }
+  int best = cand[0];
   if (cand.size() > 1) {
     // Warm-up first (an idle GPU raises its clocks over the first milliseconds, which would
     // favour whichever candidate runs last), then rounds that time every candidate once, so
@@ -497,8 +521,6 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
       if (median[c] < median[pick] * 0.97f) pick = c;
     }
     best = cand[pick];
-  } else if (cand.size() == 1) {
-    best = cand[0];
   }
   const AlgoKey key = KeyOf(g, 0);
   algos_[key] = results[best].algo;

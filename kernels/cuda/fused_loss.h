@@ -30,6 +30,9 @@ struct TargetSummary {
   int64_t tokens = 0;           // non-ignored rows
   double weight_sum = 0;        // sum of cw[t_i] over non-ignored rows (tokens without weights)
   double class_weight_sum = 0;  // sum_j cw_j (V without weights)
+  // max_j |cw_j| (0 without weights): the class weights scale the stored gradient, so this
+  // is taken out of it as a power of two too (see ComputeGradScales).
+  double class_weight_max_abs = 0;
   // max_i |row_grad_i| for reduction none with an upstream gradient (0 otherwise): taken out
   // of the stored gradient as a power of two, so small upstream gradients do not underflow fp16.
   double row_grad_max_abs = 0;

@@ -543,15 +543,22 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   p.w = &marker;
   p.targets = &marker;
   p.bias = plan.has_bias ? &marker : nullptr;
+  // Every input and output the request has, so the backend counts all of its device copies
+  // (a device budget refuses the request here, not after its tensors have arrived).
+  const float* fmarker = reinterpret_cast<const float*>(&marker);
+  p.class_weights = cw.present ? fmarker : nullptr;
+  p.grad_output = go.present ? fmarker : nullptr;
   LossOutputs out;
   out.grad_dtype = plan.grad_dtype;
   out.loss = reinterpret_cast<float*>(&marker);
   if (plan.wanted.dx) out.dx = &marker;
   if (!plan.accumulator.empty()) {
     out.dw_accum = reinterpret_cast<float*>(&marker);
+    if (plan.has_bias) out.db_accum = reinterpret_cast<float*>(&marker);
     out.accum_memory = Memory::kBackend;
-  } else if (plan.wanted.dw) {
-    out.dw = &marker;
+  } else {
+    if (plan.wanted.dw) out.dw = &marker;
+    if (plan.wanted.db && plan.has_bias) out.db = &marker;
   }
   plan.workspace_bytes = backend_->WorkspaceBytes(p, out);
   return plan;
