@@ -361,7 +361,18 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
   r.weight_handle = absl::GetFlag(FLAGS_weight_handle);
   const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
 
+  if (!r.weight_handle.empty() && (!absl::GetFlag(FLAGS_w).empty() ||
+                                   !absl::GetFlag(FLAGS_bias).empty() ||
+                                   absl::GetFlag(FLAGS_with_bias))) {
+    // The handle carries W and its bias; anything given beside it would be ignored.
+    return absl::InvalidArgumentError(
+        "--weight_handle carries W and its bias: give it without --w, --bias or --with_bias");
+  }
   if (r.weight_handle.empty()) LOSSCTL_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
+  if (r.w.has_value() && r.w->rank() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--w must hold a (V, H) array, got ", r.w->DebugString()));
+  }
   int64_t v = r.w.has_value() ? r.w->dim(0) : absl::GetFlag(FLAGS_v);
 
   if (!absl::GetFlag(FLAGS_x).empty()) {

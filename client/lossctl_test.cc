@@ -200,6 +200,10 @@ TEST_F(LossctlTest, UsageErrors) {
   r = Lossctl("compute --x=" + Path("missing.npy") + " --w=" + Path("missing.npy"));
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.output, HasSubstr("NOT_FOUND"));
+  // W beside a handle would be ignored: refused.
+  r = Lossctl("compute --weight_handle=fake-0 --with_bias --bt=3 --h=4 --v=10");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("--weight_handle carries W and its bias"));
   absl::MutexLock lock(&fake_.mu);
   EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
 }

@@ -781,6 +781,61 @@ absl::Status CheckOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtyp
   return absl::OkStatus();
 }
 
+// Caller buffers for outputs the call does not return, or too small for what it returns, are
+// refused before anything is sent: refused only once the server has answered, the micro-batch
+// would already be in a named accumulator, and a retry would add it twice.
+absl::Status ValidateOutputInto(const ComputeRequest& r) {
+  const DType grad = r.grad_dtype.value_or(r.x.dtype());
+  const int64_t bt = r.x.dim(0), h = r.x.dim(1);
+  const bool none = r.options.reduction == Reduction::kNone;
+  const bool inline_bias = r.bias.has_value();
+  const int64_t v = r.w.has_value() ? r.w->dim(0) : -1;  // -1: behind a weight handle
+  for (const auto& [tensor, buf] : r.output_into) {
+    DType dtype = DType::kF32;
+    std::vector<int64_t> shape = {bt};
+    bool returned = true;
+    switch (tensor) {
+      case OutputTensor::kLoss: returned = none; break;
+      case OutputTensor::kZLoss: returned = none && r.want.z_loss; break;
+      case OutputTensor::kLse: returned = r.want.lse; break;
+      case OutputTensor::kPredictions:
+        returned = r.want.predictions;
+        dtype = DType::kI64;
+        break;
+      case OutputTensor::kDx:
+        returned = r.want.dx;
+        dtype = grad;
+        shape = {bt, h};
+        break;
+      case OutputTensor::kDw:
+        returned = r.want.dw && r.accumulator.empty();
+        dtype = grad;
+        shape = {v, h};
+        break;
+      case OutputTensor::kDb:
+        // With a handle the bias is the handle's: whether one comes back is known only then.
+        returned = r.want.db && r.accumulator.empty() && (inline_bias || !r.w.has_value());
+        dtype = grad;
+        shape = {v};
+        break;
+    }
+    const std::string name = OutputTensorName(tensor);
+    if (!returned) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "output_into[", name, "]: this call does not return ", name,
+          " (see want, options.reduction and accumulator)"));
+    }
+    if (v < 0 && (tensor == OutputTensor::kDw || tensor == OutputTensor::kDb)) continue;
+    absl::StatusOr<size_t> need = TensorByteSize(dtype, shape);
+    if (need.ok() && buf.data != nullptr && buf.capacity < *need) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("output_into[", name, "] holds ", buf.capacity, " bytes; the ",
+                       ShapeString(dtype, shape), " result needs ", *need));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateRequest(const ComputeRequest& r) {
   LOSSD_CLIENT_RETURN_IF_ERROR(r.x.Validate("x"));
   LOSSD_CLIENT_RETURN_IF_ERROR(r.targets.Validate("targets"));
@@ -790,7 +845,13 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
   if (r.w.has_value() == !r.weight_handle.empty()) {
     return absl::InvalidArgumentError("give exactly one of w and weight_handle");
   }
-  if (r.w.has_value()) LOSSD_CLIENT_RETURN_IF_ERROR(r.w->Validate("w"));
+  if (r.w.has_value()) {
+    LOSSD_CLIENT_RETURN_IF_ERROR(r.w->Validate("w"));
+    if (r.w->rank() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("w must be (V, H), got ", r.w->DebugString()));
+    }
+  }
   if (r.bias.has_value()) {
     if (!r.w.has_value()) {
       return absl::InvalidArgumentError(
@@ -804,7 +865,7 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
   if (r.grad_output.has_value()) {
     LOSSD_CLIENT_RETURN_IF_ERROR(r.grad_output->Validate("grad_output"));
   }
-  return absl::OkStatus();
+  return ValidateOutputInto(r);
 }
 
 }  // namespace

@@ -299,6 +299,47 @@ TEST_F(LossClientTest, OutputsLandInCallerBuffers) {
   EXPECT_THAT(std::string(res.status().message()), HasSubstr("output_into[dx]"));
 }
 
+// A caller buffer that cannot take what the call returns, or one for an output the call does
+// not return, is refused before the Compute goes out: refused after the server answered, a
+// micro-batch would already be in its accumulator, and a retry would add it twice.
+TEST_F(LossClientTest, CallerBuffersAreCheckedBeforeTheCallIsSent) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest(33, 9, 5);
+  r.accumulator = "never-reached";
+  std::vector<uint8_t> buf(1 << 16);
+  struct Bad {
+    OutputTensor t;
+    size_t bytes;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {OutputTensor::kDx, r.x.num_bytes() - 1, "output_into[dx] holds"},
+      {OutputTensor::kDw, buf.size(), "output_into[dw]: this call does not return dw"},
+      {OutputTensor::kZLoss, buf.size(),
+       "output_into[z_loss]: this call does not return z_loss"},
+      {OutputTensor::kLoss, buf.size(), "output_into[loss]: this call does not return loss"},
+  };
+  for (const Bad& b : bad) {
+    ComputeRequest one = r;
+    one.output_into[b.t] = {buf.data(), b.bytes};
+    absl::StatusOr<ComputeResult> res = client->Compute(one);
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument) << b.says;
+    EXPECT_THAT(std::string(res.status().message()), HasSubstr(b.says));
+  }
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.accumulators.count("never-reached"), 0u) << "a refused call reached the server";
+  EXPECT_TRUE(fake_.last_parts.empty());
+}
+
+TEST_F(LossClientTest, AOneDimensionalWIsRefused) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest(6, 5, 7);
+  r.w = RandomTensor(DType::kBF16, {35}, 24);
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(res.status().message()), HasSubstr("w must be (V, H)"));
+}
+
 class ErrorCodeTest : public LossClientTest,
                       public ::testing::WithParamInterface<grpc::StatusCode> {};
 
