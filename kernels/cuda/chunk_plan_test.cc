@@ -46,7 +46,7 @@ TEST(GradScalesTest, TheClassWeightsMagnitudeGoesIntoAlpha) {
   EXPECT_FLOAT_EQ(static_cast<double>(g.alpha) * g.z, 0.75 / 1000);
   EXPECT_LT(1.5e-6 * g.ce, 1.0);
   EXPECT_GE(1.5e-6 * g.ce, 0.5);
-  // Huge weights: cw_t times the stored scale stays below 1, where fp16 would overflow.
+  // Large weights: cw_t times the stored scale stays below 1 too.
   s.weight_sum = 7e7;
   s.class_weight_max_abs = 7e4;
   g = ComputeGradScales(o, s);

@@ -81,8 +81,6 @@ const OptionCase kOptions[] = {
     // the GEMMs' alpha.
     {"mean_tiny_weights_smooth", Reduction::kMean, 0.1f, 0, 0, false, true, false, 0.1, 0,
      DType::kI64, false, false, 1e-6},
-    {"none_huge_weights", Reduction::kNone, 0, 0, 0, false, true, true, 0, 0, DType::kI64,
-     false, false, 1e5},
 };
 constexpr int kNumOptions = static_cast<int>(sizeof(kOptions) / sizeof(kOptions[0]));
 
