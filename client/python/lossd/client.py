@@ -792,9 +792,11 @@ class Client:
         want_*: which outputs to return (the loss always is). want_db defaults to "a bias is
           in use". With `accumulator`, dW and db are added to that server-side fp32
           accumulator (created on first use) instead of being returned.
-        out: {"dx": array, "dw": ..., "lse": ...} caller buffers (C-contiguous, writable, the
-          exact size; a BF16Array or uint16 array for bf16) to receive outputs into without
-          a copy; the result then holds those same arrays.
+        out: {"dx": array, "dw": ..., "lse": ...} caller buffers (C-contiguous, writable, of
+          the output's exact dtype and shape; a BF16Array or uint16 array for bf16) to
+          receive outputs into without a copy; the result then holds those same arrays. A
+          buffer that does not fit, or one for an output the call does not return, is refused
+          before anything is sent.
         timeout: seconds (None = the client's default, float("inf") = none).
         overlap: None = the client's setting (see Client).
         """

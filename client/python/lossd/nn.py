@@ -52,7 +52,10 @@ class LossdRuntime:
 
     cache_weights: upload W (and bias) once with PutWeights and send only the handle while the
       tensors are unchanged (same storage and autograd version counter, which in-place
-      optimizer steps bump); a handle the server dropped is uploaded again once.
+      optimizer steps bump); a handle the server dropped is uploaded again once. Writes that
+      bypass the version counter (through `w.data`, a numpy view, or a buffer re-filled in
+      place by a sharding wrapper) are not seen: call `drop_weights()` after them, or turn
+      caching off.
     timeout: deadline of every call in seconds; None = the Client's default (600 s).
     accumulator: None, a name, or True for a fresh unique name: dW and db go into that
       server-side fp32 accumulator instead of weight.grad / bias.grad; call
