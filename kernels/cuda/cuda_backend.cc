@@ -331,15 +331,24 @@ BackendInfo CudaBackend::Info() {
 
 absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::AllocateDevice(size_t bytes) {
   const uint64_t counted = Align(bytes < kMinAllocation ? kMinAllocation : bytes);
-  const uint64_t held = counters_->current.load();
-  if (options_.memory_budget_bytes != 0 && held + counted > options_.memory_budget_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cuda: allocating ", bytes, " bytes would exceed the memory budget of ",
-        options_.memory_budget_bytes, " bytes (", held, " held)"));
+  // Counted before the allocation, by compare-and-swap: weight uploads and accumulators
+  // allocate beside a Compute's buffers, and two threads that both read `held` and then
+  // allocated could together pass the budget.
+  uint64_t held = counters_->current.load();
+  do {
+    if (options_.memory_budget_bytes != 0 && held + counted > options_.memory_budget_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cuda: allocating ", bytes, " bytes would exceed the memory budget of ",
+          options_.memory_budget_bytes, " bytes (", held, " held)"));
+    }
+  } while (!counters_->current.compare_exchange_weak(held, held + counted));
+  cudaError_t e = cudaSetDevice(options_.device);
+  if (e != cudaSuccess) {
+    counters_->current -= counted;
+    return CudaStatus(e, "cudaSetDevice");
   }
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   void* ptr = nullptr;
-  cudaError_t e = cudaMallocAsync(&ptr, counted, alloc_stream_);
+  e = cudaMallocAsync(&ptr, counted, alloc_stream_);
   if (e == cudaErrorMemoryAllocation) {
     // The pool keeps freed memory for reuse; hand it back to the device and try once more.
     cudaGetLastError();
@@ -352,8 +361,12 @@ absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::AllocateDevice(size_
     e = cudaMallocAsync(&ptr, counted, alloc_stream_);
   }
   // Usable from every stream once the allocation stream has passed it.
-  if (e == cudaSuccess) e = cudaStreamSynchronize(alloc_stream_);
+  if (e == cudaSuccess) {
+    e = cudaStreamSynchronize(alloc_stream_);
+    if (e != cudaSuccess) cudaFreeAsync(ptr, alloc_stream_);  // best effort: the device failed
+  }
   if (e != cudaSuccess) {
+    counters_->current -= counted;
     cudaGetLastError();  // out-of-memory is not sticky: clear it and keep serving
     size_t free_bytes = 0, total_bytes = 0;
     cudaMemGetInfo(&free_bytes, &total_bytes);
@@ -365,7 +378,7 @@ absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::AllocateDevice(size_
     }
     return CudaStatus(e, absl::StrCat("cudaMallocAsync(", counted, " bytes)"));
   }
-  const uint64_t now = (counters_->current += counted);
+  const uint64_t now = held + counted;
   uint64_t peak = counters_->peak.load();
   while (now > peak && !counters_->peak.compare_exchange_weak(peak, now)) {
   }
