@@ -14,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -743,36 +744,34 @@ absl::Status CheckSameGradients(const std::string& name, const v1::GradientsHead
 }
 
 // What Compute expects of each output, from the request.
-absl::Status CheckOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtype,
-                             const std::vector<int64_t>& shape) {
+// The dtype and shape of output `t` of request `r`, with V = `v`.
+std::pair<DType, std::vector<int64_t>> OutputSpecOf(const ComputeRequest& r, OutputTensor t,
+                                                    int64_t v) {
   const int64_t bt = r.x.dim(0);
   const int64_t h = r.x.dim(1);
   const DType grad = r.grad_dtype.value_or(r.x.dtype());
-  DType want_dtype = DType::kF32;
-  std::vector<int64_t> want_shape = {bt};
-  // V is known only for inline weights; with a handle any V >= 1 is accepted.
-  const int64_t v = r.w.has_value() ? r.w->dim(0) : (shape.empty() ? -1 : shape[0]);
   switch (t) {
     case OutputTensor::kLoss:
     case OutputTensor::kLse:
     case OutputTensor::kZLoss:
       break;
     case OutputTensor::kPredictions:
-      want_dtype = DType::kI64;
-      break;
+      return {DType::kI64, {bt}};
     case OutputTensor::kDx:
-      want_dtype = grad;
-      want_shape = {bt, h};
-      break;
+      return {grad, {bt, h}};
     case OutputTensor::kDw:
-      want_dtype = grad;
-      want_shape = {v, h};
-      break;
+      return {grad, {v, h}};
     case OutputTensor::kDb:
-      want_dtype = grad;
-      want_shape = {v};
-      break;
+      return {grad, {v}};
   }
+  return {DType::kF32, {bt}};
+}
+
+absl::Status CheckOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtype,
+                             const std::vector<int64_t>& shape) {
+  // V is known only for inline weights; with a handle any V >= 1 is accepted.
+  const int64_t v = r.w.has_value() ? r.w->dim(0) : (shape.empty() ? -1 : shape[0]);
+  const auto [want_dtype, want_shape] = OutputSpecOf(r, t, v);
   if (dtype != want_dtype || shape != want_shape || (!shape.empty() && shape[0] < 0)) {
     return absl::InternalError(absl::StrCat("server announced ", OutputTensorName(t), " as ",
                                             ShapeString(dtype, shape), ", expected ",
@@ -785,38 +784,20 @@ absl::Status CheckOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtyp
 // refused before anything is sent: refused only once the server has answered, the micro-batch
 // would already be in a named accumulator, and a retry would add it twice.
 absl::Status ValidateOutputInto(const ComputeRequest& r) {
-  const DType grad = r.grad_dtype.value_or(r.x.dtype());
-  const int64_t bt = r.x.dim(0), h = r.x.dim(1);
   const bool none = r.options.reduction == Reduction::kNone;
-  const bool inline_bias = r.bias.has_value();
   const int64_t v = r.w.has_value() ? r.w->dim(0) : -1;  // -1: behind a weight handle
   for (const auto& [tensor, buf] : r.output_into) {
-    DType dtype = DType::kF32;
-    std::vector<int64_t> shape = {bt};
     bool returned = true;
     switch (tensor) {
       case OutputTensor::kLoss: returned = none; break;
       case OutputTensor::kZLoss: returned = none && r.want.z_loss; break;
       case OutputTensor::kLse: returned = r.want.lse; break;
-      case OutputTensor::kPredictions:
-        returned = r.want.predictions;
-        dtype = DType::kI64;
-        break;
-      case OutputTensor::kDx:
-        returned = r.want.dx;
-        dtype = grad;
-        shape = {bt, h};
-        break;
-      case OutputTensor::kDw:
-        returned = r.want.dw && r.accumulator.empty();
-        dtype = grad;
-        shape = {v, h};
-        break;
+      case OutputTensor::kPredictions: returned = r.want.predictions; break;
+      case OutputTensor::kDx: returned = r.want.dx; break;
+      case OutputTensor::kDw: returned = r.want.dw && r.accumulator.empty(); break;
       case OutputTensor::kDb:
         // With a handle the bias is the handle's: whether one comes back is known only then.
-        returned = r.want.db && r.accumulator.empty() && (inline_bias || !r.w.has_value());
-        dtype = grad;
-        shape = {v};
+        returned = r.want.db && r.accumulator.empty() && (r.bias.has_value() || !r.w.has_value());
         break;
     }
     const std::string name = OutputTensorName(tensor);
@@ -826,6 +807,7 @@ absl::Status ValidateOutputInto(const ComputeRequest& r) {
           " (see want, options.reduction and accumulator)"));
     }
     if (v < 0 && (tensor == OutputTensor::kDw || tensor == OutputTensor::kDb)) continue;
+    const auto [dtype, shape] = OutputSpecOf(r, tensor, v);
     absl::StatusOr<size_t> need = TensorByteSize(dtype, shape);
     if (need.ok() && buf.data != nullptr && buf.capacity < *need) {
       return absl::InvalidArgumentError(
