@@ -19,7 +19,7 @@ import numpy as np
 from lossd import errors
 from lossd._proto import pb, pb_grpc
 from lossd.tensors import (FLOAT_DTYPES, INT_DTYPES, BF16Array, dtype_name, from_wire,
-                           parse_dtype, to_wire)
+                           numpy_dtype, parse_dtype, to_wire)
 
 # Data bytes per TensorPart message (the wire contract's default bound).
 DEFAULT_PART_BYTES = 4 << 20
@@ -335,10 +335,6 @@ class _Assembler:
             else:
                 out[t] = from_wire(dt, shape, self.bufs[t])
         return out
-
-
-_NUMPY_OF = {pb.DTYPE_BF16: np.dtype("<u2"), pb.DTYPE_FP16: np.dtype("<f2"),
-             pb.DTYPE_FP32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8")}
 
 
 def _returned_outputs(header, xdt, xshape, wshape, has_bias):
@@ -900,7 +896,7 @@ class Client:
                         name, name))
             dt, shape = returned[name]
             if isinstance(arr, np.ndarray):
-                want_np = _NUMPY_OF[dt]
+                want_np = numpy_dtype(dt)
                 if arr.dtype != want_np or (shape is not None and arr.shape != shape):
                     raise errors.InvalidArgumentError(
                         "out[%r]: needs a %s array of shape %s (%s), got %s %s" % (

@@ -36,6 +36,11 @@ def dtype_size(dt):
     return _NUMPY[dt].itemsize
 
 
+def numpy_dtype(dt):
+    """The numpy dtype that holds wire dtype `dt` (uint16 bit patterns for bf16)."""
+    return _NUMPY[dt]
+
+
 def dtype_name(dt):
     return DTYPE_NAMES.get(dt, "unspecified(%d)" % dt)
 
