@@ -971,7 +971,7 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
     auto it = uploads_.find(key);
     if (it != uploads_.end()) {
       u = it->second;
-    } else if (ended_.contains(key)) {
+    } else if (ended_.Find(key) != nullptr) {
       return absl::AbortedError(absl::StrCat(
           "striped upload '", upload_id,
           "' has already ended (completed or aborted); send it again under a new upload_id"));
@@ -1094,7 +1094,7 @@ void Engine::FinishStripe(const std::shared_ptr<StripedUpload>& u, StripedUpload
   if (completes) {
     absl::MutexLock lock(&uploads_mu_);
     uploads_.erase(u->key_);
-    RememberEndedLocked(u->key_);
+    ended_.Remember(u->key_, true);
   }
   for (auto& w : waiters) w(result);
 }
@@ -1123,21 +1123,13 @@ void Engine::FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const ab
   {
     absl::MutexLock lock(&uploads_mu_);
     uploads_.erase(u->key_);
-    RememberEndedLocked(u->key_);
+    ended_.Remember(u->key_, true);
   }
   const absl::Status aborted = absl::AbortedError(absl::StrCat(
       "striped upload '", u->id_, "' was aborted because a stripe failed: ", why.message()));
   for (auto& w : waiters) w(aborted);
 }
 
-void Engine::RememberEndedLocked(const std::string& id) {
-  if (!ended_.insert(id).second) return;
-  ended_order_.push_back(id);
-  if (ended_order_.size() > kEndedUploadsKept) {
-    ended_.erase(ended_order_.front());
-    ended_order_.pop_front();
-  }
-}
 
 absl::Status Engine::DropAccumulator(const std::string& name) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");

@@ -7,7 +7,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -16,7 +15,6 @@
 
 #include "absl/status/status.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -25,6 +23,7 @@
 #include "server/engine/compute_plan.h"
 #include "server/engine/executor.h"
 #include "server/engine/memory_budget.h"
+#include "server/engine/recent_keys.h"
 #include "server/engine/streamed_rows.h"
 #include "server/engine/weight_cache.h"
 
@@ -259,9 +258,7 @@ class Engine {
   // first: a stripe that arrives after its upload ended is refused instead of starting a
   // fresh upload under the same id (which would hold a reservation no one completes).
   static constexpr size_t kEndedUploadsKept = 4096;
-  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(uploads_mu_);
-  absl::flat_hash_set<std::string> ended_ ABSL_GUARDED_BY(uploads_mu_);
-  void RememberEndedLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(uploads_mu_);
+  RecentKeys<bool> ended_ ABSL_GUARDED_BY(uploads_mu_){kEndedUploadsKept};
   Executor executor_;  // last: joined first, while everything above is alive
 };
 

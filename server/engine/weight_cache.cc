@@ -20,17 +20,8 @@ void WeightCache::EvictOldestLocked() {
   auto it = slots_.find(victim);
   bytes_ -= it->second.entry->bytes();
   slots_.erase(it);
-  RetireLocked(victim, Retired::kEvicted);
+  retired_.Remember(victim, Retired::kEvicted);
   ++evictions_;
-}
-
-void WeightCache::RetireLocked(const std::string& handle, Retired why) {
-  if (!retired_.insert_or_assign(handle, why).second) return;  // already remembered
-  retired_order_.push_back(handle);
-  if (retired_order_.size() > kRetiredKept) {
-    retired_.erase(retired_order_.front());
-    retired_order_.pop_front();
-  }
 }
 
 bool WeightCache::IssuedLocked(const std::string& handle) const {
@@ -91,14 +82,14 @@ absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::s
     return it->second.entry;
   }
   ++misses_;
-  auto retired = retired_.find(handle);
-  if (retired != retired_.end() && retired->second == Retired::kEvicted) {
+  const Retired* retired = retired_.Find(handle);
+  if (retired != nullptr && *retired == Retired::kEvicted) {
     return absl::NotFoundError(absl::StrCat(
         "weight handle '", handle, "' was evicted (least recently used) to make room in the ",
         "weight cache (", budget_, " bytes, --weight_cache_bytes; ", max_entries_,
         " handles, --max_weight_handles); upload the weights again with PutWeights"));
   }
-  if (retired != retired_.end()) {
+  if (retired != nullptr) {
     return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' was dropped"));
   }
   if (IssuedLocked(handle)) {
@@ -119,15 +110,15 @@ absl::Status WeightCache::Drop(const std::string& handle) {
   absl::MutexLock lock(&mu_);
   auto it = slots_.find(handle);
   if (it == slots_.end()) {
-    auto retired = retired_.find(handle);
-    const bool evicted = retired != retired_.end() && retired->second == Retired::kEvicted;
+    const Retired* retired = retired_.Find(handle);
+    const bool evicted = retired != nullptr && *retired == Retired::kEvicted;
     return absl::NotFoundError(
         absl::StrCat("weight handle '", handle, "' not found", evicted ? " (evicted)" : ""));
   }
   bytes_ -= it->second.entry->bytes();
   lru_.erase(it->second.lru);
   slots_.erase(it);
-  RetireLocked(handle, Retired::kDropped);
+  retired_.Remember(handle, Retired::kDropped);
   return absl::OkStatus();
 }
 

@@ -8,7 +8,6 @@
 #define LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
 
 #include <cstdint>
-#include <deque>
 #include <list>
 #include <memory>
 #include <string>
@@ -18,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
+#include "server/engine/recent_keys.h"
 
 namespace lossd {
 
@@ -68,8 +68,6 @@ class WeightCache {
   // Drops the least recently used entry (lru_ not empty); its handle is remembered as evicted.
   void EvictOldestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   enum class Retired : uint8_t { kEvicted, kDropped };
-  // Remembers why `handle` left, forgetting the oldest reason past kRetiredKept.
-  void RetireLocked(const std::string& handle, Retired why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether this instance issued `handle` (by its number, whether still held or not).
   bool IssuedLocked(const std::string& handle) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -80,8 +78,8 @@ class WeightCache {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Retired> retired_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> retired_order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  // Why the last kRetiredKept handles that left did so.
+  RecentKeys<Retired> retired_ ABSL_GUARDED_BY(mu_){kRetiredKept};
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // inserted entries
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // uploads in progress
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
