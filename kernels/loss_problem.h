@@ -31,6 +31,9 @@ struct LossOptions {
   float grad_scale = 1.0f;
   // Rows per chunk; 0 = the backend chooses from its memory budget.
   int64_t chunk_rows = 0;
+  // GEMM algorithm choices timed during this Compute (autotuning of shapes the backend had
+  // not seen; 0 once a training run's shapes are known).
+  int64_t gemm_tunings = 0;
 };
 
 // Where a buffer lives. kHost: ordinary (or pinned) host memory. kBackend: memory the backend
@@ -99,6 +102,9 @@ struct LossStats {
   double compute_seconds = 0.0;
   uint64_t peak_extra_bytes = 0;  // workspace above inputs and outputs
   int64_t chunk_rows = 0;
+  // GEMM algorithm choices timed during this Compute (autotuning of shapes the backend had
+  // not seen; 0 once a training run's shapes are known).
+  int64_t gemm_tunings = 0;
 };
 
 }  // namespace lossd

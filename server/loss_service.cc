@@ -292,6 +292,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     m->ObservePhase("Compute", "compute", outcome.stats.compute_seconds);
     m->AddTokens(static_cast<double>(outcome.tokens));
     m->AddFlops(plan_->flops());
+    m->AddGemmTunings(static_cast<double>(outcome.stats.gemm_tunings));
     if (outcome.stats.compute_seconds > 0) {
       m->SetLastTflops(plan_->flops() / outcome.stats.compute_seconds * 1e-12);
     }

@@ -96,6 +96,9 @@ ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
   flops_ = UnlabelledCounter(
       *registry_, "lossd_compute_flops_total",
       "Floating-point operations done (6 BT H V per Compute); rate() is FLOP/s.");
+  gemm_tunings_ = UnlabelledCounter(
+      *registry_, "lossd_gemm_tunings_total",
+      "GEMM algorithm choices timed by the CUDA backend's autotuning (new shapes only).");
   tflops_ = UnlabelledGauge(*registry_, "lossd_last_compute_tflops",
                             "Achieved TFLOP/s of the last Compute (6 BT H V / compute time).");
   in_flight_ =

@@ -53,6 +53,7 @@ class ServerMetrics {
   void AddBytesIn(double n) { bytes_in_->Increment(n); }
   void AddBytesOut(double n) { bytes_out_->Increment(n); }
   void AddFlops(double n) { flops_->Increment(n); }
+  void AddGemmTunings(double n) { gemm_tunings_->Increment(n); }
   void SetLastTflops(double t) { tflops_->Set(t); }
   void InFlight(int delta) { in_flight_->Increment(delta); }
 
@@ -67,6 +68,7 @@ class ServerMetrics {
   prometheus::Counter* bytes_in_;
   prometheus::Counter* bytes_out_;
   prometheus::Counter* flops_;
+  prometheus::Counter* gemm_tunings_;
   prometheus::Gauge* tflops_;
   prometheus::Gauge* in_flight_;
   std::shared_ptr<prometheus::Collectable> state_;

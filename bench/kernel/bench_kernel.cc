@@ -21,6 +21,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "bench/kernel/bench_util.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -61,6 +63,10 @@ ABSL_FLAG(bool, autotune, true,
 ABSL_FLAG(int, gemm_ws_mib, 4, "cuBLASLt workspace per stream (MiB) for the fused op's GEMMs");
 ABSL_FLAG(std::string, algo_ranks, "0,0,0",
           "cuBLASLt heuristic rank for the fused op's logits, dX and dW GEMMs");
+ABSL_FLAG(std::string, bt_sweep, "",
+          "HxV:BT,BT,...: also time the fused op (autotuned, default budget) on a fresh engine "
+          "at each BT in turn, as a trainer with a moving BT calls it: the first call (with "
+          "whatever tuning it does) against the median of the calls after it");
 ABSL_FLAG(int, algo_sweep, 0,
           "> 0: also time each GEMM of the floor and of the first budget's chunks alone at "
           "heuristic ranks 0..N-1 and workspaces 4 and 32 MiB (which algorithm pays)");
@@ -583,6 +589,97 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
   return 0;
 }
 
+// A moving BT: one fresh autotuning engine, each BT of the list in turn at the default budget.
+// The first call of a BT is timed on the host clock (the tuning it does blocks), the calls
+// after it with CUDA events; both next to how many GEMM choices that BT timed.
+int RunBtSweep(const std::string& spec) {
+  std::vector<std::string> hv_bts = absl::StrSplit(spec, ':');
+  std::vector<std::string> hv = absl::StrSplit(hv_bts.size() == 2 ? hv_bts[0] : "", 'x');
+  int64_t h = 0, v = 0;
+  std::vector<int64_t> bts;
+  bool ok = hv_bts.size() == 2 && hv.size() == 2 && absl::SimpleAtoi(hv[0], &h) &&
+            absl::SimpleAtoi(hv[1], &v) && h > 0 && v > 0;
+  for (absl::string_view b : absl::StrSplit(ok ? hv_bts[1] : "", ',', absl::SkipEmpty())) {
+    int64_t bt = 0;
+    ok = ok && absl::SimpleAtoi(b, &bt) && bt > 0;
+    bts.push_back(bt);
+  }
+  if (!ok || bts.empty()) {
+    std::fprintf(stderr, "bad --bt_sweep '%s' (want HxV:BT,BT,...)\n", spec.c_str());
+    return 2;
+  }
+  auto engine = cuda::FusedLoss::Create(0);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  (*engine)->set_autotune(true);
+  cudaStream_t stream = (*engine)->stream();
+  const int64_t max_bt = *std::max_element(bts.begin(), bts.end());
+  uint64_t ws_bytes = 0;
+  for (int64_t bt : bts) {
+    ws_bytes = std::max(ws_bytes, cuda::PlanChunks(bt, v, DType::kBF16,
+                                                   cuda::DefaultChunkBudget(bt, v, DType::kBF16),
+                                                   0)
+                                      .workspace_bytes);
+  }
+  void *x, *w, *dx, *dw, *rows, *tg, *ws;
+  BENCH_CHECK_CUDA(cudaMalloc(&x, max_bt * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&w, v * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&dx, max_bt * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&dw, v * h * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&rows, max_bt * 16));
+  BENCH_CHECK_CUDA(cudaMalloc(&tg, max_bt * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  BENCH_CHECK_CUDA(FillUniformBf16(x, max_bt * h, 1, 1.0f, stream));
+  BENCH_CHECK_CUDA(FillUniformBf16(w, v * h, 2, 6.0f / std::sqrt(static_cast<float>(h)), stream));
+  BENCH_CHECK_CUDA(
+      FillTargets(static_cast<int32_t*>(tg), max_bt, 3, static_cast<int32_t>(v), stream));
+  std::printf("\nA moving BT (H = %lld, V = %lld, bf16, default budget, one fresh autotuning "
+              "engine, in this order)\n\n| BT | C | first call | median of the next %d | "
+              "GEMM choices timed |\n|---|---|---|---|---|\n",
+              static_cast<long long>(h), static_cast<long long>(v), absl::GetFlag(FLAGS_runs));
+  for (int64_t bt : bts) {
+    cuda::DeviceLossArgs a;
+    a.bt = bt;
+    a.h = h;
+    a.v = v;
+    a.dtype = DType::kBF16;
+    a.x = x;
+    a.w = w;
+    a.targets = static_cast<const int32_t*>(tg);
+    a.summary.tokens = bt;
+    a.summary.weight_sum = static_cast<double>(bt);
+    a.summary.class_weight_sum = static_cast<double>(v);
+    a.row_lse = static_cast<float*>(rows);
+    a.row_ce = a.row_lse + bt;
+    a.row_z = a.row_ce + bt;
+    a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
+    a.dx = dx;
+    a.dx_dtype = DType::kBF16;
+    a.dw_acc = static_cast<float*>(dw);
+    const cuda::ChunkPlan plan = cuda::PlanChunks(
+        bt, v, DType::kBF16, cuda::DefaultChunkBudget(bt, v, DType::kBF16), 0);
+    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+    const int64_t tunings = (*engine)->tunings();
+    const absl::Time t0 = absl::Now();
+    BENCH_CHECK_OK((*engine)->Enqueue(a, plan, ws));
+    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+    const double first_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    const int64_t timed = (*engine)->tunings() - tunings;
+    double ms = 0;
+    if (TimeMs(stream, 1, absl::GetFlag(FLAGS_runs),
+               [&]() { return (*engine)->Enqueue(a, plan, ws); }, &ms)) {
+      return 1;
+    }
+    std::printf("| %lld | %lld | %.2f ms | %.2f ms | %lld |\n", static_cast<long long>(bt),
+                static_cast<long long>(plan.chunk_rows), first_ms, ms,
+                static_cast<long long>(timed));
+  }
+  for (void* p : {x, w, dx, dw, rows, tg, ws}) BENCH_CHECK_CUDA(cudaFree(p));
+  return 0;
+}
+
 // The backend's whole Compute from host memory: uploads of X and W, the fused op, downloads of
 // dX and dW (bf16). Median of 5 after one warm-up.
 int RunHostIo(int64_t bt, int64_t h, int64_t v) {
@@ -690,7 +787,7 @@ int Main() {
   cudaDeviceProp prop;
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::vector<Row> rows;
-  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',')) {
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',', absl::SkipEmpty())) {
     std::vector<std::string> parts = absl::StrSplit(s, 'x');
     int64_t bt, h, v;
     if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &bt) ||
@@ -701,6 +798,9 @@ int Main() {
     Row row;
     if (RunShape(**engine, **floor_engine, bt, h, v, budgets, schedules, &row)) return 1;
     rows.push_back(row);
+  }
+  if (!absl::GetFlag(FLAGS_bt_sweep).empty()) {
+    if (int rc = RunBtSweep(absl::GetFlag(FLAGS_bt_sweep)); rc != 0) return rc;
   }
   if (!absl::GetFlag(FLAGS_host_io).empty()) {
     std::vector<std::string> parts = absl::StrSplit(absl::GetFlag(FLAGS_host_io), 'x');

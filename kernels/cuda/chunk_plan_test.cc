@@ -96,6 +96,26 @@ TEST(ChunkPlanTest, RowSplitHalvesFromFiveHundredTwelveRows) {
   EXPECT_LT(s, 1201);
 }
 
+// Autotuning's classes: exact up to 64, then eight steps an octave, never below the size and
+// at most 12.5% above it; a size already on a step is its own class.
+TEST(ChunkPlanTest, TuneClassRoundsUpToEightStepsAnOctave) {
+  EXPECT_EQ(TuneClass(1), 1);
+  EXPECT_EQ(TuneClass(64), 64);
+  EXPECT_EQ(TuneClass(65), 72);
+  EXPECT_EQ(TuneClass(488), 512);
+  EXPECT_EQ(TuneClass(1000), 1024);
+  EXPECT_EQ(TuneClass(1856), 1920);
+  EXPECT_EQ(TuneClass(2048), 2048);
+  EXPECT_EQ(TuneClass(2049), 2304);
+  EXPECT_EQ(TuneClass(128256), 131072);
+  for (int64_t x = 1; x < 70000; ++x) {
+    const int64_t c = TuneClass(x);
+    ASSERT_GE(c, x);
+    ASSERT_LE(c, x <= 64 ? x : x + x / 8) << x;
+    ASSERT_EQ(TuneClass(c), c) << x;  // a class is its own class
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace lossd

@@ -687,7 +687,9 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     a.hooks = &*streamed;
   }
 
+  const int64_t tunings_before = engine_->tunings();
   LOSSD_CUDA_RETURN_IF_NOT_OK(engine_->Enqueue(a, plan, *workspace));
+  const int64_t tunings = engine_->tunings() - tunings_before;
 
   // Results back to the host, on the same stream.
   std::vector<float> lse(bt), ce(bt), zl(bt);
@@ -778,6 +780,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     stats->peak_extra_bytes = bytes.extra;
     stats->chunk_rows = plan.chunk_rows;
+    stats->gemm_tunings = tunings;
   }
   return absl::OkStatus();
 }

@@ -355,6 +355,45 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
   }
 }
 
+// A BT that moves from call to call (unpadded batches) makes new chunk GEMM shapes each time.
+// Autotuning times each tuning class once: a BT whose GEMMs fall in the classes already timed
+// (within 12.5%) costs no tuning and still matches the reference, twice bit-identically; a BT
+// far from them is timed.
+TEST_F(CudaTest, AMovingBtTimesEachTuningClassOnce) {
+  CudaBackendOptions bo;
+  bo.autotune_gemms = true;
+  auto b = CudaBackend::Create(bo);  // fresh: nothing timed yet
+  ASSERT_TRUE(b.ok()) << b.status();
+  OptionCase o{"moving", Reduction::kMean, 0.05f, 0, 0, false, false, false, 0.1, 0};
+  struct Step {
+    int64_t bt;
+    bool tunes;
+  };
+  // 1000 and 1010 rows: row halves of 512 + 488 and 512 + 498, dX and dW over 1000 and 1010
+  // rows, all in the classes 512 and 1024. 300 rows: one piece, class 320.
+  const Step steps[] = {{1000, true}, {1000, false}, {1010, false}, {300, true}, {1010, false}};
+  uint64_t seed = 70;
+  for (const Step& st : steps) {
+    RandomProblem rp =
+        RandomProblem::Make(MakeSpec({"moving", st.bt, 64, 1500}, o, DType::kBF16, ++seed));
+    const LossProblem p = rp.problem();
+    ReferenceOutputs ref;
+    ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+    HostOutputs first(p, DType::kBF16), again(p, DType::kBF16);
+    LossStats stats;
+    ASSERT_TRUE((*b)->Compute(p, first.outputs(), &stats).ok()) << "bt " << st.bt;
+    if (st.tunes) {
+      EXPECT_GT(stats.gemm_tunings, 0) << "bt " << st.bt;
+    } else {
+      EXPECT_EQ(stats.gemm_tunings, 0) << "bt " << st.bt;
+    }
+    EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, first.outputs())) << "bt " << st.bt;
+    ASSERT_TRUE((*b)->Compute(p, again.outputs(), &stats).ok()) << "bt " << st.bt;
+    EXPECT_EQ(stats.gemm_tunings, 0) << "bt " << st.bt << " again";
+    EXPECT_TRUE(BitIdentical(first, again)) << "bt " << st.bt;
+  }
+}
+
 // Reduction none with small upstream gradients (1e-5, as from a mean over many tokens done
 // by the caller) with fp16 inputs and fp32 gradients out: stored as rs (p - onehot), most
 // gradient elements would be fp16 subnormals or zero (below 6.1e-5), and dX would lose the

@@ -365,6 +365,37 @@ absl::Status Describe(const SpecT& g, LtDescriptors* desc) {
   return absl::OkStatus();
 }
 
+// Candidate `rank` (0 = the first choice) of cuBLASLt's heuristic for the described GEMM.
+absl::Status HeuristicAlgo(cublasLtHandle_t lt, const LtDescriptors& desc, int64_t m, int64_t n,
+                           int64_t k, int32_t rank, cublasLtMatmulAlgo_t* algo) {
+  const int wanted = std::max(rank, 0) + 1;
+  std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
+  int found = 0;
+  LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(
+      lt, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, wanted, results.data(), &found));
+  if (found == 0) {
+    return absl::InternalError(absl::StrCat("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=",
+                                            m, " n=", n, " k=", k));
+  }
+  if (found < wanted) {
+    return absl::NotFoundError(absl::StrCat("cublasLtMatmulAlgoGetHeuristic: ", found,
+                                            " algorithms for m=", m, " n=", n, " k=", k,
+                                            ", no rank ", rank));
+  }
+  *algo = results[wanted - 1].algo;
+  return absl::OkStatus();
+}
+
+// Whether cuBLASLt runs `algo` (chosen for another problem of the same tuning class) on this
+// exact problem within `ws_bytes` of workspace.
+bool Accepts(cublasLtHandle_t lt, const LtDescriptors& desc, const cublasLtMatmulAlgo_t& algo,
+             uint64_t ws_bytes) {
+  cublasLtMatmulHeuristicResult_t r{};
+  return cublasLtMatmulAlgoCheck(lt, desc.op, desc.a, desc.b, desc.d, desc.d, &algo, &r) ==
+             CUBLAS_STATUS_SUCCESS &&
+         r.workspaceSize <= ws_bytes;
+}
+
 // Destroys the timing events on every path out of TuneGemm.
 struct EventPair {
   cudaEvent_t start = nullptr, stop = nullptr;
@@ -396,6 +427,22 @@ FusedLoss::AlgoKey FusedLoss::KeyOf(const Spec& g, int32_t rank) {
                  rank};
 }
 
+int64_t TuneClass(int64_t x) {
+  if (x <= 64) return x;
+  int64_t octave = 64;
+  while (octave <= x / 2) octave *= 2;  // the power of two at or below x
+  const int64_t step = octave / 8;
+  return (x + step - 1) / step * step;
+}
+
+FusedLoss::AlgoKey FusedLoss::ClassOf(const Spec& g) {
+  Spec c = g;
+  c.m = TuneClass(g.m);
+  c.n = TuneClass(g.n);
+  c.k = TuneClass(g.k);
+  return KeyOf(c, 0);
+}
+
 absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, bool trans_a,
                              bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                              const void* a, int64_t lda, const void* b, int64_t ldb,
@@ -413,27 +460,27 @@ absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, cons
   LtDescriptors desc;
   LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
   const AlgoKey key = KeyOf(g, algo_rank);
+  cublasLtMatmulAlgo_t algo;
   auto it = algos_.find(key);
-  if (it == algos_.end()) {
-    const int wanted = std::max(algo_rank, 0) + 1;
-    std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
-    int found = 0;
-    LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(lt_, desc.op, desc.a, desc.b,
-                                                                desc.d, desc.d, desc.pref, wanted,
-                                                                results.data(), &found));
-    if (found == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", g.m, " n=", g.n, " k=", g.k));
+  if (it != algos_.end()) {
+    algo = it->second;
+  } else {
+    // A new exact problem: its class's tuned choice where cuBLASLt takes it for this problem,
+    // else the heuristic's. Both are the same on every call, so a problem that finds no room
+    // in algos_ still runs the same algorithm each time.
+    bool have = false;
+    if (algo_rank == 0 && autotune_) {
+      auto t = tuned_.find(ClassOf(g));
+      have = t != tuned_.end() && Accepts(lt_, desc, t->second, g.ws_bytes);
+      if (have) algo = t->second;
     }
-    if (found < wanted) {
-      return absl::NotFoundError(absl::StrCat("cublasLtMatmulAlgoGetHeuristic: ", found,
-                                              " algorithms for m=", g.m, " n=", g.n, " k=", g.k,
-                                              ", no rank ", algo_rank));
+    if (!have) {
+      LOSSD_CUDA_RETURN_IF_NOT_OK(HeuristicAlgo(lt_, desc, g.m, g.n, g.k, algo_rank, &algo));
     }
-    it = algos_.emplace(key, results[wanted - 1].algo).first;
+    if (algos_.size() < kMaxAlgoKeys) algos_.emplace(key, algo);
   }
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, desc.op, &alpha, g.a, desc.a, g.b, desc.b,
-                                              &g.beta, g.d, desc.d, g.d, desc.d, &it->second, ws,
+                                              &g.beta, g.d, desc.d, g.d, desc.d, &algo, ws,
                                               g.ws_bytes, stream));
   return absl::OkStatus();
 }
@@ -458,7 +505,7 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
                                                               kTuneCandidates, results.data(),
                                                               &found));
   if (found == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
+    return absl::InternalError(absl::StrCat(
         "cublasLtMatmulAlgoGetHeuristic: no algorithm for m=", g.m, " n=", g.n, " k=", g.k));
   }
   EventPair ev;
@@ -523,9 +570,14 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
     }
     best = cand[pick];
   }
+  // The choice for this exact problem (replacing an earlier one) and for its class, which
+  // other problems of the class take without being timed.
   const AlgoKey key = KeyOf(g, 0);
-  algos_[key] = results[best].algo;
-  tuned_.insert(key);
+  if (algos_.size() < kMaxAlgoKeys || algos_.count(key) != 0) algos_[key] = results[best].algo;
+  if (tuned_.size() < kMaxTunedClasses || tuned_.count(ClassOf(g)) != 0) {
+    tuned_[ClassOf(g)] = results[best].algo;
+  }
+  ++tunings_;
   return absl::OkStatus();
 }
 
@@ -538,7 +590,11 @@ absl::Status FusedLoss::RunOrTune(bool tuning, cudaStream_t stream, void* ws, ui
   const Spec g{ta,      tb,   m,  n,   k,      ap,       lda, bp,  ldb,
                ab_type, beta, dp, ldd, d_type, ws_bytes, sms, bias};
   if (!tuning) return RunSpec(stream, ws, alpha, g, rank);
-  if (rank != 0 || tuned_.count(KeyOf(g, 0)) != 0) return absl::OkStatus();
+  // Timed once per class, and no new class past the bound (its GEMMs take the heuristic's
+  // first choice).
+  if (rank != 0 || tuned_.count(ClassOf(g)) != 0 || tuned_.size() >= kMaxTunedClasses) {
+    return absl::OkStatus();
+  }
   return TuneSpec(main_, ws, alpha, g);
 }
 

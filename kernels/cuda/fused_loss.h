@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <set>
 #include <tuple>
 #include <vector>
 
@@ -131,6 +130,21 @@ enum class GemmRole : int32_t { kLogits = 0, kDx = 1, kDw = 2 };
 
 // How many of cuBLASLt's heuristic candidates autotuning times per GEMM.
 inline constexpr int kTuneCandidates = 8;
+// Bounds on what a FusedLoss remembers, whatever shapes its clients send: algorithm choices by
+// exact problem (past the bound a new shape asks the heuristic on every call instead, which
+// gives the same choice each time) and autotuned tuning classes (past the bound a new class
+// takes the heuristic's first choice, untimed).
+inline constexpr size_t kMaxAlgoKeys = 4096;
+inline constexpr size_t kMaxTunedClasses = 1024;
+
+// The size autotuning files a GEMM dimension under: itself up to 64, else rounded up to the
+// next of eight steps an octave (2048, 2304, ..., 3840, 4096, ...; at most 12.5% above it).
+// The chunk plan follows BT, so a trainer whose BT moves from step to step (unpadded batches)
+// makes new chunk GEMM shapes at every step; timing every one of them again cost each such
+// step the whole tuning pass. GEMMs whose dimensions fall in the same classes share one timed
+// choice, which cuBLASLt checks for each exact problem before it runs (bench/RESULTS.md,
+// "Autotuning a moving BT").
+int64_t TuneClass(int64_t x);
 // Bytes of cuBLASLt workspace per stream unless the plan says otherwise.
 inline constexpr uint64_t kGemmWorkspaceBytes = 4ull << 20;
 // Default budget for the chunk buffer plus GEMM workspaces.
@@ -221,7 +235,12 @@ class FusedLoss {
   // (bench/RESULTS.md). The choice is made once, so
   // a process stays deterministic; another process may choose differently (results then differ
   // at the rounding level). Off: the heuristic's first choice, the same in every process.
+  // The candidates are timed once per tuning class (TuneClass of m, n and k; the same types,
+  // strides, alignments and options), not per exact shape: a new BT within the classes already
+  // timed costs no tuning.
   void set_autotune(bool on) { autotune_ = on; }
+  // How many GEMM choices autotuning has timed and kept so far (for tests and benchmarks).
+  int64_t tunings() const { return tunings_; }
 
   // Times the candidates for this GEMM on `stream` with these very pointers and keeps the
   // fastest for its key (replacing an earlier choice); later Gemm calls with the same key (and
@@ -270,6 +289,8 @@ class FusedLoss {
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                              int64_t, int, int, int, uint64_t, int32_t, int32_t>;
   static AlgoKey KeyOf(const Spec& g, int32_t rank);
+  // KeyOf(g, 0) with m, n and k replaced by their TuneClass.
+  static AlgoKey ClassOf(const Spec& g);
 
   int device_ = 0;
   int sm_count_ = 0;
@@ -287,7 +308,9 @@ class FusedLoss {
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos_;
   std::array<int32_t, 3> algo_ranks_{};  // by GemmRole
   bool autotune_ = false;
-  std::set<AlgoKey> tuned_;  // keys whose algorithm TuneGemm chose
+  // Autotuned choices by tuning class (ClassOf), at most kMaxTunedClasses.
+  std::map<AlgoKey, cublasLtMatmulAlgo_t> tuned_;
+  int64_t tunings_ = 0;
 };
 
 }  // namespace cuda
