@@ -492,9 +492,9 @@ uint64_t CudaBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& ou
 absl::Status CudaBackend::Check(absl::Status s) {
   if (s.ok()) return s;
   if (absl::IsResourceExhausted(s) || absl::IsInvalidArgument(s) || absl::IsOutOfRange(s)) {
-    // Not a device fault, but a failed launch or copy (out of memory, an invalid value)
-    // leaves its error pending on this thread: cleared here, or the next request's first
-    // cudaGetLastError would report it and fail a request that did nothing wrong.
+    // Not a device fault (a refused request, or out of memory), but a failed allocation or
+    // launch leaves its error pending on this thread: cleared here, or the next request's
+    // first cudaGetLastError would report it and fail a request that did nothing wrong.
     cudaGetLastError();
     return s;
   }

@@ -1,5 +1,6 @@
 // Turns CUDA runtime and cuBLASLt return codes into absl::Status values that name the failed
-// call. Out-of-memory becomes RESOURCE_EXHAUSTED; nothing here aborts or throws.
+// call. Out-of-memory becomes RESOURCE_EXHAUSTED, no usable GPU UNAVAILABLE, anything else
+// INTERNAL; nothing here aborts or throws.
 #ifndef LOSSD_KERNELS_CUDA_CUDA_STATUS_H_
 #define LOSSD_KERNELS_CUDA_CUDA_STATUS_H_
 
@@ -45,9 +46,9 @@ inline absl::Status CudaStatus(cudaError_t e, absl::string_view call) {
   std::string msg = absl::StrCat(call, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
   if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
   if (IsNoGpuError(e)) return absl::UnavailableError(msg);
-  if (e == cudaErrorInvalidValue || e == cudaErrorInvalidConfiguration) {
-    return absl::InvalidArgumentError(msg);
-  }
+  // An invalid value or launch configuration is not the client's: every request is validated
+  // before it reaches the device, so a CUDA call that refuses its arguments is lossd's fault,
+  // and INVALID_ARGUMENT would tell the client to change a request that is fine.
   return absl::InternalError(msg);
 }
 
@@ -56,9 +57,7 @@ inline absl::Status CublasStatus(cublasStatus_t s, absl::string_view call) {
   std::string msg = absl::StrCat(call, ": cuBLAS status ", static_cast<int>(s), " (",
                                  cublasLtGetStatusName(s), ": ", cublasLtGetStatusString(s), ")");
   if (s == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(msg);
-  if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_INVALID_VALUE) {
-    return absl::InvalidArgumentError(msg);
-  }
+  // As for CUDA: an unsupported or invalid GEMM description comes from lossd's own code.
   return absl::InternalError(msg);
 }
 
