@@ -457,6 +457,15 @@ TEST_F(BadInputTest, OptionsOutOfRange) {
   Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
          "options.grad_scale 0.5 applies to reduction mean and sum; with reduction none scale "
          "grad_output");
+  // A chunk plan of more chunks than a compute should hold the device for, refused at the
+  // header (its shapes alone), before any tensor bytes.
+  h = HeaderFor(rp);
+  h.mutable_options()->set_chunk_rows(2);
+  h.mutable_x()->set_shape(0, 10000);
+  h.mutable_targets()->set_shape(0, 10000);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "options.chunk_rows 2 splits BT=10000 rows into 5000 chunks; at most 4096 are served "
+         "(chunk_rows >= 3 here, or 0 to let the server choose)");
   h = HeaderFor(rp);
   h.mutable_options()->set_grad_dtype(static_cast<v1::DType>(77));
   Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,

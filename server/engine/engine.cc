@@ -476,6 +476,15 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.chunk_rows must be >= 0 (0 = automatic), got ", o.chunk_rows));
   }
+  if (o.chunk_rows > 0 && (plan.bt + o.chunk_rows - 1) / o.chunk_rows > kMaxRequestedChunks) {
+    // Each chunk is a few GEMMs and kernel launches, and a running compute cannot be
+    // cancelled: a million one-row chunks would hold the device for most of a minute.
+    const int64_t least = (plan.bt + kMaxRequestedChunks - 1) / kMaxRequestedChunks;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.chunk_rows ", o.chunk_rows, " splits BT=", plan.bt, " rows into ",
+        (plan.bt + o.chunk_rows - 1) / o.chunk_rows, " chunks; at most ", kMaxRequestedChunks,
+        " are served (chunk_rows >= ", least, " here, or 0 to let the server choose)"));
+  }
   plan.options = o;
   plan.wanted = spec.wanted;
   plan.grad_dtype = spec.grad_fp32 ? DType::kF32 : plan.dtype;

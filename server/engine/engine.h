@@ -258,6 +258,9 @@ class Engine {
   // first: a stripe that arrives after its upload ended is refused instead of starting a
   // fresh upload under the same id (which would hold a reservation no one completes).
   static constexpr size_t kEndedUploadsKept = 4096;
+  // At most this many chunks for a client's options.chunk_rows (the backends' own plans stay
+  // far below it).
+  static constexpr int64_t kMaxRequestedChunks = 4096;
   RecentKeys<bool> ended_ ABSL_GUARDED_BY(uploads_mu_){kEndedUploadsKept};
   Executor executor_;  // last: joined first, while everything above is alive
 };
