@@ -314,6 +314,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       s->set_preliminary(true);
     }
     s->set_backend(engine_->backend_info().name);
+    s->set_instance(service_->options().instance);
     for (const OutputDesc& d : plan_->outputs) {
       s->add_tensors(OutputSlotToWire(d.slot));
       *s->add_specs() = TensorSpecToWire(d.dtype, d.shape);
@@ -877,6 +878,12 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
     // The host copy of the range comes out of the memory budget like a Compute's buffers:
     // fetches in parallel wait for memory instead of running the host out of it.
     Engine* engine = service_->engine();
+    s = engine->CheckAccumulatorInstance(request.accumulator_instance(), name_,
+                                         "accumulator_instance");
+    if (!s.ok()) {
+      FinishOnce(s);
+      return;
+    }
     auto range = engine->CheckFetch(name_, reset_, range_begin_, range_end_);
     if (!range.ok()) {
       FinishOnce(range.status());

@@ -110,6 +110,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.wanted.accuracy = w.accuracy();
   spec.wanted.predictions = w.predictions();
   spec.accumulator = h.accumulator();
+  spec.accumulator_instance = h.accumulator_instance();
   return spec;
 }
 

@@ -491,6 +491,62 @@ TEST_F(BadInputTest, AccumulatorShapeMismatch) {
          "request has (V=100, H=31)");
 }
 
+// An accumulator belongs to one server instance. A Compute or fetch that names the instance
+// it expects is refused by any other (another replica, a restarted server) before anything is
+// added or reset, and the sum it expected stays whole where it is.
+TEST_F(BadInputTest, AccumulatorOfAnotherServerInstance) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.set_accumulator("instance-check");
+  ComputeReply first = RunCompute(h_->stub(), h, PartsFor(rp, 1 << 20));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  const std::string instance = first.summary.instance();
+  ASSERT_FALSE(instance.empty());
+  h.set_accumulator_instance(instance);
+  ComputeReply second = RunCompute(h_->stub(), h, PartsFor(rp, 1 << 20));
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(second.summary.accumulated_micro_batches(), 2u);
+  EXPECT_EQ(second.summary.instance(), instance);
+
+  h.set_accumulator_instance("elsewhere-7");
+  const std::string refused = "header.accumulator_instance 'elsewhere-7' is not this server "
+                              "(instance '" + instance + "'): accumulator 'instance-check' "
+                              "began on another server instance";
+  Expect(RunCompute(h_->stub(), h, PartsFor(rp, 1 << 20)),
+         grpc::StatusCode::FAILED_PRECONDITION, refused);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::FAILED_PRECONDITION, refused);
+  v1::ComputeHeader bare = HeaderFor(rp);
+  bare.set_accumulator_instance(instance);
+  Expect(RunCompute(h_->stub(), bare, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "header.accumulator_instance is set but header.accumulator is not");
+
+  // A reset fetch expecting another instance is refused and resets nothing.
+  auto fetch = [&](const std::string& expect, bool reset, v1::GradientsHeader* header) {
+    grpc::ClientContext ctx;
+    v1::FetchGradientsRequest fr;
+    fr.set_accumulator("instance-check");
+    fr.set_reset(reset);
+    fr.set_accumulator_instance(expect);
+    auto reader = h_->stub().FetchGradients(&ctx, fr);
+    v1::FetchGradientsResponse msg;
+    while (reader->Read(&msg)) {
+      if (msg.has_header()) *header = msg.header();
+    }
+    return reader->Finish();
+  };
+  v1::GradientsHeader header;
+  grpc::Status st = fetch("elsewhere-7", true, &header);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(st.error_message().find("accumulator_instance 'elsewhere-7' is not this server"),
+            std::string::npos)
+      << st.error_message();
+  st = fetch(instance, false, &header);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(header.micro_batches(), 2u);  // the two Computes above, and nothing more
+  EXPECT_EQ(header.instance(), instance);
+  ExpectServes(*h_);
+}
+
 TEST(AccumulatorLimitTest, ANewAccumulatorOverTheLimitsIsRefusedAtTheHeader) {
   HarnessOptions o;
   o.engine.max_accumulators = 1;

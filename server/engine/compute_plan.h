@@ -43,6 +43,7 @@ struct ComputeSpec {
   bool grad_fp32 = false;             // gradients in fp32 instead of the input dtype
   WantedOutputs wanted;
   std::string accumulator;            // add dW/db into this accumulator instead of returning
+  std::string accumulator_instance;   // the instance it must live on; empty = any
 };
 
 struct OutputDesc {

@@ -489,8 +489,16 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   plan.wanted = spec.wanted;
   plan.grad_dtype = spec.grad_fp32 ? DType::kF32 : plan.dtype;
 
+  if (spec.accumulator.empty() && !spec.accumulator_instance.empty()) {
+    return absl::InvalidArgumentError(
+        "header.accumulator_instance is set but header.accumulator is not: the instance is "
+        "checked for a named accumulator only");
+  }
   if (!spec.accumulator.empty()) {
     s = ValidateAccumulatorName(spec.accumulator, "header.accumulator");
+    if (!s.ok()) return s;
+    s = CheckAccumulatorInstance(spec.accumulator_instance, spec.accumulator,
+                                 "header.accumulator_instance");
     if (!s.ok()) return s;
     // Refused now rather than after every byte of X and W has arrived.
     s = accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias);
@@ -894,6 +902,18 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> FetchRangeOf(const Accumulator& ac
 }
 
 }  // namespace
+
+absl::Status Engine::CheckAccumulatorInstance(const std::string& expected,
+                                              const std::string& name,
+                                              absl::string_view field) const {
+  if (expected.empty() || expected == options_.instance) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      field, " '", expected, "' is not this server (instance '", options_.instance,
+      "'): accumulator '", name, "' began on another server instance (another replica, or "
+      "this server before a restart, which lost its accumulators), and nothing of it is here. "
+      "Keep a trainer's calls on one replica; after a restart drop the accumulator and start "
+      "its sum again"));
+}
 
 absl::StatusOr<std::pair<uint64_t, uint64_t>> Engine::CheckFetch(const std::string& name,
                                                                  bool reset, uint64_t begin,

@@ -209,6 +209,13 @@ class Engine {
   void FailStripedUpload(const std::string& owner, const std::string& upload_id,
                          const absl::Status& why);
 
+  // OK when `expected` (a request's accumulator_instance, named `field`) is empty or this
+  // server's instance; else FAILED_PRECONDITION: accumulator `name` began on another server
+  // instance (another replica, or this server before a restart), so adding to or reading the
+  // one of that name here would be a second, partial sum.
+  absl::Status CheckAccumulatorInstance(const std::string& expected, const std::string& name,
+                                        absl::string_view field) const;
+
   // Checks a fetch of the bytes [begin, end) of an accumulator's dW | db (0, 0 = all of it;
   // `reset`: whole fetches only) and returns the range with (0, 0) resolved: the bytes the
   // fetch's host copy takes, which the caller reserves in the memory budget first.
