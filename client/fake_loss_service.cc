@@ -45,6 +45,16 @@ grpc::Status FakeLossService::Compute(
         it == ctx->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size());
   }
   if (mode == Mode::kError) return grpc::Status(error_code, error_message);
+  std::string instance_now;
+  {
+    absl::MutexLock lock(&mu);
+    instance_now = instance;
+  }
+  if (!h.accumulator_instance().empty() && h.accumulator_instance() != instance_now) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("header.accumulator_instance '", h.accumulator_instance(),
+                                     "' is not this server (instance '", instance_now, "')"));
+  }
   Assembler in;
   while (stream->Read(&req)) {
     if (!req.has_part()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no part");
@@ -109,6 +119,7 @@ grpc::Status FakeLossService::Compute(
   s->set_tokens(tokens);
   s->set_compute_seconds(0.5);
   s->set_backend("fake");
+  s->set_instance(instance_now);
   std::vector<std::pair<int, std::string>> outs;
   auto announce = [&](int id, v1::DType dtype, std::vector<int64_t> shape, std::string bytes) {
     s->add_tensors(static_cast<v1::TensorId>(id));
@@ -162,6 +173,7 @@ grpc::Status FakeLossService::Compute(
     *p->mutable_tensors() = s->tensors();
     *p->mutable_specs() = s->specs();
     p->set_backend(s->backend());
+    p->set_instance(s->instance());
     p->set_preliminary(true);
     stream->Write(preliminary);
   } else {
@@ -229,8 +241,15 @@ grpc::Status FakeLossService::FetchGradients(
     grpc::ServerContext*, const v1::FetchGradientsRequest* req,
     grpc::ServerWriter<v1::FetchGradientsResponse>* writer) {
   Accumulator a;
+  std::string instance_now;
   {
     absl::MutexLock lock(&mu);
+    instance_now = instance;
+    if (!req->accumulator_instance().empty() && req->accumulator_instance() != instance) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("accumulator_instance '", req->accumulator_instance(),
+                                       "' is not this server (instance '", instance, "')"));
+    }
     auto it = accumulators.find(req->accumulator());
     if (it == accumulators.end()) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND,
@@ -250,7 +269,7 @@ grpc::Status FakeLossService::FetchGradients(
   }
   g->set_micro_batches(a.micro_batches);
   g->set_tokens(a.tokens);
-  g->set_instance("fake-instance");
+  g->set_instance(instance_now);
   writer->Write(head);
   std::string dw(a.v * a.h * 4, '\0');
   for (int64_t i = 0; i < a.v * a.h; ++i) {

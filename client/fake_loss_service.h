@@ -82,6 +82,9 @@ class FakeLossService final : public v1::Loss::Service {
     int64_t tokens = 0;
   };
   std::map<std::string, Accumulator> accumulators ABSL_GUARDED_BY(mu);
+  // The fake's server instance; a Compute or fetch naming another accumulator_instance is
+  // refused with FAILED_PRECONDITION, as lossd does. Change it to play a restart.
+  std::string instance ABSL_GUARDED_BY(mu) = "fake-instance";
 
   grpc::Status Compute(
       grpc::ServerContext* ctx,

@@ -1013,6 +1013,7 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   want->set_accuracy(r.want.accuracy);
   want->set_predictions(r.want.predictions);
   h->set_accumulator(r.accumulator);
+  if (!r.accumulator.empty()) h->set_accumulator_instance(AccumulatorInstance(r.accumulator));
   h->set_response_part_bytes(options_.response_part_bytes);
   const bool overlap = r.overlap.value_or(options_.overlap);
   h->set_overlap(overlap);
@@ -1102,6 +1103,7 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     result.tokens = s.tokens();
     result.compute_seconds = s.compute_seconds();
     result.backend = s.backend();
+    result.instance = s.instance();
     result.accumulated_micro_batches = s.accumulated_micro_batches();
     if (have_summary) return absl::OkStatus();
     have_summary = true;
@@ -1142,7 +1144,27 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   }
   result.bytes_received = receiver.bytes();
   result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!r.accumulator.empty() && !result.instance.empty()) {
+    // The sum's home from its first Compute on: later calls ask for the same instance.
+    absl::MutexLock lock(&instances_mu_);
+    if (accumulator_instances_.count(r.accumulator) == 0 &&
+        accumulator_instances_.size() >= kRememberedAccumulators) {
+      auto oldest = accumulator_instances_.begin();
+      for (auto it = oldest; it != accumulator_instances_.end(); ++it) {
+        if (it->second.second < oldest->second.second) oldest = it;
+      }
+      accumulator_instances_.erase(oldest);
+    }
+    accumulator_instances_.emplace(r.accumulator,
+                                   std::make_pair(result.instance, instances_seen_++));
+  }
   return result;
+}
+
+std::string LossClient::AccumulatorInstance(const std::string& accumulator) const {
+  absl::MutexLock lock(&instances_mu_);
+  auto it = accumulator_instances_.find(accumulator);
+  return it == accumulator_instances_.end() ? std::string() : it->second.first;
 }
 
 namespace {
@@ -1255,9 +1277,11 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
                                                                 bool reset,
                                                                 const CallOptions& call) {
   auto prepare = [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); };
+  const std::string instance = AccumulatorInstance(accumulator);
   auto request = [&](bool reset_it, uint64_t begin, uint64_t end) {
     v1::FetchGradientsRequest req;
     req.set_accumulator(accumulator);
+    req.set_accumulator_instance(instance);
     req.set_reset(reset_it);
     req.set_response_part_bytes(options_.response_part_bytes);
     req.set_range_begin(begin);
@@ -1331,6 +1355,10 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
 }
 
 absl::Status LossClient::DropAccumulator(const std::string& accumulator, const CallOptions& call) {
+  {
+    absl::MutexLock lock(&instances_mu_);
+    accumulator_instances_.erase(accumulator);
+  }
   v1::DropAccumulatorRequest req;
   req.set_accumulator(accumulator);
   v1::DropAccumulatorResponse resp;

@@ -28,7 +28,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/host_tensor.h"
 #include "kernels/dtype.h"
@@ -134,6 +136,10 @@ struct ComputeRequest {
   std::optional<DType> grad_dtype;          // nullopt = x's dtype; else kF32 (or x's dtype)
   WantedOutputs want;
   // When set, dW (and db) are added into this server-side fp32 accumulator, not returned.
+  // The client remembers the server instance of each accumulator it has added to, and a
+  // server of another instance (another replica behind a balancer that spread this client's
+  // connections, or the same server restarted) refuses the call with FAILED_PRECONDITION
+  // instead of starting a second, partial sum; DropAccumulator forgets it.
   std::string accumulator;
   std::map<OutputTensor, OutputBuffer> output_into;
   // nullopt = ClientOptions::overlap.
@@ -147,6 +153,7 @@ struct ComputeResult {
   int64_t tokens = 0;            // non-ignored tokens
   double compute_seconds = 0.0;  // server-side compute time
   std::string backend;
+  std::string instance;  // the server instance that computed
   uint64_t accumulated_micro_batches = 0;
   // Returned tensors, as the server listed them. Those with an output_into buffer are
   // mutable views of it; the rest own their bytes.
@@ -227,8 +234,12 @@ class LossClient {
   // naming it creates it again, zeroed, and until then fetching it is NOT_FOUND rather than
   // zeros. A Compute adding to the accumulator while a striped reset is under way may be
   // lost with it; a whole fetch resets atomically.
+  // A fetch of an accumulator this client has added to names its instance: another server
+  // instance refuses it (FAILED_PRECONDITION) and resets nothing.
   absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator, bool reset,
                                                       const CallOptions& call = {});
+  // Also forgets the accumulator's instance, whatever the server answers: the next Compute
+  // into that name may begin a new sum on any server.
   absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
   absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});
 
@@ -246,10 +257,20 @@ class LossClient {
   absl::StatusOr<PutWeightsResult> PutWeightsStriped(const HostTensor& w, const HostTensor* bias,
                                                      int stripes, const CallOptions& call);
   void PrepareContext(const CallOptions& call, grpc::ClientContext* ctx) const;
+  // The server instance an accumulator's sum is on ("" before the first Compute into it).
+  std::string AccumulatorInstance(const std::string& accumulator) const;
 
   ClientOptions options_;
   std::vector<std::unique_ptr<Connection>> connections_;
   std::atomic<uint64_t> next_{0};
+  // Accumulator name -> (instance, when it was first seen); at most kRememberedAccumulators
+  // (a trainer that names a new accumulator every step and never drops them would otherwise
+  // grow it forever), the longest-known forgotten first.
+  static constexpr size_t kRememberedAccumulators = 1024;
+  mutable absl::Mutex instances_mu_;
+  std::map<std::string, std::pair<std::string, uint64_t>> accumulator_instances_
+      ABSL_GUARDED_BY(instances_mu_);
+  uint64_t instances_seen_ ABSL_GUARDED_BY(instances_mu_) = 0;
 };
 
 // Sets glibc's malloc to keep multi-MiB blocks instead of returning them to the kernel after

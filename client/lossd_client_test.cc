@@ -554,6 +554,50 @@ TEST_F(LossClientTest, AccumulateThenFetchGradients) {
   EXPECT_EQ(gone.status().message(), "no accumulator 'step-1'");
 }
 
+// The client keeps an accumulator's sum on the server instance that began it: later Computes
+// and fetches name that instance, so a restarted server (here: the fake's instance changed)
+// refuses them instead of starting a second sum; DropAccumulator lets a new sum begin.
+TEST_F(LossClientTest, AnAccumulatorStaysOnTheInstanceThatBeganIt) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest(6, 40, 25);
+  r.accumulator = "step-7";
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->instance, "fake-instance");
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.accumulator_instance(), "");  // nothing known yet
+  }
+  res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.accumulator_instance(), "fake-instance");
+    fake_.instance = "fake-restarted";
+  }
+  res = client->Compute(r);
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kFailedPrecondition) << res.status();
+  EXPECT_THAT(res.status().message(), HasSubstr("'fake-instance' is not this server"));
+  absl::StatusOr<FetchGradientsResult> g = client->FetchGradients("step-7", /*reset=*/true);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
+  // Another accumulator is not held back by this one.
+  ComputeRequest other = r;
+  other.accumulator = "step-8";
+  ASSERT_TRUE(client->Compute(other).ok());
+  // Dropping forgets the instance: a new sum begins on the server there is now.
+  (void)client->DropAccumulator("step-7");
+  res = client->Compute(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->instance, "fake-restarted");
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.accumulator_instance(), "");
+  }
+  g = client->FetchGradients("step-7", /*reset=*/false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->instance, "fake-restarted");
+}
+
 TEST_F(LossClientTest, ServerInfo) {
   auto client = Client(Options());
   absl::StatusOr<ServerInfoResult> info = client->ServerInfo();
