@@ -6,6 +6,7 @@ offsets, sizes) and raises a LossdError subclass for any failure. It never conve
 behind the caller's back: bf16 travels as bf16 (see lossd.tensors.BF16Array).
 """
 
+import collections
 import dataclasses
 import itertools
 import secrets
@@ -34,6 +35,7 @@ DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_AUTO_STRIPE_BYTES = 64 << 20
 DEFAULT_MAX_STRIPES = 4
 _MAX_STRIPES = 64  # the server's limit per upload
+_REMEMBERED_ACCUMULATORS = 1024  # accumulator instances a client keeps (see _acc_instances)
 # After a stripe hears ABORTED (the server aborted the whole upload and tells every stripe),
 # how long the others may take to report before they are cancelled: the stripe that caused the
 # abort is then heard with its own error.
@@ -66,6 +68,7 @@ class ComputeResult:
     wall_seconds: float = 0.0  # client-side, the whole call
     bytes_sent: int = 0  # tensor data bytes
     bytes_received: int = 0  # tensor data bytes
+    instance: str = ""  # the server instance that computed
     dx: Any = None  # (BT, H) grad dtype
     dw: Any = None  # (V, H) grad dtype
     db: Any = None  # (V) grad dtype
@@ -472,6 +475,11 @@ class Client:
         self._stubs = [pb_grpc.LossStub(c) for c in channels]
         self._next = itertools.count()
         self._next_lock = threading.Lock()
+        # Accumulator name -> the server instance its sum began on (at most
+        # _REMEMBERED_ACCUMULATORS, the longest-known forgotten first): later computes and
+        # fetches name it, and a server of another instance refuses them.
+        self._acc_instances = collections.OrderedDict()
+        self._acc_lock = threading.Lock()
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -499,6 +507,18 @@ class Client:
             for _ in range(n - 1):
                 next(self._next)
         return [self._stubs[(first + i) % len(self._stubs)] for i in range(n)]
+
+    def _acc_instance(self, accumulator):
+        with self._acc_lock:
+            return self._acc_instances.get(accumulator, "")
+
+    def _remember_instance(self, accumulator, instance):
+        with self._acc_lock:
+            if accumulator in self._acc_instances or not instance:
+                return
+            if len(self._acc_instances) >= _REMEMBERED_ACCUMULATORS:
+                self._acc_instances.popitem(last=False)
+            self._acc_instances[accumulator] = instance
 
     def _stripes_for(self, nbytes):
         if self.stripes > 0:
@@ -655,7 +675,8 @@ class Client:
             if got is not None:
                 return got
         req = pb.FetchGradientsRequest(accumulator=accumulator, reset=reset,
-                                       response_part_bytes=int(rpb))
+                                       response_part_bytes=int(rpb),
+                                       accumulator_instance=self._acc_instance(accumulator))
         asm = _Assembler("FetchGradients")
         header = None
         try:
@@ -684,7 +705,8 @@ class Client:
     def _fetch_range(self, stub, accumulator, begin, end, rpb, kw, on_header, group=None, i=0):
         """One ranged FetchGradients stream; on_header(header) returns a _RangeReceiver."""
         req = pb.FetchGradientsRequest(accumulator=accumulator, response_part_bytes=rpb,
-                                       range_begin=begin, range_end=end)
+                                       range_begin=begin, range_end=end,
+                                       accumulator_instance=self._acc_instance(accumulator))
         header, recv, db_bytes, call = None, None, 0, None
         try:
             call = stub.FetchGradients(req, **kw)
@@ -761,6 +783,10 @@ class Client:
                          instance=look.instance, stripes=stripes)
 
     def drop_accumulator(self, accumulator, *, timeout=None):
+        """Drops a server-side accumulator. Also forgets its server instance, whatever the
+        server answers: the next compute into that name may begin a new sum anywhere."""
+        with self._acc_lock:
+            self._acc_instances.pop(accumulator, None)
         try:
             self._stub.DropAccumulator(pb.DropAccumulatorRequest(accumulator=accumulator),
                                        **self._call_kwargs(timeout))
@@ -787,7 +813,11 @@ class Client:
         chunk_rows: rows per chunk, 0 = the server chooses.
         want_*: which outputs to return (the loss always is). want_db defaults to "a bias is
           in use". With `accumulator`, dW and db are added to that server-side fp32
-          accumulator (created on first use) instead of being returned.
+          accumulator (created on first use) instead of being returned. The client remembers
+          the server instance of each accumulator it added to: a server of another instance
+          (another replica behind a balancer, or this one restarted) then refuses the call
+          (FailedPreconditionError) instead of starting a second, partial sum;
+          drop_accumulator forgets it.
         out: {"dx": array, "dw": ..., "lse": ...} caller buffers (C-contiguous, writable, of
           the output's exact dtype and shape; a BF16Array or uint16 array for bf16) to
           receive outputs into without a copy; the result then holds those same arrays. A
@@ -863,6 +893,7 @@ class Client:
         outs.predictions = bool(want_predictions)
         if accumulator:
             header.accumulator = accumulator
+            header.accumulator_instance = self._acc_instance(accumulator)
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         header.response_part_bytes = int(rpb)
         overlapped = self.overlap if overlap is None else bool(overlap)
@@ -952,7 +983,9 @@ class Client:
                             backend=summary.backend,
                             accumulated_micro_batches=summary.accumulated_micro_batches,
                             wall_seconds=time.perf_counter() - t_start, bytes_sent=bytes_sent,
-                            bytes_received=asm.received)
+                            bytes_received=asm.received, instance=summary.instance)
+        if accumulator:
+            self._remember_instance(accumulator, summary.instance)
         for tid, value in tensors.items():
             name = _OUTPUT_NAMES.get(tid)
             if name is None:
