@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/kernel/bench_util.h"
+#include "bench/kernel/gpu_energy.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/fused_loss.h"
@@ -67,6 +68,11 @@ ABSL_FLAG(std::string, bt_sweep, "",
           "HxV:BT,BT,...: also time the fused op (autotuned, default budget) on a fresh engine "
           "at each BT in turn, as a trainer with a moving BT calls it: the first call (with "
           "whatever tuning it does) against the median of the calls after it");
+ABSL_FLAG(double, energy_seconds, 0,
+          "> 0: also measure the energy (NVML's counter) of the floor, the tuned floor, the "
+          "fused op, the chunked GEMMs alone, the CE kernels alone and a device copy of the CE's "
+          "bytes, each run back to back for this many seconds after as long a warm-up, at the "
+          "first budget and schedule of each shape");
 ABSL_FLAG(int, algo_sweep, 0,
           "> 0: also time each GEMM of the floor and of the first budget's chunks alone at "
           "heuristic ranks 0..N-1 and workspaces 4 and 32 MiB (which algorithm pays)");
@@ -171,6 +177,49 @@ int TimeMs(cudaStream_t stream, int warmup, int runs, std::function<absl::Status
   std::vector<double> ms;
   if (TimeRoundsMs(stream, warmup, runs, {std::move(body)}, &ms)) return 1;
   *median_ms = ms[0];
+  return 0;
+}
+
+// The board's energy counter when --energy_seconds asks for it (Main opens it).
+GpuEnergy* g_meter = nullptr;
+
+// `body` back to back for about --energy_seconds, after as long a warm-up so the board has
+// settled at its power cap: milliseconds and joules per run and the mean power, printed as
+// one line named `what`. Batches of about 50 ms are enqueued between synchronisations, so the
+// GPU never waits for the host.
+int MeasureEnergy(cudaStream_t stream, const std::string& what,
+                  const std::function<absl::Status()>& body) {
+  if (g_meter == nullptr) return 0;
+  const double seconds = absl::GetFlag(FLAGS_energy_seconds);
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  absl::Time t = absl::Now();
+  BENCH_CHECK_OK(body());
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  const double one_ms = std::max(1e-3, absl::ToDoubleMilliseconds(absl::Now() - t));
+  const int64_t batch = std::max<int64_t>(1, static_cast<int64_t>(50.0 / one_ms));
+  auto run_for = [&](double s, int64_t* runs) -> int {
+    const absl::Time end = absl::Now() + absl::Seconds(s);
+    while (absl::Now() < end) {
+      for (int64_t i = 0; i < batch; ++i) BENCH_CHECK_OK(body());
+      BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+      *runs += batch;
+    }
+    return 0;
+  };
+  int64_t runs = 0;
+  if (run_for(seconds, &runs)) return 1;  // warm-up
+  runs = 0;
+  uint64_t e0 = 0, e1 = 0;
+  if (!g_meter->Read(&e0)) return 1;
+  t = absl::Now();
+  if (run_for(seconds, &runs)) return 1;
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - t);
+  if (!g_meter->Read(&e1)) return 1;
+  const double joules = static_cast<double>(e1 - e0) * 1e-3;
+  std::printf("energy %s: %.3f ms/run at %.0f W = %.4f J/run (%lld runs in %.1f s)\n",
+              what.c_str(), elapsed * 1e3 / runs, joules / elapsed, joules / runs,
+              static_cast<long long>(runs), elapsed);
+  std::fflush(stdout);
   return 0;
 }
 
@@ -306,6 +355,24 @@ int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int
   BENCH_CHECK_OK(engine.Gemm(stream, gws, gws_bytes, true, false, v, std::min(chunk_rows, bt), h,
                              1.0f, w, h, x, h, CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
   if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
+  const std::string shape = absl::StrFormat("%dx%dx%d", bt, h, v);
+  if (MeasureEnergy(stream, shape + " CE kernels alone (one-read)", ce_only)) return 1;
+  if (g_meter != nullptr) {
+    // What moving the CE's bytes costs at the least: a device copy of the same logits, read
+    // and written once, chunk by chunk.
+    void* dst = nullptr;
+    BENCH_CHECK_CUDA(cudaMalloc(&dst, static_cast<size_t>(std::min(chunk_rows, bt)) * v * 2));
+    auto copy = [&]() -> absl::Status {
+      for (int64_t c0 = 0; c0 < bt; c0 += chunk_rows) {
+        const size_t n = static_cast<size_t>(std::min(chunk_rows, bt - c0)) * v * 2;
+        const cudaError_t e = cudaMemcpyAsync(dst, z, n, cudaMemcpyDeviceToDevice, stream);
+        if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
+      }
+      return absl::OkStatus();
+    };
+    if (MeasureEnergy(stream, shape + " device copy of the CE's bytes", copy)) return 1;
+    BENCH_CHECK_CUDA(cudaFree(dst));
+  }
   two_pass = true;
   if (TimeMs(stream, 1, runs, ce_only, &row->ce_two_pass_ms)) return 1;
   two_pass = false;
@@ -540,6 +607,16 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
       };
       if (TimeMs(stream, warmup, runs, gemms, &f.gemms_ms)) return 1;
       if (run == 0) row->gemms_ms = f.gemms_ms;
+      if (run == 0 && g_meter != nullptr) {
+        const std::string shape = absl::StrFormat("%dx%dx%d", bt, h, v);
+        if (MeasureEnergy(stream, shape + " floor", floor) ||
+            MeasureEnergy(stream, shape + " tuned floor", tuned_floor) ||
+            MeasureEnergy(stream, absl::StrFormat("%s fused op (C=%d)", shape, plan.chunk_rows),
+                          fused) ||
+            MeasureEnergy(stream, shape + " chunked GEMMs alone", gemms)) {
+          return 1;
+        }
+      }
       if (run == 0 && TimeCrossEntropy(engine, a, bt, h, v, plan.chunk_rows, w, x, z, gws,
                                        plan.gemm_workspace_bytes, row)) {
         return 1;
@@ -761,6 +838,15 @@ int Main() {
         if (sms > 0) schedules.push_back({1, sms});
       }
     }
+  }
+  std::unique_ptr<GpuEnergy> meter;
+  if (absl::GetFlag(FLAGS_energy_seconds) > 0) {
+    meter = GpuEnergy::Open(0);
+    if (meter == nullptr) {
+      std::fprintf(stderr, "--energy_seconds: NVML's energy counter is not available here\n");
+      return 1;
+    }
+    g_meter = meter.get();
   }
   auto engine = cuda::FusedLoss::Create(0);
   // A second engine for the floor with cuBLASLt's first choices: its algorithm cache is never
