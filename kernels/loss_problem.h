@@ -12,12 +12,25 @@
 #ifndef LOSSD_KERNELS_LOSS_PROBLEM_H_
 #define LOSSD_KERNELS_LOSS_PROBLEM_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "kernels/dtype.h"
 
 namespace lossd {
+
+// 2^e for max = f 2^e, f in [0.5, 1): the power of two just above a positive finite max (1
+// otherwise). The backends take it out of the stored gradient G (into their GEMMs' alpha):
+// scaling by it is exact, so bf16 and fp32 storage give the same bits, while an fp16 G keeps
+// its precision whatever the scale of the mean, the upstream gradient or the class weights.
+inline double PowerOfTwoAbove(double max) {
+  if (!(max > 0) || !std::isfinite(max)) return 1.0;
+  int e = 0;
+  std::frexp(max, &e);
+  return std::ldexp(1.0, std::clamp(e, -100, 100));
+}
 
 enum class Reduction : int32_t { kMean = 0, kSum = 1, kNone = 2 };
 

@@ -207,7 +207,7 @@ constexpr int64_t kConvertBlock = 1 << 16;  // elements per conversion task
 // many-row kernels; computing it as two identical rows keeps every row's result independent
 // of how rows are grouped into calls, so the chunk size never changes z or dX.
 void GemmRows(bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-              const float* b, int64_t ldb, float* c, int64_t ldc) {
+              const float* b, int64_t ldb, float* c, int64_t ldc, float alpha = 1.0f) {
   const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
   std::unique_ptr<float[]> a2, c2;
   if (m == 1) {
@@ -215,12 +215,12 @@ void GemmRows(bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int
     c2.reset(new (std::nothrow) float[2 * n]);
   }
   if (a2 == nullptr || c2 == nullptr) {  // m > 1, or (out of memory) the one-row path
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
     return;
   }
   std::memcpy(a2.get(), a, k * sizeof(float));
   std::memcpy(a2.get() + k, a, k * sizeof(float));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, 2, n, k, 1.0f, a2.get(), k, b, ldb, 0.0f,
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, tb, 2, n, k, alpha, a2.get(), k, b, ldb, 0.0f,
               c2.get(), n);
   std::memcpy(c, c2.get(), n * sizeof(float));
 }
@@ -674,6 +674,25 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     ce_scale = weight_sum != 0 ? o.grad_scale / weight_sum : 0.0;
     z_scale = tokens != 0 ? o.grad_scale / static_cast<double>(tokens) : 0.0;
   }
+  // The stored G would carry the whole scale (1/N for a mean over N tokens, the upstream
+  // gradient, the class weights' size), and in fp16 a mean over a few thousand tokens puts
+  // it among the subnormals, where it keeps a few bits. A power of two near that scale
+  // leaves the stored G for the GEMMs' alpha instead: exact, so bf16 and fp32 results keep
+  // their bits, and fp16 keeps its precision (as the CUDA backend does).
+  double max_scale = std::abs(ce_scale);
+  if (o.reduction == Reduction::kNone) {
+    max_scale = p.grad_output != nullptr ? 0.0 : 1.0;
+    for (int64_t i = 0; i < bt && p.grad_output != nullptr; ++i) {
+      if (targets[i] >= 0) max_scale = std::max(max_scale, std::abs(double{p.grad_output[i]}));
+    }
+  }
+  double max_cw = 0;
+  for (int64_t j = 0; j < v && p.class_weights != nullptr; ++j) {
+    max_cw = std::max(max_cw, std::abs(double{p.class_weights[j]}));
+  }
+  const double g_alpha =
+      PowerOfTwoAbove(max_scale) * (p.class_weights != nullptr ? PowerOfTwoAbove(max_cw) : 1.0);
+  const float alpha = static_cast<float>(g_alpha);
 
   memory_->Add(static_cast<int64_t>(plan.bytes));
   struct Release {
@@ -766,7 +785,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
         const int64_t i = c0 + r;
         double sc = ce_scale, sz = z_scale;
         if (none) sc = sz = p.grad_output != nullptr ? p.grad_output[i] : 1.0;
-        rows[i] = RowPass(rp, z + r * v, targets[i], sc, sz);
+        rows[i] = RowPass(rp, z + r * v, targets[i], sc / g_alpha, sz / g_alpha);
       }
     });
     if (!plan.want_grad) continue;
@@ -776,7 +795,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
       const int64_t row_block = RowBlock(rows_c);
       pool.Run(CeilDiv(rows_c, row_block), [&](int64_t task) {
         const int64_t r0 = task * row_block, nr = std::min(row_block, rows_c - r0);
-        GemmRows(/*trans_b=*/false, nr, h, v, z + r0 * v, v, wf, h, dxc + r0 * h, h);
+        GemmRows(/*trans_b=*/false, nr, h, v, z + r0 * v, v, wf, h, dxc + r0 * h, h, alpha);
         if (plan.dx_scratch) NarrowRange(dxc + r0 * h, nr * h, out.grad_dtype, out.dx, (c0 + r0) * h);
       });
       if (p.rows != nullptr) p.rows->DxReady(c0 + rows_c);
@@ -788,14 +807,14 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
       pool.Run(v_tasks, [&](int64_t task) {
         const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
         if (dw_f != nullptr) {
-          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nj, h, rows_c, 1.0f, z + j0, v,
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nj, h, rows_c, alpha, z + j0, v,
                       xc, h, beta, dw_f + j0 * h, h);
         }
         if (db_acc != nullptr) {
           float* db = db_acc + j0;
           for (int64_t r = 0; r < rows_c; ++r) {
             const float* g = z + r * v + j0;
-            for (int64_t j = 0; j < nj; ++j) db[j] += g[j];
+            for (int64_t j = 0; j < nj; ++j) db[j] += alpha * g[j];
           }
         }
       });

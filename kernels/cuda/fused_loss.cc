@@ -148,19 +148,6 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
   return plan;
 }
 
-namespace {
-
-// 2^e for max = f 2^e, f in [0.5, 1): the power of two just above a positive finite max (1
-// otherwise). Scaling by it is exact, so bf16 and fp32 storage still give the same bits.
-double PowerOfTwoAbove(double max) {
-  if (!(max > 0) || !std::isfinite(max)) return 1.0;
-  int e = 0;
-  std::frexp(max, &e);
-  return std::ldexp(1.0, std::clamp(e, -100, 100));
-}
-
-}  // namespace
-
 GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {
   GradScales g;
   // The class weights multiply the stored gradient (cw_t (p - [j == t]), smoothing's cw_j):

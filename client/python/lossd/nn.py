@@ -16,6 +16,7 @@ Two ways a call runs (both give the gradients torch would):
 
 import dataclasses
 import uuid
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -51,17 +52,23 @@ class LossdRuntime:
     """Connection, weight cache and accumulator shared by the calls of one loss module.
 
     cache_weights: upload W (and bias) once with PutWeights and send only the handle while the
-      tensors are unchanged (same storage and autograd version counter, which in-place
-      optimizer steps bump); a handle the server dropped is uploaded again once. Writes that
-      bypass the version counter (through `w.data`, a numpy view, or a buffer re-filled in
-      place by a sharding wrapper) are not seen: call `drop_weights()` after them, or turn
-      caching off.
+      tensors are unchanged: the same tensor objects at the same autograd version (in-place
+      optimizer steps bump it). A weight made anew each step (a bf16 copy of fp32 master
+      weights, a merged adapter) is another tensor, so it is uploaded again even where the
+      allocator reuses the old one's memory. A handle the server dropped is uploaded again
+      once. Writes that bypass the version counter (through `w.data`, a numpy view, or a
+      buffer re-filled in place by a sharding wrapper) are not seen: call `drop_weights()`
+      after them, or turn caching off.
     timeout: deadline of every call in seconds; None = the Client's default (600 s).
     accumulator: None, a name, or True for a fresh unique name: dW and db go into that
       server-side fp32 accumulator instead of weight.grad / bias.grad; call
       `apply_accumulated_gradients` before the optimizer step.
     eager_accumulation: accumulate in the forward Compute (one call per micro-batch instead of
       two). The upstream gradient of the loss must then be exactly 1: scale with `grad_scale`.
+      A forward that runs twice for one backward (activation checkpointing recomputes it)
+      would add twice: use the deferred mode (the default) with checkpointing.
+    grad_scale: the factor dW and db are added to the accumulator with; only with an
+      accumulator (without one, scale the loss).
     """
 
     def __init__(self, client=None, server="localhost:50051", *, cache_weights=True,
@@ -75,6 +82,10 @@ class LossdRuntime:
             if timeout is not None:
                 kw["timeout"] = timeout
             client = Client(server, **kw)
+        if float(grad_scale) != 1.0 and not accumulator:
+            raise errors.InvalidArgumentError(
+                "grad_scale %r applies to a server accumulator; without one, scale the loss "
+                "(its backward scales every gradient)" % (grad_scale,), method="nn")
         self.client = client
         self.timeout = timeout
         self.cache_weights = cache_weights
@@ -90,20 +101,33 @@ class LossdRuntime:
 
     @staticmethod
     def _key_of(weight, bias):
+        """What the cached handle was made from: weak references to the tensors themselves
+        (an address alone would match a new tensor that took over a freed one's memory) and
+        their version counters."""
         def k(t):
             if t is None:
                 return None
-            return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device))
+            return (weakref.ref(t), t._version)
 
         return (k(weight), k(bias))
+
+    def _key_matches(self, weight, bias):
+        if self._key is None:
+            return False
+        for t, cached in zip((weight, bias), self._key):
+            if (t is None) != (cached is None):
+                return False
+            if t is not None and (cached[0]() is not t or cached[1] != t._version):
+                return False
+        return True
 
     def weight_ref(self, weight, bias):
         """A WeightHandle for (weight, bias), uploading when they changed; None = send inline."""
         if not self.cache_weights:
             return None
-        key = self._key_of(weight, bias)
-        if self._handle is not None and key == self._key:
+        if self._handle is not None and self._key_matches(weight, bias):
             return self._handle
+        key = self._key_of(weight, bias)
         self.drop_weights()
         self._handle = self.client.put_weights(weight, bias, timeout=self.timeout)
         self._key = key
@@ -190,27 +214,39 @@ def _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reducti
 class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
     """apply(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
     label_smoothing, reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
-    return_token_accuracy, return_predicted_tokens, chunk_size, runtime)
-    -> (loss, z_loss, token_accuracy, predicted_tokens); the last three may be None."""
+    return_token_accuracy, return_predicted_tokens, chunk_size, runtime[, grad_enabled])
+    -> (loss, z_loss, token_accuracy, predicted_tokens); the last three may be None.
+    grad_enabled: torch.is_grad_enabled() where apply is called (forward itself always runs
+    with grad mode off, so it cannot tell); False asks the server for the loss alone and adds
+    nothing to an accumulator. The functional form and the module pass it."""
 
     @staticmethod
     def forward(ctx, _input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
                 label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
                 use_token_scaling, return_token_accuracy, return_predicted_tokens, chunk_size,
-                runtime):
+                runtime, grad_enabled=None):
         if use_token_scaling:
             raise errors.UnimplementedError(
                 "use_token_scaling is not part of the lossd v1 wire contract", method="nn")
         if reduction not in ("mean", "sum", "none"):
             raise errors.InvalidArgumentError(
                 "reduction must be 'mean', 'sum' or 'none', got %r" % (reduction,))
+        if tuple(target.shape) != tuple(_input.shape[:-1]):
+            # The server sees only BT rows and BT targets; a transposed (T, B) target against
+            # (B, T, H) hidden states would pair tokens with the wrong rows.
+            raise errors.InvalidArgumentError(
+                "target shape %s must be the hidden states' shape %s without its last "
+                "dimension" % (tuple(target.shape), tuple(_input.shape)), method="nn")
+        ctx.n_inputs = 17 if grad_enabled is None else 18  # backward returns one per input
+        grad_enabled = True if grad_enabled is None else bool(grad_enabled)
         h = _input.shape[-1]
         x2 = _input.reshape(-1, h)
         t1 = target.reshape(-1)
         opts = _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
                         softcap, accum_dtype, _input.dtype, chunk_size)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_db = bias is not None and ctx.needs_input_grad[3]
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        need_db = grad_enabled and bias is not None and ctx.needs_input_grad[3]
         any_grad = need_dx or need_dw or need_db
         acc = runtime.accumulator
         deferred = any_grad and (reduction == "none" or (acc is not None
@@ -219,9 +255,16 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         wants = dict(want_z_loss=bool(return_z_loss), want_accuracy=bool(return_token_accuracy),
                      want_predictions=bool(return_predicted_tokens))
         if eager:
+            eager_opts = dict(opts)
+            if _input.dtype == torch.float16 and acc is None:
+                # The upstream gradient (a loss scale of 65536, say) is applied in backward,
+                # after the fact: fp16 gradients returned unscaled would already have lost
+                # their small values to underflow. fp32 ones are scaled, then rounded once.
+                eager_opts["grad_dtype"] = "fp32"
             r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=need_dw,
                                 want_db=need_db, accumulator=acc,
-                                grad_scale=runtime.grad_scale if acc else None, **opts, **wants)
+                                grad_scale=runtime.grad_scale if acc else None, **eager_opts,
+                                **wants)
         else:
             r = runtime.compute(x2, weight, t1, bias, want_dx=False, want_dw=False,
                                 want_db=False, **opts, **wants)
@@ -258,13 +301,20 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): the server's gradients carry no graph, so a
+            # gradient penalty built on them would silently lose its second-order terms.
+            raise errors.UnimplementedError(
+                "the lossd loss is differentiable once: double backward (create_graph=True) "
+                "is not supported", method="nn")
         in_shape, in_dtype, w_dtype, w_dev, b_meta = ctx.shapes
         need_dx, need_dw, need_db = ctx.needs
         runtime = ctx.runtime
         acc = runtime.accumulator
         if ctx.mode == "eager":
+            # Kept (not cleared) so that a second backward through a retained graph gets the
+            # same gradients again, as torch's own would.
             dx, dw, db = ctx.grads
-            ctx.grads = None
             g = grad_loss.detach()
             unit = bool(torch.all(g == 1.0))
             if acc is not None and not unit:
@@ -299,7 +349,7 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
             dw = dw.to(device=w_dev, dtype=w_dtype)
         if db is not None:
             db = db.to(device=b_meta[1], dtype=b_meta[0])
-        return (dx, dw, None, db) + (None,) * 13
+        return (dx, dw, None, db) + (None,) * (ctx.n_inputs - 4)
 
 
 def lossd_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None,
@@ -315,7 +365,8 @@ def lossd_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight
     loss, z_loss, acc, pred = LossdFusedLinearCrossEntropyFunction.apply(
         input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
         reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
-        return_token_accuracy, return_predicted_tokens, chunk_size, runtime)
+        return_token_accuracy, return_predicted_tokens, chunk_size, runtime,
+        torch.is_grad_enabled())
     if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
         return loss
     return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=acc,

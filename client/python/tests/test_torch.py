@@ -334,3 +334,110 @@ def test_numpy_reference_agrees_with_torch():
         for name in ("dx", "dw", "db"):
             np.testing.assert_allclose(ref_n[name], ref_t[name].numpy(), rtol=1e-10,
                                        atol=1e-12, err_msg=name)
+
+
+def _spy_on_computes(runtime):
+    """Records the keyword arguments of every client.compute the runtime makes."""
+    calls = []
+    real = runtime.client.compute
+
+    def spy(*args, **kw):
+        calls.append(kw)
+        return real(*args, **kw)
+
+    runtime.client = type("Spy", (), {})()
+    for name in ("put_weights", "drop_weights", "fetch_gradients", "drop_accumulator"):
+        setattr(runtime.client, name, getattr(real.__self__, name))
+    runtime.client.compute = spy
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_without_grad_mode_no_gradient_is_computed_or_accumulated(client, mode):
+    x, w, b, t = make("fp32", bias=True, seed=70)
+    module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator="nograd-acc",
+                                              eager_accumulation=True)
+    calls = _spy_on_computes(module.runtime)
+    with (torch.no_grad() if mode == "no_grad" else torch.inference_mode()):
+        loss = module(w, x, t, b)
+    ref = torch_reference(x, w, t, b)
+    assert_scalar("loss", float(loss), float(ref["loss"]), "fp32")
+    assert len(calls) == 1
+    assert not (calls[0]["want_dx"] or calls[0]["want_dw"] or calls[0]["want_db"])
+    assert not calls[0].get("accumulator"), "an evaluation pass must not add to the sum"
+    with pytest.raises(lossd.NotFoundError):
+        client.fetch_gradients("nograd-acc")  # never created
+    # With grad mode on the same module does accumulate.
+    module(w, x, t, b)
+    assert calls[-1]["accumulator"] == "nograd-acc"
+    assert client.fetch_gradients("nograd-acc").micro_batches == 1
+    client.drop_accumulator("nograd-acc")
+    module.release()
+
+
+def test_a_weight_made_anew_each_step_is_uploaded_again(client):
+    """A bf16 copy of fp32 master weights is a new tensor every step, often in the memory the
+    last one freed: the cache must not take it for the old one."""
+    g = torch.Generator().manual_seed(71)
+    master = torch.randn(V, H, generator=g) * 3.0 / H ** 0.5
+    x = torch.randn(BT, H, generator=g).to(torch.bfloat16)
+    t = torch.randint(0, V, (BT,), generator=g)
+    module = LossdFusedLinearCrossEntropyLoss(client=client)
+    for step in range(3):
+        wd = master.to(torch.bfloat16).requires_grad_()
+        loss = module(wd, x, t)
+        ref = torch_reference(x, wd, t)
+        assert_scalar("loss at step %d" % step, float(loss.detach()), float(ref["loss"]), "bf16")
+        del wd, loss
+        with torch.no_grad():
+            master.mul_(1.5)  # an optimizer step on the master copy
+    module.release()
+
+
+def test_fp16_gradients_keep_their_small_values_under_a_loss_scale(client):
+    """fp16 with a GradScaler-style loss scale: the mean over many tokens and a small W make
+    the dX elements about 1e-6, among fp16's subnormals (steps of 6e-8); scaled by 65536 they
+    are well inside its normal range."""
+    g = torch.Generator().manual_seed(72)
+    bt, h, v = 2048, 16, 1024
+    x = torch.randn(bt, h, generator=g).to(torch.float16).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * 0.003).to(torch.float16).requires_grad_()
+    t = torch.randint(0, v, (bt,), generator=g)
+    module = LossdFusedLinearCrossEntropyLoss(client=client)
+    scale = 65536.0
+    (module(w, x, t) * scale).backward()
+    ref = torch_reference(x, w, t, upstream=torch.tensor(scale))
+    assert_close("x.grad (scaled)", x.grad, ref["dx"], "fp16")
+    assert_close("w.grad (scaled)", w.grad, ref["dw"], "fp16")
+    module.release()
+
+
+def test_a_retained_graph_gives_the_gradients_on_every_backward(client):
+    x, w, b, t = make("fp32", bias=True, seed=73)
+    module = LossdFusedLinearCrossEntropyLoss(client=client)
+    loss = module(w, x, t, b)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref = torch_reference(x, w, t, b, upstream=torch.tensor(2.0))
+    assert_close("x.grad after two backwards", x.grad, ref["dx"], "fp32")
+    assert_close("w.grad after two backwards", w.grad, ref["dw"], "fp32")
+    module.release()
+
+
+def test_double_backward_is_refused(client):
+    x, w, _, t = make("fp32", seed=74)
+    module = LossdFusedLinearCrossEntropyLoss(client=client)
+    loss = module(w, x, t)
+    with pytest.raises(lossd.UnimplementedError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    module.release()
+
+
+def test_refused_arguments(client):
+    with pytest.raises(lossd.InvalidArgumentError, match="grad_scale"):
+        LossdFusedLinearCrossEntropyLoss(client=client, grad_scale=0.5)
+    x, w, _, t = make("fp32", shape=(3, 5), seed=75)
+    module = LossdFusedLinearCrossEntropyLoss(client=client)
+    with pytest.raises(lossd.InvalidArgumentError, match=r"target shape \(5, 3\)"):
+        module(w, x, t.t())  # (T, B) targets against (B, T, H) hidden states
+    module.release()
