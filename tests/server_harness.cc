@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -338,6 +339,34 @@ LossOutputs OutputsOf(ComputeReply& reply, const LossProblem& p, DType grad_dtyp
            << "status " << reply.status.error_code() << ": " << reply.status.error_message();
   }
   LossProblem p = rp.problem();
+  // Every output HeaderFor asks for must be there at its exact size: MatchesReference skips
+  // an output it is not given, so a reply that left one out would otherwise pass.
+  const uint64_t g = DTypeSize(grad_dtype);
+  std::map<int, uint64_t> want = {
+      {v1::TENSOR_DX, static_cast<uint64_t>(p.bt) * p.h * g},
+      {v1::TENSOR_DW, static_cast<uint64_t>(p.v) * p.h * g},
+      {v1::TENSOR_LSE, static_cast<uint64_t>(p.bt) * 4},
+      {v1::TENSOR_PREDICTIONS, static_cast<uint64_t>(p.bt) * 8}};
+  if (p.bias != nullptr) want[v1::TENSOR_DB] = static_cast<uint64_t>(p.v) * g;
+  if (p.options.reduction == Reduction::kNone) {
+    want[v1::TENSOR_LOSS] = static_cast<uint64_t>(p.bt) * 4;
+    want[v1::TENSOR_Z_LOSS] = static_cast<uint64_t>(p.bt) * 4;
+  }
+  for (const auto& [id, bytes] : want) {
+    auto it = reply.tensors.find(id);
+    const std::string name = v1::TensorId_Name(static_cast<v1::TensorId>(id));
+    if (it == reply.tensors.end()) {
+      return ::testing::AssertionFailure() << "the reply has no " << name;
+    }
+    if (it->second.size() != bytes) {
+      return ::testing::AssertionFailure()
+             << name << " has " << it->second.size() << " bytes, not " << bytes;
+    }
+  }
+  if (reply.tensors.size() != want.size()) {
+    return ::testing::AssertionFailure()
+           << "the reply has " << reply.tensors.size() << " tensors, not " << want.size();
+  }
   ReferenceOutputs ref;
   absl::Status s = ReferenceCompute(p, &ref);
   if (!s.ok()) return ::testing::AssertionFailure() << "reference: " << s;

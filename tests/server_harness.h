@@ -95,9 +95,10 @@ struct ReplyScalars {
 LossOutputs OutputsOf(ComputeReply& reply, const LossProblem& p, DType grad_dtype,
                       ReplyScalars* scalars);
 
-// A reply to rp's Compute is OK and its outputs (gradients in grad_dtype) match the float64
-// reference within the tolerance table; otherwise the failure says which (status, reference
-// or the mismatching elements).
+// A reply to rp's Compute (from HeaderFor's header: every output wanted) is OK, holds exactly
+// the outputs that header asks for at their exact sizes, and they (gradients in grad_dtype)
+// match the float64 reference within the tolerance table; otherwise the failure says which
+// (status, a missing or misshapen output, the reference or the mismatching elements).
 ::testing::AssertionResult ReplyMatchesReference(const RandomProblem& rp, ComputeReply& reply,
                                                  DType grad_dtype);
 
