@@ -124,6 +124,40 @@ def assert_close(name, got, ref, dtype):
                         tol["atol"], scale))
 
 
+# Relative rounding of a stored logit per input dtype (the server rounds X W^T + b to it).
+LOGIT_EPS = {"fp32": 2.0 ** -23, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+
+
+def assert_predictions(pred, z_ref, dtype):
+    """Every row's predicted class is in range and, by the float64 logits, within the rounding
+    of the stored logits of the row's maximum: ties and near-ties may go either way, a wrong
+    pick may not."""
+    pred = np.asarray(pred).reshape(-1)
+    z = np.asarray(z_ref, dtype=np.float64)
+    assert pred.shape == (z.shape[0],), "predictions: shape %s for %d rows" % (pred.shape,
+                                                                              z.shape[0])
+    assert np.all((pred >= 0) & (pred < z.shape[1])), "a prediction outside [0, V)"
+    top = z.max(axis=1)
+    scale = np.abs(z).max(axis=1)
+    bound = 2 * LOGIT_EPS[dtype] * scale + 1e-5 * (1 + scale)
+    picked = z[np.arange(z.shape[0]), pred]
+    bad = picked < top - bound
+    assert not np.any(bad), "%d rows predict a class whose logit is below the row's maximum " \
+        "by more than rounding (first: row %d picks %d, %.6g against %.6g)" % (
+            int(bad.sum()), int(np.argmax(bad)), int(pred[np.argmax(bad)]),
+            float(picked[np.argmax(bad)]), float(top[np.argmax(bad)]))
+
+
+def assert_accuracy(acc, pred, t, ignore_index):
+    """The accuracy is the fraction of the non-ignored rows whose prediction is the target
+    (the predictions themselves are checked by assert_predictions)."""
+    pred, t = np.asarray(pred).reshape(-1), np.asarray(t).reshape(-1)
+    valid = t != ignore_index
+    want = float(((pred == t) & valid).sum()) / max(int(valid.sum()), 1)
+    assert abs(float(acc) - want) <= 1e-6, "accuracy %.7g, the predictions give %.7g" % (
+        float(acc), want)
+
+
 def assert_scalar(name, got, ref, dtype, abs_floor=1e-6):
     rtol = SCALAR_RTOL[dtype]
     assert np.isfinite(got), "%s is %r" % (name, got)
