@@ -231,10 +231,13 @@ void CheckBothDtypes(const Case& c, int segments, bool two_pass = false) {
   EXPECT_EQ(grad_diff, 0) << "gradients differ after rounding the fp32 one to bf16";
 
   // Float64 of the same formulas from the same values.
-  double worst_lse = 0, worst_ce = 0, worst_g = 0, g_scale = 0;
+  double worst_lse = 0, worst_ce = 0, worst_z = 0, worst_g = 0, g_scale = 0;
   int64_t pred_bad = 0;
   for (int64_t i = 0; i < c.rows; ++i) {
     const int t = in.targets[i];
+    // An unwritten prediction is the poison (-1): out of range, and no index to read.
+    ASSERT_GE(f.pred[i], 0) << "row " << i;
+    ASSERT_LT(f.pred[i], c.v) << "row " << i;
     std::vector<double> zz(c.v), th(c.v, 0.0);
     double m = -INFINITY;
     int64_t arg = 0;
@@ -262,9 +265,13 @@ void CheckBothDtypes(const Case& c, int segments, bool two_pass = false) {
     if (f.pred[i] != arg && zz[f.pred[i]] < m - 1e-5 * (1 + std::fabs(m))) ++pred_bad;
     if (t < 0) {
       EXPECT_EQ(f.ce[i], 0.0f);
+      EXPECT_EQ(f.z[i], 0.0f) << "an ignored row's z-loss, row " << i;
       for (int64_t j = 0; j < c.v; ++j) ASSERT_EQ(f.grad[i * c.v + j], 0.0f) << i << "," << j;
       continue;
     }
+    // The z-loss zs lse^2, relative to its size as lse is (the same 2e-6 below).
+    const double zl = c.zs * lse * lse;
+    worst_z = std::max(worst_z, std::fabs(zl - f.z[i]) / (c.zs * (1 + lse * lse) + 1e-30));
     const double cwt = c.weights ? in.cw[t] : 1.0;
     const double ce = (1 - c.eps) * cwt * (lse - zz[t]) + c.eps / c.v * (cws * lse - wz);
     worst_ce = std::max(worst_ce, std::fabs(ce - f.ce[i]) / (1 + std::fabs(ce)));
@@ -281,6 +288,8 @@ void CheckBothDtypes(const Case& c, int segments, bool two_pass = false) {
     }
   }
   EXPECT_LT(worst_lse, 2e-6) << "lse";
+  // lse^2 doubles lse's relative error.
+  EXPECT_LT(worst_z, 4e-6) << "z-loss";
   EXPECT_LT(worst_ce, 2e-5) << "ce";
   EXPECT_LT(worst_g, 2e-6 * (1 + g_scale)) << "gradient";
   EXPECT_EQ(pred_bad, 0) << "argmax";
