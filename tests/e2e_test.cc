@@ -144,6 +144,9 @@ TEST_F(E2eTest, FourAccumulatedMicroBatchesEqualOneBatchFourTimesAsLarge) {
   hw.mutable_options()->set_grad_dtype(v1::DTYPE_FP32);
   ComputeReply ref = RunCompute(h_->stub(), hw, PartsFor(whole, 1 << 20));
   ASSERT_TRUE(ref.status.ok()) << ref.status.error_message();
+  // The whole batch is right by the float64 reference, so the sum below is checked against a
+  // right answer and not just against the server itself.
+  ASSERT_TRUE(ReplyMatchesReference(whole, ref, DType::kF32));
 
   const int64_t rows = big.bt / 4;
   const size_t xrow = big.h * DTypeSize(big.dtype);

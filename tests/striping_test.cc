@@ -257,9 +257,10 @@ TEST(StripingTest, AStripeThatDisagreesAboutTheBiasIsRefusedAndTheServerKeepsSer
   EXPECT_TRUE(by_handle.status.ok()) << by_handle.status.error_message();
 }
 
+// The fetched bytes of dW | db in a buffer of `total` bytes that starts as `fill`.
 std::vector<uint8_t> Fetch(v1::Loss::Stub& stub, const std::string& name, uint64_t begin,
                            uint64_t end, grpc::Status* status, uint64_t dw_bytes,
-                           uint64_t total) {
+                           uint64_t total, uint8_t fill = 0xEE) {
   grpc::ClientContext ctx;
   v1::FetchGradientsRequest r;
   r.set_accumulator(name);
@@ -267,7 +268,7 @@ std::vector<uint8_t> Fetch(v1::Loss::Stub& stub, const std::string& name, uint64
   r.set_range_end(end);
   r.set_response_part_bytes(777);
   auto reader = stub.FetchGradients(&ctx, r);
-  std::vector<uint8_t> all(total, 0xEE);
+  std::vector<uint8_t> all(total, fill);
   v1::FetchGradientsResponse m;
   while (reader->Read(&m)) {
     if (!m.has_part()) continue;
@@ -289,11 +290,14 @@ TEST(StripingTest, GradientsFetchedByRangeEqualOneWholeFetch) {
   grpc::Status s;
   std::vector<uint8_t> whole = Fetch(h.stub(), "acc", 0, 0, &s, dw_bytes, total);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  std::vector<uint8_t> striped(total, 0xEE);
+  // The ranges land on another filler than the whole fetch: a byte that neither wrote would
+  // differ between the two.
+  std::vector<uint8_t> striped(total, 0xDD);
   const uint64_t cuts[] = {0, 5000, dw_bytes - 3, dw_bytes + 10, total};
   for (int i = 0; i < 4; ++i) {
     auto stub = h.NewStub(grpc::InsecureChannelCredentials());
-    std::vector<uint8_t> part = Fetch(*stub, "acc", cuts[i], cuts[i + 1], &s, dw_bytes, total);
+    std::vector<uint8_t> part =
+        Fetch(*stub, "acc", cuts[i], cuts[i + 1], &s, dw_bytes, total, 0xDD);
     ASSERT_TRUE(s.ok()) << s.error_message();
     std::memcpy(striped.data() + cuts[i], part.data() + cuts[i], cuts[i + 1] - cuts[i]);
   }
