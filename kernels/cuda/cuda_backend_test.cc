@@ -175,6 +175,10 @@ TEST_F(CudaTest, ChunkSizeChangesTheLossOnlyAtFp32Rounding) {
   r = CompareRelNorm("dx chunk 200 vs 33", Widen(a.dx.data(), DType::kF32, p.bt * p.h),
                      Widen(b.dx.data(), DType::kF32, p.bt * p.h), 1e-6);
   EXPECT_TRUE(r.ok()) << r.ToString();
+  // dW is where the chunks' order of summation shows: still fp32 rounding only.
+  r = CompareRelNorm("dw chunk 200 vs 33", Widen(a.dw.data(), DType::kF32, p.v * p.h),
+                     Widen(b.dw.data(), DType::kF32, p.v * p.h), 1e-6);
+  EXPECT_TRUE(r.ok()) << r.ToString();
 }
 
 // Both schedules over several chunks, with every gradient and the accumulators.
@@ -335,12 +339,16 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
       ASSERT_TRUE((*b)->Compute(p, lo, nullptr).ok());
       std::vector<float> dw_host(p.v * p.h);
       ASSERT_TRUE((*b)->CopyFromBackend(**dw, 0, dw_host.data(), dw_host.size() * 4).ok());
-      std::vector<double> ref2(ref.dw.size()), got(dw_host.begin(), dw_host.end());
-      for (size_t k = 0; k < ref.dw.size(); ++k) ref2[k] = 2 * ref.dw[k];
+      // What was added, against one micro-batch's reference: compared with the whole sum
+      // (twice the reference) the added error would count against twice its norm.
+      std::vector<double> added(dw_host.size());
+      for (size_t k = 0; k < added.size(); ++k) {
+        added[k] = static_cast<double>(dw_host[k]) - static_cast<double>(start[k]);
+      }
       const Tolerance tol = ToleranceFor(DType::kBF16, DType::kF32);
       const double bound = 2 * tol.logit_u * rp.stats().rms_row_abs_max + tol.logit_u +
                            tol.grad_u + tol.fp32_rel;
-      CompareResult r = CompareRelNorm("dw_accum start + one micro-batch", ref2, got, bound);
+      CompareResult r = CompareRelNorm("dw_accum - start (one micro-batch)", ref.dw, added, bound);
       EXPECT_TRUE(r.ok()) << r.ToString() << " schedule " << static_cast<int>(schedule)
                           << " autotune " << autotune;
     }
@@ -525,6 +533,12 @@ TEST_F(CudaTest, AgreesWithTheCpuBackend) {
       HostOutputs a(p, g), b(p, g);
       ASSERT_TRUE(backend_->Compute(p, a.outputs(), nullptr).ok());
       ASSERT_TRUE(cpu->Compute(p, b.outputs(), nullptr).ok());
+      // Each backend against the float64 reference first (every output, the table's bounds);
+      // then against each other, within the sum of the two backends' bounds.
+      ReferenceOutputs ref;
+      ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+      EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, a.outputs())) << "cuda " << o.name;
+      EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, b.outputs())) << "cpu " << o.name;
       const Tolerance tol = ToleranceFor(dtype, g);
       const double bound = 2 * (2 * tol.logit_u * rp.stats().rms_row_abs_max + tol.logit_u +
                                 tol.grad_u + tol.fp32_rel);
@@ -535,11 +549,7 @@ TEST_F(CudaTest, AgreesWithTheCpuBackend) {
       r = CompareRelNorm("dw cuda vs cpu", Widen(b.dw.data(), g, n_dw),
                          Widen(a.dw.data(), g, n_dw), bound);
       EXPECT_TRUE(r.ok()) << DTypeName(dtype) << " " << o.name << ": " << r.ToString();
-      EXPECT_NEAR(a.loss[0], b.loss[0], bound * (std::abs(b.loss[0]) + 1)) << o.name;
       EXPECT_EQ(a.tokens, b.tokens);
-      int64_t same = 0;
-      for (int64_t i = 0; i < p.bt; ++i) same += a.predictions[i] == b.predictions[i];
-      EXPECT_GE(same, p.bt * 95 / 100) << "argmax agreement";
     }
   }
 }
