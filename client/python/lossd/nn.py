@@ -239,6 +239,12 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 "dimension" % (tuple(target.shape), tuple(_input.shape)), method="nn")
         ctx.n_inputs = 17 if grad_enabled is None else 18  # backward returns one per input
         grad_enabled = True if grad_enabled is None else bool(grad_enabled)
+        if grad_enabled and ce_weight is not None and ce_weight.requires_grad:
+            # As torch's cross_entropy: the loss is not differentiable in the class weights,
+            # and detaching them quietly would leave a learnable weight without a gradient.
+            raise errors.InvalidArgumentError(
+                "ce_weight requires grad, but the loss is not differentiable with respect to "
+                "the class weights: pass ce_weight.detach()", method="nn")
         h = _input.shape[-1]
         x2 = _input.reshape(-1, h)
         t1 = target.reshape(-1)

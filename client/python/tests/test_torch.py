@@ -453,4 +453,11 @@ def test_refused_arguments(client):
     module = LossdFusedLinearCrossEntropyLoss(client=client)
     with pytest.raises(lossd.InvalidArgumentError, match=r"target shape \(5, 3\)"):
         module(w, x, t.t())  # (T, B) targets against (B, T, H) hidden states
+    learnable = torch.rand(V, requires_grad=True)
+    weighted = LossdFusedLinearCrossEntropyLoss(client=client, ce_weight=learnable)
+    with pytest.raises(lossd.InvalidArgumentError, match="ce_weight requires grad"):
+        weighted(w, x, t)
+    with torch.no_grad():
+        weighted(w, x, t)  # evaluation: nothing to differentiate, so no refusal
     module.release()
+    weighted.release()
