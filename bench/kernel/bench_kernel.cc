@@ -223,6 +223,50 @@ int MeasureEnergy(cudaStream_t stream, const std::string& what,
   return 0;
 }
 
+// Device buffers of a (bt, h, v) problem, filled with random data: x ~ U(-1, 1) and
+// w ~ U(-a, a) with a = 6 / sqrt(H) (logits of standard deviation 2), random targets; dX,
+// fp32 dW and 16 bytes a row for the row results (BenchProblem's layout). Freed by the caller.
+int AllocateProblem(int64_t bt, int64_t h, int64_t v, cudaStream_t stream, void** x, void** w,
+                    void** dx, void** dw, void** rows, void** tg) {
+  BENCH_CHECK_CUDA(cudaMalloc(x, bt * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(w, v * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(dx, bt * h * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(dw, v * h * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(rows, bt * 16));
+  BENCH_CHECK_CUDA(cudaMalloc(tg, bt * 4));
+  BENCH_CHECK_CUDA(FillUniformBf16(*x, bt * h, 1, 1.0f, stream));
+  BENCH_CHECK_CUDA(FillUniformBf16(*w, v * h, 2, 6.0f / std::sqrt(static_cast<float>(h)), stream));
+  BENCH_CHECK_CUDA(FillTargets(static_cast<int32_t*>(*tg), bt, 3, static_cast<int32_t>(v), stream));
+  return 0;
+}
+
+// The benchmark's problem on device buffers: bf16, mean reduction, every target counted
+// (summary), dX in bf16 and a fresh fp32 dW; `rows` holds 16 bytes a row (lse, ce, z-loss,
+// prediction).
+cuda::DeviceLossArgs BenchProblem(int64_t bt, int64_t h, int64_t v, const void* x, const void* w,
+                                  const void* tg, void* rows, void* dx, void* dw) {
+  cuda::DeviceLossArgs a;
+  a.bt = bt;
+  a.h = h;
+  a.v = v;
+  a.dtype = DType::kBF16;
+  a.x = x;
+  a.w = w;
+  a.targets = static_cast<const int32_t*>(tg);
+  a.summary.tokens = bt;
+  a.summary.weight_sum = static_cast<double>(bt);
+  a.summary.class_weight_sum = static_cast<double>(v);
+  a.row_lse = static_cast<float*>(rows);
+  a.row_ce = a.row_lse + bt;
+  a.row_z = a.row_ce + bt;
+  a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
+  a.dx = dx;
+  a.dx_dtype = DType::kBF16;
+  a.dw_acc = static_cast<float*>(dw);
+  a.accumulate_dw = false;
+  return a;
+}
+
 int64_t FreeBytes() {
   size_t free_b = 0, total = 0;
   cudaMemGetInfo(&free_b, &total);
@@ -355,23 +399,25 @@ int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int
   BENCH_CHECK_OK(engine.Gemm(stream, gws, gws_bytes, true, false, v, std::min(chunk_rows, bt), h,
                              1.0f, w, h, x, h, CUDA_R_16BF, 0.0f, z, v, CUDA_R_16BF));
   if (TimeMs(stream, 1, runs, ce_only, &row->ce_ms)) return 1;
+  // A device copy of the same logits, read and written once, chunk by chunk: what moving the
+  // CE's bytes costs at the least (timed with --ce_cols, its energy with --energy_seconds).
+  void* copy_dst = nullptr;
+  if (g_meter != nullptr || !absl::GetFlag(FLAGS_ce_cols).empty()) {
+    BENCH_CHECK_CUDA(
+        cudaMalloc(&copy_dst, static_cast<size_t>(std::min(chunk_rows, bt)) * v * 2));
+  }
+  auto copy = [&]() -> absl::Status {
+    for (int64_t c0 = 0; c0 < bt; c0 += chunk_rows) {
+      const size_t n = static_cast<size_t>(std::min(chunk_rows, bt - c0)) * v * 2;
+      const cudaError_t e = cudaMemcpyAsync(copy_dst, z, n, cudaMemcpyDeviceToDevice, stream);
+      if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
+    }
+    return absl::OkStatus();
+  };
   const std::string shape = absl::StrFormat("%dx%dx%d", bt, h, v);
-  if (MeasureEnergy(stream, shape + " CE kernels alone (one-read)", ce_only)) return 1;
-  if (g_meter != nullptr) {
-    // What moving the CE's bytes costs at the least: a device copy of the same logits, read
-    // and written once, chunk by chunk.
-    void* dst = nullptr;
-    BENCH_CHECK_CUDA(cudaMalloc(&dst, static_cast<size_t>(std::min(chunk_rows, bt)) * v * 2));
-    auto copy = [&]() -> absl::Status {
-      for (int64_t c0 = 0; c0 < bt; c0 += chunk_rows) {
-        const size_t n = static_cast<size_t>(std::min(chunk_rows, bt - c0)) * v * 2;
-        const cudaError_t e = cudaMemcpyAsync(dst, z, n, cudaMemcpyDeviceToDevice, stream);
-        if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
-      }
-      return absl::OkStatus();
-    };
-    if (MeasureEnergy(stream, shape + " device copy of the CE's bytes", copy)) return 1;
-    BENCH_CHECK_CUDA(cudaFree(dst));
+  if (MeasureEnergy(stream, shape + " CE kernels alone (one-read)", ce_only) ||
+      MeasureEnergy(stream, shape + " device copy of the CE's bytes", copy)) {
+    return 1;
   }
   two_pass = true;
   if (TimeMs(stream, 1, runs, ce_only, &row->ce_two_pass_ms)) return 1;
@@ -396,26 +442,15 @@ int TimeCrossEntropy(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a, int
   }
   if (!absl::GetFlag(FLAGS_ce_cols).empty()) {
     // What the memory system gives a plain read + write of the same bytes (logits in, the
-    // gradient out, chunk by chunk): the one-read kernel's floor.
-    void* dst = nullptr;
-    const size_t bytes = static_cast<size_t>(std::min(chunk_rows, bt)) * v * 2;
-    BENCH_CHECK_CUDA(cudaMalloc(&dst, bytes));
-    auto copy = [&]() -> absl::Status {
-      for (int64_t c0 = 0; c0 < bt; c0 += chunk_rows) {
-        const size_t n = static_cast<size_t>(std::min(chunk_rows, bt - c0)) * v * 2;
-        const cudaError_t e = cudaMemcpyAsync(dst, z, n, cudaMemcpyDeviceToDevice, stream);
-        if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
-      }
-      return absl::OkStatus();
-    };
+    // gradient out): the one-read kernel's floor.
     double ms = 0;
     if (TimeMs(stream, 1, runs, copy, &ms)) return 1;
     std::fprintf(stderr, "  %lldx%lldx%lld device copy of the same bytes: %.2f ms (%.2f TB/s "
                  "read + write)\n",
                  static_cast<long long>(bt), static_cast<long long>(h), static_cast<long long>(v),
                  ms, 2.0 * bt * v * 2 / (ms * 1e-3) / 1e12);
-    BENCH_CHECK_CUDA(cudaFree(dst));
   }
+  if (copy_dst != nullptr) BENCH_CHECK_CUDA(cudaFree(copy_dst));
   return 0;
 }
 
@@ -429,25 +464,11 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
   row->h = h;
   row->v = v;
   void *x, *w, *dx, *dw, *rows, *tg;
-  BENCH_CHECK_CUDA(cudaMalloc(&x, bt * h * 2));
-  BENCH_CHECK_CUDA(cudaMalloc(&w, v * h * 2));
-  BENCH_CHECK_CUDA(cudaMalloc(&dx, bt * h * 2));
-  BENCH_CHECK_CUDA(cudaMalloc(&dw, v * h * 4));
-  BENCH_CHECK_CUDA(cudaMalloc(&rows, bt * 16));
-  BENCH_CHECK_CUDA(cudaMalloc(&tg, bt * 4));
-  // x ~ U(-1, 1) and w ~ U(-a, a) with a = 6 / sqrt(H): logits of standard deviation 2.
-  BENCH_CHECK_CUDA(FillUniformBf16(x, bt * h, 1, 1.0f, stream));
-  BENCH_CHECK_CUDA(FillUniformBf16(w, v * h, 2, 6.0f / std::sqrt(static_cast<float>(h)), stream));
-  BENCH_CHECK_CUDA(FillTargets(static_cast<int32_t*>(tg), bt, 3, static_cast<int32_t>(v), stream));
+  if (AllocateProblem(bt, h, v, stream, &x, &w, &dx, &dw, &rows, &tg)) return 1;
 
   if (absl::GetFlag(FLAGS_ce_only)) {
     // The CE kernels alone at the first budget's chunks; no floor, no fused op.
-    cuda::DeviceLossArgs a;
-    a.targets = static_cast<const int32_t*>(tg);
-    a.row_lse = static_cast<float*>(rows);
-    a.row_ce = a.row_lse + bt;
-    a.row_z = a.row_ce + bt;
-    a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
+    const cuda::DeviceLossArgs a = BenchProblem(bt, h, v, x, w, tg, rows, dx, dw);
     const uint64_t budget =
         budgets[0] != 0 ? budgets[0] : cuda::DefaultChunkBudget(bt, v, DType::kBF16);
     const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, budget, 0);
@@ -484,25 +505,7 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
   BENCH_CHECK_OK(floor());
   BENCH_CHECK_OK(tuned_floor());
 
-  cuda::DeviceLossArgs a;
-  a.bt = bt;
-  a.h = h;
-  a.v = v;
-  a.dtype = DType::kBF16;
-  a.x = x;
-  a.w = w;
-  a.targets = static_cast<const int32_t*>(tg);
-  a.summary.tokens = bt;
-  a.summary.weight_sum = static_cast<double>(bt);
-  a.summary.class_weight_sum = static_cast<double>(v);
-  a.row_lse = static_cast<float*>(rows);
-  a.row_ce = a.row_lse + bt;
-  a.row_z = a.row_ce + bt;
-  a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
-  a.dx = dx;
-  a.dx_dtype = DType::kBF16;
-  a.dw_acc = static_cast<float*>(dw);
-  a.accumulate_dw = false;
+  const cuda::DeviceLossArgs a = BenchProblem(bt, h, v, x, w, tg, rows, dx, dw);
 
   for (size_t run = 0; run < budgets.size() * schedules.size(); ++run) {
     const size_t bi = run / schedules.size(), si = run % schedules.size();
@@ -701,40 +704,14 @@ int RunBtSweep(const std::string& spec) {
                                       .workspace_bytes);
   }
   void *x, *w, *dx, *dw, *rows, *tg, *ws;
-  BENCH_CHECK_CUDA(cudaMalloc(&x, max_bt * h * 2));
-  BENCH_CHECK_CUDA(cudaMalloc(&w, v * h * 2));
-  BENCH_CHECK_CUDA(cudaMalloc(&dx, max_bt * h * 2));
-  BENCH_CHECK_CUDA(cudaMalloc(&dw, v * h * 4));
-  BENCH_CHECK_CUDA(cudaMalloc(&rows, max_bt * 16));
-  BENCH_CHECK_CUDA(cudaMalloc(&tg, max_bt * 4));
+  if (AllocateProblem(max_bt, h, v, stream, &x, &w, &dx, &dw, &rows, &tg)) return 1;
   BENCH_CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
-  BENCH_CHECK_CUDA(FillUniformBf16(x, max_bt * h, 1, 1.0f, stream));
-  BENCH_CHECK_CUDA(FillUniformBf16(w, v * h, 2, 6.0f / std::sqrt(static_cast<float>(h)), stream));
-  BENCH_CHECK_CUDA(
-      FillTargets(static_cast<int32_t*>(tg), max_bt, 3, static_cast<int32_t>(v), stream));
   std::printf("\nA moving BT (H = %lld, V = %lld, bf16, default budget, one fresh autotuning "
               "engine, in this order)\n\n| BT | C | first call | median of the next %d | "
               "GEMM choices timed |\n|---|---|---|---|---|\n",
               static_cast<long long>(h), static_cast<long long>(v), absl::GetFlag(FLAGS_runs));
   for (int64_t bt : bts) {
-    cuda::DeviceLossArgs a;
-    a.bt = bt;
-    a.h = h;
-    a.v = v;
-    a.dtype = DType::kBF16;
-    a.x = x;
-    a.w = w;
-    a.targets = static_cast<const int32_t*>(tg);
-    a.summary.tokens = bt;
-    a.summary.weight_sum = static_cast<double>(bt);
-    a.summary.class_weight_sum = static_cast<double>(v);
-    a.row_lse = static_cast<float*>(rows);
-    a.row_ce = a.row_lse + bt;
-    a.row_z = a.row_ce + bt;
-    a.row_pred = reinterpret_cast<int32_t*>(a.row_z + bt);
-    a.dx = dx;
-    a.dx_dtype = DType::kBF16;
-    a.dw_acc = static_cast<float*>(dw);
+    const cuda::DeviceLossArgs a = BenchProblem(bt, h, v, x, w, tg, rows, dx, dw);
     const cuda::ChunkPlan plan = cuda::PlanChunks(
         bt, v, DType::kBF16, cuda::DefaultChunkBudget(bt, v, DType::kBF16), 0);
     BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
