@@ -735,7 +735,9 @@ std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
   // The chunk that asked past the released rows was the last one read.
   const std::vector<int64_t> waits = rows->waits();
   EXPECT_FALSE(waits.empty()) << "after " << fail_after;
-  if (!waits.empty()) EXPECT_GT(waits.back(), fail_after);
+  if (!waits.empty()) {
+    EXPECT_GT(waits.back(), fail_after);
+  }
   for (int64_t r : rows->dx_ready()) EXPECT_LE(r, fail_after) << "after " << fail_after;
   return rows;
 }
