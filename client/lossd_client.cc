@@ -1145,18 +1145,31 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   result.bytes_received = receiver.bytes();
   result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!r.accumulator.empty() && !result.instance.empty()) {
-    // The sum's home from its first Compute on: later calls ask for the same instance.
+    // The sum's home from its first Compute on: later calls ask for the same instance. Calls
+    // that started before it was known (the first micro-batches of a new accumulator, sent
+    // at once from several threads) were not pinned, and are checked here instead.
     absl::MutexLock lock(&instances_mu_);
-    if (accumulator_instances_.count(r.accumulator) == 0 &&
-        accumulator_instances_.size() >= kRememberedAccumulators) {
-      auto oldest = accumulator_instances_.begin();
-      for (auto it = oldest; it != accumulator_instances_.end(); ++it) {
-        if (it->second.second < oldest->second.second) oldest = it;
+    auto it = accumulator_instances_.find(r.accumulator);
+    if (it != accumulator_instances_.end()) {
+      if (it->second.first != result.instance) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "accumulator '", r.accumulator, "' began on server instance '", it->second.first,
+            "', but this Compute was added to one on instance '", result.instance,
+            "' (concurrent first Computes reached different replicas): the sum is split; "
+            "drop the accumulator and redo the step on one replica"));
       }
-      accumulator_instances_.erase(oldest);
+      it->second.second = instances_seen_++;  // recently used: evicted last
+    } else {
+      if (accumulator_instances_.size() >= kRememberedAccumulators) {
+        auto oldest = accumulator_instances_.begin();
+        for (auto o = oldest; o != accumulator_instances_.end(); ++o) {
+          if (o->second.second < oldest->second.second) oldest = o;
+        }
+        accumulator_instances_.erase(oldest);
+      }
+      accumulator_instances_.emplace(r.accumulator,
+                                     std::make_pair(result.instance, instances_seen_++));
     }
-    accumulator_instances_.emplace(r.accumulator,
-                                   std::make_pair(result.instance, instances_seen_++));
   }
   return result;
 }

@@ -139,7 +139,9 @@ struct ComputeRequest {
   // The client remembers the server instance of each accumulator it has added to, and a
   // server of another instance (another replica behind a balancer that spread this client's
   // connections, or the same server restarted) refuses the call with FAILED_PRECONDITION
-  // instead of starting a second, partial sum; DropAccumulator forgets it.
+  // instead of starting a second, partial sum; DropAccumulator forgets it. First Computes
+  // into a new accumulator sent at once, before its instance is known, are checked when they
+  // return: one that landed elsewhere is FAILED_PRECONDITION (the sum is already split).
   std::string accumulator;
   std::map<OutputTensor, OutputBuffer> output_into;
   // nullopt = ClientOptions::overlap.
@@ -263,9 +265,9 @@ class LossClient {
   ClientOptions options_;
   std::vector<std::unique_ptr<Connection>> connections_;
   std::atomic<uint64_t> next_{0};
-  // Accumulator name -> (instance, when it was first seen); at most kRememberedAccumulators
+  // Accumulator name -> (instance, when it was last used); at most kRememberedAccumulators
   // (a trainer that names a new accumulator every step and never drops them would otherwise
-  // grow it forever), the longest-known forgotten first.
+  // grow it forever), the least recently used forgotten first.
   static constexpr size_t kRememberedAccumulators = 1024;
   mutable absl::Mutex instances_mu_;
   std::map<std::string, std::pair<std::string, uint64_t>> accumulator_instances_

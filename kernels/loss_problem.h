@@ -32,6 +32,15 @@ inline double PowerOfTwoAbove(double max) {
   return std::ldexp(1.0, std::clamp(e, -100, 100));
 }
 
+// The class weights' share of that power of two: PowerOfTwoAbove(max_cw), the weights' largest
+// magnitude (1 without weights: max_cw 0). With a z-loss, weights below 1 are not divided out:
+// the z-loss part of G (2 zs lse p, times the row's scale) does not shrink with them, and
+// would be scaled up past fp16's range.
+inline double ClassWeightScale(double max_cw, double z_loss_scale) {
+  if (z_loss_scale > 0 && max_cw < 1) return 1.0;
+  return PowerOfTwoAbove(max_cw);
+}
+
 enum class Reduction : int32_t { kMean = 0, kSum = 1, kNone = 2 };
 
 struct LossOptions {
@@ -44,9 +53,6 @@ struct LossOptions {
   float grad_scale = 1.0f;
   // Rows per chunk; 0 = the backend chooses from its memory budget.
   int64_t chunk_rows = 0;
-  // GEMM algorithm choices timed during this Compute (autotuning of shapes the backend had
-  // not seen; 0 once a training run's shapes are known).
-  int64_t gemm_tunings = 0;
 };
 
 // Where a buffer lives. kHost: ordinary (or pinned) host memory. kBackend: memory the backend

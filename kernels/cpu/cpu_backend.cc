@@ -690,8 +690,10 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   for (int64_t j = 0; j < v && p.class_weights != nullptr; ++j) {
     max_cw = std::max(max_cw, std::abs(double{p.class_weights[j]}));
   }
+  // Within 2^[-100, 100], so it is a normal float.
   const double g_alpha =
-      PowerOfTwoAbove(max_scale) * (p.class_weights != nullptr ? PowerOfTwoAbove(max_cw) : 1.0);
+      std::clamp(PowerOfTwoAbove(max_scale) * ClassWeightScale(max_cw, o.z_loss_scale),
+                 std::ldexp(1.0, -100), std::ldexp(1.0, 100));
   const float alpha = static_cast<float>(g_alpha);
 
   memory_->Add(static_cast<int64_t>(plan.bytes));

@@ -73,6 +73,21 @@ std::vector<OptionCase> OptionCases() {
   c = Opt("grad_f32");
   c.grad_f32 = true;
   cs.push_back(c);
+  // Class weights of about 1e-6 (normalised to sum to about 1): the stored gradient's scale
+  // goes into the GEMMs, or fp16 keeps a few bits of it.
+  c = Opt("tiny_weights_smooth");
+  c.eps = 0.1f;
+  c.weights = true;
+  c.weight_scale = 1e-6;
+  cs.push_back(c);
+  // The same weights with a z-loss, which does not shrink with them: dividing the weights out
+  // of it too would push fp16 past its range.
+  c = Opt("sum_tiny_weights_zloss");
+  c.reduction = Reduction::kSum;
+  c.zs = 5e-2f;
+  c.weights = true;
+  c.weight_scale = 1e-6;
+  cs.push_back(c);
   c = Opt("combined_mean");
   c.eps = 0.1f;
   c.zs = 1e-2f;

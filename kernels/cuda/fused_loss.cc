@@ -155,7 +155,7 @@ GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {
   // its precision whatever their scale. Weights normalised to sum to 1 over the vocabulary
   // (1e-6 each) had left G below fp16's smallest values (cuda_backend_test's
   // mean_tiny_weights_smooth case: dX and dW off by far more than fp16 rounding).
-  const double cw = PowerOfTwoAbove(s.class_weight_max_abs);
+  const double cw = ClassWeightScale(s.class_weight_max_abs, o.z_loss_scale);
   if (o.reduction == Reduction::kNone) {
     // The per-row upstream gradient carries the scale; its largest magnitude, as a power of
     // two, leaves the stored gradient for the GEMMs' alpha too.

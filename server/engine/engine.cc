@@ -476,10 +476,12 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.chunk_rows must be >= 0 (0 = automatic), got ", o.chunk_rows));
   }
-  if (o.chunk_rows > 0 && (plan.bt + o.chunk_rows - 1) / o.chunk_rows > kMaxRequestedChunks) {
+  // More than kMaxRequestedChunks chunks <=> chunk_rows < ceil(BT / kMaxRequestedChunks),
+  // which cannot overflow whatever chunk_rows is.
+  const int64_t least = (plan.bt + kMaxRequestedChunks - 1) / kMaxRequestedChunks;
+  if (o.chunk_rows > 0 && o.chunk_rows < least) {
     // Each chunk is a few GEMMs and kernel launches, and a running compute cannot be
     // cancelled: a million one-row chunks would hold the device for most of a minute.
-    const int64_t least = (plan.bt + kMaxRequestedChunks - 1) / kMaxRequestedChunks;
     return absl::InvalidArgumentError(absl::StrCat(
         "options.chunk_rows ", o.chunk_rows, " splits BT=", plan.bt, " rows into ",
         (plan.bt + o.chunk_rows - 1) / o.chunk_rows, " chunks; at most ", kMaxRequestedChunks,

@@ -476,8 +476,8 @@ class Client:
         self._next = itertools.count()
         self._next_lock = threading.Lock()
         # Accumulator name -> the server instance its sum began on (at most
-        # _REMEMBERED_ACCUMULATORS, the longest-known forgotten first): later computes and
-        # fetches name it, and a server of another instance refuses them.
+        # _REMEMBERED_ACCUMULATORS, the least recently used forgotten first): later computes
+        # and fetches name it, and a server of another instance refuses them.
         self._acc_instances = collections.OrderedDict()
         self._acc_lock = threading.Lock()
 
@@ -513,8 +513,22 @@ class Client:
             return self._acc_instances.get(accumulator, "")
 
     def _remember_instance(self, accumulator, instance):
+        """Pins the accumulator to the instance that computed (least recently used forgotten
+        first). First computes into a new accumulator sent at once, before any of them came
+        back, were not pinned: one that reached another instance raises here."""
+        if not instance:
+            return
         with self._acc_lock:
-            if accumulator in self._acc_instances or not instance:
+            known = self._acc_instances.get(accumulator)
+            if known is not None:
+                self._acc_instances.move_to_end(accumulator)
+                if known != instance:
+                    raise errors.FailedPreconditionError(
+                        "accumulator %r began on server instance %r, but this compute was "
+                        "added to one on instance %r (concurrent first computes reached "
+                        "different replicas): the sum is split; drop the accumulator and redo "
+                        "the step on one replica" % (accumulator, known, instance),
+                        method="Compute")
                 return
             if len(self._acc_instances) >= _REMEMBERED_ACCUMULATORS:
                 self._acc_instances.popitem(last=False)

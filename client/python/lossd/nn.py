@@ -74,6 +74,10 @@ class LossdRuntime:
     def __init__(self, client=None, server="localhost:50051", *, cache_weights=True,
                  accumulator=None, eager_accumulation=False, grad_scale=1.0, timeout=None,
                  part_bytes=None):
+        if float(grad_scale) != 1.0 and not accumulator:
+            raise errors.InvalidArgumentError(
+                "grad_scale %r applies to a server accumulator; without one, scale the loss "
+                "(its backward scales every gradient)" % (grad_scale,), method="nn")
         if client is None:
             kw = {} if part_bytes is None else {"part_bytes": part_bytes}
             # timeout None: the Client's own default deadline, as for its methods (a Client
@@ -82,10 +86,6 @@ class LossdRuntime:
             if timeout is not None:
                 kw["timeout"] = timeout
             client = Client(server, **kw)
-        if float(grad_scale) != 1.0 and not accumulator:
-            raise errors.InvalidArgumentError(
-                "grad_scale %r applies to a server accumulator; without one, scale the loss "
-                "(its backward scales every gradient)" % (grad_scale,), method="nn")
         self.client = client
         self.timeout = timeout
         self.cache_weights = cache_weights
@@ -100,14 +100,20 @@ class LossdRuntime:
     # -- weights ------------------------------------------------------------------------
 
     @staticmethod
-    def _key_of(weight, bias):
+    def _fingerprint(t):
+        """What else must not change: the memory, shape and dtype (`w.data = other` keeps the
+        tensor object and its version counter but not these)."""
+        return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device))
+
+    @classmethod
+    def _key_of(cls, weight, bias):
         """What the cached handle was made from: weak references to the tensors themselves
         (an address alone would match a new tensor that took over a freed one's memory) and
-        their version counters."""
+        their fingerprints."""
         def k(t):
             if t is None:
                 return None
-            return (weakref.ref(t), t._version)
+            return (weakref.ref(t), cls._fingerprint(t))
 
         return (k(weight), k(bias))
 
@@ -117,7 +123,7 @@ class LossdRuntime:
         for t, cached in zip((weight, bias), self._key):
             if (t is None) != (cached is None):
                 return False
-            if t is not None and (cached[0]() is not t or cached[1] != t._version):
+            if t is not None and (cached[0]() is not t or cached[1] != self._fingerprint(t)):
                 return False
         return True
 
@@ -211,6 +217,9 @@ def _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reducti
     return kw
 
 
+_NOT_PASSED = object()  # LossdFusedLinearCrossEntropyFunction.apply without grad_enabled
+
+
 class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
     """apply(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
     label_smoothing, reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
@@ -224,7 +233,7 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, _input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
                 label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
                 use_token_scaling, return_token_accuracy, return_predicted_tokens, chunk_size,
-                runtime, grad_enabled=None):
+                runtime, grad_enabled=_NOT_PASSED):
         if use_token_scaling:
             raise errors.UnimplementedError(
                 "use_token_scaling is not part of the lossd v1 wire contract", method="nn")
@@ -237,8 +246,8 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
             raise errors.InvalidArgumentError(
                 "target shape %s must be the hidden states' shape %s without its last "
                 "dimension" % (tuple(target.shape), tuple(_input.shape)), method="nn")
-        ctx.n_inputs = 17 if grad_enabled is None else 18  # backward returns one per input
-        grad_enabled = True if grad_enabled is None else bool(grad_enabled)
+        ctx.n_inputs = 17 if grad_enabled is _NOT_PASSED else 18  # one gradient per input
+        grad_enabled = True if grad_enabled is _NOT_PASSED else bool(grad_enabled)
         if grad_enabled and ce_weight is not None and ce_weight.requires_grad:
             # As torch's cross_entropy: the loss is not differentiable in the class weights,
             # and detaching them quietly would leave a learnable weight without a gradient.
@@ -300,7 +309,10 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
             dx = _to_torch(r.dx, dev) if need_dx else None
             dw = _to_torch(r.dw, weight.device) if need_dw and acc is None else None
             db = _to_torch(r.db, bias.device) if need_db and acc is None else None
-            ctx.grads = (dx, dw, db)
+            # Saved (not kept on ctx): freed after the last backward, not held until the graph
+            # goes, and there again for a second backward through a retained graph.
+            ctx.save_for_backward(dx, dw, db)
+            ctx.backwards = 0
         elif deferred:
             ctx.save_for_backward(_input, weight, target, bias)
         return loss, z_loss, acc_t, pred
@@ -318,9 +330,13 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         runtime = ctx.runtime
         acc = runtime.accumulator
         if ctx.mode == "eager":
-            # Kept (not cleared) so that a second backward through a retained graph gets the
-            # same gradients again, as torch's own would.
-            dx, dw, db = ctx.grads
+            dx, dw, db = ctx.saved_tensors
+            ctx.backwards += 1
+            if acc is not None and ctx.backwards > 1:
+                raise errors.FailedPreconditionError(
+                    "eager_accumulation added this micro-batch to the accumulator once, in "
+                    "forward; a second backward through a retained graph cannot add it again "
+                    "(use the deferred mode, the default)", method="nn")
             g = grad_loss.detach()
             unit = bool(torch.all(g == 1.0))
             if acc is not None and not unit:

@@ -473,3 +473,32 @@ def test_request_that_can_never_fit_is_resource_exhausted(tmp_path):
             assert np.isfinite(c.compute(x, w, t).loss)
     finally:
         srv.stop()
+
+
+def test_a_first_compute_that_came_back_from_another_instance_is_refused(client):
+    """Concurrent first computes into a new accumulator go out before its instance is known;
+    one that comes back from another instance than the one already remembered raises (the
+    sum is split), rather than pass."""
+    x, w, _, t = make_inputs("fp32", seed=90)
+    client._remember_instance("late-pin", "another-instance")  # a first compute came back
+    real = client._acc_instance
+    client._acc_instance = lambda name: ""  # this one went out before that
+    try:
+        with pytest.raises(lossd.FailedPreconditionError, match="concurrent first computes"):
+            client.compute(x, w, t, accumulator="late-pin")
+    finally:
+        client._acc_instance = real
+    client.drop_accumulator("late-pin")
+
+
+def test_remembered_instances_forget_the_least_recently_used_first():
+    c = lossd.Client("127.0.0.1:1")  # never called: the bookkeeping alone
+    c._remember_instance("active", "i-1")
+    for k in range(lossd.client._REMEMBERED_ACCUMULATORS - 1):
+        c._remember_instance("old-%d" % k, "i-1")
+    c._remember_instance("active", "i-1")  # used again: now the most recent
+    c._remember_instance("one-more", "i-1")  # over the bound: the oldest goes
+    assert c._acc_instance("active") == "i-1"
+    assert c._acc_instance("old-0") == ""
+    assert len(c._acc_instances) == lossd.client._REMEMBERED_ACCUMULATORS
+    c.close()

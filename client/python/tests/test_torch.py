@@ -461,3 +461,16 @@ def test_refused_arguments(client):
         weighted(w, x, t)  # evaluation: nothing to differentiate, so no refusal
     module.release()
     weighted.release()
+
+
+def test_eager_accumulation_refuses_a_second_backward_through_a_retained_graph(client):
+    x, w, _, t = make("fp32", seed=76)
+    module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator="eager-twice",
+                                              eager_accumulation=True)
+    loss = module(w, x, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(lossd.FailedPreconditionError, match="second backward"):
+        loss.backward()
+    assert module.fetch_gradients().micro_batches == 1
+    module.runtime.drop_accumulator()
+    module.release()
