@@ -674,28 +674,6 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     ce_scale = weight_sum != 0 ? o.grad_scale / weight_sum : 0.0;
     z_scale = tokens != 0 ? o.grad_scale / static_cast<double>(tokens) : 0.0;
   }
-  // The stored G would carry the whole scale (1/N for a mean over N tokens, the upstream
-  // gradient, the class weights' size), and in fp16 a mean over a few thousand tokens puts
-  // it among the subnormals, where it keeps a few bits. A power of two near that scale
-  // leaves the stored G for the GEMMs' alpha instead: exact, so bf16 and fp32 results keep
-  // their bits, and fp16 keeps its precision (as the CUDA backend does).
-  double max_scale = std::abs(ce_scale);
-  if (o.reduction == Reduction::kNone) {
-    max_scale = p.grad_output != nullptr ? 0.0 : 1.0;
-    for (int64_t i = 0; i < bt && p.grad_output != nullptr; ++i) {
-      if (targets[i] >= 0) max_scale = std::max(max_scale, std::abs(double{p.grad_output[i]}));
-    }
-  }
-  double max_cw = 0;
-  for (int64_t j = 0; j < v && p.class_weights != nullptr; ++j) {
-    max_cw = std::max(max_cw, std::abs(double{p.class_weights[j]}));
-  }
-  // Within 2^[-100, 100], so it is a normal float.
-  const double g_alpha =
-      std::clamp(PowerOfTwoAbove(max_scale) * ClassWeightScale(max_cw, o.z_loss_scale),
-                 std::ldexp(1.0, -100), std::ldexp(1.0, 100));
-  const float alpha = static_cast<float>(g_alpha);
-
   memory_->Add(static_cast<int64_t>(plan.bytes));
   struct Release {
     CpuMemoryCounter* counter;
@@ -748,12 +726,34 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   rp.dtype = p.dtype;
   rp.cw = p.class_weights;
   rp.bias = p.bias != nullptr ? bias_f.data() : nullptr;
-  for (int64_t j = 0; j < v && p.class_weights != nullptr; ++j) rp.cw_sum += p.class_weights[j];
+  double max_cw = 0;  // the weights' largest magnitude, for the gradient's scale below
+  for (int64_t j = 0; j < v && p.class_weights != nullptr; ++j) {
+    rp.cw_sum += p.class_weights[j];
+    max_cw = std::max(max_cw, std::abs(double{p.class_weights[j]}));
+  }
   if (p.class_weights == nullptr) rp.cw_sum = static_cast<double>(v);
   rp.eps = o.label_smoothing;
   rp.zs = o.z_loss_scale;
   rp.cap = o.softcap;
   rp.want_grad = plan.want_grad;
+
+  // The stored G would carry the whole scale (1/N for a mean over N tokens, the upstream
+  // gradient, the class weights' size), and in fp16 a mean over a few thousand tokens puts
+  // it among the subnormals, where it keeps a few bits. A power of two near that scale
+  // leaves the stored G for the GEMMs' alpha instead: exact, so bf16 and fp32 results keep
+  // their bits, and fp16 keeps its precision (as the CUDA backend does).
+  double max_scale = std::abs(ce_scale);
+  if (o.reduction == Reduction::kNone) {
+    max_scale = p.grad_output != nullptr ? 0.0 : 1.0;
+    for (int64_t i = 0; i < bt && p.grad_output != nullptr; ++i) {
+      if (targets[i] >= 0) max_scale = std::max(max_scale, std::abs(double{p.grad_output[i]}));
+    }
+  }
+  // Within 2^[-100, 100], so it is a normal float.
+  const double g_alpha =
+      std::clamp(PowerOfTwoAbove(max_scale) * ClassWeightScale(max_cw, o.z_loss_scale),
+                 std::ldexp(1.0, -100), std::ldexp(1.0, 100));
+  const float alpha = static_cast<float>(g_alpha);
 
   std::vector<RowResult> rows(bt);
   const int64_t v_block = VBlock(v), v_tasks = CeilDiv(v, v_block);

@@ -561,9 +561,8 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
   // other problems of the class take without being timed.
   const AlgoKey key = KeyOf(g, 0);
   if (algos_.size() < kMaxAlgoKeys || algos_.count(key) != 0) algos_[key] = results[best].algo;
-  if (tuned_.size() < kMaxTunedClasses || tuned_.count(ClassOf(g)) != 0) {
-    tuned_[ClassOf(g)] = results[best].algo;
-  }
+  const AlgoKey cls = ClassOf(g);
+  if (tuned_.size() < kMaxTunedClasses || tuned_.count(cls) != 0) tuned_[cls] = results[best].algo;
   ++tunings_;
   return absl::OkStatus();
 }
