@@ -694,6 +694,7 @@ class GradientsStream {
   }
 
   const v1::GradientsHeader& header() const { return header_; }
+  bool has_header() const { return have_header_; }
   uint64_t total_bytes() const { return dw_bytes_ + db_bytes_; }
 
  private:
@@ -1286,6 +1287,16 @@ absl::Status LossClient::DropWeights(const std::string& handle, const CallOption
   return FromGrpcStatus(NextConnection().stub->DropWeights(&ctx, req, &resp));
 }
 
+uint64_t FetchRangesWithin(uint64_t total_bytes, uint64_t budget_bytes, uint64_t at_least) {
+  const uint64_t values = total_bytes / sizeof(float);
+  at_least = std::max<uint64_t>(at_least, 1);
+  if ((values + at_least - 1) / at_least * sizeof(float) <= budget_bytes) return 0;
+  const uint64_t per_range = budget_bytes / 2 / sizeof(float);
+  if (per_range == 0) return 0;
+  const uint64_t ranges = std::max(at_least, (values + per_range - 1) / per_range);
+  return ranges > kMaxFetchRanges ? 0 : ranges;
+}
+
 absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::string& accumulator,
                                                                 bool reset,
                                                                 const CallOptions& call) {
@@ -1306,23 +1317,27 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
 
   // Striping needs the accumulator's size: a one-element range fetch says it.
   std::optional<GradientsStream> look;
-  const bool may_stripe =
-      options_.stripes > 1 || (options_.stripes == 0 && options_.connections > 1);
-  int stripes = 1;
-  if (may_stripe) {
+  auto take_look = [&]() -> absl::Status {
     look.emplace(0, sizeof(float), [](const v1::GradientsHeader&) {
       return GradientsStream::Dest{};
     });
     LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
         NextConnection().generic.get(), kFetchGradientsMethod, prepare, request(false, 0, 4),
         [&](const grpc::ByteBuffer& msg) { return look->OnMessage(msg); }));
-    LOSSD_CLIENT_RETURN_IF_ERROR(look->CheckComplete());
+    return look->CheckComplete();
+  };
+  const bool may_stripe =
+      options_.stripes > 1 || (options_.stripes == 0 && options_.connections > 1);
+  int stripes = 1;
+  if (may_stripe) {
+    LOSSD_CLIENT_RETURN_IF_ERROR(take_look());
     stripes = static_cast<int>(
         std::min<uint64_t>(StripesFor(look->total_bytes()), look->total_bytes() / sizeof(float)));
   }
 
   FetchGradientsResult result;
   std::optional<PagePopulator> populate;  // joined before the result is returned
+  absl::Status refused;  // what the server said to a fetch too large for its memory budget
   if (stripes <= 1) {
     GradientsStream whole(0, 0, [&](const v1::GradientsHeader& g)
                                     -> absl::StatusOr<GradientsStream::Dest> {
@@ -1331,39 +1346,83 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
       return GradientsStream::Dest{result.dw.mutable_data(),
                                    result.db.has_value() ? result.db->mutable_data() : nullptr};
     });
-    LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
+    absl::Status s = RunStream(
         NextConnection().generic.get(), kFetchGradientsMethod, prepare, request(reset, 0, 0),
-        [&](const grpc::ByteBuffer& msg) { return whole.OnMessage(msg); }));
-    LOSSD_CLIENT_RETURN_IF_ERROR(whole.CheckComplete());
+        [&](const grpc::ByteBuffer& msg) { return whole.OnMessage(msg); });
+    if (s.ok()) s = whole.CheckComplete();
     populate.reset();
-    return result;
+    if (s.ok()) return result;
+    // Refused before its header (so nothing was reset) for want of memory: it may be larger
+    // than the server's whole memory budget, which ranges can fit (below).
+    if (s.code() != absl::StatusCode::kResourceExhausted || whole.has_header()) return s;
+    refused = s;
+    if (!look.has_value()) LOSSD_CLIENT_RETURN_IF_ERROR(take_look());
   }
 
-  // Ranges of whole fp32 values, each on its own connection, straight into the result.
+  // Ranges of whole fp32 values straight into the result: `stripes` streams at once, one per
+  // connection, each fetching its share of the ranges one after another.
+  const uint64_t values = look->total_bytes() / sizeof(float);
   LOSSD_CLIENT_RETURN_IF_ERROR(AllocateGradients(look->header(), &result));
-  populate.emplace(result.dw.mutable_data(), result.dw.num_bytes());
   const GradientsStream::Dest dest{result.dw.mutable_data(),
                                    result.db.has_value() ? result.db->mutable_data() : nullptr};
-  const uint64_t values = look->total_bytes() / sizeof(float);
-  std::vector<Connection*> conns = NextConnections(stripes);
-  StripeGroup group(stripes, absl::ZeroDuration());
-  LOSSD_CLIENT_RETURN_IF_ERROR(group.Run([&](int i) -> absl::Status {
-    const uint64_t begin = sizeof(float) * (values * i / stripes);
-    const uint64_t end = sizeof(float) * (values * (i + 1) / stripes);
-    GradientsStream range(begin, end, [&](const v1::GradientsHeader& g)
-                                          -> absl::StatusOr<GradientsStream::Dest> {
-      LOSSD_CLIENT_RETURN_IF_ERROR(CheckSameGradients(accumulator, look->header(), g));
-      return dest;
+  auto fetch_ranges = [&](int streams, uint64_t ranges) -> absl::Status {
+    std::vector<Connection*> conns = NextConnections(streams);
+    StripeGroup group(streams, absl::ZeroDuration());
+    return group.Run([&](int i) -> absl::Status {
+      for (uint64_t j = i; j < ranges; j += streams) {
+        const uint64_t begin = sizeof(float) * (values * j / ranges);
+        const uint64_t end = sizeof(float) * (values * (j + 1) / ranges);
+        GradientsStream range(begin, end, [&](const v1::GradientsHeader& g)
+                                              -> absl::StatusOr<GradientsStream::Dest> {
+          LOSSD_CLIENT_RETURN_IF_ERROR(CheckSameGradients(accumulator, look->header(), g));
+          return dest;
+        });
+        LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
+            conns[i]->generic.get(), kFetchGradientsMethod, prepare, request(false, begin, end),
+            [&](const grpc::ByteBuffer& msg) { return range.OnMessage(msg); }, &group, i));
+        LOSSD_CLIENT_RETURN_IF_ERROR(range.CheckComplete());
+      }
+      return absl::OkStatus();
     });
-    LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
-        conns[i]->generic.get(), kFetchGradientsMethod, prepare, request(false, begin, end),
-        [&](const grpc::ByteBuffer& msg) { return range.OnMessage(msg); }, &group, i));
-    return range.CheckComplete();
-  }));
+  };
+  // Ranges small enough for the server's memory budget, after a fetch was refused for want
+  // of memory: as many as it takes (at least `stripes`), or the refusal where ranges cannot
+  // help.
+  auto ranges_within_budget = [&]() -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<ServerInfoResult> info = ServerInfo(call);
+    if (!info.ok()) return refused;
+    const uint64_t ranges = FetchRangesWithin(look->total_bytes(), info->memory_budget_bytes,
+                                              static_cast<uint64_t>(stripes));
+    if (ranges == 0) return refused;
+    return ranges;
+  };
+
+  populate.emplace(result.dw.mutable_data(), result.dw.num_bytes());
+  uint64_t ranges = static_cast<uint64_t>(stripes);
+  absl::Status s;
+  if (!refused.ok()) {
+    absl::StatusOr<uint64_t> p = ranges_within_budget();
+    s = p.status();
+    if (p.ok()) ranges = *p;
+  }
+  if (s.ok()) s = fetch_ranges(stripes, ranges);
+  if (s.code() == absl::StatusCode::kResourceExhausted && refused.ok()) {
+    // Striped ranges can each be larger than the budget too. Ranges change nothing on the
+    // server, so fetching them again is safe.
+    refused = s;
+    absl::StatusOr<uint64_t> p = ranges_within_budget();
+    s = p.status();
+    if (p.ok()) {
+      ranges = *p;
+      s = fetch_ranges(stripes, ranges);
+    }
+  }
   populate.reset();
+  LOSSD_CLIENT_RETURN_IF_ERROR(s);
   // A ranged fetch cannot reset: drop it instead, now that every range is here.
   if (reset) LOSSD_CLIENT_RETURN_IF_ERROR(DropAccumulator(accumulator, call));
   result.stripes = stripes;
+  result.ranges = static_cast<int>(ranges);
   return result;
 }
 

@@ -182,6 +182,7 @@ struct FetchGradientsResult {
   int64_t tokens = 0;
   std::string instance;
   int stripes = 1;  // range streams (connections) the fetch was split over
+  int ranges = 1;   // ranged fetches it took (more than stripes where the server's budget is small)
 };
 
 struct ServerInfoResult {
@@ -201,6 +202,15 @@ struct ServerInfoResult {
   uint32_t max_in_flight = 0;
   uint32_t accumulators = 0;
 };
+
+// How many ranges of whole fp32 values a fetch of `total_bytes` takes so that each one holds
+// at most half of a server's memory budget of `budget_bytes`, and at least `at_least` ranges.
+// Half, because a range of the whole budget would wait until the server held no other memory
+// at all, and hold every Compute off while it lasted. 0 where ranges cannot help: `at_least`
+// ranges already fit the budget (so it was refused for something else), the budget is
+// smaller than two values, or it would take more than kMaxFetchRanges.
+inline constexpr uint64_t kMaxFetchRanges = 1 << 16;
+uint64_t FetchRangesWithin(uint64_t total_bytes, uint64_t budget_bytes, uint64_t at_least);
 
 // absl::Status with the same code (gRPC and absl codes are numerically equal) and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
@@ -238,6 +248,11 @@ class LossClient {
   // lost with it; a whole fetch resets atomically.
   // A fetch of an accumulator this client has added to names its instance: another server
   // instance refuses it (FAILED_PRECONDITION) and resets nothing.
+  //
+  // A server refuses (RESOURCE_EXHAUSTED) to copy more than its whole --memory_budget_bytes
+  // at once. Then the fetch asks for ServerInfo and goes on in ranges of at most half that
+  // budget (FetchRangesWithin), one after another on each stream, with the same checks and
+  // the same reset-by-drop as striping.
   absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator, bool reset,
                                                       const CallOptions& call = {});
   // Also forgets the accumulator's instance, whatever the server answers: the next Compute

@@ -31,6 +31,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing_harness::Harness;
+using testing_harness::HarnessOptions;
 
 RandomProblem Problem(DType dtype, bool bias, uint64_t seed) {
   RandomProblemSpec s;
@@ -82,9 +83,10 @@ void ExpectSameBytes(const std::string& what, const HostTensor& got, const HostT
 
 class StripingTest : public ::testing::Test {
  protected:
-  ClientOptions Options(int connections, int stripes) {
+  // A client of harness_, or of `other`.
+  ClientOptions Options(int connections, int stripes, Harness* other = nullptr) {
     ClientOptions o;
-    o.target = absl::StrCat("127.0.0.1:", harness_.port());
+    o.target = absl::StrCat("127.0.0.1:", (other != nullptr ? other : &harness_)->port());
     o.deadline = absl::Seconds(30);
     o.connections = connections;
     o.stripes = stripes;
@@ -372,6 +374,100 @@ TEST_F(StripingTest, StripedFetchOfAMissingAccumulatorIsNotFound) {
   ASSERT_NE(client, nullptr);
   absl::StatusOr<FetchGradientsResult> g = client->FetchGradients("nobody", true);
   EXPECT_EQ(g.status().code(), absl::StatusCode::kNotFound) << g.status();
+}
+
+// A server refuses a fetch whose host copy is larger than its whole memory budget; the client
+// then fetches ranges of at most half the budget, whole or striped, and they add up to the
+// same bytes as a whole fetch from a server with room. With reset the accumulator is dropped
+// after the last range, as with striping.
+TEST_F(StripingTest, AFetchLargerThanTheServersMemoryBudgetComesInRangesThatFit) {
+  RandomProblemSpec spec;
+  spec.bt = 24;
+  spec.h = 256;
+  spec.v = 1003;
+  spec.dtype = DType::kF32;  // a bf16 Compute into an accumulator would need more than dW here
+  spec.bias = true;
+  spec.seed = 41;
+  RandomProblem a = RandomProblem::Make(spec);
+  spec.seed = 42;
+  RandomProblem b = RandomProblem::Make(spec);
+  const uint64_t grads = (spec.v * spec.h + spec.v) * sizeof(float);  // 1031084
+  HarnessOptions small_options;
+  // A Compute by weight handle fits (the weight cache has a budget of its own), the whole
+  // dW | db does not, nor two halves of it (515542 bytes each), but four quarters do.
+  small_options.engine.memory_budget_bytes = 500000;
+  Harness small(small_options);
+  // a's weights (by handle) with a's and then b's rows, into "acc"; returns the handle.
+  const HostTensor bias = Bias(a);
+  auto accumulate = [&](LossClient& client) -> std::string {
+    absl::StatusOr<PutWeightsResult> put = client.PutWeights(W(a), &bias);
+    EXPECT_TRUE(put.ok()) << put.status();
+    if (!put.ok()) return "";
+    for (const RandomProblem* rp : {&a, &b}) {
+      ComputeRequest r = RequestFor(*rp, put->handle);
+      r.accumulator = "acc";
+      r.want.dx = false;
+      absl::StatusOr<ComputeResult> res = client.Compute(r);
+      EXPECT_TRUE(res.ok()) << res.status();
+    }
+    return put->handle;
+  };
+  auto roomy_client = Client(Options(1, 1));
+  ASSERT_NE(roomy_client, nullptr);
+  ASSERT_FALSE(accumulate(*roomy_client).empty());
+  absl::StatusOr<FetchGradientsResult> whole = roomy_client->FetchGradients("acc", false);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+
+  struct Case {
+    int connections, stripes;
+    bool reset;
+    int ranges;  // ranges of at most 250000 bytes where the stripes' own do not fit
+  };
+  for (const Case& c : {Case{1, 1, false, 5}, Case{1, 1, true, 5}, Case{4, 2, false, 5},
+                        Case{4, 2, true, 5}, Case{4, 4, false, 4}}) {
+    SCOPED_TRACE(absl::StrCat(c.connections, " connections, ", c.stripes, " stripes, reset ",
+                              c.reset));
+    auto client = Client(Options(c.connections, c.stripes, &small));
+    ASSERT_NE(client, nullptr);
+    const std::string handle = accumulate(*client);
+    ASSERT_FALSE(handle.empty());
+    const size_t accumulators = small.engine().accumulators().count();
+    absl::StatusOr<FetchGradientsResult> got = client->FetchGradients("acc", c.reset);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->stripes, c.stripes);
+    EXPECT_EQ(got->ranges, c.ranges);
+    if (c.stripes < 4) {
+      EXPECT_EQ(static_cast<uint64_t>(got->ranges),
+                FetchRangesWithin(grads, 500000, static_cast<uint64_t>(c.stripes)));
+    }
+    EXPECT_EQ(got->micro_batches, 2u);
+    EXPECT_EQ(got->tokens, whole->tokens);
+    ExpectSameBytes("dw", got->dw, whole->dw);
+    ASSERT_TRUE(got->db.has_value());
+    ExpectSameBytes("db", *got->db, *whole->db);
+    EXPECT_EQ(small.engine().accumulators().count(), accumulators - (c.reset ? 1 : 0));
+    if (!c.reset) {
+      ASSERT_TRUE(client->DropAccumulator("acc").ok());
+    }
+    ASSERT_TRUE(client->DropWeights(handle).ok());
+    EXPECT_EQ(small.WaitForIdleMemory(), 0u) << "a fetch left memory reserved";
+  }
+  // A fetch that fits is whole, as ever.
+  absl::StatusOr<FetchGradientsResult> fits = roomy_client->FetchGradients("acc", true);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(fits->ranges, 1);
+}
+
+TEST(FetchRangesWithinTest, RangesOfAtMostHalfTheBudgetOrNoneWhereTheyCannotHelp) {
+  EXPECT_EQ(FetchRangesWithin(1000, 1000, 1), 0u);   // fits whole: refused for another reason
+  EXPECT_EQ(FetchRangesWithin(1000, 999, 1), 3u);    // 496 bytes (124 values) a range at most
+  EXPECT_EQ(FetchRangesWithin(1000, 999, 2), 0u);    // two ranges of 500 already fit
+  EXPECT_EQ(FetchRangesWithin(1000, 400, 2), 5u);    // 200 bytes a range
+  EXPECT_EQ(FetchRangesWithin(1000, 100, 8), 21u);   // 48 bytes a range
+  EXPECT_EQ(FetchRangesWithin(1000, 7, 1), 0u);      // not two values
+  EXPECT_EQ(FetchRangesWithin(1000, 8, 1), 250u);    // one value a range
+  EXPECT_EQ(FetchRangesWithin(uint64_t{8} << 30, 256 << 10, 1), kMaxFetchRanges);
+  EXPECT_EQ(FetchRangesWithin(uint64_t{8} << 30, (256 << 10) - 8, 1), 0u);  // too many
 }
 
 // stripes = 0: min(connections, 4) stripes for transfers of at least auto_stripe_bytes, else
