@@ -636,6 +636,7 @@ absl::Status RunFetchGradients() {
   const double bytes = g.dw.num_bytes() + (g.db.has_value() ? g.db->num_bytes() : 0);
   absl::PrintF("seconds       %.3f (%.3f GB/s)\n", seconds, bytes / seconds / 1e9);
   absl::PrintF("stripes       %d\n", g.stripes);
+  absl::PrintF("ranges        %d\n", g.ranges);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
   LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));

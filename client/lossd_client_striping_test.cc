@@ -551,6 +551,7 @@ TEST_F(StripingTest, LossctlStripes) {
             0)
       << out;
   EXPECT_THAT(out, HasSubstr("stripes       3\n"));
+  EXPECT_THAT(out, HasSubstr("ranges        3\n"));
   EXPECT_THAT(out, HasSubstr("micro_batches 1\n"));
   absl::StatusOr<HostTensor> dw = ReadNpy(dir + "/dw.npy");
   absl::StatusOr<HostTensor> db = ReadNpy(dir + "/db.npy");

@@ -104,6 +104,7 @@ class Gradients:
     tokens: int
     instance: str
     stripes: int = 1  # range streams (connections) the fetch was split over
+    ranges: int = 1  # ranged fetches it took (more than stripes where the server's budget is small)
 
 
 @dataclasses.dataclass
@@ -138,6 +139,30 @@ def _parts(tensor_id, arr, part_bytes, begin=0, end=None):
         stop = min(n, off + step)
         yield pb.TensorPart(tensor=tensor_id, offset=off, data=mv[off:stop].tobytes())
         off = stop
+
+
+# At most this many ranges for one fetch that must fit a server's memory budget.
+MAX_FETCH_RANGES = 1 << 16
+
+
+def fetch_ranges_within(total_bytes, budget_bytes, at_least):
+    """How many ranges of whole fp32 values a fetch of `total_bytes` takes so that each holds
+    at most half of a server's memory budget of `budget_bytes`, and at least `at_least`.
+
+    Half, because a range of the whole budget would wait until the server held no other
+    memory at all, and hold every compute off while it lasted. 0 where ranges cannot help:
+    `at_least` ranges already fit the budget (so the fetch was refused for something else),
+    the budget is smaller than two values, or it would take more than MAX_FETCH_RANGES.
+    """
+    values = total_bytes // 4
+    at_least = max(at_least, 1)
+    if -(-values // at_least) * 4 <= budget_bytes:
+        return 0
+    per_range = budget_bytes // 2 // 4
+    if per_range == 0:
+        return 0
+    ranges = max(at_least, -(-values // per_range))
+    return 0 if ranges > MAX_FETCH_RANGES else ranges
 
 
 class _StripeGroup:
@@ -682,6 +707,11 @@ class Client:
         creates it again, zeroed, and until then fetching it raises NotFoundError rather than
         returning zeros. A compute adding to it while a striped reset is under way may be lost
         with it; a whole fetch resets atomically.
+
+        A server refuses (ResourceExhaustedError) to copy more than its whole
+        --memory_budget_bytes at once. Then the fetch asks for server_info and goes on in
+        ranges of at most half that budget (fetch_ranges_within), one after another on each
+        stream, with the same checks and the same reset-by-drop as striping.
         """
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         if self.stripes > 1 or (self.stripes == 0 and len(self._stubs) > 1):
@@ -708,7 +738,17 @@ class Client:
                         raise errors.ProtocolError("part before header", method="FetchGradients")
                     asm.add(msg.part)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "FetchGradients") from None
+            err = errors.from_rpc_error(e, "FetchGradients")
+            refused = header is None and isinstance(err, errors.ResourceExhaustedError)
+        else:
+            refused = False
+            err = None
+        if refused:
+            # Refused before its header (so nothing was reset) for want of memory: it may be
+            # larger than the server's whole memory budget, which ranges can fit.
+            return self._fetch_striped(accumulator, reset, int(rpb), timeout, refused=err)
+        if err is not None:
+            raise err
         if header is None:
             raise errors.ProtocolError("no header in reply", method="FetchGradients")
         t = asm.finish()
@@ -753,16 +793,31 @@ class Client:
         recv.finish()
         return header
 
-    def _fetch_striped(self, accumulator, reset, rpb, timeout):
-        """The striped fetch, or None when the accumulator is too small to stripe."""
+    def _fetch_striped(self, accumulator, reset, rpb, timeout, refused=None):
+        """The striped fetch, or None when the accumulator is too small to stripe.
+
+        refused: the ResourceExhaustedError of a whole fetch; then ranges on one stream, as
+        many as the server's memory budget needs, or that error where ranges cannot help."""
         kw = self._call_kwargs(timeout)
         look = self._fetch_range(self._stub, accumulator, 0, 4, rpb, kw,
                                  lambda h, dw_bytes: _RangeReceiver(0, 4, dw_bytes))
         dw_shape, db_shape, dw_bytes, db_bytes = _check_gradients_header(look)
         total = dw_bytes + db_bytes
-        stripes = min(self._stripes_for(total), total // 4)
-        if stripes <= 1:
+        stripes = 1 if refused is not None else min(self._stripes_for(total), total // 4)
+        if stripes <= 1 and refused is None:
             return None
+
+        def ranges_within_budget(refusal):
+            try:
+                budget = self.server_info(timeout=timeout).memory_budget_bytes
+            except errors.LossdError:
+                raise refusal from None
+            n = fetch_ranges_within(total, budget, stripes)
+            if n == 0:
+                raise refusal
+            return n
+
+        ranges = stripes if refused is None else ranges_within_budget(refused)
         dw = np.empty(dw_shape, dtype=np.float32)
         db = np.empty(db_shape, dtype=np.float32) if db_shape is not None else None
         dw_mv = memoryview(dw).cast("B")
@@ -771,30 +826,46 @@ class Client:
                  look.micro_batches, look.tokens, look.instance)
         values = total // 4
         stubs = self._next_stubs(stripes)
-        group = _StripeGroup(stripes, 0.0)
 
-        def stripe(i):
-            begin, end = 4 * (values * i // stripes), 4 * (values * (i + 1) // stripes)
+        def fetch_ranges(n):
+            """`stripes` streams at once, each fetching its share of n ranges in turn."""
 
-            def on_header(h, n_dw):
-                now = (h.dw.SerializeToString(), h.HasField("db"), h.db.SerializeToString(),
-                       h.micro_batches, h.tokens, h.instance)
-                if now != first:
-                    raise errors.AbortedError(
-                        "accumulator %r changed while its ranges were fetched (micro_batches "
-                        "%d then %d, tokens %d then %d): a compute added to it in between; "
-                        "fetch again" % (accumulator, look.micro_batches, h.micro_batches,
-                                         look.tokens, h.tokens), method="FetchGradients")
-                return _RangeReceiver(begin, end, n_dw, dw_mv, db_mv)
+            def stripe(i):
+                for j in range(i, n, stripes):
+                    begin, end = 4 * (values * j // n), 4 * (values * (j + 1) // n)
 
-            self._fetch_range(stubs[i], accumulator, begin, end, rpb, kw, on_header, group, i)
+                    def on_header(h, n_dw, begin=begin, end=end):
+                        now = (h.dw.SerializeToString(), h.HasField("db"),
+                               h.db.SerializeToString(), h.micro_batches, h.tokens, h.instance)
+                        if now != first:
+                            raise errors.AbortedError(
+                                "accumulator %r changed while its ranges were fetched "
+                                "(micro_batches %d then %d, tokens %d then %d): a compute "
+                                "added to it in between; fetch again" % (
+                                    accumulator, look.micro_batches, h.micro_batches,
+                                    look.tokens, h.tokens), method="FetchGradients")
+                        return _RangeReceiver(begin, end, n_dw, dw_mv, db_mv)
 
-        group.run(stripe)
+                    self._fetch_range(stubs[i], accumulator, begin, end, rpb, kw, on_header,
+                                      group, i)
+
+            group = _StripeGroup(stripes, 0.0)
+            group.run(stripe)
+
+        try:
+            fetch_ranges(ranges)
+        except errors.ResourceExhaustedError as e:
+            if refused is not None:
+                raise
+            # Striped ranges can each be larger than the budget too. Ranges change nothing on
+            # the server, so fetching them again is safe.
+            ranges = ranges_within_budget(e)
+            fetch_ranges(ranges)
         if reset:
             # A ranged fetch cannot reset: drop it instead, now that every range is here.
             self.drop_accumulator(accumulator, timeout=timeout)
         return Gradients(dw=dw, db=db, micro_batches=look.micro_batches, tokens=look.tokens,
-                         instance=look.instance, stripes=stripes)
+                         instance=look.instance, stripes=stripes, ranges=ranges)
 
     def drop_accumulator(self, accumulator, *, timeout=None):
         """Drops a server-side accumulator. Also forgets its server instance, whatever the

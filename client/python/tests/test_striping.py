@@ -164,6 +164,79 @@ def test_striped_fetch_of_a_missing_accumulator_is_not_found(client_for):
         client_for(4, 4).fetch_gradients("py-nobody", reset=True)
 
 
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """A server whose memory budget holds a compute below but not its whole dW | db."""
+    from conftest import LossdProcess, find_lossd_binary
+
+    srv = LossdProcess(find_lossd_binary(), str(tmp_path_factory.mktemp("small") / "lossd.log"),
+                       extra_flags=["--memory_budget_bytes=500000"])
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("connections,stripes,reset,ranges", [
+    (1, 1, False, 5), (1, 1, True, 5),  # whole fetch refused: ranges of <= 250000 bytes
+    (4, 2, False, 5), (4, 2, True, 5),  # halves (515542 bytes) refused too
+    (4, 4, False, 4),  # quarters fit
+])
+def test_a_fetch_larger_than_the_servers_memory_budget_comes_in_ranges_that_fit(
+        client_for, small_server, connections, stripes, reset, ranges):
+    """The server refuses a fetch whose host copy is larger than its whole memory budget;
+    the client then fetches ranges of at most half of it, and they add up to the bytes of a
+    whole fetch from a server with room. With reset the accumulator is dropped after."""
+    h = 256  # fp32 dW | db of 1031084 bytes; a compute (fp32, by handle) needs less than 0.5 MB
+    rng = np.random.default_rng(40 + stripes + reset)
+    w = (rng.standard_normal((V, h)) * (2.0 / np.sqrt(h))).astype(np.float32)
+    b = (rng.standard_normal(V) * 0.5).astype(np.float32)
+    xs = [rng.standard_normal((BT, h)).astype(np.float32) for _ in range(2)]
+    ts = [rng.integers(0, V, BT) for _ in range(2)]
+    name = "py-budget-%d-%d-%d" % (connections, stripes, reset)
+
+    def accumulate_into(c):
+        handle = c.put_weights(w, b)
+        for x, t in zip(xs, ts):
+            c.compute(x, handle, t, accumulator=name, want_dx=False)
+        return handle
+
+    roomy = client_for(1, 1)
+    roomy_handle = accumulate_into(roomy)
+    whole = roomy.fetch_gradients(name, reset=True)
+    assert whole.ranges == 1 and whole.micro_batches == 2
+    assert np.any(whole.dw != 0) and np.any(whole.db != 0)
+    roomy.drop_weights(roomy_handle)
+
+    with lossd.Client(small_server.address, timeout=60.0, connections=connections,
+                      stripes=stripes, part_bytes=1 << 16, response_part_bytes=1 << 15) as c:
+        handle = accumulate_into(c)
+        before = c.server_info().accumulators
+        g = c.fetch_gradients(name, reset=reset)
+        assert (g.stripes, g.ranges) == (stripes, ranges)
+        if stripes < 4:
+            assert g.ranges == lossd.client.fetch_ranges_within(4 * V * h + 4 * V, 500000,
+                                                                stripes)
+        assert (g.micro_batches, g.tokens) == (2, whole.tokens)
+        assert_same_bits("dw", g.dw, whole.dw)
+        assert_same_bits("db", g.db, whole.db)
+        assert c.server_info().accumulators == before - (1 if reset else 0)
+        if not reset:
+            c.drop_accumulator(name)
+        c.drop_weights(handle)
+
+
+def test_fetch_ranges_within():
+    f = lossd.client.fetch_ranges_within
+    assert f(1000, 1000, 1) == 0  # fits whole: refused for another reason
+    assert f(1000, 999, 1) == 3  # 496 bytes (124 values) a range at most
+    assert f(1000, 999, 2) == 0  # two ranges of 500 already fit
+    assert f(1000, 400, 2) == 5  # 200 bytes a range
+    assert f(1000, 100, 8) == 21  # 48 bytes a range
+    assert f(1000, 7, 1) == 0  # not two values
+    assert f(1000, 8, 1) == 250  # one value a range
+    assert f(8 << 30, 256 << 10, 1) == lossd.client.MAX_FETCH_RANGES
+    assert f(8 << 30, (256 << 10) - 8, 1) == 0  # too many
+
+
 @pytest.mark.parametrize("connections,threshold,put_stripes,fetch_stripes", [
     (1, 1, 1, 1),  # one connection: off
     (6, 1, 4, 4),  # at most 4
