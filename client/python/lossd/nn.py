@@ -14,6 +14,7 @@ Two ways a call runs (both give the gradients torch would):
            server. X travels twice; W does not when weight caching is on.
 """
 
+import collections
 import dataclasses
 import uuid
 import weakref
@@ -65,8 +66,10 @@ class LossdRuntime:
       `apply_accumulated_gradients` before the optimizer step.
     eager_accumulation: accumulate in the forward Compute (one call per micro-batch instead of
       two). The upstream gradient of the loss must then be exactly 1: scale with `grad_scale`.
-      A forward that runs twice for one backward (activation checkpointing recomputes it)
-      would add twice: use the deferred mode (the default) with checkpointing.
+      Activation checkpointing runs the forward again inside backward; that forward adds
+      nothing when it redoes one that already added (use_reentrant=False: it asks for dX
+      alone), and adds when the first ran without grad (use_reentrant=True). Which is which
+      is told by the micro-batch's content (a sample of X and the targets, W itself).
     grad_scale: the factor dW and db are added to the accumulator with; only with an
       accumulator (without one, scale the loss).
     """
@@ -96,6 +99,57 @@ class LossdRuntime:
         self.grad_scale = float(grad_scale)
         self._handle = None
         self._key = None
+        # Eager forwards that added to the accumulator and whose backward has not run yet, by
+        # micro-batch content: a forward run again inside backward (activation checkpointing)
+        # that matches one of them redoes it. Each value lists one entry per such forward.
+        self._added = collections.OrderedDict()
+
+    # -- eager accumulation under activation checkpointing ------------------------------
+
+    _ADDED_KEPT = 256  # forwards without a backward (evaluation with grad on) age out
+
+    @staticmethod
+    def micro_batch_key(x2, t1, weight, bias, opts):
+        """What identifies a micro-batch across a recomputation: a recomputed X is a new
+        tensor with the same values, so an evenly spaced sample of X and of the targets (a
+        gather of at most 2 x 1024 elements), their shapes, and the weights themselves."""
+        def sample(t):
+            flat = t.detach().reshape(-1)
+            n = flat.numel()
+            if n == 0:
+                return b""
+            idx = torch.linspace(0, n - 1, steps=min(n, 1024), device=flat.device).long()
+            return flat[idx].double().cpu().numpy().tobytes()  # exact for every input dtype
+
+        return (tuple(x2.shape), x2.dtype, sample(x2), sample(t1), id(weight), weight._version,
+                None if bias is None else (id(bias), bias._version),
+                repr(sorted((k, v) for k, v in opts.items() if k != "class_weights")))
+
+    def note_added(self, key):
+        """An eager forward added its micro-batch: returns its entry (for forget_added)."""
+        entry = {"redone": False}
+        self._added.setdefault(key, []).append(entry)
+        self._added.move_to_end(key)
+        while len(self._added) > self._ADDED_KEPT:
+            self._added.popitem(last=False)
+        return (key, entry)
+
+    def take_redo(self, key):
+        """True when a forward of this content added and was not yet redone: this one (run
+        inside backward) redoes it, and must not add again."""
+        for entry in self._added.get(key, ()):
+            if not entry["redone"]:
+                entry["redone"] = True
+                return True
+        return False
+
+    def forget_added(self, noted):
+        key, entry = noted
+        entries = self._added.get(key)
+        if entries is not None and entry in entries:
+            entries.remove(entry)
+            if not entries:
+                del self._added[key]
 
     # -- weights ------------------------------------------------------------------------
 
@@ -170,7 +224,10 @@ class LossdRuntime:
     def fetch_gradients(self, reset=True):
         if self.accumulator is None:
             raise errors.FailedPreconditionError("no accumulator configured", method="nn")
-        return self.client.fetch_gradients(self.accumulator, reset=reset, timeout=self.timeout)
+        g = self.client.fetch_gradients(self.accumulator, reset=reset, timeout=self.timeout)
+        if reset:
+            self._added.clear()  # a new step: no forward before it is redone in it
+        return g
 
     def apply_accumulated_gradients(self, weight, bias=None, reset=True):
         """Adds the accumulated fp32 dW (and db) into weight.grad (bias.grad); returns the
@@ -269,6 +326,7 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         eager = any_grad and not deferred
         wants = dict(want_z_loss=bool(return_z_loss), want_accuracy=bool(return_token_accuracy),
                      want_predictions=bool(return_predicted_tokens))
+        ctx.noted = None
         if eager:
             eager_opts = dict(opts)
             if _input.dtype == torch.float16 and acc is None:
@@ -276,10 +334,25 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 # after the fact: fp16 gradients returned unscaled would already have lost
                 # their small values to underflow. fp32 ones are scaled, then rounded once.
                 eager_opts["grad_dtype"] = "fp32"
-            r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=need_dw,
-                                want_db=need_db, accumulator=acc,
-                                grad_scale=runtime.grad_scale if acc else None, **eager_opts,
-                                **wants)
+            key = None
+            redo = False
+            if acc is not None:
+                key = runtime.micro_batch_key(x2, t1, weight, bias, opts)
+                # Inside a backward: activation checkpointing running the forward again.
+                redo = torch._C._current_graph_task_id() != -1 and runtime.take_redo(key)
+            if redo:
+                # Its first forward added dW and db already; this one only gives the
+                # backward its saved dX again (scaled alike).
+                r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=False,
+                                    want_db=False, grad_scale=runtime.grad_scale,
+                                    **eager_opts, **wants)
+            else:
+                r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=need_dw,
+                                    want_db=need_db, accumulator=acc,
+                                    grad_scale=runtime.grad_scale if acc else None,
+                                    **eager_opts, **wants)
+                if acc is not None:
+                    ctx.noted = runtime.note_added(key)
         else:
             r = runtime.compute(x2, weight, t1, bias, want_dx=False, want_dw=False,
                                 want_db=False, **opts, **wants)
@@ -330,8 +403,11 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         runtime = ctx.runtime
         acc = runtime.accumulator
         if ctx.mode == "eager":
-            dx, dw, db = ctx.saved_tensors
+            dx, dw, db = ctx.saved_tensors  # recomputed here, under activation checkpointing
             ctx.backwards += 1
+            if ctx.noted is not None:
+                runtime.forget_added(ctx.noted)  # no later forward can redo this one
+                ctx.noted = None
             if acc is not None and ctx.backwards > 1:
                 raise errors.FailedPreconditionError(
                     "eager_accumulation added this micro-batch to the accumulator once, in "

@@ -474,3 +474,72 @@ def test_eager_accumulation_refuses_a_second_backward_through_a_retained_graph(c
     assert module.fetch_gradients().micro_batches == 1
     module.runtime.drop_accumulator()
     module.release()
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_adds_each_micro_batch_once(client, eager, use_reentrant):
+    """torch.utils.checkpoint runs the loss's forward again inside backward. Every
+    micro-batch must still be added to the accumulator once, with the gradients of one
+    forward: x.grad and the accumulated dW against float64."""
+    from torch.utils.checkpoint import checkpoint
+
+    k = 2
+    w = (torch.randn(V, H, generator=torch.Generator().manual_seed(71)) / H ** 0.5 * 3)
+    w = w.to(DEVICE).requires_grad_()
+    name = "ckpt-%s-%s" % (eager, use_reentrant)
+    module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator=name,
+                                              eager_accumulation=eager,
+                                              grad_scale=1.0 / k if eager else 1.0)
+    ref_dw = torch.zeros(V, H, dtype=torch.float64, device=DEVICE)
+    for i in range(k):
+        x, _, _, t = make("fp32", seed=72 + i)
+        # A layer before the loss, so that the checkpointed region has work to redo.
+        y = checkpoint(lambda a: module(w, torch.tanh(a), t), x, use_reentrant=use_reentrant)
+        (y if eager else y / k).backward()
+        xt = torch.tanh(x.detach().double()).requires_grad_()
+        ref = torch_reference(xt, w, t, upstream=torch.tensor(1.0 / k))
+        ref_dw += ref["dw"]
+        ref_dx = (1 - xt.detach() ** 2) * ref["dx"]  # through the tanh
+        assert_close("x.grad", x.grad, ref_dx, "fp32")
+    got = module.apply_accumulated_gradients(w)
+    assert got.micro_batches == k
+    assert_close("w.grad", w.grad, ref_dw, "fp32")
+    module.runtime.drop_accumulator()
+    module.release()
+
+
+def test_the_same_micro_batch_twice_outside_backward_adds_twice(client):
+    """Only a forward inside backward can be a redo: the same rows sent twice in one step
+    are two micro-batches."""
+    x, w, _, t = make("fp32", seed=75)
+    module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator="twice-same",
+                                              eager_accumulation=True, grad_scale=0.5)
+    (module(w, x, t) + module(w, x, t)).backward()
+    ref = torch_reference(x, w, t, upstream=torch.tensor(1.0))
+    got = module.apply_accumulated_gradients(w)
+    assert got.micro_batches == 2
+    assert_close("w.grad", w.grad, ref["dw"], "fp32")  # 2 x 0.5
+    assert not module.runtime._added, "every forward's backward ran"
+    module.runtime.drop_accumulator()
+    module.release()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_micro_batch_key_follows_the_content(dtype):
+    from lossd.nn import LossdRuntime
+
+    x, w, _, t = make(dtype, seed=76)
+    key = LossdRuntime.micro_batch_key
+    x2 = x.detach().reshape(-1, H)
+    same = key(x2.clone(), t.clone(), w, None, {"reduction": "mean"})
+    assert key(x2, t, w, None, {"reduction": "mean"}) == same
+    other_x = x2.clone()
+    other_x[0, 0] += 1  # the first element is always in the sample
+    assert key(other_x, t, w, None, {"reduction": "mean"}) != same
+    other_t = t.clone()
+    other_t[-1] = (other_t[-1] + 1) % V  # so is the last
+    assert key(x2, other_t, w, None, {"reduction": "mean"}) != same
+    assert key(x2, t, w, None, {"reduction": "sum"}) != same
+    w2 = w.detach().clone()
+    assert key(x2, t, w2, None, {"reduction": "mean"}) != same
