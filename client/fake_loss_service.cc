@@ -45,6 +45,15 @@ grpc::Status FakeLossService::Compute(
         it == ctx->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size());
   }
   if (mode == Mode::kError) return grpc::Status(error_code, error_message);
+  absl::Notification* held_now = nullptr;
+  absl::Notification* release_now = nullptr;
+  {
+    absl::MutexLock lock(&mu);
+    std::swap(held_now, held);
+    std::swap(release_now, release);
+  }
+  if (held_now != nullptr) held_now->Notify();
+  if (release_now != nullptr) release_now->WaitForNotification();
   std::string instance_now;
   {
     absl::MutexLock lock(&mu);

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "lossd/v1/lossd.pb.h"
@@ -85,6 +86,11 @@ class FakeLossService final : public v1::Loss::Service {
   // The fake's server instance; a Compute or fetch naming another accumulator_instance is
   // refused with FAILED_PRECONDITION, as lossd does. Change it to play a restart.
   std::string instance ABSL_GUARDED_BY(mu) = "fake-instance";
+  // When set, the next Compute waits once it has recorded its header, before it reads the
+  // instance it answers from: it notifies `held`, then waits for `release`. Both are taken
+  // (cleared) by that one call. For tests of calls that overlap.
+  absl::Notification* held ABSL_GUARDED_BY(mu) = nullptr;
+  absl::Notification* release ABSL_GUARDED_BY(mu) = nullptr;
 
   grpc::Status Compute(
       grpc::ServerContext* ctx,

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/fake_loss_service.h"
 #include "gmock/gmock.h"
@@ -596,6 +597,42 @@ TEST_F(LossClientTest, AnAccumulatorStaysOnTheInstanceThatBeganIt) {
   g = client->FetchGradients("step-7", /*reset=*/false);
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->instance, "fake-restarted");
+}
+
+// Two first Computes into a new accumulator at once: both go out before its instance is
+// known, so neither names one. The one answered first pins the accumulator to its instance;
+// the other, answered by another instance (a restart in between here; another replica behind
+// a balancer in life), is FAILED_PRECONDITION when it comes back: the sum is split.
+TEST_F(LossClientTest, AFirstComputeAnsweredByAnotherInstanceIsRefusedAfterTheFact) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest(6, 40, 26);
+  r.accumulator = "step-9";
+  absl::Notification held, release;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    fake_.held = &held;
+    fake_.release = &release;
+  }
+  absl::StatusOr<ComputeResult> late = absl::UnknownError("not run");
+  std::thread first([&] { late = client->Compute(r); });
+  held.WaitForNotification();  // sent, without an instance; the fake holds it
+  absl::StatusOr<ComputeResult> early = client->Compute(r);
+  ASSERT_TRUE(early.ok()) << early.status();
+  EXPECT_EQ(early->instance, "fake-instance");
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.accumulator_instance(), "");  // also sent before it was known
+    fake_.instance = "fake-restarted";
+  }
+  release.Notify();
+  first.join();
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition) << late.status();
+  EXPECT_THAT(late.status().message(),
+              HasSubstr("accumulator 'step-9' began on server instance 'fake-instance', but "
+                        "this Compute was added to one on instance 'fake-restarted'"));
+  // The instance remembered is still the first one: later calls name it.
+  absl::StatusOr<FetchGradientsResult> g = client->FetchGradients("step-9", false);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
 }
 
 TEST_F(LossClientTest, ServerInfo) {
