@@ -247,7 +247,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     frame_ = client::StreamFrame();  // drops the last received message
     engine_->Run(
         plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); },
-        absl::FromChrono(ctx_->deadline()), checked);
+        absl::FromChrono(ctx_->deadline()), checked, OverlapIo{},
+        [this] { return ctx_->IsCancelled(); });
     return absl::OkStatus();
   }
 
@@ -265,6 +266,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   void OnComputed(ComputeOutcome outcome) {
     inputs_.reset();  // inputs are no longer needed; free them before sending
     ObserveCompute(outcome);
+    NoteAdded(outcome);
     if (!outcome.status.ok()) {
       FinishOnce(outcome.status);
       return;
@@ -282,6 +284,13 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     send_started_ = absl::Now();
     response_ = client::EncodeMessage(response);
     StartWrite(&response_);
+  }
+
+  // From here a failure of the call leaves the accumulator's sum in doubt (FinishOnce).
+  void NoteAdded(const ComputeOutcome& outcome) {
+    if (outcome.added_to == nullptr) return;
+    absl::MutexLock lock(&mu_);
+    added_to_ = outcome.added_to;
   }
 
   // The queue and compute metrics of a finished compute job (the compute ones if it worked).
@@ -438,7 +447,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
         plan_, assembler_->buffers(),
         [this](ComputeOutcome outcome) { OnOverlapComputed(std::move(outcome)); },
         absl::FromChrono(ctx_->deadline()), assembler_->finite_checked(),
-        OverlapIo{rows, outputs_});
+        OverlapIo{rows, outputs_}, [this] { return ctx_->IsCancelled() || Failed(); });
     return absl::OkStatus();
   }
 
@@ -460,6 +469,12 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       handling_read_ = false;
     }
     Progress();
+  }
+
+  // The call has already failed (a job still queued then does not start).
+  bool Failed() {
+    absl::MutexLock lock(&mu_);
+    return !error_.ok();
   }
 
   // The first failure wins; the compute, if running, stops at the next rows it waits for.
@@ -488,6 +503,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   // On the executor thread.
   void OnOverlapComputed(ComputeOutcome outcome) {
     ObserveCompute(outcome);
+    NoteAdded(outcome);
     v1::ComputeResponse response = Summary(outcome);
     {
       absl::MutexLock lock(&mu_);
@@ -568,14 +584,21 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     return true;
   }
 
-  void FinishOnce(const absl::Status& s) {
+  void FinishOnce(absl::Status s) {
     uint64_t release = 0;
+    std::shared_ptr<Accumulator> added_to;
     {
       absl::MutexLock lock(&mu_);
       if (state_ == State::kFinished) return;
       state_ = State::kFinished;
       release = admitted_bytes_;
       admitted_bytes_ = 0;
+      added_to = std::move(added_to_);
+    }
+    if (!s.ok() && added_to != nullptr) {
+      // Added, but the client hears of a failure (a retry would add it twice): the sum is
+      // marked partial rather than trusted, as after a failed update.
+      s = absl::Status(s.code(), absl::StrCat(s.message(), Engine::MarkPartial(*added_to)));
     }
     inputs_.reset();
     assembler_.reset();
@@ -599,6 +622,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
+  std::shared_ptr<Accumulator> added_to_ ABSL_GUARDED_BY(mu_);  // see NoteAdded
   uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 

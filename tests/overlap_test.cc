@@ -331,6 +331,43 @@ TEST_F(OverlapTest, XCutOffWhileComputingFailsAndPoisonsTheAccumulator) {
   ExpectServes();
 }
 
+// Every row of X is in and the compute adds the micro-batch, but then the client sends a
+// part the server refuses: the call fails with that error, which says the micro-batch was
+// added, and the accumulator refuses further use (a retry would add it twice).
+TEST_F(OverlapTest, ABadPartAfterTheLastRowOfXPoisonsTheAccumulatorItWasAddedTo) {
+  RandomProblemSpec s = Spec(DType::kBF16, 17);
+  RandomProblem rp = RandomProblem::Make(s);
+  std::string handle;
+  ASSERT_TRUE(testing_harness::PutWeights(h_->stub(), rp, 1 << 20, &handle).ok());
+  v1::ComputeHeader hd = HeaderFor(rp, handle);
+  hd.set_accumulator("late-bad-acc");
+  std::vector<v1::ComputeRequest> parts = OverlapOrder(PartsFor(rp, RowBytes(s), false));
+  v1::ComputeRequest stray;
+  stray.mutable_part()->set_tensor(v1::TENSOR_TARGETS);
+  stray.mutable_part()->set_offset(rp.targets.size() * sizeof(int64_t));  // past its end
+  stray.mutable_part()->set_data(std::string(8, '\0'));
+  parts.push_back(stray);
+  OverlapScript sc;
+  sc.x_parts_before_wait = 20;  // the compute has started before the rest of X goes
+  OverlapReply o = RunOverlap(h_->stub(), hd, parts, sc, &h_->engine());
+  EXPECT_EQ(o.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << o.status.error_message();
+  EXPECT_NE(o.status.error_message().find("targets"), std::string::npos)
+      << o.status.error_message();
+  EXPECT_NE(o.status.error_message().find(
+                "its micro-batch had already been added into accumulator 'late-bad-acc', which "
+                "now refuses further use until it is dropped"),
+            std::string::npos)
+      << o.status.error_message();
+  EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
+  ComputeReply next = RunCompute(h_->stub(), hd, PartsFor(rp, 1 << 20, false));
+  EXPECT_EQ(next.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(next.status.error_message().find("accumulator 'late-bad-acc' may hold a partial sum"),
+            std::string::npos)
+      << next.status.error_message();
+  ASSERT_TRUE(h_->engine().DropAccumulator("late-bad-acc").ok());
+  ExpectServes();
+}
+
 TEST_F(OverlapTest, NaNInALatePartOfXIsRefusedWithItsPlace) {
   RandomProblemSpec s = Spec(DType::kBF16, 15);
   RandomProblem rp = RandomProblem::Make(s);

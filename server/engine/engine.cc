@@ -585,10 +585,12 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
 
 void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
                  std::function<void(ComputeOutcome)> done, absl::Time deadline,
-                 bool inputs_checked_finite, OverlapIo overlap) {
+                 bool inputs_checked_finite, OverlapIo overlap,
+                 std::function<bool()> cancelled) {
   const absl::Time submitted = absl::Now();
   executor_.Submit([this, plan, inputs, done = std::move(done), submitted, deadline,
-                    inputs_checked_finite, overlap = std::move(overlap)]() {
+                    inputs_checked_finite, overlap = std::move(overlap),
+                    cancelled = std::move(cancelled)]() {
     const double queued = Seconds(submitted);
     if (absl::Now() > deadline) {
       ComputeOutcome late;
@@ -598,10 +600,26 @@ void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputB
       done(std::move(late));
       return;
     }
+    if (cancelled && cancelled()) {
+      ComputeOutcome gone;
+      gone.status = absl::CancelledError(absl::StrCat(
+          "the call was cancelled after ", queued, " s in the compute queue; not started"));
+      gone.queue_seconds = queued;
+      done(std::move(gone));
+      return;
+    }
     ComputeOutcome outcome = RunNow(*plan, *inputs, inputs_checked_finite, overlap);
     outcome.queue_seconds = queued;
     done(std::move(outcome));
   });
+}
+
+std::string Engine::MarkPartial(Accumulator& acc) {
+  absl::MutexLock lock(&acc.mu);
+  acc.poisoned = true;
+  return absl::StrCat("; its micro-batch had already been added into accumulator '", acc.name,
+                      "', which now refuses further use until it is dropped (the sum cannot "
+                      "be trusted: redo the step)");
 }
 
 std::vector<HostBuffer> Engine::NewOutputs(const ComputePlan& plan) {
@@ -750,6 +768,7 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
     acc->micro_batches += 1;
     acc->tokens += tokens;
     r.accumulated_micro_batches = acc->micro_batches;
+    r.added_to = acc;
   } else {
     r.status = backend_->Compute(p, out, &r.stats);
     if (!r.status.ok()) return r;

@@ -83,6 +83,11 @@ struct ComputeOutcome {
   float loss = 0, z_loss = 0, accuracy = 0;
   int64_t tokens = 0;
   uint64_t accumulated_micro_batches = 0;
+  // The accumulator this micro-batch was added into (null: none, or nothing added). A call
+  // that fails after that (the client cancelled, went away, or sent a bad message once
+  // computing had started) hands it to Engine::MarkPartial: the client cannot tell whether
+  // its micro-batch counts, so the sum may not be trusted.
+  std::shared_ptr<Accumulator> added_to;
   LossStats stats;
   double queue_seconds = 0;
   std::vector<HostBuffer> outputs;  // one per plan.outputs, same order
@@ -174,10 +179,17 @@ class Engine {
   // `overlap.rows` set: every input but X is complete, X fills in while the compute runs
   // (its --check_finite test is the receiver's, part by part, before rows are reported), and
   // the results land in `overlap.outputs` (ComputeOutcome.outputs stays empty).
+  // `cancelled` (may be empty) is asked when its turn comes: a call cancelled while queued
+  // is not started either (CANCELLED), so nothing is added for it.
   void Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
            std::function<void(ComputeOutcome)> done,
            absl::Time deadline = absl::InfiniteFuture(), bool inputs_checked_finite = false,
-           OverlapIo overlap = {});
+           OverlapIo overlap = {}, std::function<bool()> cancelled = nullptr);
+
+  // After a call whose micro-batch was added into `acc` failed: the accumulator refuses
+  // further use (FAILED_PRECONDITION, as after a failed update) until it is dropped.
+  // Returns what to append to the call's error message.
+  static std::string MarkPartial(Accumulator& acc);
 
   // Output buffers for `plan`, one per plan.outputs in order (not zero-filled).
   static std::vector<HostBuffer> NewOutputs(const ComputePlan& plan);

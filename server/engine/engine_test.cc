@@ -162,6 +162,39 @@ TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
   EXPECT_EQ(e.FetchGradients("late", false).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A call cancelled while its job waited in the queue is not started: nothing is added, and
+// the accumulator is not even created. One that ran says which accumulator it added to.
+TEST(EngineTest, ARequestCancelledInTheQueueIsNotStartedAndAddsNothing) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblem rp = ProblemOf(4, 3, 5);
+  ComputeSpec spec = SpecFor(rp);
+  spec.accumulator = "gone";
+  auto plan = e.Plan(spec);
+  ASSERT_TRUE(plan.ok());
+  for (bool cancelled : {true, false}) {
+    std::promise<ComputeOutcome> done;
+    e.Run(std::make_shared<const ComputePlan>(*plan), Inputs(rp, *plan),
+          [&](ComputeOutcome o) { done.set_value(std::move(o)); }, absl::InfiniteFuture(),
+          false, OverlapIo{}, [cancelled] { return cancelled; });
+    ComputeOutcome o = done.get_future().get();
+    if (cancelled) {
+      EXPECT_EQ(o.status.code(), absl::StatusCode::kCancelled);
+      EXPECT_NE(o.status.message().find("not started"), std::string::npos) << o.status;
+      EXPECT_EQ(o.added_to, nullptr);
+      EXPECT_EQ(e.FetchGradients("gone", false).status().code(), absl::StatusCode::kNotFound);
+    } else {
+      ASSERT_TRUE(o.status.ok()) << o.status;
+      ASSERT_NE(o.added_to, nullptr);
+      EXPECT_EQ(o.added_to->name, "gone");
+      // A call that fails after this marks the sum partial.
+      const std::string said = Engine::MarkPartial(*o.added_to);
+      EXPECT_NE(said.find("already been added into accumulator 'gone'"), std::string::npos);
+      auto g = e.FetchGradients("gone", false);
+      EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
+    }
+  }
+}
+
 // The W of the striped-upload tests: fp32 (64, 32), 8 KiB.
 TensorDesc StripedW() {
   TensorDesc w;
