@@ -33,12 +33,14 @@ bool WeightCache::IssuedLocked(const std::string& handle) const {
 }
 
 absl::Status WeightCache::EvictForLocked(uint64_t bytes) {
-  while (bytes_ + reserved_ + bytes > budget_ && !lru_.empty()) EvictOldestLocked();
-  if (bytes_ + reserved_ + bytes > budget_) {
+  // Uploads in progress cannot be evicted: when they leave no room, evicting the cached
+  // entries would not make any, and the refused upload would take them all down with it.
+  if (reserved_ + bytes > budget_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "weights of ", bytes, " bytes do not fit in the weight cache: ", reserved_,
         " of its ", budget_, " bytes (--weight_cache_bytes) are taken by uploads in progress"));
   }
+  while (bytes_ + reserved_ + bytes > budget_ && !lru_.empty()) EvictOldestLocked();
   return absl::OkStatus();
 }
 

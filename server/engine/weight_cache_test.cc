@@ -63,6 +63,28 @@ TEST(WeightCacheTest, TooLargeForTheBudgetIsResourceExhausted) {
   EXPECT_NE(s.message().find("budget of 100 bytes"), std::string::npos) << s;
 }
 
+// An upload refused because uploads in progress hold the room evicts nothing: evicting could
+// not have made room for it.
+TEST(WeightCacheTest, AnUploadThatCannotFitBesideUploadsInProgressEvictsNothing) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(100, "inst");
+  ASSERT_TRUE(cache.Reserve(30).ok());
+  const std::string a = cache.Insert(Entry(*backend, 30));
+  ASSERT_TRUE(cache.Reserve(60).ok());  // an upload in progress
+  absl::Status s = cache.Reserve(50);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("60 of its 100 bytes (--weight_cache_bytes) are taken by uploads "
+                             "in progress"),
+            std::string::npos)
+      << s;
+  EXPECT_TRUE(cache.Get(a).ok()) << "the refused upload evicted a cached entry";
+  EXPECT_EQ(cache.evictions(), 0u);
+  // One that fits once `a` goes still evicts it.
+  ASSERT_TRUE(cache.Reserve(40).ok());
+  EXPECT_FALSE(cache.Get(a).ok());
+  EXPECT_EQ(cache.evictions(), 1u);
+}
+
 TEST(WeightCacheTest, HandlesNameTheirInstance) {
   auto backend = NewCpuBackend(1);
   WeightCache cache(100, "abc");
