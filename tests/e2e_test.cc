@@ -439,6 +439,51 @@ TEST_F(BadInputTest, HandleFromAnotherServerInstance) {
          grpc::StatusCode::NOT_FOUND, "belongs to another server instance");
 }
 
+// Ids longer than any the server issues are refused with their length, not echoed whole
+// (a megabyte of handle in a status message would not reach the client as itself).
+TEST_F(BadInputTest, IdsLongerThanAnyIssuedAreRefusedWithTheirLength) {
+  RandomProblem rp = Problem();
+  const std::string huge(1 << 20, 'w');
+  Expect(RunCompute(h_->stub(), HeaderFor(rp, huge), {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "header.weight_handle is 1048576 characters long, more than any issued (128)");
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.set_accumulator("long-instance");
+  h.set_accumulator_instance(huge);
+  Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "header.accumulator_instance is 1048576 characters long, more than any issued (128)");
+  {
+    grpc::ClientContext ctx;
+    v1::DropWeightsRequest req;
+    req.set_handle(huge);
+    v1::DropWeightsResponse resp;
+    grpc::Status st = h_->stub().DropWeights(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("handle is 1048576 characters long"), std::string::npos)
+        << st.error_message();
+  }
+  h.clear_accumulator_instance();
+  ASSERT_TRUE(RunCompute(h_->stub(), h, PartsFor(rp, 1 << 20)).status.ok());
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest fr;
+  fr.set_accumulator("long-instance");
+  fr.set_reset(true);
+  fr.set_accumulator_instance(huge);
+  auto reader = h_->stub().FetchGradients(&ctx, fr);
+  v1::FetchGradientsResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("accumulator_instance is 1048576 characters long"),
+            std::string::npos)
+      << st.error_message();
+  auto g = h_->engine().FetchGradients("long-instance", false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->micro_batches, 1u);  // the refused reset fetch reset nothing
+  ASSERT_TRUE(h_->engine().DropAccumulator("long-instance").ok());
+  ExpectServes(*h_);
+}
+
 TEST_F(BadInputTest, OptionsOutOfRange) {
   RandomProblem rp = Problem();
   v1::ComputeHeader h = HeaderFor(rp);

@@ -121,6 +121,17 @@ absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const cha
 }
 
 // An accumulator a failed micro-batch may have left half-updated is never served as whole.
+// Handles and instance ids are short (w-<instance>-<n>, 8 hex digits); one of any length
+// would be echoed whole in the error that answers it, and a status message past gRPC's
+// metadata limit reaches the client as another error.
+constexpr size_t kMaxIdLength = 128;
+absl::Status CheckIdLength(const std::string& id, absl::string_view field) {
+  if (id.size() <= kMaxIdLength) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, " is ", id.size(),
+                                                 " characters long, more than any issued (",
+                                                 kMaxIdLength, ")"));
+}
+
 absl::Status PartialSumError(const std::string& name) {
   return absl::FailedPreconditionError(absl::StrCat(
       "accumulator '", name, "' may hold a partial sum: a micro-batch failed while adding "
@@ -338,6 +349,8 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   plan.dtype = x.dtype;
 
   if (!spec.weight_handle.empty()) {
+    s = CheckIdLength(spec.weight_handle, "header.weight_handle");
+    if (!s.ok()) return s;
     if (w.present || bias.present) {
       return absl::InvalidArgumentError(absl::StrCat(
           "header names weight_handle '", spec.weight_handle,
@@ -899,7 +912,11 @@ absl::StatusOr<std::string> Engine::CommitWeights(std::unique_ptr<PendingWeights
   return weights_.Insert(std::move(p->entry));
 }
 
-absl::Status Engine::DropWeights(const std::string& handle) { return weights_.Drop(handle); }
+absl::Status Engine::DropWeights(const std::string& handle) {
+  absl::Status s = CheckIdLength(handle, "handle");
+  if (!s.ok()) return s;
+  return weights_.Drop(handle);
+}
 
 namespace {
 
@@ -928,6 +945,8 @@ absl::Status Engine::CheckAccumulatorInstance(const std::string& expected,
                                               const std::string& name,
                                               absl::string_view field) const {
   if (expected.empty() || expected == options_.instance) return absl::OkStatus();
+  absl::Status s = CheckIdLength(expected, field);
+  if (!s.ok()) return s;
   return absl::FailedPreconditionError(absl::StrCat(
       field, " '", expected, "' is not this server (instance '", options_.instance,
       "'): accumulator '", name, "' began on another server instance (another replica, or "
