@@ -978,6 +978,12 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   }
 
   void TakeSnapshot() {
+    if (ctx_->IsCancelled()) {
+      // Gone while it waited for memory or the executor: nothing is read, nothing reset.
+      FinishOnce(absl::CancelledError(
+          "the call was cancelled before its snapshot was taken; nothing was read or reset"));
+      return;
+    }
     auto g = service_->engine()->FetchGradients(name_, reset_, range_begin_, range_end_);
     if (!g.ok()) {
       FinishOnce(g.status());
@@ -1018,6 +1024,19 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
 
   void FinishOnce(const absl::Status& s) {
     if (finished_.exchange(true)) return;
+    if (!s.ok() && snapshot_.reset_of != nullptr && data_ != nullptr) {
+      // The accumulator was reset for data that did not arrive: put the sum back, on the
+      // executor (after the computes queued before it; a copy of a large dW blocks).
+      service_->engine()->Submit([this, s] {
+        const std::string said = service_->engine()->UndoReset(snapshot_, (*data_)[0].get());
+        FinishNow(absl::Status(s.code(), absl::StrCat(s.message(), said)));
+      });
+      return;
+    }
+    FinishNow(s);
+  }
+
+  void FinishNow(const absl::Status& s) {
     data_.reset();  // the buffer goes back once gRPC has released every slice of it
     uint64_t release = 0;
     {

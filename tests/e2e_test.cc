@@ -696,6 +696,55 @@ TEST(BudgetTest, FetchGradientsCopiesComeOutOfTheMemoryBudget) {
   ExpectServes(h);
 }
 
+// A reset fetch whose client goes away after the first part: the sum it reset is put back
+// (the step's gradient is not lost), bit for bit, with its counts.
+TEST(FetchResetTest, AResetFetchThatDoesNotArriveIsUndone) {
+  RandomProblemSpec s = SmallSpec(DType::kF32, 8);
+  s.v = 4096;
+  s.h = 1024;  // 16 MiB of fp32 dW: far more than the stream's flow-control window
+  s.options.reduction = Reduction::kSum;
+  RandomProblem rp = RandomProblem::Make(s);
+  Harness h;
+  std::string handle;
+  ASSERT_TRUE(testing_harness::PutWeights(h.stub(), rp, 1 << 20, &handle).ok());
+  v1::ComputeHeader acc = HeaderFor(rp, handle);
+  acc.set_accumulator("undo");
+  ASSERT_TRUE(RunCompute(h.stub(), acc, PartsFor(rp, 1 << 20, false)).status.ok());
+  ASSERT_TRUE(RunCompute(h.stub(), acc, PartsFor(rp, 1 << 20, false)).status.ok());
+  auto before = h.engine().FetchGradients("undo", false);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(before->micro_batches, 2u);
+
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest fr;
+  fr.set_accumulator("undo");
+  fr.set_reset(true);
+  fr.set_response_part_bytes(1 << 16);
+  auto reader = h.stub().FetchGradients(&ctx, fr);
+  v1::FetchGradientsResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  ASSERT_TRUE(msg.has_header());
+  EXPECT_EQ(msg.header().micro_batches(), 2u);
+  ctx.TryCancel();  // gone before the parts
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(h.WaitForIdleMemory(), 0u);
+  // The server finishes the call (and the undo) on its own time: wait for the counts.
+  absl::StatusOr<GradientsSnapshot> after;
+  for (int i = 0; i < 500; ++i) {
+    after = h.engine().FetchGradients("undo", false);
+    if (!after.ok() || after->micro_batches != 0) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->micro_batches, 2u);
+  EXPECT_EQ(after->tokens, before->tokens);
+  ASSERT_EQ(after->end - after->begin, before->end - before->begin);
+  EXPECT_EQ(std::memcmp(after->data.get(), before->data.get(), before->end - before->begin), 0);
+  ExpectServes(h);
+}
+
 TEST(BudgetTest, ARequestOverMaxRequestBytesIsRefused) {
   HarnessOptions o;
   o.engine.max_request_bytes = 10000;

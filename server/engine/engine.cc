@@ -1009,8 +1009,33 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
     }
     acc.micro_batches = 0;
     acc.tokens = 0;
+    g.reset_of = *a;
   }
   return g;
+}
+
+std::string Engine::UndoReset(const GradientsSnapshot& g, const uint8_t* data) {
+  if (g.reset_of == nullptr) return "";
+  Accumulator& acc = *g.reset_of;
+  absl::MutexLock lock(&acc.mu);
+  if (acc.poisoned) return "";
+  if (acc.micro_batches != 0 || acc.tokens != 0) {
+    acc.poisoned = true;
+    return absl::StrCat("; its reset could not be undone (a Compute has added to accumulator '",
+                        acc.name, "' since), so the accumulator now refuses further use until "
+                        "it is dropped");
+  }
+  absl::Status s = backend_->CopyToBackend(*acc.dw, 0, data, g.dw_bytes());
+  if (s.ok() && acc.db) s = backend_->CopyToBackend(*acc.db, 0, data + g.dw_bytes(), g.db_bytes());
+  if (!s.ok()) {
+    acc.poisoned = true;
+    return absl::StrCat("; undoing its reset failed (", s.message(), "), so accumulator '",
+                        acc.name, "' now refuses further use until it is dropped");
+  }
+  acc.micro_batches = g.micro_batches;
+  acc.tokens = g.tokens;
+  return absl::StrCat("; its reset was undone: accumulator '", acc.name, "' holds its ",
+                      g.micro_batches, " micro-batches again");
 }
 
 namespace {

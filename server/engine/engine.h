@@ -118,6 +118,8 @@ struct GradientsSnapshot {
   int64_t tokens = 0;
   uint64_t begin = 0, end = 0;
   HostBuffer data;  // end - begin bytes
+  // The accumulator this fetch reset (null: no reset), for Engine::UndoReset.
+  std::shared_ptr<Accumulator> reset_of;
   uint64_t dw_bytes() const { return static_cast<uint64_t>(v) * h * 4; }
   uint64_t db_bytes() const { return has_bias ? static_cast<uint64_t>(v) * 4 : 0; }
 };
@@ -236,6 +238,12 @@ class Engine {
                                                            uint64_t begin, uint64_t end);
   // Copies the bytes [begin, end) of an accumulator's dW | db to the host under its lock
   // (0, 0 = all of it), zeroing it afterwards when `reset` (whole fetches only).
+  // A reset fetch whose data did not reach the client (it cancelled or went away while the
+  // parts were sent): puts the snapshot `data` (all of dW | db) back into the accumulator it
+  // reset, with its counts, so the step's sum is not lost. Where a Compute has added to it
+  // since, the two cannot be told apart any more and it is marked partial instead. Returns
+  // what happened, for the call's error message.
+  std::string UndoReset(const GradientsSnapshot& g, const uint8_t* data);
   absl::StatusOr<GradientsSnapshot> FetchGradients(const std::string& name, bool reset,
                                                    uint64_t begin = 0, uint64_t end = 0);
   absl::Status DropAccumulator(const std::string& name);

@@ -195,6 +195,44 @@ TEST(EngineTest, ARequestCancelledInTheQueueIsNotStartedAndAddsNothing) {
   }
 }
 
+// UndoReset puts a reset snapshot back while nothing has been added since, and marks the
+// accumulator partial once something has (the two sums can no longer be told apart).
+TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblem rp = ProblemOf(4, 3, 5);
+  ComputeSpec spec = SpecFor(rp);
+  spec.accumulator = "undo";
+  auto plan = e.Plan(spec);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  auto whole = e.FetchGradients("undo", false);
+  ASSERT_TRUE(whole.ok());
+  auto reset = e.FetchGradients("undo", true);
+  ASSERT_TRUE(reset.ok());
+  ASSERT_NE(reset->reset_of, nullptr);
+  EXPECT_NE(e.UndoReset(*reset, reset->data.get()).find("its reset was undone"),
+            std::string::npos);
+  auto back = e.FetchGradients("undo", false);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->micro_batches, 1u);
+  EXPECT_EQ(std::memcmp(back->data.get(), whole->data.get(), whole->end - whole->begin), 0);
+  // Reset again, then a Compute adds before the undo comes: partial.
+  reset = e.FetchGradients("undo", true);
+  ASSERT_TRUE(reset.ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  EXPECT_NE(e.UndoReset(*reset, reset->data.get()).find("could not be undone"),
+            std::string::npos);
+  EXPECT_EQ(e.FetchGradients("undo", false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // A fetch without reset has nothing to undo.
+  ASSERT_TRUE(e.DropAccumulator("undo").ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  auto plain = e.FetchGradients("undo", false);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->reset_of, nullptr);
+  EXPECT_EQ(e.UndoReset(*plain, plain->data.get()), "");
+}
+
 // The W of the striped-upload tests: fp32 (64, 32), 8 KiB.
 TensorDesc StripedW() {
   TensorDesc w;
