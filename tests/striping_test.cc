@@ -168,6 +168,46 @@ TEST(StripingTest, OverlappingStripesAreRefused) {
   EXPECT_EQ(h.engine().weights().count(), 0u);
 }
 
+// Ranges that leave a gap in W are refused when the last stripe joins, naming them; ranges
+// that leave no room for the stripes still to come are refused at once (those stripes could
+// never join, and the ones that did would wait for them until the idle timeout).
+TEST(StripingTest, StripesWhoseRangesCannotCoverWAreRefusedWhenTheyJoin) {
+  Harness h;
+  RandomProblem rp = Problem();
+  const uint64_t w_bytes = rp.w.size();  // 96000
+  auto a = h.NewStub(grpc::InsecureChannelCredentials());
+  auto b = h.NewStub(grpc::InsecureChannelCredentials());
+  StripeResult first;
+  std::thread t([&] { first = SendStripe(*a, rp, "gap", 2, 0, 4000, 4000); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the first joins first
+  StripeResult second = SendStripe(*b, rp, "gap", 2, 8000, w_bytes, 4000);
+  t.join();
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(second.status.error_message().find(
+                "the ranges of upload 'gap' cannot cover w's 96000 bytes with its 2 stripes: "
+                "[0, 4000), [8000, 96000) cover 92000 bytes, 0 stripe(s) still to join"),
+            std::string::npos)
+      << second.status.error_message();
+  EXPECT_EQ(first.status.error_code(), grpc::StatusCode::ABORTED) << first.status.error_message();
+
+  StripeResult all = SendStripe(*a, rp, "no-room", 3, 0, w_bytes, 4000);
+  EXPECT_EQ(all.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(all.status.error_message().find("[0, 96000) cover 96000 bytes, 2 stripe(s) still to "
+                                            "join"),
+            std::string::npos)
+      << all.status.error_message();
+  EXPECT_EQ(h.engine().weights().count(), 0u);
+  EXPECT_EQ(h.WaitForIdleMemory(), 0u);
+  // Ranges that do cover W still make one handle.
+  StripeResult lo, hi;
+  std::thread u([&] { lo = SendStripe(*a, rp, "whole", 2, 0, 50000, 4000); });
+  hi = SendStripe(*b, rp, "whole", 2, 50000, w_bytes, 4000);
+  u.join();
+  ASSERT_TRUE(lo.status.ok()) << lo.status.error_message();
+  ASSERT_TRUE(hi.status.ok()) << hi.status.error_message();
+  EXPECT_EQ(lo.handle, hi.handle);
+}
+
 // --stream_idle_timeout and striped uploads: a stripe done with its range waits for its
 // siblings without a message of its own, which is not idle while a sibling still sends; when
 // no stripe sends (a sibling never comes), the upload is aborted and leaves nothing held.

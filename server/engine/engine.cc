@@ -1131,6 +1131,22 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
     return absl::InvalidArgumentError(absl::StrCat(
         "upload '", upload_id, "' already has its ", u->stripes_, " stripes"));
   }
+  // The ranges are disjoint (above), so they cover w exactly once the stripes still to come
+  // can fill what is left, at least one element each: refused as soon as they cannot,
+  // naming the ranges, rather than found out at the end (or never, by stripes that wait).
+  uint64_t covered = end - begin;
+  for (const auto& r : u->ranges_) covered += r.second - r.first;
+  const uint64_t still_to_join = u->stripes_ - u->joined_ - 1;
+  const uint64_t left = w_bytes - covered;
+  if (still_to_join == 0 ? left != 0 : left < still_to_join * es) {
+    std::vector<std::string> ranges;
+    for (const auto& r : u->ranges_) ranges.push_back(absl::StrCat("[", r.first, ", ", r.second, ")"));
+    ranges.push_back(absl::StrCat("[", begin, ", ", end, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the ranges of upload '", upload_id, "' cannot cover w's ", w_bytes, " bytes with its ",
+        u->stripes_, " stripes: ", absl::StrJoin(ranges, ", "), " cover ", covered, " bytes, ",
+        still_to_join, " stripe(s) still to join"));
+  }
   if (carries_bias) {
     if (u->bias_claimed_) {
       return absl::InvalidArgumentError("two stripes of one upload both send the bias");
