@@ -291,6 +291,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (outcome.added_to == nullptr) return;
     absl::MutexLock lock(&mu_);
     added_to_ = outcome.added_to;
+    added_resets_ = outcome.added_resets;
   }
 
   // The queue and compute metrics of a finished compute job (the compute ones if it worked).
@@ -587,6 +588,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   void FinishOnce(absl::Status s) {
     uint64_t release = 0;
     std::shared_ptr<Accumulator> added_to;
+    uint64_t added_resets = 0;
     {
       absl::MutexLock lock(&mu_);
       if (state_ == State::kFinished) return;
@@ -594,11 +596,13 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       release = admitted_bytes_;
       admitted_bytes_ = 0;
       added_to = std::move(added_to_);
+      added_resets = added_resets_;
     }
     if (!s.ok() && added_to != nullptr) {
       // Added, but the client hears of a failure (a retry would add it twice): the sum is
       // marked partial rather than trusted, as after a failed update.
-      s = absl::Status(s.code(), absl::StrCat(s.message(), Engine::MarkPartial(*added_to)));
+      s = absl::Status(s.code(), absl::StrCat(s.message(),
+                                              Engine::MarkPartial(*added_to, added_resets)));
     }
     inputs_.reset();
     assembler_.reset();
@@ -623,6 +627,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
   std::shared_ptr<Accumulator> added_to_ ABSL_GUARDED_BY(mu_);  // see NoteAdded
+  uint64_t added_resets_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 

@@ -28,6 +28,10 @@ struct Accumulator {
   uint64_t micro_batches ABSL_GUARDED_BY(mu) = 0;
   int64_t tokens ABSL_GUARDED_BY(mu) = 0;
   bool poisoned ABSL_GUARDED_BY(mu) = false;  // a failed update may have left it partial
+  // Bumped by every add and every fetch's snapshot: an undone reset (Engine::UndoReset) must
+  // find nothing has happened to the sum since.
+  uint64_t generation ABSL_GUARDED_BY(mu) = 0;
+  uint64_t resets ABSL_GUARDED_BY(mu) = 0;  // reset fetches so far
 };
 
 class AccumulatorStore {

@@ -120,7 +120,6 @@ absl::Status CheckFinite(const uint8_t* data, DType dtype, uint64_t n, const cha
   return absl::OkStatus();
 }
 
-// An accumulator a failed micro-batch may have left half-updated is never served as whole.
 // Handles and instance ids are short (w-<instance>-<n>, 8 hex digits); one of any length
 // would be echoed whole in the error that answers it, and a status message past gRPC's
 // metadata limit reaches the client as another error.
@@ -132,6 +131,7 @@ absl::Status CheckIdLength(const std::string& id, absl::string_view field) {
                                                  kMaxIdLength, ")"));
 }
 
+// An accumulator a failed micro-batch may have left half-updated is never served as whole.
 absl::Status PartialSumError(const std::string& name) {
   return absl::FailedPreconditionError(absl::StrCat(
       "accumulator '", name, "' may hold a partial sum: a micro-batch failed while adding "
@@ -627,8 +627,14 @@ void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputB
   });
 }
 
-std::string Engine::MarkPartial(Accumulator& acc) {
+std::string Engine::MarkPartial(Accumulator& acc, uint64_t resets_at_add) {
   absl::MutexLock lock(&acc.mu);
+  if (acc.resets != resets_at_add) {
+    // A reset fetch has taken the sum with the micro-batch in it since: the sum there is
+    // now is a new one, which it is not part of.
+    return absl::StrCat("; its micro-batch had been added into accumulator '", acc.name,
+                        "', whose sum a reset fetch has taken since");
+  }
   acc.poisoned = true;
   return absl::StrCat("; its micro-batch had already been added into accumulator '", acc.name,
                       "', which now refuses further use until it is dropped (the sum cannot "
@@ -780,8 +786,10 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
     }
     acc->micro_batches += 1;
     acc->tokens += tokens;
+    ++acc->generation;
     r.accumulated_micro_batches = acc->micro_batches;
     r.added_to = acc;
+    r.added_resets = acc->resets;
   } else {
     r.status = backend_->Compute(p, out, &r.stats);
     if (!r.status.ok()) return r;
@@ -985,6 +993,7 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
   }
   g.micro_batches = acc.micro_batches;
   g.tokens = acc.tokens;
+  ++acc.generation;  // a reset being undone must not hide that this fetch saw the sum
   g.begin = begin;
   g.end = end;
   g.data = NewHostBuffer(end - begin);
@@ -1009,7 +1018,9 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
     }
     acc.micro_batches = 0;
     acc.tokens = 0;
+    ++acc.resets;
     g.reset_of = *a;
+    g.generation_after_reset = acc.generation;
   }
   return g;
 }
@@ -1017,13 +1028,17 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
 std::string Engine::UndoReset(const GradientsSnapshot& g, const uint8_t* data) {
   if (g.reset_of == nullptr) return "";
   Accumulator& acc = *g.reset_of;
+  auto now = accumulators_.Get(acc.name);
+  if (!now.ok() || now->get() != &acc) {
+    return absl::StrCat("; accumulator '", acc.name, "', which it reset, has been dropped since");
+  }
   absl::MutexLock lock(&acc.mu);
   if (acc.poisoned) return "";
-  if (acc.micro_batches != 0 || acc.tokens != 0) {
+  if (acc.generation != g.generation_after_reset) {
     acc.poisoned = true;
     return absl::StrCat("; its reset could not be undone (a Compute has added to accumulator '",
-                        acc.name, "' since), so the accumulator now refuses further use until "
-                        "it is dropped");
+                        acc.name, "' or a fetch has read it since), so the accumulator now "
+                        "refuses further use until it is dropped");
   }
   absl::Status s = backend_->CopyToBackend(*acc.dw, 0, data, g.dw_bytes());
   if (s.ok() && acc.db) s = backend_->CopyToBackend(*acc.db, 0, data + g.dw_bytes(), g.db_bytes());

@@ -88,6 +88,7 @@ struct ComputeOutcome {
   // computing had started) hands it to Engine::MarkPartial: the client cannot tell whether
   // its micro-batch counts, so the sum may not be trusted.
   std::shared_ptr<Accumulator> added_to;
+  uint64_t added_resets = 0;  // added_to's reset count when it was added (MarkPartial)
   LossStats stats;
   double queue_seconds = 0;
   std::vector<HostBuffer> outputs;  // one per plan.outputs, same order
@@ -120,6 +121,7 @@ struct GradientsSnapshot {
   HostBuffer data;  // end - begin bytes
   // The accumulator this fetch reset (null: no reset), for Engine::UndoReset.
   std::shared_ptr<Accumulator> reset_of;
+  uint64_t generation_after_reset = 0;
   uint64_t dw_bytes() const { return static_cast<uint64_t>(v) * h * 4; }
   uint64_t db_bytes() const { return has_bias ? static_cast<uint64_t>(v) * 4 : 0; }
 };
@@ -189,9 +191,10 @@ class Engine {
            OverlapIo overlap = {}, std::function<bool()> cancelled = nullptr);
 
   // After a call whose micro-batch was added into `acc` failed: the accumulator refuses
-  // further use (FAILED_PRECONDITION, as after a failed update) until it is dropped.
+  // further use (FAILED_PRECONDITION, as after a failed update) until it is dropped, unless
+  // a reset fetch has taken the sum since (`resets_at_add`: ComputeOutcome.added_resets).
   // Returns what to append to the call's error message.
-  static std::string MarkPartial(Accumulator& acc);
+  static std::string MarkPartial(Accumulator& acc, uint64_t resets_at_add);
 
   // Output buffers for `plan`, one per plan.outputs in order (not zero-filled).
   static std::vector<HostBuffer> NewOutputs(const ComputePlan& plan);
@@ -238,14 +241,15 @@ class Engine {
                                                            uint64_t begin, uint64_t end);
   // Copies the bytes [begin, end) of an accumulator's dW | db to the host under its lock
   // (0, 0 = all of it), zeroing it afterwards when `reset` (whole fetches only).
-  // A reset fetch whose data did not reach the client (it cancelled or went away while the
-  // parts were sent): puts the snapshot `data` (all of dW | db) back into the accumulator it
-  // reset, with its counts, so the step's sum is not lost. Where a Compute has added to it
-  // since, the two cannot be told apart any more and it is marked partial instead. Returns
-  // what happened, for the call's error message.
-  std::string UndoReset(const GradientsSnapshot& g, const uint8_t* data);
   absl::StatusOr<GradientsSnapshot> FetchGradients(const std::string& name, bool reset,
                                                    uint64_t begin = 0, uint64_t end = 0);
+  // A reset fetch whose data did not reach the client (the server saw it cancel or go away
+  // while the parts were sent): puts the snapshot `data` (all of dW | db) back into the
+  // accumulator it reset, with its counts, so the step's sum is not lost. Where anything has
+  // happened to the sum since (a Compute added, a fetch read it), the two cannot be told
+  // apart any more and it is marked partial instead; a dropped one is left alone. Returns
+  // what happened, for the call's error message.
+  std::string UndoReset(const GradientsSnapshot& g, const uint8_t* data);
   absl::Status DropAccumulator(const std::string& name);
 
   // Runs `job` on the executor, after every compute submitted before it.

@@ -186,8 +186,15 @@ TEST(EngineTest, ARequestCancelledInTheQueueIsNotStartedAndAddsNothing) {
       ASSERT_TRUE(o.status.ok()) << o.status;
       ASSERT_NE(o.added_to, nullptr);
       EXPECT_EQ(o.added_to->name, "gone");
-      // A call that fails after this marks the sum partial.
-      const std::string said = Engine::MarkPartial(*o.added_to);
+      // A call that fails after this marks the sum partial, unless a reset fetch has taken
+      // the sum with the micro-batch in it since.
+      auto taken = e.FetchGradients("gone", true);
+      ASSERT_TRUE(taken.ok());
+      EXPECT_NE(Engine::MarkPartial(*o.added_to, o.added_resets).find("a reset fetch has taken"),
+                std::string::npos);
+      EXPECT_TRUE(e.FetchGradients("gone", false).ok()) << "the new sum was poisoned";
+      // As for a micro-batch added after that reset:
+      const std::string said = Engine::MarkPartial(*o.added_to, o.added_resets + 1);
       EXPECT_NE(said.find("already been added into accumulator 'gone'"), std::string::npos);
       auto g = e.FetchGradients("gone", false);
       EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
@@ -224,6 +231,29 @@ TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
             std::string::npos);
   EXPECT_EQ(e.FetchGradients("undo", false).status().code(),
             absl::StatusCode::kFailedPrecondition);
+  // A fetch that read the reset sum (zeros) before the undo: partial too, or that reader's
+  // zeros and the sum put back would both stand.
+  ASSERT_TRUE(e.DropAccumulator("undo").ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  reset = e.FetchGradients("undo", true);
+  ASSERT_TRUE(reset.ok());
+  ASSERT_TRUE(e.FetchGradients("undo", false).ok());
+  EXPECT_NE(e.UndoReset(*reset, reset->data.get()).find("or a fetch has read it since"),
+            std::string::npos);
+  EXPECT_EQ(e.FetchGradients("undo", false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Dropped since: nothing to put back, and the next sum of that name is not touched.
+  ASSERT_TRUE(e.DropAccumulator("undo").ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  reset = e.FetchGradients("undo", true);
+  ASSERT_TRUE(reset.ok());
+  ASSERT_TRUE(e.DropAccumulator("undo").ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  EXPECT_NE(e.UndoReset(*reset, reset->data.get()).find("has been dropped since"),
+            std::string::npos);
+  auto fresh = e.FetchGradients("undo", false);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(fresh->micro_batches, 1u);
   // A fetch without reset has nothing to undo.
   ASSERT_TRUE(e.DropAccumulator("undo").ok());
   ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
