@@ -69,7 +69,7 @@ class LossdRuntime:
       Activation checkpointing runs the forward again inside backward; that forward adds
       nothing when it redoes one that already added (use_reentrant=False: it asks for dX
       alone), and adds when the first ran without grad (use_reentrant=True). Which is which
-      is told by the micro-batch's content (a sample of X and the targets, W itself).
+      is told by the micro-batch's content (samples of X, the targets, W and the bias).
     grad_scale: the factor dW and db are added to the accumulator with; only with an
       accumulator (without one, scale the loss).
     """
@@ -100,8 +100,9 @@ class LossdRuntime:
         self._handle = None
         self._key = None
         # Eager forwards that added to the accumulator and whose backward has not run yet, by
-        # micro-batch content: a forward run again inside backward (activation checkpointing)
-        # that matches one of them redoes it. Each value lists one entry per such forward.
+        # micro-batch content: key -> [added, not yet redone; redone]. A forward run again
+        # inside backward (activation checkpointing) that matches one of them redoes it.
+        # Forwards of one key are interchangeable, so counts suffice.
         self._added = collections.OrderedDict()
 
     # -- eager accumulation under activation checkpointing ------------------------------
@@ -111,45 +112,56 @@ class LossdRuntime:
     @staticmethod
     def micro_batch_key(x2, t1, weight, bias, opts):
         """What identifies a micro-batch across a recomputation: a recomputed X is a new
-        tensor with the same values, so an evenly spaced sample of X and of the targets (a
-        gather of at most 2 x 1024 elements), their shapes, and the weights themselves."""
+        tensor with the same values, and so may W be (a cast or a merged adapter made inside
+        the checkpointed region), so evenly spaced samples of X, the targets, W and the bias
+        (gathers of at most 1024 elements each), their shapes and dtypes, and the options."""
         def sample(t):
+            if t is None:
+                return None
             flat = t.detach().reshape(-1)
             n = flat.numel()
             if n == 0:
-                return b""
-            idx = torch.linspace(0, n - 1, steps=min(n, 1024), device=flat.device).long()
-            return flat[idx].double().cpu().numpy().tobytes()  # exact for every input dtype
+                return (tuple(t.shape), t.dtype, b"")
+            k = min(n, 1024)
+            # Integer positions: float ones (linspace) round past the end above 2^24 elements.
+            idx = torch.arange(k, device=flat.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
+            vals = flat[idx].cpu().double()  # exact for every input dtype
+            return (tuple(t.shape), t.dtype, vals.numpy().tobytes())
 
-        return (tuple(x2.shape), x2.dtype, sample(x2), sample(t1), id(weight), weight._version,
-                None if bias is None else (id(bias), bias._version),
+        return (sample(x2), sample(t1), sample(weight), sample(bias),
                 repr(sorted((k, v) for k, v in opts.items() if k != "class_weights")))
 
     def note_added(self, key):
-        """An eager forward added its micro-batch: returns its entry (for forget_added)."""
-        entry = {"redone": False}
-        self._added.setdefault(key, []).append(entry)
+        """An eager forward added its micro-batch; returns the key for forget_added."""
+        counts = self._added.setdefault(key, [0, 0])
+        counts[0] += 1
         self._added.move_to_end(key)
         while len(self._added) > self._ADDED_KEPT:
             self._added.popitem(last=False)
-        return (key, entry)
+        return key
 
     def take_redo(self, key):
         """True when a forward of this content added and was not yet redone: this one (run
         inside backward) redoes it, and must not add again."""
-        for entry in self._added.get(key, ()):
-            if not entry["redone"]:
-                entry["redone"] = True
-                return True
-        return False
+        counts = self._added.get(key)
+        if counts is None or counts[0] == 0:
+            return False
+        counts[0] -= 1
+        counts[1] += 1
+        return True
 
-    def forget_added(self, noted):
-        key, entry = noted
-        entries = self._added.get(key)
-        if entries is not None and entry in entries:
-            entries.remove(entry)
-            if not entries:
-                del self._added[key]
+    def forget_added(self, key):
+        """The backward of a forward that added has run: a redone forward of its key is done
+        with (the redo ran for this backward), else one not redone (no checkpointing)."""
+        counts = self._added.get(key)
+        if counts is None:
+            return
+        if counts[1] > 0:
+            counts[1] -= 1
+        elif counts[0] > 0:
+            counts[0] -= 1
+        if counts == [0, 0]:
+            del self._added[key]
 
     # -- weights ------------------------------------------------------------------------
 

@@ -541,5 +541,56 @@ def test_micro_batch_key_follows_the_content(dtype):
     other_t[-1] = (other_t[-1] + 1) % V  # so is the last
     assert key(x2, other_t, w, None, {"reduction": "mean"}) != same
     assert key(x2, t, w, None, {"reduction": "sum"}) != same
+    # W by content too: a copy made anew (a cast, a merged adapter) is the same micro-batch.
     w2 = w.detach().clone()
+    assert key(x2, t, w2, None, {"reduction": "mean"}) == same
+    w2.view(-1)[0] += 1
     assert key(x2, t, w2, None, {"reduction": "mean"}) != same
+    b = torch.ones(V, dtype=w.dtype)
+    assert key(x2, t, w, b, {"reduction": "mean"}) != same
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointing_with_a_weight_made_inside_and_the_same_rows_twice(client, use_reentrant):
+    """Under activation checkpointing with eager accumulation: a W made anew inside the
+    checkpointed region (here w * 1.0, as a cast or a merged adapter would be) and the same
+    rows sent as two micro-batches in one backward are still each added once."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = (torch.randn(V, H, generator=torch.Generator().manual_seed(77)) / H ** 0.5 * 3)
+    w = w.to(DEVICE).requires_grad_()
+    name = "ckpt-inside-%s" % use_reentrant
+    module = LossdFusedLinearCrossEntropyLoss(client=client, accumulator=name,
+                                              eager_accumulation=True, grad_scale=0.5)
+    x, _, _, t = make("fp32", seed=78)
+    x2 = x.detach().clone().requires_grad_()
+
+    def region(a, wt):
+        return module(wt * 1.0, torch.tanh(a), t)
+
+    ya = checkpoint(region, x, w, use_reentrant=use_reentrant)
+    yb = checkpoint(region, x2, w, use_reentrant=use_reentrant)
+    (ya + yb).backward()
+    xt = torch.tanh(x.detach().double()).requires_grad_()
+    ref = torch_reference(xt, w, t, upstream=torch.tensor(0.5))
+    ref_dx = (1 - xt.detach() ** 2) * ref["dx"]
+    assert_close("x.grad", x.grad, ref_dx, "fp32")
+    assert_close("x2.grad", x2.grad, ref_dx, "fp32")
+    got = module.apply_accumulated_gradients(w)
+    assert got.micro_batches == 2
+    assert_close("w.grad", w.grad, 2 * ref["dw"], "fp32")
+    assert not module.runtime._added, "every forward's backward ran"
+    module.runtime.drop_accumulator()
+    module.release()
+
+
+def test_micro_batch_key_of_a_large_tensor_stays_in_range():
+    """2^25 elements: positions computed in floats would round past the end."""
+    from lossd.nn import LossdRuntime
+
+    x2 = torch.zeros(8192, 4096, dtype=torch.bfloat16)
+    x2[-1, -1] = 3.0
+    t1 = torch.zeros(8192, dtype=torch.int64)
+    w = torch.zeros(16, 4096)
+    key = LossdRuntime.micro_batch_key(x2, t1, w, None, {})
+    assert np.frombuffer(key[0][2], dtype=np.float64)[-1] == 3.0  # the last element is sampled
