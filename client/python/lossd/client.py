@@ -130,7 +130,9 @@ def _parts(tensor_id, arr, part_bytes, begin=0, end=None):
     """Yields TensorPart messages for one tensor's bytes [begin, end) (default: all), in byte
     order, each at most part_bytes rounded down to whole elements (at least one): servers may
     refuse a part that splits an element. Offsets are offsets into the tensor."""
-    mv = memoryview(arr).cast("B")
+    # Flat bytes first: memoryview.cast refuses a zero-size array of more than one dimension,
+    # which must reach the server (and its error naming the shape) like any other.
+    mv = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
     n = len(mv) if end is None else end
     elem = arr.itemsize
     step = max(elem, part_bytes - part_bytes % elem)
@@ -461,7 +463,7 @@ class Client:
         self.response_part_bytes = int(response_part_bytes)
         self.overlap = bool(overlap)
         self.timeout = timeout
-        self.wait_for_ready = bool(wait_for_ready)
+        self._wait_ready = bool(wait_for_ready)  # not wait_for_ready: that is a method
         self.metadata = tuple(metadata or ())
         if auth_token:
             self.metadata += (("authorization", "Bearer %s" % auth_token),)
@@ -571,7 +573,7 @@ class Client:
         t = self.timeout if timeout is None else timeout
         if t is not None and t == float("inf"):
             t = None
-        kw = {"timeout": t, "wait_for_ready": self.wait_for_ready}
+        kw = {"timeout": t, "wait_for_ready": self._wait_ready}
         if self.metadata:
             kw["metadata"] = self.metadata
         return kw
@@ -897,7 +899,7 @@ class Client:
         grad_scale: upstream gradient of the scalar loss (mean, sum); default 1.
         chunk_rows: rows per chunk, 0 = the server chooses.
         want_*: which outputs to return (the loss always is). want_db defaults to "a bias is
-          in use". With `accumulator`, dW and db are added to that server-side fp32
+          in use" (for a bare handle string, db is asked for and comes if it has a bias). With `accumulator`, dW and db are added to that server-side fp32
           accumulator (created on first use) instead of being returned. The client remembers
           the server instance of each accumulator it added to: a server of another instance
           (another replica behind a balancer, or this one restarted) then refuses the call
@@ -929,7 +931,8 @@ class Client:
         inline.append((pb.TENSOR_TARGETS, tarr))
         if handle is not None:
             header.weight_handle = handle
-            has_bias = isinstance(w, WeightHandle) and w.has_bias
+            # A bare handle string does not say: db is asked for, and comes only with a bias.
+            has_bias = w.has_bias if isinstance(w, WeightHandle) else None
         else:
             wdt, wshape, warr = to_wire(w, "w", FLOAT_DTYPES)
             header.w.CopyFrom(pb.TensorSpec(dtype=wdt, shape=wshape))
@@ -971,7 +974,7 @@ class Client:
         outs = header.outputs
         outs.dx = bool(want_dx)
         outs.dw = bool(want_dw) and not accumulator
-        outs.db = bool(has_bias if want_db is None else want_db) and not accumulator
+        outs.db = bool((has_bias is not False) if want_db is None else want_db) and not accumulator
         outs.lse = bool(want_lse)
         outs.z_loss = bool(want_z_loss)
         outs.accuracy = bool(want_accuracy)
@@ -1000,7 +1003,7 @@ class Client:
         # it twice.
         returned = _returned_outputs(header, xdt, xshape, wshape if handle is None else (
             (w.v, w.h) if isinstance(w, WeightHandle) else None),
-            None if handle is not None and not isinstance(w, WeightHandle) else has_bias)
+            has_bias)
         for name, buf in (out or {}).items():
             if name not in by_name:
                 raise errors.InvalidArgumentError("out: unknown output %r (one of %s)" % (
@@ -1018,6 +1021,19 @@ class Client:
                         "out[%r]: needs a %s array of shape %s (%s), got %s %s" % (
                             name, want_np, "?" if shape is None else shape, dtype_name(dt),
                             arr.dtype, arr.shape))
+            try:
+                mv = memoryview(arr)
+            except TypeError:
+                raise errors.InvalidArgumentError(
+                    "out[%r]: %s is not a buffer" % (name, type(arr).__name__)) from None
+            need = (None if shape is None else
+                    int(np.prod(shape, dtype=np.int64)) * np.dtype(numpy_dtype(dt)).itemsize)
+            if mv.readonly or not mv.c_contiguous or (need is not None and mv.nbytes != need):
+                raise errors.InvalidArgumentError(
+                    "out[%r]: needs %s writable C-contiguous bytes, has %d%s%s" % (
+                        name, "?" if need is None else need, mv.nbytes,
+                        " (read-only)" if mv.readonly else "",
+                        "" if mv.c_contiguous else " (not C-contiguous)"))
             into[by_name[name]] = arr
         asm = _Assembler("Compute", into)
         # Without overlap: the summary, then the parts. With overlap: a preliminary summary

@@ -427,6 +427,12 @@ def test_caller_buffers_are_checked_before_anything_is_sent(client):
         "fp16 for bf16": {"dx": np.zeros((BT, H), np.float16)},
         "dw with an accumulator": {"dw": np.zeros((V, H), np.uint16)},
         "lse not asked for": {"lse": np.zeros(BT, np.float32)},
+        "read-only": {"dx": np.frombuffer(bytes(BT * H * 2), np.uint16).reshape(BT, H)},
+        "Fortran order": {"dx": np.zeros((BT, H), np.uint16, order="F")},
+        "strided": {"dx": np.zeros((BT, 2 * H), np.uint16)[:, ::2]},
+        "read-only BF16Array": {"dx": lossd.BF16Array(
+            np.frombuffer(bytes(BT * H * 2), np.uint16).reshape(BT, H))},
+        "not a buffer": {"dx": [0] * (BT * H)},
     }
     for what, out in bad.items():
         with pytest.raises(lossd.InvalidArgumentError) as e:
@@ -434,6 +440,39 @@ def test_caller_buffers_are_checked_before_anything_is_sent(client):
         assert "out[" in e.value.message, what
     with pytest.raises(lossd.NotFoundError):
         client.fetch_gradients("out-check")  # no call reached the server
+
+
+def test_wait_for_ready_on_no_server_is_unavailable():
+    from conftest import free_port
+
+    with lossd.Client("127.0.0.1:%d" % free_port()) as c:
+        with pytest.raises(lossd.UnavailableError, match="no connection"):
+            c.wait_for_ready(0.5)
+
+
+def test_empty_tensors_get_the_servers_error_naming_them(client):
+    """Zero-size tensors travel like any other (no parts), and the server's refusal naming
+    the shape comes back, not a failure inside the request stream."""
+    _, w, _, _ = make_inputs("fp32", seed=10)
+    with pytest.raises(lossd.InvalidArgumentError,
+                       match=r"x.shape \[0, %d\] has a dimension <= 0" % H):
+        client.compute(np.zeros((0, H), np.float32), w, np.zeros(0, np.int64))
+    with pytest.raises(lossd.InvalidArgumentError,
+                       match=r"w.shape \[0, %d\] has a dimension <= 0" % H):
+        client.put_weights(np.zeros((0, H), np.float32))
+
+
+def test_a_bare_handle_string_returns_db_when_its_weights_have_a_bias(client):
+    x, w, b, t = make_inputs("fp32", bias=True, seed=11)
+    h = client.put_weights(w, b)
+    by_object = client.compute(x, h, t)
+    by_string = client.compute(x, h.handle, t)
+    assert by_object.db is not None and by_string.db is not None
+    assert np.array_equal(by_string.db, by_object.db)
+    client.drop_weights(h)
+    h = client.put_weights(w)
+    assert client.compute(x, h.handle, t).db is None  # no bias: none asked of it
+    client.drop_weights(h)
 
 
 def test_client_side_measurements(client):
@@ -448,6 +487,7 @@ def test_several_connections_metadata_and_wait_for_ready(lossd_server):
     x, w, _, t = make_inputs("fp32", seed=4)
     with lossd.Client(lossd_server.address, connections=3, wait_for_ready=True,
                       metadata=[("x-lossd-test", "1")], timeout=60) as c:
+        c.wait_for_ready(10)  # the method, beside the option of the same name
         assert len(c._channels) == 3
         losses = {c.compute(x, w, t).loss for _ in range(4)}
         assert len(losses) == 1
