@@ -899,9 +899,10 @@ class Client:
         grad_scale: upstream gradient of the scalar loss (mean, sum); default 1.
         chunk_rows: rows per chunk, 0 = the server chooses.
         want_*: which outputs to return (the loss always is). want_db defaults to "a bias is
-          in use" (for a bare handle string, db is asked for and comes if it has a bias). With `accumulator`, dW and db are added to that server-side fp32
-          accumulator (created on first use) instead of being returned. The client remembers
-          the server instance of each accumulator it added to: a server of another instance
+          in use" (for a bare handle string: asked for, and it comes if the handle has one).
+          With `accumulator`, dW and db are added to that server-side fp32 accumulator
+          (created on first use) instead of being returned. The client remembers the server
+          instance of each accumulator it added to: a server of another instance
           (another replica behind a balancer, or this one restarted) then refuses the call
           (FailedPreconditionError) instead of starting a second, partial sum;
           drop_accumulator forgets it.
