@@ -114,7 +114,9 @@ Commands:
                     --grad_output] (.npy) or random (--bt --h --v [--dtype]); prints the loss,
                     writes outputs (--want) to --out_dir as <name>.npy
   bench             --calls Computes at --concurrency on random data; latency p50/p90/p99,
-                    calls/s, tokens/s, GB/s; --put_weights uploads W once
+                    calls/s, tokens/s, GB/s; --put_weights uploads W once; --accumulator
+                    adds every call there, then fetches it with reset (a striped reset
+                    drops it): name one of its own
   put-weights       upload W [and bias] (--w/--bias or random --v --h); prints the handle
   drop-weights      --handle
   fetch-gradients   --accumulator [--reset] [--out_dir]: the accumulated fp32 dW (and db)
@@ -142,6 +144,19 @@ absl::StatusOr<DType> ParseDType(const std::string& s) {
   if (s == "int32") return DType::kI32;
   if (s == "int64") return DType::kI64;
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", s, "'"));
+}
+
+// A dtype flag: --dtype and --grad_dtype name float dtypes, --target_dtype an integer one
+// (a float target dtype would have the random targets written past their buffer).
+absl::StatusOr<DType> ParseDTypeFlag(const char* flag, const std::string& s, bool is_float) {
+  absl::StatusOr<DType> dt = ParseDType(s);
+  if (!dt.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", dt.status().message()));
+  if (IsFloatDType(*dt) != is_float) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " must be ", is_float ? "bf16, fp16 or fp32" : "int32 or int64", ", got '", s,
+        "'"));
+  }
+  return dt;
 }
 
 absl::StatusOr<std::string> ReadTextFile(const std::string& path, const char* flag) {
@@ -302,10 +317,14 @@ absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
 absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias) {
   const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
   if (!absl::GetFlag(FLAGS_w).empty()) {
+    if (absl::GetFlag(FLAGS_with_bias)) {
+      return absl::InvalidArgumentError(
+          "--with_bias adds a random bias to random weights; with --w give --bias (a .npy)");
+    }
     LOSSCTL_ASSIGN_OR_RETURN(wt, ReadNpy(absl::GetFlag(FLAGS_w)));
     LOSSCTL_ASSIGN_OR_RETURN(b, ReadOptional(absl::GetFlag(FLAGS_bias)));
     if (!dtype_flag.empty()) {
-      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDType(dtype_flag));
+      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDTypeFlag("--dtype", dtype_flag, true));
       LOSSCTL_ASSIGN_OR_RETURN(cw, CastFloat(std::move(wt), dt, "w"));
       wt = std::move(cw);
       if (b.has_value()) {
@@ -321,7 +340,12 @@ absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>
   if (v <= 0 || h <= 0) {
     return absl::InvalidArgumentError("give --w (a .npy file) or random shape --v and --h");
   }
-  LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDType(dtype_flag.empty() ? "bf16" : dtype_flag));
+  if (!absl::GetFlag(FLAGS_bias).empty()) {
+    return absl::InvalidArgumentError(
+        "--bias goes with --w (both .npy files); random weights take --with_bias");
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(
+      dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
   // Scaled so that logits of unit-range X have a standard deviation near 3: a softmax that
   // is neither flat nor one-hot.
   *w = RandomFloat(dt, {v, h}, 9.0f / std::sqrt(static_cast<float>(h)),
@@ -352,7 +376,8 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
   r.options.grad_scale = static_cast<float>(absl::GetFlag(FLAGS_grad_scale));
   r.options.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
   if (!absl::GetFlag(FLAGS_grad_dtype).empty()) {
-    LOSSCTL_ASSIGN_OR_RETURN(g, ParseDType(absl::GetFlag(FLAGS_grad_dtype)));
+    LOSSCTL_ASSIGN_OR_RETURN(
+        g, ParseDTypeFlag("--grad_dtype", absl::GetFlag(FLAGS_grad_dtype), true));
     r.grad_dtype = g;
   }
   LOSSCTL_ASSIGN_OR_RETURN(want, ParseWant(absl::GetFlag(FLAGS_want)));
@@ -379,7 +404,7 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
     LOSSCTL_ASSIGN_OR_RETURN(x, ReadNpy(absl::GetFlag(FLAGS_x)));
     r.x = std::move(x);
     if (!dtype_flag.empty()) {
-      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDType(dtype_flag));
+      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDTypeFlag("--dtype", dtype_flag, true));
       LOSSCTL_ASSIGN_OR_RETURN(cx, CastFloat(std::move(r.x), dt, "x"));
       r.x = std::move(cx);
     }
@@ -389,7 +414,8 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
     if (bt <= 0 || h <= 0) {
       return absl::InvalidArgumentError("give --x (a .npy file) or random shape --bt and --h");
     }
-    LOSSCTL_ASSIGN_OR_RETURN(flag_dt, ParseDType(dtype_flag.empty() ? "bf16" : dtype_flag));
+    LOSSCTL_ASSIGN_OR_RETURN(
+        flag_dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
     const DType dt = r.w.has_value() ? r.w->dtype() : flag_dt;
     r.x = RandomFloat(dt, {bt, h}, 1.0f, absl::GetFlag(FLAGS_seed));
   }
@@ -401,7 +427,8 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
       return absl::InvalidArgumentError(
           "random targets need the vocabulary size: give --targets or --v");
     }
-    LOSSCTL_ASSIGN_OR_RETURN(tdt, ParseDType(absl::GetFlag(FLAGS_target_dtype)));
+    LOSSCTL_ASSIGN_OR_RETURN(
+        tdt, ParseDTypeFlag("--target_dtype", absl::GetFlag(FLAGS_target_dtype), false));
     r.targets =
         RandomTargets(tdt, r.x.rank() > 0 ? r.x.dim(0) : 0, v, absl::GetFlag(FLAGS_ignore_fraction),
                       r.options.ignore_index, absl::GetFlag(FLAGS_seed) + 3);

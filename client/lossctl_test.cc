@@ -204,6 +204,29 @@ TEST_F(LossctlTest, UsageErrors) {
   r = Lossctl("compute --weight_handle=fake-0 --with_bias --bt=3 --h=4 --v=10");
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.output, HasSubstr("--weight_handle carries W and its bias"));
+  // Dtypes of the wrong kind: random fp32 targets would be written past their buffer, and
+  // random int X left unwritten.
+  r = Lossctl("compute --bt=4096 --h=8 --v=100 --target_dtype=fp32");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("--target_dtype must be int32 or int64, got 'fp32'"));
+  r = Lossctl("compute --bt=4 --h=8 --v=100 --dtype=int32");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("--dtype must be bf16, fp16 or fp32, got 'int32'"));
+  r = Lossctl("compute --bt=4 --h=8 --v=100 --grad_dtype=int64");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("--grad_dtype must be bf16, fp16 or fp32, got 'int64'"));
+  r = Lossctl("compute --bt=4 --h=8 --v=100 --dtype=fp8");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("--dtype: unknown dtype 'fp8'"));
+  // A bias flag that would be ignored: refused.
+  HostTensor w = RandomF32({10, 4}, 3);
+  ASSERT_TRUE(WriteNpy(Path("w.npy"), w).ok());
+  r = Lossctl("compute --bt=3 --w=" + Path("w.npy") + " --with_bias");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("--with_bias adds a random bias to random weights"));
+  r = Lossctl("put-weights --v=10 --h=4 --bias=" + Path("w.npy"));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("--bias goes with --w"));
   absl::MutexLock lock(&fake_.mu);
   EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
 }
