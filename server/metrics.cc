@@ -54,6 +54,10 @@ class StateCollector : public prometheus::Collectable {
     gauge("lossd_gpu_memory_total_bytes", "Device memory in all.", s.gpu_memory_total_bytes);
     gauge("lossd_gpu_memory_peak_bytes", "Most device memory the backend held at once.",
           s.gpu_memory_peak_bytes);
+    gauge("lossd_gpu_memory_budget_bytes",
+          "Most device memory the backend may hold (--device_memory_budget_bytes; 0: no limit "
+          "of its own).",
+          s.gpu_memory_budget_bytes);
     gauge("lossd_weight_cache_bytes", "Bytes of cached weights.", s.weight_cache_bytes);
     gauge("lossd_weight_cache_budget_bytes", "Weight cache budget.", s.weight_cache_budget_bytes);
     gauge("lossd_weight_cache_entries", "Weight handles held.", s.weight_cache_entries);

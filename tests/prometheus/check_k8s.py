@@ -10,6 +10,8 @@ Prints one line per failed property; exits 1 if any failed.
 """
 
 import json
+import os
+import pathlib
 import re
 import sys
 
@@ -21,6 +23,7 @@ METRICS = {
     "lossd_tokens_total", "lossd_bytes_received_total", "lossd_bytes_sent_total",
     "lossd_requests_in_flight", "lossd_memory_in_use_bytes", "lossd_memory_budget_bytes",
     "lossd_gpu_memory_used_bytes", "lossd_gpu_memory_total_bytes", "lossd_gpu_memory_peak_bytes",
+    "lossd_gpu_memory_budget_bytes",
     "lossd_weight_cache_bytes", "lossd_weight_cache_hits_total",
     "lossd_weight_cache_misses_total", "lossd_weight_cache_evictions_total",
     "lossd_accumulators", "lossd_compute_flops_total", "lossd_healthy",
@@ -114,6 +117,17 @@ def check_k8s(overlay, path):
     elif overlay == "dev-cpu":
         check(gpu_req is None, "CPU overlay requests no GPU")
         check(backend == "cpu", "CPU overlay runs --backend=cpu")
+        # On the CPU backend every budget is host memory, and idle pooled buffers come on top
+        # of the admission budget: together they must leave the process room under its limit.
+        units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+        limit = res.get("limits", {}).get("memory", "0")
+        limit_bytes = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
+        defaults = {"memory_budget_bytes": 8 << 30, "weight_cache_bytes": 4 << 30,
+                    "accumulator_bytes": 8 << 30, "host_buffer_pool_bytes": 2 << 30}
+        held = sum(int(flag_value(args, f) or d) for f, d in defaults.items())
+        check(held <= 0.8 * limit_bytes,
+              "CPU overlay: budgets and buffer pool (%d bytes) within 80%% of the memory limit "
+              "(%s)" % (held, limit))
     services = by_kind.get("Service", [])
     check(len(services) == 2, "two Services (ClusterIP and headless)")
     headless = [s for s in services if s["spec"].get("clusterIP") == "None"]
@@ -129,11 +143,33 @@ def check_k8s(overlay, path):
         check(matches(pdbs[0]["spec"]["selector"]["matchLabels"], labels),
               "PodDisruptionBudget selects the pods")
     check_podmonitors(by_kind.get("PodMonitor", []), labels, ports)
+    if by_kind.get("PodMonitor"):
+        rules_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                 "deploy", "prometheus", "rules")
+        check_prometheusrules(by_kind.get("PrometheusRule", []), rules_dir)
+
+
+def check_prometheusrules(prs, rules_dir):
+    """The operator's copy of the rules says what the rule files say."""
+    want = []
+    for path in sorted(pathlib.Path(rules_dir).glob("*.yml")):
+        want.extend(yaml.safe_load(path.read_text())["groups"])
+    check(len(prs) == 1, "one PrometheusRule beside the PodMonitor, got %d" % len(prs))
+    for pr in prs:
+        name = pr["metadata"].get("name")
+        check(pr.get("apiVersion") == "monitoring.coreos.com/v1", "PrometheusRule apiVersion")
+        check(pr["metadata"].get("labels"),
+              "PrometheusRule %s has labels (a ruleSelector matches them)" % name)
+        check(pr.get("spec", {}).get("groups") == want,
+              "PrometheusRule %s holds the groups of %s (run tools/make_prometheusrule.py)"
+              % (name, rules_dir))
 
 
 def check_podmonitors(pms, pod_labels=None, ports=None):
     for pm in pms:
         name = pm["metadata"].get("name")
+        check(pm["metadata"].get("labels"),
+              "PodMonitor %s has labels (a podMonitorSelector matches them)" % name)
         check(pm.get("apiVersion") == "monitoring.coreos.com/v1", "PodMonitor apiVersion")
         check(name, "PodMonitor has a name")
         spec = pm.get("spec", {})

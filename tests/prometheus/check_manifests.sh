@@ -101,6 +101,8 @@ run_check "promtool check config prometheus.yml (Kubernetes)" check_k8s_promethe
 run_check "promtool check rules" promtool check rules "$DEPLOY"/prometheus/rules/*.yml
 run_check "promtool test rules (alert unit tests)" \
   promtool test rules "$DEPLOY"/prometheus/tests/*.yml
+run_check "PrometheusRule matches the rule files" \
+  python3 "$ROOT/tools/make_prometheusrule.py" --check
 for overlay in dev-cpu gpu-prod; do
   run_check "kustomize build overlays/$overlay" render "$overlay"
   run_check "kubernetes-validate $overlay (k8s $KUBE_VERSION, strict)" schema "$overlay"
