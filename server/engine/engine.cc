@@ -605,21 +605,19 @@ void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputB
                     inputs_checked_finite, overlap = std::move(overlap),
                     cancelled = std::move(cancelled)]() {
     const double queued = Seconds(submitted);
+    auto not_started = [&](absl::Status why) {
+      ComputeOutcome o;
+      o.status = std::move(why);
+      o.queue_seconds = queued;
+      done(std::move(o));
+    };
     if (absl::Now() > deadline) {
-      ComputeOutcome late;
-      late.status = absl::DeadlineExceededError(absl::StrCat(
-          "the deadline passed after ", queued, " s in the compute queue; not started"));
-      late.queue_seconds = queued;
-      done(std::move(late));
-      return;
+      return not_started(absl::DeadlineExceededError(absl::StrCat(
+          "the deadline passed after ", queued, " s in the compute queue; not started")));
     }
     if (cancelled && cancelled()) {
-      ComputeOutcome gone;
-      gone.status = absl::CancelledError(absl::StrCat(
-          "the call was cancelled after ", queued, " s in the compute queue; not started"));
-      gone.queue_seconds = queued;
-      done(std::move(gone));
-      return;
+      return not_started(absl::CancelledError(absl::StrCat(
+          "the call was cancelled after ", queued, " s in the compute queue; not started")));
     }
     ComputeOutcome outcome = RunNow(*plan, *inputs, inputs_checked_finite, overlap);
     outcome.queue_seconds = queued;

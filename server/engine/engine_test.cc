@@ -231,11 +231,15 @@ TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
             std::string::npos);
   EXPECT_EQ(e.FetchGradients("undo", false).status().code(),
             absl::StatusCode::kFailedPrecondition);
+  // A new accumulator of one micro-batch, reset by a fetch: the snapshot to undo.
+  auto fresh_and_reset = [&] {
+    EXPECT_TRUE(e.DropAccumulator("undo").ok());
+    EXPECT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+    return e.FetchGradients("undo", true);
+  };
   // A fetch that read the reset sum (zeros) before the undo: partial too, or that reader's
   // zeros and the sum put back would both stand.
-  ASSERT_TRUE(e.DropAccumulator("undo").ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
-  reset = e.FetchGradients("undo", true);
+  reset = fresh_and_reset();
   ASSERT_TRUE(reset.ok());
   ASSERT_TRUE(e.FetchGradients("undo", false).ok());
   EXPECT_NE(e.UndoReset(*reset, reset->data.get()).find("or a fetch has read it since"),
@@ -243,9 +247,7 @@ TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
   EXPECT_EQ(e.FetchGradients("undo", false).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // Dropped since: nothing to put back, and the next sum of that name is not touched.
-  ASSERT_TRUE(e.DropAccumulator("undo").ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
-  reset = e.FetchGradients("undo", true);
+  reset = fresh_and_reset();
   ASSERT_TRUE(reset.ok());
   ASSERT_TRUE(e.DropAccumulator("undo").ok());
   ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
