@@ -598,6 +598,11 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       added_to = std::move(added_to_);
       added_resets = added_resets_;
     }
+    if (s.ok() && added_to != nullptr && ctx_->IsCancelled()) {
+      // Every result was written, but the client gave up before the status: it can only
+      // see a failure, so this is one.
+      s = absl::CancelledError("the call was cancelled before its OK status went out");
+    }
     if (!s.ok() && added_to != nullptr) {
       // Added, but the client hears of a failure (a retry would add it twice): the sum is
       // marked partial rather than trusted, as after a failed update.
@@ -1027,8 +1032,13 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
     StartWrite(&response_);
   }
 
-  void FinishOnce(const absl::Status& s) {
+  void FinishOnce(absl::Status s) {
     if (finished_.exchange(true)) return;
+    if (s.ok() && snapshot_.reset_of != nullptr && ctx_->IsCancelled()) {
+      // Every part was written, but the client gave up before the status: it can only see a
+      // failure, so this is one.
+      s = absl::CancelledError("the call was cancelled before its OK status went out");
+    }
     if (!s.ok() && snapshot_.reset_of != nullptr && data_ != nullptr) {
       // The accumulator was reset for data that did not arrive: put the sum back, on the
       // executor (after the computes queued before it; a copy of a large dW blocks).
