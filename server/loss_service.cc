@@ -136,6 +136,14 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
     service_->idle_watch().Unwatch(idle_);
+    if (ok_added_ != nullptr && ctx_->IsCancelled()) {
+      // Finished OK, but the status never reached the client (it gave up at the last
+      // moment): it sees a failure, so the added micro-batch is one. On the executor, which
+      // the accumulator's lock may keep busy for a whole compute.
+      engine_->Submit([acc = std::move(ok_added_), resets = ok_added_resets_] {
+        Engine::MarkPartial(*acc, resets);
+      });
+    }
     LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
     delete this;
   }
@@ -608,6 +616,9 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       // marked partial rather than trusted, as after a failed update.
       s = absl::Status(s.code(), absl::StrCat(s.message(),
                                               Engine::MarkPartial(*added_to, added_resets)));
+    } else if (added_to != nullptr) {
+      ok_added_ = std::move(added_to);  // OnDone: did the OK reach the client?
+      ok_added_resets_ = added_resets;
     }
     inputs_.reset();
     assembler_.reset();
@@ -633,6 +644,9 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
   std::shared_ptr<Accumulator> added_to_ ABSL_GUARDED_BY(mu_);  // see NoteAdded
   uint64_t added_resets_ ABSL_GUARDED_BY(mu_) = 0;
+  // A call that finished OK after adding (FinishOnce), checked again in OnDone.
+  std::shared_ptr<Accumulator> ok_added_;
+  uint64_t ok_added_resets_ = 0;
   uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 
@@ -968,6 +982,16 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
 
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    if (ok_reset_ && ctx_->IsCancelled()) {
+      // Finished OK, but the status never reached the client (it gave up at the last
+      // moment): it sees a failure, so the reset is undone as for one (on the executor; the
+      // reactor is gone by then, so the job owns what it needs).
+      Engine* engine = service_->engine();
+      auto snapshot = std::make_shared<GradientsSnapshot>(std::move(snapshot_));
+      engine->Submit([engine, snapshot, data = std::move(data_)] {
+        engine->UndoReset(*snapshot, (*data)[0].get());
+      });
+    }
     LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
     delete this;
   }
@@ -1052,7 +1076,10 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   }
 
   void FinishNow(const absl::Status& s) {
-    data_.reset();  // the buffer goes back once gRPC has released every slice of it
+    // The buffer goes back once gRPC has released every slice of it; a reset fetch that went
+    // well keeps it until OnDone says whether the OK reached the client.
+    ok_reset_ = s.ok() && snapshot_.reset_of != nullptr && data_ != nullptr;
+    if (!ok_reset_) data_.reset();
     uint64_t release = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -1083,6 +1110,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // released when the call finishes
   GradientsSnapshot snapshot_;  // its data moved into data_
   SharedOutputs data_;
+  bool ok_reset_ = false;  // finished OK after a reset: checked again in OnDone
   grpc::ByteBuffer response_;
   uint64_t offset_ = 0;
 };
