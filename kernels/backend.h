@@ -40,6 +40,8 @@ struct BackendInfo {
   uint64_t memory_total_bytes = 0;
   uint64_t memory_used_bytes = 0;  // by everyone on the device, as the driver reports it
   uint64_t memory_peak_bytes = 0;  // highest memory this backend held at once
+  uint64_t memory_held_bytes = 0;  // what this backend holds now (its caching pool aside)
+  uint64_t memory_budget_bytes = 0;  // the most it may hold (0: no limit of its own)
   bool healthy = true;             // false after a sticky device error
 };
 

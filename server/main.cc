@@ -191,8 +191,8 @@ int Main() {
       s.gpu_memory_used_bytes = static_cast<double>(b.memory_used_bytes);
       s.gpu_memory_total_bytes = static_cast<double>(b.memory_total_bytes);
       s.gpu_memory_peak_bytes = static_cast<double>(b.memory_peak_bytes);
-      s.gpu_memory_budget_bytes =
-          static_cast<double>(absl::GetFlag(FLAGS_device_memory_budget_bytes));
+      s.gpu_memory_held_bytes = static_cast<double>(b.memory_held_bytes);
+      s.gpu_memory_budget_bytes = static_cast<double>(b.memory_budget_bytes);
     }
     s.weight_cache_bytes = static_cast<double>(engine.weights().bytes());
     s.weight_cache_budget_bytes = static_cast<double>(engine.weights().budget());

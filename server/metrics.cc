@@ -54,6 +54,10 @@ class StateCollector : public prometheus::Collectable {
     gauge("lossd_gpu_memory_total_bytes", "Device memory in all.", s.gpu_memory_total_bytes);
     gauge("lossd_gpu_memory_peak_bytes", "Most device memory the backend held at once.",
           s.gpu_memory_peak_bytes);
+    gauge("lossd_gpu_memory_held_bytes",
+          "Device memory the backend holds now (freed memory its caching pool keeps, which "
+          "the driver still counts as used, aside).",
+          s.gpu_memory_held_bytes);
     gauge("lossd_gpu_memory_budget_bytes",
           "Most device memory the backend may hold (--device_memory_budget_bytes; 0: no limit "
           "of its own).",

@@ -29,6 +29,7 @@ struct StateSample {
   double gpu_memory_used_bytes = 0;
   double gpu_memory_total_bytes = 0;
   double gpu_memory_peak_bytes = 0;
+  double gpu_memory_held_bytes = 0;    // by the backend now (its caching pool aside)
   double gpu_memory_budget_bytes = 0;  // --device_memory_budget_bytes (0: none)
   double weight_cache_bytes = 0;
   double weight_cache_budget_bytes = 0;

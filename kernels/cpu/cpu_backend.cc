@@ -580,6 +580,7 @@ BackendInfo CpuBackend::Info() {
   const uint64_t available = MemInfoBytes("MemAvailable");
   info.memory_used_bytes = memory_total_bytes_ > available ? memory_total_bytes_ - available : 0;
   info.memory_peak_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->peak.load()));
+  info.memory_held_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->held.load()));
   info.healthy = true;
   return info;
 }

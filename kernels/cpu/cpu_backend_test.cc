@@ -585,10 +585,12 @@ TEST(CpuBackendTest, MemoryInterface) {
   EXPECT_FALSE(before.device.empty());
   EXPECT_GT(before.memory_total_bytes, 0u);
   EXPECT_TRUE(before.healthy);
+  EXPECT_EQ(before.memory_budget_bytes, 0u);  // no limit of its own
   auto buf = backend.Allocate(100);
   ASSERT_TRUE(buf.ok()) << buf.status();
   EXPECT_EQ((*buf)->size(), 100u);
   EXPECT_GE(backend.Info().memory_peak_bytes, 100u);
+  EXPECT_GE(backend.Info().memory_held_bytes, before.memory_held_bytes + 100);
   std::vector<uint8_t> src(60), dst(60, 0xFF);
   for (int k = 0; k < 60; ++k) src[k] = static_cast<uint8_t>(k + 1);
   ASSERT_TRUE(backend.CopyToBackend(**buf, 40, src.data(), 60).ok());

@@ -325,6 +325,8 @@ BackendInfo CudaBackend::Info() {
     cudaGetLastError();  // a failed query is reported as zeros, not left pending
   }
   info.memory_peak_bytes = counters_->peak.load();
+  info.memory_held_bytes = counters_->current.load();
+  info.memory_budget_bytes = options_.memory_budget_bytes;
   info.healthy = healthy_.load();
   return info;
 }

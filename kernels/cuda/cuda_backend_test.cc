@@ -523,6 +523,21 @@ TEST_F(CudaTest, InfoReportsTheDevice) {
   EXPECT_GT(info.memory_total_bytes, 0u);
   EXPECT_GT(info.memory_used_bytes, 0u);
   EXPECT_TRUE(info.healthy);
+  // What it holds follows its buffers (the caching pool keeps freed memory, which `used`
+  // still counts), and its budget is the option's.
+  CudaBackendOptions o;
+  o.memory_budget_bytes = 256u << 20;
+  auto b = CudaBackend::Create(o);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*b)->Info().memory_budget_bytes, o.memory_budget_bytes);
+  const uint64_t held = (*b)->Info().memory_held_bytes;
+  {
+    auto buf = (*b)->Allocate(64u << 20);
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    EXPECT_GE((*b)->Info().memory_held_bytes, held + (64u << 20));
+  }
+  EXPECT_EQ((*b)->Info().memory_held_bytes, held);
+  EXPECT_EQ(backend_->Info().memory_budget_bytes, 0u);  // the fixture's: none
 }
 
 // The two backends agree with each other as closely as each agrees with the reference.

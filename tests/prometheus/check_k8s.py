@@ -23,7 +23,7 @@ METRICS = {
     "lossd_tokens_total", "lossd_bytes_received_total", "lossd_bytes_sent_total",
     "lossd_requests_in_flight", "lossd_memory_in_use_bytes", "lossd_memory_budget_bytes",
     "lossd_gpu_memory_used_bytes", "lossd_gpu_memory_total_bytes", "lossd_gpu_memory_peak_bytes",
-    "lossd_gpu_memory_budget_bytes",
+    "lossd_gpu_memory_held_bytes", "lossd_gpu_memory_budget_bytes",
     "lossd_weight_cache_bytes", "lossd_weight_cache_hits_total",
     "lossd_weight_cache_misses_total", "lossd_weight_cache_evictions_total",
     "lossd_accumulators", "lossd_compute_flops_total", "lossd_healthy",

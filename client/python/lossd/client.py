@@ -1080,6 +1080,13 @@ class Client:
                 "no final summary in reply" if announced is not None else "no summary in reply",
                 method="Compute")
         tensors = asm.finish()
+        unfilled = sorted(_OUTPUT_NAMES[t] for t in into if t not in tensors)
+        if unfilled:
+            # Possible only where the request could not tell: db behind a bare handle string
+            # whose weights carry no bias.
+            raise errors.InvalidArgumentError(
+                "out: the server returned no %s for this call, so the buffer given for it was "
+                "not written" % ", ".join(unfilled), method="Compute")
         res = ComputeResult(loss=summary.loss, z_loss=summary.z_loss, accuracy=summary.accuracy,
                             tokens=summary.tokens, compute_seconds=summary.compute_seconds,
                             backend=summary.backend,

@@ -118,14 +118,18 @@ class LossdRuntime:
         def sample(t):
             if t is None:
                 return None
-            flat = t.detach().reshape(-1)
-            n = flat.numel()
+            t = t.detach()
+            n = t.numel()
             if n == 0:
                 return (tuple(t.shape), t.dtype, b"")
             k = min(n, 1024)
             # Integer positions: float ones (linspace) round past the end above 2^24 elements.
-            idx = torch.arange(k, device=flat.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
-            vals = flat[idx].cpu().double()  # exact for every input dtype
+            idx = torch.arange(k, device=t.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
+            if t.is_contiguous():
+                vals = t.view(-1)[idx]
+            else:  # a transposed W, say: gathered in place, not flattened by a full copy
+                vals = t[torch.unravel_index(idx, t.shape)]
+            vals = vals.cpu().double()  # exact for every input dtype
             return (tuple(t.shape), t.dtype, vals.numpy().tobytes())
 
         return (sample(x2), sample(t1), sample(weight), sample(bias),

@@ -471,7 +471,10 @@ def test_a_bare_handle_string_returns_db_when_its_weights_have_a_bias(client):
     assert np.array_equal(by_string.db, by_object.db)
     client.drop_weights(h)
     h = client.put_weights(w)
-    assert client.compute(x, h.handle, t).db is None  # no bias: none asked of it
+    assert client.compute(x, h.handle, t).db is None  # asked for, but there is no bias
+    # A buffer for a db that does not come is not left quietly unwritten.
+    with pytest.raises(lossd.InvalidArgumentError, match="returned no db"):
+        client.compute(x, h.handle, t, out={"db": np.zeros(V, np.float32)})
     client.drop_weights(h)
 
 

@@ -548,6 +548,10 @@ def test_micro_batch_key_follows_the_content(dtype):
     assert key(x2, t, w2, None, {"reduction": "mean"}) != same
     b = torch.ones(V, dtype=w.dtype)
     assert key(x2, t, w, b, {"reduction": "mean"}) != same
+    # A non-contiguous W (a transposed view) is sampled in place, by the same positions.
+    wt = w.detach().t().contiguous().t()
+    assert not wt.is_contiguous()
+    assert key(x2, t, wt, None, {"reduction": "mean"}) == same
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
