@@ -262,6 +262,9 @@ CudaBackend::~CudaBackend() {
   engine_.reset();
   // Teardown errors have no caller to go to.
   cudaSetDevice(options_.device);
+  // The allocation stream outlives a backend that was made (its buffers may outlive it and
+  // free on it), but not one whose Create failed: no buffer exists yet.
+  if (!created_ && alloc_stream_ != nullptr) cudaStreamDestroy(alloc_stream_);
   for (cudaEvent_t e : {x_start_, x_copied_, dx_done_}) {
     if (e != nullptr) cudaEventDestroy(e);
   }
@@ -309,6 +312,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   for (cudaEvent_t* e : {&b->x_start_, &b->x_copied_, &b->dx_done_}) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
+  b->created_ = true;
   return b;
 }
 
@@ -378,6 +382,8 @@ absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::AllocateDevice(size_
           absl::StrCat("cuda: cudaMallocAsync(", counted, " bytes) on ", device_name_,
                        ": out of memory (", free_bytes, " of ", total_bytes, " bytes free)"));
     }
+    // A device fault shows here too when only uploads arrive: health must say so.
+    if (IsStickyCudaError(e)) healthy_ = false;
     return CudaStatus(e, absl::StrCat("cudaMallocAsync(", counted, " bytes)"));
   }
   const uint64_t now = held + counted;
@@ -498,6 +504,16 @@ absl::Status CudaBackend::Check(absl::Status s) {
     // launch leaves its error pending on this thread: cleared here, or the next request's
     // first cudaGetLastError would report it and fail a request that did nothing wrong.
     cudaGetLastError();
+    if (absl::IsResourceExhausted(s)) {
+      // Out of memory, perhaps outside the pool (a kernel loaded at its first launch, a
+      // cuBLASLt workspace), which the pool may hold all of: give its unused memory back,
+      // or the same request would fail the same way every time.
+      cudaMemPool_t pool = nullptr;
+      if (cudaDeviceGetDefaultMemPool(&pool, options_.device) == cudaSuccess) {
+        cudaMemPoolTrimTo(pool, 0);
+      }
+      cudaGetLastError();
+    }
     return s;
   }
   // Anything else may have come from a device fault: a sticky error shows on every call.
@@ -544,9 +560,12 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   cudaStream_t stream = engine_->stream();
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
 
-  // The overlapped path's hooks, when p.rows is set: declared before `drain`, so that the
-  // host functions they queued have run (the device drained) before they go.
+  // The overlapped path's hooks, when p.rows is set, and the host vectors the results are
+  // copied into: declared before `drain`, so that the host functions and copies queued for
+  // them have run (the device drained) before they go.
   std::optional<StreamedChunkHooks> streamed;
+  std::vector<float> lse(bt), ce(bt), zl(bt);
+  std::vector<int32_t> pred(bt);
   // Every buffer lives until the end of this call. On an error path work may still be queued
   // on the engine's streams (and, overlapped, on the copy streams, host functions included):
   // wait for the device before the buffers go back to the pool (declared after `held`, so it
@@ -693,9 +712,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   LOSSD_CUDA_RETURN_IF_NOT_OK(engine_->Enqueue(a, plan, *workspace));
   const int64_t tunings = engine_->tunings() - tunings_before;
 
-  // Results back to the host, on the same stream.
-  std::vector<float> lse(bt), ce(bt), zl(bt);
-  std::vector<int32_t> pred(bt);
+  // Results back to the host, on the same stream (into the vectors declared before `drain`).
   auto download = [&](void* dst, const void* src, uint64_t n) -> absl::Status {
     if (n == 0) return absl::OkStatus();
     return CudaStatus(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream),

@@ -81,9 +81,10 @@ class CudaBackend : public Backend {
   std::string device_name_;
   std::shared_ptr<MemoryCounters> counters_;
   std::atomic<bool> healthy_{true};
-  // Allocations and frees are ordered on this stream, which runs no work (DeviceBuffer). Never
-  // destroyed: buffers may be freed after the backend is gone.
+  // Allocations and frees are ordered on this stream, which runs no work (DeviceBuffer). Not
+  // destroyed with a backend that was made: buffers may be freed after it is gone.
   cudaStream_t alloc_stream_ = nullptr;
+  bool created_ = false;  // Create succeeded (see the destructor)
   absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
   std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
   // The overlapped path (LossProblem::rows): X rows go up on x_stream_ and dX rows come down
