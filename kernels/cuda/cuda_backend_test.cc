@@ -503,9 +503,16 @@ TEST_F(CudaTest, OutOfMemoryIsResourceExhaustedAndTheBackendKeepsServing) {
   RandomProblem rp = RandomProblem::Make(MakeSpec({"o", 64, 64, 4000}, {"o"}, DType::kF32, 4));
   const LossProblem p = rp.problem();
   HostOutputs out(p, DType::kF32);
+  // 1 GiB freed into the device's pool, which keeps it ...
+  { ASSERT_TRUE(backend_->Allocate(1ull << 30).ok()); }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const uint64_t kept = backend_->Info().memory_used_bytes;
   absl::Status st = (*tight)->Compute(p, out.outputs(), nullptr);
   EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
   EXPECT_GT((*tight)->WorkspaceBytes(p, out.outputs()), small.memory_budget_bytes);
+  // ... until a request runs out of memory: then the pool gives back what it does not use.
+  EXPECT_LE(backend_->Info().memory_used_bytes + (512ull << 20), kept)
+      << "the pool kept its unused memory after an out-of-memory";
   // Both keep serving.
   ReferenceOutputs ref;
   ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
