@@ -1,6 +1,9 @@
 #include "server/loss_server.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <limits>
 #include <utility>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -16,7 +19,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
                                                                ServerMetrics* metrics,
                                                                LossServerOptions options) {
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Reflection answers without a token: offered only where none is asked for.
+  if (options.service.auth == nullptr) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<LossServer> s(new LossServer());
   s->engine_ = engine;
   s->service_ = std::make_unique<LossService>(engine, metrics, options.service);
@@ -26,7 +30,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
       options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &s->port_);
   builder.RegisterService(s->service_.get());
   // A part plus its framing must fit in one message.
-  const int limit = static_cast<int>(options.service.max_part_bytes) + (1 << 20);
+  const int limit = static_cast<int>(std::min<int64_t>(
+      int64_t{options.service.max_part_bytes} + (1 << 20), std::numeric_limits<int>::max()));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
   if (options.grpc_threads > 0) {

@@ -1145,9 +1145,11 @@ LossService::LossService(Engine* engine, ServerMetrics* metrics, ServiceOptions 
 
 // The client's identity for fairness: its bearer token when there is one (hashed, never
 // kept in clear), else its address without the port.
-static std::string ClientKey(grpc::CallbackServerContext* ctx) {
+// A client is its token where tokens are checked; else its host. (An unchecked header would
+// let one client be as many as it sends different values.)
+static std::string ClientKey(grpc::CallbackServerContext* ctx, bool tokens_checked) {
   auto it = ctx->client_metadata().find("authorization");
-  if (it != ctx->client_metadata().end()) {
+  if (tokens_checked && it != ctx->client_metadata().end()) {
     return absl::StrCat("token:",
                         std::hash<std::string>()(std::string(it->second.data(), it->second.size())));
   }
@@ -1167,7 +1169,7 @@ absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* me
     return absl::UnavailableError(
         absl::StrCat(method, " refused: the server is draining; retry on another replica"));
   }
-  *client = ClientKey(ctx);
+  *client = ClientKey(ctx, options_.auth != nullptr);
   {
     absl::MutexLock lock(&clients_mu_);
     uint32_t& mine = client_in_flight_[*client];

@@ -27,3 +27,32 @@ if [ "$missing" -ne 0 ]; then
   exit 1
 fi
 echo "lossd --help lists all $n flags of $MAIN"
+
+# Flags out of range are refused at start, naming the flag, before anything listens.
+bad=0
+refuse() {  # expected message, flags...
+  local want=$1
+  shift
+  set +e
+  local got
+  got=$(timeout 30 "$LOSSD" --backend=cpu --metrics_port=0 "$@" 2>&1)
+  local code=$?
+  set -e
+  if [ "$code" -ne 1 ] || ! grep -qF -- "$want" <<<"$got"; then
+    echo "lossd $* exited $code, wanted 1 and '$want'; printed:"
+    echo "$got" | head -5
+    bad=$((bad + 1))
+  fi
+}
+refuse "--port must be in [0, 65535], got 70000" --port=70000
+refuse "--port must be in [0, 65535], got -1" --port=-1
+refuse "--max_part_bytes must be in [1024, 1073741824], got 0" --max_part_bytes=0
+refuse "--max_part_bytes must be in [1024, 1073741824], got 4294967295" --max_part_bytes=4294967295
+refuse "--response_part_bytes must be in [1024, --max_part_bytes=16777216], got 0" \
+  --response_part_bytes=0
+refuse "--response_part_bytes must be in [1024, --max_part_bytes=1048576], got 4194304" \
+  --max_part_bytes=1048576
+if [ "$bad" -ne 0 ]; then
+  exit 1
+fi
+echo "lossd refuses 6 out-of-range flag settings, naming each"

@@ -115,6 +115,14 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
     auto cuda = LoadCudaBackend(absl::GetFlag(FLAGS_cuda_plugin), o);
     if (cuda.ok()) return cuda;
     if (which == "cuda") return cuda.status();
+    // auto falls back where there is no CUDA to be had (no plugin, a plugin that cannot load
+    // here, no GPU), not where a GPU is present but was set up wrong (--cuda_device out of
+    // range, a failed start): that would quietly serve on the CPU.
+    const absl::StatusCode code = cuda.status().code();
+    if (code != absl::StatusCode::kNotFound && code != absl::StatusCode::kUnavailable &&
+        code != absl::StatusCode::kFailedPrecondition) {
+      return cuda.status();
+    }
     std::fprintf(stderr, "lossd: no CUDA backend (%s); using the CPU backend\n",
                  std::string(cuda.status().message()).c_str());
   }
@@ -133,6 +141,29 @@ int Main() {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // Flags checked before anything starts: a bad one is named, not found out later.
+  {
+    const int port = absl::GetFlag(FLAGS_port);
+    const uint32_t max_part = absl::GetFlag(FLAGS_max_part_bytes);
+    const uint32_t response_part = absl::GetFlag(FLAGS_response_part_bytes);
+    std::string bad;
+    if (port < 0 || port > 65535) {
+      // getaddrinfo would keep the low 16 bits and bind another port.
+      bad = absl::StrCat("--port must be in [0, 65535], got ", port);
+    } else if (max_part < 1024 || max_part > (1u << 30)) {
+      // A part and its framing must fit in one gRPC message, and protobuf parses none of
+      // 2 GiB or more.
+      bad = absl::StrCat("--max_part_bytes must be in [1024, 1073741824], got ", max_part);
+    } else if (response_part < 1024 || response_part > max_part) {
+      bad = absl::StrCat("--response_part_bytes must be in [1024, --max_part_bytes=", max_part,
+                         "], got ", response_part);
+    }
+    if (!bad.empty()) {
+      std::fprintf(stderr, "lossd: INVALID_ARGUMENT: %s\n", bad.c_str());
+      return 1;
+    }
+  }
 
   auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_tls_cert),
                                            absl::GetFlag(FLAGS_tls_key),
