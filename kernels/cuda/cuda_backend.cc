@@ -336,6 +336,9 @@ BackendInfo CudaBackend::Info() {
 }
 
 absl::StatusOr<std::unique_ptr<BackendBuffer>> CudaBackend::AllocateDevice(size_t bytes) {
+  // After a sticky error every CUDA call fails with it: say so at once, as UNAVAILABLE (a
+  // client should go to another replica), rather than make the call and report INTERNAL.
+  if (!healthy_) return Unhealthy("allocation");
   const uint64_t counted = Align(bytes < kMinAllocation ? kMinAllocation : bytes);
   // Counted before the allocation, by compare-and-swap: weight uploads and accumulators
   // allocate beside a Compute's buffers, and two threads that both read `held` and then
@@ -405,6 +408,7 @@ absl::Status CudaBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const
                                               offset, " overruns a buffer of ", dst.size()));
   }
   if (bytes == 0) return absl::OkStatus();
+  if (!healthy_) return Unhealthy("copy to the device");
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   LOSSD_CUDA_RETURN_IF_NOT_OK(Check(CudaStatus(
       cudaMemcpy(static_cast<char*>(dst.data()) + offset, src, bytes, cudaMemcpyHostToDevice),
@@ -422,6 +426,7 @@ absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offse
                                               offset, " overruns a buffer of ", src.size()));
   }
   if (bytes == 0) return absl::OkStatus();
+  if (!healthy_) return Unhealthy("copy from the device");
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   const char* from = static_cast<const char*>(const_cast<BackendBuffer&>(src).data()) + offset;
   return Check(CudaStatus(cudaMemcpy(dst, from, bytes, cudaMemcpyDeviceToHost),
@@ -429,6 +434,7 @@ absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offse
 }
 
 absl::Status CudaBackend::Zero(BackendBuffer& buf) {
+  if (!healthy_) return Unhealthy("zeroing a buffer");
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   LOSSD_CUDA_RETURN_IF_NOT_OK(
       Check(CudaStatus(cudaMemset(buf.data(), 0, buf.size()), "cudaMemset")));
@@ -527,13 +533,16 @@ absl::Status CudaBackend::Check(absl::Status s) {
   return s;
 }
 
+absl::Status CudaBackend::Unhealthy(absl::string_view call) const {
+  return absl::UnavailableError(absl::StrCat(
+      "cuda: ", call, " refused: the device hit a sticky error earlier; this backend can no "
+      "longer serve (the process must restart)"));
+}
+
 absl::Status CudaBackend::Compute(const LossProblem& p, const LossOutputs& out,
                                   LossStats* stats) {
   absl::MutexLock lock(&mu_);
-  if (!healthy_) {
-    return absl::UnavailableError(
-        "cuda: the device hit a sticky error earlier; this backend can no longer compute");
-  }
+  if (!healthy_) return Unhealthy("Compute");
   return Check(ComputeLocked(p, out, stats));
 }
 

@@ -17,6 +17,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/fused_loss.h"
@@ -76,6 +77,8 @@ class CudaBackend : public Backend {
   absl::StatusOr<std::unique_ptr<BackendBuffer>> AllocateDevice(size_t bytes);
   // Marks the backend unhealthy when `s` came with a sticky device error; returns `s`.
   absl::Status Check(absl::Status s);
+  // UNAVAILABLE naming `call`: what every entry point answers once the backend is unhealthy.
+  absl::Status Unhealthy(absl::string_view call) const;
 
   CudaBackendOptions options_;
   std::string device_name_;

@@ -27,6 +27,7 @@ WANT=(
   //bench/kernel:bench_kernel
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:cuda_backend_test
+  //kernels/cuda:sticky_error_test
   //kernels/cuda:plugin_exposer_test
   //bench/service:net_ceiling
   //bench/service:service_bench
