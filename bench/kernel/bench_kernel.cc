@@ -1,7 +1,8 @@
 // Times the fused linear + cross-entropy (forward + backward, bf16, all tensors on the GPU)
 // against the 3-GEMM cuBLAS floor at the same shapes in the same process: median of CUDA-event
 // timings after warm-up, on random data. Also reports the chunk workspace (peak extra device
-// memory), TFLOP/s = 6 BT H V / t, and checks that two runs give bit-identical dX and dW.
+// memory), TFLOP/s = 6 BT H V / t, checks that two runs give bit-identical dX and dW, and
+// compares the loss, dX and dW with a float64 reference at the same shape.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include "absl/time/time.h"
 #include "bench/kernel/bench_util.h"
 #include "bench/kernel/gpu_energy.h"
+#include "bench/kernel/reference_fp64.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/fused_loss.h"
@@ -73,6 +75,9 @@ ABSL_FLAG(double, energy_seconds, 0,
           "fused op, the chunked GEMMs alone, the CE kernels alone and a device copy of the CE's "
           "bytes, each run back to back for this many seconds after as long a warm-up, at the "
           "first budget and schedule of each shape");
+ABSL_FLAG(bool, check_fp64, true,
+          "check the fused op's loss, dX and dW at each shape against a float64 reference "
+          "computed on the device (DGEMMs), after the timing");
 ABSL_FLAG(int, algo_sweep, 0,
           "> 0: also time each GEMM of the floor and of the first budget's chunks alone at "
           "heuristic ranks 0..N-1 and workspaces 4 and 32 MiB (which algorithm pays)");
@@ -124,6 +129,8 @@ struct Row {
   double whole_gemms_ms = 0;  // the whole-batch layout's GEMMs alone, first budget
   bool deterministic = true;
   double mean_loss;
+  bool checked_fp64 = false;  // fp64 holds the errors against the float64 reference
+  Fp64Errors fp64;
 };
 
 double Median(std::vector<double> v) {
@@ -651,6 +658,24 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
       double sum = 0;
       for (float c : ce) sum += c;
       row->mean_loss = sum / static_cast<double>(bt);
+      if (absl::GetFlag(FLAGS_check_fp64)) {
+        // The outputs of the second run above against float64, at the benchmark's own shape.
+        // Every schedule at the first budget is checked; the worst of each error is kept.
+        std::string error;
+        Fp64Errors e;
+        if (!CompareWithFp64(bt, h, v, x, w, static_cast<const int32_t*>(tg), row->mean_loss,
+                             dx, static_cast<const float*>(dw), 2048, &e, &error)) {
+          std::fprintf(stderr, "float64 reference: %s\n", error.c_str());
+          return 1;
+        }
+        if (row->checked_fp64) {
+          e.loss_rel = std::max(e.loss_rel, row->fp64.loss_rel);
+          e.dx_rel_norm = std::max(e.dx_rel_norm, row->fp64.dx_rel_norm);
+          e.dw_rel_norm = std::max(e.dw_rel_norm, row->fp64.dw_rel_norm);
+        }
+        row->fp64 = e;
+        row->checked_fp64 = true;
+      }
       cudaFree(dx0);
       cudaFree(dw0);
       cudaFree(count);
@@ -941,9 +966,33 @@ int Main() {
                     : "");
   }
   if (csv != nullptr) std::fclose(csv);
+  // The accuracy bar for bf16 inputs: dX and dW at bf16 level (relative norm error
+  // about 3e-3 at most), the loss within 1e-5 relative.
+  constexpr double kGradRelNorm = 3e-3, kLossRel = 1e-5;
+  bool accurate = true;
+  bool any_checked = false;
+  for (const Row& r : rows) any_checked = any_checked || r.checked_fp64;
+  if (any_checked) {
+    std::printf("\nAgainst the float64 reference (DGEMMs on the device, same inputs; the "
+                "worst over the schedules timed at the first budget):\n\n"
+                "| BT, H, V | float64 loss | loss rel. error | dX rel. norm error | "
+                "dW rel. norm error | within (%.0e, %.0e) |\n|---|---|---|---|---|---|\n",
+                kGradRelNorm, kLossRel);
+  }
+  for (const Row& r : rows) {
+    if (!r.checked_fp64) continue;
+    const bool ok = r.fp64.loss_rel <= kLossRel && r.fp64.dx_rel_norm <= kGradRelNorm &&
+                    r.fp64.dw_rel_norm <= kGradRelNorm;
+    accurate = accurate && ok;
+    std::printf("| %lld, %lld, %lld | %.6f | %.2e | %.2e | %.2e | %s |\n",
+                static_cast<long long>(r.bt), static_cast<long long>(r.h),
+                static_cast<long long>(r.v), r.fp64.ref_loss, r.fp64.loss_rel,
+                r.fp64.dx_rel_norm, r.fp64.dw_rel_norm, ok ? "yes" : "NO");
+  }
   for (const Row& r : rows) {
     if (!r.deterministic) return 3;
   }
+  if (!accurate) return 4;
   return 0;
 }
 
