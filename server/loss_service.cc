@@ -115,12 +115,20 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   void OnCancel() override {
+    HandleCancel();
+    if (service_->options().compute_cancel_hook) service_->options().compute_cancel_hook();
+  }
+
+  void HandleCancel() {
     // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
     LOSSD_TSAN_RELEASE_ON_EXIT(this);
     uint64_t ticket = 0;
     std::shared_ptr<StreamedRows> rows;
     {
       absl::MutexLock lock(&mu_);
+      // No read is pending while the header is handled, so nothing else would end the call
+      // then: OnHeader checks this before it reserves memory and after it has the ticket.
+      cancel_seen_ = true;
       rows = rows_;
       if (state_ != State::kAdmitting) {
         // Pending reads/writes or the job finish us; an overlapped compute waiting for rows
@@ -128,6 +136,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
         if (rows != nullptr) rows->Fail(Cancelled());
         return;
       }
+      // Reserve has not returned the ticket yet: OnHeader withdraws it when it does.
+      if (ticket_ == 0) return;
       ticket = ticket_;
     }
     engine_->budget().Cancel(ticket);  // its callback fails the call with CANCELLED
@@ -161,6 +171,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   absl::Status OnHeader() {
+    if (service_->options().compute_header_hook) service_->options().compute_header_hook();
     if (frame_.kind() != client::StreamFrame::Kind::kHeader) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the first message of a Compute stream must be a header, got ",
@@ -182,6 +193,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     overlap_ = header.overlap();
     {
       absl::MutexLock lock(&mu_);
+      if (cancel_seen_) return Cancelled();  // cancelled while parsed: never queued
       state_ = State::kAdmitting;
     }
     idle_->Disarm();  // waiting for memory, not for the client
@@ -193,8 +205,16 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     absl::Status s = engine_->budget().Reserve(
         plan_->admission_bytes(), what, [this](absl::Status st) { OnAdmitted(st); }, &ticket);
     if (!s.ok()) return s;
-    absl::MutexLock lock(&mu_);
-    ticket_ = ticket;
+    bool withdraw = false;
+    {
+      absl::MutexLock lock(&mu_);
+      ticket_ = ticket;
+      withdraw = cancel_seen_;
+    }
+    // OnCancel ran after the check above but before the ticket was stored, so it left the
+    // withdrawal to us. Cancel is a no-op once granted (the callback runs exactly once either
+    // way); a granted call ends on its next read, which fails on a cancelled stream.
+    if (withdraw) engine_->budget().Cancel(ticket);
     return absl::OkStatus();
   }
 
@@ -647,7 +667,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   // A call that finished OK after adding (FinishOnce), checked again in OnDone.
   std::shared_ptr<Accumulator> ok_added_;
   uint64_t ok_added_resets_ = 0;
-  uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;  // 0 until Reserve returns (no ticket is 0)
+  bool cancel_seen_ ABSL_GUARDED_BY(mu_) = false;  // OnCancel has run
   uint64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Overlapped Compute only.

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -38,6 +39,12 @@ struct ServiceOptions {
   absl::Duration stream_idle_timeout = absl::Seconds(60);
   // When set, every Loss RPC must carry a valid bearer token (health checks need none).
   std::shared_ptr<const TokenAuthenticator> auth;
+  // Test seams, empty in the server: a Compute reactor runs `compute_header_hook` on its
+  // thread as it starts handling the header, and `compute_cancel_hook` as its OnCancel
+  // returns, so a test can land a cancel inside the header's handling (a window no client
+  // timing hits reliably).
+  std::function<void()> compute_header_hook;
+  std::function<void()> compute_cancel_hook;
 };
 
 // Compute and FetchGradients are raw methods (byte buffers, parsed and built in place without

@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "lossd/v1/lossd.grpc.pb.h"
@@ -169,6 +172,67 @@ TEST_F(LossServiceTest, ComputeResponsePartsParseAsTypedMessagesCallAfterCall) {
       EXPECT_EQ(dx, first_dx) << "call " << call;
     }
   }
+}
+
+// A Compute cancelled while the server handles its header (before its memory reservation
+// exists) must not wait in the memory queue until its turn: the reservation is withdrawn (or
+// never queued) at once, and nothing is granted to it afterwards.
+TEST(ComputeCancelTest, ACancelWhileTheHeaderIsHandledLeavesNothingInTheMemoryQueue) {
+  constexpr uint64_t kBudget = 1 << 20;
+  EngineOptions eo;
+  eo.memory_budget_bytes = kBudget;
+  Engine engine(NewCpuBackend(1), eo);
+  ServerMetrics metrics([] { return StateSample{}; });
+  absl::Notification in_header, cancelled;
+  LossServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.service.compute_header_hook = [&] {
+    in_header.Notify();
+    // Held here until the cancel has been handled, so it lands inside the header's handling.
+    cancelled.WaitForNotificationWithTimeout(absl::Seconds(10));
+  };
+  o.service.compute_cancel_hook = [&] {
+    if (!cancelled.HasBeenNotified()) cancelled.Notify();
+  };
+  auto server = LossServer::Start(&engine, &metrics, o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::Loss::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials()));
+
+  // The whole budget is taken, so the Compute (a few KiB) would have to queue.
+  uint64_t blocker = 0;
+  ASSERT_TRUE(engine.budget().Reserve(kBudget, "blocker", [](absl::Status) {}, &blocker).ok());
+
+  grpc::ClientContext ctx;
+  auto stream = stub->Compute(&ctx);
+  v1::ComputeRequest head;
+  v1::ComputeHeader* h = head.mutable_header();
+  auto spec = [](v1::TensorSpec* s, v1::DType d, std::vector<int64_t> shape) {
+    s->set_dtype(d);
+    for (int64_t v : shape) s->add_shape(v);
+  };
+  spec(h->mutable_x(), v1::DTYPE_FP32, {4, 8});
+  spec(h->mutable_w(), v1::DTYPE_FP32, {16, 8});
+  spec(h->mutable_targets(), v1::DTYPE_INT32, {4});
+  h->mutable_outputs()->set_dx(true);
+  ASSERT_TRUE(stream->Write(head));
+  ASSERT_TRUE(in_header.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ctx.TryCancel();
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(10)))
+      << "the server never saw the cancel";
+
+  // Still holding the whole budget: the cancelled Compute must leave the queue by itself.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (engine.budget().waiting() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(engine.budget().waiting(), 0u)
+      << "a Compute cancelled during its header still waits for memory";
+  EXPECT_EQ(engine.budget().in_use(), kBudget);
+  engine.budget().Release(kBudget);
+  EXPECT_EQ(engine.budget().in_use(), 0u) << "memory was granted to a cancelled Compute";
+  (*server)->Shutdown(absl::ZeroDuration());
 }
 
 }  // namespace

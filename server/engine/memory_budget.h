@@ -23,7 +23,7 @@ class MemoryBudget {
   // Reserves `bytes` now (runs `done(OK)` before returning) or queues the request. Returns
   // RESOURCE_EXHAUSTED when `bytes` exceeds the whole budget and UNAVAILABLE when the queue is
   // full or the budget is closed; `done` is then never called. On success returns a ticket
-  // for Cancel().
+  // for Cancel() (never 0, so callers may use 0 for "none yet").
   absl::Status Reserve(uint64_t bytes, absl::string_view what, Callback done,
                        uint64_t* ticket);
 
