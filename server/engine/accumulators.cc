@@ -22,8 +22,31 @@ absl::Status ValidateAccumulatorName(const std::string& name, absl::string_view 
   return absl::OkStatus();
 }
 
+namespace {
+
+// dW (V, H) and db (V), fp32.
+uint64_t AccumulatorBytes(int64_t v, int64_t h, bool has_bias) {
+  return static_cast<uint64_t>(v) * h * 4 + (has_bias ? static_cast<uint64_t>(v) * 4 : 0);
+}
+
+// Deletes an accumulator, then gives its bytes back: frees first, so that the store never
+// admits a new one while this one's memory is still held.
+struct AccumulatorDeleter {
+  std::shared_ptr<std::atomic<uint64_t>> held_bytes;
+  uint64_t bytes = 0;
+  void operator()(Accumulator* a) const {
+    delete a;
+    held_bytes->fetch_sub(bytes);
+  }
+};
+
+}  // namespace
+
 AccumulatorStore::AccumulatorStore(Backend* backend, uint64_t budget_bytes, size_t max_count)
-    : backend_(backend), budget_(budget_bytes), max_count_(max_count) {}
+    : backend_(backend),
+      budget_(budget_bytes),
+      max_count_(max_count),
+      held_bytes_(std::make_shared<std::atomic<uint64_t>>(0)) {}
 
 absl::Status AccumulatorStore::CheckLocked(const std::string& name, int64_t v, int64_t h,
                                            bool has_bias) const {
@@ -38,17 +61,26 @@ absl::Status AccumulatorStore::CheckLocked(const std::string& name, int64_t v, i
     }
     return absl::OkStatus();
   }
-  const uint64_t bytes = static_cast<uint64_t>(v) * h * 4 + (has_bias ? v * 4 : 0);
+  const uint64_t bytes = AccumulatorBytes(v, h, has_bias);
   if (map_.size() >= max_count_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "cannot create accumulator '", name, "': ", map_.size(),
         " accumulators exist (--max_accumulators=", max_count_,
         "); fetch with reset or drop finished ones"));
   }
-  if (bytes_ + bytes > budget_) {
+  // Only a creation (under mu_) adds to held_bytes_; a deleter running meanwhile only
+  // lowers it, so this check errs on the side of refusing.
+  const uint64_t held = held_bytes_->load();
+  if (held + bytes > budget_) {
+    // Every named accumulator is in `held` (the map keeps it alive); the rest are dropped.
+    const uint64_t dropped = held > named_bytes_ ? held - named_bytes_ : 0;
     return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot create accumulator '", name, "' of ", bytes, " bytes: ", bytes_, " of ",
-        budget_, " bytes (--accumulator_bytes) are in use"));
+        "cannot create accumulator '", name, "' of ", bytes, " bytes: ", held, " of ", budget_,
+        " bytes (--accumulator_bytes) are in use",
+        dropped > 0 ? absl::StrCat(", ", dropped,
+                                   " of them by dropped accumulators that running calls still "
+                                   "hold (freed when those calls end)")
+                    : std::string()));
   }
   return absl::OkStatus();
 }
@@ -66,8 +98,8 @@ absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
   if (!checked.ok()) return checked;
   auto it = map_.find(name);
   if (it != map_.end()) return it->second;
-  const uint64_t bytes = static_cast<uint64_t>(v) * h * 4 + (has_bias ? v * 4 : 0);
-  auto acc = std::make_shared<Accumulator>();
+  const uint64_t bytes = AccumulatorBytes(v, h, has_bias);
+  auto acc = std::make_unique<Accumulator>();
   acc->name = name;
   acc->v = v;
   acc->h = h;
@@ -84,9 +116,11 @@ absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
     s = backend_->Zero(*acc->db);
     if (!s.ok()) return s;
   }
-  bytes_ += bytes;
-  map_[name] = acc;
-  return acc;
+  held_bytes_->fetch_add(bytes);
+  named_bytes_ += bytes;
+  std::shared_ptr<Accumulator> shared(acc.release(), AccumulatorDeleter{held_bytes_, bytes});
+  map_[name] = shared;
+  return shared;
 }
 
 absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::Get(const std::string& name) {
@@ -109,12 +143,12 @@ absl::Status AccumulatorStore::Drop(const std::string& name) {
       return absl::NotFoundError(absl::StrCat("accumulator '", name, "' not found"));
     }
     const Accumulator& a = *it->second;
-    bytes_ -= static_cast<uint64_t>(a.v) * a.h * 4 + (a.has_bias ? a.v * 4 : 0);
+    named_bytes_ -= AccumulatorBytes(a.v, a.h, a.has_bias);
     dropped = std::move(it->second);
     map_.erase(it);
   }
-  // Its memory (GiBs of device or host memory) is given back here, outside the lock, so that
-  // other clients' lookups do not wait for the free.
+  // Unless a running call still holds it, its memory (GiBs of device or host memory) is given
+  // back here, outside the lock, so that other clients' lookups do not wait for the free.
   dropped.reset();
   return absl::OkStatus();
 }
@@ -124,9 +158,6 @@ size_t AccumulatorStore::count() const {
   return map_.size();
 }
 
-uint64_t AccumulatorStore::bytes() const {
-  absl::MutexLock lock(&mu_);
-  return bytes_;
-}
+uint64_t AccumulatorStore::bytes() const { return held_bytes_->load(); }
 
 }  // namespace lossd

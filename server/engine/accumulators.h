@@ -4,6 +4,7 @@
 #ifndef LOSSD_SERVER_ENGINE_ACCUMULATORS_H_
 #define LOSSD_SERVER_ENGINE_ACCUMULATORS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -46,9 +47,14 @@ class AccumulatorStore {
   // its tensors are received. GetOrCreate asks again (another request may have come between).
   absl::Status Check(const std::string& name, int64_t v, int64_t h, bool has_bias) const;
   absl::StatusOr<std::shared_ptr<Accumulator>> Get(const std::string& name);
+  // Forgets the name at once; the memory is freed, and its bytes come back to
+  // --accumulator_bytes, when the last holder (a running Compute or fetch) lets go.
   absl::Status Drop(const std::string& name);
 
+  // Accumulators known by name (what --max_accumulators limits; dropped ones not included).
   size_t count() const;
+  // Bytes of accumulator memory held now, what --accumulator_bytes limits: every named
+  // accumulator's, plus those of dropped ones that running calls still hold.
   uint64_t bytes() const;
 
  private:
@@ -58,9 +64,13 @@ class AccumulatorStore {
   Backend* const backend_;
   const uint64_t budget_;
   const size_t max_count_;
+  // Bytes of every accumulator alive, named or dropped: added at creation (under mu_, so a
+  // check and its add are one step), subtracted by the accumulator's deleter after its memory
+  // is freed. Shared with the deleters, since a call may let go after the store is gone.
+  const std::shared_ptr<std::atomic<uint64_t>> held_bytes_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Accumulator>> map_ ABSL_GUARDED_BY(mu_);
-  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t named_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the accumulators in map_
 };
 
 // Accumulator names: 1 to 128 characters of [A-Za-z0-9._:/-].
