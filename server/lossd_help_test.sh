@@ -52,7 +52,13 @@ refuse "--response_part_bytes must be in [1024, --max_part_bytes=16777216], got 
   --response_part_bytes=0
 refuse "--response_part_bytes must be in [1024, --max_part_bytes=1048576], got 4194304" \
   --max_part_bytes=1048576
+# The weight cache and the accumulators together may not exceed the backend's memory (the
+# host's, on the CPU backend): 2^62 bytes each is more than any host has.
+refuse "--weight_cache_bytes=4611686018427387904 plus --accumulator_bytes=1073741824" \
+  --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=1073741824
+refuse "exceed the cpu backend's host memory of " \
+  --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=4611686018427387904
 if [ "$bad" -ne 0 ]; then
   exit 1
 fi
-echo "lossd refuses 6 out-of-range flag settings, naming each"
+echo "lossd refuses 8 out-of-range flag settings, naming each"

@@ -30,6 +30,7 @@
 #include "server/auth.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
+#include "server/store_budgets.h"
 #include "server/tls.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0", "Address the gRPC server listens on.");
@@ -190,6 +191,14 @@ int Main() {
     return 1;
   }
   const BackendInfo info = (*backend)->Info();
+  // Weights and accumulators live in backend memory between requests: budgets the backend
+  // cannot hold would surface later as out-of-memory failures of requests already accepted.
+  if (absl::Status s = CheckStoreBudgets(absl::GetFlag(FLAGS_weight_cache_bytes),
+                                         absl::GetFlag(FLAGS_accumulator_bytes), info);
+      !s.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", s.ToString().c_str());
+    return 1;
+  }
 
   EngineOptions eo;
   eo.instance = NewInstanceId();

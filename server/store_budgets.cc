@@ -1,0 +1,43 @@
+#include "server/store_budgets.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace lossd {
+
+absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator_bytes,
+                               const BackendInfo& backend) {
+  const uint64_t total = backend.memory_total_bytes;
+  const uint64_t budget = backend.memory_budget_bytes;
+  // A budget above the device's memory cannot be held either: the smaller one is the limit.
+  const bool by_budget = budget != 0 && (total == 0 || budget <= total);
+  const uint64_t limit = by_budget ? budget : total;
+  if (limit == 0) return absl::OkStatus();  // the backend does not say: nothing to compare
+  // Compared without forming the sum, which two large flags would wrap.
+  if (weight_cache_bytes <= limit && accumulator_bytes <= limit - weight_cache_bytes) {
+    return absl::OkStatus();
+  }
+  const std::string sum =
+      accumulator_bytes > UINT64_MAX - weight_cache_bytes
+          ? std::string("more than 2^64")
+          : absl::StrCat(weight_cache_bytes + accumulator_bytes);
+  std::string what;
+  if (by_budget) {
+    // The only budget a backend has is the CUDA one, set by this flag.
+    what = absl::StrCat("the ", backend.name, " backend's memory budget (",
+                        "--device_memory_budget_bytes=", budget, ")");
+  } else {
+    // The CPU backend keeps weights and accumulators in host memory.
+    what = absl::StrCat("the ", backend.name, " backend's ",
+                        backend.name == "cpu" ? "host" : "device", " memory of ", total,
+                        " bytes (", backend.device, ")");
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--weight_cache_bytes=", weight_cache_bytes, " plus --accumulator_bytes=",
+      accumulator_bytes, " (", sum, " bytes) exceed ", what,
+      "; both are held in backend memory between requests, so lower them"));
+}
+
+}  // namespace lossd

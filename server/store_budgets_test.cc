@@ -1,0 +1,68 @@
+#include "server/store_budgets.h"
+
+#include <cstdint>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace lossd {
+namespace {
+
+constexpr uint64_t kGiB = 1ull << 30;
+
+BackendInfo Cuda(uint64_t total, uint64_t budget) {
+  BackendInfo b;
+  b.name = "cuda";
+  b.device = "NVIDIA H200";
+  b.memory_total_bytes = total;
+  b.memory_budget_bytes = budget;
+  return b;
+}
+
+void ExpectRefused(const absl::Status& s, const std::string& want) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(want), std::string::npos) << s;
+}
+
+TEST(StoreBudgetsTest, FitsInTheDevice) {
+  EXPECT_TRUE(CheckStoreBudgets(4 * kGiB, 8 * kGiB, Cuda(141 * kGiB, 0)).ok());
+  // Exactly the whole device is allowed (a budget, not an allocation).
+  EXPECT_TRUE(CheckStoreBudgets(70 * kGiB, 71 * kGiB, Cuda(141 * kGiB, 0)).ok());
+}
+
+TEST(StoreBudgetsTest, MoreThanTheDeviceIsRefusedNamingBothFlags) {
+  const absl::Status s = CheckStoreBudgets(16 * kGiB, 8 * kGiB, Cuda(12 * kGiB, 0));
+  ExpectRefused(s, "--weight_cache_bytes=17179869184 plus --accumulator_bytes=8589934592");
+  ExpectRefused(s, "25769803776 bytes");
+  ExpectRefused(s, "device memory of 12884901888 bytes (NVIDIA H200)");
+}
+
+TEST(StoreBudgetsTest, TheBackendsOwnBudgetIsTheLimitWhereSet) {
+  EXPECT_TRUE(CheckStoreBudgets(32 * kGiB, 32 * kGiB, Cuda(141 * kGiB, 120 * kGiB)).ok());
+  const absl::Status s = CheckStoreBudgets(64 * kGiB, 64 * kGiB, Cuda(141 * kGiB, 120 * kGiB));
+  ExpectRefused(s, "--device_memory_budget_bytes=128849018880");
+  // A budget larger than the device does not raise the limit past the device.
+  ExpectRefused(CheckStoreBudgets(100 * kGiB, 100 * kGiB, Cuda(141 * kGiB, 500 * kGiB)),
+                "device memory of 151397597184 bytes");
+}
+
+TEST(StoreBudgetsTest, TheCpuBackendIsCheckedAgainstHostMemory) {
+  BackendInfo cpu;
+  cpu.name = "cpu";
+  cpu.device = "2 threads";
+  cpu.memory_total_bytes = 16 * kGiB;
+  EXPECT_TRUE(CheckStoreBudgets(4 * kGiB, 8 * kGiB, cpu).ok());
+  ExpectRefused(CheckStoreBudgets(8 * kGiB, 9 * kGiB, cpu), "host memory of 17179869184 bytes");
+}
+
+TEST(StoreBudgetsTest, SumsThatOverflowAreRefused) {
+  ExpectRefused(CheckStoreBudgets(UINT64_MAX, 2, Cuda(141 * kGiB, 0)),
+                "--weight_cache_bytes=18446744073709551615 plus --accumulator_bytes=2");
+}
+
+TEST(StoreBudgetsTest, UnknownMemoryIsNotChecked) {
+  EXPECT_TRUE(CheckStoreBudgets(UINT64_MAX, UINT64_MAX, Cuda(0, 0)).ok());
+}
+
+}  // namespace
+}  // namespace lossd
