@@ -14,8 +14,10 @@
 #include <string>
 #include <thread>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -193,8 +195,28 @@ int Main() {
   const BackendInfo info = (*backend)->Info();
   // Weights and accumulators live in backend memory between requests: budgets the backend
   // cannot hold would surface later as out-of-memory failures of requests already accepted.
-  if (absl::Status s = CheckStoreBudgets(absl::GetFlag(FLAGS_weight_cache_bytes),
-                                         absl::GetFlag(FLAGS_accumulator_bytes), info);
+  // The defaults (4 + 8 GiB) suit a GPU host; on a smaller machine they shrink to fit rather
+  // than keep lossd from starting. Values given on the command line are checked as they are.
+  uint64_t weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
+  uint64_t accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
+  // (This Abseil keeps "was it on the command line" private: a value equal to the default
+  // counts as the default, which changes nothing for it.)
+  auto at_default = [](absl::string_view name) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    return f != nullptr && f->CurrentValue() == f->DefaultValue();
+  };
+  const bool stores_given = !at_default("weight_cache_bytes") || !at_default("accumulator_bytes");
+  if (!stores_given &&
+      FitDefaultStoreBudgets(&weight_cache_bytes, &accumulator_bytes, info)) {
+    std::fprintf(stderr,
+                 "lossd: the default --weight_cache_bytes and --accumulator_bytes do not fit "
+                 "the %s backend's memory; using %llu and %llu bytes (half of it)\n",
+                 info.name.c_str(), static_cast<unsigned long long>(weight_cache_bytes),
+                 static_cast<unsigned long long>(accumulator_bytes));
+    absl::SetFlag(&FLAGS_weight_cache_bytes, weight_cache_bytes);
+    absl::SetFlag(&FLAGS_accumulator_bytes, accumulator_bytes);
+  }
+  if (absl::Status s = CheckStoreBudgets(weight_cache_bytes, accumulator_bytes, info);
       !s.ok()) {
     std::fprintf(stderr, "lossd: %s\n", s.ToString().c_str());
     return 1;

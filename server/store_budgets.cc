@@ -7,13 +7,37 @@
 
 namespace lossd {
 
+namespace {
+
+// The most bytes the backend may hold (its own budget, capped at its memory), 0 if unknown.
+uint64_t StoreLimit(const BackendInfo& backend) {
+  const uint64_t total = backend.memory_total_bytes;
+  const uint64_t budget = backend.memory_budget_bytes;
+  return budget != 0 && (total == 0 || budget <= total) ? budget : total;
+}
+
+}  // namespace
+
+bool FitDefaultStoreBudgets(uint64_t* weight_cache_bytes, uint64_t* accumulator_bytes,
+                            const BackendInfo& backend) {
+  if (CheckStoreBudgets(*weight_cache_bytes, *accumulator_bytes, backend).ok()) return false;
+  const uint64_t half = StoreLimit(backend) / 2;
+  // In long double: the product of two byte counts does not fit in 64 bits.
+  const long double sum =
+      static_cast<long double>(*weight_cache_bytes) + static_cast<long double>(*accumulator_bytes);
+  const long double scale = static_cast<long double>(half) / sum;
+  *weight_cache_bytes = static_cast<uint64_t>(*weight_cache_bytes * scale);
+  *accumulator_bytes = static_cast<uint64_t>(*accumulator_bytes * scale);
+  return true;
+}
+
 absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator_bytes,
                                const BackendInfo& backend) {
   const uint64_t total = backend.memory_total_bytes;
   const uint64_t budget = backend.memory_budget_bytes;
   // A budget above the device's memory cannot be held either: the smaller one is the limit.
   const bool by_budget = budget != 0 && (total == 0 || budget <= total);
-  const uint64_t limit = by_budget ? budget : total;
+  const uint64_t limit = StoreLimit(backend);
   if (limit == 0) return absl::OkStatus();  // the backend does not say: nothing to compare
   // Compared without forming the sum, which two large flags would wrap.
   if (weight_cache_bytes <= limit && accumulator_bytes <= limit - weight_cache_bytes) {

@@ -18,6 +18,13 @@ namespace lossd {
 absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator_bytes,
                                const BackendInfo& backend);
 
+// For the defaults alone (neither flag given): where CheckStoreBudgets would refuse them,
+// scales both down in their ratio to half of the backend's limit, so that lossd starts with
+// its defaults on a small machine (a laptop, a small GPU) and requests keep the other half.
+// Returns true when it lowered them. Values a user gave are never changed: those are checked.
+bool FitDefaultStoreBudgets(uint64_t* weight_cache_bytes, uint64_t* accumulator_bytes,
+                            const BackendInfo& backend);
+
 }  // namespace lossd
 
 #endif  // LOSSD_SERVER_STORE_BUDGETS_H_

@@ -64,5 +64,30 @@ TEST(StoreBudgetsTest, UnknownMemoryIsNotChecked) {
   EXPECT_TRUE(CheckStoreBudgets(UINT64_MAX, UINT64_MAX, Cuda(0, 0)).ok());
 }
 
+TEST(StoreBudgetsTest, DefaultsThatDoNotFitShrinkToHalfInTheirRatio) {
+  // An 8 GiB laptop GPU: 4 + 8 GiB become 4/3 + 8/3 GiB, and then pass the check.
+  uint64_t wc = 4 * kGiB, acc = 8 * kGiB;
+  EXPECT_TRUE(FitDefaultStoreBudgets(&wc, &acc, Cuda(8 * kGiB, 0)));
+  EXPECT_LE(wc + acc, 4 * kGiB);
+  EXPECT_GE(wc + acc, 4 * kGiB - 2);  // rounding down each loses under a byte
+  EXPECT_EQ(acc / kGiB, 2u);
+  EXPECT_LE(wc * 2, acc);
+  EXPECT_GE(wc * 2 + 2, acc);
+  EXPECT_TRUE(CheckStoreBudgets(wc, acc, Cuda(8 * kGiB, 0)).ok());
+  // Where they fit, nothing changes.
+  wc = 4 * kGiB, acc = 8 * kGiB;
+  EXPECT_FALSE(FitDefaultStoreBudgets(&wc, &acc, Cuda(141 * kGiB, 0)));
+  EXPECT_EQ(wc, 4 * kGiB);
+  EXPECT_EQ(acc, 8 * kGiB);
+  // The backend's own budget is the limit where it is set.
+  EXPECT_TRUE(FitDefaultStoreBudgets(&wc, &acc, Cuda(141 * kGiB, 6 * kGiB)));
+  EXPECT_LE(wc + acc, 3 * kGiB);
+  EXPECT_TRUE(CheckStoreBudgets(wc, acc, Cuda(141 * kGiB, 6 * kGiB)).ok());
+  // A backend that reports no memory leaves them alone.
+  wc = 4 * kGiB, acc = 8 * kGiB;
+  EXPECT_FALSE(FitDefaultStoreBudgets(&wc, &acc, Cuda(0, 0)));
+  EXPECT_EQ(wc + acc, 12 * kGiB);
+}
+
 }  // namespace
 }  // namespace lossd
