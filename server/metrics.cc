@@ -62,9 +62,13 @@ class StateCollector : public prometheus::Collectable {
           "Most device memory the backend may hold (--device_memory_budget_bytes; 0: no limit "
           "of its own).",
           s.gpu_memory_budget_bytes);
-    gauge("lossd_weight_cache_bytes", "Bytes of cached weights.", s.weight_cache_bytes);
+    gauge("lossd_weight_cache_bytes",
+          "Bytes of weight memory held: cached weights, and evicted or dropped ones that "
+          "running requests still use (with uploads in progress, at most the budget).",
+          s.weight_cache_bytes);
     gauge("lossd_weight_cache_budget_bytes", "Weight cache budget.", s.weight_cache_budget_bytes);
-    gauge("lossd_weight_cache_entries", "Weight handles held.", s.weight_cache_entries);
+    gauge("lossd_weight_cache_entries", "Weight handles served (evicted or dropped ones aside).",
+          s.weight_cache_entries);
     counter("lossd_weight_cache_hits_total", "Computes that found their weight handle.",
             s.weight_cache_hits);
     counter("lossd_weight_cache_misses_total", "Computes whose weight handle was missing.",

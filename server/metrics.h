@@ -31,7 +31,7 @@ struct StateSample {
   double gpu_memory_peak_bytes = 0;
   double gpu_memory_held_bytes = 0;    // by the backend now (its caching pool aside)
   double gpu_memory_budget_bytes = 0;  // --device_memory_budget_bytes (0: none)
-  double weight_cache_bytes = 0;
+  double weight_cache_bytes = 0;  // held: cached, and evicted or dropped but still in use
   double weight_cache_budget_bytes = 0;
   double weight_cache_entries = 0;
   double weight_cache_hits = 0;

@@ -1,5 +1,6 @@
 #include "server/engine/weight_cache.h"
 
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -8,20 +9,39 @@
 
 namespace lossd {
 
+namespace {
+
+// Frees an entry, then gives its bytes back: frees first, so that the cache never admits an
+// upload while this entry's memory is still held. Holds the reference Insert was handed, the
+// last one, so freeing it frees the memory.
+struct EntryDeleter {
+  std::shared_ptr<const WeightEntry> entry;
+  std::shared_ptr<std::atomic<uint64_t>> held_bytes;
+  uint64_t bytes = 0;
+  void operator()(const WeightEntry*) {
+    entry.reset();
+    held_bytes->fetch_sub(bytes);
+  }
+};
+
+}  // namespace
+
 WeightCache::WeightCache(uint64_t budget_bytes, std::string instance, size_t max_entries)
     : budget_(budget_bytes),
       instance_(std::move(instance)),
       prefix_(absl::StrCat("w-", instance_, "-")),
-      max_entries_(max_entries) {}
+      max_entries_(max_entries),
+      held_bytes_(std::make_shared<std::atomic<uint64_t>>(0)) {}
 
-void WeightCache::EvictOldestLocked() {
-  const std::string victim = lru_.back();
-  lru_.pop_back();
-  auto it = slots_.find(victim);
-  bytes_ -= it->second.entry->bytes();
+std::list<std::string>::iterator WeightCache::EvictLocked(std::list<std::string>::iterator pos) {
+  auto it = slots_.find(*pos);
+  retired_.Remember(*pos, Retired::kEvicted);
+  cached_bytes_ -= it->second.entry->bytes();
+  // Frees the memory now unless a running request holds the entry; its bytes stay in
+  // held_bytes_ until then.
   slots_.erase(it);
-  retired_.Remember(victim, Retired::kEvicted);
   ++evictions_;
+  return lru_.erase(pos);
 }
 
 bool WeightCache::IssuedLocked(const std::string& handle) const {
@@ -33,14 +53,48 @@ bool WeightCache::IssuedLocked(const std::string& handle) const {
 }
 
 absl::Status WeightCache::EvictForLocked(uint64_t bytes) {
-  // Uploads in progress cannot be evicted: when they leave no room, evicting the cached
-  // entries would not make any, and the refused upload would take them all down with it.
-  if (reserved_ + bytes > budget_) {
+  // Evicting an entry frees its memory only when the cache's reference is the last one, and
+  // an evicted or dropped entry that a running request holds keeps its memory until that
+  // request ends. Only Insert (under mu_) adds to held_bytes_, and a new reference is taken
+  // only by Get (under mu_) copying the cache's: so under mu_ a use_count() of 1 stays 1, and
+  // held_bytes_ and the other counts can only fall, which errs on the side of refusing.
+  const uint64_t held = held_bytes_->load();
+  uint64_t evictable = 0;  // of the cached entries no request holds
+  for (const auto& [handle, slot] : slots_) {
+    if (slot.entry.use_count() == 1) evictable += slot.entry->bytes();
+  }
+  // Memory that no eviction can free now: every entry alive is either cached (counted in
+  // `held` since its Insert) or evicted or dropped and held by a request.
+  const uint64_t in_use = held - evictable;
+  // Neither uploads in progress nor memory in use can be evicted: when they leave no room,
+  // evicting the cached entries would not make any, and the refused upload would take them
+  // all down with it. An upload that fits only once running requests let go is refused now.
+  if (reserved_ + in_use + bytes > budget_) {
+    const uint64_t retired = held - cached_bytes_;  // evicted or dropped, still held
     return absl::ResourceExhaustedError(absl::StrCat(
         "weights of ", bytes, " bytes do not fit in the weight cache: ", reserved_,
-        " of its ", budget_, " bytes (--weight_cache_bytes) are taken by uploads in progress"));
+        " of its ", budget_, " bytes (--weight_cache_bytes) are taken by uploads in progress",
+        in_use == 0
+            ? std::string()
+            : absl::StrCat(
+                  ", and ", in_use,
+                  " by weights that running requests use (freed or evictable when those "
+                  "requests end",
+                  retired == 0 ? std::string()
+                               : absl::StrCat("; ", retired,
+                                              " of those bytes are of handles already evicted "
+                                              "or dropped"),
+                  ")")));
   }
-  while (bytes_ + reserved_ + bytes > budget_ && !lru_.empty()) EvictOldestLocked();
+  // Least recently used first, passing over entries in use: evicting one would free nothing
+  // until its request ends and only cost its clients a new upload. By the check above, the
+  // entries no request holds make room enough.
+  auto pos = lru_.end();
+  while (held_bytes_->load() + reserved_ + bytes > budget_ && pos != lru_.begin()) {
+    --pos;
+    if (slots_.find(*pos)->second.entry.use_count() > 1) continue;
+    pos = EvictLocked(pos);  // the position after it, already passed over
+  }
   return absl::OkStatus();
 }
 
@@ -67,11 +121,17 @@ std::string WeightCache::Insert(std::shared_ptr<const WeightEntry> entry) {
   const uint64_t bytes = entry->bytes();
   reserved_ = bytes > reserved_ ? 0 : reserved_ - bytes;
   // Over the handle count (--max_weight_handles), the least recently used goes too.
-  while (slots_.size() >= max_entries_ && !lru_.empty()) EvictOldestLocked();
+  // Evicting by count frees no room in bytes, so the least recently used goes even when in
+  // use; its bytes stay charged until the requests that hold it end.
+  while (slots_.size() >= max_entries_ && !lru_.empty()) EvictLocked(std::prev(lru_.end()));
   std::string handle = absl::StrCat(prefix_, next_id_++);
   lru_.push_front(handle);
-  bytes_ += bytes;
-  slots_[handle] = Slot{std::move(entry), lru_.begin()};
+  held_bytes_->fetch_add(bytes);
+  cached_bytes_ += bytes;
+  const WeightEntry* raw = entry.get();
+  slots_[handle] = Slot{std::shared_ptr<const WeightEntry>(
+                            raw, EntryDeleter{std::move(entry), held_bytes_, bytes}),
+                        lru_.begin()};
   return handle;
 }
 
@@ -117,17 +177,16 @@ absl::Status WeightCache::Drop(const std::string& handle) {
     return absl::NotFoundError(
         absl::StrCat("weight handle '", handle, "' not found", evicted ? " (evicted)" : ""));
   }
-  bytes_ -= it->second.entry->bytes();
+  cached_bytes_ -= it->second.entry->bytes();
   lru_.erase(it->second.lru);
+  // Frees the memory now unless a running request holds the entry; its bytes stay in
+  // held_bytes_ until then.
   slots_.erase(it);
   retired_.Remember(handle, Retired::kDropped);
   return absl::OkStatus();
 }
 
-uint64_t WeightCache::bytes() const {
-  absl::MutexLock lock(&mu_);
-  return bytes_;
-}
+uint64_t WeightCache::bytes() const { return held_bytes_->load(); }
 size_t WeightCache::count() const {
   absl::MutexLock lock(&mu_);
   return slots_.size();

@@ -2,11 +2,14 @@
 // budget, least recently used evicted first. Knows nothing of gRPC.
 // An entry in use by a running request stays alive (shared ownership) even when evicted, so
 // a request never sees its weights change or vanish under it; an evicted handle is never
-// served again. The last kRetiredKept evicted or dropped handles are remembered, to say which
-// happened; older ones are known as this instance's only by their number.
+// served again. Its bytes stay charged to the budget until its memory is freed, so the
+// backend never holds more weight memory than the budget. The last kRetiredKept evicted or
+// dropped handles are remembered, to say which happened; older ones are known as this
+// instance's only by their number.
 #ifndef LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
 #define LOSSD_SERVER_ENGINE_WEIGHT_CACHE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -40,20 +43,32 @@ class WeightCache {
   // handles without end; this bounds what it remembers of them).
   static constexpr size_t kRetiredKept = 4096;
 
-  // Makes room for an upload of `bytes` (evicting least recently used entries) and holds it
-  // until Insert or Unreserve. RESOURCE_EXHAUSTED when it can never fit.
+  // Makes room for an upload of `bytes` and holds it until Insert or Unreserve, evicting
+  // least recently used first among the entries no running request holds (evicting one in
+  // use frees nothing until the request ends). RESOURCE_EXHAUSTED, evicting nothing, when it
+  // does not fit even once all of those are evicted: uploads in progress and memory that
+  // running requests hold leave no room.
   absl::Status Reserve(uint64_t bytes);
   void Unreserve(uint64_t bytes);
 
   // Adds a complete upload made under a reservation of entry->bytes(); returns its handle.
+  // The caller hands over its last reference: the entry's bytes are given back to the budget
+  // when the cache and the requests that Get it have all let go.
   std::string Insert(std::shared_ptr<const WeightEntry> entry);
 
   // NOT_FOUND (saying whether it was evicted, dropped or is from another server instance).
   absl::StatusOr<std::shared_ptr<const WeightEntry>> Get(const std::string& handle);
+  // Forgets the handle at once; the memory is freed, and its bytes come back to the budget,
+  // when the last running request that holds it lets go.
   absl::Status Drop(const std::string& handle);
 
   uint64_t budget() const { return budget_; }
+  // Bytes of weight memory held now, what --weight_cache_bytes limits besides uploads in
+  // progress: every cached entry's, plus those of evicted or dropped entries that running
+  // requests still hold.
   uint64_t bytes() const;
+  // Handles served now (what --max_weight_handles limits; evicted or dropped ones not
+  // included).
   size_t count() const;
   uint64_t hits() const;
   uint64_t misses() const;
@@ -65,8 +80,10 @@ class WeightCache {
     std::list<std::string>::iterator lru;  // position in lru_, front = most recent
   };
   absl::Status EvictForLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops the least recently used entry (lru_ not empty); its handle is remembered as evicted.
-  void EvictOldestLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the entry at `pos` in lru_ and returns the position after it; its handle is
+  // remembered as evicted.
+  std::list<std::string>::iterator EvictLocked(std::list<std::string>::iterator pos)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   enum class Retired : uint8_t { kEvicted, kDropped };
   // Whether this instance issued `handle` (by its number, whether still held or not).
   bool IssuedLocked(const std::string& handle) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -75,13 +92,18 @@ class WeightCache {
   const std::string instance_;
   const std::string prefix_;  // "w-<instance>-": every handle this cache issues starts so
   const size_t max_entries_;
+  // Bytes of every entry alive, cached or evicted or dropped but still held: added by Insert
+  // (under mu_, after the reservation that admitted it), subtracted by the entry's deleter
+  // after its memory is freed. Shared with the deleters, since a request may let go after the
+  // cache is gone.
+  const std::shared_ptr<std::atomic<uint64_t>> held_bytes_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
   // Why the last kRetiredKept handles that left did so.
   RecentKeys<Retired> retired_ ABSL_GUARDED_BY(mu_){kRetiredKept};
-  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // inserted entries
-  uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // uploads in progress
+  uint64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the entries in slots_
+  uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;      // uploads in progress
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t hits_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t misses_ ABSL_GUARDED_BY(mu_) = 0;

@@ -43,17 +43,27 @@ TEST(WeightCacheTest, LeastRecentlyUsedIsEvictedFirstAndSaysSo) {
   EXPECT_EQ(cache.misses(), 1u);
 }
 
+// An entry in use is evicted by the handle count (--max_weight_handles), which frees no bytes
+// and so passes over nothing; its request still reads its weights, and its bytes stay charged
+// until the request lets go.
 TEST(WeightCacheTest, AnEntryInUseOutlivesItsEviction) {
   auto backend = NewCpuBackend(1);
-  WeightCache cache(100, "inst");
+  WeightCache cache(200, "inst", /*max_entries=*/1);
   ASSERT_TRUE(cache.Reserve(100).ok());
   const std::string a = cache.Insert(Entry(*backend, 100));
   auto held = cache.Get(a);
   ASSERT_TRUE(held.ok());
   static_cast<float*>((*held)->w->data())[0] = 42.0f;
-  ASSERT_TRUE(cache.Reserve(100).ok());  // evicts a
-  EXPECT_FALSE(cache.Get(a).ok());
+  ASSERT_TRUE(cache.Reserve(100).ok());
+  const std::string b = cache.Insert(Entry(*backend, 100));  // evicts a
+  const absl::Status gone = cache.Get(a).status();
+  EXPECT_NE(gone.message().find("was evicted"), std::string::npos) << gone;
+  EXPECT_EQ(cache.evictions(), 1u);
   EXPECT_EQ(static_cast<const float*>((*held)->w->data())[0], 42.0f);
+  EXPECT_EQ(cache.bytes(), 200u);
+  *held = nullptr;  // the request ends
+  EXPECT_EQ(cache.bytes(), 100u);
+  EXPECT_TRUE(cache.Get(b).ok());
 }
 
 TEST(WeightCacheTest, TooLargeForTheBudgetIsResourceExhausted) {
@@ -154,6 +164,98 @@ TEST(WeightCacheTest, RetiredHandlesAreRememberedWithinABound) {
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
     EXPECT_NE(s.message().find("not found"), std::string::npos) << s;
   }
+}
+
+}  // namespace
+}  // namespace lossd
+
+namespace lossd {
+namespace {
+
+// A dropped entry that a running request still holds keeps its memory, so its bytes stay
+// charged to --weight_cache_bytes until the last holder lets go: an upload that fits only in
+// its place is refused until then, and evicts nothing meanwhile.
+TEST(WeightCacheTest, ADroppedEntryStillInUseKeepsItsBytesCharged) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(100, "inst");
+  ASSERT_TRUE(cache.Reserve(50).ok());
+  const std::string a = cache.Insert(Entry(*backend, 50));
+  auto got = cache.Get(a);
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::shared_ptr<const WeightEntry> held = std::move(*got);  // as a running Compute holds it
+  ASSERT_TRUE(cache.Drop(a).ok());
+  EXPECT_EQ(cache.count(), 0u);    // no longer served
+  EXPECT_EQ(cache.bytes(), 50u);   // but its memory is still held
+  ASSERT_TRUE(cache.Reserve(30).ok());
+  const std::string b = cache.Insert(Entry(*backend, 30));
+  EXPECT_EQ(cache.bytes(), 80u);
+
+  // 50 held by the dropped entry + 60 > 100: evicting b could not make room.
+  const absl::Status s = cache.Reserve(60);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("weights of 60 bytes do not fit in the weight cache: 0 of its 100 "
+                             "bytes (--weight_cache_bytes) are taken by uploads in progress, and "
+                             "50 by weights that running requests use"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("50 of those bytes are of handles already evicted or dropped"),
+            std::string::npos)
+      << s;
+  EXPECT_TRUE(cache.Get(b).ok()) << "the refused upload evicted a cached entry";
+  EXPECT_EQ(cache.evictions(), 0u);
+
+  held.reset();  // the request ends: the memory is freed, and its bytes come back
+  EXPECT_EQ(cache.bytes(), 30u);
+  ASSERT_TRUE(cache.Reserve(60).ok());
+  EXPECT_TRUE(cache.Get(b).ok()) << "60 fit beside b once the dropped entry was freed";
+  EXPECT_EQ(cache.evictions(), 0u);
+}
+
+// Evicting an entry that a running request holds frees nothing until the request ends, so an
+// upload evicts, least recently used first, only entries that no request holds.
+TEST(WeightCacheTest, AnUploadEvictsOnlyEntriesNoRunningRequestHolds) {
+  auto backend = NewCpuBackend(1);
+  WeightCache cache(100, "inst");
+  ASSERT_TRUE(cache.Reserve(50).ok());
+  const std::string a = cache.Insert(Entry(*backend, 50));
+  ASSERT_TRUE(cache.Reserve(50).ok());
+  const std::string b = cache.Insert(Entry(*backend, 50));
+  auto held = cache.Get(a);  // a running Compute holds a...
+  ASSERT_TRUE(held.ok()) << held.status();
+  ASSERT_TRUE(cache.Get(b).ok());  // ...and b is used after it: a is the least recent
+
+  // 50 held by a + 60 > 100: refused before evicting b, which could not make room.
+  const absl::Status s = cache.Reserve(60);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("0 of its 100 bytes (--weight_cache_bytes) are taken by uploads "
+                             "in progress, and 50 by weights that running requests use"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(s.message().find("evicted or dropped"), std::string::npos) << s;
+  EXPECT_TRUE(cache.Get(b).ok()) << "the refused upload evicted a cached entry";
+  EXPECT_EQ(cache.evictions(), 0u);
+
+  ASSERT_TRUE(cache.Reserve(50).ok());  // evicts b, not the less recent a
+  EXPECT_TRUE(cache.Get(a).ok()) << "evicted an entry in use, which freed nothing";
+  const absl::Status gone = cache.Get(b).status();
+  EXPECT_NE(gone.message().find("was evicted"), std::string::npos) << gone;
+  EXPECT_EQ(cache.evictions(), 1u);
+  EXPECT_EQ(cache.bytes(), 50u);
+}
+
+// The accounting outlives the cache: an entry let go after the cache is gone is safe.
+TEST(WeightCacheTest, AnEntryMayOutliveItsCache) {
+  auto backend = NewCpuBackend(1);
+  std::shared_ptr<const WeightEntry> held;
+  {
+    WeightCache cache(100, "inst");
+    ASSERT_TRUE(cache.Reserve(50).ok());
+    auto got = cache.Get(cache.Insert(Entry(*backend, 50)));
+    ASSERT_TRUE(got.ok()) << got.status();
+    held = std::move(*got);
+  }
+  EXPECT_EQ(held->w->size(), 50u);
+  held.reset();
 }
 
 }  // namespace

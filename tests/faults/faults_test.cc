@@ -349,9 +349,12 @@ TEST(AccumulatorFaultTest, FailureHalfWayPoisonsTheAccumulatorUntilDropped) {
 // An evicted handle is never served.
 
 TEST(EvictionTest, AnEvictedHandleIsRefusedAndAComputeHoldingItFinishes) {
-  // Room for one W of (V=500, H=64) bf16 = 64000 bytes, not two.
+  // Room in bytes for two W of (V=500, H=64) bf16 = 64000 bytes, but one handle: B evicts A
+  // by the handle count, even while a compute holds A (evicting by bytes passes over weights
+  // in use, see WeightsInUseAreNotEvictedToMakeRoom).
   HarnessOptions o;
-  o.engine.weight_cache_bytes = 100000;
+  o.engine.weight_cache_bytes = 150000;
+  o.engine.max_weight_handles = 1;
   Harness h(o);
   RandomProblem a = RandomProblem::Make(Spec(51, 16, 64, 500));
   RandomProblem b = RandomProblem::Make(Spec(52, 16, 64, 500));
@@ -368,6 +371,7 @@ TEST(EvictionTest, AnEvictedHandleIsRefusedAndAComputeHoldingItFinishes) {
   ASSERT_TRUE(plan.ok()) << plan.status();
 
   ASSERT_TRUE(testing_harness::PutWeights(h.stub(), b, 1 << 16, &hb).ok());  // evicts A
+  EXPECT_EQ(h.engine().weights().bytes(), 2u * 64000) << "A's memory is held until the plan ends";
   ComputeReply by_a = RunCompute(h.stub(), HeaderFor(a, ha), PartsFor(a, 1 << 20, false));
   EXPECT_EQ(by_a.status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_NE(by_a.status.error_message().find("was evicted"), std::string::npos)
@@ -394,6 +398,42 @@ TEST(EvictionTest, AnEvictedHandleIsRefusedAndAComputeHoldingItFinishes) {
   ASSERT_EQ(dx.size(), 16u * 64 * 2);
   EXPECT_EQ(std::memcmp(out.outputs[0].get(), dx.data(), dx.size()), 0)
       << "a compute holding evicted weights saw them change";
+}
+
+// Evicting weights that a compute holds frees nothing until it ends: an upload that fits only
+// in their place is refused, evicts nothing, and fits once the compute lets go.
+TEST(EvictionTest, WeightsInUseAreNotEvictedToMakeRoom) {
+  // Room for one W of (V=500, H=64) bf16 = 64000 bytes, not two.
+  HarnessOptions o;
+  o.engine.weight_cache_bytes = 100000;
+  Harness h(o);
+  RandomProblem a = RandomProblem::Make(Spec(53, 16, 64, 500));
+  RandomProblem b = RandomProblem::Make(Spec(54, 16, 64, 500));
+  std::string ha, hb;
+  ASSERT_TRUE(testing_harness::PutWeights(h.stub(), a, 1 << 16, &ha).ok());
+  {
+    ComputeSpec spec;
+    spec.inputs[static_cast<int>(InputSlot::kX)] = {true, DType::kBF16, {16, 64}};
+    spec.inputs[static_cast<int>(InputSlot::kTargets)] = {true, DType::kI64, {16}};
+    spec.weight_handle = ha;
+    spec.wanted.dx = true;
+    auto plan = h.engine().Plan(spec);  // holds A's weights
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const grpc::Status refused = testing_harness::PutWeights(h.stub(), b, 1 << 16, &hb);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_NE(refused.error_message().find("64000 by weights that running requests use"),
+              std::string::npos)
+        << refused.error_message();
+    EXPECT_EQ(h.engine().weights().bytes(), 64000u);
+    EXPECT_EQ(h.engine().weights().evictions(), 0u);
+  }
+  // Looked up in the cache, not by a Compute, whose plan may outlive the reply a moment.
+  EXPECT_TRUE(h.engine().weights().Get(ha).ok()) << "the refused upload evicted A";
+  ASSERT_TRUE(testing_harness::PutWeights(h.stub(), b, 1 << 16, &hb).ok());  // evicts A
+  EXPECT_EQ(h.engine().weights().evictions(), 1u);
+  EXPECT_EQ(h.engine().weights().bytes(), 64000u);
+  ComputeReply by_b = RunCompute(h.stub(), HeaderFor(b, hb), PartsFor(b, 1 << 20, false));
+  EXPECT_TRUE(MatchesRef(b, by_b));
 }
 
 // ---------------------------------------------------------------------------------------
