@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -44,11 +45,32 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
         absl::StrCat("cannot listen for gRPC on ", options.address));
   }
   s->SetServing(true);
+  if (options.health_poll > absl::ZeroDuration()) {
+    s->health_ = std::thread([server = s.get(), poll = options.health_poll] {
+      server->FollowBackendHealth(poll);
+    });
+  }
   return s;
 }
 
 LossServer::~LossServer() {
   if (!shut_down_) Shutdown(absl::ZeroDuration());
+}
+
+void LossServer::FollowBackendHealth(absl::Duration poll) {
+  bool serving = true;
+  absl::MutexLock lock(&health_mu_);
+  while (!health_stop_) {
+    const bool healthy = engine_->backend_info().healthy;
+    if (healthy != serving) {
+      SetServing(healthy);
+      serving = healthy;
+      std::fprintf(stderr, "lossd: backend %s; health is %s\n",
+                   healthy ? "healthy again" : "unhealthy",
+                   healthy ? "SERVING" : "NOT_SERVING");
+    }
+    health_cv_.WaitWithTimeout(&health_mu_, poll);
+  }
 }
 
 void LossServer::SetServing(bool serving) {
@@ -61,6 +83,15 @@ void LossServer::SetServing(bool serving) {
 void LossServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
+  if (health_.joinable()) {
+    // First, so that the health thread cannot turn a draining server SERVING again.
+    {
+      absl::MutexLock lock(&health_mu_);
+      health_stop_ = true;
+      health_cv_.Signal();
+    }
+    health_.join();
+  }
   SetServing(false);
   engine_->Drain();
   server_->Shutdown(std::chrono::system_clock::now() +

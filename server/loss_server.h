@@ -5,11 +5,14 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/engine/engine.h"
 #include "server/loss_service.h"
@@ -22,6 +25,9 @@ struct LossServerOptions {
   int grpc_threads = 0;                   // 0 = gRPC's default
   std::shared_ptr<grpc::ServerCredentials> credentials;  // null = plaintext
   ServiceOptions service;
+  // How often health looks at the backend: a sticky device error turns it NOT_SERVING (and a
+  // backend healthy again, SERVING). Zero: health is left as SetServing puts it.
+  absl::Duration health_poll = absl::Seconds(1);
 };
 
 class LossServer {
@@ -43,9 +49,16 @@ class LossServer {
   LossServer() = default;
   std::unique_ptr<LossService> service_;
   std::unique_ptr<grpc::Server> server_;
+  // Health follows the backend (LossServerOptions::health_poll) until Shutdown.
+  void FollowBackendHealth(absl::Duration poll);
+
   Engine* engine_ = nullptr;
   int port_ = 0;
   bool shut_down_ = false;
+  absl::Mutex health_mu_;
+  absl::CondVar health_cv_;
+  bool health_stop_ ABSL_GUARDED_BY(health_mu_) = false;
+  std::thread health_;
 };
 
 }  // namespace lossd

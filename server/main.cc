@@ -6,13 +6,11 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdio>
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
@@ -300,6 +298,8 @@ int Main() {
   }
   so.service.auth = auth;
   so.credentials = *credentials;
+  // Health follows the backend (so.health_poll, every second): a sticky device error turns it
+  // NOT_SERVING.
   auto server = LossServer::Start(&engine, &metrics, so);
   if (!server.ok()) {
     std::fprintf(stderr, "lossd: %s\n", server.status().ToString().c_str());
@@ -316,27 +316,10 @@ int Main() {
                       : "");
   std::fflush(stdout);
 
-  // Health follows the backend: a sticky device error turns it NOT_SERVING.
-  std::atomic<bool> stop{false};
-  std::thread health([&] {
-    bool serving = true;
-    while (!stop.load()) {
-      bool healthy = engine.backend_info().healthy;
-      if (healthy != serving) {
-        (*server)->SetServing(healthy);
-        serving = healthy;
-        if (!healthy) std::fprintf(stderr, "lossd: backend unhealthy; health is NOT_SERVING\n");
-      }
-      absl::SleepFor(absl::Seconds(1));
-    }
-  });
-
   int sig = 0;
   sigwait(&signals, &sig);
   std::fprintf(stderr, "lossd: signal %d, draining for up to %d s\n", sig,
                absl::GetFlag(FLAGS_drain_seconds));
-  stop.store(true);
-  health.join();
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   std::fprintf(stderr, "lossd: stopped\n");
   return 0;

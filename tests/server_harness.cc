@@ -7,11 +7,15 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
+
+#include <grpcpp/generic/generic_stub.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -158,6 +162,39 @@ double MetricValue(const std::string& page, const std::string& name,
   while (std::getline(in, line)) {
     if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size()));
   }
+  return -1;
+}
+
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel) {
+  // An empty HealthCheckRequest (the whole server); the answer's field 1 is the status.
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1);
+  grpc::ByteBuffer response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                    &response, [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> l(mu);
+                      status = s;
+                      done = true;
+                      cv.notify_one();
+                    });
+  {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return done; });
+  }
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return -1;
+  std::string bytes;
+  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  if (bytes == std::string("\x08\x01", 2)) return 1;
+  if (bytes == std::string("\x08\x02", 2)) return 2;
   return -1;
 }
 

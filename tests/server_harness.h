@@ -66,6 +66,10 @@ struct ComputeReply {
 };
 
 // Wire messages for a RandomProblem: header (with inline W unless handle is given) and parts.
+// grpc.health.v1.Health/Check for the whole server: 1 SERVING, 2 NOT_SERVING, -1 when the
+// call fails or the answer is not one of those.
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel);
+
 v1::ComputeHeader HeaderFor(const RandomProblem& rp, const std::string& weight_handle = "");
 std::vector<v1::ComputeRequest> PartsFor(const RandomProblem& rp, size_t part_bytes,
                                          bool include_weights = true);

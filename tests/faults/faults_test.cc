@@ -16,6 +16,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/test_util.h"
@@ -29,6 +31,7 @@ namespace {
 using testing_harness::ComputeReply;
 using testing_harness::Harness;
 using testing_harness::HarnessOptions;
+using testing_harness::HealthStatus;
 using testing_harness::HeaderFor;
 using testing_harness::PartsFor;
 using testing_harness::RunCompute;
@@ -184,7 +187,14 @@ class FailingBackend : public Backend {
   explicit FailingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
   void ArmFailure() { armed_.store(true); }
 
-  BackendInfo Info() override { return inner_->Info(); }
+  // Reports the backend unhealthy, as a sticky device error would.
+  void SetHealthy(bool healthy) { healthy_.store(healthy); }
+
+  BackendInfo Info() override {
+    BackendInfo info = inner_->Info();
+    info.healthy = info.healthy && healthy_.load();
+    return info;
+  }
   absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override {
     return inner_->Allocate(bytes);
   }
@@ -214,6 +224,7 @@ class FailingBackend : public Backend {
  private:
   std::unique_ptr<Backend> inner_;
   std::atomic<bool> armed_{false};
+  std::atomic<bool> healthy_{true};
 };
 
 // A server around an engine on FailingBackend.
@@ -229,6 +240,7 @@ struct FaultyServer {
     so.address = "127.0.0.1:0";
     so.service.instance = "faulty";
     so.service.version = "test";
+    so.health_poll = absl::Milliseconds(20);
     auto s = LossServer::Start(engine.get(), metrics.get(), so);
     EXPECT_TRUE(s.ok()) << s.status();
     server = std::move(*s);
@@ -347,6 +359,29 @@ TEST(AccumulatorFaultTest, FailureHalfWayPoisonsTheAccumulatorUntilDropped) {
 
 // ---------------------------------------------------------------------------------------
 // An evicted handle is never served.
+
+// ---------------------------------------------------------------------------------------
+// Health follows the backend: NOT_SERVING once it reports a sticky error, so load balancers
+// and the readiness probe take the replica out.
+
+// Polls the health service until it answers `want` or 5 s have passed.
+int WaitForHealth(const std::shared_ptr<grpc::Channel>& channel, int want) {
+  int got = HealthStatus(channel);
+  for (int i = 0; i < 250 && got != want; ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+    got = HealthStatus(channel);
+  }
+  return got;
+}
+
+TEST(HealthTest, AnUnhealthyBackendTurnsHealthNotServingAndARecoveredOneServingAgain) {
+  FaultyServer s;
+  ASSERT_EQ(HealthStatus(s.channel), 1);
+  s.failing->SetHealthy(false);
+  EXPECT_EQ(WaitForHealth(s.channel, 2), 2) << "health stayed SERVING after a sticky error";
+  s.failing->SetHealthy(true);
+  EXPECT_EQ(WaitForHealth(s.channel, 1), 1);
+}
 
 TEST(EvictionTest, AnEvictedHandleIsRefusedAndAComputeHoldingItFinishes) {
   // Room in bytes for two W of (V=500, H=64) bf16 = 64000 bytes, but one handle: B evicts A
