@@ -19,6 +19,8 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_family.h"
 #include "server/engine/engine.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
@@ -174,6 +176,22 @@ TEST_F(LossServiceTest, ComputeResponsePartsParseAsTypedMessagesCallAfterCall) {
   }
 }
 
+// Compute calls the server has finished with gRPC status `code` (lossd_requests_total).
+double FinishedComputes(ServerMetrics& metrics, const std::string& code) {
+  for (const prometheus::MetricFamily& family : metrics.registry()->Collect()) {
+    if (family.name != "lossd_requests_total") continue;
+    for (const prometheus::ClientMetric& m : family.metric) {
+      bool compute = false, with_code = false;
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        compute = compute || (l.name == "method" && l.value == "Compute");
+        with_code = with_code || (l.name == "code" && l.value == code);
+      }
+      if (compute && with_code) return m.counter.value;
+    }
+  }
+  return 0;
+}
+
 // A Compute cancelled while the server handles its header (before its memory reservation
 // exists) must not wait in the memory queue until its turn: the reservation is withdrawn (or
 // never queued) at once, and nothing is granted to it afterwards.
@@ -222,11 +240,15 @@ TEST(ComputeCancelTest, ACancelWhileTheHeaderIsHandledLeavesNothingInTheMemoryQu
   ASSERT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(10)))
       << "the server never saw the cancel";
 
-  // Still holding the whole budget: the cancelled Compute must leave the queue by itself.
+  // Still holding the whole budget: the cancelled Compute must end by itself. Waited for as
+  // the server's count of finished Computes, not as an empty queue: the header's handling
+  // goes on after the cancel, and the queue is empty until it reaches its reservation too.
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (engine.budget().waiting() > 0 && absl::Now() < deadline) {
+  while (FinishedComputes(metrics, "CANCELLED") < 1 && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(5));
   }
+  EXPECT_EQ(FinishedComputes(metrics, "CANCELLED"), 1)
+      << "a Compute cancelled during its header still waits for memory";
   EXPECT_EQ(engine.budget().waiting(), 0u)
       << "a Compute cancelled during its header still waits for memory";
   EXPECT_EQ(engine.budget().in_use(), kBudget);
