@@ -54,7 +54,9 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
 }
 
 LossServer::~LossServer() {
-  if (!shut_down_) Shutdown(absl::ZeroDuration());
+  // No server_ when Start could not listen: nothing to shut down, and the engine, which
+  // Shutdown would drain, is the caller's to keep using.
+  if (!shut_down_ && server_ != nullptr) Shutdown(absl::ZeroDuration());
 }
 
 void LossServer::FollowBackendHealth(absl::Duration poll) {

@@ -259,3 +259,28 @@ TEST(ComputeCancelTest, ACancelWhileTheHeaderIsHandledLeavesNothingInTheMemoryQu
 
 }  // namespace
 }  // namespace lossd
+
+namespace lossd {
+namespace {
+
+// An address the server cannot listen on is UNAVAILABLE, naming it; the half-built server is
+// torn down without touching the engine (it keeps serving whatever else uses it).
+TEST(LossServerStartTest, AnAddressItCannotListenOnIsUnavailable) {
+  Engine engine(NewCpuBackend(1), EngineOptions{});
+  ServerMetrics metrics([] { return StateSample{}; });
+  LossServerOptions o;
+  o.address = "256.0.0.1:0";
+  auto server = LossServer::Start(&engine, &metrics, o);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable) << server.status();
+  EXPECT_NE(server.status().message().find("cannot listen for gRPC on 256.0.0.1:0"),
+            std::string::npos)
+      << server.status();
+  uint64_t ticket = 0;
+  EXPECT_TRUE(engine.budget().Reserve(1, "after", [](absl::Status) {}, &ticket).ok())
+      << "a failed start drained the engine";
+  engine.budget().Release(1);
+}
+
+}  // namespace
+}  // namespace lossd
