@@ -115,13 +115,15 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   void OnCancel() override {
+    // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
+    // Released when OnCancel returns, after the hook's read of service_ too: released at the
+    // end of HandleCancel, that read looked to TSan like a race with OnDone's delete.
+    LOSSD_TSAN_RELEASE_ON_EXIT(this);
     HandleCancel();
     if (service_->options().compute_cancel_hook) service_->options().compute_cancel_hook();
   }
 
   void HandleCancel() {
-    // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
-    LOSSD_TSAN_RELEASE_ON_EXIT(this);
     uint64_t ticket = 0;
     std::shared_ptr<StreamedRows> rows;
     {
