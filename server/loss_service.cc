@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -536,8 +537,10 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     ObserveCompute(outcome);
     NoteAdded(outcome);
     v1::ComputeResponse response = Summary(outcome);
-    {
-      absl::MutexLock lock(&mu_);
+    // Recorded inside Progress's critical section, not in one of its own before it: once
+    // computing_ is false (or computed_ true) another thread's Progress may finish the call,
+    // and gRPC delete this reactor, before this thread's Progress locks mu_ again.
+    Progress([&] {
       computing_ = false;
       if (!outcome.status.ok() && error_.ok()) error_ = outcome.status;
       if (outcome.status.ok()) {
@@ -545,18 +548,20 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
         final_summary_ = std::move(response);
       }
       send_started_ = absl::Now();
-    }
-    Progress();
+    });
   }
 
-  // Picks the next write, or finishes the call; any thread.
-  void Progress() {
+  // Picks the next write, or finishes the call; any thread. `update` runs first, under mu_.
+  // Once it returns, a caller that is not a gRPC reaction (nothing holds the call open for
+  // it) may touch the reactor no more: the write or the finish it started is its last step.
+  void Progress(absl::FunctionRef<void()> update = [] {}) {
     absl::Status finish;
     bool write = false, done = false;
     double send_seconds = 0, bytes_out = 0;
     {
       absl::MutexLock lock(&mu_);
-      if (state_ == State::kFinished || writing_) return;
+      update();
+      if (state_ == State::kFinished || finishing_ || writing_) return;
       if (!error_.ok()) {
         if (computing_ || handling_read_) return;  // they call Progress when they end
         finish = error_;
@@ -577,6 +582,9 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
           bytes_out = static_cast<double>(bytes_out_);
         }
       }
+      // One Progress finishes: a second that also found the call done could reach FinishOnce
+      // after the first's Finish had let gRPC delete the reactor.
+      if (done) finishing_ = true;
     }
     if (write) {
       StartWrite(&response_);
@@ -683,6 +691,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   bool handling_read_ ABSL_GUARDED_BY(mu_) = false;
   bool read_done_ ABSL_GUARDED_BY(mu_) = false;
   bool final_sent_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;  // a Progress has decided to finish the call
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   uint64_t dx_sent_ ABSL_GUARDED_BY(mu_) = 0;
   v1::ComputeResponse final_summary_ ABSL_GUARDED_BY(mu_);
