@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
-# kernel benchmark and the naive PyTorch baseline. Writes 10 files into OUT_DIR (gpu.txt, one
+# kernel benchmark and the naive PyTorch baseline. Writes 9 files into OUT_DIR (gpu.txt, one
 # log per test binary, bench.log/.csv, gpu_clocks.csv, torch.log) and prints a short summary
 # last.
 # Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / GTEST_ARGS pass extra flags)
