@@ -211,8 +211,6 @@ int Main() {
                  "the %s backend's memory; using %llu and %llu bytes (half of it)\n",
                  info.name.c_str(), static_cast<unsigned long long>(weight_cache_bytes),
                  static_cast<unsigned long long>(accumulator_bytes));
-    absl::SetFlag(&FLAGS_weight_cache_bytes, weight_cache_bytes);
-    absl::SetFlag(&FLAGS_accumulator_bytes, accumulator_bytes);
   }
   if (absl::Status s = CheckStoreBudgets(weight_cache_bytes, accumulator_bytes, info);
       !s.ok()) {
@@ -225,9 +223,9 @@ int Main() {
   eo.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
   eo.max_queue = absl::GetFlag(FLAGS_max_queue);
   eo.executor_threads = absl::GetFlag(FLAGS_executor_threads);
-  eo.weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
+  eo.weight_cache_bytes = weight_cache_bytes;
   eo.max_weight_handles = absl::GetFlag(FLAGS_max_weight_handles);
-  eo.accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
+  eo.accumulator_bytes = accumulator_bytes;
   eo.max_accumulators = absl::GetFlag(FLAGS_max_accumulators);
   eo.max_bt = absl::GetFlag(FLAGS_max_bt);
   eo.max_h = absl::GetFlag(FLAGS_max_h);

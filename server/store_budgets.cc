@@ -35,9 +35,10 @@ absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator
                                const BackendInfo& backend) {
   const uint64_t total = backend.memory_total_bytes;
   const uint64_t budget = backend.memory_budget_bytes;
-  // A budget above the device's memory cannot be held either: the smaller one is the limit.
-  const bool by_budget = budget != 0 && (total == 0 || budget <= total);
   const uint64_t limit = StoreLimit(backend);
+  // The backend's own budget where it is the limit (a budget above the device's memory cannot
+  // be held either, and then the device's memory is).
+  const bool by_budget = budget != 0 && limit == budget;
   if (limit == 0) return absl::OkStatus();  // the backend does not say: nothing to compare
   // Compared without forming the sum, which two large flags would wrap.
   if (weight_cache_bytes <= limit && accumulator_bytes <= limit - weight_cache_bytes) {

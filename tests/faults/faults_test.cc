@@ -383,6 +383,17 @@ TEST(HealthTest, AnUnhealthyBackendTurnsHealthNotServingAndARecoveredOneServingA
   EXPECT_EQ(WaitForHealth(s.channel, 1), 1);
 }
 
+// The plan of a Compute of 16 bf16 rows of H = 64 on the weights of `handle`, dX wanted: it
+// holds those weights (shared ownership) for as long as it lives.
+absl::StatusOr<ComputePlan> PlanOnHandle(Engine& engine, const std::string& handle) {
+  ComputeSpec spec;
+  spec.inputs[static_cast<int>(InputSlot::kX)] = {true, DType::kBF16, {16, 64}};
+  spec.inputs[static_cast<int>(InputSlot::kTargets)] = {true, DType::kI64, {16}};
+  spec.weight_handle = handle;
+  spec.wanted.dx = true;
+  return engine.Plan(spec);
+}
+
 TEST(EvictionTest, AnEvictedHandleIsRefusedAndAComputeHoldingItFinishes) {
   // Room in bytes for two W of (V=500, H=64) bf16 = 64000 bytes, but one handle: B evicts A
   // by the handle count, even while a compute holds A (evicting by bytes passes over weights
@@ -397,12 +408,7 @@ TEST(EvictionTest, AnEvictedHandleIsRefusedAndAComputeHoldingItFinishes) {
   ASSERT_TRUE(testing_harness::PutWeights(h.stub(), a, 1 << 16, &ha).ok());
 
   // A compute planned on A holds A's weights (shared ownership), whatever happens next.
-  ComputeSpec spec;
-  spec.inputs[static_cast<int>(InputSlot::kX)] = {true, DType::kBF16, {16, 64}};
-  spec.inputs[static_cast<int>(InputSlot::kTargets)] = {true, DType::kI64, {16}};
-  spec.weight_handle = ha;
-  spec.wanted.dx = true;
-  auto plan = h.engine().Plan(spec);
+  auto plan = PlanOnHandle(h.engine(), ha);
   ASSERT_TRUE(plan.ok()) << plan.status();
 
   ASSERT_TRUE(testing_harness::PutWeights(h.stub(), b, 1 << 16, &hb).ok());  // evicts A
@@ -447,12 +453,7 @@ TEST(EvictionTest, WeightsInUseAreNotEvictedToMakeRoom) {
   std::string ha, hb;
   ASSERT_TRUE(testing_harness::PutWeights(h.stub(), a, 1 << 16, &ha).ok());
   {
-    ComputeSpec spec;
-    spec.inputs[static_cast<int>(InputSlot::kX)] = {true, DType::kBF16, {16, 64}};
-    spec.inputs[static_cast<int>(InputSlot::kTargets)] = {true, DType::kI64, {16}};
-    spec.weight_handle = ha;
-    spec.wanted.dx = true;
-    auto plan = h.engine().Plan(spec);  // holds A's weights
+    auto plan = PlanOnHandle(h.engine(), ha);  // holds A's weights
     ASSERT_TRUE(plan.ok()) << plan.status();
     const grpc::Status refused = testing_harness::PutWeights(h.stub(), b, 1 << 16, &hb);
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
