@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "client/part_codec.h"
 #include "server/compute_assembler.h"
+#include "server/engine/features.h"
 #include "server/engine/streamed_rows.h"
 #include "server/status_util.h"
 #include "server/tsan_annotations.h"
@@ -1286,6 +1287,7 @@ grpc::ServerUnaryReactor* LossService::ServerInfo(grpc::CallbackServerContext* c
     r->set_max_v(o.max_v);
     r->set_max_in_flight(options_.max_in_flight);
     r->set_accumulators(static_cast<uint32_t>(engine_->accumulators().count()));
+    for (std::string_view f : kServerFeatures) r->add_features(std::string(f));
     return absl::OkStatus();
   });
 }

@@ -1,0 +1,21 @@
+// The feature names ServerInfo announces: one per addition to lossd.v1 that an older server
+// would not honour. Never reuse or rename a name; a client tests for one before it sends the
+// field the feature adds (an older server refuses unknown fields, see wire_convert).
+#ifndef LOSSD_SERVER_ENGINE_FEATURES_H_
+#define LOSSD_SERVER_ENGINE_FEATURES_H_
+
+#include <array>
+#include <string_view>
+
+namespace lossd {
+
+// Sorted, one line each, with what a client may rely on when it is listed.
+inline constexpr std::array<std::string_view, 1> kServerFeatures = {
+    // The server refuses a request that carries a field it does not know (INVALID_ARGUMENT
+    // naming the message and the field number) instead of ignoring it.
+    "refuse_unknown_fields",
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_ENGINE_FEATURES_H_
