@@ -124,7 +124,8 @@ Commands:
 
 Global flags: --target --deadline_seconds --part_bytes --connections --stripes --metadata
               --tls --tls_ca --tls_cert --tls_key --tls_server_name --auth_token[_file].
-bf16 .npy files hold the raw bits as '<u2'. Run with --helpfull for every flag.)";
+bf16 .npy files hold the raw bits as '<u2'; float64 ones are read as fp32.
+Run with --helpfull for every flag.)";
 
 #define LOSSCTL_RETURN_IF_ERROR(expr)                  \
   do {                                                 \

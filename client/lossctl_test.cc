@@ -157,6 +157,38 @@ TEST_F(LossctlTest, DtypeFlagConvertsFloatFiles) {
   EXPECT_EQ(fake_.last_header.w().dtype(), v1::DTYPE_BF16);
 }
 
+// np.save of a default (float64) array, as the help promises: read as fp32, then converted.
+TEST_F(LossctlTest, Float64FilesAreConverted) {
+  HostTensor x32 = RandomF32({9, 4}, 5);
+  HostTensor w32 = RandomF32({6, 4}, 6);
+  auto write_f64 = [&](const std::string& name, const HostTensor& t) {
+    std::string file = EncodeNpyHeader(DType::kF32, t.shape());
+    const size_t at = file.find("<f4");
+    ASSERT_NE(at, std::string::npos);
+    file.replace(at, 3, "<f8");
+    for (int64_t i = 0; i < t.num_elements(); ++i) {
+      const double v = t.data_as<float>()[i];
+      file.append(reinterpret_cast<const char*>(&v), sizeof(v));
+    }
+    FILE* f = std::fopen(Path(name).c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(file.data(), 1, file.size(), f), file.size());
+    std::fclose(f);
+  };
+  write_f64("x.npy", x32);
+  write_f64("w.npy", w32);
+  Result r = Lossctl(absl::StrCat("compute --x=", Path("x.npy"), " --w=", Path("w.npy"),
+                                  " --v=6 --dtype=bf16 --want=dx --out_dir=", Path("out")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  HostTensor dx = Read("out/dx.npy");
+  ASSERT_EQ(dx.dtype(), DType::kBF16);
+  for (int i = 0; i < 36; ++i) {
+    EXPECT_EQ(dx.data_as<uint16_t>()[i], FloatToBf16(x32.data_as<float>()[i])) << i;
+  }
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.last_header.w().dtype(), v1::DTYPE_BF16);
+}
+
 TEST_F(LossctlTest, RandomDataWithBias) {
   Result r = Lossctl(
       "compute --bt=16 --h=8 --v=32 --with_bias --target_dtype=int32 "

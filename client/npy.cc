@@ -1,8 +1,10 @@
 #include "client/npy.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "absl/strings/ascii.h"
@@ -30,6 +32,8 @@ struct NpyLayout {
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   size_t data_offset = 0;  // bytes before the data: preamble + header
+  // '<f8' in the file: the tensor is fp32 (lossd has no float64) and the data is 8-byte doubles.
+  bool from_f64 = false;
 };
 
 // Reads the preamble: how many bytes the preamble and header take together.
@@ -75,7 +79,7 @@ class HeaderParser {
         have_descr = true;
         std::string descr;
         if (!ReadString(&descr)) return Malformed("'descr' is not a string");
-        absl::Status s = DescrToDType(descr, &out->dtype);
+        absl::Status s = DescrToDType(descr, out);
         if (!s.ok()) return s;
       } else if (key == "fortran_order") {
         if (have_order) return Malformed("duplicate 'fortran_order'");
@@ -108,8 +112,12 @@ class HeaderParser {
   }
 
  private:
-  static absl::Status DescrToDType(const std::string& descr, DType* dtype) {
-    if (descr == "<f2") {
+  static absl::Status DescrToDType(const std::string& descr, NpyLayout* layout) {
+    DType* dtype = &layout->dtype;
+    layout->from_f64 = descr == "<f8";
+    if (descr == "<f8") {
+      *dtype = DType::kF32;
+    } else if (descr == "<f2") {
       *dtype = DType::kF16;
     } else if (descr == "<f4") {
       *dtype = DType::kF32;
@@ -122,7 +130,8 @@ class HeaderParser {
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "unsupported .npy descr '", descr,
-          "': expected '<f2', '<f4', '<i4', '<i8' or '<u2' (bf16 bits), little-endian"));
+          "': expected '<f2', '<f4', '<f8' (read as fp32), '<i4', '<i8' or '<u2' (bf16 bits), "
+          "little-endian"));
     }
     return absl::OkStatus();
   }
@@ -201,9 +210,37 @@ absl::StatusOr<NpyLayout> ParseLayout(absl::string_view bytes) {
   return layout;
 }
 
+// Bytes of data the file holds for its layout (float64 data is twice the fp32 tensor's).
+size_t FileDataBytes(const NpyLayout& layout) {
+  const size_t tensor_bytes = *TensorByteSize(layout.dtype, layout.shape);
+  return layout.from_f64 ? 2 * tensor_bytes : tensor_bytes;
+}
+
 absl::Status DataSizeMismatch(const NpyLayout& layout, size_t want, size_t have) {
-  return Malformed(absl::StrCat("shape ", ShapeString(layout.dtype, layout.shape), " needs ", want,
-                                " data bytes, the file holds ", have));
+  const std::string shape = layout.from_f64
+                                ? absl::StrCat("float64[", absl::StrJoin(layout.shape, ", "), "]")
+                                : ShapeString(layout.dtype, layout.shape);
+  return Malformed(
+      absl::StrCat("shape ", shape, " needs ", want, " data bytes, the file holds ", have));
+}
+
+// Rounds float64 data to the fp32 tensor `t`, to nearest. A finite value beyond fp32's range
+// is refused rather than turned into an infinity the file did not hold; NaN and infinities
+// stay what they are (the server judges those as it does for any input).
+absl::Status NarrowF64(const char* data, HostTensor* t) {
+  float* out = reinterpret_cast<float*>(t->mutable_data());
+  const size_t n = t->num_bytes() / sizeof(float);
+  for (size_t i = 0; i < n; ++i) {
+    double v;
+    std::memcpy(&v, data + i * sizeof(double), sizeof(double));
+    if (std::isfinite(v) && std::fabs(v) > std::numeric_limits<float>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "float64 element ", i, " (", v, ") is outside fp32's range; lossd reads float64 .npy "
+          "files as fp32"));
+    }
+    out[i] = static_cast<float>(v);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status IoError(int err, absl::string_view what, const std::string& path) {
@@ -264,10 +301,15 @@ std::string EncodeNpy(const HostTensor& tensor) {
 absl::StatusOr<HostTensor> DecodeNpy(absl::string_view file_bytes) {
   absl::StatusOr<NpyLayout> layout = ParseLayout(file_bytes);
   if (!layout.ok()) return layout.status();
-  const size_t want = *TensorByteSize(layout->dtype, layout->shape);
+  const size_t want = FileDataBytes(*layout);
   const size_t have = file_bytes.size() - layout->data_offset;
   if (have != want) return DataSizeMismatch(*layout, want, have);
   HostTensor t = HostTensor::Owned(layout->dtype, layout->shape);
+  if (layout->from_f64) {
+    absl::Status s = NarrowF64(file_bytes.data() + layout->data_offset, &t);
+    if (!s.ok()) return s;
+    return t;
+  }
   if (want > 0) std::memcpy(t.mutable_data(), file_bytes.data() + layout->data_offset, want);
   return t;
 }
@@ -288,6 +330,26 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
   absl::StatusOr<NpyLayout> layout = ParseLayout(head);
   if (!layout.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", layout.status().message()));
+  }
+  if (layout->from_f64) {
+    // Converted on read: the doubles pass through a buffer (fp32 files go straight into the
+    // tensor below). One byte past the data is asked for, to see a file that is too long.
+    std::string data = head.substr(layout->data_offset);
+    const size_t want = FileDataBytes(*layout);
+    const size_t have = data.size();
+    if (have <= want) {
+      data.resize(want + 1);
+      data.resize(have + std::fread(&data[have], 1, want + 1 - have, f.get()));
+    }
+    if (std::ferror(f.get())) return IoError(errno, "cannot read", path);
+    if (data.size() != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", DataSizeMismatch(*layout, want, data.size()).message()));
+    }
+    HostTensor t = HostTensor::Owned(layout->dtype, layout->shape);
+    absl::Status s = NarrowF64(data.data(), &t);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
+    return t;
   }
   HostTensor t = HostTensor::Owned(layout->dtype, layout->shape);
   const size_t want = t.num_bytes();

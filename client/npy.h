@@ -1,5 +1,7 @@
 // Reads and writes NumPy .npy files (format versions 1.0, 2.0 and 3.0, C order, little-endian)
-// as HostTensors. Never converts element types and never reads Fortran-order or big-endian data.
+// as HostTensors. Never reads Fortran-order or big-endian data; converts element types only in
+// one case: float64 ('<f8', NumPy's default float) is read as fp32, rounded to nearest, and a
+// finite value beyond fp32's range is refused. Nothing is ever written as float64.
 //
 // dtype <-> descr: fp16 '<f2', fp32 '<f4', int32 '<i4', int64 '<i8'. NumPy has no bfloat16,
 // so bf16 tensors are written as '<u2' (the raw bf16 bit patterns): in Python,

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -149,6 +150,11 @@ std::string WithDict(const std::string& dict, const std::string& data = "") {
 }
 
 const std::string kF32x2 = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }";
+const std::string kF64x2 = "{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }";
+
+std::string F64Bytes(const std::vector<double>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(double));
+}
 
 class NpyMalformedTest : public ::testing::TestWithParam<Malformed> {};
 
@@ -191,9 +197,15 @@ INSTANTIATE_TEST_SUITE_P(
         Malformed{"big_endian",
                   WithDict("{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }", "12345678"),
                   "unsupported .npy descr '>f4'"},
-        Malformed{"float64",
-                  WithDict("{'descr': '<f8', 'fortran_order': False, 'shape': (1,), }", "12345678"),
-                  "unsupported .npy descr '<f8'"},
+        Malformed{"float64_short", WithDict(kF64x2, std::string(15, '\0')),
+                  "shape float64[2] needs 16 data bytes, the file holds 15"},
+        Malformed{"float64_long", WithDict(kF64x2, std::string(17, '\0')),
+                  "needs 16 data bytes, the file holds 17"},
+        Malformed{"float64_beyond_fp32", WithDict(kF64x2, F64Bytes({1.5, 1e39})),
+                  "float64 element 1 (1e+39) is outside fp32's range"},
+        Malformed{"complex", WithDict("{'descr': '<c16', 'fortran_order': False, 'shape': (1,), }",
+                                      std::string(16, '\0')),
+                  "unsupported .npy descr '<c16'"},
         Malformed{"negative_dim",
                   WithDict("{'descr': '<f4', 'fortran_order': False, 'shape': (-2,), }"),
                   "non-negative integers"},
@@ -210,6 +222,34 @@ INSTANTIATE_TEST_SUITE_P(
         Malformed{"text_after_dict", WithDict(kF32x2 + " x", "12345678"),
                   "text after the header dict"}),
     [](const ::testing::TestParamInfo<Malformed>& info) { return std::string(info.param.name); });
+
+// NumPy's default float: read as fp32, each value rounded to nearest, through memory and file.
+TEST(NpyTest, Float64IsReadAsFp32) {
+  std::mt19937_64 gen(11);
+  std::normal_distribution<double> normal(0.0, 30.0);
+  std::vector<double> values(47 * 31);
+  for (double& v : values) v = normal(gen);
+  values[3] = -std::numeric_limits<double>::infinity();  // kept: the server judges it
+  values[5] = 3.4028234663852886e38;                     // FLT_MAX itself still fits
+  const std::string file =
+      WithDict("{'descr': '<f8', 'fortran_order': False, 'shape': (47, 31), }", F64Bytes(values));
+  const std::string path = TempPath("float64.npy");
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(std::fwrite(file.data(), 1, file.size(), f), file.size());
+  std::fclose(f);
+  for (absl::StatusOr<HostTensor> t : {DecodeNpy(file), ReadNpy(path)}) {
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->dtype(), DType::kF32);
+    EXPECT_EQ(t->shape(), (std::vector<int64_t>{47, 31}));
+    int mismatches = 0;
+    for (size_t i = 0; i < values.size(); ++i) {
+      mismatches += t->data_as<float>()[i] != static_cast<float>(values[i]);
+    }
+    EXPECT_EQ(mismatches, 0);
+  }
+  std::remove(path.c_str());
+}
 
 TEST(NpyTest, MissingFileIsNotFound) {
   absl::StatusOr<HostTensor> t = ReadNpy(TempPath("does_not_exist.npy"));
