@@ -30,7 +30,54 @@ std::string SelfExe() {
 
 bool Exists(const std::string& path) { return !path.empty() && access(path.c_str(), R_OK) == 0; }
 
+// The first candidate that exists, dlopened, with its ABI version read. The handle is never
+// closed: the backend's code and vtable live in the library, and a probe that is followed by
+// a load gets the same handle back from dlopen.
+struct OpenedPlugin {
+  std::string path;
+  void* handle = nullptr;
+  uint32_t abi_version = 0;
+};
+
+absl::StatusOr<OpenedPlugin> OpenPlugin(const std::string& path_or_empty) {
+  const std::vector<std::string> candidates = CudaPluginCandidates(path_or_empty);
+  OpenedPlugin p;
+  for (const std::string& c : candidates) {
+    if (Exists(c)) {
+      p.path = c;
+      break;
+    }
+  }
+  if (p.path.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("CUDA plugin not found; tried ", absl::StrJoin(candidates, ", ")));
+  }
+  // RTLD_LOCAL keeps cuBLAS's symbols out of the global namespace.
+  p.handle = dlopen(p.path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (p.handle == nullptr) {
+    const char* e = dlerror();
+    return absl::FailedPreconditionError(
+        absl::StrCat("dlopen(", p.path, "): ", e != nullptr ? e : "unknown error"));
+  }
+  auto abi = reinterpret_cast<LossdCudaAbiVersionFn>(
+      dlsym(p.handle, LOSSD_CUDA_ABI_VERSION_SYMBOL));
+  if (abi == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        p.path, " exports no ", LOSSD_CUDA_ABI_VERSION_SYMBOL,
+        ": it predates the versioned plugin ABI; this server needs ABI version ",
+        LOSSD_CUDA_ABI_VERSION));
+  }
+  p.abi_version = abi();
+  return p;
+}
+
 }  // namespace
+
+absl::StatusOr<CudaPluginProbe> ProbeCudaPlugin(const std::string& path_or_empty) {
+  absl::StatusOr<OpenedPlugin> p = OpenPlugin(path_or_empty);
+  if (!p.ok()) return p.status();
+  return CudaPluginProbe{p->path, p->abi_version};
+}
 
 std::vector<std::string> CudaPluginCandidates(const std::string& path) {
   std::vector<std::string> out;
@@ -50,25 +97,14 @@ std::vector<std::string> CudaPluginCandidates(const std::string& path) {
 
 absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(const std::string& path_or_empty,
                                                          const LossdCudaOptions& options) {
-  const std::vector<std::string> candidates = CudaPluginCandidates(path_or_empty);
-  std::string chosen;
-  for (const std::string& c : candidates) {
-    if (Exists(c)) {
-      chosen = c;
-      break;
-    }
-  }
-  if (chosen.empty()) {
-    return absl::NotFoundError(
-        absl::StrCat("CUDA plugin not found; tried ", absl::StrJoin(candidates, ", ")));
-  }
-  // RTLD_LOCAL keeps cuBLAS's symbols out of the global namespace; the handle is never closed
-  // because the backend's code and vtable live in the library.
-  void* handle = dlopen(chosen.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* e = dlerror();
+  absl::StatusOr<OpenedPlugin> opened = OpenPlugin(path_or_empty);
+  if (!opened.ok()) return opened.status();
+  const std::string& chosen = opened->path;
+  void* handle = opened->handle;
+  if (opened->abi_version != LOSSD_CUDA_ABI_VERSION) {
     return absl::FailedPreconditionError(
-        absl::StrCat("dlopen(", chosen, "): ", e != nullptr ? e : "unknown error"));
+        absl::StrCat(chosen, " was built for plugin ABI version ", opened->abi_version,
+                     "; this server needs version ", LOSSD_CUDA_ABI_VERSION));
   }
   auto factory =
       reinterpret_cast<LossdCreateCudaBackendFn>(dlsym(handle, LOSSD_CUDA_FACTORY_SYMBOL));

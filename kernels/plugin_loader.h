@@ -32,6 +32,14 @@ struct LossdCudaOptions {
 typedef lossd::Backend* (*LossdCreateCudaBackendFn)(const LossdCudaOptions* opts, char* err,
                                                     size_t err_len);
 
+// The plugin's ABI version: what LossdCudaOptions and the Backend interface look like across
+// dlopen. The plugin exports it (a function returning the number it was built with); the
+// loader refuses a plugin whose number differs or that has none, instead of calling into a
+// layout it does not know. Bump it whenever either side of that boundary changes.
+#define LOSSD_CUDA_ABI_VERSION_SYMBOL "LossdCudaAbiVersion"
+#define LOSSD_CUDA_ABI_VERSION 1u
+typedef uint32_t (*LossdCudaAbiVersionFn)();
+
 // Message prefix the plugin uses when the machine has no usable GPU (no device, or a driver
 // too old for the runtime), so callers can fall back to the CPU backend quietly.
 #define LOSSD_CUDA_NO_GPU_PREFIX "no GPU: "
@@ -46,10 +54,23 @@ inline LossdCudaOptions DefaultCudaOptions() { return LossdCudaOptions{0, 0, 0, 
 // <exe>.runfiles/lossd/kernels/cuda/liblossd_cuda.so).
 std::vector<std::string> CudaPluginCandidates(const std::string& path);
 
+// What a plugin found on disk says of itself, without starting a GPU.
+struct CudaPluginProbe {
+  std::string path;       // the candidate that exists
+  uint32_t abi_version;   // what it exports under LOSSD_CUDA_ABI_VERSION_SYMBOL
+};
+
+// dlopens the first candidate that exists and reads its ABI version. NOT_FOUND: no candidate
+// exists. FAILED_PRECONDITION: it could not be loaded (e.g. cuBLAS missing) or exports no ABI
+// version. A version that differs from LOSSD_CUDA_ABI_VERSION is returned, not refused, so a
+// caller such as `lossd --version` can say which it is.
+absl::StatusOr<CudaPluginProbe> ProbeCudaPlugin(const std::string& path_or_empty);
+
 // dlopens the first candidate that exists and creates a backend through its factory.
 // NOT_FOUND: no candidate file exists. UNAVAILABLE: the plugin loaded but there is no usable
-// GPU (message starts with "no GPU: "). FAILED_PRECONDITION: the file could not be loaded or
-// lacks the factory. INTERNAL: the factory failed otherwise. The library stays loaded
+// GPU (message starts with "no GPU: "). FAILED_PRECONDITION: the file could not be loaded,
+// lacks the factory, or was built for another ABI version (the message names both numbers).
+// INTERNAL: the factory failed otherwise. The library stays loaded
 // for the life of the process (the backend's code lives in it).
 absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(const std::string& path_or_empty,
                                                          const LossdCudaOptions& options);

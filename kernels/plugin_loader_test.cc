@@ -52,5 +52,64 @@ TEST(PluginLoaderTest, BrokenPluginIsFailedPrecondition) {
   unlink(path.c_str());
 }
 
+// The fake plugins' paths, from the test's arguments (see BUILD).
+std::string g_no_abi, g_next_abi, g_this_abi;
+
+std::string Absolute(const std::string& path) {
+  char* real = realpath(path.c_str(), nullptr);
+  std::string out = real != nullptr ? real : path;
+  std::free(real);
+  return out;
+}
+
+TEST(PluginLoaderTest, PluginWithoutAbiVersionIsRefusedBeforeItsFactory) {
+  auto b = LoadCudaBackend(Absolute(g_no_abi), DefaultCudaOptions());
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
+  EXPECT_NE(b.status().message().find("exports no LossdCudaAbiVersion: it predates the "
+                                      "versioned plugin ABI; this server needs ABI version 1"),
+            std::string::npos)
+      << b.status();
+  EXPECT_FALSE(ProbeCudaPlugin(Absolute(g_no_abi)).ok());
+}
+
+TEST(PluginLoaderTest, PluginOfAnotherAbiIsRefusedBeforeItsFactory) {
+  auto b = LoadCudaBackend(Absolute(g_next_abi), DefaultCudaOptions());
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
+  EXPECT_NE(b.status().message().find("was built for plugin ABI version 2; this server needs "
+                                      "version 1"),
+            std::string::npos)
+      << b.status();
+  // The probe reports the number rather than refusing: --version prints it.
+  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_next_abi));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->abi_version, LOSSD_CUDA_ABI_VERSION + 1);
+  EXPECT_EQ(p->path, Absolute(g_next_abi));
+}
+
+TEST(PluginLoaderTest, PluginOfThisAbiReachesItsFactory) {
+  auto b = LoadCudaBackend(Absolute(g_this_abi), DefaultCudaOptions());
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(absl::IsInternal(b.status())) << b.status();
+  EXPECT_NE(b.status().message().find("the fake plugin's factory was called"), std::string::npos)
+      << b.status();
+  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_this_abi));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->abi_version, LOSSD_CUDA_ABI_VERSION);
+}
+
 }  // namespace
 }  // namespace lossd
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s NO_ABI.so NEXT_ABI.so THIS_ABI.so\n", argv[0]);
+    return 2;
+  }
+  lossd::g_no_abi = argv[1];
+  lossd::g_next_abi = argv[2];
+  lossd::g_this_abi = argv[3];
+  return RUN_ALL_TESTS();
+}

@@ -28,6 +28,7 @@
 #include "kernels/plugin_loader.h"
 #include "server/engine/engine.h"
 #include "server/auth.h"
+#include "server/build_info.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
 #include "server/store_budgets.h"
@@ -93,8 +94,6 @@ ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls m
 
 namespace lossd {
 namespace {
-
-constexpr char kVersion[] = "0.1.0";
 
 std::string NewInstanceId() {
   std::random_device rd;
@@ -280,7 +279,7 @@ int Main() {
 
   LossServerOptions so;
   so.address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", absl::GetFlag(FLAGS_port));
-  so.service.version = kVersion;
+  so.service.version = kLossdVersion;
   so.service.instance = eo.instance;
   so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
   so.service.default_response_part_bytes = absl::GetFlag(FLAGS_response_part_bytes);
@@ -304,7 +303,7 @@ int Main() {
     return 1;
   }
   std::printf("lossd %s listening on port %d (backend %s, device %s, instance %s)%s\n",
-              kVersion, (*server)->port(), info.name.c_str(), info.device.c_str(),
+              kLossdVersion, (*server)->port(), info.name.c_str(), info.device.c_str(),
               eo.instance.c_str(),
               exposer ? absl::StrCat(", metrics on port ",
                                      exposer->GetListeningPorts().empty()
@@ -335,6 +334,12 @@ int main(int argc, char** argv) {
     return absl::EndsWith(file, "server/main.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
+  // --version: Abseil calls this after parsing every flag, so --cuda_plugin names the plugin
+  // probed; the probe dlopens it and reads its ABI version without starting a GPU.
+  usage.version_string = [] {
+    return lossd::VersionText(lossd::GetBuildInfo(),
+                              lossd::ProbeCudaPlugin(absl::GetFlag(FLAGS_cuda_plugin)));
+  };
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return lossd::Main();

@@ -1,6 +1,8 @@
-// The entry point of liblossd_cuda.so: the only symbol the plugin exports. The server loads
+// The entry points of liblossd_cuda.so, the only symbols the plugin exports: its ABI version
+// and the backend factory. The server loads
 // it with dlopen (kernels/plugin_loader.h) so cuBLAS never enters its static link.
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -18,6 +20,11 @@ void WriteError(const std::string& msg, char* err, size_t err_len) {
 }
 
 }  // namespace
+
+// The ABI this library was built for; the loader checks it before it calls the factory.
+extern "C" __attribute__((visibility("default"))) uint32_t LossdCudaAbiVersion() {
+  return LOSSD_CUDA_ABI_VERSION;
+}
 
 extern "C" __attribute__((visibility("default"))) lossd::Backend* LossdCreateCudaBackend(
     const LossdCudaOptions* opts, char* err, size_t err_len) {
