@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/host_memory.h"
 #include "kernels/plugin_loader.h"
 #include "server/engine/engine.h"
 #include "server/auth.h"
@@ -182,7 +183,27 @@ int Main() {
     auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
   }
 
-  SetHostBufferPoolBytes(absl::GetFlag(FLAGS_host_buffer_pool_bytes));
+  // (This Abseil keeps "was it on the command line" private: a value equal to the default
+  // counts as the default, which changes nothing for it.)
+  auto at_default = [](absl::string_view name) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    return f != nullptr && f->CurrentValue() == f->DefaultValue();
+  };
+  // Host-memory defaults follow the container's limit where it is below the machine's.
+  const HostMemoryLimit host = ReadHostMemoryLimit();
+  uint64_t memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  uint64_t host_buffer_pool_bytes = absl::GetFlag(FLAGS_host_buffer_pool_bytes);
+  FitDefaultHostBudgets(host.limit_bytes(), !at_default("memory_budget_bytes"),
+                        !at_default("host_buffer_pool_bytes"), &memory_budget_bytes,
+                        &host_buffer_pool_bytes);
+  std::fprintf(stderr,
+               "lossd: host memory %s; --memory_budget_bytes=%llu%s, "
+               "--host_buffer_pool_bytes=%llu%s\n",
+               host.Describe().c_str(), static_cast<unsigned long long>(memory_budget_bytes),
+               at_default("memory_budget_bytes") ? " (default, at most 1/4 of it)" : "",
+               static_cast<unsigned long long>(host_buffer_pool_bytes),
+               at_default("host_buffer_pool_bytes") ? " (default, at most 1/8 of it)" : "");
+  SetHostBufferPoolBytes(host_buffer_pool_bytes);
 
   auto backend = MakeBackend();
   if (!backend.ok()) {
@@ -196,12 +217,6 @@ int Main() {
   // than keep lossd from starting. Values given on the command line are checked as they are.
   uint64_t weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
   uint64_t accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
-  // (This Abseil keeps "was it on the command line" private: a value equal to the default
-  // counts as the default, which changes nothing for it.)
-  auto at_default = [](absl::string_view name) {
-    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
-    return f != nullptr && f->CurrentValue() == f->DefaultValue();
-  };
   const bool stores_given = !at_default("weight_cache_bytes") || !at_default("accumulator_bytes");
   if (!stores_given &&
       FitDefaultStoreBudgets(&weight_cache_bytes, &accumulator_bytes, info)) {
@@ -219,7 +234,7 @@ int Main() {
 
   EngineOptions eo;
   eo.instance = NewInstanceId();
-  eo.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  eo.memory_budget_bytes = memory_budget_bytes;
   eo.max_queue = absl::GetFlag(FLAGS_max_queue);
   eo.executor_threads = absl::GetFlag(FLAGS_executor_threads);
   eo.weight_cache_bytes = weight_cache_bytes;

@@ -31,6 +31,22 @@ bool FitDefaultStoreBudgets(uint64_t* weight_cache_bytes, uint64_t* accumulator_
   return true;
 }
 
+bool FitDefaultHostBudgets(uint64_t host_limit_bytes, bool memory_budget_given,
+                           bool pool_given, uint64_t* memory_budget_bytes,
+                           uint64_t* host_buffer_pool_bytes) {
+  if (host_limit_bytes == 0) return false;
+  bool lowered = false;
+  auto fit = [&](bool given, uint64_t share, uint64_t* value) {
+    if (!given && *value > share) {
+      *value = share;
+      lowered = true;
+    }
+  };
+  fit(memory_budget_given, host_limit_bytes / 4, memory_budget_bytes);
+  fit(pool_given, host_limit_bytes / 8, host_buffer_pool_bytes);
+  return lowered;
+}
+
 absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator_bytes,
                                const BackendInfo& backend) {
   const uint64_t total = backend.memory_total_bytes;

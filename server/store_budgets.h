@@ -25,6 +25,17 @@ absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator
 bool FitDefaultStoreBudgets(uint64_t* weight_cache_bytes, uint64_t* accumulator_bytes,
                             const BackendInfo& backend);
 
+// The host-memory budgets left at their defaults, derived from the host memory lossd may use
+// (kernels/host_memory.h: the smaller of physical memory and the cgroup's limit): the
+// admission budget (--memory_budget_bytes) at most a quarter of it, the pool of idle request
+// buffers (--host_buffer_pool_bytes) at most an eighth, so that in a small container lossd
+// refuses what cannot fit (RESOURCE_EXHAUSTED) instead of being OOM-killed. A value the user
+// gave (`*_given`) is kept as it is; a host limit of 0 (unknown) changes nothing. Returns true
+// when it lowered either.
+bool FitDefaultHostBudgets(uint64_t host_limit_bytes, bool memory_budget_given,
+                           bool pool_given, uint64_t* memory_budget_bytes,
+                           uint64_t* host_buffer_pool_bytes);
+
 }  // namespace lossd
 
 #endif  // LOSSD_SERVER_STORE_BUDGETS_H_

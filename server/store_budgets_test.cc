@@ -89,5 +89,28 @@ TEST(StoreBudgetsTest, DefaultsThatDoNotFitShrinkToHalfInTheirRatio) {
   EXPECT_EQ(wc + acc, 12 * kGiB);
 }
 
+TEST(StoreBudgetsTest, HostDefaultsFollowTheHostLimit) {
+  // A 1 GiB container: defaults 8 GiB and 2 GiB become a quarter and an eighth of it.
+  uint64_t mem = 8 * kGiB, pool = 2 * kGiB;
+  EXPECT_TRUE(FitDefaultHostBudgets(kGiB, false, false, &mem, &pool));
+  EXPECT_EQ(mem, kGiB / 4);
+  EXPECT_EQ(pool, kGiB / 8);
+  // Values the user gave stay what they are, even where they exceed the limit.
+  mem = 8 * kGiB, pool = 2 * kGiB;
+  EXPECT_TRUE(FitDefaultHostBudgets(kGiB, true, false, &mem, &pool));
+  EXPECT_EQ(mem, 8 * kGiB);
+  EXPECT_EQ(pool, kGiB / 8);
+  mem = 8 * kGiB, pool = 2 * kGiB;
+  EXPECT_FALSE(FitDefaultHostBudgets(kGiB, true, true, &mem, &pool));
+  EXPECT_EQ(mem, 8 * kGiB);
+  EXPECT_EQ(pool, 2 * kGiB);
+  // A large host keeps the defaults; an unknown one (0) changes nothing.
+  EXPECT_FALSE(FitDefaultHostBudgets(128 * kGiB, false, false, &mem, &pool));
+  EXPECT_EQ(mem, 8 * kGiB);
+  EXPECT_EQ(pool, 2 * kGiB);
+  EXPECT_FALSE(FitDefaultHostBudgets(0, false, false, &mem, &pool));
+  EXPECT_EQ(mem, 8 * kGiB);
+}
+
 }  // namespace
 }  // namespace lossd

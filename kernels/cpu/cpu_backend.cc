@@ -28,6 +28,7 @@
 #include "absl/strings/strip.h"
 #include "kernels/backend.h"
 #include "kernels/dtype.h"
+#include "kernels/host_memory.h"
 #include "kernels/loss_problem.h"
 
 // Functions built for several instruction sets, picked at load time. Not under TSan: gcc
@@ -499,21 +500,6 @@ std::string CpuModel() {
 }
 
 // A "Name:   123 kB" field of /proc/meminfo in bytes; 0 when absent.
-uint64_t MemInfoBytes(absl::string_view name) {
-  std::ifstream in("/proc/meminfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    absl::string_view rest = line;
-    if (absl::ConsumePrefix(&rest, name) && absl::ConsumePrefix(&rest, ":")) {
-      rest = absl::StripAsciiWhitespace(rest);
-      absl::ConsumeSuffix(&rest, "kB");
-      uint64_t kb = 0;
-      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kb)) return kb * 1024;
-    }
-  }
-  return 0;
-}
-
 // Workspace plan shared by WorkspaceBytes and Compute.
 struct Plan {
   int64_t chunk = 0;
@@ -554,7 +540,9 @@ Plan MakePlan(const LossProblem& p, const LossOutputs& out) {
 CpuBackend::CpuBackend(int threads)
     : threads_(std::max(1, threads)),
       device_(CpuModel()),
-      memory_total_bytes_(MemInfoBytes("MemTotal")),
+      // The container's memory limit where it is below the machine's: the store budgets
+      // (server/store_budgets.h) are checked against this, so they hold inside a cgroup.
+      memory_total_bytes_(ReadHostMemoryLimit().limit_bytes()),
       memory_(std::make_shared<CpuMemoryCounter>()),
       pool_(std::make_unique<CpuTaskPool>(threads_)) {
   // Every sgemm runs single-threaded inside one of this backend's tasks (see the header).
@@ -577,8 +565,7 @@ BackendInfo CpuBackend::Info() {
   info.name = "cpu";
   info.device = device_;
   info.memory_total_bytes = memory_total_bytes_;
-  const uint64_t available = MemInfoBytes("MemAvailable");
-  info.memory_used_bytes = memory_total_bytes_ > available ? memory_total_bytes_ - available : 0;
+  info.memory_used_bytes = ReadHostMemoryLimit().used_bytes;
   info.memory_peak_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->peak.load()));
   info.memory_held_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->held.load()));
   info.healthy = true;
