@@ -280,6 +280,12 @@ int Main() {
     return s;
   });
 
+  {
+    const BuildInfo build = GetBuildInfo();
+    absl::StatusOr<CudaPluginProbe> plugin = ProbeCudaPlugin(absl::GetFlag(FLAGS_cuda_plugin));
+    metrics.SetBuildInfo(build.version, build.commit, info.name,
+                         plugin.ok() ? absl::StrCat("abi", plugin->abi_version) : "none");
+  }
   std::unique_ptr<prometheus::Exposer> exposer;
   if (absl::GetFlag(FLAGS_metrics_port) != 0) {
     auto e = StartMetricsExposer(absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":",

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/process_metrics.h"
 
 namespace lossd {
 namespace {
@@ -93,7 +94,8 @@ class StateCollector : public prometheus::Collectable {
 
 ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
     : registry_(std::make_shared<prometheus::Registry>()),
-      state_(std::make_shared<StateCollector>(std::move(sample))) {
+      state_(std::make_shared<StateCollector>(std::move(sample))),
+      process_(std::make_shared<ProcessCollector>()) {
   requests_ = &prometheus::BuildCounter()
                    .Name("lossd_requests_total")
                    .Help("Finished RPCs by method and gRPC status code.")
@@ -115,6 +117,20 @@ ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
                             "Achieved TFLOP/s of the last Compute (6 BT H V / compute time).");
   in_flight_ =
       UnlabelledGauge(*registry_, "lossd_requests_in_flight", "RPCs started and not yet finished.");
+}
+
+void ServerMetrics::SetBuildInfo(const std::string& version, const std::string& commit,
+                                 const std::string& backend, const std::string& cuda_plugin) {
+  prometheus::BuildGauge()
+      .Name("lossd_build_info")
+      .Help("Always 1; its labels say what is running: the release, the commit it was built "
+            "from, the backend in use and the CUDA plugin's ABI version (or none).")
+      .Register(*registry_)
+      .Add({{"version", version},
+            {"commit", commit},
+            {"backend", backend},
+            {"cuda_plugin", cuda_plugin}})
+      .Set(1);
 }
 
 void ServerMetrics::CountRequest(const std::string& method, const char* code) {
@@ -143,6 +159,7 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
   }
   exposer->RegisterCollectable(metrics.registry());
   exposer->RegisterCollectable(metrics.state_collector());
+  exposer->RegisterCollectable(metrics.process_collector());
   return exposer;
 }
 

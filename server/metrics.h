@@ -58,9 +58,14 @@ class ServerMetrics {
   void AddGemmTunings(double n) { gemm_tunings_->Increment(n); }
   void SetLastTflops(double t) { tflops_->Set(t); }
   void InFlight(int delta) { in_flight_->Increment(delta); }
+  // lossd_build_info{version,commit,backend,cuda_plugin} = 1, set once at start; the values
+  // are those `lossd --version` prints (server/build_info.h).
+  void SetBuildInfo(const std::string& version, const std::string& commit,
+                    const std::string& backend, const std::string& cuda_plugin);
 
   std::shared_ptr<prometheus::Registry> registry() { return registry_; }
   std::shared_ptr<prometheus::Collectable> state_collector() { return state_; }
+  std::shared_ptr<prometheus::Collectable> process_collector() { return process_; }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -74,6 +79,7 @@ class ServerMetrics {
   prometheus::Gauge* tflops_;
   prometheus::Gauge* in_flight_;
   std::shared_ptr<prometheus::Collectable> state_;
+  std::shared_ptr<prometheus::Collectable> process_;  // process_* from /proc
 };
 
 // Serves /metrics for `metrics` on `address` ("0.0.0.0:9464"; port 0 picks a free one).

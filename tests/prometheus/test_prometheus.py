@@ -143,6 +143,17 @@ def test_prometheus_scrapes_lossd_and_counts_requests(stack):
     wait_for("up{job=lossd} == 1", lambda: scalar(api, 'up{job="lossd"}') == 1.0, 30, procs)
     wait_for("lossd_healthy == 1", lambda: scalar(api, "lossd_healthy") == 1.0, 30, procs)
     assert scalar(api, "lossd_memory_budget_bytes") > 0
+    # What is running, and the process metrics every server exports.
+    info = query(api, "lossd_build_info")
+    assert len(info) == 1 and next(iter(info.values())) == 1.0, info
+    labels = dict(next(iter(info)))
+    assert labels["backend"] == "cpu" and labels["version"].count(".") == 2, labels
+    assert labels["commit"] and labels["cuda_plugin"], labels
+    assert scalar(api, "process_resident_memory_bytes") > (1 << 20)
+    assert scalar(api, "process_open_fds") >= 3
+    assert scalar(api, "process_max_fds") >= scalar(api, "process_open_fds")
+    assert scalar(api, "process_cpu_seconds_total") > 0
+    assert abs(scalar(api, "process_start_time_seconds") - time.time()) < 3600
     before = scalar(api, 'sum(lossd_requests_total{method="Compute", code="OK"})') or 0.0
 
     rng = np.random.default_rng(0)
