@@ -9,7 +9,6 @@
 #include <climits>
 #include <cstdio>
 #include <memory>
-#include <random>
 #include <string>
 
 #include "absl/flags/commandlineflag.h"
@@ -20,13 +19,13 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/plugin_loader.h"
 #include "server/engine/engine.h"
+#include "server/engine/instance_id.h"
 #include "server/auth.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
@@ -95,11 +94,6 @@ namespace lossd {
 namespace {
 
 constexpr char kVersion[] = "0.1.0";
-
-std::string NewInstanceId() {
-  std::random_device rd;
-  return absl::StrFormat("%08x", static_cast<uint32_t>(rd()));
-}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
   const std::string which = absl::GetFlag(FLAGS_backend);
