@@ -49,9 +49,12 @@ absl::Status TokenAuthenticator::Check(
         "missing credentials: send the metadata 'authorization: Bearer <token>'");
   }
   absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::ConsumePrefix(&value, "Bearer ")) {
+  // The auth scheme is case-insensitive (RFC 7235 section 2.1): "bearer" is "Bearer".
+  constexpr absl::string_view kScheme = "Bearer ";
+  if (!absl::StartsWithIgnoreCase(value, kScheme)) {
     return absl::UnauthenticatedError("the authorization metadata must be 'Bearer <token>'");
   }
+  value.remove_prefix(kScheme.size());
   bool ok = false;
   for (const std::string& t : tokens_) {
     ok |= ConstantTimeEquals(value.data(), value.size(), t);  // no early exit

@@ -30,6 +30,19 @@ TEST(AuthTest, AcceptsAnyListedTokenAndRefusesOthersWithoutEchoingThem) {
   EXPECT_EQ(auth.Check(missing).code(), absl::StatusCode::kUnauthenticated);
   Metadata basic{{"authorization", "Basic alpha-token"}};
   EXPECT_EQ(auth.Check(basic).code(), absl::StatusCode::kUnauthenticated);
+  Metadata bearer_no_space{{"authorization", "Beareralpha-token"}};
+  EXPECT_EQ(auth.Check(bearer_no_space).code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST(AuthTest, TheSchemeIsCaseInsensitive) {
+  // RFC 7235: the auth scheme is case-insensitive; the token is not.
+  TokenAuthenticator auth({"alpha-token"});
+  for (const char* value : {"bearer alpha-token", "BEARER alpha-token", "bEaReR alpha-token"}) {
+    absl::Status s = auth.Check(Metadata{{"authorization", value}});
+    EXPECT_TRUE(s.ok()) << value << ": " << s;
+  }
+  EXPECT_EQ(auth.Check(Metadata{{"authorization", "bearer ALPHA-token"}}).code(),
+            absl::StatusCode::kUnauthenticated);
 }
 
 TEST(AuthTest, TokensFileSkipsCommentsAndBlankLines) {

@@ -1,6 +1,11 @@
 #include "server/loss_server.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
@@ -11,10 +16,40 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/tsan_annotations.h"
 
 namespace lossd {
+namespace {
+
+// Whether another socket holds `port` for TCP on this host: a probe bind on the wildcard
+// address, which any listener on that port (on any local address) refuses. gRPC reports a
+// failed bind only in its log, so the reason is found out again here.
+bool PortTaken(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos ||
+      !absl::SimpleAtoi(absl::string_view(address).substr(colon + 1), &port) || port <= 0 ||
+      port > 65535) {
+    return false;
+  }
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  const int one = 1;
+  // Like gRPC's own listener, so a socket in TIME_WAIT does not count as taken.
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  const bool taken = bind(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0 &&
+                     errno == EADDRINUSE;
+  close(fd);
+  return taken;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
                                                                ServerMetrics* metrics,
@@ -30,6 +65,9 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
       options.address,
       options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &s->port_);
   builder.RegisterService(s->service_.get());
+  // gRPC sets SO_REUSEPORT by default: a second lossd on the same port would start and
+  // silently take a share of its connections. Off, the second one fails to bind.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // A part plus its framing must fit in one message.
   const int limit = static_cast<int>(std::min<int64_t>(
       int64_t{options.service.max_part_bytes} + (1 << 20), std::numeric_limits<int>::max()));
@@ -41,8 +79,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
   }
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen for gRPC on ", options.address));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen for gRPC on ", options.address,
+        PortTaken(options.address) ? ": the port is taken (another process listens on it)"
+                                   : ""));
   }
   s->SetServing(true);
   if (options.health_poll > absl::ZeroDuration()) {

@@ -15,6 +15,7 @@
 #include "client/part_codec.h"
 #include "server/compute_assembler.h"
 #include "server/engine/features.h"
+#include "server/engine/response_parts.h"
 #include "server/engine/streamed_rows.h"
 #include "server/status_util.h"
 #include "server/tsan_annotations.h"
@@ -24,11 +25,6 @@ namespace lossd {
 namespace {
 
 double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t); }
-
-uint32_t ResponsePartBytes(const ServiceOptions& o, uint32_t asked) {
-  uint32_t n = asked == 0 ? o.default_response_part_bytes : asked;
-  return std::max<uint32_t>(1, std::min(n, o.max_part_bytes));
-}
 
 // The name of a tensor id for messages, also for ids the enum does not know.
 std::string TensorIdName(int32_t id) {
@@ -191,9 +187,13 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (!spec.ok()) return spec.status();
     auto plan = engine_->Plan(*spec);
     if (!plan.ok()) return plan.status();
+    const ServiceOptions& o = service_->options();
+    auto part_bytes = ResponsePartBytes(header.response_part_bytes(),
+                                        o.default_response_part_bytes, o.max_part_bytes,
+                                        "header.response_part_bytes");
+    if (!part_bytes.ok()) return part_bytes.status();
     plan_ = std::make_shared<const ComputePlan>(std::move(*plan));
-    response_part_bytes_ =
-        ResponsePartBytes(service_->options(), header.response_part_bytes());
+    response_part_bytes_ = *part_bytes;
     overlap_ = header.overlap();
     {
       absl::MutexLock lock(&mu_);
@@ -951,7 +951,15 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
           "the FetchGradients request is not a valid FetchGradientsRequest"));
       return;
     }
-    part_bytes_ = ResponsePartBytes(service_->options(), request.response_part_bytes());
+    const ServiceOptions& o = service_->options();
+    auto part_bytes = ResponsePartBytes(request.response_part_bytes(),
+                                        o.default_response_part_bytes, o.max_part_bytes,
+                                        "response_part_bytes");
+    if (!part_bytes.ok()) {
+      FinishOnce(part_bytes.status());
+      return;
+    }
+    part_bytes_ = *part_bytes;
     name_ = request.accumulator();
     reset_ = request.reset();
     range_begin_ = request.range_begin();

@@ -282,5 +282,30 @@ TEST(LossServerStartTest, AnAddressItCannotListenOnIsUnavailable) {
   engine.budget().Release(1);
 }
 
+// A second server on a port another one listens on must fail to start, saying the port is
+// taken (gRPC's default SO_REUSEPORT let it start and share the port's connections).
+TEST(LossServerStartTest, APortAnotherServerListensOnIsRefused) {
+  Engine engine(NewCpuBackend(1), EngineOptions{});
+  ServerMetrics metrics([] { return StateSample{}; });
+  LossServerOptions o;
+  o.address = "127.0.0.1:0";
+  auto first = LossServer::Start(&engine, &metrics, o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*first)->port());
+  for (const std::string& second_address :
+       {address, absl::StrCat("0.0.0.0:", (*first)->port())}) {
+    o.address = second_address;
+    auto second = LossServer::Start(&engine, &metrics, o);
+    ASSERT_FALSE(second.ok()) << "a second server started on " << second_address;
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+    EXPECT_NE(second.status().message().find(
+                  absl::StrCat("cannot listen for gRPC on ", second_address,
+                               ": the port is taken")),
+              std::string::npos)
+        << second.status();
+  }
+  (*first)->Shutdown(absl::ZeroDuration());
+}
+
 }  // namespace
 }  // namespace lossd

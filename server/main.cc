@@ -9,7 +9,6 @@
 #include <climits>
 #include <cstdio>
 #include <memory>
-#include <random>
 #include <string>
 
 #include "absl/flags/commandlineflag.h"
@@ -20,7 +19,6 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
@@ -28,6 +26,7 @@
 #include "kernels/host_memory.h"
 #include "kernels/plugin_loader.h"
 #include "server/engine/engine.h"
+#include "server/engine/instance_id.h"
 #include "server/auth.h"
 #include "server/build_info.h"
 #include "server/loss_server.h"
@@ -96,10 +95,6 @@ ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls m
 namespace lossd {
 namespace {
 
-std::string NewInstanceId() {
-  std::random_device rd;
-  return absl::StrFormat("%08x", static_cast<uint32_t>(rd()));
-}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
   const std::string which = absl::GetFlag(FLAGS_backend);

@@ -208,7 +208,8 @@ TEST_F(E2eTest, FourAccumulatedMicroBatchesEqualOneBatchFourTimesAsLarge) {
 }
 
 TEST_F(E2eTest, ATensorFarLargerThanOneMessageTravelsInManyParts) {
-  // A small part size makes "far larger than the message limit" cheap: W is 4000 parts.
+  // A small part size makes "far larger than the message limit" cheap: W is 4000 parts (and
+  // dW comes back in 1000, the smallest response parts a client may ask for).
   RandomProblemSpec s = SmallSpec(DType::kF32, 5);
   s.v = 4000;
   s.h = 64;
@@ -216,7 +217,7 @@ TEST_F(E2eTest, ATensorFarLargerThanOneMessageTravelsInManyParts) {
   std::vector<v1::ComputeRequest> parts = PartsFor(rp, 256);
   ASSERT_GT(parts.size(), 4000u);
   v1::ComputeHeader header = HeaderFor(rp);
-  header.set_response_part_bytes(512);
+  header.set_response_part_bytes(1024);
   ComputeReply small = RunCompute(h_->stub(), header, parts);
   ASSERT_TRUE(ReplyMatchesReference(rp, small, s.dtype));
   ComputeReply large = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 4 << 20));
@@ -456,6 +457,43 @@ TEST_F(BadInputTest, IdsLongerThanAnyIssuedAreRefusedWithTheirLength) {
   EXPECT_EQ(g->micro_batches, 1u);  // the refused reset fetch reset nothing
   ASSERT_TRUE(h_->engine().DropAccumulator("long-instance").ok());
   ExpectServes(*h_);
+}
+
+// A response part of a few bytes would make the server send a message per few bytes (at 1
+// byte, 128 KiB of dW took 131k messages and 18 s): refused below 1 KiB, before admission.
+TEST_F(BadInputTest, ResponsePartsBelowTheFloorAreRefused) {
+  RandomProblem rp = Problem();
+  v1::ComputeHeader h = HeaderFor(rp);
+  h.set_accumulator("tiny-parts");
+  ComputeReply made = RunCompute(h_->stub(), h, PartsFor(rp, 1 << 20));
+  ASSERT_TRUE(made.status.ok()) << made.status.error_message();
+  for (uint32_t asked : {1u, 1023u}) {
+    v1::ComputeHeader tiny = HeaderFor(rp);
+    tiny.set_response_part_bytes(asked);
+    Expect(RunCompute(h_->stub(), tiny, PartsFor(rp, 1 << 20)),
+           grpc::StatusCode::INVALID_ARGUMENT,
+           absl::StrCat("header.response_part_bytes must be 0 (the server's default, ",
+                        4u << 20, ") or at least 1024, got ", asked));
+    grpc::ClientContext ctx;
+    v1::FetchGradientsRequest fr;
+    fr.set_accumulator("tiny-parts");
+    fr.set_response_part_bytes(asked);
+    auto reader = h_->stub().FetchGradients(&ctx, fr);
+    v1::FetchGradientsResponse msg;
+    int messages = 0;
+    while (reader->Read(&msg)) ++messages;
+    const grpc::Status st = reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find(absl::StrCat(
+                  "response_part_bytes must be 0 (the server's default, ", 4u << 20,
+                  ") or at least 1024, got ", asked)),
+              std::string::npos)
+        << st.error_message();
+    EXPECT_EQ(messages, 0);
+  }
+  v1::ComputeHeader floor = HeaderFor(rp);
+  floor.set_response_part_bytes(1024);
+  EXPECT_TRUE(RunCompute(h_->stub(), floor, PartsFor(rp, 1 << 20)).status.ok());
 }
 
 TEST_F(BadInputTest, OptionsOutOfRange) {

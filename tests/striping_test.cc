@@ -306,7 +306,7 @@ std::vector<uint8_t> Fetch(v1::Loss::Stub& stub, const std::string& name, uint64
   r.set_accumulator(name);
   r.set_range_begin(begin);
   r.set_range_end(end);
-  r.set_response_part_bytes(777);
+  r.set_response_part_bytes(1777);  // divides no element size or range
   auto reader = stub.FetchGradients(&ctx, r);
   std::vector<uint8_t> all(total, fill);
   v1::FetchGradientsResponse m;

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "server/engine/instance_id.h"
 
 namespace lossd {
 
@@ -159,13 +160,18 @@ absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::s
         "weight handle '", handle, "' is no longer held (evicted or dropped, longer ago than the ",
         kRetiredKept, " handles whose fate is kept); upload the weights again with PutWeights"));
   }
-  if (absl::StartsWith(handle, "w-") && !absl::StartsWith(handle, prefix_)) {
+  // Another instance only when the handle is one another lossd could have issued: a
+  // made-up one that merely starts with "w-" is unknown, not a sign of a restart.
+  const absl::string_view other = HandleInstance(handle);
+  if (!other.empty() && other != instance_) {
     return absl::NotFoundError(absl::StrCat(
         "weight handle '", handle, "' belongs to another server instance (this one is '",
         instance_, "'; the server restarted or the call reached another replica); upload the "
         "weights again"));
   }
-  return absl::NotFoundError(absl::StrCat("weight handle '", handle, "' not found"));
+  return absl::NotFoundError(absl::StrCat(
+      "weight handle '", handle, "' not found: this server never issued it (its handles are '",
+      prefix_, "<n>', returned by PutWeights)"));
 }
 
 absl::Status WeightCache::Drop(const std::string& handle) {

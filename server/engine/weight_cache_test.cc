@@ -100,8 +100,29 @@ TEST(WeightCacheTest, HandlesNameTheirInstance) {
   WeightCache cache(100, "abc");
   ASSERT_TRUE(cache.Reserve(10).ok());
   EXPECT_EQ(cache.Insert(Entry(*backend, 8)).rfind("w-abc-", 0), 0u);
-  auto other = cache.Get("w-xyz-1");
-  EXPECT_NE(other.status().message().find("another server instance"), std::string::npos);
+  auto other = cache.Get("w-0123abcd-1");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(other.status().message().find("belongs to another server instance (this one is "
+                                          "'abc'"),
+            std::string::npos)
+      << other.status();
+}
+
+// A made-up handle that only starts like one of lossd's is unknown: "another server
+// instance" would send its user looking for a restart that never happened.
+TEST(WeightCacheTest, AMadeUpHandleIsUnknownNotAnotherInstance) {
+  WeightCache cache(100, "0123abcd");
+  for (const char* made_up : {"w-xyz-1", "w-elsewhere-1", "w-", "w-0123abcd", "w-89abcdef-01",
+                              "w-89abcdef-x", "w-89ABCDEF-1"}) {
+    const absl::Status s = cache.Get(made_up).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << made_up;
+    EXPECT_EQ(s.message().find("another server instance"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(absl::StrCat("weight handle '", made_up,
+                                            "' not found: this server never issued it (its "
+                                            "handles are 'w-0123abcd-<n>'")),
+              std::string::npos)
+        << s;
+  }
 }
 
 }  // namespace

@@ -483,7 +483,7 @@ TEST(RestartTest, HandlesAndAccumulatorsOfTheOldInstanceAreRefused) {
   std::string old_instance;
   {
     HarnessOptions o;
-    o.engine.instance = "before-restart";
+    o.engine.instance = "0be4e5ea";  // as lossd draws them (8 hex digits)
     Harness before(o);
     ASSERT_TRUE(testing_harness::PutWeights(before.stub(), rp, 1 << 16, &handle).ok());
     v1::ComputeHeader h = HeaderFor(rp, handle);
@@ -494,7 +494,7 @@ TEST(RestartTest, HandlesAndAccumulatorsOfTheOldInstanceAreRefused) {
     old_instance = o.engine.instance;
   }  // the server goes away between micro-batches
   HarnessOptions o;
-  o.engine.instance = "after-restart";
+  o.engine.instance = "0af7e5ea";
   Harness after(o);
 
   v1::ComputeHeader h = HeaderFor(rp, handle);
@@ -520,7 +520,7 @@ TEST(RestartTest, HandlesAndAccumulatorsOfTheOldInstanceAreRefused) {
   EXPECT_EQ(again.summary.accumulated_micro_batches(), 1u);
   Fetched g = Fetch(after.stub(), "step-7");
   ASSERT_TRUE(g.status.ok());
-  EXPECT_EQ(g.header.instance(), "after-restart");
+  EXPECT_EQ(g.header.instance(), "0af7e5ea");
   EXPECT_NE(g.header.instance(), old_instance);
   EXPECT_EQ(after.WaitForIdleMemory(), 0u);
 }

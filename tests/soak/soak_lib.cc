@@ -490,7 +490,7 @@ class Soak {
       }
       case 4: {
         v1::ComputeHeader h = handle_header_;
-        h.set_weight_handle("w-elsewhere-1");
+        h.set_weight_handle("w-e15e0e5e-1");  // another instance's, as lossd writes them
         ExpectRefusal("invalid_handle", RunCompute(stub, h, handle_parts_),
                       grpc::StatusCode::NOT_FOUND, "another server instance");
         break;

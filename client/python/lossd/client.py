@@ -401,7 +401,8 @@ class Client:
     target: "host:port" (any gRPC target, e.g. "dns:///lossd-headless:50051").
     part_bytes: data bytes per outgoing TensorPart (default 4 MiB; 1-4 MiB moves fastest),
       rounded down to whole elements of each tensor (at least one element).
-    response_part_bytes: data bytes per reply part the server should use (0 = its default).
+    response_part_bytes: data bytes per reply part the server should use (0 = its default;
+      at least 1024 otherwise, or the server refuses the call with INVALID_ARGUMENT).
     timeout: default deadline in seconds for every call (default 600; None = no deadline);
       each method takes its own `timeout` too.
     max_message_bytes: the channel's send and receive message limits.

@@ -186,7 +186,7 @@ def test_overlap_on_and_off_give_the_same_bits(lossd_server):
     summary last) and not: the same bits, with inline weights and by handle with an
     accumulator, in small chunks and parts so that many chunks overlap."""
     x, w, b, t = make_inputs("bf16", bias=True)
-    with lossd.Client(lossd_server.address, part_bytes=512, response_part_bytes=700,
+    with lossd.Client(lossd_server.address, part_bytes=512, response_part_bytes=1100,
                       timeout=60) as c:
         assert c.overlap
         on = c.compute(x, w, t, bias=b, chunk_rows=3, want_lse=True)
@@ -212,11 +212,12 @@ def test_overlap_on_and_off_give_the_same_bits(lossd_server):
 
 def test_tiny_parts_give_the_same_bits(lossd_server):
     """part_bytes=7 sends one-element parts (rounded down to whole elements) for Compute and
-    PutWeights; replies come in 13-byte parts that split elements. Same bits as big parts."""
-    x, w, b, t = make_inputs("fp32", bt=9, h=5, v=11, bias=True)
+    PutWeights; replies come in 1027-byte parts (the server's floor is 1024) that split
+    elements. Same bits as big parts."""
+    x, w, b, t = make_inputs("fp32", bt=9, h=40, v=60, bias=True)
     with lossd.Client(lossd_server.address, timeout=60) as big:
         ref = big.compute(x, w, t, bias=b)
-    with lossd.Client(lossd_server.address, part_bytes=7, response_part_bytes=13,
+    with lossd.Client(lossd_server.address, part_bytes=7, response_part_bytes=1027,
                       timeout=60) as small:
         got = small.compute(x, w, t, bias=b)
         h = small.put_weights(w, b)
