@@ -323,6 +323,8 @@ grpc::Status FakeLossService::ServerInfo(grpc::ServerContext* ctx, const v1::Ser
   {
     absl::MutexLock lock(&mu);
     peers.insert(ctx->peer());
+    ++server_info_calls;
+    for (const std::string& f : features) resp->add_features(f);
   }
   resp->set_version("0.0-fake");
   resp->set_instance("fake-instance");

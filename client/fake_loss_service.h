@@ -86,6 +86,9 @@ class FakeLossService final : public v1::Loss::Service {
   // The fake's server instance; a Compute or fetch naming another accumulator_instance is
   // refused with FAILED_PRECONDITION, as lossd does. Change it to play a restart.
   std::string instance ABSL_GUARDED_BY(mu) = "fake-instance";
+  // ServerInfo's features, and how many ServerInfo calls the fake has answered.
+  std::vector<std::string> features ABSL_GUARDED_BY(mu);
+  int server_info_calls ABSL_GUARDED_BY(mu) = 0;
   // When set, the next Compute waits once it has recorded its header, before it reads the
   // instance it answers from: it notifies `held`, then waits for `release`. Both are taken
   // (cleared) by that one call. For tests of calls that overlap.

@@ -1461,7 +1461,30 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
   info.max_v = resp.max_v();
   info.max_in_flight = resp.max_in_flight();
   info.accumulators = resp.accumulators();
+  info.features.assign(resp.features().begin(), resp.features().end());
   return info;
+}
+
+absl::Status LossClient::RequireFeature(absl::string_view feature, const CallOptions& call) {
+  std::optional<std::pair<std::string, std::vector<std::string>>> known;
+  {
+    absl::MutexLock lock(&features_mu_);
+    known = features_;
+  }
+  if (!known.has_value()) {
+    absl::StatusOr<ServerInfoResult> info = ServerInfo(call);
+    if (!info.ok()) return info.status();
+    known.emplace(info->version, info->features);
+    absl::MutexLock lock(&features_mu_);
+    features_ = known;
+  }
+  const std::vector<std::string>& features = known->second;
+  if (std::find(features.begin(), features.end(), feature) != features.end()) {
+    return absl::OkStatus();
+  }
+  return absl::UnimplementedError(absl::StrCat(
+      "the server (lossd ", known->first, ") does not support '", feature,
+      "' (not in its ServerInfo.features): upgrade the server to use it"));
 }
 
 void TuneMallocForLargeMessages() {

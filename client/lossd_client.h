@@ -201,6 +201,7 @@ struct ServerInfoResult {
   int64_t max_v = 0;
   uint32_t max_in_flight = 0;
   uint32_t accumulators = 0;
+  std::vector<std::string> features;  // see server/engine/features.h
 };
 
 // How many ranges of whole fp32 values a fetch of `total_bytes` takes so that each one holds
@@ -259,6 +260,11 @@ class LossClient {
   // into that name may begin a new sum on any server.
   absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
   absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});
+  // OK when the server lists `feature` in ServerInfo.features; else UNIMPLEMENTED naming the
+  // feature and the server's version. Asks ServerInfo once and remembers the answer (a failed
+  // ask is not remembered). Call it before sending a field that the feature guards: an older
+  // server would refuse the field (or, before refuse_unknown_fields, ignore it).
+  absl::Status RequireFeature(absl::string_view feature, const CallOptions& call = {});
 
   const ClientOptions& options() const { return options_; }
 
@@ -288,6 +294,10 @@ class LossClient {
   std::map<std::string, std::pair<std::string, uint64_t>> accumulator_instances_
       ABSL_GUARDED_BY(instances_mu_);
   uint64_t instances_seen_ ABSL_GUARDED_BY(instances_mu_) = 0;
+  // The first successful ServerInfo's version and features, for RequireFeature.
+  absl::Mutex features_mu_;
+  std::optional<std::pair<std::string, std::vector<std::string>>> features_
+      ABSL_GUARDED_BY(features_mu_);
 };
 
 // Sets glibc's malloc to keep multi-MiB blocks instead of returning them to the kernel after

@@ -648,6 +648,22 @@ TEST_F(LossClientTest, ServerInfo) {
   EXPECT_EQ(info->accumulators, 3u);
 }
 
+TEST_F(LossClientTest, RequireFeatureAsksServerInfoOnceAndNamesWhatIsMissing) {
+  {
+    absl::MutexLock lock(&fake_.mu);
+    fake_.features = {"b_feature", "refuse_unknown_fields"};
+  }
+  auto client = Client(Options());
+  EXPECT_TRUE(client->RequireFeature("refuse_unknown_fields").ok());
+  EXPECT_TRUE(client->RequireFeature("b_feature").ok());
+  absl::Status s = client->RequireFeature("from_the_future");
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the server (lossd 0.0-fake) does not support "
+                                     "'from_the_future'"));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(fake_.server_info_calls, 1);
+}
+
 TEST_F(LossClientTest, MetadataIsSentWithEveryCall) {
   ClientOptions o = Options();
   o.metadata = {{"authorization", "Bearer t0ken"}};

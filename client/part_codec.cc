@@ -217,6 +217,8 @@ absl::Status StreamFrame::Parse(const grpc::ByteBuffer& buffer) {
   tensor_ = 0;
   offset_ = 0;
   data_size_ = 0;
+  unknown_field_ = 0;
+  unknown_in_part_ = false;
   data_.clear();
   slices_.clear();
   if (!buffer.Valid()) return Malformed("empty buffer");
@@ -269,12 +271,16 @@ absl::Status StreamFrame::Parse(const grpc::ByteBuffer& buffer) {
           r.Take(v, &data_);
         } else if (pfield == 0 || !r.SkipValue(pwire)) {
           return Malformed("bad field in TensorPart");
+        } else if (unknown_field_ == 0) {
+          unknown_field_ = pfield;
+          unknown_in_part_ = true;
         }
         if (r.pos() > end) return Malformed("TensorPart field runs past its message");
       }
       continue;
     }
     if (!r.SkipValue(wire)) return Malformed("truncated unknown field");
+    if (unknown_field_ == 0) unknown_field_ = field;
   }
   return absl::OkStatus();
 }

@@ -80,6 +80,11 @@ class StreamFrame {
   // Where the part's data lies: pieces of the received slices, in order, adding up to
   // data_size() bytes. Valid until the next Parse or the frame's destruction.
   const std::vector<std::pair<const uint8_t*, size_t>>& data_pieces() const { return data_; }
+  // The first field number Parse skipped as unknown (0: none), and whether it was inside the
+  // TensorPart (else in the stream message itself). A server refuses such a frame (see
+  // server/unknown_fields.h); a client skips what a newer server adds.
+  uint64_t unknown_field() const { return unknown_field_; }
+  bool unknown_in_part() const { return unknown_in_part_; }
 
   // Parses `buffer`, keeping references to its slices. Proto3 rules: fields in any order,
   // unknown fields skipped, the last oneof member wins. INVALID_ARGUMENT for bytes that are
@@ -94,6 +99,8 @@ class StreamFrame {
   int32_t tensor_ = 0;
   uint64_t offset_ = 0;
   size_t data_size_ = 0;
+  uint64_t unknown_field_ = 0;
+  bool unknown_in_part_ = false;
   std::vector<grpc::Slice> slices_;
   std::vector<std::pair<const uint8_t*, size_t>> data_;  // pieces of the part data, in order
 };

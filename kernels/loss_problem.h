@@ -116,7 +116,15 @@ struct LossOutputs {
   Memory accum_memory = Memory::kHost;
 };
 
-// What a backend reports about one Compute, for metrics.
+// Bits of LossStats::nonfinite: which gradient outputs hold a NaN or Inf after a Compute. With
+// an accumulator (LossOutputs::dw_accum, db_accum) the bits are about the accumulator's sum.
+enum NonFiniteBits : uint32_t {
+  kNonFiniteDx = 1u << 0,
+  kNonFiniteDw = 1u << 1,
+  kNonFiniteDb = 1u << 2,
+};
+
+// What a backend reports about one Compute, for metrics (and the non-finite check).
 struct LossStats {
   double compute_seconds = 0.0;
   uint64_t peak_extra_bytes = 0;  // workspace above inputs and outputs
@@ -124,6 +132,9 @@ struct LossStats {
   // GEMM algorithm choices timed during this Compute (autotuning of shapes the backend had
   // not seen; 0 once a training run's shapes are known).
   int64_t gemm_tunings = 0;
+  // NonFiniteBits of the outputs written (finite inputs can still overflow: a grad_scale of
+  // 3e38 with reduction sum puts Inf into dW). Each output is read once, after the Compute.
+  uint32_t nonfinite = 0;
 };
 
 }  // namespace lossd

@@ -19,6 +19,7 @@
 #include "server/engine/streamed_rows.h"
 #include "server/status_util.h"
 #include "server/tsan_annotations.h"
+#include "server/unknown_fields.h"
 #include "server/wire_convert.h"
 
 namespace lossd {
@@ -30,6 +31,19 @@ double SecondsSince(absl::Time t) { return absl::ToDoubleSeconds(absl::Now() - t
 std::string TensorIdName(int32_t id) {
   return v1::TensorId_IsValid(id) ? v1::TensorId_Name(static_cast<v1::TensorId>(id))
                                   : absl::StrCat(id);
+}
+
+// Parses one Compute stream message into `frame`, refusing fields this server does not know.
+absl::Status ParseComputeFrame(const grpc::ByteBuffer& message, client::StreamFrame* frame) {
+  if (absl::Status s = frame->Parse(message); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a Compute message is not a ComputeRequest: ", s.message()));
+  }
+  if (frame->unknown_field() == 0) return absl::OkStatus();
+  return frame->unknown_in_part()
+             ? UnknownFieldError("part", "lossd.v1.TensorPart", frame->unknown_field())
+             : UnknownFieldError("ComputeRequest", "lossd.v1.ComputeRequest",
+                                 frame->unknown_field());
 }
 
 // Output buffers shared by the reactor and the response slices that point into them: gRPC
@@ -80,9 +94,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     absl::Status s;
     if (!ok) {
       s = EndOfStream();
-    } else if (absl::Status parsed = frame_.Parse(request_); !parsed.ok()) {
-      s = absl::InvalidArgumentError(
-          absl::StrCat("a Compute message is not a ComputeRequest: ", parsed.message()));
+    } else if (absl::Status parsed = ParseComputeFrame(request_, &frame_); !parsed.ok()) {
+      s = parsed;
     } else if (state_ == State::kHeader) {
       s = OnHeader();
     } else {
@@ -183,6 +196,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (!header.ParseFromString(frame_.header_bytes())) {
       return absl::InvalidArgumentError("the Compute header is not a valid ComputeHeader");
     }
+    if (absl::Status s = RefuseUnknownFields(header, "header"); !s.ok()) return s;
     auto spec = ComputeSpecFromWire(header);
     if (!spec.ok()) return spec.status();
     auto plan = engine_->Plan(*spec);
@@ -434,9 +448,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     bool more = false;
     if (!ok) {
       s = OverlapEndOfStream();
-    } else if (absl::Status parsed = frame_.Parse(request_); !parsed.ok()) {
-      s = absl::InvalidArgumentError(
-          absl::StrCat("a Compute message is not a ComputeRequest: ", parsed.message()));
+    } else if (absl::Status parsed = ParseComputeFrame(request_, &frame_); !parsed.ok()) {
+      s = parsed;
     } else {
       s = OnPart();
       if (s.ok()) s = MaybeStartCompute();
@@ -769,6 +782,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
  private:
   absl::Status OnMessage() {
     Engine* engine = service_->engine();
+    if (absl::Status s = RefuseUnknownFields(request_, "PutWeightsRequest"); !s.ok()) return s;
     if (request_.has_header()) {
       if (pending_ || stripe_) {
         return absl::InvalidArgumentError("the PutWeights stream carries a second header");
@@ -949,6 +963,11 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
     if (!client::DecodeMessage(*raw_request, &request).ok()) {
       FinishOnce(absl::InvalidArgumentError(
           "the FetchGradients request is not a valid FetchGradientsRequest"));
+      return;
+    }
+    s = RefuseUnknownFields(request, "FetchGradientsRequest");
+    if (!s.ok()) {
+      FinishOnce(s);
       return;
     }
     const ServiceOptions& o = service_->options();
@@ -1156,15 +1175,17 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   uint64_t offset_ = 0;
 };
 
-// A unary call: run `body`, record metrics, finish.
+// A unary call: refuse unknown fields in `request`, run `body`, record metrics, finish.
 template <typename Body>
 grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContext* ctx,
-                                const char* method, Body body) {
+                                const char* method, const google::protobuf::Message& request,
+                                Body body) {
   const absl::Time started = absl::Now();
   std::string client;
   absl::Status s = service->Enter(ctx, method, &client);
   if (s.ok()) {
-    s = body();
+    s = RefuseUnknownFields(request, request.GetDescriptor()->name());
+    if (s.ok()) s = body();
     service->Leave(client);
   }
   grpc::Status g = ToGrpcStatus(s);
@@ -1263,21 +1284,21 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* LossService::FetchGradients(
 grpc::ServerUnaryReactor* LossService::DropWeights(grpc::CallbackServerContext* ctx,
                                                    const v1::DropWeightsRequest* request,
                                                    v1::DropWeightsResponse*) {
-  return Unary(this, ctx, "DropWeights",
+  return Unary(this, ctx, "DropWeights", *request,
                [&] { return engine_->DropWeights(request->handle()); });
 }
 
 grpc::ServerUnaryReactor* LossService::DropAccumulator(
     grpc::CallbackServerContext* ctx, const v1::DropAccumulatorRequest* request,
     v1::DropAccumulatorResponse*) {
-  return Unary(this, ctx, "DropAccumulator",
+  return Unary(this, ctx, "DropAccumulator", *request,
                [&] { return engine_->DropAccumulator(request->accumulator()); });
 }
 
 grpc::ServerUnaryReactor* LossService::ServerInfo(grpc::CallbackServerContext* ctx,
-                                                  const v1::ServerInfoRequest*,
+                                                  const v1::ServerInfoRequest* request,
                                                   v1::ServerInfoResponse* r) {
-  return Unary(this, ctx, "ServerInfo", [&] {
+  return Unary(this, ctx, "ServerInfo", *request, [&] {
     const BackendInfo b = engine_->backend_info();
     const EngineOptions& o = engine_->options();
     r->set_version(options_.version);

@@ -27,6 +27,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/strip.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/nonfinite_scan.h"
 #include "kernels/dtype.h"
 #include "kernels/host_memory.h"
 #include "kernels/loss_problem.h"
@@ -284,6 +285,17 @@ void ParallelWiden(CpuTaskPool& pool, const void* src, DType t, int64_t n, float
     const int64_t first = task * kConvertBlock;
     WidenRange(src, t, first, std::min(kConvertBlock, n - first), dst + first);
   });
+}
+
+// NaN or Inf among `data`'s n elements, scanned in parallel blocks.
+bool ParallelAnyNonFinite(CpuTaskPool& pool, const void* data, DType t, int64_t n) {
+  if (data == nullptr) return false;
+  std::atomic<bool> any{false};
+  pool.Run(CeilDiv(n, kConvertBlock), [&](int64_t task) {
+    const int64_t first = task * kConvertBlock;
+    if (AnyNonFinite(data, t, first, std::min(kConvertBlock, n - first))) any.store(true);
+  });
+  return any.load();
 }
 
 void ParallelNarrow(CpuTaskPool& pool, const float* src, int64_t n, DType t, void* dst) {
@@ -853,6 +865,17 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   }
 
   if (stats != nullptr) {
+    // After the fact: dW is added into an accumulator block by block, so a check before the
+    // add would need a scratch dW; reading the written outputs once costs less.
+    const bool dx_bad = ParallelAnyNonFinite(pool, out.dx, out.grad_dtype, bt * h);
+    const bool dw_bad = out.dw_accum != nullptr
+                            ? ParallelAnyNonFinite(pool, out.dw_accum, DType::kF32, v * h)
+                            : ParallelAnyNonFinite(pool, out.dw, out.grad_dtype, v * h);
+    const bool db_bad = out.db_accum != nullptr
+                            ? AnyNonFinite(out.db_accum, DType::kF32, 0, v)
+                            : out.db != nullptr && AnyNonFinite(out.db, out.grad_dtype, 0, v);
+    stats->nonfinite = (dx_bad ? kNonFiniteDx : 0u) | (dw_bad ? kNonFiniteDw : 0u) |
+                       (db_bad ? kNonFiniteDb : 0u);
     stats->compute_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stats->peak_extra_bytes = plan.bytes;

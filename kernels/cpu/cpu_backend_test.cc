@@ -496,6 +496,56 @@ TEST(CpuBackendTest, AccumulatorAddsToExistingValues) {
   for (int64_t k = 0; k < p.v * p.h; ++k) EXPECT_EQ(acc[k], 0.5f + dw[k]) << k;
 }
 
+// A finite problem whose gradients overflow fp32 (grad_scale 3e38, reduction sum): the stats
+// name exactly the outputs that hold a NaN or Inf, whether dW and db are returned or added
+// into an accumulator; an ordinary problem reports none.
+TEST(CpuBackendTest, OverflowingGradientsAreReported) {
+  RandomProblemSpec spec;
+  spec.bt = 24;
+  spec.h = 16;
+  spec.v = 37;
+  spec.bias = true;
+  spec.options.reduction = Reduction::kSum;
+  auto bad = [](const void* d, DType t, int64_t n) {
+    for (int64_t k = 0; k < n; ++k) {
+      if (!std::isfinite(LoadAsFloat(d, t, k))) return true;
+    }
+    return false;
+  };
+  for (DType grad : {DType::kF32, DType::kBF16}) {
+    spec.dtype = grad;
+    spec.options.grad_scale = 1.0f;
+    const RandomProblem ordinary = RandomProblem::Make(spec);
+    spec.options.grad_scale = 3e38f;
+    const RandomProblem huge = RandomProblem::Make(spec);
+    LossStats stats;
+    stats.nonfinite = ~0u;  // poisoned: must be overwritten
+    HostOutputs fine(ordinary.problem(), grad);
+    ASSERT_TRUE(NewCpuBackend(2)->Compute(ordinary.problem(), fine.outputs(), &stats).ok());
+    EXPECT_EQ(stats.nonfinite, 0u);
+
+    const LossProblem p = huge.problem();
+    HostOutputs got(p, grad);
+    ASSERT_TRUE(NewCpuBackend(2)->Compute(p, got.outputs(), &stats).ok());
+    ASSERT_TRUE(bad(got.dw.data(), grad, p.v * p.h)) << "the case no longer overflows";
+    const uint32_t expect = (bad(got.dx.data(), grad, p.bt * p.h) ? kNonFiniteDx : 0u) |
+                            kNonFiniteDw | (bad(got.db.data(), grad, p.v) ? kNonFiniteDb : 0u);
+    EXPECT_EQ(stats.nonfinite, expect) << DTypeName(grad);
+  }
+  // Into an accumulator (finite before): its sum is what the bits describe.
+  const RandomProblem huge = RandomProblem::Make(spec);
+  const LossProblem p = huge.problem();
+  std::vector<float> dw_acc(p.v * p.h, 0.25f), db_acc(p.v, -0.5f);
+  LossOutputs o;
+  o.grad_dtype = DType::kF32;
+  o.dw_accum = dw_acc.data();
+  o.db_accum = db_acc.data();
+  LossStats stats;
+  ASSERT_TRUE(NewCpuBackend(2)->Compute(p, o, &stats).ok());
+  EXPECT_EQ(stats.nonfinite,
+            kNonFiniteDw | (bad(db_acc.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u));
+}
+
 TEST(CpuBackendTest, OnlyTheLossRequested) {
   RandomProblemSpec spec;
   spec.bt = 10;

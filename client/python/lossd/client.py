@@ -124,6 +124,7 @@ class ServerInfo:
     max_v: int
     max_in_flight: int
     accumulators: int
+    features: list = dataclasses.field(default_factory=list)  # see require_feature
 
 
 def _parts(tensor_id, arr, part_bytes, begin=0, end=None):
@@ -508,6 +509,7 @@ class Client:
         # and fetches name it, and a server of another instance refuses them.
         self._acc_instances = collections.OrderedDict()
         self._acc_lock = threading.Lock()
+        self._features = None  # (version, frozenset of names) from the first server_info
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -606,7 +608,23 @@ class Client:
             r = self._stub.ServerInfo(pb.ServerInfoRequest(), **self._call_kwargs(timeout))
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "ServerInfo") from None
-        return ServerInfo(**{f.name: getattr(r, f.name) for f in dataclasses.fields(ServerInfo)})
+        info = ServerInfo(**{f.name: getattr(r, f.name) for f in dataclasses.fields(ServerInfo)})
+        info.features = list(info.features)
+        return info
+
+    def require_feature(self, name, *, timeout=None):
+        """Returns when the server lists `name` in ServerInfo.features; else raises
+        UnimplementedError naming the feature and the server's version. Asks server_info once
+        and remembers the answer. Call it before sending a field the feature guards: an older
+        server refuses (or, older still, ignores) a field it does not know."""
+        known = self._features
+        if known is None:
+            info = self.server_info(timeout=timeout)
+            known = self._features = (info.version, frozenset(info.features))
+        if name not in known[1]:
+            raise errors.UnimplementedError(
+                "the server (lossd %s) does not support '%s' (not in its ServerInfo.features): "
+                "upgrade the server to use it" % (known[0], name), method="require_feature")
 
     def put_weights(self, w, bias=None, *, timeout=None):
         """Uploads W (V, H) and an optional bias (V) once; returns a WeightHandle for compute.

@@ -385,6 +385,14 @@ def test_server_info_and_health(client):
     assert info.backend == BACKEND and info.instance and info.version
     assert info.max_part_bytes >= 1 and info.max_bt > 0 and info.max_h > 0 and info.max_v > 0
     assert info.memory_budget_bytes > 0
+    assert "refuse_unknown_fields" in info.features
+
+
+def test_require_feature(client):
+    client.require_feature("refuse_unknown_fields")
+    with pytest.raises(lossd.UnimplementedError,
+                       match=r"the server \(lossd .+\) does not support 'from_the_future'"):
+        client.require_feature("from_the_future")
 
 
 def test_bf16_conversions_round_to_nearest_even():
