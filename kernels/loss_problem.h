@@ -7,8 +7,9 @@
 //   nll_i   = -cw[t_i] (z_it - lse_i)                     (cw = class weights, or 1)
 //   smooth_i= -(1/V) sum_j cw[j] (z_ij - lse_i)
 //   loss_i  = (1 - eps) nll_i + eps smooth_i + zs lse_i^2   (eps = label_smoothing, zs = z-loss)
-// mean divides the cross-entropy part by sum_i cw[t_i] (PyTorch) and the z-loss part by the
-// non-ignored token count (Liger-Kernel); sum adds; none returns loss_i. Ignored rows give 0.
+// mean divides the cross-entropy part by sum_i cw[t_i] (PyTorch, whatever its sign; a zero sum
+// gives a zero cross-entropy part) and the z-loss part by the non-ignored token count
+// (Liger-Kernel); sum adds; none returns loss_i. Ignored rows give 0.
 #ifndef LOSSD_KERNELS_LOSS_PROBLEM_H_
 #define LOSSD_KERNELS_LOSS_PROBLEM_H_
 

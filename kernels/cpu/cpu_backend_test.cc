@@ -67,6 +67,13 @@ std::vector<OptionCase> OptionCases() {
   c.weights = true;
   c.ignore = 0.1;
   cs.push_back(c);
+  // Weights of both signs (torch.randn's): mean divides by their sum over the targets,
+  // whatever its sign, as torch's cross_entropy does.
+  c = Opt("signed_weights");
+  c.weights = c.signed_weights = true;
+  c.eps = 0.1f;
+  c.ignore = 0.1;
+  cs.push_back(c);
   c = Opt("bias");
   c.bias = true;
   cs.push_back(c);

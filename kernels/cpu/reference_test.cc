@@ -214,6 +214,29 @@ TEST(ReferenceTest, AllIgnoredGivesZeroLossAndGradients) {
   for (double d : r.lse) EXPECT_TRUE(std::isfinite(d));
 }
 
+// torch's mean with class weights whose sum over the targets is 0 divides by zero (NaN or
+// inf); lossd's cross-entropy part is then 0, and so is its gradient.
+TEST(ReferenceTest, ClassWeightsSummingToZeroGiveAZeroMean) {
+  RandomProblemSpec s;
+  s.bt = 2;
+  s.v = 7;
+  s.dtype = DType::kF32;
+  s.class_weights = true;
+  RandomProblem rp = RandomProblem::Make(s);
+  rp.targets = {1, 4};
+  rp.class_weights[1] = 0.75f;
+  rp.class_weights[4] = -0.75f;
+  ReferenceOutputs r;
+  ASSERT_TRUE(ReferenceCompute(rp.problem(), &r).ok());
+  EXPECT_EQ(r.loss[0], 0.0);
+  for (double g : r.dx) ASSERT_EQ(g, 0.0);
+  for (double g : r.dw) ASSERT_EQ(g, 0.0);
+  // The same weights with a non-zero sum give a non-zero mean: the check above can fail.
+  rp.class_weights[4] = -0.5f;
+  ASSERT_TRUE(ReferenceCompute(rp.problem(), &r).ok());
+  EXPECT_NE(r.loss[0], 0.0);
+}
+
 TEST(ReferenceTest, RejectsBadInput) {
   const float x[3] = {1, 2, 3};
   const float w[6] = {1, -1, 2, -2, 3, -3};

@@ -100,6 +100,7 @@ RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const Op
   spec.bias = c.bias;
   spec.class_weights = c.weights;
   spec.class_weight_scale = c.weight_scale;
+  spec.signed_class_weights = c.signed_weights;
   spec.grad_output = c.grad_output;
   spec.ignore_fraction = c.ignore;
   spec.seed = seed;
@@ -126,7 +127,8 @@ RandomProblem RandomProblem::Make(const RandomProblemSpec& spec) {
   if (spec.class_weights) {
     r.class_weights.resize(spec.v);
     const float scale = static_cast<float>(spec.class_weight_scale);
-    for (float& e : r.class_weights) e = scale * (0.25f + 1.75f * unit(rng));
+    const float lo = spec.signed_class_weights ? -1.0f : 0.25f;
+    for (float& e : r.class_weights) e = scale * (lo + (2.0f - lo) * unit(rng));
   }
   if (spec.grad_output) {
     r.grad_output.resize(spec.bt);
@@ -392,9 +394,9 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
     b.lse[i] = l;
     const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
     if (t == o.ignore_index) continue;
-    double smooth = 0;
-    for (int64_t j = 0; j < v; ++j) smooth += cw[j] * (dzf[j] + l);
-    b.ce[i] = (1 - eps) * cw[t] * (dzf[t] + l) + eps * smooth / v;
+    double smooth = 0;  // bounds: the weights' magnitudes (they may be negative)
+    for (int64_t j = 0; j < v; ++j) smooth += std::fabs(cw[j]) * (dzf[j] + l);
+    b.ce[i] = (1 - eps) * std::fabs(cw[t]) * (dzf[t] + l) + eps * smooth / v;
     b.zl[i] = 2 * zs * std::fabs(ref.lse[i]) * l;
     double sc = ce_scale, sz = z_scale;
     if (none) sc = sz = p.grad_output != nullptr ? p.grad_output[i] : 1.0;
@@ -450,7 +452,7 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
       }
       double ce_div = 1, z_div = 1;
       if (o.reduction == Reduction::kMean) {
-        ce_div = weight_sum > 0 ? weight_sum : 1;
+        ce_div = weight_sum != 0 ? std::fabs(weight_sum) : 1;
         z_div = ref.tokens > 0 ? static_cast<double>(ref.tokens) : 1;
       }
       const double ce_b = 4 * std::sqrt(ce2) / ce_div, z_b = 4 * std::sqrt(z2) / z_div;

@@ -36,6 +36,7 @@ struct RandomProblemSpec {
   bool bias = false;           // bias ~ N(0, 0.5^2)
   bool class_weights = false;  // cw in [0.25, 2) times class_weight_scale
   double class_weight_scale = 1.0;
+  bool signed_class_weights = false;  // cw in [-1, 2) times the scale instead: some negative
   bool grad_output = false;    // (BT) in [-2, 2), used with reduction none
   double ignore_fraction = 0;  // share of rows whose target is options.ignore_index
   double argmax_fraction = 0.25;  // share of the other rows whose target is the row's argmax
@@ -56,6 +57,7 @@ struct OptionCase {
   bool grad_f32 = false;    // dX and dW asked for in fp32
   bool accumulate = false;  // dW added to what the output holds
   double weight_scale = 1;  // class weights times this (tiny ones: normalised to sum ~1)
+  bool signed_weights = false;  // class weights of both signs (torch.randn's, say)
 };
 
 // The RandomProblemSpec of case `c` at shape (bt, h, v): its options, bias, class weights,
