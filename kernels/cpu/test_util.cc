@@ -101,6 +101,7 @@ RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const Op
   spec.class_weights = c.weights;
   spec.class_weight_scale = c.weight_scale;
   spec.signed_class_weights = c.signed_weights;
+  spec.options.token_scaling = c.token_scaling;
   spec.grad_output = c.grad_output;
   spec.ignore_fraction = c.ignore;
   spec.seed = seed;
@@ -373,7 +374,7 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
   b.ce.assign(p.bt, 0.0);
   b.zl.assign(p.bt, 0.0);
   b.lse.assign(p.bt, 0.0);
-  std::vector<double> zraw(v), th(v), dcap(v, 1.0), dzraw(v), dzf(v), pr(v);
+  std::vector<double> zraw(v), th(v), dcap(v, 1.0), dzraw(v), dzf(v), pr(v), zfs(v);
   double err2 = 0, g2 = 0;
   for (int64_t i = 0; i < p.bt; ++i) {
     calc.Row(i, &zraw);
@@ -386,6 +387,7 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
         dcap[j] = 1 - th[j] * th[j];
         zf = cap * th[j];
       }
+      zfs[j] = zf;
       dzraw[j] = u * std::fabs(acc);
       dzf[j] = dcap[j] * dzraw[j];
       pr[j] = std::exp(zf - ref.lse[i]);
@@ -398,6 +400,17 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
     for (int64_t j = 0; j < v; ++j) smooth += std::fabs(cw[j]) * (dzf[j] + l);
     b.ce[i] = (1 - eps) * std::fabs(cw[t]) * (dzf[t] + l) + eps * smooth / v;
     b.zl[i] = 2 * zs * std::fabs(ref.lse[i]) * l;
+    // Token scaling: the row's values are s times the unscaled ones (s exact here).
+    double s = 1, ds = 0;
+    if (o.token_scaling) {
+      s = pr[t];
+      ds = s * (dzf[t] + l + u + std::ldexp(1.0, -21) * (1 + std::fabs(ref.lse[i])));
+      double ce = 0;  // the unscaled cross-entropy, for |ce| ds
+      for (int64_t j = 0; j < v && eps > 0; ++j) ce += cw[j] * (ref.lse[i] - zfs[j]);
+      ce = (1 - eps) * cw[t] * (ref.lse[i] - zfs[t]) + eps * ce / v;
+      b.ce[i] = s * b.ce[i] + std::fabs(ce) * ds;
+      b.zl[i] = s * b.zl[i] + zs * ref.lse[i] * ref.lse[i] * ds;
+    }
     double sc = ce_scale, sz = z_scale;
     if (none) sc = sz = p.grad_output != nullptr ? p.grad_output[i] : 1.0;
     const double a = sc * ((1 - eps) * cw[t] + eps * cw_sum / v) + 2 * sz * zs * ref.lse[i];
@@ -409,8 +422,9 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
       double dg = dcap[j] * (std::fabs(a) * pr[j] * (dzf[j] + l) + 2 * std::fabs(sz) * zs * l * pr[j]);
       if (cap > 0) dg += std::fabs(gz) * 2 * std::fabs(th[j]) * dcap[j] * dzraw[j] / cap;
       dg += u * std::fabs(g);
+      dg = s * dg + std::fabs(g) * ds;
       err2 += dg * dg;
-      g2 += g * g;
+      g2 += s * g * s * g;
     }
   }
   b.grad_rel = g2 > 0 ? std::sqrt(err2 / g2) : 0.0;
