@@ -7,8 +7,12 @@
 //   nll_i   = -cw[t_i] (z_it - lse_i)                     (cw = class weights, or 1)
 //   smooth_i= -(1/V) sum_j cw[j] (z_ij - lse_i)
 //   loss_i  = (1 - eps) nll_i + eps smooth_i + zs lse_i^2   (eps = label_smoothing, zs = z-loss)
-// mean divides the cross-entropy part by sum_i cw[t_i] (PyTorch) and the z-loss part by the
-// non-ignored token count (Liger-Kernel); sum adds; none returns loss_i. Ignored rows give 0.
+// mean divides the cross-entropy part by sum_i cw[t_i] (PyTorch, whatever its sign; a zero sum
+// gives a zero cross-entropy part) and the z-loss part by the non-ignored token count
+// (Liger-Kernel); sum adds; none returns loss_i. Ignored rows give 0.
+// token_scaling (Liger's use_token_scaling) multiplies loss_i and its gradient row by
+// s_i = softmax(z_i)_t (the final logits, detached: s_i is a constant to the gradient), which
+// backends take from the stored logits and round to the input dtype, as torch.softmax does.
 #ifndef LOSSD_KERNELS_LOSS_PROBLEM_H_
 #define LOSSD_KERNELS_LOSS_PROBLEM_H_
 
@@ -53,6 +57,8 @@ struct LossOptions {
   float grad_scale = 1.0f;
   // Rows per chunk; 0 = the backend chooses from its memory budget.
   int64_t chunk_rows = 0;
+  // Scale each non-ignored row's loss, z-loss and gradient by s_i (see the top of the file).
+  bool token_scaling = false;
 };
 
 // Where a buffer lives. kHost: ordinary (or pinned) host memory. kBackend: memory the backend

@@ -339,6 +339,7 @@ struct RowPassParams {
   const float* bias = nullptr;  // (V) fp32, null = none
   double cw_sum = 0;            // S = sum_j cw[j]
   double eps = 0, zs = 0, cap = 0;
+  bool token_scaling = false;  // LossOptions::token_scaling
   bool want_grad = false;
 };
 
@@ -416,6 +417,16 @@ RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, doubl
   const double cwt = rp.cw != nullptr ? rp.cw[t] : 1.0;
   res.ce = (1 - rp.eps) * cwt * (lse - z[t]) + rp.eps * smooth;
   res.zl = rp.zs * lse * lse;
+  if (rp.token_scaling) {
+    // s = p_t from the stored (softcapped) logits, rounded to the input dtype as
+    // torch.softmax rounds its output; a constant to the gradient, so it scales G's row.
+    float s = static_cast<float>(std::exp(static_cast<double>(z[t]) - lse));
+    RoundInPlace(&s, 1, rp.dtype);
+    res.ce *= s;
+    res.zl *= s;
+    sc *= s;
+    sz *= s;
+  }
   if (!rp.want_grad) return res;
 
   // g_j = A p_j - B cw_j - [j == t] C, p_j = exp(z_j - lse), then times the softcap's
@@ -735,6 +746,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   rp.eps = o.label_smoothing;
   rp.zs = o.z_loss_scale;
   rp.cap = o.softcap;
+  rp.token_scaling = o.token_scaling;
   rp.want_grad = plan.want_grad;
 
   // The stored G would carry the whole scale (1/N for a mean over N tokens, the upstream

@@ -67,8 +67,28 @@ std::vector<OptionCase> OptionCases() {
   c.weights = true;
   c.ignore = 0.1;
   cs.push_back(c);
+  // Weights of both signs (torch.randn's): mean divides by their sum over the targets,
+  // whatever its sign, as torch's cross_entropy does.
+  c = Opt("signed_weights");
+  c.weights = c.signed_weights = true;
+  c.eps = 0.1f;
+  c.ignore = 0.1;
+  cs.push_back(c);
   c = Opt("bias");
   c.bias = true;
+  cs.push_back(c);
+  // Liger's use_token_scaling: each row's loss, z-loss and gradient times its p_t.
+  c = Opt("token_scaling");
+  c.token_scaling = true;
+  c.zs = 1e-2f;
+  c.ignore = 0.2;
+  cs.push_back(c);
+  c = Opt("token_scaling_none");
+  c.reduction = Reduction::kNone;
+  c.token_scaling = c.grad_output = c.bias = true;
+  c.eps = 0.1f;
+  c.cap = 5.0f;
+  c.ignore = 0.2;
   cs.push_back(c);
   c = Opt("grad_f32");
   c.grad_f32 = true;

@@ -146,8 +146,10 @@ absl::Status ReferenceCompute(const LossProblem& p, ReferenceOutputs* out) {
     double smooth = 0;
     for (int64_t j = 0; j < v; ++j) smooth -= cw[j] * (z[j] - lse);
     smooth /= static_cast<double>(v);
-    const double ce = (1 - eps) * nll + eps * smooth;
-    const double zl = zs * lse * lse;
+    // Token scaling: s = p_t, exact here (backends round it to the input dtype).
+    const double s = o.token_scaling ? std::exp(z[t] - lse) : 1.0;
+    const double ce = s * ((1 - eps) * nll + eps * smooth);
+    const double zl = s * zs * lse * lse;
     if (none) {
       out->loss[i] = ce + zl;
       out->z_loss[i] = zl;
@@ -159,6 +161,8 @@ absl::Status ReferenceCompute(const LossProblem& p, ReferenceOutputs* out) {
 
     double sc = ce_scale, sz = z_scale;
     if (none) sc = sz = p.grad_output != nullptr ? p.grad_output[i] : 1.0;
+    sc *= s;
+    sz *= s;
     // dL/dz_ij, then through the softcap's tanh.
     for (int64_t j = 0; j < v; ++j) {
       const double pj = std::exp(z[j] - lse);

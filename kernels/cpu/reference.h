@@ -32,7 +32,8 @@ struct ReferenceOutputs {
 //
 // Mean reduction divides the cross-entropy part by the class-weight sum of the non-ignored
 // targets (their count without weights) and the z-loss part by the non-ignored count; a zero
-// denominator (every target ignored) gives loss 0 and zero gradients, never NaN.
+// denominator (every target ignored) gives loss 0 and zero gradients, never NaN. Token
+// scaling multiplies a row's loss, z-loss and gradient by its exact p_t (not rounded).
 absl::Status ReferenceCompute(const LossProblem& p, ReferenceOutputs* out);
 
 }  // namespace lossd

@@ -2,6 +2,7 @@
 // finite differences of its own loss (so the gradient formula is checked independently).
 #include "kernels/cpu/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <ostream>
@@ -212,6 +213,103 @@ TEST(ReferenceTest, AllIgnoredGivesZeroLossAndGradients) {
   for (double d : r.dx) EXPECT_EQ(d, 0.0);
   for (double d : r.dw) EXPECT_EQ(d, 0.0);
   for (double d : r.lse) EXPECT_TRUE(std::isfinite(d));
+}
+
+// torch's mean with class weights whose sum over the targets is 0 divides by zero (NaN or
+// inf); lossd's cross-entropy part is then 0, and so is its gradient.
+TEST(ReferenceTest, ClassWeightsSummingToZeroGiveAZeroMean) {
+  RandomProblemSpec s;
+  s.bt = 2;
+  s.v = 7;
+  s.dtype = DType::kF32;
+  s.class_weights = true;
+  RandomProblem rp = RandomProblem::Make(s);
+  rp.targets = {1, 4};
+  rp.class_weights[1] = 0.75f;
+  rp.class_weights[4] = -0.75f;
+  ReferenceOutputs r;
+  ASSERT_TRUE(ReferenceCompute(rp.problem(), &r).ok());
+  EXPECT_EQ(r.loss[0], 0.0);
+  for (double g : r.dx) ASSERT_EQ(g, 0.0);
+  for (double g : r.dw) ASSERT_EQ(g, 0.0);
+  // The same weights with a non-zero sum give a non-zero mean: the check above can fail.
+  rp.class_weights[4] = -0.5f;
+  ASSERT_TRUE(ReferenceCompute(rp.problem(), &r).ok());
+  EXPECT_NE(r.loss[0], 0.0);
+}
+
+// Token scaling checked from outside: with no label smoothing a row's unscaled cross-entropy
+// is cw_t (lse - z_t), so s = p_t = exp(-ce / cw_t). The scaled loss and z-loss must be s times
+// the unscaled ones, the scaled mean must weigh each row by its s, and the scaled gradients
+// must be those of the unscaled problem with s as each row's upstream gradient.
+TEST(ReferenceTest, TokenScalingScalesEachRowByItsTargetsProbability) {
+  RandomProblemSpec spec;
+  spec.bt = 9;
+  spec.h = 6;
+  spec.v = 13;
+  spec.dtype = DType::kF32;
+  spec.bias = spec.class_weights = true;
+  spec.ignore_fraction = 0.25;
+  spec.options.reduction = Reduction::kNone;
+  spec.options.z_loss_scale = 0.05f;
+  spec.options.softcap = 4.0f;
+  RandomProblem rp = RandomProblem::Make(spec);
+  LossProblem p = rp.problem();
+  ReferenceOutputs plain, scaled, upstream;
+  ASSERT_TRUE(ReferenceCompute(p, &plain).ok());
+  p.options.token_scaling = true;
+  ASSERT_TRUE(ReferenceCompute(p, &scaled).ok());
+  std::vector<float> s(spec.bt, 0.0f);
+  double ce_sum = 0, z_sum = 0, w_sum = 0;
+  int64_t n = 0, ignored = 0;
+  for (int64_t i = 0; i < spec.bt; ++i) {
+    const int64_t t = rp.targets[i];
+    if (t == spec.options.ignore_index) {
+      EXPECT_EQ(scaled.loss[i], 0.0);
+      ++ignored;
+      continue;
+    }
+    const double ce = plain.loss[i] - plain.z_loss[i];
+    const double si = std::exp(-ce / rp.class_weights[t]);
+    ASSERT_GT(si, 0.0);
+    ASSERT_LT(si, 1.0);
+    s[i] = static_cast<float>(si);
+    EXPECT_NEAR(scaled.loss[i], si * plain.loss[i], 1e-12 * (1 + plain.loss[i])) << i;
+    EXPECT_NEAR(scaled.z_loss[i], si * plain.z_loss[i], 1e-12 * (1 + plain.z_loss[i])) << i;
+    ce_sum += si * ce;
+    z_sum += si * plain.z_loss[i];
+    w_sum += rp.class_weights[t];
+    ++n;
+  }
+  ASSERT_GT(ignored, 0);
+  // The gradients: the unscaled problem with s (as fp32, so the comparison is exact up to
+  // that rounding) as the per-row upstream gradient.
+  std::vector<float> s_rounded = s;
+  LossProblem q = rp.problem();
+  q.grad_output = s_rounded.data();
+  ASSERT_TRUE(ReferenceCompute(q, &upstream).ok());
+  auto near_all = [](const std::vector<double>& a, const std::vector<double>& b, double tol) {
+    double worst = 0, norm = 0;
+    for (size_t k = 0; k < a.size(); ++k) {
+      worst = std::max(worst, std::fabs(a[k] - b[k]));
+      norm = std::max(norm, std::fabs(b[k]));
+    }
+    return worst <= tol * norm;
+  };
+  // s was rounded to fp32 for grad_output: relative 2^-24.
+  EXPECT_TRUE(near_all(scaled.dx, upstream.dx, 1e-6));
+  EXPECT_TRUE(near_all(scaled.dw, upstream.dw, 1e-6));
+  EXPECT_TRUE(near_all(scaled.db, upstream.db, 1e-6));
+  EXPECT_FALSE(near_all(plain.dx, upstream.dx, 1e-2));  // the scaling changes dX visibly
+  // Mean: the cross-entropy part over the weight sum, the z-loss part over the count, each
+  // row weighed by its s.
+  LossProblem m = rp.problem();
+  m.options.reduction = Reduction::kMean;
+  m.options.token_scaling = true;
+  ReferenceOutputs mean;
+  ASSERT_TRUE(ReferenceCompute(m, &mean).ok());
+  EXPECT_NEAR(mean.loss[0], ce_sum / w_sum + z_sum / n, 1e-12);
+  EXPECT_NEAR(mean.z_loss[0], z_sum / n, 1e-12);
 }
 
 TEST(ReferenceTest, RejectsBadInput) {

@@ -100,6 +100,8 @@ RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const Op
   spec.bias = c.bias;
   spec.class_weights = c.weights;
   spec.class_weight_scale = c.weight_scale;
+  spec.signed_class_weights = c.signed_weights;
+  spec.options.token_scaling = c.token_scaling;
   spec.grad_output = c.grad_output;
   spec.ignore_fraction = c.ignore;
   spec.seed = seed;
@@ -126,7 +128,8 @@ RandomProblem RandomProblem::Make(const RandomProblemSpec& spec) {
   if (spec.class_weights) {
     r.class_weights.resize(spec.v);
     const float scale = static_cast<float>(spec.class_weight_scale);
-    for (float& e : r.class_weights) e = scale * (0.25f + 1.75f * unit(rng));
+    const float lo = spec.signed_class_weights ? -1.0f : 0.25f;
+    for (float& e : r.class_weights) e = scale * (lo + (2.0f - lo) * unit(rng));
   }
   if (spec.grad_output) {
     r.grad_output.resize(spec.bt);
@@ -371,7 +374,7 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
   b.ce.assign(p.bt, 0.0);
   b.zl.assign(p.bt, 0.0);
   b.lse.assign(p.bt, 0.0);
-  std::vector<double> zraw(v), th(v), dcap(v, 1.0), dzraw(v), dzf(v), pr(v);
+  std::vector<double> zraw(v), th(v), dcap(v, 1.0), dzraw(v), dzf(v), pr(v), zfs(v);
   double err2 = 0, g2 = 0;
   for (int64_t i = 0; i < p.bt; ++i) {
     calc.Row(i, &zraw);
@@ -384,6 +387,7 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
         dcap[j] = 1 - th[j] * th[j];
         zf = cap * th[j];
       }
+      zfs[j] = zf;
       dzraw[j] = u * std::fabs(acc);
       dzf[j] = dcap[j] * dzraw[j];
       pr[j] = std::exp(zf - ref.lse[i]);
@@ -392,10 +396,21 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
     b.lse[i] = l;
     const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
     if (t == o.ignore_index) continue;
-    double smooth = 0;
-    for (int64_t j = 0; j < v; ++j) smooth += cw[j] * (dzf[j] + l);
-    b.ce[i] = (1 - eps) * cw[t] * (dzf[t] + l) + eps * smooth / v;
+    double smooth = 0;  // bounds: the weights' magnitudes (they may be negative)
+    for (int64_t j = 0; j < v; ++j) smooth += std::fabs(cw[j]) * (dzf[j] + l);
+    b.ce[i] = (1 - eps) * std::fabs(cw[t]) * (dzf[t] + l) + eps * smooth / v;
     b.zl[i] = 2 * zs * std::fabs(ref.lse[i]) * l;
+    // Token scaling: the row's values are s times the unscaled ones (s exact here).
+    double s = 1, ds = 0;
+    if (o.token_scaling) {
+      s = pr[t];
+      ds = s * (dzf[t] + l + u + std::ldexp(1.0, -21) * (1 + std::fabs(ref.lse[i])));
+      double ce = 0;  // the unscaled cross-entropy, for |ce| ds
+      for (int64_t j = 0; j < v && eps > 0; ++j) ce += cw[j] * (ref.lse[i] - zfs[j]);
+      ce = (1 - eps) * cw[t] * (ref.lse[i] - zfs[t]) + eps * ce / v;
+      b.ce[i] = s * b.ce[i] + std::fabs(ce) * ds;
+      b.zl[i] = s * b.zl[i] + zs * ref.lse[i] * ref.lse[i] * ds;
+    }
     double sc = ce_scale, sz = z_scale;
     if (none) sc = sz = p.grad_output != nullptr ? p.grad_output[i] : 1.0;
     const double a = sc * ((1 - eps) * cw[t] + eps * cw_sum / v) + 2 * sz * zs * ref.lse[i];
@@ -407,8 +422,9 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
       double dg = dcap[j] * (std::fabs(a) * pr[j] * (dzf[j] + l) + 2 * std::fabs(sz) * zs * l * pr[j]);
       if (cap > 0) dg += std::fabs(gz) * 2 * std::fabs(th[j]) * dcap[j] * dzraw[j] / cap;
       dg += u * std::fabs(g);
+      dg = s * dg + std::fabs(g) * ds;
       err2 += dg * dg;
-      g2 += g * g;
+      g2 += s * g * s * g;
     }
   }
   b.grad_rel = g2 > 0 ? std::sqrt(err2 / g2) : 0.0;
@@ -450,7 +466,7 @@ ErrorBounds ComputeErrorBounds(const LossProblem& p, const ReferenceOutputs& ref
       }
       double ce_div = 1, z_div = 1;
       if (o.reduction == Reduction::kMean) {
-        ce_div = weight_sum > 0 ? weight_sum : 1;
+        ce_div = weight_sum != 0 ? std::fabs(weight_sum) : 1;
         z_div = ref.tokens > 0 ? static_cast<double>(ref.tokens) : 1;
       }
       const double ce_b = 4 * std::sqrt(ce2) / ce_div, z_b = 4 * std::sqrt(z2) / z_div;

@@ -36,6 +36,7 @@ struct RandomProblemSpec {
   bool bias = false;           // bias ~ N(0, 0.5^2)
   bool class_weights = false;  // cw in [0.25, 2) times class_weight_scale
   double class_weight_scale = 1.0;
+  bool signed_class_weights = false;  // cw in [-1, 2) times the scale instead: some negative
   bool grad_output = false;    // (BT) in [-2, 2), used with reduction none
   double ignore_fraction = 0;  // share of rows whose target is options.ignore_index
   double argmax_fraction = 0.25;  // share of the other rows whose target is the row's argmax
@@ -56,6 +57,8 @@ struct OptionCase {
   bool grad_f32 = false;    // dX and dW asked for in fp32
   bool accumulate = false;  // dW added to what the output holds
   double weight_scale = 1;  // class weights times this (tiny ones: normalised to sum ~1)
+  bool signed_weights = false;  // class weights of both signs (torch.randn's, say)
+  bool token_scaling = false;   // LossOptions::token_scaling
 };
 
 // The RandomProblemSpec of case `c` at shape (bt, h, v): its options, bias, class weights,
@@ -170,7 +173,10 @@ std::vector<double> Widen(const void* data, DType t, size_t n);
 // changes: per row, |d lse| <= L_i = sum_j p_j |d zf_j| (zf the softcapped logits), the CE
 // part <= (1-eps) cw_t (|d zf_t| + L_i) + (eps/V) sum_j cw_j (|d zf_j| + L_i), the z-loss part
 // <= 2 zs |lse_i| L_i; and ||dG|| / ||G|| over the whole batch (G = dL/dz with every option,
-// including G's own storage rounding u |G|).
+// including G's own storage rounding u |G|). With token scaling, each row's bounds are those
+// of s_i times its loss and gradient: s_i (bound) + |unscaled value| ds_i, where ds_i =
+// s_i (|d zf_t| + L_i + u + 2^-21 (1 + |lse_i|)) bounds s_i's own error (the logits' rounding,
+// its rounding to the input dtype, fp32 arithmetic).
 struct ErrorBounds {
   std::vector<double> ce, zl, lse;  // (BT) each; ignored rows 0 (lse: every row)
   double grad_rel = 0;

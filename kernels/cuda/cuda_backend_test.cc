@@ -85,6 +85,9 @@ const OptionCase kOptions[] = {
     // out of that part of G too would push fp16 past its range.
     {"sum_tiny_weights_zloss", Reduction::kSum, 0, 5e-2f, 0, false, true, false, 0.1, 0,
      DType::kI64, false, false, 1e-6},
+    // Weights of both signs (torch.randn's): mean divides by their sum, whatever its sign.
+    {"mean_signed_weights_smooth", Reduction::kMean, 0.1f, 1e-4f, 0, true, true, false, 0.1, 0,
+     DType::kI64, false, false, 1, true},
 };
 constexpr int kNumOptions = static_cast<int>(sizeof(kOptions) / sizeof(kOptions[0]));
 

@@ -694,16 +694,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
       if (!r.status.ok()) return r;
     }
   }
-  if (const uint8_t* cw = buf(InputSlot::kClassWeights)) {
-    for (int64_t j = 0; j < plan.v; ++j) {
-      float f = reinterpret_cast<const float*>(cw)[j];
-      if (f < 0.0f) {
-        r.status = absl::InvalidArgumentError(absl::StrCat(
-            "class_weights[", j, "] = ", f, " is negative; class weights must be >= 0"));
-        return r;
-      }
-    }
-  }
+  // Class weights of any sign are accepted, as torch's cross_entropy accepts them: mean divides
+  // by their sum over the non-ignored targets, whatever its sign (see the proto).
 
   LossProblem p;
   p.bt = plan.bt;

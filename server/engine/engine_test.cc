@@ -110,6 +110,45 @@ TEST(EngineTest, RunMatchesTheReference) {
   EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, got));
 }
 
+// Class weights of both signs are torch's too (its cross_entropy takes torch.randn(V) as
+// weights): accepted, and mean divides by their sum over the non-ignored targets.
+TEST(EngineTest, NegativeClassWeightsAreAcceptedWithTorchsMean) {
+  Engine e(NewCpuBackend(2), EngineOptions{});
+  RandomProblemSpec s;
+  s.bt = 33;
+  s.h = 17;
+  s.v = 77;
+  s.ignore_fraction = 0.2;
+  s.class_weights = s.signed_class_weights = true;
+  RandomProblem rp = RandomProblem::Make(s);
+  int negative = 0;
+  for (float w : rp.class_weights) negative += w < 0;
+  ASSERT_GT(negative, 0);
+  ComputeSpec spec = SpecFor(rp);
+  TensorDesc& cw = spec.inputs[static_cast<int>(InputSlot::kClassWeights)];
+  cw.present = true;
+  cw.dtype = DType::kF32;
+  cw.shape = {s.v};
+  auto plan = e.Plan(spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto in = Inputs(rp, *plan);
+  const int slot = static_cast<int>(InputSlot::kClassWeights);
+  (*in)[slot] = NewHostBuffer(plan->input_bytes[slot]);
+  std::memcpy((*in)[slot].get(), rp.class_weights.data(), plan->input_bytes[slot]);
+  ComputeOutcome o = RunSync(e, *plan, in);
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  ReferenceOutputs ref;
+  LossProblem p = rp.problem();
+  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
+  LossOutputs got;
+  got.grad_dtype = s.dtype;
+  got.loss = &o.loss;
+  got.tokens = &o.tokens;
+  got.dx = o.outputs[0].get();
+  got.dw = o.outputs[1].get();
+  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, got));
+}
+
 TEST(EngineTest, EveryIgnoredTargetGivesZeroLossAndZeroGradients) {
   Engine e(NewCpuBackend(1), EngineOptions{});
   RandomProblem rp = ProblemOf(9, 5, 11, 1.0);

@@ -382,8 +382,13 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
             z_loss = torch.tensor(r.z_loss, dtype=torch.float32, device=dev) if return_z_loss else None
         acc_t = (torch.tensor(r.accuracy, dtype=torch.float32, device=dev)
                  if return_token_accuracy else None)
-        pred = (_to_torch(r.predictions, dev).reshape(target.shape)
-                if return_predicted_tokens and r.predictions is not None else None)
+        pred = None
+        if return_predicted_tokens and r.predictions is not None:
+            # The server's tensor is the argmax of every row (lossd.proto); Liger's module
+            # returns -1 where the target is ignore_index, and this module is its drop-in.
+            # The targets are here, so the mapping is exact and needs nothing from the wire.
+            pred = _to_torch(r.predictions, dev).reshape(target.shape)
+            pred = pred.masked_fill(target == ignore_index, -1)
         # One call: each call replaces the set marked before.
         ctx.mark_non_differentiable(*[e for e in (z_loss, acc_t, pred) if e is not None])
 

@@ -128,12 +128,20 @@ def assert_close(name, got, ref, dtype):
 LOGIT_EPS = {"fp32": 2.0 ** -23, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 
 
-def assert_predictions(pred, z_ref, dtype):
+def assert_predictions(pred, z_ref, dtype, ignored=None):
     """Every row's predicted class is in range and, by the float64 logits, within the rounding
     of the stored logits of the row's maximum: ties and near-ties may go either way, a wrong
-    pick may not."""
+    pick may not. ignored: (BT) bool, rows that must predict -1 (the torch module's Liger
+    convention); the other rows are checked as above."""
     pred = np.asarray(pred).reshape(-1)
     z = np.asarray(z_ref, dtype=np.float64)
+    if ignored is not None:
+        ignored = np.asarray(ignored).reshape(-1)
+        assert ignored.any(), "predictions: the check of ignored rows needs an ignored row"
+        wrong = pred[ignored] != -1
+        assert not wrong.any(), "predictions: %d ignored rows predict %s, not -1" % (
+            int(wrong.sum()), pred[ignored][wrong][:5].tolist())
+        pred, z = pred[~ignored], z[~ignored]
     assert pred.shape == (z.shape[0],), "predictions: shape %s for %d rows" % (pred.shape,
                                                                               z.shape[0])
     assert np.all((pred >= 0) & (pred < z.shape[1])), "a prediction outside [0, V)"

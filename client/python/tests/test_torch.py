@@ -93,6 +93,8 @@ CASES = {
                            "reduction": "none"},
     "return_token_accuracy": {"return_token_accuracy": True},
     "return_predicted_tokens": {"return_predicted_tokens": True},
+    "return_predicted_tokens_ignored": {"return_predicted_tokens": True, "ignore": True,
+                                        "ignore_index": 2},
     "accum_dtype_fp32": {"accum_dtype": torch.float32},
     "chunk_size": {"chunk_size": 8},
     "batch_by_time_input": {"shape": (5, 9)},
@@ -153,19 +155,26 @@ def test_module_matches_torch(client, dtype, case):
             assert_scalar("z_loss", float(out.z_loss.detach()), float(ref["z_loss"]), dtype)
     if o.get("return_predicted_tokens"):
         assert out.predicted_tokens.shape == t.shape
-        assert_predictions(out.predicted_tokens.cpu().numpy(), ref["z"].cpu().numpy(), dtype)
+        assert out.predicted_tokens.dtype == torch.int64
+        ignored = (t == ignore_index).cpu().numpy()
+        assert_predictions(out.predicted_tokens.cpu().numpy(), ref["z"].cpu().numpy(), dtype,
+                           ignored=ignored if ignored.any() else None)
     if o.get("return_token_accuracy"):
         assert out.token_accuracy.dim() == 0
         # The server's own predictions (a separate call when the module did not return them)
         # say what the accuracy must be; they are checked against the logits themselves.
         pred = (out.predicted_tokens if o.get("return_predicted_tokens") else None)
-        if pred is None:
+        ignored = None
+        if pred is not None:
+            ignored = (t == ignore_index).cpu().numpy()
+            ignored = ignored if ignored.any() else None
+        else:
             pred = torch.from_numpy(client.compute(
                 x.detach().reshape(-1, x.shape[-1]), w.detach(), t.reshape(-1),
                 bias=None if b is None else b.detach(), ignore_index=ignore_index,
                 softcap=o.get("softcap"), want_dx=False, want_dw=False,
                 want_predictions=True).predictions)
-        assert_predictions(pred.cpu().numpy(), ref["z"].cpu().numpy(), dtype)
+        assert_predictions(pred.cpu().numpy(), ref["z"].cpu().numpy(), dtype, ignored=ignored)
         assert_accuracy(float(out.token_accuracy), pred.cpu().numpy(), t.cpu().numpy(),
                         ignore_index)
     assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
