@@ -29,6 +29,7 @@
 #include "server/auth.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
+#include "server/part_flags.h"
 #include "server/store_budgets.h"
 #include "server/tls.h"
 
@@ -66,7 +67,8 @@ ABSL_FLAG(int64_t, max_h, 1 << 16, "Largest hidden size H.");
 ABSL_FLAG(int64_t, max_v, 1 << 21, "Largest vocabulary V.");
 ABSL_FLAG(uint64_t, max_request_bytes, 16ull << 30, "Most tensor bytes one Compute may move.");
 ABSL_FLAG(uint32_t, max_part_bytes, 16u << 20, "Largest tensor part a client may send.");
-ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20, "Default size of response parts.");
+ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20,
+          "Default size of response parts; left out, at most --max_part_bytes.");
 ABSL_FLAG(uint64_t, host_buffer_pool_bytes, 2ull << 30,
           "Most bytes of freed request buffers kept for reuse (same shapes again skip the "
           "page faults of fresh memory); 0 turns the pool off.");
@@ -137,27 +139,26 @@ int Main() {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // (This Abseil keeps "was it on the command line" private: a value equal to the default
+  // counts as the default, which changes nothing for it.)
+  auto at_default = [](absl::string_view name) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    return f != nullptr && f->CurrentValue() == f->DefaultValue();
+  };
   // Flags checked before anything starts: a bad one is named, not found out later.
-  {
-    const int port = absl::GetFlag(FLAGS_port);
-    const uint32_t max_part = absl::GetFlag(FLAGS_max_part_bytes);
-    const uint32_t response_part = absl::GetFlag(FLAGS_response_part_bytes);
-    std::string bad;
-    if (port < 0 || port > 65535) {
-      // getaddrinfo would keep the low 16 bits and bind another port.
-      bad = absl::StrCat("--port must be in [0, 65535], got ", port);
-    } else if (max_part < 1024 || max_part > (1u << 30)) {
-      // A part and its framing must fit in one gRPC message, and protobuf parses none of
-      // 2 GiB or more.
-      bad = absl::StrCat("--max_part_bytes must be in [1024, 1073741824], got ", max_part);
-    } else if (response_part < 1024 || response_part > max_part) {
-      bad = absl::StrCat("--response_part_bytes must be in [1024, --max_part_bytes=", max_part,
-                         "], got ", response_part);
-    }
-    if (!bad.empty()) {
-      std::fprintf(stderr, "lossd: INVALID_ARGUMENT: %s\n", bad.c_str());
-      return 1;
-    }
+  const int port = absl::GetFlag(FLAGS_port);
+  if (port < 0 || port > 65535) {
+    // getaddrinfo would keep the low 16 bits and bind another port.
+    std::fprintf(stderr, "lossd: INVALID_ARGUMENT: --port must be in [0, 65535], got %d\n",
+                 port);
+    return 1;
+  }
+  auto response_part_bytes =
+      CheckPartFlags(absl::GetFlag(FLAGS_max_part_bytes), absl::GetFlag(FLAGS_response_part_bytes),
+                     !at_default("response_part_bytes"));
+  if (!response_part_bytes.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", response_part_bytes.status().ToString().c_str());
+    return 1;
   }
 
   auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_tls_cert),
@@ -191,12 +192,6 @@ int Main() {
   // than keep lossd from starting. Values given on the command line are checked as they are.
   uint64_t weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
   uint64_t accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
-  // (This Abseil keeps "was it on the command line" private: a value equal to the default
-  // counts as the default, which changes nothing for it.)
-  auto at_default = [](absl::string_view name) {
-    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
-    return f != nullptr && f->CurrentValue() == f->DefaultValue();
-  };
   const bool stores_given = !at_default("weight_cache_bytes") || !at_default("accumulator_bytes");
   if (!stores_given &&
       FitDefaultStoreBudgets(&weight_cache_bytes, &accumulator_bytes, info)) {
@@ -277,7 +272,7 @@ int Main() {
   so.service.version = kVersion;
   so.service.instance = eo.instance;
   so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
-  so.service.default_response_part_bytes = absl::GetFlag(FLAGS_response_part_bytes);
+  so.service.default_response_part_bytes = *response_part_bytes;
   so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
   so.service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
   so.service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
