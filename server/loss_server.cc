@@ -12,12 +12,12 @@
 #include <limits>
 #include <utility>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "server/reflection_guard.h"
 #include "server/tsan_annotations.h"
 
 namespace lossd {
@@ -55,8 +55,6 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
                                                                ServerMetrics* metrics,
                                                                LossServerOptions options) {
   grpc::EnableDefaultHealthCheckService(true);
-  // Reflection answers without a token: offered only where none is asked for.
-  if (options.service.auth == nullptr) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<LossServer> s(new LossServer());
   s->engine_ = engine;
   s->service_ = std::make_unique<LossService>(engine, metrics, options.service);
@@ -65,6 +63,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
       options.address,
       options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &s->port_);
   builder.RegisterService(s->service_.get());
+  ConfigureReflection(&builder, options.reflection, options.service.auth);
   // gRPC sets SO_REUSEPORT by default: a second lossd on the same port would start and
   // silently take a share of its connections. Off, the second one fails to bind.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

@@ -90,6 +90,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "File of bearer tokens (one per line, # comments); when set every Loss RPC needs "
           "'authorization: Bearer <token>'. Health checks need none.");
+ABSL_FLAG(bool, reflection, false,
+          "Serve gRPC server reflection (grpc.reflection); with --auth_tokens_file it needs a "
+          "token like the Loss service.");
 ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
 
 namespace lossd {
@@ -284,6 +287,7 @@ int Main() {
     return 1;
   }
   so.service.auth = auth;
+  so.reflection = absl::GetFlag(FLAGS_reflection);
   so.credentials = *credentials;
   // Health follows the backend (so.health_poll, every second): a sticky device error turns it
   // NOT_SERVING.
