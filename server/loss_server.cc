@@ -23,6 +23,8 @@
 namespace lossd {
 namespace {
 
+constexpr int kMaxMetadataBytes = 8 << 10;
+
 // Whether another socket holds `port` for TCP on this host: a probe bind on the wildcard
 // address, which any listener on that port (on any local address) refuses. gRPC reports a
 // failed bind only in its log, so the reason is found out again here.
@@ -67,6 +69,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
   // gRPC sets SO_REUSEPORT by default: a second lossd on the same port would start and
   // silently take a share of its connections. Off, the second one fails to bind.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Request metadata is bounded here, not left to the library's default: a call over it is
+  // refused by gRPC (RESOURCE_EXHAUSTED, "received initial metadata size exceeds limit")
+  // before lossd sees it. 8 KiB holds any bearer token and tracing headers.
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
   // A part plus its framing must fit in one message.
   const int limit = static_cast<int>(std::min<int64_t>(
       int64_t{options.service.max_part_bytes} + (1 << 20), std::numeric_limits<int>::max()));
