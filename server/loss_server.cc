@@ -12,16 +12,18 @@
 #include <limits>
 #include <utility>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "server/reflection_guard.h"
 #include "server/tsan_annotations.h"
 
 namespace lossd {
 namespace {
+
+constexpr int kMaxMetadataBytes = 8 << 10;
 
 // Whether another socket holds `port` for TCP on this host: a probe bind on the wildcard
 // address, which any listener on that port (on any local address) refuses. gRPC reports a
@@ -55,8 +57,6 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
                                                                ServerMetrics* metrics,
                                                                LossServerOptions options) {
   grpc::EnableDefaultHealthCheckService(true);
-  // Reflection answers without a token: offered only where none is asked for.
-  if (options.service.auth == nullptr) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<LossServer> s(new LossServer());
   s->engine_ = engine;
   s->service_ = std::make_unique<LossService>(engine, metrics, options.service);
@@ -65,9 +65,14 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
       options.address,
       options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &s->port_);
   builder.RegisterService(s->service_.get());
+  ConfigureReflection(&builder, options.reflection, options.service.auth);
   // gRPC sets SO_REUSEPORT by default: a second lossd on the same port would start and
   // silently take a share of its connections. Off, the second one fails to bind.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Request metadata is bounded here, not left to the library's default: a call over it is
+  // refused by gRPC (RESOURCE_EXHAUSTED, "received initial metadata size exceeds limit")
+  // before lossd sees it. 8 KiB holds any bearer token and tracing headers.
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
   // A part plus its framing must fit in one message.
   const int limit = static_cast<int>(std::min<int64_t>(
       int64_t{options.service.max_part_bytes} + (1 << 20), std::numeric_limits<int>::max()));

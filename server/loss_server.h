@@ -1,5 +1,5 @@
-// Builds and runs the gRPC server: the Loss service, grpc.health.v1 and server reflection,
-// with message limits raised for tensor parts. Used by main and by the end-to-end tests.
+// Builds and runs the gRPC server: the Loss service, grpc.health.v1 and (when asked for)
+// server reflection, with message limits raised for tensor parts. Used by main and by the end-to-end tests.
 #ifndef LOSSD_SERVER_LOSS_SERVER_H_
 #define LOSSD_SERVER_LOSS_SERVER_H_
 
@@ -25,6 +25,9 @@ struct LossServerOptions {
   int grpc_threads = 0;                   // 0 = gRPC's default
   std::shared_ptr<grpc::ServerCredentials> credentials;  // null = plaintext
   ServiceOptions service;
+  // Serve grpc.reflection (off by default: it describes the whole API to anyone who asks).
+  // With service.auth set it needs a token like the Loss service.
+  bool reflection = false;
   // How often health looks at the backend: a sticky device error turns it NOT_SERVING (and a
   // backend healthy again, SERVING). Zero: health is left as SetServing puts it.
   absl::Duration health_poll = absl::Seconds(1);

@@ -15,6 +15,7 @@
 #include "client/part_codec.h"
 #include "server/compute_assembler.h"
 #include "server/engine/features.h"
+#include "server/engine/message_bounds.h"
 #include "server/engine/response_parts.h"
 #include "server/engine/streamed_rows.h"
 #include "server/status_util.h"
@@ -192,6 +193,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
               ? absl::StrCat("a part of ", TensorIdName(frame_.tensor()))
               : std::string("a message with neither header nor part")));
     }
+    absl::Status size = CheckHeaderBytes(frame_.header_bytes().size(), "the Compute header");
+    if (!size.ok()) return size;
     v1::ComputeHeader header;
     if (!header.ParseFromString(frame_.header_bytes())) {
       return absl::InvalidArgumentError("the Compute header is not a valid ComputeHeader");
@@ -788,6 +791,8 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
         return absl::InvalidArgumentError("the PutWeights stream carries a second header");
       }
       const v1::WeightsHeader& h = request_.header();
+      absl::Status size = CheckHeaderBytes(h.ByteSizeLong(), "the PutWeights header");
+      if (!size.ok()) return size;
       auto w = TensorDescFromWire(h.has_w(), h.w(), "header.w");
       if (!w.ok()) return w.status();
       auto b = TensorDescFromWire(h.has_bias(), h.bias(), "header.bias");

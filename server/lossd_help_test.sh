@@ -48,17 +48,25 @@ refuse "--port must be in [0, 65535], got 70000" --port=70000
 refuse "--port must be in [0, 65535], got -1" --port=-1
 refuse "--max_part_bytes must be in [1024, 1073741824], got 0" --max_part_bytes=0
 refuse "--max_part_bytes must be in [1024, 1073741824], got 4294967295" --max_part_bytes=4294967295
-refuse "--response_part_bytes must be in [1024, --max_part_bytes=16777216], got 0" \
-  --response_part_bytes=0
-refuse "--response_part_bytes must be in [1024, --max_part_bytes=1048576], got 4194304" \
-  --max_part_bytes=1048576
+refuse "--response_part_bytes must be at least 1024, got 0" --response_part_bytes=0
+refuse "--response_part_bytes=100000 exceeds --max_part_bytes=65536: set --response_part_bytes to at most 65536" \
+  --max_part_bytes=65536 --response_part_bytes=100000
 # The weight cache and the accumulators together may not exceed the backend's memory (the
 # host's, on the CPU backend): 2^62 bytes each is more than any host has.
 refuse "--weight_cache_bytes=4611686018427387904 plus --accumulator_bytes=1073741824" \
   --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=1073741824
 refuse "exceed the cpu backend's host memory of " \
   --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=4611686018427387904
+# --max_part_bytes alone is enough: the default --response_part_bytes (4 MiB) follows it down.
+set +e
+got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --max_part_bytes=65536 2>&1)
+set -e
+if ! grep -q "listening on port" <<<"$got"; then
+  echo "lossd --max_part_bytes=65536 did not start; printed:"
+  echo "$got" | head -5
+  bad=$((bad + 1))
+fi
 if [ "$bad" -ne 0 ]; then
   exit 1
 fi
-echo "lossd refuses 8 out-of-range flag settings, naming each"
+echo "lossd refuses 8 out-of-range flag settings, naming each, and starts with --max_part_bytes alone"

@@ -31,6 +31,7 @@
 #include "server/build_info.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
+#include "server/part_flags.h"
 #include "server/store_budgets.h"
 #include "server/tls.h"
 
@@ -68,7 +69,8 @@ ABSL_FLAG(int64_t, max_h, 1 << 16, "Largest hidden size H.");
 ABSL_FLAG(int64_t, max_v, 1 << 21, "Largest vocabulary V.");
 ABSL_FLAG(uint64_t, max_request_bytes, 16ull << 30, "Most tensor bytes one Compute may move.");
 ABSL_FLAG(uint32_t, max_part_bytes, 16u << 20, "Largest tensor part a client may send.");
-ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20, "Default size of response parts.");
+ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20,
+          "Default size of response parts; left out, at most --max_part_bytes.");
 ABSL_FLAG(uint64_t, host_buffer_pool_bytes, 2ull << 30,
           "Most bytes of freed request buffers kept for reuse (same shapes again skip the "
           "page faults of fresh memory); 0 turns the pool off.");
@@ -90,6 +92,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "File of bearer tokens (one per line, # comments); when set every Loss RPC needs "
           "'authorization: Bearer <token>'. Health checks need none.");
+ABSL_FLAG(bool, reflection, false,
+          "Serve gRPC server reflection (grpc.reflection); with --auth_tokens_file it needs a "
+          "token like the Loss service.");
 ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
 
 namespace lossd {
@@ -138,27 +143,26 @@ int Main() {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // (This Abseil keeps "was it on the command line" private: a value equal to the default
+  // counts as the default, which changes nothing for it.)
+  auto at_default = [](absl::string_view name) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    return f != nullptr && f->CurrentValue() == f->DefaultValue();
+  };
   // Flags checked before anything starts: a bad one is named, not found out later.
-  {
-    const int port = absl::GetFlag(FLAGS_port);
-    const uint32_t max_part = absl::GetFlag(FLAGS_max_part_bytes);
-    const uint32_t response_part = absl::GetFlag(FLAGS_response_part_bytes);
-    std::string bad;
-    if (port < 0 || port > 65535) {
-      // getaddrinfo would keep the low 16 bits and bind another port.
-      bad = absl::StrCat("--port must be in [0, 65535], got ", port);
-    } else if (max_part < 1024 || max_part > (1u << 30)) {
-      // A part and its framing must fit in one gRPC message, and protobuf parses none of
-      // 2 GiB or more.
-      bad = absl::StrCat("--max_part_bytes must be in [1024, 1073741824], got ", max_part);
-    } else if (response_part < 1024 || response_part > max_part) {
-      bad = absl::StrCat("--response_part_bytes must be in [1024, --max_part_bytes=", max_part,
-                         "], got ", response_part);
-    }
-    if (!bad.empty()) {
-      std::fprintf(stderr, "lossd: INVALID_ARGUMENT: %s\n", bad.c_str());
-      return 1;
-    }
+  const int port = absl::GetFlag(FLAGS_port);
+  if (port < 0 || port > 65535) {
+    // getaddrinfo would keep the low 16 bits and bind another port.
+    std::fprintf(stderr, "lossd: INVALID_ARGUMENT: --port must be in [0, 65535], got %d\n",
+                 port);
+    return 1;
+  }
+  auto response_part_bytes =
+      CheckPartFlags(absl::GetFlag(FLAGS_max_part_bytes), absl::GetFlag(FLAGS_response_part_bytes),
+                     !at_default("response_part_bytes"));
+  if (!response_part_bytes.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", response_part_bytes.status().ToString().c_str());
+    return 1;
   }
 
   auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_tls_cert),
@@ -298,7 +302,7 @@ int Main() {
   so.service.version = kLossdVersion;
   so.service.instance = eo.instance;
   so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
-  so.service.default_response_part_bytes = absl::GetFlag(FLAGS_response_part_bytes);
+  so.service.default_response_part_bytes = *response_part_bytes;
   so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
   so.service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
   so.service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
@@ -310,6 +314,7 @@ int Main() {
     return 1;
   }
   so.service.auth = auth;
+  so.reflection = absl::GetFlag(FLAGS_reflection);
   so.credentials = *credentials;
   // Health follows the backend (so.health_poll, every second): a sticky device error turns it
   // NOT_SERVING.

@@ -2,9 +2,14 @@
 
 #include <string>
 
+#include "server/engine/message_bounds.h"
+
 namespace lossd {
 
-grpc::Status ToGrpcStatus(const absl::Status& s) {
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  // The backstop of every echo's own bound: a status travels in trailing metadata, which a
+  // client refuses past its limit (16 KiB by default) with an error of its own.
+  const absl::Status s = BoundedStatus(status);
   grpc::StatusCode code = grpc::StatusCode::UNKNOWN;
   switch (s.code()) {
     case absl::StatusCode::kOk: return grpc::Status::OK;

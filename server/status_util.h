@@ -9,6 +9,7 @@
 
 namespace lossd {
 
+// The message is cut to kMaxStatusMessageBytes (engine/message_bounds.h).
 grpc::Status ToGrpcStatus(const absl::Status& s);
 
 // The canonical name of a gRPC code ("INVALID_ARGUMENT"), for metrics labels and logs.

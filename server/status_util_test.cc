@@ -1,5 +1,6 @@
 #include "server/status_util.h"
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,17 @@ TEST(StatusUtilTest, EveryCodeMapsToItsGrpcTwinWithTheMessage) {
     EXPECT_EQ(out.error_message(), std::string(in.message()));
   }
   EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+}
+
+// Whatever a message echoes, the wire carries at most about 1 KiB of it: a status travels in
+// trailing metadata, which a client with default options refuses past 16 KiB.
+TEST(StatusUtilTest, LongMessagesAreCutToTheBound) {
+  const grpc::Status out =
+      ToGrpcStatus(absl::InvalidArgumentError("x.shape " + std::string(600000, '1')));
+  EXPECT_EQ(out.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(out.error_message().size(), 1024u);
+  EXPECT_EQ(out.error_message().substr(0, 8), "x.shape ");
+  EXPECT_NE(out.error_message().find("... (600008 bytes in all)"), std::string::npos);
 }
 
 TEST(StatusUtilTest, CodeNames) {

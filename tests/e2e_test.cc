@@ -419,13 +419,16 @@ TEST_F(BadInputTest, HandleFromAnotherServerInstance) {
 TEST_F(BadInputTest, IdsLongerThanAnyIssuedAreRefusedWithTheirLength) {
   RandomProblem rp = Problem();
   const std::string huge(1 << 20, 'w');
-  Expect(RunCompute(h_->stub(), HeaderFor(rp, huge), {}), grpc::StatusCode::INVALID_ARGUMENT,
-         "header.weight_handle is 1048576 characters long, more than any issued (128)");
+  // A Compute header of a megabyte is refused by its size (ShapesOfAnyRank...): the ids in
+  // one are as long as a header may hold.
+  const std::string long_id(60000, 'w');
+  Expect(RunCompute(h_->stub(), HeaderFor(rp, long_id), {}), grpc::StatusCode::INVALID_ARGUMENT,
+         "header.weight_handle is 60000 characters long, more than any issued (128)");
   v1::ComputeHeader h = HeaderFor(rp);
   h.set_accumulator("long-instance");
-  h.set_accumulator_instance(huge);
+  h.set_accumulator_instance(long_id);
   Expect(RunCompute(h_->stub(), h, {}), grpc::StatusCode::INVALID_ARGUMENT,
-         "header.accumulator_instance is 1048576 characters long, more than any issued (128)");
+         "header.accumulator_instance is 60000 characters long, more than any issued (128)");
   {
     grpc::ClientContext ctx;
     v1::DropWeightsRequest req;
@@ -494,6 +497,48 @@ TEST_F(BadInputTest, ResponsePartsBelowTheFloorAreRefused) {
   v1::ComputeHeader floor = HeaderFor(rp);
   floor.set_response_part_bytes(1024);
   EXPECT_TRUE(RunCompute(h_->stub(), floor, PartsFor(rp, 1 << 20)).status.ok());
+}
+
+// A refusal never grows with what the client sent: a shape of any rank is echoed as its first
+// dimensions and its rank (a 200k-dim x.shape made a 600k-character status, which a client
+// with default channel options received as RESOURCE_EXHAUSTED), and a header too large to be
+// one is refused by its size before it is parsed.
+TEST_F(BadInputTest, ShapesOfAnyRankAreEchoedWithinABound) {
+  RandomProblem rp = Problem();
+  auto with_x_dims = [&](int dims) {
+    v1::ComputeHeader h = HeaderFor(rp);
+    h.mutable_x()->clear_shape();
+    for (int i = 0; i < dims; ++i) h.mutable_x()->add_shape(1);
+    return RunCompute(h_->stub(), h, {});
+  };
+  ComputeReply ranked = with_x_dims(10000);  // a 10 KB header
+  EXPECT_LE(ranked.status.error_message().size(), 1024u);
+  Expect(ranked, grpc::StatusCode::INVALID_ARGUMENT,
+         "x.shape must have 2 dimensions, got [1, 1, 1, 1, 1, 1, 1, 1, ... (10000 dims)]");
+  ComputeReply huge = with_x_dims(200000);  // a 200 KB header
+  EXPECT_LE(huge.status.error_message().size(), 1024u);
+  Expect(huge, grpc::StatusCode::INVALID_ARGUMENT,
+         "the Compute header is 200059 bytes, more than the 65536 a header may have");
+}
+
+// Request metadata is bounded by the server (8 KiB): a call with a 4 MiB header value is
+// refused by gRPC with RESOURCE_EXHAUSTED, and the server serves the next call.
+TEST_F(BadInputTest, MetadataOverTheLimitIsRefused) {
+  auto stub = h_->NewStub(grpc::InsecureChannelCredentials());
+  for (size_t bytes : {size_t{9000}, size_t{4} << 20}) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-big", std::string(bytes, 'q'));
+    v1::ServerInfoResponse r;
+    const grpc::Status st = stub->ServerInfo(&ctx, v1::ServerInfoRequest(), &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_NE(st.error_message().find("metadata size exceeds limit"), std::string::npos)
+        << st.error_message();
+  }
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-small", std::string(4000, 'q'));
+  v1::ServerInfoResponse r;
+  EXPECT_TRUE(h_->stub().ServerInfo(&ctx, v1::ServerInfoRequest(), &r).ok());
+  ExpectServes(*h_);
 }
 
 TEST_F(BadInputTest, OptionsOutOfRange) {

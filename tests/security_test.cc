@@ -5,6 +5,7 @@
 #include <fstream>
 #include <string>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "gtest/gtest.h"
@@ -115,6 +116,102 @@ TEST(SecurityTest, BearerTokens) {
   testing_harness::ComputeReply r =
       testing_harness::RunCompute(h.stub(), std::vector<v1::ComputeRequest>{});
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// One reflection request for the service list (ServerReflectionRequest.list_services, field
+// 7, as raw bytes: this gRPC installs no reflection headers); its status and the bytes of
+// every reply.
+grpc::Status ListServices(std::shared_ptr<grpc::Channel> channel, const std::string& token,
+                          std::string* replies) {
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+  grpc::CompletionQueue cq;
+  auto call = generic.PrepareCall(
+      &ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok;
+  auto step = [&](void* want) {
+    return cq.Next(&tag, &ok) && tag == want && ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (step(reinterpret_cast<void*>(1))) {
+    grpc::Slice request(std::string("\x3a\x00", 2));
+    call->Write(grpc::ByteBuffer(&request, 1), reinterpret_cast<void*>(2));
+    if (step(reinterpret_cast<void*>(2))) {
+      call->WritesDone(reinterpret_cast<void*>(3));
+      step(reinterpret_cast<void*>(3));
+      grpc::ByteBuffer reply;
+      for (;;) {
+        call->Read(&reply, reinterpret_cast<void*>(4));
+        if (!step(reinterpret_cast<void*>(4))) break;
+        std::vector<grpc::Slice> slices;
+        (void)reply.Dump(&slices);
+        for (const grpc::Slice& s : slices) replies->append(s.begin(), s.end());
+      }
+    }
+  }
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(5)) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+// Reflection is off unless asked for (Debian's reflection library registers itself with
+// every server it is linked into), and on, it needs the token like the Loss service.
+TEST(SecurityTest, ReflectionIsOffByDefaultAndNeedsTheTokenWhenOn) {
+  {
+    Harness plain;
+    std::string replies;
+    const grpc::Status off = ListServices(plain.channel(), "", &replies);
+    EXPECT_EQ(off.error_code(), grpc::StatusCode::UNIMPLEMENTED) << off.error_message();
+    EXPECT_EQ(replies.find("lossd.v1.Loss"), std::string::npos) << "reflection answered";
+  }
+  {
+    HarnessOptions o;
+    o.reflection = true;
+    Harness open(o);
+    std::string replies;
+    const grpc::Status on = ListServices(open.channel(), "", &replies);
+    EXPECT_TRUE(on.ok()) << on.error_message();
+    EXPECT_NE(replies.find("lossd.v1.Loss"), std::string::npos) << "no service list";
+  }
+  HarnessOptions o;
+  o.service.auth = std::make_shared<const TokenAuthenticator>(
+      std::vector<std::string>{"trainer-token-1"});
+  {
+    Harness tokens_off(o);  // tokens, reflection left off
+    std::string replies;
+    const grpc::Status off = ListServices(tokens_off.channel(), "trainer-token-1", &replies);
+    EXPECT_EQ(off.error_code(), grpc::StatusCode::UNIMPLEMENTED) << off.error_message();
+    EXPECT_EQ(replies.find("lossd.v1.Loss"), std::string::npos) << "reflection answered";
+  }
+  o.reflection = true;
+  Harness h(o);
+  for (const std::string& token : {std::string(), std::string("guessed-token-xyz")}) {
+    std::string replies;
+    const grpc::Status refused = ListServices(h.channel(), token, &replies);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+        << "token '" << token << "': " << refused.error_message();
+    EXPECT_NE(refused.error_message().find(token.empty() ? "missing credentials"
+                                                         : "bearer token is not valid"),
+              std::string::npos)
+        << refused.error_message();
+    EXPECT_TRUE(replies.empty()) << "reflection answered without a valid token";
+  }
+  std::string replies;
+  const grpc::Status allowed = ListServices(h.channel(), "trainer-token-1", &replies);
+  EXPECT_TRUE(allowed.ok()) << allowed.error_message();
+  EXPECT_NE(replies.find("lossd.v1.Loss"), std::string::npos) << "no service list";
+  // Health still needs none, and the Loss service still wants its token.
+  EXPECT_EQ(testing_harness::HealthStatus(h.channel()), 1);
+  EXPECT_EQ(Info(h.stub()).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(Info(h.stub(), "trainer-token-1").ok());
 }
 
 TEST(SecurityTest, TlsServesTlsClientsAndRefusesPlaintext) {

@@ -87,6 +87,7 @@ Harness::Harness(HarnessOptions o) {
   so.address = "127.0.0.1:0";
   so.service = o.service;
   so.credentials = o.server_credentials;
+  so.reflection = o.reflection;
   auto server = LossServer::Start(engine_.get(), metrics_.get(), so);
   if (!server.ok()) {
     ADD_FAILURE() << server.status();

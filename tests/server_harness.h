@@ -26,6 +26,7 @@ struct HarnessOptions {
   ServiceOptions service;
   int cpu_threads = 2;
   std::shared_ptr<grpc::ServerCredentials> server_credentials;  // null = plaintext
+  bool reflection = false;  // LossServerOptions::reflection
 };
 
 class Harness {

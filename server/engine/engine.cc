@@ -11,13 +11,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/engine/message_bounds.h"
 
 namespace lossd {
 namespace {
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
+// Bounded: a shape is the client's, of any rank (message_bounds.h).
+std::string ShapeString(const std::vector<int64_t>& shape) { return ShapeText(shape); }
 
 uint64_t NumElements(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
@@ -1095,7 +1095,7 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
   // Every stripe's header must repeat the first one's: the byte counts of the upload are the
   // first stripe's (validated when it began), never a later header's.
   auto spec = [](const TensorDesc& t) {
-    return t.present ? absl::StrCat(DTypeName(t.dtype), "[", absl::StrJoin(t.shape, ", "), "]")
+    return t.present ? absl::StrCat(DTypeName(t.dtype), ShapeText(t.shape))
                      : std::string("absent");
   };
   auto disagree = [&](absl::string_view field, absl::string_view got, absl::string_view first) {
