@@ -1106,6 +1106,8 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     result.backend = s.backend();
     result.instance = s.instance();
     result.accumulated_micro_batches = s.accumulated_micro_batches();
+    result.nonfinite.clear();
+    for (int t : s.nonfinite()) result.nonfinite.push_back(static_cast<OutputTensor>(t));
     if (have_summary) return absl::OkStatus();
     have_summary = true;
     announced = s.tensors_size();

@@ -157,6 +157,10 @@ struct ComputeResult {
   std::string backend;
   std::string instance;  // the server instance that computed
   uint64_t accumulated_micro_batches = 0;
+  // Gradients holding a NaN or Inf after the call (kDx, kDw, kDb; with an accumulator, kDw
+  // and kDb mean its sum, which then refuses further use until a reset fetch or a drop).
+  // Servers with the "nonfinite_outputs" feature; older ones leave it empty.
+  std::vector<OutputTensor> nonfinite;
   // Returned tensors, as the server listed them. Those with an output_into buffer are
   // mutable views of it; the rest own their bytes.
   std::map<OutputTensor, HostTensor> outputs;

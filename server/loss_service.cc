@@ -366,6 +366,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       s->set_tokens(outcome->tokens);
       s->set_compute_seconds(outcome->stats.compute_seconds);
       s->set_accumulated_micro_batches(outcome->accumulated_micro_batches);
+      for (v1::TensorId t : NonFiniteToWire(outcome->stats.nonfinite)) s->add_nonfinite(t);
     } else {
       s->set_preliminary(true);
     }

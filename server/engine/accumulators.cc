@@ -3,6 +3,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace lossd {
 
@@ -20,6 +22,23 @@ absl::Status ValidateAccumulatorName(const std::string& name, absl::string_view 
     }
   }
   return absl::OkStatus();
+}
+
+void MarkNonFinite(Accumulator& acc, uint32_t bits) {
+  if (!acc.nonfinite_by.empty()) return;
+  const bool dw = (bits & kNonFiniteDw) != 0, db = (bits & kNonFiniteDb) != 0;
+  acc.nonfinite_by = absl::StrCat(
+      "micro-batch ", acc.micro_batches, " (a Compute at ",
+      absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()), ") left NaN or Inf in ",
+      dw && db ? "dW and db" : (dw ? "dW" : "db"));
+}
+
+absl::Status NonFiniteSumStatus(const Accumulator& acc) {
+  if (acc.nonfinite_by.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "accumulator '", acc.name, "' holds a non-finite sum: ", acc.nonfinite_by,
+      " (an overflow: lower grad_scale or the loss scale); fetch it with reset or drop it, "
+      "then redo the step"));
 }
 
 namespace {

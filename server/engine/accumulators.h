@@ -33,7 +33,18 @@ struct Accumulator {
   // find nothing has happened to the sum since.
   uint64_t generation ABSL_GUARDED_BY(mu) = 0;
   uint64_t resets ABSL_GUARDED_BY(mu) = 0;  // reset fetches so far
+  // Set when a micro-batch made the sum non-finite (an overflow, e.g. a huge grad_scale):
+  // which one, when, and in what. Until a reset fetch or a drop, every Compute into the
+  // accumulator and every fetch of it is refused (NonFiniteSumStatus).
+  std::string nonfinite_by ABSL_GUARDED_BY(mu);
 };
+
+// Records that the micro-batch just counted (acc.micro_batches) left a NaN or Inf in the sum;
+// `bits`: LossStats' NonFiniteBits. Keeps the first such micro-batch.
+void MarkNonFinite(Accumulator& acc, uint32_t bits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(acc.mu);
+// OK while the sum is finite; else FAILED_PRECONDITION naming the accumulator, the
+// micro-batch that overflowed and when, and the way out.
+absl::Status NonFiniteSumStatus(const Accumulator& acc) ABSL_SHARED_LOCKS_REQUIRED(acc.mu);
 
 class AccumulatorStore {
  public:

@@ -772,6 +772,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
       r.status = PartialSumError(acc->name);
       return r;
     }
+    r.status = NonFiniteSumStatus(*acc);
+    if (!r.status.ok()) return r;
     r.status = backend_->Compute(p, out, &r.stats);
     if (r.status.ok() && !loss_is_finite()) {
       r.status = absl::InvalidArgumentError(absl::StrCat(
@@ -785,6 +787,9 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
     acc->micro_batches += 1;
     acc->tokens += tokens;
     ++acc->generation;
+    if ((r.stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0) {
+      MarkNonFinite(*acc, r.stats.nonfinite);
+    }
     r.accumulated_micro_batches = acc->micro_batches;
     r.added_to = acc;
     r.added_resets = acc->resets;
@@ -988,6 +993,25 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
   absl::MutexLock lock(&acc.mu);
   if (acc.poisoned) {
     return PartialSumError(name);
+  }
+  if (absl::Status nf = NonFiniteSumStatus(acc); !nf.ok()) {
+    if (!reset) return nf;
+    // A reset fetch of an overflowed sum is how a trainer skips the step: nothing to return,
+    // but the accumulator starts over.
+    s = backend_->Zero(*acc.dw);
+    if (s.ok() && acc.db) s = backend_->Zero(*acc.db);
+    if (!s.ok()) {
+      acc.poisoned = true;
+      return s;
+    }
+    acc.micro_batches = 0;
+    acc.tokens = 0;
+    ++acc.resets;
+    ++acc.generation;
+    acc.nonfinite_by.clear();
+    return absl::FailedPreconditionError(absl::StrCat(
+        nf.message(), "; this reset fetch returned nothing and zeroed it: the next Compute "
+        "into it begins a new sum"));
   }
   g.micro_batches = acc.micro_batches;
   g.tokens = acc.tokens;

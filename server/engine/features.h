@@ -10,7 +10,11 @@
 namespace lossd {
 
 // Sorted, one line each, with what a client may rely on when it is listed.
-inline constexpr std::array<std::string_view, 1> kServerFeatures = {
+inline constexpr std::array<std::string_view, 2> kServerFeatures = {
+    // ComputeSummary.nonfinite names the gradients holding NaN or Inf after a Compute, and an
+    // accumulator whose sum became non-finite refuses later Computes and fetches
+    // (FAILED_PRECONDITION naming the micro-batch) until a reset fetch or a drop.
+    "nonfinite_outputs",
     // The server refuses a request that carries a field it does not know (INVALID_ARGUMENT
     // naming the message and the field number) instead of ignoring it.
     "refuse_unknown_fields",

@@ -76,6 +76,9 @@ class ComputeResult:
     per_token_loss: Optional[np.ndarray] = None  # (BT) fp32, reduction none
     per_token_z_loss: Optional[np.ndarray] = None  # (BT) fp32, reduction none
     predictions: Optional[np.ndarray] = None  # (BT) int64
+    # Gradients holding NaN or Inf after the call ("dx", "dw", "db"); with an accumulator,
+    # "dw"/"db" mean its sum, which then refuses further use until a reset fetch or a drop.
+    nonfinite: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1110,7 +1113,8 @@ class Client:
                             backend=summary.backend,
                             accumulated_micro_batches=summary.accumulated_micro_batches,
                             wall_seconds=time.perf_counter() - t_start, bytes_sent=bytes_sent,
-                            bytes_received=asm.received, instance=summary.instance)
+                            bytes_received=asm.received, instance=summary.instance,
+                            nonfinite=[_OUTPUT_NAMES.get(t, str(t)) for t in summary.nonfinite])
         if accumulator:
             self._remember_instance(accumulator, summary.instance)
         for tid, value in tensors.items():
