@@ -359,6 +359,9 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     }
     auto entry = weights_.Get(spec.weight_handle);
     if (!entry.ok()) return entry.status();
+    s = CheckOwner((*entry)->owner, spec.owner,
+                   absl::StrCat("weight handle '", spec.weight_handle, "'"));
+    if (!s.ok()) return s;
     plan.weights = *entry;
     plan.weight_handle = spec.weight_handle;
     plan.v = plan.weights->v;
@@ -516,9 +519,10 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
                                  "header.accumulator_instance");
     if (!s.ok()) return s;
     // Refused now rather than after every byte of X and W has arrived.
-    s = accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias);
+    s = accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias, spec.owner);
     if (!s.ok()) return s;
     plan.accumulator = spec.accumulator;
+    plan.owner = spec.owner;
   }
 
   // Byte counts of the inline inputs.
@@ -743,7 +747,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
 
   std::shared_ptr<Accumulator> acc;
   if (!plan.accumulator.empty()) {
-    auto a = accumulators_.GetOrCreate(plan.accumulator, plan.v, plan.h, plan.has_bias);
+    auto a = accumulators_.GetOrCreate(plan.accumulator, plan.v, plan.h, plan.has_bias,
+                                       plan.owner);
     if (!a.ok()) {
       r.status = a.status();
       return r;
@@ -820,8 +825,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
   return r;
 }
 
-absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(const TensorDesc& w,
-                                                                      const TensorDesc& bias) {
+absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(
+    const TensorDesc& w, const TensorDesc& bias, const std::string& owner) {
   if (draining_.load()) return absl::UnavailableError("server is draining");
   if (!w.present) return absl::InvalidArgumentError("weights header.w is missing");
   absl::Status s = CheckShape(w, "w", 2);
@@ -847,6 +852,7 @@ absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(const Te
   }
   auto p = std::make_unique<PendingWeights>();
   auto e = std::make_shared<WeightEntry>();
+  e->owner = owner;
   e->dtype = w.dtype;
   e->v = w.shape[0];
   e->h = w.shape[1];
@@ -923,10 +929,10 @@ absl::StatusOr<std::string> Engine::CommitWeights(std::unique_ptr<PendingWeights
   return weights_.Insert(std::move(p->entry));
 }
 
-absl::Status Engine::DropWeights(const std::string& handle) {
+absl::Status Engine::DropWeights(const std::string& handle, const std::string& caller) {
   absl::Status s = CheckIdLength(handle, "handle");
   if (!s.ok()) return s;
-  return weights_.Drop(handle);
+  return weights_.Drop(handle, caller);
 }
 
 namespace {
@@ -968,21 +974,28 @@ absl::Status Engine::CheckAccumulatorInstance(const std::string& expected,
 
 absl::StatusOr<std::pair<uint64_t, uint64_t>> Engine::CheckFetch(const std::string& name,
                                                                  bool reset, uint64_t begin,
-                                                                 uint64_t end) {
+                                                                 uint64_t end,
+                                                                 const std::string& caller) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");
   if (!s.ok()) return s;
   auto a = accumulators_.Get(name);
   if (!a.ok()) return a.status();
+  s = CheckOwner((*a)->owner, caller, absl::StrCat("accumulator '", name, "'"));
+  if (!s.ok()) return s;
   return FetchRangeOf(**a, name, reset, begin, end);
 }
 
 absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset,
-                                                         uint64_t begin, uint64_t end) {
+                                                         uint64_t begin, uint64_t end,
+                                                         const std::string& caller) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");
   if (!s.ok()) return s;
   auto a = accumulators_.Get(name);
   if (!a.ok()) return a.status();
   Accumulator& acc = **a;
+  s = CheckOwner(acc.owner, caller, absl::StrCat("accumulator '", name, "'"));
+  if (!s.ok()) return s;
+  acc.last_used_ns.store(NowNs());
   auto range = FetchRangeOf(acc, name, reset, begin, end);
   if (!range.ok()) return range.status();
   std::tie(begin, end) = *range;
@@ -1087,7 +1100,7 @@ std::string UploadKey(const std::string& owner, const std::string& upload_id) {
 absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
     const std::string& owner, const std::string& upload_id, uint32_t stripes,
     const TensorDesc& w, const TensorDesc& bias, uint64_t begin, uint64_t end,
-    bool carries_bias) {
+    bool carries_bias, const std::string& principal) {
   if (upload_id.size() > 128) {
     return absl::InvalidArgumentError("header.upload_id is longer than 128 characters");
   }
@@ -1107,7 +1120,7 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
           "striped upload '", upload_id,
           "' has already ended (completed or aborted); send it again under a new upload_id"));
     } else {
-      auto pending = BeginPutWeights(w, bias);
+      auto pending = BeginPutWeights(w, bias, principal);
       if (!pending.ok()) return pending.status();
       u = std::make_shared<StripedUpload>();
       u->id_ = upload_id;
@@ -1278,10 +1291,26 @@ void Engine::FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const ab
 }
 
 
-absl::Status Engine::DropAccumulator(const std::string& name) {
+absl::Status Engine::DropAccumulator(const std::string& name, const std::string& caller) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");
   if (!s.ok()) return s;
-  return accumulators_.Drop(name);
+  return accumulators_.Drop(name, caller);
+}
+
+std::vector<StateInfo> Engine::ListState(const std::string& caller) const {
+  std::vector<StateInfo> all = weights_.List(caller);
+  std::vector<StateInfo> accs = accumulators_.List(caller);
+  all.insert(all.end(), std::make_move_iterator(accs.begin()),
+             std::make_move_iterator(accs.end()));
+  return all;
+}
+
+std::vector<std::string> Engine::DropIdleState(absl::Duration idle) {
+  const int64_t before = NowNs() - absl::ToInt64Nanoseconds(idle);
+  std::vector<std::string> dropped = weights_.DropIdle(before);
+  std::vector<std::string> accs = accumulators_.DropIdle(before);
+  dropped.insert(dropped.end(), accs.begin(), accs.end());
+  return dropped;
 }
 
 }  // namespace lossd
