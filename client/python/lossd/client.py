@@ -130,6 +130,20 @@ class ServerInfo:
     features: list = dataclasses.field(default_factory=list)  # see require_feature
 
 
+@dataclasses.dataclass
+class StateEntry:
+    """One weight handle or accumulator of the caller's, as Client.list_state reports it."""
+
+    kind: str  # "weights" or "accumulator"
+    name: str  # the weight handle or the accumulator's name
+    bytes: int  # server memory it holds
+    last_used_unix_ms: int  # created, or last named by a call
+    micro_batches: int = 0  # accumulators: micro-batches summed since the last reset
+
+
+_STATE_KINDS = {pb.STATE_WEIGHTS: "weights", pb.STATE_ACCUMULATOR: "accumulator"}
+
+
 def _parts(tensor_id, arr, part_bytes, begin=0, end=None):
     """Yields TensorPart messages for one tensor's bytes [begin, end) (default: all), in byte
     order, each at most part_bytes rounded down to whole elements (at least one): servers may
@@ -890,6 +904,19 @@ class Client:
         return Gradients(dw=dw, db=db, micro_batches=look.micro_batches, tokens=look.tokens,
                          instance=look.instance, stripes=stripes, ranges=ranges)
 
+    def list_state(self, *, timeout=None):
+        """The caller's own weight handles and accumulators (what its credential created;
+        everything on a server that checks none), as StateEntry. Needs a server with the
+        "list_state" feature (UnimplementedError naming it otherwise)."""
+        self.require_feature("list_state", timeout=timeout)
+        try:
+            r = self._stub.List(pb.ListRequest(), **self._call_kwargs(timeout))
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, "List") from None
+        return [StateEntry(kind=_STATE_KINDS.get(e.kind, str(e.kind)), name=e.name,
+                           bytes=e.bytes, last_used_unix_ms=e.last_used_unix_ms,
+                           micro_batches=e.micro_batches) for e in r.entries]
+
     def drop_accumulator(self, accumulator, *, timeout=None):
         """Drops a server-side accumulator. Also forgets its server instance, whatever the
         server answers: the next compute into that name may begin a new sum anywhere."""
@@ -1130,5 +1157,5 @@ def connect(target="localhost:50051", **kwargs) -> Client:
     return Client(target, **kwargs)
 
 
-__all__ = ["Client", "ComputeResult", "WeightHandle", "Gradients", "ServerInfo", "connect",
-           "DEFAULT_PART_BYTES"]
+__all__ = ["Client", "ComputeResult", "WeightHandle", "Gradients", "ServerInfo", "StateEntry",
+           "connect", "DEFAULT_PART_BYTES"]
