@@ -1467,6 +1467,27 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
   return info;
 }
 
+absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call) {
+  LOSSD_CLIENT_RETURN_IF_ERROR(RequireFeature("list_state", call));
+  v1::ListRequest req;
+  v1::ListResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(call, &ctx);
+  LOSSD_CLIENT_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->List(&ctx, req, &resp)));
+  std::vector<StateEntry> entries;
+  for (const v1::StateEntry& e : resp.entries()) {
+    StateEntry s;
+    s.kind = e.kind() == v1::STATE_ACCUMULATOR ? StateEntry::Kind::kAccumulator
+                                               : StateEntry::Kind::kWeights;
+    s.name = e.name();
+    s.bytes = e.bytes();
+    s.last_used_unix_ms = e.last_used_unix_ms();
+    s.micro_batches = e.micro_batches();
+    entries.push_back(std::move(s));
+  }
+  return entries;
+}
+
 absl::Status LossClient::RequireFeature(absl::string_view feature, const CallOptions& call) {
   std::optional<std::pair<std::string, std::vector<std::string>>> known;
   {
