@@ -318,6 +318,29 @@ grpc::Status FakeLossService::DropAccumulator(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+grpc::Status FakeLossService::List(grpc::ServerContext*, const v1::ListRequest*,
+                                   v1::ListResponse* resp) {
+  absl::MutexLock lock(&mu);
+  for (const auto& [handle, w] : weights) {
+    v1::StateEntry* e = resp->add_entries();
+    e->set_kind(v1::STATE_WEIGHTS);
+    e->set_name(handle);
+    uint64_t bytes = 0;
+    for (const auto& [tensor, data] : w.second.data) bytes += data.size();
+    e->set_bytes(bytes);
+    e->set_last_used_unix_ms(1);
+  }
+  for (const auto& [name, a] : accumulators) {
+    v1::StateEntry* e = resp->add_entries();
+    e->set_kind(v1::STATE_ACCUMULATOR);
+    e->set_name(name);
+    e->set_bytes(static_cast<uint64_t>(a.v) * a.h * 4 + (a.bias ? a.v * 4 : 0));
+    e->set_last_used_unix_ms(2);
+    e->set_micro_batches(a.micro_batches);
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status FakeLossService::ServerInfo(grpc::ServerContext* ctx, const v1::ServerInfoRequest*,
                                          v1::ServerInfoResponse* resp) {
   {

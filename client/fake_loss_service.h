@@ -109,6 +109,9 @@ class FakeLossService final : public v1::Loss::Service {
                                v1::DropAccumulatorResponse*) override;
   grpc::Status ServerInfo(grpc::ServerContext* ctx, const v1::ServerInfoRequest*,
                           v1::ServerInfoResponse* resp) override;
+  // Every weight handle and accumulator (the fake has no owners); bytes from their shapes.
+  grpc::Status List(grpc::ServerContext*, const v1::ListRequest*,
+                    v1::ListResponse* resp) override;
 };
 
 }  // namespace client

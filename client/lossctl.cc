@@ -121,6 +121,8 @@ Commands:
   drop-weights      --handle
   fetch-gradients   --accumulator [--reset] [--out_dir]: the accumulated fp32 dW (and db)
   drop-accumulator  --accumulator
+  list              the caller's own weight handles and accumulators: kind, name, bytes,
+                    seconds since last use, micro-batches
 
 Global flags: --target --deadline_seconds --part_bytes --connections --stripes --metadata
               --tls --tls_ca --tls_cert --tls_key --tls_server_name --auth_token[_file].
@@ -673,6 +675,20 @@ absl::Status RunFetchGradients() {
   return absl::OkStatus();
 }
 
+absl::Status RunList() {
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSCTL_ASSIGN_OR_RETURN(entries, client->List());
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  absl::PrintF("%-11s %-40s %14s %10s %s\n", "kind", "name", "bytes", "idle_s", "micro_batches");
+  for (const StateEntry& e : entries) {
+    const bool acc = e.kind == StateEntry::Kind::kAccumulator;
+    absl::PrintF("%-11s %-40s %14d %10.1f %s\n", acc ? "accumulator" : "weights", e.name, e.bytes,
+                 (now_ms - e.last_used_unix_ms) / 1e3,
+                 acc ? absl::StrCat(e.micro_batches) : std::string("-"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunDropAccumulator() {
   const std::string name = absl::GetFlag(FLAGS_accumulator);
   if (name.empty()) return absl::InvalidArgumentError("drop-accumulator needs --accumulator");
@@ -704,6 +720,7 @@ int main(int argc, char** argv) {
       {"drop-weights", &RunDropWeights},
       {"fetch-gradients", &RunFetchGradients},
       {"drop-accumulator", &RunDropAccumulator},
+      {"list", &RunList},
   };
   auto it = commands.find(command);
   if (it == commands.end()) {

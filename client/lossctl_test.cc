@@ -299,6 +299,25 @@ TEST_F(LossctlTest, AccumulateFetchAndDrop) {
   EXPECT_THAT(r.output, HasSubstr("NOT_FOUND: no accumulator 'acc'"));
 }
 
+TEST_F(LossctlTest, ListShowsHandlesAndAccumulatorsOnlyWhereTheServerHasIt) {
+  Result r = Lossctl("list");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("UNIMPLEMENTED: the server (lossd 0.0-fake) does not support "
+                                  "'list_state'"));
+  {
+    absl::MutexLock lock(&fake_.mu);
+    fake_.features = {"list_state"};
+  }
+  ASSERT_EQ(Lossctl("put-weights --v=10 --h=4 --dtype=fp16").code, 0);
+  ASSERT_EQ(Lossctl("compute --bt=4 --h=3 --v=5 --accumulator=acc --want=dx").code, 0);
+  r = Lossctl("list");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("weights     fake-0"));
+  EXPECT_THAT(r.output, HasSubstr("accumulator acc"));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("fake-0 +80 "));  // 10 x 4 fp16
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("acc +60 +[0-9.]+ 1\n"));  // 5 x 3 fp32
+}
+
 TEST_F(LossctlTest, Bench) {
   Result r =
       Lossctl("bench --bt=8 --h=8 --v=16 --calls=6 --concurrency=2 --connections=2 --put_weights");

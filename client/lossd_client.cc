@@ -1106,6 +1106,8 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     result.backend = s.backend();
     result.instance = s.instance();
     result.accumulated_micro_batches = s.accumulated_micro_batches();
+    result.nonfinite.clear();
+    for (int t : s.nonfinite()) result.nonfinite.push_back(static_cast<OutputTensor>(t));
     if (have_summary) return absl::OkStatus();
     have_summary = true;
     announced = s.tensors_size();
@@ -1463,6 +1465,27 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
   info.accumulators = resp.accumulators();
   info.features.assign(resp.features().begin(), resp.features().end());
   return info;
+}
+
+absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call) {
+  LOSSD_CLIENT_RETURN_IF_ERROR(RequireFeature("list_state", call));
+  v1::ListRequest req;
+  v1::ListResponse resp;
+  grpc::ClientContext ctx;
+  PrepareContext(call, &ctx);
+  LOSSD_CLIENT_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->List(&ctx, req, &resp)));
+  std::vector<StateEntry> entries;
+  for (const v1::StateEntry& e : resp.entries()) {
+    StateEntry s;
+    s.kind = e.kind() == v1::STATE_ACCUMULATOR ? StateEntry::Kind::kAccumulator
+                                               : StateEntry::Kind::kWeights;
+    s.name = e.name();
+    s.bytes = e.bytes();
+    s.last_used_unix_ms = e.last_used_unix_ms();
+    s.micro_batches = e.micro_batches();
+    entries.push_back(std::move(s));
+  }
+  return entries;
 }
 
 absl::Status LossClient::RequireFeature(absl::string_view feature, const CallOptions& call) {

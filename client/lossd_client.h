@@ -157,6 +157,10 @@ struct ComputeResult {
   std::string backend;
   std::string instance;  // the server instance that computed
   uint64_t accumulated_micro_batches = 0;
+  // Gradients holding a NaN or Inf after the call (kDx, kDw, kDb; with an accumulator, kDw
+  // and kDb mean its sum, which then refuses further use until a reset fetch or a drop).
+  // Servers with the "nonfinite_outputs" feature; older ones leave it empty.
+  std::vector<OutputTensor> nonfinite;
   // Returned tensors, as the server listed them. Those with an output_into buffer are
   // mutable views of it; the rest own their bytes.
   std::map<OutputTensor, HostTensor> outputs;
@@ -202,6 +206,16 @@ struct ServerInfoResult {
   uint32_t max_in_flight = 0;
   uint32_t accumulators = 0;
   std::vector<std::string> features;  // see server/engine/features.h
+};
+
+// One weight handle or accumulator of the caller's, as List reports it.
+struct StateEntry {
+  enum class Kind { kWeights, kAccumulator };
+  Kind kind = Kind::kWeights;
+  std::string name;  // the weight handle or the accumulator's name
+  uint64_t bytes = 0;  // server memory it holds
+  int64_t last_used_unix_ms = 0;  // created, or last named by a call
+  uint64_t micro_batches = 0;  // accumulators: micro-batches summed since the last reset
 };
 
 // How many ranges of whole fp32 values a fetch of `total_bytes` takes so that each one holds
@@ -260,6 +274,9 @@ class LossClient {
   // into that name may begin a new sum on any server.
   absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
   absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});
+  // The caller's own weight handles and accumulators (what its credential created; all of
+  // them on a server that checks none). UNIMPLEMENTED from a server without "list_state".
+  absl::StatusOr<std::vector<StateEntry>> List(const CallOptions& call = {});
   // OK when the server lists `feature` in ServerInfo.features; else UNIMPLEMENTED naming the
   // feature and the server's version. Asks ServerInfo once and remembers the answer (a failed
   // ask is not remembered). Call it before sending a field that the feature guards: an older

@@ -63,4 +63,18 @@ absl::Status TokenAuthenticator::Check(
   return absl::OkStatus();
 }
 
+int TokenAuthenticator::TokenIndex(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const {
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return -1;
+  absl::string_view value(it->second.data(), it->second.size());
+  if (!absl::ConsumePrefix(&value, "Bearer ")) return -1;
+  int found = -1;
+  for (size_t i = 0; i < tokens_.size(); ++i) {
+    const bool eq = ConstantTimeEquals(value.data(), value.size(), tokens_[i]);
+    found = eq && found < 0 ? static_cast<int>(i) : found;  // no early exit
+  }
+  return found;
+}
+
 }  // namespace lossd

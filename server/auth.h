@@ -23,6 +23,9 @@ class TokenAuthenticator {
 
   // OK when the metadata carries a known bearer token; UNAUTHENTICATED otherwise.
   absl::Status Check(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const;
+  // The index in the file of the bearer token the metadata carries, or -1: who owns the state
+  // a call creates (server/principal.h), without keeping the token. Same equal-time walk.
+  int TokenIndex(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const;
 
  private:
   std::vector<std::string> tokens_;

@@ -19,6 +19,7 @@
 #include "server/engine/response_parts.h"
 #include "server/engine/streamed_rows.h"
 #include "server/status_util.h"
+#include "server/principal.h"
 #include "server/tsan_annotations.h"
 #include "server/unknown_fields.h"
 #include "server/wire_convert.h"
@@ -202,6 +203,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (absl::Status s = RefuseUnknownFields(header, "header"); !s.ok()) return s;
     auto spec = ComputeSpecFromWire(header);
     if (!spec.ok()) return spec.status();
+    spec->owner = service_->Principal(ctx_);
     auto plan = engine_->Plan(*spec);
     if (!plan.ok()) return plan.status();
     const ServiceOptions& o = service_->options();
@@ -369,6 +371,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       s->set_tokens(outcome->tokens);
       s->set_compute_seconds(outcome->stats.compute_seconds);
       s->set_accumulated_micro_batches(outcome->accumulated_micro_batches);
+      for (v1::TensorId t : NonFiniteToWire(outcome->stats.nonfinite)) s->add_nonfinite(t);
     } else {
       s->set_preliminary(true);
     }
@@ -800,7 +803,8 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
       if (!h.upload_id().empty()) {
         carries_bias_ = b->present && h.w_begin() == 0;
         auto u = engine->JoinStripedUpload(client_, h.upload_id(), h.stripes(), *w, *b,
-                                           h.w_begin(), h.w_end(), carries_bias_);
+                                           h.w_begin(), h.w_end(), carries_bias_,
+                                           service_->Principal(ctx_));
         if (!u.ok()) {
           engine->FailStripedUpload(client_, h.upload_id(), u.status());
           return u.status();
@@ -820,7 +824,7 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
             ") and header.w_end (", h.w_end(), ") describe one stripe of a striped upload "
             "and need header.upload_id, which is empty"));
       }
-      auto p = engine->BeginPutWeights(*w, *b);
+      auto p = engine->BeginPutWeights(*w, *b, service_->Principal(ctx_));
       if (!p.ok()) return p.status();
       pending_ = std::move(*p);
       return absl::OkStatus();
@@ -997,7 +1001,8 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
       FinishOnce(s);
       return;
     }
-    auto range = engine->CheckFetch(name_, reset_, range_begin_, range_end_);
+    principal_ = service_->Principal(ctx);
+    auto range = engine->CheckFetch(name_, reset_, range_begin_, range_end_, principal_);
     if (!range.ok()) {
       FinishOnce(range.status());
       return;
@@ -1083,7 +1088,8 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
           "the call was cancelled before its snapshot was taken; nothing was read or reset"));
       return;
     }
-    auto g = service_->engine()->FetchGradients(name_, reset_, range_begin_, range_end_);
+    auto g = service_->engine()->FetchGradients(name_, reset_, range_begin_, range_end_,
+                                                principal_);
     if (!g.ok()) {
       FinishOnce(g.status());
       return;
@@ -1166,6 +1172,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   std::string client_;  // for the per-client in-flight count
   std::atomic<bool> finished_{false};
   std::string name_;
+  std::string principal_;  // who may fetch (server/principal.h)
   bool reset_ = false;
   uint64_t range_begin_ = 0, range_end_ = 0;
   uint32_t part_bytes_ = 4u << 20;
@@ -1259,6 +1266,10 @@ absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* me
   return absl::OkStatus();
 }
 
+std::string LossService::Principal(const grpc::CallbackServerContext* ctx) const {
+  return CallPrincipal(*ctx, options_.auth.get());
+}
+
 void LossService::LeaveClient(const std::string& client) {
   absl::MutexLock lock(&clients_mu_);
   auto it = client_in_flight_.find(client);
@@ -1290,14 +1301,14 @@ grpc::ServerUnaryReactor* LossService::DropWeights(grpc::CallbackServerContext* 
                                                    const v1::DropWeightsRequest* request,
                                                    v1::DropWeightsResponse*) {
   return Unary(this, ctx, "DropWeights", *request,
-               [&] { return engine_->DropWeights(request->handle()); });
+               [&] { return engine_->DropWeights(request->handle(), Principal(ctx)); });
 }
 
 grpc::ServerUnaryReactor* LossService::DropAccumulator(
     grpc::CallbackServerContext* ctx, const v1::DropAccumulatorRequest* request,
     v1::DropAccumulatorResponse*) {
   return Unary(this, ctx, "DropAccumulator", *request,
-               [&] { return engine_->DropAccumulator(request->accumulator()); });
+               [&] { return engine_->DropAccumulator(request->accumulator(), Principal(ctx)); });
 }
 
 grpc::ServerUnaryReactor* LossService::ServerInfo(grpc::CallbackServerContext* ctx,
@@ -1322,6 +1333,23 @@ grpc::ServerUnaryReactor* LossService::ServerInfo(grpc::CallbackServerContext* c
     r->set_max_in_flight(options_.max_in_flight);
     r->set_accumulators(static_cast<uint32_t>(engine_->accumulators().count()));
     for (std::string_view f : kServerFeatures) r->add_features(std::string(f));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* LossService::List(grpc::CallbackServerContext* ctx,
+                                            const v1::ListRequest* request,
+                                            v1::ListResponse* r) {
+  return Unary(this, ctx, "List", *request, [&] {
+    for (const StateInfo& s : engine_->ListState(Principal(ctx))) {
+      v1::StateEntry* e = r->add_entries();
+      e->set_kind(s.kind == StateInfo::Kind::kWeights ? v1::STATE_WEIGHTS
+                                                      : v1::STATE_ACCUMULATOR);
+      e->set_name(s.name);
+      e->set_bytes(s.bytes);
+      e->set_last_used_unix_ms(s.last_used_ns / 1000000);
+      e->set_micro_batches(s.micro_batches);
+    }
     return absl::OkStatus();
   });
 }

@@ -53,7 +53,8 @@ using LossServiceBase = v1::Loss::WithRawCallbackMethod_Compute<
     v1::Loss::WithCallbackMethod_PutWeights<v1::Loss::WithCallbackMethod_DropWeights<
         v1::Loss::WithRawCallbackMethod_FetchGradients<
             v1::Loss::WithCallbackMethod_DropAccumulator<
-                v1::Loss::WithCallbackMethod_ServerInfo<v1::Loss::Service>>>>>>;
+                v1::Loss::WithCallbackMethod_ServerInfo<
+                    v1::Loss::WithCallbackMethod_List<v1::Loss::Service>>>>>>>;
 
 class LossService final : public LossServiceBase {
  public:
@@ -74,12 +75,17 @@ class LossService final : public LossServiceBase {
   grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
                                        const v1::ServerInfoRequest* request,
                                        v1::ServerInfoResponse* response) override;
+  grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx,
+                                 const v1::ListRequest* request,
+                                 v1::ListResponse* response) override;
 
   // Shared by the reactors.
   Engine* engine() { return engine_; }
   ServerMetrics* metrics() { return metrics_; }
   const ServiceOptions& options() const { return options_; }
   IdleWatch& idle_watch() { return idle_watch_; }
+  // Who owns the state this call creates or names (server/principal.h).
+  std::string Principal(const grpc::CallbackServerContext* ctx) const;
   // Admits one more RPC: UNAUTHENTICATED without a valid token, UNAVAILABLE while draining,
   // at --max_in_flight or at --max_in_flight_per_client. On OK, `client` is set to the
   // client's key; pair with Leave(client).

@@ -131,6 +131,14 @@ absl::StatusOr<InputSlot> InputSlotFromWire(v1::TensorId id) {
       absl::StrCat("part.tensor ", name, " is not an input tensor of Compute"));
 }
 
+std::vector<v1::TensorId> NonFiniteToWire(uint32_t bits) {
+  std::vector<v1::TensorId> ids;
+  if ((bits & kNonFiniteDx) != 0) ids.push_back(v1::TENSOR_DX);
+  if ((bits & kNonFiniteDw) != 0) ids.push_back(v1::TENSOR_DW);
+  if ((bits & kNonFiniteDb) != 0) ids.push_back(v1::TENSOR_DB);
+  return ids;
+}
+
 v1::TensorId OutputSlotToWire(OutputSlot s) {
   switch (s) {
     case OutputSlot::kLoss: return v1::TENSOR_LOSS;

@@ -3,9 +3,12 @@
 #ifndef LOSSD_SERVER_WIRE_CONVERT_H_
 #define LOSSD_SERVER_WIRE_CONVERT_H_
 
+#include <vector>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
 #include "lossd/v1/lossd.pb.h"
 #include "server/engine/compute_plan.h"
 
@@ -24,6 +27,9 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h);
 // Input tensor ids of a Compute stream; INVALID_ARGUMENT for outputs and unknown ids.
 absl::StatusOr<InputSlot> InputSlotFromWire(v1::TensorId id);
 v1::TensorId OutputSlotToWire(OutputSlot s);
+
+// LossStats' NonFiniteBits as the tensors ComputeSummary.nonfinite names, in tensor order.
+std::vector<v1::TensorId> NonFiniteToWire(uint32_t bits);
 
 }  // namespace lossd
 

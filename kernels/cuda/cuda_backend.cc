@@ -21,6 +21,7 @@
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/cuda/nonfinite.h"
 #include "kernels/dtype.h"
 #include "kernels/loss_problem.h"
 
@@ -83,7 +84,7 @@ DevicePlan PlanDeviceBytes(const LossProblem& p, const LossOutputs& out, const C
   d.total += Align(bt * 4);                              // targets
   if (p.class_weights != nullptr) d.total += Align(v * 4);
   if (p.grad_output != nullptr) d.total += Align(bt * 4);
-  d.total += 4 * Align(bt * 4);                          // per-row statistics
+  d.total += 4 * Align(bt * 4) + Align(4);               // per-row statistics, flags
   if (out.dx != nullptr) d.total += Align(bt * h * g);
   if (out.dw_accum != nullptr) {
     if (out.accum_memory == Memory::kHost) d.total += Align(v * h * 4);
@@ -107,6 +108,35 @@ DevicePlan PlanDeviceBytes(const LossProblem& p, const LossOutputs& out, const C
 }
 
 int32_t Elem(DType t) { return static_cast<int32_t>(t); }
+
+// The outputs' final device copies, for the non-finite check: dX, then dW and db as they are
+// returned (cast to the gradient dtype where they are) or as the accumulator holds them.
+struct FinalOutputs {
+  const void* dx = nullptr;
+  const void* dw = nullptr;
+  const void* db = nullptr;
+  int32_t dx_elem = 0, dw_elem = 0, db_elem = 0;
+};
+
+// Queues one read of each final output on `stream`, after the Compute's writes; *flags (device,
+// zeroed here) gets LossStats' NonFiniteBits.
+absl::Status EnqueueNonFiniteChecks(const FinalOutputs& f, int64_t bt, int64_t h, int64_t v,
+                                    uint32_t* flags, cudaStream_t stream) {
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags, 0, 4, stream));
+  if (f.dx != nullptr) {
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        LaunchNonFiniteCheck(f.dx, f.dx_elem, bt * h, kNonFiniteDx, flags, stream));
+  }
+  if (f.dw != nullptr) {
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        LaunchNonFiniteCheck(f.dw, f.dw_elem, v * h, kNonFiniteDw, flags, stream));
+  }
+  if (f.db != nullptr) {
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        LaunchNonFiniteCheck(f.db, f.db_elem, v, kNonFiniteDb, flags, stream));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateProblem(const LossProblem& p, const LossOutputs& out) {
   if (p.bt < 0 || p.h <= 0 || p.v <= 0 || p.bt > 0x7fffffff || p.v > 0x7fffffff ||
@@ -575,6 +605,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   std::optional<StreamedChunkHooks> streamed;
   std::vector<float> lse(bt), ce(bt), zl(bt);
   std::vector<int32_t> pred(bt);
+  uint32_t nonfinite = 0;
   // Every buffer lives until the end of this call. On an error path work may still be queued
   // on the engine's streams (and, overlapped, on the copy streams, host functions included):
   // wait for the device before the buffers go back to the pool (declared after `held`, so it
@@ -650,7 +681,8 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.grad_output, bt * 4, &ptr));
     a.row_grad = static_cast<const float*>(ptr);
   }
-  absl::StatusOr<void*> rows_mem = alloc(4 * Align(bt * 4));
+  // The per-row statistics, and the non-finite check's flag word after them.
+  absl::StatusOr<void*> rows_mem = alloc(4 * Align(bt * 4) + Align(4));
   if (!rows_mem.ok()) return rows_mem.status();
   char* rows_base = static_cast<char*>(*rows_mem);
   a.row_lse = reinterpret_cast<float*>(rows_base);
@@ -735,6 +767,13 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   if (out.dx != nullptr && !streamed.has_value()) {
     LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dx, a.dx, bt * h * gsize));
   }
+  FinalOutputs final_out;
+  final_out.dx = out.dx != nullptr ? a.dx : nullptr;
+  final_out.dx_elem = Elem(out.grad_dtype);
+  final_out.dw = a.dw_acc;  // fp32: the accumulator, or dW before its cast
+  final_out.dw_elem = Elem(DType::kF32);
+  final_out.db = a.db_acc;
+  final_out.db_elem = Elem(DType::kF32);
   if (out.dw_accum != nullptr) {
     if (out.accum_memory == Memory::kHost) {
       LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw_accum, a.dw_acc, v * h * 4));
@@ -743,6 +782,8 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     if (dw_cast != nullptr) {
       LOSSD_CUDA_RETURN_IF_ERROR(
           LaunchCastFromFloat(a.dw_acc, dw_cast, Elem(out.grad_dtype), v * h, stream));
+      final_out.dw = dw_cast;  // fp16 overflows where fp32 did not
+      final_out.dw_elem = Elem(out.grad_dtype);
       LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw, dw_cast, v * h * gsize));
     } else {
       LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw, a.dw_acc, v * h * 4));
@@ -756,9 +797,14 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     } else if (out.db != nullptr) {
       LOSSD_CUDA_RETURN_IF_ERROR(
           LaunchCastFromFloat(a.db_acc, db_cast, Elem(out.grad_dtype), v, stream));
+      final_out.db = db_cast;
+      final_out.db_elem = Elem(out.grad_dtype);
       LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.db, db_cast, v * gsize));
     }
   }
+  uint32_t* flags = reinterpret_cast<uint32_t*>(rows_base + 4 * Align(bt * 4));
+  LOSSD_CUDA_RETURN_IF_NOT_OK(EnqueueNonFiniteChecks(final_out, bt, h, v, flags, stream));
+  LOSSD_CUDA_RETURN_IF_NOT_OK(download(&nonfinite, flags, 4));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   // main_ waited for every X copy, but the last dX copies and their host functions may trail.
   if (streamed.has_value()) LOSSD_CUDA_RETURN_IF_NOT_OK(streamed->Finish());
@@ -809,6 +855,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     stats->peak_extra_bytes = bytes.extra;
     stats->chunk_rows = plan.chunk_rows;
     stats->gemm_tunings = tunings;
+    stats->nonfinite = nonfinite;
   }
   return absl::OkStatus();
 }

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -270,6 +271,63 @@ TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
   for (size_t k = 0; k < ref.db.size(); ++k) dbr[k] = 2 * ref.db[k];
   r = CompareRelNorm("db_accum x2", dbr, dbg, bound);
   EXPECT_TRUE(r.ok()) << r.ToString();
+}
+
+// A finite problem whose gradients overflow fp32 (grad_scale 3e38, reduction sum): the stats
+// name exactly the outputs holding a NaN or Inf, as a scan of the returned bytes finds them,
+// for returned gradients and for a device accumulator; an ordinary problem reports none.
+TEST_F(CudaTest, OverflowingGradientsAreReported) {
+  auto bad = [](const void* d, DType t, int64_t n) {
+    for (int64_t k = 0; k < n; ++k) {
+      if (!std::isfinite(LoadAsFloat(d, t, k))) return true;
+    }
+    return false;
+  };
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    RandomProblemSpec spec;
+    spec.bt = 48;
+    spec.h = 64;
+    spec.v = 301;
+    spec.dtype = dtype;
+    spec.bias = true;
+    spec.options.reduction = Reduction::kSum;
+    const RandomProblem ordinary = RandomProblem::Make(spec);
+    spec.options.grad_scale = 3e38f;
+    const RandomProblem huge = RandomProblem::Make(spec);
+    LossStats stats;
+    stats.nonfinite = ~0u;  // must be overwritten
+    HostOutputs fine(ordinary.problem(), dtype);
+    ASSERT_TRUE(backend_->Compute(ordinary.problem(), fine.outputs(), &stats).ok());
+    EXPECT_EQ(stats.nonfinite, 0u) << DTypeName(dtype);
+
+    const LossProblem p = huge.problem();
+    HostOutputs got(p, dtype);
+    ASSERT_TRUE(backend_->Compute(p, got.outputs(), &stats).ok());
+    ASSERT_TRUE(bad(got.dw.data(), dtype, p.v * p.h)) << "the case no longer overflows";
+    const uint32_t expect = (bad(got.dx.data(), dtype, p.bt * p.h) ? kNonFiniteDx : 0u) |
+                            kNonFiniteDw | (bad(got.db.data(), dtype, p.v) ? kNonFiniteDb : 0u);
+    EXPECT_EQ(stats.nonfinite, expect) << DTypeName(dtype);
+
+    // Into a device accumulator, finite before: the bits describe its sum.
+    auto dw = backend_->Allocate(p.v * p.h * 4);
+    auto db = backend_->Allocate(p.v * 4);
+    ASSERT_TRUE(dw.ok() && db.ok());
+    ASSERT_TRUE(backend_->Zero(**dw).ok());
+    ASSERT_TRUE(backend_->Zero(**db).ok());
+    LossOutputs lo;
+    lo.grad_dtype = dtype;
+    lo.dw_accum = static_cast<float*>((*dw)->data());
+    lo.db_accum = static_cast<float*>((*db)->data());
+    lo.accum_memory = Memory::kBackend;
+    ASSERT_TRUE(backend_->Compute(ordinary.problem(), lo, &stats).ok());
+    EXPECT_EQ(stats.nonfinite, 0u) << DTypeName(dtype);
+    ASSERT_TRUE(backend_->Compute(p, lo, &stats).ok());
+    std::vector<float> db_host(p.v);
+    ASSERT_TRUE(backend_->CopyFromBackend(**db, 0, db_host.data(), p.v * 4).ok());
+    EXPECT_EQ(stats.nonfinite,
+              kNonFiniteDw | (bad(db_host.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u))
+        << DTypeName(dtype);
+  }
 }
 
 // The whole-batch layout (a fresh dW lends its memory to the logits, fused_loss.h): the

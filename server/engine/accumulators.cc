@@ -3,6 +3,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace lossd {
 
@@ -20,6 +22,23 @@ absl::Status ValidateAccumulatorName(const std::string& name, absl::string_view 
     }
   }
   return absl::OkStatus();
+}
+
+void MarkNonFinite(Accumulator& acc, uint32_t bits) {
+  if (!acc.nonfinite_by.empty()) return;
+  const bool dw = (bits & kNonFiniteDw) != 0, db = (bits & kNonFiniteDb) != 0;
+  acc.nonfinite_by = absl::StrCat(
+      "micro-batch ", acc.micro_batches, " (a Compute at ",
+      absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()), ") left NaN or Inf in ",
+      dw && db ? "dW and db" : (dw ? "dW" : "db"));
+}
+
+absl::Status NonFiniteSumStatus(const Accumulator& acc) {
+  if (acc.nonfinite_by.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "accumulator '", acc.name, "' holds a non-finite sum: ", acc.nonfinite_by,
+      " (an overflow: lower grad_scale or the loss scale); fetch it with reset or drop it, "
+      "then redo the step"));
 }
 
 namespace {
@@ -49,10 +68,12 @@ AccumulatorStore::AccumulatorStore(Backend* backend, uint64_t budget_bytes, size
       held_bytes_(std::make_shared<std::atomic<uint64_t>>(0)) {}
 
 absl::Status AccumulatorStore::CheckLocked(const std::string& name, int64_t v, int64_t h,
-                                           bool has_bias) const {
+                                           bool has_bias, const std::string& caller) const {
   auto it = map_.find(name);
   if (it != map_.end()) {
     const Accumulator& a = *it->second;
+    absl::Status mine = CheckOwner(a.owner, caller, absl::StrCat("accumulator '", name, "'"));
+    if (!mine.ok()) return mine;
     if (a.v != v || a.h != h || a.has_bias != has_bias) {
       return absl::InvalidArgumentError(absl::StrCat(
           "accumulator '", name, "' holds dW of shape (V=", a.v, ", H=", a.h, ")",
@@ -86,24 +107,29 @@ absl::Status AccumulatorStore::CheckLocked(const std::string& name, int64_t v, i
 }
 
 absl::Status AccumulatorStore::Check(const std::string& name, int64_t v, int64_t h,
-                                     bool has_bias) const {
+                                     bool has_bias, const std::string& caller) const {
   absl::MutexLock lock(&mu_);
-  return CheckLocked(name, v, h, has_bias);
+  return CheckLocked(name, v, h, has_bias, caller);
 }
 
 absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
-    const std::string& name, int64_t v, int64_t h, bool has_bias) {
+    const std::string& name, int64_t v, int64_t h, bool has_bias, const std::string& caller) {
   absl::MutexLock lock(&mu_);
-  absl::Status checked = CheckLocked(name, v, h, has_bias);
+  absl::Status checked = CheckLocked(name, v, h, has_bias, caller);
   if (!checked.ok()) return checked;
   auto it = map_.find(name);
-  if (it != map_.end()) return it->second;
+  if (it != map_.end()) {
+    it->second->last_used_ns.store(NowNs());
+    return it->second;
+  }
   const uint64_t bytes = AccumulatorBytes(v, h, has_bias);
   auto acc = std::make_unique<Accumulator>();
   acc->name = name;
   acc->v = v;
   acc->h = h;
   acc->has_bias = has_bias;
+  acc->owner = caller;
+  acc->last_used_ns.store(NowNs());
   auto dw = backend_->Allocate(static_cast<uint64_t>(v) * h * 4);
   if (!dw.ok()) return dw.status();
   acc->dw = std::move(*dw);
@@ -134,7 +160,7 @@ absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::Get(const std::st
   return it->second;
 }
 
-absl::Status AccumulatorStore::Drop(const std::string& name) {
+absl::Status AccumulatorStore::Drop(const std::string& name, const std::string& caller) {
   std::shared_ptr<Accumulator> dropped;
   {
     absl::MutexLock lock(&mu_);
@@ -143,6 +169,8 @@ absl::Status AccumulatorStore::Drop(const std::string& name) {
       return absl::NotFoundError(absl::StrCat("accumulator '", name, "' not found"));
     }
     const Accumulator& a = *it->second;
+    absl::Status mine = CheckOwner(a.owner, caller, absl::StrCat("accumulator '", name, "'"));
+    if (!mine.ok()) return mine;
     named_bytes_ -= AccumulatorBytes(a.v, a.h, a.has_bias);
     dropped = std::move(it->second);
     map_.erase(it);
@@ -151,6 +179,53 @@ absl::Status AccumulatorStore::Drop(const std::string& name) {
   // back here, outside the lock, so that other clients' lookups do not wait for the free.
   dropped.reset();
   return absl::OkStatus();
+}
+
+std::vector<StateInfo> AccumulatorStore::List(const std::string& caller) const {
+  std::vector<std::shared_ptr<Accumulator>> mine;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, acc] : map_) {
+      if (acc->owner == caller) mine.push_back(acc);
+    }
+  }
+  std::vector<StateInfo> out;
+  for (const auto& acc : mine) {
+    StateInfo s;
+    s.kind = StateInfo::Kind::kAccumulator;
+    s.name = acc->name;
+    s.bytes = AccumulatorBytes(acc->v, acc->h, acc->has_bias);
+    s.last_used_ns = acc->last_used_ns.load();
+    // Outside the store's lock: a Compute may hold the accumulator's for a whole compute.
+    absl::MutexLock lock(&acc->mu);
+    s.micro_batches = acc->micro_batches;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<std::string> AccumulatorStore::DropIdle(int64_t before_ns) {
+  std::vector<std::string> lines;
+  std::vector<std::shared_ptr<Accumulator>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = map_.begin(); it != map_.end();) {
+      const Accumulator& a = *it->second;
+      const int64_t last = a.last_used_ns.load();
+      if (last >= before_ns) {
+        ++it;
+        continue;
+      }
+      const uint64_t bytes = AccumulatorBytes(a.v, a.h, a.has_bias);
+      lines.push_back(absl::StrCat("accumulator ", a.name, " (", bytes, " bytes, idle ",
+                                   (NowNs() - last) / 1000000000, " s)"));
+      named_bytes_ -= bytes;
+      dropped.push_back(std::move(it->second));
+      map_.erase(it++);
+    }
+  }
+  dropped.clear();  // freed outside the lock, as Drop does
+  return lines;
 }
 
 size_t AccumulatorStore::count() const {

@@ -44,6 +44,7 @@ struct ComputeSpec {
   WantedOutputs wanted;
   std::string accumulator;            // add dW/db into this accumulator instead of returning
   std::string accumulator_instance;   // the instance it must live on; empty = any
+  std::string owner;  // the caller's principal (owner.h), set by the service; "" = no auth
 };
 
 struct OutputDesc {
@@ -68,6 +69,7 @@ struct ComputePlan {
   std::shared_ptr<const WeightEntry> weights;  // when W comes by handle
   std::string weight_handle;
   std::string accumulator;
+  std::string owner;  // ComputeSpec::owner: who creates or must own the accumulator
   uint64_t host_bytes = 0;       // input and output buffers held on the host
   uint64_t workspace_bytes = 0;  // backend's worst case beyond those
   uint64_t admission_bytes() const { return host_bytes + workspace_bytes; }

@@ -359,6 +359,9 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     }
     auto entry = weights_.Get(spec.weight_handle);
     if (!entry.ok()) return entry.status();
+    s = CheckOwner((*entry)->owner, spec.owner,
+                   absl::StrCat("weight handle '", spec.weight_handle, "'"));
+    if (!s.ok()) return s;
     plan.weights = *entry;
     plan.weight_handle = spec.weight_handle;
     plan.v = plan.weights->v;
@@ -516,9 +519,10 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
                                  "header.accumulator_instance");
     if (!s.ok()) return s;
     // Refused now rather than after every byte of X and W has arrived.
-    s = accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias);
+    s = accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias, spec.owner);
     if (!s.ok()) return s;
     plan.accumulator = spec.accumulator;
+    plan.owner = spec.owner;
   }
 
   // Byte counts of the inline inputs.
@@ -735,7 +739,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
 
   std::shared_ptr<Accumulator> acc;
   if (!plan.accumulator.empty()) {
-    auto a = accumulators_.GetOrCreate(plan.accumulator, plan.v, plan.h, plan.has_bias);
+    auto a = accumulators_.GetOrCreate(plan.accumulator, plan.v, plan.h, plan.has_bias,
+                                       plan.owner);
     if (!a.ok()) {
       r.status = a.status();
       return r;
@@ -764,6 +769,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
       r.status = PartialSumError(acc->name);
       return r;
     }
+    r.status = NonFiniteSumStatus(*acc);
+    if (!r.status.ok()) return r;
     r.status = backend_->Compute(p, out, &r.stats);
     if (r.status.ok() && !loss_is_finite()) {
       r.status = absl::InvalidArgumentError(absl::StrCat(
@@ -777,6 +784,9 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
     acc->micro_batches += 1;
     acc->tokens += tokens;
     ++acc->generation;
+    if ((r.stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0) {
+      MarkNonFinite(*acc, r.stats.nonfinite);
+    }
     r.accumulated_micro_batches = acc->micro_batches;
     r.added_to = acc;
     r.added_resets = acc->resets;
@@ -807,8 +817,8 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
   return r;
 }
 
-absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(const TensorDesc& w,
-                                                                      const TensorDesc& bias) {
+absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(
+    const TensorDesc& w, const TensorDesc& bias, const std::string& owner) {
   if (draining_.load()) return absl::UnavailableError("server is draining");
   if (!w.present) return absl::InvalidArgumentError("weights header.w is missing");
   absl::Status s = CheckShape(w, "w", 2);
@@ -834,6 +844,7 @@ absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(const Te
   }
   auto p = std::make_unique<PendingWeights>();
   auto e = std::make_shared<WeightEntry>();
+  e->owner = owner;
   e->dtype = w.dtype;
   e->v = w.shape[0];
   e->h = w.shape[1];
@@ -910,10 +921,10 @@ absl::StatusOr<std::string> Engine::CommitWeights(std::unique_ptr<PendingWeights
   return weights_.Insert(std::move(p->entry));
 }
 
-absl::Status Engine::DropWeights(const std::string& handle) {
+absl::Status Engine::DropWeights(const std::string& handle, const std::string& caller) {
   absl::Status s = CheckIdLength(handle, "handle");
   if (!s.ok()) return s;
-  return weights_.Drop(handle);
+  return weights_.Drop(handle, caller);
 }
 
 namespace {
@@ -955,21 +966,28 @@ absl::Status Engine::CheckAccumulatorInstance(const std::string& expected,
 
 absl::StatusOr<std::pair<uint64_t, uint64_t>> Engine::CheckFetch(const std::string& name,
                                                                  bool reset, uint64_t begin,
-                                                                 uint64_t end) {
+                                                                 uint64_t end,
+                                                                 const std::string& caller) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");
   if (!s.ok()) return s;
   auto a = accumulators_.Get(name);
   if (!a.ok()) return a.status();
+  s = CheckOwner((*a)->owner, caller, absl::StrCat("accumulator '", name, "'"));
+  if (!s.ok()) return s;
   return FetchRangeOf(**a, name, reset, begin, end);
 }
 
 absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset,
-                                                         uint64_t begin, uint64_t end) {
+                                                         uint64_t begin, uint64_t end,
+                                                         const std::string& caller) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");
   if (!s.ok()) return s;
   auto a = accumulators_.Get(name);
   if (!a.ok()) return a.status();
   Accumulator& acc = **a;
+  s = CheckOwner(acc.owner, caller, absl::StrCat("accumulator '", name, "'"));
+  if (!s.ok()) return s;
+  acc.last_used_ns.store(NowNs());
   auto range = FetchRangeOf(acc, name, reset, begin, end);
   if (!range.ok()) return range.status();
   std::tie(begin, end) = *range;
@@ -980,6 +998,25 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
   absl::MutexLock lock(&acc.mu);
   if (acc.poisoned) {
     return PartialSumError(name);
+  }
+  if (absl::Status nf = NonFiniteSumStatus(acc); !nf.ok()) {
+    if (!reset) return nf;
+    // A reset fetch of an overflowed sum is how a trainer skips the step: nothing to return,
+    // but the accumulator starts over.
+    s = backend_->Zero(*acc.dw);
+    if (s.ok() && acc.db) s = backend_->Zero(*acc.db);
+    if (!s.ok()) {
+      acc.poisoned = true;
+      return s;
+    }
+    acc.micro_batches = 0;
+    acc.tokens = 0;
+    ++acc.resets;
+    ++acc.generation;
+    acc.nonfinite_by.clear();
+    return absl::FailedPreconditionError(absl::StrCat(
+        nf.message(), "; this reset fetch returned nothing and zeroed it: the next Compute "
+        "into it begins a new sum"));
   }
   g.micro_batches = acc.micro_batches;
   g.tokens = acc.tokens;
@@ -1055,7 +1092,7 @@ std::string UploadKey(const std::string& owner, const std::string& upload_id) {
 absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
     const std::string& owner, const std::string& upload_id, uint32_t stripes,
     const TensorDesc& w, const TensorDesc& bias, uint64_t begin, uint64_t end,
-    bool carries_bias) {
+    bool carries_bias, const std::string& principal) {
   if (upload_id.size() > 128) {
     return absl::InvalidArgumentError("header.upload_id is longer than 128 characters");
   }
@@ -1075,7 +1112,7 @@ absl::StatusOr<std::shared_ptr<StripedUpload>> Engine::JoinStripedUpload(
           "striped upload '", upload_id,
           "' has already ended (completed or aborted); send it again under a new upload_id"));
     } else {
-      auto pending = BeginPutWeights(w, bias);
+      auto pending = BeginPutWeights(w, bias, principal);
       if (!pending.ok()) return pending.status();
       u = std::make_shared<StripedUpload>();
       u->id_ = upload_id;
@@ -1246,10 +1283,26 @@ void Engine::FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const ab
 }
 
 
-absl::Status Engine::DropAccumulator(const std::string& name) {
+absl::Status Engine::DropAccumulator(const std::string& name, const std::string& caller) {
   absl::Status s = ValidateAccumulatorName(name, "accumulator");
   if (!s.ok()) return s;
-  return accumulators_.Drop(name);
+  return accumulators_.Drop(name, caller);
+}
+
+std::vector<StateInfo> Engine::ListState(const std::string& caller) const {
+  std::vector<StateInfo> all = weights_.List(caller);
+  std::vector<StateInfo> accs = accumulators_.List(caller);
+  all.insert(all.end(), std::make_move_iterator(accs.begin()),
+             std::make_move_iterator(accs.end()));
+  return all;
+}
+
+std::vector<std::string> Engine::DropIdleState(absl::Duration idle) {
+  const int64_t before = NowNs() - absl::ToInt64Nanoseconds(idle);
+  std::vector<std::string> dropped = weights_.DropIdle(before);
+  std::vector<std::string> accs = accumulators_.DropIdle(before);
+  dropped.insert(dropped.end(), accs.begin(), accs.end());
+  return dropped;
 }
 
 }  // namespace lossd

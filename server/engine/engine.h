@@ -23,6 +23,7 @@
 #include "server/engine/compute_plan.h"
 #include "server/engine/executor.h"
 #include "server/engine/memory_budget.h"
+#include "server/engine/owner.h"
 #include "server/engine/recent_keys.h"
 #include "server/engine/streamed_rows.h"
 #include "server/engine/weight_cache.h"
@@ -199,13 +200,16 @@ class Engine {
   // Output buffers for `plan`, one per plan.outputs in order (not zero-filled).
   static std::vector<HostBuffer> NewOutputs(const ComputePlan& plan);
 
-  // Weight uploads: Begin (validate + reserve + allocate), Write parts, Commit.
-  absl::StatusOr<std::unique_ptr<PendingWeights>> BeginPutWeights(const TensorDesc& w,
-                                                                  const TensorDesc& bias);
+  // Weight uploads: Begin (validate + reserve + allocate), Write parts, Commit. The handle
+  // belongs to `owner` (owner.h): only it may name, fetch with or drop it.
+  absl::StatusOr<std::unique_ptr<PendingWeights>> BeginPutWeights(
+      const TensorDesc& w, const TensorDesc& bias, const std::string& owner = "");
   absl::Status WriteWeights(PendingWeights& p, bool bias, uint64_t offset, const void* data,
                             uint64_t bytes);
   absl::StatusOr<std::string> CommitWeights(std::unique_ptr<PendingWeights> p);
-  absl::Status DropWeights(const std::string& handle);
+  // PERMISSION_DENIED when `caller` does not own the handle (owner.h); so for the
+  // accumulator calls below.
+  absl::Status DropWeights(const std::string& handle, const std::string& caller = "");
 
   // Striped uploads. Join registers one stripe with its W byte range [begin, end) (and
   // whether it carries the bias); the first stripe creates the upload. WriteStripe copies a
@@ -217,7 +221,7 @@ class Engine {
   absl::StatusOr<std::shared_ptr<StripedUpload>> JoinStripedUpload(
       const std::string& owner, const std::string& upload_id, uint32_t stripes,
       const TensorDesc& w, const TensorDesc& bias, uint64_t begin, uint64_t end,
-      bool carries_bias);
+      bool carries_bias, const std::string& principal = "");
   absl::Status WriteStripe(StripedUpload& u, bool bias, uint64_t offset, const void* data,
                            uint64_t bytes);
   void FinishStripe(const std::shared_ptr<StripedUpload>& u, StripedUpload::Waiter done);
@@ -238,11 +242,13 @@ class Engine {
   // fetch's host copy takes, which the caller reserves in the memory budget first.
   // INVALID_ARGUMENT / NOT_FOUND naming the accumulator and the range.
   absl::StatusOr<std::pair<uint64_t, uint64_t>> CheckFetch(const std::string& name, bool reset,
-                                                           uint64_t begin, uint64_t end);
+                                                           uint64_t begin, uint64_t end,
+                                                           const std::string& caller = "");
   // Copies the bytes [begin, end) of an accumulator's dW | db to the host under its lock
   // (0, 0 = all of it), zeroing it afterwards when `reset` (whole fetches only).
   absl::StatusOr<GradientsSnapshot> FetchGradients(const std::string& name, bool reset,
-                                                   uint64_t begin = 0, uint64_t end = 0);
+                                                   uint64_t begin = 0, uint64_t end = 0,
+                                                   const std::string& caller = "");
   // A reset fetch whose data did not reach the client (the server saw it cancel or go away
   // while the parts were sent): puts the snapshot `data` (all of dW | db) back into the
   // accumulator it reset, with its counts, so the step's sum is not lost. Where anything has
@@ -250,7 +256,14 @@ class Engine {
   // apart any more and it is marked partial instead; a dropped one is left alone. Returns
   // what happened, for the call's error message.
   std::string UndoReset(const GradientsSnapshot& g, const uint8_t* data);
-  absl::Status DropAccumulator(const std::string& name);
+  absl::Status DropAccumulator(const std::string& name, const std::string& caller = "");
+
+  // The weight handles and accumulators `caller` owns (everything where no auth is checked:
+  // caller and owners all ""), with sizes and last use.
+  std::vector<StateInfo> ListState(const std::string& caller) const;
+  // Drops every weight handle and accumulator, whoever owns it, that no call has named for
+  // `idle` (running calls keep what they hold); returns a line for each, for the log.
+  std::vector<std::string> DropIdleState(absl::Duration idle);
 
   // Runs `job` on the executor, after every compute submitted before it.
   void Submit(std::function<void()> job) { executor_.Submit(std::move(job)); }

@@ -2,6 +2,7 @@
 // failure rule, run against the CPU backend with the float64 reference as the oracle.
 #include "server/engine/engine.h"
 
+#include <cmath>
 #include <cstring>
 #include <future>
 #include <string>
@@ -239,6 +240,70 @@ TEST(EngineTest, ARequestCancelledInTheQueueIsNotStartedAndAddsNothing) {
       EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
     }
   }
+}
+
+// A micro-batch whose dW overflows (grad_scale 3e38, reduction sum) is added and reported
+// (stats.nonfinite); from then on the accumulator refuses Computes and fetches, naming that
+// micro-batch, until a reset fetch (which returns nothing) or a drop; then it sums anew.
+TEST(EngineTest, AnOverflowedAccumulatorRefusesUseUntilResetOrDropped) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblemSpec s;
+  s.bt = 6;
+  s.h = 4;
+  s.v = 9;
+  s.dtype = DType::kF32;
+  s.options.reduction = Reduction::kSum;
+  RandomProblem fine = RandomProblem::Make(s);
+  s.options.grad_scale = 3e38f;
+  RandomProblem huge = RandomProblem::Make(s);
+  ComputeSpec spec = SpecFor(fine);
+  spec.accumulator = "step";
+  auto plan = e.Plan(spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  spec.options.grad_scale = 3e38f;
+  auto huge_plan = e.Plan(spec);
+  ASSERT_TRUE(huge_plan.ok()) << huge_plan.status();
+
+  ComputeOutcome o = RunSync(e, *plan, Inputs(fine, *plan));
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.stats.nonfinite, 0u);
+  o = RunSync(e, *huge_plan, Inputs(huge, *huge_plan));
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_NE(o.stats.nonfinite & kNonFiniteDw, 0u);
+  EXPECT_EQ(o.accumulated_micro_batches, 2u);
+
+  auto expect_refused = [](const absl::Status& st) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("accumulator 'step' holds a non-finite sum: micro-batch 2 (a "
+                                "Compute at "),
+              std::string::npos)
+        << st;
+    EXPECT_NE(st.message().find(") left NaN or Inf in dW"), std::string::npos) << st;
+  };
+  expect_refused(RunSync(e, *plan, Inputs(fine, *plan)).status);
+  expect_refused(e.FetchGradients("step", false).status());
+  expect_refused(e.FetchGradients("step", false, 0, 8).status());
+  // The reset fetch skips the step: refused, but zeroed.
+  absl::Status reset = e.FetchGradients("step", true).status();
+  expect_refused(reset);
+  EXPECT_NE(reset.message().find("this reset fetch returned nothing and zeroed it"),
+            std::string::npos)
+      << reset;
+  o = RunSync(e, *plan, Inputs(fine, *plan));
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.accumulated_micro_batches, 1u);
+  auto g = e.FetchGradients("step", false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->micro_batches, 1u);
+  const float* dw = reinterpret_cast<const float*>(g->data.get());
+  for (int64_t k = 0; k < s.v * s.h; ++k) ASSERT_TRUE(std::isfinite(dw[k])) << k;
+  // Overflowed again, then dropped: the name begins a new sum.
+  ASSERT_TRUE(RunSync(e, *huge_plan, Inputs(huge, *huge_plan)).status.ok());
+  EXPECT_EQ(e.FetchGradients("step", false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(e.DropAccumulator("step").ok());
+  ASSERT_TRUE(RunSync(e, *plan, Inputs(fine, *plan)).status.ok());
+  EXPECT_TRUE(e.FetchGradients("step", false).ok());
 }
 
 // UndoReset puts a reset snapshot back while nothing has been added since, and marks the

@@ -126,6 +126,7 @@ std::string WeightCache::Insert(std::shared_ptr<const WeightEntry> entry) {
   // use; its bytes stay charged until the requests that hold it end.
   while (slots_.size() >= max_entries_ && !lru_.empty()) EvictLocked(std::prev(lru_.end()));
   std::string handle = absl::StrCat(prefix_, next_id_++);
+  entry->last_used_ns.store(NowNs());
   lru_.push_front(handle);
   held_bytes_->fetch_add(bytes);
   cached_bytes_ += bytes;
@@ -142,6 +143,7 @@ absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::s
   if (it != slots_.end()) {
     ++hits_;
     lru_.splice(lru_.begin(), lru_, it->second.lru);
+    it->second.entry->last_used_ns.store(NowNs());
     return it->second.entry;
   }
   ++misses_;
@@ -174,7 +176,7 @@ absl::StatusOr<std::shared_ptr<const WeightEntry>> WeightCache::Get(const std::s
       prefix_, "<n>', returned by PutWeights)"));
 }
 
-absl::Status WeightCache::Drop(const std::string& handle) {
+absl::Status WeightCache::Drop(const std::string& handle, const std::string& caller) {
   absl::MutexLock lock(&mu_);
   auto it = slots_.find(handle);
   if (it == slots_.end()) {
@@ -183,6 +185,9 @@ absl::Status WeightCache::Drop(const std::string& handle) {
     return absl::NotFoundError(
         absl::StrCat("weight handle '", handle, "' not found", evicted ? " (evicted)" : ""));
   }
+  absl::Status mine = CheckOwner(it->second.entry->owner, caller,
+                                 absl::StrCat("weight handle '", handle, "'"));
+  if (!mine.ok()) return mine;
   cached_bytes_ -= it->second.entry->bytes();
   lru_.erase(it->second.lru);
   // Frees the memory now unless a running request holds the entry; its bytes stay in
@@ -190,6 +195,41 @@ absl::Status WeightCache::Drop(const std::string& handle) {
   slots_.erase(it);
   retired_.Remember(handle, Retired::kDropped);
   return absl::OkStatus();
+}
+
+std::vector<StateInfo> WeightCache::List(const std::string& caller) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<StateInfo> mine;
+  for (const auto& [handle, slot] : slots_) {
+    if (slot.entry->owner != caller) continue;
+    StateInfo s;
+    s.kind = StateInfo::Kind::kWeights;
+    s.name = handle;
+    s.bytes = slot.entry->bytes();
+    s.last_used_ns = slot.entry->last_used_ns.load();
+    mine.push_back(std::move(s));
+  }
+  return mine;
+}
+
+std::vector<std::string> WeightCache::DropIdle(int64_t before_ns) {
+  std::vector<std::string> dropped;
+  absl::MutexLock lock(&mu_);
+  for (auto it = slots_.begin(); it != slots_.end();) {
+    const WeightEntry& e = *it->second.entry;
+    const int64_t last = e.last_used_ns.load();
+    if (last >= before_ns) {
+      ++it;
+      continue;
+    }
+    dropped.push_back(absl::StrCat("weight handle ", it->first, " (", e.bytes(),
+                                   " bytes, idle ", (NowNs() - last) / 1000000000, " s)"));
+    cached_bytes_ -= e.bytes();
+    lru_.erase(it->second.lru);
+    retired_.Remember(it->first, Retired::kDropped);
+    slots_.erase(it++);
+  }
+  return dropped;
 }
 
 uint64_t WeightCache::bytes() const { return held_bytes_->load(); }

@@ -14,12 +14,14 @@
 #include <list>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
+#include "server/engine/owner.h"
 #include "server/engine/recent_keys.h"
 
 namespace lossd {
@@ -30,6 +32,9 @@ struct WeightEntry {
   int64_t h = 0;
   std::unique_ptr<BackendBuffer> w;     // (V, H) dtype, backend memory
   std::unique_ptr<BackendBuffer> bias;  // (V) dtype, or null
+  std::string owner;  // the principal that uploaded it (owner.h); "" = anyone's
+  // Set by Insert and every Get, for List and the idle TTL.
+  mutable std::atomic<int64_t> last_used_ns{0};
   uint64_t bytes() const {
     return (w ? w->size() : 0) + (bias ? bias->size() : 0);
   }
@@ -59,8 +64,14 @@ class WeightCache {
   // NOT_FOUND (saying whether it was evicted, dropped or is from another server instance).
   absl::StatusOr<std::shared_ptr<const WeightEntry>> Get(const std::string& handle);
   // Forgets the handle at once; the memory is freed, and its bytes come back to the budget,
-  // when the last running request that holds it lets go.
-  absl::Status Drop(const std::string& handle);
+  // when the last running request that holds it lets go. PERMISSION_DENIED, dropping
+  // nothing, when `caller` does not own it (owner.h).
+  absl::Status Drop(const std::string& handle, const std::string& caller = "");
+  // The handles `caller` owns (all of them for "": no auth), for List.
+  std::vector<StateInfo> List(const std::string& caller) const;
+  // Drops every handle last used before `before_ns`, whoever owns it; returns a line for
+  // each, for the log.
+  std::vector<std::string> DropIdle(int64_t before_ns);
 
   uint64_t budget() const { return budget_; }
   // Bytes of weight memory held now, what --weight_cache_bytes limits besides uploads in

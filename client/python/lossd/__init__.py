@@ -35,6 +35,7 @@ from lossd.client import (  # noqa: F401
     ComputeResult,
     Gradients,
     ServerInfo,
+    StateEntry,
     WeightHandle,
     connect,
 )

@@ -76,6 +76,9 @@ class ComputeResult:
     per_token_loss: Optional[np.ndarray] = None  # (BT) fp32, reduction none
     per_token_z_loss: Optional[np.ndarray] = None  # (BT) fp32, reduction none
     predictions: Optional[np.ndarray] = None  # (BT) int64
+    # Gradients holding NaN or Inf after the call ("dx", "dw", "db"); with an accumulator,
+    # "dw"/"db" mean its sum, which then refuses further use until a reset fetch or a drop.
+    nonfinite: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,20 @@ class ServerInfo:
     max_in_flight: int
     accumulators: int
     features: list = dataclasses.field(default_factory=list)  # see require_feature
+
+
+@dataclasses.dataclass
+class StateEntry:
+    """One weight handle or accumulator of the caller's, as Client.list_state reports it."""
+
+    kind: str  # "weights" or "accumulator"
+    name: str  # the weight handle or the accumulator's name
+    bytes: int  # server memory it holds
+    last_used_unix_ms: int  # created, or last named by a call
+    micro_batches: int = 0  # accumulators: micro-batches summed since the last reset
+
+
+_STATE_KINDS = {pb.STATE_WEIGHTS: "weights", pb.STATE_ACCUMULATOR: "accumulator"}
 
 
 def _parts(tensor_id, arr, part_bytes, begin=0, end=None):
@@ -888,6 +905,19 @@ class Client:
         return Gradients(dw=dw, db=db, micro_batches=look.micro_batches, tokens=look.tokens,
                          instance=look.instance, stripes=stripes, ranges=ranges)
 
+    def list_state(self, *, timeout=None):
+        """The caller's own weight handles and accumulators (what its credential created;
+        everything on a server that checks none), as StateEntry. Needs a server with the
+        "list_state" feature (UnimplementedError naming it otherwise)."""
+        self.require_feature("list_state", timeout=timeout)
+        try:
+            r = self._stub.List(pb.ListRequest(), **self._call_kwargs(timeout))
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, "List") from None
+        return [StateEntry(kind=_STATE_KINDS.get(e.kind, str(e.kind)), name=e.name,
+                           bytes=e.bytes, last_used_unix_ms=e.last_used_unix_ms,
+                           micro_batches=e.micro_batches) for e in r.entries]
+
     def drop_accumulator(self, accumulator, *, timeout=None):
         """Drops a server-side accumulator. Also forgets its server instance, whatever the
         server answers: the next compute into that name may begin a new sum anywhere."""
@@ -1111,7 +1141,8 @@ class Client:
                             backend=summary.backend,
                             accumulated_micro_batches=summary.accumulated_micro_batches,
                             wall_seconds=time.perf_counter() - t_start, bytes_sent=bytes_sent,
-                            bytes_received=asm.received, instance=summary.instance)
+                            bytes_received=asm.received, instance=summary.instance,
+                            nonfinite=[_OUTPUT_NAMES.get(t, str(t)) for t in summary.nonfinite])
         if accumulator:
             self._remember_instance(accumulator, summary.instance)
         for tid, value in tensors.items():
@@ -1127,5 +1158,5 @@ def connect(target="localhost:50051", **kwargs) -> Client:
     return Client(target, **kwargs)
 
 
-__all__ = ["Client", "ComputeResult", "WeightHandle", "Gradients", "ServerInfo", "connect",
-           "DEFAULT_PART_BYTES"]
+__all__ = ["Client", "ComputeResult", "WeightHandle", "Gradients", "ServerInfo", "StateEntry",
+           "connect", "DEFAULT_PART_BYTES"]

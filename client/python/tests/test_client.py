@@ -311,6 +311,30 @@ def test_accumulator(client):
     client.drop_weights(h)
 
 
+def test_overflowed_accumulator_is_reported_and_refused_until_reset(client):
+    x, w, _, t = make_inputs("fp32", seed=5)
+    client.require_feature("nonfinite_outputs")
+    ok = client.compute(x, w, t, reduction="sum", accumulator="inf-acc")
+    assert ok.nonfinite == []
+    r = client.compute(x, w, t, reduction="sum", grad_scale=3e38, accumulator="inf-acc")
+    assert "dw" in r.nonfinite and r.accumulated_micro_batches == 2
+    refused = r"accumulator 'inf-acc' holds a non-finite sum: micro-batch 2 \(a Compute at"
+    with pytest.raises(lossd.FailedPreconditionError, match=refused):
+        client.fetch_gradients("inf-acc")
+    with pytest.raises(lossd.FailedPreconditionError, match=refused):
+        client.compute(x, w, t, reduction="sum", accumulator="inf-acc")
+    with pytest.raises(lossd.FailedPreconditionError, match="returned nothing and zeroed it"):
+        client.fetch_gradients("inf-acc", reset=True)
+    again = client.compute(x, w, t, reduction="sum", accumulator="inf-acc")
+    assert again.accumulated_micro_batches == 1 and again.nonfinite == []
+    g = client.fetch_gradients("inf-acc")
+    assert g.micro_batches == 1 and np.all(np.isfinite(g.dw))
+    # Without an accumulator the overflowed dW comes back, named.
+    plain = client.compute(x, w, t, reduction="sum", grad_scale=3e38)
+    assert "dw" in plain.nonfinite and not np.all(np.isfinite(np.asarray(plain.dw)))
+    client.drop_accumulator("inf-acc")
+
+
 def test_accumulator_shape_must_match(client):
     x, w, _, t = make_inputs("fp32", seed=2)
     client.compute(x, w, t, accumulator="shape-acc")
