@@ -10,10 +10,12 @@
 namespace lossd {
 
 // Sorted, one line each, with what a client may rely on when it is listed.
-inline constexpr std::array<std::string_view, 1> kServerFeatures = {
+inline constexpr std::array<std::string_view, 2> kServerFeatures = {
     // The server refuses a request that carries a field it does not know (INVALID_ARGUMENT
     // naming the message and the field number) instead of ignoring it.
     "refuse_unknown_fields",
+    // LossOptions.token_scaling (Liger's use_token_scaling) is honoured.
+    "token_scaling",
 };
 
 }  // namespace lossd
