@@ -86,6 +86,9 @@ ABSL_FLAG(double, softcap, 0.0, "final logit softcap (0 = off)");
 ABSL_FLAG(double, grad_scale, 1.0, "upstream gradient of the scalar loss");
 ABSL_FLAG(std::string, grad_dtype, "", "gradient dtype: empty = input dtype, or fp32");
 ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk (0 = server chooses)");
+ABSL_FLAG(bool, token_scaling, false,
+          "scale each token's loss and gradient by its target's probability (Liger's "
+          "use_token_scaling; needs a server listing the token_scaling feature)");
 ABSL_FLAG(std::string, weight_handle, "", "use weights uploaded with put-weights");
 ABSL_FLAG(std::string, accumulator, "", "add dW/db into this server-side accumulator");
 ABSL_FLAG(std::string, want, "dx,dw",
@@ -378,6 +381,7 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
   r.options.softcap = static_cast<float>(absl::GetFlag(FLAGS_softcap));
   r.options.grad_scale = static_cast<float>(absl::GetFlag(FLAGS_grad_scale));
   r.options.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
+  r.options.token_scaling = absl::GetFlag(FLAGS_token_scaling);
   if (!absl::GetFlag(FLAGS_grad_dtype).empty()) {
     LOSSCTL_ASSIGN_OR_RETURN(
         g, ParseDTypeFlag("--grad_dtype", absl::GetFlag(FLAGS_grad_dtype), true));

@@ -1005,6 +1005,7 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   o->set_grad_dtype(r.grad_dtype.has_value() ? ToProto(*r.grad_dtype) : v1::DTYPE_UNSPECIFIED);
   o->set_grad_scale(r.options.grad_scale);
   o->set_chunk_rows(r.options.chunk_rows);
+  o->set_token_scaling(r.options.token_scaling);  // false is not on the wire: old servers too
   v1::Outputs* want = h->mutable_outputs();
   want->set_dx(r.want.dx);
   want->set_dw(r.want.dw);

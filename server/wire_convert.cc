@@ -87,6 +87,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.options.softcap = o.softcap();
   spec.options.grad_scale = o.has_grad_scale() ? o.grad_scale() : 1.0f;
   spec.options.chunk_rows = o.chunk_rows();
+  spec.options.token_scaling = o.token_scaling();
   if (o.grad_dtype() == v1::DTYPE_FP32) {
     spec.grad_fp32 = true;
   } else if (o.grad_dtype() != v1::DTYPE_UNSPECIFIED) {

@@ -59,6 +59,7 @@ struct E2eCase {
   Reduction reduction;
   bool bias, class_weights;
   float label_smoothing, z_loss, softcap;
+  bool token_scaling = false;
 };
 
 class E2eOptionsTest : public ::testing::TestWithParam<E2eCase> {};
@@ -71,6 +72,7 @@ TEST_P(E2eOptionsTest, InlineWeightsMatchTheReference) {
   s.options.label_smoothing = c.label_smoothing;
   s.options.z_loss_scale = c.z_loss;
   s.options.softcap = c.softcap;
+  s.options.token_scaling = c.token_scaling;
   s.bias = c.bias;
   s.class_weights = c.class_weights;
   s.grad_output = c.reduction == Reduction::kNone;
@@ -89,7 +91,12 @@ INSTANTIATE_TEST_SUITE_P(
         E2eCase{"bf16_all_options", DType::kBF16, Reduction::kMean, true, true, 0.1f, 1e-3f,
                 15.0f},
         E2eCase{"fp32_smooth_weights_none", DType::kF32, Reduction::kNone, true, true, 0.2f,
-                1e-2f, 0}),
+                1e-2f, 0},
+        // LossOptions.token_scaling travels and is honoured (ServerInfo lists it).
+        E2eCase{"bf16_token_scaling_all_options", DType::kBF16, Reduction::kMean, true, true,
+                0.1f, 1e-3f, 15.0f, true},
+        E2eCase{"fp32_token_scaling_none", DType::kF32, Reduction::kNone, true, false, 0,
+                1e-2f, 0, true}),
     [](const ::testing::TestParamInfo<E2eCase>& i) { return std::string(i.param.name); });
 
 class E2eTest : public ::testing::Test {
@@ -247,6 +254,8 @@ TEST_F(E2eTest, ServerInfoDescribesTheServer) {
   EXPECT_FALSE(info.instance().empty());
   EXPECT_EQ(info.memory_budget_bytes(), h_->engine().options().memory_budget_bytes);
   EXPECT_GT(info.max_part_bytes(), 0u);
+  EXPECT_NE(std::find(info.features().begin(), info.features().end(), "token_scaling"),
+            info.features().end());
 }
 
 TEST_F(E2eTest, HealthCheckSaysServing) { EXPECT_EQ(HealthStatus(h_->channel()), 1); }

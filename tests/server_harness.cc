@@ -220,6 +220,7 @@ v1::ComputeHeader HeaderFor(const RandomProblem& rp, const std::string& weight_h
   o->set_softcap(s.options.softcap);
   o->set_grad_scale(s.options.grad_scale);
   o->set_chunk_rows(s.options.chunk_rows);
+  o->set_token_scaling(s.options.token_scaling);
   v1::Outputs* w = h.mutable_outputs();
   w->set_dx(true);
   w->set_dw(true);

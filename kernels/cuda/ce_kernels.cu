@@ -252,7 +252,18 @@ __device__ __forceinline__ RowTerms TermsOf(const CrossEntropyParams& p, int64_t
   r.ce = Mul(Mul(keep, cwt), Sub(lse, zt));
   if (smooth) r.ce = Add(r.ce, Mul(spread, Sub(Mul(p.class_weight_sum, lse), wz)));
   r.zl = Mul(Mul(p.z_loss_scale, lse), lse);
-  const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+  float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+  if (p.token_scaling) {
+    // s = p_t, rounded to the input dtype as torch.softmax rounds it: the row's loss, z-loss
+    // and gradient coefficients take it here, so the gradient pass costs nothing more.
+    const float e = expf(Sub(zt, lse));
+    const float s = p.elem == kElemBF16  ? ToFloat(FromFloat<__nv_bfloat16>(e))
+                    : p.elem == kElemF16 ? ToFloat(FromFloat<__half>(e))
+                                         : e;
+    r.ce = Mul(r.ce, s);
+    r.zl = Mul(r.zl, s);
+    rs = Mul(rs, s);
+  }
   const float ce_s = Mul(p.ce_scale, rs), z_s = Mul(p.z_scale, rs);
   r.hot = Mul(Mul(ce_s, keep), cwt);
   r.a = Add(r.hot, Mul(Mul(Mul(z_s, 2.0f), p.z_loss_scale), lse));

@@ -21,7 +21,9 @@ enum ElemType : int32_t { kElemBF16 = 0, kElemF16 = 1, kElemF32 = 2 };
 //   ce_i   = (1 - eps) cw_t (lse_i - z'_it) + (eps / V) (S lse_i - sum_j cw_j z'_ij)
 //   g_ij   = [ ce_s ((1 - eps) cw_t (p_ij - [j == t]) + (eps / V)(S p_ij - cw_j))
 //            + z_s 2 zs lse_i p_ij ] * softcap'(z_ij + b_j)
-// with S = sum_j cw_j, ce_s = ce_scale * row_scale_i, z_s = z_scale * row_scale_i.
+// with S = sum_j cw_j, ce_s = ce_scale * row_scale_i, z_s = z_scale * row_scale_i. With
+// token_scaling, ce_i, zs lse_i^2 and g_i are multiplied by s_i = exp(z'_it - lse_i) rounded to
+// elem (Liger's use_token_scaling), taken from the same zt and lse: no extra pass.
 // Every value is read in the input dtype and widened to fp32 inside the kernel, with the same
 // per-thread element order for every dtype, so bf16 logits and the same values given as fp32
 // give bit-identical statistics, and gradients that are identical after rounding.
@@ -44,6 +46,7 @@ struct CrossEntropyParams {
   float softcap;                // > 0: z' = softcap * tanh(z / softcap)
   float class_weight_sum;       // S
   int32_t write_grad;           // 0: statistics only, logits left as they are
+  int32_t token_scaling;        // 1: rows scaled by s_i (see above)
   float* row_lse;               // (rows) lse_i, every row
   float* row_ce;                // (rows) ce_i, 0 for ignored rows
   float* row_z;                 // (rows) zs lse_i^2, 0 for ignored rows

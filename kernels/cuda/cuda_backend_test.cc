@@ -89,6 +89,11 @@ const OptionCase kOptions[] = {
     // Weights of both signs (torch.randn's): mean divides by their sum, whatever its sign.
     {"mean_signed_weights_smooth", Reduction::kMean, 0.1f, 1e-4f, 0, true, true, false, 0.1, 0,
      DType::kI64, false, false, 1, true},
+    // Liger's use_token_scaling: each row's loss, z-loss and gradient times its p_t.
+    {"mean_token_scaling_all", Reduction::kMean, 0.1f, 1e-3f, 5.0f, true, true, false, 0.2, 0,
+     DType::kI64, false, false, 1, false, true},
+    {"none_token_scaling_gradout_chunked", Reduction::kNone, 0, 1e-3f, 0, true, false, true,
+     0.2, 7, DType::kI64, true, false, 1, false, true},
 };
 constexpr int kNumOptions = static_cast<int>(sizeof(kOptions) / sizeof(kOptions[0]));
 

@@ -196,6 +196,7 @@ CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, 
   p.z_scale = scales.z;
   p.label_smoothing = a.options.label_smoothing;
   p.z_loss_scale = a.options.z_loss_scale;
+  p.token_scaling = a.options.token_scaling ? 1 : 0;
   p.softcap = a.options.softcap;
   p.class_weight_sum = static_cast<float>(a.summary.class_weight_sum);
   p.write_grad = write_grad ? 1 : 0;

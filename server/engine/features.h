@@ -10,7 +10,7 @@
 namespace lossd {
 
 // Sorted, one line each, with what a client may rely on when it is listed.
-inline constexpr std::array<std::string_view, 4> kServerFeatures = {
+inline constexpr std::array<std::string_view, 5> kServerFeatures = {
     // The List RPC: the caller's own weight handles and accumulators, sizes and last use.
     "list_state",
     // ComputeSummary.nonfinite names the gradients holding NaN or Inf after a Compute, and an
@@ -24,6 +24,8 @@ inline constexpr std::array<std::string_view, 4> kServerFeatures = {
     // The server refuses a request that carries a field it does not know (INVALID_ARGUMENT
     // naming the message and the field number) instead of ignoring it.
     "refuse_unknown_fields",
+    // LossOptions.token_scaling (Liger's use_token_scaling) is honoured.
+    "token_scaling",
 };
 
 }  // namespace lossd

@@ -932,7 +932,7 @@ class Client:
     def compute(self, x, w, targets, *, bias=None, class_weights=None, grad_output=None,
                 ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
                 softcap=None, grad_dtype=None, grad_scale=None, chunk_rows=0,
-                want_dx=True, want_dw=True, want_db=None, want_lse=False, want_z_loss=False,
+                token_scaling=False, want_dx=True, want_dw=True, want_db=None, want_lse=False, want_z_loss=False,
                 want_accuracy=False, want_predictions=False, accumulator=None,
                 response_part_bytes=None, out=None, timeout=None, overlap=None):
         """Linear + cross-entropy forward and backward on the server.
@@ -947,6 +947,8 @@ class Client:
         grad_dtype: None = the input dtype, or "fp32".
         grad_scale: upstream gradient of the scalar loss (mean, sum); default 1.
         chunk_rows: rows per chunk, 0 = the server chooses.
+        token_scaling: Liger's use_token_scaling: each token's loss and gradient times its
+          target's probability (servers listing the "token_scaling" feature).
         want_*: which outputs to return (the loss always is). want_db defaults to "a bias is
           in use" (for a bare handle string: asked for, and it comes if the handle has one).
           With `accumulator`, dW and db are added to that server-side fp32 accumulator
@@ -1021,6 +1023,7 @@ class Client:
         if grad_scale is not None:
             opts.grad_scale = float(grad_scale)
         opts.chunk_rows = int(chunk_rows)
+        opts.token_scaling = bool(token_scaling)
         outs = header.outputs
         outs.dx = bool(want_dx)
         outs.dw = bool(want_dw) and not accumulator

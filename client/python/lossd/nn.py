@@ -276,10 +276,12 @@ class LossdRuntime:
 
 
 def _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-             accum_dtype, input_dtype, chunk_rows):
+             accum_dtype, input_dtype, chunk_rows, use_token_scaling):
     kw = dict(ignore_index=int(ignore_index), lse_square_scale=float(lse_square_scale),
               label_smoothing=float(label_smoothing), reduction=reduction,
               softcap=float(softcap) if softcap else None, chunk_rows=int(chunk_rows or 0))
+    if use_token_scaling:
+        kw["token_scaling"] = True  # left out otherwise: a server without the feature is fine
     if ce_weight is not None:
         kw["class_weights"] = ce_weight.detach().to(torch.float32)
     if accum_dtype is not None and accum_dtype != input_dtype:
@@ -307,9 +309,6 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
                 use_token_scaling, return_token_accuracy, return_predicted_tokens, chunk_size,
                 runtime, grad_enabled=_NOT_PASSED):
-        if use_token_scaling:
-            raise errors.UnimplementedError(
-                "use_token_scaling is not part of the lossd v1 wire contract", method="nn")
         if reduction not in ("mean", "sum", "none"):
             raise errors.InvalidArgumentError(
                 "reduction must be 'mean', 'sum' or 'none', got %r" % (reduction,))
@@ -331,7 +330,7 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         x2 = _input.reshape(-1, h)
         t1 = target.reshape(-1)
         opts = _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
-                        softcap, accum_dtype, _input.dtype, chunk_size)
+                        softcap, accum_dtype, _input.dtype, chunk_size, use_token_scaling)
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         need_db = grad_enabled and bias is not None and ctx.needs_input_grad[3]
@@ -501,7 +500,8 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
 
     Keyword-only extras: server ("host:port") or client (a lossd.Client), cache_weights,
     accumulator, eager_accumulation, grad_scale, timeout, part_bytes (see LossdRuntime).
-    chunk_size maps to the server's chunk_rows. use_token_scaling is not supported.
+    chunk_size maps to the server's chunk_rows. use_token_scaling needs a server that lists
+    the "token_scaling" feature (ServerInfo).
     """
 
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
@@ -520,9 +520,6 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
         if softcap is not None and not softcap > 0:
             raise errors.InvalidArgumentError(
                 "softcap must greater than 0.0 or None. Got: %s" % softcap)
-        if use_token_scaling:
-            raise errors.UnimplementedError(
-                "use_token_scaling is not part of the lossd v1 wire contract", method="nn")
         self.ce_weight = ce_weight
         self.ignore_index = ignore_index
         self.lse_square_scale = lse_square_scale

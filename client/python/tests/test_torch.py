@@ -29,8 +29,14 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 def torch_reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
-                    label_smoothing=0.0, reduction="mean", softcap=None, upstream=None):
-    """float64 torch: returns loss, z_loss, accuracy, predictions and grads of x, w, b."""
+                    label_smoothing=0.0, reduction="mean", softcap=None, upstream=None,
+                    token_scaling=False):
+    """float64 torch: returns loss, z_loss, accuracy, predictions and grads of x, w, b.
+    token_scaling: Liger's use_token_scaling, written out (each row's loss and z-loss times
+    its target's detached softmax probability)."""
+    if token_scaling:
+        return _token_scaled_reference(x, w, t, b, ce_weight, ignore_index, lse_square_scale,
+                                       label_smoothing, reduction, softcap, upstream)
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
     b64 = None if b is None else b.detach().double().requires_grad_()
@@ -56,6 +62,41 @@ def torch_reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, lse_squa
     else:
         z_loss = zl.reshape(t.shape)
         loss = loss.reshape(t.shape) + z_loss
+    up = torch.ones_like(loss) if upstream is None else upstream.double()
+    loss.backward(up)
+    pred = z2.argmax(-1)
+    acc = ((pred == t1) & valid).sum().double() / valid.sum().clamp(min=1)
+    return dict(loss=loss.detach(), z_loss=z_loss.detach(), acc=float(acc), pred=pred,
+                dx=x64.grad, dw=w64.grad, db=None if b64 is None else b64.grad, z=z2.detach())
+
+
+def _token_scaled_reference(x, w, t, b, ce_weight, ignore_index, lse_square_scale,
+                            label_smoothing, reduction, softcap, upstream):
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    z = F.linear(x64, w64, b64)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z2, t1 = z.reshape(-1, z.shape[-1]), t.reshape(-1)
+    cw = None if ce_weight is None else ce_weight.double()
+    valid = t1 != ignore_index
+    ce = F.cross_entropy(z2, t1, weight=cw, ignore_index=ignore_index,
+                         label_smoothing=label_smoothing, reduction="none")
+    zl = lse_square_scale * torch.logsumexp(z2, -1) ** 2 * valid
+    safe_t = torch.where(valid, t1, torch.zeros_like(t1))
+    s = torch.softmax(z2.detach(), -1).gather(1, safe_t.unsqueeze(1)).squeeze(1) * valid
+    ce, zl = ce * s, zl * s
+    if reduction == "mean":
+        wsum = valid.sum() if cw is None else (cw[safe_t] * valid).sum()
+        z_loss = zl.sum() / valid.sum()
+        loss = ce.sum() / wsum + z_loss
+    elif reduction == "sum":
+        z_loss = zl.sum()
+        loss = ce.sum() + z_loss
+    else:
+        z_loss = zl.reshape(t.shape)
+        loss = ce.reshape(t.shape) + z_loss
     up = torch.ones_like(loss) if upstream is None else upstream.double()
     loss.backward(up)
     pred = z2.argmax(-1)
@@ -96,6 +137,13 @@ CASES = {
     "return_predicted_tokens_ignored": {"return_predicted_tokens": True, "ignore": True,
                                         "ignore_index": 2},
     "accum_dtype_fp32": {"accum_dtype": torch.float32},
+    "token_scaling": {"use_token_scaling": True, "ignore": True},
+    "token_scaling_none": {"use_token_scaling": True, "reduction": "none",
+                           "lse_square_scale": 0.03, "return_z_loss": True, "ignore": True},
+    "token_scaling_everything": {"use_token_scaling": True, "bias": True, "ce_weight": True,
+                                 "ignore": True, "lse_square_scale": 0.02,
+                                 "label_smoothing": 0.1, "softcap": 3.0,
+                                 "return_z_loss": True},
     "chunk_size": {"chunk_size": 8},
     "batch_by_time_input": {"shape": (5, 9)},
     "no_weight_cache": {"cache_weights": False, "bias": True},
@@ -141,7 +189,8 @@ def test_module_matches_torch(client, dtype, case):
     ref = torch_reference(x, w, t, b, ce_weight=ce_weight, ignore_index=ignore_index,
                           lse_square_scale=o.get("lse_square_scale", 0.0),
                           label_smoothing=o.get("label_smoothing", 0.0), reduction=reduction,
-                          softcap=o.get("softcap"), upstream=upstream)
+                          softcap=o.get("softcap"), upstream=upstream,
+                          token_scaling=o.get("use_token_scaling", False))
     if reduction == "none":
         assert loss.shape == t.shape
         assert_close("loss", loss, ref["loss"], dtype)
@@ -303,9 +352,23 @@ def test_eager_accumulation_refuses_a_scaled_loss(client):
     module.release()
 
 
-def test_use_token_scaling_is_refused():
-    with pytest.raises(lossd.UnimplementedError):
-        LossdFusedLinearCrossEntropyLoss(use_token_scaling=True, server="127.0.0.1:1")
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_functional_token_scaling(client, reduction):
+    x, w, b, t = make("fp32", bias=True, seed=33)
+    t[:5] = -100
+    out = lossd_fused_linear_cross_entropy(x, w, t, b, reduction=reduction,
+                                           use_token_scaling=True,
+                                           runtime=lossd.nn.LossdRuntime(client=client))
+    (out * 1.5).backward()
+    ref = torch_reference(x, w, t, b, reduction=reduction, upstream=torch.tensor(1.5),
+                          token_scaling=True)
+    plain = torch_reference(x, w, t, b, reduction=reduction)
+    # The scaled loss is visibly not the plain one, so the comparison below can fail.
+    assert abs(float(ref["loss"]) - float(plain["loss"])) > 0.1 * abs(float(plain["loss"]))
+    assert_scalar("loss", float(out.detach()), float(ref["loss"]), "fp32")
+    assert_close("x.grad", x.grad, ref["dx"], "fp32")
+    assert_close("w.grad", w.grad, ref["dw"], "fp32")
+    assert_close("b.grad", b.grad, ref["db"], "fp32")
 
 
 def test_functional_form(client):
