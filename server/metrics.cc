@@ -139,11 +139,13 @@ void ServerMetrics::CountRequest(const std::string& method, const char* code) {
 
 void ServerMetrics::ObservePhase(const std::string& method, const char* phase,
                                  double seconds) {
-  // Never destroyed: a static vector would be freed at exit, after gRPC threads that are not
-  // joined (and that TSan cannot order) have read it.
+  // Up to 600 s, the default deadline of lossctl, the C++ and the Python client, so a call
+  // that runs into it still lands in a finite bucket (the p99 reads "at the deadline", not
+  // "+Inf"); 1200 s for callers who raise it. Never destroyed: a static vector would be freed
+  // at exit, after gRPC threads that are not joined (and that TSan cannot order) have read it.
   static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
-      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-      0.25,   0.5,   1,      2.5,   5,    10,    30,    60};
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+      1,      2.5,   5,      10,    30,    60,    120,  300, 600,  1200};
   durations_->Add({{"method", method}, {"phase", phase}}, *kBuckets).Observe(seconds);
 }
 

@@ -207,6 +207,12 @@ def check_dashboard(path, rules_out):
               "panel %r has a gridPos inside 24 columns" % p.get("title"))
         tg = p.get("targets", [])
         check(tg, "panel %r has queries" % p.get("title"))
+        # A rate or a count on a 0-100% axis reads as nonsense (evictions/s once sat beside
+        # the hit ratio): every query of a percent panel must be a ratio.
+        if p.get("fieldConfig", {}).get("defaults", {}).get("unit") in ("percent", "percentunit"):
+            for t in tg:
+                check("/" in t.get("expr", ""), "percent panel %r shows a non-ratio query %r"
+                      % (p.get("title"), t.get("legendFormat", t.get("refId"))))
         for t in tg:
             e = t.get("expr", "")
             check(e, "panel %r query has an expr" % p.get("title"))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the Python client tests, the live Prometheus test, the deploy/ manifest checks and the
+# Runs the Python client tests, the live Prometheus test, the promtool unit tests of the alert
+# and recording rules, the deploy/ manifest checks and the
 # bench/plots parser test, each writing a JUnit report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
 # Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/server/lossd),
@@ -62,6 +63,8 @@ suite "python client" python3 -m pytest -q -p no:cacheprovider client/python/tes
   --junitxml="$REPORTS/python_client.xml"
 suite "prometheus end-to-end" python3 -m pytest -q -p no:cacheprovider \
   tests/prometheus/test_prometheus.py --junitxml="$REPORTS/prometheus_e2e.xml"
+suite "prometheus rules (promtool unit tests)" python3 -m pytest -q -p no:cacheprovider \
+  tests/prometheus/test_rules.py --junitxml="$REPORTS/prometheus_rules.xml"
 suite "deploy manifests" env JUNIT_XML="$REPORTS/deploy_manifests.xml" \
   tests/prometheus/check_manifests.sh
 suite "bench plots parser" python3 -m pytest -q -p no:cacheprovider \
