@@ -182,12 +182,6 @@ int Main() {
     auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
   }
 
-  // (This Abseil keeps "was it on the command line" private: a value equal to the default
-  // counts as the default, which changes nothing for it.)
-  auto at_default = [](absl::string_view name) {
-    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
-    return f != nullptr && f->CurrentValue() == f->DefaultValue();
-  };
   // Host-memory defaults follow the container's limit where it is below the machine's.
   const HostMemoryLimit host = ReadHostMemoryLimit();
   uint64_t memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
