@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the Python client tests, the live Prometheus test, the promtool unit tests of the alert
-# and recording rules, the deploy/ manifest checks and the
-# bench/plots parser test, each writing a JUnit report into REPORT_DIR (default: a temporary
+# and recording rules, the deploy/ manifest checks, the bench/plots parser test and
+# Liger-Kernel's fused linear cross-entropy tests (tools/liger_check), each writing a JUnit
+# report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
 # Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/server/lossd),
 #      LOSSD_SKIP_PIP=1 to skip installing the Python packages below,
@@ -44,6 +45,11 @@ if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
     python3 -m pip install -q torch ||
       echo "run_all: torch could not be installed; the torch tests will be skipped"
   fi
+  # Liger-Kernel's own tests import transformers (its test helpers do).
+  if [[ "${LOSSD_TEST_TORCH:-0}" == "1" && -n "$(missing_of transformers)" ]]; then
+    python3 -m pip install -q transformers ||
+      echo "run_all: transformers could not be installed; the Liger tests will be skipped"
+  fi
 fi
 
 status=0
@@ -69,4 +75,7 @@ suite "deploy manifests" env JUNIT_XML="$REPORTS/deploy_manifests.xml" \
   tests/prometheus/check_manifests.sh
 suite "bench plots parser" python3 -m pytest -q -p no:cacheprovider \
   bench/plots/test_plot_results.py --junitxml="$REPORTS/bench_plots.xml"
+# Liger-Kernel's fused linear cross-entropy tests, unmodified, through the torch module (about
+# 2 min on 2 cores); a skipped case where torch, transformers or Liger's sdist is missing.
+suite "liger fused linear cross-entropy" tools/liger_check/run.sh "$REPORTS/liger_flce.xml"
 exit $status

@@ -121,6 +121,7 @@ CASES = {
     "plain": {},
     "bias": {"bias": True},
     "ce_weight": {"ce_weight": True},
+    "ce_weight_signed": {"ce_weight": "signed", "ignore": True},  # torch.randn-like weights
     "ignore_index": {"ignore": True},
     "ignore_index_custom": {"ignore_index": 3},
     "lse_square_scale": {"lse_square_scale": 0.05},
@@ -168,8 +169,11 @@ def test_module_matches_torch(client, dtype, case):
         t[(torch.rand(t.shape, generator=g) < 0.3).to(DEVICE)] = ignore_index
     if "ignore_index" in o:
         t.view(-1)[:4] = ignore_index
-    ce_weight = ((torch.rand(V, generator=g) * 1.8 + 0.2).to(DEVICE)
-                 if o.pop("ce_weight", False) else None)
+    cw_kind = o.pop("ce_weight", False)
+    ce_weight = ((torch.rand(V, generator=g) * 1.8 + 0.2).to(DEVICE) if cw_kind else None)
+    if cw_kind == "signed":
+        ce_weight = (torch.randn(V, generator=g) + 0.5).to(DEVICE)
+        assert bool((ce_weight < 0).any())
     cache = o.pop("cache_weights", True)
     module = LossdFusedLinearCrossEntropyLoss(ce_weight=ce_weight, client=client,
                                               cache_weights=cache, **o)
