@@ -25,6 +25,10 @@ int64_t IdleWatch::Entry::LastActivity() const {
 }
 
 std::string IdleWatch::Entry::Reason() const {
+  if (write_stalled_.load()) {
+    return absl::StrCat("the client took no response message for ",
+                        absl::FormatDuration(timeout_), " (--stream_idle_timeout)");
+  }
   return absl::StrCat("no message from the client for ", absl::FormatDuration(timeout_),
                       " (--stream_idle_timeout)");
 }
@@ -72,8 +76,15 @@ void IdleWatch::Loop() {
     const int64_t now = Entry::Now();
     std::vector<std::shared_ptr<Entry>> due;
     for (const auto& e : entries_) {
-      if (e->armed_.load(std::memory_order_acquire) && !e->expired_.load() &&
-          now - e->LastActivity() >= limit) {
+      if (e->expired_.load()) continue;
+      const bool idle =
+          e->armed_.load(std::memory_order_acquire) && now - e->LastActivity() >= limit;
+      // A write the client has not taken: flow control holds it because the client stopped
+      // reading (the transport's buffers are full), whatever else the stream is doing.
+      const bool stalled = e->writing_.load(std::memory_order_acquire) &&
+                           now - e->write_since_ns_.load(std::memory_order_relaxed) >= limit;
+      if (idle || stalled) {
+        if (!idle) e->write_stalled_.store(true);
         e->expired_.store(true);
         e->firing_ = true;
         due.push_back(e);

@@ -1,9 +1,10 @@
-// Cancels streams on which lossd waits for its client and nothing arrives for a while
-// (--stream_idle_timeout). A client that opens a Compute or a PutWeights and then stalls would
-// otherwise hold what the stream was given (its share of the memory budget, its weight-cache
-// reservation, its in-flight slot) until its deadline, or for ever without one, while other
-// clients queue behind it. Only waiting for the client counts: a stream waiting for memory,
-// for the executor or for its own writes is disarmed.
+// Cancels streams on which lossd waits for its client for a while (--stream_idle_timeout):
+// nothing arrives, or a response message is not taken. A client that opens a Compute or a
+// PutWeights and then stalls, or that stops reading a Compute's or a FetchGradients' results,
+// would otherwise hold what the stream was given (its share of the memory budget, its
+// weight-cache reservation, its in-flight slot) until its deadline, or for ever without one,
+// while other clients queue behind it. Only waiting for the client counts: a stream waiting
+// for memory or for the executor is disarmed and has no write in flight.
 #ifndef LOSSD_SERVER_IDLE_WATCH_H_
 #define LOSSD_SERVER_IDLE_WATCH_H_
 
@@ -31,13 +32,22 @@ class IdleWatch {
     void Disarm() { armed_.store(false, std::memory_order_relaxed); }
     // A message arrived.
     void Touch() { last_ns_.store(Now(), std::memory_order_relaxed); }
+    // A response message was handed to gRPC: the client must take it (gRPC completes the
+    // write once flow control lets it out) within the timeout, armed or not.
+    void WriteStarted() {
+      write_since_ns_.store(Now(), std::memory_order_relaxed);
+      writing_.store(true, std::memory_order_release);
+    }
+    // The write completed (or failed); the client took it.
+    void WriteDone() { writing_.store(false, std::memory_order_relaxed); }
     // Also counts `other`'s time as activity of this stream (the stripes of one upload: a
     // stripe waiting for its siblings is not idle while they still send). `other` must
     // outlive the entry's Unwatch.
     void Follow(const std::atomic<int64_t>* other) { follow_.store(other); }
     // The watch cancelled this stream.
     bool expired() const { return expired_.load(); }
-    // The wait that expired, for the stream's status: "no message from the client for 60s".
+    // The wait that expired, for the stream's status: "no message from the client for 60s",
+    // or "the client took no response message for 60s".
     std::string Reason() const;
 
     static int64_t Now();
@@ -53,6 +63,9 @@ class IdleWatch {
     std::atomic<int64_t> last_ns_{Now()};
     std::atomic<bool> armed_{false};
     std::atomic<bool> expired_{false};
+    std::atomic<int64_t> write_since_ns_{0};
+    std::atomic<bool> writing_{false};
+    std::atomic<bool> write_stalled_{false};  // expired for a write the client did not take
     std::atomic<const std::atomic<int64_t>*> follow_{nullptr};
     bool firing_ = false;   // guarded by the watch's mu_
     bool watched_ = true;   // guarded by the watch's mu_
@@ -66,7 +79,8 @@ class IdleWatch {
   IdleWatch& operator=(const IdleWatch&) = delete;
 
   // A new, disarmed entry; `expire` runs once, on the watch's thread, when the entry has been
-  // armed and idle for the timeout (for a gRPC stream: its context's TryCancel).
+  // armed and idle for the timeout, or a write of it has been in flight for the timeout (for
+  // a gRPC stream: its context's TryCancel).
   std::shared_ptr<Entry> Watch(std::function<void()> expire);
   // Forgets the entry; once it returns, `expire` is not running and never will. Safe from
   // inside `expire` itself (gRPC may run a cancelled call's OnDone inline).

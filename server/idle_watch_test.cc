@@ -45,6 +45,32 @@ TEST(IdleWatchTest, AnArmedIdleEntryExpiresOnceAndAnUnarmedOneNever) {
   watch.Unwatch(unarmed);
 }
 
+// A write the client does not take expires the entry, armed or not (a stream that sends
+// results has no read pending); writes that complete in time, one after another for longer
+// than the timeout in all, do not.
+TEST(IdleWatchTest, AWriteNotTakenWithinTheTimeoutExpires) {
+  IdleWatch watch(kTimeout, kTick);
+  std::atomic<int> fired{0};
+  auto e = watch.Watch([&] { ++fired; });
+  for (int i = 0; i < 10; ++i) {  // 10 x 50 ms writes
+    e->WriteStarted();
+    absl::SleepFor(absl::Milliseconds(50));
+    e->WriteDone();
+  }
+  absl::SleepFor(2 * kTimeout);  // no write in flight, disarmed: waiting for itself
+  EXPECT_EQ(fired.load(), 0);
+  EXPECT_FALSE(e->expired());
+  e->WriteStarted();
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(Eventually([&] { return fired.load() == 1; }));
+  EXPECT_GE(absl::Now() - start, kTimeout);
+  EXPECT_TRUE(e->expired());
+  EXPECT_NE(e->Reason().find("the client took no response message for 200ms"),
+            std::string::npos)
+      << e->Reason();
+  watch.Unwatch(e);
+}
+
 TEST(IdleWatchTest, TouchesAndAFollowedClockKeepItAlive) {
   IdleWatch watch(kTimeout, kTick);
   std::atomic<int> fired{0};

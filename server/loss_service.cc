@@ -108,20 +108,19 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   }
 
   void OnWriteDone(bool ok) override {
+    idle_->WriteDone();
     if (overlap_) {
       {
         absl::MutexLock lock(&mu_);
         writing_ = false;
-        if (!ok && error_.ok()) {
-          error_ = absl::CancelledError("the client went away while results were being sent");
-        }
+        if (!ok && error_.ok()) error_ = WriteFailed();
       }
       if (!ok) FailRows();
       Progress();
       return;
     }
     if (!ok) {
-      FinishOnce(absl::CancelledError("the client went away while results were being sent"));
+      FinishOnce(WriteFailed());
       return;
     }
     SendNext();
@@ -183,6 +182,18 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
           absl::StrCat("the Compute was cancelled by the server: ", idle_->Reason()));
     }
     return absl::CancelledError("the client cancelled the Compute");
+  }
+
+  // Why a write failed: the idle watch found the client not reading, or it went away.
+  absl::Status WriteFailed() const {
+    if (idle_->expired()) return Cancelled();
+    return absl::CancelledError("the client went away while results were being sent");
+  }
+
+  // Every response message goes out here: the client has --stream_idle_timeout to take it.
+  void Write() {
+    idle_->WriteStarted();
+    StartWrite(&response_);
   }
 
   absl::Status OnHeader() {
@@ -334,7 +345,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     }
     send_started_ = absl::Now();
     response_ = client::EncodeMessage(response);
-    StartWrite(&response_);
+    Write();
   }
 
   // From here a failure of the call leaves the accumulator's sum in doubt (FinishOnce).
@@ -399,7 +410,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       return;
     }
     offset_ += EncodeOutputPart(output_, offset_, plan_->outputs[output_].bytes);
-    StartWrite(&response_);
+    Write();
   }
 
   // Sets response_ to the part of output `i` that starts at `offset`, at most
@@ -433,7 +444,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       handling_read_ = true;
       response_ = client::EncodeMessage(response);
     }
-    StartWrite(&response_);
+    Write();
     // Nothing but X to wait for (BT = 0 and every other input empty): start at once.
     absl::Status s_start = MaybeStartCompute();
     if (!s_start.ok()) {
@@ -607,7 +618,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       if (done) finishing_ = true;
     }
     if (write) {
-      StartWrite(&response_);
+      Write();
     } else if (done) {
       if (finish.ok()) {
         service_->metrics()->ObservePhase("Compute", "send", send_seconds);
@@ -961,7 +972,10 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
  public:
   FetchGradientsReactor(LossService* service, grpc::CallbackServerContext* ctx,
                         const grpc::ByteBuffer* raw_request)
-      : service_(service), ctx_(ctx), started_(absl::Now()) {
+      : service_(service),
+        ctx_(ctx),
+        started_(absl::Now()),
+        idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {
     absl::Status s = service_->Enter(ctx, "FetchGradients", &client_);
     if (!s.ok()) {
       entered_ = false;
@@ -1043,8 +1057,13 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   }
 
   void OnWriteDone(bool ok) override {
+    idle_->WriteDone();
     if (!ok) {
-      FinishOnce(absl::CancelledError("the client went away while gradients were being sent"));
+      FinishOnce(idle_->expired()
+                     ? absl::DeadlineExceededError(absl::StrCat(
+                           "the FetchGradients was cancelled by the server: ", idle_->Reason()))
+                     : absl::CancelledError(
+                           "the client went away while gradients were being sent"));
       return;
     }
     SendNext();
@@ -1052,6 +1071,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
 
   void OnDone() override {
     LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+    service_->idle_watch().Unwatch(idle_);
     if (ok_reset_ && ctx_->IsCancelled()) {
       // Finished OK, but the status never reached the client (it gave up at the last
       // moment): it sees a failure, so the reset is undone as for one (on the executor; the
@@ -1106,6 +1126,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
     h->set_instance(service_->options().instance);
     offset_ = snapshot_.begin;
     response_ = client::EncodeMessage(response);
+    idle_->WriteStarted();  // the client has --stream_idle_timeout to take it
     StartWrite(&response_);
   }
 
@@ -1124,6 +1145,7 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
         in_db ? v1::TENSOR_DB : v1::TENSOR_DW, in_db ? offset_ - dw_bytes : offset_,
         OutputSlice(data_, (*data_)[0].get() + (offset_ - snapshot_.begin), n));
     offset_ += n;
+    idle_->WriteStarted();  // the client has --stream_idle_timeout to take it
     StartWrite(&response_);
   }
 
@@ -1168,6 +1190,8 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   LossService* const service_;
   grpc::CallbackServerContext* const ctx_;
   const absl::Time started_;
+  // Never armed (the call reads nothing after its request): times the writes alone.
+  const std::shared_ptr<IdleWatch::Entry> idle_;
   bool entered_ = true;
   std::string client_;  // for the per-client in-flight count
   std::atomic<bool> finished_{false};

@@ -80,8 +80,9 @@ ABSL_FLAG(bool, overlap_start_when_busy, false,
           "or running (default: only on an idle executor).");
 ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Seconds(60),
           "A Compute or PutWeights stream on which lossd waits for the client (its header, "
-          "its parts, a striped upload's other stripes) and nothing arrives for this long is "
-          "cancelled, giving back its memory and reservations; 0 turns it off.");
+          "its parts, a striped upload's other stripes) and nothing arrives for this long, or "
+          "a Compute or FetchGradients whose client takes no response message for this long, "
+          "is cancelled, giving back its memory and reservations; 0 turns it off.");
 ABSL_FLAG(absl::Duration, overlap_stall, absl::Seconds(10),
           "Overlapped Computes: longest wait for the next rows of X while the compute holds "
           "the device; then DEADLINE_EXCEEDED.");

@@ -916,6 +916,95 @@ TEST(IdleStreamTest, AComputeWithAHeaderAloneIsCancelled) {
   ExpectServes(h);
 }
 
+// A client that stops reading its results: the server's writes wait on flow control, and
+// after --stream_idle_timeout without a write taken the call is cancelled and its admitted
+// memory given back, while the client still holds the stream (it held 9.6 MB of a 15 MB
+// budget past the timeout, so that a second identical call waited and failed).
+class StalledReaderTest : public ::testing::TestWithParam<bool> {};
+
+RandomProblem LargeOutputProblem() {
+  RandomProblemSpec s = SmallSpec(DType::kF32, 12);
+  s.bt = 16;
+  s.h = 512;
+  s.v = 16384;  // dW is 32 MiB: far more than flow control lets through unread
+  return RandomProblem::Make(s);
+}
+
+double DeadlineExceeded(Harness& h, const char* method) {
+  return std::max(0.0, MetricValue(h.ScrapeMetrics(), "lossd_requests_total",
+                                   absl::StrCat(R"(code="DEADLINE_EXCEEDED",method=")", method,
+                                                "\"")));
+}
+
+// Waits up to `seconds` for `done`; true when it came.
+template <typename F>
+bool WaitUntil(F done, double seconds = 10) {
+  const absl::Time until = absl::Now() + absl::Seconds(seconds);
+  while (!done() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+  return done();
+}
+
+TEST_P(StalledReaderTest, AComputeWhoseClientStopsReadingIsCancelledAndFreesItsMemory) {
+  HarnessOptions o;
+  o.service.stream_idle_timeout = absl::Milliseconds(300);
+  Harness h(o);
+  const double before = DeadlineExceeded(h, "Compute");
+  RandomProblem rp = LargeOutputProblem();
+  grpc::ClientContext ctx;  // no deadline
+  auto stream = h.stub().Compute(&ctx);
+  v1::ComputeRequest header;
+  *header.mutable_header() = HeaderFor(rp);
+  header.mutable_header()->set_overlap(GetParam());
+  ASSERT_TRUE(stream->Write(header));
+  for (const v1::ComputeRequest& part : testing_harness::XLast(PartsFor(rp, 1 << 20))) {
+    ASSERT_TRUE(stream->Write(part));
+  }
+  ASSERT_TRUE(stream->WritesDone());
+  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
+      << "the compute was never admitted";
+  // Nothing is read: the server must let go of the call by itself.
+  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
+  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, "Compute") == before + 1; }))
+      << "the server's own status";
+  v1::ComputeResponse r;
+  while (stream->Read(&r)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  ExpectServes(h);
+}
+
+INSTANTIATE_TEST_SUITE_P(Overlap, StalledReaderTest, ::testing::Bool());
+
+TEST(StalledReaderFetchTest, AFetchWhoseClientStopsReadingIsCancelledAndFreesItsMemory) {
+  HarnessOptions o;
+  o.service.stream_idle_timeout = absl::Milliseconds(300);
+  Harness h(o);
+  RandomProblem rp = LargeOutputProblem();
+  v1::ComputeHeader hc = HeaderFor(rp);
+  hc.set_accumulator("stalled-fetch");
+  ASSERT_TRUE(RunCompute(h.stub(), hc, PartsFor(rp, 1 << 20)).status.ok());
+  const double before = DeadlineExceeded(h, "FetchGradients");
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest fr;
+  fr.set_accumulator("stalled-fetch");
+  auto reader = h.stub().FetchGradients(&ctx, fr);
+  // The host copy of dW comes out of the memory budget while it is sent.
+  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
+      << "the fetch was never admitted";
+  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
+  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, "FetchGradients") == before + 1; }))
+      << "the server's own status";
+  v1::FetchGradientsResponse m;
+  while (reader->Read(&m)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // Nothing was reset: the whole sum is still there for a client that reads.
+  auto g = h.engine().FetchGradients("stalled-fetch", false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->micro_batches, 1u);
+  ExpectServes(h);
+}
+
 TEST_F(E2eTest, ADeadlineThatPassesMidStreamFreesTheRequest) {
   RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kF32, 6));
   grpc::ClientContext ctx;
