@@ -58,7 +58,8 @@ refuse "--weight_cache_bytes=4611686018427387904 plus --accumulator_bytes=107374
   --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=1073741824
 refuse "exceed the cpu backend's host memory of " \
   --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=4611686018427387904
+refuse "--state_idle_ttl must be >= 0 (0 = off); got -1s" --port=0 --state_idle_ttl=-1s
 if [ "$bad" -ne 0 ]; then
   exit 1
 fi
-echo "lossd refuses 8 out-of-range flag settings, naming each"
+echo "lossd refuses 9 out-of-range flag settings, naming each"

@@ -28,6 +28,7 @@
 #include "kernels/plugin_loader.h"
 #include "server/engine/engine.h"
 #include "server/auth.h"
+#include "server/idle_state_sweep.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
 #include "server/store_budgets.h"
@@ -89,6 +90,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "File of bearer tokens (one per line, # comments); when set every Loss RPC needs "
           "'authorization: Bearer <token>'. Health checks need none.");
+ABSL_FLAG(absl::Duration, state_idle_ttl, absl::ZeroDuration(),
+          "Drop weight handles and accumulators no call has named for this long, and log each "
+          "(0 = never).");
 ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
 
 namespace lossd {
@@ -238,7 +242,21 @@ int Main() {
                  absl::FormatDuration(eo.overlap_stall).c_str());
     return 1;
   }
+  const absl::Duration state_ttl = absl::GetFlag(FLAGS_state_idle_ttl);
+  if (state_ttl < absl::ZeroDuration()) {
+    std::fprintf(stderr, "lossd: --state_idle_ttl must be >= 0 (0 = off); got %s\n",
+                 absl::FormatDuration(state_ttl).c_str());
+    return 1;
+  }
   Engine engine(std::move(*backend), eo);
+  // Declared after the engine, so it stops before the engine goes.
+  std::unique_ptr<IdleStateSweep> state_sweep;
+  if (state_ttl > absl::ZeroDuration()) {
+    state_sweep = std::make_unique<IdleStateSweep>(&engine, state_ttl, [](const std::string& l) {
+      std::printf("lossd: %s\n", l.c_str());  // where the start-up line goes
+      std::fflush(stdout);
+    });
+  }
 
   ServerMetrics metrics([&engine] {
     StateSample s;

@@ -2,6 +2,8 @@
 and an accumulator belong to the token that made them; the other token is refused
 (PERMISSION_DENIED) for every use, fetch and drop, and list_state shows each token its own."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,26 @@ def test_without_auth_state_is_anyones(client):
         assert other.fetch_gradients("open-acc").micro_batches == 2
         other.drop_accumulator("open-acc")
         other.drop_weights(h)
+
+
+def test_idle_state_is_dropped_after_the_ttl_and_logged(tmp_path):
+    srv = LossdProcess(find_lossd_binary(), str(tmp_path / "lossd.log"),
+                       extra_flags=["--state_idle_ttl=400ms"])
+    try:
+        with lossd.Client(srv.address, timeout=30) as c:
+            x, w, t = problem(3)
+            h = c.put_weights(w)
+            c.compute(x, h, t, accumulator="idle-acc")
+            assert {e.name for e in c.list_state()} == {h.handle, "idle-acc"}
+            deadline = time.time() + 10
+            while c.list_state() and time.time() < deadline:
+                time.sleep(0.05)
+            assert c.list_state() == []
+            with pytest.raises(lossd.NotFoundError):
+                c.fetch_gradients("idle-acc")
+        log = srv.log_tail(20000)
+        assert "lossd: dropped weight handle %s (%d bytes, idle " % (h.handle, w.nbytes) in log
+        assert "lossd: dropped accumulator idle-acc (" in log
+        assert "unused for longer than --state_idle_ttl=400ms" in log
+    finally:
+        srv.stop()
