@@ -122,6 +122,11 @@ grpc::Status FakeLossService::Compute(
     }
     tokens += targets[i] != h.options().ignore_index();
   }
+  // As lossd reports an overflow: a grad_scale past fp32's reach leaves Inf in dX and dW.
+  if (h.options().has_grad_scale() && h.options().grad_scale() > 1e38f) {
+    s->add_nonfinite(v1::TENSOR_DX);
+    s->add_nonfinite(v1::TENSOR_DW);
+  }
   s->set_loss(1.5f);
   s->set_z_loss(0.25f);
   s->set_accuracy(0.125f);

@@ -648,6 +648,18 @@ TEST_F(LossClientTest, ServerInfo) {
   EXPECT_EQ(info->accumulators, 3u);
 }
 
+TEST_F(LossClientTest, NonFiniteOutputsAreReported) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest();
+  absl::StatusOr<ComputeResult> fine = client->Compute(r);
+  ASSERT_TRUE(fine.ok()) << fine.status();
+  EXPECT_TRUE(fine->nonfinite.empty());
+  r.options.grad_scale = 3e38f;
+  absl::StatusOr<ComputeResult> inf = client->Compute(r);
+  ASSERT_TRUE(inf.ok()) << inf.status();
+  EXPECT_EQ(inf->nonfinite, (std::vector<OutputTensor>{OutputTensor::kDx, OutputTensor::kDw}));
+}
+
 TEST_F(LossClientTest, RequireFeatureAsksServerInfoOnceAndNamesWhatIsMissing) {
   {
     absl::MutexLock lock(&fake_.mu);

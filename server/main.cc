@@ -29,6 +29,7 @@
 #include "server/engine/instance_id.h"
 #include "server/auth.h"
 #include "server/build_info.h"
+#include "server/idle_state_sweep.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
 #include "server/part_flags.h"
@@ -96,6 +97,9 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
 ABSL_FLAG(bool, reflection, false,
           "Serve gRPC server reflection (grpc.reflection); with --auth_tokens_file it needs a "
           "token like the Loss service.");
+ABSL_FLAG(absl::Duration, state_idle_ttl, absl::ZeroDuration(),
+          "Drop weight handles and accumulators no call has named for this long, and log each "
+          "(0 = never).");
 ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
 
 namespace lossd {
@@ -246,7 +250,21 @@ int Main() {
                  absl::FormatDuration(eo.overlap_stall).c_str());
     return 1;
   }
+  const absl::Duration state_ttl = absl::GetFlag(FLAGS_state_idle_ttl);
+  if (state_ttl < absl::ZeroDuration()) {
+    std::fprintf(stderr, "lossd: --state_idle_ttl must be >= 0 (0 = off); got %s\n",
+                 absl::FormatDuration(state_ttl).c_str());
+    return 1;
+  }
   Engine engine(std::move(*backend), eo);
+  // Declared after the engine, so it stops before the engine goes.
+  std::unique_ptr<IdleStateSweep> state_sweep;
+  if (state_ttl > absl::ZeroDuration()) {
+    state_sweep = std::make_unique<IdleStateSweep>(&engine, state_ttl, [](const std::string& l) {
+      std::printf("lossd: %s\n", l.c_str());  // where the start-up line goes
+      std::fflush(stdout);
+    });
+  }
 
   ServerMetrics metrics([&engine] {
     StateSample s;

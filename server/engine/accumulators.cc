@@ -182,23 +182,16 @@ absl::Status AccumulatorStore::Drop(const std::string& name, const std::string& 
 }
 
 std::vector<StateInfo> AccumulatorStore::List(const std::string& caller) const {
-  std::vector<std::shared_ptr<Accumulator>> mine;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [name, acc] : map_) {
-      if (acc->owner == caller) mine.push_back(acc);
-    }
-  }
+  absl::MutexLock lock(&mu_);
   std::vector<StateInfo> out;
-  for (const auto& acc : mine) {
+  for (const auto& [name, acc] : map_) {
+    if (acc->owner != caller) continue;
     StateInfo s;
     s.kind = StateInfo::Kind::kAccumulator;
     s.name = acc->name;
     s.bytes = AccumulatorBytes(acc->v, acc->h, acc->has_bias);
     s.last_used_ns = acc->last_used_ns.load();
-    // Outside the store's lock: a Compute may hold the accumulator's for a whole compute.
-    absl::MutexLock lock(&acc->mu);
-    s.micro_batches = acc->micro_batches;
+    s.micro_batches = acc->listed_micro_batches.load();
     out.push_back(std::move(s));
   }
   return out;

@@ -31,7 +31,10 @@ struct Accumulator {
   std::unique_ptr<BackendBuffer> db;  // (V) fp32, or null
   // Serialises updates and reads: micro-batches add in the order they reach the executor.
   absl::Mutex mu;
-  uint64_t micro_batches ABSL_GUARDED_BY(mu) = 0;
+  uint64_t micro_batches ABSL_GUARDED_BY(mu) = 0;  // change it with SetMicroBatches
+  // micro_batches, readable without mu: a Compute holds mu for its whole run, and List must
+  // not wait on a gRPC thread for that.
+  std::atomic<uint64_t> listed_micro_batches{0};
   int64_t tokens ABSL_GUARDED_BY(mu) = 0;
   bool poisoned ABSL_GUARDED_BY(mu) = false;  // a failed update may have left it partial
   // Bumped by every add and every fetch's snapshot: an undone reset (Engine::UndoReset) must
@@ -43,6 +46,12 @@ struct Accumulator {
   // accumulator and every fetch of it is refused (NonFiniteSumStatus).
   std::string nonfinite_by ABSL_GUARDED_BY(mu);
 };
+
+// Sets acc.micro_batches and its lock-free copy.
+inline void SetMicroBatches(Accumulator& acc, uint64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(acc.mu) {
+  acc.micro_batches = n;
+  acc.listed_micro_batches.store(n);
+}
 
 // Records that the micro-batch just counted (acc.micro_batches) left a NaN or Inf in the sum;
 // `bits`: LossStats' NonFiniteBits. Keeps the first such micro-batch.

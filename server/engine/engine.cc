@@ -781,7 +781,7 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
       acc->poisoned = true;
       return r;
     }
-    acc->micro_batches += 1;
+    SetMicroBatches(*acc, acc->micro_batches + 1);
     acc->tokens += tokens;
     ++acc->generation;
     if ((r.stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0) {
@@ -1009,7 +1009,7 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
       acc.poisoned = true;
       return s;
     }
-    acc.micro_batches = 0;
+    SetMicroBatches(acc, 0);
     acc.tokens = 0;
     ++acc.resets;
     ++acc.generation;
@@ -1043,7 +1043,7 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
       acc.poisoned = true;
       return s;
     }
-    acc.micro_batches = 0;
+    SetMicroBatches(acc, 0);
     acc.tokens = 0;
     ++acc.resets;
     g.reset_of = *a;
@@ -1074,7 +1074,7 @@ std::string Engine::UndoReset(const GradientsSnapshot& g, const uint8_t* data) {
     return absl::StrCat("; undoing its reset failed (", s.message(), "), so accumulator '",
                         acc.name, "' now refuses further use until it is dropped");
   }
-  acc.micro_batches = g.micro_batches;
+  SetMicroBatches(acc, g.micro_batches);
   acc.tokens = g.tokens;
   return absl::StrCat("; its reset was undone: accumulator '", acc.name, "' holds its ",
                       g.micro_batches, " micro-batches again");

@@ -26,6 +26,7 @@ WANT=(
   //kernels/cuda:liblossd_cuda.so
   //bench/kernel:bench_kernel
   //kernels/cuda:ce_kernels_test
+  //kernels/cuda:nonfinite_test
   //kernels/cuda:cuda_backend_test
   //kernels/cuda:sticky_error_test
   //kernels/cuda:plugin_exposer_test

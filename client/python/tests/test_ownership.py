@@ -1,6 +1,11 @@
-"""State ownership and List against a lossd started with two bearer tokens: a weight handle
-and an accumulator belong to the token that made them; the other token is refused
-(PERMISSION_DENIED) for every use, fetch and drop, and list_state shows each token its own."""
+"""State ownership, List and the idle TTL against lossd: a weight handle and an accumulator
+belong to the credential that made them (a bearer token, or a verified client certificate);
+another one is refused (PERMISSION_DENIED) for every use, fetch and drop, and list_state shows
+each its own. Without auth state is anyone's; --state_idle_ttl drops what is left idle."""
+
+import shutil
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -76,3 +81,80 @@ def test_without_auth_state_is_anyones(client):
         assert other.fetch_gradients("open-acc").micro_batches == 2
         other.drop_accumulator("open-acc")
         other.drop_weights(h)
+
+
+def test_idle_state_is_dropped_after_the_ttl_and_logged(tmp_path):
+    srv = LossdProcess(find_lossd_binary(), str(tmp_path / "lossd.log"),
+                       extra_flags=["--state_idle_ttl=400ms"])
+    try:
+        with lossd.Client(srv.address, timeout=30) as c:
+            x, w, t = problem(3)
+            h = c.put_weights(w)
+            c.compute(x, h, t, accumulator="idle-acc")
+            assert {e.name for e in c.list_state()} == {h.handle, "idle-acc"}
+            deadline = time.time() + 10
+            while c.list_state() and time.time() < deadline:
+                time.sleep(0.05)
+            assert c.list_state() == []
+            with pytest.raises(lossd.NotFoundError):
+                c.fetch_gradients("idle-acc")
+        log = srv.log_tail(20000)
+        assert "lossd: dropped weight handle %s (%d bytes, idle " % (h.handle, w.nbytes) in log
+        assert "lossd: dropped accumulator idle-acc (" in log
+        assert "unused for longer than --state_idle_ttl=400ms" in log
+    finally:
+        srv.stop()
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def mtls_server(tmp_path_factory):
+    """lossd with mutual TLS and no tokens: the client certificate is the credential."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    d = tmp_path_factory.mktemp("mtls-own")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.pem", "-days", "1", "-subj", "/CN=lossd-owner-ca", cwd=d)
+    for name, ext in (("server", "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n"),
+                      ("alice", "extendedKeyUsage=clientAuth\n"),
+                      ("bob", "extendedKeyUsage=clientAuth\n")):
+        (d / ("%s.ext" % name)).write_text(ext)
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "%s.key" % name, "-out",
+                 "%s.csr" % name, "-subj", "/CN=%s" % name, cwd=d)
+        _openssl("x509", "-req", "-in", "%s.csr" % name, "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", "%s.pem" % name, "-days", "1", "-extfile",
+                 "%s.ext" % name, cwd=d)
+
+    def client_kwargs(who):
+        return dict(tls_ca_file=str(d / "ca.pem"), tls_cert_file=str(d / ("%s.pem" % who)),
+                    tls_key_file=str(d / ("%s.key" % who)))
+
+    srv = LossdProcess(find_lossd_binary(), str(d / "lossd.log"),
+                       extra_flags=["--tls_cert=%s" % (d / "server.pem"),
+                                    "--tls_key=%s" % (d / "server.key"),
+                                    "--tls_client_ca=%s" % (d / "ca.pem")],
+                       client_kwargs=client_kwargs("alice"), host="localhost")
+    yield srv, client_kwargs
+    srv.stop()
+
+
+def test_state_belongs_to_its_client_certificate(mtls_server):
+    srv, kw = mtls_server
+    with lossd.Client(srv.address, timeout=30, **kw("alice")) as a, \
+            lossd.Client(srv.address, timeout=30, **kw("bob")) as b:
+        x, w, t = problem(4)
+        h = a.put_weights(w)
+        a.compute(x, h, t, accumulator="alice-acc")
+        with pytest.raises(lossd.PermissionDeniedError,
+                           match="accumulator 'alice-acc' belongs to another credential"):
+            b.fetch_gradients("alice-acc")
+        with pytest.raises(lossd.PermissionDeniedError, match="belongs to another credential"):
+            b.drop_weights(h)
+        assert {e.name for e in a.list_state()} == {h.handle, "alice-acc"}
+        assert b.list_state() == []
+        assert a.fetch_gradients("alice-acc").micro_batches == 1
+        a.drop_accumulator("alice-acc")
+        a.drop_weights(h)
