@@ -1,19 +1,24 @@
-"""Builds the lossd wheel, generating the gRPC stubs from proto/lossd/v1/lossd.proto.
+"""Builds the lossd wheel and sdist. Everything but the build-time steps is in pyproject.toml.
 
-The proto is found by walking up from this folder to the repository's proto/ (or at
-$LOSSD_PROTO_ROOT). The stubs are written into the build directory only, so the wheel carries
-them and the source tree never does. The generated code requires grpcio and protobuf at least
-as new as the generator, so those lower bounds are computed here.
+- The wheel carries lossd/v1/lossd.binpb, lossd.proto's serialized descriptor, which protoc
+  (grpcio-tools, a build-time requirement only) writes into the build directory; lossd.v1 builds
+  its message classes from it at import with whatever protobuf is installed, so the runtime
+  floors are what the code needs, not the generator's version.
+- The sdist carries proto/lossd/v1/lossd.proto, so a wheel can be built from it alone.
+- Nothing is written into the source tree: the build directory and the egg-info go to a
+  temporary folder (pip builds in place, where setuptools would leave build/ and *.egg-info).
+The proto is found by walking up from this folder to proto/ (or at $LOSSD_PROTO_ROOT).
 """
 
+import atexit
 import importlib.util
 import os
-import re
 import shutil
 import tempfile
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,25 +38,27 @@ if _PROTO_ROOT is None:
         HERE, _gen.ENV_PROTO_ROOT))
 
 
-def _requirements():
-    from grpc_tools import grpc_version
-
-    tmp = tempfile.mkdtemp()
-    try:
-        pkg = _gen.generate(_PROTO_ROOT, tmp)
-        with open(os.path.join(pkg, "lossd_pb2.py")) as f:
-            m = re.search(r"Protobuf Python Version: (\d+\.\d+\.\d+)", f.read())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    reqs = ["numpy>=1.22", "grpcio>=%s" % grpc_version.VERSION, "grpcio-health-checking"]
-    reqs.append("protobuf>=%s" % m.group(1) if m else "protobuf")
-    return reqs
-
-
-class BuildPyWithStubs(build_py):
+class BuildPyWithDescriptor(build_py):
     def run(self):
         super().run()
         _gen.generate(_PROTO_ROOT, self.build_lib)
 
 
-setup(install_requires=_requirements(), cmdclass={"build_py": BuildPyWithStubs})
+class SdistWithProto(sdist):
+    def make_release_tree(self, base_dir, files):
+        super().make_release_tree(base_dir, files)
+        dest = os.path.join(base_dir, "proto", _gen.PROTO_REL)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copyfile(os.path.join(_PROTO_ROOT, _gen.PROTO_REL), dest)
+
+
+_scratch = tempfile.mkdtemp(prefix="lossd-build-")
+atexit.register(shutil.rmtree, _scratch, True)
+
+setup(
+    cmdclass={"build_py": BuildPyWithDescriptor, "sdist": SdistWithProto},
+    options={
+        "build": {"build_base": os.path.join(_scratch, "build")},
+        "egg_info": {"egg_base": _scratch},
+    },
+)

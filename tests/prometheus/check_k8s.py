@@ -239,9 +239,17 @@ def check_dockerfile(path):
     text = open(path).read()
     froms = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.M | re.I)
     check(len(froms) >= 2, "multi-stage build (%d FROM lines)" % len(froms))
+    # The bases are build arguments; their defaults are the CUDA images.
+    args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, re.M))
+    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), f[0])
+             for f in froms]
+    check(all(f[0].startswith("${") for f in froms if f[0] != "build"),
+          "every base is a build argument: %s" % [f[0] for f in froms])
     if froms:
-        check("devel" in froms[0][0], "build stage on a CUDA devel base: %s" % froms[0][0])
-        check("runtime" in froms[-1][0], "final stage on a CUDA runtime base: %s" % froms[-1][0])
+        check("nvidia/cuda" in bases[0] and "devel" in bases[0],
+              "build stage defaults to a CUDA devel base: %s" % bases[0])
+        check("nvidia/cuda" in bases[-1] and "runtime" in bases[-1],
+              "final stage defaults to a CUDA runtime base: %s" % bases[-1])
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     check(users and users[-1].split(":")[0] not in ("root", "0"), "final USER is not root")
     check(re.search(r'^ENTRYPOINT\s+\[', text, re.M), "ENTRYPOINT in exec form (lossd is PID 1)")

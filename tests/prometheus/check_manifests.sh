@@ -111,7 +111,7 @@ for overlay in dev-cpu gpu-prod; do
 done
 run_check "kustomize build base" sh -c "kubectl kustomize '$DEPLOY/k8s/base' > /dev/null"
 run_check "grafana dashboard (structure, metrics, PromQL)" dashboard
-run_check "Dockerfile (multi-stage, CUDA bases, non-root)" \
+run_check "Dockerfile (multi-stage, bases as build arguments defaulting to CUDA, non-root)" \
   python3 "$HERE/check_k8s.py" dockerfile "$DEPLOY/Dockerfile"
 
 if [ -n "${JUNIT_XML:-}" ]; then

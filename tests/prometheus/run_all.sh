@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs the Python client tests, the live Prometheus test, the promtool unit tests of the alert
-# and recording rules, the deploy/ manifest checks, the bench/plots parser test and
+# Runs the Python client tests, the packaging check (client/python/pkgtest: sdist -> wheel ->
+# fresh venv -> calls against lossd), the live Prometheus test, the promtool unit tests of the
+# alert and recording rules, the deploy/ manifest checks, the bench/plots parser test and
 # Liger-Kernel's fused linear cross-entropy tests (tools/liger_check), each writing a JUnit
 # report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
@@ -18,7 +19,7 @@ mkdir -p "$REPORTS"
 export LOSSD_BIN=${LOSSD_BIN:-$(cd "$ROOT" && bazel info bazel-bin 2>/dev/null)/server/lossd}
 
 PY_PACKAGES=(numpy grpcio grpcio-tools grpcio-health-checking protobuf pytest pyyaml
-             yamllint kubernetes-validate matplotlib)
+             yamllint kubernetes-validate matplotlib build)
 missing_of() {  # package names -> the ones not installed
   python3 - "$@" <<'PY'
 import importlib.metadata as md
@@ -67,6 +68,8 @@ suite() {  # name command...
 
 suite "python client" python3 -m pytest -q -p no:cacheprovider client/python/tests \
   --junitxml="$REPORTS/python_client.xml"
+suite "python packaging (sdist -> wheel -> fresh venv)" python3 -m pytest -q -p no:cacheprovider \
+  client/python/pkgtest/test_package.py --junitxml="$REPORTS/python_package.xml"
 suite "prometheus end-to-end" python3 -m pytest -q -p no:cacheprovider \
   tests/prometheus/test_prometheus.py --junitxml="$REPORTS/prometheus_e2e.xml"
 suite "prometheus rules (promtool unit tests)" python3 -m pytest -q -p no:cacheprovider \
