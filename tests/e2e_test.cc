@@ -530,6 +530,26 @@ TEST_F(BadInputTest, ShapesOfAnyRankAreEchoedWithinABound) {
          "the Compute header is 200059 bytes, more than the 65536 a header may have");
 }
 
+// A name the client chose is echoed as its start and its length, before its own checks.
+TEST_F(BadInputTest, AClientChosenNameIsEchoedWithinABound) {
+  grpc::ClientContext ctx;
+  v1::FetchGradientsRequest fr;
+  fr.set_accumulator(std::string(1 << 20, 'a'));
+  fr.set_accumulator_instance("0000abcd");
+  auto reader = h_->stub().FetchGradients(&ctx, fr);
+  v1::FetchGradientsResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  const grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_LE(st.error_message().size(), 1024u);
+  EXPECT_NE(st.error_message().find("accumulator '" + std::string(64, 'a') +
+                                    "... (1048576 bytes)' began on another server instance"),
+            std::string::npos)
+      << st.error_message();
+  ExpectServes(*h_);
+}
+
 // Request metadata is bounded by the server (8 KiB): a call with a 4 MiB header value is
 // refused by gRPC with RESOURCE_EXHAUSTED, and the server serves the next call.
 TEST_F(BadInputTest, MetadataOverTheLimitIsRefused) {
@@ -950,13 +970,15 @@ TEST_P(StalledReaderTest, AComputeWhoseClientStopsReadingIsCancelledAndFreesItsM
   Harness h(o);
   const double before = DeadlineExceeded(h, "Compute");
   RandomProblem rp = LargeOutputProblem();
+  // Made before the stream opens: the server waits for them no longer than the timeout.
+  const std::vector<v1::ComputeRequest> parts = testing_harness::XLast(PartsFor(rp, 1 << 20));
   grpc::ClientContext ctx;  // no deadline
   auto stream = h.stub().Compute(&ctx);
   v1::ComputeRequest header;
   *header.mutable_header() = HeaderFor(rp);
   header.mutable_header()->set_overlap(GetParam());
   ASSERT_TRUE(stream->Write(header));
-  for (const v1::ComputeRequest& part : testing_harness::XLast(PartsFor(rp, 1 << 20))) {
+  for (const v1::ComputeRequest& part : parts) {
     ASSERT_TRUE(stream->Write(part));
   }
   ASSERT_TRUE(stream->WritesDone());

@@ -958,7 +958,8 @@ absl::Status Engine::CheckAccumulatorInstance(const std::string& expected,
   if (!s.ok()) return s;
   return absl::FailedPreconditionError(absl::StrCat(
       field, " '", expected, "' is not this server (instance '", options_.instance,
-      "'): accumulator '", name, "' began on another server instance (another replica, or "
+      "'): accumulator '", ClippedText(name), "' began on another server instance (another "
+      "replica, or "
       "this server before a restart, which lost its accumulators), and nothing of it is here. "
       "Keep a trainer's calls on one replica; after a restart drop the accumulator and start "
       "its sum again"));
