@@ -12,6 +12,7 @@ from lossd.errors import (  # noqa: F401
     AbortedError,
     AlreadyExistsError,
     CancelledError,
+    ClientClosedError,
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,

@@ -527,13 +527,23 @@ class Client:
         self._acc_instances = collections.OrderedDict()
         self._acc_lock = threading.Lock()
         self._features = None  # (version, frozenset of names) from the first server_info
+        self._closed = False
 
     # -- plumbing -----------------------------------------------------------------------
 
     def close(self):
+        """Closes the channels this client opened (not one it was given). Later calls raise
+        ClientClosedError; closing twice is harmless."""
+        self._closed = True
         if self._own_channel:
             for c in self._channels:
                 c.close()
+
+    def _check_open(self, method):
+        if self._closed:
+            raise errors.ClientClosedError(
+                "this lossd.Client (target %s) was closed; make a new one" % self.target,
+                method=method)
 
     def __enter__(self):
         return self
@@ -543,12 +553,14 @@ class Client:
 
     @property
     def _stub(self):
+        self._check_open(None)
         with self._next_lock:
             i = next(self._next)
         return self._stubs[i % len(self._stubs)]
 
     def _next_stubs(self, n):
         """n distinct stubs (n <= connections), taken round-robin."""
+        self._check_open(None)
         with self._next_lock:
             first = next(self._next)
             for _ in range(n - 1):
@@ -600,6 +612,7 @@ class Client:
 
     def wait_for_ready(self, timeout=30.0):
         """Blocks until the channel connects; raises UnavailableError after `timeout` s."""
+        self._check_open("connect")
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -610,6 +623,7 @@ class Client:
         """grpc.health.v1 Check: returns the status name, e.g. "SERVING"."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        self._check_open("Health.Check")
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service),

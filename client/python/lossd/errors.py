@@ -90,6 +90,11 @@ class UnauthenticatedError(LossdError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class ClientClosedError(FailedPreconditionError, ValueError):
+    """A call on a Client after close(). A ValueError too, as gRPC's own error for a closed
+    channel was, so code that caught that keeps working."""
+
+
 class ProtocolError(InternalError):
     """The server's reply broke the wire contract (parts out of order, sizes wrong)."""
 

@@ -412,6 +412,24 @@ def test_server_info_and_health(client):
     assert "refuse_unknown_fields" in info.features
 
 
+def test_a_closed_client_raises_its_own_error(lossd_server):
+    c = lossd.Client(lossd_server.address, timeout=30)
+    assert c.server_info().instance
+    c.close()
+    c.close()  # twice is harmless
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    for call in (c.server_info, c.health, lambda: c.compute(x, w, np.arange(4)),
+                 lambda: c.put_weights(w), lambda: c.fetch_gradients("a"), c.list_state):
+        with pytest.raises(lossd.ClientClosedError, match=r"lossd.Client \(target .+\) was closed"):
+            call()
+    # One type for all of them, still a ValueError (gRPC's own, which it replaces) and a
+    # LossdError like every other failure of the client.
+    assert issubclass(lossd.ClientClosedError, ValueError)
+    assert issubclass(lossd.ClientClosedError, lossd.LossdError)
+
+
 def test_require_feature(client):
     client.require_feature("refuse_unknown_fields")
     with pytest.raises(lossd.UnimplementedError,
