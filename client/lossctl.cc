@@ -104,6 +104,8 @@ ABSL_FLAG(bool, put_weights, false, "bench: upload W once and use the handle");
 // Handles and accumulators.
 ABSL_FLAG(std::string, handle, "", "drop-weights: the handle");
 ABSL_FLAG(bool, reset, false, "fetch-gradients: zero the accumulator after reading");
+ABSL_FLAG(std::string, service, "",
+          "health: the service to check (empty = the whole server; lossd.v1.Loss)");
 
 namespace lossd {
 namespace client {
@@ -116,8 +118,8 @@ Commands:
   compute           one Compute: inputs from --x --w --targets [--bias --class_weights
                     --grad_output] (.npy) or random (--bt --h --v [--dtype]); prints the loss,
                     writes outputs (--want) to --out_dir as <name>.npy
-  bench             --calls Computes at --concurrency on random data; latency p50/p90/p99,
-                    calls/s, tokens/s, GB/s; --put_weights uploads W once; --accumulator
+  bench             --calls Computes at --concurrency on random data; a progress line each
+                    second, then latency p50/p90/p99, calls/s, tokens/s, GB/s; --put_weights uploads W once; --accumulator
                     adds every call there, then fetches it with reset (a striped reset
                     drops it): name one of its own
   put-weights       upload W [and bias] (--w/--bias or random --v --h); prints the handle
@@ -126,6 +128,7 @@ Commands:
   drop-accumulator  --accumulator
   list              the caller's own weight handles and accumulators: kind, name, bytes,
                     seconds since last use, micro-batches
+  health            [--service]: the gRPC health check; exit 0 only when SERVING
 
 Global flags: --target --deadline_seconds --part_bytes --connections --stripes --metadata
               --tls --tls_ca --tls_cert --tls_key --tls_server_name --auth_token[_file].
@@ -584,6 +587,9 @@ absl::Status RunBench() {
   int64_t errors = 0;
   std::atomic<int64_t> next{0};
   const absl::Time start = absl::Now();
+  // A progress line at most once a second (and after the last call), so a long run shows it
+  // is moving; stdout is line-buffered (main).
+  absl::Time last_progress = start;
   std::vector<std::thread> threads;
   for (int t = 0; t < concurrency; ++t) {
     threads.emplace_back([&] {
@@ -598,6 +604,12 @@ absl::Status RunBench() {
         compute.push_back(res->compute_seconds);
         sent += res->bytes_sent;
         received += res->bytes_received;
+        const int64_t done = static_cast<int64_t>(latency.size()) + errors;
+        if (absl::Now() - last_progress >= absl::Seconds(1) || done == calls) {
+          last_progress = absl::Now();
+          absl::PrintF("progress    %d/%d calls, %d failed, last %.2f ms\n", done, calls, errors,
+                       1e3 * res->wall_seconds);
+        }
       }
     });
   }
@@ -679,6 +691,21 @@ absl::Status RunFetchGradients() {
   return absl::OkStatus();
 }
 
+// The gRPC health check; exits non-zero unless the server answers SERVING (a probe, a script
+// waiting for a server).
+absl::Status RunHealth() {
+  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  const std::string service = absl::GetFlag(FLAGS_service);
+  LOSSCTL_ASSIGN_OR_RETURN(status, client->Health(service));
+  absl::PrintF("status      %s\n", status);
+  if (status != "SERVING") {
+    return absl::UnavailableError(absl::StrCat(
+        service.empty() ? "the server" : absl::StrCat("service '", service, "'"), " is ",
+        status));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunList() {
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   LOSSCTL_ASSIGN_OR_RETURN(entries, client->List());
@@ -715,6 +742,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   TuneMallocForLargeMessages();
+  // Each line as it is printed, also into a pipe (bench's progress, a script reading along).
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const std::string command = args[1];
   const std::map<std::string, absl::Status (*)()> commands = {
       {"info", &RunInfo},
@@ -725,6 +754,7 @@ int main(int argc, char** argv) {
       {"fetch-gradients", &RunFetchGradients},
       {"drop-accumulator", &RunDropAccumulator},
       {"list", &RunList},
+      {"health", &RunHealth},
   };
   auto it = commands.find(command);
   if (it == commands.end()) {

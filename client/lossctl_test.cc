@@ -46,6 +46,7 @@ bool SameBytes(const HostTensor& a, const HostTensor& b) {
 class LossctlTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(&fake_);
@@ -87,6 +88,29 @@ class LossctlTest : public ::testing::Test {
   int port_ = 0;
   std::string dir_;
 };
+
+TEST_F(LossctlTest, Health) {
+  Result r = Lossctl("health");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("status      SERVING\n"));
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  r = Lossctl("health");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("status      NOT_SERVING\n"));
+  EXPECT_THAT(r.output, HasSubstr("lossctl health: UNAVAILABLE: the server is NOT_SERVING"));
+  r = Lossctl("health --service=no.such.Service");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("lossctl health: NOT_FOUND: Health.Check: "));
+}
+
+TEST_F(LossctlTest, BenchPrintsProgressAsItGoes) {
+  Result r = Lossctl("bench --bt=8 --h=4 --v=16 --calls=5 --warmup=0");
+  ASSERT_EQ(r.code, 0) << r.output;
+  // The last call always prints a progress line, before the summary.
+  const size_t progress = r.output.find("progress    5/5 calls, 0 failed, last ");
+  ASSERT_NE(progress, std::string::npos) << r.output;
+  EXPECT_LT(progress, r.output.find("latency_ms  p50 ")) << r.output;
+}
 
 TEST_F(LossctlTest, Info) {
   Result r = Lossctl("info");

@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "client/health_check.h"
 #include "client/part_codec.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -1440,6 +1441,13 @@ absl::Status LossClient::DropAccumulator(const std::string& accumulator, const C
   grpc::ClientContext ctx;
   PrepareContext(call, &ctx);
   return FromGrpcStatus(NextConnection().stub->DropAccumulator(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::string> LossClient::Health(const std::string& service,
+                                               const CallOptions& call) {
+  grpc::ClientContext ctx;
+  PrepareContext(call, &ctx);
+  return CheckHealth(*NextConnection().generic, &ctx, service);
 }
 
 absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call) {

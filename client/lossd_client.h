@@ -274,6 +274,9 @@ class LossClient {
   // into that name may begin a new sum on any server.
   absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
   absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});
+  // The gRPC health check (grpc.health.v1): "SERVING", "NOT_SERVING", ... for `service` ("" =
+  // the whole server; "lossd.v1.Loss" = the loss service). Needs no token.
+  absl::StatusOr<std::string> Health(const std::string& service = "", const CallOptions& call = {});
   // The caller's own weight handles and accumulators (what its credential created; all of
   // them on a server that checks none). UNIMPLEMENTED from a server without "list_state".
   absl::StatusOr<std::vector<StateEntry>> List(const CallOptions& call = {});
