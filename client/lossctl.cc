@@ -33,6 +33,7 @@
 #include "absl/time/time.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
+#include "client/lossctl_output.h"
 #include "client/npy.h"
 #include "kernels/dtype.h"
 #include "kernels/loss_problem.h"
@@ -104,6 +105,9 @@ ABSL_FLAG(bool, put_weights, false, "bench: upload W once and use the handle");
 // Handles and accumulators.
 ABSL_FLAG(std::string, handle, "", "drop-weights: the handle");
 ABSL_FLAG(bool, reset, false, "fetch-gradients: zero the accumulator after reading");
+ABSL_FLAG(bool, json, false,
+          "print one JSON object on stdout when the command ends (bench: progress as JSON "
+          "lines before it) instead of text; errors also go into it as \"error\"");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (empty = the whole server; lossd.v1.Loss)");
 
@@ -482,51 +486,75 @@ absl::Status MakeDir(const std::string& dir) {
   return absl::OkStatus();
 }
 
-absl::Status RunInfo() {
+absl::Status RunInfo(CommandOutput& out) {
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   LOSSCTL_ASSIGN_OR_RETURN(info, client->ServerInfo());
-  absl::PrintF("target              %s\n", client->options().target);
-  absl::PrintF("version             %s\n", info.version);
-  absl::PrintF("instance            %s\n", info.instance);
-  absl::PrintF("backend             %s\n", info.backend);
-  absl::PrintF("device              %s\n", info.device);
-  absl::PrintF("memory_total        %d bytes (%s)\n", info.memory_total_bytes,
-               Gb(info.memory_total_bytes));
-  absl::PrintF("memory_budget       %d bytes (%s)\n", info.memory_budget_bytes,
-               Gb(info.memory_budget_bytes));
-  absl::PrintF("memory_in_use       %d bytes\n", info.memory_in_use_bytes);
-  absl::PrintF("weight_cache        %d of %d bytes\n", info.weight_cache_bytes,
-               info.weight_cache_budget_bytes);
-  absl::PrintF("max_part_bytes      %d\n", info.max_part_bytes);
-  absl::PrintF("max_bt max_h max_v  %d %d %d\n", info.max_bt, info.max_h, info.max_v);
-  absl::PrintF("max_in_flight       %d\n", info.max_in_flight);
-  absl::PrintF("accumulators        %d\n", info.accumulators);
+  auto field = [&](const char* key, JsonValue v, std::string text) {
+    out.Field(key, std::move(v), absl::StrFormat("%-19s %s", key, text));
+  };
+  field("target", client->options().target, client->options().target);
+  field("version", info.version, info.version);
+  field("instance", info.instance, info.instance);
+  field("backend", info.backend, info.backend);
+  field("device", info.device, info.device);
+  field("memory_total", info.memory_total_bytes,
+        absl::StrFormat("%d bytes (%s)", info.memory_total_bytes, Gb(info.memory_total_bytes)));
+  field("memory_budget", info.memory_budget_bytes,
+        absl::StrFormat("%d bytes (%s)", info.memory_budget_bytes, Gb(info.memory_budget_bytes)));
+  field("memory_in_use", info.memory_in_use_bytes,
+        absl::StrFormat("%d bytes", info.memory_in_use_bytes));
+  out.Field("weight_cache_bytes", info.weight_cache_bytes,
+            absl::StrFormat("weight_cache        %d of %d bytes", info.weight_cache_bytes,
+                            info.weight_cache_budget_bytes));
+  out.Field("weight_cache_budget_bytes", info.weight_cache_budget_bytes, "");
+  field("max_part_bytes", uint64_t{info.max_part_bytes}, absl::StrCat(info.max_part_bytes));
+  out.Field("max_bt", info.max_bt,
+            absl::StrFormat("max_bt max_h max_v  %d %d %d", info.max_bt, info.max_h, info.max_v));
+  out.Field("max_h", info.max_h, "");
+  out.Field("max_v", info.max_v, "");
+  field("max_in_flight", uint64_t{info.max_in_flight}, absl::StrCat(info.max_in_flight));
+  field("accumulators", uint64_t{info.accumulators}, absl::StrCat(info.accumulators));
+  field("features", info.features, absl::StrJoin(info.features, " "));
   return absl::OkStatus();
 }
 
-void PrintResult(const ComputeResult& res) {
-  absl::PrintF("loss        %.9g\n", res.loss);
-  absl::PrintF("z_loss      %.9g\n", res.z_loss);
-  absl::PrintF("accuracy    %.6g\n", res.accuracy);
-  absl::PrintF("tokens      %d\n", res.tokens);
-  absl::PrintF("backend     %s\n", res.backend);
-  absl::PrintF("compute_s   %.6f\n", res.compute_seconds);
-  absl::PrintF("wall_s      %.6f\n", res.wall_seconds);
-  absl::PrintF("sent        %s, received %s\n", Gb(res.bytes_sent), Gb(res.bytes_received));
+void PrintResult(const ComputeResult& res, CommandOutput& out) {
+  out.Field("loss", double{res.loss}, absl::StrFormat("loss        %.9g", res.loss));
+  out.Field("z_loss", double{res.z_loss}, absl::StrFormat("z_loss      %.9g", res.z_loss));
+  out.Field("accuracy", double{res.accuracy}, absl::StrFormat("accuracy    %.6g", res.accuracy));
+  out.Field("tokens", int64_t{res.tokens}, absl::StrFormat("tokens      %d", res.tokens));
+  out.Field("backend", res.backend, absl::StrFormat("backend     %s", res.backend));
+  out.Field("compute_seconds", res.compute_seconds,
+            absl::StrFormat("compute_s   %.6f", res.compute_seconds));
+  out.Field("wall_seconds", res.wall_seconds, absl::StrFormat("wall_s      %.6f", res.wall_seconds));
+  out.Field("bytes_sent", uint64_t{res.bytes_sent},
+            absl::StrFormat("sent        %s, received %s", Gb(res.bytes_sent),
+                            Gb(res.bytes_received)));
+  out.Field("bytes_received", uint64_t{res.bytes_received}, "");
   if (res.accumulated_micro_batches > 0) {
-    absl::PrintF("micro_batches %d\n", res.accumulated_micro_batches);
+    out.Field("micro_batches", uint64_t{res.accumulated_micro_batches},
+              absl::StrFormat("micro_batches %d", res.accumulated_micro_batches));
+  }
+  if (!res.nonfinite.empty()) {
+    std::vector<std::string> names;
+    for (OutputTensor t : res.nonfinite) names.push_back(OutputTensorName(t));
+    out.Field("nonfinite", names,
+              absl::StrCat("nonfinite   ", absl::StrJoin(names, " "),
+                           " (NaN or Inf; an accumulator's sum now refuses use until reset)"));
   }
   for (const auto& [id, t] : res.outputs) {
-    absl::PrintF("output      %s %s\n", OutputTensorName(id), t.DebugString());
+    out.Row("outputs",
+            {{"name", std::string(OutputTensorName(id))}, {"tensor", t.DebugString()}},
+            absl::StrFormat("output      %s %s", OutputTensorName(id), t.DebugString()));
   }
 }
 
-absl::Status RunCompute() {
+absl::Status RunCompute(CommandOutput& out) {
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   int64_t v = 0;
   LOSSCTL_ASSIGN_OR_RETURN(req, RequestFromFlags(&v));
   LOSSCTL_ASSIGN_OR_RETURN(res, client->Compute(req));
-  PrintResult(res);
+  PrintResult(res, out);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
   LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));
@@ -548,7 +576,87 @@ double Percentile(std::vector<double> v, double p) {
   return v[p <= 0 ? 0 : i];
 }
 
-absl::Status RunBench() {
+// What the timed calls of a bench gave.
+struct BenchRun {
+  std::vector<double> latency, compute;  // seconds, of the calls that succeeded
+  uint64_t sent = 0, received = 0;
+  int64_t errors = 0;
+  absl::Status first_error;
+  double wall = 0;
+};
+
+// `calls` Computes of `req` at `concurrency`, with a progress line at most once a second and
+// after the last call, so a long run shows it is moving.
+BenchRun TimedCalls(LossClient& client, const ComputeRequest& req, int64_t calls,
+                    int concurrency, CommandOutput& out) {
+  BenchRun run;
+  absl::Mutex mu;
+  std::atomic<int64_t> next{0};
+  const absl::Time start = absl::Now();
+  absl::Time last_progress = start;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < concurrency; ++t) {
+    threads.emplace_back([&] {
+      while (next.fetch_add(1) < calls) {
+        absl::StatusOr<ComputeResult> res = client.Compute(req);
+        absl::MutexLock lock(&mu);
+        if (res.ok()) {
+          run.latency.push_back(res->wall_seconds);
+          run.compute.push_back(res->compute_seconds);
+          run.sent += res->bytes_sent;
+          run.received += res->bytes_received;
+        } else if (run.errors++ == 0) {
+          run.first_error = res.status();
+        }
+        const int64_t done = static_cast<int64_t>(run.latency.size()) + run.errors;
+        if (absl::Now() - last_progress >= absl::Seconds(1) || done == calls) {
+          last_progress = absl::Now();
+          const double last_ms = res.ok() ? 1e3 * res->wall_seconds : 0.0;
+          out.Progress({{"done", done}, {"calls", calls}, {"failed", run.errors},
+                        {"last_ms", last_ms}},
+                       absl::StrFormat("progress    %d/%d calls, %d failed, last %.2f ms", done,
+                                       calls, run.errors, last_ms));
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  run.wall = absl::ToDoubleSeconds(absl::Now() - start);
+  return run;
+}
+
+void PrintBench(const BenchRun& run, int64_t rows, CommandOutput& out) {
+  const double ok = static_cast<double>(run.latency.size());
+  const double wall = run.wall;
+  double compute_sum = 0;
+  for (double c : run.compute) compute_sum += c;
+  const double p50 = 1e3 * Percentile(run.latency, 0.5), p90 = 1e3 * Percentile(run.latency, 0.9),
+               p99 = 1e3 * Percentile(run.latency, 0.99), max = 1e3 * Percentile(run.latency, 1.0);
+  out.Field("calls_ok", static_cast<int64_t>(ok),
+            absl::StrFormat("calls       %d ok, %d failed in %.3f s", run.latency.size(),
+                            run.errors, wall));
+  out.Field("calls_failed", run.errors, "");
+  out.Field("seconds", wall, "");
+  out.Field("latency_ms_p50", p50,
+            absl::StrFormat("latency_ms  p50 %.2f  p90 %.2f  p99 %.2f  max %.2f", p50, p90, p99,
+                            max));
+  out.Field("latency_ms_p90", p90, "");
+  out.Field("latency_ms_p99", p99, "");
+  out.Field("latency_ms_max", max, "");
+  const double compute_ms = ok > 0 ? 1e3 * compute_sum / ok : 0.0;
+  out.Field("compute_ms_mean", compute_ms,
+            absl::StrFormat("compute_ms  mean %.2f (server-side)", compute_ms));
+  out.Field("calls_per_second", ok / wall, absl::StrFormat("calls/s     %.2f", ok / wall));
+  const double tokens = ok * static_cast<double>(rows) / wall;
+  out.Field("tokens_per_second", tokens, absl::StrFormat("tokens/s    %.0f", tokens));
+  out.Field("gb_per_second_up", run.sent / wall / 1e9,
+            absl::StrFormat("GB/s        %.3f (up %.3f, down %.3f)",
+                            (run.sent + run.received) / wall / 1e9, run.sent / wall / 1e9,
+                            run.received / wall / 1e9));
+  out.Field("gb_per_second_down", run.received / wall / 1e9, "");
+}
+
+absl::Status RunBench(CommandOutput& out) {
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   int64_t v = 0;
   LOSSCTL_ASSIGN_OR_RETURN(req, RequestFromFlags(&v));
@@ -562,88 +670,48 @@ absl::Status RunBench() {
         put, client->PutWeights(*req.w, req.bias.has_value() ? &*req.bias : nullptr));
     const double s = absl::ToDoubleSeconds(absl::Now() - t0);
     const double bytes = req.w->num_bytes() + (req.bias.has_value() ? req.bias->num_bytes() : 0);
-    absl::PrintF("put_weights %s in %.3f s (%.3f GB/s) over %d stripe(s), handle %s\n", Gb(bytes),
-                 s, bytes / s / 1e9, put.stripes, put.handle);
+    out.Field("put_weights_seconds", s,
+              absl::StrFormat("put_weights %s in %.3f s (%.3f GB/s) over %d stripe(s), handle %s",
+                              Gb(bytes), s, bytes / s / 1e9, put.stripes, put.handle));
     req.weight_handle = put.handle;
     dropped_handle = put.handle;
     req.w.reset();
     req.bias.reset();
   }
-  absl::PrintF("request     x %s, %s, targets %s, %d calls at concurrency %d over %d connections\n",
-               req.x.DebugString(),
-               req.w.has_value() ? absl::StrCat("w ", req.w->DebugString())
-                                 : absl::StrCat("handle ", req.weight_handle),
-               req.targets.DebugString(), calls, concurrency, client->options().connections);
-
+  out.Field("concurrency", int64_t{concurrency},
+            absl::StrFormat(
+                "request     x %s, %s, targets %s, %d calls at concurrency %d over %d connections",
+                req.x.DebugString(),
+                req.w.has_value() ? absl::StrCat("w ", req.w->DebugString())
+                                  : absl::StrCat("handle ", req.weight_handle),
+                req.targets.DebugString(), calls, concurrency, client->options().connections));
   for (int64_t i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) {
     LOSSCTL_ASSIGN_OR_RETURN(res, client->Compute(req));
-    if (i == 0) absl::PrintF("first call  loss %.6g, %.3f s\n", res.loss, res.wall_seconds);
+    if (i == 0) {
+      out.Field("first_loss", double{res.loss},
+                absl::StrFormat("first call  loss %.6g, %.3f s", res.loss, res.wall_seconds));
+    }
   }
-
-  absl::Mutex mu;
-  std::vector<double> latency, compute;
-  uint64_t sent = 0, received = 0;
-  absl::Status first_error;
-  int64_t errors = 0;
-  std::atomic<int64_t> next{0};
-  const absl::Time start = absl::Now();
-  // A progress line at most once a second (and after the last call), so a long run shows it
-  // is moving; stdout is line-buffered (main).
-  absl::Time last_progress = start;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < concurrency; ++t) {
-    threads.emplace_back([&] {
-      while (next.fetch_add(1) < calls) {
-        absl::StatusOr<ComputeResult> res = client->Compute(req);
-        absl::MutexLock lock(&mu);
-        if (!res.ok()) {
-          if (errors++ == 0) first_error = res.status();
-          continue;
-        }
-        latency.push_back(res->wall_seconds);
-        compute.push_back(res->compute_seconds);
-        sent += res->bytes_sent;
-        received += res->bytes_received;
-        const int64_t done = static_cast<int64_t>(latency.size()) + errors;
-        if (absl::Now() - last_progress >= absl::Seconds(1) || done == calls) {
-          last_progress = absl::Now();
-          absl::PrintF("progress    %d/%d calls, %d failed, last %.2f ms\n", done, calls, errors,
-                       1e3 * res->wall_seconds);
-        }
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  const double wall = absl::ToDoubleSeconds(absl::Now() - start);
-  const double ok = static_cast<double>(latency.size());
-  double compute_sum = 0;
-  for (double c : compute) compute_sum += c;
-  absl::PrintF("calls       %d ok, %d failed in %.3f s\n", latency.size(), errors, wall);
-  absl::PrintF("latency_ms  p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n",
-               1e3 * Percentile(latency, 0.5), 1e3 * Percentile(latency, 0.9),
-               1e3 * Percentile(latency, 0.99), 1e3 * Percentile(latency, 1.0));
-  absl::PrintF("compute_ms  mean %.2f (server-side)\n", ok > 0 ? 1e3 * compute_sum / ok : 0.0);
-  absl::PrintF("calls/s     %.2f\n", ok / wall);
-  absl::PrintF("tokens/s    %.0f\n", ok * static_cast<double>(req.x.dim(0)) / wall);
-  absl::PrintF("GB/s        %.3f (up %.3f, down %.3f)\n", (sent + received) / wall / 1e9,
-               sent / wall / 1e9, received / wall / 1e9);
+  const BenchRun run = TimedCalls(*client, req, calls, concurrency, out);
+  PrintBench(run, req.x.dim(0), out);
   if (!absl::GetFlag(FLAGS_accumulator).empty()) {
     const absl::Time t0 = absl::Now();
     LOSSCTL_ASSIGN_OR_RETURN(g, client->FetchGradients(absl::GetFlag(FLAGS_accumulator), true));
-    absl::PrintF("fetch       dw %s over %d micro-batches in %.3f s over %d stripe(s)\n",
-                 g.dw.DebugString(), g.micro_batches, absl::ToDoubleSeconds(absl::Now() - t0),
-                 g.stripes);
+    const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+    out.Field("fetch_seconds", s,
+              absl::StrFormat("fetch       dw %s over %d micro-batches in %.3f s over %d stripe(s)",
+                              g.dw.DebugString(), g.micro_batches, s, g.stripes));
   }
   if (!dropped_handle.empty()) LOSSCTL_RETURN_IF_ERROR(client->DropWeights(dropped_handle));
-  if (errors > 0) {
-    return absl::Status(
-        first_error.code(),
-        absl::StrCat(errors, " of ", calls, " calls failed; first: ", first_error.message()));
+  if (run.errors > 0) {
+    return absl::Status(run.first_error.code(),
+                        absl::StrCat(run.errors, " of ", calls,
+                                     " calls failed; first: ", run.first_error.message()));
   }
   return absl::OkStatus();
 }
 
-absl::Status RunPutWeights() {
+absl::Status RunPutWeights(CommandOutput& out) {
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   std::optional<HostTensor> w, bias;
   LOSSCTL_RETURN_IF_ERROR(LoadWeights(&w, &bias));
@@ -651,38 +719,42 @@ absl::Status RunPutWeights() {
   LOSSCTL_ASSIGN_OR_RETURN(put, client->PutWeights(*w, bias.has_value() ? &*bias : nullptr));
   const double s = absl::ToDoubleSeconds(absl::Now() - t0);
   const double bytes = w->num_bytes() + (bias.has_value() ? bias->num_bytes() : 0);
-  absl::PrintF("handle      %s\n", put.handle);
-  absl::PrintF("bytes       %d (server-side)\n", put.bytes);
-  absl::PrintF("upload      %s in %.3f s (%.3f GB/s)\n", Gb(bytes), s, bytes / s / 1e9);
-  absl::PrintF("stripes     %d\n", put.stripes);
+  out.Field("handle", put.handle, absl::StrFormat("handle      %s", put.handle));
+  out.Field("bytes", uint64_t{put.bytes}, absl::StrFormat("bytes       %d (server-side)", put.bytes));
+  out.Field("seconds", s,
+            absl::StrFormat("upload      %s in %.3f s (%.3f GB/s)", Gb(bytes), s, bytes / s / 1e9));
+  out.Field("stripes", int64_t{put.stripes}, absl::StrFormat("stripes     %d", put.stripes));
   return absl::OkStatus();
 }
 
-absl::Status RunDropWeights() {
-  if (absl::GetFlag(FLAGS_handle).empty()) {
-    return absl::InvalidArgumentError("drop-weights needs --handle");
-  }
+absl::Status RunDropWeights(CommandOutput& out) {
+  const std::string handle = absl::GetFlag(FLAGS_handle);
+  if (handle.empty()) return absl::InvalidArgumentError("drop-weights needs --handle");
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
-  LOSSCTL_RETURN_IF_ERROR(client->DropWeights(absl::GetFlag(FLAGS_handle)));
-  absl::PrintF("dropped     %s\n", absl::GetFlag(FLAGS_handle));
+  LOSSCTL_RETURN_IF_ERROR(client->DropWeights(handle));
+  out.Field("dropped", handle, absl::StrFormat("dropped     %s", handle));
   return absl::OkStatus();
 }
 
-absl::Status RunFetchGradients() {
+absl::Status RunFetchGradients(CommandOutput& out) {
   const std::string name = absl::GetFlag(FLAGS_accumulator);
   if (name.empty()) return absl::InvalidArgumentError("fetch-gradients needs --accumulator");
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   const absl::Time t0 = absl::Now();
   LOSSCTL_ASSIGN_OR_RETURN(g, client->FetchGradients(name, absl::GetFlag(FLAGS_reset)));
-  absl::PrintF("micro_batches %d\n", g.micro_batches);
-  absl::PrintF("tokens        %d\n", g.tokens);
-  absl::PrintF("dw            %s\n", g.dw.DebugString());
-  if (g.db.has_value()) absl::PrintF("db            %s\n", g.db->DebugString());
+  out.Field("micro_batches", uint64_t{g.micro_batches},
+            absl::StrFormat("micro_batches %d", g.micro_batches));
+  out.Field("tokens", int64_t{g.tokens}, absl::StrFormat("tokens        %d", g.tokens));
+  out.Field("dw", g.dw.DebugString(), absl::StrFormat("dw            %s", g.dw.DebugString()));
+  if (g.db.has_value()) {
+    out.Field("db", g.db->DebugString(), absl::StrFormat("db            %s", g.db->DebugString()));
+  }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   const double bytes = g.dw.num_bytes() + (g.db.has_value() ? g.db->num_bytes() : 0);
-  absl::PrintF("seconds       %.3f (%.3f GB/s)\n", seconds, bytes / seconds / 1e9);
-  absl::PrintF("stripes       %d\n", g.stripes);
-  absl::PrintF("ranges        %d\n", g.ranges);
+  out.Field("seconds", seconds,
+            absl::StrFormat("seconds       %.3f (%.3f GB/s)", seconds, bytes / seconds / 1e9));
+  out.Field("stripes", int64_t{g.stripes}, absl::StrFormat("stripes       %d", g.stripes));
+  out.Field("ranges", int64_t{g.ranges}, absl::StrFormat("ranges        %d", g.ranges));
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
   LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));
@@ -693,11 +765,11 @@ absl::Status RunFetchGradients() {
 
 // The gRPC health check; exits non-zero unless the server answers SERVING (a probe, a script
 // waiting for a server).
-absl::Status RunHealth() {
+absl::Status RunHealth(CommandOutput& out) {
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   const std::string service = absl::GetFlag(FLAGS_service);
   LOSSCTL_ASSIGN_OR_RETURN(status, client->Health(service));
-  absl::PrintF("status      %s\n", status);
+  out.Field("status", status, absl::StrFormat("status      %s", status));
   if (status != "SERVING") {
     return absl::UnavailableError(absl::StrCat(
         service.empty() ? "the server" : absl::StrCat("service '", service, "'"), " is ",
@@ -706,26 +778,36 @@ absl::Status RunHealth() {
   return absl::OkStatus();
 }
 
-absl::Status RunList() {
+absl::Status RunList(CommandOutput& out) {
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   LOSSCTL_ASSIGN_OR_RETURN(entries, client->List());
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
-  absl::PrintF("%-11s %-40s %14s %10s %s\n", "kind", "name", "bytes", "idle_s", "micro_batches");
+  if (!out.json()) {
+    absl::PrintF("%-11s %-40s %14s %10s %s\n", "kind", "name", "bytes", "idle_s",
+                 "micro_batches");
+  }
   for (const StateEntry& e : entries) {
     const bool acc = e.kind == StateEntry::Kind::kAccumulator;
-    absl::PrintF("%-11s %-40s %14d %10.1f %s\n", acc ? "accumulator" : "weights", e.name, e.bytes,
-                 (now_ms - e.last_used_unix_ms) / 1e3,
-                 acc ? absl::StrCat(e.micro_batches) : std::string("-"));
+    const double idle_s = (now_ms - e.last_used_unix_ms) / 1e3;
+    JsonFields row = {{"kind", std::string(acc ? "accumulator" : "weights")},
+                      {"name", e.name},
+                      {"bytes", uint64_t{e.bytes}},
+                      {"idle_seconds", idle_s}};
+    if (acc) row.emplace_back("micro_batches", uint64_t{e.micro_batches});
+    out.Row("state", std::move(row),
+            absl::StrFormat("%-11s %-40s %14d %10.1f %s", acc ? "accumulator" : "weights", e.name,
+                            e.bytes, idle_s,
+                            acc ? absl::StrCat(e.micro_batches) : std::string("-")));
   }
   return absl::OkStatus();
 }
 
-absl::Status RunDropAccumulator() {
+absl::Status RunDropAccumulator(CommandOutput& out) {
   const std::string name = absl::GetFlag(FLAGS_accumulator);
   if (name.empty()) return absl::InvalidArgumentError("drop-accumulator needs --accumulator");
   LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
   LOSSCTL_RETURN_IF_ERROR(client->DropAccumulator(name));
-  absl::PrintF("dropped     %s\n", name);
+  out.Field("dropped", name, absl::StrFormat("dropped     %s", name));
   return absl::OkStatus();
 }
 
@@ -745,7 +827,7 @@ int main(int argc, char** argv) {
   // Each line as it is printed, also into a pipe (bench's progress, a script reading along).
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const std::string command = args[1];
-  const std::map<std::string, absl::Status (*)()> commands = {
+  const std::map<std::string, absl::Status (*)(CommandOutput&)> commands = {
       {"info", &RunInfo},
       {"compute", &RunCompute},
       {"bench", &RunBench},
@@ -761,7 +843,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lossctl: unknown command '%s'\n\n%s\n", command.c_str(), kUsage);
     return 2;
   }
-  const absl::Status status = it->second();
+  CommandOutput out(command, absl::GetFlag(FLAGS_json));
+  const absl::Status status = it->second(out);
+  out.Finish(status);
   if (!status.ok()) {
     std::fprintf(stderr, "lossctl %s: %s: %s\n", command.c_str(),
                  absl::StatusCodeToString(status.code()).c_str(),

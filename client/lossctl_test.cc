@@ -2,6 +2,7 @@
 // outputs, and that every flag reaches the request header.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -110,6 +111,31 @@ TEST_F(LossctlTest, BenchPrintsProgressAsItGoes) {
   const size_t progress = r.output.find("progress    5/5 calls, 0 failed, last ");
   ASSERT_NE(progress, std::string::npos) << r.output;
   EXPECT_LT(progress, r.output.find("latency_ms  p50 ")) << r.output;
+}
+
+TEST_F(LossctlTest, JsonOutput) {
+  Result r = Lossctl("info --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::StartsWith("{\"command\": \"info\", \"ok\": true, "
+                                              "\"target\": \"127.0.0.1:"));
+  EXPECT_THAT(r.output, HasSubstr("\"backend\": \"cpu\", \"device\": \"fake device\""));
+  EXPECT_THAT(r.output, ::testing::EndsWith("}\n"));
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  r = Lossctl("compute --bt=6 --h=4 --v=16 --want=dx --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"loss\": 1.5, "));
+  EXPECT_THAT(r.output, HasSubstr("\"outputs\": [{\"name\": \"dx\", \"tensor\": "));
+  // bench: progress lines, then the object.
+  r = Lossctl("bench --bt=8 --h=4 --v=16 --calls=3 --warmup=0 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("{\"progress\": {\"done\": 3, \"calls\": 3, \"failed\": 0"));
+  EXPECT_THAT(r.output, HasSubstr("{\"command\": \"bench\", \"ok\": true, "));
+  EXPECT_THAT(r.output, HasSubstr("\"calls_ok\": 3, \"calls_failed\": 0"));
+  // A failure is in the object too (and on stderr, as without --json).
+  r = Lossctl("drop-weights --handle=w-nope --json");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("{\"command\": \"drop-weights\", \"ok\": false, "
+                                  "\"error\": {\"code\": \""));
 }
 
 TEST_F(LossctlTest, Info) {
