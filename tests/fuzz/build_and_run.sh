@@ -44,7 +44,9 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 # lead the fuzzer into protobuf's own parser, which is not ours to test).
 SRCS_COVERED="client/part_codec.cc server/wire_convert.cc server/compute_assembler.cc
 server/engine/engine.cc server/engine/memory_budget.cc server/engine/weight_cache.cc server/engine/accumulators.cc
-server/engine/executor.cc server/engine/streamed_rows.cc kernels/cpu/cpu_backend.cc kernels/cpu/reference.cc
+server/engine/executor.cc server/engine/streamed_rows.cc server/engine/instance_id.cc
+server/engine/message_bounds.cc server/engine/owner.cc server/engine/response_parts.cc
+kernels/host_memory.cc kernels/cpu/cpu_backend.cc kernels/cpu/nonfinite_scan.cc kernels/cpu/reference.cc
 kernels/cpu/test_util.cc tests/fuzz/fuzz_env.cc tests/fuzz/compute_stream_fuzzer.cc
 tests/fuzz/options_fuzzer.cc tests/fuzz/put_weights_fuzzer.cc"
 
