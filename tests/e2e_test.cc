@@ -530,6 +530,25 @@ TEST_F(BadInputTest, ShapesOfAnyRankAreEchoedWithinABound) {
          "the Compute header is 200059 bytes, more than the 65536 a header may have");
 }
 
+// A PutWeights header is bounded like a Compute header (it too holds shapes and names only).
+TEST_F(BadInputTest, APutWeightsHeaderOverTheBoundIsRefusedByItsSize) {
+  grpc::ClientContext ctx;
+  v1::PutWeightsResponse resp;
+  auto writer = h_->stub().PutWeights(&ctx, &resp);
+  v1::PutWeightsRequest req;
+  req.mutable_header()->mutable_w()->set_dtype(v1::DTYPE_FP32);
+  for (int i = 0; i < 100000; ++i) req.mutable_header()->mutable_w()->add_shape(1);
+  writer->Write(req);
+  writer->WritesDone();
+  const grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("the PutWeights header is 100010 bytes, more than the 65536 "
+                                    "a header may have"),
+            std::string::npos)
+      << st.error_message();
+  ExpectServes(*h_);
+}
+
 // A name the client chose is echoed as its start and its length, before its own checks.
 TEST_F(BadInputTest, AClientChosenNameIsEchoedWithinABound) {
   grpc::ClientContext ctx;
