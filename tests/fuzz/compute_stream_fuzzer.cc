@@ -29,6 +29,7 @@
 #include "grpcpp/support/slice.h"
 #include "kernels/dtype.h"
 #include "lossd/v1/lossd.pb.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "server/compute_assembler.h"
 #include "server/engine/streamed_rows.h"
@@ -354,7 +355,16 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
       CheckOutcome(*plan, out);
       Check(finite || !out.status.ok(),
             "a compute with a NaN/Inf input succeeded (--check_finite is on)");
-      if (!plan->accumulator.empty() && out.status.ok()) {
+      const bool sum_nonfinite =
+          (out.stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0;
+      if (!plan->accumulator.empty() && out.status.ok() && sum_nonfinite) {
+        // Finite inputs can still overflow (a grad_scale near fp32's largest): the summary
+        // says so and the accumulator refuses to be read until a reset or a drop.
+        auto g = engine.FetchGradients(plan->accumulator, /*reset=*/false);
+        Check(g.status().code() == absl::StatusCode::kFailedPrecondition &&
+                  absl::StrContains(g.status().message(), "holds a non-finite sum: micro-batch 1"),
+              "an overflowed accumulator was not refused, naming the micro-batch");
+      } else if (!plan->accumulator.empty() && out.status.ok()) {
         auto g = engine.FetchGradients(plan->accumulator, /*reset=*/false);
         Check(g.ok(), "FetchGradients after a successful accumulation failed");
         Check(g->micro_batches == 1, "a fresh accumulator does not count one micro-batch");
