@@ -12,6 +12,7 @@
 #include <limits>
 #include <utility>
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -51,6 +52,22 @@ bool PortTaken(const std::string& address) {
   return taken;
 }
 
+// A plaintext server with the default health service alone (grpc::EnableDefaultHealthCheckService
+// is on): no Loss service, and the reflection plugin Debian's library registers taken out.
+// `unknown` answers every other method UNIMPLEMENTED; it also makes this a callback server,
+// which gRPC needs before it will start one with no service of its own.
+std::unique_ptr<grpc::Server> StartHealthOnly(const std::string& address,
+                                              grpc::CallbackGenericService* unknown, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  builder.RegisterCallbackGenericService(unknown);
+  ConfigureReflection(&builder, /*enabled=*/false, nullptr);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
+  builder.SetMaxReceiveMessageSize(4 << 10);
+  return builder.BuildAndStart();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
@@ -81,6 +98,21 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
   if (options.grpc_threads > 0) {
     builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
                                 options.grpc_threads);
+  }
+  // The health port first: a failure there leaves nothing of the main server to undo (a
+  // LossServer without server_ never drains the caller's engine).
+  if (!options.health_address.empty()) {
+    s->health_unknown_ = std::make_unique<grpc::CallbackGenericService>();
+    s->health_server_ =
+        StartHealthOnly(options.health_address, s->health_unknown_.get(), &s->health_port_);
+    if (s->health_server_ == nullptr || s->health_port_ == 0) {
+      s->health_server_.reset();
+      return absl::UnavailableError(absl::StrCat(
+          "cannot listen for gRPC health on ", options.health_address,
+          PortTaken(options.health_address)
+              ? ": the port is taken (another process listens on it)"
+              : ""));
+    }
   }
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
@@ -121,10 +153,13 @@ void LossServer::FollowBackendHealth(absl::Duration poll) {
 }
 
 void LossServer::SetServing(bool serving) {
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  if (health == nullptr) return;
-  health->SetServingStatus(serving);
-  health->SetServingStatus("lossd.v1.Loss", serving);
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    grpc::HealthCheckServiceInterface* health =
+        server != nullptr ? server->GetHealthCheckService() : nullptr;
+    if (health == nullptr) continue;
+    health->SetServingStatus(serving);
+    health->SetServingStatus("lossd.v1.Loss", serving);
+  }
 }
 
 void LossServer::Shutdown(absl::Duration grace) {
@@ -144,6 +179,11 @@ void LossServer::Shutdown(absl::Duration grace) {
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
   server_->Wait();
+  // The health port answers NOT_SERVING through the drain, and goes last.
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+  }
   // gRPC returns from a shutdown only after every call's OnDone, ordered inside libgrpc++.
   LOSSD_TSAN_ACQUIRE(service_.get());
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <thread>
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 
@@ -31,6 +32,11 @@ struct LossServerOptions {
   // How often health looks at the backend: a sticky device error turns it NOT_SERVING (and a
   // backend healthy again, SERVING). Zero: health is left as SetServing puts it.
   absl::Duration health_poll = absl::Seconds(1);
+  // Where a plaintext server that answers grpc.health.v1 alone listens ("" = none; port 0
+  // picks one). For probes that cannot speak TLS (Kubernetes' native gRPC probes) when
+  // `credentials` is TLS: it mirrors the main server's health, drain included, and serves
+  // nothing else (no Loss service, no reflection).
+  std::string health_address;
 };
 
 class LossServer {
@@ -41,6 +47,8 @@ class LossServer {
   ~LossServer();
 
   int port() const { return port_; }
+  // The health-only port (LossServerOptions::health_address), 0 without one.
+  int health_port() const { return health_port_; }
   // Marks health SERVING or NOT_SERVING for "" and "lossd.v1.Loss".
   void SetServing(bool serving);
   // Graceful drain: health NOT_SERVING, refuse new work, let in-flight calls finish until
@@ -52,6 +60,9 @@ class LossServer {
   LossServer() = default;
   std::unique_ptr<LossService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::CallbackGenericService> health_unknown_;  // outlives health_server_
+  std::unique_ptr<grpc::Server> health_server_;  // plaintext, grpc.health.v1 only; or null
+  int health_port_ = 0;
   // Health follows the backend (LossServerOptions::health_poll) until Shutdown.
   void FollowBackendHealth(absl::Duration poll);
 

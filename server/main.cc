@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, address, "0.0.0.0", "Address the gRPC server listens on."
 ABSL_FLAG(int, port, 50051, "gRPC port (0 picks a free one and prints it).");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "Address the /metrics endpoint listens on.");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port; 0 disables the endpoint.");
+ABSL_FLAG(int, health_port, 0,
+          "Plaintext port (on --address) that answers grpc.health.v1 alone, for probes that "
+          "cannot speak TLS (Kubernetes' gRPC probes) when --tls_cert is set; 0 = none.");
 ABSL_FLAG(std::string, backend, "auto", "auto (CUDA where a GPU is present, else CPU), cpu or cuda.");
 ABSL_FLAG(std::string, cuda_plugin, "", "Path of liblossd_cuda.so; empty searches beside the binary.");
 ABSL_FLAG(int, cuda_device, 0, "CUDA device index.");
@@ -327,6 +330,16 @@ int Main() {
     return 1;
   }
   so.service.auth = auth;
+  if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
+    if (health_port < 0 || health_port > 65535 || health_port == absl::GetFlag(FLAGS_port)) {
+      std::fprintf(stderr,
+                   "lossd: INVALID_ARGUMENT: --health_port must be in [1, 65535] and not "
+                   "--port, got %d\n",
+                   health_port);
+      return 1;
+    }
+    so.health_address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", health_port);
+  }
   so.reflection = absl::GetFlag(FLAGS_reflection);
   so.credentials = *credentials;
   // Health follows the backend (so.health_poll, every second): a sticky device error turns it
@@ -336,7 +349,7 @@ int Main() {
     std::fprintf(stderr, "lossd: %s\n", server.status().ToString().c_str());
     return 1;
   }
-  std::printf("lossd %s listening on port %d (backend %s, device %s, instance %s)%s\n",
+  std::printf("lossd %s listening on port %d (backend %s, device %s, instance %s)%s%s\n",
               kLossdVersion, (*server)->port(), info.name.c_str(), info.device.c_str(),
               eo.instance.c_str(),
               exposer ? absl::StrCat(", metrics on port ",
@@ -344,7 +357,11 @@ int Main() {
                                          ? 0
                                          : exposer->GetListeningPorts()[0])
                             .c_str()
-                      : "");
+                      : "",
+              (*server)->health_port() != 0
+                  ? absl::StrCat(", health on port ", (*server)->health_port(), " (plaintext)")
+                        .c_str()
+                  : "");
   std::fflush(stdout);
 
   int sig = 0;

@@ -228,6 +228,40 @@ TEST(SecurityTest, TlsServesTlsClientsAndRefusesPlaintext) {
   EXPECT_EQ(Info(*plain).error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
+// Kubernetes' gRPC probes speak plaintext only: behind TLS, a health-only plaintext port
+// answers for the server and serves nothing else.
+TEST(SecurityTest, APlaintextHealthPortServesHealthAloneBehindTls) {
+  const Certs& c = TestCerts();
+  ASSERT_TRUE(c.ok()) << "openssl failed";
+  HarnessOptions o;
+  auto creds = MakeServerCredentials(c.Path("server.pem"), c.Path("server.key"), "");
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  o.server_credentials = *creds;
+  o.reflection = true;  // on for the main port: the health port must still not serve it
+  o.health_address = "127.0.0.1:0";
+  Harness h(o);
+  ASSERT_NE(h.server().health_port(), 0);
+  ASSERT_NE(h.server().health_port(), h.port());
+  auto plain = grpc::CreateChannel(absl::StrCat("127.0.0.1:", h.server().health_port()),
+                                   grpc::InsecureChannelCredentials());
+  EXPECT_EQ(testing_harness::HealthStatus(plain), 1);  // SERVING
+  // Only health: the Loss service and reflection are not there.
+  v1::Loss::Stub loss_on_health_port(plain);
+  EXPECT_EQ(Info(loss_on_health_port).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  std::string replies;
+  EXPECT_EQ(ListServices(plain, "", &replies).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_TRUE(replies.empty());
+  // It follows the server's health, and the main port still wants TLS.
+  h.server().SetServing(false);
+  EXPECT_EQ(testing_harness::HealthStatus(plain), 2);  // NOT_SERVING
+  h.server().SetServing(true);
+  EXPECT_EQ(testing_harness::HealthStatus(plain), 1);
+  auto tls = h.NewStub(Tls(c));
+  EXPECT_TRUE(Info(*tls).ok());
+  EXPECT_EQ(Info(*h.NewStub(grpc::InsecureChannelCredentials())).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
 TEST(SecurityTest, MutualTlsWantsAClientCertificateFromItsCa) {
   const Certs& c = TestCerts();
   ASSERT_TRUE(c.ok()) << "openssl failed";

@@ -88,6 +88,7 @@ Harness::Harness(HarnessOptions o) {
   so.service = o.service;
   so.credentials = o.server_credentials;
   so.reflection = o.reflection;
+  so.health_address = o.health_address;
   auto server = LossServer::Start(engine_.get(), metrics_.get(), so);
   if (!server.ok()) {
     ADD_FAILURE() << server.status();

@@ -27,6 +27,7 @@ struct HarnessOptions {
   int cpu_threads = 2;
   std::shared_ptr<grpc::ServerCredentials> server_credentials;  // null = plaintext
   bool reflection = false;  // LossServerOptions::reflection
+  std::string health_address;  // LossServerOptions::health_address
 };
 
 class Harness {
