@@ -87,11 +87,26 @@ def check_k8s(overlay, path):
     check(grace > drain + pre_stop,
           "terminationGracePeriodSeconds %d > --drain_seconds %d + preStop %d" % (
               grace, drain, pre_stop))
+    # With TLS on the gRPC port the kubelet's gRPC probes (plaintext only) need lossd's
+    # plaintext health-only port, and the certificate must come from a Secret.
+    tls = flag_value(args, "tls_cert") is not None
+    probe_port = 50051
+    if tls:
+        probe_port = int(flag_value(args, "health_port") or 0)
+        check(probe_port not in (0, 50051), "TLS: --health_port set apart from --port")
+        check(ports.get("health") == probe_port, "TLS: a container port 'health' = --health_port")
+        mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+        secrets = {v["name"]: v["secret"].get("secretName") for v in pod.get("volumes", [])
+                   if "secret" in v}
+        cert, key = flag_value(args, "tls_cert"), flag_value(args, "tls_key") or ""
+        check(any(cert.startswith(mounts.get(n, "?") + "/") and key.startswith(
+            mounts.get(n, "?") + "/") for n in secrets),
+              "TLS: --tls_cert and --tls_key are read from a mounted Secret")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c.get(probe)
         if check(p is not None, "%s present" % probe):
-            check(p.get("grpc", {}).get("port") == 50051,
-                  "%s is a gRPC health probe on 50051" % probe)
+            check(p.get("grpc", {}).get("port") == probe_port,
+                  "%s is a gRPC health probe on %d" % (probe, probe_port))
     ann = tpl["metadata"].get("annotations", {})
     check(ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/port") == "9464",
           "pod scrape annotations")
@@ -106,7 +121,7 @@ def check_k8s(overlay, path):
     check(res.get("limits", {}).get("memory"), "memory limit")
     gpu_req = res.get("limits", {}).get("nvidia.com/gpu")
     backend = flag_value(args, "backend")
-    if overlay == "gpu-prod":
+    if overlay in ("gpu-prod", "gpu-prod-tls"):
         check(gpu_req == "1" and res.get("requests", {}).get("nvidia.com/gpu") == "1",
               "GPU overlay requests nvidia.com/gpu: 1")
         check(backend == "cuda", "GPU overlay runs --backend=cuda")

@@ -103,7 +103,7 @@ run_check "promtool test rules (alert unit tests)" \
   promtool test rules "$DEPLOY"/prometheus/tests/*.yml
 run_check "PrometheusRule matches the rule files" \
   python3 "$ROOT/tools/make_prometheusrule.py" --check
-for overlay in dev-cpu gpu-prod; do
+for overlay in dev-cpu gpu-prod gpu-prod-tls; do
   run_check "kustomize build overlays/$overlay" render "$overlay"
   run_check "kubernetes-validate $overlay (k8s $KUBE_VERSION, strict)" schema "$overlay"
   run_check "structure $overlay (selectors, probes, grace, GPU, PodMonitor)" \
