@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdio>
 #include <memory>
@@ -301,11 +302,17 @@ int Main() {
     metrics.SetBuildInfo(build.version, build.commit, info.name,
                          plugin.ok() ? absl::StrCat("abi", plugin->abi_version) : "none");
   }
+  // /readyz: the gRPC server is up and not draining, and the backend healthy; /healthz:
+  // the backend healthy (a sticky device error needs a restart).
+  static std::atomic<bool> accepting{false};
+  HttpProbes probes;
+  probes.live = [&engine] { return engine.backend_info().healthy; };
+  probes.ready = [&engine] { return accepting.load() && engine.backend_info().healthy; };
   std::unique_ptr<prometheus::Exposer> exposer;
   if (absl::GetFlag(FLAGS_metrics_port) != 0) {
     auto e = StartMetricsExposer(absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":",
                                               absl::GetFlag(FLAGS_metrics_port)),
-                                 metrics);
+                                 metrics, probes);
     if (!e.ok()) {
       std::fprintf(stderr, "lossd: %s\n", e.status().ToString().c_str());
       return 1;
@@ -365,7 +372,9 @@ int Main() {
   std::fflush(stdout);
 
   int sig = 0;
+  accepting = true;
   sigwait(&signals, &sig);
+  accepting = false;
   std::fprintf(stderr, "lossd: signal %d, draining for up to %d s\n", sig,
                absl::GetFlag(FLAGS_drain_seconds));
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));

@@ -1,9 +1,13 @@
 #include "server/metrics.h"
 
+#include <cstring>
 #include <exception>
 #include <utility>
 
+#include "CivetServer.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "civetweb.h"
 #include "server/process_metrics.h"
 
 namespace lossd {
@@ -149,11 +153,78 @@ void ServerMetrics::ObservePhase(const std::string& method, const char* phase,
   durations_->Add({{"method", method}, {"phase", phase}}, *kBuckets).Observe(seconds);
 }
 
+namespace {
+
+// The probes of the process's exposer, read by civetweb's request hook on its threads.
+absl::Mutex g_probes_mu;
+HttpProbes* g_probes ABSL_GUARDED_BY(g_probes_mu) = nullptr;
+
+void Reply(mg_connection* conn, int code, const char* reason, const char* body) {
+  mg_printf(conn,
+            "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            "Content-Length: %zu\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n%s",
+            code, reason, std::strlen(body), body);
+}
+
+// civetweb's http_error: every error reply it would write itself (a malformed request, say)
+// is written here instead, for the same reason as the 404s below.
+int AnswerError(mg_connection* conn, int status, const char*) {
+  Reply(conn, status, status == 400 ? "Bad Request" : "Error", "request refused\n");
+  return 0;  // handled
+}
+
+// civetweb's begin_request: answers /healthz and /readyz itself, and every path but /metrics
+// with 404, returning the status code; /metrics (0) goes to the exposer's handler. The 404s
+// are ours because Debian's civetweb 1.15 crashes writing its own error page for a path no
+// handler serves (a GET of /favicon.ico took the process down).
+int AnswerRequest(mg_connection* conn) {
+  const mg_request_info* info = mg_get_request_info(conn);
+  const absl::string_view uri =
+      info != nullptr && info->local_uri != nullptr ? info->local_uri : "";
+  const absl::string_view method =
+      info != nullptr && info->request_method != nullptr ? info->request_method : "";
+  if (method != "GET") {
+    Reply(conn, 405, "Method Not Allowed", "method not allowed: GET only\n");
+    return 405;
+  }
+  if (uri == "/metrics") return 0;
+  std::function<bool()> check;
+  {
+    absl::MutexLock lock(&g_probes_mu);
+    if (g_probes != nullptr && uri == "/healthz") check = g_probes->live;
+    if (g_probes != nullptr && uri == "/readyz") check = g_probes->ready;
+  }
+  if (!check) {
+    Reply(conn, 404, "Not Found", "not found: lossd serves /metrics, /healthz and /readyz here\n");
+    return 404;
+  }
+  if (check()) {
+    Reply(conn, 200, "OK", "ok\n");
+    return 200;
+  }
+  Reply(conn, 503, "Service Unavailable", uri == "/healthz" ? "unhealthy\n" : "not ready\n");
+  return 503;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
-    const std::string& address, ServerMetrics& metrics) {
+    const std::string& address, ServerMetrics& metrics, HttpProbes probes) {
+  {
+    absl::MutexLock lock(&g_probes_mu);
+    // Never freed: civetweb's threads may read it until the process ends.
+    g_probes = new HttpProbes(std::move(probes));
+  }
+  // Read by the exposer's server for its life; the same hook for every exposer.
+  static const CivetCallbacks* const kCallbacks = [] {
+    auto* c = new CivetCallbacks();
+    c->begin_request = &AnswerRequest;
+    c->http_error = &AnswerError;
+    return c;
+  }();
   std::unique_ptr<prometheus::Exposer> exposer;
   try {
-    exposer = std::make_unique<prometheus::Exposer>(address);
+    exposer = std::make_unique<prometheus::Exposer>(address, 2, kCallbacks);
   } catch (const std::exception& e) {
     // civetweb reports bind failures (and too-small thread stacks) by throwing.
     return absl::UnavailableError(

@@ -82,10 +82,21 @@ class ServerMetrics {
   std::shared_ptr<prometheus::Collectable> process_;  // process_* from /proc
 };
 
-// Serves /metrics for `metrics` on `address` ("0.0.0.0:9464"; port 0 picks a free one).
-// Returns the exposer (keep it alive) or UNAVAILABLE when it cannot listen.
+// HTTP probes beside /metrics, for orchestrators and load balancers that probe over HTTP:
+// GET /healthz answers 200 "ok" while `live()` (the process can do its work: the backend is
+// healthy), else 503; GET /readyz answers 200 while `ready()` (it takes new calls: serving,
+// not draining), else 503. Unset functions leave their path unanswered (404).
+struct HttpProbes {
+  std::function<bool()> live;
+  std::function<bool()> ready;
+};
+
+// Serves /metrics for `metrics` on `address` ("0.0.0.0:9464"; port 0 picks a free one), and
+// `probes`. One exposer with probes per process (civetweb's request hook has no user data):
+// a later one's probes replace an earlier one's. Returns the exposer (keep it alive) or
+// UNAVAILABLE when it cannot listen.
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
-    const std::string& address, ServerMetrics& metrics);
+    const std::string& address, ServerMetrics& metrics, HttpProbes probes = {});
 
 }  // namespace lossd
 

@@ -22,6 +22,9 @@ _LIBS = {
         "absl_random_random",
     ], []),
     "prometheus": (["prometheus-cpp-pull", "prometheus-cpp-core"], []),
+    # The exposer's HTTP server (civetweb has no pkg-config file), for the probes lossd serves
+    # beside /metrics (server/metrics.cc).
+    "prometheus_http": (["prometheus-cpp-pull", "prometheus-cpp-core"], ["-lcivetweb-cpp", "-lcivetweb"]),
     "gtest": (["gtest", "gmock"], []),
     "gtest_main": (["gtest_main", "gtest", "gmock"], []),
     "openblas": (["openblas"], []),
