@@ -6,7 +6,7 @@ set -euo pipefail
 APT_PACKAGES=(
   bazel-bootstrap pkg-config build-essential
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev
+  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libspdlog-dev
   python3 python3-pip python3-venv curl
 )
 # Extra packages for the full test suite (Prometheus and manifest checks).

@@ -28,6 +28,8 @@ _LIBS = {
     "gtest": (["gtest", "gmock"], []),
     "gtest_main": (["gtest_main", "gtest", "gmock"], []),
     "openblas": (["openblas"], []),
+    # Built against Debian's libfmt: its -D flags (pkg-config --cflags) must reach every user.
+    "spdlog": (["spdlog"], []),
 }
 
 def _system_libs_impl(ctx):
@@ -38,8 +40,12 @@ def _system_libs_impl(ctx):
             fail("pkg-config --libs %s failed: %s" % (" ".join(modules), res.stderr))
         flags = res.stdout.strip().split(" ")
         flags = [f for f in flags if f] + extra
+        cflags = ctx.execute(["pkg-config", "--cflags"] + modules).stdout.strip().split(" ")
+        defines = [f[2:] for f in cflags if f.startswith("-D")]
         lines.append("cc_library(")
         lines.append('    name = "%s",' % name)
+        if defines:
+            lines.append("    defines = %s," % repr(defines))
         lines.append("    linkopts = %s," % repr(flags + ["-lpthread"]))
         lines.append(")")
         lines.append("")
