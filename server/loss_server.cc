@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -18,6 +17,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "server/log.h"
 #include "server/reflection_guard.h"
 #include "server/tsan_annotations.h"
 
@@ -144,9 +144,9 @@ void LossServer::FollowBackendHealth(absl::Duration poll) {
     if (healthy != serving) {
       SetServing(healthy);
       serving = healthy;
-      std::fprintf(stderr, "lossd: backend %s; health is %s\n",
-                   healthy ? "healthy again" : "unhealthy",
-                   healthy ? "SERVING" : "NOT_SERVING");
+      Log(healthy ? LogLevel::kInfo : LogLevel::kError,
+          healthy ? "backend healthy again" : "backend unhealthy",
+          {{"health", healthy ? "SERVING" : "NOT_SERVING"}});
     }
     health_cv_.WaitWithTimeout(&health_mu_, poll);
   }

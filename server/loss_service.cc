@@ -18,6 +18,7 @@
 #include "server/engine/message_bounds.h"
 #include "server/engine/response_parts.h"
 #include "server/engine/streamed_rows.h"
+#include "server/log.h"
 #include "server/principal.h"
 #include "server/status_util.h"
 #include "server/tsan_annotations.h"
@@ -658,6 +659,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     uint64_t release = 0;
     std::shared_ptr<Accumulator> added_to;
     uint64_t added_resets = 0;
+    uint64_t bytes_out = 0;
     {
       absl::MutexLock lock(&mu_);
       if (state_ == State::kFinished) return;
@@ -666,6 +668,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       admitted_bytes_ = 0;
       added_to = std::move(added_to_);
       added_resets = added_resets_;
+      bytes_out = bytes_out_;
     }
     if (s.ok() && added_to != nullptr && ctx_->IsCancelled()) {
       // Every result was written, but the client gave up before the status: it can only
@@ -681,6 +684,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       ok_added_ = std::move(added_to);  // OnDone: did the OK reach the client?
       ok_added_resets_ = added_resets;
     }
+    const uint64_t bytes_in = assembler_ != nullptr ? assembler_->bytes_received() : 0;
     inputs_.reset();
     assembler_.reset();
     outputs_.reset();  // the buffers go back once gRPC has released every slice of them
@@ -689,6 +693,8 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     ServerMetrics* m = service_->metrics();
     m->CountRequest("Compute", GrpcCodeName(g.error_code()));
     m->ObservePhase("Compute", "total", SecondsSince(started_));
+    LogCall({"Compute", ctx_->peer(), GrpcCodeName(g.error_code()), g.error_message(),
+             absl::Now() - started_, bytes_in, bytes_out});
     if (entered_) service_->Leave(client_);
     Finish(g);
   }
@@ -940,6 +946,8 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
     grpc::Status g = ToGrpcStatus(s);
     service_->metrics()->CountRequest("PutWeights", GrpcCodeName(g.error_code()));
     service_->metrics()->ObservePhase("PutWeights", "total", SecondsSince(started_));
+    LogCall({"PutWeights", ctx_->peer(), GrpcCodeName(g.error_code()), g.error_message(),
+             absl::Now() - started_, bytes_in_, 0});
     if (entered_) service_->Leave(client_);
     Finish(g);
   }
@@ -1183,6 +1191,8 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
     grpc::Status g = ToGrpcStatus(s);
     service_->metrics()->CountRequest("FetchGradients", GrpcCodeName(g.error_code()));
     service_->metrics()->ObservePhase("FetchGradients", "total", SecondsSince(started_));
+    LogCall({"FetchGradients", ctx_->peer(), GrpcCodeName(g.error_code()), g.error_message(),
+             absl::Now() - started_, 0, offset_ > snapshot_.begin ? offset_ - snapshot_.begin : 0});
     if (entered_) service_->Leave(client_);
     Finish(g);
   }
@@ -1227,6 +1237,8 @@ grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContex
   grpc::Status g = ToGrpcStatus(s);
   service->metrics()->CountRequest(method, GrpcCodeName(g.error_code()));
   service->metrics()->ObservePhase(method, "total", SecondsSince(started));
+  LogCall({method, ctx->peer(), GrpcCodeName(g.error_code()), g.error_message(),
+           absl::Now() - started, 0, 0});
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(g);
   LOSSD_TSAN_RELEASE(service);  // the call (and the server's shutdown) ends after we return

@@ -6,11 +6,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
@@ -20,6 +22,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
@@ -31,6 +34,7 @@
 #include "server/auth.h"
 #include "server/build_info.h"
 #include "server/idle_state_sweep.h"
+#include "server/log.h"
 #include "server/loss_server.h"
 #include "server/metrics.h"
 #include "server/part_flags.h"
@@ -105,6 +109,12 @@ ABSL_FLAG(absl::Duration, state_idle_ttl, absl::ZeroDuration(),
           "Drop weight handles and accumulators no call has named for this long, and log each "
           "(0 = never).");
 ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
+ABSL_FLAG(std::string, log_format, "text",
+          "Log lines on stderr: text, or json (one object per line). Each refused or failed "
+          "call is a WARNING line (method, peer, code, message), at most 5 a second per "
+          "method and code.");
+ABSL_FLAG(bool, access_log, false,
+          "Also log every call: method, peer, code, latency and tensor bytes in and out.");
 
 namespace lossd {
 namespace {
@@ -133,10 +143,22 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
         code != absl::StatusCode::kFailedPrecondition) {
       return cuda.status();
     }
-    std::fprintf(stderr, "lossd: no CUDA backend (%s); using the CPU backend\n",
-                 std::string(cuda.status().message()).c_str());
+    Log(LogLevel::kWarning, absl::StrCat("no CUDA backend (", cuda.status().message(),
+                                         "); using the CPU backend"));
   }
   return NewCpuBackend(absl::GetFlag(FLAGS_threads));
+}
+
+// "--a=1 --b=x": lossd's flags whose value is not their default, for the start-up line.
+std::string NonDefaultFlags() {
+  std::vector<std::string> set;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!absl::EndsWith(flag->Filename(), "server/main.cc")) continue;
+    if (flag->CurrentValue() == flag->DefaultValue()) continue;
+    set.push_back(absl::StrCat("--", name, "=", flag->CurrentValue()));
+  }
+  std::sort(set.begin(), set.end());  // GetAllFlags is a hash map
+  return absl::StrJoin(set, " ");
 }
 
 int Main() {
@@ -158,19 +180,30 @@ int Main() {
     const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
     return f != nullptr && f->CurrentValue() == f->DefaultValue();
   };
+  {
+    auto format = ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+    LogOptions lo;
+    lo.format = format.ok() ? *format : LogFormat::kText;
+    lo.access_log = absl::GetFlag(FLAGS_access_log);
+    InitLogging(lo);
+    if (!format.ok()) {
+      Log(LogLevel::kError, format.status().ToString());
+      return 1;
+    }
+  }
   // Flags checked before anything starts: a bad one is named, not found out later.
   const int port = absl::GetFlag(FLAGS_port);
   if (port < 0 || port > 65535) {
     // getaddrinfo would keep the low 16 bits and bind another port.
-    std::fprintf(stderr, "lossd: INVALID_ARGUMENT: --port must be in [0, 65535], got %d\n",
-                 port);
+    Log(LogLevel::kError,
+        absl::StrCat("INVALID_ARGUMENT: --port must be in [0, 65535], got ", port));
     return 1;
   }
   auto response_part_bytes =
       CheckPartFlags(absl::GetFlag(FLAGS_max_part_bytes), absl::GetFlag(FLAGS_response_part_bytes),
                      !at_default("response_part_bytes"));
   if (!response_part_bytes.ok()) {
-    std::fprintf(stderr, "lossd: %s\n", response_part_bytes.status().ToString().c_str());
+    Log(LogLevel::kError, response_part_bytes.status().ToString());
     return 1;
   }
 
@@ -178,14 +211,14 @@ int Main() {
                                            absl::GetFlag(FLAGS_tls_key),
                                            absl::GetFlag(FLAGS_tls_client_ca));
   if (!credentials.ok()) {
-    std::fprintf(stderr, "lossd: %s\n", credentials.status().ToString().c_str());
+    Log(LogLevel::kError, credentials.status().ToString());
     return 1;
   }
   std::shared_ptr<const TokenAuthenticator> auth;
   if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
     auto a = TokenAuthenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file));
     if (!a.ok()) {
-      std::fprintf(stderr, "lossd: %s\n", a.status().ToString().c_str());
+      Log(LogLevel::kError, a.status().ToString());
       return 1;
     }
     auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
@@ -198,18 +231,17 @@ int Main() {
   FitDefaultHostBudgets(host.limit_bytes(), !at_default("memory_budget_bytes"),
                         !at_default("host_buffer_pool_bytes"), &memory_budget_bytes,
                         &host_buffer_pool_bytes);
-  std::fprintf(stderr,
-               "lossd: host memory %s; --memory_budget_bytes=%llu%s, "
-               "--host_buffer_pool_bytes=%llu%s\n",
-               host.Describe().c_str(), static_cast<unsigned long long>(memory_budget_bytes),
-               at_default("memory_budget_bytes") ? " (default, at most 1/4 of it)" : "",
-               static_cast<unsigned long long>(host_buffer_pool_bytes),
-               at_default("host_buffer_pool_bytes") ? " (default, at most 1/8 of it)" : "");
+  Log(LogLevel::kInfo,
+      absl::StrCat("host memory ", host.Describe(), "; --memory_budget_bytes=",
+                   memory_budget_bytes,
+                   at_default("memory_budget_bytes") ? " (default, at most 1/4 of it)" : "",
+                   ", --host_buffer_pool_bytes=", host_buffer_pool_bytes,
+                   at_default("host_buffer_pool_bytes") ? " (default, at most 1/8 of it)" : ""));
   SetHostBufferPoolBytes(host_buffer_pool_bytes);
 
   auto backend = MakeBackend();
   if (!backend.ok()) {
-    std::fprintf(stderr, "lossd: %s\n", backend.status().ToString().c_str());
+    Log(LogLevel::kError, backend.status().ToString());
     return 1;
   }
   const BackendInfo info = (*backend)->Info();
@@ -222,15 +254,14 @@ int Main() {
   const bool stores_given = !at_default("weight_cache_bytes") || !at_default("accumulator_bytes");
   if (!stores_given &&
       FitDefaultStoreBudgets(&weight_cache_bytes, &accumulator_bytes, info)) {
-    std::fprintf(stderr,
-                 "lossd: the default --weight_cache_bytes and --accumulator_bytes do not fit "
-                 "the %s backend's memory; using %llu and %llu bytes (half of it)\n",
-                 info.name.c_str(), static_cast<unsigned long long>(weight_cache_bytes),
-                 static_cast<unsigned long long>(accumulator_bytes));
+    Log(LogLevel::kWarning,
+        absl::StrCat("the default --weight_cache_bytes and --accumulator_bytes do not fit the ",
+                     info.name, " backend's memory; using ", weight_cache_bytes, " and ",
+                     accumulator_bytes, " bytes (half of it)"));
   }
   if (absl::Status s = CheckStoreBudgets(weight_cache_bytes, accumulator_bytes, info);
       !s.ok()) {
-    std::fprintf(stderr, "lossd: %s\n", s.ToString().c_str());
+    Log(LogLevel::kError, s.ToString());
     return 1;
   }
 
@@ -250,14 +281,14 @@ int Main() {
   eo.check_finite = absl::GetFlag(FLAGS_check_finite);
   eo.overlap_stall = absl::GetFlag(FLAGS_overlap_stall);
   if (eo.overlap_stall <= absl::ZeroDuration()) {
-    std::fprintf(stderr, "lossd: --overlap_stall must be positive; got %s\n",
-                 absl::FormatDuration(eo.overlap_stall).c_str());
+    Log(LogLevel::kError, absl::StrCat("--overlap_stall must be positive; got ",
+                                       absl::FormatDuration(eo.overlap_stall)));
     return 1;
   }
   const absl::Duration state_ttl = absl::GetFlag(FLAGS_state_idle_ttl);
   if (state_ttl < absl::ZeroDuration()) {
-    std::fprintf(stderr, "lossd: --state_idle_ttl must be >= 0 (0 = off); got %s\n",
-                 absl::FormatDuration(state_ttl).c_str());
+    Log(LogLevel::kError, absl::StrCat("--state_idle_ttl must be >= 0 (0 = off); got ",
+                                       absl::FormatDuration(state_ttl)));
     return 1;
   }
   Engine engine(std::move(*backend), eo);
@@ -314,7 +345,7 @@ int Main() {
                                               absl::GetFlag(FLAGS_metrics_port)),
                                  metrics, probes);
     if (!e.ok()) {
-      std::fprintf(stderr, "lossd: %s\n", e.status().ToString().c_str());
+      Log(LogLevel::kError, e.status().ToString());
       return 1;
     }
     exposer = std::move(*e);
@@ -332,17 +363,17 @@ int Main() {
   so.service.overlap_start_when_busy = absl::GetFlag(FLAGS_overlap_start_when_busy);
   so.service.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
   if (so.service.stream_idle_timeout < absl::ZeroDuration()) {
-    std::fprintf(stderr, "lossd: --stream_idle_timeout must be >= 0 (0 = off); got %s\n",
-                 absl::FormatDuration(so.service.stream_idle_timeout).c_str());
+    Log(LogLevel::kError,
+        absl::StrCat("--stream_idle_timeout must be >= 0 (0 = off); got ",
+                     absl::FormatDuration(so.service.stream_idle_timeout)));
     return 1;
   }
   so.service.auth = auth;
   if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
     if (health_port < 0 || health_port > 65535 || health_port == absl::GetFlag(FLAGS_port)) {
-      std::fprintf(stderr,
-                   "lossd: INVALID_ARGUMENT: --health_port must be in [1, 65535] and not "
-                   "--port, got %d\n",
-                   health_port);
+      Log(LogLevel::kError, absl::StrCat("INVALID_ARGUMENT: --health_port must be in [1, 65535] "
+                                         "and not --port, got ",
+                                         health_port));
       return 1;
     }
     so.health_address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", health_port);
@@ -353,32 +384,46 @@ int Main() {
   // NOT_SERVING.
   auto server = LossServer::Start(&engine, &metrics, so);
   if (!server.ok()) {
-    std::fprintf(stderr, "lossd: %s\n", server.status().ToString().c_str());
+    Log(LogLevel::kError, server.status().ToString());
     return 1;
   }
-  std::printf("lossd %s listening on port %d (backend %s, device %s, instance %s)%s%s\n",
-              kLossdVersion, (*server)->port(), info.name.c_str(), info.device.c_str(),
-              eo.instance.c_str(),
-              exposer ? absl::StrCat(", metrics on port ",
-                                     exposer->GetListeningPorts().empty()
-                                         ? 0
-                                         : exposer->GetListeningPorts()[0])
-                            .c_str()
-                      : "",
-              (*server)->health_port() != 0
-                  ? absl::StrCat(", health on port ", (*server)->health_port(), " (plaintext)")
-                        .c_str()
-                  : "");
+  const int metrics_port =
+      exposer && !exposer->GetListeningPorts().empty() ? exposer->GetListeningPorts()[0] : 0;
+  // Scripts and tests read this line from stdout: its words stay as they are.
+  const std::string started = absl::StrCat(
+      "lossd ", kLossdVersion, " listening on port ", (*server)->port(), " (backend ", info.name,
+      ", device ", info.device, ", instance ", eo.instance, ")",
+      exposer ? absl::StrCat(", metrics on port ", metrics_port) : "",
+      (*server)->health_port() != 0
+          ? absl::StrCat(", health on port ", (*server)->health_port(), " (plaintext)")
+          : "");
+  std::printf("%s\n", started.c_str());
   std::fflush(stdout);
+  Log(LogLevel::kInfo, "started",
+      {{"version", kLossdVersion},
+       {"commit", GetBuildInfo().commit},
+       {"backend", info.name},
+       {"device", info.device},
+       {"instance", eo.instance},
+       {"port", absl::StrCat((*server)->port())},
+       {"metrics_port", absl::StrCat(metrics_port)},
+       {"health_port", absl::StrCat((*server)->health_port())},
+       {"memory_budget_bytes", absl::StrCat(memory_budget_bytes)},
+       {"host_buffer_pool_bytes", absl::StrCat(host_buffer_pool_bytes)},
+       {"weight_cache_bytes", absl::StrCat(weight_cache_bytes)},
+       {"accumulator_bytes", absl::StrCat(accumulator_bytes)},
+       {"flags", NonDefaultFlags()}});
 
   int sig = 0;
   accepting = true;
   sigwait(&signals, &sig);
   accepting = false;
-  std::fprintf(stderr, "lossd: signal %d, draining for up to %d s\n", sig,
-               absl::GetFlag(FLAGS_drain_seconds));
+  Log(LogLevel::kInfo, "draining",
+      {{"signal", absl::StrCat(sig)}, {"drain_seconds", absl::StrCat(absl::GetFlag(FLAGS_drain_seconds))}});
+  const absl::Time drain_started = absl::Now();
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
-  std::fprintf(stderr, "lossd: stopped\n");
+  Log(LogLevel::kInfo, "stopped",
+      {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
   return 0;
 }
 
