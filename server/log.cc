@@ -2,10 +2,12 @@
 
 #include <grpc/support/log.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "server/engine/message_bounds.h"
 #include "spdlog/logger.h"
 #include "spdlog/pattern_formatter.h"
@@ -188,6 +190,29 @@ int64_t LogRateLimiter::Admit(const std::string& key, absl::Time now) {
   const int64_t refused = w.refused;
   w.refused = 0;
   return refused;
+}
+
+std::vector<std::pair<std::string, int64_t>> LogRateLimiter::TakeRefused() {
+  std::vector<std::pair<std::string, int64_t>> out;
+  absl::MutexLock lock(&mu_);
+  for (auto& [key, w] : windows_) {
+    if (w.refused == 0) continue;
+    out.emplace_back(key, w.refused);
+    w.refused = 0;
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void LogSuppressedCalls() {
+  std::shared_ptr<LogState> s = CurrentState();
+  for (const auto& [key, n] : s->limiter->TakeRefused()) {
+    const std::vector<std::string> method_code = absl::StrSplit(key, ' ');
+    Log(LogLevel::kWarning, "calls failed, lines suppressed",
+        {{"method", method_code[0]},
+         {"code", method_code.size() > 1 ? method_code[1] : ""},
+         {"suppressed", absl::StrCat(n)}});
+  }
 }
 
 void LogCall(const CallRecord& call) {

@@ -59,6 +59,8 @@ class LogRateLimiter {
   explicit LogRateLimiter(int per_second) : per_second_(per_second) {}
   // -1: refused (counted). Else admitted, and the number refused since the last admission.
   int64_t Admit(const std::string& key, absl::Time now);
+  // The keys with refusals not yet reported, and their counts (sorted by key); zeroes them.
+  std::vector<std::pair<std::string, int64_t>> TakeRefused();
 
  private:
   struct Window {
@@ -84,6 +86,10 @@ struct CallRecord {
 
 // WARNING for a call that did not end OK (rate-limited), and the access line when enabled.
 void LogCall(const CallRecord& call);
+
+// One WARNING per method and code whose refused calls no later line reported ("suppressed"
+// with the count): at stop, so that a burst at the end is not lost.
+void LogSuppressedCalls();
 
 }  // namespace lossd
 

@@ -115,6 +115,16 @@ TEST_F(LogTest, BurstIsRateLimitedAndSummarised) {
   EXPECT_THAT(lines[4], HasSubstr("method=Compute"));
   EXPECT_THAT(lines[4], HasSubstr("suppressed=47"));
   EXPECT_THAT(lines[0], Not(HasSubstr("suppressed")));
+
+  // A burst at the end is summarised at stop.
+  for (int i = 0; i < 10; ++i) LogCall(Refused("Compute", "bad"));
+  LogSuppressedCalls();
+  lines = Lines();
+  ASSERT_EQ(lines.size(), 8u) << out_.str();  // 2 more admitted, then the summary
+  EXPECT_THAT(lines[7], HasSubstr(" WARNING lossd: calls failed, lines suppressed "
+                                  "method=Compute code=INVALID_ARGUMENT suppressed=8"));
+  LogSuppressedCalls();  // reported once
+  EXPECT_EQ(Lines().size(), 8u);
 }
 
 TEST(LogRateLimiterTest, CountsRefusalsPerKeyAndWindow) {

@@ -295,10 +295,8 @@ int Main() {
   // Declared after the engine, so it stops before the engine goes.
   std::unique_ptr<IdleStateSweep> state_sweep;
   if (state_ttl > absl::ZeroDuration()) {
-    state_sweep = std::make_unique<IdleStateSweep>(&engine, state_ttl, [](const std::string& l) {
-      std::printf("lossd: %s\n", l.c_str());  // where the start-up line goes
-      std::fflush(stdout);
-    });
+    state_sweep = std::make_unique<IdleStateSweep>(
+        &engine, state_ttl, [](const std::string& l) { Log(LogLevel::kInfo, l); });
   }
 
   ServerMetrics metrics([&engine] {
@@ -422,6 +420,7 @@ int Main() {
       {{"signal", absl::StrCat(sig)}, {"drain_seconds", absl::StrCat(absl::GetFlag(FLAGS_drain_seconds))}});
   const absl::Time drain_started = absl::Now();
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  LogSuppressedCalls();
   Log(LogLevel::kInfo, "stopped",
       {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
   return 0;

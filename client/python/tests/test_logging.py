@@ -83,6 +83,11 @@ def test_text_log_names_start_refusals_access_and_stop(tmp_path):
     # The client's newline is escaped: no line of the log starts with the forged text.
     assert 'no\\"such\\\\handle\\nWARNING forged line' in warnings[0], warnings[0]
     assert not any(l.startswith("WARNING forged") for l in log.splitlines()), log
+    # Every refusal is either a line or counted in one (the rest summarised at stop).
+    suppressed = sum(int(n) for n in re.findall(
+        r"WARNING lossd: .*method=Compute .*suppressed=(\d+)", log))
+    assert len(warnings) + suppressed == 30, log
+    assert " WARNING lossd: calls failed, lines suppressed method=Compute code=%s " % code in log, log
     ok = [l for l in log.splitlines() if " INFO lossd: call method=Compute " in l and "code=OK" in l]
     assert len(ok) == 1, log
     m = re.search(r"latency_ms=([0-9.]+) bytes_in=(\d+) bytes_out=(\d+)", ok[0])
