@@ -42,7 +42,8 @@
 ABSL_FLAG(std::string, target, "localhost:50051", "server address host:port");
 ABSL_FLAG(double, deadline_seconds, 600, "deadline of each call, seconds (0 = none)");
 ABSL_FLAG(int64_t, part_bytes, 4 << 20, "largest data bytes of one sent part");
-ABSL_FLAG(int64_t, response_part_bytes, 0, "largest part the server should send (0 = its default)");
+ABSL_FLAG(int64_t, response_part_bytes, 0,
+          "largest part the server should send (0 = its default; else at least 1024)");
 ABSL_FLAG(int32_t, connections, 1, "TCP connections (channels); calls round-robin over them");
 ABSL_FLAG(int32_t, stripes, 0,
           "connections one put-weights / fetch-gradients is split over (at most --connections; "
