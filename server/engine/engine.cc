@@ -978,6 +978,25 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> Engine::CheckFetch(const std::stri
   return FetchRangeOf(**a, name, reset, begin, end);
 }
 
+namespace {
+
+// A reset fetch's zeroing of the sum and its counts. A failed zero leaves a sum nobody can
+// trust: the accumulator is marked poisoned.
+absl::Status ZeroSum(Backend& backend, Accumulator& acc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(acc.mu) {
+  absl::Status s = backend.Zero(*acc.dw);
+  if (s.ok() && acc.db) s = backend.Zero(*acc.db);
+  if (!s.ok()) {
+    acc.poisoned = true;
+    return s;
+  }
+  SetMicroBatches(acc, 0);
+  acc.tokens = 0;
+  ++acc.resets;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset,
                                                          uint64_t begin, uint64_t end,
                                                          const std::string& caller) {
@@ -1004,15 +1023,8 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
     if (!reset) return nf;
     // A reset fetch of an overflowed sum is how a trainer skips the step: nothing to return,
     // but the accumulator starts over.
-    s = backend_->Zero(*acc.dw);
-    if (s.ok() && acc.db) s = backend_->Zero(*acc.db);
-    if (!s.ok()) {
-      acc.poisoned = true;
-      return s;
-    }
-    SetMicroBatches(acc, 0);
-    acc.tokens = 0;
-    ++acc.resets;
+    s = ZeroSum(*backend_, acc);
+    if (!s.ok()) return s;
     ++acc.generation;
     acc.nonfinite_by.clear();
     return absl::FailedPreconditionError(absl::StrCat(
@@ -1038,15 +1050,8 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
     if (!s.ok()) return s;
   }
   if (reset) {
-    s = backend_->Zero(*acc.dw);
-    if (s.ok() && acc.db) s = backend_->Zero(*acc.db);
-    if (!s.ok()) {
-      acc.poisoned = true;
-      return s;
-    }
-    SetMicroBatches(acc, 0);
-    acc.tokens = 0;
-    ++acc.resets;
+    s = ZeroSum(*backend_, acc);
+    if (!s.ok()) return s;
     g.reset_of = *a;
     g.generation_after_reset = acc.generation;
   }
