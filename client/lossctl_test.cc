@@ -78,6 +78,22 @@ class LossctlTest : public ::testing::Test {
 
   std::string Path(const std::string& name) { return dir_ + "/" + name; }
 
+  // compute from x.npy and w.npy with --dtype=bf16: X and W go as bf16 (the fake echoes X
+  // as dX, so dX is X rounded to bf16).
+  void ExpectSentAsBf16(const HostTensor& x) {
+    Result r = Lossctl(absl::StrCat("compute --x=", Path("x.npy"), " --w=", Path("w.npy"),
+                                    " --v=6 --dtype=bf16 --want=dx --out_dir=", Path("out")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    HostTensor dx = Read("out/dx.npy");
+    ASSERT_EQ(dx.dtype(), DType::kBF16);
+    ASSERT_EQ(dx.num_elements(), x.num_elements());
+    for (int64_t i = 0; i < x.num_elements(); ++i) {
+      EXPECT_EQ(dx.data_as<uint16_t>()[i], FloatToBf16(x.data_as<float>()[i])) << i;
+    }
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.w().dtype(), v1::DTYPE_BF16);
+  }
+
   HostTensor Read(const std::string& name) {
     absl::StatusOr<HostTensor> t = ReadNpy(Path(name));
     EXPECT_TRUE(t.ok()) << t.status();
@@ -195,16 +211,7 @@ TEST_F(LossctlTest, DtypeFlagConvertsFloatFiles) {
   HostTensor w = RandomF32({6, 4}, 4);
   ASSERT_TRUE(WriteNpy(Path("x.npy"), x).ok());
   ASSERT_TRUE(WriteNpy(Path("w.npy"), w).ok());
-  Result r = Lossctl(absl::StrCat("compute --x=", Path("x.npy"), " --w=", Path("w.npy"),
-                                  " --v=6 --dtype=bf16 --want=dx --out_dir=", Path("out")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  HostTensor dx = Read("out/dx.npy");
-  ASSERT_EQ(dx.dtype(), DType::kBF16);
-  for (int i = 0; i < 36; ++i) {
-    EXPECT_EQ(dx.data_as<uint16_t>()[i], FloatToBf16(x.data_as<float>()[i])) << i;
-  }
-  absl::MutexLock lock(&fake_.mu);
-  EXPECT_EQ(fake_.last_header.w().dtype(), v1::DTYPE_BF16);
+  ExpectSentAsBf16(x);
 }
 
 // np.save of a default (float64) array, as the help promises: read as fp32, then converted.
@@ -227,16 +234,7 @@ TEST_F(LossctlTest, Float64FilesAreConverted) {
   };
   write_f64("x.npy", x32);
   write_f64("w.npy", w32);
-  Result r = Lossctl(absl::StrCat("compute --x=", Path("x.npy"), " --w=", Path("w.npy"),
-                                  " --v=6 --dtype=bf16 --want=dx --out_dir=", Path("out")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  HostTensor dx = Read("out/dx.npy");
-  ASSERT_EQ(dx.dtype(), DType::kBF16);
-  for (int i = 0; i < 36; ++i) {
-    EXPECT_EQ(dx.data_as<uint16_t>()[i], FloatToBf16(x32.data_as<float>()[i])) << i;
-  }
-  absl::MutexLock lock(&fake_.mu);
-  EXPECT_EQ(fake_.last_header.w().dtype(), v1::DTYPE_BF16);
+  ExpectSentAsBf16(x32);
 }
 
 TEST_F(LossctlTest, RandomDataWithBias) {
