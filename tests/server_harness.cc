@@ -7,10 +7,8 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -19,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/health_check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
 
@@ -168,35 +167,14 @@ double MetricValue(const std::string& page, const std::string& name,
 }
 
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel) {
-  // An empty HealthCheckRequest (the whole server); the answer's field 1 is the status.
+  // The whole server (an empty service name), as the clients ask.
   grpc::GenericStub generic(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Slice empty("");
-  grpc::ByteBuffer request(&empty, 1);
-  grpc::ByteBuffer response;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                    &response, [&](grpc::Status s) {
-                      std::lock_guard<std::mutex> l(mu);
-                      status = s;
-                      done = true;
-                      cv.notify_one();
-                    });
-  {
-    std::unique_lock<std::mutex> l(mu);
-    cv.wait(l, [&] { return done; });
-  }
+  absl::StatusOr<std::string> status = client::CheckHealth(generic, &ctx, "");
   if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  if (!response.Dump(&slices).ok()) return -1;
-  std::string bytes;
-  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  if (bytes == std::string("\x08\x01", 2)) return 1;
-  if (bytes == std::string("\x08\x02", 2)) return 2;
+  if (*status == "SERVING") return 1;
+  if (*status == "NOT_SERVING") return 2;
   return -1;
 }
 
