@@ -28,6 +28,28 @@ DEVICE = os.environ.get("LOSSD_TEST_DEVICE", "cpu")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _logits64(x, w, t, b, softcap):
+    """float64 leaves (x, w, b) and the final logits (rows, V) with the targets flattened."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    z = F.linear(x64, w64, b64)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return (x64, w64, b64), z.reshape(-1, z.shape[-1]), t.reshape(-1)
+
+
+def _backward64(loss, z_loss, z2, t1, valid, leaves, upstream):
+    """Backpropagates `loss` (times `upstream`) and returns what the references return."""
+    x64, w64, b64 = leaves
+    up = torch.ones_like(loss) if upstream is None else upstream.double()
+    loss.backward(up)
+    pred = z2.argmax(-1)
+    acc = ((pred == t1) & valid).sum().double() / valid.sum().clamp(min=1)
+    return dict(loss=loss.detach(), z_loss=z_loss.detach(), acc=float(acc), pred=pred,
+                dx=x64.grad, dw=w64.grad, db=None if b64 is None else b64.grad, z=z2.detach())
+
+
 def torch_reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
                     label_smoothing=0.0, reduction="mean", softcap=None, upstream=None,
                     token_scaling=False):
@@ -37,13 +59,7 @@ def torch_reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, lse_squa
     if token_scaling:
         return _token_scaled_reference(x, w, t, b, ce_weight, ignore_index, lse_square_scale,
                                        label_smoothing, reduction, softcap, upstream)
-    x64 = x.detach().double().requires_grad_()
-    w64 = w.detach().double().requires_grad_()
-    b64 = None if b is None else b.detach().double().requires_grad_()
-    z = F.linear(x64, w64, b64)
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    z2, t1 = z.reshape(-1, z.shape[-1]), t.reshape(-1)
+    leaves, z2, t1 = _logits64(x, w, t, b, softcap)
     cw = None if ce_weight is None else ce_weight.double()
     loss = F.cross_entropy(z2, t1, weight=cw, ignore_index=ignore_index,
                            label_smoothing=label_smoothing, reduction=reduction)
@@ -62,23 +78,12 @@ def torch_reference(x, w, t, b=None, ce_weight=None, ignore_index=-100, lse_squa
     else:
         z_loss = zl.reshape(t.shape)
         loss = loss.reshape(t.shape) + z_loss
-    up = torch.ones_like(loss) if upstream is None else upstream.double()
-    loss.backward(up)
-    pred = z2.argmax(-1)
-    acc = ((pred == t1) & valid).sum().double() / valid.sum().clamp(min=1)
-    return dict(loss=loss.detach(), z_loss=z_loss.detach(), acc=float(acc), pred=pred,
-                dx=x64.grad, dw=w64.grad, db=None if b64 is None else b64.grad, z=z2.detach())
+    return _backward64(loss, z_loss, z2, t1, valid, leaves, upstream)
 
 
 def _token_scaled_reference(x, w, t, b, ce_weight, ignore_index, lse_square_scale,
                             label_smoothing, reduction, softcap, upstream):
-    x64 = x.detach().double().requires_grad_()
-    w64 = w.detach().double().requires_grad_()
-    b64 = None if b is None else b.detach().double().requires_grad_()
-    z = F.linear(x64, w64, b64)
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    z2, t1 = z.reshape(-1, z.shape[-1]), t.reshape(-1)
+    leaves, z2, t1 = _logits64(x, w, t, b, softcap)
     cw = None if ce_weight is None else ce_weight.double()
     valid = t1 != ignore_index
     ce = F.cross_entropy(z2, t1, weight=cw, ignore_index=ignore_index,
@@ -97,12 +102,7 @@ def _token_scaled_reference(x, w, t, b, ce_weight, ignore_index, lse_square_scal
     else:
         z_loss = zl.reshape(t.shape)
         loss = ce.reshape(t.shape) + z_loss
-    up = torch.ones_like(loss) if upstream is None else upstream.double()
-    loss.backward(up)
-    pred = z2.argmax(-1)
-    acc = ((pred == t1) & valid).sum().double() / valid.sum().clamp(min=1)
-    return dict(loss=loss.detach(), z_loss=z_loss.detach(), acc=float(acc), pred=pred,
-                dx=x64.grad, dw=w64.grad, db=None if b64 is None else b64.grad, z=z2.detach())
+    return _backward64(loss, z_loss, z2, t1, valid, leaves, upstream)
 
 
 def make(dtype, bias=False, seed=0, shape=(BT,), v=V, h=H, device=None):
