@@ -4,6 +4,7 @@ $(bazel info bazel-bin)/server/lossd; skipped without one unless LOSSD_BIN is se
 missing binary is a failure)."""
 
 import os
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -35,3 +36,27 @@ def find_lossd_binary():
     if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
         return str(cand)
     pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
+
+
+def make_test_pki(d, clients, ca_name="lossd-test-ca"):
+    """A throw-away CA in folder `d` (ca.pem, ca.key), a server certificate for localhost and
+    127.0.0.1 (server.pem, server.key) and one client certificate per name in `clients`
+    (<name>.pem, <name>.key, CN=<name>). Skips the test where openssl is not installed."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "1", "-subj", "/CN=%s" % ca_name)
+    certs = [("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                        "extendedKeyUsage=serverAuth\n")]
+    certs += [(name, "extendedKeyUsage=clientAuth\n") for name in clients]
+    for name, ext in certs:
+        (Path(d) / ("%s.ext" % name)).write_text(ext)
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "%s.key" % name, "-out",
+                "%s.csr" % name, "-subj", "/CN=%s" % name)
+        openssl("x509", "-req", "-in", "%s.csr" % name, "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", "%s.pem" % name, "-days", "1", "-extfile",
+                "%s.ext" % name)

@@ -3,8 +3,6 @@ belong to the credential that made them (a bearer token, or a verified client ce
 another one is refused (PERMISSION_DENIED) for every use, fetch and drop, and list_state shows
 each its own. Without auth state is anyone's; --state_idle_ttl drops what is left idle."""
 
-import shutil
-import subprocess
 import time
 
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 
 import lossd
 from conftest import LossdProcess, find_lossd_binary
+from lossd_servers import make_test_pki
 
 TOKENS = ("owner-token-a", "owner-token-b")
 
@@ -106,27 +105,11 @@ def test_idle_state_is_dropped_after_the_ttl_and_logged(tmp_path):
         srv.stop()
 
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def mtls_server(tmp_path_factory):
     """lossd with mutual TLS and no tokens: the client certificate is the credential."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
     d = tmp_path_factory.mktemp("mtls-own")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.pem", "-days", "1", "-subj", "/CN=lossd-owner-ca", cwd=d)
-    for name, ext in (("server", "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n"),
-                      ("alice", "extendedKeyUsage=clientAuth\n"),
-                      ("bob", "extendedKeyUsage=clientAuth\n")):
-        (d / ("%s.ext" % name)).write_text(ext)
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "%s.key" % name, "-out",
-                 "%s.csr" % name, "-subj", "/CN=%s" % name, cwd=d)
-        _openssl("x509", "-req", "-in", "%s.csr" % name, "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", "%s.pem" % name, "-days", "1", "-extfile",
-                 "%s.ext" % name, cwd=d)
+    make_test_pki(d, ["alice", "bob"], ca_name="lossd-owner-ca")
 
     def client_kwargs(who):
         return dict(tls_ca_file=str(d / "ca.pem"), tls_cert_file=str(d / ("%s.pem" % who)),

@@ -1,38 +1,21 @@
 """TLS, mutual TLS and bearer tokens from the client's side, against a lossd started with
 --tls_cert/--tls_key/--tls_client_ca/--auth_tokens_file and certificates made at test time."""
 
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 import lossd
 from conftest import LossdProcess, find_lossd_binary
+from lossd_servers import make_test_pki
 
 TOKEN = "s3cret-token-for-tests"
 
 
-def openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
     d = tmp_path_factory.mktemp("pki")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-            "ca.pem", "-days", "1", "-subj", "/CN=lossd-test-ca", cwd=d)
-    for name, ext in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
-                                 "extendedKeyUsage=serverAuth\n"),
-                      ("client", "extendedKeyUsage=clientAuth\n")):
-        (d / ("%s.ext" % name)).write_text(ext)
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "%s.key" % name, "-out",
-                "%s.csr" % name, "-subj", "/CN=%s" % name, cwd=d)
-        openssl("x509", "-req", "-in", "%s.csr" % name, "-CA", "ca.pem", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", "%s.pem" % name, "-days", "1", "-extfile",
-                "%s.ext" % name, cwd=d)
+    make_test_pki(d, ["client"])
     (d / "tokens").write_text("# bearer tokens\n%s\n" % TOKEN)
     return d
 
