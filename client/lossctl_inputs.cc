@@ -1,0 +1,369 @@
+#include "client/lossctl_inputs.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/npy.h"
+#include "kernels/dtype.h"
+#include "kernels/loss_problem.h"
+
+namespace lossd {
+namespace client {
+namespace {
+
+absl::StatusOr<DType> ParseDType(const std::string& s) {
+  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  if (s == "fp16" || s == "f16" || s == "float16") return DType::kF16;
+  if (s == "fp32" || s == "f32" || s == "float32") return DType::kF32;
+  if (s == "int32") return DType::kI32;
+  if (s == "int64") return DType::kI64;
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", s, "'"));
+}
+
+// A dtype flag: --dtype and --grad_dtype name float dtypes, --target_dtype an integer one
+// (a float target dtype would have the random targets written past their buffer).
+absl::StatusOr<DType> ParseDTypeFlag(const char* flag, const std::string& s, bool is_float) {
+  absl::StatusOr<DType> dt = ParseDType(s);
+  if (!dt.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", dt.status().message()));
+  if (IsFloatDType(*dt) != is_float) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " must be ", is_float ? "bf16, fp16 or fp32" : "int32 or int64", ", got '", s,
+        "'"));
+  }
+  return dt;
+}
+
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, const char* flag) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+absl::StatusOr<ClientOptions> OptionsFromFlags() {
+  ClientOptions o;
+  o.target = absl::GetFlag(FLAGS_target);
+  const double deadline = absl::GetFlag(FLAGS_deadline_seconds);
+  o.deadline = deadline > 0 ? absl::Seconds(deadline) : absl::InfiniteDuration();
+  if (absl::GetFlag(FLAGS_part_bytes) <= 0) {
+    return absl::InvalidArgumentError("--part_bytes must be > 0");
+  }
+  o.part_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_part_bytes));
+  o.response_part_bytes = static_cast<uint32_t>(absl::GetFlag(FLAGS_response_part_bytes));
+  // Room for the largest part either way.
+  const int64_t limit = std::max<int64_t>({256 << 20, absl::GetFlag(FLAGS_part_bytes) + (1 << 20),
+                                           absl::GetFlag(FLAGS_response_part_bytes) + (1 << 20)});
+  o.max_send_message_bytes = o.max_receive_message_bytes =
+      static_cast<int>(std::min<int64_t>(limit, INT32_MAX));
+  o.connections = absl::GetFlag(FLAGS_connections);
+  o.stripes = absl::GetFlag(FLAGS_stripes);
+  o.overlap = absl::GetFlag(FLAGS_overlap);
+  o.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  o.tls = absl::GetFlag(FLAGS_tls);
+  const std::pair<const char*, std::string*> pem_files[] = {{"--tls_ca", &o.tls_root_certs},
+                                                            {"--tls_cert", &o.tls_client_cert},
+                                                            {"--tls_key", &o.tls_client_key}};
+  const std::string pem_paths[] = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+                                   absl::GetFlag(FLAGS_tls_key)};
+  for (int i = 0; i < 3; ++i) {
+    if (pem_paths[i].empty()) continue;
+    LOSSCTL_ASSIGN_OR_RETURN(pem, ReadTextFile(pem_paths[i], pem_files[i].first));
+    *pem_files[i].second = std::move(pem);
+  }
+  o.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  o.auth_token = absl::GetFlag(FLAGS_auth_token);
+  if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(
+        text, ReadTextFile(absl::GetFlag(FLAGS_auth_token_file), "--auth_token_file"));
+    o.auth_token = std::string(absl::StripAsciiWhitespace(
+        std::pair<std::string, std::string>(absl::StrSplit(text, '\n')).first));
+  }
+  const std::string md = absl::GetFlag(FLAGS_metadata);
+  if (!md.empty()) {
+    for (absl::string_view kv : absl::StrSplit(md, ',')) {
+      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      if (p.first.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("--metadata: bad entry '", kv, "'"));
+      }
+      o.metadata.push_back(std::move(p));
+    }
+  }
+  return o;
+}
+
+// Uniform in (-scale, scale), as dtype; split over threads (a 1 GiB weight is 512M values).
+void FillRandom(HostTensor* t, float scale, uint64_t seed) {
+  const int64_t n = t->num_elements();
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), n / (1 << 20)));
+  std::vector<std::thread> pool;
+  for (int64_t k = 0; k < threads; ++k) {
+    pool.emplace_back([=] {
+      uint64_t s = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(k) + 1;
+      const int64_t begin = n * k / threads, end = n * (k + 1) / threads;
+      for (int64_t i = begin; i < end; ++i) {
+        // splitmix64: fast and good enough for test data.
+        uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+        StoreFromFloat(t->mutable_data(), t->dtype(), static_cast<size_t>(i), u * scale);
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+HostTensor RandomFloat(DType dtype, std::vector<int64_t> shape, float scale, uint64_t seed) {
+  HostTensor t = HostTensor::Owned(dtype, std::move(shape));
+  FillRandom(&t, scale, seed);
+  return t;
+}
+
+HostTensor RandomTargets(DType dtype, int64_t bt, int64_t v, double ignore_fraction,
+                         int64_t ignore_index, uint64_t seed) {
+  HostTensor t = HostTensor::Owned(dtype, {bt});
+  uint64_t s = seed * 0xD1B54A32D192ED03ull + 7;
+  for (int64_t i = 0; i < bt; ++i) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    const uint64_t r = s >> 17;
+    int64_t y = static_cast<int64_t>(r % static_cast<uint64_t>(v));
+    if (static_cast<double>((s >> 3) & 0xffff) / 65536.0 < ignore_fraction) y = ignore_index;
+    if (dtype == DType::kI32) {
+      t.mutable_data_as<int32_t>()[i] = static_cast<int32_t>(y);
+    } else {
+      t.mutable_data_as<int64_t>()[i] = y;
+    }
+  }
+  return t;
+}
+
+// A float tensor converted to `dtype` (a no-op move when it already is).
+absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::string& name) {
+  if (t.dtype() == dtype) return t;
+  if (!IsFloatDType(t.dtype()) || !IsFloatDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " is ", t.DebugString(), ", cannot convert to ", DTypeName(dtype)));
+  }
+  HostTensor out = HostTensor::Owned(dtype, t.shape());
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    StoreFromFloat(out.mutable_data(), dtype, i, LoadAsFloat(t.data(), t.dtype(), i));
+  }
+  return out;
+}
+
+absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path) {
+  if (path.empty()) return std::optional<HostTensor>();
+  LOSSCTL_ASSIGN_OR_RETURN(t, ReadNpy(path));
+  return std::optional<HostTensor>(std::move(t));
+}
+
+absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
+  WantedOutputs w;
+  w.dx = w.dw = false;
+  if (s.empty() || s == "none") return w;
+  for (absl::string_view name : absl::StrSplit(s, ',')) {
+    if (name == "dx") {
+      w.dx = true;
+    } else if (name == "dw") {
+      w.dw = true;
+    } else if (name == "db") {
+      w.db = true;
+    } else if (name == "lse") {
+      w.lse = true;
+    } else if (name == "z_loss") {
+      w.z_loss = true;
+    } else if (name == "accuracy") {
+      w.accuracy = true;
+    } else if (name == "predictions") {
+      w.predictions = true;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--want: unknown output '", name, "' (dx,dw,db,lse,z_loss,accuracy,predictions)"));
+    }
+  }
+  return w;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
+  LOSSCTL_ASSIGN_OR_RETURN(o, OptionsFromFlags());
+  return LossClient::Create(o);
+}
+
+// The whole request from flags; `v` gets the vocabulary size when known (0 otherwise).
+absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
+  ComputeRequest r;
+  const std::string reduction = absl::GetFlag(FLAGS_reduction);
+  if (reduction == "mean") {
+    r.options.reduction = Reduction::kMean;
+  } else if (reduction == "sum") {
+    r.options.reduction = Reduction::kSum;
+  } else if (reduction == "none") {
+    r.options.reduction = Reduction::kNone;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--reduction must be mean, sum or none, got '", reduction, "'"));
+  }
+  r.options.ignore_index = absl::GetFlag(FLAGS_ignore_index);
+  r.options.label_smoothing = static_cast<float>(absl::GetFlag(FLAGS_label_smoothing));
+  r.options.z_loss_scale = static_cast<float>(absl::GetFlag(FLAGS_lse_square_scale));
+  r.options.softcap = static_cast<float>(absl::GetFlag(FLAGS_softcap));
+  r.options.grad_scale = static_cast<float>(absl::GetFlag(FLAGS_grad_scale));
+  r.options.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
+  r.options.token_scaling = absl::GetFlag(FLAGS_token_scaling);
+  if (!absl::GetFlag(FLAGS_grad_dtype).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(
+        g, ParseDTypeFlag("--grad_dtype", absl::GetFlag(FLAGS_grad_dtype), true));
+    r.grad_dtype = g;
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(want, ParseWant(absl::GetFlag(FLAGS_want)));
+  r.want = want;
+  r.accumulator = absl::GetFlag(FLAGS_accumulator);
+  r.weight_handle = absl::GetFlag(FLAGS_weight_handle);
+  const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
+
+  if (!r.weight_handle.empty() && (!absl::GetFlag(FLAGS_w).empty() ||
+                                   !absl::GetFlag(FLAGS_bias).empty() ||
+                                   absl::GetFlag(FLAGS_with_bias))) {
+    // The handle carries W and its bias; anything given beside it would be ignored.
+    return absl::InvalidArgumentError(
+        "--weight_handle carries W and its bias: give it without --w, --bias or --with_bias");
+  }
+  if (r.weight_handle.empty()) LOSSCTL_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
+  if (r.w.has_value() && r.w->rank() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--w must hold a (V, H) array, got ", r.w->DebugString()));
+  }
+  int64_t v = r.w.has_value() ? r.w->dim(0) : absl::GetFlag(FLAGS_v);
+
+  if (!absl::GetFlag(FLAGS_x).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(x, ReadNpy(absl::GetFlag(FLAGS_x)));
+    r.x = std::move(x);
+    if (!dtype_flag.empty()) {
+      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDTypeFlag("--dtype", dtype_flag, true));
+      LOSSCTL_ASSIGN_OR_RETURN(cx, CastFloat(std::move(r.x), dt, "x"));
+      r.x = std::move(cx);
+    }
+  } else {
+    const int64_t bt = absl::GetFlag(FLAGS_bt);
+    const int64_t h = r.w.has_value() ? r.w->dim(1) : absl::GetFlag(FLAGS_h);
+    if (bt <= 0 || h <= 0) {
+      return absl::InvalidArgumentError("give --x (a .npy file) or random shape --bt and --h");
+    }
+    LOSSCTL_ASSIGN_OR_RETURN(
+        flag_dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
+    const DType dt = r.w.has_value() ? r.w->dtype() : flag_dt;
+    r.x = RandomFloat(dt, {bt, h}, 1.0f, absl::GetFlag(FLAGS_seed));
+  }
+  if (!absl::GetFlag(FLAGS_targets).empty()) {
+    LOSSCTL_ASSIGN_OR_RETURN(t, ReadNpy(absl::GetFlag(FLAGS_targets)));
+    r.targets = std::move(t);
+  } else {
+    if (v <= 0) {
+      return absl::InvalidArgumentError(
+          "random targets need the vocabulary size: give --targets or --v");
+    }
+    LOSSCTL_ASSIGN_OR_RETURN(
+        tdt, ParseDTypeFlag("--target_dtype", absl::GetFlag(FLAGS_target_dtype), false));
+    r.targets =
+        RandomTargets(tdt, r.x.rank() > 0 ? r.x.dim(0) : 0, v, absl::GetFlag(FLAGS_ignore_fraction),
+                      r.options.ignore_index, absl::GetFlag(FLAGS_seed) + 3);
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(cw, ReadOptional(absl::GetFlag(FLAGS_class_weights)));
+  if (cw.has_value()) {
+    LOSSCTL_ASSIGN_OR_RETURN(c, CastFloat(std::move(*cw), DType::kF32, "class_weights"));
+    r.class_weights = std::move(c);
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(go, ReadOptional(absl::GetFlag(FLAGS_grad_output)));
+  if (go.has_value()) {
+    LOSSCTL_ASSIGN_OR_RETURN(g, CastFloat(std::move(*go), DType::kF32, "grad_output"));
+    r.grad_output = std::move(g);
+  }
+  if (r.bias.has_value() && !r.want.db && absl::GetFlag(FLAGS_want) == "dx,dw") {
+    r.want.db = true;  // the default --want includes db when there is a bias
+  }
+  *v_out = v;
+  return r;
+}
+
+// Weights from --w/--bias, or random (--v, --h, --dtype, --with_bias).
+absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias) {
+  const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
+  if (!absl::GetFlag(FLAGS_w).empty()) {
+    if (absl::GetFlag(FLAGS_with_bias)) {
+      return absl::InvalidArgumentError(
+          "--with_bias adds a random bias to random weights; with --w give --bias (a .npy)");
+    }
+    LOSSCTL_ASSIGN_OR_RETURN(wt, ReadNpy(absl::GetFlag(FLAGS_w)));
+    LOSSCTL_ASSIGN_OR_RETURN(b, ReadOptional(absl::GetFlag(FLAGS_bias)));
+    if (!dtype_flag.empty()) {
+      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDTypeFlag("--dtype", dtype_flag, true));
+      LOSSCTL_ASSIGN_OR_RETURN(cw, CastFloat(std::move(wt), dt, "w"));
+      wt = std::move(cw);
+      if (b.has_value()) {
+        LOSSCTL_ASSIGN_OR_RETURN(cb, CastFloat(std::move(*b), dt, "bias"));
+        b = std::move(cb);
+      }
+    }
+    *w = std::move(wt);
+    *bias = std::move(b);
+    return absl::OkStatus();
+  }
+  const int64_t v = absl::GetFlag(FLAGS_v), h = absl::GetFlag(FLAGS_h);
+  if (v <= 0 || h <= 0) {
+    return absl::InvalidArgumentError("give --w (a .npy file) or random shape --v and --h");
+  }
+  if (!absl::GetFlag(FLAGS_bias).empty()) {
+    return absl::InvalidArgumentError(
+        "--bias goes with --w (both .npy files); random weights take --with_bias");
+  }
+  LOSSCTL_ASSIGN_OR_RETURN(
+      dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
+  // Scaled so that logits of unit-range X have a standard deviation near 3: a softmax that
+  // is neither flat nor one-hot.
+  *w = RandomFloat(dt, {v, h}, 9.0f / std::sqrt(static_cast<float>(h)),
+                   absl::GetFlag(FLAGS_seed) + 1);
+  if (absl::GetFlag(FLAGS_with_bias))
+    *bias = RandomFloat(dt, {v}, 1.0f, absl::GetFlag(FLAGS_seed) + 2);
+  return absl::OkStatus();
+}
+
+std::string Gb(double bytes) { return absl::StrFormat("%.3f GB", bytes / 1e9); }
+
+absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t) {
+  const std::string path = (std::filesystem::path(dir) / (name + ".npy")).string();
+  LOSSCTL_RETURN_IF_ERROR(WriteNpy(path, t));
+  absl::PrintF("wrote       %s %s\n", path, t.DebugString());
+  return absl::OkStatus();
+}
+
+absl::Status MakeDir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace client
+}  // namespace lossd

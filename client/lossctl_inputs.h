@@ -1,0 +1,92 @@
+// What lossctl builds from its flags: the client and its connection options, a Compute
+// request from .npy files or random data, the weights alone (put-weights), and where outputs
+// are written. Reads the flags lossctl.cc defines (declared below); talks to no server.
+#ifndef LOSSD_CLIENT_LOSSCTL_INPUTS_H_
+#define LOSSD_CLIENT_LOSSCTL_INPUTS_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/host_tensor.h"
+#include "client/lossd_client.h"
+
+ABSL_DECLARE_FLAG(std::string, accumulator);
+ABSL_DECLARE_FLAG(std::string, auth_token);
+ABSL_DECLARE_FLAG(std::string, auth_token_file);
+ABSL_DECLARE_FLAG(std::string, bias);
+ABSL_DECLARE_FLAG(int64_t, bt);
+ABSL_DECLARE_FLAG(int64_t, chunk_rows);
+ABSL_DECLARE_FLAG(std::string, class_weights);
+ABSL_DECLARE_FLAG(int32_t, connections);
+ABSL_DECLARE_FLAG(double, deadline_seconds);
+ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(std::string, grad_dtype);
+ABSL_DECLARE_FLAG(std::string, grad_output);
+ABSL_DECLARE_FLAG(double, grad_scale);
+ABSL_DECLARE_FLAG(int64_t, h);
+ABSL_DECLARE_FLAG(double, ignore_fraction);
+ABSL_DECLARE_FLAG(int64_t, ignore_index);
+ABSL_DECLARE_FLAG(double, label_smoothing);
+ABSL_DECLARE_FLAG(double, lse_square_scale);
+ABSL_DECLARE_FLAG(std::string, metadata);
+ABSL_DECLARE_FLAG(bool, overlap);
+ABSL_DECLARE_FLAG(int64_t, part_bytes);
+ABSL_DECLARE_FLAG(std::string, reduction);
+ABSL_DECLARE_FLAG(int64_t, response_part_bytes);
+ABSL_DECLARE_FLAG(uint64_t, seed);
+ABSL_DECLARE_FLAG(double, softcap);
+ABSL_DECLARE_FLAG(int32_t, stripes);
+ABSL_DECLARE_FLAG(std::string, target);
+ABSL_DECLARE_FLAG(std::string, target_dtype);
+ABSL_DECLARE_FLAG(std::string, targets);
+ABSL_DECLARE_FLAG(bool, tls);
+ABSL_DECLARE_FLAG(std::string, tls_ca);
+ABSL_DECLARE_FLAG(std::string, tls_cert);
+ABSL_DECLARE_FLAG(std::string, tls_key);
+ABSL_DECLARE_FLAG(std::string, tls_server_name);
+ABSL_DECLARE_FLAG(bool, token_scaling);
+ABSL_DECLARE_FLAG(int64_t, v);
+ABSL_DECLARE_FLAG(std::string, w);
+ABSL_DECLARE_FLAG(bool, wait_for_ready);
+ABSL_DECLARE_FLAG(std::string, want);
+ABSL_DECLARE_FLAG(std::string, weight_handle);
+ABSL_DECLARE_FLAG(bool, with_bias);
+ABSL_DECLARE_FLAG(std::string, x);
+
+#define LOSSCTL_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    const absl::Status _lossctl_status = (expr);       \
+    if (!_lossctl_status.ok()) return _lossctl_status; \
+  } while (0)
+
+#define LOSSCTL_ASSIGN_OR_RETURN(lhs, expr)     \
+  auto lhs##_or = (expr);                       \
+  if (!lhs##_or.ok()) return lhs##_or.status(); \
+  auto lhs = std::move(*lhs##_or)
+
+namespace lossd {
+namespace client {
+
+// A client for --target with the connection, TLS and token flags.
+absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags();
+// The Compute the flags describe: inputs from .npy files (--x --w --targets ...) or random
+// (--bt --h --v ...), its options and wanted outputs; *v_out is V.
+absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out);
+// W and the bias from --w/--bias, or random from --v --h --dtype --with_bias.
+absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias);
+
+// "1.234 GB".
+std::string Gb(double bytes);
+// `t` as <dir>/<name>.npy.
+absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t);
+absl::Status MakeDir(const std::string& dir);
+
+}  // namespace client
+}  // namespace lossd
+
+#endif  // LOSSD_CLIENT_LOSSCTL_INPUTS_H_
