@@ -73,7 +73,7 @@ std::vector<std::string> FoldersUp(const std::string& root, absl::string_view cg
 struct CgroupLimit {
   uint64_t bytes = 0;
   std::string file;
-  uint64_t used = 0;
+  std::string usage_file;  // the usage beside `file`
 };
 
 // The tightest limit along the path, with the usage of the folder that sets it.
@@ -86,7 +86,7 @@ CgroupLimit TightestLimit(const std::vector<std::string>& folders, const char* l
     if (v != 0 && (best.bytes == 0 || v < best.bytes)) {
       best.bytes = v;
       best.file = file;
-      best.used = NumberIn(absl::StrCat(dir, "/", usage_name));
+      best.usage_file = absl::StrCat(dir, "/", usage_name);
     }
   }
   return best;
@@ -141,22 +141,24 @@ std::string HostMemoryLimit::Describe() const {
                       cgroup_bytes != 0 ? GiB(cgroup_bytes) + ")" : " (physical, no cgroup limit)");
 }
 
+uint64_t HostMemoryLimit::ReadUsedBytes() const {
+  if (cgroup_binds() || physical_bytes == 0) return NumberIn(usage_file);
+  std::string meminfo;
+  if (!ReadFile(meminfo_file, &meminfo)) return 0;
+  const uint64_t available = MemInfoField(meminfo, "MemAvailable");
+  return physical_bytes > available ? physical_bytes - available : 0;
+}
+
 HostMemoryLimit ReadHostMemoryLimit(const HostMemoryLimitPaths& paths) {
   HostMemoryLimit m;
+  m.meminfo_file = paths.meminfo;
   std::string meminfo;
-  uint64_t available = 0;
-  if (ReadFile(paths.meminfo, &meminfo)) {
-    m.physical_bytes = MemInfoField(meminfo, "MemTotal");
-    available = MemInfoField(meminfo, "MemAvailable");
-  }
+  if (ReadFile(paths.meminfo, &meminfo)) m.physical_bytes = MemInfoField(meminfo, "MemTotal");
   const CgroupLimit c = ReadCgroupLimit(paths);
   m.cgroup_bytes = c.bytes;
   m.cgroup_file = c.file;
-  if (m.cgroup_binds() || m.physical_bytes == 0) {
-    m.used_bytes = c.used;
-  } else {
-    m.used_bytes = m.physical_bytes > available ? m.physical_bytes - available : 0;
-  }
+  m.usage_file = c.usage_file;
+  m.used_bytes = m.ReadUsedBytes();
   return m;
 }
 

@@ -22,9 +22,15 @@ struct HostMemoryLimit {
   uint64_t physical_bytes = 0;  // MemTotal; 0 if unreadable
   uint64_t cgroup_bytes = 0;    // the tightest cgroup limit; 0 = none found
   std::string cgroup_file;      // the file that set cgroup_bytes
-  // Bytes in use against the binding limit: the cgroup's usage where the cgroup binds
-  // (memory.current, v1 memory.usage_in_bytes), else MemTotal - MemAvailable.
+  // Bytes in use against the binding limit when read: the cgroup's usage where the cgroup
+  // binds (memory.current, v1 memory.usage_in_bytes), else MemTotal - MemAvailable.
   uint64_t used_bytes = 0;
+  std::string usage_file;    // the cgroup's usage file beside cgroup_file
+  std::string meminfo_file;  // where MemAvailable is read
+
+  // used_bytes now: one file read, for callers that ask often (the limit does not change
+  // while the process runs, so they keep this object and ask again).
+  uint64_t ReadUsedBytes() const;
 
   // What budgets derive from: the smaller of the two that are known (0 if neither is).
   uint64_t limit_bytes() const;

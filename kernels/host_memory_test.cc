@@ -49,6 +49,9 @@ TEST_F(HostMemoryTest, NoCgroupIsPhysicalMemory) {
   EXPECT_EQ(m.limit_bytes(), 16 * kGiB);
   EXPECT_EQ(m.used_bytes, 6 * kGiB);
   EXPECT_EQ(m.Describe(), "16.00 GiB (physical, no cgroup limit)");
+  // Asked again, MemAvailable is read anew (12 GiB available now).
+  Write("meminfo", "MemTotal:       16777216 kB\nMemAvailable:   12582912 kB\n");
+  EXPECT_EQ(m.ReadUsedBytes(), 4 * kGiB);
 }
 
 TEST_F(HostMemoryTest, CgroupV2LimitBindsWithItsUsage) {
@@ -64,6 +67,9 @@ TEST_F(HostMemoryTest, CgroupV2LimitBindsWithItsUsage) {
   EXPECT_EQ(m.cgroup_file, paths_.cgroup_root + "/kubepods/pod1/ctr/memory.max");
   EXPECT_THAT(m.Describe(), HasSubstr("1.00 GiB (cgroup limit, "));
   EXPECT_THAT(m.Describe(), HasSubstr("physical 16.00 GiB"));
+  // Asked again, the usage is read anew from the cgroup that binds.
+  Write("cg/kubepods/pod1/ctr/memory.current", "104857600\n");
+  EXPECT_EQ(m.ReadUsedBytes(), 100u << 20);
 }
 
 TEST_F(HostMemoryTest, TightestAncestorWins) {

@@ -565,7 +565,7 @@ CpuBackend::CpuBackend(int threads)
       device_(CpuModel()),
       // The container's memory limit where it is below the machine's: the store budgets
       // (server/store_budgets.h) are checked against this, so they hold inside a cgroup.
-      memory_total_bytes_(ReadHostMemoryLimit().limit_bytes()),
+      host_memory_(ReadHostMemoryLimit()),
       memory_(std::make_shared<CpuMemoryCounter>()),
       pool_(std::make_unique<CpuTaskPool>(threads_)) {
   // Every sgemm runs single-threaded inside one of this backend's tasks (see the header).
@@ -587,8 +587,8 @@ BackendInfo CpuBackend::Info() {
   BackendInfo info;
   info.name = "cpu";
   info.device = device_;
-  info.memory_total_bytes = memory_total_bytes_;
-  info.memory_used_bytes = ReadHostMemoryLimit().used_bytes;
+  info.memory_total_bytes = host_memory_.limit_bytes();
+  info.memory_used_bytes = host_memory_.ReadUsedBytes();
   info.memory_peak_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->peak.load()));
   info.memory_held_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->held.load()));
   info.healthy = true;

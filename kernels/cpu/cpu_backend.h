@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/host_memory.h"
 #include "kernels/loss_problem.h"
 
 namespace lossd {
@@ -61,7 +62,9 @@ class CpuBackend : public Backend {
  private:
   const int threads_;
   std::string device_;
-  uint64_t memory_total_bytes_ = 0;
+  // The host memory this process may use, read once (the limit does not change; Info reads
+  // only the usage again).
+  const HostMemoryLimit host_memory_;
   // Buffers from Allocate plus running workspaces; shared with the buffers, which may
   // outlive the backend.
   std::shared_ptr<CpuMemoryCounter> memory_;
