@@ -66,7 +66,7 @@ typedef struct LossdCudaOptions {
   int32_t fixed_gemm_algorithms;
 } LossdCudaOptions;
 
-/* lossd::LossOptions (kernels/loss_problem.h says what each means). */
+/* lossd::LossOptions (core/loss_problem.h says what each means). */
 typedef struct LossdLossOptions {
   int64_t ignore_index;
   int32_t reduction; /* LOSSD_REDUCTION_* */

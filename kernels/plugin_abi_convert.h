@@ -1,5 +1,5 @@
 // Conversions between the plugin ABI's plain C structs (kernels/plugin_abi.h) and lossd's C++
-// ones (kernels/backend.h, kernels/loss_problem.h), used on both sides of dlopen. Field by
+// ones (kernels/backend.h, core/loss_problem.h), used on both sides of dlopen. Field by
 // field, nothing rounded; never allocates beyond a status message, never touches a buffer a
 // struct points to.
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_CONVERT_H_
@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/backend.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 #include "kernels/plugin_abi.h"
 
 namespace lossd {

@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 #include "kernels/plugin_abi.h"
 
 namespace lossd {

@@ -8,7 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 #include "kernels/plugin_abi.h"
 #include "kernels/plugin_abi_convert.h"
 

@@ -22,8 +22,8 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/test_util.h"
-#include "kernels/loss_problem.h"
+#include "testing/test_util.h"
+#include "core/loss_problem.h"
 #include "kernels/plugin_abi.h"
 
 namespace lossd {
