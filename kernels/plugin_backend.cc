@@ -3,10 +3,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
+#include "absl/base/const_init.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "core/loss_problem.h"
 #include "kernels/plugin_abi.h"
@@ -38,6 +41,8 @@ class PluginHostMemory final : public HostMemory {
       : api_(api), handle_(handle) {}
   void* Allocate(size_t bytes) override { return api_->host_alloc(handle_, bytes); }
   void Free(void* p) override { api_->host_free(handle_, p); }
+  const LossdBackendApi* api() const { return api_; }
+  LossdHostMemory* handle() const { return handle_; }
 
  private:
   const LossdBackendApi* const api_;
@@ -56,15 +61,25 @@ absl::Status NotOurs(const char* call) {
       absl::StrCat("plugin backend: ", call, " was given a buffer this backend did not allocate"));
 }
 
+// The one PluginHostMemory for each plugin host memory handle. Like the plugin's own, they
+// live as long as the process: host memory taken from one may be given back after the backend
+// that offered it is gone.
+HostMemory* HostMemoryFor(const LossdBackendApi* api, LossdHostMemory* handle) {
+  if (handle == nullptr) return nullptr;
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* memories = new std::vector<std::unique_ptr<PluginHostMemory>>;
+  absl::MutexLock lock(&mu);
+  for (const std::unique_ptr<PluginHostMemory>& m : *memories) {
+    if (m->api() == api && m->handle() == handle) return m.get();
+  }
+  memories->push_back(std::make_unique<PluginHostMemory>(api, handle));
+  return memories->back().get();
+}
+
 class PluginBackend final : public Backend {
  public:
-  PluginBackend(const LossdBackendApi* api, LossdBackend* handle) : api_(api), handle_(handle) {
-    // Like the plugin's own, never freed: host memory taken from it may be given back after
-    // this backend is gone.
-    if (LossdHostMemory* m = api_->host_memory(handle_); m != nullptr) {
-      host_memory_ = new PluginHostMemory(api_, m);
-    }
-  }
+  PluginBackend(const LossdBackendApi* api, LossdBackend* handle)
+      : api_(api), handle_(handle), host_memory_(HostMemoryFor(api, api->host_memory(handle))) {}
   ~PluginBackend() override { api_->destroy(handle_); }
 
   BackendInfo Info() override {
@@ -131,7 +146,7 @@ class PluginBackend final : public Backend {
  private:
   const LossdBackendApi* const api_;
   LossdBackend* const handle_;
-  HostMemory* host_memory_ = nullptr;
+  HostMemory* const host_memory_;  // null when the plugin has none
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -95,9 +96,9 @@ uint64_t WorkspaceBytes(LossdBackend* backend, const LossdWorkspaceShape* shape)
 
 int32_t Compute(LossdBackend* backend, const LossdProblem* problem, const LossdOutputs* outputs,
                 LossdStats* stats, LossdStatus* status) {
-  std::unique_ptr<CallerRows> rows;
-  if (problem->rows != nullptr) rows = std::make_unique<CallerRows>(*problem->rows);
-  const LossProblem p = FromC(*problem, rows.get());
+  std::optional<CallerRows> rows;
+  if (problem->rows != nullptr) rows.emplace(*problem->rows);
+  const LossProblem p = FromC(*problem, rows.has_value() ? &*rows : nullptr);
   if (stats == nullptr) {
     return WriteStatus(backend->impl->Compute(p, FromC(*outputs), nullptr), status);
   }
