@@ -13,7 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 namespace lossd {
 namespace client {

@@ -30,8 +30,8 @@
 #include "client/lossctl_inputs.h"
 #include "client/lossctl_output.h"
 #include "client/npy.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 // Connection.
 ABSL_FLAG(std::string, target, "localhost:50051", "server address host:port");

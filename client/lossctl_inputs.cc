@@ -20,8 +20,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/npy.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace client {

@@ -18,7 +18,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 namespace lossd {
 namespace client {

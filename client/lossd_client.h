@@ -33,8 +33,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/host_tensor.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace grpc {
 class Channel;
@@ -205,7 +205,7 @@ struct ServerInfoResult {
   int64_t max_v = 0;
   uint32_t max_in_flight = 0;
   uint32_t accumulators = 0;
-  std::vector<std::string> features;  // see server/engine/features.h
+  std::vector<std::string> features;  // see engine/features.h
 };
 
 // One weight handle or accumulator of the caller's, as List reports it.

@@ -21,9 +21,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/reference.h"
-#include "kernels/cpu/test_util.h"
-#include "kernels/dtype.h"
-#include "tests/server_harness.h"
+#include "testing/test_util.h"
+#include "core/dtype.h"
+#include "testing/server_harness.h"
 
 namespace lossd {
 namespace client {

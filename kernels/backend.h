@@ -11,7 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 

@@ -9,9 +9,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include "gtest/gtest.h"
-#include "server/auth.h"
-#include "server/tls.h"
-#include "tests/server_harness.h"
+#include "service/auth.h"
+#include "service/tls.h"
+#include "testing/server_harness.h"
 
 namespace lossd {
 namespace {

@@ -10,8 +10,8 @@
 
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/test_util.h"
-#include "tests/server_harness.h"
+#include "testing/test_util.h"
+#include "testing/server_harness.h"
 
 namespace lossd {
 namespace {

@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
-bazel build -c opt //server:lossd //client:lossctl
-exec "$(bazel info -c opt bazel-bin)/server/lossd" "$@"
+bazel build -c opt //service:lossd //client:lossctl
+exec "$(bazel info -c opt bazel-bin)/service/lossd" "$@"

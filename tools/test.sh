@@ -22,7 +22,7 @@ gpu_skipped=$(bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null | wc
 
 # 2. Python client and Prometheus tests (they start the lossd binary built above).
 if [[ -x tests/python_and_prometheus.sh ]]; then
-  LOSSD_BIN="$(bazel info bazel-bin)/server/lossd" LOSSCTL_BIN="$(bazel info bazel-bin)/client/lossctl" \
+  LOSSD_BIN="$(bazel info bazel-bin)/service/lossd" LOSSCTL_BIN="$(bazel info bazel-bin)/client/lossctl" \
     tests/python_and_prometheus.sh "$reports" || status=1
 fi
 

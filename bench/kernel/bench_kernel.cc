@@ -30,8 +30,8 @@
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/fused_loss.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 ABSL_FLAG(std::string, shapes,
           "1024x1024x32000,8192x4096x128256,8192x2304x256000,16384x4096x128256,"

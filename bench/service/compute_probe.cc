@@ -19,7 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "lossd address.");
 ABSL_FLAG(std::string, shape, "8192x4096x64", "BTxHxV (bf16).");

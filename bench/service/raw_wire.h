@@ -18,13 +18,13 @@
 #include "google/protobuf/message_lite.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/generic/generic_stub.h"
-#include "client/part_codec.h"
+#include "wire/part_codec.h"
 #include "grpcpp/support/byte_buffer.h"
 
 namespace lossd {
 namespace bench {
 
-// The framing is the client library's (client/part_codec.h): parts that borrow the caller's
+// The framing is the client library's (wire/part_codec.h): parts that borrow the caller's
 // bytes, small messages, and received frames parsed without copying their data.
 using ReceivedFrame = client::StreamFrame;
 constexpr int kBenchHeaderField = client::kStreamHeaderField;

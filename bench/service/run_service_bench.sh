@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 if [ -n "$BAZEL_BIN" ]; then
-  LOSSD="$BAZEL_BIN/server/lossd"
+  LOSSD="$BAZEL_BIN/service/lossd"
   NET="$BAZEL_BIN/bench/service/net_ceiling"
   BENCH="$BAZEL_BIN/bench/service/service_bench"
 else

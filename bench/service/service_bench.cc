@@ -35,7 +35,7 @@
 #include "bench/service/striped.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "lossd address.");
 ABSL_FLAG(std::string, ceilings, "", "key=value file written by net_ceiling --client.");

@@ -28,9 +28,9 @@
 #include "absl/strings/strip.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/nonfinite_scan.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 #include "kernels/host_memory.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 
 // Functions built for several instruction sets, picked at load time. Not under TSan: gcc
 // instruments the load-time resolvers, which run before TSan is ready.
@@ -564,7 +564,7 @@ CpuBackend::CpuBackend(int threads)
     : threads_(std::max(1, threads)),
       device_(CpuModel()),
       // The container's memory limit where it is below the machine's: the store budgets
-      // (server/store_budgets.h) are checked against this, so they hold inside a cgroup.
+      // (service/store_budgets.h) are checked against this, so they hold inside a cgroup.
       host_memory_(ReadHostMemoryLimit()),
       memory_(std::make_shared<CpuMemoryCounter>()),
       pool_(std::make_unique<CpuTaskPool>(threads_)) {

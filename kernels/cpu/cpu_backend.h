@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/host_memory.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 

@@ -18,9 +18,9 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/reference.h"
-#include "kernels/cpu/test_util.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "testing/test_util.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace {

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 int main(int argc, char** argv) {
   using lossd::DType;

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 namespace lossd {
 

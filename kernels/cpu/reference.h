@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 
@@ -26,7 +26,7 @@ struct ReferenceOutputs {
   std::vector<double> db;            // (V) empty when the problem has no bias
 };
 
-// Computes every output of `p` (the semantics of kernels/loss_problem.h). Host memory only:
+// Computes every output of `p` (the semantics of core/loss_problem.h). Host memory only:
 // p.w_memory must be kHost. Returns INVALID_ARGUMENT for a problem it cannot read (null or
 // mis-sized inputs, targets out of range); never aborts.
 //

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/cpu/test_util.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "testing/test_util.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace {

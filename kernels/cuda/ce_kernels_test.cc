@@ -16,7 +16,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/softcap_tanh.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 namespace lossd {
 namespace cuda {

@@ -4,7 +4,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/fused_loss.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 namespace lossd {
 namespace cuda {

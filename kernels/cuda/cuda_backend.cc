@@ -22,8 +22,8 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/cuda/nonfinite.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace cuda {

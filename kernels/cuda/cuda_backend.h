@@ -21,7 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/fused_loss.h"
-#include "kernels/loss_problem.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace cuda {

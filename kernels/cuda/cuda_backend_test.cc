@@ -22,10 +22,10 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
-#include "kernels/cpu/test_util.h"
+#include "testing/test_util.h"
 #include "kernels/cuda/fused_loss.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace cuda {

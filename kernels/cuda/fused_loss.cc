@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace cuda {

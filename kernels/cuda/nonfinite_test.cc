@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 namespace lossd {
 namespace cuda {

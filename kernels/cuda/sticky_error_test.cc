@@ -14,12 +14,12 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/reference.h"
-#include "kernels/cpu/test_util.h"
+#include "testing/test_util.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_fault.h"
-#include "kernels/dtype.h"
-#include "kernels/loss_problem.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace cuda {

@@ -20,10 +20,10 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/test_util.h"
-#include "server/loss_server.h"
-#include "server/metrics.h"
-#include "tests/server_harness.h"
+#include "testing/test_util.h"
+#include "service/loss_server.h"
+#include "service/metrics.h"
+#include "testing/server_harness.h"
 
 namespace lossd {
 namespace {

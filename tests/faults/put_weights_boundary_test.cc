@@ -10,7 +10,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "gtest/gtest.h"
-#include "tests/server_harness.h"
+#include "testing/server_harness.h"
 
 namespace lossd {
 namespace {

@@ -1,4 +1,4 @@
-// SIGTERM during load on the real server binary (//server:lossd, CPU backend, free ports):
+// SIGTERM during load on the real server binary (//service:lossd, CPU backend, free ports):
 // while clients run computes, the process gets SIGTERM. Every call must end OK with the full,
 // correct result (bit-identical to the answer before the signal) or fail with UNAVAILABLE or
 // CANCELLED; never a partial result presented as complete. The process must exit 0.
@@ -22,8 +22,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/test_util.h"
-#include "tests/server_harness.h"
+#include "testing/test_util.h"
+#include "testing/server_harness.h"
 
 namespace lossd {
 namespace {
@@ -37,7 +37,7 @@ std::string ServerBinary() {
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const char* workspace = std::getenv("TEST_WORKSPACE");
   return std::string(srcdir ? srcdir : ".") + "/" + (workspace ? workspace : "lossd") +
-         "/server/lossd";
+         "/service/lossd";
 }
 
 // The server as a child process; its stdout is read for the port it picked.

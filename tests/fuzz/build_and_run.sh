@@ -42,12 +42,12 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 
 # Our code gets coverage instrumentation; the generated protobuf code does not (it would only
 # lead the fuzzer into protobuf's own parser, which is not ours to test).
-SRCS_COVERED="client/part_codec.cc server/wire_convert.cc server/compute_assembler.cc
-server/engine/engine.cc server/engine/memory_budget.cc server/engine/weight_cache.cc server/engine/accumulators.cc
-server/engine/executor.cc server/engine/streamed_rows.cc server/engine/instance_id.cc
-server/engine/message_bounds.cc server/engine/owner.cc server/engine/response_parts.cc
+SRCS_COVERED="wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
+engine/engine.cc engine/memory_budget.cc engine/weight_cache.cc engine/accumulators.cc
+engine/executor.cc engine/streamed_rows.cc engine/instance_id.cc
+engine/message_bounds.cc engine/owner.cc engine/response_parts.cc
 kernels/host_memory.cc kernels/cpu/cpu_backend.cc kernels/cpu/nonfinite_scan.cc kernels/cpu/reference.cc
-kernels/cpu/test_util.cc tests/fuzz/fuzz_env.cc tests/fuzz/compute_stream_fuzzer.cc
+testing/test_util.cc tests/fuzz/fuzz_env.cc tests/fuzz/compute_stream_fuzzer.cc
 tests/fuzz/options_fuzzer.cc tests/fuzz/put_weights_fuzzer.cc"
 
 compile() {  # src obj extra-flags...

@@ -24,16 +24,16 @@
 #include <utility>
 #include <vector>
 
-#include "client/part_codec.h"
+#include "wire/part_codec.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 #include "lossd/v1/lossd.pb.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
-#include "server/compute_assembler.h"
-#include "server/engine/streamed_rows.h"
-#include "server/wire_convert.h"
+#include "service/compute_assembler.h"
+#include "engine/streamed_rows.h"
+#include "service/wire_convert.h"
 #include "tests/fuzz/fuzz_env.h"
 
 namespace lossd {

@@ -8,7 +8,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 
 namespace lossd {
 namespace fuzz {

@@ -13,7 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "server/engine/engine.h"
+#include "engine/engine.h"
 
 namespace lossd {
 namespace fuzz {

@@ -11,9 +11,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "kernels/cpu/reference.h"
-#include "kernels/cpu/test_util.h"
+#include "testing/test_util.h"
 #include "lossd/v1/lossd.pb.h"
-#include "server/wire_convert.h"
+#include "service/wire_convert.h"
 #include "tests/fuzz/fuzz_env.h"
 
 namespace lossd {

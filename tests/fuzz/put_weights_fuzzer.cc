@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 #include "lossd/v1/lossd.pb.h"
-#include "server/wire_convert.h"
+#include "service/wire_convert.h"
 #include "tests/fuzz/fuzz_env.h"
 
 namespace lossd {

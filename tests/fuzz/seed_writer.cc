@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/dtype.h"
+#include "core/dtype.h"
 #include "lossd/v1/lossd.pb.h"
 #include "tests/fuzz/fuzz_env.h"
 

@@ -269,7 +269,7 @@ def check_dockerfile(path):
     check(users and users[-1].split(":")[0] not in ("root", "0"), "final USER is not root")
     check(re.search(r'^ENTRYPOINT\s+\[', text, re.M), "ENTRYPOINT in exec form (lossd is PID 1)")
     check(re.search(r"^EXPOSE\s+.*50051", text, re.M), "EXPOSE 50051")
-    check("bazel" in text and "//server:lossd" in text, "builds //server:lossd with Bazel")
+    check("bazel" in text and "//service:lossd" in text, "builds //service:lossd with Bazel")
     final = text[text.rfind("FROM"):]
     check("apt-get install" not in final, "runtime stage installs no packages")
 

@@ -5,7 +5,7 @@
 # Liger-Kernel's fused linear cross-entropy tests (tools/liger_check), each writing a JUnit
 # report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
-# Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/server/lossd),
+# Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/service/lossd),
 #      LOSSD_SKIP_PIP=1 to skip installing the Python packages below,
 #      LOSSD_TEST_TORCH=1 to pip install torch too (large: about 3 GB with its CUDA wheels;
 #      CI sets it), best effort: where it cannot be installed its tests are skipped.
@@ -16,7 +16,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 REPORTS=${1:-$(mktemp -d)}
 mkdir -p "$REPORTS"
-export LOSSD_BIN=${LOSSD_BIN:-$(cd "$ROOT" && bazel info bazel-bin 2>/dev/null)/server/lossd}
+export LOSSD_BIN=${LOSSD_BIN:-$(cd "$ROOT" && bazel info bazel-bin 2>/dev/null)/service/lossd}
 
 PY_PACKAGES=(numpy grpcio grpcio-tools grpcio-health-checking protobuf pytest pyyaml
              yamllint kubernetes-validate matplotlib build)
@@ -76,6 +76,8 @@ suite "prometheus rules (promtool unit tests)" python3 -m pytest -q -p no:cachep
   tests/prometheus/test_rules.py --junitxml="$REPORTS/prometheus_rules.xml"
 suite "deploy manifests" env JUNIT_XML="$REPORTS/deploy_manifests.xml" \
   tests/prometheus/check_manifests.sh
+suite "layers (every include points down)" python3 -m pytest -q -p no:cacheprovider \
+  tools/layers/test_check_layers.py --junitxml="$REPORTS/layers.xml"
 suite "bench plots parser" python3 -m pytest -q -p no:cacheprovider \
   bench/plots/test_plot_results.py --junitxml="$REPORTS/bench_plots.xml"
 # Liger-Kernel's fused linear cross-entropy tests, unmodified, through the torch module (about

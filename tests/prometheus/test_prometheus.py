@@ -2,7 +2,7 @@
 recording rules loaded; the test makes calls with the Python client and reads the metrics
 back through Prometheus's HTTP API.
 
-Needs: the lossd binary ($LOSSD_BIN, else $(bazel info bazel-bin)/server/lossd), the `prometheus`
+Needs: the lossd binary ($LOSSD_BIN, else $(bazel info bazel-bin)/service/lossd), the `prometheus`
 binary (Debian package prometheus; $PROMETHEUS_BIN overrides), and the Python client's
 dependencies. Run: pytest tests/prometheus/test_prometheus.py --junitxml=prometheus.xml
 """

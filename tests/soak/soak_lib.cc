@@ -16,9 +16,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/cpu/test_util.h"
+#include "testing/test_util.h"
 #include "lossd/v1/lossd.grpc.pb.h"
-#include "tests/server_harness.h"
+#include "testing/server_harness.h"
 
 namespace lossd {
 namespace soak {

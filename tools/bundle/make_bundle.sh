@@ -21,7 +21,7 @@ BAZEL=(bazel "${STARTUP[@]}")
 
 # Targets that exist in this checkout (the server and client may not yet).
 WANT=(
-  //server:lossd
+  //service:lossd
   //client:lossctl
   //kernels/cuda:liblossd_cuda.so
   //bench/kernel:bench_kernel

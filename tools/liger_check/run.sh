@@ -3,7 +3,7 @@
 # (test/transformers/test_fused_linear_cross_entropy.py of its sdist, unmodified) against lossd's
 # Python client: lossd_liger_shim.py starts a lossd server and points Liger's three entry points
 # at lossd.nn. Usage: tools/liger_check/run.sh [JUNIT_XML]
-# Env: LOSSD_BIN (default: $(bazel info bazel-bin)/server/lossd), LIGER_SDIST (an unpacked sdist
+# Env: LOSSD_BIN (default: $(bazel info bazel-bin)/service/lossd), LIGER_SDIST (an unpacked sdist
 #      folder; default: liger-kernel $LIGER_VERSION, 0.8.5, fetched with pip into
 #      ~/.cache/lossd/liger), LOSSD_LIGER_BACKEND (cpu; cuda on a GPU host).
 # Needs torch, transformers, pytest and the lossd client's packages (grpcio, protobuf, numpy).
@@ -47,7 +47,7 @@ fi
 python3 -c "import torch, transformers, pytest" 2>/dev/null ||
   skip "torch, transformers or pytest is not installed"
 
-export LOSSD_BIN=${LOSSD_BIN:-$(cd "$ROOT" && bazel info bazel-bin 2>/dev/null)/server/lossd}
+export LOSSD_BIN=${LOSSD_BIN:-$(cd "$ROOT" && bazel info bazel-bin 2>/dev/null)/service/lossd}
 [[ -x "$LOSSD_BIN" ]] || { echo "FAIL: no lossd binary at $LOSSD_BIN"; exit 1; }
 # Liger's pytest settings put src/ and the sdist's root on the path (its test/ package); the
 # shim and the lossd client come first.

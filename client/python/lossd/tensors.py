@@ -2,7 +2,7 @@
 
 A bf16 tensor is held as its raw uint16 bit patterns in a BF16Array (or passed as a torch
 bfloat16 tensor, or an ml_dtypes bfloat16 array). Conversions here are exact (widening) or
-round to nearest even (narrowing), the same rule as the server's kernels/dtype.h. Never
+round to nearest even (narrowing), the same rule as the server's core/dtype.h. Never
 imports torch: torch tensors are recognised by duck typing.
 """
 

@@ -1,6 +1,6 @@
 """The packaging check as one JUnit case: check_package.sh builds the sdist, a wheel from it
 alone, installs it into a fresh virtual environment of this interpreter and runs smoke.py
-against a live lossd ($LOSSD_BIN, else $(bazel info bazel-bin)/server/lossd), and fails if
+against a live lossd ($LOSSD_BIN, else $(bazel info bazel-bin)/service/lossd), and fails if
 anything was written into the checkout.
 
 Run: pytest client/python/pkgtest/test_package.py --junitxml=python_package.xml

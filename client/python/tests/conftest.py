@@ -1,7 +1,7 @@
 """Fixtures: a real lossd server (CPU backend, free port) for the whole session, a client for
 it, and the comparison helper with one tolerance table per dtype.
 
-The binary is $LOSSD_BIN, else $(bazel info bazel-bin)/server/lossd. Without one the server tests
+The binary is $LOSSD_BIN, else $(bazel info bazel-bin)/service/lossd. Without one the server tests
 are skipped, unless LOSSD_BIN is set (then a missing binary is a failure). On a GPU host,
 LOSSD_TEST_BACKEND=cuda runs the server on its CUDA backend and LOSSD_TEST_DEVICE=cuda puts the
 torch tests' tensors on the GPU (defaults: cpu, cpu).

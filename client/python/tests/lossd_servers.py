@@ -1,6 +1,6 @@
 """What the Python client tests and the Prometheus end-to-end test both need to start a real
 lossd: a free loopback port and the lossd binary ($LOSSD_BIN, else
-$(bazel info bazel-bin)/server/lossd; skipped without one unless LOSSD_BIN is set, then a
+$(bazel info bazel-bin)/service/lossd; skipped without one unless LOSSD_BIN is set, then a
 missing binary is a failure)."""
 
 import os
@@ -35,7 +35,7 @@ def find_lossd_binary():
     cand = Path(out) / "server" / "lossd" if out else None
     if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
         return str(cand)
-    pytest.skip("no lossd binary: build //server:lossd or set LOSSD_BIN")
+    pytest.skip("no lossd binary: build //service:lossd or set LOSSD_BIN")
 
 
 def make_test_pki(d, clients, ca_name="lossd-test-ca"):

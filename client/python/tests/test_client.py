@@ -1,5 +1,5 @@
 """The numpy client against a real lossd (CPU backend), compared with a float64 numpy reference
-of the math in kernels/loss_problem.h."""
+of the math in core/loss_problem.h."""
 
 import zlib
 

@@ -1,0 +1,148 @@
+// The plain-data contract between the engine and every backend: one linear + cross-entropy
+// problem (views of caller-owned buffers plus options) and where its results go. Knows nothing
+// of gRPC, protobuf or CUDA; owns no memory.
+//
+// Math, per row i with target t_i != ignore_index (z = X W^T + b, optionally softcapped):
+//   lse_i   = log sum_j exp z_ij
+//   nll_i   = -cw[t_i] (z_it - lse_i)                     (cw = class weights, or 1)
+//   smooth_i= -(1/V) sum_j cw[j] (z_ij - lse_i)
+//   loss_i  = (1 - eps) nll_i + eps smooth_i + zs lse_i^2   (eps = label_smoothing, zs = z-loss)
+// mean divides the cross-entropy part by sum_i cw[t_i] (PyTorch, whatever its sign; a zero sum
+// gives a zero cross-entropy part) and the z-loss part by the non-ignored token count
+// (Liger-Kernel); sum adds; none returns loss_i. Ignored rows give 0.
+// token_scaling (Liger's use_token_scaling) multiplies loss_i and its gradient row by
+// s_i = softmax(z_i)_t (the final logits, detached: s_i is a constant to the gradient), which
+// backends take from the stored logits and round to the input dtype, as torch.softmax does.
+#ifndef LOSSD_CORE_LOSS_PROBLEM_H_
+#define LOSSD_CORE_LOSS_PROBLEM_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "core/dtype.h"
+
+namespace lossd {
+
+// 2^e for max = f 2^e, f in [0.5, 1): the power of two just above a positive finite max (1
+// otherwise). The backends take it out of the stored gradient G (into their GEMMs' alpha):
+// scaling by it is exact, so bf16 and fp32 storage give the same bits, while an fp16 G keeps
+// its precision whatever the scale of the mean, the upstream gradient or the class weights.
+inline double PowerOfTwoAbove(double max) {
+  if (!(max > 0) || !std::isfinite(max)) return 1.0;
+  int e = 0;
+  std::frexp(max, &e);
+  return std::ldexp(1.0, std::clamp(e, -100, 100));
+}
+
+// The class weights' share of that power of two: PowerOfTwoAbove(max_cw), the weights' largest
+// magnitude (1 without weights: max_cw 0). With a z-loss, weights below 1 are not divided out:
+// the z-loss part of G (2 zs lse p, times the row's scale) does not shrink with them, and
+// would be scaled up past fp16's range.
+inline double ClassWeightScale(double max_cw, double z_loss_scale) {
+  if (z_loss_scale > 0 && max_cw < 1) return 1.0;
+  return PowerOfTwoAbove(max_cw);
+}
+
+enum class Reduction : int32_t { kMean = 0, kSum = 1, kNone = 2 };
+
+struct LossOptions {
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kMean;
+  float label_smoothing = 0.0f;   // eps in [0, 1]
+  float z_loss_scale = 0.0f;      // zs >= 0 (Liger's lse_square_scale)
+  float softcap = 0.0f;           // > 0: z = softcap * tanh(z / softcap); 0 = off
+  // Upstream gradient of the scalar loss (mean, sum). With none, grad_output is used instead.
+  float grad_scale = 1.0f;
+  // Rows per chunk; 0 = the backend chooses from its memory budget.
+  int64_t chunk_rows = 0;
+  // Scale each non-ignored row's loss, z-loss and gradient by s_i (see the top of the file).
+  bool token_scaling = false;
+};
+
+// Where a buffer lives. kHost: ordinary (or pinned) host memory. kBackend: memory the backend
+// allocated through Backend::Allocate (device memory for the CUDA backend).
+enum class Memory : int32_t { kHost = 0, kBackend = 1 };
+
+// Rows that arrive and leave while a Compute runs (the server's overlapped path): X is still
+// being received when the backend starts, and dX can be sent as it is written. A backend that
+// is handed one reads rows [0, r) of X only after WaitX(r) returned OK, and calls DxReady(r)
+// once rows [0, r) of dx hold their final values in the caller's buffer, in increasing r,
+// ending with r = BT. Rows are visited in increasing order, so the results are bit-identical
+// to the same problem given whole.
+class RowStream {
+ public:
+  virtual ~RowStream() = default;
+  // Blocks until rows [0, rows) of X are in place. An error (the sender went away, a part was
+  // refused, the rows stalled) ends the Compute with that status; nothing more is read.
+  virtual absl::Status WaitX(int64_t rows) = 0;
+  // Rows [0, rows) of dx are final. Cheap and never blocks; may run on any thread, including a
+  // device runtime's callback thread (so it must not call into the device runtime).
+  virtual void DxReady(int64_t rows) = 0;
+};
+
+struct LossProblem {
+  int64_t bt = 0;  // rows (tokens)
+  int64_t h = 0;   // hidden size
+  int64_t v = 0;   // vocabulary size
+  DType dtype = DType::kBF16;  // of X, W and bias (bf16, fp16 or fp32)
+
+  const void* x = nullptr;        // (BT, H) row-major, dtype, host
+  const void* w = nullptr;        // (V, H) row-major, dtype, in w_memory
+  Memory w_memory = Memory::kHost;
+  const void* bias = nullptr;     // (V) dtype, in w_memory; null = no bias
+  const void* targets = nullptr;  // (BT) target_dtype, host
+  DType target_dtype = DType::kI64;  // kI32 or kI64
+  const float* class_weights = nullptr;  // (V) fp32, host; null = all ones
+  const float* grad_output = nullptr;    // (BT) fp32, host; reduction none only; null = ones
+  LossOptions options;
+  // Null: X is complete. Else X (host) fills in while the Compute runs; see RowStream. Every
+  // other input is complete before Compute is called.
+  RowStream* rows = nullptr;
+};
+
+// Caller-owned output buffers, all in host memory unless noted. A null pointer means the
+// output is not wanted, and the backend may skip the work it needs.
+struct LossOutputs {
+  DType grad_dtype = DType::kBF16;  // of dx, dw, db: the input dtype or kF32
+  float* loss = nullptr;            // (BT) with reduction none, else (1)
+  float* z_loss = nullptr;          // (BT) with reduction none, else (1), same reduction as loss
+  float* lse = nullptr;             // (BT)
+  int64_t* predictions = nullptr;   // (BT) argmax over V, first index on ties
+  float* accuracy = nullptr;        // (1) fraction of non-ignored rows with argmax == target
+  int64_t* tokens = nullptr;        // (1) non-ignored rows
+  void* dx = nullptr;               // (BT, H) grad_dtype, overwritten
+  void* dw = nullptr;               // (V, H) grad_dtype, overwritten
+  void* db = nullptr;               // (V) grad_dtype, overwritten
+  // Server-side accumulation: dW and db are ADDED (in a fixed order) into these fp32 buffers
+  // in accum_memory instead of being written to dw/db.
+  float* dw_accum = nullptr;        // (V, H) fp32
+  float* db_accum = nullptr;        // (V) fp32
+  Memory accum_memory = Memory::kHost;
+};
+
+// Bits of LossStats::nonfinite: which gradient outputs hold a NaN or Inf after a Compute. With
+// an accumulator (LossOutputs::dw_accum, db_accum) the bits are about the accumulator's sum.
+enum NonFiniteBits : uint32_t {
+  kNonFiniteDx = 1u << 0,
+  kNonFiniteDw = 1u << 1,
+  kNonFiniteDb = 1u << 2,
+};
+
+// What a backend reports about one Compute, for metrics (and the non-finite check).
+struct LossStats {
+  double compute_seconds = 0.0;
+  uint64_t peak_extra_bytes = 0;  // workspace above inputs and outputs
+  int64_t chunk_rows = 0;
+  // GEMM algorithm choices timed during this Compute (autotuning of shapes the backend had
+  // not seen; 0 once a training run's shapes are known).
+  int64_t gemm_tunings = 0;
+  // NonFiniteBits of the outputs written (finite inputs can still overflow: a grad_scale of
+  // 3e38 with reduction sum puts Inf into dW). Each output is read once, after the Compute.
+  uint32_t nonfinite = 0;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_CORE_LOSS_PROBLEM_H_

@@ -1,0 +1,81 @@
+// A Compute request as the engine sees it: plain shapes, dtypes and options (converted from
+// the wire by the transport), and the validated plan made from it. No gRPC, no protobuf.
+#ifndef LOSSD_ENGINE_COMPUTE_PLAN_H_
+#define LOSSD_ENGINE_COMPUTE_PLAN_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/loss_problem.h"
+#include "engine/accumulators.h"
+#include "engine/weight_cache.h"
+
+namespace lossd {
+
+// Inputs a Compute stream may carry.
+enum class InputSlot : int { kX = 0, kW, kBias, kTargets, kClassWeights, kGradOutput, kCount };
+// Outputs a Compute may return, in the order they are sent.
+enum class OutputSlot : int {
+  kLoss = 0, kZLoss, kLse, kPredictions, kDx, kDw, kDb, kCount
+};
+
+const char* InputSlotName(InputSlot s);   // "x", "w", "bias", ...
+const char* OutputSlotName(OutputSlot s);  // "loss", "z_loss", ...
+
+struct TensorDesc {
+  bool present = false;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+};
+
+struct WantedOutputs {
+  bool dx = false, dw = false, db = false;
+  bool lse = false, z_loss = false, accuracy = false, predictions = false;
+};
+
+struct ComputeSpec {
+  std::array<TensorDesc, static_cast<int>(InputSlot::kCount)> inputs;
+  std::string weight_handle;          // instead of inputs[kW] and inputs[kBias]
+  LossOptions options;
+  bool grad_fp32 = false;             // gradients in fp32 instead of the input dtype
+  WantedOutputs wanted;
+  std::string accumulator;            // add dW/db into this accumulator instead of returning
+  std::string accumulator_instance;   // the instance it must live on; empty = any
+  std::string owner;  // the caller's principal (owner.h), set by the service; "" = no auth
+};
+
+struct OutputDesc {
+  OutputSlot slot;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t bytes;
+};
+
+// A validated request: everything needed to receive, admit and run it.
+struct ComputePlan {
+  int64_t bt = 0, h = 0, v = 0;
+  DType dtype = DType::kBF16;
+  DType target_dtype = DType::kI64;
+  DType grad_dtype = DType::kBF16;
+  bool has_bias = false;
+  LossOptions options;
+  WantedOutputs wanted;
+  // Bytes expected per input slot on the stream (0 = not sent in this stream).
+  std::array<uint64_t, static_cast<int>(InputSlot::kCount)> input_bytes{};
+  std::vector<OutputDesc> outputs;  // tensors returned after the summary, in order
+  std::shared_ptr<const WeightEntry> weights;  // when W comes by handle
+  std::string weight_handle;
+  std::string accumulator;
+  std::string owner;  // ComputeSpec::owner: who creates or must own the accumulator
+  uint64_t host_bytes = 0;       // input and output buffers held on the host
+  uint64_t workspace_bytes = 0;  // backend's worst case beyond those
+  uint64_t admission_bytes() const { return host_bytes + workspace_bytes; }
+  double flops() const { return 6.0 * bt * h * v; }
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_ENGINE_COMPUTE_PLAN_H_

@@ -1,0 +1,34 @@
+#include "service/build_info.h"
+
+#include "absl/strings/str_cat.h"
+#include "service/build_stamp.h"
+
+namespace lossd {
+
+BuildInfo GetBuildInfo() {
+  BuildInfo b;
+  b.version = kLossdVersion;
+  b.commit = LOSSD_BUILD_COMMIT;
+#ifdef NDEBUG
+  b.mode = absl::StrCat(LOSSD_BUILD_MODE, " (NDEBUG: assertions off)");
+#else
+  b.mode = absl::StrCat(LOSSD_BUILD_MODE, " (assertions on)");
+#endif
+  return b;
+}
+
+std::string VersionText(const BuildInfo& build, const absl::StatusOr<CudaPluginProbe>& plugin) {
+  std::string cuda;
+  if (!plugin.ok()) {
+    cuda = absl::StrCat("none usable (", plugin.status().message(), ")");
+  } else if (plugin->abi_version != LOSSD_CUDA_ABI_VERSION) {
+    cuda = absl::StrCat(plugin->path, ", ABI version ", plugin->abi_version,
+                        ": NOT loadable, this server needs ABI version ", LOSSD_CUDA_ABI_VERSION);
+  } else {
+    cuda = absl::StrCat(plugin->path, ", ABI version ", plugin->abi_version);
+  }
+  return absl::StrCat("lossd ", build.version, "\ncommit: ", build.commit,
+                      "\nbuild: ", build.mode, "\ncuda plugin: ", cuda, "\n");
+}
+
+}  // namespace lossd

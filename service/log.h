@@ -1,0 +1,96 @@
+// lossd's log: one spdlog logger writing text or JSON lines to stderr, gRPC's own log lines
+// routed into it, and one line per refused or failed call (WARNING, rate-limited per method
+// and code) plus an optional access line per call. Every value is escaped and every
+// client-controlled one bounded: a line never grows with what a client sent, nor breaks in two.
+#ifndef LOSSD_SERVICE_LOG_H_
+#define LOSSD_SERVICE_LOG_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "spdlog/sinks/sink.h"
+
+namespace lossd {
+
+enum class LogFormat { kText, kJson };
+enum class LogLevel { kInfo, kWarning, kError };
+
+// "text" or "json"; else INVALID_ARGUMENT naming --log_format and the value.
+absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view s);
+
+struct LogOptions {
+  LogFormat format = LogFormat::kText;
+  bool access_log = false;      // one INFO line per call: method, peer, code, latency, bytes
+  int warnings_per_second = 5;  // per method and code; the rest are counted, then summarised
+};
+
+// Sets up the process's logger (stderr where `sink` is null; tests pass their own) and routes
+// gRPC's log lines into it. Called again, it replaces the previous set-up.
+void InitLogging(const LogOptions& options, std::shared_ptr<spdlog::sinks::sink> sink = nullptr);
+
+// Named values of one line, in order; the caller bounds what a client chose (LogClipped).
+using LogFields = std::vector<std::pair<std::string, std::string>>;
+
+void Log(LogLevel level, absl::string_view message, const LogFields& fields = {});
+
+// `s` escaped for the inside of a JSON string: quotes, backslashes, control characters and
+// bytes past ASCII as \uXXXX (so invalid UTF-8 from a client still makes valid JSON).
+std::string JsonEscape(absl::string_view s);
+
+// `s` cut to `max_bytes` (saying how long it was): for client-controlled values.
+std::string LogClipped(absl::string_view s, size_t max_bytes);
+
+// The line's text after the time and level: "message key=value key=\"a b\"" or, for JSON,
+// the members "\"msg\":\"message\",\"key\":\"value\"" (InitLogging's pattern wraps them).
+std::string FormatLogBody(LogFormat format, absl::string_view message, const LogFields& fields);
+
+// At most `per_second` admissions per key in each one-second window; what a full window
+// refuses is counted and reported by the next admission of that key.
+class LogRateLimiter {
+ public:
+  explicit LogRateLimiter(int per_second) : per_second_(per_second) {}
+  // -1: refused (counted). Else admitted, and the number refused since the last admission.
+  int64_t Admit(const std::string& key, absl::Time now);
+  // The keys with refusals not yet reported, and their counts (sorted by key); zeroes them.
+  std::vector<std::pair<std::string, int64_t>> TakeRefused();
+
+ private:
+  struct Window {
+    absl::Time start;
+    int admitted = 0;
+    int64_t refused = 0;
+  };
+  const int per_second_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Window> windows_ ABSL_GUARDED_BY(mu_);
+};
+
+// One finished RPC, as its client saw it.
+struct CallRecord {
+  absl::string_view method;
+  absl::string_view peer;  // ctx->peer()
+  absl::string_view code;  // "INVALID_ARGUMENT" (GrpcCodeName)
+  absl::string_view message;
+  absl::Duration latency;
+  uint64_t bytes_in = 0;  // tensor bytes received and sent
+  uint64_t bytes_out = 0;
+};
+
+// WARNING for a call that did not end OK (rate-limited), and the access line when enabled.
+void LogCall(const CallRecord& call);
+
+// One WARNING per method and code whose refused calls no later line reported ("suppressed"
+// with the count): at stop, so that a burst at the end is not lost.
+void LogSuppressedCalls();
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVICE_LOG_H_

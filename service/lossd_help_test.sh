@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# `lossd --help` lists every flag that service/main.cc defines (Abseil's --help shows only the
+# flags of files named after the program, which main.cc is not, unless main tells it so).
+set -euo pipefail
+LOSSD=$1
+MAIN=$2
+set +e
+out=$("$LOSSD" --help 2>&1)
+set -e
+flags=$(grep -o 'ABSL_FLAG([^,]*, *[a-z_0-9]*' "$MAIN" | sed 's/.*, *//')
+n=0
+missing=0
+for f in $flags; do
+  n=$((n + 1))
+  if ! grep -q -- "--$f " <<<"$out"; then
+    echo "lossd --help does not list --$f"
+    missing=$((missing + 1))
+  fi
+done
+if [ "$n" -lt 20 ]; then
+  echo "found only $n flags in $MAIN; the pattern no longer matches its ABSL_FLAG lines"
+  exit 1
+fi
+if [ "$missing" -ne 0 ]; then
+  echo "--- lossd --help printed:"
+  echo "$out" | head -20
+  exit 1
+fi
+echo "lossd --help lists all $n flags of $MAIN"
+
+# Flags out of range are refused at start, naming the flag, before anything listens.
+bad=0
+refuse() {  # expected message, flags...
+  local want=$1
+  shift
+  set +e
+  local got
+  got=$(timeout 30 "$LOSSD" --backend=cpu --metrics_port=0 "$@" 2>&1)
+  local code=$?
+  set -e
+  if [ "$code" -ne 1 ] || ! grep -qF -- "$want" <<<"$got"; then
+    echo "lossd $* exited $code, wanted 1 and '$want'; printed:"
+    echo "$got" | head -5
+    bad=$((bad + 1))
+  fi
+}
+refuse "--port must be in [0, 65535], got 70000" --port=70000
+refuse "--port must be in [0, 65535], got -1" --port=-1
+refuse "--max_part_bytes must be in [1024, 1073741824], got 0" --max_part_bytes=0
+refuse "--max_part_bytes must be in [1024, 1073741824], got 4294967295" --max_part_bytes=4294967295
+refuse "--response_part_bytes must be at least 1024, got 0" --response_part_bytes=0
+refuse "--response_part_bytes=100000 exceeds --max_part_bytes=65536: set --response_part_bytes to at most 65536" \
+  --max_part_bytes=65536 --response_part_bytes=100000
+# The weight cache and the accumulators together may not exceed the backend's memory (the
+# host's, on the CPU backend): 2^62 bytes each is more than any host has.
+refuse "--weight_cache_bytes=4611686018427387904 plus --accumulator_bytes=1073741824" \
+  --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=1073741824
+refuse "exceed the cpu backend's host memory of " \
+  --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=4611686018427387904
+refuse "--state_idle_ttl must be >= 0 (0 = off); got -1s" --port=0 --state_idle_ttl=-1s
+refuse "--health_port must be in [1, 65535] and not --port, got 70000" --port=0 --health_port=70000
+# --max_part_bytes alone is enough: the default --response_part_bytes (4 MiB) follows it down.
+set +e
+got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --max_part_bytes=65536 2>&1)
+set -e
+if ! grep -q "listening on port" <<<"$got"; then
+  echo "lossd --max_part_bytes=65536 did not start; printed:"
+  echo "$got" | head -5
+  bad=$((bad + 1))
+fi
+if [ "$bad" -ne 0 ]; then
+  exit 1
+fi
+echo "lossd refuses 10 out-of-range flag settings, naming each, and starts with --max_part_bytes alone"

@@ -1,0 +1,450 @@
+// lossd: the loss service. Parses flags, picks a backend (CUDA where a GPU is present, else
+// CPU), starts the gRPC server and the metrics exposer, and drains gracefully on SIGTERM or
+// SIGINT. The CUDA backend is loaded as a plugin (dlopen) so that cuBLAS never sits in this
+// binary's static TLS, which would starve civetweb's small thread stacks.
+#include <malloc.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/host_memory.h"
+#include "kernels/plugin_loader.h"
+#include "engine/engine.h"
+#include "engine/instance_id.h"
+#include "service/auth.h"
+#include "service/build_info.h"
+#include "service/idle_state_sweep.h"
+#include "service/log.h"
+#include "service/loss_server.h"
+#include "service/metrics.h"
+#include "service/part_flags.h"
+#include "service/store_budgets.h"
+#include "service/tls.h"
+
+ABSL_FLAG(std::string, address, "0.0.0.0", "Address the gRPC server listens on.");
+ABSL_FLAG(int, port, 50051, "gRPC port (0 picks a free one and prints it).");
+ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "Address the /metrics endpoint listens on.");
+ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port; 0 disables the endpoint.");
+ABSL_FLAG(int, health_port, 0,
+          "Plaintext port (on --address) that answers grpc.health.v1 alone, for probes that "
+          "cannot speak TLS (Kubernetes' gRPC probes) when --tls_cert is set; 0 = none.");
+ABSL_FLAG(std::string, backend, "auto", "auto (CUDA where a GPU is present, else CPU), cpu or cuda.");
+ABSL_FLAG(std::string, cuda_plugin, "", "Path of liblossd_cuda.so; empty searches beside the binary.");
+ABSL_FLAG(int, cuda_device, 0, "CUDA device index.");
+ABSL_FLAG(int, threads, 0, "CPU backend threads; 0 = all cores.");
+ABSL_FLAG(int, executor_threads, 1, "Requests computed at once (each backend call is parallel inside).");
+ABSL_FLAG(uint64_t, memory_budget_bytes, 8ull << 30,
+          "Admission budget: host buffers and backend workspace of requests in flight.");
+ABSL_FLAG(uint64_t, device_memory_budget_bytes, 0,
+          "CUDA backend: most device bytes it may hold; 0 = no limit of its own.");
+ABSL_FLAG(uint64_t, cuda_chunk_budget_bytes, 0,
+          "CUDA backend: device bytes per Compute for the logits chunk and the GEMM workspaces "
+          "(fewer, larger chunks run closer to the GEMM floor); 0 = 512 MiB, or enough for 2048 "
+          "rows of logits where V is wider (at most 2 GiB).");
+ABSL_FLAG(bool, cuda_autotune, true,
+          "CUDA backend: time cuBLASLt's candidate algorithms on the first Compute of each shape "
+          "and keep the fastest; false = its first choice, identical in every process.");
+ABSL_FLAG(uint64_t, weight_cache_bytes, 4ull << 30, "Budget of weights held by handle (LRU).");
+ABSL_FLAG(uint64_t, accumulator_bytes, 8ull << 30, "Budget of gradient accumulators.");
+ABSL_FLAG(uint32_t, max_accumulators, 64, "Most gradient accumulators held at once.");
+ABSL_FLAG(uint32_t, max_queue, 64, "Most requests waiting for memory; more get UNAVAILABLE.");
+ABSL_FLAG(uint32_t, max_in_flight, 256, "Most RPCs at once; more get UNAVAILABLE.");
+ABSL_FLAG(uint32_t, max_in_flight_per_client, 64,
+          "Most RPCs at once from one client (its bearer token, else its address).");
+ABSL_FLAG(uint64_t, max_parts_per_request, 1ull << 20, "Most tensor parts one stream may send.");
+ABSL_FLAG(uint32_t, max_weight_handles, 1024, "Most weight handles held (LRU beyond it).");
+ABSL_FLAG(int64_t, max_bt, 1 << 20, "Largest BT (rows) of one request.");
+ABSL_FLAG(int64_t, max_h, 1 << 16, "Largest hidden size H.");
+ABSL_FLAG(int64_t, max_v, 1 << 21, "Largest vocabulary V.");
+ABSL_FLAG(uint64_t, max_request_bytes, 16ull << 30, "Most tensor bytes one Compute may move.");
+ABSL_FLAG(uint32_t, max_part_bytes, 16u << 20, "Largest tensor part a client may send.");
+ABSL_FLAG(uint32_t, response_part_bytes, 4u << 20,
+          "Default size of response parts; left out, at most --max_part_bytes.");
+ABSL_FLAG(uint64_t, host_buffer_pool_bytes, 2ull << 30,
+          "Most bytes of freed request buffers kept for reuse (same shapes again skip the "
+          "page faults of fresh memory); 0 turns the pool off.");
+ABSL_FLAG(bool, check_finite, true, "Refuse NaN and Inf in X, W and bias (INVALID_ARGUMENT).");
+ABSL_FLAG(bool, overlap_start_when_busy, false,
+          "Overlapped Computes start before X is all in even while other computes are queued "
+          "or running (default: only on an idle executor).");
+ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Seconds(60),
+          "A Compute or PutWeights stream on which lossd waits for the client (its header, "
+          "its parts, a striped upload's other stripes) and nothing arrives for this long, or "
+          "a Compute or FetchGradients whose client takes no response message for this long, "
+          "is cancelled, giving back its memory and reservations; 0 turns it off.");
+ABSL_FLAG(absl::Duration, overlap_stall, absl::Seconds(10),
+          "Overlapped Computes: longest wait for the next rows of X while the compute holds "
+          "the device; then DEADLINE_EXCEEDED.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (chain); with --tls_key enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; when set, clients must present a certificate it signed (mTLS).");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "File of bearer tokens (one per line, # comments); when set every Loss RPC needs "
+          "'authorization: Bearer <token>'. Health checks need none.");
+ABSL_FLAG(bool, reflection, false,
+          "Serve gRPC server reflection (grpc.reflection); with --auth_tokens_file it needs a "
+          "token like the Loss service.");
+ABSL_FLAG(absl::Duration, state_idle_ttl, absl::ZeroDuration(),
+          "Drop weight handles and accumulators no call has named for this long, and log each "
+          "(0 = never).");
+ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
+ABSL_FLAG(std::string, log_format, "text",
+          "Log lines on stderr: text, or json (one object per line). Each refused or failed "
+          "call is a WARNING line (method, peer, code, message), at most 5 a second per "
+          "method and code.");
+ABSL_FLAG(bool, access_log, false,
+          "Also log every call: method, peer, code, latency and tensor bytes in and out.");
+
+namespace lossd {
+namespace {
+
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
+  const std::string which = absl::GetFlag(FLAGS_backend);
+  if (which != "auto" && which != "cpu" && which != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be auto, cpu or cuda, got '", which, "'"));
+  }
+  if (which != "cpu") {
+    LossdCudaOptions o{};
+    o.device = absl::GetFlag(FLAGS_cuda_device);
+    o.memory_budget_bytes = absl::GetFlag(FLAGS_device_memory_budget_bytes);
+    o.chunk_budget_bytes = absl::GetFlag(FLAGS_cuda_chunk_budget_bytes);
+    o.fixed_gemm_algorithms = absl::GetFlag(FLAGS_cuda_autotune) ? 0 : 1;
+    auto cuda = LoadCudaBackend(absl::GetFlag(FLAGS_cuda_plugin), o);
+    if (cuda.ok()) return cuda;
+    if (which == "cuda") return cuda.status();
+    // auto falls back where there is no CUDA to be had (no plugin, a plugin that cannot load
+    // here, no GPU), not where a GPU is present but was set up wrong (--cuda_device out of
+    // range, a failed start): that would quietly serve on the CPU.
+    const absl::StatusCode code = cuda.status().code();
+    if (code != absl::StatusCode::kNotFound && code != absl::StatusCode::kUnavailable &&
+        code != absl::StatusCode::kFailedPrecondition) {
+      return cuda.status();
+    }
+    Log(LogLevel::kWarning, absl::StrCat("no CUDA backend (", cuda.status().message(),
+                                         "); using the CPU backend"));
+  }
+  return NewCpuBackend(absl::GetFlag(FLAGS_threads));
+}
+
+// "--a=1 --b=x": lossd's flags whose value is not their default, for the start-up line.
+std::string NonDefaultFlags() {
+  std::vector<std::string> set;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!absl::EndsWith(flag->Filename(), "service/main.cc")) continue;
+    if (flag->CurrentValue() == flag->DefaultValue()) continue;
+    set.push_back(absl::StrCat("--", name, "=", flag->CurrentValue()));
+  }
+  std::sort(set.begin(), set.end());  // GetAllFlags is a hash map
+  return absl::StrJoin(set, " ");
+}
+
+int Main() {
+  // gRPC allocates and frees multi-MiB buffers per message; keep glibc from handing them back
+  // to the kernel each time (every message would page-fault again).
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, INT_MAX);
+
+  // Signals are taken by a waiting thread, not a handler, so the drain runs in normal code.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // (This Abseil keeps "was it on the command line" private: a value equal to the default
+  // counts as the default, which changes nothing for it.)
+  auto at_default = [](absl::string_view name) {
+    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+    return f != nullptr && f->CurrentValue() == f->DefaultValue();
+  };
+  {
+    auto format = ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+    LogOptions lo;
+    lo.format = format.ok() ? *format : LogFormat::kText;
+    lo.access_log = absl::GetFlag(FLAGS_access_log);
+    InitLogging(lo);
+    if (!format.ok()) {
+      Log(LogLevel::kError, format.status().ToString());
+      return 1;
+    }
+  }
+  // Flags checked before anything starts: a bad one is named, not found out later.
+  const int port = absl::GetFlag(FLAGS_port);
+  if (port < 0 || port > 65535) {
+    // getaddrinfo would keep the low 16 bits and bind another port.
+    Log(LogLevel::kError,
+        absl::StrCat("INVALID_ARGUMENT: --port must be in [0, 65535], got ", port));
+    return 1;
+  }
+  auto response_part_bytes =
+      CheckPartFlags(absl::GetFlag(FLAGS_max_part_bytes), absl::GetFlag(FLAGS_response_part_bytes),
+                     !at_default("response_part_bytes"));
+  if (!response_part_bytes.ok()) {
+    Log(LogLevel::kError, response_part_bytes.status().ToString());
+    return 1;
+  }
+
+  auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_tls_cert),
+                                           absl::GetFlag(FLAGS_tls_key),
+                                           absl::GetFlag(FLAGS_tls_client_ca));
+  if (!credentials.ok()) {
+    Log(LogLevel::kError, credentials.status().ToString());
+    return 1;
+  }
+  std::shared_ptr<const TokenAuthenticator> auth;
+  if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
+    auto a = TokenAuthenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file));
+    if (!a.ok()) {
+      Log(LogLevel::kError, a.status().ToString());
+      return 1;
+    }
+    auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
+  }
+
+  // Host-memory defaults follow the container's limit where it is below the machine's.
+  const HostMemoryLimit host = ReadHostMemoryLimit();
+  uint64_t memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  uint64_t host_buffer_pool_bytes = absl::GetFlag(FLAGS_host_buffer_pool_bytes);
+  FitDefaultHostBudgets(host.limit_bytes(), !at_default("memory_budget_bytes"),
+                        !at_default("host_buffer_pool_bytes"), &memory_budget_bytes,
+                        &host_buffer_pool_bytes);
+  Log(LogLevel::kInfo,
+      absl::StrCat("host memory ", host.Describe(), "; --memory_budget_bytes=",
+                   memory_budget_bytes,
+                   at_default("memory_budget_bytes") ? " (default, at most 1/4 of it)" : "",
+                   ", --host_buffer_pool_bytes=", host_buffer_pool_bytes,
+                   at_default("host_buffer_pool_bytes") ? " (default, at most 1/8 of it)" : ""));
+  SetHostBufferPoolBytes(host_buffer_pool_bytes);
+
+  auto backend = MakeBackend();
+  if (!backend.ok()) {
+    Log(LogLevel::kError, backend.status().ToString());
+    return 1;
+  }
+  const BackendInfo info = (*backend)->Info();
+  // Weights and accumulators live in backend memory between requests: budgets the backend
+  // cannot hold would surface later as out-of-memory failures of requests already accepted.
+  // The defaults (4 + 8 GiB) suit a GPU host; on a smaller machine they shrink to fit rather
+  // than keep lossd from starting. Values given on the command line are checked as they are.
+  uint64_t weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
+  uint64_t accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
+  const bool stores_given = !at_default("weight_cache_bytes") || !at_default("accumulator_bytes");
+  if (!stores_given &&
+      FitDefaultStoreBudgets(&weight_cache_bytes, &accumulator_bytes, info)) {
+    Log(LogLevel::kWarning,
+        absl::StrCat("the default --weight_cache_bytes and --accumulator_bytes do not fit the ",
+                     info.name, " backend's memory; using ", weight_cache_bytes, " and ",
+                     accumulator_bytes, " bytes (half of it)"));
+  }
+  if (absl::Status s = CheckStoreBudgets(weight_cache_bytes, accumulator_bytes, info);
+      !s.ok()) {
+    Log(LogLevel::kError, s.ToString());
+    return 1;
+  }
+
+  EngineOptions eo;
+  eo.instance = NewInstanceId();
+  eo.memory_budget_bytes = memory_budget_bytes;
+  eo.max_queue = absl::GetFlag(FLAGS_max_queue);
+  eo.executor_threads = absl::GetFlag(FLAGS_executor_threads);
+  eo.weight_cache_bytes = weight_cache_bytes;
+  eo.max_weight_handles = absl::GetFlag(FLAGS_max_weight_handles);
+  eo.accumulator_bytes = accumulator_bytes;
+  eo.max_accumulators = absl::GetFlag(FLAGS_max_accumulators);
+  eo.max_bt = absl::GetFlag(FLAGS_max_bt);
+  eo.max_h = absl::GetFlag(FLAGS_max_h);
+  eo.max_v = absl::GetFlag(FLAGS_max_v);
+  eo.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  eo.check_finite = absl::GetFlag(FLAGS_check_finite);
+  eo.overlap_stall = absl::GetFlag(FLAGS_overlap_stall);
+  if (eo.overlap_stall <= absl::ZeroDuration()) {
+    Log(LogLevel::kError, absl::StrCat("--overlap_stall must be positive; got ",
+                                       absl::FormatDuration(eo.overlap_stall)));
+    return 1;
+  }
+  const absl::Duration state_ttl = absl::GetFlag(FLAGS_state_idle_ttl);
+  if (state_ttl < absl::ZeroDuration()) {
+    Log(LogLevel::kError, absl::StrCat("--state_idle_ttl must be >= 0 (0 = off); got ",
+                                       absl::FormatDuration(state_ttl)));
+    return 1;
+  }
+  Engine engine(std::move(*backend), eo);
+  // Declared after the engine, so it stops before the engine goes.
+  std::unique_ptr<IdleStateSweep> state_sweep;
+  if (state_ttl > absl::ZeroDuration()) {
+    state_sweep = std::make_unique<IdleStateSweep>(
+        &engine, state_ttl, [](const std::string& l) { Log(LogLevel::kInfo, l); });
+  }
+
+  ServerMetrics metrics([&engine] {
+    StateSample s;
+    const BackendInfo b = engine.backend_info();
+    s.memory_in_use_bytes = static_cast<double>(engine.budget().in_use());
+    s.memory_budget_bytes = static_cast<double>(engine.budget().budget());
+    if (b.name == "cuda") {
+      s.gpu_memory_used_bytes = static_cast<double>(b.memory_used_bytes);
+      s.gpu_memory_total_bytes = static_cast<double>(b.memory_total_bytes);
+      s.gpu_memory_peak_bytes = static_cast<double>(b.memory_peak_bytes);
+      s.gpu_memory_held_bytes = static_cast<double>(b.memory_held_bytes);
+      s.gpu_memory_budget_bytes = static_cast<double>(b.memory_budget_bytes);
+    }
+    s.weight_cache_bytes = static_cast<double>(engine.weights().bytes());
+    s.weight_cache_budget_bytes = static_cast<double>(engine.weights().budget());
+    s.weight_cache_entries = static_cast<double>(engine.weights().count());
+    s.weight_cache_hits = static_cast<double>(engine.weights().hits());
+    s.weight_cache_misses = static_cast<double>(engine.weights().misses());
+    s.weight_cache_evictions = static_cast<double>(engine.weights().evictions());
+    s.accumulators = static_cast<double>(engine.accumulators().count());
+    s.accumulator_bytes = static_cast<double>(engine.accumulators().bytes());
+    s.queued_requests = static_cast<double>(engine.budget().waiting());
+    s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());
+    s.healthy = b.healthy ? 1 : 0;
+    return s;
+  });
+
+  {
+    const BuildInfo build = GetBuildInfo();
+    absl::StatusOr<CudaPluginProbe> plugin = ProbeCudaPlugin(absl::GetFlag(FLAGS_cuda_plugin));
+    metrics.SetBuildInfo(build.version, build.commit, info.name,
+                         plugin.ok() ? absl::StrCat("abi", plugin->abi_version) : "none");
+  }
+  // /readyz: the gRPC server is up and not draining, and the backend healthy; /healthz:
+  // the backend healthy (a sticky device error needs a restart).
+  static std::atomic<bool> accepting{false};
+  HttpProbes probes;
+  probes.live = [&engine] { return engine.backend_info().healthy; };
+  probes.ready = [&engine] { return accepting.load() && engine.backend_info().healthy; };
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (absl::GetFlag(FLAGS_metrics_port) != 0) {
+    auto e = StartMetricsExposer(absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":",
+                                              absl::GetFlag(FLAGS_metrics_port)),
+                                 metrics, probes);
+    if (!e.ok()) {
+      Log(LogLevel::kError, e.status().ToString());
+      return 1;
+    }
+    exposer = std::move(*e);
+  }
+
+  LossServerOptions so;
+  so.address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", absl::GetFlag(FLAGS_port));
+  so.service.version = kLossdVersion;
+  so.service.instance = eo.instance;
+  so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
+  so.service.default_response_part_bytes = *response_part_bytes;
+  so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  so.service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
+  so.service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
+  so.service.overlap_start_when_busy = absl::GetFlag(FLAGS_overlap_start_when_busy);
+  so.service.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  if (so.service.stream_idle_timeout < absl::ZeroDuration()) {
+    Log(LogLevel::kError,
+        absl::StrCat("--stream_idle_timeout must be >= 0 (0 = off); got ",
+                     absl::FormatDuration(so.service.stream_idle_timeout)));
+    return 1;
+  }
+  so.service.auth = auth;
+  if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
+    if (health_port < 0 || health_port > 65535 || health_port == absl::GetFlag(FLAGS_port)) {
+      Log(LogLevel::kError, absl::StrCat("INVALID_ARGUMENT: --health_port must be in [1, 65535] "
+                                         "and not --port, got ",
+                                         health_port));
+      return 1;
+    }
+    so.health_address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", health_port);
+  }
+  so.reflection = absl::GetFlag(FLAGS_reflection);
+  so.credentials = *credentials;
+  // Health follows the backend (so.health_poll, every second): a sticky device error turns it
+  // NOT_SERVING.
+  auto server = LossServer::Start(&engine, &metrics, so);
+  if (!server.ok()) {
+    Log(LogLevel::kError, server.status().ToString());
+    return 1;
+  }
+  const int metrics_port =
+      exposer && !exposer->GetListeningPorts().empty() ? exposer->GetListeningPorts()[0] : 0;
+  // Scripts and tests read this line from stdout: its words stay as they are.
+  const std::string started = absl::StrCat(
+      "lossd ", kLossdVersion, " listening on port ", (*server)->port(), " (backend ", info.name,
+      ", device ", info.device, ", instance ", eo.instance, ")",
+      exposer ? absl::StrCat(", metrics on port ", metrics_port) : "",
+      (*server)->health_port() != 0
+          ? absl::StrCat(", health on port ", (*server)->health_port(), " (plaintext)")
+          : "");
+  std::printf("%s\n", started.c_str());
+  std::fflush(stdout);
+  Log(LogLevel::kInfo, "started",
+      {{"version", kLossdVersion},
+       {"commit", GetBuildInfo().commit},
+       {"backend", info.name},
+       {"device", info.device},
+       {"instance", eo.instance},
+       {"port", absl::StrCat((*server)->port())},
+       {"metrics_port", absl::StrCat(metrics_port)},
+       {"health_port", absl::StrCat((*server)->health_port())},
+       {"memory_budget_bytes", absl::StrCat(memory_budget_bytes)},
+       {"host_buffer_pool_bytes", absl::StrCat(host_buffer_pool_bytes)},
+       {"weight_cache_bytes", absl::StrCat(weight_cache_bytes)},
+       {"accumulator_bytes", absl::StrCat(accumulator_bytes)},
+       {"flags", NonDefaultFlags()}});
+
+  int sig = 0;
+  accepting = true;
+  sigwait(&signals, &sig);
+  accepting = false;
+  Log(LogLevel::kInfo, "draining",
+      {{"signal", absl::StrCat(sig)}, {"drain_seconds", absl::StrCat(absl::GetFlag(FLAGS_drain_seconds))}});
+  const absl::Time drain_started = absl::Now();
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  LogSuppressedCalls();
+  Log(LogLevel::kInfo, "stopped",
+      {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
+  return 0;
+}
+
+}  // namespace
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("fused linear + cross-entropy as a gRPC service");
+  // --help lists the flags of the files named after the program (lossd.cc, lossd_main.cc);
+  // lossd's flags are all in this file, so it counts as the program's.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "service/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  // --version: Abseil calls this after parsing every flag, so --cuda_plugin names the plugin
+  // probed; the probe dlopens it and reads its ABI version without starting a GPU.
+  usage.version_string = [] {
+    return lossd::VersionText(lossd::GetBuildInfo(),
+                              lossd::ProbeCudaPlugin(absl::GetFlag(FLAGS_cuda_plugin)));
+  };
+  absl::SetFlagsUsageConfig(usage);
+  absl::ParseCommandLine(argc, argv);
+  return lossd::Main();
+}

@@ -1,0 +1,157 @@
+#include "service/wire_convert.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace lossd {
+
+absl::StatusOr<DType> DTypeFromWire(v1::DType d, absl::string_view field) {
+  switch (d) {
+    case v1::DTYPE_BF16: return DType::kBF16;
+    case v1::DTYPE_FP16: return DType::kF16;
+    case v1::DTYPE_FP32: return DType::kF32;
+    case v1::DTYPE_INT32: return DType::kI32;
+    case v1::DTYPE_INT64: return DType::kI64;
+    case v1::DTYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype is unspecified"));
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".dtype ", static_cast<int>(d), " is not a known dtype"));
+  }
+}
+
+v1::DType DTypeToWire(DType d) {
+  switch (d) {
+    case DType::kBF16: return v1::DTYPE_BF16;
+    case DType::kF16: return v1::DTYPE_FP16;
+    case DType::kF32: return v1::DTYPE_FP32;
+    case DType::kI32: return v1::DTYPE_INT32;
+    case DType::kI64: return v1::DTYPE_INT64;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<TensorDesc> TensorDescFromWire(bool present, const v1::TensorSpec& spec,
+                                              absl::string_view field) {
+  TensorDesc t;
+  if (!present) return t;
+  auto dt = DTypeFromWire(spec.dtype(), field);
+  if (!dt.ok()) return dt.status();
+  t.present = true;
+  t.dtype = *dt;
+  t.shape.assign(spec.shape().begin(), spec.shape().end());
+  return t;
+}
+
+v1::TensorSpec TensorSpecToWire(DType dtype, const std::vector<int64_t>& shape) {
+  v1::TensorSpec s;
+  s.set_dtype(DTypeToWire(dtype));
+  for (int64_t d : shape) s.add_shape(d);
+  return s;
+}
+
+absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
+  ComputeSpec spec;
+  struct Field {
+    InputSlot slot;
+    bool present;
+    const v1::TensorSpec* spec;
+    const char* name;
+  };
+  const Field fields[] = {
+      {InputSlot::kX, h.has_x(), &h.x(), "header.x"},
+      {InputSlot::kW, h.has_w(), &h.w(), "header.w"},
+      {InputSlot::kBias, h.has_bias(), &h.bias(), "header.bias"},
+      {InputSlot::kTargets, h.has_targets(), &h.targets(), "header.targets"},
+      {InputSlot::kClassWeights, h.has_class_weights(), &h.class_weights(),
+       "header.class_weights"},
+      {InputSlot::kGradOutput, h.has_grad_output(), &h.grad_output(), "header.grad_output"},
+  };
+  for (const Field& f : fields) {
+    auto t = TensorDescFromWire(f.present, *f.spec, f.name);
+    if (!t.ok()) return t.status();
+    spec.inputs[static_cast<int>(f.slot)] = std::move(*t);
+  }
+  spec.weight_handle = h.weight_handle();
+  const v1::LossOptions& o = h.options();
+  spec.options.ignore_index = o.has_ignore_index() ? o.ignore_index() : -100;
+  switch (o.reduction()) {
+    case v1::REDUCTION_MEAN: spec.options.reduction = Reduction::kMean; break;
+    case v1::REDUCTION_SUM: spec.options.reduction = Reduction::kSum; break;
+    case v1::REDUCTION_NONE: spec.options.reduction = Reduction::kNone; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.options.reduction ", static_cast<int>(o.reduction()), " is not known"));
+  }
+  spec.options.label_smoothing = o.label_smoothing();
+  spec.options.z_loss_scale = o.lse_square_scale();
+  spec.options.softcap = o.softcap();
+  spec.options.grad_scale = o.has_grad_scale() ? o.grad_scale() : 1.0f;
+  spec.options.chunk_rows = o.chunk_rows();
+  spec.options.token_scaling = o.token_scaling();
+  if (o.grad_dtype() == v1::DTYPE_FP32) {
+    spec.grad_fp32 = true;
+  } else if (o.grad_dtype() != v1::DTYPE_UNSPECIFIED) {
+    // The input dtype itself is accepted too (it is the default).
+    const TensorDesc& x = spec.inputs[static_cast<int>(InputSlot::kX)];
+    if (!x.present || DTypeToWire(x.dtype) != o.grad_dtype()) {
+      const std::string name = v1::DType_IsValid(o.grad_dtype())
+                                   ? v1::DType_Name(o.grad_dtype())
+                                   : absl::StrCat(static_cast<int>(o.grad_dtype()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.options.grad_dtype ", name,
+                       " must be DTYPE_UNSPECIFIED (the input dtype) or DTYPE_FP32"));
+    }
+  }
+  const v1::Outputs& w = h.outputs();
+  spec.wanted.dx = w.dx();
+  spec.wanted.dw = w.dw();
+  spec.wanted.db = w.db();
+  spec.wanted.lse = w.lse();
+  spec.wanted.z_loss = w.z_loss();
+  spec.wanted.accuracy = w.accuracy();
+  spec.wanted.predictions = w.predictions();
+  spec.accumulator = h.accumulator();
+  spec.accumulator_instance = h.accumulator_instance();
+  return spec;
+}
+
+absl::StatusOr<InputSlot> InputSlotFromWire(v1::TensorId id) {
+  switch (id) {
+    case v1::TENSOR_X: return InputSlot::kX;
+    case v1::TENSOR_W: return InputSlot::kW;
+    case v1::TENSOR_BIAS: return InputSlot::kBias;
+    case v1::TENSOR_TARGETS: return InputSlot::kTargets;
+    case v1::TENSOR_CLASS_WEIGHTS: return InputSlot::kClassWeights;
+    case v1::TENSOR_GRAD_OUTPUT: return InputSlot::kGradOutput;
+    default:
+      break;
+  }
+  const std::string name = v1::TensorId_IsValid(id) ? v1::TensorId_Name(id)
+                                                    : absl::StrCat(static_cast<int>(id));
+  return absl::InvalidArgumentError(
+      absl::StrCat("part.tensor ", name, " is not an input tensor of Compute"));
+}
+
+std::vector<v1::TensorId> NonFiniteToWire(uint32_t bits) {
+  std::vector<v1::TensorId> ids;
+  if ((bits & kNonFiniteDx) != 0) ids.push_back(v1::TENSOR_DX);
+  if ((bits & kNonFiniteDw) != 0) ids.push_back(v1::TENSOR_DW);
+  if ((bits & kNonFiniteDb) != 0) ids.push_back(v1::TENSOR_DB);
+  return ids;
+}
+
+v1::TensorId OutputSlotToWire(OutputSlot s) {
+  switch (s) {
+    case OutputSlot::kLoss: return v1::TENSOR_LOSS;
+    case OutputSlot::kZLoss: return v1::TENSOR_Z_LOSS;
+    case OutputSlot::kLse: return v1::TENSOR_LSE;
+    case OutputSlot::kPredictions: return v1::TENSOR_PREDICTIONS;
+    case OutputSlot::kDx: return v1::TENSOR_DX;
+    case OutputSlot::kDw: return v1::TENSOR_DW;
+    case OutputSlot::kDb: return v1::TENSOR_DB;
+    case OutputSlot::kCount: break;
+  }
+  return v1::TENSOR_UNSPECIFIED;
+}
+
+}  // namespace lossd
