@@ -9,8 +9,8 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "kernels/backend.h"
 #include "core/loss_problem.h"
+#include "kernels/backend.h"
 #include "kernels/plugin_abi.h"
 
 namespace lossd {

@@ -6,9 +6,9 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "core/loss_problem.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "core/loss_problem.h"
 #include "kernels/plugin_abi.h"
 
 namespace lossd {

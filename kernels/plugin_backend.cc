@@ -10,8 +10,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/backend.h"
 #include "core/loss_problem.h"
+#include "kernels/backend.h"
 #include "kernels/plugin_abi.h"
 #include "kernels/plugin_abi_convert.h"
 

@@ -9,8 +9,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/backend.h"
 #include "core/loss_problem.h"
+#include "kernels/backend.h"
 #include "kernels/plugin_abi.h"
 #include "kernels/plugin_abi_convert.h"
 

@@ -19,12 +19,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "core/loss_problem.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "testing/test_util.h"
-#include "core/loss_problem.h"
 #include "kernels/plugin_abi.h"
+#include "testing/test_util.h"
 
 namespace lossd {
 namespace {
