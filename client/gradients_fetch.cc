@@ -43,7 +43,8 @@ absl::Status AllocateGradients(const v1::GradientsHeader& g, FetchGradientsResul
     if (g.has_db()) r->db = HostTensor::Owned(DType::kF32, ShapeOf(g.db()));
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate the fp32 gradients ", ShapeString(DType::kF32, ShapeOf(g.dw()))));
+        absl::StrCat("cannot allocate the fp32 gradients ",
+                     ShapeString(DType::kF32, ShapeOf(g.dw()))));
   }
   r->micro_batches = g.micro_batches();
   r->tokens = g.tokens();
