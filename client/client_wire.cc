@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <random>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -9,37 +10,29 @@
 namespace lossd {
 namespace client {
 
+namespace {
+
+// The one table of DType <-> v1::DType that both directions read.
+constexpr std::pair<DType, v1::DType> kDTypes[] = {
+    {DType::kBF16, v1::DTYPE_BF16}, {DType::kF16, v1::DTYPE_FP16},
+    {DType::kF32, v1::DTYPE_FP32},  {DType::kI32, v1::DTYPE_INT32},
+    {DType::kI64, v1::DTYPE_INT64},
+};
+
+}  // namespace
+
 v1::DType ToProto(DType t) {
-  switch (t) {
-    case DType::kBF16:
-      return v1::DTYPE_BF16;
-    case DType::kF16:
-      return v1::DTYPE_FP16;
-    case DType::kF32:
-      return v1::DTYPE_FP32;
-    case DType::kI32:
-      return v1::DTYPE_INT32;
-    case DType::kI64:
-      return v1::DTYPE_INT64;
+  for (const auto& [dtype, wire] : kDTypes) {
+    if (dtype == t) return wire;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
 
 absl::StatusOr<DType> FromProto(v1::DType t) {
-  switch (t) {
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    case v1::DTYPE_FP16:
-      return DType::kF16;
-    case v1::DTYPE_FP32:
-      return DType::kF32;
-    case v1::DTYPE_INT32:
-      return DType::kI32;
-    case v1::DTYPE_INT64:
-      return DType::kI64;
-    default:
-      return absl::InternalError(absl::StrCat("server sent an unknown dtype ", t));
+  for (const auto& [dtype, wire] : kDTypes) {
+    if (wire == t) return dtype;
   }
+  return absl::InternalError(absl::StrCat("server sent an unknown dtype ", t));
 }
 
 v1::Reduction ToProto(Reduction r) {

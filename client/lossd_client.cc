@@ -61,6 +61,18 @@ absl::Status RunPutWeightsStream(grpc::GenericStub* stub,
 }
 
 
+// One unary call on `stub`, on a context that `prepare` sets up (deadline, metadata).
+template <typename Request, typename Response>
+absl::Status CallUnary(v1::Loss::Stub* stub,
+                       grpc::Status (v1::Loss::Stub::*method)(grpc::ClientContext*,
+                                                              const Request&, Response*),
+                       const std::function<void(grpc::ClientContext*)>& prepare,
+                       const Request& req, Response* resp) {
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  return FromGrpcStatus((stub->*method)(&ctx, req, resp));
+}
+
 }  // namespace
 
 struct LossClient::Connection {
@@ -150,6 +162,10 @@ int LossClient::StripesFor(uint64_t bytes) const {
   return std::min(options_.connections, kDefaultMaxStripes);
 }
 
+std::function<void(grpc::ClientContext*)> LossClient::Preparer(const CallOptions& call) const {
+  return [this, &call](grpc::ClientContext* ctx) { PrepareContext(call, ctx); };
+}
+
 void LossClient::PrepareContext(const CallOptions& call, grpc::ClientContext* ctx) const {
   const absl::Duration deadline = call.deadline.value_or(options_.deadline);
   if (deadline != absl::InfiniteDuration()) {
@@ -183,7 +199,7 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   ComputeReplyReader reader(r, overlap, &result, &prefetched);
   const absl::Status status = RunStream(
       NextConnection().generic.get(), kComputeMethod,
-      [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out),
+      Preparer(call), std::move(out),
       [&reader](const grpc::ByteBuffer& msg) { return reader.OnMessage(msg); },
       /*group=*/nullptr, /*stripe=*/0, [&prefetched] { prefetched.Sent(); });
   tracker.WaitUntilReleased();
@@ -253,8 +269,7 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, con
   }
   v1::PutWeightsResponse reply;
   const absl::Status status = RunPutWeightsStream(
-      NextConnection().generic.get(), [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); },
-      std::move(out), &reply);
+      NextConnection().generic.get(), Preparer(call), std::move(out), &reply);
   tracker.WaitUntilReleased();
   LOSSD_RETURN_IF_ERROR(status);
   return PutWeightsResult{reply.handle(), reply.bytes(), 1};
@@ -290,8 +305,7 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeightsStriped(const HostTensor&
       AppendParts(v1::TENSOR_BIAS, *bias, options_.part_bytes, &tracker, &out, &sent);
     }
     const absl::Status s = RunPutWeightsStream(
-        conns[i]->generic.get(), [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); },
-        std::move(out), &replies[i], &group, i);
+        conns[i]->generic.get(), Preparer(call), std::move(out), &replies[i], &group, i);
     tracker.WaitUntilReleased();
     return s;
   });
@@ -310,9 +324,8 @@ absl::Status LossClient::DropWeights(const std::string& handle, const CallOption
   v1::DropWeightsRequest req;
   req.set_handle(handle);
   v1::DropWeightsResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(call, &ctx);
-  return FromGrpcStatus(NextConnection().stub->DropWeights(&ctx, req, &resp));
+  return CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::DropWeights, Preparer(call), req,
+                   &resp);
 }
 
 
@@ -331,7 +344,7 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
                                                                 const CallOptions& call) {
   GradientsFetch fetch(accumulator, AccumulatorInstance(accumulator),
                        options_.response_part_bytes,
-                       [this, &call](grpc::ClientContext* ctx) { PrepareContext(call, ctx); });
+                       Preparer(call));
   // Striping needs the accumulator's size: a one-element range fetch says it.
   const bool may_stripe =
       options_.stripes > 1 || (options_.stripes == 0 && options_.connections > 1);
@@ -421,9 +434,8 @@ absl::Status LossClient::DropAccumulator(const std::string& accumulator, const C
   v1::DropAccumulatorRequest req;
   req.set_accumulator(accumulator);
   v1::DropAccumulatorResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(call, &ctx);
-  return FromGrpcStatus(NextConnection().stub->DropAccumulator(&ctx, req, &resp));
+  return CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::DropAccumulator, Preparer(call),
+                   req, &resp);
 }
 
 absl::StatusOr<std::string> LossClient::Health(const std::string& service,
@@ -436,9 +448,8 @@ absl::StatusOr<std::string> LossClient::Health(const std::string& service,
 absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call) {
   v1::ServerInfoRequest req;
   v1::ServerInfoResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(call, &ctx);
-  LOSSD_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->ServerInfo(&ctx, req, &resp)));
+  LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::ServerInfo,
+                                  Preparer(call), req, &resp));
   ServerInfoResult info;
   info.version = resp.version();
   info.instance = resp.instance();
@@ -463,9 +474,8 @@ absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call
   LOSSD_RETURN_IF_ERROR(RequireFeature("list_state", call));
   v1::ListRequest req;
   v1::ListResponse resp;
-  grpc::ClientContext ctx;
-  PrepareContext(call, &ctx);
-  LOSSD_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->List(&ctx, req, &resp)));
+  LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::List,
+                                  Preparer(call), req, &resp));
   std::vector<StateEntry> entries;
   for (const v1::StateEntry& e : resp.entries()) {
     StateEntry s;

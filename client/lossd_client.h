@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -139,6 +140,9 @@ class LossClient {
                                                               absl::Status refused,
                                                               const CallOptions& call);
   void PrepareContext(const CallOptions& call, grpc::ClientContext* ctx) const;
+  // PrepareContext(call, ·), for the helpers that open contexts of their own; `call` must
+  // outlive it.
+  std::function<void(grpc::ClientContext*)> Preparer(const CallOptions& call) const;
   // The server instance an accumulator's sum is on ("" before the first Compute into it).
   std::string AccumulatorInstance(const std::string& accumulator) const;
   // Pins the accumulator to the instance that computed into it. Calls that started before it
