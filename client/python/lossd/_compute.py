@@ -9,6 +9,7 @@ import numpy as np
 from lossd import errors
 from lossd._proto import pb
 from lossd._results import ComputeResult, WeightHandle
+from lossd._transfer import parts
 from lossd.tensors import (FLOAT_DTYPES, INT_DTYPES, BF16Array, dtype_name, numpy_dtype,
                            parse_dtype, to_wire)
 
@@ -75,6 +76,14 @@ class Inputs:
         self.xdt, self.xshape = xdt, xshape
         self.wshape = wshape  # None behind a bare handle string
         self.has_bias = has_bias  # None: a bare handle string, which may carry one
+
+
+def compute_requests(header, inline, part_bytes):
+    """The request stream: the header, then each tensor's parts in `inline`'s order."""
+    yield pb.ComputeRequest(header=header)
+    for tid, arr in inline:
+        for p in parts(tid, arr, part_bytes):
+            yield pb.ComputeRequest(part=p)
 
 
 def set_options(header, xdt, *, ignore_index, reduction, label_smoothing, lse_square_scale,

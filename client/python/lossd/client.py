@@ -20,7 +20,7 @@ import time
 import grpc
 
 from lossd import errors
-from lossd._compute import (OUTPUT_NAMES, Inputs, ReplyReader, check_out, result_of,
+from lossd._compute import (Inputs, ReplyReader, check_out, compute_requests, result_of,
                             returned_outputs, set_options, set_outputs, set_outputs_of)
 from lossd._fetch import fetch_striped, fetch_whole
 from lossd._proto import pb, pb_grpc
@@ -508,22 +508,14 @@ class Client:
         header.response_part_bytes = int(rpb)
         overlapped = self.overlap if overlap is None else bool(overlap)
         header.overlap = overlapped
-        part_bytes = self.part_bytes
-        inline = inputs.inline
-        bytes_sent = sum(arr.nbytes for _, arr in inline)
-
-        def requests():
-            yield pb.ComputeRequest(header=header)
-            for tid, arr in inline:
-                for p in _parts(tid, arr, part_bytes):
-                    yield pb.ComputeRequest(part=p)
-
+        bytes_sent = sum(arr.nbytes for _, arr in inputs.inline)
         into = check_out(out, returned_outputs(header, inputs.xdt, inputs.xshape, inputs.wshape,
                                                inputs.has_bias))
         asm = Assembler("Compute", into)
         reader = ReplyReader(asm, overlapped)
         try:
-            for msg in self._stub.Compute(requests(), **self._call_kwargs(timeout)):
+            for msg in self._stub.Compute(compute_requests(header, inputs.inline, self.part_bytes),
+                                          **self._call_kwargs(timeout)):
                 reader.add(msg)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "Compute") from None
