@@ -118,7 +118,6 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
 
 v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& instance,
                                    uint32_t response_part_bytes, bool overlap) {
-
   v1::ComputeRequest head;
   v1::ComputeHeader* h = head.mutable_header();
   FillSpec(r.x, h->mutable_x());

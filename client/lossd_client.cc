@@ -198,8 +198,7 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   PrefetchOutputs(r, &prefetched);
   ComputeReplyReader reader(r, overlap, &result, &prefetched);
   const absl::Status status = RunStream(
-      NextConnection().generic.get(), kComputeMethod,
-      Preparer(call), std::move(out),
+      NextConnection().generic.get(), kComputeMethod, Preparer(call), std::move(out),
       [&reader](const grpc::ByteBuffer& msg) { return reader.OnMessage(msg); },
       /*group=*/nullptr, /*stripe=*/0, [&prefetched] { prefetched.Sent(); });
   tracker.WaitUntilReleased();
@@ -220,6 +219,7 @@ std::string LossClient::AccumulatorInstance(const std::string& accumulator) cons
 
 absl::Status LossClient::RememberInstance(const std::string& accumulator,
                                           const std::string& instance) {
+  // The sum's home from its first Compute on: later calls ask for the same instance. Calls
   // that started before it was known (the first micro-batches of a new accumulator, sent
   // at once from several threads) were not pinned, and are checked here instead.
   absl::MutexLock lock(&instances_mu_);
@@ -241,8 +241,7 @@ absl::Status LossClient::RememberInstance(const std::string& accumulator,
       }
       accumulator_instances_.erase(oldest);
     }
-    accumulator_instances_.emplace(accumulator,
-                                   std::make_pair(instance, instances_seen_++));
+    accumulator_instances_.emplace(accumulator, std::make_pair(instance, instances_seen_++));
   }
   return absl::OkStatus();
 }
