@@ -395,7 +395,7 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradientsInRanges(
     return ranges;
   };
 
-  std::optional<PagePopulator> populate;
+  std::optional<PagePopulator> populate;  // joined before the result is returned
   populate.emplace(result.dw.mutable_data(), result.dw.num_bytes());
   uint64_t ranges = static_cast<uint64_t>(stripes);
   absl::Status s;
