@@ -46,7 +46,8 @@ SRCS_COVERED="wire/part_codec.cc service/wire_convert.cc service/compute_assembl
 engine/engine.cc engine/memory_budget.cc engine/weight_cache.cc engine/accumulators.cc
 engine/executor.cc engine/streamed_rows.cc engine/instance_id.cc
 engine/message_bounds.cc engine/owner.cc engine/response_parts.cc
-kernels/host_memory.cc kernels/cpu/cpu_backend.cc kernels/cpu/nonfinite_scan.cc kernels/cpu/reference.cc
+kernels/host_memory.cc kernels/cpu/cpu_backend.cc kernels/cpu/cpu_chunk.cc kernels/cpu/cpu_convert.cc
+kernels/cpu/cpu_task_pool.cc kernels/cpu/row_pass.cc kernels/cpu/nonfinite_scan.cc kernels/cpu/reference.cc
 testing/test_util.cc tests/fuzz/fuzz_env.cc tests/fuzz/compute_stream_fuzzer.cc
 tests/fuzz/options_fuzzer.cc tests/fuzz/put_weights_fuzzer.cc"
 
