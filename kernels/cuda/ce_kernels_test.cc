@@ -84,7 +84,7 @@ T* ToDevice(const std::vector<T>& h) {
   return d;
 }
 
-// The blocked layout's column blocks (as fused_loss.cc's PlanWhole makes them): block 0 takes
+// The blocked layout's column blocks (as chunk_plan.cc's PlanWhole makes them): block 0 takes
 // the rest, the others a multiple of 64 columns each.
 void Blocks(int64_t v, int segments, std::vector<int64_t>* col0, std::vector<int64_t>* cols) {
   const int64_t nb = ((v + segments - 1) / segments + 63) / 64 * 64;
