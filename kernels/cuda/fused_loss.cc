@@ -60,8 +60,6 @@ absl::StatusOr<TargetSummary> SummarizeTargets(const void* targets, DType target
   return s;
 }
 
-namespace fused_internal {
-
 // The cross-entropy parameters of rows [r0, r0 + n) of a problem; the caller says where the
 // logits are (logits, or the blocked layout's segments).
 CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, bool write_grad,
@@ -90,8 +88,6 @@ CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, 
   p.row_pred = a.row_pred + r0;
   return p;
 }
-
-}  // namespace fused_internal
 
 absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
   std::unique_ptr<FusedLoss> f(new FusedLoss());

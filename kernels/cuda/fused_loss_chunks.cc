@@ -17,13 +17,6 @@
 namespace lossd {
 namespace cuda {
 
-using fused_internal::BiasInGemm;
-using fused_internal::CudaType;
-using fused_internal::kAlign;
-using fused_internal::Offset;
-using fused_internal::RoundUp;
-using fused_internal::RowParams;
-
 // What the steps of one row-chunk Enqueue share: the problem, the plan, the chunk buffer and
 // the two GEMM workspaces, how the vocabulary splits into column halves, and the chunk's GEMMs
 // and kernels. FusedLoss's own steps (fused_loss.h) order them on the streams.

@@ -16,8 +16,6 @@
 namespace lossd {
 namespace cuda {
 
-using fused_internal::PointerAlignment;
-
 // Frees whatever cuBLASLt descriptors were created, on every path out of Gemm.
 struct LtDescriptors {
   cublasLtMatmulDesc_t op = nullptr;

@@ -16,7 +16,6 @@
 
 namespace lossd {
 namespace cuda {
-namespace fused_internal {
 
 inline constexpr uint64_t kAlign = 256;
 
@@ -62,7 +61,6 @@ inline bool BiasInGemm(const void* bias, size_t elem, const int64_t* first_cols,
 CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, bool write_grad,
                              int64_t r0, int64_t n);
 
-}  // namespace fused_internal
 }  // namespace cuda
 }  // namespace lossd
 

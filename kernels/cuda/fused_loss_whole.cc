@@ -16,13 +16,6 @@
 namespace lossd {
 namespace cuda {
 
-using fused_internal::BiasInGemm;
-using fused_internal::CudaType;
-using fused_internal::kAlign;
-using fused_internal::Offset;
-using fused_internal::RoundUp;
-using fused_internal::RowParams;
-
 // What the steps of one whole-batch Enqueue share: the block layout (where each block's G and
 // dW rows live), the workspace's parts, the row halves, and the three kinds of GEMM.
 class FusedLoss::WholePass {
