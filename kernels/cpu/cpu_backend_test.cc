@@ -209,11 +209,7 @@ TEST(CpuBackendTest, HandComputedTinyProblem) {
 TEST(CpuBackendTest, EveryTargetIgnoredGivesZerosNotNaN) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     for (Reduction red : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
-      RandomProblemSpec spec;
-      spec.bt = 9;
-      spec.h = 16;
-      spec.v = 50;
-      spec.dtype = dtype;
+      RandomProblemSpec spec = ShapeSpec(9, 16, 50, dtype);
       spec.bias = true;
       spec.class_weights = true;
       spec.options.reduction = red;
@@ -237,10 +233,7 @@ TEST(CpuBackendTest, EveryTargetIgnoredGivesZerosNotNaN) {
 }
 
 TEST(CpuBackendTest, EveryTargetIsTheLastClass) {
-  RandomProblemSpec spec;
-  spec.bt = 33;
-  spec.h = 24;
-  spec.v = 77;
+  RandomProblemSpec spec = ShapeSpec(33, 24, 77);
   spec.bias = true;
   RandomProblem rp = RandomProblem::Make(spec);
   for (int64_t& t : rp.targets) t = spec.v - 1;
@@ -254,11 +247,7 @@ TEST(CpuBackendTest, EveryTargetIsTheLastClass) {
 
 TEST(CpuBackendTest, HugeLogitsDoNotOverflow) {
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
-    RandomProblemSpec spec;
-    spec.bt = 40;
-    spec.h = 32;
-    spec.v = 123;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = ShapeSpec(40, 32, 123, dtype);
     // fp16 cannot hold 1e4 * 5 sigma logits (max 65504): scale to stay finite there.
     spec.logit_scale = dtype == DType::kF16 ? 5e3 : 1e4;
     spec.ignore_fraction = 0.1;
@@ -283,11 +272,7 @@ TEST(CpuBackendTest, HugeLogitsDoNotOverflow) {
 }
 
 TEST(CpuBackendTest, NaNInputPropagatesWithoutHarm) {
-  RandomProblemSpec spec;
-  spec.bt = 12;
-  spec.h = 16;
-  spec.v = 40;
-  spec.dtype = DType::kF32;
+  RandomProblemSpec spec = ShapeSpec(12, 16, 40, DType::kF32);
   RandomProblem rp = RandomProblem::Make(spec);
   reinterpret_cast<float*>(rp.x.data())[3 * spec.h + 5] = std::nanf("");
   const LossProblem p = rp.problem();
@@ -363,10 +348,7 @@ std::vector<double> MaxAbsDot(const LossProblem& p) {
 }
 
 TEST(CpuBackendTest, ConcurrentComputesShareThePoolAndAgree) {
-  RandomProblemSpec spec;
-  spec.bt = 100;
-  spec.h = 32;
-  spec.v = 700;
+  RandomProblemSpec spec = ShapeSpec(100, 32, 700);
   spec.bias = true;
   spec.options.chunk_rows = 30;
   const RandomProblem rp = RandomProblem::Make(spec);
@@ -390,11 +372,7 @@ TEST(CpuBackendTest, ConcurrentComputesShareThePoolAndAgree) {
 
 TEST(CpuBackendTest, ChunkSizeChangesOnlyFp32Rounding) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
-    RandomProblemSpec spec;
-    spec.bt = 61;
-    spec.h = 40;
-    spec.v = 1500;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = ShapeSpec(61, 40, 1500, dtype);
     spec.bias = true;
     spec.ignore_fraction = 0.1;
     spec.options.reduction = Reduction::kNone;
@@ -448,10 +426,7 @@ TEST(CpuBackendTest, ChunkSizeChangesOnlyFp32Rounding) {
 }
 
 TEST(CpuBackendTest, AccumulatingMicroBatchesEqualsOneBatch) {
-  RandomProblemSpec spec;
-  spec.bt = 4 * 37;
-  spec.h = 48;
-  spec.v = 300;
+  RandomProblemSpec spec = ShapeSpec(4 * 37, 48, 300);
   spec.bias = true;
   spec.ignore_fraction = 0.1;
   spec.options.reduction = Reduction::kSum;
@@ -499,10 +474,7 @@ TEST(CpuBackendTest, AccumulatingMicroBatchesEqualsOneBatch) {
 }
 
 TEST(CpuBackendTest, AccumulatorAddsToExistingValues) {
-  RandomProblemSpec spec;
-  spec.bt = 20;
-  spec.h = 8;
-  spec.v = 30;
+  RandomProblemSpec spec = ShapeSpec(20, 8, 30);
   spec.options.reduction = Reduction::kSum;
   const RandomProblem rp = RandomProblem::Make(spec);
   const LossProblem p = rp.problem();
@@ -520,39 +492,18 @@ TEST(CpuBackendTest, AccumulatorAddsToExistingValues) {
 // name exactly the outputs that hold a NaN or Inf, whether dW and db are returned or added
 // into an accumulator; an ordinary problem reports none.
 TEST(CpuBackendTest, OverflowingGradientsAreReported) {
-  RandomProblemSpec spec;
-  spec.bt = 24;
-  spec.h = 16;
-  spec.v = 37;
+  RandomProblemSpec spec = ShapeSpec(24, 16, 37);
   spec.bias = true;
   spec.options.reduction = Reduction::kSum;
-  auto bad = [](const void* d, DType t, int64_t n) {
-    for (int64_t k = 0; k < n; ++k) {
-      if (!std::isfinite(LoadAsFloat(d, t, k))) return true;
-    }
-    return false;
+  auto compute = [](const LossProblem& p, const LossOutputs& o, LossStats* stats) {
+    return NewCpuBackend(2)->Compute(p, o, stats);
   };
   for (DType grad : {DType::kF32, DType::kBF16}) {
     spec.dtype = grad;
-    spec.options.grad_scale = 1.0f;
-    const RandomProblem ordinary = RandomProblem::Make(spec);
-    spec.options.grad_scale = 3e38f;
-    const RandomProblem huge = RandomProblem::Make(spec);
-    LossStats stats;
-    stats.nonfinite = ~0u;  // poisoned: must be overwritten
-    HostOutputs fine(ordinary.problem(), grad);
-    ASSERT_TRUE(NewCpuBackend(2)->Compute(ordinary.problem(), fine.outputs(), &stats).ok());
-    EXPECT_EQ(stats.nonfinite, 0u);
-
-    const LossProblem p = huge.problem();
-    HostOutputs got(p, grad);
-    ASSERT_TRUE(NewCpuBackend(2)->Compute(p, got.outputs(), &stats).ok());
-    ASSERT_TRUE(bad(got.dw.data(), grad, p.v * p.h)) << "the case no longer overflows";
-    const uint32_t expect = (bad(got.dx.data(), grad, p.bt * p.h) ? kNonFiniteDx : 0u) |
-                            kNonFiniteDw | (bad(got.db.data(), grad, p.v) ? kNonFiniteDb : 0u);
-    EXPECT_EQ(stats.nonfinite, expect) << DTypeName(grad);
+    ASSERT_NO_FATAL_FAILURE(ExpectOverflowingGradientsReported(compute, spec));
   }
   // Into an accumulator (finite before): its sum is what the bits describe.
+  spec.options.grad_scale = 3e38f;
   const RandomProblem huge = RandomProblem::Make(spec);
   const LossProblem p = huge.problem();
   std::vector<float> dw_acc(p.v * p.h, 0.25f), db_acc(p.v, -0.5f);
@@ -563,14 +514,11 @@ TEST(CpuBackendTest, OverflowingGradientsAreReported) {
   LossStats stats;
   ASSERT_TRUE(NewCpuBackend(2)->Compute(p, o, &stats).ok());
   EXPECT_EQ(stats.nonfinite,
-            kNonFiniteDw | (bad(db_acc.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u));
+            kNonFiniteDw | (HasNonFinite(db_acc.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u));
 }
 
 TEST(CpuBackendTest, OnlyTheLossRequested) {
-  RandomProblemSpec spec;
-  spec.bt = 10;
-  spec.h = 8;
-  spec.v = 30;
+  RandomProblemSpec spec = ShapeSpec(10, 8, 30);
   const RandomProblem rp = RandomProblem::Make(spec);
   const LossProblem p = rp.problem();
   ReferenceOutputs ref;
@@ -586,10 +534,7 @@ TEST(CpuBackendTest, OnlyTheLossRequested) {
 }
 
 TEST(CpuBackendTest, WeightsInBackendMemoryGiveTheSameResult) {
-  RandomProblemSpec spec;
-  spec.bt = 12;
-  spec.h = 16;
-  spec.v = 40;
+  RandomProblemSpec spec = ShapeSpec(12, 16, 40);
   spec.bias = true;
   const RandomProblem rp = RandomProblem::Make(spec);
   LossProblem p = rp.problem();
@@ -610,10 +555,7 @@ TEST(CpuBackendTest, WeightsInBackendMemoryGiveTheSameResult) {
 }
 
 TEST(CpuBackendTest, RejectsBadInputWithInvalidArgument) {
-  RandomProblemSpec spec;
-  spec.bt = 5;
-  spec.h = 4;
-  spec.v = 6;
+  RandomProblemSpec spec = ShapeSpec(5, 4, 6);
   RandomProblem rp = RandomProblem::Make(spec);
   CpuBackend backend(1);
   {
@@ -717,10 +659,8 @@ TEST(CpuBackendTest, StreamedRowsGiveTheWholeProblemsBytes) {
         TrickleRows::Spec ts;
         ts.steps = 4 + static_cast<int>(seed % 4);  // 4 to 7 releases
         ts.seed = seed;
-        TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(dtype), ts);
-        LossProblem streamed = whole;
-        streamed.x = rows.x();
-        streamed.rows = &rows;
+        TrickleRows rows(whole, ts);
+        const LossProblem streamed = rows.Streamed(whole);
         const absl::Status st = backend->Compute(streamed, got_out, nullptr);
         const std::string where = std::string(DTypeName(dtype)) + " " + opt_name + " " + k.name;
         ASSERT_TRUE(st.ok()) << where << ": " << st;
@@ -765,16 +705,12 @@ TEST(CpuBackendTest, FailedRowWaitEndsTheComputeWithItsStatus) {
 
 // No rows: nothing to wait for and no dX to report.
 TEST(CpuBackendTest, StreamedEmptyBatch) {
-  RandomProblemSpec spec;
-  spec.bt = 1;
-  spec.h = 8;
-  spec.v = 20;
+  RandomProblemSpec spec = ShapeSpec(1, 8, 20);
   const RandomProblem rp = RandomProblem::Make(spec);
   LossProblem p = rp.problem();
   p.bt = 0;
-  TrickleRows rows(p.x, 0, p.h * DTypeSize(p.dtype), TrickleRows::Spec{});
-  p.x = rows.x();
-  p.rows = &rows;
+  TrickleRows rows(p, TrickleRows::Spec{});
+  p = rows.Streamed(p);
   HostOutputs got(p, DType::kBF16);
   ASSERT_TRUE(NewCpuBackend(1)->Compute(p, got.outputs(), nullptr).ok());
   EXPECT_EQ(got.tokens, 0);

@@ -160,11 +160,7 @@ INSTANTIATE_TEST_SUITE_P(
 // float64 outputs.
 TEST(ReferenceTest, HalfInputsAreWidenedExactly) {
   for (DType dtype : {DType::kBF16, DType::kF16}) {
-    RandomProblemSpec spec;
-    spec.bt = 9;
-    spec.h = 12;
-    spec.v = 33;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = ShapeSpec(9, 12, 33, dtype);
     spec.bias = true;
     spec.options.label_smoothing = 0.1f;
     const RandomProblem rp = RandomProblem::Make(spec);
@@ -243,11 +239,7 @@ TEST(ReferenceTest, ClassWeightsSummingToZeroGiveAZeroMean) {
 // the unscaled ones, the scaled mean must weigh each row by its s, and the scaled gradients
 // must be those of the unscaled problem with s as each row's upstream gradient.
 TEST(ReferenceTest, TokenScalingScalesEachRowByItsTargetsProbability) {
-  RandomProblemSpec spec;
-  spec.bt = 9;
-  spec.h = 6;
-  spec.v = 13;
-  spec.dtype = DType::kF32;
+  RandomProblemSpec spec = ShapeSpec(9, 6, 13, DType::kF32);
   spec.bias = spec.class_weights = true;
   spec.ignore_fraction = 0.25;
   spec.options.reduction = Reduction::kNone;

@@ -24,17 +24,13 @@
 #include "kernels/cpu/reference.h"
 #include "testing/test_util.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/cuda/gpu_test_util.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 
 namespace lossd {
 namespace cuda {
 namespace {
-
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 // One backend per test binary: creating a cuBLASLt handle and streams per test is slow.
 CudaBackend* SharedBackend() {
@@ -288,38 +284,21 @@ TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
 // name exactly the outputs holding a NaN or Inf, as a scan of the returned bytes finds them,
 // for returned gradients and for a device accumulator; an ordinary problem reports none.
 TEST_F(CudaTest, OverflowingGradientsAreReported) {
-  auto bad = [](const void* d, DType t, int64_t n) {
-    for (int64_t k = 0; k < n; ++k) {
-      if (!std::isfinite(LoadAsFloat(d, t, k))) return true;
-    }
-    return false;
+  auto compute = [this](const LossProblem& p, const LossOutputs& o, LossStats* stats) {
+    return backend_->Compute(p, o, stats);
   };
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
-    RandomProblemSpec spec;
-    spec.bt = 48;
-    spec.h = 64;
-    spec.v = 301;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = ShapeSpec(48, 64, 301, dtype);
     spec.bias = true;
     spec.options.reduction = Reduction::kSum;
+    ASSERT_NO_FATAL_FAILURE(ExpectOverflowingGradientsReported(compute, spec));
+
+    // Into a device accumulator, finite before: the bits describe its sum.
     const RandomProblem ordinary = RandomProblem::Make(spec);
     spec.options.grad_scale = 3e38f;
     const RandomProblem huge = RandomProblem::Make(spec);
-    LossStats stats;
-    stats.nonfinite = ~0u;  // must be overwritten
-    HostOutputs fine(ordinary.problem(), dtype);
-    ASSERT_TRUE(backend_->Compute(ordinary.problem(), fine.outputs(), &stats).ok());
-    EXPECT_EQ(stats.nonfinite, 0u) << DTypeName(dtype);
-
     const LossProblem p = huge.problem();
-    HostOutputs got(p, dtype);
-    ASSERT_TRUE(backend_->Compute(p, got.outputs(), &stats).ok());
-    ASSERT_TRUE(bad(got.dw.data(), dtype, p.v * p.h)) << "the case no longer overflows";
-    const uint32_t expect = (bad(got.dx.data(), dtype, p.bt * p.h) ? kNonFiniteDx : 0u) |
-                            kNonFiniteDw | (bad(got.db.data(), dtype, p.v) ? kNonFiniteDb : 0u);
-    EXPECT_EQ(stats.nonfinite, expect) << DTypeName(dtype);
-
-    // Into a device accumulator, finite before: the bits describe its sum.
+    LossStats stats;
     auto dw = backend_->Allocate(p.v * p.h * 4);
     auto db = backend_->Allocate(p.v * 4);
     ASSERT_TRUE(dw.ok() && db.ok());
@@ -336,7 +315,7 @@ TEST_F(CudaTest, OverflowingGradientsAreReported) {
     std::vector<float> db_host(p.v);
     ASSERT_TRUE(backend_->CopyFromBackend(**db, 0, db_host.data(), p.v * 4).ok());
     EXPECT_EQ(stats.nonfinite,
-              kNonFiniteDw | (bad(db_host.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u))
+              kNonFiniteDw | (HasNonFinite(db_host.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u))
         << DTypeName(dtype);
   }
 }
@@ -745,10 +724,8 @@ TEST_F(CudaTest, StreamedRowsGiveTheWholeProblemsBytes) {
           TrickleRows::Spec ts;
           ts.steps = 4 + static_cast<int>(seed % 4);  // 4 to 7 releases
           ts.seed = seed;
-          TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(dtype), ts);
-          LossProblem streamed = whole;
-          streamed.x = rows.x();
-          streamed.rows = &rows;
+          TrickleRows rows(whole, ts);
+          const LossProblem streamed = rows.Streamed(whole);
           HostOutputs got(whole, g, /*want_grads=*/true, o.accumulate);
           const absl::Status st = (*b)->Compute(streamed, got.outputs(), nullptr);
           ASSERT_TRUE(st.ok()) << where << ": " << st;
@@ -775,10 +752,8 @@ TEST_F(CudaTest, StreamedRowsWithoutDxReportNothing) {
   LossOutputs want_out = want.outputs(), got_out = got.outputs();
   want_out.dx = got_out.dx = nullptr;
   ASSERT_TRUE(backend_->Compute(whole, want_out, nullptr).ok());
-  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), TrickleRows::Spec{});
-  LossProblem streamed = whole;
-  streamed.x = rows.x();
-  streamed.rows = &rows;
+  TrickleRows rows(whole, TrickleRows::Spec{});
+  const LossProblem streamed = rows.Streamed(whole);
   ASSERT_TRUE(backend_->Compute(streamed, got_out, nullptr).ok());
   EXPECT_TRUE(BitIdentical(want, got));
   EXPECT_TRUE(rows.dx_ready().empty()) << rows.dx_ready().size() << " DxReady calls";
@@ -830,9 +805,8 @@ TEST_F(CudaTest, StreamedRowsTakeRowChunksAndAnEmptyBatchWaitsForNothing) {
   LossProblem p = rp.problem();
   HostOutputs out(p, DType::kBF16);
   ASSERT_GT((*b)->Plan(p, out.outputs()).blocks, 0) << "the shape must fit the whole batch";
-  TrickleRows rows(p.x, p.bt, p.h * DTypeSize(p.dtype), TrickleRows::Spec{});
-  p.x = rows.x();
-  p.rows = &rows;
+  TrickleRows rows(p, TrickleRows::Spec{});
+  p = rows.Streamed(p);
   EXPECT_EQ((*b)->Plan(p, out.outputs()).blocks, 0);
   ASSERT_TRUE((*b)->Compute(p, out.outputs(), nullptr).ok());
   ReferenceOutputs ref;
