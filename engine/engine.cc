@@ -565,38 +565,30 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
         " bytes of tensors, more than --max_request_bytes=", options_.max_request_bytes));
   }
 
-  // The backend's worst case for this shape, with a stand-in problem (no data yet).
-  LossProblem p;
-  p.bt = plan.bt;
-  p.h = plan.h;
-  p.v = plan.v;
-  p.dtype = plan.dtype;
-  p.w_memory = plan.weights ? Memory::kBackend : Memory::kHost;
-  p.target_dtype = plan.target_dtype;
-  p.options = plan.options;
-  static uint8_t marker;  // non-null stand-ins: "this input/output is present"
-  p.x = &marker;
-  p.w = &marker;
-  p.targets = &marker;
-  p.bias = plan.has_bias ? &marker : nullptr;
-  // Every input and output the request has, so the backend counts all of its device copies
-  // (a device budget refuses the request here, not after its tensors have arrived).
-  const float* fmarker = reinterpret_cast<const float*>(&marker);
-  p.class_weights = cw.present ? fmarker : nullptr;
-  p.grad_output = go.present ? fmarker : nullptr;
-  LossOutputs out;
-  out.grad_dtype = plan.grad_dtype;
-  out.loss = reinterpret_cast<float*>(&marker);
-  if (plan.wanted.dx) out.dx = &marker;
+  // The backend's worst case for this shape (no data yet). Every input and output the request
+  // has, so the backend counts all of its device copies (a device budget refuses the request
+  // here, not after its tensors have arrived).
+  WorkspaceShape shape;
+  shape.bt = plan.bt;
+  shape.h = plan.h;
+  shape.v = plan.v;
+  shape.dtype = plan.dtype;
+  shape.grad_dtype = plan.grad_dtype;
+  shape.w_memory = plan.weights ? Memory::kBackend : Memory::kHost;
+  shape.has_bias = plan.has_bias;
+  shape.has_class_weights = cw.present;
+  shape.has_grad_output = go.present;
+  shape.chunk_rows = plan.options.chunk_rows;
+  shape.want_dx = plan.wanted.dx;
   if (!plan.accumulator.empty()) {
-    out.dw_accum = reinterpret_cast<float*>(&marker);
-    if (plan.has_bias) out.db_accum = reinterpret_cast<float*>(&marker);
-    out.accum_memory = Memory::kBackend;
+    shape.dw = GradOut::kAccumulated;
+    if (plan.has_bias) shape.db = GradOut::kAccumulated;
+    shape.accum_memory = Memory::kBackend;
   } else {
-    if (plan.wanted.dw) out.dw = &marker;
-    if (plan.wanted.db && plan.has_bias) out.db = &marker;
+    if (plan.wanted.dw) shape.dw = GradOut::kWritten;
+    if (plan.wanted.db && plan.has_bias) shape.db = GradOut::kWritten;
   }
-  plan.workspace_bytes = backend_->WorkspaceBytes(p, out);
+  plan.workspace_bytes = backend_->WorkspaceBytes(shape);
   return plan;
 }
 

@@ -25,6 +25,7 @@
 #include "kernels/cuda/streamed_chunk_hooks.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/status_macros.h"
 
 namespace lossd {
 namespace cuda {
@@ -37,34 +38,34 @@ struct DevicePlan {
   uint64_t extra = 0;
 };
 
-DevicePlan PlanDeviceBytes(const LossProblem& p, const LossOutputs& out, const ChunkPlan& plan) {
-  const uint64_t bt = static_cast<uint64_t>(p.bt), h = static_cast<uint64_t>(p.h),
-                 v = static_cast<uint64_t>(p.v);
-  const uint64_t elem = DTypeSize(p.dtype), g = DTypeSize(out.grad_dtype);
+DevicePlan PlanDeviceBytes(const WorkspaceShape& s, const ChunkPlan& plan) {
+  const uint64_t bt = static_cast<uint64_t>(s.bt), h = static_cast<uint64_t>(s.h),
+                 v = static_cast<uint64_t>(s.v);
+  const uint64_t elem = DTypeSize(s.dtype), g = DTypeSize(s.grad_dtype);
   DevicePlan d;
   d.total += Align(bt * h * elem);                       // x
-  if (p.w_memory == Memory::kHost) {
+  if (s.w_memory == Memory::kHost) {
     d.total += Align(v * h * elem);                      // w
-    if (p.bias != nullptr) d.total += Align(v * elem);   // bias
+    if (s.has_bias) d.total += Align(v * elem);          // bias
   }
   d.total += Align(bt * 4);                              // targets
-  if (p.class_weights != nullptr) d.total += Align(v * 4);
-  if (p.grad_output != nullptr) d.total += Align(bt * 4);
+  if (s.has_class_weights) d.total += Align(v * 4);
+  if (s.has_grad_output) d.total += Align(bt * 4);
   d.total += 4 * Align(bt * 4) + Align(4);               // per-row statistics, flags
-  if (out.dx != nullptr) d.total += Align(bt * h * g);
-  if (out.dw_accum != nullptr) {
-    if (out.accum_memory == Memory::kHost) d.total += Align(v * h * 4);
-  } else if (out.dw != nullptr) {
+  if (s.want_dx) d.total += Align(bt * h * g);
+  if (s.dw == GradOut::kAccumulated) {
+    if (s.accum_memory == Memory::kHost) d.total += Align(v * h * 4);
+  } else if (s.dw == GradOut::kWritten) {
     d.total += Align(v * h * 4);
-    if (out.grad_dtype != DType::kF32) {
+    if (s.grad_dtype != DType::kF32) {
       d.total += Align(v * h * g);
       d.extra += Align(v * h * 4);  // the fp32 accumulator behind a 16-bit dW
     }
   }
-  if (p.bias != nullptr) {
-    if (out.db_accum != nullptr) {
-      if (out.accum_memory == Memory::kHost) d.total += Align(v * 4);
-    } else if (out.db != nullptr) {
+  if (s.has_bias) {
+    if (s.db == GradOut::kAccumulated) {
+      if (s.accum_memory == Memory::kHost) d.total += Align(v * 4);
+    } else if (s.db == GradOut::kWritten) {
       d.total += 2 * Align(v * 4);
     }
   }
@@ -204,34 +205,34 @@ BackendInfo CudaBackend::Info() {
   return info;
 }
 
-ChunkPlan CudaBackend::Plan(const LossProblem& p, const LossOutputs& out) const {
+ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
   const uint64_t budget = options_.chunk_budget_bytes != 0
                               ? options_.chunk_budget_bytes
-                              : DefaultChunkBudget(p.bt, p.v, p.dtype);
+                              : DefaultChunkBudget(s.bt, s.v, s.dtype);
   // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads. Not
   // with rows still arriving: every whole-batch GEMM reads all of X.
-  if (options_.whole_batch && p.options.chunk_rows == 0 && out.dw != nullptr &&
-      out.dw_accum == nullptr && p.rows == nullptr) {
-    ChunkPlan whole = PlanWhole(p.bt, p.h, p.v, p.dtype, out.dx != nullptr, out.grad_dtype, budget);
+  if (options_.whole_batch && s.chunk_rows == 0 && s.dw == GradOut::kWritten &&
+      !s.rows_streamed) {
+    ChunkPlan whole = PlanWhole(s.bt, s.h, s.v, s.dtype, s.want_dx, s.grad_dtype, budget);
     if (whole.blocks > 0) return whole;
   }
   ChunkPlan plan =
-      PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
-  if (options_.auto_schedule && out.dw_accum == nullptr && out.dw == nullptr) {
+      PlanChunks(s.bt, s.v, s.dtype, budget, s.chunk_rows, options_.schedule);
+  if (options_.auto_schedule && s.dw == GradOut::kNone) {
     plan.schedule = Schedule::kRowHalves;  // no dW to overlap
   } else if (options_.auto_schedule) {
     // Short chunks re-read the fp32 dW often; the column halves hide part of that traffic
     // under the next chunk's logits GEMM. Long chunks gain more from the row halves' CE
     // overlap (bench/RESULTS.md: columns won at C = 1024, rows at C >= 2048).
-    plan.schedule = plan.chunk_rows < 2048 && plan.chunk_rows < p.bt ? Schedule::kColumnHalves
+    plan.schedule = plan.chunk_rows < 2048 && plan.chunk_rows < s.bt ? Schedule::kColumnHalves
                                                                       : Schedule::kRowHalves;
   }
   plan.side_sms = options_.side_sms;
   return plan;
 }
 
-uint64_t CudaBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out) {
-  return PlanDeviceBytes(p, out, Plan(p, out)).total;
+uint64_t CudaBackend::WorkspaceBytes(const WorkspaceShape& shape) {
+  return PlanDeviceBytes(shape, Plan(shape)).total;
 }
 
 absl::Status CudaBackend::Check(absl::Status s) {
@@ -281,14 +282,15 @@ absl::Status CudaBackend::Compute(const LossProblem& p, const LossOutputs& out,
 absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs& out,
                                         LossStats* stats) {
   const auto t0 = std::chrono::steady_clock::now();
-  LOSSD_CUDA_RETURN_IF_NOT_OK(ValidateProblem(p, out));
+  LOSSD_RETURN_IF_ERROR(ValidateProblem(p, out));
   std::vector<int32_t> targets32;
   absl::StatusOr<TargetSummary> summary =
       SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
                        p.class_weights, &targets32);
   if (!summary.ok()) return summary.status();
-  const ChunkPlan plan = Plan(p, out);
-  const DevicePlan bytes = PlanDeviceBytes(p, out, plan);
+  const WorkspaceShape shape = ShapeOf(p, out);
+  const ChunkPlan plan = Plan(shape);
+  const DevicePlan bytes = PlanDeviceBytes(shape, plan);
   if (options_.memory_budget_bytes != 0 && bytes.total > options_.memory_budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "cuda: this problem needs ", bytes.total, " device bytes; the budget is ",
@@ -320,9 +322,9 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
 
   DeviceLossArgs a = MakeArgs(p, *summary);
   void* x_device = nullptr;  // (BT, H) input dtype; written by StreamedChunkHooks when overlapped
-  LOSSD_CUDA_RETURN_IF_NOT_OK(UploadInputs(buffers, p, targets32, &a, &x_device));
+  LOSSD_RETURN_IF_ERROR(UploadInputs(buffers, p, targets32, &a, &x_device));
   DeviceOutputs d_out;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(AllocateOutputs(buffers, p, out, &a, &d_out));
+  LOSSD_RETURN_IF_ERROR(AllocateOutputs(buffers, p, out, &a, &d_out));
   absl::StatusOr<void*> workspace = buffers.Alloc(plan.workspace_bytes);
   if (!workspace.ok()) return workspace.status();
   if (p.rows != nullptr) {
@@ -338,15 +340,15 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   }
 
   const int64_t tunings_before = engine_->tunings();
-  LOSSD_CUDA_RETURN_IF_NOT_OK(engine_->Enqueue(a, plan, *workspace));
+  LOSSD_RETURN_IF_ERROR(engine_->Enqueue(a, plan, *workspace));
   const int64_t tunings = engine_->tunings() - tunings_before;
 
   // Results back to the host, on the same stream (into the vectors declared before `drain`).
-  LOSSD_CUDA_RETURN_IF_NOT_OK(
+  LOSSD_RETURN_IF_ERROR(
       DownloadResults(buffers, p, out, a, d_out, streamed.has_value(), &host));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   // main_ waited for every X copy, but the last dX copies and their host functions may trail.
-  if (streamed.has_value()) LOSSD_CUDA_RETURN_IF_NOT_OK(streamed->Finish());
+  if (streamed.has_value()) LOSSD_RETURN_IF_ERROR(streamed->Finish());
   drain.done = true;  // everything the call queued has run
 
   WriteHostOutputs(p, out, *summary, targets32, host);

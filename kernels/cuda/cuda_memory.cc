@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_status.h"
@@ -130,7 +131,7 @@ absl::Status CudaBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const
   if (bytes == 0) return absl::OkStatus();
   if (!healthy_) return Unhealthy("copy to the device");
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(Check(CudaStatus(
+  LOSSD_RETURN_IF_ERROR(Check(CudaStatus(
       cudaMemcpy(static_cast<char*>(dst.data()) + offset, src, bytes, cudaMemcpyHostToDevice),
       "cudaMemcpy(host to device)")));
   // From pageable memory cudaMemcpy may return before the data has landed, and Compute runs
@@ -156,7 +157,7 @@ absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offse
 absl::Status CudaBackend::Zero(BackendBuffer& buf) {
   if (!healthy_) return Unhealthy("zeroing a buffer");
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(
+  LOSSD_RETURN_IF_ERROR(
       Check(CudaStatus(cudaMemset(buf.data(), 0, buf.size()), "cudaMemset")));
   // cudaMemset is asynchronous; Compute's non-blocking streams would not wait for it.
   return Check(

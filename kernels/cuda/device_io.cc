@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_status.h"
@@ -109,7 +110,7 @@ absl::Status UploadInputs(CallBuffers& m, const LossProblem& p,
   cudaStream_t stream = m.stream();
   void* ptr = nullptr;
   if (p.rows == nullptr) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(p.x, bt * h * elem, &ptr));
+    LOSSD_RETURN_IF_ERROR(m.Upload(p.x, bt * h * elem, &ptr));
   } else {
     // Rows go up as they arrive (StreamedChunkHooks). Until then X holds zeros, not the pool's
     // leftovers: the autotuning trials read it, and their X^T 0 must be 0 (fused_loss_chunks.cc).
@@ -122,24 +123,24 @@ absl::Status UploadInputs(CallBuffers& m, const LossProblem& p,
   }
   a->x = ptr;
   if (p.w_memory == Memory::kHost) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(p.w, v * h * elem, &ptr));
+    LOSSD_RETURN_IF_ERROR(m.Upload(p.w, v * h * elem, &ptr));
     a->w = ptr;
     if (p.bias != nullptr) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(p.bias, v * elem, &ptr));
+      LOSSD_RETURN_IF_ERROR(m.Upload(p.bias, v * elem, &ptr));
       a->bias = ptr;
     }
   } else {
     a->w = p.w;
     a->bias = p.bias;
   }
-  LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(targets32.data(), bt * 4, &ptr));
+  LOSSD_RETURN_IF_ERROR(m.Upload(targets32.data(), bt * 4, &ptr));
   a->targets = static_cast<const int32_t*>(ptr);
   if (p.class_weights != nullptr) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(p.class_weights, v * 4, &ptr));
+    LOSSD_RETURN_IF_ERROR(m.Upload(p.class_weights, v * 4, &ptr));
     a->class_weights = static_cast<const float*>(ptr);
   }
   if (p.grad_output != nullptr) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(p.grad_output, bt * 4, &ptr));
+    LOSSD_RETURN_IF_ERROR(m.Upload(p.grad_output, bt * 4, &ptr));
     a->row_grad = static_cast<const float*>(ptr);
   }
   return absl::OkStatus();
@@ -171,7 +172,7 @@ absl::Status AllocateOutputs(CallBuffers& m, const LossProblem& p, const LossOut
     if (out.accum_memory == Memory::kBackend) {
       a->dw_acc = out.dw_accum;
     } else {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(out.dw_accum, v * h * 4, &ptr));
+      LOSSD_RETURN_IF_ERROR(m.Upload(out.dw_accum, v * h * 4, &ptr));
       a->dw_acc = static_cast<float*>(ptr);
     }
   } else if (out.dw != nullptr) {
@@ -190,7 +191,7 @@ absl::Status AllocateOutputs(CallBuffers& m, const LossProblem& p, const LossOut
     if (out.accum_memory == Memory::kBackend) {
       a->db_acc = out.db_accum;
     } else {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(m.Upload(out.db_accum, v * 4, &ptr));
+      LOSSD_RETURN_IF_ERROR(m.Upload(out.db_accum, v * 4, &ptr));
       a->db_acc = static_cast<float*>(ptr);
     }
   } else if (out.db != nullptr) {
@@ -216,12 +217,12 @@ absl::Status DownloadResults(CallBuffers& m, const LossProblem& p, const LossOut
   cudaStream_t stream = m.stream();
   void* const dw_cast = d_out.dw_cast;
   void* const db_cast = d_out.db_cast;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(host->lse.data(), a.row_lse, bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(host->ce.data(), a.row_ce, bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(host->zl.data(), a.row_z, bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(host->pred.data(), a.row_pred, bt * 4));
+  LOSSD_RETURN_IF_ERROR(m.Download(host->lse.data(), a.row_lse, bt * 4));
+  LOSSD_RETURN_IF_ERROR(m.Download(host->ce.data(), a.row_ce, bt * 4));
+  LOSSD_RETURN_IF_ERROR(m.Download(host->zl.data(), a.row_z, bt * 4));
+  LOSSD_RETURN_IF_ERROR(m.Download(host->pred.data(), a.row_pred, bt * 4));
   if (out.dx != nullptr && !streamed) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(out.dx, a.dx, bt * h * gsize));
+    LOSSD_RETURN_IF_ERROR(m.Download(out.dx, a.dx, bt * h * gsize));
   }
   FinalOutputs final_out;
   final_out.dx = out.dx != nullptr ? a.dx : nullptr;
@@ -232,7 +233,7 @@ absl::Status DownloadResults(CallBuffers& m, const LossProblem& p, const LossOut
   final_out.db_elem = Elem(DType::kF32);
   if (out.dw_accum != nullptr) {
     if (out.accum_memory == Memory::kHost) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(out.dw_accum, a.dw_acc, v * h * 4));
+      LOSSD_RETURN_IF_ERROR(m.Download(out.dw_accum, a.dw_acc, v * h * 4));
     }
   } else if (out.dw != nullptr) {
     if (dw_cast != nullptr) {
@@ -240,26 +241,26 @@ absl::Status DownloadResults(CallBuffers& m, const LossProblem& p, const LossOut
           LaunchCastFromFloat(a.dw_acc, dw_cast, Elem(out.grad_dtype), v * h, stream));
       final_out.dw = dw_cast;  // fp16 overflows where fp32 did not
       final_out.dw_elem = Elem(out.grad_dtype);
-      LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(out.dw, dw_cast, v * h * gsize));
+      LOSSD_RETURN_IF_ERROR(m.Download(out.dw, dw_cast, v * h * gsize));
     } else {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(out.dw, a.dw_acc, v * h * 4));
+      LOSSD_RETURN_IF_ERROR(m.Download(out.dw, a.dw_acc, v * h * 4));
     }
   }
   if (p.bias != nullptr) {
     if (out.db_accum != nullptr) {
       if (out.accum_memory == Memory::kHost) {
-        LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(out.db_accum, a.db_acc, v * 4));
+        LOSSD_RETURN_IF_ERROR(m.Download(out.db_accum, a.db_acc, v * 4));
       }
     } else if (out.db != nullptr) {
       LOSSD_CUDA_RETURN_IF_ERROR(
           LaunchCastFromFloat(a.db_acc, db_cast, Elem(out.grad_dtype), v, stream));
       final_out.db = db_cast;
       final_out.db_elem = Elem(out.grad_dtype);
-      LOSSD_CUDA_RETURN_IF_NOT_OK(m.Download(out.db, db_cast, v * gsize));
+      LOSSD_RETURN_IF_ERROR(m.Download(out.db, db_cast, v * gsize));
     }
   }
   uint32_t* flags = reinterpret_cast<uint32_t*>(d_out.rows_base + 4 * Align(bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(EnqueueNonFiniteChecks(final_out, bt, h, v, flags, stream));
+  LOSSD_RETURN_IF_ERROR(EnqueueNonFiniteChecks(final_out, bt, h, v, flags, stream));
   return m.Download(&host->nonfinite, flags, 4);
 }
 

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/status_macros.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss.h"
@@ -225,24 +226,24 @@ absl::Status FusedLoss::TuneChunks(ChunkPass& c) {
       const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
       if (round == 1) {
         for (int half = 0; half < (columns ? 2 : 1); ++half) {
-          LOSSD_CUDA_RETURN_IF_NOT_OK(
+          LOSSD_RETURN_IF_ERROR(
               c.DwGemm(c0, rows, c.vbegin[half], c.vcount[half], columns ? c.side_sms : 0));
         }
         continue;
       }
       if (columns) {
         for (int half = 0; half < 2; ++half) {
-          LOSSD_CUDA_RETURN_IF_NOT_OK(c.LogitsGemm(c0, 0, rows, c.vbegin[half], c.vcount[half],
+          LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, 0, rows, c.vbegin[half], c.vcount[half],
                                                    half == 0 && c0 > 0 ? c.main_sms : 0));
         }
       } else {
         const int64_t split = RowSplit(rows);
-        LOSSD_CUDA_RETURN_IF_NOT_OK(c.LogitsGemm(c0, 0, split, 0, a.v, 0));
+        LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, 0, split, 0, a.v, 0));
         if (split < rows) {
-          LOSSD_CUDA_RETURN_IF_NOT_OK(c.LogitsGemm(c0, split, rows - split, 0, a.v, 0));
+          LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, split, rows - split, 0, a.v, 0));
         }
       }
-      LOSSD_CUDA_RETURN_IF_NOT_OK(c.DxGemm(c0, rows, columns && c.want_dw ? c.main_sms : 0));
+      LOSSD_RETURN_IF_ERROR(c.DxGemm(c0, rows, columns && c.want_dw ? c.main_sms : 0));
     }
   }
   c.tuning = false;
@@ -267,29 +268,29 @@ absl::Status FusedLoss::StartChunks(const ChunkPass& c) {
 }
 
 absl::Status FusedLoss::ColumnChunk(ChunkPass& c, int64_t c0, int64_t rows) {
-  LOSSD_CUDA_RETURN_IF_NOT_OK(c.XReady(c0, rows));
+  LOSSD_RETURN_IF_ERROR(c.XReady(c0, rows));
   // Each half of the buffer is rewritten once the previous chunk's dW half has read it
   // (the previous dX, on main_, is already ordered before).
   for (int half = 0; half < 2; ++half) {
     if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[half], 0));
     // The first half runs beside the previous chunk's second-half dW; the second alone.
     const int32_t sms = half == 0 && c0 > 0 ? c.main_sms : 0;
-    LOSSD_CUDA_RETURN_IF_NOT_OK(c.LogitsGemm(c0, 0, rows, c.vbegin[half], c.vcount[half], sms));
+    LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, 0, rows, c.vbegin[half], c.vcount[half], sms));
   }
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[0], 0));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(c.CrossEntropy(c0, 0, rows));
+  LOSSD_RETURN_IF_ERROR(c.CrossEntropy(c0, 0, rows));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(c.DxGemm(c0, rows, c.want_dw ? c.main_sms : 0));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(c.DxEnqueued(c0, rows));
+  LOSSD_RETURN_IF_ERROR(c.DxGemm(c0, rows, c.want_dw ? c.main_sms : 0));
+  LOSSD_RETURN_IF_ERROR(c.DxEnqueued(c0, rows));
   if (c.want_dw || c.want_db) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
     // db reads every column, so it goes before the first half is released.
-    if (c.want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(c.DbSum(rows));
+    if (c.want_db) LOSSD_RETURN_IF_ERROR(c.DbSum(rows));
     for (int half = 0; half < 2; ++half) {
       if (c.want_dw) {
-        LOSSD_CUDA_RETURN_IF_NOT_OK(
+        LOSSD_RETURN_IF_ERROR(
             c.DwGemm(c0, rows, c.vbegin[half], c.vcount[half], c.side_sms));
       }
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[half], side_));
@@ -309,21 +310,21 @@ absl::Status FusedLoss::RowHalvesForward(ChunkPass& c, int64_t c0, int64_t rows)
     // queued before this thread waits for the next half's rows (the same kernels and
     // dependencies as below, so the same bits).
     for (int64_t s = 0; s < nsub; ++s) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(c.XReady(c0 + begin[s], count[s]));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(c.LogitsGemm(c0, begin[s], count[s], 0, a.v, 0));
+      LOSSD_RETURN_IF_ERROR(c.XReady(c0 + begin[s], count[s]));
+      LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, begin[s], count[s], 0, a.v, 0));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(c.CrossEntropy(c0, begin[s], count[s]));
+      LOSSD_RETURN_IF_ERROR(c.CrossEntropy(c0, begin[s], count[s]));
     }
     return absl::OkStatus();
   }
   for (int64_t s = 0; s < nsub; ++s) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(c.LogitsGemm(c0, begin[s], count[s], 0, a.v, 0));
+    LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, begin[s], count[s], 0, a.v, 0));
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
   }
   for (int64_t s = 0; s < nsub; ++s) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-    LOSSD_CUDA_RETURN_IF_NOT_OK(c.CrossEntropy(c0, begin[s], count[s]));
+    LOSSD_RETURN_IF_ERROR(c.CrossEntropy(c0, begin[s], count[s]));
   }
   return absl::OkStatus();
 }
@@ -339,8 +340,8 @@ absl::Status FusedLoss::RowHalvesBackward(ChunkPass& c, int64_t c0, int64_t rows
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dx_last_, main_));
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dx_last_, 0));
   }
-  if (c.want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(c.DwGemm(c0, rows, 0, a.v, 0));
-  if (c.want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(c.DbSum(rows));
+  if (c.want_dw) LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, rows, 0, a.v, 0));
+  if (c.want_db) LOSSD_RETURN_IF_ERROR(c.DbSum(rows));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));
   return absl::OkStatus();
 }
@@ -348,27 +349,27 @@ absl::Status FusedLoss::RowHalvesBackward(ChunkPass& c, int64_t c0, int64_t rows
 absl::Status FusedLoss::RowChunk(ChunkPass& c, int64_t c0, int64_t rows) {
   // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
   if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(RowHalvesForward(c, c0, rows));
+  LOSSD_RETURN_IF_ERROR(RowHalvesForward(c, c0, rows));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
   // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(c.DxGemm(c0, rows, 0));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(c.DxEnqueued(c0, rows));
-  if (c.want_dw || c.want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(RowHalvesBackward(c, c0, rows));
+  LOSSD_RETURN_IF_ERROR(c.DxGemm(c0, rows, 0));
+  LOSSD_RETURN_IF_ERROR(c.DxEnqueued(c0, rows));
+  if (c.want_dw || c.want_db) LOSSD_RETURN_IF_ERROR(RowHalvesBackward(c, c0, rows));
   return absl::OkStatus();
 }
 
 absl::Status FusedLoss::EnqueueChunks(const DeviceLossArgs& a, const ChunkPlan& plan,
                                       void* workspace) {
   ChunkPass c(*this, a, plan, workspace);
-  if (autotune_ && a.bt > 0) LOSSD_CUDA_RETURN_IF_NOT_OK(TuneChunks(c));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(StartChunks(c));
+  if (autotune_ && a.bt > 0) LOSSD_RETURN_IF_ERROR(TuneChunks(c));
+  LOSSD_RETURN_IF_ERROR(StartChunks(c));
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
     if (c.columns) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(ColumnChunk(c, c0, rows));
+      LOSSD_RETURN_IF_ERROR(ColumnChunk(c, c0, rows));
     } else {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(RowChunk(c, c0, rows));
+      LOSSD_RETURN_IF_ERROR(RowChunk(c, c0, rows));
     }
   }
   // Everything ends on main_.

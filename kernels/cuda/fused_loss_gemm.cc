@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/cuda/fused_loss_internal.h"
@@ -178,7 +179,7 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
 absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g,
                                 int32_t algo_rank) {
   LtDescriptors desc;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
+  LOSSD_RETURN_IF_ERROR(Describe(g, &desc));
   const AlgoKey key = KeyOf(g, algo_rank);
   cublasLtMatmulAlgo_t algo;
   auto it = algos_.find(key);
@@ -195,7 +196,7 @@ absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, cons
       if (have) algo = t->second;
     }
     if (!have) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(HeuristicAlgo(lt_, desc, g.m, g.n, g.k, algo_rank, &algo));
+      LOSSD_RETURN_IF_ERROR(HeuristicAlgo(lt_, desc, g.m, g.n, g.k, algo_rank, &algo));
     }
     if (algos_.size() < kMaxAlgoKeys) algos_.emplace(key, algo);
   }
@@ -217,7 +218,7 @@ absl::Status FusedLoss::TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_byte
 
 absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g) {
   LtDescriptors desc;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
+  LOSSD_RETURN_IF_ERROR(Describe(g, &desc));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kTuneCandidates);
   int found = 0;
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(lt_, desc.op, desc.a, desc.b,
@@ -253,7 +254,7 @@ absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, con
   int best = cand[0];
   if (cand.size() > 1) {
     size_t pick = 0;
-    LOSSD_CUDA_RETURN_IF_NOT_OK(
+    LOSSD_RETURN_IF_ERROR(
         FastestCandidate(stream, ws, alpha, g, desc, results, cand, ev, &pick));
     best = cand[pick];
   }

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss.h"
@@ -172,13 +173,13 @@ absl::Status FusedLoss::TuneWhole(WholePass& w) {
   w.tuning = true;
   for (int s = 0; s < w.halves; ++s) {
     for (int b = 0; b < n; ++b) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(w.LogitsGemm(b, w.hbegin[s], w.hcount[s]));
+      LOSSD_RETURN_IF_ERROR(w.LogitsGemm(b, w.hbegin[s], w.hcount[s]));
     }
   }
   for (int s = 0; s < w.halves; ++s) {
-    for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(w.DxGemm(b, w.hbegin[s], w.hcount[s]));
+    for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(w.DxGemm(b, w.hbegin[s], w.hcount[s]));
   }
-  for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(w.DwGemm(b));
+  for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(w.DwGemm(b));
   w.tuning = false;
   return absl::OkStatus();
 }
@@ -223,7 +224,7 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
         " h=", h, " v=", v));
   }
   WholePass w(*this, a, plan, workspace);
-  if (autotune_) LOSSD_CUDA_RETURN_IF_NOT_OK(TuneWhole(w));
+  if (autotune_) LOSSD_RETURN_IF_ERROR(TuneWhole(w));
   // The names the steps below are written in.
   float* const dx_sum = w.dx_sum;
   char* const* gbase = w.gbase;
@@ -241,14 +242,14 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
   // second half's CE under the first half's dX GEMMs.
   for (int s = 0; s < w.halves; ++s) {
     for (int b = 0; b < n; ++b) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(w.LogitsGemm(b, w.hbegin[s], w.hcount[s]));
+      LOSSD_RETURN_IF_ERROR(w.LogitsGemm(b, w.hbegin[s], w.hcount[s]));
     }
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
   }
-  LOSSD_CUDA_RETURN_IF_NOT_OK(WholeCrossEntropy(w));
+  LOSSD_RETURN_IF_ERROR(WholeCrossEntropy(w));
   for (int s = 0; s < w.halves; ++s) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[s], 0));
-    for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(w.DxGemm(b, w.hbegin[s], w.hcount[s]));
+    for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(w.DxGemm(b, w.hbegin[s], w.hcount[s]));
   }
   if (w.want_dx && !w.dx_direct) {
     LOSSD_CUDA_RETURN_IF_ERROR(LaunchCastFromFloat(dx_sum, a.dx, static_cast<int32_t>(a.dx_dtype),
@@ -262,7 +263,7 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
                                                            a.db_acc + col0[b], main_));
     }
   }
-  for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(w.DwGemm(b));
+  for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(w.DwGemm(b));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_end_, ce_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_end_, 0));
   return absl::OkStatus();

@@ -8,13 +8,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/loss_problem.h"
+#include "core/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
 
 namespace lossd {
 namespace cuda {
 
 absl::StatusOr<cudaEvent_t> StreamedChunkHooks::XReady(int64_t row0, int64_t row1) {
-  LOSSD_CUDA_RETURN_IF_NOT_OK(rows_->WaitX(row1));
+  LOSSD_RETURN_IF_ERROR(rows_->WaitX(row1));
   if (row1 <= uploaded_) return nullptr;
   if (uploaded_ == 0) {
     // The first rows go up after everything main_ holds so far: the zero fill of X and the
@@ -24,7 +25,7 @@ absl::StatusOr<cudaEvent_t> StreamedChunkHooks::XReady(int64_t row0, int64_t row
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s_.x, s_.x_start, 0));
   }
   const size_t offset = static_cast<size_t>(uploaded_) * x_row_bytes_;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(
+  LOSSD_RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(device_x_ + offset, host_x_ + offset,
                                  static_cast<size_t>(row1 - uploaded_) * x_row_bytes_,
                                  cudaMemcpyHostToDevice, s_.x),
@@ -45,7 +46,7 @@ absl::Status StreamedChunkHooks::DxEnqueued(int64_t row0, int64_t row1,
   // runtime stages it and returns only once it is done, so this thread waits for the
   // chunk's dX GEMM here (correct, but the next chunk is queued late).
   const size_t offset = static_cast<size_t>(row0) * dx_row_bytes_;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(
+  LOSSD_RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(host_dx_ + offset, device_dx_ + offset,
                                  static_cast<size_t>(row1 - row0) * dx_row_bytes_,
                                  cudaMemcpyDeviceToHost, s_.dx),
