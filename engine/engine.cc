@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/status_macros.h"
 #include "engine/message_bounds.h"
 
 namespace lossd {
@@ -340,17 +341,14 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   ComputePlan plan;
 
   if (!x.present) return absl::InvalidArgumentError("header.x is missing");
-  absl::Status s = CheckShape(x, "x", 2);
-  if (!s.ok()) return s;
-  s = CheckFloatDType(x, "x");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CheckShape(x, "x", 2));
+  LOSSD_RETURN_IF_ERROR(CheckFloatDType(x, "x"));
   plan.bt = x.shape[0];
   plan.h = x.shape[1];
   plan.dtype = x.dtype;
 
   if (!spec.weight_handle.empty()) {
-    s = CheckIdLength(spec.weight_handle, "header.weight_handle");
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(CheckIdLength(spec.weight_handle, "header.weight_handle"));
     if (w.present || bias.present) {
       return absl::InvalidArgumentError(absl::StrCat(
           "header names weight_handle '", spec.weight_handle,
@@ -359,9 +357,8 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     }
     auto entry = weights_.Get(spec.weight_handle);
     if (!entry.ok()) return entry.status();
-    s = CheckOwner((*entry)->owner, spec.owner,
-                   absl::StrCat("weight handle '", spec.weight_handle, "'"));
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(CheckOwner((*entry)->owner, spec.owner,
+                                     absl::StrCat("weight handle '", spec.weight_handle, "'")));
     plan.weights = *entry;
     plan.weight_handle = spec.weight_handle;
     plan.v = plan.weights->v;
@@ -380,10 +377,8 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     if (!w.present) {
       return absl::InvalidArgumentError("header has neither w nor weight_handle");
     }
-    s = CheckShape(w, "w", 2);
-    if (!s.ok()) return s;
-    s = CheckFloatDType(w, "w");
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(CheckShape(w, "w", 2));
+    LOSSD_RETURN_IF_ERROR(CheckFloatDType(w, "w"));
     if (w.shape[1] != plan.h) {
       return absl::InvalidArgumentError(absl::StrCat(
           "w.shape ", ShapeString(w.shape), " must be (V, H) with H = x.shape[1] = ", plan.h));
@@ -395,8 +390,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     }
     plan.v = w.shape[0];
     if (bias.present) {
-      s = CheckShape(bias, "bias", 1);
-      if (!s.ok()) return s;
+      LOSSD_RETURN_IF_ERROR(CheckShape(bias, "bias", 1));
       if (bias.shape[0] != plan.v) {
         return absl::InvalidArgumentError(absl::StrCat(
             "bias.shape ", ShapeString(bias.shape), " must be (V) = [", plan.v, "]"));
@@ -418,8 +412,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   }
 
   if (!targets.present) return absl::InvalidArgumentError("header.targets is missing");
-  s = CheckShape(targets, "targets", 1);
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CheckShape(targets, "targets", 1));
   if (targets.shape[0] != plan.bt) {
     return absl::InvalidArgumentError(absl::StrCat("targets.shape ", ShapeString(targets.shape),
                                                    " must be (BT) = [", plan.bt, "]"));
@@ -431,8 +424,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   plan.target_dtype = targets.dtype;
 
   if (cw.present) {
-    s = CheckShape(cw, "class_weights", 1);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(CheckShape(cw, "class_weights", 1));
     if (cw.shape[0] != plan.v) {
       return absl::InvalidArgumentError(absl::StrCat(
           "class_weights.shape ", ShapeString(cw.shape), " must be (V) = [", plan.v, "]"));
@@ -455,8 +447,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
           "grad_output is only accepted with reduction none (use options.grad_scale for mean "
           "and sum)");
     }
-    s = CheckShape(go, "grad_output", 1);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(CheckShape(go, "grad_output", 1));
     if (go.shape[0] != plan.bt) {
       return absl::InvalidArgumentError(absl::StrCat(
           "grad_output.shape ", ShapeString(go.shape), " must be (BT) = [", plan.bt, "]"));
@@ -513,14 +504,12 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
         "checked for a named accumulator only");
   }
   if (!spec.accumulator.empty()) {
-    s = ValidateAccumulatorName(spec.accumulator, "header.accumulator");
-    if (!s.ok()) return s;
-    s = CheckAccumulatorInstance(spec.accumulator_instance, spec.accumulator,
-                                 "header.accumulator_instance");
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(ValidateAccumulatorName(spec.accumulator, "header.accumulator"));
+    LOSSD_RETURN_IF_ERROR(CheckAccumulatorInstance(spec.accumulator_instance, spec.accumulator,
+                                                   "header.accumulator_instance"));
     // Refused now rather than after every byte of X and W has arrived.
-    s = accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias, spec.owner);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(
+        accumulators_.Check(spec.accumulator, plan.v, plan.h, plan.has_bias, spec.owner));
     plan.accumulator = spec.accumulator;
     plan.owner = spec.owner;
   }
@@ -821,18 +810,15 @@ absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(
     const TensorDesc& w, const TensorDesc& bias, const std::string& owner) {
   if (draining_.load()) return absl::UnavailableError("server is draining");
   if (!w.present) return absl::InvalidArgumentError("weights header.w is missing");
-  absl::Status s = CheckShape(w, "w", 2);
-  if (!s.ok()) return s;
-  s = CheckFloatDType(w, "w");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CheckShape(w, "w", 2));
+  LOSSD_RETURN_IF_ERROR(CheckFloatDType(w, "w"));
   if (w.shape[0] > options_.max_v || w.shape[1] > options_.max_h) {
     return absl::InvalidArgumentError(absl::StrCat(
         "w.shape ", ShapeString(w.shape), " exceeds the limits (V <= ", options_.max_v,
         ", H <= ", options_.max_h, ")"));
   }
   if (bias.present) {
-    s = CheckShape(bias, "bias", 1);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(CheckShape(bias, "bias", 1));
     if (bias.shape[0] != w.shape[0]) {
       return absl::InvalidArgumentError(absl::StrCat(
           "bias.shape ", ShapeString(bias.shape), " must be (V) = [", w.shape[0], "]"));
@@ -850,8 +836,7 @@ absl::StatusOr<std::unique_ptr<PendingWeights>> Engine::BeginPutWeights(
   e->h = w.shape[1];
   const uint64_t wb = static_cast<uint64_t>(e->v) * e->h * DTypeSize(w.dtype);
   const uint64_t bb = bias.present ? e->v * DTypeSize(w.dtype) : 0;
-  s = weights_.Reserve(wb + bb);
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(weights_.Reserve(wb + bb));
   p->engine = this;
   p->reserved = wb + bb;
   auto wbuf = backend_->Allocate(wb);
@@ -904,8 +889,7 @@ absl::Status Engine::WriteWeights(PendingWeights& p, bool bias, uint64_t offset,
         "part of ", bias ? "bias" : "w", " at offset ", offset, " but ", got,
         " bytes were received so far: parts must arrive in order without gaps or overlaps"));
   }
-  absl::Status s = CopyWeightPart(*p.entry, bias, offset, data, bytes);
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CopyWeightPart(*p.entry, bias, offset, data, bytes));
   got += bytes;
   return absl::OkStatus();
 }
@@ -922,8 +906,7 @@ absl::StatusOr<std::string> Engine::CommitWeights(std::unique_ptr<PendingWeights
 }
 
 absl::Status Engine::DropWeights(const std::string& handle, const std::string& caller) {
-  absl::Status s = CheckIdLength(handle, "handle");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CheckIdLength(handle, "handle"));
   return weights_.Drop(handle, caller);
 }
 
@@ -954,8 +937,7 @@ absl::Status Engine::CheckAccumulatorInstance(const std::string& expected,
                                               const std::string& name,
                                               absl::string_view field) const {
   if (expected.empty() || expected == options_.instance) return absl::OkStatus();
-  absl::Status s = CheckIdLength(expected, field);
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CheckIdLength(expected, field));
   return absl::FailedPreconditionError(absl::StrCat(
       field, " '", expected, "' is not this server (instance '", options_.instance,
       "'): accumulator '", ClippedText(name), "' began on another server instance (another "
@@ -969,12 +951,11 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> Engine::CheckFetch(const std::stri
                                                                  bool reset, uint64_t begin,
                                                                  uint64_t end,
                                                                  const std::string& caller) {
-  absl::Status s = ValidateAccumulatorName(name, "accumulator");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(ValidateAccumulatorName(name, "accumulator"));
   auto a = accumulators_.Get(name);
   if (!a.ok()) return a.status();
-  s = CheckOwner((*a)->owner, caller, absl::StrCat("accumulator '", name, "'"));
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(
+      CheckOwner((*a)->owner, caller, absl::StrCat("accumulator '", name, "'")));
   return FetchRangeOf(**a, name, reset, begin, end);
 }
 
@@ -1000,13 +981,11 @@ absl::Status ZeroSum(Backend& backend, Accumulator& acc) ABSL_EXCLUSIVE_LOCKS_RE
 absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name, bool reset,
                                                          uint64_t begin, uint64_t end,
                                                          const std::string& caller) {
-  absl::Status s = ValidateAccumulatorName(name, "accumulator");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(ValidateAccumulatorName(name, "accumulator"));
   auto a = accumulators_.Get(name);
   if (!a.ok()) return a.status();
   Accumulator& acc = **a;
-  s = CheckOwner(acc.owner, caller, absl::StrCat("accumulator '", name, "'"));
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CheckOwner(acc.owner, caller, absl::StrCat("accumulator '", name, "'")));
   acc.last_used_ns.store(NowNs());
   auto range = FetchRangeOf(acc, name, reset, begin, end);
   if (!range.ok()) return range.status();
@@ -1023,8 +1002,7 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
     if (!reset) return nf;
     // A reset fetch of an overflowed sum is how a trainer skips the step: nothing to return,
     // but the accumulator starts over.
-    s = ZeroSum(*backend_, acc);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(ZeroSum(*backend_, acc));
     ++acc.generation;
     acc.nonfinite_by.clear();
     return absl::FailedPreconditionError(absl::StrCat(
@@ -1040,18 +1018,15 @@ absl::StatusOr<GradientsSnapshot> Engine::FetchGradients(const std::string& name
   const uint64_t dw_bytes = g.dw_bytes();
   if (begin < dw_bytes) {
     const uint64_t n = std::min(end, dw_bytes) - begin;
-    s = backend_->CopyFromBackend(*acc.dw, begin, g.data.get(), n);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(backend_->CopyFromBackend(*acc.dw, begin, g.data.get(), n));
   }
   if (end > dw_bytes) {
     const uint64_t from = std::max(begin, dw_bytes);
-    s = backend_->CopyFromBackend(*acc.db, from - dw_bytes, g.data.get() + (from - begin),
-                                  end - from);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(backend_->CopyFromBackend(*acc.db, from - dw_bytes,
+                                                    g.data.get() + (from - begin), end - from));
   }
   if (reset) {
-    s = ZeroSum(*backend_, acc);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(ZeroSum(*backend_, acc));
     g.reset_of = *a;
     g.generation_after_reset = acc.generation;
   }
@@ -1218,8 +1193,7 @@ absl::Status Engine::WriteStripe(StripedUpload& u, bool bias, uint64_t offset,
     entry = u.pending_->entry;
   }
   // Stripes write disjoint ranges of the same buffer, so no lock is held for the copy.
-  absl::Status s = CopyWeightPart(*entry, bias, offset, data, bytes);
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(CopyWeightPart(*entry, bias, offset, data, bytes));
   absl::MutexLock lock(&u.mu_);
   if (u.done_) return absl::AbortedError(absl::StrCat("striped upload '", u.id_, "' was aborted"));
   if (bias) {
@@ -1290,8 +1264,7 @@ void Engine::FailStripedUpload(const std::shared_ptr<StripedUpload>& u, const ab
 
 
 absl::Status Engine::DropAccumulator(const std::string& name, const std::string& caller) {
-  absl::Status s = ValidateAccumulatorName(name, "accumulator");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(ValidateAccumulatorName(name, "accumulator"));
   return accumulators_.Drop(name, caller);
 }
 
