@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/loss_problem_check.h"
 #include "core/status_macros.h"
 #include "engine/message_bounds.h"
 
@@ -436,17 +437,11 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   }
 
   const LossOptions& o = spec.options;
-  if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
-      o.reduction != Reduction::kNone) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("options.reduction ", static_cast<int>(o.reduction), " is unknown"));
-  }
+  // The option rules are the one validation's (core/loss_problem_check.h), checked here so
+  // that a request is refused before its tensors arrive; the grad_output tensor between them
+  // keeps the order in which a request's first error is reported.
+  LOSSD_RETURN_IF_ERROR(CheckReduction(o, go.present));
   if (go.present) {
-    if (o.reduction != Reduction::kNone) {
-      return absl::InvalidArgumentError(
-          "grad_output is only accepted with reduction none (use options.grad_scale for mean "
-          "and sum)");
-    }
     LOSSD_RETURN_IF_ERROR(CheckShape(go, "grad_output", 1));
     if (go.shape[0] != plan.bt) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -457,32 +452,15 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
           absl::StrCat("grad_output.dtype must be fp32, got ", DTypeName(go.dtype)));
     }
   }
-  if (!(o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "options.label_smoothing must be in [0, 1], got ", o.label_smoothing));
-  }
-  if (!(o.z_loss_scale >= 0.0f) || !std::isfinite(o.z_loss_scale)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "options.lse_square_scale must be finite and >= 0, got ", o.z_loss_scale));
-  }
-  if (!(o.softcap >= 0.0f) || !std::isfinite(o.softcap)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("options.softcap must be finite and >= 0 (0 = off), got ", o.softcap));
-  }
-  if (!std::isfinite(o.grad_scale)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("options.grad_scale must be finite, got ", o.grad_scale));
-  }
+  LOSSD_RETURN_IF_ERROR(CheckOptionRanges(o));
   if (o.reduction == Reduction::kNone && o.grad_scale != 1.0f) {
-    // Both backends scale per row by grad_output there; a grad_scale would be ignored.
+    // A rule of the request, not of the problem: both backends scale per row by grad_output
+    // there, so a grad_scale would be ignored (and the client would not know).
     return absl::InvalidArgumentError(absl::StrCat(
         "options.grad_scale ", o.grad_scale, " applies to reduction mean and sum; with "
         "reduction none scale grad_output (one value per row) instead"));
   }
-  if (o.chunk_rows < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("options.chunk_rows must be >= 0 (0 = automatic), got ", o.chunk_rows));
-  }
+  LOSSD_RETURN_IF_ERROR(CheckChunkRows(o));
   // More than kMaxRequestedChunks chunks <=> chunk_rows < ceil(BT / kMaxRequestedChunks),
   // which cannot overflow whatever chunk_rows is.
   const int64_t least = (plan.bt + kMaxRequestedChunks - 1) / kMaxRequestedChunks;
@@ -651,18 +629,32 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
   }
   auto buf = [&](InputSlot s) { return in[static_cast<int>(s)].get(); };
 
-  // Data checks that need the bytes: target range and finiteness.
-  const uint8_t* targets = buf(InputSlot::kTargets);
-  const int64_t ignore = plan.options.ignore_index;
-  for (int64_t i = 0; i < plan.bt; ++i) {
-    int64_t t = LoadAsInt(targets, plan.target_dtype, i);
-    if (t != ignore && (t < 0 || t >= plan.v)) {
-      r.status = absl::InvalidArgumentError(absl::StrCat(
-          "targets[", i, "] = ", t, " is outside [0, V=", plan.v,
-          ") and is not ignore_index (", ignore, ")"));
-      return r;
-    }
+  LossProblem p;
+  p.bt = plan.bt;
+  p.h = plan.h;
+  p.v = plan.v;
+  p.dtype = plan.dtype;
+  p.x = buf(InputSlot::kX);
+  if (plan.weights) {
+    p.w = plan.weights->w->data();
+    p.bias = plan.weights->bias ? plan.weights->bias->data() : nullptr;
+    p.w_memory = Memory::kBackend;
+  } else {
+    p.w = buf(InputSlot::kW);
+    p.bias = plan.has_bias ? buf(InputSlot::kBias) : nullptr;
   }
+  p.targets = buf(InputSlot::kTargets);
+  p.target_dtype = plan.target_dtype;
+  p.class_weights = reinterpret_cast<const float*>(buf(InputSlot::kClassWeights));
+  p.grad_output = reinterpret_cast<const float*>(buf(InputSlot::kGradOutput));
+  p.options = plan.options;
+  p.rows = overlap.rows.get();
+
+  // The one validation of the problem (core/loss_problem_check.h), which every backend
+  // assumes: the plan has checked all of it but the target range, which needs the bytes.
+  r.status = ValidateLossInputs(p);
+  if (!r.status.ok()) return r;
+  // The other check that needs the bytes: finiteness.
   if (options_.check_finite && !checked_finite) {
     r.status = CheckFinite(buf(InputSlot::kX), plan.dtype,
                            static_cast<uint64_t>(plan.bt) * plan.h, "x", plan.h);
@@ -689,27 +681,6 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
   }
   // Class weights of any sign are accepted, as torch's cross_entropy accepts them: mean divides
   // by their sum over the non-ignored targets, whatever its sign (see the proto).
-
-  LossProblem p;
-  p.bt = plan.bt;
-  p.h = plan.h;
-  p.v = plan.v;
-  p.dtype = plan.dtype;
-  p.x = buf(InputSlot::kX);
-  if (plan.weights) {
-    p.w = plan.weights->w->data();
-    p.bias = plan.weights->bias ? plan.weights->bias->data() : nullptr;
-    p.w_memory = Memory::kBackend;
-  } else {
-    p.w = buf(InputSlot::kW);
-    p.bias = plan.has_bias ? buf(InputSlot::kBias) : nullptr;
-  }
-  p.targets = targets;
-  p.target_dtype = plan.target_dtype;
-  p.class_weights = reinterpret_cast<const float*>(buf(InputSlot::kClassWeights));
-  p.grad_output = reinterpret_cast<const float*>(buf(InputSlot::kGradOutput));
-  p.options = plan.options;
-  p.rows = overlap.rows.get();
 
   LossOutputs out;
   out.grad_dtype = plan.grad_dtype;
@@ -739,6 +710,9 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
     out.db_accum = acc->db ? static_cast<float*>(acc->db->data()) : nullptr;
     out.accum_memory = Memory::kBackend;
   }
+  // Where the results go, the rest of what a backend assumes (made here, so it holds).
+  r.status = ValidateLossOutputs(p, out);
+  if (!r.status.ok()) return r;
 
   // Finite inputs can still push the loss past fp32 (logits |x . w| > 3.4e38, or a huge
   // lse_square_scale): the request is refused rather than answered with inf or NaN.

@@ -42,7 +42,8 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 
 # Our code gets coverage instrumentation; the generated protobuf code does not (it would only
 # lead the fuzzer into protobuf's own parser, which is not ours to test).
-SRCS_COVERED="wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
+SRCS_COVERED="core/loss_problem_check.cc
+wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
 engine/engine.cc engine/memory_budget.cc engine/weight_cache.cc engine/accumulators.cc
 engine/executor.cc engine/streamed_rows.cc engine/instance_id.cc
 engine/message_bounds.cc engine/owner.cc engine/response_parts.cc
