@@ -70,8 +70,7 @@ OBJS=()
   done
 } > "$BUILD/compile_list"
 # Headers change objects too: rebuild everything when any header under the tree is newer.
-newest_header=$(find "$ROOT/core" "$ROOT/wire" "$ROOT/kernels" "$ROOT/engine" "$ROOT/service" \
-  "$ROOT/client" "$ROOT/testing" "$ROOT/tests/fuzz" -name '*.h' -newer "$BUILD/obj/.stamp" 2>/dev/null | head -1)
+newest_header=$(find "$ROOT/core" "$ROOT/wire" "$ROOT/kernels" "$ROOT/engine" "$ROOT/service" "$ROOT/client" "$ROOT/testing" "$ROOT/tests/fuzz" -name '*.h' -newer "$BUILD/obj/.stamp" 2>/dev/null | head -1)
 if [[ ! -e "$BUILD/obj/.stamp" || -n "$newest_header" ]]; then export FUZZ_REBUILD=1; fi
 if ! xargs -P "$JOBS" -L 1 bash -c 'compile "$@"' _ < "$BUILD/compile_list"; then
   build_failed=1
