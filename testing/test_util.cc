@@ -18,6 +18,7 @@
 #include "kernels/cpu/reference.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 namespace lossd {
 namespace {
@@ -792,6 +793,13 @@ void ExpectOverflowingGradientsReported(
                           kNonFiniteDw |
                           (HasNonFinite(got.db.data(), dtype, p.v) ? kNonFiniteDb : 0u);
   EXPECT_EQ(stats.nonfinite, expect) << DTypeName(dtype);
+}
+
+absl::Status ValidateThenCompute(Backend& backend, const LossProblem& p, const LossOutputs& out,
+                                 LossStats* stats) {
+  absl::Status s = ValidateLossProblem(p, out);
+  if (!s.ok()) return s;
+  return backend.Compute(p, out, stats);
 }
 
 }  // namespace lossd
