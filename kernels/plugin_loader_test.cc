@@ -351,10 +351,8 @@ TEST_F(FakePluginTest, OverlappedComputeCrossesTheRowStream) {
   ASSERT_TRUE(direct_.Compute(whole, want.outputs(), nullptr).ok());
   TrickleRows::Spec ts;
   ts.steps = 6;
-  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
-  LossProblem streamed = whole;
-  streamed.x = rows.x();
-  streamed.rows = &rows;
+  TrickleRows rows(whole, ts);
+  const LossProblem streamed = rows.Streamed(whole);
   const absl::Status st = plugin_->Compute(streamed, got.outputs(), nullptr);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_TRUE(BitIdentical(want, got));

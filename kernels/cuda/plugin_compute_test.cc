@@ -136,10 +136,8 @@ TEST_F(PluginComputeTest, OverlappedComputeCrossesTheRowStream) {
   const LossProblem whole = rp.problem();
   HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
   ASSERT_TRUE(direct_->Compute(whole, want.outputs(), nullptr).ok());
-  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), TrickleRows::Spec{});
-  LossProblem streamed = whole;
-  streamed.x = rows.x();
-  streamed.rows = &rows;
+  TrickleRows rows(whole, TrickleRows::Spec{});
+  const LossProblem streamed = rows.Streamed(whole);
   const absl::Status st = plugin_->Compute(streamed, got.outputs(), nullptr);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_TRUE(BitIdentical(want, got));
