@@ -75,15 +75,15 @@ ABSL_FLAG(bool, with_bias, false, "random data: add a random bias");
 ABSL_FLAG(double, ignore_fraction, 0.0, "random data: fraction of targets set to ignore_index");
 ABSL_FLAG(uint64_t, seed, 1, "random data: seed");
 
-// Options.
-ABSL_FLAG(int64_t, ignore_index, -100, "target value to ignore");
+// Options; their defaults are the server's (core/loss_problem.h).
+ABSL_FLAG(int64_t, ignore_index, lossd::kDefaultIgnoreIndex, "target value to ignore");
 ABSL_FLAG(std::string, reduction, "mean", "mean|sum|none");
-ABSL_FLAG(double, label_smoothing, 0.0, "label smoothing in [0, 1]");
-ABSL_FLAG(double, lse_square_scale, 0.0, "z-loss scale");
-ABSL_FLAG(double, softcap, 0.0, "final logit softcap (0 = off)");
-ABSL_FLAG(double, grad_scale, 1.0, "upstream gradient of the scalar loss");
+ABSL_FLAG(double, label_smoothing, lossd::kDefaultLabelSmoothing, "label smoothing in [0, 1]");
+ABSL_FLAG(double, lse_square_scale, lossd::kDefaultZLossScale, "z-loss scale");
+ABSL_FLAG(double, softcap, lossd::kDefaultSoftcap, "final logit softcap (0 = off)");
+ABSL_FLAG(double, grad_scale, lossd::kDefaultGradScale, "upstream gradient of the scalar loss");
 ABSL_FLAG(std::string, grad_dtype, "", "gradient dtype: empty = input dtype, or fp32");
-ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk (0 = server chooses)");
+ABSL_FLAG(int64_t, chunk_rows, lossd::kDefaultChunkRows, "rows per chunk (0 = server chooses)");
 ABSL_FLAG(bool, token_scaling, false,
           "scale each token's loss and gradient by its target's probability (Liger's "
           "use_token_scaling; needs a server listing the token_scaling feature)");

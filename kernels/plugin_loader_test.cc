@@ -326,14 +326,19 @@ TEST_F(FakePluginTest, ComputeWithoutStatsOrGradients) {
 }
 
 TEST_F(FakePluginTest, ComputeErrorsKeepTheirCodeAndMessage) {
+  // A backend assumes a validated problem (core/loss_problem_check.h), so the error here is one
+  // a valid problem meets during the Compute: its rows of X refused with INVALID_ARGUMENT.
   RandomProblem rp =
       RandomProblem::Make(SpecOf(9, 8, 20, DType::kBF16, Combined(Reduction::kMean), 1.0f, 4));
-  rp.targets[3] = 20;  // one past V
   const LossProblem p = rp.problem();
+  TrickleRows::Spec ts;
+  ts.fail_after = 3;
+  ts.failure = absl::InvalidArgumentError("test: the rows were refused");
+  TrickleRows direct_rows(p, ts), plugin_rows(p, ts);
   HostOutputs want(p, DType::kBF16), got(p, DType::kBF16);
-  const absl::Status direct = direct_.Compute(p, want.outputs(), nullptr);
+  const absl::Status direct = direct_.Compute(direct_rows.Streamed(p), want.outputs(), nullptr);
   ASSERT_TRUE(absl::IsInvalidArgument(direct)) << direct;
-  EXPECT_EQ(plugin_->Compute(p, got.outputs(), nullptr), direct);
+  EXPECT_EQ(plugin_->Compute(plugin_rows.Streamed(p), got.outputs(), nullptr), direct);
 }
 
 // The overlapped Compute: X arrives through the row stream's callbacks, dX leaves through
@@ -346,10 +351,8 @@ TEST_F(FakePluginTest, OverlappedComputeCrossesTheRowStream) {
   ASSERT_TRUE(direct_.Compute(whole, want.outputs(), nullptr).ok());
   TrickleRows::Spec ts;
   ts.steps = 6;
-  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
-  LossProblem streamed = whole;
-  streamed.x = rows.x();
-  streamed.rows = &rows;
+  TrickleRows rows(whole, ts);
+  const LossProblem streamed = rows.Streamed(whole);
   const absl::Status st = plugin_->Compute(streamed, got.outputs(), nullptr);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_TRUE(BitIdentical(want, got));

@@ -18,6 +18,7 @@
 #include "kernels/cpu/reference.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 namespace lossd {
 namespace {
@@ -83,13 +84,18 @@ LogitStats ComputeLogitStats(const LossProblem& p) {
   return s;
 }
 
-RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const OptionCase& c,
-                         float grad_scale, uint64_t seed) {
+RandomProblemSpec ShapeSpec(int64_t bt, int64_t h, int64_t v, DType dtype) {
   RandomProblemSpec spec;
   spec.bt = bt;
   spec.h = h;
   spec.v = v;
   spec.dtype = dtype;
+  return spec;
+}
+
+RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const OptionCase& c,
+                         float grad_scale, uint64_t seed) {
+  RandomProblemSpec spec = ShapeSpec(bt, h, v, dtype);
   spec.target_dtype = c.target_dtype;
   spec.options.reduction = c.reduction;
   spec.options.label_smoothing = c.eps;
@@ -642,6 +648,9 @@ TrickleRows::TrickleRows(const void* x, int64_t bt, size_t row_bytes, const Spec
   thread_ = std::thread([this] { Release(); });
 }
 
+TrickleRows::TrickleRows(const LossProblem& whole, const Spec& spec)
+    : TrickleRows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), spec) {}
+
 TrickleRows::~TrickleRows() { thread_.join(); }
 
 void TrickleRows::Release() {
@@ -739,11 +748,8 @@ std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
   TrickleRows::Spec ts;
   ts.fail_after = fail_after;
   ts.failure = failure;
-  auto rows =
-      std::make_unique<TrickleRows>(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
-  LossProblem streamed = whole;
-  streamed.x = rows->x();
-  streamed.rows = rows.get();
+  auto rows = std::make_unique<TrickleRows>(whole, ts);
+  const LossProblem streamed = rows->Streamed(whole);
   HostOutputs got(whole, DType::kBF16);
   const absl::Status st = compute(streamed, got.outputs());
   EXPECT_EQ(st.code(), failure.code()) << "after " << fail_after << ": " << st;
@@ -756,6 +762,44 @@ std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
   }
   for (int64_t r : rows->dx_ready()) EXPECT_LE(r, fail_after) << "after " << fail_after;
   return rows;
+}
+
+bool HasNonFinite(const void* data, DType t, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    if (!std::isfinite(LoadAsFloat(data, t, k))) return true;
+  }
+  return false;
+}
+
+void ExpectOverflowingGradientsReported(
+    const std::function<absl::Status(const LossProblem&, const LossOutputs&, LossStats*)>&
+        compute,
+    RandomProblemSpec spec) {
+  const DType dtype = spec.dtype;
+  const RandomProblem ordinary = RandomProblem::Make(spec);
+  spec.options.grad_scale = 3e38f;
+  const RandomProblem huge = RandomProblem::Make(spec);
+  LossStats stats;
+  stats.nonfinite = ~0u;  // poisoned: must be overwritten
+  HostOutputs fine(ordinary.problem(), dtype);
+  ASSERT_TRUE(compute(ordinary.problem(), fine.outputs(), &stats).ok());
+  EXPECT_EQ(stats.nonfinite, 0u) << DTypeName(dtype);
+
+  const LossProblem p = huge.problem();
+  HostOutputs got(p, dtype);
+  ASSERT_TRUE(compute(p, got.outputs(), &stats).ok());
+  ASSERT_TRUE(HasNonFinite(got.dw.data(), dtype, p.v * p.h)) << "the case no longer overflows";
+  const uint32_t expect = (HasNonFinite(got.dx.data(), dtype, p.bt * p.h) ? kNonFiniteDx : 0u) |
+                          kNonFiniteDw |
+                          (HasNonFinite(got.db.data(), dtype, p.v) ? kNonFiniteDb : 0u);
+  EXPECT_EQ(stats.nonfinite, expect) << DTypeName(dtype);
+}
+
+absl::Status ValidateThenCompute(Backend& backend, const LossProblem& p, const LossOutputs& out,
+                                 LossStats* stats) {
+  absl::Status s = ValidateLossProblem(p, out);
+  if (!s.ok()) return s;
+  return backend.Compute(p, out, stats);
 }
 
 }  // namespace lossd

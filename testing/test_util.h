@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/reference.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
@@ -65,6 +66,9 @@ struct OptionCase {
 // grad_output and ignored share, with options.grad_scale = grad_scale.
 RandomProblemSpec SpecOf(int64_t bt, int64_t h, int64_t v, DType dtype, const OptionCase& c,
                          float grad_scale, uint64_t seed);
+
+// The RandomProblemSpec of shape (bt, h, v) in `dtype`, every other field at its default.
+RandomProblemSpec ShapeSpec(int64_t bt, int64_t h, int64_t v, DType dtype = DType::kBF16);
 
 // Statistics of the raw logits x W^T + b (before softcap) that the tolerances are made of.
 struct LogitStats {
@@ -142,6 +146,12 @@ struct Tolerance {
   double fp32_rel;  // fp32 row-pass and GEMM arithmetic, relative (and absolute at scale 1)
 };
 Tolerance ToleranceFor(DType input, DType grad);
+
+// The checked entry for tests and benchmarks that hand a backend a problem directly, which may
+// be a bad one: the one validation (core/loss_problem_check.h) first, as the engine does, and
+// the backend, which assumes a valid problem, only when it passes.
+absl::Status ValidateThenCompute(Backend& backend, const LossProblem& p, const LossOutputs& out,
+                                 LossStats* stats);
 
 // Result of one comparison. Mismatches are elements outside their bound (NaN always is).
 struct CompareResult {
@@ -224,12 +234,21 @@ class TrickleRows : public RowStream {
   };
   // x: (BT, row_bytes) host, the real rows; copied, so the caller's buffer may go.
   TrickleRows(const void* x, int64_t bt, size_t row_bytes, const Spec& spec);
+  // The rows of `whole`'s X (whole.bt rows of whole.h elements of whole.dtype).
+  TrickleRows(const LossProblem& whole, const Spec& spec);
   ~TrickleRows() override;  // joins the helper thread
   TrickleRows(const TrickleRows&) = delete;
   TrickleRows& operator=(const TrickleRows&) = delete;
 
   // (BT, row_bytes): what to give the backend as LossProblem::x.
   const void* x() const { return buf_.data(); }
+  // `p` with its X read through this stream: x is x(), rows is this.
+  LossProblem Streamed(const LossProblem& p) {
+    LossProblem streamed = p;
+    streamed.x = x();
+    streamed.rows = this;
+    return streamed;
+  }
   absl::Status WaitX(int64_t rows) override;
   void DxReady(int64_t rows) override;
 
@@ -268,6 +287,18 @@ class TrickleRows : public RowStream {
 std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
     const std::function<absl::Status(const LossProblem&, const LossOutputs&)>& compute,
     const LossProblem& whole, const absl::Status& failure, int64_t fail_after);
+
+// True when any of the n elements of `data` (dtype t, host) is NaN or Inf.
+bool HasNonFinite(const void* data, DType t, int64_t n);
+
+// The check every backend shares for LossStats::nonfinite on returned gradients: a problem of
+// `spec` (finite inputs, reduction sum) reports none, and the same problem with grad_scale
+// 3e38, whose dW overflows fp32, reports exactly the outputs (dX, dW, db in spec.dtype) in
+// which a scan of the returned bytes finds NaN or Inf. `compute` is a backend's Compute.
+void ExpectOverflowingGradientsReported(
+    const std::function<absl::Status(const LossProblem&, const LossOutputs&, LossStats*)>&
+        compute,
+    RandomProblemSpec spec);
 
 }  // namespace lossd
 

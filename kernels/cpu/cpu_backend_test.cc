@@ -1,5 +1,6 @@
 // The CPU backend against the float64 reference: a matrix of shapes x dtypes x options, edge
-// cases, determinism, chunk-size invariance, accumulation, and the memory interface.
+// cases, determinism, chunk-size invariance and the overlapped path (the interface around a
+// Compute is cpu_backend_api_test).
 #include "kernels/cpu/cpu_backend.h"
 
 #include <algorithm>
@@ -209,11 +210,7 @@ TEST(CpuBackendTest, HandComputedTinyProblem) {
 TEST(CpuBackendTest, EveryTargetIgnoredGivesZerosNotNaN) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     for (Reduction red : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
-      RandomProblemSpec spec;
-      spec.bt = 9;
-      spec.h = 16;
-      spec.v = 50;
-      spec.dtype = dtype;
+      RandomProblemSpec spec = ShapeSpec(9, 16, 50, dtype);
       spec.bias = true;
       spec.class_weights = true;
       spec.options.reduction = red;
@@ -237,10 +234,7 @@ TEST(CpuBackendTest, EveryTargetIgnoredGivesZerosNotNaN) {
 }
 
 TEST(CpuBackendTest, EveryTargetIsTheLastClass) {
-  RandomProblemSpec spec;
-  spec.bt = 33;
-  spec.h = 24;
-  spec.v = 77;
+  RandomProblemSpec spec = ShapeSpec(33, 24, 77);
   spec.bias = true;
   RandomProblem rp = RandomProblem::Make(spec);
   for (int64_t& t : rp.targets) t = spec.v - 1;
@@ -254,11 +248,7 @@ TEST(CpuBackendTest, EveryTargetIsTheLastClass) {
 
 TEST(CpuBackendTest, HugeLogitsDoNotOverflow) {
   for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
-    RandomProblemSpec spec;
-    spec.bt = 40;
-    spec.h = 32;
-    spec.v = 123;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = ShapeSpec(40, 32, 123, dtype);
     // fp16 cannot hold 1e4 * 5 sigma logits (max 65504): scale to stay finite there.
     spec.logit_scale = dtype == DType::kF16 ? 5e3 : 1e4;
     spec.ignore_fraction = 0.1;
@@ -283,11 +273,7 @@ TEST(CpuBackendTest, HugeLogitsDoNotOverflow) {
 }
 
 TEST(CpuBackendTest, NaNInputPropagatesWithoutHarm) {
-  RandomProblemSpec spec;
-  spec.bt = 12;
-  spec.h = 16;
-  spec.v = 40;
-  spec.dtype = DType::kF32;
+  RandomProblemSpec spec = ShapeSpec(12, 16, 40, DType::kF32);
   RandomProblem rp = RandomProblem::Make(spec);
   reinterpret_cast<float*>(rp.x.data())[3 * spec.h + 5] = std::nanf("");
   const LossProblem p = rp.problem();
@@ -299,27 +285,6 @@ TEST(CpuBackendTest, NaNInputPropagatesWithoutHarm) {
     EXPECT_EQ(std::isnan(LoadAsFloat(got.dx.data(), DType::kF32, i * p.h)), i == 3) << i;
   }
   EXPECT_EQ(got.tokens, p.bt);
-}
-
-// Bytes of every output, for bit-exact comparisons.
-std::vector<uint8_t> Bytes(const HostOutputs& o) {
-  std::vector<uint8_t> b;
-  auto add = [&](const void* d, size_t n) {
-    const uint8_t* s = static_cast<const uint8_t*>(d);
-    b.insert(b.end(), s, s + n);
-  };
-  add(o.loss.data(), o.loss.size() * 4);
-  add(o.z_loss.data(), o.z_loss.size() * 4);
-  add(o.lse.data(), o.lse.size() * 4);
-  add(o.predictions.data(), o.predictions.size() * 8);
-  add(&o.accuracy, 4);
-  add(&o.tokens, 8);
-  add(o.dx.data(), o.dx.size());
-  add(o.dw.data(), o.dw.size());
-  add(o.db.data(), o.db.size());
-  add(o.dw_accum.data(), o.dw_accum.size() * 4);
-  add(o.db_accum.data(), o.db_accum.size() * 4);
-  return b;
 }
 
 TEST(CpuBackendTest, SameRequestTwiceIsBitIdenticalAtAnyThreadCount) {
@@ -335,15 +300,12 @@ TEST(CpuBackendTest, SameRequestTwiceIsBitIdenticalAtAnyThreadCount) {
   spec.options.chunk_rows = 128;
   const RandomProblem rp = RandomProblem::Make(spec);
   const LossProblem p = rp.problem();
-  std::vector<uint8_t> first;
-  for (int threads : {2, 2, 1, 3, 8}) {
+  HostOutputs first(p, DType::kBF16);
+  ASSERT_TRUE(NewCpuBackend(2)->Compute(p, first.outputs(), nullptr).ok());
+  for (int threads : {2, 1, 3, 8}) {
     HostOutputs got(p, DType::kBF16);
     ASSERT_TRUE(NewCpuBackend(threads)->Compute(p, got.outputs(), nullptr).ok());
-    if (first.empty()) {
-      first = Bytes(got);
-    } else {
-      EXPECT_TRUE(Bytes(got) == first) << "threads=" << threads;
-    }
+    EXPECT_TRUE(BitIdentical(got, first)) << "threads=" << threads;
   }
 }
 
@@ -363,10 +325,7 @@ std::vector<double> MaxAbsDot(const LossProblem& p) {
 }
 
 TEST(CpuBackendTest, ConcurrentComputesShareThePoolAndAgree) {
-  RandomProblemSpec spec;
-  spec.bt = 100;
-  spec.h = 32;
-  spec.v = 700;
+  RandomProblemSpec spec = ShapeSpec(100, 32, 700);
   spec.bias = true;
   spec.options.chunk_rows = 30;
   const RandomProblem rp = RandomProblem::Make(spec);
@@ -384,17 +343,13 @@ TEST(CpuBackendTest, ConcurrentComputesShareThePoolAndAgree) {
   for (std::thread& t : callers) t.join();
   for (int k = 0; k < 4; ++k) {
     EXPECT_TRUE(status[k].ok()) << status[k];
-    EXPECT_TRUE(Bytes(*outs[k]) == Bytes(alone)) << "caller " << k;
+    EXPECT_TRUE(BitIdentical(*outs[k], alone)) << "caller " << k;
   }
 }
 
 TEST(CpuBackendTest, ChunkSizeChangesOnlyFp32Rounding) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
-    RandomProblemSpec spec;
-    spec.bt = 61;
-    spec.h = 40;
-    spec.v = 1500;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = ShapeSpec(61, 40, 1500, dtype);
     spec.bias = true;
     spec.ignore_fraction = 0.1;
     spec.options.reduction = Reduction::kNone;
@@ -447,242 +402,6 @@ TEST(CpuBackendTest, ChunkSizeChangesOnlyFp32Rounding) {
   }
 }
 
-TEST(CpuBackendTest, AccumulatingMicroBatchesEqualsOneBatch) {
-  RandomProblemSpec spec;
-  spec.bt = 4 * 37;
-  spec.h = 48;
-  spec.v = 300;
-  spec.bias = true;
-  spec.ignore_fraction = 0.1;
-  spec.options.reduction = Reduction::kSum;
-  spec.options.chunk_rows = 16;
-  const RandomProblem rp = RandomProblem::Make(spec);
-  const LossProblem big = rp.problem();
-  HostOutputs one(big, DType::kF32);
-  std::unique_ptr<Backend> backend = NewCpuBackend(2);
-  ASSERT_TRUE(backend->Compute(big, one.outputs(), nullptr).ok());
-
-  // The same rows as 4 micro-batches of 37, dW and db added into one accumulator.
-  HostOutputs accum(big, DType::kF32, /*want_grads=*/true, /*accumulate=*/true);
-  const int64_t micro = spec.bt / 4;
-  for (int m = 0; m < 4; ++m) {
-    LossProblem p = big;
-    p.bt = micro;
-    p.x = static_cast<const uint8_t*>(big.x) + m * micro * big.h * DTypeSize(big.dtype);
-    p.targets = static_cast<const int64_t*>(big.targets) + m * micro;
-    HostOutputs part(p, DType::kF32);
-    LossOutputs o = part.outputs();
-    o.dw = o.db = nullptr;
-    o.dw_accum = accum.dw_accum.data();
-    o.db_accum = accum.db_accum.data();
-    ASSERT_TRUE(backend->Compute(p, o, nullptr).ok());
-  }
-  // Different grouping of the fp32 sums over rows only: sqrt(K) 2^-24 growth, 4x margin.
-  const double tol = 4 * std::sqrt(static_cast<double>(spec.bt)) * std::ldexp(1.0, -24);
-  CompareResult dw = CompareRelNorm("dw", Widen(one.dw.data(), DType::kF32, big.v * big.h),
-                                    Widen(accum.dw_accum.data(), DType::kF32, big.v * big.h),
-                                    tol);
-  EXPECT_TRUE(dw.ok()) << dw.ToString();
-  CompareResult db = CompareRelNorm("db", Widen(one.db.data(), DType::kF32, big.v),
-                                    Widen(accum.db_accum.data(), DType::kF32, big.v), tol);
-  EXPECT_TRUE(db.ok()) << db.ToString();
-  // And against the reference of the whole batch.
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(big, &ref).ok());
-  LossOutputs o = accum.outputs();
-  o.loss = o.z_loss = o.lse = nullptr;
-  o.predictions = nullptr;
-  o.accuracy = nullptr;
-  o.tokens = nullptr;
-  o.dx = nullptr;
-  EXPECT_TRUE(MatchesReference(big, rp.stats(), ref, o));
-}
-
-TEST(CpuBackendTest, AccumulatorAddsToExistingValues) {
-  RandomProblemSpec spec;
-  spec.bt = 20;
-  spec.h = 8;
-  spec.v = 30;
-  spec.options.reduction = Reduction::kSum;
-  const RandomProblem rp = RandomProblem::Make(spec);
-  const LossProblem p = rp.problem();
-  HostOutputs plain(p, DType::kF32);
-  ASSERT_TRUE(NewCpuBackend(1)->Compute(p, plain.outputs(), nullptr).ok());
-  std::vector<float> acc(p.v * p.h, 0.5f);
-  LossOutputs o;
-  o.dw_accum = acc.data();
-  ASSERT_TRUE(NewCpuBackend(1)->Compute(p, o, nullptr).ok());
-  const float* dw = reinterpret_cast<const float*>(plain.dw.data());
-  for (int64_t k = 0; k < p.v * p.h; ++k) EXPECT_EQ(acc[k], 0.5f + dw[k]) << k;
-}
-
-// A finite problem whose gradients overflow fp32 (grad_scale 3e38, reduction sum): the stats
-// name exactly the outputs that hold a NaN or Inf, whether dW and db are returned or added
-// into an accumulator; an ordinary problem reports none.
-TEST(CpuBackendTest, OverflowingGradientsAreReported) {
-  RandomProblemSpec spec;
-  spec.bt = 24;
-  spec.h = 16;
-  spec.v = 37;
-  spec.bias = true;
-  spec.options.reduction = Reduction::kSum;
-  auto bad = [](const void* d, DType t, int64_t n) {
-    for (int64_t k = 0; k < n; ++k) {
-      if (!std::isfinite(LoadAsFloat(d, t, k))) return true;
-    }
-    return false;
-  };
-  for (DType grad : {DType::kF32, DType::kBF16}) {
-    spec.dtype = grad;
-    spec.options.grad_scale = 1.0f;
-    const RandomProblem ordinary = RandomProblem::Make(spec);
-    spec.options.grad_scale = 3e38f;
-    const RandomProblem huge = RandomProblem::Make(spec);
-    LossStats stats;
-    stats.nonfinite = ~0u;  // poisoned: must be overwritten
-    HostOutputs fine(ordinary.problem(), grad);
-    ASSERT_TRUE(NewCpuBackend(2)->Compute(ordinary.problem(), fine.outputs(), &stats).ok());
-    EXPECT_EQ(stats.nonfinite, 0u);
-
-    const LossProblem p = huge.problem();
-    HostOutputs got(p, grad);
-    ASSERT_TRUE(NewCpuBackend(2)->Compute(p, got.outputs(), &stats).ok());
-    ASSERT_TRUE(bad(got.dw.data(), grad, p.v * p.h)) << "the case no longer overflows";
-    const uint32_t expect = (bad(got.dx.data(), grad, p.bt * p.h) ? kNonFiniteDx : 0u) |
-                            kNonFiniteDw | (bad(got.db.data(), grad, p.v) ? kNonFiniteDb : 0u);
-    EXPECT_EQ(stats.nonfinite, expect) << DTypeName(grad);
-  }
-  // Into an accumulator (finite before): its sum is what the bits describe.
-  const RandomProblem huge = RandomProblem::Make(spec);
-  const LossProblem p = huge.problem();
-  std::vector<float> dw_acc(p.v * p.h, 0.25f), db_acc(p.v, -0.5f);
-  LossOutputs o;
-  o.grad_dtype = DType::kF32;
-  o.dw_accum = dw_acc.data();
-  o.db_accum = db_acc.data();
-  LossStats stats;
-  ASSERT_TRUE(NewCpuBackend(2)->Compute(p, o, &stats).ok());
-  EXPECT_EQ(stats.nonfinite,
-            kNonFiniteDw | (bad(db_acc.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u));
-}
-
-TEST(CpuBackendTest, OnlyTheLossRequested) {
-  RandomProblemSpec spec;
-  spec.bt = 10;
-  spec.h = 8;
-  spec.v = 30;
-  const RandomProblem rp = RandomProblem::Make(spec);
-  const LossProblem p = rp.problem();
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-  HostOutputs got(p, DType::kBF16, /*want_grads=*/false);
-  LossOutputs o = got.outputs();
-  EXPECT_EQ(o.dx, nullptr);
-  CpuBackend backend(1);
-  ASSERT_TRUE(backend.Compute(p, o, nullptr).ok());
-  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, o));
-  HostOutputs all(p, DType::kBF16);
-  EXPECT_LT(backend.WorkspaceBytes(ShapeOf(p, o)),
-            backend.WorkspaceBytes(ShapeOf(p, all.outputs())));
-}
-
-TEST(CpuBackendTest, WeightsInBackendMemoryGiveTheSameResult) {
-  RandomProblemSpec spec;
-  spec.bt = 12;
-  spec.h = 16;
-  spec.v = 40;
-  spec.bias = true;
-  const RandomProblem rp = RandomProblem::Make(spec);
-  LossProblem p = rp.problem();
-  CpuBackend backend(2);
-  HostOutputs host(p, DType::kBF16);
-  ASSERT_TRUE(backend.Compute(p, host.outputs(), nullptr).ok());
-  auto w = backend.Allocate(rp.w.size());
-  auto b = backend.Allocate(rp.bias.size());
-  ASSERT_TRUE(w.ok() && b.ok());
-  ASSERT_TRUE(backend.CopyToBackend(**w, 0, rp.w.data(), rp.w.size()).ok());
-  ASSERT_TRUE(backend.CopyToBackend(**b, 0, rp.bias.data(), rp.bias.size()).ok());
-  p.w = (*w)->data();
-  p.bias = (*b)->data();
-  p.w_memory = Memory::kBackend;
-  HostOutputs dev(p, DType::kBF16);
-  ASSERT_TRUE(backend.Compute(p, dev.outputs(), nullptr).ok());
-  EXPECT_TRUE(Bytes(dev) == Bytes(host));
-}
-
-TEST(CpuBackendTest, RejectsBadInputWithInvalidArgument) {
-  RandomProblemSpec spec;
-  spec.bt = 5;
-  spec.h = 4;
-  spec.v = 6;
-  RandomProblem rp = RandomProblem::Make(spec);
-  CpuBackend backend(1);
-  {
-    HostOutputs got(rp.problem(), DType::kF16);  // bf16 input, fp16 gradients
-    absl::Status st = backend.Compute(rp.problem(), got.outputs(), nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("grad_dtype"), std::string::npos) << st;
-  }
-  {
-    rp.targets[3] = 6;
-    HostOutputs got(rp.problem(), DType::kBF16);
-    absl::Status st = backend.Compute(rp.problem(), got.outputs(), nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("targets[3] = 6"), std::string::npos) << st;
-    rp.targets[3] = 0;
-  }
-  {
-    LossProblem p = rp.problem();
-    p.options.label_smoothing = 1.5f;
-    HostOutputs got(p, DType::kBF16);
-    absl::Status st = backend.Compute(p, got.outputs(), nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("label_smoothing"), std::string::npos) << st;
-  }
-  {
-    LossProblem p = rp.problem();
-    p.h = 0;
-    HostOutputs got(rp.problem(), DType::kBF16);
-    absl::Status st = backend.Compute(p, got.outputs(), nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("h=0"), std::string::npos) << st;
-  }
-}
-
-TEST(CpuBackendTest, MemoryInterface) {
-  CpuBackend backend(1);
-  const BackendInfo before = backend.Info();
-  EXPECT_EQ(before.name, "cpu");
-  EXPECT_FALSE(before.device.empty());
-  EXPECT_GT(before.memory_total_bytes, 0u);
-  EXPECT_TRUE(before.healthy);
-  EXPECT_EQ(before.memory_budget_bytes, 0u);  // no limit of its own
-  auto buf = backend.Allocate(100);
-  ASSERT_TRUE(buf.ok()) << buf.status();
-  EXPECT_EQ((*buf)->size(), 100u);
-  EXPECT_GE(backend.Info().memory_peak_bytes, 100u);
-  EXPECT_GE(backend.Info().memory_held_bytes, before.memory_held_bytes + 100);
-  std::vector<uint8_t> src(60), dst(60, 0xFF);
-  for (int k = 0; k < 60; ++k) src[k] = static_cast<uint8_t>(k + 1);
-  ASSERT_TRUE(backend.CopyToBackend(**buf, 40, src.data(), 60).ok());
-  ASSERT_TRUE(backend.CopyFromBackend(**buf, 40, dst.data(), 60).ok());
-  EXPECT_EQ(src, dst);
-  absl::Status st = backend.CopyToBackend(**buf, 41, src.data(), 60);
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("offset 41"), std::string::npos) << st;
-  EXPECT_EQ(backend.CopyFromBackend(**buf, 101, dst.data(), 0).code(),
-            absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(backend.Zero(**buf).ok());
-  ASSERT_TRUE(backend.CopyFromBackend(**buf, 0, dst.data(), 60).ok());
-  EXPECT_EQ(dst, std::vector<uint8_t>(60, 0));
-  // A buffer may outlive its backend.
-  auto backend2 = NewCpuBackend(2);
-  auto late = backend2->Allocate(10);
-  ASSERT_TRUE(late.ok());
-  backend2.reset();
-  late->reset();
-}
-
 // The overlapped path (LossProblem::rows): X released in uneven steps while the Compute runs,
 // unreleased rows NaN. Every output must equal the whole-X Compute's byte for byte, every
 // WaitX ask for at most BT rows in non-decreasing order ending at BT, and DxReady come in
@@ -718,10 +437,8 @@ TEST(CpuBackendTest, StreamedRowsGiveTheWholeProblemsBytes) {
         TrickleRows::Spec ts;
         ts.steps = 4 + static_cast<int>(seed % 4);  // 4 to 7 releases
         ts.seed = seed;
-        TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(dtype), ts);
-        LossProblem streamed = whole;
-        streamed.x = rows.x();
-        streamed.rows = &rows;
+        TrickleRows rows(whole, ts);
+        const LossProblem streamed = rows.Streamed(whole);
         const absl::Status st = backend->Compute(streamed, got_out, nullptr);
         const std::string where = std::string(DTypeName(dtype)) + " " + opt_name + " " + k.name;
         ASSERT_TRUE(st.ok()) << where << ": " << st;
@@ -766,35 +483,17 @@ TEST(CpuBackendTest, FailedRowWaitEndsTheComputeWithItsStatus) {
 
 // No rows: nothing to wait for and no dX to report.
 TEST(CpuBackendTest, StreamedEmptyBatch) {
-  RandomProblemSpec spec;
-  spec.bt = 1;
-  spec.h = 8;
-  spec.v = 20;
+  RandomProblemSpec spec = ShapeSpec(1, 8, 20);
   const RandomProblem rp = RandomProblem::Make(spec);
   LossProblem p = rp.problem();
   p.bt = 0;
-  TrickleRows rows(p.x, 0, p.h * DTypeSize(p.dtype), TrickleRows::Spec{});
-  p.x = rows.x();
-  p.rows = &rows;
+  TrickleRows rows(p, TrickleRows::Spec{});
+  p = rows.Streamed(p);
   HostOutputs got(p, DType::kBF16);
   ASSERT_TRUE(NewCpuBackend(1)->Compute(p, got.outputs(), nullptr).ok());
   EXPECT_EQ(got.tokens, 0);
   EXPECT_TRUE(rows.dx_ready().empty());
   for (int64_t r : rows.waits()) EXPECT_EQ(r, 0);
-}
-
-TEST(CpuBackendTest, DefaultChunkKeepsTheChunkBufferBounded) {
-  LossProblem p;
-  p.bt = 1 << 20;
-  p.h = 4096;
-  p.v = 128256;
-  const int64_t c = CpuBackend::ChunkRows(p);
-  EXPECT_GE(c, 1);
-  EXPECT_LE(static_cast<uint64_t>(c) * p.v * 4, CpuBackend::kDefaultChunkBytes);
-  p.options.chunk_rows = 7;
-  EXPECT_EQ(CpuBackend::ChunkRows(p), 7);
-  p.bt = 3;
-  EXPECT_EQ(CpuBackend::ChunkRows(p), 3);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "testing/test_util.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 namespace lossd {
 namespace {
@@ -160,11 +161,7 @@ INSTANTIATE_TEST_SUITE_P(
 // float64 outputs.
 TEST(ReferenceTest, HalfInputsAreWidenedExactly) {
   for (DType dtype : {DType::kBF16, DType::kF16}) {
-    RandomProblemSpec spec;
-    spec.bt = 9;
-    spec.h = 12;
-    spec.v = 33;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = ShapeSpec(9, 12, 33, dtype);
     spec.bias = true;
     spec.options.label_smoothing = 0.1f;
     const RandomProblem rp = RandomProblem::Make(spec);
@@ -243,11 +240,7 @@ TEST(ReferenceTest, ClassWeightsSummingToZeroGiveAZeroMean) {
 // the unscaled ones, the scaled mean must weigh each row by its s, and the scaled gradients
 // must be those of the unscaled problem with s as each row's upstream gradient.
 TEST(ReferenceTest, TokenScalingScalesEachRowByItsTargetsProbability) {
-  RandomProblemSpec spec;
-  spec.bt = 9;
-  spec.h = 6;
-  spec.v = 13;
-  spec.dtype = DType::kF32;
+  RandomProblemSpec spec = ShapeSpec(9, 6, 13, DType::kF32);
   spec.bias = spec.class_weights = true;
   spec.ignore_fraction = 0.25;
   spec.options.reduction = Reduction::kNone;
@@ -315,7 +308,7 @@ TEST(ReferenceTest, TokenScalingScalesEachRowByItsTargetsProbability) {
 TEST(ReferenceTest, RejectsBadInput) {
   const float x[3] = {1, 2, 3};
   const float w[6] = {1, -1, 2, -2, 3, -3};
-  const int64_t target = 2;  // V = 2: out of range
+  int64_t target = 2;  // V = 2: out of range
   LossProblem p;
   p.bt = 1;
   p.h = 3;
@@ -324,14 +317,19 @@ TEST(ReferenceTest, RejectsBadInput) {
   p.x = x;
   p.w = w;
   p.targets = &target;
-  ReferenceOutputs r;
-  absl::Status st = ReferenceCompute(p, &r);
+  // The reference assumes a validated problem: what it is never handed, the one validation
+  // (core/loss_problem_check.h) refuses.
+  absl::Status st = ValidateLossInputs(p);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("targets[0] = 2"), std::string::npos) << st;
-  p.w_memory = Memory::kBackend;
-  EXPECT_EQ(ReferenceCompute(p, &r).code(), absl::StatusCode::kInvalidArgument);
-  p.w_memory = Memory::kHost;
   p.v = 0;
+  EXPECT_EQ(ValidateLossInputs(p).code(), absl::StatusCode::kInvalidArgument);
+  // What it cannot do with a valid problem, it refuses itself.
+  p.v = 2;
+  target = 1;
+  ASSERT_TRUE(ValidateLossInputs(p).ok());
+  p.w_memory = Memory::kBackend;
+  ReferenceOutputs r;
   EXPECT_EQ(ReferenceCompute(p, &r).code(), absl::StatusCode::kInvalidArgument);
 }
 

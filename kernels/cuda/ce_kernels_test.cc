@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/gpu_test_util.h"
 #include "kernels/cuda/softcap_tanh.h"
 #include "core/dtype.h"
 
@@ -84,7 +85,7 @@ T* ToDevice(const std::vector<T>& h) {
   return d;
 }
 
-// The blocked layout's column blocks (as fused_loss.cc's PlanWhole makes them): block 0 takes
+// The blocked layout's column blocks (as chunk_plan.cc's PlanWhole makes them): block 0 takes
 // the rest, the others a multiple of 64 columns each.
 void Blocks(int64_t v, int segments, std::vector<int64_t>* col0, std::vector<int64_t>* cols) {
   const int64_t nb = ((v + segments - 1) / segments + 63) / 64 * 64;
@@ -206,8 +207,7 @@ void RunKernel(const Case& c, const Inputs& in, int32_t elem, Outputs* out, int 
 class CrossEntropyKernelTest : public testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no GPU";
+    if (!HaveGpu()) GTEST_SKIP() << "no GPU";
   }
 };
 
@@ -339,8 +339,7 @@ INSTANTIATE_TEST_SUITE_P(
 // what those two instructions add through the 2 / (e + 1) term (at most 0.24 of the result):
 // about 2 ulp of relative error each (ex2.approx, rcp.approx), times 0.48.
 TEST(SoftcapTanhGpuTest, MatchesTheHostAndTanh) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no GPU";
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
   constexpr double kFarGpuUlps = 3.5;
   std::vector<float> x;
   auto bits = [](float f) {
@@ -401,8 +400,7 @@ TEST(SoftcapTanhGpuTest, MatchesTheHostAndTanh) {
 
 // Which kernel runs which shape: the cases above cover every branch only if these hold.
 TEST(CrossEntropyDispatchTest, OneReadClusterSizes) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no GPU";
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
   int major = 0;
   ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   void* buf = nullptr;

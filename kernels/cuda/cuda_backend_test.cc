@@ -1,6 +1,7 @@
 // GPU tests of the CUDA backend against the float64 reference: every option and dtype over
-// tiny, odd, medium and realistic shapes, outputs poisoned before each run; determinism;
-// weights and accumulators already on the device; out-of-memory and bad input.
+// tiny, odd, medium and realistic shapes, outputs poisoned before each run; determinism; both
+// schedules, the whole-batch layout, autotuning; agreement with the CPU backend. The interface
+// around a Compute is cuda_backend_api_test, the overlapped path cuda_backend_stream_test.
 #include "kernels/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -24,83 +26,13 @@
 #include "kernels/cpu/reference.h"
 #include "testing/test_util.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/cuda/cuda_test_fixture.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 
 namespace lossd {
 namespace cuda {
 namespace {
-
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-// One backend per test binary: creating a cuBLASLt handle and streams per test is slow.
-CudaBackend* SharedBackend() {
-  static CudaBackend* backend = [] {
-    absl::StatusOr<std::unique_ptr<CudaBackend>> b = CudaBackend::Create(CudaBackendOptions{});
-    return b.ok() ? b->release() : nullptr;
-  }();
-  return backend;
-}
-
-class CudaTest : public testing::Test {
- protected:
-  void SetUp() override {
-    if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-    backend_ = SharedBackend();
-    ASSERT_NE(backend_, nullptr);
-  }
-  CudaBackend* backend_ = nullptr;
-};
-
-struct Shape {
-  const char* name;
-  int64_t bt, h, v;
-};
-
-const Shape kShapes[] = {
-    {"tiny", 4, 8, 16},
-    {"odd", 47, 31, 123},
-    {"medium", 300, 96, 1000},
-};
-
-const OptionCase kOptions[] = {
-    {"mean"},
-    {"sum_smooth_weights", Reduction::kSum, 0.1f, 0, 0, false, true},
-    {"none_gradout_zloss_softcap", Reduction::kNone, 0, 1e-3f, 5.0f, false, false, true},
-    {"mean_all", Reduction::kMean, 0.1f, 1e-4f, 4.0f, true, true, false, 0.3, 0,
-     DType::kI32},
-    {"chunked_bias_ignore", Reduction::kMean, 0, 0, 0, true, false, false, 0.2, 7},
-    {"grad_f32", Reduction::kSum, 0.05f, 0, 0, true, false, false, 0.1, 0, DType::kI64,
-     true},
-    {"accumulate", Reduction::kMean, 0, 1e-4f, 0, true, true, false, 0.1, 16, DType::kI64,
-     false, true},
-    // Class weights of about 1e-6 (normalised to sum to about 1 over a large vocabulary): the
-    // stored fp16 gradient cw_t (p - [j == t]) underflowed until the weights' scale went into
-    // the GEMMs' alpha.
-    {"mean_tiny_weights_smooth", Reduction::kMean, 0.1f, 0, 0, false, true, false, 0.1, 0,
-     DType::kI64, false, false, 1e-6},
-    // The same weights with a z-loss, which does not shrink with them: dividing the weights
-    // out of that part of G too would push fp16 past its range.
-    {"sum_tiny_weights_zloss", Reduction::kSum, 0, 5e-2f, 0, false, true, false, 0.1, 0,
-     DType::kI64, false, false, 1e-6},
-    // Weights of both signs (torch.randn's): mean divides by their sum, whatever its sign.
-    {"mean_signed_weights_smooth", Reduction::kMean, 0.1f, 1e-4f, 0, true, true, false, 0.1, 0,
-     DType::kI64, false, false, 1, true},
-    // Liger's use_token_scaling: each row's loss, z-loss and gradient times its p_t.
-    {"mean_token_scaling_all", Reduction::kMean, 0.1f, 1e-3f, 5.0f, true, true, false, 0.2, 0,
-     DType::kI64, false, false, 1, false, true},
-    {"none_token_scaling_gradout_chunked", Reduction::kNone, 0, 1e-3f, 0, true, false, true,
-     0.2, 7, DType::kI64, true, false, 1, false, true},
-};
-constexpr int kNumOptions = static_cast<int>(sizeof(kOptions) / sizeof(kOptions[0]));
-
-// grad_scale 1 for reduction none (the per-row losses scale by grad_output), 0.7 otherwise.
-RandomProblemSpec MakeSpec(const Shape& s, const OptionCase& o, DType dtype, uint64_t seed) {
-  return SpecOf(s.bt, s.h, s.v, dtype, o, o.reduction == Reduction::kNone ? 1.0f : 0.7f, seed);
-}
 
 using MatrixParam = std::tuple<int, int, DType>;
 
@@ -228,116 +160,6 @@ TEST_F(CudaTest, BothSchedulesMatchReference) {
             << DTypeName(dtype);
       }
     }
-  }
-}
-
-// Weights, bias and the accumulators already on the device (the server's cached weights and
-// per-step accumulators), two micro-batches added into the same accumulator.
-TEST_F(CudaTest, DeviceWeightsAndAccumulators) {
-  OptionCase o{"dev", Reduction::kMean, 0.05f, 0, 0, true, false, false, 0.1, 0};
-  RandomProblem rp = RandomProblem::Make(MakeSpec({"dev", 64, 256, 2048}, o, DType::kBF16, 21));
-  LossProblem p = rp.problem();
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-  auto w = backend_->Allocate(rp.w.size());
-  auto bias = backend_->Allocate(rp.bias.size());
-  auto dw = backend_->Allocate(p.v * p.h * 4);
-  auto db = backend_->Allocate(p.v * 4);
-  ASSERT_TRUE(w.ok() && bias.ok() && dw.ok() && db.ok());
-  ASSERT_TRUE(backend_->CopyToBackend(**w, 0, rp.w.data(), rp.w.size()).ok());
-  ASSERT_TRUE(backend_->CopyToBackend(**bias, 0, rp.bias.data(), rp.bias.size()).ok());
-  ASSERT_TRUE(backend_->Zero(**dw).ok());
-  ASSERT_TRUE(backend_->Zero(**db).ok());
-  LossProblem pd = p;
-  pd.w = (*w)->data();
-  pd.bias = (*bias)->data();
-  pd.w_memory = Memory::kBackend;
-  HostOutputs out(p, DType::kBF16, /*want_grads=*/true, /*accumulate=*/true);
-  LossOutputs lo = out.outputs();
-  lo.dw_accum = static_cast<float*>((*dw)->data());
-  lo.db_accum = static_cast<float*>((*db)->data());
-  lo.accum_memory = Memory::kBackend;
-  for (int step = 0; step < 2; ++step) {
-    out.Poison();
-    ASSERT_TRUE(backend_->Compute(pd, lo, nullptr).ok());
-    EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, [&] {
-      LossOutputs only = out.outputs();
-      only.dw_accum = nullptr;
-      only.db_accum = nullptr;
-      return only;
-    }()));
-  }
-  // The accumulators hold twice the reference gradient.
-  std::vector<float> dw_host(p.v * p.h), db_host(p.v);
-  ASSERT_TRUE(backend_->CopyFromBackend(**dw, 0, dw_host.data(), dw_host.size() * 4).ok());
-  ASSERT_TRUE(backend_->CopyFromBackend(**db, 0, db_host.data(), db_host.size() * 4).ok());
-  std::vector<double> ref2(ref.dw.size()), got(dw_host.begin(), dw_host.end());
-  for (size_t k = 0; k < ref.dw.size(); ++k) ref2[k] = 2 * ref.dw[k];
-  const Tolerance tol = ToleranceFor(DType::kBF16, DType::kF32);
-  const double bound = 2 * tol.logit_u * rp.stats().rms_row_abs_max + tol.logit_u + tol.grad_u +
-                       tol.fp32_rel;
-  CompareResult r = CompareRelNorm("dw_accum x2", ref2, got, bound);
-  EXPECT_TRUE(r.ok()) << r.ToString();
-  std::vector<double> dbr(ref.db.size()), dbg(db_host.begin(), db_host.end());
-  for (size_t k = 0; k < ref.db.size(); ++k) dbr[k] = 2 * ref.db[k];
-  r = CompareRelNorm("db_accum x2", dbr, dbg, bound);
-  EXPECT_TRUE(r.ok()) << r.ToString();
-}
-
-// A finite problem whose gradients overflow fp32 (grad_scale 3e38, reduction sum): the stats
-// name exactly the outputs holding a NaN or Inf, as a scan of the returned bytes finds them,
-// for returned gradients and for a device accumulator; an ordinary problem reports none.
-TEST_F(CudaTest, OverflowingGradientsAreReported) {
-  auto bad = [](const void* d, DType t, int64_t n) {
-    for (int64_t k = 0; k < n; ++k) {
-      if (!std::isfinite(LoadAsFloat(d, t, k))) return true;
-    }
-    return false;
-  };
-  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
-    RandomProblemSpec spec;
-    spec.bt = 48;
-    spec.h = 64;
-    spec.v = 301;
-    spec.dtype = dtype;
-    spec.bias = true;
-    spec.options.reduction = Reduction::kSum;
-    const RandomProblem ordinary = RandomProblem::Make(spec);
-    spec.options.grad_scale = 3e38f;
-    const RandomProblem huge = RandomProblem::Make(spec);
-    LossStats stats;
-    stats.nonfinite = ~0u;  // must be overwritten
-    HostOutputs fine(ordinary.problem(), dtype);
-    ASSERT_TRUE(backend_->Compute(ordinary.problem(), fine.outputs(), &stats).ok());
-    EXPECT_EQ(stats.nonfinite, 0u) << DTypeName(dtype);
-
-    const LossProblem p = huge.problem();
-    HostOutputs got(p, dtype);
-    ASSERT_TRUE(backend_->Compute(p, got.outputs(), &stats).ok());
-    ASSERT_TRUE(bad(got.dw.data(), dtype, p.v * p.h)) << "the case no longer overflows";
-    const uint32_t expect = (bad(got.dx.data(), dtype, p.bt * p.h) ? kNonFiniteDx : 0u) |
-                            kNonFiniteDw | (bad(got.db.data(), dtype, p.v) ? kNonFiniteDb : 0u);
-    EXPECT_EQ(stats.nonfinite, expect) << DTypeName(dtype);
-
-    // Into a device accumulator, finite before: the bits describe its sum.
-    auto dw = backend_->Allocate(p.v * p.h * 4);
-    auto db = backend_->Allocate(p.v * 4);
-    ASSERT_TRUE(dw.ok() && db.ok());
-    ASSERT_TRUE(backend_->Zero(**dw).ok());
-    ASSERT_TRUE(backend_->Zero(**db).ok());
-    LossOutputs lo;
-    lo.grad_dtype = dtype;
-    lo.dw_accum = static_cast<float*>((*dw)->data());
-    lo.db_accum = static_cast<float*>((*db)->data());
-    lo.accum_memory = Memory::kBackend;
-    ASSERT_TRUE(backend_->Compute(ordinary.problem(), lo, &stats).ok());
-    EXPECT_EQ(stats.nonfinite, 0u) << DTypeName(dtype);
-    ASSERT_TRUE(backend_->Compute(p, lo, &stats).ok());
-    std::vector<float> db_host(p.v);
-    ASSERT_TRUE(backend_->CopyFromBackend(**db, 0, db_host.data(), p.v * 4).ok());
-    EXPECT_EQ(stats.nonfinite,
-              kNonFiniteDw | (bad(db_host.data(), DType::kF32, p.v) ? kNonFiniteDb : 0u))
-        << DTypeName(dtype);
   }
 }
 
@@ -514,111 +336,6 @@ TEST_F(CudaTest, ScheduleFollowsTheChunkLength) {
   EXPECT_EQ(backend_->Plan(p, with_dw).schedule, Schedule::kRowHalves);
 }
 
-TEST_F(CudaTest, EveryTargetIgnoredGivesZeros) {
-  OptionCase o{"ign", Reduction::kMean, 0.1f, 1e-3f, 0, true, true, false, 1.0, 0};
-  RandomProblem rp = RandomProblem::Make(MakeSpec({"i", 12, 16, 50}, o, DType::kBF16, 4));
-  const LossProblem p = rp.problem();
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-  HostOutputs out(p, DType::kBF16);
-  ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
-  EXPECT_EQ(out.loss[0], 0.0f);
-  EXPECT_EQ(out.tokens, 0);
-  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()));
-}
-
-TEST_F(CudaTest, EmptyBatch) {
-  RandomProblem rp = RandomProblem::Make(MakeSpec({"e", 1, 16, 50}, {"e"}, DType::kF32, 4));
-  LossProblem p = rp.problem();
-  p.bt = 0;
-  HostOutputs out(p, DType::kF32);
-  ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
-  EXPECT_EQ(out.loss[0], 0.0f);
-  EXPECT_EQ(out.tokens, 0);
-  for (size_t k = 0; k < out.dw.size(); ++k) ASSERT_EQ(out.dw[k], 0) << k;
-}
-
-TEST_F(CudaTest, BadInputIsInvalidArgument) {
-  RandomProblem rp = RandomProblem::Make(MakeSpec({"b", 8, 16, 50}, {"b"}, DType::kBF16, 4));
-  HostOutputs out(rp.problem(), DType::kBF16);
-  LossProblem p = rp.problem();
-  p.h = 0;
-  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, out.outputs(), nullptr)));
-  p = rp.problem();
-  rp.targets[3] = 50;
-  p = rp.problem();
-  absl::Status st = backend_->Compute(p, out.outputs(), nullptr);
-  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
-  EXPECT_NE(st.message().find("targets[3]"), std::string::npos) << st;
-  rp.targets[3] = 1;
-  p = rp.problem();
-  LossOutputs lo = out.outputs();
-  lo.grad_dtype = DType::kI32;
-  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, lo, nullptr)));
-  p.options.label_smoothing = 2.0f;
-  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, out.outputs(), nullptr)));
-  EXPECT_TRUE(backend_->Info().healthy);
-}
-
-TEST_F(CudaTest, OutOfMemoryIsResourceExhaustedAndTheBackendKeepsServing) {
-  // More than the device has.
-  const BackendInfo before = backend_->Info();
-  ASSERT_GT(before.memory_total_bytes, 0u);
-  auto huge = backend_->Allocate(before.memory_total_bytes * 2);
-  ASSERT_FALSE(huge.ok());
-  EXPECT_TRUE(absl::IsResourceExhausted(huge.status())) << huge.status();
-  // A budget smaller than the problem.
-  CudaBackendOptions small;
-  small.memory_budget_bytes = 1 << 20;
-  auto tight = CudaBackend::Create(small);
-  ASSERT_TRUE(tight.ok());
-  RandomProblem rp = RandomProblem::Make(MakeSpec({"o", 64, 64, 4000}, {"o"}, DType::kF32, 4));
-  const LossProblem p = rp.problem();
-  HostOutputs out(p, DType::kF32);
-  // 1 GiB freed into the device's pool, which keeps it ...
-  { ASSERT_TRUE(backend_->Allocate(1ull << 30).ok()); }
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const uint64_t kept = backend_->Info().memory_used_bytes;
-  absl::Status st = (*tight)->Compute(p, out.outputs(), nullptr);
-  EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
-  EXPECT_GT((*tight)->WorkspaceBytes(ShapeOf(p, out.outputs())), small.memory_budget_bytes);
-  // ... until a request runs out of memory: then the pool gives back what it does not use.
-  EXPECT_LE(backend_->Info().memory_used_bytes + (512ull << 20), kept)
-      << "the pool kept its unused memory after an out-of-memory";
-  // Both keep serving.
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-  out.Poison();
-  ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
-  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()));
-  EXPECT_TRUE(backend_->Info().healthy);
-  EXPECT_TRUE((*tight)->Info().healthy);
-}
-
-TEST_F(CudaTest, InfoReportsTheDevice) {
-  const BackendInfo info = backend_->Info();
-  EXPECT_EQ(info.name, "cuda");
-  EXPECT_FALSE(info.device.empty());
-  EXPECT_GT(info.memory_total_bytes, 0u);
-  EXPECT_GT(info.memory_used_bytes, 0u);
-  EXPECT_TRUE(info.healthy);
-  // What it holds follows its buffers (the caching pool keeps freed memory, which `used`
-  // still counts), and its budget is the option's.
-  CudaBackendOptions o;
-  o.memory_budget_bytes = 256u << 20;
-  auto b = CudaBackend::Create(o);
-  ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ((*b)->Info().memory_budget_bytes, o.memory_budget_bytes);
-  const uint64_t held = (*b)->Info().memory_held_bytes;
-  {
-    auto buf = (*b)->Allocate(64u << 20);
-    ASSERT_TRUE(buf.ok()) << buf.status();
-    EXPECT_GE((*b)->Info().memory_held_bytes, held + (64u << 20));
-  }
-  EXPECT_EQ((*b)->Info().memory_held_bytes, held);
-  EXPECT_EQ(backend_->Info().memory_budget_bytes, 0u);  // the fixture's: none
-}
-
 // The two backends agree with each other as closely as each agrees with the reference.
 TEST_F(CudaTest, AgreesWithTheCpuBackend) {
   std::unique_ptr<Backend> cpu = NewCpuBackend(2);
@@ -704,151 +421,6 @@ TEST_F(CudaTest, BiasIsRoundedWithTheLogitsAsOnTheCpu) {
     }
     EXPECT_LE(worst, 1e-5) << c.name << ": largest relative lse difference, cuda vs cpu";
   }
-}
-
-// The overlapped path (LossProblem::rows): X released in uneven steps while the Compute runs,
-// unreleased rows NaN. Every output must equal the whole-X Compute's byte for byte, in both
-// schedules, over several chunks (odd BT, so the last chunk is short), with a fresh dW and an
-// accumulator. Each backend is fresh and its first Compute of a shape is the streamed one, so
-// the autotuning trials run before any row of X is on the device (and must leave an
-// accumulator as it was). DxReady comes once per chunk in increasing rows, ending at BT.
-TEST_F(CudaTest, StreamedRowsGiveTheWholeProblemsBytes) {
-  struct Config {
-    Schedule schedule;
-    int64_t bt, chunk_rows;  // chunk_rows >= 512: the row halves split inside each chunk
-  };
-  const Config configs[] = {{Schedule::kRowHalves, 1201, 512},
-                            {Schedule::kRowHalves, 47, 10},
-                            {Schedule::kColumnHalves, 1201, 512},
-                            {Schedule::kColumnHalves, 47, 10}};
-  uint64_t seed = 900;
-  for (const Config& c : configs) {
-    for (bool autotune : {true, false}) {
-      CudaBackendOptions bo;
-      bo.schedule = c.schedule;
-      bo.auto_schedule = false;
-      bo.autotune_gemms = autotune;
-      auto b = CudaBackend::Create(bo);
-      ASSERT_TRUE(b.ok()) << b.status();
-      for (int oi : {3, 5, 6}) {  // mean_all, grad_f32, accumulate
-        OptionCase o = kOptions[oi];
-        o.chunk_rows = c.chunk_rows;
-        for (DType dtype : {DType::kBF16, DType::kF32}) {
-          ++seed;
-          RandomProblem rp =
-              RandomProblem::Make(MakeSpec({"stream", c.bt, 48, 1000}, o, dtype, seed));
-          const LossProblem whole = rp.problem();
-          const DType g = o.grad_f32 ? DType::kF32 : dtype;
-          const std::string where = absl::StrCat(
-              "schedule ", static_cast<int>(c.schedule), " bt ", c.bt, " autotune ", autotune,
-              " ", o.name, " ", DTypeName(dtype));
-          TrickleRows::Spec ts;
-          ts.steps = 4 + static_cast<int>(seed % 4);  // 4 to 7 releases
-          ts.seed = seed;
-          TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(dtype), ts);
-          LossProblem streamed = whole;
-          streamed.x = rows.x();
-          streamed.rows = &rows;
-          HostOutputs got(whole, g, /*want_grads=*/true, o.accumulate);
-          const absl::Status st = (*b)->Compute(streamed, got.outputs(), nullptr);
-          ASSERT_TRUE(st.ok()) << where << ": " << st;
-          HostOutputs want(whole, g, /*want_grads=*/true, o.accumulate);
-          ASSERT_TRUE((*b)->Compute(whole, want.outputs(), nullptr).ok()) << where;
-          EXPECT_TRUE(BitIdentical(want, got)) << where;
-
-          // One DxReady per chunk.
-          EXPECT_TRUE(rows.CallsAreValid(
-              whole.bt, static_cast<size_t>((c.bt + c.chunk_rows - 1) / c.chunk_rows)))
-              << where;
-        }
-      }
-    }
-  }
-}
-
-// Without dX wanted there is nothing to report; the other outputs still match the whole X.
-TEST_F(CudaTest, StreamedRowsWithoutDxReportNothing) {
-  OptionCase o = kOptions[4];  // chunked_bias_ignore: 7-row chunks
-  RandomProblem rp = RandomProblem::Make(MakeSpec(kShapes[1], o, DType::kBF16, 12));
-  const LossProblem whole = rp.problem();
-  HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
-  LossOutputs want_out = want.outputs(), got_out = got.outputs();
-  want_out.dx = got_out.dx = nullptr;
-  ASSERT_TRUE(backend_->Compute(whole, want_out, nullptr).ok());
-  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), TrickleRows::Spec{});
-  LossProblem streamed = whole;
-  streamed.x = rows.x();
-  streamed.rows = &rows;
-  ASSERT_TRUE(backend_->Compute(streamed, got_out, nullptr).ok());
-  EXPECT_TRUE(BitIdentical(want, got));
-  EXPECT_TRUE(rows.dx_ready().empty()) << rows.dx_ready().size() << " DxReady calls";
-  ASSERT_FALSE(rows.waits().empty());
-  EXPECT_EQ(rows.waits().back(), whole.bt);
-}
-
-// A WaitX that fails ends the Compute with its status; no row past the released ones is
-// reported ready, and the backend keeps serving.
-TEST_F(CudaTest, FailedRowWaitEndsTheComputeWithItsStatus) {
-  OptionCase o = kOptions[0];
-  o.chunk_rows = 10;
-  for (const absl::Status& failure :
-       {absl::CancelledError("test: the client went away"),
-        absl::DeadlineExceededError("test: rows stalled")}) {
-    for (int64_t fail_after : {0, 20, 46}) {
-      RandomProblem rp =
-          RandomProblem::Make(MakeSpec(kShapes[1], o, DType::kBF16, 80 + fail_after));
-      const std::unique_ptr<TrickleRows> rows = ExpectComputeEndsWithTheFailedWait(
-          [&](const LossProblem& p, const LossOutputs& out) {
-            return backend_->Compute(p, out, nullptr);
-          },
-          rp.problem(), failure, fail_after);
-      // Compute drained the device before it returned: no DxReady can come later.
-      const size_t ready = rows->dx_ready().size();
-      absl::SleepFor(absl::Milliseconds(5));
-      EXPECT_EQ(rows->dx_ready().size(), ready) << "a DxReady after Compute returned";
-      EXPECT_TRUE(backend_->Info().healthy);
-    }
-  }
-  // Still serving, and right.
-  RandomProblem rp = RandomProblem::Make(MakeSpec(kShapes[1], o, DType::kBF16, 99));
-  const LossProblem p = rp.problem();
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
-  HostOutputs out(p, DType::kBF16);
-  ASSERT_TRUE(backend_->Compute(p, out.outputs(), nullptr).ok());
-  EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, out.outputs()));
-}
-
-// Rows still arriving never take the whole-batch layout (each of its GEMMs reads every row);
-// no rows at all: nothing to wait for, nothing to report.
-TEST_F(CudaTest, StreamedRowsTakeRowChunksAndAnEmptyBatchWaitsForNothing) {
-  CudaBackendOptions bo;
-  bo.whole_batch = true;
-  auto b = CudaBackend::Create(bo);
-  ASSERT_TRUE(b.ok()) << b.status();
-  RandomProblem rp = RandomProblem::Make(MakeSpec({"w", 200, 128, 3000}, {"w"}, DType::kBF16, 3));
-  LossProblem p = rp.problem();
-  HostOutputs out(p, DType::kBF16);
-  ASSERT_GT((*b)->Plan(p, out.outputs()).blocks, 0) << "the shape must fit the whole batch";
-  TrickleRows rows(p.x, p.bt, p.h * DTypeSize(p.dtype), TrickleRows::Spec{});
-  p.x = rows.x();
-  p.rows = &rows;
-  EXPECT_EQ((*b)->Plan(p, out.outputs()).blocks, 0);
-  ASSERT_TRUE((*b)->Compute(p, out.outputs(), nullptr).ok());
-  ReferenceOutputs ref;
-  ASSERT_TRUE(ReferenceCompute(rp.problem(), &ref).ok());
-  EXPECT_TRUE(MatchesReference(rp.problem(), rp.stats(), ref, out.outputs()));
-
-  LossProblem empty = rp.problem();
-  empty.bt = 0;
-  TrickleRows none(empty.x, 0, empty.h * DTypeSize(empty.dtype), TrickleRows::Spec{});
-  empty.x = none.x();
-  empty.rows = &none;
-  HostOutputs eout(empty, DType::kBF16);
-  ASSERT_TRUE(backend_->Compute(empty, eout.outputs(), nullptr).ok());
-  EXPECT_EQ(eout.tokens, 0);
-  EXPECT_TRUE(none.dx_ready().empty());
-  for (int64_t r : none.waits()) EXPECT_EQ(r, 0);
 }
 
 }  // namespace

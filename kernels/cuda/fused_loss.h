@@ -1,5 +1,5 @@
-// The GPU engine of the fused linear + cross-entropy on device pointers: plans chunks from a
-// memory budget, and enqueues per chunk the logits GEMM (cuBLASLt), the fused cross-entropy
+// The GPU engine of the fused linear + cross-entropy on device pointers: takes a chunk plan
+// (chunk_plan.h) and enqueues per chunk the logits GEMM (cuBLASLt), the fused cross-entropy
 // kernel (gradient in place over the logits), the dX GEMM and the fixed-order fp32 dW/db
 // accumulation. Owns its streams, events and cuBLASLt handle; never allocates device memory
 // (the caller passes the workspace) and never touches host tensors.
@@ -20,22 +20,15 @@
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "kernels/cuda/chunk_plan.h"
 
 namespace lossd {
 namespace cuda {
 
-// Host-side facts about the targets that the mean reduction needs before any gradient row.
-struct TargetSummary {
-  int64_t tokens = 0;           // non-ignored rows
-  double weight_sum = 0;        // sum of cw[t_i] over non-ignored rows (tokens without weights)
-  double class_weight_sum = 0;  // sum_j cw_j (V without weights)
-  // max_j |cw_j| (0 without weights): the class weights scale the stored gradient, so this
-  // is taken out of it as a power of two too (see ComputeGradScales).
-  double class_weight_max_abs = 0;
-  // max_i |row_grad_i| for reduction none with an upstream gradient (0 otherwise): taken out
-  // of the stored gradient as a power of two, so small upstream gradients do not underflow fp16.
-  double row_grad_max_abs = 0;
-};
+// RAII holders of one GEMM's cuBLASLt descriptors and of autotuning's timing events
+// (fused_loss_gemm.cc).
+struct LtDescriptors;
+struct EventPair;
 
 // Validates targets (each in [0, V) or ignore_index), converts them to int32 with -1 for an
 // ignored row, and sums what the reductions need. INVALID_ARGUMENT names the first bad row.
@@ -91,40 +84,6 @@ struct DeviceLossArgs {
   ChunkHooks* hooks = nullptr;
 };
 
-// How one chunk's work is spread over the three streams. Both are deterministic (each GEMM
-// and kernel sees the same inputs whatever overlaps it); they differ in what overlaps what.
-enum class Schedule : int32_t {
-  // The logits GEMM and the CE kernel in two row halves (the first half's CE runs under the
-  // second half's GEMM); dX and dW whole-chunk on two streams, side by side.
-  kRowHalves = 0,
-  // The logits GEMM and the dW GEMM in two column (vocabulary) halves: the next chunk's
-  // first-half logits GEMM (compute-bound) runs under this chunk's second-half dW GEMM, whose
-  // fp32 accumulator read and write are memory-bound; dX runs under the first-half dW.
-  kColumnHalves = 1,
-};
-
-// What the backend uses unless told otherwise: with autotuned GEMMs, row halves measured
-// faster at three of the four benchmark shapes with BT >= 8192 (bench/RESULTS.md).
-inline constexpr Schedule kDefaultSchedule = Schedule::kRowHalves;
-inline constexpr int32_t kDefaultSideSms = 0;
-
-struct ChunkPlan {
-  int64_t chunk_rows = 0;  // C
-  Schedule schedule = Schedule::kRowHalves;
-  // Column halves only: > 0 asks cuBLASLt to size the dW GEMMs for this many SMs and the main
-  // stream's GEMMs that run beside them for the rest, so that the two really run side by side
-  // (a hint to cuBLASLt's heuristics, not a hard partition). 0: every GEMM sized for the GPU.
-  int32_t side_sms = 0;
-  // cuBLASLt workspace per stream (two streams run GEMMs side by side); part of the budget.
-  uint64_t gemm_workspace_bytes = 0;
-  uint64_t workspace_bytes = 0;  // device bytes Enqueue needs as `workspace`
-  // Whole-batch layout (PlanWhole) when blocks > 0: no row chunks (chunk_rows = BT); the
-  // logits of all rows live in the fp32 dW buffer, split into `blocks` vocabulary blocks
-  // (block 0 takes what is left over; the others `block_cols` columns each).
-  int32_t blocks = 0;
-  int64_t block_cols = 0;
-};
-
 // Which GEMM of a chunk a cuBLASLt algorithm choice is for.
 enum class GemmRole : int32_t { kLogits = 0, kDx = 1, kDw = 2 };
 
@@ -145,66 +104,6 @@ inline constexpr size_t kMaxTunedClasses = 1024;
 // choice, which cuBLASLt checks for each exact problem before it runs (bench/RESULTS.md,
 // "Autotuning a moving BT").
 int64_t TuneClass(int64_t x);
-// Bytes of cuBLASLt workspace per stream unless the plan says otherwise.
-inline constexpr uint64_t kGemmWorkspaceBytes = 4ull << 20;
-// Default budget for the chunk buffer plus GEMM workspaces.
-inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
-// Wide vocabularies: the default budget grows to hold this many rows of logits (or all of BT),
-// up to kMaxDefaultChunkBudgetBytes.
-inline constexpr int64_t kMinDefaultChunkRows = 2048;
-inline constexpr uint64_t kMaxDefaultChunkBudgetBytes = 2048ull << 20;
-
-// The budget the backend plans with when none is given: kDefaultChunkBudgetBytes, or where
-// that holds fewer than kMinDefaultChunkRows rows of logits (V above about 128K for 16-bit
-// logits), enough for min(BT, kMinDefaultChunkRows) rows, at most kMaxDefaultChunkBudgetBytes.
-// Why rows and not bytes: every chunk after the first reads and writes back the fp32 dW
-// (8 V H bytes against the chunk's 6 C V H flops), so the share of that traffic depends on C
-// alone, whatever V is; at (8192, 2304, 256000) 1024-row chunks measured 5-6% slower than
-// 2048-row ones (bench/RESULTS.md).
-uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype,
-                            uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
-
-// The largest chunk whose C x V logits buffer (input dtype) and GEMM workspaces fit in
-// `budget_bytes`, balanced so the chunks are of equal size (a multiple of 64 rows where it
-// can be). `requested_rows` > 0 overrides the budget. Never returns fewer than 1 row.
-// `gemm_workspace_bytes` is the cuBLASLt workspace per stream (two of them are in the budget).
-ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
-                     int64_t requested_rows, Schedule schedule = Schedule::kRowHalves,
-                     uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
-
-// The whole-batch layout, for a fresh dW (not added into an accumulator) where it fits:
-// the logits of every row, in vocabulary blocks, live in the fp32 dW buffer itself, block b
-// in the dW rows of block b + 1 (the last block in the workspace), so that dW_b = X^T G_b is
-// one GEMM over all BT rows, written over the rows that held block b - 1 (already used). No
-// fp32 accumulator is read back; dX is summed over the blocks in an fp32 buffer. Applies when
-// a block of BT rows fits in the dW rows of the same width (BT * elem <= 4 H), H % 64 == 0,
-// and the last block, the fp32 dX (unless dX is already fp32) and the two GEMM workspaces fit
-// in `budget_bytes` with at most kMaxSegments blocks. Otherwise returns blocks == 0 (use
-// PlanChunks).
-ChunkPlan PlanWhole(int64_t bt, int64_t h, int64_t v, DType dtype, bool want_dx, DType dx_dtype,
-                    uint64_t budget_bytes, uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
-
-// Block b (0 <= b < plan.blocks) of a whole-batch plan over V columns: columns
-// [col0, col0 + cols). Block 0 takes what is left over; the others plan.block_cols each.
-struct VocabBlock {
-  int64_t col0 = 0, cols = 0;
-};
-VocabBlock WholeBlock(const ChunkPlan& plan, int64_t v, int b);
-
-// Where a batch of `rows` rows splits into the two row halves whose CE runs under the other
-// half's GEMMs; `rows` itself (no split) below a few hundred rows, where the GEMMs would lose
-// more than the overlap gains.
-int64_t RowSplit(int64_t rows);
-
-// Gradient multipliers of one problem: the kernel's ce/z scales and the GEMMs' alpha. The
-// common factor alpha is taken out of the stored gradient so fp16 gradients do not underflow:
-// grad_scale / N for the mean, and for reduction none the power of two at or above the largest
-// upstream |row_grad| (a power of two, so bf16 and fp32 results are unchanged by it).
-struct GradScales {
-  float ce = 1, z = 1, alpha = 1;
-};
-GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s);
-
 class FusedLoss {
  public:
   // Makes `device` current for the calling thread and creates streams, events and the handle.
@@ -272,20 +171,61 @@ class FusedLoss {
                     int32_t algo_rank = 0, const void* bias = nullptr);
 
  private:
+  // One GEMM's arguments but alpha (the one host scalar, not part of an algorithm's key):
+  // D (m, n) = alpha op(A) op(B) + beta D, column-major, as Gemm takes them.
+  struct Spec {
+    bool trans_a, trans_b;
+    int64_t m, n, k;
+    const void* a;  // op(A): (m, k) column-major, lda
+    int64_t lda;
+    const void* b;  // op(B): (k, n) column-major, ldb
+    int64_t ldb;
+    cudaDataType ab_type;
+    float beta;
+    void* d;  // (m, n) column-major, ldd
+    int64_t ldd;
+    cudaDataType d_type;
+    uint64_t ws_bytes;
+    int32_t sm_target;
+    // Non-null: cuBLASLt's bias epilogue adds bias[i] to row i of D (m values, D's type) before
+    // D is rounded to its type, so the stored logits are X W^T + b rounded once, as DESIGN.md
+    // says.
+    const void* bias;
+  };
+  // What the steps of one row-chunk Enqueue (fused_loss_chunks.cc) or one whole-batch Enqueue
+  // (fused_loss_whole.cc) share, with the GEMMs and kernels they issue.
+  class ChunkPass;
+  class WholePass;
+
   FusedLoss() = default;
+  // The row-chunk path: TuneChunks (autotune only), StartChunks, then per chunk ColumnChunk or
+  // RowChunk (the plan's schedule), on the three streams.
+  absl::Status EnqueueChunks(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
+  absl::Status TuneChunks(ChunkPass& c);
+  absl::Status StartChunks(const ChunkPass& c);
+  absl::Status ColumnChunk(ChunkPass& c, int64_t c0, int64_t rows);
+  absl::Status RowChunk(ChunkPass& c, int64_t c0, int64_t rows);
+  absl::Status RowHalvesForward(ChunkPass& c, int64_t c0, int64_t rows);
+  absl::Status RowHalvesBackward(ChunkPass& c, int64_t c0, int64_t rows);
+  // The whole-batch path (plan.blocks > 0).
   absl::Status EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
+  absl::Status TuneWhole(WholePass& w);
+  absl::Status WholeCrossEntropy(WholePass& w);
   // Gemm (tuning false), or in a tuning pass TuneGemm on main_ when the key is new and the rank
   // is not pinned.
-  absl::Status RunOrTune(bool tuning, cudaStream_t stream, void* ws, uint64_t ws_bytes, bool ta,
-                         bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void* ap,
-                         int64_t lda, const void* bp, int64_t ldb, cudaDataType ab_type,
-                         float beta, void* dp, int64_t ldd, cudaDataType d_type, int32_t sms,
-                         int32_t rank, const void* bias = nullptr);
-  struct Spec;  // one GEMM's arguments (fused_loss.cc)
+  absl::Status RunOrTune(bool tuning, cudaStream_t stream, void* ws, float alpha, const Spec& g,
+                         int32_t rank);
   // Gemm and TuneGemm on a Spec (alpha, the one host scalar, is not part of its key).
   absl::Status RunSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g,
                        int32_t algo_rank);
   absl::Status TuneSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g);
+  // TuneSpec's timing: runs the launchable candidates `cand` (indices into `results`, at least
+  // two) of the described GEMM in rounds on `stream` and sets *pick to the index into `cand`
+  // of the one to keep.
+  absl::Status FastestCandidate(cudaStream_t stream, void* ws, float alpha, const Spec& g,
+                                const LtDescriptors& desc,
+                                const std::vector<cublasLtMatmulHeuristicResult_t>& results,
+                                const std::vector<int>& cand, const EventPair& ev, size_t* pick);
   using AlgoKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t,
                              int64_t, int, int, int, uint64_t, int32_t, int32_t>;
   static AlgoKey KeyOf(const Spec& g, int32_t rank);

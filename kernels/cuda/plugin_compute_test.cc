@@ -136,10 +136,8 @@ TEST_F(PluginComputeTest, OverlappedComputeCrossesTheRowStream) {
   const LossProblem whole = rp.problem();
   HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
   ASSERT_TRUE(direct_->Compute(whole, want.outputs(), nullptr).ok());
-  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), TrickleRows::Spec{});
-  LossProblem streamed = whole;
-  streamed.x = rows.x();
-  streamed.rows = &rows;
+  TrickleRows rows(whole, TrickleRows::Spec{});
+  const LossProblem streamed = rows.Streamed(whole);
   const absl::Status st = plugin_->Compute(streamed, got.outputs(), nullptr);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_TRUE(BitIdentical(want, got));
@@ -154,12 +152,17 @@ TEST_F(PluginComputeTest, FailedRowWaitAndRefusalsCrossBack) {
         return plugin_->Compute(p, out, nullptr);
       },
       rp.problem(), absl::CancelledError("test: the sender went away"), 100);
-  rp.targets[3] = 5000;  // one past V
-  const LossProblem bad = rp.problem();
-  HostOutputs a(bad, DType::kBF16), b(bad, DType::kBF16);
-  const absl::Status want = direct_->Compute(bad, a.outputs(), nullptr);
+  // A backend assumes a validated problem (core/loss_problem_check.h): the error that crosses
+  // back word for word is one a valid problem meets during the Compute, its rows refused.
+  const LossProblem p = rp.problem();
+  TrickleRows::Spec ts;
+  ts.fail_after = 3;
+  ts.failure = absl::InvalidArgumentError("test: the rows were refused");
+  TrickleRows direct_rows(p, ts), plugin_rows(p, ts);
+  HostOutputs a(p, DType::kBF16), b(p, DType::kBF16);
+  const absl::Status want = direct_->Compute(direct_rows.Streamed(p), a.outputs(), nullptr);
   ASSERT_TRUE(absl::IsInvalidArgument(want)) << want;
-  EXPECT_EQ(plugin_->Compute(bad, b.outputs(), nullptr), want);
+  EXPECT_EQ(plugin_->Compute(plugin_rows.Streamed(p), b.outputs(), nullptr), want);
 }
 
 }  // namespace

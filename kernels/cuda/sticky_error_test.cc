@@ -16,6 +16,7 @@
 #include "kernels/cpu/reference.h"
 #include "testing/test_util.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/gpu_test_util.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_fault.h"
 #include "core/dtype.h"
@@ -24,11 +25,6 @@
 namespace lossd {
 namespace cuda {
 namespace {
-
-bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 void ExpectUnavailable(const absl::Status& s, const std::string& call) {
   EXPECT_TRUE(absl::IsUnavailable(s)) << call << ": " << s;

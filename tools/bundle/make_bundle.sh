@@ -28,6 +28,8 @@ WANT=(
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:nonfinite_test
   //kernels/cuda:cuda_backend_test
+  //kernels/cuda:cuda_backend_api_test
+  //kernels/cuda:cuda_backend_stream_test
   //kernels/cuda:sticky_error_test
   //kernels/cuda:plugin_exposer_test
   //kernels/cuda:plugin_compute_test

@@ -1,0 +1,164 @@
+#include "kernels/cpu/row_pass.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_convert.h"
+
+namespace lossd {
+namespace {
+
+// exp(x) for x <= 0 (every argument here is z - max or z - lse), to about 1 ulp, in a form
+// the compiler vectorises: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial
+// (Cephes' coefficients), 2^n put into the exponent bits. Below -87 (where exp underflows to
+// a denormal) it returns about 1e-38 instead of 0; a NaN stays NaN.
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  // Round to nearest by adding and subtracting 1.5 * 2^23 (vectorises, unlike nearbyint).
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // n is NaN when x is; converting a NaN to int is undefined, so feed 0 (p stays NaN).
+  const int32_t e = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+constexpr int kLanes = 16;  // independent fp32 partial sums: vectorisable, and more accurate
+
+// The helpers below are inlined into each instruction-set variant of RowPass (always_inline:
+// a call would run the baseline x86-64 code), so they vectorise as the one function did.
+#define LOSSD_ROW_INLINE inline __attribute__((always_inline))
+
+// sum_j cw_j z_j (sum_j z_j without weights) in kLanes partial sums, for label smoothing.
+LOSSD_ROW_INLINE double WeightedSum(const RowPassParams& rp, const float* z) {
+  const int64_t v = rp.v;
+  float wz[kLanes] = {0};
+  int64_t j = 0;
+  if (rp.cw != nullptr) {
+    for (; j + kLanes <= v; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) wz[l] += rp.cw[j + l] * z[j + l];
+    }
+    for (int l = 0; j < v; ++j, ++l) wz[l] += rp.cw[j] * z[j];
+  } else {
+    for (; j + kLanes <= v; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) wz[l] += z[j + l];
+    }
+    for (int l = 0; j < v; ++j, ++l) wz[l] += z[j];
+  }
+  double s = 0;
+  for (int l = 0; l < kLanes; ++l) s += wz[l];
+  return s;
+}
+
+// Overwrites the row z (the stored logits of a row whose target is t) with G, rounded to the
+// input dtype: g_j = A p_j - B cw_j - [j == t] C, p_j = exp(z_j - lse), then times the
+// softcap's 1 - tanh^2 = 1 - (z_j / cap)^2. cwt = cw[t] (1 without weights).
+LOSSD_ROW_INLINE void WriteGradient(const RowPassParams& rp, float* z, int64_t t, double lse,
+                                    double cwt, double sc, double sz) {
+  const int64_t v = rp.v;
+  int64_t j;
+  const float a = static_cast<float>(
+      sc * ((1 - rp.eps) * cwt + rp.eps * rp.cw_sum / static_cast<double>(v)) +
+      2 * sz * rp.zs * lse);
+  const float b = static_cast<float>(sc * rp.eps / static_cast<double>(v));
+  const float c = static_cast<float>(sc * (1 - rp.eps) * cwt);
+  const float lse_f = static_cast<float>(lse);
+  const float zt = z[t];
+  if (rp.cap > 0) {
+    const float inv = static_cast<float>(1.0 / rp.cap);
+    for (j = 0; j < v; ++j) {
+      const float th = z[j] * inv;
+      const float cwj = rp.cw != nullptr ? rp.cw[j] : 1.0f;
+      z[j] = (a * ExpNonPositive(z[j] - lse_f) - b * cwj) * (1.0f - th * th);
+    }
+    const float th = zt * inv;
+    z[t] = (a * ExpNonPositive(zt - lse_f) - b * (rp.cw != nullptr ? rp.cw[t] : 1.0f) - c) *
+           (1.0f - th * th);
+  } else if (rp.cw != nullptr) {
+    for (j = 0; j < v; ++j) z[j] = a * ExpNonPositive(z[j] - lse_f) - b * rp.cw[j];
+    z[t] -= c;
+  } else {
+    for (j = 0; j < v; ++j) z[j] = a * ExpNonPositive(z[j] - lse_f) - b;
+    z[t] -= c;
+  }
+  // G is stored in the input dtype, as the GPU stores it over its logits.
+  RoundInPlace(z, v, rp.dtype);
+}
+
+#undef LOSSD_ROW_INLINE
+
+}  // namespace
+
+LOSSD_CPU_TARGET_CLONES
+RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, double sz) {
+  const int64_t v = rp.v;
+  RowResult res;
+  if (rp.bias != nullptr) {
+    for (int64_t j = 0; j < v; ++j) z[j] += rp.bias[j];
+  }
+  RoundInPlace(z, v, rp.dtype);
+  if (rp.cap > 0) {
+    const float cap = static_cast<float>(rp.cap), inv = static_cast<float>(1.0 / rp.cap);
+    for (int64_t j = 0; j < v; ++j) z[j] = cap * std::tanh(z[j] * inv);
+  }
+  // Max and the first index reaching it. Two passes (max, then the sum of exp) rather than an
+  // online max/sum: the row is in cache, and the exact max needs no rescaling.
+  float m = z[0];
+  int64_t arg = 0;
+  for (int64_t j = 1; j < v; ++j) {
+    if (z[j] > m) {
+      m = z[j];
+      arg = j;
+    }
+  }
+  res.argmax = arg;
+  // sum_j exp(z_j - m).
+  float acc[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += ExpNonPositive(z[j + l] - m);
+  }
+  for (int l = 0; j < v; ++j, ++l) acc[l] += ExpNonPositive(z[j] - m);
+  double sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  const double lse = m + std::log(sum);
+  res.lse = static_cast<float>(lse);
+  if (t < 0) {
+    if (rp.want_grad) std::fill(z, z + v, 0.0f);
+    return res;
+  }
+  double smooth = 0;
+  if (rp.eps > 0) {
+    // -(1/V) sum_j cw_j (z_j - lse)
+    smooth = (rp.cw_sum * lse - WeightedSum(rp, z)) / static_cast<double>(v);
+  }
+  const double cwt = rp.cw != nullptr ? rp.cw[t] : 1.0;
+  res.ce = (1 - rp.eps) * cwt * (lse - z[t]) + rp.eps * smooth;
+  res.zl = rp.zs * lse * lse;
+  if (rp.token_scaling) {
+    // s = p_t from the stored (softcapped) logits, rounded to the input dtype as
+    // torch.softmax rounds its output; a constant to the gradient, so it scales G's row.
+    float s = static_cast<float>(std::exp(static_cast<double>(z[t]) - lse));
+    RoundInPlace(&s, 1, rp.dtype);
+    res.ce *= s;
+    res.zl *= s;
+    sc *= s;
+    sz *= s;
+  }
+  if (!rp.want_grad) return res;
+  WriteGradient(rp, z, t, lse, cwt, sc, sz);
+  return res;
+}
+
+}  // namespace lossd
