@@ -32,7 +32,7 @@ struct ServiceOptions {
   uint32_t max_in_flight_per_client = 64;        // per client (token, else peer address)
   uint64_t max_parts_per_request = 1u << 20;     // tensor parts one stream may send
   // Overlapped Computes: start before X is all in even while other computes are queued or
-  // running (false: only on an idle executor; see MaybeStartCompute).
+  // running (false: only on an idle executor; see engine/overlap_start.h).
   bool overlap_start_when_busy = false;
   // A stream on which lossd waits for the client and nothing arrives for this long is
   // cancelled (IdleWatch); zero: never.

@@ -1,0 +1,245 @@
+// The overlapped half of ComputeReactor (ComputeHeader.overlap): reads, the compute and
+// writes at once (see compute_reactor.h). Apart from compute_reactor.cc to keep each file
+// readable at once; the same class, the same State.
+#include <chrono>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "engine/overlap_start.h"
+#include "service/compute_reactor.h"
+#include "service/wire_convert.h"
+
+namespace lossd {
+
+// --- Overlapped Compute (ComputeHeader.overlap) -----------------------------------------
+// Reads, the compute and writes run at once: the compute starts once every input but X is
+// in and takes X's rows as they arrive (StreamedRows); dX parts go out as the backend
+// reports rows final; the final summary goes last. Every event (a read, a write done, dX
+// rows, the compute's end) ends in Progress(), which under mu_ picks the one next write or
+// the finish. The call finishes only when no compute job holds `this`, no write is in
+// flight and no read is being handled (a read still pending is fine: Finish ends it).
+
+// After admission: the preliminary summary (outputs and specs) goes out while X comes in.
+void ComputeReactor::StartOverlap() {
+  outputs_ = std::make_shared<std::vector<HostBuffer>>(Engine::NewOutputs(*plan_));
+  for (size_t i = 0; i < plan_->outputs.size(); ++i) {
+    if (plan_->outputs[i].slot == OutputSlot::kDx) dx_output_ = static_cast<int>(i);
+  }
+  v1::ComputeResponse response = Summary(nullptr);
+  {
+    absl::MutexLock lock(&mu_);
+    streaming_.writing = true;
+    streaming_.handling_read = true;
+    response_ = client::EncodeMessage(response);
+  }
+  Write();
+  // Nothing but X to wait for (BT = 0 and every other input empty): start at once.
+  absl::Status s_start = MaybeStartCompute();
+  if (!s_start.ok()) {
+    FailOverlap(s_start);
+  } else {
+    StartRead(&request_);
+  }
+  EndHandlingRead();
+}
+
+void ComputeReactor::OnOverlapReadDone(bool ok) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ != State::kStreaming) return;  // finishing: Finish ends the pending read
+    streaming_.handling_read = true;
+  }
+  absl::Status s;
+  bool more = false;
+  if (!ok) {
+    s = OverlapEndOfStream();
+  } else if (absl::Status parsed = ParseComputeFrame(request_, &frame_); !parsed.ok()) {
+    s = parsed;
+  } else {
+    s = OnPart();
+    if (s.ok()) s = MaybeStartCompute();
+    if (s.ok() && rows_ != nullptr) rows_->Arrived(assembler_->XRowsReady());
+    more = s.ok();
+  }
+  if (!s.ok()) {
+    FailOverlap(s);
+  } else if (more) {
+    StartRead(&request_);
+  }
+  EndHandlingRead();
+}
+
+// Runs on the reactor's thread while it handles a read. When to start is the engine's
+// policy (OverlapMayStart); a later part or the end of the stream asks again.
+absl::Status ComputeReactor::MaybeStartCompute() {
+  if (rows_ != nullptr) return absl::OkStatus();
+  const OverlapProgress arrived{assembler_->AllButXComplete(), assembler_->XRowsReady(),
+                                plan_->bt};
+  if (!OverlapMayStart(arrived, service_->options().overlap_start_when_busy,
+                       engine_->executor_idle())) {
+    return absl::OkStatus();
+  }
+  if (ctx_->deadline() < std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError("the deadline passed before the compute started");
+  }
+  auto rows = std::make_shared<StreamedRows>(
+      plan_->bt, engine_->options().overlap_stall, absl::FromChrono(ctx_->deadline()),
+      [this](int64_t) { Progress(); });  // on the backend's thread: more rows of dX are final
+  rows->Arrived(assembler_->XRowsReady());
+  {
+    absl::MutexLock lock(&mu_);
+    rows_ = rows;
+    streaming_.computing = true;
+  }
+  idle_->Disarm();  // from here a stall of X fails the compute (--overlap_stall)
+  engine_->Run(
+      plan_, assembler_->buffers(),
+      [this](ComputeOutcome outcome) { OnOverlapComputed(std::move(outcome)); },
+      absl::FromChrono(ctx_->deadline()), assembler_->finite_checked(),
+      OverlapIo{rows, outputs_}, [this] { return ctx_->IsCancelled() || Failed(); });
+  return absl::OkStatus();
+}
+
+absl::Status ComputeReactor::OverlapEndOfStream() {
+  idle_->Disarm();
+  if (ctx_->IsCancelled()) return Cancelled();
+  absl::Status complete = ReceiveComplete();
+  if (!complete.ok()) return complete;
+  absl::Status s = MaybeStartCompute();  // X came before the other inputs: start now
+  if (!s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  streaming_.read_done = true;
+  return absl::OkStatus();
+}
+
+void ComputeReactor::EndHandlingRead() {
+  {
+    absl::MutexLock lock(&mu_);
+    streaming_.handling_read = false;
+  }
+  Progress();
+}
+
+// The call has already failed (a job still queued then does not start).
+bool ComputeReactor::Failed() {
+  absl::MutexLock lock(&mu_);
+  return !error_.ok();
+}
+
+// The first failure wins; the compute, if running, stops at the next rows it waits for.
+void ComputeReactor::FailOverlap(const absl::Status& s) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (error_.ok()) error_ = s;
+  }
+  FailRows();
+}
+
+void ComputeReactor::FailRows() {
+  std::shared_ptr<StreamedRows> rows;
+  absl::Status why;
+  {
+    absl::MutexLock lock(&mu_);
+    rows = rows_;
+    why = error_;
+  }
+  if (rows != nullptr && !why.ok()) rows->Fail(why);
+}
+
+// On the executor thread.
+void ComputeReactor::OnOverlapComputed(ComputeOutcome outcome) {
+  ObserveCompute(outcome);
+  NoteAdded(outcome);
+  v1::ComputeResponse response = Summary(&outcome);
+  // Recorded inside Progress's critical section, not in one of its own before it: once
+  // computing is false (or computed true) another thread's Progress may finish the call,
+  // and gRPC delete this reactor, before this thread's Progress locks mu_ again.
+  Progress([&] {
+    streaming_.computing = false;
+    if (!outcome.status.ok() && error_.ok()) error_ = outcome.status;
+    if (outcome.status.ok()) {
+      streaming_.computed = true;
+      final_summary_ = std::move(response);
+    }
+    send_started_ = absl::Now();
+  });
+}
+
+// Picks the next write, or finishes the call; any thread. `update` runs first, under mu_.
+// Once it returns, a caller that is not a gRPC reaction (nothing holds the call open for
+// it) may touch the reactor no more: the write or the finish it started is its last step.
+void ComputeReactor::Progress(absl::FunctionRef<void()> update) {
+  absl::Status finish;
+  bool write = false, done = false;
+  double send_seconds = 0, bytes_out = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    update();
+    if (state_ != State::kStreaming || streaming_.writing) return;
+    if (!error_.ok()) {
+      // They call Progress when they end.
+      if (streaming_.computing || streaming_.handling_read) return;
+      finish = error_;
+      done = true;
+    } else if (NextOverlapWriteLocked()) {
+      streaming_.writing = true;
+      write = true;
+    } else if (streaming_.computed && streaming_.read_done && !streaming_.handling_read) {
+      if (!streaming_.final_sent) {
+        streaming_.final_sent = true;
+        streaming_.writing = true;
+        write = true;
+        response_ = client::EncodeMessage(final_summary_);
+      } else {
+        done = true;
+        // The part of sending the compute did not hide: from its end to the last write.
+        send_seconds = SecondsSince(send_started_);
+        bytes_out = static_cast<double>(bytes_out_);
+      }
+    }
+    // One Progress finishes: a second that also found the call done could reach FinishOnce
+    // after the first's Finish had let gRPC delete the reactor.
+    if (done) SetStateLocked(State::kFinishing);
+  }
+  if (write) {
+    Write();
+  } else if (done) {
+    if (finish.ok()) {
+      service_->metrics()->ObservePhase("Compute", "send", send_seconds);
+      service_->metrics()->AddBytesOut(bytes_out);
+    }
+    FinishOnce(finish);
+  }
+}
+
+// Sets response_ to the next output part that may go now: dX up to the rows reported, and
+// once the compute is done the rest of dX and every other output. False: nothing yet.
+bool ComputeReactor::NextOverlapWriteLocked() {
+  if (dx_output_ >= 0) {
+    const OutputDesc& d = plan_->outputs[dx_output_];
+    const uint64_t row_bytes = plan_->bt > 0 ? d.bytes / plan_->bt : 0;
+    // Once the compute is done every row is final, reported or not.
+    const int64_t rows = streaming_.computed ? plan_->bt
+                         : rows_ != nullptr  ? rows_->dx_ready()
+                                             : 0;
+    const uint64_t ready = static_cast<uint64_t>(rows) * row_bytes;
+    if (streaming_.dx_sent < ready) {
+      streaming_.dx_sent += EncodeOutputPart(dx_output_, streaming_.dx_sent, ready);
+      return true;
+    }
+  }
+  if (!streaming_.computed) return false;
+  while (output_ < plan_->outputs.size() &&
+         (static_cast<int>(output_) == dx_output_ ||
+          offset_ >= plan_->outputs[output_].bytes)) {
+    ++output_;
+    offset_ = 0;
+  }
+  if (output_ == plan_->outputs.size()) return false;
+  offset_ += EncodeOutputPart(output_, offset_, plan_->outputs[output_].bytes);
+  return true;
+}
+
+}  // namespace lossd

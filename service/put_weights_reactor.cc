@@ -1,0 +1,199 @@
+#include "service/put_weights_reactor.h"
+
+#include <cassert>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "engine/message_bounds.h"
+#include "service/reactor_common.h"
+#include "service/tsan_annotations.h"
+#include "service/wire_convert.h"
+#include "wire/unknown_fields.h"
+
+namespace lossd {
+
+PutWeightsReactor::PutWeightsReactor(LossService* service, grpc::CallbackServerContext* ctx,
+                                     v1::PutWeightsResponse* response)
+    : service_(service),
+      ctx_(ctx),
+      response_(response),
+      started_(absl::Now()),
+      idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {
+  absl::Status s = service_->Enter(ctx, "PutWeights", &client_);
+  if (!s.ok()) {
+    entered_ = false;
+    FinishOnce(s);
+    return;
+  }
+  // Armed until the weights are committed: a stripe done with its own range waits for its
+  // siblings, which are the same client, and follows their activity (see OnHeader).
+  idle_->Arm();
+  StartRead(&request_);
+}
+
+bool PutWeightsReactor::LegalTransition(State from, State to) {
+  if (to == State::kFinished) return from != State::kFinished;
+  return (from == State::kHeader && to == State::kParts) ||
+         (from == State::kParts && to == State::kWaitingForStripes);
+}
+
+void PutWeightsReactor::SetStateLocked(State next) {
+  // A debug assert only: a wrong transition is this file's bug, never the client's.
+  assert(LegalTransition(state_, next) && "illegal PutWeights state transition");
+  if (LegalTransition(state_, next)) state_ = next;
+}
+
+void PutWeightsReactor::OnReadDone(bool ok) {
+  if (ok) {
+    idle_->Touch();
+    if (upload_ && upload_->activity()) upload_->activity()->store(IdleWatch::Entry::Now());
+  }
+  absl::Status s = ok ? OnMessage() : OnEnd();
+  if (!s.ok()) {
+    if (upload_) upload_->Fail(s);  // a stripe takes its siblings down with it
+    FinishOnce(s);
+    return;
+  }
+  if (ok) StartRead(&request_);
+}
+
+void PutWeightsReactor::OnCancel() {
+  // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
+  LOSSD_TSAN_RELEASE_ON_EXIT(this);
+  bool waiting = false;
+  {
+    absl::MutexLock lock(&mu_);
+    waiting = state_ == State::kWaitingForStripes;
+  }
+  // Only a stripe waiting for its siblings has no operation pending to report the cancel.
+  if (waiting) upload_->Fail(Cancelled());
+}
+
+void PutWeightsReactor::OnDone() {
+  LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
+  service_->idle_watch().Unwatch(idle_);
+  LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
+  delete this;
+}
+
+absl::Status PutWeightsReactor::OnMessage() {
+  if (absl::Status s = RefuseUnknownFields(request_, "PutWeightsRequest"); !s.ok()) return s;
+  if (request_.has_header()) {
+    if (upload_) {
+      return absl::InvalidArgumentError("the PutWeights stream carries a second header");
+    }
+    return OnHeader(request_.header());
+  }
+  if (!upload_) {
+    return absl::InvalidArgumentError(
+        "the first message of a PutWeights stream must be a header");
+  }
+  return OnPart(request_.part());
+}
+
+absl::Status PutWeightsReactor::OnHeader(const v1::WeightsHeader& h) {
+  absl::Status size = CheckHeaderBytes(h.ByteSizeLong(), "the PutWeights header");
+  if (!size.ok()) return size;
+  UploadHeader header;
+  auto w = TensorDescFromWire(h.has_w(), h.w(), "header.w");
+  if (!w.ok()) return w.status();
+  auto b = TensorDescFromWire(h.has_bias(), h.bias(), "header.bias");
+  if (!b.ok()) return b.status();
+  header.w = std::move(*w);
+  header.bias = std::move(*b);
+  header.upload_id = h.upload_id();
+  header.stripes = h.stripes();
+  header.w_begin = h.w_begin();
+  header.w_end = h.w_end();
+  auto u = WeightsUpload::Begin(service_->engine(), header, client_, service_->Principal(ctx_));
+  if (!u.ok()) return u.status();
+  upload_ = std::move(*u);
+  if (std::atomic<int64_t>* activity = upload_->activity()) {
+    activity->store(IdleWatch::Entry::Now());
+    idle_->Follow(activity);
+  }
+  absl::MutexLock lock(&mu_);
+  SetStateLocked(State::kParts);
+  return absl::OkStatus();
+}
+
+absl::Status PutWeightsReactor::OnPart(const v1::TensorPart& part) {
+  if (part.tensor() != v1::TENSOR_W && part.tensor() != v1::TENSOR_BIAS) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PutWeights accepts parts of TENSOR_W and TENSOR_BIAS, got ",
+        v1::TensorId_IsValid(part.tensor()) ? v1::TensorId_Name(part.tensor())
+                                            : absl::StrCat(static_cast<int>(part.tensor()))));
+  }
+  const uint64_t size = part.data().size();
+  if (++parts_ > service_->options().max_parts_per_request) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the stream sent more than --max_parts_per_request=",
+        service_->options().max_parts_per_request, " parts; send larger parts"));
+  }
+  if (size > service_->options().max_part_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("a part carries ", size,
+                                                   " bytes, more than --max_part_bytes=",
+                                                   service_->options().max_part_bytes));
+  }
+  bytes_in_ += size;
+  return upload_->Write(part.tensor() == v1::TENSOR_BIAS, part.offset(), part.data().data(),
+                        size);
+}
+
+// Why a cancelled call ended: the client cancelled it, or the idle watch did.
+absl::Status PutWeightsReactor::Cancelled() const {
+  const bool stripe = upload_ && upload_->striped();
+  if (idle_->expired()) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        stripe ? "a stripe" : "PutWeights", " was cancelled by the server: ", idle_->Reason()));
+  }
+  return absl::CancelledError(stripe ? "a stripe was cancelled"
+                                     : "the client cancelled PutWeights");
+}
+
+absl::Status PutWeightsReactor::OnEnd() {
+  if (ctx_->IsCancelled()) return Cancelled();
+  if (!upload_) {
+    return absl::InvalidArgumentError("the PutWeights stream closed before its header");
+  }
+  service_->metrics()->AddBytesIn(static_cast<double>(bytes_in_));
+  if (upload_->striped()) {
+    absl::Status complete = upload_->CheckComplete();
+    if (!complete.ok()) return complete;
+    {
+      absl::MutexLock lock(&mu_);
+      SetStateLocked(State::kWaitingForStripes);
+    }
+    upload_->FinishStripe([this](absl::StatusOr<std::string> handle) {
+      if (handle.ok()) {
+        response_->set_handle(*handle);
+        response_->set_bytes(upload_->bytes());
+      }
+      FinishOnce(handle.status());
+    });
+    return absl::OkStatus();
+  }
+  idle_->Disarm();
+  auto handle = upload_->Commit();
+  if (!handle.ok()) return handle.status();
+  response_->set_handle(*handle);
+  response_->set_bytes(upload_->bytes());
+  FinishOnce(absl::OkStatus());
+  return absl::OkStatus();
+}
+
+void PutWeightsReactor::FinishOnce(const absl::Status& s) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ == State::kFinished) return;
+    SetStateLocked(State::kFinished);
+  }
+  // An upload cut off half way leaves no handle and frees its memory.
+  if (upload_) upload_->Abandon();
+  grpc::Status g = RecordCall(service_, *ctx_, "PutWeights", started_, s, bytes_in_, 0);
+  if (entered_) service_->Leave(client_);
+  Finish(g);
+}
+
+}  // namespace lossd
