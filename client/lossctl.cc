@@ -32,6 +32,7 @@
 #include "client/npy.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/status_macros.h"
 
 // Connection.
 ABSL_FLAG(std::string, target, "localhost:50051", "server address host:port");
@@ -74,15 +75,15 @@ ABSL_FLAG(bool, with_bias, false, "random data: add a random bias");
 ABSL_FLAG(double, ignore_fraction, 0.0, "random data: fraction of targets set to ignore_index");
 ABSL_FLAG(uint64_t, seed, 1, "random data: seed");
 
-// Options.
-ABSL_FLAG(int64_t, ignore_index, -100, "target value to ignore");
+// Options; their defaults are the server's (core/loss_problem.h).
+ABSL_FLAG(int64_t, ignore_index, lossd::kDefaultIgnoreIndex, "target value to ignore");
 ABSL_FLAG(std::string, reduction, "mean", "mean|sum|none");
-ABSL_FLAG(double, label_smoothing, 0.0, "label smoothing in [0, 1]");
-ABSL_FLAG(double, lse_square_scale, 0.0, "z-loss scale");
-ABSL_FLAG(double, softcap, 0.0, "final logit softcap (0 = off)");
-ABSL_FLAG(double, grad_scale, 1.0, "upstream gradient of the scalar loss");
+ABSL_FLAG(double, label_smoothing, lossd::kDefaultLabelSmoothing, "label smoothing in [0, 1]");
+ABSL_FLAG(double, lse_square_scale, lossd::kDefaultZLossScale, "z-loss scale");
+ABSL_FLAG(double, softcap, lossd::kDefaultSoftcap, "final logit softcap (0 = off)");
+ABSL_FLAG(double, grad_scale, lossd::kDefaultGradScale, "upstream gradient of the scalar loss");
 ABSL_FLAG(std::string, grad_dtype, "", "gradient dtype: empty = input dtype, or fp32");
-ABSL_FLAG(int64_t, chunk_rows, 0, "rows per chunk (0 = server chooses)");
+ABSL_FLAG(int64_t, chunk_rows, lossd::kDefaultChunkRows, "rows per chunk (0 = server chooses)");
 ABSL_FLAG(bool, token_scaling, false,
           "scale each token's loss and gradient by its target's probability (Liger's "
           "use_token_scaling; needs a server listing the token_scaling feature)");
@@ -136,8 +137,8 @@ bf16 .npy files hold the raw bits as '<u2'; float64 ones are read as fp32.
 Run with --helpfull for every flag.)";
 
 absl::Status RunInfo(CommandOutput& out) {
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
-  LOSSCTL_ASSIGN_OR_RETURN(info, client->ServerInfo());
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto info, client->ServerInfo());
   auto field = [&](const char* key, JsonValue v, std::string text) {
     out.Field(key, std::move(v), absl::StrFormat("%-19s %s", key, text));
   };
@@ -199,16 +200,16 @@ void PrintResult(const ComputeResult& res, CommandOutput& out) {
 }
 
 absl::Status RunCompute(CommandOutput& out) {
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   int64_t v = 0;
-  LOSSCTL_ASSIGN_OR_RETURN(req, RequestFromFlags(&v));
-  LOSSCTL_ASSIGN_OR_RETURN(res, client->Compute(req));
+  LOSSD_ASSIGN_OR_RETURN(auto req, RequestFromFlags(&v));
+  LOSSD_ASSIGN_OR_RETURN(auto res, client->Compute(req));
   PrintResult(res, out);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
-  LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));
+  LOSSD_RETURN_IF_ERROR(MakeDir(dir));
   for (const auto& [id, t] : res.outputs) {
-    LOSSCTL_RETURN_IF_ERROR(WriteOutput(dir, OutputTensorName(id), t));
+    LOSSD_RETURN_IF_ERROR(WriteOutput(dir, OutputTensorName(id), t));
   }
   // The scalars too, so a script can compare them without parsing stdout.
   HostTensor scalars = HostTensor::Owned(DType::kF32, {3});
@@ -306,17 +307,17 @@ void PrintBench(const BenchRun& run, int64_t rows, CommandOutput& out) {
 }
 
 absl::Status RunBench(CommandOutput& out) {
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   int64_t v = 0;
-  LOSSCTL_ASSIGN_OR_RETURN(req, RequestFromFlags(&v));
+  LOSSD_ASSIGN_OR_RETURN(auto req, RequestFromFlags(&v));
   const int64_t calls = absl::GetFlag(FLAGS_calls);
   const int concurrency = std::max(1, absl::GetFlag(FLAGS_concurrency));
   std::string dropped_handle;
   if (absl::GetFlag(FLAGS_put_weights)) {
     if (!req.w.has_value()) return absl::InvalidArgumentError("--put_weights needs weights");
     const absl::Time t0 = absl::Now();
-    LOSSCTL_ASSIGN_OR_RETURN(
-        put, client->PutWeights(*req.w, req.bias.has_value() ? &*req.bias : nullptr));
+    LOSSD_ASSIGN_OR_RETURN(
+        auto put, client->PutWeights(*req.w, req.bias.has_value() ? &*req.bias : nullptr));
     const double s = absl::ToDoubleSeconds(absl::Now() - t0);
     const double bytes = req.w->num_bytes() + (req.bias.has_value() ? req.bias->num_bytes() : 0);
     out.Field("put_weights_seconds", s,
@@ -335,7 +336,7 @@ absl::Status RunBench(CommandOutput& out) {
                                   : absl::StrCat("handle ", req.weight_handle),
                 req.targets.DebugString(), calls, concurrency, client->options().connections));
   for (int64_t i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) {
-    LOSSCTL_ASSIGN_OR_RETURN(res, client->Compute(req));
+    LOSSD_ASSIGN_OR_RETURN(auto res, client->Compute(req));
     if (i == 0) {
       out.Field("first_loss", double{res.loss},
                 absl::StrFormat("first call  loss %.6g, %.3f s", res.loss, res.wall_seconds));
@@ -345,13 +346,13 @@ absl::Status RunBench(CommandOutput& out) {
   PrintBench(run, req.x.dim(0), out);
   if (!absl::GetFlag(FLAGS_accumulator).empty()) {
     const absl::Time t0 = absl::Now();
-    LOSSCTL_ASSIGN_OR_RETURN(g, client->FetchGradients(absl::GetFlag(FLAGS_accumulator), true));
+    LOSSD_ASSIGN_OR_RETURN(auto g, client->FetchGradients(absl::GetFlag(FLAGS_accumulator), true));
     const double s = absl::ToDoubleSeconds(absl::Now() - t0);
     out.Field("fetch_seconds", s,
               absl::StrFormat("fetch       dw %s over %d micro-batches in %.3f s over %d stripe(s)",
                               g.dw.DebugString(), g.micro_batches, s, g.stripes));
   }
-  if (!dropped_handle.empty()) LOSSCTL_RETURN_IF_ERROR(client->DropWeights(dropped_handle));
+  if (!dropped_handle.empty()) LOSSD_RETURN_IF_ERROR(client->DropWeights(dropped_handle));
   if (run.errors > 0) {
     return absl::Status(run.first_error.code(),
                         absl::StrCat(run.errors, " of ", calls,
@@ -361,11 +362,11 @@ absl::Status RunBench(CommandOutput& out) {
 }
 
 absl::Status RunPutWeights(CommandOutput& out) {
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   std::optional<HostTensor> w, bias;
-  LOSSCTL_RETURN_IF_ERROR(LoadWeights(&w, &bias));
+  LOSSD_RETURN_IF_ERROR(LoadWeights(&w, &bias));
   const absl::Time t0 = absl::Now();
-  LOSSCTL_ASSIGN_OR_RETURN(put, client->PutWeights(*w, bias.has_value() ? &*bias : nullptr));
+  LOSSD_ASSIGN_OR_RETURN(auto put, client->PutWeights(*w, bias.has_value() ? &*bias : nullptr));
   const double s = absl::ToDoubleSeconds(absl::Now() - t0);
   const double bytes = w->num_bytes() + (bias.has_value() ? bias->num_bytes() : 0);
   out.Field("handle", put.handle, absl::StrFormat("handle      %s", put.handle));
@@ -379,8 +380,8 @@ absl::Status RunPutWeights(CommandOutput& out) {
 absl::Status RunDropWeights(CommandOutput& out) {
   const std::string handle = absl::GetFlag(FLAGS_handle);
   if (handle.empty()) return absl::InvalidArgumentError("drop-weights needs --handle");
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
-  LOSSCTL_RETURN_IF_ERROR(client->DropWeights(handle));
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
+  LOSSD_RETURN_IF_ERROR(client->DropWeights(handle));
   out.Field("dropped", handle, absl::StrFormat("dropped     %s", handle));
   return absl::OkStatus();
 }
@@ -388,9 +389,9 @@ absl::Status RunDropWeights(CommandOutput& out) {
 absl::Status RunFetchGradients(CommandOutput& out) {
   const std::string name = absl::GetFlag(FLAGS_accumulator);
   if (name.empty()) return absl::InvalidArgumentError("fetch-gradients needs --accumulator");
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   const absl::Time t0 = absl::Now();
-  LOSSCTL_ASSIGN_OR_RETURN(g, client->FetchGradients(name, absl::GetFlag(FLAGS_reset)));
+  LOSSD_ASSIGN_OR_RETURN(auto g, client->FetchGradients(name, absl::GetFlag(FLAGS_reset)));
   out.Field("micro_batches", uint64_t{g.micro_batches},
             absl::StrFormat("micro_batches %d", g.micro_batches));
   out.Field("tokens", int64_t{g.tokens}, absl::StrFormat("tokens        %d", g.tokens));
@@ -406,18 +407,18 @@ absl::Status RunFetchGradients(CommandOutput& out) {
   out.Field("ranges", int64_t{g.ranges}, absl::StrFormat("ranges        %d", g.ranges));
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
-  LOSSCTL_RETURN_IF_ERROR(MakeDir(dir));
-  LOSSCTL_RETURN_IF_ERROR(WriteOutput(dir, "dw", g.dw));
-  if (g.db.has_value()) LOSSCTL_RETURN_IF_ERROR(WriteOutput(dir, "db", *g.db));
+  LOSSD_RETURN_IF_ERROR(MakeDir(dir));
+  LOSSD_RETURN_IF_ERROR(WriteOutput(dir, "dw", g.dw));
+  if (g.db.has_value()) LOSSD_RETURN_IF_ERROR(WriteOutput(dir, "db", *g.db));
   return absl::OkStatus();
 }
 
 // The gRPC health check; exits non-zero unless the server answers SERVING (a probe, a script
 // waiting for a server).
 absl::Status RunHealth(CommandOutput& out) {
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   const std::string service = absl::GetFlag(FLAGS_service);
-  LOSSCTL_ASSIGN_OR_RETURN(status, client->Health(service));
+  LOSSD_ASSIGN_OR_RETURN(auto status, client->Health(service));
   out.Field("status", status, absl::StrFormat("status      %s", status));
   if (status != "SERVING") {
     return absl::UnavailableError(absl::StrCat(
@@ -428,8 +429,8 @@ absl::Status RunHealth(CommandOutput& out) {
 }
 
 absl::Status RunList(CommandOutput& out) {
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
-  LOSSCTL_ASSIGN_OR_RETURN(entries, client->List());
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto entries, client->List());
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
   if (!out.json()) {
     absl::PrintF("%-11s %-40s %14s %10s %s\n", "kind", "name", "bytes", "idle_s",
@@ -454,8 +455,8 @@ absl::Status RunList(CommandOutput& out) {
 absl::Status RunDropAccumulator(CommandOutput& out) {
   const std::string name = absl::GetFlag(FLAGS_accumulator);
   if (name.empty()) return absl::InvalidArgumentError("drop-accumulator needs --accumulator");
-  LOSSCTL_ASSIGN_OR_RETURN(client, ClientFromFlags());
-  LOSSCTL_RETURN_IF_ERROR(client->DropAccumulator(name));
+  LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
+  LOSSD_RETURN_IF_ERROR(client->DropAccumulator(name));
   out.Field("dropped", name, absl::StrFormat("dropped     %s", name));
   return absl::OkStatus();
 }

@@ -22,6 +22,7 @@
 #include "client/npy.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/status_macros.h"
 
 namespace lossd {
 namespace client {
@@ -84,14 +85,14 @@ absl::StatusOr<ClientOptions> OptionsFromFlags() {
                                    absl::GetFlag(FLAGS_tls_key)};
   for (int i = 0; i < 3; ++i) {
     if (pem_paths[i].empty()) continue;
-    LOSSCTL_ASSIGN_OR_RETURN(pem, ReadTextFile(pem_paths[i], pem_files[i].first));
+    LOSSD_ASSIGN_OR_RETURN(auto pem, ReadTextFile(pem_paths[i], pem_files[i].first));
     *pem_files[i].second = std::move(pem);
   }
   o.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   o.auth_token = absl::GetFlag(FLAGS_auth_token);
   if (!absl::GetFlag(FLAGS_auth_token_file).empty()) {
-    LOSSCTL_ASSIGN_OR_RETURN(
-        text, ReadTextFile(absl::GetFlag(FLAGS_auth_token_file), "--auth_token_file"));
+    LOSSD_ASSIGN_OR_RETURN(
+        auto text, ReadTextFile(absl::GetFlag(FLAGS_auth_token_file), "--auth_token_file"));
     o.auth_token = std::string(absl::StripAsciiWhitespace(
         std::pair<std::string, std::string>(absl::StrSplit(text, '\n')).first));
   }
@@ -172,7 +173,7 @@ absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::strin
 
 absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path) {
   if (path.empty()) return std::optional<HostTensor>();
-  LOSSCTL_ASSIGN_OR_RETURN(t, ReadNpy(path));
+  LOSSD_ASSIGN_OR_RETURN(auto t, ReadNpy(path));
   return std::optional<HostTensor>(std::move(t));
 }
 
@@ -206,7 +207,7 @@ absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
-  LOSSCTL_ASSIGN_OR_RETURN(o, OptionsFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(auto o, OptionsFromFlags());
   return LossClient::Create(o);
 }
 
@@ -232,11 +233,11 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
   r.options.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
   r.options.token_scaling = absl::GetFlag(FLAGS_token_scaling);
   if (!absl::GetFlag(FLAGS_grad_dtype).empty()) {
-    LOSSCTL_ASSIGN_OR_RETURN(
-        g, ParseDTypeFlag("--grad_dtype", absl::GetFlag(FLAGS_grad_dtype), true));
+    LOSSD_ASSIGN_OR_RETURN(
+        auto g, ParseDTypeFlag("--grad_dtype", absl::GetFlag(FLAGS_grad_dtype), true));
     r.grad_dtype = g;
   }
-  LOSSCTL_ASSIGN_OR_RETURN(want, ParseWant(absl::GetFlag(FLAGS_want)));
+  LOSSD_ASSIGN_OR_RETURN(auto want, ParseWant(absl::GetFlag(FLAGS_want)));
   r.want = want;
   r.accumulator = absl::GetFlag(FLAGS_accumulator);
   r.weight_handle = absl::GetFlag(FLAGS_weight_handle);
@@ -249,7 +250,7 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
     return absl::InvalidArgumentError(
         "--weight_handle carries W and its bias: give it without --w, --bias or --with_bias");
   }
-  if (r.weight_handle.empty()) LOSSCTL_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
+  if (r.weight_handle.empty()) LOSSD_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
   if (r.w.has_value() && r.w->rank() != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("--w must hold a (V, H) array, got ", r.w->DebugString()));
@@ -257,11 +258,11 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
   int64_t v = r.w.has_value() ? r.w->dim(0) : absl::GetFlag(FLAGS_v);
 
   if (!absl::GetFlag(FLAGS_x).empty()) {
-    LOSSCTL_ASSIGN_OR_RETURN(x, ReadNpy(absl::GetFlag(FLAGS_x)));
+    LOSSD_ASSIGN_OR_RETURN(auto x, ReadNpy(absl::GetFlag(FLAGS_x)));
     r.x = std::move(x);
     if (!dtype_flag.empty()) {
-      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDTypeFlag("--dtype", dtype_flag, true));
-      LOSSCTL_ASSIGN_OR_RETURN(cx, CastFloat(std::move(r.x), dt, "x"));
+      LOSSD_ASSIGN_OR_RETURN(auto dt, ParseDTypeFlag("--dtype", dtype_flag, true));
+      LOSSD_ASSIGN_OR_RETURN(auto cx, CastFloat(std::move(r.x), dt, "x"));
       r.x = std::move(cx);
     }
   } else {
@@ -270,33 +271,33 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
     if (bt <= 0 || h <= 0) {
       return absl::InvalidArgumentError("give --x (a .npy file) or random shape --bt and --h");
     }
-    LOSSCTL_ASSIGN_OR_RETURN(
-        flag_dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
+    LOSSD_ASSIGN_OR_RETURN(
+        auto flag_dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
     const DType dt = r.w.has_value() ? r.w->dtype() : flag_dt;
     r.x = RandomFloat(dt, {bt, h}, 1.0f, absl::GetFlag(FLAGS_seed));
   }
   if (!absl::GetFlag(FLAGS_targets).empty()) {
-    LOSSCTL_ASSIGN_OR_RETURN(t, ReadNpy(absl::GetFlag(FLAGS_targets)));
+    LOSSD_ASSIGN_OR_RETURN(auto t, ReadNpy(absl::GetFlag(FLAGS_targets)));
     r.targets = std::move(t);
   } else {
     if (v <= 0) {
       return absl::InvalidArgumentError(
           "random targets need the vocabulary size: give --targets or --v");
     }
-    LOSSCTL_ASSIGN_OR_RETURN(
-        tdt, ParseDTypeFlag("--target_dtype", absl::GetFlag(FLAGS_target_dtype), false));
+    LOSSD_ASSIGN_OR_RETURN(
+        auto tdt, ParseDTypeFlag("--target_dtype", absl::GetFlag(FLAGS_target_dtype), false));
     r.targets =
         RandomTargets(tdt, r.x.rank() > 0 ? r.x.dim(0) : 0, v, absl::GetFlag(FLAGS_ignore_fraction),
                       r.options.ignore_index, absl::GetFlag(FLAGS_seed) + 3);
   }
-  LOSSCTL_ASSIGN_OR_RETURN(cw, ReadOptional(absl::GetFlag(FLAGS_class_weights)));
+  LOSSD_ASSIGN_OR_RETURN(auto cw, ReadOptional(absl::GetFlag(FLAGS_class_weights)));
   if (cw.has_value()) {
-    LOSSCTL_ASSIGN_OR_RETURN(c, CastFloat(std::move(*cw), DType::kF32, "class_weights"));
+    LOSSD_ASSIGN_OR_RETURN(auto c, CastFloat(std::move(*cw), DType::kF32, "class_weights"));
     r.class_weights = std::move(c);
   }
-  LOSSCTL_ASSIGN_OR_RETURN(go, ReadOptional(absl::GetFlag(FLAGS_grad_output)));
+  LOSSD_ASSIGN_OR_RETURN(auto go, ReadOptional(absl::GetFlag(FLAGS_grad_output)));
   if (go.has_value()) {
-    LOSSCTL_ASSIGN_OR_RETURN(g, CastFloat(std::move(*go), DType::kF32, "grad_output"));
+    LOSSD_ASSIGN_OR_RETURN(auto g, CastFloat(std::move(*go), DType::kF32, "grad_output"));
     r.grad_output = std::move(g);
   }
   if (r.bias.has_value() && !r.want.db && absl::GetFlag(FLAGS_want) == "dx,dw") {
@@ -314,14 +315,14 @@ absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>
       return absl::InvalidArgumentError(
           "--with_bias adds a random bias to random weights; with --w give --bias (a .npy)");
     }
-    LOSSCTL_ASSIGN_OR_RETURN(wt, ReadNpy(absl::GetFlag(FLAGS_w)));
-    LOSSCTL_ASSIGN_OR_RETURN(b, ReadOptional(absl::GetFlag(FLAGS_bias)));
+    LOSSD_ASSIGN_OR_RETURN(auto wt, ReadNpy(absl::GetFlag(FLAGS_w)));
+    LOSSD_ASSIGN_OR_RETURN(auto b, ReadOptional(absl::GetFlag(FLAGS_bias)));
     if (!dtype_flag.empty()) {
-      LOSSCTL_ASSIGN_OR_RETURN(dt, ParseDTypeFlag("--dtype", dtype_flag, true));
-      LOSSCTL_ASSIGN_OR_RETURN(cw, CastFloat(std::move(wt), dt, "w"));
+      LOSSD_ASSIGN_OR_RETURN(auto dt, ParseDTypeFlag("--dtype", dtype_flag, true));
+      LOSSD_ASSIGN_OR_RETURN(auto cw, CastFloat(std::move(wt), dt, "w"));
       wt = std::move(cw);
       if (b.has_value()) {
-        LOSSCTL_ASSIGN_OR_RETURN(cb, CastFloat(std::move(*b), dt, "bias"));
+        LOSSD_ASSIGN_OR_RETURN(auto cb, CastFloat(std::move(*b), dt, "bias"));
         b = std::move(cb);
       }
     }
@@ -337,8 +338,8 @@ absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>
     return absl::InvalidArgumentError(
         "--bias goes with --w (both .npy files); random weights take --with_bias");
   }
-  LOSSCTL_ASSIGN_OR_RETURN(
-      dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
+  LOSSD_ASSIGN_OR_RETURN(
+      auto dt, ParseDTypeFlag("--dtype", dtype_flag.empty() ? "bf16" : dtype_flag, true));
   // Scaled so that logits of unit-range X have a standard deviation near 3: a softmax that
   // is neither flat nor one-hot.
   *w = RandomFloat(dt, {v, h}, 9.0f / std::sqrt(static_cast<float>(h)),
@@ -352,7 +353,7 @@ std::string Gb(double bytes) { return absl::StrFormat("%.3f GB", bytes / 1e9); }
 
 absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t) {
   const std::string path = (std::filesystem::path(dir) / (name + ".npy")).string();
-  LOSSCTL_RETURN_IF_ERROR(WriteNpy(path, t));
+  LOSSD_RETURN_IF_ERROR(WriteNpy(path, t));
   absl::PrintF("wrote       %s %s\n", path, t.DebugString());
   return absl::OkStatus();
 }

@@ -58,17 +58,6 @@ ABSL_DECLARE_FLAG(std::string, weight_handle);
 ABSL_DECLARE_FLAG(bool, with_bias);
 ABSL_DECLARE_FLAG(std::string, x);
 
-#define LOSSCTL_RETURN_IF_ERROR(expr)                  \
-  do {                                                 \
-    const absl::Status _lossctl_status = (expr);       \
-    if (!_lossctl_status.ok()) return _lossctl_status; \
-  } while (0)
-
-#define LOSSCTL_ASSIGN_OR_RETURN(lhs, expr)     \
-  auto lhs##_or = (expr);                       \
-  if (!lhs##_or.ok()) return lhs##_or.status(); \
-  auto lhs = std::move(*lhs##_or)
-
 namespace lossd {
 namespace client {
 

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/health_check.h"
+#include "core/status_macros.h"
 #include "wire/part_codec.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -31,12 +32,6 @@
 
 namespace lossd {
 namespace client {
-
-#define LOSSD_CLIENT_RETURN_IF_ERROR(expr)         \
-  do {                                             \
-    const absl::Status _lossd_status = (expr);     \
-    if (!_lossd_status.ok()) return _lossd_status; \
-  } while (0)
 
 namespace {
 
@@ -705,7 +700,7 @@ class GradientsStream {
     if (!header_.ParseFromString(frame_.header_bytes())) {
       return absl::InternalError("cannot parse the server's GradientsHeader");
     }
-    LOSSD_CLIENT_RETURN_IF_ERROR(CheckGradientsHeader(header_, &dw_bytes_, &db_bytes_));
+    LOSSD_RETURN_IF_ERROR(CheckGradientsHeader(header_, &dw_bytes_, &db_bytes_));
     if (begin_ == 0 && end_ == 0) end_ = total_bytes();
     if (end_ > total_bytes()) {
       return absl::InternalError(absl::StrCat("server answered the range [", begin_, ", ", end_,
@@ -821,8 +816,8 @@ absl::Status ValidateOutputInto(const ComputeRequest& r) {
 }
 
 absl::Status ValidateRequest(const ComputeRequest& r) {
-  LOSSD_CLIENT_RETURN_IF_ERROR(r.x.Validate("x"));
-  LOSSD_CLIENT_RETURN_IF_ERROR(r.targets.Validate("targets"));
+  LOSSD_RETURN_IF_ERROR(r.x.Validate("x"));
+  LOSSD_RETURN_IF_ERROR(r.targets.Validate("targets"));
   if (r.x.rank() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("x must be (BT, H), got ", r.x.DebugString()));
   }
@@ -830,7 +825,7 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
     return absl::InvalidArgumentError("give exactly one of w and weight_handle");
   }
   if (r.w.has_value()) {
-    LOSSD_CLIENT_RETURN_IF_ERROR(r.w->Validate("w"));
+    LOSSD_RETURN_IF_ERROR(r.w->Validate("w"));
     if (r.w->rank() != 2) {
       return absl::InvalidArgumentError(
           absl::StrCat("w must be (V, H), got ", r.w->DebugString()));
@@ -841,13 +836,13 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
       return absl::InvalidArgumentError(
           "bias goes with inline weights; a weight handle carries its own bias");
     }
-    LOSSD_CLIENT_RETURN_IF_ERROR(r.bias->Validate("bias"));
+    LOSSD_RETURN_IF_ERROR(r.bias->Validate("bias"));
   }
   if (r.class_weights.has_value()) {
-    LOSSD_CLIENT_RETURN_IF_ERROR(r.class_weights->Validate("class_weights"));
+    LOSSD_RETURN_IF_ERROR(r.class_weights->Validate("class_weights"));
   }
   if (r.grad_output.has_value()) {
-    LOSSD_CLIENT_RETURN_IF_ERROR(r.grad_output->Validate("grad_output"));
+    LOSSD_RETURN_IF_ERROR(r.grad_output->Validate("grad_output"));
   }
   return ValidateOutputInto(r);
 }
@@ -985,7 +980,7 @@ void LossClient::PrepareContext(const CallOptions& call, grpc::ClientContext* ct
 
 absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
                                                   const CallOptions& call) {
-  LOSSD_CLIENT_RETURN_IF_ERROR(ValidateRequest(r));
+  LOSSD_RETURN_IF_ERROR(ValidateRequest(r));
   const absl::Time start = absl::Now();
 
   v1::ComputeRequest head;
@@ -1097,7 +1092,7 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
         return absl::InternalError(absl::StrCat("final summary lists ", s.tensors_size(),
                                                 " tensors; the preliminary one ", announced));
       }
-      LOSSD_CLIENT_RETURN_IF_ERROR(receiver.CheckComplete());
+      LOSSD_RETURN_IF_ERROR(receiver.CheckComplete());
     }
     have_results = !s.preliminary();
     result.loss = s.loss();
@@ -1124,9 +1119,9 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
       absl::StatusOr<DType> dtype = FromProto(s.specs(i).dtype());
       if (!dtype.ok()) return dtype.status();
       std::vector<int64_t> shape = ShapeOf(s.specs(i));
-      LOSSD_CLIENT_RETURN_IF_ERROR(CheckOutputSpec(r, t, *dtype, shape));
+      LOSSD_RETURN_IF_ERROR(CheckOutputSpec(r, t, *dtype, shape));
       auto into = r.output_into.find(t);
-      LOSSD_CLIENT_RETURN_IF_ERROR(
+      LOSSD_RETURN_IF_ERROR(
           receiver.Announce(id, *dtype, std::move(shape),
                             into == r.output_into.end() ? nullptr : &into->second, &prefetched));
     }
@@ -1138,12 +1133,12 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
       [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); }, std::move(out), on_message,
       /*group=*/nullptr, /*stripe=*/0, [&prefetched] { prefetched.Sent(); });
   tracker.WaitUntilReleased();
-  LOSSD_CLIENT_RETURN_IF_ERROR(status);
+  LOSSD_RETURN_IF_ERROR(status);
   if (!have_results) {
     return absl::InternalError(have_summary ? "server ended the stream without its final summary"
                                             : "server ended the stream without a summary");
   }
-  LOSSD_CLIENT_RETURN_IF_ERROR(receiver.CheckComplete());
+  LOSSD_RETURN_IF_ERROR(receiver.CheckComplete());
   for (Incoming& in : receiver.incoming()) {
     result.outputs.emplace(static_cast<OutputTensor>(in.id), std::move(in.tensor));
   }
@@ -1198,7 +1193,7 @@ absl::Status RunPutWeightsStream(grpc::GenericStub* stub,
     absl::Status s = DecodeMessage(msg, reply);
     return s.ok() ? s : absl::InternalError(s.message());
   };
-  LOSSD_CLIENT_RETURN_IF_ERROR(
+  LOSSD_RETURN_IF_ERROR(
       RunStream(stub, kPutWeightsMethod, prepare, std::move(out), on_message, group, stripe));
   if (replies != 1) return absl::InternalError("server ended PutWeights without a reply");
   if (reply->handle().empty()) return absl::InternalError("server returned an empty handle");
@@ -1209,8 +1204,8 @@ absl::Status RunPutWeightsStream(grpc::GenericStub* stub,
 
 absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, const HostTensor* bias,
                                                         const CallOptions& call) {
-  LOSSD_CLIENT_RETURN_IF_ERROR(w.Validate("w"));
-  if (bias != nullptr) LOSSD_CLIENT_RETURN_IF_ERROR(bias->Validate("bias"));
+  LOSSD_RETURN_IF_ERROR(w.Validate("w"));
+  if (bias != nullptr) LOSSD_RETURN_IF_ERROR(bias->Validate("bias"));
   // Every stripe needs at least one element of W.
   const int stripes = static_cast<int>(std::min<int64_t>(
       StripesFor(w.num_bytes() + (bias != nullptr ? bias->num_bytes() : 0)), w.num_elements()));
@@ -1232,7 +1227,7 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, con
       NextConnection().generic.get(), [&](grpc::ClientContext* ctx) { PrepareContext(call, ctx); },
       std::move(out), &reply);
   tracker.WaitUntilReleased();
-  LOSSD_CLIENT_RETURN_IF_ERROR(status);
+  LOSSD_RETURN_IF_ERROR(status);
   return PutWeightsResult{reply.handle(), reply.bytes(), 1};
 }
 
@@ -1271,7 +1266,7 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeightsStriped(const HostTensor&
     tracker.WaitUntilReleased();
     return s;
   });
-  LOSSD_CLIENT_RETURN_IF_ERROR(status);
+  LOSSD_RETURN_IF_ERROR(status);
   for (int i = 1; i < stripes; ++i) {
     if (replies[i].handle() != replies[0].handle()) {
       return absl::InternalError(absl::StrCat("stripes of upload '", upload_id,
@@ -1325,7 +1320,7 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
     look.emplace(0, sizeof(float), [](const v1::GradientsHeader&) {
       return GradientsStream::Dest{};
     });
-    LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
+    LOSSD_RETURN_IF_ERROR(RunStream(
         NextConnection().generic.get(), kFetchGradientsMethod, prepare, request(false, 0, 4),
         [&](const grpc::ByteBuffer& msg) { return look->OnMessage(msg); }));
     return look->CheckComplete();
@@ -1334,7 +1329,7 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
       options_.stripes > 1 || (options_.stripes == 0 && options_.connections > 1);
   int stripes = 1;
   if (may_stripe) {
-    LOSSD_CLIENT_RETURN_IF_ERROR(take_look());
+    LOSSD_RETURN_IF_ERROR(take_look());
     stripes = static_cast<int>(
         std::min<uint64_t>(StripesFor(look->total_bytes()), look->total_bytes() / sizeof(float)));
   }
@@ -1345,7 +1340,7 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
   if (stripes <= 1) {
     GradientsStream whole(0, 0, [&](const v1::GradientsHeader& g)
                                     -> absl::StatusOr<GradientsStream::Dest> {
-      LOSSD_CLIENT_RETURN_IF_ERROR(AllocateGradients(g, &result));
+      LOSSD_RETURN_IF_ERROR(AllocateGradients(g, &result));
       populate.emplace(result.dw.mutable_data(), result.dw.num_bytes());
       return GradientsStream::Dest{result.dw.mutable_data(),
                                    result.db.has_value() ? result.db->mutable_data() : nullptr};
@@ -1360,13 +1355,13 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
     // than the server's whole memory budget, which ranges can fit (below).
     if (s.code() != absl::StatusCode::kResourceExhausted || whole.has_header()) return s;
     refused = s;
-    if (!look.has_value()) LOSSD_CLIENT_RETURN_IF_ERROR(take_look());
+    if (!look.has_value()) LOSSD_RETURN_IF_ERROR(take_look());
   }
 
   // Ranges of whole fp32 values straight into the result: `stripes` streams at once, one per
   // connection, each fetching its share of the ranges one after another.
   const uint64_t values = look->total_bytes() / sizeof(float);
-  LOSSD_CLIENT_RETURN_IF_ERROR(AllocateGradients(look->header(), &result));
+  LOSSD_RETURN_IF_ERROR(AllocateGradients(look->header(), &result));
   const GradientsStream::Dest dest{result.dw.mutable_data(),
                                    result.db.has_value() ? result.db->mutable_data() : nullptr};
   auto fetch_ranges = [&](int streams, uint64_t ranges) -> absl::Status {
@@ -1378,13 +1373,13 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
         const uint64_t end = sizeof(float) * (values * (j + 1) / ranges);
         GradientsStream range(begin, end, [&](const v1::GradientsHeader& g)
                                               -> absl::StatusOr<GradientsStream::Dest> {
-          LOSSD_CLIENT_RETURN_IF_ERROR(CheckSameGradients(accumulator, look->header(), g));
+          LOSSD_RETURN_IF_ERROR(CheckSameGradients(accumulator, look->header(), g));
           return dest;
         });
-        LOSSD_CLIENT_RETURN_IF_ERROR(RunStream(
+        LOSSD_RETURN_IF_ERROR(RunStream(
             conns[i]->generic.get(), kFetchGradientsMethod, prepare, request(false, begin, end),
             [&](const grpc::ByteBuffer& msg) { return range.OnMessage(msg); }, &group, i));
-        LOSSD_CLIENT_RETURN_IF_ERROR(range.CheckComplete());
+        LOSSD_RETURN_IF_ERROR(range.CheckComplete());
       }
       return absl::OkStatus();
     });
@@ -1422,9 +1417,9 @@ absl::StatusOr<FetchGradientsResult> LossClient::FetchGradients(const std::strin
     }
   }
   populate.reset();
-  LOSSD_CLIENT_RETURN_IF_ERROR(s);
+  LOSSD_RETURN_IF_ERROR(s);
   // A ranged fetch cannot reset: drop it instead, now that every range is here.
-  if (reset) LOSSD_CLIENT_RETURN_IF_ERROR(DropAccumulator(accumulator, call));
+  if (reset) LOSSD_RETURN_IF_ERROR(DropAccumulator(accumulator, call));
   result.stripes = stripes;
   result.ranges = static_cast<int>(ranges);
   return result;
@@ -1455,7 +1450,7 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
   v1::ServerInfoResponse resp;
   grpc::ClientContext ctx;
   PrepareContext(call, &ctx);
-  LOSSD_CLIENT_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->ServerInfo(&ctx, req, &resp)));
+  LOSSD_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->ServerInfo(&ctx, req, &resp)));
   ServerInfoResult info;
   info.version = resp.version();
   info.instance = resp.instance();
@@ -1477,12 +1472,12 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
 }
 
 absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call) {
-  LOSSD_CLIENT_RETURN_IF_ERROR(RequireFeature("list_state", call));
+  LOSSD_RETURN_IF_ERROR(RequireFeature("list_state", call));
   v1::ListRequest req;
   v1::ListResponse resp;
   grpc::ClientContext ctx;
   PrepareContext(call, &ctx);
-  LOSSD_CLIENT_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->List(&ctx, req, &resp)));
+  LOSSD_RETURN_IF_ERROR(FromGrpcStatus(NextConnection().stub->List(&ctx, req, &resp)));
   std::vector<StateEntry> entries;
   for (const v1::StateEntry& e : resp.entries()) {
     StateEntry s;

@@ -47,16 +47,28 @@ inline double ClassWeightScale(double max_cw, double z_loss_scale) {
 
 enum class Reduction : int32_t { kMean = 0, kSum = 1, kNone = 2 };
 
+// Every option's default, in this one place: LossOptions starts from them, the service fills an
+// option a request leaves unset with them, and lossctl's flags, the clients and the proto's
+// comments document these values. Gradients default to the input dtype (LossOutputs).
+inline constexpr int64_t kDefaultIgnoreIndex = -100;  // PyTorch's and Liger-Kernel's
+inline constexpr Reduction kDefaultReduction = Reduction::kMean;
+inline constexpr float kDefaultLabelSmoothing = 0.0f;
+inline constexpr float kDefaultZLossScale = 0.0f;
+inline constexpr float kDefaultSoftcap = 0.0f;
+inline constexpr float kDefaultGradScale = 1.0f;
+inline constexpr int64_t kDefaultChunkRows = 0;
+
+// The rules on these values are core/loss_problem_check.h's.
 struct LossOptions {
-  int64_t ignore_index = -100;
-  Reduction reduction = Reduction::kMean;
-  float label_smoothing = 0.0f;   // eps in [0, 1]
-  float z_loss_scale = 0.0f;      // zs >= 0 (Liger's lse_square_scale)
-  float softcap = 0.0f;           // > 0: z = softcap * tanh(z / softcap); 0 = off
+  int64_t ignore_index = kDefaultIgnoreIndex;
+  Reduction reduction = kDefaultReduction;
+  float label_smoothing = kDefaultLabelSmoothing;  // eps in [0, 1]
+  float z_loss_scale = kDefaultZLossScale;         // zs >= 0 (Liger's lse_square_scale)
+  float softcap = kDefaultSoftcap;  // > 0: z = softcap * tanh(z / softcap); 0 = off
   // Upstream gradient of the scalar loss (mean, sum). With none, grad_output is used instead.
-  float grad_scale = 1.0f;
+  float grad_scale = kDefaultGradScale;
   // Rows per chunk; 0 = the backend chooses from its memory budget.
-  int64_t chunk_rows = 0;
+  int64_t chunk_rows = kDefaultChunkRows;
   // Scale each non-ignored row's loss, z-loss and gradient by s_i (see the top of the file).
   bool token_scaling = false;
 };

@@ -22,6 +22,8 @@
 #include "engine/accumulators.h"
 #include "engine/compute_plan.h"
 #include "engine/executor.h"
+#include "engine/finite_check.h"
+#include "engine/host_buffer.h"
 #include "engine/memory_budget.h"
 #include "engine/owner.h"
 #include "engine/recent_keys.h"
@@ -50,31 +52,6 @@ struct EngineOptions {
   // device meanwhile) before the call fails with DEADLINE_EXCEEDED.
   absl::Duration overlap_stall = absl::Seconds(10);
 };
-
-// A host byte buffer that is not zero-filled on allocation (it is overwritten in full).
-// Large ones come from and go back to a process-wide pool of recently freed buffers of the
-// same size: trainers send the same shapes call after call, and a fresh multi-MiB buffer
-// page-faults on every first touch (a 1 GiB W: 262k faults).
-struct HostBufferDeleter {
-  uint64_t bytes = 0;
-  void operator()(uint8_t* p) const;
-};
-using HostBuffer = std::unique_ptr<uint8_t[], HostBufferDeleter>;
-HostBuffer NewHostBuffer(uint64_t bytes);
-// Most bytes the pool keeps idle (default 2 GiB); 0 turns it off.
-void SetHostBufferPoolBytes(uint64_t bytes);
-uint64_t HostBufferPoolIdleBytes();
-// Where the pool's new large buffers come from: a backend's pinned memory (the Engine sets
-// its backend's), or null for ordinary memory. Buffers already made keep their origin and go
-// back to it.
-void SetHostBufferMemory(HostMemory* memory);
-
-// The --check_finite test of elements [first, first + n) of a float tensor (bf16, fp16, fp32;
-// other dtypes pass) that starts at `tensor`: INVALID_ARGUMENT "<name> contains a non-finite
-// value (nan|inf) at [row, col]" (`cols` > 0) or "at [i]" (cols = 0) for the first bad one.
-// Lets a receiver check parts as they arrive, off the compute's critical path.
-absl::Status CheckFiniteElements(const uint8_t* tensor, DType dtype, uint64_t first, uint64_t n,
-                                 const char* name, int64_t cols);  // tensor: whole tensor
 
 // Points the LossOutputs field of `slot` at `ptr` (a buffer of that output's OutputDesc).
 void BindOutput(OutputSlot slot, void* ptr, LossOutputs* out);

@@ -1,6 +1,7 @@
 #include "service/wire_convert.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 
@@ -73,7 +74,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   }
   spec.weight_handle = h.weight_handle();
   const v1::LossOptions& o = h.options();
-  spec.options.ignore_index = o.has_ignore_index() ? o.ignore_index() : -100;
+  spec.options.ignore_index = o.has_ignore_index() ? o.ignore_index() : kDefaultIgnoreIndex;
   switch (o.reduction()) {
     case v1::REDUCTION_MEAN: spec.options.reduction = Reduction::kMean; break;
     case v1::REDUCTION_SUM: spec.options.reduction = Reduction::kSum; break;
@@ -85,7 +86,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.options.label_smoothing = o.label_smoothing();
   spec.options.z_loss_scale = o.lse_square_scale();
   spec.options.softcap = o.softcap();
-  spec.options.grad_scale = o.has_grad_scale() ? o.grad_scale() : 1.0f;
+  spec.options.grad_scale = o.has_grad_scale() ? o.grad_scale() : kDefaultGradScale;
   spec.options.chunk_rows = o.chunk_rows();
   spec.options.token_scaling = o.token_scaling();
   if (o.grad_dtype() == v1::DTYPE_FP32) {

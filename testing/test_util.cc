@@ -18,6 +18,7 @@
 #include "kernels/cpu/reference.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 namespace lossd {
 namespace {
@@ -756,6 +757,13 @@ std::unique_ptr<TrickleRows> ExpectComputeEndsWithTheFailedWait(
   }
   for (int64_t r : rows->dx_ready()) EXPECT_LE(r, fail_after) << "after " << fail_after;
   return rows;
+}
+
+absl::Status ValidateThenCompute(Backend& backend, const LossProblem& p, const LossOutputs& out,
+                                 LossStats* stats) {
+  absl::Status s = ValidateLossProblem(p, out);
+  if (!s.ok()) return s;
+  return backend.Compute(p, out, stats);
 }
 
 }  // namespace lossd

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/reference.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
@@ -142,6 +143,12 @@ struct Tolerance {
   double fp32_rel;  // fp32 row-pass and GEMM arithmetic, relative (and absolute at scale 1)
 };
 Tolerance ToleranceFor(DType input, DType grad);
+
+// The checked entry for tests and benchmarks that hand a backend a problem directly, which may
+// be a bad one: the one validation (core/loss_problem_check.h) first, as the engine does, and
+// the backend, which assumes a valid problem, only when it passes.
+absl::Status ValidateThenCompute(Backend& backend, const LossProblem& p, const LossOutputs& out,
+                                 LossStats* stats);
 
 // Result of one comparison. Mismatches are elements outside their bound (NaN always is).
 struct CompareResult {

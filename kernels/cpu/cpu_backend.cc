@@ -31,6 +31,7 @@
 #include "core/dtype.h"
 #include "kernels/host_memory.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 // Functions built for several instruction sets, picked at load time. Not under TSan: gcc
 // instruments the load-time resolvers, which run before TSan is ready.
@@ -461,51 +462,6 @@ RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, doubl
 }
 
 // ---------------------------------------------------------------------------------------------
-// Validation.
-
-absl::Status CheckProblem(const LossProblem& p, const LossOutputs& out) {
-  if (p.bt < 0 || p.h <= 0 || p.v <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu backend: shape must have bt >= 0, h > 0, v > 0; got bt=", p.bt, " h=", p.h,
-        " v=", p.v));
-  }
-  if (!IsFloatDType(p.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu backend: dtype must be bf16, fp16 or fp32; got ", DTypeName(p.dtype)));
-  }
-  if (p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu backend: target_dtype must be int32 or int64; got ", DTypeName(p.target_dtype)));
-  }
-  if (out.grad_dtype != p.dtype && out.grad_dtype != DType::kF32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cpu backend: grad_dtype must be fp32 or the input dtype ",
-                     DTypeName(p.dtype), "; got ", DTypeName(out.grad_dtype)));
-  }
-  if (p.w == nullptr || (p.bt > 0 && (p.x == nullptr || p.targets == nullptr))) {
-    return absl::InvalidArgumentError("cpu backend: x, w and targets must be non-null");
-  }
-  const LossOptions& o = p.options;
-  if (!(o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu backend: label_smoothing must be in [0, 1]; got ", o.label_smoothing));
-  }
-  if (!(o.z_loss_scale >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cpu backend: z_loss_scale must be >= 0; got ", o.z_loss_scale));
-  }
-  if (!(o.softcap >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cpu backend: softcap must be >= 0; got ", o.softcap));
-  }
-  if (o.chunk_rows < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cpu backend: chunk_rows must be >= 0; got ", o.chunk_rows));
-  }
-  return absl::OkStatus();
-}
-
-// ---------------------------------------------------------------------------------------------
 // Info helpers.
 
 std::string CpuModel() {
@@ -651,16 +607,17 @@ uint64_t CpuBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out
 absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
                                  LossStats* stats) {
   const auto start = std::chrono::steady_clock::now();
-  absl::Status st = CheckProblem(p, out);
-  if (!st.ok()) return st;
+  // The engine validated the problem (core/loss_problem_check.h); debug builds check again.
+  LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cpu backend");
   const Plan plan = MakePlan(p, out);
   const int64_t bt = p.bt, h = p.h, v = p.v, chunk = plan.chunk;
   const LossOptions& o = p.options;
   const bool none = o.reduction == Reduction::kNone;
   CpuTaskPool& pool = *pool_;
 
-  // Targets: range check, the non-ignored count and the class-weight sum (mean's
-  // denominators are needed before any gradient). -1 marks an ignored row below.
+  // Targets (each in [0, V) or ignored: validated): the non-ignored count and the
+  // class-weight sum (mean's denominators are needed before any gradient). -1 marks an
+  // ignored row below.
   std::vector<int64_t> targets(bt);
   int64_t tokens = 0;
   double weight_sum = 0;
@@ -669,12 +626,6 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     if (t == o.ignore_index) {
       targets[i] = -1;
       continue;
-    }
-    if (t < 0 || t >= v) {
-      return absl::InvalidArgumentError(absl::StrCat("cpu backend: targets[", i, "] = ", t,
-                                                     " is outside [0, ", v,
-                                                     ") and is not ignore_index ",
-                                                     o.ignore_index));
     }
     targets[i] = t;
     ++tokens;

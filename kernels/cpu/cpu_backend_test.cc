@@ -616,16 +616,18 @@ TEST(CpuBackendTest, RejectsBadInputWithInvalidArgument) {
   spec.v = 6;
   RandomProblem rp = RandomProblem::Make(spec);
   CpuBackend backend(1);
+  // The backend assumes a valid problem: a bad one is refused by the validation it is handed
+  // through (testing/test_util.h), as the engine hands it every problem.
   {
     HostOutputs got(rp.problem(), DType::kF16);  // bf16 input, fp16 gradients
-    absl::Status st = backend.Compute(rp.problem(), got.outputs(), nullptr);
+    absl::Status st = ValidateThenCompute(backend, rp.problem(), got.outputs(), nullptr);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("grad_dtype"), std::string::npos) << st;
   }
   {
     rp.targets[3] = 6;
     HostOutputs got(rp.problem(), DType::kBF16);
-    absl::Status st = backend.Compute(rp.problem(), got.outputs(), nullptr);
+    absl::Status st = ValidateThenCompute(backend, rp.problem(), got.outputs(), nullptr);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("targets[3] = 6"), std::string::npos) << st;
     rp.targets[3] = 0;
@@ -634,7 +636,7 @@ TEST(CpuBackendTest, RejectsBadInputWithInvalidArgument) {
     LossProblem p = rp.problem();
     p.options.label_smoothing = 1.5f;
     HostOutputs got(p, DType::kBF16);
-    absl::Status st = backend.Compute(p, got.outputs(), nullptr);
+    absl::Status st = ValidateThenCompute(backend, p, got.outputs(), nullptr);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("label_smoothing"), std::string::npos) << st;
   }
@@ -642,7 +644,7 @@ TEST(CpuBackendTest, RejectsBadInputWithInvalidArgument) {
     LossProblem p = rp.problem();
     p.h = 0;
     HostOutputs got(rp.problem(), DType::kBF16);
-    absl::Status st = backend.Compute(p, got.outputs(), nullptr);
+    absl::Status st = ValidateThenCompute(backend, p, got.outputs(), nullptr);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("h=0"), std::string::npos) << st;
   }

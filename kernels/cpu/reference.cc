@@ -8,52 +8,18 @@
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 namespace lossd {
-namespace {
-
-absl::Status CheckReferenceProblem(const LossProblem& p) {
-  if (p.bt < 0 || p.h <= 0 || p.v <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reference: shape must have bt >= 0, h > 0, v > 0; got bt=", p.bt, " h=", p.h,
-        " v=", p.v));
-  }
-  if (!IsFloatDType(p.dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reference: dtype must be bf16, fp16 or fp32; got ", DTypeName(p.dtype)));
-  }
-  if (p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reference: target_dtype must be int32 or int64; got ", DTypeName(p.target_dtype)));
-  }
-  if (p.w_memory != Memory::kHost) {
-    return absl::InvalidArgumentError("reference: w_memory must be kHost");
-  }
-  if (p.w == nullptr || (p.bt > 0 && (p.x == nullptr || p.targets == nullptr))) {
-    return absl::InvalidArgumentError("reference: x, w and targets must be non-null");
-  }
-  const LossOptions& o = p.options;
-  if (!(o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reference: label_smoothing must be in [0, 1]; got ", o.label_smoothing));
-  }
-  if (!(o.z_loss_scale >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reference: z_loss_scale must be >= 0; got ", o.z_loss_scale));
-  }
-  if (!(o.softcap >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reference: softcap must be >= 0; got ", o.softcap));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 absl::Status ReferenceCompute(const LossProblem& p, ReferenceOutputs* out) {
   if (out == nullptr) return absl::InvalidArgumentError("reference: out must be non-null");
-  absl::Status st = CheckReferenceProblem(p);
-  if (!st.ok()) return st;
+  // Validated by the caller (core/loss_problem_check.h); debug builds check again.
+  LOSSD_DCHECK_VALID_PROBLEM(p, nullptr, "reference");
+  // What the reference cannot do, in any problem: it reads W on the host.
+  if (p.w_memory != Memory::kHost) {
+    return absl::InvalidArgumentError("reference: w_memory must be kHost");
+  }
 
   const int64_t bt = p.bt, h = p.h, v = p.v;
   const LossOptions& o = p.options;
@@ -83,11 +49,6 @@ absl::Status ReferenceCompute(const LossProblem& p, ReferenceOutputs* out) {
     targets[i] = t;
     ignored[i] = (t == o.ignore_index);
     if (ignored[i]) continue;
-    if (t < 0 || t >= v) {
-      return absl::InvalidArgumentError(absl::StrCat("reference: targets[", i, "] = ", t,
-                                                     " is outside [0, ", v, ") and is not ",
-                                                     "ignore_index ", o.ignore_index));
-    }
     ++tokens;
     weight_sum += cw[t];
   }

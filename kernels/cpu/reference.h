@@ -26,9 +26,10 @@ struct ReferenceOutputs {
   std::vector<double> db;            // (V) empty when the problem has no bias
 };
 
-// Computes every output of `p` (the semantics of core/loss_problem.h). Host memory only:
-// p.w_memory must be kHost. Returns INVALID_ARGUMENT for a problem it cannot read (null or
-// mis-sized inputs, targets out of range); never aborts.
+// Computes every output of `p` (the semantics of core/loss_problem.h). `p` must have passed
+// ValidateLossInputs (core/loss_problem_check.h): the reference assumes it, and only debug
+// builds check it (aborting on a problem that was never validated). Host memory only: a
+// p.w_memory other than kHost is INVALID_ARGUMENT.
 //
 // Mean reduction divides the cross-entropy part by the class-weight sum of the non-ignored
 // targets (their count without weights) and the z-loss part by the non-ignored count; a zero

@@ -14,6 +14,7 @@
 #include "testing/test_util.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 namespace lossd {
 namespace {
@@ -315,7 +316,7 @@ TEST(ReferenceTest, TokenScalingScalesEachRowByItsTargetsProbability) {
 TEST(ReferenceTest, RejectsBadInput) {
   const float x[3] = {1, 2, 3};
   const float w[6] = {1, -1, 2, -2, 3, -3};
-  const int64_t target = 2;  // V = 2: out of range
+  int64_t target = 2;  // V = 2: out of range
   LossProblem p;
   p.bt = 1;
   p.h = 3;
@@ -324,14 +325,19 @@ TEST(ReferenceTest, RejectsBadInput) {
   p.x = x;
   p.w = w;
   p.targets = &target;
-  ReferenceOutputs r;
-  absl::Status st = ReferenceCompute(p, &r);
+  // The reference assumes a validated problem: what it is never handed, the one validation
+  // (core/loss_problem_check.h) refuses.
+  absl::Status st = ValidateLossInputs(p);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("targets[0] = 2"), std::string::npos) << st;
-  p.w_memory = Memory::kBackend;
-  EXPECT_EQ(ReferenceCompute(p, &r).code(), absl::StatusCode::kInvalidArgument);
-  p.w_memory = Memory::kHost;
   p.v = 0;
+  EXPECT_EQ(ValidateLossInputs(p).code(), absl::StatusCode::kInvalidArgument);
+  // What it cannot do with a valid problem, it refuses itself.
+  p.v = 2;
+  target = 1;
+  ASSERT_TRUE(ValidateLossInputs(p).ok());
+  p.w_memory = Memory::kBackend;
+  ReferenceOutputs r;
   EXPECT_EQ(ReferenceCompute(p, &r).code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -24,6 +24,7 @@
 #include "kernels/cuda/nonfinite.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/loss_problem_check.h"
 
 namespace lossd {
 namespace cuda {
@@ -138,49 +139,13 @@ absl::Status EnqueueNonFiniteChecks(const FinalOutputs& f, int64_t bt, int64_t h
   return absl::OkStatus();
 }
 
-absl::Status ValidateProblem(const LossProblem& p, const LossOutputs& out) {
-  if (p.bt < 0 || p.h <= 0 || p.v <= 0 || p.bt > 0x7fffffff || p.v > 0x7fffffff ||
-      p.h > 0x7fffffff) {
+// What this backend cannot do with a valid problem (core/loss_problem_check.h, which the
+// engine ran): its kernels index rows, columns and classes with 32-bit integers.
+absl::Status CheckIndexRange(const LossProblem& p) {
+  if (p.bt > 0x7fffffff || p.v > 0x7fffffff || p.h > 0x7fffffff) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda: shape must have 0 <= bt, 0 < h, 0 < v, each below 2^31; got bt=", p.bt,
         " h=", p.h, " v=", p.v));
-  }
-  if (!IsFloatDType(p.dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: dtype must be bf16, fp16 or fp32; got ", DTypeName(p.dtype)));
-  }
-  if (out.grad_dtype != p.dtype && out.grad_dtype != DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda: grad_dtype must be the input dtype (", DTypeName(p.dtype), ") or fp32; got ",
-        DTypeName(out.grad_dtype)));
-  }
-  if (p.w == nullptr || (p.bt > 0 && (p.x == nullptr || p.targets == nullptr))) {
-    return absl::InvalidArgumentError("cuda: x, w and targets must be non-null");
-  }
-  const LossOptions& o = p.options;
-  if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
-      o.reduction != Reduction::kNone) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: unknown reduction ", static_cast<int>(o.reduction)));
-  }
-  if (!(o.label_smoothing >= 0.0f && o.label_smoothing <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: label_smoothing must be in [0, 1]; got ", o.label_smoothing));
-  }
-  if (!(o.z_loss_scale >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: z_loss_scale must be >= 0; got ", o.z_loss_scale));
-  }
-  if (!(o.softcap >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: softcap must be >= 0; got ", o.softcap));
-  }
-  if (o.chunk_rows < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: chunk_rows must be >= 0; got ", o.chunk_rows));
-  }
-  if (p.bias == nullptr && (out.db != nullptr || out.db_accum != nullptr)) {
-    return absl::InvalidArgumentError("cuda: db requested but the problem has no bias");
   }
   return absl::OkStatus();
 }
@@ -579,7 +544,8 @@ absl::Status CudaBackend::Compute(const LossProblem& p, const LossOutputs& out,
 absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs& out,
                                         LossStats* stats) {
   const auto t0 = std::chrono::steady_clock::now();
-  LOSSD_CUDA_RETURN_IF_NOT_OK(ValidateProblem(p, out));
+  LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cuda backend");
+  LOSSD_CUDA_RETURN_IF_NOT_OK(CheckIndexRange(p));
   std::vector<int32_t> targets32;
   absl::StatusOr<TargetSummary> summary =
       SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,

@@ -541,22 +541,24 @@ TEST_F(CudaTest, EmptyBatch) {
 TEST_F(CudaTest, BadInputIsInvalidArgument) {
   RandomProblem rp = RandomProblem::Make(MakeSpec({"b", 8, 16, 50}, {"b"}, DType::kBF16, 4));
   HostOutputs out(rp.problem(), DType::kBF16);
+  // The backend assumes a valid problem: a bad one is refused by the validation it is handed
+  // through (testing/test_util.h), as the engine hands it every problem.
   LossProblem p = rp.problem();
   p.h = 0;
-  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, out.outputs(), nullptr)));
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateThenCompute(*backend_, p, out.outputs(), nullptr)));
   p = rp.problem();
   rp.targets[3] = 50;
   p = rp.problem();
-  absl::Status st = backend_->Compute(p, out.outputs(), nullptr);
+  absl::Status st = ValidateThenCompute(*backend_, p, out.outputs(), nullptr);
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   EXPECT_NE(st.message().find("targets[3]"), std::string::npos) << st;
   rp.targets[3] = 1;
   p = rp.problem();
   LossOutputs lo = out.outputs();
   lo.grad_dtype = DType::kI32;
-  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, lo, nullptr)));
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateThenCompute(*backend_, p, lo, nullptr)));
   p.options.label_smoothing = 2.0f;
-  EXPECT_TRUE(absl::IsInvalidArgument(backend_->Compute(p, out.outputs(), nullptr)));
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateThenCompute(*backend_, p, out.outputs(), nullptr)));
   EXPECT_TRUE(backend_->Info().healthy);
 }
 

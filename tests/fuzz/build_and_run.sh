@@ -42,8 +42,11 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 
 # Our code gets coverage instrumentation; the generated protobuf code does not (it would only
 # lead the fuzzer into protobuf's own parser, which is not ours to test).
-SRCS_COVERED="wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
-engine/engine.cc engine/memory_budget.cc engine/weight_cache.cc engine/accumulators.cc
+SRCS_COVERED="core/loss_problem_check.cc
+wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
+engine/engine.cc engine/plan.cc engine/run.cc engine/uploads.cc engine/accumulator_ops.cc
+engine/host_buffer.cc engine/finite_check.cc engine/request_checks.cc
+engine/memory_budget.cc engine/weight_cache.cc engine/accumulators.cc
 engine/executor.cc engine/streamed_rows.cc engine/instance_id.cc
 engine/message_bounds.cc engine/owner.cc engine/response_parts.cc
 kernels/host_memory.cc kernels/cpu/cpu_backend.cc kernels/cpu/nonfinite_scan.cc kernels/cpu/reference.cc
@@ -67,7 +70,7 @@ OBJS=()
   done
 } > "$BUILD/compile_list"
 # Headers change objects too: rebuild everything when any header under the tree is newer.
-newest_header=$(find "$ROOT/client" "$ROOT/server" "$ROOT/kernels" "$ROOT/tests/fuzz" -name '*.h' -newer "$BUILD/obj/.stamp" 2>/dev/null | head -1)
+newest_header=$(find "$ROOT/core" "$ROOT/wire" "$ROOT/kernels" "$ROOT/engine" "$ROOT/service" "$ROOT/client" "$ROOT/testing" "$ROOT/tests/fuzz" -name '*.h' -newer "$BUILD/obj/.stamp" 2>/dev/null | head -1)
 if [[ ! -e "$BUILD/obj/.stamp" || -n "$newest_header" ]]; then export FUZZ_REBUILD=1; fi
 if ! xargs -P "$JOBS" -L 1 bash -c 'compile "$@"' _ < "$BUILD/compile_list"; then
   build_failed=1

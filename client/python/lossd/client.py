@@ -958,6 +958,7 @@ class Client:
         class_weights: (V) fp32, PyTorch's cross_entropy `weight`.
         grad_output: (BT) fp32 upstream gradient, reduction "none" only (default ones).
         reduction: "mean" | "sum" | "none". softcap: None or 0 = off.
+        The option defaults are the server's, kept in one place (core/loss_problem.h).
         grad_dtype: None = the input dtype, or "fp32".
         grad_scale: upstream gradient of the scalar loss (mean, sum); default 1.
         chunk_rows: rows per chunk, 0 = the server chooses.

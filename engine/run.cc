@@ -1,0 +1,280 @@
+// Engine::Run and what it runs on the executor: the checks that need the bytes (the one
+// validation's target range, --check_finite), the backend's Compute into the outputs or into
+// an accumulator, and the summary. No gRPC; the caller's done callback gets every outcome.
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/loss_problem_check.h"
+#include "core/status_macros.h"
+#include "engine/engine.h"
+#include "engine/finite_check.h"
+#include "engine/request_checks.h"
+
+namespace lossd {
+namespace {
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+// The problem over the received inputs (or the handle's weights in backend memory).
+LossProblem ProblemOf(const ComputePlan& plan, Engine::InputBuffers& in,
+                      const OverlapIo& overlap) {
+  auto buf = [&](InputSlot s) { return in[static_cast<int>(s)].get(); };
+  LossProblem p;
+  p.bt = plan.bt;
+  p.h = plan.h;
+  p.v = plan.v;
+  p.dtype = plan.dtype;
+  p.x = buf(InputSlot::kX);
+  if (plan.weights) {
+    p.w = plan.weights->w->data();
+    p.bias = plan.weights->bias ? plan.weights->bias->data() : nullptr;
+    p.w_memory = Memory::kBackend;
+  } else {
+    p.w = buf(InputSlot::kW);
+    p.bias = plan.has_bias ? buf(InputSlot::kBias) : nullptr;
+  }
+  p.targets = buf(InputSlot::kTargets);
+  p.target_dtype = plan.target_dtype;
+  p.class_weights = reinterpret_cast<const float*>(buf(InputSlot::kClassWeights));
+  p.grad_output = reinterpret_cast<const float*>(buf(InputSlot::kGradOutput));
+  p.options = plan.options;
+  p.rows = overlap.rows.get();
+  return p;
+}
+
+// The --check_finite test of every float input sent inline. Class weights of any sign are
+// accepted, as torch's cross_entropy accepts them: mean divides by their sum over the
+// non-ignored targets, whatever its sign (see the proto).
+absl::Status CheckInputsFinite(const ComputePlan& plan, Engine::InputBuffers& in) {
+  auto buf = [&](InputSlot s) { return in[static_cast<int>(s)].get(); };
+  LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kX), plan.dtype, 0,
+                                            static_cast<uint64_t>(plan.bt) * plan.h, "x",
+                                            plan.h));
+  if (!plan.weights) {
+    LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kW), plan.dtype, 0,
+                                              static_cast<uint64_t>(plan.v) * plan.h, "w",
+                                              plan.h));
+    if (plan.has_bias) {
+      LOSSD_RETURN_IF_ERROR(
+          CheckFiniteElements(buf(InputSlot::kBias), plan.dtype, 0, plan.v, "bias", 0));
+    }
+  }
+  if (buf(InputSlot::kClassWeights) != nullptr) {
+    LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kClassWeights), DType::kF32, 0,
+                                              plan.v, "class_weights", 0));
+  }
+  if (buf(InputSlot::kGradOutput) != nullptr) {
+    LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kGradOutput), DType::kF32, 0,
+                                              plan.bt, "grad_output", 0));
+  }
+  return absl::OkStatus();
+}
+
+// What the backend writes for the summary: the scalar loss and z-loss (mean and sum), the
+// accuracy and the token count.
+struct Scalars {
+  float loss = 0, z_loss = 0, accuracy = 0;
+  int64_t tokens = 0;
+};
+
+// Points `out` at the plan's output buffers and at `s`.
+void BindOutputs(const ComputePlan& plan, std::vector<HostBuffer>& outputs, Scalars* s,
+                 LossOutputs* out) {
+  out->grad_dtype = plan.grad_dtype;
+  for (size_t i = 0; i < plan.outputs.size(); ++i) {
+    BindOutput(plan.outputs[i].slot, outputs[i].get(), out);
+  }
+  const bool none = plan.options.reduction == Reduction::kNone;
+  if (!none) out->loss = &s->loss;
+  if (!none && plan.wanted.z_loss) out->z_loss = &s->z_loss;
+  out->accuracy = &s->accuracy;  // cheap beside the loss: always computed
+  out->tokens = &s->tokens;
+}
+
+// Finite inputs can still push the loss past fp32 (logits |x . w| > 3.4e38, or a huge
+// lse_square_scale): the request is refused rather than answered with inf or NaN.
+bool LossIsFinite(const ComputePlan& plan, const LossOutputs& out) {
+  const int64_t n = plan.options.reduction == Reduction::kNone ? plan.bt : 1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(out.loss[i])) return false;
+  }
+  return true;
+}
+
+std::string OverflowMessage(const ComputePlan& plan) {
+  return absl::StrCat(
+      "the loss is not finite: the logits X W^T (+ b) or the z-loss (lse_square_scale=",
+      plan.options.z_loss_scale, ") exceed fp32; scale them down");
+}
+
+// The backend's Compute added into `acc` under its lock: refused while the sum is partial or
+// overflowed; any failure leaves it poisoned; a success counts the micro-batch.
+void ComputeIntoAccumulator(Backend& backend, const ComputePlan& plan, const LossProblem& p,
+                            const LossOutputs& out, const Scalars& s,
+                            const std::shared_ptr<Accumulator>& acc, ComputeOutcome* r) {
+  absl::MutexLock lock(&acc->mu);
+  if (acc->poisoned) {
+    r->status = PartialSumError(acc->name);
+    return;
+  }
+  r->status = NonFiniteSumStatus(*acc);
+  if (!r->status.ok()) return;
+  r->status = backend.Compute(p, out, &r->stats);
+  if (r->status.ok() && !LossIsFinite(plan, out)) {
+    r->status = absl::InvalidArgumentError(absl::StrCat(
+        OverflowMessage(plan), " (accumulator '", acc->name, "' received non-finite values "
+        "and must be dropped)"));
+  }
+  if (!r->status.ok()) {
+    acc->poisoned = true;
+    return;
+  }
+  SetMicroBatches(*acc, acc->micro_batches + 1);
+  acc->tokens += s.tokens;
+  ++acc->generation;
+  if ((r->stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0) {
+    MarkNonFinite(*acc, r->stats.nonfinite);
+  }
+  r->accumulated_micro_batches = acc->micro_batches;
+  r->added_to = acc;
+  r->added_resets = acc->resets;
+}
+
+// The summary: the loss and z-loss (with reduction none, the sum of the per-token values),
+// the accuracy and the token count.
+void Summarize(const ComputePlan& plan, const LossOutputs& out, const Scalars& s,
+               ComputeOutcome* r) {
+  if (plan.options.reduction == Reduction::kNone) {
+    double sum = 0, zsum = 0;
+    const float* l = out.loss;
+    for (int64_t i = 0; i < plan.bt; ++i) sum += l[i];
+    if (out.z_loss != nullptr) {
+      for (int64_t i = 0; i < plan.bt; ++i) zsum += out.z_loss[i];
+    }
+    r->loss = static_cast<float>(sum);
+    r->z_loss = static_cast<float>(zsum);
+  } else {
+    r->loss = s.loss;
+    r->z_loss = s.z_loss;
+  }
+  r->accuracy = s.accuracy;
+  r->tokens = s.tokens;
+}
+
+}  // namespace
+
+void BindOutput(OutputSlot slot, void* ptr, LossOutputs* out) {
+  switch (slot) {
+    case OutputSlot::kLoss: out->loss = static_cast<float*>(ptr); break;
+    case OutputSlot::kZLoss: out->z_loss = static_cast<float*>(ptr); break;
+    case OutputSlot::kLse: out->lse = static_cast<float*>(ptr); break;
+    case OutputSlot::kPredictions: out->predictions = static_cast<int64_t*>(ptr); break;
+    case OutputSlot::kDx: out->dx = ptr; break;
+    case OutputSlot::kDw: out->dw = ptr; break;
+    case OutputSlot::kDb: out->db = ptr; break;
+    case OutputSlot::kCount: break;
+  }
+}
+
+void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputBuffers> inputs,
+                 std::function<void(ComputeOutcome)> done, absl::Time deadline,
+                 bool inputs_checked_finite, OverlapIo overlap,
+                 std::function<bool()> cancelled) {
+  const absl::Time submitted = absl::Now();
+  executor_.Submit([this, plan, inputs, done = std::move(done), submitted, deadline,
+                    inputs_checked_finite, overlap = std::move(overlap),
+                    cancelled = std::move(cancelled)]() {
+    const double queued = Seconds(submitted);
+    auto not_started = [&](absl::Status why) {
+      ComputeOutcome o;
+      o.status = std::move(why);
+      o.queue_seconds = queued;
+      done(std::move(o));
+    };
+    if (absl::Now() > deadline) {
+      return not_started(absl::DeadlineExceededError(absl::StrCat(
+          "the deadline passed after ", queued, " s in the compute queue; not started")));
+    }
+    if (cancelled && cancelled()) {
+      return not_started(absl::CancelledError(absl::StrCat(
+          "the call was cancelled after ", queued, " s in the compute queue; not started")));
+    }
+    ComputeOutcome outcome = RunNow(*plan, *inputs, inputs_checked_finite, overlap);
+    outcome.queue_seconds = queued;
+    done(std::move(outcome));
+  });
+}
+
+std::vector<HostBuffer> Engine::NewOutputs(const ComputePlan& plan) {
+  std::vector<HostBuffer> outputs;
+  outputs.reserve(plan.outputs.size());
+  for (const OutputDesc& d : plan.outputs) outputs.push_back(NewHostBuffer(d.bytes));
+  return outputs;
+}
+
+ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite,
+                              const OverlapIo& overlap) {
+  ComputeOutcome r;
+  if (overlap.rows != nullptr &&
+      (overlap.outputs == nullptr || overlap.outputs->size() != plan.outputs.size() ||
+       (options_.check_finite && !checked_finite))) {
+    r.status = absl::InternalError(
+        "an overlapped compute needs its outputs made beforehand and X checked as it arrives");
+    return r;
+  }
+  const LossProblem p = ProblemOf(plan, in, overlap);
+  // The one validation of the problem (core/loss_problem_check.h), which every backend
+  // assumes: the plan has checked all of it but the target range, which needs the bytes.
+  r.status = ValidateLossInputs(p);
+  if (!r.status.ok()) return r;
+  // The other check that needs the bytes: finiteness.
+  if (options_.check_finite && !checked_finite) {
+    r.status = CheckInputsFinite(plan, in);
+    if (!r.status.ok()) return r;
+  }
+
+  LossOutputs out;
+  Scalars scalars;
+  if (overlap.outputs == nullptr) r.outputs = NewOutputs(plan);
+  BindOutputs(plan, overlap.outputs != nullptr ? *overlap.outputs : r.outputs, &scalars, &out);
+  std::shared_ptr<Accumulator> acc;
+  if (!plan.accumulator.empty()) {
+    auto a = accumulators_.GetOrCreate(plan.accumulator, plan.v, plan.h, plan.has_bias,
+                                       plan.owner);
+    if (!a.ok()) {
+      r.status = a.status();
+      return r;
+    }
+    acc = *a;
+    out.dw_accum = static_cast<float*>(acc->dw->data());
+    out.db_accum = acc->db ? static_cast<float*>(acc->db->data()) : nullptr;
+    out.accum_memory = Memory::kBackend;
+  }
+  // Where the results go, the rest of what a backend assumes (made here, so it holds).
+  r.status = ValidateLossOutputs(p, out);
+  if (!r.status.ok()) return r;
+
+  if (acc) {
+    ComputeIntoAccumulator(*backend_, plan, p, out, scalars, acc, &r);
+    if (!r.status.ok()) return r;
+  } else {
+    r.status = backend_->Compute(p, out, &r.stats);
+    if (!r.status.ok()) return r;
+    if (!LossIsFinite(plan, out)) {
+      r.status = absl::InvalidArgumentError(OverflowMessage(plan));
+      return r;
+    }
+  }
+  Summarize(plan, out, scalars, &r);
+  return r;
+}
+
+}  // namespace lossd
