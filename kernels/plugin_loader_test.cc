@@ -325,9 +325,10 @@ TEST_F(FakePluginTest, ComputeWithoutStatsOrGradients) {
   EXPECT_TRUE(BitIdentical(want, got));
 }
 
+// A backend assumes a validated problem (core/loss_problem_check.h), so a Compute's own
+// refusal is one that arises while it runs: here its rows of X refused with INVALID_ARGUMENT,
+// which must come back from the plugin as it does from the backend itself, code and message.
 TEST_F(FakePluginTest, ComputeErrorsKeepTheirCodeAndMessage) {
-  // A backend assumes a validated problem (core/loss_problem_check.h), so the error here is one
-  // a valid problem meets during the Compute: its rows of X refused with INVALID_ARGUMENT.
   RandomProblem rp =
       RandomProblem::Make(SpecOf(9, 8, 20, DType::kBF16, Combined(Reduction::kMean), 1.0f, 4));
   const LossProblem p = rp.problem();
