@@ -14,11 +14,6 @@
 namespace lossd {
 namespace {
 
-using testing_harness::ComputeReply;
-using testing_harness::HeaderFor;
-using testing_harness::PartsFor;
-using testing_harness::RunCompute;
-
 // ---------------------------------------------------------------------------------------
 // Bad input: exact code, a message naming the field and the values, and service afterwards.
 

@@ -17,14 +17,6 @@
 namespace lossd {
 namespace {
 
-using testing_harness::ComputeReply;
-using testing_harness::Harness;
-using testing_harness::HarnessOptions;
-using testing_harness::HeaderFor;
-using testing_harness::MetricValue;
-using testing_harness::PartsFor;
-using testing_harness::RunCompute;
-
 // ---------------------------------------------------------------------------------------
 // Cancellation and deadlines free everything a request holds.
 

@@ -16,15 +16,6 @@
 namespace lossd {
 namespace {
 
-using testing_harness::ComputeReply;
-using testing_harness::Harness;
-using testing_harness::HeaderFor;
-using testing_harness::HealthStatus;
-using testing_harness::MetricValue;
-using testing_harness::PartsFor;
-using testing_harness::ReplyMatchesReference;
-using testing_harness::RunCompute;
-
 struct E2eCase {
   const char* name;
   DType dtype;

@@ -4,12 +4,6 @@
 
 namespace lossd {
 
-using testing_harness::ComputeReply;
-using testing_harness::Harness;
-using testing_harness::HeaderFor;
-using testing_harness::PartsFor;
-using testing_harness::RunCompute;
-
 RandomProblemSpec SmallSpec(DType dtype, uint64_t seed) {
   RandomProblemSpec s;
   s.bt = 47;

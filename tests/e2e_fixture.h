@@ -13,19 +13,31 @@
 
 namespace lossd {
 
+// The harness's names, which every e2e test uses; this header is included by the e2e tests
+// alone (tests/e2e_*_test.cc), so they are brought in once here.
+using testing_harness::ComputeReply;
+using testing_harness::Harness;
+using testing_harness::HarnessOptions;
+using testing_harness::HeaderFor;
+using testing_harness::HealthStatus;
+using testing_harness::MetricValue;
+using testing_harness::PartsFor;
+using testing_harness::ReplyMatchesReference;
+using testing_harness::RunCompute;
+
 // BT=47, H=31, V=123 (nothing a multiple of 8), a tenth of the targets ignored.
 RandomProblemSpec SmallSpec(DType dtype = DType::kBF16, uint64_t seed = 1);
 
 // A valid request succeeds: used after every refusal to show the server keeps serving.
-void ExpectServes(testing_harness::Harness& h);
+void ExpectServes(Harness& h);
 
 class E2eTest : public ::testing::Test {
  protected:
   // Shared by the derived suites too (SetUpTestSuite runs once per suite).
   static void SetUpTestSuite() {
-    if (h_ == nullptr) h_ = new testing_harness::Harness();
+    if (h_ == nullptr) h_ = new Harness();
   }
-  static testing_harness::Harness* h_;
+  static Harness* h_;
 };
 
 }  // namespace lossd

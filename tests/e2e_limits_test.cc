@@ -20,13 +20,6 @@
 namespace lossd {
 namespace {
 
-using testing_harness::ComputeReply;
-using testing_harness::Harness;
-using testing_harness::HarnessOptions;
-using testing_harness::HeaderFor;
-using testing_harness::PartsFor;
-using testing_harness::RunCompute;
-
 TEST(AccumulatorLimitTest, ANewAccumulatorOverTheLimitsIsRefusedAtTheHeader) {
   HarnessOptions o;
   o.engine.max_accumulators = 1;

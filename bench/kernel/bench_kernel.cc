@@ -35,6 +35,13 @@ namespace lossd {
 namespace bench {
 namespace {
 
+// BTxHxV, as --shapes and --host_io write a shape. False when it does not parse.
+bool ParseShape(absl::string_view s, int64_t* bt, int64_t* h, int64_t* v) {
+  std::vector<std::string> parts = absl::StrSplit(s, 'x');
+  return parts.size() == 3 && absl::SimpleAtoi(parts[0], bt) && absl::SimpleAtoi(parts[1], h) &&
+         absl::SimpleAtoi(parts[2], v);
+}
+
 // --budgets_mib in bytes. 0, or 2 for a bad entry (said on stderr).
 int ParseBudgets(std::vector<uint64_t>* out) {
   std::vector<uint64_t>& budgets = *out;
@@ -92,10 +99,8 @@ int SetUpEngine(cuda::FusedLoss& engine) {
 // --host_io, when given. 0; 2 for a bad shape; 1 on a failure.
 int MaybeRunHostIo() {
   if (absl::GetFlag(FLAGS_host_io).empty()) return 0;
-  std::vector<std::string> parts = absl::StrSplit(absl::GetFlag(FLAGS_host_io), 'x');
   int64_t bt, h, v;
-  if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &bt) ||
-      !absl::SimpleAtoi(parts[1], &h) || !absl::SimpleAtoi(parts[2], &v)) {
+  if (!ParseShape(absl::GetFlag(FLAGS_host_io), &bt, &h, &v)) {
     std::fprintf(stderr, "bad --host_io shape\n");
     return 2;
   }
@@ -131,10 +136,8 @@ int Main() {
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::vector<Row> rows;
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',', absl::SkipEmpty())) {
-    std::vector<std::string> parts = absl::StrSplit(s, 'x');
     int64_t bt, h, v;
-    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &bt) ||
-        !absl::SimpleAtoi(parts[1], &h) || !absl::SimpleAtoi(parts[2], &v)) {
+    if (!ParseShape(s, &bt, &h, &v)) {
       std::fprintf(stderr, "bad shape '%s'\n", std::string(s).c_str());
       return 2;
     }
