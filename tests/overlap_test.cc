@@ -57,6 +57,36 @@ struct OverlapScript {
   std::function<void()> before_last_x;
 };
 
+// Waits up to 10 s for the engine's executor to be idle (see RunOverlap).
+void WaitForIdleExecutor(Engine* engine) {
+  EXPECT_NE(engine, nullptr) << "a script that waits for dX needs the engine";
+  if (engine != nullptr) {
+    const absl::Time limit = absl::Now() + absl::Seconds(10);
+    while (!engine->executor_idle() && absl::Now() < limit) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_TRUE(engine->executor_idle()) << "the executor stayed busy for 10 s";
+  }
+}
+
+// A summary into the reply, in arrival order; the preliminary one announces the tensors,
+// whose buffers are made here, poisoned, for the parts to fill.
+void TakeSummary(const v1::ComputeSummary& summary, OverlapReply* reply) {
+  reply->order.push_back(summary.preliminary() ? "preliminary" : "final");
+  reply->summaries.push_back(summary);
+  if (summary.preliminary()) {
+    for (int i = 0; i < summary.tensors_size(); ++i) {
+      uint64_t n = 1;
+      for (int64_t d : summary.specs(i).shape()) n *= d;
+      const v1::DType dt = summary.specs(i).dtype();
+      const uint64_t es = dt == v1::DTYPE_INT64                               ? 8
+                          : dt == v1::DTYPE_FP32 || dt == v1::DTYPE_INT32 ? 4
+                                                                           : 2;
+      reply->tensors[summary.tensors(i)].assign(n * es, 0xFF);
+    }
+  }
+}
+
 // `engine`: the server's engine, needed when the script waits for dX mid-stream. The server
 // starts a call before all of its X is in only on an idle executor, and looks again only when
 // another part comes, so a writer that stops to wait for dX while the previous test's job still
@@ -66,16 +96,7 @@ OverlapReply RunOverlap(v1::Loss::Stub& stub, v1::ComputeHeader header,
                         const std::vector<v1::ComputeRequest>& parts, const OverlapScript& sc,
                         Engine* engine = nullptr) {
   header.set_overlap(true);
-  if (sc.x_parts_before_wait >= 0) {
-    EXPECT_NE(engine, nullptr) << "a script that waits for dX needs the engine";
-    if (engine != nullptr) {
-      const absl::Time limit = absl::Now() + absl::Seconds(10);
-      while (!engine->executor_idle() && absl::Now() < limit) {
-        absl::SleepFor(absl::Milliseconds(1));
-      }
-      EXPECT_TRUE(engine->executor_idle()) << "the executor stayed busy for 10 s";
-    }
-  }
+  if (sc.x_parts_before_wait >= 0) WaitForIdleExecutor(engine);
   OverlapReply reply;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
@@ -123,19 +144,7 @@ OverlapReply RunOverlap(v1::Loss::Stub& stub, v1::ComputeHeader header,
   v1::ComputeResponse r;
   while (stream->Read(&r)) {
     if (r.has_summary()) {
-      reply.order.push_back(r.summary().preliminary() ? "preliminary" : "final");
-      reply.summaries.push_back(r.summary());
-      if (r.summary().preliminary()) {
-        for (int i = 0; i < r.summary().tensors_size(); ++i) {
-          uint64_t n = 1;
-          for (int64_t d : r.summary().specs(i).shape()) n *= d;
-          const v1::DType dt = r.summary().specs(i).dtype();
-          const uint64_t es = dt == v1::DTYPE_INT64                               ? 8
-                              : dt == v1::DTYPE_FP32 || dt == v1::DTYPE_INT32 ? 4
-                                                                               : 2;
-          reply.tensors[r.summary().tensors(i)].assign(n * es, 0xFF);
-        }
-      }
+      TakeSummary(r.summary(), &reply);
       continue;
     }
     const v1::TensorPart& p = r.part();

@@ -214,13 +214,21 @@ TEST(SecurityTest, ReflectionIsOffByDefaultAndNeedsTheTokenWhenOn) {
   EXPECT_TRUE(Info(h.stub(), "trainer-token-1").ok());
 }
 
+// Serves TLS with the test certificates (server.pem, server.key), and wants client
+// certificates from c.Path(client_ca) unless client_ca is empty. Callers wrap it in
+// ASSERT_NO_FATAL_FAILURE.
+void UseServerTls(const Certs& c, const std::string& client_ca, HarnessOptions* o) {
+  ASSERT_TRUE(c.ok()) << "openssl failed";
+  auto creds = MakeServerCredentials(c.Path("server.pem"), c.Path("server.key"),
+                                     client_ca.empty() ? "" : c.Path(client_ca));
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  o->server_credentials = *creds;
+}
+
 TEST(SecurityTest, TlsServesTlsClientsAndRefusesPlaintext) {
   const Certs& c = TestCerts();
-  ASSERT_TRUE(c.ok()) << "openssl failed";
   HarnessOptions o;
-  auto creds = MakeServerCredentials(c.Path("server.pem"), c.Path("server.key"), "");
-  ASSERT_TRUE(creds.ok()) << creds.status();
-  o.server_credentials = *creds;
+  ASSERT_NO_FATAL_FAILURE(UseServerTls(c, "", &o));
   Harness h(o);
   auto tls = h.NewStub(Tls(c));
   EXPECT_TRUE(Info(*tls).ok()) << Info(*tls).error_message();
@@ -232,11 +240,8 @@ TEST(SecurityTest, TlsServesTlsClientsAndRefusesPlaintext) {
 // answers for the server and serves nothing else.
 TEST(SecurityTest, APlaintextHealthPortServesHealthAloneBehindTls) {
   const Certs& c = TestCerts();
-  ASSERT_TRUE(c.ok()) << "openssl failed";
   HarnessOptions o;
-  auto creds = MakeServerCredentials(c.Path("server.pem"), c.Path("server.key"), "");
-  ASSERT_TRUE(creds.ok()) << creds.status();
-  o.server_credentials = *creds;
+  ASSERT_NO_FATAL_FAILURE(UseServerTls(c, "", &o));
   o.reflection = true;  // on for the main port: the health port must still not serve it
   o.health_address = "127.0.0.1:0";
   Harness h(o);
@@ -264,11 +269,8 @@ TEST(SecurityTest, APlaintextHealthPortServesHealthAloneBehindTls) {
 
 TEST(SecurityTest, MutualTlsWantsAClientCertificateFromItsCa) {
   const Certs& c = TestCerts();
-  ASSERT_TRUE(c.ok()) << "openssl failed";
   HarnessOptions o;
-  auto creds = MakeServerCredentials(c.Path("server.pem"), c.Path("server.key"), c.Path("ca.pem"));
-  ASSERT_TRUE(creds.ok()) << creds.status();
-  o.server_credentials = *creds;
+  ASSERT_NO_FATAL_FAILURE(UseServerTls(c, "ca.pem", &o));
   Harness h(o);
   EXPECT_TRUE(Info(*h.NewStub(Tls(c, "client.pem", "client.key"))).ok());
   EXPECT_FALSE(Info(*h.NewStub(Tls(c))).ok()) << "no client certificate";

@@ -207,17 +207,18 @@ void WriteCompute(const std::string& root, const std::string& name, const Stream
   Write(root + "/options", name, s.header.SerializeAsString());
 }
 
-void WriteComputeSeeds(const std::string& root) {
-  Rng rng;
+// Valid streams: the plain case, every option, odd parts, a handle with an accumulator,
+// every target ignored. Draws from `rng` in this order.
+void WriteValidComputeSeeds(const std::string& root, Rng* rng) {
   {  // The plain case.
     Shape s;
-    WriteCompute(root, "valid_bf16_mean", MakeStream(s, &rng));
+    WriteCompute(root, "valid_bf16_mean", MakeStream(s, rng));
   }
   {
     Shape s;
     s.dtype = v1::DTYPE_FP32;
     s.bias = s.class_weights = s.grad_output = true;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     st.header.mutable_options()->set_reduction(v1::REDUCTION_NONE);
     st.header.mutable_options()->set_label_smoothing(0.1f);
     WriteCompute(root, "valid_fp32_none_everything", st);
@@ -230,7 +231,7 @@ void WriteComputeSeeds(const std::string& root) {
     s.bt = 7;
     s.h = 5;
     s.v = 13;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     v1::LossOptions* o = st.header.mutable_options();
     o->set_reduction(v1::REDUCTION_SUM);
     o->set_lse_square_scale(1e-3f);
@@ -245,7 +246,7 @@ void WriteComputeSeeds(const std::string& root) {
     s.h = kPreloadH;
     s.v = kPreloadV;
     s.handle = kPreloadHandle;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     st.header.set_accumulator("step-1");
     st.header.mutable_options()->set_grad_scale(0.25f);
     WriteCompute(root, "valid_handle_accumulator", st);
@@ -253,71 +254,81 @@ void WriteComputeSeeds(const std::string& root) {
   {
     Shape s;
     s.bt = 3;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     st.header.mutable_options()->set_ignore_index(5);
     // Every row's target is the ignore_index: loss 0 and zero gradients, never NaN.
     for (int i = 0; i < 3; ++i) reinterpret_cast<int64_t*>(&st.tensors[2].second[0])[i] = 5;
     WriteCompute(root, "valid_all_ignored", st);
   }
-  // Invalid streams.
+}
+
+// Invalid streams, each refused for how its messages come: order, extent, an early close,
+// an output's part, a second header. Draws from `rng` after the valid ones.
+void WriteBadStreamSeeds(const std::string& root, Rng* rng) {
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     auto m = st.Messages();
     std::swap(m[1], m[2]);
     Write(root + "/compute_stream", "bad_parts_out_of_order", Records(m));
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     auto m = st.Messages();
     m[1].mutable_part()->mutable_data()->append("xx");
     Write(root + "/compute_stream", "bad_part_past_shape", Records(m));
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     auto m = st.Messages();
     m.pop_back();
     Write(root + "/compute_stream", "bad_stream_closed_early", Records(m));
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     auto m = st.Messages();
     m[1].mutable_part()->set_tensor(v1::TENSOR_DW);
     Write(root + "/compute_stream", "bad_output_tensor_part", Records(m));
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     auto m = st.Messages();
     m.insert(m.begin() + 2, m[0]);
     Write(root + "/compute_stream", "bad_second_header", Records(m));
   }
+}
+
+// Invalid requests in well-formed streams: a NaN, a target out of range, mismatched shapes,
+// limits, another instance's handle, options, an accumulator's name. Draws from `rng` after
+// the bad streams.
+void WriteBadRequestSeeds(const std::string& root, Rng* rng) {
   {
     Shape s;
     s.dtype = v1::DTYPE_FP32;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     float nan = std::nanf("");
     std::memcpy(&st.tensors[0].second[12], &nan, 4);
     WriteCompute(root, "bad_nan_in_x", st);
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     reinterpret_cast<int64_t*>(&st.tensors[2].second[0])[1] = 16;
     WriteCompute(root, "bad_target_out_of_range", st);
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     st.header.mutable_w()->set_shape(1, 7);
     WriteCompute(root, "bad_hidden_mismatch", st);
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     st.header.mutable_x()->set_shape(0, 1 << 20);
     WriteCompute(root, "bad_over_limits", st);
   }
@@ -326,28 +337,26 @@ void WriteComputeSeeds(const std::string& root) {
     s.h = kPreloadH;
     s.v = kPreloadV;
     s.handle = "w-another-1";
-    WriteCompute(root, "bad_handle_other_instance", MakeStream(s, &rng));
+    WriteCompute(root, "bad_handle_other_instance", MakeStream(s, rng));
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     st.header.mutable_options()->set_label_smoothing(1.5f);
     st.header.mutable_options()->set_reduction(static_cast<v1::Reduction>(9));
     WriteCompute(root, "bad_options", st);
   }
   {
     Shape s;
-    Stream st = MakeStream(s, &rng);
+    Stream st = MakeStream(s, rng);
     st.header.set_accumulator("bad name!");
     WriteCompute(root, "bad_accumulator_name", st);
   }
-  {  // Last, so that the seeds above keep their random bytes.
-    Shape s;
-    s.bias = true;
-    Write(root + "/compute_stream", "valid_wire_variants", WireVariants(MakeStream(s, &rng)));
-  }
-  // Overlapped streams (header.overlap, X last, one row of X a part), from an RNG of their
-  // own so that the seeds above keep their bytes.
+}
+
+// Overlapped streams (header.overlap, X last, one row of X a part), from an RNG of their own
+// so that the seeds above keep their bytes.
+void WriteOverlappedComputeSeeds(const std::string& root) {
   Rng orng;
   auto overlapped = [&](const Shape& s, int64_t chunk_rows) {
     Stream st = MakeStream(s, &orng);
@@ -389,6 +398,19 @@ void WriteComputeSeeds(const std::string& root) {
     m.resize(m.size() - 3);  // the last three rows of X never come
     Write(root + "/compute_stream", "bad_overlap_cut_off", Records(m));
   }
+}
+
+void WriteComputeSeeds(const std::string& root) {
+  Rng rng;
+  WriteValidComputeSeeds(root, &rng);
+  WriteBadStreamSeeds(root, &rng);
+  WriteBadRequestSeeds(root, &rng);
+  {  // Last, so that the seeds above keep their random bytes.
+    Shape s;
+    s.bias = true;
+    Write(root + "/compute_stream", "valid_wire_variants", WireVariants(MakeStream(s, &rng)));
+  }
+  WriteOverlappedComputeSeeds(root);
 }
 
 void WritePutWeightsSeeds(const std::string& root) {

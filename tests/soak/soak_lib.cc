@@ -19,6 +19,7 @@
 #include "testing/test_util.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "testing/server_harness.h"
+#include "tests/soak/soak_problems.h"
 
 namespace lossd {
 namespace soak {
@@ -29,131 +30,6 @@ using testing_harness::HeaderFor;
 using testing_harness::PartsFor;
 using testing_harness::RunCompute;
 using Clock = std::chrono::steady_clock;
-
-const char* CodeName(grpc::StatusCode c) {
-  switch (c) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    default: return "OTHER";
-  }
-}
-
-// VmRSS of this process in bytes (0 when unreadable).
-uint64_t RssBytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
-
-// The valid problems the clients draw from: every dtype and reduction, bias, class weights,
-// label smoothing, softcap, z-loss, int32 targets, a forced chunk size.
-std::vector<RandomProblemSpec> ProblemSpecs() {
-  std::vector<RandomProblemSpec> v;
-  RandomProblemSpec a;  // also uploaded by handle and accumulated
-  a.bt = 64;
-  a.h = 64;
-  a.v = 1000;
-  a.dtype = DType::kBF16;
-  a.bias = true;
-  a.ignore_fraction = 0.1;
-  a.seed = 101;
-  v.push_back(a);
-  RandomProblemSpec b;
-  b.bt = 48;
-  b.h = 32;
-  b.v = 777;
-  b.dtype = DType::kF16;
-  b.bias = true;
-  b.options.reduction = Reduction::kSum;
-  b.options.label_smoothing = 0.1f;
-  b.options.softcap = 30.0f;
-  b.seed = 102;
-  v.push_back(b);
-  RandomProblemSpec c;
-  c.bt = 33;
-  c.h = 40;
-  c.v = 500;
-  c.dtype = DType::kF32;
-  c.bias = true;
-  c.class_weights = true;
-  c.grad_output = true;
-  c.options.reduction = Reduction::kNone;
-  c.options.z_loss_scale = 1e-3f;
-  c.ignore_fraction = 0.2;
-  c.seed = 103;
-  v.push_back(c);
-  RandomProblemSpec d;
-  d.bt = 128;
-  d.h = 64;
-  d.v = 2000;
-  d.dtype = DType::kBF16;
-  d.target_dtype = DType::kI32;
-  d.class_weights = true;
-  d.options.chunk_rows = 37;
-  d.seed = 104;
-  v.push_back(d);
-  return v;
-}
-
-struct Problem {
-  std::unique_ptr<RandomProblem> rp;
-  v1::ComputeHeader header;
-  std::vector<v1::ComputeRequest> parts;
-  // The same request overlapped (header.overlap, X last): must give the same bits.
-  v1::ComputeHeader overlap_header;
-  std::vector<v1::ComputeRequest> overlap_parts;
-  ComputeReply golden;  // checked against the reference once; every later OK must equal it
-};
-
-bool SameReply(const ComputeReply& a, const ComputeReply& b) {
-  const float la = a.summary.loss(), lb = b.summary.loss();
-  return std::memcmp(&la, &lb, 4) == 0 && a.summary.tokens() == b.summary.tokens() &&
-         a.tensors == b.tensors;
-}
-
-struct Fetched {
-  grpc::Status status;
-  v1::GradientsHeader header;
-  std::vector<uint8_t> dw, db;
-};
-
-Fetched Fetch(v1::Loss::Stub& stub, const std::string& name, bool reset, double deadline) {
-  Fetched f;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(static_cast<int64_t>(deadline * 1000)));
-  v1::FetchGradientsRequest req;
-  req.set_accumulator(name);
-  req.set_reset(reset);
-  auto reader = stub.FetchGradients(&ctx, req);
-  v1::FetchGradientsResponse m;
-  while (reader->Read(&m)) {
-    if (m.has_header()) {
-      f.header = m.header();
-      f.dw.assign(f.header.dw().shape(0) * f.header.dw().shape(1) * 4, 0xFF);
-      if (f.header.has_db()) f.db.assign(f.header.db().shape(0) * 4, 0xFF);
-      continue;
-    }
-    auto& dst = m.part().tensor() == v1::TENSOR_DW ? f.dw : f.db;
-    if (m.part().offset() + m.part().data().size() <= dst.size()) {
-      std::memcpy(dst.data() + m.part().offset(), m.part().data().data(),
-                  m.part().data().size());
-    }
-  }
-  f.status = reader->Finish();
-  return f;
-}
 
 class Soak {
  public:
@@ -203,17 +79,30 @@ class Soak {
     monitor.join();
     report_.seconds = std::chrono::duration<double>(Clock::now() - start).count();
 
-    // Quiesce and check nothing was left behind.
+    CheckLeftovers(*stub);
+    LatencyPercentiles();
+    if (report_.served_ok == 0) Fail("no call was served");
+    stub.reset();
+    channels_.clear();
+    if (harness) harness.reset();
+    return std::move(report_);
+  }
+
+ private:
+  // Quiesce and check nothing was left behind: admitted memory, the weight cache, the
+  // accumulators and this process's RSS against the baseline.
+  void CheckLeftovers(v1::Loss::Stub& stub) {
+    v1::ServerInfoResponse info;
     for (int i = 0; i < std::max(1, o_.clients); ++i) {
       grpc::ClientContext ctx;
       v1::DropAccumulatorRequest d;
       d.set_accumulator(absl::StrCat("soak-c", i));
       v1::DropAccumulatorResponse r;
-      (void)stub->DropAccumulator(&ctx, d, &r);  // NOT_FOUND when it was just fetched
+      (void)stub.DropAccumulator(&ctx, d, &r);  // NOT_FOUND when it was just fetched
     }
     const auto until = Clock::now() + std::chrono::seconds(10);
     do {
-      info = Info(*stub);
+      info = Info(stub);
       if (info.memory_in_use_bytes() == report_.admitted_start) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     } while (Clock::now() < until);
@@ -236,6 +125,10 @@ class Soak {
       Fail(absl::StrCat("RSS grew from ", report_.rss_baseline, " to ", report_.rss_end,
                         " bytes, more than the bound of ", o_.rss_growth_bound_bytes));
     }
+  }
+
+  // p50, p99 and the maximum of the valid computes' latencies.
+  void LatencyPercentiles() {
     std::sort(latencies_ms_.begin(), latencies_ms_.end());
     if (!latencies_ms_.empty()) {
       auto at = [&](double q) {
@@ -246,14 +139,8 @@ class Soak {
       report_.compute_p99_ms = at(0.99);
       report_.compute_max_ms = latencies_ms_.back();
     }
-    if (report_.served_ok == 0) Fail("no call was served");
-    stub.reset();
-    channels_.clear();
-    if (harness) harness.reset();
-    return std::move(report_);
   }
 
- private:
   v1::ServerInfoResponse Info(v1::Loss::Stub& stub) {
     grpc::ClientContext ctx;
     v1::ServerInfoResponse info;
