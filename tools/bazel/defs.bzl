@@ -1,0 +1,24 @@
+"""Shorthands for the two rules most of lossd's BUILD files are made of.
+
+lossd_cc_library(name): the library <name>.h + <name>.cc (one cc_library per pair).
+lossd_cc_test(name): the GoogleTest binary <name>.cc, linked with gtest_main, size small
+unless given. Every other attribute passes through to cc_library / cc_test unchanged.
+"""
+
+def lossd_cc_library(name, deps = [], **kwargs):
+    native.cc_library(
+        name = name,
+        srcs = [name + ".cc"],
+        hdrs = [name + ".h"],
+        deps = deps,
+        **kwargs
+    )
+
+def lossd_cc_test(name, deps = [], size = "small", **kwargs):
+    native.cc_test(
+        name = name,
+        size = size,
+        srcs = [name + ".cc"],
+        deps = deps + ["@system//:gtest_main"],
+        **kwargs
+    )
