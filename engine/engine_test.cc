@@ -12,41 +12,11 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
+#include "testing/engine_calls.h"
 #include "testing/test_util.h"
 
 namespace lossd {
 namespace {
-
-ComputeSpec SpecFor(const RandomProblem& rp) {
-  const RandomProblemSpec& s = rp.spec();
-  ComputeSpec c;
-  auto set = [&](InputSlot slot, DType dt, std::vector<int64_t> shape) {
-    TensorDesc& t = c.inputs[static_cast<int>(slot)];
-    t.present = true;
-    t.dtype = dt;
-    t.shape = std::move(shape);
-  };
-  set(InputSlot::kX, s.dtype, {s.bt, s.h});
-  set(InputSlot::kW, s.dtype, {s.v, s.h});
-  set(InputSlot::kTargets, s.target_dtype, {s.bt});
-  c.options = s.options;
-  c.wanted.dx = c.wanted.dw = true;
-  return c;
-}
-
-std::shared_ptr<Engine::InputBuffers> Inputs(const RandomProblem& rp, const ComputePlan& plan) {
-  auto in = std::make_shared<Engine::InputBuffers>();
-  LossProblem p = rp.problem();
-  auto copy = [&](InputSlot s, const void* src) {
-    const uint64_t n = plan.input_bytes[static_cast<int>(s)];
-    (*in)[static_cast<int>(s)] = NewHostBuffer(n);
-    std::memcpy((*in)[static_cast<int>(s)].get(), src, n);
-  };
-  copy(InputSlot::kX, p.x);
-  copy(InputSlot::kW, p.w);
-  copy(InputSlot::kTargets, p.targets);
-  return in;
-}
 
 // A random problem of shape (bt, h, v), the spec's defaults otherwise.
 RandomProblem ProblemOf(int64_t bt, int64_t h, int64_t v, double ignore_fraction = 0) {
@@ -58,18 +28,10 @@ RandomProblem ProblemOf(int64_t bt, int64_t h, int64_t v, double ignore_fraction
   return RandomProblem::Make(s);
 }
 
-ComputeOutcome RunSync(Engine& e, const ComputePlan& plan,
-                       std::shared_ptr<Engine::InputBuffers> in) {
-  std::promise<ComputeOutcome> done;
-  e.Run(std::make_shared<const ComputePlan>(plan), in,
-        [&](ComputeOutcome o) { done.set_value(std::move(o)); });
-  return done.get_future().get();
-}
-
 TEST(EngineTest, PlanComputesByteCountsAndOutputs) {
   Engine e(NewCpuBackend(1), EngineOptions{});
   RandomProblem rp = ProblemOf(5, 3, 7);
-  auto plan = e.Plan(SpecFor(rp));
+  auto plan = e.Plan(ComputeSpecFor(rp));
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->input_bytes[static_cast<int>(InputSlot::kX)], 5u * 3 * 2);
   EXPECT_EQ(plan->input_bytes[static_cast<int>(InputSlot::kW)], 7u * 3 * 2);
@@ -87,7 +49,7 @@ TEST(EngineTest, ShapeLimitsAreNamed) {
   RandomProblemSpec s;
   s.v = 101;
   RandomProblem rp = RandomProblem::Make(s);
-  auto plan = e.Plan(SpecFor(rp));
+  auto plan = e.Plan(ComputeSpecFor(rp));
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(plan.status().message().find("V <= 100"), std::string::npos) << plan.status();
 }
@@ -95,9 +57,9 @@ TEST(EngineTest, ShapeLimitsAreNamed) {
 TEST(EngineTest, RunMatchesTheReference) {
   Engine e(NewCpuBackend(2), EngineOptions{});
   RandomProblem rp = ProblemOf(33, 17, 77, 0.2);
-  auto plan = e.Plan(SpecFor(rp));
+  auto plan = e.Plan(ComputeSpecFor(rp));
   ASSERT_TRUE(plan.ok());
-  ComputeOutcome o = RunSync(e, *plan, Inputs(rp, *plan));
+  ComputeOutcome o = RunSync(e, *plan, InputBuffersFor(rp, *plan));
   ASSERT_TRUE(o.status.ok()) << o.status;
   ReferenceOutputs ref;
   LossProblem p = rp.problem();
@@ -125,14 +87,14 @@ TEST(EngineTest, NegativeClassWeightsAreAcceptedWithTorchsMean) {
   int negative = 0;
   for (float w : rp.class_weights) negative += w < 0;
   ASSERT_GT(negative, 0);
-  ComputeSpec spec = SpecFor(rp);
+  ComputeSpec spec = ComputeSpecFor(rp);
   TensorDesc& cw = spec.inputs[static_cast<int>(InputSlot::kClassWeights)];
   cw.present = true;
   cw.dtype = DType::kF32;
   cw.shape = {s.v};
   auto plan = e.Plan(spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  auto in = Inputs(rp, *plan);
+  auto in = InputBuffersFor(rp, *plan);
   const int slot = static_cast<int>(InputSlot::kClassWeights);
   (*in)[slot] = NewHostBuffer(plan->input_bytes[slot]);
   std::memcpy((*in)[slot].get(), rp.class_weights.data(), plan->input_bytes[slot]);
@@ -153,9 +115,9 @@ TEST(EngineTest, NegativeClassWeightsAreAcceptedWithTorchsMean) {
 TEST(EngineTest, EveryIgnoredTargetGivesZeroLossAndZeroGradients) {
   Engine e(NewCpuBackend(1), EngineOptions{});
   RandomProblem rp = ProblemOf(9, 5, 11, 1.0);
-  auto plan = e.Plan(SpecFor(rp));
+  auto plan = e.Plan(ComputeSpecFor(rp));
   ASSERT_TRUE(plan.ok());
-  ComputeOutcome o = RunSync(e, *plan, Inputs(rp, *plan));
+  ComputeOutcome o = RunSync(e, *plan, InputBuffersFor(rp, *plan));
   ASSERT_TRUE(o.status.ok()) << o.status;
   EXPECT_EQ(o.loss, 0.0f);
   EXPECT_EQ(o.tokens, 0);
@@ -168,13 +130,13 @@ TEST(EngineTest, EveryIgnoredTargetGivesZeroLossAndZeroGradients) {
 TEST(EngineTest, AnAccumulatorOfAFailedMicroBatchIsNeverServedAsWhole) {
   Engine e(NewCpuBackend(1), EngineOptions{});
   RandomProblem rp = ProblemOf(4, 3, 5);
-  ComputeSpec spec = SpecFor(rp);
+  ComputeSpec spec = ComputeSpecFor(rp);
   spec.accumulator = "acc";
   auto plan = e.Plan(spec);
   ASSERT_TRUE(plan.ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  ASSERT_TRUE(RunSync(e, *plan, InputBuffersFor(rp, *plan)).status.ok());
   // A micro-batch refused before it touches the accumulator leaves it whole.
-  auto bad = Inputs(rp, *plan);
+  auto bad = InputBuffersFor(rp, *plan);
   reinterpret_cast<int64_t*>((*bad)[static_cast<int>(InputSlot::kTargets)].get())[0] = 99;
   ComputeOutcome o = RunSync(e, *plan, bad);
   EXPECT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument);
@@ -187,12 +149,12 @@ TEST(EngineTest, AnAccumulatorOfAFailedMicroBatchIsNeverServedAsWhole) {
 TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
   Engine e(NewCpuBackend(1), EngineOptions{});
   RandomProblem rp = ProblemOf(4, 3, 5);
-  ComputeSpec spec = SpecFor(rp);
+  ComputeSpec spec = ComputeSpecFor(rp);
   spec.accumulator = "late";
   auto plan = e.Plan(spec);
   ASSERT_TRUE(plan.ok());
   std::promise<ComputeOutcome> done;
-  e.Run(std::make_shared<const ComputePlan>(*plan), Inputs(rp, *plan),
+  e.Run(std::make_shared<const ComputePlan>(*plan), InputBuffersFor(rp, *plan),
         [&](ComputeOutcome o) { done.set_value(std::move(o)); },
         absl::Now() - absl::Seconds(1));
   ComputeOutcome o = done.get_future().get();
@@ -207,13 +169,13 @@ TEST(EngineTest, ARequestWhoseDeadlinePassedInTheQueueIsNotStarted) {
 TEST(EngineTest, ARequestCancelledInTheQueueIsNotStartedAndAddsNothing) {
   Engine e(NewCpuBackend(1), EngineOptions{});
   RandomProblem rp = ProblemOf(4, 3, 5);
-  ComputeSpec spec = SpecFor(rp);
+  ComputeSpec spec = ComputeSpecFor(rp);
   spec.accumulator = "gone";
   auto plan = e.Plan(spec);
   ASSERT_TRUE(plan.ok());
   for (bool cancelled : {true, false}) {
     std::promise<ComputeOutcome> done;
-    e.Run(std::make_shared<const ComputePlan>(*plan), Inputs(rp, *plan),
+    e.Run(std::make_shared<const ComputePlan>(*plan), InputBuffersFor(rp, *plan),
           [&](ComputeOutcome o) { done.set_value(std::move(o)); }, absl::InfiniteFuture(),
           false, OverlapIo{}, [cancelled] { return cancelled; });
     ComputeOutcome o = done.get_future().get();
@@ -256,7 +218,7 @@ TEST(EngineTest, AnOverflowedAccumulatorRefusesUseUntilResetOrDropped) {
   RandomProblem fine = RandomProblem::Make(s);
   s.options.grad_scale = 3e38f;
   RandomProblem huge = RandomProblem::Make(s);
-  ComputeSpec spec = SpecFor(fine);
+  ComputeSpec spec = ComputeSpecFor(fine);
   spec.accumulator = "step";
   auto plan = e.Plan(spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -264,10 +226,10 @@ TEST(EngineTest, AnOverflowedAccumulatorRefusesUseUntilResetOrDropped) {
   auto huge_plan = e.Plan(spec);
   ASSERT_TRUE(huge_plan.ok()) << huge_plan.status();
 
-  ComputeOutcome o = RunSync(e, *plan, Inputs(fine, *plan));
+  ComputeOutcome o = RunSync(e, *plan, InputBuffersFor(fine, *plan));
   ASSERT_TRUE(o.status.ok()) << o.status;
   EXPECT_EQ(o.stats.nonfinite, 0u);
-  o = RunSync(e, *huge_plan, Inputs(huge, *huge_plan));
+  o = RunSync(e, *huge_plan, InputBuffersFor(huge, *huge_plan));
   ASSERT_TRUE(o.status.ok()) << o.status;
   EXPECT_NE(o.stats.nonfinite & kNonFiniteDw, 0u);
   EXPECT_EQ(o.accumulated_micro_batches, 2u);
@@ -280,7 +242,7 @@ TEST(EngineTest, AnOverflowedAccumulatorRefusesUseUntilResetOrDropped) {
         << st;
     EXPECT_NE(st.message().find(") left NaN or Inf in dW"), std::string::npos) << st;
   };
-  expect_refused(RunSync(e, *plan, Inputs(fine, *plan)).status);
+  expect_refused(RunSync(e, *plan, InputBuffersFor(fine, *plan)).status);
   expect_refused(e.FetchGradients("step", false).status());
   expect_refused(e.FetchGradients("step", false, 0, 8).status());
   // The reset fetch skips the step: refused, but zeroed.
@@ -289,7 +251,7 @@ TEST(EngineTest, AnOverflowedAccumulatorRefusesUseUntilResetOrDropped) {
   EXPECT_NE(reset.message().find("this reset fetch returned nothing and zeroed it"),
             std::string::npos)
       << reset;
-  o = RunSync(e, *plan, Inputs(fine, *plan));
+  o = RunSync(e, *plan, InputBuffersFor(fine, *plan));
   ASSERT_TRUE(o.status.ok()) << o.status;
   EXPECT_EQ(o.accumulated_micro_batches, 1u);
   auto g = e.FetchGradients("step", false);
@@ -298,11 +260,11 @@ TEST(EngineTest, AnOverflowedAccumulatorRefusesUseUntilResetOrDropped) {
   const float* dw = reinterpret_cast<const float*>(g->data.get());
   for (int64_t k = 0; k < s.v * s.h; ++k) ASSERT_TRUE(std::isfinite(dw[k])) << k;
   // Overflowed again, then dropped: the name begins a new sum.
-  ASSERT_TRUE(RunSync(e, *huge_plan, Inputs(huge, *huge_plan)).status.ok());
+  ASSERT_TRUE(RunSync(e, *huge_plan, InputBuffersFor(huge, *huge_plan)).status.ok());
   EXPECT_EQ(e.FetchGradients("step", false).status().code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(e.DropAccumulator("step").ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(fine, *plan)).status.ok());
+  ASSERT_TRUE(RunSync(e, *plan, InputBuffersFor(fine, *plan)).status.ok());
   EXPECT_TRUE(e.FetchGradients("step", false).ok());
 }
 
@@ -311,11 +273,11 @@ TEST(EngineTest, AnOverflowedAccumulatorRefusesUseUntilResetOrDropped) {
 TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
   Engine e(NewCpuBackend(1), EngineOptions{});
   RandomProblem rp = ProblemOf(4, 3, 5);
-  ComputeSpec spec = SpecFor(rp);
+  ComputeSpec spec = ComputeSpecFor(rp);
   spec.accumulator = "undo";
   auto plan = e.Plan(spec);
   ASSERT_TRUE(plan.ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  ASSERT_TRUE(RunSync(e, *plan, InputBuffersFor(rp, *plan)).status.ok());
   auto whole = e.FetchGradients("undo", false);
   ASSERT_TRUE(whole.ok());
   auto reset = e.FetchGradients("undo", true);
@@ -330,7 +292,7 @@ TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
   // Reset again, then a Compute adds before the undo comes: partial.
   reset = e.FetchGradients("undo", true);
   ASSERT_TRUE(reset.ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  ASSERT_TRUE(RunSync(e, *plan, InputBuffersFor(rp, *plan)).status.ok());
   EXPECT_NE(e.UndoReset(*reset, reset->data.get()).find("could not be undone"),
             std::string::npos);
   EXPECT_EQ(e.FetchGradients("undo", false).status().code(),
@@ -338,7 +300,7 @@ TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
   // A new accumulator of one micro-batch, reset by a fetch: the snapshot to undo.
   auto fresh_and_reset = [&] {
     EXPECT_TRUE(e.DropAccumulator("undo").ok());
-    EXPECT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+    EXPECT_TRUE(RunSync(e, *plan, InputBuffersFor(rp, *plan)).status.ok());
     return e.FetchGradients("undo", true);
   };
   // A fetch that read the reset sum (zeros) before the undo: partial too, or that reader's
@@ -354,7 +316,7 @@ TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
   reset = fresh_and_reset();
   ASSERT_TRUE(reset.ok());
   ASSERT_TRUE(e.DropAccumulator("undo").ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  ASSERT_TRUE(RunSync(e, *plan, InputBuffersFor(rp, *plan)).status.ok());
   EXPECT_NE(e.UndoReset(*reset, reset->data.get()).find("has been dropped since"),
             std::string::npos);
   auto fresh = e.FetchGradients("undo", false);
@@ -362,7 +324,7 @@ TEST(EngineTest, UndoResetRestoresTheSumOrMarksItPartial) {
   EXPECT_EQ(fresh->micro_batches, 1u);
   // A fetch without reset has nothing to undo.
   ASSERT_TRUE(e.DropAccumulator("undo").ok());
-  ASSERT_TRUE(RunSync(e, *plan, Inputs(rp, *plan)).status.ok());
+  ASSERT_TRUE(RunSync(e, *plan, InputBuffersFor(rp, *plan)).status.ok());
   auto plain = e.FetchGradients("undo", false);
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ(plain->reset_of, nullptr);

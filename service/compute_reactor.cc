@@ -109,8 +109,8 @@ void ComputeReactor::OnWriteDone(bool ok) {
   if (overlap_) {
     {
       absl::MutexLock lock(&mu_);
-      streaming_.writing = false;
-      if (!ok && error_.ok()) error_ = WriteFailed();
+      sends_->WriteDone();
+      if (!ok) sends_->Fail(WriteFailed());
     }
     if (!ok) FailRows();
     Progress();

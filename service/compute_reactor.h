@@ -27,6 +27,7 @@
 #include "service/compute_assembler.h"
 #include "service/idle_watch.h"
 #include "service/loss_service.h"
+#include "service/overlap_sends.h"
 #include "service/reactor_common.h"
 #include "wire/part_codec.h"
 
@@ -66,18 +67,6 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     return state_;
   }
 
-  // What is in flight while kStreaming: each of these, when it ends, calls Progress, which
-  // finishes the call only once none is left (a read still pending is fine: Finish ends it).
-  struct Streaming {
-    bool computing = false;      // the compute job holds `this`
-    bool computed = false;       // it ended OK: every output is final
-    bool writing = false;        // a write is in flight
-    bool handling_read = false;  // a reaction is handling a read
-    bool read_done = false;      // the client closed its side and every input is complete
-    bool final_sent = false;     // the final summary has been written
-    uint64_t dx_sent = 0;        // bytes of dX written
-  };
-
   // Parses one Compute stream message into `frame`, refusing fields this server does not
   // know.
   static absl::Status ParseComputeFrame(const grpc::ByteBuffer& message,
@@ -111,7 +100,6 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   void FailRows();
   void OnOverlapComputed(ComputeOutcome outcome);
   void Progress(absl::FunctionRef<void()> update = [] {});
-  bool NextOverlapWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void FinishOnce(absl::Status s);
 
@@ -128,10 +116,9 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
   bool overlap_ = false;  // ComputeHeader.overlap, set with the plan
-  Streaming streaming_ ABSL_GUARDED_BY(mu_);
-  absl::Status error_ ABSL_GUARDED_BY(mu_);  // overlapped: the first failure wins
+  // Overlapped: what is in flight, the order of the parts and when the call may finish.
+  std::unique_ptr<OverlapSends> sends_ ABSL_GUARDED_BY(mu_);  // made as streaming starts
   v1::ComputeResponse final_summary_ ABSL_GUARDED_BY(mu_);
-  int dx_output_ = -1;  // index of dX in plan_->outputs (overlapped)
   std::shared_ptr<StreamedRows> rows_;  // set once, on the reactor's thread, under mu_
 
   grpc::ByteBuffer request_;

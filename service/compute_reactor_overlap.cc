@@ -24,14 +24,19 @@ namespace lossd {
 // After admission: the preliminary summary (outputs and specs) goes out while X comes in.
 void ComputeReactor::StartOverlap() {
   outputs_ = std::make_shared<std::vector<HostBuffer>>(Engine::NewOutputs(*plan_));
+  std::vector<uint64_t> output_bytes;
+  int dx_output = -1;
   for (size_t i = 0; i < plan_->outputs.size(); ++i) {
-    if (plan_->outputs[i].slot == OutputSlot::kDx) dx_output_ = static_cast<int>(i);
+    output_bytes.push_back(plan_->outputs[i].bytes);
+    if (plan_->outputs[i].slot == OutputSlot::kDx) dx_output = static_cast<int>(i);
   }
   v1::ComputeResponse response = Summary(nullptr);
   {
     absl::MutexLock lock(&mu_);
-    streaming_.writing = true;
-    streaming_.handling_read = true;
+    sends_ = std::make_unique<OverlapSends>(std::move(output_bytes), dx_output, plan_->bt,
+                                            response_part_bytes_);
+    sends_->WriteStarted();
+    sends_->SetHandlingRead(true);
     response_ = client::EncodeMessage(response);
   }
   Write();
@@ -49,7 +54,7 @@ void ComputeReactor::OnOverlapReadDone(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     if (state_ != State::kStreaming) return;  // finishing: Finish ends the pending read
-    streaming_.handling_read = true;
+    sends_->SetHandlingRead(true);
   }
   absl::Status s;
   bool more = false;
@@ -91,7 +96,7 @@ absl::Status ComputeReactor::MaybeStartCompute() {
   {
     absl::MutexLock lock(&mu_);
     rows_ = rows;
-    streaming_.computing = true;
+    sends_->ComputeStarted();
   }
   idle_->Disarm();  // from here a stall of X fails the compute (--overlap_stall)
   engine_->Run(
@@ -110,14 +115,14 @@ absl::Status ComputeReactor::OverlapEndOfStream() {
   absl::Status s = MaybeStartCompute();  // X came before the other inputs: start now
   if (!s.ok()) return s;
   absl::MutexLock lock(&mu_);
-  streaming_.read_done = true;
+  sends_->ReadsDone();
   return absl::OkStatus();
 }
 
 void ComputeReactor::EndHandlingRead() {
   {
     absl::MutexLock lock(&mu_);
-    streaming_.handling_read = false;
+    sends_->SetHandlingRead(false);
   }
   Progress();
 }
@@ -125,14 +130,14 @@ void ComputeReactor::EndHandlingRead() {
 // The call has already failed (a job still queued then does not start).
 bool ComputeReactor::Failed() {
   absl::MutexLock lock(&mu_);
-  return !error_.ok();
+  return !sends_->error().ok();
 }
 
 // The first failure wins; the compute, if running, stops at the next rows it waits for.
 void ComputeReactor::FailOverlap(const absl::Status& s) {
   {
     absl::MutexLock lock(&mu_);
-    if (error_.ok()) error_ = s;
+    sends_->Fail(s);
   }
   FailRows();
 }
@@ -143,7 +148,7 @@ void ComputeReactor::FailRows() {
   {
     absl::MutexLock lock(&mu_);
     rows = rows_;
-    why = error_;
+    why = sends_->error();
   }
   if (rows != nullptr && !why.ok()) rows->Fail(why);
 }
@@ -153,16 +158,12 @@ void ComputeReactor::OnOverlapComputed(ComputeOutcome outcome) {
   ObserveCompute(outcome);
   NoteAdded(outcome);
   v1::ComputeResponse response = Summary(&outcome);
-  // Recorded inside Progress's critical section, not in one of its own before it: once
-  // computing is false (or computed true) another thread's Progress may finish the call,
-  // and gRPC delete this reactor, before this thread's Progress locks mu_ again.
+  // Recorded inside Progress's critical section, not in one of its own before it: once the
+  // compute has ended another thread's Progress may finish the call, and gRPC delete this
+  // reactor, before this thread's Progress locks mu_ again.
   Progress([&] {
-    streaming_.computing = false;
-    if (!outcome.status.ok() && error_.ok()) error_ = outcome.status;
-    if (outcome.status.ok()) {
-      streaming_.computed = true;
-      final_summary_ = std::move(response);
-    }
+    sends_->ComputeEnded(outcome.status);
+    if (outcome.status.ok()) final_summary_ = std::move(response);
     send_started_ = absl::Now();
   });
 }
@@ -177,31 +178,30 @@ void ComputeReactor::Progress(absl::FunctionRef<void()> update) {
   {
     absl::MutexLock lock(&mu_);
     update();
-    if (state_ != State::kStreaming || streaming_.writing) return;
-    if (!error_.ok()) {
-      // They call Progress when they end.
-      if (streaming_.computing || streaming_.handling_read) return;
-      finish = error_;
-      done = true;
-    } else if (NextOverlapWriteLocked()) {
-      streaming_.writing = true;
-      write = true;
-    } else if (streaming_.computed && streaming_.read_done && !streaming_.handling_read) {
-      if (!streaming_.final_sent) {
-        streaming_.final_sent = true;
-        streaming_.writing = true;
+    if (state_ != State::kStreaming) return;
+    const OverlapSends::Step step = sends_->Next(rows_ != nullptr ? rows_->dx_ready() : 0);
+    switch (step.kind) {
+      case OverlapSends::Step::Kind::kWait:
+        return;
+      case OverlapSends::Step::Kind::kPart:
+        EncodeOutputPart(step.output, step.offset, step.offset + step.bytes);
         write = true;
+        break;
+      case OverlapSends::Step::Kind::kFinalSummary:
         response_ = client::EncodeMessage(final_summary_);
-      } else {
+        write = true;
+        break;
+      case OverlapSends::Step::Kind::kFinish:
+        finish = step.status;
         done = true;
         // The part of sending the compute did not hide: from its end to the last write.
         send_seconds = SecondsSince(send_started_);
         bytes_out = static_cast<double>(bytes_out_);
-      }
+        // One Progress finishes: a second that also found the call done could reach
+        // FinishOnce after the first's Finish had let gRPC delete the reactor.
+        SetStateLocked(State::kFinishing);
+        break;
     }
-    // One Progress finishes: a second that also found the call done could reach FinishOnce
-    // after the first's Finish had let gRPC delete the reactor.
-    if (done) SetStateLocked(State::kFinishing);
   }
   if (write) {
     Write();
@@ -212,34 +212,6 @@ void ComputeReactor::Progress(absl::FunctionRef<void()> update) {
     }
     FinishOnce(finish);
   }
-}
-
-// Sets response_ to the next output part that may go now: dX up to the rows reported, and
-// once the compute is done the rest of dX and every other output. False: nothing yet.
-bool ComputeReactor::NextOverlapWriteLocked() {
-  if (dx_output_ >= 0) {
-    const OutputDesc& d = plan_->outputs[dx_output_];
-    const uint64_t row_bytes = plan_->bt > 0 ? d.bytes / plan_->bt : 0;
-    // Once the compute is done every row is final, reported or not.
-    const int64_t rows = streaming_.computed ? plan_->bt
-                         : rows_ != nullptr  ? rows_->dx_ready()
-                                             : 0;
-    const uint64_t ready = static_cast<uint64_t>(rows) * row_bytes;
-    if (streaming_.dx_sent < ready) {
-      streaming_.dx_sent += EncodeOutputPart(dx_output_, streaming_.dx_sent, ready);
-      return true;
-    }
-  }
-  if (!streaming_.computed) return false;
-  while (output_ < plan_->outputs.size() &&
-         (static_cast<int>(output_) == dx_output_ ||
-          offset_ >= plan_->outputs[output_].bytes)) {
-    ++output_;
-    offset_ = 0;
-  }
-  if (output_ == plan_->outputs.size()) return false;
-  offset_ += EncodeOutputPart(output_, offset_, plan_->outputs[output_].bytes);
-  return true;
 }
 
 }  // namespace lossd

@@ -2,12 +2,50 @@
 
 #include <cstring>
 #include <future>
-#include <memory>
 #include <utility>
-
-#include "testing/test_util.h"
+#include <vector>
 
 namespace lossd {
+
+ComputeSpec ComputeSpecFor(const RandomProblem& rp) {
+  const RandomProblemSpec& s = rp.spec();
+  ComputeSpec c;
+  auto set = [&](InputSlot slot, DType dt, std::vector<int64_t> shape) {
+    TensorDesc& t = c.inputs[static_cast<int>(slot)];
+    t.present = true;
+    t.dtype = dt;
+    t.shape = std::move(shape);
+  };
+  set(InputSlot::kX, s.dtype, {s.bt, s.h});
+  set(InputSlot::kW, s.dtype, {s.v, s.h});
+  set(InputSlot::kTargets, s.target_dtype, {s.bt});
+  c.options = s.options;
+  c.wanted.dx = c.wanted.dw = true;
+  return c;
+}
+
+std::shared_ptr<Engine::InputBuffers> InputBuffersFor(const RandomProblem& rp,
+                                                      const ComputePlan& plan) {
+  auto in = std::make_shared<Engine::InputBuffers>();
+  LossProblem p = rp.problem();
+  auto copy = [&](InputSlot s, const void* src) {
+    const uint64_t n = plan.input_bytes[static_cast<int>(s)];
+    (*in)[static_cast<int>(s)] = NewHostBuffer(n);
+    std::memcpy((*in)[static_cast<int>(s)].get(), src, n);
+  };
+  copy(InputSlot::kX, p.x);
+  copy(InputSlot::kW, p.w);
+  copy(InputSlot::kTargets, p.targets);
+  return in;
+}
+
+ComputeOutcome RunSync(Engine& e, const ComputePlan& plan,
+                       std::shared_ptr<Engine::InputBuffers> in) {
+  std::promise<ComputeOutcome> done;
+  e.Run(std::make_shared<const ComputePlan>(plan), in,
+        [&](ComputeOutcome o) { done.set_value(std::move(o)); });
+  return done.get_future().get();
+}
 
 ComputeOutcome AddRandomMicroBatch(Engine& engine, const std::string& name) {
   RandomProblemSpec rs;
@@ -15,18 +53,7 @@ ComputeOutcome AddRandomMicroBatch(Engine& engine, const std::string& name) {
   rs.h = 3;
   rs.v = 5;
   RandomProblem rp = RandomProblem::Make(rs);
-  ComputeSpec spec;
-  auto set = [&](InputSlot slot, DType dt, std::vector<int64_t> shape) {
-    TensorDesc& t = spec.inputs[static_cast<int>(slot)];
-    t.present = true;
-    t.dtype = dt;
-    t.shape = std::move(shape);
-  };
-  set(InputSlot::kX, rs.dtype, {rs.bt, rs.h});
-  set(InputSlot::kW, rs.dtype, {rs.v, rs.h});
-  set(InputSlot::kTargets, rs.target_dtype, {rs.bt});
-  spec.options = rs.options;
-  spec.wanted.dw = true;
+  ComputeSpec spec = ComputeSpecFor(rp);
   spec.accumulator = name;
   auto plan = engine.Plan(spec);
   if (!plan.ok()) {
@@ -34,19 +61,7 @@ ComputeOutcome AddRandomMicroBatch(Engine& engine, const std::string& name) {
     refused.status = plan.status();
     return refused;
   }
-  auto in = std::make_shared<Engine::InputBuffers>();
-  LossProblem p = rp.problem();
-  for (auto [slot, src] : {std::pair<InputSlot, const void*>{InputSlot::kX, p.x},
-                           {InputSlot::kW, p.w},
-                           {InputSlot::kTargets, p.targets}}) {
-    const uint64_t n = plan->input_bytes[static_cast<int>(slot)];
-    (*in)[static_cast<int>(slot)] = NewHostBuffer(n);
-    std::memcpy((*in)[static_cast<int>(slot)].get(), src, n);
-  }
-  std::promise<ComputeOutcome> done;
-  engine.Run(std::make_shared<const ComputePlan>(std::move(*plan)), in,
-             [&](ComputeOutcome o) { done.set_value(std::move(o)); });
-  return done.get_future().get();
+  return RunSync(engine, *plan, InputBuffersFor(rp, *plan));
 }
 
 void DrainExecutor(Engine& engine) {
