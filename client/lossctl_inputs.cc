@@ -204,16 +204,9 @@ absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
   return w;
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
-  LOSSD_ASSIGN_OR_RETURN(auto o, OptionsFromFlags());
-  return LossClient::Create(o);
-}
-
-// The whole request from flags; `v` gets the vocabulary size when known (0 otherwise).
-absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
-  ComputeRequest r;
+// The loss options, grad dtype and wanted outputs (--reduction ... --want) into r.
+absl::Status LossOptionsFromFlags(ComputeRequest* r_out) {
+  ComputeRequest& r = *r_out;
   const std::string reduction = absl::GetFlag(FLAGS_reduction);
   if (reduction == "mean") {
     r.options.reduction = Reduction::kMean;
@@ -239,24 +232,14 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
   }
   LOSSD_ASSIGN_OR_RETURN(auto want, ParseWant(absl::GetFlag(FLAGS_want)));
   r.want = want;
-  r.accumulator = absl::GetFlag(FLAGS_accumulator);
-  r.weight_handle = absl::GetFlag(FLAGS_weight_handle);
+  return absl::OkStatus();
+}
+
+// X (from --x, or random (--bt, H) in W's or --dtype's dtype) and the targets (from
+// --targets, or random below `v`) into r.
+absl::Status XAndTargetsFromFlags(int64_t v, ComputeRequest* r_out) {
+  ComputeRequest& r = *r_out;
   const std::string dtype_flag = absl::GetFlag(FLAGS_dtype);
-
-  if (!r.weight_handle.empty() && (!absl::GetFlag(FLAGS_w).empty() ||
-                                   !absl::GetFlag(FLAGS_bias).empty() ||
-                                   absl::GetFlag(FLAGS_with_bias))) {
-    // The handle carries W and its bias; anything given beside it would be ignored.
-    return absl::InvalidArgumentError(
-        "--weight_handle carries W and its bias: give it without --w, --bias or --with_bias");
-  }
-  if (r.weight_handle.empty()) LOSSD_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
-  if (r.w.has_value() && r.w->rank() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--w must hold a (V, H) array, got ", r.w->DebugString()));
-  }
-  int64_t v = r.w.has_value() ? r.w->dim(0) : absl::GetFlag(FLAGS_v);
-
   if (!absl::GetFlag(FLAGS_x).empty()) {
     LOSSD_ASSIGN_OR_RETURN(auto x, ReadNpy(absl::GetFlag(FLAGS_x)));
     r.x = std::move(x);
@@ -290,6 +273,38 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
         RandomTargets(tdt, r.x.rank() > 0 ? r.x.dim(0) : 0, v, absl::GetFlag(FLAGS_ignore_fraction),
                       r.options.ignore_index, absl::GetFlag(FLAGS_seed) + 3);
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
+  LOSSD_ASSIGN_OR_RETURN(auto o, OptionsFromFlags());
+  return LossClient::Create(o);
+}
+
+// The whole request from flags; `v` gets the vocabulary size when known (0 otherwise).
+absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
+  ComputeRequest r;
+  LOSSD_RETURN_IF_ERROR(LossOptionsFromFlags(&r));
+  r.accumulator = absl::GetFlag(FLAGS_accumulator);
+  r.weight_handle = absl::GetFlag(FLAGS_weight_handle);
+
+  if (!r.weight_handle.empty() && (!absl::GetFlag(FLAGS_w).empty() ||
+                                   !absl::GetFlag(FLAGS_bias).empty() ||
+                                   absl::GetFlag(FLAGS_with_bias))) {
+    // The handle carries W and its bias; anything given beside it would be ignored.
+    return absl::InvalidArgumentError(
+        "--weight_handle carries W and its bias: give it without --w, --bias or --with_bias");
+  }
+  if (r.weight_handle.empty()) LOSSD_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
+  if (r.w.has_value() && r.w->rank() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--w must hold a (V, H) array, got ", r.w->DebugString()));
+  }
+  int64_t v = r.w.has_value() ? r.w->dim(0) : absl::GetFlag(FLAGS_v);
+
+  LOSSD_RETURN_IF_ERROR(XAndTargetsFromFlags(v, &r));
   LOSSD_ASSIGN_OR_RETURN(auto cw, ReadOptional(absl::GetFlag(FLAGS_class_weights)));
   if (cw.has_value()) {
     LOSSD_ASSIGN_OR_RETURN(auto c, CastFloat(std::move(*cw), DType::kF32, "class_weights"));

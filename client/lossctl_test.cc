@@ -78,6 +78,13 @@ class LossctlTest : public ::testing::Test {
 
   std::string Path(const std::string& name) { return dir_ + "/" + name; }
 
+  // `lossctl args` exits 1 and says `message` (a substring of its output).
+  void ExpectFails(const std::string& args, const std::string& message) {
+    Result r = Lossctl(args);
+    EXPECT_EQ(r.code, 1) << "lossctl " << args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(message)) << "lossctl " << args;
+  }
+
   // compute from x.npy and w.npy with --dtype=bf16: X and W go as bf16 (the fake echoes X
   // as dX, so dX is X rounded to bf16).
   void ExpectSentAsBf16(const HostTensor& x) {
@@ -258,10 +265,8 @@ TEST_F(LossctlTest, ServerErrorsExitNonZeroWithTheCodeName) {
   fake_.error_code = grpc::StatusCode::RESOURCE_EXHAUSTED;
   fake_.error_message = "needs 9 GiB, budget 8 GiB";
   fake_.mode = Mode::kError;  // last: publishes the two above to the server's threads
-  Result r = Lossctl("compute --bt=4 --h=4 --v=4");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output,
-              HasSubstr("lossctl compute: RESOURCE_EXHAUSTED: needs 9 GiB, budget 8 GiB"));
+  ExpectFails("compute --bt=4 --h=4 --v=4",
+              "lossctl compute: RESOURCE_EXHAUSTED: needs 9 GiB, budget 8 GiB");
 }
 
 TEST_F(LossctlTest, UsageErrors) {
@@ -269,44 +274,30 @@ TEST_F(LossctlTest, UsageErrors) {
   Result r = Lossctl("frobnicate");
   EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.output, HasSubstr("unknown command 'frobnicate'"));
-  r = Lossctl("compute --bt=4 --h=4 --v=4 --reduction=avg");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("INVALID_ARGUMENT: --reduction must be mean, sum or none"));
-  r = Lossctl("compute --v=4");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("give --w (a .npy file) or random shape --v and --h"));
+  ExpectFails("compute --bt=4 --h=4 --v=4 --reduction=avg",
+              "INVALID_ARGUMENT: --reduction must be mean, sum or none");
+  ExpectFails("compute --v=4", "give --w (a .npy file) or random shape --v and --h");
   r = Lossctl("compute --bt=4 --h=4 --v=4 --want=dx,gradients");
   EXPECT_THAT(r.output, HasSubstr("unknown output 'gradients'"));
-  r = Lossctl("compute --x=" + Path("missing.npy") + " --w=" + Path("missing.npy"));
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("NOT_FOUND"));
+  ExpectFails("compute --x=" + Path("missing.npy") + " --w=" + Path("missing.npy"), "NOT_FOUND");
   // W beside a handle would be ignored: refused.
-  r = Lossctl("compute --weight_handle=fake-0 --with_bias --bt=3 --h=4 --v=10");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("--weight_handle carries W and its bias"));
+  ExpectFails("compute --weight_handle=fake-0 --with_bias --bt=3 --h=4 --v=10",
+              "--weight_handle carries W and its bias");
   // Dtypes of the wrong kind: random fp32 targets would be written past their buffer, and
   // random int X left unwritten.
-  r = Lossctl("compute --bt=4096 --h=8 --v=100 --target_dtype=fp32");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("--target_dtype must be int32 or int64, got 'fp32'"));
-  r = Lossctl("compute --bt=4 --h=8 --v=100 --dtype=int32");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("--dtype must be bf16, fp16 or fp32, got 'int32'"));
-  r = Lossctl("compute --bt=4 --h=8 --v=100 --grad_dtype=int64");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("--grad_dtype must be bf16, fp16 or fp32, got 'int64'"));
-  r = Lossctl("compute --bt=4 --h=8 --v=100 --dtype=fp8");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("--dtype: unknown dtype 'fp8'"));
+  ExpectFails("compute --bt=4096 --h=8 --v=100 --target_dtype=fp32",
+              "--target_dtype must be int32 or int64, got 'fp32'");
+  ExpectFails("compute --bt=4 --h=8 --v=100 --dtype=int32",
+              "--dtype must be bf16, fp16 or fp32, got 'int32'");
+  ExpectFails("compute --bt=4 --h=8 --v=100 --grad_dtype=int64",
+              "--grad_dtype must be bf16, fp16 or fp32, got 'int64'");
+  ExpectFails("compute --bt=4 --h=8 --v=100 --dtype=fp8", "--dtype: unknown dtype 'fp8'");
   // A bias flag that would be ignored: refused.
   HostTensor w = RandomF32({10, 4}, 3);
   ASSERT_TRUE(WriteNpy(Path("w.npy"), w).ok());
-  r = Lossctl("compute --bt=3 --w=" + Path("w.npy") + " --with_bias");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("--with_bias adds a random bias to random weights"));
-  r = Lossctl("put-weights --v=10 --h=4 --bias=" + Path("w.npy"));
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("--bias goes with --w"));
+  ExpectFails("compute --bt=3 --w=" + Path("w.npy") + " --with_bias",
+              "--with_bias adds a random bias to random weights");
+  ExpectFails("put-weights --v=10 --h=4 --bias=" + Path("w.npy"), "--bias goes with --w");
   absl::MutexLock lock(&fake_.mu);
   EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
 }
@@ -323,9 +314,7 @@ TEST_F(LossctlTest, WeightHandleLifecycle) {
     EXPECT_FALSE(fake_.last_header.has_w());
   }
   EXPECT_EQ(Lossctl("drop-weights --handle=fake-0").code, 0);
-  r = Lossctl("drop-weights --handle=fake-0");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("NOT_FOUND: unknown weight handle 'fake-0'"));
+  ExpectFails("drop-weights --handle=fake-0", "NOT_FOUND: unknown weight handle 'fake-0'");
   EXPECT_EQ(Lossctl("drop-weights").code, 1);
 }
 
@@ -342,23 +331,18 @@ TEST_F(LossctlTest, AccumulateFetchAndDrop) {
   ASSERT_EQ(dw.shape(), (std::vector<int64_t>{5, 3}));
   for (int i = 0; i < 15; ++i) EXPECT_EQ(dw.data_as<float>()[i], static_cast<float>(i + 2));
   EXPECT_EQ(Lossctl("drop-accumulator --accumulator=acc").code, 0);
-  r = Lossctl("drop-accumulator --accumulator=acc");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("NOT_FOUND: no accumulator 'acc'"));
+  ExpectFails("drop-accumulator --accumulator=acc", "NOT_FOUND: no accumulator 'acc'");
 }
 
 TEST_F(LossctlTest, ListShowsHandlesAndAccumulatorsOnlyWhereTheServerHasIt) {
-  Result r = Lossctl("list");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("UNIMPLEMENTED: the server (lossd 0.0-fake) does not support "
-                                  "'list_state'"));
+  ExpectFails("list", "UNIMPLEMENTED: the server (lossd 0.0-fake) does not support 'list_state'");
   {
     absl::MutexLock lock(&fake_.mu);
     fake_.features = {"list_state"};
   }
   ASSERT_EQ(Lossctl("put-weights --v=10 --h=4 --dtype=fp16").code, 0);
   ASSERT_EQ(Lossctl("compute --bt=4 --h=3 --v=5 --accumulator=acc --want=dx").code, 0);
-  r = Lossctl("list");
+  Result r = Lossctl("list");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("weights     fake-0"));
   EXPECT_THAT(r.output, HasSubstr("accumulator acc"));
@@ -381,9 +365,7 @@ TEST_F(LossctlTest, Bench) {
 }
 
 TEST_F(LossctlTest, UnreachableServer) {
-  Result r = Lossctl("info --target=127.0.0.1:1");
-  EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.output, HasSubstr("lossctl info: UNAVAILABLE"));
+  ExpectFails("info --target=127.0.0.1:1", "lossctl info: UNAVAILABLE");
 }
 
 }  // namespace

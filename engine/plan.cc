@@ -208,39 +208,31 @@ void PlanBuffers(bool has_cw, bool has_go, ComputePlan* plan) {
   plan->host_bytes = host;
 }
 
-// The backend's worst case for this plan's shape, with a stand-in problem (no data yet).
+// The backend's worst case for this plan's shape (no data yet). Every input and output the
+// request has, so the backend counts all of its device copies (a device budget refuses the
+// request here, not after its tensors have arrived).
 uint64_t WorkspaceBytesOf(Backend& backend, const ComputePlan& plan, bool has_cw, bool has_go) {
-  LossProblem p;
-  p.bt = plan.bt;
-  p.h = plan.h;
-  p.v = plan.v;
-  p.dtype = plan.dtype;
-  p.w_memory = plan.weights ? Memory::kBackend : Memory::kHost;
-  p.target_dtype = plan.target_dtype;
-  p.options = plan.options;
-  static uint8_t marker;  // non-null stand-ins: "this input/output is present"
-  p.x = &marker;
-  p.w = &marker;
-  p.targets = &marker;
-  p.bias = plan.has_bias ? &marker : nullptr;
-  // Every input and output the request has, so the backend counts all of its device copies
-  // (a device budget refuses the request here, not after its tensors have arrived).
-  const float* fmarker = reinterpret_cast<const float*>(&marker);
-  p.class_weights = has_cw ? fmarker : nullptr;
-  p.grad_output = has_go ? fmarker : nullptr;
-  LossOutputs out;
-  out.grad_dtype = plan.grad_dtype;
-  out.loss = reinterpret_cast<float*>(&marker);
-  if (plan.wanted.dx) out.dx = &marker;
+  WorkspaceShape shape;
+  shape.bt = plan.bt;
+  shape.h = plan.h;
+  shape.v = plan.v;
+  shape.dtype = plan.dtype;
+  shape.grad_dtype = plan.grad_dtype;
+  shape.w_memory = plan.weights ? Memory::kBackend : Memory::kHost;
+  shape.has_bias = plan.has_bias;
+  shape.has_class_weights = has_cw;
+  shape.has_grad_output = has_go;
+  shape.chunk_rows = plan.options.chunk_rows;
+  shape.want_dx = plan.wanted.dx;
   if (!plan.accumulator.empty()) {
-    out.dw_accum = reinterpret_cast<float*>(&marker);
-    if (plan.has_bias) out.db_accum = reinterpret_cast<float*>(&marker);
-    out.accum_memory = Memory::kBackend;
+    shape.dw = GradOut::kAccumulated;
+    if (plan.has_bias) shape.db = GradOut::kAccumulated;
+    shape.accum_memory = Memory::kBackend;
   } else {
-    if (plan.wanted.dw) out.dw = &marker;
-    if (plan.wanted.db && plan.has_bias) out.db = &marker;
+    if (plan.wanted.dw) shape.dw = GradOut::kWritten;
+    if (plan.wanted.db && plan.has_bias) shape.db = GradOut::kWritten;
   }
-  return backend.WorkspaceBytes(p, out);
+  return backend.WorkspaceBytes(shape);
 }
 
 }  // namespace

@@ -45,6 +45,56 @@ struct BackendInfo {
   bool healthy = true;             // false after a sticky device error
 };
 
+// Whether a Compute writes a gradient, adds it into an fp32 accumulator, or skips it.
+enum class GradOut : int32_t { kNone = 0, kWritten = 1, kAccumulated = 2 };
+
+// What a Compute's workspace depends on: the problem's shape and which of its inputs and
+// outputs exist, never their data. The engine asks with it before a request's tensors have
+// arrived; a backend's Compute plans from ShapeOf(problem, outputs), so both see one number.
+struct WorkspaceShape {
+  int64_t bt = 0;  // rows (tokens)
+  int64_t h = 0;   // hidden size
+  int64_t v = 0;   // vocabulary size
+  DType dtype = DType::kBF16;       // of X, W and bias
+  DType grad_dtype = DType::kBF16;  // of dx, dw, db
+  Memory w_memory = Memory::kHost;  // where W and the bias live
+  bool has_bias = false;
+  bool has_class_weights = false;
+  bool has_grad_output = false;
+  bool rows_streamed = false;  // X arrives while the Compute runs (LossProblem::rows)
+  int64_t chunk_rows = 0;      // LossOptions::chunk_rows, the one option that changes memory
+  bool want_dx = false;
+  GradOut dw = GradOut::kNone;  // kAccumulated: added into LossOutputs::dw_accum
+  GradOut db = GradOut::kNone;  // kAccumulated: added into LossOutputs::db_accum
+  Memory accum_memory = Memory::kHost;  // where the accumulators live
+};
+
+// The shape of a real problem: what its pointers say is present. An accumulator wins over a
+// plain output, as in every backend's Compute.
+inline WorkspaceShape ShapeOf(const LossProblem& p, const LossOutputs& out) {
+  WorkspaceShape s;
+  s.bt = p.bt;
+  s.h = p.h;
+  s.v = p.v;
+  s.dtype = p.dtype;
+  s.grad_dtype = out.grad_dtype;
+  s.w_memory = p.w_memory;
+  s.has_bias = p.bias != nullptr;
+  s.has_class_weights = p.class_weights != nullptr;
+  s.has_grad_output = p.grad_output != nullptr;
+  s.rows_streamed = p.rows != nullptr;
+  s.chunk_rows = p.options.chunk_rows;
+  s.want_dx = out.dx != nullptr;
+  s.dw = out.dw_accum != nullptr ? GradOut::kAccumulated
+         : out.dw != nullptr     ? GradOut::kWritten
+                                 : GradOut::kNone;
+  s.db = out.db_accum != nullptr ? GradOut::kAccumulated
+         : out.db != nullptr     ? GradOut::kWritten
+                                 : GradOut::kNone;
+  s.accum_memory = out.accum_memory;
+  return s;
+}
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -62,7 +112,7 @@ class Backend {
   // Worst-case backend bytes one Compute of this shape needs beyond its inputs and outputs
   // (chunk buffers, workspaces, device copies of host inputs and outputs). The engine admits
   // a request only when this fits in the budget.
-  virtual uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) = 0;
+  virtual uint64_t WorkspaceBytes(const WorkspaceShape& shape) = 0;
 
   // Runs forward + backward. The problem has been validated by the engine (shapes, dtypes,
   // target range); a backend still refuses what it cannot do with INVALID_ARGUMENT.

@@ -13,6 +13,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/plugin_abi.h"
+#include "kernels/plugin_abi_convert.h"
+#include "kernels/plugin_backend.h"
 
 namespace lossd {
 namespace {
@@ -31,12 +34,14 @@ std::string SelfExe() {
 bool Exists(const std::string& path) { return !path.empty() && access(path.c_str(), R_OK) == 0; }
 
 // The first candidate that exists, dlopened, with its ABI version read. The handle is never
-// closed: the backend's code and vtable live in the library, and a probe that is followed by
-// a load gets the same handle back from dlopen.
+// closed: the backend's code lives in the library, and a probe that is followed by a load
+// gets the same handle back from dlopen.
 struct OpenedPlugin {
   std::string path;
   void* handle = nullptr;
   uint32_t abi_version = 0;
+  // The table for LOSSD_PLUGIN_ABI_VERSION; null when the plugin speaks another version.
+  const LossdBackendApi* api = nullptr;
 };
 
 absl::StatusOr<OpenedPlugin> OpenPlugin(const std::string& path_or_empty) {
@@ -59,16 +64,45 @@ absl::StatusOr<OpenedPlugin> OpenPlugin(const std::string& path_or_empty) {
     return absl::FailedPreconditionError(
         absl::StrCat("dlopen(", p.path, "): ", e != nullptr ? e : "unknown error"));
   }
-  auto abi = reinterpret_cast<LossdCudaAbiVersionFn>(
-      dlsym(p.handle, LOSSD_CUDA_ABI_VERSION_SYMBOL));
-  if (abi == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        p.path, " exports no ", LOSSD_CUDA_ABI_VERSION_SYMBOL,
-        ": it predates the versioned plugin ABI; this server needs ABI version ",
-        LOSSD_CUDA_ABI_VERSION));
+  auto get_api =
+      reinterpret_cast<LossdPluginGetApiFn>(dlsym(p.handle, LOSSD_PLUGIN_ENTRY_SYMBOL));
+  if (get_api != nullptr) {
+    p.api = get_api(LOSSD_PLUGIN_ABI_VERSION, &p.abi_version);
+    return p;
   }
-  p.abi_version = abi();
-  return p;
+  // A version 1 plugin (a C++ Backend* across dlopen) said its version this way; read it
+  // only to name it. Nothing else of such a plugin is ever called.
+  using V1VersionFn = uint32_t (*)();
+  auto v1 = reinterpret_cast<V1VersionFn>(dlsym(p.handle, LOSSD_PLUGIN_V1_VERSION_SYMBOL));
+  if (v1 != nullptr) {
+    p.abi_version = v1();
+    return p;
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      p.path, " exports no ", LOSSD_PLUGIN_ENTRY_SYMBOL,
+      ": it is not a lossd plugin of a versioned ABI; this server needs ABI version ",
+      LOSSD_PLUGIN_ABI_VERSION));
+}
+
+// Every function of a version-2 table, present.
+absl::Status CheckTable(const std::string& path, const LossdBackendApi& api) {
+  if (api.struct_size < sizeof(LossdBackendApi) || api.abi_version != LOSSD_PLUGIN_ABI_VERSION) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " returned a table of ", api.struct_size, " bytes for ABI version ",
+        api.abi_version, "; this server needs ", sizeof(LossdBackendApi),
+        " bytes for version ", LOSSD_PLUGIN_ABI_VERSION));
+  }
+  const bool complete = api.create != nullptr && api.destroy != nullptr && api.info != nullptr &&
+                        api.allocate != nullptr && api.free_buffer != nullptr &&
+                        api.copy_to_backend != nullptr && api.copy_from_backend != nullptr &&
+                        api.zero != nullptr && api.workspace_bytes != nullptr &&
+                        api.compute != nullptr && api.host_memory != nullptr &&
+                        api.host_alloc != nullptr && api.host_free != nullptr;
+  if (!complete) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " returned a table with a function missing"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -100,28 +134,26 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(const std::string& path
   absl::StatusOr<OpenedPlugin> opened = OpenPlugin(path_or_empty);
   if (!opened.ok()) return opened.status();
   const std::string& chosen = opened->path;
-  void* handle = opened->handle;
-  if (opened->abi_version != LOSSD_CUDA_ABI_VERSION) {
+  if (opened->abi_version != LOSSD_PLUGIN_ABI_VERSION || opened->api == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(chosen, " was built for plugin ABI version ", opened->abi_version,
-                     "; this server needs version ", LOSSD_CUDA_ABI_VERSION));
+                     "; this server needs version ", LOSSD_PLUGIN_ABI_VERSION));
   }
-  auto factory =
-      reinterpret_cast<LossdCreateCudaBackendFn>(dlsym(handle, LOSSD_CUDA_FACTORY_SYMBOL));
-  if (factory == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(chosen, " has no symbol ", LOSSD_CUDA_FACTORY_SYMBOL));
-  }
-  char err[1024] = {0};
-  Backend* backend = factory(&options, err, sizeof(err));
-  if (backend == nullptr) {
-    const std::string msg = err[0] != '\0' ? std::string(err) : "unknown error";
+  const LossdBackendApi* api = opened->api;
+  if (absl::Status st = CheckTable(chosen, *api); !st.ok()) return st;
+  StatusBuffer st;
+  LossdBackend* backend = nullptr;
+  const int32_t code = api->create(&options, &backend, st.get());
+  if (code != 0 || backend == nullptr) {
+    const absl::Status created = st.ToStatus(code);
+    const std::string msg = !created.message().empty() ? std::string(created.message())
+                                                       : "unknown error";
     if (absl::StartsWith(msg, LOSSD_CUDA_NO_GPU_PREFIX)) {
       return absl::UnavailableError(absl::StrCat(chosen, ": ", msg));
     }
     return absl::InternalError(absl::StrCat(chosen, ": ", msg));
   }
-  return std::unique_ptr<Backend>(backend);
+  return NewPluginBackend(api, backend);
 }
 
 }  // namespace lossd

@@ -1,16 +1,30 @@
-// Tests of the CUDA plugin loader that need neither CUDA nor the plugin: the search order and
-// the status codes for a missing or broken plugin file.
+// Tests of the CUDA plugin loader and the plugin ABI that need neither CUDA nor the plugin: the
+// search order, the status codes for a missing, broken or mismatched plugin file, and every
+// function of the C table (fake_plugin.cc's CPU backend behind it) against the CPU backend
+// called directly.
 #include "kernels/plugin_loader.h"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "core/loss_problem.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/plugin_abi.h"
+#include "testing/test_util.h"
 
 namespace lossd {
 namespace {
@@ -52,8 +66,8 @@ TEST(PluginLoaderTest, BrokenPluginIsFailedPrecondition) {
   unlink(path.c_str());
 }
 
-// The fake plugins' paths, from the test's arguments (see BUILD).
-std::string g_no_abi, g_next_abi, g_this_abi;
+// The fake plugins' paths (fake_plugin.cc says what each is), from the test's arguments.
+std::string g_no_entry, g_v1, g_next_abi, g_cpu;
 
 std::string Absolute(const std::string& path) {
   char* real = realpath(path.c_str(), nullptr);
@@ -62,41 +76,297 @@ std::string Absolute(const std::string& path) {
   return out;
 }
 
-TEST(PluginLoaderTest, PluginWithoutAbiVersionIsRefusedBeforeItsFactory) {
-  auto b = LoadCudaBackend(Absolute(g_no_abi), DefaultCudaOptions());
+TEST(PluginLoaderTest, PluginWithoutTheEntryPointIsRefused) {
+  auto b = LoadCudaBackend(Absolute(g_no_entry), DefaultCudaOptions());
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("exports no LossdCudaAbiVersion: it predates the "
-                                      "versioned plugin ABI; this server needs ABI version 1"),
+  EXPECT_NE(b.status().message().find("exports no LossdPluginGetApi: it is not a lossd plugin "
+                                      "of a versioned ABI; this server needs ABI version 2"),
             std::string::npos)
       << b.status();
-  EXPECT_FALSE(ProbeCudaPlugin(Absolute(g_no_abi)).ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(ProbeCudaPlugin(Absolute(g_no_entry)).status()));
 }
 
-TEST(PluginLoaderTest, PluginOfAnotherAbiIsRefusedBeforeItsFactory) {
-  auto b = LoadCudaBackend(Absolute(g_next_abi), DefaultCudaOptions());
+TEST(PluginLoaderTest, VersionOnePluginIsRefusedNamingBothVersions) {
+  auto b = LoadCudaBackend(Absolute(g_v1), DefaultCudaOptions());
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("was built for plugin ABI version 2; this server needs "
-                                      "version 1"),
+  EXPECT_NE(b.status().message().find("was built for plugin ABI version 1; this server needs "
+                                      "version 2"),
             std::string::npos)
       << b.status();
   // The probe reports the number rather than refusing: --version prints it.
+  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_v1));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->abi_version, 1u);
+}
+
+TEST(PluginLoaderTest, PluginOfAnotherAbiIsRefusedNamingBothVersions) {
+  auto b = LoadCudaBackend(Absolute(g_next_abi), DefaultCudaOptions());
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
+  EXPECT_NE(b.status().message().find("was built for plugin ABI version 3; this server needs "
+                                      "version 2"),
+            std::string::npos)
+      << b.status();
   absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_next_abi));
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->abi_version, LOSSD_CUDA_ABI_VERSION + 1);
+  EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION + 1);
   EXPECT_EQ(p->path, Absolute(g_next_abi));
 }
 
-TEST(PluginLoaderTest, PluginOfThisAbiReachesItsFactory) {
-  auto b = LoadCudaBackend(Absolute(g_this_abi), DefaultCudaOptions());
-  ASSERT_FALSE(b.ok());
-  EXPECT_TRUE(absl::IsInternal(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("the fake plugin's factory was called"), std::string::npos)
-      << b.status();
-  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_this_abi));
+// The entry point itself: a table for its own version only, and its version either way.
+TEST(PluginLoaderTest, EntryPointAnswersItsOwnVersionOnly) {
+  void* handle = dlopen(Absolute(g_cpu).c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(handle, nullptr) << dlerror();
+  auto get = reinterpret_cast<LossdPluginGetApiFn>(dlsym(handle, LOSSD_PLUGIN_ENTRY_SYMBOL));
+  ASSERT_NE(get, nullptr);
+  uint32_t version = 0;
+  EXPECT_EQ(get(LOSSD_PLUGIN_ABI_VERSION + 1, &version), nullptr);
+  EXPECT_EQ(version, LOSSD_PLUGIN_ABI_VERSION);
+  version = 0;
+  const LossdBackendApi* api = get(LOSSD_PLUGIN_ABI_VERSION, &version);
+  ASSERT_NE(api, nullptr);
+  EXPECT_EQ(version, LOSSD_PLUGIN_ABI_VERSION);
+  EXPECT_EQ(api->abi_version, LOSSD_PLUGIN_ABI_VERSION);
+  EXPECT_EQ(api->struct_size, sizeof(LossdBackendApi));
+  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_cpu));
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->abi_version, LOSSD_CUDA_ABI_VERSION);
+  EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION);
+}
+
+TEST(PluginLoaderTest, CreateFailuresKeepTheirCodeAndMessage) {
+  LossdCudaOptions o = DefaultCudaOptions();
+  o.device = -1;
+  auto none = LoadCudaBackend(Absolute(g_cpu), o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_TRUE(absl::IsUnavailable(none.status())) << none.status();
+  EXPECT_EQ(none.status().message(),
+            Absolute(g_cpu) + ": no GPU: the fake plugin has no device -1");
+  o.device = -2;
+  auto refused = LoadCudaBackend(Absolute(g_cpu), o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::IsInternal(refused.status())) << refused.status();
+  EXPECT_EQ(refused.status().message(),
+            Absolute(g_cpu) + ": the fake plugin refused device -2");
+}
+
+// The CPU backend through the C boundary (the fake plugin) and called directly.
+class FakePluginTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Backend>> b =
+        LoadCudaBackend(Absolute(g_cpu), DefaultCudaOptions());
+    ASSERT_TRUE(b.ok()) << b.status();
+    plugin_ = std::move(*b);
+  }
+  std::unique_ptr<Backend> plugin_;
+  CpuBackend direct_{2};
+};
+
+TEST_F(FakePluginTest, InfoCrosses) {
+  const BackendInfo got = plugin_->Info();
+  const BackendInfo want = direct_.Info();
+  EXPECT_EQ(got.name, "cpu");
+  EXPECT_EQ(got.device, want.device);
+  EXPECT_EQ(got.memory_total_bytes, want.memory_total_bytes);
+  EXPECT_TRUE(got.healthy);
+  EXPECT_EQ(got.memory_held_bytes, 0u);
+  {
+    absl::StatusOr<std::unique_ptr<BackendBuffer>> buf = plugin_->Allocate(1000);
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    EXPECT_EQ(plugin_->Info().memory_held_bytes, 1000u);
+    EXPECT_EQ(plugin_->Info().memory_peak_bytes, 1000u);
+  }
+  EXPECT_EQ(plugin_->Info().memory_held_bytes, 0u);
+}
+
+TEST_F(FakePluginTest, BuffersAllocateCopyAndZero) {
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> buf = plugin_->Allocate(100);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  BackendBuffer& b = **buf;
+  EXPECT_EQ(b.size(), 100u);
+  ASSERT_NE(b.data(), nullptr);
+  std::vector<uint8_t> in(100), out(100, 0xAB);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<uint8_t>(i * 7 + 1);
+  ASSERT_TRUE(plugin_->CopyToBackend(b, 0, in.data(), in.size()).ok());
+  ASSERT_TRUE(plugin_->CopyFromBackend(b, 0, out.data(), out.size()).ok());
+  EXPECT_EQ(in, out);
+  // The CPU backend's memory is host memory: data() is where the bytes went.
+  EXPECT_EQ(std::memcmp(b.data(), in.data(), in.size()), 0);
+  ASSERT_TRUE(plugin_->CopyFromBackend(b, 10, out.data(), 5).ok());
+  EXPECT_EQ(out[0], in[10]);
+  ASSERT_TRUE(plugin_->Zero(b).ok());
+  ASSERT_TRUE(plugin_->CopyFromBackend(b, 0, out.data(), out.size()).ok());
+  EXPECT_EQ(out, std::vector<uint8_t>(100, 0));
+}
+
+// An error crosses as its code and its message, word for word what the backend said.
+TEST_F(FakePluginTest, ErrorsKeepTheirCodeAndMessage) {
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> mine = plugin_->Allocate(16);
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> theirs = direct_.Allocate(16);
+  ASSERT_TRUE(mine.ok() && theirs.ok());
+  char bytes[32] = {0};
+  const absl::Status want = direct_.CopyToBackend(**theirs, 8, bytes, 32);
+  ASSERT_TRUE(absl::IsInvalidArgument(want)) << want;
+  EXPECT_EQ(plugin_->CopyToBackend(**mine, 8, bytes, 32), want);
+  EXPECT_EQ(plugin_->CopyFromBackend(**mine, 8, bytes, 32),
+            direct_.CopyFromBackend(**theirs, 8, bytes, 32));
+  // A buffer of another backend is refused before it reaches the plugin.
+  EXPECT_TRUE(absl::IsInvalidArgument(plugin_->Zero(**theirs)));
+  // Too much memory: RESOURCE_EXHAUSTED, as the backend says it.
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> huge = plugin_->Allocate(~size_t{0} - 8);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status(), direct_.Allocate(~size_t{0} - 8).status());
+}
+
+TEST_F(FakePluginTest, HostMemoryCrosses) {
+  HostMemory* m = plugin_->host_memory();
+  ASSERT_NE(m, nullptr);
+  void* p = m->Allocate(256);
+  ASSERT_NE(p, nullptr);
+  std::memset(p, 0x5A, 256);
+  m->Free(p);
+  // It outlives the backend that offered it.
+  plugin_.reset();
+  void* q = m->Allocate(64);
+  ASSERT_NE(q, nullptr);
+  m->Free(q);
+}
+
+TEST_F(FakePluginTest, WorkspaceBytesAreTheBackendsOwn) {
+  for (bool accumulate : {false, true}) {
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      WorkspaceShape s;
+      s.bt = 47;
+      s.h = 31;
+      s.v = 123;
+      s.dtype = dtype;
+      s.grad_dtype = dtype;
+      s.has_bias = true;
+      s.want_dx = true;
+      s.chunk_rows = accumulate ? 10 : 0;
+      s.dw = accumulate ? GradOut::kAccumulated : GradOut::kWritten;
+      s.db = s.dw;
+      EXPECT_EQ(plugin_->WorkspaceBytes(s), direct_.WorkspaceBytes(s));
+      EXPECT_GT(plugin_->WorkspaceBytes(s), 0u);
+    }
+  }
+}
+
+OptionCase Combined(Reduction reduction) {
+  OptionCase c;
+  c.name = "combined";
+  c.reduction = reduction;
+  c.eps = 0.1f;
+  c.zs = 1e-4f;
+  c.cap = 30.0f;
+  c.bias = true;
+  c.weights = true;
+  c.grad_output = reduction == Reduction::kNone;
+  c.ignore = 0.2;
+  c.chunk_rows = 10;
+  return c;
+}
+
+// A Compute through the C boundary equals the CPU backend called directly, bit for bit, and
+// so do its statistics (the time aside); with W in host memory or in backend memory, with
+// plain gradient outputs or accumulators.
+TEST_F(FakePluginTest, ComputeIsTheCpuBackendsBitForBit) {
+  uint64_t seed = 40;
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (Reduction reduction : {Reduction::kMean, Reduction::kNone}) {
+      for (bool resident : {false, true}) {
+        const RandomProblem rp =
+            RandomProblem::Make(SpecOf(47, 31, 123, dtype, Combined(reduction), 1.0f, ++seed));
+        LossProblem p = rp.problem();
+        HostOutputs want(p, dtype, true, resident), got(p, dtype, true, resident);
+        LossProblem direct_p = p, plugin_p = p;
+        std::unique_ptr<BackendBuffer> direct_w, plugin_w;
+        if (resident) {  // W (then the bias) in each backend's own memory
+          const size_t wb = p.v * p.h * DTypeSize(dtype), bb = p.v * DTypeSize(dtype);
+          direct_w = std::move(*direct_.Allocate(wb + bb));
+          plugin_w = std::move(*plugin_->Allocate(wb + bb));
+          ASSERT_TRUE(direct_.CopyToBackend(*direct_w, 0, p.w, wb).ok());
+          ASSERT_TRUE(direct_.CopyToBackend(*direct_w, wb, p.bias, bb).ok());
+          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, 0, p.w, wb).ok());
+          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, wb, p.bias, bb).ok());
+          direct_p.w = direct_w->data();
+          direct_p.bias = static_cast<const uint8_t*>(direct_w->data()) + wb;
+          plugin_p.w = plugin_w->data();
+          plugin_p.bias = static_cast<const uint8_t*>(plugin_w->data()) + wb;
+          direct_p.w_memory = plugin_p.w_memory = Memory::kBackend;
+        }
+        LossStats want_stats, got_stats;
+        want_stats.gemm_tunings = got_stats.gemm_tunings = 17;  // left alone by the backend
+        ASSERT_TRUE(direct_.Compute(direct_p, want.outputs(), &want_stats).ok());
+        const absl::Status st = plugin_->Compute(plugin_p, got.outputs(), &got_stats);
+        const std::string where = absl::StrCat(DTypeName(dtype), " reduction ",
+                                               static_cast<int>(reduction), " resident ", resident);
+        ASSERT_TRUE(st.ok()) << where << ": " << st;
+        EXPECT_TRUE(BitIdentical(want, got)) << where;
+        EXPECT_EQ(got_stats.peak_extra_bytes, want_stats.peak_extra_bytes) << where;
+        EXPECT_EQ(got_stats.chunk_rows, want_stats.chunk_rows) << where;
+        EXPECT_EQ(got_stats.gemm_tunings, want_stats.gemm_tunings) << where;
+        EXPECT_EQ(got_stats.nonfinite, want_stats.nonfinite) << where;
+        EXPECT_GT(got_stats.compute_seconds, 0.0) << where;
+      }
+    }
+  }
+}
+
+TEST_F(FakePluginTest, ComputeWithoutStatsOrGradients) {
+  const RandomProblem rp =
+      RandomProblem::Make(SpecOf(9, 8, 20, DType::kBF16, Combined(Reduction::kSum), 1.0f, 3));
+  const LossProblem p = rp.problem();
+  HostOutputs want(p, DType::kBF16, false), got(p, DType::kBF16, false);
+  ASSERT_TRUE(direct_.Compute(p, want.outputs(), nullptr).ok());
+  ASSERT_TRUE(plugin_->Compute(p, got.outputs(), nullptr).ok());
+  EXPECT_TRUE(BitIdentical(want, got));
+}
+
+TEST_F(FakePluginTest, ComputeErrorsKeepTheirCodeAndMessage) {
+  RandomProblem rp =
+      RandomProblem::Make(SpecOf(9, 8, 20, DType::kBF16, Combined(Reduction::kMean), 1.0f, 4));
+  rp.targets[3] = 20;  // one past V
+  const LossProblem p = rp.problem();
+  HostOutputs want(p, DType::kBF16), got(p, DType::kBF16);
+  const absl::Status direct = direct_.Compute(p, want.outputs(), nullptr);
+  ASSERT_TRUE(absl::IsInvalidArgument(direct)) << direct;
+  EXPECT_EQ(plugin_->Compute(p, got.outputs(), nullptr), direct);
+}
+
+// The overlapped Compute: X arrives through the row stream's callbacks, dX leaves through
+// them, and the results are the whole problem's, bit for bit.
+TEST_F(FakePluginTest, OverlappedComputeCrossesTheRowStream) {
+  const RandomProblem rp =
+      RandomProblem::Make(SpecOf(47, 31, 123, DType::kBF16, Combined(Reduction::kMean), 1.0f, 5));
+  const LossProblem whole = rp.problem();  // chunk_rows 10: 5 chunks, the last of 7 rows
+  HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
+  ASSERT_TRUE(direct_.Compute(whole, want.outputs(), nullptr).ok());
+  TrickleRows::Spec ts;
+  ts.steps = 6;
+  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), ts);
+  LossProblem streamed = whole;
+  streamed.x = rows.x();
+  streamed.rows = &rows;
+  const absl::Status st = plugin_->Compute(streamed, got.outputs(), nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(BitIdentical(want, got));
+  EXPECT_TRUE(rows.CallsAreValid(whole.bt, 5));
+}
+
+// A wait that fails crosses back as its status and ends the Compute with it.
+TEST_F(FakePluginTest, FailedRowWaitCrossesBack) {
+  const RandomProblem rp =
+      RandomProblem::Make(SpecOf(47, 31, 123, DType::kBF16, Combined(Reduction::kMean), 1.0f, 6));
+  for (int64_t fail_after : {0, 20}) {
+    ExpectComputeEndsWithTheFailedWait(
+        [&](const LossProblem& p, const LossOutputs& out) {
+          return plugin_->Compute(p, out, nullptr);
+        },
+        rp.problem(), absl::CancelledError("test: the sender went away"), fail_after);
+  }
 }
 
 }  // namespace
@@ -104,12 +374,13 @@ TEST(PluginLoaderTest, PluginOfThisAbiReachesItsFactory) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s NO_ABI.so NEXT_ABI.so THIS_ABI.so\n", argv[0]);
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: %s NO_ENTRY.so V1.so NEXT_ABI.so CPU.so\n", argv[0]);
     return 2;
   }
-  lossd::g_no_abi = argv[1];
-  lossd::g_next_abi = argv[2];
-  lossd::g_this_abi = argv[3];
+  lossd::g_no_entry = argv[1];
+  lossd::g_v1 = argv[2];
+  lossd::g_next_abi = argv[3];
+  lossd::g_cpu = argv[4];
   return RUN_ALL_TESTS();
 }

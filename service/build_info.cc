@@ -21,9 +21,9 @@ std::string VersionText(const BuildInfo& build, const absl::StatusOr<CudaPluginP
   std::string cuda;
   if (!plugin.ok()) {
     cuda = absl::StrCat("none usable (", plugin.status().message(), ")");
-  } else if (plugin->abi_version != LOSSD_CUDA_ABI_VERSION) {
+  } else if (plugin->abi_version != LOSSD_PLUGIN_ABI_VERSION) {
     cuda = absl::StrCat(plugin->path, ", ABI version ", plugin->abi_version,
-                        ": NOT loadable, this server needs ABI version ", LOSSD_CUDA_ABI_VERSION);
+                        ": NOT loadable, this server needs ABI version ", LOSSD_PLUGIN_ABI_VERSION);
   } else {
     cuda = absl::StrCat(plugin->path, ", ABI version ", plugin->abi_version);
   }

@@ -26,14 +26,14 @@ TEST(BuildInfoTest, StampedFromTheBuild) {
 
 TEST(BuildInfoTest, VersionTextSaysWhatThePluginIs) {
   const BuildInfo b{"9.9.9", "0123456789ab", "opt (NDEBUG: assertions off)"};
-  const std::string ok = VersionText(b, CudaPluginProbe{"/x/liblossd_cuda.so", LOSSD_CUDA_ABI_VERSION});
+  const std::string ok = VersionText(b, CudaPluginProbe{"/x/liblossd_cuda.so", LOSSD_PLUGIN_ABI_VERSION});
   EXPECT_EQ(ok, absl::StrCat("lossd 9.9.9\ncommit: 0123456789ab\nbuild: opt (NDEBUG: assertions "
                              "off)\ncuda plugin: /x/liblossd_cuda.so, ABI version ",
-                             LOSSD_CUDA_ABI_VERSION, "\n"));
-  EXPECT_THAT(VersionText(b, CudaPluginProbe{"/y.so", LOSSD_CUDA_ABI_VERSION + 1}),
-              HasSubstr(absl::StrCat("cuda plugin: /y.so, ABI version ", LOSSD_CUDA_ABI_VERSION + 1,
+                             LOSSD_PLUGIN_ABI_VERSION, "\n"));
+  EXPECT_THAT(VersionText(b, CudaPluginProbe{"/y.so", LOSSD_PLUGIN_ABI_VERSION + 1}),
+              HasSubstr(absl::StrCat("cuda plugin: /y.so, ABI version ", LOSSD_PLUGIN_ABI_VERSION + 1,
                                      ": NOT loadable, this server needs ABI version ",
-                                     LOSSD_CUDA_ABI_VERSION)));
+                                     LOSSD_PLUGIN_ABI_VERSION)));
   EXPECT_THAT(VersionText(b, absl::NotFoundError("CUDA plugin not found; tried /a")),
               HasSubstr("cuda plugin: none usable (CUDA plugin not found; tried /a)"));
 }

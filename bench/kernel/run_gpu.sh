@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
-# kernel benchmark and the naive PyTorch baseline. Writes 10 files into OUT_DIR (gpu.txt, one
+# kernel benchmark and the naive PyTorch baseline. Writes 11 files into OUT_DIR (gpu.txt, one
 # log per test binary, bench.log/.csv, gpu_clocks.csv, torch.log) and prints a short summary
 # last.
 # Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / GTEST_ARGS pass extra flags)
@@ -13,7 +13,8 @@ rc=0
   cat BUNDLE_INFO
 } > "$OUTDIR/gpu.txt" 2>&1
 cat "$OUTDIR/gpu.txt"
-for t in plugin_exposer_test ce_kernels_test nonfinite_test cuda_backend_test sticky_error_test; do
+for t in plugin_exposer_test plugin_compute_test ce_kernels_test nonfinite_test cuda_backend_test \
+    sticky_error_test; do
   [ -x "./$t" ] || { echo "$t: absent"; continue; }
   timeout "${TEST_TIMEOUT:-200}" "./$t" ${GTEST_ARGS:-} > "$OUTDIR/$t.log" 2>&1
   code=$?

@@ -488,26 +488,26 @@ struct Plan {
   uint64_t bytes = 0;
 };
 
-Plan MakePlan(const LossProblem& p, const LossOutputs& out) {
+Plan MakePlan(const WorkspaceShape& s) {
   Plan pl;
-  pl.chunk = CpuBackend::ChunkRows(p);
-  pl.want_dx = out.dx != nullptr;
-  pl.want_dw = out.dw_accum != nullptr || out.dw != nullptr;
-  pl.want_db = p.bias != nullptr && (out.db_accum != nullptr || out.db != nullptr);
+  pl.chunk = CpuBackend::ChunkRows(s.bt, s.v, s.chunk_rows);
+  pl.want_dx = s.want_dx;
+  pl.want_dw = s.dw != GradOut::kNone;
+  pl.want_db = s.has_bias && s.db != GradOut::kNone;
   pl.want_grad = pl.want_dx || pl.want_dw || pl.want_db;
-  pl.w_copy = p.dtype != DType::kF32;
-  pl.x_copy = p.dtype != DType::kF32;
-  pl.dx_scratch = pl.want_dx && out.grad_dtype != DType::kF32;
-  pl.dw_scratch = out.dw_accum == nullptr && out.dw != nullptr && out.grad_dtype != DType::kF32;
-  pl.db_scratch = pl.want_db && out.db_accum == nullptr;
-  const uint64_t c = pl.chunk, h = p.h, v = p.v, f = sizeof(float);
+  pl.w_copy = s.dtype != DType::kF32;
+  pl.x_copy = s.dtype != DType::kF32;
+  pl.dx_scratch = pl.want_dx && s.grad_dtype != DType::kF32;
+  pl.dw_scratch = s.dw == GradOut::kWritten && s.grad_dtype != DType::kF32;
+  pl.db_scratch = pl.want_db && s.db != GradOut::kAccumulated;
+  const uint64_t c = pl.chunk, h = s.h, v = s.v, f = sizeof(float);
   pl.bytes = c * v * f;                     // the logits / G chunk
   if (pl.w_copy) pl.bytes += v * h * f;     // W in fp32
   if (pl.x_copy) pl.bytes += c * h * f;     // X_c in fp32
   if (pl.dx_scratch) pl.bytes += c * h * f;
   if (pl.dw_scratch) pl.bytes += v * h * f;
   pl.bytes += 3 * v * f;                    // bias, class weights, db in fp32
-  pl.bytes += static_cast<uint64_t>(p.bt) * (sizeof(RowResult) + 2 * sizeof(double) + 8);
+  pl.bytes += static_cast<uint64_t>(s.bt) * (sizeof(RowResult) + 2 * sizeof(double) + 8);
   return pl;
 }
 
@@ -531,12 +531,16 @@ CpuBackend::CpuBackend(int threads)
 CpuBackend::~CpuBackend() = default;
 
 int64_t CpuBackend::ChunkRows(const LossProblem& p) {
-  int64_t c = p.options.chunk_rows;
+  return ChunkRows(p.bt, p.v, p.options.chunk_rows);
+}
+
+int64_t CpuBackend::ChunkRows(int64_t bt, int64_t v, int64_t chunk_rows) {
+  int64_t c = chunk_rows;
   if (c <= 0) {
-    c = static_cast<int64_t>(kDefaultChunkBytes / (static_cast<uint64_t>(std::max<int64_t>(p.v, 1)) *
+    c = static_cast<int64_t>(kDefaultChunkBytes / (static_cast<uint64_t>(std::max<int64_t>(v, 1)) *
                                                   sizeof(float)));
   }
-  return std::max<int64_t>(1, std::min<int64_t>(c, std::max<int64_t>(p.bt, 1)));
+  return std::max<int64_t>(1, std::min<int64_t>(c, std::max<int64_t>(bt, 1)));
 }
 
 BackendInfo CpuBackend::Info() {
@@ -600,8 +604,8 @@ absl::Status CpuBackend::Zero(BackendBuffer& buf) {
   return absl::OkStatus();
 }
 
-uint64_t CpuBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out) {
-  return MakePlan(p, out).bytes;
+uint64_t CpuBackend::WorkspaceBytes(const WorkspaceShape& shape) {
+  return MakePlan(shape).bytes;
 }
 
 absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
@@ -609,7 +613,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   const auto start = std::chrono::steady_clock::now();
   // The engine validated the problem (core/loss_problem_check.h); debug builds check again.
   LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cpu backend");
-  const Plan plan = MakePlan(p, out);
+  const Plan plan = MakePlan(ShapeOf(p, out));
   const int64_t bt = p.bt, h = p.h, v = p.v, chunk = plan.chunk;
   const LossOptions& o = p.options;
   const bool none = o.reduction == Reduction::kNone;

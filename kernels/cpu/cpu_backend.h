@@ -49,7 +49,7 @@ class CpuBackend : public Backend {
   absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
                                size_t bytes) override;
   absl::Status Zero(BackendBuffer& buf) override;
-  uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override;
+  uint64_t WorkspaceBytes(const WorkspaceShape& shape) override;
   absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
 
   int threads() const { return threads_; }
@@ -57,6 +57,7 @@ class CpuBackend : public Backend {
   // Rows per chunk for p: options.chunk_rows when set (clamped to BT), else as many rows as
   // keep the C x V fp32 chunk within kDefaultChunkBytes.
   static int64_t ChunkRows(const LossProblem& p);
+  static int64_t ChunkRows(int64_t bt, int64_t v, int64_t chunk_rows);
   static constexpr uint64_t kDefaultChunkBytes = uint64_t{256} << 20;
 
  private:

@@ -152,7 +152,7 @@ TEST_P(CpuBackendMatrixTest, MatchesReference) {
   // The margins of passing cases, for the log.
   if (match) std::cout << match.message() << "\n";
   EXPECT_EQ(stats.chunk_rows, shape.bt);
-  EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(p, got.outputs()));
+  EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(p, got.outputs())));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -582,7 +582,8 @@ TEST(CpuBackendTest, OnlyTheLossRequested) {
   ASSERT_TRUE(backend.Compute(p, o, nullptr).ok());
   EXPECT_TRUE(MatchesReference(p, rp.stats(), ref, o));
   HostOutputs all(p, DType::kBF16);
-  EXPECT_LT(backend.WorkspaceBytes(p, o), backend.WorkspaceBytes(p, all.outputs()));
+  EXPECT_LT(backend.WorkspaceBytes(ShapeOf(p, o)),
+            backend.WorkspaceBytes(ShapeOf(p, all.outputs())));
 }
 
 TEST(CpuBackendTest, WeightsInBackendMemoryGiveTheSameResult) {

@@ -25,6 +25,7 @@
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "core/loss_problem_check.h"
+#include "core/status_macros.h"
 
 namespace lossd {
 namespace cuda {
@@ -72,34 +73,34 @@ struct DevicePlan {
   uint64_t extra = 0;
 };
 
-DevicePlan PlanDeviceBytes(const LossProblem& p, const LossOutputs& out, const ChunkPlan& plan) {
-  const uint64_t bt = static_cast<uint64_t>(p.bt), h = static_cast<uint64_t>(p.h),
-                 v = static_cast<uint64_t>(p.v);
-  const uint64_t elem = DTypeSize(p.dtype), g = DTypeSize(out.grad_dtype);
+DevicePlan PlanDeviceBytes(const WorkspaceShape& s, const ChunkPlan& plan) {
+  const uint64_t bt = static_cast<uint64_t>(s.bt), h = static_cast<uint64_t>(s.h),
+                 v = static_cast<uint64_t>(s.v);
+  const uint64_t elem = DTypeSize(s.dtype), g = DTypeSize(s.grad_dtype);
   DevicePlan d;
   d.total += Align(bt * h * elem);                       // x
-  if (p.w_memory == Memory::kHost) {
+  if (s.w_memory == Memory::kHost) {
     d.total += Align(v * h * elem);                      // w
-    if (p.bias != nullptr) d.total += Align(v * elem);   // bias
+    if (s.has_bias) d.total += Align(v * elem);          // bias
   }
   d.total += Align(bt * 4);                              // targets
-  if (p.class_weights != nullptr) d.total += Align(v * 4);
-  if (p.grad_output != nullptr) d.total += Align(bt * 4);
+  if (s.has_class_weights) d.total += Align(v * 4);
+  if (s.has_grad_output) d.total += Align(bt * 4);
   d.total += 4 * Align(bt * 4) + Align(4);               // per-row statistics, flags
-  if (out.dx != nullptr) d.total += Align(bt * h * g);
-  if (out.dw_accum != nullptr) {
-    if (out.accum_memory == Memory::kHost) d.total += Align(v * h * 4);
-  } else if (out.dw != nullptr) {
+  if (s.want_dx) d.total += Align(bt * h * g);
+  if (s.dw == GradOut::kAccumulated) {
+    if (s.accum_memory == Memory::kHost) d.total += Align(v * h * 4);
+  } else if (s.dw == GradOut::kWritten) {
     d.total += Align(v * h * 4);
-    if (out.grad_dtype != DType::kF32) {
+    if (s.grad_dtype != DType::kF32) {
       d.total += Align(v * h * g);
       d.extra += Align(v * h * 4);  // the fp32 accumulator behind a 16-bit dW
     }
   }
-  if (p.bias != nullptr) {
-    if (out.db_accum != nullptr) {
-      if (out.accum_memory == Memory::kHost) d.total += Align(v * 4);
-    } else if (out.db != nullptr) {
+  if (s.has_bias) {
+    if (s.db == GradOut::kAccumulated) {
+      if (s.accum_memory == Memory::kHost) d.total += Align(v * 4);
+    } else if (s.db == GradOut::kWritten) {
       d.total += 2 * Align(v * 4);
     }
   }
@@ -174,7 +175,7 @@ class StreamedChunkHooks : public ChunkHooks {
         dx_row_bytes_(dx_row_bytes) {}
 
   absl::StatusOr<cudaEvent_t> XReady(int64_t row0, int64_t row1) override {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(rows_->WaitX(row1));
+    LOSSD_RETURN_IF_ERROR(rows_->WaitX(row1));
     if (row1 <= uploaded_) return nullptr;
     if (uploaded_ == 0) {
       // The first rows go up after everything main_ holds so far: the zero fill of X and the
@@ -184,7 +185,7 @@ class StreamedChunkHooks : public ChunkHooks {
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s_.x, s_.x_start, 0));
     }
     const size_t offset = static_cast<size_t>(uploaded_) * x_row_bytes_;
-    LOSSD_CUDA_RETURN_IF_NOT_OK(
+    LOSSD_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(device_x_ + offset, host_x_ + offset,
                                    static_cast<size_t>(row1 - uploaded_) * x_row_bytes_,
                                    cudaMemcpyHostToDevice, s_.x),
@@ -204,7 +205,7 @@ class StreamedChunkHooks : public ChunkHooks {
     // runtime stages it and returns only once it is done, so this thread waits for the
     // chunk's dX GEMM here (correct, but the next chunk is queued late).
     const size_t offset = static_cast<size_t>(row0) * dx_row_bytes_;
-    LOSSD_CUDA_RETURN_IF_NOT_OK(
+    LOSSD_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(host_dx_ + offset, device_dx_ + offset,
                                    static_cast<size_t>(row1 - row0) * dx_row_bytes_,
                                    cudaMemcpyDeviceToHost, s_.dx),
@@ -405,7 +406,7 @@ absl::Status CudaBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const
   if (bytes == 0) return absl::OkStatus();
   if (!healthy_) return Unhealthy("copy to the device");
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(Check(CudaStatus(
+  LOSSD_RETURN_IF_ERROR(Check(CudaStatus(
       cudaMemcpy(static_cast<char*>(dst.data()) + offset, src, bytes, cudaMemcpyHostToDevice),
       "cudaMemcpy(host to device)")));
   // From pageable memory cudaMemcpy may return before the data has landed, and Compute runs
@@ -431,7 +432,7 @@ absl::Status CudaBackend::CopyFromBackend(const BackendBuffer& src, size_t offse
 absl::Status CudaBackend::Zero(BackendBuffer& buf) {
   if (!healthy_) return Unhealthy("zeroing a buffer");
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(
+  LOSSD_RETURN_IF_ERROR(
       Check(CudaStatus(cudaMemset(buf.data(), 0, buf.size()), "cudaMemset")));
   // cudaMemset is asynchronous; Compute's non-blocking streams would not wait for it.
   return Check(
@@ -468,34 +469,34 @@ HostMemory* CudaBackend::host_memory() {
   return memory;
 }
 
-ChunkPlan CudaBackend::Plan(const LossProblem& p, const LossOutputs& out) const {
+ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
   const uint64_t budget = options_.chunk_budget_bytes != 0
                               ? options_.chunk_budget_bytes
-                              : DefaultChunkBudget(p.bt, p.v, p.dtype);
+                              : DefaultChunkBudget(s.bt, s.v, s.dtype);
   // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads. Not
   // with rows still arriving: every whole-batch GEMM reads all of X.
-  if (options_.whole_batch && p.options.chunk_rows == 0 && out.dw != nullptr &&
-      out.dw_accum == nullptr && p.rows == nullptr) {
-    ChunkPlan whole = PlanWhole(p.bt, p.h, p.v, p.dtype, out.dx != nullptr, out.grad_dtype, budget);
+  if (options_.whole_batch && s.chunk_rows == 0 && s.dw == GradOut::kWritten &&
+      !s.rows_streamed) {
+    ChunkPlan whole = PlanWhole(s.bt, s.h, s.v, s.dtype, s.want_dx, s.grad_dtype, budget);
     if (whole.blocks > 0) return whole;
   }
   ChunkPlan plan =
-      PlanChunks(p.bt, p.v, p.dtype, budget, p.options.chunk_rows, options_.schedule);
-  if (options_.auto_schedule && out.dw_accum == nullptr && out.dw == nullptr) {
+      PlanChunks(s.bt, s.v, s.dtype, budget, s.chunk_rows, options_.schedule);
+  if (options_.auto_schedule && s.dw == GradOut::kNone) {
     plan.schedule = Schedule::kRowHalves;  // no dW to overlap
   } else if (options_.auto_schedule) {
     // Short chunks re-read the fp32 dW often; the column halves hide part of that traffic
     // under the next chunk's logits GEMM. Long chunks gain more from the row halves' CE
     // overlap (bench/RESULTS.md: columns won at C = 1024, rows at C >= 2048).
-    plan.schedule = plan.chunk_rows < 2048 && plan.chunk_rows < p.bt ? Schedule::kColumnHalves
+    plan.schedule = plan.chunk_rows < 2048 && plan.chunk_rows < s.bt ? Schedule::kColumnHalves
                                                                       : Schedule::kRowHalves;
   }
   plan.side_sms = options_.side_sms;
   return plan;
 }
 
-uint64_t CudaBackend::WorkspaceBytes(const LossProblem& p, const LossOutputs& out) {
-  return PlanDeviceBytes(p, out, Plan(p, out)).total;
+uint64_t CudaBackend::WorkspaceBytes(const WorkspaceShape& shape) {
+  return PlanDeviceBytes(shape, Plan(shape)).total;
 }
 
 absl::Status CudaBackend::Check(absl::Status s) {
@@ -545,14 +546,15 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
                                         LossStats* stats) {
   const auto t0 = std::chrono::steady_clock::now();
   LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cuda backend");
-  LOSSD_CUDA_RETURN_IF_NOT_OK(CheckIndexRange(p));
+  LOSSD_RETURN_IF_ERROR(CheckIndexRange(p));
   std::vector<int32_t> targets32;
   absl::StatusOr<TargetSummary> summary =
       SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
                        p.class_weights, &targets32);
   if (!summary.ok()) return summary.status();
-  const ChunkPlan plan = Plan(p, out);
-  const DevicePlan bytes = PlanDeviceBytes(p, out, plan);
+  const WorkspaceShape shape = ShapeOf(p, out);
+  const ChunkPlan plan = Plan(shape);
+  const DevicePlan bytes = PlanDeviceBytes(shape, plan);
   if (options_.memory_budget_bytes != 0 && bytes.total > options_.memory_budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "cuda: this problem needs ", bytes.total, " device bytes; the budget is ",
@@ -614,7 +616,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   void* ptr = nullptr;
   void* x_device = nullptr;  // (BT, H) input dtype; written by StreamedChunkHooks when overlapped
   if (p.rows == nullptr) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.x, bt * h * elem, &ptr));
+    LOSSD_RETURN_IF_ERROR(upload(p.x, bt * h * elem, &ptr));
   } else {
     // Rows go up as they arrive (StreamedChunkHooks). Until then X holds zeros, not the pool's
     // leftovers: the autotuning trials read it, and their X^T 0 must be 0 (fused_loss.cc).
@@ -627,24 +629,24 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   }
   a.x = ptr;
   if (p.w_memory == Memory::kHost) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.w, v * h * elem, &ptr));
+    LOSSD_RETURN_IF_ERROR(upload(p.w, v * h * elem, &ptr));
     a.w = ptr;
     if (p.bias != nullptr) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.bias, v * elem, &ptr));
+      LOSSD_RETURN_IF_ERROR(upload(p.bias, v * elem, &ptr));
       a.bias = ptr;
     }
   } else {
     a.w = p.w;
     a.bias = p.bias;
   }
-  LOSSD_CUDA_RETURN_IF_NOT_OK(upload(targets32.data(), bt * 4, &ptr));
+  LOSSD_RETURN_IF_ERROR(upload(targets32.data(), bt * 4, &ptr));
   a.targets = static_cast<const int32_t*>(ptr);
   if (p.class_weights != nullptr) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.class_weights, v * 4, &ptr));
+    LOSSD_RETURN_IF_ERROR(upload(p.class_weights, v * 4, &ptr));
     a.class_weights = static_cast<const float*>(ptr);
   }
   if (p.grad_output != nullptr) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(upload(p.grad_output, bt * 4, &ptr));
+    LOSSD_RETURN_IF_ERROR(upload(p.grad_output, bt * 4, &ptr));
     a.row_grad = static_cast<const float*>(ptr);
   }
   // The per-row statistics, and the non-finite check's flag word after them.
@@ -669,7 +671,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     if (out.accum_memory == Memory::kBackend) {
       a.dw_acc = out.dw_accum;
     } else {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(upload(out.dw_accum, v * h * 4, &ptr));
+      LOSSD_RETURN_IF_ERROR(upload(out.dw_accum, v * h * 4, &ptr));
       a.dw_acc = static_cast<float*>(ptr);
     }
   } else if (out.dw != nullptr) {
@@ -689,7 +691,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
       if (out.accum_memory == Memory::kBackend) {
         a.db_acc = out.db_accum;
       } else {
-        LOSSD_CUDA_RETURN_IF_NOT_OK(upload(out.db_accum, v * 4, &ptr));
+        LOSSD_RETURN_IF_ERROR(upload(out.db_accum, v * 4, &ptr));
         a.db_acc = static_cast<float*>(ptr);
       }
     } else if (out.db != nullptr) {
@@ -716,7 +718,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   }
 
   const int64_t tunings_before = engine_->tunings();
-  LOSSD_CUDA_RETURN_IF_NOT_OK(engine_->Enqueue(a, plan, *workspace));
+  LOSSD_RETURN_IF_ERROR(engine_->Enqueue(a, plan, *workspace));
   const int64_t tunings = engine_->tunings() - tunings_before;
 
   // Results back to the host, on the same stream (into the vectors declared before `drain`).
@@ -725,13 +727,13 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     return CudaStatus(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream),
                       "cudaMemcpyAsync(device to host)");
   };
-  LOSSD_CUDA_RETURN_IF_NOT_OK(download(lse.data(), a.row_lse, bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(download(ce.data(), a.row_ce, bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(download(zl.data(), a.row_z, bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(download(pred.data(), a.row_pred, bt * 4));
+  LOSSD_RETURN_IF_ERROR(download(lse.data(), a.row_lse, bt * 4));
+  LOSSD_RETURN_IF_ERROR(download(ce.data(), a.row_ce, bt * 4));
+  LOSSD_RETURN_IF_ERROR(download(zl.data(), a.row_z, bt * 4));
+  LOSSD_RETURN_IF_ERROR(download(pred.data(), a.row_pred, bt * 4));
   // Overlapped, dX came down chunk by chunk (StreamedChunkHooks::DxEnqueued).
   if (out.dx != nullptr && !streamed.has_value()) {
-    LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dx, a.dx, bt * h * gsize));
+    LOSSD_RETURN_IF_ERROR(download(out.dx, a.dx, bt * h * gsize));
   }
   FinalOutputs final_out;
   final_out.dx = out.dx != nullptr ? a.dx : nullptr;
@@ -742,7 +744,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   final_out.db_elem = Elem(DType::kF32);
   if (out.dw_accum != nullptr) {
     if (out.accum_memory == Memory::kHost) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw_accum, a.dw_acc, v * h * 4));
+      LOSSD_RETURN_IF_ERROR(download(out.dw_accum, a.dw_acc, v * h * 4));
     }
   } else if (out.dw != nullptr) {
     if (dw_cast != nullptr) {
@@ -750,30 +752,30 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
           LaunchCastFromFloat(a.dw_acc, dw_cast, Elem(out.grad_dtype), v * h, stream));
       final_out.dw = dw_cast;  // fp16 overflows where fp32 did not
       final_out.dw_elem = Elem(out.grad_dtype);
-      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw, dw_cast, v * h * gsize));
+      LOSSD_RETURN_IF_ERROR(download(out.dw, dw_cast, v * h * gsize));
     } else {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.dw, a.dw_acc, v * h * 4));
+      LOSSD_RETURN_IF_ERROR(download(out.dw, a.dw_acc, v * h * 4));
     }
   }
   if (p.bias != nullptr) {
     if (out.db_accum != nullptr) {
       if (out.accum_memory == Memory::kHost) {
-        LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.db_accum, a.db_acc, v * 4));
+        LOSSD_RETURN_IF_ERROR(download(out.db_accum, a.db_acc, v * 4));
       }
     } else if (out.db != nullptr) {
       LOSSD_CUDA_RETURN_IF_ERROR(
           LaunchCastFromFloat(a.db_acc, db_cast, Elem(out.grad_dtype), v, stream));
       final_out.db = db_cast;
       final_out.db_elem = Elem(out.grad_dtype);
-      LOSSD_CUDA_RETURN_IF_NOT_OK(download(out.db, db_cast, v * gsize));
+      LOSSD_RETURN_IF_ERROR(download(out.db, db_cast, v * gsize));
     }
   }
   uint32_t* flags = reinterpret_cast<uint32_t*>(rows_base + 4 * Align(bt * 4));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(EnqueueNonFiniteChecks(final_out, bt, h, v, flags, stream));
-  LOSSD_CUDA_RETURN_IF_NOT_OK(download(&nonfinite, flags, 4));
+  LOSSD_RETURN_IF_ERROR(EnqueueNonFiniteChecks(final_out, bt, h, v, flags, stream));
+  LOSSD_RETURN_IF_ERROR(download(&nonfinite, flags, 4));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   // main_ waited for every X copy, but the last dX copies and their host functions may trail.
-  if (streamed.has_value()) LOSSD_CUDA_RETURN_IF_NOT_OK(streamed->Finish());
+  if (streamed.has_value()) LOSSD_RETURN_IF_ERROR(streamed->Finish());
   drain.done = true;  // everything the call queued has run
 
   // Reductions on the host, in double and in row order: deterministic and exact enough.

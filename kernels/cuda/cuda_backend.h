@@ -61,13 +61,16 @@ class CudaBackend : public Backend {
   absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
                                size_t bytes) override;
   absl::Status Zero(BackendBuffer& buf) override;
-  uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override;
+  uint64_t WorkspaceBytes(const WorkspaceShape& shape) override;
   absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
   // Page-locked memory (cudaHostAlloc, portable to every context); lives for the process.
   HostMemory* host_memory() override;
 
-  // The chunk plan Compute would use for this problem and these outputs.
-  ChunkPlan Plan(const LossProblem& p, const LossOutputs& out) const;
+  // The chunk plan Compute would use for a problem of this shape.
+  ChunkPlan Plan(const WorkspaceShape& shape) const;
+  ChunkPlan Plan(const LossProblem& p, const LossOutputs& out) const {
+    return Plan(ShapeOf(p, out));
+  }
 
  private:
   explicit CudaBackend(const CudaBackendOptions& options);

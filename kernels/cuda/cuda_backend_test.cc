@@ -583,7 +583,7 @@ TEST_F(CudaTest, OutOfMemoryIsResourceExhaustedAndTheBackendKeepsServing) {
   const uint64_t kept = backend_->Info().memory_used_bytes;
   absl::Status st = (*tight)->Compute(p, out.outputs(), nullptr);
   EXPECT_TRUE(absl::IsResourceExhausted(st)) << st;
-  EXPECT_GT((*tight)->WorkspaceBytes(p, out.outputs()), small.memory_budget_bytes);
+  EXPECT_GT((*tight)->WorkspaceBytes(ShapeOf(p, out.outputs())), small.memory_budget_bytes);
   // ... until a request runs out of memory: then the pool gives back what it does not use.
   EXPECT_LE(backend_->Info().memory_used_bytes + (512ull << 20), kept)
       << "the pool kept its unused memory after an out-of-memory";

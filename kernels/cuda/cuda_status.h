@@ -1,6 +1,7 @@
 // Turns CUDA runtime and cuBLASLt return codes into absl::Status values that name the failed
 // call. Out-of-memory becomes RESOURCE_EXHAUSTED, no usable GPU UNAVAILABLE, anything else
-// INTERNAL; nothing here aborts or throws.
+// INTERNAL; nothing here aborts or throws. Its two macros are for CUDA and cuBLAS return codes
+// only, and stay inside kernels/cuda; code that returns absl::Status uses core/status_macros.h.
 #ifndef LOSSD_KERNELS_CUDA_CUDA_STATUS_H_
 #define LOSSD_KERNELS_CUDA_CUDA_STATUS_H_
 
@@ -80,13 +81,6 @@ inline absl::Status CublasStatus(cublasStatus_t s, absl::string_view call) {
     if (lossd_cublas_st_ != CUBLAS_STATUS_SUCCESS) {                       \
       return ::lossd::cuda::CublasStatus(lossd_cublas_st_, #expr);         \
     }                                                                      \
-  } while (0)
-
-// Same for an absl::Status.
-#define LOSSD_CUDA_RETURN_IF_NOT_OK(expr)                                  \
-  do {                                                                     \
-    absl::Status lossd_cuda_status_ = (expr);                              \
-    if (!lossd_cuda_status_.ok()) return lossd_cuda_status_;               \
   } while (0)
 
 #endif  // LOSSD_KERNELS_CUDA_CUDA_STATUS_H_

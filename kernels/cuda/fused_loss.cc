@@ -16,6 +16,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/status_macros.h"
 
 namespace lossd {
 namespace cuda {
@@ -446,7 +447,7 @@ absl::Status FusedLoss::Gemm(cudaStream_t stream, void* ws, uint64_t ws_bytes, b
 absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g,
                                 int32_t algo_rank) {
   LtDescriptors desc;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
+  LOSSD_RETURN_IF_ERROR(Describe(g, &desc));
   const AlgoKey key = KeyOf(g, algo_rank);
   cublasLtMatmulAlgo_t algo;
   auto it = algos_.find(key);
@@ -463,7 +464,7 @@ absl::Status FusedLoss::RunSpec(cudaStream_t stream, void* ws, float alpha, cons
       if (have) algo = t->second;
     }
     if (!have) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(HeuristicAlgo(lt_, desc, g.m, g.n, g.k, algo_rank, &algo));
+      LOSSD_RETURN_IF_ERROR(HeuristicAlgo(lt_, desc, g.m, g.n, g.k, algo_rank, &algo));
     }
     if (algos_.size() < kMaxAlgoKeys) algos_.emplace(key, algo);
   }
@@ -485,7 +486,7 @@ absl::Status FusedLoss::TuneGemm(cudaStream_t stream, void* ws, uint64_t ws_byte
 
 absl::Status FusedLoss::TuneSpec(cudaStream_t stream, void* ws, float alpha, const Spec& g) {
   LtDescriptors desc;
-  LOSSD_CUDA_RETURN_IF_NOT_OK(Describe(g, &desc));
+  LOSSD_RETURN_IF_ERROR(Describe(g, &desc));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kTuneCandidates);
   int found = 0;
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(lt_, desc.op, desc.a, desc.b,
@@ -698,24 +699,24 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
         if (round == 1) {
           for (int half = 0; half < (columns ? 2 : 1); ++half) {
-            LOSSD_CUDA_RETURN_IF_NOT_OK(
+            LOSSD_RETURN_IF_ERROR(
                 dw_gemm(c0, rows, vbegin[half], vcount[half], columns ? side_sms : 0));
           }
           continue;
         }
         if (columns) {
           for (int half = 0; half < 2; ++half) {
-            LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, rows, vbegin[half], vcount[half],
+            LOSSD_RETURN_IF_ERROR(logits_gemm(c0, 0, rows, vbegin[half], vcount[half],
                                                     half == 0 && c0 > 0 ? main_sms : 0));
           }
         } else {
           const int64_t split = RowSplit(rows);
-          LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, split, 0, a.v, 0));
+          LOSSD_RETURN_IF_ERROR(logits_gemm(c0, 0, split, 0, a.v, 0));
           if (split < rows) {
-            LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, split, rows - split, 0, a.v, 0));
+            LOSSD_RETURN_IF_ERROR(logits_gemm(c0, split, rows - split, 0, a.v, 0));
           }
         }
-        LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, columns && want_dw ? main_sms : 0));
+        LOSSD_RETURN_IF_ERROR(dx_gemm(c0, rows, columns && want_dw ? main_sms : 0));
       }
     }
     tuning = false;
@@ -760,29 +761,29 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
     if (columns) {
-      LOSSD_CUDA_RETURN_IF_NOT_OK(x_ready(c0, rows));
+      LOSSD_RETURN_IF_ERROR(x_ready(c0, rows));
       // Each half of the buffer is rewritten once the previous chunk's dW half has read it
       // (the previous dX, on main_, is already ordered before).
       for (int half = 0; half < 2; ++half) {
         if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[half], 0));
         // The first half runs beside the previous chunk's second-half dW; the second alone.
         const int32_t sms = half == 0 && c0 > 0 ? main_sms : 0;
-        LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, 0, rows, vbegin[half], vcount[half], sms));
+        LOSSD_RETURN_IF_ERROR(logits_gemm(c0, 0, rows, vbegin[half], vcount[half], sms));
       }
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[0], 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, 0, rows));
+      LOSSD_RETURN_IF_ERROR(cross_entropy(c0, 0, rows));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, want_dw ? main_sms : 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_enqueued(c0, rows));
+      LOSSD_RETURN_IF_ERROR(dx_gemm(c0, rows, want_dw ? main_sms : 0));
+      LOSSD_RETURN_IF_ERROR(dx_enqueued(c0, rows));
       if (want_dw || want_db) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
         // db reads every column, so it goes before the first half is released.
-        if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
+        if (want_db) LOSSD_RETURN_IF_ERROR(db_sum(rows));
         for (int half = 0; half < 2; ++half) {
           if (want_dw) {
-            LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, vbegin[half], vcount[half], side_sms));
+            LOSSD_RETURN_IF_ERROR(dw_gemm(c0, rows, vbegin[half], vcount[half], side_sms));
           }
           LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[half], side_));
         }
@@ -799,27 +800,27 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         // queued before this thread waits for the next half's rows (the same kernels and
         // dependencies as below, so the same bits).
         for (int64_t s = 0; s < nsub; ++s) {
-          LOSSD_CUDA_RETURN_IF_NOT_OK(x_ready(c0 + begin[s], count[s]));
-          LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
+          LOSSD_RETURN_IF_ERROR(x_ready(c0 + begin[s], count[s]));
+          LOSSD_RETURN_IF_ERROR(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
           LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
           LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-          LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
+          LOSSD_RETURN_IF_ERROR(cross_entropy(c0, begin[s], count[s]));
         }
       } else {
         for (int64_t s = 0; s < nsub; ++s) {
-          LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
+          LOSSD_RETURN_IF_ERROR(logits_gemm(c0, begin[s], count[s], 0, a.v, 0));
           LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
         }
         for (int64_t s = 0; s < nsub; ++s) {
           LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-          LOSSD_CUDA_RETURN_IF_NOT_OK(cross_entropy(c0, begin[s], count[s]));
+          LOSSD_RETURN_IF_ERROR(cross_entropy(c0, begin[s], count[s]));
         }
       }
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
       // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(c0, rows, 0));
-      LOSSD_CUDA_RETURN_IF_NOT_OK(dx_enqueued(c0, rows));
+      LOSSD_RETURN_IF_ERROR(dx_gemm(c0, rows, 0));
+      LOSSD_RETURN_IF_ERROR(dx_enqueued(c0, rows));
       if (want_dw || want_db) {
         LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
         // Overlapped, the last chunk's dX is what the caller still waits for on the wire:
@@ -830,8 +831,8 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
           LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dx_last_, main_));
           LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dx_last_, 0));
         }
-        if (want_dw) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(c0, rows, 0, a.v, 0));
-        if (want_db) LOSSD_CUDA_RETURN_IF_NOT_OK(db_sum(rows));
+        if (want_dw) LOSSD_RETURN_IF_ERROR(dw_gemm(c0, rows, 0, a.v, 0));
+        if (want_db) LOSSD_RETURN_IF_ERROR(db_sum(rows));
         LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));
       }
     }
@@ -929,12 +930,12 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
   if (autotune_) {
     tuning = true;
     for (int s = 0; s < halves; ++s) {
-      for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(b, hbegin[s], hcount[s]));
+      for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(logits_gemm(b, hbegin[s], hcount[s]));
     }
     for (int s = 0; s < halves; ++s) {
-      for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(b, hbegin[s], hcount[s]));
+      for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(dx_gemm(b, hbegin[s], hcount[s]));
     }
-    for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(b));
+    for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(dw_gemm(b));
     tuning = false;
   }
 
@@ -947,7 +948,7 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
   // Logits of both row halves; the first half's CE runs under the second half's GEMMs, and the
   // second half's CE under the first half's dX GEMMs.
   for (int s = 0; s < halves; ++s) {
-    for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(logits_gemm(b, hbegin[s], hcount[s]));
+    for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(logits_gemm(b, hbegin[s], hcount[s]));
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
   }
   for (int s = 0; s < halves; ++s) {
@@ -966,7 +967,7 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
   }
   for (int s = 0; s < halves; ++s) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[s], 0));
-    for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(dx_gemm(b, hbegin[s], hcount[s]));
+    for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(dx_gemm(b, hbegin[s], hcount[s]));
   }
   if (want_dx && !dx_direct) {
     LOSSD_CUDA_RETURN_IF_ERROR(LaunchCastFromFloat(dx_sum, a.dx, static_cast<int32_t>(a.dx_dtype),
@@ -980,7 +981,7 @@ absl::Status FusedLoss::EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& p
                                                            a.db_acc + col0[b], main_));
     }
   }
-  for (int b = 0; b < n; ++b) LOSSD_CUDA_RETURN_IF_NOT_OK(dw_gemm(b));
+  for (int b = 0; b < n; ++b) LOSSD_RETURN_IF_ERROR(dw_gemm(b));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_end_, ce_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_end_, 0));
   return absl::OkStatus();

@@ -207,8 +207,8 @@ class FailingBackend : public Backend {
     return inner_->CopyFromBackend(src, offset, dst, bytes);
   }
   absl::Status Zero(BackendBuffer& buf) override { return inner_->Zero(buf); }
-  uint64_t WorkspaceBytes(const LossProblem& p, const LossOutputs& out) override {
-    return inner_->WorkspaceBytes(p, out);
+  uint64_t WorkspaceBytes(const WorkspaceShape& shape) override {
+    return inner_->WorkspaceBytes(shape);
   }
   absl::Status Compute(const LossProblem& p, const LossOutputs& out,
                        LossStats* stats) override {

@@ -30,6 +30,7 @@ WANT=(
   //kernels/cuda:cuda_backend_test
   //kernels/cuda:sticky_error_test
   //kernels/cuda:plugin_exposer_test
+  //kernels/cuda:plugin_compute_test
   //bench/service:net_ceiling
   //bench/service:service_bench
 )

@@ -295,6 +295,63 @@ def _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reducti
 _NOT_PASSED = object()  # LossdFusedLinearCrossEntropyFunction.apply without grad_enabled
 
 
+def _eager_compute(runtime, x2, weight, t1, bias, opts, wants, needs, dtype):
+    """The forward's compute when the gradients come with it: (result, the accumulator's
+    note of this micro-batch or None)."""
+    need_dx, need_dw, need_db = needs
+    acc = runtime.accumulator
+    noted = None
+    eager_opts = dict(opts)
+    if dtype == torch.float16 and acc is None:
+        # The upstream gradient (a loss scale of 65536, say) is applied in backward,
+        # after the fact: fp16 gradients returned unscaled would already have lost
+        # their small values to underflow. fp32 ones are scaled, then rounded once.
+        eager_opts["grad_dtype"] = "fp32"
+    key = None
+    redo = False
+    if acc is not None:
+        key = runtime.micro_batch_key(x2, t1, weight, bias, opts)
+        # Inside a backward: activation checkpointing running the forward again.
+        redo = torch._C._current_graph_task_id() != -1 and runtime.take_redo(key)
+    if redo:
+        # Its first forward added dW and db already; this one only gives the
+        # backward its saved dX again (scaled alike).
+        r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=False,
+                            want_db=False, grad_scale=runtime.grad_scale,
+                            **eager_opts, **wants)
+    else:
+        r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=need_dw,
+                            want_db=need_db, accumulator=acc,
+                            grad_scale=runtime.grad_scale if acc else None,
+                            **eager_opts, **wants)
+        if acc is not None:
+            noted = runtime.note_added(key)
+    return r, noted
+
+
+def _forward_outputs(r, reduction, target, ignore_index, dev, return_z_loss,
+                     return_token_accuracy, return_predicted_tokens):
+    """(loss, z_loss, accuracy, predictions) as torch tensors on `dev` from a compute's result;
+    None for those not asked for."""
+    if reduction == "none":
+        loss = _to_torch(r.per_token_loss, dev).reshape(target.shape)
+        z_loss = (_to_torch(r.per_token_z_loss, dev).reshape(target.shape)
+                  if return_z_loss and r.per_token_z_loss is not None else None)
+    else:
+        loss = torch.tensor(r.loss, dtype=torch.float32, device=dev)
+        z_loss = torch.tensor(r.z_loss, dtype=torch.float32, device=dev) if return_z_loss else None
+    acc_t = (torch.tensor(r.accuracy, dtype=torch.float32, device=dev)
+             if return_token_accuracy else None)
+    pred = None
+    if return_predicted_tokens and r.predictions is not None:
+        # The server's tensor is the argmax of every row (lossd.proto); Liger's module
+        # returns -1 where the target is ignore_index, and this module is its drop-in.
+        # The targets are here, so the mapping is exact and needs nothing from the wire.
+        pred = _to_torch(r.predictions, dev).reshape(target.shape)
+        pred = pred.masked_fill(target == ignore_index, -1)
+    return loss, z_loss, acc_t, pred
+
+
 class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
     """apply(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
     label_smoothing, reduction, softcap, return_z_loss, accum_dtype, use_token_scaling,
@@ -343,51 +400,15 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                      want_predictions=bool(return_predicted_tokens))
         ctx.noted = None
         if eager:
-            eager_opts = dict(opts)
-            if _input.dtype == torch.float16 and acc is None:
-                # The upstream gradient (a loss scale of 65536, say) is applied in backward,
-                # after the fact: fp16 gradients returned unscaled would already have lost
-                # their small values to underflow. fp32 ones are scaled, then rounded once.
-                eager_opts["grad_dtype"] = "fp32"
-            key = None
-            redo = False
-            if acc is not None:
-                key = runtime.micro_batch_key(x2, t1, weight, bias, opts)
-                # Inside a backward: activation checkpointing running the forward again.
-                redo = torch._C._current_graph_task_id() != -1 and runtime.take_redo(key)
-            if redo:
-                # Its first forward added dW and db already; this one only gives the
-                # backward its saved dX again (scaled alike).
-                r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=False,
-                                    want_db=False, grad_scale=runtime.grad_scale,
-                                    **eager_opts, **wants)
-            else:
-                r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=need_dw,
-                                    want_db=need_db, accumulator=acc,
-                                    grad_scale=runtime.grad_scale if acc else None,
-                                    **eager_opts, **wants)
-                if acc is not None:
-                    ctx.noted = runtime.note_added(key)
+            r, ctx.noted = _eager_compute(runtime, x2, weight, t1, bias, opts, wants,
+                                          (need_dx, need_dw, need_db), _input.dtype)
         else:
             r = runtime.compute(x2, weight, t1, bias, want_dx=False, want_dw=False,
                                 want_db=False, **opts, **wants)
         dev = _input.device
-        if reduction == "none":
-            loss = _to_torch(r.per_token_loss, dev).reshape(target.shape)
-            z_loss = (_to_torch(r.per_token_z_loss, dev).reshape(target.shape)
-                      if return_z_loss and r.per_token_z_loss is not None else None)
-        else:
-            loss = torch.tensor(r.loss, dtype=torch.float32, device=dev)
-            z_loss = torch.tensor(r.z_loss, dtype=torch.float32, device=dev) if return_z_loss else None
-        acc_t = (torch.tensor(r.accuracy, dtype=torch.float32, device=dev)
-                 if return_token_accuracy else None)
-        pred = None
-        if return_predicted_tokens and r.predictions is not None:
-            # The server's tensor is the argmax of every row (lossd.proto); Liger's module
-            # returns -1 where the target is ignore_index, and this module is its drop-in.
-            # The targets are here, so the mapping is exact and needs nothing from the wire.
-            pred = _to_torch(r.predictions, dev).reshape(target.shape)
-            pred = pred.masked_fill(target == ignore_index, -1)
+        loss, z_loss, acc_t, pred = _forward_outputs(r, reduction, target, ignore_index, dev,
+                                                      return_z_loss, return_token_accuracy,
+                                                      return_predicted_tokens)
         # One call: each call replaces the set marked before.
         ctx.mark_non_differentiable(*[e for e in (z_loss, acc_t, pred) if e is not None])
 

@@ -32,7 +32,7 @@ def find_lossd_binary():
                              text=True, timeout=120).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         out = ""
-    cand = Path(out) / "server" / "lossd" if out else None
+    cand = Path(out) / "service" / "lossd" if out else None
     if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
         return str(cand)
     pytest.skip("no lossd binary: build //service:lossd or set LOSSD_BIN")

@@ -1,0 +1,200 @@
+// What the C++ client's calls take and return, in plain C++ types: the client's options, a
+// Compute's request (tensors as caller-memory views, loss options, wanted outputs, where to
+// land them) and every call's result. Data only: nothing here talks to a server or includes
+// gRPC or protobuf. client/lossd_client.h includes this header; include that one.
+#ifndef LOSSD_CLIENT_CLIENT_TYPES_H_
+#define LOSSD_CLIENT_CLIENT_TYPES_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "client/host_tensor.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+
+namespace lossd {
+namespace client {
+
+struct ClientOptions {
+  std::string target = "localhost:50051";
+  // Largest data bytes of one sent TensorPart, rounded down to whole elements of each tensor
+  // (at least one). 1-4 MiB moves fastest; the server caps it (16 MiB by default).
+  size_t part_bytes = 4 << 20;
+  // Largest data bytes of one received part the server is asked to send (0 = its default).
+  uint32_t response_part_bytes = 0;
+  // Per-call deadline (each Compute, PutWeights, ... call); InfiniteDuration = none.
+  absl::Duration deadline = absl::Minutes(10);
+  // Message size limits set on the channel. Parts of 16 MiB and more must fit; gRPC's 4 MiB
+  // default receive limit would refuse them.
+  int max_receive_message_bytes = 256 << 20;
+  int max_send_message_bytes = 256 << 20;
+  // Channels to open, each its own TCP connection. One connection tops out near 4.5 GB/s;
+  // concurrent calls round-robin over the channels.
+  int connections = 1;
+  // Striping: how many connections one big PutWeights or FetchGradients is split over, each
+  // carrying a byte range of the tensor on its own stream (4 connections move 3-6x what one
+  // does). 0 = the default rule: min(connections, 4) for tensors of at least
+  // auto_stripe_bytes, else 1. 1 = never stripe. Must not exceed `connections` (so with one
+  // connection striping is off) nor 64.
+  int stripes = 0;
+  uint64_t auto_stripe_bytes = 64ull << 20;
+  // Compute overlaps transfer with compute (ComputeHeader.overlap): the server computes each
+  // chunk of rows as its part of X arrives and sends dX back while later chunks compute, so a
+  // call takes about max(transfer, compute) instead of their sum. The cost: once computing
+  // has started, a call that fails (cut off, a NaN in a late part of X) poisons the named
+  // accumulator, as a failed update always does. Per call: ComputeRequest::overlap.
+  bool overlap = true;
+  // Wait for the server to become reachable instead of failing fast with UNAVAILABLE.
+  bool wait_for_ready = false;
+  // Transport security: plaintext unless `tls` is set. PEM contents, not file paths.
+  bool tls = false;
+  std::string tls_root_certs;   // CAs the server certificate must chain to; empty = defaults
+  std::string tls_client_cert;  // mutual TLS: this client's certificate (chain) ...
+  std::string tls_client_key;   // ... and its private key
+  // Checked against the server certificate instead of the target's host name (an IP target,
+  // a test certificate).
+  std::string tls_server_name;
+  // When set, every call carries "authorization: Bearer <auth_token>".
+  std::string auth_token;
+  // Metadata added to every call.
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+// Per-call overrides of ClientOptions.
+struct CallOptions {
+  std::optional<absl::Duration> deadline;
+};
+
+// Output tensors a Compute can return.
+enum class OutputTensor : int32_t {
+  kLoss = 16,         // (BT) fp32 per-token loss, reduction none only
+  kLse = 17,          // (BT) fp32
+  kZLoss = 18,        // (BT) fp32 per-token z-loss, reduction none only
+  kPredictions = 19,  // (BT) int64 argmax
+  kDx = 20,           // (BT, H) grad dtype
+  kDw = 21,           // (V, H) grad dtype
+  kDb = 22,           // (V) grad dtype
+};
+const char* OutputTensorName(OutputTensor t);  // "loss", "lse", ..., "dx", "dw", "db"
+
+// Which outputs to return; the scalar loss always comes back.
+struct WantedOutputs {
+  bool dx = true;
+  bool dw = true;  // ignored (never returned) when an accumulator is named
+  bool db = false;
+  bool lse = false;
+  bool z_loss = false;
+  bool accuracy = false;
+  bool predictions = false;
+};
+
+// Where a wanted output should land instead of a newly allocated buffer (no extra copy).
+struct OutputBuffer {
+  void* data = nullptr;  // caller memory, at least `capacity` bytes, alive during the call
+  size_t capacity = 0;
+};
+
+struct ComputeRequest {
+  HostTensor x;                             // (BT, H) bf16, fp16 or fp32
+  std::optional<HostTensor> w;              // (V, H) x's dtype; absent when weight_handle is set
+  std::string weight_handle;                // from PutWeights (which carries its own bias)
+  std::optional<HostTensor> bias;           // (V) x's dtype, inline weights only
+  HostTensor targets;                       // (BT) int32 or int64
+  std::optional<HostTensor> class_weights;  // (V) fp32
+  std::optional<HostTensor> grad_output;    // (BT) fp32, reduction none only
+  LossOptions options;                      // ignore_index, reduction, smoothing, z-loss, ...
+  std::optional<DType> grad_dtype;          // nullopt = x's dtype; else kF32 (or x's dtype)
+  WantedOutputs want;
+  // When set, dW (and db) are added into this server-side fp32 accumulator, not returned.
+  // The client remembers the server instance of each accumulator it has added to, and a
+  // server of another instance (another replica behind a balancer that spread this client's
+  // connections, or the same server restarted) refuses the call with FAILED_PRECONDITION
+  // instead of starting a second, partial sum; DropAccumulator forgets it. First Computes
+  // into a new accumulator sent at once, before its instance is known, are checked when they
+  // return: one that landed elsewhere is FAILED_PRECONDITION (the sum is already split).
+  std::string accumulator;
+  std::map<OutputTensor, OutputBuffer> output_into;
+  // nullopt = ClientOptions::overlap.
+  std::optional<bool> overlap;
+};
+
+struct ComputeResult {
+  float loss = 0.0f;  // mean or sum; for reduction none the sum of the per-token loss
+  float z_loss = 0.0f;
+  float accuracy = 0.0f;         // when wanted
+  int64_t tokens = 0;            // non-ignored tokens
+  double compute_seconds = 0.0;  // server-side compute time
+  std::string backend;
+  std::string instance;  // the server instance that computed
+  uint64_t accumulated_micro_batches = 0;
+  // Gradients holding a NaN or Inf after the call (kDx, kDw, kDb; with an accumulator, kDw
+  // and kDb mean its sum, which then refuses further use until a reset fetch or a drop).
+  // Servers with the "nonfinite_outputs" feature; older ones leave it empty.
+  std::vector<OutputTensor> nonfinite;
+  // Returned tensors, as the server listed them. Those with an output_into buffer are
+  // mutable views of it; the rest own their bytes.
+  std::map<OutputTensor, HostTensor> outputs;
+  // Client-side measurements.
+  double wall_seconds = 0.0;
+  uint64_t bytes_sent = 0;      // tensor data bytes
+  uint64_t bytes_received = 0;  // tensor data bytes
+
+  // The output or null when it was not returned.
+  const HostTensor* Find(OutputTensor t) const;
+};
+
+struct PutWeightsResult {
+  std::string handle;
+  uint64_t bytes = 0;  // server-side bytes the weights take
+  int stripes = 1;     // streams (connections) the upload was split over
+};
+
+struct FetchGradientsResult {
+  HostTensor dw;                 // (V, H) fp32
+  std::optional<HostTensor> db;  // (V) fp32, when the accumulator saw a bias
+  uint64_t micro_batches = 0;
+  int64_t tokens = 0;
+  std::string instance;
+  int stripes = 1;  // range streams (connections) the fetch was split over
+  int ranges = 1;   // ranged fetches it took (more than stripes where the server's budget is small)
+};
+
+struct ServerInfoResult {
+  std::string version;
+  std::string instance;
+  std::string backend;
+  std::string device;
+  uint64_t memory_total_bytes = 0;
+  uint64_t memory_budget_bytes = 0;
+  uint64_t memory_in_use_bytes = 0;
+  uint64_t weight_cache_budget_bytes = 0;
+  uint64_t weight_cache_bytes = 0;
+  uint32_t max_part_bytes = 0;
+  int64_t max_bt = 0;
+  int64_t max_h = 0;
+  int64_t max_v = 0;
+  uint32_t max_in_flight = 0;
+  uint32_t accumulators = 0;
+  std::vector<std::string> features;  // see engine/features.h
+};
+
+// One weight handle or accumulator of the caller's, as List reports it.
+struct StateEntry {
+  enum class Kind { kWeights, kAccumulator };
+  Kind kind = Kind::kWeights;
+  std::string name;  // the weight handle or the accumulator's name
+  uint64_t bytes = 0;  // server memory it holds
+  int64_t last_used_unix_ms = 0;  // created, or last named by a call
+  uint64_t micro_batches = 0;  // accumulators: micro-batches summed since the last reset
+};
+
+}  // namespace client
+}  // namespace lossd
+
+#endif  // LOSSD_CLIENT_CLIENT_TYPES_H_

@@ -1,0 +1,91 @@
+#include "client/client_wire.h"
+
+#include <algorithm>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace lossd {
+namespace client {
+
+namespace {
+
+// The one table of DType <-> v1::DType that both directions read.
+constexpr std::pair<DType, v1::DType> kDTypes[] = {
+    {DType::kBF16, v1::DTYPE_BF16}, {DType::kF16, v1::DTYPE_FP16},
+    {DType::kF32, v1::DTYPE_FP32},  {DType::kI32, v1::DTYPE_INT32},
+    {DType::kI64, v1::DTYPE_INT64},
+};
+
+}  // namespace
+
+v1::DType ToProto(DType t) {
+  for (const auto& [dtype, wire] : kDTypes) {
+    if (dtype == t) return wire;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromProto(v1::DType t) {
+  for (const auto& [dtype, wire] : kDTypes) {
+    if (wire == t) return dtype;
+  }
+  return absl::InternalError(absl::StrCat("server sent an unknown dtype ", t));
+}
+
+v1::Reduction ToProto(Reduction r) {
+  switch (r) {
+    case Reduction::kMean:
+      return v1::REDUCTION_MEAN;
+    case Reduction::kSum:
+      return v1::REDUCTION_SUM;
+    case Reduction::kNone:
+      return v1::REDUCTION_NONE;
+  }
+  return v1::REDUCTION_MEAN;
+}
+
+void FillSpec(const HostTensor& t, v1::TensorSpec* spec) {
+  spec->set_dtype(ToProto(t.dtype()));
+  for (int64_t d : t.shape()) spec->add_shape(d);
+}
+
+std::string TensorIdName(int32_t id) {
+  if (id >= static_cast<int32_t>(OutputTensor::kLoss) &&
+      id <= static_cast<int32_t>(OutputTensor::kDb)) {
+    return OutputTensorName(static_cast<OutputTensor>(id));
+  }
+  return absl::StrCat("tensor#", id);
+}
+
+std::vector<int64_t> ShapeOf(const v1::TensorSpec& spec) {
+  return std::vector<int64_t>(spec.shape().begin(), spec.shape().end());
+}
+
+std::string RandomUploadId() {
+  std::random_device rd;
+  uint64_t half[2];
+  for (uint64_t& h : half) h = (static_cast<uint64_t>(rd()) << 32) | rd();
+  return absl::StrFormat("%016x%016x", half[0], half[1]);
+}
+
+void AppendRange(v1::TensorId id, const HostTensor& t, size_t begin, size_t end,
+                 size_t part_bytes, SliceTracker* tracker, std::vector<grpc::ByteBuffer>* out,
+                 uint64_t* bytes) {
+  const size_t elem = DTypeSize(t.dtype());
+  const size_t step = std::max(elem, part_bytes - part_bytes % elem);
+  for (size_t off = begin; off < end; off += step) {
+    out->push_back(EncodePart(id, off, t.data() + off, std::min(step, end - off), tracker));
+  }
+  *bytes += end - begin;
+}
+
+void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
+                 std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
+  AppendRange(id, t, 0, t.num_bytes(), part_bytes, tracker, out, bytes);
+}
+
+}  // namespace client
+}  // namespace lossd

@@ -1,0 +1,277 @@
+#include "client/compute_call.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/client_wire.h"
+#include "core/status_macros.h"
+
+namespace lossd {
+namespace client {
+namespace {
+
+// The dtype and shape of output `t` of request `r`, with V = `v`.
+std::pair<DType, std::vector<int64_t>> OutputSpecOf(const ComputeRequest& r, OutputTensor t,
+                                                    int64_t v) {
+  const int64_t bt = r.x.dim(0);
+  const int64_t h = r.x.dim(1);
+  const DType grad = r.grad_dtype.value_or(r.x.dtype());
+  switch (t) {
+    case OutputTensor::kLoss:
+    case OutputTensor::kLse:
+    case OutputTensor::kZLoss:
+      break;
+    case OutputTensor::kPredictions:
+      return {DType::kI64, {bt}};
+    case OutputTensor::kDx:
+      return {grad, {bt, h}};
+    case OutputTensor::kDw:
+      return {grad, {v, h}};
+    case OutputTensor::kDb:
+      return {grad, {v}};
+  }
+  return {DType::kF32, {bt}};
+}
+
+absl::Status CheckOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtype,
+                             const std::vector<int64_t>& shape) {
+  // V is known only for inline weights; with a handle any V >= 1 is accepted.
+  const int64_t v = r.w.has_value() ? r.w->dim(0) : (shape.empty() ? -1 : shape[0]);
+  const auto [want_dtype, want_shape] = OutputSpecOf(r, t, v);
+  if (dtype != want_dtype || shape != want_shape || (!shape.empty() && shape[0] < 0)) {
+    return absl::InternalError(absl::StrCat("server announced ", OutputTensorName(t), " as ",
+                                            ShapeString(dtype, shape), ", expected ",
+                                            ShapeString(want_dtype, want_shape)));
+  }
+  return absl::OkStatus();
+}
+
+// Caller buffers for outputs the call does not return, or too small for what it returns.
+absl::Status ValidateOutputInto(const ComputeRequest& r) {
+  const bool none = r.options.reduction == Reduction::kNone;
+  const int64_t v = r.w.has_value() ? r.w->dim(0) : -1;  // -1: behind a weight handle
+  for (const auto& [tensor, buf] : r.output_into) {
+    bool returned = true;
+    switch (tensor) {
+      case OutputTensor::kLoss: returned = none; break;
+      case OutputTensor::kZLoss: returned = none && r.want.z_loss; break;
+      case OutputTensor::kLse: returned = r.want.lse; break;
+      case OutputTensor::kPredictions: returned = r.want.predictions; break;
+      case OutputTensor::kDx: returned = r.want.dx; break;
+      case OutputTensor::kDw: returned = r.want.dw && r.accumulator.empty(); break;
+      case OutputTensor::kDb:
+        // With a handle the bias is the handle's: whether one comes back is known only then.
+        returned = r.want.db && r.accumulator.empty() && (r.bias.has_value() || !r.w.has_value());
+        break;
+    }
+    const std::string name = OutputTensorName(tensor);
+    if (!returned) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "output_into[", name, "]: this call does not return ", name,
+          " (see want, options.reduction and accumulator)"));
+    }
+    if (v < 0 && (tensor == OutputTensor::kDw || tensor == OutputTensor::kDb)) continue;
+    const auto [dtype, shape] = OutputSpecOf(r, tensor, v);
+    absl::StatusOr<size_t> need = TensorByteSize(dtype, shape);
+    if (need.ok() && buf.data != nullptr && buf.capacity < *need) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("output_into[", name, "] holds ", buf.capacity, " bytes; the ",
+                       ShapeString(dtype, shape), " result needs ", *need));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateRequest(const ComputeRequest& r) {
+  LOSSD_RETURN_IF_ERROR(r.x.Validate("x"));
+  LOSSD_RETURN_IF_ERROR(r.targets.Validate("targets"));
+  if (r.x.rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("x must be (BT, H), got ", r.x.DebugString()));
+  }
+  if (r.w.has_value() == !r.weight_handle.empty()) {
+    return absl::InvalidArgumentError("give exactly one of w and weight_handle");
+  }
+  if (r.w.has_value()) {
+    LOSSD_RETURN_IF_ERROR(r.w->Validate("w"));
+    if (r.w->rank() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("w must be (V, H), got ", r.w->DebugString()));
+    }
+  }
+  if (r.bias.has_value()) {
+    if (!r.w.has_value()) {
+      return absl::InvalidArgumentError(
+          "bias goes with inline weights; a weight handle carries its own bias");
+    }
+    LOSSD_RETURN_IF_ERROR(r.bias->Validate("bias"));
+  }
+  if (r.class_weights.has_value()) {
+    LOSSD_RETURN_IF_ERROR(r.class_weights->Validate("class_weights"));
+  }
+  if (r.grad_output.has_value()) {
+    LOSSD_RETURN_IF_ERROR(r.grad_output->Validate("grad_output"));
+  }
+  return ValidateOutputInto(r);
+}
+
+v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& instance,
+                                   uint32_t response_part_bytes, bool overlap) {
+  v1::ComputeRequest head;
+  v1::ComputeHeader* h = head.mutable_header();
+  FillSpec(r.x, h->mutable_x());
+  if (r.w.has_value()) FillSpec(*r.w, h->mutable_w());
+  h->set_weight_handle(r.weight_handle);
+  if (r.bias.has_value()) FillSpec(*r.bias, h->mutable_bias());
+  FillSpec(r.targets, h->mutable_targets());
+  if (r.class_weights.has_value()) FillSpec(*r.class_weights, h->mutable_class_weights());
+  if (r.grad_output.has_value()) FillSpec(*r.grad_output, h->mutable_grad_output());
+  v1::LossOptions* o = h->mutable_options();
+  o->set_ignore_index(r.options.ignore_index);
+  o->set_reduction(ToProto(r.options.reduction));
+  o->set_label_smoothing(r.options.label_smoothing);
+  o->set_lse_square_scale(r.options.z_loss_scale);
+  o->set_softcap(r.options.softcap);
+  o->set_grad_dtype(r.grad_dtype.has_value() ? ToProto(*r.grad_dtype) : v1::DTYPE_UNSPECIFIED);
+  o->set_grad_scale(r.options.grad_scale);
+  o->set_chunk_rows(r.options.chunk_rows);
+  o->set_token_scaling(r.options.token_scaling);  // false is not on the wire: old servers too
+  v1::Outputs* want = h->mutable_outputs();
+  want->set_dx(r.want.dx);
+  want->set_dw(r.want.dw);
+  want->set_db(r.want.db);
+  want->set_lse(r.want.lse);
+  want->set_z_loss(r.want.z_loss);
+  want->set_accuracy(r.want.accuracy);
+  want->set_predictions(r.want.predictions);
+  h->set_accumulator(r.accumulator);
+  if (!r.accumulator.empty()) h->set_accumulator_instance(instance);
+  h->set_response_part_bytes(response_part_bytes);
+  h->set_overlap(overlap);
+  return head;
+}
+
+void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracker* tracker,
+                         std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
+  const size_t pb = part_bytes;
+  if (r.w.has_value()) AppendParts(v1::TENSOR_W, *r.w, pb, tracker, out, bytes);
+  if (r.bias.has_value()) AppendParts(v1::TENSOR_BIAS, *r.bias, pb, tracker, out, bytes);
+  if (r.class_weights.has_value()) {
+    AppendParts(v1::TENSOR_CLASS_WEIGHTS, *r.class_weights, pb, tracker, out, bytes);
+  }
+  AppendParts(v1::TENSOR_TARGETS, r.targets, pb, tracker, out, bytes);
+  if (r.grad_output.has_value()) {
+    AppendParts(v1::TENSOR_GRAD_OUTPUT, *r.grad_output, pb, tracker, out, bytes);
+  }
+  AppendParts(v1::TENSOR_X, r.x, pb, tracker, out, bytes);
+}
+
+void PrefetchOutputs(const ComputeRequest& r, OutputPrefetcher* prefetched) {
+  const int32_t dx_id = static_cast<int32_t>(OutputTensor::kDx);
+  const int32_t dw_id = static_cast<int32_t>(OutputTensor::kDw);
+  const DType grad = r.grad_dtype.value_or(r.x.dtype());
+  if (r.want.dx && r.output_into.count(OutputTensor::kDx) == 0) {
+    prefetched->Add(dx_id, grad, {r.x.dim(0), r.x.dim(1)});
+  }
+  if (r.want.dw && r.accumulator.empty() && r.w.has_value() &&
+      r.output_into.count(OutputTensor::kDw) == 0) {
+    prefetched->Add(dw_id, grad, {r.w->dim(0), r.w->dim(1)});
+  }
+  prefetched->Start();
+}
+
+absl::Status ComputeReplyReader::OnMessage(const grpc::ByteBuffer& msg) {
+  absl::Status parsed = frame_.Parse(msg);
+  if (!parsed.ok()) return absl::InternalError(parsed.message());
+  if (frame_.kind() == StreamFrame::Kind::kPart) {
+    if (!have_summary_) return absl::InternalError("server sent a part before its summary");
+    if (have_results_ && overlap_) {
+      return absl::InternalError("server sent a part after its final summary");
+    }
+    return receiver_.Accept(frame_);
+  }
+  if (frame_.kind() != StreamFrame::Kind::kHeader) {
+    return absl::InternalError("server sent a ComputeResponse with neither summary nor part");
+  }
+  return OnSummary();
+}
+
+absl::Status ComputeReplyReader::OnSummary() {
+  if (have_results_) return absl::InternalError("server sent a second summary");
+  v1::ComputeSummary s;
+  if (!s.ParseFromString(frame_.header_bytes())) {
+    return absl::InternalError("cannot parse the server's ComputeSummary");
+  }
+  if (s.tensors_size() != s.specs_size()) {
+    return absl::InternalError(absl::StrCat("summary lists ", s.tensors_size(), " tensors but ",
+                                            s.specs_size(), " specs"));
+  }
+  if (s.preliminary() != (overlap_ && !have_summary_)) {
+    return absl::InternalError(absl::StrCat(
+        "server sent a ", s.preliminary() ? "preliminary" : "final", " summary where a ",
+        s.preliminary() ? "final" : "preliminary", " one was due (overlap ",
+        overlap_ ? "on" : "off", ")"));
+  }
+  if (have_summary_) {  // the final summary of an overlapped call: the same outputs
+    if (s.tensors_size() != announced_) {
+      return absl::InternalError(absl::StrCat("final summary lists ", s.tensors_size(),
+                                              " tensors; the preliminary one ", announced_));
+    }
+    LOSSD_RETURN_IF_ERROR(receiver_.CheckComplete());
+  }
+  have_results_ = !s.preliminary();
+  ComputeResult& result = *result_;
+  result.loss = s.loss();
+  result.z_loss = s.z_loss();
+  result.accuracy = s.accuracy();
+  result.tokens = s.tokens();
+  result.compute_seconds = s.compute_seconds();
+  result.backend = s.backend();
+  result.instance = s.instance();
+  result.accumulated_micro_batches = s.accumulated_micro_batches();
+  result.nonfinite.clear();
+  for (int t : s.nonfinite()) result.nonfinite.push_back(static_cast<OutputTensor>(t));
+  if (have_summary_) return absl::OkStatus();
+  have_summary_ = true;
+  announced_ = s.tensors_size();
+  return Announce(s);
+}
+
+absl::Status ComputeReplyReader::Announce(const v1::ComputeSummary& s) {
+  for (int i = 0; i < s.tensors_size(); ++i) {
+    const int32_t id = s.tensors(i);
+    if (id < static_cast<int32_t>(OutputTensor::kLoss) ||
+        id > static_cast<int32_t>(OutputTensor::kDb)) {
+      return absl::InternalError(
+          absl::StrCat("summary lists ", TensorIdName(id), ", not an output tensor"));
+    }
+    const OutputTensor t = static_cast<OutputTensor>(id);
+    absl::StatusOr<DType> dtype = FromProto(s.specs(i).dtype());
+    if (!dtype.ok()) return dtype.status();
+    std::vector<int64_t> shape = ShapeOf(s.specs(i));
+    LOSSD_RETURN_IF_ERROR(CheckOutputSpec(r_, t, *dtype, shape));
+    auto into = r_.output_into.find(t);
+    LOSSD_RETURN_IF_ERROR(
+        receiver_.Announce(id, *dtype, std::move(shape),
+                           into == r_.output_into.end() ? nullptr : &into->second, prefetched_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeReplyReader::Finish() {
+  if (!have_results_) {
+    return absl::InternalError(have_summary_
+                                   ? "server ended the stream without its final summary"
+                                   : "server ended the stream without a summary");
+  }
+  LOSSD_RETURN_IF_ERROR(receiver_.CheckComplete());
+  for (Incoming& in : receiver_.incoming()) {
+    result_->outputs.emplace(static_cast<OutputTensor>(in.id), std::move(in.tensor));
+  }
+  result_->bytes_received = receiver_.bytes();
+  return absl::OkStatus();
+}
+
+}  // namespace client
+}  // namespace lossd

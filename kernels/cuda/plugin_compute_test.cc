@@ -1,0 +1,166 @@
+// The CUDA backend through the plugin ABI (liblossd_cuda.so loaded by the server's loader)
+// against the same backend linked in and called directly, on a GPU host: the same bits for
+// every output, the same statistics, the same workspace sizes, the same info. Both run with
+// fixed GEMM algorithms, so a difference can only come from the C boundary.
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/plugin_loader.h"
+#include "testing/test_util.h"
+
+namespace lossd {
+namespace {
+
+class PluginComputeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    LossdCudaOptions o = DefaultCudaOptions();
+    o.fixed_gemm_algorithms = 1;
+    absl::StatusOr<std::unique_ptr<Backend>> p = LoadCudaBackend("", o);
+    ASSERT_TRUE(p.ok()) << p.status();
+    plugin_ = std::move(*p);
+    cuda::CudaBackendOptions d;
+    d.autotune_gemms = false;
+    absl::StatusOr<std::unique_ptr<cuda::CudaBackend>> b = cuda::CudaBackend::Create(d);
+    ASSERT_TRUE(b.ok()) << b.status();
+    direct_ = std::move(*b);
+  }
+  std::unique_ptr<Backend> plugin_;
+  std::unique_ptr<Backend> direct_;
+};
+
+OptionCase Combined(Reduction reduction, bool grad_f32) {
+  OptionCase c;
+  c.name = "combined";
+  c.reduction = reduction;
+  c.eps = 0.1f;
+  c.zs = 1e-4f;
+  c.cap = 30.0f;
+  c.bias = true;
+  c.weights = true;
+  c.grad_output = reduction == Reduction::kNone;
+  c.ignore = 0.2;
+  c.chunk_rows = 64;
+  c.grad_f32 = grad_f32;
+  return c;
+}
+
+TEST_F(PluginComputeTest, InfoAndHostMemory) {
+  const BackendInfo got = plugin_->Info(), want = direct_->Info();
+  EXPECT_EQ(got.name, "cuda");
+  EXPECT_EQ(got.device, want.device);
+  EXPECT_EQ(got.memory_total_bytes, want.memory_total_bytes);
+  EXPECT_TRUE(got.healthy);
+  HostMemory* m = plugin_->host_memory();
+  ASSERT_NE(m, nullptr);
+  void* p = m->Allocate(1 << 20);
+  ASSERT_NE(p, nullptr);
+  std::memset(p, 1, 1 << 20);
+  m->Free(p);
+}
+
+TEST_F(PluginComputeTest, WorkspaceBytesAreTheBackendsOwn) {
+  for (GradOut dw : {GradOut::kNone, GradOut::kWritten, GradOut::kAccumulated}) {
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      WorkspaceShape s;
+      s.bt = 8192;
+      s.h = 4096;
+      s.v = 128256;
+      s.dtype = dtype;
+      s.grad_dtype = dtype;
+      s.has_bias = true;
+      s.want_dx = true;
+      s.dw = dw;
+      s.db = dw;
+      EXPECT_EQ(plugin_->WorkspaceBytes(s), direct_->WorkspaceBytes(s));
+    }
+  }
+}
+
+TEST_F(PluginComputeTest, ComputeIsTheDirectBackendsBitForBit) {
+  uint64_t seed = 90;
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (Reduction reduction : {Reduction::kMean, Reduction::kNone}) {
+      for (bool resident : {false, true}) {
+        const bool grad_f32 = resident && dtype != DType::kF32;
+        const RandomProblem rp = RandomProblem::Make(
+            SpecOf(300, 256, 5000, dtype, Combined(reduction, grad_f32), 1.0f, ++seed));
+        const LossProblem p = rp.problem();
+        const DType g = grad_f32 ? DType::kF32 : dtype;
+        HostOutputs want(p, g, true, resident), got(p, g, true, resident);
+        LossProblem direct_p = p, plugin_p = p;
+        std::unique_ptr<BackendBuffer> direct_w, plugin_w;
+        if (resident) {  // W (then the bias) in each backend's device memory
+          const size_t wb = p.v * p.h * DTypeSize(dtype), bb = p.v * DTypeSize(dtype);
+          direct_w = std::move(*direct_->Allocate(wb + bb));
+          plugin_w = std::move(*plugin_->Allocate(wb + bb));
+          ASSERT_TRUE(direct_->CopyToBackend(*direct_w, 0, p.w, wb).ok());
+          ASSERT_TRUE(direct_->CopyToBackend(*direct_w, wb, p.bias, bb).ok());
+          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, 0, p.w, wb).ok());
+          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, wb, p.bias, bb).ok());
+          direct_p.w = direct_w->data();
+          direct_p.bias = static_cast<const uint8_t*>(direct_w->data()) + wb;
+          plugin_p.w = plugin_w->data();
+          plugin_p.bias = static_cast<const uint8_t*>(plugin_w->data()) + wb;
+          direct_p.w_memory = plugin_p.w_memory = Memory::kBackend;
+        }
+        LossStats want_stats, got_stats;
+        const std::string where = absl::StrCat(DTypeName(dtype), " reduction ",
+                                               static_cast<int>(reduction), " resident ", resident);
+        ASSERT_TRUE(direct_->Compute(direct_p, want.outputs(), &want_stats).ok()) << where;
+        const absl::Status st = plugin_->Compute(plugin_p, got.outputs(), &got_stats);
+        ASSERT_TRUE(st.ok()) << where << ": " << st;
+        EXPECT_TRUE(BitIdentical(want, got)) << where;
+        EXPECT_EQ(got_stats.peak_extra_bytes, want_stats.peak_extra_bytes) << where;
+        EXPECT_EQ(got_stats.chunk_rows, want_stats.chunk_rows) << where;
+        EXPECT_EQ(got_stats.nonfinite, want_stats.nonfinite) << where;
+      }
+    }
+  }
+}
+
+TEST_F(PluginComputeTest, OverlappedComputeCrossesTheRowStream) {
+  const RandomProblem rp = RandomProblem::Make(
+      SpecOf(300, 256, 5000, DType::kBF16, Combined(Reduction::kMean, false), 1.0f, 7));
+  const LossProblem whole = rp.problem();
+  HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
+  ASSERT_TRUE(direct_->Compute(whole, want.outputs(), nullptr).ok());
+  TrickleRows rows(whole.x, whole.bt, whole.h * DTypeSize(whole.dtype), TrickleRows::Spec{});
+  LossProblem streamed = whole;
+  streamed.x = rows.x();
+  streamed.rows = &rows;
+  const absl::Status st = plugin_->Compute(streamed, got.outputs(), nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(BitIdentical(want, got));
+  EXPECT_TRUE(rows.CallsAreValid(whole.bt, 5));  // 300 rows in chunks of 64
+}
+
+TEST_F(PluginComputeTest, FailedRowWaitAndRefusalsCrossBack) {
+  RandomProblem rp = RandomProblem::Make(
+      SpecOf(300, 256, 5000, DType::kBF16, Combined(Reduction::kMean, false), 1.0f, 8));
+  ExpectComputeEndsWithTheFailedWait(
+      [&](const LossProblem& p, const LossOutputs& out) {
+        return plugin_->Compute(p, out, nullptr);
+      },
+      rp.problem(), absl::CancelledError("test: the sender went away"), 100);
+  rp.targets[3] = 5000;  // one past V
+  const LossProblem bad = rp.problem();
+  HostOutputs a(bad, DType::kBF16), b(bad, DType::kBF16);
+  const absl::Status want = direct_->Compute(bad, a.outputs(), nullptr);
+  ASSERT_TRUE(absl::IsInvalidArgument(want)) << want;
+  EXPECT_EQ(plugin_->Compute(bad, b.outputs(), nullptr), want);
+}
+
+}  // namespace
+}  // namespace lossd

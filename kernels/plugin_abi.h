@@ -1,0 +1,218 @@
+/* The backend plugin ABI: what crosses dlopen between the server and a backend plugin
+ * (liblossd_cuda.so). Plain C: fixed-width integers, plain-data structs, opaque handles and
+ * function pointers; no C++ type, no exception and no allocator ever crosses it. Compiles as
+ * C and as C++; says nothing of how either side implements it (kernels/plugin_export.h serves
+ * it over a lossd::Backend, kernels/plugin_backend.h is a lossd::Backend over it).
+ *
+ * A plugin exports one symbol, LossdPluginGetApi. The server asks it for the ABI version it
+ * was built for; the plugin answers with its table of functions for that version, or with null
+ * when it speaks another one, and in both cases writes the version it speaks, so the server
+ * can name both. Version 1 was a C++ lossd::Backend* across dlopen (LossdCudaAbiVersion).
+ * Bump LOSSD_PLUGIN_ABI_VERSION whenever a struct or a function below changes; a new
+ * function goes at the end of LossdBackendApi, whose struct_size tells how far a table goes.
+ */
+#ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
+#define LOSSD_KERNELS_PLUGIN_ABI_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LOSSD_PLUGIN_ABI_VERSION 2u
+#define LOSSD_PLUGIN_ENTRY_SYMBOL "LossdPluginGetApi"
+/* What a version 1 plugin exported instead: uint32_t LossdCudaAbiVersion(void). */
+#define LOSSD_PLUGIN_V1_VERSION_SYMBOL "LossdCudaAbiVersion"
+
+/* Message prefix of a create that found no usable GPU (no device, or a driver too old for
+ * the runtime), so callers can fall back to the CPU backend quietly. */
+#define LOSSD_CUDA_NO_GPU_PREFIX "no GPU: "
+
+/* Enumerations cross as int32_t with these values (lossd::DType, Memory, Reduction, GradOut). */
+#define LOSSD_DTYPE_BF16 0
+#define LOSSD_DTYPE_F16 1
+#define LOSSD_DTYPE_F32 2
+#define LOSSD_DTYPE_I32 3
+#define LOSSD_DTYPE_I64 4
+#define LOSSD_MEMORY_HOST 0
+#define LOSSD_MEMORY_BACKEND 1 /* from the table's allocate (device memory on a GPU) */
+#define LOSSD_REDUCTION_MEAN 0
+#define LOSSD_REDUCTION_SUM 1
+#define LOSSD_REDUCTION_NONE 2
+#define LOSSD_GRAD_NONE 0
+#define LOSSD_GRAD_WRITTEN 1
+#define LOSSD_GRAD_ACCUMULATED 2
+
+/* The outcome of a call. code: 0 is OK, anything else a canonical status code (absl's and
+ * gRPC's numbers: 3 INVALID_ARGUMENT, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE ...). The caller
+ * owns message: the callee writes a NUL-terminated text into it, cut to message_capacity - 1
+ * bytes, and leaves it alone on success. */
+typedef struct LossdStatus {
+  int32_t code;
+  char* message;
+  size_t message_capacity;
+} LossdStatus;
+
+/* What create takes. */
+typedef struct LossdCudaOptions {
+  int32_t device;               /* CUDA device index */
+  uint64_t memory_budget_bytes; /* most device bytes the backend may hold; 0 = no own limit */
+  uint64_t chunk_budget_bytes;  /* chunk buffer + GEMM workspaces per Compute; 0 = the default
+                                   (512 MiB, more for V > ~128K: DefaultChunkBudget) */
+  /* 0: time cuBLASLt's candidates on the first Compute of each shape and keep the fastest;
+   * 1: its first choice, the same in every process. */
+  int32_t fixed_gemm_algorithms;
+} LossdCudaOptions;
+
+/* lossd::LossOptions (core/loss_problem.h says what each means). */
+typedef struct LossdLossOptions {
+  int64_t ignore_index;
+  int32_t reduction; /* LOSSD_REDUCTION_* */
+  float label_smoothing;
+  float z_loss_scale;
+  float softcap;
+  float grad_scale;
+  int64_t chunk_rows;
+  int32_t token_scaling; /* 0 or 1 */
+} LossdLossOptions;
+
+/* Rows of X that arrive while a Compute runs, and rows of dX that may leave (lossd::RowStream).
+ * The plugin calls wait_x(ctx, r) before it reads rows [0, r) of X, in non-decreasing r; a
+ * non-zero return (written into *status as well) ends the Compute with that status. It calls
+ * dx_ready(ctx, r) once rows [0, r) of dx are final, in increasing r, ending with BT; dx_ready
+ * never blocks and may run on any thread, a device runtime's callback thread included. */
+typedef struct LossdRowStream {
+  void* ctx;
+  int32_t (*wait_x)(void* ctx, int64_t rows, LossdStatus* status);
+  void (*dx_ready)(void* ctx, int64_t rows);
+} LossdRowStream;
+
+/* One validated problem (lossd::LossProblem): views of caller-owned buffers. */
+typedef struct LossdProblem {
+  int64_t bt;
+  int64_t h;
+  int64_t v;
+  int32_t dtype;               /* of x, w and bias: LOSSD_DTYPE_BF16, _F16 or _F32 */
+  int32_t w_memory;            /* LOSSD_MEMORY_* of w and bias */
+  const void* x;               /* (BT, H) row-major, dtype, host */
+  const void* w;               /* (V, H) row-major, dtype, in w_memory */
+  const void* bias;            /* (V) dtype, in w_memory; null = no bias */
+  const void* targets;         /* (BT) target_dtype, host */
+  int32_t target_dtype;        /* LOSSD_DTYPE_I32 or _I64 */
+  const float* class_weights;  /* (V) host; null = all ones */
+  const float* grad_output;    /* (BT) host; reduction none only; null = ones */
+  LossdLossOptions options;
+  const LossdRowStream* rows;  /* null: X is complete */
+} LossdProblem;
+
+/* Where the results go (lossd::LossOutputs); host memory unless noted, null = not wanted. */
+typedef struct LossdOutputs {
+  int32_t grad_dtype;    /* of dx, dw, db */
+  float* loss;           /* (BT) with reduction none, else (1) */
+  float* z_loss;         /* (BT) with reduction none, else (1) */
+  float* lse;            /* (BT) */
+  int64_t* predictions;  /* (BT) */
+  float* accuracy;       /* (1) */
+  int64_t* tokens;       /* (1) */
+  void* dx;              /* (BT, H) grad_dtype */
+  void* dw;              /* (V, H) grad_dtype */
+  void* db;              /* (V) grad_dtype */
+  float* dw_accum;       /* (V, H) fp32 in accum_memory, added into */
+  float* db_accum;       /* (V) fp32 in accum_memory, added into */
+  int32_t accum_memory;  /* LOSSD_MEMORY_* */
+} LossdOutputs;
+
+/* lossd::LossStats. The caller's values go in and come back where the plugin wrote none. */
+typedef struct LossdStats {
+  double compute_seconds;
+  uint64_t peak_extra_bytes;
+  int64_t chunk_rows;
+  int64_t gemm_tunings;
+  uint32_t nonfinite; /* lossd::NonFiniteBits */
+} LossdStats;
+
+/* lossd::BackendInfo; the strings are NUL-terminated and cut to fit. */
+typedef struct LossdBackendInfo {
+  char name[32];
+  char device[256];
+  uint64_t memory_total_bytes;
+  uint64_t memory_used_bytes;
+  uint64_t memory_peak_bytes;
+  uint64_t memory_held_bytes;
+  uint64_t memory_budget_bytes;
+  int32_t healthy; /* 0 after a sticky device error */
+} LossdBackendInfo;
+
+/* What a Compute's workspace depends on (lossd::WorkspaceShape): shapes and which buffers
+ * exist, never data. */
+typedef struct LossdWorkspaceShape {
+  int64_t bt;
+  int64_t h;
+  int64_t v;
+  int32_t dtype;
+  int32_t grad_dtype;
+  int32_t w_memory;
+  int32_t has_bias;
+  int32_t has_class_weights;
+  int32_t has_grad_output;
+  int32_t rows_streamed;
+  int64_t chunk_rows;
+  int32_t want_dx;
+  int32_t dw; /* LOSSD_GRAD_* */
+  int32_t db; /* LOSSD_GRAD_* */
+  int32_t accum_memory;
+} LossdWorkspaceShape;
+
+/* Opaque handles, defined by the plugin. A buffer may outlive its backend; a host memory
+ * lives as long as the process. */
+typedef struct LossdBackend LossdBackend;
+typedef struct LossdBuffer LossdBuffer;
+typedef struct LossdHostMemory LossdHostMemory;
+
+/* The functions of one ABI version. Functions that return int32_t return the status code
+ * they also write into *status. Every function is thread-safe as lossd::Backend's are. */
+typedef struct LossdBackendApi {
+  uint32_t struct_size; /* sizeof(LossdBackendApi) the plugin was built with */
+  uint32_t abi_version; /* LOSSD_PLUGIN_ABI_VERSION the plugin was built with */
+
+  /* A new backend in *backend, or an error (the no-GPU prefix above when there is none). */
+  int32_t (*create)(const LossdCudaOptions* options, LossdBackend** backend,
+                    LossdStatus* status);
+  void (*destroy)(LossdBackend* backend);
+  void (*info)(LossdBackend* backend, LossdBackendInfo* info);
+
+  /* Backend memory of `bytes`: its handle, its address in the backend's space and its size
+   * (lossd::BackendBuffer's data() and size()). */
+  int32_t (*allocate)(LossdBackend* backend, size_t bytes, LossdBuffer** buffer, void** data,
+                      size_t* size, LossdStatus* status);
+  void (*free_buffer)(LossdBuffer* buffer);
+  int32_t (*copy_to_backend)(LossdBackend* backend, LossdBuffer* dst, size_t offset,
+                             const void* src, size_t bytes, LossdStatus* status);
+  int32_t (*copy_from_backend)(LossdBackend* backend, const LossdBuffer* src, size_t offset,
+                               void* dst, size_t bytes, LossdStatus* status);
+  int32_t (*zero)(LossdBackend* backend, LossdBuffer* buffer, LossdStatus* status);
+
+  uint64_t (*workspace_bytes)(LossdBackend* backend, const LossdWorkspaceShape* shape);
+  /* stats may be null. */
+  int32_t (*compute)(LossdBackend* backend, const LossdProblem* problem,
+                     const LossdOutputs* outputs, LossdStats* stats, LossdStatus* status);
+
+  /* Pinned host memory, or null when ordinary memory is as good. alloc returns null when
+   * none can be had. */
+  LossdHostMemory* (*host_memory)(LossdBackend* backend);
+  void* (*host_alloc)(LossdHostMemory* memory, size_t bytes);
+  void (*host_free)(LossdHostMemory* memory, void* ptr);
+} LossdBackendApi;
+
+/* The entry point's type: the table for abi_version, or null when the plugin does not speak
+ * it; *plugin_abi_version gets the version the plugin speaks either way. */
+typedef const LossdBackendApi* (*LossdPluginGetApiFn)(uint32_t abi_version,
+                                                      uint32_t* plugin_abi_version);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif /* LOSSD_KERNELS_PLUGIN_ABI_H_ */

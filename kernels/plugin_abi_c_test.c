@@ -1,0 +1,30 @@
+/* plugin_abi.h is C: this file is compiled by the C compiler (c99, pedantic, warnings as
+ * errors), and checks the constants a plugin and a server must agree on. */
+#include "kernels/plugin_abi.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static int Check(int ok, const char* what) {
+  if (!ok) fprintf(stderr, "FAILED: %s\n", what);
+  return ok ? 0 : 1;
+}
+
+int main(void) {
+  LossdBackendApi api;
+  LossdStatus status;
+  int failures = 0;
+  memset(&api, 0, sizeof(api));
+  memset(&status, 0, sizeof(status));
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 2u, "the ABI version is 2");
+  failures += Check(strcmp(LOSSD_PLUGIN_ENTRY_SYMBOL, "LossdPluginGetApi") == 0,
+                    "the entry point's name");
+  failures += Check(strcmp(LOSSD_CUDA_NO_GPU_PREFIX, "no GPU: ") == 0, "the no-GPU prefix");
+  /* The version fields come first in every version, so any table can say what it is. */
+  failures += Check((const void*)&api.struct_size == (const void*)&api, "struct_size first");
+  failures += Check(sizeof(api.struct_size) == 4 && sizeof(api.abi_version) == 4,
+                    "32-bit version fields");
+  failures += Check(api.create == NULL && status.code == 0, "plain data");
+  if (failures == 0) printf("plugin_abi.h compiles as C\n");
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,187 @@
+// The plugin ABI's conversions: every field survives a round trip through its C struct, and a
+// status crosses as its code and message (cut to the caller's buffer).
+#include "kernels/plugin_abi_convert.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "core/loss_problem.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/plugin_abi.h"
+
+namespace lossd {
+namespace {
+
+TEST(PluginAbiConvertTest, StatusCrossesAsCodeAndMessage) {
+  StatusBuffer buf;
+  const absl::Status s = absl::ResourceExhaustedError("cuda: this problem needs 5 bytes");
+  const int32_t code = WriteStatus(s, buf.get());
+  EXPECT_EQ(code, 8);
+  EXPECT_EQ(buf.ToStatus(code), s);
+  EXPECT_EQ(WriteStatus(absl::OkStatus(), buf.get()), 0);
+  EXPECT_TRUE(buf.ToStatus(0).ok());
+}
+
+TEST(PluginAbiConvertTest, LongMessagesAreCutToTheCallersBuffer) {
+  char small[8];
+  LossdStatus st{0, small, sizeof(small)};
+  EXPECT_EQ(WriteStatus(absl::InvalidArgumentError("0123456789"), &st), 3);
+  EXPECT_EQ(st.code, 3);
+  EXPECT_STREQ(small, "0123456");
+}
+
+TEST(PluginAbiConvertTest, ShapeRoundTrips) {
+  WorkspaceShape s;
+  s.bt = 47;
+  s.h = 31;
+  s.v = 123;
+  s.dtype = DType::kF16;
+  s.grad_dtype = DType::kF32;
+  s.w_memory = Memory::kBackend;
+  s.has_bias = true;
+  s.has_class_weights = true;
+  s.has_grad_output = true;
+  s.rows_streamed = true;
+  s.chunk_rows = 9;
+  s.want_dx = true;
+  s.dw = GradOut::kAccumulated;
+  s.db = GradOut::kWritten;
+  s.accum_memory = Memory::kBackend;
+  const WorkspaceShape r = FromC(ToC(s));
+  EXPECT_EQ(r.bt, 47);
+  EXPECT_EQ(r.h, 31);
+  EXPECT_EQ(r.v, 123);
+  EXPECT_EQ(r.dtype, DType::kF16);
+  EXPECT_EQ(r.grad_dtype, DType::kF32);
+  EXPECT_EQ(r.w_memory, Memory::kBackend);
+  EXPECT_TRUE(r.has_bias);
+  EXPECT_TRUE(r.has_class_weights);
+  EXPECT_TRUE(r.has_grad_output);
+  EXPECT_TRUE(r.rows_streamed);
+  EXPECT_EQ(r.chunk_rows, 9);
+  EXPECT_TRUE(r.want_dx);
+  EXPECT_EQ(r.dw, GradOut::kAccumulated);
+  EXPECT_EQ(r.db, GradOut::kWritten);
+  EXPECT_EQ(r.accum_memory, Memory::kBackend);
+}
+
+TEST(PluginAbiConvertTest, ProblemOutputsAndStatsRoundTrip) {
+  float f[4] = {1, 2, 3, 4};
+  int64_t i[2] = {5, 6};
+  LossProblem p;
+  p.bt = 3;
+  p.h = 5;
+  p.v = 7;
+  p.dtype = DType::kF32;
+  p.x = &f[0];
+  p.w = &f[1];
+  p.w_memory = Memory::kBackend;
+  p.bias = &f[2];
+  p.targets = &i[0];
+  p.target_dtype = DType::kI32;
+  p.class_weights = &f[3];
+  p.grad_output = &f[0];
+  p.options.ignore_index = -7;
+  p.options.reduction = Reduction::kNone;
+  p.options.label_smoothing = 0.25f;
+  p.options.z_loss_scale = 1e-4f;
+  p.options.softcap = 30.0f;
+  p.options.grad_scale = 0.5f;
+  p.options.chunk_rows = 2;
+  p.options.token_scaling = true;
+  const LossdRowStream rows{nullptr, nullptr, nullptr};
+  const LossdProblem c = ToC(p, &rows);
+  EXPECT_EQ(c.rows, &rows);
+  const LossProblem r = FromC(c, nullptr);
+  EXPECT_EQ(r.bt, p.bt);
+  EXPECT_EQ(r.h, p.h);
+  EXPECT_EQ(r.v, p.v);
+  EXPECT_EQ(r.dtype, p.dtype);
+  EXPECT_EQ(r.x, p.x);
+  EXPECT_EQ(r.w, p.w);
+  EXPECT_EQ(r.w_memory, p.w_memory);
+  EXPECT_EQ(r.bias, p.bias);
+  EXPECT_EQ(r.targets, p.targets);
+  EXPECT_EQ(r.target_dtype, p.target_dtype);
+  EXPECT_EQ(r.class_weights, p.class_weights);
+  EXPECT_EQ(r.grad_output, p.grad_output);
+  EXPECT_EQ(r.options.ignore_index, -7);
+  EXPECT_EQ(r.options.reduction, Reduction::kNone);
+  EXPECT_EQ(r.options.label_smoothing, 0.25f);
+  EXPECT_EQ(r.options.z_loss_scale, 1e-4f);
+  EXPECT_EQ(r.options.softcap, 30.0f);
+  EXPECT_EQ(r.options.grad_scale, 0.5f);
+  EXPECT_EQ(r.options.chunk_rows, 2);
+  EXPECT_TRUE(r.options.token_scaling);
+  EXPECT_EQ(r.rows, nullptr);
+
+  LossOutputs o;
+  o.grad_dtype = DType::kF16;
+  o.loss = &f[0];
+  o.z_loss = &f[1];
+  o.lse = &f[2];
+  o.predictions = &i[0];
+  o.accuracy = &f[3];
+  o.tokens = &i[1];
+  o.dx = &f[0];
+  o.dw = &f[1];
+  o.db = &f[2];
+  o.dw_accum = &f[3];
+  o.db_accum = &f[0];
+  o.accum_memory = Memory::kBackend;
+  const LossOutputs ro = FromC(ToC(o));
+  EXPECT_EQ(ro.grad_dtype, o.grad_dtype);
+  EXPECT_EQ(ro.loss, o.loss);
+  EXPECT_EQ(ro.z_loss, o.z_loss);
+  EXPECT_EQ(ro.lse, o.lse);
+  EXPECT_EQ(ro.predictions, o.predictions);
+  EXPECT_EQ(ro.accuracy, o.accuracy);
+  EXPECT_EQ(ro.tokens, o.tokens);
+  EXPECT_EQ(ro.dx, o.dx);
+  EXPECT_EQ(ro.dw, o.dw);
+  EXPECT_EQ(ro.db, o.db);
+  EXPECT_EQ(ro.dw_accum, o.dw_accum);
+  EXPECT_EQ(ro.db_accum, o.db_accum);
+  EXPECT_EQ(ro.accum_memory, o.accum_memory);
+
+  LossStats s;
+  s.compute_seconds = 0.125;
+  s.peak_extra_bytes = 1ull << 40;
+  s.chunk_rows = 3;
+  s.gemm_tunings = 4;
+  s.nonfinite = kNonFiniteDw;
+  const LossStats rs = FromC(ToC(s));
+  EXPECT_EQ(rs.compute_seconds, s.compute_seconds);
+  EXPECT_EQ(rs.peak_extra_bytes, s.peak_extra_bytes);
+  EXPECT_EQ(rs.chunk_rows, s.chunk_rows);
+  EXPECT_EQ(rs.gemm_tunings, s.gemm_tunings);
+  EXPECT_EQ(rs.nonfinite, s.nonfinite);
+}
+
+TEST(PluginAbiConvertTest, InfoRoundTripsAndLongNamesAreCut) {
+  BackendInfo i;
+  i.name = "cuda";
+  i.device = "NVIDIA H200";
+  i.memory_total_bytes = 1;
+  i.memory_used_bytes = 2;
+  i.memory_peak_bytes = 3;
+  i.memory_held_bytes = 4;
+  i.memory_budget_bytes = 5;
+  i.healthy = false;
+  const BackendInfo r = FromC(ToC(i));
+  EXPECT_EQ(r.name, "cuda");
+  EXPECT_EQ(r.device, "NVIDIA H200");
+  EXPECT_EQ(r.memory_total_bytes, 1u);
+  EXPECT_EQ(r.memory_used_bytes, 2u);
+  EXPECT_EQ(r.memory_peak_bytes, 3u);
+  EXPECT_EQ(r.memory_held_bytes, 4u);
+  EXPECT_EQ(r.memory_budget_bytes, 5u);
+  EXPECT_FALSE(r.healthy);
+  i.device = std::string(1000, 'd');
+  EXPECT_EQ(FromC(ToC(i)).device, std::string(255, 'd'));
+}
+
+}  // namespace
+}  // namespace lossd

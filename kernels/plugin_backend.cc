@@ -1,0 +1,158 @@
+#include "kernels/plugin_backend.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/const_init.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "core/loss_problem.h"
+#include "kernels/backend.h"
+#include "kernels/plugin_abi.h"
+#include "kernels/plugin_abi_convert.h"
+
+namespace lossd {
+namespace {
+
+// A buffer the plugin allocated; freed through the plugin, which may outlive the backend.
+class PluginBuffer final : public BackendBuffer {
+ public:
+  PluginBuffer(const LossdBackendApi* api, LossdBuffer* handle, void* data, size_t size)
+      : api_(api), handle_(handle), data_(data), size_(size) {}
+  ~PluginBuffer() override { api_->free_buffer(handle_); }
+  void* data() override { return data_; }
+  size_t size() const override { return size_; }
+  LossdBuffer* handle() const { return handle_; }
+
+ private:
+  const LossdBackendApi* const api_;
+  LossdBuffer* const handle_;
+  void* const data_;
+  const size_t size_;
+};
+
+class PluginHostMemory final : public HostMemory {
+ public:
+  PluginHostMemory(const LossdBackendApi* api, LossdHostMemory* handle)
+      : api_(api), handle_(handle) {}
+  void* Allocate(size_t bytes) override { return api_->host_alloc(handle_, bytes); }
+  void Free(void* p) override { api_->host_free(handle_, p); }
+  const LossdBackendApi* api() const { return api_; }
+  LossdHostMemory* handle() const { return handle_; }
+
+ private:
+  const LossdBackendApi* const api_;
+  LossdHostMemory* const handle_;
+};
+
+// The engine's RowStream behind the plugin's LossdRowStream callbacks.
+int32_t WaitX(void* ctx, int64_t rows, LossdStatus* status) {
+  return WriteStatus(static_cast<RowStream*>(ctx)->WaitX(rows), status);
+}
+
+void DxReady(void* ctx, int64_t rows) { static_cast<RowStream*>(ctx)->DxReady(rows); }
+
+absl::Status NotOurs(const char* call) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("plugin backend: ", call, " was given a buffer this backend did not allocate"));
+}
+
+// The one PluginHostMemory for each plugin host memory handle. Like the plugin's own, they
+// live as long as the process: host memory taken from one may be given back after the backend
+// that offered it is gone.
+HostMemory* HostMemoryFor(const LossdBackendApi* api, LossdHostMemory* handle) {
+  if (handle == nullptr) return nullptr;
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* memories = new std::vector<std::unique_ptr<PluginHostMemory>>;
+  absl::MutexLock lock(&mu);
+  for (const std::unique_ptr<PluginHostMemory>& m : *memories) {
+    if (m->api() == api && m->handle() == handle) return m.get();
+  }
+  memories->push_back(std::make_unique<PluginHostMemory>(api, handle));
+  return memories->back().get();
+}
+
+class PluginBackend final : public Backend {
+ public:
+  PluginBackend(const LossdBackendApi* api, LossdBackend* handle)
+      : api_(api), handle_(handle), host_memory_(HostMemoryFor(api, api->host_memory(handle))) {}
+  ~PluginBackend() override { api_->destroy(handle_); }
+
+  BackendInfo Info() override {
+    LossdBackendInfo info{};
+    api_->info(handle_, &info);
+    return FromC(info);
+  }
+
+  absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override {
+    StatusBuffer st;
+    LossdBuffer* buffer = nullptr;
+    void* data = nullptr;
+    size_t size = 0;
+    const int32_t code = api_->allocate(handle_, bytes, &buffer, &data, &size, st.get());
+    if (code != 0) return st.ToStatus(code);
+    return std::unique_ptr<BackendBuffer>(new PluginBuffer(api_, buffer, data, size));
+  }
+
+  absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
+                             size_t bytes) override {
+    auto* b = dynamic_cast<PluginBuffer*>(&dst);
+    if (b == nullptr) return NotOurs("CopyToBackend");
+    StatusBuffer st;
+    return st.ToStatus(api_->copy_to_backend(handle_, b->handle(), offset, src, bytes, st.get()));
+  }
+
+  absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
+                               size_t bytes) override {
+    const auto* b = dynamic_cast<const PluginBuffer*>(&src);
+    if (b == nullptr) return NotOurs("CopyFromBackend");
+    StatusBuffer st;
+    return st.ToStatus(
+        api_->copy_from_backend(handle_, b->handle(), offset, dst, bytes, st.get()));
+  }
+
+  absl::Status Zero(BackendBuffer& buf) override {
+    auto* b = dynamic_cast<PluginBuffer*>(&buf);
+    if (b == nullptr) return NotOurs("Zero");
+    StatusBuffer st;
+    return st.ToStatus(api_->zero(handle_, b->handle(), st.get()));
+  }
+
+  uint64_t WorkspaceBytes(const WorkspaceShape& shape) override {
+    const LossdWorkspaceShape s = ToC(shape);
+    return api_->workspace_bytes(handle_, &s);
+  }
+
+  absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override {
+    const LossdRowStream rows{p.rows, &WaitX, &DxReady};
+    const LossdProblem problem = ToC(p, p.rows != nullptr ? &rows : nullptr);
+    const LossdOutputs outputs = ToC(out);
+    StatusBuffer st;
+    if (stats == nullptr) {
+      return st.ToStatus(api_->compute(handle_, &problem, &outputs, nullptr, st.get()));
+    }
+    LossdStats s = ToC(*stats);
+    const int32_t code = api_->compute(handle_, &problem, &outputs, &s, st.get());
+    *stats = FromC(s);
+    return st.ToStatus(code);
+  }
+
+  HostMemory* host_memory() override { return host_memory_; }
+
+ private:
+  const LossdBackendApi* const api_;
+  LossdBackend* const handle_;
+  HostMemory* const host_memory_;  // null when the plugin has none
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> NewPluginBackend(const LossdBackendApi* api, LossdBackend* backend) {
+  return std::make_unique<PluginBackend>(api, backend);
+}
+
+}  // namespace lossd
