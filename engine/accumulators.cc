@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/status_macros.h"
 
 namespace lossd {
 
@@ -130,17 +131,11 @@ absl::StatusOr<std::shared_ptr<Accumulator>> AccumulatorStore::GetOrCreate(
   acc->has_bias = has_bias;
   acc->owner = caller;
   acc->last_used_ns.store(NowNs());
-  auto dw = backend_->Allocate(static_cast<uint64_t>(v) * h * 4);
-  if (!dw.ok()) return dw.status();
-  acc->dw = std::move(*dw);
-  absl::Status s = backend_->Zero(*acc->dw);
-  if (!s.ok()) return s;
+  LOSSD_ASSIGN_OR_RETURN(acc->dw, backend_->Allocate(static_cast<uint64_t>(v) * h * 4));
+  LOSSD_RETURN_IF_ERROR(backend_->Zero(*acc->dw));
   if (has_bias) {
-    auto db = backend_->Allocate(static_cast<uint64_t>(v) * 4);
-    if (!db.ok()) return db.status();
-    acc->db = std::move(*db);
-    s = backend_->Zero(*acc->db);
-    if (!s.ok()) return s;
+    LOSSD_ASSIGN_OR_RETURN(acc->db, backend_->Allocate(static_cast<uint64_t>(v) * 4));
+    LOSSD_RETURN_IF_ERROR(backend_->Zero(*acc->db));
   }
   held_bytes_->fetch_add(bytes);
   named_bytes_ += bytes;

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "engine/instance_id.h"
 
 namespace lossd {
@@ -106,8 +107,7 @@ absl::Status WeightCache::Reserve(uint64_t bytes) {
                      budget_, " bytes (--weight_cache_bytes); send W inline instead"));
   }
   absl::MutexLock lock(&mu_);
-  absl::Status s = EvictForLocked(bytes);
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(EvictForLocked(bytes));
   reserved_ += bytes;
   return absl::OkStatus();
 }
