@@ -113,9 +113,12 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   Admission admission_;  // the plan's bytes in the memory budget, until the call finishes
   AccumulatorContribution contribution_;  // what the compute added into an accumulator
 
+  // ComputeHeader.overlap: the request's mode, not a state. Set with the plan, on the
+  // reactor's thread, before anything that reads it can run.
+  bool overlap_ = false;
+
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
-  bool overlap_ = false;  // ComputeHeader.overlap, set with the plan
   // Overlapped: what is in flight, the order of the parts and when the call may finish.
   std::unique_ptr<OverlapSends> sends_ ABSL_GUARDED_BY(mu_);  // made as streaming starts
   v1::ComputeResponse final_summary_ ABSL_GUARDED_BY(mu_);
@@ -129,7 +132,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   std::unique_ptr<ComputeAssembler> assembler_;
   SharedOutputs outputs_;  // one per plan_->outputs, same order
   uint32_t response_part_bytes_ = 4u << 20;
-  size_t output_ = 0;
+  size_t output_ = 0;  // plain: the output being sent, and how far (SendNext)
   uint64_t offset_ = 0;
   uint64_t bytes_out_ = 0;
   double queue_seconds_ = 0;
