@@ -22,3 +22,17 @@ def lossd_cc_test(name, deps = [], size = "small", **kwargs):
         deps = deps + ["@system//:gtest_main"],
         **kwargs
     )
+
+def lossd_gpu_test(name, deps = [], size = "small", **kwargs):
+    """lossd_cc_test tagged gpu and exclusive: compiled wherever the CUDA Toolkit is, run only
+    on a GPU host (--config=nogpu filters it out), one at a time there (the GPU is shared)."""
+    lossd_cc_test(
+        name = name,
+        size = size,
+        tags = [
+            "exclusive",
+            "gpu",
+        ],
+        deps = deps,
+        **kwargs
+    )
