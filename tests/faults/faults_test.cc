@@ -37,11 +37,7 @@ using testing_harness::PartsFor;
 using testing_harness::RunCompute;
 
 RandomProblemSpec Spec(uint64_t seed, int64_t bt = 47, int64_t h = 31, int64_t v = 123) {
-  RandomProblemSpec s;
-  s.bt = bt;
-  s.h = h;
-  s.v = v;
-  s.dtype = DType::kBF16;
+  RandomProblemSpec s = ShapeSpec(bt, h, v, DType::kBF16);
   s.seed = seed;
   s.ignore_fraction = 0.1;
   return s;
