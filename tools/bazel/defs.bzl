@@ -1,6 +1,7 @@
-"""Shorthands for the two rules most of lossd's BUILD files are made of.
+"""Shorthands for the rules most of lossd's BUILD files are made of.
 
 lossd_cc_library(name): the library <name>.h + <name>.cc (one cc_library per pair).
+lossd_cc_header(name): the header-only library <name>.h.
 lossd_cc_test(name): the GoogleTest binary <name>.cc, linked with gtest_main, size small
 unless given. Every other attribute passes through to cc_library / cc_test unchanged.
 """
@@ -9,6 +10,14 @@ def lossd_cc_library(name, deps = [], **kwargs):
     native.cc_library(
         name = name,
         srcs = [name + ".cc"],
+        hdrs = [name + ".h"],
+        deps = deps,
+        **kwargs
+    )
+
+def lossd_cc_header(name, deps = [], **kwargs):
+    native.cc_library(
+        name = name,
         hdrs = [name + ".h"],
         deps = deps,
         **kwargs
