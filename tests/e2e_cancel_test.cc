@@ -129,6 +129,17 @@ bool WaitUntil(F done, double seconds = 10) {
   return done();
 }
 
+// A call (`what`, of `method`) whose client stopped reading: admitted (memory in use), then let
+// go by the server itself: its memory back to 0 and one more DEADLINE_EXCEEDED than `before`
+// counted for `method`. Call under ASSERT_NO_FATAL_FAILURE: a call never admitted ends the test.
+void ExpectTheServerLetsGo(Harness& h, const char* method, double before, const char* what) {
+  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
+      << "the " << what << " was never admitted";
+  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
+  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, method) == before + 1; }))
+      << "the server's own status";
+}
+
 TEST_P(StalledReaderTest, AComputeWhoseClientStopsReadingIsCancelledAndFreesItsMemory) {
   HarnessOptions o;
   o.service.stream_idle_timeout = absl::Milliseconds(300);
@@ -147,12 +158,8 @@ TEST_P(StalledReaderTest, AComputeWhoseClientStopsReadingIsCancelledAndFreesItsM
     ASSERT_TRUE(stream->Write(part));
   }
   ASSERT_TRUE(stream->WritesDone());
-  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
-      << "the compute was never admitted";
   // Nothing is read: the server must let go of the call by itself.
-  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
-  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, "Compute") == before + 1; }))
-      << "the server's own status";
+  ASSERT_NO_FATAL_FAILURE(ExpectTheServerLetsGo(h, "Compute", before, "compute"));
   v1::ComputeResponse r;
   while (stream->Read(&r)) {
   }
@@ -176,11 +183,7 @@ TEST(StalledReaderFetchTest, AFetchWhoseClientStopsReadingIsCancelledAndFreesIts
   fr.set_accumulator("stalled-fetch");
   auto reader = h.stub().FetchGradients(&ctx, fr);
   // The host copy of dW comes out of the memory budget while it is sent.
-  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
-      << "the fetch was never admitted";
-  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
-  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, "FetchGradients") == before + 1; }))
-      << "the server's own status";
+  ASSERT_NO_FATAL_FAILURE(ExpectTheServerLetsGo(h, "FetchGradients", before, "fetch"));
   v1::FetchGradientsResponse m;
   while (reader->Read(&m)) {
   }
