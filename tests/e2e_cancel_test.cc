@@ -21,10 +21,7 @@ namespace {
 // Cancellation and deadlines free everything a request holds.
 
 TEST_F(E2eTest, ACancelledStreamLeavesNoMemoryBehind) {
-  RandomProblemSpec s = SmallSpec(DType::kF32, 4);
-  s.v = 3000;
-  s.h = 64;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = RandomProblem::Make(WideSpec(DType::kF32, 4, 64, 3000));
   std::vector<v1::ComputeRequest> parts = PartsFor(rp, 4096);
   grpc::ClientContext ctx;
   auto stream = h_->stub().Compute(&ctx);
@@ -53,10 +50,7 @@ TEST(IdleStreamTest, AComputeThatStopsSendingIsCancelledAndFreesItsMemory) {
   const std::string labels = R"(code="DEADLINE_EXCEEDED",method="Compute")";
   const double before =
       std::max(0.0, MetricValue(h.ScrapeMetrics(), "lossd_requests_total", labels));
-  RandomProblemSpec s = SmallSpec(DType::kF32, 4);
-  s.v = 3000;
-  s.h = 64;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = RandomProblem::Make(WideSpec(DType::kF32, 4, 64, 3000));
   std::vector<v1::ComputeRequest> parts = PartsFor(rp, 4096);
   grpc::ClientContext ctx;  // no deadline
   auto stream = h.stub().Compute(&ctx);
@@ -108,10 +102,9 @@ TEST(IdleStreamTest, AComputeWithAHeaderAloneIsCancelled) {
 class StalledReaderTest : public ::testing::TestWithParam<bool> {};
 
 RandomProblem LargeOutputProblem() {
-  RandomProblemSpec s = SmallSpec(DType::kF32, 12);
+  // dW is 32 MiB: far more than flow control lets through unread.
+  RandomProblemSpec s = WideSpec(DType::kF32, 12, 512, 16384);
   s.bt = 16;
-  s.h = 512;
-  s.v = 16384;  // dW is 32 MiB: far more than flow control lets through unread
   return RandomProblem::Make(s);
 }
 

@@ -28,6 +28,9 @@ using testing_harness::RunCompute;
 // BT=47, H=31, V=123 (nothing a multiple of 8), a tenth of the targets ignored.
 RandomProblemSpec SmallSpec(DType dtype = DType::kBF16, uint64_t seed = 1);
 
+// SmallSpec with W of (v, h): the same BT and ignored share, larger tensors.
+RandomProblemSpec WideSpec(DType dtype, uint64_t seed, int64_t h, int64_t v);
+
 // A valid request succeeds: used after every refusal to show the server keeps serving.
 void ExpectServes(Harness& h);
 
