@@ -88,32 +88,29 @@ TEST(PluginLoaderTest, PluginWithoutTheEntryPointIsRefused) {
   EXPECT_TRUE(absl::IsFailedPrecondition(ProbeCudaPlugin(Absolute(g_no_entry)).status()));
 }
 
-TEST(PluginLoaderTest, VersionOnePluginIsRefusedNamingBothVersions) {
-  auto b = LoadCudaBackend(Absolute(g_v1), DefaultCudaOptions());
+// The plugin at `path` was built for ABI `version`, not this server's (2): loading it is
+// refused with FAILED_PRECONDITION naming both versions, while the probe reports the number
+// rather than refusing (--version prints it), with the plugin's path.
+void ExpectOtherAbiRefused(const std::string& path, uint32_t version) {
+  auto b = LoadCudaBackend(path, DefaultCudaOptions());
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("was built for plugin ABI version 1; this server needs "
-                                      "version 2"),
+  EXPECT_NE(b.status().message().find(absl::StrCat("was built for plugin ABI version ", version,
+                                                   "; this server needs version 2")),
             std::string::npos)
       << b.status();
-  // The probe reports the number rather than refusing: --version prints it.
-  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_v1));
+  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(path);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->abi_version, 1u);
+  EXPECT_EQ(p->abi_version, version);
+  EXPECT_EQ(p->path, path);
+}
+
+TEST(PluginLoaderTest, VersionOnePluginIsRefusedNamingBothVersions) {
+  ExpectOtherAbiRefused(Absolute(g_v1), 1);
 }
 
 TEST(PluginLoaderTest, PluginOfAnotherAbiIsRefusedNamingBothVersions) {
-  auto b = LoadCudaBackend(Absolute(g_next_abi), DefaultCudaOptions());
-  ASSERT_FALSE(b.ok());
-  EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("was built for plugin ABI version 3; this server needs "
-                                      "version 2"),
-            std::string::npos)
-      << b.status();
-  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_next_abi));
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION + 1);
-  EXPECT_EQ(p->path, Absolute(g_next_abi));
+  ExpectOtherAbiRefused(Absolute(g_next_abi), LOSSD_PLUGIN_ABI_VERSION + 1);
 }
 
 // The entry point itself: a table for its own version only, and its version either way.
@@ -136,20 +133,22 @@ TEST(PluginLoaderTest, EntryPointAnswersItsOwnVersionOnly) {
   EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION);
 }
 
-TEST(PluginLoaderTest, CreateFailuresKeepTheirCodeAndMessage) {
+// What loading the fake CPU plugin on `device` returns (its status).
+absl::Status LoadStatusOnDevice(int32_t device) {
   LossdCudaOptions o = DefaultCudaOptions();
-  o.device = -1;
-  auto none = LoadCudaBackend(Absolute(g_cpu), o);
+  o.device = device;
+  return LoadCudaBackend(Absolute(g_cpu), o).status();
+}
+
+TEST(PluginLoaderTest, CreateFailuresKeepTheirCodeAndMessage) {
+  const absl::Status none = LoadStatusOnDevice(-1);
   ASSERT_FALSE(none.ok());
-  EXPECT_TRUE(absl::IsUnavailable(none.status())) << none.status();
-  EXPECT_EQ(none.status().message(),
-            Absolute(g_cpu) + ": no GPU: the fake plugin has no device -1");
-  o.device = -2;
-  auto refused = LoadCudaBackend(Absolute(g_cpu), o);
+  EXPECT_TRUE(absl::IsUnavailable(none)) << none;
+  EXPECT_EQ(none.message(), Absolute(g_cpu) + ": no GPU: the fake plugin has no device -1");
+  const absl::Status refused = LoadStatusOnDevice(-2);
   ASSERT_FALSE(refused.ok());
-  EXPECT_TRUE(absl::IsInternal(refused.status())) << refused.status();
-  EXPECT_EQ(refused.status().message(),
-            Absolute(g_cpu) + ": the fake plugin refused device -2");
+  EXPECT_TRUE(absl::IsInternal(refused)) << refused;
+  EXPECT_EQ(refused.message(), Absolute(g_cpu) + ": the fake plugin refused device -2");
 }
 
 // The CPU backend through the C boundary (the fake plugin) and called directly.
