@@ -29,6 +29,4 @@ void ExpectServes(Harness& h) {
   EXPECT_TRUE(std::isfinite(r.summary.loss()));
 }
 
-Harness* E2eTest::h_ = nullptr;
-
 }  // namespace lossd

@@ -34,14 +34,8 @@ RandomProblemSpec WideSpec(DType dtype, uint64_t seed, int64_t h, int64_t v);
 // A valid request succeeds: used after every refusal to show the server keeps serving.
 void ExpectServes(Harness& h);
 
-class E2eTest : public ::testing::Test {
- protected:
-  // Shared by the derived suites too (SetUpTestSuite runs once per suite).
-  static void SetUpTestSuite() {
-    if (h_ == nullptr) h_ = new Harness();
-  }
-  static Harness* h_;
-};
+// One server for every E2eTest, shared by the derived suites too.
+class E2eTest : public testing_harness::SuiteHarness<E2eTest> {};
 
 }  // namespace lossd
 

@@ -190,11 +190,8 @@ RandomProblemSpec Spec(DType dtype, uint64_t seed) {
 // Parts of one row of X each, so rows arrive one part at a time.
 size_t RowBytes(const RandomProblemSpec& s) { return s.h * DTypeSize(s.dtype); }
 
-class OverlapTest : public ::testing::Test {
+class OverlapTest : public testing_harness::SuiteHarness<OverlapTest> {
  protected:
-  static void SetUpTestSuite() {
-    if (h_ == nullptr) h_ = new Harness();
-  }
   void ExpectServes() {
     RandomProblem rp = RandomProblem::Make(Spec(DType::kBF16, 99));
     OverlapReply r = RunOverlap(h_->stub(), HeaderFor(rp),
@@ -222,9 +219,7 @@ class OverlapTest : public ::testing::Test {
     ASSERT_TRUE(h_->engine().DropAccumulator(hd.accumulator()).ok());
     ExpectServes();
   }
-  static Harness* h_;
 };
-Harness* OverlapTest::h_ = nullptr;
 
 struct OverlapCase {
   const char* name;

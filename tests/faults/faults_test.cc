@@ -77,12 +77,7 @@ bool Eventually(Pred pred, double seconds = 5) {
 // ---------------------------------------------------------------------------------------
 // A client killed mid-stream.
 
-class ClientKilledTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { h_ = new Harness(); }
-  static Harness* h_;
-};
-Harness* ClientKilledTest::h_ = nullptr;
+class ClientKilledTest : public testing_harness::SuiteHarness<ClientKilledTest> {};
 
 TEST_F(ClientKilledTest, CancelMidUploadOfComputeFreesEverythingAndCreatesNothing) {
   RandomProblemSpec s = Spec(5, 64, 32, 2000);
