@@ -12,7 +12,9 @@ std::string Flatten(const grpc::ByteBuffer& b) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(b.Dump(&slices).ok());
   std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices) {
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
   return out;
 }
 

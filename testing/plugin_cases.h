@@ -1,8 +1,8 @@
 // What the two plugin tests share (kernels/plugin_loader_test through the fake CPU plugin,
-// kernels/cuda/plugin_compute_test through the CUDA one): the option case that sets every
-// option at once, a workspace shape, and a problem's W placed in a backend's own memory, so that the same
-// Compute runs through the plugin and through the backend called directly.
-// Test-only; never linked into the server. Asserts nothing itself: the callers do.
+// kernels/cuda/plugin_compute_test through the CUDA one), so that the same Compute runs through
+// the plugin and through the backend called directly: the option case that sets every option
+// at once, a workspace shape, a problem's W placed in each backend's own memory, and the checks
+// that the two agree. Test-only; never linked into the server; never loads a plugin itself.
 #ifndef LOSSD_TESTING_PLUGIN_CASES_H_
 #define LOSSD_TESTING_PLUGIN_CASES_H_
 
