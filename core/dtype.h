@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "absl/base/casts.h"
 #include "absl/strings/string_view.h"
 
 namespace lossd {
@@ -49,15 +50,11 @@ inline bool IsFloatDType(DType t) {
 
 // bf16 is the top half of an fp32: widening is exact, narrowing rounds to nearest even.
 inline float Bf16ToFloat(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return absl::bit_cast<float>(static_cast<uint32_t>(h) << 16);
 }
 
 inline uint16_t FloatToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
+  const uint32_t bits = absl::bit_cast<uint32_t>(f);
   if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0) {
     return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // keep NaN a NaN
   }
@@ -87,14 +84,11 @@ inline float F16ToFloat(uint16_t h) {
   } else {
     bits = sign | (exp + 127 - 15) << 23 | mant << 13;
   }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return absl::bit_cast<float>(bits);
 }
 
 inline uint16_t FloatToF16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
+  const uint32_t bits = absl::bit_cast<uint32_t>(f);
   uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   uint32_t abs = bits & 0x7fffffffu;
   if (abs >= 0x7f800000u) {  // inf or NaN

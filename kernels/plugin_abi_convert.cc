@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -18,9 +19,117 @@ void CopyCut(absl::string_view s, char* dst, size_t capacity) {
   dst[n] = '\0';
 }
 
-template <typename E>
-int32_t I(E e) {
-  return static_cast<int32_t>(e);
+// One field from one side's type to the other's: an enum to or from its int32_t, a flag
+// (C's int32_t, where any nonzero value is true) to or from bool, the rest as they are.
+template <typename To, typename From>
+To Cast(From v) {
+  if constexpr (std::is_same_v<To, bool>) {
+    return v != 0;
+  } else {
+    return static_cast<To>(v);
+  }
+}
+
+// The two directions. Each struct pair's fields are listed once, in a Visit* below that hands
+// every (C++ field, C field) to one of these, so that ToC and FromC cannot drift apart.
+struct IntoC {
+  template <typename Cpp, typename C>
+  void operator()(const Cpp& cpp, C& c) const {
+    c = Cast<C>(cpp);
+  }
+};
+
+struct OutOfC {
+  template <typename Cpp, typename C>
+  void operator()(Cpp& cpp, const C& c) const {
+    cpp = Cast<Cpp>(c);
+  }
+};
+
+template <typename S, typename C, typename Move>
+void VisitWorkspaceShape(S& s, C& c, Move move) {
+  move(s.bt, c.bt);
+  move(s.h, c.h);
+  move(s.v, c.v);
+  move(s.dtype, c.dtype);
+  move(s.grad_dtype, c.grad_dtype);
+  move(s.w_memory, c.w_memory);
+  move(s.has_bias, c.has_bias);
+  move(s.has_class_weights, c.has_class_weights);
+  move(s.has_grad_output, c.has_grad_output);
+  move(s.rows_streamed, c.rows_streamed);
+  move(s.chunk_rows, c.chunk_rows);
+  move(s.want_dx, c.want_dx);
+  move(s.dw, c.dw);
+  move(s.db, c.db);
+  move(s.accum_memory, c.accum_memory);
+}
+
+template <typename O, typename C, typename Move>
+void VisitOptions(O& o, C& c, Move move) {
+  move(o.ignore_index, c.ignore_index);
+  move(o.reduction, c.reduction);
+  move(o.label_smoothing, c.label_smoothing);
+  move(o.z_loss_scale, c.z_loss_scale);
+  move(o.softcap, c.softcap);
+  move(o.grad_scale, c.grad_scale);
+  move(o.chunk_rows, c.chunk_rows);
+  move(o.token_scaling, c.token_scaling);
+}
+
+// Everything but the options (a struct of their own) and the row stream (an adapter each side
+// makes).
+template <typename P, typename C, typename Move>
+void VisitProblem(P& p, C& c, Move move) {
+  move(p.bt, c.bt);
+  move(p.h, c.h);
+  move(p.v, c.v);
+  move(p.dtype, c.dtype);
+  move(p.w_memory, c.w_memory);
+  move(p.x, c.x);
+  move(p.w, c.w);
+  move(p.bias, c.bias);
+  move(p.targets, c.targets);
+  move(p.target_dtype, c.target_dtype);
+  move(p.class_weights, c.class_weights);
+  move(p.grad_output, c.grad_output);
+}
+
+template <typename O, typename C, typename Move>
+void VisitOutputs(O& o, C& c, Move move) {
+  move(o.grad_dtype, c.grad_dtype);
+  move(o.loss, c.loss);
+  move(o.z_loss, c.z_loss);
+  move(o.lse, c.lse);
+  move(o.predictions, c.predictions);
+  move(o.accuracy, c.accuracy);
+  move(o.tokens, c.tokens);
+  move(o.dx, c.dx);
+  move(o.dw, c.dw);
+  move(o.db, c.db);
+  move(o.dw_accum, c.dw_accum);
+  move(o.db_accum, c.db_accum);
+  move(o.accum_memory, c.accum_memory);
+}
+
+template <typename S, typename C, typename Move>
+void VisitStats(S& s, C& c, Move move) {
+  move(s.compute_seconds, c.compute_seconds);
+  move(s.peak_extra_bytes, c.peak_extra_bytes);
+  move(s.chunk_rows, c.chunk_rows);
+  move(s.gemm_tunings, c.gemm_tunings);
+  move(s.nonfinite, c.nonfinite);
+}
+
+// The numbers only: the two strings are arrays on the C side (ToC and FromC copy them).
+template <typename I, typename C, typename Move>
+void VisitInfoNumbers(I& i, C& c, Move move) {
+  move(i.memory_total_bytes, c.memory_total_bytes);
+  move(i.memory_used_bytes, c.memory_used_bytes);
+  move(i.memory_peak_bytes, c.memory_peak_bytes);
+  move(i.memory_held_bytes, c.memory_held_bytes);
+  move(i.memory_budget_bytes, c.memory_budget_bytes);
+  move(i.healthy, c.healthy);
 }
 
 }  // namespace
@@ -43,84 +152,31 @@ absl::Status StatusBuffer::ToStatus(int32_t code) const {
 
 LossdWorkspaceShape ToC(const WorkspaceShape& s) {
   LossdWorkspaceShape c{};
-  c.bt = s.bt;
-  c.h = s.h;
-  c.v = s.v;
-  c.dtype = I(s.dtype);
-  c.grad_dtype = I(s.grad_dtype);
-  c.w_memory = I(s.w_memory);
-  c.has_bias = s.has_bias;
-  c.has_class_weights = s.has_class_weights;
-  c.has_grad_output = s.has_grad_output;
-  c.rows_streamed = s.rows_streamed;
-  c.chunk_rows = s.chunk_rows;
-  c.want_dx = s.want_dx;
-  c.dw = I(s.dw);
-  c.db = I(s.db);
-  c.accum_memory = I(s.accum_memory);
+  VisitWorkspaceShape(s, c, IntoC());
   return c;
 }
 
 WorkspaceShape FromC(const LossdWorkspaceShape& c) {
   WorkspaceShape s;
-  s.bt = c.bt;
-  s.h = c.h;
-  s.v = c.v;
-  s.dtype = static_cast<DType>(c.dtype);
-  s.grad_dtype = static_cast<DType>(c.grad_dtype);
-  s.w_memory = static_cast<Memory>(c.w_memory);
-  s.has_bias = c.has_bias != 0;
-  s.has_class_weights = c.has_class_weights != 0;
-  s.has_grad_output = c.has_grad_output != 0;
-  s.rows_streamed = c.rows_streamed != 0;
-  s.chunk_rows = c.chunk_rows;
-  s.want_dx = c.want_dx != 0;
-  s.dw = static_cast<GradOut>(c.dw);
-  s.db = static_cast<GradOut>(c.db);
-  s.accum_memory = static_cast<Memory>(c.accum_memory);
+  VisitWorkspaceShape(s, c, OutOfC());
   return s;
 }
 
 LossdLossOptions ToC(const LossOptions& o) {
   LossdLossOptions c{};
-  c.ignore_index = o.ignore_index;
-  c.reduction = I(o.reduction);
-  c.label_smoothing = o.label_smoothing;
-  c.z_loss_scale = o.z_loss_scale;
-  c.softcap = o.softcap;
-  c.grad_scale = o.grad_scale;
-  c.chunk_rows = o.chunk_rows;
-  c.token_scaling = o.token_scaling;
+  VisitOptions(o, c, IntoC());
   return c;
 }
 
 LossOptions FromC(const LossdLossOptions& c) {
   LossOptions o;
-  o.ignore_index = c.ignore_index;
-  o.reduction = static_cast<Reduction>(c.reduction);
-  o.label_smoothing = c.label_smoothing;
-  o.z_loss_scale = c.z_loss_scale;
-  o.softcap = c.softcap;
-  o.grad_scale = c.grad_scale;
-  o.chunk_rows = c.chunk_rows;
-  o.token_scaling = c.token_scaling != 0;
+  VisitOptions(o, c, OutOfC());
   return o;
 }
 
 LossdProblem ToC(const LossProblem& p, const LossdRowStream* rows) {
   LossdProblem c{};
-  c.bt = p.bt;
-  c.h = p.h;
-  c.v = p.v;
-  c.dtype = I(p.dtype);
-  c.w_memory = I(p.w_memory);
-  c.x = p.x;
-  c.w = p.w;
-  c.bias = p.bias;
-  c.targets = p.targets;
-  c.target_dtype = I(p.target_dtype);
-  c.class_weights = p.class_weights;
-  c.grad_output = p.grad_output;
+  VisitProblem(p, c, IntoC());
   c.options = ToC(p.options);
   c.rows = rows;
   return c;
@@ -128,18 +184,7 @@ LossdProblem ToC(const LossProblem& p, const LossdRowStream* rows) {
 
 LossProblem FromC(const LossdProblem& c, RowStream* rows) {
   LossProblem p;
-  p.bt = c.bt;
-  p.h = c.h;
-  p.v = c.v;
-  p.dtype = static_cast<DType>(c.dtype);
-  p.w_memory = static_cast<Memory>(c.w_memory);
-  p.x = c.x;
-  p.w = c.w;
-  p.bias = c.bias;
-  p.targets = c.targets;
-  p.target_dtype = static_cast<DType>(c.target_dtype);
-  p.class_weights = c.class_weights;
-  p.grad_output = c.grad_output;
+  VisitProblem(p, c, OutOfC());
   p.options = FromC(c.options);
   p.rows = rows;
   return p;
@@ -147,57 +192,25 @@ LossProblem FromC(const LossdProblem& c, RowStream* rows) {
 
 LossdOutputs ToC(const LossOutputs& o) {
   LossdOutputs c{};
-  c.grad_dtype = I(o.grad_dtype);
-  c.loss = o.loss;
-  c.z_loss = o.z_loss;
-  c.lse = o.lse;
-  c.predictions = o.predictions;
-  c.accuracy = o.accuracy;
-  c.tokens = o.tokens;
-  c.dx = o.dx;
-  c.dw = o.dw;
-  c.db = o.db;
-  c.dw_accum = o.dw_accum;
-  c.db_accum = o.db_accum;
-  c.accum_memory = I(o.accum_memory);
+  VisitOutputs(o, c, IntoC());
   return c;
 }
 
 LossOutputs FromC(const LossdOutputs& c) {
   LossOutputs o;
-  o.grad_dtype = static_cast<DType>(c.grad_dtype);
-  o.loss = c.loss;
-  o.z_loss = c.z_loss;
-  o.lse = c.lse;
-  o.predictions = c.predictions;
-  o.accuracy = c.accuracy;
-  o.tokens = c.tokens;
-  o.dx = c.dx;
-  o.dw = c.dw;
-  o.db = c.db;
-  o.dw_accum = c.dw_accum;
-  o.db_accum = c.db_accum;
-  o.accum_memory = static_cast<Memory>(c.accum_memory);
+  VisitOutputs(o, c, OutOfC());
   return o;
 }
 
 LossdStats ToC(const LossStats& s) {
   LossdStats c{};
-  c.compute_seconds = s.compute_seconds;
-  c.peak_extra_bytes = s.peak_extra_bytes;
-  c.chunk_rows = s.chunk_rows;
-  c.gemm_tunings = s.gemm_tunings;
-  c.nonfinite = s.nonfinite;
+  VisitStats(s, c, IntoC());
   return c;
 }
 
 LossStats FromC(const LossdStats& c) {
   LossStats s;
-  s.compute_seconds = c.compute_seconds;
-  s.peak_extra_bytes = c.peak_extra_bytes;
-  s.chunk_rows = c.chunk_rows;
-  s.gemm_tunings = c.gemm_tunings;
-  s.nonfinite = c.nonfinite;
+  VisitStats(s, c, OutOfC());
   return s;
 }
 
@@ -205,12 +218,7 @@ LossdBackendInfo ToC(const BackendInfo& i) {
   LossdBackendInfo c{};
   CopyCut(i.name, c.name, sizeof(c.name));
   CopyCut(i.device, c.device, sizeof(c.device));
-  c.memory_total_bytes = i.memory_total_bytes;
-  c.memory_used_bytes = i.memory_used_bytes;
-  c.memory_peak_bytes = i.memory_peak_bytes;
-  c.memory_held_bytes = i.memory_held_bytes;
-  c.memory_budget_bytes = i.memory_budget_bytes;
-  c.healthy = i.healthy;
+  VisitInfoNumbers(i, c, IntoC());
   return c;
 }
 
@@ -219,12 +227,7 @@ BackendInfo FromC(const LossdBackendInfo& c) {
   // The arrays are NUL-terminated by ToC; strnlen guards a plugin that did not.
   i.name.assign(c.name, strnlen(c.name, sizeof(c.name)));
   i.device.assign(c.device, strnlen(c.device, sizeof(c.device)));
-  i.memory_total_bytes = c.memory_total_bytes;
-  i.memory_used_bytes = c.memory_used_bytes;
-  i.memory_peak_bytes = c.memory_peak_bytes;
-  i.memory_held_bytes = c.memory_held_bytes;
-  i.memory_budget_bytes = c.memory_budget_bytes;
-  i.healthy = c.healthy != 0;
+  VisitInfoNumbers(i, c, OutOfC());
   return i;
 }
 

@@ -24,6 +24,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/plugin_abi.h"
+#include "testing/plugin_cases.h"
 #include "testing/test_util.h"
 
 namespace lossd {
@@ -87,32 +88,29 @@ TEST(PluginLoaderTest, PluginWithoutTheEntryPointIsRefused) {
   EXPECT_TRUE(absl::IsFailedPrecondition(ProbeCudaPlugin(Absolute(g_no_entry)).status()));
 }
 
-TEST(PluginLoaderTest, VersionOnePluginIsRefusedNamingBothVersions) {
-  auto b = LoadCudaBackend(Absolute(g_v1), DefaultCudaOptions());
+// The plugin at `path` was built for ABI `version`, not this server's (2): loading it is
+// refused with FAILED_PRECONDITION naming both versions, while the probe reports the number
+// rather than refusing (--version prints it), with the plugin's path.
+void ExpectOtherAbiRefused(const std::string& path, uint32_t version) {
+  auto b = LoadCudaBackend(path, DefaultCudaOptions());
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("was built for plugin ABI version 1; this server needs "
-                                      "version 2"),
+  EXPECT_NE(b.status().message().find(absl::StrCat("was built for plugin ABI version ", version,
+                                                   "; this server needs version 2")),
             std::string::npos)
       << b.status();
-  // The probe reports the number rather than refusing: --version prints it.
-  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_v1));
+  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(path);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->abi_version, 1u);
+  EXPECT_EQ(p->abi_version, version);
+  EXPECT_EQ(p->path, path);
+}
+
+TEST(PluginLoaderTest, VersionOnePluginIsRefusedNamingBothVersions) {
+  ExpectOtherAbiRefused(Absolute(g_v1), 1);
 }
 
 TEST(PluginLoaderTest, PluginOfAnotherAbiIsRefusedNamingBothVersions) {
-  auto b = LoadCudaBackend(Absolute(g_next_abi), DefaultCudaOptions());
-  ASSERT_FALSE(b.ok());
-  EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("was built for plugin ABI version 3; this server needs "
-                                      "version 2"),
-            std::string::npos)
-      << b.status();
-  absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_next_abi));
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION + 1);
-  EXPECT_EQ(p->path, Absolute(g_next_abi));
+  ExpectOtherAbiRefused(Absolute(g_next_abi), LOSSD_PLUGIN_ABI_VERSION + 1);
 }
 
 // The entry point itself: a table for its own version only, and its version either way.
@@ -135,20 +133,22 @@ TEST(PluginLoaderTest, EntryPointAnswersItsOwnVersionOnly) {
   EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION);
 }
 
-TEST(PluginLoaderTest, CreateFailuresKeepTheirCodeAndMessage) {
+// What loading the fake CPU plugin on `device` returns (its status).
+absl::Status LoadStatusOnDevice(int32_t device) {
   LossdCudaOptions o = DefaultCudaOptions();
-  o.device = -1;
-  auto none = LoadCudaBackend(Absolute(g_cpu), o);
+  o.device = device;
+  return LoadCudaBackend(Absolute(g_cpu), o).status();
+}
+
+TEST(PluginLoaderTest, CreateFailuresKeepTheirCodeAndMessage) {
+  const absl::Status none = LoadStatusOnDevice(-1);
   ASSERT_FALSE(none.ok());
-  EXPECT_TRUE(absl::IsUnavailable(none.status())) << none.status();
-  EXPECT_EQ(none.status().message(),
-            Absolute(g_cpu) + ": no GPU: the fake plugin has no device -1");
-  o.device = -2;
-  auto refused = LoadCudaBackend(Absolute(g_cpu), o);
+  EXPECT_TRUE(absl::IsUnavailable(none)) << none;
+  EXPECT_EQ(none.message(), Absolute(g_cpu) + ": no GPU: the fake plugin has no device -1");
+  const absl::Status refused = LoadStatusOnDevice(-2);
   ASSERT_FALSE(refused.ok());
-  EXPECT_TRUE(absl::IsInternal(refused.status())) << refused.status();
-  EXPECT_EQ(refused.status().message(),
-            Absolute(g_cpu) + ": the fake plugin refused device -2");
+  EXPECT_TRUE(absl::IsInternal(refused)) << refused;
+  EXPECT_EQ(refused.message(), Absolute(g_cpu) + ": the fake plugin refused device -2");
 }
 
 // The CPU backend through the C boundary (the fake plugin) and called directly.
@@ -237,36 +237,13 @@ TEST_F(FakePluginTest, HostMemoryCrosses) {
 TEST_F(FakePluginTest, WorkspaceBytesAreTheBackendsOwn) {
   for (bool accumulate : {false, true}) {
     for (DType dtype : {DType::kBF16, DType::kF32}) {
-      WorkspaceShape s;
-      s.bt = 47;
-      s.h = 31;
-      s.v = 123;
-      s.dtype = dtype;
-      s.grad_dtype = dtype;
-      s.has_bias = true;
-      s.want_dx = true;
-      s.chunk_rows = accumulate ? 10 : 0;
-      s.dw = accumulate ? GradOut::kAccumulated : GradOut::kWritten;
-      s.db = s.dw;
+      const WorkspaceShape s =
+          BiasedShape(47, 31, 123, dtype, accumulate ? GradOut::kAccumulated : GradOut::kWritten,
+                      accumulate ? 10 : 0);
       EXPECT_EQ(plugin_->WorkspaceBytes(s), direct_.WorkspaceBytes(s));
       EXPECT_GT(plugin_->WorkspaceBytes(s), 0u);
     }
   }
-}
-
-OptionCase Combined(Reduction reduction) {
-  OptionCase c;
-  c.name = "combined";
-  c.reduction = reduction;
-  c.eps = 0.1f;
-  c.zs = 1e-4f;
-  c.cap = 30.0f;
-  c.bias = true;
-  c.weights = true;
-  c.grad_output = reduction == Reduction::kNone;
-  c.ignore = 0.2;
-  c.chunk_rows = 10;
-  return c;
 }
 
 // A Compute through the C boundary equals the CPU backend called directly, bit for bit, and
@@ -277,38 +254,22 @@ TEST_F(FakePluginTest, ComputeIsTheCpuBackendsBitForBit) {
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     for (Reduction reduction : {Reduction::kMean, Reduction::kNone}) {
       for (bool resident : {false, true}) {
-        const RandomProblem rp =
-            RandomProblem::Make(SpecOf(47, 31, 123, dtype, Combined(reduction), 1.0f, ++seed));
+        const RandomProblem rp = RandomProblem::Make(
+            SpecOf(47, 31, 123, dtype, CombinedOptions(reduction, 10), 1.0f, ++seed));
         LossProblem p = rp.problem();
         HostOutputs want(p, dtype, true, resident), got(p, dtype, true, resident);
-        LossProblem direct_p = p, plugin_p = p;
-        std::unique_ptr<BackendBuffer> direct_w, plugin_w;
-        if (resident) {  // W (then the bias) in each backend's own memory
-          const size_t wb = p.v * p.h * DTypeSize(dtype), bb = p.v * DTypeSize(dtype);
-          direct_w = std::move(*direct_.Allocate(wb + bb));
-          plugin_w = std::move(*plugin_->Allocate(wb + bb));
-          ASSERT_TRUE(direct_.CopyToBackend(*direct_w, 0, p.w, wb).ok());
-          ASSERT_TRUE(direct_.CopyToBackend(*direct_w, wb, p.bias, bb).ok());
-          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, 0, p.w, wb).ok());
-          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, wb, p.bias, bb).ok());
-          direct_p.w = direct_w->data();
-          direct_p.bias = static_cast<const uint8_t*>(direct_w->data()) + wb;
-          plugin_p.w = plugin_w->data();
-          plugin_p.bias = static_cast<const uint8_t*>(plugin_w->data()) + wb;
-          direct_p.w_memory = plugin_p.w_memory = Memory::kBackend;
-        }
+        ProblemForBoth both;  // W (then the bias) in each backend's own memory when resident
+        ASSERT_TRUE(PlaceForBoth(direct_, *plugin_, p, resident, &both).ok());
         LossStats want_stats, got_stats;
         want_stats.gemm_tunings = got_stats.gemm_tunings = 17;  // left alone by the backend
-        ASSERT_TRUE(direct_.Compute(direct_p, want.outputs(), &want_stats).ok());
-        const absl::Status st = plugin_->Compute(plugin_p, got.outputs(), &got_stats);
+        ASSERT_TRUE(direct_.Compute(both.direct, want.outputs(), &want_stats).ok());
+        const absl::Status st = plugin_->Compute(both.plugin, got.outputs(), &got_stats);
         const std::string where = absl::StrCat(DTypeName(dtype), " reduction ",
                                                static_cast<int>(reduction), " resident ", resident);
         ASSERT_TRUE(st.ok()) << where << ": " << st;
         EXPECT_TRUE(BitIdentical(want, got)) << where;
-        EXPECT_EQ(got_stats.peak_extra_bytes, want_stats.peak_extra_bytes) << where;
-        EXPECT_EQ(got_stats.chunk_rows, want_stats.chunk_rows) << where;
+        ExpectSameStats(got_stats, want_stats, where);
         EXPECT_EQ(got_stats.gemm_tunings, want_stats.gemm_tunings) << where;
-        EXPECT_EQ(got_stats.nonfinite, want_stats.nonfinite) << where;
         EXPECT_GT(got_stats.compute_seconds, 0.0) << where;
       }
     }
@@ -316,8 +277,8 @@ TEST_F(FakePluginTest, ComputeIsTheCpuBackendsBitForBit) {
 }
 
 TEST_F(FakePluginTest, ComputeWithoutStatsOrGradients) {
-  const RandomProblem rp =
-      RandomProblem::Make(SpecOf(9, 8, 20, DType::kBF16, Combined(Reduction::kSum), 1.0f, 3));
+  const RandomProblem rp = RandomProblem::Make(
+      SpecOf(9, 8, 20, DType::kBF16, CombinedOptions(Reduction::kSum, 10), 1.0f, 3));
   const LossProblem p = rp.problem();
   HostOutputs want(p, DType::kBF16, false), got(p, DType::kBF16, false);
   ASSERT_TRUE(direct_.Compute(p, want.outputs(), nullptr).ok());
@@ -329,24 +290,16 @@ TEST_F(FakePluginTest, ComputeWithoutStatsOrGradients) {
 // refusal is one that arises while it runs: here its rows of X refused with INVALID_ARGUMENT,
 // which must come back from the plugin as it does from the backend itself, code and message.
 TEST_F(FakePluginTest, ComputeErrorsKeepTheirCodeAndMessage) {
-  RandomProblem rp =
-      RandomProblem::Make(SpecOf(9, 8, 20, DType::kBF16, Combined(Reduction::kMean), 1.0f, 4));
-  const LossProblem p = rp.problem();
-  TrickleRows::Spec ts;
-  ts.fail_after = 3;
-  ts.failure = absl::InvalidArgumentError("test: the rows were refused");
-  TrickleRows direct_rows(p, ts), plugin_rows(p, ts);
-  HostOutputs want(p, DType::kBF16), got(p, DType::kBF16);
-  const absl::Status direct = direct_.Compute(direct_rows.Streamed(p), want.outputs(), nullptr);
-  ASSERT_TRUE(absl::IsInvalidArgument(direct)) << direct;
-  EXPECT_EQ(plugin_->Compute(plugin_rows.Streamed(p), got.outputs(), nullptr), direct);
+  RandomProblem rp = RandomProblem::Make(
+      SpecOf(9, 8, 20, DType::kBF16, CombinedOptions(Reduction::kMean, 10), 1.0f, 4));
+  ExpectRowsRefusalCrossesBack(direct_, *plugin_, rp.problem());
 }
 
 // The overlapped Compute: X arrives through the row stream's callbacks, dX leaves through
 // them, and the results are the whole problem's, bit for bit.
 TEST_F(FakePluginTest, OverlappedComputeCrossesTheRowStream) {
-  const RandomProblem rp =
-      RandomProblem::Make(SpecOf(47, 31, 123, DType::kBF16, Combined(Reduction::kMean), 1.0f, 5));
+  const RandomProblem rp = RandomProblem::Make(
+      SpecOf(47, 31, 123, DType::kBF16, CombinedOptions(Reduction::kMean, 10), 1.0f, 5));
   const LossProblem whole = rp.problem();  // chunk_rows 10: 5 chunks, the last of 7 rows
   HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
   ASSERT_TRUE(direct_.Compute(whole, want.outputs(), nullptr).ok());
@@ -362,8 +315,8 @@ TEST_F(FakePluginTest, OverlappedComputeCrossesTheRowStream) {
 
 // A wait that fails crosses back as its status and ends the Compute with it.
 TEST_F(FakePluginTest, FailedRowWaitCrossesBack) {
-  const RandomProblem rp =
-      RandomProblem::Make(SpecOf(47, 31, 123, DType::kBF16, Combined(Reduction::kMean), 1.0f, 6));
+  const RandomProblem rp = RandomProblem::Make(
+      SpecOf(47, 31, 123, DType::kBF16, CombinedOptions(Reduction::kMean, 10), 1.0f, 6));
   for (int64_t fail_after : {0, 20}) {
     ExpectComputeEndsWithTheFailedWait(
         [&](const LossProblem& p, const LossOutputs& out) {

@@ -108,6 +108,18 @@ LossOutputs OutputsOf(ComputeReply& reply, const LossProblem& p, DType grad_dtyp
 ::testing::AssertionResult ReplyMatchesReference(const RandomProblem& rp, ComputeReply& reply,
                                                  DType grad_dtype);
 
+// The fixture of a suite whose tests share one server: h_ is made before the suite's first
+// test and never destroyed (a server torn down between suites costs seconds). One per
+// `Suite` (class Suite : public SuiteHarness<Suite>); suites derived from Suite share its.
+template <typename Suite>
+class SuiteHarness : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (h_ == nullptr) h_ = new Harness();
+  }
+  static inline Harness* h_ = nullptr;
+};
+
 }  // namespace testing_harness
 }  // namespace lossd
 

@@ -21,10 +21,7 @@ namespace {
 // Cancellation and deadlines free everything a request holds.
 
 TEST_F(E2eTest, ACancelledStreamLeavesNoMemoryBehind) {
-  RandomProblemSpec s = SmallSpec(DType::kF32, 4);
-  s.v = 3000;
-  s.h = 64;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = RandomProblem::Make(WideSpec(DType::kF32, 4, 64, 3000));
   std::vector<v1::ComputeRequest> parts = PartsFor(rp, 4096);
   grpc::ClientContext ctx;
   auto stream = h_->stub().Compute(&ctx);
@@ -53,10 +50,7 @@ TEST(IdleStreamTest, AComputeThatStopsSendingIsCancelledAndFreesItsMemory) {
   const std::string labels = R"(code="DEADLINE_EXCEEDED",method="Compute")";
   const double before =
       std::max(0.0, MetricValue(h.ScrapeMetrics(), "lossd_requests_total", labels));
-  RandomProblemSpec s = SmallSpec(DType::kF32, 4);
-  s.v = 3000;
-  s.h = 64;
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = RandomProblem::Make(WideSpec(DType::kF32, 4, 64, 3000));
   std::vector<v1::ComputeRequest> parts = PartsFor(rp, 4096);
   grpc::ClientContext ctx;  // no deadline
   auto stream = h.stub().Compute(&ctx);
@@ -108,10 +102,9 @@ TEST(IdleStreamTest, AComputeWithAHeaderAloneIsCancelled) {
 class StalledReaderTest : public ::testing::TestWithParam<bool> {};
 
 RandomProblem LargeOutputProblem() {
-  RandomProblemSpec s = SmallSpec(DType::kF32, 12);
+  // dW is 32 MiB: far more than flow control lets through unread.
+  RandomProblemSpec s = WideSpec(DType::kF32, 12, 512, 16384);
   s.bt = 16;
-  s.h = 512;
-  s.v = 16384;  // dW is 32 MiB: far more than flow control lets through unread
   return RandomProblem::Make(s);
 }
 
@@ -127,6 +120,17 @@ bool WaitUntil(F done, double seconds = 10) {
   const absl::Time until = absl::Now() + absl::Seconds(seconds);
   while (!done() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
   return done();
+}
+
+// A call (`what`, of `method`) whose client stopped reading: admitted (memory in use), then let
+// go by the server itself: its memory back to 0 and one more DEADLINE_EXCEEDED than `before`
+// counted for `method`. Call under ASSERT_NO_FATAL_FAILURE: a call never admitted ends the test.
+void ExpectTheServerLetsGo(Harness& h, const char* method, double before, const char* what) {
+  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
+      << "the " << what << " was never admitted";
+  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
+  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, method) == before + 1; }))
+      << "the server's own status";
 }
 
 TEST_P(StalledReaderTest, AComputeWhoseClientStopsReadingIsCancelledAndFreesItsMemory) {
@@ -147,12 +151,8 @@ TEST_P(StalledReaderTest, AComputeWhoseClientStopsReadingIsCancelledAndFreesItsM
     ASSERT_TRUE(stream->Write(part));
   }
   ASSERT_TRUE(stream->WritesDone());
-  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
-      << "the compute was never admitted";
   // Nothing is read: the server must let go of the call by itself.
-  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
-  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, "Compute") == before + 1; }))
-      << "the server's own status";
+  ASSERT_NO_FATAL_FAILURE(ExpectTheServerLetsGo(h, "Compute", before, "compute"));
   v1::ComputeResponse r;
   while (stream->Read(&r)) {
   }
@@ -176,11 +176,7 @@ TEST(StalledReaderFetchTest, AFetchWhoseClientStopsReadingIsCancelledAndFreesIts
   fr.set_accumulator("stalled-fetch");
   auto reader = h.stub().FetchGradients(&ctx, fr);
   // The host copy of dW comes out of the memory budget while it is sent.
-  ASSERT_TRUE(WaitUntil([&] { return h.engine().budget().in_use() > 0; }))
-      << "the fetch was never admitted";
-  EXPECT_EQ(h.WaitForIdleMemory(10), 0u) << "a client that stopped reading kept its memory";
-  EXPECT_TRUE(WaitUntil([&] { return DeadlineExceeded(h, "FetchGradients") == before + 1; }))
-      << "the server's own status";
+  ASSERT_NO_FATAL_FAILURE(ExpectTheServerLetsGo(h, "FetchGradients", before, "fetch"));
   v1::FetchGradientsResponse m;
   while (reader->Read(&m)) {
   }

@@ -170,9 +170,7 @@ TEST_F(E2eTest, FourAccumulatedMicroBatchesEqualOneBatchFourTimesAsLarge) {
 TEST_F(E2eTest, ATensorFarLargerThanOneMessageTravelsInManyParts) {
   // A small part size makes "far larger than the message limit" cheap: W is 4000 parts (and
   // dW comes back in 1000, the smallest response parts a client may ask for).
-  RandomProblemSpec s = SmallSpec(DType::kF32, 5);
-  s.v = 4000;
-  s.h = 64;
+  const RandomProblemSpec s = WideSpec(DType::kF32, 5, 64, 4000);
   RandomProblem rp = RandomProblem::Make(s);
   std::vector<v1::ComputeRequest> parts = PartsFor(rp, 256);
   ASSERT_GT(parts.size(), 4000u);
@@ -186,9 +184,7 @@ TEST_F(E2eTest, ATensorFarLargerThanOneMessageTravelsInManyParts) {
 }
 
 TEST_F(E2eTest, TheSameRequestTwiceGivesBitIdenticalOutputs) {
-  RandomProblemSpec s = SmallSpec(DType::kBF16, 8);
-  s.v = 1000;
-  s.h = 64;
+  RandomProblemSpec s = WideSpec(DType::kBF16, 8, 64, 1000);
   s.bt = 70;
   RandomProblem rp = RandomProblem::Make(s);
   ComputeReply a = RunCompute(h_->stub(), HeaderFor(rp), PartsFor(rp, 1 << 16));

@@ -15,13 +15,18 @@ RandomProblemSpec SmallSpec(DType dtype, uint64_t seed) {
   return s;
 }
 
+RandomProblemSpec WideSpec(DType dtype, uint64_t seed, int64_t h, int64_t v) {
+  RandomProblemSpec s = SmallSpec(dtype, seed);
+  s.h = h;
+  s.v = v;
+  return s;
+}
+
 void ExpectServes(Harness& h) {
   RandomProblem rp = RandomProblem::Make(SmallSpec(DType::kBF16, 99));
   ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 1 << 20));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_TRUE(std::isfinite(r.summary.loss()));
 }
-
-Harness* E2eTest::h_ = nullptr;
 
 }  // namespace lossd

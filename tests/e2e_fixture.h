@@ -28,17 +28,14 @@ using testing_harness::RunCompute;
 // BT=47, H=31, V=123 (nothing a multiple of 8), a tenth of the targets ignored.
 RandomProblemSpec SmallSpec(DType dtype = DType::kBF16, uint64_t seed = 1);
 
+// SmallSpec with W of (v, h): the same BT and ignored share, larger tensors.
+RandomProblemSpec WideSpec(DType dtype, uint64_t seed, int64_t h, int64_t v);
+
 // A valid request succeeds: used after every refusal to show the server keeps serving.
 void ExpectServes(Harness& h);
 
-class E2eTest : public ::testing::Test {
- protected:
-  // Shared by the derived suites too (SetUpTestSuite runs once per suite).
-  static void SetUpTestSuite() {
-    if (h_ == nullptr) h_ = new Harness();
-  }
-  static Harness* h_;
-};
+// One server for every E2eTest, shared by the derived suites too.
+class E2eTest : public testing_harness::SuiteHarness<E2eTest> {};
 
 }  // namespace lossd
 

@@ -20,6 +20,13 @@
 namespace lossd {
 namespace {
 
+// An fp32 problem with W of (v, h), reduction sum: what the fetch tests accumulate.
+RandomProblem SumProblem(uint64_t seed, int64_t h, int64_t v) {
+  RandomProblemSpec s = WideSpec(DType::kF32, seed, h, v);
+  s.options.reduction = Reduction::kSum;
+  return RandomProblem::Make(s);
+}
+
 TEST(AccumulatorLimitTest, ANewAccumulatorOverTheLimitsIsRefusedAtTheHeader) {
   HarnessOptions o;
   o.engine.max_accumulators = 1;
@@ -43,10 +50,7 @@ TEST(BudgetTest, ARequestOverTheMemoryBudgetIsRefusedAtOnce) {
   HarnessOptions o;
   o.engine.memory_budget_bytes = 200 << 10;  // the small problem fits, W of 512 KB not
   Harness h(o);
-  RandomProblemSpec s = SmallSpec(DType::kF32, 2);
-  s.v = 2000;
-  s.h = 64;  // W alone is 512 KB
-  RandomProblem rp = RandomProblem::Make(s);
+  RandomProblem rp = RandomProblem::Make(WideSpec(DType::kF32, 2, 64, 2000));  // W alone: 512 KB
   ComputeReply r = RunCompute(h.stub(), HeaderFor(rp), {});
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(r.status.error_message().find("more than the whole memory budget of 204800 bytes"),
@@ -59,11 +63,8 @@ TEST(BudgetTest, ARequestOverTheMemoryBudgetIsRefusedAtOnce) {
 // the whole budget is refused, ranges that fit are served, and two that do not fit together
 // take turns instead of both taking memory.
 TEST(BudgetTest, FetchGradientsCopiesComeOutOfTheMemoryBudget) {
-  RandomProblemSpec s = SmallSpec(DType::kF32, 5);
-  s.v = 1000;
-  s.h = 256;  // dW in fp32: 1024000 bytes; a Compute into an accumulator needs about 300 KB
-  s.options.reduction = Reduction::kSum;
-  RandomProblem rp = RandomProblem::Make(s);
+  // dW in fp32: 1024000 bytes; a Compute into an accumulator needs about 300 KB.
+  RandomProblem rp = SumProblem(5, 256, 1000);
   // The same gradient returned by a server with room for it.
   ComputeReply ref;
   {
@@ -124,11 +125,8 @@ TEST(BudgetTest, FetchGradientsCopiesComeOutOfTheMemoryBudget) {
 // A reset fetch whose client goes away after the first part: the sum it reset is put back
 // (the step's gradient is not lost), bit for bit, with its counts.
 TEST(FetchResetTest, AResetFetchThatDoesNotArriveIsUndone) {
-  RandomProblemSpec s = SmallSpec(DType::kF32, 8);
-  s.v = 4096;
-  s.h = 1024;  // 16 MiB of fp32 dW: far more than the stream's flow-control window
-  s.options.reduction = Reduction::kSum;
-  RandomProblem rp = RandomProblem::Make(s);
+  // 16 MiB of fp32 dW: far more than the stream's flow-control window.
+  RandomProblem rp = SumProblem(8, 1024, 4096);
   Harness h;
   std::string handle;
   ASSERT_TRUE(testing_harness::PutWeights(h.stub(), rp, 1 << 20, &handle).ok());

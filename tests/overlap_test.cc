@@ -190,11 +190,8 @@ RandomProblemSpec Spec(DType dtype, uint64_t seed) {
 // Parts of one row of X each, so rows arrive one part at a time.
 size_t RowBytes(const RandomProblemSpec& s) { return s.h * DTypeSize(s.dtype); }
 
-class OverlapTest : public ::testing::Test {
+class OverlapTest : public testing_harness::SuiteHarness<OverlapTest> {
  protected:
-  static void SetUpTestSuite() {
-    if (h_ == nullptr) h_ = new Harness();
-  }
   void ExpectServes() {
     RandomProblem rp = RandomProblem::Make(Spec(DType::kBF16, 99));
     OverlapReply r = RunOverlap(h_->stub(), HeaderFor(rp),
@@ -202,9 +199,27 @@ class OverlapTest : public ::testing::Test {
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
     EXPECT_EQ(h_->WaitForIdleMemory(), 0u) << "a call left memory behind";
   }
-  static Harness* h_;
+  // *hd: rp's header on its W uploaded with PutWeights, into accumulator `acc`. Call under
+  // ASSERT_NO_FATAL_FAILURE: a refused upload ends the test.
+  void AccumulateByHandle(const RandomProblem& rp, const std::string& acc, v1::ComputeHeader* hd) {
+    std::string handle;
+    ASSERT_TRUE(testing_harness::PutWeights(h_->stub(), rp, 1 << 20, &handle).ok());
+    *hd = HeaderFor(rp, handle);
+    hd->set_accumulator(acc);
+  }
+  // hd's accumulator may hold a partial sum: the next Compute into it (rp by hd's handle) is
+  // refused with FAILED_PRECONDITION saying so; then it is dropped and the server serves.
+  void ExpectAccumulatorRefusesFurtherUse(const v1::ComputeHeader& hd, const RandomProblem& rp) {
+    ComputeReply next = RunCompute(h_->stub(), hd, PartsFor(rp, 1 << 20, false));
+    EXPECT_EQ(next.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(next.status.error_message().find("accumulator '" + hd.accumulator() +
+                                               "' may hold a partial sum"),
+              std::string::npos)
+        << next.status.error_message();
+    ASSERT_TRUE(h_->engine().DropAccumulator(hd.accumulator()).ok());
+    ExpectServes();
+  }
 };
-Harness* OverlapTest::h_ = nullptr;
 
 struct OverlapCase {
   const char* name;
@@ -314,10 +329,8 @@ TEST_F(OverlapTest, AccumulatedMicroBatchesMatchThePlainPath) {
 TEST_F(OverlapTest, XCutOffWhileComputingFailsAndPoisonsTheAccumulator) {
   RandomProblemSpec s = Spec(DType::kBF16, 14);
   RandomProblem rp = RandomProblem::Make(s);
-  std::string handle;
-  ASSERT_TRUE(testing_harness::PutWeights(h_->stub(), rp, 1 << 20, &handle).ok());
-  v1::ComputeHeader hd = HeaderFor(rp, handle);
-  hd.set_accumulator("cut-acc");
+  v1::ComputeHeader hd;
+  ASSERT_NO_FATAL_FAILURE(AccumulateByHandle(rp, "cut-acc", &hd));
   OverlapScript sc;
   sc.x_parts_before_wait = 20;
   sc.x_parts_total = 40;  // then the stream closes
@@ -331,13 +344,7 @@ TEST_F(OverlapTest, XCutOffWhileComputingFailsAndPoisonsTheAccumulator) {
   EXPECT_TRUE(o.dx_before_x_done);
   EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
   // Chunks [0, 40) were added: the accumulator says so instead of serving a partial sum.
-  ComputeReply next = RunCompute(h_->stub(), hd, PartsFor(rp, 1 << 20, false));
-  EXPECT_EQ(next.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_NE(next.status.error_message().find("accumulator 'cut-acc' may hold a partial sum"),
-            std::string::npos)
-      << next.status.error_message();
-  ASSERT_TRUE(h_->engine().DropAccumulator("cut-acc").ok());
-  ExpectServes();
+  ExpectAccumulatorRefusesFurtherUse(hd, rp);
 }
 
 // Every row of X is in and the compute adds the micro-batch, but then the client sends a
@@ -346,10 +353,8 @@ TEST_F(OverlapTest, XCutOffWhileComputingFailsAndPoisonsTheAccumulator) {
 TEST_F(OverlapTest, ABadPartAfterTheLastRowOfXPoisonsTheAccumulatorItWasAddedTo) {
   RandomProblemSpec s = Spec(DType::kBF16, 17);
   RandomProblem rp = RandomProblem::Make(s);
-  std::string handle;
-  ASSERT_TRUE(testing_harness::PutWeights(h_->stub(), rp, 1 << 20, &handle).ok());
-  v1::ComputeHeader hd = HeaderFor(rp, handle);
-  hd.set_accumulator("late-bad-acc");
+  v1::ComputeHeader hd;
+  ASSERT_NO_FATAL_FAILURE(AccumulateByHandle(rp, "late-bad-acc", &hd));
   std::vector<v1::ComputeRequest> parts = OverlapOrder(PartsFor(rp, RowBytes(s), false));
   v1::ComputeRequest stray;
   stray.mutable_part()->set_tensor(v1::TENSOR_TARGETS);
@@ -368,13 +373,7 @@ TEST_F(OverlapTest, ABadPartAfterTheLastRowOfXPoisonsTheAccumulatorItWasAddedTo)
             std::string::npos)
       << o.status.error_message();
   EXPECT_EQ(h_->WaitForIdleMemory(), 0u);
-  ComputeReply next = RunCompute(h_->stub(), hd, PartsFor(rp, 1 << 20, false));
-  EXPECT_EQ(next.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_NE(next.status.error_message().find("accumulator 'late-bad-acc' may hold a partial sum"),
-            std::string::npos)
-      << next.status.error_message();
-  ASSERT_TRUE(h_->engine().DropAccumulator("late-bad-acc").ok());
-  ExpectServes();
+  ExpectAccumulatorRefusesFurtherUse(hd, rp);
 }
 
 TEST_F(OverlapTest, NaNInALatePartOfXIsRefusedWithItsPlace) {

@@ -10,18 +10,11 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.pb.h"
+#include "testing/byte_buffers.h"
 
 namespace lossd {
 namespace client {
 namespace {
-
-std::string Flatten(const grpc::ByteBuffer& b) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(b.Dump(&slices).ok());
-  std::string out;
-  for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
-}
 
 // The same bytes as a buffer cut into slices at random places (gRPC hands received messages
 // over in arbitrary slices).

@@ -7,18 +7,11 @@
 
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.pb.h"
+#include "testing/byte_buffers.h"
 
 namespace lossd {
 namespace bench {
 namespace {
-
-std::string Flatten(const grpc::ByteBuffer& b) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(b.Dump(&slices).ok());
-  std::string s;
-  for (const grpc::Slice& x : slices) s.append(reinterpret_cast<const char*>(x.begin()), x.size());
-  return s;
-}
 
 // Splits serialized bytes into a buffer of several slices at the given cut points, so parsing
 // must cross slice boundaries.

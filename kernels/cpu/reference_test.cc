@@ -19,6 +19,22 @@
 namespace lossd {
 namespace {
 
+// An fp32 problem over the caller's arrays: X (bt, h), W (v, h), targets (bt) of
+// target_dtype; no bias, class weights or grad_output, every option at its default.
+LossProblem F32Problem(int64_t bt, int64_t h, int64_t v, const float* x, const float* w,
+                       const void* targets, DType target_dtype = DType::kI64) {
+  LossProblem p;
+  p.bt = bt;
+  p.h = h;
+  p.v = v;
+  p.dtype = DType::kF32;
+  p.x = x;
+  p.w = w;
+  p.targets = targets;
+  p.target_dtype = target_dtype;
+  return p;
+}
+
 TEST(ReferenceTest, HandComputedTinyProblem) {
   // BT=2, H=3, V=5. x_0 = e_0 and x_1 = e_1 pick columns 0 and 1 of W as the logits:
   // z_0 = (0,0,0,0,0), target 2: nll = ln 5.
@@ -26,14 +42,7 @@ TEST(ReferenceTest, HandComputedTinyProblem) {
   const float x[6] = {1, 0, 0, 0, 1, 0};
   const float w[15] = {0, 1, 7, 0, 0, -3, 0, 0, 2, 0, 0, 5, 0, 0, 1};
   const int64_t targets[2] = {2, 0};
-  LossProblem p;
-  p.bt = 2;
-  p.h = 3;
-  p.v = 5;
-  p.dtype = DType::kF32;
-  p.x = x;
-  p.w = w;
-  p.targets = targets;
+  const LossProblem p = F32Problem(2, 3, 5, x, w, targets);
   ReferenceOutputs r;
   ASSERT_TRUE(ReferenceCompute(p, &r).ok());
   const double nll0 = 1.6094379124341003, nll1 = 0.904832441554448;
@@ -102,15 +111,8 @@ TEST_P(ReferenceFiniteDifferenceTest, GradientsMatchFiniteDifferences) {
   for (float& e : go) e = u(rng);
   std::vector<int64_t> targets = {3, 6, 0, 2, 5};
   if (c.ignore) targets[1] = -100;
-  LossProblem p;
-  p.bt = bt;
-  p.h = h;
-  p.v = v;
-  p.dtype = DType::kF32;
-  p.x = x.data();
-  p.w = w.data();
+  LossProblem p = F32Problem(bt, h, v, x.data(), w.data(), targets.data());
   p.bias = c.bias ? b.data() : nullptr;
-  p.targets = targets.data();
   p.class_weights = c.weights ? cw.data() : nullptr;
   p.grad_output = c.grad_output ? go.data() : nullptr;
   p.options.reduction = c.reduction;
@@ -190,15 +192,7 @@ TEST(ReferenceTest, AllIgnoredGivesZeroLossAndGradients) {
   const float x[6] = {1, 2, 3, 4, 5, 6};
   const float w[6] = {1, -1, 2, -2, 3, -3};
   const int32_t targets[2] = {-1, -1};
-  LossProblem p;
-  p.bt = 2;
-  p.h = 3;
-  p.v = 2;
-  p.dtype = DType::kF32;
-  p.x = x;
-  p.w = w;
-  p.targets = targets;
-  p.target_dtype = DType::kI32;
+  LossProblem p = F32Problem(2, 3, 2, x, w, targets, DType::kI32);
   p.options.ignore_index = -1;
   p.options.z_loss_scale = 1e-3f;
   ReferenceOutputs r;
@@ -309,14 +303,7 @@ TEST(ReferenceTest, RejectsBadInput) {
   const float x[3] = {1, 2, 3};
   const float w[6] = {1, -1, 2, -2, 3, -3};
   int64_t target = 2;  // V = 2: out of range
-  LossProblem p;
-  p.bt = 1;
-  p.h = 3;
-  p.v = 2;
-  p.dtype = DType::kF32;
-  p.x = x;
-  p.w = w;
-  p.targets = &target;
+  LossProblem p = F32Problem(1, 3, 2, x, w, &target);
   // The reference assumes a validated problem: what it is never handed, the one validation
   // (core/loss_problem_check.h) refuses.
   absl::Status st = ValidateLossInputs(p);

@@ -50,9 +50,7 @@ TEST_F(CudaTest, StreamedRowsGiveTheWholeProblemsBytes) {
   uint64_t seed = 900;
   for (const Config& c : configs) {
     for (bool autotune : {true, false}) {
-      CudaBackendOptions bo;
-      bo.schedule = c.schedule;
-      bo.auto_schedule = false;
+      CudaBackendOptions bo = FixedSchedule(c.schedule);
       bo.autotune_gemms = autotune;
       auto b = CudaBackend::Create(bo);
       ASSERT_TRUE(b.ok()) << b.status();

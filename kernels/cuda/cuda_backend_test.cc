@@ -137,9 +137,7 @@ TEST_F(CudaTest, BothSchedulesMatchReference) {
   const std::pair<Schedule, int32_t> configs[] = {
       {Schedule::kRowHalves, 0}, {Schedule::kColumnHalves, 0}, {Schedule::kColumnHalves, 56}};
   for (const auto& [schedule, side_sms] : configs) {
-    CudaBackendOptions bo;
-    bo.schedule = schedule;
-    bo.auto_schedule = false;
+    CudaBackendOptions bo = FixedSchedule(schedule);
     bo.side_sms = side_sms;
     auto b = CudaBackend::Create(bo);
     ASSERT_TRUE(b.ok()) << b.status();
@@ -220,9 +218,7 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
   const std::vector<float> start(ref.dw.begin(), ref.dw.end());
   for (Schedule schedule : {Schedule::kRowHalves, Schedule::kColumnHalves}) {
     for (bool autotune : {true, false}) {
-      CudaBackendOptions bo;
-      bo.schedule = schedule;
-      bo.auto_schedule = false;
+      CudaBackendOptions bo = FixedSchedule(schedule);
       bo.autotune_gemms = autotune;
       auto b = CudaBackend::Create(bo);
       ASSERT_TRUE(b.ok()) << b.status();
@@ -388,9 +384,7 @@ TEST_F(CudaTest, BiasIsRoundedWithTheLogitsAsOnTheCpu) {
   for (const Config& c : {Config{"rows", Schedule::kRowHalves, false, 700},
                           Config{"columns", Schedule::kColumnHalves, false, 700},
                           Config{"whole batch", Schedule::kRowHalves, true, 120}}) {
-    CudaBackendOptions bo;
-    bo.schedule = c.schedule;
-    bo.auto_schedule = false;
+    CudaBackendOptions bo = FixedSchedule(c.schedule);
     bo.whole_batch = c.whole_batch;
     auto cuda = CudaBackend::Create(bo);
     ASSERT_TRUE(cuda.ok()) << cuda.status();

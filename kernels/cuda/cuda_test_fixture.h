@@ -84,6 +84,14 @@ inline RandomProblemSpec MakeSpec(const Shape& s, const OptionCase& o, DType dty
   return SpecOf(s.bt, s.h, s.v, dtype, o, o.reduction == Reduction::kNone ? 1.0f : 0.7f, seed);
 }
 
+// Options of a backend whose chunk schedule is `schedule`, never chosen per problem.
+inline CudaBackendOptions FixedSchedule(Schedule schedule) {
+  CudaBackendOptions bo;
+  bo.schedule = schedule;
+  bo.auto_schedule = false;
+  return bo;
+}
+
 }  // namespace cuda
 }  // namespace lossd
 

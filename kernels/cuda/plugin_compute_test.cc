@@ -17,6 +17,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/plugin_loader.h"
+#include "testing/plugin_cases.h"
 #include "testing/test_util.h"
 
 namespace lossd {
@@ -40,22 +41,6 @@ class PluginComputeTest : public ::testing::Test {
   std::unique_ptr<Backend> direct_;
 };
 
-OptionCase Combined(Reduction reduction, bool grad_f32) {
-  OptionCase c;
-  c.name = "combined";
-  c.reduction = reduction;
-  c.eps = 0.1f;
-  c.zs = 1e-4f;
-  c.cap = 30.0f;
-  c.bias = true;
-  c.weights = true;
-  c.grad_output = reduction == Reduction::kNone;
-  c.ignore = 0.2;
-  c.chunk_rows = 64;
-  c.grad_f32 = grad_f32;
-  return c;
-}
-
 TEST_F(PluginComputeTest, InfoAndHostMemory) {
   const BackendInfo got = plugin_->Info(), want = direct_->Info();
   EXPECT_EQ(got.name, "cuda");
@@ -73,16 +58,7 @@ TEST_F(PluginComputeTest, InfoAndHostMemory) {
 TEST_F(PluginComputeTest, WorkspaceBytesAreTheBackendsOwn) {
   for (GradOut dw : {GradOut::kNone, GradOut::kWritten, GradOut::kAccumulated}) {
     for (DType dtype : {DType::kBF16, DType::kF32}) {
-      WorkspaceShape s;
-      s.bt = 8192;
-      s.h = 4096;
-      s.v = 128256;
-      s.dtype = dtype;
-      s.grad_dtype = dtype;
-      s.has_bias = true;
-      s.want_dx = true;
-      s.dw = dw;
-      s.db = dw;
+      const WorkspaceShape s = BiasedShape(8192, 4096, 128256, dtype, dw);
       EXPECT_EQ(plugin_->WorkspaceBytes(s), direct_->WorkspaceBytes(s));
     }
   }
@@ -95,36 +71,20 @@ TEST_F(PluginComputeTest, ComputeIsTheDirectBackendsBitForBit) {
       for (bool resident : {false, true}) {
         const bool grad_f32 = resident && dtype != DType::kF32;
         const RandomProblem rp = RandomProblem::Make(
-            SpecOf(300, 256, 5000, dtype, Combined(reduction, grad_f32), 1.0f, ++seed));
+            SpecOf(300, 256, 5000, dtype, CombinedOptions(reduction, 64, grad_f32), 1.0f, ++seed));
         const LossProblem p = rp.problem();
         const DType g = grad_f32 ? DType::kF32 : dtype;
         HostOutputs want(p, g, true, resident), got(p, g, true, resident);
-        LossProblem direct_p = p, plugin_p = p;
-        std::unique_ptr<BackendBuffer> direct_w, plugin_w;
-        if (resident) {  // W (then the bias) in each backend's device memory
-          const size_t wb = p.v * p.h * DTypeSize(dtype), bb = p.v * DTypeSize(dtype);
-          direct_w = std::move(*direct_->Allocate(wb + bb));
-          plugin_w = std::move(*plugin_->Allocate(wb + bb));
-          ASSERT_TRUE(direct_->CopyToBackend(*direct_w, 0, p.w, wb).ok());
-          ASSERT_TRUE(direct_->CopyToBackend(*direct_w, wb, p.bias, bb).ok());
-          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, 0, p.w, wb).ok());
-          ASSERT_TRUE(plugin_->CopyToBackend(*plugin_w, wb, p.bias, bb).ok());
-          direct_p.w = direct_w->data();
-          direct_p.bias = static_cast<const uint8_t*>(direct_w->data()) + wb;
-          plugin_p.w = plugin_w->data();
-          plugin_p.bias = static_cast<const uint8_t*>(plugin_w->data()) + wb;
-          direct_p.w_memory = plugin_p.w_memory = Memory::kBackend;
-        }
+        ProblemForBoth both;  // W (then the bias) in each backend's device memory when resident
+        ASSERT_TRUE(PlaceForBoth(*direct_, *plugin_, p, resident, &both).ok());
         LossStats want_stats, got_stats;
         const std::string where = absl::StrCat(DTypeName(dtype), " reduction ",
                                                static_cast<int>(reduction), " resident ", resident);
-        ASSERT_TRUE(direct_->Compute(direct_p, want.outputs(), &want_stats).ok()) << where;
-        const absl::Status st = plugin_->Compute(plugin_p, got.outputs(), &got_stats);
+        ASSERT_TRUE(direct_->Compute(both.direct, want.outputs(), &want_stats).ok()) << where;
+        const absl::Status st = plugin_->Compute(both.plugin, got.outputs(), &got_stats);
         ASSERT_TRUE(st.ok()) << where << ": " << st;
         EXPECT_TRUE(BitIdentical(want, got)) << where;
-        EXPECT_EQ(got_stats.peak_extra_bytes, want_stats.peak_extra_bytes) << where;
-        EXPECT_EQ(got_stats.chunk_rows, want_stats.chunk_rows) << where;
-        EXPECT_EQ(got_stats.nonfinite, want_stats.nonfinite) << where;
+        ExpectSameStats(got_stats, want_stats, where);
       }
     }
   }
@@ -132,7 +92,7 @@ TEST_F(PluginComputeTest, ComputeIsTheDirectBackendsBitForBit) {
 
 TEST_F(PluginComputeTest, OverlappedComputeCrossesTheRowStream) {
   const RandomProblem rp = RandomProblem::Make(
-      SpecOf(300, 256, 5000, DType::kBF16, Combined(Reduction::kMean, false), 1.0f, 7));
+      SpecOf(300, 256, 5000, DType::kBF16, CombinedOptions(Reduction::kMean, 64), 1.0f, 7));
   const LossProblem whole = rp.problem();
   HostOutputs want(whole, DType::kBF16), got(whole, DType::kBF16);
   ASSERT_TRUE(direct_->Compute(whole, want.outputs(), nullptr).ok());
@@ -146,7 +106,7 @@ TEST_F(PluginComputeTest, OverlappedComputeCrossesTheRowStream) {
 
 TEST_F(PluginComputeTest, FailedRowWaitAndRefusalsCrossBack) {
   RandomProblem rp = RandomProblem::Make(
-      SpecOf(300, 256, 5000, DType::kBF16, Combined(Reduction::kMean, false), 1.0f, 8));
+      SpecOf(300, 256, 5000, DType::kBF16, CombinedOptions(Reduction::kMean, 64), 1.0f, 8));
   ExpectComputeEndsWithTheFailedWait(
       [&](const LossProblem& p, const LossOutputs& out) {
         return plugin_->Compute(p, out, nullptr);
@@ -154,15 +114,7 @@ TEST_F(PluginComputeTest, FailedRowWaitAndRefusalsCrossBack) {
       rp.problem(), absl::CancelledError("test: the sender went away"), 100);
   // A backend assumes a validated problem (core/loss_problem_check.h): the error that crosses
   // back word for word is one a valid problem meets during the Compute, its rows refused.
-  const LossProblem p = rp.problem();
-  TrickleRows::Spec ts;
-  ts.fail_after = 3;
-  ts.failure = absl::InvalidArgumentError("test: the rows were refused");
-  TrickleRows direct_rows(p, ts), plugin_rows(p, ts);
-  HostOutputs a(p, DType::kBF16), b(p, DType::kBF16);
-  const absl::Status want = direct_->Compute(direct_rows.Streamed(p), a.outputs(), nullptr);
-  ASSERT_TRUE(absl::IsInvalidArgument(want)) << want;
-  EXPECT_EQ(plugin_->Compute(plugin_rows.Streamed(p), b.outputs(), nullptr), want);
+  ExpectRowsRefusalCrossesBack(*direct_, *plugin_, rp.problem());
 }
 
 }  // namespace

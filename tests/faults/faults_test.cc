@@ -37,11 +37,7 @@ using testing_harness::PartsFor;
 using testing_harness::RunCompute;
 
 RandomProblemSpec Spec(uint64_t seed, int64_t bt = 47, int64_t h = 31, int64_t v = 123) {
-  RandomProblemSpec s;
-  s.bt = bt;
-  s.h = h;
-  s.v = v;
-  s.dtype = DType::kBF16;
+  RandomProblemSpec s = ShapeSpec(bt, h, v, DType::kBF16);
   s.seed = seed;
   s.ignore_fraction = 0.1;
   return s;
@@ -81,12 +77,7 @@ bool Eventually(Pred pred, double seconds = 5) {
 // ---------------------------------------------------------------------------------------
 // A client killed mid-stream.
 
-class ClientKilledTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { h_ = new Harness(); }
-  static Harness* h_;
-};
-Harness* ClientKilledTest::h_ = nullptr;
+class ClientKilledTest : public testing_harness::SuiteHarness<ClientKilledTest> {};
 
 TEST_F(ClientKilledTest, CancelMidUploadOfComputeFreesEverythingAndCreatesNothing) {
   RandomProblemSpec s = Spec(5, 64, 32, 2000);

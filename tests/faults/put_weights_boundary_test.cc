@@ -46,12 +46,7 @@ grpc::Status Upload(v1::Loss::Stub& stub, const std::vector<uint16_t>& w, int64_
   return s;
 }
 
-class PutWeightsBoundaryTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { h_ = new Harness(); }
-  static Harness* h_;
-};
-Harness* PutWeightsBoundaryTest::h_ = nullptr;
+class PutWeightsBoundaryTest : public testing_harness::SuiteHarness<PutWeightsBoundaryTest> {};
 
 TEST_F(PutWeightsBoundaryTest, FiniteWeightsSplitAtAnOddByteAreAccepted) {
   // -1.0 (0xBF80) then 0.996 (0x3F7F): both finite, but bytes 1..2 read as one bf16 are

@@ -287,16 +287,8 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
   v1::ComputeHeader header;
   if (!header.ParseFromString(frame.header_bytes())) return;
 
-  auto spec = ComputeSpecFromWire(header);
-  if (!spec.ok()) {
-    CheckCleanError(spec.status(), "ComputeSpecFromWire");
-    return;
-  }
-  auto planned = engine.Plan(*spec);
-  if (!planned.ok()) {
-    CheckCleanError(planned.status(), "Engine::Plan");
-    return;
-  }
+  auto planned = PlanFromWire(engine, header);
+  if (!planned.ok()) return;
   CheckPlan(*planned);
   auto plan = std::make_shared<const ComputePlan>(std::move(*planned));
 

@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "core/dtype.h"
+#include "service/wire_convert.h"
 
 namespace lossd {
 namespace fuzz {
@@ -115,6 +116,17 @@ void CheckCleanError(const absl::Status& s, absl::string_view where) {
     std::fflush(stderr);
     std::abort();
   }
+}
+
+absl::StatusOr<ComputePlan> PlanFromWire(Engine& engine, const v1::ComputeHeader& header) {
+  auto spec = ComputeSpecFromWire(header);
+  if (!spec.ok()) {
+    CheckCleanError(spec.status(), "ComputeSpecFromWire");
+    return spec.status();
+  }
+  auto planned = engine.Plan(*spec);
+  if (!planned.ok()) CheckCleanError(planned.status(), "Engine::Plan");
+  return planned;
 }
 
 ComputeOutcome RunAndWait(std::shared_ptr<const ComputePlan> plan,

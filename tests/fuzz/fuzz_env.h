@@ -12,8 +12,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "engine/engine.h"
+#include "lossd/v1/lossd.pb.h"
 
 namespace lossd {
 namespace fuzz {
@@ -59,6 +61,9 @@ void AppendRecord(std::string* out, absl::string_view record);
 void Check(bool ok, absl::string_view what);
 // A refusal must be a clean error: one of the codes a request may earn and a message.
 void CheckCleanError(const absl::Status& s, absl::string_view where);
+// A header's plan as the reactor makes it: ComputeSpecFromWire, then Engine::Plan. A refusal
+// from either must be clean (CheckCleanError, named by the step that refused) and comes back.
+absl::StatusOr<ComputePlan> PlanFromWire(Engine& engine, const v1::ComputeHeader& header);
 // Runs a plan on the engine's executor and waits; aborts when it does not finish in time.
 // `inputs_checked_finite` as in Engine::Run.
 ComputeOutcome RunAndWait(std::shared_ptr<const ComputePlan> plan,

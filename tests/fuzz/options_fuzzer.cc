@@ -162,16 +162,8 @@ void OptionsOneInput(const uint8_t* data, size_t size) {
   v1::ComputeHeader header;
   if (!header.ParseFromArray(data, static_cast<int>(size))) return;
   Engine& engine = *Env().engine;
-  auto spec = ComputeSpecFromWire(header);
-  if (!spec.ok()) {
-    CheckCleanError(spec.status(), "ComputeSpecFromWire");
-    return;
-  }
-  auto planned = engine.Plan(*spec);
-  if (!planned.ok()) {
-    CheckCleanError(planned.status(), "Engine::Plan");
-    return;
-  }
+  auto planned = PlanFromWire(engine, header);
+  if (!planned.ok()) return;
   auto plan = std::make_shared<const ComputePlan>(std::move(*planned));
   Check(plan->admission_bytes() <= kMemoryBudget,
         "a plan within the shape and request limits exceeds the memory budget");

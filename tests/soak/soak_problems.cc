@@ -36,31 +36,20 @@ uint64_t RssBytes() {
 
 std::vector<RandomProblemSpec> ProblemSpecs() {
   std::vector<RandomProblemSpec> v;
-  RandomProblemSpec a;  // also uploaded by handle and accumulated
-  a.bt = 64;
-  a.h = 64;
-  a.v = 1000;
-  a.dtype = DType::kBF16;
+  // a is also uploaded by handle and accumulated.
+  RandomProblemSpec a = ShapeSpec(64, 64, 1000, DType::kBF16);
   a.bias = true;
   a.ignore_fraction = 0.1;
   a.seed = 101;
   v.push_back(a);
-  RandomProblemSpec b;
-  b.bt = 48;
-  b.h = 32;
-  b.v = 777;
-  b.dtype = DType::kF16;
+  RandomProblemSpec b = ShapeSpec(48, 32, 777, DType::kF16);
   b.bias = true;
   b.options.reduction = Reduction::kSum;
   b.options.label_smoothing = 0.1f;
   b.options.softcap = 30.0f;
   b.seed = 102;
   v.push_back(b);
-  RandomProblemSpec c;
-  c.bt = 33;
-  c.h = 40;
-  c.v = 500;
-  c.dtype = DType::kF32;
+  RandomProblemSpec c = ShapeSpec(33, 40, 500, DType::kF32);
   c.bias = true;
   c.class_weights = true;
   c.grad_output = true;
@@ -69,11 +58,7 @@ std::vector<RandomProblemSpec> ProblemSpecs() {
   c.ignore_fraction = 0.2;
   c.seed = 103;
   v.push_back(c);
-  RandomProblemSpec d;
-  d.bt = 128;
-  d.h = 64;
-  d.v = 2000;
-  d.dtype = DType::kBF16;
+  RandomProblemSpec d = ShapeSpec(128, 64, 2000, DType::kBF16);
   d.target_dtype = DType::kI32;
   d.class_weights = true;
   d.options.chunk_rows = 37;
