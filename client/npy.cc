@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/status_macros.h"
 
 namespace lossd {
 namespace client {
@@ -79,8 +80,7 @@ class HeaderParser {
         have_descr = true;
         std::string descr;
         if (!ReadString(&descr)) return Malformed("'descr' is not a string");
-        absl::Status s = DescrToDType(descr, out);
-        if (!s.ok()) return s;
+        LOSSD_RETURN_IF_ERROR(DescrToDType(descr, out));
       } else if (key == "fortran_order") {
         if (have_order) return Malformed("duplicate 'fortran_order'");
         have_order = true;
@@ -92,8 +92,7 @@ class HeaderParser {
       } else if (key == "shape") {
         if (have_shape) return Malformed("duplicate 'shape'");
         have_shape = true;
-        absl::Status s = ReadShape(&out->shape);
-        if (!s.ok()) return s;
+        LOSSD_RETURN_IF_ERROR(ReadShape(&out->shape));
       } else {
         return Malformed(absl::StrCat("unexpected key '", key, "'"));
       }
@@ -203,8 +202,7 @@ absl::StatusOr<NpyLayout> ParseLayout(absl::string_view bytes) {
   const size_t preamble = bytes[6] == 1 ? kPreambleV1 : kPreambleV2;
   NpyLayout layout;
   layout.data_offset = *end;
-  absl::Status s = HeaderParser(bytes.substr(preamble, *end - preamble)).Parse(&layout);
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(HeaderParser(bytes.substr(preamble, *end - preamble)).Parse(&layout));
   absl::StatusOr<size_t> data_bytes = TensorByteSize(layout.dtype, layout.shape);
   if (!data_bytes.ok()) return Malformed(data_bytes.status().message());
   return layout;
@@ -306,8 +304,7 @@ absl::StatusOr<HostTensor> DecodeNpy(absl::string_view file_bytes) {
   if (have != want) return DataSizeMismatch(*layout, want, have);
   HostTensor t = HostTensor::Owned(layout->dtype, layout->shape);
   if (layout->from_f64) {
-    absl::Status s = NarrowF64(file_bytes.data() + layout->data_offset, &t);
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(NarrowF64(file_bytes.data() + layout->data_offset, &t));
     return t;
   }
   if (want > 0) std::memcpy(t.mutable_data(), file_bytes.data() + layout->data_offset, want);
@@ -375,8 +372,7 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
 }
 
 absl::Status WriteNpy(const std::string& path, const HostTensor& tensor) {
-  absl::Status valid = tensor.Validate(path);
-  if (!valid.ok()) return valid;
+  LOSSD_RETURN_IF_ERROR(tensor.Validate(path));
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
   if (f == nullptr) return IoError(errno, "cannot create", path);
   const std::string header = EncodeNpyHeader(tensor.dtype(), tensor.shape());

@@ -1,3 +1,4 @@
+#include "core/status_macros.h"
 #include "engine/fetch_lease.h"
 
 #include <tuple>
@@ -20,10 +21,8 @@ FetchLease::FetchLease(Engine* engine, FetchRequest request)
 
 absl::StatusOr<std::unique_ptr<FetchLease>> FetchLease::Check(Engine* engine,
                                                               FetchRequest request) {
-  absl::Status s = engine->CheckAccumulatorInstance(request.accumulator_instance,
-                                                    request.accumulator,
-                                                    "accumulator_instance");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(engine->CheckAccumulatorInstance(
+      request.accumulator_instance, request.accumulator, "accumulator_instance"));
   auto range = engine->CheckFetch(request.accumulator, request.reset, request.begin,
                                   request.end, request.principal);
   if (!range.ok()) return range.status();

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "core/status_macros.h"
 #include "engine/overlap_start.h"
 #include "service/compute_reactor.h"
 #include "service/wire_convert.h"
@@ -110,8 +111,7 @@ absl::Status ComputeReactor::MaybeStartCompute() {
 absl::Status ComputeReactor::OverlapEndOfStream() {
   idle_->Disarm();
   if (ctx_->IsCancelled()) return Cancelled();
-  absl::Status complete = ReceiveComplete();
-  if (!complete.ok()) return complete;
+  LOSSD_RETURN_IF_ERROR(ReceiveComplete());
   absl::Status s = MaybeStartCompute();  // X came before the other inputs: start now
   if (!s.ok()) return s;
   absl::MutexLock lock(&mu_);

@@ -1,3 +1,4 @@
+#include "core/status_macros.h"
 #include "service/fetch_gradients_reactor.h"
 
 #include <algorithm>
@@ -54,8 +55,7 @@ absl::Status FetchGradientsReactor::Start(const grpc::ByteBuffer& raw_request) {
     return absl::InvalidArgumentError(
         "the FetchGradients request is not a valid FetchGradientsRequest");
   }
-  absl::Status s = RefuseUnknownFields(request, "FetchGradientsRequest");
-  if (!s.ok()) return s;
+  LOSSD_RETURN_IF_ERROR(RefuseUnknownFields(request, "FetchGradientsRequest"));
   const ServiceOptions& o = service_->options();
   auto part_bytes = ResponsePartBytes(request.response_part_bytes(),
                                       o.default_response_part_bytes, o.max_part_bytes,

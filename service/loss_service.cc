@@ -1,3 +1,4 @@
+#include "core/status_macros.h"
 #include "service/loss_service.h"
 
 #include <functional>
@@ -68,8 +69,7 @@ static std::string ClientKey(grpc::CallbackServerContext* ctx, bool tokens_check
 absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* method,
                                 std::string* client) {
   if (options_.auth) {
-    absl::Status s = options_.auth->Check(ctx->client_metadata());
-    if (!s.ok()) return s;
+    LOSSD_RETURN_IF_ERROR(options_.auth->Check(ctx->client_metadata()));
   }
   if (engine_->draining()) {
     return absl::UnavailableError(

@@ -1,3 +1,4 @@
+#include "core/status_macros.h"
 #include "wire/unknown_fields.h"
 
 #include <string>
@@ -30,12 +31,11 @@ absl::Status Check(const Message& m, const std::string& path) {
     const std::string sub = absl::StrCat(path, ".", f->name());
     if (f->is_repeated()) {
       for (int i = 0; i < r->FieldSize(m, f); ++i) {
-        absl::Status s = Check(r->GetRepeatedMessage(m, f, i), absl::StrCat(sub, "[", i, "]"));
-        if (!s.ok()) return s;
+        LOSSD_RETURN_IF_ERROR(
+            Check(r->GetRepeatedMessage(m, f, i), absl::StrCat(sub, "[", i, "]")));
       }
     } else {
-      absl::Status s = Check(r->GetMessage(m, f), sub);
-      if (!s.ok()) return s;
+      LOSSD_RETURN_IF_ERROR(Check(r->GetMessage(m, f), sub));
     }
   }
   return absl::OkStatus();

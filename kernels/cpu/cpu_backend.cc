@@ -1,3 +1,4 @@
+#include "core/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
 
 #include <cblas.h>
@@ -358,16 +359,14 @@ uint32_t NonFiniteGradients(CpuTaskPool& pool, const LossProblem& p, const LossO
 
 absl::Status CpuBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
                                        size_t bytes) {
-  absl::Status st = CheckRange("CopyToBackend", dst.size(), offset, bytes);
-  if (!st.ok()) return st;
+  LOSSD_RETURN_IF_ERROR(CheckRange("CopyToBackend", dst.size(), offset, bytes));
   if (bytes > 0) std::memcpy(static_cast<char*>(dst.data()) + offset, src, bytes);
   return absl::OkStatus();
 }
 
 absl::Status CpuBackend::CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
                                          size_t bytes) {
-  absl::Status st = CheckRange("CopyFromBackend", src.size(), offset, bytes);
-  if (!st.ok()) return st;
+  LOSSD_RETURN_IF_ERROR(CheckRange("CopyFromBackend", src.size(), offset, bytes));
   // data() is not const in the interface; reading through it does not modify the buffer.
   const char* from = static_cast<const char*>(const_cast<BackendBuffer&>(src).data());
   if (bytes > 0) std::memcpy(dst, from + offset, bytes);
@@ -422,8 +421,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   } release{memory_.get(), static_cast<int64_t>(plan.bytes)};
 
   CpuWorkspace ws;
-  absl::Status st = AllocateWorkspace(pool, p, out, plan, &ws);
-  if (!st.ok()) return st;
+  LOSSD_RETURN_IF_ERROR(AllocateWorkspace(pool, p, out, plan, &ws));
   double max_cw = 0;  // the weights' largest magnitude, for the gradient's scale
   const RowPassParams rp =
       MakeRowPassParams(p, plan, p.bias != nullptr ? ws.bias_f.data() : nullptr, &max_cw);
@@ -436,8 +434,7 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
   for (int64_t c0 = 0; c0 < bt; c0 += chunk) {
     const int64_t rows_c = std::min(chunk, bt - c0);
     const float* xc = nullptr;
-    st = ChunkForward(pass, c0, rows_c, &xc);
-    if (!st.ok()) return st;
+    LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
     if (plan.want_grad) ChunkBackward(pass, c0, rows_c, xc);
   }
 
