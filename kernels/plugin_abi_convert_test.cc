@@ -67,9 +67,9 @@ TEST(PluginAbiConvertTest, ShapeRoundTrips) {
   EXPECT_EQ(r.accum_memory, Memory::kBackend);
 }
 
-TEST(PluginAbiConvertTest, ProblemOutputsAndStatsRoundTrip) {
-  float f[4] = {1, 2, 3, 4};
-  int64_t i[2] = {5, 6};
+// A problem with every field set to something other than its default; its pointers point into
+// f (4 floats) and i (2 ints), which the caller keeps alive.
+LossProblem EveryFieldSet(float* f, int64_t* i) {
   LossProblem p;
   p.bt = 3;
   p.h = 5;
@@ -91,6 +91,13 @@ TEST(PluginAbiConvertTest, ProblemOutputsAndStatsRoundTrip) {
   p.options.grad_scale = 0.5f;
   p.options.chunk_rows = 2;
   p.options.token_scaling = true;
+  return p;
+}
+
+TEST(PluginAbiConvertTest, ProblemRoundTrips) {
+  float f[4] = {1, 2, 3, 4};
+  int64_t i[2] = {5, 6};
+  const LossProblem p = EveryFieldSet(f, i);
   const LossdRowStream rows{nullptr, nullptr, nullptr};
   const LossdProblem c = ToC(p, &rows);
   EXPECT_EQ(c.rows, &rows);
@@ -116,7 +123,11 @@ TEST(PluginAbiConvertTest, ProblemOutputsAndStatsRoundTrip) {
   EXPECT_EQ(r.options.chunk_rows, 2);
   EXPECT_TRUE(r.options.token_scaling);
   EXPECT_EQ(r.rows, nullptr);
+}
 
+TEST(PluginAbiConvertTest, OutputsRoundTrip) {
+  float f[4] = {1, 2, 3, 4};
+  int64_t i[2] = {5, 6};
   LossOutputs o;
   o.grad_dtype = DType::kF16;
   o.loss = &f[0];
@@ -145,7 +156,9 @@ TEST(PluginAbiConvertTest, ProblemOutputsAndStatsRoundTrip) {
   EXPECT_EQ(ro.dw_accum, o.dw_accum);
   EXPECT_EQ(ro.db_accum, o.db_accum);
   EXPECT_EQ(ro.accum_memory, o.accum_memory);
+}
 
+TEST(PluginAbiConvertTest, StatsRoundTrip) {
   LossStats s;
   s.compute_seconds = 0.125;
   s.peak_extra_bytes = 1ull << 40;

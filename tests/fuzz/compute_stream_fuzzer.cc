@@ -274,6 +274,94 @@ struct Overlapped {
   }
 };
 
+// Admission, as the reactor does it. Nothing else holds memory, so a request that fits the
+// budget is granted at once. False when the budget refuses it (cleanly, leaving nothing).
+bool Admit(Engine& engine, const ComputePlan& plan) {
+  bool granted = false;
+  uint64_t ticket = 0;
+  absl::Status admitted = engine.budget().Reserve(
+      plan.admission_bytes(), "fuzz", [&granted](absl::Status s) { granted = s.ok(); },
+      &ticket);
+  if (!admitted.ok()) {
+    CheckCleanError(admitted, "MemoryBudget::Reserve");
+    CheckIdle("a refused admission");
+    return false;
+  }
+  Check(granted, "an idle budget did not grant a request that fits");
+  return true;
+}
+
+// The records after the header, each a part into the assembler (and, with `overlap`, X's rows
+// to the started compute). False when a record fails the stream.
+bool FeedParts(const std::vector<absl::string_view>& records, bool overlap,
+               const std::shared_ptr<const ComputePlan>& plan, ComputeAssembler& assembler,
+               client::StreamFrame* frame, Overlapped* ov) {
+  for (size_t i = 1; i < records.size(); ++i) {
+    absl::Status s = ParseFrame(records[i], frame);  // an error fails the call
+    if (s.ok() && frame->kind() != client::StreamFrame::Kind::kPart) {
+      // A second header or an empty message: the reactor refuses it.
+      s = absl::InvalidArgumentError("not a part");
+    }
+    if (s.ok()) {
+      s = assembler.Accept(frame->tensor(), frame->offset(), frame->data_pieces(),
+                           frame->data_size());
+      if (!s.ok()) CheckCleanError(s, "ComputeAssembler::Accept");
+    }
+    if (!s.ok()) {
+      if (ov->rows != nullptr) ov->rows->Fail(s);
+      return false;
+    }
+    if (overlap) {
+      if (ov->rows == nullptr && assembler.AllButXComplete()) ov->Start(plan, assembler);
+      if (ov->rows != nullptr) ov->rows->Arrived(assembler.XRowsReady());
+    }
+  }
+  return true;
+}
+
+// After a successful compute into an accumulator: an overflowed sum is refused, naming the
+// micro-batch; otherwise it counts the one micro-batch and serves any byte range (chosen by
+// `seed`).
+void CheckAccumulated(Engine& engine, const ComputePlan& plan, const ComputeOutcome& out,
+                      uint64_t seed) {
+  const bool sum_nonfinite = (out.stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0;
+  if (sum_nonfinite) {
+    // Finite inputs can still overflow (a grad_scale near fp32's largest): the summary
+    // says so and the accumulator refuses to be read until a reset or a drop.
+    auto g = engine.FetchGradients(plan.accumulator, /*reset=*/false);
+    Check(g.status().code() == absl::StatusCode::kFailedPrecondition &&
+              absl::StrContains(g.status().message(), "holds a non-finite sum: micro-batch 1"),
+          "an overflowed accumulator was not refused, naming the micro-batch");
+    return;
+  }
+  auto g = engine.FetchGradients(plan.accumulator, /*reset=*/false);
+  Check(g.ok(), "FetchGradients after a successful accumulation failed");
+  Check(g->micro_batches == 1, "a fresh accumulator does not count one micro-batch");
+  Check(g->tokens == out.tokens, "the accumulator's tokens differ from the compute's");
+  Check(g->v == plan.v && g->h == plan.h, "the accumulator's shape is not the plan's");
+  CheckRangeFetch(plan.accumulator, *g, seed);
+}
+
+// The stream ended without a refused message and without overlap: every input complete,
+// then one Engine::Run (the assembler released before it, as the reactor does).
+void RunWholeAndCheck(Engine& engine, const std::shared_ptr<const ComputePlan>& plan,
+                      std::unique_ptr<ComputeAssembler>* assembler, uint64_t seed) {
+  absl::Status complete = (*assembler)->CheckComplete();
+  if (!complete.ok()) {
+    CheckCleanError(complete, "ComputeAssembler::CheckComplete");
+    return;
+  }
+  auto inputs = (*assembler)->buffers();
+  const bool checked = (*assembler)->finite_checked();
+  const bool finite = InputsFinite(*plan, *inputs);
+  assembler->reset();
+  ComputeOutcome out = RunAndWait(plan, std::move(inputs), checked);
+  CheckOutcome(*plan, out);
+  Check(finite || !out.status.ok(),
+        "a compute with a NaN/Inf input succeeded (--check_finite is on)");
+  if (!plan->accumulator.empty() && out.status.ok()) CheckAccumulated(engine, *plan, out, seed);
+}
+
 }  // namespace
 
 void ComputeStreamOneInput(const uint8_t* data, size_t size) {
@@ -291,81 +379,18 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
   if (!planned.ok()) return;
   CheckPlan(*planned);
   auto plan = std::make_shared<const ComputePlan>(std::move(*planned));
-
-  // Admission, as the reactor does it. Nothing else holds memory, so a request that fits the
-  // budget is granted at once.
-  bool granted = false;
-  uint64_t ticket = 0;
-  absl::Status admitted = engine.budget().Reserve(
-      plan->admission_bytes(), "fuzz", [&granted](absl::Status s) { granted = s.ok(); },
-      &ticket);
-  if (!admitted.ok()) {
-    CheckCleanError(admitted, "MemoryBudget::Reserve");
-    CheckIdle("a refused admission");
-    return;
-  }
-  Check(granted, "an idle budget did not grant a request that fits");
+  if (!Admit(engine, *plan)) return;
 
   auto assembler = std::make_unique<ComputeAssembler>(plan, kMaxPartBytes, kMaxParts,
                                                       /*check_finite=*/true);
   Overlapped ov;
-  bool stream_ok = true;
-  for (size_t i = 1; i < records.size(); ++i) {
-    absl::Status s = ParseFrame(records[i], &frame);  // an error fails the call
-    if (s.ok() && frame.kind() != client::StreamFrame::Kind::kPart) {
-      // A second header or an empty message: the reactor refuses it.
-      s = absl::InvalidArgumentError("not a part");
-    }
-    if (s.ok()) {
-      s = assembler->Accept(frame.tensor(), frame.offset(), frame.data_pieces(),
-                            frame.data_size());
-      if (!s.ok()) CheckCleanError(s, "ComputeAssembler::Accept");
-    }
-    if (!s.ok()) {
-      stream_ok = false;
-      if (ov.rows != nullptr) ov.rows->Fail(s);
-      break;
-    }
-    if (header.overlap()) {
-      if (ov.rows == nullptr && assembler->AllButXComplete()) ov.Start(plan, *assembler);
-      if (ov.rows != nullptr) ov.rows->Arrived(assembler->XRowsReady());
-    }
-  }
+  const bool stream_ok = FeedParts(records, header.overlap(), plan, *assembler, &frame, &ov);
   if (header.overlap()) {
     ov.Finish(plan, *assembler, stream_ok);
     assembler.reset();
   } else if (stream_ok) {
-    absl::Status complete = assembler->CheckComplete();
-    if (!complete.ok()) {
-      CheckCleanError(complete, "ComputeAssembler::CheckComplete");
-    } else {
-      auto inputs = assembler->buffers();
-      const bool checked = assembler->finite_checked();
-      const bool finite = InputsFinite(*plan, *inputs);
-      assembler.reset();
-      ComputeOutcome out = RunAndWait(plan, std::move(inputs), checked);
-      CheckOutcome(*plan, out);
-      Check(finite || !out.status.ok(),
-            "a compute with a NaN/Inf input succeeded (--check_finite is on)");
-      const bool sum_nonfinite =
-          (out.stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0;
-      if (!plan->accumulator.empty() && out.status.ok() && sum_nonfinite) {
-        // Finite inputs can still overflow (a grad_scale near fp32's largest): the summary
-        // says so and the accumulator refuses to be read until a reset or a drop.
-        auto g = engine.FetchGradients(plan->accumulator, /*reset=*/false);
-        Check(g.status().code() == absl::StatusCode::kFailedPrecondition &&
-                  absl::StrContains(g.status().message(), "holds a non-finite sum: micro-batch 1"),
-              "an overflowed accumulator was not refused, naming the micro-batch");
-      } else if (!plan->accumulator.empty() && out.status.ok()) {
-        auto g = engine.FetchGradients(plan->accumulator, /*reset=*/false);
-        Check(g.ok(), "FetchGradients after a successful accumulation failed");
-        Check(g->micro_batches == 1, "a fresh accumulator does not count one micro-batch");
-        Check(g->tokens == out.tokens, "the accumulator's tokens differ from the compute's");
-        Check(g->v == plan->v && g->h == plan->h, "the accumulator's shape is not the plan's");
-        CheckRangeFetch(plan->accumulator, *g,
-                        Fnv1a(absl::string_view(reinterpret_cast<const char*>(data), size)));
-      }
-    }
+    RunWholeAndCheck(engine, plan, &assembler,
+                     Fnv1a(absl::string_view(reinterpret_cast<const char*>(data), size)));
   }
   assembler.reset();
   engine.budget().Release(plan->admission_bytes());
