@@ -41,7 +41,9 @@ TEST_P(NonFiniteScanTest, FindsEveryKindAtEveryPosition) {
       StoreFromFloat(copy.data(), t, at, b);
       EXPECT_TRUE(AnyNonFinite(copy.data(), t, 0, kN)) << b << " at " << at;
       // Outside the range scanned: not seen.
-      if (at > 0) EXPECT_FALSE(AnyNonFinite(copy.data(), t, 0, at)) << b << " at " << at;
+      if (at > 0) {
+        EXPECT_FALSE(AnyNonFinite(copy.data(), t, 0, at)) << b << " at " << at;
+      }
       if (at < kN - 1) {
         EXPECT_FALSE(AnyNonFinite(copy.data(), t, at + 1, kN - at - 1)) << b << " at " << at;
       }
