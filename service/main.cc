@@ -161,7 +161,22 @@ std::string NonDefaultFlags() {
   return absl::StrJoin(set, " ");
 }
 
-int Main() {
+// (This Abseil keeps "was it on the command line" private: a value equal to the default
+// counts as the default, which changes nothing for it.)
+bool AtDefault(absl::string_view name) {
+  const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
+  return f != nullptr && f->CurrentValue() == f->DefaultValue();
+}
+
+// Logs `line` as the error that stops lossd before it serves; Main returns this exit code.
+int StartFailed(absl::string_view line) {
+  Log(LogLevel::kError, line);
+  return 1;
+}
+
+// Process-wide settings made before any thread starts: malloc's thresholds, and SIGTERM and
+// SIGINT blocked so that Main's wait takes them. Returns the blocked set.
+sigset_t TuneProcess() {
   // gRPC allocates and frees multi-MiB buffers per message; keep glibc from handing them back
   // to the kernel each time (every message would page-fault again).
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
@@ -173,123 +188,293 @@ int Main() {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
 
-  // (This Abseil keeps "was it on the command line" private: a value equal to the default
-  // counts as the default, which changes nothing for it.)
-  auto at_default = [](absl::string_view name) {
-    const absl::CommandLineFlag* f = absl::FindCommandLineFlag(name);
-    return f != nullptr && f->CurrentValue() == f->DefaultValue();
-  };
-  {
-    auto format = ParseLogFormat(absl::GetFlag(FLAGS_log_format));
-    LogOptions lo;
-    lo.format = format.ok() ? *format : LogFormat::kText;
-    lo.access_log = absl::GetFlag(FLAGS_access_log);
-    InitLogging(lo);
-    if (!format.ok()) {
-      Log(LogLevel::kError, format.status().ToString());
-      return 1;
-    }
+// Starts logging in --log_format (text where that is bad, so the refusal itself is logged).
+bool InitLoggingFromFlags() {
+  auto format = ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+  LogOptions lo;
+  lo.format = format.ok() ? *format : LogFormat::kText;
+  lo.access_log = absl::GetFlag(FLAGS_access_log);
+  InitLogging(lo);
+  if (!format.ok()) {
+    Log(LogLevel::kError, format.status().ToString());
+    return false;
   }
-  // Flags checked before anything starts: a bad one is named, not found out later.
+  return true;
+}
+
+// What the transport flags give once checked: the response part size, the credentials and
+// the token check.
+struct TransportSettings {
+  uint32_t response_part_bytes = 0;
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  std::shared_ptr<const TokenAuthenticator> auth;  // null: no token needed
+};
+
+// Flags checked before anything starts: a bad one is named, not found out later. Logs the
+// refusal and returns false on the first bad flag.
+bool CheckTransportFlags(TransportSettings* t) {
   const int port = absl::GetFlag(FLAGS_port);
   if (port < 0 || port > 65535) {
     // getaddrinfo would keep the low 16 bits and bind another port.
-    Log(LogLevel::kError,
-        absl::StrCat("INVALID_ARGUMENT: --port must be in [0, 65535], got ", port));
-    return 1;
+    StartFailed(absl::StrCat("INVALID_ARGUMENT: --port must be in [0, 65535], got ", port));
+    return false;
   }
   auto response_part_bytes =
       CheckPartFlags(absl::GetFlag(FLAGS_max_part_bytes), absl::GetFlag(FLAGS_response_part_bytes),
-                     !at_default("response_part_bytes"));
+                     !AtDefault("response_part_bytes"));
   if (!response_part_bytes.ok()) {
-    Log(LogLevel::kError, response_part_bytes.status().ToString());
-    return 1;
+    StartFailed(response_part_bytes.status().ToString());
+    return false;
   }
+  t->response_part_bytes = *response_part_bytes;
 
   auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_tls_cert),
                                            absl::GetFlag(FLAGS_tls_key),
                                            absl::GetFlag(FLAGS_tls_client_ca));
   if (!credentials.ok()) {
-    Log(LogLevel::kError, credentials.status().ToString());
-    return 1;
+    StartFailed(credentials.status().ToString());
+    return false;
   }
-  std::shared_ptr<const TokenAuthenticator> auth;
+  t->credentials = *credentials;
   if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
     auto a = TokenAuthenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file));
     if (!a.ok()) {
-      Log(LogLevel::kError, a.status().ToString());
-      return 1;
+      StartFailed(a.status().ToString());
+      return false;
     }
-    auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
+    t->auth = std::make_shared<const TokenAuthenticator>(std::move(*a));
   }
+  return true;
+}
 
-  // Host-memory defaults follow the container's limit where it is below the machine's.
+// The budgets lossd runs with, after the defaults have been fitted to the machine.
+struct Budgets {
+  uint64_t memory_budget_bytes = 0;
+  uint64_t host_buffer_pool_bytes = 0;
+  uint64_t weight_cache_bytes = 0;
+  uint64_t accumulator_bytes = 0;
+};
+
+// Host-memory defaults follow the container's limit where it is below the machine's; logs
+// the budgets and sizes the host buffer pool.
+void FitHostBudgets(Budgets* b) {
   const HostMemoryLimit host = ReadHostMemoryLimit();
-  uint64_t memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
-  uint64_t host_buffer_pool_bytes = absl::GetFlag(FLAGS_host_buffer_pool_bytes);
-  FitDefaultHostBudgets(host.limit_bytes(), !at_default("memory_budget_bytes"),
-                        !at_default("host_buffer_pool_bytes"), &memory_budget_bytes,
-                        &host_buffer_pool_bytes);
+  b->memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_bytes);
+  b->host_buffer_pool_bytes = absl::GetFlag(FLAGS_host_buffer_pool_bytes);
+  FitDefaultHostBudgets(host.limit_bytes(), !AtDefault("memory_budget_bytes"),
+                        !AtDefault("host_buffer_pool_bytes"), &b->memory_budget_bytes,
+                        &b->host_buffer_pool_bytes);
   Log(LogLevel::kInfo,
       absl::StrCat("host memory ", host.Describe(), "; --memory_budget_bytes=",
-                   memory_budget_bytes,
-                   at_default("memory_budget_bytes") ? " (default, at most 1/4 of it)" : "",
-                   ", --host_buffer_pool_bytes=", host_buffer_pool_bytes,
-                   at_default("host_buffer_pool_bytes") ? " (default, at most 1/8 of it)" : ""));
-  SetHostBufferPoolBytes(host_buffer_pool_bytes);
+                   b->memory_budget_bytes,
+                   AtDefault("memory_budget_bytes") ? " (default, at most 1/4 of it)" : "",
+                   ", --host_buffer_pool_bytes=", b->host_buffer_pool_bytes,
+                   AtDefault("host_buffer_pool_bytes") ? " (default, at most 1/8 of it)" : ""));
+  SetHostBufferPoolBytes(b->host_buffer_pool_bytes);
+}
 
-  auto backend = MakeBackend();
-  if (!backend.ok()) {
-    Log(LogLevel::kError, backend.status().ToString());
-    return 1;
-  }
-  const BackendInfo info = (*backend)->Info();
-  // Weights and accumulators live in backend memory between requests: budgets the backend
-  // cannot hold would surface later as out-of-memory failures of requests already accepted.
-  // The defaults (4 + 8 GiB) suit a GPU host; on a smaller machine they shrink to fit rather
-  // than keep lossd from starting. Values given on the command line are checked as they are.
-  uint64_t weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
-  uint64_t accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
-  const bool stores_given = !at_default("weight_cache_bytes") || !at_default("accumulator_bytes");
+// Weights and accumulators live in backend memory between requests: budgets the backend
+// cannot hold would surface later as out-of-memory failures of requests already accepted.
+// The defaults (4 + 8 GiB) suit a GPU host; on a smaller machine they shrink to fit rather
+// than keep lossd from starting. Values given on the command line are checked as they are.
+// Logs the refusal and returns false where they do not fit.
+bool FitStoreBudgets(const BackendInfo& info, Budgets* b) {
+  b->weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
+  b->accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
+  const bool stores_given = !AtDefault("weight_cache_bytes") || !AtDefault("accumulator_bytes");
   if (!stores_given &&
-      FitDefaultStoreBudgets(&weight_cache_bytes, &accumulator_bytes, info)) {
+      FitDefaultStoreBudgets(&b->weight_cache_bytes, &b->accumulator_bytes, info)) {
     Log(LogLevel::kWarning,
         absl::StrCat("the default --weight_cache_bytes and --accumulator_bytes do not fit the ",
-                     info.name, " backend's memory; using ", weight_cache_bytes, " and ",
-                     accumulator_bytes, " bytes (half of it)"));
+                     info.name, " backend's memory; using ", b->weight_cache_bytes, " and ",
+                     b->accumulator_bytes, " bytes (half of it)"));
   }
-  if (absl::Status s = CheckStoreBudgets(weight_cache_bytes, accumulator_bytes, info);
+  if (absl::Status s = CheckStoreBudgets(b->weight_cache_bytes, b->accumulator_bytes, info);
       !s.ok()) {
-    Log(LogLevel::kError, s.ToString());
-    return 1;
+    StartFailed(s.ToString());
+    return false;
   }
+  return true;
+}
 
-  EngineOptions eo;
-  eo.instance = NewInstanceId();
-  eo.memory_budget_bytes = memory_budget_bytes;
-  eo.max_queue = absl::GetFlag(FLAGS_max_queue);
-  eo.executor_threads = absl::GetFlag(FLAGS_executor_threads);
-  eo.weight_cache_bytes = weight_cache_bytes;
-  eo.max_weight_handles = absl::GetFlag(FLAGS_max_weight_handles);
-  eo.accumulator_bytes = accumulator_bytes;
-  eo.max_accumulators = absl::GetFlag(FLAGS_max_accumulators);
-  eo.max_bt = absl::GetFlag(FLAGS_max_bt);
-  eo.max_h = absl::GetFlag(FLAGS_max_h);
-  eo.max_v = absl::GetFlag(FLAGS_max_v);
-  eo.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
-  eo.check_finite = absl::GetFlag(FLAGS_check_finite);
-  eo.overlap_stall = absl::GetFlag(FLAGS_overlap_stall);
-  if (eo.overlap_stall <= absl::ZeroDuration()) {
-    Log(LogLevel::kError, absl::StrCat("--overlap_stall must be positive; got ",
-                                       absl::FormatDuration(eo.overlap_stall)));
-    return 1;
+// The engine's options from the flags and the fitted budgets; logs the refusal and returns
+// false where --overlap_stall is not positive.
+bool EngineOptionsFromFlags(const Budgets& b, EngineOptions* eo) {
+  eo->instance = NewInstanceId();
+  eo->memory_budget_bytes = b.memory_budget_bytes;
+  eo->max_queue = absl::GetFlag(FLAGS_max_queue);
+  eo->executor_threads = absl::GetFlag(FLAGS_executor_threads);
+  eo->weight_cache_bytes = b.weight_cache_bytes;
+  eo->max_weight_handles = absl::GetFlag(FLAGS_max_weight_handles);
+  eo->accumulator_bytes = b.accumulator_bytes;
+  eo->max_accumulators = absl::GetFlag(FLAGS_max_accumulators);
+  eo->max_bt = absl::GetFlag(FLAGS_max_bt);
+  eo->max_h = absl::GetFlag(FLAGS_max_h);
+  eo->max_v = absl::GetFlag(FLAGS_max_v);
+  eo->max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  eo->check_finite = absl::GetFlag(FLAGS_check_finite);
+  eo->overlap_stall = absl::GetFlag(FLAGS_overlap_stall);
+  if (eo->overlap_stall <= absl::ZeroDuration()) {
+    StartFailed(absl::StrCat("--overlap_stall must be positive; got ",
+                             absl::FormatDuration(eo->overlap_stall)));
+    return false;
   }
+  return true;
+}
+
+// The gauges /metrics reads on each scrape, from the engine's current state.
+StateSample SampleState(Engine& engine) {
+  StateSample s;
+  const BackendInfo b = engine.backend_info();
+  s.memory_in_use_bytes = static_cast<double>(engine.budget().in_use());
+  s.memory_budget_bytes = static_cast<double>(engine.budget().budget());
+  if (b.name == "cuda") {
+    s.gpu_memory_used_bytes = static_cast<double>(b.memory_used_bytes);
+    s.gpu_memory_total_bytes = static_cast<double>(b.memory_total_bytes);
+    s.gpu_memory_peak_bytes = static_cast<double>(b.memory_peak_bytes);
+    s.gpu_memory_held_bytes = static_cast<double>(b.memory_held_bytes);
+    s.gpu_memory_budget_bytes = static_cast<double>(b.memory_budget_bytes);
+  }
+  s.weight_cache_bytes = static_cast<double>(engine.weights().bytes());
+  s.weight_cache_budget_bytes = static_cast<double>(engine.weights().budget());
+  s.weight_cache_entries = static_cast<double>(engine.weights().count());
+  s.weight_cache_hits = static_cast<double>(engine.weights().hits());
+  s.weight_cache_misses = static_cast<double>(engine.weights().misses());
+  s.weight_cache_evictions = static_cast<double>(engine.weights().evictions());
+  s.accumulators = static_cast<double>(engine.accumulators().count());
+  s.accumulator_bytes = static_cast<double>(engine.accumulators().bytes());
+  s.queued_requests = static_cast<double>(engine.budget().waiting());
+  s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());
+  s.healthy = b.healthy ? 1 : 0;
+  return s;
+}
+
+// /readyz: the gRPC server is up and not draining (Main sets this), and the backend healthy.
+std::atomic<bool> accepting{false};
+
+// Starts /metrics, /healthz and /readyz where --metrics_port is not 0 (else leaves *exposer
+// null); logs the refusal and returns false where it cannot listen.
+bool StartHttpEndpoints(Engine& engine, ServerMetrics& metrics,
+                        std::unique_ptr<prometheus::Exposer>* exposer) {
+  // /healthz: the backend healthy (a sticky device error needs a restart).
+  HttpProbes probes;
+  probes.live = [&engine] { return engine.backend_info().healthy; };
+  probes.ready = [&engine] { return accepting.load() && engine.backend_info().healthy; };
+  if (absl::GetFlag(FLAGS_metrics_port) != 0) {
+    auto e = StartMetricsExposer(absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":",
+                                              absl::GetFlag(FLAGS_metrics_port)),
+                                 metrics, probes);
+    if (!e.ok()) {
+      StartFailed(e.status().ToString());
+      return false;
+    }
+    *exposer = std::move(*e);
+  }
+  return true;
+}
+
+// The gRPC server's options from the flags; logs the refusal and returns false on a bad
+// --stream_idle_timeout or --health_port.
+bool ServerOptionsFromFlags(const TransportSettings& t, const std::string& instance,
+                            LossServerOptions* so) {
+  so->address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", absl::GetFlag(FLAGS_port));
+  so->service.version = kLossdVersion;
+  so->service.instance = instance;
+  so->service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
+  so->service.default_response_part_bytes = t.response_part_bytes;
+  so->service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
+  so->service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
+  so->service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
+  so->service.overlap_start_when_busy = absl::GetFlag(FLAGS_overlap_start_when_busy);
+  so->service.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  if (so->service.stream_idle_timeout < absl::ZeroDuration()) {
+    StartFailed(absl::StrCat("--stream_idle_timeout must be >= 0 (0 = off); got ",
+                             absl::FormatDuration(so->service.stream_idle_timeout)));
+    return false;
+  }
+  so->service.auth = t.auth;
+  if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
+    if (health_port < 0 || health_port > 65535 || health_port == absl::GetFlag(FLAGS_port)) {
+      StartFailed(absl::StrCat("INVALID_ARGUMENT: --health_port must be in [1, 65535] "
+                               "and not --port, got ",
+                               health_port));
+      return false;
+    }
+    so->health_address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", health_port);
+  }
+  so->reflection = absl::GetFlag(FLAGS_reflection);
+  so->credentials = t.credentials;
+  return true;
+}
+
+// The start-up line on stdout (scripts and tests read it) and the "started" log line.
+void AnnounceStarted(const LossServer& server, const prometheus::Exposer* exposer,
+                     const BackendInfo& info, const std::string& instance, const Budgets& b) {
+  const int metrics_port =
+      exposer && !exposer->GetListeningPorts().empty() ? exposer->GetListeningPorts()[0] : 0;
+  // Scripts and tests read this line from stdout: its words stay as they are.
+  const std::string started = absl::StrCat(
+      "lossd ", kLossdVersion, " listening on port ", server.port(), " (backend ", info.name,
+      ", device ", info.device, ", instance ", instance, ")",
+      exposer ? absl::StrCat(", metrics on port ", metrics_port) : "",
+      server.health_port() != 0
+          ? absl::StrCat(", health on port ", server.health_port(), " (plaintext)")
+          : "");
+  std::printf("%s\n", started.c_str());
+  std::fflush(stdout);
+  Log(LogLevel::kInfo, "started",
+      {{"version", kLossdVersion},
+       {"commit", GetBuildInfo().commit},
+       {"backend", info.name},
+       {"device", info.device},
+       {"instance", instance},
+       {"port", absl::StrCat(server.port())},
+       {"metrics_port", absl::StrCat(metrics_port)},
+       {"health_port", absl::StrCat(server.health_port())},
+       {"memory_budget_bytes", absl::StrCat(b.memory_budget_bytes)},
+       {"host_buffer_pool_bytes", absl::StrCat(b.host_buffer_pool_bytes)},
+       {"weight_cache_bytes", absl::StrCat(b.weight_cache_bytes)},
+       {"accumulator_bytes", absl::StrCat(b.accumulator_bytes)},
+       {"flags", NonDefaultFlags()}});
+}
+
+// Serves until SIGTERM or SIGINT, then drains for --drain_seconds and logs it.
+void ServeUntilSignalled(const sigset_t& signals, LossServer& server) {
+  int sig = 0;
+  accepting = true;
+  sigwait(&signals, &sig);
+  accepting = false;
+  Log(LogLevel::kInfo, "draining",
+      {{"signal", absl::StrCat(sig)},
+       {"drain_seconds", absl::StrCat(absl::GetFlag(FLAGS_drain_seconds))}});
+  const absl::Time drain_started = absl::Now();
+  server.Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  LogSuppressedCalls();
+  Log(LogLevel::kInfo, "stopped",
+      {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
+}
+
+int Main() {
+  const sigset_t signals = TuneProcess();
+  if (!InitLoggingFromFlags()) return 1;
+  TransportSettings transport;
+  if (!CheckTransportFlags(&transport)) return 1;
+  Budgets budgets;
+  FitHostBudgets(&budgets);
+
+  auto backend = MakeBackend();
+  if (!backend.ok()) return StartFailed(backend.status().ToString());
+  const BackendInfo info = (*backend)->Info();
+  if (!FitStoreBudgets(info, &budgets)) return 1;
+  EngineOptions eo;
+  if (!EngineOptionsFromFlags(budgets, &eo)) return 1;
   const absl::Duration state_ttl = absl::GetFlag(FLAGS_state_idle_ttl);
   if (state_ttl < absl::ZeroDuration()) {
-    Log(LogLevel::kError, absl::StrCat("--state_idle_ttl must be >= 0 (0 = off); got ",
-                                       absl::FormatDuration(state_ttl)));
-    return 1;
+    return StartFailed(absl::StrCat("--state_idle_ttl must be >= 0 (0 = off); got ",
+                                    absl::FormatDuration(state_ttl)));
   }
   Engine engine(std::move(*backend), eo);
   // Declared after the engine, so it stops before the engine goes.
@@ -299,130 +484,24 @@ int Main() {
         &engine, state_ttl, [](const std::string& l) { Log(LogLevel::kInfo, l); });
   }
 
-  ServerMetrics metrics([&engine] {
-    StateSample s;
-    const BackendInfo b = engine.backend_info();
-    s.memory_in_use_bytes = static_cast<double>(engine.budget().in_use());
-    s.memory_budget_bytes = static_cast<double>(engine.budget().budget());
-    if (b.name == "cuda") {
-      s.gpu_memory_used_bytes = static_cast<double>(b.memory_used_bytes);
-      s.gpu_memory_total_bytes = static_cast<double>(b.memory_total_bytes);
-      s.gpu_memory_peak_bytes = static_cast<double>(b.memory_peak_bytes);
-      s.gpu_memory_held_bytes = static_cast<double>(b.memory_held_bytes);
-      s.gpu_memory_budget_bytes = static_cast<double>(b.memory_budget_bytes);
-    }
-    s.weight_cache_bytes = static_cast<double>(engine.weights().bytes());
-    s.weight_cache_budget_bytes = static_cast<double>(engine.weights().budget());
-    s.weight_cache_entries = static_cast<double>(engine.weights().count());
-    s.weight_cache_hits = static_cast<double>(engine.weights().hits());
-    s.weight_cache_misses = static_cast<double>(engine.weights().misses());
-    s.weight_cache_evictions = static_cast<double>(engine.weights().evictions());
-    s.accumulators = static_cast<double>(engine.accumulators().count());
-    s.accumulator_bytes = static_cast<double>(engine.accumulators().bytes());
-    s.queued_requests = static_cast<double>(engine.budget().waiting());
-    s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());
-    s.healthy = b.healthy ? 1 : 0;
-    return s;
-  });
-
+  ServerMetrics metrics([&engine] { return SampleState(engine); });
   {
     const BuildInfo build = GetBuildInfo();
     absl::StatusOr<CudaPluginProbe> plugin = ProbeCudaPlugin(absl::GetFlag(FLAGS_cuda_plugin));
     metrics.SetBuildInfo(build.version, build.commit, info.name,
                          plugin.ok() ? absl::StrCat("abi", plugin->abi_version) : "none");
   }
-  // /readyz: the gRPC server is up and not draining, and the backend healthy; /healthz:
-  // the backend healthy (a sticky device error needs a restart).
-  static std::atomic<bool> accepting{false};
-  HttpProbes probes;
-  probes.live = [&engine] { return engine.backend_info().healthy; };
-  probes.ready = [&engine] { return accepting.load() && engine.backend_info().healthy; };
   std::unique_ptr<prometheus::Exposer> exposer;
-  if (absl::GetFlag(FLAGS_metrics_port) != 0) {
-    auto e = StartMetricsExposer(absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":",
-                                              absl::GetFlag(FLAGS_metrics_port)),
-                                 metrics, probes);
-    if (!e.ok()) {
-      Log(LogLevel::kError, e.status().ToString());
-      return 1;
-    }
-    exposer = std::move(*e);
-  }
+  if (!StartHttpEndpoints(engine, metrics, &exposer)) return 1;
 
   LossServerOptions so;
-  so.address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", absl::GetFlag(FLAGS_port));
-  so.service.version = kLossdVersion;
-  so.service.instance = eo.instance;
-  so.service.max_part_bytes = absl::GetFlag(FLAGS_max_part_bytes);
-  so.service.default_response_part_bytes = *response_part_bytes;
-  so.service.max_in_flight = absl::GetFlag(FLAGS_max_in_flight);
-  so.service.max_in_flight_per_client = absl::GetFlag(FLAGS_max_in_flight_per_client);
-  so.service.max_parts_per_request = absl::GetFlag(FLAGS_max_parts_per_request);
-  so.service.overlap_start_when_busy = absl::GetFlag(FLAGS_overlap_start_when_busy);
-  so.service.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
-  if (so.service.stream_idle_timeout < absl::ZeroDuration()) {
-    Log(LogLevel::kError,
-        absl::StrCat("--stream_idle_timeout must be >= 0 (0 = off); got ",
-                     absl::FormatDuration(so.service.stream_idle_timeout)));
-    return 1;
-  }
-  so.service.auth = auth;
-  if (const int health_port = absl::GetFlag(FLAGS_health_port); health_port != 0) {
-    if (health_port < 0 || health_port > 65535 || health_port == absl::GetFlag(FLAGS_port)) {
-      Log(LogLevel::kError, absl::StrCat("INVALID_ARGUMENT: --health_port must be in [1, 65535] "
-                                         "and not --port, got ",
-                                         health_port));
-      return 1;
-    }
-    so.health_address = absl::StrCat(absl::GetFlag(FLAGS_address), ":", health_port);
-  }
-  so.reflection = absl::GetFlag(FLAGS_reflection);
-  so.credentials = *credentials;
+  if (!ServerOptionsFromFlags(transport, eo.instance, &so)) return 1;
   // Health follows the backend (so.health_poll, every second): a sticky device error turns it
   // NOT_SERVING.
   auto server = LossServer::Start(&engine, &metrics, so);
-  if (!server.ok()) {
-    Log(LogLevel::kError, server.status().ToString());
-    return 1;
-  }
-  const int metrics_port =
-      exposer && !exposer->GetListeningPorts().empty() ? exposer->GetListeningPorts()[0] : 0;
-  // Scripts and tests read this line from stdout: its words stay as they are.
-  const std::string started = absl::StrCat(
-      "lossd ", kLossdVersion, " listening on port ", (*server)->port(), " (backend ", info.name,
-      ", device ", info.device, ", instance ", eo.instance, ")",
-      exposer ? absl::StrCat(", metrics on port ", metrics_port) : "",
-      (*server)->health_port() != 0
-          ? absl::StrCat(", health on port ", (*server)->health_port(), " (plaintext)")
-          : "");
-  std::printf("%s\n", started.c_str());
-  std::fflush(stdout);
-  Log(LogLevel::kInfo, "started",
-      {{"version", kLossdVersion},
-       {"commit", GetBuildInfo().commit},
-       {"backend", info.name},
-       {"device", info.device},
-       {"instance", eo.instance},
-       {"port", absl::StrCat((*server)->port())},
-       {"metrics_port", absl::StrCat(metrics_port)},
-       {"health_port", absl::StrCat((*server)->health_port())},
-       {"memory_budget_bytes", absl::StrCat(memory_budget_bytes)},
-       {"host_buffer_pool_bytes", absl::StrCat(host_buffer_pool_bytes)},
-       {"weight_cache_bytes", absl::StrCat(weight_cache_bytes)},
-       {"accumulator_bytes", absl::StrCat(accumulator_bytes)},
-       {"flags", NonDefaultFlags()}});
-
-  int sig = 0;
-  accepting = true;
-  sigwait(&signals, &sig);
-  accepting = false;
-  Log(LogLevel::kInfo, "draining",
-      {{"signal", absl::StrCat(sig)}, {"drain_seconds", absl::StrCat(absl::GetFlag(FLAGS_drain_seconds))}});
-  const absl::Time drain_started = absl::Now();
-  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
-  LogSuppressedCalls();
-  Log(LogLevel::kInfo, "stopped",
-      {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
+  if (!server.ok()) return StartFailed(server.status().ToString());
+  AnnounceStarted(**server, exposer.get(), info, eo.instance, budgets);
+  ServeUntilSignalled(signals, **server);
   return 0;
 }
 
