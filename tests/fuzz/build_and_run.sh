@@ -51,7 +51,7 @@ engine/executor.cc engine/streamed_rows.cc engine/instance_id.cc
 engine/message_bounds.cc engine/owner.cc engine/response_parts.cc
 kernels/host_memory.cc kernels/cpu/cpu_backend.cc kernels/cpu/cpu_chunk.cc kernels/cpu/cpu_convert.cc
 kernels/cpu/cpu_task_pool.cc kernels/cpu/row_pass.cc kernels/cpu/nonfinite_scan.cc kernels/cpu/reference.cc
-testing/test_util.cc tests/fuzz/fuzz_env.cc tests/fuzz/compute_stream_fuzzer.cc
+testing/test_util.cc testing/match_reference.cc testing/trickle_rows.cc tests/fuzz/fuzz_env.cc tests/fuzz/compute_stream_fuzzer.cc
 tests/fuzz/options_fuzzer.cc tests/fuzz/put_weights_fuzzer.cc"
 
 compile() {  # src obj extra-flags...
