@@ -58,12 +58,7 @@ def check_k8s(overlay, path):
     if not by_kind.get("Deployment"):
         return
     dep = by_kind["Deployment"][0]
-    ns = dep["metadata"].get("namespace")
-    check(ns, "Deployment has a namespace")
-    for o in objs:
-        if o["kind"] != "Namespace":
-            check(o["metadata"].get("namespace") == ns,
-                  "%s/%s in namespace %s" % (o["kind"], o["metadata"]["name"], ns))
+    check_namespaces(dep, objs)
     tpl = dep["spec"]["template"]
     labels = tpl["metadata"]["labels"]
     check(matches(dep["spec"]["selector"]["matchLabels"], labels),
@@ -73,9 +68,34 @@ def check_k8s(overlay, path):
     check(len(containers) == 1, "one container")
     c = containers[0]
     ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    args = c.get("args", [])
+    check_ports_and_drain(pod, c, ports, args)
+    check_probes(pod, c, ports, args)
+    ann = tpl["metadata"].get("annotations", {})
+    check(ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/port") == "9464",
+          "pod scrape annotations")
+    check_security(pod, c)
+    check_resources(overlay, dep, by_kind, pod, c, args)
+    check_services(by_kind, labels, ports)
+    check_podmonitors(by_kind.get("PodMonitor", []), labels, ports)
+    if by_kind.get("PodMonitor"):
+        rules_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                 "deploy", "prometheus", "rules")
+        check_prometheusrules(by_kind.get("PrometheusRule", []), rules_dir)
+
+
+def check_namespaces(dep, objs):
+    ns = dep["metadata"].get("namespace")
+    check(ns, "Deployment has a namespace")
+    for o in objs:
+        if o["kind"] != "Namespace":
+            check(o["metadata"].get("namespace") == ns,
+                  "%s/%s in namespace %s" % (o["kind"], o["metadata"]["name"], ns))
+
+
+def check_ports_and_drain(pod, c, ports, args):
     check(ports.get("grpc") == 50051 and ports.get("metrics") == 9464,
           "container ports grpc=50051 and metrics=9464, got %s" % ports)
-    args = c.get("args", [])
     check(flag_value(args, "port") == "50051", "--port=50051")
     check(flag_value(args, "metrics_port") == "9464", "--metrics_port=9464")
     drain = int(flag_value(args, "drain_seconds") or 30)
@@ -87,6 +107,9 @@ def check_k8s(overlay, path):
     check(grace > drain + pre_stop,
           "terminationGracePeriodSeconds %d > --drain_seconds %d + preStop %d" % (
               grace, drain, pre_stop))
+
+
+def check_probes(pod, c, ports, args):
     # With TLS on the gRPC port the kubelet's gRPC probes (plaintext only) need lossd's
     # plaintext health-only port, and the certificate must come from a Secret.
     tls = flag_value(args, "tls_cert") is not None
@@ -107,14 +130,17 @@ def check_k8s(overlay, path):
         if check(p is not None, "%s present" % probe):
             check(p.get("grpc", {}).get("port") == probe_port,
                   "%s is a gRPC health probe on %d" % (probe, probe_port))
-    ann = tpl["metadata"].get("annotations", {})
-    check(ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/port") == "9464",
-          "pod scrape annotations")
+
+
+def check_security(pod, c):
     sc = pod.get("securityContext", {})
     check(sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, "pod runs as non-root")
     csc = c.get("securityContext", {})
     check(csc.get("allowPrivilegeEscalation") is False, "no privilege escalation")
     check(csc.get("readOnlyRootFilesystem") is True, "read-only root filesystem")
+
+
+def check_resources(overlay, dep, by_kind, pod, c, args):
     res = c.get("resources", {})
     check(res.get("requests", {}).get("cpu") and res.get("requests", {}).get("memory"),
           "cpu and memory requests")
@@ -132,17 +158,24 @@ def check_k8s(overlay, path):
     elif overlay == "dev-cpu":
         check(gpu_req is None, "CPU overlay requests no GPU")
         check(backend == "cpu", "CPU overlay runs --backend=cpu")
-        # On the CPU backend every budget is host memory, and idle pooled buffers come on top
-        # of the admission budget: together they must leave the process room under its limit.
-        units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
-        limit = res.get("limits", {}).get("memory", "0")
-        limit_bytes = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
-        defaults = {"memory_budget_bytes": 8 << 30, "weight_cache_bytes": 4 << 30,
-                    "accumulator_bytes": 8 << 30, "host_buffer_pool_bytes": 2 << 30}
-        held = sum(int(flag_value(args, f) or d) for f, d in defaults.items())
-        check(held <= 0.8 * limit_bytes,
-              "CPU overlay: budgets and buffer pool (%d bytes) within 80%% of the memory limit "
-              "(%s)" % (held, limit))
+        check_cpu_budgets(res, args)
+
+
+def check_cpu_budgets(res, args):
+    # On the CPU backend every budget is host memory, and idle pooled buffers come on top
+    # of the admission budget: together they must leave the process room under its limit.
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    limit = res.get("limits", {}).get("memory", "0")
+    limit_bytes = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
+    defaults = {"memory_budget_bytes": 8 << 30, "weight_cache_bytes": 4 << 30,
+                "accumulator_bytes": 8 << 30, "host_buffer_pool_bytes": 2 << 30}
+    held = sum(int(flag_value(args, f) or d) for f, d in defaults.items())
+    check(held <= 0.8 * limit_bytes,
+          "CPU overlay: budgets and buffer pool (%d bytes) within 80%% of the memory limit "
+          "(%s)" % (held, limit))
+
+
+def check_services(by_kind, labels, ports):
     services = by_kind.get("Service", [])
     check(len(services) == 2, "two Services (ClusterIP and headless)")
     headless = [s for s in services if s["spec"].get("clusterIP") == "None"]
@@ -157,11 +190,6 @@ def check_k8s(overlay, path):
     if check(len(pdbs) == 1, "one PodDisruptionBudget"):
         check(matches(pdbs[0]["spec"]["selector"]["matchLabels"], labels),
               "PodDisruptionBudget selects the pods")
-    check_podmonitors(by_kind.get("PodMonitor", []), labels, ports)
-    if by_kind.get("PodMonitor"):
-        rules_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                                 "deploy", "prometheus", "rules")
-        check_prometheusrules(by_kind.get("PrometheusRule", []), rules_dir)
 
 
 def check_prometheusrules(prs, rules_dir):
