@@ -1,6 +1,7 @@
-// Device helpers of the cross-entropy kernels (ce_kernels.cu) and the small column kernels
-// (column_kernels.cu): dtype conversion, vector loads and stores, the row statistics and their
-// block reduction, uncontracted fp32 arithmetic, the softcap and the per-row gradient terms.
+// Device helpers of the cross-entropy kernels (ce_kernels.cu, one_read_kernel.cu) and the small
+// column kernels (column_kernels.cu): dtype conversion, vector loads and stores, the row
+// statistics and their block reduction, uncontracted fp32 arithmetic, the softcap and the
+// per-row gradient terms.
 // nvcc only (device code); one copy per .cu, in an anonymous namespace as before the split, so
 // every kernel compiles from the same source as it did.
 #ifndef LOSSD_KERNELS_CUDA_CE_DEVICE_CUH_
