@@ -11,6 +11,7 @@
 
 #include "core/loss_problem.h"
 #include "engine/accumulators.h"
+#include "engine/heads.h"
 #include "engine/weight_cache.h"
 
 namespace lossd {
@@ -45,6 +46,12 @@ struct ComputeSpec {
   std::string accumulator;            // add dW/db into this accumulator instead of returning
   std::string accumulator_instance;   // the instance it must live on; empty = any
   std::string owner;  // the caller's principal (owner.h), set by the service; "" = no auth
+  // A hosted head (engine/heads.h) instead of the weight and an accumulator.
+  std::string head;
+  uint64_t head_version = 0;
+  uint32_t rank = 0;          // with micro_batch, the idempotency key in the head's step
+  uint64_t micro_batch = 0;
+  std::string head_instance;  // the instance it must live on; empty = any
 };
 
 struct OutputDesc {
@@ -70,6 +77,10 @@ struct ComputePlan {
   std::string weight_handle;
   std::string accumulator;
   std::string owner;  // ComputeSpec::owner: who creates or must own the accumulator
+  std::shared_ptr<Head> head;  // a hosted head: weights is its copy, dW/db go to its step
+  uint64_t head_version = 0;
+  uint32_t rank = 0;
+  uint64_t micro_batch = 0;
   uint64_t host_bytes = 0;       // input and output buffers held on the host
   uint64_t workspace_bytes = 0;  // backend's worst case beyond those
   uint64_t admission_bytes() const { return host_bytes + workspace_bytes; }

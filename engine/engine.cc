@@ -50,9 +50,14 @@ Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
   // Request and response buffers in the backend's pinned memory where it has any, so its
   // copies to and from the device are direct DMA.
   SetHostBufferMemory(backend_->host_memory());
+  heads_ = std::make_unique<HeadStore>(
+      backend_.get(), &executor_,
+      HeadStore::Options{options_.instance, options_.head_bytes, options_.max_heads,
+                         options_.head_step_timeout});
 }
 
-Engine::~Engine() = default;
+// The heads' watchdog submits to the executor: it stops before the executor joins.
+Engine::~Engine() { heads_->Shutdown(); }
 
 void Engine::Drain() {
   draining_.store(true);

@@ -23,6 +23,7 @@
 #include "engine/compute_plan.h"
 #include "engine/executor.h"
 #include "engine/finite_check.h"
+#include "engine/heads.h"
 #include "engine/host_buffer.h"
 #include "engine/memory_budget.h"
 #include "engine/owner.h"
@@ -48,6 +49,9 @@ struct EngineOptions {
   int64_t max_v = 1 << 21;
   uint64_t max_request_bytes = 16ull << 30;
   bool check_finite = true;  // refuse NaN/Inf in X, W and bias
+  uint64_t head_bytes = 16ull << 30;  // hosted heads' memory (--head_bytes)
+  size_t max_heads = 64;
+  absl::Duration head_step_timeout = absl::Minutes(10);  // a Step barrier's longest wait
   // Overlapped Computes: the longest the backend waits for the next rows of X (it holds the
   // device meanwhile) before the call fails with DEADLINE_EXCEEDED.
   absl::Duration overlap_stall = absl::Seconds(10);
@@ -61,6 +65,8 @@ struct ComputeOutcome {
   float loss = 0, z_loss = 0, accuracy = 0;
   int64_t tokens = 0;
   uint64_t accumulated_micro_batches = 0;
+  uint64_t head_version = 0;  // a head's Compute: the version computed against
+  bool head_added = false;    // and whether its gradient was added (false: a repeated key)
   // The accumulator this micro-batch was added into (null: none, or nothing added). A call
   // that fails after that (the client cancelled, went away, or sent a bad message once
   // computing had started) hands it to Engine::MarkPartial: the client cannot tell whether
@@ -253,6 +259,7 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   WeightCache& weights() { return weights_; }
   AccumulatorStore& accumulators() { return accumulators_; }
+  HeadStore& heads() { return *heads_; }
   size_t executor_queued() const { return executor_.queued(); }
   // A compute submitted now would start at once (nothing queued, a thread free).
   bool executor_idle() const { return executor_.idle(); }
@@ -283,6 +290,9 @@ class Engine {
   // far below it).
   static constexpr int64_t kMaxRequestedChunks = 4096;
   RecentKeys<bool> ended_ ABSL_GUARDED_BY(uploads_mu_){kEndedUploadsKept};
+  // Made after the executor (it submits steps there); ~Engine stops its watchdog first, then
+  // the executor (last) joins while every store is alive.
+  std::unique_ptr<HeadStore> heads_;
   Executor executor_;  // last: joined first, while everything above is alive
 };
 

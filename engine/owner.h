@@ -28,12 +28,13 @@ int64_t NowNs();
 
 // One piece of a caller's state, as List reports it.
 struct StateInfo {
-  enum class Kind { kWeights, kAccumulator };
+  enum class Kind { kWeights, kAccumulator, kHead };
   Kind kind = Kind::kWeights;
   std::string name;  // the weight handle or the accumulator's name
   uint64_t bytes = 0;
   int64_t last_used_ns = 0;  // since the epoch: created, or last named by a call
-  uint64_t micro_batches = 0;  // accumulators only
+  uint64_t micro_batches = 0;  // accumulators; heads: Computes added to the current step
+  uint64_t version = 0;        // heads only: steps completed
 };
 
 }  // namespace lossd
