@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/loss_problem.h"
+#include "kernels/optimizer.h"
 
 namespace lossd {
 
@@ -119,6 +120,13 @@ class Backend {
   virtual absl::Status Compute(const LossProblem& p, const LossOutputs& out,
                                LossStats* stats) = 0;
 
+  // A hosted head's optimizer step (kernels/optimizer.h) and its gradient's sum of squares.
+  virtual absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) {
+    return absl::UnimplementedError("this backend has no optimizer step yet");
+  }
+  virtual absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) {
+    return absl::UnimplementedError("this backend has no sum of squares yet");
+  }
   // This backend's pinned host memory, or null when ordinary memory is as good (CPU).
   virtual HostMemory* host_memory() { return nullptr; }
 };
