@@ -120,13 +120,18 @@ class Backend {
   virtual absl::Status Compute(const LossProblem& p, const LossOutputs& out,
                                LossStats* stats) = 0;
 
-  // A hosted head's optimizer step (kernels/optimizer.h) and its gradient's sum of squares.
-  virtual absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) {
-    return absl::UnimplementedError("this backend has no optimizer step yet");
-  }
-  virtual absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) {
-    return absl::UnimplementedError("this backend has no sum of squares yet");
-  }
+  // One optimizer step of a hosted head over backend-resident fp32 buffers (Allocate's):
+  // torch's SGD or AdamW in fp32, in torch's single-tensor operation order, then t.copy set
+  // to the cast of the new master. Elementwise: the result does not depend on how the work is
+  // split. INVALID_ARGUMENT (CheckOptimizerStep) for what torch would refuse or a missing
+  // buffer; NaN and Inf in the data are computed through, never refused.
+  virtual absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) = 0;
+
+  // Sum of x*x over n backend-resident fp32 elements, accumulated in double: the squared
+  // norm of a head's gradient, for clipping. The same data gives the same bits every time;
+  // Inf and NaN in the data come back as Inf or NaN. INVALID_ARGUMENT for n < 0 or null data.
+  virtual absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) = 0;
+
   // This backend's pinned host memory, or null when ordinary memory is as good (CPU).
   virtual HostMemory* host_memory() { return nullptr; }
 };
