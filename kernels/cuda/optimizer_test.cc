@@ -56,14 +56,23 @@ class DeviceParam {
                                              const std::vector<float>& grad) {
     auto d = std::unique_ptr<DeviceParam>(new DeviceParam);
     const size_t bytes = static_cast<size_t>(b.n) * 4;
-    for (auto [dst, src] : {std::pair{&d->param_, b.param.data()}, {&d->grad_, grad.data()},
-                            {&d->s1_, b.state1.data()}, {&d->s2_, b.state2.data()},
-                            {&d->s3_, b.state3.data()}}) {
-      *dst = *gpu.Allocate(bytes);
-      EXPECT_TRUE(gpu.CopyToBackend(**dst, 0, src, bytes).ok());
+    for (auto [dst, src] : {std::pair<std::unique_ptr<BackendBuffer>*, const void*>{
+                                &d->param_, b.param.data()},
+                            {&d->grad_, grad.data()}, {&d->s1_, b.state1.data()},
+                            {&d->s2_, b.state2.data()}, {&d->s3_, b.state3.data()},
+                            {&d->copy_, b.copy.data()}}) {
+      absl::StatusOr<std::unique_ptr<BackendBuffer>> buf = gpu.Allocate(bytes);
+      if (!buf.ok()) {
+        ADD_FAILURE() << buf.status();
+        return nullptr;
+      }
+      *dst = std::move(*buf);
+      const absl::Status s = gpu.CopyToBackend(**dst, 0, src, bytes);
+      if (!s.ok()) {
+        ADD_FAILURE() << s;
+        return nullptr;
+      }
     }
-    d->copy_ = *gpu.Allocate(bytes);
-    EXPECT_TRUE(gpu.CopyToBackend(*d->copy_, 0, b.copy.data(), bytes).ok());
     return d;
   }
 
@@ -133,6 +142,7 @@ TEST_P(CudaOptimizerStepTest, EqualsTheCpuBackendBitForBit) {
   OptimizerBuffers on_cpu = RandomOptimizerBuffers(c, n, 71 + n);
   OptimizerBuffers on_gpu = on_cpu;
   std::unique_ptr<DeviceParam> dev = DeviceParam::Upload(*Gpu(), on_gpu, RandomGradient(n, 1));
+  ASSERT_NE(dev, nullptr);
   for (int k = 0; k < kOptimizerSteps; ++k) {
     SCOPED_TRACE(absl::StrCat("step ", k));
     const OptimizerParams p = ParamsAtStep(c.params, k);
@@ -182,6 +192,7 @@ TEST(CudaOptimizerNonFiniteTest, InfAndNanGradientsGoThroughAsOnTheCpu) {
     grad[n - 1] = 3e38f;  // its square overflows fp32: v becomes Inf
     OptimizerBuffers on_cpu = RandomOptimizerBuffers(c, n, 10), on_gpu = on_cpu;
     std::unique_ptr<DeviceParam> dev = DeviceParam::Upload(*Gpu(), on_gpu, grad);
+    ASSERT_NE(dev, nullptr);
     ASSERT_TRUE(Gpu()->OptimizerStep(c.params, dev->Tensors(c, n)).ok());
     ASSERT_TRUE(cpu->OptimizerStep(c.params, HostTensors(c, on_cpu, grad.data())).ok());
     dev->Download(*Gpu(), &on_gpu);
@@ -208,6 +219,7 @@ TEST(CudaOptimizerDeterminismTest, RerunsAreBitIdentical) {
     OptimizerBuffers first = RandomOptimizerBuffers(c, n, 11), second = first;
     for (OptimizerBuffers* b : {&first, &second}) {
       std::unique_ptr<DeviceParam> dev = DeviceParam::Upload(*Gpu(), *b, grad);
+      ASSERT_NE(dev, nullptr);
       ASSERT_TRUE(Gpu()->OptimizerStep(ParamsAtStep(c.params, 0), dev->Tensors(c, n)).ok());
       dev->Download(*Gpu(), b);
     }
