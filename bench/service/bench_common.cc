@@ -84,6 +84,7 @@ const char* ModeName(Mode m) {
     case Mode::kHandle: return "W by handle";
     case Mode::kAccum: return "handle + accumulator";
     case Mode::kAccumNoFetch: return "handle + accumulator, no fetch";
+    case Mode::kHead: return "hosted head";
   }
   return "?";
 }

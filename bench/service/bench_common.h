@@ -73,7 +73,9 @@ struct ShapeData {
 
 // ---- One measured point ------------------------------------------------------------------
 
-enum class Mode { kInline, kHandle, kAccum, kAccumNoFetch };
+// kHead: every client is a data-parallel rank of one hosted head (world_size = clients):
+// micro_batches Computes on the head, then the Step barrier; nothing fetched or uploaded.
+enum class Mode { kInline, kHandle, kAccum, kAccumNoFetch, kHead };
 
 const char* ModeName(Mode m);
 
@@ -84,8 +86,8 @@ struct Point {
   std::string error;
   std::vector<double> call_seconds;     // each Compute, client wall
   std::vector<double> compute_seconds;  // each Compute, server compute
-  std::vector<double> step_seconds;     // accum: micro-batches + fetch + drop
-  std::vector<double> fetch_seconds;    // accum: the striped fetch
+  std::vector<double> step_seconds;     // accum: micro-batches + fetch + drop; head: + Step
+  std::vector<double> fetch_seconds;    // accum: the striped fetch; head: the Step call
   double window_seconds = 0;            // barrier to the last client's end
   uint64_t micro_batches = 0;           // in the window
   double compute_sum = 0;               // in the window

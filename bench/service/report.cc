@@ -76,6 +76,7 @@ class ReportWriter {
   std::vector<Target> TransferTargets() const;
   void PointTargets(std::vector<Target>* targets) const;
   void BusyTargets(std::vector<Target>* targets) const;
+  void HeadTarget(const Point& p, std::vector<Target>* targets) const;
   void TargetTable(const std::vector<Target>& targets);
 
   const std::map<std::string, double>& ceil_;
@@ -247,6 +248,10 @@ void ReportWriter::PointTargets(std::vector<Target>* targets) const {
                                   ? "overlapped: dX of the first rows comes back while X goes up"
                                   : "not overlapped: X up, compute, dX down";
   for (const Point& p : points_) {
+    if (p.mode == Mode::kHead) {
+      HeadTarget(p, targets);
+      continue;
+    }
     if (p.mode != Mode::kAccum && p.mode != Mode::kAccumNoFetch) continue;
     const double b = Bound(p);
     const bool known = p.error.empty() && b > 0 && p.micro_batches > 0;
@@ -276,6 +281,36 @@ void ReportWriter::PointTargets(std::vector<Target>* targets) const {
                      " client(s): amortised per micro-batch (step incl. its fp32 dW fetch)"),
         p.PerMicroBatch(), /*info=*/true);
   }
+}
+
+// A hosted head: every client a rank of one head, micro_batches Computes and the Step barrier
+// per step, nothing fetched: the step's whole time amortised over its micro-batches against
+// 1.25 x the per-call bound; with busy_clients ranks at the last shape, the GPU's share too.
+void ReportWriter::HeadTarget(const Point& p, std::vector<Target>* targets) const {
+  const double b = Bound(p);
+  Target x;
+  x.what = absl::StrCat("hosted head ", p.shape.Name(), ", ", p.clients,
+                        " rank(s): amortised per micro-batch (incl. the Step) vs bound");
+  x.known = p.error.empty() && b > 0 && p.micro_batches > 0;
+  x.needed = absl::StrCat("<= 1.25 x ", Ms(b), " ms");
+  const double t = p.PerMicroBatch();
+  x.measured = x.known ? absl::StrCat(Ms(t), " ms = ", Num(t / b), " x (Step median ",
+                                      Ms(Median(p.fetch_seconds)), " ms)")
+                       : std::string("missing");
+  x.pass = x.known && t <= 1.25 * b;
+  targets->push_back(x);
+  if (p.clients != busy_clients_ || points_.empty() || p.shape.bt != points_.back().shape.bt ||
+      p.shape.v != points_.back().shape.v) {
+    return;
+  }
+  Target busy;
+  busy.what = absl::StrCat("GPU busy, ", p.clients, " ranks, ", p.shape.Name(),
+                           ", hosted head (device compute x calls / wall)");
+  busy.known = p.error.empty() && p.window_seconds > 0;
+  busy.needed = ">= 85%";
+  busy.measured = busy.known ? Pct(p.Busy()) : "missing";
+  busy.pass = busy.known && p.Busy() >= 0.85;
+  targets->push_back(busy);
 }
 
 void ReportWriter::BusyTargets(std::vector<Target>* targets) const {

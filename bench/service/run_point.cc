@@ -37,11 +37,14 @@ ComputeRequest PointRequest(const Env& env, const ShapeData& d, const uint8_t* w
                             uint8_t* dx, uint8_t* dw) {
   const Shape& s = d.s;
   const bool accum = mode == Mode::kAccum || mode == Mode::kAccumNoFetch;
-  const bool want_dw = !accum;
+  const bool want_dw = !accum && mode != Mode::kHead;
   ComputeRequest r;
   r.x = HostTensor::View(DType::kBF16, {s.bt, s.h}, d.x.get());
   if (mode == Mode::kInline) {
     r.w = HostTensor::View(DType::kBF16, {s.v, s.h}, w);
+  } else if (mode == Mode::kHead) {
+    r.head = acc_name;  // the point's head; version, rank and micro-batch per call
+    r.options.grad_scale = 1.0f / env.micro_batches;
   } else {
     r.weight_handle = handle;
   }
@@ -57,6 +60,25 @@ ComputeRequest PointRequest(const Env& env, const ShapeData& d, const uint8_t* w
   return r;
 }
 
+// Head mode: the point's head, one for all its clients (ranks).
+std::string HeadName(const Shape& s, int clients) {
+  return absl::StrCat("bench-head-", s.bt, "-", s.v, "-", clients);
+}
+
+// Creates the point's head from the shape's bf16 W (the master is its upcast), AdamW with
+// torch's defaults; "" or the error.
+std::string CreatePointHead(const Env& env, const Shape& s, const uint8_t* w, int clients) {
+  auto lc = NewClient(env, 1);
+  if (!lc.ok()) return lc.status().ToString();
+  client::CreateHeadRequest req;
+  req.name = HeadName(s, clients);
+  req.w = HostTensor::View(DType::kBF16, {s.v, s.h}, w);
+  req.compute_dtype = DType::kBF16;
+  (void)(*lc)->DropHead(req.name);  // a run cut short may have left it
+  auto created = (*lc)->CreateHead(req);
+  return created.ok() ? "" : absl::StrCat("CreateHead: ", created.status().ToString());
+}
+
 void AddTo(const ClientTimes& t, Point* pt) {
   pt->call_seconds.insert(pt->call_seconds.end(), t.calls.begin(), t.calls.end());
   pt->compute_seconds.insert(pt->compute_seconds.end(), t.computes.begin(), t.computes.end());
@@ -69,11 +91,12 @@ void AddTo(const ClientTimes& t, Point* pt) {
 // One client of a point, on its own thread: a warm-up unit, `start`, env.runs timed units,
 // `stop`; then its times go into *pt under `mu`, and its first error into *error.
 void RunClient(const Env& env, const ShapeData& d, const uint8_t* w, const std::string& handle,
-               Mode mode, int c, absl::Barrier* start, absl::Barrier* stop, absl::Mutex* mu,
-               Point* pt, std::string* error) {
+               Mode mode, int c, int clients, absl::Barrier* start, absl::Barrier* stop,
+               absl::Mutex* mu, Point* pt, std::string* error) {
   std::string& err = *error;
   const Shape& s = d.s;
-  const bool accum = mode == Mode::kAccum || mode == Mode::kAccumNoFetch;
+  const bool head = mode == Mode::kHead;
+  const bool accum = mode == Mode::kAccum || mode == Mode::kAccumNoFetch || head;
   const bool want_dw = !accum;
   auto lc = NewClient(env, 1);
   std::unique_ptr<StripedTransfer> fetcher;
@@ -84,14 +107,19 @@ void RunClient(const Env& env, const ShapeData& d, const uint8_t* w, const std::
   uint8_t* dx = Pool().Take(s.XBytes());
   uint8_t* dw = want_dw ? Pool().Take(s.WBytes()) : nullptr;
   uint8_t* acc = mode == Mode::kAccum ? Pool().Take(s.AccBytes()) : nullptr;
-  const std::string acc_name = absl::StrCat("bench-", s.bt, "-", c);
+  const std::string acc_name =
+      head ? HeadName(s, clients) : absl::StrCat("bench-", s.bt, "-", c);
   if (!lc.ok()) err = lc.status().ToString();
 
-  const ComputeRequest r = PointRequest(env, d, w, handle, mode, acc_name, dx, dw);
+  ComputeRequest r = PointRequest(env, d, w, handle, mode, acc_name, dx, dw);
+  r.rank = c;
+  uint64_t version = 0, micro_batch = 0;  // head mode: where this rank's step stands
   ClientTimes times;
   // One Compute; records it when `timed`.
   auto one = [&](bool timed) -> bool {
     const auto t0 = Clock::now();
+    r.head_version = version;
+    r.micro_batch = micro_batch++;
     absl::StatusOr<ComputeResult> res = (*lc)->Compute(r);
     const double wall = Since(t0);
     if (!res.ok()) {
@@ -114,6 +142,25 @@ void RunClient(const Env& env, const ShapeData& d, const uint8_t* w, const std::
       if (!one(timed)) return false;
     }
     if (mode == Mode::kAccumNoFetch) return true;
+    if (head) {
+      const auto f0 = Clock::now();
+      client::StepRequest step;
+      step.head = acc_name;
+      step.version = version;
+      step.rank = c;
+      step.world_size = clients;
+      absl::StatusOr<client::StepResult> sr = (*lc)->Step(step);
+      if (!sr.ok()) {
+        err = absl::StrCat("Step: ", sr.status().ToString());
+        return false;
+      }
+      version = sr->version;
+      if (timed) {
+        times.fetches.push_back(Since(f0));
+        times.steps.push_back(Since(t0));
+      }
+      return true;
+    }
     const auto f0 = Clock::now();
     absl::Status fs = fetcher->FetchGradients(acc_name, s.AccBytes(), acc);
     const double fetch = Since(f0);
@@ -152,8 +199,12 @@ Point RunPoint(const Env& env, const ShapeData& d, const uint8_t* w, const std::
   pt.mode = mode;
   pt.clients = clients;
   const Shape& s = d.s;
-  const bool accum = mode == Mode::kAccum || mode == Mode::kAccumNoFetch;
+  const bool accum = mode == Mode::kAccum || mode == Mode::kAccumNoFetch || mode == Mode::kHead;
   const bool want_dw = !accum;
+  if (mode == Mode::kHead) {
+    pt.error = CreatePointHead(env, s, w, clients);
+    if (!pt.error.empty()) return pt;
+  }
   pt.up_bytes = s.XBytes() + s.bt * 4 + (mode == Mode::kInline ? s.WBytes() : 0);
   pt.down_bytes = s.XBytes() + (want_dw ? s.WBytes() : 0);
 
@@ -164,7 +215,7 @@ Point RunPoint(const Env& env, const ShapeData& d, const uint8_t* w, const std::
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
-      RunClient(env, d, w, handle, mode, c, start, stop, &mu, &pt, &errors[c]);
+      RunClient(env, d, w, handle, mode, c, clients, start, stop, &mu, &pt, &errors[c]);
     });
   }
   start->Block();
@@ -179,6 +230,10 @@ Point RunPoint(const Env& env, const ShapeData& d, const uint8_t* w, const std::
       pt.error = e;
       break;
     }
+  }
+  if (mode == Mode::kHead) {
+    auto lc = NewClient(env, 1);
+    if (lc.ok()) (void)(*lc)->DropHead(HeadName(s, clients));
   }
   return pt;
 }

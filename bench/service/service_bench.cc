@@ -39,7 +39,8 @@ ABSL_FLAG(std::string, shapes, "8192x4096x128256,2048x4096x128256",
           "BTxHxV shapes (bf16); the last one is where GPU busy is measured.");
 ABSL_FLAG(std::string, clients, "1,4|1,4,16",
           "Concurrent clients per shape, '|' between shapes (the last list repeats).");
-ABSL_FLAG(std::string, modes, "inline,handle,accum", "Which of inline, handle, accum to run.");
+ABSL_FLAG(std::string, modes, "inline,handle,accum,head",
+          "Which of inline, handle, accum, head (a hosted head) to run.");
 ABSL_FLAG(int, runs, 5, "Timed calls per client per point (steps in accum mode); medians.");
 ABSL_FLAG(int, transfer_runs, 3, "Timed PutWeights / FetchGradients per variant; medians.");
 ABSL_FLAG(int, micro_batches, 4, "Micro-batches per optimizer step (accum mode).");
@@ -108,6 +109,7 @@ bool PlanFlags(std::vector<Shape>* shapes, std::vector<std::vector<int>>* client
     if (m == "inline") modes->push_back(Mode::kInline);
     else if (m == "handle") modes->push_back(Mode::kHandle);
     else if (m == "accum") modes->push_back(Mode::kAccum);
+    else if (m == "head") modes->push_back(Mode::kHead);
     else {
       std::fprintf(stderr, "unknown mode '%s'\n", std::string(m).c_str());
       return false;
@@ -160,7 +162,7 @@ std::vector<Planned> MakePlan(const std::vector<Shape>& shapes,
   for (size_t si = 0; si < shapes.size(); ++si) {
     for (Mode m : modes) {
       for (int n : clients[std::min(si, clients.size() - 1)]) {
-        const int base = m == Mode::kAccum ? 0 : m == Mode::kHandle ? 2 : 3;
+        const int base = m == Mode::kAccum || m == Mode::kHead ? 0 : m == Mode::kHandle ? 2 : 3;
         plan.push_back({si, m, n, (n > 4 ? 4 : 0) + base});
       }
     }
@@ -294,7 +296,9 @@ class BenchRun {
   double PlainCompute(const Planned& q, const std::vector<ShapeData>& data) {
     if (!env_.overlap) return 0;
     const Shape& s = shapes_[q.shape];
-    const Mode cm = q.mode == Mode::kAccum ? Mode::kAccumNoFetch : q.mode;
+    // A head's Compute is an accumulating one on the device (its copy, its step's sum).
+    const Mode cm =
+        q.mode == Mode::kAccum || q.mode == Mode::kHead ? Mode::kAccumNoFetch : q.mode;
     const auto key = std::make_pair(q.shape, static_cast<int>(cm));
     auto it = plain_compute_.find(key);
     if (it == plain_compute_.end()) {
