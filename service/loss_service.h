@@ -47,14 +47,18 @@ struct ServiceOptions {
   std::function<void()> compute_cancel_hook;
 };
 
-// Compute and FetchGradients are raw methods (byte buffers, parsed and built in place without
+// Compute, FetchGradients and ExportHead are raw methods (byte buffers, parsed and built in place without
 // copying tensor data); the rest are typed.
 using LossServiceBase = v1::Loss::WithRawCallbackMethod_Compute<
     v1::Loss::WithCallbackMethod_PutWeights<v1::Loss::WithCallbackMethod_DropWeights<
         v1::Loss::WithRawCallbackMethod_FetchGradients<
             v1::Loss::WithCallbackMethod_DropAccumulator<
-                v1::Loss::WithCallbackMethod_ServerInfo<
-                    v1::Loss::WithCallbackMethod_List<v1::Loss::Service>>>>>>>;
+                v1::Loss::WithCallbackMethod_ServerInfo<v1::Loss::WithCallbackMethod_List<
+                    v1::Loss::WithCallbackMethod_CreateHead<v1::Loss::WithCallbackMethod_Step<
+                        v1::Loss::WithRawCallbackMethod_ExportHead<
+                            v1::Loss::WithCallbackMethod_GetHeadInfo<
+                                v1::Loss::WithCallbackMethod_DropHead<
+                                    v1::Loss::Service>>>>>>>>>>>>;
 
 class LossService final : public LossServiceBase {
  public:
@@ -78,6 +82,20 @@ class LossService final : public LossServiceBase {
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx,
                                  const v1::ListRequest* request,
                                  v1::ListResponse* response) override;
+  // Hosted heads (engine/heads.h).
+  grpc::ServerReadReactor<v1::CreateHeadRequest>* CreateHead(
+      grpc::CallbackServerContext* ctx, v1::CreateHeadResponse* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx,
+                                 const v1::StepRequest* request,
+                                 v1::StepResponse* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ExportHead(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* GetHeadInfo(grpc::CallbackServerContext* ctx,
+                                        const v1::HeadRequest* request,
+                                        v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* DropHead(grpc::CallbackServerContext* ctx,
+                                     const v1::HeadRequest* request,
+                                     v1::DropHeadResponse* response) override;
 
   // Shared by the reactors.
   Engine* engine() { return engine_; }

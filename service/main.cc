@@ -346,6 +346,9 @@ StateSample SampleState(Engine& engine) {
   s.weight_cache_evictions = static_cast<double>(engine.weights().evictions());
   s.accumulators = static_cast<double>(engine.accumulators().count());
   s.accumulator_bytes = static_cast<double>(engine.accumulators().bytes());
+  s.heads = static_cast<double>(engine.heads().count());
+  s.head_bytes = static_cast<double>(engine.heads().bytes());
+  s.head_budget_bytes = static_cast<double>(engine.options().head_bytes);
   s.queued_requests = static_cast<double>(engine.budget().waiting());
   s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());
   s.healthy = b.healthy ? 1 : 0;
