@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/status_macros.h"
-#include "engine/head_internal.h"
 #include "engine/message_bounds.h"
 #include "service/head_wire.h"
 #include "service/reactor_common.h"

@@ -12,7 +12,6 @@
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
 #include "core/status_macros.h"
-#include "engine/head_internal.h"
 #include "lossd/v1/lossd.pb.h"
 #include "service/head_wire.h"
 #include "service/log.h"
@@ -166,6 +165,19 @@ absl::Status ImportHeadFromFile(Engine& engine, const std::string& path, std::st
   v1::ExportHeader header;
   if (!header.ParseFromString(*header_bytes) || header.tensors_size() != header.specs_size()) {
     return absl::DataLossError(absl::StrCat(path, ": its header is not an ExportHeader"));
+  }
+  // The file must hold the whole concatenation its header describes, and nothing more: a
+  // file cut short anywhere (the compute copy at its end included) is not imported.
+  uint64_t total = 0;
+  for (const v1::TensorSpec& t : header.specs()) total += SpecBytes(t);
+  const long data_at = std::ftell(f.get());
+  std::error_code ec;
+  const uint64_t size = std::filesystem::file_size(path, ec);
+  if (ec || data_at < 0 || total != header.range_end() ||
+      size != static_cast<uint64_t>(data_at) + total) {
+    return absl::DataLossError(absl::StrCat(
+        path, " holds ", ec ? 0 : size, " bytes; its header describes ", data_at, " + ", total,
+        " (a file cut short, or not written whole)"));
   }
   auto spec = HeadSpecFromWire(header.head(), "the file's header.head");
   if (!spec.ok()) return spec.status();

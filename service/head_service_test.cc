@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -407,6 +408,13 @@ TEST_F(HeadServiceTest, StepAndExportRefusals) {
   step.set_phase(v1::STEP_FULL);
   step.set_world_size(2);
   ExpectStatus(Step(h_.stub(), step, &out, 0.3), grpc::StatusCode::DEADLINE_EXCEEDED, "");
+  double cancelled = -1;
+  for (int i = 0; i < 50 && cancelled != 1; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    cancelled = MetricValue(h_.ScrapeMetrics(), "lossd_requests_total",
+                            R"(code="CANCELLED",method="Step")");
+  }
+  EXPECT_EQ(cancelled, 1) << "the server ends the waiting Step once, as CANCELLED";
 
   v1::ExportHeadRequest ex;
   ex.set_head("h");

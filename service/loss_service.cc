@@ -177,11 +177,8 @@ grpc::ServerUnaryReactor* LossService::List(grpc::CallbackServerContext* ctx,
                                             const v1::ListRequest* request,
                                             v1::ListResponse* r) {
   return Unary(this, ctx, "List", *request, [&] {
-    const std::string caller = Principal(ctx);
-    for (const StateInfo& s : engine_->ListState(caller)) {
-      StateEntryToWire(s, r->add_entries());
-    }
-    for (const StateInfo& s : engine_->heads().List(caller)) {
+    // Weight handles, accumulators and hosted heads.
+    for (const StateInfo& s : engine_->ListState(Principal(ctx))) {
       StateEntryToWire(s, r->add_entries());
     }
     return absl::OkStatus();
