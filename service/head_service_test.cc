@@ -290,6 +290,9 @@ TEST_F(HeadServiceTest, CreateComputeStepExportImportListDrop) {
   EXPECT_EQ(MetricValue(page, "lossd_head_steps_total", R"(outcome="applied")"), 1);
   EXPECT_EQ(MetricValue(page, "lossd_head_step_contributions_total"), 1);
   EXPECT_EQ(MetricValue(page, "lossd_head_last_version"), 1);
+  EXPECT_EQ(MetricValue(page, "lossd_heads"), 2);
+  EXPECT_EQ(MetricValue(page, "lossd_head_bytes"),
+            static_cast<double>(2 * c.response.head().bytes()));
   for (const char* name : {"run/a", "run/b"}) {
     grpc::ClientContext ctx;
     v1::HeadRequest r;
