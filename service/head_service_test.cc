@@ -169,7 +169,7 @@ std::vector<float> Floats(const std::vector<uint8_t>& b) {
 }
 
 class HeadServiceTest : public ::testing::Test {
- protected:
+ public:
   static RandomProblem Problem(uint64_t seed) {
     RandomProblemSpec s;
     s.bt = 47, s.h = 31, s.v = 123;
@@ -178,6 +178,8 @@ class HeadServiceTest : public ::testing::Test {
     s.seed = seed;
     return RandomProblem::Make(s);
   }
+
+ protected:
   Harness h_;
 };
 
@@ -437,6 +439,35 @@ TEST_F(HeadServiceTest, StepAndExportRefusals) {
   v1::HeadInfo info;
   ASSERT_TRUE(h_.stub().GetHeadInfo(&ctx, r, &info).ok());
   EXPECT_EQ(h_.WaitForIdleMemory(), 0u);
+}
+
+// Ranks waiting at a barrier take no in-flight slot: a job wider than
+// --max_in_flight_per_client (here 1, its ranks one client) still completes its step.
+TEST(HeadServiceLimitsTest, WaitingRanksTakeNoInFlightSlot) {
+  testing_harness::HarnessOptions o;
+  o.service.max_in_flight_per_client = 1;
+  Harness h(o);
+  RandomProblem rp = HeadServiceTest::Problem(15);
+  ASSERT_TRUE(CreateHead(h.stub(), Header("wide", rp, v1::OPTIMIZER_SGD), Masters(rp)).status.ok());
+  ASSERT_TRUE(ComputeOnHead(h.stub(), rp, "wide", 0, 0).status.ok());
+  v1::StepRequest step;
+  step.set_head("wide");
+  step.set_world_size(2);
+  v1::StepResponse r0, r1;
+  grpc::Status s0;
+  std::thread rank0([&] { s0 = Step(h.stub(), step, &r0); });
+  // Rank 0 is at the barrier before rank 1 comes (its call stays open until then).
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  step.set_rank(1);
+  const grpc::Status s1 = Step(h.stub(), step, &r1);
+  rank0.join();
+  ASSERT_TRUE(s0.ok()) << s0.error_message();
+  ASSERT_TRUE(s1.ok()) << s1.error_message();
+  EXPECT_EQ(r0.version(), 1u);
+  EXPECT_EQ(r1.version(), 1u);
+  EXPECT_TRUE(r0.applied());
+  EXPECT_EQ(r0.grad_norm(), r1.grad_norm());
+  EXPECT_EQ(r0.contributions(), 1u);
 }
 
 }  // namespace

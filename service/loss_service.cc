@@ -102,6 +102,20 @@ absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* me
   return absl::OkStatus();
 }
 
+absl::Status LossService::EnterWaiting(grpc::CallbackServerContext* ctx, const char* method) {
+  if (options_.auth) {
+    LOSSD_RETURN_IF_ERROR(options_.auth->Check(ctx->client_metadata()));
+  }
+  if (engine_->draining()) {
+    return absl::UnavailableError(
+        absl::StrCat(method, " refused: the server is draining; retry on another replica"));
+  }
+  metrics_->InFlight(+1);
+  return absl::OkStatus();
+}
+
+void LossService::LeaveWaiting() { metrics_->InFlight(-1); }
+
 std::string LossService::Principal(const grpc::CallbackServerContext* ctx) const {
   return CallPrincipal(*ctx, options_.auth.get());
 }

@@ -109,6 +109,13 @@ class LossService final : public LossServiceBase {
   // client's key; pair with Leave(client).
   absl::Status Enter(grpc::CallbackServerContext* ctx, const char* method, std::string* client);
   void Leave(const std::string& client);
+  // For a call that only waits (a Step at its barrier: no memory, no thread): the token and
+  // the drain are checked, but it takes no in-flight slot. Counting it would let a
+  // data-parallel job wider than --max_in_flight_per_client (its ranks share one token)
+  // fill its own slots with waiting ranks and refuse the rank the barrier waits for. Pair
+  // with LeaveWaiting().
+  absl::Status EnterWaiting(grpc::CallbackServerContext* ctx, const char* method);
+  void LeaveWaiting();
 
  private:
   void LeaveClient(const std::string& client);

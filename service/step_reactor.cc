@@ -16,7 +16,8 @@ namespace lossd {
 StepReactor::StepReactor(LossService* service, grpc::CallbackServerContext* ctx,
                          const v1::StepRequest* request, v1::StepResponse* response)
     : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
-  absl::Status s = service_->Enter(ctx, "Step", &client_);
+  // A rank waits at the barrier for the others: it takes no in-flight slot (EnterWaiting).
+  absl::Status s = service_->EnterWaiting(ctx, "Step");
   if (!s.ok()) {
     entered_ = false;
     if (gate_->Close()) FinishNow(s);
@@ -93,7 +94,7 @@ void StepReactor::OnDone() {
 
 void StepReactor::FinishNow(const absl::Status& s) {
   grpc::Status g = RecordCall(service_, *ctx_, "Step", started_, s, 0, 0);
-  if (entered_) service_->Leave(client_);
+  if (entered_) service_->LeaveWaiting();
   Finish(g);
 }
 

@@ -55,7 +55,6 @@ class StepReactor final : public grpc::ServerUnaryReactor {
   const absl::Time started_;
   const std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
   bool entered_ = true;
-  std::string client_;  // for the per-client in-flight count
   StepCall call_;       // set in Start, before the engine may call back
 };
 
