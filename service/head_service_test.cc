@@ -470,5 +470,56 @@ TEST(HeadServiceLimitsTest, WaitingRanksTakeNoInFlightSlot) {
   EXPECT_EQ(r0.contributions(), 1u);
 }
 
+// An export larger than the memory budget goes out a budget-sized window at a time (here
+// 4998 bytes: windows that split elements), each part still within one tensor and in order,
+// the bytes those of the head.
+TEST(HeadServiceLimitsTest, ExportGoesOutInWindowsOfTheMemoryBudget) {
+  testing_harness::HarnessOptions o;
+  o.engine.memory_budget_bytes = 4998;
+  Harness h(o);
+  RandomProblem rp = HeadServiceTest::Problem(16);
+  ASSERT_TRUE(CreateHead(h.stub(), Header("big", rp, v1::OPTIMIZER_ADAMW), Masters(rp)).status.ok());
+  v1::ExportHeadRequest ex;
+  ex.set_head("big");
+  ex.set_response_part_bytes(1024);
+  Exported e = Export(h.stub(), ex);
+  ASSERT_TRUE(e.status.ok()) << e.status.error_message();
+  uint64_t total = 0;
+  for (const auto& [id, bytes] : e.tensors) total += bytes.size();
+  EXPECT_GT(total, 4 * uint64_t{4998}) << "several windows";
+  EXPECT_EQ(e.header.range_end(), total);
+  EXPECT_EQ(e.tensors[v1::TENSOR_HEAD_MASTER_W], rp.w);
+  EXPECT_EQ(e.tensors[v1::TENSOR_HEAD_MASTER_BIAS], rp.bias);
+  EXPECT_EQ(e.tensors[v1::TENSOR_HEAD_COPY_W], rp.w);
+  EXPECT_EQ(e.tensors[v1::TENSOR_HEAD_EXP_AVG_W], std::vector<uint8_t>(rp.w.size(), 0));
+  // A range that starts and ends inside tensors: every part (offsets within its tensor) is
+  // the whole export's bytes there, and together they cover the range.
+  const uint64_t begin = rp.w.size() - 3, end = rp.w.size() + rp.bias.size() + 7001;
+  ex.set_range_begin(begin);
+  ex.set_range_end(end);
+  grpc::ClientContext ctx;
+  auto reader = h.stub().ExportHead(&ctx, ex);
+  v1::ExportHeadResponse r;
+  uint64_t covered = 0;
+  std::map<int, uint64_t> next = {{v1::TENSOR_HEAD_MASTER_W, begin}};
+  while (reader->Read(&r)) {
+    if (r.has_header()) {
+      EXPECT_EQ(r.header().range_begin(), begin);
+      EXPECT_EQ(r.header().range_end(), end);
+      continue;
+    }
+    const std::vector<uint8_t>& whole = e.tensors[r.part().tensor()];
+    const uint64_t at = r.part().offset(), n = r.part().data().size();
+    ASSERT_LE(at + n, whole.size()) << "a part past its tensor";
+    EXPECT_EQ(at, next[r.part().tensor()]) << "a part out of order";
+    next[r.part().tensor()] = at + n;
+    EXPECT_EQ(std::memcmp(whole.data() + at, r.part().data().data(), n), 0);
+    covered += n;
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(covered, end - begin);
+  EXPECT_EQ(h.WaitForIdleMemory(), 0u);
+}
+
 }  // namespace
 }  // namespace lossd
