@@ -431,6 +431,10 @@ TEST_F(HeadServiceTest, StepAndExportRefusals) {
   ExpectStatus(Export(h_.stub(), ex).status, grpc::StatusCode::FAILED_PRECONDITION,
                "lives on server instance 'another-instance'");
   ex.clear_head_instance();
+  ex.set_version(5);
+  ExpectStatus(Export(h_.stub(), ex).status, grpc::StatusCode::FAILED_PRECONDITION,
+               "is at version 0, not 5");
+  ex.clear_version();
   ex.set_head("missing");
   EXPECT_EQ(Export(h_.stub(), ex).status.error_code(), grpc::StatusCode::NOT_FOUND);
   grpc::ClientContext ctx;
