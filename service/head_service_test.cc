@@ -5,6 +5,7 @@
 // and the field it names).
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -277,6 +278,13 @@ TEST_F(HeadServiceTest, CreateComputeStepExportImportListDrop) {
     EXPECT_EQ(info.version(), 1u);
     EXPECT_EQ(info.optimizer_step(), e.header.head().optimizer_step());
     EXPECT_EQ(info.instance(), h_.engine().options().instance);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ServerInfoResponse si;
+    ASSERT_TRUE(h_.stub().ServerInfo(&ctx, v1::ServerInfoRequest(), &si).ok());
+    EXPECT_NE(std::find(si.features().begin(), si.features().end(), "hosted_head"),
+              si.features().end());
   }
   {
     grpc::ClientContext ctx;
