@@ -467,7 +467,7 @@ TEST(HeadServiceLimitsTest, WaitingRanksTakeNoInFlightSlot) {
   step.set_world_size(2);
   v1::StepResponse r0, r1;
   grpc::Status s0;
-  std::thread rank0([&] { s0 = Step(h.stub(), step, &r0); });
+  std::thread rank0([&, step] { s0 = Step(h.stub(), step, &r0); });
   // Rank 0 is at the barrier before rank 1 comes (its call stays open until then).
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   step.set_rank(1);
