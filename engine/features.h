@@ -10,7 +10,10 @@
 namespace lossd {
 
 // Sorted, one line each, with what a client may rely on when it is listed.
-inline constexpr std::array<std::string_view, 5> kServerFeatures = {
+inline constexpr std::array<std::string_view, 6> kServerFeatures = {
+    // Hosted heads: CreateHead, Step, ExportHead, GetHeadInfo, DropHead, ComputeHeader.head
+    // and its fields, ComputeSummary.head_version / head_added, StateEntry STATE_HEAD.
+    "hosted_head",
     // The List RPC: the caller's own weight handles and accumulators, sizes and last use.
     "list_state",
     // ComputeSummary.nonfinite names the gradients holding NaN or Inf after a Compute, and an

@@ -201,6 +201,14 @@ absl::Status HeadStore::Drop(const std::string& name, const std::string& caller)
   return absl::OkStatus();
 }
 
+std::vector<std::pair<std::string, std::string>> HeadStore::Owners() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  absl::MutexLock lock(&impl_->mu);
+  for (const auto& [name, head] : impl_->map) out.emplace_back(name, head->owner);
+  std::sort(out.begin(), out.end());  // the map's order is not stable; the log's is
+  return out;
+}
+
 std::vector<StateInfo> HeadStore::List(const std::string& caller) const {
   std::vector<std::shared_ptr<Head>> heads;
   {

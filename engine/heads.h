@@ -246,6 +246,9 @@ class HeadStore {
   // Forgets the name; waiting Steps and parked Computes fail (NOT_FOUND: dropped).
   absl::Status Drop(const std::string& name, const std::string& caller);
   std::vector<StateInfo> List(const std::string& caller) const;
+  // Every head's name and owner, whoever it belongs to: for the drain's export of every head
+  // (--head_export_dir), which must import each for its owner again. Never for a caller.
+  std::vector<std::pair<std::string, std::string>> Owners() const;
   std::vector<std::string> DropIdle(int64_t before_ns);
   size_t count() const;
   uint64_t bytes() const;

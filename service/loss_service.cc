@@ -12,10 +12,14 @@
 #include "absl/time/time.h"
 #include "engine/features.h"
 #include "service/compute_reactor.h"
+#include "service/create_head_reactor.h"
+#include "service/export_head_reactor.h"
 #include "service/fetch_gradients_reactor.h"
+#include "service/head_wire.h"
 #include "service/principal.h"
 #include "service/put_weights_reactor.h"
 #include "service/reactor_common.h"
+#include "service/step_reactor.h"
 #include "service/tsan_annotations.h"
 #include "wire/unknown_fields.h"
 
@@ -98,6 +102,20 @@ absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* me
   return absl::OkStatus();
 }
 
+absl::Status LossService::EnterWaiting(grpc::CallbackServerContext* ctx, const char* method) {
+  if (options_.auth) {
+    LOSSD_RETURN_IF_ERROR(options_.auth->Check(ctx->client_metadata()));
+  }
+  if (engine_->draining()) {
+    return absl::UnavailableError(
+        absl::StrCat(method, " refused: the server is draining; retry on another replica"));
+  }
+  metrics_->InFlight(+1);
+  return absl::OkStatus();
+}
+
+void LossService::LeaveWaiting() { metrics_->InFlight(-1); }
+
 std::string LossService::Principal(const grpc::CallbackServerContext* ctx) const {
   return CallPrincipal(*ctx, options_.auth.get());
 }
@@ -173,17 +191,46 @@ grpc::ServerUnaryReactor* LossService::List(grpc::CallbackServerContext* ctx,
                                             const v1::ListRequest* request,
                                             v1::ListResponse* r) {
   return Unary(this, ctx, "List", *request, [&] {
+    // Weight handles, accumulators and hosted heads.
     for (const StateInfo& s : engine_->ListState(Principal(ctx))) {
-      v1::StateEntry* e = r->add_entries();
-      e->set_kind(s.kind == StateInfo::Kind::kWeights ? v1::STATE_WEIGHTS
-                                                      : v1::STATE_ACCUMULATOR);
-      e->set_name(s.name);
-      e->set_bytes(s.bytes);
-      e->set_last_used_unix_ms(s.last_used_ns / 1000000);
-      e->set_micro_batches(s.micro_batches);
+      StateEntryToWire(s, r->add_entries());
     }
     return absl::OkStatus();
   });
+}
+
+grpc::ServerReadReactor<v1::CreateHeadRequest>* LossService::CreateHead(
+    grpc::CallbackServerContext* ctx, v1::CreateHeadResponse* response) {
+  return new CreateHeadReactor(this, ctx, response);
+}
+
+grpc::ServerUnaryReactor* LossService::Step(grpc::CallbackServerContext* ctx,
+                                            const v1::StepRequest* request,
+                                            v1::StepResponse* response) {
+  return new StepReactor(this, ctx, request, response);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LossService::ExportHead(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
+  return new ExportHeadReactor(this, ctx, request);
+}
+
+grpc::ServerUnaryReactor* LossService::GetHeadInfo(grpc::CallbackServerContext* ctx,
+                                                   const v1::HeadRequest* request,
+                                                   v1::HeadInfo* response) {
+  return Unary(this, ctx, "GetHeadInfo", *request, [&] {
+    auto s = engine_->heads().Info(request->head(), Principal(ctx));
+    if (!s.ok()) return s.status();
+    *response = HeadInfoToWire(*s, options_.instance);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* LossService::DropHead(grpc::CallbackServerContext* ctx,
+                                                const v1::HeadRequest* request,
+                                                v1::DropHeadResponse*) {
+  return Unary(this, ctx, "DropHead", *request,
+               [&] { return engine_->heads().Drop(request->head(), Principal(ctx)); });
 }
 
 }  // namespace lossd

@@ -47,14 +47,18 @@ struct ServiceOptions {
   std::function<void()> compute_cancel_hook;
 };
 
-// Compute and FetchGradients are raw methods (byte buffers, parsed and built in place without
+// Compute, FetchGradients and ExportHead are raw methods (byte buffers, parsed and built in place without
 // copying tensor data); the rest are typed.
 using LossServiceBase = v1::Loss::WithRawCallbackMethod_Compute<
     v1::Loss::WithCallbackMethod_PutWeights<v1::Loss::WithCallbackMethod_DropWeights<
         v1::Loss::WithRawCallbackMethod_FetchGradients<
             v1::Loss::WithCallbackMethod_DropAccumulator<
-                v1::Loss::WithCallbackMethod_ServerInfo<
-                    v1::Loss::WithCallbackMethod_List<v1::Loss::Service>>>>>>>;
+                v1::Loss::WithCallbackMethod_ServerInfo<v1::Loss::WithCallbackMethod_List<
+                    v1::Loss::WithCallbackMethod_CreateHead<v1::Loss::WithCallbackMethod_Step<
+                        v1::Loss::WithRawCallbackMethod_ExportHead<
+                            v1::Loss::WithCallbackMethod_GetHeadInfo<
+                                v1::Loss::WithCallbackMethod_DropHead<
+                                    v1::Loss::Service>>>>>>>>>>>>;
 
 class LossService final : public LossServiceBase {
  public:
@@ -78,6 +82,20 @@ class LossService final : public LossServiceBase {
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* ctx,
                                  const v1::ListRequest* request,
                                  v1::ListResponse* response) override;
+  // Hosted heads (engine/heads.h).
+  grpc::ServerReadReactor<v1::CreateHeadRequest>* CreateHead(
+      grpc::CallbackServerContext* ctx, v1::CreateHeadResponse* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx,
+                                 const v1::StepRequest* request,
+                                 v1::StepResponse* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ExportHead(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* GetHeadInfo(grpc::CallbackServerContext* ctx,
+                                        const v1::HeadRequest* request,
+                                        v1::HeadInfo* response) override;
+  grpc::ServerUnaryReactor* DropHead(grpc::CallbackServerContext* ctx,
+                                     const v1::HeadRequest* request,
+                                     v1::DropHeadResponse* response) override;
 
   // Shared by the reactors.
   Engine* engine() { return engine_; }
@@ -91,6 +109,13 @@ class LossService final : public LossServiceBase {
   // client's key; pair with Leave(client).
   absl::Status Enter(grpc::CallbackServerContext* ctx, const char* method, std::string* client);
   void Leave(const std::string& client);
+  // For a call that only waits (a Step at its barrier: no memory, no thread): the token and
+  // the drain are checked, but it takes no in-flight slot. Counting it would let a
+  // data-parallel job wider than --max_in_flight_per_client (its ranks share one token)
+  // fill its own slots with waiting ranks and refuse the rank the barrier waits for. Pair
+  // with LeaveWaiting().
+  absl::Status EnterWaiting(grpc::CallbackServerContext* ctx, const char* method);
+  void LeaveWaiting();
 
  private:
   void LeaveClient(const std::string& client);

@@ -33,6 +33,7 @@
 #include "engine/instance_id.h"
 #include "service/auth.h"
 #include "service/build_info.h"
+#include "service/head_files.h"
 #include "service/idle_state_sweep.h"
 #include "service/log.h"
 #include "service/loss_server.h"
@@ -67,6 +68,18 @@ ABSL_FLAG(bool, cuda_autotune, true,
 ABSL_FLAG(uint64_t, weight_cache_bytes, 4ull << 30, "Budget of weights held by handle (LRU).");
 ABSL_FLAG(uint64_t, accumulator_bytes, 8ull << 30, "Budget of gradient accumulators.");
 ABSL_FLAG(uint32_t, max_accumulators, 64, "Most gradient accumulators held at once.");
+ABSL_FLAG(uint64_t, head_bytes, 16ull << 30,
+          "Budget of hosted heads (fp32 master, optimizer state, compute copy, gradient sum), "
+          "in backend memory; a head that does not fit is refused, never evicted.");
+ABSL_FLAG(uint32_t, max_heads, 64, "Most hosted heads held at once.");
+ABSL_FLAG(absl::Duration, head_step_timeout, absl::Minutes(10),
+          "Longest a hosted head's Step barrier waits for its last rank; then every waiting "
+          "rank gets DEADLINE_EXCEEDED and the step's gradients are dropped (in line with "
+          "torch.distributed's default collective timeout for NCCL).");
+ABSL_FLAG(std::string, head_export_dir, "",
+          "Where every hosted head is exported on drain (SIGTERM/SIGINT, after the calls have "
+          "finished), one file each, and imported from at start (each file deleted once "
+          "imported), so a rolling restart keeps them; empty = heads end with the process.");
 ABSL_FLAG(uint32_t, max_queue, 64, "Most requests waiting for memory; more get UNAVAILABLE.");
 ABSL_FLAG(uint32_t, max_in_flight, 256, "Most RPCs at once; more get UNAVAILABLE.");
 ABSL_FLAG(uint32_t, max_in_flight_per_client, 64,
@@ -256,6 +269,7 @@ struct Budgets {
   uint64_t host_buffer_pool_bytes = 0;
   uint64_t weight_cache_bytes = 0;
   uint64_t accumulator_bytes = 0;
+  uint64_t head_bytes = 0;
 };
 
 // Host-memory defaults follow the container's limit where it is below the machine's; logs
@@ -276,27 +290,36 @@ void FitHostBudgets(Budgets* b) {
   SetHostBufferPoolBytes(b->host_buffer_pool_bytes);
 }
 
-// Weights and accumulators live in backend memory between requests: budgets the backend
-// cannot hold would surface later as out-of-memory failures of requests already accepted.
-// The defaults (4 + 8 GiB) suit a GPU host; on a smaller machine they shrink to fit rather
-// than keep lossd from starting. Values given on the command line are checked as they are.
-// Logs the refusal and returns false where they do not fit.
+// Weights, accumulators and heads live in backend memory between requests: budgets the
+// backend cannot hold would surface later as out-of-memory failures of requests already
+// accepted. The defaults (4 + 8 + 16 GiB) suit a GPU host; on a smaller machine those left at
+// their defaults shrink to fit rather than keep lossd from starting. Values given on the
+// command line are checked as they are. Logs the refusal and returns false where they do not
+// fit.
 bool FitStoreBudgets(const BackendInfo& info, Budgets* b) {
-  b->weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
-  b->accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
-  const bool stores_given = !AtDefault("weight_cache_bytes") || !AtDefault("accumulator_bytes");
-  if (!stores_given &&
-      FitDefaultStoreBudgets(&b->weight_cache_bytes, &b->accumulator_bytes, info)) {
+  StoreBudgets stores;
+  stores.weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
+  stores.accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
+  stores.head_bytes = absl::GetFlag(FLAGS_head_bytes);
+  StoreBudgetsGiven given;
+  given.weight_cache = !AtDefault("weight_cache_bytes");
+  given.accumulator = !AtDefault("accumulator_bytes");
+  given.head = !AtDefault("head_bytes");
+  if (FitDefaultStoreBudgets(&stores, given, info)) {
     Log(LogLevel::kWarning,
-        absl::StrCat("the default --weight_cache_bytes and --accumulator_bytes do not fit the ",
-                     info.name, " backend's memory; using ", b->weight_cache_bytes, " and ",
-                     b->accumulator_bytes, " bytes (half of it)"));
+        absl::StrCat("the default store budgets do not fit the ", info.name,
+                     " backend's memory; using --weight_cache_bytes=", stores.weight_cache_bytes,
+                     " --accumulator_bytes=", stores.accumulator_bytes,
+                     " --head_bytes=", stores.head_bytes,
+                     " (the defaulted ones scaled into half of it)"));
   }
-  if (absl::Status s = CheckStoreBudgets(b->weight_cache_bytes, b->accumulator_bytes, info);
-      !s.ok()) {
+  if (absl::Status s = CheckStoreBudgets(stores, info); !s.ok()) {
     StartFailed(s.ToString());
     return false;
   }
+  b->weight_cache_bytes = stores.weight_cache_bytes;
+  b->accumulator_bytes = stores.accumulator_bytes;
+  b->head_bytes = stores.head_bytes;
   return true;
 }
 
@@ -311,6 +334,14 @@ bool EngineOptionsFromFlags(const Budgets& b, EngineOptions* eo) {
   eo->max_weight_handles = absl::GetFlag(FLAGS_max_weight_handles);
   eo->accumulator_bytes = b.accumulator_bytes;
   eo->max_accumulators = absl::GetFlag(FLAGS_max_accumulators);
+  eo->head_bytes = b.head_bytes;
+  eo->max_heads = absl::GetFlag(FLAGS_max_heads);
+  eo->head_step_timeout = absl::GetFlag(FLAGS_head_step_timeout);
+  if (eo->head_step_timeout <= absl::ZeroDuration()) {
+    StartFailed(absl::StrCat("--head_step_timeout must be positive; got ",
+                             absl::FormatDuration(eo->head_step_timeout)));
+    return false;
+  }
   eo->max_bt = absl::GetFlag(FLAGS_max_bt);
   eo->max_h = absl::GetFlag(FLAGS_max_h);
   eo->max_v = absl::GetFlag(FLAGS_max_v);
@@ -346,6 +377,9 @@ StateSample SampleState(Engine& engine) {
   s.weight_cache_evictions = static_cast<double>(engine.weights().evictions());
   s.accumulators = static_cast<double>(engine.accumulators().count());
   s.accumulator_bytes = static_cast<double>(engine.accumulators().bytes());
+  s.heads = static_cast<double>(engine.heads().count());
+  s.head_bytes = static_cast<double>(engine.heads().bytes());
+  s.head_budget_bytes = static_cast<double>(engine.options().head_bytes);
   s.queued_requests = static_cast<double>(engine.budget().waiting());
   s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());
   s.healthy = b.healthy ? 1 : 0;
@@ -438,11 +472,13 @@ void AnnounceStarted(const LossServer& server, const prometheus::Exposer* expose
        {"host_buffer_pool_bytes", absl::StrCat(b.host_buffer_pool_bytes)},
        {"weight_cache_bytes", absl::StrCat(b.weight_cache_bytes)},
        {"accumulator_bytes", absl::StrCat(b.accumulator_bytes)},
+       {"head_bytes", absl::StrCat(b.head_bytes)},
        {"flags", NonDefaultFlags()}});
 }
 
-// Serves until SIGTERM or SIGINT, then drains for --drain_seconds and logs it.
-void ServeUntilSignalled(const sigset_t& signals, LossServer& server) {
+// Serves until SIGTERM or SIGINT, then drains for --drain_seconds, exports the heads to
+// --head_export_dir where it is set, and logs it.
+void ServeUntilSignalled(const sigset_t& signals, LossServer& server, Engine& engine) {
   int sig = 0;
   accepting = true;
   sigwait(&signals, &sig);
@@ -453,6 +489,12 @@ void ServeUntilSignalled(const sigset_t& signals, LossServer& server) {
   const absl::Time drain_started = absl::Now();
   server.Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   LogSuppressedCalls();
+  // After the calls: no Step or Compute can change a head while it is written out.
+  if (const std::string dir = absl::GetFlag(FLAGS_head_export_dir); !dir.empty()) {
+    const HeadFilesReport r = ExportHeadsToDir(engine, dir);
+    Log(r.failed == 0 ? LogLevel::kInfo : LogLevel::kError, "heads exported",
+        {{"dir", dir}, {"exported", absl::StrCat(r.done)}, {"failed", absl::StrCat(r.failed)}});
+  }
   Log(LogLevel::kInfo, "stopped",
       {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
 }
@@ -484,6 +526,13 @@ int Main() {
         &engine, state_ttl, [](const std::string& l) { Log(LogLevel::kInfo, l); });
   }
 
+  // Heads exported by the previous process (a rolling restart), before any call can come.
+  if (const std::string dir = absl::GetFlag(FLAGS_head_export_dir); !dir.empty()) {
+    const HeadFilesReport r = ImportHeadsFromDir(engine, dir);
+    Log(r.failed == 0 ? LogLevel::kInfo : LogLevel::kError, "heads imported",
+        {{"dir", dir}, {"imported", absl::StrCat(r.done)}, {"failed", absl::StrCat(r.failed)}});
+  }
+
   ServerMetrics metrics([&engine] { return SampleState(engine); });
   {
     const BuildInfo build = GetBuildInfo();
@@ -501,7 +550,7 @@ int Main() {
   auto server = LossServer::Start(&engine, &metrics, so);
   if (!server.ok()) return StartFailed(server.status().ToString());
   AnnounceStarted(**server, exposer.get(), info, eo.instance, budgets);
-  ServeUntilSignalled(signals, **server);
+  ServeUntilSignalled(signals, **server, engine);
   return 0;
 }
 

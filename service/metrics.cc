@@ -82,6 +82,12 @@ class StateCollector : public prometheus::Collectable {
             s.weight_cache_evictions);
     gauge("lossd_accumulators", "Gradient accumulators held.", s.accumulators);
     gauge("lossd_accumulator_bytes", "Bytes of gradient accumulators.", s.accumulator_bytes);
+    gauge("lossd_heads", "Hosted heads held.", s.heads);
+    gauge("lossd_head_bytes",
+          "Bytes of hosted heads: fp32 master, optimizer state, compute copy and gradient sum.",
+          s.head_bytes);
+    gauge("lossd_head_budget_bytes", "Hosted heads' memory budget (--head_bytes).",
+          s.head_budget_bytes);
     gauge("lossd_queued_requests", "Requests waiting for memory admission.", s.queued_requests);
     gauge("lossd_host_buffer_pool_bytes", "Idle request buffers kept for reuse.",
           s.host_buffer_pool_bytes);
@@ -121,6 +127,42 @@ ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
                             "Achieved TFLOP/s of the last Compute (6 BT H V / compute time).");
   in_flight_ =
       UnlabelledGauge(*registry_, "lossd_requests_in_flight", "RPCs started and not yet finished.");
+  head_steps_ = &prometheus::BuildCounter()
+                     .Name("lossd_head_steps_total")
+                     .Help("Hosted-head Step barriers that completed, by outcome: applied, "
+                           "skipped, reduced (a REDUCE phase) or failed.")
+                     .Register(*registry_);
+  // From a small head's update (tens of microseconds) to a large one's on a CPU (seconds).
+  head_step_seconds_ = &prometheus::BuildHistogram()
+                            .Name("lossd_head_step_seconds")
+                            .Help("Device time of a hosted head's step phase (the update, or "
+                                  "the gradient norm of a REDUCE).")
+                            .Register(*registry_)
+                            .Add({}, prometheus::Histogram::BucketBoundaries{
+                                         0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                         0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+  head_contributions_ = UnlabelledCounter(
+      *registry_, "lossd_head_step_contributions_total",
+      "Computes summed into hosted-head steps that completed; per step: divide by the rate "
+      "of lossd_head_steps_total{outcome=~\"applied|skipped\"}.");
+  head_tokens_ = UnlabelledCounter(*registry_, "lossd_head_step_tokens_total",
+                                   "Non-ignored tokens of those Computes.");
+  head_grad_norm_ = UnlabelledGauge(
+      *registry_, "lossd_head_last_grad_norm",
+      "L2 norm of the summed gradient of the last hosted-head step (any head).");
+  head_version_ = UnlabelledGauge(*registry_, "lossd_head_last_version",
+                                  "Version of the last hosted head that stepped, after its step.");
+}
+
+void ServerMetrics::CountHeadStep(const char* outcome) {
+  head_steps_->Add({{"outcome", outcome}}).Increment();
+}
+
+void ServerMetrics::ObserveHeadStep(double seconds) { head_step_seconds_->Observe(seconds); }
+
+void ServerMetrics::AddHeadStepContributions(double contributions, double tokens) {
+  head_contributions_->Increment(contributions);
+  head_tokens_->Increment(tokens);
 }
 
 void ServerMetrics::SetBuildInfo(const std::string& version, const std::string& commit,

@@ -39,6 +39,9 @@ struct StateSample {
   double weight_cache_evictions = 0;
   double accumulators = 0;
   double accumulator_bytes = 0;
+  double heads = 0;             // hosted heads held
+  double head_bytes = 0;        // their memory (master, state, copy, gradient sum)
+  double head_budget_bytes = 0; // --head_bytes
   double queued_requests = 0;
   double host_buffer_pool_bytes = 0;
   double healthy = 1;
@@ -58,6 +61,17 @@ class ServerMetrics {
   void AddGemmTunings(double n) { gemm_tunings_->Increment(n); }
   void SetLastTflops(double t) { tflops_->Set(t); }
   void InFlight(int delta) { in_flight_->Increment(delta); }
+  // Hosted heads' steps, counted once per barrier (not per rank). outcome: applied | skipped
+  // (GradScaler's skip, or a non-finite gradient) | reduced (a REDUCE phase) | failed.
+  void CountHeadStep(const char* outcome);
+  // The phase's run on the device (StepResult::step_seconds).
+  void ObserveHeadStep(double seconds);
+  // A completed step's Computes and their non-ignored tokens.
+  void AddHeadStepContributions(double contributions, double tokens);
+  // The last step's, of whichever head stepped last (no per-head series: heads are many and
+  // short-lived, and their names are the clients').
+  void SetHeadLastGradNorm(double norm) { head_grad_norm_->Set(norm); }
+  void SetHeadLastVersion(double version) { head_version_->Set(version); }
   // lossd_build_info{version,commit,backend,cuda_plugin} = 1, set once at start; the values
   // are those `lossd --version` prints (service/build_info.h).
   void SetBuildInfo(const std::string& version, const std::string& commit,
@@ -78,6 +92,12 @@ class ServerMetrics {
   prometheus::Counter* gemm_tunings_;
   prometheus::Gauge* tflops_;
   prometheus::Gauge* in_flight_;
+  prometheus::Family<prometheus::Counter>* head_steps_;
+  prometheus::Histogram* head_step_seconds_;
+  prometheus::Counter* head_contributions_;
+  prometheus::Counter* head_tokens_;
+  prometheus::Gauge* head_grad_norm_;
+  prometheus::Gauge* head_version_;
   std::shared_ptr<prometheus::Collectable> state_;
   std::shared_ptr<prometheus::Collectable> process_;  // process_* from /proc
 };

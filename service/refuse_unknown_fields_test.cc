@@ -173,5 +173,51 @@ TEST_F(RefuseUnknownFieldsTest, UnaryCalls) {
   }
 }
 
+TEST_F(RefuseUnknownFieldsTest, HostedHeadCalls) {
+  {
+    grpc::ClientContext ctx;
+    v1::CreateHeadResponse resp;
+    auto stream = stub_->CreateHead(&ctx, &resp);
+    v1::CreateHeadRequest r;
+    r.mutable_header()->set_name("h");
+    AddUnknown(r.mutable_header()->mutable_optimizer(), 40);
+    stream->Write(r);
+    stream->WritesDone();
+    ExpectRefused(stream->Finish(), "CreateHeadRequest.header.optimizer "
+                                    "(lossd.v1.OptimizerConfig) carries field number 40");
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::StepRequest r;
+    r.set_head("h");
+    AddUnknown(&r, 30);
+    v1::StepResponse resp;
+    ExpectRefused(stub_->Step(&ctx, r, &resp),
+                  "StepRequest (lossd.v1.StepRequest) carries field number 30");
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ExportHeadRequest r;
+    r.set_head("h");
+    AddUnknown(&r, 31);
+    auto reader = stub_->ExportHead(&ctx, r);
+    v1::ExportHeadResponse resp;
+    while (reader->Read(&resp)) {
+    }
+    ExpectRefused(reader->Finish(),
+                  "ExportHeadRequest (lossd.v1.ExportHeadRequest) carries field number 31");
+  }
+  for (bool drop : {false, true}) {
+    grpc::ClientContext ctx;
+    v1::HeadRequest r;
+    r.set_head("h");
+    AddUnknown(&r, 2);
+    v1::HeadInfo info;
+    v1::DropHeadResponse dropped;
+    ExpectRefused(drop ? stub_->DropHead(&ctx, r, &dropped) : stub_->GetHeadInfo(&ctx, r, &info),
+                  "HeadRequest (lossd.v1.HeadRequest) carries field number 2");
+  }
+}
+
 }  // namespace
 }  // namespace lossd

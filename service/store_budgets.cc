@@ -18,16 +18,25 @@ uint64_t StoreLimit(const BackendInfo& backend) {
 
 }  // namespace
 
-bool FitDefaultStoreBudgets(uint64_t* weight_cache_bytes, uint64_t* accumulator_bytes,
+bool FitDefaultStoreBudgets(StoreBudgets* b, const StoreBudgetsGiven& given,
                             const BackendInfo& backend) {
-  if (CheckStoreBudgets(*weight_cache_bytes, *accumulator_bytes, backend).ok()) return false;
-  const uint64_t half = StoreLimit(backend) / 2;
-  // In long double: the product of two byte counts does not fit in 64 bits.
-  const long double sum =
-      static_cast<long double>(*weight_cache_bytes) + static_cast<long double>(*accumulator_bytes);
-  const long double scale = static_cast<long double>(half) / sum;
-  *weight_cache_bytes = static_cast<uint64_t>(*weight_cache_bytes * scale);
-  *accumulator_bytes = static_cast<uint64_t>(*accumulator_bytes * scale);
+  if (CheckStoreBudgets(*b, backend).ok()) return false;
+  struct Budget {
+    bool given;
+    uint64_t* bytes;
+  };
+  const Budget all[] = {{given.weight_cache, &b->weight_cache_bytes},
+                        {given.accumulator, &b->accumulator_bytes},
+                        {given.head, &b->head_bytes}};
+  // In long double: sums and products of byte counts do not fit in 64 bits.
+  long double given_sum = 0, defaulted_sum = 0;
+  for (const Budget& x : all) (x.given ? given_sum : defaulted_sum) += *x.bytes;
+  if (defaulted_sum == 0) return false;
+  const long double half = static_cast<long double>(StoreLimit(backend) / 2);
+  const long double scale = half > given_sum ? (half - given_sum) / defaulted_sum : 0;
+  for (const Budget& x : all) {
+    if (!x.given) *x.bytes = static_cast<uint64_t>(*x.bytes * scale);
+  }
   return true;
 }
 
@@ -47,8 +56,7 @@ bool FitDefaultHostBudgets(uint64_t host_limit_bytes, bool memory_budget_given,
   return lowered;
 }
 
-absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator_bytes,
-                               const BackendInfo& backend) {
+absl::Status CheckStoreBudgets(const StoreBudgets& b, const BackendInfo& backend) {
   const uint64_t total = backend.memory_total_bytes;
   const uint64_t budget = backend.memory_budget_bytes;
   const uint64_t limit = StoreLimit(backend);
@@ -56,29 +64,30 @@ absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator
   // be held either, and then the device's memory is).
   const bool by_budget = budget != 0 && limit == budget;
   if (limit == 0) return absl::OkStatus();  // the backend does not say: nothing to compare
-  // Compared without forming the sum, which two large flags would wrap.
-  if (weight_cache_bytes <= limit && accumulator_bytes <= limit - weight_cache_bytes) {
-    return absl::OkStatus();
-  }
-  const std::string sum =
-      accumulator_bytes > UINT64_MAX - weight_cache_bytes
-          ? std::string("more than 2^64")
-          : absl::StrCat(weight_cache_bytes + accumulator_bytes);
+  // Summed in long double, which three large flags cannot wrap.
+  const long double sum = static_cast<long double>(b.weight_cache_bytes) +
+                          static_cast<long double>(b.accumulator_bytes) +
+                          static_cast<long double>(b.head_bytes);
+  if (sum <= static_cast<long double>(limit)) return absl::OkStatus();
+  const std::string sum_text =
+      sum >= 18446744073709551616.0L ? std::string("more than 2^64")
+                                     : absl::StrCat(static_cast<uint64_t>(sum));
   std::string what;
   if (by_budget) {
     // The only budget a backend has is the CUDA one, set by this flag.
     what = absl::StrCat("the ", backend.name, " backend's memory budget (",
                         "--device_memory_budget_bytes=", budget, ")");
   } else {
-    // The CPU backend keeps weights and accumulators in host memory.
+    // The CPU backend keeps weights, accumulators and heads in host memory.
     what = absl::StrCat("the ", backend.name, " backend's ",
                         backend.name == "cpu" ? "host" : "device", " memory of ", total,
                         " bytes (", backend.device, ")");
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "--weight_cache_bytes=", weight_cache_bytes, " plus --accumulator_bytes=",
-      accumulator_bytes, " (", sum, " bytes) exceed ", what,
-      "; both are held in backend memory between requests, so lower them"));
+      "--weight_cache_bytes=", b.weight_cache_bytes, " plus --accumulator_bytes=",
+      b.accumulator_bytes, " plus --head_bytes=", b.head_bytes, " (", sum_text,
+      " bytes) exceed ", what,
+      "; all three are held in backend memory between requests, so lower them"));
 }
 
 }  // namespace lossd

@@ -1,5 +1,6 @@
 // The start-up check of the budgets of what lossd keeps in backend memory between requests
-// (the weight cache and the gradient accumulators) against the memory the backend has.
+// (the weight cache, the gradient accumulators and the hosted heads) against the memory the
+// backend has.
 // Only compares numbers; never allocates or probes the device.
 #ifndef LOSSD_SERVICE_STORE_BUDGETS_H_
 #define LOSSD_SERVICE_STORE_BUDGETS_H_
@@ -11,18 +12,32 @@
 
 namespace lossd {
 
-// INVALID_ARGUMENT, naming both flags and their values, when --weight_cache_bytes plus
-// --accumulator_bytes exceed what the backend may hold: its own budget where it has one
-// (CUDA: --device_memory_budget_bytes), else its memory (the GPU's, or the host's for the CPU
-// backend, whose buffers are host memory). OK where the backend reports neither.
-absl::Status CheckStoreBudgets(uint64_t weight_cache_bytes, uint64_t accumulator_bytes,
-                               const BackendInfo& backend);
+// What lossd keeps in backend memory between requests, each with its own budget.
+struct StoreBudgets {
+  uint64_t weight_cache_bytes = 0;  // --weight_cache_bytes
+  uint64_t accumulator_bytes = 0;   // --accumulator_bytes
+  uint64_t head_bytes = 0;          // --head_bytes (hosted heads)
+};
 
-// For the defaults alone (neither flag given): where CheckStoreBudgets would refuse them,
-// scales both down in their ratio to half of the backend's limit, so that lossd starts with
-// its defaults on a small machine (a laptop, a small GPU) and requests keep the other half.
-// Returns true when it lowered them. Values a user gave are never changed: those are checked.
-bool FitDefaultStoreBudgets(uint64_t* weight_cache_bytes, uint64_t* accumulator_bytes,
+// Which of them the user set on the command line.
+struct StoreBudgetsGiven {
+  bool weight_cache = false, accumulator = false, head = false;
+};
+
+// INVALID_ARGUMENT, naming the three flags and their values, when --weight_cache_bytes plus
+// --accumulator_bytes plus --head_bytes exceed what the backend may hold: its own budget
+// where it has one (CUDA: --device_memory_budget_bytes), else its memory (the GPU's, or the
+// host's for the CPU backend, whose buffers are host memory). OK where the backend reports
+// neither.
+absl::Status CheckStoreBudgets(const StoreBudgets& b, const BackendInfo& backend);
+
+// For the budgets left at their defaults (not in `given`): where
+// CheckStoreBudgets would refuse them, scales the defaulted ones down in their ratio so that
+// all three take at most half of the backend's limit (what the given ones leave of that
+// half, and nothing where they take it all), so that lossd starts with its defaults on a
+// small machine (a laptop, a small GPU) and requests keep the other half. Returns true when
+// it lowered any. Values a user gave are never changed: those are checked.
+bool FitDefaultStoreBudgets(StoreBudgets* b, const StoreBudgetsGiven& given,
                             const BackendInfo& backend);
 
 // The host-memory budgets left at their defaults, derived from the host memory lossd may use

@@ -113,6 +113,11 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.wanted.predictions = w.predictions();
   spec.accumulator = h.accumulator();
   spec.accumulator_instance = h.accumulator_instance();
+  spec.head = h.head();
+  spec.head_version = h.head_version();
+  spec.rank = h.rank();
+  spec.micro_batch = h.micro_batch();
+  spec.head_instance = h.head_instance();
   return spec;
 }
 

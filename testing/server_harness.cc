@@ -70,6 +70,9 @@ Harness::Harness(HarnessOptions o) {
     s.memory_budget_bytes = static_cast<double>(e->budget().budget());
     s.weight_cache_bytes = static_cast<double>(e->weights().bytes());
     s.accumulators = static_cast<double>(e->accumulators().count());
+    s.heads = static_cast<double>(e->heads().count());
+    s.head_bytes = static_cast<double>(e->heads().bytes());
+    s.head_budget_bytes = static_cast<double>(e->options().head_bytes);
     return s;
   });
   // Metrics of the most recent harness are the ones served.

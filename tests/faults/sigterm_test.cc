@@ -2,6 +2,8 @@
 // while clients run computes, the process gets SIGTERM. Every call must end OK with the full,
 // correct result (bit-identical to the answer before the signal) or fail with UNAVAILABLE or
 // CANCELLED; never a partial result presented as complete. The process must exit 0.
+// With --head_export_dir, the hosted heads outlive the process: exported on drain, imported
+// by the next one.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/types.h>
@@ -12,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <string>
@@ -195,6 +198,103 @@ TEST(SigtermTest, InFlightComputesFinishOrFailCleanlyAndTheProcessExitsZero) {
   EXPECT_GT(ok_before, 0) << "no compute finished before the signal: " << summary;
   for (const std::string& p : problems) ADD_FAILURE() << p;
   std::printf("outcomes (code 0 = OK, 1 = CANCELLED, 14 = UNAVAILABLE): %s\n", summary.c_str());
+}
+
+// A hosted head's state as ExportHead streams it, by tensor id (empty on failure).
+std::map<int, std::string> ExportAll(v1::Loss::Stub& stub, const std::string& head,
+                                     v1::ExportHeader* header) {
+  grpc::ClientContext ctx;
+  v1::ExportHeadRequest r;
+  r.set_head(head);
+  auto reader = stub.ExportHead(&ctx, r);
+  v1::ExportHeadResponse m;
+  std::map<int, std::string> out;
+  while (reader->Read(&m)) {
+    if (m.has_header()) *header = m.header();
+    if (m.has_part()) out[m.part().tensor()] += m.part().data();
+  }
+  const grpc::Status s = reader->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return s.ok() ? out : std::map<int, std::string>{};
+}
+
+TEST(SigtermTest, HeadsAreExportedOnDrainAndImportedByTheNextProcess) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/heads";
+  std::filesystem::remove_all(dir);
+  const std::vector<std::string> args = {"--backend=cpu", "--port=0", "--address=127.0.0.1",
+                                         "--metrics_port=0", "--threads=2",
+                                         "--drain_seconds=1", "--head_export_dir=" + dir};
+  RandomProblemSpec s;
+  s.bt = 47, s.h = 31, s.v = 123;
+  s.dtype = DType::kF32;
+  s.seed = 23;
+  RandomProblem rp = RandomProblem::Make(s);
+  std::map<int, std::string> before;
+  v1::ExportHeader before_header;
+  {
+    ServerProcess server;
+    ASSERT_TRUE(server.Start(args));
+    auto stub = v1::Loss::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", server.port()), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::CreateHeadResponse created;
+    auto stream = stub->CreateHead(&ctx, &created);
+    v1::CreateHeadRequest r;
+    v1::HeadHeader* h = r.mutable_header();
+    h->set_name("run:1/head");
+    h->mutable_w()->set_dtype(v1::DTYPE_FP32);
+    h->mutable_w()->add_shape(s.v);
+    h->mutable_w()->add_shape(s.h);
+    h->set_compute_dtype(v1::DTYPE_FP32);
+    h->mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
+    stream->Write(r);
+    v1::CreateHeadRequest part;
+    part.mutable_part()->set_tensor(v1::TENSOR_HEAD_MASTER_W);
+    part.mutable_part()->set_data(rp.w.data(), rp.w.size());
+    stream->Write(part);
+    stream->WritesDone();
+    const grpc::Status cs = stream->Finish();
+    ASSERT_TRUE(cs.ok()) << cs.error_message();
+    v1::ComputeHeader ch = HeaderFor(rp);
+    ch.clear_w();
+    ch.mutable_outputs()->set_dw(false);
+    ch.mutable_outputs()->set_db(false);
+    ch.set_head("run:1/head");
+    ASSERT_TRUE(RunCompute(*stub, ch, PartsFor(rp, 4096, false)).status.ok());
+    grpc::ClientContext sctx;
+    v1::StepRequest step;
+    step.set_head("run:1/head");
+    step.set_world_size(1);
+    v1::StepResponse stepped;
+    ASSERT_TRUE(stub->Step(&sctx, step, &stepped).ok());
+    ASSERT_EQ(stepped.version(), 1u);
+    before = ExportAll(*stub, "run:1/head", &before_header);
+    ASSERT_FALSE(before.empty());
+    server.Signal(SIGTERM);
+    EXPECT_EQ(server.WaitExit(60), 0);
+  }
+  const std::string file = dir + "/run%3A1%2Fhead.lossd-head";
+  ASSERT_TRUE(std::filesystem::exists(file)) << "no export in " << dir;
+
+  ServerProcess next;
+  ASSERT_TRUE(next.Start(args));
+  auto stub = v1::Loss::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", next.port()),
+                                                    grpc::InsecureChannelCredentials()));
+  EXPECT_FALSE(std::filesystem::exists(file)) << "an imported file is deleted";
+  grpc::ClientContext ctx;
+  v1::HeadRequest r;
+  r.set_head("run:1/head");
+  v1::HeadInfo info;
+  const grpc::Status is = stub->GetHeadInfo(&ctx, r, &info);
+  ASSERT_TRUE(is.ok()) << is.error_message();
+  EXPECT_EQ(info.version(), 1u);
+  EXPECT_EQ(info.optimizer_step(), 1);
+  EXPECT_NE(info.instance(), before_header.instance()) << "a new process, a new instance";
+  v1::ExportHeader after_header;
+  EXPECT_EQ(ExportAll(*stub, "run:1/head", &after_header), before);
+  next.Signal(SIGTERM);
+  EXPECT_EQ(next.WaitExit(60), 0);
 }
 
 }  // namespace

@@ -27,6 +27,9 @@ METRICS = {
     "lossd_weight_cache_bytes", "lossd_weight_cache_hits_total",
     "lossd_weight_cache_misses_total", "lossd_weight_cache_evictions_total",
     "lossd_accumulators", "lossd_compute_flops_total", "lossd_healthy",
+    "lossd_heads", "lossd_head_bytes", "lossd_head_budget_bytes", "lossd_head_steps_total",
+    "lossd_head_step_seconds_bucket", "lossd_head_step_contributions_total",
+    "lossd_head_step_tokens_total", "lossd_head_last_grad_norm", "lossd_head_last_version",
 }
 
 failures = []
@@ -168,7 +171,8 @@ def check_cpu_budgets(res, args):
     limit = res.get("limits", {}).get("memory", "0")
     limit_bytes = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
     defaults = {"memory_budget_bytes": 8 << 30, "weight_cache_bytes": 4 << 30,
-                "accumulator_bytes": 8 << 30, "host_buffer_pool_bytes": 2 << 30}
+                "accumulator_bytes": 8 << 30, "head_bytes": 16 << 30,
+                "host_buffer_pool_bytes": 2 << 30}
     held = sum(int(flag_value(args, f) or d) for f, d in defaults.items())
     check(held <= 0.8 * limit_bytes,
           "CPU overlay: budgets and buffer pool (%d bytes) within 80%% of the memory limit "
