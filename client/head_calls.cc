@@ -63,10 +63,13 @@ absl::Status ValidateState(const CreateHeadRequest& r) {
   for (HeadTensor t : want) want_names.push_back(HeadTensorName(t));
   for (const auto& [t, tensor] : r.state) {
     if (std::find(want.begin(), want.end(), t) == want.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "state[", HeadTensorName(t), "]: ", OptimizerName(r.optimizer.kind),
-          r.optimizer.amsgrad ? " with amsgrad" : "", " (momentum ", r.optimizer.momentum,
-          ") keeps [", absl::StrJoin(want_names, ", "), "]", r.bias ? "" : " (no bias)"));
+      const std::string optimizer =
+          r.optimizer.kind == Optimizer::kAdamW
+              ? absl::StrCat("adamw", r.optimizer.amsgrad ? " with amsgrad" : "")
+              : absl::StrCat("sgd with momentum ", r.optimizer.momentum);
+      return absl::InvalidArgumentError(
+          absl::StrCat("state[", HeadTensorName(t), "]: ", optimizer, " keeps [",
+                       absl::StrJoin(want_names, ", "), "]", r.bias ? "" : " (no bias)"));
     }
   }
   for (HeadTensor t : want) {
