@@ -58,7 +58,9 @@ absl::Status ValidateOutputInto(const ComputeRequest& r) {
       case OutputTensor::kLse: returned = r.want.lse; break;
       case OutputTensor::kPredictions: returned = r.want.predictions; break;
       case OutputTensor::kDx: returned = r.want.dx; break;
-      case OutputTensor::kDw: returned = r.want.dw && r.accumulator.empty() && r.head.empty(); break;
+      case OutputTensor::kDw:
+        returned = r.want.dw && r.accumulator.empty() && r.head.empty();
+        break;
       case OutputTensor::kDb:
         // With a handle the bias is the handle's: whether one comes back is known only then.
         returned = r.want.db && r.accumulator.empty() && r.head.empty() &&

@@ -22,8 +22,9 @@ namespace lossd {
 namespace client {
 
 // INVALID_ARGUMENT for a request the server would refuse on its face (ranks, one of w, a
-// weight handle and a head, a bias with a handle or a head, a head with an accumulator), and for caller buffers (output_into) of outputs the call does
-// not return or too small for what it returns: refused only once the server has answered,
+// weight handle and a head, a bias with a handle or a head, a head with an accumulator),
+// and for caller buffers (output_into) of outputs the call does not return or too small for
+// what it returns: refused only once the server has answered,
 // the micro-batch would already be in a named accumulator, and a retry would add it twice.
 absl::Status ValidateRequest(const ComputeRequest& r);
 

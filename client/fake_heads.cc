@@ -315,7 +315,9 @@ grpc::Status FakeHeads::ExportMessages(const v1::ExportHeadRequest& req,
 grpc::Status FakeHeads::Info(const std::string& name, v1::HeadInfo* info) {
   absl::MutexLock lock(&mu_);
   auto it = heads_.find(name);
-  if (it == heads_.end()) return Refuse(StatusCode::NOT_FOUND, absl::StrCat("no head '", name, "'"));
+  if (it == heads_.end()) {
+    return Refuse(StatusCode::NOT_FOUND, absl::StrCat("no head '", name, "'"));
+  }
   InfoLocked(it->second, info);
   return grpc::Status::OK;
 }

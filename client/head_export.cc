@@ -189,8 +189,7 @@ absl::StatusOr<HeadExport> ExportOf(const ExportRangeStream& look) {
 }  // namespace
 
 absl::StatusOr<HeadExport> RunExport(grpc::GenericStub* stub, const ContextPreparer& prepare,
-                                     const ExportCall& call,
-                                     const std::function<absl::Status(const HeadExport&)>& on_layout,
+                                     const ExportCall& call, const ExportLayoutFn& on_layout,
                                      const HeadExportSink& sink) {
   LOSSD_RETURN_IF_ERROR(ValidateHeadName(call.name, "head"));
   ExportRangeStream look(0, kLookBytes, nullptr, nullptr);

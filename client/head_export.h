@@ -33,9 +33,9 @@ struct ExportCall {
 // version and the layout; `on_layout` hears them (a HeadExport without tensors: allocate, open
 // files); then ranges of options.range_bytes, one after another, each naming that version and
 // announcing the same layout (ABORTED otherwise), hand their bytes to `sink`.
+using ExportLayoutFn = std::function<absl::Status(const HeadExport&)>;
 absl::StatusOr<HeadExport> RunExport(grpc::GenericStub* stub, const ContextPreparer& prepare,
-                                     const ExportCall& call,
-                                     const std::function<absl::Status(const HeadExport&)>& on_layout,
+                                     const ExportCall& call, const ExportLayoutFn& on_layout,
                                      const HeadExportSink& sink);
 
 // RunExport into tensors: caller memory where options.into names it (INVALID_ARGUMENT when

@@ -148,7 +148,8 @@ absl::Status RunStep(CommandOutput& out) {
   out.Field("version", uint64_t{s.version}, absl::StrFormat("version         %d", s.version));
   out.Field("applied", s.applied, absl::StrFormat("applied         %s", s.applied ? "yes" : "no"));
   out.Field("grad_norm", s.grad_norm,
-            absl::StrFormat("grad_norm       %.9g%s", s.grad_norm, s.finite ? "" : " (not finite)"));
+            absl::StrFormat("grad_norm       %.9g%s", s.grad_norm,
+                            s.finite ? "" : " (not finite)"));
   out.Field("finite", s.finite, "");
   out.Field("clip_coef", double{s.clip_coef}, absl::StrFormat("clip_coef       %.9g", s.clip_coef));
   out.Field("contributions", uint64_t{s.contributions},

@@ -482,7 +482,8 @@ TEST_F(LossctlTest, HeadUsageErrors) {
   ExpectFails("head export --head=h --out_dir=/tmp/x --range_bytes=0", "--range_bytes must be > 0");
   ExpectFails("head import", "head import needs --in_dir");
   ExpectFails("head import --in_dir=" + Path("none"), "(written last by head export");
-  ExpectFails("head step --head=h --phase=half", "--phase must be full, reduce or apply, got 'half'");
+  ExpectFails("head step --head=h --phase=half",
+              "--phase must be full, reduce or apply, got 'half'");
   ExpectFails("head create --head=x --v=3 --h=2 --optimizer=adam",
               "--optimizer must be adamw or sgd, got 'adam'");
   ExpectFails("head create --head=x --v=3 --h=2 --compute_dtype=int32",

@@ -455,24 +455,7 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
   v1::ServerInfoResponse resp;
   LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::ServerInfo,
                                   Preparer(call), req, &resp));
-  ServerInfoResult info;
-  info.version = resp.version();
-  info.instance = resp.instance();
-  info.backend = resp.backend();
-  info.device = resp.device();
-  info.memory_total_bytes = resp.memory_total_bytes();
-  info.memory_budget_bytes = resp.memory_budget_bytes();
-  info.memory_in_use_bytes = resp.memory_in_use_bytes();
-  info.weight_cache_budget_bytes = resp.weight_cache_budget_bytes();
-  info.weight_cache_bytes = resp.weight_cache_bytes();
-  info.max_part_bytes = resp.max_part_bytes();
-  info.max_bt = resp.max_bt();
-  info.max_h = resp.max_h();
-  info.max_v = resp.max_v();
-  info.max_in_flight = resp.max_in_flight();
-  info.accumulators = resp.accumulators();
-  info.features.assign(resp.features().begin(), resp.features().end());
-  return info;
+  return ServerInfoFromProto(resp);
 }
 
 absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call) {

@@ -158,10 +158,16 @@ TEST_F(HeadsTest, CreateRefusesBadRequestsBeforeSending) {
   };
   const std::vector<Case> cases = {
       {"empty name", [](CreateHeadRequest& r) { r.name = ""; }, "name must be 1 to 128"},
-      {"bad name", [](CreateHeadRequest& r) { r.name = "a b"; }, "holds ' ': only [A-Za-z0-9._:/-]"},
+      {"bad name", [](CreateHeadRequest& r) { r.name = "a b"; },
+       "holds ' ': only [A-Za-z0-9._:/-]"},
       {"rank-1 w", [](CreateHeadRequest& r) { r.w = RandomFloats(DType::kF32, {37}, 3); },
        "w must be (V, H), got fp32[37]"},
-      {"int w", [](CreateHeadRequest& r) { r.w = Targets(37, 5, 3); r.state.clear(); r.bias.reset(); },
+      {"int w",
+       [](CreateHeadRequest& r) {
+         r.w = Targets(37, 5, 3);
+         r.state.clear();
+         r.bias.reset();
+       },
        "w must be (V, H)"},
       {"bias shape", [](CreateHeadRequest& r) { r.bias = RandomFloats(DType::kF32, {36}, 3); },
        "bias must be fp32[37] (w's dtype, V), got fp32[36]"},
