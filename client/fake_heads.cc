@@ -51,6 +51,10 @@ std::vector<int> StateIds(const v1::OptimizerConfig& o) {
 
 }  // namespace
 
+std::string FakeHeads::NotFound(const std::string& name) const {
+  return absl::StrCat("head '", name, "' not found on this server (instance '", instance_, "')");
+}
+
 grpc::Status FakeHeads::Create(grpc::ServerReader<v1::CreateHeadRequest>* reader,
                                v1::CreateHeadResponse* resp) {
   v1::CreateHeadRequest req;
@@ -98,8 +102,8 @@ grpc::Status FakeHeads::Create(grpc::ServerReader<v1::CreateHeadRequest>* reader
   if (it != heads_.end()) {
     if (it->second.header.version() != h.version()) {
       return Refuse(StatusCode::ALREADY_EXISTS,
-                    absl::StrCat("head '", h.name(), "' exists at version ",
-                                 it->second.header.version()));
+                    absl::StrCat("head '", h.name(), "' exists (version ",
+                                 it->second.header.version(), ") and differs from this one"));
     }
     resp->set_created(false);
     InfoLocked(it->second, resp->mutable_head());
@@ -177,7 +181,7 @@ grpc::Status FakeHeads::Step(grpc::ServerContext* ctx, const v1::StepRequest& re
   last_step_ = req;
   auto it = heads_.find(req.head());
   if (it == heads_.end()) {
-    return Refuse(StatusCode::NOT_FOUND, absl::StrCat("no head '", req.head(), "'"));
+    return Refuse(StatusCode::NOT_FOUND, NotFound(req.head()));
   }
   Head& head = it->second;
   if (!req.head_instance().empty() && req.head_instance() != instance_) {
@@ -262,7 +266,7 @@ grpc::Status FakeHeads::ExportMessages(const v1::ExportHeadRequest& req,
   export_requests_.push_back(req);
   auto it = heads_.find(req.head());
   if (it == heads_.end()) {
-    return Refuse(StatusCode::NOT_FOUND, absl::StrCat("no head '", req.head(), "'"));
+    return Refuse(StatusCode::NOT_FOUND, NotFound(req.head()));
   }
   const Head& head = it->second;
   if (req.has_version() && req.version() != head.header.version()) {
@@ -315,9 +319,7 @@ grpc::Status FakeHeads::ExportMessages(const v1::ExportHeadRequest& req,
 grpc::Status FakeHeads::Info(const std::string& name, v1::HeadInfo* info) {
   absl::MutexLock lock(&mu_);
   auto it = heads_.find(name);
-  if (it == heads_.end()) {
-    return Refuse(StatusCode::NOT_FOUND, absl::StrCat("no head '", name, "'"));
-  }
+  if (it == heads_.end()) return Refuse(StatusCode::NOT_FOUND, NotFound(name));
   InfoLocked(it->second, info);
   return grpc::Status::OK;
 }
@@ -325,7 +327,7 @@ grpc::Status FakeHeads::Info(const std::string& name, v1::HeadInfo* info) {
 grpc::Status FakeHeads::Drop(const std::string& name) {
   absl::MutexLock lock(&mu_);
   if (heads_.erase(name) == 0) {
-    return Refuse(StatusCode::NOT_FOUND, absl::StrCat("no head '", name, "'"));
+    return Refuse(StatusCode::NOT_FOUND, NotFound(name));
   }
   return grpc::Status::OK;
 }
@@ -350,7 +352,7 @@ grpc::Status FakeHeads::ForCompute(const v1::ComputeHeader& h, std::string* copy
   absl::MutexLock lock(&mu_);
   auto it = heads_.find(h.head());
   if (it == heads_.end()) {
-    return Refuse(StatusCode::NOT_FOUND, absl::StrCat("no head '", h.head(), "'"));
+    return Refuse(StatusCode::NOT_FOUND, NotFound(h.head()));
   }
   const Head& head = it->second;
   if (!h.head_instance().empty() && h.head_instance() != instance_) {
@@ -361,7 +363,7 @@ grpc::Status FakeHeads::ForCompute(const v1::ComputeHeader& h, std::string* copy
   if (h.head_version() != head.header.version()) {
     return Refuse(StatusCode::FAILED_PRECONDITION,
                   absl::StrCat("head '", h.head(), "' is at version ", head.header.version(),
-                               ", not ", h.head_version()));
+                               ", and this Compute names version ", h.head_version()));
   }
   *spec = Spec(head.header.compute_dtype(), {head.header.w().shape(0), head.header.w().shape(1)});
   *copy = Convert(head.tensors.at(v1::TENSOR_HEAD_MASTER_W), v1::DTYPE_FP32,

@@ -70,6 +70,8 @@ class FakeHeads {
   }
   grpc::Status ExportMessages(const v1::ExportHeadRequest& req,
                               std::vector<v1::ExportHeadResponse>* out);
+  // lossd's NOT_FOUND message for a head.
+  std::string NotFound(const std::string& name) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
   void InfoLocked(const Head& head, v1::HeadInfo* info) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The export's tensors in order: (id, spec, bytes).
   std::vector<std::tuple<int, v1::TensorSpec, std::string>> ExportTensorsLocked(

@@ -425,7 +425,8 @@ TEST_F(LossctlTest, HeadLifecycle) {
   EXPECT_EQ(Read("exp/exp_avg_sq_w.npy").shape(), (std::vector<int64_t>{9, 4}));
 
   ASSERT_EQ(Lossctl("head drop --head=h1").code, 0);
-  ExpectFails("head info --head=h1", "lossctl head info: NOT_FOUND: no head 'h1'");
+  ExpectFails("head info --head=h1",
+              "lossctl head info: NOT_FOUND: head 'h1' not found on this server");
   r = Lossctl("head import --in_dir=" + Path("exp"));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("version         1\n"));
