@@ -118,6 +118,26 @@ class HeadsE2eTest : public ::testing::Test {
     return client_->ExportHead(head, o);
   }
 
+  // Micro-batch (rank, mb) of version 0 on head "sgd", and the same Compute on the head's
+  // copy into accumulator "oracle": dX must agree bit for bit. *tokens grows by its tokens.
+  void ComputeWithOracle(uint32_t rank, uint64_t mb, const HostTensor& copy_w,
+                         const HostTensor& copy_b, int64_t* tokens) {
+    const ComputeRequest plain = MicroBatch(rank * 2 + mb);
+    absl::StatusOr<ComputeResult> on_head = client_->Compute(OnHead(plain, "sgd", 0, rank, mb));
+    ASSERT_TRUE(on_head.ok()) << on_head.status();
+    EXPECT_TRUE(on_head->head_added);
+    EXPECT_EQ(on_head->head_version, 0u);
+    EXPECT_EQ(on_head->Find(OutputTensor::kDw), nullptr);
+    ComputeRequest oracle = plain;
+    oracle.w = HostTensor::View(DType::kBF16, {kV, kH}, copy_w.data());
+    oracle.bias = HostTensor::View(DType::kBF16, {kV}, copy_b.data());
+    oracle.accumulator = "oracle";
+    absl::StatusOr<ComputeResult> want = client_->Compute(oracle);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(Mismatch(*on_head->Find(OutputTensor::kDx), *want->Find(OutputTensor::kDx)), "");
+    *tokens += on_head->tokens;
+  }
+
   Harness harness_;
   std::unique_ptr<LossClient> client_;
 };
@@ -141,22 +161,7 @@ TEST_F(HeadsE2eTest, TwoRanksComputeAndStepOnce) {
   int64_t tokens = 0;
   for (uint32_t rank = 0; rank < 2; ++rank) {
     for (uint64_t mb = 0; mb < 2; ++mb) {
-      const ComputeRequest plain = MicroBatch(rank * 2 + mb);
-      absl::StatusOr<ComputeResult> on_head =
-          client_->Compute(OnHead(plain, "sgd", 0, rank, mb));
-      ASSERT_TRUE(on_head.ok()) << on_head.status();
-      EXPECT_TRUE(on_head->head_added);
-      EXPECT_EQ(on_head->head_version, 0u);
-      EXPECT_EQ(on_head->Find(OutputTensor::kDw), nullptr);
-      // The oracle: the same Compute on the head's copy, into an accumulator.
-      ComputeRequest oracle = plain;
-      oracle.w = HostTensor::View(DType::kBF16, {kV, kH}, copy_w.data());
-      oracle.bias = HostTensor::View(DType::kBF16, {kV}, copy_b.data());
-      oracle.accumulator = "oracle";
-      absl::StatusOr<ComputeResult> want = client_->Compute(oracle);
-      ASSERT_TRUE(want.ok()) << want.status();
-      EXPECT_EQ(Mismatch(*on_head->Find(OutputTensor::kDx), *want->Find(OutputTensor::kDx)), "");
-      tokens += on_head->tokens;
+      ASSERT_NO_FATAL_FAILURE(ComputeWithOracle(rank, mb, copy_w, copy_b, &tokens));
     }
   }
   absl::StatusOr<ComputeResult> retry = client_->Compute(OnHead(MicroBatch(3), "sgd", 0, 1, 1));
