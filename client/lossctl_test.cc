@@ -435,6 +435,11 @@ TEST_F(LossctlTest, HeadLifecycle) {
   EXPECT_EQ(fake_.heads.last_create_header().optimizer().beta2(), 0.95);
   EXPECT_EQ(fake_.heads.last_create_header().optimizer_step(), 1);
   ASSERT_EQ(Lossctl("head import --head=h2 --in_dir=" + Path("exp")).code, 0);
+  r = Lossctl("head info --head=h2 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::StartsWith("{\"command\": \"head info\", \"ok\": true, "
+                                              "\"name\": \"h2\", "));
+  EXPECT_THAT(r.output, HasSubstr("\"version\": 1, \"optimizer_step\": 1, "));
   r = Lossctl("head list");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, ::testing::ContainsRegex("\nh1 +1 +[0-9]+ +[-0-9.]+ 0\n"));
