@@ -120,6 +120,17 @@ struct ComputeRequest {
   // return: one that landed elsewhere is FAILED_PRECONDITION (the sum is already split).
   std::string accumulator;
   std::map<OutputTensor, OutputBuffer> output_into;
+  // A hosted head (LossClient::CreateHead; servers with the "hosted_head" feature): the
+  // weight is the head's compute copy (x's dtype must be the head's compute dtype) and dW/db
+  // go into the head's current step, never returned; not with w, weight_handle, bias or
+  // accumulator. head_version: the version computed against (StepResult::version); the next
+  // one waits (within the deadline) while this version's step is pending. (rank,
+  // micro_batch) is the idempotency key: a retried Compute is answered but not added twice.
+  // Data-parallel averaging is options.grad_scale (e.g. 1/world_size).
+  std::string head;
+  uint64_t head_version = 0;
+  uint32_t rank = 0;
+  uint64_t micro_batch = 0;
   // nullopt = ClientOptions::overlap.
   std::optional<bool> overlap;
 };
@@ -137,6 +148,10 @@ struct ComputeResult {
   // and kDb mean its sum, which then refuses further use until a reset fetch or a drop).
   // Servers with the "nonfinite_outputs" feature; older ones leave it empty.
   std::vector<OutputTensor> nonfinite;
+  // With a head: the version computed against, and whether this call's dW/db were added to
+  // its step (false: its (rank, micro_batch) key was already there: a retry).
+  uint64_t head_version = 0;
+  bool head_added = false;
   // Returned tensors, as the server listed them. Those with an output_into buffer are
   // mutable views of it; the rest own their bytes.
   std::map<OutputTensor, HostTensor> outputs;
@@ -184,14 +199,17 @@ struct ServerInfoResult {
   std::vector<std::string> features;  // see engine/features.h
 };
 
-// One weight handle or accumulator of the caller's, as List reports it.
+// One weight handle, accumulator or hosted head of the caller's, as List reports it.
 struct StateEntry {
-  enum class Kind { kWeights, kAccumulator };
+  enum class Kind { kWeights, kAccumulator, kHead };
   Kind kind = Kind::kWeights;
-  std::string name;  // the weight handle or the accumulator's name
+  std::string name;  // the weight handle, the accumulator's or the head's name
   uint64_t bytes = 0;  // server memory it holds
   int64_t last_used_unix_ms = 0;  // created, or last named by a call
-  uint64_t micro_batches = 0;  // accumulators: micro-batches summed since the last reset
+  // Accumulators: micro-batches summed since the last reset; heads: Computes added to the
+  // current step.
+  uint64_t micro_batches = 0;
+  uint64_t version = 0;  // heads: steps completed
 };
 
 }  // namespace client

@@ -64,6 +64,27 @@ std::vector<int64_t> ShapeOf(const v1::TensorSpec& spec) {
   return std::vector<int64_t>(spec.shape().begin(), spec.shape().end());
 }
 
+ServerInfoResult ServerInfoFromProto(const v1::ServerInfoResponse& resp) {
+  ServerInfoResult info;
+  info.version = resp.version();
+  info.instance = resp.instance();
+  info.backend = resp.backend();
+  info.device = resp.device();
+  info.memory_total_bytes = resp.memory_total_bytes();
+  info.memory_budget_bytes = resp.memory_budget_bytes();
+  info.memory_in_use_bytes = resp.memory_in_use_bytes();
+  info.weight_cache_budget_bytes = resp.weight_cache_budget_bytes();
+  info.weight_cache_bytes = resp.weight_cache_bytes();
+  info.max_part_bytes = resp.max_part_bytes();
+  info.max_bt = resp.max_bt();
+  info.max_h = resp.max_h();
+  info.max_v = resp.max_v();
+  info.max_in_flight = resp.max_in_flight();
+  info.accumulators = resp.accumulators();
+  info.features.assign(resp.features().begin(), resp.features().end());
+  return info;
+}
+
 std::string RandomUploadId() {
   std::random_device rd;
   uint64_t half[2];

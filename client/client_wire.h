@@ -36,6 +36,8 @@ std::vector<int64_t> ShapeOf(const v1::TensorSpec& spec);
 // An output's name ("dx", ...), else "tensor#<id>": for messages about what a server sent.
 std::string TensorIdName(int32_t id);
 
+ServerInfoResult ServerInfoFromProto(const v1::ServerInfoResponse& resp);
+
 // A random 128-bit upload id, in hex: stripes of one upload share it, and no two uploads
 // (from any client) should.
 std::string RandomUploadId();

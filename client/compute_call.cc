@@ -58,17 +58,20 @@ absl::Status ValidateOutputInto(const ComputeRequest& r) {
       case OutputTensor::kLse: returned = r.want.lse; break;
       case OutputTensor::kPredictions: returned = r.want.predictions; break;
       case OutputTensor::kDx: returned = r.want.dx; break;
-      case OutputTensor::kDw: returned = r.want.dw && r.accumulator.empty(); break;
+      case OutputTensor::kDw:
+        returned = r.want.dw && r.accumulator.empty() && r.head.empty();
+        break;
       case OutputTensor::kDb:
         // With a handle the bias is the handle's: whether one comes back is known only then.
-        returned = r.want.db && r.accumulator.empty() && (r.bias.has_value() || !r.w.has_value());
+        returned = r.want.db && r.accumulator.empty() && r.head.empty() &&
+                   (r.bias.has_value() || !r.w.has_value());
         break;
     }
     const std::string name = OutputTensorName(tensor);
     if (!returned) {
       return absl::InvalidArgumentError(absl::StrCat(
           "output_into[", name, "]: this call does not return ", name,
-          " (see want, options.reduction and accumulator)"));
+          " (see want, options.reduction, accumulator and head)"));
     }
     if (v < 0 && (tensor == OutputTensor::kDw || tensor == OutputTensor::kDb)) continue;
     const auto [dtype, shape] = OutputSpecOf(r, tensor, v);
@@ -82,6 +85,31 @@ absl::Status ValidateOutputInto(const ComputeRequest& r) {
   return absl::OkStatus();
 }
 
+// A head names the weight and where dW/db go: nothing else may (the server refuses them
+// together; refused here before anything is sent).
+absl::Status ValidateHeadFields(const ComputeRequest& r) {
+  if (r.head.empty()) {
+    if (r.head_version != 0 || r.rank != 0 || r.micro_batch != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "head_version (", r.head_version, "), rank (", r.rank, ") and micro_batch (",
+          r.micro_batch, ") go with a head; no head is named"));
+    }
+    return absl::OkStatus();
+  }
+  const std::pair<bool, const char*> others[] = {{r.w.has_value(), "w"},
+                                                 {!r.weight_handle.empty(), "weight_handle"},
+                                                 {r.bias.has_value(), "bias"},
+                                                 {!r.accumulator.empty(), "accumulator"}};
+  for (const auto& [given, field] : others) {
+    if (given) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "head '", r.head, "' is the weight and takes the gradients: give no ", field,
+          " with it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateRequest(const ComputeRequest& r) {
@@ -90,8 +118,9 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
   if (r.x.rank() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("x must be (BT, H), got ", r.x.DebugString()));
   }
-  if (r.w.has_value() == !r.weight_handle.empty()) {
-    return absl::InvalidArgumentError("give exactly one of w and weight_handle");
+  LOSSD_RETURN_IF_ERROR(ValidateHeadFields(r));
+  if (r.head.empty() && r.w.has_value() == !r.weight_handle.empty()) {
+    return absl::InvalidArgumentError("give exactly one of w, weight_handle and head");
   }
   if (r.w.has_value()) {
     LOSSD_RETURN_IF_ERROR(r.w->Validate("w"));
@@ -117,7 +146,8 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
 }
 
 v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& instance,
-                                   uint32_t response_part_bytes, bool overlap) {
+                                   uint32_t response_part_bytes, bool overlap,
+                                   const std::string& head_instance) {
   v1::ComputeRequest head;
   v1::ComputeHeader* h = head.mutable_header();
   FillSpec(r.x, h->mutable_x());
@@ -149,6 +179,13 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
   if (!r.accumulator.empty()) h->set_accumulator_instance(instance);
   h->set_response_part_bytes(response_part_bytes);
   h->set_overlap(overlap);
+  if (!r.head.empty()) {  // unset otherwise: an older server refuses fields it does not know
+    h->set_head(r.head);
+    h->set_head_version(r.head_version);
+    h->set_rank(r.rank);
+    h->set_micro_batch(r.micro_batch);
+    h->set_head_instance(head_instance);
+  }
   return head;
 }
 
@@ -230,6 +267,8 @@ absl::Status ComputeReplyReader::OnSummary() {
   result.backend = s.backend();
   result.instance = s.instance();
   result.accumulated_micro_batches = s.accumulated_micro_batches();
+  result.head_version = s.head_version();
+  result.head_added = s.head_added();
   result.nonfinite.clear();
   for (int t : s.nonfinite()) result.nonfinite.push_back(static_cast<OutputTensor>(t));
   if (have_summary_) return absl::OkStatus();

@@ -21,16 +21,19 @@
 namespace lossd {
 namespace client {
 
-// INVALID_ARGUMENT for a request the server would refuse on its face (ranks, w xor a weight
-// handle, a bias with a handle), and for caller buffers (output_into) of outputs the call does
-// not return or too small for what it returns: refused only once the server has answered,
+// INVALID_ARGUMENT for a request the server would refuse on its face (ranks, one of w, a
+// weight handle and a head, a bias with a handle or a head, a head with an accumulator),
+// and for caller buffers (output_into) of outputs the call does not return or too small for
+// what it returns: refused only once the server has answered,
 // the micro-batch would already be in a named accumulator, and a retry would add it twice.
 absl::Status ValidateRequest(const ComputeRequest& r);
 
 // The ComputeRequest message that opens the stream: specs, options, wanted outputs,
-// accumulator (and the instance its sum is on, "" before the first Compute into it).
+// accumulator (and the instance its sum is on, "" before the first Compute into it), the
+// head's fields (and the instance it lives on, "" when unknown).
 v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& instance,
-                                   uint32_t response_part_bytes, bool overlap);
+                                   uint32_t response_part_bytes, bool overlap,
+                                   const std::string& head_instance = "");
 
 // Appends the parts of every input: small tensors and the weight first, X last (a server can
 // start on the first rows of X while the rest is still arriving, but needs everything else

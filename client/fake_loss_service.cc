@@ -97,7 +97,10 @@ grpc::Status FakeLossService::Compute(
   const int64_t bt = h.x().shape(0);
   std::string w_bytes = in.data[v1::TENSOR_W];
   v1::TensorSpec w_spec = h.w();
-  if (!h.weight_handle().empty()) {
+  if (!h.head().empty()) {
+    const grpc::Status s = heads.ForCompute(h, &w_bytes, &w_spec);
+    if (!s.ok()) return s;
+  } else if (!h.weight_handle().empty()) {
     absl::MutexLock lock(&mu);
     auto it = weights.find(h.weight_handle());
     if (it == weights.end()) {
@@ -149,7 +152,10 @@ grpc::Status FakeLossService::Compute(
     if (grad != h.x().dtype()) dx.assign(bt * h.x().shape(1) * 4, '\x3f');
     announce(v1::TENSOR_DX, grad, {bt, h.x().shape(1)}, dx);
   }
-  if (!h.accumulator().empty()) {
+  if (!h.head().empty()) {
+    s->set_head_version(h.head_version());
+    s->set_head_added(heads.Added(h, tokens));
+  } else if (!h.accumulator().empty()) {
     absl::MutexLock lock(&mu);
     Accumulator& a = accumulators[h.accumulator()];
     a.v = w_spec.shape(0);
@@ -343,6 +349,7 @@ grpc::Status FakeLossService::List(grpc::ServerContext*, const v1::ListRequest*,
     e->set_last_used_unix_ms(2);
     e->set_micro_batches(a.micro_batches);
   }
+  heads.List(resp);
   return grpc::Status::OK;
 }
 

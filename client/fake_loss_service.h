@@ -1,7 +1,7 @@
 // A fake lossd service for client tests, served over real gRPC: it reassembles what a client
 // sends (refusing out-of-order parts), echoes inputs back as outputs (dx = x's bytes, dw = w's
-// bytes, lse = targets as fp32, predictions = targets), and can be told to misbehave. It
-// computes no loss; the real server's tests own the math.
+// bytes, lse = targets as fp32, predictions = targets), keeps hosted heads (fake_heads.h),
+// and can be told to misbehave. It computes no loss; the real server's tests own the math.
 #ifndef LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
 #define LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
 
@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "client/fake_heads.h"
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "lossd/v1/lossd.pb.h"
@@ -109,9 +110,34 @@ class FakeLossService final : public v1::Loss::Service {
                                v1::DropAccumulatorResponse*) override;
   grpc::Status ServerInfo(grpc::ServerContext* ctx, const v1::ServerInfoRequest*,
                           v1::ServerInfoResponse* resp) override;
-  // Every weight handle and accumulator (the fake has no owners); bytes from their shapes.
+  // Every weight handle, accumulator and head (the fake has no owners); bytes from their
+  // shapes.
   grpc::Status List(grpc::ServerContext*, const v1::ListRequest*,
                     v1::ListResponse* resp) override;
+
+  // Hosted heads (client/fake_heads.h). Its instance is "fake-instance" until a test sets
+  // another with heads.set_instance.
+  FakeHeads heads;
+  grpc::Status CreateHead(grpc::ServerContext*, grpc::ServerReader<v1::CreateHeadRequest>* reader,
+                          v1::CreateHeadResponse* resp) override {
+    return heads.Create(reader, resp);
+  }
+  grpc::Status Step(grpc::ServerContext* ctx, const v1::StepRequest* req,
+                    v1::StepResponse* resp) override {
+    return heads.Step(ctx, *req, resp);
+  }
+  grpc::Status ExportHead(grpc::ServerContext*, const v1::ExportHeadRequest* req,
+                          grpc::ServerWriter<v1::ExportHeadResponse>* writer) override {
+    return heads.Export(*req, writer);
+  }
+  grpc::Status GetHeadInfo(grpc::ServerContext*, const v1::HeadRequest* req,
+                           v1::HeadInfo* info) override {
+    return heads.Info(req->head(), info);
+  }
+  grpc::Status DropHead(grpc::ServerContext*, const v1::HeadRequest* req,
+                        v1::DropHeadResponse*) override {
+    return heads.Drop(req->head());
+  }
 };
 
 }  // namespace client

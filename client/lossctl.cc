@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
+#include "client/lossctl_heads.h"
 #include "client/lossctl_inputs.h"
 #include "client/lossctl_output.h"
 #include "client/npy.h"
@@ -108,6 +109,44 @@ ABSL_FLAG(bool, json, false,
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (empty = the whole server; lossd.v1.Loss)");
 
+// Hosted heads (lossctl head ...; compute --head).
+ABSL_FLAG(std::string, head, "", "head commands: the head's name; compute: on this hosted head");
+ABSL_FLAG(uint64_t, head_version, 0,
+          "compute, head step: the head's version computed against; head create: its version "
+          "(steps done) to start at");
+ABSL_FLAG(uint32_t, rank, 0, "compute --head, head step: this trainer's data-parallel rank");
+ABSL_FLAG(uint32_t, world_size, 1, "head step: the ranks of the step's barrier");
+ABSL_FLAG(uint64_t, micro_batch, 0, "compute --head: the micro-batch (with --rank: the retry key)");
+ABSL_FLAG(std::string, optimizer, "adamw", "head create: adamw|sgd (torch.optim's)");
+ABSL_FLAG(std::optional<double>, lr, std::nullopt,
+          "head create: the learning rate (default 1e-3); head step: this step's (default the "
+          "head's)");
+ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
+          "head create: W's weight decay (default torch's: adamw 0.01, sgd 0)");
+ABSL_FLAG(double, bias_weight_decay, 0, "head create: the bias's weight decay");
+ABSL_FLAG(double, momentum, 0, "head create: sgd momentum");
+ABSL_FLAG(double, dampening, 0, "head create: sgd dampening");
+ABSL_FLAG(bool, nesterov, false, "head create: sgd nesterov");
+ABSL_FLAG(double, beta1, 0.9, "head create: adamw beta1");
+ABSL_FLAG(double, beta2, 0.999, "head create: adamw beta2");
+ABSL_FLAG(double, eps, 1e-8, "head create: adamw eps");
+ABSL_FLAG(bool, amsgrad, false, "head create: adamw amsgrad");
+ABSL_FLAG(std::string, compute_dtype, "bf16", "head create: the compute copy's dtype (X's)");
+ABSL_FLAG(std::string, state_dir, "",
+          "head create: a folder of the optimizer's state as .npy (exp_avg_w.npy, ... as head "
+          "export names them), fp32");
+ABSL_FLAG(int64_t, optimizer_step, 0,
+          "head create: updates applied so far (torch's AdamW `step`; sgd: > 0 once the "
+          "momentum buffer holds a value)");
+ABSL_FLAG(std::string, phase, "full", "head step: full|reduce|apply");
+ABSL_FLAG(std::optional<double>, clip_coef, std::nullopt,
+          "head step: multiply the gradient by this (the trainer's clipping)");
+ABSL_FLAG(std::optional<double>, max_norm, std::nullopt,
+          "head step: clip by the head's own gradient norm");
+ABSL_FLAG(bool, skip, false, "head step: drop the step's gradients, W unchanged");
+ABSL_FLAG(int64_t, range_bytes, 256 << 20, "head export: bytes per range stream");
+ABSL_FLAG(std::string, in_dir, "", "head import: a folder head export wrote");
+
 namespace lossd {
 namespace client {
 namespace {
@@ -130,6 +169,17 @@ Commands:
   list              the caller's own weight handles and accumulators: kind, name, bytes,
                     seconds since last use, micro-batches
   health            [--service]: the gRPC health check; exit 0 only when SERVING
+  head create       --head: a hosted head from --w [--bias] (.npy) or random (--v --h
+                    [--with_bias]), --compute_dtype, --optimizer=adamw|sgd and its flags
+                    (--lr ...), [--state_dir --optimizer_step --head_version]
+  head step         --head --head_version [--rank --world_size --phase --lr --clip_coef |
+                    --max_norm --skip]: one rank's step; returns when every rank has called
+  head export       --head --out_dir [--range_bytes]: <tensor>.npy each, then head.txt
+  head import       --in_dir [--head: another name]: create the head again as exported
+  head info|drop    --head
+  head list         the caller's heads: version, bytes, idle seconds, contributions
+  compute --head    --head_version [--rank --micro_batch]: a Compute on a hosted head (V, H
+                    and the dtype from its info when not given)
 
 Global flags: --target --deadline_seconds --part_bytes --connections --stripes --metadata
               --tls --tls_ca --tls_cert --tls_key --tls_server_name --auth_token[_file].
@@ -181,6 +231,13 @@ void PrintResult(const ComputeResult& res, CommandOutput& out) {
             absl::StrFormat("sent        %s, received %s", Gb(res.bytes_sent),
                             Gb(res.bytes_received)));
   out.Field("bytes_received", uint64_t{res.bytes_received}, "");
+  if (!absl::GetFlag(FLAGS_head).empty()) {
+    out.Field("head_version", uint64_t{res.head_version},
+              absl::StrFormat("head        version %d, %s", res.head_version,
+                              res.head_added ? "added to its step"
+                                             : "not added: its (rank, micro_batch) was there"));
+    out.Field("head_added", res.head_added, "");
+  }
   if (res.accumulated_micro_batches > 0) {
     out.Field("micro_batches", uint64_t{res.accumulated_micro_batches},
               absl::StrFormat("micro_batches %d", res.accumulated_micro_batches));
@@ -201,6 +258,7 @@ void PrintResult(const ComputeResult& res, CommandOutput& out) {
 
 absl::Status RunCompute(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
+  if (!absl::GetFlag(FLAGS_head).empty()) LOSSD_RETURN_IF_ERROR(HeadShapeFlagsForCompute(*client));
   int64_t v = 0;
   LOSSD_ASSIGN_OR_RETURN(auto req, RequestFromFlags(&v));
   LOSSD_ASSIGN_OR_RETURN(auto res, client->Compute(req));
@@ -437,17 +495,24 @@ absl::Status RunList(CommandOutput& out) {
                  "micro_batches");
   }
   for (const StateEntry& e : entries) {
-    const bool acc = e.kind == StateEntry::Kind::kAccumulator;
+    // Heads count the Computes in their current step, as accumulators their micro-batches.
+    const bool counts = e.kind != StateEntry::Kind::kWeights;
+    const std::string kind = e.kind == StateEntry::Kind::kAccumulator ? "accumulator"
+                             : e.kind == StateEntry::Kind::kHead      ? "head"
+                                                                      : "weights";
     const double idle_s = (now_ms - e.last_used_unix_ms) / 1e3;
-    JsonFields row = {{"kind", std::string(acc ? "accumulator" : "weights")},
+    JsonFields row = {{"kind", kind},
                       {"name", e.name},
                       {"bytes", uint64_t{e.bytes}},
                       {"idle_seconds", idle_s}};
-    if (acc) row.emplace_back("micro_batches", uint64_t{e.micro_batches});
+    if (counts) row.emplace_back("micro_batches", uint64_t{e.micro_batches});
+    if (e.kind == StateEntry::Kind::kHead) row.emplace_back("version", uint64_t{e.version});
     out.Row("state", std::move(row),
-            absl::StrFormat("%-11s %-40s %14d %10.1f %s", acc ? "accumulator" : "weights", e.name,
-                            e.bytes, idle_s,
-                            acc ? absl::StrCat(e.micro_batches) : std::string("-")));
+            absl::StrFormat("%-11s %-40s %14d %10.1f %s%s", kind, e.name, e.bytes, idle_s,
+                            counts ? absl::StrCat(e.micro_batches) : std::string("-"),
+                            e.kind == StateEntry::Kind::kHead
+                                ? absl::StrCat(" (version ", e.version, ")")
+                                : std::string()));
   }
   return absl::OkStatus();
 }
@@ -469,14 +534,15 @@ int main(int argc, char** argv) {
   using namespace lossd::client;  // NOLINT(build/namespaces): main only
   absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) {
+  const bool head = args.size() >= 2 && std::string(args[1]) == "head";
+  if (args.size() != (head ? 3u : 2u)) {
     std::fprintf(stderr, "%s\n", kUsage);
     return 2;
   }
   TuneMallocForLargeMessages();
   // Each line as it is printed, also into a pipe (bench's progress, a script reading along).
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  const std::string command = args[1];
+  const std::string command = head ? absl::StrCat("head ", args[2]) : std::string(args[1]);
   const std::map<std::string, absl::Status (*)(CommandOutput&)> commands = {
       {"info", &RunInfo},
       {"compute", &RunCompute},
@@ -489,12 +555,12 @@ int main(int argc, char** argv) {
       {"health", &RunHealth},
   };
   auto it = commands.find(command);
-  if (it == commands.end()) {
+  if (it == commands.end() && !head) {
     std::fprintf(stderr, "lossctl: unknown command '%s'\n\n%s\n", command.c_str(), kUsage);
     return 2;
   }
   CommandOutput out(command, absl::GetFlag(FLAGS_json));
-  const absl::Status status = it->second(out);
+  const absl::Status status = head ? RunHead(args[2], out) : it->second(out);
   out.Finish(status);
   if (!status.ok()) {
     std::fprintf(stderr, "lossctl %s: %s: %s\n", command.c_str(),

@@ -276,7 +276,34 @@ absl::Status XAndTargetsFromFlags(int64_t v, ComputeRequest* r_out) {
   return absl::OkStatus();
 }
 
+// --head and its key (--head_version, --rank, --micro_batch) into r.
+absl::Status HeadFromFlags(ComputeRequest* r) {
+  r->head = absl::GetFlag(FLAGS_head);
+  if (r->head.empty()) return absl::OkStatus();
+  LOSSD_RETURN_IF_ERROR(CheckHeadComputeFlags());
+  r->head_version = absl::GetFlag(FLAGS_head_version);
+  r->rank = absl::GetFlag(FLAGS_rank);
+  r->micro_batch = absl::GetFlag(FLAGS_micro_batch);
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status CheckHeadComputeFlags() {
+  if (!absl::GetFlag(FLAGS_weight_handle).empty() || !absl::GetFlag(FLAGS_w).empty() ||
+      !absl::GetFlag(FLAGS_bias).empty() || absl::GetFlag(FLAGS_with_bias) ||
+      !absl::GetFlag(FLAGS_accumulator).empty()) {
+    // The head is the weight and takes the gradients; anything beside it would be refused.
+    return absl::InvalidArgumentError(
+        "--head is the weight and the accumulator: give it without --w, --bias, --with_bias, "
+        "--weight_handle or --accumulator");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DType> ParseFloatDType(const char* flag, const std::string& s) {
+  return ParseDTypeFlag(flag, s, true);
+}
 
 absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
   LOSSD_ASSIGN_OR_RETURN(auto o, OptionsFromFlags());
@@ -297,7 +324,10 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
     return absl::InvalidArgumentError(
         "--weight_handle carries W and its bias: give it without --w, --bias or --with_bias");
   }
-  if (r.weight_handle.empty()) LOSSD_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
+  LOSSD_RETURN_IF_ERROR(HeadFromFlags(&r));
+  if (r.weight_handle.empty() && r.head.empty()) {
+    LOSSD_RETURN_IF_ERROR(LoadWeights(&r.w, &r.bias));
+  }
   if (r.w.has_value() && r.w->rank() != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("--w must hold a (V, H) array, got ", r.w->DebugString()));

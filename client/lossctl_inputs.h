@@ -29,13 +29,18 @@ ABSL_DECLARE_FLAG(std::string, grad_dtype);
 ABSL_DECLARE_FLAG(std::string, grad_output);
 ABSL_DECLARE_FLAG(double, grad_scale);
 ABSL_DECLARE_FLAG(int64_t, h);
+ABSL_DECLARE_FLAG(std::string, head);
+ABSL_DECLARE_FLAG(uint64_t, head_version);
 ABSL_DECLARE_FLAG(double, ignore_fraction);
 ABSL_DECLARE_FLAG(int64_t, ignore_index);
 ABSL_DECLARE_FLAG(double, label_smoothing);
 ABSL_DECLARE_FLAG(double, lse_square_scale);
 ABSL_DECLARE_FLAG(std::string, metadata);
+ABSL_DECLARE_FLAG(uint64_t, micro_batch);
 ABSL_DECLARE_FLAG(bool, overlap);
+ABSL_DECLARE_FLAG(std::string, out_dir);
 ABSL_DECLARE_FLAG(int64_t, part_bytes);
+ABSL_DECLARE_FLAG(uint32_t, rank);
 ABSL_DECLARE_FLAG(std::string, reduction);
 ABSL_DECLARE_FLAG(int64_t, response_part_bytes);
 ABSL_DECLARE_FLAG(uint64_t, seed);
@@ -61,10 +66,16 @@ ABSL_DECLARE_FLAG(std::string, x);
 namespace lossd {
 namespace client {
 
+// compute --head: INVALID_ARGUMENT when a weight, bias or accumulator flag is given too.
+absl::Status CheckHeadComputeFlags();
+// A float dtype's name (bf16, fp16, fp32, ...) as the flag `flag` gives it.
+absl::StatusOr<DType> ParseFloatDType(const char* flag, const std::string& s);
+
 // A client for --target with the connection, TLS and token flags.
 absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags();
 // The Compute the flags describe: inputs from .npy files (--x --w --targets ...) or random
-// (--bt --h --v ...), its options and wanted outputs; *v_out is V.
+// (--bt --h --v ...), or a hosted head (--head ...), its options and wanted outputs; *v_out
+// is V.
 absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out);
 // W and the bias from --w/--bias, or random from --v --h --dtype --with_bias.
 absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias);

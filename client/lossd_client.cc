@@ -14,6 +14,8 @@
 #include "client/client_wire.h"
 #include "client/compute_call.h"
 #include "client/gradients_fetch.h"
+#include "client/head_calls.h"
+#include "client/head_export.h"
 #include "client/health_check.h"
 #include "client/output_receiver.h"
 #include "client/stream_call.h"
@@ -181,11 +183,12 @@ void LossClient::PrepareContext(const CallOptions& call, grpc::ClientContext* ct
 absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
                                                   const CallOptions& call) {
   LOSSD_RETURN_IF_ERROR(ValidateRequest(r));
+  if (!r.head.empty()) LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
   const absl::Time start = absl::Now();
   const bool overlap = r.overlap.value_or(options_.overlap);
   const v1::ComputeRequest head = ComputeHeaderOf(
       r, r.accumulator.empty() ? std::string() : AccumulatorInstance(r.accumulator),
-      options_.response_part_bytes, overlap);
+      options_.response_part_bytes, overlap, r.head.empty() ? "" : HeadInstance(r.head));
 
   // The tracker outlives the call: it waits (in its destructor too) until gRPC lets go of
   // the caller's memory.
@@ -207,6 +210,9 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!r.accumulator.empty() && !result.instance.empty()) {
     LOSSD_RETURN_IF_ERROR(RememberInstance(r.accumulator, result.instance));
+  }
+  if (!r.head.empty() && HeadInstance(r.head).empty()) {
+    RememberHeadInstance(r.head, result.instance);
   }
   return result;
 }
@@ -449,24 +455,7 @@ absl::StatusOr<ServerInfoResult> LossClient::ServerInfo(const CallOptions& call)
   v1::ServerInfoResponse resp;
   LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::ServerInfo,
                                   Preparer(call), req, &resp));
-  ServerInfoResult info;
-  info.version = resp.version();
-  info.instance = resp.instance();
-  info.backend = resp.backend();
-  info.device = resp.device();
-  info.memory_total_bytes = resp.memory_total_bytes();
-  info.memory_budget_bytes = resp.memory_budget_bytes();
-  info.memory_in_use_bytes = resp.memory_in_use_bytes();
-  info.weight_cache_budget_bytes = resp.weight_cache_budget_bytes();
-  info.weight_cache_bytes = resp.weight_cache_bytes();
-  info.max_part_bytes = resp.max_part_bytes();
-  info.max_bt = resp.max_bt();
-  info.max_h = resp.max_h();
-  info.max_v = resp.max_v();
-  info.max_in_flight = resp.max_in_flight();
-  info.accumulators = resp.accumulators();
-  info.features.assign(resp.features().begin(), resp.features().end());
-  return info;
+  return ServerInfoFromProto(resp);
 }
 
 absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call) {
@@ -479,11 +468,13 @@ absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call
   for (const v1::StateEntry& e : resp.entries()) {
     StateEntry s;
     s.kind = e.kind() == v1::STATE_ACCUMULATOR ? StateEntry::Kind::kAccumulator
+             : e.kind() == v1::STATE_HEAD      ? StateEntry::Kind::kHead
                                                : StateEntry::Kind::kWeights;
     s.name = e.name();
     s.bytes = e.bytes();
     s.last_used_unix_ms = e.last_used_unix_ms();
     s.micro_batches = e.micro_batches();
+    s.version = e.version();
     entries.push_back(std::move(s));
   }
   return entries;
@@ -509,6 +500,91 @@ absl::Status LossClient::RequireFeature(absl::string_view feature, const CallOpt
   return absl::UnimplementedError(absl::StrCat(
       "the server (lossd ", known->first, ") does not support '", feature,
       "' (not in its ServerInfo.features): upgrade the server to use it"));
+}
+
+std::string LossClient::HeadInstance(const std::string& head) const {
+  absl::MutexLock lock(&instances_mu_);
+  auto it = head_instances_.find(head);
+  return it == head_instances_.end() ? std::string() : it->second;
+}
+
+void LossClient::RememberHeadInstance(const std::string& head, const std::string& instance) {
+  absl::MutexLock lock(&instances_mu_);
+  if (instance.empty()) {
+    head_instances_.erase(head);
+    return;
+  }
+  if (head_instances_.size() >= kRememberedAccumulators && head_instances_.count(head) == 0) {
+    head_instances_.erase(head_instances_.begin());
+  }
+  head_instances_[head] = instance;
+}
+
+absl::StatusOr<CreateHeadResult> LossClient::CreateHead(const CreateHeadRequest& r,
+                                                        const CallOptions& call) {
+  LOSSD_RETURN_IF_ERROR(ValidateCreateHead(r));
+  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
+  LOSSD_ASSIGN_OR_RETURN(CreateHeadResult res, RunCreateHead(NextConnection().generic.get(),
+                                                             Preparer(call), r,
+                                                             options_.part_bytes));
+  RememberHeadInstance(r.name, res.head.instance);
+  return res;
+}
+
+absl::StatusOr<CreateHeadResult> LossClient::ImportHead(const HeadExport& e,
+                                                        const CallOptions& call) {
+  LOSSD_ASSIGN_OR_RETURN(CreateHeadRequest r, ImportRequestOf(e));
+  return CreateHead(r, call);
+}
+
+absl::StatusOr<StepResult> LossClient::Step(const StepRequest& r, const CallOptions& call) {
+  LOSSD_RETURN_IF_ERROR(ValidateStep(r));
+  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
+  v1::StepResponse resp;
+  LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::Step,
+                                  Preparer(call), StepRequestOf(r, HeadInstance(r.head)), &resp));
+  return StepResultFromProto(resp);
+}
+
+absl::StatusOr<HeadExport> LossClient::ExportHead(const std::string& head,
+                                                  const ExportHeadOptions& options,
+                                                  const CallOptions& call) {
+  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
+  const ExportCall ec{head, HeadInstance(head), options_.response_part_bytes, options};
+  return RunExportToTensors(NextConnection().generic.get(), Preparer(call), ec);
+}
+
+absl::StatusOr<HeadExport> LossClient::ExportHeadTo(
+    const std::string& head, const std::function<absl::Status(const HeadExport&)>& on_layout,
+    const HeadExportSink& sink, const ExportHeadOptions& options, const CallOptions& call) {
+  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
+  const ExportCall ec{head, HeadInstance(head), options_.response_part_bytes, options};
+  return RunExport(NextConnection().generic.get(), Preparer(call), ec, on_layout, sink);
+}
+
+absl::StatusOr<HeadInfo> LossClient::GetHeadInfo(const std::string& head,
+                                                 const CallOptions& call) {
+  LOSSD_RETURN_IF_ERROR(ValidateHeadName(head, "head"));
+  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
+  v1::HeadRequest req;
+  req.set_head(head);
+  v1::HeadInfo resp;
+  LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::GetHeadInfo,
+                                  Preparer(call), req, &resp));
+  LOSSD_ASSIGN_OR_RETURN(HeadInfo info, HeadInfoFromProto(resp));
+  RememberHeadInstance(head, info.instance);
+  return info;
+}
+
+absl::Status LossClient::DropHead(const std::string& head, const CallOptions& call) {
+  LOSSD_RETURN_IF_ERROR(ValidateHeadName(head, "head"));
+  RememberHeadInstance(head, "");
+  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
+  v1::HeadRequest req;
+  req.set_head(head);
+  v1::DropHeadResponse resp;
+  return CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::DropHead, Preparer(call), req,
+                   &resp);
 }
 
 void TuneMallocForLargeMessages() {

@@ -14,6 +14,11 @@
 //   r.targets = HostTensor::View(DType::kI64, {bt}, y_ptr);
 //   r.output_into[OutputTensor::kDx] = {dx_ptr, dx_bytes};       // optional: land dX here
 //   absl::StatusOr<ComputeResult> res = (*client)->Compute(r);   // res->loss, res->outputs
+//
+// Hosted heads (servers with the "hosted_head" feature): CreateHead keeps W, its optimizer
+// and a compute copy on the server; each rank's Compute names the head (ComputeRequest::head)
+// and its gradient goes into the head's step; Step applies it once all ranks have called;
+// ExportHead / ImportHead checkpoint it.
 #ifndef LOSSD_CLIENT_LOSSD_CLIENT_H_
 #define LOSSD_CLIENT_LOSSD_CLIENT_H_
 
@@ -35,6 +40,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/client_types.h"
+#include "client/head_types.h"
 #include "client/host_tensor.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
@@ -109,14 +115,48 @@ class LossClient {
   // The gRPC health check (grpc.health.v1): "SERVING", "NOT_SERVING", ... for `service` ("" =
   // the whole server; "lossd.v1.Loss" = the loss service). Needs no token.
   absl::StatusOr<std::string> Health(const std::string& service = "", const CallOptions& call = {});
-  // The caller's own weight handles and accumulators (what its credential created; all of
-  // them on a server that checks none). UNIMPLEMENTED from a server without "list_state".
+  // The caller's own weight handles, accumulators and hosted heads (what its credential
+  // created; all of them on a server that checks none). UNIMPLEMENTED from a server without
+  // "list_state".
   absl::StatusOr<std::vector<StateEntry>> List(const CallOptions& call = {});
   // OK when the server lists `feature` in ServerInfo.features; else UNIMPLEMENTED naming the
   // feature and the server's version. Asks ServerInfo once and remembers the answer (a failed
   // ask is not remembered). Call it before sending a field that the feature guards: an older
   // server would refuse the field (or, before refuse_unknown_fields, ignore it).
   absl::Status RequireFeature(absl::string_view feature, const CallOptions& call = {});
+
+  // Hosted heads. Every call first checks the server lists "hosted_head" (UNIMPLEMENTED
+  // otherwise). The client remembers each head's server instance (from CreateHead, Info and
+  // Compute) and names it in Compute, Step and ExportHead: a restarted server refuses them
+  // (FAILED_PRECONDITION) rather than act on a head it lost; ImportHead again there.
+  //
+  // Creates the head from W (fp32, or bf16/fp16: the master is their upcast), the bias and
+  // optionally the optimizer's state (a torch optimizer's, or an export's). Creating a head
+  // that exists with the same shape, optimizer and version is OK and changes nothing
+  // (created = false); at another version it is ALREADY_EXISTS.
+  absl::StatusOr<CreateHeadResult> CreateHead(const CreateHeadRequest& request,
+                                              const CallOptions& call = {});
+  // One rank's Step: returns once all world_size ranks have called (a barrier; give the
+  // call a deadline long enough for the slowest rank), with the step's result.
+  absl::StatusOr<StepResult> Step(const StepRequest& request, const CallOptions& call = {});
+  // The head's master, bias, optimizer state and compute copy at a step boundary, in ranges
+  // of options.range_bytes (the server copies one range to host memory at a time): into
+  // options.into's buffers where given, else into allocated tensors.
+  absl::StatusOr<HeadExport> ExportHead(const std::string& head,
+                                        const ExportHeadOptions& options = {},
+                                        const CallOptions& call = {});
+  // The same, its bytes handed to `sink` (files written as they come: bounded memory here
+  // too) after `on_layout` has heard the version and the tensors. No tensors in the result.
+  absl::StatusOr<HeadExport> ExportHeadTo(
+      const std::string& head, const std::function<absl::Status(const HeadExport&)>& on_layout,
+      const HeadExportSink& sink, const ExportHeadOptions& options = {},
+      const CallOptions& call = {});
+  // CreateHead from an export: the head resumes exactly where it was exported.
+  absl::StatusOr<CreateHeadResult> ImportHead(const HeadExport& exported,
+                                              const CallOptions& call = {});
+  absl::StatusOr<HeadInfo> GetHeadInfo(const std::string& head, const CallOptions& call = {});
+  // Also forgets the head's instance, whatever the server answers.
+  absl::Status DropHead(const std::string& head, const CallOptions& call = {});
 
   const ClientOptions& options() const { return options_; }
 
@@ -149,6 +189,9 @@ class LossClient {
   // was known (the first micro-batches of a new accumulator, sent at once from several
   // threads) were not pinned: one that reached another instance is FAILED_PRECONDITION here.
   absl::Status RememberInstance(const std::string& accumulator, const std::string& instance);
+  // The server instance a head lives on ("" when not known); Remember: "" forgets it.
+  std::string HeadInstance(const std::string& head) const;
+  void RememberHeadInstance(const std::string& head, const std::string& instance);
 
   ClientOptions options_;
   std::vector<std::unique_ptr<Connection>> connections_;
@@ -161,6 +204,9 @@ class LossClient {
   std::map<std::string, std::pair<std::string, uint64_t>> accumulator_instances_
       ABSL_GUARDED_BY(instances_mu_);
   uint64_t instances_seen_ ABSL_GUARDED_BY(instances_mu_) = 0;
+  // Head name -> instance; at most kRememberedAccumulators (heads are few: a server holds at
+  // most a few dozen).
+  std::map<std::string, std::string> head_instances_ ABSL_GUARDED_BY(instances_mu_);
   // The first successful ServerInfo's version and features, for RequireFeature.
   absl::Mutex features_mu_;
   std::optional<std::pair<std::string, std::vector<std::string>>> features_
