@@ -17,7 +17,7 @@ import numpy as np
 from lossd import errors
 from lossd._proto import pb
 from lossd._results import HeadExport, HeadInfo, StepResult
-from lossd._transfer import fetch_ranges_within, parts
+from lossd._transfer import parts
 from lossd.tensors import FLOAT_DTYPES, dtype_name, from_wire, parse_dtype, to_wire
 
 # The head's tensors by wire id, in the order an import sends them (and an export lists them).
@@ -193,11 +193,12 @@ class _ExportRange:
     the result arrays, checking the parts' tensors, order and offsets against the header."""
 
     def __init__(self, layout, begin, end):
-        self.layout = layout  # [(wire id, start byte in the concatenation, bytes, byte view)]
+        # [(wire id, start byte in the concatenation, bytes, byte view or None, element bytes)]
+        self.layout = layout
         self.next, self.end = begin, end
 
     def add(self, part):
-        for tid, start, nbytes, view in self.layout:
+        for tid, start, nbytes, view, _ in self.layout:
             if start <= self.next < start + nbytes or (nbytes == 0 and start == self.next):
                 break
         else:
@@ -369,13 +370,16 @@ class HeadMethods:
             self._head_instances.pop(str(head), None)
         self._head_rpc("DropHead", pb.HeadRequest(head=str(head)), timeout)
 
-    def export_head(self, head, *, version=None, range_bytes=DEFAULT_EXPORT_RANGE_BYTES,
-                    response_part_bytes=None, timeout=None):
+    def export_head(self, head, *, version=None, tensors=None,
+                    range_bytes=DEFAULT_EXPORT_RANGE_BYTES, response_part_bytes=None,
+                    timeout=None):
         """The head's master, bias, optimizer state and compute copy at a step boundary, as a
         HeadExport that import_head takes. Streamed in byte ranges of at most `range_bytes`
         (the server copies one range at a time), all naming one version (None: the current
         one, from head_info): a step in between makes the server refuse the later ranges
-        (FailedPreconditionError), and the export is to be taken again."""
+        (FailedPreconditionError), and the export is to be taken again. tensors: None (all), or
+        the names (HEAD_TENSOR_NAMES) to fetch, e.g. ("copy_w", "copy_bias"): only their bytes
+        travel, and the result holds only those the head has."""
         if int(range_bytes) < 4:
             raise errors.InvalidArgumentError("range_bytes must be >= 4, got %r" % range_bytes)
         if version is None:
@@ -383,26 +387,31 @@ class HeadMethods:
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         # A 4-byte look: the header lists the concatenation's tensors, so their sizes.
         look = self._export_range(head, version, 0, 4, int(rpb), None, timeout)
-        layout, arrays, total = self._export_layout(look)
-        n = max(1, -(-total // int(range_bytes)))
+        layout, arrays, total = self._export_layout(look, wanted=tensors)
+        spans = [(start, start + nbytes, elem) for _, start, nbytes, view, elem in layout
+                 if view is not None and nbytes > 0]
+        max_bytes = int(range_bytes)
         try:
-            self._export_ranges(head, version, layout, total, n, look, int(rpb), timeout)
+            n = self._export_ranges(head, version, layout, spans, max_bytes, look, int(rpb),
+                                    timeout)
         except errors.ResourceExhaustedError as e:
+            # Ranges of half the server's memory budget, as fetch_gradients falls back to.
             budget = self.server_info(timeout=timeout).memory_budget_bytes
-            n = fetch_ranges_within(total, budget, n + 1)
-            if n == 0:
+            if budget // 2 < 4 or budget // 2 >= max_bytes:
                 raise e from None
-            self._export_ranges(head, version, layout, total, n, look, int(rpb), timeout)
+            n = self._export_ranges(head, version, layout, spans, budget // 2, look,
+                                    int(rpb), timeout)
         h = look.head
         return HeadExport(name=h.name, version=h.version, optimizer_step=h.optimizer_step,
                           optimizer=OptimizerConfig.from_proto(h.optimizer),
                           compute_dtype=dtype_name(h.compute_dtype), tensors=arrays,
-                          instance=look.instance, ranges=n)
+                          instance=look.instance, ranges=n + 1)
 
     @staticmethod
-    def _export_layout(header, allocate=True):
+    def _export_layout(header, allocate=True, wanted=None):
         """(layout, {name: array}, total bytes) of an export header's concatenation; without
-        `allocate` (a look) nothing is allocated and the parts are checked and dropped."""
+        `allocate` (a look) nothing is allocated and the parts are checked and dropped;
+        `wanted`: the names to allocate (None: all)."""
         if len(header.tensors) != len(header.specs):
             raise errors.ProtocolError("export lists %d tensors but %d specs" % (
                 len(header.tensors), len(header.specs)), method="ExportHead")
@@ -413,26 +422,38 @@ class HeadMethods:
                 raise errors.ProtocolError("export lists tensor %d (%s) unexpectedly" % (
                     tid, dtype_name(spec.dtype)), method="ExportHead")
             shape = tuple(int(s) for s in spec.shape)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * (4 if spec.dtype == pb.DTYPE_FP32
-                                                            else 2)
+            elem = 4 if spec.dtype == pb.DTYPE_FP32 else 2
+            nbytes = int(np.prod(shape, dtype=np.int64)) * elem
             view = None
-            if allocate:
+            if allocate and (wanted is None or name in wanted):
                 buf = bytearray(nbytes)
                 arrays[name] = from_wire(spec.dtype, shape, buf)
                 view = memoryview(buf)
-            layout.append((tid, at, nbytes, view))
+            layout.append((tid, at, nbytes, view, elem))
             at += nbytes
+        if wanted is not None:
+            unknown = sorted(set(wanted) - set(HEAD_TENSOR_NAMES))
+            if unknown:
+                raise errors.InvalidArgumentError(
+                    "tensors: unknown name(s) %s (names: %s)" % (
+                        ", ".join(unknown), ", ".join(HEAD_TENSOR_NAMES)))
         return layout, arrays, at
 
-    def _export_ranges(self, head, version, layout, total, n, look, rpb, timeout):
-        """n ranges of whole fp32-sized steps, one after another, each checked against the
-        look's header (the same version, tensors and specs)."""
-        for j in range(n):
-            begin, end = 4 * ((total // 4) * j // n), 4 * ((total // 4) * (j + 1) // n)
-            if j == n - 1:
-                end = total
-            if begin < end:
-                self._export_range(head, version, begin, end, rpb, (layout, look), timeout)
+    def _export_ranges(self, head, version, layout, spans, max_bytes, look, rpb, timeout):
+        """The byte spans of the wanted tensors in ranges of at most max_bytes, each within
+        one tensor and cut at its whole elements, one after another, each checked against the
+        look's header (the same version, tensors and specs). Returns how many it took."""
+        n = 0
+        for begin, end, elem in spans:
+            pieces = -(-(end - begin) // max(elem, max_bytes - max_bytes % elem))
+            units = (end - begin) // elem
+            for j in range(pieces):
+                b = begin + elem * (units * j // pieces)
+                e = begin + elem * (units * (j + 1) // pieces)
+                if b < e:
+                    self._export_range(head, version, b, e, rpb, (layout, look), timeout)
+                    n += 1
+        return n
 
     def _export_range(self, head, version, begin, end, rpb, into, timeout):
         """One ExportHead stream of bytes [begin, end); returns its header. into: None (a
