@@ -1,5 +1,7 @@
 """PyTorch integration: a drop-in for Liger-Kernel's LigerFusedLinearCrossEntropyLoss that runs
-the linear + cross-entropy (forward and backward) on a lossd server.
+the linear + cross-entropy (forward and backward) on a lossd server; and RemoteLMHead, an LM
+head whose parameters and optimizer live on lossd (with RemoteHeadOptimizer, clip_grad_norm_
+and head_state_from_torch, defined in lossd._remote_head and lossd._remote_head_opt).
 
 Same constructor and forward arguments as Liger's module, plus keyword-only connection
 settings. Never materialises the logits locally; tensors on a GPU are copied to the host to
@@ -579,5 +581,11 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
         self.runtime.close()
 
 
+# The hosted head (lossd._remote_head, lossd._remote_head_opt): imported last, as they build
+# on the names above.
+from lossd._remote_head import RemoteLMHead, head_state_from_torch  # noqa: E402
+from lossd._remote_head_opt import RemoteHeadOptimizer, clip_grad_norm_  # noqa: E402
+
 __all__ = ["LossdFusedLinearCrossEntropyLoss", "LossdFusedLinearCrossEntropyFunction",
-           "lossd_fused_linear_cross_entropy", "LossdRuntime", "CrossEntropyOutput"]
+           "lossd_fused_linear_cross_entropy", "LossdRuntime", "CrossEntropyOutput",
+           "RemoteLMHead", "RemoteHeadOptimizer", "clip_grad_norm_", "head_state_from_torch"]
