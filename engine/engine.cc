@@ -53,7 +53,7 @@ Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
   heads_ = std::make_unique<HeadStore>(
       backend_.get(), &executor_,
       HeadStore::Options{options_.instance, options_.head_bytes, options_.max_heads,
-                         options_.head_step_timeout});
+                         options_.max_v, options_.max_h, options_.head_step_timeout});
 }
 
 // The heads' watchdog submits to the executor: it stops before the executor joins.
@@ -69,6 +69,9 @@ std::vector<StateInfo> Engine::ListState(const std::string& caller) const {
   std::vector<StateInfo> accs = accumulators_.List(caller);
   all.insert(all.end(), std::make_move_iterator(accs.begin()),
              std::make_move_iterator(accs.end()));
+  std::vector<StateInfo> heads = heads_->List(caller);
+  all.insert(all.end(), std::make_move_iterator(heads.begin()),
+             std::make_move_iterator(heads.end()));
   return all;
 }
 
@@ -77,6 +80,8 @@ std::vector<std::string> Engine::DropIdleState(absl::Duration idle) {
   std::vector<std::string> dropped = weights_.DropIdle(before);
   std::vector<std::string> accs = accumulators_.DropIdle(before);
   dropped.insert(dropped.end(), accs.begin(), accs.end());
+  std::vector<std::string> heads = heads_->DropIdle(before);
+  dropped.insert(dropped.end(), heads.begin(), heads.end());
   return dropped;
 }
 

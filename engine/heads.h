@@ -122,6 +122,12 @@ struct Head {
   // (rank, micro-batch) of every Compute added to the current step.
   absl::flat_hash_set<std::pair<uint32_t, uint64_t>> keys ABSL_GUARDED_BY(grad->mu);
   uint64_t bytes = 0;  // everything above, for the budget and List
+  // The current step's non-ignored tokens, readable without grad->mu (which a Compute holds
+  // for its whole run).
+  std::atomic<int64_t> step_tokens{0};
+  // Set when an update failed midway: the master may be half stepped, so the head refuses
+  // every later Compute and Step (import its last export).
+  std::atomic<bool> broken{false};
 
   // The step's bookkeeping: the version, the barrier, Computes waiting for the next version.
   absl::Mutex mu;
@@ -171,9 +177,7 @@ struct HeadSummary {
   int64_t last_used_ns = 0;
 };
 
-// A head being created: its memory is reserved and allocated; parts are written in; Commit
-// names it. Destroyed uncommitted, it gives everything back.
-class PendingHead;
+class PendingHead;  // below
 
 // Bytes of an export range, copied under the head's lock.
 struct HeadExportRange {
@@ -196,6 +200,7 @@ class HeadStore {
     std::string instance;          // this server's, for messages
     uint64_t budget_bytes = 16ull << 30;  // --head_bytes
     size_t max_heads = 64;
+    int64_t max_v = 1 << 21, max_h = 1 << 16;  // as the engine's shape limits
     absl::Duration step_timeout = absl::Minutes(10);  // --head_step_timeout
   };
   HeadStore(Backend* backend, Executor* executor, Options options);
@@ -259,9 +264,23 @@ class HeadStore {
   absl::StatusOr<bool> CheckAtRun(Head& head, uint64_t version, uint32_t rank,
                                   uint64_t micro_batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu);
 
+  class Impl;  // engine/head_internal.h
+
  private:
-  class Impl;
   std::unique_ptr<Impl> impl_;
+};
+
+// A head being created (BeginCreate to CommitCreate): the head, not yet named, with every
+// byte of its memory allocated, and how much of each tensor has arrived. Destroyed
+// uncommitted, it gives the memory and the name back.
+class PendingHead {
+ public:
+  ~PendingHead();
+  std::shared_ptr<Head> head;
+  HeadSpec spec;
+  HeadStore::Impl* store = nullptr;
+  std::vector<std::pair<HeadTensor, uint64_t>> expected;  // ImportTensors(spec)
+  std::vector<uint64_t> received;                         // bytes so far, per expected
 };
 
 // Head names: as accumulator names, 1 to 128 characters of [A-Za-z0-9._:/-].

@@ -9,6 +9,7 @@
 #include "core/loss_problem_check.h"
 #include "core/status_macros.h"
 #include "engine/engine.h"
+#include "engine/message_bounds.h"
 #include "engine/request_checks.h"
 
 namespace lossd {
@@ -25,6 +26,48 @@ absl::Status PlanX(const TensorDesc& x, ComputePlan* plan) {
   plan->bt = x.shape[0];
   plan->h = x.shape[1];
   plan->dtype = x.dtype;
+  return absl::OkStatus();
+}
+
+// A hosted head: its compute copy is the weight (X's H and dtype), its step the accumulator.
+absl::Status PlanHead(const ComputeSpec& spec, const TensorDesc& x, HeadStore& heads,
+                      const std::string& instance, ComputePlan* plan) {
+  const TensorDesc& w = Input(spec, InputSlot::kW);
+  const TensorDesc& bias = Input(spec, InputSlot::kBias);
+  if (w.present || bias.present || !spec.weight_handle.empty() || !spec.accumulator.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header names head '", ClippedText(spec.head), "' and also ",
+        w.present ? "w" : bias.present ? "bias" : !spec.weight_handle.empty() ? "weight_handle"
+                                                                               : "accumulator",
+        "; a head is the weight and the accumulator: send neither"));
+  }
+  if (!spec.head_instance.empty() && spec.head_instance != instance) {
+    LOSSD_RETURN_IF_ERROR(CheckIdLength(spec.head_instance, "header.head_instance"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.head_instance '", spec.head_instance, "' is not this server (instance '",
+        instance, "'): head '", ClippedText(spec.head), "' lives on another server instance "
+        "(another replica, or this server before a restart, which lost it unless it was "
+        "exported); import its last export here"));
+  }
+  LOSSD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, heads.Get(spec.head, spec.owner));
+  if (head->broken.load()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "head '", spec.head, "' failed midway through an update and refuses every call; drop "
+        "it and import its last export"));
+  }
+  plan->weights = head->copy;
+  plan->v = head->v;
+  plan->has_bias = head->has_bias;
+  if (head->h != plan->h || head->dtype != plan->dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "x (", ShapeString(x.shape), ", ", DTypeName(plan->dtype), ") does not fit head '",
+        spec.head, "' (H=", head->h, ", compute dtype ", DTypeName(head->dtype), ")"));
+  }
+  plan->head = std::move(head);
+  plan->head_version = spec.head_version;
+  plan->rank = spec.rank;
+  plan->micro_batch = spec.micro_batch;
+  plan->owner = spec.owner;
   return absl::OkStatus();
 }
 
@@ -197,7 +240,7 @@ void PlanBuffers(bool has_cw, bool has_go, ComputePlan* plan) {
   if (want.lse) add(OutputSlot::kLse, DType::kF32, {plan->bt});
   if (want.predictions) add(OutputSlot::kPredictions, DType::kI64, {plan->bt});
   if (want.dx) add(OutputSlot::kDx, plan->grad_dtype, {plan->bt, plan->h});
-  if (plan->accumulator.empty()) {
+  if (plan->accumulator.empty() && !plan->head) {
     if (want.dw) add(OutputSlot::kDw, plan->grad_dtype, {plan->v, plan->h});
     if (want.db && plan->has_bias) add(OutputSlot::kDb, plan->grad_dtype, {plan->v});
   }
@@ -224,7 +267,7 @@ uint64_t WorkspaceBytesOf(Backend& backend, const ComputePlan& plan, bool has_cw
   shape.has_grad_output = has_go;
   shape.chunk_rows = plan.options.chunk_rows;
   shape.want_dx = plan.wanted.dx;
-  if (!plan.accumulator.empty()) {
+  if (!plan.accumulator.empty() || plan.head) {
     shape.dw = GradOut::kAccumulated;
     if (plan.has_bias) shape.db = GradOut::kAccumulated;
     shape.accum_memory = Memory::kBackend;
@@ -243,7 +286,9 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   const TensorDesc& go = Input(spec, InputSlot::kGradOutput);
   ComputePlan plan;
   LOSSD_RETURN_IF_ERROR(PlanX(x, &plan));
-  if (!spec.weight_handle.empty()) {
+  if (!spec.head.empty()) {
+    LOSSD_RETURN_IF_ERROR(PlanHead(spec, x, *heads_, options_.instance, &plan));
+  } else if (!spec.weight_handle.empty()) {
     LOSSD_RETURN_IF_ERROR(PlanHandleWeights(spec, x, weights_, &plan));
   } else {
     LOSSD_RETURN_IF_ERROR(PlanInlineWeights(Input(spec, InputSlot::kW),
@@ -254,6 +299,12 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
       PlanTargetsAndClassWeights(Input(spec, InputSlot::kTargets), cw, &plan));
   LOSSD_RETURN_IF_ERROR(PlanOptions(spec, go, kMaxRequestedChunks, &plan));
 
+  if (spec.head.empty() && (!spec.head_instance.empty() || spec.head_version != 0 ||
+                            spec.rank != 0 || spec.micro_batch != 0)) {
+    return absl::InvalidArgumentError(
+        "header.head_version, rank, micro_batch and head_instance belong to a Compute that "
+        "names a head, and header.head is empty");
+  }
   if (spec.accumulator.empty() && !spec.accumulator_instance.empty()) {
     return absl::InvalidArgumentError(
         "header.accumulator_instance is set but header.accumulator is not: the instance is "

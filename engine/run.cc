@@ -148,6 +148,59 @@ void ComputeIntoAccumulator(Backend& backend, const ComputePlan& plan, const Los
   r->added_resets = acc->resets;
 }
 
+// A Compute on a hosted head: under the step's lock (which the head's update also holds, so
+// the copy it reads is whole), the version and the idempotency key decide whether its
+// gradient is added. A failure while adding leaves the step's sum partial (Step drops it); a
+// call that fails after adding needs nothing undone: its retry, with the same key, is not
+// added again.
+void ComputeIntoHead(Backend& backend, HeadStore& heads, const ComputePlan& plan,
+                     const LossProblem& p, LossOutputs out, const Scalars& s,
+                     ComputeOutcome* r) {
+  Head& head = *plan.head;
+  Accumulator& acc = *head.grad;
+  absl::MutexLock lock(&acc.mu);
+  if (acc.poisoned) {
+    r->status = absl::FailedPreconditionError(absl::StrCat(
+        "a Compute failed while adding into head '", head.name, "''s step, so its sum cannot "
+        "be trusted: call Step, which drops the step's gradients, and redo the step"));
+    return;
+  }
+  r->status = NonFiniteSumStatus(acc);
+  if (!r->status.ok()) return;
+  absl::StatusOr<bool> add =
+      heads.CheckAtRun(head, plan.head_version, plan.rank, plan.micro_batch);
+  if (!add.ok()) {
+    r->status = add.status();
+    return;
+  }
+  if (*add) {
+    out.dw_accum = static_cast<float*>(acc.dw->data());
+    out.db_accum = acc.db ? static_cast<float*>(acc.db->data()) : nullptr;
+    out.accum_memory = Memory::kBackend;
+  }
+  r->status = ValidateLossOutputs(p, out);
+  if (r->status.ok()) r->status = backend.Compute(p, out, &r->stats);
+  if (r->status.ok() && !LossIsFinite(plan, out)) {
+    r->status = absl::InvalidArgumentError(OverflowMessage(plan));
+  }
+  if (!r->status.ok()) {
+    if (*add) acc.poisoned = true;
+    return;
+  }
+  r->head_version = plan.head_version;
+  r->head_added = *add;
+  if (!*add) return;
+  head.keys.insert({plan.rank, plan.micro_batch});
+  SetMicroBatches(acc, acc.micro_batches + 1);
+  acc.tokens += s.tokens;
+  head.step_tokens.fetch_add(s.tokens);
+  ++acc.generation;
+  if ((r->stats.nonfinite & (kNonFiniteDw | kNonFiniteDb)) != 0) {
+    MarkNonFinite(acc, r->stats.nonfinite);
+  }
+  r->accumulated_micro_batches = acc.micro_batches;
+}
+
 // The summary: the loss and z-loss (with reduction none, the sum of the per-token values),
 // the accuracy and the token count.
 void Summarize(const ComputePlan& plan, const LossOutputs& out, const Scalars& s,
@@ -189,9 +242,8 @@ void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputB
                  bool inputs_checked_finite, OverlapIo overlap,
                  std::function<bool()> cancelled) {
   const absl::Time submitted = absl::Now();
-  executor_.Submit([this, plan, inputs, done = std::move(done), submitted, deadline,
-                    inputs_checked_finite, overlap = std::move(overlap),
-                    cancelled = std::move(cancelled)]() {
+  auto job = [this, plan, inputs, done, submitted, deadline, inputs_checked_finite,
+              overlap = std::move(overlap), cancelled = std::move(cancelled)]() {
     const double queued = Seconds(submitted);
     auto not_started = [&](absl::Status why) {
       ComputeOutcome o;
@@ -210,7 +262,20 @@ void Engine::Run(std::shared_ptr<const ComputePlan> plan, std::shared_ptr<InputB
     ComputeOutcome outcome = RunNow(*plan, *inputs, inputs_checked_finite, overlap);
     outcome.queue_seconds = queued;
     done(std::move(outcome));
-  });
+  };
+  if (!plan->head) return executor_.Submit(std::move(job));
+  // A Compute of the head's next version waits (off the executor) for the pending step.
+  auto resume = [this, job, done, submitted](absl::Status s) {
+    if (s.ok()) return executor_.Submit(job);
+    ComputeOutcome o;
+    o.status = std::move(s);
+    o.queue_seconds = Seconds(submitted);
+    done(std::move(o));
+  };
+  absl::StatusOr<bool> now =
+      heads_->AdmitCompute(*plan->head, plan->head_version, deadline, resume);
+  if (!now.ok()) return resume(now.status());
+  if (*now) executor_.Submit(std::move(job));
 }
 
 std::vector<HostBuffer> Engine::NewOutputs(const ComputePlan& plan) {
@@ -258,11 +323,17 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
     out.db_accum = acc->db ? static_cast<float*>(acc->db->data()) : nullptr;
     out.accum_memory = Memory::kBackend;
   }
-  // Where the results go, the rest of what a backend assumes (made here, so it holds).
-  r.status = ValidateLossOutputs(p, out);
-  if (!r.status.ok()) return r;
+  // Where the results go, the rest of what a backend assumes (made here, so it holds; a
+  // head's are checked once it is known whether the gradient is added).
+  if (!plan.head) {
+    r.status = ValidateLossOutputs(p, out);
+    if (!r.status.ok()) return r;
+  }
 
-  if (acc) {
+  if (plan.head) {
+    ComputeIntoHead(*backend_, *heads_, plan, p, out, scalars, &r);
+    if (!r.status.ok()) return r;
+  } else if (acc) {
     ComputeIntoAccumulator(*backend_, plan, p, out, scalars, acc, &r);
     if (!r.status.ok()) return r;
   } else {

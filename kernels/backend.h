@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/loss_problem.h"
+#include "kernels/optimizer.h"
 
 namespace lossd {
 
@@ -118,6 +119,18 @@ class Backend {
   // target range); a backend still refuses what it cannot do with INVALID_ARGUMENT.
   virtual absl::Status Compute(const LossProblem& p, const LossOutputs& out,
                                LossStats* stats) = 0;
+
+  // One optimizer step of a hosted head over backend-resident fp32 buffers (Allocate's):
+  // torch's SGD or AdamW in fp32, in torch's single-tensor operation order, then t.copy set
+  // to the cast of the new master. Elementwise: the result does not depend on how the work is
+  // split. INVALID_ARGUMENT (CheckOptimizerStep) for what torch would refuse or a missing
+  // buffer; NaN and Inf in the data are computed through, never refused.
+  virtual absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) = 0;
+
+  // Sum of x*x over n backend-resident fp32 elements, accumulated in double: the squared
+  // norm of a head's gradient, for clipping. The same data gives the same bits every time;
+  // Inf and NaN in the data come back as Inf or NaN. INVALID_ARGUMENT for n < 0 or null data.
+  virtual absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) = 0;
 
   // This backend's pinned host memory, or null when ordinary memory is as good (CPU).
   virtual HostMemory* host_memory() { return nullptr; }

@@ -141,6 +141,13 @@ class PluginBackend final : public Backend {
     return st.ToStatus(code);
   }
 
+  absl::Status OptimizerStep(const OptimizerParams&, const OptimizerTensors&) override {
+    return absl::UnimplementedError("plugin backend: OptimizerStep is not in ABI version 2");
+  }
+  absl::StatusOr<double> SumOfSquares(const float*, int64_t) override {
+    return absl::UnimplementedError("plugin backend: SumOfSquares is not in ABI version 2");
+  }
+
   HostMemory* host_memory() override { return host_memory_; }
 
  private:

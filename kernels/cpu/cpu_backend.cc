@@ -31,8 +31,11 @@
 #include "kernels/cpu/cpu_convert.h"
 #include "kernels/cpu/cpu_task_pool.h"
 #include "kernels/cpu/nonfinite_scan.h"
+#include "kernels/cpu/optimizer_step.h"
 #include "kernels/cpu/row_pass.h"
 #include "kernels/host_memory.h"
+#include "kernels/optimizer.h"
+#include "kernels/optimizer_check.h"
 
 namespace lossd {
 
@@ -448,6 +451,17 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
     stats->chunk_rows = chunk;
   }
   return absl::OkStatus();
+}
+
+absl::Status CpuBackend::OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) {
+  LOSSD_RETURN_IF_ERROR(CheckOptimizerStep(p, t));
+  CpuOptimizerStep(p, t, pool_.get());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> CpuBackend::SumOfSquares(const float* data, int64_t n) {
+  LOSSD_RETURN_IF_ERROR(CheckSumOfSquares(data, n));
+  return CpuSumOfSquares(data, n, pool_.get());
 }
 
 std::unique_ptr<Backend> NewCpuBackend(int threads) {

@@ -51,6 +51,9 @@ class CpuBackend : public Backend {
   absl::Status Zero(BackendBuffer& buf) override;
   uint64_t WorkspaceBytes(const WorkspaceShape& shape) override;
   absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
+  // Over the task pool (kernels/cpu/optimizer_step.h); one at a time with Compute's steps.
+  absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) override;
+  absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) override;
 
   int threads() const { return threads_; }
 

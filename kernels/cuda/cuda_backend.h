@@ -63,6 +63,12 @@ class CudaBackend : public Backend {
   absl::Status Zero(BackendBuffer& buf) override;
   uint64_t WorkspaceBytes(const WorkspaceShape& shape) override;
   absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
+  absl::Status OptimizerStep(const OptimizerParams&, const OptimizerTensors&) override {
+    return absl::UnimplementedError("cuda backend: OptimizerStep");
+  }
+  absl::StatusOr<double> SumOfSquares(const float*, int64_t) override {
+    return absl::UnimplementedError("cuda backend: SumOfSquares");
+  }
   // Page-locked memory (cudaHostAlloc, portable to every context); lives for the process.
   HostMemory* host_memory() override;
 

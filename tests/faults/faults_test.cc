@@ -211,6 +211,12 @@ class FailingBackend : public Backend {
     }
     return inner_->Compute(p, out, stats);
   }
+  absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) override {
+    return inner_->OptimizerStep(p, t);
+  }
+  absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) override {
+    return inner_->SumOfSquares(data, n);
+  }
 
  private:
   std::unique_ptr<Backend> inner_;

@@ -1,0 +1,375 @@
+// The step of a hosted head: a barrier over the step's ranks (Step), the phase it launches on
+// the executor (the gradient norm, the optimizer update, the compute copy's refresh), and the
+// watchdog that ends barriers whose ranks never all arrive. The update runs under the
+// gradient sum's lock, which every Compute on the head holds for its whole run: no Compute
+// sees a half-updated W, and a step runs beside Computes of other heads.
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+#include "engine/head_internal.h"
+#include "engine/heads.h"
+
+namespace lossd {
+namespace {
+
+using StepDone = std::function<void(absl::StatusOr<StepResult>)>;
+
+const char* PhaseName(StepPhase p) {
+  switch (p) {
+    case StepPhase::kFull: return "STEP_FULL";
+    case StepPhase::kReduce: return "STEP_REDUCE";
+    case StepPhase::kApply: return "STEP_APPLY";
+  }
+  return "unknown";
+}
+
+std::string Describe(const StepCall& c) {
+  return absl::StrCat("(version ", c.version, ", world_size ", c.world_size, ", ",
+                      PhaseName(c.phase), ", lr ", c.lr ? absl::StrCat(*c.lr) : "unset",
+                      ", clip_coef ", c.clip_coef ? absl::StrCat(*c.clip_coef) : "unset",
+                      ", max_norm ", c.max_norm ? absl::StrCat(*c.max_norm) : "unset",
+                      ", skip ", c.skip ? "true" : "false", ")");
+}
+
+absl::Status CheckCall(const StepCall& c) {
+  constexpr uint32_t kMaxWorldSize = 1 << 16;
+  if (c.world_size < 1 || c.world_size > kMaxWorldSize || c.rank >= c.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step needs 1 <= world_size <= ", kMaxWorldSize, " and rank < world_size, got rank ",
+        c.rank, ", world_size ", c.world_size));
+  }
+  if (c.phase == StepPhase::kReduce && (c.lr || c.clip_coef || c.max_norm || c.skip)) {
+    return absl::InvalidArgumentError(
+        "STEP_REDUCE only reads the gradient norm: lr, clip_coef, max_norm and skip belong "
+        "to STEP_APPLY");
+  }
+  if (c.lr && !(*c.lr >= 0 && std::isfinite(*c.lr))) {
+    return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, got ", *c.lr));
+  }
+  if (c.clip_coef && !(*c.clip_coef >= 0 && std::isfinite(*c.clip_coef))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("clip_coef must be finite and >= 0, got ", *c.clip_coef));
+  }
+  if (c.max_norm && !(*c.max_norm > 0 && std::isfinite(*c.max_norm))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_norm must be finite and > 0, got ", *c.max_norm));
+  }
+  if (c.clip_coef && c.max_norm) {
+    return absl::InvalidArgumentError(
+        "give clip_coef (the trainer's own clipping) or max_norm (clip the head alone), not "
+        "both");
+  }
+  return absl::OkStatus();
+}
+
+// Zeroes the step's sum and forgets its keys: after an update, a skip, or a dropped step.
+absl::Status ClearStep(Backend& b, Head& head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu) {
+  Accumulator& acc = *head.grad;
+  absl::Status s = b.Zero(*acc.dw);
+  if (s.ok() && acc.db) s = b.Zero(*acc.db);
+  if (!s.ok()) {
+    acc.poisoned = true;
+    return s;
+  }
+  SetMicroBatches(acc, 0);
+  acc.tokens = 0;
+  acc.poisoned = false;
+  acc.nonfinite_by.clear();
+  ++acc.generation;
+  head.keys.clear();
+  head.step_tokens.store(0);
+  return absl::OkStatus();
+}
+
+// The summed gradient's L2 norm over W and the bias, accumulated in double.
+absl::StatusOr<double> GradNorm(Backend& b, Head& head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu) {
+  const Accumulator& acc = *head.grad;
+  LOSSD_ASSIGN_OR_RETURN(double ss, b.SumOfSquares(static_cast<const float*>(acc.dw->data()),
+                                                   head.w.n));
+  if (acc.db) {
+    LOSSD_ASSIGN_OR_RETURN(double sb, b.SumOfSquares(static_cast<const float*>(acc.db->data()),
+                                                     head.bias.n));
+    ss += sb;
+  }
+  return std::sqrt(ss);
+}
+
+// torch.nn.utils.clip_grad_norm_'s coefficient, in its fp32 arithmetic:
+// clamp(max_norm / (total_norm + 1e-6), max=1).
+float ClipCoefOf(double max_norm, double norm) {
+  const float c = static_cast<float>(max_norm) / (static_cast<float>(norm) + 1e-6f);
+  return c < 1.0f ? c : 1.0f;
+}
+
+// One optimizer update of W and the bias, and the compute copy's refresh.
+absl::Status Update(Backend& b, Head& head, double lr, float coef, int64_t step)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu) {
+  const HeadOptimizer& o = head.optimizer;
+  OptimizerParams p;
+  p.kind = o.kind;
+  p.lr = lr;
+  p.momentum = o.momentum;
+  p.dampening = o.dampening;
+  p.nesterov = o.nesterov;
+  p.momentum_initialised = step > 1;
+  p.beta1 = o.beta1;
+  p.beta2 = o.beta2;
+  p.eps = o.eps;
+  p.amsgrad = o.amsgrad;
+  p.step = step;
+  p.grad_scale = coef;
+  auto one = [&](HeadParam& param, const BackendBuffer* grad, BackendBuffer* copy,
+                 double weight_decay) {
+    OptimizerTensors t;
+    t.n = param.n;
+    t.param = static_cast<float*>(param.master->data());
+    t.grad = static_cast<const float*>(const_cast<BackendBuffer*>(grad)->data());
+    for (int i = 0; i < 3; ++i) {
+      float* s = param.state[i] ? static_cast<float*>(param.state[i]->data()) : nullptr;
+      (i == 0 ? t.state1 : i == 1 ? t.state2 : t.state3) = s;
+    }
+    t.copy = copy->data();
+    t.copy_dtype = head.dtype;
+    p.weight_decay = weight_decay;
+    return b.OptimizerStep(p, t);
+  };
+  LOSSD_RETURN_IF_ERROR(one(head.w, head.grad->dw.get(), head.copy->w.get(), o.weight_decay));
+  if (head.has_bias) {
+    LOSSD_RETURN_IF_ERROR(
+        one(head.bias, head.grad->db.get(), head.copy->bias.get(), o.bias_weight_decay));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone done) {
+  if (absl::Status s = CheckCall(call); !s.ok()) return done(s);
+  auto got = impl_->Get(call.head, caller);
+  if (!got.ok()) return done(got.status());
+  std::shared_ptr<Head> head = *std::move(got);
+  if (head->broken.load()) {
+    return done(absl::FailedPreconditionError(absl::StrCat(
+        HeadWhat(head->name), " failed midway through an update and refuses every call; drop "
+        "it and import its last export")));
+  }
+  StepDone superseded, launch_done;
+  std::vector<StepDone> waiters;
+  absl::StatusOr<StepResult> answer_now = absl::UnknownError("");
+  bool answer = false;
+  {
+    absl::MutexLock lock(&head->mu);
+    if (call.version < head->version) {
+      // A retry of the step just completed gets its result again.
+      if (head->last && head->last->first.SameArguments(call)) {
+        answer_now = head->last->second;
+      } else {
+        answer_now = absl::FailedPreconditionError(absl::StrCat(
+            HeadWhat(head->name), " is at version ", head->version, "; the step of version ",
+            call.version, " is over"));
+      }
+      answer = true;
+    } else if (call.version > head->version) {
+      answer_now = absl::FailedPreconditionError(absl::StrCat(
+          HeadWhat(head->name), " is at version ", head->version, ", not ", call.version));
+      answer = true;
+    } else if (call.phase == StepPhase::kApply && !head->reduced) {
+      answer_now = absl::FailedPreconditionError(absl::StrCat(
+          "STEP_APPLY of ", HeadWhat(head->name), " version ", call.version,
+          " before its STEP_REDUCE"));
+      answer = true;
+    } else if (call.phase != StepPhase::kApply && head->reduced) {
+      if (call.phase == StepPhase::kReduce) {
+        answer_now = *head->reduced;  // a retried reduce
+      } else {
+        answer_now = absl::FailedPreconditionError(absl::StrCat(
+            "version ", call.version, " of ", HeadWhat(head->name), " has been reduced; "
+            "finish it with STEP_APPLY"));
+      }
+      answer = true;
+    } else if (head->barrier && !head->barrier->first.SameArguments(call)) {
+      answer_now = absl::FailedPreconditionError(absl::StrCat(
+          "rank ", call.rank, " calls Step of ", HeadWhat(head->name), " with ", Describe(call),
+          " but the ranks already waiting called it with ", Describe(head->barrier->first),
+          "; every rank of a step must agree"));
+      answer = true;
+    } else {
+      if (!head->barrier) head->barrier = Head::Barrier{call, absl::Now(), {}};
+      auto& waiting = head->barrier->waiting;
+      if (auto it = waiting.find(call.rank); it != waiting.end()) {
+        superseded = std::move(it->second);
+      }
+      waiting[call.rank] = std::move(done);
+      if (waiting.size() == call.world_size) {
+        head->sealed = true;
+        for (auto& [rank, d] : waiting) waiters.push_back(std::move(d));
+        head->barrier.reset();
+      }
+    }
+  }
+  if (answer) return done(std::move(answer_now));
+  if (superseded) {
+    superseded(absl::AbortedError(absl::StrCat("superseded by a later Step call of rank ",
+                                               call.rank)));
+  }
+  if (!waiters.empty()) impl_->LaunchPhase(head, call, std::move(waiters));
+}
+
+void HeadStore::Impl::LaunchPhase(std::shared_ptr<Head> head, StepCall call,
+                                  std::vector<StepDone> waiters) {
+  Backend* b = backend;
+  executor->Submit([b, head, call, waiters = std::move(waiters)]() {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<StepResult> out;
+    std::vector<Head::Parked> resume;
+    {
+      absl::MutexLock grad_lock(&head->grad->mu);
+      StepResult r;
+      r.contributions = head->grad->micro_batches;
+      r.tokens = head->grad->tokens;
+      absl::Status s;
+      bool keep_sum = false;  // a refused apply leaves the sum for a skip
+      std::optional<StepResult> reduced;
+      int64_t opt_step;
+      double lr;
+      {
+        absl::MutexLock lock(&head->mu);
+        reduced = head->reduced;
+        opt_step = head->optimizer_step;
+        lr = call.lr.value_or(head->optimizer.lr);
+        r.version = head->version;
+      }
+      if (head->grad->poisoned) {
+        s = absl::FailedPreconditionError(absl::StrCat(
+            "a Compute failed while adding into ", HeadWhat(head->name), "'s step, so its sum "
+            "cannot be trusted: the step's gradients are dropped; redo the step at version ",
+            r.version));
+      } else if (call.phase == StepPhase::kApply && reduced) {
+        r.grad_norm = reduced->grad_norm;
+        r.finite = reduced->finite;
+      } else {
+        absl::StatusOr<double> norm = GradNorm(*b, *head);
+        s = norm.status();
+        if (s.ok()) {
+          r.grad_norm = *norm;
+          r.finite = std::isfinite(*norm);
+        }
+      }
+      bool applied_or_skipped = false;
+      if (s.ok() && call.phase != StepPhase::kReduce) {
+        if (call.skip) {
+          s = ClearStep(*b, *head);
+          applied_or_skipped = s.ok();
+        } else if (!r.finite) {
+          keep_sum = true;
+          s = absl::FailedPreconditionError(absl::StrCat(
+              "the summed gradient of ", HeadWhat(head->name), " is not finite (norm ",
+              r.grad_norm, "): nothing was applied; call Step with skip (as GradScaler "
+              "skips an fp16 step) to drop it"));
+        } else {
+          r.clip_coef = call.clip_coef ? *call.clip_coef
+                        : call.max_norm ? ClipCoefOf(*call.max_norm, r.grad_norm)
+                                        : 1.0f;
+          s = Update(*b, *head, lr, r.clip_coef, opt_step + 1);
+          if (!s.ok()) {
+            head->broken.store(true);
+          } else {
+            r.applied = true;
+            s = ClearStep(*b, *head);
+            applied_or_skipped = s.ok();
+          }
+        }
+      } else if (!s.ok() && !head->broken.load()) {
+        ClearStep(*b, *head).IgnoreError();  // a dropped step: the poisoned sum goes
+      }
+      r.step_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+      absl::MutexLock lock(&head->mu);
+      if (s.ok() && call.phase == StepPhase::kReduce) {
+        head->reduced = r;  // sealed until the apply
+      } else {
+        if (applied_or_skipped) {
+          ++head->version;
+          if (r.applied) ++head->optimizer_step;
+          r.version = head->version;
+          head->last = std::make_pair(call, r);
+        }
+        head->reduced.reset();
+        if (!keep_sum) head->sealed = false;
+        // Computes that waited for this version run now; if it did not move, they cannot
+        // (but a refused apply keeps them: a skip may still complete the step).
+        if (!keep_sum) resume.swap(head->parked);
+      }
+      out = s.ok() ? absl::StatusOr<StepResult>(r) : absl::StatusOr<StepResult>(s);
+    }
+    for (auto& p : resume) {
+      p.resume(out.ok() ? absl::OkStatus()
+                        : absl::FailedPreconditionError(absl::StrCat(
+                              "the step this Compute waited for failed: ", out.status().message())));
+    }
+    for (auto& done : waiters) done(out);
+  });
+}
+
+void HeadStore::Impl::Tick(absl::Time now) {
+  std::vector<std::shared_ptr<Head>> heads;
+  {
+    absl::MutexLock lock(&mu);
+    for (const auto& [name, head] : map) heads.push_back(head);
+  }
+  for (const auto& head : heads) {
+    std::vector<StepDone> timed_out;
+    std::vector<Head::Parked> expired;
+    std::string missing;
+    bool drop_step = false;
+    {
+      absl::MutexLock lock(&head->mu);
+      if (head->barrier && now - head->barrier->opened > options.step_timeout) {
+        std::vector<uint32_t> absent;
+        for (uint32_t r = 0; r < head->barrier->first.world_size && absent.size() < 16; ++r) {
+          if (head->barrier->waiting.count(r) == 0) absent.push_back(r);
+        }
+        missing = absl::StrJoin(absent, ", ");
+        for (auto& [rank, d] : head->barrier->waiting) timed_out.push_back(std::move(d));
+        head->barrier.reset();
+        head->sealed = true;  // no Compute adds until the sum is dropped (below)
+        drop_step = true;
+      }
+      for (auto it = head->parked.begin(); it != head->parked.end();) {
+        if (drop_step || now > it->deadline) {
+          expired.push_back(std::move(*it));
+          it = head->parked.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    const std::string why = absl::StrCat(
+        "the Step barrier of ", HeadWhat(head->name), " timed out after ",
+        absl::FormatDuration(options.step_timeout), " (--head_step_timeout) waiting for ranks ",
+        missing, ": the step's gradients are dropped and W is unchanged; redo the step");
+    for (auto& done : timed_out) done(absl::DeadlineExceededError(why));
+    for (auto& p : expired) {
+      p.resume(drop_step ? absl::FailedPreconditionError(why)
+                         : absl::DeadlineExceededError(
+                               "the deadline passed while this Compute waited for the step of "
+                               "the previous version"));
+    }
+    if (drop_step) {
+      Backend* b = backend;
+      executor->Submit([b, head] {
+        absl::MutexLock grad_lock(&head->grad->mu);
+        ClearStep(*b, *head).IgnoreError();
+        absl::MutexLock lock(&head->mu);
+        head->reduced.reset();
+        head->sealed = false;
+      });
+    }
+  }
+}
+
+}  // namespace lossd
