@@ -11,10 +11,9 @@ Model: token embedding (V=1000, H=64), two residual MLP blocks, a layer norm, an
 backbone plus head. Data: token sequences where the next token is (7 * t + 3) mod V nine
 times in ten, so the loss falls from ln(1000) = 6.9 towards the noise's floor.
 
-The curves agree to the rounding of the loss computation: the server computes the loss and
-its gradients in fp32 in another order than torch, and AdamW's normalised updates carry those
-last-bit differences forward, so the two runs drift apart slowly rather than staying bit-equal.
-The check: every step's losses within CURVE_RTOL of each other.
+The curves agree to the rounding of the loss computation (the server computes the loss and
+its gradients in fp32 in another order than torch): the check is every step's two losses
+within CURVE_RTOL (1e-4) of each other, relative.
 """
 
 import argparse
@@ -32,11 +31,15 @@ from lossd.nn import RemoteLMHead, clip_grad_norm_
 V, H, BATCH, SEQ = 1000, 64, 8, 32
 LR, WEIGHT_DECAY, MAX_NORM = 3e-3, 0.01, 1.0
 # How far the two runs' losses may be apart at any step, relative. Measured on the CPU
-# backend: the largest gap over 300 steps is about 1e-4 (the loss and its gradient differ
-# from torch's in the last fp32 bits, and AdamW's normalised updates carry that forward);
-# 1% leaves room for other backends' and torch versions' summation orders while still
-# failing on any real mistake (a dropped micro-batch, a wrong scale, a missed step).
-CURVE_RTOL = 1e-2
+# backend (2026-12-02): at most 2.1e-7 over 300 steps, about one fp32 rounding of the loss
+# (lossd sums the cross-entropy in another order than torch, and AdamW carries last-bit
+# differences forward without amplifying them here). 1e-4 leaves room for another backend's
+# GEMM summation order and the chaos a longer run may add, and still fails on any real
+# mistake in the head's path (a dropped or doubled micro-batch, a missed or repeated step, a
+# wrong weight decay or bias correction), which moves the curve by far more. (A gradient off
+# by a constant factor it cannot see: AdamW's update is invariant to it; the per-step tests
+# in tests/test_remote_head.py check the scale.)
+CURVE_RTOL = 1e-4
 
 
 class Backbone(torch.nn.Module):
@@ -96,7 +99,7 @@ def train_local(backbone, head, data):
             o.zero_grad()
         for s in sched:
             s.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -116,7 +119,7 @@ def train_remote(backbone, head, data):
             o.zero_grad()
         for s in sched:
             s.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -147,7 +150,7 @@ def compare(local, hosted):
     assert gaps[worst] <= CURVE_RTOL, (
         "the curves part at step %d: local %.6f, hosted %.6f (%.2e relative > %.0e)" % (
             worst, local[worst], hosted[worst], gaps[worst], CURVE_RTOL))
-    assert hosted[-1] < 0.5 * hosted[0], "the hosted run did not learn: %.3f -> %.3f" % (
+    assert hosted[-1] < hosted[0] - 1.0, "the hosted run did not learn: %.3f -> %.3f" % (
         hosted[0], hosted[-1])
     return gaps[worst]
 

@@ -561,12 +561,13 @@ class Client(HeadMethods):
                             timeout):
         """A head's compute names no weight of its own and carries its key; the server must
         know heads (an older one would refuse the fields, or, older still, ignore them)."""
-        if w is not None or bias is not None or accumulator:
+        given = [n for n, v in (("w", w), ("bias", bias)) if v is not None]
+        if accumulator:
+            given.append("accumulator")
+        if given:
             raise errors.InvalidArgumentError(
                 "head given with %s: a head's compute uses the head's weights and adds to its "
-                "step (pass w=None, no bias, no accumulator)" % ", ".join(
-                    n for n, v in (("w", w), ("bias", bias), ("accumulator", accumulator))
-                    if v is not None and v != ""))
+                "step (pass w=None, no bias, no accumulator)" % ", ".join(given))
         if head_version is None or micro_batch is None:
             raise errors.InvalidArgumentError(
                 "head needs head_version (the version computed against) and micro_batch (with "

@@ -581,10 +581,20 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
         self.runtime.close()
 
 
-# The hosted head (lossd._remote_head, lossd._remote_head_opt): imported last, as they build
-# on the names above.
-from lossd._remote_head import RemoteLMHead, head_state_from_torch  # noqa: E402
-from lossd._remote_head_opt import RemoteHeadOptimizer, clip_grad_norm_  # noqa: E402
+# The hosted head's names live in lossd._remote_head and lossd._remote_head_opt, which build on
+# the names above: loaded on first use (PEP 562), so either side may be imported first.
+_HOSTED_HEAD = {"RemoteLMHead": "lossd._remote_head", "head_state_from_torch":
+                "lossd._remote_head", "RemoteHeadOptimizer": "lossd._remote_head_opt",
+                "clip_grad_norm_": "lossd._remote_head_opt"}
+
+
+def __getattr__(name):
+    if name in _HOSTED_HEAD:
+        import importlib
+
+        return getattr(importlib.import_module(_HOSTED_HEAD[name]), name)
+    raise AttributeError("module 'lossd.nn' has no attribute %r" % name)
+
 
 __all__ = ["LossdFusedLinearCrossEntropyLoss", "LossdFusedLinearCrossEntropyFunction",
            "lossd_fused_linear_cross_entropy", "LossdRuntime", "CrossEntropyOutput",
