@@ -218,3 +218,37 @@ def test_ulps_counts_the_values_between():
     tiny = np.nextafter(np.float32(0), np.float32(1))
     assert ulps([-tiny], [tiny])[0] == 2
     assert ulps([np.float32(1.5)], [np.float32(1.5)])[0] == 0
+
+
+@pytest.mark.xfail(strict=True, raises=lossd.FailedPreconditionError, reason=(
+    "the server refuses every Compute into a step whose sum went non-finite (as it does for "
+    "an accumulator), so under a GradScaler an overflow in one micro-batch fails the step's "
+    "later Computes instead of letting the step finish with a skip"))
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(client, heads):
+    """Two ranks, two micro-batches each, and an overflow in the first: the later Computes of
+    the step still answer (their gradient is dropped with the step), every rank's scaler
+    skips and backs off, and the barrier completes."""
+    world = 2
+    name, w, b = _new_head(client, heads, ADAMW, 25, "overflow-dp")
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 127) for _ in range(world)]
+    mods = rank_modules(client, name, world, reduction="sum")
+    for m, s in zip(mods, scalers):
+        m.grad_scaler = s
+    opts = [m.optimizer() for m in mods]
+    turns = Turns()
+
+    def rank(r):
+        for i in range(2):
+            turns.wait(2 * r + i)
+            try:
+                x, t = make_batch(2500 + 2 * r + i, scale=4.0)
+                scalers[r].scale(mods[r](x.requires_grad_(), t)).backward()
+            finally:
+                turns.done()
+        scalers[r].step(opts[r])
+        scalers[r].update()
+        return opts[r].last_result
+
+    out = run_ranks(world, rank)
+    assert all(not o.finite and not o.applied and o.version == 1 for o in out), out
+    assert all(s.get_scale() == 2.0 ** 126 for s in scalers)
