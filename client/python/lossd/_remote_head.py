@@ -159,13 +159,17 @@ class RemoteLMHead(torch.nn.Module):
             return None
         return float(torch.tensor(self._step_scale, dtype=torch.float64).reciprocal().float())
 
-    def optimizer(self, lr=None):
-        """The head's RemoteHeadOptimizer (one per module; lr: its param_groups' lr, default
-        the head's)."""
+    def optimizer(self, lr=None, max_norm=None):
+        """The head's RemoteHeadOptimizer (one per module, made by the first call; lr: its
+        param_groups' lr, default the head's; max_norm: clip the head alone)."""
         from lossd._remote_head_opt import RemoteHeadOptimizer
 
         if self._optimizer is None:
-            self._optimizer = RemoteHeadOptimizer(self, lr=lr)
+            self._optimizer = RemoteHeadOptimizer(self, lr=lr, max_norm=max_norm)
+        elif lr is not None or max_norm is not None:
+            raise errors.FailedPreconditionError(
+                "head %r already has its optimizer: lr and max_norm go to the first "
+                "optimizer() call" % self.name, method="nn")
         return self._optimizer
 
     def export(self, tensors=None):

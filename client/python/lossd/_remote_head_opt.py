@@ -25,9 +25,14 @@ class RemoteHeadOptimizer(torch.optim.Optimizer):
       its only parameter is an empty placeholder (torch.optim.Optimizer needs one; the head's
       parameters are on the server).
     zero_grad(): nothing to do: the server starts each step's gradient sum at zero.
-    step(): this rank's Step of the head's current version, a barrier over the head's ranks
-      (it returns once every rank has called it); the head's version then advances.
-      `last_result` holds its StepResult.
+    step(skip=False): this rank's Step of the head's current version, a barrier over the
+      head's ranks (it returns once every rank has called it); the head's version then
+      advances. `last_result` holds its StepResult. A summed gradient that is not finite is
+      refused (FailedPreconditionError) unless a GradScaler is attached; step(skip=True) then
+      drops it, W unchanged.
+    max_norm: clip the head alone by its own norm (clip_grad_norm_ over the head's weight and
+      bias), on the server, in the same one barrier; clip_grad_norm_ below clips backbone and
+      head together instead.
     state_dict() / load_state_dict(): the head's export (master, bias, optimizer state,
       version) as torch tensors, with the param groups; loading imports it into the server.
     With torch.amp.GradScaler (attached to the head, RemoteLMHead(grad_scaler=)):
@@ -41,7 +46,11 @@ class RemoteHeadOptimizer(torch.optim.Optimizer):
     # the Step must run on every rank, or the other ranks' barrier never completes.
     _step_supports_amp_scaling = True
 
-    def __init__(self, head, lr=None):
+    def __init__(self, head, lr=None, max_norm=None):
+        if max_norm is not None and not float(max_norm) > 0:
+            raise errors.InvalidArgumentError("max_norm must be > 0, got %r" % (max_norm,),
+                                              method="nn")
+        self.max_norm = None if max_norm is None else float(max_norm)
         if lr is None:
             lr = head.info.optimizer.lr if head.info.optimizer.lr is not None else 1e-3
         self.head = head
@@ -63,7 +72,7 @@ class RemoteHeadOptimizer(torch.optim.Optimizer):
         return self._reduced
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, skip=False):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -73,14 +82,22 @@ class RemoteHeadOptimizer(torch.optim.Optimizer):
         scaler = head.grad_scaler
         scaled = scaler is not None and scaler.is_enabled()
         inv = head.unscale_coef()
+        if self.max_norm is not None and self._clip is None and (scaled or self._reduced):
+            # The head's own clipping of its unscaled gradient: the coefficient from the
+            # reduce phase's norm, as clip_grad_norm_ computes it.
+            red = self.reduce()
+            norm = torch.tensor(red.grad_norm * (1.0 if inv is None else inv),
+                                dtype=torch.float32)
+            self._clip = float(torch.clamp(self.max_norm / (norm + 1e-6), max=1.0))
         coef = _combine(self._clip, inv)
         if self._reduced is None and not scaled:
-            # One barrier: reduce and apply together.
-            r = head.step_phase("full", lr=lr, clip_coef=coef)
-            skipped = False
+            # One barrier: reduce and apply together (the server clips by max_norm itself).
+            r = head.step_phase("full", lr=lr, clip_coef=coef, skip=bool(skip),
+                                max_norm=self.max_norm if coef is None else None)
+            skipped = bool(skip)
         else:
             red = self.reduce()
-            skipped = not red.finite
+            skipped = bool(skip) or not red.finite
             r = head.step_phase("apply", lr=lr, clip_coef=coef, skip=skipped)
         if scaled:
             _record_found_inf(scaler, self, skipped)

@@ -157,26 +157,61 @@ def test_skip_keeps_w_and_drops_the_gradients(client, heads):
     assert info.contributions == 0 and info.optimizer_step == 0
 
 
-def test_head_alone_clipped_by_max_norm(client, heads):
-    """clip_grad_norm_ with no backbone parameters: the head's own norm, as torch's
-    clip_grad_norm_ over the head's weight and bias."""
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "optimizer_max_norm", "max_norm_amp"])
+def test_head_alone_clipped_by_max_norm(client, heads, how):
+    """The head clipped by its own norm, as torch's clip_grad_norm_ over its weight and bias:
+    through clip_grad_norm_ with no backbone (two phases), through the optimizer's max_norm
+    (one barrier, the server's coefficient), and the latter under a GradScaler (the
+    coefficient from the unscaled norm)."""
     name, w, b = _new_head(client, heads, ADAMW, 23, "clip-alone")
-    mod = RemoteLMHead(name, client=client)
-    opt = mod.optimizer()
+    scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 6) if how == "max_norm_amp"
+              else None)
+    mod = RemoteLMHead(name, client=client, grad_scaler=scaler)
+    opt = mod.optimizer(max_norm=None if how == "clip_grad_norm_" else 1e-3)
     exp = client.export_head(name)
     x, t = make_batch(2300)
-    mod(x.requires_grad_(), t).backward()
-    total = clip_grad_norm_([], opt, 1e-3)
-    opt.step()
+    loss = mod(x.requires_grad_(), t)
+    (scaler.scale(loss) if scaler else loss).backward()
+    if how == "clip_grad_norm_":
+        total = clip_grad_norm_([], opt, 1e-3)
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
     dw, db = shadow_gradient(client, mod, [(x.detach(), t)], exp.tensors["copy_w"],
-                             exp.tensors["copy_bias"])
+                             exp.tensors["copy_bias"], scaler_scale=2.0 ** 6 if scaler else 1)
+    unscale = 2.0 ** -6 if scaler else 1.0
     tp = [torch.nn.Parameter(torch.zeros(g.shape)) for g in (dw, db)]
-    tp[0].grad, tp[1].grad = torch.from_numpy(np.array(dw)), torch.from_numpy(np.array(db))
+    for p, g in zip(tp, (dw, db)):
+        p.grad = torch.from_numpy(np.array(g)) * unscale
     want = torch.nn.utils.clip_grad_norm_(tp, 1e-3, foreach=False)
-    assert abs(float(total) - float(want)) <= 1e-5 * float(want)
+    coef = float(torch.clamp(1e-3 / (want + 1e-6), max=1.0))
+    r = opt.last_result
+    if how == "clip_grad_norm_":
+        assert abs(float(total) - float(want)) <= 1e-5 * float(want)
+    assert r.applied and coef < 1.0
+    # The coefficient the server applied: torch's, times 1/scale, up to the rounding of the
+    # norm (accumulated in double on the server, in fp32 by torch).
+    assert abs(r.clip_coef / unscale - coef) <= 1e-6 * coef, (r.clip_coef, coef)
     ref = Reference(w, b, ADAMW)
-    ref.step(dw, db, coef=opt.last_result.clip_coef)
+    # torch: unscale (exact, a power of two), then clip (tp's grads are clipped already).
+    ref.step(np.array(dw) * np.float32(unscale), np.array(db) * np.float32(unscale),
+             coef=r.clip_coef / unscale)
     assert_matches_reference(client.export_head(name), ref, ADAMW, 1)
+
+
+def test_a_non_finite_step_without_a_scaler_is_refused_then_skipped(client, heads):
+    name, w, b = _new_head(client, heads, ADAMW, 26, "refused")
+    mod = RemoteLMHead(name, client=client, reduction="sum")
+    opt = mod.optimizer()
+    x, t = make_batch(2600, scale=4.0)
+    (mod(x.requires_grad_(), t, loss_scale=2.0 ** 127) * 2.0 ** 127).backward()
+    with pytest.raises(lossd.FailedPreconditionError, match="skip"):
+        opt.step()
+    assert mod.version == 0
+    opt.step(skip=True)
+    assert mod.version == 1 and not opt.last_result.applied
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
