@@ -497,21 +497,13 @@ class Client(HeadMethods):
           before anything is sent.
         timeout: seconds (None = the client's default, float("inf") = none).
         overlap: None = the client's setting (see Client).
-        head: a hosted head's name (create_head), with w None: the weight is the head's compute
-          copy (X must be in its compute dtype) and dW/db go into the head's current step.
-          head_version: the version computed against (HeadInfo / StepResult.version); one
-          older than the head's is refused, the next one waits while this step is pending.
-          (rank, micro_batch): the idempotency key, unique within the rank's step: a Compute
-          whose key the step already holds (a retry) is answered but not added again
-          (result.head_added False). Data-parallel averaging is grad_scale (1/world_size as
-          DDP divides): dX comes back scaled alike.
+        head: a hosted head's name, with w None: its compute copy is the weight, dW/db go into
+          its step at head_version, and (rank, micro_batch) is the key that keeps a retry from
+          adding twice (result.head_added); see _check_head_compute.
         """
         t_start = time.perf_counter()
-        if head is not None:
-            self._check_head_compute(w, bias, accumulator, head_version, rank, micro_batch,
-                                     timeout)
-        elif w is None:
-            raise errors.InvalidArgumentError("w is None: give W, a weight handle, or a head")
+        head_fields = self._check_head_compute(w, bias, accumulator, head, head_version, rank,
+                                               micro_batch, timeout)
         inputs = Inputs(x, w, targets, bias, class_weights, grad_output, reduction)
         header = inputs.header
         set_options(header, inputs.xdt, ignore_index=ignore_index, reduction=reduction,
@@ -519,18 +511,12 @@ class Client(HeadMethods):
                     softcap=softcap, grad_dtype=grad_dtype, grad_scale=grad_scale,
                     chunk_rows=chunk_rows, token_scaling=token_scaling)
         set_outputs(header, inputs.has_bias, accumulator or head, want_dx=want_dx,
-                    want_dw=want_dw,
-                    want_db=want_db, want_lse=want_lse, want_z_loss=want_z_loss,
+                    want_dw=want_dw, want_db=want_db, want_lse=want_lse, want_z_loss=want_z_loss,
                     want_accuracy=want_accuracy, want_predictions=want_predictions)
         if accumulator:
             header.accumulator = accumulator
             header.accumulator_instance = self._acc_instance(accumulator)
-        if head is not None:
-            header.head = str(head)
-            header.head_version = int(head_version)
-            header.rank = int(rank)
-            header.micro_batch = int(micro_batch)
-            header.head_instance = self._head_instance(str(head))
+        header.MergeFrom(pb.ComputeHeader(**head_fields))
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         header.response_part_bytes = int(rpb)
         overlapped = self.overlap if overlap is None else bool(overlap)
@@ -557,10 +543,22 @@ class Client(HeadMethods):
         set_outputs_of(res, tensors)
         return res
 
-    def _check_head_compute(self, w, bias, accumulator, head_version, rank, micro_batch,
+    def _check_head_compute(self, w, bias, accumulator, head, head_version, rank, micro_batch,
                             timeout):
-        """A head's compute names no weight of its own and carries its key; the server must
-        know heads (an older one would refuse the fields, or, older still, ignore them)."""
+        """The ComputeHeader's head fields ({} without a head), checked: a head's compute names
+        no weight of its own (the head's compute copy is the weight: X in its compute dtype)
+        and carries its version and key, and the server must know heads (an older one would
+        refuse the fields, or, older still, ignore them). head_version: the version computed
+        against (HeadInfo / StepResult.version): an older one is refused, the next one waits
+        while this step is pending. (rank, micro_batch): the idempotency key, unique within
+        the rank's step: a Compute whose key the step holds (a retry) is answered but not
+        added again. Data-parallel averaging is grad_scale (1/world_size, as DDP divides):
+        dX comes back scaled alike."""
+        if head is None:
+            if w is None:
+                raise errors.InvalidArgumentError(
+                    "w is None: give W, a weight handle, or a head")
+            return {}
         given = [n for n, v in (("w", w), ("bias", bias)) if v is not None]
         if accumulator:
             given.append("accumulator")
@@ -578,6 +576,8 @@ class Client(HeadMethods):
                 "rank, micro_batch and head_version must be >= 0, got %r, %r, %r" % (
                     rank, micro_batch, head_version))
         self.require_feature("hosted_head", timeout=timeout)
+        return dict(head=str(head), head_version=int(head_version), rank=int(rank),
+                    micro_batch=int(micro_batch), head_instance=self._head_instance(str(head)))
 
 
 def connect(target="localhost:50051", **kwargs) -> Client:
