@@ -2,6 +2,8 @@
 key, step, export in ranges, import, info, list, drop, and the refusals (client-side checks
 name the field; a server without the feature is told apart). Needs no torch."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -161,3 +163,24 @@ def test_a_server_without_the_feature_is_told(client):
                 call()
     finally:
         c.close()
+
+
+def test_ranks_that_disagree_are_refused_and_the_barrier_waits_for_the_right_call(client, head):
+    import threading
+
+    _, _, x, t = _data(8)
+    for r in range(2):
+        client.compute(x, None, t, head=head, head_version=0, rank=r, micro_batch=0,
+                       grad_scale=0.5)
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault(
+        0, client.step(head, 0, rank=0, world_size=2, lr=0.1)))
+    first.start()
+    deadline = time.monotonic() + 30
+    while client.head_info(head).ranks_waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(lossd.FailedPreconditionError, match="every rank of a step must agree"):
+        client.step(head, 0, rank=1, world_size=2, lr=0.2)
+    got[1] = client.step(head, 0, rank=1, world_size=2, lr=0.1)
+    first.join(30)
+    assert got[0] == got[1] and got[1].applied and got[1].contributions == 2
