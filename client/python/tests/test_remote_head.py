@@ -85,7 +85,7 @@ def _train(client, heads, cfg, world, dtype="fp32", steps=STEPS, micro=MICRO, se
                 loss = mods[r](x, t)
                 loss.backward()
                 turns.done()
-                got.append((float(loss), x.grad))
+                got.append((float(loss.detach()), x.grad))
             opts[r].step()
             return got, opts[r].last_result
 
