@@ -352,13 +352,7 @@ void HeadStore::Impl::Tick(absl::Time now) {
         "the Step barrier of ", HeadWhat(head->name), " timed out after ",
         absl::FormatDuration(options.step_timeout), " (--head_step_timeout) waiting for ranks ",
         missing, ": the step's gradients are dropped and W is unchanged; redo the step");
-    for (auto& done : timed_out) done(absl::DeadlineExceededError(why));
-    for (auto& p : expired) {
-      p.resume(drop_step ? absl::FailedPreconditionError(why)
-                         : absl::DeadlineExceededError(
-                               "the deadline passed while this Compute waited for the step of "
-                               "the previous version"));
-    }
+    // The sum is dropped before anyone is told, so a rank that retries finds it gone.
     if (drop_step) {
       Backend* b = backend;
       executor->Submit([b, head] {
@@ -368,6 +362,13 @@ void HeadStore::Impl::Tick(absl::Time now) {
         head->reduced.reset();
         head->sealed = false;
       });
+    }
+    for (auto& done : timed_out) done(absl::DeadlineExceededError(why));
+    for (auto& p : expired) {
+      p.resume(drop_step ? absl::FailedPreconditionError(why)
+                         : absl::DeadlineExceededError(
+                               "the deadline passed while this Compute waited for the step of "
+                               "the previous version"));
     }
   }
 }

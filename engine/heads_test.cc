@@ -115,8 +115,16 @@ class HeadsTest : public ::testing::Test {
   }
 
   // The same micro-batch's dW (and db) added into a plain accumulator: the oracle of the sum.
-  void AddToOracle(const std::string& acc, uint64_t seed, bool bias) {
+  // W and the bias are the head's compute copy now (its export's last tensors), else W0.
+  void AddToOracle(const std::string& acc, uint64_t seed, bool bias,
+                   const std::string& head = "") {
     RandomProblem rp = MicroBatch(seed, bias);
+    if (!head.empty()) {
+      std::vector<std::vector<uint8_t>> x = Export(head);
+      rp.w = x[x.size() - (bias ? 2 : 1)];
+      if (bias) rp.bias = x.back();
+      rp.RecomputeStats();
+    }
     ComputeSpec spec = ComputeSpecFor(rp);
     if (bias) {
       TensorDesc& b = spec.inputs[static_cast<int>(InputSlot::kBias)];
@@ -167,6 +175,21 @@ class HeadsTest : public ::testing::Test {
   Engine e_;
 };
 
+// "" when equal; else how many 4-byte words differ and the first, as floats.
+std::string Mismatch(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  if (got == want) return "";
+  if (got.size() != want.size()) return absl::StrCat("sizes ", got.size(), " vs ", want.size());
+  size_t n = 0, first = 0;
+  for (size_t i = 0; i + 4 <= got.size(); i += 4) {
+    if (std::memcmp(&got[i], &want[i], 4) != 0 && n++ == 0) first = i;
+  }
+  float g, w;
+  std::memcpy(&g, &got[first], 4);
+  std::memcpy(&w, &want[first], 4);
+  return absl::StrCat(n, " of ", got.size() / 4, " words differ; first at word ", first / 4,
+                      ": ", g, " vs ", w);
+}
+
 std::vector<float> Floats(const std::vector<uint8_t>& b) {
   std::vector<float> f(b.size() / 4);
   std::memcpy(f.data(), b.data(), b.size());
@@ -190,7 +213,7 @@ TEST_F(HeadsTest, AStepAppliesTheSummedGradientOnceAsTheOptimizerWould) {
             ComputeOutcome o = Compute(name, step, rank, mb, seed, bias);
             ASSERT_TRUE(o.status.ok()) << o.status;
             EXPECT_TRUE(o.head_added);
-            AddToOracle(oracle, seed, bias);
+            AddToOracle(oracle, seed, bias, name);
           }
         }
         auto sum = e_.FetchGradients(oracle, /*reset=*/true);
@@ -245,7 +268,7 @@ TEST_F(HeadsTest, AStepAppliesTheSummedGradientOnceAsTheOptimizerWould) {
         std::vector<std::vector<uint8_t>> got = Export(name);
         ASSERT_EQ(got.size(), want.size());
         for (size_t i = 0; i < got.size(); ++i) {
-          EXPECT_EQ(got[i], want[i]) << name << " step " << step << " tensor " << i;
+          EXPECT_EQ(Mismatch(got[i], want[i]), "") << name << " step " << step << " tensor " << i;
         }
       }
       EXPECT_NE(Floats(Export(name)[0]), master0);  // the steps moved it

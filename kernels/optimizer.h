@@ -14,8 +14,10 @@ namespace lossd {
 enum class OptimizerKind : int32_t { kSgd = 0, kAdamW = 1 };
 
 // One parameter's update. Scalars are double, as torch computes them in Python; a backend
-// rounds each to fp32 where torch's tensor op would (see kernels/cpu/optimizer_step.cc for
-// the fp32 operation order, which follows torch's single-tensor code).
+// rounds each to fp32 where torch's tensor op would (see kernels/optimizer_math.h for the fp32
+// operation order, which follows torch's single-tensor code and which the CPU and the CUDA
+// backend share, so the two agree bit for bit; kernels/optimizer_check.h for what a backend
+// refuses; kernels/cpu/optimizer_reference.h for the float64 oracle).
 struct OptimizerParams {
   OptimizerKind kind = OptimizerKind::kAdamW;
   double lr = 1e-3;

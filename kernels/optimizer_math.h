@@ -94,7 +94,9 @@ LOSSD_OPT_FN void SgdElement(const Scalars& s, bool weight_decay, bool momentum,
   *p = Add(*p, Mul(s.neg_lr, g));
 }
 
-// AdamW for one element; vmax is read and written only with amsgrad. Torch's order:
+// AdamW for one element; vmax is read and written only with amsgrad. The order of torch's CPU
+// kernels (its CUDA kernels contract products into FMAs and divide by a scalar through its
+// reciprocal, so they differ from this, and from torch on the CPU, in the last bits):
 //   p = p*(1-lr*wd); m = lerp(m, g, 1-beta1) (torch's lerp: m + w*(g-m) for w < 0.5, else
 //   g - (g-m)*(1-w)); v = v*beta2 + ((1-beta2)*g)*g; vmax = max(vmax, v);
 //   denom = sqrt(v or vmax)/sqrt(bc2) + eps; p = p + ((-lr/bc1)*m)/denom.

@@ -7,7 +7,8 @@
  * A plugin exports one symbol, LossdPluginGetApi. The server asks it for the ABI version it
  * was built for; the plugin answers with its table of functions for that version, or with null
  * when it speaks another one, and in both cases writes the version it speaks, so the server
- * can name both. Version 1 was a C++ lossd::Backend* across dlopen (LossdCudaAbiVersion).
+ * can name both. Version 1 was a C++ lossd::Backend* across dlopen (LossdCudaAbiVersion);
+ * version 3 added the hosted head's optimizer_step and sum_of_squares.
  * Bump LOSSD_PLUGIN_ABI_VERSION whenever a struct or a function below changes; a new
  * function goes at the end of LossdBackendApi, whose struct_size tells how far a table goes.
  */
@@ -21,7 +22,7 @@
 extern "C" {
 #endif
 
-#define LOSSD_PLUGIN_ABI_VERSION 2u
+#define LOSSD_PLUGIN_ABI_VERSION 3u
 #define LOSSD_PLUGIN_ENTRY_SYMBOL "LossdPluginGetApi"
 /* What a version 1 plugin exported instead: uint32_t LossdCudaAbiVersion(void). */
 #define LOSSD_PLUGIN_V1_VERSION_SYMBOL "LossdCudaAbiVersion"
@@ -44,6 +45,8 @@ extern "C" {
 #define LOSSD_GRAD_NONE 0
 #define LOSSD_GRAD_WRITTEN 1
 #define LOSSD_GRAD_ACCUMULATED 2
+#define LOSSD_OPTIMIZER_SGD 0
+#define LOSSD_OPTIMIZER_ADAMW 1
 
 /* The outcome of a call. code: 0 is OK, anything else a canonical status code (absl's and
  * gRPC's numbers: 3 INVALID_ARGUMENT, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE ...). The caller
@@ -165,6 +168,37 @@ typedef struct LossdWorkspaceShape {
   int32_t accum_memory;
 } LossdWorkspaceShape;
 
+/* One optimizer step's scalars (lossd::OptimizerParams, kernels/optimizer.h says what each
+ * means); flags are 0 or 1. */
+typedef struct LossdOptimizerParams {
+  int32_t kind; /* LOSSD_OPTIMIZER_* */
+  double lr;
+  double weight_decay;
+  double momentum;
+  double dampening;
+  int32_t nesterov;
+  int32_t momentum_initialised;
+  double beta1;
+  double beta2;
+  double eps;
+  int32_t amsgrad;
+  int64_t step;
+  float grad_scale;
+} LossdOptimizerParams;
+
+/* One parameter's buffers (lossd::OptimizerTensors): n fp32 elements each, in backend memory
+ * (the table's allocate); null where the update needs none. */
+typedef struct LossdOptimizerTensors {
+  int64_t n;
+  float* param;       /* (n) the fp32 master, updated in place */
+  const float* grad;  /* (n) the summed gradient */
+  float* state1;      /* (n) AdamW exp_avg; SGD momentum buffer */
+  float* state2;      /* (n) AdamW exp_avg_sq */
+  float* state3;      /* (n) AdamW max_exp_avg_sq (amsgrad) */
+  void* copy;         /* (n) copy_dtype: the cast of the new master; null = none */
+  int32_t copy_dtype; /* LOSSD_DTYPE_BF16, _F16 or _F32 */
+} LossdOptimizerTensors;
+
 /* Opaque handles, defined by the plugin. A buffer may outlive its backend; a host memory
  * lives as long as the process. */
 typedef struct LossdBackend LossdBackend;
@@ -204,6 +238,14 @@ typedef struct LossdBackendApi {
   LossdHostMemory* (*host_memory)(LossdBackend* backend);
   void* (*host_alloc)(LossdHostMemory* memory, size_t bytes);
   void (*host_free)(LossdHostMemory* memory, void* ptr);
+
+  /* Version 3. One optimizer step over backend memory (lossd::Backend::OptimizerStep). */
+  int32_t (*optimizer_step)(LossdBackend* backend, const LossdOptimizerParams* params,
+                            const LossdOptimizerTensors* tensors, LossdStatus* status);
+  /* *sum = the sum of data[i]^2 over n fp32 elements in backend memory, in double
+   * (lossd::Backend::SumOfSquares); *sum is 0 on error. */
+  int32_t (*sum_of_squares)(LossdBackend* backend, const float* data, int64_t n, double* sum,
+                            LossdStatus* status);
 } LossdBackendApi;
 
 /* The entry point's type: the table for abi_version, or null when the plugin does not speak

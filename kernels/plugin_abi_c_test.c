@@ -2,6 +2,7 @@
  * errors), and checks the constants a plugin and a server must agree on. */
 #include "kernels/plugin_abi.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -16,7 +17,7 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 2u, "the ABI version is 2");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 3u, "the ABI version is 3");
   failures += Check(strcmp(LOSSD_PLUGIN_ENTRY_SYMBOL, "LossdPluginGetApi") == 0,
                     "the entry point's name");
   failures += Check(strcmp(LOSSD_CUDA_NO_GPU_PREFIX, "no GPU: ") == 0, "the no-GPU prefix");
@@ -25,6 +26,12 @@ int main(void) {
   failures += Check(sizeof(api.struct_size) == 4 && sizeof(api.abi_version) == 4,
                     "32-bit version fields");
   failures += Check(api.create == NULL && status.code == 0, "plain data");
+  /* Version 3's functions come last, after every function of version 2. */
+  failures += Check(offsetof(LossdBackendApi, optimizer_step) > offsetof(LossdBackendApi, host_free)
+                        && offsetof(LossdBackendApi, sum_of_squares) + sizeof(api.sum_of_squares)
+                               == sizeof(LossdBackendApi),
+                    "version 3's functions at the end of the table");
+  failures += Check(LOSSD_OPTIMIZER_SGD == 0 && LOSSD_OPTIMIZER_ADAMW == 1, "optimizer kinds");
   if (failures == 0) printf("plugin_abi.h compiles as C\n");
   return failures == 0 ? 0 : 1;
 }

@@ -121,6 +121,35 @@ void VisitStats(S& s, C& c, Move move) {
   move(s.nonfinite, c.nonfinite);
 }
 
+template <typename P, typename C, typename Move>
+void VisitOptimizerParams(P& p, C& c, Move move) {
+  move(p.kind, c.kind);
+  move(p.lr, c.lr);
+  move(p.weight_decay, c.weight_decay);
+  move(p.momentum, c.momentum);
+  move(p.dampening, c.dampening);
+  move(p.nesterov, c.nesterov);
+  move(p.momentum_initialised, c.momentum_initialised);
+  move(p.beta1, c.beta1);
+  move(p.beta2, c.beta2);
+  move(p.eps, c.eps);
+  move(p.amsgrad, c.amsgrad);
+  move(p.step, c.step);
+  move(p.grad_scale, c.grad_scale);
+}
+
+template <typename T, typename C, typename Move>
+void VisitOptimizerTensors(T& t, C& c, Move move) {
+  move(t.n, c.n);
+  move(t.param, c.param);
+  move(t.grad, c.grad);
+  move(t.state1, c.state1);
+  move(t.state2, c.state2);
+  move(t.state3, c.state3);
+  move(t.copy, c.copy);
+  move(t.copy_dtype, c.copy_dtype);
+}
+
 // The numbers only: the two strings are arrays on the C side (ToC and FromC copy them).
 template <typename I, typename C, typename Move>
 void VisitInfoNumbers(I& i, C& c, Move move) {
@@ -212,6 +241,30 @@ LossStats FromC(const LossdStats& c) {
   LossStats s;
   VisitStats(s, c, OutOfC());
   return s;
+}
+
+LossdOptimizerParams ToC(const OptimizerParams& p) {
+  LossdOptimizerParams c{};
+  VisitOptimizerParams(p, c, IntoC());
+  return c;
+}
+
+OptimizerParams FromC(const LossdOptimizerParams& c) {
+  OptimizerParams p;
+  VisitOptimizerParams(p, c, OutOfC());
+  return p;
+}
+
+LossdOptimizerTensors ToC(const OptimizerTensors& t) {
+  LossdOptimizerTensors c{};
+  VisitOptimizerTensors(t, c, IntoC());
+  return c;
+}
+
+OptimizerTensors FromC(const LossdOptimizerTensors& c) {
+  OptimizerTensors t;
+  VisitOptimizerTensors(t, c, OutOfC());
+  return t;
 }
 
 LossdBackendInfo ToC(const BackendInfo& i) {

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
+#include "kernels/optimizer.h"
 #include "kernels/plugin_abi.h"
 
 namespace lossd {
@@ -48,6 +49,10 @@ LossdOutputs ToC(const LossOutputs& o);
 LossOutputs FromC(const LossdOutputs& o);
 LossdStats ToC(const LossStats& s);
 LossStats FromC(const LossdStats& s);
+LossdOptimizerParams ToC(const OptimizerParams& p);
+OptimizerParams FromC(const LossdOptimizerParams& p);
+LossdOptimizerTensors ToC(const OptimizerTensors& t);
+OptimizerTensors FromC(const LossdOptimizerTensors& t);
 // Strings longer than the C struct's arrays are cut.
 LossdBackendInfo ToC(const BackendInfo& i);
 BackendInfo FromC(const LossdBackendInfo& i);

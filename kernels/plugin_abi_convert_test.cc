@@ -9,6 +9,7 @@
 #include "core/loss_problem.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/optimizer.h"
 #include "kernels/plugin_abi.h"
 
 namespace lossd {
@@ -171,6 +172,74 @@ TEST(PluginAbiConvertTest, StatsRoundTrip) {
   EXPECT_EQ(rs.chunk_rows, s.chunk_rows);
   EXPECT_EQ(rs.gemm_tunings, s.gemm_tunings);
   EXPECT_EQ(rs.nonfinite, s.nonfinite);
+}
+
+TEST(PluginAbiConvertTest, OptimizerParamsRoundTrip) {
+  OptimizerParams p;
+  p.kind = OptimizerKind::kSgd;
+  p.lr = 0.25;
+  p.weight_decay = 0.125;
+  p.momentum = 0.875;
+  p.dampening = 0.0625;
+  p.nesterov = true;
+  p.momentum_initialised = true;
+  p.beta1 = 0.5;
+  p.beta2 = 0.75;
+  p.eps = 1e-6;
+  p.amsgrad = true;
+  p.step = (int64_t{1} << 40) + 3;
+  p.grad_scale = 0.3f;
+  const LossdOptimizerParams c = ToC(p);
+  EXPECT_EQ(c.kind, LOSSD_OPTIMIZER_SGD);
+  EXPECT_EQ(c.nesterov, 1);
+  const OptimizerParams r = FromC(c);
+  EXPECT_EQ(r.kind, p.kind);
+  EXPECT_EQ(r.lr, p.lr);
+  EXPECT_EQ(r.weight_decay, p.weight_decay);
+  EXPECT_EQ(r.momentum, p.momentum);
+  EXPECT_EQ(r.dampening, p.dampening);
+  EXPECT_TRUE(r.nesterov);
+  EXPECT_TRUE(r.momentum_initialised);
+  EXPECT_EQ(r.beta1, p.beta1);
+  EXPECT_EQ(r.beta2, p.beta2);
+  EXPECT_EQ(r.eps, p.eps);
+  EXPECT_TRUE(r.amsgrad);
+  EXPECT_EQ(r.step, p.step);
+  EXPECT_EQ(r.grad_scale, p.grad_scale);
+  // The other value of every enum and flag.
+  p.kind = OptimizerKind::kAdamW;
+  p.nesterov = p.momentum_initialised = p.amsgrad = false;
+  const OptimizerParams r2 = FromC(ToC(p));
+  EXPECT_EQ(ToC(p).kind, LOSSD_OPTIMIZER_ADAMW);
+  EXPECT_EQ(r2.kind, OptimizerKind::kAdamW);
+  EXPECT_FALSE(r2.nesterov);
+  EXPECT_FALSE(r2.momentum_initialised);
+  EXPECT_FALSE(r2.amsgrad);
+}
+
+TEST(PluginAbiConvertTest, OptimizerTensorsRoundTrip) {
+  float f[5];
+  uint16_t copy[1];
+  OptimizerTensors t;
+  t.n = 12345678901;
+  t.param = &f[0];
+  t.grad = &f[1];
+  t.state1 = &f[2];
+  t.state2 = &f[3];
+  t.state3 = &f[4];
+  t.copy = copy;
+  t.copy_dtype = DType::kF16;
+  const LossdOptimizerTensors c = ToC(t);
+  EXPECT_EQ(c.copy_dtype, LOSSD_DTYPE_F16);
+  const OptimizerTensors r = FromC(c);
+  EXPECT_EQ(r.n, t.n);
+  EXPECT_EQ(r.param, t.param);
+  EXPECT_EQ(r.grad, t.grad);
+  EXPECT_EQ(r.state1, t.state1);
+  EXPECT_EQ(r.state2, t.state2);
+  EXPECT_EQ(r.state3, t.state3);
+  EXPECT_EQ(r.copy, t.copy);
+  EXPECT_EQ(r.copy_dtype, DType::kF16);
 }
 
 TEST(PluginAbiConvertTest, InfoRoundTripsAndLongNamesAreCut) {

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
+#include "kernels/optimizer.h"
 #include "kernels/plugin_abi.h"
 #include "kernels/plugin_abi_convert.h"
 
@@ -141,11 +142,19 @@ class PluginBackend final : public Backend {
     return st.ToStatus(code);
   }
 
-  absl::Status OptimizerStep(const OptimizerParams&, const OptimizerTensors&) override {
-    return absl::UnimplementedError("plugin backend: OptimizerStep is not in ABI version 2");
+  absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) override {
+    const LossdOptimizerParams params = ToC(p);
+    const LossdOptimizerTensors tensors = ToC(t);
+    StatusBuffer st;
+    return st.ToStatus(api_->optimizer_step(handle_, &params, &tensors, st.get()));
   }
-  absl::StatusOr<double> SumOfSquares(const float*, int64_t) override {
-    return absl::UnimplementedError("plugin backend: SumOfSquares is not in ABI version 2");
+
+  absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) override {
+    double sum = 0;
+    StatusBuffer st;
+    const int32_t code = api_->sum_of_squares(handle_, data, n, &sum, st.get());
+    if (code != 0) return st.ToStatus(code);
+    return sum;
   }
 
   HostMemory* host_memory() override { return host_memory_; }

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
+#include "kernels/optimizer.h"
 #include "kernels/plugin_abi.h"
 #include "kernels/plugin_abi_convert.h"
 
@@ -122,6 +123,20 @@ void HostFree(LossdHostMemory* memory, void* ptr) {
   reinterpret_cast<HostMemory*>(memory)->Free(ptr);
 }
 
+int32_t OptimizerStep(LossdBackend* backend, const LossdOptimizerParams* params,
+                      const LossdOptimizerTensors* tensors, LossdStatus* status) {
+  return WriteStatus(backend->impl->OptimizerStep(FromC(*params), FromC(*tensors)), status);
+}
+
+int32_t SumOfSquares(LossdBackend* backend, const float* data, int64_t n, double* sum,
+                     LossdStatus* status) {
+  *sum = 0;
+  absl::StatusOr<double> s = backend->impl->SumOfSquares(data, n);
+  if (!s.ok()) return WriteStatus(s.status(), status);
+  *sum = *s;
+  return WriteStatus(absl::OkStatus(), status);
+}
+
 constexpr LossdBackendApi kApi = {
     sizeof(LossdBackendApi),
     LOSSD_PLUGIN_ABI_VERSION,
@@ -138,6 +153,8 @@ constexpr LossdBackendApi kApi = {
     &GetHostMemory,
     &HostAlloc,
     &HostFree,
+    &OptimizerStep,
+    &SumOfSquares,
 };
 
 }  // namespace

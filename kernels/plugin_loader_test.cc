@@ -23,7 +23,9 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/optimizer.h"
 #include "kernels/plugin_abi.h"
+#include "testing/optimizer_cases.h"
 #include "testing/plugin_cases.h"
 #include "testing/test_util.h"
 
@@ -81,14 +83,16 @@ TEST(PluginLoaderTest, PluginWithoutTheEntryPointIsRefused) {
   auto b = LoadCudaBackend(Absolute(g_no_entry), DefaultCudaOptions());
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find("exports no LossdPluginGetApi: it is not a lossd plugin "
-                                      "of a versioned ABI; this server needs ABI version 2"),
+  EXPECT_NE(b.status().message().find(
+                absl::StrCat("exports no LossdPluginGetApi: it is not a lossd plugin of a "
+                             "versioned ABI; this server needs ABI version ",
+                             LOSSD_PLUGIN_ABI_VERSION)),
             std::string::npos)
       << b.status();
   EXPECT_TRUE(absl::IsFailedPrecondition(ProbeCudaPlugin(Absolute(g_no_entry)).status()));
 }
 
-// The plugin at `path` was built for ABI `version`, not this server's (2): loading it is
+// The plugin at `path` was built for ABI `version`, not this server's: loading it is
 // refused with FAILED_PRECONDITION naming both versions, while the probe reports the number
 // rather than refusing (--version prints it), with the plugin's path.
 void ExpectOtherAbiRefused(const std::string& path, uint32_t version) {
@@ -96,7 +100,8 @@ void ExpectOtherAbiRefused(const std::string& path, uint32_t version) {
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
   EXPECT_NE(b.status().message().find(absl::StrCat("was built for plugin ABI version ", version,
-                                                   "; this server needs version 2")),
+                                                   "; this server needs version ",
+                                                   LOSSD_PLUGIN_ABI_VERSION)),
             std::string::npos)
       << b.status();
   absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(path);
@@ -274,6 +279,61 @@ TEST_F(FakePluginTest, ComputeIsTheCpuBackendsBitForBit) {
       }
     }
   }
+}
+
+// An optimizer step through the table is the CPU backend's, bit for bit, over buffers in each
+// backend's own memory (both host memory here); so is the sum of squares; errors keep their
+// code and message.
+TEST_F(FakePluginTest, OptimizerStepAndSumOfSquaresCross) {
+  const int64_t n = 1031;
+  for (const OptimizerCase& c : AllOptimizerCases()) {
+    SCOPED_TRACE(c.name);
+    OptimizerBuffers want = RandomOptimizerBuffers(c, n, 8), got = want;
+    const std::vector<float> grad = RandomGradient(n, 9);
+    // got's buffers copied into the plugin's memory, stepped there and copied back.
+    std::vector<std::unique_ptr<BackendBuffer>> bufs;
+    for (std::vector<float>* v : {&got.param, const_cast<std::vector<float>*>(&grad),
+                                  &got.state1, &got.state2, &got.state3}) {
+      absl::StatusOr<std::unique_ptr<BackendBuffer>> b = plugin_->Allocate(n * 4);
+      ASSERT_TRUE(b.ok()) << b.status();
+      ASSERT_TRUE(plugin_->CopyToBackend(**b, 0, v->data(), n * 4).ok());
+      bufs.push_back(std::move(*b));
+    }
+    absl::StatusOr<std::unique_ptr<BackendBuffer>> copy = plugin_->Allocate(n * 4);
+    ASSERT_TRUE(copy.ok());
+    ASSERT_TRUE(plugin_->CopyToBackend(**copy, 0, got.copy.data(), n * 4).ok());
+    OptimizerTensors t;
+    t.n = n;
+    t.param = static_cast<float*>(bufs[0]->data());
+    t.grad = static_cast<const float*>(bufs[1]->data());
+    t.state1 = static_cast<float*>(bufs[2]->data());
+    t.state2 = static_cast<float*>(bufs[3]->data());
+    t.state3 = static_cast<float*>(bufs[4]->data());
+    t.copy = c.copy ? (*copy)->data() : nullptr;
+    t.copy_dtype = c.copy_dtype;
+    const OptimizerParams p = ParamsAtStep(c.params, 0);
+    ASSERT_TRUE(plugin_->OptimizerStep(p, t).ok());
+    ASSERT_TRUE(direct_.OptimizerStep(p, HostTensors(c, want, grad.data())).ok());
+    for (auto [buf, v] : {std::pair{0, &got.param}, {2, &got.state1}, {3, &got.state2},
+                          {4, &got.state3}}) {
+      ASSERT_TRUE(plugin_->CopyFromBackend(*bufs[buf], 0, v->data(), n * 4).ok());
+    }
+    ASSERT_TRUE(plugin_->CopyFromBackend(**copy, 0, got.copy.data(), n * 4).ok());
+    EXPECT_EQ(CountNan(want.param), 0);
+    EXPECT_EQ(std::memcmp(want.param.data(), got.param.data(), n * 4), 0);
+    EXPECT_EQ(std::memcmp(want.state1.data(), got.state1.data(), n * 4), 0);
+    EXPECT_EQ(std::memcmp(want.state2.data(), got.state2.data(), n * 4), 0);
+    EXPECT_EQ(std::memcmp(want.state3.data(), got.state3.data(), n * 4), 0);
+    EXPECT_EQ(want.copy, got.copy);
+    const absl::StatusOr<double> sum = plugin_->SumOfSquares(t.param, n);
+    ASSERT_TRUE(sum.ok()) << sum.status();
+    EXPECT_EQ(*sum, *direct_.SumOfSquares(want.param.data(), n));
+  }
+  OptimizerTensors missing;  // AdamW without its buffers
+  missing.n = 3;
+  EXPECT_EQ(plugin_->OptimizerStep(OptimizerParams(), missing),
+            direct_.OptimizerStep(OptimizerParams(), missing));
+  EXPECT_EQ(plugin_->SumOfSquares(nullptr, 2).status(), direct_.SumOfSquares(nullptr, 2).status());
 }
 
 TEST_F(FakePluginTest, ComputeWithoutStatsOrGradients) {

@@ -127,6 +127,12 @@ OptimizerTensors HostTensors(const OptimizerCase& c, OptimizerBuffers& b, const 
   return t;
 }
 
+int64_t CountNan(const std::vector<float>& v) {
+  int64_t n = 0;
+  for (const float x : v) n += std::isnan(x);
+  return n;
+}
+
 double NormwiseUlps(const std::vector<float>& a, const std::vector<double>& r) {
   double worst = 0, scale = 0;
   for (size_t i = 0; i < r.size(); ++i) {

@@ -56,6 +56,10 @@ OptimizerTensors HostTensors(const OptimizerCase& c, OptimizerBuffers& b, const 
 double NormwiseUlps(const std::vector<float>& a, const std::vector<double>& r);
 double ElementwiseUlps(const std::vector<float>& a, const std::vector<double>& r);
 
+// Elements of v that are NaN: a bit-for-bit comparison of two steps means little when the
+// data went NaN (for SGD, a momentum step over the NaN a fresh buffer holds).
+int64_t CountNan(const std::vector<float>& v);
+
 // The tolerance table for fp32 against the oracle after kOptimizerSteps steps, in the units
 // above: each step rounds about ten times, and the state carries earlier steps' rounding.
 constexpr int kOptimizerSteps = 5;

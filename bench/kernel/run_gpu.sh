@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
-# kernel benchmark and the naive PyTorch baseline. Writes 11 files into OUT_DIR (gpu.txt, one
-# log per test binary, bench.log/.csv, gpu_clocks.csv, torch.log) and prints a short summary
-# last.
+# kernel benchmark, the optimizer step's benchmark and the naive PyTorch baseline. Writes into
+# OUT_DIR gpu.txt, one log per test binary, bench.log/.csv, gpu_clocks.csv,
+# optimizer_bench.log and torch.log, and prints a short summary last.
 # Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / GTEST_ARGS pass extra flags)
 set -uo pipefail
 OUTDIR=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
@@ -14,7 +14,7 @@ rc=0
 } > "$OUTDIR/gpu.txt" 2>&1
 cat "$OUTDIR/gpu.txt"
 for t in plugin_exposer_test plugin_compute_test ce_kernels_test nonfinite_test cuda_backend_test \
-    cuda_backend_api_test cuda_backend_stream_test sticky_error_test; do
+    cuda_backend_api_test cuda_backend_stream_test sticky_error_test optimizer_test; do
   [ -x "./$t" ] || { echo "$t: absent"; continue; }
   timeout "${TEST_TIMEOUT:-200}" "./$t" ${GTEST_ARGS:-} > "$OUTDIR/$t.log" 2>&1
   code=$?
@@ -33,12 +33,17 @@ if [ -x ./bench_kernel ]; then
     > "$OUTDIR/bench.log" 2>&1 || rc=1
   kill "$smi" 2>/dev/null
 fi
+if [ -x ./optimizer_bench ]; then
+  timeout "${BENCH_TIMEOUT:-400}" ./optimizer_bench > "$OUTDIR/optimizer_bench.log" 2>&1 || rc=1
+fi
 if command -v python3 >/dev/null; then
   PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-150}" python3 torch_baseline.py \
     --csv "$(mktemp)" ${TORCH_ARGS:-} > "$OUTDIR/torch.log" 2>&1 || rc=1
 fi
 echo "== bench =="
 tail -25 "$OUTDIR/bench.log" 2>/dev/null
+echo "== optimizer step =="
+cat "$OUTDIR/optimizer_bench.log" 2>/dev/null
 echo "== torch =="
 tail -10 "$OUTDIR/torch.log" 2>/dev/null
 exit $rc

@@ -143,9 +143,10 @@ TEST(OptimizerStepThreadsTest, OneThreadAndFourAgreeBitForBit) {
     SCOPED_TRACE(c.name);
     OptimizerBuffers one = RandomOptimizerBuffers(c, n, 5), four = RandomOptimizerBuffers(c, n, 5);
     const std::vector<float> grad = RandomGradient(n, 6);
-    const OptimizerParams p = ParamsAtStep(c.params, 1);
+    const OptimizerParams p = ParamsAtStep(c.params, 0);
     ASSERT_TRUE(NewCpuBackend(1)->OptimizerStep(p, HostTensors(c, one, grad.data())).ok());
     ASSERT_TRUE(NewCpuBackend(4)->OptimizerStep(p, HostTensors(c, four, grad.data())).ok());
+    EXPECT_EQ(CountNan(one.param), 0);
     EXPECT_EQ(std::memcmp(one.param.data(), four.param.data(), n * 4), 0);
     EXPECT_EQ(std::memcmp(one.state1.data(), four.state1.data(), n * 4), 0);
     EXPECT_EQ(std::memcmp(one.state2.data(), four.state2.data(), n * 4), 0);

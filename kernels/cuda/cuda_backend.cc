@@ -22,11 +22,14 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/streamed_chunk_hooks.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "core/loss_problem_check.h"
 #include "core/status_macros.h"
+#include "kernels/optimizer.h"
+#include "kernels/optimizer_check.h"
 
 namespace lossd {
 namespace cuda {
@@ -242,6 +245,34 @@ absl::Status CudaBackend::Compute(const LossProblem& p, const LossOutputs& out,
   return Check(ComputeLocked(p, out, stats));
 }
 
+absl::Status CudaBackend::OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) {
+  LOSSD_RETURN_IF_ERROR(CheckOptimizerStep(p, t));
+  if (t.n == 0) return absl::OkStatus();
+  if (!healthy_) return Unhealthy("OptimizerStep");
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  LOSSD_RETURN_IF_ERROR(Check(CudaStatus(LaunchOptimizerStep(p, t, cudaStreamLegacy),
+                                         "LaunchOptimizerStep")));
+  return Check(CudaStatus(cudaStreamSynchronize(cudaStreamLegacy),
+                          "cudaStreamSynchronize(after the optimizer step)"));
+}
+
+absl::StatusOr<double> CudaBackend::SumOfSquares(const float* data, int64_t n) {
+  LOSSD_RETURN_IF_ERROR(CheckSumOfSquares(data, n));
+  if (n == 0) return 0.0;
+  if (!healthy_) return Unhealthy("SumOfSquares");
+  LOSSD_ASSIGN_OR_RETURN(std::unique_ptr<BackendBuffer> scratch,
+                         AllocateDevice(kSumOfSquaresScratch * sizeof(double)));
+  auto* partial = static_cast<double*>(scratch->data());
+  LOSSD_RETURN_IF_ERROR(Check(CudaStatus(LaunchSumOfSquares(data, n, partial, cudaStreamLegacy),
+                                         "LaunchSumOfSquares")));
+  double sum = 0;
+  // Synchronous on the legacy stream: the copy waits for both passes, and the scratch is
+  // idle before it is freed.
+  LOSSD_RETURN_IF_ERROR(Check(CudaStatus(
+      cudaMemcpy(&sum, partial + kSumOfSquaresBlocks, sizeof(double), cudaMemcpyDeviceToHost),
+      "cudaMemcpy(sum of squares to host)")));
+  return sum;
+}
 
 absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs& out,
                                         LossStats* stats) {

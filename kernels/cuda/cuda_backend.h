@@ -63,12 +63,12 @@ class CudaBackend : public Backend {
   absl::Status Zero(BackendBuffer& buf) override;
   uint64_t WorkspaceBytes(const WorkspaceShape& shape) override;
   absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override;
-  absl::Status OptimizerStep(const OptimizerParams&, const OptimizerTensors&) override {
-    return absl::UnimplementedError("cuda backend: OptimizerStep");
-  }
-  absl::StatusOr<double> SumOfSquares(const float*, int64_t) override {
-    return absl::UnimplementedError("cuda backend: SumOfSquares");
-  }
+  // Both run on the legacy default stream and wait for it, as Zero does: the Computes that
+  // summed the gradient have returned (their streams drained), and the caller reads the
+  // master, the copy or the norm right after. Neither takes mu_: a step touches only its
+  // head's buffers, which the engine keeps from every Compute while it runs.
+  absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) override;
+  absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) override;
   // Page-locked memory (cudaHostAlloc, portable to every context); lives for the process.
   HostMemory* host_memory() override;
 

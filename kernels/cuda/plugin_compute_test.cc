@@ -1,22 +1,27 @@
 // The CUDA backend through the plugin ABI (liblossd_cuda.so loaded by the server's loader)
 // against the same backend linked in and called directly, on a GPU host: the same bits for
-// every output, the same statistics, the same workspace sizes, the same info. Both run with
-// fixed GEMM algorithms, so a difference can only come from the C boundary.
+// every output and optimizer step, the same statistics, the same workspace sizes, the same
+// info. Both run with fixed GEMM algorithms, so a difference can only come from the C
+// boundary.
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "core/status_macros.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/optimizer.h"
 #include "kernels/plugin_loader.h"
+#include "testing/optimizer_cases.h"
 #include "testing/plugin_cases.h"
 #include "testing/test_util.h"
 
@@ -40,6 +45,58 @@ class PluginComputeTest : public ::testing::Test {
   std::unique_ptr<Backend> plugin_;
   std::unique_ptr<Backend> direct_;
 };
+
+// One step of case c in b's memory: buf's buffers and grad uploaded, stepped and read back
+// into buf; *sum = the sum of squares of the new master, on the device.
+absl::Status StepOn(Backend& b, const OptimizerCase& c, OptimizerBuffers* buf,
+                    const std::vector<float>& grad, double* sum) {
+  const size_t bytes = static_cast<size_t>(buf->n) * 4;
+  std::vector<float>* host[4] = {&buf->param, &buf->state1, &buf->state2, &buf->state3};
+  std::unique_ptr<BackendBuffer> dev[6];
+  const void* src[6] = {buf->param.data(), buf->state1.data(), buf->state2.data(),
+                        buf->state3.data(), grad.data(), buf->copy.data()};
+  for (int i = 0; i < 6; ++i) {
+    LOSSD_ASSIGN_OR_RETURN(dev[i], b.Allocate(bytes));
+    LOSSD_RETURN_IF_ERROR(b.CopyToBackend(*dev[i], 0, src[i], bytes));
+  }
+  OptimizerTensors t;
+  t.n = buf->n;
+  t.param = static_cast<float*>(dev[0]->data());
+  t.state1 = static_cast<float*>(dev[1]->data());
+  t.state2 = static_cast<float*>(dev[2]->data());
+  t.state3 = static_cast<float*>(dev[3]->data());
+  t.grad = static_cast<const float*>(dev[4]->data());
+  t.copy = c.copy ? dev[5]->data() : nullptr;
+  t.copy_dtype = c.copy_dtype;
+  LOSSD_RETURN_IF_ERROR(b.OptimizerStep(c.params, t));
+  for (int i = 0; i < 4; ++i) {
+    LOSSD_RETURN_IF_ERROR(b.CopyFromBackend(*dev[i], 0, host[i]->data(), bytes));
+  }
+  LOSSD_RETURN_IF_ERROR(b.CopyFromBackend(*dev[5], 0, buf->copy.data(), bytes));
+  LOSSD_ASSIGN_OR_RETURN(*sum, b.SumOfSquares(t.param, buf->n));
+  return absl::OkStatus();
+}
+
+// The optimizer step and the sum of squares through the table: the direct backend's bits.
+TEST_F(PluginComputeTest, OptimizerStepIsTheDirectBackendsBitForBit) {
+  const int64_t n = 100003;
+  for (const OptimizerCase& c : AllOptimizerCases()) {
+    SCOPED_TRACE(c.name);
+    OptimizerBuffers want = RandomOptimizerBuffers(c, n, 3), got = want;
+    const std::vector<float> grad = RandomGradient(n, 4);
+    double want_sum = 0, got_sum = 0;
+    ASSERT_TRUE(StepOn(*direct_, c, &want, grad, &want_sum).ok());
+    ASSERT_TRUE(StepOn(*plugin_, c, &got, grad, &got_sum).ok());
+    EXPECT_EQ(CountNan(want.param), 0);
+    EXPECT_EQ(std::memcmp(want.param.data(), got.param.data(), n * 4), 0);
+    EXPECT_EQ(std::memcmp(want.state1.data(), got.state1.data(), n * 4), 0);
+    EXPECT_EQ(std::memcmp(want.state2.data(), got.state2.data(), n * 4), 0);
+    EXPECT_EQ(std::memcmp(want.state3.data(), got.state3.data(), n * 4), 0);
+    EXPECT_EQ(want.copy, got.copy);
+    EXPECT_EQ(std::memcmp(&want_sum, &got_sum, sizeof(double)), 0);
+    EXPECT_GT(want_sum, 0);
+  }
+}
 
 TEST_F(PluginComputeTest, InfoAndHostMemory) {
   const BackendInfo got = plugin_->Info(), want = direct_->Info();

@@ -45,7 +45,7 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 # Every library of core/, engine/ and the CPU backend (new files join by themselves: a list kept
 # by hand missed them twice), plus what the fuzzers use from the other layers.
 LAYER_SRCS=$(cd "$ROOT" && ls core/*.cc engine/*.cc kernels/cpu/*.cc | grep -v -e '_test\.cc$' -e '_bench\.cc$')
-SRCS_COVERED="$LAYER_SRCS kernels/host_memory.cc
+SRCS_COVERED="$LAYER_SRCS kernels/host_memory.cc kernels/optimizer_check.cc
 wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
 testing/test_util.cc testing/match_reference.cc testing/trickle_rows.cc tests/fuzz/fuzz_env.cc
 tests/fuzz/compute_stream_fuzzer.cc tests/fuzz/options_fuzzer.cc tests/fuzz/put_weights_fuzzer.cc"

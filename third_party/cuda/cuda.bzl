@@ -13,7 +13,9 @@ _GENCODE = [
     "-gencode=arch=compute_90,code=compute_90",
 ]
 
-def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
+def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], nvcc_hdrs = [], **kwargs):
+    """nvcc_hdrs: headers of other packages the .cu files include (nvcc reads them outside
+    Bazel's C++ rules, so they must be inputs of its action); their libraries go in deps."""
     objs = []
     for src in srcs:
         obj = name + "_" + src.replace("/", "_").replace(".cu", ".o")
@@ -30,7 +32,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
         ])
         native.genrule(
             name = obj + "_nvcc",
-            srcs = [src] + hdrs,
+            srcs = [src] + hdrs + nvcc_hdrs,
             outs = [obj],
             cmd = cmd,
             message = "nvcc " + src,

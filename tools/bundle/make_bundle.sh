@@ -25,6 +25,7 @@ WANT=(
   //client:lossctl
   //kernels/cuda:liblossd_cuda.so
   //bench/kernel:bench_kernel
+  //bench/kernel:optimizer_bench
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:nonfinite_test
   //kernels/cuda:cuda_backend_test
@@ -33,6 +34,7 @@ WANT=(
   //kernels/cuda:sticky_error_test
   //kernels/cuda:plugin_exposer_test
   //kernels/cuda:plugin_compute_test
+  //kernels/cuda:optimizer_test
   //bench/service:net_ceiling
   //bench/service:service_bench
 )
