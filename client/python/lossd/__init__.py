@@ -35,8 +35,12 @@ from lossd.client import (  # noqa: F401
     Client,
     ComputeResult,
     Gradients,
+    HeadExport,
+    HeadInfo,
+    OptimizerConfig,
     ServerInfo,
     StateEntry,
+    StepResult,
     WeightHandle,
     connect,
 )

@@ -35,6 +35,7 @@ class Inputs:
             raise errors.InvalidArgumentError(
                 "reduction must be 'mean', 'sum' or 'none', got %r" % (reduction,))
         handle = None
+        head = w is None  # a hosted head's compute: the server holds the weights
         if isinstance(w, (WeightHandle, str)):
             handle = str(w)
             if bias is not None:
@@ -45,7 +46,9 @@ class Inputs:
         header = pb.ComputeHeader(x=pb.TensorSpec(dtype=xdt, shape=xshape),
                                   targets=pb.TensorSpec(dtype=tdt, shape=tshape))
         inline = [(pb.TENSOR_TARGETS, tarr)]
-        if handle is not None:
+        if head:
+            has_bias, wshape = None, None
+        elif handle is not None:
             header.weight_handle = handle
             # A bare handle string does not say: db is asked for, and comes only with a bias.
             has_bias = w.has_bias if isinstance(w, WeightHandle) else None
@@ -69,7 +72,7 @@ class Inputs:
             gdt, gshape, garr = to_wire(grad_output, "grad_output", (pb.DTYPE_FP32,))
             header.grad_output.CopyFrom(pb.TensorSpec(dtype=gdt, shape=gshape))
             inline.append((pb.TENSOR_GRAD_OUTPUT, garr))
-        if handle is None:
+        if handle is None and not head:
             inline.append((pb.TENSOR_W, warr))
         inline.append((pb.TENSOR_X, xarr))
         self.header, self.inline = header, inline
@@ -109,7 +112,8 @@ def set_options(header, xdt, *, ignore_index, reduction, label_smoothing, lse_sq
 
 def set_outputs(header, has_bias, accumulator, *, want_dx, want_dw, want_db, want_lse,
                 want_z_loss, want_accuracy, want_predictions):
-    """The header's wanted Outputs; dW and db never with an accumulator (they add to it)."""
+    """The header's wanted Outputs; dW and db never with an accumulator or a head (`accumulator`
+    is either name: the gradients add to it)."""
     outs = header.outputs
     outs.dx = bool(want_dx)
     outs.dw = bool(want_dw) and not accumulator
@@ -257,7 +261,8 @@ def result_of(summary, tensors, into, *, wall_seconds, bytes_sent, bytes_receive
                          accumulated_micro_batches=summary.accumulated_micro_batches,
                          wall_seconds=wall_seconds, bytes_sent=bytes_sent,
                          bytes_received=bytes_received, instance=summary.instance,
-                         nonfinite=[OUTPUT_NAMES.get(t, str(t)) for t in summary.nonfinite])
+                         nonfinite=[OUTPUT_NAMES.get(t, str(t)) for t in summary.nonfinite],
+                         head_version=summary.head_version, head_added=summary.head_added)
 
 
 def set_outputs_of(res, tensors):

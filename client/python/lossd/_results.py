@@ -36,6 +36,10 @@ class ComputeResult:
     # Gradients holding NaN or Inf after the call ("dx", "dw", "db"); with an accumulator,
     # "dw"/"db" mean its sum, which then refuses further use until a reset fetch or a drop.
     nonfinite: list = dataclasses.field(default_factory=list)
+    # With a hosted head: the version computed against, and whether this call's dW/db went
+    # into the step (False: its (rank, micro_batch) key was already there, a retry).
+    head_version: int = 0
+    head_added: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +93,71 @@ class ServerInfo:
 
 @dataclasses.dataclass
 class StateEntry:
-    """One weight handle or accumulator of the caller's, as Client.list_state reports it."""
+    """One weight handle, accumulator or hosted head of the caller's, as Client.list_state
+    reports it."""
 
-    kind: str  # "weights" or "accumulator"
-    name: str  # the weight handle or the accumulator's name
+    kind: str  # "weights", "accumulator" or "head"
+    name: str  # the weight handle's, the accumulator's or the head's name
     bytes: int  # server memory it holds
     last_used_unix_ms: int  # created, or last named by a call
-    micro_batches: int = 0  # accumulators: micro-batches summed since the last reset
+    # Accumulators: micro-batches summed since the last reset; heads: Computes added to the
+    # current step.
+    micro_batches: int = 0
+    version: int = 0  # heads: steps completed
 
 
-_STATE_KINDS = {pb.STATE_WEIGHTS: "weights", pb.STATE_ACCUMULATOR: "accumulator"}
+_STATE_KINDS = {pb.STATE_WEIGHTS: "weights", pb.STATE_ACCUMULATOR: "accumulator",
+                pb.STATE_HEAD: "head"}
+
+
+@dataclasses.dataclass
+class HeadInfo:
+    """A hosted head as the server describes it (create_head, head_info)."""
+
+    name: str
+    v: int
+    h: int
+    has_bias: bool
+    compute_dtype: str  # the compute copy's: X's dtype
+    optimizer: Any  # an OptimizerConfig with every default filled in
+    version: int  # steps completed
+    optimizer_step: int  # AdamW's `step`; SGD: > 0 once the momentum buffer holds a value
+    bytes: int  # server memory it holds
+    contributions: int  # Computes added to the current step
+    tokens: int  # their non-ignored tokens
+    ranks_waiting: int  # ranks that have called Step for the current version
+    instance: str
+    last_used_unix_ms: int
+    created: bool = True  # create_head: False when the same head at the same version was there
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one Step (one phase of it) returned; every rank of the step gets the same."""
+
+    version: int  # the head's version after the call: +1 once applied or skipped
+    grad_norm: float  # L2 norm of the summed gradient (W and bias), before any clipping
+    finite: bool  # the summed gradient holds no NaN or Inf
+    applied: bool  # the update ran (False: a reduce phase, or a skipped step)
+    clip_coef: float  # the factor the gradient was multiplied by (1: none)
+    contributions: int  # Computes in the step
+    tokens: int
+    step_seconds: float  # the phase's run on the server's device
+    instance: str
+
+
+@dataclasses.dataclass
+class HeadExport:
+    """A head's state at one version (export_head): what create_head / import_head take to
+    make it again. tensors: {name: ndarray}, names as HEAD_TENSOR_NAMES (master_w,
+    master_bias, exp_avg_w, ..., copy_w, copy_bias), fp32 except the copy (the compute dtype,
+    a BF16Array for bf16)."""
+
+    name: str
+    version: int
+    optimizer_step: int
+    optimizer: Any  # OptimizerConfig
+    compute_dtype: str
+    tensors: dict
+    instance: str = ""
+    ranges: int = 1  # ExportHead calls it took

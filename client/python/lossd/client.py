@@ -23,9 +23,11 @@ from lossd import errors
 from lossd._compute import (Inputs, ReplyReader, check_out, compute_requests, result_of,
                             returned_outputs, set_options, set_outputs, set_outputs_of)
 from lossd._fetch import fetch_striped, fetch_whole
+from lossd._heads import HeadMethods, OptimizerConfig, init_head_state
 from lossd._proto import pb, pb_grpc
 from lossd._results import (  # noqa: F401 - re-exported: lossd.client.X stays importable
-    _STATE_KINDS, ComputeResult, Gradients, ServerInfo, StateEntry, WeightHandle)
+    _STATE_KINDS, ComputeResult, Gradients, HeadExport, HeadInfo, ServerInfo, StateEntry,
+    StepResult, WeightHandle)
 from lossd._transfer import (  # noqa: F401 - re-exported, as above
     MAX_FETCH_RANGES, Assembler, StripeGroup, fetch_ranges_within)
 from lossd._transfer import parts as _parts  # the name tests import
@@ -79,9 +81,10 @@ def _read_file(path):
         return f.read()
 
 
-class Client:
+class Client(HeadMethods):
     """A connection to one lossd server (or a load-balanced name: see `channel_options`).
-    Thread-safe: share one client among threads.
+    Thread-safe: share one client among threads. The hosted-head methods (create_head, step,
+    export_head, import_head, head_info, drop_head) are lossd._heads.HeadMethods'.
 
     target: "host:port" (any gRPC target, e.g. "dns:///lossd-headless:50051").
     part_bytes: data bytes per outgoing TensorPart (default 4 MiB; 1-4 MiB moves fastest),
@@ -178,6 +181,7 @@ class Client:
         self._acc_instances = collections.OrderedDict()
         self._acc_lock = threading.Lock()
         self._features = None  # (version, frozenset of names) from the first server_info
+        init_head_state(self)
         self._closed = False
 
     # -- plumbing -----------------------------------------------------------------------
@@ -431,9 +435,9 @@ class Client:
         return fetch_whole(self, accumulator, reset, rpb, timeout)
 
     def list_state(self, *, timeout=None):
-        """The caller's own weight handles and accumulators (what its credential created;
-        everything on a server that checks none), as StateEntry. Needs a server with the
-        "list_state" feature (UnimplementedError naming it otherwise)."""
+        """The caller's own weight handles, accumulators and hosted heads (what its credential
+        created; everything on a server that checks none), as StateEntry. Needs a server with
+        the "list_state" feature (UnimplementedError naming it otherwise)."""
         self.require_feature("list_state", timeout=timeout)
         try:
             r = self._stub.List(pb.ListRequest(), **self._call_kwargs(timeout))
@@ -441,7 +445,8 @@ class Client:
             raise errors.from_rpc_error(e, "List") from None
         return [StateEntry(kind=_STATE_KINDS.get(e.kind, str(e.kind)), name=e.name,
                            bytes=e.bytes, last_used_unix_ms=e.last_used_unix_ms,
-                           micro_batches=e.micro_batches) for e in r.entries]
+                           micro_batches=e.micro_batches, version=e.version)
+                for e in r.entries]
 
     def drop_accumulator(self, accumulator, *, timeout=None):
         """Drops a server-side accumulator. Also forgets its server instance, whatever the
@@ -460,7 +465,8 @@ class Client:
                 token_scaling=False, want_dx=True, want_dw=True, want_db=None, want_lse=False,
                 want_z_loss=False,
                 want_accuracy=False, want_predictions=False, accumulator=None,
-                response_part_bytes=None, out=None, timeout=None, overlap=None):
+                response_part_bytes=None, out=None, timeout=None, overlap=None, head=None,
+                head_version=None, rank=0, micro_batch=None):
         """Linear + cross-entropy forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
@@ -491,20 +497,26 @@ class Client:
           before anything is sent.
         timeout: seconds (None = the client's default, float("inf") = none).
         overlap: None = the client's setting (see Client).
+        head: a hosted head's name, with w None: its compute copy is the weight, dW/db go into
+          its step at head_version, and (rank, micro_batch) is the key that keeps a retry from
+          adding twice (result.head_added); see _check_head_compute.
         """
         t_start = time.perf_counter()
+        head_fields = self._check_head_compute(w, bias, accumulator, head, head_version, rank,
+                                               micro_batch, timeout)
         inputs = Inputs(x, w, targets, bias, class_weights, grad_output, reduction)
         header = inputs.header
         set_options(header, inputs.xdt, ignore_index=ignore_index, reduction=reduction,
                     label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                     softcap=softcap, grad_dtype=grad_dtype, grad_scale=grad_scale,
                     chunk_rows=chunk_rows, token_scaling=token_scaling)
-        set_outputs(header, inputs.has_bias, accumulator, want_dx=want_dx, want_dw=want_dw,
-                    want_db=want_db, want_lse=want_lse, want_z_loss=want_z_loss,
+        set_outputs(header, inputs.has_bias, accumulator or head, want_dx=want_dx,
+                    want_dw=want_dw, want_db=want_db, want_lse=want_lse, want_z_loss=want_z_loss,
                     want_accuracy=want_accuracy, want_predictions=want_predictions)
         if accumulator:
             header.accumulator = accumulator
             header.accumulator_instance = self._acc_instance(accumulator)
+        header.MergeFrom(pb.ComputeHeader(**head_fields))
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         header.response_part_bytes = int(rpb)
         overlapped = self.overlap if overlap is None else bool(overlap)
@@ -526,8 +538,46 @@ class Client:
                         bytes_sent=bytes_sent, bytes_received=asm.received)
         if accumulator:
             self._remember_instance(accumulator, summary.instance)
+        if head is not None:
+            self._remember_head(str(head), summary.instance)
         set_outputs_of(res, tensors)
         return res
+
+    def _check_head_compute(self, w, bias, accumulator, head, head_version, rank, micro_batch,
+                            timeout):
+        """The ComputeHeader's head fields ({} without a head), checked: a head's compute names
+        no weight of its own (the head's compute copy is the weight: X in its compute dtype)
+        and carries its version and key, and the server must know heads (an older one would
+        refuse the fields, or, older still, ignore them). head_version: the version computed
+        against (HeadInfo / StepResult.version): an older one is refused, the next one waits
+        while this step is pending. (rank, micro_batch): the idempotency key, unique within
+        the rank's step: a Compute whose key the step holds (a retry) is answered but not
+        added again. Data-parallel averaging is grad_scale (1/world_size, as DDP divides):
+        dX comes back scaled alike."""
+        if head is None:
+            if w is None:
+                raise errors.InvalidArgumentError(
+                    "w is None: give W, a weight handle, or a head")
+            return {}
+        given = [n for n, v in (("w", w), ("bias", bias)) if v is not None]
+        if accumulator:
+            given.append("accumulator")
+        if given:
+            raise errors.InvalidArgumentError(
+                "head given with %s: a head's compute uses the head's weights and adds to its "
+                "step (pass w=None, no bias, no accumulator)" % ", ".join(given))
+        if head_version is None or micro_batch is None:
+            raise errors.InvalidArgumentError(
+                "head needs head_version (the version computed against) and micro_batch (with "
+                "rank, the key that keeps a retry from adding twice); got %r and %r" % (
+                    head_version, micro_batch))
+        if int(rank) < 0 or int(micro_batch) < 0 or int(head_version) < 0:
+            raise errors.InvalidArgumentError(
+                "rank, micro_batch and head_version must be >= 0, got %r, %r, %r" % (
+                    rank, micro_batch, head_version))
+        self.require_feature("hosted_head", timeout=timeout)
+        return dict(head=str(head), head_version=int(head_version), rank=int(rank),
+                    micro_batch=int(micro_batch), head_instance=self._head_instance(str(head)))
 
 
 def connect(target="localhost:50051", **kwargs) -> Client:
@@ -536,4 +586,5 @@ def connect(target="localhost:50051", **kwargs) -> Client:
 
 
 __all__ = ["Client", "ComputeResult", "WeightHandle", "Gradients", "ServerInfo", "StateEntry",
-           "connect", "DEFAULT_PART_BYTES"]
+           "HeadInfo", "HeadExport", "StepResult", "OptimizerConfig", "connect",
+           "DEFAULT_PART_BYTES"]

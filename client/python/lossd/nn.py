@@ -1,5 +1,6 @@
 """PyTorch integration: a drop-in for Liger-Kernel's LigerFusedLinearCrossEntropyLoss that runs
-the linear + cross-entropy (forward and backward) on a lossd server.
+the linear + cross-entropy (forward and backward) on a lossd server; and RemoteLMHead, an LM
+head whose parameters and optimizer live on lossd (lossd._remote_head, _remote_head_opt).
 
 Same constructor and forward arguments as Liger's module, plus keyword-only connection
 settings. Never materialises the logits locally; tensors on a GPU are copied to the host to
@@ -579,5 +580,20 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
         self.runtime.close()
 
 
+# The hosted head's names (lossd._remote_head, _remote_head_opt build on the names above):
+# loaded on first use (PEP 562), so either side may be imported first.
+_HOSTED_HEAD = {"RemoteLMHead": "_remote_head", "head_state_from_torch": "_remote_head",
+                "RemoteHeadOptimizer": "_remote_head_opt", "clip_grad_norm_": "_remote_head_opt"}
+
+
+def __getattr__(name):
+    if name not in _HOSTED_HEAD:
+        raise AttributeError("module 'lossd.nn' has no attribute %r" % name)
+    import importlib
+
+    return getattr(importlib.import_module("lossd." + _HOSTED_HEAD[name]), name)
+
+
 __all__ = ["LossdFusedLinearCrossEntropyLoss", "LossdFusedLinearCrossEntropyFunction",
-           "lossd_fused_linear_cross_entropy", "LossdRuntime", "CrossEntropyOutput"]
+           "lossd_fused_linear_cross_entropy", "LossdRuntime", "CrossEntropyOutput",
+           "RemoteLMHead", "RemoteHeadOptimizer", "clip_grad_norm_", "head_state_from_torch"]
