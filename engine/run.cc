@@ -165,8 +165,9 @@ void ComputeIntoHead(Backend& backend, HeadStore& heads, const ComputePlan& plan
         "be trusted: call Step, which drops the step's gradients, and redo the step"));
     return;
   }
-  r->status = NonFiniteSumStatus(acc);
-  if (!r->status.ok()) return;
+  // A non-finite step sum is not refused here (an accumulator's is): an fp16 GradScaler
+  // overflow on one rank must not fail the other ranks' Computes; the step's reduce reports
+  // it and the ranks skip the step together.
   absl::StatusOr<bool> add =
       heads.CheckAtRun(head, plan.head_version, plan.rank, plan.micro_batch);
   if (!add.ok()) {
