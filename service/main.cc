@@ -305,8 +305,10 @@ bool FitStoreBudgets(const BackendInfo& info, Budgets* b) {
   given.weight_cache = !AtDefault("weight_cache_bytes");
   given.accumulator = !AtDefault("accumulator_bytes");
   given.head = !AtDefault("head_bytes");
+  // Shrinking defaults is the designed path on a small machine (as the host budgets above),
+  // so it is logged as information, not as something for an operator to fix.
   if (FitDefaultStoreBudgets(&stores, given, info)) {
-    Log(LogLevel::kWarning,
+    Log(LogLevel::kInfo,
         absl::StrCat("the default store budgets do not fit the ", info.name,
                      " backend's memory; using --weight_cache_bytes=", stores.weight_cache_bytes,
                      " --accumulator_bytes=", stores.accumulator_bytes,

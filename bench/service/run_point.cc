@@ -112,14 +112,16 @@ void RunClient(const Env& env, const ShapeData& d, const uint8_t* w, const std::
   if (!lc.ok()) err = lc.status().ToString();
 
   ComputeRequest r = PointRequest(env, d, w, handle, mode, acc_name, dx, dw);
-  r.rank = c;
+  if (head) r.rank = c;  // the head's key fields are refused on a Compute that names no head
   uint64_t version = 0, micro_batch = 0;  // head mode: where this rank's step stands
   ClientTimes times;
   // One Compute; records it when `timed`.
   auto one = [&](bool timed) -> bool {
     const auto t0 = Clock::now();
-    r.head_version = version;
-    r.micro_batch = micro_batch++;
+    if (head) {
+      r.head_version = version;
+      r.micro_batch = micro_batch++;
+    }
     absl::StatusOr<ComputeResult> res = (*lc)->Compute(r);
     const double wall = Since(t0);
     if (!res.ok()) {
