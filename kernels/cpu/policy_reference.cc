@@ -146,8 +146,10 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp) {
   const double c = std::clamp(r.ratio, lo, hi);
   r.loss = -std::min(r.ratio * a, c * a);
   r.clipped = (r.ratio < lo && a < 0) || (r.ratio > hi && a > 0);
-  // d(r)/d(logp) = r, with or without old log-probs (detached logp: r = 1, slope 1).
-  r.dlogp = r.clipped ? 0.0 : -a * r.ratio;
+  // d(r)/d(logp) = r, with or without old log-probs (detached logp: r = 1, slope 1). On a
+  // bound, torch's clamp passes nothing and min's tie gives r A half the gradient.
+  const double share = r.clipped ? 0.0 : (r.ratio == lo || r.ratio == hi) ? 0.5 : 1.0;
+  r.dlogp = -share * a * r.ratio;
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;
     r.kl = std::exp(d) - d - 1.0;

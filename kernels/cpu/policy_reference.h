@@ -26,10 +26,12 @@
 //   clip_fraction = sum_i m_i clipped_i / max(1, N),
 //                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
-//   dloss/dlogp_i = w_i (-A_i r_i [not clipped_i] + beta (1 - exp(ref_i - logp_i)))
+//   dloss/dlogp_i = w_i (-A_i r_i s_i + beta (1 - exp(ref_i - logp_i)))
+//   s_i = 0 if clipped_i; 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
 //   dloss/dz_ij   = dloss/dlogp_i ([j = t_i] - p_ij), then 1/T, the softcap, and the head.
-// Ties follow torch: clamp passes the gradient at its bounds and min splits a tie into halves
-// that add up, so the gradient through r_i flows exactly when the token is not clipped.
+// The half is torch's (2.15, checked by client/python/tests/test_rl_reference_torch.py): on a
+// bound, clamp passes no gradient and min splits its tie r A = c A into halves, so only r A's
+// half reaches r. It matters where r = 1 sits on a bound: eps 0 without old log-probs.
 // Where this differs from Liger: rows with mask 0 are skipped, their targets never read (Liger
 // computes them and multiplies by 0, a NaN if such a row is not finite); advantages are per
 // token (Liger's (B) repeated over each sequence's S tokens); everything is float64.

@@ -304,6 +304,36 @@ TEST(PolicyReferenceTest, ClippedTokensGiveNoGradient) {
   }
 }
 
+// Without old log-probs r = 1 exactly; with eps_low = 0 (or both 0) it sits on a clip bound,
+// where torch's clamp passes no gradient and min splits its tie: half the gradient, exactly,
+// of the same problem with r strictly inside. Not clipped, the loss is unchanged.
+TEST(PolicyReferenceTest, RatioOnABoundGetsHalfTheGradient) {
+  Inputs in(2, 3, 4, 5, 37);
+  PolicyProblem p = in.Problem(true);
+  p.old_logp = nullptr;
+  p.options.beta = 0.0f;
+  PolicyReferenceOutputs inside, on_low, on_both;
+  ASSERT_TRUE(PolicyReference(p, &inside).ok());
+  p.options.epsilon_low = 0.0f;
+  ASSERT_TRUE(PolicyReference(p, &on_low).ok());
+  p.options.epsilon_high = 0.0f;
+  ASSERT_TRUE(PolicyReference(p, &on_both).ok());
+  for (const PolicyReferenceOutputs* r : {&on_low, &on_both}) {
+    EXPECT_EQ(r->loss, inside.loss);
+    EXPECT_EQ(r->clip_fraction, 0.0);
+    ASSERT_EQ(r->grad.dx.size(), inside.grad.dx.size());
+    for (size_t k = 0; k < inside.grad.dx.size(); ++k) {
+      EXPECT_EQ(2 * r->grad.dx[k], inside.grad.dx[k]) << k;  // halving is exact
+    }
+    for (size_t k = 0; k < inside.grad.dw.size(); ++k) {
+      EXPECT_EQ(2 * r->grad.dw[k], inside.grad.dw[k]) << k;
+    }
+  }
+  double norm = 0;
+  for (double g : inside.grad.dx) norm = std::max(norm, std::fabs(g));
+  EXPECT_GT(norm, 1e-3);
+}
+
 // The k3 KL term and Liger's metrics with old log-probs absent (r = 1): per token
 // -A_i + beta (exp(ref_i - logp_i) - (ref_i - logp_i) - 1); the KL metric over N whatever the
 // loss type; beta 0 drops the term and the metric even with reference log-probs given.

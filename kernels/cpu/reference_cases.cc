@@ -110,8 +110,10 @@ std::vector<std::string> LogprobCases() {
   return cases;
 }
 
+// One policy case; eps_low < 0 means the usual 0.2 / 0.28, else eps_low and eps_high as given.
 std::string PolicyCase(PolicyLossType type, double normalizer, bool old, int kl, float t,
-                       bool masked, bool head_options, uint32_t seed) {
+                       bool masked, bool head_options, uint32_t seed, float eps_low = -1,
+                       float eps_high = -1) {
   const int64_t batch = 2, seq = 4, bt = batch * seq, h = 3, v = 6;
   std::mt19937 rng(seed);
   std::vector<float> x = Uniform(&rng, bt * h, -1, 1), w = Uniform(&rng, v * h, -1, 1),
@@ -132,8 +134,8 @@ std::string PolicyCase(PolicyLossType type, double normalizer, bool old, int kl,
   o.loss_type = type;
   o.dapo_normalizer = normalizer;
   o.max_completion_length = 7;
-  o.epsilon_low = 0.2f;
-  o.epsilon_high = 0.28f;
+  o.epsilon_low = eps_low < 0 ? 0.2f : eps_low;
+  o.epsilon_high = eps_low < 0 ? 0.28f : eps_high;
   o.beta = kl == 0 ? 0.0f : 0.3f;
   o.temperature = t;
   o.softcap = head_options ? 2.5f : 0.0f;
@@ -187,6 +189,19 @@ std::vector<std::string> PolicyCases() {
   return cases;
 }
 
+// Ratios exactly on a clip bound: no old log-probs (r = 1) with eps_low 0, or both 0.
+std::vector<std::string> PolicyTieCases() {
+  std::vector<std::string> cases;
+  uint32_t seed = 400;
+  for (PolicyLossType type : {PolicyLossType::kDapo, PolicyLossType::kGrpo,
+                              PolicyLossType::kBnpo, PolicyLossType::kDrGrpo})
+    for (int kl : {0, 1})
+      for (float eps_high : {0.0f, 0.28f})
+        cases.push_back(PolicyCase(type, 0, /*old=*/false, kl, 1.0f, /*masked=*/true,
+                                   /*head_options=*/false, seed++, 0.0f, eps_high));
+  return cases;
+}
+
 std::vector<std::string> DistillCases() {
   std::vector<std::string> cases;
   const int64_t bt = 5, h = 3, ht = 4, v = 7;
@@ -236,6 +251,7 @@ std::string List(const std::vector<std::string>& items) {
 int main() {
   const std::string out = absl::StrCat("{\"logprob\":", lossd::List(lossd::LogprobCases()),
                                        ",\n\"policy\":", lossd::List(lossd::PolicyCases()),
+                                       ",\n\"policy_ties\":", lossd::List(lossd::PolicyTieCases()),
                                        ",\n\"distill\":", lossd::List(lossd::DistillCases()), "}\n");
   std::fwrite(out.data(), 1, out.size(), stdout);
   return 0;

@@ -140,8 +140,8 @@ def torch_policy_loss(c, logp, mask, advantages):
 
 
 def test_policy_matches_torch_autograd(cases):
-    assert len(cases["policy"]) == 240
-    for c in cases["policy"]:
+    assert len(cases["policy"]) == 240 and len(cases["policy_ties"]) == 16
+    for c in cases["policy"] + cases["policy_ties"]:
         x, w, b = head(c)
         targets = t(c["targets"], torch.int64)
         lp = F.log_softmax(logits(x, w, b, c["softcap"], c["temperature"]), dim=-1)
@@ -203,10 +203,11 @@ def import_liger(module):
 def test_policy_matches_liger_grpo(cases):
     """Liger's own LigerFusedLinearGRPOLoss on CPU (compiled=False). Its log-probs are float32
     (_selective_logprob_forward), so the comparison allows float32 rounding: 2e-5 of each
-    output's largest magnitude. Softcap cases are lossd's own (Liger has no softcap)."""
+    output's largest magnitude. Softcap cases are lossd's own (Liger has no softcap). The tie
+    cases put r = 1 exactly on a clip bound (eps 0, no old log-probs)."""
     grpo = import_liger("liger_kernel.chunked_loss.grpo_loss")
     compared = 0
-    for c in cases["policy"]:
+    for c in cases["policy"] + cases["policy_ties"]:
         if c["softcap"] > 0:
             continue
         bsz = int(c["batch"])
@@ -234,7 +235,7 @@ def test_policy_matches_liger_grpo(cases):
         expect_close("clip_fraction", c["clip_fraction"], metrics[-1], 1e-7, 0)
         expect_grads(c, (x, w, b), 0, tol)
         compared += 1
-    assert compared == 120
+    assert compared == 136
 
 
 def test_distill_matches_liger_jsd(cases):
