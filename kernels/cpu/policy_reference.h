@@ -60,8 +60,11 @@ struct PolicyOptions {
   float beta = 0.04f;         // KL coefficient: finite, >= 0
   float temperature = 1.0f;   // T: finite, > 0
   float softcap = kDefaultSoftcap;  // finite, >= 0; 0 = off (Liger's only setting)
-  int64_t max_completion_length = 0;  // dr_grpo: required, > 0; others: unused (>= 0)
-  double dapo_normalizer = 0;  // dapo's D: 0 = this call's mask count; else finite, > 0
+  // dr_grpo: required, > 0; unused by the other types (>= 0), as in Liger.
+  int64_t max_completion_length = 0;
+  // dapo's D: 0 = this call's mask count; else finite, > 0. Unused by the other types, as
+  // Liger ignores num_items_in_batch there (trainers pass it whatever the loss type).
+  double dapo_normalizer = 0;
   float grad_scale = kDefaultGradScale;  // upstream gradient of the loss: finite
 };
 
