@@ -1,0 +1,63 @@
+// The float64 reference of the `distill` loss kind: a generalised Jensen-Shannon divergence
+// between a student head's and a teacher head's distributions, and the student's dX, dW, db
+// (the teacher gets no gradient). Reads the inputs as stored; one row at a time, in double.
+//
+// Semantics: those of Liger-Kernel 0.8.5's LigerFusedLinearJSD (jsd_beta, ignore_index,
+// temperature; the sum over rows divided by the non-ignored count). Per row i, with
+//   Q = softmax((x_i W^T + b) / T)        the student (log q = its log-softmax)
+//   P = softmax((xt_i Wt^T + bt) / T)     the teacher (its own hidden size; Liger: no biases)
+//   jsd_beta = 0:    row_i = KL(P || Q) = sum_j P_j (log P_j - log Q_j)    (forward KL)
+//   jsd_beta = 1:    row_i = KL(Q || P) = sum_j Q_j (log Q_j - log P_j)    (reverse KL)
+//   else, M = beta P + (1 - beta) Q:
+//                    row_i = beta KL(P || M) + (1 - beta) KL(Q || M)
+// (the ends are Liger's special cases, compared exactly: the general form tends to 0 there,
+// not to the KLs.) loss = sum_i row_i / n, n = the rows whose label is not
+// ignore_index (every row without labels); an all-ignored problem gives loss 0. Labels are
+// only compared with ignore_index (any other value is fine). No T^2 factor, as in Liger.
+// Gradient of grad_scale * loss, with d_j = d row_i / d log Q_j:
+//   beta 0: d_j = -P_j;   beta 1: d_j = Q_j (log Q_j - log P_j + 1);
+//   else:   d_j = (1 - beta) Q_j (log Q_j - log M_j)
+//   d row_i / d z_j = d_j - Q_j sum_k d_k, then 1/T and the student head.
+#ifndef LOSSD_KERNELS_CPU_DISTILL_REFERENCE_H_
+#define LOSSD_KERNELS_CPU_DISTILL_REFERENCE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "kernels/cpu/reference_head.h"
+
+namespace lossd {
+
+// Defaults are Liger-Kernel's (LigerFusedLinearJSD's constructor).
+struct DistillOptions {
+  float jsd_beta = 0.5f;     // in [0, 1]
+  float temperature = 1.0f;  // T: finite, > 0
+  int64_t ignore_index = kDefaultIgnoreIndex;
+  float grad_scale = kDefaultGradScale;  // upstream gradient of the loss: finite
+};
+
+struct DistillProblem {
+  HeadInputs student;  // X (BT, H), W (V, H), bias (V) or null
+  HeadInputs teacher;  // Xt (BT, Ht), Wt (V, Ht), bias (V) or null: the same BT and V
+  const void* labels = nullptr;     // (BT) label_dtype; null = every row counts
+  DType label_dtype = DType::kI64;  // kI32 or kI64
+  DistillOptions options;
+};
+
+struct DistillReferenceOutputs {
+  double loss = 0;
+  int64_t tokens = 0;             // n
+  std::vector<double> row_loss;   // (BT) row_i before the division; 0 on ignored rows
+  HeadGradients grad;             // the student's, of grad_scale * loss
+};
+
+// Computes every output of `p`; INVALID_ARGUMENT (naming the field and value) for a problem
+// outside the rules above.
+absl::Status DistillReference(const DistillProblem& p, DistillReferenceOutputs* out);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_DISTILL_REFERENCE_H_

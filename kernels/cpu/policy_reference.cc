@@ -1,0 +1,218 @@
+#include "kernels/cpu/policy_reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/dtype.h"
+#include "kernels/cpu/logprob_reference.h"
+#include "kernels/cpu/reference_head.h"
+
+namespace lossd {
+namespace {
+
+absl::Status CheckOptions(const PolicyOptions& o) {
+  const int32_t type = static_cast<int32_t>(o.loss_type);
+  if (type < 0 || type > static_cast<int32_t>(PolicyLossType::kDrGrpo)) {
+    return absl::InvalidArgumentError(absl::StrCat("options.loss_type ", type,
+                                                   " is not dapo, grpo, bnpo or dr_grpo"));
+  }
+  const struct {
+    const char* name;
+    float value;
+  } nonnegative[] = {{"epsilon_low", o.epsilon_low},
+                     {"epsilon_high", o.epsilon_high},
+                     {"beta", o.beta}};
+  for (const auto& f : nonnegative) {
+    if (!(f.value >= 0.0f) || !std::isfinite(f.value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("options.", f.name, " must be finite and >= 0, got ", f.value));
+    }
+  }
+  if (absl::Status s = CheckTemperatureAndSoftcap(o.temperature, o.softcap); !s.ok()) return s;
+  if (o.loss_type == PolicyLossType::kDrGrpo ? o.max_completion_length <= 0
+                                             : o.max_completion_length < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.max_completion_length must be > 0 with loss_type dr_grpo (>= 0 otherwise), got ",
+        o.max_completion_length, " with ", PolicyLossTypeName(o.loss_type)));
+  }
+  if (!(o.dapo_normalizer >= 0) || !std::isfinite(o.dapo_normalizer)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.dapo_normalizer must be finite and >= 0 (0 = the mask count), got ",
+        o.dapo_normalizer));
+  }
+  if (!std::isfinite(o.grad_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.grad_scale must be finite, got ", o.grad_scale));
+  }
+  return absl::OkStatus();
+}
+
+// Mask values, and the targets of the rows that count (the others are never read).
+absl::Status CheckMaskAndTargets(const PolicyProblem& p) {
+  const int64_t bt = p.head.bt, v = p.head.v;
+  if (p.targets == nullptr) return absl::InvalidArgumentError("targets must be non-null");
+  if (p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("targets: dtype must be int32 or int64, got ", DTypeName(p.target_dtype)));
+  }
+  for (int64_t i = 0; i < bt; ++i) {
+    if (p.mask != nullptr && p.mask[i] > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mask[", i, "] must be 0 or 1, got ", static_cast<int>(p.mask[i])));
+    }
+    if (p.mask != nullptr && p.mask[i] == 0) continue;
+    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
+    if (t < 0 || t >= v) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "targets[", i, "] = ", t, " is outside [0, ", v, ") on a row whose mask is 1"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckProblem(const PolicyProblem& p) {
+  if (absl::Status s = CheckHeadInputs(p.head, "head"); !s.ok()) return s;
+  if (absl::Status s = CheckOptions(p.options); !s.ok()) return s;
+  if (p.batch <= 0 || p.head.bt % p.batch != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch must be > 0 and divide the row count ", p.head.bt, ", got ", p.batch));
+  }
+  if (absl::Status s = CheckMaskAndTargets(p); !s.ok()) return s;
+  if (p.advantages == nullptr) return absl::InvalidArgumentError("advantages must be non-null");
+  const int64_t bt = p.head.bt;
+  for (const auto& [values, name] : {std::make_pair(p.advantages, "advantages"),
+                                     std::make_pair(p.old_logp, "old_logp"),
+                                     std::make_pair(p.ref_logp, "ref_logp")}) {
+    if (absl::Status s = CheckFinite(values, bt, name); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+bool Masked(const PolicyProblem& p, int64_t i) { return p.mask != nullptr && p.mask[i] == 0; }
+
+// Each row's weight in the loss (its normaliser, 0 where masked) and the mask count N.
+std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens) {
+  const PolicyOptions& o = p.options;
+  const int64_t bt = p.head.bt, seq = bt / p.batch;
+  const double b = static_cast<double>(p.batch);
+  std::vector<int64_t> per_seq(p.batch, 0);
+  int64_t n = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (Masked(p, i)) continue;
+    ++per_seq[i / seq];
+    ++n;
+  }
+  *tokens = n;
+  const double n_clamped = std::max(1.0, static_cast<double>(n));
+  std::vector<double> w(bt, 0.0);
+  for (int64_t i = 0; i < bt; ++i) {
+    if (Masked(p, i)) continue;
+    switch (o.loss_type) {
+      case PolicyLossType::kGrpo:
+        w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[i / seq])));
+        break;
+      case PolicyLossType::kBnpo:
+        w[i] = 1.0 / n_clamped;
+        break;
+      case PolicyLossType::kDrGrpo:
+        w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
+        break;
+      case PolicyLossType::kDapo:
+        w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
+                                                         : static_cast<double>(n));
+        break;
+    }
+  }
+  return w;
+}
+
+// One row's loss terms and dl_i/dlogp_i (before the row weight).
+struct RowTerms {
+  double ratio = 1, loss = 0, kl = 0, dlogp = 0;
+  bool clipped = false;
+};
+
+RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp) {
+  const PolicyOptions& o = p.options;
+  const double a = p.advantages[i];
+  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+  RowTerms r;
+  r.ratio = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
+  const double c = std::clamp(r.ratio, lo, hi);
+  r.loss = -std::min(r.ratio * a, c * a);
+  r.clipped = (r.ratio < lo && a < 0) || (r.ratio > hi && a > 0);
+  // d(r)/d(logp) = r, with or without old log-probs (detached logp: r = 1, slope 1). On a
+  // bound, torch's clamp passes nothing and min's tie gives r A half the gradient.
+  const double share = r.clipped ? 0.0 : (r.ratio == lo || r.ratio == hi) ? 0.5 : 1.0;
+  r.dlogp = -share * a * r.ratio;
+  if (o.beta != 0.0f && p.ref_logp != nullptr) {
+    const double d = p.ref_logp[i] - logp;
+    r.kl = std::exp(d) - d - 1.0;
+    r.loss += o.beta * r.kl;
+    r.dlogp += o.beta * (1.0 - std::exp(d));
+  }
+  return r;
+}
+
+}  // namespace
+
+const char* PolicyLossTypeName(PolicyLossType t) {
+  switch (t) {
+    case PolicyLossType::kDapo:
+      return "dapo";
+    case PolicyLossType::kGrpo:
+      return "grpo";
+    case PolicyLossType::kBnpo:
+      return "bnpo";
+    case PolicyLossType::kDrGrpo:
+      return "dr_grpo";
+  }
+  return "unknown";
+}
+
+absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out) {
+  if (out == nullptr) return absl::InvalidArgumentError("policy reference: out must be non-null");
+  if (absl::Status s = CheckProblem(p); !s.ok()) return s;
+  const PolicyOptions& o = p.options;
+  const int64_t bt = p.head.bt;
+  const ReferenceHead head(p.head, o.softcap, o.temperature);
+  *out = PolicyReferenceOutputs();
+  out->logp.assign(bt, 0.0);
+  out->ratio.assign(bt, 0.0);
+  out->grad = head.ZeroGradients();
+  const std::vector<double> weight = RowWeights(p, &out->tokens);
+
+  double kl_sum = 0;
+  int64_t clipped = 0;
+  HeadRow row;
+  std::vector<double> prob, g;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (Masked(p, i)) continue;
+    head.Row(i, &row);
+    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
+    const double logp = RowLogprob(row, t);
+    const RowTerms r = PolicyRow(p, i, logp);
+    out->logp[i] = logp;
+    out->ratio[i] = r.ratio;
+    out->loss += weight[i] * r.loss;
+    kl_sum += r.kl;
+    clipped += r.clipped ? 1 : 0;
+    const double dlogp = static_cast<double>(o.grad_scale) * weight[i] * r.dlogp;
+    if (dlogp == 0) continue;
+    Softmax(row, &prob);
+    LogprobLogitGradient(row, prob, t, dlogp, 0.0, &g);
+    head.AddGradients(row, g, &out->grad);
+  }
+  const double n = std::max(1.0, static_cast<double>(out->tokens));
+  out->has_kl = o.beta != 0.0f;
+  out->kl = out->has_kl ? kl_sum / n : 0.0;
+  out->clip_fraction = static_cast<double>(clipped) / n;
+  return absl::OkStatus();
+}
+
+}  // namespace lossd

@@ -1,0 +1,100 @@
+// The float64 reference of the fused policy loss (GRPO / PPO-clip with a KL penalty to a
+// reference policy) on a linear head: the loss, Liger-Kernel's two metrics, and dX, dW, db.
+// Reads the inputs as stored; one row of V logits at a time, in double; never fast.
+//
+// Semantics: those of Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss with
+// importance_sampling_level "token", delta None, vllm_is_ratio None, use_bias_correction_kl
+// False, and the reference log-probs given (not recomputed from ref_input / ref_weight), for
+// its loss types grpo, bnpo, dr_grpo and dapo. Rows are B sequences of S tokens, sequence-major
+// (row i = b S + s: Liger's (B, S) tensors flattened). Per row i:
+//   logp_i = log softmax(softcap(x_i W^T + b) / T)_{t_i}      (Liger has no softcap: cap 0)
+//   old_i  = old_logp_i; without old log-probs, logp_i detached (so r_i = 1, dr_i/dlogp_i = 1)
+//   r_i    = exp(logp_i - old_i),   c_i = clamp(r_i, 1 - eps_low, 1 + eps_high)
+//   pg_i   = -min(r_i A_i, c_i A_i)
+//   kl_i   = exp(ref_i - logp_i) - (ref_i - logp_i) - 1        (the k3 estimator of KL(pi||ref);
+//            without reference log-probs ref_i = logp_i detached: kl_i = 0 and no gradient)
+//   l_i    = pg_i + beta kl_i                                    (the KL term only if beta != 0)
+// With mask m_i in {0, 1}, N = sum_i m_i, n_b = the mask count of sequence b:
+//   grpo     loss = (1/B) sum_b (sum_{i in b} m_i l_i) / max(1, n_b)
+//   bnpo     loss = sum_i m_i l_i / max(1, N)
+//   dr_grpo  loss = sum_i m_i l_i / (B max_completion_length)
+//   dapo     loss = sum_i m_i l_i / max(1, D)    D = dapo_normalizer if > 0, else N
+// (Liger's D is num_items_in_batch / world_size when given, else the mask count all-reduced
+// over the ranks / world_size; one call sees one rank, so a caller wanting either sends D.)
+// Metrics, as Liger computes them (always over max(1, N), whatever the loss type):
+//   kl            = sum_i m_i kl_i / max(1, N), reported only when beta != 0
+//   clip_fraction = sum_i m_i clipped_i / max(1, N),
+//                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
+// Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
+//   dloss/dlogp_i = w_i (-A_i r_i s_i + beta (1 - exp(ref_i - logp_i)))
+//   s_i = 0 if clipped_i; 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
+//   dloss/dz_ij   = dloss/dlogp_i ([j = t_i] - p_ij), then 1/T, the softcap, and the head.
+// The half is torch's (2.15, checked by client/python/tests/test_rl_reference_torch.py): on a
+// bound, clamp passes no gradient and min splits its tie r A = c A into halves, so only r A's
+// half reaches r. It matters where r = 1 sits on a bound: eps 0 without old log-probs.
+// Where this differs from Liger: rows with mask 0 are skipped, their targets never read (Liger
+// computes them and multiplies by 0, a NaN if such a row is not finite); advantages are per
+// token (Liger's (B) repeated over each sequence's S tokens); everything is float64.
+#ifndef LOSSD_KERNELS_CPU_POLICY_REFERENCE_H_
+#define LOSSD_KERNELS_CPU_POLICY_REFERENCE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "kernels/cpu/reference_head.h"
+
+namespace lossd {
+
+enum class PolicyLossType : int32_t { kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3 };
+
+const char* PolicyLossTypeName(PolicyLossType t);
+
+// Defaults are Liger-Kernel's (LigerFusedLinearGRPOLoss's constructor).
+struct PolicyOptions {
+  PolicyLossType loss_type = PolicyLossType::kDapo;
+  float epsilon_low = 0.2f;   // finite, >= 0
+  float epsilon_high = 0.2f;  // finite, >= 0
+  float beta = 0.04f;         // KL coefficient: finite, >= 0
+  float temperature = 1.0f;   // T: finite, > 0
+  float softcap = kDefaultSoftcap;  // finite, >= 0; 0 = off (Liger's only setting)
+  // dr_grpo: required, > 0; unused by the other types (>= 0), as in Liger.
+  int64_t max_completion_length = 0;
+  // dapo's D: 0 = this call's mask count; else finite, > 0. Unused by the other types, as
+  // Liger ignores num_items_in_batch there (trainers pass it whatever the loss type).
+  double dapo_normalizer = 0;
+  float grad_scale = kDefaultGradScale;  // upstream gradient of the loss: finite
+};
+
+struct PolicyProblem {
+  HeadInputs head;                   // head.bt = batch * S rows, sequence-major
+  int64_t batch = 1;                 // B: sequences, > 0, divides head.bt
+  const void* targets = nullptr;     // (BT) sampled ids, target_dtype, in [0, V) where mask 1
+  DType target_dtype = DType::kI64;  // kI32 or kI64
+  const uint8_t* mask = nullptr;     // (BT) 0 or 1; null = all 1
+  const float* advantages = nullptr;  // (BT) per token, finite
+  const float* old_logp = nullptr;   // (BT) finite; null = the current log-probs, detached
+  const float* ref_logp = nullptr;   // (BT) finite; null = no reference (KL 0)
+  PolicyOptions options;
+};
+
+struct PolicyReferenceOutputs {
+  double loss = 0;
+  double kl = 0;        // the mean-KL metric; 0 with has_kl false when beta == 0
+  bool has_kl = false;  // beta != 0 (Liger returns the KL metric only then)
+  double clip_fraction = 0;
+  int64_t tokens = 0;         // N
+  std::vector<double> logp;   // (BT) logp_i; 0 where mask 0
+  std::vector<double> ratio;  // (BT) r_i; 0 where mask 0
+  HeadGradients grad;         // of grad_scale * loss
+};
+
+// Computes every output of `p`; INVALID_ARGUMENT (naming the field and value) for a problem
+// outside the rules above. An all-masked problem gives loss 0, metrics 0 and zero gradients.
+absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_POLICY_REFERENCE_H_
