@@ -47,6 +47,65 @@ inline double ClassWeightScale(double max_cw, double z_loss_scale) {
 
 enum class Reduction : int32_t { kMean = 0, kSum = 1, kNone = 2 };
 
+// What a Compute computes over the same chunked linear head (z = softcap(X W^T + b) / T):
+// kCrossEntropy, the loss above (T must be 1). The others' float64 references are the oracle
+// and document the math (docs/rl_losses.md):
+// kLogprob (kernels/cpu/logprob_reference.h): per token log p(target) and the entropy at
+//   temperature T; with upstream gradients dlogp, dentropy (either may be null = zeros) the
+//   gradients of F = grad_scale sum_i (dlogp_i logp_i + dentropy_i H_i); `loss` = F.
+// kPolicy (kernels/cpu/policy_reference.h): the GRPO / PPO-clip loss with Liger-Kernel's
+//   semantics; the mask is `targets != ignore_index` (a masked row's target is ignore_index);
+//   the gradients are of grad_scale * loss.
+// kDistill (kernels/cpu/distill_reference.h): generalised JSD between the student (X, W,
+//   bias) and a teacher (teacher_x, teacher_w, teacher_bias, of hidden size teacher_h, the
+//   same V); targets only mark ignored rows; gradients for the student only.
+// Cross-entropy-only inputs and options (class weights, grad_output, label smoothing, z-loss,
+// token scaling, reduction other than mean) are refused for the other kinds.
+enum class LossKind : int32_t { kCrossEntropy = 0, kLogprob = 1, kPolicy = 2, kDistill = 3 };
+inline constexpr int kLossKinds = 4;
+inline constexpr uint32_t LossKindBit(LossKind k) { return 1u << static_cast<int>(k); }
+// "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
+inline const char* LossKindName(LossKind k) {
+  switch (k) {
+    case LossKind::kCrossEntropy: return "cross_entropy";
+    case LossKind::kLogprob: return "logprob";
+    case LossKind::kPolicy: return "policy";
+    case LossKind::kDistill: return "distill";
+  }
+  return "unknown";
+}
+
+// kPolicy's loss types (LigerFusedLinearGRPOLoss's loss_type; dapo is its default).
+enum class PolicyLossType : int32_t { kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3 };
+// "dapo", "grpo", "bnpo", "dr_grpo"; "unknown" for a value out of range.
+inline const char* PolicyLossTypeName(PolicyLossType t) {
+  switch (t) {
+    case PolicyLossType::kDapo: return "dapo";
+    case PolicyLossType::kGrpo: return "grpo";
+    case PolicyLossType::kBnpo: return "bnpo";
+    case PolicyLossType::kDrGrpo: return "dr_grpo";
+  }
+  return "unknown";
+}
+
+// kPolicy's options; defaults are Liger-Kernel's (LigerFusedLinearGRPOLoss's constructor).
+struct PolicyParams {
+  PolicyLossType loss_type = PolicyLossType::kDapo;
+  float epsilon_low = 0.2f;   // finite, >= 0
+  float epsilon_high = 0.2f;  // finite, >= 0
+  float beta = 0.04f;         // KL coefficient: finite, >= 0
+  // B: the rows are B sequences of BT / B tokens, sequence-major (grpo's per-sequence mean,
+  // dr_grpo's B). > 0 and divides BT.
+  int64_t sequences = 1;
+  int64_t max_completion_length = 0;  // dr_grpo: required, > 0; else unused (>= 0)
+  double dapo_normalizer = 0;         // dapo's D: 0 = this call's mask count; else > 0
+};
+
+// kDistill's options; defaults are Liger-Kernel's (LigerFusedLinearJSD's).
+struct DistillParams {
+  float jsd_beta = 0.5f;  // in [0, 1]: 0 forward KL(P || Q), 1 reverse KL(Q || P)
+};
+
 // Every option's default, in this one place: LossOptions starts from them, the service fills an
 // option a request leaves unset with them, and lossctl's flags, the clients and the proto's
 // comments document these values. Gradients default to the input dtype (LossOutputs).
@@ -57,6 +116,7 @@ inline constexpr float kDefaultZLossScale = 0.0f;
 inline constexpr float kDefaultSoftcap = 0.0f;
 inline constexpr float kDefaultGradScale = 1.0f;
 inline constexpr int64_t kDefaultChunkRows = 0;
+inline constexpr float kDefaultTemperature = 1.0f;
 
 // The rules on these values are core/loss_problem_check.h's.
 struct LossOptions {
@@ -71,6 +131,9 @@ struct LossOptions {
   int64_t chunk_rows = kDefaultChunkRows;
   // Scale each non-ignored row's loss, z-loss and gradient by s_i (see the top of the file).
   bool token_scaling = false;
+  // T: logits after the softcap are divided by it (kLogprob, kPolicy, kDistill; 1 for
+  // kCrossEntropy). Finite, > 0.
+  float temperature = kDefaultTemperature;
 };
 
 // Where a buffer lives. kHost: ordinary (or pinned) host memory. kBackend: memory the backend
@@ -109,6 +172,23 @@ struct LossProblem {
   const float* class_weights = nullptr;  // (V) fp32, host; null = all ones
   const float* grad_output = nullptr;    // (BT) fp32, host; reduction none only; null = ones
   LossOptions options;
+  LossKind kind = LossKind::kCrossEntropy;
+  // kLogprob: upstream gradients (BT) fp32, host; null = zeros.
+  const float* dlogp = nullptr;
+  const float* dentropy = nullptr;
+  // kPolicy: per token (BT) fp32, host. advantages required; old_logp null = the current
+  // log-probs detached (ratio 1); ref_logp null = no KL term.
+  const float* advantages = nullptr;
+  const float* old_logp = nullptr;
+  const float* ref_logp = nullptr;
+  PolicyParams policy;
+  // kDistill: the teacher head, same BT and V as the student, hidden size teacher_h, X's dtype.
+  int64_t teacher_h = 0;
+  const void* teacher_x = nullptr;     // (BT, teacher_h), host
+  const void* teacher_w = nullptr;     // (V, teacher_h), in teacher_w_memory
+  Memory teacher_w_memory = Memory::kHost;
+  const void* teacher_bias = nullptr;  // (V), in teacher_w_memory; null = none
+  DistillParams distill;
   // Null: X is complete. Else X (host) fills in while the Compute runs; see RowStream. Every
   // other input is complete before Compute is called.
   RowStream* rows = nullptr;
@@ -124,6 +204,10 @@ struct LossOutputs {
   int64_t* predictions = nullptr;   // (BT) argmax over V, first index on ties
   float* accuracy = nullptr;        // (1) fraction of non-ignored rows with argmax == target
   int64_t* tokens = nullptr;        // (1) non-ignored rows
+  float* logp = nullptr;            // (BT) kLogprob, kPolicy: log p(target) at T; 0 if ignored
+  float* entropy = nullptr;         // (BT) kLogprob: entropy at T; 0 on ignored rows
+  float* kl = nullptr;              // (1) kPolicy: Liger's mean-KL metric (0 when beta is 0)
+  float* clip_fraction = nullptr;   // (1) kPolicy: Liger's clip-fraction metric
   void* dx = nullptr;               // (BT, H) grad_dtype, overwritten
   void* dw = nullptr;               // (V, H) grad_dtype, overwritten
   void* db = nullptr;               // (V) grad_dtype, overwritten

@@ -44,6 +44,9 @@ struct BackendInfo {
   uint64_t memory_held_bytes = 0;  // what this backend holds now (its caching pool aside)
   uint64_t memory_budget_bytes = 0;  // the most it may hold (0: no limit of its own)
   bool healthy = true;             // false after a sticky device error
+  // LossKindBit of every LossKind this backend computes; others are refused by the engine
+  // (UNIMPLEMENTED, naming the backend) before any tensor is read.
+  uint32_t loss_kinds = LossKindBit(LossKind::kCrossEntropy);
 };
 
 // Whether a Compute writes a gradient, adds it into an fp32 accumulator, or skips it.
@@ -68,6 +71,10 @@ struct WorkspaceShape {
   GradOut dw = GradOut::kNone;  // kAccumulated: added into LossOutputs::dw_accum
   GradOut db = GradOut::kNone;  // kAccumulated: added into LossOutputs::db_accum
   Memory accum_memory = Memory::kHost;  // where the accumulators live
+  LossKind kind = LossKind::kCrossEntropy;
+  int64_t teacher_h = 0;                    // kDistill: the teacher's hidden size
+  Memory teacher_w_memory = Memory::kHost;  // kDistill: where the teacher's W lives
+  bool want_entropy = false;                // kLogprob: LossOutputs::entropy
 };
 
 // The shape of a real problem: what its pointers say is present. An accumulator wins over a
@@ -93,6 +100,10 @@ inline WorkspaceShape ShapeOf(const LossProblem& p, const LossOutputs& out) {
          : out.db != nullptr     ? GradOut::kWritten
                                  : GradOut::kNone;
   s.accum_memory = out.accum_memory;
+  s.kind = p.kind;
+  s.teacher_h = p.kind == LossKind::kDistill ? p.teacher_h : 0;
+  s.teacher_w_memory = p.teacher_w_memory;
+  s.want_entropy = out.entropy != nullptr;
   return s;
 }
 

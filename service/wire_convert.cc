@@ -73,6 +73,21 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
     spec.inputs[static_cast<int>(f.slot)] = std::move(*t);
   }
   spec.weight_handle = h.weight_handle();
+  // The loss kinds' wire is in place before the engine computes them: a kind or field this
+  // server does not compute is refused, never silently computed as cross-entropy.
+  if (h.kind() != v1::LOSS_KIND_CROSS_ENTROPY || h.has_policy() || h.has_distill() ||
+      h.has_dlogp() || h.has_dentropy() || h.has_advantages() || h.has_old_logp() ||
+      h.has_ref_logp() || h.has_teacher_x() || h.has_teacher_w() || h.has_teacher_bias() ||
+      !h.teacher_weight_handle().empty() || h.options().has_temperature() ||
+      h.outputs().entropy()) {
+    const std::string kind = v1::LossKind_IsValid(h.kind())
+                                 ? v1::LossKind_Name(h.kind())
+                                 : absl::StrCat(static_cast<int>(h.kind()));
+    return absl::UnimplementedError(absl::StrCat(
+        "header.kind ", kind, " and its fields (temperature, policy, distill, dlogp, dentropy, "
+        "advantages, old_logp, ref_logp, teacher_*, outputs.entropy) are not computed by "
+        "this server: only LOSS_KIND_CROSS_ENTROPY"));
+  }
   const v1::LossOptions& o = h.options();
   spec.options.ignore_index = o.has_ignore_index() ? o.ignore_index() : kDefaultIgnoreIndex;
   switch (o.reduction()) {

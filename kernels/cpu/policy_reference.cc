@@ -161,19 +161,6 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp) {
 
 }  // namespace
 
-const char* PolicyLossTypeName(PolicyLossType t) {
-  switch (t) {
-    case PolicyLossType::kDapo:
-      return "dapo";
-    case PolicyLossType::kGrpo:
-      return "grpo";
-    case PolicyLossType::kBnpo:
-      return "bnpo";
-    case PolicyLossType::kDrGrpo:
-      return "dr_grpo";
-  }
-  return "unknown";
-}
 
 absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out) {
   if (out == nullptr) return absl::InvalidArgumentError("policy reference: out must be non-null");

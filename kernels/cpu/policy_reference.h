@@ -48,9 +48,7 @@
 
 namespace lossd {
 
-enum class PolicyLossType : int32_t { kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3 };
-
-const char* PolicyLossTypeName(PolicyLossType t);
+// PolicyLossType and PolicyLossTypeName are core/loss_problem.h's.
 
 // Defaults are Liger-Kernel's (LigerFusedLinearGRPOLoss's constructor).
 struct PolicyOptions {
