@@ -141,6 +141,7 @@ cp "$EXAMPLE_ENV" "$TMP/example.env"
 echo "LOSSD_HOST_MEMORY_BYTES=$((2048 * GiB))" >>"$TMP/example.env"
 check "the example's plan fits a 2 TiB host" "$LAUNCHER" --config "$TMP/example.env" plan
 exec_line=$(sed -n 's/^ExecStart=//p' "$UNIT" | sed 's/%i/5/g')
+# shellcheck disable=SC1091
 got=$(set -a && . "$TMP/example.env" && set +a && "$LAUNCHER" argv "${exec_line##* }" | tr '\n' ' ')
 want="env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=5 numactl --cpunodebind=1 --preferred=1 \
 /opt/lossd/bin/lossd --backend=cuda --cuda_device=0 --address=0.0.0.0 --port=50056 \
@@ -172,8 +173,7 @@ fi
 launcher_pid=""
 cleanup() {
   [[ -z "$launcher_pid" ]] || kill -9 "$launcher_pid" 2>/dev/null
-  local p
-  for p in $(sed -n 's/.* pid \([0-9]*\)$/\1/p' "$TMP/run.err" 2>/dev/null); do
+  sed -n 's/.* pid \([0-9]*\)$/\1/p' "$TMP/run.err" 2>/dev/null | while read -r p; do
     kill -9 "$p" 2>/dev/null
   done
 }
