@@ -161,6 +161,8 @@ if [[ -n "${LOSSD_NUMA_NODES:-}" ]]; then
   [[ ${#NUMA[@]} -eq $N ]] ||
     die "LOSSD_NUMA_NODES has ${#NUMA[@]} entries for $N GPUs (LOSSD_NUMA_NODES=$LOSSD_NUMA_NODES)"
   for n in "${NUMA[@]}"; do is_uint "$n" || die "LOSSD_NUMA_NODES: '$n' is not a node number"; done
+  [[ "${1:-}" == argv || "${1:-}" == plan ]] || command -v numactl >/dev/null 2>&1 ||
+    die "LOSSD_NUMA_NODES is set but numactl is not installed"
 fi
 
 check_instance() {  # I
