@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
 # kernel benchmark, the optimizer step's benchmark and the naive PyTorch baseline. Writes into
-# OUT_DIR gpu.txt, one log per test binary, bench.log/.csv, gpu_clocks.csv,
+# OUT_DIR gpu.txt, one log per test binary (and per_gpu_gpu_test.log), bench.log/.csv, gpu_clocks.csv,
 # optimizer_bench.log and torch.log, and prints a short summary last.
 # Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / GTEST_ARGS pass extra flags)
 set -uo pipefail
@@ -23,6 +23,12 @@ for t in plugin_exposer_test plugin_compute_test ce_kernels_test nonfinite_test 
   echo "$t: exit $code; $(grep -E '^\[==========\] [0-9]+ tests? from .* ran' "$OUTDIR/$t.log" | tail -1);" \
     "$(grep -E '^\[  PASSED  \]' "$OUTDIR/$t.log" | tail -1)"
 done
+# One lossd per GPU (tests/bare_metal): two instances on GPUs 0 and 1; skipped with one GPU.
+if [ -x ./per_gpu_gpu_test.sh ] && [ -x ./lossd ] && [ -x ./lossctl ]; then
+  timeout "${TEST_TIMEOUT:-200}" ./per_gpu_gpu_test.sh ./lossd ./lossctl ./lossd-gpus.sh \
+    ./liblossd_cuda.so > "$OUTDIR/per_gpu_gpu_test.log" 2>&1 || rc=1
+  echo "per_gpu_gpu_test: $(grep -E '^(passed|failed|skipped):' "$OUTDIR/per_gpu_gpu_test.log" | tr '\n' ' ')"
+fi
 if [ -x ./bench_kernel ]; then
   # The SM clock, power and throttle reasons every 200 ms while the benchmark runs: the H200
   # runs these GEMMs at its power cap, where the clock, not the kernels, can decide a ratio.

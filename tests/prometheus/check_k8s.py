@@ -183,7 +183,15 @@ def check_services(by_kind, labels, ports):
     services = by_kind.get("Service", [])
     check(len(services) == 2, "two Services (ClusterIP and headless)")
     headless = [s for s in services if s["spec"].get("clusterIP") == "None"]
-    check(len(headless) == 1, "one headless Service")
+    if check(len(headless) == 1, "one headless Service"):
+        # The replica pool resolves it: a draining (not ready) pod must leave the answer, and
+        # the gRPC port must be the one the clients are told to dial.
+        spec = headless[0]["spec"]
+        check(spec.get("publishNotReadyAddresses") is not True,
+              "headless Service lists ready pods only (publishNotReadyAddresses not true)")
+        check(any(p.get("name") == "grpc" and p.get("port") == 50051 and
+                  p.get("targetPort") == "grpc" for p in spec["ports"]),
+              "headless Service serves the gRPC port 50051")
     for s in services:
         name = s["metadata"]["name"]
         check(matches(s["spec"].get("selector", {}), labels), "Service %s selects the pods" % name)

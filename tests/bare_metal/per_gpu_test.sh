@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# One lossd per GPU on a host (deploy/bare-metal), without a GPU: lossd-gpus.sh renders each
+# instance's device, ports and memory budgets as documented (docs/scale_out.md), refuses bad
+# configurations naming the variable, the systemd unit runs it per instance, and two lossd
+# processes started by it on the CPU backend with distinct --cuda_device, gRPC and metrics
+# ports both serve, each reporting its own budgets (ServerInfo) and only its own calls
+# (/metrics); SIGTERM stops both, and an instance that dies is reported while the other serves.
+# Args: lossd lossctl lossd-gpus.sh lossd@.service lossd-gpus.env
+set -uo pipefail
+LOSSD=$(realpath "$1")
+LOSSCTL=$(realpath "$2")
+LAUNCHER=$(realpath "$3")
+UNIT=$(realpath "$4")
+EXAMPLE_ENV=$(realpath "$5")
+TMP=$(mktemp -d "${TEST_TMPDIR:-/tmp}/per_gpu.XXXXXX")
+JUNIT_CLASS=PerGpuLayout
+# shellcheck source=tests/bare_metal/junit.sh
+. "$(dirname "$0")/junit.sh"
+
+GiB=$((1 << 30))
+problems=()
+check() {  # what command...: records a problem when the command fails
+  local what=$1
+  shift
+  "$@" >/dev/null 2>&1 || problems+=("$what")
+}
+finish_case() {  # name message-on-pass
+  if [[ ${#problems[@]} -eq 0 ]]; then
+    junit_case "$1" passed "$2"
+  else
+    junit_case "$1" failed "$(printf '%s; ' "${problems[@]}")"
+  fi
+  problems=()
+}
+same() { [[ "$1" == "$2" ]] || { echo "got '$1', want '$2'" >&2; return 1; }; }
+
+# --- 1. Rendering: each instance's command, word by word ---------------------------------
+cat >"$TMP/two.env" <<EOF
+LOSSD_BIN=$LOSSD
+LOSSD_GPUS=0,1
+LOSSD_DEVICE_SELECT=flag
+LOSSD_BACKEND=cpu
+LOSSD_PORT_BASE=41000
+LOSSD_METRICS_PORT_BASE=41002
+LOSSD_HOST_MEMORY_BYTES=$((16 * GiB))
+LOSSD_THREADS=1
+EOF
+# 16 GiB shared by 2: admission 16/(4*2) = 2 GiB and pool 16/(8*2) = 1 GiB each; the CPU
+# backend's stores 16/(2*2) = 4 GiB each, split 1 : 2 : 4.
+want_common="--address=0.0.0.0
+--memory_budget_bytes=$((2 * GiB))
+--host_buffer_pool_bytes=$((1 * GiB))
+--weight_cache_bytes=$((16 * GiB / 28))
+--accumulator_bytes=$((16 * GiB * 2 / 28))
+--head_bytes=$((16 * GiB * 4 / 28))
+--threads=1"
+for i in 0 1; do
+  got=$("$LAUNCHER" --config "$TMP/two.env" argv $i 2>&1)
+  want="env
+CUDA_DEVICE_ORDER=PCI_BUS_ID
+$LOSSD
+--backend=cpu
+--cuda_device=$i
+$(head -1 <<<"$want_common")
+--port=$((41000 + i))
+--metrics_port=$((41002 + i))
+$(tail -n +2 <<<"$want_common")"
+  check "instance $i (flag mode) renders $(tr '\n' ' ' <<<"$got")" same "$got" "$want"
+done
+# Device selection by visibility: CUDA_VISIBLE_DEVICES names the GPU (a UUID too), lossd
+# uses the one device it sees.
+got=$(LOSSD_GPUS=GPU-8f2a3c1e-0000-4b7d-9a55-1c2d3e4f5a6b,3 LOSSD_BACKEND=cuda \
+  LOSSD_HOST_MEMORY_BYTES=$((64 * GiB)) "$LAUNCHER" argv 1 2>&1)
+check "visible mode renders CUDA_VISIBLE_DEVICES=3 and --cuda_device=0: $(tr '\n' ' ' <<<"$got")" \
+  grep -qx "CUDA_VISIBLE_DEVICES=3" <<<"$got"
+check "visible mode: --cuda_device=0" grep -qx -- "--cuda_device=0" <<<"$got"
+check "visible mode: port 50052, metrics 9465 by default" \
+  grep -qxF -e "--port=50052" <<<"$got"
+check "visible mode: metrics 9465" grep -qxF -e "--metrics_port=9465" <<<"$got"
+check "CUDA: admission budget min(8 GiB, 64 GiB / 8)" \
+  grep -qxF -e "--memory_budget_bytes=$((8 * GiB))" <<<"$got"
+check "CUDA: pool min(2 GiB, 64 GiB / 16)" grep -qxF -e "--host_buffer_pool_bytes=$((2 * GiB))" <<<"$got"
+check "CUDA: store budgets left to lossd (per device)" bash -c "! grep -q -e --weight_cache_bytes -e --head_bytes <<<'$got'"
+got=$(LOSSD_GPUS=GPU-8f2a3c1e-0000-4b7d-9a55-1c2d3e4f5a6b,3 "$LAUNCHER" argv 0 2>&1)
+check "a UUID is passed as is" grep -qx "CUDA_VISIBLE_DEVICES=GPU-8f2a3c1e-0000-4b7d-9a55-1c2d3e4f5a6b" <<<"$got"
+got=$(LOSSD_GPUS=0,1 LOSSD_HEALTH_PORT_BASE=50151 LOSSD_NUMA_NODES=0,1 LOSSD_HEAD_EXPORT_DIR_BASE=/x \
+  LOSSD_EXTRA_FLAGS="--tls_cert=/c.pem --tls_key=/k.pem" "$LAUNCHER" argv 1 2>&1)
+for w in --health_port=50152 --head_export_dir=/x/1 --tls_cert=/c.pem --tls_key=/k.pem \
+    numactl --cpunodebind=1 --preferred=1; do
+  check "renders $w" grep -qxF -e "$w" <<<"$got"
+done
+got=$("$LAUNCHER" --config "$TMP/two.env" endpoints node7 2>&1)
+check "endpoints: $got" same "$got" "node7:41000,node7:41001"
+finish_case RendersEachInstance "device, ports and budgets as documented"
+
+# --- 2. Refusals: each names the variable and the values --------------------------------
+refuses() {  # expected-text env-assignments... -- launcher args
+  local want=$1 out code
+  shift
+  local envs=()
+  while [[ "$1" != -- ]]; do envs+=("$1"); shift; done
+  shift
+  out=$(env "${envs[@]}" "$LAUNCHER" "$@" 2>&1)
+  code=$?
+  [[ $code -eq 2 ]] || { echo "exit $code: $out" >&2; return 1; }
+  grep -qF -- "$want" <<<"$out" || { echo "$out" >&2; return 1; }
+}
+check "overlapping ports" refuses "LOSSD_PORT_BASE=9000 and LOSSD_METRICS_PORT_BASE=9001 overlap" \
+  LOSSD_GPUS=0,1 LOSSD_PORT_BASE=9000 LOSSD_METRICS_PORT_BASE=9001 -- plan
+check "ports past 65535" refuses "LOSSD_PORT_BASE=65535: 2 instances need ports 65535..65536" \
+  LOSSD_GPUS=0,1 LOSSD_PORT_BASE=65535 -- plan
+check "instance out of range" refuses "instance must be in [0, 1]" LOSSD_GPUS=0,1 -- argv 2
+check "instance not a number" refuses "got 'x'" LOSSD_GPUS=0,1 -- exec x
+check "a GPU twice" refuses "LOSSD_GPUS names GPU 1 twice" LOSSD_GPUS=1,1 -- plan
+check "a GPU neither index nor UUID" refuses "LOSSD_GPUS: 'gpu1'" LOSSD_GPUS=gpu1 -- plan
+check "flag mode with a UUID" refuses "LOSSD_DEVICE_SELECT=flag needs GPU indices" \
+  LOSSD_GPUS=GPU-abc LOSSD_DEVICE_SELECT=flag -- plan
+check "bad selection" refuses "LOSSD_DEVICE_SELECT must be visible or flag, got 'env'" \
+  LOSSD_GPUS=0 LOSSD_DEVICE_SELECT=env -- plan
+check "bad backend" refuses "LOSSD_BACKEND must be cuda, cpu or auto, got 'gpu'" \
+  LOSSD_GPUS=0 LOSSD_BACKEND=gpu -- plan
+check "a budget not a number" refuses "LOSSD_MEMORY_BUDGET_BYTES must be a byte count, got '8G'" \
+  LOSSD_GPUS=0 LOSSD_MEMORY_BUDGET_BYTES=8G -- plan
+check "budgets over the host" refuses "2 instances would hold 20401094656 bytes of host memory" \
+  LOSSD_GPUS=0,1 LOSSD_HOST_MEMORY_BYTES=$((16 * GiB)) LOSSD_MEMORY_BUDGET_BYTES=$((8 * GiB)) \
+  LOSSD_HOST_BUFFER_POOL_BYTES=$((GiB + GiB / 2)) -- plan
+check "NUMA list of the wrong length" refuses "LOSSD_NUMA_NODES has 1 entries for 2 GPUs" \
+  LOSSD_GPUS=0,1 LOSSD_NUMA_NODES=0 -- plan
+finish_case RefusesBadConfigurations "every refusal names its variable"
+
+# --- 3. The systemd unit and the example configuration ----------------------------------
+check "ExecStart runs the launcher per instance" grep -qx "ExecStart=/opt/lossd/bin/lossd-gpus.sh exec %i" "$UNIT"
+check "EnvironmentFile is the example's path" grep -qx "EnvironmentFile=/etc/lossd/lossd-gpus.env" "$UNIT"
+check "the example's header names that path" grep -q "^# /etc/lossd/lossd-gpus.env" "$EXAMPLE_ENV"
+stop_s=$(sed -n 's/^TimeoutStopSec=\([0-9]*\)$/\1/p' "$UNIT")
+check "TimeoutStopSec=$stop_s covers the 30 s drain and the export" test "${stop_s:-0}" -gt 35
+check "SIGTERM starts the drain" grep -qx "KillSignal=SIGTERM" "$UNIT"
+check "one slice for every instance" grep -qx "Slice=lossd.slice" "$UNIT"
+# What systemd runs for lossd@5 with the example on a 2 TiB host.
+cp "$EXAMPLE_ENV" "$TMP/example.env"
+echo "LOSSD_HOST_MEMORY_BYTES=$((2048 * GiB))" >>"$TMP/example.env"
+check "the example's plan fits a 2 TiB host" "$LAUNCHER" --config "$TMP/example.env" plan
+exec_line=$(sed -n 's/^ExecStart=//p' "$UNIT" | sed 's/%i/5/g')
+# shellcheck disable=SC1091
+got=$(set -a && . "$TMP/example.env" && set +a && "$LAUNCHER" argv "${exec_line##* }" | tr '\n' ' ')
+want="env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=5 numactl --cpunodebind=1 --preferred=1 \
+/opt/lossd/bin/lossd --backend=cuda --cuda_device=0 --address=0.0.0.0 --port=50056 \
+--metrics_port=9469 --memory_budget_bytes=68719476736 --host_buffer_pool_bytes=8589934592 \
+--device_memory_budget_bytes=128849018880 --weight_cache_bytes=34359738368 \
+--accumulator_bytes=34359738368 --head_bytes=34359738368 --head_export_dir=/var/lib/lossd/heads/5 \
+--drain_seconds=30 --log_format=json "
+check "lossd@5 with the example renders: $got" same "$got" "$want"
+finish_case UnitRendersEachInstance "lossd@5.service runs GPU 5 on ports 50056 / 9469"
+
+if command -v systemd-analyze >/dev/null 2>&1; then
+  mkdir -p "$TMP/units"
+  sed -e "s#/opt/lossd/bin/lossd-gpus.sh#$LAUNCHER#" -e "s#/etc/lossd/lossd-gpus.env#$TMP/example.env#" \
+    "$UNIT" >"$TMP/units/lossd@.service"
+  cp "$(dirname "$UNIT")/lossd.target" "$(dirname "$UNIT")/lossd.slice" "$TMP/units/"
+  if out=$(systemd-analyze verify "$TMP/units/lossd@3.service" "$TMP/units/lossd.target" \
+      "$TMP/units/lossd.slice" 2>&1); then
+    junit_case UnitVerifies passed "systemd-analyze verify"
+  elif grep -qi "Failed to .*bus\|Failed to initialize manager\|Operation not permitted" <<<"$out"; then
+    junit_case UnitVerifies skipped "systemd-analyze cannot run here: $(head -1 <<<"$out")"
+  else
+    junit_case UnitVerifies failed "$out"
+  fi
+else
+  junit_case UnitVerifies skipped "no systemd-analyze here"
+fi
+
+# --- 4. Two instances on the CPU backend, started by the launcher -------------------------
+launcher_pid=""
+cleanup() {
+  [[ -z "$launcher_pid" ]] || kill -9 "$launcher_pid" 2>/dev/null
+  sed -n 's/.* pid \([0-9]*\)$/\1/p' "$TMP/run.err" 2>/dev/null | while read -r p; do
+    kill -9 "$p" 2>/dev/null
+  done
+}
+trap cleanup EXIT
+
+free_base() {  # a base port B with B..B+3 free (gRPC B, B+1; metrics B+2, B+3)
+  python3 - <<'PY'
+import random, socket
+for _ in range(200):
+    b = random.randrange(20000, 60000)
+    socks = []
+    try:
+        for p in range(b, b + 4):
+            s = socket.socket()
+            s.bind(("127.0.0.1", p))
+            socks.append(s)
+    except OSError:
+        continue
+    finally:
+        for s in socks:
+            s.close()
+    print(b)
+    break
+PY
+}
+
+start_two() {  # base: starts the launcher, waits for both listening lines; 0 when both serve
+  sed -e "s/^LOSSD_PORT_BASE=.*/LOSSD_PORT_BASE=$1/" \
+    -e "s/^LOSSD_METRICS_PORT_BASE=.*/LOSSD_METRICS_PORT_BASE=$(($1 + 2))/" \
+    -e "s/^LOSSD_HOST_MEMORY_BYTES=.*/LOSSD_HOST_MEMORY_BYTES=$((4 * GiB))/" \
+    "$TMP/two.env" >"$TMP/run.env"
+  "$LAUNCHER" --config "$TMP/run.env" run >"$TMP/run.out" 2>"$TMP/run.err" &
+  launcher_pid=$!
+  local _
+  for _ in $(seq 1 600); do  # 60 s: generous on a loaded 2-core machine
+    [[ $(grep -c "listening on port" "$TMP/run.out") -eq 2 ]] && return 0
+    kill -0 "$launcher_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -TERM "$launcher_pid" 2>/dev/null
+  wait "$launcher_pid" 2>/dev/null
+  launcher_pid=""
+  return 1
+}
+
+base=""
+for _ in 1 2 3; do
+  base=$(free_base)
+  start_two "$base" && break
+  base=""
+done
+if [[ -z "$base" ]]; then
+  junit_case TwoInstancesServe failed "the launcher did not start both: $(tail -20 "$TMP/run.err")"
+  junit_case InstanceExitReported failed "not started"
+  junit_write per_gpu_test
+  exit 1
+fi
+
+metric() {  # port series: the value of one series on that /metrics port
+  curl -fsS "http://127.0.0.1:$1/metrics" | awk -v s="$2" 'index($0, s " ") == 1 { print $2 }'
+}
+info() {  # port field
+  "$LOSSCTL" --target="127.0.0.1:$1" --deadline_seconds=60 info | awk -v k="$2" '$1 == k { print $2 }'
+}
+declare -A instance_of=()
+# 4 GiB shared by 2: admission 4/(4*2) = 512 MiB each; weight cache 4 GiB / 28.
+for i in 0 1; do
+  port=$((base + i))
+  check "instance $i announces gRPC $port and metrics $((base + 2 + i))" \
+    grep -q "listening on port $port (backend cpu, .*metrics on port $((base + 2 + i))" "$TMP/run.out"
+  check "instance $i serves ServerInfo as the CPU backend" same "$(info "$port" backend)" cpu
+  check "instance $i's admission budget" same "$(info "$port" memory_budget)" $((GiB / 2))
+  instance_of[$i]=$(info "$port" instance)
+  check "instance $i's metrics port reports its budget" \
+    same "$(metric $((base + 2 + i)) lossd_memory_budget_bytes)" $((GiB / 2))
+  check "instance $i's weight cache budget" \
+    same "$(metric $((base + 2 + i)) lossd_weight_cache_budget_bytes)" $((4 * GiB / 28))
+done
+check "two distinct instances (${instance_of[0]} ${instance_of[1]})" \
+  test -n "${instance_of[0]}" -a "${instance_of[0]}" != "${instance_of[1]}"
+check "instance 1 was started with --cuda_device=1" grep -q -- "--cuda_device=1" "$TMP/run.err"
+# Two Computes on instance 0, one on instance 1: each /metrics counts only its own.
+for port in "$base" "$base" $((base + 1)); do
+  out=$("$LOSSCTL" --target="127.0.0.1:$port" --deadline_seconds=120 compute --bt=64 --h=32 \
+    --v=1000 --dtype=fp32 --seed=$RANDOM 2>&1)
+  check "a Compute on $port is served: $out" grep -q "^loss " <<<"$out"
+done
+ok='lossd_requests_total{code="OK",method="Compute"}'
+check "instance 0 counts 2 Computes" same "$(metric $((base + 2)) "$ok")" 2
+check "instance 1 counts 1 Compute" same "$(metric $((base + 3)) "$ok")" 1
+finish_case TwoInstancesServe "ports $base-$((base + 3)), distinct instances, own calls counted"
+
+# --- 5. One instance killed: reported, the other serves; SIGTERM ends the rest ------------
+pid1=$(sed -n 's/^lossd-gpus: instance 1 (gpu 1) pid \([0-9]*\)$/\1/p' "$TMP/run.err")
+pid0=$(sed -n 's/^lossd-gpus: instance 0 (gpu 0) pid \([0-9]*\)$/\1/p' "$TMP/run.err")
+check "the launcher names both pids ($pid0, $pid1)" test -n "$pid0" -a -n "$pid1"
+if [[ -n "$pid1" ]]; then
+  kill -9 "$pid1"
+  for _ in $(seq 1 100); do
+    grep -q "instance 1 (pid $pid1) exited with code 137" "$TMP/run.err" && break
+    sleep 0.1
+  done
+  check "instance 1's exit is reported" grep -q "instance 1 (pid $pid1) exited with code 137" "$TMP/run.err"
+fi
+check "instance 0 still serves" same "$(info "$base" backend)" cpu
+kill -TERM "$launcher_pid"
+code=0
+timeout 90 tail --pid="$launcher_pid" -f /dev/null || code=124
+wait "$launcher_pid" 2>/dev/null || code=$?
+launcher_pid=""
+check "the launcher exits 1 (one instance failed), got $code" same "$code" 1
+check "instance 0 drained and exited 0" grep -q "instance 0 (pid $pid0) exited with code 0" "$TMP/run.err"
+check "instance 0 is gone" bash -c "! kill -0 $pid0 2>/dev/null"
+finish_case InstanceExitReported "a killed instance is reported, the other drains on SIGTERM"
+
+[[ $JUNIT_FAILED -eq 0 ]] || { echo "--- launcher stderr"; tail -40 "$TMP/run.err"; }
+junit_write per_gpu_test
