@@ -78,8 +78,9 @@ absl::Status CheckOtherKindsInputs(const LossProblem& p) {
   return absl::OkStatus();
 }
 
-absl::Status CheckPolicy(const LossProblem& p) {
+absl::Status CheckPolicy(const LossProblem& p, const LossOutputs& out) {
   const PolicyParams& o = p.policy;
+  if (out.entropy != nullptr) return Refuse(p, "the entropy output is logprob's only");
   const int32_t type = static_cast<int32_t>(o.loss_type);
   if (type < 0 || type > static_cast<int32_t>(PolicyLossType::kDrGrpo)) {
     return Refuse(p, absl::StrCat("policy.loss_type ", type, " is not dapo, grpo, bnpo or dr_grpo"));
@@ -154,7 +155,7 @@ absl::Status CheckKindProblem(const LossProblem& p, const LossOutputs& out) {
     return Refuse(p, absl::StrCat("targets: dtype must be int32 or int64, got ",
                                   DTypeName(p.target_dtype)));
   }
-  if (p.kind == LossKind::kPolicy) return CheckPolicy(p);
+  if (p.kind == LossKind::kPolicy) return CheckPolicy(p, out);
   if (p.kind == LossKind::kDistill) return CheckDistill(p, out);
   return absl::OkStatus();
 }
