@@ -49,8 +49,8 @@ absl::Status CheckNoCrossEntropyOptions(const LossProblem& p) {
   }
   if (o.token_scaling) return Refuse(p, "options.token_scaling is cross-entropy only");
   if (!(o.temperature > 0.0f) || !std::isfinite(o.temperature)) {
-    return Refuse(p, absl::StrCat("options.temperature must be finite and > 0, got ",
-                                  o.temperature));
+    return Refuse(p,
+                  absl::StrCat("options.temperature must be finite and > 0, got ", o.temperature));
   }
   return absl::OkStatus();
 }
@@ -71,8 +71,8 @@ absl::Status CheckOtherKindsInputs(const LossProblem& p) {
                 {p.teacher_bias != nullptr, LossKind::kDistill, "teacher_bias"}};
   for (const auto& in : inputs) {
     if (in.present && in.owner != p.kind) {
-      return Refuse(p, absl::StrCat(in.name, " is an input of loss kind ",
-                                    LossKindName(in.owner), " only"));
+      return Refuse(
+          p, absl::StrCat(in.name, " is an input of loss kind ", LossKindName(in.owner), " only"));
     }
   }
   return absl::OkStatus();
@@ -83,28 +83,30 @@ absl::Status CheckPolicy(const LossProblem& p, const LossOutputs& out) {
   if (out.entropy != nullptr) return Refuse(p, "the entropy output is logprob's only");
   const int32_t type = static_cast<int32_t>(o.loss_type);
   if (type < 0 || type > static_cast<int32_t>(PolicyLossType::kDrGrpo)) {
-    return Refuse(p, absl::StrCat("policy.loss_type ", type, " is not dapo, grpo, bnpo or dr_grpo"));
+    return Refuse(p,
+                  absl::StrCat("policy.loss_type ", type, " is not dapo, grpo, bnpo or dr_grpo"));
   }
   if (p.bt > 0 && p.advantages == nullptr) return Refuse(p, "advantages must be non-null");
-  for (const auto& [name, value] : {std::make_pair("epsilon_low", o.epsilon_low),
-                                    std::make_pair("epsilon_high", o.epsilon_high),
-                                    std::make_pair("beta", o.beta)}) {
+  for (const auto& [name, value] :
+       {std::make_pair("epsilon_low", o.epsilon_low),
+        std::make_pair("epsilon_high", o.epsilon_high), std::make_pair("beta", o.beta)}) {
     if (!(value >= 0.0f) || !std::isfinite(value)) {
       return Refuse(p, absl::StrCat("policy.", name, " must be finite and >= 0, got ", value));
     }
   }
   if (o.sequences <= 0 || p.bt % o.sequences != 0) {
-    return Refuse(p, absl::StrCat("policy.sequences must be > 0 and divide the row count ",
-                                  p.bt, ", got ", o.sequences));
+    return Refuse(p, absl::StrCat("policy.sequences must be > 0 and divide the row count ", p.bt,
+                                  ", got ", o.sequences));
   }
   if (o.loss_type == PolicyLossType::kDrGrpo ? o.max_completion_length <= 0
                                              : o.max_completion_length < 0) {
     return Refuse(p, absl::StrCat("policy.max_completion_length must be > 0 with loss_type "
-                                  "dr_grpo (>= 0 otherwise), got ", o.max_completion_length));
+                                  "dr_grpo (>= 0 otherwise), got ",
+                                  o.max_completion_length));
   }
   if (!(o.dapo_normalizer >= 0) || !std::isfinite(o.dapo_normalizer)) {
-    return Refuse(p, absl::StrCat("policy.dapo_normalizer must be finite and >= 0, got ",
-                                  o.dapo_normalizer));
+    return Refuse(
+        p, absl::StrCat("policy.dapo_normalizer must be finite and >= 0, got ", o.dapo_normalizer));
   }
   return absl::OkStatus();
 }
@@ -121,8 +123,8 @@ absl::Status CheckDistill(const LossProblem& p, const LossOutputs& out) {
     return Refuse(p, "teacher_x and teacher_w must be non-null");
   }
   if (p.teacher_w_memory != Memory::kHost && p.teacher_w_memory != Memory::kBackend) {
-    return Refuse(p, absl::StrCat("teacher_w_memory ", static_cast<int>(p.teacher_w_memory),
-                                  " is unknown"));
+    return Refuse(
+        p, absl::StrCat("teacher_w_memory ", static_cast<int>(p.teacher_w_memory), " is unknown"));
   }
   if (out.logp != nullptr || out.entropy != nullptr) {
     return Refuse(p, "the logp and entropy outputs are not computed for distill");
@@ -152,8 +154,8 @@ absl::Status CheckKindProblem(const LossProblem& p, const LossOutputs& out) {
     return Refuse(p, "targets must be non-null");
   }
   if (p.targets != nullptr && p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
-    return Refuse(p, absl::StrCat("targets: dtype must be int32 or int64, got ",
-                                  DTypeName(p.target_dtype)));
+    return Refuse(
+        p, absl::StrCat("targets: dtype must be int32 or int64, got ", DTypeName(p.target_dtype)));
   }
   if (p.kind == LossKind::kPolicy) return CheckPolicy(p, out);
   if (p.kind == LossKind::kDistill) return CheckDistill(p, out);
@@ -167,8 +169,8 @@ uint64_t KindExtraBytes(const WorkspaceShape& s, int64_t chunk) {
   if (s.kind == LossKind::kPolicy) bytes += static_cast<uint64_t>(s.bt) * 8;  // row weights
   if (s.kind == LossKind::kDistill) {
     const uint64_t c = chunk, v = s.v, th = s.teacher_h, f = sizeof(float);
-    bytes += c * v * f;  // the teacher's logits chunk
-    bytes += v * f;      // its bias in fp32
+    bytes += c * v * f;                                            // the teacher's logits chunk
+    bytes += v * f;                                                // its bias in fp32
     if (s.dtype != DType::kF32) bytes += v * th * f + c * th * f;  // its W and X chunk in fp32
   }
   return bytes;
@@ -243,8 +245,8 @@ struct Teacher {
 absl::Status SetUpTeacher(const LossProblem& p, const KindPassSetup& k, Teacher* t) {
   const int64_t th = p.teacher_h, v = p.v;
   auto oom = [](const char* what, uint64_t n) {
-    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: out of host memory for ",
-                                                     what, " (", n * 4, " bytes)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend: out of host memory for ", what, " (", n * 4, " bytes)"));
   };
   t->wf = static_cast<const float*>(p.teacher_w);
   if (p.dtype != DType::kF32) {
@@ -309,8 +311,8 @@ class KindPass {
   absl::Status Run() {
     SelectRows();
     const LossOptions& o = p_.options;
-    kp_ = KindRowParams{v_, p_.dtype, p_.bias != nullptr ? k_.ws.bias_f.data() : nullptr,
-                        o.softcap, o.temperature};
+    kp_ = KindRowParams{v_, p_.dtype, p_.bias != nullptr ? k_.ws.bias_f.data() : nullptr, o.softcap,
+                        o.temperature};
     if (p_.kind == LossKind::kPolicy) weight_ = PolicyWeights(p_, counted_, tokens_);
     const double gs = o.grad_scale;
     const double alpha = AlphaOf(std::abs(gs) * MaxRowScale() / o.temperature);
@@ -321,8 +323,8 @@ class KindPass {
     // The cross-entropy fields of the pass are unused with a row function.
     const RowPassParams unused_rp;
     std::vector<RowResult> unused_rows;
-    CpuChunkPass pass{p_,       out_,      k_.pool,       k_.ws, unused_rp, tg_, 0.0, 0.0,
-                      alpha,    unused_rows, k_.x_copy, k_.want_dx, k_.dx_scratch};
+    CpuChunkPass pass{p_,  out_,  k_.pool,     k_.ws,     unused_rp,  tg_,          0.0,
+                      0.0, alpha, unused_rows, k_.x_copy, k_.want_dx, k_.dx_scratch};
     if (p_.kind == LossKind::kDistill) {
       LOSSD_RETURN_IF_ERROR(SetUpTeacher(p_, k_, &teacher_));
       teacher_kp_ = kp_;
