@@ -294,6 +294,17 @@ TEST(CpuDistillTest, WorkspaceCountsTheTeachersChunk) {
   EXPECT_GE(with_teacher - backend->WorkspaceBytes(shape), (c * v + c * th + v * th + v) * 4);
 }
 
+// The default chunk keeps both logits chunks (student's and teacher's) in one chunk budget.
+TEST(CpuDistillTest, DefaultChunkHalvesForTheTeachersLogits) {
+  LossProblem p;
+  p.bt = 1 << 20;
+  p.v = 32000;
+  const int64_t ce = CpuBackend::ChunkRows(p);
+  p.kind = LossKind::kDistill;
+  EXPECT_EQ(CpuBackend::ChunkRows(p), ce / 2);
+  EXPECT_LE(uint64_t(CpuBackend::ChunkRows(p)) * 2 * p.v * 4, CpuBackend::kDefaultChunkBytes);
+}
+
 TEST(CpuDistillTest, RefusesWhatItCannotCompute) {
   const DistillSetup s(kShapes[0], DType::kF32, Cases()[0], 33);
   ASSERT_TRUE(s.status.ok());
