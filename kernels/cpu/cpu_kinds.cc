@@ -166,7 +166,9 @@ uint64_t KindExtraBytes(const WorkspaceShape& s, int64_t chunk) {
   if (s.kind == LossKind::kCrossEntropy) return 0;
   // Per row: its results (KindRow below) and its target.
   uint64_t bytes = static_cast<uint64_t>(s.bt) * (kKindRowBytes + 9);
-  if (s.kind == LossKind::kPolicy) bytes += static_cast<uint64_t>(s.bt) * 8;  // row weights
+  if (s.kind == LossKind::kPolicy) {  // row weights, coefficients and statistics
+    bytes += static_cast<uint64_t>(s.bt) * (16 + sizeof(HeadRowStats));
+  }
   if (s.kind == LossKind::kDistill) {
     const uint64_t c = chunk, v = s.v, th = s.teacher_h, f = sizeof(float);
     bytes += c * v * f;                                            // the teacher's logits chunk
@@ -320,6 +322,10 @@ class KindPass {
     want_entropy_ =
         out_.entropy != nullptr || (p_.kind == LossKind::kLogprob && p_.dentropy != nullptr);
     rows_.assign(p_.bt, KindRow());
+    if (p_.kind == LossKind::kPolicy) {
+      stats_.assign(p_.bt, HeadRowStats());
+      coef_.assign(p_.bt, 0.0);
+    }
     // The cross-entropy fields of the pass are unused with a row function.
     const RowPassParams unused_rp;
     std::vector<RowResult> unused_rows;
@@ -338,6 +344,7 @@ class KindPass {
       const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
       const float* xc = nullptr;
       LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
+      if (k_.want_grad && p_.kind == LossKind::kPolicy) PolicyGradients(c0, rows_c, &pass);
       if (k_.want_grad) ChunkBackward(pass, c0, rows_c, xc);
     }
     WriteKindOutputs(p_, out_, rows_, counted_, tokens_);
@@ -361,19 +368,14 @@ class KindPass {
   }
 
   // The largest coefficient of a row's gradient before grad_scale and 1/T: |dlogp| +
-  // |dentropy|; policy's w (|A| + beta) (r and the KL slope are not known before the rows);
-  // distill's 1 / tokens.
+  // |dentropy|; distill's 1 / tokens (policy's are each chunk's own: PolicyGradients).
   double MaxRowScale() const {
     if (p_.kind == LossKind::kDistill) return tokens_ != 0 ? 1.0 / tokens_ : 0.0;
     double m = 0;
     for (int64_t i = 0; i < p_.bt; ++i) {
       if (!counted_[i]) continue;
-      if (p_.kind == LossKind::kPolicy) {
-        m = std::max(m, weight_[i] * (std::abs(double{p_.advantages[i]}) + p_.policy.beta));
-      } else {
-        m = std::max(m, std::abs(p_.dlogp != nullptr ? double{p_.dlogp[i]} : 0.0) +
-                            std::abs(p_.dentropy != nullptr ? double{p_.dentropy[i]} : 0.0));
-      }
+      m = std::max(m, std::abs(p_.dlogp != nullptr ? double{p_.dlogp[i]} : 0.0) +
+                          std::abs(p_.dentropy != nullptr ? double{p_.dentropy[i]} : 0.0));
     }
     return m;
   }
@@ -394,11 +396,34 @@ class KindPass {
     double dlogp = p_.dlogp != nullptr ? p_.dlogp[i] : 0.0;
     const double dentropy = p_.dentropy != nullptr ? p_.dentropy[i] : 0.0;
     if (p_.kind == LossKind::kPolicy) {
+      // G waits for the chunk's alpha (PolicyGradients).
       PolicyTerms(p_, i, s.logp, &r, &dlogp);
       r.loss *= weight_[i];
-      dlogp *= weight_[i];
+      stats_[i] = s;
+      coef_[i] = weight_[i] * dlogp;
+      return;
     }
     if (k_.want_grad) WriteLogprobGradient(kp_, z, t, s, g_scale_ * dlogp, g_scale_ * dentropy);
+  }
+
+  // policy, after a chunk's rows: its coefficients depend on r_i, unbounded before the rows
+  // are seen (an fp16 G of e^12 A would overflow), so the GEMMs' alpha is the chunk's own,
+  // from its largest coefficient; then each counted row's G over its logits.
+  void PolicyGradients(int64_t c0, int64_t rows_c, CpuChunkPass* pass) {
+    double m = 0;
+    for (int64_t i = c0; i < c0 + rows_c; ++i) m = std::max(m, std::abs(coef_[i]));
+    const double gs = p_.options.grad_scale;
+    pass->g_alpha = AlphaOf(std::abs(gs) * m / p_.options.temperature);
+    const double g_scale = gs / pass->g_alpha;
+    float* z = k_.ws.z_buf.data();
+    constexpr int64_t kRows = 8;  // rows per task
+    k_.pool.Run(CeilDiv(rows_c, kRows), [&](int64_t task) {
+      for (int64_t r = task * kRows; r < std::min(rows_c, (task + 1) * kRows); ++r) {
+        const int64_t i = c0 + r;
+        if (tg_[i] < 0) continue;  // zeroed by HeadRow
+        WriteLogprobGradient(kp_, z + r * v_, tg_[i], stats_[i], g_scale * coef_[i], 0.0);
+      }
+    });
   }
 
   // distill, before a chunk's rows: the teacher's logits of rows [c0, c0 + rows_c).
@@ -433,8 +458,10 @@ class KindPass {
   std::vector<uint8_t> counted_;
   int64_t tokens_ = 0;
   KindRowParams kp_, teacher_kp_;
-  std::vector<double> weight_;  // policy's row weights
-  double g_scale_ = 0;          // grad_scale over the GEMMs' alpha
+  std::vector<double> weight_;       // policy's row weights
+  std::vector<HeadRowStats> stats_;  // policy: each row's statistics, for its G
+  std::vector<double> coef_;         // policy: each row's w_i dl_i/dlogp_i
+  double g_scale_ = 0;               // grad_scale over the GEMMs' alpha
   bool want_entropy_ = false;
   std::vector<KindRow> rows_;
   Teacher teacher_;

@@ -41,6 +41,9 @@ struct Case {
   float eps_low = 0.2f, eps_high = 0.2f, beta = 0.04f;
   float temperature = 1, cap = 0, grad_scale = 1;
   bool old_logp = true, ref_logp = true, bias = false, grad_f32 = false, accumulate = false;
+  // r = e^12 with A < 0 (never clipped): G at the scale of its largest coefficient known before
+  // the rows (|A| + beta) would pass fp16's range.
+  bool huge_ratio = false;
   double ignore = 0.15, dapo_normalizer = 0;
   int64_t max_completion_length = 0, chunk_rows = 0;
 };
@@ -82,6 +85,12 @@ std::vector<Case> Cases() {
   c.old_logp = false;
   cs.push_back(c);
   c = Case();
+  c.name = "huge_ratio";
+  c.huge_ratio = true;
+  c.grad_scale = 1e-5f;  // the gradients fit fp16; G stored at its own scale would not
+  c.chunk_rows = 20;
+  cs.push_back(c);
+  c = Case();
   c.name = "accumulate_chunked_f32";
   c.type = PolicyLossType::kGrpo;
   c.accumulate = c.grad_f32 = c.bias = true;
@@ -117,6 +126,12 @@ struct PolicySetup {
     const std::vector<float> ref_d = RandomFloats(s.bt, -0.5f, 0.5f, seed + 4);
     const float log_r[4] = {-0.7f, -0.05f, 0.05f, 0.6f};
     for (int64_t i = 0; i < s.bt; ++i) {
+      if (c.huge_ratio) {
+        advantages[i] = -0.1f - std::abs(advantages[i]);
+        old_logp.push_back(static_cast<float>(cur.logp[i]) - 12.0f - jitter[i]);
+        ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
+        continue;
+      }
       old_logp.push_back(static_cast<float>(cur.logp[i]) - log_r[static_cast<int>(pick[i])] -
                          jitter[i]);
       ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
