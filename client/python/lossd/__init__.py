@@ -16,6 +16,7 @@ from lossd.errors import (  # noqa: F401
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
+    HeadLostError,
     InternalError,
     InvalidArgumentError,
     LossdError,
@@ -24,10 +25,12 @@ from lossd.errors import (  # noqa: F401
     PermissionDeniedError,
     ProtocolError,
     ResourceExhaustedError,
+    StepLostError,
     UnauthenticatedError,
     UnavailableError,
     UnimplementedError,
     UnknownError,
+    WeightsChangedError,
 )
 from lossd.tensors import BF16Array, bf16, bf16_bits_to_float, float_to_bf16_bits  # noqa: F401
 from lossd.client import (  # noqa: F401
@@ -44,5 +47,7 @@ from lossd.client import (  # noqa: F401
     WeightHandle,
     connect,
 )
+
+from lossd.pool import PoolWeights, ReplicaPool, connect_pool  # noqa: F401,E402
 
 __version__ = "0.1.0"

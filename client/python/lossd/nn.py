@@ -206,7 +206,12 @@ class LossdRuntime:
             return self._handle
         key = self._key_of(weight, bias)
         self.drop_weights()
-        self._handle = self.client.put_weights(weight, bias, timeout=self.timeout)
+        kw = {}
+        if getattr(self.client, "is_pool", False) and self.accumulator:
+            # A pool uploads W where the accumulator's compute goes, not first to the
+            # replica its own name hashes to (one upload a step, not two).
+            kw["place"] = False
+        self._handle = self.client.put_weights(weight, bias, timeout=self.timeout, **kw)
         self._key = key
         return self._handle
 
