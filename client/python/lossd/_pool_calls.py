@@ -7,6 +7,9 @@ state is lost, the caller gets StepLostError or HeadLostError saying what to red
 computes (inline W, or weights by name) are sent again wherever their replica went.
 """
 
+import dataclasses
+import time
+
 from lossd import errors
 from lossd._pool_weights import PoolWeights
 from lossd._results import WeightHandle
@@ -21,6 +24,32 @@ def _forget(client, kind, name):
     else:
         with client._heads_lock:
             client._head_instances.pop(name, None)
+
+
+# How long an import waits for another rank's import of the same head to finish.
+_IMPORT_WAIT_S = 60.0
+
+
+def _import_idempotent(client, export, name, timeout):
+    """client.import_head, where another rank's import of the same export running at once
+    is success: every rank may import after a HeadLostError. The server refuses a create while
+    another is under way (ALREADY_EXISTS); wait for that one, and take its head where it has the
+    export's version."""
+    try:
+        return client.import_head(export, name, timeout=timeout)
+    except errors.AlreadyExistsError as refused:
+        deadline = time.monotonic() + _IMPORT_WAIT_S
+        while True:
+            try:
+                info = client.head_info(name, timeout=timeout)
+            except errors.NotFoundError:
+                if time.monotonic() > deadline:
+                    raise refused from None
+                time.sleep(0.05)  # the other create is still streaming its tensors
+                continue
+            if info.version != export.version:
+                raise refused from None  # another version: not this import's to take
+            return dataclasses.replace(info, created=False)
 
 
 class PoolCalls:
@@ -313,7 +342,7 @@ class PoolCalls:
         HeadLostError (idempotent by head and version)."""
         self._maybe_resolve()
         n = str(name or export.name)
-        return self._head_call(n, lambda c: c.import_head(export, n, timeout=timeout),
+        return self._head_call(n, lambda c: _import_idempotent(c, export, n, timeout),
                                recover=True)
 
     def step(self, head, version, **kw):

@@ -198,6 +198,13 @@ class ReplicaPool(PoolCalls):
         with self._lock:
             return rendezvous_order(key, list(self._replicas))
 
+    def owner(self, key):
+        """The replica a call of `key` goes to now: its home where it has state, else the
+        first live replica in its order."""
+        with self._lock:
+            h = self._homes.get(key)
+            return h.address if h is not None else self._first_live(key)
+
     def home(self, key):
         """The replica holding a key's state now (None before its first call)."""
         with self._lock:
