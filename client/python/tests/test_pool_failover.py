@@ -12,23 +12,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
-import pytest
-
 import lossd
 from conftest import assert_close
 from lossd._pool_route import rendezvous_order
-from pool_cluster import HOSTS, Cluster
+from pool_cluster import HOSTS, cluster  # noqa: F401 - the fixture
 
 R, S, M = 3, 4, 2  # ranks, steps, micro-batches a step
 BT, H, V = 12, 8, 24
 KILL_AT, RESTART_AT = (1, 1), (3, 1)  # (step, micro-batch) before which each event happens
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("pool"))
-    yield c
-    c.stop()
 
 
 def data(r, s, m):

@@ -1,0 +1,148 @@
+"""Named weights in a replica pool over three real replicas: W goes up again after a failover
+only when the caller's tensors still hold the bytes first uploaded (or the pool kept a copy);
+a handle the server answers NOT_FOUND for moves its key; a clean accumulator moves without an
+error while one holding micro-batches raises StepLostError."""
+
+import numpy as np
+import pytest
+
+import lossd
+from lossd._pool_route import rendezvous_order
+from pool_cluster import cluster  # noqa: F401 - the fixture
+
+BT, H, V = 10, 8, 20
+
+
+def _inputs(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BT, H)).astype(np.float32)
+    w = (rng.standard_normal((V, H)) / 3).astype(np.float32)
+    t = rng.integers(0, V, BT)
+    return x, w, t
+
+
+def _pool(cluster, **kw):
+    return lossd.ReplicaPool(cluster.target(), resolver=cluster.resolver, probe_timeout=5,
+                             timeout=60, **kw)
+
+
+def _same(got, ref):
+    for f in ("loss", "dx", "dw"):
+        assert np.array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(ref, f))), f
+
+
+def _as_torch(kind, w):
+    if kind == "numpy":
+        return w.copy()
+    torch = pytest.importorskip("torch")
+    return torch.nn.Parameter(torch.from_numpy(w.copy()))
+
+
+# Not a constant: a constant added to every weight adds the same to every logit of a row.
+DELTA = np.random.default_rng(9).standard_normal((V, H)).astype(np.float32) / 8
+
+
+def _add_in_place(w):
+    if isinstance(w, np.ndarray):
+        w += DELTA
+    else:
+        import torch
+
+        with torch.no_grad():
+            w.add_(torch.from_numpy(DELTA))  # an optimizer step
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_changed_weights_are_not_uploaded_again(cluster, kind):
+    cluster.ensure_all()
+    x, w0, t = _inputs(1)
+    w = _as_torch(kind, w0)
+    with _pool(cluster) as pool:
+        pw = pool.put_weights(w, name="changes-" + kind)
+        first = pool.compute(x, pw, t)
+        home = pool.home(pw.key)
+        _add_in_place(w)
+        cluster.kill(cluster.host_of(home))
+        with pytest.raises(lossd.WeightsChangedError) as e:
+            pool.compute(x, pw, t)
+        assert e.value.name == "changes-" + kind
+        assert "put_weights" in e.value.message and "checksum" in e.value.message
+        st = pool.stats()
+        assert (st.reuploads, st.moves, st.uploads) == (0, 1, 1)
+        assert pool.home(pw.key) == rendezvous_order(pw.key, cluster.addresses)[1]
+        # The trainer's recovery: give W again under the name.
+        pw = pool.put_weights(w, name="changes-" + kind)
+        again = pool.compute(x, pw, t)
+        # By handle, as W by handle and W inline may differ in the last bit.
+        ref = pool.compute(x, pool.put_weights(w0 + DELTA, name="ref-" + kind), t)
+        _same(again, ref)
+        assert not np.array_equal(again.dw, first.dw)
+        st = pool.stats()
+        assert (st.reuploads, st.uploads) == (0, 3)
+
+
+def test_a_kept_copy_is_uploaded_again_whatever_the_caller_did(cluster):
+    cluster.ensure_all()
+    x, w, t = _inputs(2)
+    w_orig = w.copy()
+    with _pool(cluster) as pool:
+        pw = pool.put_weights(w, name="kept", keep_copy=True)
+        home = pool.home(pw.key)
+        w += DELTA  # the caller's array changes; the pool's copy does not
+        cluster.kill(cluster.host_of(home))
+        got = pool.compute(x, pw, t)
+        _same(got, pool.compute(x, pool.put_weights(w_orig, name="kept-ref"), t))
+        st = pool.stats()
+        assert (st.reuploads, st.uploads) == (1, 3)
+        assert pw.replicas() == [pool.home(pw.key)] and pool.home(pw.key) != home
+
+
+def test_not_found_for_a_handle_moves_its_key(cluster, caplog):
+    cluster.ensure_all()
+    x, w, t = _inputs(3)
+    with _pool(cluster) as pool:
+        pw = pool.put_weights(w, name="evicted")
+        home = pool.home(pw.key)
+        ref = pool.compute(x, pw, t)
+        # Another client (an eviction would do the same) drops the handle on its replica.
+        with lossd.Client(home) as c:
+            c.drop_weights(pw._held[home].handle)
+        with caplog.at_level("WARNING", logger="lossd.pool"):
+            got = pool.compute(x, pw, t)
+        _same(got, ref)
+        order = rendezvous_order(pw.key, cluster.addresses)
+        assert home == order[0] and pool.home(pw.key) == order[1]
+        st = pool.stats()
+        assert (st.moves, st.reuploads, st.uploads) == (1, 1, 2)
+        msgs = [r.getMessage() for r in caplog.records]
+        assert sum("moved from %s" % home in m for m in msgs) == 1
+        assert sum("re-uploaded to %s" % order[1] in m for m in msgs) == 1
+
+
+def test_accumulator_moves_quietly_when_empty_and_loudly_when_not(cluster):
+    cluster.ensure_all()
+    x, w, t = _inputs(4)
+    with _pool(cluster) as pool:
+        key = "acc:quiet"
+        pool.compute(x, w, t, accumulator="quiet")
+        g = pool.fetch_gradients("quiet", reset=True)
+        assert g.micro_batches == 1
+        home = pool.home(key)
+        cluster.restart(cluster.host_of(home))
+        # Nothing was in it: the next step simply begins on the next replica.
+        r = pool.compute(x, w, t, accumulator="quiet")
+        assert r.accumulated_micro_batches == 1
+        assert pool.home(key) == [a for a in pool.order(key) if a != home][0]
+        assert pool.stats().steps_lost == 0
+        # One micro-batch in it, then its replica restarts: the step must be redone.
+        home = pool.home(key)
+        cluster.restart(cluster.host_of(home))
+        with pytest.raises(lossd.StepLostError) as e:
+            pool.compute(x, w, t, accumulator="quiet")
+        assert e.value.replica == home and e.value.moved_to == pool.home(key) != home
+        assert "drop_accumulator('quiet')" in e.value.message
+        assert pool.stats().steps_lost == 1
+        pool.drop_accumulator("quiet")
+        for _ in range(2):
+            pool.compute(x, w, t, accumulator="quiet")
+        assert pool.fetch_gradients("quiet", reset=True).micro_batches == 2
