@@ -399,7 +399,7 @@ class ReplicaPool(PoolCalls):
 
     # -- weights ----------------------------------------------------------------------------
 
-    def put_weights(self, w, bias=None, *, name=None, keep_copy=False, place=True,
+    def put_weights(self, w, bias=None, *, name=None, keep_copy=False, place=True, near=None,
                     timeout=None):
         """Uploads W (V, H) and an optional bias (V) under `name` (default: a new unique one)
         and returns a PoolWeights to pass as `w` to compute. A name given again replaces its
@@ -410,6 +410,9 @@ class ReplicaPool(PoolCalls):
         uploaded to the next one only if they still hash the same, else WeightsChangedError
         asks for W again. place: upload now, to the replica of "weights:<name>" (else the
         first compute that needs W uploads it where it goes, e.g. an accumulator's replica).
+        near: a key ("acc:<name>", "head:<name>", ...) whose replica the weights live on
+        instead of their own name's: W for an accumulator's computes goes up once, there
+        (the loss-only computes of the same W then go there too).
         """
         self._maybe_resolve()
         if name is None:
@@ -417,7 +420,20 @@ class ReplicaPool(PoolCalls):
         if not isinstance(name, str) or not name:
             raise errors.InvalidArgumentError("name must be a non-empty string, got %r" % (
                 name,))
+        if near is not None and (not isinstance(near, str) or near.split(":", 1)[0] not in (
+                "weights", "acc", "head", "rank") or ":" not in near):
+            raise errors.InvalidArgumentError(
+                "near must be a key 'acc:<name>', 'head:<name>', 'weights:<name>' or "
+                "'rank:<n>', got %r" % (near,))
         pw = PoolWeights(name, w, bias, keep_copy)
+        if near is not None:
+            rep, _, _ = self._home_of(near)
+            with self._lock:
+                home = self._homes.get(pw.key)
+                if home is None:
+                    self._homes[pw.key] = _Home(rep.address, rep.instance)
+                else:  # the caller's choice, not a failover: not a move
+                    home.address, home.instance = rep.address, rep.instance
         with self._lock:
             old = self._weights.get(name)
             self._weights[name] = pw
