@@ -7,8 +7,6 @@ import socket
 import subprocess
 import time
 
-import pytest
-
 import lossd
 from lossd_servers import find_lossd_binary
 
@@ -139,10 +137,3 @@ class Cluster:
         for log in self.logs.values():
             log.close()
 
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """The three replicas, shared by the pool's test modules (each test calls ensure_all)."""
-    c = Cluster(tmp_path_factory.mktemp("pool"))
-    yield c
-    c.stop()

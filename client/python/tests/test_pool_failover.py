@@ -15,7 +15,7 @@ import numpy as np
 import lossd
 from conftest import assert_close
 from lossd._pool_route import rendezvous_order
-from pool_cluster import HOSTS, cluster  # noqa: F401 - the fixture
+from pool_cluster import HOSTS
 
 R, S, M = 3, 4, 2  # ranks, steps, micro-batches a step
 BT, H, V = 12, 8, 24

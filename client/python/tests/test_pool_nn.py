@@ -3,11 +3,10 @@ with a server accumulator, and RemoteLMHead, each losing its replica mid-trainin
 recovering as the errors say (drop the accumulator and redo the step; import the head from
 its last export), ending where a run on one server ends, bit for bit."""
 
-import numpy as np
 import pytest
 
 import lossd
-from pool_cluster import HOSTS, cluster  # noqa: F401 - the fixture
+from pool_cluster import HOSTS
 
 torch = pytest.importorskip("torch")
 

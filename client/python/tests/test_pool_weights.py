@@ -8,7 +8,6 @@ import pytest
 
 import lossd
 from lossd._pool_route import rendezvous_order
-from pool_cluster import cluster  # noqa: F401 - the fixture
 
 BT, H, V = 10, 8, 20
 
