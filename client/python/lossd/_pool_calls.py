@@ -358,8 +358,12 @@ class PoolCalls:
         return self._head_call(str(head), lambda c: c.head_info(head, **kw))
 
     def drop_head(self, head, **kw):
+        """Drops the head on its replica (nothing to drop where that replica was lost)."""
         self._maybe_resolve()
-        self._head_call(str(head), lambda c: c.drop_head(head, **kw))
+        try:
+            self._head_call(str(head), lambda c: c.drop_head(head, **kw), recover=True)
+        except errors.NotFoundError:
+            pass
         with self._lock:
             self._homes.pop("head:" + str(head), None)
 

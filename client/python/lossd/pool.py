@@ -427,7 +427,11 @@ class ReplicaPool(PoolCalls):
                 "'rank:<n>', got %r" % (near,))
         pw = PoolWeights(name, w, bias, keep_copy)
         if near is not None:
-            rep, _, _ = self._home_of(near)
+            rep, near_home, lost = self._home_of(near)
+            if lost and near.startswith("acc:"):
+                self._acc_lost(near[4:], near_home, lost, sent=False)  # raises if it held any
+            elif lost and near.startswith("head:"):
+                self._head_moved(near[5:], near_home, lost, recover=False)  # raises
             with self._lock:
                 home = self._homes.get(pw.key)
                 if home is None:

@@ -145,3 +145,26 @@ def test_accumulator_moves_quietly_when_empty_and_loudly_when_not(cluster):
         for _ in range(2):
             pool.compute(x, w, t, accumulator="quiet")
         assert pool.fetch_gradients("quiet", reset=True).micro_batches == 2
+
+
+def test_a_pool_meeting_a_head_late_finds_it_where_it_moved(cluster):
+    """After a restart moved a head to its next replica, a trainer starting then (a fresh
+    pool) finds it there, not on the restarted replica its hash names first."""
+    cluster.ensure_all()
+    x, w, t = _inputs(5)
+    with _pool(cluster) as first:
+        first.create_head("late", w, optimizer="sgd")
+        export = first.export_head("late")
+        home = first.home("head:late")
+        assert home == first.order("head:late")[0]
+        cluster.restart(cluster.host_of(home))
+        with pytest.raises(lossd.HeadLostError) as e:
+            first.compute(x, None, t, head="late", head_version=0, micro_batch=0)
+        moved = e.value.moved_to
+        assert e.value.replica == home and moved == first.order("head:late")[1]
+        assert first.import_head(export).created
+        with _pool(cluster, rank=1) as late:
+            r = late.compute(x, None, t, head="late", head_version=0, rank=1, micro_batch=0)
+            assert late.home("head:late") == moved and r.head_added
+            assert late.stats().moves == 0
+        assert first.step("late", 0).contributions == 1
