@@ -6,6 +6,7 @@
         r.loss, r.dx, r.dw
 
 PyTorch users: lossd.nn.LossdFusedLinearCrossEntropyLoss (imports torch on first use).
+Many replicas: lossd.connect_pool("dns:///lossd-headless:50051", rank=r) (lossd.pool).
 """
 
 from lossd.errors import (  # noqa: F401
@@ -48,6 +49,6 @@ from lossd.client import (  # noqa: F401
     connect,
 )
 
-from lossd.pool import PoolWeights, ReplicaPool, connect_pool  # noqa: F401,E402
+from lossd.pool import PoolStats, PoolWeights, ReplicaPool, connect_pool  # noqa: F401,E402
 
 __version__ = "0.1.0"

@@ -168,3 +168,55 @@ def test_a_pool_meeting_a_head_late_finds_it_where_it_moved(cluster):
             assert late.home("head:late") == moved and r.head_added
             assert late.stats().moves == 0
         assert first.step("late", 0).contributions == 1
+
+
+class _Flaky(lossd.Client):
+    """A client whose next compute fails with UNAVAILABLE (the server itself stays up), after
+    sending it or not: a cut connection, as the pool sees one."""
+
+    fail = {}  # address -> "before" (nothing sent) or "after" (sent, then the reply lost)
+
+    def compute(self, *a, **kw):
+        when = self.fail.pop(self.target, None)
+        if when == "before":
+            raise lossd.UnavailableError("injected: connection reset", method="Compute")
+        r = super().compute(*a, **kw)
+        if when == "after":
+            raise lossd.UnavailableError("injected: reply lost", method="Compute")
+        return r
+
+
+def test_a_passing_unavailable_moves_nothing(cluster):
+    """UNAVAILABLE while the replica still answers: a stateless compute is sent again to the
+    same replica; a compute into an accumulator is not (it may have been added): the step is
+    redone; a head's is raised as is (its (rank, micro-batch) key makes a retry safe)."""
+    cluster.ensure_all()
+    x, w, t = _inputs(6)
+    with _pool(cluster, client_factory=_Flaky) as pool:
+        ref = pool.compute(x, w, t)
+        home = pool.owner("rank:0")
+        _Flaky.fail[home] = "before"
+        _same(pool.compute(x, w, t), ref)
+        assert (pool.stats().moves, pool.stats().down) == (0, [])
+
+        pool.compute(x, w, t, accumulator="flaky")
+        acc_home = pool.home("acc:flaky")
+        _Flaky.fail[acc_home] = "after"  # added on the server, the reply lost
+        with pytest.raises(lossd.StepLostError) as e:
+            pool.compute(x, w, t, accumulator="flaky")
+        assert "unknown" in e.value.message and e.value.moved_to == acc_home
+        assert pool.home("acc:flaky") == acc_home and pool.stats().moves == 0
+        pool.drop_accumulator("flaky")  # the recovery: the sum goes, the step is redone
+        for _ in range(2):
+            pool.compute(x, w, t, accumulator="flaky")
+        assert pool.fetch_gradients("flaky", reset=True).micro_batches == 2
+
+        pool.create_head("flaky-head", w, optimizer="sgd")
+        _Flaky.fail[pool.home("head:flaky-head")] = "after"
+        with pytest.raises(lossd.UnavailableError):
+            pool.compute(x, None, t, head="flaky-head", head_version=0, micro_batch=0)
+        again = pool.compute(x, None, t, head="flaky-head", head_version=0, micro_batch=0)
+        assert not again.head_added  # the first arrived: the same key adds nothing
+        assert pool.step("flaky-head", 0).contributions == 1
+        st = pool.stats()
+        assert (st.moves, st.steps_lost, st.heads_lost, st.down) == (0, 1, 0, [])
