@@ -238,10 +238,14 @@ class ReplicaPool(PoolCalls):
                             self.target, why, len(self._replicas), e.message)
                 addrs = None
             with self._lock:
-                if why is not None:
+                if why is not None and self._target.resolves:
                     self._counts["resolutions"] += 1
                 if addrs:
                     self._update_replicas(addrs, why)
+                elif addrs is not None and why is not None:
+                    # No record at all is more likely a DNS hiccup than no replica left.
+                    log.warning("%s resolved to no address (%s): keeping %d replicas",
+                                self.target, why, len(self._replicas))
                 self._next_resolve = self._clock() + self.resolve_interval
         self._readmit()
 
