@@ -57,6 +57,7 @@ class _Replica:
         self.client = client
         self.instance = None  # its server's instance id, once known
         self.down = False
+        self.probing = False  # a readmission probe is under way
         self.calls = 0
         self.uploads = 0
 
@@ -214,9 +215,10 @@ class ReplicaPool(PoolCalls):
     # -- resolution and probes --------------------------------------------------------------
 
     def resolve(self):
-        """Re-resolves the target now (as the periodic one does)."""
+        """Re-resolves the target now, as the periodic one does, and waits for the probes of
+        the down replicas (the periodic one probes them in the background)."""
         self._check_open()
-        self._resolve("asked")
+        self._resolve("asked", wait=True)
 
     def _maybe_resolve(self):
         self._check_open()
@@ -226,7 +228,7 @@ class ReplicaPool(PoolCalls):
             self._readmit()  # fixed replicas: only bring back the down ones that answer
             self._next_resolve = self._clock() + self.resolve_interval
 
-    def _resolve(self, why):
+    def _resolve(self, why, wait=False):
         """Resolves the target and updates the replicas; why None: the first one."""
         with self._resolve_lock:
             try:
@@ -247,7 +249,7 @@ class ReplicaPool(PoolCalls):
                     log.warning("%s resolved to no address (%s): keeping %d replicas",
                                 self.target, why, len(self._replicas))
                 self._next_resolve = self._clock() + self.resolve_interval
-        self._readmit()
+        self._readmit(wait)
 
     def _update_replicas(self, addrs, why):
         new, gone = set(addrs) - set(self._replicas), set(self._replicas) - set(addrs)
@@ -260,18 +262,32 @@ class ReplicaPool(PoolCalls):
             log.info("%s resolved (%s): added %s, removed %s; replicas now %s", self.target,
                      why, sorted(new) or "none", sorted(gone) or "none", sorted(self._replicas))
 
-    def _readmit(self):
-        """A down replica that answers a quick probe is live again (keys placed elsewhere stay
-        where they are; new keys and stateless calls may go to it)."""
+    def _readmit(self, wait=False):
+        """A down replica that answers a probe is live again (keys placed elsewhere stay where
+        they are; new keys and stateless calls may go to it). The probes wait for the
+        connection (up to probe_timeout: a channel backs off between attempts), so unless
+        `wait` they run on threads of their own, not in the caller's call."""
         with self._lock:
-            down = [r for r in self._replicas.values() if r.down]
+            down = [r for r in self._replicas.values() if r.down and not r.probing]
+            for rep in down:
+                rep.probing = True
+
+        def probe(rep):
+            inst = self._probe(rep, patient=True)
+            with self._lock:
+                rep.probing = False
+                if inst is None or self._replicas.get(rep.address) is not rep:
+                    return
+                rep.down = False
+                self._saw_instance(rep, inst)
+            log.warning("replica %s answers again (instance %s): live", rep.address, inst)
+
         for rep in down:
-            inst = self._probe(rep, patient=False)
-            if inst is not None:
-                with self._lock:
-                    rep.down = False
-                    self._saw_instance(rep, inst)
-                log.warning("replica %s answers again (instance %s): live", rep.address, inst)
+            if wait:
+                probe(rep)
+            else:
+                threading.Thread(target=probe, args=(rep,), daemon=True,
+                                 name="lossd-pool-probe").start()
 
     def _probe(self, rep, patient):
         """The replica's instance id, or None where it does not answer. patient: wait for the

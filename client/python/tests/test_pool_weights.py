@@ -8,6 +8,7 @@ import pytest
 
 import lossd
 from lossd._pool_route import rendezvous_order
+from pool_cluster import HOSTS
 
 BT, H, V = 10, 8, 20
 
@@ -220,3 +221,44 @@ def test_a_passing_unavailable_moves_nothing(cluster):
         assert pool.step("flaky-head", 0).contributions == 1
         st = pool.stats()
         assert (st.moves, st.steps_lost, st.heads_lost, st.down) == (0, 1, 0, [])
+
+
+def test_resolution_drops_and_readmits_replicas(cluster, caplog):
+    """A replica the name stops listing loses its keys (weights go up again on the next); one
+    killed is down until a later resolution finds it answering again (restarted); keys with
+    state stay where they moved, stateless ones follow their hash back."""
+    cluster.ensure_all()
+    x, w, t = _inputs(7)
+    now = [0.0]
+    listed = [list(HOSTS)]
+    with lossd.ReplicaPool(cluster.target(), resolver=lambda host, port: listed[0],
+                           resolve_interval=30,
+                           clock=lambda: now[0], probe_timeout=5, timeout=60) as pool:
+        pw = pool.put_weights(w, name="dropped")
+        ref = pool.compute(x, pw, t)
+        home = pool.home(pw.key)
+        listed[0] = [h for h in listed[0] if h != cluster.host_of(home)]
+        now[0] += 31
+        with caplog.at_level("INFO", logger="lossd.pool"):
+            _same(pool.compute(x, pw, t), ref)
+        assert home not in pool.replicas() and pool.home(pw.key) != home
+        st = pool.stats()
+        assert (st.resolutions, st.moves, st.reuploads) == (1, 1, 1)
+        assert any("removed ['%s']" % home in r.getMessage() for r in caplog.records)
+
+        # Listed again; then the rank's replica dies: down, and back once it answers.
+        listed[0] = list(HOSTS)
+        now[0] += 31
+        pool.compute(x, w, t)
+        first = pool.owner("rank:0")
+        assert first == pool.order("rank:0")[0]
+        cluster.kill(cluster.host_of(first))
+        _same(pool.compute(x, pw, t), ref)  # W's replica is another one, or moves
+        pool.compute(x, w, t)  # stateless: moves off the dead replica
+        assert pool.stats().down == [first] and pool.owner("rank:0") != first
+        cluster.ensure_all()  # started again: a new instance
+        pool.resolve()  # what the periodic one does, waiting for its probes
+        assert pool.stats().down == [] and pool.owner("rank:0") == first
+        pool.compute(x, w, t)
+        st = pool.stats()
+        assert st.calls[first] > 0 and st.resolutions >= 3
