@@ -14,6 +14,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/cuda/fused_loss_internal.h"
+#include "kernels/cuda/row_loss_kernels.h"
 
 namespace lossd {
 namespace cuda {
@@ -67,6 +68,7 @@ FusedLoss::ChunkPass::ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const Chu
   elem = DTypeSize(a.dtype);
   ab = CudaType(a.dtype);
   scales = ComputeGradScales(a.options, a.summary);
+  if (a.kind != LossKind::kCrossEntropy) scales.alpha = a.row_loss.alpha;
   want_dw = a.dw_acc != nullptr;
   want_db = a.db_acc != nullptr;
   write_grad = a.dx != nullptr || want_dw || want_db;
@@ -94,8 +96,15 @@ FusedLoss::ChunkPass::ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const Chu
   main_sms = side_sms > 0 ? f.sm_count_ - side_sms : 0;
 }
 
-// The cross-entropy of rows [r0, r0 + n) of the chunk starting at c0, on ce_.
+// The cross-entropy (or the logprob / policy row kernel) of rows [r0, r0 + n) of the chunk
+// starting at c0, on ce_.
 absl::Status FusedLoss::ChunkPass::CrossEntropy(int64_t c0, int64_t r0, int64_t n) {
+  if (a.kind != LossKind::kCrossEntropy) {
+    RowLossParams p = RowLossParamsOf(a, write_grad, c0 + r0, n);
+    if (gemm_bias) p.bias = nullptr;  // already in the stored logits
+    p.logits = logits + r0 * a.v * elem;
+    return CudaStatus(LaunchRowLoss(p, f.ce_), "LaunchRowLoss");
+  }
   CrossEntropyParams p = RowParams(a, scales, write_grad, c0 + r0, n);
   if (gemm_bias) p.bias = nullptr;  // already in the stored logits
   p.logits = logits + r0 * a.v * elem;
