@@ -171,9 +171,8 @@ BackendInfo CudaBackend::Info() {
   info.memory_held_bytes = counters_->current.load();
   info.memory_budget_bytes = options_.memory_budget_bytes;
   info.healthy = healthy_.load();
-  // Distillation is not built yet (the engine refuses it before any tensor is read).
   info.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
-                    LossKindBit(LossKind::kPolicy);
+                    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
   return info;
 }
 
@@ -189,8 +188,14 @@ ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
     ChunkPlan whole = PlanWhole(s.bt, s.h, s.v, s.dtype, s.want_dx, s.grad_dtype, budget);
     if (whole.blocks > 0) return whole;
   }
-  ChunkPlan plan =
-      PlanChunks(s.bt, s.v, s.dtype, budget, s.chunk_rows, options_.schedule);
+  // Distill holds the teacher's logits chunk beside the student's: half the budget each.
+  const bool distill = s.kind == LossKind::kDistill;
+  ChunkPlan plan = PlanChunks(s.bt, s.v, s.dtype, distill ? budget / 2 : budget, s.chunk_rows,
+                              options_.schedule);
+  if (distill) {
+    plan.workspace_bytes +=
+        Align(static_cast<uint64_t>(plan.chunk_rows) * s.v * DTypeSize(s.dtype));
+  }
   if (options_.auto_schedule && s.dw == GradOut::kNone) {
     plan.schedule = Schedule::kRowHalves;  // no dW to overlap
   } else if (options_.auto_schedule) {
@@ -290,9 +295,12 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
                                                  " is not computed by this backend"));
   }
   std::vector<int32_t> targets32;
+  // Distill's targets only mark ignored rows (any other value counts; none: every row does).
   absl::StatusOr<TargetSummary> summary =
-      SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
-                       p.class_weights, &targets32);
+      p.kind == LossKind::kDistill
+          ? DistillRows(p, &targets32)
+          : SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
+                             p.class_weights, &targets32);
   if (!summary.ok()) return summary.status();
   const WorkspaceShape shape = ShapeOf(p, out);
   const ChunkPlan plan = Plan(shape);

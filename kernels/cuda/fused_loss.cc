@@ -101,7 +101,9 @@ RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t 
   p.targets = a.targets + r0;
   p.softcap = a.options.softcap;
   p.inv_temperature = 1.0f / a.options.temperature;
-  p.kind = a.kind == LossKind::kPolicy ? kRowLossPolicy : kRowLossLogprob;
+  p.kind = a.kind == LossKind::kPolicy    ? kRowLossPolicy
+           : a.kind == LossKind::kDistill ? kRowLossDistill
+                                          : kRowLossLogprob;
   p.write_grad = write_grad ? 1 : 0;
   p.coef_logp = at(in.coef_logp);
   p.coef_entropy = at(in.coef_entropy);
@@ -112,6 +114,9 @@ RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t 
   p.epsilon_low = in.epsilon_low;
   p.epsilon_high = in.epsilon_high;
   p.beta = in.beta;
+  p.teacher_bias = in.teacher_bias;
+  p.jsd_beta = in.jsd_beta;
+  p.distill_coef = in.distill_coef;
   p.row_lse = a.row_lse + r0;
   p.row_logp = a.row_ce + r0;
   p.row_entropy = a.row_z + r0;
@@ -173,12 +178,16 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
         "cuda: rows that arrive during the compute need a row-chunk plan, not the whole-batch "
         "layout (each of its GEMMs reads every row of X)");
   }
-  if (a.kind != LossKind::kCrossEntropy &&
-      (plan.blocks > 0 || (a.kind != LossKind::kLogprob && a.kind != LossKind::kPolicy))) {
+  if (a.kind != LossKind::kCrossEntropy && plan.blocks > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda: loss kind ", LossKindName(a.kind),
-        plan.blocks > 0 ? " needs a row-chunk plan, not the whole-batch layout"
-                        : " is not computed by this backend"));
+        " needs a row-chunk plan, not the whole-batch layout"));
+  }
+  if (a.kind == LossKind::kDistill &&
+      (a.row_loss.teacher_x == nullptr || a.row_loss.teacher_w == nullptr ||
+       a.row_loss.teacher_h <= 0 || a.options.softcap != 0.0f)) {
+    return absl::InvalidArgumentError(
+        "cuda: distill needs the teacher's X, W and hidden size, and no softcap");
   }
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (plan.blocks > 0) return EnqueueWhole(a, plan, workspace);

@@ -67,6 +67,14 @@ struct RowLossInputs {
   const float* ref_logp = nullptr;      // (BT) policy, or null
   float epsilon_low = 0, epsilon_high = 0, beta = 0;
   float alpha = 1;  // the dX, dW and db GEMMs' alpha
+  // Distill: the teacher head (X's dtype; row-chunk plans whose workspace holds a second
+  // logits buffer after the two GEMM workspaces), jsd_beta, and grad_scale / (n alpha).
+  int64_t teacher_h = 0;
+  const void* teacher_x = nullptr;     // (BT, teacher_h)
+  const void* teacher_w = nullptr;     // (V, teacher_h)
+  const void* teacher_bias = nullptr;  // (V), or null
+  float jsd_beta = 0;
+  float distill_coef = 0;
 };
 
 // Every tensor lives in device memory.
@@ -95,9 +103,10 @@ struct DeviceLossArgs {
   // Null: x is complete on the device before Enqueue's work starts. Else x fills in as the
   // hooks say (row-chunk plans only); see ChunkHooks. Not owned.
   ChunkHooks* hooks = nullptr;
-  // kLogprob and kPolicy run row_loss_kernels.h's kernel in place of the cross-entropy one
-  // (row-chunk plans only), with row_ce holding logp_i and row_z the entropy H_i; the
-  // cross-entropy options above are unused but for softcap and temperature.
+  // kLogprob, kPolicy and kDistill run row_loss_kernels.h's kernels in place of the
+  // cross-entropy one (row-chunk plans only), with row_ce holding logp_i (distill: the row's
+  // divergence) and row_z the entropy H_i; the cross-entropy options above are unused but for
+  // softcap and temperature.
   LossKind kind = LossKind::kCrossEntropy;
   RowLossInputs row_loss;
 };

@@ -8,9 +8,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "core/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/chunk_plan.h"
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
 
@@ -60,11 +62,63 @@ PolicyTerms PolicyRowTerms(const LossProblem& p, int64_t i, double logp) {
   return t;
 }
 
+// Distill's teacher (X; W and bias unless in backend memory) and its coefficients.
+absl::Status UploadTeacher(CallBuffers& m, const LossProblem& p,
+                           const std::vector<int32_t>& targets32, RowLossInputs* in) {
+  const size_t elem = DTypeSize(p.dtype);
+  const uint64_t th = static_cast<uint64_t>(p.teacher_h), v = static_cast<uint64_t>(p.v);
+  void* ptr = nullptr;
+  LOSSD_RETURN_IF_ERROR(m.Upload(p.teacher_x, static_cast<uint64_t>(p.bt) * th * elem, &ptr));
+  in->teacher_x = ptr;
+  in->teacher_h = p.teacher_h;
+  if (p.teacher_w_memory == Memory::kHost) {
+    LOSSD_RETURN_IF_ERROR(m.Upload(p.teacher_w, v * th * elem, &ptr));
+    in->teacher_w = ptr;
+    if (p.teacher_bias != nullptr) {
+      LOSSD_RETURN_IF_ERROR(m.Upload(p.teacher_bias, v * elem, &ptr));
+      in->teacher_bias = ptr;
+    }
+  } else {
+    in->teacher_w = p.teacher_w;
+    in->teacher_bias = p.teacher_bias;
+  }
+  int64_t n = 0;
+  for (int32_t t : targets32) n += t >= 0 ? 1 : 0;
+  // G = (grad_scale / n) (d - Q sum d) / T: the power of two above grad_scale / n goes into
+  // the GEMMs' alpha.
+  const double c = n > 0 ? static_cast<double>(p.options.grad_scale) / static_cast<double>(n)
+                         : 0.0;
+  const double alpha = PowerOfTwoAbove(std::fabs(c));
+  in->alpha = static_cast<float>(alpha);
+  in->distill_coef = static_cast<float>(c / alpha);
+  in->jsd_beta = p.distill.jsd_beta;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 bool RowLossKindComputed(LossKind kind) {
   return kind == LossKind::kCrossEntropy || kind == LossKind::kLogprob ||
-         kind == LossKind::kPolicy;
+         kind == LossKind::kPolicy || kind == LossKind::kDistill;
+}
+
+absl::StatusOr<TargetSummary> DistillRows(const LossProblem& p,
+                                          std::vector<int32_t>* targets32) {
+  if (p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
+    return absl::InvalidArgumentError("cuda: targets must be int32 or int64");
+  }
+  TargetSummary s;
+  targets32->assign(p.bt, 0);
+  for (int64_t i = 0; i < p.bt; ++i) {
+    if (p.targets != nullptr &&
+        LoadAsInt(p.targets, p.target_dtype, i) == p.options.ignore_index) {
+      (*targets32)[i] = -1;
+    } else {
+      ++s.tokens;
+    }
+  }
+  s.weight_sum = static_cast<double>(s.tokens);
+  return s;
 }
 
 uint64_t RowLossInputBytes(const WorkspaceShape& s) {
@@ -74,6 +128,13 @@ uint64_t RowLossInputBytes(const WorkspaceShape& s) {
       return 2 * row;  // the two coefficients
     case LossKind::kPolicy:
       return 4 * row;  // weights, advantages, old and reference log-probs
+    case LossKind::kDistill: {
+      const uint64_t th = static_cast<uint64_t>(s.teacher_h), v = static_cast<uint64_t>(s.v);
+      const uint64_t elem = DTypeSize(s.dtype);
+      uint64_t bytes = Align(static_cast<uint64_t>(s.bt) * th * elem);  // teacher X
+      if (s.teacher_w_memory == Memory::kHost) bytes += Align(v * th * elem) + Align(v * elem);
+      return bytes;
+    }
     default:
       return 0;
   }
@@ -124,6 +185,7 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
   const int64_t bt = p.bt;
   const double gs = p.options.grad_scale;
   RowLossInputs& in = a->row_loss;
+  if (p.kind == LossKind::kDistill) return UploadTeacher(m, p, targets32, &in);
   // The coefficients before alpha: grad_scale times dlogp / dentropy (logprob) or times the
   // row's weight (policy), 0 on ignored rows, so that the largest sets alpha.
   std::vector<double> c1(bt, 0.0), c2(bt, 0.0);
@@ -180,12 +242,15 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
       loss += weight[i] * t.loss;
       kl += t.kl;
       clipped += t.clipped ? 1 : 0;
+    } else if (p.kind == LossKind::kDistill) {
+      loss += logp[i];  // the row's divergence
     } else {
       if (p.dlogp != nullptr) loss += static_cast<double>(p.dlogp[i]) * logp[i];
       if (p.dentropy != nullptr) loss += static_cast<double>(p.dentropy[i]) * entropy[i];
     }
   }
   if (p.kind == LossKind::kLogprob) loss *= p.options.grad_scale;
+  if (p.kind == LossKind::kDistill) loss = tokens > 0 ? loss / static_cast<double>(tokens) : 0.0;
   const double n = std::max<double>(1.0, static_cast<double>(tokens));
   if (out.loss != nullptr) out.loss[0] = static_cast<float>(loss);
   if (out.z_loss != nullptr) out.z_loss[0] = 0.0f;
@@ -193,8 +258,11 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
   if (out.clip_fraction != nullptr) {
     out.clip_fraction[0] = static_cast<float>(static_cast<double>(clipped) / n);
   }
-  if (out.logp != nullptr) std::memcpy(out.logp, logp.data(), bt * sizeof(float));
-  if (out.entropy != nullptr) std::memcpy(out.entropy, entropy.data(), bt * sizeof(float));
+  // Distill has neither output (its rows' divergences sit where logp does).
+  if (p.kind != LossKind::kDistill) {
+    if (out.logp != nullptr) std::memcpy(out.logp, logp.data(), bt * sizeof(float));
+    if (out.entropy != nullptr) std::memcpy(out.entropy, entropy.data(), bt * sizeof(float));
+  }
   if (out.lse != nullptr) std::memcpy(out.lse, host.lse.data(), bt * sizeof(float));
   if (out.predictions != nullptr) {
     for (int64_t i = 0; i < bt; ++i) out.predictions[i] = host.pred[i];

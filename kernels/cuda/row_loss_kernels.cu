@@ -193,11 +193,121 @@ __global__ void __launch_bounds__(kThreads) RowLossKernel(RowLossParams p) {
   }
 }
 
+// Sums of two values over the block, in a fixed tree (as Reduce).
+__device__ float2 SumReduce(float2 x, float2* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    x.x = Add(x.x, __shfl_xor_sync(0xffffffffu, x.x, mask));
+    x.y = Add(x.y, __shfl_xor_sync(0xffffffffu, x.y, mask));
+  }
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < kWarps ? shared[lane] : make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) {
+      x.x = Add(x.x, __shfl_xor_sync(0xffffffffu, x.x, mask));
+      x.y = Add(x.y, __shfl_xor_sync(0xffffffffu, x.y, mask));
+    }
+    if (lane == 0) shared[kWarps] = x;
+  }
+  __syncthreads();
+  return shared[kWarps];
+}
+
+// z = (u + b) / T of element j of a row (no softcap for distillation).
+template <typename T>
+__device__ __forceinline__ float Scaled(const T* row, const void* bias, int64_t j, float inv_t) {
+  float u = ToFloat<T>(row[j]);
+  if (bias != nullptr) u = Add(u, ToFloat<T>(static_cast<const T*>(bias)[j]));
+  return Mul(u, inv_t);
+}
+
+// One element's divergence term and d_j = d row / d log Q_j (distill_reference.h's
+// RowDivergence): log M from the larger of the two logs, so a tiny M never underflows to 0.
+__device__ __forceinline__ float2 Divergence(float beta, float log_q, float log_p) {
+  const float q = expf(log_q), pj = expf(log_p);
+  if (beta == 0.0f) return make_float2(Mul(pj, Sub(log_p, log_q)), -pj);
+  const float lq_lp = Sub(log_q, log_p);
+  if (beta == 1.0f) return make_float2(Mul(q, lq_lp), Mul(q, Add(lq_lp, 1.0f)));
+  const float m = fmaxf(log_p, log_q);
+  const float log_m =
+      Add(m, logf(Add(Mul(beta, expf(Sub(log_p, m))), Mul(Sub(1.0f, beta), expf(Sub(log_q, m))))));
+  const float dq = Mul(Mul(Sub(1.0f, beta), q), Sub(log_q, log_m));
+  return make_float2(fmaf(Mul(beta, pj), Sub(log_p, log_m), dq), dq);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) DistillKernel(RowLossParams p) {
+  __shared__ Stats shared[kWarps + 1];
+  __shared__ float2 sums[kWarps + 1];
+  const int64_t i = blockIdx.x;
+  T* row = static_cast<T*>(p.logits) + i * p.v;
+  const T* trow = static_cast<const T*>(p.teacher_logits) + i * p.v;
+  const bool counts = p.targets[i] >= 0;
+  const float inv_t = p.inv_temperature;
+  Stats st = Empty(), tt = Empty();
+  for (int64_t j = threadIdx.x; j < p.v; j += kThreads) {
+    Add1(st, Scaled<T>(row, p.bias, j, inv_t), static_cast<int>(j));
+    Add1(tt, Scaled<T>(trow, p.teacher_bias, j, inv_t), static_cast<int>(j));
+  }
+  st = Reduce(st, shared);
+  tt = Reduce(tt, shared);
+  const float lse = Add(st.m, logf(st.s)), tlse = Add(tt.m, logf(tt.s));
+  float2 acc = make_float2(0.0f, 0.0f);
+  if (counts) {
+    for (int64_t j = threadIdx.x; j < p.v; j += kThreads) {
+      const float log_q = Sub(Scaled<T>(row, p.bias, j, inv_t), lse);
+      const float log_p = Sub(Scaled<T>(trow, p.teacher_bias, j, inv_t), tlse);
+      const float2 t = Divergence(p.jsd_beta, log_q, log_p);
+      acc.x = Add(acc.x, t.x);
+      acc.y = Add(acc.y, t.y);
+    }
+  }
+  acc = SumReduce(acc, sums);
+  if (threadIdx.x == 0) {
+    p.row_lse[i] = lse;
+    p.row_logp[i] = counts ? acc.x : 0.0f;
+    p.row_entropy[i] = 0.0f;
+    if (p.row_pred != nullptr) p.row_pred[i] = st.best_j;
+  }
+  if (!p.write_grad) return;
+  const float c = counts ? p.distill_coef : 0.0f;
+  const float d_sum = acc.y;
+  const float scale = Mul(c, inv_t);
+  // Each thread rewrites only the elements it read itself.
+  for (int64_t j = threadIdx.x; j < p.v; j += kThreads) {
+    float g = 0.0f;
+    if (c != 0.0f) {
+      const float log_q = Sub(Scaled<T>(row, p.bias, j, inv_t), lse);
+      const float log_p = Sub(Scaled<T>(trow, p.teacher_bias, j, inv_t), tlse);
+      const float dj = Divergence(p.jsd_beta, log_q, log_p).y;
+      g = Mul(scale, fmaf(-expf(log_q), d_sum, dj));
+    }
+    row[j] = FromFloat<T>(g);
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchRowLoss(const RowLossParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.rows));
+  if (p.kind == kRowLossDistill) {
+    switch (p.elem) {
+      case kElemBF16:
+        DistillKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p);
+        break;
+      case kElemF16:
+        DistillKernel<__half><<<grid, kThreads, 0, stream>>>(p);
+        break;
+      default:
+        DistillKernel<float><<<grid, kThreads, 0, stream>>>(p);
+        break;
+    }
+    return cudaGetLastError();
+  }
   switch (p.elem) {
     case kElemBF16:
       RowLossKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p);

@@ -12,6 +12,12 @@
 // alpha, a power of two, is the caller's: it comes back in the dX/dW/db GEMMs' alpha, so
 // small coefficients do not underflow a 16-bit G. One block per row, a fixed reduction tree:
 // deterministic. Never allocates and never synchronises.
+//
+// Distill (distill_reference.h): the teacher's logits u_t come in a second chunk buffer; with
+// Q = softmax(z), P = softmax(z_t) per row, the generalised JSD row_i (written into row_logp)
+// and, with d_j = d row_i / d log Q_j, g_ij = c (d_j - Q_ij sum_k d_k) / T, c = grad_scale /
+// (n alpha) on rows that count (n of them), 0 on ignored ones. Three reads of the student row
+// (statistics, the divergence and sum d, the gradient) and two of the teacher's.
 #ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
 #define LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
 
@@ -24,6 +30,7 @@ namespace cuda {
 
 inline constexpr int32_t kRowLossLogprob = 1;  // lossd::LossKind::kLogprob
 inline constexpr int32_t kRowLossPolicy = 2;   // lossd::LossKind::kPolicy
+inline constexpr int32_t kRowLossDistill = 3;  // lossd::LossKind::kDistill (no softcap)
 
 struct RowLossParams {
   void* logits;            // (rows, v) row-major, elem; overwritten by g when write_grad
@@ -45,10 +52,15 @@ struct RowLossParams {
   const float* old_logp;  // null: the current log-probs detached (ratio 1)
   const float* ref_logp;  // null: no KL term
   float epsilon_low, epsilon_high, beta;
+  // Distill: the teacher's logits (rows, v) elem, its bias (or null) and the options.
+  const void* teacher_logits;
+  const void* teacher_bias;
+  float jsd_beta;
+  float distill_coef;  // c above
   // Per row, always written (0 logp and entropy on ignored rows; lse on every row).
   float* row_lse;
-  float* row_logp;
-  float* row_entropy;
+  float* row_logp;     // distill: the row's divergence
+  float* row_entropy;  // distill: unused
   int32_t* row_pred;  // argmax_j z_ij, first index on ties; may be null
 };
 
