@@ -1,0 +1,447 @@
+// What the GPU tests of the CUDA backend's logprob, policy and distill loss kinds share
+// (row_loss_test, row_loss_paths_test): the cases, their problems, and the comparison with the
+// float64 references (kernels/cpu/logprob_reference.h, policy_reference.h,
+// distill_reference.h), which prints the largest errors. The bounds follow the cross-entropy
+// tests' model (testing/test_util.h's MatchesReference): what rounding the
+// stored logits (unit roundoff u of the input dtype) can change, first order, plus G's own
+// storage and the gradient dtype's rounding, plus fp32 arithmetic:
+//   logp_i, lse_i: 2 u m_i / T      (m_i = max_j |raw logit_ij|: |dz| <= u m_i / T)
+//   H_i:           2 H_i u m_i / T  (dH = -sum_j p_j (log p_j + H) dz_j, and
+//                                    sum_j p_j |log p_j + H| <= 2H)
+//   each + 1e-5 (|ref| + 1), and everything times a margin of 2;
+//   the losses and metrics: the rows' bounds carried through their first derivatives;
+//   dX, dW, db (relative norm): 2 (4 u m_rms / T + u + grad_u) + 1e-4.
+// Policy's ratios are drawn away from the clip bounds by more than logp's bound, so every
+// clipping decision is stable and the clip fraction must match exactly.
+// Test-only; never runs a Compute.
+#ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_CASES_H_
+#define LOSSD_KERNELS_CUDA_ROW_LOSS_CASES_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/distill_reference.h"
+#include "kernels/cpu/logprob_reference.h"
+#include "kernels/cpu/policy_reference.h"
+#include "kernels/cpu/reference_head.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_test_fixture.h"
+#include "testing/test_util.h"
+
+namespace lossd {
+namespace cuda {
+
+inline constexpr double kMargin = 2.0;
+
+// One case of the matrix; the fields in this order, so a case reads as one initializer.
+struct RowCase {
+  const char* name;
+  LossKind kind;
+  float temperature = 1.0f, softcap = 0.0f;
+  bool bias = false;
+  double ignore = 0;  // share of ignored (policy: masked) rows
+  int64_t chunk_rows = 0;
+  bool grad_f32 = false, accumulate = false;
+  bool dlogp = true, dentropy = false;      // logprob's upstream gradients
+  PolicyLossType loss_type = PolicyLossType::kDapo;
+  bool old_logp = true, ref_logp = true;    // policy's optional inputs
+  float eps_low = 0.2f, eps_high = 0.2f, beta = 0.04f;
+  double dapo_normalizer = 0;
+  float grad_scale = 0.7f;
+  float jsd_beta = 0.5f;        // distill
+  int64_t teacher_extra_h = 0;  // distill: the teacher's hidden size is the student's + this
+  bool teacher_bias = false;    // distill
+  bool no_targets = false;      // distill: every row counts
+};
+
+inline const RowCase kCases[] = {
+    {"logprob_plain", LossKind::kLogprob},
+    {"logprob_temp_cap_entropy_bias_ignore", LossKind::kLogprob, 0.7f, 5.0f, true, 0.2, 0,
+     false, false, true, true},
+    {"logprob_entropy_only_chunked_accum_f32", LossKind::kLogprob, 1.3f, 0.0f, true, 0.1, 7,
+     true, true, false, true},
+    {"policy_dapo", LossKind::kPolicy, 1.0f, 0.0f, true},
+    {"policy_grpo_masked_no_old_temp_cap", LossKind::kPolicy, 0.8f, 4.0f, false, 0.25, 0,
+     false, false, true, false, PolicyLossType::kGrpo, false, true},
+    {"policy_bnpo_no_kl_chunked_accum", LossKind::kPolicy, 1.0f, 0.0f, true, 0.1, 7, false,
+     true, true, false, PolicyLossType::kBnpo, true, false, 0.1f, 0.3f, 0.0f},
+    {"policy_dr_grpo_f32", LossKind::kPolicy, 1.0f, 0.0f, false, 0.1, 0, true, false, true,
+     false, PolicyLossType::kDrGrpo},
+    // A large normaliser: tiny per-row coefficients, which the power of two taken out of G
+    // keeps inside fp16's normal range.
+    {"policy_dapo_normalizer_1e4", LossKind::kPolicy, 1.0f, 0.0f, true, 0.0, 0, false, false,
+     true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 1e4, 0.5f},
+    {"distill_jsd_half_biases_ignore", LossKind::kDistill, 1.0f, 0.0f, true, 0.1, 0, false,
+     false, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 0.7f, 0.5f,
+     8, true},
+    {"distill_forward_kl_temp_no_targets_chunked_accum", LossKind::kDistill, 2.0f, 0.0f,
+     false, 0.0, 7, false, true, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f,
+     0.04f, 0, 0.7f, 0.0f, 0, false, true},
+    {"distill_reverse_kl_f32", LossKind::kDistill, 1.0f, 0.0f, true, 0.2, 0, true, false,
+     true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 1.0f, 1.0f, -3},
+};
+inline constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
+
+// A problem of `c` at `shape`: the head from RandomProblem, the kind's per-row inputs drawn
+// here. Owns every buffer its LossProblem views.
+struct RowProblem {
+  RandomProblem head;
+  std::optional<RandomProblem> teacher;  // distill
+  std::vector<float> dlogp, dentropy, advantages, old_logp, ref_logp;
+  LossProblem p;
+};
+
+// |log r - log bound| > this for every row, so that logp's error never flips a clip.
+inline constexpr double kClipMargin = 0.08;
+
+inline RowProblem MakeProblem(const RowCase& c, const Shape& shape, DType dtype,
+                              uint64_t seed) {
+  OptionCase o{c.name};
+  o.cap = c.softcap;
+  o.bias = c.bias;
+  o.ignore = c.ignore;
+  o.chunk_rows = c.chunk_rows;
+  RandomProblemSpec spec = SpecOf(shape.bt, shape.h, shape.v, dtype, o, c.grad_scale, seed);
+  spec.options.temperature = c.temperature;
+  RowProblem r{RandomProblem::Make(spec)};
+  LossProblem& p = r.p;
+  p = r.head.problem();
+  p.kind = c.kind;
+  std::mt19937_64 rng(seed * 7919 + 1);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t bt = shape.bt;
+  if (c.kind == LossKind::kLogprob) {
+    if (c.dlogp) {
+      for (int64_t i = 0; i < bt; ++i) r.dlogp.push_back(uni(rng));
+      p.dlogp = r.dlogp.data();
+    }
+    if (c.dentropy) {
+      for (int64_t i = 0; i < bt; ++i) r.dentropy.push_back(uni(rng));
+      p.dentropy = r.dentropy.data();
+    }
+    return r;
+  }
+  if (c.kind == LossKind::kDistill) {
+    RandomProblemSpec ts = ShapeSpec(shape.bt, shape.h + c.teacher_extra_h, shape.v, dtype);
+    ts.bias = c.teacher_bias;
+    ts.seed = seed + 101;
+    r.teacher.emplace(RandomProblem::Make(ts));
+    p.teacher_h = ts.h;
+    p.teacher_x = r.teacher->x.data();
+    p.teacher_w = r.teacher->w.data();
+    p.teacher_bias = c.teacher_bias ? r.teacher->bias.data() : nullptr;
+    p.distill.jsd_beta = c.jsd_beta;
+    if (c.no_targets) p.targets = nullptr;
+    return r;
+  }
+  // Policy: the reference's log-probs place the old and reference log-probs.
+  LogprobProblem lp;
+  lp.head = HeadInputs{p.bt, p.h, p.v, p.dtype, p.x, p.w, p.bias};
+  lp.targets = p.targets;
+  lp.target_dtype = p.target_dtype;
+  lp.options.temperature = c.temperature;
+  lp.options.softcap = c.softcap;
+  lp.options.ignore_index = p.options.ignore_index;
+  LogprobReferenceOutputs lref;
+  EXPECT_TRUE(LogprobReference(lp, &lref).ok());
+  const double log_lo = std::log(1.0 - c.eps_low), log_hi = std::log(1.0 + c.eps_high);
+  for (int64_t i = 0; i < bt; ++i) {
+    r.advantages.push_back(normal(rng));
+    double d = 0;  // log r_i
+    do {
+      d = 0.5 * uni(rng);
+    } while (std::fabs(d - log_lo) < kClipMargin || std::fabs(d - log_hi) < kClipMargin);
+    r.old_logp.push_back(static_cast<float>(lref.logp[i] - d));
+    r.ref_logp.push_back(static_cast<float>(lref.logp[i] + 0.3 * normal(rng)));
+  }
+  p.advantages = r.advantages.data();
+  if (c.old_logp) p.old_logp = r.old_logp.data();
+  if (c.ref_logp) p.ref_logp = r.ref_logp.data();
+  p.policy.loss_type = c.loss_type;
+  p.policy.epsilon_low = c.eps_low;
+  p.policy.epsilon_high = c.eps_high;
+  p.policy.beta = c.beta;
+  p.policy.sequences = bt % 4 == 0 ? 4 : 1;
+  p.policy.max_completion_length = c.loss_type == PolicyLossType::kDrGrpo ? 64 : 0;
+  p.policy.dapo_normalizer = c.dapo_normalizer;
+  return r;
+}
+
+// The outputs these kinds add to HostOutputs', NaN-poisoned.
+struct RowOutputs {
+  RowOutputs(const LossProblem& p, DType grad_dtype, bool accumulate)
+      : base(p, grad_dtype, true, accumulate),
+        logp(p.bt, kNaN),
+        entropy(p.bt, kNaN) {}
+  LossOutputs outputs(LossKind kind) {
+    LossOutputs o = base.outputs();
+    // Cross-entropy's own outputs are not asked for.
+    o.z_loss = nullptr;
+    o.predictions = nullptr;
+    o.accuracy = nullptr;
+    if (kind != LossKind::kDistill) o.logp = logp.data();
+    if (kind == LossKind::kLogprob) o.entropy = entropy.data();
+    if (kind == LossKind::kPolicy) {
+      o.kl = &kl;
+      o.clip_fraction = &clip_fraction;
+    }
+    return o;
+  }
+  static constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  HostOutputs base;
+  std::vector<float> logp, entropy;
+  float kl = kNaN, clip_fraction = kNaN;
+};
+
+// The reference's results in one form for both kinds.
+struct Expected {
+  std::vector<double> logp, entropy, lse, logp_bound, entropy_bound, lse_bound;
+  double loss = 0, loss_bound = 0, kl = 0, kl_bound = 0, clip_fraction = 0;
+  HeadGradients grad;
+  double grad_tol = 0;
+};
+
+// The per-row bounds of logp, entropy and lse (top of the file).
+inline void RowBounds(const LossProblem& p, const LogitStats& stats, const Tolerance& tol,
+               Expected* e) {
+  const double inv_t = 1.0 / p.options.temperature;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    const double zm = tol.logit_u * (stats.row_abs_max[i] + 1.0) * inv_t;
+    const double h = e->entropy.empty() ? 0.0 : e->entropy[i];
+    e->logp_bound.push_back(kMargin * (2 * zm + 1e-5 * (std::fabs(e->logp[i]) + 1)));
+    e->entropy_bound.push_back(kMargin * (2 * h * zm + 1e-5 * (h + 1)));
+    e->lse_bound.push_back(kMargin * (zm + 1e-5 * (std::fabs(e->lse[i]) + 1)));
+  }
+  e->grad_tol = kMargin * (4 * tol.logit_u * (stats.rms_row_abs_max + 1.0) * inv_t +
+                           tol.logit_u + tol.grad_u) +
+                1e-4;
+}
+
+inline Expected ExpectLogprob(const LossProblem& p, const LogitStats& stats,
+                              const Tolerance& tol) {
+  LogprobProblem lp;
+  lp.head = HeadInputs{p.bt, p.h, p.v, p.dtype, p.x, p.w, p.bias};
+  lp.targets = p.targets;
+  lp.target_dtype = p.target_dtype;
+  lp.dlogp = p.dlogp;
+  lp.dentropy = p.dentropy;
+  lp.options.temperature = p.options.temperature;
+  lp.options.softcap = p.options.softcap;
+  lp.options.ignore_index = p.options.ignore_index;
+  LogprobReferenceOutputs ref;
+  EXPECT_TRUE(LogprobReference(lp, &ref).ok());
+  Expected e;
+  e.logp = ref.logp;
+  e.entropy = ref.entropy;
+  e.lse = ref.lse;
+  RowBounds(p, stats, tol, &e);
+  const double gs = p.options.grad_scale;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    const double dl = p.dlogp != nullptr ? p.dlogp[i] : 0.0;
+    const double dh = p.dentropy != nullptr ? p.dentropy[i] : 0.0;
+    e.loss += gs * (dl * ref.logp[i] + dh * ref.entropy[i]);
+    e.loss_bound += std::fabs(gs) * (std::fabs(dl) * e.logp_bound[i] +
+                                     std::fabs(dh) * e.entropy_bound[i]);
+  }
+  e.loss_bound += 1e-5 * (std::fabs(e.loss) + 1);
+  // The reference scales its gradients by nothing: F's gradient is grad_scale times it.
+  e.grad = ref.grad;
+  for (std::vector<double>* g : {&e.grad.dx, &e.grad.dw, &e.grad.db}) {
+    for (double& x : *g) x *= gs;
+  }
+  return e;
+}
+
+inline Expected ExpectPolicy(const LossProblem& p, const LogitStats& stats,
+                             const Tolerance& tol) {
+  std::vector<uint8_t> mask(p.bt);
+  for (int64_t i = 0; i < p.bt; ++i) {
+    mask[i] = LoadAsInt(p.targets, p.target_dtype, i) != p.options.ignore_index;
+  }
+  PolicyProblem pp;
+  pp.head = HeadInputs{p.bt, p.h, p.v, p.dtype, p.x, p.w, p.bias};
+  pp.batch = p.policy.sequences;
+  pp.targets = p.targets;
+  pp.target_dtype = p.target_dtype;
+  pp.mask = mask.data();
+  pp.advantages = p.advantages;
+  pp.old_logp = p.old_logp;
+  pp.ref_logp = p.ref_logp;
+  PolicyOptions& o = pp.options;
+  o.loss_type = p.policy.loss_type;
+  o.epsilon_low = p.policy.epsilon_low;
+  o.epsilon_high = p.policy.epsilon_high;
+  o.beta = p.policy.beta;
+  o.temperature = p.options.temperature;
+  o.softcap = p.options.softcap;
+  o.max_completion_length = p.policy.max_completion_length;
+  o.dapo_normalizer = p.policy.dapo_normalizer;
+  o.grad_scale = p.options.grad_scale;
+  PolicyReferenceOutputs ref;
+  EXPECT_TRUE(PolicyReference(pp, &ref).ok());
+  Expected e;
+  e.logp = ref.logp;
+  // lse is not a policy reference output: the logprob reference's is the same head's.
+  LogprobProblem lp;
+  lp.head = pp.head;
+  lp.targets = p.targets;
+  lp.target_dtype = p.target_dtype;
+  lp.options.temperature = o.temperature;
+  lp.options.softcap = o.softcap;
+  lp.options.ignore_index = p.options.ignore_index;
+  LogprobReferenceOutputs lref;
+  EXPECT_TRUE(LogprobReference(lp, &lref).ok());
+  e.lse = lref.lse;
+  RowBounds(p, stats, tol, &e);
+  e.loss = ref.loss;
+  e.kl = ref.kl;
+  e.clip_fraction = ref.clip_fraction;
+  // First derivatives of each row's terms in logp, times logp's bound and the row's weight.
+  const double n = std::max<double>(1.0, static_cast<double>(ref.tokens));
+  const int64_t seq = p.bt / pp.batch;
+  std::vector<double> per_seq(pp.batch, 0.0);
+  for (int64_t i = 0; i < p.bt; ++i) per_seq[i / seq] += mask[i];
+  for (int64_t i = 0; i < p.bt; ++i) {
+    if (!mask[i]) continue;
+    const double b = static_cast<double>(pp.batch);
+    double w = 1.0 / n;  // bnpo
+    if (o.loss_type == PolicyLossType::kGrpo) w = 1.0 / (b * std::max(1.0, per_seq[i / seq]));
+    if (o.loss_type == PolicyLossType::kDrGrpo) w = 1.0 / (b * o.max_completion_length);
+    if (o.loss_type == PolicyLossType::kDapo) {
+      w = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer : n);
+    }
+    const double kl_slope =
+        p.ref_logp != nullptr ? std::fabs(1.0 - std::exp(p.ref_logp[i] - ref.logp[i])) : 0.0;
+    const double slope = std::fabs(p.advantages[i]) * ref.ratio[i] * 1.1 + o.beta * kl_slope;
+    e.loss_bound += w * slope * e.logp_bound[i];
+    e.kl_bound += kl_slope * 1.1 * e.logp_bound[i] / n;
+  }
+  e.loss_bound += 1e-5 * (std::fabs(e.loss) + 1);
+  e.kl_bound += 1e-5 * (e.kl + 1);
+  e.grad = ref.grad;
+  return e;
+}
+
+// Distill's loss bound: per row, first order, |d row| <= (2 + 2 row) (|dz| + |dz_t|) (the
+// student's and the teacher's logits' rounding; sum_j |d row / d z_j| <= 2 + 2 row for each
+// side), over the rows' mean.
+inline Expected ExpectDistill(const LossProblem& p, const LogitStats& stats,
+                       const LogitStats& teacher_stats, const Tolerance& tol) {
+  DistillProblem dp;
+  dp.student = HeadInputs{p.bt, p.h, p.v, p.dtype, p.x, p.w, p.bias};
+  dp.teacher = HeadInputs{p.bt, p.teacher_h, p.v, p.dtype, p.teacher_x, p.teacher_w,
+                          p.teacher_bias};
+  dp.labels = p.targets;
+  dp.label_dtype = p.target_dtype;
+  dp.options.jsd_beta = p.distill.jsd_beta;
+  dp.options.temperature = p.options.temperature;
+  dp.options.ignore_index = p.options.ignore_index;
+  dp.options.grad_scale = p.options.grad_scale;
+  DistillReferenceOutputs ref;
+  EXPECT_TRUE(DistillReference(dp, &ref).ok());
+  Expected e;
+  e.loss = ref.loss;
+  const double inv_t = 1.0 / p.options.temperature;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    const double zm = tol.logit_u * (stats.row_abs_max[i] + teacher_stats.row_abs_max[i] + 2) *
+                      inv_t;
+    e.loss_bound += kMargin * (2 + 2 * ref.row_loss[i]) * zm;
+  }
+  e.loss_bound = e.loss_bound / std::max<double>(1.0, static_cast<double>(ref.tokens)) +
+                 1e-5 * (std::fabs(e.loss) + 1);
+  e.grad = ref.grad;
+  e.grad_tol = kMargin * (4 * tol.logit_u *
+                              (stats.rms_row_abs_max + teacher_stats.rms_row_abs_max + 2) *
+                              inv_t +
+                          tol.logit_u + tol.grad_u) +
+               1e-4;
+  return e;
+}
+
+// One scalar against its bound, printed.
+inline void ExpectScalar(const std::string& what, double ref, double got, double bound) {
+  std::printf("    %-14s ref %+.6e got %+.6e err %.2e bound %.2e\n", what.c_str(), ref, got,
+              std::fabs(got - ref), bound);
+  EXPECT_LE(std::fabs(got - ref), bound) << what << " ref " << ref << " got " << got;
+}
+
+inline void ExpectRows(const std::string& what, const std::vector<double>& ref,
+                       const float* got,
+                const std::vector<double>& bound) {
+  const std::vector<double> g(got, got + ref.size());
+  const CompareResult r = CompareElementwise(what, ref, g, bound);
+  std::printf("    %-14s max abs err %.2e (worst row %lld)\n", what.c_str(), r.max_abs,
+              static_cast<long long>(r.worst_index));
+  EXPECT_TRUE(r.ok()) << r.ToString();
+}
+
+inline void ExpectGrad(const std::string& what, const std::vector<double>& ref,
+                       const void* got,
+                DType t, double tol) {
+  const CompareResult r = CompareRelNorm(what, ref, Widen(got, t, ref.size()), tol);
+  std::printf("    %-14s rel norm err %.2e (tolerance %.2e), max abs err %.2e\n",
+              what.c_str(), r.rel_norm, tol, r.max_abs);
+  EXPECT_TRUE(r.ok()) << r.ToString();
+}
+
+inline void ExpectMatches(const LossProblem& p, const Expected& e, RowOutputs& out,
+                          bool accumulate) {
+  const LossOutputs o = out.outputs(p.kind);
+  ExpectScalar("loss", e.loss, out.base.loss[0], e.loss_bound);
+  if (p.kind == LossKind::kDistill) {
+    // No logp or entropy output, and the student's lse is the logprob kind's (tested there).
+  } else {
+    ExpectRows("logp", e.logp, out.logp.data(), e.logp_bound);
+    ExpectRows("lse", e.lse, out.base.lse.data(), e.lse_bound);
+  }
+  if (p.kind == LossKind::kLogprob) {
+    ExpectRows("entropy", e.entropy, out.entropy.data(), e.entropy_bound);
+  } else if (p.kind == LossKind::kPolicy) {
+    ExpectScalar("kl", e.kl, out.kl, e.kl_bound);
+    ExpectScalar("clip_fraction", e.clip_fraction, out.clip_fraction, 0.0);
+  }
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    tokens += p.targets == nullptr ||
+              LoadAsInt(p.targets, p.target_dtype, i) != p.options.ignore_index;
+  }
+  EXPECT_EQ(out.base.tokens, tokens);
+  ExpectGrad("dx", e.grad.dx, o.dx, o.grad_dtype, e.grad_tol);
+  if (accumulate) {
+    ExpectGrad("dw_accum", e.grad.dw, o.dw_accum, DType::kF32, e.grad_tol);
+    if (p.bias != nullptr) ExpectGrad("db_accum", e.grad.db, o.db_accum, DType::kF32, e.grad_tol);
+  } else {
+    ExpectGrad("dw", e.grad.dw, o.dw, o.grad_dtype, e.grad_tol);
+    if (p.bias != nullptr) ExpectGrad("db", e.grad.db, o.db, o.grad_dtype, e.grad_tol);
+  }
+}
+
+inline Expected ExpectOf(const RowProblem& rp, const Tolerance& tol) {
+  switch (rp.p.kind) {
+    case LossKind::kLogprob:
+      return ExpectLogprob(rp.p, rp.head.stats(), tol);
+    case LossKind::kPolicy:
+      return ExpectPolicy(rp.p, rp.head.stats(), tol);
+    default:
+      return ExpectDistill(rp.p, rp.head.stats(), rp.teacher->stats(), tol);
+  }
+}
+
+}  // namespace cuda
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_ROW_LOSS_CASES_H_
