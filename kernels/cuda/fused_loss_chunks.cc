@@ -102,8 +102,8 @@ FusedLoss::ChunkPass::ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const Chu
   main_sms = side_sms > 0 ? f.sm_count_ - side_sms : 0;
 }
 
-// The cross-entropy (or the logprob / policy row kernel) of rows [r0, r0 + n) of the chunk
-// starting at c0, on ce_.
+// The cross-entropy (or the logprob / policy / distill row kernel) of rows [r0, r0 + n) of
+// the chunk starting at c0, on ce_.
 absl::Status FusedLoss::ChunkPass::CrossEntropy(int64_t c0, int64_t r0, int64_t n) {
   if (a.kind != LossKind::kCrossEntropy) {
     RowLossParams p = RowLossParamsOf(a, write_grad, c0 + r0, n);
