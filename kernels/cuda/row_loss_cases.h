@@ -10,7 +10,9 @@
 //                                    sum_j p_j |log p_j + H| <= 2H)
 //   each + 1e-5 (|ref| + 1), and everything times a margin of 2;
 //   the losses and metrics: the rows' bounds carried through their first derivatives;
-//   dX, dW, db (relative norm): 2 (4 u m_rms / T + u + grad_u) + 1e-4.
+//   dX, dW, db (relative norm): 2 ||dG|| / ||G|| + grad_u + fp32_rel + the GEMMs' rounding,
+//   ||dG|| bounded element by element to first order (GradientRelBound; distill: a coarser
+//   bound from the two heads' rms logits).
 // Policy's ratios are drawn away from the clip bounds by more than logp's bound, so every
 // clipping decision is stable and the clip fraction must match exactly.
 // Test-only; never runs a Compute.
@@ -226,9 +228,68 @@ inline void RowBounds(const LossProblem& p, const LogitStats& stats, const Toler
     e->logp_bound.push_back(kMargin * (2 * zm + 1e-5 * (std::fabs(e->logp[i]) + 1)));
     e->entropy_bound.push_back(kMargin * (2 * h * zm + 1e-5 * (h + 1)));
   }
-  e->grad_tol = kMargin * (4 * tol.logit_u * (stats.rms_row_abs_max + 1.0) * inv_t +
-                           tol.logit_u + tol.grad_u) +
-                1e-4;
+}
+
+// Each row's gradient coefficients (row_loss_kernels.h: G_j = c ([j = t] - p_j) -
+// e p_j (log p_j + H)) and the bound of c's error per unit of logp's error (policy's c
+// depends on logp; 0 for logprob).
+struct RowCoefficients {
+  std::vector<double> c, e, c_slope;  // (BT), 0 on ignored rows
+};
+
+// ||dG|| / ||G|| over the batch, first order in the stored logits' rounding (relative u of
+// each raw logit, as the cross-entropy tests' ComputeErrorBounds), plus G's own storage
+// rounding: with d_j = u |raw_j| / T bounding |dz_j| and D = sum_k p_k d_k,
+//   |dp_j| <= p_j (d_j + D),  |d logp| <= d_t + D,  |dH| <= sum_k p_k |log p_k + H| (d_k + D),
+// each element's bound from those, times the softcap's slope, and u |G_j|.
+inline double GradientRelBound(const LossProblem& p, const RowCoefficients& k, double u) {
+  const ReferenceHead head(HeadInputs{p.bt, p.h, p.v, p.dtype, p.x, p.w, p.bias},
+                           p.options.softcap, p.options.temperature);
+  const double temp = p.options.temperature, cap = p.options.softcap;
+  HeadRow row;
+  std::vector<double> prob, d(p.v);
+  double err2 = 0, norm2 = 0;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
+    if (t == p.options.ignore_index || (k.c[i] == 0 && k.e[i] == 0)) continue;
+    head.Row(i, &row);
+    Softmax(row, &prob);
+    double pz = 0, big_d = 0;
+    for (int64_t j = 0; j < p.v; ++j) {
+      const double zc = row.z[j] * temp;  // the softcapped logit: raw through atanh
+      const double raw = cap > 0 ? cap * std::atanh(std::min(0.999999999, std::fabs(zc) / cap))
+                                 : std::fabs(zc);
+      d[j] = u * raw * row.dz_du[j];
+      big_d += prob[j] * d[j];
+      pz += prob[j] * row.z[j];
+    }
+    const double h = row.lse - pz;
+    double dh = 0;
+    for (int64_t j = 0; j < p.v; ++j) {
+      dh += prob[j] * std::fabs(row.z[j] - row.lse + h) * (d[j] + big_d);
+    }
+    const double dlogp = d[t] + big_d;
+    for (int64_t j = 0; j < p.v; ++j) {
+      const double pj = prob[j], lp = row.z[j] - row.lse, hot = j == t ? 1.0 : 0.0;
+      const double g = k.c[i] * (hot - pj) - k.e[i] * pj * (lp + h);
+      const double dpj = pj * (d[j] + big_d);
+      double dg = std::fabs(k.c[i]) * dpj + k.c_slope[i] * dlogp * std::fabs(hot - pj) +
+                  std::fabs(k.e[i]) * (dpj * (std::fabs(lp + h) + 1) + pj * dh);
+      dg += u * std::fabs(g);
+      const double chain = row.dz_du[j] * temp;  // the softcap's slope (the 1/T is common)
+      err2 += dg * dg * chain * chain;
+      norm2 += g * g * chain * chain;
+    }
+  }
+  return norm2 > 0 ? std::sqrt(err2 / norm2) : 0.0;
+}
+
+// The gradients' relative-norm tolerance, as the cross-entropy tests': twice the bound on G's
+// relative error (the GEMMs with random X and W carry it over about unchanged), the gradient
+// dtype's rounding, fp32 arithmetic, and the GEMMs' own fp32 rounding.
+inline double GradTolerance(const LossProblem& p, const Tolerance& tol, double grad_rel) {
+  return kMargin * grad_rel + tol.grad_u + tol.fp32_rel +
+         4 * std::sqrt(static_cast<double>(std::max(p.v, p.bt))) * std::ldexp(1.0, -24);
 }
 
 inline Expected ExpectLogprob(const LossProblem& p, const LogitStats& stats,
@@ -257,6 +318,16 @@ inline Expected ExpectLogprob(const LossProblem& p, const LogitStats& stats,
                                      std::fabs(dh) * e.entropy_bound[i]);
   }
   e.loss_bound += 1e-5 * (std::fabs(e.loss) + 1);
+  RowCoefficients k;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    const bool counts = LoadAsInt(p.targets, p.target_dtype, i) != p.options.ignore_index;
+    k.c.push_back(counts && p.dlogp != nullptr ? gs * p.dlogp[i] : 0.0);
+    k.e.push_back(counts && p.dentropy != nullptr ? gs * p.dentropy[i] : 0.0);
+    k.c_slope.push_back(0.0);
+  }
+  const double grad_rel = GradientRelBound(p, k, tol.logit_u);
+  e.grad_tol = GradTolerance(p, tol, grad_rel);
+  std::printf("    G's first-order relative error bound %.2e\n", grad_rel);
   // The reference scales its gradients by nothing: F's gradient is grad_scale times it.
   e.grad = ref.grad;
   for (std::vector<double>* g : {&e.grad.dx, &e.grad.dw, &e.grad.db}) {
@@ -303,6 +374,7 @@ inline Expected ExpectPolicy(const LossProblem& p, const LogitStats& stats,
   const int64_t seq = p.bt / pp.batch;
   std::vector<double> per_seq(pp.batch, 0.0);
   for (int64_t i = 0; i < p.bt; ++i) per_seq[i / seq] += mask[i];
+  std::vector<double> weight(p.bt, 0.0);
   for (int64_t i = 0; i < p.bt; ++i) {
     if (!mask[i]) continue;
     const double b = static_cast<double>(pp.batch);
@@ -315,12 +387,40 @@ inline Expected ExpectPolicy(const LossProblem& p, const LogitStats& stats,
     const double kl_slope =
         p.ref_logp != nullptr ? std::fabs(1.0 - std::exp(p.ref_logp[i] - ref.logp[i])) : 0.0;
     const double slope = std::fabs(p.advantages[i]) * ref.ratio[i] * 1.1 + o.beta * kl_slope;
+    weight[i] = w;
     e.loss_bound += w * slope * e.logp_bound[i];
     e.kl_bound += kl_slope * 1.1 * e.logp_bound[i] / n;
   }
   e.loss_bound += 1e-5 * (std::fabs(e.loss) + 1);
   e.kl_bound += 1e-5 * (e.kl + 1);
   e.grad = ref.grad;
+  // Each row's c_i = grad_scale w_i dl_i/dlogp_i and its slope in logp (policy_reference.h).
+  RowCoefficients k;
+  const double gs = p.options.grad_scale;
+  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+  for (int64_t i = 0; i < p.bt; ++i) {
+    k.e.push_back(0.0);
+    if (!mask[i]) {
+      k.c.push_back(0.0);
+      k.c_slope.push_back(0.0);
+      continue;
+    }
+    const double a = p.advantages[i], r = ref.ratio[i];
+    const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
+    const double share = clipped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+    double dl = -share * a * r, slope = share * std::fabs(a) * r;
+    if (o.beta != 0.0f && p.ref_logp != nullptr) {
+      const double ek = std::exp(p.ref_logp[i] - ref.logp[i]);
+      dl += o.beta * (1.0 - ek);
+      slope += o.beta * ek;
+    }
+    k.c.push_back(gs * weight[i] * dl);
+    k.c_slope.push_back(std::fabs(gs) * weight[i] * slope);
+  }
+  const double grad_rel = GradientRelBound(p, k, tol.logit_u);
+  e.grad_tol = GradTolerance(p, tol, grad_rel);
+  std::printf("    G's first-order relative error bound %.2e\n", grad_rel);
   return e;
 }
 
@@ -352,11 +452,12 @@ inline Expected ExpectDistill(const LossProblem& p, const LogitStats& stats,
   e.loss_bound = e.loss_bound / std::max<double>(1.0, static_cast<double>(ref.tokens)) +
                  1e-5 * (std::fabs(e.loss) + 1);
   e.grad = ref.grad;
-  e.grad_tol = kMargin * (4 * tol.logit_u *
-                              (stats.rms_row_abs_max + teacher_stats.rms_row_abs_max + 2) *
-                              inv_t +
-                          tol.logit_u + tol.grad_u) +
-               1e-4;
+  // A coarse bound of G's relative error (the JSD's gradient through both heads' rounding):
+  // twice the two heads' rms logit rounding.
+  const double grad_rel =
+      2 * tol.logit_u * (stats.rms_row_abs_max + teacher_stats.rms_row_abs_max + 2) * inv_t +
+      tol.logit_u;
+  e.grad_tol = GradTolerance(p, tol, grad_rel);
   return e;
 }
 
