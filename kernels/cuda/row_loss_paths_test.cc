@@ -16,7 +16,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_test_fixture.h"
-#include "kernels/cuda/row_loss_cases.h"
+#include "kernels/cuda/row_loss_test_cases.h"
 #include "testing/test_util.h"
 
 namespace lossd {

@@ -1,5 +1,5 @@
 // GPU tests of the CUDA backend's logprob, policy and distill loss kinds against the float64
-// references (row_loss_cases.h says how they are bounded): every case over tiny, odd and
+// references (row_loss_test_cases.h says how they are bounded): every case over tiny, odd and
 // medium shapes in bf16, fp16 and fp32, outputs poisoned before each run; a realistic
 // vocabulary; a bit-identical rerun. Each comparison prints its largest errors.
 #include <algorithm>
@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_test_fixture.h"
-#include "kernels/cuda/row_loss_cases.h"
+#include "kernels/cuda/row_loss_test_cases.h"
 #include "testing/test_util.h"
 
 namespace lossd {

@@ -15,8 +15,8 @@
 // Policy's ratios are drawn away from the clip bounds by more than logp's bound, so every
 // clipping decision is stable and the clip fraction must match exactly.
 // Test-only; never runs a Compute.
-#ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_CASES_H_
-#define LOSSD_KERNELS_CUDA_ROW_LOSS_CASES_H_
+#ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_CASES_H_
+#define LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_CASES_H_
 
 #include <algorithm>
 #include <cmath>
@@ -560,4 +560,4 @@ inline Expected ExpectOf(const RowProblem& rp, const Tolerance& tol) {
 }  // namespace cuda
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CUDA_ROW_LOSS_CASES_H_
+#endif  // LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_CASES_H_
