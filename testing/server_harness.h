@@ -28,6 +28,10 @@ struct HarnessOptions {
   std::shared_ptr<grpc::ServerCredentials> server_credentials;  // null = plaintext
   bool reflection = false;  // LossServerOptions::reflection
   std::string health_address;  // LossServerOptions::health_address
+  // Where it listens: any 127.0.0.0/8 address (Linux routes all of them to loopback, so
+  // several servers can share one port on distinct addresses); port 0 picks a free one.
+  std::string host = "127.0.0.1";
+  int port = 0;
 };
 
 class Harness {
@@ -42,12 +46,16 @@ class Harness {
   Engine& engine() { return *engine_; }
   LossServer& server() { return *server_; }
   int port() const { return server_->port(); }
+  const std::string& host() const { return host_; }
+  // False when the server could not start (the failure was added to the test).
+  bool started() const { return server_ != nullptr; }
   // GET /metrics from the process-wide exposer (shared: destroying one takes ~2 s).
   std::string ScrapeMetrics();
   // Waits until admitted memory is back to 0 (or `seconds` pass); returns the last value.
   uint64_t WaitForIdleMemory(double seconds = 5);
 
  private:
+  std::string host_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<LossServer> server_;
