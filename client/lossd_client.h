@@ -159,6 +159,11 @@ class LossClient {
   absl::Status DropHead(const std::string& head, const CallOptions& call = {});
 
   const ClientOptions& options() const { return options_; }
+  // Connects every connection now, skipping gRPC's reconnect backoff (which grows while a
+  // server is down, and meanwhile fails calls at once): for a caller that has reason to
+  // think the server is back, such as a replica pool trying a replica again. OK once all are
+  // connected; DEADLINE_EXCEEDED when they are not within `timeout`.
+  absl::Status Connect(absl::Duration timeout);
 
  private:
   struct Connection;

@@ -1,6 +1,7 @@
 // PooledClient: placement, weights and accumulators (hosted heads in pooled_heads.cc).
 #include "client/pooled_client.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/hash/hash.h"
@@ -316,7 +317,8 @@ absl::StatusOr<ComputeResult> PooledClient::Compute(const ComputeRequest& r,
                                                     const CallOptions& call) {
   if (!r.head.empty()) return ComputeInto(HeadKey(r.head), r, call);
   if (!r.accumulator.empty()) return ComputeInto(AccumulatorKey(r.accumulator), r, call);
-  return ComputeStateless(r.weight_handle.empty() ? RankKey(r.rank) : WeightsKey(r.weight_handle),
+  return ComputeStateless(r.weight_handle.empty() ? RankKey(pool_->options().rank)
+                                                   : WeightsKey(r.weight_handle),
                           r, call);
 }
 
@@ -324,21 +326,34 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeStateless(const std::string& 
                                                              const ComputeRequest& r,
                                                              const CallOptions& call) {
   // Nothing on the server changes: sending it again where the key moves adds nothing twice.
-  absl::StatusOr<Placement> home = Route(key, false);
-  if (!home.ok()) return home.status();
-  std::vector<std::string> candidates = {home->endpoint};
-  for (std::string& e : pool_->Order(key)) {
-    if (e != home->endpoint) candidates.push_back(std::move(e));
+  // Weights first try where their handle is; a rank follows its order (it holds nothing, so
+  // it goes back to its home as soon as that is up again).
+  std::vector<std::string> candidates = pool_->Order(key);
+  if (!r.weight_handle.empty()) {
+    absl::StatusOr<Placement> home = Route(key, false);
+    if (!home.ok()) return home.status();
+    candidates.erase(std::remove(candidates.begin(), candidates.end(), home->endpoint),
+                     candidates.end());
+    candidates.insert(candidates.begin(), home->endpoint);
   }
   absl::Status last;
   std::string reason;
   for (const std::string& e : candidates) {
     absl::StatusOr<ComputeResult> res = ComputeOn(e, r, call);
+    std::optional<std::string> lost;
+    if (!res.ok()) {
+      lost = pool_->LostReason(e, res.status(), "");
+      // Unreachable a moment ago, up now (its probe just connected): a replica back from a
+      // restart, or a connection that broke. Once more there.
+      if (!lost && res.status().code() == absl::StatusCode::kUnavailable) {
+        res = ComputeOn(e, r, call);
+        if (!res.ok()) lost = pool_->LostReason(e, res.status(), "");
+      }
+    }
     if (res.ok()) {
       Place(key, e, res->instance, reason);
       return res;
     }
-    std::optional<std::string> lost = pool_->LostReason(e, res.status(), "");
     if (!lost) return res.status();
     if (!r.weight_handle.empty()) ForgetWeightsOn(r.weight_handle, e);
     last = res.status();
@@ -359,7 +374,6 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
   }
   std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
-  if (!r.weight_handle.empty()) ForgetWeightsOn(r.weight_handle, p->endpoint);
   if (!r.head.empty()) return MarkLost(key, *p, HeadLostMessage(r.head, p->endpoint, *lost));
   return MarkLost(key, *p,
                   AccumulatorLostMessage(r.accumulator, p->endpoint, *lost,

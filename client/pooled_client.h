@@ -1,7 +1,7 @@
 // A client of a pool of lossd replicas: the same calls as LossClient, each sent to the
 // replica that holds its state, chosen by rendezvous hashing (client/rendezvous.h) of what
 // owns the state: a hosted head, else an accumulator, else a weights name, else the trainer's
-// rank (stateless calls). Every trainer of a job, C++ or Python, sends one key to one replica;
+// rank (PoolOptions::rank, for stateless calls). Every trainer of a job, C++ or Python, sends one key to one replica;
 // losing a replica moves only the keys it held. Never adds anything twice: a Compute into an
 // accumulator or a head is never resent to another replica; that state's loss is an error
 // that says how to redo it. docs/replica_pool.md has the whole contract.
@@ -75,7 +75,7 @@ class PooledClient {
       WeightsRetention keep = WeightsRetention::kVerifyCallerMemory, const CallOptions& call = {});
   absl::Status DropWeights(const std::string& name, const CallOptions& call = {});
   // weight_handle, when set, is a PutWeights name. Goes where the head, else the accumulator,
-  // else the weights, else RankKey(rank) lives (weights are uploaded to that replica when a
+  // else the weights, else RankKey(PoolOptions::rank) lives (weights are uploaded to that replica when a
   // head or accumulator decides).
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request,
                                         const CallOptions& call = {});

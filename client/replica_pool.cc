@@ -1,5 +1,14 @@
 #include "client/replica_pool.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <utility>
 
@@ -8,6 +17,56 @@
 
 namespace lossd {
 namespace client {
+namespace {
+
+// Opens and closes a TCP connection to "ip:port" / "[ip]:port" within `timeout`: OK when
+// something listens there, UNAVAILABLE (refused, unreachable) or DEADLINE_EXCEEDED.
+absl::Status TcpConnect(const std::string& endpoint, absl::Duration timeout) {
+  const size_t colon = endpoint.rfind(':');
+  std::string host = endpoint.substr(0, colon);
+  const int port = std::atoi(endpoint.c_str() + colon + 1);
+  if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
+  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(*v4);
+  } else if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(*v6);
+  } else {
+    return absl::InternalError(absl::StrCat("not an ip:port endpoint: ", endpoint));
+  }
+  const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  int err = 0;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    err = errno;
+    if (err == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      const int ready = poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+      if (ready == 0) {
+        close(fd);
+        return absl::DeadlineExceededError(absl::StrCat("no TCP connection to ", endpoint,
+                                                        " within ",
+                                                        absl::FormatDuration(timeout)));
+      }
+      socklen_t errlen = sizeof(err);
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &errlen);
+    }
+  }
+  close(fd);
+  if (err != 0) {
+    return absl::UnavailableError(absl::StrCat("connect ", endpoint, ": ", std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status ValidatePoolOptions(const PoolOptions& o) {
   absl::StatusOr<std::vector<TargetEntry>> entries = ParseTargets(o.targets);
@@ -80,17 +139,31 @@ void ReplicaPool::Resolve() {
 
 std::vector<std::string> ReplicaPool::Order(const std::string& key) {
   bool resolve;
+  std::vector<std::string> retry;
   {
     absl::MutexLock lock(&mu_);
     resolve = resolve_now_ || Now() - resolved_at_ >= options_.reresolve_period;
+    const absl::Time now = Now();
+    for (const auto& [e, until] : down_until_) {
+      if (until <= now) retry.push_back(e);
+    }
   }
   if (resolve) Resolve();
+  // A replica whose down time is over is probed before it takes keys again: its connections
+  // still hold the failures (and the reconnect backoff) of when it was down.
+  for (const std::string& e : retry) {
+    absl::StatusOr<std::string> up = Instance(e);
+    absl::MutexLock lock(&mu_);
+    if (up.ok()) {
+      down_until_.erase(e);
+    } else {
+      down_until_[e] = Now() + options_.down_for;
+    }
+  }
   absl::MutexLock lock(&mu_);
-  const absl::Time now = Now();
   std::vector<std::string> up, down;
   for (std::string& e : RendezvousOrder(key, endpoints_)) {
-    auto it = down_until_.find(e);
-    (it != down_until_.end() && it->second > now ? down : up).push_back(std::move(e));
+    (down_until_.count(e) != 0 ? down : up).push_back(std::move(e));
   }
   up.insert(up.end(), down.begin(), down.end());
   return up;
@@ -113,11 +186,14 @@ LossClient* ReplicaPool::ClientLocked(const std::string& endpoint) {
 }
 
 absl::StatusOr<std::string> ReplicaPool::Instance(const std::string& endpoint) {
+  // Nothing listening fails in one round trip; gRPC would only say so after its backoff.
+  if (absl::Status tcp = TcpConnect(endpoint, options_.probe_deadline); !tcp.ok()) return tcp;
   LossClient* c;
   {
     absl::MutexLock lock(&mu_);
     c = ClientLocked(endpoint);
   }
+  if (absl::Status s = c->Connect(options_.probe_deadline); !s.ok()) return s;
   CallOptions call;
   call.deadline = options_.probe_deadline;
   absl::StatusOr<ServerInfoResult> info = c->ServerInfo(call);

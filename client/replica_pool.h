@@ -46,6 +46,9 @@ struct PoolOptions {
   // Deadline of the ServerInfo that tells a lost replica (unreachable, or a new instance)
   // from a call's own failure.
   absl::Duration probe_deadline = absl::Seconds(5);
+  // The trainer's rank: its stateless Computes (no head, accumulator or weights name) go to
+  // RankKey(rank)'s replica. A process of several ranks makes one pool per rank.
+  uint32_t rank = 0;
   // The rank named in a lost head's error as the one that imports it from its last export:
   // one rank, the same in every trainer of the job.
   uint32_t import_rank = 0;
