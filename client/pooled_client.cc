@@ -148,7 +148,7 @@ std::string PooledClient::AccumulatorLostMessage(const std::string& acc,
                                                  const std::string& next) {
   return absl::StrCat(
       "accumulator '", acc, "' was on replica ", endpoint, ", which ", reason,
-      ": the micro-batches added to it this step are lost, and the pool never sends a Compute "
+      ": whatever was added to it this step is lost, and the pool never sends a Compute "
       "into an accumulator again elsewhere. Redo the step: DropAccumulator('",
       acc, "'), then compute every micro-batch of the step again (it will start on replica ",
       next, ")");
