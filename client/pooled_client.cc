@@ -365,19 +365,59 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeStateless(const std::string& 
 absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
                                                         const ComputeRequest& r,
                                                         const CallOptions& call) {
-  absl::StatusOr<Placement> p = Route(key, true);
-  if (!p.ok()) return p.status();
-  absl::StatusOr<ComputeResult> res = ComputeOn(p->endpoint, r, call);
-  if (res.ok()) {
-    Place(key, p->endpoint, res->instance, "");
-    return res;
+  const bool acc = r.head.empty();
+  for (int moves = 0;; ++moves) {
+    absl::StatusOr<Placement> p = Route(key, true);
+    if (!p.ok()) return p.status();
+    if (acc) Track(key, +1, false);
+    absl::StatusOr<ComputeResult> res = ComputeOn(p->endpoint, r, call);
+    if (res.ok()) {
+      Place(key, p->endpoint, res->instance, "");
+      if (acc) Track(key, -1, true);
+      return res;
+    }
+    std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
+    // An accumulator that holds nothing loses nothing: this Compute goes on to its next
+    // replica (at most once per replica).
+    const bool quiet = lost && acc && moves < 3 && MoveIfEmpty(key);
+    if (acc) Track(key, -1, false);
+    if (!lost) return res.status();
+    if (quiet) {
+      // That replica's client must forget the sum's instance: a replica restarted in place
+      // is the next one, and would refuse a Compute naming the instance it lost.
+      CallOptions quick = call;
+      quick.deadline = pool_->options().probe_deadline;
+      (void)pool_->Client(p->endpoint)->DropAccumulator(r.accumulator, quick);
+      continue;
+    }
+    if (!acc) return MarkLost(key, *p, HeadLostMessage(r.head, p->endpoint, *lost));
+    return MarkLost(key, *p,
+                    AccumulatorLostMessage(r.accumulator, p->endpoint, *lost,
+                                           pool_->Order(key).front()));
   }
-  std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
-  if (!lost) return res.status();
-  if (!r.head.empty()) return MarkLost(key, *p, HeadLostMessage(r.head, p->endpoint, *lost));
-  return MarkLost(key, *p,
-                  AccumulatorLostMessage(r.accumulator, p->endpoint, *lost,
-                                         pool_->Order(key).front()));
+}
+
+void PooledClient::Track(const std::string& key, int delta, bool filled) {
+  absl::MutexLock lock(&mu_);
+  auto it = placed_.find(key);
+  if (it == placed_.end()) {
+    if (delta < 0) return;  // dropped meanwhile
+    it = placed_.emplace(key, Placement{}).first;
+  }
+  it->second.in_flight = std::max(0, it->second.in_flight + delta);
+  if (filled) it->second.empty = false;
+}
+
+bool PooledClient::MoveIfEmpty(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  auto it = placed_.find(key);
+  if (it == placed_.end()) return false;
+  Placement& q = it->second;
+  if (!q.empty || q.in_flight != 1 || q.lost) return false;
+  if (!q.endpoint.empty()) q.previous = q.endpoint;
+  q.endpoint.clear();
+  q.instance.clear();
+  return true;
 }
 
 // --- Accumulators ---
@@ -392,6 +432,10 @@ absl::StatusOr<FetchGradientsResult> PooledClient::FetchGradients(const std::str
       pool_->Client(p->endpoint)->FetchGradients(acc, reset, call);
   if (res.ok()) {
     Place(key, p->endpoint, res->instance, "");
+    if (reset) {
+      absl::MutexLock lock(&mu_);
+      placed_[key].empty = true;
+    }
     return res;
   }
   if (p->instance.empty()) return res.status();  // never computed into through this pool
@@ -423,6 +467,7 @@ absl::Status PooledClient::DropAccumulator(const std::string& acc, const CallOpt
       Placement& q = placed_[key];
       q.lost = false;  // heard: the redo places it anew (a move when it lands elsewhere)
       q.why.clear();
+      q.empty = true;
     } else {
       placed_.erase(key);
     }

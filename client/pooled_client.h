@@ -21,7 +21,8 @@
 //   asking for PutWeights again. A Compute with weights and no accumulator or head is
 //   stateless, so it is sent again where the weights went;
 // - an accumulator's partial sum is lost: ABORTED saying the step must be redone; every call
-//   naming it fails so until DropAccumulator;
+//   naming it fails so until DropAccumulator. One that holds nothing yet (new, or just reset
+//   by a fetch) moves quietly with the Compute that found its replica gone;
 // - a head's pending step is lost: ABORTED naming the rank that imports the head from its
 //   last export (PoolOptions::import_rank); Compute, Step and ExportHead of it fail so until
 //   this client's CreateHead, ImportHead or GetHeadInfo finds it again.
@@ -111,6 +112,11 @@ class PooledClient {
     std::string previous;  // the replica it was on before it was lost
     bool lost = false;
     std::string why;  // the loss's error message
+    // Accumulators: nothing summed since it began or was reset, and the Computes into it
+    // under way. Only an empty one moves quietly, and only when no other Compute into it
+    // is under way (one may have been added just before its replica went).
+    bool empty = true;
+    int in_flight = 0;
   };
   struct Weights;
 
@@ -122,6 +128,11 @@ class PooledClient {
   // Records the key on `endpoint`; a move (counted, logged) when it was elsewhere before.
   void Place(const std::string& key, const std::string& endpoint, const std::string& instance,
              const std::string& reason);
+  // Counts a Compute into an accumulator under way (+1) or done (-1; `filled`: it added).
+  void Track(const std::string& key, int delta, bool filled);
+  // Forgets an empty accumulator's replica (to move it) when this is the only Compute into
+  // it under way; false when it holds, or may hold, a sum.
+  bool MoveIfEmpty(const std::string& key);
   // Marks the key lost on `p.endpoint`, counts and logs it, and returns ABORTED `why`.
   absl::Status MarkLost(const std::string& key, const Placement& p, const std::string& why);
   // Why a replica is lost, for messages: "is unreachable" or "restarted (instance ...)".

@@ -307,6 +307,43 @@ TEST_P(AccumulatorLossTest, IsAnErrorUntilDroppedAndTheRedoneStepMatches) {
 
 INSTANTIATE_TEST_SUITE_P(StoppedOrRestarted, AccumulatorLossTest, ::testing::Bool());
 
+// An accumulator that holds nothing, new or just reset by a fetch, loses nothing with its
+// replica: the Compute that finds it gone goes on to the next one, and no step is redone.
+TEST_P(AccumulatorLossTest, AnEmptyOneMovesQuietly) {
+  const bool restart = GetParam();
+  const HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 22, 0.5f);
+  const std::string reset_acc = "rank0-step2";
+  const std::vector<std::string> order = Order(AccumulatorKey(reset_acc));
+  // A new accumulator homed on the same replica, of a second trainer whose pool has not
+  // called that replica before it goes.
+  std::string fresh;
+  for (int k = 0; fresh.empty(); ++k) {
+    const std::string name = absl::StrCat("rank1-step2-", k);
+    if (Order(AccumulatorKey(name)).front() == order[0]) fresh = name;
+  }
+  std::unique_ptr<PooledClient> other = NewPool(1);
+  ASSERT_TRUE(pool_->PutWeights("w", w, nullptr).ok());
+  ASSERT_TRUE(other->PutWeights("w", w, nullptr).ok());
+  ASSERT_TRUE(RunStep(*pool_, reset_acc, "w", 0, 2).ok());
+  ASSERT_TRUE(pool_->FetchGradients(reset_acc, true).ok());  // empty again
+  restart ? Restart(IndexOf(order[0])) : Stop(IndexOf(order[0]));
+
+  const FetchGradientsResult want = ReferenceSum(*reference_, w, 3);
+  for (PooledClient* c : {pool_.get(), other.get()}) {
+    const std::string acc = c == other.get() ? fresh : reset_acc;
+    ASSERT_TRUE(RunStep(*c, acc, "w", 0, 3).ok()) << acc;
+    absl::StatusOr<FetchGradientsResult> got = c->FetchGradients(acc, true);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->micro_batches, 3u) << acc;
+    EXPECT_EQ(PoolMismatch(&got->dw, &want.dw), "") << acc;
+    const std::string next = restart ? order[0] : Order(AccumulatorKey(acc))[1];
+    EXPECT_EQ(c->ReplicaOf(AccumulatorKey(acc)), next) << acc;
+    EXPECT_EQ(c->counters().lost, 0u) << acc;
+  }
+  EXPECT_EQ(pool_->counters().moves, restart ? 0u : 1u);  // placed before; the fresh one not
+  EXPECT_EQ(other->counters().moves, 0u);
+}
+
 }  // namespace
 }  // namespace client
 }  // namespace lossd

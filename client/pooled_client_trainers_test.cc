@@ -5,8 +5,8 @@
 // step's first micro-batch, none its second). Trainers recover as docs/replica_pool.md says
 // (ABORTED: drop the accumulator and redo the step). Every trainer finishes with losses and
 // summed gradients equal to a single server's byte for byte, each sum of exactly three
-// micro-batches (nothing added twice); every accumulator on a lost replica is lost, each loss
-// logged once and answered by one redo.
+// micro-batches (nothing added twice), and exactly the accumulators that held a sum on the
+// lost replicas lost, each logged once and answered by one redo.
 #include <iostream>
 #include <map>
 #include <string>
@@ -182,23 +182,18 @@ TEST_F(PoolTest, TrainersFinishExactlyThroughAStoppedAndARestartedReplica) {
       EXPECT_EQ(got->sum.tokens, want.tokens);
       EXPECT_EQ(PoolMismatch(&got->sum.dw, &want.dw), "") << "trainer " << t << " step " << s;
     }
-    // Step 1: exactly the trainers whose accumulator was on the stopped replica redid it.
-    // Step 2: those on the restarted one redid it at least once; a trainer whose pool had
-    // not yet heard of the stopped replica may also have begun its step-2 accumulator there
-    // (each pool learns of a lost replica by its own calls) and redone it once more.
+    // Exactly the trainers whose accumulator was on the stopped replica (in step 1) or the
+    // restarted one (in step 2) redid that step, once. (A trainer whose pool had not yet
+    // heard of the stopped replica may have begun its step-2 accumulator there: empty, it
+    // moved on quietly.)
     const bool hit1 = IndexOf(Order(AccumulatorKey(AccOf(t, 1)))[0]) == stopped;
     const bool hit2 = home_without(AccumulatorKey(AccOf(t, 2)), stopped) == restarted;
     EXPECT_EQ(outcomes[t][0]->attempts, 1) << "trainer " << t;
     EXPECT_EQ(outcomes[t][1]->attempts, hit1 ? 2 : 1) << "trainer " << t;
-    EXPECT_GE(outcomes[t][2]->attempts, hit2 ? 2 : 1) << "trainer " << t;
-    EXPECT_LE(outcomes[t][2]->attempts, 3) << "trainer " << t;
-    // Every redo was caused by one loss, and every loss caused one redo.
-    EXPECT_EQ(pools[t]->counters().lost,
-              static_cast<uint64_t>(outcomes[t][1]->attempts + outcomes[t][2]->attempts - 2))
-        << "trainer " << t;
+    EXPECT_EQ(outcomes[t][2]->attempts, hit2 ? 2 : 1) << "trainer " << t;
   }
-  EXPECT_GE(lost, static_cast<uint64_t>(want_lost));
-  EXPECT_EQ(Logged("was on replica"), static_cast<int>(lost));  // each loss logged once
+  EXPECT_EQ(lost, static_cast<uint64_t>(want_lost));
+  EXPECT_EQ(Logged("was on replica"), want_lost);  // each loss logged once
   if (HasFailure()) {
     absl::MutexLock lock(&log_mu_);
     for (const std::string& l : log_) std::cerr << "pool log: " << l << "\n";
