@@ -2,6 +2,7 @@
 #include "client/pooled_client.h"
 
 #include <algorithm>
+#include <set>
 #include <utility>
 
 #include "absl/hash/hash.h"
@@ -73,6 +74,8 @@ struct PooledClient::Weights {
   size_t checksum = 0;
   absl::Mutex mu;  // one upload of these weights at a time
   std::map<std::string, std::string> handles ABSL_GUARDED_BY(mu);  // endpoint -> handle
+  // Replicas whose handle of these weights was lost and not yet replaced by a re-upload.
+  std::set<std::string> lost_on ABSL_GUARDED_BY(mu);
 };
 
 absl::StatusOr<std::unique_ptr<PooledClient>> PooledClient::Create(const PoolOptions& options) {
@@ -138,7 +141,7 @@ absl::Status PooledClient::MarkLost(const std::string& key, const Placement& p,
     q.lost = true;
     q.why = why;
   }
-  pool_->CountLost(why);
+  pool_->CountLost(absl::StartsWith(key, "head:"), why);
   return absl::AbortedError(why);
 }
 
@@ -200,6 +203,7 @@ absl::StatusOr<PutWeightsResult> PooledClient::PutWeights(const std::string& nam
       reason = absl::StrCat("replica ", e, " ", *lost);
       continue;
     }
+    pool_->CountUpload();
     std::shared_ptr<Weights> old;
     {
       absl::MutexLock entry_lock(&entry->mu);
@@ -258,6 +262,15 @@ absl::StatusOr<std::string> PooledClient::WeightsOn(const std::string& name,
   absl::MutexLock lock(&entry->mu);
   auto it = entry->handles.find(endpoint);
   if (it != entry->handles.end()) return it->second;
+  // Handles on replicas marked down went with them.
+  for (auto h = entry->handles.begin(); h != entry->handles.end();) {
+    if (pool_->IsDown(h->first)) {
+      entry->lost_on.insert(h->first);
+      h = entry->handles.erase(h);
+    } else {
+      ++h;
+    }
+  }
   const std::string ask = absl::StrCat(
       "weights '", name, "' must be uploaded again to replica ", endpoint,
       " (the replica they were on lost them, or a head or accumulator there needs them), but ");
@@ -285,8 +298,14 @@ absl::StatusOr<std::string> PooledClient::WeightsOn(const std::string& name,
       entry->w, entry->bias ? &*entry->bias : nullptr, call);
   if (!put.ok()) return put.status();
   entry->handles[endpoint] = put->handle;
-  pool_->CountReupload(absl::StrCat("weights '", name, "' uploaded again to replica ", endpoint,
-                                    " from ", how));
+  pool_->CountUpload();
+  if (!entry->lost_on.empty()) {  // this upload replaces a handle lost with its replica
+    const std::string replaced = *entry->lost_on.begin();
+    entry->lost_on.erase(entry->lost_on.begin());
+    pool_->CountReupload(absl::StrCat("weights '", name, "' uploaded again to replica ",
+                                      endpoint, " (their handle on ", replaced,
+                                      " was lost) from ", how));
+  }
   return put->handle;
 }
 
@@ -294,7 +313,7 @@ void PooledClient::ForgetWeightsOn(const std::string& name, const std::string& e
   std::shared_ptr<Weights> entry = FindWeights(name);
   if (entry == nullptr) return;
   absl::MutexLock lock(&entry->mu);
-  entry->handles.erase(endpoint);
+  if (entry->handles.erase(endpoint) > 0) entry->lost_on.insert(endpoint);
 }
 
 // --- Compute ---
@@ -367,7 +386,7 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
                                                         const CallOptions& call) {
   const bool acc = r.head.empty();
   for (int moves = 0;; ++moves) {
-    absl::StatusOr<Placement> p = Route(key, true);
+    absl::StatusOr<Placement> p = acc ? Route(key, true) : HeadRoute(r.head, true, call);
     if (!p.ok()) return p.status();
     if (acc) Track(key, +1, false);
     absl::StatusOr<ComputeResult> res = ComputeOn(p->endpoint, r, call);

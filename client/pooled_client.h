@@ -157,6 +157,11 @@ class PooledClient {
                               const std::string& reason) const;
   std::string AccumulatorLostMessage(const std::string& acc, const std::string& endpoint,
                                      const std::string& reason, const std::string& next);
+  // Route for a head: a pool meeting a head for the first time looks for it along the head's
+  // order (GetHeadInfo), so a trainer that starts, or first calls, after the head moved finds
+  // it where the others moved it; when no replica has it, the first by its order.
+  absl::StatusOr<Placement> HeadRoute(const std::string& head, bool refuse_lost,
+                                      const CallOptions& call);
   // CreateHead or ImportHead: `create` on the head's replica, the next ones while unreachable.
   absl::StatusOr<CreateHeadResult> CreateOrImport(
       const std::string& head,

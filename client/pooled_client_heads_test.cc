@@ -3,7 +3,8 @@
 // replica is stopped (or restarted) mid-step; both ranks hear an error naming rank 0 as the
 // importer, nothing is sent into the head elsewhere, rank 0 imports the last export (on the
 // next replica, or the restarted one), the other finds it with GetHeadInfo, the step is
-// redone, and the head equals a single server's that never failed, byte for byte.
+// redone, and the head equals a single server's that never failed, byte for byte; a pool
+// meeting the head afterwards finds it where it moved.
 #include <string>
 #include <thread>
 #include <vector>
@@ -91,7 +92,7 @@ TEST_P(HeadLossTest, NamesTheImportingRankAndTheRedoneStepMatchesOneServer) {
     EXPECT_THAT(m, HasSubstr("Rank 0 imports the head from its last export"));
     // Until found again, every call into it fails so; nothing reached another replica.
     EXPECT_EQ(c->Step({kHead, 1, 0, 2}).status().code(), absl::StatusCode::kAborted);
-    EXPECT_EQ(c->counters().lost, 1u);
+    EXPECT_EQ(c->counters().heads_lost, 1u);
   }
   for (int i = 0; i < kReplicas; ++i) {
     if (servers_[i]) EXPECT_EQ(EngineOf(i).heads().count(), 0u) << Endpoint(i);
@@ -120,6 +121,14 @@ TEST_P(HeadLossTest, NamesTheImportingRankAndTheRedoneStepMatchesOneServer) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->spec.version, 2u);
 
+  // A trainer meeting the head only now finds it where it moved, with no error.
+  std::unique_ptr<PooledClient> late = NewPool(0);
+  absl::StatusOr<HeadExport> seen = late->ExportHead(kHead);
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(seen->spec.version, 2u);
+  EXPECT_EQ(late->ReplicaOf(HeadKey(kHead)), import_on);
+  EXPECT_EQ(late->counters().heads_lost, 0u);
+
   // The same two steps on one server that never failed.
   ASSERT_TRUE(reference_->CreateHead(create).ok());
   WholeStep(reference_.get(), reference_.get(), 0);
@@ -141,7 +150,7 @@ TEST_F(PoolTest, AnUnreachableHeadReplicaAtCreationCreatesItOnTheNext) {
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(pool_->ReplicaOf(HeadKey(kHead)), order[1]);
   EXPECT_EQ(EngineOf(IndexOf(order[1])).heads().count(), 1u);
-  EXPECT_EQ(pool_->counters().lost, 0u);  // nothing was there to lose
+  EXPECT_EQ(pool_->counters().heads_lost, 0u);  // nothing was there to lose
 }
 
 }  // namespace

@@ -80,7 +80,8 @@ TEST_F(PoolTest, EveryKeyGoesToItsRendezvousHome) {
   EXPECT_EQ(c.calls, want_calls);
   EXPECT_EQ(c.moves, 0u);
   EXPECT_EQ(c.reuploads, 0u);
-  EXPECT_EQ(c.lost, 0u);
+  EXPECT_EQ(c.steps_lost, 0u);
+  EXPECT_EQ(c.uploads, 1u);
 }
 
 TEST_F(PoolTest, AStatelessComputeMovesWhenItsReplicaStopsAndComesBackAfterItsRestart) {
@@ -281,7 +282,7 @@ TEST_P(AccumulatorLossTest, IsAnErrorUntilDroppedAndTheRedoneStepMatches) {
   for (int i = 0; i < kReplicas; ++i) {
     if (servers_[i]) EXPECT_EQ(EngineOf(i).accumulators().count(), 0u) << Endpoint(i);
   }
-  EXPECT_EQ(pool_->counters().lost, 1u);
+  EXPECT_EQ(pool_->counters().steps_lost, 1u);
   EXPECT_EQ(Logged("accumulator 'rank0-step1' was on replica"), 1);
 
   ASSERT_TRUE(pool_->DropAccumulator(acc).ok());
@@ -295,14 +296,15 @@ TEST_P(AccumulatorLossTest, IsAnErrorUntilDroppedAndTheRedoneStepMatches) {
   EXPECT_EQ(pool_->ReplicaOf(AccumulatorKey(acc)), redo_on);
   const PoolCounters c = pool_->counters();
   EXPECT_EQ(c.moves, restart ? 0u : 1u);  // the accumulator, when its replica stopped
-  // W goes where the accumulator is, once per replica that needs it: its own home is where
-  // PutWeights put it; the accumulator's home needed it once, and once more after a restart
-  // there; after a stop, the accumulator's next replica needed it unless that was W's home.
+  // W goes wherever the accumulator is: PutWeights put it on its own home, and a Compute
+  // sent it to the accumulator's home when that was another replica. A re-upload replaces a
+  // handle lost with its replica where the redone step needs W: on the restarted replica, or
+  // on the accumulator's next replica unless W's home is that one.
   const std::string w_home = Order(WeightsKey("w")).front();
-  const uint64_t want_uploads = (w_home != order[0] ? 1 : 0) +
-                                (restart ? 1 : (w_home != order[1] ? 1 : 0));
-  EXPECT_EQ(c.reuploads, want_uploads);
-  EXPECT_EQ(Logged("weights 'w' uploaded again"), static_cast<int>(want_uploads));
+  const uint64_t want_reuploads = restart ? 1 : (w_home != order[1] ? 1 : 0);
+  EXPECT_EQ(c.reuploads, want_reuploads);
+  EXPECT_EQ(c.uploads, 1 + (w_home != order[0] ? 1 : 0) + want_reuploads);
+  EXPECT_EQ(Logged("weights 'w' uploaded again"), static_cast<int>(want_reuploads));
 }
 
 INSTANTIATE_TEST_SUITE_P(StoppedOrRestarted, AccumulatorLossTest, ::testing::Bool());
@@ -338,7 +340,7 @@ TEST_P(AccumulatorLossTest, AnEmptyOneMovesQuietly) {
     EXPECT_EQ(PoolMismatch(&got->dw, &want.dw), "") << acc;
     const std::string next = restart ? order[0] : Order(AccumulatorKey(acc))[1];
     EXPECT_EQ(c->ReplicaOf(AccumulatorKey(acc)), next) << acc;
-    EXPECT_EQ(c->counters().lost, 0u) << acc;
+    EXPECT_EQ(c->counters().steps_lost, 0u) << acc;
   }
   EXPECT_EQ(pool_->counters().moves, restart ? 0u : 1u);  // placed before; the fresh one not
   EXPECT_EQ(other->counters().moves, 0u);

@@ -161,7 +161,7 @@ TEST_F(PoolTest, TrainersFinishExactlyThroughAStoppedAndARestartedReplica) {
 
   uint64_t lost = 0;
   for (int t = 0; t < kTrainers; ++t) {
-    lost += pools[t]->counters().lost;
+    lost += pools[t]->counters().steps_lost;
     ASSERT_EQ(outcomes[t].size(), static_cast<size_t>(kSteps)) << "trainer " << t;
     for (int s = 0; s < kSteps; ++s) {
       const absl::StatusOr<StepOutcome>& got = outcomes[t][s];

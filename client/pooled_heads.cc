@@ -20,6 +20,29 @@ std::string PooledClient::HeadLostMessage(const std::string& head, const std::st
       "redoes the step (its Computes and Step)");
 }
 
+absl::StatusOr<PooledClient::Placement> PooledClient::HeadRoute(const std::string& head,
+                                                                bool refuse_lost,
+                                                                const CallOptions& call) {
+  const std::string key = HeadKey(head);
+  absl::StatusOr<Placement> p = Route(key, refuse_lost);
+  if (!p.ok() || !p->instance.empty()) return p;
+  for (const std::string& e : pool_->Order(key)) {
+    absl::StatusOr<HeadInfo> info = pool_->Client(e)->GetHeadInfo(head, call);
+    if (info.ok()) {
+      Place(key, e, info->instance, "");
+      p->endpoint = e;
+      p->instance = info->instance;
+      return p;
+    }
+    // Not there, or that replica is gone: look further. Anything else is the caller's to
+    // hear from the call itself.
+    if (info.status().code() == absl::StatusCode::kNotFound) continue;
+    if (pool_->LostReason(e, info.status(), "")) continue;
+    break;
+  }
+  return p;
+}
+
 absl::StatusOr<CreateHeadResult> PooledClient::CreateOrImport(
     const std::string& head,
     const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create) {
@@ -63,7 +86,7 @@ absl::StatusOr<CreateHeadResult> PooledClient::ImportHead(const HeadExport& expo
 absl::StatusOr<StepResult> PooledClient::Step(const StepRequest& request,
                                               const CallOptions& call) {
   const std::string key = HeadKey(request.head);
-  absl::StatusOr<Placement> p = Route(key, true);
+  absl::StatusOr<Placement> p = HeadRoute(request.head, true, call);
   if (!p.ok()) return p.status();
   absl::StatusOr<StepResult> res = pool_->Client(p->endpoint)->Step(request, call);
   if (res.ok()) {
@@ -79,7 +102,7 @@ absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
                                                     const ExportHeadOptions& options,
                                                     const CallOptions& call) {
   const std::string key = HeadKey(head);
-  absl::StatusOr<Placement> p = Route(key, true);
+  absl::StatusOr<Placement> p = HeadRoute(head, true, call);
   if (!p.ok()) return p.status();
   absl::StatusOr<HeadExport> res = pool_->Client(p->endpoint)->ExportHead(head, options, call);
   if (res.ok()) {
@@ -94,7 +117,8 @@ absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
 absl::StatusOr<HeadInfo> PooledClient::GetHeadInfo(const std::string& head,
                                                    const CallOptions& call) {
   const std::string key = HeadKey(head);
-  absl::StatusOr<Placement> p = Route(key, false);  // finding it again clears a loss
+  // Finding it again (where an import put it) clears a loss.
+  absl::StatusOr<Placement> p = HeadRoute(head, false, call);
   if (!p.ok()) return p.status();
   absl::StatusOr<HeadInfo> res = pool_->Client(p->endpoint)->GetHeadInfo(head, call);
   if (res.ok()) {

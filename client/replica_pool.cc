@@ -255,12 +255,23 @@ void ReplicaPool::CountReupload(const std::string& line) {
   Log(line);
 }
 
-void ReplicaPool::CountLost(const std::string& line) {
+void ReplicaPool::CountUpload() {
+  absl::MutexLock lock(&mu_);
+  ++counters_.uploads;
+}
+
+void ReplicaPool::CountLost(bool head, const std::string& line) {
   {
     absl::MutexLock lock(&mu_);
-    ++counters_.lost;
+    ++(head ? counters_.heads_lost : counters_.steps_lost);
   }
   Log(line);
+}
+
+bool ReplicaPool::IsDown(const std::string& endpoint) const {
+  absl::MutexLock lock(&mu_);
+  auto it = down_until_.find(endpoint);
+  return it != down_until_.end() && it->second > Now();
 }
 
 PoolCounters ReplicaPool::counters() const {

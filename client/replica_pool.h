@@ -62,10 +62,16 @@ struct PoolOptions {
 
 // What the pool has done, for monitoring.
 struct PoolCounters {
-  uint64_t moves = 0;          // keys whose replica changed (failover)
-  uint64_t reuploads = 0;      // weights uploaded again from verified bytes
+  uint64_t moves = 0;  // keys whose replica changed (failover)
+  // Weights uploaded again (from verified bytes) to replace a handle lost with its replica,
+  // each lost handle at most once ...
+  uint64_t reuploads = 0;
+  // ... and every weights upload: PutWeights, re-uploads, and W sent to the replica of an
+  // accumulator or head that a Compute names with it.
+  uint64_t uploads = 0;
   uint64_t reresolutions = 0;  // resolutions after the first
-  uint64_t lost = 0;           // accumulators and heads lost with their replica
+  uint64_t steps_lost = 0;     // accumulators lost with a sum in them
+  uint64_t heads_lost = 0;     // hosted heads lost (once per pool that met the loss)
   std::map<std::string, uint64_t> calls;  // calls sent, by endpoint
 };
 
@@ -95,7 +101,10 @@ class ReplicaPool {
   // Counters and their log lines (each event logged once, by its caller).
   void CountMove(const std::string& line);
   void CountReupload(const std::string& line);
-  void CountLost(const std::string& line);
+  void CountUpload();
+  void CountLost(bool head, const std::string& line);
+  // Marked down (unreachable) now.
+  bool IsDown(const std::string& endpoint) const;
   PoolCounters counters() const;
   std::vector<std::string> endpoints() const;
   const PoolOptions& options() const { return options_; }
