@@ -1,11 +1,12 @@
 #include "client/replica_pool.h"
 
-#include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -19,47 +20,46 @@ namespace lossd {
 namespace client {
 namespace {
 
-// Opens and closes a TCP connection to "ip:port" / "[ip]:port" within `timeout`: OK when
-// something listens there, UNAVAILABLE (refused, unreachable) or DEADLINE_EXCEEDED.
+// Opens and closes a TCP connection to `endpoint` ("host:port", "[ipv6]:port") within
+// `timeout`: OK when something listens there, UNAVAILABLE (refused, unreachable, a name that
+// does not resolve) or DEADLINE_EXCEEDED.
 absl::Status TcpConnect(const std::string& endpoint, absl::Duration timeout) {
   const size_t colon = endpoint.rfind(':');
   std::string host = endpoint.substr(0, colon);
-  const int port = std::atoi(endpoint.c_str() + colon + 1);
+  const std::string port = endpoint.substr(colon + 1);
   if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
-  sockaddr_storage addr{};
-  socklen_t len = 0;
-  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
-  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
-  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
-    v4->sin_family = AF_INET;
-    v4->sin_port = htons(static_cast<uint16_t>(port));
-    len = sizeof(*v4);
-  } else if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
-    v6->sin6_family = AF_INET6;
-    v6->sin6_port = htons(static_cast<uint16_t>(port));
-    len = sizeof(*v6);
-  } else {
-    return absl::InternalError(absl::StrCat("not an ip:port endpoint: ", endpoint));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve '", host, "': ", gai_strerror(rc)));
   }
-  const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  const int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(res);
+    return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  }
   int err = 0;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+  if (connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
     err = errno;
     if (err == EINPROGRESS) {
       pollfd p{fd, POLLOUT, 0};
       const int ready = poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
       if (ready == 0) {
         close(fd);
-        return absl::DeadlineExceededError(absl::StrCat("no TCP connection to ", endpoint,
-                                                        " within ",
-                                                        absl::FormatDuration(timeout)));
+        freeaddrinfo(res);
+        return absl::DeadlineExceededError(absl::StrCat(
+            "no TCP connection to ", endpoint, " within ", absl::FormatDuration(timeout)));
       }
       socklen_t errlen = sizeof(err);
       getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &errlen);
     }
   }
   close(fd);
+  freeaddrinfo(res);
   if (err != 0) {
     return absl::UnavailableError(absl::StrCat("connect ", endpoint, ": ", std::strerror(err)));
   }
@@ -127,6 +127,13 @@ void ReplicaPool::Log(const std::string& line) const {
 }
 
 void ReplicaPool::Resolve() {
+  if (std::none_of(entries_.begin(), entries_.end(),
+                   [](const TargetEntry& e) { return e.resolve; })) {
+    absl::MutexLock lock(&mu_);  // a fixed list: nothing to look up, nothing counted
+    resolved_at_ = Now();
+    resolve_now_ = false;
+    return;
+  }
   absl::StatusOr<std::vector<std::string>> found = ResolveTargets(entries_, options_.resolve);
   absl::MutexLock lock(&mu_);
   resolved_at_ = Now();

@@ -79,7 +79,7 @@ TEST(ReplicaPoolTest, RefusesEveryBadOptionNamingIt) {
 
 TEST(ReplicaPoolTest, NoReplicaAtCreationIsAnError) {
   PoolOptions o;
-  o.targets = "svc:50051";
+  o.targets = "dns:///svc:50051";
   o.resolve = [](const std::string&) -> absl::StatusOr<std::vector<std::string>> {
     return absl::NotFoundError("NXDOMAIN");
   };
@@ -131,7 +131,11 @@ TEST(ReplicaPoolTest, AnUnreachableReplicaGoesLastAndIsResolvedAgainAndProbedAft
   PoolOptions o;
   const std::string dead = absl::StrCat("127.0.0.1:", closed.port());
   const std::string other = absl::StrCat("127.0.0.2:", closed.port());
-  o.targets = absl::StrCat(dead, ",", other);
+  // One name with two addresses: the dead replica and another.
+  o.targets = absl::StrCat("dns:///replicas:", closed.port());
+  o.resolve = [](const std::string&) -> absl::StatusOr<std::vector<std::string>> {
+    return std::vector<std::string>{"127.0.0.1", "127.0.0.2"};
+  };
   o.down_for = absl::Seconds(10);
   o.now = [&] { return now; };
   o.log = [&](const std::string& line) { log.push_back(line); };
@@ -164,6 +168,16 @@ TEST(ReplicaPoolTest, AnUnreachableReplicaGoesLastAndIsResolvedAgainAndProbedAft
   now += absl::Seconds(9);
   EXPECT_THAT(p.Order(key), ElementsAre(other, dead));
   EXPECT_TRUE(log.empty());  // the pool logs moves, not probes
+
+  // A fixed list is never looked up, so never counted as resolved again.
+  PoolOptions fixed = o;
+  fixed.targets = absl::StrCat(dead, ",", other);
+  fixed.resolve = nullptr;
+  auto listed = ReplicaPool::Create(fixed);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_TRUE((*listed)->LostReason(dead, info.status(), "").has_value());
+  EXPECT_THAT((*listed)->Order(key), ElementsAre(other, dead));
+  EXPECT_EQ((*listed)->counters().reresolutions, 0u);
 }
 
 }  // namespace

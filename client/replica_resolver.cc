@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -36,17 +37,9 @@ std::string CanonicalIp(const std::string& host) {
   return "";
 }
 
-absl::StatusOr<TargetEntry> ParseEntry(absl::string_view raw, const char* field) {
-  absl::string_view e = absl::StripAsciiWhitespace(raw);
-  const std::string quoted = absl::StrCat("'", e, "'");
-  if (e.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " has an empty entry"));
-  }
-  absl::ConsumePrefix(&e, "dns:///");
-  if (absl::StrContains(e, "://")) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, " entry ", quoted, ": only dns:/// names and host:port are understood"));
-  }
+// One "host:port" / "[ipv6]:port" entry, without its dns:/// prefix.
+absl::StatusOr<TargetEntry> ParseEntry(absl::string_view e, const std::string& quoted,
+                                       const char* field) {
   TargetEntry out;
   absl::string_view port;
   if (absl::ConsumePrefix(&e, "[")) {
@@ -79,11 +72,6 @@ absl::StatusOr<TargetEntry> ParseEntry(absl::string_view raw, const char* field)
                                                    "' is not a number in [1, 65535]"));
   }
   out.port = p;
-  const std::string ip = CanonicalIp(out.host);
-  if (!ip.empty()) {
-    out.host = ip;
-    out.literal = true;
-  }
   return out;
 }
 
@@ -95,11 +83,34 @@ absl::StatusOr<std::vector<TargetEntry>> ParseTargets(const std::string& targets
     return absl::InvalidArgumentError(absl::StrCat(
         field, " is empty: give host:port[,host:port...] or dns:///name:port"));
   }
+  const std::vector<absl::string_view> raw = absl::StrSplit(targets, ',');
   std::vector<TargetEntry> out;
-  for (absl::string_view raw : absl::StrSplit(targets, ',')) {
-    absl::StatusOr<TargetEntry> e = ParseEntry(raw, field);
-    if (!e.ok()) return e.status();
-    out.push_back(*std::move(e));
+  std::set<std::string> seen;
+  for (absl::string_view r : raw) {
+    absl::string_view e = absl::StripAsciiWhitespace(r);
+    const std::string quoted = absl::StrCat("'", e, "'");
+    if (e.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " has an empty entry"));
+    const bool dns = absl::ConsumePrefix(&e, "dns:///");
+    if (absl::StrContains(e, "://")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " entry ", quoted, ": only dns:/// names and host:port are understood"));
+    }
+    if (dns && raw.size() > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " entry ", quoted,
+          ": a dns:/// name stands alone (it resolves to every replica), not in a list"));
+    }
+    absl::StatusOr<TargetEntry> entry = ParseEntry(e, quoted, field);
+    if (!entry.ok()) return entry.status();
+    const std::string ip = CanonicalIp(entry->host);
+    if (!ip.empty()) entry->host = ip;
+    // A name alone is resolved; in a list every entry is one replica, hashed as written.
+    entry->resolve = raw.size() == 1 && (dns || ip.empty());
+    if (!seen.insert(EndpointString(entry->host, entry->port)).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " entry ", quoted, ": a replica listed twice"));
+    }
+    out.push_back(*std::move(entry));
   }
   return out;
 }
@@ -143,7 +154,7 @@ absl::StatusOr<std::vector<std::string>> ResolveTargets(const std::vector<Target
   std::vector<std::string> endpoints;
   std::vector<std::string> failures;
   for (const TargetEntry& e : entries) {
-    if (e.literal) {
+    if (!e.resolve) {
       endpoints.push_back(EndpointString(e.host, e.port));
       continue;
     }
