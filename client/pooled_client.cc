@@ -400,6 +400,15 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
     // replica (at most once per replica).
     const bool quiet = lost && acc && moves < 3 && MoveIfEmpty(key);
     if (acc) Track(key, -1, false);
+    if (!lost && acc && res.status().code() == absl::StatusCode::kUnavailable) {
+      // The replica is up, but this call was cut off: it may have been added or not, and a
+      // sum that may hold a micro-batch twice or not at all must not be fetched.
+      return MarkLost(key, *p, absl::StrCat(
+          "accumulator '", r.accumulator, "' on replica ", p->endpoint, ": a Compute into it "
+          "was cut off (", res.status().ToString(), ") and may or may not have been added. "
+          "Redo the step: DropAccumulator('", r.accumulator, "'), then compute every "
+          "micro-batch of the step again"));
+    }
     if (!lost) return res.status();
     if (quiet) {
       // That replica's client must forget the sum's instance: a replica restarted in place
