@@ -19,6 +19,10 @@
 // and a compute copy on the server; each rank's Compute names the head (ComputeRequest::head)
 // and its gradient goes into the head's step; Step applies it once all ranks have called;
 // ExportHead / ImportHead checkpoint it.
+//
+// One LossClient talks to one server (or whatever one target balances to). For many
+// replicas, client/pooled_client.h sends each call to the replica holding its state and
+// fails over without losing or doubling a sum (docs/replica_pool.md).
 #ifndef LOSSD_CLIENT_LOSSD_CLIENT_H_
 #define LOSSD_CLIENT_LOSSD_CLIENT_H_
 
