@@ -30,6 +30,7 @@
 #include "client/lossctl_heads.h"
 #include "client/lossctl_inputs.h"
 #include "client/lossctl_output.h"
+#include "client/lossctl_replicas.h"
 #include "client/npy.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
@@ -103,6 +104,10 @@ ABSL_FLAG(bool, put_weights, false, "bench: upload W once and use the handle");
 // Handles and accumulators.
 ABSL_FLAG(std::string, handle, "", "drop-weights: the handle");
 ABSL_FLAG(bool, reset, false, "fetch-gradients: zero the accumulator after reading");
+ABSL_FLAG(std::string, replicas, "",
+          "replicas: the pool's targets, host:port,host:port or dns:///name:port");
+ABSL_FLAG(std::string, keys, "",
+          "replicas: keys to place, e.g. head:lm,acc:run/rank0,weights:w,rank:3");
 ABSL_FLAG(bool, json, false,
           "print one JSON object on stdout when the command ends (bench: progress as JSON "
           "lines before it) instead of text; errors also go into it as \"error\"");
@@ -169,6 +174,8 @@ Commands:
   list              the caller's own weight handles and accumulators: kind, name, bytes,
                     seconds since last use, micro-batches
   health            [--service]: the gRPC health check; exit 0 only when SERVING
+  replicas          --replicas [--keys]: the replica pool's view: every replica the targets
+                    resolve to and its instance; each key's replica and failover order
   head create       --head: a hosted head from --w [--bias] (.npy) or random (--v --h
                     [--with_bias]), --compute_dtype, --optimizer=adamw|sgd and its flags
                     (--lr ...), [--state_dir --optimizer_step --head_version]
@@ -553,6 +560,7 @@ int main(int argc, char** argv) {
       {"drop-accumulator", &RunDropAccumulator},
       {"list", &RunList},
       {"health", &RunHealth},
+      {"replicas", &RunReplicas},
   };
   auto it = commands.find(command);
   if (it == commands.end() && !head) {

@@ -305,6 +305,8 @@ absl::StatusOr<DType> ParseFloatDType(const char* flag, const std::string& s) {
   return ParseDTypeFlag(flag, s, true);
 }
 
+absl::StatusOr<ClientOptions> ClientOptionsFromFlags() { return OptionsFromFlags(); }
+
 absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
   LOSSD_ASSIGN_OR_RETURN(auto o, OptionsFromFlags());
   return LossClient::Create(o);

@@ -71,6 +71,8 @@ absl::Status CheckHeadComputeFlags();
 // A float dtype's name (bf16, fp16, fp32, ...) as the flag `flag` gives it.
 absl::StatusOr<DType> ParseFloatDType(const char* flag, const std::string& s);
 
+// The ClientOptions of --target and the connection, TLS and token flags.
+absl::StatusOr<ClientOptions> ClientOptionsFromFlags();
 // A client for --target with the connection, TLS and token flags.
 absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags();
 // The Compute the flags describe: inputs from .npy files (--x --w --targets ...) or random

@@ -15,6 +15,7 @@
 #include "client/fake_loss_service.h"
 #include "client/host_tensor.h"
 #include "client/npy.h"
+#include "client/rendezvous.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -508,6 +509,28 @@ TEST_F(LossctlTest, HeadUsageErrors) {
   EXPECT_THAT(r.output, HasSubstr("head create "));
   absl::MutexLock lock(&fake_.mu);
   EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server's Compute or Info
+}
+
+TEST_F(LossctlTest, ReplicasShowsEachReplicaAndWhereKeysLive) {
+  const std::string up = absl::StrCat("127.0.0.1:", port_);
+  Result r = Lossctl(absl::StrCat("replicas --replicas=", up, " --keys=head:lm,rank:3"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(up));
+  EXPECT_THAT(r.output, HasSubstr("fake-instance"));
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("head:lm", std::string(22, ' '), "-> ", up,
+                                               " (then none)")));
+  // A second replica where nothing listens: listed as unreachable, exit 1, and each key's
+  // order over both as the pools of trainers compute it.
+  const std::string down = "127.0.0.2:1";
+  r = Lossctl(absl::StrCat("replicas --replicas=", up, ",", down, " --keys=acc:step-7"));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat(down, std::string(28 - down.size() + 1, ' '),
+                                               "unreachable: UNAVAILABLE")));
+  EXPECT_THAT(r.output, HasSubstr("1 of 2 replicas did not answer"));
+  const std::vector<std::string> order = RendezvousOrder("acc:step-7", {up, down});
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("-> ", order[0], " (then ", order[1], ")")));
+  ExpectFails("replicas", "replicas needs --replicas=");
+  ExpectFails("replicas --replicas=a:0", "--replicas: targets entry 'a:0': port '0'");
 }
 
 TEST_F(LossctlTest, UnreachableServer) {
