@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/hash/hash.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -60,6 +61,12 @@ ComputeRequest WithHandle(const ComputeRequest& r, const std::string& handle) {
   return out;
 }
 
+// Marks an error the pool made itself, before any call: it says nothing of a replica.
+absl::Status Local(absl::Status s) {
+  s.SetPayload(kLocalErrorPayload, absl::Cord("1"));
+  return s;
+}
+
 bool HandleNotFound(const absl::Status& s) {
   return s.code() == absl::StatusCode::kNotFound && absl::StrContains(s.message(), "weight handle");
 }
@@ -111,11 +118,13 @@ absl::StatusOr<PooledClient::Placement> PooledClient::Route(const std::string& k
 }
 
 void PooledClient::Place(const std::string& key, const std::string& endpoint,
-                         const std::string& instance, const std::string& reason) {
+                         const std::string& instance, const std::string& reason,
+                         bool keep_lost) {
   std::string from;
   {
     absl::MutexLock lock(&mu_);
     Placement& p = placed_[key];
+    if (keep_lost && p.lost) return;
     from = p.endpoint.empty() ? p.previous : p.endpoint;
     if (p.endpoint == endpoint && instance.empty()) return;
     p.instance = instance.empty() && p.endpoint == endpoint ? p.instance : instance;
@@ -255,9 +264,9 @@ absl::StatusOr<std::string> PooledClient::WeightsOn(const std::string& name,
                                                     const CallOptions& call) {
   std::shared_ptr<Weights> entry = FindWeights(name);
   if (entry == nullptr) {
-    return absl::NotFoundError(absl::StrCat("weight_handle '", name,
-                                            "' names no weights put in this pool: call "
-                                            "PutWeights('", name, "', W) first"));
+    return Local(absl::NotFoundError(absl::StrCat("weight_handle '", name,
+                                                  "' names no weights put in this pool: call "
+                                                  "PutWeights('", name, "', W) first")));
   }
   absl::MutexLock lock(&entry->mu);
   auto it = entry->handles.find(endpoint);
@@ -280,13 +289,13 @@ absl::StatusOr<std::string> PooledClient::WeightsOn(const std::string& name,
   std::string how;
   switch (entry->keep) {
     case WeightsRetention::kNone:
-      return absl::FailedPreconditionError(
-          absl::StrCat(ask, "the pool keeps nothing of them (WeightsRetention::kNone)", redo));
+      return Local(absl::FailedPreconditionError(
+          absl::StrCat(ask, "the pool keeps nothing of them (WeightsRetention::kNone)", redo)));
     case WeightsRetention::kVerifyCallerMemory:
       if (Checksum(entry->w, entry->bias) != entry->checksum) {
-        return absl::FailedPreconditionError(absl::StrCat(
+        return Local(absl::FailedPreconditionError(absl::StrCat(
             ask, "the memory given to PutWeights no longer holds the bytes uploaded (W or the "
-                 "bias changed in place)", redo));
+                 "bias changed in place)", redo)));
       }
       how = "the caller's bytes, verified unchanged by checksum";
       break;
@@ -391,7 +400,7 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
     if (acc) Track(key, +1, false);
     absl::StatusOr<ComputeResult> res = ComputeOn(p->endpoint, r, call);
     if (res.ok()) {
-      Place(key, p->endpoint, res->instance, "");
+      Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
       if (acc) Track(key, -1, true);
       return res;
     }
@@ -459,7 +468,7 @@ absl::StatusOr<FetchGradientsResult> PooledClient::FetchGradients(const std::str
   absl::StatusOr<FetchGradientsResult> res =
       pool_->Client(p->endpoint)->FetchGradients(acc, reset, call);
   if (res.ok()) {
-    Place(key, p->endpoint, res->instance, "");
+    Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
     if (reset) {
       absl::MutexLock lock(&mu_);
       placed_[key].empty = true;

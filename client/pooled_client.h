@@ -126,8 +126,10 @@ class PooledClient {
   // message) for a lost key when `refuse_lost`.
   absl::StatusOr<Placement> Route(const std::string& key, bool refuse_lost);
   // Records the key on `endpoint`; a move (counted, logged) when it was elsewhere before.
+  // `keep_lost`: a call that began before another thread found the key lost (and succeeded
+  // on the lost replica just before it went) leaves the loss standing.
   void Place(const std::string& key, const std::string& endpoint, const std::string& instance,
-             const std::string& reason);
+             const std::string& reason, bool keep_lost = false);
   // Counts a Compute into an accumulator under way (+1) or done (-1; `filled`: it added).
   void Track(const std::string& key, int delta, bool filled);
   // Forgets an empty accumulator's replica (to move it) when this is the only Compute into

@@ -45,6 +45,15 @@ TEST_F(PooledFakeTest, ACallsOwnErrorComesBackUnchanged) {
   EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(got.status().message(), "injected");
   EXPECT_EQ(Calls(*pool), 1u);
+  // An error the pool makes itself (weights it was never given) sends and probes nothing.
+  ComputeRequest r = SmallRequest();
+  r.w.reset();
+  r.weight_handle = "never-put";
+  r.accumulator = "rank0-step1";
+  got = pool->Compute(r);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Calls(*pool), 1u);
+  EXPECT_EQ(pool->counters().steps_lost, 0u);
   absl::MutexLock lock(&fake_.mu);
   EXPECT_EQ(fake_.server_info_calls, 0);  // not probed: nothing says the replica is gone
 }

@@ -90,7 +90,7 @@ absl::StatusOr<StepResult> PooledClient::Step(const StepRequest& request,
   if (!p.ok()) return p.status();
   absl::StatusOr<StepResult> res = pool_->Client(p->endpoint)->Step(request, call);
   if (res.ok()) {
-    Place(key, p->endpoint, res->instance, "");
+    Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
     return res;
   }
   std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
@@ -106,7 +106,7 @@ absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
   if (!p.ok()) return p.status();
   absl::StatusOr<HeadExport> res = pool_->Client(p->endpoint)->ExportHead(head, options, call);
   if (res.ok()) {
-    Place(key, p->endpoint, res->instance, "");
+    Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
     return res;
   }
   std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);

@@ -224,6 +224,7 @@ void ReplicaPool::MarkDown(const std::string& endpoint) {
 std::optional<std::string> ReplicaPool::LostReason(const std::string& endpoint,
                                                    const absl::Status& failure,
                                                    const std::string& instance) {
+  if (failure.GetPayload(kLocalErrorPayload).has_value()) return std::nullopt;
   const absl::StatusCode code = failure.code();
   if (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kNotFound &&
       code != absl::StatusCode::kFailedPrecondition &&

@@ -75,6 +75,10 @@ struct PoolCounters {
   std::map<std::string, uint64_t> calls;  // calls sent, by endpoint
 };
 
+// The payload that marks an error the pool made itself (weights it cannot upload again, a
+// name it does not know): LostReason never takes it for a replica's.
+inline constexpr char kLocalErrorPayload[] = "lossd.pool/local";
+
 // INVALID_ARGUMENT naming the field for every option a pool cannot use.
 absl::Status ValidatePoolOptions(const PoolOptions& options);
 
