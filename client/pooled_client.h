@@ -1,34 +1,39 @@
 // A client of a pool of lossd replicas: the same calls as LossClient, each sent to the
 // replica that holds its state, chosen by rendezvous hashing (client/rendezvous.h) of what
 // owns the state: a hosted head, else an accumulator, else a weights name, else the trainer's
-// rank (PoolOptions::rank, for stateless calls). Every trainer of a job, C++ or Python, sends one key to one replica;
-// losing a replica moves only the keys it held. Never adds anything twice: a Compute into an
-// accumulator or a head is never resent to another replica; that state's loss is an error
-// that says how to redo it. docs/replica_pool.md has the whole contract.
+// rank (PoolOptions::rank, for stateless calls). Every trainer of a job, C++ or Python, sends
+// one key to one replica; losing a replica moves only the keys it held. Never adds anything
+// twice: a Compute into an accumulator or a head is never resent to another replica; that
+// state's loss is an error that says how to redo it. docs/replica_pool.md has the contract.
 //
 //   PoolOptions o;
 //   o.targets = "dns:///lossd-headless.lossd.svc:50051";   // or "10.0.0.5:50051,10.0.0.6:50051"
+//   o.rank = 3;                                              // this trainer's rank
 //   auto pool = PooledClient::Create(o);                     // resolves now; INVALID_ARGUMENT
-//   (*pool)->PutWeights("w-step-12", w, nullptr);            // a name the trainer chooses
-//   ComputeRequest r = ...;  r.weight_handle = "w-step-12";  // the name, not a server handle
-//   r.accumulator = "rank3-step-12";  r.rank = 3;
+//   (*pool)->PutWeights("w-rank3", w, nullptr);              // a name the trainer chooses
+//   ComputeRequest r = ...;  r.weight_handle = "w-rank3";    // the name, not a server handle
+//   r.accumulator = "rank3-step-12";
 //   (*pool)->Compute(r);                                     // on the accumulator's replica
 //
-// Where a replica is lost (unreachable after the transport's own retries; answering as a new
-// server instance; NOT_FOUND for a handle it held), checked by a ServerInfo before deciding:
+// A replica is lost when a call to it fails and a probe (a TCP connection, then a ServerInfo,
+// within PoolOptions::probe_deadline) finds it unreachable, or answering as another server
+// instance than the one that held the state (NOT_FOUND for a handle it held is checked so):
 // - weights move to the next replica by the same order, uploaded again only from bytes the
 //   pool can prove are the ones uploaded (WeightsRetention); otherwise FAILED_PRECONDITION
 //   asking for PutWeights again. A Compute with weights and no accumulator or head is
 //   stateless, so it is sent again where the weights went;
 // - an accumulator's partial sum is lost: ABORTED saying the step must be redone; every call
-//   naming it fails so until DropAccumulator. One that holds nothing yet (new, or just reset
-//   by a fetch) moves quietly with the Compute that found its replica gone;
+//   naming it fails so until DropAccumulator. So is a Compute into it cut off (UNAVAILABLE)
+//   while its replica answers: it may or may not have been added. One that holds nothing yet
+//   (new, or just reset by a fetch) moves quietly with the Compute that found its replica
+//   gone, when no other Compute into it is under way;
 // - a head's pending step is lost: ABORTED naming the rank that imports the head from its
 //   last export (PoolOptions::import_rank); Compute, Step and ExportHead of it fail so until
-//   this client's CreateHead, ImportHead or GetHeadInfo finds it again.
+//   this client's CreateHead, ImportHead or GetHeadInfo finds it again. A pool meeting a head
+//   for the first time looks for it along its order, so it finds a head that moved.
 // A replica that restarted in place stays the keys' home (it is up): they come back to it.
-// Counters (moves, re-uploads, re-resolutions, losses, calls per replica): counters(); each
-// move, re-upload and loss is logged once (PoolOptions::log, else stderr).
+// Counters (moves, uploads and re-uploads, re-resolutions, losses, calls per replica):
+// counters(); each move, re-upload and loss is logged once (PoolOptions::log, else stderr).
 #ifndef LOSSD_CLIENT_POOLED_CLIENT_H_
 #define LOSSD_CLIENT_POOLED_CLIENT_H_
 
@@ -54,7 +59,8 @@ namespace client {
 enum class WeightsRetention {
   // The views given to PutWeights, and a checksum of their bytes taken at upload: before an
   // upload elsewhere the bytes are hashed again and must match (W updated in place does not).
-  // The caller keeps that memory alive until DropWeights or the pool's end.
+  // The caller keeps that memory alive until DropWeights, PutWeights of the same name, or
+  // the pool's end.
   kVerifyCallerMemory,
   kCopy,  // the pool copies W (and the bias) at upload: memory for W's size, always provable
   kNone,  // nothing kept: a move is always an error asking for PutWeights again

@@ -205,14 +205,7 @@ absl::StatusOr<std::string> ReplicaPool::Instance(const std::string& endpoint) {
   call.deadline = options_.probe_deadline;
   absl::StatusOr<ServerInfoResult> info = c->ServerInfo(call);
   if (!info.ok()) return info.status();
-  NoteInstance(endpoint, info->instance);
   return info->instance;
-}
-
-void ReplicaPool::NoteInstance(const std::string& endpoint, const std::string& instance) {
-  if (instance.empty()) return;
-  absl::MutexLock lock(&mu_);
-  instances_[endpoint] = instance;
 }
 
 void ReplicaPool::MarkDown(const std::string& endpoint) {

@@ -43,8 +43,9 @@ struct PoolOptions {
   absl::Duration reresolve_period = absl::Seconds(30);
   // A replica that was unreachable takes no new keys for this long; then it is tried again.
   absl::Duration down_for = absl::Seconds(10);
-  // Deadline of the ServerInfo that tells a lost replica (unreachable, or a new instance)
-  // from a call's own failure.
+  // Deadline of each part of the probe (a TCP connection, the channels connecting, a
+  // ServerInfo) that tells a lost replica (unreachable, or a new instance) from a call's own
+  // failure.
   absl::Duration probe_deadline = absl::Seconds(5);
   // The trainer's rank: its stateless Computes (no head, accumulator or weights name) go to
   // RankKey(rank)'s replica. A process of several ranks makes one pool per rank.
@@ -93,14 +94,14 @@ class ReplicaPool {
   // The LossClient of `endpoint` (made on first use), and one more call counted for it.
   LossClient* Client(const std::string& endpoint);
   // Whether a failed call's replica is lost, and why ("is unreachable (...)", "restarted:
-  // now instance ..."): unreachable (a ServerInfo under probe_deadline fails so too), or up
+  // now instance ..."): unreachable (the probe, Instance(), fails so too), or up
   // as another instance than `instance` where that is not empty. nullopt: up, the call's own
   // failure. An unreachable replica is marked down and the targets are resolved again.
   std::optional<std::string> LostReason(const std::string& endpoint, const absl::Status& failure,
                                         const std::string& instance);
-  // The replica's instance (a ServerInfo under probe_deadline), remembered.
+  // The probe: the replica's server instance, asked once a TCP connection and then its
+  // channels connect (each within probe_deadline); UNAVAILABLE or DEADLINE_EXCEEDED else.
   absl::StatusOr<std::string> Instance(const std::string& endpoint);
-  void NoteInstance(const std::string& endpoint, const std::string& instance);
 
   // Counters and their log lines (each event logged once, by its caller).
   void CountMove(const std::string& line);
@@ -129,7 +130,6 @@ class ReplicaPool {
   absl::Time resolved_at_ ABSL_GUARDED_BY(mu_);
   bool resolve_now_ ABSL_GUARDED_BY(mu_) = true;
   std::map<std::string, absl::Time> down_until_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> instances_ ABSL_GUARDED_BY(mu_);
   // Every endpoint ever resolved keeps its client: state placed there is still reached
   // through it after the name stops listing it.
   std::map<std::string, std::unique_ptr<LossClient>> clients_ ABSL_GUARDED_BY(mu_);
