@@ -101,6 +101,11 @@ class PooledClient {
   absl::StatusOr<HeadExport> ExportHead(const std::string& head,
                                         const ExportHeadOptions& options = {},
                                         const CallOptions& call = {});
+  // The same, its bytes handed to `sink` as they come (LossClient::ExportHeadTo).
+  absl::StatusOr<HeadExport> ExportHeadTo(
+      const std::string& head, const std::function<absl::Status(const HeadExport&)>& on_layout,
+      const HeadExportSink& sink, const ExportHeadOptions& options = {},
+      const CallOptions& call = {});
   absl::StatusOr<HeadInfo> GetHeadInfo(const std::string& head, const CallOptions& call = {});
   absl::Status DropHead(const std::string& head, const CallOptions& call = {});
 
@@ -170,6 +175,10 @@ class PooledClient {
   // it where the others moved it; when no replica has it, the first by its order.
   absl::StatusOr<Placement> HeadRoute(const std::string& head, bool refuse_lost,
                                       const CallOptions& call);
+  // An export (`run` on the head's replica's client), with a lost replica's error.
+  absl::StatusOr<HeadExport> ExportOn(
+      const std::string& head, const CallOptions& call,
+      const std::function<absl::StatusOr<HeadExport>(LossClient*)>& run);
   // CreateHead or ImportHead: `create` on the head's replica, the next ones while unreachable.
   absl::StatusOr<CreateHeadResult> CreateOrImport(
       const std::string& head,

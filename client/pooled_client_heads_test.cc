@@ -121,11 +121,24 @@ TEST_P(HeadLossTest, NamesTheImportingRankAndTheRedoneStepMatchesOneServer) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->spec.version, 2u);
 
-  // A trainer meeting the head only now finds it where it moved, with no error.
+  // A trainer meeting the head only now finds it where it moved, with no error (streaming
+  // the export: every byte of the master W arrives, equal to the whole export's).
   std::unique_ptr<PooledClient> late = NewPool(0);
-  absl::StatusOr<HeadExport> seen = late->ExportHead(kHead);
+  std::string master;
+  absl::StatusOr<HeadExport> seen = late->ExportHeadTo(
+      kHead, [](const HeadExport&) { return absl::OkStatus(); },
+      [&](HeadTensor t, uint64_t offset, const uint8_t* data, size_t size) {
+        if (t == HeadTensor::kMasterW) {
+          EXPECT_EQ(offset, master.size());
+          master.append(reinterpret_cast<const char*>(data), size);
+        }
+        return absl::OkStatus();
+      });
   ASSERT_TRUE(seen.ok()) << seen.status();
   EXPECT_EQ(seen->spec.version, 2u);
+  const HostTensor& got_master = got->tensors.at(HeadTensor::kMasterW);
+  EXPECT_EQ(master, std::string(reinterpret_cast<const char*>(got_master.data()),
+                                got_master.num_bytes()));
   EXPECT_EQ(late->ReplicaOf(HeadKey(kHead)), import_on);
   EXPECT_EQ(late->counters().heads_lost, 0u);
 

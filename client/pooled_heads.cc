@@ -98,13 +98,13 @@ absl::StatusOr<StepResult> PooledClient::Step(const StepRequest& request,
   return MarkLost(key, *p, HeadLostMessage(request.head, p->endpoint, *lost));
 }
 
-absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
-                                                    const ExportHeadOptions& options,
-                                                    const CallOptions& call) {
+absl::StatusOr<HeadExport> PooledClient::ExportOn(
+    const std::string& head, const CallOptions& call,
+    const std::function<absl::StatusOr<HeadExport>(LossClient*)>& run) {
   const std::string key = HeadKey(head);
   absl::StatusOr<Placement> p = HeadRoute(head, true, call);
   if (!p.ok()) return p.status();
-  absl::StatusOr<HeadExport> res = pool_->Client(p->endpoint)->ExportHead(head, options, call);
+  absl::StatusOr<HeadExport> res = run(pool_->Client(p->endpoint));
   if (res.ok()) {
     Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
     return res;
@@ -112,6 +112,20 @@ absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
   std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
   return MarkLost(key, *p, HeadLostMessage(head, p->endpoint, *lost));
+}
+
+absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
+                                                    const ExportHeadOptions& options,
+                                                    const CallOptions& call) {
+  return ExportOn(head, call, [&](LossClient* c) { return c->ExportHead(head, options, call); });
+}
+
+absl::StatusOr<HeadExport> PooledClient::ExportHeadTo(
+    const std::string& head, const std::function<absl::Status(const HeadExport&)>& on_layout,
+    const HeadExportSink& sink, const ExportHeadOptions& options, const CallOptions& call) {
+  return ExportOn(head, call, [&](LossClient* c) {
+    return c->ExportHeadTo(head, on_layout, sink, options, call);
+  });
 }
 
 absl::StatusOr<HeadInfo> PooledClient::GetHeadInfo(const std::string& head,
