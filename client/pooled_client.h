@@ -109,6 +109,14 @@ class PooledClient {
   absl::StatusOr<HeadInfo> GetHeadInfo(const std::string& head, const CallOptions& call = {});
   absl::Status DropHead(const std::string& head, const CallOptions& call = {});
 
+  // ServerInfo of the rank's replica (RankKey(PoolOptions::rank); the next one while it is
+  // unreachable).
+  absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});
+  // Every replica's List (the caller's weight handles, accumulators and heads there), or why
+  // it did not answer.
+  std::map<std::string, absl::StatusOr<std::vector<StateEntry>>> List(
+      const CallOptions& call = {});
+
   PoolCounters counters() const { return pool_->counters(); }
   std::vector<std::string> endpoints() const { return pool_->endpoints(); }
   // The replica `key` (WeightsKey, AccumulatorKey, HeadKey, RankKey) is placed on, "" when

@@ -2,11 +2,13 @@
 // Compute with any code while it still answers: a call's own error comes back unchanged
 // (no probe counts it as a lost replica), a stateless Compute cut off (UNAVAILABLE) is sent
 // once more to the same replica, and a Compute into an accumulator cut off while its replica
-// answers is ABORTED (it may or may not have been added) until the accumulator is dropped.
+// answers is ABORTED (it may or may not have been added) until the accumulator is dropped;
+// ServerInfo and List over a replica that is gone.
 #include <string>
 
 #include "client/lossd_client_fixture.h"
 #include "client/pooled_client.h"
+#include "client/rendezvous.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -97,6 +99,38 @@ TEST_F(PooledFakeTest, AComputeIntoAnAccumulatorCutOffIsAStepToRedo) {
   absl::StatusOr<FetchGradientsResult> sum = pool->FetchGradients("rank0-step4", true);
   ASSERT_TRUE(sum.ok()) << sum.status();
   EXPECT_EQ(sum->micro_batches, 1u);
+}
+
+// ServerInfo goes to the rank's replica, on to the next while that one is unreachable;
+// List asks every replica and says which did not answer.
+TEST_F(PooledFakeTest, ServerInfoAndListOverAReplicaThatIsGone) {
+  {
+    absl::MutexLock lock(&fake_.mu);
+    fake_.features = {"list_state"};
+  }
+  const std::string up = absl::StrCat("127.0.0.1:", port_), gone = "127.0.0.2:1";
+  uint32_t rank = 0;  // a rank whose home is the replica that is gone
+  while (RendezvousOrder(RankKey(rank), {up, gone}).front() != gone) ++rank;
+  PoolOptions o;
+  o.targets = absl::StrCat(up, ",", gone);
+  o.rank = rank;
+  o.probe_deadline = absl::Seconds(30);
+  o.log = [](const std::string&) {};
+  auto pool = PooledClient::Create(o);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  absl::StatusOr<ServerInfoResult> info = (*pool)->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->instance, "fake-instance");
+  EXPECT_EQ((*pool)->counters().calls.at(gone), 1u);
+
+  HostTensor w = RandomTensor(DType::kBF16, {7, 5}, 4);
+  ASSERT_TRUE((*pool)->PutWeights("w", w, nullptr).ok());
+  auto lists = (*pool)->List();
+  ASSERT_EQ(lists.size(), 2u);
+  ASSERT_TRUE(lists.at(up).ok()) << lists.at(up).status();
+  ASSERT_EQ(lists.at(up)->size(), 1u);
+  EXPECT_EQ(lists.at(up)->front().kind, StateEntry::Kind::kWeights);
+  EXPECT_EQ(lists.at(gone).status().code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace
