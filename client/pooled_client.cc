@@ -112,9 +112,35 @@ absl::StatusOr<PooledClient::Placement> PooledClient::Route(const std::string& k
       p = it->second;
     }
   }
-  p.endpoint = pool_->Order(key).front();
+  p.endpoint = FirstFor(key, p.excluded);
   p.instance.clear();  // not placed: nothing there to lose yet
   return p;
+}
+
+std::string PooledClient::FirstFor(const std::string& key,
+                                   const std::set<std::string>& excluded) {
+  const std::vector<std::string> order = pool_->Order(key);
+  for (const std::string& e : order) {
+    if (excluded.count(e) == 0) return e;
+  }
+  return order.front();
+}
+
+std::optional<std::string> PooledClient::Lost(const std::string& endpoint,
+                                              const absl::Status& failure,
+                                              const std::string& instance) {
+  std::optional<std::string> lost = pool_->LostReason(endpoint, failure, instance);
+  if (!lost) return lost;
+  std::vector<std::shared_ptr<Weights>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, w] : weights_) all.push_back(w);
+  }
+  for (const std::shared_ptr<Weights>& w : all) {
+    absl::MutexLock lock(&w->mu);
+    if (w->handles.erase(endpoint) > 0) w->lost_on.insert(endpoint);
+  }
+  return lost;
 }
 
 void PooledClient::Place(const std::string& key, const std::string& endpoint,
@@ -147,11 +173,18 @@ absl::Status PooledClient::MarkLost(const std::string& key, const Placement& p,
     q.endpoint.clear();
     q.instance.clear();
     q.previous = p.endpoint;
+    q.excluded.insert(p.endpoint);
     q.lost = true;
     q.why = why;
   }
   pool_->CountLost(absl::StartsWith(key, "head:"), why);
   return absl::AbortedError(why);
+}
+
+std::string PooledClient::NextAfterLoss(const std::string& key, const Placement& p) {
+  std::set<std::string> excluded = p.excluded;
+  excluded.insert(p.endpoint);
+  return FirstFor(key, excluded);
 }
 
 std::string PooledClient::AccumulatorLostMessage(const std::string& acc,
@@ -206,7 +239,7 @@ absl::StatusOr<PutWeightsResult> PooledClient::PutWeights(const std::string& nam
   for (const std::string& e : order) {
     absl::StatusOr<PutWeightsResult> put = pool_->Client(e)->PutWeights(w, bias, call);
     if (!put.ok()) {
-      std::optional<std::string> lost = pool_->LostReason(e, put.status(), "");
+      std::optional<std::string> lost = Lost(e, put.status(), "");
       if (!lost) return put.status();
       last = put.status();
       reason = absl::StrCat("replica ", e, " ", *lost);
@@ -329,7 +362,8 @@ void PooledClient::ForgetWeightsOn(const std::string& name, const std::string& e
 
 absl::StatusOr<ComputeResult> PooledClient::ComputeOn(const std::string& endpoint,
                                                       const ComputeRequest& r,
-                                                      const CallOptions& call) {
+                                                      const CallOptions& call,
+                                                      const std::string& state_instance) {
   if (r.weight_handle.empty()) return pool_->Client(endpoint)->Compute(r, call);
   for (int attempt = 0;; ++attempt) {
     absl::StatusOr<std::string> handle = WeightsOn(r.weight_handle, endpoint, call);
@@ -337,6 +371,9 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeOn(const std::string& endpoin
     absl::StatusOr<ComputeResult> res =
         pool_->Client(endpoint)->Compute(WithHandle(r, *handle), call);
     if (res.ok() || attempt > 0 || !HandleNotFound(res.status())) return res;
+    // A replica restarted under an accumulator or head: that state is gone too, and W is
+    // needed where it goes next, not here.
+    if (!state_instance.empty() && Lost(endpoint, res.status(), state_instance)) return res;
     ForgetWeightsOn(r.weight_handle, endpoint);
   }
 }
@@ -370,12 +407,12 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeStateless(const std::string& 
     absl::StatusOr<ComputeResult> res = ComputeOn(e, r, call);
     std::optional<std::string> lost;
     if (!res.ok()) {
-      lost = pool_->LostReason(e, res.status(), "");
+      lost = Lost(e, res.status(), "");
       // Unreachable a moment ago, up now (its probe just connected): a replica back from a
       // restart, or a connection that broke. Once more there.
       if (!lost && res.status().code() == absl::StatusCode::kUnavailable) {
         res = ComputeOn(e, r, call);
-        if (!res.ok()) lost = pool_->LostReason(e, res.status(), "");
+        if (!res.ok()) lost = Lost(e, res.status(), "");
       }
     }
     if (res.ok()) {
@@ -383,7 +420,6 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeStateless(const std::string& 
       return res;
     }
     if (!lost) return res.status();
-    if (!r.weight_handle.empty()) ForgetWeightsOn(r.weight_handle, e);
     last = res.status();
     reason = absl::StrCat("replica ", e, " ", *lost);
   }
@@ -398,16 +434,16 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
     absl::StatusOr<Placement> p = acc ? Route(key, true) : HeadRoute(r.head, true, call);
     if (!p.ok()) return p.status();
     if (acc) Track(key, +1, false);
-    absl::StatusOr<ComputeResult> res = ComputeOn(p->endpoint, r, call);
+    absl::StatusOr<ComputeResult> res = ComputeOn(p->endpoint, r, call, p->instance);
     if (res.ok()) {
       Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
       if (acc) Track(key, -1, true);
       return res;
     }
-    std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
+    std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
     // An accumulator that holds nothing loses nothing: this Compute goes on to its next
     // replica (at most once per replica).
-    const bool quiet = lost && acc && moves < 3 && MoveIfEmpty(key);
+    const bool quiet = lost && acc && moves < 3 && MoveIfEmpty(key, p->endpoint);
     if (acc) Track(key, -1, false);
     if (!lost && acc && res.status().code() == absl::StatusCode::kUnavailable) {
       // The replica is up, but this call was cut off: it may have been added or not, and a
@@ -430,7 +466,7 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
     if (!acc) return MarkLost(key, *p, HeadLostMessage(r.head, p->endpoint, *lost));
     return MarkLost(key, *p,
                     AccumulatorLostMessage(r.accumulator, p->endpoint, *lost,
-                                           pool_->Order(key).front()));
+                                           NextAfterLoss(key, *p)));
   }
 }
 
@@ -445,13 +481,14 @@ void PooledClient::Track(const std::string& key, int delta, bool filled) {
   if (filled) it->second.empty = false;
 }
 
-bool PooledClient::MoveIfEmpty(const std::string& key) {
+bool PooledClient::MoveIfEmpty(const std::string& key, const std::string& endpoint) {
   absl::MutexLock lock(&mu_);
   auto it = placed_.find(key);
   if (it == placed_.end()) return false;
   Placement& q = it->second;
   if (!q.empty || q.in_flight != 1 || q.lost) return false;
   if (!q.endpoint.empty()) q.previous = q.endpoint;
+  q.excluded.insert(endpoint);
   q.endpoint.clear();
   q.instance.clear();
   return true;
@@ -476,10 +513,10 @@ absl::StatusOr<FetchGradientsResult> PooledClient::FetchGradients(const std::str
     return res;
   }
   if (p->instance.empty()) return res.status();  // never computed into through this pool
-  std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
+  std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
   return MarkLost(key, *p,
-                  AccumulatorLostMessage(acc, p->endpoint, *lost, pool_->Order(key).front()));
+                  AccumulatorLostMessage(acc, p->endpoint, *lost, NextAfterLoss(key, *p)));
 }
 
 absl::Status PooledClient::DropAccumulator(const std::string& acc, const CallOptions& call) {

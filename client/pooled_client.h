@@ -31,7 +31,10 @@
 //   last export (PoolOptions::import_rank); Compute, Step and ExportHead of it fail so until
 //   this client's CreateHead, ImportHead or GetHeadInfo finds it again. A pool meeting a head
 //   for the first time looks for it along its order, so it finds a head that moved.
-// A replica that restarted in place stays the keys' home (it is up): they come back to it.
+// An accumulator or head lost on a replica is placed anew on the next one of its order, the
+// replica that lost it passed over even when it is back (restarted): as the Python client
+// does, so every rank of a job looks for an imported head in one place. Weights and ranks,
+// which hold nothing another process looks for, stay on a replica restarted in place.
 // Counters (moves, uploads and re-uploads, re-resolutions, losses, calls per replica):
 // counters(); each move, re-upload and loss is logged once (PoolOptions::log, else stderr).
 #ifndef LOSSD_CLIENT_POOLED_CLIENT_H_
@@ -42,6 +45,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -136,6 +140,9 @@ class PooledClient {
     // is under way (one may have been added just before its replica went).
     bool empty = true;
     int in_flight = 0;
+    // Replicas it was lost on: placed anew, it goes to the next replica of its order (the
+    // same rule in both clients, so that every rank looks for a head where it was imported).
+    std::set<std::string> excluded;
   };
   struct Weights;
 
@@ -153,7 +160,12 @@ class PooledClient {
   void Track(const std::string& key, int delta, bool filled);
   // Forgets an empty accumulator's replica (to move it) when this is the only Compute into
   // it under way; false when it holds, or may hold, a sum.
-  bool MoveIfEmpty(const std::string& key);
+  bool MoveIfEmpty(const std::string& key, const std::string& endpoint);
+  // The first of the key's order not in `excluded` (the first at all when every one is).
+  std::string FirstFor(const std::string& key, const std::set<std::string>& excluded);
+  // pool_->LostReason; a lost replica takes every weights handle on it along.
+  std::optional<std::string> Lost(const std::string& endpoint, const absl::Status& failure,
+                                  const std::string& instance);
   // Marks the key lost on `p.endpoint`, counts and logs it, and returns ABORTED `why`.
   absl::Status MarkLost(const std::string& key, const Placement& p, const std::string& why);
   // Why a replica is lost, for messages: "is unreachable" or "restarted (instance ...)".
@@ -168,12 +180,16 @@ class PooledClient {
   // One Compute on `endpoint`, the weights name swapped for its handle there; a NOT_FOUND
   // for the handle (evicted, restarted server) uploads it again and retries once, which adds
   // nothing twice: the server refused the first before computing.
+  // `state_instance`: the instance holding the Compute's accumulator or head, if known.
   absl::StatusOr<ComputeResult> ComputeOn(const std::string& endpoint, const ComputeRequest& r,
-                                          const CallOptions& call);
+                                          const CallOptions& call,
+                                          const std::string& state_instance = "");
   absl::StatusOr<ComputeResult> ComputeStateless(const std::string& key, const ComputeRequest& r,
                                                  const CallOptions& call);
   absl::StatusOr<ComputeResult> ComputeInto(const std::string& key, const ComputeRequest& r,
                                             const CallOptions& call);
+  // Where a key lost on `p.endpoint` is placed anew.
+  std::string NextAfterLoss(const std::string& key, const Placement& p);
   std::string HeadLostMessage(const std::string& head, const std::string& endpoint,
                               const std::string& reason) const;
   std::string AccumulatorLostMessage(const std::string& acc, const std::string& endpoint,

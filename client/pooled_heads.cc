@@ -37,7 +37,7 @@ absl::StatusOr<PooledClient::Placement> PooledClient::HeadRoute(const std::strin
     // Not there, or that replica is gone: look further. Anything else is the caller's to
     // hear from the call itself.
     if (info.status().code() == absl::StatusCode::kNotFound) continue;
-    if (pool_->LostReason(e, info.status(), "")) continue;
+    if (Lost(e, info.status(), "")) continue;
     break;
   }
   return p;
@@ -63,7 +63,7 @@ absl::StatusOr<CreateHeadResult> PooledClient::CreateOrImport(
       Place(key, e, res->head.instance, reason);
       return res;
     }
-    std::optional<std::string> lost = pool_->LostReason(e, res.status(), "");
+    std::optional<std::string> lost = Lost(e, res.status(), "");
     if (!lost) return res.status();
     last = res.status();
     reason = absl::StrCat("replica ", e, " ", *lost);
@@ -93,7 +93,7 @@ absl::StatusOr<StepResult> PooledClient::Step(const StepRequest& request,
     Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
     return res;
   }
-  std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
+  std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
   return MarkLost(key, *p, HeadLostMessage(request.head, p->endpoint, *lost));
 }
@@ -109,7 +109,7 @@ absl::StatusOr<HeadExport> PooledClient::ExportOn(
     Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
     return res;
   }
-  std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
+  std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
   return MarkLost(key, *p, HeadLostMessage(head, p->endpoint, *lost));
 }
@@ -146,7 +146,7 @@ absl::StatusOr<HeadInfo> PooledClient::GetHeadInfo(const std::string& head,
         " imports it from its last export)"));
   }
   if (p->instance.empty()) return res.status();
-  std::optional<std::string> lost = pool_->LostReason(p->endpoint, res.status(), p->instance);
+  std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
   return MarkLost(key, *p, HeadLostMessage(head, p->endpoint, *lost));
 }

@@ -14,7 +14,7 @@ absl::StatusOr<ServerInfoResult> PooledClient::ServerInfo(const CallOptions& cal
   absl::Status last;
   for (const std::string& e : pool_->Order(RankKey(pool_->options().rank))) {
     absl::StatusOr<ServerInfoResult> info = pool_->Client(e)->ServerInfo(call);
-    if (info.ok() || !pool_->LostReason(e, info.status(), "")) return info;
+    if (info.ok() || !Lost(e, info.status(), "")) return info;
     last = info.status();
   }
   return last;
