@@ -101,33 +101,10 @@ class LossKindsE2eTest : public SuiteHarness<LossKindsE2eTest> {
   RandomProblem rp_;
 };
 
-TEST_F(LossKindsE2eTest, LogprobMatchesTheReference) {
-  if (!Served(LossKind::kLogprob)) GTEST_SKIP() << "the CPU backend lacks logprob";
-  const std::vector<float> dlogp = Uniform(kBt, -1.5f, 1.5f, 5);
-  const std::vector<float> dentropy = Uniform(kBt, -1.0f, 1.0f, 6);
-  const float temperature = 0.7f, softcap = 6.0f, grad_scale = 0.5f;
-  v1::ComputeHeader h = Header(v1::LOSS_KIND_LOGPROB);
-  *h.mutable_dlogp() = F32Rows();
-  *h.mutable_dentropy() = F32Rows();
-  h.mutable_outputs()->set_entropy(true);
-  h.mutable_options()->set_temperature(temperature);
-  h.mutable_options()->set_softcap(softcap);
-  h.mutable_options()->set_grad_scale(grad_scale);
-  std::vector<v1::ComputeRequest> parts = PartsFor(rp_, kPartBytes);
-  AddRows(&parts, v1::TENSOR_DLOGP, dlogp);
-  AddRows(&parts, v1::TENSOR_DENTROPY, dentropy);
-  ComputeReply r = RunCompute(h_->stub(), h, parts);
-  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
-
-  LogprobProblem lp;
-  lp.head = Head();
-  lp.targets = rp_.targets.data();
-  lp.dlogp = dlogp.data();
-  lp.dentropy = dentropy.data();
-  lp.options.temperature = temperature;
-  lp.options.softcap = softcap;
-  LogprobReferenceOutputs ref;
-  ASSERT_TRUE(LogprobReference(lp, &ref).ok());
+// logprob's outputs in `r` against the reference: logp, entropy, the loss and gradients.
+void ExpectLogprobMatches(ComputeReply& r, const LogprobReferenceOutputs& ref,
+                          const std::vector<float>& dlogp, const std::vector<float>& dentropy,
+                          float grad_scale) {
   const std::vector<float> logp = Floats(r.tensors[v1::TENSOR_LOGP]);
   const std::vector<float> entropy = Floats(r.tensors[v1::TENSOR_ENTROPY]);
   ASSERT_EQ(logp.size(), static_cast<size_t>(kBt));
@@ -147,6 +124,88 @@ TEST_F(LossKindsE2eTest, LogprobMatchesTheReference) {
     for (double& g : scaled) g *= grad_scale;
     EXPECT_LT(RelNormError(Floats(r.tensors[ids[k]]), scaled), kTol) << ids[k];
   }
+}
+
+TEST_F(LossKindsE2eTest, LogprobMatchesTheReference) {
+  if (!Served(LossKind::kLogprob)) GTEST_SKIP() << "the CPU backend lacks logprob";
+  const std::vector<float> dlogp = Uniform(kBt, -1.5f, 1.5f, 5);
+  const std::vector<float> dentropy = Uniform(kBt, -1.0f, 1.0f, 6);
+  const float temperature = 0.7f, softcap = 6.0f, grad_scale = 0.5f;
+  v1::ComputeHeader h = Header(v1::LOSS_KIND_LOGPROB);
+  *h.mutable_dlogp() = F32Rows();
+  *h.mutable_dentropy() = F32Rows();
+  h.mutable_outputs()->set_entropy(true);
+  h.mutable_options()->set_temperature(temperature);
+  h.mutable_options()->set_softcap(softcap);
+  h.mutable_options()->set_grad_scale(grad_scale);
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp_, kPartBytes);
+  AddRows(&parts, v1::TENSOR_DLOGP, dlogp);
+  AddRows(&parts, v1::TENSOR_DENTROPY, dentropy);
+  LogprobProblem lp;
+  lp.head = Head();
+  lp.targets = rp_.targets.data();
+  lp.dlogp = dlogp.data();
+  lp.dentropy = dentropy.data();
+  lp.options.temperature = temperature;
+  lp.options.softcap = softcap;
+  LogprobReferenceOutputs ref;
+  ASSERT_TRUE(LogprobReference(lp, &ref).ok());
+  // Plain, and overlapped (X streams in while the backend computes, in chunks of 5 rows).
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlapped" : "plain");
+    h.set_overlap(overlap);
+    h.mutable_options()->set_chunk_rows(overlap ? 5 : 0);
+    ComputeReply r = RunCompute(h_->stub(), h, overlap ? XLast(parts) : parts);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ExpectLogprobMatches(r, ref, dlogp, dentropy, grad_scale);
+  }
+}
+
+// A hosted head's compute copy is the student: logprob on a head (fp32 master and copy, so
+// the copy is W itself) matches the reference over W, and its gradient goes to the step.
+TEST_F(LossKindsE2eTest, LogprobOnAHostedHeadMatchesTheReference) {
+  if (!Served(LossKind::kLogprob)) GTEST_SKIP() << "the CPU backend lacks logprob";
+  HeadSpec hs;
+  hs.name = "e2e-head";
+  hs.v = kV;
+  hs.h = kH;
+  hs.has_bias = true;
+  hs.master_dtype = DType::kF32;
+  hs.compute_dtype = DType::kF32;
+  HeadStore& heads = h_->engine().heads();
+  auto c = heads.BeginCreate(hs, "");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(heads.WriteCreate(*c->pending, HeadTensor::kMasterW, 0, rp_.w.data(), rp_.w.size())
+                  .ok());
+  ASSERT_TRUE(heads
+                  .WriteCreate(*c->pending, HeadTensor::kMasterBias, 0, rp_.bias.data(),
+                               rp_.bias.size())
+                  .ok());
+  ASSERT_TRUE(heads.CommitCreate(std::move(c->pending)).ok());
+  const std::vector<float> dlogp = Uniform(kBt, -1.0f, 1.0f, 15);
+  v1::ComputeHeader h = Header(v1::LOSS_KIND_LOGPROB);
+  h.clear_w();
+  h.clear_bias();
+  h.mutable_outputs()->set_dw(false);
+  h.mutable_outputs()->set_db(false);
+  h.set_head("e2e-head");
+  *h.mutable_dlogp() = F32Rows();
+  std::vector<v1::ComputeRequest> parts = PartsFor(rp_, kPartBytes, false);
+  AddRows(&parts, v1::TENSOR_DLOGP, dlogp);
+  ComputeReply r = RunCompute(h_->stub(), h, parts);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_TRUE(r.summary.head_added());
+  LogprobProblem lp;
+  lp.head = Head();
+  lp.targets = rp_.targets.data();
+  lp.dlogp = dlogp.data();
+  LogprobReferenceOutputs ref;
+  ASSERT_TRUE(LogprobReference(lp, &ref).ok());
+  const std::vector<float> logp = Floats(r.tensors[v1::TENSOR_LOGP]);
+  ASSERT_EQ(logp.size(), static_cast<size_t>(kBt));
+  for (int64_t i = 0; i < kBt; ++i) ExpectNear(logp[i], ref.logp[i], absl::StrCat("logp ", i));
+  EXPECT_LT(RelNormError(Floats(r.tensors[v1::TENSOR_DX]), ref.grad.dx), kTol);
+  EXPECT_EQ(r.tensors.count(v1::TENSOR_DW), 0u);  // into the head's step
 }
 
 // Policy's options of one case, on the wire and in the reference.
