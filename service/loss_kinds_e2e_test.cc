@@ -107,11 +107,14 @@ void ExpectLogprobMatches(ComputeReply& r, const LogprobReferenceOutputs& ref,
                           float grad_scale) {
   const std::vector<float> logp = Floats(r.tensors[v1::TENSOR_LOGP]);
   const std::vector<float> entropy = Floats(r.tensors[v1::TENSOR_ENTROPY]);
+  const std::vector<float> lse = Floats(r.tensors[v1::TENSOR_LSE]);
   ASSERT_EQ(logp.size(), static_cast<size_t>(kBt));
   ASSERT_EQ(entropy.size(), static_cast<size_t>(kBt));
+  ASSERT_EQ(lse.size(), static_cast<size_t>(kBt));
   double f = 0;
   for (int64_t i = 0; i < kBt; ++i) {
     ExpectNear(logp[i], ref.logp[i], absl::StrCat("logp[", i, "]"));
+    ExpectNear(lse[i], ref.lse[i], absl::StrCat("lse[", i, "] (at the temperature)"));
     ExpectNear(entropy[i], ref.entropy[i], absl::StrCat("entropy[", i, "]"));
     f += dlogp[i] * ref.logp[i] + dentropy[i] * ref.entropy[i];
   }
@@ -135,6 +138,7 @@ TEST_F(LossKindsE2eTest, LogprobMatchesTheReference) {
   *h.mutable_dlogp() = F32Rows();
   *h.mutable_dentropy() = F32Rows();
   h.mutable_outputs()->set_entropy(true);
+  h.mutable_outputs()->set_lse(true);
   h.mutable_options()->set_temperature(temperature);
   h.mutable_options()->set_softcap(softcap);
   h.mutable_options()->set_grad_scale(grad_scale);
