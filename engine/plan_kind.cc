@@ -135,7 +135,9 @@ absl::Status PlanTeacher(const ComputeSpec& spec, int64_t max_h, WeightCache& we
     const InputSlot slots[] = {InputSlot::kTeacherX, InputSlot::kTeacherW,
                                InputSlot::kTeacherBias};
     for (InputSlot s : slots) {
-      if (Input(spec, s).present) return OtherKinds(InputSlotName(s), LossKind::kDistill, spec.kind);
+      if (Input(spec, s).present) {
+        return OtherKinds(InputSlotName(s), LossKind::kDistill, spec.kind);
+      }
     }
     if (!spec.teacher_weight_handle.empty()) {
       return OtherKinds("teacher_weight_handle", LossKind::kDistill, spec.kind);

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/distill_reference.h"
 #include "kernels/cpu/logprob_reference.h"
 #include "kernels/cpu/policy_reference.h"
 #include "lossd/v1/lossd.grpc.pb.h"
@@ -304,6 +305,90 @@ TEST_F(LossKindsE2eTest, PolicyMatchesTheReferenceOverEveryLossTypeByHandleIntoA
     EXPECT_LT(RelNormError(db, ref.grad.db), kTol);
   }
   EXPECT_GT(clipped_cases, 0) << "a weak test: no ratio was clipped";
+}
+
+// Distill's cases: the teacher by handle or inline (with or without its bias), with or
+// without targets, plain or overlapped, over jsd_beta's two ends and the middle.
+struct DistillCase {
+  float jsd_beta;
+  bool by_handle, teacher_bias, targets, overlap;
+};
+
+TEST_F(LossKindsE2eTest, DistillMatchesTheReferenceWithTheTeacherByHandleOrInline) {
+  if (!Served(LossKind::kDistill)) GTEST_SKIP() << "the CPU backend lacks distill";
+  constexpr int64_t kHt = 12;
+  RandomProblemSpec ts = ShapeSpec(kBt, kHt, kV, DType::kF32);
+  ts.bias = true;
+  ts.seed = 78;
+  const RandomProblem teacher = RandomProblem::Make(ts);
+  std::string handle;
+  ASSERT_TRUE(PutWeights(h_->stub(), teacher, kPartBytes, &handle).ok());
+  const DistillCase cases[] = {{0.5f, true, true, true, false},
+                               {0.0f, false, true, false, true},
+                               {1.0f, false, false, true, true},
+                               {0.25f, true, true, false, false}};
+  const float temperature = 1.5f, grad_scale = 2.0f;
+  for (const DistillCase& c : cases) {
+    SCOPED_TRACE(absl::StrCat("jsd_beta ", c.jsd_beta, c.by_handle ? " by handle" : " inline",
+                              c.targets ? "" : " no targets", c.overlap ? " overlapped" : ""));
+    v1::ComputeHeader h = Header(v1::LOSS_KIND_DISTILL);
+    h.mutable_distill()->set_jsd_beta(c.jsd_beta);
+    h.mutable_options()->set_temperature(temperature);
+    h.mutable_options()->set_grad_scale(grad_scale);
+    h.set_overlap(c.overlap);
+    v1::TensorSpec tx;
+    tx.set_dtype(v1::DTYPE_FP32);
+    tx.add_shape(kBt);
+    tx.add_shape(kHt);
+    *h.mutable_teacher_x() = tx;
+    std::vector<v1::ComputeRequest> parts;
+    for (v1::ComputeRequest& m : PartsFor(rp_, kPartBytes)) {
+      if (c.targets || m.part().tensor() != v1::TENSOR_TARGETS) parts.push_back(std::move(m));
+    }
+    if (!c.targets) h.clear_targets();
+    auto add = [&](v1::TensorId id, const std::vector<uint8_t>& bytes) {
+      v1::ComputeRequest r;
+      r.mutable_part()->set_tensor(id);
+      r.mutable_part()->set_data(bytes.data(), bytes.size());
+      parts.push_back(std::move(r));
+    };
+    add(v1::TENSOR_TEACHER_X, teacher.x);
+    if (c.by_handle) {
+      h.set_teacher_weight_handle(handle);
+    } else {
+      v1::TensorSpec tw = tx;
+      tw.set_shape(0, kV);
+      *h.mutable_teacher_w() = tw;
+      add(v1::TENSOR_TEACHER_W, teacher.w);
+      if (c.teacher_bias) {
+        v1::TensorSpec tb;
+        tb.set_dtype(v1::DTYPE_FP32);
+        tb.add_shape(kV);
+        *h.mutable_teacher_bias() = tb;
+        add(v1::TENSOR_TEACHER_BIAS, teacher.bias);
+      }
+    }
+    ComputeReply r = RunCompute(h_->stub(), h, c.overlap ? XLast(parts) : parts);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+
+    DistillProblem dp;
+    dp.student = Head();
+    const LossProblem t = teacher.problem();
+    dp.teacher = HeadInputs{t.bt, t.h, t.v, t.dtype, t.x, t.w,
+                            c.by_handle || c.teacher_bias ? t.bias : nullptr};
+    dp.labels = c.targets ? rp_.targets.data() : nullptr;
+    dp.options.jsd_beta = c.jsd_beta;
+    dp.options.temperature = temperature;
+    dp.options.grad_scale = grad_scale;
+    DistillReferenceOutputs ref;
+    ASSERT_TRUE(DistillReference(dp, &ref).ok());
+    ExpectNear(r.summary.loss(), ref.loss, "loss");
+    EXPECT_GT(ref.loss, 0) << "a weak case: the two heads agree";
+    EXPECT_EQ(r.summary.tokens(), ref.tokens);
+    EXPECT_LT(RelNormError(Floats(r.tensors[v1::TENSOR_DX]), ref.grad.dx), kTol);
+    EXPECT_LT(RelNormError(Floats(r.tensors[v1::TENSOR_DW]), ref.grad.dw), kTol);
+    EXPECT_LT(RelNormError(Floats(r.tensors[v1::TENSOR_DB]), ref.grad.db), kTol);
+  }
 }
 
 }  // namespace

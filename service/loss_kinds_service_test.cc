@@ -253,19 +253,35 @@ TEST_F(LossKindsServiceTest, TheServiceRefusesNamingTheHeaderField) {
             "distill");
 }
 
-// The CPU backend refuses, naming itself, every kind it does not compute yet.
-TEST(LossKindsCpuServiceTest, AKindTheBackendLacksIsUnimplemented) {
-  Harness h;
-  const uint32_t served = h.engine().backend_info().loss_kinds;
+// A backend that computes cross-entropy alone: every other kind is UNIMPLEMENTED on the wire,
+// naming the backend, and ServerInfo lists no loss_kind feature.
+TEST(LossKindsCrossEntropyOnlyTest, TheOtherKindsAreUnimplementedNamingTheBackend) {
+  HarnessOptions o;
+  o.backend = [] {
+    return std::make_unique<KindsBackend>(LossKindBit(LossKind::kCrossEntropy),
+                                          std::make_shared<KindsSeen>());
+  };
+  Harness h(o);
   RandomProblem rp = RandomProblem::Make(ShapeSpec(kBt, kH, kV));
   for (v1::LossKind kind : {v1::LOSS_KIND_LOGPROB, v1::LOSS_KIND_POLICY, v1::LOSS_KIND_DISTILL}) {
-    if ((served & LossKindBit(static_cast<LossKind>(kind))) != 0) continue;
     v1::ComputeHeader header = HeaderFor(rp);
     header.set_kind(kind);
     ComputeReply r = RunCompute(h.stub(), header, PartsFor(rp, 4096));
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-    EXPECT_NE(r.status.error_message().find("this server's backend 'cpu' does not compute kind"),
-              std::string::npos) << r.status.error_message();
+    EXPECT_EQ(r.status.error_message(),
+              std::string("this server's backend 'kinds-fake' does not compute kind ") +
+                  LossKindName(static_cast<LossKind>(kind)) +
+                  " (it computes: cross_entropy; ServerInfo.features lists loss_kind_<name> "
+                  "for each)");
+  }
+  // Cross-entropy itself is computed.
+  ComputeReply ce = RunCompute(h.stub(), HeaderFor(rp), PartsFor(rp, 4096));
+  EXPECT_TRUE(ce.status.ok()) << ce.status.error_message();
+  grpc::ClientContext ctx;
+  v1::ServerInfoResponse info;
+  ASSERT_TRUE(h.stub().ServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
+  for (const std::string& f : info.features()) {
+    EXPECT_EQ(f.rfind("loss_kind_", 0), std::string::npos) << f;
   }
 }
 
