@@ -313,7 +313,10 @@ class HeadMethods:
             if t.get("master_bias") is not None:
                 state[s + "_bias"] = t.get(s + "_bias")
         return self.create_head(name or export.name, t["master_w"], t.get("master_bias"),
-                                optimizer=opt, compute_dtype=export.compute_dtype, state=state,
+                                optimizer=opt, compute_dtype=export.compute_dtype,
+                                # An optimizer without state (SGD without momentum) sends
+                                # none: the server refuses an empty state.
+                                state=state if opt.state_names() else None,
                                 version=export.version, optimizer_step=export.optimizer_step,
                                 timeout=timeout)
 
