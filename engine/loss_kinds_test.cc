@@ -165,6 +165,25 @@ TEST(LossKindsPlanTest, AKindTheBackendLacksIsUnimplementedNamingTheBackend) {
                "cross_entropy, logprob; ServerInfo.features lists loss_kind_<name> for each)");
 }
 
+// Admission counts a kind's own memory: the CPU backend's workspace for distill holds a chunk
+// of teacher logits beside the student's, and the inline teacher's bytes are host bytes.
+TEST(LossKindsPlanTest, AdmissionCountsTheKindsWorkspaceAndTheTeachersBytes) {
+  Engine e(NewCpuBackend(1), EngineOptions{});
+  RandomProblem rp = RandomProblem::Make(ShapeSpec(kBt, kH, kV));
+  ComputeSpec ce = ComputeSpecFor(rp);
+  ComputeSpec distill = ce;
+  distill.kind = LossKind::kDistill;
+  distill.inputs[static_cast<int>(InputSlot::kTeacherX)] = Desc(DType::kBF16, {kBt, kHt});
+  distill.inputs[static_cast<int>(InputSlot::kTeacherW)] = Desc(DType::kBF16, {kV, kHt});
+  auto a = e.Plan(ce);
+  auto b = e.Plan(distill);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_GT(b->workspace_bytes, a->workspace_bytes);
+  EXPECT_EQ(b->host_bytes - a->host_bytes, (kBt + kV) * kHt * 2u);
+  EXPECT_GT(b->flops(), a->flops());
+}
+
 TEST(LossKindsPlanTest, TheFeaturesNameEveryKindTheBackendComputes) {
   std::vector<std::string> ce = ServerFeatures(LossKindBit(LossKind::kCrossEntropy));
   EXPECT_EQ(ce, std::vector<std::string>(kServerFeatures.begin(), kServerFeatures.end()));
