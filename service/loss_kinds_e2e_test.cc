@@ -72,6 +72,14 @@ void ExpectNear(double got, double want, const std::string& what) {
   EXPECT_NEAR(got, want, kTol * (1 + std::abs(want))) << what;
 }
 
+// Policy's options of one case, on the wire and in the reference.
+struct PolicyCase {
+  v1::PolicyLossType wire;
+  PolicyLossType type;
+  float beta;
+  bool old, ref;
+};
+
 class LossKindsE2eTest : public SuiteHarness<LossKindsE2eTest> {
  protected:
   LossKindsE2eTest() : rp_(Make()) {}
@@ -98,6 +106,45 @@ class LossKindsE2eTest : public SuiteHarness<LossKindsE2eTest> {
     h.mutable_outputs()->set_dw(handle.empty());
     h.mutable_outputs()->set_db(handle.empty());
     return h;
+  }
+  // The header of policy case `c` over the student's W by `handle`, into accumulator `acc`.
+  v1::ComputeHeader PolicyHeader(const PolicyCase& c, const std::string& handle,
+                                 const std::string& acc) const {
+    v1::ComputeHeader h = Header(v1::LOSS_KIND_POLICY, handle);
+    h.set_accumulator(acc);
+    *h.mutable_advantages() = F32Rows();
+    if (c.old) *h.mutable_old_logp() = F32Rows();
+    if (c.ref) *h.mutable_ref_logp() = F32Rows();
+    v1::PolicyOptions* o = h.mutable_policy();
+    o->set_loss_type(c.wire);
+    o->set_beta(c.beta);
+    o->set_epsilon_high(0.28f);
+    o->set_sequences(3);
+    o->set_max_completion_length(10);
+    h.mutable_options()->set_temperature(0.9f);
+    h.mutable_options()->set_grad_scale(0.75f);
+    return h;
+  }
+
+  // The float64 reference of the same case.
+  absl::Status PolicyRef(const PolicyCase& c, const std::vector<float>& adv,
+                         const std::vector<float>& old_logp, const std::vector<float>& ref_logp,
+                         const std::vector<uint8_t>& mask, PolicyReferenceOutputs* ref) const {
+    PolicyProblem pp;
+    pp.head = Head();
+    pp.batch = 3;
+    pp.targets = rp_.targets.data();
+    pp.mask = mask.data();
+    pp.advantages = adv.data();
+    pp.old_logp = c.old ? old_logp.data() : nullptr;
+    pp.ref_logp = c.ref ? ref_logp.data() : nullptr;
+    pp.options.loss_type = c.type;
+    pp.options.beta = c.beta;
+    pp.options.epsilon_high = 0.28f;
+    pp.options.temperature = 0.9f;
+    pp.options.max_completion_length = 10;
+    pp.options.grad_scale = 0.75f;
+    return PolicyReference(pp, ref);
   }
   RandomProblem rp_;
 };
@@ -213,13 +260,6 @@ TEST_F(LossKindsE2eTest, LogprobOnAHostedHeadMatchesTheReference) {
   EXPECT_EQ(r.tensors.count(v1::TENSOR_DW), 0u);  // into the head's step
 }
 
-// Policy's options of one case, on the wire and in the reference.
-struct PolicyCase {
-  v1::PolicyLossType wire;
-  PolicyLossType type;
-  float beta;
-  bool old, ref;
-};
 
 TEST_F(LossKindsE2eTest, PolicyMatchesTheReferenceOverEveryLossTypeByHandleIntoAnAccumulator) {
   if (!Served(LossKind::kPolicy)) GTEST_SKIP() << "the CPU backend lacks policy";
@@ -252,19 +292,7 @@ TEST_F(LossKindsE2eTest, PolicyMatchesTheReferenceOverEveryLossTypeByHandleIntoA
   for (const PolicyCase& c : cases) {
     SCOPED_TRACE(PolicyLossTypeName(c.type));
     const std::string acc = absl::StrCat("policy-", PolicyLossTypeName(c.type));
-    v1::ComputeHeader h = Header(v1::LOSS_KIND_POLICY, handle);
-    h.set_accumulator(acc);
-    *h.mutable_advantages() = F32Rows();
-    if (c.old) *h.mutable_old_logp() = F32Rows();
-    if (c.ref) *h.mutable_ref_logp() = F32Rows();
-    v1::PolicyOptions* o = h.mutable_policy();
-    o->set_loss_type(c.wire);
-    o->set_beta(c.beta);
-    o->set_epsilon_high(0.28f);
-    o->set_sequences(3);
-    o->set_max_completion_length(10);
-    h.mutable_options()->set_temperature(0.9f);
-    h.mutable_options()->set_grad_scale(0.75f);
+    const v1::ComputeHeader h = PolicyHeader(c, handle, acc);
     std::vector<v1::ComputeRequest> parts = PartsFor(rp_, kPartBytes, false);
     AddRows(&parts, v1::TENSOR_ADVANTAGES, adv);
     if (c.old) AddRows(&parts, v1::TENSOR_OLD_LOGP, old_logp);
@@ -272,22 +300,8 @@ TEST_F(LossKindsE2eTest, PolicyMatchesTheReferenceOverEveryLossTypeByHandleIntoA
     ComputeReply r = RunCompute(h_->stub(), h, parts);
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
 
-    PolicyProblem pp;
-    pp.head = Head();
-    pp.batch = 3;
-    pp.targets = rp_.targets.data();
-    pp.mask = mask.data();
-    pp.advantages = adv.data();
-    pp.old_logp = c.old ? old_logp.data() : nullptr;
-    pp.ref_logp = c.ref ? ref_logp.data() : nullptr;
-    pp.options.loss_type = c.type;
-    pp.options.beta = c.beta;
-    pp.options.epsilon_high = 0.28f;
-    pp.options.temperature = 0.9f;
-    pp.options.max_completion_length = 10;
-    pp.options.grad_scale = 0.75f;
     PolicyReferenceOutputs ref;
-    ASSERT_TRUE(PolicyReference(pp, &ref).ok());
+    ASSERT_TRUE(PolicyRef(c, adv, old_logp, ref_logp, mask, &ref).ok());
     ExpectNear(r.summary.loss(), ref.loss, "loss");
     ExpectNear(r.summary.kl(), ref.has_kl ? ref.kl : 0.0, "kl");
     ExpectNear(r.summary.clip_fraction(), ref.clip_fraction, "clip_fraction");
