@@ -158,8 +158,8 @@ bool LossIsFinite(const ComputePlan& plan, const LossOutputs& out) {
 
 std::string OverflowMessage(const ComputePlan& plan) {
   if (plan.kind != LossKind::kCrossEntropy) {
-    return absl::StrCat("the loss of kind ", LossKindName(plan.kind),
-                        " is not finite: the logits X W^T (+ b) over the temperature (",
+    return absl::StrCat("the loss is not finite (kind ", LossKindName(plan.kind),
+                        "): the logits X W^T (+ b) over the temperature (",
                         plan.options.temperature, ") or the per-row inputs exceed fp32; scale "
                         "them down");
   }
