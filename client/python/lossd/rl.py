@@ -56,6 +56,15 @@ def _fp32(t):
     return None if t is None else t.detach().to(torch.float32).reshape(-1)
 
 
+def _once():
+    """Refuses backward(create_graph=True): the server's gradients carry no graph, so a
+    gradient penalty built on them would silently lose its second-order terms."""
+    if torch.is_grad_enabled():
+        raise errors.UnimplementedError(
+            "lossd.rl's losses are differentiable once: double backward (create_graph=True) "
+            "is not supported", method="rl")
+
+
 def _flat(hidden, ids):
     """(BT, H) hidden states and (BT) ids from (..., H) and (...)."""
     if hidden.dim() < 2:
@@ -86,6 +95,7 @@ class LossdLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlogp, dentropy):
+        _once()
         x, weight, bias, labels = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if (dlogp is None and dentropy is None) or not (need_dx or need_dw or need_db):
@@ -198,8 +208,8 @@ class _ScalarLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = ctx.grads
-        ctx.grads = None  # free them once used
+        _once()
+        grads = ctx.grads  # kept: a retained graph's second backward gives them again
         rest = (None,) * ctx.others
         if grad_loss is None:
             return (None, None, None) + rest

@@ -246,3 +246,21 @@ def test_frozen_weight_gets_no_gradient(backend):
     loss.backward()
     assert x.grad is not None and w.grad is None
     assert float(x.grad.abs().max()) > 0
+
+
+def test_retained_graph_and_double_backward():
+    runtime = LossdRuntime(client=ReferenceClient(), cache_weights=False)
+    x, w = leaves((B * S, H), (V, H), seed=51)
+    tx, tw = torch.randn(B * S, HT), torch.randn(V, HT)
+    loss = rl.LossdFusedLinearJSD(runtime=runtime)(x, w, tx, tw, None)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    expect_close("dx twice", x.grad, 2 * first, rtol=1e-6, atol=0)
+    ids = torch.randint(0, V, (B * S,))
+    logp = rl.logprobs_from_hidden(x, w, ids, runtime=runtime)
+    with pytest.raises(lossd.UnimplementedError, match="double backward"):
+        torch.autograd.grad(logp.sum(), x, create_graph=True)
+    loss = rl.LossdFusedLinearJSD(runtime=runtime)(x, w, tx, tw, None)
+    with pytest.raises(lossd.UnimplementedError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
