@@ -109,7 +109,7 @@ struct ComputeRequest {
   std::optional<HostTensor> w;              // (V, H) x's dtype; absent when weight_handle is set
   std::string weight_handle;                // from PutWeights (which carries its own bias)
   std::optional<HostTensor> bias;           // (V) x's dtype, inline weights only
-  HostTensor targets;                       // (BT) int32 or int64
+  HostTensor targets;  // (BT) int32 or int64; kDistill: may be left default (no rows ignored)
   std::optional<HostTensor> class_weights;  // (V) fp32
   std::optional<HostTensor> grad_output;    // (BT) fp32, reduction none only
   LossOptions options;                      // ignore_index, reduction, smoothing, z-loss, ...

@@ -181,9 +181,13 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
 
 }  // namespace
 
+bool HasTargets(const ComputeRequest& r) {
+  return r.kind != LossKind::kDistill || r.targets.rank() != 0 || r.targets.data() != nullptr;
+}
+
 absl::Status ValidateRequest(const ComputeRequest& r) {
   LOSSD_RETURN_IF_ERROR(r.x.Validate("x"));
-  LOSSD_RETURN_IF_ERROR(r.targets.Validate("targets"));
+  if (HasTargets(r)) LOSSD_RETURN_IF_ERROR(r.targets.Validate("targets"));
   if (r.x.rank() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("x must be (BT, H), got ", r.x.DebugString()));
   }
@@ -224,7 +228,7 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
   if (r.w.has_value()) FillSpec(*r.w, h->mutable_w());
   h->set_weight_handle(r.weight_handle);
   if (r.bias.has_value()) FillSpec(*r.bias, h->mutable_bias());
-  FillSpec(r.targets, h->mutable_targets());
+  if (HasTargets(r)) FillSpec(r.targets, h->mutable_targets());
   if (r.class_weights.has_value()) FillSpec(*r.class_weights, h->mutable_class_weights());
   if (r.grad_output.has_value()) FillSpec(*r.grad_output, h->mutable_grad_output());
   v1::LossOptions* o = h->mutable_options();
@@ -274,7 +278,7 @@ void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracke
   if (r.class_weights.has_value()) {
     AppendParts(v1::TENSOR_CLASS_WEIGHTS, *r.class_weights, pb, tracker, out, bytes);
   }
-  AppendParts(v1::TENSOR_TARGETS, r.targets, pb, tracker, out, bytes);
+  if (HasTargets(r)) AppendParts(v1::TENSOR_TARGETS, r.targets, pb, tracker, out, bytes);
   if (r.grad_output.has_value()) {
     AppendParts(v1::TENSOR_GRAD_OUTPUT, *r.grad_output, pb, tracker, out, bytes);
   }

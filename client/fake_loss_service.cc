@@ -125,7 +125,9 @@ grpc::Status FakeLossService::Compute(
   std::vector<int64_t> targets(bt);
   for (int64_t i = 0; i < bt; ++i) {
     const std::string& t = in.data[v1::TENSOR_TARGETS];
-    if (h.targets().dtype() == v1::DTYPE_INT32) {
+    if (!h.has_targets()) {  // distill without targets: every row counts
+      targets[i] = 0;
+    } else if (h.targets().dtype() == v1::DTYPE_INT32) {
       int32_t v;
       std::memcpy(&v, t.data() + 4 * i, 4);
       targets[i] = v;

@@ -181,6 +181,29 @@ TEST_F(LossClientTest, DistillSendsTheTeacherInline) {
   EXPECT_EQ(fake_.last_data[v1::TENSOR_TEACHER_BIAS], Bytes(*r.teacher_bias));
 }
 
+TEST_F(LossClientTest, DistillMayLeaveTheTargetsOut) {
+  auto client = Client(Options());
+  ComputeRequest r = SmallRequest(6, 5, 7);
+  r.want = WantedOutputs{};
+  r.want.dw = false;
+  r.targets = HostTensor();
+  r.kind = LossKind::kDistill;
+  r.teacher_x = RandomTensor(DType::kBF16, {6, 3}, 34);
+  r.teacher_w = RandomTensor(DType::kBF16, {7, 3}, 35);
+  ASSERT_TRUE(client->Compute(r).ok());
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_FALSE(fake_.last_header.has_targets());
+    EXPECT_EQ(fake_.last_parts.count(v1::TENSOR_TARGETS), 0u);
+  }
+  r.kind = LossKind::kLogprob;  // the other kinds need them
+  r.teacher_x.reset();
+  r.teacher_w.reset();
+  absl::StatusOr<ComputeResult> res = client->Compute(r);
+  ASSERT_FALSE(res.ok());
+  EXPECT_THAT(std::string(res.status().message()), HasSubstr("targets"));
+}
+
 TEST_F(LossClientTest, DistillNamesATeacherWeightHandle) {
   auto client = Client(Options());
   HostTensor tw = RandomTensor(DType::kBF16, {7, 3}, 41);
