@@ -386,7 +386,8 @@ class LossdFusedLinearJSD(torch.nn.Module):
     def forward(self, student_input, student_weight, teacher_input, teacher_weight,
                 shift_labels=None, student_bias=None, teacher_bias=None):
         x2 = student_input.reshape(-1, student_input.shape[-1])
-        tx = teacher_input.reshape(-1, teacher_input.shape[-1]).detach()
+        # The wire takes the teacher's hidden states in X's dtype (its head must be in it too).
+        tx = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(x2.dtype)
         labels = None if shift_labels is None else shift_labels.reshape(-1).to(torch.int64)
         runtime = _runtime(self.runtime, None)
         fp32 = self.accum_dtype == torch.float32
