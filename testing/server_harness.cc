@@ -62,7 +62,8 @@ Harness::Harness(HarnessOptions o) {
   if (o.engine.instance.empty()) o.engine.instance = absl::StrCat("test", counter++);
   o.service.instance = o.engine.instance;
   o.service.version = "test";
-  engine_ = std::make_unique<Engine>(NewCpuBackend(o.cpu_threads), o.engine);
+  engine_ = std::make_unique<Engine>(o.backend ? o.backend() : NewCpuBackend(o.cpu_threads),
+                                     o.engine);
   Engine* e = engine_.get();
   metrics_ = std::make_unique<ServerMetrics>([e] {
     StateSample s;

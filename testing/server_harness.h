@@ -4,6 +4,7 @@
 #ifndef LOSSD_TESTING_SERVER_HARNESS_H_
 #define LOSSD_TESTING_SERVER_HARNESS_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -25,6 +26,8 @@ struct HarnessOptions {
   EngineOptions engine;
   ServiceOptions service;
   int cpu_threads = 2;
+  // The backend; empty = a CPU backend of cpu_threads.
+  std::function<std::unique_ptr<Backend>()> backend;
   std::shared_ptr<grpc::ServerCredentials> server_credentials;  // null = plaintext
   bool reflection = false;  // LossServerOptions::reflection
   std::string health_address;  // LossServerOptions::health_address

@@ -29,6 +29,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_chunk.h"
 #include "kernels/cpu/cpu_convert.h"
+#include "kernels/cpu/cpu_kinds.h"
 #include "kernels/cpu/cpu_task_pool.h"
 #include "kernels/cpu/nonfinite_scan.h"
 #include "kernels/cpu/optimizer_step.h"
@@ -120,6 +121,7 @@ Plan MakePlan(const WorkspaceShape& s) {
   if (pl.dw_scratch) pl.bytes += v * h * f;
   pl.bytes += 3 * v * f;                    // bias, class weights, db in fp32
   pl.bytes += static_cast<uint64_t>(s.bt) * (sizeof(RowResult) + 2 * sizeof(double) + 8);
+  pl.bytes += KindExtraBytes(s, pl.chunk);
   return pl;
 }
 
@@ -164,6 +166,7 @@ BackendInfo CpuBackend::Info() {
   info.memory_peak_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->peak.load()));
   info.memory_held_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->held.load()));
   info.healthy = true;
+  info.loss_kinds = kCpuLossKinds;
   return info;
 }
 
@@ -358,6 +361,51 @@ uint32_t NonFiniteGradients(CpuTaskPool& pool, const LossProblem& p, const LossO
   return (dx_bad ? kNonFiniteDx : 0u) | (dw_bad ? kNonFiniteDw : 0u) |
          (db_bad ? kNonFiniteDb : 0u);
 }
+
+// The cross-entropy chunks and outputs (the gradients' narrowing aside), in `ws`.
+absl::Status ComputeCrossEntropy(CpuTaskPool& pool, const LossProblem& p, const LossOutputs& out,
+                                 const Plan& plan, CpuWorkspace& ws) {
+  const int64_t bt = p.bt, chunk = plan.chunk;
+  const LossOptions& o = p.options;
+  // Targets (each in [0, V) or ignored: validated): the non-ignored count and the
+  // class-weight sum (mean's denominators are needed before any gradient). -1 marks an
+  // ignored row below.
+  std::vector<int64_t> targets(bt);
+  int64_t tokens = 0;
+  double weight_sum = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
+    if (t == o.ignore_index) {
+      targets[i] = -1;
+      continue;
+    }
+    targets[i] = t;
+    ++tokens;
+    weight_sum += p.class_weights != nullptr ? p.class_weights[t] : 1.0;
+  }
+  double ce_scale = o.grad_scale, z_scale = o.grad_scale;
+  if (o.reduction == Reduction::kMean) {
+    ce_scale = weight_sum != 0 ? o.grad_scale / weight_sum : 0.0;
+    z_scale = tokens != 0 ? o.grad_scale / static_cast<double>(tokens) : 0.0;
+  }
+  double max_cw = 0;  // the weights' largest magnitude, for the gradient's scale
+  const RowPassParams rp =
+      MakeRowPassParams(p, plan, p.bias != nullptr ? ws.bias_f.data() : nullptr, &max_cw);
+  const double g_alpha = GradAlpha(p, targets, ce_scale, max_cw);
+
+  std::vector<RowResult> rows(bt);
+  const CpuChunkPass pass{p,       out,      pool,    ws,      rp,
+                          targets, ce_scale, z_scale, g_alpha, rows,
+                          plan.x_copy, plan.want_dx, plan.dx_scratch};
+  for (int64_t c0 = 0; c0 < bt; c0 += chunk) {
+    const int64_t rows_c = std::min(chunk, bt - c0);
+    const float* xc = nullptr;
+    LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
+    if (plan.want_grad) ChunkBackward(pass, c0, rows_c, xc);
+  }
+  WriteRowOutputs(p, out, rows, targets, tokens, weight_sum);
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::Status CpuBackend::CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
@@ -388,34 +436,13 @@ uint64_t CpuBackend::WorkspaceBytes(const WorkspaceShape& shape) {
 absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
                                  LossStats* stats) {
   const auto start = std::chrono::steady_clock::now();
+  // What this backend computes at all (the other kinds' rules included: checked here until the
+  // one validation covers them).
+  LOSSD_RETURN_IF_ERROR(CheckKindProblem(p, out));
   // The engine validated the problem (core/loss_problem_check.h); debug builds check again.
-  LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cpu backend");
+  if (p.kind == LossKind::kCrossEntropy) LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cpu backend");
   const Plan plan = MakePlan(ShapeOf(p, out));
-  const int64_t bt = p.bt, chunk = plan.chunk;
-  const LossOptions& o = p.options;
   CpuTaskPool& pool = *pool_;
-
-  // Targets (each in [0, V) or ignored: validated): the non-ignored count and the
-  // class-weight sum (mean's denominators are needed before any gradient). -1 marks an
-  // ignored row below.
-  std::vector<int64_t> targets(bt);
-  int64_t tokens = 0;
-  double weight_sum = 0;
-  for (int64_t i = 0; i < bt; ++i) {
-    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
-    if (t == o.ignore_index) {
-      targets[i] = -1;
-      continue;
-    }
-    targets[i] = t;
-    ++tokens;
-    weight_sum += p.class_weights != nullptr ? p.class_weights[t] : 1.0;
-  }
-  double ce_scale = o.grad_scale, z_scale = o.grad_scale;
-  if (o.reduction == Reduction::kMean) {
-    ce_scale = weight_sum != 0 ? o.grad_scale / weight_sum : 0.0;
-    z_scale = tokens != 0 ? o.grad_scale / static_cast<double>(tokens) : 0.0;
-  }
   memory_->Add(static_cast<int64_t>(plan.bytes));
   struct Release {
     CpuMemoryCounter* counter;
@@ -425,30 +452,20 @@ absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
 
   CpuWorkspace ws;
   LOSSD_RETURN_IF_ERROR(AllocateWorkspace(pool, p, out, plan, &ws));
-  double max_cw = 0;  // the weights' largest magnitude, for the gradient's scale
-  const RowPassParams rp =
-      MakeRowPassParams(p, plan, p.bias != nullptr ? ws.bias_f.data() : nullptr, &max_cw);
-  const double g_alpha = GradAlpha(p, targets, ce_scale, max_cw);
-
-  std::vector<RowResult> rows(bt);
-  const CpuChunkPass pass{p,       out,      pool,    ws,      rp,
-                          targets, ce_scale, z_scale, g_alpha, rows,
-                          plan.x_copy, plan.want_dx, plan.dx_scratch};
-  for (int64_t c0 = 0; c0 < bt; c0 += chunk) {
-    const int64_t rows_c = std::min(chunk, bt - c0);
-    const float* xc = nullptr;
-    LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
-    if (plan.want_grad) ChunkBackward(pass, c0, rows_c, xc);
+  if (p.kind == LossKind::kCrossEntropy) {
+    LOSSD_RETURN_IF_ERROR(ComputeCrossEntropy(pool, p, out, plan, ws));
+  } else {
+    const KindPassSetup setup{pool, ws, plan.chunk, plan.x_copy, plan.want_dx, plan.dx_scratch,
+                              plan.want_grad};
+    LOSSD_RETURN_IF_ERROR(ComputeKind(p, out, setup));
   }
-
-  WriteRowOutputs(p, out, rows, targets, tokens, weight_sum);
   FinishGradients(pool, p, out, plan, ws);
   if (stats != nullptr) {
     stats->nonfinite = NonFiniteGradients(pool, p, out);
     stats->compute_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stats->peak_extra_bytes = plan.bytes;
-    stats->chunk_rows = chunk;
+    stats->chunk_rows = plan.chunk;
   }
   return absl::OkStatus();
 }

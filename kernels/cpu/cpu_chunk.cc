@@ -57,6 +57,25 @@ void GemmRows(bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int
 
 }  // namespace
 
+void ChunkLogitsGemm(CpuTaskPool& pool, const float* xc, int64_t rows, int64_t h,
+                     const float* wf, int64_t v, float* z) {
+  // One task per block of V columns.
+  const int64_t v_block = VBlock(v), v_tasks = CeilDiv(v, v_block);
+  pool.Run(v_tasks, [&](int64_t task) {
+    const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
+    GemmRows(/*trans_b=*/true, rows, nj, h, xc, h, wf + j0 * h, h, z + j0, v);
+  });
+}
+
+void WidenRows(CpuTaskPool& pool, const void* src, DType t, int64_t r0, int64_t rows, int64_t h,
+               float* dst) {
+  pool.Run(CeilDiv(rows * h, kConvertBlock), [&](int64_t task) {
+    const int64_t first = task * kConvertBlock;
+    const int64_t n = std::min(kConvertBlock, rows * h - first);
+    WidenRange(src, t, r0 * h + first, n, dst + first);
+  });
+}
+
 // Rows [c0, c0 + rows_c): waits for them (overlapped path), z = X_c W^T in ws.z_buf, then the
 // row pass, which leaves G over z. *xc is set to X_c in fp32.
 absl::Status ChunkForward(const CpuChunkPass& c, int64_t c0, int64_t rows_c, const float** xc_out) {
@@ -72,21 +91,19 @@ absl::Status ChunkForward(const CpuChunkPass& c, int64_t c0, int64_t rows_c, con
   // X_c in fp32.
   const float* xc = static_cast<const float*>(p.x) + c0 * h;
   if (c.x_copy) {
-    c.pool.Run(CeilDiv(rows_c * h, kConvertBlock), [&](int64_t task) {
-      const int64_t first = task * kConvertBlock;
-      const int64_t n = std::min(kConvertBlock, rows_c * h - first);
-      WidenRange(p.x, p.dtype, c0 * h + first, n, c.ws.x_copy.data() + first);
-    });
+    WidenRows(c.pool, p.x, p.dtype, c0, rows_c, h, c.ws.x_copy.data());
     xc = c.ws.x_copy.data();
   }
   *xc_out = xc;
-  // z = X_c W^T; one task per block of V columns.
-  const int64_t v_block = VBlock(v), v_tasks = CeilDiv(v, v_block);
-  const float* wf = c.ws.wf;
-  c.pool.Run(v_tasks, [&](int64_t task) {
-    const int64_t j0 = task * v_block, nj = std::min(v_block, v - j0);
-    GemmRows(/*trans_b=*/true, rows_c, nj, h, xc, h, wf + j0 * h, h, z + j0, v);
-  });
+  ChunkLogitsGemm(c.pool, xc, rows_c, h, c.ws.wf, v, z);
+  if (c.before_rows) c.before_rows(c0, rows_c);
+  if (c.row) {
+    c.pool.Run(CeilDiv(rows_c, kPassRows), [&](int64_t task) {
+      const int64_t r_end = std::min(rows_c, (task + 1) * kPassRows);
+      for (int64_t r = task * kPassRows; r < r_end; ++r) c.row(c0 + r, z + r * v);
+    });
+    return absl::OkStatus();
+  }
   // Row pass: + b and the rounding to the input dtype, then loss, lse, argmax and G over z.
   c.pool.Run(CeilDiv(rows_c, kPassRows), [&](int64_t task) {
     const int64_t r_end = std::min(rows_c, (task + 1) * kPassRows);

@@ -9,9 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "kernels/cpu/cpu_task_pool.h"
 #include "kernels/cpu/row_pass.h"
@@ -64,6 +66,13 @@ struct CpuChunkPass {
   // From the backend's plan: X_c is widened into ws.x_copy; dX is wanted; dX_c goes through
   // ws.dx_scratch (a 16-bit dX).
   bool x_copy, want_dx, dx_scratch;
+  // The other loss kinds (kernels/cpu/cpu_kinds.h). before_rows: run after the chunk's logits
+  // GEMM and before its rows (distill: the teacher's logits). row: replaces the cross-entropy
+  // row pass (rp, targets and rows unused); called once per row i with its z (V), from any
+  // thread, and leaves G over z when a gradient is wanted.
+  std::function<void(int64_t c0, int64_t rows_c)> before_rows = nullptr;
+  using RowFn = std::function<void(int64_t i, float* z)>;
+  RowFn row = nullptr;
 };
 
 // Rows [c0, c0 + rows_c) of the problem: waits for them (overlapped path), z = X_c W^T in
@@ -71,6 +80,15 @@ struct CpuChunkPass {
 // c.rows. *xc is set to X_c in fp32 (the caller's X or ws.x_copy). An error is the row
 // stream's.
 absl::Status ChunkForward(const CpuChunkPass& c, int64_t c0, int64_t rows_c, const float** xc);
+
+// z (rows x V, row-major) = X_c W^T for X_c (rows x H) and W (V x H) in fp32, in tasks of V
+// columns; the logits GEMM of every kind, exposed for distillation's teacher.
+void ChunkLogitsGemm(CpuTaskPool& pool, const float* xc, int64_t rows, int64_t h,
+                     const float* wf, int64_t v, float* z);
+
+// dst (rows x H fp32) = rows [r0, r0 + rows) of src (dtype t, H wide), in parallel blocks.
+void WidenRows(CpuTaskPool& pool, const void* src, DType t, int64_t r0, int64_t rows, int64_t h,
+               float* dst);
 
 // dX_c = G W, dW += G^T X_c and db += colsum G for the chunk at c0, from G in ws.z_buf and
 // xc = X_c in fp32 (ChunkForward's), each added in a fixed order.

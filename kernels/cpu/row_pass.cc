@@ -7,34 +7,10 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/cpu_convert.h"
+#include "kernels/cpu/row_math.h"
 
 namespace lossd {
 namespace {
-
-// exp(x) for x <= 0 (every argument here is z - max or z - lse), to about 1 ulp, in a form
-// the compiler vectorises: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial
-// (Cephes' coefficients), 2^n put into the exponent bits. Below -87 (where exp underflows to
-// a denormal) it returns about 1e-38 instead of 0; a NaN stays NaN.
-inline float ExpNonPositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  // Round to nearest by adding and subtracting 1.5 * 2^23 (vectorises, unlike nearbyint).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // n is NaN when x is; converting a NaN to int is undefined, so feed 0 (p stays NaN).
-  const int32_t e = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, 4);
-  return p * scale;
-}
-
-constexpr int kLanes = 16;  // independent fp32 partial sums: vectorisable, and more accurate
 
 // The helpers below are inlined into each instruction-set variant of RowPass (always_inline:
 // a call would run the baseline x86-64 code), so they vectorise as the one function did.

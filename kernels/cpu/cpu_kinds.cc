@@ -1,0 +1,420 @@
+#include "kernels/cpu/cpu_kinds.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "core/status_macros.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_chunk.h"
+#include "kernels/cpu/cpu_convert.h"
+#include "kernels/cpu/kind_rows.h"
+
+namespace lossd {
+namespace {
+
+// One row's results.
+struct KindRow {
+  double logp = 0, entropy = 0, lse = 0;
+  double loss = 0, kl = 0;  // policy: w_i l_i and kl_i; distill: the row's divergence
+  int64_t argmax = 0;
+  bool clipped = false;  // policy
+};
+constexpr uint64_t kKindRowBytes = sizeof(KindRow);
+
+absl::Status Refuse(const LossProblem& p, const std::string& what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("cpu backend: ", what, " (loss kind ", LossKindName(p.kind), ")"));
+}
+
+// The cross-entropy-only inputs and options, refused for the other kinds.
+absl::Status CheckNoCrossEntropyOptions(const LossProblem& p) {
+  const LossOptions& o = p.options;
+  if (p.class_weights != nullptr) return Refuse(p, "class_weights are cross-entropy only");
+  if (p.grad_output != nullptr) return Refuse(p, "grad_output is cross-entropy only");
+  if (o.reduction != Reduction::kMean) {
+    return Refuse(p, absl::StrCat("options.reduction must be mean (the default), got ",
+                                  static_cast<int>(o.reduction)));
+  }
+  if (o.label_smoothing != 0.0f) {
+    return Refuse(p, absl::StrCat("options.label_smoothing must be 0, got ", o.label_smoothing));
+  }
+  if (o.z_loss_scale != 0.0f) {
+    return Refuse(p, absl::StrCat("options.lse_square_scale must be 0, got ", o.z_loss_scale));
+  }
+  if (o.token_scaling) return Refuse(p, "options.token_scaling is cross-entropy only");
+  if (!(o.temperature > 0.0f) || !std::isfinite(o.temperature)) {
+    return Refuse(p, absl::StrCat("options.temperature must be finite and > 0, got ",
+                                  o.temperature));
+  }
+  return absl::OkStatus();
+}
+
+// Each kind's own inputs, refused for the others.
+absl::Status CheckOtherKindsInputs(const LossProblem& p) {
+  const struct {
+    bool present;
+    LossKind owner;
+    const char* name;
+  } inputs[] = {{p.dlogp != nullptr, LossKind::kLogprob, "dlogp"},
+                {p.dentropy != nullptr, LossKind::kLogprob, "dentropy"},
+                {p.advantages != nullptr, LossKind::kPolicy, "advantages"},
+                {p.old_logp != nullptr, LossKind::kPolicy, "old_logp"},
+                {p.ref_logp != nullptr, LossKind::kPolicy, "ref_logp"},
+                {p.teacher_x != nullptr, LossKind::kDistill, "teacher_x"},
+                {p.teacher_w != nullptr, LossKind::kDistill, "teacher_w"},
+                {p.teacher_bias != nullptr, LossKind::kDistill, "teacher_bias"}};
+  for (const auto& in : inputs) {
+    if (in.present && in.owner != p.kind) {
+      return Refuse(p, absl::StrCat(in.name, " is an input of loss kind ",
+                                    LossKindName(in.owner), " only"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPolicy(const LossProblem& p, const LossOutputs& out) {
+  const PolicyParams& o = p.policy;
+  if (out.entropy != nullptr) return Refuse(p, "the entropy output is logprob's only");
+  const int32_t type = static_cast<int32_t>(o.loss_type);
+  if (type < 0 || type > static_cast<int32_t>(PolicyLossType::kDrGrpo)) {
+    return Refuse(p, absl::StrCat("policy.loss_type ", type, " is not dapo, grpo, bnpo or dr_grpo"));
+  }
+  if (p.bt > 0 && p.advantages == nullptr) return Refuse(p, "advantages must be non-null");
+  for (const auto& [name, value] : {std::make_pair("epsilon_low", o.epsilon_low),
+                                    std::make_pair("epsilon_high", o.epsilon_high),
+                                    std::make_pair("beta", o.beta)}) {
+    if (!(value >= 0.0f) || !std::isfinite(value)) {
+      return Refuse(p, absl::StrCat("policy.", name, " must be finite and >= 0, got ", value));
+    }
+  }
+  if (o.sequences <= 0 || p.bt % o.sequences != 0) {
+    return Refuse(p, absl::StrCat("policy.sequences must be > 0 and divide the row count ",
+                                  p.bt, ", got ", o.sequences));
+  }
+  if (o.loss_type == PolicyLossType::kDrGrpo ? o.max_completion_length <= 0
+                                             : o.max_completion_length < 0) {
+    return Refuse(p, absl::StrCat("policy.max_completion_length must be > 0 with loss_type "
+                                  "dr_grpo (>= 0 otherwise), got ", o.max_completion_length));
+  }
+  if (!(o.dapo_normalizer >= 0) || !std::isfinite(o.dapo_normalizer)) {
+    return Refuse(p, absl::StrCat("policy.dapo_normalizer must be finite and >= 0, got ",
+                                  o.dapo_normalizer));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDistill(const LossProblem& p, const LossOutputs& out) {
+  if (!(p.distill.jsd_beta >= 0.0f && p.distill.jsd_beta <= 1.0f)) {
+    return Refuse(p, absl::StrCat("distill.jsd_beta must be in [0, 1], got ", p.distill.jsd_beta));
+  }
+  if (p.options.softcap != 0.0f) {
+    return Refuse(p, absl::StrCat("options.softcap must be 0, got ", p.options.softcap));
+  }
+  if (p.teacher_h <= 0) return Refuse(p, absl::StrCat("teacher_h must be > 0, got ", p.teacher_h));
+  if (p.teacher_w == nullptr || (p.bt > 0 && p.teacher_x == nullptr)) {
+    return Refuse(p, "teacher_x and teacher_w must be non-null");
+  }
+  if (p.teacher_w_memory != Memory::kHost && p.teacher_w_memory != Memory::kBackend) {
+    return Refuse(p, absl::StrCat("teacher_w_memory ", static_cast<int>(p.teacher_w_memory),
+                                  " is unknown"));
+  }
+  if (out.logp != nullptr || out.entropy != nullptr) {
+    return Refuse(p, "the logp and entropy outputs are not computed for distill");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckKindProblem(const LossProblem& p, const LossOutputs& out) {
+  const int32_t kind = static_cast<int32_t>(p.kind);
+  if (kind < 0 || kind >= kLossKinds) {
+    return absl::InvalidArgumentError(absl::StrCat("cpu backend: loss kind ", kind, " is unknown"));
+  }
+  if ((kCpuLossKinds & LossKindBit(p.kind)) == 0) {
+    return Refuse(p, "this loss kind is not computed by the cpu backend");
+  }
+  LOSSD_RETURN_IF_ERROR(CheckOtherKindsInputs(p));
+  if (p.kind == LossKind::kCrossEntropy) {
+    if (p.options.temperature != 1.0f) {
+      return Refuse(p, absl::StrCat("options.temperature must be 1, got ", p.options.temperature));
+    }
+    return absl::OkStatus();
+  }
+  LOSSD_RETURN_IF_ERROR(CheckNoCrossEntropyOptions(p));
+  if (p.kind != LossKind::kDistill && p.bt > 0 && p.targets == nullptr) {
+    return Refuse(p, "targets must be non-null");
+  }
+  if (p.targets != nullptr && p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
+    return Refuse(p, absl::StrCat("targets: dtype must be int32 or int64, got ",
+                                  DTypeName(p.target_dtype)));
+  }
+  if (p.kind == LossKind::kPolicy) return CheckPolicy(p, out);
+  if (p.kind == LossKind::kDistill) return CheckDistill(p, out);
+  return absl::OkStatus();
+}
+
+uint64_t KindExtraBytes(const WorkspaceShape& s, int64_t chunk) {
+  if (s.kind == LossKind::kCrossEntropy) return 0;
+  // Per row: its results (KindRow below) and its target.
+  uint64_t bytes = static_cast<uint64_t>(s.bt) * (kKindRowBytes + 9);
+  if (s.kind == LossKind::kPolicy) bytes += static_cast<uint64_t>(s.bt) * 8;  // row weights
+  if (s.kind == LossKind::kDistill) {
+    const uint64_t c = chunk, v = s.v, th = s.teacher_h, f = sizeof(float);
+    bytes += c * v * f;  // the teacher's logits chunk
+    bytes += v * f;      // its bias in fp32
+    if (s.dtype != DType::kF32) bytes += v * th * f + c * th * f;  // its W and X chunk in fp32
+  }
+  return bytes;
+}
+
+namespace {
+
+// The power of two the GEMMs' alpha carries instead of the stored G (as for cross-entropy):
+// the largest per-row scale of G, within 2^[-100, 100].
+double AlphaOf(double max_scale) {
+  return std::clamp(PowerOfTwoAbove(max_scale), std::ldexp(1.0, -100), std::ldexp(1.0, 100));
+}
+
+// Policy's row weights: each row's normaliser by loss type, 0 where masked (target ignored).
+std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_t>& counted,
+                                  int64_t tokens) {
+  const PolicyParams& o = p.policy;
+  const int64_t bt = p.bt, seq = bt / o.sequences;
+  const double b = static_cast<double>(o.sequences);
+  std::vector<int64_t> per_seq(o.sequences, 0);
+  for (int64_t i = 0; i < bt; ++i) per_seq[i / seq] += counted[i];
+  std::vector<double> w(bt, 0.0);
+  for (int64_t i = 0; i < bt; ++i) {
+    if (!counted[i]) continue;
+    switch (o.loss_type) {
+      case PolicyLossType::kGrpo:
+        w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[i / seq])));
+        break;
+      case PolicyLossType::kBnpo:
+        w[i] = 1.0 / std::max(1.0, static_cast<double>(tokens));
+        break;
+      case PolicyLossType::kDrGrpo:
+        w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
+        break;
+      case PolicyLossType::kDapo:
+        w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
+                                                         : static_cast<double>(tokens));
+        break;
+    }
+  }
+  return w;
+}
+
+// Row i's policy terms from its log-prob: the loss l_i, kl_i, whether it is clipped, and
+// dl_i/dlogp_i (in double, as the reference; on a clamp bound r A gets half the gradient).
+void PolicyTerms(const LossProblem& p, int64_t i, double logp, KindRow* row, double* dlogp) {
+  const PolicyParams& o = p.policy;
+  const double a = p.advantages[i];
+  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+  const double r = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
+  const double c = std::clamp(r, lo, hi);
+  double loss = -std::min(r * a, c * a);
+  row->clipped = (r < lo && a < 0) || (r > hi && a > 0);
+  const double share = row->clipped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+  *dlogp = -share * a * r;
+  if (o.beta != 0.0f && p.ref_logp != nullptr) {
+    const double d = p.ref_logp[i] - logp;
+    row->kl = std::exp(d) - d - 1.0;
+    loss += o.beta * row->kl;
+    *dlogp += o.beta * (1.0 - std::exp(d));
+  }
+  row->loss = loss;
+}
+
+// The teacher's head for distill: W and bias in fp32, and per chunk its X in fp32 and logits.
+struct Teacher {
+  FloatBuffer w_copy, bias_f, x_copy, z;
+  const float* wf = nullptr;
+};
+
+absl::Status SetUpTeacher(const LossProblem& p, const KindPassSetup& k, Teacher* t) {
+  const int64_t th = p.teacher_h, v = p.v;
+  auto oom = [](const char* what, uint64_t n) {
+    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: out of host memory for ",
+                                                     what, " (", n * 4, " bytes)"));
+  };
+  t->wf = static_cast<const float*>(p.teacher_w);
+  if (p.dtype != DType::kF32) {
+    if (!t->w_copy.Allocate(v * th)) return oom("the teacher's W in fp32", v * th);
+    ParallelWiden(k.pool, p.teacher_w, p.dtype, v * th, t->w_copy.data());
+    t->wf = t->w_copy.data();
+    if (!t->x_copy.Allocate(k.chunk * th)) return oom("the teacher's X chunk", k.chunk * th);
+  }
+  if (p.teacher_bias != nullptr) {
+    if (!t->bias_f.Allocate(v)) return oom("the teacher's bias", v);
+    WidenRange(p.teacher_bias, p.dtype, 0, v, t->bias_f.data());
+  }
+  if (!t->z.Allocate(k.chunk * v)) return oom("the teacher's logits chunk", k.chunk * v);
+  return absl::OkStatus();
+}
+
+// The per-row outputs and the reductions, in row order.
+void WriteKindOutputs(const LossProblem& p, const LossOutputs& out,
+                      const std::vector<KindRow>& rows, const std::vector<uint8_t>& counted,
+                      int64_t tokens) {
+  const int64_t bt = p.bt;
+  double total = 0, kl = 0;
+  int64_t clipped = 0, correct = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    const KindRow& r = rows[i];
+    if (out.lse != nullptr) out.lse[i] = static_cast<float>(r.lse);
+    if (out.predictions != nullptr) out.predictions[i] = r.argmax;
+    if (out.logp != nullptr) out.logp[i] = counted[i] ? static_cast<float>(r.logp) : 0.0f;
+    if (out.entropy != nullptr) out.entropy[i] = counted[i] ? static_cast<float>(r.entropy) : 0.0f;
+    if (!counted[i]) continue;
+    if (p.targets != nullptr && LoadAsInt(p.targets, p.target_dtype, i) == r.argmax) ++correct;
+    kl += r.kl;
+    clipped += r.clipped ? 1 : 0;
+    if (p.kind == LossKind::kLogprob) {
+      const double dlogp = p.dlogp != nullptr ? p.dlogp[i] : 0.0;
+      const double dentropy = p.dentropy != nullptr ? p.dentropy[i] : 0.0;
+      total += dlogp * r.logp + dentropy * r.entropy;
+    } else {
+      total += r.loss;
+    }
+  }
+  const double n = std::max(1.0, static_cast<double>(tokens));
+  double loss = total;
+  if (p.kind == LossKind::kLogprob) loss = static_cast<double>(p.options.grad_scale) * total;
+  if (p.kind == LossKind::kDistill) loss = tokens != 0 ? total / static_cast<double>(tokens) : 0.0;
+  if (out.loss != nullptr) out.loss[0] = static_cast<float>(loss);
+  if (out.z_loss != nullptr) out.z_loss[0] = 0.0f;
+  const bool policy = p.kind == LossKind::kPolicy;
+  if (out.kl != nullptr) out.kl[0] = policy && p.policy.beta != 0.0f ? kl / n : 0.0f;
+  if (out.clip_fraction != nullptr) out.clip_fraction[0] = policy ? clipped / n : 0.0f;
+  if (out.accuracy != nullptr) out.accuracy[0] = tokens != 0 ? correct / n : 0.0f;
+  if (out.tokens != nullptr) out.tokens[0] = tokens;
+}
+
+}  // namespace
+
+absl::Status ComputeKind(const LossProblem& p, const LossOutputs& out, const KindPassSetup& k) {
+  const int64_t bt = p.bt, v = p.v;
+  const LossOptions& o = p.options;
+  const double gs = o.grad_scale, inv_t = 1.0 / static_cast<double>(o.temperature);
+  // counted: the rows that count (target != ignore_index; distill without targets: all).
+  std::vector<int64_t> tg(bt, -1);
+  std::vector<uint8_t> counted(bt, 1);
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (p.targets != nullptr) {
+      const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
+      counted[i] = t != o.ignore_index;
+      if (counted[i] && p.kind != LossKind::kDistill) tg[i] = t;
+    }
+    tokens += counted[i];
+  }
+  const KindRowParams kp{v, p.dtype, p.bias != nullptr ? k.ws.bias_f.data() : nullptr,
+                         o.softcap, o.temperature};
+  std::vector<KindRow> rows(bt);
+  std::vector<double> weight;
+  double max_scale = 0;  // the largest |dF/dlogp| (or its like) of a row, for the alpha
+  for (int64_t i = 0; i < bt; ++i) {
+    if (!counted[i]) continue;
+    if (p.kind == LossKind::kLogprob) {
+      max_scale = std::max(max_scale, std::abs(p.dlogp != nullptr ? double{p.dlogp[i]} : 0.0) +
+                                          std::abs(p.dentropy != nullptr ? double{p.dentropy[i]} : 0.0));
+    }
+  }
+  if (p.kind == LossKind::kPolicy) {
+    weight = PolicyWeights(p, counted, tokens);
+    for (int64_t i = 0; i < bt; ++i) {
+      if (counted[i]) {
+        max_scale = std::max(max_scale, weight[i] * (std::abs(double{p.advantages[i]}) +
+                                                     double{p.policy.beta}));
+      }
+    }
+  }
+  if (p.kind == LossKind::kDistill) max_scale = tokens != 0 ? 1.0 / tokens : 0.0;
+  const double alpha = AlphaOf(std::abs(gs) * max_scale * inv_t);
+  const double g_scale = gs / alpha;  // the upstream gradient, the alpha taken out
+  const bool want_entropy =
+      out.entropy != nullptr || (p.kind == LossKind::kLogprob && p.dentropy != nullptr);
+
+  auto head_row = [&](int64_t i, float* z, double dlogp, double dentropy) {
+    const int64_t t = tg[i];
+    const HeadRowStats s = HeadRowForward(kp, z, t, want_entropy && t >= 0);
+    KindRow& r = rows[i];
+    r.lse = s.lse;
+    r.argmax = s.argmax;
+    if (t < 0) {
+      if (k.want_grad) std::fill(z, z + v, 0.0f);
+      return;
+    }
+    r.logp = s.logp;
+    r.entropy = s.entropy;
+    if (p.kind == LossKind::kPolicy) {
+      PolicyTerms(p, i, s.logp, &r, &dlogp);
+      r.loss *= weight[i];
+      dlogp *= weight[i];
+    }
+    if (k.want_grad) WriteLogprobGradient(kp, z, t, s, g_scale * dlogp, g_scale * dentropy);
+  };
+
+  Teacher teacher;
+  KindRowParams tkp = kp;
+  int64_t chunk_start = 0;
+  CpuChunkPass::RowFn row_fn;
+  std::function<void(int64_t, int64_t)> before_rows;
+  if (p.kind == LossKind::kDistill) {
+    LOSSD_RETURN_IF_ERROR(SetUpTeacher(p, k, &teacher));
+    tkp.bias = p.teacher_bias != nullptr ? teacher.bias_f.data() : nullptr;
+    before_rows = [&](int64_t c0, int64_t rows_c) {
+      const int64_t th = p.teacher_h;
+      const float* xt = static_cast<const float*>(p.teacher_x) + c0 * th;
+      if (p.dtype != DType::kF32) {
+        WidenRows(k.pool, p.teacher_x, p.dtype, c0, rows_c, th, teacher.x_copy.data());
+        xt = teacher.x_copy.data();
+      }
+      ChunkLogitsGemm(k.pool, xt, rows_c, th, teacher.wf, v, teacher.z.data());
+      chunk_start = c0;
+    };
+    const double kd = tokens != 0 ? g_scale / static_cast<double>(tokens) : 0.0;
+    row_fn = [&](int64_t i, float* z) {
+      float* zt = teacher.z.data() + (i - chunk_start) * v;
+      const DistillRowResult d =
+          DistillRow(kp, tkp, z, zt, p.distill.jsd_beta, kd, k.want_grad && counted[i]);
+      KindRow& r = rows[i];
+      r.lse = d.lse;
+      r.argmax = d.argmax;
+      r.loss = counted[i] ? d.divergence : 0.0;
+      if (k.want_grad && !counted[i]) std::fill(z, z + v, 0.0f);
+    };
+  } else {
+    row_fn = [&](int64_t i, float* z) {
+      head_row(i, z, p.dlogp != nullptr ? p.dlogp[i] : 0.0,
+               p.dentropy != nullptr ? p.dentropy[i] : 0.0);
+    };
+  }
+
+  // The cross-entropy fields of the pass are unused with a row function.
+  const RowPassParams unused_rp;
+  std::vector<RowResult> unused_rows;
+  CpuChunkPass pass{p,   out, k.pool, k.ws, unused_rp, tg, 0.0, 0.0, alpha, unused_rows,
+                    k.x_copy, k.want_dx, k.dx_scratch};
+  pass.before_rows = before_rows;
+  pass.row = row_fn;
+  for (int64_t c0 = 0; c0 < bt; c0 += k.chunk) {
+    const int64_t rows_c = std::min(k.chunk, bt - c0);
+    const float* xc = nullptr;
+    LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
+    if (k.want_grad) ChunkBackward(pass, c0, rows_c, xc);
+  }
+  WriteKindOutputs(p, out, rows, counted, tokens);
+  return absl::OkStatus();
+}
+
+}  // namespace lossd

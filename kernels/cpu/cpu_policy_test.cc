@@ -1,0 +1,326 @@
+// The CPU backend's policy kind against its float64 reference (kernels/cpu/policy_reference.h)
+// over shapes x dtypes x loss types and options, with the tolerance table below; determinism
+// and what the backend refuses.
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/kind_test_util.h"
+#include "kernels/cpu/logprob_reference.h"
+#include "kernels/cpu/policy_reference.h"
+#include "kernels/cpu/reference_head.h"
+#include "testing/test_util.h"
+
+namespace lossd {
+namespace {
+
+struct Shape {
+  const char* name;
+  int64_t bt, h, v, sequences;
+};
+const Shape kShapes[] = {{"tiny", 2, 3, 5, 2},
+                         {"bt1", 1, 16, 37, 1},
+                         {"odd", 47, 31, 123, 1},
+                         {"medium", 256, 128, 1000, 4}};
+
+struct Case {
+  const char* name;
+  PolicyLossType type = PolicyLossType::kDapo;
+  float eps_low = 0.2f, eps_high = 0.2f, beta = 0.04f;
+  float temperature = 1, cap = 0, grad_scale = 1;
+  bool old_logp = true, ref_logp = true, bias = false, grad_f32 = false, accumulate = false;
+  double ignore = 0.15, dapo_normalizer = 0;
+  int64_t max_completion_length = 0, chunk_rows = 0;
+};
+
+std::vector<Case> Cases() {
+  std::vector<Case> cs;
+  Case c;
+  c.name = "dapo";
+  cs.push_back(c);
+  c = Case();
+  c.name = "grpo_t07";
+  c.type = PolicyLossType::kGrpo;
+  c.temperature = 0.7f;
+  c.ignore = 0.3;
+  c.eps_high = 0.28f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "bnpo_no_old";  // ratio 1
+  c.type = PolicyLossType::kBnpo;
+  c.old_logp = false;
+  c.beta = 0.1f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "dr_grpo_softcap_bias";
+  c.type = PolicyLossType::kDrGrpo;
+  c.max_completion_length = 64;
+  c.cap = 5;
+  c.bias = true;
+  cs.push_back(c);
+  c = Case();
+  c.name = "dapo_normalizer_no_kl";
+  c.dapo_normalizer = 100;
+  c.beta = 0;
+  c.ref_logp = false;
+  cs.push_back(c);
+  c = Case();
+  c.name = "eps0_no_old";  // r = 1 sits on both bounds: half the gradient
+  c.eps_low = c.eps_high = 0;
+  c.old_logp = false;
+  cs.push_back(c);
+  c = Case();
+  c.name = "accumulate_chunked_f32";
+  c.type = PolicyLossType::kGrpo;
+  c.accumulate = c.grad_f32 = c.bias = true;
+  c.grad_scale = 0.5f;
+  c.chunk_rows = 9;
+  cs.push_back(c);
+  return cs;
+}
+
+// One random policy problem and its reference. The old log-probs put log r_i at one of
+// -0.7, -0.05, 0.05, 0.6 (+- 0.02): at least 0.1 from either clip bound, further than the
+// 16-bit logits' rounding moves log p, so clipping is decided alike.
+struct PolicySetup {
+  PolicySetup(const Shape& s, DType dtype, const Case& c, uint64_t seed)
+      : random(RandomProblem::Make(Spec(s, dtype, c, seed))) {
+    problem = random.problem();
+    head = HeadInputs{s.bt, s.h, s.v, dtype, problem.x, problem.w, problem.bias};
+    advantages = RandomFloats(s.bt, -1.5f, 1.5f, seed + 1);
+    mask.assign(s.bt, 1);
+    for (int64_t i = 0; i < s.bt; ++i) {
+      mask[i] = LoadAsInt(problem.targets, problem.target_dtype, i) != problem.options.ignore_index;
+    }
+    // The current log-probs, for old and reference ones near them.
+    LogprobProblem lp;
+    lp.head = head;
+    lp.targets = problem.targets;
+    lp.target_dtype = problem.target_dtype;
+    lp.options = {c.temperature, c.cap, problem.options.ignore_index};
+    LogprobReferenceOutputs cur;
+    status = LogprobReference(lp, &cur);
+    const std::vector<float> pick = RandomFloats(s.bt, 0.0f, 4.0f, seed + 2);
+    const std::vector<float> jitter = RandomFloats(s.bt, -0.02f, 0.02f, seed + 3);
+    const std::vector<float> ref_d = RandomFloats(s.bt, -0.5f, 0.5f, seed + 4);
+    const float log_r[4] = {-0.7f, -0.05f, 0.05f, 0.6f};
+    for (int64_t i = 0; i < s.bt; ++i) {
+      old_logp.push_back(static_cast<float>(cur.logp[i]) - log_r[static_cast<int>(pick[i])] - jitter[i]);
+      ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
+    }
+    problem.kind = LossKind::kPolicy;
+    problem.options.temperature = c.temperature;
+    problem.options.grad_scale = c.grad_scale;
+    problem.options.chunk_rows = c.chunk_rows;
+    problem.advantages = advantages.data();
+    problem.old_logp = c.old_logp ? old_logp.data() : nullptr;
+    problem.ref_logp = c.ref_logp ? ref_logp.data() : nullptr;
+    problem.policy = {c.type, c.eps_low, c.eps_high, c.beta, s.sequences, c.max_completion_length,
+                      c.dapo_normalizer};
+    PolicyProblem pp;
+    pp.head = head;
+    pp.batch = s.sequences;
+    pp.targets = problem.targets;
+    pp.target_dtype = problem.target_dtype;
+    pp.mask = mask.data();
+    pp.advantages = problem.advantages;
+    pp.old_logp = problem.old_logp;
+    pp.ref_logp = problem.ref_logp;
+    pp.options = {c.type, c.eps_low, c.eps_high, c.beta, c.temperature, c.cap,
+                  c.max_completion_length, c.dapo_normalizer, c.grad_scale};
+    if (status.ok()) status = PolicyReference(pp, &ref);
+    logits = ComputeRawLogits(head);
+  }
+  static RandomProblemSpec Spec(const Shape& s, DType dtype, const Case& c, uint64_t seed) {
+    RandomProblemSpec spec;
+    spec.bt = s.bt;
+    spec.h = s.h;
+    spec.v = s.v;
+    spec.dtype = dtype;
+    spec.bias = c.bias;
+    spec.options.softcap = c.cap;
+    spec.ignore_fraction = s.bt > 1 ? c.ignore : 0;
+    spec.seed = seed;
+    return spec;
+  }
+  RandomProblem random;
+  LossProblem problem;
+  HeadInputs head;
+  std::vector<float> advantages, old_logp, ref_logp;
+  std::vector<uint8_t> mask;
+  PolicyReferenceOutputs ref;
+  absl::Status status;
+  RawLogits logits;
+};
+
+// Every output against the reference. Per row, b_i = 4 u a_i / T bounds the error of logp_i
+// (as for logprob: a_i = max_j |u_ij|, 2x margin on 2 u a_i / T). The loss moves by
+// w_i |dl_i/dlogp_i| b_i per row, dl/dlogp = -A r s + beta (1 - exp(ref - logp)), bounded by
+// |A| r + beta |1 - exp(ref - logp)|; the KL metric by |1 - exp(ref - logp)| b_i / N; clipping
+// is decided alike (PolicySetup), so clip_fraction matches to fp32. Gradients: relative norm
+// GradientTolerance(g_rel = 4 u rms(a) / T + the coefficients' relative error): the softmax's
+// error, and each row's coefficient moving by its slope times logp's error (where its two
+// terms nearly cancel, far more than logp's relative error).
+::testing::AssertionResult MatchesPolicyReference(const PolicySetup& s, const Case& c,
+                                                  const KindOutputs& got) {
+  const LossProblem& p = s.problem;
+  const PolicyReferenceOutputs& ref = s.ref;
+  const double u = UnitRoundoff(p.dtype), inv_t = 1.0 / c.temperature;
+  std::string err;
+  auto check = [&](const std::string& what, double g, double r, double bound) {
+    if (!(std::abs(g - r) <= bound + 1e-5 * (1 + std::abs(r)))) {
+      absl::StrAppend(&err, what, " = ", g, " vs ", r, " (bound ", bound, ")\n");
+    }
+  };
+  if (got.tokens != ref.tokens) absl::StrAppend(&err, "tokens ", got.tokens, "\n");
+  const double n = std::max<double>(1, ref.tokens);
+  double loss_bound = 0, kl_bound = 0, coef_err = 0, coef_sum = 0;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    const double b = 4 * u * s.logits.abs_max[i] * inv_t;
+    if (!ArgmaxAcceptable(s.logits, p.v, i, got.predictions[i], u)) {
+      absl::StrAppend(&err, "predictions[", i, "] = ", got.predictions[i], "\n");
+    }
+    if (!s.mask[i]) {
+      check(absl::StrCat("logp[", i, "] (masked)"), got.logp[i], 0.0, 0.0);
+      continue;
+    }
+    check(absl::StrCat("logp[", i, "]"), got.logp[i], ref.logp[i], b);
+    const double kl_slope =
+        p.ref_logp != nullptr ? std::abs(1 - std::exp(p.ref_logp[i] - ref.logp[i])) : 0.0;
+    const double w = c.type == PolicyLossType::kDrGrpo
+                         ? 1.0 / (p.policy.sequences * c.max_completion_length)
+                         : 1.0;  // the others' weights are at most 1
+    loss_bound += w * (std::abs(p.advantages[i]) * ref.ratio[i] + c.beta * kl_slope) * b;
+    kl_bound += kl_slope * b / n;
+    // The row's coefficient dl/dlogp and its error from logp's (b_i, and fp32's on lse):
+    // where its two terms nearly cancel, its relative error is far above logp's.
+    const double a = p.advantages[i], r = ref.ratio[i];
+    const double lo = 1 - c.eps_low, hi = 1 + c.eps_high;
+    const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
+    const double share = clipped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+    const double e_d = p.ref_logp != nullptr && c.beta != 0
+                           ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
+    coef_sum += std::abs(-share * a * r + c.beta * (1 - e_d));
+    coef_err += (std::abs(a) * r * share + c.beta * e_d) *
+                (b + 1e-6 * (1 + std::abs(got.lse[i])));
+  }
+  check("loss", got.loss[0], ref.loss, loss_bound);
+  check("kl", got.kl, ref.kl, kl_bound);
+  check("clip_fraction", got.clip_fraction, ref.clip_fraction, 0.0);
+  const double coef_rel = coef_sum > 0 ? coef_err / coef_sum : 0.0;
+  const double tol =
+      GradientTolerance(p, got.grad_dtype, 4 * u * Rms(s.logits.abs_max) * inv_t + coef_rel);
+  ::testing::AssertionResult grads = GradientsMatch(p, got, ref.grad, 1.0, tol);
+  if (!grads) absl::StrAppend(&err, grads.message());
+  if (!err.empty()) return ::testing::AssertionFailure() << err;
+  return ::testing::AssertionSuccess()
+         << "loss " << got.loss[0] << " vs " << ref.loss << ", clip_fraction "
+         << got.clip_fraction << ", kl " << got.kl << "\n" << grads.message();
+}
+
+KindOutputs PolicyOutputs(const LossProblem& p, DType grad_dtype, bool accumulate = false) {
+  KindOutputs out(p, grad_dtype, accumulate);
+  out.want_entropy = false;  // logprob's only
+  return out;
+}
+
+using Param = std::tuple<Shape, DType, Case>;
+class CpuPolicyMatrixTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(CpuPolicyMatrixTest, MatchesReference) {
+  const auto& [shape, dtype, c] = GetParam();
+  const PolicySetup s(shape, dtype, c, 5000 + shape.bt * 7 + static_cast<int>(dtype));
+  ASSERT_TRUE(s.status.ok()) << s.status;
+  KindOutputs got = PolicyOutputs(s.problem, c.grad_f32 ? DType::kF32 : dtype, c.accumulate);
+  std::unique_ptr<Backend> backend = NewCpuBackend(2);
+  LossStats stats;
+  const absl::Status st = backend->Compute(s.problem, got.outputs(), &stats);
+  ASSERT_TRUE(st.ok()) << st;
+  const ::testing::AssertionResult match = MatchesPolicyReference(s, c, got);
+  EXPECT_TRUE(match);
+  if (match) std::cout << match.message();
+  EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(s.problem, got.outputs())));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, CpuPolicyMatrixTest,
+    ::testing::Combine(::testing::ValuesIn(kShapes),
+                       ::testing::Values(DType::kBF16, DType::kF16, DType::kF32),
+                       ::testing::ValuesIn(Cases())),
+    [](const ::testing::TestParamInfo<Param>& info) {
+      return std::string(std::get<0>(info.param).name) + "_" +
+             std::string(DTypeName(std::get<1>(info.param))) + "_" + std::get<2>(info.param).name;
+    });
+
+TEST(CpuPolicyTest, ClippingHappensOnBothSidesInTheMatrix) {
+  // The matrix's data must exercise both clipped branches and the unclipped one, or the
+  // clip-fraction comparison could pass with the clipping wrong.
+  const PolicySetup s(kShapes[3], DType::kF32, Cases()[0], 5000 + 256 * 7 + 2);
+  ASSERT_TRUE(s.status.ok());
+  EXPECT_GT(s.ref.clip_fraction, 0.05);
+  EXPECT_LT(s.ref.clip_fraction, 0.6);
+}
+
+TEST(CpuPolicyTest, BitIdenticalAtAnyThreadCountAndOnRerun) {
+  const PolicySetup s(kShapes[3], DType::kBF16, Cases()[1], 21);
+  ASSERT_TRUE(s.status.ok());
+  KindOutputs first = PolicyOutputs(s.problem, DType::kBF16);
+  ASSERT_TRUE(NewCpuBackend(1)->Compute(s.problem, first.outputs(), nullptr).ok());
+  std::unique_ptr<Backend> three = NewCpuBackend(3);
+  for (int run = 0; run < 2; ++run) {
+    KindOutputs again = PolicyOutputs(s.problem, DType::kBF16);
+    ASSERT_TRUE(three->Compute(s.problem, again.outputs(), nullptr).ok());
+    EXPECT_TRUE(KindOutputsIdentical(first, again)) << "run " << run;
+  }
+}
+
+TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
+  const PolicySetup s(kShapes[3], DType::kF32, Cases()[0], 22);
+  ASSERT_TRUE(s.status.ok());
+  std::unique_ptr<Backend> backend = NewCpuBackend(1);
+  const std::vector<float> ones(s.problem.bt, 1.0f);
+  struct Bad {
+    const char* field;
+    std::function<void(LossProblem&)> edit;
+    bool want_entropy = false;
+  };
+  const Bad bad[] = {
+      {"advantages", [](LossProblem& p) { p.advantages = nullptr; }},
+      {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 3; }},
+      {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 0; }},
+      {"policy.loss_type", [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(7); }},
+      {"policy.epsilon_low", [](LossProblem& p) { p.policy.epsilon_low = -0.1f; }},
+      {"policy.beta", [](LossProblem& p) { p.policy.beta = INFINITY; }},
+      {"policy.max_completion_length",
+       [](LossProblem& p) { p.policy.loss_type = PolicyLossType::kDrGrpo; }},
+      {"policy.dapo_normalizer", [](LossProblem& p) { p.policy.dapo_normalizer = -1; }},
+      {"dlogp", [&](LossProblem& p) { p.dlogp = ones.data(); }},
+      {"teacher_w", [&](LossProblem& p) { p.teacher_w = ones.data(); }},
+      {"options.reduction", [](LossProblem& p) { p.options.reduction = Reduction::kNone; }},
+      {"entropy", [](LossProblem&) {}, true},
+  };
+  for (const Bad& b : bad) {
+    LossProblem p = s.problem;
+    b.edit(p);
+    KindOutputs got = PolicyOutputs(p, DType::kF32);
+    got.want_entropy = b.want_entropy;
+    const absl::Status st = backend->Compute(p, got.outputs(), nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.field << ": " << st;
+    EXPECT_NE(std::string(st.message()).find(b.field), std::string::npos) << st;
+  }
+}
+
+}  // namespace
+}  // namespace lossd

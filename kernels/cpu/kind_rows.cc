@@ -1,0 +1,175 @@
+#include "kernels/cpu/kind_rows.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "kernels/cpu/cpu_convert.h"
+#include "kernels/cpu/row_math.h"
+
+namespace lossd {
+namespace {
+
+// Inlined into each instruction-set variant of its caller (a call would run baseline code).
+#define LOSSD_ROW_INLINE inline __attribute__((always_inline))
+
+// z = softcap(round(u + b)) / T in place: the logits a GPU stores (u + b in the input dtype),
+// then the softcap and the temperature in fp32.
+LOSSD_ROW_INLINE void MakeLogits(const KindRowParams& kp, float* z) {
+  const int64_t v = kp.v;
+  if (kp.bias != nullptr) {
+    for (int64_t j = 0; j < v; ++j) z[j] += kp.bias[j];
+  }
+  RoundInPlace(z, v, kp.dtype);
+  if (kp.cap > 0) {
+    const float cap = kp.cap, inv = 1.0f / kp.cap;
+    for (int64_t j = 0; j < v; ++j) z[j] = cap * std::tanh(z[j] * inv);
+  }
+  if (kp.temperature != 1.0f) {
+    const float inv_t = 1.0f / kp.temperature;
+    for (int64_t j = 0; j < v; ++j) z[j] *= inv_t;
+  }
+}
+
+// Max (first index reaching it) and log sum_j exp(z_j - max), in kLanes partial sums.
+LOSSD_ROW_INLINE void MaxAndLogSum(const float* z, int64_t v, HeadRowStats* s) {
+  float m = z[0];
+  int64_t arg = 0;
+  for (int64_t j = 1; j < v; ++j) {
+    if (z[j] > m) {
+      m = z[j];
+      arg = j;
+    }
+  }
+  float acc[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += ExpNonPositive(z[j + l] - m);
+  }
+  for (int l = 0; j < v; ++j, ++l) acc[l] += ExpNonPositive(z[j] - m);
+  double sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  s->max = m;
+  s->argmax = arg;
+  s->log_sum = static_cast<float>(std::log(sum));
+  s->lse = m + std::log(sum);
+}
+
+#undef LOSSD_ROW_INLINE
+
+}  // namespace
+
+LOSSD_CPU_TARGET_CLONES
+HeadRowStats HeadRowForward(const KindRowParams& kp, float* z, int64_t t, bool want_entropy) {
+  const int64_t v = kp.v;
+  HeadRowStats s;
+  MakeLogits(kp, z);
+  MaxAndLogSum(z, v, &s);
+  if (t >= 0) s.logp = static_cast<double>(z[t]) - s.lse;
+  if (t >= 0 && want_entropy) {
+    // H = sum_j p_j (-log p_j): every term >= 0, so no cancellation against lse.
+    const float m = s.max, ls = s.log_sum;
+    float acc[kLanes] = {0};
+    int64_t j = 0;
+    for (; j + kLanes <= v; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float lp = (z[j + l] - m) - ls;
+        acc[l] -= ExpNonPositive(lp) * lp;
+      }
+    }
+    for (int l = 0; j < v; ++j, ++l) {
+      const float lp = (z[j] - m) - ls;
+      acc[l] -= ExpNonPositive(lp) * lp;
+    }
+    double h = 0;
+    for (int l = 0; l < kLanes; ++l) h += acc[l];
+    s.entropy = h;
+  }
+  return s;
+}
+
+LOSSD_CPU_TARGET_CLONES
+void WriteLogprobGradient(const KindRowParams& kp, float* z, int64_t t, const HeadRowStats& s,
+                          double a, double e) {
+  const int64_t v = kp.v;
+  const double inv_t = 1.0 / static_cast<double>(kp.temperature);
+  const float af = static_cast<float>(a * inv_t), ef = static_cast<float>(e * inv_t);
+  const float eh = static_cast<float>(e * inv_t * s.entropy);
+  const float m = s.max, ls = s.log_sum;
+  // The softcap's 1 - tanh^2, tanh = softcap(u) / cap = z T / cap, from the logit before it
+  // is overwritten; 1 without a softcap.
+  const float tc = kp.cap > 0 ? kp.temperature / kp.cap : 0.0f;
+  const float th_t = z[t] * tc, f_t = 1.0f - th_t * th_t;
+  if (ef == 0.0f && eh == 0.0f) {
+    for (int64_t j = 0; j < v; ++j) {
+      const float th = z[j] * tc;
+      z[j] = -af * ExpNonPositive((z[j] - m) - ls) * (1.0f - th * th);
+    }
+  } else {
+    for (int64_t j = 0; j < v; ++j) {
+      const float lp = (z[j] - m) - ls, th = z[j] * tc;
+      z[j] = -ExpNonPositive(lp) * (af + ef * lp + eh) * (1.0f - th * th);
+    }
+  }
+  z[t] += af * f_t;
+  RoundInPlace(z, v, kp.dtype);
+}
+
+// The terms of one logit's divergence: its share of the row and d = d row / d log q_j.
+// beta 0 forward KL, 1 reverse KL, else the generalised JSD through M = beta P + (1 - beta) Q
+// (log M from the larger of the two logs, so a tiny M does not underflow).
+struct JsdTerm {
+  float row, d, q;
+};
+inline __attribute__((always_inline)) JsdTerm Jsd(float lq, float lp, float beta, int mode) {
+  const float q = ExpNonPositive(lq), p = ExpNonPositive(lp);
+  if (mode == 0) return {p * (lp - lq), -p, q};
+  if (mode == 1) return {q * (lq - lp), q * ((lq - lp) + 1.0f), q};
+  const float mx = lp > lq ? lp : lq;
+  const float lm =
+      mx + std::log(beta * ExpNonPositive(lp - mx) + (1.0f - beta) * ExpNonPositive(lq - mx));
+  const float dq = (1.0f - beta) * q * (lq - lm);
+  return {beta * p * (lp - lm) + dq, dq, q};
+}
+
+LOSSD_CPU_TARGET_CLONES
+DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher,
+                            float* zs, float* zt, double jsd_beta, double k, bool want_grad) {
+  const int64_t v = student.v;
+  HeadRowStats ss, ts;
+  MakeLogits(student, zs);
+  MaxAndLogSum(zs, v, &ss);
+  MakeLogits(teacher, zt);
+  MaxAndLogSum(zt, v, &ts);
+  const int mode = jsd_beta == 0.0 ? 0 : jsd_beta == 1.0 ? 1 : 2;
+  const float beta = static_cast<float>(jsd_beta);
+  const float ms = ss.max, lss = ss.log_sum, mt = ts.max, lst = ts.log_sum;
+  // The row's divergence and sum_k d_k, in kLanes partial sums.
+  float row[kLanes] = {0}, dsum[kLanes] = {0};
+  for (int64_t j = 0; j < v; ++j) {
+    const JsdTerm r = Jsd((zs[j] - ms) - lss, (zt[j] - mt) - lst, beta, mode);
+    row[j % kLanes] += r.row;
+    dsum[j % kLanes] += r.d;
+  }
+  DistillRowResult res;
+  double d_total = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    res.divergence += row[l];
+    d_total += dsum[l];
+  }
+  res.lse = ss.lse;
+  res.argmax = ss.argmax;
+  if (!want_grad) return res;
+  // d row / d z_j = d_j - q_j sum_k d_k (through the student's log-softmax), then 1/T.
+  const float kf = static_cast<float>(k / static_cast<double>(student.temperature));
+  const float ds = static_cast<float>(d_total);
+  for (int64_t j = 0; j < v; ++j) {
+    const JsdTerm r = Jsd((zs[j] - ms) - lss, (zt[j] - mt) - lst, beta, mode);
+    zs[j] = kf * (r.d - r.q * ds);
+  }
+  RoundInPlace(zs, v, student.dtype);
+  return res;
+}
+
+}  // namespace lossd

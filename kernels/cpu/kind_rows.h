@@ -1,0 +1,64 @@
+// The CPU backend's row functions for the loss kinds beyond cross-entropy (logprob, policy,
+// distill; core/loss_problem.h): for one row of x W^T in fp32, the stored logits (bias, the
+// rounding to the input dtype, softcap, 1/T), their log-sum-exp and what each kind needs of
+// them, and G = dL/du (u: the raw logits) written over the row, rounded to the input dtype.
+// Pure arithmetic on one row, as row_pass is: no allocation, no other row read, and results
+// that do not depend on the instruction set (no FMA contraction).
+#ifndef LOSSD_KERNELS_CPU_KIND_ROWS_H_
+#define LOSSD_KERNELS_CPU_KIND_ROWS_H_
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace lossd {
+
+// Per-head constants: the student's, or (distill) the teacher's with its own bias.
+struct KindRowParams {
+  int64_t v = 0;
+  DType dtype = DType::kBF16;
+  const float* bias = nullptr;  // (V) fp32, null = none
+  float cap = 0;                // softcap, 0 = off (applied before 1/T, as the references do)
+  float temperature = 1;        // T
+};
+
+// One row's logits statistics, from HeadRowForward.
+struct HeadRowStats {
+  double lse = 0;      // log sum_j exp z_j, z = softcap(u) / T
+  float max = 0;       // max_j z_j
+  float log_sum = 0;   // log sum_j exp(z_j - max), so log p_j = (z_j - max) - log_sum
+  int64_t argmax = 0;  // first index reaching the max
+  double logp = 0;     // z_t - lse (t >= 0)
+  double entropy = 0;  // -sum_j p_j log p_j (when asked)
+};
+
+// Turns z (V) from x W^T in fp32 into the row's logits z = softcap(round(u + b)) / T in place
+// and returns their statistics; logp for t >= 0, the entropy when want_entropy.
+HeadRowStats HeadRowForward(const KindRowParams& kp, float* z, int64_t t, bool want_entropy);
+
+// Overwrites the logits z (HeadRowForward's) with the gradient of a logp_t + e H over the raw
+// logits u, rounded to the input dtype:
+//   g_j = (a ([j = t] - p_j) - e p_j (log p_j + H)) / T * (1 - tanh^2)   (tanh: the softcap's)
+// `a` and `e` carry every scale but 1/T (the upstream gradient, the GEMMs' alpha taken out);
+// with e != 0, s must hold the entropy (HeadRowForward's want_entropy). t >= 0.
+void WriteLogprobGradient(const KindRowParams& kp, float* z, int64_t t, const HeadRowStats& s,
+                          double a, double e);
+
+// What DistillRow reports.
+struct DistillRowResult {
+  double divergence = 0;  // the row's generalised JSD
+  double lse = 0;         // the student's
+  int64_t argmax = 0;     // the student's
+};
+
+// One distillation row: zs (V) the student's x W^T, zt (V) the teacher's, both in fp32 and
+// turned into their logits in place (no softcap); the row's divergence at jsd_beta (the
+// reference's three cases), and, when want_grad, zs overwritten with k * d row / d u (u: the
+// student's raw logits, so 1/T is applied here; k carries 1 / tokens, the upstream gradient and
+// the GEMMs' alpha), rounded to the input dtype.
+DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher,
+                            float* zs, float* zt, double jsd_beta, double k, bool want_grad);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_KIND_ROWS_H_

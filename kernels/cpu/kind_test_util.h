@@ -1,0 +1,74 @@
+// Test helpers for the loss kinds beyond cross-entropy (logprob, policy, distill) against their
+// float64 references: poisoned output buffers with every kind's outputs, random per-token
+// inputs, the logits' sizes the tolerances are made of, and the gradients' comparison.
+#ifndef LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
+#define LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "kernels/cpu/reference_head.h"
+
+namespace lossd {
+
+// Host output buffers of every kind, poisoned (NaN floats, 0xFF bytes) on creation, so an
+// element a backend never writes fails every comparison. Accumulators start at random values
+// (accum_start) instead: what a backend adds to them is got - accum_start.
+class KindOutputs {
+ public:
+  KindOutputs(const LossProblem& p, DType grad_dtype, bool accumulate = false);
+  LossOutputs outputs();  // views of the buffers below
+  DType grad_dtype;
+  bool accumulate;
+  bool want_logp = true, want_entropy = true;  // logp / entropy given to the backend
+  std::vector<float> loss, lse, logp, entropy;
+  std::vector<int64_t> predictions;
+  float accuracy = 0, kl = 0, clip_fraction = 0;
+  int64_t tokens = 0;
+  std::vector<uint8_t> dx, dw, db;          // grad_dtype
+  std::vector<float> dw_accum, db_accum;    // fp32
+  std::vector<float> dw_start, db_start;    // the accumulators' random start
+};
+
+// n values uniform in [lo, hi), from `seed`.
+std::vector<float> RandomFloats(int64_t n, float lo, float hi, uint64_t seed);
+// n values ~ N(0, std^2) stored in dtype t, from `seed`.
+std::vector<uint8_t> RandomStored(int64_t n, double std, DType t, uint64_t seed);
+
+// The raw logits u = x_i W^T + b of a head in double from the stored inputs, and their sizes.
+struct RawLogits {
+  std::vector<double> u;        // (BT, V)
+  std::vector<double> abs_max;  // (BT) max_j |u_ij|
+  std::vector<int64_t> argmax;  // (BT) first index of the max
+};
+RawLogits ComputeRawLogits(const HeadInputs& head);
+
+// Whether `got` is an acceptable argmax of row i: the max itself, or a logit within the two
+// logits' rounding (relative u to the stored logits, 2 u abs_max_i, plus fp32 slack) of it.
+bool ArgmaxAcceptable(const RawLogits& l, int64_t v, int64_t i, int64_t got, double u);
+// sqrt(mean of squares).
+double Rms(const std::vector<double>& v);
+
+// The unit roundoff of a stored value of dtype t: bf16 2^-8, fp16 2^-11, fp32 2^-24.
+double UnitRoundoff(DType t);
+
+// The relative-norm tolerance of a gradient whose G has relative error g_rel from the stored
+// logits' rounding: 2 g_rel (2x margin on the first-order bound) + G's storage rounding 2u + the gradient dtype's grad_u + fp32 arithmetic and the
+// GEMMs' 4 sqrt(max(V, BT)) 2^-24.
+double GradientTolerance(const LossProblem& p, DType grad_dtype, double g_rel);
+
+// dx, dw and db (or the accumulators, less their start) of `got` against `ref` scaled by
+// `scale`, each by relative norm within `tol`, every element finite; the result's message
+// carries every comparison's numbers.
+::testing::AssertionResult GradientsMatch(const LossProblem& p, const KindOutputs& got,
+                                          const HeadGradients& ref, double scale, double tol);
+
+// Every output buffer of a and b byte for byte.
+::testing::AssertionResult KindOutputsIdentical(const KindOutputs& a, const KindOutputs& b);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
