@@ -24,6 +24,14 @@ RTOL, ATOL = 1e-4, 1e-5
 B, S, H, V, HT = 4, 6, 16, 40, 12
 
 
+def needs(*kinds):
+    """The loss kinds a test's server backend must compute (else it is skipped)."""
+    def mark(fn):
+        fn.lossd_kinds = kinds
+        return fn
+    return mark
+
+
 @pytest.fixture(params=["reference", "server"])
 def backend(request):
     """(a LossdRuntime factory, the ReferenceClient or None)."""
@@ -32,7 +40,7 @@ def backend(request):
         return (lambda: LossdRuntime(client=fake, cache_weights=False)), fake
     client = request.getfixturevalue("client")
     features = set(client.server_info().features)
-    missing = [k for k in ("logprob", "policy", "distill") if "loss_kind_" + k not in features]
+    missing = [k for k in request.function.lossd_kinds if "loss_kind_" + k not in features]
     if missing:
         pytest.skip("the server does not compute loss kinds %s" % ", ".join(missing))
     return (lambda: LossdRuntime(client=client, cache_weights=True)), None
@@ -69,6 +77,7 @@ def expect_grads(pairs):
             expect_close(name, got.grad, ref.grad)
 
 
+@needs("logprob")
 @pytest.mark.parametrize("with_bias, temperature", [(False, 1.0), (True, 0.7)])
 def test_fused_linear_for_ppo_values_and_gradients(backend, with_bias, temperature):
     make, fake = backend
@@ -93,6 +102,7 @@ def test_fused_linear_for_ppo_values_and_gradients(backend, with_bias, temperatu
         assert fake.calls[1]["has_dlogp"] and fake.calls[1]["temperature"] == temperature
 
 
+@needs("logprob")
 def test_logprobs_and_entropy_from_hidden(backend):
     make, fake = backend
     runtime = make()
@@ -126,6 +136,7 @@ def ratios_away_from_bounds(n, eps_low, eps_high, seed):
     return torch.from_numpy(r)
 
 
+@needs("policy")
 @pytest.mark.parametrize("loss_type, beta, with_old, with_bias", [
     ("dapo", 0.04, True, False), ("grpo", 0.0, True, True), ("bnpo", 0.1, False, False),
     ("dr_grpo", 0.04, True, False), ("dapo", 0.0, False, True)])
@@ -171,6 +182,7 @@ def test_grpo_loss_matches_torch(backend, loss_type, beta, with_old, with_bias):
         assert call["has_ref"] == (beta != 0)
 
 
+@needs("policy", "logprob")
 def test_grpo_dapo_normalizer_and_ref_from_a_reference_head(backend):
     make, fake = backend
     x3, w = leaves((B, S, H), (V, H), seed=21, scale=0.7)
@@ -208,6 +220,7 @@ def test_grpo_refuses_what_it_does_not_compute(kw, message):
         rl.LossdFusedLinearGRPOLoss(client=ReferenceClient(), **kw)
 
 
+@needs("distill")
 @pytest.mark.parametrize("jsd_beta, labels, with_bias, temperature", [
     (0.5, "some ignored", False, 1.0), (0.0, None, True, 2.0), (1.0, "some ignored", False, 1.0),
     (0.25, "all kept", True, 0.8)])
@@ -237,6 +250,7 @@ def test_jsd_matches_torch(backend, jsd_beta, labels, with_bias, temperature):
         assert fake.calls[-1]["distill"] == {"jsd_beta": jsd_beta}
 
 
+@needs("distill")
 def test_frozen_weight_gets_no_gradient(backend):
     make, _ = backend
     x = leaves((B * S, H), seed=41)[0]
