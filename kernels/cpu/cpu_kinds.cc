@@ -383,7 +383,7 @@ absl::Status ComputeKind(const LossProblem& p, const LossOutputs& out, const Kin
       chunk_start = c0;
     };
     const double kd = tokens != 0 ? g_scale / static_cast<double>(tokens) : 0.0;
-    row_fn = [&](int64_t i, float* z) {
+    row_fn = [&, kd](int64_t i, float* z) {
       float* zt = teacher.z.data() + (i - chunk_start) * v;
       const DistillRowResult d =
           DistillRow(kp, tkp, z, zt, p.distill.jsd_beta, kd, k.want_grad && counted[i]);

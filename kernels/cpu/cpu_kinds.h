@@ -18,7 +18,7 @@ namespace lossd {
 // The kinds this backend computes (BackendInfo::loss_kinds).
 inline constexpr uint32_t kCpuLossKinds =
     LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
-    LossKindBit(LossKind::kPolicy);
+    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
 
 // INVALID_ARGUMENT, naming the field and its value, for what this backend does not compute:
 // an unknown kind; a temperature other than 1 with cross-entropy; for the other kinds the

@@ -42,6 +42,7 @@ std::vector<uint8_t> RandomStored(int64_t n, double std, DType t, uint64_t seed)
 struct RawLogits {
   std::vector<double> u;        // (BT, V)
   std::vector<double> abs_max;  // (BT) max_j |u_ij|
+  std::vector<double> rms;      // (BT) sqrt(mean_j u_ij^2)
   std::vector<int64_t> argmax;  // (BT) first index of the max
 };
 RawLogits ComputeRawLogits(const HeadInputs& head);
@@ -58,6 +59,10 @@ double UnitRoundoff(DType t);
 // The relative-norm tolerance of a gradient whose G has relative error g_rel from the stored
 // logits' rounding: 2 g_rel (2x margin on the first-order bound) + G's storage rounding 2u + the gradient dtype's grad_u + fp32 arithmetic and the
 // GEMMs' 4 sqrt(max(V, BT)) 2^-24.
+// At most kMaxGradientTolerance: the worst case of a few 16-bit rows with large logits can
+// pass 1, which would accept any gradient of about the right size; their measured errors
+// are below 0.02 (the tests print every margin).
+inline constexpr double kMaxGradientTolerance = 0.125;
 double GradientTolerance(const LossProblem& p, DType grad_dtype, double g_rel);
 
 // dx, dw and db (or the accumulators, less their start) of `got` against `ref` scaled by
