@@ -278,3 +278,44 @@ def test_retained_graph_and_double_backward():
     loss = rl.LossdFusedLinearJSD(runtime=runtime)(x, w, tx, tw, None)
     with pytest.raises(lossd.UnimplementedError, match="double backward"):
         torch.autograd.grad(loss, x, create_graph=True)
+
+
+@needs("policy")
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_grpo_module_matches_ligers_module(backend, loss_type):
+    """The same constructor and forward arguments given to Liger-Kernel 0.8.5's own
+    LigerFusedLinearGRPOLoss (CPU, compiled=False) and to ours: equal loss, metrics and
+    gradients (Liger's log-probs are float32: 2e-5 of each output's largest value)."""
+    from test_rl_reference_torch import import_liger
+    grpo = import_liger("liger_kernel.chunked_loss.grpo_loss")
+    make, _ = backend
+    x3, w, b = leaves((B, S, H), (V, H), (V,), seed=61, scale=0.7)
+    g = torch.Generator().manual_seed(62)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) > 0.2).to(torch.int64)
+    adv = torch.randn(B, generator=g)
+    with torch.no_grad():
+        cur, _ = logprob_entropy(as64(x3).reshape(-1, H), as64(w), as64(b), ids.reshape(-1), 1.2)
+    old = (cur - torch.log(ratios_away_from_bounds(B * S, 0.2, 0.3, 63))).reshape(B, S).float()
+    ref = (cur + 0.2 * torch.randn(B * S, generator=g, dtype=DT)).reshape(B, S).float()
+    args = dict(beta=0.05, epsilon_low=0.2, epsilon_high=0.3, loss_type=loss_type,
+                max_completion_length=S + 1, temperature=1.2)
+    ours = rl.LossdFusedLinearGRPOLoss(compiled=False, runtime=make(), **args)
+    theirs = grpo.LigerFusedLinearGRPOLoss(compiled=False, **args)
+    results = []
+    for module in (ours, theirs):
+        leaves_now = [t.detach().clone().requires_grad_(True) for t in (x3, w, b)]
+        loss, metrics = module(leaves_now[0], leaves_now[1], ids, mask, adv, bias=leaves_now[2],
+                               ref_per_token_logps=ref, old_per_token_logps=old,
+                               num_items_in_batch=30)
+        loss.backward()
+        results.append((loss.detach(), [m.detach() for m in metrics],
+                        [t.grad for t in leaves_now]))
+    (loss, metrics, grads), (lloss, lmetrics, lgrads) = results
+    tol = 2e-5
+    expect_close("loss", loss, lloss, rtol=0, atol=tol)
+    assert len(metrics) == len(lmetrics) == 2
+    expect_close("kl", metrics[0], lmetrics[0], rtol=0, atol=tol)
+    expect_close("clip_fraction", metrics[1], lmetrics[1], rtol=1e-6, atol=0)
+    for name, got, want in zip(("dx", "dw", "db"), grads, lgrads):
+        expect_close(name, got, want, rtol=0, atol=tol)
