@@ -14,9 +14,13 @@ forward only (the upstream gradient of a log-prob is not known then); their back
 again with the upstream gradients (W goes once when weight caching is on). The GRPO and JSD
 losses are scalars: one call returns the loss and the gradients, and backward scales them.
 Keyword-only connection settings as lossd.nn's modules: client, server, cache_weights,
-timeout, or a shared `runtime` (lossd.nn.LossdRuntime; server-side accumulators are not used
-by these losses yet). Not in this round: a two-phase log-prob whose backward sends only the
-upstream gradients (X kept on the server under a ticket).
+timeout, or a shared `runtime` (lossd.nn.LossdRuntime). A runtime with a server-side
+`accumulator` adds dW and db there instead of returning them (dX still comes back): the
+scalar losses then compute the loss alone in forward and the gradients in backward, with
+grad_scale = upstream gradient x the runtime's grad_scale, as lossd.nn's deferred mode; call
+`apply_accumulated_gradients` before the optimizer step. Not in this round: a two-phase
+log-prob whose backward sends only the upstream gradients (X kept on the server under a
+ticket).
 """
 
 import torch
@@ -32,11 +36,16 @@ def _runtime(runtime, server):
         runtime = _RUNTIMES.get(server)
         if runtime is None:
             runtime = _RUNTIMES[server] = LossdRuntime(server=server)
-    if runtime.accumulator is not None:
-        raise errors.InvalidArgumentError(
-            "lossd.rl's losses return dW and db to autograd; a runtime with a server "
-            "accumulator (%r) is not supported by them yet" % runtime.accumulator, method="rl")
     return runtime
+
+
+def _grad_kw(runtime, upstream=1.0):
+    """compute()'s accumulator and grad_scale for a call that returns gradients: with an
+    accumulator, dW and db go there, scaled by the upstream gradient and the runtime's
+    grad_scale (dX comes back scaled alike, as lossd.nn's)."""
+    if runtime.accumulator is None:
+        return {}
+    return dict(accumulator=runtime.accumulator, grad_scale=float(upstream) * runtime.grad_scale)
 
 
 def _grad_dtype(x):
@@ -100,13 +109,16 @@ class LossdLogprobFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if (dlogp is None and dentropy is None) or not (need_dx or need_dw or need_db):
             return None, None, None, None, None, None
-        r = ctx.runtime.compute(x, weight, labels, bias, kind="logprob",
-                                temperature=ctx.temperature, dlogp=_fp32(dlogp),
-                                dentropy=_fp32(dentropy), want_dx=need_dx, want_dw=need_dw,
-                                want_db=bool(need_db and bias is not None),
-                                grad_dtype=_grad_dtype(x))
-        return (_grad(r.dx, x) if need_dx else None, _grad(r.dw, weight) if need_dw else None,
-                _grad(r.db, bias) if need_db and bias is not None else None, None, None, None)
+        rt = ctx.runtime
+        r = rt.compute(x, weight, labels, bias, kind="logprob", temperature=ctx.temperature,
+                       dlogp=_fp32(dlogp), dentropy=_fp32(dentropy), want_dx=need_dx,
+                       want_dw=need_dw, want_db=bool(need_db and bias is not None),
+                       grad_dtype=_grad_dtype(x), **_grad_kw(rt))
+        held = rt.accumulator is not None  # dW and db went into it
+        return (_grad(r.dx, x) if need_dx else None,
+                _grad(r.dw, weight) if need_dw and not held else None,
+                _grad(r.db, bias) if need_db and bias is not None and not held else None,
+                None, None, None)
 
 
 def _logprob_entropy(hidden, weight, labels, temperature, bias, runtime, server):
@@ -114,6 +126,31 @@ def _logprob_entropy(hidden, weight, labels, temperature, bias, runtime, server)
     rt = _runtime(runtime, server)
     logp, entropy = LossdLogprobFunction.apply(x2, weight, bias, t1, float(temperature), rt)
     return logp.reshape(hidden.shape[:-1]), entropy.reshape(hidden.shape[:-1])
+
+
+class _OnServer(torch.nn.Module):
+    """What the modules share: their runtime (connection, weight cache, accumulator)."""
+
+    def _setup(self, runtime, client, server, cache_weights, timeout, accumulator, grad_scale):
+        self.runtime = runtime or LossdRuntime(client, server, cache_weights=cache_weights,
+                                               timeout=timeout, accumulator=accumulator,
+                                               grad_scale=grad_scale)
+        # A second weight cache on the same client, for the teacher's or reference head.
+        self.other_runtime = LossdRuntime(self.runtime.client,
+                                          cache_weights=self.runtime.cache_weights,
+                                          timeout=self.runtime.timeout)
+
+    def apply_accumulated_gradients(self, weight, bias=None, reset=True):
+        """With an accumulator: adds its fp32 dW (and db) into weight.grad (bias.grad)."""
+        return self.runtime.apply_accumulated_gradients(weight, bias, reset=reset)
+
+    def fetch_gradients(self, reset=True):
+        return self.runtime.fetch_gradients(reset=reset)
+
+    def release(self):
+        """Drops the weights this module uploaded."""
+        self.runtime.close()
+        self.other_runtime.close()
 
 
 def fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature=1.0, *,
@@ -125,25 +162,21 @@ def fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature=1.
     return logp, entropy.to(hidden_states.dtype)
 
 
-class LossdFusedLinearForPPO(torch.nn.Module):
+class LossdFusedLinearForPPO(_OnServer):
     """verl's FusedLinearForPPO module on the server. chunk_size and impl_backend are taken
     for compatibility; the server chooses its own chunking."""
 
     def __init__(self, chunk_size=512, impl_backend="torch", *, client=None,
-                 server="localhost:50051", cache_weights=True, timeout=None, runtime=None):
+                 server="localhost:50051", cache_weights=True, timeout=None, accumulator=None,
+                 grad_scale=1.0, runtime=None):
         super().__init__()
         self.chunk_size = chunk_size
         self.impl_backend = impl_backend
-        self.runtime = runtime or LossdRuntime(client, server, cache_weights=cache_weights,
-                                               timeout=timeout)
+        self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
         return fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature,
                                     runtime=self.runtime)
-
-    def release(self):
-        """Drops the weights this module uploaded."""
-        self.runtime.close()
 
 
 def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
@@ -186,19 +219,23 @@ def entropy_from_hidden(hidden_states, weight, temperature=1.0, *, bias=None, ru
 
 
 class _ScalarLossFunction(torch.autograd.Function):
-    """apply(x, weight, bias, call, *metric names) -> (loss, metrics...): `call(want_dx,
-    want_dw, want_db)` runs the Compute; the loss's gradients come with it and backward
-    scales them by the upstream gradient."""
+    """apply(x, weight, bias, call, runtime, *metric names) -> (loss, metrics...):
+    `call(want_dx, want_dw, want_db, **grad_kw)` runs the Compute. Without an accumulator
+    the loss's gradients come with it and backward scales them by the upstream gradient;
+    with one, forward computes the loss alone and backward sends the call again with the
+    upstream gradient as grad_scale (dW and db go into the accumulator)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, call, *metric_names):
-        need_dx = x.requires_grad
-        need_dw = weight.requires_grad
-        need_db = bias is not None and bias.requires_grad
-        r = call(need_dx, need_dw, need_db)
-        ctx.others = 1 + len(metric_names)  # call and the metric names take no gradient
-        ctx.grads = (_grad(r.dx, x) if need_dx else None, _grad(r.dw, weight) if need_dw else None,
-                     _grad(r.db, bias) if need_db else None)
+    def forward(ctx, x, weight, bias, call, runtime, *metric_names):
+        ctx.needs = (x.requires_grad, weight.requires_grad,
+                     bias is not None and bias.requires_grad)
+        ctx.others = 2 + len(metric_names)  # call, runtime and the names take no gradient
+        ctx.deferred = runtime.accumulator is not None and any(ctx.needs)
+        ctx.call, ctx.runtime, ctx.like = call, runtime, (x, weight, bias)
+        r = call(False, False, False) if ctx.deferred else call(*ctx.needs)
+        if not ctx.deferred:
+            ctx.grads = tuple(_grad(v, t) if need else None
+                              for v, t, need in zip((r.dx, r.dw, r.db), ctx.like, ctx.needs))
         dev = x.device
         loss = torch.tensor(r.loss, dtype=torch.float32, device=dev)
         metrics = [torch.tensor(getattr(r, m), dtype=torch.float32, device=dev)
@@ -209,17 +246,22 @@ class _ScalarLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         _once()
-        grads = ctx.grads  # kept: a retained graph's second backward gives them again
         rest = (None,) * ctx.others
         if grad_loss is None:
             return (None, None, None) + rest
+        if ctx.deferred:
+            need_dx, need_dw, need_db = ctx.needs
+            r = ctx.call(need_dx, need_dw, need_db,
+                         **_grad_kw(ctx.runtime, float(grad_loss.detach())))
+            return (_grad(r.dx, ctx.like[0]) if need_dx else None, None, None) + rest
+        grads = ctx.grads  # kept: a retained graph's second backward gives them again
         return (*(None if g is None else g * grad_loss.to(g.dtype) for g in grads), *rest)
 
 
 _GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 
 
-class LossdFusedLinearGRPOLoss(torch.nn.Module):
+class LossdFusedLinearGRPOLoss(_OnServer):
     """LigerFusedLinearGRPOLoss (Liger-Kernel 0.8.5) on the server: the same constructor and
     forward arguments; forward returns (loss, metrics), metrics = (mean KL, clip fraction)
     when beta != 0, else (clip fraction,). Loss types dapo (default), grpo, bnpo and dr_grpo,
@@ -234,7 +276,8 @@ class LossdFusedLinearGRPOLoss(torch.nn.Module):
                  sapo_temperature_neg=1.05, temperature=1.0, delta=None,
                  use_bias_correction_kl=False, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
                  vespo_k_neg=3.0, vespo_lambda_neg=2.0, *, client=None,
-                 server="localhost:50051", cache_weights=True, timeout=None, runtime=None):
+                 server="localhost:50051", cache_weights=True, timeout=None, accumulator=None,
+                 grad_scale=1.0, runtime=None):
         super().__init__()
         unsupported = []
         if loss_type not in _GRPO_LOSS_TYPES:
@@ -262,12 +305,7 @@ class LossdFusedLinearGRPOLoss(torch.nn.Module):
         self.loss_type, self.max_completion_length = loss_type, max_completion_length
         self.importance_sampling_level = importance_sampling_level
         self.temperature = temperature
-        self.runtime = runtime or LossdRuntime(client, server, cache_weights=cache_weights,
-                                               timeout=timeout)
-        # The reference head's own weight cache (ref_input / ref_weight), on the same client.
-        self.ref_runtime = LossdRuntime(self.runtime.client,
-                                        cache_weights=self.runtime.cache_weights,
-                                        timeout=self.runtime.timeout)
+        self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
 
     def _dapo_normalizer(self, mask, num_items_in_batch):
         """Liger's per-process dapo normaliser: num_items_in_batch / world size, else the
@@ -297,7 +335,7 @@ class LossdFusedLinearGRPOLoss(torch.nn.Module):
                 "use_ref_model with beta != 0 needs ref_per_token_logps, or ref_input and "
                 "ref_weight", method="rl")
         rx = ref_input.reshape(-1, ref_input.shape[-1])
-        r = self.ref_runtime.compute(rx, ref_weight, ids, ref_bias, kind="logprob",
+        r = self.other_runtime.compute(rx, ref_weight, ids, ref_bias, kind="logprob",
                                      temperature=float(self.temperature), want_dx=False,
                                      want_dw=False, want_db=False)
         return torch.from_numpy(r.logp)
@@ -334,24 +372,21 @@ class LossdFusedLinearGRPOLoss(torch.nn.Module):
         ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
         runtime = _runtime(self.runtime, None)
 
-        def call(want_dx, want_dw, want_db):
+        def call(want_dx, want_dw, want_db, **grad_kw):
             return runtime.compute(x2, lin_weight, targets, bias, kind="policy",
                                    temperature=float(self.temperature), ignore_index=ignore,
                                    advantages=adv.reshape(-1), old_logp=_fp32(old_per_token_logps),
                                    ref_logp=ref, policy=policy, want_dx=want_dx,
-                                   want_dw=want_dw, want_db=want_db, grad_dtype=_grad_dtype(x2))
+                                   want_dw=want_dw, want_db=want_db, grad_dtype=_grad_dtype(x2),
+                                   **grad_kw)
 
         metric_names = ("kl", "clip_fraction") if self.beta != 0 else ("clip_fraction",)
-        loss, *metrics = _ScalarLossFunction.apply(x2, lin_weight, bias, call, *metric_names)
+        loss, *metrics = _ScalarLossFunction.apply(x2, lin_weight, bias, call, runtime,
+                                                   *metric_names)
         return loss, tuple(metrics)
 
-    def release(self):
-        """Drops the weights this module uploaded."""
-        self.runtime.close()
-        self.ref_runtime.close()
 
-
-class LossdFusedLinearJSD(torch.nn.Module):
+class LossdFusedLinearJSD(_OnServer):
     """LigerFusedLinearJSD (Liger-Kernel 0.8.5) on the server: the same constructor and forward
     arguments (plus optional student_bias and teacher_bias, which Liger's lacks). The teacher's
     head is cached on the server like the student's when cache_weights is on (uploaded once
@@ -359,7 +394,7 @@ class LossdFusedLinearJSD(torch.nn.Module):
 
     def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0, accum_dtype=None, *,
                  client=None, server="localhost:50051", cache_weights=True, timeout=None,
-                 runtime=None):
+                 accumulator=None, grad_scale=1.0, runtime=None):
         super().__init__()
         if temperature == 0:
             raise errors.InvalidArgumentError("temperature cannot be 0", method="rl")
@@ -369,15 +404,11 @@ class LossdFusedLinearJSD(torch.nn.Module):
                 method="rl")
         self.jsd_beta, self.ignore_index, self.temperature = jsd_beta, ignore_index, temperature
         self.accum_dtype = accum_dtype
-        self.runtime = runtime or LossdRuntime(client, server, cache_weights=cache_weights,
-                                               timeout=timeout)
-        self.teacher_runtime = LossdRuntime(self.runtime.client,
-                                            cache_weights=self.runtime.cache_weights,
-                                            timeout=self.runtime.timeout)
+        self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
 
     def _teacher(self, teacher_weight, teacher_bias, refresh=False):
         """teacher_w and teacher_bias for compute(): its handle when caching, else inline."""
-        t = self.teacher_runtime
+        t = self.other_runtime
         if refresh:
             t.drop_weights()
         ref = t.weight_ref(teacher_weight, teacher_bias)
@@ -395,12 +426,13 @@ class LossdFusedLinearJSD(torch.nn.Module):
                     ignore_index=int(self.ignore_index), distill={"jsd_beta": float(self.jsd_beta)},
                     teacher_x=tx, grad_dtype="fp32" if fp32 else _grad_dtype(x2))
 
-        def call(want_dx, want_dw, want_db):
+        def call(want_dx, want_dw, want_db, **grad_kw):
+            kw = dict(opts, **grad_kw)
             tw, tb = self._teacher(teacher_weight, teacher_bias)
             try:
                 return runtime.compute(x2, student_weight, labels, student_bias, teacher_w=tw,
                                        teacher_bias=tb, want_dx=want_dx, want_dw=want_dw,
-                                       want_db=want_db, **opts)
+                                       want_db=want_db, **kw)
             except errors.NotFoundError:
                 if tb is not None or tw is teacher_weight:
                     raise
@@ -408,15 +440,10 @@ class LossdFusedLinearJSD(torch.nn.Module):
                 tw, tb = self._teacher(teacher_weight, teacher_bias, refresh=True)
                 return runtime.compute(x2, student_weight, labels, student_bias, teacher_w=tw,
                                        teacher_bias=tb, want_dx=want_dx, want_dw=want_dw,
-                                       want_db=want_db, **opts)
+                                       want_db=want_db, **kw)
 
-        loss, = _ScalarLossFunction.apply(x2, student_weight, student_bias, call)
+        loss, = _ScalarLossFunction.apply(x2, student_weight, student_bias, call, runtime)
         return loss
-
-    def release(self):
-        """Drops the weights this module uploaded."""
-        self.runtime.close()
-        self.teacher_runtime.close()
 
 
 __all__ = ["fused_linear_for_ppo", "LossdFusedLinearForPPO", "linear_cross_entropy",

@@ -319,3 +319,52 @@ def test_grpo_module_matches_ligers_module(backend, loss_type):
     expect_close("clip_fraction", metrics[1], lmetrics[1], rtol=1e-6, atol=0)
     for name, got, want in zip(("dx", "dw", "db"), grads, lgrads):
         expect_close(name, got, want, rtol=0, atol=tol)
+
+
+@needs("policy", "distill", "logprob")
+def test_server_accumulator_sums_every_kind(backend):
+    """With a server accumulator dW goes there (scaled by the upstream gradient and the
+    runtime's grad_scale) and dX comes back: two micro-batches of each loss kind, summed, equal
+    torch's summed gradients."""
+    make, fake = backend
+    if fake is not None:
+        pytest.skip("accumulators live on a server")
+    client = make().client
+    w = leaves((V, H), seed=71)[0]
+    grpo = rl.LossdFusedLinearGRPOLoss(beta=0.0, client=client, accumulator=True, grad_scale=0.5)
+    jsd = rl.LossdFusedLinearJSD(client=client, accumulator=True, grad_scale=0.5)
+    ppo = rl.LossdFusedLinearForPPO(client=client, accumulator=True, grad_scale=0.5)
+    rw = ref_leaves(w)[0]
+    dx_pairs = []
+    for mb in range(2):
+        g = torch.Generator().manual_seed(80 + mb)
+        x3 = (torch.randn(B, S, H, generator=g) * 0.7).requires_grad_(True)
+        ids = torch.randint(0, V, (B, S), generator=g)
+        mask = torch.ones(B, S, dtype=torch.int64)
+        adv = torch.randn(B, generator=g)
+        tx, tw = torch.randn(B * S, HT, generator=g), torch.randn(V, HT, generator=g)
+        up = torch.randn(B, S, generator=g)
+        loss, _ = grpo(x3, w, ids, mask, adv)
+        jl = jsd(x3.reshape(-1, H), w, tx, tw, None)
+        logp, _ = ppo(x3, w, ids)
+        (2.0 * loss + jl + (up * logp).sum()).backward()
+        rx = as64(x3).reshape(-1, H).requires_grad_(True)
+        rlogp, _ = logprob_entropy(rx, rw, None, ids.reshape(-1), 1.0)
+        opts = dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
+                    max_completion_length=0, dapo_normalizer=0.0)
+        rloss, _, _ = policy_loss(rlogp, as64(mask).reshape(-1), as64(adv).repeat_interleave(S),
+                                  None, None, opts, B)
+        rjl = jsd_loss(log_softmax(rx, rw, None, 1.0), log_softmax(as64(tx), as64(tw), None, 1.0),
+                       0.5, torch.ones(B * S, dtype=torch.bool))
+        # grad_scale 0.5 scales what goes to the server: dX comes back halved too.
+        (0.5 * (2.0 * rloss + rjl + (as64(up).reshape(-1) * rlogp).sum())).backward()
+        dx_pairs.append((x3, rx))
+    assert w.grad is None  # dW went to the accumulators
+    for i, (x3, rx) in enumerate(dx_pairs):
+        expect_close("dx%d" % i, x3.grad, rx.grad)
+    for module in (grpo, jsd, ppo):
+        module.apply_accumulated_gradients(w)
+    expect_close("dw summed over kinds and micro-batches", w.grad, rw.grad)
+    for module in (grpo, jsd, ppo):
+        module.runtime.drop_accumulator()
+        module.release()
