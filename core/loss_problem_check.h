@@ -53,9 +53,9 @@ absl::Status CheckTargets(const void* targets,  // (bt) target_dtype, host
 // kDistill's are only compared with ignore_index), the only data it reads.
 absl::Status ValidateLossInputs(const LossProblem& p);
 // Where the results of `p` go: a gradient dtype of fp32 or the input dtype, no db (written or
-// accumulated) without a bias, a known accumulator memory kind; z_loss, lse, predictions and
-// accuracy for cross-entropy only, logp for kLogprob and kPolicy, entropy for kLogprob, kl and
-// clip_fraction for kPolicy.
+// accumulated) without a bias, a known accumulator memory kind. Which outputs a kind has is
+// not a rule here (a backend leaves alone, or writes as documented, those its kind lacks); the
+// engine asks each kind only for its own.
 absl::Status ValidateLossOutputs(const LossProblem& p, const LossOutputs& out);
 // Both: what every backend assumes of a problem it is handed.
 absl::Status ValidateLossProblem(const LossProblem& p, const LossOutputs& out);

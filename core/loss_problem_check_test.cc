@@ -389,53 +389,6 @@ TEST(LossProblemCheckTest, DistillParamsAreRefusedNamingFieldAndValue) {
   ExpectRefused(ValidateLossInputs(p), "distill.jsd_beta must be in [0, 1], got -0.5");
 }
 
-TEST(LossProblemCheckTest, OutputsAreRefusedForKindsThatDoNotWriteThem) {
-  Kinds k;
-  float buf[4];
-  int64_t ibuf[4];
-  struct Case {
-    LossKind kind;
-    void (*set)(LossOutputs*, float*, int64_t*);
-    const char* message;
-  };
-  const Case cases[] = {
-      {LossKind::kLogprob, [](LossOutputs* o, float* f, int64_t*) { o->z_loss = f; },
-       "loss problem: output z_loss is not written by kind logprob"},
-      {LossKind::kPolicy, [](LossOutputs* o, float* f, int64_t*) { o->lse = f; },
-       "loss problem: output lse is not written by kind policy"},
-      {LossKind::kDistill, [](LossOutputs* o, float*, int64_t* i) { o->predictions = i; },
-       "loss problem: output predictions is not written by kind distill"},
-      {LossKind::kPolicy, [](LossOutputs* o, float* f, int64_t*) { o->accuracy = f; },
-       "loss problem: output accuracy is not written by kind policy"},
-      {LossKind::kDistill, [](LossOutputs* o, float* f, int64_t*) { o->logp = f; },
-       "loss problem: output logp is not written by kind distill"},
-      {LossKind::kCrossEntropy, [](LossOutputs* o, float* f, int64_t*) { o->logp = f; },
-       "loss problem: output logp is not written by kind cross_entropy"},
-      {LossKind::kPolicy, [](LossOutputs* o, float* f, int64_t*) { o->entropy = f; },
-       "loss problem: output entropy is not written by kind policy"},
-      {LossKind::kLogprob, [](LossOutputs* o, float* f, int64_t*) { o->kl = f; },
-       "loss problem: output kl is not written by kind logprob"},
-      {LossKind::kDistill, [](LossOutputs* o, float* f, int64_t*) { o->clip_fraction = f; },
-       "loss problem: output clip_fraction is not written by kind distill"},
-      {LossKind::kPolicy, [](LossOutputs* o, float* f, int64_t*) { o->logp = f; }, nullptr},
-      {LossKind::kCrossEntropy, [](LossOutputs* o, float* f, int64_t* i) {
-         o->z_loss = o->lse = o->accuracy = f;
-         o->predictions = i;
-       }, nullptr},
-  };
-  for (const Case& c : cases) {
-    const LossProblem p = k.of(c.kind);
-    LossOutputs out;
-    out.grad_dtype = DType::kF32;
-    c.set(&out, buf, ibuf);
-    if (c.message == nullptr) {
-      EXPECT_TRUE(ValidateLossOutputs(p, out).ok()) << ValidateLossOutputs(p, out);
-    } else {
-      ExpectRefused(ValidateLossOutputs(p, out), c.message);
-    }
-  }
-}
-
 #ifndef NDEBUG
 TEST(LossProblemCheckDeathTest, TheDebugCheckAbortsOnAnInvalidProblemNamingTheCaller) {
   Valid v;

@@ -240,9 +240,18 @@ TEST_F(KindsTest, AnotherKindsTensorsAndOutputsAreRefusedNamingTheField) {
   ExpectRefused(Refusal(spec),
                 "header.outputs.entropy is for kind logprob; this request's kind is policy");
   spec = Spec(LossKind::kDistill);
-  spec.wanted.lse = true;
+  spec.wanted.z_loss = true;
   ExpectRefused(Refusal(spec),
-                "header.outputs.lse is for kind cross_entropy; this request's kind is distill");
+                "header.outputs.z_loss is for kind cross_entropy; this request's kind is "
+                "distill");
+  spec.wanted.z_loss = false;
+  spec.wanted.accuracy = true;
+  ExpectRefused(Refusal(spec),
+                "header.outputs.accuracy is for kind cross_entropy; this request's kind is "
+                "distill");
+  spec.wanted.accuracy = false;
+  spec.wanted.lse = true;  // every kind's: the student's at the temperature
+  EXPECT_TRUE(e_.Plan(spec).ok()) << e_.Plan(spec).status();
   spec = Spec(LossKind::kLogprob);
   spec.options.label_smoothing = 0.1f;
   ExpectRefused(Refusal(spec),

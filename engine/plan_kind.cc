@@ -166,12 +166,12 @@ absl::Status PlanTeacher(const ComputeSpec& spec, int64_t max_h, WeightCache& we
   return PlanTeacherInline(spec, plan);
 }
 
-// The outputs a kind writes: z_loss, lse, accuracy and predictions are cross-entropy's,
-// entropy is logprob's.
+// The outputs a kind writes: z_loss, accuracy and predictions are cross-entropy's, entropy
+// is logprob's; lse is every kind's (the student's, at the temperature).
 absl::Status CheckWantedOutputs(const ComputeSpec& spec) {
   const WantedOutputs& w = spec.wanted;
   if (spec.kind != LossKind::kCrossEntropy) {
-    const char* ce_only = w.z_loss ? "z_loss" : w.lse ? "lse" : w.accuracy ? "accuracy"
+    const char* ce_only = w.z_loss ? "z_loss" : w.accuracy ? "accuracy"
                           : w.predictions ? "predictions" : nullptr;
     if (ce_only != nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
