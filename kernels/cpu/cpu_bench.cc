@@ -1,6 +1,8 @@
 // Times CpuBackend::Compute (forward + backward, all outputs) on random inputs and prints
-// seconds and achieved GFLOP/s against the 6 BT H V FLOPs of the three GEMMs.
-// Usage: cpu_bench [BT H V [dtype(bf16|fp16|fp32) [threads [reps [chunk_rows]]]]]
+// seconds and achieved GFLOP/s against the 6 BT H V FLOPs of the three GEMMs (distill: 8, with
+// the teacher's logits GEMM at the student's hidden size).
+// Usage: cpu_bench [BT H V [dtype(bf16|fp16|fp32) [threads [reps [chunk_rows
+//                  [kind(cross_entropy|logprob|policy|distill)]]]]]]
 #include <algorithm>
 #include <chrono>
 #include <ctime>
@@ -24,6 +26,7 @@ int main(int argc, char** argv) {
   const int threads = argc > 5 ? std::atoi(argv[5]) : 0;
   const int reps = argc > 6 ? std::atoi(argv[6]) : 3;
   const int64_t chunk = argc > 7 ? std::atoll(argv[7]) : 0;
+  const std::string kind = argc > 8 ? argv[8] : "cross_entropy";
   const DType dtype = dt == "fp32" ? DType::kF32 : dt == "fp16" ? DType::kF16 : DType::kBF16;
 
   std::mt19937_64 rng(7);
@@ -45,6 +48,25 @@ int main(int argc, char** argv) {
   p.w = w.data();
   p.targets = targets.data();
   p.options.chunk_rows = chunk;
+  // The other kinds' per-token inputs (random, in [-1, 1)) and the teacher (X and W reused).
+  std::vector<float> per_token(bt);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (float& e : per_token) e = unit(rng);
+  if (kind == "logprob") {
+    p.kind = lossd::LossKind::kLogprob;
+    p.dlogp = p.dentropy = per_token.data();
+  } else if (kind == "policy") {
+    p.kind = lossd::LossKind::kPolicy;
+    p.advantages = per_token.data();
+  } else if (kind == "distill") {
+    p.kind = lossd::LossKind::kDistill;
+    p.teacher_h = h;
+    p.teacher_x = x.data();
+    p.teacher_w = w.data();
+  } else if (kind != "cross_entropy") {
+    std::fprintf(stderr, "unknown kind %s\n", kind.c_str());
+    return 2;
+  }
   std::vector<uint8_t> dx(bt * h * lossd::DTypeSize(dtype)), dw(v * h * lossd::DTypeSize(dtype));
   std::vector<float> lse(bt);
   float loss = 0;
@@ -54,6 +76,9 @@ int main(int argc, char** argv) {
   out.lse = lse.data();
   out.dx = dx.data();
   out.dw = dw.data();
+  std::vector<float> logp(bt), entropy(bt);
+  if (p.kind == lossd::LossKind::kLogprob || p.kind == lossd::LossKind::kPolicy) out.logp = logp.data();
+  if (p.kind == lossd::LossKind::kLogprob) out.entropy = entropy.data();
 
   std::unique_ptr<lossd::Backend> backend = lossd::NewCpuBackend(threads);
   const int used = static_cast<lossd::CpuBackend*>(backend.get())->threads();
@@ -76,8 +101,9 @@ int main(int argc, char** argv) {
   }
   std::sort(times.begin(), times.end());
   const double med = times[times.size() / 2];
-  std::printf("BT=%lld H=%lld V=%lld %s threads=%d: median %.3f s, %.1f GFLOP/s (6 BT H V)\n",
-              static_cast<long long>(bt), static_cast<long long>(h), static_cast<long long>(v),
-              dt.c_str(), used, med, 6.0 * bt * h * v / med / 1e9);
+  const double flops = (kind == "distill" ? 8.0 : 6.0) * bt * h * v;
+  std::printf("%s BT=%lld H=%lld V=%lld %s threads=%d: median %.3f s, %.1f GFLOP/s\n",
+              kind.c_str(), static_cast<long long>(bt), static_cast<long long>(h),
+              static_cast<long long>(v), dt.c_str(), used, med, flops / med / 1e9);
   return 0;
 }

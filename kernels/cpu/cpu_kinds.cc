@@ -299,122 +299,150 @@ void WriteKindOutputs(const LossProblem& p, const LossOutputs& out,
   if (out.tokens != nullptr) out.tokens[0] = tokens;
 }
 
-}  // namespace
+// One Compute of a kind: which rows count, the GEMMs' alpha, and the row functions the chunks
+// call (from the pool's threads: each writes only its own row's results).
+class KindPass {
+ public:
+  KindPass(const LossProblem& p, const LossOutputs& out, const KindPassSetup& k)
+      : p_(p), out_(out), k_(k), v_(p.v) {}
 
-absl::Status ComputeKind(const LossProblem& p, const LossOutputs& out, const KindPassSetup& k) {
-  const int64_t bt = p.bt, v = p.v;
-  const LossOptions& o = p.options;
-  const double gs = o.grad_scale, inv_t = 1.0 / static_cast<double>(o.temperature);
-  // counted: the rows that count (target != ignore_index; distill without targets: all).
-  std::vector<int64_t> tg(bt, -1);
-  std::vector<uint8_t> counted(bt, 1);
-  int64_t tokens = 0;
-  for (int64_t i = 0; i < bt; ++i) {
-    if (p.targets != nullptr) {
-      const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
-      counted[i] = t != o.ignore_index;
-      if (counted[i] && p.kind != LossKind::kDistill) tg[i] = t;
+  absl::Status Run() {
+    SelectRows();
+    const LossOptions& o = p_.options;
+    kp_ = KindRowParams{v_, p_.dtype, p_.bias != nullptr ? k_.ws.bias_f.data() : nullptr,
+                        o.softcap, o.temperature};
+    if (p_.kind == LossKind::kPolicy) weight_ = PolicyWeights(p_, counted_, tokens_);
+    const double gs = o.grad_scale;
+    const double alpha = AlphaOf(std::abs(gs) * MaxRowScale() / o.temperature);
+    g_scale_ = gs / alpha;
+    want_entropy_ =
+        out_.entropy != nullptr || (p_.kind == LossKind::kLogprob && p_.dentropy != nullptr);
+    rows_.assign(p_.bt, KindRow());
+    // The cross-entropy fields of the pass are unused with a row function.
+    const RowPassParams unused_rp;
+    std::vector<RowResult> unused_rows;
+    CpuChunkPass pass{p_,       out_,      k_.pool,       k_.ws, unused_rp, tg_, 0.0, 0.0,
+                      alpha,    unused_rows, k_.x_copy, k_.want_dx, k_.dx_scratch};
+    if (p_.kind == LossKind::kDistill) {
+      LOSSD_RETURN_IF_ERROR(SetUpTeacher(p_, k_, &teacher_));
+      teacher_kp_ = kp_;
+      teacher_kp_.bias = p_.teacher_bias != nullptr ? teacher_.bias_f.data() : nullptr;
+      pass.before_rows = [this](int64_t c0, int64_t rows_c) { TeacherLogits(c0, rows_c); };
+      pass.row = [this](int64_t i, float* z) { DistillRowAt(i, z); };
+    } else {
+      pass.row = [this](int64_t i, float* z) { HeadRow(i, z); };
     }
-    tokens += counted[i];
+    for (int64_t c0 = 0; c0 < p_.bt; c0 += k_.chunk) {
+      const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
+      const float* xc = nullptr;
+      LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
+      if (k_.want_grad) ChunkBackward(pass, c0, rows_c, xc);
+    }
+    WriteKindOutputs(p_, out_, rows_, counted_, tokens_);
+    return absl::OkStatus();
   }
-  const KindRowParams kp{v, p.dtype, p.bias != nullptr ? k.ws.bias_f.data() : nullptr,
-                         o.softcap, o.temperature};
-  std::vector<KindRow> rows(bt);
-  std::vector<double> weight;
-  double max_scale = 0;  // the largest |dF/dlogp| (or its like) of a row, for the alpha
-  for (int64_t i = 0; i < bt; ++i) {
-    if (!counted[i]) continue;
-    if (p.kind == LossKind::kLogprob) {
-      max_scale = std::max(max_scale, std::abs(p.dlogp != nullptr ? double{p.dlogp[i]} : 0.0) +
-                                          std::abs(p.dentropy != nullptr ? double{p.dentropy[i]} : 0.0));
+
+ private:
+  // counted_: the rows that count (target != ignore_index; distill without targets: all);
+  // tg_: their targets (-1: none), what the head rows read.
+  void SelectRows() {
+    tg_.assign(p_.bt, -1);
+    counted_.assign(p_.bt, 1);
+    for (int64_t i = 0; i < p_.bt; ++i) {
+      if (p_.targets != nullptr) {
+        const int64_t t = LoadAsInt(p_.targets, p_.target_dtype, i);
+        counted_[i] = t != p_.options.ignore_index;
+        if (counted_[i] && p_.kind != LossKind::kDistill) tg_[i] = t;
+      }
+      tokens_ += counted_[i];
     }
   }
-  if (p.kind == LossKind::kPolicy) {
-    weight = PolicyWeights(p, counted, tokens);
-    for (int64_t i = 0; i < bt; ++i) {
-      if (counted[i]) {
-        max_scale = std::max(max_scale, weight[i] * (std::abs(double{p.advantages[i]}) +
-                                                     double{p.policy.beta}));
+
+  // The largest coefficient of a row's gradient before grad_scale and 1/T: |dlogp| +
+  // |dentropy|; policy's w (|A| + beta) (r and the KL slope are not known before the rows);
+  // distill's 1 / tokens.
+  double MaxRowScale() const {
+    if (p_.kind == LossKind::kDistill) return tokens_ != 0 ? 1.0 / tokens_ : 0.0;
+    double m = 0;
+    for (int64_t i = 0; i < p_.bt; ++i) {
+      if (!counted_[i]) continue;
+      if (p_.kind == LossKind::kPolicy) {
+        m = std::max(m, weight_[i] * (std::abs(double{p_.advantages[i]}) + p_.policy.beta));
+      } else {
+        m = std::max(m, std::abs(p_.dlogp != nullptr ? double{p_.dlogp[i]} : 0.0) +
+                            std::abs(p_.dentropy != nullptr ? double{p_.dentropy[i]} : 0.0));
       }
     }
+    return m;
   }
-  if (p.kind == LossKind::kDistill) max_scale = tokens != 0 ? 1.0 / tokens : 0.0;
-  const double alpha = AlphaOf(std::abs(gs) * max_scale * inv_t);
-  const double g_scale = gs / alpha;  // the upstream gradient, the alpha taken out
-  const bool want_entropy =
-      out.entropy != nullptr || (p.kind == LossKind::kLogprob && p.dentropy != nullptr);
 
-  auto head_row = [&](int64_t i, float* z, double dlogp, double dentropy) {
-    const int64_t t = tg[i];
-    const HeadRowStats s = HeadRowForward(kp, z, t, want_entropy && t >= 0);
-    KindRow& r = rows[i];
+  // logprob and policy: the row's statistics, then G from its coefficients.
+  void HeadRow(int64_t i, float* z) {
+    const int64_t t = tg_[i];
+    const HeadRowStats s = HeadRowForward(kp_, z, t, want_entropy_ && t >= 0);
+    KindRow& r = rows_[i];
     r.lse = s.lse;
     r.argmax = s.argmax;
     if (t < 0) {
-      if (k.want_grad) std::fill(z, z + v, 0.0f);
+      if (k_.want_grad) std::fill(z, z + v_, 0.0f);
       return;
     }
     r.logp = s.logp;
     r.entropy = s.entropy;
-    if (p.kind == LossKind::kPolicy) {
-      PolicyTerms(p, i, s.logp, &r, &dlogp);
-      r.loss *= weight[i];
-      dlogp *= weight[i];
+    double dlogp = p_.dlogp != nullptr ? p_.dlogp[i] : 0.0;
+    const double dentropy = p_.dentropy != nullptr ? p_.dentropy[i] : 0.0;
+    if (p_.kind == LossKind::kPolicy) {
+      PolicyTerms(p_, i, s.logp, &r, &dlogp);
+      r.loss *= weight_[i];
+      dlogp *= weight_[i];
     }
-    if (k.want_grad) WriteLogprobGradient(kp, z, t, s, g_scale * dlogp, g_scale * dentropy);
-  };
-
-  Teacher teacher;
-  KindRowParams tkp = kp;
-  int64_t chunk_start = 0;
-  CpuChunkPass::RowFn row_fn;
-  std::function<void(int64_t, int64_t)> before_rows;
-  if (p.kind == LossKind::kDistill) {
-    LOSSD_RETURN_IF_ERROR(SetUpTeacher(p, k, &teacher));
-    tkp.bias = p.teacher_bias != nullptr ? teacher.bias_f.data() : nullptr;
-    before_rows = [&](int64_t c0, int64_t rows_c) {
-      const int64_t th = p.teacher_h;
-      const float* xt = static_cast<const float*>(p.teacher_x) + c0 * th;
-      if (p.dtype != DType::kF32) {
-        WidenRows(k.pool, p.teacher_x, p.dtype, c0, rows_c, th, teacher.x_copy.data());
-        xt = teacher.x_copy.data();
-      }
-      ChunkLogitsGemm(k.pool, xt, rows_c, th, teacher.wf, v, teacher.z.data());
-      chunk_start = c0;
-    };
-    const double kd = tokens != 0 ? g_scale / static_cast<double>(tokens) : 0.0;
-    row_fn = [&, kd](int64_t i, float* z) {
-      float* zt = teacher.z.data() + (i - chunk_start) * v;
-      const DistillRowResult d =
-          DistillRow(kp, tkp, z, zt, p.distill.jsd_beta, kd, k.want_grad && counted[i]);
-      KindRow& r = rows[i];
-      r.lse = d.lse;
-      r.argmax = d.argmax;
-      r.loss = counted[i] ? d.divergence : 0.0;
-      if (k.want_grad && !counted[i]) std::fill(z, z + v, 0.0f);
-    };
-  } else {
-    row_fn = [&](int64_t i, float* z) {
-      head_row(i, z, p.dlogp != nullptr ? p.dlogp[i] : 0.0,
-               p.dentropy != nullptr ? p.dentropy[i] : 0.0);
-    };
+    if (k_.want_grad) WriteLogprobGradient(kp_, z, t, s, g_scale_ * dlogp, g_scale_ * dentropy);
   }
 
-  // The cross-entropy fields of the pass are unused with a row function.
-  const RowPassParams unused_rp;
-  std::vector<RowResult> unused_rows;
-  CpuChunkPass pass{p,   out, k.pool, k.ws, unused_rp, tg, 0.0, 0.0, alpha, unused_rows,
-                    k.x_copy, k.want_dx, k.dx_scratch};
-  pass.before_rows = before_rows;
-  pass.row = row_fn;
-  for (int64_t c0 = 0; c0 < bt; c0 += k.chunk) {
-    const int64_t rows_c = std::min(k.chunk, bt - c0);
-    const float* xc = nullptr;
-    LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
-    if (k.want_grad) ChunkBackward(pass, c0, rows_c, xc);
+  // distill, before a chunk's rows: the teacher's logits of rows [c0, c0 + rows_c).
+  void TeacherLogits(int64_t c0, int64_t rows_c) {
+    const int64_t th = p_.teacher_h;
+    const float* xt = static_cast<const float*>(p_.teacher_x) + c0 * th;
+    if (p_.dtype != DType::kF32) {
+      WidenRows(k_.pool, p_.teacher_x, p_.dtype, c0, rows_c, th, teacher_.x_copy.data());
+      xt = teacher_.x_copy.data();
+    }
+    ChunkLogitsGemm(k_.pool, xt, rows_c, th, teacher_.wf, v_, teacher_.z.data());
+    chunk_start_ = c0;
   }
-  WriteKindOutputs(p, out, rows, counted, tokens);
-  return absl::OkStatus();
+
+  void DistillRowAt(int64_t i, float* z) {
+    float* zt = teacher_.z.data() + (i - chunk_start_) * v_;
+    const double k = tokens_ != 0 ? g_scale_ / static_cast<double>(tokens_) : 0.0;
+    const bool grad = k_.want_grad && counted_[i];
+    const DistillRowResult d = DistillRow(kp_, teacher_kp_, z, zt, p_.distill.jsd_beta, k, grad);
+    KindRow& r = rows_[i];
+    r.lse = d.lse;
+    r.argmax = d.argmax;
+    r.loss = counted_[i] ? d.divergence : 0.0;
+    if (k_.want_grad && !counted_[i]) std::fill(z, z + v_, 0.0f);
+  }
+
+  const LossProblem& p_;
+  const LossOutputs& out_;
+  const KindPassSetup& k_;
+  const int64_t v_;
+  std::vector<int64_t> tg_;
+  std::vector<uint8_t> counted_;
+  int64_t tokens_ = 0;
+  KindRowParams kp_, teacher_kp_;
+  std::vector<double> weight_;  // policy's row weights
+  double g_scale_ = 0;          // grad_scale over the GEMMs' alpha
+  bool want_entropy_ = false;
+  std::vector<KindRow> rows_;
+  Teacher teacher_;
+  int64_t chunk_start_ = 0;  // the first row of the chunk whose teacher logits are in teacher_.z
+};
+
+}  // namespace
+
+absl::Status ComputeKind(const LossProblem& p, const LossOutputs& out, const KindPassSetup& k) {
+  return KindPass(p, out, k).Run();
 }
 
 }  // namespace lossd
