@@ -29,6 +29,7 @@
 #include "client/lossd_client.h"
 #include "client/lossctl_heads.h"
 #include "client/lossctl_inputs.h"
+#include "client/lossctl_kinds.h"
 #include "client/lossctl_output.h"
 #include "client/lossctl_replicas.h"
 #include "client/npy.h"
@@ -162,7 +163,8 @@ Commands:
   info              print the server's backend, device, memory and limits
   compute           one Compute: inputs from --x --w --targets [--bias --class_weights
                     --grad_output] (.npy) or random (--bt --h --v [--dtype]); prints the loss,
-                    writes outputs (--want) to --out_dir as <name>.npy
+                    writes outputs (--want) to --out_dir as <name>.npy; --kind=logprob|
+                    policy|distill computes that loss (docs/rl_losses.md has its flags)
   bench             --calls Computes at --concurrency on random data; a progress line each
                     second, then latency p50/p90/p99, calls/s, tokens/s, GB/s; --put_weights uploads W once; --accumulator
                     adds every call there, then fetches it with reset (a striped reset
@@ -270,6 +272,7 @@ absl::Status RunCompute(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(auto req, RequestFromFlags(&v));
   LOSSD_ASSIGN_OR_RETURN(auto res, client->Compute(req));
   PrintResult(res, out);
+  PrintKindResult(req, res, out);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
   LOSSD_RETURN_IF_ERROR(MakeDir(dir));

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/status/status.h"
@@ -81,6 +82,13 @@ absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags();
 absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out);
 // W and the bias from --w/--bias, or random from --v --h --dtype --with_bias.
 absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias);
+
+// Random data and .npy inputs, shared with lossctl_kinds: uniform in (-scale, scale) as
+// `dtype`; a float tensor converted to `dtype` (a move when it already is); an optional .npy
+// ("" = none).
+HostTensor RandomFloat(DType dtype, std::vector<int64_t> shape, float scale, uint64_t seed);
+absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::string& name);
+absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path);
 
 // "1.234 GB".
 std::string Gb(double bytes);
