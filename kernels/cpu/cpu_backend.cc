@@ -103,7 +103,10 @@ struct Plan {
 
 Plan MakePlan(const WorkspaceShape& s) {
   Plan pl;
-  pl.chunk = CpuBackend::ChunkRows(s.bt, s.v, s.chunk_rows);
+  // Distillation holds two C x V fp32 chunks (the student's and the teacher's logits): the
+  // default keeps both within the one chunk budget.
+  const int64_t chunk_v = s.kind == LossKind::kDistill ? 2 * s.v : s.v;
+  pl.chunk = CpuBackend::ChunkRows(s.bt, chunk_v, s.chunk_rows);
   pl.want_dx = s.want_dx;
   pl.want_dw = s.dw != GradOut::kNone;
   pl.want_db = s.has_bias && s.db != GradOut::kNone;
@@ -145,7 +148,7 @@ CpuBackend::CpuBackend(int threads)
 CpuBackend::~CpuBackend() = default;
 
 int64_t CpuBackend::ChunkRows(const LossProblem& p) {
-  return ChunkRows(p.bt, p.v, p.options.chunk_rows);
+  return ChunkRows(p.bt, p.kind == LossKind::kDistill ? 2 * p.v : p.v, p.options.chunk_rows);
 }
 
 int64_t CpuBackend::ChunkRows(int64_t bt, int64_t v, int64_t chunk_rows) {

@@ -58,7 +58,8 @@ class CpuBackend : public Backend {
   int threads() const { return threads_; }
 
   // Rows per chunk for p: options.chunk_rows when set (clamped to BT), else as many rows as
-  // keep the C x V fp32 chunk within kDefaultChunkBytes.
+  // keep the C x V fp32 chunk within kDefaultChunkBytes (distill: its two chunks, the
+  // student's and the teacher's logits).
   static int64_t ChunkRows(const LossProblem& p);
   static int64_t ChunkRows(int64_t bt, int64_t v, int64_t chunk_rows);
   static constexpr uint64_t kDefaultChunkBytes = uint64_t{256} << 20;

@@ -83,7 +83,8 @@ struct DistillSetup {
       : random(RandomProblem::Make(Spec(s, dtype, c, seed))) {
     problem = random.problem();
     teacher_x = RandomStored(s.bt * s.teacher_h, 1.0, dtype, seed + 1);
-    teacher_w = RandomStored(s.v * s.teacher_h, 2.0 / std::sqrt(double(s.teacher_h)), dtype, seed + 2);
+    teacher_w =
+        RandomStored(s.v * s.teacher_h, 2.0 / std::sqrt(double(s.teacher_h)), dtype, seed + 2);
     if (c.teacher_bias) teacher_bias = RandomStored(s.v, 0.5, dtype, seed + 3);
     problem.kind = LossKind::kDistill;
     if (!c.labels) problem.targets = nullptr;
@@ -96,8 +97,8 @@ struct DistillSetup {
     problem.teacher_bias = teacher_bias.empty() ? nullptr : teacher_bias.data();
     problem.distill.jsd_beta = c.jsd_beta;
     student = HeadInputs{s.bt, s.h, s.v, dtype, problem.x, problem.w, problem.bias};
-    teacher = HeadInputs{s.bt, s.teacher_h, s.v, dtype, problem.teacher_x, problem.teacher_w,
-                         problem.teacher_bias};
+    teacher = HeadInputs{
+        s.bt, s.teacher_h, s.v, dtype, problem.teacher_x, problem.teacher_w, problem.teacher_bias};
     DistillProblem dp;
     dp.student = student;
     dp.teacher = teacher;
@@ -147,7 +148,8 @@ double LogRatioMass(const DistillSetup& s, int64_t i, double t) {
   };
   const std::vector<double> lq = log_softmax(s.student_logits), lp = log_softmax(s.teacher_logits);
   double mass = 0;
-  for (int64_t j = 0; j < v; ++j) mass += (std::exp(lp[j]) + std::exp(lq[j])) * std::abs(lp[j] - lq[j]);
+  for (int64_t j = 0; j < v; ++j)
+    mass += (std::exp(lp[j]) + std::exp(lq[j])) * std::abs(lp[j] - lq[j]);
   return mass;
 }
 
@@ -174,7 +176,8 @@ double StudentLse(const DistillSetup& s, int64_t i, double t) {
   const DistillReferenceOutputs& ref = s.ref;
   const double u = UnitRoundoff(p.dtype), inv_t = 1.0 / c.temperature;
   std::string err;
-  if (got.tokens != ref.tokens) absl::StrAppend(&err, "tokens ", got.tokens, " vs ", ref.tokens, "\n");
+  if (got.tokens != ref.tokens)
+    absl::StrAppend(&err, "tokens ", got.tokens, " vs ", ref.tokens, "\n");
   double loss_bound = 0;
   std::vector<double> mass_rms;  // (counted rows) (rms_j |u_ij| + rms_j |ut_ij|) (1 + M_i)
   int64_t correct = 0;
@@ -191,8 +194,7 @@ double StudentLse(const DistillSetup& s, int64_t i, double t) {
     const double mass = LogRatioMass(s, i, c.temperature);
     mass_rms.push_back((s.student_logits.rms[i] + s.teacher_logits.rms[i]) * (1 + mass));
     loss_bound += 4 * u * (a + at) * inv_t * (1 + mass);
-    if (p.targets != nullptr &&
-        got.predictions[i] == LoadAsInt(p.targets, p.target_dtype, i)) {
+    if (p.targets != nullptr && got.predictions[i] == LoadAsInt(p.targets, p.target_dtype, i)) {
       ++correct;
     }
   }
@@ -201,14 +203,16 @@ double StudentLse(const DistillSetup& s, int64_t i, double t) {
     absl::StrAppend(&err, "loss ", got.loss[0], " vs ", ref.loss, " (bound ", loss_bound, ")\n");
   }
   const double acc = ref.tokens > 0 ? static_cast<double>(correct) / ref.tokens : 0.0;
-  if (!(std::abs(got.accuracy - acc) <= 1e-7)) absl::StrAppend(&err, "accuracy ", got.accuracy, "\n");
+  if (!(std::abs(got.accuracy - acc) <= 1e-7))
+    absl::StrAppend(&err, "accuracy ", got.accuracy, "\n");
   const double g_rel = 2 * u * Rms(mass_rms) * inv_t;
   const double tol = GradientTolerance(p, got.grad_dtype, g_rel);
   ::testing::AssertionResult grads = GradientsMatch(p, got, ref.grad, 1.0, tol);
   if (!grads) absl::StrAppend(&err, grads.message());
   if (!err.empty()) return ::testing::AssertionFailure() << err;
-  return ::testing::AssertionSuccess() << "loss " << got.loss[0] << " vs " << ref.loss
-                                       << " (bound " << loss_bound << ")\n" << grads.message();
+  return ::testing::AssertionSuccess()
+         << "loss " << got.loss[0] << " vs " << ref.loss << " (bound " << loss_bound << ")\n"
+         << grads.message();
 }
 
 KindOutputs DistillOutputs(const LossProblem& p, DType grad_dtype, bool accumulate = false) {
@@ -235,15 +239,16 @@ TEST_P(CpuDistillMatrixTest, MatchesReference) {
   EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(s.problem, got.outputs())));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Matrix, CpuDistillMatrixTest,
-    ::testing::Combine(::testing::ValuesIn(kShapes),
-                       ::testing::Values(DType::kBF16, DType::kF16, DType::kF32),
-                       ::testing::ValuesIn(Cases())),
-    [](const ::testing::TestParamInfo<Param>& info) {
-      return std::string(std::get<0>(info.param).name) + "_" +
-             std::string(DTypeName(std::get<1>(info.param))) + "_" + std::get<2>(info.param).name;
-    });
+INSTANTIATE_TEST_SUITE_P(Matrix, CpuDistillMatrixTest,
+                         ::testing::Combine(::testing::ValuesIn(kShapes),
+                                            ::testing::Values(DType::kBF16, DType::kF16,
+                                                              DType::kF32),
+                                            ::testing::ValuesIn(Cases())),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::string(std::get<0>(info.param).name) + "_" +
+                                  std::string(DTypeName(std::get<1>(info.param))) + "_" +
+                                  std::get<2>(info.param).name;
+                         });
 
 TEST(CpuDistillTest, BitIdenticalAtAnyThreadCountAndOnRerun) {
   Case c = Cases()[2];
@@ -260,6 +265,22 @@ TEST(CpuDistillTest, BitIdenticalAtAnyThreadCountAndOnRerun) {
   }
 }
 
+// X arrives while the Compute runs (the teacher's X is whole): the same bits as given whole.
+TEST(CpuDistillTest, StreamedRowsGiveTheWholeProblemsBits) {
+  Case c = Cases()[0];
+  c.chunk_rows = 50;
+  const DistillSetup s(kShapes[3], DType::kBF16, c, 34);
+  ASSERT_TRUE(s.status.ok());
+  std::unique_ptr<Backend> backend = NewCpuBackend(2);
+  KindOutputs whole = DistillOutputs(s.problem, DType::kBF16);
+  ASSERT_TRUE(backend->Compute(s.problem, whole.outputs(), nullptr).ok());
+  TrickleRows rows(s.problem, TrickleRows::Spec());
+  KindOutputs streamed = DistillOutputs(s.problem, DType::kBF16);
+  ASSERT_TRUE(backend->Compute(rows.Streamed(s.problem), streamed.outputs(), nullptr).ok());
+  EXPECT_TRUE(KindOutputsIdentical(whole, streamed));
+  EXPECT_TRUE(rows.CallsAreValid(s.problem.bt, 6));
+}
+
 TEST(CpuDistillTest, WorkspaceCountsTheTeachersChunk) {
   const DistillSetup s(kShapes[3], DType::kBF16, Cases()[0], 32);
   KindOutputs out = DistillOutputs(s.problem, DType::kBF16);
@@ -271,6 +292,17 @@ TEST(CpuDistillTest, WorkspaceCountsTheTeachersChunk) {
   const uint64_t c = 256, v = 1000, th = 96;
   // The teacher's logits chunk, its X chunk and W in fp32, and its bias.
   EXPECT_GE(with_teacher - backend->WorkspaceBytes(shape), (c * v + c * th + v * th + v) * 4);
+}
+
+// The default chunk keeps both logits chunks (student's and teacher's) in one chunk budget.
+TEST(CpuDistillTest, DefaultChunkHalvesForTheTeachersLogits) {
+  LossProblem p;
+  p.bt = 1 << 20;
+  p.v = 32000;
+  const int64_t ce = CpuBackend::ChunkRows(p);
+  p.kind = LossKind::kDistill;
+  EXPECT_EQ(CpuBackend::ChunkRows(p), ce / 2);
+  EXPECT_LE(uint64_t(CpuBackend::ChunkRows(p)) * 2 * p.v * 4, CpuBackend::kDefaultChunkBytes);
 }
 
 TEST(CpuDistillTest, RefusesWhatItCannotCompute) {

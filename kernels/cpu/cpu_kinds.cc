@@ -49,8 +49,8 @@ absl::Status CheckNoCrossEntropyOptions(const LossProblem& p) {
   }
   if (o.token_scaling) return Refuse(p, "options.token_scaling is cross-entropy only");
   if (!(o.temperature > 0.0f) || !std::isfinite(o.temperature)) {
-    return Refuse(p, absl::StrCat("options.temperature must be finite and > 0, got ",
-                                  o.temperature));
+    return Refuse(p,
+                  absl::StrCat("options.temperature must be finite and > 0, got ", o.temperature));
   }
   return absl::OkStatus();
 }
@@ -71,8 +71,8 @@ absl::Status CheckOtherKindsInputs(const LossProblem& p) {
                 {p.teacher_bias != nullptr, LossKind::kDistill, "teacher_bias"}};
   for (const auto& in : inputs) {
     if (in.present && in.owner != p.kind) {
-      return Refuse(p, absl::StrCat(in.name, " is an input of loss kind ",
-                                    LossKindName(in.owner), " only"));
+      return Refuse(
+          p, absl::StrCat(in.name, " is an input of loss kind ", LossKindName(in.owner), " only"));
     }
   }
   return absl::OkStatus();
@@ -83,28 +83,30 @@ absl::Status CheckPolicy(const LossProblem& p, const LossOutputs& out) {
   if (out.entropy != nullptr) return Refuse(p, "the entropy output is logprob's only");
   const int32_t type = static_cast<int32_t>(o.loss_type);
   if (type < 0 || type > static_cast<int32_t>(PolicyLossType::kDrGrpo)) {
-    return Refuse(p, absl::StrCat("policy.loss_type ", type, " is not dapo, grpo, bnpo or dr_grpo"));
+    return Refuse(p,
+                  absl::StrCat("policy.loss_type ", type, " is not dapo, grpo, bnpo or dr_grpo"));
   }
   if (p.bt > 0 && p.advantages == nullptr) return Refuse(p, "advantages must be non-null");
-  for (const auto& [name, value] : {std::make_pair("epsilon_low", o.epsilon_low),
-                                    std::make_pair("epsilon_high", o.epsilon_high),
-                                    std::make_pair("beta", o.beta)}) {
+  for (const auto& [name, value] :
+       {std::make_pair("epsilon_low", o.epsilon_low),
+        std::make_pair("epsilon_high", o.epsilon_high), std::make_pair("beta", o.beta)}) {
     if (!(value >= 0.0f) || !std::isfinite(value)) {
       return Refuse(p, absl::StrCat("policy.", name, " must be finite and >= 0, got ", value));
     }
   }
   if (o.sequences <= 0 || p.bt % o.sequences != 0) {
-    return Refuse(p, absl::StrCat("policy.sequences must be > 0 and divide the row count ",
-                                  p.bt, ", got ", o.sequences));
+    return Refuse(p, absl::StrCat("policy.sequences must be > 0 and divide the row count ", p.bt,
+                                  ", got ", o.sequences));
   }
   if (o.loss_type == PolicyLossType::kDrGrpo ? o.max_completion_length <= 0
                                              : o.max_completion_length < 0) {
     return Refuse(p, absl::StrCat("policy.max_completion_length must be > 0 with loss_type "
-                                  "dr_grpo (>= 0 otherwise), got ", o.max_completion_length));
+                                  "dr_grpo (>= 0 otherwise), got ",
+                                  o.max_completion_length));
   }
   if (!(o.dapo_normalizer >= 0) || !std::isfinite(o.dapo_normalizer)) {
-    return Refuse(p, absl::StrCat("policy.dapo_normalizer must be finite and >= 0, got ",
-                                  o.dapo_normalizer));
+    return Refuse(
+        p, absl::StrCat("policy.dapo_normalizer must be finite and >= 0, got ", o.dapo_normalizer));
   }
   return absl::OkStatus();
 }
@@ -121,8 +123,8 @@ absl::Status CheckDistill(const LossProblem& p, const LossOutputs& out) {
     return Refuse(p, "teacher_x and teacher_w must be non-null");
   }
   if (p.teacher_w_memory != Memory::kHost && p.teacher_w_memory != Memory::kBackend) {
-    return Refuse(p, absl::StrCat("teacher_w_memory ", static_cast<int>(p.teacher_w_memory),
-                                  " is unknown"));
+    return Refuse(
+        p, absl::StrCat("teacher_w_memory ", static_cast<int>(p.teacher_w_memory), " is unknown"));
   }
   if (out.logp != nullptr || out.entropy != nullptr) {
     return Refuse(p, "the logp and entropy outputs are not computed for distill");
@@ -152,8 +154,8 @@ absl::Status CheckKindProblem(const LossProblem& p, const LossOutputs& out) {
     return Refuse(p, "targets must be non-null");
   }
   if (p.targets != nullptr && p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
-    return Refuse(p, absl::StrCat("targets: dtype must be int32 or int64, got ",
-                                  DTypeName(p.target_dtype)));
+    return Refuse(
+        p, absl::StrCat("targets: dtype must be int32 or int64, got ", DTypeName(p.target_dtype)));
   }
   if (p.kind == LossKind::kPolicy) return CheckPolicy(p, out);
   if (p.kind == LossKind::kDistill) return CheckDistill(p, out);
@@ -164,11 +166,13 @@ uint64_t KindExtraBytes(const WorkspaceShape& s, int64_t chunk) {
   if (s.kind == LossKind::kCrossEntropy) return 0;
   // Per row: its results (KindRow below) and its target.
   uint64_t bytes = static_cast<uint64_t>(s.bt) * (kKindRowBytes + 9);
-  if (s.kind == LossKind::kPolicy) bytes += static_cast<uint64_t>(s.bt) * 8;  // row weights
+  if (s.kind == LossKind::kPolicy) {  // row weights, coefficients and statistics
+    bytes += static_cast<uint64_t>(s.bt) * (16 + sizeof(HeadRowStats));
+  }
   if (s.kind == LossKind::kDistill) {
     const uint64_t c = chunk, v = s.v, th = s.teacher_h, f = sizeof(float);
-    bytes += c * v * f;  // the teacher's logits chunk
-    bytes += v * f;      // its bias in fp32
+    bytes += c * v * f;                                            // the teacher's logits chunk
+    bytes += v * f;                                                // its bias in fp32
     if (s.dtype != DType::kF32) bytes += v * th * f + c * th * f;  // its W and X chunk in fp32
   }
   return bytes;
@@ -243,8 +247,8 @@ struct Teacher {
 absl::Status SetUpTeacher(const LossProblem& p, const KindPassSetup& k, Teacher* t) {
   const int64_t th = p.teacher_h, v = p.v;
   auto oom = [](const char* what, uint64_t n) {
-    return absl::ResourceExhaustedError(absl::StrCat("cpu backend: out of host memory for ",
-                                                     what, " (", n * 4, " bytes)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend: out of host memory for ", what, " (", n * 4, " bytes)"));
   };
   t->wf = static_cast<const float*>(p.teacher_w);
   if (p.dtype != DType::kF32) {
@@ -309,8 +313,8 @@ class KindPass {
   absl::Status Run() {
     SelectRows();
     const LossOptions& o = p_.options;
-    kp_ = KindRowParams{v_, p_.dtype, p_.bias != nullptr ? k_.ws.bias_f.data() : nullptr,
-                        o.softcap, o.temperature};
+    kp_ = KindRowParams{v_, p_.dtype, p_.bias != nullptr ? k_.ws.bias_f.data() : nullptr, o.softcap,
+                        o.temperature};
     if (p_.kind == LossKind::kPolicy) weight_ = PolicyWeights(p_, counted_, tokens_);
     const double gs = o.grad_scale;
     const double alpha = AlphaOf(std::abs(gs) * MaxRowScale() / o.temperature);
@@ -318,11 +322,15 @@ class KindPass {
     want_entropy_ =
         out_.entropy != nullptr || (p_.kind == LossKind::kLogprob && p_.dentropy != nullptr);
     rows_.assign(p_.bt, KindRow());
+    if (p_.kind == LossKind::kPolicy) {
+      stats_.assign(p_.bt, HeadRowStats());
+      coef_.assign(p_.bt, 0.0);
+    }
     // The cross-entropy fields of the pass are unused with a row function.
     const RowPassParams unused_rp;
     std::vector<RowResult> unused_rows;
-    CpuChunkPass pass{p_,       out_,      k_.pool,       k_.ws, unused_rp, tg_, 0.0, 0.0,
-                      alpha,    unused_rows, k_.x_copy, k_.want_dx, k_.dx_scratch};
+    CpuChunkPass pass{p_,  out_,  k_.pool,     k_.ws,     unused_rp,  tg_,          0.0,
+                      0.0, alpha, unused_rows, k_.x_copy, k_.want_dx, k_.dx_scratch};
     if (p_.kind == LossKind::kDistill) {
       LOSSD_RETURN_IF_ERROR(SetUpTeacher(p_, k_, &teacher_));
       teacher_kp_ = kp_;
@@ -336,6 +344,7 @@ class KindPass {
       const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
       const float* xc = nullptr;
       LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
+      if (k_.want_grad && p_.kind == LossKind::kPolicy) PolicyGradients(c0, rows_c, &pass);
       if (k_.want_grad) ChunkBackward(pass, c0, rows_c, xc);
     }
     WriteKindOutputs(p_, out_, rows_, counted_, tokens_);
@@ -359,19 +368,14 @@ class KindPass {
   }
 
   // The largest coefficient of a row's gradient before grad_scale and 1/T: |dlogp| +
-  // |dentropy|; policy's w (|A| + beta) (r and the KL slope are not known before the rows);
-  // distill's 1 / tokens.
+  // |dentropy|; distill's 1 / tokens (policy's are each chunk's own: PolicyGradients).
   double MaxRowScale() const {
     if (p_.kind == LossKind::kDistill) return tokens_ != 0 ? 1.0 / tokens_ : 0.0;
     double m = 0;
     for (int64_t i = 0; i < p_.bt; ++i) {
       if (!counted_[i]) continue;
-      if (p_.kind == LossKind::kPolicy) {
-        m = std::max(m, weight_[i] * (std::abs(double{p_.advantages[i]}) + p_.policy.beta));
-      } else {
-        m = std::max(m, std::abs(p_.dlogp != nullptr ? double{p_.dlogp[i]} : 0.0) +
-                            std::abs(p_.dentropy != nullptr ? double{p_.dentropy[i]} : 0.0));
-      }
+      m = std::max(m, std::abs(p_.dlogp != nullptr ? double{p_.dlogp[i]} : 0.0) +
+                          std::abs(p_.dentropy != nullptr ? double{p_.dentropy[i]} : 0.0));
     }
     return m;
   }
@@ -392,11 +396,34 @@ class KindPass {
     double dlogp = p_.dlogp != nullptr ? p_.dlogp[i] : 0.0;
     const double dentropy = p_.dentropy != nullptr ? p_.dentropy[i] : 0.0;
     if (p_.kind == LossKind::kPolicy) {
+      // G waits for the chunk's alpha (PolicyGradients).
       PolicyTerms(p_, i, s.logp, &r, &dlogp);
       r.loss *= weight_[i];
-      dlogp *= weight_[i];
+      stats_[i] = s;
+      coef_[i] = weight_[i] * dlogp;
+      return;
     }
     if (k_.want_grad) WriteLogprobGradient(kp_, z, t, s, g_scale_ * dlogp, g_scale_ * dentropy);
+  }
+
+  // policy, after a chunk's rows: its coefficients depend on r_i, unbounded before the rows
+  // are seen (an fp16 G of e^12 A would overflow), so the GEMMs' alpha is the chunk's own,
+  // from its largest coefficient; then each counted row's G over its logits.
+  void PolicyGradients(int64_t c0, int64_t rows_c, CpuChunkPass* pass) {
+    double m = 0;
+    for (int64_t i = c0; i < c0 + rows_c; ++i) m = std::max(m, std::abs(coef_[i]));
+    const double gs = p_.options.grad_scale;
+    pass->g_alpha = AlphaOf(std::abs(gs) * m / p_.options.temperature);
+    const double g_scale = gs / pass->g_alpha;
+    float* z = k_.ws.z_buf.data();
+    constexpr int64_t kRows = 8;  // rows per task
+    k_.pool.Run(CeilDiv(rows_c, kRows), [&](int64_t task) {
+      for (int64_t r = task * kRows; r < std::min(rows_c, (task + 1) * kRows); ++r) {
+        const int64_t i = c0 + r;
+        if (tg_[i] < 0) continue;  // zeroed by HeadRow
+        WriteLogprobGradient(kp_, z + r * v_, tg_[i], stats_[i], g_scale * coef_[i], 0.0);
+      }
+    });
   }
 
   // distill, before a chunk's rows: the teacher's logits of rows [c0, c0 + rows_c).
@@ -431,8 +458,10 @@ class KindPass {
   std::vector<uint8_t> counted_;
   int64_t tokens_ = 0;
   KindRowParams kp_, teacher_kp_;
-  std::vector<double> weight_;  // policy's row weights
-  double g_scale_ = 0;          // grad_scale over the GEMMs' alpha
+  std::vector<double> weight_;       // policy's row weights
+  std::vector<HeadRowStats> stats_;  // policy: each row's statistics, for its G
+  std::vector<double> coef_;         // policy: each row's w_i dl_i/dlogp_i
+  double g_scale_ = 0;               // grad_scale over the GEMMs' alpha
   bool want_entropy_ = false;
   std::vector<KindRow> rows_;
   Teacher teacher_;

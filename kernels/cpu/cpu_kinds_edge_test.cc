@@ -21,17 +21,18 @@ namespace {
 // A random problem of `kind` whose rows are all ignored (ignore_fraction 1), with every input
 // the kind takes; owns its buffers.
 struct KindProblem {
-  KindProblem(LossKind kind, int64_t bt, DType dtype, double ignore)
+  KindProblem(LossKind kind, int64_t bt, DType dtype, double ignore, double logit_scale = 2)
       : random(RandomProblem::Make([&] {
           RandomProblemSpec spec = ShapeSpec(bt, 24, 70, dtype);
           spec.bias = true;
           spec.ignore_fraction = ignore;
+          spec.logit_scale = logit_scale;
           spec.seed = 41 + bt;
           return spec;
         }())) {
     per_token = RandomFloats(std::max<int64_t>(bt, 1), -1.0f, 1.0f, 42);
     teacher_x = RandomStored(std::max<int64_t>(bt, 1) * 13, 1.0, dtype, 43);
-    teacher_w = RandomStored(70 * 13, 0.5, dtype, 44);
+    teacher_w = RandomStored(70 * 13, logit_scale / std::sqrt(13.0), dtype, 44);
     problem = random.problem();
     problem.kind = kind;
     problem.options.temperature = 0.9f;
@@ -105,11 +106,39 @@ TEST(CpuKindsEdgeTest, NoRowsGiveZeroGradients) {
   }
 }
 
+// Logits of about 1e4 (bf16 holds them; exp of them overflows fp32): every output finite,
+// log-probs <= 0 (up to fp32 rounding of lse), entropies >= 0. Policy without old and
+// reference log-probs: log-probs near -1e4 against ones in [-1, 1] overflow the ratio and the
+// KL's exp in any precision (the reference's too).
+TEST(CpuKindsEdgeTest, HugeLogitsStayFinite) {
+  for (LossKind kind : kKinds) {
+    KindProblem k(kind, 33, DType::kBF16, 0.1, 1e4);
+    k.problem.old_logp = k.problem.ref_logp = nullptr;
+    KindOutputs got = OutputsFor(k.problem);
+    LossStats stats;
+    const absl::Status st = NewCpuBackend(2)->Compute(k.problem, got.outputs(), &stats);
+    ASSERT_TRUE(st.ok()) << LossKindName(kind) << ": " << st;
+    EXPECT_EQ(stats.nonfinite, 0u) << LossKindName(kind);
+    EXPECT_TRUE(std::isfinite(got.loss[0])) << LossKindName(kind);
+    for (int64_t i = 0; i < 33; ++i) {
+      EXPECT_TRUE(std::isfinite(got.lse[i])) << LossKindName(kind) << " lse[" << i << "]";
+      EXPECT_GT(std::abs(got.lse[i]), 10.0f) << LossKindName(kind) << " lse[" << i << "]";
+      if (got.want_logp) {
+        EXPECT_LE(got.logp[i], 1e-7f * std::abs(got.lse[i])) << LossKindName(kind) << " " << i;
+      }
+      if (got.want_entropy) {
+        EXPECT_GE(got.entropy[i], 0.0f) << i;
+        EXPECT_TRUE(std::isfinite(got.entropy[i])) << i;
+      }
+    }
+  }
+}
+
 TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
   const BackendInfo info = NewCpuBackend(1)->Info();
-  EXPECT_EQ(info.loss_kinds,
-            LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
-                LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill));
+  EXPECT_EQ(info.loss_kinds, LossKindBit(LossKind::kCrossEntropy) |
+                                 LossKindBit(LossKind::kLogprob) | LossKindBit(LossKind::kPolicy) |
+                                 LossKindBit(LossKind::kDistill));
 }
 
 }  // namespace

@@ -149,7 +149,8 @@ struct LogprobSetup {
   const LogprobReferenceOutputs& ref = s.ref;
   const double u = UnitRoundoff(p.dtype), inv_t = 1.0 / c.temperature;
   std::string err;
-  if (got.tokens != ref.tokens) absl::StrAppend(&err, "tokens ", got.tokens, " vs ", ref.tokens, "\n");
+  if (got.tokens != ref.tokens)
+    absl::StrAppend(&err, "tokens ", got.tokens, " vs ", ref.tokens, "\n");
   double f_ref = 0, f_bound = 0;
   int64_t correct = 0;
   for (int64_t i = 0; i < p.bt; ++i) {
@@ -179,7 +180,8 @@ struct LogprobSetup {
     absl::StrAppend(&err, "loss ", got.loss[0], " vs ", f_ref, " (bound ", f_bound, ")\n");
   }
   const double acc = ref.tokens != 0 ? static_cast<double>(correct) / ref.tokens : 0.0;
-  if (!(std::abs(got.accuracy - acc) <= 1e-7)) absl::StrAppend(&err, "accuracy ", got.accuracy, "\n");
+  if (!(std::abs(got.accuracy - acc) <= 1e-7))
+    absl::StrAppend(&err, "accuracy ", got.accuracy, "\n");
   std::vector<double> abs_max = s.logits.abs_max;
   const double tol = GradientTolerance(p, got.grad_dtype, 2 * u * Rms(abs_max) * inv_t);
   ::testing::AssertionResult grads = GradientsMatch(p, got, ref.grad, c.grad_scale, tol);
@@ -208,15 +210,16 @@ TEST_P(CpuLogprobMatrixTest, MatchesReference) {
   EXPECT_EQ(stats.nonfinite, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Matrix, CpuLogprobMatrixTest,
-    ::testing::Combine(::testing::ValuesIn(kShapes),
-                       ::testing::Values(DType::kBF16, DType::kF16, DType::kF32),
-                       ::testing::ValuesIn(Cases())),
-    [](const ::testing::TestParamInfo<Param>& info) {
-      return std::string(std::get<0>(info.param).name) + "_" +
-             std::string(DTypeName(std::get<1>(info.param))) + "_" + std::get<2>(info.param).name;
-    });
+INSTANTIATE_TEST_SUITE_P(Matrix, CpuLogprobMatrixTest,
+                         ::testing::Combine(::testing::ValuesIn(kShapes),
+                                            ::testing::Values(DType::kBF16, DType::kF16,
+                                                              DType::kF32),
+                                            ::testing::ValuesIn(Cases())),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::string(std::get<0>(info.param).name) + "_" +
+                                  std::string(DTypeName(std::get<1>(info.param))) + "_" +
+                                  std::get<2>(info.param).name;
+                         });
 
 Case EntropyCase() {
   Case c;

@@ -41,6 +41,9 @@ struct Case {
   float eps_low = 0.2f, eps_high = 0.2f, beta = 0.04f;
   float temperature = 1, cap = 0, grad_scale = 1;
   bool old_logp = true, ref_logp = true, bias = false, grad_f32 = false, accumulate = false;
+  // r = e^12 with A < 0 (never clipped): G at the scale of its largest coefficient known before
+  // the rows (|A| + beta) would pass fp16's range.
+  bool huge_ratio = false;
   double ignore = 0.15, dapo_normalizer = 0;
   int64_t max_completion_length = 0, chunk_rows = 0;
 };
@@ -82,6 +85,12 @@ std::vector<Case> Cases() {
   c.old_logp = false;
   cs.push_back(c);
   c = Case();
+  c.name = "huge_ratio";
+  c.huge_ratio = true;
+  c.grad_scale = 1e-5f;  // the gradients fit fp16; G stored at its own scale would not
+  c.chunk_rows = 20;
+  cs.push_back(c);
+  c = Case();
   c.name = "accumulate_chunked_f32";
   c.type = PolicyLossType::kGrpo;
   c.accumulate = c.grad_f32 = c.bias = true;
@@ -117,7 +126,14 @@ struct PolicySetup {
     const std::vector<float> ref_d = RandomFloats(s.bt, -0.5f, 0.5f, seed + 4);
     const float log_r[4] = {-0.7f, -0.05f, 0.05f, 0.6f};
     for (int64_t i = 0; i < s.bt; ++i) {
-      old_logp.push_back(static_cast<float>(cur.logp[i]) - log_r[static_cast<int>(pick[i])] - jitter[i]);
+      if (c.huge_ratio) {
+        advantages[i] = -0.1f - std::abs(advantages[i]);
+        old_logp.push_back(static_cast<float>(cur.logp[i]) - 12.0f - jitter[i]);
+        ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
+        continue;
+      }
+      old_logp.push_back(static_cast<float>(cur.logp[i]) - log_r[static_cast<int>(pick[i])] -
+                         jitter[i]);
       ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
     }
     problem.kind = LossKind::kPolicy;
@@ -127,7 +143,8 @@ struct PolicySetup {
     problem.advantages = advantages.data();
     problem.old_logp = c.old_logp ? old_logp.data() : nullptr;
     problem.ref_logp = c.ref_logp ? ref_logp.data() : nullptr;
-    problem.policy = {c.type, c.eps_low, c.eps_high, c.beta, s.sequences, c.max_completion_length,
+    problem.policy = {c.type,           c.eps_low,   c.eps_high,
+                      c.beta,           s.sequences, c.max_completion_length,
                       c.dapo_normalizer};
     PolicyProblem pp;
     pp.head = head;
@@ -138,8 +155,15 @@ struct PolicySetup {
     pp.advantages = problem.advantages;
     pp.old_logp = problem.old_logp;
     pp.ref_logp = problem.ref_logp;
-    pp.options = {c.type, c.eps_low, c.eps_high, c.beta, c.temperature, c.cap,
-                  c.max_completion_length, c.dapo_normalizer, c.grad_scale};
+    pp.options = {c.type,
+                  c.eps_low,
+                  c.eps_high,
+                  c.beta,
+                  c.temperature,
+                  c.cap,
+                  c.max_completion_length,
+                  c.dapo_normalizer,
+                  c.grad_scale};
     if (status.ok()) status = PolicyReference(pp, &ref);
     logits = ComputeRawLogits(head);
   }
@@ -210,11 +234,10 @@ struct PolicySetup {
     const double lo = 1 - c.eps_low, hi = 1 + c.eps_high;
     const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
     const double share = clipped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-    const double e_d = p.ref_logp != nullptr && c.beta != 0
-                           ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
+    const double e_d =
+        p.ref_logp != nullptr && c.beta != 0 ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
     coef_sum += std::abs(-share * a * r + c.beta * (1 - e_d));
-    coef_err += (std::abs(a) * r * share + c.beta * e_d) *
-                (b + 1e-6 * (1 + std::abs(got.lse[i])));
+    coef_err += (std::abs(a) * r * share + c.beta * e_d) * (b + 1e-6 * (1 + std::abs(got.lse[i])));
   }
   check("loss", got.loss[0], ref.loss, loss_bound);
   check("kl", got.kl, ref.kl, kl_bound);
@@ -226,8 +249,9 @@ struct PolicySetup {
   if (!grads) absl::StrAppend(&err, grads.message());
   if (!err.empty()) return ::testing::AssertionFailure() << err;
   return ::testing::AssertionSuccess()
-         << "loss " << got.loss[0] << " vs " << ref.loss << ", clip_fraction "
-         << got.clip_fraction << ", kl " << got.kl << "\n" << grads.message();
+         << "loss " << got.loss[0] << " vs " << ref.loss << ", clip_fraction " << got.clip_fraction
+         << ", kl " << got.kl << "\n"
+         << grads.message();
 }
 
 KindOutputs PolicyOutputs(const LossProblem& p, DType grad_dtype, bool accumulate = false) {
@@ -254,15 +278,16 @@ TEST_P(CpuPolicyMatrixTest, MatchesReference) {
   EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(s.problem, got.outputs())));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Matrix, CpuPolicyMatrixTest,
-    ::testing::Combine(::testing::ValuesIn(kShapes),
-                       ::testing::Values(DType::kBF16, DType::kF16, DType::kF32),
-                       ::testing::ValuesIn(Cases())),
-    [](const ::testing::TestParamInfo<Param>& info) {
-      return std::string(std::get<0>(info.param).name) + "_" +
-             std::string(DTypeName(std::get<1>(info.param))) + "_" + std::get<2>(info.param).name;
-    });
+INSTANTIATE_TEST_SUITE_P(Matrix, CpuPolicyMatrixTest,
+                         ::testing::Combine(::testing::ValuesIn(kShapes),
+                                            ::testing::Values(DType::kBF16, DType::kF16,
+                                                              DType::kF32),
+                                            ::testing::ValuesIn(Cases())),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::string(std::get<0>(info.param).name) + "_" +
+                                  std::string(DTypeName(std::get<1>(info.param))) + "_" +
+                                  std::get<2>(info.param).name;
+                         });
 
 TEST(CpuPolicyTest, ClippingHappensOnBothSidesInTheMatrix) {
   // The matrix's data must exercise both clipped branches and the unclipped one, or the
@@ -300,7 +325,8 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"advantages", [](LossProblem& p) { p.advantages = nullptr; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 3; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 0; }},
-      {"policy.loss_type", [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(7); }},
+      {"policy.loss_type",
+       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(7); }},
       {"policy.epsilon_low", [](LossProblem& p) { p.policy.epsilon_low = -0.1f; }},
       {"policy.beta", [](LossProblem& p) { p.policy.beta = INFINITY; }},
       {"policy.max_completion_length",

@@ -134,8 +134,8 @@ inline __attribute__((always_inline)) JsdTerm Jsd(float lq, float lp, float beta
 }
 
 LOSSD_CPU_TARGET_CLONES
-DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher,
-                            float* zs, float* zt, double jsd_beta, double k, bool want_grad) {
+DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher, float* zs,
+                            float* zt, double jsd_beta, double k, bool want_grad) {
   const int64_t v = student.v;
   HeadRowStats ss, ts;
   MakeLogits(student, zs);

@@ -56,8 +56,8 @@ struct DistillRowResult {
 // reference's three cases), and, when want_grad, zs overwritten with k * d row / d u (u: the
 // student's raw logits, so 1/T is applied here; k carries 1 / tokens, the upstream gradient and
 // the GEMMs' alpha), rounded to the input dtype.
-DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher,
-                            float* zs, float* zt, double jsd_beta, double k, bool want_grad);
+DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher, float* zs,
+                            float* zt, double jsd_beta, double k, bool want_grad);
 
 }  // namespace lossd
 

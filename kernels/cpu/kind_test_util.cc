@@ -119,13 +119,14 @@ double Rms(const std::vector<double>& v) {
 }
 
 double UnitRoundoff(DType t) {
-  return t == DType::kBF16 ? std::ldexp(1.0, -8)
+  return t == DType::kBF16  ? std::ldexp(1.0, -8)
          : t == DType::kF16 ? std::ldexp(1.0, -11)
                             : std::ldexp(1.0, -24);
 }
 
 double GradientTolerance(const LossProblem& p, DType grad_dtype, double g_rel) {
-  const double gemm = 4 * std::sqrt(static_cast<double>(std::max(p.v, p.bt))) * std::ldexp(1.0, -24);
+  const double gemm =
+      4 * std::sqrt(static_cast<double>(std::max(p.v, p.bt))) * std::ldexp(1.0, -24);
   const double tol = 2 * g_rel + 2 * UnitRoundoff(p.dtype) + UnitRoundoff(grad_dtype) + 1e-5 + gemm;
   return std::min(tol, kMaxGradientTolerance);
 }
@@ -156,9 +157,8 @@ std::vector<double> Added(const std::vector<float>& got, const std::vector<float
   if (got.accumulate) {
     // Each chunk's add into the fp32 accumulator rounds at about 2^-24 |start|: the sum's
     // error is up to (chunks) 2^-24 ||start||, relative to ||ref||.
-    const int64_t chunks = p.options.chunk_rows > 0 ? (p.bt + p.options.chunk_rows - 1) /
-                                                          p.options.chunk_rows
-                                                    : 1;
+    const int64_t chunks =
+        p.options.chunk_rows > 0 ? (p.bt + p.options.chunk_rows - 1) / p.options.chunk_rows : 1;
     auto accum_tol = [&](const std::vector<float>& start, const std::vector<double>& r) {
       double s2 = 0, r2 = 0;
       for (float e : start) s2 += double{e} * e;

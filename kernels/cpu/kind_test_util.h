@@ -28,9 +28,9 @@ class KindOutputs {
   std::vector<int64_t> predictions;
   float accuracy = 0, kl = 0, clip_fraction = 0;
   int64_t tokens = 0;
-  std::vector<uint8_t> dx, dw, db;          // grad_dtype
-  std::vector<float> dw_accum, db_accum;    // fp32
-  std::vector<float> dw_start, db_start;    // the accumulators' random start
+  std::vector<uint8_t> dx, dw, db;        // grad_dtype
+  std::vector<float> dw_accum, db_accum;  // fp32
+  std::vector<float> dw_start, db_start;  // the accumulators' random start
 };
 
 // n values uniform in [lo, hi), from `seed`.
@@ -57,8 +57,8 @@ double Rms(const std::vector<double>& v);
 double UnitRoundoff(DType t);
 
 // The relative-norm tolerance of a gradient whose G has relative error g_rel from the stored
-// logits' rounding: 2 g_rel (2x margin on the first-order bound) + G's storage rounding 2u + the gradient dtype's grad_u + fp32 arithmetic and the
-// GEMMs' 4 sqrt(max(V, BT)) 2^-24.
+// logits' rounding: 2 g_rel (2x margin on the first-order bound) + G's storage rounding 2u +
+// the gradient dtype's grad_u + fp32 arithmetic and the GEMMs' 4 sqrt(max(V, BT)) 2^-24.
 // At most kMaxGradientTolerance: the worst case of a few 16-bit rows with large logits can
 // pass 1, which would accept any gradient of about the right size; their measured errors
 // are below 0.02 (the tests print every margin).
