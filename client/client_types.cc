@@ -6,10 +6,10 @@ namespace lossd {
 namespace client {
 
 const char* OutputTensorName(OutputTensor t) {
-  // Indexed from kLoss: the output ids are consecutive (lossd.proto's TensorId 16 to 22).
-  static constexpr const char* kNames[] = {"loss", "lse", "z_loss", "predictions",
-                                           "dx",   "dw",  "db"};
-  static_assert(std::size(kNames) == static_cast<size_t>(OutputTensor::kDb) -
+  // Indexed from kLoss: the output ids are consecutive (lossd.proto's TensorId 16 to 24).
+  static constexpr const char* kNames[] = {"loss", "lse", "z_loss", "predictions", "dx",
+                                           "dw",   "db",  "logp",   "entropy"};
+  static_assert(std::size(kNames) == static_cast<size_t>(OutputTensor::kEntropy) -
                                          static_cast<size_t>(OutputTensor::kLoss) + 1);
   const int i = static_cast<int>(t) - static_cast<int>(OutputTensor::kLoss);
   return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "unknown";

@@ -80,8 +80,11 @@ enum class OutputTensor : int32_t {
   kDx = 20,           // (BT, H) grad dtype
   kDw = 21,           // (V, H) grad dtype
   kDb = 22,           // (V) grad dtype
+  kLogp = 23,         // (BT) fp32 log p(target) at the temperature (LossKind::kLogprob)
+  kEntropy = 24,      // (BT) fp32 entropy at the temperature (kLogprob, want.entropy)
 };
-const char* OutputTensorName(OutputTensor t);  // "loss", "lse", ..., "dx", "dw", "db"
+// "loss", "lse", ..., "dx", "dw", "db", "logp", "entropy".
+const char* OutputTensorName(OutputTensor t);
 
 // Which outputs to return; the scalar loss always comes back.
 struct WantedOutputs {
@@ -92,6 +95,7 @@ struct WantedOutputs {
   bool z_loss = false;
   bool accuracy = false;
   bool predictions = false;
+  bool entropy = false;  // LossKind::kLogprob: the per-token entropy (kEntropy)
 };
 
 // Where a wanted output should land instead of a newly allocated buffer (no extra copy).
@@ -105,7 +109,7 @@ struct ComputeRequest {
   std::optional<HostTensor> w;              // (V, H) x's dtype; absent when weight_handle is set
   std::string weight_handle;                // from PutWeights (which carries its own bias)
   std::optional<HostTensor> bias;           // (V) x's dtype, inline weights only
-  HostTensor targets;                       // (BT) int32 or int64
+  HostTensor targets;  // (BT) int32 or int64; kDistill: may be left default (no rows ignored)
   std::optional<HostTensor> class_weights;  // (V) fp32
   std::optional<HostTensor> grad_output;    // (BT) fp32, reduction none only
   LossOptions options;                      // ignore_index, reduction, smoothing, z-loss, ...
@@ -133,6 +137,31 @@ struct ComputeRequest {
   uint64_t micro_batch = 0;
   // nullopt = ClientOptions::overlap.
   std::optional<bool> overlap;
+
+  // What the call computes over the head (core/loss_problem.h, docs/rl_losses.md; servers
+  // listing the feature "loss_kind_<name>"). options.temperature applies to the kinds other
+  // than cross-entropy. Cross-entropy-only inputs and options (class_weights, grad_output,
+  // label smoothing, z-loss, token scaling, a reduction other than mean) are refused by the
+  // server for the others.
+  LossKind kind = LossKind::kCrossEntropy;
+  // kLogprob: upstream gradients of logp and of the entropy, (BT) fp32; absent = zeros (with
+  // neither, want no gradients: a forward-only call).
+  std::optional<HostTensor> dlogp;
+  std::optional<HostTensor> dentropy;
+  // kPolicy: targets are the sampled ids, ignore_index where the completion mask is 0;
+  // advantages (required), old_logp and ref_logp per token, (BT) fp32.
+  std::optional<HostTensor> advantages;
+  std::optional<HostTensor> old_logp;
+  std::optional<HostTensor> ref_logp;
+  PolicyParams policy;  // Liger-Kernel's defaults
+  // kDistill: the teacher's hidden states (BT, Ht) in x's dtype, and its head: teacher_w
+  // (V, Ht) inline (with an optional teacher_bias (V)) or a PutWeights handle (which carries
+  // its own bias). targets only mark ignored rows.
+  std::optional<HostTensor> teacher_x;
+  std::optional<HostTensor> teacher_w;
+  std::optional<HostTensor> teacher_bias;
+  std::string teacher_weight_handle;
+  DistillParams distill;  // Liger-Kernel's defaults
 };
 
 struct ComputeResult {
@@ -152,6 +181,9 @@ struct ComputeResult {
   // its step (false: its (rank, micro_batch) key was already there: a retry).
   uint64_t head_version = 0;
   bool head_added = false;
+  // LossKind::kPolicy: Liger's mean-KL metric (0 when beta is 0) and clip fraction.
+  float kl = 0.0f;
+  float clip_fraction = 0.0f;
   // Returned tensors, as the server listed them. Those with an output_into buffer are
   // mutable views of it; the rest own their bytes.
   std::map<OutputTensor, HostTensor> outputs;

@@ -17,8 +17,10 @@ TEST(OutputTensorNameTest, NamesEveryOutputAndOnlyThose) {
   EXPECT_STREQ(OutputTensorName(OutputTensor::kDx), "dx");
   EXPECT_STREQ(OutputTensorName(OutputTensor::kDw), "dw");
   EXPECT_STREQ(OutputTensorName(OutputTensor::kDb), "db");
+  EXPECT_STREQ(OutputTensorName(OutputTensor::kLogp), "logp");
+  EXPECT_STREQ(OutputTensorName(OutputTensor::kEntropy), "entropy");
   EXPECT_STREQ(OutputTensorName(static_cast<OutputTensor>(15)), "unknown");
-  EXPECT_STREQ(OutputTensorName(static_cast<OutputTensor>(23)), "unknown");
+  EXPECT_STREQ(OutputTensorName(static_cast<OutputTensor>(25)), "unknown");
   EXPECT_STREQ(OutputTensorName(static_cast<OutputTensor>(-1)), "unknown");
 }
 

@@ -47,6 +47,35 @@ v1::Reduction ToProto(Reduction r) {
   return v1::REDUCTION_MEAN;
 }
 
+v1::LossKind ToProto(LossKind k) {
+  switch (k) {
+    case LossKind::kCrossEntropy:
+      return v1::LOSS_KIND_CROSS_ENTROPY;
+    case LossKind::kLogprob:
+      return v1::LOSS_KIND_LOGPROB;
+    case LossKind::kPolicy:
+      return v1::LOSS_KIND_POLICY;
+    case LossKind::kDistill:
+      return v1::LOSS_KIND_DISTILL;
+  }
+  // Out of range: sent as it is, for the server to refuse naming the value.
+  return static_cast<v1::LossKind>(static_cast<int>(k));
+}
+
+v1::PolicyLossType ToProto(PolicyLossType t) {
+  switch (t) {
+    case PolicyLossType::kDapo:
+      return v1::POLICY_LOSS_DAPO;
+    case PolicyLossType::kGrpo:
+      return v1::POLICY_LOSS_GRPO;
+    case PolicyLossType::kBnpo:
+      return v1::POLICY_LOSS_BNPO;
+    case PolicyLossType::kDrGrpo:
+      return v1::POLICY_LOSS_DR_GRPO;
+  }
+  return static_cast<v1::PolicyLossType>(static_cast<int>(t));
+}
+
 void FillSpec(const HostTensor& t, v1::TensorSpec* spec) {
   spec->set_dtype(ToProto(t.dtype()));
   for (int64_t d : t.shape()) spec->add_shape(d);
@@ -54,7 +83,7 @@ void FillSpec(const HostTensor& t, v1::TensorSpec* spec) {
 
 std::string TensorIdName(int32_t id) {
   if (id >= static_cast<int32_t>(OutputTensor::kLoss) &&
-      id <= static_cast<int32_t>(OutputTensor::kDb)) {
+      id <= static_cast<int32_t>(kLastOutputTensor)) {
     return OutputTensorName(static_cast<OutputTensor>(id));
   }
   return absl::StrCat("tensor#", id);

@@ -30,6 +30,10 @@ v1::DType ToProto(DType t);
 // INTERNAL for a dtype this client does not know.
 absl::StatusOr<DType> FromProto(v1::DType t);
 v1::Reduction ToProto(Reduction r);
+v1::LossKind ToProto(LossKind k);
+v1::PolicyLossType ToProto(PolicyLossType t);
+// The last of the consecutive output tensor ids (OutputTensor::kLoss is the first).
+inline constexpr OutputTensor kLastOutputTensor = OutputTensor::kEntropy;
 // `t`'s dtype and shape into `spec`.
 void FillSpec(const HostTensor& t, v1::TensorSpec* spec);
 std::vector<int64_t> ShapeOf(const v1::TensorSpec& spec);

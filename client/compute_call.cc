@@ -20,6 +20,8 @@ std::pair<DType, std::vector<int64_t>> OutputSpecOf(const ComputeRequest& r, Out
     case OutputTensor::kLoss:
     case OutputTensor::kLse:
     case OutputTensor::kZLoss:
+    case OutputTensor::kLogp:
+    case OutputTensor::kEntropy:
       break;
     case OutputTensor::kPredictions:
       return {DType::kI64, {bt}};
@@ -66,12 +68,16 @@ absl::Status ValidateOutputInto(const ComputeRequest& r) {
         returned = r.want.db && r.accumulator.empty() && r.head.empty() &&
                    (r.bias.has_value() || !r.w.has_value());
         break;
+      case OutputTensor::kLogp: returned = r.kind == LossKind::kLogprob; break;
+      case OutputTensor::kEntropy:
+        returned = r.kind == LossKind::kLogprob && r.want.entropy;
+        break;
     }
     const std::string name = OutputTensorName(tensor);
     if (!returned) {
       return absl::InvalidArgumentError(absl::StrCat(
           "output_into[", name, "]: this call does not return ", name,
-          " (see want, options.reduction, accumulator and head)"));
+          " (see want, options.reduction, kind, accumulator and head)"));
     }
     if (v < 0 && (tensor == OutputTensor::kDw || tensor == OutputTensor::kDb)) continue;
     const auto [dtype, shape] = OutputSpecOf(r, tensor, v);
@@ -110,11 +116,78 @@ absl::Status ValidateHeadFields(const ComputeRequest& r) {
   return absl::OkStatus();
 }
 
+// The inputs of the other loss kinds: each well formed, and the teacher's head named once.
+// Which kind takes which input, and their shapes, are the server's to check (one set of
+// rules, core/loss_problem_check).
+absl::Status ValidateKindInputs(const ComputeRequest& r) {
+  const std::pair<const std::optional<HostTensor>*, const char*> inputs[] = {
+      {&r.dlogp, "dlogp"},         {&r.dentropy, "dentropy"},   {&r.advantages, "advantages"},
+      {&r.old_logp, "old_logp"},   {&r.ref_logp, "ref_logp"},   {&r.teacher_x, "teacher_x"},
+      {&r.teacher_w, "teacher_w"}, {&r.teacher_bias, "teacher_bias"}};
+  for (const auto& [t, name] : inputs) {
+    if (t->has_value()) LOSSD_RETURN_IF_ERROR((*t)->Validate(name));
+  }
+  if (r.teacher_w.has_value() && !r.teacher_weight_handle.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "give one of teacher_w and teacher_weight_handle ('", r.teacher_weight_handle,
+        "'), not both"));
+  }
+  if (r.teacher_bias.has_value() && !r.teacher_w.has_value()) {
+    return absl::InvalidArgumentError(
+        "teacher_bias goes with an inline teacher_w; a teacher weight handle carries its own "
+        "bias");
+  }
+  if (r.kind == LossKind::kDistill && !r.teacher_w.has_value() &&
+      r.teacher_weight_handle.empty()) {
+    return absl::InvalidArgumentError(
+        "kind distill needs the teacher's head: teacher_w or teacher_weight_handle");
+  }
+  return absl::OkStatus();
+}
+
+// The loss kind's fields of the header. Left unset for plain cross-entropy at T = 1, so such
+// a request reads as it always has to a server that predates the kinds.
+void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
+  if (r.kind != LossKind::kCrossEntropy) h->set_kind(ToProto(r.kind));
+  if (r.kind != LossKind::kCrossEntropy || r.options.temperature != kDefaultTemperature) {
+    h->mutable_options()->set_temperature(r.options.temperature);
+  }
+  if (r.want.entropy) h->mutable_outputs()->set_entropy(true);
+  if (r.kind == LossKind::kPolicy) {
+    v1::PolicyOptions* p = h->mutable_policy();
+    p->set_loss_type(ToProto(r.policy.loss_type));
+    p->set_epsilon_low(r.policy.epsilon_low);
+    p->set_epsilon_high(r.policy.epsilon_high);
+    p->set_beta(r.policy.beta);
+    p->set_sequences(r.policy.sequences);
+    p->set_max_completion_length(r.policy.max_completion_length);
+    p->set_dapo_normalizer(r.policy.dapo_normalizer);
+  }
+  if (r.kind == LossKind::kDistill) h->mutable_distill()->set_jsd_beta(r.distill.jsd_beta);
+  const std::pair<const std::optional<HostTensor>*, v1::TensorSpec* (v1::ComputeHeader::*)()>
+      specs[] = {{&r.dlogp, &v1::ComputeHeader::mutable_dlogp},
+                 {&r.dentropy, &v1::ComputeHeader::mutable_dentropy},
+                 {&r.advantages, &v1::ComputeHeader::mutable_advantages},
+                 {&r.old_logp, &v1::ComputeHeader::mutable_old_logp},
+                 {&r.ref_logp, &v1::ComputeHeader::mutable_ref_logp},
+                 {&r.teacher_x, &v1::ComputeHeader::mutable_teacher_x},
+                 {&r.teacher_w, &v1::ComputeHeader::mutable_teacher_w},
+                 {&r.teacher_bias, &v1::ComputeHeader::mutable_teacher_bias}};
+  for (const auto& [t, spec] : specs) {
+    if (t->has_value()) FillSpec(**t, (h->*spec)());
+  }
+  h->set_teacher_weight_handle(r.teacher_weight_handle);
+}
+
 }  // namespace
+
+bool HasTargets(const ComputeRequest& r) {
+  return r.kind != LossKind::kDistill || r.targets.rank() != 0 || r.targets.data() != nullptr;
+}
 
 absl::Status ValidateRequest(const ComputeRequest& r) {
   LOSSD_RETURN_IF_ERROR(r.x.Validate("x"));
-  LOSSD_RETURN_IF_ERROR(r.targets.Validate("targets"));
+  if (HasTargets(r)) LOSSD_RETURN_IF_ERROR(r.targets.Validate("targets"));
   if (r.x.rank() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("x must be (BT, H), got ", r.x.DebugString()));
   }
@@ -142,6 +215,7 @@ absl::Status ValidateRequest(const ComputeRequest& r) {
   if (r.grad_output.has_value()) {
     LOSSD_RETURN_IF_ERROR(r.grad_output->Validate("grad_output"));
   }
+  LOSSD_RETURN_IF_ERROR(ValidateKindInputs(r));
   return ValidateOutputInto(r);
 }
 
@@ -154,7 +228,7 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
   if (r.w.has_value()) FillSpec(*r.w, h->mutable_w());
   h->set_weight_handle(r.weight_handle);
   if (r.bias.has_value()) FillSpec(*r.bias, h->mutable_bias());
-  FillSpec(r.targets, h->mutable_targets());
+  if (HasTargets(r)) FillSpec(r.targets, h->mutable_targets());
   if (r.class_weights.has_value()) FillSpec(*r.class_weights, h->mutable_class_weights());
   if (r.grad_output.has_value()) FillSpec(*r.grad_output, h->mutable_grad_output());
   v1::LossOptions* o = h->mutable_options();
@@ -175,6 +249,7 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
   want->set_z_loss(r.want.z_loss);
   want->set_accuracy(r.want.accuracy);
   want->set_predictions(r.want.predictions);
+  SetKindFields(r, h);
   h->set_accumulator(r.accumulator);
   if (!r.accumulator.empty()) h->set_accumulator_instance(instance);
   h->set_response_part_bytes(response_part_bytes);
@@ -193,13 +268,28 @@ void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracke
                          std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
   const size_t pb = part_bytes;
   if (r.w.has_value()) AppendParts(v1::TENSOR_W, *r.w, pb, tracker, out, bytes);
+  if (r.teacher_w.has_value()) {
+    AppendParts(v1::TENSOR_TEACHER_W, *r.teacher_w, pb, tracker, out, bytes);
+  }
   if (r.bias.has_value()) AppendParts(v1::TENSOR_BIAS, *r.bias, pb, tracker, out, bytes);
+  if (r.teacher_bias.has_value()) {
+    AppendParts(v1::TENSOR_TEACHER_BIAS, *r.teacher_bias, pb, tracker, out, bytes);
+  }
   if (r.class_weights.has_value()) {
     AppendParts(v1::TENSOR_CLASS_WEIGHTS, *r.class_weights, pb, tracker, out, bytes);
   }
-  AppendParts(v1::TENSOR_TARGETS, r.targets, pb, tracker, out, bytes);
+  if (HasTargets(r)) AppendParts(v1::TENSOR_TARGETS, r.targets, pb, tracker, out, bytes);
   if (r.grad_output.has_value()) {
     AppendParts(v1::TENSOR_GRAD_OUTPUT, *r.grad_output, pb, tracker, out, bytes);
+  }
+  // Per-row inputs besides X, teacher_x among them: the server's overlapped path streams only
+  // X, so everything else must be in place before X's first rows arrive.
+  const std::pair<const std::optional<HostTensor>*, v1::TensorId> rows[] = {
+      {&r.dlogp, v1::TENSOR_DLOGP},       {&r.dentropy, v1::TENSOR_DENTROPY},
+      {&r.advantages, v1::TENSOR_ADVANTAGES}, {&r.old_logp, v1::TENSOR_OLD_LOGP},
+      {&r.ref_logp, v1::TENSOR_REF_LOGP}, {&r.teacher_x, v1::TENSOR_TEACHER_X}};
+  for (const auto& [t, id] : rows) {
+    if (t->has_value()) AppendParts(id, **t, pb, tracker, out, bytes);
   }
   AppendParts(v1::TENSOR_X, r.x, pb, tracker, out, bytes);
 }
@@ -269,6 +359,8 @@ absl::Status ComputeReplyReader::OnSummary() {
   result.accumulated_micro_batches = s.accumulated_micro_batches();
   result.head_version = s.head_version();
   result.head_added = s.head_added();
+  result.kl = s.kl();
+  result.clip_fraction = s.clip_fraction();
   result.nonfinite.clear();
   for (int t : s.nonfinite()) result.nonfinite.push_back(static_cast<OutputTensor>(t));
   if (have_summary_) return absl::OkStatus();
@@ -281,7 +373,7 @@ absl::Status ComputeReplyReader::Announce(const v1::ComputeSummary& s) {
   for (int i = 0; i < s.tensors_size(); ++i) {
     const int32_t id = s.tensors(i);
     if (id < static_cast<int32_t>(OutputTensor::kLoss) ||
-        id > static_cast<int32_t>(OutputTensor::kDb)) {
+        id > static_cast<int32_t>(kLastOutputTensor)) {
       return absl::InternalError(
           absl::StrCat("summary lists ", TensorIdName(id), ", not an output tensor"));
     }

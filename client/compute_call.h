@@ -28,6 +28,9 @@ namespace client {
 // the micro-batch would already be in a named accumulator, and a retry would add it twice.
 absl::Status ValidateRequest(const ComputeRequest& r);
 
+// False for a distill request whose targets are left default-constructed (every row counts).
+bool HasTargets(const ComputeRequest& r);
+
 // The ComputeRequest message that opens the stream: specs, options, wanted outputs,
 // accumulator (and the instance its sum is on, "" before the first Compute into it), the
 // head's fields (and the instance it lives on, "" when unknown).

@@ -76,7 +76,15 @@ grpc::Status FakeLossService::Compute(
       {v1::TENSOR_BIAS, &h.bias()},
       {v1::TENSOR_TARGETS, &h.targets()},
       {v1::TENSOR_CLASS_WEIGHTS, &h.class_weights()},
-      {v1::TENSOR_GRAD_OUTPUT, &h.grad_output()}};
+      {v1::TENSOR_GRAD_OUTPUT, &h.grad_output()},
+      {v1::TENSOR_DLOGP, &h.dlogp()},
+      {v1::TENSOR_DENTROPY, &h.dentropy()},
+      {v1::TENSOR_ADVANTAGES, &h.advantages()},
+      {v1::TENSOR_OLD_LOGP, &h.old_logp()},
+      {v1::TENSOR_REF_LOGP, &h.ref_logp()},
+      {v1::TENSOR_TEACHER_X, &h.teacher_x()},
+      {v1::TENSOR_TEACHER_W, &h.teacher_w()},
+      {v1::TENSOR_TEACHER_BIAS, &h.teacher_bias()}};
   for (const auto& [id, spec] : inputs) {
     const size_t want = spec->dtype() == v1::DTYPE_UNSPECIFIED ? 0 : SpecBytes(*spec);
     if (in.data[id].size() != want) {
@@ -88,6 +96,7 @@ grpc::Status FakeLossService::Compute(
   {
     absl::MutexLock lock(&mu);
     last_parts = in.parts;
+    last_data = in.data;
     last_max_part = in.max_part;
   }
   if (mode == Mode::kSleep) {
@@ -116,7 +125,9 @@ grpc::Status FakeLossService::Compute(
   std::vector<int64_t> targets(bt);
   for (int64_t i = 0; i < bt; ++i) {
     const std::string& t = in.data[v1::TENSOR_TARGETS];
-    if (h.targets().dtype() == v1::DTYPE_INT32) {
+    if (!h.has_targets()) {  // distill without targets: every row counts
+      targets[i] = 0;
+    } else if (h.targets().dtype() == v1::DTYPE_INT32) {
       int32_t v;
       std::memcpy(&v, t.data() + 4 * i, 4);
       targets[i] = v;
@@ -180,6 +191,28 @@ grpc::Status FakeLossService::Compute(
     std::string p(bt * 8, '\0');
     std::memcpy(&p[0], targets.data(), bt * 8);
     announce(v1::TENSOR_PREDICTIONS, v1::DTYPE_INT64, {bt}, p);
+  }
+  if (h.kind() == v1::LOSS_KIND_LOGPROB) {
+    // logp = -targets as fp32; entropy = the dentropy sent, else dlogp's bytes, else ones.
+    std::string logp(bt * 4, '\0');
+    for (int64_t i = 0; i < bt; ++i) {
+      const float f = -static_cast<float>(targets[i]);
+      std::memcpy(&logp[4 * i], &f, 4);
+    }
+    announce(v1::TENSOR_LOGP, v1::DTYPE_FP32, {bt}, logp);
+    if (h.outputs().entropy()) {
+      std::string e = in.data[v1::TENSOR_DENTROPY];
+      if (e.empty()) e = in.data[v1::TENSOR_DLOGP];
+      if (e.empty()) {
+        const float one = 1.0f;
+        for (int64_t i = 0; i < bt; ++i) e.append(reinterpret_cast<const char*>(&one), 4);
+      }
+      announce(v1::TENSOR_ENTROPY, v1::DTYPE_FP32, {bt}, e);
+    }
+  }
+  if (h.kind() == v1::LOSS_KIND_POLICY) {
+    s->set_kl(0.375f);
+    s->set_clip_fraction(0.0625f);
   }
 
   const Mode m = mode;

@@ -1,6 +1,8 @@
 // A fake lossd service for client tests, served over real gRPC: it reassembles what a client
 // sends (refusing out-of-order parts), echoes inputs back as outputs (dx = x's bytes, dw = w's
-// bytes, lse = targets as fp32, predictions = targets), keeps hosted heads (fake_heads.h),
+// bytes, lse = targets as fp32, predictions = targets; for kind logprob logp = -targets and
+// entropy = dentropy's or dlogp's bytes, else ones; for kind policy kl 0.375 and
+// clip_fraction 0.0625), keeps hosted heads (fake_heads.h),
 // and can be told to misbehave. It computes no loss; the real server's tests own the math.
 #ifndef LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
 #define LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
@@ -74,6 +76,7 @@ class FakeLossService final : public v1::Loss::Service {
   std::set<std::string> peers ABSL_GUARDED_BY(mu);
   v1::ComputeHeader last_header ABSL_GUARDED_BY(mu);
   std::map<int, int> last_parts ABSL_GUARDED_BY(mu);
+  std::map<int, std::string> last_data ABSL_GUARDED_BY(mu);  // each input's bytes, by TensorId
   size_t last_max_part ABSL_GUARDED_BY(mu) = 0;
   std::string last_metadata ABSL_GUARDED_BY(mu);
   std::map<std::string, std::pair<v1::WeightsHeader, Assembler>> weights ABSL_GUARDED_BY(mu);

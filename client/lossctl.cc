@@ -29,7 +29,9 @@
 #include "client/lossd_client.h"
 #include "client/lossctl_heads.h"
 #include "client/lossctl_inputs.h"
+#include "client/lossctl_kinds.h"
 #include "client/lossctl_output.h"
+#include "client/lossctl_replicas.h"
 #include "client/npy.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
@@ -103,6 +105,10 @@ ABSL_FLAG(bool, put_weights, false, "bench: upload W once and use the handle");
 // Handles and accumulators.
 ABSL_FLAG(std::string, handle, "", "drop-weights: the handle");
 ABSL_FLAG(bool, reset, false, "fetch-gradients: zero the accumulator after reading");
+ABSL_FLAG(std::string, replicas, "",
+          "replicas: the pool's targets, host:port,host:port or dns:///name:port");
+ABSL_FLAG(std::string, keys, "",
+          "replicas: keys to place, e.g. head:lm,acc:run/rank0,weights:w,rank:3");
 ABSL_FLAG(bool, json, false,
           "print one JSON object on stdout when the command ends (bench: progress as JSON "
           "lines before it) instead of text; errors also go into it as \"error\"");
@@ -157,7 +163,8 @@ Commands:
   info              print the server's backend, device, memory and limits
   compute           one Compute: inputs from --x --w --targets [--bias --class_weights
                     --grad_output] (.npy) or random (--bt --h --v [--dtype]); prints the loss,
-                    writes outputs (--want) to --out_dir as <name>.npy
+                    writes outputs (--want) to --out_dir as <name>.npy; --kind=logprob|
+                    policy|distill computes that loss (docs/rl_losses.md has its flags)
   bench             --calls Computes at --concurrency on random data; a progress line each
                     second, then latency p50/p90/p99, calls/s, tokens/s, GB/s; --put_weights uploads W once; --accumulator
                     adds every call there, then fetches it with reset (a striped reset
@@ -169,6 +176,8 @@ Commands:
   list              the caller's own weight handles and accumulators: kind, name, bytes,
                     seconds since last use, micro-batches
   health            [--service]: the gRPC health check; exit 0 only when SERVING
+  replicas          --replicas [--keys]: the replica pool's view: every replica the targets
+                    resolve to and its instance; each key's replica and failover order
   head create       --head: a hosted head from --w [--bias] (.npy) or random (--v --h
                     [--with_bias]), --compute_dtype, --optimizer=adamw|sgd and its flags
                     (--lr ...), [--state_dir --optimizer_step --head_version]
@@ -263,6 +272,7 @@ absl::Status RunCompute(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(auto req, RequestFromFlags(&v));
   LOSSD_ASSIGN_OR_RETURN(auto res, client->Compute(req));
   PrintResult(res, out);
+  PrintKindResult(req, res, out);
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
   LOSSD_RETURN_IF_ERROR(MakeDir(dir));
@@ -553,6 +563,7 @@ int main(int argc, char** argv) {
       {"drop-accumulator", &RunDropAccumulator},
       {"list", &RunList},
       {"health", &RunHealth},
+      {"replicas", &RunReplicas},
   };
   auto it = commands.find(command);
   if (it == commands.end() && !head) {

@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/lossctl_kinds.h"
 #include "client/npy.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
@@ -133,11 +134,15 @@ void FillRandom(HostTensor* t, float scale, uint64_t seed) {
   for (auto& th : pool) th.join();
 }
 
+}  // namespace
+
 HostTensor RandomFloat(DType dtype, std::vector<int64_t> shape, float scale, uint64_t seed) {
   HostTensor t = HostTensor::Owned(dtype, std::move(shape));
   FillRandom(&t, scale, seed);
   return t;
 }
+
+namespace {
 
 HostTensor RandomTargets(DType dtype, int64_t bt, int64_t v, double ignore_fraction,
                          int64_t ignore_index, uint64_t seed) {
@@ -157,7 +162,8 @@ HostTensor RandomTargets(DType dtype, int64_t bt, int64_t v, double ignore_fract
   return t;
 }
 
-// A float tensor converted to `dtype` (a no-op move when it already is).
+}  // namespace
+
 absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::string& name) {
   if (t.dtype() == dtype) return t;
   if (!IsFloatDType(t.dtype()) || !IsFloatDType(dtype)) {
@@ -176,6 +182,8 @@ absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path) 
   LOSSD_ASSIGN_OR_RETURN(auto t, ReadNpy(path));
   return std::optional<HostTensor>(std::move(t));
 }
+
+namespace {
 
 absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
   WantedOutputs w;
@@ -196,9 +204,12 @@ absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
       w.accuracy = true;
     } else if (name == "predictions") {
       w.predictions = true;
+    } else if (name == "entropy") {
+      w.entropy = true;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--want: unknown output '", name, "' (dx,dw,db,lse,z_loss,accuracy,predictions)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--want: unknown output '", name,
+                       "' (dx,dw,db,lse,z_loss,accuracy,predictions,entropy)"));
     }
   }
   return w;
@@ -305,6 +316,8 @@ absl::StatusOr<DType> ParseFloatDType(const char* flag, const std::string& s) {
   return ParseDTypeFlag(flag, s, true);
 }
 
+absl::StatusOr<ClientOptions> ClientOptionsFromFlags() { return OptionsFromFlags(); }
+
 absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
   LOSSD_ASSIGN_OR_RETURN(auto o, OptionsFromFlags());
   return LossClient::Create(o);
@@ -348,6 +361,7 @@ absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
   if (r.bias.has_value() && !r.want.db && absl::GetFlag(FLAGS_want) == "dx,dw") {
     r.want.db = true;  // the default --want includes db when there is a bias
   }
+  LOSSD_RETURN_IF_ERROR(KindFromFlags(v, &r));
   *v_out = v;
   return r;
 }

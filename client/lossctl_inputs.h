@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/status/status.h"
@@ -71,6 +72,8 @@ absl::Status CheckHeadComputeFlags();
 // A float dtype's name (bf16, fp16, fp32, ...) as the flag `flag` gives it.
 absl::StatusOr<DType> ParseFloatDType(const char* flag, const std::string& s);
 
+// The ClientOptions of --target and the connection, TLS and token flags.
+absl::StatusOr<ClientOptions> ClientOptionsFromFlags();
 // A client for --target with the connection, TLS and token flags.
 absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags();
 // The Compute the flags describe: inputs from .npy files (--x --w --targets ...) or random
@@ -79,6 +82,13 @@ absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags();
 absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out);
 // W and the bias from --w/--bias, or random from --v --h --dtype --with_bias.
 absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias);
+
+// Random data and .npy inputs, shared with lossctl_kinds: uniform in (-scale, scale) as
+// `dtype`; a float tensor converted to `dtype` (a move when it already is); an optional .npy
+// ("" = none).
+HostTensor RandomFloat(DType dtype, std::vector<int64_t> shape, float scale, uint64_t seed);
+absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::string& name);
+absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path);
 
 // "1.234 GB".
 std::string Gb(double bytes);

@@ -15,6 +15,7 @@
 #include "client/fake_loss_service.h"
 #include "client/host_tensor.h"
 #include "client/npy.h"
+#include "client/rendezvous.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -259,6 +260,69 @@ TEST_F(LossctlTest, RandomDataWithBias) {
   EXPECT_EQ(h.targets().dtype(), v1::DTYPE_INT32);
   EXPECT_EQ(h.options().grad_dtype(), v1::DTYPE_FP32);
   EXPECT_TRUE(h.outputs().db());  // the default --want adds db when there is a bias
+}
+
+TEST_F(LossctlTest, LossKindsFlagsReachTheHeader) {
+  HostTensor dlogp = RandomF32({6}, 41), adv = RandomF32({6}, 42), old = RandomF32({6}, 43);
+  for (const auto& [name, t] : {std::pair<const char*, const HostTensor*>{"dlogp", &dlogp},
+                                {"adv", &adv}, {"old", &old}}) {
+    ASSERT_TRUE(WriteNpy(Path(absl::StrCat(name, ".npy")), *t).ok());
+  }
+  Result r = Lossctl("compute --kind=logprob --temperature=0.5 --bt=6 --h=4 --v=9 "
+                     "--want=dx,entropy --dlogp=" + Path("dlogp.npy") + " --out_dir=" +
+                     Path("lp"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(Read("lp/logp.npy").num_elements(), 6);
+  EXPECT_TRUE(SameBytes(Read("lp/entropy.npy"), dlogp));  // the fake echoes dlogp there
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.kind(), v1::LOSS_KIND_LOGPROB);
+    EXPECT_FLOAT_EQ(fake_.last_header.options().temperature(), 0.5f);
+    EXPECT_TRUE(fake_.last_header.outputs().entropy());
+    EXPECT_EQ(fake_.last_header.dlogp().shape(0), 6);
+  }
+  r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --loss_type=grpo --epsilon_low=0.1 "
+              "--epsilon_high=0.3 --beta=0 --sequences=3 --advantages=" + Path("adv.npy") +
+              " --old_logp=" + Path("old.npy") + " --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"kl\": 0.375"));
+  EXPECT_THAT(r.output, HasSubstr("\"clip_fraction\": 0.0625"));
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::ComputeHeader& h = fake_.last_header;
+    EXPECT_EQ(h.kind(), v1::LOSS_KIND_POLICY);
+    EXPECT_EQ(h.policy().loss_type(), v1::POLICY_LOSS_GRPO);
+    EXPECT_FLOAT_EQ(h.policy().epsilon_low(), 0.1f);
+    EXPECT_FLOAT_EQ(h.policy().epsilon_high(), 0.3f);
+    EXPECT_TRUE(h.policy().has_beta());
+    EXPECT_EQ(h.policy().beta(), 0.0f);
+    EXPECT_EQ(h.policy().sequences(), 3);
+    EXPECT_EQ(fake_.last_data[v1::TENSOR_ADVANTAGES].size(), 24u);
+    EXPECT_EQ(0, std::memcmp(fake_.last_data[v1::TENSOR_OLD_LOGP].data(), old.data(), 24));
+  }
+  r = Lossctl("compute --kind=distill --jsd_beta=0.25 --bt=5 --h=4 --v=9 --teacher_h=3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  absl::MutexLock lock(&fake_.mu);
+  const v1::ComputeHeader& h = fake_.last_header;
+  EXPECT_EQ(h.kind(), v1::LOSS_KIND_DISTILL);
+  EXPECT_FLOAT_EQ(h.distill().jsd_beta(), 0.25f);
+  EXPECT_EQ(h.teacher_x().shape(1), 3);
+  EXPECT_EQ(h.teacher_w().shape(0), 9);
+  EXPECT_EQ(h.teacher_x().dtype(), h.x().dtype());
+}
+
+TEST_F(LossctlTest, LossKindsUsageErrors) {
+  ExpectFails("compute --kind=ppo --bt=4 --h=4 --v=4",
+              "--kind must be cross_entropy, logprob, policy or distill, got 'ppo'");
+  ExpectFails("compute --kind=policy --loss_type=cispo --bt=4 --h=4 --v=4",
+              "--loss_type must be dapo, grpo, bnpo or dr_grpo, got 'cispo'");
+  ExpectFails("compute --kind=logprob --beta=0.1 --teacher_h=3 --bt=4 --h=4 --v=4",
+              "--kind=logprob does not take --beta (policy), --teacher_h (distill)");
+  ExpectFails("compute --dlogp=x.npy --bt=4 --h=4 --v=4",
+              "--kind=cross_entropy does not take --dlogp (logprob)");
+  ExpectFails("compute --kind=distill --bt=4 --h=4 --v=4", "give --teacher_x (a .npy)");
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
 }
 
 TEST_F(LossctlTest, ServerErrorsExitNonZeroWithTheCodeName) {
@@ -508,6 +572,28 @@ TEST_F(LossctlTest, HeadUsageErrors) {
   EXPECT_THAT(r.output, HasSubstr("head create "));
   absl::MutexLock lock(&fake_.mu);
   EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server's Compute or Info
+}
+
+TEST_F(LossctlTest, ReplicasShowsEachReplicaAndWhereKeysLive) {
+  const std::string up = absl::StrCat("127.0.0.1:", port_);
+  Result r = Lossctl(absl::StrCat("replicas --replicas=", up, " --keys=head:lm,rank:3"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(up));
+  EXPECT_THAT(r.output, HasSubstr("fake-instance"));
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("head:lm", std::string(22, ' '), "-> ", up,
+                                               " (then none)")));
+  // A second replica where nothing listens: listed as unreachable, exit 1, and each key's
+  // order over both as the pools of trainers compute it.
+  const std::string down = "127.0.0.2:1";
+  r = Lossctl(absl::StrCat("replicas --replicas=", up, ",", down, " --keys=acc:step-7"));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat(down, std::string(28 - down.size() + 1, ' '),
+                                               "unreachable: UNAVAILABLE")));
+  EXPECT_THAT(r.output, HasSubstr("1 of 2 replicas did not answer"));
+  const std::vector<std::string> order = RendezvousOrder("acc:step-7", {up, down});
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("-> ", order[0], " (then ", order[1], ")")));
+  ExpectFails("replicas", "replicas needs --replicas=");
+  ExpectFails("replicas --replicas=a:0", "--replicas: targets entry 'a:0': port '0'");
 }
 
 TEST_F(LossctlTest, UnreachableServer) {

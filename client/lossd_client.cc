@@ -147,6 +147,18 @@ LossClient::LossClient(const ClientOptions& options) : options_(options) {
 
 LossClient::~LossClient() = default;
 
+absl::Status LossClient::Connect(absl::Duration timeout) {
+  const auto deadline = std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
+  for (auto& c : connections_) {
+    grpc::experimental::ChannelResetConnectionBackoff(c->channel.get());
+    if (!c->channel->WaitForConnected(deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("not connected to ", options_.target,
+                                                      " within ", absl::FormatDuration(timeout)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 LossClient::Connection& LossClient::NextConnection() {
   return *connections_[next_.fetch_add(1, std::memory_order_relaxed) % connections_.size()];
 }

@@ -19,6 +19,10 @@
 // and a compute copy on the server; each rank's Compute names the head (ComputeRequest::head)
 // and its gradient goes into the head's step; Step applies it once all ranks have called;
 // ExportHead / ImportHead checkpoint it.
+//
+// One LossClient talks to one server (or whatever one target balances to). For many
+// replicas, client/pooled_client.h sends each call to the replica holding its state and
+// fails over without losing or doubling a sum (docs/replica_pool.md).
 #ifndef LOSSD_CLIENT_LOSSD_CLIENT_H_
 #define LOSSD_CLIENT_LOSSD_CLIENT_H_
 
@@ -159,6 +163,11 @@ class LossClient {
   absl::Status DropHead(const std::string& head, const CallOptions& call = {});
 
   const ClientOptions& options() const { return options_; }
+  // Connects every connection now, skipping gRPC's reconnect backoff (which grows while a
+  // server is down, and meanwhile fails calls at once): for a caller that has reason to
+  // think the server is back, such as a replica pool trying a replica again. OK once all are
+  // connected; DEADLINE_EXCEEDED when they are not within `timeout`.
+  absl::Status Connect(absl::Duration timeout);
 
  private:
   struct Connection;

@@ -377,6 +377,20 @@ TEST_F(TlsTest, MutualTlsNeedsTheClientCertificate) {
   EXPECT_TRUE(Info(o).ok()) << Info(o);
 }
 
+// Connect connects every connection (here four) to a live server; to a port where nothing
+// listens it gives up at its timeout with DEADLINE_EXCEEDED naming the target.
+TEST_F(LossClientTest, ConnectConnectsEveryConnectionOrTimesOut) {
+  ClientOptions o = Options();
+  o.connections = 4;
+  std::unique_ptr<LossClient> c = Client(o);
+  EXPECT_TRUE(c->Connect(absl::Seconds(30)).ok());
+  o.target = "127.0.0.1:1";
+  std::unique_ptr<LossClient> nowhere = Client(o);
+  absl::Status s = nowhere->Connect(absl::Milliseconds(300));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not connected to 127.0.0.1:1"));
+}
+
 }  // namespace
 }  // namespace client
 }  // namespace lossd

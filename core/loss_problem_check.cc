@@ -3,7 +3,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -12,6 +14,66 @@ namespace lossd {
 namespace {
 
 bool KnownMemory(Memory m) { return m == Memory::kHost || m == Memory::kBackend; }
+
+bool KnownKind(LossKind k) {
+  return static_cast<int>(k) >= 0 && static_cast<int>(k) < kLossKinds;
+}
+
+absl::Status NotForKind(LossKind kind, const char* what) {
+  return absl::InvalidArgumentError(absl::StrCat(what, " is for cross_entropy only; kind ",
+                                                 LossKindName(kind), " does not take it"));
+}
+
+// A tensor of the kind `owner` given to a problem of another kind.
+absl::Status CheckOnlyFor(const void* ptr, const char* field, LossKind kind,
+                          std::initializer_list<LossKind> owners) {
+  if (ptr == nullptr) return absl::OkStatus();
+  for (LossKind k : owners) {
+    if (k == kind) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("loss problem: ", field, " is for kind ",
+                                                 LossKindName(*owners.begin()), ", not ",
+                                                 LossKindName(kind)));
+}
+
+// The inputs each kind has of its own: another kind's are refused (never silently ignored),
+// its required ones must be there.
+absl::Status CheckKindInputs(const LossProblem& p) {
+  if (!KnownKind(p.kind)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss problem: kind ", static_cast<int>(p.kind), " is unknown"));
+  }
+  const LossKind k = p.kind;
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.class_weights, "class_weights", k,
+                                     {LossKind::kCrossEntropy}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.grad_output, "grad_output", k, {LossKind::kCrossEntropy}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.dlogp, "dlogp", k, {LossKind::kLogprob}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.dentropy, "dentropy", k, {LossKind::kLogprob}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.advantages, "advantages", k, {LossKind::kPolicy}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.old_logp, "old_logp", k, {LossKind::kPolicy}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.ref_logp, "ref_logp", k, {LossKind::kPolicy}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_x, "teacher_x", k, {LossKind::kDistill}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_w, "teacher_w", k, {LossKind::kDistill}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_bias, "teacher_bias", k, {LossKind::kDistill}));
+  if (k == LossKind::kPolicy && p.bt > 0 && p.advantages == nullptr) {
+    return absl::InvalidArgumentError("loss problem: kind policy needs advantages");
+  }
+  if (k != LossKind::kDistill) return absl::OkStatus();
+  if (p.teacher_h <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss problem: kind distill needs teacher_h > 0; got ", p.teacher_h));
+  }
+  if (p.teacher_w == nullptr || (p.bt > 0 && p.teacher_x == nullptr)) {
+    return absl::InvalidArgumentError(
+        "loss problem: kind distill needs teacher_x and teacher_w non-null");
+  }
+  if (!KnownMemory(p.teacher_w_memory)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "loss problem: teacher_w_memory ", static_cast<int>(p.teacher_w_memory),
+        " is unknown"));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -46,6 +108,87 @@ absl::Status CheckOptionRanges(const LossOptions& o) {
   if (!std::isfinite(o.grad_scale)) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.grad_scale must be finite, got ", o.grad_scale));
+  }
+  if (!(o.temperature > 0.0f) || !std::isfinite(o.temperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.temperature must be finite and > 0, got ", o.temperature));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKindOptions(LossKind kind, const LossOptions& o, bool has_class_weights,
+                              bool has_grad_output) {
+  if (!KnownKind(kind)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kind ", static_cast<int>(kind), " is unknown"));
+  }
+  if (kind == LossKind::kCrossEntropy) {
+    // != 1 so that a NaN is refused too.
+    if (!(o.temperature == 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "options.temperature ", o.temperature, " applies to kinds logprob, policy and "
+          "distill; cross_entropy takes 1 (scale the logits by the head instead)"));
+    }
+    return absl::OkStatus();
+  }
+  if (has_class_weights) return NotForKind(kind, "class_weights");
+  if (has_grad_output) return NotForKind(kind, "grad_output");
+  if (o.reduction != Reduction::kMean) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.reduction ", static_cast<int>(o.reduction), " is for cross_entropy only; kind ",
+        LossKindName(kind), " takes mean (0), its own reduction"));
+  }
+  if (o.label_smoothing != 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.label_smoothing ", o.label_smoothing, " is for cross_entropy only; kind ",
+        LossKindName(kind), " takes 0"));
+  }
+  if (o.z_loss_scale != 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.lse_square_scale ", o.z_loss_scale, " is for cross_entropy only; kind ",
+        LossKindName(kind), " takes 0"));
+  }
+  if (o.token_scaling) return NotForKind(kind, "options.token_scaling");
+  return absl::OkStatus();
+}
+
+absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
+  const int t = static_cast<int>(p.loss_type);
+  if (t < 0 || t > static_cast<int>(PolicyLossType::kDrGrpo)) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.loss_type ", t, " is unknown"));
+  }
+  const std::pair<const char*, float> ranges[] = {
+      {"epsilon_low", p.epsilon_low}, {"epsilon_high", p.epsilon_high}, {"beta", p.beta}};
+  for (const auto& [name, value] : ranges) {
+    if (!(value >= 0.0f) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy.", name, " must be finite and >= 0, got ", value));
+    }
+  }
+  if (p.sequences <= 0 || bt % p.sequences != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.sequences ", p.sequences, " must be > 0 and divide the rows (BT=", bt,
+        "): the rows are that many sequences of equal length"));
+  }
+  if (p.loss_type == PolicyLossType::kDrGrpo ? p.max_completion_length <= 0
+                                             : p.max_completion_length < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.max_completion_length must be ",
+        p.loss_type == PolicyLossType::kDrGrpo ? "> 0 for loss type dr_grpo" : ">= 0",
+        ", got ", p.max_completion_length));
+  }
+  if (!(p.dapo_normalizer >= 0) || !std::isfinite(p.dapo_normalizer)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.dapo_normalizer must be finite and >= 0 (0 = the mask count), got ",
+        p.dapo_normalizer));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDistillParams(const DistillParams& d) {
+  if (!(d.jsd_beta >= 0.0f && d.jsd_beta <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("distill.jsd_beta must be in [0, 1], got ", d.jsd_beta));
   }
   return absl::OkStatus();
 }
@@ -91,14 +234,21 @@ absl::Status ValidateLossInputs(const LossProblem& p) {
     return absl::InvalidArgumentError(absl::StrCat(
         "loss problem: target_dtype must be int32 or int64; got ", DTypeName(p.target_dtype)));
   }
-  if (p.w == nullptr || (p.bt > 0 && (p.x == nullptr || p.targets == nullptr))) {
+  const bool distill = p.kind == LossKind::kDistill;  // its targets only mark ignored rows
+  if (p.w == nullptr ||
+      (p.bt > 0 && (p.x == nullptr || (p.targets == nullptr && !distill)))) {
     return absl::InvalidArgumentError("loss problem: x, w and targets must be non-null");
   }
   if (!KnownMemory(p.w_memory)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "loss problem: w_memory ", static_cast<int>(p.w_memory), " is unknown"));
   }
+  LOSSD_RETURN_IF_ERROR(CheckKindInputs(p));
+  LOSSD_RETURN_IF_ERROR(CheckKindOptions(p.kind, p.options, p.class_weights != nullptr,
+                                         p.grad_output != nullptr));
   LOSSD_RETURN_IF_ERROR(CheckLossOptions(p.options, p.grad_output != nullptr));
+  if (p.kind == LossKind::kPolicy) LOSSD_RETURN_IF_ERROR(CheckPolicyParams(p.policy, p.bt));
+  if (distill) return CheckDistillParams(p.distill);
   return CheckTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index);
 }
 

@@ -151,6 +151,244 @@ TEST(LossProblemCheckTest, EachOutputRuleRefusesNamingItsField) {
   EXPECT_EQ(ValidateLossProblem(p, out).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The same problem as another kind, with that kind's required inputs.
+struct Kinds {
+  Valid v;
+  std::vector<float> per_row = {0.3f, -1.2f, 0.7f, 2.5f};
+  std::vector<float> tx = std::vector<float>(8, 0.75f), tw = std::vector<float>(10, -0.5f);
+  LossProblem of(LossKind kind) const {
+    LossProblem p = v.problem();
+    p.kind = kind;
+    if (kind == LossKind::kPolicy) p.advantages = per_row.data();
+    if (kind == LossKind::kDistill) {
+      p.teacher_h = 2;
+      p.teacher_x = tx.data();
+      p.teacher_w = tw.data();
+    }
+    return p;
+  }
+};
+
+TEST(LossProblemCheckTest, EveryKindPassesWithItsInputs) {
+  Kinds k;
+  LossOutputs out;
+  out.grad_dtype = DType::kF32;
+  float logp[4], entropy[4], kl, clip, loss;
+  int64_t tokens;
+  out.loss = &loss;
+  out.tokens = &tokens;
+  LossProblem p = k.of(LossKind::kLogprob);
+  p.dlogp = k.per_row.data();
+  p.dentropy = k.per_row.data();
+  p.options.temperature = 0.7f;
+  out.logp = logp;
+  out.entropy = entropy;
+  EXPECT_TRUE(ValidateLossProblem(p, out).ok()) << ValidateLossProblem(p, out);
+  p = k.of(LossKind::kPolicy);
+  p.old_logp = k.per_row.data();
+  p.ref_logp = k.per_row.data();
+  p.policy.sequences = 2;
+  p.policy.loss_type = PolicyLossType::kDrGrpo;
+  p.policy.max_completion_length = 2;
+  out.entropy = nullptr;
+  out.kl = &kl;
+  out.clip_fraction = &clip;
+  EXPECT_TRUE(ValidateLossProblem(p, out).ok()) << ValidateLossProblem(p, out);
+  p = k.of(LossKind::kDistill);
+  p.targets = nullptr;  // every row counts
+  out = LossOutputs();
+  out.grad_dtype = DType::kF32;
+  EXPECT_TRUE(ValidateLossProblem(p, out).ok()) << ValidateLossProblem(p, out);
+  // Distill's targets only mark ignored rows: any other value is accepted.
+  std::vector<int64_t> labels = {7, -100, 123456, -3};
+  p.targets = labels.data();
+  EXPECT_TRUE(ValidateLossInputs(p).ok());
+}
+
+TEST(LossProblemCheckTest, TheTemperatureIsFinitePositiveAndOneForCrossEntropy) {
+  Kinds k;
+  LossProblem p = k.of(LossKind::kCrossEntropy);
+  p.options.temperature = 2.0f;
+  ExpectRefused(ValidateLossInputs(p),
+                "options.temperature 2 applies to kinds logprob, policy and distill; "
+                "cross_entropy takes 1 (scale the logits by the head instead)");
+  p.options.temperature = std::nanf("");
+  EXPECT_EQ(CheckKindOptions(p.kind, p.options, false, false).code(),
+            absl::StatusCode::kInvalidArgument);
+  p = k.of(LossKind::kLogprob);
+  p.options.temperature = 0.0f;
+  ExpectRefused(ValidateLossInputs(p), "options.temperature must be finite and > 0, got 0");
+  p.options.temperature = std::numeric_limits<float>::infinity();
+  ExpectRefused(ValidateLossInputs(p), "options.temperature must be finite and > 0, got inf");
+}
+
+TEST(LossProblemCheckTest, CrossEntropyOnlyOptionsAreRefusedForTheOtherKinds) {
+  const LossKind kinds[] = {LossKind::kLogprob, LossKind::kPolicy, LossKind::kDistill};
+  for (LossKind kind : kinds) {
+    SCOPED_TRACE(LossKindName(kind));
+    const std::string name = LossKindName(kind);
+    LossOptions o;
+    EXPECT_TRUE(CheckKindOptions(kind, o, false, false).ok());
+    ExpectRefused(CheckKindOptions(kind, o, true, false),
+                  "class_weights is for cross_entropy only; kind " + name +
+                      " does not take it");
+    ExpectRefused(CheckKindOptions(kind, o, false, true),
+                  "grad_output is for cross_entropy only; kind " + name + " does not take it");
+    o.reduction = Reduction::kSum;
+    ExpectRefused(CheckKindOptions(kind, o, false, false),
+                  "options.reduction 1 is for cross_entropy only; kind " + name +
+                      " takes mean (0), its own reduction");
+    o = LossOptions();
+    o.label_smoothing = 0.25f;
+    ExpectRefused(CheckKindOptions(kind, o, false, false),
+                  "options.label_smoothing 0.25 is for cross_entropy only; kind " + name +
+                      " takes 0");
+    o = LossOptions();
+    o.z_loss_scale = 1e-4f;
+    ExpectRefused(CheckKindOptions(kind, o, false, false),
+                  "options.lse_square_scale 0.0001 is for cross_entropy only; kind " + name +
+                      " takes 0");
+    o = LossOptions();
+    o.token_scaling = true;
+    ExpectRefused(CheckKindOptions(kind, o, false, false),
+                  "options.token_scaling is for cross_entropy only; kind " + name +
+                      " does not take it");
+  }
+  ExpectRefused(CheckKindOptions(static_cast<LossKind>(4), LossOptions(), false, false),
+                "kind 4 is unknown");
+  // Through the problem: the class weights are named as another kind's input.
+  Kinds k;
+  LossProblem p = k.of(LossKind::kLogprob);
+  p.class_weights = k.per_row.data();
+  ExpectRefused(ValidateLossInputs(p),
+                "loss problem: class_weights is for kind cross_entropy, not logprob");
+}
+
+TEST(LossProblemCheckTest, EachKindsInputsAreRefusedForTheOthersAndRequiredForItself) {
+  Kinds k;
+  const float* f = k.per_row.data();
+  struct Case {
+    LossKind kind;
+    void (*set)(LossProblem*, const float*);
+    const char* message;
+  };
+  const Case cases[] = {
+      {LossKind::kPolicy, [](LossProblem* p, const float* f) { p->dlogp = f; },
+       "loss problem: dlogp is for kind logprob, not policy"},
+      {LossKind::kDistill, [](LossProblem* p, const float* f) { p->dentropy = f; },
+       "loss problem: dentropy is for kind logprob, not distill"},
+      {LossKind::kLogprob, [](LossProblem* p, const float* f) { p->advantages = f; },
+       "loss problem: advantages is for kind policy, not logprob"},
+      {LossKind::kCrossEntropy, [](LossProblem* p, const float* f) { p->old_logp = f; },
+       "loss problem: old_logp is for kind policy, not cross_entropy"},
+      {LossKind::kDistill, [](LossProblem* p, const float* f) { p->ref_logp = f; },
+       "loss problem: ref_logp is for kind policy, not distill"},
+      {LossKind::kPolicy, [](LossProblem* p, const float* f) { p->teacher_x = f; },
+       "loss problem: teacher_x is for kind distill, not policy"},
+      {LossKind::kCrossEntropy, [](LossProblem* p, const float* f) { p->teacher_w = f; },
+       "loss problem: teacher_w is for kind distill, not cross_entropy"},
+      {LossKind::kLogprob, [](LossProblem* p, const float* f) { p->teacher_bias = f; },
+       "loss problem: teacher_bias is for kind distill, not logprob"},
+      {LossKind::kDistill, [](LossProblem* p, const float*) { p->grad_output = nullptr; },
+       nullptr},
+      {LossKind::kPolicy, [](LossProblem* p, const float*) { p->advantages = nullptr; },
+       "loss problem: kind policy needs advantages"},
+      {LossKind::kDistill, [](LossProblem* p, const float*) { p->teacher_h = -1; },
+       "loss problem: kind distill needs teacher_h > 0; got -1"},
+      {LossKind::kDistill, [](LossProblem* p, const float*) { p->teacher_x = nullptr; },
+       "loss problem: kind distill needs teacher_x and teacher_w non-null"},
+      {LossKind::kDistill, [](LossProblem* p, const float*) { p->teacher_w = nullptr; },
+       "loss problem: kind distill needs teacher_x and teacher_w non-null"},
+      {LossKind::kDistill,
+       [](LossProblem* p, const float*) { p->teacher_w_memory = static_cast<Memory>(5); },
+       "loss problem: teacher_w_memory 5 is unknown"},
+      {static_cast<LossKind>(-1), [](LossProblem*, const float*) {},
+       "loss problem: kind -1 is unknown"},
+      {LossKind::kLogprob, [](LossProblem* p, const float*) { p->targets = nullptr; },
+       "loss problem: x, w and targets must be non-null"},
+  };
+  for (const Case& c : cases) {
+    LossProblem p = k.of(c.kind);
+    c.set(&p, f);
+    if (c.message == nullptr) {
+      EXPECT_TRUE(ValidateLossInputs(p).ok()) << ValidateLossInputs(p);
+    } else {
+      ExpectRefused(ValidateLossInputs(p), c.message);
+    }
+  }
+  // With no rows, policy's advantages and distill's teacher_x may be null, as x may.
+  LossProblem p = k.of(LossKind::kPolicy);
+  p.bt = 0;
+  p.advantages = nullptr;
+  EXPECT_TRUE(ValidateLossInputs(p).ok());
+  p = k.of(LossKind::kDistill);
+  p.bt = 0;
+  p.teacher_x = nullptr;
+  EXPECT_TRUE(ValidateLossInputs(p).ok());
+}
+
+TEST(LossProblemCheckTest, PolicyParamsAreRefusedNamingFieldAndValue) {
+  PolicyParams pp;
+  EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
+  pp.loss_type = static_cast<PolicyLossType>(9);
+  ExpectRefused(CheckPolicyParams(pp, 6), "policy.loss_type 9 is unknown");
+  pp = PolicyParams();
+  pp.epsilon_low = -0.1f;
+  ExpectRefused(CheckPolicyParams(pp, 6), "policy.epsilon_low must be finite and >= 0, got -0.1");
+  pp = PolicyParams();
+  pp.epsilon_high = std::numeric_limits<float>::infinity();
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.epsilon_high must be finite and >= 0, got inf");
+  pp = PolicyParams();
+  pp.beta = std::nanf("");
+  EXPECT_EQ(CheckPolicyParams(pp, 6).code(), absl::StatusCode::kInvalidArgument);
+  pp = PolicyParams();
+  pp.sequences = 4;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.sequences 4 must be > 0 and divide the rows (BT=6): the rows are "
+                "that many sequences of equal length");
+  pp.sequences = 0;
+  EXPECT_EQ(CheckPolicyParams(pp, 6).code(), absl::StatusCode::kInvalidArgument);
+  pp.sequences = 3;
+  EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
+  pp.loss_type = PolicyLossType::kDrGrpo;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.max_completion_length must be > 0 for loss type dr_grpo, got 0");
+  pp.max_completion_length = 2;
+  EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
+  pp.loss_type = PolicyLossType::kGrpo;
+  pp.max_completion_length = -2;
+  ExpectRefused(CheckPolicyParams(pp, 6), "policy.max_completion_length must be >= 0, got -2");
+  pp = PolicyParams();
+  pp.dapo_normalizer = -3;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.dapo_normalizer must be finite and >= 0 (0 = the mask count), got -3");
+  // Through the problem.
+  Kinds k;
+  LossProblem p = k.of(LossKind::kPolicy);
+  p.policy.sequences = 3;
+  ExpectRefused(ValidateLossInputs(p),
+                "policy.sequences 3 must be > 0 and divide the rows (BT=4): the rows are "
+                "that many sequences of equal length");
+}
+
+TEST(LossProblemCheckTest, DistillParamsAreRefusedNamingFieldAndValue) {
+  DistillParams d;
+  EXPECT_TRUE(CheckDistillParams(d).ok());
+  d.jsd_beta = 0.0f;
+  EXPECT_TRUE(CheckDistillParams(d).ok());
+  d.jsd_beta = 1.0f;
+  EXPECT_TRUE(CheckDistillParams(d).ok());
+  d.jsd_beta = 1.5f;
+  ExpectRefused(CheckDistillParams(d), "distill.jsd_beta must be in [0, 1], got 1.5");
+  d.jsd_beta = std::nanf("");
+  EXPECT_EQ(CheckDistillParams(d).code(), absl::StatusCode::kInvalidArgument);
+  Kinds k;
+  LossProblem p = k.of(LossKind::kDistill);
+  p.distill.jsd_beta = -0.5f;
+  ExpectRefused(ValidateLossInputs(p), "distill.jsd_beta must be in [0, 1], got -0.5");
+}
+
 #ifndef NDEBUG
 TEST(LossProblemCheckDeathTest, TheDebugCheckAbortsOnAnInvalidProblemNamingTheCaller) {
   Valid v;

@@ -16,11 +16,15 @@
 
 namespace lossd {
 
-// Inputs a Compute stream may carry.
-enum class InputSlot : int { kX = 0, kW, kBias, kTargets, kClassWeights, kGradOutput, kCount };
-// Outputs a Compute may return, in the order they are sent.
+// Inputs a Compute stream may carry (the loss kinds' after cross-entropy's).
+enum class InputSlot : int {
+  kX = 0, kW, kBias, kTargets, kClassWeights, kGradOutput,
+  kDlogp, kDentropy, kAdvantages, kOldLogp, kRefLogp, kTeacherX, kTeacherW, kTeacherBias,
+  kCount
+};
+// Outputs a Compute may return (the order they are sent is the plan's).
 enum class OutputSlot : int {
-  kLoss = 0, kZLoss, kLse, kPredictions, kDx, kDw, kDb, kCount
+  kLoss = 0, kZLoss, kLse, kPredictions, kDx, kDw, kDb, kLogp, kEntropy, kCount
 };
 
 const char* InputSlotName(InputSlot s);   // "x", "w", "bias", ...
@@ -35,12 +39,17 @@ struct TensorDesc {
 struct WantedOutputs {
   bool dx = false, dw = false, db = false;
   bool lse = false, z_loss = false, accuracy = false, predictions = false;
+  bool entropy = false;  // kLogprob
 };
 
 struct ComputeSpec {
   std::array<TensorDesc, static_cast<int>(InputSlot::kCount)> inputs;
   std::string weight_handle;          // instead of inputs[kW] and inputs[kBias]
   LossOptions options;
+  LossKind kind = LossKind::kCrossEntropy;
+  PolicyParams policy;                // kPolicy
+  DistillParams distill;              // kDistill
+  std::string teacher_weight_handle;  // kDistill: instead of inputs[kTeacherW], kTeacherBias
   bool grad_fp32 = false;             // gradients in fp32 instead of the input dtype
   WantedOutputs wanted;
   std::string accumulator;            // add dW/db into this accumulator instead of returning
@@ -68,8 +77,17 @@ struct ComputePlan {
   DType target_dtype = DType::kI64;
   DType grad_dtype = DType::kBF16;
   bool has_bias = false;
+  bool has_targets = true;  // false: a kDistill request without them (every row counts)
   LossOptions options;
   WantedOutputs wanted;
+  LossKind kind = LossKind::kCrossEntropy;
+  PolicyParams policy;
+  DistillParams distill;
+  // kDistill's teacher: its hidden size, and its weights when they come by handle.
+  int64_t teacher_h = 0;
+  bool teacher_has_bias = false;
+  std::shared_ptr<const WeightEntry> teacher_weights;
+  std::string teacher_weight_handle;
   // Bytes expected per input slot on the stream (0 = not sent in this stream).
   std::array<uint64_t, static_cast<int>(InputSlot::kCount)> input_bytes{};
   std::vector<OutputDesc> outputs;  // tensors returned after the summary, in order
@@ -84,7 +102,8 @@ struct ComputePlan {
   uint64_t host_bytes = 0;       // input and output buffers held on the host
   uint64_t workspace_bytes = 0;  // backend's worst case beyond those
   uint64_t admission_bytes() const { return host_bytes + workspace_bytes; }
-  double flops() const { return 6.0 * bt * h * v; }
+  // The student's forward and backward GEMMs, and a teacher's forward.
+  double flops() const { return 6.0 * bt * h * v + 2.0 * bt * teacher_h * v; }
 };
 
 }  // namespace lossd

@@ -21,6 +21,14 @@ const char* InputSlotName(InputSlot s) {
     case InputSlot::kTargets: return "targets";
     case InputSlot::kClassWeights: return "class_weights";
     case InputSlot::kGradOutput: return "grad_output";
+    case InputSlot::kDlogp: return "dlogp";
+    case InputSlot::kDentropy: return "dentropy";
+    case InputSlot::kAdvantages: return "advantages";
+    case InputSlot::kOldLogp: return "old_logp";
+    case InputSlot::kRefLogp: return "ref_logp";
+    case InputSlot::kTeacherX: return "teacher_x";
+    case InputSlot::kTeacherW: return "teacher_w";
+    case InputSlot::kTeacherBias: return "teacher_bias";
     case InputSlot::kCount: break;
   }
   return "unknown";
@@ -35,6 +43,8 @@ const char* OutputSlotName(OutputSlot s) {
     case OutputSlot::kDx: return "dx";
     case OutputSlot::kDw: return "dw";
     case OutputSlot::kDb: return "db";
+    case OutputSlot::kLogp: return "logp";
+    case OutputSlot::kEntropy: return "entropy";
     case OutputSlot::kCount: break;
   }
   return "unknown";
@@ -47,6 +57,9 @@ Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
       weights_(options_.weight_cache_bytes, options_.instance, options_.max_weight_handles),
       accumulators_(backend_.get(), options_.accumulator_bytes, options_.max_accumulators),
       executor_(options_.executor_threads) {
+  const BackendInfo info = backend_->Info();
+  backend_name_ = info.name;
+  loss_kinds_ = info.loss_kinds;
   // Request and response buffers in the backend's pinned memory where it has any, so its
   // copies to and from the device are direct DMA.
   SetHostBufferMemory(backend_->host_memory());

@@ -63,6 +63,7 @@ void BindOutput(OutputSlot slot, void* ptr, LossOutputs* out);
 struct ComputeOutcome {
   absl::Status status;
   float loss = 0, z_loss = 0, accuracy = 0;
+  float kl = 0, clip_fraction = 0;  // kPolicy's metrics
   int64_t tokens = 0;
   uint64_t accumulated_micro_batches = 0;
   uint64_t head_version = 0;  // a head's Compute: the version computed against
@@ -256,6 +257,8 @@ class Engine {
   bool draining() const { return draining_.load(); }
 
   BackendInfo backend_info() { return backend_->Info(); }
+  // BackendInfo::loss_kinds, as read at construction (ServerFeatures, Plan).
+  uint32_t loss_kinds() const { return loss_kinds_; }
   const EngineOptions& options() const { return options_; }
   WeightCache& weights() { return weights_; }
   AccumulatorStore& accumulators() { return accumulators_; }
@@ -274,6 +277,10 @@ class Engine {
                               const void* data, uint64_t bytes);
 
   std::unique_ptr<Backend> backend_;
+  // From the backend's Info at construction: what Plan refuses (UNIMPLEMENTED) before any
+  // tensor arrives, without asking the device on every request.
+  std::string backend_name_;
+  uint32_t loss_kinds_ = 0;
   const EngineOptions options_;
   MemoryBudget budget_;
   WeightCache weights_;

@@ -4,8 +4,14 @@
 #ifndef LOSSD_ENGINE_FEATURES_H_
 #define LOSSD_ENGINE_FEATURES_H_
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
+#include <string>
 #include <string_view>
+#include <vector>
+
+#include "core/loss_problem.h"
 
 namespace lossd {
 
@@ -30,6 +36,22 @@ inline constexpr std::array<std::string_view, 6> kServerFeatures = {
     // LossOptions.token_scaling (Liger's use_token_scaling) is honoured.
     "token_scaling",
 };
+
+// ServerInfo.features of a server whose backend computes `loss_kinds` (BackendInfo): the
+// list above and, for each kind beyond cross-entropy the backend computes,
+// "loss_kind_<name>" ("loss_kind_logprob", "loss_kind_policy", "loss_kind_distill"): the
+// ComputeHeader.kind and its fields are honoured for that kind. Sorted.
+inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
+  std::vector<std::string> features(kServerFeatures.begin(), kServerFeatures.end());
+  for (int k = 1; k < kLossKinds; ++k) {
+    const LossKind kind = static_cast<LossKind>(k);
+    if ((loss_kinds & LossKindBit(kind)) != 0) {
+      features.push_back(std::string("loss_kind_") + LossKindName(kind));
+    }
+  }
+  std::sort(features.begin(), features.end());
+  return features;
+}
 
 }  // namespace lossd
 

@@ -10,6 +10,7 @@
 #include "core/status_macros.h"
 #include "engine/engine.h"
 #include "engine/message_bounds.h"
+#include "engine/plan_kind.h"
 #include "engine/request_checks.h"
 
 namespace lossd {
@@ -143,9 +144,14 @@ absl::Status CheckShapeLimits(const ComputePlan& plan, const EngineOptions& o) {
   return absl::OkStatus();
 }
 
-// Targets (BT) int32 or int64, and class weights (V) fp32 when sent.
+// Targets (BT) int32 or int64 (kDistill may leave them out: every row counts), and class
+// weights (V) fp32 when sent.
 absl::Status PlanTargetsAndClassWeights(const TensorDesc& targets, const TensorDesc& cw,
                                         ComputePlan* plan) {
+  if (!targets.present && plan->kind == LossKind::kDistill) {
+    plan->has_targets = false;
+    return absl::OkStatus();
+  }
   if (!targets.present) return absl::InvalidArgumentError("header.targets is missing");
   LOSSD_RETURN_IF_ERROR(CheckShape(targets, "targets", 1));
   if (targets.shape[0] != plan->bt) {
@@ -225,7 +231,9 @@ void PlanBuffers(bool has_cw, bool has_go, ComputePlan* plan) {
     ib[static_cast<int>(InputSlot::kW)] = static_cast<uint64_t>(plan->v) * plan->h * es;
     if (plan->has_bias) ib[static_cast<int>(InputSlot::kBias)] = plan->v * es;
   }
-  ib[static_cast<int>(InputSlot::kTargets)] = plan->bt * DTypeSize(plan->target_dtype);
+  if (plan->has_targets) {
+    ib[static_cast<int>(InputSlot::kTargets)] = plan->bt * DTypeSize(plan->target_dtype);
+  }
   if (has_cw) ib[static_cast<int>(InputSlot::kClassWeights)] = plan->v * 4;
   if (has_go) ib[static_cast<int>(InputSlot::kGradOutput)] = plan->bt * 4;
 
@@ -239,6 +247,8 @@ void PlanBuffers(bool has_cw, bool has_go, ComputePlan* plan) {
   if (none && want.z_loss) add(OutputSlot::kZLoss, DType::kF32, {plan->bt});
   if (want.lse) add(OutputSlot::kLse, DType::kF32, {plan->bt});
   if (want.predictions) add(OutputSlot::kPredictions, DType::kI64, {plan->bt});
+  if (plan->kind == LossKind::kLogprob) add(OutputSlot::kLogp, DType::kF32, {plan->bt});
+  if (want.entropy) add(OutputSlot::kEntropy, DType::kF32, {plan->bt});
   if (want.dx) add(OutputSlot::kDx, plan->grad_dtype, {plan->bt, plan->h});
   if (plan->accumulator.empty() && !plan->head) {
     if (want.dw) add(OutputSlot::kDw, plan->grad_dtype, {plan->v, plan->h});
@@ -267,6 +277,10 @@ uint64_t WorkspaceBytesOf(Backend& backend, const ComputePlan& plan, bool has_cw
   shape.has_grad_output = has_go;
   shape.chunk_rows = plan.options.chunk_rows;
   shape.want_dx = plan.wanted.dx;
+  shape.kind = plan.kind;
+  shape.teacher_h = plan.teacher_h;
+  shape.teacher_w_memory = plan.teacher_weights ? Memory::kBackend : Memory::kHost;
+  shape.want_entropy = plan.wanted.entropy;
   if (!plan.accumulator.empty() || plan.head) {
     shape.dw = GradOut::kAccumulated;
     if (plan.has_bias) shape.db = GradOut::kAccumulated;
@@ -285,6 +299,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
   const TensorDesc& cw = Input(spec, InputSlot::kClassWeights);
   const TensorDesc& go = Input(spec, InputSlot::kGradOutput);
   ComputePlan plan;
+  LOSSD_RETURN_IF_ERROR(CheckKindServed(spec.kind, backend_name_, loss_kinds_));
   LOSSD_RETURN_IF_ERROR(PlanX(x, &plan));
   if (!spec.head.empty()) {
     LOSSD_RETURN_IF_ERROR(PlanHead(spec, x, *heads_, options_.instance, &plan));
@@ -295,6 +310,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
                                             Input(spec, InputSlot::kBias), &plan));
   }
   LOSSD_RETURN_IF_ERROR(CheckShapeLimits(plan, options_));
+  LOSSD_RETURN_IF_ERROR(PlanKind(spec, options_.max_h, weights_, &plan));
   LOSSD_RETURN_IF_ERROR(
       PlanTargetsAndClassWeights(Input(spec, InputSlot::kTargets), cw, &plan));
   LOSSD_RETURN_IF_ERROR(PlanOptions(spec, go, kMaxRequestedChunks, &plan));

@@ -23,6 +23,34 @@ namespace {
 
 double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
 
+// The kind's inputs: the per-row fp32 tensors sent (null otherwise) and the teacher, its W
+// received inline or the handle's in backend memory.
+void SetKindInputs(const ComputePlan& plan, Engine::InputBuffers& in, LossProblem* p) {
+  auto f32 = [&](InputSlot s) {
+    return reinterpret_cast<const float*>(in[static_cast<int>(s)].get());
+  };
+  p->kind = plan.kind;
+  p->dlogp = f32(InputSlot::kDlogp);
+  p->dentropy = f32(InputSlot::kDentropy);
+  p->advantages = f32(InputSlot::kAdvantages);
+  p->old_logp = f32(InputSlot::kOldLogp);
+  p->ref_logp = f32(InputSlot::kRefLogp);
+  p->policy = plan.policy;
+  p->distill = plan.distill;
+  if (plan.kind != LossKind::kDistill) return;
+  p->teacher_h = plan.teacher_h;
+  p->teacher_x = in[static_cast<int>(InputSlot::kTeacherX)].get();
+  if (plan.teacher_weights) {
+    p->teacher_w = plan.teacher_weights->w->data();
+    p->teacher_bias = plan.teacher_weights->bias ? plan.teacher_weights->bias->data() : nullptr;
+    p->teacher_w_memory = Memory::kBackend;
+  } else {
+    p->teacher_w = in[static_cast<int>(InputSlot::kTeacherW)].get();
+    p->teacher_bias = plan.teacher_has_bias ? in[static_cast<int>(InputSlot::kTeacherBias)].get()
+                                            : nullptr;
+  }
+}
+
 // The problem over the received inputs (or the handle's weights in backend memory).
 LossProblem ProblemOf(const ComputePlan& plan, Engine::InputBuffers& in,
                       const OverlapIo& overlap) {
@@ -47,6 +75,7 @@ LossProblem ProblemOf(const ComputePlan& plan, Engine::InputBuffers& in,
   p.grad_output = reinterpret_cast<const float*>(buf(InputSlot::kGradOutput));
   p.options = plan.options;
   p.rows = overlap.rows.get();
+  SetKindInputs(plan, in, &p);
   return p;
 }
 
@@ -71,17 +100,30 @@ absl::Status CheckInputsFinite(const ComputePlan& plan, Engine::InputBuffers& in
     LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kClassWeights), DType::kF32, 0,
                                               plan.v, "class_weights", 0));
   }
-  if (buf(InputSlot::kGradOutput) != nullptr) {
-    LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kGradOutput), DType::kF32, 0,
-                                              plan.bt, "grad_output", 0));
+  const InputSlot rows[] = {InputSlot::kGradOutput, InputSlot::kDlogp, InputSlot::kDentropy,
+                            InputSlot::kAdvantages, InputSlot::kOldLogp, InputSlot::kRefLogp};
+  for (InputSlot s : rows) {
+    if (buf(s) == nullptr) continue;
+    LOSSD_RETURN_IF_ERROR(
+        CheckFiniteElements(buf(s), DType::kF32, 0, plan.bt, InputSlotName(s), 0));
   }
-  return absl::OkStatus();
+  if (plan.kind != LossKind::kDistill) return absl::OkStatus();
+  const uint64_t ht = static_cast<uint64_t>(plan.teacher_h);
+  LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kTeacherX), plan.dtype, 0,
+                                            plan.bt * ht, "teacher_x", plan.teacher_h));
+  if (plan.teacher_weights) return absl::OkStatus();  // checked when uploaded
+  LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kTeacherW), plan.dtype, 0,
+                                            plan.v * ht, "teacher_w", plan.teacher_h));
+  if (!plan.teacher_has_bias) return absl::OkStatus();
+  return CheckFiniteElements(buf(InputSlot::kTeacherBias), plan.dtype, 0, plan.v,
+                             "teacher_bias", 0);
 }
 
 // What the backend writes for the summary: the scalar loss and z-loss (mean and sum), the
 // accuracy and the token count.
 struct Scalars {
   float loss = 0, z_loss = 0, accuracy = 0;
+  float kl = 0, clip_fraction = 0;  // kPolicy
   int64_t tokens = 0;
 };
 
@@ -95,7 +137,12 @@ void BindOutputs(const ComputePlan& plan, std::vector<HostBuffer>& outputs, Scal
   const bool none = plan.options.reduction == Reduction::kNone;
   if (!none) out->loss = &s->loss;
   if (!none && plan.wanted.z_loss) out->z_loss = &s->z_loss;
-  out->accuracy = &s->accuracy;  // cheap beside the loss: always computed
+  // Cheap beside the loss: always computed (cross-entropy's alone).
+  if (plan.kind == LossKind::kCrossEntropy) out->accuracy = &s->accuracy;
+  if (plan.kind == LossKind::kPolicy) {
+    out->kl = &s->kl;
+    out->clip_fraction = &s->clip_fraction;
+  }
   out->tokens = &s->tokens;
 }
 
@@ -110,6 +157,12 @@ bool LossIsFinite(const ComputePlan& plan, const LossOutputs& out) {
 }
 
 std::string OverflowMessage(const ComputePlan& plan) {
+  if (plan.kind != LossKind::kCrossEntropy) {
+    return absl::StrCat("the loss is not finite (kind ", LossKindName(plan.kind),
+                        "): the logits X W^T (+ b) over the temperature (",
+                        plan.options.temperature, ") or the per-row inputs exceed fp32; scale "
+                        "them down");
+  }
   return absl::StrCat(
       "the loss is not finite: the logits X W^T (+ b) or the z-loss (lse_square_scale=",
       plan.options.z_loss_scale, ") exceed fp32; scale them down");
@@ -220,6 +273,8 @@ void Summarize(const ComputePlan& plan, const LossOutputs& out, const Scalars& s
     r->z_loss = s.z_loss;
   }
   r->accuracy = s.accuracy;
+  r->kl = s.kl;
+  r->clip_fraction = s.clip_fraction;
   r->tokens = s.tokens;
 }
 
@@ -234,6 +289,8 @@ void BindOutput(OutputSlot slot, void* ptr, LossOutputs* out) {
     case OutputSlot::kDx: out->dx = ptr; break;
     case OutputSlot::kDw: out->dw = ptr; break;
     case OutputSlot::kDb: out->db = ptr; break;
+    case OutputSlot::kLogp: out->logp = static_cast<float*>(ptr); break;
+    case OutputSlot::kEntropy: out->entropy = static_cast<float*>(ptr); break;
     case OutputSlot::kCount: break;
   }
 }

@@ -8,7 +8,9 @@
  * was built for; the plugin answers with its table of functions for that version, or with null
  * when it speaks another one, and in both cases writes the version it speaks, so the server
  * can name both. Version 1 was a C++ lossd::Backend* across dlopen (LossdCudaAbiVersion);
- * version 3 added the hosted head's optimizer_step and sum_of_squares.
+ * version 3 added the hosted head's optimizer_step and sum_of_squares; version 4 the loss kinds
+ * (logprob, policy, distill): their inputs, options and outputs, and which kinds a backend
+ * computes.
  * Bump LOSSD_PLUGIN_ABI_VERSION whenever a struct or a function below changes; a new
  * function goes at the end of LossdBackendApi, whose struct_size tells how far a table goes.
  */
@@ -22,7 +24,7 @@
 extern "C" {
 #endif
 
-#define LOSSD_PLUGIN_ABI_VERSION 3u
+#define LOSSD_PLUGIN_ABI_VERSION 4u
 #define LOSSD_PLUGIN_ENTRY_SYMBOL "LossdPluginGetApi"
 /* What a version 1 plugin exported instead: uint32_t LossdCudaAbiVersion(void). */
 #define LOSSD_PLUGIN_V1_VERSION_SYMBOL "LossdCudaAbiVersion"
@@ -31,7 +33,8 @@ extern "C" {
  * the runtime), so callers can fall back to the CPU backend quietly. */
 #define LOSSD_CUDA_NO_GPU_PREFIX "no GPU: "
 
-/* Enumerations cross as int32_t with these values (lossd::DType, Memory, Reduction, GradOut). */
+/* Enumerations cross as int32_t with these values (lossd::DType, Memory, Reduction, GradOut,
+ * LossKind, PolicyLossType). */
 #define LOSSD_DTYPE_BF16 0
 #define LOSSD_DTYPE_F16 1
 #define LOSSD_DTYPE_F32 2
@@ -47,6 +50,14 @@ extern "C" {
 #define LOSSD_GRAD_ACCUMULATED 2
 #define LOSSD_OPTIMIZER_SGD 0
 #define LOSSD_OPTIMIZER_ADAMW 1
+#define LOSSD_LOSS_CROSS_ENTROPY 0
+#define LOSSD_LOSS_LOGPROB 1
+#define LOSSD_LOSS_POLICY 2
+#define LOSSD_LOSS_DISTILL 3
+#define LOSSD_POLICY_DAPO 0
+#define LOSSD_POLICY_GRPO 1
+#define LOSSD_POLICY_BNPO 2
+#define LOSSD_POLICY_DR_GRPO 3
 
 /* The outcome of a call. code: 0 is OK, anything else a canonical status code (absl's and
  * gRPC's numbers: 3 INVALID_ARGUMENT, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE ...). The caller
@@ -79,7 +90,24 @@ typedef struct LossdLossOptions {
   float grad_scale;
   int64_t chunk_rows;
   int32_t token_scaling; /* 0 or 1 */
+  float temperature;     /* version 4 */
 } LossdLossOptions;
+
+/* lossd::PolicyParams (version 4). */
+typedef struct LossdPolicyParams {
+  int32_t loss_type; /* LOSSD_POLICY_* */
+  float epsilon_low;
+  float epsilon_high;
+  float beta;
+  int64_t sequences;
+  int64_t max_completion_length;
+  double dapo_normalizer;
+} LossdPolicyParams;
+
+/* lossd::DistillParams (version 4). */
+typedef struct LossdDistillParams {
+  float jsd_beta;
+} LossdDistillParams;
 
 /* Rows of X that arrive while a Compute runs, and rows of dX that may leave (lossd::RowStream).
  * The plugin calls wait_x(ctx, r) before it reads rows [0, r) of X, in non-decreasing r; a
@@ -108,6 +136,20 @@ typedef struct LossdProblem {
   const float* grad_output;    /* (BT) host; reduction none only; null = ones */
   LossdLossOptions options;
   const LossdRowStream* rows;  /* null: X is complete */
+  /* Version 4: the loss kind and its inputs (core/loss_problem.h says what each means). */
+  int32_t kind;                /* LOSSD_LOSS_* */
+  const float* dlogp;          /* (BT) host; logprob; null = zeros */
+  const float* dentropy;       /* (BT) host; logprob; null = zeros */
+  const float* advantages;     /* (BT) host; policy */
+  const float* old_logp;       /* (BT) host; policy; null = ratio 1 */
+  const float* ref_logp;       /* (BT) host; policy; null = no KL term */
+  LossdPolicyParams policy;
+  int64_t teacher_h;           /* distill: the teacher's hidden size */
+  int32_t teacher_w_memory;    /* LOSSD_MEMORY_* of teacher_w and teacher_bias */
+  const void* teacher_x;       /* (BT, teacher_h) dtype, host */
+  const void* teacher_w;       /* (V, teacher_h) dtype, in teacher_w_memory */
+  const void* teacher_bias;    /* (V) dtype, in teacher_w_memory; null = none */
+  LossdDistillParams distill;
 } LossdProblem;
 
 /* Where the results go (lossd::LossOutputs); host memory unless noted, null = not wanted. */
@@ -125,6 +167,10 @@ typedef struct LossdOutputs {
   float* dw_accum;       /* (V, H) fp32 in accum_memory, added into */
   float* db_accum;       /* (V) fp32 in accum_memory, added into */
   int32_t accum_memory;  /* LOSSD_MEMORY_* */
+  float* logp;           /* (BT) logprob, policy (version 4, as the three below) */
+  float* entropy;        /* (BT) logprob */
+  float* kl;             /* (1) policy */
+  float* clip_fraction;  /* (1) policy */
 } LossdOutputs;
 
 /* lossd::LossStats. The caller's values go in and come back where the plugin wrote none. */
@@ -146,6 +192,7 @@ typedef struct LossdBackendInfo {
   uint64_t memory_held_bytes;
   uint64_t memory_budget_bytes;
   int32_t healthy; /* 0 after a sticky device error */
+  uint32_t loss_kinds; /* version 4: bit (1 << LOSSD_LOSS_*) of every kind it computes */
 } LossdBackendInfo;
 
 /* What a Compute's workspace depends on (lossd::WorkspaceShape): shapes and which buffers
@@ -166,6 +213,10 @@ typedef struct LossdWorkspaceShape {
   int32_t dw; /* LOSSD_GRAD_* */
   int32_t db; /* LOSSD_GRAD_* */
   int32_t accum_memory;
+  int32_t kind;             /* version 4: LOSSD_LOSS_* */
+  int64_t teacher_h;        /* distill */
+  int32_t teacher_w_memory; /* distill: LOSSD_MEMORY_* */
+  int32_t want_entropy;     /* logprob: the entropy output exists */
 } LossdWorkspaceShape;
 
 /* One optimizer step's scalars (lossd::OptimizerParams, kernels/optimizer.h says what each

@@ -17,7 +17,7 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 3u, "the ABI version is 3");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 4u, "the ABI version is 4");
   failures += Check(strcmp(LOSSD_PLUGIN_ENTRY_SYMBOL, "LossdPluginGetApi") == 0,
                     "the entry point's name");
   failures += Check(strcmp(LOSSD_CUDA_NO_GPU_PREFIX, "no GPU: ") == 0, "the no-GPU prefix");
@@ -32,6 +32,13 @@ int main(void) {
                                == sizeof(LossdBackendApi),
                     "version 3's functions at the end of the table");
   failures += Check(LOSSD_OPTIMIZER_SGD == 0 && LOSSD_OPTIMIZER_ADAMW == 1, "optimizer kinds");
+  /* lossd::LossKind's and PolicyLossType's values. */
+  failures += Check(LOSSD_LOSS_CROSS_ENTROPY == 0 && LOSSD_LOSS_LOGPROB == 1
+                        && LOSSD_LOSS_POLICY == 2 && LOSSD_LOSS_DISTILL == 3,
+                    "loss kinds");
+  failures += Check(LOSSD_POLICY_DAPO == 0 && LOSSD_POLICY_GRPO == 1 && LOSSD_POLICY_BNPO == 2
+                        && LOSSD_POLICY_DR_GRPO == 3,
+                    "policy loss types");
   if (failures == 0) printf("plugin_abi.h compiles as C\n");
   return failures == 0 ? 0 : 1;
 }

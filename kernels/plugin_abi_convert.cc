@@ -63,6 +63,10 @@ void VisitWorkspaceShape(S& s, C& c, Move move) {
   move(s.dw, c.dw);
   move(s.db, c.db);
   move(s.accum_memory, c.accum_memory);
+  move(s.kind, c.kind);
+  move(s.teacher_h, c.teacher_h);
+  move(s.teacher_w_memory, c.teacher_w_memory);
+  move(s.want_entropy, c.want_entropy);
 }
 
 template <typename O, typename C, typename Move>
@@ -75,10 +79,22 @@ void VisitOptions(O& o, C& c, Move move) {
   move(o.grad_scale, c.grad_scale);
   move(o.chunk_rows, c.chunk_rows);
   move(o.token_scaling, c.token_scaling);
+  move(o.temperature, c.temperature);
 }
 
-// Everything but the options (a struct of their own) and the row stream (an adapter each side
-// makes).
+template <typename P, typename C, typename Move>
+void VisitPolicy(P& p, C& c, Move move) {
+  move(p.loss_type, c.loss_type);
+  move(p.epsilon_low, c.epsilon_low);
+  move(p.epsilon_high, c.epsilon_high);
+  move(p.beta, c.beta);
+  move(p.sequences, c.sequences);
+  move(p.max_completion_length, c.max_completion_length);
+  move(p.dapo_normalizer, c.dapo_normalizer);
+}
+
+// Everything but the options and the policy's parameters (structs of their own) and the row
+// stream (an adapter each side makes).
 template <typename P, typename C, typename Move>
 void VisitProblem(P& p, C& c, Move move) {
   move(p.bt, c.bt);
@@ -93,6 +109,18 @@ void VisitProblem(P& p, C& c, Move move) {
   move(p.target_dtype, c.target_dtype);
   move(p.class_weights, c.class_weights);
   move(p.grad_output, c.grad_output);
+  move(p.kind, c.kind);
+  move(p.dlogp, c.dlogp);
+  move(p.dentropy, c.dentropy);
+  move(p.advantages, c.advantages);
+  move(p.old_logp, c.old_logp);
+  move(p.ref_logp, c.ref_logp);
+  move(p.teacher_h, c.teacher_h);
+  move(p.teacher_w_memory, c.teacher_w_memory);
+  move(p.teacher_x, c.teacher_x);
+  move(p.teacher_w, c.teacher_w);
+  move(p.teacher_bias, c.teacher_bias);
+  move(p.distill.jsd_beta, c.distill.jsd_beta);
 }
 
 template <typename O, typename C, typename Move>
@@ -110,6 +138,10 @@ void VisitOutputs(O& o, C& c, Move move) {
   move(o.dw_accum, c.dw_accum);
   move(o.db_accum, c.db_accum);
   move(o.accum_memory, c.accum_memory);
+  move(o.logp, c.logp);
+  move(o.entropy, c.entropy);
+  move(o.kl, c.kl);
+  move(o.clip_fraction, c.clip_fraction);
 }
 
 template <typename S, typename C, typename Move>
@@ -159,6 +191,7 @@ void VisitInfoNumbers(I& i, C& c, Move move) {
   move(i.memory_held_bytes, c.memory_held_bytes);
   move(i.memory_budget_bytes, c.memory_budget_bytes);
   move(i.healthy, c.healthy);
+  move(i.loss_kinds, c.loss_kinds);
 }
 
 }  // namespace
@@ -207,6 +240,7 @@ LossdProblem ToC(const LossProblem& p, const LossdRowStream* rows) {
   LossdProblem c{};
   VisitProblem(p, c, IntoC());
   c.options = ToC(p.options);
+  VisitPolicy(p.policy, c.policy, IntoC());
   c.rows = rows;
   return c;
 }
@@ -215,6 +249,7 @@ LossProblem FromC(const LossdProblem& c, RowStream* rows) {
   LossProblem p;
   VisitProblem(p, c, OutOfC());
   p.options = FromC(c.options);
+  VisitPolicy(p.policy, c.policy, OutOfC());
   p.rows = rows;
   return p;
 }

@@ -50,6 +50,10 @@ TEST(PluginAbiConvertTest, ShapeRoundTrips) {
   s.dw = GradOut::kAccumulated;
   s.db = GradOut::kWritten;
   s.accum_memory = Memory::kBackend;
+  s.kind = LossKind::kDistill;
+  s.teacher_h = 17;
+  s.teacher_w_memory = Memory::kBackend;
+  s.want_entropy = true;
   const WorkspaceShape r = FromC(ToC(s));
   EXPECT_EQ(r.bt, 47);
   EXPECT_EQ(r.h, 31);
@@ -66,6 +70,10 @@ TEST(PluginAbiConvertTest, ShapeRoundTrips) {
   EXPECT_EQ(r.dw, GradOut::kAccumulated);
   EXPECT_EQ(r.db, GradOut::kWritten);
   EXPECT_EQ(r.accum_memory, Memory::kBackend);
+  EXPECT_EQ(r.kind, LossKind::kDistill);
+  EXPECT_EQ(r.teacher_h, 17);
+  EXPECT_EQ(r.teacher_w_memory, Memory::kBackend);
+  EXPECT_TRUE(r.want_entropy);
 }
 
 // A problem with every field set to something other than its default; its pointers point into
@@ -92,6 +100,26 @@ LossProblem EveryFieldSet(float* f, int64_t* i) {
   p.options.grad_scale = 0.5f;
   p.options.chunk_rows = 2;
   p.options.token_scaling = true;
+  p.options.temperature = 0.7f;
+  p.kind = LossKind::kPolicy;
+  p.dlogp = &f[1];
+  p.dentropy = &f[2];
+  p.advantages = &f[3];
+  p.old_logp = &f[0];
+  p.ref_logp = &f[1];
+  p.policy.loss_type = PolicyLossType::kDrGrpo;
+  p.policy.epsilon_low = 0.1f;
+  p.policy.epsilon_high = 0.3f;
+  p.policy.beta = 0.05f;
+  p.policy.sequences = 3;
+  p.policy.max_completion_length = 11;
+  p.policy.dapo_normalizer = 2.5;
+  p.teacher_h = 13;
+  p.teacher_x = &f[2];
+  p.teacher_w = &f[3];
+  p.teacher_w_memory = Memory::kBackend;
+  p.teacher_bias = &f[0];
+  p.distill.jsd_beta = 0.25f;
   return p;
 }
 
@@ -123,6 +151,28 @@ TEST(PluginAbiConvertTest, ProblemRoundTrips) {
   EXPECT_EQ(r.options.grad_scale, 0.5f);
   EXPECT_EQ(r.options.chunk_rows, 2);
   EXPECT_TRUE(r.options.token_scaling);
+  EXPECT_EQ(r.options.temperature, 0.7f);
+  EXPECT_EQ(c.kind, LOSSD_LOSS_POLICY);
+  EXPECT_EQ(c.policy.loss_type, LOSSD_POLICY_DR_GRPO);
+  EXPECT_EQ(r.kind, LossKind::kPolicy);
+  EXPECT_EQ(r.dlogp, p.dlogp);
+  EXPECT_EQ(r.dentropy, p.dentropy);
+  EXPECT_EQ(r.advantages, p.advantages);
+  EXPECT_EQ(r.old_logp, p.old_logp);
+  EXPECT_EQ(r.ref_logp, p.ref_logp);
+  EXPECT_EQ(r.policy.loss_type, PolicyLossType::kDrGrpo);
+  EXPECT_EQ(r.policy.epsilon_low, 0.1f);
+  EXPECT_EQ(r.policy.epsilon_high, 0.3f);
+  EXPECT_EQ(r.policy.beta, 0.05f);
+  EXPECT_EQ(r.policy.sequences, 3);
+  EXPECT_EQ(r.policy.max_completion_length, 11);
+  EXPECT_EQ(r.policy.dapo_normalizer, 2.5);
+  EXPECT_EQ(r.teacher_h, 13);
+  EXPECT_EQ(r.teacher_x, p.teacher_x);
+  EXPECT_EQ(r.teacher_w, p.teacher_w);
+  EXPECT_EQ(r.teacher_w_memory, Memory::kBackend);
+  EXPECT_EQ(r.teacher_bias, p.teacher_bias);
+  EXPECT_EQ(r.distill.jsd_beta, 0.25f);
   EXPECT_EQ(r.rows, nullptr);
 }
 
@@ -143,6 +193,10 @@ TEST(PluginAbiConvertTest, OutputsRoundTrip) {
   o.dw_accum = &f[3];
   o.db_accum = &f[0];
   o.accum_memory = Memory::kBackend;
+  o.logp = &f[1];
+  o.entropy = &f[2];
+  o.kl = &f[3];
+  o.clip_fraction = &f[0];
   const LossOutputs ro = FromC(ToC(o));
   EXPECT_EQ(ro.grad_dtype, o.grad_dtype);
   EXPECT_EQ(ro.loss, o.loss);
@@ -157,6 +211,10 @@ TEST(PluginAbiConvertTest, OutputsRoundTrip) {
   EXPECT_EQ(ro.dw_accum, o.dw_accum);
   EXPECT_EQ(ro.db_accum, o.db_accum);
   EXPECT_EQ(ro.accum_memory, o.accum_memory);
+  EXPECT_EQ(ro.logp, o.logp);
+  EXPECT_EQ(ro.entropy, o.entropy);
+  EXPECT_EQ(ro.kl, o.kl);
+  EXPECT_EQ(ro.clip_fraction, o.clip_fraction);
 }
 
 TEST(PluginAbiConvertTest, StatsRoundTrip) {
@@ -252,6 +310,7 @@ TEST(PluginAbiConvertTest, InfoRoundTripsAndLongNamesAreCut) {
   i.memory_held_bytes = 4;
   i.memory_budget_bytes = 5;
   i.healthy = false;
+  i.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kPolicy);
   const BackendInfo r = FromC(ToC(i));
   EXPECT_EQ(r.name, "cuda");
   EXPECT_EQ(r.device, "NVIDIA H200");
@@ -261,6 +320,7 @@ TEST(PluginAbiConvertTest, InfoRoundTripsAndLongNamesAreCut) {
   EXPECT_EQ(r.memory_held_bytes, 4u);
   EXPECT_EQ(r.memory_budget_bytes, 5u);
   EXPECT_FALSE(r.healthy);
+  EXPECT_EQ(r.loss_kinds, 5u);
   i.device = std::string(1000, 'd');
   EXPECT_EQ(FromC(ToC(i)).device, std::string(255, 'd'));
 }

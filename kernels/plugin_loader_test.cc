@@ -175,6 +175,8 @@ TEST_F(FakePluginTest, InfoCrosses) {
   EXPECT_EQ(got.name, "cpu");
   EXPECT_EQ(got.device, want.device);
   EXPECT_EQ(got.memory_total_bytes, want.memory_total_bytes);
+  EXPECT_NE(got.loss_kinds, 0u);
+  EXPECT_EQ(got.loss_kinds, want.loss_kinds);
   EXPECT_TRUE(got.healthy);
   EXPECT_EQ(got.memory_held_bytes, 0u);
   {

@@ -40,7 +40,10 @@ absl::Status ComputeAssembler::Accept(int32_t tensor, uint64_t offset,
   if (expected == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a part of ", name, " arrived but the header does not send ", name,
-        *slot == InputSlot::kW || *slot == InputSlot::kBias ? " inline" : ""));
+        *slot == InputSlot::kW || *slot == InputSlot::kBias || *slot == InputSlot::kTeacherW ||
+                *slot == InputSlot::kTeacherBias
+            ? " inline"
+            : ""));
   }
   if (size > max_part_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("a part of ", name, " carries ", size,
@@ -76,10 +79,20 @@ absl::Status ComputeAssembler::CheckNewElements(int i) {
     case InputSlot::kW:
       cols = plan_->h;
       break;
+    case InputSlot::kTeacherX:
+    case InputSlot::kTeacherW:
+      cols = plan_->teacher_h;
+      break;
     case InputSlot::kBias:
+    case InputSlot::kTeacherBias:
       break;
     case InputSlot::kClassWeights:
     case InputSlot::kGradOutput:
+    case InputSlot::kDlogp:
+    case InputSlot::kDentropy:
+    case InputSlot::kAdvantages:
+    case InputSlot::kOldLogp:
+    case InputSlot::kRefLogp:
       dtype = DType::kF32;
       break;
     default:

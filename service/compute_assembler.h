@@ -27,8 +27,8 @@ class ComputeAssembler {
   using Piece = std::pair<const uint8_t*, size_t>;
 
   // check_finite: refuse NaN/Inf in the float inputs (x, w, bias, class_weights,
-  // grad_output) part by part, with the engine's message (then finite_checked() is true and
-  // Engine::Run may skip its own scan).
+  // grad_output, the loss kinds' per-row inputs and inline teacher) part by part, with the
+  // engine's message (then finite_checked() is true and Engine::Run may skip its own scan).
   ComputeAssembler(std::shared_ptr<const ComputePlan> plan, uint64_t max_part_bytes,
                    uint64_t max_parts = UINT64_MAX, bool check_finite = false);
 

@@ -348,6 +348,10 @@ v1::ComputeResponse ComputeReactor::Summary(const ComputeOutcome* outcome) {
     s->set_tokens(outcome->tokens);
     s->set_compute_seconds(outcome->stats.compute_seconds);
     s->set_accumulated_micro_batches(outcome->accumulated_micro_batches);
+    if (plan_->kind == LossKind::kPolicy) {
+      s->set_kl(outcome->kl);
+      s->set_clip_fraction(outcome->clip_fraction);
+    }
     if (plan_->head != nullptr) {
       s->set_head_version(outcome->head_version);
       s->set_head_added(outcome->head_added);

@@ -182,7 +182,7 @@ grpc::ServerUnaryReactor* LossService::ServerInfo(grpc::CallbackServerContext* c
     r->set_max_v(o.max_v);
     r->set_max_in_flight(options_.max_in_flight);
     r->set_accumulators(static_cast<uint32_t>(engine_->accumulators().count()));
-    for (std::string_view f : kServerFeatures) r->add_features(std::string(f));
+    for (const std::string& f : ServerFeatures(engine_->loss_kinds())) r->add_features(f);
     return absl::OkStatus();
   });
 }

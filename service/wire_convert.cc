@@ -50,6 +50,41 @@ v1::TensorSpec TensorSpecToWire(DType dtype, const std::vector<int64_t>& shape) 
   return s;
 }
 
+namespace {
+
+// The kind and its options. A kind or loss type out of range is passed on for the one
+// validation to refuse by its number; options for another kind than the header's are refused
+// here, where the header's field names are known.
+absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
+  spec->kind = static_cast<LossKind>(h.kind());
+  const std::string kind = v1::LossKind_IsValid(h.kind())
+                               ? v1::LossKind_Name(h.kind())
+                               : absl::StrCat(static_cast<int>(h.kind()));
+  if (h.has_policy() && h.kind() != v1::LOSS_KIND_POLICY) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.policy is for header.kind LOSS_KIND_POLICY; this request's kind is ", kind));
+  }
+  if (h.has_distill() && h.kind() != v1::LOSS_KIND_DISTILL) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.distill is for header.kind LOSS_KIND_DISTILL; this request's kind is ", kind));
+  }
+  const v1::PolicyOptions& p = h.policy();
+  const PolicyParams defaults;
+  PolicyParams& pp = spec->policy;
+  pp.loss_type = static_cast<PolicyLossType>(p.loss_type());
+  pp.epsilon_low = p.has_epsilon_low() ? p.epsilon_low() : defaults.epsilon_low;
+  pp.epsilon_high = p.has_epsilon_high() ? p.epsilon_high() : defaults.epsilon_high;
+  pp.beta = p.has_beta() ? p.beta() : defaults.beta;
+  pp.sequences = p.sequences() != 0 ? p.sequences() : defaults.sequences;
+  pp.max_completion_length = p.max_completion_length();
+  pp.dapo_normalizer = p.dapo_normalizer();
+  const v1::DistillOptions& d = h.distill();
+  spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : DistillParams().jsd_beta;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   ComputeSpec spec;
   struct Field {
@@ -66,6 +101,15 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
       {InputSlot::kClassWeights, h.has_class_weights(), &h.class_weights(),
        "header.class_weights"},
       {InputSlot::kGradOutput, h.has_grad_output(), &h.grad_output(), "header.grad_output"},
+      {InputSlot::kDlogp, h.has_dlogp(), &h.dlogp(), "header.dlogp"},
+      {InputSlot::kDentropy, h.has_dentropy(), &h.dentropy(), "header.dentropy"},
+      {InputSlot::kAdvantages, h.has_advantages(), &h.advantages(), "header.advantages"},
+      {InputSlot::kOldLogp, h.has_old_logp(), &h.old_logp(), "header.old_logp"},
+      {InputSlot::kRefLogp, h.has_ref_logp(), &h.ref_logp(), "header.ref_logp"},
+      {InputSlot::kTeacherX, h.has_teacher_x(), &h.teacher_x(), "header.teacher_x"},
+      {InputSlot::kTeacherW, h.has_teacher_w(), &h.teacher_w(), "header.teacher_w"},
+      {InputSlot::kTeacherBias, h.has_teacher_bias(), &h.teacher_bias(),
+       "header.teacher_bias"},
   };
   for (const Field& f : fields) {
     auto t = TensorDescFromWire(f.present, *f.spec, f.name);
@@ -73,21 +117,8 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
     spec.inputs[static_cast<int>(f.slot)] = std::move(*t);
   }
   spec.weight_handle = h.weight_handle();
-  // The loss kinds' wire is in place before the engine computes them: a kind or field this
-  // server does not compute is refused, never silently computed as cross-entropy.
-  if (h.kind() != v1::LOSS_KIND_CROSS_ENTROPY || h.has_policy() || h.has_distill() ||
-      h.has_dlogp() || h.has_dentropy() || h.has_advantages() || h.has_old_logp() ||
-      h.has_ref_logp() || h.has_teacher_x() || h.has_teacher_w() || h.has_teacher_bias() ||
-      !h.teacher_weight_handle().empty() || h.options().has_temperature() ||
-      h.outputs().entropy()) {
-    const std::string kind = v1::LossKind_IsValid(h.kind())
-                                 ? v1::LossKind_Name(h.kind())
-                                 : absl::StrCat(static_cast<int>(h.kind()));
-    return absl::UnimplementedError(absl::StrCat(
-        "header.kind ", kind, " and its fields (temperature, policy, distill, dlogp, dentropy, "
-        "advantages, old_logp, ref_logp, teacher_*, outputs.entropy) are not computed by "
-        "this server: only LOSS_KIND_CROSS_ENTROPY"));
-  }
+  spec.teacher_weight_handle = h.teacher_weight_handle();
+  if (absl::Status k = KindFromWire(h, &spec); !k.ok()) return k;
   const v1::LossOptions& o = h.options();
   spec.options.ignore_index = o.has_ignore_index() ? o.ignore_index() : kDefaultIgnoreIndex;
   switch (o.reduction()) {
@@ -104,6 +135,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.options.grad_scale = o.has_grad_scale() ? o.grad_scale() : kDefaultGradScale;
   spec.options.chunk_rows = o.chunk_rows();
   spec.options.token_scaling = o.token_scaling();
+  spec.options.temperature = o.has_temperature() ? o.temperature() : kDefaultTemperature;
   if (o.grad_dtype() == v1::DTYPE_FP32) {
     spec.grad_fp32 = true;
   } else if (o.grad_dtype() != v1::DTYPE_UNSPECIFIED) {
@@ -126,6 +158,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.wanted.z_loss = w.z_loss();
   spec.wanted.accuracy = w.accuracy();
   spec.wanted.predictions = w.predictions();
+  spec.wanted.entropy = w.entropy();
   spec.accumulator = h.accumulator();
   spec.accumulator_instance = h.accumulator_instance();
   spec.head = h.head();
@@ -144,6 +177,14 @@ absl::StatusOr<InputSlot> InputSlotFromWire(v1::TensorId id) {
     case v1::TENSOR_TARGETS: return InputSlot::kTargets;
     case v1::TENSOR_CLASS_WEIGHTS: return InputSlot::kClassWeights;
     case v1::TENSOR_GRAD_OUTPUT: return InputSlot::kGradOutput;
+    case v1::TENSOR_DLOGP: return InputSlot::kDlogp;
+    case v1::TENSOR_DENTROPY: return InputSlot::kDentropy;
+    case v1::TENSOR_ADVANTAGES: return InputSlot::kAdvantages;
+    case v1::TENSOR_OLD_LOGP: return InputSlot::kOldLogp;
+    case v1::TENSOR_REF_LOGP: return InputSlot::kRefLogp;
+    case v1::TENSOR_TEACHER_X: return InputSlot::kTeacherX;
+    case v1::TENSOR_TEACHER_W: return InputSlot::kTeacherW;
+    case v1::TENSOR_TEACHER_BIAS: return InputSlot::kTeacherBias;
     default:
       break;
   }
@@ -170,6 +211,8 @@ v1::TensorId OutputSlotToWire(OutputSlot s) {
     case OutputSlot::kDx: return v1::TENSOR_DX;
     case OutputSlot::kDw: return v1::TENSOR_DW;
     case OutputSlot::kDb: return v1::TENSOR_DB;
+    case OutputSlot::kLogp: return v1::TENSOR_LOGP;
+    case OutputSlot::kEntropy: return v1::TENSOR_ENTROPY;
     case OutputSlot::kCount: break;
   }
   return v1::TENSOR_UNSPECIFIED;

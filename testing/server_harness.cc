@@ -62,7 +62,8 @@ Harness::Harness(HarnessOptions o) {
   if (o.engine.instance.empty()) o.engine.instance = absl::StrCat("test", counter++);
   o.service.instance = o.engine.instance;
   o.service.version = "test";
-  engine_ = std::make_unique<Engine>(NewCpuBackend(o.cpu_threads), o.engine);
+  engine_ = std::make_unique<Engine>(o.backend ? o.backend() : NewCpuBackend(o.cpu_threads),
+                                     o.engine);
   Engine* e = engine_.get();
   metrics_ = std::make_unique<ServerMetrics>([e] {
     StateSample s;
@@ -86,7 +87,8 @@ Harness::Harness(HarnessOptions o) {
   SharedExposer()->RegisterCollectable(last_state);
 
   LossServerOptions so;
-  so.address = "127.0.0.1:0";
+  host_ = o.host;
+  so.address = absl::StrCat(o.host, ":", o.port);
   so.service = o.service;
   so.credentials = o.server_credentials;
   so.reflection = o.reflection;
@@ -101,7 +103,7 @@ Harness::Harness(HarnessOptions o) {
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
   if (!o.server_credentials) {
-    channel_ = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
+    channel_ = grpc::CreateCustomChannel(absl::StrCat(host_, ":", server_->port()),
                                          grpc::InsecureChannelCredentials(), args);
     stub_ = v1::Loss::NewStub(channel_);
   }
@@ -114,7 +116,7 @@ std::unique_ptr<v1::Loss::Stub> Harness::NewStub(
   args.SetMaxSendMessageSize(64 << 20);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a fresh connection per stub
   return v1::Loss::NewStub(grpc::CreateCustomChannel(
-      absl::StrCat("127.0.0.1:", server_->port()), creds, args));
+      absl::StrCat(host_, ":", server_->port()), creds, args));
 }
 
 Harness::~Harness() {

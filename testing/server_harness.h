@@ -4,6 +4,7 @@
 #ifndef LOSSD_TESTING_SERVER_HARNESS_H_
 #define LOSSD_TESTING_SERVER_HARNESS_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -25,9 +26,15 @@ struct HarnessOptions {
   EngineOptions engine;
   ServiceOptions service;
   int cpu_threads = 2;
+  // The backend; empty = a CPU backend of cpu_threads.
+  std::function<std::unique_ptr<Backend>()> backend;
   std::shared_ptr<grpc::ServerCredentials> server_credentials;  // null = plaintext
   bool reflection = false;  // LossServerOptions::reflection
   std::string health_address;  // LossServerOptions::health_address
+  // Where it listens: any 127.0.0.0/8 address (Linux routes all of them to loopback, so
+  // several servers can share one port on distinct addresses); port 0 picks a free one.
+  std::string host = "127.0.0.1";
+  int port = 0;
 };
 
 class Harness {
@@ -42,12 +49,16 @@ class Harness {
   Engine& engine() { return *engine_; }
   LossServer& server() { return *server_; }
   int port() const { return server_->port(); }
+  const std::string& host() const { return host_; }
+  // False when the server could not start (the failure was added to the test).
+  bool started() const { return server_ != nullptr; }
   // GET /metrics from the process-wide exposer (shared: destroying one takes ~2 s).
   std::string ScrapeMetrics();
   // Waits until admitted memory is back to 0 (or `seconds` pass); returns the last value.
   uint64_t WaitForIdleMemory(double seconds = 5);
 
  private:
+  std::string host_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<LossServer> server_;

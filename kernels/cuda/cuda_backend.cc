@@ -23,6 +23,7 @@
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/cuda/optimizer.h"
+#include "kernels/cuda/row_loss_io.h"
 #include "kernels/cuda/streamed_chunk_hooks.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
@@ -73,6 +74,7 @@ DevicePlan PlanDeviceBytes(const WorkspaceShape& s, const ChunkPlan& plan) {
       d.total += 2 * Align(v * 4);
     }
   }
+  d.total += RowLossInputBytes(s);
   d.total += plan.workspace_bytes;
   d.extra += plan.workspace_bytes;
   return d;
@@ -169,6 +171,8 @@ BackendInfo CudaBackend::Info() {
   info.memory_held_bytes = counters_->current.load();
   info.memory_budget_bytes = options_.memory_budget_bytes;
   info.healthy = healthy_.load();
+  info.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
+                    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
   return info;
 }
 
@@ -178,13 +182,20 @@ ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
                               : DefaultChunkBudget(s.bt, s.v, s.dtype);
   // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads. Not
   // with rows still arriving: every whole-batch GEMM reads all of X.
+  // The other loss kinds' row kernel takes contiguous rows only.
   if (options_.whole_batch && s.chunk_rows == 0 && s.dw == GradOut::kWritten &&
-      !s.rows_streamed) {
+      !s.rows_streamed && s.kind == LossKind::kCrossEntropy) {
     ChunkPlan whole = PlanWhole(s.bt, s.h, s.v, s.dtype, s.want_dx, s.grad_dtype, budget);
     if (whole.blocks > 0) return whole;
   }
-  ChunkPlan plan =
-      PlanChunks(s.bt, s.v, s.dtype, budget, s.chunk_rows, options_.schedule);
+  // Distill holds the teacher's logits chunk beside the student's: half the budget each.
+  const bool distill = s.kind == LossKind::kDistill;
+  ChunkPlan plan = PlanChunks(s.bt, s.v, s.dtype, distill ? budget / 2 : budget, s.chunk_rows,
+                              options_.schedule);
+  if (distill) {
+    plan.workspace_bytes +=
+        Align(static_cast<uint64_t>(plan.chunk_rows) * s.v * DTypeSize(s.dtype));
+  }
   if (options_.auto_schedule && s.dw == GradOut::kNone) {
     plan.schedule = Schedule::kRowHalves;  // no dW to overlap
   } else if (options_.auto_schedule) {
@@ -279,10 +290,17 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   const auto t0 = std::chrono::steady_clock::now();
   LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cuda backend");
   LOSSD_RETURN_IF_ERROR(CheckIndexRange(p));
+  if (!RowLossKindComputed(p.kind)) {
+    return absl::UnimplementedError(absl::StrCat("cuda: loss kind ", LossKindName(p.kind),
+                                                 " is not computed by this backend"));
+  }
   std::vector<int32_t> targets32;
+  // Distill's targets only mark ignored rows (any other value counts; none: every row does).
   absl::StatusOr<TargetSummary> summary =
-      SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
-                       p.class_weights, &targets32);
+      p.kind == LossKind::kDistill
+          ? DistillRows(p, &targets32)
+          : SummarizeTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index,
+                             p.class_weights, &targets32);
   if (!summary.ok()) return summary.status();
   const WorkspaceShape shape = ShapeOf(p, out);
   const ChunkPlan plan = Plan(shape);
@@ -319,6 +337,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   DeviceLossArgs a = MakeArgs(p, *summary);
   void* x_device = nullptr;  // (BT, H) input dtype; written by StreamedChunkHooks when overlapped
   LOSSD_RETURN_IF_ERROR(UploadInputs(buffers, p, targets32, &a, &x_device));
+  LOSSD_RETURN_IF_ERROR(UploadRowLossInputs(buffers, p, targets32, &a));
   DeviceOutputs d_out;
   LOSSD_RETURN_IF_ERROR(AllocateOutputs(buffers, p, out, &a, &d_out));
   absl::StatusOr<void*> workspace = buffers.Alloc(plan.workspace_bytes);
@@ -347,7 +366,11 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   if (streamed.has_value()) LOSSD_RETURN_IF_ERROR(streamed->Finish());
   drain.done = true;  // everything the call queued has run
 
-  WriteHostOutputs(p, out, *summary, targets32, host);
+  if (p.kind == LossKind::kCrossEntropy) {
+    WriteHostOutputs(p, out, *summary, targets32, host);
+  } else {
+    WriteRowLossOutputs(p, out, targets32, host);
+  }
   if (stats != nullptr) {
     stats->compute_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

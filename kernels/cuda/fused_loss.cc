@@ -89,6 +89,41 @@ CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, 
   return p;
 }
 
+RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t r0, int64_t n) {
+  const RowLossInputs& in = a.row_loss;
+  // Row r0's entry of a per-row array, or null.
+  auto at = [r0](const float* x) { return x != nullptr ? x + r0 : nullptr; };
+  RowLossParams p{};
+  p.elem = static_cast<int32_t>(a.dtype);
+  p.rows = n;
+  p.v = a.v;
+  p.bias = a.bias;
+  p.targets = a.targets + r0;
+  p.softcap = a.options.softcap;
+  p.inv_temperature = 1.0f / a.options.temperature;
+  p.kind = a.kind == LossKind::kPolicy    ? kRowLossPolicy
+           : a.kind == LossKind::kDistill ? kRowLossDistill
+                                          : kRowLossLogprob;
+  p.write_grad = write_grad ? 1 : 0;
+  p.coef_logp = at(in.coef_logp);
+  p.coef_entropy = at(in.coef_entropy);
+  p.row_weight = at(in.row_weight);
+  p.advantages = at(in.advantages);
+  p.old_logp = at(in.old_logp);
+  p.ref_logp = at(in.ref_logp);
+  p.epsilon_low = in.epsilon_low;
+  p.epsilon_high = in.epsilon_high;
+  p.beta = in.beta;
+  p.teacher_bias = in.teacher_bias;
+  p.jsd_beta = in.jsd_beta;
+  p.distill_coef = in.distill_coef;
+  p.row_lse = a.row_lse + r0;
+  p.row_logp = a.row_ce + r0;
+  p.row_entropy = a.row_z + r0;
+  p.row_pred = a.row_pred + r0;
+  return p;
+}
+
 absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
   std::unique_ptr<FusedLoss> f(new FusedLoss());
   f->device_ = device;
@@ -142,6 +177,17 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
     return absl::InvalidArgumentError(
         "cuda: rows that arrive during the compute need a row-chunk plan, not the whole-batch "
         "layout (each of its GEMMs reads every row of X)");
+  }
+  if (a.kind != LossKind::kCrossEntropy && plan.blocks > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda: loss kind ", LossKindName(a.kind),
+        " needs a row-chunk plan, not the whole-batch layout"));
+  }
+  if (a.kind == LossKind::kDistill &&
+      (a.row_loss.teacher_x == nullptr || a.row_loss.teacher_w == nullptr ||
+       a.row_loss.teacher_h <= 0 || a.options.softcap != 0.0f)) {
+    return absl::InvalidArgumentError(
+        "cuda: distill needs the teacher's X, W and hidden size, and no softcap");
   }
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (plan.blocks > 0) return EnqueueWhole(a, plan, workspace);

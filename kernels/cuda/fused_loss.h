@@ -56,6 +56,27 @@ class ChunkHooks {
   virtual absl::Status DxEnqueued(int64_t row0, int64_t row1, cudaStream_t stream) = 0;
 };
 
+// The logprob and policy kinds' per-row inputs (row_loss_kernels.h says what each means), in
+// device memory, and the power of two alpha that the host took out of their coefficients.
+struct RowLossInputs {
+  const float* coef_logp = nullptr;     // (BT) logprob: grad_scale dlogp_i / alpha, or null
+  const float* coef_entropy = nullptr;  // (BT) logprob: grad_scale dentropy_i / alpha, or null
+  const float* row_weight = nullptr;    // (BT) policy: grad_scale w_i / alpha (0 if masked)
+  const float* advantages = nullptr;    // (BT) policy
+  const float* old_logp = nullptr;      // (BT) policy, or null
+  const float* ref_logp = nullptr;      // (BT) policy, or null
+  float epsilon_low = 0, epsilon_high = 0, beta = 0;
+  float alpha = 1;  // the dX, dW and db GEMMs' alpha
+  // Distill: the teacher head (X's dtype; row-chunk plans whose workspace holds a second
+  // logits buffer after the two GEMM workspaces), jsd_beta, and grad_scale / (n alpha).
+  int64_t teacher_h = 0;
+  const void* teacher_x = nullptr;     // (BT, teacher_h)
+  const void* teacher_w = nullptr;     // (V, teacher_h)
+  const void* teacher_bias = nullptr;  // (V), or null
+  float jsd_beta = 0;
+  float distill_coef = 0;
+};
+
 // Every tensor lives in device memory.
 struct DeviceLossArgs {
   int64_t bt = 0, h = 0, v = 0;
@@ -82,6 +103,12 @@ struct DeviceLossArgs {
   // Null: x is complete on the device before Enqueue's work starts. Else x fills in as the
   // hooks say (row-chunk plans only); see ChunkHooks. Not owned.
   ChunkHooks* hooks = nullptr;
+  // kLogprob, kPolicy and kDistill run row_loss_kernels.h's kernels in place of the
+  // cross-entropy one (row-chunk plans only), with row_ce holding logp_i (distill: the row's
+  // divergence) and row_z the entropy H_i; the cross-entropy options above are unused but for
+  // softcap and temperature.
+  LossKind kind = LossKind::kCrossEntropy;
+  RowLossInputs row_loss;
 };
 
 // Which GEMM of a chunk a cuBLASLt algorithm choice is for.

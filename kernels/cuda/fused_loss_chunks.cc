@@ -14,6 +14,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/cuda/fused_loss_internal.h"
+#include "kernels/cuda/row_loss_kernels.h"
 
 namespace lossd {
 namespace cuda {
@@ -43,12 +44,13 @@ class FusedLoss::ChunkPass {
   bool want_dw, want_db, write_grad;
   uint64_t gws;
   char* logits;  // (C, V) row-major, input dtype: the logits, then G over them
+  char* teacher_logits;  // (C, V) row-major, input dtype: distill's teacher logits, or null
   void* ws_main;
   void* ws_side;
   int32_t rank_logits, rank_dx, rank_dw;
   bool columns;
   int64_t vbegin[2], vcount[2];
-  bool gemm_bias;
+  bool gemm_bias, teacher_gemm_bias;
   int32_t side_sms, main_sms;
   // In the tuning pass (before any real work) a GEMM whose key is new is timed instead, on
   // main_ alone; a GEMM with a pinned rank is left as it is.
@@ -67,6 +69,7 @@ FusedLoss::ChunkPass::ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const Chu
   elem = DTypeSize(a.dtype);
   ab = CudaType(a.dtype);
   scales = ComputeGradScales(a.options, a.summary);
+  if (a.kind != LossKind::kCrossEntropy) scales.alpha = a.row_loss.alpha;
   want_dw = a.dw_acc != nullptr;
   want_db = a.db_acc != nullptr;
   write_grad = a.dx != nullptr || want_dw || want_db;
@@ -89,13 +92,27 @@ FusedLoss::ChunkPass::ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const Chu
   // where every logits GEMM's slice of it is 16-byte aligned, which the epilogue needs; else
   // the CE kernel adds it to the stored logits in fp32.
   gemm_bias = BiasInGemm(a.bias, elem, vbegin, columns ? 2 : 1);
+  // Distill: the teacher's chunk buffer follows the two GEMM workspaces.
+  const bool distill = a.kind == LossKind::kDistill;
+  teacher_logits = distill ? static_cast<char*>(ws_side) + gws : nullptr;
+  teacher_gemm_bias =
+      distill && BiasInGemm(a.row_loss.teacher_bias, elem, vbegin, columns ? 2 : 1);
   // SM targets when the column-halves schedule pairs a main GEMM with a dW GEMM.
   side_sms = plan.side_sms > 0 && plan.side_sms < f.sm_count_ ? plan.side_sms : 0;
   main_sms = side_sms > 0 ? f.sm_count_ - side_sms : 0;
 }
 
-// The cross-entropy of rows [r0, r0 + n) of the chunk starting at c0, on ce_.
+// The cross-entropy (or the logprob / policy / distill row kernel) of rows [r0, r0 + n) of
+// the chunk starting at c0, on ce_.
 absl::Status FusedLoss::ChunkPass::CrossEntropy(int64_t c0, int64_t r0, int64_t n) {
+  if (a.kind != LossKind::kCrossEntropy) {
+    RowLossParams p = RowLossParamsOf(a, write_grad, c0 + r0, n);
+    if (gemm_bias) p.bias = nullptr;  // already in the stored logits
+    if (teacher_gemm_bias) p.teacher_bias = nullptr;
+    p.logits = logits + r0 * a.v * elem;
+    if (teacher_logits != nullptr) p.teacher_logits = teacher_logits + r0 * a.v * elem;
+    return CudaStatus(LaunchRowLoss(p, f.ce_), "LaunchRowLoss");
+  }
   CrossEntropyParams p = RowParams(a, scales, write_grad, c0 + r0, n);
   if (gemm_bias) p.bias = nullptr;  // already in the stored logits
   p.logits = logits + r0 * a.v * elem;
@@ -103,7 +120,7 @@ absl::Status FusedLoss::ChunkPass::CrossEntropy(int64_t c0, int64_t r0, int64_t 
 }
 
 // z[r0:r0+n, v0:v0+nv] = X_c[r0:r0+n] W[v0:v0+nv]^T (+ b[v0:v0+nv] where the GEMM adds the
-// bias), as z^T (nv x n) = W^T-view * X_c^T.
+// bias), as z^T (nv x n) = W^T-view * X_c^T; for distill the teacher's too.
 absl::Status FusedLoss::ChunkPass::LogitsGemm(int64_t c0, int64_t r0, int64_t n, int64_t v0,
                                               int64_t nv, int32_t sms) {
   const Spec g{/*trans_a=*/true,
@@ -123,7 +140,29 @@ absl::Status FusedLoss::ChunkPass::LogitsGemm(int64_t c0, int64_t r0, int64_t n,
                gws,
                sms,
                gemm_bias ? Offset(a.bias, v0, elem) : nullptr};
-  return Gemm(f.main_, ws_main, 1.0f, g, rank_logits);
+  LOSSD_RETURN_IF_ERROR(Gemm(f.main_, ws_main, 1.0f, g, rank_logits));
+  if (teacher_logits == nullptr) return absl::OkStatus();
+  // Distill: the teacher's logits of the same rows and columns, on the same stream, so every
+  // event after the student's GEMM covers them too.
+  const RowLossInputs& t = a.row_loss;
+  const Spec tg{/*trans_a=*/true,
+                /*trans_b=*/false,
+                nv,
+                n,
+                t.teacher_h,
+                Offset(t.teacher_w, v0 * t.teacher_h, elem),
+                t.teacher_h,
+                Offset(t.teacher_x, (c0 + r0) * t.teacher_h, elem),
+                t.teacher_h,
+                ab,
+                /*beta=*/0.0f,
+                teacher_logits + (r0 * a.v + v0) * elem,
+                a.v,
+                ab,
+                gws,
+                sms,
+                teacher_gemm_bias ? Offset(t.teacher_bias, v0, elem) : nullptr};
+  return Gemm(f.main_, ws_main, 1.0f, tg, rank_logits);
 }
 
 // dX_c^T (H x C) = W (H x V col-major) * G^T (V x C col-major).

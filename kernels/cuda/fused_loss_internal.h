@@ -13,6 +13,7 @@
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/chunk_plan.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/cuda/row_loss_kernels.h"
 
 namespace lossd {
 namespace cuda {
@@ -60,6 +61,9 @@ inline bool BiasInGemm(const void* bias, size_t elem, const int64_t* first_cols,
 // logits are (logits, or the blocked layout's segments).
 CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, bool write_grad,
                              int64_t r0, int64_t n);
+
+// The logprob / policy row kernel's parameters for rows [r0, r0 + n); the caller sets logits.
+RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t r0, int64_t n);
 
 }  // namespace cuda
 }  // namespace lossd

@@ -485,6 +485,49 @@ void WritePutWeightsSeeds(const std::string& root) {
   }
 }
 
+// One valid stream of each loss kind beyond cross-entropy (their own tensors, options and
+// outputs), from an rng of its own so that the seeds above stay as they were.
+void WriteLossKindSeeds(const std::string& root) {
+  Rng rng;
+  rng.s = 25;
+  Shape s;
+  s.dtype = v1::DTYPE_FP32;
+  auto kind_stream = [&](v1::LossKind kind) {
+    Stream st = MakeStream(s, &rng);
+    v1::ComputeHeader& h = st.header;
+    h.set_kind(kind);
+    h.mutable_outputs()->set_z_loss(false);
+    h.mutable_outputs()->set_accuracy(false);
+    h.mutable_outputs()->set_predictions(false);
+    h.mutable_options()->set_temperature(0.8f);
+    return st;
+  };
+  auto rows = [&](Stream* st, v1::TensorSpec* spec, v1::TensorId id) {
+    *spec = Spec(v1::DTYPE_FP32, {s.bt});
+    st->tensors.push_back({id, Floats(v1::DTYPE_FP32, s.bt, &rng, -2, 2)});
+  };
+  Stream logprob = kind_stream(v1::LOSS_KIND_LOGPROB);
+  rows(&logprob, logprob.header.mutable_dlogp(), v1::TENSOR_DLOGP);
+  rows(&logprob, logprob.header.mutable_dentropy(), v1::TENSOR_DENTROPY);
+  logprob.header.mutable_outputs()->set_entropy(true);
+  WriteCompute(root, "valid_kind_logprob", logprob);
+  Stream policy = kind_stream(v1::LOSS_KIND_POLICY);
+  rows(&policy, policy.header.mutable_advantages(), v1::TENSOR_ADVANTAGES);
+  rows(&policy, policy.header.mutable_old_logp(), v1::TENSOR_OLD_LOGP);
+  policy.header.mutable_policy()->set_loss_type(v1::POLICY_LOSS_GRPO);
+  policy.header.mutable_policy()->set_sequences(2);
+  WriteCompute(root, "valid_kind_policy", policy);
+  Stream distill = kind_stream(v1::LOSS_KIND_DISTILL);
+  constexpr int64_t kHt = 6;
+  *distill.header.mutable_teacher_x() = Spec(s.dtype, {s.bt, kHt});
+  distill.tensors.push_back({v1::TENSOR_TEACHER_X, Floats(s.dtype, s.bt * kHt, &rng, -2, 2)});
+  *distill.header.mutable_teacher_w() = Spec(s.dtype, {s.v, kHt});
+  distill.tensors.push_back(
+      {v1::TENSOR_TEACHER_W, Floats(s.dtype, s.v * kHt, &rng, -0.7f, 0.7f)});
+  distill.header.mutable_distill()->set_jsd_beta(0.25f);
+  WriteCompute(root, "valid_kind_distill", distill);
+}
+
 }  // namespace
 }  // namespace fuzz
 }  // namespace lossd
@@ -498,5 +541,6 @@ int main(int argc, char** argv) {
   mkdir(root.c_str(), 0755);
   lossd::fuzz::WriteComputeSeeds(root);
   lossd::fuzz::WritePutWeightsSeeds(root);
+  lossd::fuzz::WriteLossKindSeeds(root);
   return 0;
 }

@@ -35,6 +35,8 @@ WANT=(
   //kernels/cuda:plugin_exposer_test
   //kernels/cuda:plugin_compute_test
   //kernels/cuda:optimizer_test
+  //kernels/cuda:row_loss_test
+  //kernels/cuda:row_loss_paths_test
   //bench/service:net_ceiling
   //bench/service:service_bench
 )

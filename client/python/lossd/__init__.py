@@ -6,6 +6,7 @@
         r.loss, r.dx, r.dw
 
 PyTorch users: lossd.nn.LossdFusedLinearCrossEntropyLoss (imports torch on first use).
+Many replicas: lossd.connect_pool("dns:///lossd-headless:50051", rank=r) (lossd.pool).
 """
 
 from lossd.errors import (  # noqa: F401
@@ -16,6 +17,7 @@ from lossd.errors import (  # noqa: F401
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
+    HeadLostError,
     InternalError,
     InvalidArgumentError,
     LossdError,
@@ -24,10 +26,12 @@ from lossd.errors import (  # noqa: F401
     PermissionDeniedError,
     ProtocolError,
     ResourceExhaustedError,
+    StepLostError,
     UnauthenticatedError,
     UnavailableError,
     UnimplementedError,
     UnknownError,
+    WeightsChangedError,
 )
 from lossd.tensors import BF16Array, bf16, bf16_bits_to_float, float_to_bf16_bits  # noqa: F401
 from lossd.client import (  # noqa: F401
@@ -37,12 +41,16 @@ from lossd.client import (  # noqa: F401
     Gradients,
     HeadExport,
     HeadInfo,
+    DistillOptions,
     OptimizerConfig,
+    PolicyOptions,
     ServerInfo,
     StateEntry,
     StepResult,
     WeightHandle,
     connect,
 )
+
+from lossd.pool import PoolStats, PoolWeights, ReplicaPool, connect_pool  # noqa: F401,E402
 
 __version__ = "0.1.0"

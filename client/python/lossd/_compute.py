@@ -8,6 +8,7 @@ import numpy as np
 
 from lossd import errors
 from lossd._proto import pb
+from lossd._kinds import kind_outputs
 from lossd._results import ComputeResult, WeightHandle
 from lossd._transfer import parts
 from lossd.tensors import (FLOAT_DTYPES, INT_DTYPES, BF16Array, dtype_name, numpy_dtype,
@@ -23,6 +24,8 @@ OUTPUT_NAMES = {
     pb.TENSOR_DX: "dx",
     pb.TENSOR_DW: "dw",
     pb.TENSOR_DB: "db",
+    pb.TENSOR_LOGP: "logp",
+    pb.TENSOR_ENTROPY: "entropy",
 }
 
 
@@ -42,10 +45,12 @@ class Inputs:
                 raise errors.InvalidArgumentError(
                     "bias given with a weight handle: the handle carries its own bias")
         xdt, xshape, xarr = to_wire(x, "x", FLOAT_DTYPES)
-        tdt, tshape, tarr = to_wire(targets, "targets", INT_DTYPES)
-        header = pb.ComputeHeader(x=pb.TensorSpec(dtype=xdt, shape=xshape),
-                                  targets=pb.TensorSpec(dtype=tdt, shape=tshape))
-        inline = [(pb.TENSOR_TARGETS, tarr)]
+        header = pb.ComputeHeader(x=pb.TensorSpec(dtype=xdt, shape=xshape))
+        inline = []
+        if targets is not None:  # None: kind distill, where they only mark ignored rows
+            tdt, tshape, tarr = to_wire(targets, "targets", INT_DTYPES)
+            header.targets.CopyFrom(pb.TensorSpec(dtype=tdt, shape=tshape))
+            inline.append((pb.TENSOR_TARGETS, tarr))
         if head:
             has_bias, wshape = None, None
         elif handle is not None:
@@ -148,6 +153,7 @@ def returned_outputs(header, xdt, xshape, wshape, has_bias):
         got["dw"] = (gdt, None if v is None else (v, h))
     if o.db and has_bias is not False:  # None: a bare handle string, which may carry one
         got["db"] = (gdt, None if v is None else (v,))
+    got.update(kind_outputs(header, bt))
     return got
 
 
@@ -166,7 +172,7 @@ def check_out(out, returned):
         arr = buf.bits if isinstance(buf, BF16Array) else buf
         if name not in returned:
             raise errors.InvalidArgumentError(
-                "out[%r]: this call does not return %s (see want_* and accumulator)" % (
+                "out[%r]: this call does not return %s (see want_*, kind and accumulator)" % (
                     name, name))
         dt, shape = returned[name]
         if isinstance(arr, np.ndarray):
@@ -262,7 +268,8 @@ def result_of(summary, tensors, into, *, wall_seconds, bytes_sent, bytes_receive
                          wall_seconds=wall_seconds, bytes_sent=bytes_sent,
                          bytes_received=bytes_received, instance=summary.instance,
                          nonfinite=[OUTPUT_NAMES.get(t, str(t)) for t in summary.nonfinite],
-                         head_version=summary.head_version, head_added=summary.head_added)
+                         head_version=summary.head_version, head_added=summary.head_added,
+                         kl=summary.kl, clip_fraction=summary.clip_fraction)
 
 
 def set_outputs_of(res, tensors):

@@ -233,6 +233,42 @@ class HeadMethods:
         with self._heads_lock:
             return self._head_instances.get(head, "")
 
+    def _check_head_compute(self, w, bias, accumulator, head, head_version, rank, micro_batch,
+                            timeout):
+        """The ComputeHeader's head fields ({} without a head), checked: a head's compute names
+        no weight of its own (the head's compute copy is the weight: X in its compute dtype)
+        and carries its version and key, and the server must know heads (an older one would
+        refuse the fields, or, older still, ignore them). head_version: the version computed
+        against (HeadInfo / StepResult.version): an older one is refused, the next one waits
+        while this step is pending. (rank, micro_batch): the idempotency key, unique within
+        the rank's step: a Compute whose key the step holds (a retry) is answered but not
+        added again. Data-parallel averaging is grad_scale (1/world_size, as DDP divides):
+        dX comes back scaled alike."""
+        if head is None:
+            if w is None:
+                raise errors.InvalidArgumentError(
+                    "w is None: give W, a weight handle, or a head")
+            return {}
+        given = [n for n, v in (("w", w), ("bias", bias)) if v is not None]
+        if accumulator:
+            given.append("accumulator")
+        if given:
+            raise errors.InvalidArgumentError(
+                "head given with %s: a head's compute uses the head's weights and adds to its "
+                "step (pass w=None, no bias, no accumulator)" % ", ".join(given))
+        if head_version is None or micro_batch is None:
+            raise errors.InvalidArgumentError(
+                "head needs head_version (the version computed against) and micro_batch (with "
+                "rank, the key that keeps a retry from adding twice); got %r and %r" % (
+                    head_version, micro_batch))
+        if int(rank) < 0 or int(micro_batch) < 0 or int(head_version) < 0:
+            raise errors.InvalidArgumentError(
+                "rank, micro_batch and head_version must be >= 0, got %r, %r, %r" % (
+                    rank, micro_batch, head_version))
+        self.require_feature("hosted_head", timeout=timeout)
+        return dict(head=str(head), head_version=int(head_version), rank=int(rank),
+                    micro_batch=int(micro_batch), head_instance=self._head_instance(str(head)))
+
     def _remember_head(self, head, instance):
         if instance:
             with self._heads_lock:
@@ -313,7 +349,10 @@ class HeadMethods:
             if t.get("master_bias") is not None:
                 state[s + "_bias"] = t.get(s + "_bias")
         return self.create_head(name or export.name, t["master_w"], t.get("master_bias"),
-                                optimizer=opt, compute_dtype=export.compute_dtype, state=state,
+                                optimizer=opt, compute_dtype=export.compute_dtype,
+                                # An optimizer without state (SGD without momentum) sends
+                                # none: the server refuses an empty state.
+                                state=state if opt.state_names() else None,
                                 version=export.version, optimizer_step=export.optimizer_step,
                                 timeout=timeout)
 

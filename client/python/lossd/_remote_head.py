@@ -41,6 +41,9 @@ class RemoteLMHead(torch.nn.Module):
     The head's optimizer (`optimizer()`, a torch.optim.Optimizer) steps it there.
 
     name: the head's name on the server (1-128 of [A-Za-z0-9._:/-]).
+    client: a lossd.Client, or a lossd.ReplicaPool (every call goes to the head's replica;
+      where that replica is lost, forward or the step raises HeadLostError: load_export(the
+      last export) and redo the step).
     weight, bias: the initial (V, H) weight and (V) bias to create the head from (fp32, or
       bf16/fp16: the fp32 master is their upcast); None attaches to an existing head. With
       torch.distributed initialised rank 0 creates and every rank waits at a barrier;

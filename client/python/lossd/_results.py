@@ -33,6 +33,8 @@ class ComputeResult:
     per_token_loss: Optional[np.ndarray] = None  # (BT) fp32, reduction none
     per_token_z_loss: Optional[np.ndarray] = None  # (BT) fp32, reduction none
     predictions: Optional[np.ndarray] = None  # (BT) int64
+    logp: Optional[np.ndarray] = None  # (BT) fp32, kind logprob: log p(target) at T
+    entropy: Optional[np.ndarray] = None  # (BT) fp32, kind logprob with want_entropy
     # Gradients holding NaN or Inf after the call ("dx", "dw", "db"); with an accumulator,
     # "dw"/"db" mean its sum, which then refuses further use until a reset fetch or a drop.
     nonfinite: list = dataclasses.field(default_factory=list)
@@ -40,6 +42,9 @@ class ComputeResult:
     # into the step (False: its (rank, micro_batch) key was already there, a retry).
     head_version: int = 0
     head_added: bool = False
+    # Kind policy: Liger's mean-KL metric (0 when beta is 0) and clip fraction.
+    kl: float = 0.0
+    clip_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from lossd._compute import (Inputs, ReplyReader, check_out, compute_requests, re
                             returned_outputs, set_options, set_outputs, set_outputs_of)
 from lossd._fetch import fetch_striped, fetch_whole
 from lossd._heads import HeadMethods, OptimizerConfig, init_head_state
+from lossd._kinds import DistillOptions, PolicyOptions, set_kind  # noqa: F401 - re-exported
 from lossd._proto import pb, pb_grpc
 from lossd._results import (  # noqa: F401 - re-exported: lossd.client.X stays importable
     _STATE_KINDS, ComputeResult, Gradients, HeadExport, HeadInfo, ServerInfo, StateEntry,
@@ -466,8 +467,11 @@ class Client(HeadMethods):
                 want_z_loss=False,
                 want_accuracy=False, want_predictions=False, accumulator=None,
                 response_part_bytes=None, out=None, timeout=None, overlap=None, head=None,
-                head_version=None, rank=0, micro_batch=None):
-        """Linear + cross-entropy forward and backward on the server.
+                head_version=None, rank=0, micro_batch=None, kind="cross_entropy",
+                temperature=None, want_entropy=False, dlogp=None, dentropy=None,
+                advantages=None, old_logp=None, ref_logp=None, policy=None, teacher_x=None,
+                teacher_w=None, teacher_bias=None, distill=None):
+        """Linear + cross-entropy (or another loss kind) forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
         w: (V, H) same dtype as x, or a WeightHandle (or its handle string) from put_weights.
@@ -499,13 +503,25 @@ class Client(HeadMethods):
         overlap: None = the client's setting (see Client).
         head: a hosted head's name, with w None: its compute copy is the weight, dW/db go into
           its step at head_version, and (rank, micro_batch) is the key that keeps a retry from
-          adding twice (result.head_added); see _check_head_compute.
+          adding twice (result.head_added); see HeadMethods._check_head_compute.
+        kind: "cross_entropy", or (servers listing "loss_kind_<kind>"; lossd._kinds and
+          docs/rl_losses.md) "logprob": result.logp (and with want_entropy result.entropy)
+          at `temperature`, gradients of sum(dlogp * logp + dentropy * entropy) (fp32 (BT)
+          each, absent = zeros); "policy": GRPO / PPO-clip (targets: ignore_index where the
+          completion mask is 0; advantages, old_logp, ref_logp fp32 (BT); policy: a
+          PolicyOptions or dict), result.kl and result.clip_fraction; "distill": JSD against
+          the teacher (teacher_x (BT, Ht), teacher_w (V, Ht) or its WeightHandle, teacher_bias;
+          distill: a DistillOptions or dict; targets only mark ignored rows and may be None).
         """
         t_start = time.perf_counter()
         head_fields = self._check_head_compute(w, bias, accumulator, head, head_version, rank,
                                                micro_batch, timeout)
         inputs = Inputs(x, w, targets, bias, class_weights, grad_output, reduction)
         header = inputs.header
+        set_kind(header, inputs.inline, kind=kind, temperature=temperature, policy=policy,
+                 distill=distill, dlogp=dlogp, dentropy=dentropy, advantages=advantages,
+                 old_logp=old_logp, ref_logp=ref_logp, teacher_x=teacher_x, teacher_w=teacher_w,
+                 teacher_bias=teacher_bias, want_entropy=want_entropy)
         set_options(header, inputs.xdt, ignore_index=ignore_index, reduction=reduction,
                     label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                     softcap=softcap, grad_dtype=grad_dtype, grad_scale=grad_scale,
@@ -543,42 +559,6 @@ class Client(HeadMethods):
         set_outputs_of(res, tensors)
         return res
 
-    def _check_head_compute(self, w, bias, accumulator, head, head_version, rank, micro_batch,
-                            timeout):
-        """The ComputeHeader's head fields ({} without a head), checked: a head's compute names
-        no weight of its own (the head's compute copy is the weight: X in its compute dtype)
-        and carries its version and key, and the server must know heads (an older one would
-        refuse the fields, or, older still, ignore them). head_version: the version computed
-        against (HeadInfo / StepResult.version): an older one is refused, the next one waits
-        while this step is pending. (rank, micro_batch): the idempotency key, unique within
-        the rank's step: a Compute whose key the step holds (a retry) is answered but not
-        added again. Data-parallel averaging is grad_scale (1/world_size, as DDP divides):
-        dX comes back scaled alike."""
-        if head is None:
-            if w is None:
-                raise errors.InvalidArgumentError(
-                    "w is None: give W, a weight handle, or a head")
-            return {}
-        given = [n for n, v in (("w", w), ("bias", bias)) if v is not None]
-        if accumulator:
-            given.append("accumulator")
-        if given:
-            raise errors.InvalidArgumentError(
-                "head given with %s: a head's compute uses the head's weights and adds to its "
-                "step (pass w=None, no bias, no accumulator)" % ", ".join(given))
-        if head_version is None or micro_batch is None:
-            raise errors.InvalidArgumentError(
-                "head needs head_version (the version computed against) and micro_batch (with "
-                "rank, the key that keeps a retry from adding twice); got %r and %r" % (
-                    head_version, micro_batch))
-        if int(rank) < 0 or int(micro_batch) < 0 or int(head_version) < 0:
-            raise errors.InvalidArgumentError(
-                "rank, micro_batch and head_version must be >= 0, got %r, %r, %r" % (
-                    rank, micro_batch, head_version))
-        self.require_feature("hosted_head", timeout=timeout)
-        return dict(head=str(head), head_version=int(head_version), rank=int(rank),
-                    micro_batch=int(micro_batch), head_instance=self._head_instance(str(head)))
-
 
 def connect(target="localhost:50051", **kwargs) -> Client:
     """Client(target, **kwargs)."""
@@ -586,5 +566,6 @@ def connect(target="localhost:50051", **kwargs) -> Client:
 
 
 __all__ = ["Client", "ComputeResult", "WeightHandle", "Gradients", "ServerInfo", "StateEntry",
-           "HeadInfo", "HeadExport", "StepResult", "OptimizerConfig", "connect",
+           "HeadInfo", "HeadExport", "StepResult", "OptimizerConfig", "PolicyOptions",
+           "DistillOptions", "connect",
            "DEFAULT_PART_BYTES"]

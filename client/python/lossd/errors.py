@@ -99,6 +99,39 @@ class ProtocolError(InternalError):
     """The server's reply broke the wire contract (parts out of order, sizes wrong)."""
 
 
+class StepLostError(AbortedError):
+    """A replica pool lost an accumulator's partial step (its replica died or restarted, or
+    a call's outcome is unknown): drop the accumulator and redo the step's micro-batches.
+    `accumulator`, `replica` (where it was) and `moved_to` (where the redo goes)."""
+
+    def __init__(self, message, accumulator=None, replica=None, moved_to=None, method=None):
+        super().__init__(message, method=method)
+        self.accumulator, self.replica, self.moved_to = accumulator, replica, moved_to
+
+
+class HeadLostError(AbortedError):
+    """A replica pool lost a hosted head (its replica died or restarted): the head must be
+    imported from its last export, by `import_rank` (ImportHead is idempotent by head and
+    version, so other ranks may repeat it), and the step redone. `head`, `replica`,
+    `moved_to` (where the import goes)."""
+
+    def __init__(self, message, head=None, replica=None, moved_to=None, import_rank=0,
+                 method=None):
+        super().__init__(message, method=method)
+        self.head, self.replica, self.moved_to = head, replica, moved_to
+        self.import_rank = import_rank
+
+
+class WeightsChangedError(FailedPreconditionError):
+    """A replica pool must upload named weights again (their handle was lost with its
+    replica) but the caller's tensors no longer hold the bytes first uploaded: give W again
+    (ReplicaPool.put_weights with the same name). `name`."""
+
+    def __init__(self, message, name=None, method=None):
+        super().__init__(message, method=method)
+        self.name = name
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (

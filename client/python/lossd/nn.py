@@ -206,7 +206,12 @@ class LossdRuntime:
             return self._handle
         key = self._key_of(weight, bias)
         self.drop_weights()
-        self._handle = self.client.put_weights(weight, bias, timeout=self.timeout)
+        kw = {}
+        if getattr(self.client, "is_pool", False) and self.accumulator:
+            # A replica pool: W lives on the accumulator's replica, where its computes go
+            # (one upload a step, not two).
+            kw["near"] = "acc:" + self.accumulator
+        self._handle = self.client.put_weights(weight, bias, timeout=self.timeout, **kw)
         self._key = key
         return self._handle
 
@@ -269,7 +274,9 @@ class LossdRuntime:
         return g
 
     def drop_accumulator(self):
+        """Drops the server's sum (what a StepLostError asks before the step is redone)."""
         if self.accumulator is not None:
+            self._added.clear()
             self.client.drop_accumulator(self.accumulator, timeout=self.timeout)
 
     def close(self):
@@ -520,8 +527,11 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
     target (...) int, bias (V). Returns the loss, or a CrossEntropyOutput when any of
     return_z_loss / return_token_accuracy / return_predicted_tokens is set.
 
-    Keyword-only extras: server ("host:port") or client (a lossd.Client), cache_weights,
-    accumulator, eager_accumulation, grad_scale, timeout, part_bytes (see LossdRuntime).
+    Keyword-only extras: server ("host:port") or client (a lossd.Client, or a
+    lossd.ReplicaPool: W then goes to the replica of its weights' name, or of the accumulator;
+    a StepLostError from backward asks for drop_accumulator() and the step again),
+    cache_weights, accumulator, eager_accumulation, grad_scale, timeout, part_bytes (see
+    LossdRuntime).
     chunk_size maps to the server's chunk_rows. use_token_scaling needs a server that lists
     the "token_scaling" feature (ServerInfo).
     """
@@ -574,6 +584,11 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
 
     def fetch_gradients(self, reset=True):
         return self.runtime.fetch_gradients(reset=reset)
+
+    def drop_accumulator(self):
+        """Drops the accumulator's sum on the server: with a lossd.ReplicaPool, do so before
+        redoing a step after a StepLostError."""
+        self.runtime.drop_accumulator()
 
     def release(self):
         """Drops the cached weight handle on the server."""

@@ -98,6 +98,17 @@ def lossd_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Three replicas on 127.0.0.1-3 and one port for the replica pool's tests
+    (pool_cluster.py); each test calls ensure_all, as one may leave a replica killed."""
+    from pool_cluster import Cluster
+
+    c = Cluster(tmp_path_factory.mktemp("pool"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
 def client(lossd_server):
     with lossd.Client(lossd_server.address, timeout=120.0) as c:
         yield c

@@ -1,0 +1,198 @@
+#include "client/lossctl_kinds.h"
+
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/lossctl_inputs.h"
+#include "core/loss_problem.h"
+#include "core/status_macros.h"
+
+ABSL_FLAG(std::string, kind, "cross_entropy", "compute: cross_entropy|logprob|policy|distill");
+ABSL_FLAG(double, temperature, lossd::kDefaultTemperature,
+          "logprob, policy, distill: logits (after the softcap) are divided by it");
+ABSL_FLAG(std::string, dlogp, "", "logprob: .npy of the upstream gradient of logp (BT), fp32");
+ABSL_FLAG(std::string, dentropy, "",
+          "logprob: .npy of the upstream gradient of the entropy (BT), fp32");
+ABSL_FLAG(std::string, advantages, "",
+          "policy: .npy of the per-token advantages (BT), fp32 (default: random in (-1, 1))");
+ABSL_FLAG(std::string, old_logp, "", "policy: .npy of the old policy's log-probs (BT), fp32");
+ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (BT), fp32");
+ABSL_FLAG(std::string, loss_type, "dapo", "policy: dapo|grpo|bnpo|dr_grpo");
+ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
+ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
+ABSL_FLAG(double, beta, 0.04, "policy: KL coefficient");
+ABSL_FLAG(int64_t, sequences, 1, "policy: the rows are this many completions, sequence-major");
+ABSL_FLAG(int64_t, max_completion_length, 0, "policy: dr_grpo's max completion length");
+ABSL_FLAG(double, dapo_normalizer, 0, "policy: dapo's normaliser (0 = this call's mask count)");
+ABSL_FLAG(double, jsd_beta, 0.5, "distill: 0 forward KL, 1 reverse KL, between: generalised JSD");
+ABSL_FLAG(std::string, teacher_x, "", "distill: .npy of the teacher's hidden states (BT, Ht)");
+ABSL_FLAG(std::string, teacher_w, "", "distill: .npy of the teacher's head (V, Ht)");
+ABSL_FLAG(std::string, teacher_bias, "", "distill: .npy of the teacher's bias (V)");
+ABSL_FLAG(std::string, teacher_weight_handle, "",
+          "distill: the teacher's head uploaded with put-weights");
+ABSL_FLAG(int64_t, teacher_h, 0,
+          "distill, random data: the teacher's hidden size (random teacher_x and teacher_w)");
+
+namespace lossd {
+namespace client {
+namespace {
+
+absl::StatusOr<LossKind> ParseKind(const std::string& s) {
+  for (LossKind k : {LossKind::kCrossEntropy, LossKind::kLogprob, LossKind::kPolicy,
+                     LossKind::kDistill}) {
+    if (s == LossKindName(k)) return k;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--kind must be cross_entropy, logprob, policy or distill, got '", s, "'"));
+}
+
+absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
+  for (PolicyLossType t : {PolicyLossType::kDapo, PolicyLossType::kGrpo, PolicyLossType::kBnpo,
+                           PolicyLossType::kDrGrpo}) {
+    if (s == PolicyLossTypeName(t)) return t;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--loss_type must be dapo, grpo, bnpo or dr_grpo, got '", s, "'"));
+}
+
+// Flags given that the kind does not read: refused, since they would be silently ignored.
+absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
+  struct Given {
+    LossKind kind;
+    const char* flag;
+    bool given;
+  };
+  const Given flags[] = {
+      {LossKind::kLogprob, "--dlogp", !absl::GetFlag(FLAGS_dlogp).empty()},
+      {LossKind::kLogprob, "--dentropy", !absl::GetFlag(FLAGS_dentropy).empty()},
+      {LossKind::kPolicy, "--advantages", !absl::GetFlag(FLAGS_advantages).empty()},
+      {LossKind::kPolicy, "--old_logp", !absl::GetFlag(FLAGS_old_logp).empty()},
+      {LossKind::kPolicy, "--ref_logp", !absl::GetFlag(FLAGS_ref_logp).empty()},
+      {LossKind::kPolicy, "--loss_type", absl::GetFlag(FLAGS_loss_type) != "dapo"},
+      {LossKind::kPolicy, "--epsilon_low", absl::GetFlag(FLAGS_epsilon_low) != 0.2},
+      {LossKind::kPolicy, "--epsilon_high", absl::GetFlag(FLAGS_epsilon_high) != 0.2},
+      {LossKind::kPolicy, "--beta", absl::GetFlag(FLAGS_beta) != 0.04},
+      {LossKind::kPolicy, "--sequences", absl::GetFlag(FLAGS_sequences) != 1},
+      {LossKind::kPolicy, "--max_completion_length",
+       absl::GetFlag(FLAGS_max_completion_length) != 0},
+      {LossKind::kPolicy, "--dapo_normalizer", absl::GetFlag(FLAGS_dapo_normalizer) != 0},
+      {LossKind::kDistill, "--jsd_beta", absl::GetFlag(FLAGS_jsd_beta) != 0.5},
+      {LossKind::kDistill, "--teacher_x", !absl::GetFlag(FLAGS_teacher_x).empty()},
+      {LossKind::kDistill, "--teacher_w", !absl::GetFlag(FLAGS_teacher_w).empty()},
+      {LossKind::kDistill, "--teacher_bias", !absl::GetFlag(FLAGS_teacher_bias).empty()},
+      {LossKind::kDistill, "--teacher_weight_handle",
+       !absl::GetFlag(FLAGS_teacher_weight_handle).empty()},
+      {LossKind::kDistill, "--teacher_h", absl::GetFlag(FLAGS_teacher_h) != 0},
+  };
+  std::vector<std::string> stray;
+  for (const Given& g : flags) {
+    if (g.given && g.kind != kind) {
+      stray.push_back(absl::StrCat(g.flag, " (", LossKindName(g.kind), ")"));
+    }
+  }
+  if (!stray.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kind=", LossKindName(kind),
+                                                   " does not take ", absl::StrJoin(stray, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+// An optional per-token fp32 input from a .npy file (converted to fp32).
+absl::StatusOr<std::optional<HostTensor>> Fp32Input(const std::string& path, const char* name) {
+  LOSSD_ASSIGN_OR_RETURN(auto t, ReadOptional(path));
+  if (!t.has_value()) return t;
+  LOSSD_ASSIGN_OR_RETURN(auto f, CastFloat(std::move(*t), DType::kF32, name));
+  return std::optional<HostTensor>(std::move(f));
+}
+
+absl::Status PolicyFromFlags(ComputeRequest* r) {
+  LOSSD_ASSIGN_OR_RETURN(r->policy.loss_type, ParseLossType(absl::GetFlag(FLAGS_loss_type)));
+  r->policy.epsilon_low = static_cast<float>(absl::GetFlag(FLAGS_epsilon_low));
+  r->policy.epsilon_high = static_cast<float>(absl::GetFlag(FLAGS_epsilon_high));
+  r->policy.beta = static_cast<float>(absl::GetFlag(FLAGS_beta));
+  r->policy.sequences = absl::GetFlag(FLAGS_sequences);
+  r->policy.max_completion_length = absl::GetFlag(FLAGS_max_completion_length);
+  r->policy.dapo_normalizer = absl::GetFlag(FLAGS_dapo_normalizer);
+  LOSSD_ASSIGN_OR_RETURN(r->advantages, Fp32Input(absl::GetFlag(FLAGS_advantages), "advantages"));
+  if (!r->advantages.has_value()) {
+    r->advantages = RandomFloat(DType::kF32, {r->x.dim(0)}, 1.0f, absl::GetFlag(FLAGS_seed) + 4);
+  }
+  LOSSD_ASSIGN_OR_RETURN(r->old_logp, Fp32Input(absl::GetFlag(FLAGS_old_logp), "old_logp"));
+  LOSSD_ASSIGN_OR_RETURN(r->ref_logp, Fp32Input(absl::GetFlag(FLAGS_ref_logp), "ref_logp"));
+  return absl::OkStatus();
+}
+
+// The teacher: hidden states and head from .npy files (cast to X's dtype, as the server
+// wants), the head by handle, or random (--teacher_h).
+absl::Status DistillFromFlags(int64_t v, ComputeRequest* r) {
+  r->distill.jsd_beta = static_cast<float>(absl::GetFlag(FLAGS_jsd_beta));
+  r->teacher_weight_handle = absl::GetFlag(FLAGS_teacher_weight_handle);
+  const DType dt = r->x.dtype();
+  const int64_t th = absl::GetFlag(FLAGS_teacher_h);
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  const std::pair<const char*, std::optional<HostTensor>*> files[] = {
+      {"teacher_x", &r->teacher_x}, {"teacher_w", &r->teacher_w},
+      {"teacher_bias", &r->teacher_bias}};
+  const std::string paths[] = {absl::GetFlag(FLAGS_teacher_x), absl::GetFlag(FLAGS_teacher_w),
+                               absl::GetFlag(FLAGS_teacher_bias)};
+  for (int i = 0; i < 3; ++i) {
+    LOSSD_ASSIGN_OR_RETURN(auto t, ReadOptional(paths[i]));
+    if (!t.has_value()) continue;
+    LOSSD_ASSIGN_OR_RETURN(auto c, CastFloat(std::move(*t), dt, files[i].first));
+    *files[i].second = std::move(c);
+  }
+  if (!r->teacher_x.has_value()) {
+    if (th <= 0) {
+      return absl::InvalidArgumentError(
+          "--kind=distill: give --teacher_x (a .npy) or a random teacher's --teacher_h");
+    }
+    r->teacher_x = RandomFloat(dt, {r->x.dim(0), th}, 1.0f, seed + 5);
+  }
+  if (!r->teacher_w.has_value() && r->teacher_weight_handle.empty()) {
+    if (th <= 0 || v <= 0) {
+      return absl::InvalidArgumentError(
+          "--kind=distill: give --teacher_w (a .npy), --teacher_weight_handle, or a random "
+          "teacher's --teacher_h (with V known)");
+    }
+    r->teacher_w = RandomFloat(dt, {v, th}, 9.0f / std::sqrt(static_cast<float>(th)), seed + 6);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status KindFromFlags(int64_t v, ComputeRequest* r) {
+  LOSSD_ASSIGN_OR_RETURN(r->kind, ParseKind(absl::GetFlag(FLAGS_kind)));
+  LOSSD_RETURN_IF_ERROR(CheckFlagsOfOtherKinds(r->kind));
+  r->options.temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
+  switch (r->kind) {
+    case LossKind::kCrossEntropy:
+      return absl::OkStatus();
+    case LossKind::kLogprob: {
+      LOSSD_ASSIGN_OR_RETURN(r->dlogp, Fp32Input(absl::GetFlag(FLAGS_dlogp), "dlogp"));
+      LOSSD_ASSIGN_OR_RETURN(r->dentropy, Fp32Input(absl::GetFlag(FLAGS_dentropy), "dentropy"));
+      return absl::OkStatus();
+    }
+    case LossKind::kPolicy:
+      return PolicyFromFlags(r);
+    case LossKind::kDistill:
+      return DistillFromFlags(v, r);
+  }
+  return absl::OkStatus();
+}
+
+void PrintKindResult(const ComputeRequest& r, const ComputeResult& res, CommandOutput& out) {
+  if (r.kind != LossKind::kPolicy) return;
+  out.Field("kl", static_cast<double>(res.kl), absl::StrFormat("kl          %.7g", res.kl));
+  out.Field("clip_fraction", static_cast<double>(res.clip_fraction),
+            absl::StrFormat("clip_frac   %.7g", res.clip_fraction));
+}
+
+}  // namespace client
+}  // namespace lossd

@@ -1,0 +1,220 @@
+// A client of a pool of lossd replicas: the same calls as LossClient, each sent to the
+// replica that holds its state, chosen by rendezvous hashing (client/rendezvous.h) of what
+// owns the state: a hosted head, else an accumulator, else a weights name, else the trainer's
+// rank (PoolOptions::rank, for stateless calls). Every trainer of a job, C++ or Python, sends
+// one key to one replica; losing a replica moves only the keys it held. Never adds anything
+// twice: a Compute into an accumulator or a head is never resent to another replica; that
+// state's loss is an error that says how to redo it. docs/replica_pool.md has the contract.
+//
+//   PoolOptions o;
+//   o.targets = "dns:///lossd-headless.lossd.svc:50051";   // or "10.0.0.5:50051,10.0.0.6:50051"
+//   o.rank = 3;                                              // this trainer's rank
+//   auto pool = PooledClient::Create(o);                     // resolves now; INVALID_ARGUMENT
+//   (*pool)->PutWeights("w-rank3", w, nullptr);              // a name the trainer chooses
+//   ComputeRequest r = ...;  r.weight_handle = "w-rank3";    // the name, not a server handle
+//   r.accumulator = "rank3-step-12";
+//   (*pool)->Compute(r);                                     // on the accumulator's replica
+//
+// A replica is lost when a call to it fails and a probe (a TCP connection, then a ServerInfo,
+// within PoolOptions::probe_deadline) finds it unreachable, or answering as another server
+// instance than the one that held the state (NOT_FOUND for a handle it held is checked so):
+// - weights move to the next replica by the same order, uploaded again only from bytes the
+//   pool can prove are the ones uploaded (WeightsRetention); otherwise FAILED_PRECONDITION
+//   asking for PutWeights again. A Compute with weights and no accumulator or head is
+//   stateless, so it is sent again where the weights went;
+// - an accumulator's partial sum is lost: ABORTED saying the step must be redone; every call
+//   naming it fails so until DropAccumulator. So is a Compute into it cut off (UNAVAILABLE)
+//   while its replica answers: it may or may not have been added. One that holds nothing yet
+//   (new, or just reset by a fetch) moves quietly with the Compute that found its replica
+//   gone, when no other Compute into it is under way;
+// - a head's pending step is lost: ABORTED naming the rank that imports the head from its
+//   last export (PoolOptions::import_rank); Compute, Step and ExportHead of it fail so until
+//   this client's CreateHead, ImportHead or GetHeadInfo finds it again. A pool meeting a head
+//   for the first time looks for it along its order, so it finds a head that moved.
+// An accumulator or head lost on a replica is placed anew on the next one of its order, the
+// replica that lost it passed over even when it is back (restarted): as the Python client
+// does, so every rank of a job looks for an imported head in one place. Weights and ranks,
+// which hold nothing another process looks for, stay on a replica restarted in place.
+// Counters (moves, uploads and re-uploads, re-resolutions, losses, calls per replica):
+// counters(); each move, re-upload and loss is logged once (PoolOptions::log, else stderr).
+#ifndef LOSSD_CLIENT_POOLED_CLIENT_H_
+#define LOSSD_CLIENT_POOLED_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "client/lossd_client.h"
+#include "client/replica_pool.h"
+
+namespace lossd {
+namespace client {
+
+// What the pool may upload again when weights must move to another replica.
+enum class WeightsRetention {
+  // The views given to PutWeights, and a checksum of their bytes taken at upload: before an
+  // upload elsewhere the bytes are hashed again and must match (W updated in place does not).
+  // The caller keeps that memory alive until DropWeights, PutWeights of the same name, or
+  // the pool's end.
+  kVerifyCallerMemory,
+  kCopy,  // the pool copies W (and the bias) at upload: memory for W's size, always provable
+  kNone,  // nothing kept: a move is always an error asking for PutWeights again
+};
+
+// Thread-safe: share one among a trainer's threads.
+class PooledClient {
+ public:
+  // INVALID_ARGUMENT naming the field for bad options; UNAVAILABLE when the targets resolve
+  // to no replica. Connects lazily.
+  static absl::StatusOr<std::unique_ptr<PooledClient>> Create(const PoolOptions& options);
+  ~PooledClient();
+
+  // Uploads W (and the bias) under `name` (1..128 bytes) to the name's replica. The result's
+  // handle is `name`: give it as ComputeRequest::weight_handle. Putting a name again replaces
+  // its weights (and drops the old ones' handles).
+  absl::StatusOr<PutWeightsResult> PutWeights(
+      const std::string& name, const HostTensor& w, const HostTensor* bias,
+      WeightsRetention keep = WeightsRetention::kVerifyCallerMemory, const CallOptions& call = {});
+  absl::Status DropWeights(const std::string& name, const CallOptions& call = {});
+  // weight_handle, when set, is a PutWeights name. Goes where the head, else the accumulator,
+  // else the weights, else RankKey(PoolOptions::rank) lives (weights are uploaded to that replica when a
+  // head or accumulator decides).
+  absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request,
+                                        const CallOptions& call = {});
+  absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator,
+                                                      bool reset, const CallOptions& call = {});
+  // Forgets the accumulator (also a lost one: the trainer has heard and will redo the step).
+  absl::Status DropAccumulator(const std::string& accumulator, const CallOptions& call = {});
+
+  // Hosted heads, on the head's replica. CreateHead and ImportHead go to the next replica
+  // when the head's is unreachable (a whole head, idempotent by version: nothing partial).
+  absl::StatusOr<CreateHeadResult> CreateHead(const CreateHeadRequest& request,
+                                              const CallOptions& call = {});
+  absl::StatusOr<CreateHeadResult> ImportHead(const HeadExport& exported,
+                                              const CallOptions& call = {});
+  absl::StatusOr<StepResult> Step(const StepRequest& request, const CallOptions& call = {});
+  absl::StatusOr<HeadExport> ExportHead(const std::string& head,
+                                        const ExportHeadOptions& options = {},
+                                        const CallOptions& call = {});
+  // The same, its bytes handed to `sink` as they come (LossClient::ExportHeadTo).
+  absl::StatusOr<HeadExport> ExportHeadTo(
+      const std::string& head, const std::function<absl::Status(const HeadExport&)>& on_layout,
+      const HeadExportSink& sink, const ExportHeadOptions& options = {},
+      const CallOptions& call = {});
+  absl::StatusOr<HeadInfo> GetHeadInfo(const std::string& head, const CallOptions& call = {});
+  absl::Status DropHead(const std::string& head, const CallOptions& call = {});
+
+  // ServerInfo of the rank's replica (RankKey(PoolOptions::rank); the next one while it is
+  // unreachable).
+  absl::StatusOr<ServerInfoResult> ServerInfo(const CallOptions& call = {});
+  // Every replica's List (the caller's weight handles, accumulators and heads there), or why
+  // it did not answer.
+  std::map<std::string, absl::StatusOr<std::vector<StateEntry>>> List(
+      const CallOptions& call = {});
+
+  PoolCounters counters() const { return pool_->counters(); }
+  std::vector<std::string> endpoints() const { return pool_->endpoints(); }
+  // The replica `key` (WeightsKey, AccumulatorKey, HeadKey, RankKey) is placed on, "" when
+  // none (diagnostics and tests).
+  std::string ReplicaOf(const std::string& key) const;
+
+ private:
+  // Where a key's state is: its replica and that replica's instance when it was placed.
+  struct Placement {
+    std::string endpoint;  // "" while lost or not placed
+    std::string instance;
+    std::string previous;  // the replica it was on before it was lost
+    bool lost = false;
+    std::string why;  // the loss's error message
+    // Accumulators: nothing summed since it began or was reset, and the Computes into it
+    // under way. Only an empty one moves quietly, and only when no other Compute into it
+    // is under way (one may have been added just before its replica went).
+    bool empty = true;
+    int in_flight = 0;
+    // Replicas it was lost on: placed anew, it goes to the next replica of its order (the
+    // same rule in both clients, so that every rank looks for a head where it was imported).
+    std::set<std::string> excluded;
+  };
+  struct Weights;
+
+  explicit PooledClient(std::unique_ptr<ReplicaPool> pool);
+
+  // The key's replica, or the first by its order when not placed. ABORTED (the loss's
+  // message) for a lost key when `refuse_lost`.
+  absl::StatusOr<Placement> Route(const std::string& key, bool refuse_lost);
+  // Records the key on `endpoint`; a move (counted, logged) when it was elsewhere before.
+  // `keep_lost`: a call that began before another thread found the key lost (and succeeded
+  // on the lost replica just before it went) leaves the loss standing.
+  void Place(const std::string& key, const std::string& endpoint, const std::string& instance,
+             const std::string& reason, bool keep_lost = false);
+  // Counts a Compute into an accumulator under way (+1) or done (-1; `filled`: it added).
+  void Track(const std::string& key, int delta, bool filled);
+  // Forgets an empty accumulator's replica (to move it) when this is the only Compute into
+  // it under way; false when it holds, or may hold, a sum.
+  bool MoveIfEmpty(const std::string& key, const std::string& endpoint);
+  // The first of the key's order not in `excluded` (the first at all when every one is).
+  std::string FirstFor(const std::string& key, const std::set<std::string>& excluded);
+  // pool_->LostReason; a lost replica takes every weights handle on it along.
+  std::optional<std::string> Lost(const std::string& endpoint, const absl::Status& failure,
+                                  const std::string& instance);
+  // Marks the key lost on `p.endpoint`, counts and logs it, and returns ABORTED `why`.
+  absl::Status MarkLost(const std::string& key, const Placement& p, const std::string& why);
+  // Why a replica is lost, for messages: "is unreachable" or "restarted (instance ...)".
+  std::string LossReason(const std::string& endpoint, const std::string& instance);
+
+  std::shared_ptr<Weights> FindWeights(const std::string& name);
+  // The handle of `name`'s weights on `endpoint`, uploading them there (from verified bytes
+  // after the first upload) when it has none.
+  absl::StatusOr<std::string> WeightsOn(const std::string& name, const std::string& endpoint,
+                                        const CallOptions& call);
+  void ForgetWeightsOn(const std::string& name, const std::string& endpoint);
+  // One Compute on `endpoint`, the weights name swapped for its handle there; a NOT_FOUND
+  // for the handle (evicted, restarted server) uploads it again and retries once, which adds
+  // nothing twice: the server refused the first before computing.
+  // `state_instance`: the instance holding the Compute's accumulator or head, if known.
+  absl::StatusOr<ComputeResult> ComputeOn(const std::string& endpoint, const ComputeRequest& r,
+                                          const CallOptions& call,
+                                          const std::string& state_instance = "");
+  absl::StatusOr<ComputeResult> ComputeStateless(const std::string& key, const ComputeRequest& r,
+                                                 const CallOptions& call);
+  absl::StatusOr<ComputeResult> ComputeInto(const std::string& key, const ComputeRequest& r,
+                                            const CallOptions& call);
+  // Where a key lost on `p.endpoint` is placed anew.
+  std::string NextAfterLoss(const std::string& key, const Placement& p);
+  std::string HeadLostMessage(const std::string& head, const std::string& endpoint,
+                              const std::string& reason) const;
+  std::string AccumulatorLostMessage(const std::string& acc, const std::string& endpoint,
+                                     const std::string& reason, const std::string& next);
+  // Route for a head: a pool meeting a head for the first time looks for it along the head's
+  // order (GetHeadInfo), so a trainer that starts, or first calls, after the head moved finds
+  // it where the others moved it; when no replica has it, the first by its order.
+  absl::StatusOr<Placement> HeadRoute(const std::string& head, bool refuse_lost,
+                                      const CallOptions& call);
+  // An export (`run` on the head's replica's client), with a lost replica's error.
+  absl::StatusOr<HeadExport> ExportOn(
+      const std::string& head, const CallOptions& call,
+      const std::function<absl::StatusOr<HeadExport>(LossClient*)>& run);
+  // CreateHead or ImportHead: `create` on the head's replica, the next ones while unreachable.
+  absl::StatusOr<CreateHeadResult> CreateOrImport(
+      const std::string& head,
+      const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create);
+
+  std::unique_ptr<ReplicaPool> pool_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Placement> placed_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Weights>> weights_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace client
+}  // namespace lossd
+
+#endif  // LOSSD_CLIENT_POOLED_CLIENT_H_

@@ -1,0 +1,403 @@
+"""The calls of lossd.ReplicaPool (a mixin over its routing in lossd.pool): computes routed by
+what owns their state, accumulators, hosted heads, and the calls any replica answers.
+
+The rule every path keeps: a Compute into an accumulator or a head is never sent again to
+another replica by the pool (the first may have been added); where a replica holding such
+state is lost, the caller gets StepLostError or HeadLostError saying what to redo. Stateless
+computes (inline W, or weights by name) are sent again wherever their replica went.
+"""
+
+import dataclasses
+import time
+
+from lossd import errors
+from lossd._pool_weights import PoolWeights
+from lossd._results import WeightHandle
+
+
+def _forget(client, kind, name):
+    """Makes a replica's client forget the server instance it pinned an accumulator or a head
+    to (the pool moved it: if it ever comes back there, it begins anew)."""
+    if kind == "acc":
+        with client._acc_lock:
+            client._acc_instances.pop(name, None)
+    else:
+        with client._heads_lock:
+            client._head_instances.pop(name, None)
+
+
+# How long an import waits for another rank's import of the same head to finish.
+_IMPORT_WAIT_S = 60.0
+
+
+def _import_idempotent(client, export, name, timeout):
+    """client.import_head, where another rank's import of the same export running at once
+    is success: every rank may import after a HeadLostError. The server refuses a create while
+    another is under way (ALREADY_EXISTS); wait for that one, and take its head where it has the
+    export's version."""
+    try:
+        return client.import_head(export, name, timeout=timeout)
+    except errors.AlreadyExistsError as refused:
+        deadline = time.monotonic() + _IMPORT_WAIT_S
+        while True:
+            try:
+                info = client.head_info(name, timeout=timeout)
+            except errors.NotFoundError:
+                if time.monotonic() > deadline:
+                    raise refused from None
+                time.sleep(0.05)  # the other create is still streaming its tensors
+                continue
+            if info.version != export.version:
+                raise refused from None  # another version: not this import's to take
+            return dataclasses.replace(info, created=False)
+
+
+class PoolCalls:
+    """ReplicaPool's calls (see ReplicaPool)."""
+
+    # -- computes ---------------------------------------------------------------------------
+
+    def compute(self, x, w, targets, *, accumulator=None, head=None, timeout=None, **kw):
+        """lossd.Client.compute, routed: with `head` by the head, with `accumulator` by the
+        accumulator (W, a PoolWeights, is uploaded there if it is not held there yet), else
+        by the weights' name (a PoolWeights) or, for inline W, by this trainer's rank."""
+        self._maybe_resolve()
+        if isinstance(w, (WeightHandle, str)):
+            raise errors.InvalidArgumentError(
+                "w: a WeightHandle names weights on one replica; give a pool the PoolWeights "
+                "its put_weights returned (or W itself)")
+        pw = w if isinstance(w, PoolWeights) else None
+        if head is not None:
+            return self._head_call(str(head), lambda c: c.compute(
+                x, w, targets, accumulator=accumulator, head=head, timeout=timeout, **kw))
+        if accumulator:
+            return self._acc_compute(str(accumulator), pw, x, w, targets, timeout, kw)
+        return self._plain_compute(pw, x, w, targets, timeout, kw)
+
+    def _plain_compute(self, pw, x, w, targets, timeout, kw):
+        """A compute that changes no state: sent again on a live replica after a failure."""
+        last, passing = None, 0
+        for _ in range(self._attempts()):
+            if pw is not None:
+                rep, home, lost = self._home_of(pw.key)
+                if lost:
+                    pw.lose(lost[0])
+                    if rep.address in pw.replicas():
+                        pw.covered()
+            else:
+                rep, home = self._route_stateless("rank:%d" % self.rank), None
+            try:
+                r = self._call(rep, lambda c: c.compute(
+                    x, w if pw is None else self._handle_at(pw, rep, timeout), targets,
+                    timeout=timeout, **kw))
+            except errors.WeightsChangedError:
+                raise
+            except errors.UnavailableError as e:
+                last = e
+                if self._replica_failed(rep, home) == "alive":
+                    passing += 1
+                    if passing > 1:
+                        raise
+                continue
+            except errors.NotFoundError as e:
+                if pw is None:
+                    raise
+                last = e
+                self._handle_not_found(pw, rep)
+                continue
+            self._done(rep, home, r.instance)
+            return r
+        raise last
+
+    def _handle_not_found(self, pw, rep):
+        """The weights' handle on `rep` is gone: the key moves to its next replica (the
+        contract's rule, also for an eviction), where W goes up again once it checks."""
+        pw.lose(rep.address)
+        with self._lock:
+            home = self._homes.get(pw.key)
+            if home is not None and home.address == rep.address:
+                home.excluded.add(rep.address)
+                old, home.address = rep.address, self._first_live(pw.key, home.excluded)
+                home.instance = self._replicas[home.address].instance
+                self._note_move(pw.key, old, home.address, "NOT_FOUND for its handle on %s"
+                                % old)
+
+    def _done(self, rep, home, instance):
+        with self._lock:
+            self._saw_instance(rep, instance)
+            if home is not None and instance:
+                home.instance = instance
+
+    def _acc_compute(self, name, pw, x, w, targets, timeout, kw):
+        key = "acc:" + name
+        for _ in range(self._attempts()):
+            rep, home, lost = self._home_of(key)
+            if lost:
+                self._acc_lost(name, home, lost, sent=False)
+            try:
+                r = self._call(rep, lambda c: c.compute(
+                    x, w if pw is None else self._handle_at(pw, rep, timeout), targets,
+                    accumulator=name, timeout=timeout, **kw))
+            except errors.WeightsChangedError:
+                raise
+            except errors.UnavailableError:
+                state = self._replica_failed(rep, home)
+                if state == "alive":
+                    self._raise_step_lost(name, home, rep.address, None,
+                                          "a compute into it failed with UNAVAILABLE and "
+                                          "whether it was added is unknown")
+                _, home, lost = self._home_of(key)
+                self._acc_lost(name, home, lost or (rep.address, state), sent=True)
+            except (errors.NotFoundError, errors.FailedPreconditionError) as e:
+                # Refused before adding: a handle gone (NOT_FOUND), or the accumulator pinned
+                # to an instance this server is not (FAILED_PRECONDITION).
+                state = self._check_replica(rep, home)
+                if state == "alive":
+                    if pw is None or not isinstance(e, errors.NotFoundError):
+                        raise
+                    pw.lose(rep.address)  # the accumulator stays; W goes up again there
+                    continue
+                _, home, lost = self._home_of(key)
+                self._acc_lost(name, home, lost or (rep.address, state), sent=False)
+                continue
+            with self._lock:
+                home.dirty = True
+            self._done(rep, home, r.instance)
+            return r
+        raise errors.UnavailableError("accumulator %r: no replica took the compute" % name,
+                                      method="Compute")
+
+    def _acc_lost(self, name, home, lost, sent):
+        """The accumulator's replica was lost and it moved: an error if it held micro-batches
+        (or this call may have been added), else it simply begins on its new replica."""
+        old, why = lost
+        with self._lock:
+            rep = self._replicas.get(old)
+        if rep is not None:
+            _forget(rep.client, "acc", name)
+        if home.dirty or sent:
+            self._raise_step_lost(name, home, old, why, None)
+
+    def _raise_step_lost(self, name, home, old, why, unknown):
+        with self._lock:
+            home.dirty = False
+            self._counts["steps_lost"] += 1
+        what = ("its replica %s %s, and the micro-batches added to it since its last reset went "
+                "with it" % (old, why)) if unknown is None else "on replica %s %s" % (old,
+                                                                                      unknown)
+        raise errors.StepLostError(
+            "accumulator %r: %s. A compute into an accumulator is never sent again to another "
+            "replica, so redo the step: drop_accumulator(%r), then send every micro-batch of "
+            "the step again (they go to %s)" % (name, what, name, home.address),
+            accumulator=name, replica=old, moved_to=home.address, method="Compute")
+
+    # -- accumulators -----------------------------------------------------------------------
+
+    def fetch_gradients(self, accumulator, *, reset=False, timeout=None, **kw):
+        """lossd.Client.fetch_gradients on the accumulator's replica; StepLostError where that
+        replica was lost with micro-batches in it (or a resetting fetch's outcome is
+        unknown)."""
+        self._maybe_resolve()
+        name = str(accumulator)
+        key = "acc:" + name
+        rep, home, lost = self._home_of(key)
+        if lost:
+            self._acc_lost(name, home, lost, sent=False)
+        try:
+            g = self._call(rep, lambda c: c.fetch_gradients(name, reset=reset, timeout=timeout,
+                                                           **kw))
+        except errors.UnavailableError:
+            state = self._replica_failed(rep, home)
+            if state == "alive" and not reset:
+                raise
+            if state == "alive":
+                self._raise_step_lost(name, home, rep.address, None,
+                                      "a resetting fetch failed with UNAVAILABLE and whether "
+                                      "it reset is unknown")
+            _, home, lost = self._home_of(key)
+            self._acc_lost(name, home, lost or (rep.address, state), sent=True)
+            raise  # not reached: _acc_lost raises for sent=True
+        except (errors.NotFoundError, errors.FailedPreconditionError):
+            if self._check_replica(rep, home) == "alive":
+                raise
+            _, home, lost = self._home_of(key)
+            self._acc_lost(name, home, lost or (rep.address, "restarted"), sent=False)
+            raise
+        if reset:
+            with self._lock:
+                home.dirty = False
+        self._done(rep, home, g.instance)
+        return g
+
+    def drop_accumulator(self, accumulator, *, timeout=None):
+        """Drops the accumulator on its replica (nothing to drop where it was lost, or never
+        began there)."""
+        self._maybe_resolve()
+        name = str(accumulator)
+        rep, home, lost = self._home_of("acc:" + name)
+        with self._lock:
+            home.dirty = False
+        if lost:
+            old = self._replicas.get(lost[0])
+            if old is not None:
+                _forget(old.client, "acc", name)
+        try:
+            self._call(rep, lambda c: c.drop_accumulator(name, timeout=timeout))
+        except errors.NotFoundError:
+            pass
+
+    # -- hosted heads -----------------------------------------------------------------------
+
+    def _locate_head(self, name):
+        """A head this pool has not used yet goes where it already is (the first replica in
+        its order holding it: where the other ranks' pools moved it), else to its first live
+        replica."""
+        key = "head:" + name
+        with self._lock:
+            if key in self._homes:
+                return
+        for addr in self.order(key):
+            with self._lock:
+                rep = self._replicas.get(addr)
+            if rep is None or rep.down:
+                continue
+            try:
+                self._call(rep, lambda c: c.head_info(name, timeout=self.probe_timeout))
+            except (errors.NotFoundError, errors.UnavailableError,
+                    errors.DeadlineExceededError):
+                continue
+            self._home_of(key, at=addr)
+            return
+
+    def _head_call(self, name, fn, recover=False):
+        """fn(client) on the head's replica. recover (create, import): goes to the head's
+        current replica, moved or not; any other call raises HeadLostError where the head's
+        replica was lost."""
+        key = "head:" + name
+        self._locate_head(name)
+        for _ in range(self._attempts()):
+            rep, home, lost = self._home_of(key)
+            if lost:
+                self._head_moved(name, home, lost, recover)
+            try:
+                r = self._call(rep, fn)
+            except errors.UnavailableError:
+                state = self._replica_failed(rep, home)
+                if state == "alive":
+                    raise
+                _, home, lost = self._home_of(key)
+                self._head_moved(name, home, lost or (rep.address, state), recover)
+                continue
+            except (errors.NotFoundError, errors.FailedPreconditionError) as e:
+                state = self._check_replica(rep, home)
+                if state == "alive":
+                    if home.awaiting_import and isinstance(e, errors.NotFoundError):
+                        self._raise_head_lost(name, home, None, None)
+                    raise
+                _, home, lost = self._home_of(key)
+                self._head_moved(name, home, lost or (rep.address, state), recover)
+                continue
+            with self._lock:
+                home.awaiting_import = False
+            self._done(rep, home, getattr(r, "instance", None) or getattr(
+                getattr(r, "head", None), "instance", None))
+            return r
+        raise errors.UnavailableError("head %r: no replica took the call" % name,
+                                      method="head")
+
+    def _head_moved(self, name, home, lost, recover):
+        old, why = lost
+        with self._lock:
+            rep = self._replicas.get(old)
+            home.awaiting_import = True
+        if rep is not None:
+            _forget(rep.client, "head", name)
+        if not recover:
+            self._raise_head_lost(name, home, old, why)
+
+    def _raise_head_lost(self, name, home, old, why):
+        with self._lock:
+            self._counts["heads_lost"] += 1
+        what = ("its replica %s %s, and the head's weights, optimizer state and this step's "
+                "gradient sum went with it" % (old, why)) if old else (
+                    "it moved to %s and was not imported there yet" % home.address)
+        raise errors.HeadLostError(
+            "head %r: %s. Import it from its last export: rank %d should call "
+            "import_head(export) (RemoteLMHead.load_export), which goes to %s; ImportHead is "
+            "idempotent by head and version, so every rank may make the same call. Then redo "
+            "the step from its first micro-batch" % (name, what, self.import_rank,
+                                                      home.address),
+            head=name, replica=old, moved_to=home.address, import_rank=self.import_rank,
+            method="head")
+
+    def create_head(self, name, w, bias=None, **kw):
+        """lossd.Client.create_head on the head's replica (where it already is, else the
+        first in its order)."""
+        self._maybe_resolve()
+        return self._head_call(str(name), lambda c: c.create_head(name, w, bias, **kw),
+                               recover=True)
+
+    def import_head(self, export, name=None, *, timeout=None):
+        """lossd.Client.import_head on the head's current replica: the recovery after a
+        HeadLostError (idempotent by head and version)."""
+        self._maybe_resolve()
+        n = str(name or export.name)
+        return self._head_call(n, lambda c: _import_idempotent(c, export, n, timeout),
+                               recover=True)
+
+    def step(self, head, version, **kw):
+        self._maybe_resolve()
+        return self._head_call(str(head), lambda c: c.step(head, version, **kw))
+
+    def export_head(self, head, **kw):
+        self._maybe_resolve()
+        return self._head_call(str(head), lambda c: c.export_head(head, **kw))
+
+    def head_info(self, head, **kw):
+        self._maybe_resolve()
+        return self._head_call(str(head), lambda c: c.head_info(head, **kw))
+
+    def drop_head(self, head, **kw):
+        """Drops the head on its replica (nothing to drop where that replica was lost)."""
+        self._maybe_resolve()
+        try:
+            self._head_call(str(head), lambda c: c.drop_head(head, **kw), recover=True)
+        except errors.NotFoundError:
+            pass
+        with self._lock:
+            self._homes.pop("head:" + str(head), None)
+
+    # -- any replica ------------------------------------------------------------------------
+
+    def _stateless(self, fn):
+        self._maybe_resolve()
+        last = None
+        for _ in range(self._attempts()):
+            rep = self._route_stateless("rank:%d" % self.rank)
+            try:
+                return self._call(rep, fn)
+            except errors.UnavailableError as e:
+                last = e
+                if self._replica_failed(rep) == "alive":
+                    raise
+        raise last
+
+    def server_info(self, timeout=None):
+        """ServerInfo of this rank's replica."""
+        return self._stateless(lambda c: c.server_info(timeout=timeout))
+
+    def health(self, service="", timeout=None):
+        return self._stateless(lambda c: c.health(service, timeout=timeout))
+
+    def require_feature(self, name, *, timeout=None):
+        return self._stateless(lambda c: c.require_feature(name, timeout=timeout))
+
+    def list_state(self, *, timeout=None):
+        """{replica address: [StateEntry]} over the live replicas."""
+        self._maybe_resolve()
+        out = {}
+        for addr in self.replicas():
+            rep = self._replicas.get(addr)
+            if rep is not None and not rep.down:
+                out[addr] = self._call(rep, lambda c: c.list_state(timeout=timeout))
+        return out

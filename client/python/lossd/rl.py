@@ -1,0 +1,451 @@
+"""PyTorch: RL and distillation losses over the LM head on a lossd server (docs/rl_losses.md).
+
+- Per-token log-probabilities and entropy from hidden states and the head, with the calling
+  conventions of verl's helpers: `fused_linear_for_ppo` / `LossdFusedLinearForPPO` (verl's
+  FusedLinearForPPO: (log_probs, entropy)), `linear_cross_entropy` (verl's fused kernel's
+  entry), `logprobs_from_hidden` and `entropy_from_hidden` (logprobs_from_logits and
+  entropy_from_logits, with the logits never formed).
+- `LossdFusedLinearGRPOLoss`: LigerFusedLinearGRPOLoss's constructor and forward arguments;
+  forward returns (loss, metrics).
+- `LossdFusedLinearJSD`: LigerFusedLinearJSD's constructor and forward arguments.
+
+Autograd through them gives dX, dW and db, computed by the server. The log-prob helpers run
+forward only (the upstream gradient of a log-prob is not known then); their backward sends X
+again with the upstream gradients (W goes once when weight caching is on). The GRPO and JSD
+losses are scalars: one call returns the loss and the gradients, and backward scales them.
+Keyword-only connection settings as lossd.nn's modules: client, server, cache_weights,
+timeout, or a shared `runtime` (lossd.nn.LossdRuntime). A runtime with a server-side
+`accumulator` adds dW and db there instead of returning them (dX still comes back): the
+scalar losses then compute the loss alone in forward and the gradients in backward, with
+grad_scale = upstream gradient x the runtime's grad_scale, as lossd.nn's deferred mode; call
+`apply_accumulated_gradients` before the optimizer step. Not in this round: a two-phase
+log-prob whose backward sends only the upstream gradients (X kept on the server under a
+ticket).
+"""
+
+import torch
+
+from lossd import errors
+from lossd.nn import LossdRuntime, _to_torch
+
+_RUNTIMES = {}  # server address -> the LossdRuntime the functions use when given none
+
+
+def _runtime(runtime, server):
+    if runtime is None:
+        runtime = _RUNTIMES.get(server)
+        if runtime is None:
+            runtime = _RUNTIMES[server] = LossdRuntime(server=server)
+    return runtime
+
+
+def _grad_kw(runtime, upstream=1.0):
+    """compute()'s accumulator and grad_scale for a call that returns gradients: with an
+    accumulator, dW and db go there, scaled by the upstream gradient and the runtime's
+    grad_scale (dX comes back scaled alike, as lossd.nn's)."""
+    if runtime.accumulator is None:
+        return {}
+    return dict(accumulator=runtime.accumulator, grad_scale=float(upstream) * runtime.grad_scale)
+
+
+def _grad_dtype(x):
+    # fp16 gradients lose small values to underflow before any loss scale is applied (the
+    # scalar losses apply the upstream gradient afterwards): fp32, cast on arrival.
+    return "fp32" if x.dtype == torch.float16 else None
+
+
+def _grad(value, like):
+    """A received gradient as a tensor of `like`'s dtype and device (None stays None)."""
+    if value is None:
+        return None
+    return _to_torch(value, like.device).to(dtype=like.dtype, device=like.device)
+
+
+def _fp32(t):
+    return None if t is None else t.detach().to(torch.float32).reshape(-1)
+
+
+def _once():
+    """Refuses backward(create_graph=True): the server's gradients carry no graph, so a
+    gradient penalty built on them would silently lose its second-order terms."""
+    if torch.is_grad_enabled():
+        raise errors.UnimplementedError(
+            "lossd.rl's losses are differentiable once: double backward (create_graph=True) "
+            "is not supported", method="rl")
+
+
+def _flat(hidden, ids):
+    """(BT, H) hidden states and (BT) ids from (..., H) and (...)."""
+    if hidden.dim() < 2:
+        raise errors.InvalidArgumentError(
+            "hidden states must be (..., H), got shape %s" % (tuple(hidden.shape),), method="rl")
+    if ids is not None and tuple(ids.shape) != tuple(hidden.shape[:-1]):
+        raise errors.InvalidArgumentError(
+            "labels of shape %s do not match hidden states %s" % (
+                tuple(ids.shape), tuple(hidden.shape)), method="rl")
+    x2 = hidden.reshape(-1, hidden.shape[-1])
+    return x2, (None if ids is None else ids.reshape(-1).to(torch.int64))
+
+
+class LossdLogprobFunction(torch.autograd.Function):
+    """apply(x (BT, H), weight (V, H), bias or None, labels (BT), temperature, runtime)
+    -> (logp (BT) fp32, entropy (BT) fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, temperature, runtime):
+        ctx.set_materialize_grads(False)
+        r = runtime.compute(x, weight, labels, bias, kind="logprob",
+                            temperature=float(temperature), want_entropy=True, want_dx=False,
+                            want_dw=False, want_db=False)
+        ctx.save_for_backward(x, weight, bias, labels)
+        ctx.temperature, ctx.runtime = float(temperature), runtime
+        dev = x.device
+        return _to_torch(r.logp, dev).clone(), _to_torch(r.entropy, dev).clone()
+
+    @staticmethod
+    def backward(ctx, dlogp, dentropy):
+        _once()
+        x, weight, bias, labels = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if (dlogp is None and dentropy is None) or not (need_dx or need_dw or need_db):
+            return None, None, None, None, None, None
+        rt = ctx.runtime
+        r = rt.compute(x, weight, labels, bias, kind="logprob", temperature=ctx.temperature,
+                       dlogp=_fp32(dlogp), dentropy=_fp32(dentropy), want_dx=need_dx,
+                       want_dw=need_dw, want_db=bool(need_db and bias is not None),
+                       grad_dtype=_grad_dtype(x), **_grad_kw(rt))
+        held = rt.accumulator is not None  # dW and db went into it
+        return (_grad(r.dx, x) if need_dx else None,
+                _grad(r.dw, weight) if need_dw and not held else None,
+                _grad(r.db, bias) if need_db and bias is not None and not held else None,
+                None, None, None)
+
+
+def _logprob_entropy(hidden, weight, labels, temperature, bias, runtime, server):
+    x2, t1 = _flat(hidden, labels)
+    rt = _runtime(runtime, server)
+    logp, entropy = LossdLogprobFunction.apply(x2, weight, bias, t1, float(temperature), rt)
+    return logp.reshape(hidden.shape[:-1]), entropy.reshape(hidden.shape[:-1])
+
+
+class _OnServer(torch.nn.Module):
+    """What the modules share: their runtime (connection, weight cache, accumulator)."""
+
+    def _setup(self, runtime, client, server, cache_weights, timeout, accumulator, grad_scale):
+        self.runtime = runtime or LossdRuntime(client, server, cache_weights=cache_weights,
+                                               timeout=timeout, accumulator=accumulator,
+                                               grad_scale=grad_scale)
+        # A second weight cache on the same client, for the teacher's or reference head.
+        self.other_runtime = LossdRuntime(self.runtime.client,
+                                          cache_weights=self.runtime.cache_weights,
+                                          timeout=self.runtime.timeout)
+
+    def apply_accumulated_gradients(self, weight, bias=None, reset=True):
+        """With an accumulator: adds its fp32 dW (and db) into weight.grad (bias.grad)."""
+        return self.runtime.apply_accumulated_gradients(weight, bias, reset=reset)
+
+    def fetch_gradients(self, reset=True):
+        return self.runtime.fetch_gradients(reset=reset)
+
+    def release(self):
+        """Drops the weights this module uploaded."""
+        self.runtime.close()
+        self.other_runtime.close()
+
+
+def fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature=1.0, *,
+                         bias=None, runtime=None, server="localhost:50051"):
+    """verl's FusedLinearForPPO: (log_probs fp32, entropy in the hidden states' dtype), each
+    of input_ids' shape, of softmax((hidden_states @ vocab_weights.T + bias) / temperature)."""
+    logp, entropy = _logprob_entropy(hidden_states, vocab_weights, input_ids, temperature, bias,
+                                     runtime, server)
+    return logp, entropy.to(hidden_states.dtype)
+
+
+class LossdFusedLinearForPPO(_OnServer):
+    """verl's FusedLinearForPPO module on the server. chunk_size and impl_backend are taken
+    for compatibility; the server chooses its own chunking."""
+
+    def __init__(self, chunk_size=512, impl_backend="torch", *, client=None,
+                 server="localhost:50051", cache_weights=True, timeout=None, accumulator=None,
+                 grad_scale=1.0, runtime=None):
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.impl_backend = impl_backend
+        self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        return fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature,
+                                    runtime=self.runtime)
+
+
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+                         dist_process_group=None, *, bias=None, runtime=None,
+                         server="localhost:50051"):
+    """verl's fused linear_cross_entropy entry: (logprobs, entropy) per token (reduction
+    "none"), or their sums / means ("sum", "mean"). A vocabulary split over a process group
+    (dist_process_group) is not supported: give the whole head."""
+    if dist_process_group is not None:
+        raise errors.InvalidArgumentError(
+            "dist_process_group: a vocabulary-parallel head is not supported; give the whole "
+            "(V, H) weight", method="rl")
+    if reduction not in ("none", "sum", "mean"):
+        raise errors.InvalidArgumentError(
+            "reduction must be 'none', 'sum' or 'mean', got %r" % (reduction,), method="rl")
+    logp, entropy = _logprob_entropy(hidden, weight, labels, temperature, bias, runtime, server)
+    if reduction == "sum":
+        return logp.sum(), entropy.sum()
+    if reduction == "mean":
+        return logp.mean(), entropy.mean()
+    return logp, entropy
+
+
+def logprobs_from_hidden(hidden_states, weight, labels, temperature=1.0, *, bias=None,
+                         runtime=None, server="localhost:50051"):
+    """verl's logprobs_from_logits(logits, labels) with logits = (hidden_states @ weight.T +
+    bias) / temperature never formed: log p(label), fp32, of labels' shape."""
+    return _logprob_entropy(hidden_states, weight, labels, temperature, bias, runtime,
+                            server)[0]
+
+
+def entropy_from_hidden(hidden_states, weight, temperature=1.0, *, bias=None, runtime=None,
+                        server="localhost:50051"):
+    """verl's entropy_from_logits(logits) with the logits never formed: the softmax's entropy
+    per row, fp32, of hidden_states.shape[:-1]."""
+    labels = torch.zeros(hidden_states.shape[:-1], dtype=torch.int64,
+                         device=hidden_states.device)  # any valid id: only the entropy is used
+    return _logprob_entropy(hidden_states, weight, labels, temperature, bias, runtime,
+                            server)[1]
+
+
+class _ScalarLossFunction(torch.autograd.Function):
+    """apply(x, weight, bias, call, runtime, *metric names) -> (loss, metrics...):
+    `call(want_dx, want_dw, want_db, **grad_kw)` runs the Compute. Without an accumulator
+    the loss's gradients come with it and backward scales them by the upstream gradient;
+    with one, forward computes the loss alone and backward sends the call again with the
+    upstream gradient as grad_scale (dW and db go into the accumulator)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, call, runtime, *metric_names):
+        ctx.needs = (x.requires_grad, weight.requires_grad,
+                     bias is not None and bias.requires_grad)
+        ctx.others = 2 + len(metric_names)  # call, runtime and the names take no gradient
+        ctx.deferred = runtime.accumulator is not None and any(ctx.needs)
+        ctx.call, ctx.runtime, ctx.like = call, runtime, (x, weight, bias)
+        r = call(False, False, False) if ctx.deferred else call(*ctx.needs)
+        if not ctx.deferred:
+            ctx.grads = tuple(_grad(v, t) if need else None
+                              for v, t, need in zip((r.dx, r.dw, r.db), ctx.like, ctx.needs))
+        dev = x.device
+        loss = torch.tensor(r.loss, dtype=torch.float32, device=dev)
+        metrics = [torch.tensor(getattr(r, m), dtype=torch.float32, device=dev)
+                   for m in metric_names]
+        ctx.mark_non_differentiable(*metrics)
+        return (loss, *metrics)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        _once()
+        rest = (None,) * ctx.others
+        if grad_loss is None:
+            return (None, None, None) + rest
+        if ctx.deferred:
+            need_dx, need_dw, need_db = ctx.needs
+            r = ctx.call(need_dx, need_dw, need_db,
+                         **_grad_kw(ctx.runtime, float(grad_loss.detach())))
+            return (_grad(r.dx, ctx.like[0]) if need_dx else None, None, None) + rest
+        grads = ctx.grads  # kept: a retained graph's second backward gives them again
+        return (*(None if g is None else g * grad_loss.to(g.dtype) for g in grads), *rest)
+
+
+_GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+
+
+class LossdFusedLinearGRPOLoss(_OnServer):
+    """LigerFusedLinearGRPOLoss (Liger-Kernel 0.8.5) on the server: the same constructor and
+    forward arguments; forward returns (loss, metrics), metrics = (mean KL, clip fraction)
+    when beta != 0, else (clip fraction,). Loss types dapo (default), grpo, bnpo and dr_grpo,
+    token-level importance sampling; `compiled` and `chunk_size` are taken and unused.
+    Refused (InvalidArgumentError): the other loss types, sequence-level importance sampling,
+    delta, use_bias_correction_kl and vllm_is_ratio. advantages may be per sequence (B) as
+    Liger's or per token (B, S)."""
+
+    def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1,
+                 epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=None,
+                 importance_sampling_level="token", sapo_temperature_pos=1.0,
+                 sapo_temperature_neg=1.05, temperature=1.0, delta=None,
+                 use_bias_correction_kl=False, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                 vespo_k_neg=3.0, vespo_lambda_neg=2.0, *, client=None,
+                 server="localhost:50051", cache_weights=True, timeout=None, accumulator=None,
+                 grad_scale=1.0, runtime=None):
+        super().__init__()
+        unsupported = []
+        if loss_type not in _GRPO_LOSS_TYPES:
+            unsupported.append("loss_type %r (lossd computes %s)" % (
+                loss_type, ", ".join(_GRPO_LOSS_TYPES)))
+        if importance_sampling_level != "token":
+            unsupported.append("importance_sampling_level %r (token only)" % (
+                importance_sampling_level,))
+        if delta is not None:
+            unsupported.append("delta")
+        if use_bias_correction_kl:
+            unsupported.append("use_bias_correction_kl")
+        if unsupported:
+            raise errors.InvalidArgumentError(
+                "LossdFusedLinearGRPOLoss does not support %s" % "; ".join(unsupported),
+                method="rl")
+        if loss_type == "dr_grpo" and max_completion_length is None:
+            raise errors.InvalidArgumentError(
+                "max_completion_length must be provided for loss_type 'dr_grpo'", method="rl")
+        if temperature == 0:
+            raise errors.InvalidArgumentError("temperature cannot be 0", method="rl")
+        self.beta, self.compiled, self.use_ref_model = beta, compiled, use_ref_model
+        self.chunk_size = chunk_size
+        self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
+        self.loss_type, self.max_completion_length = loss_type, max_completion_length
+        self.importance_sampling_level = importance_sampling_level
+        self.temperature = temperature
+        self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
+
+    def _dapo_normalizer(self, mask, num_items_in_batch):
+        """Liger's per-process dapo normaliser: num_items_in_batch / world size, else the
+        mask count summed over ranks / world size; at least 1. 0 for the other types."""
+        if self.loss_type != "dapo":
+            return 0.0
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if num_items_in_batch is not None:
+            n = float(num_items_in_batch)
+        elif world > 1:
+            total = mask.detach().to(torch.float32).sum()
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            n = float(total)
+        else:
+            return 0.0  # the server's own mask count, clamped to 1 as Liger does
+        return max(1.0, n / world)
+
+    def _ref_logps(self, ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz):
+        """The reference log-probs to send, or None (no KL term)."""
+        if self.beta == 0 or not self.use_ref_model:
+            return None
+        if ref_per_token_logps is not None:
+            return _fp32(ref_per_token_logps)
+        if ref_input is None or ref_weight is None:
+            raise errors.InvalidArgumentError(
+                "use_ref_model with beta != 0 needs ref_per_token_logps, or ref_input and "
+                "ref_weight", method="rl")
+        rx = ref_input.reshape(-1, ref_input.shape[-1])
+        r = self.other_runtime.compute(rx, ref_weight, ids, ref_bias, kind="logprob",
+                                     temperature=float(self.temperature), want_dx=False,
+                                     want_dw=False, want_db=False)
+        return torch.from_numpy(r.logp)
+
+    def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages,
+                bias=None, ref_per_token_logps=None, old_per_token_logps=None, ref_input=None,
+                ref_weight=None, ref_bias=None, vllm_is_ratio=None, num_items_in_batch=None):
+        if vllm_is_ratio is not None:
+            raise errors.InvalidArgumentError("vllm_is_ratio is not supported", method="rl")
+        if selected_token_ids.dim() != 2 or attention_mask.shape != selected_token_ids.shape:
+            raise errors.InvalidArgumentError(
+                "selected_token_ids and attention_mask must be (B, S) alike, got %s and %s" % (
+                    tuple(selected_token_ids.shape), tuple(attention_mask.shape)), method="rl")
+        bsz, seq = selected_token_ids.shape
+        x2 = _input.reshape(-1, _input.shape[-1])
+        if x2.shape[0] != bsz * seq:
+            raise errors.InvalidArgumentError(
+                "_input has %d rows; selected_token_ids (%d, %d) needs %d" % (
+                    x2.shape[0], bsz, seq, bsz * seq), method="rl")
+        adv = advantages.detach().to(torch.float32)
+        if tuple(adv.shape) == (bsz,):
+            adv = adv.unsqueeze(1).expand(bsz, seq)
+        elif tuple(adv.shape) != (bsz, seq):
+            raise errors.InvalidArgumentError(
+                "advantages must be (B) or (B, S) = (%d, %d), got %s" % (
+                    bsz, seq, tuple(adv.shape)), method="rl")
+        ids = selected_token_ids.reshape(-1).to(torch.int64)
+        ignore = -100
+        targets = torch.where(attention_mask.reshape(-1).bool(), ids, torch.full_like(ids, ignore))
+        policy = dict(loss_type=self.loss_type, epsilon_low=self.epsilon_low,
+                      epsilon_high=self.epsilon_high, beta=self.beta, sequences=bsz,
+                      max_completion_length=int(self.max_completion_length or 0),
+                      dapo_normalizer=self._dapo_normalizer(attention_mask, num_items_in_batch))
+        ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
+        runtime = _runtime(self.runtime, None)
+
+        def call(want_dx, want_dw, want_db, **grad_kw):
+            return runtime.compute(x2, lin_weight, targets, bias, kind="policy",
+                                   temperature=float(self.temperature), ignore_index=ignore,
+                                   advantages=adv.reshape(-1), old_logp=_fp32(old_per_token_logps),
+                                   ref_logp=ref, policy=policy, want_dx=want_dx,
+                                   want_dw=want_dw, want_db=want_db, grad_dtype=_grad_dtype(x2),
+                                   **grad_kw)
+
+        metric_names = ("kl", "clip_fraction") if self.beta != 0 else ("clip_fraction",)
+        loss, *metrics = _ScalarLossFunction.apply(x2, lin_weight, bias, call, runtime,
+                                                   *metric_names)
+        return loss, tuple(metrics)
+
+
+class LossdFusedLinearJSD(_OnServer):
+    """LigerFusedLinearJSD (Liger-Kernel 0.8.5) on the server: the same constructor and forward
+    arguments (plus optional student_bias and teacher_bias, which Liger's lacks). The teacher's
+    head is cached on the server like the student's when cache_weights is on (uploaded once
+    while unchanged). accum_dtype: None or torch.float32 (gradients travel in fp32)."""
+
+    def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0, accum_dtype=None, *,
+                 client=None, server="localhost:50051", cache_weights=True, timeout=None,
+                 accumulator=None, grad_scale=1.0, runtime=None):
+        super().__init__()
+        if temperature == 0:
+            raise errors.InvalidArgumentError("temperature cannot be 0", method="rl")
+        if accum_dtype not in (None, torch.float32):
+            raise errors.InvalidArgumentError(
+                "accum_dtype must be None or torch.float32, got %s" % (accum_dtype,),
+                method="rl")
+        self.jsd_beta, self.ignore_index, self.temperature = jsd_beta, ignore_index, temperature
+        self.accum_dtype = accum_dtype
+        self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
+
+    def _teacher(self, teacher_weight, teacher_bias, refresh=False):
+        """teacher_w and teacher_bias for compute(): its handle when caching, else inline."""
+        t = self.other_runtime
+        if refresh:
+            t.drop_weights()
+        ref = t.weight_ref(teacher_weight, teacher_bias)
+        return (teacher_weight, teacher_bias) if ref is None else (ref, None)
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight,
+                shift_labels=None, student_bias=None, teacher_bias=None):
+        x2 = student_input.reshape(-1, student_input.shape[-1])
+        # The wire takes the teacher's hidden states in X's dtype (its head must be in it too).
+        tx = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(x2.dtype)
+        labels = None if shift_labels is None else shift_labels.reshape(-1).to(torch.int64)
+        runtime = _runtime(self.runtime, None)
+        fp32 = self.accum_dtype == torch.float32
+        opts = dict(kind="distill", temperature=float(self.temperature),
+                    ignore_index=int(self.ignore_index), distill={"jsd_beta": float(self.jsd_beta)},
+                    teacher_x=tx, grad_dtype="fp32" if fp32 else _grad_dtype(x2))
+
+        def call(want_dx, want_dw, want_db, **grad_kw):
+            kw = dict(opts, **grad_kw)
+            tw, tb = self._teacher(teacher_weight, teacher_bias)
+            try:
+                return runtime.compute(x2, student_weight, labels, student_bias, teacher_w=tw,
+                                       teacher_bias=tb, want_dx=want_dx, want_dw=want_dw,
+                                       want_db=want_db, **kw)
+            except errors.NotFoundError:
+                if tb is not None or tw is teacher_weight:
+                    raise
+                # The teacher's handle was dropped (evicted, a restart): upload it once more.
+                tw, tb = self._teacher(teacher_weight, teacher_bias, refresh=True)
+                return runtime.compute(x2, student_weight, labels, student_bias, teacher_w=tw,
+                                       teacher_bias=tb, want_dx=want_dx, want_dw=want_dw,
+                                       want_db=want_db, **kw)
+
+        loss, = _ScalarLossFunction.apply(x2, student_weight, student_bias, call, runtime)
+        return loss
+
+
+__all__ = ["fused_linear_for_ppo", "LossdFusedLinearForPPO", "linear_cross_entropy",
+           "logprobs_from_hidden", "entropy_from_hidden", "LossdLogprobFunction",
+           "LossdFusedLinearGRPOLoss", "LossdFusedLinearJSD"]

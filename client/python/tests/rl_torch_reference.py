@@ -1,0 +1,142 @@
+"""The loss kinds in torch float64 autograd, written from docs/rl_losses.md (the same formulas
+test_rl_reference_torch.py checks the float64 references against): the oracle of the
+lossd.rl tests. And ReferenceClient: a stand-in for lossd.Client whose compute() answers
+the kinds with these formulas, so the torch modules' plumbing (shapes, which tensors are sent,
+the upstream gradient's scaling, metrics) is tested without a server."""
+
+import types
+
+import numpy as np
+import torch
+
+F = torch.nn.functional
+DT = torch.float64
+
+
+def as64(value):
+    """A tensor / ndarray as a float64 torch tensor (detached copy)."""
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.array(value, dtype=np.float64))
+    return value.detach().to("cpu", DT).clone()
+
+
+def log_softmax(x, w, b, temperature):
+    z = x @ w.T
+    if b is not None:
+        z = z + b
+    return F.log_softmax(z / temperature, dim=-1)
+
+
+def logprob_entropy(x, w, b, targets, temperature, ignore_index=-100):
+    """(logp, entropy) per row; 0 on rows whose target is ignore_index."""
+    lp = log_softmax(x, w, b, temperature)
+    keep = targets != ignore_index
+    logp = lp.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1) * keep
+    entropy = -(lp.exp() * lp).sum(-1) * keep
+    return logp, entropy
+
+
+def policy_loss(logp, mask, adv, old, ref, opts, bsz):
+    """Liger-Kernel 0.8.5's GRPO loss with token-level ratios: (loss, mean KL, clip fraction).
+    opts: the PolicyOptions fields (a dict)."""
+    logp, mask, adv = (a.reshape(bsz, -1) for a in (logp, mask, adv))
+    old = old.reshape(bsz, -1) if old is not None else logp.detach()
+    ref = ref.reshape(bsz, -1) if ref is not None else logp.detach()
+    lo, hi = 1 - opts["epsilon_low"], 1 + opts["epsilon_high"]
+    coef1 = torch.exp(logp - old)
+    coef2 = torch.clamp(coef1, lo, hi)
+    per_token = -torch.min(coef1 * adv, coef2 * adv)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if opts["beta"] != 0:
+        per_token = per_token + opts["beta"] * kl
+    n = mask.sum().clamp(min=1.0)
+    kind = opts["loss_type"]
+    if kind == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / bsz
+    elif kind == "bnpo":
+        loss = (per_token * mask).sum() / n
+    elif kind == "dr_grpo":
+        loss = (per_token * mask).sum() / (bsz * opts["max_completion_length"])
+    else:
+        d = opts["dapo_normalizer"] if opts["dapo_normalizer"] > 0 else mask.sum()
+        loss = (per_token * mask).sum() / torch.clamp(torch.as_tensor(d, dtype=DT), min=1.0)
+    clipped = ((coef1 < lo) & (adv < 0)) | ((coef1 > hi) & (adv > 0))
+    return loss, (kl.detach() * mask).sum() / n, (clipped * mask).sum() / n
+
+
+def jsd_loss(lq, lp, beta, keep):
+    """Liger's generalised JSD of student (lq) and teacher (lp) log-probs over kept rows."""
+    q, p = lq.exp(), lp.exp()
+    if beta == 0:
+        rows = (p * (lp - lq)).sum(-1)
+    elif beta == 1:
+        rows = (q * (lq - lp)).sum(-1)
+    else:
+        log_m = torch.logsumexp(torch.stack([lp + np.log(beta), lq + np.log(1 - beta)]), 0)
+        rows = (beta * p * (lp - log_m) + (1 - beta) * q * (lq - log_m)).sum(-1)
+    return (rows * keep).sum() / keep.sum().clamp(min=1)
+
+
+class ReferenceClient:
+    """compute() of the loss kinds in float64 torch autograd; results as lossd's (numpy)."""
+
+    def __init__(self):
+        self.calls = []  # the keyword arguments of every compute
+
+    def compute(self, x, w, targets, **kw):
+        # Called inside autograd Functions, where grad mode is off.
+        with torch.enable_grad():
+            return self._compute(x, w, targets, **kw)
+
+    def _compute(self, x, w, targets, *, bias=None, kind="cross_entropy", temperature=None,
+                ignore_index=-100, want_entropy=False, dlogp=None, dentropy=None,
+                advantages=None, old_logp=None, ref_logp=None, policy=None, teacher_x=None,
+                teacher_w=None, teacher_bias=None, distill=None, want_dx=True, want_dw=True,
+                want_db=None, grad_dtype=None, timeout=None):
+        self.calls.append(dict(kind=kind, temperature=temperature, want_dx=want_dx,
+                               want_dw=want_dw, want_db=want_db, grad_dtype=grad_dtype,
+                               has_dlogp=dlogp is not None, has_ref=ref_logp is not None,
+                               has_old=old_logp is not None, policy=policy, distill=distill,
+                               has_targets=targets is not None))
+        t = 1.0 if temperature is None else float(temperature)
+        x, w, b = (as64(a) for a in (x, w, bias))
+        for a in (x, w, b):
+            if a is not None:
+                a.requires_grad_(True)
+        tg = None if targets is None else torch.as_tensor(np.asarray(targets)).to(torch.int64)
+        res = types.SimpleNamespace(loss=0.0, kl=0.0, clip_fraction=0.0, logp=None,
+                                    entropy=None, dx=None, dw=None, db=None)
+        if kind == "logprob":
+            logp, ent = logprob_entropy(x, w, b, tg, t, ignore_index)
+            res.logp = logp.detach().numpy().astype(np.float32)
+            res.entropy = ent.detach().numpy().astype(np.float32) if want_entropy else None
+            f = 0.0
+            if dlogp is not None:
+                f = f + (as64(dlogp) * logp).sum()
+            if dentropy is not None:
+                f = f + (as64(dentropy) * ent).sum()
+            objective = f if torch.is_tensor(f) else None
+        elif kind == "policy":
+            mask = (tg != ignore_index).to(DT)
+            logp, _ = logprob_entropy(x, w, b, tg, t, ignore_index)
+            loss, kl, clip = policy_loss(logp, mask, as64(advantages), as64(old_logp),
+                                         as64(ref_logp), policy, int(policy["sequences"]))
+            res.loss, res.kl, res.clip_fraction = loss.item(), kl.item(), clip.item()
+            objective = loss
+        elif kind == "distill":
+            lq = log_softmax(x, w, b, t)
+            lp = log_softmax(as64(teacher_x), as64(teacher_w), as64(teacher_bias), t)
+            keep = (torch.ones(x.shape[0], dtype=torch.bool) if tg is None
+                    else tg != ignore_index)
+            objective = jsd_loss(lq, lp, distill["jsd_beta"], keep)
+            res.loss = objective.item()
+        else:
+            raise ValueError("ReferenceClient computes the RL kinds only, not %r" % kind)
+        if objective is not None and (want_dx or want_dw or want_db):
+            objective.backward()
+        res.dx = x.grad.numpy() if want_dx and x.grad is not None else None
+        res.dw = w.grad.numpy() if want_dw and w.grad is not None else None
+        res.db = b.grad.numpy() if want_db and b is not None and b.grad is not None else None
+        return res

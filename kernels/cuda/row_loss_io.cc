@@ -1,0 +1,279 @@
+#include "kernels/cuda/row_loss_io.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "core/status_macros.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/chunk_plan.h"
+#include "kernels/cuda/device_io.h"
+#include "kernels/cuda/fused_loss.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+// Uploads n floats, or leaves *dst null when there are none.
+absl::Status UploadRow(CallBuffers& m, const float* src, int64_t n, const float** dst) {
+  if (src == nullptr) return absl::OkStatus();
+  void* ptr = nullptr;
+  LOSSD_RETURN_IF_ERROR(m.Upload(src, static_cast<uint64_t>(n) * 4, &ptr));
+  *dst = static_cast<const float*>(ptr);
+  return absl::OkStatus();
+}
+
+// x_i / alpha in fp32, uploaded (alpha: a power of two, so the division is exact).
+absl::Status UploadScaled(CallBuffers& m, const std::vector<double>& x, double alpha,
+                          const float** dst) {
+  std::vector<float> f(x.size());
+  for (size_t i = 0; i < x.size(); ++i) f[i] = static_cast<float>(x[i] / alpha);
+  return UploadRow(m, f.data(), static_cast<int64_t>(f.size()), dst);
+}
+
+// One policy row's loss terms from its logp (policy_reference.h's PolicyRow, without the
+// gradient, which the row kernel computes on the device).
+struct PolicyTerms {
+  double loss = 0, kl = 0;
+  bool clipped = false;
+};
+
+PolicyTerms PolicyRowTerms(const LossProblem& p, int64_t i, double logp) {
+  const PolicyParams& o = p.policy;
+  const double a = p.advantages[i];
+  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+  const double r = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
+  const double c = std::clamp(r, lo, hi);
+  PolicyTerms t;
+  t.loss = -std::min(r * a, c * a);
+  t.clipped = (r < lo && a < 0) || (r > hi && a > 0);
+  if (o.beta != 0.0f && p.ref_logp != nullptr) {
+    const double d = p.ref_logp[i] - logp;
+    t.kl = std::exp(d) - d - 1.0;
+    t.loss += o.beta * t.kl;
+  }
+  return t;
+}
+
+// Distill's teacher (X; W and bias unless in backend memory) and its coefficients.
+absl::Status UploadTeacher(CallBuffers& m, const LossProblem& p,
+                           const std::vector<int32_t>& targets32, RowLossInputs* in) {
+  const size_t elem = DTypeSize(p.dtype);
+  const uint64_t th = static_cast<uint64_t>(p.teacher_h), v = static_cast<uint64_t>(p.v);
+  void* ptr = nullptr;
+  LOSSD_RETURN_IF_ERROR(m.Upload(p.teacher_x, static_cast<uint64_t>(p.bt) * th * elem, &ptr));
+  in->teacher_x = ptr;
+  in->teacher_h = p.teacher_h;
+  if (p.teacher_w_memory == Memory::kHost) {
+    LOSSD_RETURN_IF_ERROR(m.Upload(p.teacher_w, v * th * elem, &ptr));
+    in->teacher_w = ptr;
+    if (p.teacher_bias != nullptr) {
+      LOSSD_RETURN_IF_ERROR(m.Upload(p.teacher_bias, v * elem, &ptr));
+      in->teacher_bias = ptr;
+    }
+  } else {
+    in->teacher_w = p.teacher_w;
+    in->teacher_bias = p.teacher_bias;
+  }
+  int64_t n = 0;
+  for (int32_t t : targets32) n += t >= 0 ? 1 : 0;
+  // G = (grad_scale / n) (d - Q sum d) / T: the power of two above grad_scale / n goes into
+  // the GEMMs' alpha.
+  const double c = n > 0 ? static_cast<double>(p.options.grad_scale) / static_cast<double>(n)
+                         : 0.0;
+  const double alpha = PowerOfTwoAbove(std::fabs(c));
+  in->alpha = static_cast<float>(alpha);
+  in->distill_coef = static_cast<float>(c / alpha);
+  in->jsd_beta = p.distill.jsd_beta;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool RowLossKindComputed(LossKind kind) {
+  return kind == LossKind::kCrossEntropy || kind == LossKind::kLogprob ||
+         kind == LossKind::kPolicy || kind == LossKind::kDistill;
+}
+
+absl::StatusOr<TargetSummary> DistillRows(const LossProblem& p,
+                                          std::vector<int32_t>* targets32) {
+  if (p.target_dtype != DType::kI32 && p.target_dtype != DType::kI64) {
+    return absl::InvalidArgumentError("cuda: targets must be int32 or int64");
+  }
+  TargetSummary s;
+  targets32->assign(p.bt, 0);
+  for (int64_t i = 0; i < p.bt; ++i) {
+    if (p.targets != nullptr &&
+        LoadAsInt(p.targets, p.target_dtype, i) == p.options.ignore_index) {
+      (*targets32)[i] = -1;
+    } else {
+      ++s.tokens;
+    }
+  }
+  s.weight_sum = static_cast<double>(s.tokens);
+  return s;
+}
+
+uint64_t RowLossInputBytes(const WorkspaceShape& s) {
+  const uint64_t row = Align(static_cast<uint64_t>(s.bt) * 4);
+  switch (s.kind) {
+    case LossKind::kLogprob:
+      return 2 * row;  // the two coefficients
+    case LossKind::kPolicy:
+      return 4 * row;  // weights, advantages, old and reference log-probs
+    case LossKind::kDistill: {
+      const uint64_t th = static_cast<uint64_t>(s.teacher_h), v = static_cast<uint64_t>(s.v);
+      const uint64_t elem = DTypeSize(s.dtype);
+      uint64_t bytes = Align(static_cast<uint64_t>(s.bt) * th * elem);  // teacher X
+      if (s.teacher_w_memory == Memory::kHost) bytes += Align(v * th * elem) + Align(v * elem);
+      return bytes;
+    }
+    default:
+      return 0;
+  }
+}
+
+std::vector<double> PolicyRowWeights(const PolicyParams& o,
+                                     const std::vector<int32_t>& targets32, int64_t* tokens) {
+  const int64_t bt = static_cast<int64_t>(targets32.size());
+  const int64_t sequences = std::max<int64_t>(1, o.sequences);
+  const int64_t seq = std::max<int64_t>(1, bt / sequences);
+  const double b = static_cast<double>(sequences);
+  std::vector<int64_t> per_seq(sequences, 0);
+  int64_t n = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (targets32[i] < 0) continue;
+    ++per_seq[std::min(i / seq, sequences - 1)];
+    ++n;
+  }
+  *tokens = n;
+  const double n_clamped = std::max(1.0, static_cast<double>(n));
+  std::vector<double> w(bt, 0.0);
+  for (int64_t i = 0; i < bt; ++i) {
+    if (targets32[i] < 0) continue;
+    switch (o.loss_type) {
+      case PolicyLossType::kGrpo:
+        w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[std::min(
+                                            i / seq, sequences - 1)])));
+        break;
+      case PolicyLossType::kBnpo:
+        w[i] = 1.0 / n_clamped;
+        break;
+      case PolicyLossType::kDrGrpo:
+        w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
+        break;
+      case PolicyLossType::kDapo:
+        w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
+                                                         : static_cast<double>(n));
+        break;
+    }
+  }
+  return w;
+}
+
+absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
+                                 const std::vector<int32_t>& targets32, DeviceLossArgs* a) {
+  a->kind = p.kind;
+  if (p.kind == LossKind::kCrossEntropy) return absl::OkStatus();
+  const int64_t bt = p.bt;
+  const double gs = p.options.grad_scale;
+  RowLossInputs& in = a->row_loss;
+  if (p.kind == LossKind::kDistill) return UploadTeacher(m, p, targets32, &in);
+  // The coefficients before alpha: grad_scale times dlogp / dentropy (logprob) or times the
+  // row's weight (policy), 0 on ignored rows, so that the largest sets alpha.
+  std::vector<double> c1(bt, 0.0), c2(bt, 0.0);
+  double largest = 0;
+  if (p.kind == LossKind::kPolicy) {
+    int64_t tokens = 0;
+    c1 = PolicyRowWeights(p.policy, targets32, &tokens);
+    for (double& w : c1) w *= gs;
+  } else {
+    for (int64_t i = 0; i < bt; ++i) {
+      if (targets32[i] < 0) continue;
+      if (p.dlogp != nullptr) c1[i] = gs * p.dlogp[i];
+      if (p.dentropy != nullptr) c2[i] = gs * p.dentropy[i];
+    }
+  }
+  for (int64_t i = 0; i < bt; ++i) {
+    largest = std::max({largest, std::fabs(c1[i]), std::fabs(c2[i])});
+  }
+  const double alpha = PowerOfTwoAbove(largest);
+  in.alpha = static_cast<float>(alpha);
+  if (p.kind == LossKind::kPolicy) {
+    LOSSD_RETURN_IF_ERROR(UploadScaled(m, c1, alpha, &in.row_weight));
+    LOSSD_RETURN_IF_ERROR(UploadRow(m, p.advantages, bt, &in.advantages));
+    LOSSD_RETURN_IF_ERROR(UploadRow(m, p.old_logp, bt, &in.old_logp));
+    LOSSD_RETURN_IF_ERROR(UploadRow(m, p.ref_logp, bt, &in.ref_logp));
+    in.epsilon_low = p.policy.epsilon_low;
+    in.epsilon_high = p.policy.epsilon_high;
+    in.beta = p.policy.beta;
+    return absl::OkStatus();
+  }
+  if (p.dlogp != nullptr) LOSSD_RETURN_IF_ERROR(UploadScaled(m, c1, alpha, &in.coef_logp));
+  if (p.dentropy != nullptr) {
+    LOSSD_RETURN_IF_ERROR(UploadScaled(m, c2, alpha, &in.coef_entropy));
+  }
+  return absl::OkStatus();
+}
+
+void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
+                         const std::vector<int32_t>& targets32, const HostRows& host) {
+  const int64_t bt = p.bt;
+  const std::vector<float>& logp = host.ce;
+  const std::vector<float>& entropy = host.zl;
+  double loss = 0, kl = 0;
+  int64_t tokens = 0, correct = 0, clipped = 0;
+  std::vector<double> weight;
+  if (p.kind == LossKind::kPolicy) weight = PolicyRowWeights(p.policy, targets32, &tokens);
+  tokens = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (targets32[i] < 0) continue;
+    ++tokens;
+    if (host.pred[i] == targets32[i]) ++correct;
+    if (p.kind == LossKind::kPolicy) {
+      const PolicyTerms t = PolicyRowTerms(p, i, logp[i]);
+      loss += weight[i] * t.loss;
+      kl += t.kl;
+      clipped += t.clipped ? 1 : 0;
+    } else if (p.kind == LossKind::kDistill) {
+      loss += logp[i];  // the row's divergence
+    } else {
+      if (p.dlogp != nullptr) loss += static_cast<double>(p.dlogp[i]) * logp[i];
+      if (p.dentropy != nullptr) loss += static_cast<double>(p.dentropy[i]) * entropy[i];
+    }
+  }
+  if (p.kind == LossKind::kLogprob) loss *= p.options.grad_scale;
+  if (p.kind == LossKind::kDistill) loss = tokens > 0 ? loss / static_cast<double>(tokens) : 0.0;
+  const double n = std::max<double>(1.0, static_cast<double>(tokens));
+  if (out.loss != nullptr) out.loss[0] = static_cast<float>(loss);
+  if (out.z_loss != nullptr) out.z_loss[0] = 0.0f;
+  if (out.kl != nullptr) out.kl[0] = p.policy.beta != 0.0f ? static_cast<float>(kl / n) : 0.0f;
+  if (out.clip_fraction != nullptr) {
+    out.clip_fraction[0] = static_cast<float>(static_cast<double>(clipped) / n);
+  }
+  // Distill has neither output (its rows' divergences sit where logp does).
+  if (p.kind != LossKind::kDistill) {
+    if (out.logp != nullptr) std::memcpy(out.logp, logp.data(), bt * sizeof(float));
+    if (out.entropy != nullptr) std::memcpy(out.entropy, entropy.data(), bt * sizeof(float));
+  }
+  if (out.lse != nullptr) std::memcpy(out.lse, host.lse.data(), bt * sizeof(float));
+  if (out.predictions != nullptr) {
+    for (int64_t i = 0; i < bt; ++i) out.predictions[i] = host.pred[i];
+  }
+  if (out.accuracy != nullptr) {
+    *out.accuracy = tokens != 0 ? static_cast<float>(static_cast<double>(correct) /
+                                                     static_cast<double>(tokens))
+                                : 0.0f;
+  }
+  if (out.tokens != nullptr) *out.tokens = tokens;
+}
+
+}  // namespace cuda
+}  // namespace lossd

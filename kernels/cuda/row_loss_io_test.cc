@@ -1,0 +1,266 @@
+// The host side of the CUDA backend's logprob, policy and distill kinds, without a GPU: the
+// reductions from per-row results (fed the float64 references' own per-row values, rounded to
+// fp32 as the device writes them) against the references' losses and metrics; policy's row
+// weights; distill's rows; the kinds' device bytes.
+#include "kernels/cuda/row_loss_io.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/distill_reference.h"
+#include "kernels/cpu/logprob_reference.h"
+#include "kernels/cpu/policy_reference.h"
+#include "kernels/cpu/reference_head.h"
+#include "kernels/cuda/device_io.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+constexpr int64_t kBt = 24, kH = 6, kV = 11;
+
+// A random fp32 head and targets (a quarter ignored), owning its buffers.
+struct Head {
+  explicit Head(uint64_t seed) : x(kBt * kH), w(kV * kH), targets(kBt) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& v : x) v = normal(rng);
+    for (float& v : w) v = normal(rng);
+    for (int64_t i = 0; i < kBt; ++i) targets[i] = i % 4 == 1 ? -100 : (i * 7) % kV;
+  }
+  HeadInputs inputs() const { return HeadInputs{kBt, kH, kV, DType::kF32, x.data(), w.data()}; }
+  LossProblem problem(LossKind kind) const {
+    LossProblem p;
+    p.bt = kBt;
+    p.h = kH;
+    p.v = kV;
+    p.dtype = DType::kF32;
+    p.x = x.data();
+    p.w = w.data();
+    p.targets = targets.data();
+    p.kind = kind;
+    p.options.grad_scale = 0.7f;
+    return p;
+  }
+  std::vector<int32_t> targets32() const {
+    std::vector<int32_t> t(kBt);
+    for (int64_t i = 0; i < kBt; ++i) t[i] = targets[i] == -100 ? -1 : targets[i];
+    return t;
+  }
+  std::vector<float> x, w;
+  std::vector<int64_t> targets;
+};
+
+// The host reductions' outputs.
+struct Outputs {
+  Outputs() : logp(kBt, NAN), entropy(kBt, NAN), lse(kBt, NAN) {}
+  LossOutputs view() {
+    LossOutputs o;
+    o.loss = &loss;
+    o.logp = logp.data();
+    o.entropy = entropy.data();
+    o.lse = lse.data();
+    o.kl = &kl;
+    o.clip_fraction = &clip_fraction;
+    o.tokens = &tokens;
+    return o;
+  }
+  float loss = NAN, kl = NAN, clip_fraction = NAN;
+  int64_t tokens = -1;
+  std::vector<float> logp, entropy, lse;
+};
+
+// logp, entropy and lse as the device writes them: fp32.
+HostRows RowsOf(const std::vector<double>& logp, const std::vector<double>& entropy,
+                const std::vector<double>& lse) {
+  HostRows rows(kBt);
+  for (int64_t i = 0; i < kBt; ++i) {
+    rows.ce[i] = static_cast<float>(logp[i]);
+    rows.zl[i] = entropy.empty() ? 0.0f : static_cast<float>(entropy[i]);
+    rows.lse[i] = static_cast<float>(lse[i]);
+    rows.pred[i] = 0;
+  }
+  return rows;
+}
+
+// Relative to fp32 rounding of the per-row values, with room for the sums over 24 rows.
+void ExpectClose(double ref, double got, const char* what) {
+  EXPECT_NEAR(got, ref, 1e-5 * (std::fabs(ref) + 1e-3)) << what;
+}
+
+TEST(RowLossIoTest, LogprobLossIsTheUpstreamGradientsDotTheRows) {
+  const Head head(1);
+  std::vector<float> dlogp(kBt), dentropy(kBt);
+  for (int64_t i = 0; i < kBt; ++i) {
+    dlogp[i] = 0.1f * static_cast<float>(i % 7) - 0.3f;
+    dentropy[i] = 0.05f * static_cast<float>(i % 5) - 0.1f;
+  }
+  LogprobProblem lp;
+  lp.head = head.inputs();
+  lp.targets = head.targets.data();
+  LogprobReferenceOutputs ref;
+  ASSERT_TRUE(LogprobReference(lp, &ref).ok());
+  LossProblem p = head.problem(LossKind::kLogprob);
+  p.dlogp = dlogp.data();
+  p.dentropy = dentropy.data();
+  Outputs out;
+  WriteRowLossOutputs(p, out.view(), head.targets32(), RowsOf(ref.logp, ref.entropy, ref.lse));
+  double want = 0;
+  for (int64_t i = 0; i < kBt; ++i) want += dlogp[i] * ref.logp[i] + dentropy[i] * ref.entropy[i];
+  ExpectClose(0.7 * want, out.loss, "loss");
+  EXPECT_EQ(out.tokens, ref.tokens);
+  for (int64_t i = 0; i < kBt; ++i) {
+    EXPECT_EQ(out.logp[i], static_cast<float>(ref.logp[i])) << i;
+    EXPECT_EQ(out.entropy[i], static_cast<float>(ref.entropy[i])) << i;
+    EXPECT_EQ(out.lse[i], static_cast<float>(ref.lse[i])) << i;
+  }
+}
+
+// Every loss type, with and without old and reference log-probs: the loss and both metrics.
+TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
+  const Head head(2);
+  std::vector<float> adv(kBt), old_logp(kBt), ref_logp(kBt);
+  LogprobProblem lp;
+  lp.head = head.inputs();
+  lp.targets = head.targets.data();
+  LogprobReferenceOutputs lref;
+  ASSERT_TRUE(LogprobReference(lp, &lref).ok());
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> uni(-1.0, 1.0);
+  for (int64_t i = 0; i < kBt; ++i) {
+    adv[i] = static_cast<float>(uni(rng));
+    // log r in [-0.5, 0.5], away from log 0.8 and log 1.2 so that no clip flips on rounding.
+    double d = 0;
+    do {
+      d = 0.5 * uni(rng);
+    } while (std::fabs(d - std::log(0.8)) < 0.01 || std::fabs(d - std::log(1.2)) < 0.01);
+    old_logp[i] = static_cast<float>(lref.logp[i] - d);
+    ref_logp[i] = static_cast<float>(lref.logp[i] + 0.3 * uni(rng));
+  }
+  std::vector<uint8_t> mask(kBt);
+  for (int64_t i = 0; i < kBt; ++i) mask[i] = head.targets[i] != -100;
+  int checked = 0;
+  for (PolicyLossType type : {PolicyLossType::kDapo, PolicyLossType::kGrpo,
+                              PolicyLossType::kBnpo, PolicyLossType::kDrGrpo}) {
+    for (int inputs = 0; inputs < 4; ++inputs) {
+      PolicyProblem pp;
+      pp.head = head.inputs();
+      pp.batch = 3;
+      pp.targets = head.targets.data();
+      pp.mask = mask.data();
+      pp.advantages = adv.data();
+      pp.old_logp = inputs & 1 ? old_logp.data() : nullptr;
+      pp.ref_logp = inputs & 2 ? ref_logp.data() : nullptr;
+      pp.options.loss_type = type;
+      pp.options.max_completion_length = type == PolicyLossType::kDrGrpo ? 16 : 0;
+      pp.options.dapo_normalizer = type == PolicyLossType::kDapo && inputs == 3 ? 40.0 : 0.0;
+      PolicyReferenceOutputs ref;
+      ASSERT_TRUE(PolicyReference(pp, &ref).ok());
+      LossProblem p = head.problem(LossKind::kPolicy);
+      p.advantages = pp.advantages;
+      p.old_logp = pp.old_logp;
+      p.ref_logp = pp.ref_logp;
+      p.policy.loss_type = type;
+      p.policy.sequences = pp.batch;
+      p.policy.max_completion_length = pp.options.max_completion_length;
+      p.policy.dapo_normalizer = pp.options.dapo_normalizer;
+      Outputs out;
+      WriteRowLossOutputs(p, out.view(), head.targets32(), RowsOf(ref.logp, {}, lref.lse));
+      const char* name = PolicyLossTypeName(type);
+      SCOPED_TRACE(testing::Message() << name << " inputs " << inputs);
+      ExpectClose(ref.loss, out.loss, "loss");
+      ExpectClose(ref.kl, out.kl, "kl");
+      EXPECT_EQ(out.clip_fraction, static_cast<float>(ref.clip_fraction));
+      EXPECT_EQ(out.tokens, ref.tokens);
+      // bnpo's weights are a mean's: they sum to 1.
+      int64_t tokens = 0;
+      const std::vector<double> w = PolicyRowWeights(p.policy, head.targets32(), &tokens);
+      EXPECT_EQ(tokens, ref.tokens);
+      double w_sum = 0;
+      for (double x : w) w_sum += x;
+      if (type == PolicyLossType::kBnpo) EXPECT_NEAR(w_sum, 1.0, 1e-12);
+      ++checked;
+      if (inputs == 1) EXPECT_GT(ref.clip_fraction, 0.0) << "no row clipped: a weak case";
+    }
+  }
+  EXPECT_EQ(checked, 16);
+}
+
+TEST(RowLossIoTest, DistillLossIsTheMeanOfTheRowsThatCount) {
+  const Head student(4), teacher(5);
+  DistillProblem dp;
+  dp.student = student.inputs();
+  dp.teacher = teacher.inputs();
+  dp.labels = student.targets.data();
+  DistillReferenceOutputs ref;
+  ASSERT_TRUE(DistillReference(dp, &ref).ok());
+  LossProblem p = student.problem(LossKind::kDistill);
+  std::vector<int32_t> rows32;
+  absl::StatusOr<TargetSummary> s = DistillRows(p, &rows32);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->tokens, ref.tokens);
+  Outputs out;
+  WriteRowLossOutputs(p, out.view(), rows32,
+                      RowsOf(ref.row_loss, {}, std::vector<double>(kBt, 1.0)));
+  ExpectClose(ref.loss, out.loss, "loss");
+  EXPECT_EQ(out.tokens, ref.tokens);
+  // Distill has no logp or entropy output: left as they were.
+  EXPECT_TRUE(std::isnan(out.logp[0]));
+  EXPECT_TRUE(std::isnan(out.entropy[0]));
+}
+
+// Targets only mark ignored rows: any other value counts, out of range or negative; none:
+// every row counts.
+TEST(RowLossIoTest, DistillRowsOnlyCompareWithIgnoreIndex) {
+  LossProblem p;
+  p.bt = 4;
+  p.v = 3;
+  p.kind = LossKind::kDistill;
+  const int32_t targets[4] = {7, -100, -5, 1};
+  p.targets = targets;
+  p.target_dtype = DType::kI32;
+  std::vector<int32_t> rows;
+  absl::StatusOr<TargetSummary> s = DistillRows(p, &rows);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(rows, (std::vector<int32_t>{0, -1, 0, 0}));
+  EXPECT_EQ(s->tokens, 3);
+  p.targets = nullptr;
+  s = DistillRows(p, &rows);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(rows, (std::vector<int32_t>{0, 0, 0, 0}));
+  EXPECT_EQ(s->tokens, 4);
+}
+
+TEST(RowLossIoTest, DeviceBytesOfEachKind) {
+  WorkspaceShape s;
+  s.bt = 1000;
+  s.h = 64;
+  s.v = 500;
+  s.dtype = DType::kBF16;
+  EXPECT_EQ(RowLossInputBytes(s), 0u);  // cross-entropy
+  s.kind = LossKind::kLogprob;
+  EXPECT_EQ(RowLossInputBytes(s), 2 * Align(4000));
+  s.kind = LossKind::kPolicy;
+  EXPECT_EQ(RowLossInputBytes(s), 4 * Align(4000));
+  s.kind = LossKind::kDistill;
+  s.teacher_h = 96;
+  s.teacher_w_memory = Memory::kHost;
+  EXPECT_EQ(RowLossInputBytes(s), Align(1000 * 96 * 2) + Align(500 * 96 * 2) + Align(500 * 2));
+  s.teacher_w_memory = Memory::kBackend;
+  EXPECT_EQ(RowLossInputBytes(s), Align(1000 * 96 * 2));
+  for (LossKind k : {LossKind::kCrossEntropy, LossKind::kLogprob, LossKind::kPolicy,
+                     LossKind::kDistill}) {
+    EXPECT_TRUE(RowLossKindComputed(k)) << LossKindName(k);
+  }
+  EXPECT_FALSE(RowLossKindComputed(static_cast<LossKind>(4)));
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace lossd

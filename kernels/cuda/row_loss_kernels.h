@@ -1,0 +1,72 @@
+// The per-row kernel of the logprob and policy loss kinds (core/loss_problem.h; the float64
+// references kernels/cpu/logprob_reference.h and policy_reference.h are the math): over one
+// chunk of stored logits u (input dtype), per row at temperature T,
+//   z_ij  = softcap(u_ij + b_j) / T,  lse_i = log sum_j exp z_ij,  p_ij = exp(z_ij - lse_i)
+//   logp_i = z_it - lse_i,            H_i = lse_i - sum_j p_ij z_ij
+// and the gradient written in place over the logits, in the input dtype:
+//   g_ij = [ c_i ([j = t] - p_ij) - e_i p_ij (z_ij - lse_i + H_i) ] (1/T) softcap'(u_ij + b_j)
+// with logprob's c_i = dlogp_i, e_i = dentropy_i (each already times grad_scale / alpha), and
+// policy's c_i = w_i dl_i/dlogp_i (e_i = 0) computed here from logp_i: the clipped surrogate
+// and the KL term of policy_reference.h, in double, times the row's weight w_i (its loss
+// normaliser, times grad_scale / alpha) which the host computes from the mask.
+// alpha, a power of two, is the caller's: it comes back in the dX/dW/db GEMMs' alpha, so
+// small coefficients do not underflow a 16-bit G. One block per row, a fixed reduction tree:
+// deterministic. Never allocates and never synchronises.
+//
+// Distill (distill_reference.h): the teacher's logits u_t come in a second chunk buffer; with
+// Q = softmax(z), P = softmax(z_t) per row, the generalised JSD row_i (written into row_logp)
+// and, with d_j = d row_i / d log Q_j, g_ij = c (d_j - Q_ij sum_k d_k) / T, c = grad_scale /
+// (n alpha) on rows that count (n of them), 0 on ignored ones. Three reads of the student row
+// (statistics, the divergence and sum d, the gradient) and two of the teacher's.
+#ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
+#define LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace lossd {
+namespace cuda {
+
+inline constexpr int32_t kRowLossLogprob = 1;  // lossd::LossKind::kLogprob
+inline constexpr int32_t kRowLossPolicy = 2;   // lossd::LossKind::kPolicy
+inline constexpr int32_t kRowLossDistill = 3;  // lossd::LossKind::kDistill (no softcap)
+
+struct RowLossParams {
+  void* logits;            // (rows, v) row-major, elem; overwritten by g when write_grad
+  int32_t elem;            // ElemType (ce_kernels.h) of logits and bias
+  int64_t rows;
+  int64_t v;
+  const void* bias;        // (v) elem, or null (absent, or already in the stored logits)
+  const int32_t* targets;  // (rows) in [0, v), or -1 for an ignored (masked) row
+  float softcap;           // > 0: softcap(u) = cap tanh(u / cap)
+  float inv_temperature;   // 1 / T
+  int32_t kind;            // kRowLossLogprob or kRowLossPolicy
+  int32_t write_grad;      // 0: statistics only, logits left as they are
+  // Logprob: c_i and e_i (each null = zeros).
+  const float* coef_logp;
+  const float* coef_entropy;
+  // Policy: w_i (0 on masked rows), A_i, and the optional old and reference log-probs.
+  const float* row_weight;
+  const float* advantages;
+  const float* old_logp;  // null: the current log-probs detached (ratio 1)
+  const float* ref_logp;  // null: no KL term
+  float epsilon_low, epsilon_high, beta;
+  // Distill: the teacher's logits (rows, v) elem, its bias (or null) and the options.
+  const void* teacher_logits;
+  const void* teacher_bias;
+  float jsd_beta;
+  float distill_coef;  // c above
+  // Per row, always written (0 logp and entropy on ignored rows; lse on every row).
+  float* row_lse;
+  float* row_logp;     // distill: the row's divergence
+  float* row_entropy;  // distill: unused
+  int32_t* row_pred;  // argmax_j z_ij, first index on ties; may be null
+};
+
+cudaError_t LaunchRowLoss(const RowLossParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
