@@ -439,11 +439,11 @@ uint64_t CpuBackend::WorkspaceBytes(const WorkspaceShape& shape) {
 absl::Status CpuBackend::Compute(const LossProblem& p, const LossOutputs& out,
                                  LossStats* stats) {
   const auto start = std::chrono::steady_clock::now();
-  // What this backend computes at all (the other kinds' rules included: checked here until the
-  // one validation covers them).
+  // What this backend computes at all: its own refusals first (INVALID_ARGUMENT, as the
+  // interface asks of a backend), so a caller that skipped the validation still gets a status.
   LOSSD_RETURN_IF_ERROR(CheckKindProblem(p, out));
   // The engine validated the problem (core/loss_problem_check.h); debug builds check again.
-  if (p.kind == LossKind::kCrossEntropy) LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cpu backend");
+  LOSSD_DCHECK_VALID_PROBLEM(p, &out, "cpu backend");
   const Plan plan = MakePlan(ShapeOf(p, out));
   CpuTaskPool& pool = *pool_;
   memory_->Add(static_cast<int64_t>(plan.bytes));
