@@ -44,7 +44,10 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 # lead the fuzzer into protobuf's own parser, which is not ours to test).
 # Every library of core/, engine/ and the CPU backend (new files join by themselves: a list kept
 # by hand missed them twice), plus what the fuzzers use from the other layers.
-LAYER_SRCS=$(cd "$ROOT" && ls core/*.cc engine/*.cc kernels/cpu/*.cc | grep -v -e '_test\.cc$' -e '_bench\.cc$')
+# Library sources only: tests, benchmarks and any other program (a file defining main, such as
+# kernels/cpu/reference_cases.cc) would clash with libFuzzer's main.
+LAYER_SRCS=$(cd "$ROOT" && ls core/*.cc engine/*.cc kernels/cpu/*.cc | grep -v -e '_test\.cc$' -e '_bench\.cc$' |
+  while read -r f; do grep -q '^int main(' "$f" || echo "$f"; done)
 SRCS_COVERED="$LAYER_SRCS kernels/host_memory.cc kernels/optimizer_check.cc
 wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
 testing/test_util.cc testing/match_reference.cc testing/trickle_rows.cc tests/fuzz/fuzz_env.cc
