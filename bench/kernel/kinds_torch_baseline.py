@@ -77,11 +77,10 @@ def time_ms(fn, warmup, runs, dev):
     return statistics.median(times)
 
 
-def head(bt, h, v, dev, gen):
-    """bf16 X ~ U(-1, 1) and W ~ U(-a, a), a = 6 / sqrt(H): logits of standard deviation 2."""
-    x = (torch.rand(bt, h, device=dev, generator=gen) * 2 - 1).to(torch.bfloat16)
-    w = ((torch.rand(v, h, device=dev, generator=gen) * 2 - 1) * (6.0 / h ** 0.5)).to(
-        torch.bfloat16)
+def head(bt, h, v, dev, gen, dtype=torch.bfloat16):
+    """X ~ U(-1, 1) and W ~ U(-a, a), a = 6 / sqrt(H) (logits of standard deviation 2)."""
+    x = (torch.rand(bt, h, device=dev, generator=gen) * 2 - 1).to(dtype)
+    w = ((torch.rand(v, h, device=dev, generator=gen) * 2 - 1) * (6.0 / h ** 0.5)).to(dtype)
     return x, w
 
 
@@ -90,10 +89,10 @@ def logits_of(x, w, temperature):
 
 
 def make_loss(kind, bt, h, v, x, w, dev, gen, temperature):
-    """The kind's loss as a function of (x, w), and the inputs it closes over."""
+    """(the kind's loss as a function of x and w, the other inputs it closes over by name)."""
     y = torch.randint(0, v, (bt,), device=dev, generator=gen)
     if kind == "cross_entropy":
-        return lambda: F.cross_entropy((x @ w.t()).float(), y)
+        return (lambda: F.cross_entropy((x @ w.t()).float(), y)), dict(y=y)
     if kind == "logprob":
         dlogp = (torch.rand(bt, device=dev, generator=gen) * 2 - 1) / bt
         dent = (torch.rand(bt, device=dev, generator=gen) * 2 - 1) / bt
@@ -103,7 +102,7 @@ def make_loss(kind, bt, h, v, x, w, dev, gen, temperature):
             logp = logsm.gather(1, y[:, None]).squeeze(1)
             entropy = -(logsm.exp() * logsm).sum(-1)
             return (dlogp * logp + dent * entropy).sum()
-        return logprob
+        return logprob, dict(y=y, dlogp=dlogp, dentropy=dent)
     if kind == "policy":
         with torch.no_grad():
             cur = torch.log_softmax(logits_of(x, w, temperature), dim=-1).gather(
@@ -122,8 +121,8 @@ def make_loss(kind, bt, h, v, x, w, dev, gen, temperature):
             kl = torch.exp(ref - logp) - (ref - logp) - 1
             per_token = per_token + BETA * kl
             return per_token.sum() / bt  # dapo, every row counted
-        return policy
-    tx, tw = head(bt, h, v, dev, gen)  # the teacher, same H
+        return policy, dict(y=y, old=old, ref=ref, adv=adv)
+    tx, tw = head(bt, h, v, dev, gen, x.dtype)  # the teacher, same H
 
     def distill():
         with torch.no_grad():
@@ -136,7 +135,7 @@ def make_loss(kind, bt, h, v, x, w, dev, gen, temperature):
         row = JSD_BETA * (log_p.exp() * (log_p - log_m)).sum(-1) + \
             (1 - JSD_BETA) * (log_q.exp() * (log_q - log_m)).sum(-1)
         return row.sum() / bt
-    return distill
+    return distill, dict(tx=tx, tw=tw)
 
 
 def run_kind(kind, bt, h, v, args, dev):
@@ -145,7 +144,7 @@ def run_kind(kind, bt, h, v, args, dev):
     x, w = head(bt, h, v, dev, gen)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    loss_fn = make_loss(kind, bt, h, v, x, w, dev, gen, args.temperature)
+    loss_fn, _ = make_loss(kind, bt, h, v, x, w, dev, gen, args.temperature)
 
     def step():
         x.grad = None
