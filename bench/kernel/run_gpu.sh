@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
-# kernel benchmark, the optimizer step's benchmark and the naive PyTorch baseline. Writes into
-# OUT_DIR gpu.txt, one log per test binary (and per_gpu_gpu_test.log), bench.log/.csv, gpu_clocks.csv,
-# optimizer_bench.log and torch.log, and prints a short summary last.
-# Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / GTEST_ARGS pass extra flags)
+# kernel benchmark, the optimizer step's benchmark, the loss kinds' benchmark and the naive
+# PyTorch baselines. Writes into OUT_DIR gpu.txt, one log per test binary (and
+# per_gpu_gpu_test.log), bench.log/.csv, gpu_clocks.csv, optimizer_bench.log, kinds_bench.log,
+# torch.log and kinds_torch.log, and prints a short summary last.
+# Usage: ./run_gpu.sh OUT_DIR   (env BENCH_ARGS / TORCH_ARGS / KINDS_ARGS / KINDS_TORCH_ARGS /
+# GTEST_ARGS pass extra flags)
 set -uo pipefail
 OUTDIR=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
 cd "$(dirname "$0")"
@@ -43,9 +45,16 @@ fi
 if [ -x ./optimizer_bench ]; then
   timeout "${BENCH_TIMEOUT:-400}" ./optimizer_bench > "$OUTDIR/optimizer_bench.log" 2>&1 || rc=1
 fi
+if [ -x ./kinds_bench ]; then
+  timeout "${BENCH_TIMEOUT:-400}" ./kinds_bench ${KINDS_ARGS:-} > "$OUTDIR/kinds_bench.log" 2>&1 || rc=1
+fi
 if command -v python3 >/dev/null; then
   PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-150}" python3 torch_baseline.py \
     --csv "$(mktemp)" ${TORCH_ARGS:-} > "$OUTDIR/torch.log" 2>&1 || rc=1
+  if [ -f ./kinds_torch_baseline.py ]; then
+    PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-150}" python3 kinds_torch_baseline.py \
+      ${KINDS_TORCH_ARGS:-} > "$OUTDIR/kinds_torch.log" 2>&1 || rc=1
+  fi
 fi
 echo "== bench =="
 tail -25 "$OUTDIR/bench.log" 2>/dev/null
@@ -53,4 +62,8 @@ echo "== optimizer step =="
 cat "$OUTDIR/optimizer_bench.log" 2>/dev/null
 echo "== torch =="
 tail -10 "$OUTDIR/torch.log" 2>/dev/null
+echo "== loss kinds =="
+grep -E '^(\||distill extra)' "$OUTDIR/kinds_bench.log" 2>/dev/null
+echo "== loss kinds, naive torch =="
+grep -E '^\|' "$OUTDIR/kinds_torch.log" 2>/dev/null
 exit $rc

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds lossd with Bazel and assembles a portable bundle for a GPU host that lacks the build
 # dependencies: dist/lossd-bundle/ (binaries, liblossd_cuda.so, run_gpu.sh, the torch
-# baseline, and lib/ with every shared library they need except glibc, libstdc++/libgcc and
+# baselines, and lib/ with every shared library they need except glibc, libstdc++/libgcc and
 # CUDA's own) plus dist/lossd-bundle.tar.gz. Binaries are linked with
 # -Wl,-rpath,$ORIGIN/lib -Wl,--disable-new-dtags so lib/ serves indirect dependencies too.
 #
@@ -26,6 +26,7 @@ WANT=(
   //kernels/cuda:liblossd_cuda.so
   //bench/kernel:bench_kernel
   //bench/kernel:optimizer_bench
+  //bench/kernel:kinds_bench
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:nonfinite_test
   //kernels/cuda:cuda_backend_test
@@ -64,7 +65,8 @@ for t in "${TARGETS[@]}"; do
   strip --strip-debug "$OUT/$(basename "$f")"
   FILES+=("$f")
 done
-cp -f bench/kernel/torch_baseline.py bench/kernel/run_gpu.sh bench/service/run_service_bench.sh \
+cp -f bench/kernel/torch_baseline.py bench/kernel/kinds_torch_baseline.py bench/kernel/run_gpu.sh \
+  bench/service/run_service_bench.sh \
   tools/bundle/gpu_e2e_check.sh tools/bundle/compare_outputs.py \
   tests/bare_metal/per_gpu_gpu_test.sh tests/bare_metal/junit.sh deploy/bare-metal/lossd-gpus.sh "$OUT/"
 
