@@ -149,6 +149,12 @@ absl::Status CheckKindOptions(LossKind kind, const LossOptions& o, bool has_clas
         LossKindName(kind), " takes 0"));
   }
   if (o.token_scaling) return NotForKind(kind, "options.token_scaling");
+  // != 0 so that a NaN is refused too. Both backends compute distill without a softcap (so
+  // does its reference, and LigerFusedLinearJSD has none).
+  if (kind == LossKind::kDistill && !(o.softcap == 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.softcap ", o.softcap, " is not computed for kind distill; it takes 0"));
+  }
   return absl::OkStatus();
 }
 

@@ -256,6 +256,16 @@ TEST(LossProblemCheckTest, CrossEntropyOnlyOptionsAreRefusedForTheOtherKinds) {
   }
   ExpectRefused(CheckKindOptions(static_cast<LossKind>(4), LossOptions(), false, false),
                 "kind 4 is unknown");
+  // A softcap is computed for logprob and policy, not for distill (a fuzzer's finding: the
+  // backend refused what validation had let through).
+  LossOptions capped;
+  capped.softcap = 30.0f;
+  EXPECT_TRUE(CheckKindOptions(LossKind::kLogprob, capped, false, false).ok());
+  EXPECT_TRUE(CheckKindOptions(LossKind::kPolicy, capped, false, false).ok());
+  ExpectRefused(CheckKindOptions(LossKind::kDistill, capped, false, false),
+                "options.softcap 30 is not computed for kind distill; it takes 0");
+  capped.softcap = std::nanf("");
+  EXPECT_FALSE(CheckKindOptions(LossKind::kDistill, capped, false, false).ok());
   // Through the problem: the class weights are named as another kind's input.
   Kinds k;
   LossProblem p = k.of(LossKind::kLogprob);
