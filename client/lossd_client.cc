@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client_wire.h"
+#include "client/lossd_client_internal.h"
 #include "client/compute_call.h"
 #include "client/gradients_fetch.h"
 #include "client/head_calls.h"
@@ -62,26 +63,11 @@ absl::Status RunPutWeightsStream(grpc::GenericStub* stub,
   return absl::OkStatus();
 }
 
-
-// One unary call on `stub`, on a context that `prepare` sets up (deadline, metadata).
-template <typename Request, typename Response>
-absl::Status CallUnary(v1::Loss::Stub* stub,
-                       grpc::Status (v1::Loss::Stub::*method)(grpc::ClientContext*,
-                                                              const Request&, Response*),
-                       const std::function<void(grpc::ClientContext*)>& prepare,
-                       const Request& req, Response* resp) {
-  grpc::ClientContext ctx;
-  prepare(&ctx);
-  return FromGrpcStatus((stub->*method)(&ctx, req, resp));
-}
-
 }  // namespace
 
-struct LossClient::Connection {
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<grpc::GenericStub> generic;
-  std::unique_ptr<v1::Loss::Stub> stub;
-};
+// LossClient::Connection and CallUnary are in client/lossd_client_internal.h (the heads'
+// calls use them too).
+using internal::CallUnary;
 
 absl::StatusOr<std::unique_ptr<LossClient>> LossClient::Create(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("empty target");
@@ -512,91 +498,6 @@ absl::Status LossClient::RequireFeature(absl::string_view feature, const CallOpt
   return absl::UnimplementedError(absl::StrCat(
       "the server (lossd ", known->first, ") does not support '", feature,
       "' (not in its ServerInfo.features): upgrade the server to use it"));
-}
-
-std::string LossClient::HeadInstance(const std::string& head) const {
-  absl::MutexLock lock(&instances_mu_);
-  auto it = head_instances_.find(head);
-  return it == head_instances_.end() ? std::string() : it->second;
-}
-
-void LossClient::RememberHeadInstance(const std::string& head, const std::string& instance) {
-  absl::MutexLock lock(&instances_mu_);
-  if (instance.empty()) {
-    head_instances_.erase(head);
-    return;
-  }
-  if (head_instances_.size() >= kRememberedAccumulators && head_instances_.count(head) == 0) {
-    head_instances_.erase(head_instances_.begin());
-  }
-  head_instances_[head] = instance;
-}
-
-absl::StatusOr<CreateHeadResult> LossClient::CreateHead(const CreateHeadRequest& r,
-                                                        const CallOptions& call) {
-  LOSSD_RETURN_IF_ERROR(ValidateCreateHead(r));
-  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
-  LOSSD_ASSIGN_OR_RETURN(CreateHeadResult res, RunCreateHead(NextConnection().generic.get(),
-                                                             Preparer(call), r,
-                                                             options_.part_bytes));
-  RememberHeadInstance(r.name, res.head.instance);
-  return res;
-}
-
-absl::StatusOr<CreateHeadResult> LossClient::ImportHead(const HeadExport& e,
-                                                        const CallOptions& call) {
-  LOSSD_ASSIGN_OR_RETURN(CreateHeadRequest r, ImportRequestOf(e));
-  return CreateHead(r, call);
-}
-
-absl::StatusOr<StepResult> LossClient::Step(const StepRequest& r, const CallOptions& call) {
-  LOSSD_RETURN_IF_ERROR(ValidateStep(r));
-  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
-  v1::StepResponse resp;
-  LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::Step,
-                                  Preparer(call), StepRequestOf(r, HeadInstance(r.head)), &resp));
-  return StepResultFromProto(resp);
-}
-
-absl::StatusOr<HeadExport> LossClient::ExportHead(const std::string& head,
-                                                  const ExportHeadOptions& options,
-                                                  const CallOptions& call) {
-  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
-  const ExportCall ec{head, HeadInstance(head), options_.response_part_bytes, options};
-  return RunExportToTensors(NextConnection().generic.get(), Preparer(call), ec);
-}
-
-absl::StatusOr<HeadExport> LossClient::ExportHeadTo(
-    const std::string& head, const std::function<absl::Status(const HeadExport&)>& on_layout,
-    const HeadExportSink& sink, const ExportHeadOptions& options, const CallOptions& call) {
-  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
-  const ExportCall ec{head, HeadInstance(head), options_.response_part_bytes, options};
-  return RunExport(NextConnection().generic.get(), Preparer(call), ec, on_layout, sink);
-}
-
-absl::StatusOr<HeadInfo> LossClient::GetHeadInfo(const std::string& head,
-                                                 const CallOptions& call) {
-  LOSSD_RETURN_IF_ERROR(ValidateHeadName(head, "head"));
-  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
-  v1::HeadRequest req;
-  req.set_head(head);
-  v1::HeadInfo resp;
-  LOSSD_RETURN_IF_ERROR(CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::GetHeadInfo,
-                                  Preparer(call), req, &resp));
-  LOSSD_ASSIGN_OR_RETURN(HeadInfo info, HeadInfoFromProto(resp));
-  RememberHeadInstance(head, info.instance);
-  return info;
-}
-
-absl::Status LossClient::DropHead(const std::string& head, const CallOptions& call) {
-  LOSSD_RETURN_IF_ERROR(ValidateHeadName(head, "head"));
-  RememberHeadInstance(head, "");
-  LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
-  v1::HeadRequest req;
-  req.set_head(head);
-  v1::DropHeadResponse resp;
-  return CallUnary(NextConnection().stub.get(), &v1::Loss::Stub::DropHead, Preparer(call), req,
-                   &resp);
 }
 
 void TuneMallocForLargeMessages() {
