@@ -20,10 +20,9 @@ inline constexpr uint32_t kCpuLossKinds =
     LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
     LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
 
-// INVALID_ARGUMENT, naming the field and its value, for what this backend does not compute:
-// an unknown kind; a temperature other than 1 with cross-entropy; for the other kinds the
-// cross-entropy-only inputs and options, another kind's inputs, and each kind's own rules
-// (those of its float64 reference). Reads no tensor data beyond the targets' dtype.
+// INVALID_ARGUMENT for what this backend does not compute: an unknown kind, one outside
+// kCpuLossKinds, and outputs it does not write for a kind (entropy for policy; logp and entropy
+// for distill). Every other rule is core/loss_problem_check.h's, checked once by the engine.
 absl::Status CheckKindProblem(const LossProblem& p, const LossOutputs& out);
 
 // What a kind needs beyond the cross-entropy plan's workspace at `chunk` rows: per-row
