@@ -167,7 +167,9 @@ void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone d
     if (call.version < head->version) {
       // A retry of the step just completed gets its result again.
       if (head->last && head->last->first.SameArguments(call)) {
-        answer_now = head->last->second;
+        StepResult again = head->last->second;
+        again.replayed = true;
+        answer_now = again;
       } else {
         answer_now = absl::FailedPreconditionError(absl::StrCat(
             HeadWhat(head->name), " is at version ", head->version, "; the step of version ",
@@ -185,7 +187,9 @@ void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone d
       answer = true;
     } else if (call.phase != StepPhase::kApply && head->reduced) {
       if (call.phase == StepPhase::kReduce) {
-        answer_now = *head->reduced;  // a retried reduce
+        StepResult again = *head->reduced;  // a retried reduce
+        again.replayed = true;
+        answer_now = again;
       } else {
         answer_now = absl::FailedPreconditionError(absl::StrCat(
             "version ", call.version, " of ", HeadWhat(head->name), " has been reduced; "

@@ -84,6 +84,9 @@ struct StepResult {
   uint64_t contributions = 0;
   int64_t tokens = 0;
   double step_seconds = 0;
+  // A retried call answered from the step already done (the result again, nothing run):
+  // callers that count steps (metrics) skip it.
+  bool replayed = false;
 };
 
 enum class StepPhase { kFull = 0, kReduce = 1, kApply = 2 };

@@ -229,6 +229,12 @@ TEST_F(HeadServiceTest, CreateComputeStepExportImportListDrop) {
   EXPECT_TRUE(stepped.finite());
   EXPECT_EQ(stepped.contributions(), 1u);
   EXPECT_EQ(stepped.tokens(), on_head.summary.tokens());
+  // A retry (the reply was lost) gets the same answer and is not counted again (metrics below).
+  v1::StepResponse retried;
+  s = Step(h_.stub(), step, &retried);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(retried.version(), 1u);
+  EXPECT_EQ(retried.contributions(), 1u);
   const std::vector<float> dw = Floats(inline_reply.tensors[v1::TENSOR_DW]);
   const std::vector<float> db = Floats(inline_reply.tensors[v1::TENSOR_DB]);
   double norm2 = 0;

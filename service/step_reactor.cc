@@ -53,9 +53,10 @@ void StepReactor::OnResult(absl::StatusOr<StepResult> result) {
 }
 
 // One step's metrics, counted once: by rank 0's call (every rank of a barrier gets the same
-// result, and rank 0 is in every barrier).
+// result, and rank 0 is in every barrier), and not again for a retry the engine answers from
+// the step already done.
 void StepReactor::RecordStep(const absl::StatusOr<StepResult>& result) {
-  if (call_.rank != 0) return;
+  if (call_.rank != 0 || (result.ok() && result->replayed)) return;
   ServerMetrics* m = service_->metrics();
   if (!result.ok()) {
     m->CountHeadStep("failed");
