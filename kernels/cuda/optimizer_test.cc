@@ -52,22 +52,28 @@ std::unique_ptr<CudaBackend>& Gpu() {
 // One parameter's buffers on the device, uploaded from (and read back into) host buffers.
 class DeviceParam {
  public:
+  // `offset` elements in front of every tensor: an offset of 1 misaligns the pointers, so the
+  // kernel's scalar path runs instead of its 16-byte one.
   static std::unique_ptr<DeviceParam> Upload(Backend& gpu, const OptimizerBuffers& b,
-                                             const std::vector<float>& grad) {
+                                             const std::vector<float>& grad, int64_t offset = 0,
+                                             size_t copy_elem = 4) {
     auto d = std::unique_ptr<DeviceParam>(new DeviceParam);
+    d->offset_ = offset;
+    d->copy_at_ = offset * copy_elem;
     const size_t bytes = static_cast<size_t>(b.n) * 4;
     for (auto [dst, src] : {std::pair<std::unique_ptr<BackendBuffer>*, const void*>{
                                 &d->param_, b.param.data()},
                             {&d->grad_, grad.data()}, {&d->s1_, b.state1.data()},
                             {&d->s2_, b.state2.data()}, {&d->s3_, b.state3.data()},
                             {&d->copy_, b.copy.data()}}) {
-      absl::StatusOr<std::unique_ptr<BackendBuffer>> buf = gpu.Allocate(bytes);
+      absl::StatusOr<std::unique_ptr<BackendBuffer>> buf = gpu.Allocate(bytes + offset * 4);
       if (!buf.ok()) {
         ADD_FAILURE() << buf.status();
         return nullptr;
       }
       *dst = std::move(*buf);
-      const absl::Status s = gpu.CopyToBackend(**dst, 0, src, bytes);
+      const uint64_t at = dst == &d->copy_ ? d->copy_at_ : offset * 4;
+      const absl::Status s = gpu.CopyToBackend(**dst, at, src, bytes);
       if (!s.ok()) {
         ADD_FAILURE() << s;
         return nullptr;
@@ -77,33 +83,37 @@ class DeviceParam {
   }
 
   void SetGrad(Backend& gpu, const std::vector<float>& grad) {
-    ASSERT_TRUE(gpu.CopyToBackend(*grad_, 0, grad.data(), grad.size() * 4).ok());
+    ASSERT_TRUE(gpu.CopyToBackend(*grad_, offset_ * 4, grad.data(), grad.size() * 4).ok());
   }
 
   OptimizerTensors Tensors(const OptimizerCase& c, int64_t n) {
     OptimizerTensors t;
     t.n = n;
-    t.param = static_cast<float*>(param_->data());
-    t.grad = static_cast<const float*>(grad_->data());
-    t.state1 = static_cast<float*>(s1_->data());
-    t.state2 = static_cast<float*>(s2_->data());
-    t.state3 = static_cast<float*>(s3_->data());
-    t.copy = c.copy ? copy_->data() : nullptr;
+    t.param = static_cast<float*>(param_->data()) + offset_;
+    t.grad = static_cast<const float*>(grad_->data()) + offset_;
+    t.state1 = static_cast<float*>(s1_->data()) + offset_;
+    t.state2 = static_cast<float*>(s2_->data()) + offset_;
+    t.state3 = static_cast<float*>(s3_->data()) + offset_;
+    // The copy's element is 2 or 4 bytes: offset by elements of its own dtype (Upload's).
+    t.copy = c.copy ? static_cast<char*>(copy_->data()) + copy_at_ : nullptr;
     t.copy_dtype = c.copy_dtype;
     return t;
   }
 
   void Download(Backend& gpu, OptimizerBuffers* b) {
     const size_t bytes = static_cast<size_t>(b->n) * 4;
-    ASSERT_TRUE(gpu.CopyFromBackend(*param_, 0, b->param.data(), bytes).ok());
-    ASSERT_TRUE(gpu.CopyFromBackend(*s1_, 0, b->state1.data(), bytes).ok());
-    ASSERT_TRUE(gpu.CopyFromBackend(*s2_, 0, b->state2.data(), bytes).ok());
-    ASSERT_TRUE(gpu.CopyFromBackend(*s3_, 0, b->state3.data(), bytes).ok());
-    ASSERT_TRUE(gpu.CopyFromBackend(*copy_, 0, b->copy.data(), bytes).ok());
+    const uint64_t at = offset_ * 4;
+    ASSERT_TRUE(gpu.CopyFromBackend(*param_, at, b->param.data(), bytes).ok());
+    ASSERT_TRUE(gpu.CopyFromBackend(*s1_, at, b->state1.data(), bytes).ok());
+    ASSERT_TRUE(gpu.CopyFromBackend(*s2_, at, b->state2.data(), bytes).ok());
+    ASSERT_TRUE(gpu.CopyFromBackend(*s3_, at, b->state3.data(), bytes).ok());
+    ASSERT_TRUE(gpu.CopyFromBackend(*copy_, copy_at_, b->copy.data(), bytes).ok());
   }
 
  private:
   DeviceParam() = default;
+  int64_t offset_ = 0;
+  uint64_t copy_at_ = 0;
   std::unique_ptr<BackendBuffer> param_, grad_, s1_, s2_, s3_, copy_;
 };
 
@@ -132,7 +142,7 @@ std::string AllBitDiffs(const OptimizerCase& c, const OptimizerBuffers& gpu,
 }
 
 class CudaOptimizerStepTest
-    : public ::testing::TestWithParam<std::tuple<OptimizerCase, int64_t>> {};
+    : public ::testing::TestWithParam<std::tuple<OptimizerCase, int64_t, int64_t>> {};
 
 TEST_P(CudaOptimizerStepTest, EqualsTheCpuBackendBitForBit) {
   REQUIRE_GPU();
@@ -141,7 +151,9 @@ TEST_P(CudaOptimizerStepTest, EqualsTheCpuBackendBitForBit) {
   std::unique_ptr<Backend> cpu = NewCpuBackend(4);
   OptimizerBuffers on_cpu = RandomOptimizerBuffers(c, n, 71 + n);
   OptimizerBuffers on_gpu = on_cpu;
-  std::unique_ptr<DeviceParam> dev = DeviceParam::Upload(*Gpu(), on_gpu, RandomGradient(n, 1));
+  const int64_t offset = std::get<2>(GetParam());
+  std::unique_ptr<DeviceParam> dev = DeviceParam::Upload(
+      *Gpu(), on_gpu, RandomGradient(n, 1), offset, c.copy ? DTypeSize(c.copy_dtype) : 4);
   ASSERT_NE(dev, nullptr);
   for (int k = 0; k < kOptimizerSteps; ++k) {
     SCOPED_TRACE(absl::StrCat("step ", k));
@@ -156,22 +168,26 @@ TEST_P(CudaOptimizerStepTest, EqualsTheCpuBackendBitForBit) {
   }
 }
 
-std::vector<std::tuple<OptimizerCase, int64_t>> Matrix() {
-  std::vector<std::tuple<OptimizerCase, int64_t>> out;
+std::vector<std::tuple<OptimizerCase, int64_t, int64_t>> Matrix() {
+  std::vector<std::tuple<OptimizerCase, int64_t, int64_t>> out;
   for (const OptimizerCase& c : AllOptimizerCases()) {
-    // (1 << 20) + 3 elements take more than one pass of the grid-stride loop (4096 blocks of
-    // 256 threads).
-    for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{1031}, (int64_t{1} << 20) + 3}) {
-      out.emplace_back(c, n);
+    // Aligned tensors take the four-wide kernels: (1 << 22) + 5 elements take more than one
+    // pass of their grid-stride loop (4096 blocks of 256 threads, 4 elements each), and every
+    // n here leaves a tail of 1-3 for the scalar loop. Offset by one element, the scalar
+    // kernels run: (1 << 20) + 3 is more than one pass of theirs.
+    for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{1031}, (int64_t{1} << 22) + 5}) {
+      out.emplace_back(c, n, 0);
     }
+    for (const int64_t n : {int64_t{7}, (int64_t{1} << 20) + 3}) out.emplace_back(c, n, 1);
   }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(
     AllOptions, CudaOptimizerStepTest, ::testing::ValuesIn(Matrix()),
-    [](const ::testing::TestParamInfo<std::tuple<OptimizerCase, int64_t>>& info) {
-      return absl::StrCat(std::get<0>(info.param).name, "_n", std::get<1>(info.param));
+    [](const ::testing::TestParamInfo<std::tuple<OptimizerCase, int64_t, int64_t>>& info) {
+      return absl::StrCat(std::get<0>(info.param).name, "_n", std::get<1>(info.param),
+                          std::get<2>(info.param) != 0 ? "_unaligned" : "");
     });
 
 // A value's class for non-finite comparisons: NaN (any payload), or its exact bits.
