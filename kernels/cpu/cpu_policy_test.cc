@@ -303,7 +303,8 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"options.reduction", [](LossProblem& p) { p.options.reduction = Reduction::kNone; }},
       {"entropy", [](LossProblem&) {}, [](KindOutputs& o) { o.want_entropy = true; }},
   };
-  ExpectRefusals(s.problem, bad, [](const LossProblem& p) { return PolicyOutputs(p, DType::kF32); });
+  ExpectRefusals(s.problem, bad,
+                 [](const LossProblem& p) { return PolicyOutputs(p, DType::kF32); });
 }
 
 }  // namespace
