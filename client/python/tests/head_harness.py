@@ -234,3 +234,16 @@ def assert_matches_reference(exp, ref, cfg, step_count, what=""):
 def require_heads(client):
     if "hosted_head" not in client.server_info().features:
         pytest.skip("this lossd does not list the hosted_head feature")
+
+
+def made_heads(client):
+    """The body of a test module's `heads` fixture: skips without hosted heads, yields the list
+    a test appends the names of the heads it creates to, and drops them after the test."""
+    require_heads(client)
+    made = []
+    yield made
+    for name in made:
+        try:
+            client.drop_head(name)
+        except lossd.NotFoundError:
+            pass

@@ -19,9 +19,9 @@ from head_harness import (  # noqa: E402
     Turns,
     assert_matches_reference,
     make_batch,
+    made_heads,
     make_head,
     rank_modules,
-    require_heads,
     run_ranks,
     shadow_gradient,
     unique,
@@ -44,14 +44,7 @@ STEPS, MICRO = 4, 2
 
 @pytest.fixture
 def heads(client):
-    require_heads(client)
-    made = []
-    yield made
-    for name in made:
-        try:
-            client.drop_head(name)
-        except lossd.NotFoundError:
-            pass
+    yield from made_heads(client)
 
 
 def _train(client, heads, cfg, world, dtype="fp32", steps=STEPS, micro=MICRO, seed=0,

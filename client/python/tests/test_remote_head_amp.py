@@ -16,9 +16,9 @@ from head_harness import (  # noqa: E402
     Turns,
     assert_matches_reference,
     make_batch,
+    made_heads,
     make_head,
     rank_modules,
-    require_heads,
     run_ranks,
     shadow_gradient,
     ulps,
@@ -30,14 +30,7 @@ ADAMW = lossd.OptimizerConfig.adamw(lr=0.01, weight_decay=0.05, amsgrad=True)
 
 @pytest.fixture
 def heads(client):
-    require_heads(client)
-    made = []
-    yield made
-    for name in made:
-        try:
-            client.drop_head(name)
-        except lossd.NotFoundError:
-            pass
+    yield from made_heads(client)
 
 
 def _new_head(client, heads, cfg, seed, prefix):
