@@ -1,7 +1,8 @@
 // What the streamed calls' reactors (CreateHead, PutWeights, ExportHead, FetchGradients) do
 // alike at the call's edge, whatever the call computes: the client counted in and out of the
 // service, the idle watch that cancels a stalled stream, the end recorded once; the state
-// machine's bookkeeping; the part limits of an upload; the request of a streamed response.
+// machine's bookkeeping; an upload's message order and part limits; the request of a streamed
+// response.
 // The reactors keep what is their own: reading, calling the engine, writing.
 #ifndef LOSSD_SERVICE_CALL_EDGE_H_
 #define LOSSD_SERVICE_CALL_EDGE_H_
@@ -109,6 +110,28 @@ absl::StatusOr<uint32_t> ReadStreamedRequest(const grpc::ByteBuffer& raw, const 
   if (absl::Status s = RefuseUnknownFields(*request, type); !s.ok()) return s;
   return ResponsePartBytes(request->response_part_bytes(), o.default_response_part_bytes,
                            o.max_part_bytes, "response_part_bytes");
+}
+
+// One message of an upload stream (a oneof of `header` and `part`: a header, then parts): no
+// unknown fields, the header first and only once; then the header's or the part's handler.
+template <typename Request, typename OnHeader, typename OnPart>
+absl::Status ReadUploadMessage(const Request& request, const char* method, bool have_header,
+                               OnHeader on_header, OnPart on_part) {
+  if (absl::Status s = RefuseUnknownFields(request, Request::descriptor()->name()); !s.ok()) {
+    return s;
+  }
+  if (request.has_header()) {
+    if (have_header) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the ", method, " stream carries a second header"));
+    }
+    return on_header(request.header());
+  }
+  if (!have_header) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the first message of a ", method, " stream must be a header"));
+  }
+  return on_part(request.part());
 }
 
 }  // namespace lossd

@@ -7,7 +7,6 @@
 #include "engine/message_bounds.h"
 #include "service/head_wire.h"
 #include "service/tsan_annotations.h"
-#include "wire/unknown_fields.h"
 
 namespace lossd {
 
@@ -48,19 +47,10 @@ void CreateHeadReactor::OnDone() {
 }
 
 absl::Status CreateHeadReactor::OnMessage() {
-  LOSSD_RETURN_IF_ERROR(RefuseUnknownFields(request_, "CreateHeadRequest"));
-  const State now = state_.get();
-  if (request_.has_header()) {
-    if (now != State::kHeader) {
-      return absl::InvalidArgumentError("the CreateHead stream carries a second header");
-    }
-    return OnHeader(request_.header());
-  }
-  if (now == State::kHeader) {
-    return absl::InvalidArgumentError(
-        "the first message of a CreateHead stream must be a header");
-  }
-  return OnPart(request_.part());
+  return ReadUploadMessage(
+      request_, "CreateHead", state_.get() != State::kHeader,
+      [this](const v1::HeadHeader& h) { return OnHeader(h); },
+      [this](const v1::TensorPart& part) { return OnPart(part); });
 }
 
 absl::Status CreateHeadReactor::OnHeader(const v1::HeadHeader& h) {

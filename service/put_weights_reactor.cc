@@ -6,7 +6,6 @@
 #include "engine/message_bounds.h"
 #include "service/tsan_annotations.h"
 #include "service/wire_convert.h"
-#include "wire/unknown_fields.h"
 
 namespace lossd {
 
@@ -62,18 +61,10 @@ void PutWeightsReactor::OnDone() {
 }
 
 absl::Status PutWeightsReactor::OnMessage() {
-  if (absl::Status s = RefuseUnknownFields(request_, "PutWeightsRequest"); !s.ok()) return s;
-  if (request_.has_header()) {
-    if (upload_) {
-      return absl::InvalidArgumentError("the PutWeights stream carries a second header");
-    }
-    return OnHeader(request_.header());
-  }
-  if (!upload_) {
-    return absl::InvalidArgumentError(
-        "the first message of a PutWeights stream must be a header");
-  }
-  return OnPart(request_.part());
+  return ReadUploadMessage(
+      request_, "PutWeights", upload_ != nullptr,
+      [this](const v1::WeightsHeader& h) { return OnHeader(h); },
+      [this](const v1::TensorPart& part) { return OnPart(part); });
 }
 
 absl::Status PutWeightsReactor::OnHeader(const v1::WeightsHeader& h) {
