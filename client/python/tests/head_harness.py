@@ -236,11 +236,21 @@ def require_heads(client):
         pytest.skip("this lossd does not list the hosted_head feature")
 
 
+class MadeHeads(list):
+    """The names of the heads a test creates, dropped after it (made_heads)."""
+
+    def name(self, prefix):
+        """A fresh head name, dropped after the test."""
+        name = unique(prefix)
+        self.append(name)
+        return name
+
+
 def made_heads(client):
-    """The body of a test module's `heads` fixture: skips without hosted heads, yields the list
-    a test appends the names of the heads it creates to, and drops them after the test."""
+    """The body of a test module's `heads` fixture: skips without hosted heads, yields the
+    MadeHeads a test names its heads with, and drops them after the test."""
     require_heads(client)
-    made = []
+    made = MadeHeads()
     yield made
     for name in made:
         try:
