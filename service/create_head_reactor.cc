@@ -1,16 +1,12 @@
 #include "service/create_head_reactor.h"
 
-#include <cassert>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "core/status_macros.h"
 #include "engine/message_bounds.h"
 #include "service/head_wire.h"
-#include "service/reactor_common.h"
 #include "service/tsan_annotations.h"
-#include "wire/unknown_fields.h"
 
 namespace lossd {
 
@@ -19,15 +15,13 @@ CreateHeadReactor::CreateHeadReactor(LossService* service, grpc::CallbackServerC
     : service_(service),
       ctx_(ctx),
       response_(response),
-      started_(absl::Now()),
-      idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {
-  absl::Status s = service_->Enter(ctx, "CreateHead", &client_);
+      edge_(service, ctx, "CreateHead") {
+  absl::Status s = edge_.Enter();
   if (!s.ok()) {
-    entered_ = false;
     FinishOnce(s);
     return;
   }
-  idle_->Arm();  // waiting for the header and the parts
+  edge_.idle()->Arm();  // waiting for the header and the parts
   StartRead(&request_);
 }
 
@@ -36,20 +30,8 @@ bool CreateHeadReactor::LegalTransition(State from, State to) {
   return from == State::kHeader && (to == State::kParts || to == State::kDropping);
 }
 
-void CreateHeadReactor::SetState(State next) {
-  absl::MutexLock lock(&mu_);
-  // A debug assert only: a wrong transition is this file's bug, never the client's.
-  assert(LegalTransition(state_, next) && "illegal CreateHead state transition");
-  if (LegalTransition(state_, next)) state_ = next;
-}
-
-CreateHeadReactor::State CreateHeadReactor::state() {
-  absl::MutexLock lock(&mu_);
-  return state_;
-}
-
 void CreateHeadReactor::OnReadDone(bool ok) {
-  if (ok) idle_->Touch();
+  if (ok) edge_.idle()->Touch();
   absl::Status s = ok ? OnMessage() : OnEnd();
   if (!s.ok()) {
     FinishOnce(s);
@@ -59,25 +41,16 @@ void CreateHeadReactor::OnReadDone(bool ok) {
 }
 
 void CreateHeadReactor::OnDone() {
-  service_->idle_watch().Unwatch(idle_);
+  edge_.Unwatch();
   LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
   delete this;
 }
 
 absl::Status CreateHeadReactor::OnMessage() {
-  LOSSD_RETURN_IF_ERROR(RefuseUnknownFields(request_, "CreateHeadRequest"));
-  const State now = state();
-  if (request_.has_header()) {
-    if (now != State::kHeader) {
-      return absl::InvalidArgumentError("the CreateHead stream carries a second header");
-    }
-    return OnHeader(request_.header());
-  }
-  if (now == State::kHeader) {
-    return absl::InvalidArgumentError(
-        "the first message of a CreateHead stream must be a header");
-  }
-  return OnPart(request_.part());
+  return ReadUploadMessage(
+      request_, "CreateHead", state_.get() != State::kHeader,
+      [this](const v1::HeadHeader& h) { return OnHeader(h); },
+      [this](const v1::TensorPart& part) { return OnPart(part); });
 }
 
 absl::Status CreateHeadReactor::OnHeader(const v1::HeadHeader& h) {
@@ -88,26 +61,17 @@ absl::Status CreateHeadReactor::OnHeader(const v1::HeadHeader& h) {
   if (!created.ok()) return created.status();
   if (created->existing.has_value()) {
     existing_ = std::move(created->existing);
-    SetState(State::kDropping);
+    state_.Set(State::kDropping);
     return absl::OkStatus();
   }
   pending_ = std::move(created->pending);
-  SetState(State::kParts);
+  state_.Set(State::kParts);
   return absl::OkStatus();
 }
 
 absl::Status CreateHeadReactor::OnPart(const v1::TensorPart& part) {
-  const ServiceOptions& o = service_->options();
   const uint64_t size = part.data().size();
-  if (++parts_ > o.max_parts_per_request) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the stream sent more than --max_parts_per_request=", o.max_parts_per_request,
-        " parts; send larger parts"));
-  }
-  if (size > o.max_part_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a part carries ", size, " bytes, more than --max_part_bytes=", o.max_part_bytes));
-  }
+  LOSSD_RETURN_IF_ERROR(edge_.CountPart(size));
   auto tensor = HeadTensorFromWire(part.tensor(), "part.tensor");
   if (!tensor.ok()) return tensor.status();
   bytes_in_ += size;
@@ -119,17 +83,17 @@ absl::Status CreateHeadReactor::OnPart(const v1::TensorPart& part) {
 
 // Why a cancelled call ended: the client cancelled it, or the idle watch did.
 absl::Status CreateHeadReactor::Cancelled() const {
-  if (idle_->expired()) {
+  if (edge_.idle()->expired()) {
     return absl::DeadlineExceededError(
-        absl::StrCat("CreateHead was cancelled by the server: ", idle_->Reason()));
+        absl::StrCat("CreateHead was cancelled by the server: ", edge_.idle()->Reason()));
   }
   return absl::CancelledError("the client cancelled CreateHead; no head was made");
 }
 
 absl::Status CreateHeadReactor::OnEnd() {
-  idle_->Disarm();
+  edge_.idle()->Disarm();
   if (ctx_->IsCancelled()) return Cancelled();
-  const State now = state();
+  const State now = state_.get();
   if (now == State::kHeader) {
     return absl::InvalidArgumentError("the CreateHead stream closed before its header");
   }
@@ -150,16 +114,10 @@ absl::Status CreateHeadReactor::OnEnd() {
 }
 
 void CreateHeadReactor::FinishOnce(const absl::Status& s) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (state_ == State::kFinished) return;
-    state_ = State::kFinished;  // legal from every other state
-  }
+  if (!state_.Finish()) return;
   // A head cut off half way is never named, and its memory goes back now.
   pending_.reset();
-  grpc::Status g = RecordCall(service_, *ctx_, "CreateHead", started_, s, bytes_in_, 0);
-  if (entered_) service_->Leave(client_);
-  Finish(g);
+  Finish(edge_.End(s, bytes_in_, 0));
 }
 
 }  // namespace lossd

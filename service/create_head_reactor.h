@@ -13,12 +13,10 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "engine/heads.h"
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.pb.h"
-#include "service/idle_watch.h"
+#include "service/call_edge.h"
 #include "service/loss_service.h"
 
 namespace lossd {
@@ -36,8 +34,6 @@ class CreateHeadReactor final : public grpc::ServerReadReactor<v1::CreateHeadReq
   // any state but kFinished may go to kFinished.
   enum class State { kHeader, kParts, kDropping, kFinished };
   static bool LegalTransition(State from, State to);
-  void SetState(State next);
-  State state();
 
   absl::Status OnMessage();
   absl::Status OnHeader(const v1::HeadHeader& h);
@@ -49,18 +45,13 @@ class CreateHeadReactor final : public grpc::ServerReadReactor<v1::CreateHeadReq
   LossService* const service_;
   grpc::CallbackServerContext* const ctx_;
   v1::CreateHeadResponse* const response_;
-  const absl::Time started_;
-  const std::shared_ptr<IdleWatch::Entry> idle_;  // armed while waiting for the client
-  bool entered_ = true;
-  std::string client_;  // for the per-client in-flight count
-  absl::Mutex mu_;
-  State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
+  CallEdge edge_;  // its idle watch armed while waiting for the client
+  CallState<State> state_{State::kHeader, State::kFinished, &LegalTransition};
   v1::CreateHeadRequest request_;
   // Set with the header, on the reactor's thread (reads run one at a time).
   std::unique_ptr<PendingHead> pending_;
   std::optional<HeadSummary> existing_;
   uint64_t bytes_in_ = 0;
-  uint64_t parts_ = 0;
 };
 
 }  // namespace lossd

@@ -1,20 +1,16 @@
 #include "service/export_head_reactor.h"
 
 #include <algorithm>
-#include <cassert>
 #include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "core/status_macros.h"
 #include "engine/message_bounds.h"
-#include "engine/response_parts.h"
 #include "lossd/v1/lossd.pb.h"
 #include "service/head_wire.h"
 #include "service/tsan_annotations.h"
 #include "wire/part_codec.h"
-#include "wire/unknown_fields.h"
 
 namespace lossd {
 
@@ -22,16 +18,10 @@ ExportHeadReactor::ExportHeadReactor(LossService* service, grpc::CallbackServerC
                                      const grpc::ByteBuffer* raw_request)
     : service_(service),
       ctx_(ctx),
-      started_(absl::Now()),
-      idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })),
+      edge_(service, ctx, "ExportHead"),
       admission_(&service->engine()->budget()) {
-  absl::Status s = service_->Enter(ctx, "ExportHead", &client_);
-  if (!s.ok()) {
-    entered_ = false;
-    FinishOnce(s);
-    return;
-  }
-  s = Start(*raw_request);
+  absl::Status s = edge_.Enter();
+  if (s.ok()) s = Start(*raw_request);
   if (!s.ok()) FinishOnce(s);
 }
 
@@ -43,29 +33,16 @@ bool ExportHeadReactor::LegalTransition(State from, State to) {
          (from == State::kSending && to == State::kCopying);
 }
 
-void ExportHeadReactor::SetState(State next) {
-  absl::MutexLock lock(&mu_);
-  // A debug assert only: a wrong transition is this file's bug, never the client's.
-  assert(LegalTransition(state_, next) && "illegal ExportHead state transition");
-  if (LegalTransition(state_, next)) state_ = next;
-}
-
 // Reads the request, resolves the range and asks for a window's memory; the admission's
 // callback goes on.
 absl::Status ExportHeadReactor::Start(const grpc::ByteBuffer& raw_request) {
   v1::ExportHeadRequest request;
-  if (!client::DecodeMessage(raw_request, &request).ok()) {
-    return absl::InvalidArgumentError(
-        "the ExportHead request is not a valid ExportHeadRequest");
-  }
-  LOSSD_RETURN_IF_ERROR(RefuseUnknownFields(request, "ExportHeadRequest"));
-  const ServiceOptions& o = service_->options();
-  auto part_bytes = ResponsePartBytes(request.response_part_bytes(),
-                                      o.default_response_part_bytes, o.max_part_bytes,
-                                      "response_part_bytes");
+  auto part_bytes =
+      ReadStreamedRequest(raw_request, "ExportHead", service_->options(), &request);
   if (!part_bytes.ok()) return part_bytes.status();
   part_bytes_ = *part_bytes;
-  LOSSD_RETURN_IF_ERROR(CheckHeadInstance(request.head_instance(), o.instance, request.head()));
+  LOSSD_RETURN_IF_ERROR(
+      CheckHeadInstance(request.head_instance(), service_->options().instance, request.head()));
   head_ = request.head();
   principal_ = service_->Principal(ctx_);
   if (request.has_version()) version_ = request.version();
@@ -81,7 +58,7 @@ absl::Status ExportHeadReactor::Start(const grpc::ByteBuffer& raw_request) {
         "exporting head '", ClippedText(head_), "' needs host memory for its copy, and the "
         "memory budget is 0 bytes (--memory_budget_bytes)"));
   }
-  SetState(State::kAdmitting);
+  state_.Set(State::kAdmitting);
   const std::string what = absl::StrCat("ExportHead of bytes [", begin_, ", ", end_,
                                         ") of head '", ClippedText(head_), "'");
   return admission_.Request(window_bytes_, what,
@@ -97,12 +74,9 @@ void ExportHeadReactor::OnCancel() {
 }
 
 void ExportHeadReactor::OnWriteDone(bool ok) {
-  idle_->WriteDone();
+  edge_.idle()->WriteDone();
   if (!ok) {
-    FinishOnce(idle_->expired()
-                   ? absl::DeadlineExceededError(absl::StrCat(
-                         "the ExportHead was cancelled by the server: ", idle_->Reason()))
-                   : absl::CancelledError("the client went away while the head was sent"));
+    FinishOnce(edge_.WriteFailed("the client went away while the head was sent"));
     return;
   }
   SendNext();
@@ -110,7 +84,7 @@ void ExportHeadReactor::OnWriteDone(bool ok) {
 
 void ExportHeadReactor::OnDone() {
   LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
-  service_->idle_watch().Unwatch(idle_);
+  edge_.Unwatch();
   LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
   delete this;
 }
@@ -121,7 +95,7 @@ void ExportHeadReactor::OnAdmitted(absl::Status s) {
     FinishOnce(s);
     return;
   }
-  SetState(State::kCopying);
+  state_.Set(State::kCopying);
   service_->engine()->Submit([this] { CopyWindow(); });
 }
 
@@ -141,7 +115,7 @@ void ExportHeadReactor::CopyWindow() {
   window_end_ = r->end;
   window_ = std::make_shared<std::vector<HostBuffer>>();
   window_->push_back(std::move(r->data));
-  SetState(State::kSending);
+  state_.Set(State::kSending);
   if (!version_.has_value()) {
     // The first window: every later one must be of the same version.
     version_ = r->head.version;
@@ -182,7 +156,7 @@ void ExportHeadReactor::SendNext() {
       FinishOnce(absl::OkStatus());
       return;
     }
-    SetState(State::kCopying);
+    state_.Set(State::kCopying);
     service_->engine()->Submit([this] { CopyWindow(); });
     return;
   }
@@ -200,22 +174,15 @@ void ExportHeadReactor::SendNext() {
 
 // Every response message goes out here: the client has --stream_idle_timeout to take it.
 void ExportHeadReactor::Write() {
-  idle_->WriteStarted();
+  edge_.idle()->WriteStarted();
   StartWrite(&response_);
 }
 
 void ExportHeadReactor::FinishOnce(const absl::Status& s) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (state_ == State::kFinished) return;
-    state_ = State::kFinished;  // legal from every other state
-  }
+  if (!state_.Finish()) return;
   window_.reset();
   admission_.Release();
-  grpc::Status g = RecordCall(service_, *ctx_, "ExportHead", started_, s, 0,
-                              offset_ > begin_ ? offset_ - begin_ : 0);
-  if (entered_) service_->Leave(client_);
-  Finish(g);
+  Finish(edge_.End(s, 0, offset_ > begin_ ? offset_ - begin_ : 0));
 }
 
 }  // namespace lossd

@@ -16,12 +16,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "engine/admission.h"
 #include "engine/heads.h"
 #include "grpcpp/grpcpp.h"
-#include "service/idle_watch.h"
+#include "service/call_edge.h"
 #include "service/loss_service.h"
 #include "service/reactor_common.h"
 
@@ -47,7 +45,6 @@ class ExportHeadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   // kFinished may go to kFinished.
   enum class State { kChecking, kAdmitting, kCopying, kSending, kFinished };
   static bool LegalTransition(State from, State to);
-  void SetState(State next);
 
   absl::Status Start(const grpc::ByteBuffer& raw_request);
   void OnAdmitted(absl::Status s);
@@ -59,14 +56,11 @@ class ExportHeadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
 
   LossService* const service_;
   grpc::CallbackServerContext* const ctx_;
-  const absl::Time started_;
-  // Never armed (the call reads nothing after its request): times the writes alone.
-  const std::shared_ptr<IdleWatch::Entry> idle_;
-  bool entered_ = true;
-  std::string client_;  // for the per-client in-flight count
+  // Its idle watch is never armed (the call reads nothing after its request): it times the
+  // writes alone.
+  CallEdge edge_;
   Admission admission_;  // one window's bytes, until the call finishes
-  absl::Mutex mu_;
-  State state_ ABSL_GUARDED_BY(mu_) = State::kChecking;
+  CallState<State> state_{State::kChecking, State::kFinished, &LegalTransition};
 
   // Set in Start; then each step runs after the previous one has handed over (the admission
   // callback, the executor job, a write's completion), one at a time.

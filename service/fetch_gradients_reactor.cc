@@ -1,36 +1,22 @@
-#include "core/status_macros.h"
 #include "service/fetch_gradients_reactor.h"
 
 #include <algorithm>
-#include <cassert>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "engine/response_parts.h"
 #include "lossd/v1/lossd.pb.h"
 #include "service/reactor_common.h"
 #include "service/tsan_annotations.h"
 #include "service/wire_convert.h"
 #include "wire/part_codec.h"
-#include "wire/unknown_fields.h"
 
 namespace lossd {
 
 FetchGradientsReactor::FetchGradientsReactor(LossService* service,
                                              grpc::CallbackServerContext* ctx,
                                              const grpc::ByteBuffer* raw_request)
-    : service_(service),
-      ctx_(ctx),
-      started_(absl::Now()),
-      idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {
-  absl::Status s = service_->Enter(ctx, "FetchGradients", &client_);
-  if (!s.ok()) {
-    entered_ = false;
-    FinishOnce(s);
-    return;
-  }
-  s = Start(*raw_request);
+    : service_(service), ctx_(ctx), edge_(service, ctx, "FetchGradients") {
+  absl::Status s = edge_.Enter();
+  if (s.ok()) s = Start(*raw_request);
   if (!s.ok()) FinishOnce(s);
 }
 
@@ -41,25 +27,11 @@ bool FetchGradientsReactor::LegalTransition(State from, State to) {
          (from == State::kQueued && to == State::kSending);
 }
 
-void FetchGradientsReactor::SetState(State next) {
-  absl::MutexLock lock(&mu_);
-  // A debug assert only: a wrong transition is this file's bug, never the client's.
-  assert(LegalTransition(state_, next) && "illegal FetchGradients state transition");
-  if (LegalTransition(state_, next)) state_ = next;
-}
-
 // Reads the request and asks the lease for memory; the lease's callback goes on.
 absl::Status FetchGradientsReactor::Start(const grpc::ByteBuffer& raw_request) {
   v1::FetchGradientsRequest request;
-  if (!client::DecodeMessage(raw_request, &request).ok()) {
-    return absl::InvalidArgumentError(
-        "the FetchGradients request is not a valid FetchGradientsRequest");
-  }
-  LOSSD_RETURN_IF_ERROR(RefuseUnknownFields(request, "FetchGradientsRequest"));
-  const ServiceOptions& o = service_->options();
-  auto part_bytes = ResponsePartBytes(request.response_part_bytes(),
-                                      o.default_response_part_bytes, o.max_part_bytes,
-                                      "response_part_bytes");
+  auto part_bytes =
+      ReadStreamedRequest(raw_request, "FetchGradients", service_->options(), &request);
   if (!part_bytes.ok()) return part_bytes.status();
   part_bytes_ = *part_bytes;
   FetchRequest r;
@@ -72,7 +44,7 @@ absl::Status FetchGradientsReactor::Start(const grpc::ByteBuffer& raw_request) {
   auto lease = FetchLease::Check(service_->engine(), std::move(r));
   if (!lease.ok()) return lease.status();
   lease_ = std::move(*lease);
-  SetState(State::kAdmitting);
+  state_.Set(State::kAdmitting);
   return lease_->Admit([this](absl::Status st) { OnAdmitted(std::move(st)); });
 }
 
@@ -85,13 +57,9 @@ void FetchGradientsReactor::OnCancel() {
 }
 
 void FetchGradientsReactor::OnWriteDone(bool ok) {
-  idle_->WriteDone();
+  edge_.idle()->WriteDone();
   if (!ok) {
-    FinishOnce(idle_->expired()
-                   ? absl::DeadlineExceededError(absl::StrCat(
-                         "the FetchGradients was cancelled by the server: ", idle_->Reason()))
-                   : absl::CancelledError(
-                         "the client went away while gradients were being sent"));
+    FinishOnce(edge_.WriteFailed("the client went away while gradients were being sent"));
     return;
   }
   SendNext();
@@ -99,7 +67,7 @@ void FetchGradientsReactor::OnWriteDone(bool ok) {
 
 void FetchGradientsReactor::OnDone() {
   LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
-  service_->idle_watch().Unwatch(idle_);
+  edge_.Unwatch();
   // Finished OK, but did the status reach the client (it may give up at the last moment)?
   if (lease_) lease_->Delivered(!ctx_->IsCancelled());
   LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
@@ -112,7 +80,7 @@ void FetchGradientsReactor::OnAdmitted(absl::Status s) {
     FinishOnce(s);
     return;
   }
-  SetState(State::kQueued);
+  state_.Set(State::kQueued);
   service_->engine()->Submit([this] { TakeSnapshot(); });
 }
 
@@ -136,7 +104,7 @@ void FetchGradientsReactor::TakeSnapshot() {
   h->set_tokens(g.tokens);
   h->set_instance(service_->options().instance);
   offset_ = g.begin;
-  SetState(State::kSending);
+  state_.Set(State::kSending);
   response_ = client::EncodeMessage(response);
   Write();
 }
@@ -163,16 +131,12 @@ void FetchGradientsReactor::SendNext() {
 
 // Every response message goes out here: the client has --stream_idle_timeout to take it.
 void FetchGradientsReactor::Write() {
-  idle_->WriteStarted();
+  edge_.idle()->WriteStarted();
   StartWrite(&response_);
 }
 
 void FetchGradientsReactor::FinishOnce(absl::Status s) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (state_ == State::kFinished) return;
-    state_ = State::kFinished;  // legal from every other state
-  }
+  if (!state_.Finish()) return;
   if (lease_ == nullptr) {
     FinishNow(s);
     return;
@@ -185,10 +149,7 @@ void FetchGradientsReactor::FinishOnce(absl::Status s) {
 
 void FetchGradientsReactor::FinishNow(const absl::Status& s) {
   const uint64_t begin = lease_ != nullptr ? lease_->snapshot().begin : 0;
-  grpc::Status g = RecordCall(service_, *ctx_, "FetchGradients", started_, s, 0,
-                              offset_ > begin ? offset_ - begin : 0);
-  if (entered_) service_->Leave(client_);
-  Finish(g);
+  Finish(edge_.End(s, 0, offset_ > begin ? offset_ - begin : 0));
 }
 
 }  // namespace lossd

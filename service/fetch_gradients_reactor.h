@@ -12,11 +12,9 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "engine/fetch_lease.h"
-#include "service/idle_watch.h"
+#include "service/call_edge.h"
 #include "service/loss_service.h"
 
 namespace lossd {
@@ -35,7 +33,6 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
   // executor) -> kSending -> kFinished; any state but kFinished may go to kFinished.
   enum class State { kChecking, kAdmitting, kQueued, kSending, kFinished };
   static bool LegalTransition(State from, State to);
-  void SetState(State next);
 
   absl::Status Start(const grpc::ByteBuffer& raw_request);
   void OnAdmitted(absl::Status s);
@@ -47,13 +44,10 @@ class FetchGradientsReactor final : public grpc::ServerWriteReactor<grpc::ByteBu
 
   LossService* const service_;
   grpc::CallbackServerContext* const ctx_;
-  const absl::Time started_;
-  // Never armed (the call reads nothing after its request): times the writes alone.
-  const std::shared_ptr<IdleWatch::Entry> idle_;
-  bool entered_ = true;
-  std::string client_;  // for the per-client in-flight count
-  absl::Mutex mu_;
-  State state_ ABSL_GUARDED_BY(mu_) = State::kChecking;
+  // Its idle watch is never armed (the call reads nothing after its request): it times the
+  // writes alone.
+  CallEdge edge_;
+  CallState<State> state_{State::kChecking, State::kFinished, &LegalTransition};
   // Set in the constructor, before any other reaction may run; the lease outlives the call.
   std::unique_ptr<FetchLease> lease_;
   uint32_t part_bytes_ = 4u << 20;

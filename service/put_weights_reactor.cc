@@ -1,15 +1,11 @@
 #include "service/put_weights_reactor.h"
 
-#include <cassert>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "engine/message_bounds.h"
-#include "service/reactor_common.h"
 #include "service/tsan_annotations.h"
 #include "service/wire_convert.h"
-#include "wire/unknown_fields.h"
 
 namespace lossd {
 
@@ -18,17 +14,15 @@ PutWeightsReactor::PutWeightsReactor(LossService* service, grpc::CallbackServerC
     : service_(service),
       ctx_(ctx),
       response_(response),
-      started_(absl::Now()),
-      idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {
-  absl::Status s = service_->Enter(ctx, "PutWeights", &client_);
+      edge_(service, ctx, "PutWeights") {
+  absl::Status s = edge_.Enter();
   if (!s.ok()) {
-    entered_ = false;
     FinishOnce(s);
     return;
   }
   // Armed until the weights are committed: a stripe done with its own range waits for its
   // siblings, which are the same client, and follows their activity (see OnHeader).
-  idle_->Arm();
+  edge_.idle()->Arm();
   StartRead(&request_);
 }
 
@@ -38,15 +32,9 @@ bool PutWeightsReactor::LegalTransition(State from, State to) {
          (from == State::kParts && to == State::kWaitingForStripes);
 }
 
-void PutWeightsReactor::SetStateLocked(State next) {
-  // A debug assert only: a wrong transition is this file's bug, never the client's.
-  assert(LegalTransition(state_, next) && "illegal PutWeights state transition");
-  if (LegalTransition(state_, next)) state_ = next;
-}
-
 void PutWeightsReactor::OnReadDone(bool ok) {
   if (ok) {
-    idle_->Touch();
+    edge_.idle()->Touch();
     if (upload_ && upload_->activity()) upload_->activity()->store(IdleWatch::Entry::Now());
   }
   absl::Status s = ok ? OnMessage() : OnEnd();
@@ -61,35 +49,22 @@ void PutWeightsReactor::OnReadDone(bool ok) {
 void PutWeightsReactor::OnCancel() {
   // gRPC may run OnCancel from its own uninstrumented code; it returns before OnDone runs.
   LOSSD_TSAN_RELEASE_ON_EXIT(this);
-  bool waiting = false;
-  {
-    absl::MutexLock lock(&mu_);
-    waiting = state_ == State::kWaitingForStripes;
-  }
   // Only a stripe waiting for its siblings has no operation pending to report the cancel.
-  if (waiting) upload_->Fail(Cancelled());
+  if (state_.get() == State::kWaitingForStripes) upload_->Fail(Cancelled());
 }
 
 void PutWeightsReactor::OnDone() {
   LOSSD_TSAN_ACQUIRE(this);  // every other reaction has returned (see OnCancel)
-  service_->idle_watch().Unwatch(idle_);
+  edge_.Unwatch();
   LOSSD_TSAN_RELEASE(service_);  // the server's shutdown returns after every OnDone
   delete this;
 }
 
 absl::Status PutWeightsReactor::OnMessage() {
-  if (absl::Status s = RefuseUnknownFields(request_, "PutWeightsRequest"); !s.ok()) return s;
-  if (request_.has_header()) {
-    if (upload_) {
-      return absl::InvalidArgumentError("the PutWeights stream carries a second header");
-    }
-    return OnHeader(request_.header());
-  }
-  if (!upload_) {
-    return absl::InvalidArgumentError(
-        "the first message of a PutWeights stream must be a header");
-  }
-  return OnPart(request_.part());
+  return ReadUploadMessage(
+      request_, "PutWeights", upload_ != nullptr,
+      [this](const v1::WeightsHeader& h) { return OnHeader(h); },
+      [this](const v1::TensorPart& part) { return OnPart(part); });
 }
 
 absl::Status PutWeightsReactor::OnHeader(const v1::WeightsHeader& h) {
@@ -106,15 +81,15 @@ absl::Status PutWeightsReactor::OnHeader(const v1::WeightsHeader& h) {
   header.stripes = h.stripes();
   header.w_begin = h.w_begin();
   header.w_end = h.w_end();
-  auto u = WeightsUpload::Begin(service_->engine(), header, client_, service_->Principal(ctx_));
+  auto u = WeightsUpload::Begin(service_->engine(), header, edge_.client(),
+                                service_->Principal(ctx_));
   if (!u.ok()) return u.status();
   upload_ = std::move(*u);
   if (std::atomic<int64_t>* activity = upload_->activity()) {
     activity->store(IdleWatch::Entry::Now());
-    idle_->Follow(activity);
+    edge_.idle()->Follow(activity);
   }
-  absl::MutexLock lock(&mu_);
-  SetStateLocked(State::kParts);
+  state_.Set(State::kParts);
   return absl::OkStatus();
 }
 
@@ -126,16 +101,7 @@ absl::Status PutWeightsReactor::OnPart(const v1::TensorPart& part) {
                                             : absl::StrCat(static_cast<int>(part.tensor()))));
   }
   const uint64_t size = part.data().size();
-  if (++parts_ > service_->options().max_parts_per_request) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the stream sent more than --max_parts_per_request=",
-        service_->options().max_parts_per_request, " parts; send larger parts"));
-  }
-  if (size > service_->options().max_part_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("a part carries ", size,
-                                                   " bytes, more than --max_part_bytes=",
-                                                   service_->options().max_part_bytes));
-  }
+  if (absl::Status s = edge_.CountPart(size); !s.ok()) return s;
   bytes_in_ += size;
   return upload_->Write(part.tensor() == v1::TENSOR_BIAS, part.offset(), part.data().data(),
                         size);
@@ -144,9 +110,10 @@ absl::Status PutWeightsReactor::OnPart(const v1::TensorPart& part) {
 // Why a cancelled call ended: the client cancelled it, or the idle watch did.
 absl::Status PutWeightsReactor::Cancelled() const {
   const bool stripe = upload_ && upload_->striped();
-  if (idle_->expired()) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        stripe ? "a stripe" : "PutWeights", " was cancelled by the server: ", idle_->Reason()));
+  if (edge_.idle()->expired()) {
+    return absl::DeadlineExceededError(absl::StrCat(stripe ? "a stripe" : "PutWeights",
+                                                    " was cancelled by the server: ",
+                                                    edge_.idle()->Reason()));
   }
   return absl::CancelledError(stripe ? "a stripe was cancelled"
                                      : "the client cancelled PutWeights");
@@ -161,10 +128,7 @@ absl::Status PutWeightsReactor::OnEnd() {
   if (upload_->striped()) {
     absl::Status complete = upload_->CheckComplete();
     if (!complete.ok()) return complete;
-    {
-      absl::MutexLock lock(&mu_);
-      SetStateLocked(State::kWaitingForStripes);
-    }
+    state_.Set(State::kWaitingForStripes);
     upload_->FinishStripe([this](absl::StatusOr<std::string> handle) {
       if (handle.ok()) {
         response_->set_handle(*handle);
@@ -174,7 +138,7 @@ absl::Status PutWeightsReactor::OnEnd() {
     });
     return absl::OkStatus();
   }
-  idle_->Disarm();
+  edge_.idle()->Disarm();
   auto handle = upload_->Commit();
   if (!handle.ok()) return handle.status();
   response_->set_handle(*handle);
@@ -184,16 +148,10 @@ absl::Status PutWeightsReactor::OnEnd() {
 }
 
 void PutWeightsReactor::FinishOnce(const absl::Status& s) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (state_ == State::kFinished) return;
-    SetStateLocked(State::kFinished);
-  }
+  if (!state_.Finish()) return;
   // An upload cut off half way leaves no handle and frees its memory.
   if (upload_) upload_->Abandon();
-  grpc::Status g = RecordCall(service_, *ctx_, "PutWeights", started_, s, bytes_in_, 0);
-  if (entered_) service_->Leave(client_);
-  Finish(g);
+  Finish(edge_.End(s, bytes_in_, 0));
 }
 
 }  // namespace lossd

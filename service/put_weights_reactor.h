@@ -11,12 +11,10 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "engine/weights_upload.h"
 #include "lossd/v1/lossd.pb.h"
-#include "service/idle_watch.h"
+#include "service/call_edge.h"
 #include "service/loss_service.h"
 
 namespace lossd {
@@ -32,10 +30,9 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
 
  private:
   // kHeader -> kParts -> (a stripe: kWaitingForStripes ->) kFinished; any state but
-  // kFinished may go to kFinished. SetStateLocked refuses the rest.
+  // kFinished may go to kFinished.
   enum class State { kHeader, kParts, kWaitingForStripes, kFinished };
   static bool LegalTransition(State from, State to);
-  void SetStateLocked(State next) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status OnMessage();
   absl::Status OnHeader(const v1::WeightsHeader& h);
@@ -47,17 +44,12 @@ class PutWeightsReactor final : public grpc::ServerReadReactor<v1::PutWeightsReq
   LossService* const service_;
   grpc::CallbackServerContext* const ctx_;
   v1::PutWeightsResponse* const response_;
-  const absl::Time started_;
-  const std::shared_ptr<IdleWatch::Entry> idle_;  // armed while waiting for the client
-  bool entered_ = true;
-  std::string client_;  // for the per-client in-flight count
-  absl::Mutex mu_;
-  State state_ ABSL_GUARDED_BY(mu_) = State::kHeader;
+  CallEdge edge_;  // its idle watch armed while waiting for the client
+  CallState<State> state_{State::kHeader, State::kFinished, &LegalTransition};
   v1::PutWeightsRequest request_;
   // Set with the header, on the reactor's thread, before any other thread may read it.
   std::unique_ptr<WeightsUpload> upload_;
   uint64_t bytes_in_ = 0;
-  uint64_t parts_ = 0;
 };
 
 }  // namespace lossd

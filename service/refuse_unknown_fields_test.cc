@@ -28,6 +28,23 @@ void ExpectRefused(const grpc::Status& s, const std::string& what) {
       << s.error_message();
 }
 
+// Sends `request` as an upload stream's only message; the stream's status.
+template <typename Request>
+grpc::Status SendOnly(grpc::ClientWriter<Request>& stream, const Request& request) {
+  stream.Write(request);
+  stream.WritesDone();
+  return stream.Finish();
+}
+
+// Reads a response stream to its end; its status.
+template <typename Response>
+grpc::Status ReadToEnd(grpc::ClientReader<Response>& reader) {
+  Response r;
+  while (reader.Read(&r)) {
+  }
+  return reader.Finish();
+}
+
 class RefuseUnknownFieldsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -119,15 +136,12 @@ TEST_F(RefuseUnknownFieldsTest, PutWeightsAndFetchGradients) {
   {
     grpc::ClientContext ctx;
     v1::PutWeightsResponse resp;
-    auto stream = stub_->PutWeights(&ctx, &resp);
     v1::PutWeightsRequest r;
     r.mutable_header()->mutable_w()->set_dtype(v1::DTYPE_FP32);
     r.mutable_header()->mutable_w()->add_shape(2);
     r.mutable_header()->mutable_w()->add_shape(3);
     AddUnknown(r.mutable_header(), 30);
-    stream->Write(r);
-    stream->WritesDone();
-    ExpectRefused(stream->Finish(),
+    ExpectRefused(SendOnly(*stub_->PutWeights(&ctx, &resp), r),
                   "PutWeightsRequest.header (lossd.v1.WeightsHeader) carries field number 30");
   }
   {
@@ -135,11 +149,7 @@ TEST_F(RefuseUnknownFieldsTest, PutWeightsAndFetchGradients) {
     v1::FetchGradientsRequest r;
     r.set_accumulator("a");
     AddUnknown(&r, 20);
-    auto reader = stub_->FetchGradients(&ctx, r);
-    v1::FetchGradientsResponse resp;
-    while (reader->Read(&resp)) {
-    }
-    ExpectRefused(reader->Finish(),
+    ExpectRefused(ReadToEnd(*stub_->FetchGradients(&ctx, r)),
                   "FetchGradientsRequest (lossd.v1.FetchGradientsRequest) carries field "
                   "number 20");
   }
@@ -177,14 +187,12 @@ TEST_F(RefuseUnknownFieldsTest, HostedHeadCalls) {
   {
     grpc::ClientContext ctx;
     v1::CreateHeadResponse resp;
-    auto stream = stub_->CreateHead(&ctx, &resp);
     v1::CreateHeadRequest r;
     r.mutable_header()->set_name("h");
     AddUnknown(r.mutable_header()->mutable_optimizer(), 40);
-    stream->Write(r);
-    stream->WritesDone();
-    ExpectRefused(stream->Finish(), "CreateHeadRequest.header.optimizer "
-                                    "(lossd.v1.OptimizerConfig) carries field number 40");
+    ExpectRefused(SendOnly(*stub_->CreateHead(&ctx, &resp), r),
+                  "CreateHeadRequest.header.optimizer (lossd.v1.OptimizerConfig) carries "
+                  "field number 40");
   }
   {
     grpc::ClientContext ctx;
@@ -200,11 +208,7 @@ TEST_F(RefuseUnknownFieldsTest, HostedHeadCalls) {
     v1::ExportHeadRequest r;
     r.set_head("h");
     AddUnknown(&r, 31);
-    auto reader = stub_->ExportHead(&ctx, r);
-    v1::ExportHeadResponse resp;
-    while (reader->Read(&resp)) {
-    }
-    ExpectRefused(reader->Finish(),
+    ExpectRefused(ReadToEnd(*stub_->ExportHead(&ctx, r)),
                   "ExportHeadRequest (lossd.v1.ExportHeadRequest) carries field number 31");
   }
   for (bool drop : {false, true}) {

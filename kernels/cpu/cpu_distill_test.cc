@@ -3,8 +3,6 @@
 // own hidden size, and what the backend refuses.
 #include <cmath>
 #include <cstdint>
-#include <functional>
-#include <iostream>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -110,15 +108,10 @@ struct DistillSetup {
     teacher_logits = ComputeRawLogits(teacher);
   }
   static RandomProblemSpec Spec(const Shape& s, DType dtype, const Case& c, uint64_t seed) {
-    RandomProblemSpec spec;
-    spec.bt = s.bt;
-    spec.h = s.h;
-    spec.v = s.v;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = HeadSpec(s.bt, s.h, s.v, dtype, seed);
     spec.target_dtype = c.target_dtype;
     spec.bias = c.bias;
     spec.ignore_fraction = s.bt > 1 ? c.ignore : 0;
-    spec.seed = seed;
     return spec;
   }
   bool Counted(int64_t i) const {
@@ -207,12 +200,9 @@ double StudentLse(const DistillSetup& s, int64_t i, double t) {
     absl::StrAppend(&err, "accuracy ", got.accuracy, "\n");
   const double g_rel = 2 * u * Rms(mass_rms) * inv_t;
   const double tol = GradientTolerance(p, got.grad_dtype, g_rel);
-  ::testing::AssertionResult grads = GradientsMatch(p, got, ref.grad, 1.0, tol);
-  if (!grads) absl::StrAppend(&err, grads.message());
-  if (!err.empty()) return ::testing::AssertionFailure() << err;
-  return ::testing::AssertionSuccess()
-         << "loss " << got.loss[0] << " vs " << ref.loss << " (bound " << loss_bound << ")\n"
-         << grads.message();
+  return KindVerdict(
+      err, GradientsMatch(p, got, ref.grad, 1.0, tol),
+      absl::StrCat("loss ", got.loss[0], " vs ", ref.loss, " (bound ", loss_bound, ")\n"));
 }
 
 KindOutputs DistillOutputs(const LossProblem& p, DType grad_dtype, bool accumulate = false) {
@@ -229,14 +219,8 @@ TEST_P(CpuDistillMatrixTest, MatchesReference) {
   const DistillSetup s(shape, dtype, c, 7000 + shape.bt * 7 + static_cast<int>(dtype));
   ASSERT_TRUE(s.status.ok()) << s.status;
   KindOutputs got = DistillOutputs(s.problem, c.grad_f32 ? DType::kF32 : dtype, c.accumulate);
-  std::unique_ptr<Backend> backend = NewCpuBackend(2);
-  LossStats stats;
-  const absl::Status st = backend->Compute(s.problem, got.outputs(), &stats);
-  ASSERT_TRUE(st.ok()) << st;
-  const ::testing::AssertionResult match = MatchesDistillReference(s, c, got);
-  EXPECT_TRUE(match);
-  if (match) std::cout << match.message();
-  EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(s.problem, got.outputs())));
+  ExpectComputeMatches(s.problem, got,
+                       [&](const KindOutputs& g) { return MatchesDistillReference(s, c, g); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, CpuDistillMatrixTest,
@@ -244,25 +228,15 @@ INSTANTIATE_TEST_SUITE_P(Matrix, CpuDistillMatrixTest,
                                             ::testing::Values(DType::kBF16, DType::kF16,
                                                               DType::kF32),
                                             ::testing::ValuesIn(Cases())),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  std::string(DTypeName(std::get<1>(info.param))) + "_" +
-                                  std::get<2>(info.param).name;
-                         });
+                         MatrixCaseName<Param>);
 
 TEST(CpuDistillTest, BitIdenticalAtAnyThreadCountAndOnRerun) {
   Case c = Cases()[2];
   c.chunk_rows = 50;
   const DistillSetup s(kShapes[3], DType::kBF16, c, 31);
   ASSERT_TRUE(s.status.ok());
-  KindOutputs first = DistillOutputs(s.problem, DType::kBF16);
-  ASSERT_TRUE(NewCpuBackend(1)->Compute(s.problem, first.outputs(), nullptr).ok());
-  std::unique_ptr<Backend> three = NewCpuBackend(3);
-  for (int run = 0; run < 2; ++run) {
-    KindOutputs again = DistillOutputs(s.problem, DType::kBF16);
-    ASSERT_TRUE(three->Compute(s.problem, again.outputs(), nullptr).ok());
-    EXPECT_TRUE(KindOutputsIdentical(first, again)) << "run " << run;
-  }
+  ExpectBitIdenticalAcrossThreads(
+      s.problem, [](const LossProblem& p) { return DistillOutputs(p, DType::kBF16); });
 }
 
 // X arrives while the Compute runs (the teacher's X is whole): the same bits as given whole.
@@ -271,14 +245,8 @@ TEST(CpuDistillTest, StreamedRowsGiveTheWholeProblemsBits) {
   c.chunk_rows = 50;
   const DistillSetup s(kShapes[3], DType::kBF16, c, 34);
   ASSERT_TRUE(s.status.ok());
-  std::unique_ptr<Backend> backend = NewCpuBackend(2);
-  KindOutputs whole = DistillOutputs(s.problem, DType::kBF16);
-  ASSERT_TRUE(backend->Compute(s.problem, whole.outputs(), nullptr).ok());
-  TrickleRows rows(s.problem, TrickleRows::Spec());
-  KindOutputs streamed = DistillOutputs(s.problem, DType::kBF16);
-  ASSERT_TRUE(backend->Compute(rows.Streamed(s.problem), streamed.outputs(), nullptr).ok());
-  EXPECT_TRUE(KindOutputsIdentical(whole, streamed));
-  EXPECT_TRUE(rows.CallsAreValid(s.problem.bt, 6));
+  ExpectStreamedRowsIdentical(
+      s.problem, [](const LossProblem& p) { return DistillOutputs(p, DType::kBF16); }, 6);
 }
 
 TEST(CpuDistillTest, WorkspaceCountsTheTeachersChunk) {
@@ -308,14 +276,8 @@ TEST(CpuDistillTest, DefaultChunkHalvesForTheTeachersLogits) {
 TEST(CpuDistillTest, RefusesWhatItCannotCompute) {
   const DistillSetup s(kShapes[0], DType::kF32, Cases()[0], 33);
   ASSERT_TRUE(s.status.ok());
-  std::unique_ptr<Backend> backend = NewCpuBackend(1);
   const std::vector<float> ones(s.problem.bt, 1.0f);
-  struct Bad {
-    const char* field;
-    std::function<void(LossProblem&)> edit;
-    bool want_logp = false;
-  };
-  const Bad bad[] = {
+  const std::vector<Refusal> bad = {
       {"options.softcap", [](LossProblem& p) { p.options.softcap = 5; }},
       {"distill.jsd_beta", [](LossProblem& p) { p.distill.jsd_beta = 1.5f; }},
       {"distill.jsd_beta", [](LossProblem& p) { p.distill.jsd_beta = NAN; }},
@@ -323,18 +285,10 @@ TEST(CpuDistillTest, RefusesWhatItCannotCompute) {
       {"teacher_x and teacher_w", [](LossProblem& p) { p.teacher_w = nullptr; }},
       {"advantages", [&](LossProblem& p) { p.advantages = ones.data(); }},
       {"options.label_smoothing", [](LossProblem& p) { p.options.label_smoothing = 0.1f; }},
-      {"logp", [](LossProblem&) {}, true},
+      {"logp", [](LossProblem&) {}, [](KindOutputs& o) { o.want_logp = true; }},
   };
-  for (const Bad& b : bad) {
-    LossProblem p = s.problem;
-    b.edit(p);
-    KindOutputs got = DistillOutputs(p, DType::kF32);
-    got.want_logp = b.want_logp;
-    // Through the one validation, as the engine calls a backend.
-    const absl::Status st = ValidateThenCompute(*backend, p, got.outputs(), nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.field << ": " << st;
-    EXPECT_NE(std::string(st.message()).find(b.field), std::string::npos) << st;
-  }
+  ExpectRefusals(s.problem, bad,
+                 [](const LossProblem& p) { return DistillOutputs(p, DType::kF32); });
 }
 
 }  // namespace

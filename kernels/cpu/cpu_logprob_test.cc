@@ -3,8 +3,6 @@
 // overlapped path, accumulators, and what the backend refuses.
 #include <cmath>
 #include <cstdint>
-#include <functional>
-#include <iostream>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -114,16 +112,11 @@ struct LogprobSetup {
     logits = ComputeRawLogits(head);
   }
   static RandomProblemSpec Spec(const Shape& s, DType dtype, const Case& c, uint64_t seed) {
-    RandomProblemSpec spec;
-    spec.bt = s.bt;
-    spec.h = s.h;
-    spec.v = s.v;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = HeadSpec(s.bt, s.h, s.v, dtype, seed);
     spec.target_dtype = c.target_dtype;
     spec.bias = c.bias;
     spec.options.softcap = c.cap;
     spec.ignore_fraction = c.ignore;
-    spec.seed = seed;
     return spec;
   }
   RandomProblem random;
@@ -184,10 +177,7 @@ struct LogprobSetup {
     absl::StrAppend(&err, "accuracy ", got.accuracy, "\n");
   std::vector<double> abs_max = s.logits.abs_max;
   const double tol = GradientTolerance(p, got.grad_dtype, 2 * u * Rms(abs_max) * inv_t);
-  ::testing::AssertionResult grads = GradientsMatch(p, got, ref.grad, c.grad_scale, tol);
-  if (!grads) absl::StrAppend(&err, grads.message());
-  if (!err.empty()) return ::testing::AssertionFailure() << err;
-  return ::testing::AssertionSuccess() << grads.message();
+  return KindVerdict(err, GradientsMatch(p, got, ref.grad, c.grad_scale, tol));
 }
 
 using Param = std::tuple<Shape, DType, Case>;
@@ -199,14 +189,10 @@ TEST_P(CpuLogprobMatrixTest, MatchesReference) {
   ASSERT_TRUE(s.status.ok()) << s.status;
   KindOutputs got(s.problem, c.grad_f32 ? DType::kF32 : dtype, c.accumulate);
   got.want_entropy = c.want_entropy;
-  std::unique_ptr<Backend> backend = NewCpuBackend(2);
   LossStats stats;
-  const absl::Status st = backend->Compute(s.problem, got.outputs(), &stats);
-  ASSERT_TRUE(st.ok()) << st;
-  const ::testing::AssertionResult match = MatchesLogprobReference(s, c, got);
-  EXPECT_TRUE(match);
-  if (match) std::cout << match.message();
-  EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(s.problem, got.outputs())));
+  ASSERT_NO_FATAL_FAILURE(ExpectComputeMatches(
+      s.problem, got, [&](const KindOutputs& g) { return MatchesLogprobReference(s, c, g); },
+      &stats));
   EXPECT_EQ(stats.nonfinite, 0u);
 }
 
@@ -215,11 +201,7 @@ INSTANTIATE_TEST_SUITE_P(Matrix, CpuLogprobMatrixTest,
                                             ::testing::Values(DType::kBF16, DType::kF16,
                                                               DType::kF32),
                                             ::testing::ValuesIn(Cases())),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  std::string(DTypeName(std::get<1>(info.param))) + "_" +
-                                  std::get<2>(info.param).name;
-                         });
+                         MatrixCaseName<Param>);
 
 Case EntropyCase() {
   Case c;
@@ -234,14 +216,8 @@ TEST(CpuLogprobTest, BitIdenticalAtAnyThreadCountAndOnRerun) {
   const Case c = EntropyCase();
   const LogprobSetup s(kShapes[3], DType::kBF16, c, 11);
   ASSERT_TRUE(s.status.ok());
-  KindOutputs first(s.problem, DType::kBF16);
-  ASSERT_TRUE(NewCpuBackend(1)->Compute(s.problem, first.outputs(), nullptr).ok());
-  std::unique_ptr<Backend> three = NewCpuBackend(3);
-  for (int run = 0; run < 2; ++run) {
-    KindOutputs again(s.problem, DType::kBF16);
-    ASSERT_TRUE(three->Compute(s.problem, again.outputs(), nullptr).ok());
-    EXPECT_TRUE(KindOutputsIdentical(first, again)) << "run " << run;
-  }
+  ExpectBitIdenticalAcrossThreads(
+      s.problem, [](const LossProblem& p) { return KindOutputs(p, DType::kBF16); });
 }
 
 TEST(CpuLogprobTest, StreamedRowsGiveTheWholeProblemsBits) {
@@ -249,15 +225,8 @@ TEST(CpuLogprobTest, StreamedRowsGiveTheWholeProblemsBits) {
   c.chunk_rows = 40;
   const LogprobSetup s(kShapes[3], DType::kF16, c, 12);
   ASSERT_TRUE(s.status.ok());
-  std::unique_ptr<Backend> backend = NewCpuBackend(2);
-  KindOutputs whole(s.problem, DType::kF16);
-  ASSERT_TRUE(backend->Compute(s.problem, whole.outputs(), nullptr).ok());
-  TrickleRows::Spec spec;
-  TrickleRows rows(s.problem, spec);
-  KindOutputs streamed(s.problem, DType::kF16);
-  ASSERT_TRUE(backend->Compute(rows.Streamed(s.problem), streamed.outputs(), nullptr).ok());
-  EXPECT_TRUE(KindOutputsIdentical(whole, streamed));
-  EXPECT_TRUE(rows.CallsAreValid(s.problem.bt, 7));
+  ExpectStreamedRowsIdentical(
+      s.problem, [](const LossProblem& p) { return KindOutputs(p, DType::kF16); }, 7);
 }
 
 TEST(CpuLogprobTest, InfoListsTheKindsComputed) {
@@ -270,13 +239,8 @@ TEST(CpuLogprobTest, InfoListsTheKindsComputed) {
 TEST(CpuLogprobTest, RefusesWhatItCannotCompute) {
   const LogprobSetup s(kShapes[0], DType::kF32, EntropyCase(), 13);
   ASSERT_TRUE(s.status.ok());
-  std::unique_ptr<Backend> backend = NewCpuBackend(1);
   const std::vector<float> cw(s.problem.v, 1.0f), adv(s.problem.bt, 0.5f);
-  struct Bad {
-    const char* field;
-    std::function<void(LossProblem&)> edit;
-  };
-  const Bad bad[] = {
+  const std::vector<Refusal> bad = {
       {"class_weights", [&](LossProblem& p) { p.class_weights = cw.data(); }},
       {"grad_output", [&](LossProblem& p) { p.grad_output = adv.data(); }},
       {"options.reduction", [](LossProblem& p) { p.options.reduction = Reduction::kSum; }},
@@ -295,15 +259,7 @@ TEST(CpuLogprobTest, RefusesWhatItCannotCompute) {
          p.options.temperature = 2.0f;
        }},
   };
-  for (const Bad& b : bad) {
-    LossProblem p = s.problem;
-    b.edit(p);
-    KindOutputs got(p, DType::kF32);
-    // Through the one validation, as the engine calls a backend.
-    const absl::Status st = ValidateThenCompute(*backend, p, got.outputs(), nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.field << ": " << st;
-    EXPECT_NE(std::string(st.message()).find(b.field), std::string::npos) << b.field << ": " << st;
-  }
+  ExpectRefusals(s.problem, bad, [](const LossProblem& p) { return KindOutputs(p, DType::kF32); });
 }
 
 }  // namespace

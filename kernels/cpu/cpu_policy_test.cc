@@ -3,9 +3,6 @@
 // and what the backend refuses.
 #include <cmath>
 #include <cstdint>
-#include <functional>
-#include <iostream>
-#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -168,15 +165,10 @@ struct PolicySetup {
     logits = ComputeRawLogits(head);
   }
   static RandomProblemSpec Spec(const Shape& s, DType dtype, const Case& c, uint64_t seed) {
-    RandomProblemSpec spec;
-    spec.bt = s.bt;
-    spec.h = s.h;
-    spec.v = s.v;
-    spec.dtype = dtype;
+    RandomProblemSpec spec = HeadSpec(s.bt, s.h, s.v, dtype, seed);
     spec.bias = c.bias;
     spec.options.softcap = c.cap;
     spec.ignore_fraction = s.bt > 1 ? c.ignore : 0;
-    spec.seed = seed;
     return spec;
   }
   RandomProblem random;
@@ -245,13 +237,9 @@ struct PolicySetup {
   const double coef_rel = coef_sum > 0 ? coef_err / coef_sum : 0.0;
   const double tol =
       GradientTolerance(p, got.grad_dtype, 4 * u * Rms(s.logits.abs_max) * inv_t + coef_rel);
-  ::testing::AssertionResult grads = GradientsMatch(p, got, ref.grad, 1.0, tol);
-  if (!grads) absl::StrAppend(&err, grads.message());
-  if (!err.empty()) return ::testing::AssertionFailure() << err;
-  return ::testing::AssertionSuccess()
-         << "loss " << got.loss[0] << " vs " << ref.loss << ", clip_fraction " << got.clip_fraction
-         << ", kl " << got.kl << "\n"
-         << grads.message();
+  return KindVerdict(err, GradientsMatch(p, got, ref.grad, 1.0, tol),
+                     absl::StrCat("loss ", got.loss[0], " vs ", ref.loss, ", clip_fraction ",
+                                  got.clip_fraction, ", kl ", got.kl, "\n"));
 }
 
 KindOutputs PolicyOutputs(const LossProblem& p, DType grad_dtype, bool accumulate = false) {
@@ -268,14 +256,8 @@ TEST_P(CpuPolicyMatrixTest, MatchesReference) {
   const PolicySetup s(shape, dtype, c, 5000 + shape.bt * 7 + static_cast<int>(dtype));
   ASSERT_TRUE(s.status.ok()) << s.status;
   KindOutputs got = PolicyOutputs(s.problem, c.grad_f32 ? DType::kF32 : dtype, c.accumulate);
-  std::unique_ptr<Backend> backend = NewCpuBackend(2);
-  LossStats stats;
-  const absl::Status st = backend->Compute(s.problem, got.outputs(), &stats);
-  ASSERT_TRUE(st.ok()) << st;
-  const ::testing::AssertionResult match = MatchesPolicyReference(s, c, got);
-  EXPECT_TRUE(match);
-  if (match) std::cout << match.message();
-  EXPECT_EQ(stats.peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(s.problem, got.outputs())));
+  ExpectComputeMatches(s.problem, got,
+                       [&](const KindOutputs& g) { return MatchesPolicyReference(s, c, g); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, CpuPolicyMatrixTest,
@@ -283,11 +265,7 @@ INSTANTIATE_TEST_SUITE_P(Matrix, CpuPolicyMatrixTest,
                                             ::testing::Values(DType::kBF16, DType::kF16,
                                                               DType::kF32),
                                             ::testing::ValuesIn(Cases())),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  std::string(DTypeName(std::get<1>(info.param))) + "_" +
-                                  std::get<2>(info.param).name;
-                         });
+                         MatrixCaseName<Param>);
 
 TEST(CpuPolicyTest, ClippingHappensOnBothSidesInTheMatrix) {
   // The matrix's data must exercise both clipped branches and the unclipped one, or the
@@ -301,27 +279,15 @@ TEST(CpuPolicyTest, ClippingHappensOnBothSidesInTheMatrix) {
 TEST(CpuPolicyTest, BitIdenticalAtAnyThreadCountAndOnRerun) {
   const PolicySetup s(kShapes[3], DType::kBF16, Cases()[1], 21);
   ASSERT_TRUE(s.status.ok());
-  KindOutputs first = PolicyOutputs(s.problem, DType::kBF16);
-  ASSERT_TRUE(NewCpuBackend(1)->Compute(s.problem, first.outputs(), nullptr).ok());
-  std::unique_ptr<Backend> three = NewCpuBackend(3);
-  for (int run = 0; run < 2; ++run) {
-    KindOutputs again = PolicyOutputs(s.problem, DType::kBF16);
-    ASSERT_TRUE(three->Compute(s.problem, again.outputs(), nullptr).ok());
-    EXPECT_TRUE(KindOutputsIdentical(first, again)) << "run " << run;
-  }
+  ExpectBitIdenticalAcrossThreads(
+      s.problem, [](const LossProblem& p) { return PolicyOutputs(p, DType::kBF16); });
 }
 
 TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
   const PolicySetup s(kShapes[3], DType::kF32, Cases()[0], 22);
   ASSERT_TRUE(s.status.ok());
-  std::unique_ptr<Backend> backend = NewCpuBackend(1);
   const std::vector<float> ones(s.problem.bt, 1.0f);
-  struct Bad {
-    const char* field;
-    std::function<void(LossProblem&)> edit;
-    bool want_entropy = false;
-  };
-  const Bad bad[] = {
+  const std::vector<Refusal> bad = {
       {"advantages", [](LossProblem& p) { p.advantages = nullptr; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 3; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 0; }},
@@ -335,18 +301,10 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"dlogp", [&](LossProblem& p) { p.dlogp = ones.data(); }},
       {"teacher_w", [&](LossProblem& p) { p.teacher_w = ones.data(); }},
       {"options.reduction", [](LossProblem& p) { p.options.reduction = Reduction::kNone; }},
-      {"entropy", [](LossProblem&) {}, true},
+      {"entropy", [](LossProblem&) {}, [](KindOutputs& o) { o.want_entropy = true; }},
   };
-  for (const Bad& b : bad) {
-    LossProblem p = s.problem;
-    b.edit(p);
-    KindOutputs got = PolicyOutputs(p, DType::kF32);
-    got.want_entropy = b.want_entropy;
-    // Through the one validation, as the engine calls a backend.
-    const absl::Status st = ValidateThenCompute(*backend, p, got.outputs(), nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.field << ": " << st;
-    EXPECT_NE(std::string(st.message()).find(b.field), std::string::npos) << st;
-  }
+  ExpectRefusals(s.problem, bad,
+                 [](const LossProblem& p) { return PolicyOutputs(p, DType::kF32); });
 }
 
 }  // namespace

@@ -4,15 +4,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference_head.h"
 #include "testing/test_util.h"
 
@@ -218,6 +223,75 @@ std::vector<double> Added(const std::vector<float>& got, const std::vector<float
   vec("db_accum", a.db_accum, b.db_accum);
   if (bad.empty()) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "outputs differ: " << bad;
+}
+
+::testing::AssertionResult KindVerdict(std::string errors, const ::testing::AssertionResult& grads,
+                                       const std::string& summary) {
+  if (!grads) absl::StrAppend(&errors, grads.message());
+  if (!errors.empty()) return ::testing::AssertionFailure() << errors;
+  return ::testing::AssertionSuccess() << summary << grads.message();
+}
+
+RandomProblemSpec HeadSpec(int64_t bt, int64_t h, int64_t v, DType dtype, uint64_t seed) {
+  RandomProblemSpec spec;
+  spec.bt = bt;
+  spec.h = h;
+  spec.v = v;
+  spec.dtype = dtype;
+  spec.seed = seed;
+  return spec;
+}
+
+void ExpectComputeMatches(
+    const LossProblem& p, KindOutputs& got,
+    const std::function<::testing::AssertionResult(const KindOutputs&)>& matches,
+    LossStats* stats) {
+  std::unique_ptr<Backend> backend = NewCpuBackend(2);
+  LossStats own;
+  if (stats == nullptr) stats = &own;
+  const absl::Status st = backend->Compute(p, got.outputs(), stats);
+  ASSERT_TRUE(st.ok()) << st;
+  const ::testing::AssertionResult match = matches(got);
+  EXPECT_TRUE(match);
+  if (match) std::cout << match.message();
+  EXPECT_EQ(stats->peak_extra_bytes, backend->WorkspaceBytes(ShapeOf(p, got.outputs())));
+}
+
+void ExpectBitIdenticalAcrossThreads(const LossProblem& p, const MakeKindOutputs& make) {
+  KindOutputs first = make(p);
+  ASSERT_TRUE(NewCpuBackend(1)->Compute(p, first.outputs(), nullptr).ok());
+  std::unique_ptr<Backend> three = NewCpuBackend(3);
+  for (int run = 0; run < 2; ++run) {
+    KindOutputs again = make(p);
+    ASSERT_TRUE(three->Compute(p, again.outputs(), nullptr).ok());
+    EXPECT_TRUE(KindOutputsIdentical(first, again)) << "run " << run;
+  }
+}
+
+void ExpectStreamedRowsIdentical(const LossProblem& p, const MakeKindOutputs& make,
+                                 size_t dx_calls) {
+  std::unique_ptr<Backend> backend = NewCpuBackend(2);
+  KindOutputs whole = make(p);
+  ASSERT_TRUE(backend->Compute(p, whole.outputs(), nullptr).ok());
+  TrickleRows rows(p, TrickleRows::Spec());
+  KindOutputs streamed = make(p);
+  ASSERT_TRUE(backend->Compute(rows.Streamed(p), streamed.outputs(), nullptr).ok());
+  EXPECT_TRUE(KindOutputsIdentical(whole, streamed));
+  EXPECT_TRUE(rows.CallsAreValid(p.bt, dx_calls));
+}
+
+void ExpectRefusals(const LossProblem& p, const std::vector<Refusal>& refusals,
+                    const MakeKindOutputs& make) {
+  std::unique_ptr<Backend> backend = NewCpuBackend(1);
+  for (const Refusal& r : refusals) {
+    LossProblem bad = p;
+    r.edit(bad);
+    KindOutputs got = make(bad);
+    if (r.edit_outputs) r.edit_outputs(got);
+    const absl::Status st = ValidateThenCompute(*backend, bad, got.outputs(), nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << r.field << ": " << st;
+    EXPECT_NE(std::string(st.message()).find(r.field), std::string::npos) << r.field << ": " << st;
+  }
 }
 
 }  // namespace lossd

@@ -1,16 +1,23 @@
 // Test helpers for the loss kinds beyond cross-entropy (logprob, policy, distill) against their
 // float64 references: poisoned output buffers with every kind's outputs, random per-token
-// inputs, the logits' sizes the tolerances are made of, and the gradients' comparison.
+// inputs, the logits' sizes the tolerances are made of, the gradients' comparison, and the
+// cases every kind's test runs alike (the matrix's compute-and-compare, determinism, streamed
+// rows, refusals).
 #ifndef LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
 #define LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
 
 #include <cstdint>
+#include <functional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/reference_head.h"
+#include "testing/test_util.h"
 
 namespace lossd {
 
@@ -73,6 +80,53 @@ double GradientTolerance(const LossProblem& p, DType grad_dtype, double g_rel);
 
 // Every output buffer of a and b byte for byte.
 ::testing::AssertionResult KindOutputsIdentical(const KindOutputs& a, const KindOutputs& b);
+
+// A kind's comparison's verdict: `errors` (a line per output outside its bound) and the
+// gradients'; a success carries `summary` and the gradients' margins, for the log.
+::testing::AssertionResult KindVerdict(std::string errors, const ::testing::AssertionResult& grads,
+                                       const std::string& summary = "");
+
+// The spec of a random (bt, h, v) head of `dtype` from `seed`; each kind's test adds its own.
+RandomProblemSpec HeadSpec(int64_t bt, int64_t h, int64_t v, DType dtype, uint64_t seed);
+
+// The matrices' test names, <shape>_<dtype>_<case>, of a (Shape, DType, Case) parameter whose
+// Shape and Case have a name.
+template <typename Param>
+std::string MatrixCaseName(const ::testing::TestParamInfo<Param>& info) {
+  return std::string(std::get<0>(info.param).name) + "_" +
+         std::string(DTypeName(std::get<1>(info.param))) + "_" + std::get<2>(info.param).name;
+}
+
+// Computes p into `got` on a two-thread CPU backend: it succeeds, `matches` holds (its margins
+// printed), and the workspace it used is the one it reports. `stats` (if given) gets the
+// Compute's. Call through ASSERT_NO_FATAL_FAILURE.
+void ExpectComputeMatches(
+    const LossProblem& p, KindOutputs& got,
+    const std::function<::testing::AssertionResult(const KindOutputs&)>& matches,
+    LossStats* stats = nullptr);
+
+// A kind's output buffers for a problem: KindOutputs with only the kind's own outputs wanted.
+using MakeKindOutputs = std::function<KindOutputs(const LossProblem&)>;
+
+// p on one thread, then twice on one three-thread backend: every output byte for byte.
+void ExpectBitIdenticalAcrossThreads(const LossProblem& p, const MakeKindOutputs& make);
+
+// p given whole, and with its X arriving while the Compute runs (TrickleRows): the same bits,
+// the stream's calls valid with `dx_calls` DxReady calls.
+void ExpectStreamedRowsIdentical(const LossProblem& p, const MakeKindOutputs& make,
+                                 size_t dx_calls);
+
+// A problem the backend refuses: `edit` (and `edit_outputs`) make it bad; the error names
+// `field`.
+struct Refusal {
+  const char* field;
+  std::function<void(LossProblem&)> edit;
+  std::function<void(KindOutputs&)> edit_outputs = nullptr;
+};
+// Each refusal applied to p, through the one validation as the engine calls a backend: invalid
+// argument, naming its field.
+void ExpectRefusals(const LossProblem& p, const std::vector<Refusal>& refusals,
+                    const MakeKindOutputs& make);
 
 }  // namespace lossd
 

@@ -234,3 +234,26 @@ def assert_matches_reference(exp, ref, cfg, step_count, what=""):
 def require_heads(client):
     if "hosted_head" not in client.server_info().features:
         pytest.skip("this lossd does not list the hosted_head feature")
+
+
+class MadeHeads(list):
+    """The names of the heads a test creates, dropped after it (made_heads)."""
+
+    def name(self, prefix):
+        """A fresh head name, dropped after the test."""
+        name = unique(prefix)
+        self.append(name)
+        return name
+
+
+def made_heads(client):
+    """The body of a test module's `heads` fixture: skips without hosted heads, yields the
+    MadeHeads a test names its heads with, and drops them after the test."""
+    require_heads(client)
+    made = MadeHeads()
+    yield made
+    for name in made:
+        try:
+            client.drop_head(name)
+        except lossd.NotFoundError:
+            pass

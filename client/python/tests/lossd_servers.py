@@ -1,7 +1,7 @@
 """What the Python client tests and the Prometheus end-to-end test both need to start a real
 lossd: a free loopback port and the lossd binary ($LOSSD_BIN, else
 $(bazel info bazel-bin)/service/lossd; skipped without one unless LOSSD_BIN is set, then a
-missing binary is a failure)."""
+missing binary is a failure). find_built_binary finds the tests' other built tools alike."""
 
 import os
 import shutil
@@ -20,11 +20,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def find_lossd_binary():
-    env = os.environ.get("LOSSD_BIN")
+def find_built_binary(env_var, package, name):
+    """The executable $`env_var` names, else Bazel's build of //`package`:`name`; the test is
+    skipped without one, unless `env_var` is set (then a missing binary is a failure)."""
+    env = os.environ.get(env_var)
     if env:
         if not os.access(env, os.X_OK):
-            pytest.fail("LOSSD_BIN=%s is not an executable file" % env)
+            pytest.fail("%s=%s is not an executable file" % (env_var, env))
         return env
     # The build keeps no bazel-bin link in the tree (.bazelrc): ask Bazel where its outputs are.
     try:
@@ -32,10 +34,14 @@ def find_lossd_binary():
                              text=True, timeout=120).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         out = ""
-    cand = Path(out) / "service" / "lossd" if out else None
+    cand = Path(out) / package / name if out else None
     if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
         return str(cand)
-    pytest.skip("no lossd binary: build //service:lossd or set LOSSD_BIN")
+    pytest.skip("no %s binary: build //%s:%s or set %s" % (name, package, name, env_var))
+
+
+def find_lossd_binary():
+    return find_built_binary("LOSSD_BIN", "service", "lossd")
 
 
 def make_test_pki(d, clients, ca_name="lossd-test-ca"):

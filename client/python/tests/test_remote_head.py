@@ -19,12 +19,11 @@ from head_harness import (  # noqa: E402
     Turns,
     assert_matches_reference,
     make_batch,
+    made_heads,
     make_head,
     rank_modules,
-    require_heads,
     run_ranks,
     shadow_gradient,
-    unique,
 )
 from torch_reference import torch_reference  # noqa: E402
 
@@ -44,22 +43,14 @@ STEPS, MICRO = 4, 2
 
 @pytest.fixture
 def heads(client):
-    require_heads(client)
-    made = []
-    yield made
-    for name in made:
-        try:
-            client.drop_head(name)
-        except lossd.NotFoundError:
-            pass
+    yield from made_heads(client)
 
 
 def _train(client, heads, cfg, world, dtype="fp32", steps=STEPS, micro=MICRO, seed=0,
            lr_schedule=None):
     """Trains one head with `world` ranks and a local torch head beside it; returns the worst
     ulp distance seen."""
-    name = unique("train")
-    heads.append(name)
+    name = heads.name("train")
     w, b = make_head(seed)
     info = client.create_head(name, w, b, optimizer=cfg, compute_dtype=dtype)
     assert info.created and info.version == 0 and info.compute_dtype == dtype
@@ -139,8 +130,7 @@ def test_export_import_continues_bit_for_bit(client, heads):
     under another name continues exactly as the one that never stopped."""
     cfg = OPTIMIZERS["adamw-amsgrad"]
     w, b = make_head(7)
-    a_name, b_name = unique("run-a"), unique("run-b")
-    heads += [a_name, b_name]
+    a_name, b_name = heads.name("run-a"), heads.name("run-b")
     a = RemoteLMHead(a_name, w, b, client=client, optimizer=cfg)
     opt_a = a.optimizer()
 
@@ -178,8 +168,7 @@ def test_a_retried_compute_is_not_added_twice(client, heads, monkeypatch):
     answers the retry but does not add it, so the step holds the micro-batch once."""
     cfg = OPTIMIZERS["sgd-momentum-nesterov-wd"]
     w, b = make_head(9)
-    name = unique("retry")
-    heads.append(name)
+    name = heads.name("retry")
     mod = RemoteLMHead(name, w, b, client=client, optimizer=cfg)
     opt = mod.optimizer()
     exp0 = client.export_head(name)
@@ -213,8 +202,7 @@ def test_a_retried_compute_is_not_added_twice(client, heads, monkeypatch):
 def test_frozen_backbone_still_trains_the_head(client, heads):
     """Hidden states that need no gradient: the head's gradient is still added."""
     w, b = make_head(10)
-    name = unique("frozen")
-    heads.append(name)
+    name = heads.name("frozen")
     mod = RemoteLMHead(name, w, b, client=client, optimizer="sgd")
     x, t = make_batch(1000)
     loss = mod(x, t)
@@ -228,8 +216,7 @@ def test_frozen_backbone_still_trains_the_head(client, heads):
 
 def test_eval_adds_nothing(client, heads):
     w, b = make_head(11)
-    name = unique("eval")
-    heads.append(name)
+    name = heads.name("eval")
     mod = RemoteLMHead(name, w, b, client=client, reduction="sum")
     x, t = make_batch(1100)
     with torch.no_grad():
@@ -249,8 +236,7 @@ def test_deferred_and_reduction_none_take_the_actual_upstream_gradient(client, h
     dX, and the step's sum is torch's dW."""
     w, b = make_head(12)
     for kw, up in (({"deferred": True}, None), ({"reduction": "none"}, "tokens")):
-        name = unique("deferred")
-        heads.append(name)
+        name = heads.name("deferred")
         mod = RemoteLMHead(name, w, b, client=client, optimizer="sgd", **kw)
         x, t = make_batch(1200)
         xg = x.clone().requires_grad_()
@@ -265,8 +251,7 @@ def test_deferred_and_reduction_none_take_the_actual_upstream_gradient(client, h
 
 def test_a_scaled_loss_in_eager_mode_needs_loss_scale(client, heads):
     w, b = make_head(13)
-    name = unique("scaled")
-    heads.append(name)
+    name = heads.name("scaled")
     mod = RemoteLMHead(name, w, b, client=client)
     x, t = make_batch(1300)
     with pytest.raises(lossd.FailedPreconditionError, match="loss_scale"):
@@ -279,8 +264,7 @@ def test_a_scaled_loss_in_eager_mode_needs_loss_scale(client, heads):
 
 def test_hidden_of_another_dtype_is_refused(client, heads):
     w, b = make_head(14)
-    name = unique("dtype")
-    heads.append(name)
+    name = heads.name("dtype")
     mod = RemoteLMHead(name, w, b, client=client, compute_dtype="bf16")
     x, t = make_batch(1400)
     with pytest.raises(lossd.InvalidArgumentError, match="computes in bf16"):

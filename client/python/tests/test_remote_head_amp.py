@@ -16,13 +16,12 @@ from head_harness import (  # noqa: E402
     Turns,
     assert_matches_reference,
     make_batch,
+    made_heads,
     make_head,
     rank_modules,
-    require_heads,
     run_ranks,
     shadow_gradient,
     ulps,
-    unique,
 )
 
 ADAMW = lossd.OptimizerConfig.adamw(lr=0.01, weight_decay=0.05, amsgrad=True)
@@ -30,20 +29,12 @@ ADAMW = lossd.OptimizerConfig.adamw(lr=0.01, weight_decay=0.05, amsgrad=True)
 
 @pytest.fixture
 def heads(client):
-    require_heads(client)
-    made = []
-    yield made
-    for name in made:
-        try:
-            client.drop_head(name)
-        except lossd.NotFoundError:
-            pass
+    yield from made_heads(client)
 
 
 def _new_head(client, heads, cfg, seed, prefix):
     w, b = make_head(seed)
-    name = unique(prefix)
-    heads.append(name)
+    name = heads.name(prefix)
     client.create_head(name, w, b, optimizer=cfg)
     return name, w, b
 
@@ -230,8 +221,7 @@ def test_a_running_torch_optimizer_moves_to_lossd(client, heads, kind):
     moved = head_state_from_torch(ref.opt, ref.w, ref.b)
     cfg = moved["optimizer"]
     assert cfg.kind == kind and moved["optimizer_step"] == (2 if kind == "adamw" else 1)
-    name = unique("moved")
-    heads.append(name)
+    name = heads.name("moved")
     mod = RemoteLMHead(name, ref.w, ref.b, client=client, **moved)
     opt = mod.optimizer()
     for k in range(2):

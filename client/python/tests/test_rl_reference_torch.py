@@ -16,29 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from lossd_servers import find_built_binary
+
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-REPO = Path(__file__).resolve().parents[3]
 DT = torch.float64
 
 
 def find_cases_binary():
-    env = os.environ.get("LOSSD_REFERENCE_CASES")
-    if env:
-        if not os.access(env, os.X_OK):
-            pytest.fail("LOSSD_REFERENCE_CASES=%s is not an executable file" % env)
-        return env
-    try:
-        out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    cand = Path(out) / "kernels" / "cpu" / "reference_cases" if out else None
-    if cand is not None and cand.is_file() and os.access(cand, os.X_OK):
-        return str(cand)
-    pytest.skip("no reference_cases binary: build //kernels/cpu:reference_cases or set "
-                "LOSSD_REFERENCE_CASES")
+    return find_built_binary("LOSSD_REFERENCE_CASES", "kernels/cpu", "reference_cases")
 
 
 @pytest.fixture(scope="module")
