@@ -82,6 +82,10 @@ class LossdRuntime:
         # inside backward (activation checkpointing) that matches one of them redoes it.
         # Forwards of one key are interchangeable, so counts suffice.
         self._added = collections.OrderedDict()
+        # lossd.rl's two-phase log-probs: what their calls did, by event (lossd._rl_logprob's
+        # _note), and the events already logged (each once).
+        self.two_phase_counts = collections.Counter()
+        self.two_phase_logged = set()
 
     # -- eager accumulation under activation checkpointing ------------------------------
 
