@@ -106,7 +106,8 @@ def test_a_backward_at_other_options_is_refused(client):
     assert got.dx.shape == (BT, H)
 
 
-def test_a_server_that_keeps_no_tickets_has_the_one_phase_call_stand_in(tmp_path):
+def test_a_server_that_keeps_no_tickets_has_the_one_phase_call_stand_in(client, tmp_path):
+    needs_feature(client)  # the same binary: one without the feature lacks --max_tickets too
     srv = LossdProcess(find_lossd_binary(), str(tmp_path / "lossd.log"),
                        extra_flags=["--max_tickets=0"])
     try:
