@@ -15,13 +15,15 @@ upstream gradients are known in advance); what differs is what travels:
 
 Where the two-phase form cannot be had, the one-phase call stands in, and the first time on
 each runtime that is logged (logger "lossd.rl") with the reason: the server lacks the feature,
-or will not keep this forward (its ticket budget is full: RESOURCE_EXHAUSTED), or at backward
+or will not keep this forward (its ticket budget is full: RESOURCE_EXHAUSTED; then the
+forwards of the next PAUSE_AFTER_REFUSAL_S do not ask), or at backward
 the ticket is gone (NOT_FOUND: expired, consumed, unknown; FAILED_PRECONDITION: taken by
 another server instance, a restart or another replica). Any other error propagates.
 runtime.two_phase_counts counts what happened (see _note).
 """
 
 import logging
+import time
 
 import torch
 
@@ -34,6 +36,10 @@ log = logging.getLogger("lossd.rl")
 
 FEATURE = "logprob_two_phase"
 DEFAULT_KEEP_MS = 60_000  # long enough for a forward and its backward on a loaded trainer
+# After the server would not keep a forward (its ticket budget full), the forwards of the next
+# seconds keep nothing: a refusal may come after X arrived, and asking again at once would
+# send most of them twice, while the backwards of the tickets held free the budget.
+PAUSE_AFTER_REFUSAL_S = 5.0
 
 
 def _note(runtime, event, why=None):
@@ -49,7 +55,10 @@ def _note(runtime, event, why=None):
 
 
 def _keeps(runtime):
-    """Whether the runtime's server keeps tickets (the client asks it once)."""
+    """Whether to ask the runtime's server to keep this forward: it keeps tickets (the
+    client asks it once) and did not refuse one in the last PAUSE_AFTER_REFUSAL_S."""
+    if time.monotonic() < runtime.two_phase_paused_until:
+        return False
     try:
         runtime.client.require_feature(FEATURE, timeout=runtime.timeout)
     except errors.UnimplementedError as e:
@@ -69,6 +78,7 @@ def _forward(runtime, x, weight, labels, bias, temperature, keep_ms):
             r = runtime.compute(x, weight, labels, bias, keep_ms=keep_ms, **kw)
         except errors.ResourceExhaustedError as e:
             # The ticket budget (or, then failing again below, the compute's own memory).
+            runtime.two_phase_paused_until = time.monotonic() + PAUSE_AFTER_REFUSAL_S
             _note(runtime, "not_kept",
                   "lossd.rl: the server would not keep a two-phase ticket (%s): this "
                   "forward's backward sends X again" % e.message)

@@ -272,6 +272,20 @@ def test_the_one_phase_call_stands_in(make_client, event, message, caplog):
     expect_grads([("dx", hidden, rx), ("dw", w, rw), ("db", b, rb)])
 
 
+def test_after_a_refusal_forwards_keep_nothing_for_a_while():
+    client = _Refusing(lossd.ResourceExhaustedError("the ticket store is full"), "keep_ms")
+    runtime = LossdRuntime(client=client, cache_weights=False)
+    hidden, w, b, ids, g1, g2 = inputs(175)
+    run_ppo(runtime, hidden, w, b, ids, 1.0, g1, g2)  # refused: no call recorded
+    run_ppo(runtime, *fresh(hidden, w, b), ids, 1.0, g1, g2)  # paused: not asked
+    assert counts(runtime) == {"not_kept": 1, "one_phase": 2}
+    assert [c["keep_ms"] for c in client.calls] == [0, 0, 0, 0]
+    client.when = "never"  # the budget has room again, and the pause is over
+    runtime.two_phase_paused_until = 0.0
+    run_ppo(runtime, *fresh(hidden, w, b), ids, 1.0, g1, g2)
+    assert counts(runtime) == {"not_kept": 1, "one_phase": 2, "tickets": 1, "two_phase": 1}
+
+
 @pytest.mark.parametrize("error", [lossd.InternalError("boom"), lossd.UnavailableError("down"),
                                    lossd.ClientClosedError("closed")])
 def test_other_errors_at_backward_propagate(error):
