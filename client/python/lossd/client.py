@@ -501,7 +501,7 @@ class Client(HeadMethods):
           buffer that does not fit, or one for an output the call does not return, is refused
           before anything is sent.
         timeout: seconds (None = the client's default, float("inf") = none).
-        overlap: None = the client's setting (see Client).
+        overlap: None = the client's setting (see Client); off for a two-phase call.
         head: a hosted head's name, with w None: its compute copy is the weight, dW/db go into
           its step at head_version, and (rank, micro_batch) is the key that keeps a retry from
           adding twice (result.head_added); see HeadMethods._check_head_compute.
@@ -558,7 +558,9 @@ class Client(HeadMethods):
         header.MergeFrom(pb.ComputeHeader(**head_fields))
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         header.response_part_bytes = int(rpb)
-        overlapped = self.overlap if overlap is None else bool(overlap)
+        if overlap is None:  # a two-phase call is never overlapped (the server refuses it)
+            overlap = self.overlap and not (keep_ms or ticket is not None)
+        overlapped = bool(overlap)
         header.overlap = overlapped
         bytes_sent = sum(arr.nbytes for _, arr in inputs.inline)
         into = check_out(out, returned_outputs(header, inputs.xdt, inputs.xshape, inputs.wshape,

@@ -69,7 +69,7 @@ def fake():
     pb_grpc.add_LossServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    with lossd.Client("127.0.0.1:%d" % port, timeout=10, overlap=False) as c:
+    with lossd.Client("127.0.0.1:%d" % port, timeout=10) as c:  # overlap on, the default
         yield servicer, c
     server.stop(None)
 
@@ -86,12 +86,13 @@ def test_forward_sends_keep_ms_and_reads_the_ticket(fake):
     r = forward(c)
     h = servicer.headers[-1]
     assert h.keep_ms == 1500 and not h.ticket and h.kind == pb.LOSS_KIND_LOGPROB
+    assert not h.overlap, "a two-phase call is never overlapped"
     assert h.options.temperature == pytest.approx(0.8)
     assert (r.ticket, r.ticket_expires_unix_ms) == ("tk-7", 1234567)
     np.testing.assert_array_equal(r.logp, np.full(BT, -1.5, np.float32))
     # A call without keep_ms sends 0 (no ticket) and reads none.
     r = c.compute(rand(BT, H), rand(V, H), RNG.integers(0, V, BT), kind="logprob",
-                  dlogp=rand(BT))
+                  dlogp=rand(BT), overlap=False)
     assert servicer.headers[-1].keep_ms == 0 and r.ticket == "" and r.ticket_expires_unix_ms == 0
 
 
@@ -102,6 +103,7 @@ def test_backward_sends_the_ticket_and_upstream_gradients_only(fake):
                   want_dw=False, grad_dtype="fp32", grad_scale=0.5, accumulator="acc-a")
     h = servicer.headers[-1]
     assert h.ticket == "tk-7" and h.keep_ms == 0 and h.kind == pb.LOSS_KIND_LOGPROB
+    assert not h.overlap
     for field in ("x", "w", "bias", "targets", "class_weights", "grad_output", "teacher_x"):
         assert not h.HasField(field), field
     assert not h.weight_handle and not h.head
@@ -180,7 +182,8 @@ def test_a_server_without_the_feature_is_refused_before_sending(fake):
         c.compute(None, None, None, kind="logprob", ticket="tk-7", dlogp=rand(BT))
     assert servicer.headers == []
     # A one-phase logprob call needs no such feature.
-    c.compute(rand(BT, H), rand(V, H), RNG.integers(0, V, BT), kind="logprob", dlogp=rand(BT))
+    c.compute(rand(BT, H), rand(V, H), RNG.integers(0, V, BT), kind="logprob", dlogp=rand(BT),
+              overlap=False)
     assert len(servicer.headers) == 1
 
 
