@@ -199,6 +199,31 @@ def test_a_pool_sends_the_backward_to_the_forwards_replica(cluster, cache_weight
         runtime.close()
 
 
+def test_a_pools_backward_goes_to_the_forwards_replica_not_the_ranks(cluster):
+    """Weights by name live on another replica than this rank's stateless calls: the forward
+    goes to the weights, and so must the backward (it names no weights)."""
+    cluster.ensure_all()
+    with _pool(cluster, rank=0) as pool:
+        needs_feature(pool)
+        rank_home = pool.order("rank:0")[0]
+        name = next("tp-w-%d" % i for i in range(100)
+                    if pool.order("weights:tp-w-%d" % i)[0] != rank_home)
+        x, w, b, t, dlogp, dent = problem(245)
+        pw = pool.put_weights(w, b, name=name)
+        r = pool.compute(x, pw, t, keep_ms=60_000, **FWD)
+        assert pool.home(pw.key) != rank_home
+        got = pool.compute(None, None, None, kind="logprob", ticket=r.ticket, dlogp=dlogp,
+                           dentropy=dent)
+        one = pool.compute(x, pw, t, kind="logprob", temperature=0.9, dlogp=dlogp,
+                           dentropy=dent)
+        for field in ("dx", "dw", "db"):
+            assert np.array_equal(getattr(got, field), getattr(one, field)), field
+        assert got.instance == r.instance == one.instance and not pool._tickets
+        with pytest.raises(lossd.NotFoundError, match="not taken through this pool"):
+            pool.compute(None, None, None, kind="logprob", ticket=r.ticket, dlogp=dlogp)
+        pool.drop_weights(pw)
+
+
 def test_a_pool_falls_back_where_the_ticket_cannot_be_reached(cluster):
     """The accumulator began on another replica than the rank's forwards go to; and then
     the forward's replica is killed between the phases. Either way the one-phase call
