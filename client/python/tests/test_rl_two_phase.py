@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 import lossd  # noqa: E402
 from lossd import rl  # noqa: E402
 from lossd.nn import LossdRuntime  # noqa: E402
+from conftest import TOLERANCES  # noqa: E402
 from rl_torch_reference import ReferenceClient, as64, logprob_entropy  # noqa: E402
 from test_rl_torch import (B, H, S, V, expect_close, expect_grads, leaves,  # noqa: E402
                            ratios_away_from_bounds, ref_leaves)
@@ -103,6 +104,33 @@ def test_two_phase_equals_torch_and_the_one_phase_form(backend, with_bias, tempe
         assert kept["keep_ms"] == rl.DEFAULT_KEEP_MS and not kept["want_dx"]
         assert by_ticket["ticket"] and by_ticket["has_dlogp"]
         assert fake.tickets == {}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_each_dtype_within_its_tolerance_and_as_one_phase(backend, dtype):
+    """X and W in each input dtype: within conftest's tolerance table of the float64
+    reference of the same (rounded) inputs, and bit for bit the one-phase form's."""
+    make, _ = backend
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    hidden, w, b, ids, g1, g2 = inputs(105)
+    hidden, w, b = (t.detach().to(tdt).requires_grad_(True) for t in (hidden, w, b))
+    runtime = make()
+    logp, entropy = run_ppo(runtime, hidden, w, b, ids, 0.8, g1, g2)
+    assert counts(runtime) == {"tickets": 1, "two_phase": 1}
+    assert hidden.grad.dtype == tdt and w.grad.dtype == tdt and entropy.dtype == tdt
+    rx, rw, rb = ref_leaves(hidden.reshape(-1, H), w, b)
+    rlogp, rent = logprob_entropy(rx, rw, rb, ids.reshape(-1), 0.8)
+    (as64(g1).reshape(-1) * rlogp + as64(g2).reshape(-1) * rent).sum().backward()
+    tol = TOLERANCES[dtype]
+    for name, got, want in (("logp", logp, rlogp.detach()), ("entropy", entropy, rent.detach()),
+                            ("dx", hidden.grad, rx.grad), ("dw", w.grad, rw.grad),
+                            ("db", b.grad, rb.grad)):
+        expect_close(name, got, want, **tol)
+    one = make()
+    h1, w1, b1 = fresh(hidden, w, b)
+    run_ppo(one, h1, w1, b1, ids, 0.8, g1, g2, keep_ms=0)
+    for name, a, c in (("dx", h1, hidden), ("dw", w1, w), ("db", b1, b)):
+        assert torch.equal(a.grad, c.grad), name
 
 
 def test_a_clipped_ratio_loss_of_the_log_probs_backpropagates(backend):
