@@ -525,8 +525,10 @@ class Client(HeadMethods):
         t_start = time.perf_counter()
         keep_ms = check_keep_ms(keep_ms)
         if ticket is None:
-            head_fields = self._check_head_compute(w, bias, accumulator, head, head_version, rank,
-                                                   micro_batch, timeout)
+            # A forward that keeps adds nothing to a head's step, so it needs no step key.
+            head_fields = self._check_head_compute(
+                w, bias, accumulator, head, head_version, rank,
+                0 if keep_ms and micro_batch is None else micro_batch, timeout)
             inputs = Inputs(x, w, targets, bias, class_weights, grad_output, reduction)
         else:
             inputs = TicketInputs(ticket, kind, keep_ms, out, dict(

@@ -126,6 +126,46 @@ def test_a_server_that_keeps_no_tickets_has_the_one_phase_call_stand_in(client, 
         srv.stop()
 
 
+def head_two_phase(c, name, seed):
+    """On client or pool `c`: a hosted head, a forward that keeps against it and its backward
+    by ticket with a step key, against the one-phase call with another key. Returns the
+    backward's result."""
+    x, w, b, t, dlogp, dent = problem(seed)
+    info = c.create_head(name, w, b, optimizer="sgd")
+    r = c.compute(x, None, t, head=name, head_version=info.version, keep_ms=60_000, **FWD)
+    got = c.compute(None, None, None, kind="logprob", ticket=r.ticket, dlogp=dlogp,
+                    dentropy=dent, rank=0, micro_batch=0, want_dw=False, want_db=False)
+    one = c.compute(x, None, t, head=name, head_version=info.version, rank=0, micro_batch=1,
+                    kind="logprob", temperature=0.9, dlogp=dlogp, dentropy=dent, want_dw=False,
+                    want_db=False)
+    assert got.head_added and one.head_added and got.head_version == info.version
+    assert np.array_equal(got.dx, one.dx)
+    assert c.head_info(name).contributions == 2
+    # The same key again, by a new ticket: answered, not added twice.
+    r = c.compute(x, None, t, head=name, head_version=info.version, keep_ms=60_000, **FWD)
+    again = c.compute(None, None, None, kind="logprob", ticket=r.ticket, dlogp=dlogp,
+                      dentropy=dent, rank=0, micro_batch=0, want_dw=False, want_db=False)
+    assert not again.head_added and np.array_equal(again.dx, got.dx)
+    assert c.head_info(name).contributions == 2
+    c.drop_head(name)
+    return got
+
+
+def test_a_head_ticket_adds_to_the_heads_step_once(client):
+    needs_feature(client)
+    head_two_phase(client, "tp-head-1", 281)
+
+
+def test_a_pools_head_ticket_goes_to_the_heads_replica(cluster):
+    cluster.ensure_all()
+    with _pool(cluster, rank=0) as pool:
+        needs_feature(pool)
+        name = next("tp-head-%d" % i for i in range(2, 100)
+                    if pool.order("head:tp-head-%d" % i)[0] != pool.order("rank:0")[0])
+        head_two_phase(pool, name, 291)
+        assert not pool._tickets
+
+
 def reference_grads(x, w, t, g1, g2, temperature):
     rx, rw = ref_leaves(x, w)
     rlogp, rent = logprob_entropy(rx, rw, None, t, temperature)
