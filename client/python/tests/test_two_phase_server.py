@@ -1,8 +1,9 @@
 """The two-phase log-prob through real lossd servers (CPU backend; skipped where a server lacks
 the feature "logprob_two_phase"): compute(keep_ms=) and compute(ticket=) against the
-one-phase call, tickets in List until their backward or their expiry, a restarted server, and
-lossd.rl over a ReplicaPool (the backward on the forward's replica, and the one-phase call
-where it cannot be). test_rl_two_phase.py checks lossd.rl's gradients on one server."""
+one-phase call, tickets in List until their backward or their expiry, a hosted head's ticket,
+a restarted server, a server that keeps none, and a ReplicaPool (the backward on the forward's
+replica, and lossd.rl's one-phase call where it cannot be). test_rl_two_phase.py checks
+lossd.rl's gradients on one server."""
 
 import time
 
