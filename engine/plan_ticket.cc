@@ -57,39 +57,43 @@ absl::Status SameOptions(const ComputeSpec& spec, const Ticket& t) {
 }
 
 // A head's ticket: the backward adds into the step of the forward's version, so the head must
-// still be there (the Compute's own checks at admission and at run follow).
+// still be there at that version (the Compute's own checks at admission and at run follow).
 absl::Status PlanTicketHead(const ComputeSpec& spec, const Ticket& t, ComputePlan* plan) {
   if (!spec.accumulator.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.accumulator '", ClippedText(spec.accumulator), "': ticket '", t.id,
-        "' was taken against head '", t.head->name, "', whose step is the accumulator"));
+        "' was taken against head '", t.head_name, "', whose step is the accumulator"));
   }
   if (spec.head_version != 0 && spec.head_version != t.head_version) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.head_version ", spec.head_version, " differs from the version ",
         t.head_version, " that ticket '", t.id, "' was computed against (leave it unset)"));
   }
-  if (t.head->broken.load()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "head '", t.head->name, "' failed midway through an update and refuses every call"));
-  }
+  std::shared_ptr<Head> head = t.head.lock();
   uint64_t now = 0;
-  {
-    absl::MutexLock lock(&t.head->mu);
-    if (t.head->dropped) {
-      return absl::NotFoundError(absl::StrCat("head '", t.head->name, "' of ticket '", t.id,
-                                              "' was dropped"));
-    }
-    now = t.head->version;
+  bool dropped = head == nullptr;
+  if (!dropped) {
+    absl::MutexLock lock(&head->mu);
+    dropped = head->dropped;
+    now = head->version;
+  }
+  if (dropped) {
+    return absl::NotFoundError(absl::StrCat("head '", t.head_name, "' of ticket '", t.id,
+                                            "' was dropped; resend X as a one-phase call"));
+  }
+  if (head->broken.load()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "head '", t.head_name, "' failed midway through an update and refuses every call"));
   }
   if (now != t.head_version) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "ticket '", t.id, "' was computed against head '", t.head->name, "' at version ",
+        "ticket '", t.id, "' was computed against head '", t.head_name, "' at version ",
         t.head_version, ", and the head is at version ", now, " now: its weights changed, so "
         "this backward would not be the forward's gradient; compute the micro-batch again "
         "against version ", now));
   }
-  plan->head = t.head;
+  plan->weights = head->copy;
+  plan->head = std::move(head);
   plan->head_version = t.head_version;
   plan->rank = spec.rank;
   plan->micro_batch = spec.micro_batch;
@@ -135,9 +139,7 @@ absl::Status PlanTicketBackward(const ComputeSpec& spec, TicketStore& tickets,
   plan->has_bias = t->has_bias;
   plan->weights = t->weights;
   plan->weight_handle = t->weight_handle;
-  if (t->head != nullptr) {
-    LOSSD_RETURN_IF_ERROR(PlanTicketHead(spec, *t, plan));
-  }
+  if (!t->head_name.empty()) LOSSD_RETURN_IF_ERROR(PlanTicketHead(spec, *t, plan));
   *effective = spec;
   const float grad_scale = spec.options.grad_scale;
   effective->options = t->options;

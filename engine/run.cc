@@ -503,10 +503,12 @@ absl::Status Engine::KeepTicket(const ComputePlan& plan, InputBuffers& in,
   // The request's buffers themselves: no copy (the call sends nothing from them).
   t->x = std::move(in[static_cast<int>(InputSlot::kX)]);
   t->targets = std::move(in[static_cast<int>(InputSlot::kTargets)]);
-  t->head = plan.head;
-  t->head_version = plan.head_version;
   t->weight_handle = plan.weight_handle;
-  if (plan.weights) {
+  if (plan.head) {
+    t->head = plan.head;
+    t->head_name = plan.head->name;
+    t->head_version = plan.head_version;
+  } else if (plan.weights) {
     t->weights = plan.weights;
   } else {
     // Inline W and bias: one copy into backend memory, which every backward then reads.

@@ -43,10 +43,14 @@ struct Ticket {
   LossOptions options;
   HostBuffer x;        // (BT, H) dtype, host
   HostBuffer targets;  // (BT) target_dtype, host
-  // The weight: a handle's entry, a head's compute copy, or an own backend copy of inline W.
+  // The weight: a handle's entry, or an own backend copy of inline W; null for a head's.
   std::shared_ptr<const WeightEntry> weights;
   std::string weight_handle;  // the handle it came from ("" otherwise), for messages
-  std::shared_ptr<Head> head;  // a head's ticket: the head and the version computed against
+  // A head's ticket: the head (not kept alive by the ticket: a dropped head's gigabytes are
+  // freed at once, and its tickets' backwards are NOT_FOUND) and the version computed against;
+  // the weight is the head's compute copy, as long as the head stays at that version.
+  std::weak_ptr<Head> head;
+  std::string head_name;
   uint64_t head_version = 0;
   uint64_t bytes = 0;       // what it holds against --ticket_bytes (a shared weight: 0 of it)
   int64_t expires_ns = 0;   // since the epoch

@@ -426,6 +426,18 @@ TEST_F(TicketsTest, AHeadsTicketAddsToTheForwardsStepAndRefusesOnceTheHeadMovedO
   ExpectStatus(e_.Plan(late).status(), absl::StatusCode::kFailedPrecondition,
                absl::StrCat("ticket '", g.ticket, "' was computed against head 'h' at version "
                             "0, and the head is at version 1 now"));
+  // A ticket does not keep its head alive: dropped, the head is gone, its backward NOT_FOUND.
+  const ComputeOutcome k = on_head(1);
+  ASSERT_TRUE(k.status.ok()) << k.status;
+  const uint64_t head_bytes = e_.heads().bytes();
+  ASSERT_GT(head_bytes, 0u);
+  ASSERT_TRUE(e_.heads().Drop("h", "").ok());
+  DrainExecutor(e_);
+  EXPECT_EQ(e_.heads().bytes(), 0u);
+  ComputeSpec orphan = Backward(k.ticket);
+  orphan.wanted.dw = orphan.wanted.db = false;
+  ExpectStatus(e_.Plan(orphan).status(), absl::StatusCode::kNotFound,
+               absl::StrCat("head 'h' of ticket '", k.ticket, "' was dropped; resend X"));
 }
 
 class TicketBudgetTest : public TicketsTest {
