@@ -162,6 +162,19 @@ struct ComputeRequest {
   std::optional<HostTensor> teacher_bias;
   std::string teacher_weight_handle;
   DistillParams distill;  // Liger-Kernel's defaults
+
+  // Two-phase kLogprob (servers listing "logprob_two_phase"), for a trainer whose upstream
+  // gradient depends on the log-probs. The forward sets keep_ms > 0 with no dlogp/dentropy
+  // and no gradient wanted: it returns logp (and entropy) and ComputeResult::ticket, and the
+  // server keeps X, the targets and the weight for keep_ms (at most its --ticket_max_ms). The
+  // backward names `ticket` and gives only dlogp and/or dentropy (x, targets, w, bias,
+  // weight_handle and head left empty); it may want dx, dw, db, set grad_scale, grad_dtype,
+  // an accumulator or, for a ticket taken against a head, rank and micro_batch. Its other
+  // options are the forward's and are not sent. Neither phase is overlapped. A backward that
+  // succeeds consumes the ticket; NOT_FOUND (expired, consumed, unknown) means: send the call
+  // again as one phase, X with dlogp/dentropy.
+  uint32_t keep_ms = 0;
+  std::string ticket;
 };
 
 struct ComputeResult {
@@ -184,6 +197,10 @@ struct ComputeResult {
   // LossKind::kPolicy: Liger's mean-KL metric (0 when beta is 0) and clip fraction.
   float kl = 0.0f;
   float clip_fraction = 0.0f;
+  // A forward with keep_ms: the ticket its backward names, and when it expires (ms since the
+  // epoch, the server's clock).
+  std::string ticket;
+  int64_t ticket_expires_unix_ms = 0;
   // Returned tensors, as the server listed them. Those with an output_into buffer are
   // mutable views of it; the rest own their bytes.
   std::map<OutputTensor, HostTensor> outputs;
@@ -233,9 +250,9 @@ struct ServerInfoResult {
 
 // One weight handle, accumulator or hosted head of the caller's, as List reports it.
 struct StateEntry {
-  enum class Kind { kWeights, kAccumulator, kHead };
+  enum class Kind { kWeights, kAccumulator, kHead, kTicket };
   Kind kind = Kind::kWeights;
-  std::string name;  // the weight handle, the accumulator's or the head's name
+  std::string name;  // the weight handle, the accumulator's or the head's name, the ticket
   uint64_t bytes = 0;  // server memory it holds
   int64_t last_used_unix_ms = 0;  // created, or last named by a call
   // Accumulators: micro-batches summed since the last reset; heads: Computes added to the

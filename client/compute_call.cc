@@ -13,7 +13,7 @@ namespace {
 // The dtype and shape of output `t` of request `r`, with V = `v`.
 std::pair<DType, std::vector<int64_t>> OutputSpecOf(const ComputeRequest& r, OutputTensor t,
                                                     int64_t v) {
-  const int64_t bt = r.x.dim(0);
+  const int64_t bt = RowsOf(r);
   const int64_t h = r.x.dim(1);
   const DType grad = r.grad_dtype.value_or(r.x.dtype());
   switch (t) {
@@ -35,8 +35,36 @@ std::pair<DType, std::vector<int64_t>> OutputSpecOf(const ComputeRequest& r, Out
   return {DType::kF32, {bt}};
 }
 
+// A backward naming a ticket knows BT (its dlogp/dentropy) but not H, V or X's dtype: its
+// outputs are checked for what it knows.
+absl::Status CheckTicketOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtype,
+                                   const std::vector<int64_t>& shape) {
+  const int64_t bt = RowsOf(r);
+  bool ok = false;
+  switch (t) {
+    case OutputTensor::kDx:
+      ok = shape.size() == 2 && shape[0] == bt && shape[1] > 0;
+      break;
+    case OutputTensor::kDw:
+      ok = shape.size() == 2 && shape[0] > 0 && shape[1] > 0;
+      break;
+    case OutputTensor::kDb:
+      ok = shape.size() == 1 && shape[0] > 0;
+      break;
+    default:
+      ok = dtype == DType::kF32 && shape == std::vector<int64_t>{bt};
+  }
+  const bool grad = t == OutputTensor::kDx || t == OutputTensor::kDw || t == OutputTensor::kDb;
+  if (grad) ok = ok && IsFloatDType(dtype) && (!r.grad_dtype || *r.grad_dtype == dtype);
+  if (ok) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("server announced ", OutputTensorName(t), " as ",
+                                          ShapeString(dtype, shape), " for the backward of ",
+                                          "ticket '", r.ticket, "' of BT=", bt));
+}
+
 absl::Status CheckOutputSpec(const ComputeRequest& r, OutputTensor t, DType dtype,
                              const std::vector<int64_t>& shape) {
+  if (!r.ticket.empty()) return CheckTicketOutputSpec(r, t, dtype, shape);
   // V is known only for inline weights; with a handle any V >= 1 is accepted.
   const int64_t v = r.w.has_value() ? r.w->dim(0) : (shape.empty() ? -1 : shape[0]);
   const auto [want_dtype, want_shape] = OutputSpecOf(r, t, v);
@@ -80,6 +108,8 @@ absl::Status ValidateOutputInto(const ComputeRequest& r) {
           " (see want, options.reduction, kind, accumulator and head)"));
     }
     if (v < 0 && (tensor == OutputTensor::kDw || tensor == OutputTensor::kDb)) continue;
+    // A backward's H is its ticket's: dX's size is known only from the reply.
+    if (!r.ticket.empty() && tensor == OutputTensor::kDx) continue;
     const auto [dtype, shape] = OutputSpecOf(r, tensor, v);
     absl::StatusOr<size_t> need = TensorByteSize(dtype, shape);
     if (need.ok() && buf.data != nullptr && buf.capacity < *need) {
@@ -179,13 +209,75 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
   h->set_teacher_weight_handle(r.teacher_weight_handle);
 }
 
+bool Given(const HostTensor& t) { return t.rank() != 0 || t.data() != nullptr; }
+
+// A backward naming a ticket: only the upstream gradients (everything else is the ticket's).
+absl::Status ValidateBackward(const ComputeRequest& r) {
+  const std::pair<bool, const char*> kept[] = {
+      {Given(r.x), "x"},
+      {Given(r.targets), "targets"},
+      {r.w.has_value(), "w"},
+      {r.bias.has_value(), "bias"},
+      {!r.weight_handle.empty(), "weight_handle"},
+      {!r.head.empty(), "head"},
+      {r.class_weights.has_value(), "class_weights"},
+      {r.grad_output.has_value(), "grad_output"},
+      {r.advantages.has_value() || r.old_logp.has_value() || r.ref_logp.has_value(),
+       "a policy input"},
+      {r.teacher_x.has_value() || r.teacher_w.has_value() || r.teacher_bias.has_value() ||
+           !r.teacher_weight_handle.empty(),
+       "a distill input"},
+      {r.keep_ms != 0, "keep_ms"}};
+  for (const auto& [given, field] : kept) {
+    if (given) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the backward of ticket '", r.ticket, "' gives ", field, ": a backward gives only "
+          "dlogp and/or dentropy (the rest is the ticket's)"));
+    }
+  }
+  if (r.kind != LossKind::kLogprob) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ticket '", r.ticket, "' names a two-phase logprob forward; set kind "
+                     "logprob"));
+  }
+  if (!r.dlogp.has_value() && !r.dentropy.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the backward of ticket '", r.ticket, "' needs dlogp and/or dentropy, (BT) fp32"));
+  }
+  if (r.dlogp && r.dentropy && r.dlogp->rank() == 1 && r.dentropy->rank() == 1 &&
+      r.dlogp->dim(0) != r.dentropy->dim(0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dlogp ", r.dlogp->DebugString(), " and dentropy ", r.dentropy->DebugString(),
+        " must both be (BT)"));
+  }
+  const HostTensor& rows = r.dlogp ? *r.dlogp : *r.dentropy;
+  if (rows.rank() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        r.dlogp ? "dlogp" : "dentropy", " must be (BT) fp32, got ", rows.DebugString()));
+  }
+  LOSSD_RETURN_IF_ERROR(ValidateKindInputs(r));
+  return ValidateOutputInto(r);
+}
+
 }  // namespace
 
+int64_t RowsOf(const ComputeRequest& r) {
+  if (r.ticket.empty()) return r.x.dim(0);
+  const std::optional<HostTensor>& rows = r.dlogp ? r.dlogp : r.dentropy;
+  return rows && rows->rank() == 1 ? rows->dim(0) : 0;
+}
+
 bool HasTargets(const ComputeRequest& r) {
+  if (!r.ticket.empty()) return false;  // a backward's are its ticket's
   return r.kind != LossKind::kDistill || r.targets.rank() != 0 || r.targets.data() != nullptr;
 }
 
 absl::Status ValidateRequest(const ComputeRequest& r) {
+  if (!r.ticket.empty()) return ValidateBackward(r);
+  if (r.keep_ms != 0 && r.kind != LossKind::kLogprob) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keep_ms ", r.keep_ms, " keeps a two-phase logprob forward; set kind logprob"));
+  }
   LOSSD_RETURN_IF_ERROR(r.x.Validate("x"));
   if (HasTargets(r)) LOSSD_RETURN_IF_ERROR(r.targets.Validate("targets"));
   if (r.x.rank() != 2) {
@@ -224,7 +316,8 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
                                    const std::string& head_instance) {
   v1::ComputeRequest head;
   v1::ComputeHeader* h = head.mutable_header();
-  FillSpec(r.x, h->mutable_x());
+  const bool backward = !r.ticket.empty();
+  if (!backward) FillSpec(r.x, h->mutable_x());
   if (r.w.has_value()) FillSpec(*r.w, h->mutable_w());
   h->set_weight_handle(r.weight_handle);
   if (r.bias.has_value()) FillSpec(*r.bias, h->mutable_bias());
@@ -250,6 +343,20 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
   want->set_accuracy(r.want.accuracy);
   want->set_predictions(r.want.predictions);
   SetKindFields(r, h);
+  if (backward) {
+    // The forward's options are the ticket's: a backward repeats none of them (a different
+    // value is refused), so they stay off the wire.
+    o->clear_ignore_index();
+    o->clear_temperature();
+    o->set_softcap(0);
+    o->set_chunk_rows(0);
+    h->set_ticket(r.ticket);
+    // A head's ticket: the key of this backward in the head's step (the head is the
+    // ticket's).
+    h->set_rank(r.rank);
+    h->set_micro_batch(r.micro_batch);
+  }
+  h->set_keep_ms(r.keep_ms);
   h->set_accumulator(r.accumulator);
   if (!r.accumulator.empty()) h->set_accumulator_instance(instance);
   h->set_response_part_bytes(response_part_bytes);
@@ -291,14 +398,15 @@ void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracke
   for (const auto& [t, id] : rows) {
     if (t->has_value()) AppendParts(id, **t, pb, tracker, out, bytes);
   }
-  AppendParts(v1::TENSOR_X, r.x, pb, tracker, out, bytes);
+  if (r.ticket.empty()) AppendParts(v1::TENSOR_X, r.x, pb, tracker, out, bytes);
 }
 
 void PrefetchOutputs(const ComputeRequest& r, OutputPrefetcher* prefetched) {
   const int32_t dx_id = static_cast<int32_t>(OutputTensor::kDx);
   const int32_t dw_id = static_cast<int32_t>(OutputTensor::kDw);
   const DType grad = r.grad_dtype.value_or(r.x.dtype());
-  if (r.want.dx && r.output_into.count(OutputTensor::kDx) == 0) {
+  // A backward's dX shape is its ticket's, known from the reply only.
+  if (r.want.dx && r.ticket.empty() && r.output_into.count(OutputTensor::kDx) == 0) {
     prefetched->Add(dx_id, grad, {r.x.dim(0), r.x.dim(1)});
   }
   if (r.want.dw && r.accumulator.empty() && r.w.has_value() &&
@@ -361,6 +469,8 @@ absl::Status ComputeReplyReader::OnSummary() {
   result.head_added = s.head_added();
   result.kl = s.kl();
   result.clip_fraction = s.clip_fraction();
+  result.ticket = s.ticket();
+  result.ticket_expires_unix_ms = s.ticket_expires_unix_ms();
   result.nonfinite.clear();
   for (int t : s.nonfinite()) result.nonfinite.push_back(static_cast<OutputTensor>(t));
   if (have_summary_) return absl::OkStatus();

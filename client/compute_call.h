@@ -28,8 +28,11 @@ namespace client {
 // the micro-batch would already be in a named accumulator, and a retry would add it twice.
 absl::Status ValidateRequest(const ComputeRequest& r);
 
-// False for a distill request whose targets are left default-constructed (every row counts).
+// False for a distill request whose targets are left default-constructed (every row counts),
+// and for a two-phase backward (its targets are its ticket's).
 bool HasTargets(const ComputeRequest& r);
+// BT: x's rows, or for a two-phase backward its dlogp's (or dentropy's).
+int64_t RowsOf(const ComputeRequest& r);
 
 // The ComputeRequest message that opens the stream: specs, options, wanted outputs,
 // accumulator (and the instance its sum is on, "" before the first Compute into it), the

@@ -164,7 +164,9 @@ Commands:
   compute           one Compute: inputs from --x --w --targets [--bias --class_weights
                     --grad_output] (.npy) or random (--bt --h --v [--dtype]); prints the loss,
                     writes outputs (--want) to --out_dir as <name>.npy; --kind=logprob|
-                    policy|distill computes that loss (docs/rl_losses.md has its flags)
+                    policy|distill computes that loss (docs/rl_losses.md has its flags);
+                    --kind=logprob --keep_ms keeps the forward and prints its ticket, and
+                    --ticket --dlogp/--dentropy runs that ticket's backward
   bench             --calls Computes at --concurrency on random data; a progress line each
                     second, then latency p50/p90/p99, calls/s, tokens/s, GB/s; --put_weights uploads W once; --accumulator
                     adds every call there, then fetches it with reset (a striped reset
@@ -506,9 +508,11 @@ absl::Status RunList(CommandOutput& out) {
   }
   for (const StateEntry& e : entries) {
     // Heads count the Computes in their current step, as accumulators their micro-batches.
-    const bool counts = e.kind != StateEntry::Kind::kWeights;
+    const bool counts =
+        e.kind == StateEntry::Kind::kAccumulator || e.kind == StateEntry::Kind::kHead;
     const std::string kind = e.kind == StateEntry::Kind::kAccumulator ? "accumulator"
                              : e.kind == StateEntry::Kind::kHead      ? "head"
+                             : e.kind == StateEntry::Kind::kTicket    ? "ticket"
                                                                       : "weights";
     const double idle_s = (now_ms - e.last_used_unix_ms) / 1e3;
     JsonFields row = {{"kind", kind},

@@ -215,6 +215,8 @@ absl::StatusOr<WantedOutputs> ParseWant(const std::string& s) {
   return w;
 }
 
+}  // namespace
+
 // The loss options, grad dtype and wanted outputs (--reduction ... --want) into r.
 absl::Status LossOptionsFromFlags(ComputeRequest* r_out) {
   ComputeRequest& r = *r_out;
@@ -245,6 +247,8 @@ absl::Status LossOptionsFromFlags(ComputeRequest* r_out) {
   r.want = want;
   return absl::OkStatus();
 }
+
+namespace {
 
 // X (from --x, or random (--bt, H) in W's or --dtype's dtype) and the targets (from
 // --targets, or random below `v`) into r.
@@ -325,6 +329,8 @@ absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags() {
 
 // The whole request from flags; `v` gets the vocabulary size when known (0 otherwise).
 absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out) {
+  *v_out = 0;
+  if (!absl::GetFlag(FLAGS_ticket).empty()) return BackwardFromFlags();
   ComputeRequest r;
   LOSSD_RETURN_IF_ERROR(LossOptionsFromFlags(&r));
   r.accumulator = absl::GetFlag(FLAGS_accumulator);

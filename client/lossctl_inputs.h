@@ -80,6 +80,9 @@ absl::StatusOr<std::unique_ptr<LossClient>> ClientFromFlags();
 // (--bt --h --v ...), or a hosted head (--head ...), its options and wanted outputs; *v_out
 // is V.
 absl::StatusOr<ComputeRequest> RequestFromFlags(int64_t* v_out);
+// The loss options, grad dtype and wanted outputs (--reduction ... --grad_scale, --grad_dtype,
+// --want) into r.
+absl::Status LossOptionsFromFlags(ComputeRequest* r);
 // W and the bias from --w/--bias, or random from --v --h --dtype --with_bias.
 absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>* bias);
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/lossctl_heads.h"
 #include "client/lossctl_inputs.h"
 #include "core/loss_problem.h"
 #include "core/status_macros.h"
@@ -36,6 +37,11 @@ ABSL_FLAG(std::string, teacher_w, "", "distill: .npy of the teacher's head (V, H
 ABSL_FLAG(std::string, teacher_bias, "", "distill: .npy of the teacher's bias (V)");
 ABSL_FLAG(std::string, teacher_weight_handle, "",
           "distill: the teacher's head uploaded with put-weights");
+ABSL_FLAG(uint32_t, keep_ms, 0,
+          "logprob: keep this forward on the server for its backward for this many ms (at most "
+          "the server's --ticket_max_ms) and print its ticket; wants no gradient");
+ABSL_FLAG(std::string, ticket, "",
+          "logprob: the backward of a kept forward: sends only --dlogp and/or --dentropy");
 ABSL_FLAG(int64_t, teacher_h, 0,
           "distill, random data: the teacher's hidden size (random teacher_x and teacher_w)");
 
@@ -71,6 +77,7 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
   const Given flags[] = {
       {LossKind::kLogprob, "--dlogp", !absl::GetFlag(FLAGS_dlogp).empty()},
       {LossKind::kLogprob, "--dentropy", !absl::GetFlag(FLAGS_dentropy).empty()},
+      {LossKind::kLogprob, "--keep_ms", absl::GetFlag(FLAGS_keep_ms) != 0},
       {LossKind::kPolicy, "--advantages", !absl::GetFlag(FLAGS_advantages).empty()},
       {LossKind::kPolicy, "--old_logp", !absl::GetFlag(FLAGS_old_logp).empty()},
       {LossKind::kPolicy, "--ref_logp", !absl::GetFlag(FLAGS_ref_logp).empty()},
@@ -177,6 +184,11 @@ absl::Status KindFromFlags(int64_t v, ComputeRequest* r) {
     case LossKind::kLogprob: {
       LOSSD_ASSIGN_OR_RETURN(r->dlogp, Fp32Input(absl::GetFlag(FLAGS_dlogp), "dlogp"));
       LOSSD_ASSIGN_OR_RETURN(r->dentropy, Fp32Input(absl::GetFlag(FLAGS_dentropy), "dentropy"));
+      r->keep_ms = absl::GetFlag(FLAGS_keep_ms);
+      // A kept forward asks for no gradient: the default --want (dx,dw) does not apply.
+      if (r->keep_ms > 0 && absl::GetFlag(FLAGS_want) == "dx,dw") {
+        r->want.dx = r->want.dw = r->want.db = false;
+      }
       return absl::OkStatus();
     }
     case LossKind::kPolicy:
@@ -187,7 +199,56 @@ absl::Status KindFromFlags(int64_t v, ComputeRequest* r) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<ComputeRequest> BackwardFromFlags() {
+  const std::string ticket = absl::GetFlag(FLAGS_ticket);
+  const std::pair<const char*, bool> kept[] = {
+      {"--x", !absl::GetFlag(FLAGS_x).empty()},
+      {"--w", !absl::GetFlag(FLAGS_w).empty()},
+      {"--bias", !absl::GetFlag(FLAGS_bias).empty()},
+      {"--with_bias", absl::GetFlag(FLAGS_with_bias)},
+      {"--targets", !absl::GetFlag(FLAGS_targets).empty()},
+      {"--weight_handle", !absl::GetFlag(FLAGS_weight_handle).empty()},
+      {"--head", !absl::GetFlag(FLAGS_head).empty()},
+      {"--class_weights", !absl::GetFlag(FLAGS_class_weights).empty()},
+      {"--grad_output", !absl::GetFlag(FLAGS_grad_output).empty()},
+      {"--keep_ms", absl::GetFlag(FLAGS_keep_ms) != 0}};
+  for (const auto& [flag, given] : kept) {
+    if (given) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--ticket=", ticket, " with ", flag, ": a backward sends only --dlogp and/or "
+          "--dentropy (X, the targets and the weight are the ticket's)"));
+    }
+  }
+  const std::string kind = absl::GetFlag(FLAGS_kind);
+  if (kind != "cross_entropy" && kind != "logprob") {  // cross_entropy: the flag's default
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ticket names a two-phase logprob forward; --kind=", kind, " does not take it"));
+  }
+  LOSSD_RETURN_IF_ERROR(CheckFlagsOfOtherKinds(LossKind::kLogprob));
+  ComputeRequest r;
+  LOSSD_RETURN_IF_ERROR(LossOptionsFromFlags(&r));
+  r.kind = LossKind::kLogprob;
+  r.ticket = ticket;
+  r.accumulator = absl::GetFlag(FLAGS_accumulator);
+  r.rank = absl::GetFlag(FLAGS_rank);
+  r.micro_batch = absl::GetFlag(FLAGS_micro_batch);
+  LOSSD_ASSIGN_OR_RETURN(r.dlogp, Fp32Input(absl::GetFlag(FLAGS_dlogp), "dlogp"));
+  LOSSD_ASSIGN_OR_RETURN(r.dentropy, Fp32Input(absl::GetFlag(FLAGS_dentropy), "dentropy"));
+  if (!r.dlogp.has_value() && !r.dentropy.has_value()) {
+    return absl::InvalidArgumentError(
+        "--ticket: give the upstream gradients, --dlogp and/or --dentropy (.npy, (BT))");
+  }
+  return r;
+}
+
 void PrintKindResult(const ComputeRequest& r, const ComputeResult& res, CommandOutput& out) {
+  if (!res.ticket.empty()) {
+    out.Field("ticket", res.ticket,
+              absl::StrFormat("ticket      %s (expires at %d ms since the epoch; its backward: "
+                              "lossctl compute --ticket=%s --dlogp=...)",
+                              res.ticket, res.ticket_expires_unix_ms, res.ticket));
+    out.Field("ticket_expires_unix_ms", res.ticket_expires_unix_ms, "");
+  }
   if (r.kind != LossKind::kPolicy) return;
   out.Field("kl", static_cast<double>(res.kl), absl::StrFormat("kl          %.7g", res.kl));
   out.Field("clip_fraction", static_cast<double>(res.clip_fraction),

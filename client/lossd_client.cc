@@ -183,7 +183,10 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
   LOSSD_RETURN_IF_ERROR(ValidateRequest(r));
   if (!r.head.empty()) LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));
   const absl::Time start = absl::Now();
-  const bool overlap = r.overlap.value_or(options_.overlap);
+  // A two-phase call is never overlapped: the backward sends no X, and the server keeps the
+  // forward's X whole.
+  const bool overlap =
+      r.ticket.empty() && r.keep_ms == 0 && r.overlap.value_or(options_.overlap);
   const v1::ComputeRequest head = ComputeHeaderOf(
       r, r.accumulator.empty() ? std::string() : AccumulatorInstance(r.accumulator),
       options_.response_part_bytes, overlap, r.head.empty() ? "" : HeadInstance(r.head));
@@ -467,6 +470,7 @@ absl::StatusOr<std::vector<StateEntry>> LossClient::List(const CallOptions& call
     StateEntry s;
     s.kind = e.kind() == v1::STATE_ACCUMULATOR ? StateEntry::Kind::kAccumulator
              : e.kind() == v1::STATE_HEAD      ? StateEntry::Kind::kHead
+             : e.kind() == v1::STATE_TICKET    ? StateEntry::Kind::kTicket
                                                : StateEntry::Kind::kWeights;
     s.name = e.name();
     s.bytes = e.bytes();

@@ -12,6 +12,7 @@
 #include "core/loss_problem.h"
 #include "engine/accumulators.h"
 #include "engine/heads.h"
+#include "engine/tickets.h"
 #include "engine/weight_cache.h"
 
 namespace lossd {
@@ -61,6 +62,12 @@ struct ComputeSpec {
   uint32_t rank = 0;          // with micro_batch, the idempotency key in the head's step
   uint64_t micro_batch = 0;
   std::string head_instance;  // the instance it must live on; empty = any
+  // Two-phase kLogprob (engine/tickets.h): a forward that keeps a ticket for keep_ms, or a
+  // backward that names one. Whether the client set temperature and ignore_index (a backward
+  // may repeat the forward's, never change them).
+  uint32_t keep_ms = 0;
+  std::string ticket;
+  bool temperature_set = false, ignore_index_set = false;
 };
 
 struct OutputDesc {
@@ -99,6 +106,11 @@ struct ComputePlan {
   uint64_t head_version = 0;
   uint32_t rank = 0;
   uint64_t micro_batch = 0;
+  // A forward that keeps: the TTL asked and the bytes its ticket will hold. A backward: the
+  // ticket, whose X, targets and weight the compute reads.
+  uint32_t keep_ms = 0;
+  uint64_t ticket_bytes = 0;
+  std::shared_ptr<const Ticket> ticket;
   uint64_t host_bytes = 0;       // input and output buffers held on the host
   uint64_t workspace_bytes = 0;  // backend's worst case beyond those
   uint64_t admission_bytes() const { return host_bytes + workspace_bytes; }

@@ -56,6 +56,9 @@ Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
       budget_(options_.memory_budget_bytes, options_.max_queue),
       weights_(options_.weight_cache_bytes, options_.instance, options_.max_weight_handles),
       accumulators_(backend_.get(), options_.accumulator_bytes, options_.max_accumulators),
+      tickets_(TicketStore::Options{options_.instance, options_.ticket_bytes,
+                                    options_.max_tickets, options_.ticket_max_ms,
+                                    options_.ticket_clock_ns}),
       executor_(options_.executor_threads) {
   const BackendInfo info = backend_->Info();
   backend_name_ = info.name;
@@ -85,6 +88,9 @@ std::vector<StateInfo> Engine::ListState(const std::string& caller) const {
   std::vector<StateInfo> heads = heads_->List(caller);
   all.insert(all.end(), std::make_move_iterator(heads.begin()),
              std::make_move_iterator(heads.end()));
+  std::vector<StateInfo> tickets = tickets_.List(caller);
+  all.insert(all.end(), std::make_move_iterator(tickets.begin()),
+             std::make_move_iterator(tickets.end()));
   return all;
 }
 

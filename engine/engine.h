@@ -29,6 +29,7 @@
 #include "engine/owner.h"
 #include "engine/recent_keys.h"
 #include "engine/streamed_rows.h"
+#include "engine/tickets.h"
 #include "engine/weight_cache.h"
 
 namespace lossd {
@@ -55,6 +56,12 @@ struct EngineOptions {
   // Overlapped Computes: the longest the backend waits for the next rows of X (it holds the
   // device meanwhile) before the call fails with DEADLINE_EXCEEDED.
   absl::Duration overlap_stall = absl::Seconds(10);
+  // Two-phase log-prob tickets (engine/tickets.h): --ticket_bytes, --max_tickets,
+  // --ticket_max_ms; the clock their TTLs are read on (null: the system's; tests inject one).
+  uint64_t ticket_bytes = 4ull << 30;
+  size_t max_tickets = 256;
+  int64_t ticket_max_ms = 10 * 60 * 1000;
+  std::function<int64_t()> ticket_clock_ns;
 };
 
 // Points the LossOutputs field of `slot` at `ptr` (a buffer of that output's OutputDesc).
@@ -68,6 +75,8 @@ struct ComputeOutcome {
   uint64_t accumulated_micro_batches = 0;
   uint64_t head_version = 0;  // a head's Compute: the version computed against
   bool head_added = false;    // and whether its gradient was added (false: a repeated key)
+  std::string ticket;                // a forward that kept: its ticket, and when it expires
+  int64_t ticket_expires_unix_ms = 0;
   // The accumulator this micro-batch was added into (null: none, or nothing added). A call
   // that fails after that (the client cancelled, went away, or sent a bad message once
   // computing had started) hands it to Engine::MarkPartial: the client cannot tell whether
@@ -242,7 +251,8 @@ class Engine {
   std::string UndoReset(const GradientsSnapshot& g, const uint8_t* data);
   absl::Status DropAccumulator(const std::string& name, const std::string& caller = "");
 
-  // The weight handles and accumulators `caller` owns (everything where no auth is checked:
+  // The weight handles, accumulators, heads and tickets `caller` owns (everything where no
+  // auth is checked:
   // caller and owners all ""), with sizes and last use.
   std::vector<StateInfo> ListState(const std::string& caller) const;
   // Drops every weight handle and accumulator, whoever owns it, that no call has named for
@@ -263,6 +273,7 @@ class Engine {
   WeightCache& weights() { return weights_; }
   AccumulatorStore& accumulators() { return accumulators_; }
   HeadStore& heads() { return *heads_; }
+  TicketStore& tickets() { return tickets_; }
   size_t executor_queued() const { return executor_.queued(); }
   // A compute submitted now would start at once (nothing queued, a thread free).
   bool executor_idle() const { return executor_.idle(); }
@@ -271,6 +282,10 @@ class Engine {
   friend struct PendingWeights;
   ComputeOutcome RunNow(const ComputePlan& plan, InputBuffers& in, bool checked_finite,
                         const OverlapIo& overlap);
+  // After a forward that keeps has computed: its ticket, from the request's X and targets
+  // (moved out of `in`) and its weight (shared, or inline W copied into backend memory).
+  absl::Status KeepTicket(const ComputePlan& plan, InputBuffers& in,
+                          TicketStore::Reservation room, ComputeOutcome* r);
   // Checks one weight part (whole elements, inside its tensor, finite) and copies it to the
   // backend; shared by plain and striped uploads.
   absl::Status CopyWeightPart(const WeightEntry& e, bool bias, uint64_t offset,
@@ -285,6 +300,7 @@ class Engine {
   MemoryBudget budget_;
   WeightCache weights_;
   AccumulatorStore accumulators_;
+  mutable TicketStore tickets_;  // List (const) frees expired tickets first
   std::atomic<bool> draining_{false};
   absl::Mutex uploads_mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<StripedUpload>> uploads_

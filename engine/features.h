@@ -40,13 +40,16 @@ inline constexpr std::array<std::string_view, 6> kServerFeatures = {
 // ServerInfo.features of a server whose backend computes `loss_kinds` (BackendInfo): the
 // list above and, for each kind beyond cross-entropy the backend computes,
 // "loss_kind_<name>" ("loss_kind_logprob", "loss_kind_policy", "loss_kind_distill"): the
-// ComputeHeader.kind and its fields are honoured for that kind. Sorted.
+// ComputeHeader.kind and its fields are honoured for that kind; with logprob also
+// "logprob_two_phase": ComputeHeader.keep_ms and ticket, ComputeSummary.ticket and
+// ticket_expires_unix_ms, StateEntry STATE_TICKET (engine/tickets.h). Sorted.
 inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
   std::vector<std::string> features(kServerFeatures.begin(), kServerFeatures.end());
   for (int k = 1; k < kLossKinds; ++k) {
     const LossKind kind = static_cast<LossKind>(k);
     if ((loss_kinds & LossKindBit(kind)) != 0) {
       features.push_back(std::string("loss_kind_") + LossKindName(kind));
+      if (kind == LossKind::kLogprob) features.push_back("logprob_two_phase");
     }
   }
   std::sort(features.begin(), features.end());

@@ -188,15 +188,17 @@ TEST(LossKindsPlanTest, TheFeaturesNameEveryKindTheBackendComputes) {
   std::vector<std::string> ce = ServerFeatures(LossKindBit(LossKind::kCrossEntropy));
   EXPECT_EQ(ce, std::vector<std::string>(kServerFeatures.begin(), kServerFeatures.end()));
   std::vector<std::string> all = ServerFeatures(kAllKinds);
-  EXPECT_EQ(all.size(), kServerFeatures.size() + 3);
+  EXPECT_EQ(all.size(), kServerFeatures.size() + 4);
   EXPECT_TRUE(std::is_sorted(all.begin(), all.end()));
-  for (const char* f : {"loss_kind_distill", "loss_kind_logprob", "loss_kind_policy"}) {
+  for (const char* f : {"loss_kind_distill", "loss_kind_logprob", "loss_kind_policy",
+                        "logprob_two_phase"}) {
     EXPECT_NE(std::find(all.begin(), all.end(), f), all.end()) << f;
   }
   std::vector<std::string> two =
       ServerFeatures(LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kPolicy));
   EXPECT_NE(std::find(two.begin(), two.end(), "loss_kind_policy"), two.end());
   EXPECT_EQ(std::find(two.begin(), two.end(), "loss_kind_logprob"), two.end());
+  EXPECT_EQ(std::find(two.begin(), two.end(), "logprob_two_phase"), two.end());
   EXPECT_EQ(std::find(two.begin(), two.end(), "loss_kind_distill"), two.end());
 }
 

@@ -28,9 +28,9 @@ int64_t NowNs();
 
 // One piece of a caller's state, as List reports it.
 struct StateInfo {
-  enum class Kind { kWeights, kAccumulator, kHead };
+  enum class Kind { kWeights, kAccumulator, kHead, kTicket };
   Kind kind = Kind::kWeights;
-  std::string name;  // the weight handle or the accumulator's name
+  std::string name;  // the weight handle, the accumulator's or head's name, or the ticket
   uint64_t bytes = 0;
   int64_t last_used_ns = 0;  // since the epoch: created, or last named by a call
   uint64_t micro_batches = 0;  // accumulators; heads: Computes added to the current step

@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "engine/message_bounds.h"
 #include "engine/plan_kind.h"
+#include "engine/plan_ticket.h"
 #include "engine/request_checks.h"
 
 namespace lossd {
@@ -226,12 +227,14 @@ absl::Status PlanOptions(const ComputeSpec& spec, const TensorDesc& go, int64_t 
 void PlanBuffers(bool has_cw, bool has_go, ComputePlan* plan) {
   const uint64_t es = DTypeSize(plan->dtype);
   auto& ib = plan->input_bytes;
-  ib[static_cast<int>(InputSlot::kX)] = static_cast<uint64_t>(plan->bt) * plan->h * es;
+  // A backward's X and targets are its ticket's: nothing of them is sent.
+  const bool sent = plan->ticket == nullptr;
+  if (sent) ib[static_cast<int>(InputSlot::kX)] = static_cast<uint64_t>(plan->bt) * plan->h * es;
   if (!plan->weights) {
     ib[static_cast<int>(InputSlot::kW)] = static_cast<uint64_t>(plan->v) * plan->h * es;
     if (plan->has_bias) ib[static_cast<int>(InputSlot::kBias)] = plan->v * es;
   }
-  if (plan->has_targets) {
+  if (plan->has_targets && sent) {
     ib[static_cast<int>(InputSlot::kTargets)] = plan->bt * DTypeSize(plan->target_dtype);
   }
   if (has_cw) ib[static_cast<int>(InputSlot::kClassWeights)] = plan->v * 4;
@@ -281,7 +284,8 @@ uint64_t WorkspaceBytesOf(Backend& backend, const ComputePlan& plan, bool has_cw
   shape.teacher_h = plan.teacher_h;
   shape.teacher_w_memory = plan.teacher_weights ? Memory::kBackend : Memory::kHost;
   shape.want_entropy = plan.wanted.entropy;
-  if (!plan.accumulator.empty() || plan.head) {
+  // A head's forward that keeps a ticket adds nothing to its step.
+  if (!plan.accumulator.empty() || (plan.head && plan.keep_ms == 0)) {
     shape.dw = GradOut::kAccumulated;
     if (plan.has_bias) shape.db = GradOut::kAccumulated;
     shape.accum_memory = Memory::kBackend;
@@ -294,29 +298,43 @@ uint64_t WorkspaceBytesOf(Backend& backend, const ComputePlan& plan, bool has_cw
 
 }  // namespace
 
-absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
+absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& request) {
+  ComputePlan plan;
+  LOSSD_RETURN_IF_ERROR(CheckKindServed(request.kind, backend_name_, loss_kinds_));
+  // A two-phase backward's X, targets, weight and options are its ticket's: the rest of the
+  // planning reads them from `backward` (the request with the ticket's options).
+  ComputeSpec backward;
+  const bool ticketed = !request.ticket.empty();
+  if (ticketed) {
+    LOSSD_RETURN_IF_ERROR(PlanTicketBackward(request, tickets_, &plan, &backward));
+  } else {
+    LOSSD_RETURN_IF_ERROR(CheckKeepKind(request));
+  }
+  const ComputeSpec& spec = ticketed ? backward : request;
   const TensorDesc& x = Input(spec, InputSlot::kX);
   const TensorDesc& cw = Input(spec, InputSlot::kClassWeights);
   const TensorDesc& go = Input(spec, InputSlot::kGradOutput);
-  ComputePlan plan;
-  LOSSD_RETURN_IF_ERROR(CheckKindServed(spec.kind, backend_name_, loss_kinds_));
-  LOSSD_RETURN_IF_ERROR(PlanX(x, &plan));
-  if (!spec.head.empty()) {
-    LOSSD_RETURN_IF_ERROR(PlanHead(spec, x, *heads_, options_.instance, &plan));
-  } else if (!spec.weight_handle.empty()) {
-    LOSSD_RETURN_IF_ERROR(PlanHandleWeights(spec, x, weights_, &plan));
-  } else {
-    LOSSD_RETURN_IF_ERROR(PlanInlineWeights(Input(spec, InputSlot::kW),
-                                            Input(spec, InputSlot::kBias), &plan));
+  if (!ticketed) {
+    LOSSD_RETURN_IF_ERROR(PlanX(x, &plan));
+    if (!spec.head.empty()) {
+      LOSSD_RETURN_IF_ERROR(PlanHead(spec, x, *heads_, options_.instance, &plan));
+    } else if (!spec.weight_handle.empty()) {
+      LOSSD_RETURN_IF_ERROR(PlanHandleWeights(spec, x, weights_, &plan));
+    } else {
+      LOSSD_RETURN_IF_ERROR(PlanInlineWeights(Input(spec, InputSlot::kW),
+                                              Input(spec, InputSlot::kBias), &plan));
+    }
   }
   LOSSD_RETURN_IF_ERROR(CheckShapeLimits(plan, options_));
   LOSSD_RETURN_IF_ERROR(PlanKind(spec, options_.max_h, weights_, &plan));
-  LOSSD_RETURN_IF_ERROR(
-      PlanTargetsAndClassWeights(Input(spec, InputSlot::kTargets), cw, &plan));
+  if (!ticketed) {
+    LOSSD_RETURN_IF_ERROR(
+        PlanTargetsAndClassWeights(Input(spec, InputSlot::kTargets), cw, &plan));
+  }
   LOSSD_RETURN_IF_ERROR(PlanOptions(spec, go, kMaxRequestedChunks, &plan));
 
-  if (spec.head.empty() && (!spec.head_instance.empty() || spec.head_version != 0 ||
-                            spec.rank != 0 || spec.micro_batch != 0)) {
+  if (!plan.head && (!spec.head_instance.empty() || spec.head_version != 0 ||
+                     spec.rank != 0 || spec.micro_batch != 0)) {
     return absl::InvalidArgumentError(
         "header.head_version, rank, micro_batch and head_instance belong to a Compute that "
         "names a head, and header.head is empty");
@@ -337,6 +355,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& spec) {
     plan.owner = spec.owner;
   }
 
+  if (spec.keep_ms > 0) LOSSD_RETURN_IF_ERROR(PlanTicketForward(spec, tickets_, &plan));
   PlanBuffers(cw.present, go.present, &plan);
   if (plan.host_bytes > options_.max_request_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(

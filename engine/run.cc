@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,6 +62,11 @@ LossProblem ProblemOf(const ComputePlan& plan, Engine::InputBuffers& in,
   p.v = plan.v;
   p.dtype = plan.dtype;
   p.x = buf(InputSlot::kX);
+  p.targets = buf(InputSlot::kTargets);
+  if (plan.ticket) {  // a two-phase backward: the forward's X and targets
+    p.x = plan.ticket->x.get();
+    p.targets = plan.ticket->targets.get();
+  }
   if (plan.weights) {
     p.w = plan.weights->w->data();
     p.bias = plan.weights->bias ? plan.weights->bias->data() : nullptr;
@@ -69,7 +75,6 @@ LossProblem ProblemOf(const ComputePlan& plan, Engine::InputBuffers& in,
     p.w = buf(InputSlot::kW);
     p.bias = plan.has_bias ? buf(InputSlot::kBias) : nullptr;
   }
-  p.targets = buf(InputSlot::kTargets);
   p.target_dtype = plan.target_dtype;
   p.class_weights = reinterpret_cast<const float*>(buf(InputSlot::kClassWeights));
   p.grad_output = reinterpret_cast<const float*>(buf(InputSlot::kGradOutput));
@@ -84,9 +89,12 @@ LossProblem ProblemOf(const ComputePlan& plan, Engine::InputBuffers& in,
 // non-ignored targets, whatever its sign (see the proto).
 absl::Status CheckInputsFinite(const ComputePlan& plan, Engine::InputBuffers& in) {
   auto buf = [&](InputSlot s) { return in[static_cast<int>(s)].get(); };
-  LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kX), plan.dtype, 0,
-                                            static_cast<uint64_t>(plan.bt) * plan.h, "x",
-                                            plan.h));
+  // A two-phase backward's X and weight were checked in its forward.
+  if (!plan.ticket) {
+    LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kX), plan.dtype, 0,
+                                              static_cast<uint64_t>(plan.bt) * plan.h, "x",
+                                              plan.h));
+  }
   if (!plan.weights) {
     LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kW), plan.dtype, 0,
                                               static_cast<uint64_t>(plan.v) * plan.h, "w",
@@ -255,6 +263,49 @@ void ComputeIntoHead(Backend& backend, HeadStore& heads, const ComputePlan& plan
   r->accumulated_micro_batches = acc.micro_batches;
 }
 
+// A head's forward that keeps a ticket: computed on the head's copy under the step's lock (so
+// the copy it reads is whole) at the version asked, adding nothing to the step.
+void ComputeHeadForward(Backend& backend, const ComputePlan& plan, const LossProblem& p,
+                        const LossOutputs& out, ComputeOutcome* r) {
+  Head& head = *plan.head;
+  absl::MutexLock lock(&head.grad->mu);
+  {
+    absl::MutexLock version_lock(&head.mu);
+    if (head.dropped || head.version != plan.head_version) {
+      r->status = absl::FailedPreconditionError(absl::StrCat(
+          "head '", head.name, "' ", head.dropped ? "was dropped" : "moved on", " while this "
+          "forward waited: it asked for version ", plan.head_version, ", the head is at ",
+          head.version));
+      return;
+    }
+  }
+  r->status = backend.Compute(p, out, &r->stats);
+  if (r->status.ok() && !LossIsFinite(plan, out)) {
+    r->status = absl::InvalidArgumentError(OverflowMessage(plan));
+  }
+  r->head_version = plan.head_version;
+}
+
+// A backward's claim on its ticket: given back unless the backward succeeded (a failed one
+// may be retried), consumed if it did.
+class TicketClaim {
+ public:
+  TicketClaim(TicketStore& store, const Ticket& t) : store_(store), t_(t) {}
+  ~TicketClaim() {
+    if (consumed_) {
+      store_.Consume(t_);
+    } else {
+      store_.Release(t_);
+    }
+  }
+  void Consumed() { consumed_ = true; }
+
+ private:
+  TicketStore& store_;
+  const Ticket& t_;
+  bool consumed_ = false;
+};
+
 // The summary: the loss and z-loss (with reduction none, the sum of the per-token values),
 // the accuracy and the token count.
 void Summarize(const ComputePlan& plan, const LossOutputs& out, const Scalars& s,
@@ -353,6 +404,12 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
         "an overlapped compute needs its outputs made beforehand and X checked as it arrives");
     return r;
   }
+  if (overlap.rows != nullptr && (plan.keep_ms > 0 || plan.ticket)) {
+    r.status = absl::InvalidArgumentError(
+        "header.overlap with a two-phase log-prob call (keep_ms or ticket): send it without "
+        "overlap");
+    return r;
+  }
   const LossProblem p = ProblemOf(plan, in, overlap);
   // The one validation of the problem (core/loss_problem_check.h), which every backend
   // assumes: the plan has checked all of it but the target range, which needs the bytes.
@@ -362,6 +419,24 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
   if (options_.check_finite && !checked_finite) {
     r.status = CheckInputsFinite(plan, in);
     if (!r.status.ok()) return r;
+  }
+
+  // A forward that keeps takes its ticket's room before computing (a full store refuses the
+  // call before the work); a backward claims its ticket for its run.
+  TicketStore::Reservation keep;
+  if (plan.keep_ms > 0) {
+    absl::StatusOr<TicketStore::Reservation> room = tickets_.Reserve(plan.ticket_bytes);
+    if (!room.ok()) {
+      r.status = room.status();
+      return r;
+    }
+    keep = std::move(*room);
+  }
+  std::optional<TicketClaim> claim;
+  if (plan.ticket) {
+    r.status = tickets_.Claim(*plan.ticket);
+    if (!r.status.ok()) return r;
+    claim.emplace(tickets_, *plan.ticket);
   }
 
   LossOutputs out;
@@ -388,7 +463,10 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
     if (!r.status.ok()) return r;
   }
 
-  if (plan.head) {
+  if (plan.head && plan.keep_ms > 0) {
+    ComputeHeadForward(*backend_, plan, p, out, &r);
+    if (!r.status.ok()) return r;
+  } else if (plan.head) {
     ComputeIntoHead(*backend_, *heads_, plan, p, out, scalars, &r);
     if (!r.status.ok()) return r;
   } else if (acc) {
@@ -402,8 +480,60 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
       return r;
     }
   }
+  if (plan.keep_ms > 0) {
+    r.status = KeepTicket(plan, in, std::move(keep), &r);
+    if (!r.status.ok()) return r;
+  }
+  if (claim) claim->Consumed();
   Summarize(plan, out, scalars, &r);
   return r;
+}
+
+absl::Status Engine::KeepTicket(const ComputePlan& plan, InputBuffers& in,
+                                TicketStore::Reservation room, ComputeOutcome* r) {
+  auto t = std::make_unique<Ticket>();
+  t->owner = plan.owner;
+  t->bt = plan.bt;
+  t->h = plan.h;
+  t->v = plan.v;
+  t->dtype = plan.dtype;
+  t->target_dtype = plan.target_dtype;
+  t->has_bias = plan.has_bias;
+  t->options = plan.options;
+  // The request's buffers themselves: no copy (the call sends nothing from them).
+  t->x = std::move(in[static_cast<int>(InputSlot::kX)]);
+  t->targets = std::move(in[static_cast<int>(InputSlot::kTargets)]);
+  t->weight_handle = plan.weight_handle;
+  if (plan.head) {
+    t->head = plan.head;
+    t->head_name = plan.head->name;
+    t->head_version = plan.head_version;
+  } else if (plan.weights) {
+    t->weights = plan.weights;
+  } else {
+    // Inline W and bias: one copy into backend memory, which every backward then reads.
+    auto w = std::make_shared<WeightEntry>();
+    w->dtype = plan.dtype;
+    w->v = plan.v;
+    w->h = plan.h;
+    w->owner = plan.owner;
+    const uint64_t w_bytes = static_cast<uint64_t>(plan.v) * plan.h * DTypeSize(plan.dtype);
+    LOSSD_ASSIGN_OR_RETURN(w->w, backend_->Allocate(w_bytes));
+    LOSSD_RETURN_IF_ERROR(
+        backend_->CopyToBackend(*w->w, 0, in[static_cast<int>(InputSlot::kW)].get(), w_bytes));
+    if (plan.has_bias) {
+      const uint64_t b_bytes = plan.v * DTypeSize(plan.dtype);
+      LOSSD_ASSIGN_OR_RETURN(w->bias, backend_->Allocate(b_bytes));
+      LOSSD_RETURN_IF_ERROR(backend_->CopyToBackend(
+          *w->bias, 0, in[static_cast<int>(InputSlot::kBias)].get(), b_bytes));
+    }
+    t->weights = std::move(w);
+  }
+  std::shared_ptr<const Ticket> kept =
+      tickets_.Insert(std::move(t), std::move(room), plan.keep_ms);
+  r->ticket = kept->id;
+  r->ticket_expires_unix_ms = kept->expires_ns / 1000000;
+  return absl::OkStatus();
 }
 
 }  // namespace lossd

@@ -195,6 +195,12 @@ absl::Status ComputeReactor::OnHeader() {
   if (absl::Status s = RefuseUnknownFields(header, "header"); !s.ok()) return s;
   auto spec = ComputeSpecFromWire(header);
   if (!spec.ok()) return spec.status();
+  if (header.overlap() && (spec->keep_ms > 0 || !spec->ticket.empty())) {
+    // The backward streams no X, and the forward's X buffer becomes its ticket's.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.overlap with header.", spec->keep_ms > 0 ? "keep_ms" : "ticket",
+        ": a two-phase log-prob call is not overlapped; send it without overlap"));
+  }
   spec->owner = service_->Principal(ctx_);
   auto plan = engine_->Plan(*spec);
   if (!plan.ok()) return plan.status();
@@ -355,6 +361,10 @@ v1::ComputeResponse ComputeReactor::Summary(const ComputeOutcome* outcome) {
     if (plan_->head != nullptr) {
       s->set_head_version(outcome->head_version);
       s->set_head_added(outcome->head_added);
+    }
+    if (!outcome->ticket.empty()) {
+      s->set_ticket(outcome->ticket);
+      s->set_ticket_expires_unix_ms(outcome->ticket_expires_unix_ms);
     }
     for (v1::TensorId t : NonFiniteToWire(outcome->stats.nonfinite)) s->add_nonfinite(t);
   } else {

@@ -245,6 +245,7 @@ void StateEntryToWire(const StateInfo& s, v1::StateEntry* e) {
     case StateInfo::Kind::kWeights: e->set_kind(v1::STATE_WEIGHTS); break;
     case StateInfo::Kind::kAccumulator: e->set_kind(v1::STATE_ACCUMULATOR); break;
     case StateInfo::Kind::kHead: e->set_kind(v1::STATE_HEAD); break;
+    case StateInfo::Kind::kTicket: e->set_kind(v1::STATE_TICKET); break;
   }
   e->set_name(s.name);
   e->set_bytes(s.bytes);

@@ -100,7 +100,8 @@ TEST_F(LossKindsServiceTest, ServerInfoListsEveryKindTheBackendComputes) {
   ASSERT_TRUE(h_.stub().ServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
   std::vector<std::string> features(info.features().begin(), info.features().end());
   EXPECT_EQ(features, ServerFeatures(kAllKinds));
-  for (const char* f : {"loss_kind_logprob", "loss_kind_policy", "loss_kind_distill"}) {
+  for (const char* f : {"loss_kind_logprob", "loss_kind_policy", "loss_kind_distill",
+                        "logprob_two_phase"}) {
     EXPECT_NE(std::find(features.begin(), features.end(), f), features.end()) << f;
   }
 }

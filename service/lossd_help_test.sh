@@ -59,6 +59,7 @@ refuse "exceed the cpu backend's host memory of " \
   --port=0 --weight_cache_bytes=4611686018427387904 --accumulator_bytes=4611686018427387904
 refuse "--state_idle_ttl must be >= 0 (0 = off); got -1s" --port=0 --state_idle_ttl=-1s
 refuse "--health_port must be in [1, 65535] and not --port, got 70000" --port=0 --health_port=70000
+refuse "--ticket_max_ms must be positive; got 0" --port=0 --ticket_max_ms=0
 # --max_part_bytes alone is enough: the default --response_part_bytes (4 MiB) follows it down.
 set +e
 got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --max_part_bytes=65536 2>&1)
@@ -71,4 +72,4 @@ fi
 if [ "$bad" -ne 0 ]; then
   exit 1
 fi
-echo "lossd refuses 10 out-of-range flag settings, naming each, and starts with --max_part_bytes alone"
+echo "lossd refuses 11 out-of-range flag settings, naming each, and starts with --max_part_bytes alone"

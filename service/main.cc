@@ -76,6 +76,13 @@ ABSL_FLAG(absl::Duration, head_step_timeout, absl::Minutes(10),
           "Longest a hosted head's Step barrier waits for its last rank; then every waiting "
           "rank gets DEADLINE_EXCEEDED and the step's gradients are dropped (in line with "
           "torch.distributed's default collective timeout for NCCL).");
+ABSL_FLAG(uint64_t, ticket_bytes, 4ull << 30,
+          "Budget of two-phase log-prob tickets (a forward's X and targets, and its inline W "
+          "copied into backend memory, kept for its backward); a forward that does not fit is "
+          "refused (RESOURCE_EXHAUSTED).");
+ABSL_FLAG(uint32_t, max_tickets, 256, "Most two-phase log-prob tickets held at once; 0 = none.");
+ABSL_FLAG(int64_t, ticket_max_ms, 10 * 60 * 1000,
+          "Longest a ticket is kept (a forward's keep_ms is cut to it); then it is freed.");
 ABSL_FLAG(std::string, head_export_dir, "",
           "Where every hosted head is exported on drain (SIGTERM/SIGINT, after the calls have "
           "finished), one file each, and imported from at start (each file deleted once "
@@ -270,6 +277,7 @@ struct Budgets {
   uint64_t weight_cache_bytes = 0;
   uint64_t accumulator_bytes = 0;
   uint64_t head_bytes = 0;
+  uint64_t ticket_bytes = 0;
 };
 
 // Host-memory defaults follow the container's limit where it is below the machine's; logs
@@ -301,10 +309,12 @@ bool FitStoreBudgets(const BackendInfo& info, Budgets* b) {
   stores.weight_cache_bytes = absl::GetFlag(FLAGS_weight_cache_bytes);
   stores.accumulator_bytes = absl::GetFlag(FLAGS_accumulator_bytes);
   stores.head_bytes = absl::GetFlag(FLAGS_head_bytes);
+  stores.ticket_bytes = absl::GetFlag(FLAGS_ticket_bytes);
   StoreBudgetsGiven given;
   given.weight_cache = !AtDefault("weight_cache_bytes");
   given.accumulator = !AtDefault("accumulator_bytes");
   given.head = !AtDefault("head_bytes");
+  given.ticket = !AtDefault("ticket_bytes");
   // Shrinking defaults is the designed path on a small machine (as the host budgets above),
   // so it is logged as information, not as something for an operator to fix.
   if (FitDefaultStoreBudgets(&stores, given, info)) {
@@ -313,6 +323,7 @@ bool FitStoreBudgets(const BackendInfo& info, Budgets* b) {
                      " backend's memory; using --weight_cache_bytes=", stores.weight_cache_bytes,
                      " --accumulator_bytes=", stores.accumulator_bytes,
                      " --head_bytes=", stores.head_bytes,
+                     " --ticket_bytes=", stores.ticket_bytes,
                      " (the defaulted ones scaled into half of it)"));
   }
   if (absl::Status s = CheckStoreBudgets(stores, info); !s.ok()) {
@@ -322,6 +333,7 @@ bool FitStoreBudgets(const BackendInfo& info, Budgets* b) {
   b->weight_cache_bytes = stores.weight_cache_bytes;
   b->accumulator_bytes = stores.accumulator_bytes;
   b->head_bytes = stores.head_bytes;
+  b->ticket_bytes = stores.ticket_bytes;
   return true;
 }
 
@@ -342,6 +354,13 @@ bool EngineOptionsFromFlags(const Budgets& b, EngineOptions* eo) {
   if (eo->head_step_timeout <= absl::ZeroDuration()) {
     StartFailed(absl::StrCat("--head_step_timeout must be positive; got ",
                              absl::FormatDuration(eo->head_step_timeout)));
+    return false;
+  }
+  eo->ticket_bytes = b.ticket_bytes;
+  eo->max_tickets = absl::GetFlag(FLAGS_max_tickets);
+  eo->ticket_max_ms = absl::GetFlag(FLAGS_ticket_max_ms);
+  if (eo->ticket_max_ms <= 0) {
+    StartFailed(absl::StrCat("--ticket_max_ms must be positive; got ", eo->ticket_max_ms));
     return false;
   }
   eo->max_bt = absl::GetFlag(FLAGS_max_bt);
@@ -382,6 +401,9 @@ StateSample SampleState(Engine& engine) {
   s.heads = static_cast<double>(engine.heads().count());
   s.head_bytes = static_cast<double>(engine.heads().bytes());
   s.head_budget_bytes = static_cast<double>(engine.options().head_bytes);
+  s.tickets = static_cast<double>(engine.tickets().count());
+  s.ticket_bytes = static_cast<double>(engine.tickets().bytes());
+  s.tickets_expired = static_cast<double>(engine.tickets().expired());
   s.queued_requests = static_cast<double>(engine.budget().waiting());
   s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());
   s.healthy = b.healthy ? 1 : 0;
@@ -475,6 +497,7 @@ void AnnounceStarted(const LossServer& server, const prometheus::Exposer* expose
        {"weight_cache_bytes", absl::StrCat(b.weight_cache_bytes)},
        {"accumulator_bytes", absl::StrCat(b.accumulator_bytes)},
        {"head_bytes", absl::StrCat(b.head_bytes)},
+       {"ticket_bytes", absl::StrCat(b.ticket_bytes)},
        {"flags", NonDefaultFlags()}});
 }
 

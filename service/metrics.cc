@@ -88,6 +88,12 @@ class StateCollector : public prometheus::Collectable {
           s.head_bytes);
     gauge("lossd_head_budget_bytes", "Hosted heads' memory budget (--head_bytes).",
           s.head_budget_bytes);
+    gauge("lossd_tickets", "Two-phase log-prob tickets held for their backward.", s.tickets);
+    gauge("lossd_ticket_bytes",
+          "Bytes the tickets hold: X and targets (host), inline weights copied (backend).",
+          s.ticket_bytes);
+    counter("lossd_tickets_expired_total", "Tickets freed at their TTL without a backward.",
+            s.tickets_expired);
     gauge("lossd_queued_requests", "Requests waiting for memory admission.", s.queued_requests);
     gauge("lossd_host_buffer_pool_bytes", "Idle request buffers kept for reuse.",
           s.host_buffer_pool_bytes);

@@ -42,6 +42,9 @@ struct StateSample {
   double heads = 0;             // hosted heads held
   double head_bytes = 0;        // their memory (master, state, copy, gradient sum)
   double head_budget_bytes = 0; // --head_bytes
+  double tickets = 0;           // two-phase log-prob tickets held
+  double ticket_bytes = 0;      // what they hold (X, targets, own weight copies)
+  double tickets_expired = 0;   // tickets freed unconsumed at their TTL, since start
   double queued_requests = 0;
   double host_buffer_pool_bytes = 0;
   double healthy = 1;

@@ -27,7 +27,8 @@ bool FitDefaultStoreBudgets(StoreBudgets* b, const StoreBudgetsGiven& given,
   };
   const Budget all[] = {{given.weight_cache, &b->weight_cache_bytes},
                         {given.accumulator, &b->accumulator_bytes},
-                        {given.head, &b->head_bytes}};
+                        {given.head, &b->head_bytes},
+                        {given.ticket, &b->ticket_bytes}};
   // In long double: sums and products of byte counts do not fit in 64 bits.
   long double given_sum = 0, defaulted_sum = 0;
   for (const Budget& x : all) (x.given ? given_sum : defaulted_sum) += *x.bytes;
@@ -64,10 +65,11 @@ absl::Status CheckStoreBudgets(const StoreBudgets& b, const BackendInfo& backend
   // be held either, and then the device's memory is).
   const bool by_budget = budget != 0 && limit == budget;
   if (limit == 0) return absl::OkStatus();  // the backend does not say: nothing to compare
-  // Summed in long double, which three large flags cannot wrap.
+  // Summed in long double, which four large flags cannot wrap.
   const long double sum = static_cast<long double>(b.weight_cache_bytes) +
                           static_cast<long double>(b.accumulator_bytes) +
-                          static_cast<long double>(b.head_bytes);
+                          static_cast<long double>(b.head_bytes) +
+                          static_cast<long double>(b.ticket_bytes);
   if (sum <= static_cast<long double>(limit)) return absl::OkStatus();
   const std::string sum_text =
       sum >= 18446744073709551616.0L ? std::string("more than 2^64")
@@ -85,9 +87,9 @@ absl::Status CheckStoreBudgets(const StoreBudgets& b, const BackendInfo& backend
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "--weight_cache_bytes=", b.weight_cache_bytes, " plus --accumulator_bytes=",
-      b.accumulator_bytes, " plus --head_bytes=", b.head_bytes, " (", sum_text,
-      " bytes) exceed ", what,
-      "; all three are held in backend memory between requests, so lower them"));
+      b.accumulator_bytes, " plus --head_bytes=", b.head_bytes, " plus --ticket_bytes=",
+      b.ticket_bytes, " (", sum_text, " bytes) exceed ", what,
+      "; all four are held in backend memory between requests, so lower them"));
 }
 
 }  // namespace lossd

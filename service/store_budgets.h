@@ -17,23 +17,26 @@ struct StoreBudgets {
   uint64_t weight_cache_bytes = 0;  // --weight_cache_bytes
   uint64_t accumulator_bytes = 0;   // --accumulator_bytes
   uint64_t head_bytes = 0;          // --head_bytes (hosted heads)
+  // --ticket_bytes (two-phase log-prob tickets): counted whole, though only their copies of
+  // inline weights are backend memory (X and the targets stay in host memory).
+  uint64_t ticket_bytes = 0;
 };
 
 // Which of them the user set on the command line.
 struct StoreBudgetsGiven {
-  bool weight_cache = false, accumulator = false, head = false;
+  bool weight_cache = false, accumulator = false, head = false, ticket = false;
 };
 
-// INVALID_ARGUMENT, naming the three flags and their values, when --weight_cache_bytes plus
-// --accumulator_bytes plus --head_bytes exceed what the backend may hold: its own budget
-// where it has one (CUDA: --device_memory_budget_bytes), else its memory (the GPU's, or the
+// INVALID_ARGUMENT, naming the four flags and their values, when --weight_cache_bytes plus
+// --accumulator_bytes plus --head_bytes plus --ticket_bytes exceed what the backend may hold:
+// its own budget where it has one (CUDA: --device_memory_budget_bytes), else its memory (the GPU's, or the
 // host's for the CPU backend, whose buffers are host memory). OK where the backend reports
 // neither.
 absl::Status CheckStoreBudgets(const StoreBudgets& b, const BackendInfo& backend);
 
 // For the budgets left at their defaults (not in `given`): where
 // CheckStoreBudgets would refuse them, scales the defaulted ones down in their ratio so that
-// all three take at most half of the backend's limit (what the given ones leave of that
+// all four take at most half of the backend's limit (what the given ones leave of that
 // half, and nothing where they take it all), so that lossd starts with its defaults on a
 // small machine (a laptop, a small GPU) and requests keep the other half. Returns true when
 // it lowered any. Values a user gave are never changed: those are checked.

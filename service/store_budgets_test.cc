@@ -46,7 +46,14 @@ TEST(StoreBudgetsTest, MoreThanTheDeviceIsRefusedNamingTheFlags) {
   ExpectRefused(s, "device memory of 12884901888 bytes (NVIDIA H200)");
   // The heads' budget alone can be what does not fit.
   ExpectRefused(CheckStoreBudgets(Stores(4 * kGiB, 4 * kGiB, 5 * kGiB), Cuda(12 * kGiB, 0)),
-                "--head_bytes=5368709120 (13958643712 bytes) exceed");
+                "--head_bytes=5368709120 plus --ticket_bytes=0 (13958643712 bytes) exceed");
+  // So can the tickets'.
+  StoreBudgets t = Stores(4 * kGiB, 4 * kGiB, 3 * kGiB);
+  t.ticket_bytes = 2 * kGiB;
+  ExpectRefused(CheckStoreBudgets(t, Cuda(12 * kGiB, 0)),
+                "--head_bytes=3221225472 plus --ticket_bytes=2147483648 (13958643712 bytes)");
+  t.ticket_bytes = kGiB;
+  EXPECT_TRUE(CheckStoreBudgets(t, Cuda(12 * kGiB, 0)).ok());
 }
 
 TEST(StoreBudgetsTest, TheBackendsOwnBudgetIsTheLimitWhereSet) {

@@ -136,6 +136,8 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.options.chunk_rows = o.chunk_rows();
   spec.options.token_scaling = o.token_scaling();
   spec.options.temperature = o.has_temperature() ? o.temperature() : kDefaultTemperature;
+  spec.temperature_set = o.has_temperature();
+  spec.ignore_index_set = o.has_ignore_index();
   if (o.grad_dtype() == v1::DTYPE_FP32) {
     spec.grad_fp32 = true;
   } else if (o.grad_dtype() != v1::DTYPE_UNSPECIFIED) {
@@ -166,6 +168,8 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.rank = h.rank();
   spec.micro_batch = h.micro_batch();
   spec.head_instance = h.head_instance();
+  spec.keep_ms = h.keep_ms();
+  spec.ticket = h.ticket();
   return spec;
 }
 

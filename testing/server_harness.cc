@@ -74,6 +74,9 @@ Harness::Harness(HarnessOptions o) {
     s.heads = static_cast<double>(e->heads().count());
     s.head_bytes = static_cast<double>(e->heads().bytes());
     s.head_budget_bytes = static_cast<double>(e->options().head_bytes);
+    s.tickets = static_cast<double>(e->tickets().count());
+    s.ticket_bytes = static_cast<double>(e->tickets().bytes());
+    s.tickets_expired = static_cast<double>(e->tickets().expired());
     return s;
   });
   // Metrics of the most recent harness are the ones served.

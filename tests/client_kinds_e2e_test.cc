@@ -5,6 +5,7 @@
 // Skipped where the server's backend does not list the kind.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -124,6 +125,106 @@ TEST_F(KindsE2eTest, LogprobWithUpstreamGradientsAndEntropy) {
   ExpectOutput("dw", *res, OutputTensor::kDw, want.grad.dw);
   ExpectOutput("db", *res, OutputTensor::kDb, want.grad.db);
   EXPECT_EQ(res->tokens, kBT - 2);
+}
+
+// The two-phase log-prob through the client: the forward keeps a ticket and returns logp and
+// entropy; the backward gives only dlogp and dentropy and gets what the one-phase call gets,
+// bit for bit (and the reference's values); once consumed the ticket is NOT_FOUND.
+TEST_F(KindsE2eTest, TwoPhaseLogprobIsTheOnePhaseCallBitForBit) {
+  if (!Computes(LossKind::kLogprob)) GTEST_SKIP() << "no loss_kind_logprob";
+  ComputeRequest one;
+  one.kind = LossKind::kLogprob;
+  one.x = Floats({kBT, kH}, 11, 1.0f);
+  one.w = Floats({kV, kH}, 12, 0.8f);
+  one.bias = Floats({kV}, 13, 0.5f);
+  one.targets = Targets(14, {1, 8});
+  one.options.temperature = 0.7f;
+  one.options.softcap = 5.0f;
+  one.options.grad_scale = 0.5f;
+  one.want.db = true;
+  one.want.entropy = true;
+  one.dlogp = Floats({kBT}, 15, 1.0f);
+  one.dentropy = Floats({kBT}, 16, 1.0f);
+
+  ComputeRequest fwd;
+  fwd.kind = LossKind::kLogprob;
+  fwd.x = HostTensor::View(one.x.dtype(), one.x.shape(), one.x.data());
+  fwd.w = HostTensor::View(one.w->dtype(), one.w->shape(), one.w->data());
+  fwd.bias = HostTensor::View(one.bias->dtype(), one.bias->shape(), one.bias->data());
+  fwd.targets = HostTensor::View(one.targets.dtype(), one.targets.shape(), one.targets.data());
+  fwd.options = one.options;
+  fwd.want = WantedOutputs{};
+  fwd.want.dx = fwd.want.dw = false;
+  fwd.want.entropy = true;
+  fwd.keep_ms = 60000;
+  absl::StatusOr<ComputeResult> kept = client_->Compute(fwd);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  ASSERT_FALSE(kept->ticket.empty());
+  EXPECT_GT(kept->ticket_expires_unix_ms, absl::ToUnixMillis(absl::Now()));
+  EXPECT_EQ(kept->Find(OutputTensor::kDx), nullptr);
+  absl::StatusOr<std::vector<StateEntry>> listed = client_->List();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].kind, StateEntry::Kind::kTicket);
+  EXPECT_EQ((*listed)[0].name, kept->ticket);
+
+  ComputeRequest back;
+  back.kind = LossKind::kLogprob;
+  back.ticket = kept->ticket;
+  back.dlogp = HostTensor::View(DType::kF32, {kBT}, one.dlogp->data());
+  back.dentropy = HostTensor::View(DType::kF32, {kBT}, one.dentropy->data());
+  back.options.grad_scale = 0.5f;
+  back.want.db = true;
+  back.want.entropy = true;
+  // What the ticket holds is refused before anything is sent.
+  ComputeRequest with_x = back;
+  with_x.x = HostTensor::View(one.x.dtype(), one.x.shape(), one.x.data());
+  absl::StatusOr<ComputeResult> refused = client_->Compute(with_x);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("gives x: a backward gives only dlogp"),
+            std::string::npos)
+      << refused.status();
+
+  absl::StatusOr<ComputeResult> b = client_->Compute(back);
+  ASSERT_TRUE(b.ok()) << b.status();
+  absl::StatusOr<ComputeResult> o = client_->Compute(one);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(b->loss, o->loss);
+  for (OutputTensor t : {OutputTensor::kLogp, OutputTensor::kEntropy, OutputTensor::kDx,
+                         OutputTensor::kDw, OutputTensor::kDb}) {
+    const HostTensor* got = b->Find(t);
+    const HostTensor* want = o->Find(t);
+    ASSERT_NE(got, nullptr) << OutputTensorName(t);
+    ASSERT_NE(want, nullptr) << OutputTensorName(t);
+    ASSERT_EQ(got->num_bytes(), want->num_bytes()) << OutputTensorName(t);
+    EXPECT_EQ(std::memcmp(got->data(), want->data(), got->num_bytes()), 0)
+        << OutputTensorName(t);
+  }
+  for (OutputTensor t : {OutputTensor::kLogp, OutputTensor::kEntropy}) {
+    ASSERT_NE(kept->Find(t), nullptr);
+    EXPECT_EQ(std::memcmp(kept->Find(t)->data(), o->Find(t)->data(), kBT * 4), 0);
+  }
+  // And the values are the reference's.
+  LogprobProblem p;
+  p.head = Head(one.x, *one.w, &*one.bias);
+  p.targets = one.targets.data();
+  p.dlogp = one.dlogp->data_as<float>();
+  p.dentropy = one.dentropy->data_as<float>();
+  p.options.temperature = 0.7f;
+  p.options.softcap = 5.0f;
+  LogprobReferenceOutputs want;
+  ASSERT_TRUE(LogprobReference(p, &want).ok());
+  // The reference's gradients are of F at grad_scale 1; the calls' at 0.5 (exact in fp32).
+  for (std::vector<double>* g : {&want.grad.dx, &want.grad.dw, &want.grad.db}) {
+    for (double& v : *g) v *= 0.5;
+  }
+  ExpectOutput("dx", *b, OutputTensor::kDx, want.grad.dx);
+  ExpectOutput("dw", *b, OutputTensor::kDw, want.grad.dw);
+  ExpectOutput("db", *b, OutputTensor::kDb, want.grad.db);
+
+  absl::StatusOr<ComputeResult> again = client_->Compute(back);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound) << again.status();
+  EXPECT_NE(again.status().message().find("resend X"), std::string::npos) << again.status();
 }
 
 // Policy inputs, and the reference problem of the same call.

@@ -10,11 +10,17 @@
 // and the mean of a per-row statistic as a sanity value (cross-entropy: the row loss; logprob
 // and policy: log p(target); distill: the row's divergence). bf16, random data (logits of
 // standard deviation 2), median of --runs CUDA-event timings after --warmup rounds.
+// With logprob among the kinds and --two_phase, the two-phase logprob too: its forward (logits
+// GEMM and one row pass, no gradient) then its backward (the one-phase logprob with upstream
+// gradients on the kept inputs: logits again, dX, dW), timed together in the same rounds as the
+// floor and the one-phase logprob, so the 8-against-6 BT H V cost is measured
+// (two_phase_row.h states it).
 // Reads --shapes, --runs and --warmup (kernel_flags.h; its other flags are bench_kernel's) and
 // its own flags below. Exit codes: 0; 1 on a failed call; 2 on a bad flag; 3 when a per-row
 // statistic came out non-finite.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +39,7 @@
 #include "bench/kernel/kernel_flags.h"
 #include "bench/kernel/problem.h"
 #include "bench/kernel/timing.h"
+#include "bench/kernel/two_phase_row.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
@@ -43,6 +50,8 @@ ABSL_FLAG(std::string, kinds, "cross_entropy,logprob,policy,distill",
           "loss kinds to time, in this order (cross_entropy, logprob, policy, distill)");
 ABSL_FLAG(double, temperature, 1.0, "temperature T of logprob, policy and distill (> 0)");
 ABSL_FLAG(int64_t, teacher_h, 0, "distill's teacher hidden size (0: the student's H)");
+ABSL_FLAG(bool, two_phase, true,
+          "with logprob in --kinds: also time the two-phase logprob (forward, then backward)");
 
 namespace lossd {
 namespace bench {
@@ -307,6 +316,56 @@ int CurrentLogp(cuda::CudaBackend& backend, cuda::FusedLoss& engine, const Shape
   return 0;
 }
 
+// The two-phase logprob at one shape: its forward (the forward-only logprob: logits and one
+// row pass, no gradient) alone, and forward then backward (the one-phase logprob with upstream
+// gradients, which is what the server runs on a ticket's kept inputs) together, in the same
+// rounds as the floor, the tuned floor and the one-phase logprob.
+int RunTwoPhase(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
+                cuda::FusedLoss& floor_engine, const ShapeBuffers& b, TwoPhaseTimes* t) {
+  cudaStream_t stream = engine.stream();
+  const float temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
+  const cuda::DeviceLossArgs backward = ArgsOf(LossKind::kLogprob, b, temperature);
+  cuda::DeviceLossArgs forward = backward;
+  forward.row_loss = cuda::RowLossInputs{};
+  forward.dx = nullptr;
+  forward.dw_acc = nullptr;
+  const cuda::ChunkPlan back_plan = backend.Plan(ShapeFor(LossKind::kLogprob, b));
+  WorkspaceShape fs = ShapeFor(LossKind::kLogprob, b);
+  fs.want_dx = false;
+  fs.dw = GradOut::kNone;
+  const cuda::ChunkPlan fwd_plan = backend.Plan(fs);
+  void* ws = nullptr;
+  BENCH_CHECK_CUDA(
+      cudaMalloc(&ws, std::max(back_plan.workspace_bytes, fwd_plan.workspace_bytes)));
+  BENCH_CHECK_OK(Floor(engine, stream, b, false, /*tune=*/true));
+  std::vector<std::function<absl::Status()>> bodies = {
+      [&]() { return Floor(floor_engine, stream, b, false, false); },
+      [&]() { return Floor(engine, stream, b, false, false); },
+      [&]() { return engine.Enqueue(backward, back_plan, ws); },
+      [&]() { return engine.Enqueue(forward, fwd_plan, ws); },
+      [&]() -> absl::Status {
+        absl::Status s = engine.Enqueue(forward, fwd_plan, ws);
+        return s.ok() ? engine.Enqueue(backward, back_plan, ws) : s;
+      }};
+  std::vector<double> ms;
+  if (TimeRoundsMs(stream, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_runs), bodies,
+                   &ms)) {
+    return 1;
+  }
+  BENCH_CHECK_CUDA(cudaFree(ws));
+  t->bt = b.bt, t->h = b.h, t->v = b.v;
+  t->floor_ms = ms[0], t->tuned_floor_ms = ms[1], t->one_phase_ms = ms[2];
+  t->forward_ms = ms[3], t->two_phase_ms = ms[4];
+  // As RunKind: a time beyond any GPU means the events did not enclose the work.
+  if (TwoPhaseFlop(b.bt, b.h, b.v) / (t->two_phase_ms * 1e-3) > 5e15) {
+    std::fprintf(stderr, "two-phase: %.3f ms is faster than any GPU; timing broken\n",
+                 t->two_phase_ms);
+    return 1;
+  }
+  std::fprintf(stderr, "  %s\n", TwoPhaseLine(*t).c_str());
+  return 0;
+}
+
 // The shape's buffers for the kinds asked for.
 int AllocateShape(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
                   const std::vector<LossKind>& kinds, ShapeBuffers* b) {
@@ -354,7 +413,8 @@ int FreeShape(const ShapeBuffers& b) {
   return 0;
 }
 
-void PrintTable(const cudaDeviceProp& prop, const std::vector<KindRow>& rows) {
+void PrintTable(const cudaDeviceProp& prop, const std::vector<KindRow>& rows,
+                const std::vector<TwoPhaseTimes>& two_phase) {
   std::printf("\nLoss kinds on %s: bf16, median of %d after %d warm-up rounds, temperature %g "
               "(logprob: entropy and upstream gradients; policy: dapo, old and reference "
               "log-probs; distill: jsd_beta 0.5, teacher H %s)\n\n",
@@ -377,6 +437,7 @@ void PrintTable(const cudaDeviceProp& prop, const std::vector<KindRow>& rows) {
   std::printf("\nfloor: the kind's GEMMs unchunked (logits, dX, dW; distill adds the teacher's "
               "logits), 6 BT H V flops (distill 2 BT V (3 H + Ht)); row mean: cross_entropy the "
               "row loss, logprob and policy log p(target), distill the row divergence\n");
+  for (const TwoPhaseTimes& t : two_phase) std::printf("%s\n", TwoPhaseLine(t).c_str());
   for (const KindRow& r : rows) {
     if (r.kind == "distill" && r.bt == 8192 && r.h == 4096 && r.v == 128256) {
       std::printf("distill extra device memory at (8192, 4096, 128256): %.0f MiB measured, "
@@ -421,6 +482,7 @@ int Main() {
   cudaDeviceProp prop;
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::vector<KindRow> rows;
+  std::vector<TwoPhaseTimes> two_phase;
   bool all_finite = true;
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',', absl::SkipEmpty())) {
     ShapeBuffers b;
@@ -440,10 +502,15 @@ int Main() {
       }
       all_finite = all_finite && finite;
       rows.push_back(row);
+      if (k == LossKind::kLogprob && absl::GetFlag(FLAGS_two_phase)) {
+        TwoPhaseTimes t;
+        if (RunTwoPhase(**backend, **engine, **floor_engine, b, &t)) return 1;
+        two_phase.push_back(t);
+      }
     }
     if (FreeShape(b)) return 1;
   }
-  PrintTable(prop, rows);
+  PrintTable(prop, rows, two_phase);
   return all_finite ? 0 : 3;
 }
 

@@ -63,7 +63,7 @@ cat "$OUTDIR/optimizer_bench.log" 2>/dev/null
 echo "== torch =="
 tail -10 "$OUTDIR/torch.log" 2>/dev/null
 echo "== loss kinds =="
-grep -E '^(\||distill extra)' "$OUTDIR/kinds_bench.log" 2>/dev/null
+grep -E '^(\||distill extra|logprob two-phase)' "$OUTDIR/kinds_bench.log" 2>/dev/null
 echo "== loss kinds, naive torch =="
 grep -E '^\|' "$OUTDIR/kinds_torch.log" 2>/dev/null
 exit $rc

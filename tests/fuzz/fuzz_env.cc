@@ -1,5 +1,6 @@
 #include "tests/fuzz/fuzz_env.h"
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -22,9 +23,14 @@ uint32_t NextRandom(uint64_t* state) {
   return static_cast<uint32_t>(*state >> 33);
 }
 
+// The clock of the two-phase tickets' TTLs: CheckIdle moves it past every TTL, so a ticket an
+// input kept and never consumed is freed (and one that is not shows as left behind).
+std::atomic<int64_t> ticket_clock_ns{1};
+
 FuzzEnv* MakeEnv() {
   auto* env = new FuzzEnv();
   EngineOptions o;
+  o.ticket_clock_ns = [] { return ticket_clock_ns.load(); };
   o.instance = kInstance;
   o.memory_budget_bytes = kMemoryBudget;
   o.max_queue = 4;
@@ -159,6 +165,9 @@ void CheckIdle(absl::string_view where) {
   e.weights().Unreserve(room);
   Check(e.weights().Get(Env().handle).ok(), "the preloaded weight handle is no longer served");
   Check(e.accumulators().count() == 0, "an accumulator was left behind");
+  ticket_clock_ns += (e.options().ticket_max_ms + 1) * 1000000;
+  Check(e.tickets().count() == 0 && e.tickets().bytes() == 0,
+        "a two-phase ticket outlived its TTL");
 }
 
 }  // namespace fuzz

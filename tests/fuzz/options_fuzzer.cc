@@ -7,6 +7,7 @@
 // computed, its own inputs made up too).
 #include <cmath>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -70,7 +71,8 @@ std::shared_ptr<Engine::InputBuffers> MakeInputs(const ComputePlan& p, Rng* rng)
   for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
     if (p.input_bytes[i] > 0) (*in)[i] = NewHostBuffer(p.input_bytes[i]);
   }
-  for (int64_t i = 0; i < p.bt * p.h; ++i) {
+  // A two-phase backward sends no X (its ticket holds it).
+  for (int64_t i = 0; bytes(InputSlot::kX) > 0 && i < p.bt * p.h; ++i) {
     StoreFromFloat(slot(InputSlot::kX).get(), p.dtype, i, rng->Uniform(-2, 2));
   }
   if (bytes(InputSlot::kW) > 0) {
@@ -183,6 +185,29 @@ void CompareWithReference(const ComputePlan& plan, const Engine::InputBuffers& i
   }
 }
 
+// The backward of a two-phase forward the fuzzer just kept, at once, with random upstream
+// gradients: the backward's path runs for every kept forward, and no ticket piles up.
+void RunBackward(const ComputePlan& forward, const std::string& ticket, Rng* rng) {
+  ComputeSpec spec;
+  spec.kind = LossKind::kLogprob;
+  spec.ticket = ticket;
+  for (InputSlot s : {InputSlot::kDlogp, InputSlot::kDentropy}) {
+    TensorDesc& t = spec.inputs[static_cast<int>(s)];
+    t.present = true;
+    t.dtype = DType::kF32;
+    t.shape = {forward.bt};
+  }
+  spec.wanted.dx = spec.wanted.dw = true;
+  auto planned = Env().engine->Plan(spec);
+  if (!planned.ok()) std::fprintf(stderr, "status: %s\n", planned.status().ToString().c_str());
+  Check(planned.ok(), "the backward of a ticket just kept was refused");
+  auto plan = std::make_shared<const ComputePlan>(std::move(*planned));
+  ComputeOutcome out = RunAndWait(plan, MakeInputs(*plan, rng));
+  if (!out.status.ok()) std::fprintf(stderr, "status: %s\n", out.status.ToString().c_str());
+  Check(out.status.ok(), "the backward of a ticket just kept failed");
+  Check(Env().engine->tickets().count() == 0, "a consumed ticket is still held");
+}
+
 }  // namespace
 
 void OptionsOneInput(const uint8_t* data, size_t size) {
@@ -207,6 +232,7 @@ void OptionsOneInput(const uint8_t* data, size_t size) {
     std::fprintf(stderr, "status: %s\n", out.status.ToString().c_str());
     Check(false, "a compute of valid inputs under accepted options failed");
   }
+  if (!out.ticket.empty()) RunBackward(*plan, out.ticket, &rng);
   // The other loss kinds' references are their backends' and the end-to-end tests' oracle;
   // here they must compute (and stay finite) under every option the engine accepts.
   if (plan->kind == LossKind::kCrossEntropy && InModeledRange(*plan)) {

@@ -526,6 +526,15 @@ void WriteLossKindSeeds(const std::string& root) {
       {v1::TENSOR_TEACHER_W, Floats(s.dtype, s.v * kHt, &rng, -0.7f, 0.7f)});
   distill.header.mutable_distill()->set_jsd_beta(0.25f);
   WriteCompute(root, "valid_kind_distill", distill);
+  // Last, so the seeds above keep their bytes.
+  // The forward of a two-phase log-prob: kept for its backward, no gradient asked.
+  Stream kept = kind_stream(v1::LOSS_KIND_LOGPROB);
+  kept.header.mutable_outputs()->set_dx(false);
+  kept.header.mutable_outputs()->set_dw(false);
+  kept.header.mutable_outputs()->set_db(false);
+  kept.header.mutable_outputs()->set_entropy(true);
+  kept.header.set_keep_ms(60000);
+  WriteCompute(root, "valid_kind_logprob_keep", kept);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@ METRICS = {
     "lossd_heads", "lossd_head_bytes", "lossd_head_budget_bytes", "lossd_head_steps_total",
     "lossd_head_step_seconds_bucket", "lossd_head_step_contributions_total",
     "lossd_head_step_tokens_total", "lossd_head_last_grad_norm", "lossd_head_last_version",
+    "lossd_tickets", "lossd_ticket_bytes", "lossd_tickets_expired_total",
 }
 
 failures = []

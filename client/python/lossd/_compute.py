@@ -107,7 +107,8 @@ def set_options(header, xdt, *, ignore_index, reduction, label_smoothing, lse_sq
     if gd not in (pb.DTYPE_UNSPECIFIED, pb.DTYPE_FP32, xdt):
         raise errors.InvalidArgumentError(
             "grad_dtype must be the input dtype (%s) or fp32, got %s" % (
-                dtype_name(xdt), dtype_name(gd)))
+                dtype_name(xdt) if xdt else "None: a ticket's backward does not know it",
+                dtype_name(gd)))
     opts.grad_dtype = pb.DTYPE_UNSPECIFIED if gd == xdt else gd
     if grad_scale is not None:
         opts.grad_scale = float(grad_scale)
@@ -269,7 +270,9 @@ def result_of(summary, tensors, into, *, wall_seconds, bytes_sent, bytes_receive
                          bytes_received=bytes_received, instance=summary.instance,
                          nonfinite=[OUTPUT_NAMES.get(t, str(t)) for t in summary.nonfinite],
                          head_version=summary.head_version, head_added=summary.head_added,
-                         kl=summary.kl, clip_fraction=summary.clip_fraction)
+                         kl=summary.kl, clip_fraction=summary.clip_fraction,
+                         ticket=summary.ticket,
+                         ticket_expires_unix_ms=summary.ticket_expires_unix_ms)
 
 
 def set_outputs_of(res, tensors):

@@ -77,7 +77,8 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
              want_entropy):
     """The kind's fields into `header` and its tensors into `inline` (the Inputs' list, whose
     last entry is X: everything goes before it, the teacher's head first with the big
-    tensors, since the server needs all but X in place before X's rows arrive). Plain
+    tensors, since the server needs all but X in place before X's rows arrive; a two-phase
+    backward's header names no X and its list holds none). Plain
     cross-entropy at temperature 1 sets nothing, so such a request reads as it always has.
     Returns the teacher's weight handle, or None."""
     if kind not in KINDS:
@@ -105,7 +106,7 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
         header.distill.jsd_beta = float(_options_of(distill, DistillOptions, "distill").jsd_beta)
     elif distill is not None:
         raise errors.InvalidArgumentError("distill options go with kind 'distill', not %r" % kind)
-    x_part = inline.pop()  # X stays last
+    x_part = inline.pop() if header.HasField("x") else None  # X stays last
     front = []
     handle = None
     if isinstance(teacher_w, (WeightHandle, str)):
@@ -138,7 +139,8 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
         dt, shape, arr = to_wire(teacher_x, "teacher_x", FLOAT_DTYPES)
         header.teacher_x.CopyFrom(pb.TensorSpec(dtype=dt, shape=shape))
         inline.append((pb.TENSOR_TEACHER_X, arr))
-    inline.append(x_part)
+    if x_part is not None:
+        inline.append(x_part)
     return handle
 
 

@@ -60,7 +60,8 @@ class PoolCalls:
     def compute(self, x, w, targets, *, accumulator=None, head=None, timeout=None, **kw):
         """lossd.Client.compute, routed: with `head` by the head, with `accumulator` by the
         accumulator (W, a PoolWeights, is uploaded there if it is not held there yet), else
-        by the weights' name (a PoolWeights) or, for inline W, by this trainer's rank."""
+        by the weights' name (a PoolWeights) or, for inline W, by this trainer's rank; a
+        two-phase backward (`ticket`) to the replica that took its ticket."""
         self._maybe_resolve()
         if isinstance(w, (WeightHandle, str)):
             raise errors.InvalidArgumentError(
@@ -68,11 +69,23 @@ class PoolCalls:
                 "its put_weights returned (or W itself)")
         pw = w if isinstance(w, PoolWeights) else None
         if head is not None:
-            return self._head_call(str(head), lambda c: c.compute(
+            r = self._head_call(str(head), lambda c: c.compute(
                 x, w, targets, accumulator=accumulator, head=head, timeout=timeout, **kw))
+            self._note_head_ticket(r, str(head))
+            return r
+        ticket = kw.get("ticket")
+        if ticket is None:
+            if accumulator:
+                return self._acc_compute(str(accumulator), pw, x, w, targets, timeout, kw)
+            return self._plain_compute(pw, x, w, targets, timeout, kw)
+        # A two-phase backward: to the replica that holds its ticket (lossd._pool_tickets).
         if accumulator:
-            return self._acc_compute(str(accumulator), pw, x, w, targets, timeout, kw)
-        return self._plain_compute(pw, x, w, targets, timeout, kw)
+            self._ticket_at_accumulator(str(ticket), str(accumulator))
+            r = self._acc_compute(str(accumulator), pw, x, w, targets, timeout, kw)
+        else:
+            r = self._ticket_compute(str(ticket), x, w, targets, timeout, kw)
+        self._forget_ticket(str(ticket))  # consumed
+        return r
 
     def _plain_compute(self, pw, x, w, targets, timeout, kw):
         """A compute that changes no state: sent again on a live replica after a failure."""
@@ -106,6 +119,7 @@ class PoolCalls:
                 self._handle_not_found(pw, rep)
                 continue
             self._done(rep, home, r.instance)
+            self._note_ticket(r, rep.address)
             return r
         raise last
 

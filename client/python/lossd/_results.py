@@ -45,6 +45,10 @@ class ComputeResult:
     # Kind policy: Liger's mean-KL metric (0 when beta is 0) and clip fraction.
     kl: float = 0.0
     clip_fraction: float = 0.0
+    # A two-phase log-prob's forward (keep_ms): the ticket its backward names (compute(ticket=))
+    # and when the server drops it (Unix ms); "" and 0 otherwise.
+    ticket: str = ""
+    ticket_expires_unix_ms: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +105,8 @@ class StateEntry:
     """One weight handle, accumulator or hosted head of the caller's, as Client.list_state
     reports it."""
 
-    kind: str  # "weights", "accumulator" or "head"
-    name: str  # the weight handle's, the accumulator's or the head's name
+    kind: str  # "weights", "accumulator", "head" or "ticket"
+    name: str  # the weight handle's, the accumulator's, the head's name or the ticket
     bytes: int  # server memory it holds
     last_used_unix_ms: int  # created, or last named by a call
     # Accumulators: micro-batches summed since the last reset; heads: Computes added to the
@@ -112,7 +116,7 @@ class StateEntry:
 
 
 _STATE_KINDS = {pb.STATE_WEIGHTS: "weights", pb.STATE_ACCUMULATOR: "accumulator",
-                pb.STATE_HEAD: "head"}
+                pb.STATE_HEAD: "head", pb.STATE_TICKET: "ticket"}
 
 
 @dataclasses.dataclass

@@ -82,6 +82,12 @@ class LossdRuntime:
         # inside backward (activation checkpointing) that matches one of them redoes it.
         # Forwards of one key are interchangeable, so counts suffice.
         self._added = collections.OrderedDict()
+        # lossd.rl's two-phase log-probs: what their calls did, by event (lossd._rl_logprob's
+        # _note), the events already logged (each once), and until when (time.monotonic())
+        # forwards keep nothing after the server refused to keep one.
+        self.two_phase_counts = collections.Counter()
+        self.two_phase_logged = set()
+        self.two_phase_paused_until = 0.0
 
     # -- eager accumulation under activation checkpointing ------------------------------
 

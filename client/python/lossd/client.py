@@ -32,6 +32,7 @@ from lossd._results import (  # noqa: F401 - re-exported: lossd.client.X stays i
 from lossd._transfer import (  # noqa: F401 - re-exported, as above
     MAX_FETCH_RANGES, Assembler, StripeGroup, fetch_ranges_within)
 from lossd._transfer import parts as _parts  # the name tests import
+from lossd._two_phase import TicketInputs, check_keep_ms
 from lossd.tensors import FLOAT_DTYPES, dtype_name, to_wire
 
 # Data bytes per TensorPart message (the wire contract's default bound).
@@ -470,7 +471,7 @@ class Client(HeadMethods):
                 head_version=None, rank=0, micro_batch=None, kind="cross_entropy",
                 temperature=None, want_entropy=False, dlogp=None, dentropy=None,
                 advantages=None, old_logp=None, ref_logp=None, policy=None, teacher_x=None,
-                teacher_w=None, teacher_bias=None, distill=None):
+                teacher_w=None, teacher_bias=None, distill=None, keep_ms=0, ticket=None):
         """Linear + cross-entropy (or another loss kind) forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
@@ -500,7 +501,7 @@ class Client(HeadMethods):
           buffer that does not fit, or one for an output the call does not return, is refused
           before anything is sent.
         timeout: seconds (None = the client's default, float("inf") = none).
-        overlap: None = the client's setting (see Client).
+        overlap: None = the client's setting (see Client); off for a two-phase call.
         head: a hosted head's name, with w None: its compute copy is the weight, dW/db go into
           its step at head_version, and (rank, micro_batch) is the key that keeps a retry from
           adding twice (result.head_added); see HeadMethods._check_head_compute.
@@ -512,11 +513,32 @@ class Client(HeadMethods):
           PolicyOptions or dict), result.kl and result.clip_fraction; "distill": JSD against
           the teacher (teacher_x (BT, Ht), teacher_w (V, Ht) or its WeightHandle, teacher_bias;
           distill: a DistillOptions or dict; targets only mark ignored rows and may be None).
+        keep_ms, ticket: the two-phase logprob (servers listing "logprob_two_phase";
+          lossd._two_phase). A forward with keep_ms > 0 (and no upstream gradients, no
+          gradients wanted) returns result.ticket, kept that long (result.ticket_expires_unix_ms);
+          compute(None, None, None, kind="logprob", ticket=..., dlogp=, dentropy=) is its
+          backward, sending nothing else (accumulator, grad_scale, grad_dtype and want_* may be
+          given; for a ticket taken against a head, rank and micro_batch but not head). An
+          expired, consumed or unknown ticket is NotFoundError, one of another server instance
+          (a restart, another replica) FailedPreconditionError: send the one-phase call then.
         """
         t_start = time.perf_counter()
-        head_fields = self._check_head_compute(w, bias, accumulator, head, head_version, rank,
-                                               micro_batch, timeout)
-        inputs = Inputs(x, w, targets, bias, class_weights, grad_output, reduction)
+        keep_ms = check_keep_ms(keep_ms)
+        if ticket is None:
+            # A forward that keeps adds nothing to a head's step, so it needs no step key.
+            head_fields = self._check_head_compute(
+                w, bias, accumulator, head, head_version, rank,
+                0 if keep_ms and micro_batch is None else micro_batch, timeout)
+            inputs = Inputs(x, w, targets, bias, class_weights, grad_output, reduction)
+        else:
+            inputs = TicketInputs(ticket, kind, keep_ms, out, dict(
+                x=x, w=w, targets=targets, bias=bias, class_weights=class_weights,
+                grad_output=grad_output, advantages=advantages, old_logp=old_logp,
+                ref_logp=ref_logp, policy=policy, teacher_x=teacher_x, teacher_w=teacher_w,
+                teacher_bias=teacher_bias, distill=distill, head=head))
+            head_fields = inputs.head_fields(head_version, rank, micro_batch)
+        if keep_ms or ticket is not None:
+            self.require_feature("logprob_two_phase", timeout=timeout)
         header = inputs.header
         set_kind(header, inputs.inline, kind=kind, temperature=temperature, policy=policy,
                  distill=distill, dlogp=dlogp, dentropy=dentropy, advantages=advantages,
@@ -526,6 +548,9 @@ class Client(HeadMethods):
                     label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                     softcap=softcap, grad_dtype=grad_dtype, grad_scale=grad_scale,
                     chunk_rows=chunk_rows, token_scaling=token_scaling)
+        if ticket is not None:
+            inputs.finish(header, temperature, ignore_index)
+        header.keep_ms = keep_ms
         set_outputs(header, inputs.has_bias, accumulator or head, want_dx=want_dx,
                     want_dw=want_dw, want_db=want_db, want_lse=want_lse, want_z_loss=want_z_loss,
                     want_accuracy=want_accuracy, want_predictions=want_predictions)
@@ -535,7 +560,9 @@ class Client(HeadMethods):
         header.MergeFrom(pb.ComputeHeader(**head_fields))
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
         header.response_part_bytes = int(rpb)
-        overlapped = self.overlap if overlap is None else bool(overlap)
+        if overlap is None:  # a two-phase call is never overlapped (the server refuses it)
+            overlap = self.overlap and not (keep_ms or ticket is not None)
+        overlapped = bool(overlap)
         header.overlap = overlapped
         bytes_sent = sum(arr.nbytes for _, arr in inputs.inline)
         into = check_out(out, returned_outputs(header, inputs.xdt, inputs.xshape, inputs.wshape,

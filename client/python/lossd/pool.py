@@ -12,6 +12,7 @@ head cannot be, and the caller gets StepLostError / HeadLostError saying what to
 calls themselves live in lossd._pool_calls.
 """
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -20,6 +21,7 @@ import uuid
 
 from lossd import errors
 from lossd._pool_calls import PoolCalls
+from lossd._pool_tickets import PoolTickets
 from lossd._pool_route import Target, rendezvous_order, resolve, system_resolver
 from lossd._pool_weights import PoolWeights
 from lossd._proto import pb
@@ -87,7 +89,7 @@ def _check_number(field, value, positive=True, integer=False):
     return v
 
 
-class ReplicaPool(PoolCalls):
+class ReplicaPool(PoolCalls, PoolTickets):
     """Several lossd replicas used as one, with lossd.Client's methods.
 
     endpoints: "ip:port,ip:port" (or a list): those replicas, hashed by these strings; or one
@@ -109,7 +111,9 @@ class ReplicaPool(PoolCalls):
     Calls: put_weights(w, bias, name=) -> PoolWeights (pass it as w), compute, fetch_gradients,
     drop_accumulator, drop_weights, the hosted-head calls (create_head, import_head, step,
     export_head, head_info, drop_head), server_info, health, require_feature. stats() gives
-    the counters; every move and re-upload is logged once on logger "lossd.pool".
+    the counters; every move and re-upload is logged once on logger "lossd.pool". A two-phase
+    log-prob's backward (compute(ticket=)) goes to the replica that took the ticket, or fails
+    with NotFoundError where that cannot be (lossd._pool_tickets).
     """
 
     is_pool = True
@@ -147,6 +151,7 @@ class ReplicaPool(PoolCalls):
         self._homes = {}  # key -> _Home (keys with state)
         self._last_route = {}  # stateless key -> the replica it went to last
         self._weights = {}  # name -> PoolWeights
+        self._tickets = collections.OrderedDict()  # two-phase ticket -> its replica's address
         self._counts = dict(moves=0, reuploads=0, uploads=0, resolutions=0, steps_lost=0,
                             heads_lost=0)
         self._closed = False

@@ -10,122 +10,26 @@
 - `LossdFusedLinearJSD`: LigerFusedLinearJSD's constructor and forward arguments.
 
 Autograd through them gives dX, dW and db, computed by the server. The log-prob helpers run
-forward only (the upstream gradient of a log-prob is not known then); their backward sends X
-again with the upstream gradients (W goes once when weight caching is on). The GRPO and JSD
+forward only (the upstream gradient of a log-prob is not known then) and backward sends the
+upstream gradients, in two phases by default (keep_ms, 60 s: the server keeps X under a
+ticket, and backward sends only dlogp and dentropy; lossd._rl_logprob) or with keep_ms=0 in
+one (backward sends X again; W goes once when weight caching is on). The GRPO and JSD
 losses are scalars: one call returns the loss and the gradients, and backward scales them.
 Keyword-only connection settings as lossd.nn's modules: client, server, cache_weights,
 timeout, or a shared `runtime` (lossd.nn.LossdRuntime). A runtime with a server-side
 `accumulator` adds dW and db there instead of returning them (dX still comes back): the
 scalar losses then compute the loss alone in forward and the gradients in backward, with
 grad_scale = upstream gradient x the runtime's grad_scale, as lossd.nn's deferred mode; call
-`apply_accumulated_gradients` before the optimizer step. Not in this round: a two-phase
-log-prob whose backward sends only the upstream gradients (X kept on the server under a
-ticket).
+`apply_accumulated_gradients` before the optimizer step.
 """
 
 import torch
 
 from lossd import errors
-from lossd.nn import LossdRuntime, _to_torch
-
-_RUNTIMES = {}  # server address -> the LossdRuntime the functions use when given none
-
-
-def _runtime(runtime, server):
-    if runtime is None:
-        runtime = _RUNTIMES.get(server)
-        if runtime is None:
-            runtime = _RUNTIMES[server] = LossdRuntime(server=server)
-    return runtime
-
-
-def _grad_kw(runtime, upstream=1.0):
-    """compute()'s accumulator and grad_scale for a call that returns gradients: with an
-    accumulator, dW and db go there, scaled by the upstream gradient and the runtime's
-    grad_scale (dX comes back scaled alike, as lossd.nn's)."""
-    if runtime.accumulator is None:
-        return {}
-    return dict(accumulator=runtime.accumulator, grad_scale=float(upstream) * runtime.grad_scale)
-
-
-def _grad_dtype(x):
-    # fp16 gradients lose small values to underflow before any loss scale is applied (the
-    # scalar losses apply the upstream gradient afterwards): fp32, cast on arrival.
-    return "fp32" if x.dtype == torch.float16 else None
-
-
-def _grad(value, like):
-    """A received gradient as a tensor of `like`'s dtype and device (None stays None)."""
-    if value is None:
-        return None
-    return _to_torch(value, like.device).to(dtype=like.dtype, device=like.device)
-
-
-def _fp32(t):
-    return None if t is None else t.detach().to(torch.float32).reshape(-1)
-
-
-def _once():
-    """Refuses backward(create_graph=True): the server's gradients carry no graph, so a
-    gradient penalty built on them would silently lose its second-order terms."""
-    if torch.is_grad_enabled():
-        raise errors.UnimplementedError(
-            "lossd.rl's losses are differentiable once: double backward (create_graph=True) "
-            "is not supported", method="rl")
-
-
-def _flat(hidden, ids):
-    """(BT, H) hidden states and (BT) ids from (..., H) and (...)."""
-    if hidden.dim() < 2:
-        raise errors.InvalidArgumentError(
-            "hidden states must be (..., H), got shape %s" % (tuple(hidden.shape),), method="rl")
-    if ids is not None and tuple(ids.shape) != tuple(hidden.shape[:-1]):
-        raise errors.InvalidArgumentError(
-            "labels of shape %s do not match hidden states %s" % (
-                tuple(ids.shape), tuple(hidden.shape)), method="rl")
-    x2 = hidden.reshape(-1, hidden.shape[-1])
-    return x2, (None if ids is None else ids.reshape(-1).to(torch.int64))
-
-
-class LossdLogprobFunction(torch.autograd.Function):
-    """apply(x (BT, H), weight (V, H), bias or None, labels (BT), temperature, runtime)
-    -> (logp (BT) fp32, entropy (BT) fp32)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, labels, temperature, runtime):
-        ctx.set_materialize_grads(False)
-        r = runtime.compute(x, weight, labels, bias, kind="logprob",
-                            temperature=float(temperature), want_entropy=True, want_dx=False,
-                            want_dw=False, want_db=False)
-        ctx.save_for_backward(x, weight, bias, labels)
-        ctx.temperature, ctx.runtime = float(temperature), runtime
-        dev = x.device
-        return _to_torch(r.logp, dev).clone(), _to_torch(r.entropy, dev).clone()
-
-    @staticmethod
-    def backward(ctx, dlogp, dentropy):
-        _once()
-        x, weight, bias, labels = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if (dlogp is None and dentropy is None) or not (need_dx or need_dw or need_db):
-            return None, None, None, None, None, None
-        rt = ctx.runtime
-        r = rt.compute(x, weight, labels, bias, kind="logprob", temperature=ctx.temperature,
-                       dlogp=_fp32(dlogp), dentropy=_fp32(dentropy), want_dx=need_dx,
-                       want_dw=need_dw, want_db=bool(need_db and bias is not None),
-                       grad_dtype=_grad_dtype(x), **_grad_kw(rt))
-        held = rt.accumulator is not None  # dW and db went into it
-        return (_grad(r.dx, x) if need_dx else None,
-                _grad(r.dw, weight) if need_dw and not held else None,
-                _grad(r.db, bias) if need_db and bias is not None and not held else None,
-                None, None, None)
-
-
-def _logprob_entropy(hidden, weight, labels, temperature, bias, runtime, server):
-    x2, t1 = _flat(hidden, labels)
-    rt = _runtime(runtime, server)
-    logp, entropy = LossdLogprobFunction.apply(x2, weight, bias, t1, float(temperature), rt)
-    return logp.reshape(hidden.shape[:-1]), entropy.reshape(hidden.shape[:-1])
+from lossd._rl_common import _fp32, _grad, _grad_dtype, _grad_kw, _once, _runtime
+from lossd._rl_logprob import DEFAULT_KEEP_MS, LossdLogprobFunction, logprob_entropy
+from lossd._two_phase import check_keep_ms
+from lossd.nn import LossdRuntime
 
 
 class _OnServer(torch.nn.Module):
@@ -154,37 +58,42 @@ class _OnServer(torch.nn.Module):
 
 
 def fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature=1.0, *,
-                         bias=None, runtime=None, server="localhost:50051"):
+                         bias=None, runtime=None, server="localhost:50051",
+                         keep_ms=DEFAULT_KEEP_MS):
     """verl's FusedLinearForPPO: (log_probs fp32, entropy in the hidden states' dtype), each
-    of input_ids' shape, of softmax((hidden_states @ vocab_weights.T + bias) / temperature)."""
-    logp, entropy = _logprob_entropy(hidden_states, vocab_weights, input_ids, temperature, bias,
-                                     runtime, server)
+    of input_ids' shape, of softmax((hidden_states @ vocab_weights.T + bias) / temperature).
+    keep_ms: how long the server keeps X for the backward (two-phase; 0 = one-phase: backward
+    sends X again). Only where a backward can follow (grad enabled, an input requiring it)."""
+    logp, entropy = logprob_entropy(hidden_states, vocab_weights, input_ids, temperature, bias,
+                                    runtime, server, keep_ms)
     return logp, entropy.to(hidden_states.dtype)
 
 
 class LossdFusedLinearForPPO(_OnServer):
     """verl's FusedLinearForPPO module on the server. chunk_size and impl_backend are taken
-    for compatibility; the server chooses its own chunking."""
+    for compatibility; the server chooses its own chunking. keep_ms: fused_linear_for_ppo's."""
 
     def __init__(self, chunk_size=512, impl_backend="torch", *, client=None,
                  server="localhost:50051", cache_weights=True, timeout=None, accumulator=None,
-                 grad_scale=1.0, runtime=None):
+                 grad_scale=1.0, runtime=None, keep_ms=DEFAULT_KEEP_MS):
         super().__init__()
         self.chunk_size = chunk_size
         self.impl_backend = impl_backend
+        self.keep_ms = check_keep_ms(keep_ms)
         self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
         return fused_linear_for_ppo(hidden_states, vocab_weights, input_ids, temperature,
-                                    runtime=self.runtime)
+                                    runtime=self.runtime, keep_ms=self.keep_ms)
 
 
 def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
                          dist_process_group=None, *, bias=None, runtime=None,
-                         server="localhost:50051"):
+                         server="localhost:50051", keep_ms=DEFAULT_KEEP_MS):
     """verl's fused linear_cross_entropy entry: (logprobs, entropy) per token (reduction
     "none"), or their sums / means ("sum", "mean"). A vocabulary split over a process group
-    (dist_process_group) is not supported: give the whole head."""
+    (dist_process_group) is not supported: give the whole head. keep_ms: as
+    fused_linear_for_ppo's."""
     if dist_process_group is not None:
         raise errors.InvalidArgumentError(
             "dist_process_group: a vocabulary-parallel head is not supported; give the whole "
@@ -192,7 +101,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     if reduction not in ("none", "sum", "mean"):
         raise errors.InvalidArgumentError(
             "reduction must be 'none', 'sum' or 'mean', got %r" % (reduction,), method="rl")
-    logp, entropy = _logprob_entropy(hidden, weight, labels, temperature, bias, runtime, server)
+    logp, entropy = logprob_entropy(hidden, weight, labels, temperature, bias, runtime, server,
+                                    keep_ms)
     if reduction == "sum":
         return logp.sum(), entropy.sum()
     if reduction == "mean":
@@ -201,21 +111,22 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
 
 
 def logprobs_from_hidden(hidden_states, weight, labels, temperature=1.0, *, bias=None,
-                         runtime=None, server="localhost:50051"):
+                         runtime=None, server="localhost:50051", keep_ms=DEFAULT_KEEP_MS):
     """verl's logprobs_from_logits(logits, labels) with logits = (hidden_states @ weight.T +
-    bias) / temperature never formed: log p(label), fp32, of labels' shape."""
-    return _logprob_entropy(hidden_states, weight, labels, temperature, bias, runtime,
-                            server)[0]
+    bias) / temperature never formed: log p(label), fp32, of labels' shape. keep_ms: as
+    fused_linear_for_ppo's."""
+    return logprob_entropy(hidden_states, weight, labels, temperature, bias, runtime, server,
+                           keep_ms)[0]
 
 
 def entropy_from_hidden(hidden_states, weight, temperature=1.0, *, bias=None, runtime=None,
-                        server="localhost:50051"):
+                        server="localhost:50051", keep_ms=DEFAULT_KEEP_MS):
     """verl's entropy_from_logits(logits) with the logits never formed: the softmax's entropy
-    per row, fp32, of hidden_states.shape[:-1]."""
+    per row, fp32, of hidden_states.shape[:-1]. keep_ms: as fused_linear_for_ppo's."""
     labels = torch.zeros(hidden_states.shape[:-1], dtype=torch.int64,
                          device=hidden_states.device)  # any valid id: only the entropy is used
-    return _logprob_entropy(hidden_states, weight, labels, temperature, bias, runtime,
-                            server)[1]
+    return logprob_entropy(hidden_states, weight, labels, temperature, bias, runtime, server,
+                           keep_ms)[1]
 
 
 class _ScalarLossFunction(torch.autograd.Function):

@@ -2,9 +2,13 @@
 test_rl_reference_torch.py checks the float64 references against): the oracle of the
 lossd.rl tests. And ReferenceClient: a stand-in for lossd.Client whose compute() answers
 the kinds with these formulas, so the torch modules' plumbing (shapes, which tensors are sent,
-the upstream gradient's scaling, metrics) is tested without a server."""
+the upstream gradient's scaling, metrics, the two-phase log-prob's tickets) is tested without
+a server."""
 
+import itertools
 import types
+
+import lossd
 
 import numpy as np
 import torch
@@ -80,15 +84,42 @@ def jsd_loss(lq, lp, beta, keep):
 
 
 class ReferenceClient:
-    """compute() of the loss kinds in float64 torch autograd; results as lossd's (numpy)."""
+    """compute() of the loss kinds in float64 torch autograd; results as lossd's (numpy).
 
-    def __init__(self):
+    The two-phase log-prob as the server's contract has it: a logprob forward with keep_ms
+    keeps its inputs under a ticket (in `tickets`; no expiry: a test drops them to expire
+    them), a compute naming a ticket computes from them and consumes it, and one naming a
+    ticket not held is NotFoundError. features: what require_feature finds."""
+
+    def __init__(self, features=("logprob_two_phase",)):
         self.calls = []  # the keyword arguments of every compute
+        self.features = set(features)
+        self.tickets = {}  # ticket -> the forward's (x, w, targets, bias, temperature)
+        self._ids = itertools.count(1)
 
-    def compute(self, x, w, targets, **kw):
+    def require_feature(self, name, *, timeout=None):
+        if name not in self.features:
+            raise lossd.UnimplementedError("the reference client lacks %r" % name)
+
+    def compute(self, x, w, targets, *, keep_ms=0, ticket=None, **kw):
+        if ticket is not None:
+            assert x is None and w is None and targets is None and "bias" not in kw, \
+                "a ticket's backward sends no X, W, bias or targets"
+            if ticket not in self.tickets:
+                raise lossd.NotFoundError("ticket %r is not held" % ticket, method="Compute")
+            x, w, targets, bias, temperature = self.tickets.pop(ticket)
+            assert kw.get("temperature") is None, "a backward leaves the temperature unset"
+            kw.update(bias=bias, temperature=temperature)
         # Called inside autograd Functions, where grad mode is off.
         with torch.enable_grad():
-            return self._compute(x, w, targets, **kw)
+            res = self._compute(x, w, targets, **kw)
+        self.calls[-1].update(keep_ms=keep_ms, ticket=ticket)
+        if keep_ms:
+            assert kw.get("kind") == "logprob" and kw.get("dlogp") is None, "a keeping forward"
+            assert not (kw.get("want_dx") or kw.get("want_dw") or kw.get("want_db"))
+            res.ticket = "t%d" % next(self._ids)
+            self.tickets[res.ticket] = (x, w, targets, kw.get("bias"), kw.get("temperature"))
+        return res
 
     def _compute(self, x, w, targets, *, bias=None, kind="cross_entropy", temperature=None,
                 ignore_index=-100, want_entropy=False, dlogp=None, dentropy=None,
@@ -107,7 +138,7 @@ class ReferenceClient:
                 a.requires_grad_(True)
         tg = None if targets is None else torch.as_tensor(np.asarray(targets)).to(torch.int64)
         res = types.SimpleNamespace(loss=0.0, kl=0.0, clip_fraction=0.0, logp=None,
-                                    entropy=None, dx=None, dw=None, db=None)
+                                    entropy=None, dx=None, dw=None, db=None, ticket="")
         if kind == "logprob":
             logp, ent = logprob_entropy(x, w, b, tg, t, ignore_index)
             res.logp = logp.detach().numpy().astype(np.float32)

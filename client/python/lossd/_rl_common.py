@@ -1,0 +1,65 @@
+"""What lossd.rl's losses share: the runtime a function uses when given none, the gradient
+keywords of a call, received gradients as tensors, and the input checks. Imports torch."""
+
+import torch
+
+from lossd import errors
+from lossd.nn import LossdRuntime, _to_torch
+
+_RUNTIMES = {}  # server address -> the LossdRuntime the functions use when given none
+
+
+def _runtime(runtime, server):
+    if runtime is None:
+        runtime = _RUNTIMES.get(server)
+        if runtime is None:
+            runtime = _RUNTIMES[server] = LossdRuntime(server=server)
+    return runtime
+
+
+def _grad_kw(runtime, upstream=1.0):
+    """compute()'s accumulator and grad_scale for a call that returns gradients: with an
+    accumulator, dW and db go there, scaled by the upstream gradient and the runtime's
+    grad_scale (dX comes back scaled alike, as lossd.nn's)."""
+    if runtime.accumulator is None:
+        return {}
+    return dict(accumulator=runtime.accumulator, grad_scale=float(upstream) * runtime.grad_scale)
+
+
+def _grad_dtype(x):
+    # fp16 gradients lose small values to underflow before any loss scale is applied (the
+    # scalar losses apply the upstream gradient afterwards): fp32, cast on arrival.
+    return "fp32" if x.dtype == torch.float16 else None
+
+
+def _grad(value, like):
+    """A received gradient as a tensor of `like`'s dtype and device (None stays None)."""
+    if value is None:
+        return None
+    return _to_torch(value, like.device).to(dtype=like.dtype, device=like.device)
+
+
+def _fp32(t):
+    return None if t is None else t.detach().to(torch.float32).reshape(-1)
+
+
+def _once():
+    """Refuses backward(create_graph=True): the server's gradients carry no graph, so a
+    gradient penalty built on them would silently lose its second-order terms."""
+    if torch.is_grad_enabled():
+        raise errors.UnimplementedError(
+            "lossd.rl's losses are differentiable once: double backward (create_graph=True) "
+            "is not supported", method="rl")
+
+
+def _flat(hidden, ids):
+    """(BT, H) hidden states and (BT) ids from (..., H) and (...)."""
+    if hidden.dim() < 2:
+        raise errors.InvalidArgumentError(
+            "hidden states must be (..., H), got shape %s" % (tuple(hidden.shape),), method="rl")
+    if ids is not None and tuple(ids.shape) != tuple(hidden.shape[:-1]):
+        raise errors.InvalidArgumentError(
+            "labels of shape %s do not match hidden states %s" % (
+                tuple(ids.shape), tuple(hidden.shape)), method="rl")
+    x2 = hidden.reshape(-1, hidden.shape[-1])
+    return x2, (None if ids is None else ids.reshape(-1).to(torch.int64))
