@@ -61,7 +61,7 @@ int ParseSchedules(std::vector<Config>* out) {
   std::vector<Config>& schedules = *out;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',')) {
     int sc = 0;
-    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 3) {
+    if (!absl::SimpleAtoi(b, &sc) || sc < 0 || sc > 2) {
       std::fprintf(stderr, "bad --schedules entry '%s'\n", std::string(b).c_str());
       return 2;
     }

@@ -62,9 +62,7 @@ bool PlanConfig(int64_t bt, int64_t h, int64_t v, uint64_t budget, const Config&
       f.schedule == 2
           ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
           : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
-                             f.schedule == 3 ? cuda::Schedule::kRowHalvesSplitDw
-                                             : static_cast<cuda::Schedule>(f.schedule),
-                             gws);
+                             static_cast<cuda::Schedule>(f.schedule), gws);
   if (f.schedule == 2 && plan.blocks == 0) {
     std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: whole-batch layout does not apply\n",
                  static_cast<long long>(bt), static_cast<long long>(h),

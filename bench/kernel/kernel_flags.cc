@@ -13,7 +13,7 @@ ABSL_FLAG(std::string, budgets_mib, "0,1024",
           "(DefaultChunkBudget)");
 ABSL_FLAG(std::string, schedules, "0,1,2",
           "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
-          "applies, 3 row halves with the dW GEMM split into the same row halves)");
+          "applies)");
 ABSL_FLAG(std::string, ce_cols, "",
           "also time the one-read CE kernel with at most these many columns a block (comma "
           "list), beside its default, and a device copy of the same bytes");

@@ -20,7 +20,6 @@ void PrintFused(const Row& r, const Row::Fused& f, FILE* csv) {
               f.is_default ? "default, " : "", static_cast<unsigned long long>(f.budget >> 20),
               static_cast<long long>(f.chunk_rows),
               f.schedule == 0   ? "rows"
-              : f.schedule == 3 ? "rows, split dW"
               : f.schedule == 2 ? absl::StrFormat("whole batch, %d blocks", f.blocks).c_str()
                                 : (f.side_sms > 0 ? absl::StrFormat("columns, dW on %d SMs",
                                                                   f.side_sms)

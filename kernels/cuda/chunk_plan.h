@@ -36,11 +36,6 @@ enum class Schedule : int32_t {
   // first-half logits GEMM (compute-bound) runs under this chunk's second-half dW GEMM, whose
   // fp32 accumulator read and write are memory-bound; dX runs under the first-half dW.
   kColumnHalves = 1,
-  // Row halves, with the dW GEMM in the same two row halves: the first half's dW runs beside
-  // the second half's CE (which otherwise has no GEMM beside it) and the next chunk's first
-  // logits half beside this chunk's second-half dW. Each half adds into the fp32 dW, so the
-  // accumulator is read back twice a chunk.
-  kRowHalvesSplitDw = 2,
 };
 
 // What the backend uses unless told otherwise: with autotuned GEMMs, row halves measured

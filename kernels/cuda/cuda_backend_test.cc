@@ -132,12 +132,10 @@ TEST_F(CudaTest, ChunkSizeChangesTheLossOnlyAtFp32Rounding) {
   EXPECT_TRUE(r.ok()) << r.ToString();
 }
 
-// Every schedule over several chunks, with every gradient and the accumulators.
+// Both schedules over several chunks, with every gradient and the accumulators.
 TEST_F(CudaTest, BothSchedulesMatchReference) {
-  const std::pair<Schedule, int32_t> configs[] = {{Schedule::kRowHalves, 0},
-                                                  {Schedule::kRowHalvesSplitDw, 0},
-                                                  {Schedule::kColumnHalves, 0},
-                                                  {Schedule::kColumnHalves, 56}};
+  const std::pair<Schedule, int32_t> configs[] = {
+      {Schedule::kRowHalves, 0}, {Schedule::kColumnHalves, 0}, {Schedule::kColumnHalves, 56}};
   for (const auto& [schedule, side_sms] : configs) {
     CudaBackendOptions bo = FixedSchedule(schedule);
     bo.side_sms = side_sms;
@@ -218,8 +216,7 @@ TEST_F(CudaTest, AutotuningOnFirstUseLeavesAnAccumulatorAsItWas) {
   ReferenceOutputs ref;
   ASSERT_TRUE(ReferenceCompute(p, &ref).ok());
   const std::vector<float> start(ref.dw.begin(), ref.dw.end());
-  for (Schedule schedule :
-       {Schedule::kRowHalves, Schedule::kRowHalvesSplitDw, Schedule::kColumnHalves}) {
+  for (Schedule schedule : {Schedule::kRowHalves, Schedule::kColumnHalves}) {
     for (bool autotune : {true, false}) {
       CudaBackendOptions bo = FixedSchedule(schedule);
       bo.autotune_gemms = autotune;
@@ -385,7 +382,6 @@ TEST_F(CudaTest, BiasIsRoundedWithTheLogitsAsOnTheCpu) {
     int64_t bt;  // the whole-batch layout needs BT * 2 <= 4 H
   };
   for (const Config& c : {Config{"rows", Schedule::kRowHalves, false, 700},
-                          Config{"rows, split dW", Schedule::kRowHalvesSplitDw, false, 700},
                           Config{"columns", Schedule::kColumnHalves, false, 700},
                           Config{"whole batch", Schedule::kRowHalves, true, 120}}) {
     CudaBackendOptions bo = FixedSchedule(c.schedule);

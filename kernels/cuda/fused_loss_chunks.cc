@@ -1,7 +1,6 @@
 // The row-chunk path of FusedLoss::Enqueue: per chunk of C rows, the logits GEMM, the
 // cross-entropy kernel, the dX GEMM and the dW/db accumulation, spread over main_, ce_ and
-// side_ by the plan's schedule (row halves, row halves with a split dW, or column halves),
-// after an optional tuning pass.
+// side_ by the plan's schedule (row halves or column halves), after an optional tuning pass.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -31,7 +30,7 @@ class FusedLoss::ChunkPass {
   absl::Status LogitsGemm(int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv,
                           int32_t sms);
   absl::Status DxGemm(int64_t c0, int64_t rows, int32_t sms);
-  absl::Status DwGemm(int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv, int32_t sms);
+  absl::Status DwGemm(int64_t c0, int64_t rows, int64_t v0, int64_t nv, int32_t sms);
   absl::Status XReady(int64_t c0, int64_t rows);
   absl::Status DxEnqueued(int64_t c0, int64_t rows);
   absl::Status DbSum(int64_t rows);
@@ -50,8 +49,6 @@ class FusedLoss::ChunkPass {
   void* ws_side;
   int32_t rank_logits, rank_dx, rank_dw;
   bool columns;
-  // Row halves with the dW GEMM split into the same two row halves (kRowHalvesSplitDw).
-  bool split_dw;
   int64_t vbegin[2], vcount[2];
   bool gemm_bias, teacher_gemm_bias;
   int32_t side_sms, main_sms;
@@ -86,7 +83,6 @@ FusedLoss::ChunkPass::ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const Chu
   rank_dw = f.algo_ranks_[static_cast<int>(GemmRole::kDw)];
 
   columns = plan.schedule == Schedule::kColumnHalves && a.v >= 256;
-  split_dw = plan.schedule == Schedule::kRowHalvesSplitDw && want_dw;
   const int64_t vsplit = columns ? (a.v / 2 + 63) / 64 * 64 : a.v;
   vbegin[0] = 0;
   vbegin[1] = vsplit;
@@ -194,20 +190,19 @@ absl::Status FusedLoss::ChunkPass::DxGemm(int64_t c0, int64_t rows, int32_t sms)
   return Gemm(f.main_, ws_main, scales.alpha, g, rank_dx);
 }
 
-// dW[v0:v0+nv]^T (H x nv) += X_r^T (H x n col-major) * G[r0:r0+n, v0:v0+nv] for rows
-// [r0, r0 + n) of the chunk at c0; chunks (and row halves) are added in increasing row order,
-// one GEMM per chunk and half: a fixed order.
-absl::Status FusedLoss::ChunkPass::DwGemm(int64_t c0, int64_t r0, int64_t n, int64_t v0,
-                                          int64_t nv, int32_t sms) {
-  const float beta = (a.accumulate_dw || c0 + r0 > 0) ? 1.0f : 0.0f;
+// dW[v0:v0+nv]^T (H x nv) += X_c^T (H x C col-major) * G[:, v0:v0+nv]; chunks are added in
+// increasing row order, one GEMM per chunk and half: a fixed order.
+absl::Status FusedLoss::ChunkPass::DwGemm(int64_t c0, int64_t rows, int64_t v0, int64_t nv,
+                                          int32_t sms) {
+  const float beta = (a.accumulate_dw || c0 > 0) ? 1.0f : 0.0f;
   const Spec g{/*trans_a=*/false,
                /*trans_b=*/true,
                a.h,
                nv,
-               n,
-               Offset(a.x, (c0 + r0) * a.h, elem),
+               rows,
+               Offset(a.x, c0 * a.h, elem),
                a.h,
-               logits + (r0 * a.v + v0) * elem,
+               logits + v0 * elem,
                a.v,
                ab,
                beta,
@@ -268,16 +263,10 @@ absl::Status FusedLoss::TuneChunks(ChunkPass& c) {
     }
     for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
       const int64_t rows = std::min(plan.chunk_rows, a.bt - c0);
-      if (round == 1 && c.split_dw) {
-        const int64_t split = RowSplit(rows);
-        LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, 0, split, 0, a.v, 0));
-        if (split < rows) LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, split, rows - split, 0, a.v, 0));
-        continue;
-      }
       if (round == 1) {
         for (int half = 0; half < (columns ? 2 : 1); ++half) {
-          LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, 0, rows, c.vbegin[half], c.vcount[half],
-                                         columns ? c.side_sms : 0));
+          LOSSD_RETURN_IF_ERROR(
+              c.DwGemm(c0, rows, c.vbegin[half], c.vcount[half], columns ? c.side_sms : 0));
         }
         continue;
       }
@@ -341,7 +330,7 @@ absl::Status FusedLoss::ColumnChunk(ChunkPass& c, int64_t c0, int64_t rows) {
     for (int half = 0; half < 2; ++half) {
       if (c.want_dw) {
         LOSSD_RETURN_IF_ERROR(
-            c.DwGemm(c0, 0, rows, c.vbegin[half], c.vcount[half], c.side_sms));
+            c.DwGemm(c0, rows, c.vbegin[half], c.vcount[half], c.side_sms));
       }
       LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[half], side_));
     }
@@ -355,19 +344,14 @@ absl::Status FusedLoss::RowHalvesForward(ChunkPass& c, int64_t c0, int64_t rows)
   const int64_t nsub = split < rows ? 2 : 1;
   const int64_t begin[2] = {0, split};
   const int64_t count[2] = {split, rows - split};
-  // Each half: its rows of X (where they still arrive), its logits GEMM once the previous
-  // chunk's dW has read the rows of the buffer it rewrites (the whole buffer, or with a split
-  // dW that half), and its CE under the next half's GEMM. With hooks this thread may block in
-  // XReady for the second half's rows: the first half's CE is already queued by then. Split,
-  // the last piece waits for the previous chunk's second-half dW whatever its own split (a
-  // short last chunk of one piece reaches into the rows that dW read).
+  // Each half: its rows of X (where they still arrive), its logits GEMM (the first once the
+  // previous chunk's dW/db have read the buffer) and its CE under the next half's GEMM. With
+  // hooks this thread may block in XReady for the second half's rows: the first half's CE is
+  // queued by then. Without hooks the same calls give each stream the same work and waits.
   for (int64_t s = 0; s < nsub; ++s) {
     LOSSD_RETURN_IF_ERROR(c.XReady(c0 + begin[s], count[s]));
     if (c0 > 0 && s == 0) {
       LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
-    }
-    if (c0 > 0 && c.split_dw && s == nsub - 1) {
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[1], 0));
     }
     LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, begin[s], count[s], 0, a.v, 0));
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
@@ -378,38 +362,23 @@ absl::Status FusedLoss::RowHalvesForward(ChunkPass& c, int64_t c0, int64_t rows)
   return absl::OkStatus();
 }
 
-// After the chunk's dX GEMM is on main_: the dW/db accumulation on side_. Whole-chunk, it
-// follows the last CE and runs beside dX; split, the first half's dW follows the first half's
-// CE and the last logits GEMM (so that it does not share the SMs with a logits GEMM) and runs
-// beside the second half's CE; the second half's follows that CE. db reads every row, so it
-// goes before the first half of the buffer is released.
+// After the chunk's dX GEMM is on main_: the dW/db accumulation on side_, after the last CE,
+// beside dX.
 absl::Status FusedLoss::RowHalvesBackward(ChunkPass& c, int64_t c0, int64_t rows) {
   const DeviceLossArgs& a = c.a;
-  const int64_t split = RowSplit(rows);
-  const int64_t nsub = split < rows ? 2 : 1;
-  const int64_t last = nsub - 1;
+  const int64_t last = RowSplit(rows) < rows ? 1 : 0;
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[last], 0));
   // Overlapped, the last chunk's dX is what the caller still waits for on the wire:
   // its dX GEMM gets the whole GPU and its rows go out while this dW GEMM runs, instead
-  // of both sharing the SMs and dX finishing last. Only the order of independent
+  // of both sharing the SMs and dX finishing last. Only the order of two independent
   // GEMMs changes, not what either computes.
   if (a.hooks != nullptr && a.dx != nullptr && c0 + rows >= a.bt) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dx_last_, main_));
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, dx_last_, 0));
   }
-  if (c.split_dw) {
-    LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, logits_done_[last], 0));
-    LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
-    LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, 0, split, 0, a.v, 0));
-  }
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[last], 0));
-  if (c.want_dw && !c.split_dw) LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, 0, rows, 0, a.v, 0));
+  if (c.want_dw) LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, rows, 0, a.v, 0));
   if (c.want_db) LOSSD_RETURN_IF_ERROR(c.DbSum(rows));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));
-  if (c.split_dw) {
-    if (nsub == 2) LOSSD_RETURN_IF_ERROR(c.DwGemm(c0, split, rows - split, 0, a.v, 0));
-    // Recorded also for a chunk of one piece, so the next chunk's second half waits on it.
-    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[1], side_));
-  }
   return absl::OkStatus();
 }
 
