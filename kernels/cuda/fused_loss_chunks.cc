@@ -344,33 +344,30 @@ absl::Status FusedLoss::RowHalvesForward(ChunkPass& c, int64_t c0, int64_t rows)
   const int64_t nsub = split < rows ? 2 : 1;
   const int64_t begin[2] = {0, split};
   const int64_t count[2] = {split, rows - split};
-  if (a.hooks != nullptr) {
-    // Rows still arriving: each half starts once its own rows are in, and its CE is
-    // queued before this thread waits for the next half's rows (the same kernels and
-    // dependencies as below, so the same bits).
-    for (int64_t s = 0; s < nsub; ++s) {
-      LOSSD_RETURN_IF_ERROR(c.XReady(c0 + begin[s], count[s]));
-      LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, begin[s], count[s], 0, a.v, 0));
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
-      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
-      LOSSD_RETURN_IF_ERROR(c.CrossEntropy(c0, begin[s], count[s]));
-    }
-    return absl::OkStatus();
-  }
+  // Each half: its rows of X (where they still arrive), its logits GEMM (the first once the
+  // previous chunk's dW/db have read the buffer) and its CE under the next half's GEMM. With
+  // hooks this thread may block in XReady for the second half's rows: the first half's CE is
+  // queued by then. Without hooks the same calls give each stream the same work and waits.
   for (int64_t s = 0; s < nsub; ++s) {
+    LOSSD_RETURN_IF_ERROR(c.XReady(c0 + begin[s], count[s]));
+    if (c0 > 0 && s == 0) {
+      LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
+    }
     LOSSD_RETURN_IF_ERROR(c.LogitsGemm(c0, begin[s], count[s], 0, a.v, 0));
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[s], main_));
-  }
-  for (int64_t s = 0; s < nsub; ++s) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ce_, logits_done_[s], 0));
     LOSSD_RETURN_IF_ERROR(c.CrossEntropy(c0, begin[s], count[s]));
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[s], ce_));
   }
   return absl::OkStatus();
 }
 
+// After the chunk's dX GEMM is on main_: the dW/db accumulation on side_, after the last CE,
+// beside dX.
 absl::Status FusedLoss::RowHalvesBackward(ChunkPass& c, int64_t c0, int64_t rows) {
   const DeviceLossArgs& a = c.a;
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[0], 0));
+  const int64_t last = RowSplit(rows) < rows ? 1 : 0;
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ce_done_[last], 0));
   // Overlapped, the last chunk's dX is what the caller still waits for on the wire:
   // its dX GEMM gets the whole GPU and its rows go out while this dW GEMM runs, instead
   // of both sharing the SMs and dX finishing last. Only the order of two independent
@@ -386,12 +383,10 @@ absl::Status FusedLoss::RowHalvesBackward(ChunkPass& c, int64_t c0, int64_t rows
 }
 
 absl::Status FusedLoss::RowChunk(ChunkPass& c, int64_t c0, int64_t rows) {
-  // The chunk buffer is reused: wait until the previous chunk's dW/db read it.
-  if (c0 > 0) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
   LOSSD_RETURN_IF_ERROR(RowHalvesForward(c, c0, rows));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_done_[0], ce_));
   // dX whole-chunk: a half-chunk dX GEMM has too few output tiles when H is small.
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[0], 0));
+  const int64_t last = RowSplit(rows) < rows ? 1 : 0;
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_done_[last], 0));
   LOSSD_RETURN_IF_ERROR(c.DxGemm(c0, rows, 0));
   LOSSD_RETURN_IF_ERROR(c.DxEnqueued(c0, rows));
   if (c.want_dw || c.want_db) LOSSD_RETURN_IF_ERROR(RowHalvesBackward(c, c0, rows));
