@@ -65,12 +65,14 @@ __device__ __forceinline__ void WarpCombineQ(float& m, float& s, float& q, int& 
 }
 #endif
 
-// kCap: softcap on. At least three blocks a multiprocessor (64 KB of shared memory each in
-// bf16), as cross-entropy's one-read kernel. The bias, the entropy term and an ignored row are
-// decided once a block, outside the loops; the argmax and the target are checked once per 8
-// elements.
-template <typename T, bool kCap>
-__global__ void __launch_bounds__(kOneReadThreads, 3)
+// kCap: softcap on; kEnt: the entropy's upstream gradient may be nonzero (logprob with
+// coef_entropy), else e_i = 0 and its term is left out. At least three blocks a multiprocessor
+// (64 KB of shared memory each in bf16), as cross-entropy's one-read kernel, except with kEnt:
+// its gradient loop needs about 56 registers, and bound to 40 it spilled 84-220 bytes a thread
+// (ptxas), so it runs two. The bias and an ignored row are decided once a block, outside the
+// loops; the argmax and the target are checked once per 8 elements.
+template <typename T, bool kCap, bool kEnt>
+__global__ void __launch_bounds__(kOneReadThreads, kEnt ? 2 : 3)
     OneReadRowLossKernel(const RowLossParams p, int32_t seg_cols, int cluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
@@ -220,7 +222,7 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
           if (w != 0.0f) c = static_cast<float>(w * PolicyCoefficient(p, row, logp));
         } else {
           c = p.coef_logp != nullptr ? p.coef_logp[row] : 0.0f;
-          e = p.coef_entropy != nullptr ? p.coef_entropy[row] : 0.0f;
+          if constexpr (kEnt) e = p.coef_entropy[row];
         }
       }
       if (rank == 0) {
@@ -243,14 +245,14 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
   } else if (p.write_grad) {
     const float lse2 = Mul(lse, kLog2e);
     // g_j = [c ([j = t] - p_j) - e p_j (z_j - lse + H)] (1/T) softcap'(u_j), as RowLossKernel.
-    auto grad_loop = [&](auto has_bias, auto has_entropy) {
+    auto grad_loop = [&](auto has_bias) {
       for (int j0 = j_first; j0 < n; j0 += kStride) {
         float x[kVec], th[kVec], g[kVec];
         logits8(j0, x, th, has_bias);
         auto grad = [&](int k, bool target) {
           const float pj = Exp2Ftz(fmaf(x[k], kLog2e, -lse2));
           float gk = Mul(c, target ? Sub(1.0f, pj) : -pj);
-          if constexpr (decltype(has_entropy)::value) {
+          if constexpr (kEnt) {
             gk = fmaf(-Mul(e, pj), Add(Sub(x[k], lse), entropy), gk);
           }
           float chain = inv_t;
@@ -269,25 +271,19 @@ __global__ void __launch_bounds__(kOneReadThreads, 3)
       }
     };
     if (bias != nullptr) {
-      if (e != 0.0f) {
-        grad_loop(Yes{}, Yes{});
-      } else {
-        grad_loop(Yes{}, No{});
-      }
-    } else if (e != 0.0f) {
-      grad_loop(No{}, Yes{});
+      grad_loop(Yes{});
     } else {
-      grad_loop(No{}, No{});
+      grad_loop(No{});
     }
   }
   ClusterWait();
 #endif
 }
 
-template <typename T, bool kCap>
+template <typename T, bool kCap, bool kEnt>
 cudaError_t LaunchK(const RowLossParams& p, int cluster, cudaStream_t stream) {
   static std::atomic<uint64_t> ready{0};
-  auto* kernel = OneReadRowLossKernel<T, kCap>;
+  auto* kernel = OneReadRowLossKernel<T, kCap, kEnt>;
   const cudaError_t e = PrepareClusterKernel(kernel, kRowOneReadSegCols * sizeof(T), &ready);
   if (e != cudaSuccess) return e;
   const int64_t seg_cols = OneReadSegmentCols(p.v, cluster);
@@ -298,8 +294,12 @@ cudaError_t LaunchK(const RowLossParams& p, int cluster, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t LaunchT(const RowLossParams& p, int cluster, cudaStream_t stream) {
-  return p.softcap > 0.0f ? LaunchK<T, true>(p, cluster, stream)
-                          : LaunchK<T, false>(p, cluster, stream);
+  const bool cap = p.softcap > 0.0f;
+  const bool ent = p.kind == kRowLossLogprob && p.coef_entropy != nullptr;
+  if (cap && ent) return LaunchK<T, true, true>(p, cluster, stream);
+  if (cap) return LaunchK<T, true, false>(p, cluster, stream);
+  if (ent) return LaunchK<T, false, true>(p, cluster, stream);
+  return LaunchK<T, false, false>(p, cluster, stream);
 }
 
 }  // namespace
