@@ -1,7 +1,8 @@
 // The one-read cross-entropy kernel (ce_kernels.h's contract; chosen by LaunchCrossEntropy,
 // ce_kernels.cu): a row split over a cluster of blocks that exchange their statistics through
-// distributed shared memory, so each row is read from memory once. Its launch configuration
-// and the device's largest cluster live here too. The kernel stays one __global__ function
+// distributed shared memory, so each row is read from memory once. Its launch and the device's
+// largest cluster live here too (the helpers the loss kinds' one-read kernels share with it in
+// one_read_device.cuh). The kernel stays one __global__ function
 // (about 210 lines): cutting it into device functions hands its register use and instruction
 // order to the inliner, which its measured times and fixed summation order depend on.
 #include "kernels/cuda/one_read_kernel.h"
