@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/softcap_tanh.h"
@@ -137,6 +138,10 @@ struct RowStats {
   float best;  // argmax value
   int best_j;  // argmax index (first on ties)
   float wz;    // sum_j cw_j z_j (label smoothing only)
+
+  static __device__ __forceinline__ RowStats Empty() {
+    return RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+  }
 };
 
 __device__ __forceinline__ RowStats Merge(const RowStats& a, const RowStats& b) {
@@ -153,26 +158,33 @@ __device__ __forceinline__ RowStats Merge(const RowStats& a, const RowStats& b) 
   return r;
 }
 
-__device__ __forceinline__ RowStats ShuffleXor(const RowStats& a, int mask) {
-  RowStats r;
-  r.m = __shfl_xor_sync(0xffffffffu, a.m, mask);
-  r.s = __shfl_xor_sync(0xffffffffu, a.s, mask);
-  r.best = __shfl_xor_sync(0xffffffffu, a.best, mask);
-  r.best_j = __shfl_xor_sync(0xffffffffu, a.best_j, mask);
-  r.wz = __shfl_xor_sync(0xffffffffu, a.wz, mask);
+// Every 32-bit word of a statistics record from lane (lane ^ mask): one template for every
+// record type (RowStats here, the loss kinds' statistics in row_loss_device.cuh).
+template <typename S>
+__device__ __forceinline__ S ShuffleXor(const S& a, int mask) {
+  static_assert(sizeof(S) % 4 == 0, "a record of 32-bit words");
+  constexpr int kWords = static_cast<int>(sizeof(S) / 4);
+  uint32_t w[kWords];
+  memcpy(w, &a, sizeof(S));
+#pragma unroll
+  for (int k = 0; k < kWords; ++k) w[k] = __shfl_xor_sync(0xffffffffu, w[k], mask);
+  S r;
+  memcpy(&r, w, sizeof(S));
   return r;
 }
 
 // Fixed butterfly order within warps, then warp 0 over the warps' results: the same tree on
-// every run, so the result is deterministic.
-__device__ RowStats BlockReduce(RowStats x, RowStats* shared) {
+// every run, so the result is deterministic. S has Merge(S, S) (found by argument-dependent
+// lookup) and S::Empty(), a record that saw nothing; shared holds kWarps + 1 records.
+template <typename S>
+__device__ S BlockReduce(S x, S* shared) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) x = Merge(x, ShuffleXor(x, mask));
   if (lane == 0) shared[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    x = lane < kWarps ? shared[lane] : RowStats{-INFINITY, 0.0f, -INFINITY, 0x7fffffff, 0.0f};
+    x = lane < kWarps ? shared[lane] : S::Empty();
 #pragma unroll
     for (int mask = 16; mask > 0; mask >>= 1) x = Merge(x, ShuffleXor(x, mask));
     if (lane == 0) shared[kWarps] = x;

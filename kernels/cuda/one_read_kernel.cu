@@ -1,7 +1,8 @@
 // The one-read cross-entropy kernel (ce_kernels.h's contract; chosen by LaunchCrossEntropy,
 // ce_kernels.cu): a row split over a cluster of blocks that exchange their statistics through
-// distributed shared memory, so each row is read from memory once. Its launch configuration
-// and the device's largest cluster live here too. The kernel stays one __global__ function
+// distributed shared memory, so each row is read from memory once. Its launch and the device's
+// largest cluster live here too (the helpers the loss kinds' one-read kernels share with it in
+// one_read_device.cuh). The kernel stays one __global__ function
 // (about 210 lines): cutting it into device functions hands its register use and instruction
 // order to the inliner, which its measured times and fixed summation order depend on.
 #include "kernels/cuda/one_read_kernel.h"
@@ -16,6 +17,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/ce_device.cuh"
+#include "kernels/cuda/one_read_device.cuh"
 #include "kernels/cuda/softcap_tanh.h"
 
 namespace lossd {
@@ -33,22 +35,6 @@ namespace {
 // One cluster per row, three blocks per multiprocessor (64 KB of shared memory each): a
 // persistent version with a prefetch buffer (one block per multiprocessor) and smaller
 // segments (clusters of 16) both measured slower.
-constexpr int kOneReadThreads = 512;
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-constexpr int kOneReadWarps = kOneReadThreads / 32;
-
-// The two halves of a cluster barrier, so that a block can do its own work in between.
-__device__ __forceinline__ void ClusterArriveRelease() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void ClusterArriveRelaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void ClusterWait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-#endif
 
 // A block's segment statistics and the facts the row outputs need, read by the other blocks of
 // the cluster: the max m, the sum s of exp(z - m), the first column holding m, the smoothing
@@ -61,29 +47,6 @@ struct SegmentShare {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// 2^x in one multi-function-unit instruction; results below 2^-126 flush to zero (they are
-// below what the gradient's bf16/fp16/fp32 values are compared at).
-__device__ __forceinline__ float Exp2Ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Waits until at most n of this thread's cp.async groups are pending; n is a constant once the
-// caller's loop is unrolled, so the switch folds to one instruction.
-__device__ __forceinline__ void WaitAsyncGroupsAtMost(int n) {
-  switch (n) {
-    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
-  }
-}
-
 // Combines the (m, s, best_j, wz) of the 32 lanes; every lane gets the same result. The max
 // first, then each s rescaled to it once, then plain sums and a min: three butterflies of one
 // value each instead of five rounds of merging whole records. Every step is commutative, so the
@@ -356,31 +319,6 @@ cudaError_t PrepareOneRead() {
   if (e != cudaSuccess) return e;
   ready.fetch_or(bit, std::memory_order_release);
   return cudaSuccess;
-}
-
-// The launch configuration of `blocks` one-read blocks in clusters of `cluster`, each with
-// `smem` bytes of segment. Holds the attribute the configuration points at, so it is not copied.
-struct OneReadLaunch {
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  OneReadLaunch(unsigned blocks, int cluster, size_t smem, cudaStream_t stream) {
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(kOneReadThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  OneReadLaunch(const OneReadLaunch&) = delete;
-  OneReadLaunch& operator=(const OneReadLaunch&) = delete;
-};
-
-int64_t OneReadSegmentCols(int64_t v, int cluster) {
-  return ((v + cluster - 1) / cluster + 7) / 8 * 8;
 }
 
 template <typename T, bool kCap, bool kSmooth>

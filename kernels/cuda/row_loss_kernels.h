@@ -10,14 +10,17 @@
 // and the KL term of policy_reference.h, in double, times the row's weight w_i (its loss
 // normaliser, times grad_scale / alpha) which the host computes from the mask.
 // alpha, a power of two, is the caller's: it comes back in the dX/dW/db GEMMs' alpha, so
-// small coefficients do not underflow a 16-bit G. One block per row, a fixed reduction tree:
-// deterministic. Never allocates and never synchronises.
+// small coefficients do not underflow a 16-bit G. A row is read once by a cluster of blocks
+// (the one-read kernels) or by one block (the two-pass kernels, where the one-read kernels do
+// not apply: row_loss_launch.h), each in a fixed reduction tree: deterministic. Never
+// allocates and never synchronises.
 //
 // Distill (distill_reference.h): the teacher's logits u_t come in a second chunk buffer; with
 // Q = softmax(z), P = softmax(z_t) per row, the generalised JSD row_i (written into row_logp)
 // and, with d_j = d row_i / d log Q_j, g_ij = c (d_j - Q_ij sum_k d_k) / T, c = grad_scale /
-// (n alpha) on rows that count (n of them), 0 on ignored ones. Three reads of the student row
-// (statistics, the divergence and sum d, the gradient) and two of the teacher's.
+// (n alpha) on rows that count (n of them), 0 on ignored ones. The one-read kernel reads each
+// row once; the two-pass kernel reads the student row three times (statistics, the divergence
+// and sum d, the gradient) and the teacher's twice.
 #ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
 #define LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
 

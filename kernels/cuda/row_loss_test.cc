@@ -1,7 +1,7 @@
 // GPU tests of the CUDA backend's logprob, policy and distill loss kinds against the float64
 // references (row_loss_test_cases.h says how they are bounded): every case over tiny, odd and
 // medium shapes in bf16, fp16 and fp32, outputs poisoned before each run; a realistic
-// vocabulary; a bit-identical rerun. Each comparison prints its largest errors.
+// vocabulary; one wider than a block's segment; a bit-identical rerun. Each comparison prints its largest errors.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -75,19 +75,40 @@ TEST_F(CudaTest, RealisticWidthMatchesReference) {
   }
 }
 
-// Two identical requests of each kind, every output byte for byte.
-TEST_F(CudaTest, RowLossSameRequestTwiceIsBitIdentical) {
+// A vocabulary wider than one block's segment: the one-read kernels split each row over a
+// cluster of blocks (4 for logprob and policy, 7 for distill) where the GPU has clusters, so
+// the exchange of the blocks' statistics is checked against the references too. One case of
+// each kind in bf16, with a bias and (logprob) a softcap and the entropy's gradient.
+TEST_F(CudaTest, WideVocabularyMatchesReference) {
   for (int k : {1, 3, 8}) {
     const RowCase& c = kCases[k];
-    RowProblem rp = MakeProblem(c, {"d", 300, 96, 1000}, DType::kBF16, 9);
-    RowOutputs a(rp.p, DType::kBF16, false), b(rp.p, DType::kBF16, false);
-    ASSERT_TRUE(ValidateThenCompute(*backend_, rp.p, a.outputs(c.kind), nullptr).ok());
-    ASSERT_TRUE(ValidateThenCompute(*backend_, rp.p, b.outputs(c.kind), nullptr).ok());
-    EXPECT_TRUE(BitIdentical(a.base, b.base)) << c.name;
-    EXPECT_EQ(0, std::memcmp(a.logp.data(), b.logp.data(), a.logp.size() * 4)) << c.name;
-    EXPECT_EQ(0, std::memcmp(a.entropy.data(), b.entropy.data(), a.entropy.size() * 4));
-    EXPECT_EQ(0, std::memcmp(&a.kl, &b.kl, 4));
-    EXPECT_EQ(0, std::memcmp(&a.clip_fraction, &b.clip_fraction, 4));
+    RowProblem rp = MakeProblem(c, {"wide", 48, 64, 100000}, DType::kBF16, 13);
+    rp.p.options.chunk_rows = 32;
+    const Tolerance tol = ToleranceFor(DType::kBF16, DType::kBF16);
+    const Expected e = ExpectOf(rp, tol);
+    RowOutputs out(rp.p, DType::kBF16, false);
+    ASSERT_TRUE(ValidateThenCompute(*backend_, rp.p, out.outputs(c.kind), nullptr).ok());
+    std::printf("  wide %s bf16:\n", c.name);
+    ExpectMatches(rp.p, e, out, false);
+  }
+}
+
+// Two identical requests of each kind, every output byte for byte: rows of one block, and rows
+// split over a cluster of blocks (the wide vocabulary).
+TEST_F(CudaTest, RowLossSameRequestTwiceIsBitIdentical) {
+  for (const Shape& shape : {Shape{"d", 300, 96, 1000}, Shape{"dwide", 40, 48, 100000}}) {
+    for (int k : {1, 3, 8}) {
+      const RowCase& c = kCases[k];
+      RowProblem rp = MakeProblem(c, shape, DType::kBF16, 9);
+      RowOutputs a(rp.p, DType::kBF16, false), b(rp.p, DType::kBF16, false);
+      ASSERT_TRUE(ValidateThenCompute(*backend_, rp.p, a.outputs(c.kind), nullptr).ok());
+      ASSERT_TRUE(ValidateThenCompute(*backend_, rp.p, b.outputs(c.kind), nullptr).ok());
+      EXPECT_TRUE(BitIdentical(a.base, b.base)) << shape.name << " " << c.name;
+      EXPECT_EQ(0, std::memcmp(a.logp.data(), b.logp.data(), a.logp.size() * 4)) << c.name;
+      EXPECT_EQ(0, std::memcmp(a.entropy.data(), b.entropy.data(), a.entropy.size() * 4));
+      EXPECT_EQ(0, std::memcmp(&a.kl, &b.kl, 4));
+      EXPECT_EQ(0, std::memcmp(&a.clip_fraction, &b.clip_fraction, 4));
+    }
   }
 }
 
