@@ -77,9 +77,8 @@ ABSL_FLAG(absl::Duration, head_step_timeout, absl::Minutes(10),
           "rank gets DEADLINE_EXCEEDED and the step's gradients are dropped (in line with "
           "torch.distributed's default collective timeout for NCCL).");
 ABSL_FLAG(uint64_t, ticket_bytes, 4ull << 30,
-          "Budget of two-phase log-prob tickets (a forward's X and targets, and its inline W "
-          "copied into backend memory, kept for its backward); a forward that does not fit is "
-          "refused (RESOURCE_EXHAUSTED).");
+          "Budget of two-phase log-prob tickets (a forward's X, targets and inline W kept for "
+          "its backward); a forward that does not fit is refused (RESOURCE_EXHAUSTED).");
 ABSL_FLAG(uint32_t, max_tickets, 256, "Most two-phase log-prob tickets held at once; 0 = none.");
 ABSL_FLAG(int64_t, ticket_max_ms, 10 * 60 * 1000,
           "Longest a ticket is kept (a forward's keep_ms is cut to it); then it is freed.");

@@ -38,6 +38,7 @@ WANT=(
   //kernels/cuda:optimizer_test
   //kernels/cuda:row_loss_test
   //kernels/cuda:row_loss_paths_test
+  //tests:two_phase_gpu_test
   //bench/service:net_ceiling
   //bench/service:service_bench
 )
