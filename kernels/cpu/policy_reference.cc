@@ -229,6 +229,7 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
   *out = PolicyReferenceOutputs();
   out->logp.assign(bt, 0.0);
   out->ratio.assign(bt, 0.0);
+  out->dl_dlogp.assign(bt, 0.0);
   out->grad = head.ZeroGradients();
   const std::vector<double> weight = RowWeights(p, &out->tokens);
 
@@ -244,6 +245,7 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
     const RowTerms r = PolicyRow(p, i, logp);
     out->logp[i] = logp;
     out->ratio[i] = r.ratio;
+    out->dl_dlogp[i] = r.dlogp;
     out->loss += weight[i] * r.loss;
     kl_sum += r.kl;
     clipped += r.clipped ? 1 : 0;

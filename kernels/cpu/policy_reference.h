@@ -82,13 +82,13 @@ struct PolicyOptions {
   // dapo's and cispo's D: 0 = this call's mask count; else finite, > 0. Unused by the other
   // types, as Liger ignores num_items_in_batch there (trainers pass it whatever the type).
   double dapo_normalizer = 0;
+  float grad_scale = kDefaultGradScale;  // upstream gradient of the loss: finite
   // sapo's gate temperatures (A > 0, A <= 0): finite, > 0, checked whatever the type.
   float sapo_temperature_pos = 1.0f;
   float sapo_temperature_neg = 1.05f;
   // 0 = none; else finite and > 1 + epsilon_high, with a clipped type only.
   float delta = 0.0f;
   bool use_bias_correction_kl = false;
-  float grad_scale = kDefaultGradScale;  // upstream gradient of the loss: finite
 };
 
 struct PolicyProblem {
@@ -111,6 +111,7 @@ struct PolicyReferenceOutputs {
   int64_t tokens = 0;         // N
   std::vector<double> logp;   // (BT) logp_i; 0 where mask 0
   std::vector<double> ratio;  // (BT) r_i; 0 where mask 0
+  std::vector<double> dl_dlogp;  // (BT) dl_i/dlogp_i, before w_i and grad_scale; 0 where masked
   HeadGradients grad;         // of grad_scale * loss
 };
 
