@@ -19,6 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from rl_torch_reference import policy_loss  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[3]
 DT = torch.float64
 
@@ -112,47 +114,11 @@ def test_logprob_matches_torch_autograd(cases):
 
 
 def torch_policy_loss(c, logp, mask, advantages):
-    """Liger-Kernel 0.8.5's GRPO loss (token-level ratios), written here from its formulas."""
-    bsz = int(c["batch"])
-    logp, mask, advantages = (a.reshape(bsz, -1) for a in (logp, mask, advantages))
-    old = t(c["old_logp"]).reshape(bsz, -1) if c["old_logp"] is not None else logp.detach()
-    ref = t(c["ref_logp"]).reshape(bsz, -1) if c["ref_logp"] is not None else logp.detach()
-    lo, hi = 1 - c["epsilon_low"], 1 + c["epsilon_high"]
-    kind = c["loss_type"]
-    coef1 = torch.exp(logp - old)
-    if kind == "cispo":
-        weight = torch.clamp(coef1, max=c["epsilon_high"]).detach()
-        per_token = -weight * advantages * logp
-        clipped = (coef1 > c["epsilon_high"]) & (advantages > 0)
-    elif kind == "sapo":
-        def gate(tau):
-            return torch.sigmoid(tau * (coef1 - 1)) * 4 / tau
-        per_token = -torch.where(advantages > 0, gate(c["sapo_temperature_pos"]),
-                                 gate(c["sapo_temperature_neg"])) * advantages
-        clipped = torch.zeros_like(mask, dtype=torch.bool)
-    else:
-        coef2 = torch.clamp(coef1, lo, hi)
-        capped = torch.clamp(coef1, max=c["delta"]) if c.get("delta", 0) else coef1
-        per_token = -torch.min(capped * advantages, coef2 * advantages)
-        clipped = ((coef1 < lo) & (advantages < 0)) | ((coef1 > hi) & (advantages > 0))
-    kl = torch.exp(ref - logp) - (ref - logp) - 1
-    if c.get("use_bias_correction_kl"):
-        kl = kl * coef1
-    if c["beta"] != 0:
-        per_token = per_token + c["beta"] * kl
-    n = mask.sum().clamp(min=1.0)
-    if kind in ("grpo", "sapo"):
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / bsz
-    elif kind == "bnpo":
-        loss = (per_token * mask).sum() / n
-    elif kind == "dr_grpo":
-        loss = (per_token * mask).sum() / (bsz * c["max_completion_length"])
-    elif kind == "luspo":
-        loss = (per_token * mask * mask.sum(-1, keepdim=True)).sum() / mask.numel()
-    else:
-        d = c["dapo_normalizer"] if c["dapo_normalizer"] > 0 else mask.sum()
-        loss = (per_token * mask).sum() / torch.clamp(torch.as_tensor(d, dtype=DT), min=1.0)
-    return loss, (kl.detach() * mask).sum() / n, (clipped * mask).sum() / n
+    """Liger-Kernel 0.8.5's GRPO loss (token-level ratios), written from its formulas in
+    rl_torch_reference.policy_loss; a case carries the options under the same names."""
+    old = t(c["old_logp"]) if c["old_logp"] is not None else None
+    ref = t(c["ref_logp"]) if c["ref_logp"] is not None else None
+    return policy_loss(logp, mask, advantages, old, ref, c, int(c["batch"]))
 
 
 def check_policy_case(c):
