@@ -87,7 +87,16 @@ inline const RowCase kCases[] = {
     // keeps inside fp16's normal range.
     {"policy_dapo_normalizer_1e4", LossKind::kPolicy, 1.0f, 0.0f, true, 0.0, 0, false, false,
      true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 1e4, 0.5f},
-    // The loss types beyond Liger's first four, delta and the bias-corrected KL.
+    {"distill_jsd_half_biases_ignore", LossKind::kDistill, 1.0f, 0.0f, true, 0.1, 0, false,
+     false, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 0.7f, 0.5f,
+     8, true},
+    {"distill_forward_kl_temp_no_targets_chunked_accum", LossKind::kDistill, 2.0f, 0.0f,
+     false, 0.0, 7, false, true, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f,
+     0.04f, 0, 0.7f, 0.0f, 0, false, true},
+    {"distill_reverse_kl_f32", LossKind::kDistill, 1.0f, 0.0f, true, 0.2, 0, true, false,
+     true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 1.0f, 1.0f, -3},
+    // The loss types beyond Liger's first four, delta and the bias-corrected KL (last: the
+    // tests name the cases above by index).
     {"policy_cispo", LossKind::kPolicy, 1.0f, 0.0f, true, 0.1, 0, false, false, true, false,
      PolicyLossType::kCispo, true, true, 0.2f, 1.3f, 0.04f, 0, 0.7f, 0.5f, 0, false, false},
     {"policy_sapo_temp_cap_bias_corrected_kl", LossKind::kPolicy, 0.8f, 4.0f, false, 0.2, 0,
@@ -99,14 +108,6 @@ inline const RowCase kCases[] = {
     {"policy_grpo_delta_bias_corrected_kl_f32", LossKind::kPolicy, 1.0f, 0.0f, false, 0.1, 0,
      true, false, true, false, PolicyLossType::kGrpo, true, true, 0.2f, 0.2f, 0.1f, 0, 0.7f,
      0.5f, 0, false, false, 1.0f, 1.05f, 1.4f, true},
-    {"distill_jsd_half_biases_ignore", LossKind::kDistill, 1.0f, 0.0f, true, 0.1, 0, false,
-     false, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 0.7f, 0.5f,
-     8, true},
-    {"distill_forward_kl_temp_no_targets_chunked_accum", LossKind::kDistill, 2.0f, 0.0f,
-     false, 0.0, 7, false, true, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f,
-     0.04f, 0, 0.7f, 0.0f, 0, false, true},
-    {"distill_reverse_kl_f32", LossKind::kDistill, 1.0f, 0.0f, true, 0.2, 0, true, false,
-     true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 1.0f, 1.0f, -3},
 };
 inline constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
 
