@@ -33,8 +33,10 @@ absl::Status CheckOptions(const PolicyOptions& o) {
     }
   }
   if (absl::Status s = CheckTemperatureAndSoftcap(o.temperature, o.softcap); !s.ok()) return s;
-  for (const auto& [name, value] : {std::make_pair("sapo_temperature_pos", o.sapo_temperature_pos),
-                                    std::make_pair("sapo_temperature_neg", o.sapo_temperature_neg)}) {
+  const std::pair<const char*, float> temperatures[] = {
+      {"sapo_temperature_pos", o.sapo_temperature_pos},
+      {"sapo_temperature_neg", o.sapo_temperature_neg}};
+  for (const auto& [name, value] : temperatures) {
     if (!(value > 0.0f) || !std::isfinite(value)) {
       return absl::InvalidArgumentError(
           absl::StrCat("options.", name, " must be finite and > 0, got ", value));

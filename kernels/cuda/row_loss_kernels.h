@@ -7,8 +7,9 @@
 //   g_ij = [ c_i ([j = t] - p_ij) - e_i p_ij (z_ij - lse_i + H_i) ] (1/T) softcap'(u_ij + b_j)
 // with logprob's c_i = dlogp_i, e_i = dentropy_i (each already times grad_scale / alpha), and
 // policy's c_i = w_i dl_i/dlogp_i (e_i = 0) computed here from logp_i: the loss type's
-// surrogate (clipped, cispo's or sapo's) and the KL term of policy_reference.h, in double, times the row's weight w_i (its loss
-// normaliser, times grad_scale / alpha) which the host computes from the mask.
+// surrogate (clipped, cispo's or sapo's) and the KL term of policy_reference.h, in double,
+// times the row's weight w_i (its loss normaliser, times grad_scale / alpha) which the host
+// computes from the mask.
 // alpha, a power of two, is the caller's: it comes back in the dX/dW/db GEMMs' alpha, so
 // small coefficients do not underflow a 16-bit G. One block per row, a fixed reduction tree:
 // deterministic. Never allocates and never synchronises.
