@@ -96,7 +96,7 @@ inline const RowCase kCases[] = {
     {"distill_reverse_kl_f32", LossKind::kDistill, 1.0f, 0.0f, true, 0.2, 0, true, false,
      true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 1.0f, 1.0f, -3},
     // The loss types beyond Liger's first four, delta and the bias-corrected KL (last: the
-    // tests name the cases above by index).
+    // tests name the cases above by index; row_loss_paths_test names luspo's, 13).
     {"policy_cispo", LossKind::kPolicy, 1.0f, 0.0f, true, 0.1, 0, false, false, true, false,
      PolicyLossType::kCispo, true, true, 0.2f, 1.3f, 0.04f, 0, 0.7f, 0.5f, 0, false, false},
     {"policy_sapo_temp_cap_bias_corrected_kl", LossKind::kPolicy, 0.8f, 4.0f, false, 0.2, 0,
