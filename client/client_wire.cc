@@ -72,6 +72,12 @@ v1::PolicyLossType ToProto(PolicyLossType t) {
       return v1::POLICY_LOSS_BNPO;
     case PolicyLossType::kDrGrpo:
       return v1::POLICY_LOSS_DR_GRPO;
+    case PolicyLossType::kCispo:
+      return v1::POLICY_LOSS_CISPO;
+    case PolicyLossType::kSapo:
+      return v1::POLICY_LOSS_SAPO;
+    case PolicyLossType::kLuspo:
+      return v1::POLICY_LOSS_LUSPO;
   }
   return static_cast<v1::PolicyLossType>(static_cast<int>(t));
 }

@@ -192,6 +192,10 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
     p->set_sequences(r.policy.sequences);
     p->set_max_completion_length(r.policy.max_completion_length);
     p->set_dapo_normalizer(r.policy.dapo_normalizer);
+    p->set_sapo_temperature_pos(r.policy.sapo_temperature_pos);
+    p->set_sapo_temperature_neg(r.policy.sapo_temperature_neg);
+    if (r.policy.delta != 0.0f) p->set_delta(r.policy.delta);
+    p->set_use_bias_correction_kl(r.policy.use_bias_correction_kl);
   }
   if (r.kind == LossKind::kDistill) h->mutable_distill()->set_jsd_beta(r.distill.jsd_beta);
   const std::pair<const std::optional<HostTensor>*, v1::TensorSpec* (v1::ComputeHeader::*)()>

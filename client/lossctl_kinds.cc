@@ -24,13 +24,20 @@ ABSL_FLAG(std::string, advantages, "",
           "policy: .npy of the per-token advantages (BT), fp32 (default: random in (-1, 1))");
 ABSL_FLAG(std::string, old_logp, "", "policy: .npy of the old policy's log-probs (BT), fp32");
 ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (BT), fp32");
-ABSL_FLAG(std::string, loss_type, "dapo", "policy: dapo|grpo|bnpo|dr_grpo");
+ABSL_FLAG(std::string, loss_type, "dapo", "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo");
 ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
 ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
 ABSL_FLAG(double, beta, 0.04, "policy: KL coefficient");
 ABSL_FLAG(int64_t, sequences, 1, "policy: the rows are this many completions, sequence-major");
 ABSL_FLAG(int64_t, max_completion_length, 0, "policy: dr_grpo's max completion length");
-ABSL_FLAG(double, dapo_normalizer, 0, "policy: dapo's normaliser (0 = this call's mask count)");
+ABSL_FLAG(double, dapo_normalizer, 0,
+          "policy: dapo's and cispo's normaliser (0 = this call's mask count)");
+ABSL_FLAG(double, sapo_temperature_pos, 1.0, "policy: sapo's gate temperature where A > 0");
+ABSL_FLAG(double, sapo_temperature_neg, 1.05, "policy: sapo's gate temperature where A <= 0");
+ABSL_FLAG(double, delta, 0,
+          "policy: two-sided clipping of the clipped types, r capped at delta (0 = none; "
+          "else > 1 + epsilon_high)");
+ABSL_FLAG(bool, use_bias_correction_kl, false, "policy: the KL term times the ratio");
 ABSL_FLAG(double, jsd_beta, 0.5, "distill: 0 forward KL, 1 reverse KL, between: generalised JSD");
 ABSL_FLAG(std::string, teacher_x, "", "distill: .npy of the teacher's hidden states (BT, Ht)");
 ABSL_FLAG(std::string, teacher_w, "", "distill: .npy of the teacher's head (V, Ht)");
@@ -59,12 +66,18 @@ absl::StatusOr<LossKind> ParseKind(const std::string& s) {
 }
 
 absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
-  for (PolicyLossType t : {PolicyLossType::kDapo, PolicyLossType::kGrpo, PolicyLossType::kBnpo,
-                           PolicyLossType::kDrGrpo}) {
-    if (s == PolicyLossTypeName(t)) return t;
+  for (int t = 0; t < kPolicyLossTypes; ++t) {
+    if (s == PolicyLossTypeName(static_cast<PolicyLossType>(t))) {
+      return static_cast<PolicyLossType>(t);
+    }
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--loss_type must be dapo, grpo, bnpo or dr_grpo, got '", s, "'"));
+  if (s == "vespo") {
+    return absl::InvalidArgumentError(
+        "--loss_type vespo is not computed: its weight depends on a whole sequence's ratios "
+        "(docs/rl_losses.md)");
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo, got '", s, "'"));
 }
 
 // Flags given that the kind does not read: refused, since they would be silently ignored.
@@ -89,6 +102,12 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
       {LossKind::kPolicy, "--max_completion_length",
        absl::GetFlag(FLAGS_max_completion_length) != 0},
       {LossKind::kPolicy, "--dapo_normalizer", absl::GetFlag(FLAGS_dapo_normalizer) != 0},
+      {LossKind::kPolicy, "--sapo_temperature_pos",
+       absl::GetFlag(FLAGS_sapo_temperature_pos) != 1.0},
+      {LossKind::kPolicy, "--sapo_temperature_neg",
+       absl::GetFlag(FLAGS_sapo_temperature_neg) != 1.05},
+      {LossKind::kPolicy, "--delta", absl::GetFlag(FLAGS_delta) != 0},
+      {LossKind::kPolicy, "--use_bias_correction_kl", absl::GetFlag(FLAGS_use_bias_correction_kl)},
       {LossKind::kDistill, "--jsd_beta", absl::GetFlag(FLAGS_jsd_beta) != 0.5},
       {LossKind::kDistill, "--teacher_x", !absl::GetFlag(FLAGS_teacher_x).empty()},
       {LossKind::kDistill, "--teacher_w", !absl::GetFlag(FLAGS_teacher_w).empty()},
@@ -126,6 +145,10 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
   r->policy.sequences = absl::GetFlag(FLAGS_sequences);
   r->policy.max_completion_length = absl::GetFlag(FLAGS_max_completion_length);
   r->policy.dapo_normalizer = absl::GetFlag(FLAGS_dapo_normalizer);
+  r->policy.sapo_temperature_pos = static_cast<float>(absl::GetFlag(FLAGS_sapo_temperature_pos));
+  r->policy.sapo_temperature_neg = static_cast<float>(absl::GetFlag(FLAGS_sapo_temperature_neg));
+  r->policy.delta = static_cast<float>(absl::GetFlag(FLAGS_delta));
+  r->policy.use_bias_correction_kl = absl::GetFlag(FLAGS_use_bias_correction_kl);
   LOSSD_ASSIGN_OR_RETURN(r->advantages, Fp32Input(absl::GetFlag(FLAGS_advantages), "advantages"));
   if (!r->advantages.has_value()) {
     r->advantages = RandomFloat(DType::kF32, {r->x.dim(0)}, 1.0f, absl::GetFlag(FLAGS_seed) + 4);

@@ -300,6 +300,29 @@ TEST_F(LossctlTest, LossKindsFlagsReachTheHeader) {
     EXPECT_EQ(fake_.last_data[v1::TENSOR_ADVANTAGES].size(), 24u);
     EXPECT_EQ(0, std::memcmp(fake_.last_data[v1::TENSOR_OLD_LOGP].data(), old.data(), 24));
   }
+  r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --loss_type=sapo "
+              "--sapo_temperature_pos=2 --sapo_temperature_neg=0.5 --use_bias_correction_kl");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::PolicyOptions& p = fake_.last_header.policy();
+    EXPECT_EQ(p.loss_type(), v1::POLICY_LOSS_SAPO);
+    EXPECT_FLOAT_EQ(p.sapo_temperature_pos(), 2.0f);
+    EXPECT_FLOAT_EQ(p.sapo_temperature_neg(), 0.5f);
+    EXPECT_FALSE(p.has_delta());  // 0: none, not sent
+    EXPECT_TRUE(p.use_bias_correction_kl());
+  }
+  r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --loss_type=luspo --delta=1.5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::PolicyOptions& p = fake_.last_header.policy();
+    EXPECT_EQ(p.loss_type(), v1::POLICY_LOSS_LUSPO);
+    EXPECT_TRUE(p.has_delta());
+    EXPECT_FLOAT_EQ(p.delta(), 1.5f);
+    EXPECT_FLOAT_EQ(p.sapo_temperature_neg(), 1.05f);
+    EXPECT_FALSE(p.use_bias_correction_kl());
+  }
   r = Lossctl("compute --kind=distill --jsd_beta=0.25 --bt=5 --h=4 --v=9 --teacher_h=3");
   ASSERT_EQ(r.code, 0) << r.output;
   absl::MutexLock lock(&fake_.mu);
@@ -314,8 +337,13 @@ TEST_F(LossctlTest, LossKindsFlagsReachTheHeader) {
 TEST_F(LossctlTest, LossKindsUsageErrors) {
   ExpectFails("compute --kind=ppo --bt=4 --h=4 --v=4",
               "--kind must be cross_entropy, logprob, policy or distill, got 'ppo'");
-  ExpectFails("compute --kind=policy --loss_type=cispo --bt=4 --h=4 --v=4",
-              "--loss_type must be dapo, grpo, bnpo or dr_grpo, got 'cispo'");
+  ExpectFails("compute --kind=policy --loss_type=ppo --bt=4 --h=4 --v=4",
+              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo, got 'ppo'");
+  ExpectFails("compute --kind=policy --loss_type=vespo --bt=4 --h=4 --v=4",
+              "--loss_type vespo is not computed: its weight depends on a whole sequence's "
+              "ratios");
+  ExpectFails("compute --kind=logprob --delta=1.5 --use_bias_correction_kl --bt=4 --h=4 --v=4",
+              "--kind=logprob does not take --delta (policy), --use_bias_correction_kl (policy)");
   ExpectFails("compute --kind=logprob --beta=0.1 --teacher_h=3 --bt=4 --h=4 --v=4",
               "--kind=logprob does not take --beta (policy), --teacher_h (distill)");
   ExpectFails("compute --dlogp=x.npy --bt=4 --h=4 --v=4",

@@ -118,6 +118,9 @@ TEST_F(LossClientTest, PolicySendsItsOptionsAndReadsKlAndClipFraction) {
   r.policy.sequences = 2;
   r.policy.max_completion_length = 9;
   r.policy.dapo_normalizer = 3.5;
+  r.policy.sapo_temperature_pos = 1.5f;
+  r.policy.delta = 1.75f;
+  r.policy.use_bias_correction_kl = true;
   absl::StatusOr<ComputeResult> res = client->Compute(r);
   ASSERT_TRUE(res.ok()) << res.status();
   EXPECT_FLOAT_EQ(res->kl, 0.375f);
@@ -133,6 +136,10 @@ TEST_F(LossClientTest, PolicySendsItsOptionsAndReadsKlAndClipFraction) {
   EXPECT_EQ(h.policy().sequences(), 2);
   EXPECT_EQ(h.policy().max_completion_length(), 9);
   EXPECT_DOUBLE_EQ(h.policy().dapo_normalizer(), 3.5);
+  EXPECT_FLOAT_EQ(h.policy().sapo_temperature_pos(), 1.5f);
+  EXPECT_FLOAT_EQ(h.policy().sapo_temperature_neg(), 1.05f);
+  EXPECT_FLOAT_EQ(h.policy().delta(), 1.75f);
+  EXPECT_TRUE(h.policy().use_bias_correction_kl());
   EXPECT_FALSE(h.outputs().entropy());
   EXPECT_EQ(fake_.last_data[v1::TENSOR_ADVANTAGES], Bytes(*r.advantages));
   EXPECT_EQ(fake_.last_data[v1::TENSOR_OLD_LOGP], Bytes(*r.old_logp));

@@ -75,17 +75,36 @@ inline const char* LossKindName(LossKind k) {
   return "unknown";
 }
 
-// kPolicy's loss types (LigerFusedLinearGRPOLoss's loss_type; dapo is its default).
-enum class PolicyLossType : int32_t { kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3 };
-// "dapo", "grpo", "bnpo", "dr_grpo"; "unknown" for a value out of range.
+// kPolicy's loss types (LigerFusedLinearGRPOLoss's loss_type; dapo is its default). Liger's
+// vespo is not one: its weight needs every token of a sequence before any gradient.
+enum class PolicyLossType : int32_t {
+  kDapo = 0,
+  kGrpo = 1,
+  kBnpo = 2,
+  kDrGrpo = 3,
+  kCispo = 4,
+  kSapo = 5,
+  kLuspo = 6,
+};
+inline constexpr int kPolicyLossTypes = 7;
+// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo"; "unknown" for a value out of
+// range.
 inline const char* PolicyLossTypeName(PolicyLossType t) {
   switch (t) {
     case PolicyLossType::kDapo: return "dapo";
     case PolicyLossType::kGrpo: return "grpo";
     case PolicyLossType::kBnpo: return "bnpo";
     case PolicyLossType::kDrGrpo: return "dr_grpo";
+    case PolicyLossType::kCispo: return "cispo";
+    case PolicyLossType::kSapo: return "sapo";
+    case PolicyLossType::kLuspo: return "luspo";
   }
   return "unknown";
+}
+// Whether a loss type takes the clipped surrogate -min(r A, clamp(r) A) (and so delta):
+// every type but cispo and sapo.
+inline bool PolicyLossTypeClips(PolicyLossType t) {
+  return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo;
 }
 
 // kPolicy's options; defaults are Liger-Kernel's (LigerFusedLinearGRPOLoss's constructor).
@@ -98,7 +117,14 @@ struct PolicyParams {
   // dr_grpo's B). > 0 and divides BT.
   int64_t sequences = 1;
   int64_t max_completion_length = 0;  // dr_grpo: required, > 0; else unused (>= 0)
-  double dapo_normalizer = 0;         // dapo's D: 0 = this call's mask count; else > 0
+  double dapo_normalizer = 0;         // dapo's (and cispo's) D: 0 = the mask count; else > 0
+  // sapo's gate temperatures, for A > 0 and A <= 0: finite, > 0 (checked whatever the type).
+  float sapo_temperature_pos = 1.0f;
+  float sapo_temperature_neg = 1.05f;
+  // Two-sided clipping of the clipped types: r capped at delta before the surrogate. 0 = none;
+  // else finite and > 1 + epsilon_high. Refused for cispo and sapo (they have no surrogate).
+  float delta = 0.0f;
+  bool use_bias_correction_kl = false;  // the KL term times the (unclamped) ratio r
 };
 
 // kDistill's options; defaults are Liger-Kernel's (LigerFusedLinearJSD's).

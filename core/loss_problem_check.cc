@@ -158,10 +158,38 @@ absl::Status CheckKindOptions(LossKind kind, const LossOptions& o, bool has_clas
   return absl::OkStatus();
 }
 
+// The options of the loss types beyond dapo, grpo, bnpo and dr_grpo.
+absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
+  const std::pair<const char*, float> temperatures[] = {
+      {"sapo_temperature_pos", p.sapo_temperature_pos},
+      {"sapo_temperature_neg", p.sapo_temperature_neg}};
+  for (const auto& [name, value] : temperatures) {
+    if (!(value > 0.0f) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy.", name, " must be finite and > 0, got ", value));
+    }
+  }
+  if (p.delta == 0.0f) return absl::OkStatus();
+  const double hi = 1.0 + static_cast<double>(p.epsilon_high);
+  if (!std::isfinite(p.delta) || !(p.delta > hi)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.delta must be unset (0) or finite and > 1 + epsilon_high = ", hi, ", got ",
+        p.delta));
+  }
+  if (!PolicyLossTypeClips(p.loss_type)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, dr_grpo, "
+        "luspo); loss type ", PolicyLossTypeName(p.loss_type), " has no clipped surrogate"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
   const int t = static_cast<int>(p.loss_type);
-  if (t < 0 || t > static_cast<int>(PolicyLossType::kDrGrpo)) {
-    return absl::InvalidArgumentError(absl::StrCat("policy.loss_type ", t, " is unknown"));
+  if (t < 0 || t >= kPolicyLossTypes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.loss_type ", t,
+        " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6)"));
   }
   const std::pair<const char*, float> ranges[] = {
       {"epsilon_low", p.epsilon_low}, {"epsilon_high", p.epsilon_high}, {"beta", p.beta}};
@@ -188,7 +216,7 @@ absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
         "policy.dapo_normalizer must be finite and >= 0 (0 = the mask count), got ",
         p.dapo_normalizer));
   }
-  return absl::OkStatus();
+  return CheckPolicyTypeParams(p);
 }
 
 absl::Status CheckDistillParams(const DistillParams& d) {

@@ -341,7 +341,9 @@ TEST(LossProblemCheckTest, PolicyParamsAreRefusedNamingFieldAndValue) {
   PolicyParams pp;
   EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
   pp.loss_type = static_cast<PolicyLossType>(9);
-  ExpectRefused(CheckPolicyParams(pp, 6), "policy.loss_type 9 is unknown");
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.loss_type 9 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6)");
   pp = PolicyParams();
   pp.epsilon_low = -0.1f;
   ExpectRefused(CheckPolicyParams(pp, 6), "policy.epsilon_low must be finite and >= 0, got -0.1");
@@ -380,6 +382,56 @@ TEST(LossProblemCheckTest, PolicyParamsAreRefusedNamingFieldAndValue) {
   ExpectRefused(ValidateLossInputs(p),
                 "policy.sequences 3 must be > 0 and divide the rows (BT=4): the rows are "
                 "that many sequences of equal length");
+}
+
+TEST(LossProblemCheckTest, PolicyTypeOptionsAreRefusedNamingFieldAndValue) {
+  PolicyParams pp;
+  for (PolicyLossType t : {PolicyLossType::kCispo, PolicyLossType::kSapo,
+                           PolicyLossType::kLuspo}) {
+    pp.loss_type = t;
+    EXPECT_TRUE(CheckPolicyParams(pp, 6).ok()) << PolicyLossTypeName(t);
+  }
+  pp.loss_type = static_cast<PolicyLossType>(7);
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.loss_type 7 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6)");
+  pp = PolicyParams();
+  pp.sapo_temperature_pos = 0.0f;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.sapo_temperature_pos must be finite and > 0, got 0");
+  pp = PolicyParams();
+  pp.sapo_temperature_neg = -std::numeric_limits<float>::infinity();
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.sapo_temperature_neg must be finite and > 0, got -inf");
+  pp = PolicyParams();
+  pp.epsilon_high = 0.25f;
+  pp.delta = 1.25f;  // not > 1 + epsilon_high
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.delta must be unset (0) or finite and > 1 + epsilon_high = 1.25, "
+                "got 1.25");
+  pp.delta = -1.0f;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.delta must be unset (0) or finite and > 1 + epsilon_high = 1.25, got -1");
+  pp.delta = std::numeric_limits<float>::infinity();
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.delta must be unset (0) or finite and > 1 + epsilon_high = 1.25, got inf");
+  pp.delta = 1.5f;
+  for (PolicyLossType t : {PolicyLossType::kDapo, PolicyLossType::kGrpo, PolicyLossType::kBnpo,
+                           PolicyLossType::kLuspo}) {
+    pp.loss_type = t;
+    EXPECT_TRUE(CheckPolicyParams(pp, 6).ok()) << PolicyLossTypeName(t);
+  }
+  pp.loss_type = PolicyLossType::kSapo;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, "
+                "dr_grpo, luspo); loss type sapo has no clipped surrogate");
+  pp.loss_type = PolicyLossType::kCispo;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, "
+                "dr_grpo, luspo); loss type cispo has no clipped surrogate");
+  pp.use_bias_correction_kl = true;
+  pp.delta = 0.0f;
+  EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
 }
 
 TEST(LossProblemCheckTest, DistillParamsAreRefusedNamingFieldAndValue) {

@@ -10,7 +10,7 @@
  * can name both. Version 1 was a C++ lossd::Backend* across dlopen (LossdCudaAbiVersion);
  * version 3 added the hosted head's optimizer_step and sum_of_squares; version 4 the loss kinds
  * (logprob, policy, distill): their inputs, options and outputs, and which kinds a backend
- * computes.
+ * computes; version 5 the policy loss types cispo, sapo and luspo and their options.
  * Bump LOSSD_PLUGIN_ABI_VERSION whenever a struct or a function below changes; a new
  * function goes at the end of LossdBackendApi, whose struct_size tells how far a table goes.
  */
@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define LOSSD_PLUGIN_ABI_VERSION 4u
+#define LOSSD_PLUGIN_ABI_VERSION 5u
 #define LOSSD_PLUGIN_ENTRY_SYMBOL "LossdPluginGetApi"
 /* What a version 1 plugin exported instead: uint32_t LossdCudaAbiVersion(void). */
 #define LOSSD_PLUGIN_V1_VERSION_SYMBOL "LossdCudaAbiVersion"
@@ -58,6 +58,9 @@ extern "C" {
 #define LOSSD_POLICY_GRPO 1
 #define LOSSD_POLICY_BNPO 2
 #define LOSSD_POLICY_DR_GRPO 3
+#define LOSSD_POLICY_CISPO 4 /* version 5, as the two below */
+#define LOSSD_POLICY_SAPO 5
+#define LOSSD_POLICY_LUSPO 6
 
 /* The outcome of a call. code: 0 is OK, anything else a canonical status code (absl's and
  * gRPC's numbers: 3 INVALID_ARGUMENT, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE ...). The caller
@@ -93,7 +96,7 @@ typedef struct LossdLossOptions {
   float temperature;     /* version 4 */
 } LossdLossOptions;
 
-/* lossd::PolicyParams (version 4). */
+/* lossd::PolicyParams (version 4; the last four fields version 5). */
 typedef struct LossdPolicyParams {
   int32_t loss_type; /* LOSSD_POLICY_* */
   float epsilon_low;
@@ -102,6 +105,10 @@ typedef struct LossdPolicyParams {
   int64_t sequences;
   int64_t max_completion_length;
   double dapo_normalizer;
+  float sapo_temperature_pos;
+  float sapo_temperature_neg;
+  float delta;                    /* 0 = none */
+  int32_t use_bias_correction_kl; /* 0 or 1 */
 } LossdPolicyParams;
 
 /* lossd::DistillParams (version 4). */

@@ -17,7 +17,7 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 4u, "the ABI version is 4");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 5u, "the ABI version is 5");
   failures += Check(strcmp(LOSSD_PLUGIN_ENTRY_SYMBOL, "LossdPluginGetApi") == 0,
                     "the entry point's name");
   failures += Check(strcmp(LOSSD_CUDA_NO_GPU_PREFIX, "no GPU: ") == 0, "the no-GPU prefix");
@@ -37,7 +37,8 @@ int main(void) {
                         && LOSSD_LOSS_POLICY == 2 && LOSSD_LOSS_DISTILL == 3,
                     "loss kinds");
   failures += Check(LOSSD_POLICY_DAPO == 0 && LOSSD_POLICY_GRPO == 1 && LOSSD_POLICY_BNPO == 2
-                        && LOSSD_POLICY_DR_GRPO == 3,
+                        && LOSSD_POLICY_DR_GRPO == 3 && LOSSD_POLICY_CISPO == 4
+                        && LOSSD_POLICY_SAPO == 5 && LOSSD_POLICY_LUSPO == 6,
                     "policy loss types");
   if (failures == 0) printf("plugin_abi.h compiles as C\n");
   return failures == 0 ? 0 : 1;

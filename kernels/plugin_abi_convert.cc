@@ -91,6 +91,10 @@ void VisitPolicy(P& p, C& c, Move move) {
   move(p.sequences, c.sequences);
   move(p.max_completion_length, c.max_completion_length);
   move(p.dapo_normalizer, c.dapo_normalizer);
+  move(p.sapo_temperature_pos, c.sapo_temperature_pos);
+  move(p.sapo_temperature_neg, c.sapo_temperature_neg);
+  move(p.delta, c.delta);
+  move(p.use_bias_correction_kl, c.use_bias_correction_kl);
 }
 
 // Everything but the options and the policy's parameters (structs of their own) and the row

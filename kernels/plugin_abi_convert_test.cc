@@ -114,6 +114,10 @@ LossProblem EveryFieldSet(float* f, int64_t* i) {
   p.policy.sequences = 3;
   p.policy.max_completion_length = 11;
   p.policy.dapo_normalizer = 2.5;
+  p.policy.sapo_temperature_pos = 1.5f;
+  p.policy.sapo_temperature_neg = 0.75f;
+  p.policy.delta = 1.75f;
+  p.policy.use_bias_correction_kl = true;
   p.teacher_h = 13;
   p.teacher_x = &f[2];
   p.teacher_w = &f[3];
@@ -167,6 +171,11 @@ TEST(PluginAbiConvertTest, ProblemRoundTrips) {
   EXPECT_EQ(r.policy.sequences, 3);
   EXPECT_EQ(r.policy.max_completion_length, 11);
   EXPECT_EQ(r.policy.dapo_normalizer, 2.5);
+  EXPECT_EQ(c.policy.use_bias_correction_kl, 1);
+  EXPECT_EQ(r.policy.sapo_temperature_pos, 1.5f);
+  EXPECT_EQ(r.policy.sapo_temperature_neg, 0.75f);
+  EXPECT_EQ(r.policy.delta, 1.75f);
+  EXPECT_TRUE(r.policy.use_bias_correction_kl);
   EXPECT_EQ(r.teacher_h, 13);
   EXPECT_EQ(r.teacher_x, p.teacher_x);
   EXPECT_EQ(r.teacher_w, p.teacher_w);

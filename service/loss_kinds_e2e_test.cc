@@ -78,6 +78,8 @@ struct PolicyCase {
   PolicyLossType type;
   float beta;
   bool old, ref;
+  float epsilon_high = 0.28f, delta = 0.0f;  // delta 0: unset
+  bool bias_correction = false;
 };
 
 class LossKindsE2eTest : public SuiteHarness<LossKindsE2eTest> {
@@ -118,7 +120,11 @@ class LossKindsE2eTest : public SuiteHarness<LossKindsE2eTest> {
     v1::PolicyOptions* o = h.mutable_policy();
     o->set_loss_type(c.wire);
     o->set_beta(c.beta);
-    o->set_epsilon_high(0.28f);
+    o->set_epsilon_high(c.epsilon_high);
+    o->set_sapo_temperature_pos(1.7f);
+    o->set_sapo_temperature_neg(0.6f);
+    if (c.delta != 0.0f) o->set_delta(c.delta);
+    o->set_use_bias_correction_kl(c.bias_correction);
     o->set_sequences(3);
     o->set_max_completion_length(10);
     h.mutable_options()->set_temperature(0.9f);
@@ -140,7 +146,11 @@ class LossKindsE2eTest : public SuiteHarness<LossKindsE2eTest> {
     pp.ref_logp = c.ref ? ref_logp.data() : nullptr;
     pp.options.loss_type = c.type;
     pp.options.beta = c.beta;
-    pp.options.epsilon_high = 0.28f;
+    pp.options.epsilon_high = c.epsilon_high;
+    pp.options.sapo_temperature_pos = 1.7f;
+    pp.options.sapo_temperature_neg = 0.6f;
+    pp.options.delta = c.delta;
+    pp.options.use_bias_correction_kl = c.bias_correction;
     pp.options.temperature = 0.9f;
     pp.options.max_completion_length = 10;
     pp.options.grad_scale = 0.75f;
@@ -287,11 +297,16 @@ TEST_F(LossKindsE2eTest, PolicyMatchesTheReferenceOverEveryLossTypeByHandleIntoA
       {v1::POLICY_LOSS_GRPO, PolicyLossType::kGrpo, 0.1f, true, true},
       {v1::POLICY_LOSS_BNPO, PolicyLossType::kBnpo, 0.0f, true, false},
       {v1::POLICY_LOSS_DR_GRPO, PolicyLossType::kDrGrpo, 0.04f, false, true},
+      // Ratios are in about [0.67, 1.49]: cispo's bound (eps_high itself, 1.2) and delta 1.35
+      // fall among them.
+      {v1::POLICY_LOSS_CISPO, PolicyLossType::kCispo, 0.04f, true, true, 1.2f},
+      {v1::POLICY_LOSS_SAPO, PolicyLossType::kSapo, 0.1f, true, true, 0.28f, 0.0f, true},
+      {v1::POLICY_LOSS_LUSPO, PolicyLossType::kLuspo, 0.04f, true, true, 0.28f, 1.35f, true},
   };
   int clipped_cases = 0;
   for (const PolicyCase& c : cases) {
     SCOPED_TRACE(PolicyLossTypeName(c.type));
-    const std::string acc = absl::StrCat("policy-", PolicyLossTypeName(c.type));
+    const std::string acc = absl::StrCat("policy-", PolicyLossTypeName(c.type), "-", c.delta);
     const v1::ComputeHeader h = PolicyHeader(c, handle, acc);
     std::vector<v1::ComputeRequest> parts = PartsFor(rp_, kPartBytes, false);
     AddRows(&parts, v1::TENSOR_ADVANTAGES, adv);

@@ -151,6 +151,9 @@ TEST_F(LossKindsServiceTest, PolicysOptionsReachTheBackendAndItsMetricsComeBack)
   p->set_sequences(4);
   p->set_max_completion_length(3);
   p->set_dapo_normalizer(7.5);
+  p->set_sapo_temperature_neg(0.5f);
+  p->set_delta(1.5f);
+  p->set_use_bias_correction_kl(true);
   h.set_accumulator("rl-acc");
   std::vector<v1::ComputeRequest> parts = Parts();
   AddParts(&parts, v1::TENSOR_ADVANTAGES, a_.data(), a_.size() * 4);
@@ -166,6 +169,10 @@ TEST_F(LossKindsServiceTest, PolicysOptionsReachTheBackendAndItsMetricsComeBack)
   EXPECT_EQ(got.sequences, 4);
   EXPECT_EQ(got.max_completion_length, 3);
   EXPECT_EQ(got.dapo_normalizer, 7.5);
+  EXPECT_EQ(got.sapo_temperature_pos, PolicyParams().sapo_temperature_pos);  // unset: 1.0
+  EXPECT_EQ(got.sapo_temperature_neg, 0.5f);
+  EXPECT_EQ(got.delta, 1.5f);
+  EXPECT_TRUE(got.use_bias_correction_kl);
   EXPECT_EQ(seen_->advantages, a_);
   EXPECT_EQ(seen_->old_logp, b_);
   EXPECT_EQ(seen_->ref_logp, c_);
@@ -244,6 +251,18 @@ TEST_F(LossKindsServiceTest, TheServiceRefusesNamingTheHeaderField) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(r.status.error_message().find("a part of dlogp arrived but the header does not "
                                           "send dlogp"),
+            std::string::npos) << r.status.error_message();
+  // An option out of range, named by the one validation.
+  h = Header(v1::LOSS_KIND_POLICY);
+  *h.mutable_advantages() = F32Rows();
+  h.mutable_policy()->set_loss_type(v1::POLICY_LOSS_SAPO);
+  h.mutable_policy()->set_sapo_temperature_pos(-1.0f);
+  parts = Parts();
+  AddParts(&parts, v1::TENSOR_ADVANTAGES, a_.data(), a_.size() * 4);
+  r = RunCompute(h_.stub(), h, parts);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("policy.sapo_temperature_pos must be finite and > 0, "
+                                          "got -1"),
             std::string::npos) << r.status.error_message();
   // Outputs of another kind.
   h = Header(v1::LOSS_KIND_DISTILL);

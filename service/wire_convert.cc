@@ -78,6 +78,12 @@ absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
   pp.sequences = p.sequences() != 0 ? p.sequences() : defaults.sequences;
   pp.max_completion_length = p.max_completion_length();
   pp.dapo_normalizer = p.dapo_normalizer();
+  pp.sapo_temperature_pos =
+      p.has_sapo_temperature_pos() ? p.sapo_temperature_pos() : defaults.sapo_temperature_pos;
+  pp.sapo_temperature_neg =
+      p.has_sapo_temperature_neg() ? p.sapo_temperature_neg() : defaults.sapo_temperature_neg;
+  pp.delta = p.has_delta() ? p.delta() : defaults.delta;
+  pp.use_bias_correction_kl = p.use_bias_correction_kl();
   const v1::DistillOptions& d = h.distill();
   spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : DistillParams().jsd_beta;
   return absl::OkStatus();

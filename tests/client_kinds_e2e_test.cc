@@ -234,7 +234,8 @@ struct PolicyCase {
   std::vector<uint8_t> mask;
 };
 
-void MakePolicy(uint32_t seed, const HostTensor& w, PolicyCase* c) {
+// `luspo`: loss type luspo with delta 1.4 and the bias-corrected KL, else grpo.
+void MakePolicy(uint32_t seed, const HostTensor& w, bool luspo, PolicyCase* c) {
   ComputeRequest& r = c->r;
   r.kind = LossKind::kPolicy;
   r.x = Floats({kBT, kH}, seed, 1.0f);
@@ -246,6 +247,11 @@ void MakePolicy(uint32_t seed, const HostTensor& w, PolicyCase* c) {
   r.policy.epsilon_high = 0.28f;
   r.policy.beta = 0.1f;
   r.policy.sequences = 2;
+  if (luspo) {
+    r.policy.loss_type = PolicyLossType::kLuspo;
+    r.policy.delta = 1.4f;
+    r.policy.use_bias_correction_kl = true;
+  }
   r.options.temperature = 1.1f;
   r.want.dw = false;
   // Old and reference log-probs near the current ones (ratios in (0.6, 1.5), some clipped),
@@ -262,13 +268,18 @@ void MakePolicy(uint32_t seed, const HostTensor& w, PolicyCase* c) {
   p.options.epsilon_high = 0.28f;
   p.options.beta = 0.1f;
   p.options.temperature = 1.1f;
+  p.options.loss_type = r.policy.loss_type;
+  p.options.delta = r.policy.delta;
+  p.options.use_bias_correction_kl = r.policy.use_bias_correction_kl;
   PolicyReferenceOutputs cur;
   ASSERT_TRUE(PolicyReference(p, &cur).ok());
   std::mt19937 gen(seed + 3);
   std::uniform_real_distribution<float> ratio(0.6f, 1.5f), shift(-0.3f, 0.3f);
   for (int64_t i = 0; i < kBT; ++i) {
     float q = ratio(gen);
-    if (std::fabs(q - 0.8f) < 0.03f || std::fabs(q - 1.28f) < 0.03f) q += 0.07f;  // off bounds
+    for (float bound : {0.8f, 1.28f, 1.4f}) {  // off the clip bounds and delta
+      if (std::fabs(q - bound) < 0.03f) q += 0.07f;
+    }
     r.old_logp->mutable_data_as<float>()[i] = static_cast<float>(cur.logp[i]) - std::log(q);
     r.ref_logp->mutable_data_as<float>()[i] = static_cast<float>(cur.logp[i]) + shift(gen);
   }
@@ -284,7 +295,7 @@ TEST_F(KindsE2eTest, PolicyThroughAWeightHandleAndIntoAnAccumulator) {
   std::vector<double> dw_sum(kV * kH, 0.0);
   for (uint32_t mb = 0; mb < 2; ++mb) {
     PolicyCase c;
-    MakePolicy(20 + 10 * mb, w, &c);
+    MakePolicy(20 + 10 * mb, w, /*luspo=*/mb == 1, &c);  // two loss types, one accumulator
     c.r.weight_handle = put->handle;
     c.r.accumulator = "policy-acc";
     absl::StatusOr<ComputeResult> res = client_->Compute(c.r);

@@ -96,7 +96,11 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
     if (!counted[i]) continue;
     switch (o.loss_type) {
       case PolicyLossType::kGrpo:
+      case PolicyLossType::kSapo:
         w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[i / seq])));
+        break;
+      case PolicyLossType::kLuspo:
+        w[i] = static_cast<double>(per_seq[i / seq]) / static_cast<double>(bt);
         break;
       case PolicyLossType::kBnpo:
         w[i] = 1.0 / std::max(1.0, static_cast<double>(tokens));
@@ -105,6 +109,7 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
         w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
         break;
       case PolicyLossType::kDapo:
+      case PolicyLossType::kCispo:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(tokens));
         break;
@@ -113,24 +118,56 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
   return w;
 }
 
+// The policy surrogate of row i (ratio r, advantage a, its log-prob) and its derivative in
+// logp, by loss type (policy_reference.h has the formulas). On a clamp bound r A gets half the
+// gradient and delta's cap none, as torch's clamp and min give them.
+double PolicySurrogate(const PolicyParams& o, double r, double a, double logp, bool* clipped,
+                       double* dlogp) {
+  if (o.loss_type == PolicyLossType::kCispo) {  // the weight min(r, eps_high) is detached
+    const double weight = std::min(r, static_cast<double>(o.epsilon_high));
+    *clipped = r > static_cast<double>(o.epsilon_high) && a > 0;
+    *dlogp = -weight * a;
+    return -weight * a * logp;
+  }
+  if (o.loss_type == PolicyLossType::kSapo) {
+    const double tau =
+        static_cast<double>(a > 0 ? o.sapo_temperature_pos : o.sapo_temperature_neg);
+    const double g = 1.0 / (1.0 + std::exp(-tau * (r - 1.0)));
+    const double g_rest = 1.0 / (1.0 + std::exp(tau * (r - 1.0)));  // 1 - g, no cancellation
+    *clipped = false;
+    *dlogp = -4.0 * a * r * g * g_rest;
+    return -a * 4.0 / tau * g;
+  }
+  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+  const bool capped = o.delta != 0.0f && r >= static_cast<double>(o.delta);
+  const double q = capped ? static_cast<double>(o.delta) : r;
+  *clipped = (r < lo && a < 0) || (r > hi && a > 0);
+  // delta > hi, so the cap only matters where min picks q A (A < 0).
+  const bool none = *clipped || (capped && a < 0);
+  const double share = none ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+  *dlogp = -share * a * r;
+  return -std::min(q * a, std::clamp(r, lo, hi) * a);
+}
+
 // Row i's policy terms from its log-prob: the loss l_i, kl_i, whether it is clipped, and
-// dl_i/dlogp_i (in double, as the reference; on a clamp bound r A gets half the gradient).
+// dl_i/dlogp_i (in double, as the reference).
 void PolicyTerms(const LossProblem& p, int64_t i, double logp, KindRow* row, double* dlogp) {
   const PolicyParams& o = p.policy;
   const double a = p.advantages[i];
-  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
-  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
   const double r = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
-  const double c = std::clamp(r, lo, hi);
-  double loss = -std::min(r * a, c * a);
-  row->clipped = (r < lo && a < 0) || (r > hi && a > 0);
-  const double share = row->clipped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-  *dlogp = -share * a * r;
+  double loss = PolicySurrogate(o, r, a, logp, &row->clipped, dlogp);
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;
-    row->kl = std::exp(d) - d - 1.0;
+    const double k3 = std::exp(d) - d - 1.0;
+    double dkl = 1.0 - std::exp(d);
+    row->kl = k3;
+    if (o.use_bias_correction_kl) {  // k3 r, and (k3 r)' = (k3' + k3) r
+      row->kl = k3 * r;
+      dkl = (dkl + k3) * r;
+    }
     loss += o.beta * row->kl;
-    *dlogp += o.beta * (1.0 - std::exp(d));
+    *dlogp += o.beta * dkl;
   }
   row->loss = loss;
 }

@@ -43,6 +43,8 @@ struct Case {
   bool huge_ratio = false;
   double ignore = 0.15, dapo_normalizer = 0;
   int64_t max_completion_length = 0, chunk_rows = 0;
+  float sapo_pos = 1.0f, sapo_neg = 1.05f, delta = 0;
+  bool bias_correction = false;
 };
 
 std::vector<Case> Cases() {
@@ -94,6 +96,55 @@ std::vector<Case> Cases() {
   c.grad_scale = 0.5f;
   c.chunk_rows = 9;
   cs.push_back(c);
+  // The loss types beyond Liger's first four. Ratios (PolicySetup) are at least 0.1 in log
+  // from cispo's bound 1.3 and delta 1.5, as from the clip bounds.
+  c = Case();
+  c.name = "cispo";
+  c.type = PolicyLossType::kCispo;
+  c.eps_high = 1.3f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "cispo_no_old_bias_corrected_kl_f32";
+  c.type = PolicyLossType::kCispo;
+  c.eps_high = 0.5f;  // r = 1 above it: every row clipped, weight 0.5
+  c.old_logp = false;
+  c.bias_correction = c.grad_f32 = true;
+  c.beta = 0.2f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "sapo_softcap_bias_t08";
+  c.type = PolicyLossType::kSapo;
+  c.sapo_pos = 1.7f;
+  c.sapo_neg = 0.6f;
+  c.cap = 5;
+  c.bias = true;
+  c.temperature = 0.8f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "sapo_bias_corrected_kl_chunked";
+  c.type = PolicyLossType::kSapo;
+  c.bias_correction = true;
+  c.beta = 0.3f;
+  c.chunk_rows = 7;
+  cs.push_back(c);
+  c = Case();
+  c.name = "luspo";
+  c.type = PolicyLossType::kLuspo;
+  c.ignore = 0.3;
+  c.eps_high = 0.28f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "luspo_delta_accumulate";
+  c.type = PolicyLossType::kLuspo;
+  c.delta = 1.5f;
+  c.accumulate = true;
+  cs.push_back(c);
+  c = Case();
+  c.name = "dapo_delta_bias_corrected_kl";
+  c.delta = 1.5f;
+  c.bias_correction = true;
+  c.beta = 0.1f;
+  cs.push_back(c);
   return cs;
 }
 
@@ -142,7 +193,8 @@ struct PolicySetup {
     problem.ref_logp = c.ref_logp ? ref_logp.data() : nullptr;
     problem.policy = {c.type,           c.eps_low,   c.eps_high,
                       c.beta,           s.sequences, c.max_completion_length,
-                      c.dapo_normalizer};
+                      c.dapo_normalizer, c.sapo_pos, c.sapo_neg,
+                      c.delta,          c.bias_correction};
     PolicyProblem pp;
     pp.head = head;
     pp.batch = s.sequences;
@@ -160,7 +212,11 @@ struct PolicySetup {
                   c.cap,
                   c.max_completion_length,
                   c.dapo_normalizer,
-                  c.grad_scale};
+                  c.grad_scale,
+                  c.sapo_pos,
+                  c.sapo_neg,
+                  c.delta,
+                  c.bias_correction};
     if (status.ok()) status = PolicyReference(pp, &ref);
     logits = ComputeRawLogits(head);
   }
@@ -181,11 +237,45 @@ struct PolicySetup {
   RawLogits logits;
 };
 
+// Upper bounds on how fast row i's loss term l_i and its coefficient dl_i/dlogp_i move with
+// logp_i (r = the ratio, e_d = exp(ref - logp), 1 without a KL term), by loss type.
+struct RowSlopes {
+  double loss = 0, coef = 0;
+};
+RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double e_d) {
+  RowSlopes s;
+  const double abs_a = std::abs(a);
+  if (c.type == PolicyLossType::kCispo) {  // -min(r, eh) A logp; its coefficient -min(r, eh) A
+    s.loss = abs_a * r * (1 + std::abs(logp));
+    s.coef = r < c.eps_high ? abs_a * r : 0.0;
+  } else if (c.type == PolicyLossType::kSapo) {  // |d^2 sigmoid| <= |d sigmoid| <= 1/4
+    const double tau = a > 0 ? c.sapo_pos : c.sapo_neg;
+    s.loss = abs_a * r;
+    s.coef = abs_a * r * (1 + tau * r);
+  } else {
+    const double lo = 1 - c.eps_low, hi = 1 + c.eps_high;
+    const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
+    const bool capped = c.delta != 0 && r >= c.delta && a < 0;
+    const double share = clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+    s.loss = abs_a * r;
+    s.coef = abs_a * r * share;
+  }
+  const double k3 = e_d - std::log(e_d) - 1;
+  if (c.bias_correction) {  // k3 r: slope (|1 - e_d| + k3) r; its coefficient's (2 + e_d + k3) r
+    s.loss += c.beta * (std::abs(1 - e_d) + k3) * r;
+    s.coef += c.beta * (2 + e_d + k3) * r;
+  } else {
+    s.loss += c.beta * std::abs(1 - e_d);
+    s.coef += c.beta * e_d;
+  }
+  return s;
+}
+
 // Every output against the reference. Per row, b_i = 4 u a_i / T bounds the error of logp_i
 // (as for logprob: a_i = max_j |u_ij|, 2x margin on 2 u a_i / T). The loss moves by
-// w_i |dl_i/dlogp_i| b_i per row, dl/dlogp = -A r s + beta (1 - exp(ref - logp)), bounded by
-// |A| r + beta |1 - exp(ref - logp)|; the KL metric by |1 - exp(ref - logp)| b_i / N; clipping
-// is decided alike (PolicySetup), so clip_fraction matches to fp32. Gradients: relative norm
+// w_i |dl_i/dlogp_i| b_i per row (PolicyRowSlopes bounds the slope; every w_i is at most 1
+// but dr_grpo's, known); the KL metric by its slope b_i / N; clipping is decided alike
+// (PolicySetup), so clip_fraction matches to fp32. Gradients: relative norm
 // GradientTolerance(g_rel = 4 u rms(a) / T + the coefficients' relative error): the softmax's
 // error, and each row's coefficient moving by its slope times logp's error (where its two
 // terms nearly cancel, far more than logp's relative error).
@@ -213,23 +303,21 @@ struct PolicySetup {
       continue;
     }
     check(absl::StrCat("logp[", i, "]"), got.logp[i], ref.logp[i], b);
-    const double kl_slope =
-        p.ref_logp != nullptr ? std::abs(1 - std::exp(p.ref_logp[i] - ref.logp[i])) : 0.0;
+    const double a = p.advantages[i], r = ref.ratio[i];
+    const double e_d =
+        p.ref_logp != nullptr && c.beta != 0 ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
+    const RowSlopes slope = PolicyRowSlopes(c, a, r, ref.logp[i], e_d);
     const double w = c.type == PolicyLossType::kDrGrpo
                          ? 1.0 / (p.policy.sequences * c.max_completion_length)
                          : 1.0;  // the others' weights are at most 1
-    loss_bound += w * (std::abs(p.advantages[i]) * ref.ratio[i] + c.beta * kl_slope) * b;
-    kl_bound += kl_slope * b / n;
-    // The row's coefficient dl/dlogp and its error from logp's (b_i, and fp32's on lse):
-    // where its two terms nearly cancel, its relative error is far above logp's.
-    const double a = p.advantages[i], r = ref.ratio[i];
-    const double lo = 1 - c.eps_low, hi = 1 + c.eps_high;
-    const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
-    const double share = clipped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-    const double e_d =
-        p.ref_logp != nullptr && c.beta != 0 ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
-    coef_sum += std::abs(-share * a * r + c.beta * (1 - e_d));
-    coef_err += (std::abs(a) * r * share + c.beta * e_d) * (b + 1e-6 * (1 + std::abs(got.lse[i])));
+    loss_bound += w * slope.loss * b;
+    // The KL metric's row term k3 (times r when bias-corrected) moves as the loss's KL part.
+    const double k3 = e_d - std::log(e_d) - 1;
+    kl_bound += (c.bias_correction ? (std::abs(1 - e_d) + k3) * r : std::abs(1 - e_d)) * b / n;
+    // The row's coefficient dl/dlogp (the reference's) and its error from logp's (b_i, and
+    // fp32's on lse): where its terms nearly cancel, its relative error is far above logp's.
+    coef_sum += std::abs(ref.dl_dlogp[i]);
+    coef_err += slope.coef * (b + 1e-6 * (1 + std::abs(got.lse[i])));
   }
   check("loss", got.loss[0], ref.loss, loss_bound);
   check("kl", got.kl, ref.kl, kl_bound);

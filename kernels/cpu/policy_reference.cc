@@ -16,9 +16,9 @@ namespace {
 
 absl::Status CheckOptions(const PolicyOptions& o) {
   const int32_t type = static_cast<int32_t>(o.loss_type);
-  if (type < 0 || type > static_cast<int32_t>(PolicyLossType::kDrGrpo)) {
-    return absl::InvalidArgumentError(absl::StrCat("options.loss_type ", type,
-                                                   " is not dapo, grpo, bnpo or dr_grpo"));
+  if (type < 0 || type >= kPolicyLossTypes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.loss_type ", type, " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo"));
   }
   const struct {
     const char* name;
@@ -33,6 +33,28 @@ absl::Status CheckOptions(const PolicyOptions& o) {
     }
   }
   if (absl::Status s = CheckTemperatureAndSoftcap(o.temperature, o.softcap); !s.ok()) return s;
+  const std::pair<const char*, float> temperatures[] = {
+      {"sapo_temperature_pos", o.sapo_temperature_pos},
+      {"sapo_temperature_neg", o.sapo_temperature_neg}};
+  for (const auto& [name, value] : temperatures) {
+    if (!(value > 0.0f) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("options.", name, " must be finite and > 0, got ", value));
+    }
+  }
+  if (o.delta != 0.0f) {
+    const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+    if (!std::isfinite(o.delta) || !(o.delta > hi)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "options.delta must be 0 (none) or finite and > 1 + epsilon_high = ", hi, ", got ",
+          o.delta));
+    }
+    if (!PolicyLossTypeClips(o.loss_type)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "options.delta applies to the clipped loss types; loss_type ",
+          PolicyLossTypeName(o.loss_type), " has no clipped surrogate"));
+    }
+  }
   if (o.loss_type == PolicyLossType::kDrGrpo ? o.max_completion_length <= 0
                                              : o.max_completion_length < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -113,7 +135,11 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens) {
     if (Masked(p, i)) continue;
     switch (o.loss_type) {
       case PolicyLossType::kGrpo:
+      case PolicyLossType::kSapo:
         w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[i / seq])));
+        break;
+      case PolicyLossType::kLuspo:  // Liger divides by B times its (B, S) tensors' S
+        w[i] = static_cast<double>(per_seq[i / seq]) / static_cast<double>(bt);
         break;
       case PolicyLossType::kBnpo:
         w[i] = 1.0 / n_clamped;
@@ -122,6 +148,7 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens) {
         w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
         break;
       case PolicyLossType::kDapo:
+      case PolicyLossType::kCispo:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(n));
         break;
@@ -136,25 +163,58 @@ struct RowTerms {
   bool clipped = false;
 };
 
+// The surrogate pg_i and dpg_i/dlogp_i of the clipped types (dapo, grpo, bnpo, dr_grpo,
+// luspo). On a bound, torch's clamp passes nothing and min's tie gives r A half the gradient;
+// delta's cap passes nothing from r = delta on.
+void ClippedSurrogate(const PolicyOptions& o, double a, RowTerms* r) {
+  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+  const double c = std::clamp(r->ratio, lo, hi);
+  const bool capped = o.delta != 0.0f && r->ratio >= static_cast<double>(o.delta);
+  const double q = capped ? static_cast<double>(o.delta) : r->ratio;
+  r->loss = -std::min(q * a, c * a);
+  r->clipped = (r->ratio < lo && a < 0) || (r->ratio > hi && a > 0);
+  // q >= c (delta > hi), so the cap matters only where min picks q A: A < 0 and r > hi.
+  double share = r->clipped ? 0.0 : (r->ratio == lo || r->ratio == hi) ? 0.5 : 1.0;
+  if (capped && a < 0) share = 0.0;
+  r->dlogp = -share * a * r->ratio;
+}
+
 RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp) {
   const PolicyOptions& o = p.options;
   const double a = p.advantages[i];
-  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
-  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
   RowTerms r;
+  // d(r)/d(logp) = r, with or without old log-probs (detached logp: r = 1, slope 1).
   r.ratio = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
-  const double c = std::clamp(r.ratio, lo, hi);
-  r.loss = -std::min(r.ratio * a, c * a);
-  r.clipped = (r.ratio < lo && a < 0) || (r.ratio > hi && a > 0);
-  // d(r)/d(logp) = r, with or without old log-probs (detached logp: r = 1, slope 1). On a
-  // bound, torch's clamp passes nothing and min's tie gives r A half the gradient.
-  const double share = r.clipped ? 0.0 : (r.ratio == lo || r.ratio == hi) ? 0.5 : 1.0;
-  r.dlogp = -share * a * r.ratio;
+  if (o.loss_type == PolicyLossType::kCispo) {
+    // The weight is detached: its value scales logp's gradient, nothing flows through it.
+    const double bound = static_cast<double>(o.epsilon_high);
+    const double weight = std::min(r.ratio, bound);
+    r.loss = -weight * a * logp;
+    r.dlogp = -weight * a;
+    r.clipped = r.ratio > bound && a > 0;
+  } else if (o.loss_type == PolicyLossType::kSapo) {
+    const double tau = static_cast<double>(a > 0 ? o.sapo_temperature_pos
+                                                 : o.sapo_temperature_neg);
+    const double x = tau * (r.ratio - 1.0);
+    const double g = 1.0 / (1.0 + std::exp(-x));
+    const double one_minus_g = 1.0 / (1.0 + std::exp(x));  // 1 - g without cancellation
+    r.loss = -a * 4.0 / tau * g;
+    r.dlogp = -4.0 * a * r.ratio * g * one_minus_g;
+  } else {
+    ClippedSurrogate(o, a, &r);
+  }
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;
-    r.kl = std::exp(d) - d - 1.0;
+    const double k3 = std::exp(d) - d - 1.0;
+    double dkl = 1.0 - std::exp(d);
+    r.kl = k3;
+    if (o.use_bias_correction_kl) {  // (k3 r)' = k3' r + k3 r
+      r.kl = k3 * r.ratio;
+      dkl = (dkl + k3) * r.ratio;
+    }
     r.loss += o.beta * r.kl;
-    r.dlogp += o.beta * (1.0 - std::exp(d));
+    r.dlogp += o.beta * dkl;
   }
   return r;
 }
@@ -171,6 +231,7 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
   *out = PolicyReferenceOutputs();
   out->logp.assign(bt, 0.0);
   out->ratio.assign(bt, 0.0);
+  out->dl_dlogp.assign(bt, 0.0);
   out->grad = head.ZeroGradients();
   const std::vector<double> weight = RowWeights(p, &out->tokens);
 
@@ -186,6 +247,7 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
     const RowTerms r = PolicyRow(p, i, logp);
     out->logp[i] = logp;
     out->ratio[i] = r.ratio;
+    out->dl_dlogp[i] = r.dlogp;
     out->loss += weight[i] * r.loss;
     kl_sum += r.kl;
     clipped += r.clipped ? 1 : 0;

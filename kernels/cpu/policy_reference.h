@@ -3,38 +3,57 @@
 // Reads the inputs as stored; one row of V logits at a time, in double; never fast.
 //
 // Semantics: those of Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss with
-// importance_sampling_level "token", delta None, vllm_is_ratio None, use_bias_correction_kl
-// False, and the reference log-probs given (not recomputed from ref_input / ref_weight), for
-// its loss types grpo, bnpo, dr_grpo and dapo. Rows are B sequences of S tokens, sequence-major
-// (row i = b S + s: Liger's (B, S) tensors flattened). Per row i:
+// importance_sampling_level "token", vllm_is_ratio None, and the reference log-probs given
+// (not recomputed from ref_input / ref_weight), for its loss types grpo, bnpo, dr_grpo, dapo,
+// cispo, sapo and luspo (not vespo: its weight is a function of the whole sequence's ratios).
+// Rows are B sequences of S tokens, sequence-major (row i = b S + s: Liger's (B, S) tensors
+// flattened). Per row i:
 //   logp_i = log softmax(softcap(x_i W^T + b) / T)_{t_i}      (Liger has no softcap: cap 0)
 //   old_i  = old_logp_i; without old log-probs, logp_i detached (so r_i = 1, dr_i/dlogp_i = 1)
 //   r_i    = exp(logp_i - old_i),   c_i = clamp(r_i, 1 - eps_low, 1 + eps_high)
-//   pg_i   = -min(r_i A_i, c_i A_i)
+//   pg_i   = -min(q_i A_i, c_i A_i),  q_i = min(r_i, delta) (r_i without delta)  the clipped
+//                                                         types: dapo grpo bnpo dr_grpo luspo
+//   pg_i   = -sg(min(r_i, eps_high)) A_i logp_i                cispo (sg: no gradient; the
+//                                                              bound is eps_high itself)
+//   pg_i   = -A_i (4 / tau_i) sigmoid(tau_i (r_i - 1)),        sapo; tau_i = sapo_temperature_pos
+//                                                              if A_i > 0, else _neg
 //   kl_i   = exp(ref_i - logp_i) - (ref_i - logp_i) - 1        (the k3 estimator of KL(pi||ref);
-//            without reference log-probs ref_i = logp_i detached: kl_i = 0 and no gradient)
+//            without reference log-probs ref_i = logp_i detached: kl_i = 0 and no gradient),
+//            times r_i with use_bias_correction_kl (r unclamped, with its gradient)
 //   l_i    = pg_i + beta kl_i                                    (the KL term only if beta != 0)
 // With mask m_i in {0, 1}, N = sum_i m_i, n_b = the mask count of sequence b:
-//   grpo     loss = (1/B) sum_b (sum_{i in b} m_i l_i) / max(1, n_b)
-//   bnpo     loss = sum_i m_i l_i / max(1, N)
-//   dr_grpo  loss = sum_i m_i l_i / (B max_completion_length)
-//   dapo     loss = sum_i m_i l_i / max(1, D)    D = dapo_normalizer if > 0, else N
+//   grpo, sapo  loss = (1/B) sum_b (sum_{i in b} m_i l_i) / max(1, n_b)
+//   bnpo        loss = sum_i m_i l_i / max(1, N)
+//   dr_grpo     loss = sum_i m_i l_i / (B max_completion_length)
+//   dapo, cispo loss = sum_i m_i l_i / max(1, D)    D = dapo_normalizer if > 0, else N
+//   luspo       loss = sum_i m_i n_{b(i)} l_i / (B S)
 // (Liger's D is num_items_in_batch / world_size when given, else the mask count all-reduced
 // over the ranks / world_size; one call sees one rank, so a caller wanting either sends D.)
 // Metrics, as Liger computes them (always over max(1, N), whatever the loss type):
-//   kl            = sum_i m_i kl_i / max(1, N), reported only when beta != 0
+//   kl            = sum_i m_i kl_i / max(1, N), reported only when beta != 0 (kl_i as above,
+//                   bias-corrected when asked, as Liger's metric is)
 //   clip_fraction = sum_i m_i clipped_i / max(1, N),
 //                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
+//                   for the clipped types (r_i before delta); cispo: r_i > eps_high and
+//                   A_i > 0; sapo: never
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
-//   dloss/dlogp_i = w_i (-A_i r_i s_i + beta (1 - exp(ref_i - logp_i)))
-//   s_i = 0 if clipped_i; 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
+//   dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i) (+ k3_i, times
+//                   r_i, with the bias correction), and dpg_i:
+//     clipped types: -A_i r_i s_i; s_i = 0 if clipped_i, or if delta caps r_i (r_i >= delta,
+//                    A_i < 0); 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
+//     cispo:         -A_i min(r_i, eps_high)
+//     sapo:          -4 A_i r_i g_i (1 - g_i), g_i = sigmoid(tau_i (r_i - 1))
 //   dloss/dz_ij   = dloss/dlogp_i ([j = t_i] - p_ij), then 1/T, the softcap, and the head.
 // The half is torch's (2.15, checked by client/python/tests/test_rl_reference_torch.py): on a
 // bound, clamp passes no gradient and min splits its tie r A = c A into halves, so only r A's
-// half reaches r. It matters where r = 1 sits on a bound: eps 0 without old log-probs.
+// half reaches r. It matters where r = 1 sits on a bound: eps 0 without old log-probs. For the
+// same reason delta's cap passes nothing at r = delta. delta > 1 + eps_high (checked) keeps
+// q_i >= c_i, so it only changes tokens with A < 0 and r > delta.
 // Where this differs from Liger: rows with mask 0 are skipped, their targets never read (Liger
-// computes them and multiplies by 0, a NaN if such a row is not finite); advantages are per
-// token (Liger's (B) repeated over each sequence's S tokens); everything is float64.
+// computes them and multiplies by 0, a NaN if such a row is not finite; its token-level luspo
+// does not multiply by the token's own mask at all, so its padding enters the loss, which
+// here it does not); advantages are per token (Liger's (B) repeated over each sequence's S
+// tokens); delta with cispo or sapo is refused (Liger ignores it); everything is float64.
 #ifndef LOSSD_KERNELS_CPU_POLICY_REFERENCE_H_
 #define LOSSD_KERNELS_CPU_POLICY_REFERENCE_H_
 
@@ -60,10 +79,16 @@ struct PolicyOptions {
   float softcap = kDefaultSoftcap;  // finite, >= 0; 0 = off (Liger's only setting)
   // dr_grpo: required, > 0; unused by the other types (>= 0), as in Liger.
   int64_t max_completion_length = 0;
-  // dapo's D: 0 = this call's mask count; else finite, > 0. Unused by the other types, as
-  // Liger ignores num_items_in_batch there (trainers pass it whatever the loss type).
+  // dapo's and cispo's D: 0 = this call's mask count; else finite, > 0. Unused by the other
+  // types, as Liger ignores num_items_in_batch there (trainers pass it whatever the type).
   double dapo_normalizer = 0;
   float grad_scale = kDefaultGradScale;  // upstream gradient of the loss: finite
+  // sapo's gate temperatures (A > 0, A <= 0): finite, > 0, checked whatever the type.
+  float sapo_temperature_pos = 1.0f;
+  float sapo_temperature_neg = 1.05f;
+  // 0 = none; else finite and > 1 + epsilon_high, with a clipped type only.
+  float delta = 0.0f;
+  bool use_bias_correction_kl = false;
 };
 
 struct PolicyProblem {
@@ -86,6 +111,7 @@ struct PolicyReferenceOutputs {
   int64_t tokens = 0;         // N
   std::vector<double> logp;   // (BT) logp_i; 0 where mask 0
   std::vector<double> ratio;  // (BT) r_i; 0 where mask 0
+  std::vector<double> dl_dlogp;  // (BT) dl_i/dlogp_i, before w_i and grad_scale; 0 where masked
   HeadGradients grad;         // of grad_scale * loss
 };
 

@@ -110,10 +110,16 @@ std::vector<std::string> LogprobCases() {
   return cases;
 }
 
+// The options of the loss types beyond Liger's first four (their defaults: none of them).
+struct PolicyExtra {
+  float sapo_temperature_pos = 1.0f, sapo_temperature_neg = 1.05f, delta = 0.0f;
+  bool use_bias_correction_kl = false;
+};
+
 // One policy case; eps_low < 0 means the usual 0.2 / 0.28, else eps_low and eps_high as given.
 std::string PolicyCase(PolicyLossType type, double normalizer, bool old, int kl, float t,
                        bool masked, bool head_options, uint32_t seed, float eps_low = -1,
-                       float eps_high = -1) {
+                       float eps_high = -1, const PolicyExtra& extra = PolicyExtra()) {
   const int64_t batch = 2, seq = 4, bt = batch * seq, h = 3, v = 6;
   std::mt19937 rng(seed);
   std::vector<float> x = Uniform(&rng, bt * h, -1, 1), w = Uniform(&rng, v * h, -1, 1),
@@ -139,6 +145,10 @@ std::string PolicyCase(PolicyLossType type, double normalizer, bool old, int kl,
   o.beta = kl == 0 ? 0.0f : 0.3f;
   o.temperature = t;
   o.softcap = head_options ? 2.5f : 0.0f;
+  o.sapo_temperature_pos = extra.sapo_temperature_pos;
+  o.sapo_temperature_neg = extra.sapo_temperature_neg;
+  o.delta = extra.delta;
+  o.use_bias_correction_kl = extra.use_bias_correction_kl;
   // Old and reference log-probs near the current ones (ratios in about [0.6, 1.8]).
   PolicyReferenceOutputs current;
   if (!PolicyReference(p, &current).ok()) std::abort();
@@ -157,6 +167,9 @@ std::string PolicyCase(PolicyLossType type, double normalizer, bool old, int kl,
   j.Number("max_completion_length", 7), j.Number("epsilon_low", o.epsilon_low);
   j.Number("epsilon_high", o.epsilon_high), j.Number("beta", o.beta);
   j.Number("temperature", t), j.Number("softcap", o.softcap);
+  j.Number("sapo_temperature_pos", o.sapo_temperature_pos);
+  j.Number("sapo_temperature_neg", o.sapo_temperature_neg);
+  j.Number("delta", o.delta), j.Number("use_bias_correction_kl", o.use_bias_correction_kl);
   Head(&j, "", p.head, x, w, b);
   j.Array("targets", targets), j.Array("mask", mask), j.Array("advantages", adv);
   if (old) j.Array("old_logp", old_logp); else j.Null("old_logp");
@@ -199,6 +212,35 @@ std::vector<std::string> PolicyTieCases() {
       for (float eps_high : {0.0f, 0.28f})
         cases.push_back(PolicyCase(type, 0, /*old=*/false, kl, 1.0f, /*masked=*/true,
                                    /*head_options=*/false, seed++, 0.0f, eps_high));
+  return cases;
+}
+
+// The loss types cispo, sapo, luspo and the options delta and use_bias_correction_kl: each
+// with and without old log-probs, x KL term x bias correction x mask x bias and softcap.
+// cispo's bound is eps_high itself: 1.3 puts it among the ratios (about [0.6, 1.8]).
+std::vector<std::string> PolicyTypeCases() {
+  std::vector<std::string> cases;
+  const struct {
+    PolicyLossType type;
+    float eps_high, delta;
+  } types[] = {{PolicyLossType::kCispo, 1.3f, 0.0f}, {PolicyLossType::kSapo, 0.28f, 0.0f},
+               {PolicyLossType::kLuspo, 0.28f, 0.0f}, {PolicyLossType::kLuspo, 0.28f, 1.35f},
+               {PolicyLossType::kDapo, 0.28f, 1.35f}, {PolicyLossType::kGrpo, 0.28f, 1.35f}};
+  uint32_t seed = 500;
+  for (const auto& k : types)
+    for (bool old : {false, true})
+      for (int kl : {0, 1, 2})
+        for (bool correction : {false, true})
+          for (bool masked : {false, true})
+            for (bool head_options : {false, true}) {
+              PolicyExtra extra;
+              extra.sapo_temperature_pos = 1.7f;
+              extra.sapo_temperature_neg = 0.6f;
+              extra.delta = k.delta;
+              extra.use_bias_correction_kl = correction;
+              cases.push_back(PolicyCase(k.type, 0, old, kl, 0.9f, masked, head_options, seed++,
+                                         0.2f, k.eps_high, extra));
+            }
   return cases;
 }
 
@@ -249,10 +291,13 @@ std::string List(const std::vector<std::string>& items) {
 }  // namespace lossd
 
 int main() {
-  const std::string out = absl::StrCat("{\"logprob\":", lossd::List(lossd::LogprobCases()),
-                                       ",\n\"policy\":", lossd::List(lossd::PolicyCases()),
-                                       ",\n\"policy_ties\":", lossd::List(lossd::PolicyTieCases()),
-                                       ",\n\"distill\":", lossd::List(lossd::DistillCases()), "}\n");
+  using lossd::List;
+  const std::string out =
+      absl::StrCat("{\"logprob\":", List(lossd::LogprobCases()),
+                   ",\n\"policy\":", List(lossd::PolicyCases()),
+                   ",\n\"policy_ties\":", List(lossd::PolicyTieCases()),
+                   ",\n\"policy_types\":", List(lossd::PolicyTypeCases()),
+                   ",\n\"distill\":", List(lossd::DistillCases()), "}\n");
   std::fwrite(out.data(), 1, out.size(), stdout);
   return 0;
 }

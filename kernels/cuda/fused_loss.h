@@ -66,6 +66,9 @@ struct RowLossInputs {
   const float* old_logp = nullptr;      // (BT) policy, or null
   const float* ref_logp = nullptr;      // (BT) policy, or null
   float epsilon_low = 0, epsilon_high = 0, beta = 0;
+  int32_t loss_type = 0;  // lossd::PolicyLossType
+  float sapo_temperature_pos = 1, sapo_temperature_neg = 1, delta = 0;
+  bool use_bias_correction_kl = false;
   float alpha = 1;  // the dX, dW and db GEMMs' alpha
   // Distill: the teacher head (X's dtype; row-chunk plans whose workspace holds a second
   // logits buffer after the two GEMM workspaces), jsd_beta, and grad_scale / (n alpha).

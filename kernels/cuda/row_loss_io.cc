@@ -47,16 +47,27 @@ struct PolicyTerms {
 PolicyTerms PolicyRowTerms(const LossProblem& p, int64_t i, double logp) {
   const PolicyParams& o = p.policy;
   const double a = p.advantages[i];
-  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
-  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
   const double r = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
-  const double c = std::clamp(r, lo, hi);
   PolicyTerms t;
-  t.loss = -std::min(r * a, c * a);
-  t.clipped = (r < lo && a < 0) || (r > hi && a > 0);
+  if (o.loss_type == PolicyLossType::kCispo) {  // -sg(min(r, eps_high)) A logp
+    const double bound = static_cast<double>(o.epsilon_high);
+    t.loss = -std::min(r, bound) * a * logp;
+    t.clipped = r > bound && a > 0;
+  } else if (o.loss_type == PolicyLossType::kSapo) {  // -A (4 / tau) sigmoid(tau (r - 1))
+    const double tau =
+        static_cast<double>(a > 0 ? o.sapo_temperature_pos : o.sapo_temperature_neg);
+    t.loss = -a * 4.0 / tau / (1.0 + std::exp(-tau * (r - 1.0)));
+  } else {
+    const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+    const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+    const double q = o.delta != 0.0f ? std::min(r, static_cast<double>(o.delta)) : r;
+    t.loss = -std::min(q * a, std::clamp(r, lo, hi) * a);
+    t.clipped = (r < lo && a < 0) || (r > hi && a > 0);
+  }
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;
     t.kl = std::exp(d) - d - 1.0;
+    if (o.use_bias_correction_kl) t.kl *= r;
     t.loss += o.beta * t.kl;
   }
   return t;
@@ -160,8 +171,13 @@ std::vector<double> PolicyRowWeights(const PolicyParams& o,
     if (targets32[i] < 0) continue;
     switch (o.loss_type) {
       case PolicyLossType::kGrpo:
+      case PolicyLossType::kSapo:
         w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[std::min(
                                             i / seq, sequences - 1)])));
+        break;
+      case PolicyLossType::kLuspo:  // its sequence's mask count over B S
+        w[i] = static_cast<double>(per_seq[std::min(i / seq, sequences - 1)]) /
+               static_cast<double>(bt);
         break;
       case PolicyLossType::kBnpo:
         w[i] = 1.0 / n_clamped;
@@ -170,6 +186,7 @@ std::vector<double> PolicyRowWeights(const PolicyParams& o,
         w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
         break;
       case PolicyLossType::kDapo:
+      case PolicyLossType::kCispo:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(n));
         break;
@@ -214,6 +231,11 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
     in.epsilon_low = p.policy.epsilon_low;
     in.epsilon_high = p.policy.epsilon_high;
     in.beta = p.policy.beta;
+    in.loss_type = static_cast<int32_t>(p.policy.loss_type);
+    in.sapo_temperature_pos = p.policy.sapo_temperature_pos;
+    in.sapo_temperature_neg = p.policy.sapo_temperature_neg;
+    in.delta = p.policy.delta;
+    in.use_bias_correction_kl = p.policy.use_bias_correction_kl;
     return absl::OkStatus();
   }
   if (p.dlogp != nullptr) LOSSD_RETURN_IF_ERROR(UploadScaled(m, c1, alpha, &in.coef_logp));

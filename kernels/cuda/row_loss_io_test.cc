@@ -135,19 +135,35 @@ TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
   std::uniform_real_distribution<double> uni(-1.0, 1.0);
   for (int64_t i = 0; i < kBt; ++i) {
     adv[i] = static_cast<float>(uni(rng));
-    // log r in [-0.5, 0.5], away from log 0.8 and log 1.2 so that no clip flips on rounding.
+    // log r in [-0.5, 0.5], away from log 0.8 and log 1.2, cispo's bound 1.3 and delta 1.45
+    // below, so that no clip flips on rounding.
     double d = 0;
+    auto near = [&d](double x) { return std::fabs(d - std::log(x)) < 0.01; };
     do {
       d = 0.5 * uni(rng);
-    } while (std::fabs(d - std::log(0.8)) < 0.01 || std::fabs(d - std::log(1.2)) < 0.01);
+    } while (near(0.8) || near(1.2) || near(1.3) || near(1.45));
     old_logp[i] = static_cast<float>(lref.logp[i] - d);
     ref_logp[i] = static_cast<float>(lref.logp[i] + 0.3 * uni(rng));
   }
   std::vector<uint8_t> mask(kBt);
   for (int64_t i = 0; i < kBt; ++i) mask[i] = head.targets[i] != -100;
+  // The types with the options their formulas take (cispo's bound is eps_high itself).
+  const struct {
+    PolicyLossType type;
+    float eps_high, delta;
+    bool bias_correction;
+  } configs[] = {{PolicyLossType::kDapo, 0.2f, 0, false},
+                 {PolicyLossType::kGrpo, 0.2f, 0, false},
+                 {PolicyLossType::kBnpo, 0.2f, 0, false},
+                 {PolicyLossType::kDrGrpo, 0.2f, 0, false},
+                 {PolicyLossType::kCispo, 1.3f, 0, false},
+                 {PolicyLossType::kSapo, 0.2f, 0, true},
+                 {PolicyLossType::kLuspo, 0.2f, 0, false},
+                 {PolicyLossType::kLuspo, 0.2f, 1.45f, true},
+                 {PolicyLossType::kDapo, 0.2f, 1.45f, true}};
   int checked = 0;
-  for (PolicyLossType type : {PolicyLossType::kDapo, PolicyLossType::kGrpo,
-                              PolicyLossType::kBnpo, PolicyLossType::kDrGrpo}) {
+  for (const auto& config : configs) {
+    const PolicyLossType type = config.type;
     for (int inputs = 0; inputs < 4; ++inputs) {
       PolicyProblem pp;
       pp.head = head.inputs();
@@ -160,6 +176,12 @@ TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
       pp.options.loss_type = type;
       pp.options.max_completion_length = type == PolicyLossType::kDrGrpo ? 16 : 0;
       pp.options.dapo_normalizer = type == PolicyLossType::kDapo && inputs == 3 ? 40.0 : 0.0;
+      pp.options.beta = 0.2f;
+      pp.options.epsilon_high = config.eps_high;
+      pp.options.sapo_temperature_pos = 1.7f;
+      pp.options.sapo_temperature_neg = 0.6f;
+      pp.options.delta = config.delta;
+      pp.options.use_bias_correction_kl = config.bias_correction;
       PolicyReferenceOutputs ref;
       ASSERT_TRUE(PolicyReference(pp, &ref).ok());
       LossProblem p = head.problem(LossKind::kPolicy);
@@ -170,6 +192,12 @@ TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
       p.policy.sequences = pp.batch;
       p.policy.max_completion_length = pp.options.max_completion_length;
       p.policy.dapo_normalizer = pp.options.dapo_normalizer;
+      p.policy.beta = pp.options.beta;
+      p.policy.epsilon_high = pp.options.epsilon_high;
+      p.policy.sapo_temperature_pos = pp.options.sapo_temperature_pos;
+      p.policy.sapo_temperature_neg = pp.options.sapo_temperature_neg;
+      p.policy.delta = pp.options.delta;
+      p.policy.use_bias_correction_kl = pp.options.use_bias_correction_kl;
       Outputs out;
       WriteRowLossOutputs(p, out.view(), head.targets32(), RowsOf(ref.logp, {}, lref.lse));
       const char* name = PolicyLossTypeName(type);
@@ -186,10 +214,12 @@ TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
       for (double x : w) w_sum += x;
       if (type == PolicyLossType::kBnpo) EXPECT_NEAR(w_sum, 1.0, 1e-12);
       ++checked;
-      if (inputs == 1) EXPECT_GT(ref.clip_fraction, 0.0) << "no row clipped: a weak case";
+      if (inputs == 1 && type != PolicyLossType::kSapo) {
+        EXPECT_GT(ref.clip_fraction, 0.0) << "no row clipped: a weak case";
+      }
     }
   }
-  EXPECT_EQ(checked, 16);
+  EXPECT_EQ(checked, 36);
 }
 
 TEST(RowLossIoTest, DistillLossIsTheMeanOfTheRowsThatCount) {

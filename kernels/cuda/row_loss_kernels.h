@@ -6,9 +6,10 @@
 // and the gradient written in place over the logits, in the input dtype:
 //   g_ij = [ c_i ([j = t] - p_ij) - e_i p_ij (z_ij - lse_i + H_i) ] (1/T) softcap'(u_ij + b_j)
 // with logprob's c_i = dlogp_i, e_i = dentropy_i (each already times grad_scale / alpha), and
-// policy's c_i = w_i dl_i/dlogp_i (e_i = 0) computed here from logp_i: the clipped surrogate
-// and the KL term of policy_reference.h, in double, times the row's weight w_i (its loss
-// normaliser, times grad_scale / alpha) which the host computes from the mask.
+// policy's c_i = w_i dl_i/dlogp_i (e_i = 0) computed here from logp_i: the loss type's
+// surrogate (clipped, cispo's or sapo's) and the KL term of policy_reference.h, in double,
+// times the row's weight w_i (its loss normaliser, times grad_scale / alpha) which the host
+// computes from the mask.
 // alpha, a power of two, is the caller's: it comes back in the dX/dW/db GEMMs' alpha, so
 // small coefficients do not underflow a 16-bit G. A row is read once by a cluster of blocks
 // (the one-read kernels) or by one block (the two-pass kernels, where the one-read kernels do
@@ -55,6 +56,10 @@ struct RowLossParams {
   const float* old_logp;  // null: the current log-probs detached (ratio 1)
   const float* ref_logp;  // null: no KL term
   float epsilon_low, epsilon_high, beta;
+  int32_t loss_type;  // lossd::PolicyLossType: 4 cispo, 5 sapo, any other the clipped surrogate
+  float sapo_temperature_pos, sapo_temperature_neg;
+  float delta;                     // the clipped types' cap on r; 0 = none
+  int32_t use_bias_correction_kl;  // 1: the KL term times r
   // Distill: the teacher's logits (rows, v) elem, its bias (or null) and the options.
   const void* teacher_logits;
   const void* teacher_bias;

@@ -23,8 +23,9 @@ namespace lossd {
 namespace cuda {
 namespace {
 
-// logprob with entropy (chunked, accumulated, fp32 gradients), policy (dapo), distill (JSD).
-constexpr int kPathCases[] = {2, 3, 8};
+// logprob with entropy (chunked, accumulated, fp32 gradients), policy (dapo), distill (JSD),
+// policy's luspo with delta (chunked, accumulated).
+constexpr int kPathCases[] = {2, 3, 8, 13};
 constexpr Shape kMedium{"medium", 300, 96, 1000};
 
 DType GradDType(const RowCase& c, DType dtype) { return c.grad_f32 ? DType::kF32 : dtype; }

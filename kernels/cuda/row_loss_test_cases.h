@@ -66,6 +66,8 @@ struct RowCase {
   int64_t teacher_extra_h = 0;  // distill: the teacher's hidden size is the student's + this
   bool teacher_bias = false;    // distill
   bool no_targets = false;      // distill: every row counts
+  float sapo_pos = 1.0f, sapo_neg = 1.05f, delta = 0.0f;  // policy's other loss types
+  bool bias_correction = false;
 };
 
 inline const RowCase kCases[] = {
@@ -93,6 +95,19 @@ inline const RowCase kCases[] = {
      0.04f, 0, 0.7f, 0.0f, 0, false, true},
     {"distill_reverse_kl_f32", LossKind::kDistill, 1.0f, 0.0f, true, 0.2, 0, true, false,
      true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 1.0f, 1.0f, -3},
+    // The loss types beyond Liger's first four, delta and the bias-corrected KL (last: the
+    // tests name the cases above by index; row_loss_paths_test names luspo's, 13).
+    {"policy_cispo", LossKind::kPolicy, 1.0f, 0.0f, true, 0.1, 0, false, false, true, false,
+     PolicyLossType::kCispo, true, true, 0.2f, 1.3f, 0.04f, 0, 0.7f, 0.5f, 0, false, false},
+    {"policy_sapo_temp_cap_bias_corrected_kl", LossKind::kPolicy, 0.8f, 4.0f, false, 0.2, 0,
+     false, false, true, false, PolicyLossType::kSapo, true, true, 0.2f, 0.2f, 0.3f, 0, 0.7f,
+     0.5f, 0, false, false, 1.7f, 0.6f, 0.0f, true},
+    {"policy_luspo_delta_chunked_accum", LossKind::kPolicy, 1.0f, 0.0f, true, 0.25, 7, false,
+     true, true, false, PolicyLossType::kLuspo, true, true, 0.2f, 0.28f, 0.04f, 0, 0.7f, 0.5f,
+     0, false, false, 1.0f, 1.05f, 1.5f},
+    {"policy_grpo_delta_bias_corrected_kl_f32", LossKind::kPolicy, 1.0f, 0.0f, false, 0.1, 0,
+     true, false, true, false, PolicyLossType::kGrpo, true, true, 0.2f, 0.2f, 0.1f, 0, 0.7f,
+     0.5f, 0, false, false, 1.0f, 1.05f, 1.4f, true},
 };
 inline constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
 
@@ -159,13 +174,22 @@ inline RowProblem MakeProblem(const RowCase& c, const Shape& shape, DType dtype,
   lp.options.ignore_index = p.options.ignore_index;
   LogprobReferenceOutputs lref;
   EXPECT_TRUE(LogprobReference(lp, &lref).ok());
-  const double log_lo = std::log(1.0 - c.eps_low), log_hi = std::log(1.0 + c.eps_high);
+  // The ratio's kinks: the clip bounds, cispo's own bound (eps_high) and delta's cap.
+  std::vector<double> kinks = {std::log(1.0 - c.eps_low), std::log(1.0 + c.eps_high)};
+  if (c.loss_type == PolicyLossType::kCispo) kinks.push_back(std::log(c.eps_high));
+  if (c.delta != 0) kinks.push_back(std::log(c.delta));
+  auto near_kink = [&](double d) {
+    for (double k : kinks) {
+      if (std::fabs(d - k) < kClipMargin) return true;
+    }
+    return false;
+  };
   for (int64_t i = 0; i < bt; ++i) {
     r.advantages.push_back(normal(rng));
     double d = 0;  // log r_i
     do {
       d = 0.7 * uni(rng);
-    } while (std::fabs(d - log_lo) < kClipMargin || std::fabs(d - log_hi) < kClipMargin);
+    } while (near_kink(d));
     r.old_logp.push_back(static_cast<float>(lref.logp[i] - d));
     r.ref_logp.push_back(static_cast<float>(lref.logp[i] + 0.3 * normal(rng)));
   }
@@ -179,6 +203,10 @@ inline RowProblem MakeProblem(const RowCase& c, const Shape& shape, DType dtype,
   p.policy.sequences = bt % 4 == 0 ? 4 : 1;
   p.policy.max_completion_length = c.loss_type == PolicyLossType::kDrGrpo ? 64 : 0;
   p.policy.dapo_normalizer = c.dapo_normalizer;
+  p.policy.sapo_temperature_pos = c.sapo_pos;
+  p.policy.sapo_temperature_neg = c.sapo_neg;
+  p.policy.delta = c.delta;
+  p.policy.use_bias_correction_kl = c.bias_correction;
   return r;
 }
 
@@ -362,10 +390,14 @@ inline std::vector<double> PolicyWeights(const PolicyProblem& pp, const std::vec
   for (int64_t i = 0; i < bt; ++i) per_seq[i / seq] += mask[i];
   for (int64_t i = 0; i < bt; ++i) {
     if (!mask[i]) continue;
+    const PolicyLossType t = o.loss_type;
     w[i] = 1.0 / n;  // bnpo
-    if (o.loss_type == PolicyLossType::kGrpo) w[i] = 1.0 / (b * std::max(1.0, per_seq[i / seq]));
-    if (o.loss_type == PolicyLossType::kDrGrpo) w[i] = 1.0 / (b * o.max_completion_length);
-    if (o.loss_type == PolicyLossType::kDapo) {
+    if (t == PolicyLossType::kGrpo || t == PolicyLossType::kSapo) {
+      w[i] = 1.0 / (b * std::max(1.0, per_seq[i / seq]));
+    }
+    if (t == PolicyLossType::kLuspo) w[i] = per_seq[i / seq] / static_cast<double>(bt);
+    if (t == PolicyLossType::kDrGrpo) w[i] = 1.0 / (b * o.max_completion_length);
+    if (t == PolicyLossType::kDapo || t == PolicyLossType::kCispo) {
       w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer : n);
     }
   }
@@ -396,6 +428,10 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   o.max_completion_length = p.policy.max_completion_length;
   o.dapo_normalizer = p.policy.dapo_normalizer;
   o.grad_scale = p.options.grad_scale;
+  o.sapo_temperature_pos = p.policy.sapo_temperature_pos;
+  o.sapo_temperature_neg = p.policy.sapo_temperature_neg;
+  o.delta = p.policy.delta;
+  o.use_bias_correction_kl = p.policy.use_bias_correction_kl;
   PolicyReferenceOutputs ref;
   EXPECT_TRUE(PolicyReference(pp, &ref).ok());
   Expected e;
@@ -420,21 +456,36 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
       k.c_slope.push_back(0.0);
       continue;
     }
-    const double a = p.advantages[i], r = ref.ratio[i];
-    const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
-    const double share = clipped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-    double dl = -share * a * r, slope = share * std::fabs(a) * r;
+    // dl_i/dlogp_i is the reference's, and the slope of l_i itself but for cispo, whose
+    // detached weight min(r, eh) moves its loss -min(r, eh) A logp by r A logp more.
+    const double a = p.advantages[i], r = ref.ratio[i], dl = ref.dl_dlogp[i];
+    double slope = 0, value_slope = std::fabs(dl);
+    if (o.loss_type == PolicyLossType::kCispo) {  // its coefficient -min(r, eh) A
+      slope = r < o.epsilon_high ? std::fabs(a) * r : 0.0;
+      value_slope += slope * std::fabs(ref.logp[i]);
+    } else if (o.loss_type == PolicyLossType::kSapo) {  // sigmoid's first two derivatives <= 1/4
+      const double tau = a > 0 ? o.sapo_temperature_pos : o.sapo_temperature_neg;
+      slope = std::fabs(a) * r * (1.0 + tau * r);
+    } else {
+      const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
+      const bool capped = o.delta != 0.0f && r >= o.delta && a < 0;
+      const double share = clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+      slope = share * std::fabs(a) * r;
+    }
     if (p.ref_logp != nullptr) {
       const double ek = std::exp(p.ref_logp[i] - ref.logp[i]);
-      kl_slope[i] = std::fabs(1.0 - ek);
+      const double k3 = ek - std::log(ek) - 1.0;
+      // The KL term k3 (times r when bias-corrected) and its coefficient 1 - ek (or
+      // (1 - ek + k3) r): their slopes in logp.
+      kl_slope[i] = o.use_bias_correction_kl ? (std::fabs(1.0 - ek) + k3) * r
+                                             : std::fabs(1.0 - ek);
       if (o.beta != 0.0f) {
-        dl += o.beta * (1.0 - ek);
-        slope += o.beta * ek;
+        slope += o.beta * (o.use_bias_correction_kl ? (2.0 + ek + k3) * r : ek);
       }
     }
     k.c.push_back(gs * weight[i] * dl);
     k.c_slope.push_back(std::fabs(gs) * weight[i] * slope);
-    loss_slope[i] = weight[i] * std::fabs(dl);
+    loss_slope[i] = weight[i] * value_slope;
   }
   const HeadBounds b = FirstOrderBounds(p, k, tol.logit_u);
   RowBounds(b, tol, &e);

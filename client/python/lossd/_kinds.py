@@ -18,7 +18,9 @@ from lossd.tensors import FLOAT_DTYPES, to_wire
 KINDS = {"cross_entropy": pb.LOSS_KIND_CROSS_ENTROPY, "logprob": pb.LOSS_KIND_LOGPROB,
          "policy": pb.LOSS_KIND_POLICY, "distill": pb.LOSS_KIND_DISTILL}
 LOSS_TYPES = {"dapo": pb.POLICY_LOSS_DAPO, "grpo": pb.POLICY_LOSS_GRPO,
-              "bnpo": pb.POLICY_LOSS_BNPO, "dr_grpo": pb.POLICY_LOSS_DR_GRPO}
+              "bnpo": pb.POLICY_LOSS_BNPO, "dr_grpo": pb.POLICY_LOSS_DR_GRPO,
+              "cispo": pb.POLICY_LOSS_CISPO, "sapo": pb.POLICY_LOSS_SAPO,
+              "luspo": pb.POLICY_LOSS_LUSPO}
 
 
 @dataclasses.dataclass
@@ -27,8 +29,11 @@ class PolicyOptions:
 
     sequences: the rows are this many completions of BT / sequences tokens each,
     sequence-major (grpo averages per sequence; dr_grpo divides by sequences x
-    max_completion_length). dapo_normalizer: 0 = this call's mask count, else the count to
-    divide by (Liger's num_items_in_batch / world size)."""
+    max_completion_length). dapo_normalizer (dapo, cispo): 0 = this call's mask count, else
+    the count to divide by (Liger's num_items_in_batch / world size). sapo_temperature_pos /
+    _neg: sapo's gate temperatures where A > 0 / A <= 0. delta: None (or 0) = none, else the
+    clipped types' cap on the ratio (> 1 + epsilon_high). use_bias_correction_kl: the KL term
+    times the ratio."""
 
     loss_type: str = "dapo"
     epsilon_low: float = 0.2
@@ -37,6 +42,10 @@ class PolicyOptions:
     sequences: int = 1
     max_completion_length: int = 0
     dapo_normalizer: float = 0.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    delta: float = None
+    use_bias_correction_kl: bool = False
 
 
 @dataclasses.dataclass
@@ -99,7 +108,12 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
             loss_type=LOSS_TYPES[p.loss_type], epsilon_low=float(p.epsilon_low),
             epsilon_high=float(p.epsilon_high), beta=float(p.beta), sequences=int(p.sequences),
             max_completion_length=int(p.max_completion_length),
-            dapo_normalizer=float(p.dapo_normalizer)))
+            dapo_normalizer=float(p.dapo_normalizer),
+            sapo_temperature_pos=float(p.sapo_temperature_pos),
+            sapo_temperature_neg=float(p.sapo_temperature_neg),
+            use_bias_correction_kl=bool(p.use_bias_correction_kl)))
+        if p.delta is not None:
+            header.policy.delta = float(p.delta)
     elif policy is not None:
         raise errors.InvalidArgumentError("policy options go with kind 'policy', not %r" % kind)
     if kind == "distill":

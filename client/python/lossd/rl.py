@@ -169,17 +169,62 @@ class _ScalarLossFunction(torch.autograd.Function):
         return (*(None if g is None else g * grad_loss.to(g.dtype) for g in grads), *rest)
 
 
-_GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+_GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
+_CLIPPED_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "luspo")  # those delta applies to
+
+
+def _check_grpo_arguments(loss_type, importance_sampling_level, sapo_temperature_pos,
+                          sapo_temperature_neg, epsilon_high, delta, max_completion_length,
+                          temperature):
+    """LigerFusedLinearGRPOLoss's constructor checks (its messages, as ValueErrors), and
+    what lossd does not compute, refused by the argument's name."""
+    if loss_type == "vespo":
+        raise errors.InvalidArgumentError(
+            "loss_type 'vespo' is not supported by lossd: its weight is a function of the "
+            "whole sequence's log-ratios, which a per-token pass does not have; use one of "
+            "%s" % ", ".join(_GRPO_LOSS_TYPES), method="rl")
+    if loss_type not in _GRPO_LOSS_TYPES:
+        raise errors.InvalidArgumentError("Unknown loss type: %s (lossd computes %s)" % (
+            loss_type, ", ".join(_GRPO_LOSS_TYPES)), method="rl")
+    if importance_sampling_level != "token":
+        raise errors.InvalidArgumentError(
+            "importance_sampling_level %r is not supported by lossd: token-level importance "
+            "sampling only (importance_sampling_level='token')" % (importance_sampling_level,),
+            method="rl")
+    for name, value in (("sapo_temperature_pos", sapo_temperature_pos),
+                        ("sapo_temperature_neg", sapo_temperature_neg)):
+        if not value > 0:
+            raise errors.InvalidArgumentError("%s must be positive, got %s" % (name, value),
+                                              method="rl")
+    if delta is not None:
+        if not delta > 0:
+            raise errors.InvalidArgumentError("delta must be positive, got %s" % (delta,),
+                                              method="rl")
+        if not delta > 1 + epsilon_high:
+            raise errors.InvalidArgumentError(
+                "delta must be > 1 + epsilon_high = %s (it caps the ratio above the clip "
+                "range), got %s" % (1 + epsilon_high, delta), method="rl")
+        if loss_type not in _CLIPPED_LOSS_TYPES:
+            raise errors.InvalidArgumentError(
+                "delta applies to the clipped loss types (%s); loss_type %r has no clipped "
+                "surrogate" % (", ".join(_CLIPPED_LOSS_TYPES), loss_type), method="rl")
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise errors.InvalidArgumentError(
+            "max_completion_length must be provided for loss_type 'dr_grpo'", method="rl")
+    if temperature == 0:
+        raise errors.InvalidArgumentError("temperature cannot be 0", method="rl")
 
 
 class LossdFusedLinearGRPOLoss(_OnServer):
     """LigerFusedLinearGRPOLoss (Liger-Kernel 0.8.5) on the server: the same constructor and
     forward arguments; forward returns (loss, metrics), metrics = (mean KL, clip fraction)
-    when beta != 0, else (clip fraction,). Loss types dapo (default), grpo, bnpo and dr_grpo,
-    token-level importance sampling; `compiled` and `chunk_size` are taken and unused.
-    Refused (InvalidArgumentError): the other loss types, sequence-level importance sampling,
-    delta, use_bias_correction_kl and vllm_is_ratio. advantages may be per sequence (B) as
-    Liger's or per token (B, S)."""
+    when beta != 0, else (clip fraction,). Loss types dapo (default), grpo, bnpo, dr_grpo,
+    cispo, sapo and luspo with sapo_temperature_pos / _neg, delta and use_bias_correction_kl,
+    token-level importance sampling; `compiled`, `chunk_size` and the vespo_* arguments are
+    taken and unused. Refused (InvalidArgumentError, a ValueError): loss_type 'vespo',
+    sequence-level importance sampling, vllm_is_ratio, and delta with cispo or sapo (which
+    Liger ignores). luspo counts masked tokens out (Liger's token-level luspo counts them in).
+    advantages may be per sequence (B) as Liger's or per token (B, S)."""
 
     def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1,
                  epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", max_completion_length=None,
@@ -190,38 +235,27 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                  server="localhost:50051", cache_weights=True, timeout=None, accumulator=None,
                  grad_scale=1.0, runtime=None):
         super().__init__()
-        unsupported = []
-        if loss_type not in _GRPO_LOSS_TYPES:
-            unsupported.append("loss_type %r (lossd computes %s)" % (
-                loss_type, ", ".join(_GRPO_LOSS_TYPES)))
-        if importance_sampling_level != "token":
-            unsupported.append("importance_sampling_level %r (token only)" % (
-                importance_sampling_level,))
-        if delta is not None:
-            unsupported.append("delta")
-        if use_bias_correction_kl:
-            unsupported.append("use_bias_correction_kl")
-        if unsupported:
-            raise errors.InvalidArgumentError(
-                "LossdFusedLinearGRPOLoss does not support %s" % "; ".join(unsupported),
-                method="rl")
-        if loss_type == "dr_grpo" and max_completion_length is None:
-            raise errors.InvalidArgumentError(
-                "max_completion_length must be provided for loss_type 'dr_grpo'", method="rl")
-        if temperature == 0:
-            raise errors.InvalidArgumentError("temperature cannot be 0", method="rl")
+        _check_grpo_arguments(loss_type, importance_sampling_level, sapo_temperature_pos,
+                              sapo_temperature_neg, epsilon_high, delta, max_completion_length,
+                              temperature)
         self.beta, self.compiled, self.use_ref_model = beta, compiled, use_ref_model
         self.chunk_size = chunk_size
         self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
         self.loss_type, self.max_completion_length = loss_type, max_completion_length
         self.importance_sampling_level = importance_sampling_level
+        self.sapo_temperature_pos = sapo_temperature_pos
+        self.sapo_temperature_neg = sapo_temperature_neg
+        self.delta, self.use_bias_correction_kl = delta, use_bias_correction_kl
+        self.vespo_k_pos, self.vespo_lambda_pos = vespo_k_pos, vespo_lambda_pos
+        self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
         self.temperature = temperature
         self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
 
     def _dapo_normalizer(self, mask, num_items_in_batch):
         """Liger's per-process dapo normaliser: num_items_in_batch / world size, else the
-        mask count summed over ranks / world size; at least 1. 0 for the other types."""
-        if self.loss_type != "dapo":
+        mask count summed over ranks / world size; at least 1 (dapo and cispo). 0 for the
+        other types."""
+        if self.loss_type not in ("dapo", "cispo"):
             return 0.0
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -279,7 +313,10 @@ class LossdFusedLinearGRPOLoss(_OnServer):
         policy = dict(loss_type=self.loss_type, epsilon_low=self.epsilon_low,
                       epsilon_high=self.epsilon_high, beta=self.beta, sequences=bsz,
                       max_completion_length=int(self.max_completion_length or 0),
-                      dapo_normalizer=self._dapo_normalizer(attention_mask, num_items_in_batch))
+                      dapo_normalizer=self._dapo_normalizer(attention_mask, num_items_in_batch),
+                      sapo_temperature_pos=self.sapo_temperature_pos,
+                      sapo_temperature_neg=self.sapo_temperature_neg, delta=self.delta,
+                      use_bias_correction_kl=bool(self.use_bias_correction_kl))
         ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
         runtime = _runtime(self.runtime, None)
 

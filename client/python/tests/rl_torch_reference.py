@@ -44,29 +44,45 @@ def logprob_entropy(x, w, b, targets, temperature, ignore_index=-100):
 
 def policy_loss(logp, mask, adv, old, ref, opts, bsz):
     """Liger-Kernel 0.8.5's GRPO loss with token-level ratios: (loss, mean KL, clip fraction).
-    opts: the PolicyOptions fields (a dict)."""
+    opts: the PolicyOptions fields (a dict; the fields past dapo_normalizer may be absent)."""
     logp, mask, adv = (a.reshape(bsz, -1) for a in (logp, mask, adv))
     old = old.reshape(bsz, -1) if old is not None else logp.detach()
     ref = ref.reshape(bsz, -1) if ref is not None else logp.detach()
     lo, hi = 1 - opts["epsilon_low"], 1 + opts["epsilon_high"]
+    kind = opts["loss_type"]
     coef1 = torch.exp(logp - old)
-    coef2 = torch.clamp(coef1, lo, hi)
-    per_token = -torch.min(coef1 * adv, coef2 * adv)
+    if kind == "cispo":  # the weight min(r, eps_high) detached; the bound is eps_high itself
+        weight = torch.clamp(coef1, max=opts["epsilon_high"]).detach()
+        per_token = -weight * adv * logp
+        clipped = (coef1 > opts["epsilon_high"]) & (adv > 0)
+    elif kind == "sapo":
+        def gate(tau):
+            return torch.sigmoid(tau * (coef1 - 1)) * 4 / tau
+        per_token = -torch.where(adv > 0, gate(opts.get("sapo_temperature_pos", 1.0)),
+                                 gate(opts.get("sapo_temperature_neg", 1.05))) * adv
+        clipped = torch.zeros_like(adv, dtype=torch.bool)
+    else:
+        coef2 = torch.clamp(coef1, lo, hi)
+        capped = torch.clamp(coef1, max=opts["delta"]) if opts.get("delta") else coef1
+        per_token = -torch.min(capped * adv, coef2 * adv)
+        clipped = ((coef1 < lo) & (adv < 0)) | ((coef1 > hi) & (adv > 0))
     kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if opts.get("use_bias_correction_kl"):
+        kl = kl * coef1
     if opts["beta"] != 0:
         per_token = per_token + opts["beta"] * kl
     n = mask.sum().clamp(min=1.0)
-    kind = opts["loss_type"]
-    if kind == "grpo":
+    if kind in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / bsz
     elif kind == "bnpo":
         loss = (per_token * mask).sum() / n
     elif kind == "dr_grpo":
         loss = (per_token * mask).sum() / (bsz * opts["max_completion_length"])
-    else:
+    elif kind == "luspo":  # each token times its sequence's mask count, over B S
+        loss = (per_token * mask * mask.sum(-1, keepdim=True)).sum() / mask.numel()
+    else:  # dapo, cispo
         d = opts["dapo_normalizer"] if opts["dapo_normalizer"] > 0 else mask.sum()
         loss = (per_token * mask).sum() / torch.clamp(torch.as_tensor(d, dtype=DT), min=1.0)
-    clipped = ((coef1 < lo) & (adv < 0)) | ((coef1 > hi) & (adv > 0))
     return loss, (kl.detach() * mask).sum() / n, (clipped * mask).sum() / n
 
 

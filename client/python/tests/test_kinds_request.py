@@ -112,8 +112,24 @@ def test_policy_defaults_are_ligers():
     assert p.loss_type == pb.POLICY_LOSS_DAPO
     assert (p.epsilon_low, p.epsilon_high, p.beta) == pytest.approx((0.2, 0.2, 0.04))
     assert p.sequences == 1
+    assert (p.sapo_temperature_pos, p.sapo_temperature_neg) == pytest.approx((1.0, 1.05))
+    assert not p.HasField("delta") and not p.use_bias_correction_kl
     h2, _, _ = build("policy", advantages=rand(BT), policy=lossd.PolicyOptions(beta=0.5))
     assert h2.policy.beta == 0.5 and h2.policy.loss_type == pb.POLICY_LOSS_DAPO
+
+
+@pytest.mark.parametrize("loss_type, value", [("cispo", pb.POLICY_LOSS_CISPO),
+                                              ("sapo", pb.POLICY_LOSS_SAPO),
+                                              ("luspo", pb.POLICY_LOSS_LUSPO)])
+def test_policy_other_loss_types_and_options(loss_type, value):
+    h, _, _ = build("policy", advantages=rand(BT),
+                    policy=dict(loss_type=loss_type, sapo_temperature_pos=2.0,
+                                sapo_temperature_neg=0.5, delta=1.5,
+                                use_bias_correction_kl=True))
+    p = h.policy
+    assert p.loss_type == value
+    assert (p.sapo_temperature_pos, p.sapo_temperature_neg) == (2.0, 0.5)
+    assert p.HasField("delta") and p.delta == 1.5 and p.use_bias_correction_kl
 
 
 def test_distill_inline_teacher_and_no_targets():
@@ -142,7 +158,7 @@ def test_distill_teacher_by_handle():
 
 @pytest.mark.parametrize("kind, kw, message", [
     ("ppo", {}, "kind must be one of cross_entropy, logprob, policy, distill, got 'ppo'"),
-    ("policy", {"policy": {"loss_type": "cispo"}}, "policy.loss_type must be one of"),
+    ("policy", {"policy": {"loss_type": "vespo"}}, "policy.loss_type must be one of"),
     ("policy", {"policy": {"clip": 0.2}}, "policy: unknown option clip"),
     ("policy", {"policy": 0.2}, "policy must be a PolicyOptions or a dict, got float"),
     ("logprob", {"policy": {}}, "policy options go with kind 'policy', not 'logprob'"),

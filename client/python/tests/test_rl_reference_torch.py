@@ -21,6 +21,8 @@ from lossd_servers import find_built_binary
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from rl_torch_reference import policy_loss  # noqa: E402
+
 DT = torch.float64
 
 
@@ -99,46 +101,39 @@ def test_logprob_matches_torch_autograd(cases):
 
 
 def torch_policy_loss(c, logp, mask, advantages):
-    """Liger-Kernel 0.8.5's GRPO loss (token-level ratios), written here from its formulas."""
-    bsz = int(c["batch"])
-    logp, mask, advantages = (a.reshape(bsz, -1) for a in (logp, mask, advantages))
-    old = t(c["old_logp"]).reshape(bsz, -1) if c["old_logp"] is not None else logp.detach()
-    ref = t(c["ref_logp"]).reshape(bsz, -1) if c["ref_logp"] is not None else logp.detach()
-    lo, hi = 1 - c["epsilon_low"], 1 + c["epsilon_high"]
-    coef1 = torch.exp(logp - old)
-    coef2 = torch.clamp(coef1, lo, hi)
-    per_token = -torch.min(coef1 * advantages, coef2 * advantages)
-    kl = torch.exp(ref - logp) - (ref - logp) - 1
-    if c["beta"] != 0:
-        per_token = per_token + c["beta"] * kl
-    n = mask.sum().clamp(min=1.0)
-    kind = c["loss_type"]
-    if kind == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / bsz
-    elif kind == "bnpo":
-        loss = (per_token * mask).sum() / n
-    elif kind == "dr_grpo":
-        loss = (per_token * mask).sum() / (bsz * c["max_completion_length"])
-    else:
-        d = c["dapo_normalizer"] if c["dapo_normalizer"] > 0 else mask.sum()
-        loss = (per_token * mask).sum() / torch.clamp(torch.as_tensor(d, dtype=DT), min=1.0)
-    clipped = ((coef1 < lo) & (advantages < 0)) | ((coef1 > hi) & (advantages > 0))
-    return loss, (kl.detach() * mask).sum() / n, (clipped * mask).sum() / n
+    """Liger-Kernel 0.8.5's GRPO loss (token-level ratios), written from its formulas in
+    rl_torch_reference.policy_loss; a case carries the options under the same names."""
+    old = t(c["old_logp"]) if c["old_logp"] is not None else None
+    ref = t(c["ref_logp"]) if c["ref_logp"] is not None else None
+    return policy_loss(logp, mask, advantages, old, ref, c, int(c["batch"]))
+
+
+def check_policy_case(c):
+    x, w, b = head(c)
+    targets = t(c["targets"], torch.int64)
+    lp = F.log_softmax(logits(x, w, b, c["softcap"], c["temperature"]), dim=-1)
+    logp = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    loss, kl, clip = torch_policy_loss(c, logp, t(c["mask"]), t(c["advantages"]))
+    loss.backward()
+    expect_close("loss", c["loss"], loss.detach(), F64_RTOL, F64_ATOL)
+    expect_close("kl", c["kl"], kl if c["has_kl"] else 0.0, F64_RTOL, F64_ATOL)
+    expect_close("clip_fraction", c["clip_fraction"], clip, 0, 0)
+    expect_grads(c, (x, w, b), F64_RTOL, F64_ATOL)
 
 
 def test_policy_matches_torch_autograd(cases):
     assert len(cases["policy"]) == 240 and len(cases["policy_ties"]) == 16
     for c in cases["policy"] + cases["policy_ties"]:
-        x, w, b = head(c)
-        targets = t(c["targets"], torch.int64)
-        lp = F.log_softmax(logits(x, w, b, c["softcap"], c["temperature"]), dim=-1)
-        logp = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
-        loss, kl, clip = torch_policy_loss(c, logp, t(c["mask"]), t(c["advantages"]))
-        loss.backward()
-        expect_close("loss", c["loss"], loss.detach(), F64_RTOL, F64_ATOL)
-        expect_close("kl", c["kl"], kl if c["has_kl"] else 0.0, F64_RTOL, F64_ATOL)
-        expect_close("clip_fraction", c["clip_fraction"], clip, 0, 0)
-        expect_grads(c, (x, w, b), F64_RTOL, F64_ATOL)
+        check_policy_case(c)
+
+
+def test_policy_types_match_torch_autograd(cases):
+    """cispo, sapo, luspo, delta and the bias-corrected KL, over every option combination."""
+    assert len(cases["policy_types"]) == 288
+    assert {c["loss_type"] for c in cases["policy_types"]} == {
+        "cispo", "sapo", "luspo", "dapo", "grpo"}
+    for c in cases["policy_types"]:
+        check_policy_case(c)
 
 
 def torch_jsd_rows(beta, lq, lp):
@@ -187,42 +182,65 @@ def import_liger(module):
     return mod
 
 
+def compare_with_liger(grpo, c):
+    """One case through Liger's own LigerFusedLinearGRPOLoss on CPU (compiled=False). Its
+    log-probs are float32 (_selective_logprob_forward), so the comparison allows float32
+    rounding: 2e-5 of each output's largest magnitude."""
+    bsz = int(c["batch"])
+    x, w, b = head(c)
+    x3 = x.detach().reshape(bsz, -1, x.shape[1]).requires_grad_(True)
+    module = grpo.LigerFusedLinearGRPOLoss(
+        beta=c["beta"], compiled=False, use_ref_model=c["ref_logp"] is not None,
+        epsilon_low=c["epsilon_low"], epsilon_high=c["epsilon_high"],
+        loss_type=c["loss_type"], max_completion_length=int(c["max_completion_length"]),
+        temperature=c["temperature"],
+        sapo_temperature_pos=c.get("sapo_temperature_pos", 1.0),
+        sapo_temperature_neg=c.get("sapo_temperature_neg", 1.05),
+        delta=c.get("delta") or None,
+        use_bias_correction_kl=bool(c.get("use_bias_correction_kl", False)))
+    old = t(c["old_logp"], torch.float32).reshape(bsz, -1) if c["old_logp"] else None
+    ref = t(c["ref_logp"], torch.float32).reshape(bsz, -1) if c["ref_logp"] else None
+    advantages = t(c["advantages"]).reshape(bsz, -1)[:, 0]  # per sequence in the cases
+    loss, metrics = module(
+        x3, w, t(c["targets"], torch.int64).reshape(bsz, -1), t(c["mask"]).reshape(bsz, -1),
+        advantages, bias=b, ref_per_token_logps=ref, old_per_token_logps=old,
+        num_items_in_batch=c["dapo_normalizer"] if c["dapo_normalizer"] > 0 else None)
+    loss.backward()
+    x.grad = x3.grad.reshape(x.shape)
+    tol = 2e-5
+    expect_close("loss", c["loss"], loss.detach(), 0, tol)
+    if c["has_kl"]:
+        expect_close("kl", c["kl"], metrics[0], 0, tol)
+    # A float32 metric: a fraction k / N rounded to float32.
+    expect_close("clip_fraction", c["clip_fraction"], metrics[-1], 1e-7, 0)
+    expect_grads(c, (x, w, b), 0, tol)
+
+
 def test_policy_matches_liger_grpo(cases):
-    """Liger's own LigerFusedLinearGRPOLoss on CPU (compiled=False). Its log-probs are float32
-    (_selective_logprob_forward), so the comparison allows float32 rounding: 2e-5 of each
-    output's largest magnitude. Softcap cases are lossd's own (Liger has no softcap). The tie
-    cases put r = 1 exactly on a clip bound (eps 0, no old log-probs)."""
+    """Softcap cases are lossd's own (Liger has no softcap). The tie cases put r = 1 exactly on
+    a clip bound (eps 0, no old log-probs)."""
     grpo = import_liger("liger_kernel.chunked_loss.grpo_loss")
     compared = 0
     for c in cases["policy"] + cases["policy_ties"]:
         if c["softcap"] > 0:
             continue
-        bsz = int(c["batch"])
-        x, w, b = head(c)
-        x3 = x.detach().reshape(bsz, -1, x.shape[1]).requires_grad_(True)
-        module = grpo.LigerFusedLinearGRPOLoss(
-            beta=c["beta"], compiled=False, use_ref_model=c["ref_logp"] is not None,
-            epsilon_low=c["epsilon_low"], epsilon_high=c["epsilon_high"],
-            loss_type=c["loss_type"], max_completion_length=int(c["max_completion_length"]),
-            temperature=c["temperature"])
-        old = t(c["old_logp"], torch.float32).reshape(bsz, -1) if c["old_logp"] else None
-        ref = t(c["ref_logp"], torch.float32).reshape(bsz, -1) if c["ref_logp"] else None
-        advantages = t(c["advantages"]).reshape(bsz, -1)[:, 0]  # per sequence in the cases
-        loss, metrics = module(
-            x3, w, t(c["targets"], torch.int64).reshape(bsz, -1), t(c["mask"]).reshape(bsz, -1),
-            advantages, bias=b, ref_per_token_logps=ref, old_per_token_logps=old,
-            num_items_in_batch=c["dapo_normalizer"] if c["dapo_normalizer"] > 0 else None)
-        loss.backward()
-        x.grad = x3.grad.reshape(x.shape)
-        tol = 2e-5
-        expect_close("loss", c["loss"], loss.detach(), 0, tol)
-        if c["has_kl"]:
-            expect_close("kl", c["kl"], metrics[0], 0, tol)
-        # A float32 metric: a fraction k / N rounded to float32.
-        expect_close("clip_fraction", c["clip_fraction"], metrics[-1], 1e-7, 0)
-        expect_grads(c, (x, w, b), 0, tol)
+        compare_with_liger(grpo, c)
         compared += 1
     assert compared == 136
+
+
+def test_policy_types_match_liger_grpo(cases):
+    """cispo, sapo, luspo, delta and use_bias_correction_kl through Liger's module. Besides the
+    softcap cases, masked luspo cases are left out: Liger's token-level luspo does not multiply
+    a token's loss by its own mask, so padding enters its loss (lossd skips masked tokens)."""
+    grpo = import_liger("liger_kernel.chunked_loss.grpo_loss")
+    compared = 0
+    for c in cases["policy_types"]:
+        if c["softcap"] > 0 or (c["loss_type"] == "luspo" and min(c["mask"]) == 0):
+            continue
+        compare_with_liger(grpo, c)
+        compared += 1
+    assert compared == 120
 
 
 def test_distill_matches_liger_jsd(cases):

@@ -125,12 +125,12 @@ def test_logprobs_and_entropy_from_hidden(backend):
         rl.linear_cross_entropy(hidden, w, ids, dist_process_group=object(), runtime=runtime)
 
 
-def ratios_away_from_bounds(n, eps_low, eps_high, seed):
-    """Importance ratios in (0.5, 1.6) at least 0.03 from the clip bounds, so fp32 and float64
-    agree on which tokens clip."""
+def ratios_away_from_bounds(n, eps_low, eps_high, seed, more_bounds=()):
+    """Importance ratios in (0.5, 1.6) at least 0.03 from the clip bounds (and any other kink:
+    cispo's bound, delta), so fp32 and float64 agree on which tokens clip."""
     g = np.random.default_rng(seed)
     r = g.uniform(0.5, 1.6, n)
-    for bound in (1 - eps_low, 1 + eps_high):
+    for bound in (1 - eps_low, 1 + eps_high) + tuple(more_bounds):
         near = np.abs(r - bound) < 0.03
         r[near] = bound + np.where(r[near] < bound, -0.05, 0.05)
     return torch.from_numpy(r)
@@ -210,14 +210,89 @@ def test_grpo_dapo_normalizer_and_ref_from_a_reference_head(backend):
     expect_grads([("dx", x3, rx), ("dw", w, rw)])
 
 
+# The loss types beyond Liger's first four with their options: (constructor arguments, the
+# ratios' kinks besides the clip bounds). cispo's bound is epsilon_high itself.
+OTHER_TYPES = [
+    (dict(loss_type="cispo", epsilon_high=1.3, beta=0.04), (1.3,)),
+    (dict(loss_type="cispo", epsilon_high=1.3, beta=0.1, use_bias_correction_kl=True), (1.3,)),
+    (dict(loss_type="sapo", sapo_temperature_pos=1.7, sapo_temperature_neg=0.6, beta=0.0), ()),
+    (dict(loss_type="sapo", beta=0.2, use_bias_correction_kl=True), ()),
+    (dict(loss_type="luspo", epsilon_high=0.28, beta=0.04), ()),
+    (dict(loss_type="luspo", epsilon_high=0.28, beta=0.04, delta=1.45), (1.45,)),
+    (dict(loss_type="grpo", epsilon_high=0.28, beta=0.1, delta=1.4,
+          use_bias_correction_kl=True), (1.4,)),
+]
+
+
+def other_type_id(case):
+    kw = case[0]
+    return "-".join([kw["loss_type"]] + sorted(k for k in kw if k in (
+        "delta", "use_bias_correction_kl", "sapo_temperature_pos")))
+
+
+@needs("policy")
+@pytest.mark.parametrize("case", OTHER_TYPES, ids=[other_type_id(c) for c in OTHER_TYPES])
+def test_grpo_other_loss_types_match_torch(backend, case):
+    kw, kinks = case
+    make, fake = backend
+    x3, w, b = leaves((B, S, H), (V, H), (V,), seed=71, scale=0.7)
+    g = torch.Generator().manual_seed(72)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) > 0.25).to(torch.int64)
+    mask[0, 0] = 1
+    adv = torch.randn(B, generator=g)
+    with torch.no_grad():
+        cur, _ = logprob_entropy(as64(x3).reshape(-1, H), as64(w), as64(b), ids.reshape(-1), 0.9)
+    eps_high = kw.get("epsilon_high", 0.2)
+    old = (cur - torch.log(ratios_away_from_bounds(B * S, 0.2, eps_high, 73, kinks)))
+    old = old.reshape(B, S).float()
+    ref = (cur + 0.2 * torch.randn(B * S, generator=g, dtype=DT)).reshape(B, S).float()
+    module = rl.LossdFusedLinearGRPOLoss(temperature=0.9, runtime=make(), **kw)
+    loss, metrics = module(x3, w, ids, mask, adv, bias=b, ref_per_token_logps=ref,
+                           old_per_token_logps=old)
+    (2.0 * loss).backward()
+
+    rx, rw, rb = ref_leaves(x3.reshape(-1, H), w, b)
+    rlogp, _ = logprob_entropy(rx, rw, rb, ids.reshape(-1), 0.9)
+    opts = dict(epsilon_low=0.2, epsilon_high=eps_high, max_completion_length=0,
+                dapo_normalizer=0.0, **{k: v for k, v in kw.items() if k != "epsilon_high"})
+    rloss, rkl, rclip = policy_loss(rlogp, as64(mask).reshape(-1), as64(adv).repeat_interleave(S),
+                                    as64(old), as64(ref) if kw["beta"] else None, opts, B)
+    (2.0 * rloss).backward()
+    expect_close("loss", loss, rloss.detach())
+    assert len(metrics) == (2 if kw["beta"] else 1)
+    if kw["beta"]:
+        expect_close("kl", metrics[0], rkl, atol=1e-4)
+    expect_close("clip_fraction", metrics[-1], rclip, rtol=1e-6, atol=0)
+    if kw["loss_type"] != "sapo":
+        assert 0 < metrics[-1].item() < 1, "some tokens clip, some do not"
+    expect_grads([("dx", x3, rx), ("dw", w, rw), ("db", b, rb)])
+    if fake is not None:
+        sent = fake.calls[-1]["policy"]
+        for name in ("loss_type", "delta", "use_bias_correction_kl", "sapo_temperature_pos"):
+            if name in kw:
+                assert sent[name] == kw[name], name
+
+
 @pytest.mark.parametrize("kw, message", [
-    (dict(loss_type="cispo"), "loss_type 'cispo'"),
-    (dict(importance_sampling_level="sequence"), "importance_sampling_level 'sequence'"),
-    (dict(delta=2.0), "delta"),
+    (dict(loss_type="vespo"), "loss_type 'vespo' is not supported by lossd: its weight is a "
+                              "function of the whole sequence's log-ratios"),
+    (dict(loss_type="ppo"), "Unknown loss type: ppo"),
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level 'sequence' is not "
+                                                 "supported by lossd"),
+    (dict(loss_type="cispo", importance_sampling_level="sequence"),
+     "importance_sampling_level 'sequence'"),
+    (dict(sapo_temperature_pos=0.0), "sapo_temperature_pos must be positive, got 0.0"),
+    (dict(sapo_temperature_neg=-1), "sapo_temperature_neg must be positive, got -1"),
+    (dict(delta=-2.0), "delta must be positive, got -2.0"),
+    (dict(delta=1.1), r"delta must be > 1 \+ epsilon_high = 1.2"),
+    (dict(loss_type="sapo", delta=2.0), "delta applies to the clipped loss types"),
+    (dict(loss_type="cispo", delta=2.0), "loss_type 'cispo' has no clipped surrogate"),
     (dict(loss_type="dr_grpo"), "max_completion_length must be provided")])
 def test_grpo_refuses_what_it_does_not_compute(kw, message):
-    with pytest.raises(lossd.InvalidArgumentError, match=message):
+    with pytest.raises(ValueError, match=message) as e:
         rl.LossdFusedLinearGRPOLoss(client=ReferenceClient(), **kw)
+    assert isinstance(e.value, lossd.InvalidArgumentError)
 
 
 @needs("distill")
@@ -317,6 +392,50 @@ def test_grpo_module_matches_ligers_module(backend, loss_type):
     assert len(metrics) == len(lmetrics) == 2
     expect_close("kl", metrics[0], lmetrics[0], rtol=0, atol=tol)
     expect_close("clip_fraction", metrics[1], lmetrics[1], rtol=1e-6, atol=0)
+    for name, got, want in zip(("dx", "dw", "db"), grads, lgrads):
+        expect_close(name, got, want, rtol=0, atol=tol)
+
+
+@needs("policy")
+@pytest.mark.parametrize("case", OTHER_TYPES, ids=[other_type_id(c) for c in OTHER_TYPES])
+def test_grpo_other_loss_types_match_ligers_module(backend, case):
+    """As above for cispo, sapo, luspo, delta and use_bias_correction_kl. luspo's mask is all
+    ones: Liger's token-level luspo counts masked tokens in, lossd's leaves them out."""
+    from test_rl_reference_torch import import_liger
+    grpo = import_liger("liger_kernel.chunked_loss.grpo_loss")
+    kw, kinks = case
+    make, _ = backend
+    x3, w, b = leaves((B, S, H), (V, H), (V,), seed=81, scale=0.7)
+    g = torch.Generator().manual_seed(82)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) > 0.2).to(torch.int64)
+    if kw["loss_type"] == "luspo":
+        mask = torch.ones(B, S, dtype=torch.int64)
+    adv = torch.randn(B, generator=g)
+    with torch.no_grad():
+        cur, _ = logprob_entropy(as64(x3).reshape(-1, H), as64(w), as64(b), ids.reshape(-1), 1.2)
+    eps_high = kw.get("epsilon_high", 0.2)
+    old = (cur - torch.log(ratios_away_from_bounds(B * S, 0.2, eps_high, 83, kinks)))
+    old = old.reshape(B, S).float()
+    ref = (cur + 0.2 * torch.randn(B * S, generator=g, dtype=DT)).reshape(B, S).float()
+    ours = rl.LossdFusedLinearGRPOLoss(compiled=False, runtime=make(), temperature=1.2, **kw)
+    theirs = grpo.LigerFusedLinearGRPOLoss(compiled=False, temperature=1.2, **kw)
+    results = []
+    for module in (ours, theirs):
+        leaves_now = [t.detach().clone().requires_grad_(True) for t in (x3, w, b)]
+        loss, metrics = module(leaves_now[0], leaves_now[1], ids, mask, adv, bias=leaves_now[2],
+                               ref_per_token_logps=ref, old_per_token_logps=old,
+                               num_items_in_batch=30)
+        loss.backward()
+        results.append((loss.detach(), [m.detach() for m in metrics],
+                        [t.grad for t in leaves_now]))
+    (loss, metrics, grads), (lloss, lmetrics, lgrads) = results
+    tol = 2e-5
+    expect_close("loss", loss, lloss, rtol=0, atol=tol)
+    assert len(metrics) == len(lmetrics) == (2 if kw["beta"] else 1)
+    if kw["beta"]:
+        expect_close("kl", metrics[0], lmetrics[0], rtol=0, atol=tol)
+    expect_close("clip_fraction", metrics[-1], lmetrics[-1], rtol=1e-6, atol=0)
     for name, got, want in zip(("dx", "dw", "db"), grads, lgrads):
         expect_close(name, got, want, rtol=0, atol=tol)
 
