@@ -44,6 +44,7 @@ class CutlassLogits {
 
 // Every configuration compiled in (cutlass_logits_*.cu), plain and with statistics.
 std::vector<std::unique_ptr<CutlassLogits>> MakeCooperativeKernels();
+std::vector<std::unique_ptr<CutlassLogits>> MakeCooperative256Kernels();
 std::vector<std::unique_ptr<CutlassLogits>> MakePingpongKernels();
 
 }  // namespace bench

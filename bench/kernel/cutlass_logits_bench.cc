@@ -68,6 +68,11 @@ struct Buffers {
   }
 };
 
+template <class T>
+cudaError_t Alloc(T** p, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
+}
+
 absl::Status FromCuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string(what) + ": " + cudaGetErrorString(e));
@@ -108,7 +113,7 @@ int CheckStats(CutlassLogits& k, const Case& cs, Buffers& b, cudaStream_t st) {
   BENCH_CHECK_CUDA(CombineTileStats(b.tmax, b.tsum, cs.c, tiles, ld, b.lse, st));
   BENCH_CHECK_CUDA(ReferenceRowLse(b.z_cu, cs.c, cs.v, b.rlse, st));
   unsigned long long* diff = nullptr;
-  BENCH_CHECK_CUDA(cudaMalloc(&diff, sizeof(*diff)));
+  BENCH_CHECK_CUDA(Alloc(&diff, sizeof(*diff)));
   BENCH_CHECK_CUDA(CountMismatches(b.z_cu, b.z_lt, cs.c * cs.v / 2, diff, st));
   std::vector<float> tm(nstat), ts(nstat), rm(nstat), rs(nstat), l(cs.c), rl(cs.c);
   unsigned long long zdiff = 0;
@@ -184,16 +189,16 @@ int RunCase(const Case& cs, std::vector<std::unique_ptr<CutlassLogits>>& kernels
   BENCH_CHECK_CUDA(cudaMalloc(&b.z_lt, cs.c * cs.v * 2));
   BENCH_CHECK_CUDA(cudaMalloc(&b.z_cu, cs.c * cs.v * 2));
   for (float** p : {&b.tmax, &b.tsum, &b.rmax, &b.rsum}) {
-    BENCH_CHECK_CUDA(cudaMalloc(p, nstat * sizeof(float)));
+    BENCH_CHECK_CUDA(Alloc(p, nstat * sizeof(float)));
   }
-  for (float** p : {&b.lse, &b.rlse, &b.tgt}) BENCH_CHECK_CUDA(cudaMalloc(p, cs.c * 4));
-  BENCH_CHECK_CUDA(cudaMalloc(&b.targets, cs.c * 4));
+  for (float** p : {&b.lse, &b.rlse, &b.tgt}) BENCH_CHECK_CUDA(Alloc(p, cs.c * 4));
+  BENCH_CHECK_CUDA(Alloc(&b.targets, cs.c * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&b.ws_lt, cuda::kGemmWorkspaceBytes));
   // Logits of a few units (|x| < 1, |w| < 0.2 scaled by sqrt(H)), so exp(z - max) spans a
   // wide range and the sums are not flat.
   BENCH_CHECK_CUDA(FillUniformBf16(b.x, cs.c * cs.h, 1, 1.0f, st));
   BENCH_CHECK_CUDA(FillUniformBf16(b.w, cs.v * cs.h, 2, 12.8f / std::sqrt(float(cs.h)), st));
-  BENCH_CHECK_CUDA(FillTargets(b.targets, cs.c, 3, static_cast<int32_t>(cs.v)));
+  BENCH_CHECK_CUDA(FillTargets(b.targets, cs.c, 3, static_cast<int32_t>(cs.v), st));
 
   auto lt = [&](cuda::FusedLoss& e) {
     return e.Gemm(st, b.ws_lt, cuda::kGemmWorkspaceBytes, true, false, cs.v, cs.c, cs.h, 1.0f,
@@ -277,9 +282,11 @@ int Main(int argc, char** argv) {
   }
   (*tuned)->set_autotune(true);
   std::vector<std::unique_ptr<CutlassLogits>> kernels = MakeCooperativeKernels();
+  for (auto& k : MakeCooperative256Kernels()) kernels.push_back(std::move(k));
   for (auto& k : MakePingpongKernels()) kernels.push_back(std::move(k));
   cudaStream_t st;
-  BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  // A blocking stream: CUTLASS's Init may clear its workspace on the legacy stream.
+  BENCH_CHECK_CUDA(cudaStreamCreate(&st));
   int rc = 0;
   for (const Case& cs : cases) rc = std::max(rc, RunCase(cs, kernels, **heur, **tuned, st));
   cudaStreamDestroy(st);

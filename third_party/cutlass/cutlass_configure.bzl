@@ -26,8 +26,8 @@ def _cutlass_configure_impl(ctx):
         build += [
             "filegroup(",
             '    name = "headers",',
-            '    srcs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.inl",
-                        "util_include/**/*.h", "util_include/**/*.hpp"]),',
+            '    srcs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.inl",',
+            '                  "util_include/**/*.h", "util_include/**/*.hpp"]),',
             ")",
         ]
     ctx.file("BUILD", "\n".join(build) + "\n")
