@@ -21,19 +21,6 @@ struct RowStat {
   float m, s;
 };
 
-// Adds value x. One exponential per value: exp(-|x - m|) rescales either the sum (x is the new
-// max) or x's own term.
-__device__ __forceinline__ void RowStatAdd(float& m, float& s, float x) {
-  const float d = x - m;  // +inf when the state is empty (m = -inf)
-  const float e = __expf(-fabsf(d));
-  if (d > 0.f) {
-    s = s * e + 1.f;
-    m = x;
-  } else {
-    s += e;
-  }
-}
-
 // Merges (m2, s2) into (m, s); two empty states stay empty (no -inf - -inf).
 __device__ __forceinline__ void RowStatMerge(float& m, float& s, float m2, float s2) {
   const float mx = fmaxf(m, m2);
@@ -110,14 +97,36 @@ struct Sm90RowTileStats {
       cute::Tensor tRmax_mn = tRmax(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor tRsum_mn = tRsum(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor tCcD_mn = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
+      // Two passes over the fragment instead of one online update a value: the new maxima
+      // first (independent fmax), one rescale a row, then independent exponentials whose sum
+      // is the only chain. An online update a value chained an exp, a compare and a
+      // select per value on the same registers, which the epilogue could not
+      // hide where K is short (the first version measured so: bench/RESULTS.md).
+      cute::Tensor fmax = cute::filter(tRmax_mn);  // this subtile's rows, one register each
+      cute::Tensor fsum = cute::filter(tRsum_mn);
+      constexpr int kRows = decltype(cute::size(fmax))::value;
+      float old_max[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) old_max[r] = fmax(r);
+      float z[FragmentSize];
+      bool in[FragmentSize];
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         const int idx = epi_v * FragmentSize + i;
-        if (cute::elem_less(tCcD_mn(idx), residue_tCcD)) {
-          // The value the store will write: statistics of the stored logits.
-          const float z = float(cutlass::bfloat16_t(float(frg_input[i])));
-          RowStatAdd(tRmax_mn(idx), tRsum_mn(idx), z);
-        }
+        in[i] = cute::elem_less(tCcD_mn(idx), residue_tCcD);
+        // The value the store will write: statistics of the stored logits.
+        z[i] = float(cutlass::bfloat16_t(float(frg_input[i])));
+        if (in[i]) tRmax_mn(idx) = fmaxf(tRmax_mn(idx), z[i]);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        // Equal maxima (the -inf of an untouched row included) need no rescale.
+        if (old_max[r] != fmax(r)) fsum(r) *= __expf(old_max[r] - fmax(r));
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        const int idx = epi_v * FragmentSize + i;
+        if (in[i]) tRsum_mn(idx) += __expf(z[i] - tRmax_mn(idx));
       }
       return frg_input;
     }
