@@ -40,3 +40,9 @@ if [[ -x "${CUDA_PATH:-/usr/local/cuda}/bin/nvcc" ]]; then
 else
   echo "setup: no CUDA Toolkit; CPU-only build"
 fi
+
+# CUTLASS's headers, for the sm_90a experiments only (bench/kernel's cutlass_logits_bench,
+# tagged manual): LOSSD_SETUP_CUTLASS=1 installs them; CI does not need them.
+if [[ "${LOSSD_SETUP_CUTLASS:-0}" == "1" ]]; then
+  "$(dirname "$0")/setup_cutlass.sh" ${LOSSD_CUTLASS_WHEEL:+"$LOSSD_CUTLASS_WHEEL"}
+fi

@@ -13,9 +13,12 @@ _GENCODE = [
     "-gencode=arch=compute_90,code=compute_90",
 ]
 
-def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], nvcc_hdrs = [], **kwargs):
+def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], nvcc_hdrs = [], gencode = None,
+                 **kwargs):
     """nvcc_hdrs: headers of other packages the .cu files include (nvcc reads them outside
-    Bazel's C++ rules, so they must be inputs of its action); their libraries go in deps."""
+    Bazel's C++ rules, so they must be inputs of its action); their libraries go in deps.
+    gencode: the -gencode flags, default sm_80 + sm_90 + PTX; Hopper-only code (wgmma, TMA)
+    passes ["-gencode=arch=compute_90a,code=sm_90a"]."""
     objs = []
     for src in srcs:
         obj = name + "_" + src.replace("/", "_").replace(".cu", ".o")
@@ -26,12 +29,13 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], nvcc_hdrs = [], *
             "-Xcompiler=-fPIC",
             "-I.",
             "-I$(GENDIR)",
-        ] + _GENCODE + copts + [
+        ] + (_GENCODE if gencode == None else gencode) + copts + [
             "-c $(location %s)" % src,
             "-o $@",
         ])
         native.genrule(
             name = obj + "_nvcc",
+            tags = kwargs.get("tags", []),
             srcs = [src] + hdrs + nvcc_hdrs,
             outs = [obj],
             cmd = cmd,

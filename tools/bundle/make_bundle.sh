@@ -27,6 +27,9 @@ WANT=(
   //bench/kernel:bench_kernel
   //bench/kernel:optimizer_bench
   //bench/kernel:kinds_bench
+  # Present only where tools/setup_cutlass.sh has installed CUTLASS's headers (sm_90a; its
+  # first build takes about 6 minutes on 2 cores).
+  //bench/kernel:cutlass_logits_bench
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:nonfinite_test
   //kernels/cuda:cuda_backend_test

@@ -1,0 +1,236 @@
+// An Epilogue Visitor Tree node for CUTLASS's sm90 TMA warp-specialized epilogues: for each
+// row of a CTA tile it writes the max and the sum of exp(z - max) over the tile's columns, so a
+// later pass combines per-tile statistics instead of reading the logits again. The statistics
+// are taken over the values the epilogue stores (the accumulator rounded to bf16), which are
+// what a cross-entropy pass reading the stored logits would see. It passes its input through
+// unchanged; the parent (the collective's store) writes the bf16 logits. Never reduces across
+// CTA tiles: that is the combining pass's job.
+#ifndef LOSSD_BENCH_KERNEL_ROW_STATS_NODE_CUH_
+#define LOSSD_BENCH_KERNEL_ROW_STATS_NODE_CUH_
+
+#include "cute/tensor.hpp"
+#include "cutlass/bfloat16.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+
+namespace lossd {
+namespace bench {
+
+// (max, sum of exp(z - max)) of one row over some columns; the empty state is (-inf, 0).
+struct RowStat {
+  float m, s;
+};
+
+// Merges (m2, s2) into (m, s); two empty states stay empty (no -inf - -inf).
+__device__ __forceinline__ void RowStatMerge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) return;
+  s = s * __expf(m - mx) + s2 * __expf(m2 - mx);
+  m = mx;
+}
+
+// CtaTileShapeMNK: the kernel's CTA tile. Writes tile_max[n_tile * ld + row] and
+// tile_sum[n_tile * ld + row] (fp32, (ceil(N / CTA_N), ld) row-major, ld = M rounded up to
+// CTA_M) for every row of every tile in the problem (L = 1).
+template <class CtaTileShapeMNK>
+struct Sm90RowTileStats {
+  struct SharedStorage {};
+
+  struct Arguments {
+    float* tile_max = nullptr;  // (ceil(N / CTA_N), ld) row-major
+    float* tile_sum = nullptr;  // (ceil(N / CTA_N), ld) row-major
+    int64_t ld = 0;             // M rounded up to CTA_M (checked)
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    auto [M, N, K, L] = cute::append<4>(problem_shape, 1);
+    const int64_t tile_m = cute::size<0>(CtaTileShapeMNK{});
+    return L == 1 && args.ld == (int64_t(M) + tile_m - 1) / tile_m * tile_m;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  CUTLASS_HOST_DEVICE Sm90RowTileStats() {}
+  CUTLASS_HOST_DEVICE Sm90RowTileStats(Params const& params, SharedStorage const&)
+      : params(params) {}
+
+  Params params;
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(
+      cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class ArgsTuple>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(ArgsTuple&& args_tuple, Params const& params)
+        : args_tuple(cute::forward<ArgsTuple>(args_tuple)), params(params) {}
+
+    ArgsTuple args_tuple;
+    Params const& params;
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&,
+                              int epi_v, int epi_m, int epi_n,
+                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      auto& [tRmax, tRsum, tCcD, residue_tCcD, gMax, gSum, lane_layout_MN, lane_mn, epi_tile,
+             tiled_copy, thread_idx, cD, residue_cD] = args_tuple;
+      cute::Tensor tRmax_mn = tRmax(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor tRsum_mn = tRsum(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor tCcD_mn = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
+      // Two passes over the fragment instead of one online update a value: the new maxima
+      // first (independent fmax), one rescale a row, then independent exponentials whose sum
+      // is the only chain. An online update a value chained an exp, a compare and a
+      // select per value on the same registers, which the epilogue could not
+      // hide where K is short (the first version measured so: bench/RESULTS.md).
+      cute::Tensor fmax = cute::filter(tRmax_mn);  // this subtile's rows, one register each
+      cute::Tensor fsum = cute::filter(tRsum_mn);
+      constexpr int kRows = decltype(cute::size(fmax))::value;
+      float old_max[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) old_max[r] = fmax(r);
+      float z[FragmentSize];
+      bool in[FragmentSize];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        const int idx = epi_v * FragmentSize + i;
+        in[i] = cute::elem_less(tCcD_mn(idx), residue_tCcD);
+        // The value the store will write: statistics of the stored logits.
+        z[i] = float(cutlass::bfloat16_t(float(frg_input[i])));
+        if (in[i]) tRmax_mn(idx) = fmaxf(tRmax_mn(idx), z[i]);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        // Equal maxima (the -inf of an untouched row included) need no rescale.
+        if (old_max[r] != fmax(r)) fsum(r) *= __expf(old_max[r] - fmax(r));
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        const int idx = epi_v * FragmentSize + i;
+        if (in[i]) tRsum_mn(idx) += __expf(z[i] - tRmax_mn(idx));
+      }
+      return frg_input;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
+                               VTensor) {
+      if (!is_last_iteration) return;
+      auto& [tRmax, tRsum, tCcD, residue_tCcD, gMax, gSum, lane_layout_MN, lane_mn, epi_tile,
+             tiled_copy, thread_idx, cD, residue_cD] = args_tuple;
+      if (!cute::elem_less(cD(cute::_0{}, cute::_0{}), residue_cD)) return;  // tile fully OOB
+      // The lanes that share a row (the wgmma accumulator spreads a row over one quad) fold
+      // their states into the lane whose N coordinate is 0.
+      cute::Tensor fmax = cute::filter(tRmax);
+      cute::Tensor fsum = cute::filter(tRsum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int cols = cute::size<1>(lane_layout_MN) / 2; cols > 0; cols /= 2) {
+        const int delta = lane_layout_MN(cute::_0{}, cols);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < cute::size(fmax); ++i) {
+          const float m2 = __shfl_down_sync(0xFFFFFFFF, fmax(i), delta);
+          const float s2 = __shfl_down_sync(0xFFFFFFFF, fsum(i), delta);
+          RowStatMerge(fmax(i), fsum(i), m2, s2);
+        }
+      }
+      if (cute::get<1>(lane_mn) != 0) return;
+      cute::Tensor tGmax = cute::filter_zeros(gMax);
+      cute::Tensor tGsum = cute::filter_zeros(gSum);
+      cute::Tensor tRmax_f = cute::filter_zeros(tRmax);
+      cute::Tensor tRsum_f = cute::filter_zeros(tRsum);
+      cute::Tensor tCcD_f = cute::make_tensor(tCcD.data(),
+                                              cute::make_layout(tRmax_f.shape(), tCcD.stride()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < cute::size(tRmax_f); ++i) {
+        if (cute::elem_less(tCcD_f(i), residue_tCcD)) {
+          tGmax(i) = tRmax_f(i);
+          tGsum(i) = tRsum_f(i);
+        }
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(
+      cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    // Which lanes of a warp share a row: the tiled copy's thread-value layout, mapped to lanes.
+    Layout ref_layout_MN = [&]() {
+      auto mn_shape = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
+      if constexpr (ReferenceSrc) {
+        return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(mn_shape);
+      } else {
+        return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(mn_shape);
+      }
+    }();
+    using W = Int<decltype(args.tiled_copy)::TiledNumThr::value / cutlass::NumThreadsPerWarp>;
+    Layout tv2lane = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_1, _0, _0>>{};
+    Layout ref2lane = composition(tv2lane, ref_layout_MN);
+    Layout lane_layout_MN = make_layout(filter(get<0>(ref2lane)), filter(get<1>(ref2lane)));
+    Layout inv_lane_layout_MN = right_inverse(lane_layout_MN);
+    auto lane_mn = idx2crd(inv_lane_layout_MN(cutlass::canonical_lane_idx()),
+                           shape(lane_layout_MN));
+    // One warp per row in N: no shared-memory step between warps. True of the wgmma layouts
+    // (a warp owns 16 rows of every 64) that the tiles tried here use.
+    Layout tv2warp = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_0, _1, _0>>{};
+    Layout ref2warp = composition(tv2warp, ref_layout_MN);
+    static_assert(decltype(size(filter(get<1>(ref2warp))))::value <= 1,
+                  "Sm90RowTileStats: more than one warp shares a row");
+
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    // Compact and M-major, stride 0 along N inside a tile: every column of row r in tile n
+    // lands on tile_max[n * ld + r], ld = M rounded up to CTA_M.
+    Layout tile_layout = make_layout(take<0, 2>(args.tile_shape_mnk), make_stride(_1{}, _0{}));
+    Layout all_layout = blocked_product(
+        tile_layout, make_layout(ceil_div(make_shape(M, N, L), shape(tile_layout))));
+    Tensor mMax = make_tensor(make_gmem_ptr(params.tile_max), all_layout);
+    Tensor mSum = make_tensor(make_gmem_ptr(params.tile_sum), all_layout);
+    Tensor gMax = local_tile(mMax, take<0, 2>(args.tile_shape_mnk), make_coord(m, n, l));
+    Tensor gSum = local_tile(mSum, take<0, 2>(args.tile_shape_mnk), make_coord(m, n, l));
+    Tensor tGmax = sm90_partition_for_epilogue_stats<ReferenceSrc>(gMax, args);
+    Tensor tGsum = sm90_partition_for_epilogue_stats<ReferenceSrc>(gSum, args);
+    Tensor tRmax = make_tensor_like<float>(tGmax);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), 0 along N
+    Tensor tRsum = make_tensor_like<float>(tGsum);
+    fill(tRmax, -INFINITY);
+    fill(tRsum, 0.f);
+
+    auto args_tuple = make_tuple(cute::move(tRmax), cute::move(tRsum), args.tCcD,
+                                 args.residue_tCcD, tGmax, tGsum, lane_layout_MN, lane_mn,
+                                 args.epi_tile, args.tiled_copy, args.thread_idx, args.cD,
+                                 args.residue_cD);
+    return ConsumerStoreCallbacks<decltype(args_tuple)>(cute::move(args_tuple), params);
+  }
+
+ private:
+  template <bool ReferenceSrc, class GTensor, class StoreArgs>
+  CUTLASS_DEVICE static auto sm90_partition_for_epilogue_stats(GTensor const& g,
+                                                               StoreArgs const& args) {
+    return cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        g, args.epi_tile, args.tiled_copy, args.thread_idx);
+  }
+};
+
+}  // namespace bench
+}  // namespace lossd
+
+#endif  // LOSSD_BENCH_KERNEL_ROW_STATS_NODE_CUH_
