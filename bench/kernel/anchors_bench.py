@@ -82,6 +82,9 @@ def parse_args(argv=None):
                     help="chunk_size for quack and quack_scaled (the library's default)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script")
     ap.add_argument("--dry-run", action="store_true", help="print what would run and exit")
+    ap.add_argument("--mark_missing", default="",
+                    help="run nothing: append a row with this status for each shape that has "
+                         "no row of this --op and --label in --csv yet (after a time limit)")
     args = ap.parse_args(argv)
     if args.op not in OPS:
         ap.error(f"bad --op '{args.op}' (one of: {', '.join(OPS)})")
@@ -94,6 +97,8 @@ def parse_args(argv=None):
         ap.error(f"bad --quack_chunk {args.quack_chunk} (want a positive multiple of 8)")
     if args.device not in ("cuda", "cpu"):
         ap.error(f"bad --device '{args.device}' (cuda or cpu)")
+    if args.mark_missing and not args.csv:
+        ap.error("--mark_missing needs --csv")
     return args
 
 
@@ -355,8 +360,25 @@ def append_csv(path, row):
         out.writerow([csv_value(row.get(k)) for k in CSV_FIELDS])
 
 
+def mark_missing(args):
+    """Rows with status --mark_missing for the shapes that have none of this op and label."""
+    done = set()
+    if os.path.exists(args.csv):
+        with open(args.csv, newline="") as fh:
+            for r in csv.DictReader(fh):
+                if r["op"] == args.op and r["call"] == args.label:
+                    done.add((int(r["bt"]), int(r["h"]), int(r["v"])))
+    for bt, h, v in args.shapes:
+        if (bt, h, v) not in done:
+            append_csv(args.csv, {"call": args.label, "op": args.op, "bt": bt, "h": h, "v": v,
+                                  "status": args.mark_missing})
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.mark_missing:
+        mark_missing(args)
+        return 0
     if args.dry_run:
         for bt, h, v in args.shapes:
             print(f"would run {args.op} at {bt}x{h}x{v}: checked once, then {args.runs} runs "
