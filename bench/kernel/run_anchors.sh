@@ -189,7 +189,7 @@ main() {
   say "$CALL on $(hostname): ops '$OPS', shapes $SHAPES, budget ${BUDGET}s"
   command -v nvidia-smi > /dev/null &&
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)'
+  "$PY" -V
   stage
   install_complete_sets
   run_ops
