@@ -29,7 +29,6 @@
 set -uo pipefail
 OUTDIR=$(mkdir -p "${1:?usage: run_anchors.sh OUT_DIR}" && cd "$1" && pwd)
 cd "$(dirname "$0")/../.."
-REPO=$(pwd)
 OPS=${ANCHOR_OPS:-floor lossd naive liger_triton liger_cute quack quack_scaled}
 SHAPES=${ANCHOR_SHAPES:-8192x4096x128256,8192x2304x256000,16384x4096x128256}
 PARTS=${ANCHOR_PARTS:-.anchors}
