@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/fake_loss_service.h"
+#include "client/lossctl_test_fixture.h"
 #include "client/host_tensor.h"
 #include "client/npy.h"
 #include "client/rendezvous.h"
@@ -26,93 +27,10 @@ namespace client {
 namespace {
 
 using ::testing::HasSubstr;
-
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr
-};
-
-HostTensor RandomF32(std::vector<int64_t> shape, uint32_t seed) {
-  HostTensor t = HostTensor::Owned(DType::kF32, std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  for (int64_t i = 0; i < t.num_elements(); ++i) t.mutable_data_as<float>()[i] = u(gen);
-  return t;
-}
-
-bool SameBytes(const HostTensor& a, const HostTensor& b) {
-  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
-         std::memcmp(a.data(), b.data(), a.num_bytes()) == 0;
-}
-
-class LossctlTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(&fake_);
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    dir_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/",
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    ASSERT_EQ(std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_).c_str()), 0);
-  }
-  void TearDown() override {
-    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
-  }
-
-  Result Lossctl(const std::string& args) {
-    const std::string cmd = absl::StrCat("client/lossctl --target=127.0.0.1:", port_,
-                                         " --deadline_seconds=30 ", args, " 2>&1");
-    Result r;
-    FILE* p = popen(cmd.c_str(), "r");
-    if (p == nullptr) return r;
-    char buf[4096];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
-    const int status = pclose(p);
-    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    return r;
-  }
-
-  std::string Path(const std::string& name) { return dir_ + "/" + name; }
-
-  // `lossctl args` exits 1 and says `message` (a substring of its output).
-  void ExpectFails(const std::string& args, const std::string& message) {
-    Result r = Lossctl(args);
-    EXPECT_EQ(r.code, 1) << "lossctl " << args << "\n" << r.output;
-    EXPECT_THAT(r.output, HasSubstr(message)) << "lossctl " << args;
-  }
-
-  // compute from x.npy and w.npy with --dtype=bf16: X and W go as bf16 (the fake echoes X
-  // as dX, so dX is X rounded to bf16).
-  void ExpectSentAsBf16(const HostTensor& x) {
-    Result r = Lossctl(absl::StrCat("compute --x=", Path("x.npy"), " --w=", Path("w.npy"),
-                                    " --v=6 --dtype=bf16 --want=dx --out_dir=", Path("out")));
-    ASSERT_EQ(r.code, 0) << r.output;
-    HostTensor dx = Read("out/dx.npy");
-    ASSERT_EQ(dx.dtype(), DType::kBF16);
-    ASSERT_EQ(dx.num_elements(), x.num_elements());
-    for (int64_t i = 0; i < x.num_elements(); ++i) {
-      EXPECT_EQ(dx.data_as<uint16_t>()[i], FloatToBf16(x.data_as<float>()[i])) << i;
-    }
-    absl::MutexLock lock(&fake_.mu);
-    EXPECT_EQ(fake_.last_header.w().dtype(), v1::DTYPE_BF16);
-  }
-
-  HostTensor Read(const std::string& name) {
-    absl::StatusOr<HostTensor> t = ReadNpy(Path(name));
-    EXPECT_TRUE(t.ok()) << t.status();
-    return t.ok() ? *std::move(t) : HostTensor();
-  }
-
-  FakeLossService fake_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
-  std::string dir_;
-};
+using lossctl_testing::LossctlTest;
+using lossctl_testing::RandomF32;
+using lossctl_testing::Result;
+using lossctl_testing::SameBytes;
 
 TEST_F(LossctlTest, Health) {
   Result r = Lossctl("health");
@@ -454,152 +372,6 @@ TEST_F(LossctlTest, Bench) {
   absl::MutexLock lock(&fake_.mu);
   EXPECT_EQ(fake_.peers.size(), 2u);   // two connections
   EXPECT_TRUE(fake_.weights.empty());  // the uploaded weights were dropped at the end
-}
-
-TEST_F(LossctlTest, HeadLifecycle) {
-  {
-    absl::MutexLock lock(&fake_.mu);
-    fake_.features = {"hosted_head", "list_state"};
-  }
-  Result r = Lossctl("head create --head=h1 --v=9 --h=4 --with_bias --lr=0.002 --amsgrad "
-                     "--beta2=0.95 --compute_dtype=bf16");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("created         yes\n"));
-  EXPECT_THAT(r.output, HasSubstr("shape           (9, 4) with bias\n"));
-  EXPECT_THAT(r.output, HasSubstr("optimizer       adamw lr 0.002 betas (0.9, 0.95) eps 1e-08 "
-                                  "weight_decay 0.01 amsgrad"));
-  const v1::HeadHeader h = fake_.heads.last_create_header();
-  EXPECT_EQ(h.w().dtype(), v1::DTYPE_FP32);  // random masters are fp32
-  EXPECT_EQ(h.bias().shape(0), 9);
-  EXPECT_EQ(h.optimizer().lr(), 0.002);
-  EXPECT_TRUE(h.optimizer().amsgrad());
-  EXPECT_FALSE(h.with_state());
-
-  // compute --head learns V, H and the dtype from the head's info.
-  r = Lossctl("compute --head=h1 --bt=3 --rank=1 --micro_batch=2 --want=dx");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("head        version 0, added to its step\n"));
-  {
-    absl::MutexLock lock(&fake_.mu);
-    EXPECT_EQ(fake_.last_header.head(), "h1");
-    EXPECT_EQ(fake_.last_header.rank(), 1u);
-    EXPECT_EQ(fake_.last_header.micro_batch(), 2u);
-    EXPECT_EQ(fake_.last_header.x().dtype(), v1::DTYPE_BF16);
-    EXPECT_EQ(fake_.last_header.x().shape(1), 4);
-  }
-  r = Lossctl("compute --head=h1 --bt=3 --rank=1 --micro_batch=2 --want=dx");
-  EXPECT_THAT(r.output, HasSubstr("not added: its (rank, micro_batch) was there"));
-
-  r = Lossctl("head step --head=h1 --head_version=0 --lr=0.001 --clip_coef=0.5");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("version         1\n"));
-  EXPECT_THAT(r.output, HasSubstr("applied         yes\n"));
-  EXPECT_THAT(r.output, HasSubstr("contributions   1 (3 tokens)\n"));
-  EXPECT_EQ(fake_.heads.last_step().lr(), 0.001);
-  EXPECT_EQ(fake_.heads.last_step().clip_coef(), 0.5f);
-  ExpectFails("head step --head=h1 --head_version=0",
-              "lossctl head step: FAILED_PRECONDITION: head 'h1' is at version 1, not 0");
-
-  r = Lossctl("head export --head=h1 --range_bytes=64 --out_dir=" + Path("exp"));
-  ASSERT_EQ(r.code, 0) << r.output;
-  // master, 3 states (amsgrad) of 36 + 9 fp32 values, the bf16 copies: 810 bytes.
-  EXPECT_THAT(r.output, HasSubstr("over 13 range(s)"));
-  HostTensor master = Read("exp/master_w.npy");
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(master.data()), master.num_bytes()),
-            fake_.heads.Tensor("h1", v1::TENSOR_HEAD_MASTER_W));
-  HostTensor copy = Read("exp/copy_bias.npy");
-  HostTensor bias = Read("exp/master_bias.npy");
-  ASSERT_EQ(copy.dtype(), DType::kBF16);
-  ASSERT_EQ(copy.num_elements(), 9);
-  for (int i = 0; i < 9; ++i) {
-    EXPECT_EQ(copy.data_as<uint16_t>()[i], FloatToBf16(bias.data_as<float>()[i])) << i;
-  }
-  EXPECT_EQ(Read("exp/exp_avg_sq_w.npy").shape(), (std::vector<int64_t>{9, 4}));
-
-  ASSERT_EQ(Lossctl("head drop --head=h1").code, 0);
-  ExpectFails("head info --head=h1",
-              "lossctl head info: NOT_FOUND: head 'h1' not found on this server");
-  r = Lossctl("head import --in_dir=" + Path("exp"));
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("version         1\n"));
-  EXPECT_EQ(fake_.heads.Tensor("h1", v1::TENSOR_HEAD_MASTER_W),
-            std::string(reinterpret_cast<const char*>(master.data()), master.num_bytes()));
-  EXPECT_EQ(fake_.heads.last_create_header().optimizer().beta2(), 0.95);
-  EXPECT_EQ(fake_.heads.last_create_header().optimizer_step(), 1);
-  ASSERT_EQ(Lossctl("head import --head=h2 --in_dir=" + Path("exp")).code, 0);
-  r = Lossctl("head info --head=h2 --json");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, ::testing::StartsWith("{\"command\": \"head info\", \"ok\": true, "
-                                              "\"name\": \"h2\", "));
-  EXPECT_THAT(r.output, HasSubstr("\"version\": 1, \"optimizer_step\": 1, "));
-  r = Lossctl("head list");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, ::testing::ContainsRegex("\nh1 +1 +[0-9]+ +[-0-9.]+ 0\n"));
-  EXPECT_THAT(r.output, ::testing::ContainsRegex("\nh2 +1 "));
-  r = Lossctl("list");
-  EXPECT_THAT(r.output, ::testing::ContainsRegex("head +h1 +[0-9]+ +[-0-9.]+ 0 \\(version 1\\)"));
-}
-
-TEST_F(LossctlTest, HeadCreateFromState) {
-  {
-    absl::MutexLock lock(&fake_.mu);
-    fake_.features = {"hosted_head"};
-  }
-  HostTensor w = RandomF32({7, 3}, 5);
-  HostTensor momentum = RandomF32({7, 3}, 6);
-  ASSERT_EQ(std::system(("mkdir -p " + Path("state")).c_str()), 0);
-  ASSERT_TRUE(WriteNpy(Path("w.npy"), w).ok());
-  ASSERT_TRUE(WriteNpy(Path("state/exp_avg_w.npy"), momentum).ok());
-  Result r = Lossctl(absl::StrCat("head create --head=s --w=", Path("w.npy"),
-                                  " --optimizer=sgd --momentum=0.9 --nesterov --weight_decay=0.1",
-                                  " --compute_dtype=fp16 --optimizer_step=3 --head_version=3",
-                                  " --state_dir=", Path("state")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  const v1::HeadHeader h = fake_.heads.last_create_header();
-  EXPECT_EQ(h.optimizer().kind(), v1::OPTIMIZER_SGD);
-  EXPECT_EQ(h.optimizer().weight_decay(), 0.1);
-  EXPECT_TRUE(h.optimizer().nesterov());
-  EXPECT_EQ(h.compute_dtype(), v1::DTYPE_FP16);
-  EXPECT_EQ(h.version(), 3u);
-  EXPECT_TRUE(h.with_state());
-  EXPECT_EQ(fake_.heads.Tensor("s", v1::TENSOR_HEAD_EXP_AVG_W),
-            std::string(reinterpret_cast<const char*>(momentum.data()), momentum.num_bytes()));
-  EXPECT_EQ(fake_.heads.Tensor("s", v1::TENSOR_HEAD_MASTER_W),
-            std::string(reinterpret_cast<const char*>(w.data()), w.num_bytes()));
-}
-
-TEST_F(LossctlTest, HeadUsageErrors) {
-  {
-    absl::MutexLock lock(&fake_.mu);
-    fake_.features = {"hosted_head"};
-  }
-  Result r;
-  ExpectFails("head create --v=3 --h=2", "head create needs --head");
-  ExpectFails("head frob", "unknown head command 'frob': create, step, export, import");
-  ExpectFails("head export --head=h", "head export needs --out_dir");
-  ExpectFails("head export --head=h --out_dir=/tmp/x --range_bytes=0", "--range_bytes must be > 0");
-  ExpectFails("head import", "head import needs --in_dir");
-  ExpectFails("head import --in_dir=" + Path("none"), "(written last by head export");
-  ExpectFails("head step --head=h --phase=half",
-              "--phase must be full, reduce or apply, got 'half'");
-  ExpectFails("head create --head=x --v=3 --h=2 --optimizer=adam",
-              "--optimizer must be adamw or sgd, got 'adam'");
-  ExpectFails("head create --head=x --v=3 --h=2 --compute_dtype=int32",
-              "--compute_dtype must be bf16, fp16 or fp32, got 'int32'");
-  ExpectFails("head create --head=x --v=3 --h=2 --state_dir=" + Path("none"),
-              "NOT_FOUND");
-  ExpectFails("head step --head=h --clip_coef=0.5 --max_norm=1",
-              "INVALID_ARGUMENT: give clip_coef (0.5) or max_norm (1), not both");
-  ExpectFails("compute --head=h --v=3 --h=2 --bt=2 --with_bias",
-              "--head is the weight and the accumulator: give it without --w");
-  ASSERT_EQ(std::system(("mkdir -p " + Path("bad") + " && printf 'name h\\nv 3\\n' > " +
-                         Path("bad/head.txt")).c_str()), 0);
-  ExpectFails("head import --in_dir=" + Path("bad"), "head.txt has no 'h'");
-  r = Lossctl("head");
-  EXPECT_EQ(r.code, 2) << r.output;  // usage
-  EXPECT_THAT(r.output, HasSubstr("head create "));
-  absl::MutexLock lock(&fake_.mu);
-  EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server's Compute or Info
 }
 
 TEST_F(LossctlTest, ReplicasShowsEachReplicaAndWhereKeysLive) {
