@@ -26,6 +26,8 @@ struct CutlassLogitsArgs {
   int64_t c = 0, h = 0, v = 0;
   int raster = 0;              // the persistent scheduler's order: 0 heuristic, 1 along M, 2 along N
   int swizzle = 1;             // its max swizzle: 1, 2, 4 or 8
+  int sms = 0;                 // SMs the persistent grid covers (0: all), the rest left to a
+                               // kernel on another stream
 };
 
 // One compiled kernel. Init checks and binds the arguments (the workspace must outlive every

@@ -89,6 +89,7 @@ class CutlassLogitsKernel final : public CutlassLogits {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = 0;
     hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    if (a.sms > 0 && a.sms < hw.sm_count) hw.sm_count = a.sms;
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {m, n, k, 1},
