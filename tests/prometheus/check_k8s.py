@@ -31,6 +31,7 @@ METRICS = {
     "lossd_head_step_seconds_bucket", "lossd_head_step_contributions_total",
     "lossd_head_step_tokens_total", "lossd_head_last_grad_norm", "lossd_head_last_version",
     "lossd_tickets", "lossd_ticket_bytes", "lossd_tickets_expired_total",
+    "lossd_ticket_budget_bytes", "lossd_max_tickets",
 }
 
 failures = []
