@@ -92,6 +92,10 @@ class StateCollector : public prometheus::Collectable {
     gauge("lossd_ticket_bytes",
           "Bytes the tickets hold: X and targets (host), inline weights copied (backend).",
           s.ticket_bytes);
+    gauge("lossd_ticket_budget_bytes", "Two-phase tickets' byte budget (--ticket_bytes).",
+          s.ticket_budget_bytes);
+    gauge("lossd_max_tickets", "Most two-phase tickets held at once (--max_tickets).",
+          s.max_tickets);
     counter("lossd_tickets_expired_total", "Tickets freed at their TTL without a backward.",
             s.tickets_expired);
     gauge("lossd_queued_requests", "Requests waiting for memory admission.", s.queued_requests);

@@ -44,6 +44,8 @@ struct StateSample {
   double head_budget_bytes = 0; // --head_bytes
   double tickets = 0;           // two-phase log-prob tickets held
   double ticket_bytes = 0;      // what they hold (X, targets, own weight copies)
+  double ticket_budget_bytes = 0;  // --ticket_bytes
+  double max_tickets = 0;          // --max_tickets
   double tickets_expired = 0;   // tickets freed unconsumed at their TTL, since start
   double queued_requests = 0;
   double host_buffer_pool_bytes = 0;

@@ -30,6 +30,8 @@ StateSample SampleState(Engine& engine) {
   s.head_budget_bytes = static_cast<double>(engine.options().head_bytes);
   s.tickets = static_cast<double>(engine.tickets().count());
   s.ticket_bytes = static_cast<double>(engine.tickets().bytes());
+  s.ticket_budget_bytes = static_cast<double>(engine.options().ticket_bytes);
+  s.max_tickets = static_cast<double>(engine.options().max_tickets);
   s.tickets_expired = static_cast<double>(engine.tickets().expired());
   s.queued_requests = static_cast<double>(engine.budget().waiting());
   s.host_buffer_pool_bytes = static_cast<double>(HostBufferPoolIdleBytes());

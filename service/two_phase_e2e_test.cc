@@ -1,7 +1,8 @@
 // The two-phase log-prob over the wire, through a real server on the CPU backend: a forward
 // with keep_ms returns logp, entropy and a ticket (listed as STATE_TICKET, counted in
 // /metrics); its backward sends only dlogp and dentropy and gets the bits of a one-phase call;
-// a second backward is NOT_FOUND; the refusals name the header field.
+// a second backward is NOT_FOUND; the refusals name the header field; the ticket limits are on
+// /metrics.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -191,6 +192,22 @@ TEST_F(TwoPhaseE2eTest, TheRefusalsNameTheHeaderField) {
                grpc::StatusCode::INVALID_ARGUMENT, "header.outputs.dx is asked with");
   // Every refusal left the ticket: its backward still works.
   EXPECT_TRUE(Backward(f.summary.ticket()).status.ok());
+}
+
+// The limits a forward is refused beyond are on /metrics beside what the tickets hold, so an
+// alert can compare the two (LossdTicketBudgetNearlyFull).
+TEST(TwoPhaseMetricsTest, TheTicketLimitsAreExported) {
+  std::mt19937_64 g(77);
+  HarnessOptions o;
+  o.engine.ticket_bytes = std::uniform_int_distribution<uint64_t>(1 << 20, 1 << 30)(g);
+  o.engine.max_tickets = std::uniform_int_distribution<size_t>(1, 1000)(g);
+  Harness h(o);
+  ASSERT_TRUE(h.started());
+  const std::string page = h.ScrapeMetrics();
+  EXPECT_EQ(MetricValue(page, "lossd_ticket_budget_bytes"),
+            static_cast<double>(o.engine.ticket_bytes));
+  EXPECT_EQ(MetricValue(page, "lossd_max_tickets"), static_cast<double>(o.engine.max_tickets));
+  EXPECT_EQ(MetricValue(page, "lossd_ticket_bytes"), 0);
 }
 
 }  // namespace

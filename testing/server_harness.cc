@@ -20,6 +20,7 @@
 #include "client/health_check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
+#include "service/state_sample.h"
 
 namespace lossd {
 namespace testing_harness {
@@ -65,20 +66,8 @@ Harness::Harness(HarnessOptions o) {
   engine_ = std::make_unique<Engine>(o.backend ? o.backend() : NewCpuBackend(o.cpu_threads),
                                      o.engine);
   Engine* e = engine_.get();
-  metrics_ = std::make_unique<ServerMetrics>([e] {
-    StateSample s;
-    s.memory_in_use_bytes = static_cast<double>(e->budget().in_use());
-    s.memory_budget_bytes = static_cast<double>(e->budget().budget());
-    s.weight_cache_bytes = static_cast<double>(e->weights().bytes());
-    s.accumulators = static_cast<double>(e->accumulators().count());
-    s.heads = static_cast<double>(e->heads().count());
-    s.head_bytes = static_cast<double>(e->heads().bytes());
-    s.head_budget_bytes = static_cast<double>(e->options().head_bytes);
-    s.tickets = static_cast<double>(e->tickets().count());
-    s.ticket_bytes = static_cast<double>(e->tickets().bytes());
-    s.tickets_expired = static_cast<double>(e->tickets().expired());
-    return s;
-  });
+  // The server's own sample (service/state_sample), so tests read what lossd exports.
+  metrics_ = std::make_unique<ServerMetrics>([e] { return SampleState(*e); });
   // Metrics of the most recent harness are the ones served.
   static std::shared_ptr<prometheus::Registry> last_registry;
   static std::shared_ptr<prometheus::Collectable> last_state;

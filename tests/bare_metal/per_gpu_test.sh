@@ -133,7 +133,13 @@ check "ExecStart runs the launcher per instance" grep -qx "ExecStart=/opt/lossd/
 check "EnvironmentFile is the example's path" grep -qx "EnvironmentFile=/etc/lossd/lossd-gpus.env" "$UNIT"
 check "the example's header names that path" grep -q "^# /etc/lossd/lossd-gpus.env" "$EXAMPLE_ENV"
 stop_s=$(sed -n 's/^TimeoutStopSec=\([0-9]*\)$/\1/p' "$UNIT")
-check "TimeoutStopSec=$stop_s covers the 30 s drain and the export" test "${stop_s:-0}" -gt 35
+# The drain, then every instance of the example exporting its whole --head_bytes at once onto
+# one disk at 2 GB/s, then 10 s to exit.
+ex_gpus=$(sed -n 's/^LOSSD_GPUS=//p' "$EXAMPLE_ENV" | tr ',' '\n' | grep -c .)
+ex_head=$(sed -n 's/^LOSSD_HEAD_BYTES=//p' "$EXAMPLE_ENV")
+stop_need=$((30 + ex_gpus * ex_head / 2000000000 + 10))
+check "TimeoutStopSec=$stop_s covers the 30 s drain, $ex_gpus exports of $ex_head bytes and exit" \
+  test "${stop_s:-0}" -ge "$stop_need" -a "$ex_gpus" -ge 1 -a "${ex_head:-0}" -gt 0
 check "SIGTERM starts the drain" grep -qx "KillSignal=SIGTERM" "$UNIT"
 check "one slice for every instance" grep -qx "Slice=lossd.slice" "$UNIT"
 # What systemd runs for lossd@5 with the example on a 2 TiB host.

@@ -31,6 +31,7 @@ METRICS = {
     "lossd_head_step_seconds_bucket", "lossd_head_step_contributions_total",
     "lossd_head_step_tokens_total", "lossd_head_last_grad_norm", "lossd_head_last_version",
     "lossd_tickets", "lossd_ticket_bytes", "lossd_tickets_expired_total",
+    "lossd_ticket_budget_bytes", "lossd_max_tickets",
 }
 
 failures = []
@@ -80,6 +81,7 @@ def check_k8s(overlay, path):
           "pod scrape annotations")
     check_security(pod, c)
     check_resources(overlay, dep, by_kind, pod, c, args)
+    check_head_export(overlay, dep, by_kind, pod, c, args)
     check_services(by_kind, labels, ports)
     check_podmonitors(by_kind.get("PodMonitor", []), labels, ports)
     if by_kind.get("PodMonitor"):
@@ -159,6 +161,8 @@ def check_resources(overlay, dep, by_kind, pod, c, args):
         check(any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", [])),
               "GPU overlay tolerates the nvidia.com/gpu taint")
         check(len(by_kind.get("PodMonitor", [])) == 1, "GPU overlay has a PodMonitor")
+    elif overlay == "gpu-single":
+        check(gpu_req == "1" and backend == "cuda", "gpu-single: one GPU, --backend=cuda")
     elif overlay == "dev-cpu":
         check(gpu_req is None, "CPU overlay requests no GPU")
         check(backend == "cpu", "CPU overlay runs --backend=cpu")
@@ -178,6 +182,62 @@ def check_cpu_budgets(res, args):
     check(held <= 0.8 * limit_bytes,
           "CPU overlay: budgets and buffer pool (%d bytes) within 80%% of the memory limit "
           "(%s)" % (held, limit))
+
+
+# What the grace period and the startup probe allow for the head export and import: a
+# network volume's usual sustained speed, and the time to exit once the export is written.
+HEAD_FILE_BYTES_PER_S = 200e6
+EXIT_SECONDS = 10
+STARTUP_SECONDS = 120  # the CUDA backend's start-up, before any head is read
+
+
+def quantity_bytes(q):
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+def check_head_export(overlay, dep, by_kind, pod, c, args):
+    """--head_export_dir: the folder outlives the pod, belongs to one pod at a time, and
+    the pod has time to write it on drain and read it back at start."""
+    folder = flag_value(args, "head_export_dir")
+    check((folder is not None) == (overlay == "gpu-single"),
+          "--head_export_dir set in gpu-single alone, got %r" % folder)
+    if not folder:
+        return
+    # lossd names a file by its head alone and imports (then deletes) every file at start:
+    # two pods on one folder overwrite and take each other's heads.
+    check(dep["spec"].get("replicas", 1) == 1, "--head_export_dir: one replica")
+    check(dep["spec"].get("strategy", {}).get("type") == "Recreate",
+          "--head_export_dir: Recreate (the old pod exports before the new one imports)")
+    mounts = {m["mountPath"].rstrip("/"): m["name"] for m in c.get("volumeMounts", [])}
+    volume = mounts.get(folder.rstrip("/"))
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+              for v in pod.get("volumes", []) if "persistentVolumeClaim" in v}
+    claim = claims.get(volume)
+    check(claim, "--head_export_dir=%s is the mount of a PersistentVolumeClaim" % folder)
+    pvcs = {o["metadata"]["name"]: o for o in by_kind.get("PersistentVolumeClaim", [])}
+    head_bytes = int(flag_value(args, "head_bytes") or 16 << 30)
+    if check(claim in pvcs, "PersistentVolumeClaim %s is in the overlay" % claim):
+        spec = pvcs[claim]["spec"]
+        check(spec.get("accessModes") == ["ReadWriteOncePod"],
+              "claim %s is ReadWriteOncePod (one pod at a time), got %s" % (
+                  claim, spec.get("accessModes")))
+        size = quantity_bytes(spec["resources"]["requests"]["storage"])
+        check(size >= head_bytes, "claim %s (%d bytes) holds --head_bytes %d" % (
+            claim, size, head_bytes))
+    # The export writes at most --head_bytes, after the preStop pause and the drain.
+    transfer = head_bytes / HEAD_FILE_BYTES_PER_S
+    drain = int(flag_value(args, "drain_seconds") or 30)
+    cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    pre_stop = int(cmd[1]) if len(cmd) == 2 and cmd[0] == "sleep" else 0
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    need = pre_stop + drain + transfer + EXIT_SECONDS
+    check(grace >= need, "terminationGracePeriodSeconds %d covers preStop %d + drain %d + "
+          "export %.0f + exit %d" % (grace, pre_stop, drain, transfer, EXIT_SECONDS))
+    sp = c.get("startupProbe", {})
+    window = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)
+    check(window >= STARTUP_SECONDS + transfer, "startup probe window %d s covers start-up "
+          "%d + import %.0f" % (window, STARTUP_SECONDS, transfer))
 
 
 def check_services(by_kind, labels, ports):

@@ -198,7 +198,8 @@ def test_prometheus_scrapes_lossd_and_counts_requests(stack):
     for name in ("lossd_weight_cache_hits_total", "lossd_weight_cache_misses_total",
                  "lossd_accumulators", "lossd_memory_in_use_bytes", "lossd_weight_cache_bytes",
                  "lossd_heads", "lossd_head_bytes", "lossd_head_budget_bytes",
-                 "lossd_tickets", "lossd_ticket_bytes", "lossd_tickets_expired_total"):
+                 "lossd_tickets", "lossd_ticket_bytes", "lossd_tickets_expired_total",
+                 "lossd_ticket_budget_bytes", "lossd_max_tickets"):
         assert query(api, name), "%s not scraped" % name
 
 
