@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include <arpa/inet.h>
 
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -90,8 +91,10 @@ class PoolTest : public ::testing::Test {
     ASSERT_NE(pool_, nullptr);
   }
 
-  // A pool over the three replicas (one per trainer process in real life).
-  std::unique_ptr<PooledClient> NewPool(uint32_t rank = 0) {
+  // A pool over the three replicas (one per trainer process in real life); `edit` changes
+  // its options last.
+  std::unique_ptr<PooledClient> NewPool(uint32_t rank = 0,
+                                        std::function<void(PoolOptions*)> edit = nullptr) {
     PoolOptions o;
     o.rank = rank;
     o.targets = absl::StrCat(Endpoint(0), ",", Endpoint(1), ",", Endpoint(2));
@@ -106,6 +109,7 @@ class PoolTest : public ::testing::Test {
       absl::MutexLock lock(&log_mu_);
       log_.push_back(line);
     };
+    if (edit) edit(&o);
     absl::StatusOr<std::unique_ptr<PooledClient>> p = PooledClient::Create(o);
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? *std::move(p) : nullptr;

@@ -38,16 +38,22 @@ HostTensor CopyOf(const HostTensor& t) {
   return HostTensor::FromBytes(t.dtype(), t.shape(), std::move(bytes));
 }
 
-// `r` with views of its tensors (no copies of owned ones) and another weight handle.
+std::optional<HostTensor> ViewOf(const std::optional<HostTensor>& t) {
+  if (!t) return std::nullopt;
+  return ViewOf(*t);
+}
+
+// `r` with views of its tensors (no copies of owned ones) and another weight handle. Every
+// field of ComputeRequest is carried over: one left out here is silently not sent.
 ComputeRequest WithHandle(const ComputeRequest& r, const std::string& handle) {
   ComputeRequest out;
   out.x = ViewOf(r.x);
-  if (r.w) out.w = ViewOf(*r.w);
-  if (r.bias) out.bias = ViewOf(*r.bias);
-  out.targets = ViewOf(r.targets);
-  if (r.class_weights) out.class_weights = ViewOf(*r.class_weights);
-  if (r.grad_output) out.grad_output = ViewOf(*r.grad_output);
+  out.w = ViewOf(r.w);
   out.weight_handle = handle;
+  out.bias = ViewOf(r.bias);
+  out.targets = ViewOf(r.targets);
+  out.class_weights = ViewOf(r.class_weights);
+  out.grad_output = ViewOf(r.grad_output);
   out.options = r.options;
   out.grad_dtype = r.grad_dtype;
   out.want = r.want;
@@ -58,6 +64,20 @@ ComputeRequest WithHandle(const ComputeRequest& r, const std::string& handle) {
   out.rank = r.rank;
   out.micro_batch = r.micro_batch;
   out.overlap = r.overlap;
+  out.kind = r.kind;
+  out.dlogp = ViewOf(r.dlogp);
+  out.dentropy = ViewOf(r.dentropy);
+  out.advantages = ViewOf(r.advantages);
+  out.old_logp = ViewOf(r.old_logp);
+  out.ref_logp = ViewOf(r.ref_logp);
+  out.policy = r.policy;
+  out.teacher_x = ViewOf(r.teacher_x);
+  out.teacher_w = ViewOf(r.teacher_w);
+  out.teacher_bias = ViewOf(r.teacher_bias);
+  out.teacher_weight_handle = r.teacher_weight_handle;
+  out.distill = r.distill;
+  out.keep_ms = r.keep_ms;
+  out.ticket = r.ticket;
   return out;
 }
 
@@ -380,6 +400,7 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeOn(const std::string& endpoin
 
 absl::StatusOr<ComputeResult> PooledClient::Compute(const ComputeRequest& r,
                                                     const CallOptions& call) {
+  if (!r.ticket.empty()) return ComputeTicket(r, call);
   if (!r.head.empty()) return ComputeInto(HeadKey(r.head), r, call);
   if (!r.accumulator.empty()) return ComputeInto(AccumulatorKey(r.accumulator), r, call);
   return ComputeStateless(r.weight_handle.empty() ? RankKey(pool_->options().rank)
@@ -417,6 +438,7 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeStateless(const std::string& 
     }
     if (res.ok()) {
       Place(key, e, res->instance, reason);
+      NoteTicket(*res, e);
       return res;
     }
     if (!lost) return res.status();
@@ -438,6 +460,7 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
     if (res.ok()) {
       Place(key, p->endpoint, res->instance, "", /*keep_lost=*/true);
       if (acc) Track(key, -1, true);
+      NoteTicket(*res, p->endpoint);  // a head's forward that keeps
       return res;
     }
     std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
@@ -461,6 +484,8 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
       CallOptions quick = call;
       quick.deadline = pool_->options().probe_deadline;
       (void)pool_->Client(p->endpoint)->DropAccumulator(r.accumulator, quick);
+      // A backward's ticket went with that replica: the accumulator moves, the backward not.
+      if (!r.ticket.empty()) return TicketGone(r.ticket, p->endpoint, *lost);
       continue;
     }
     if (!acc) return MarkLost(key, *p, HeadLostMessage(r.head, p->endpoint, *lost));

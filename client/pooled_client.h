@@ -35,6 +35,12 @@
 // replica that lost it passed over even when it is back (restarted): as the Python client
 // does, so every rank of a job looks for an imported head in one place. Weights and ranks,
 // which hold nothing another process looks for, stay on a replica restarted in place.
+// A two-phase log-prob backward (ComputeRequest::ticket) goes to the replica whose forward
+// took the ticket (the pool remembers it until ComputeResult::ticket_expires_unix_ms, for the
+// newest PoolOptions::tickets_kept), never to another: no other replica holds the ticket. A
+// ticket the pool does not know (not taken through it, expired, forgotten) or whose replica is
+// gone (unreachable, restarted) is NOT_FOUND naming the ticket and that replica, sent nowhere:
+// the caller sends the one-phase call, routed as any other (docs/rl_clients.md).
 // Counters (moves, uploads and re-uploads, re-resolutions, losses, calls per replica):
 // counters(); each move, re-upload and loss is logged once (PoolOptions::log, else stderr).
 #ifndef LOSSD_CLIENT_POOLED_CLIENT_H_
@@ -47,6 +53,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -86,8 +93,11 @@ class PooledClient {
       WeightsRetention keep = WeightsRetention::kVerifyCallerMemory, const CallOptions& call = {});
   absl::Status DropWeights(const std::string& name, const CallOptions& call = {});
   // weight_handle, when set, is a PutWeights name. Goes where the head, else the accumulator,
-  // else the weights, else RankKey(PoolOptions::rank) lives (weights are uploaded to that replica when a
-  // head or accumulator decides).
+  // else the weights, else RankKey(PoolOptions::rank) lives (weights are uploaded to that
+  // replica when a head or accumulator decides). A two-phase backward (ticket set) goes to
+  // its forward's replica; with an accumulator, only if the accumulator lives there too (one
+  // not placed yet is placed there), else NOT_FOUND before sending (the one-phase call goes to
+  // the accumulator).
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request,
                                         const CallOptions& call = {});
   absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator,
@@ -126,6 +136,10 @@ class PooledClient {
   // The replica `key` (WeightsKey, AccumulatorKey, HeadKey, RankKey) is placed on, "" when
   // none (diagnostics and tests).
   std::string ReplicaOf(const std::string& key) const;
+  // The replica a two-phase backward of `ticket` goes to, "" when the pool does not know the
+  // ticket (diagnostics and tests), and how many tickets it remembers (expired ones dropped).
+  std::string ReplicaOfTicket(const std::string& ticket);
+  size_t TicketsRemembered();
 
  private:
   // Where a key's state is: its replica and that replica's instance when it was placed.
@@ -145,6 +159,12 @@ class PooledClient {
     std::set<std::string> excluded;
   };
   struct Weights;
+  // Where a forward took a ticket: its replica and that replica's instance then.
+  struct TicketHome {
+    std::string endpoint;
+    std::string instance;
+    int64_t expires_unix_ms = 0;  // the server's word; 0 (none given) = kept until the cap
+  };
 
   explicit PooledClient(std::unique_ptr<ReplicaPool> pool);
 
@@ -208,10 +228,28 @@ class PooledClient {
       const std::string& head,
       const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create);
 
+  // Two-phase tickets (pooled_tickets.cc). A forward that took one (res.ticket set) on
+  // `endpoint` remembers it, within PoolOptions::tickets_kept.
+  void NoteTicket(const ComputeResult& res, const std::string& endpoint);
+  // The ticket's home; NOT_FOUND (local, naming the ticket and its replica) when unknown,
+  // expired, or on a replica marked down.
+  absl::StatusOr<TicketHome> TicketRoute(const std::string& ticket);
+  void ForgetTicket(const std::string& ticket);
+  void DropExpiredTicketsLocked(int64_t now_ms) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND: the ticket went with its replica (`reason`: unreachable, restarted).
+  absl::Status TicketGone(const std::string& ticket, const std::string& endpoint,
+                          const std::string& reason);
+  // A backward: on the ticket's replica, into an accumulator only where it lives there.
+  absl::StatusOr<ComputeResult> ComputeTicket(const ComputeRequest& r, const CallOptions& call);
+  absl::Status PlaceAccumulatorAtTicket(const ComputeRequest& r, const TicketHome& home);
+
   std::unique_ptr<ReplicaPool> pool_;
   mutable absl::Mutex mu_;
   std::map<std::string, Placement> placed_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Weights>> weights_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, TicketHome> tickets_ ABSL_GUARDED_BY(mu_);
+  // (expiry, ticket) of every entry of tickets_: the first expires first.
+  std::set<std::pair<int64_t, std::string>> ticket_expiry_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace client

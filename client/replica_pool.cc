@@ -94,6 +94,11 @@ absl::Status ValidatePoolOptions(const PoolOptions& o) {
           p.name, " must be a positive, finite duration, got ", absl::FormatDuration(p.value)));
     }
   }
+  if (o.tickets_kept == 0) {
+    return absl::InvalidArgumentError(
+        "tickets_kept must be at least 1, got 0 (a two-phase backward goes to the replica of "
+        "its forward, which the pool must remember)");
+  }
   return absl::OkStatus();
 }
 

@@ -53,6 +53,9 @@ struct PoolOptions {
   // The rank named in a lost head's error as the one that imports it from its last export:
   // one rank, the same in every trainer of the job.
   uint32_t import_rank = 0;
+  // Two-phase log-prob tickets whose replica the pool remembers (for their backward): the
+  // newest this many unexpired; past it, the one that expires first is forgotten. At least 1.
+  size_t tickets_kept = 4096;
   // Tests: resolves a host name to addresses (nullptr = getaddrinfo) ...
   ResolveFunction resolve;
   // ... and receives each move and re-upload line (nullptr = stderr).
@@ -113,10 +116,11 @@ class ReplicaPool {
   PoolCounters counters() const;
   std::vector<std::string> endpoints() const;
   const PoolOptions& options() const { return options_; }
+  // PoolOptions::now, else absl::Now().
+  absl::Time Now() const;
 
  private:
   ReplicaPool(const PoolOptions& options, std::vector<TargetEntry> entries);
-  absl::Time Now() const;
   void Log(const std::string& line) const;
   // Resolves the targets; keeps the last endpoints when none resolve.
   void Resolve() ABSL_LOCKS_EXCLUDED(mu_);

@@ -62,6 +62,7 @@ TEST(ReplicaPoolTest, RefusesEveryBadOptionNamingIt) {
       {[](PoolOptions* o) { o->down_for = absl::Seconds(-1); }, "down_for must be"},
       {[](PoolOptions* o) { o->probe_deadline = absl::ZeroDuration(); },
        "probe_deadline must be"},
+      {[](PoolOptions* o) { o->tickets_kept = 0; }, "tickets_kept must be at least 1, got 0"},
   };
   for (const auto& c : cases) {
     PoolOptions o;

@@ -68,6 +68,9 @@ struct ComputeSpec {
   uint32_t keep_ms = 0;
   std::string ticket;
   bool temperature_set = false, ignore_index_set = false;
+  // The caller streams X while the compute runs (ComputeHeader.overlap): planning refuses it
+  // with keep_ms or a ticket (plan_ticket.h).
+  bool overlap = false;
 };
 
 struct OutputDesc {

@@ -308,7 +308,7 @@ absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& request) {
   if (ticketed) {
     LOSSD_RETURN_IF_ERROR(PlanTicketBackward(request, tickets_, &plan, &backward));
   } else {
-    LOSSD_RETURN_IF_ERROR(CheckKeepKind(request));
+    LOSSD_RETURN_IF_ERROR(CheckKeepFirst(request));
   }
   const ComputeSpec& spec = ticketed ? backward : request;
   const TensorDesc& x = Input(spec, InputSlot::kX);

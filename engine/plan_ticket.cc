@@ -101,6 +101,15 @@ absl::Status PlanTicketHead(const ComputeSpec& spec, const Ticket& t, ComputePla
   return absl::OkStatus();
 }
 
+// Overlap streams X into the compute as it arrives: a backward streams no X, and a forward
+// that keeps hands its whole X buffer to its ticket.
+absl::Status RefuseOverlap(const ComputeSpec& spec, const char* field) {
+  if (!spec.overlap) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "header.overlap with header.", field,
+      ": a two-phase log-prob call is not overlapped; send it without overlap"));
+}
+
 }  // namespace
 
 absl::Status PlanTicketBackward(const ComputeSpec& spec, TicketStore& tickets,
@@ -111,6 +120,7 @@ absl::Status PlanTicketBackward(const ComputeSpec& spec, TicketStore& tickets,
         "header.ticket names a two-phase log-prob forward; this request's kind is ",
         LossKindName(spec.kind), " (set kind logprob)"));
   }
+  LOSSD_RETURN_IF_ERROR(RefuseOverlap(spec, "ticket"));
   if (spec.keep_ms != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.keep_ms ", spec.keep_ms, " and header.ticket: a backward keeps nothing (a "
@@ -148,16 +158,19 @@ absl::Status PlanTicketBackward(const ComputeSpec& spec, TicketStore& tickets,
   return absl::OkStatus();
 }
 
-absl::Status CheckKeepKind(const ComputeSpec& spec) {
-  if (spec.keep_ms == 0 || spec.kind == LossKind::kLogprob) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "header.keep_ms ", spec.keep_ms, " keeps a two-phase log-prob forward; this request's "
-      "kind is ", LossKindName(spec.kind), " (set kind logprob)"));
+absl::Status CheckKeepFirst(const ComputeSpec& spec) {
+  if (spec.keep_ms == 0) return absl::OkStatus();
+  if (spec.kind != LossKind::kLogprob) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.keep_ms ", spec.keep_ms, " keeps a two-phase log-prob forward; this request's "
+        "kind is ", LossKindName(spec.kind), " (set kind logprob)"));
+  }
+  return RefuseOverlap(spec, "keep_ms");
 }
 
 absl::Status PlanTicketForward(const ComputeSpec& spec, const TicketStore& tickets,
                                ComputePlan* plan) {
-  LOSSD_RETURN_IF_ERROR(CheckKeepKind(spec));
+  LOSSD_RETURN_IF_ERROR(CheckKeepFirst(spec));
   const char* grad = Input(spec, InputSlot::kDlogp).present      ? "dlogp"
                      : Input(spec, InputSlot::kDentropy).present ? "dentropy"
                                                                  : nullptr;

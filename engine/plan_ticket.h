@@ -14,7 +14,8 @@
 namespace lossd {
 
 // A backward (spec.ticket set), in place of X's and the weight's planning: the ticket is the
-// caller's and held (TicketStore::Get's refusals); the kind is logprob; no keep_ms; none of
+// caller's and held (TicketStore::Get's refusals); the kind is logprob; no overlap; no keep_ms;
+// none of
 // x, w, bias, targets, class_weights, grad_output, weight_handle, head, head_instance or
 // another kind's tensors; at least one of dlogp, dentropy; temperature, softcap,
 // ignore_index and chunk_rows, where sent, equal to the forward's; for a head's ticket no
@@ -25,8 +26,9 @@ namespace lossd {
 absl::Status PlanTicketBackward(const ComputeSpec& spec, TicketStore& tickets,
                                 ComputePlan* plan, ComputeSpec* effective);
 
-// keep_ms only with kind logprob; checked first, before the options of another kind.
-absl::Status CheckKeepKind(const ComputeSpec& spec);
+// keep_ms only with kind logprob and without overlap; checked first, before the options of
+// another kind.
+absl::Status CheckKeepFirst(const ComputeSpec& spec);
 
 // A forward that keeps (spec.keep_ms > 0), once the rest is planned: kind logprob; no dlogp
 // or dentropy, no dx, dw or db, no accumulator, and for a head no rank or micro_batch (a

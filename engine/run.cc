@@ -404,10 +404,13 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
         "an overlapped compute needs its outputs made beforehand and X checked as it arrives");
     return r;
   }
+  // Planning refuses overlap with keep_ms or a ticket (plan_ticket.h); a caller that streams
+  // X into a plan made without ComputeSpec::overlap breaks that: the backward would read its
+  // ticket's X, and the forward would keep a buffer still being written.
   if (overlap.rows != nullptr && (plan.keep_ms > 0 || plan.ticket)) {
-    r.status = absl::InvalidArgumentError(
-        "header.overlap with a two-phase log-prob call (keep_ms or ticket): send it without "
-        "overlap");
+    r.status = absl::InternalError(
+        "an overlapped run of a two-phase log-prob plan (keep_ms or ticket), which planning "
+        "refuses: the plan was made without ComputeSpec::overlap");
     return r;
   }
   const LossProblem p = ProblemOf(plan, in, overlap);

@@ -1,8 +1,8 @@
 // The two-phase log-prob through the engine on the CPU backend: a forward with keep_ms keeps a
 // ticket, its backward (dlogp, dentropy only) gives the bits of a one-phase call; the TTL on
 // an injected clock, the budget and count, consumption, a retry after a failed backward, the
-// refused fields, a head that moved on, a weight handle dropped under a ticket, another
-// instance's and another owner's tickets, and List.
+// refused fields (overlap among them, refused by the plan), a head that moved on, a weight
+// handle dropped under a ticket, another instance's and another owner's tickets, and List.
 #include <atomic>
 #include <cstring>
 #include <future>
@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "engine/engine.h"
+#include "engine/streamed_rows.h"
 #include "engine/tickets.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -438,6 +440,58 @@ TEST_F(TicketsTest, AHeadsTicketAddsToTheForwardsStepAndRefusesOnceTheHeadMovedO
   orphan.wanted.dw = orphan.wanted.db = false;
   ExpectStatus(e_.Plan(orphan).status(), absl::StatusCode::kNotFound,
                absl::StrCat("head 'h' of ticket '", k.ticket, "' was dropped; resend X"));
+}
+
+// Overlap with either phase is the plan's refusal, naming the field: nothing is reserved,
+// claimed or computed, and the ticket a refused backward named still serves. Run's own check
+// is an internal invariant, for a plan made without ComputeSpec::overlap and run overlapped.
+TEST_F(TicketsTest, OverlapWithEitherPhaseIsRefusedByThePlan) {
+  ComputeSpec fwd = Forward();
+  fwd.overlap = true;
+  ExpectStatus(e_.Plan(fwd).status(), absl::StatusCode::kInvalidArgument,
+               "header.overlap with header.keep_ms: a two-phase log-prob call is not "
+               "overlapped; send it without overlap");
+  EXPECT_EQ(e_.tickets().count(), 0u);
+  EXPECT_EQ(e_.tickets().bytes(), 0u);
+  ComputeSpec plain = Spec();  // overlap alone is not the refusal
+  plain.overlap = true;
+  EXPECT_TRUE(e_.Plan(plain).ok());
+
+  const std::string t = Keep();
+  const uint64_t held = e_.tickets().bytes();
+  ComputeSpec back = Backward(t);
+  back.overlap = true;
+  ExpectStatus(e_.Plan(back).status(), absl::StatusCode::kInvalidArgument,
+               "header.overlap with header.ticket: a two-phase log-prob call is not overlapped");
+  EXPECT_EQ(e_.tickets().count(), 1u);
+  EXPECT_EQ(e_.tickets().bytes(), held);
+
+  // Plans made without overlap, run overlapped: INTERNAL before any work, nothing kept or
+  // consumed.
+  auto run_overlapped = [&](const ComputeSpec& spec) {
+    auto plan = e_.Plan(spec);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    if (!plan.ok()) return plan.status();
+    auto shared = std::make_shared<const ComputePlan>(*plan);
+    OverlapIo io{std::make_shared<StreamedRows>(plan->bt, absl::Seconds(60),
+                                                absl::InfiniteFuture(), nullptr),
+                 std::make_shared<std::vector<HostBuffer>>(Engine::NewOutputs(*plan))};
+    absl::Notification done;
+    absl::Status status;
+    e_.Run(shared, Inputs(*plan), [&](ComputeOutcome o) {
+      status = o.status;
+      done.Notify();
+    }, absl::InfiniteFuture(), /*inputs_checked_finite=*/true, io);
+    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(120)));
+    return status;
+  };
+  ExpectStatus(run_overlapped(Forward()), absl::StatusCode::kInternal,
+               "an overlapped run of a two-phase log-prob plan (keep_ms or ticket)");
+  ExpectStatus(run_overlapped(Backward(t)), absl::StatusCode::kInternal,
+               "the plan was made without ComputeSpec::overlap");
+  EXPECT_EQ(e_.tickets().count(), 1u);
+  EXPECT_EQ(e_.tickets().bytes(), held);
+  ExpectBackwardIsOnePhase(t);
 }
 
 class TicketBudgetTest : public TicketsTest {

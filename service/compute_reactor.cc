@@ -195,12 +195,6 @@ absl::Status ComputeReactor::OnHeader() {
   if (absl::Status s = RefuseUnknownFields(header, "header"); !s.ok()) return s;
   auto spec = ComputeSpecFromWire(header);
   if (!spec.ok()) return spec.status();
-  if (header.overlap() && (spec->keep_ms > 0 || !spec->ticket.empty())) {
-    // The backward streams no X, and the forward's X buffer becomes its ticket's.
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.overlap with header.", spec->keep_ms > 0 ? "keep_ms" : "ticket",
-        ": a two-phase log-prob call is not overlapped; send it without overlap"));
-  }
   spec->owner = service_->Principal(ctx_);
   auto plan = engine_->Plan(*spec);
   if (!plan.ok()) return plan.status();

@@ -185,6 +185,10 @@ TEST_F(TwoPhaseE2eTest, TheRefusalsNameTheHeaderField) {
   overlapped.set_overlap(true);
   ExpectStatus(RunCompute(h_.stub(), overlapped, XLast(PartsFor(rp_, kPartBytes))).status,
                grpc::StatusCode::INVALID_ARGUMENT, "header.overlap with header.keep_ms");
+  v1::ComputeHeader overlapped_back;
+  overlapped_back.set_overlap(true);
+  ExpectStatus(Backward(f.summary.ticket(), overlapped_back).status,
+               grpc::StatusCode::INVALID_ARGUMENT, "header.overlap with header.ticket");
   v1::ComputeHeader asks_dx = Logprob();
   asks_dx.set_keep_ms(100);
   asks_dx.mutable_outputs()->set_dx(true);

@@ -176,6 +176,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.head_instance = h.head_instance();
   spec.keep_ms = h.keep_ms();
   spec.ticket = h.ticket();
+  spec.overlap = h.overlap();
   return spec;
 }
 
