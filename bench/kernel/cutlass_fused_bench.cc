@@ -7,11 +7,16 @@
 //   halves   a chunk's two row halves: the second half's logits GEMM and the first half's dX
 //            run beside the other half's combine + G on a second stream; the logits kernel's
 //            persistent grid leaves --side_sms SMs to it; one dW over the whole chunk;
+//   refexp   no pass over the logits: the GEMM's epilogue writes E = exp(z - z_target) and
+//            per-tile sums of E (row_ref_exp_node.cuh); G = diag(s / S) (E - S onehot), so
+//            after a combine of C-sized work dX = diag(s / S) (E' W) and
+//            dW = E'^T (diag(s / S) X) are plain cuBLASLt GEMMs;
 // and each phase alone over every chunk (where the time goes). Checked against the float64
 // reference and for bit-identical reruns before it is timed. Needs an sm_90 GPU.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -39,6 +44,14 @@
 ABSL_FLAG(std::string, side_sms_list, "0,16",
           "SMs the halves schedule's logits GEMM leaves to the CE pass on the other stream, one "
           "timed variant each");
+ABSL_FLAG(double, logit_scale, 1.0,
+          "W's range times this (the problem's logits have standard deviation 2 times it): how "
+          "far the reference-exp schedule's reference (the target's logit) may sit below the "
+          "row's largest logit before rows are flagged");
+ABSL_FLAG(int, ref_sample, 1024,
+          "vocabulary rows (evenly strided) whose logits the reference-exp schedule's reference "
+          "also takes the max of, beside the target's (0: the target's logit alone)");
+ABSL_FLAG(bool, time, true, "time the schedules after checking them (false: checks only)");
 ABSL_FLAG(std::string, order, "1:1",
           "the CUTLASS persistent scheduler's raster:swizzle (raster 0 heuristic, 1 along M, 2 "
           "along N)");
@@ -66,7 +79,10 @@ class CutlassPath {
         dw_(dw) {}
   ~CutlassPath() {
     for (void* p : {z_, static_cast<void*>(tmax_), static_cast<void*>(tsum_),
-                    static_cast<void*>(lse_), static_cast<void*>(loss_), gws_, cws_}) {
+                    static_cast<void*>(lse_), static_cast<void*>(loss_), gws_, cws_,
+                    static_cast<void*>(ref_), static_cast<void*>(alpha_), xs_, dxf_,
+                    static_cast<void*>(bad_), static_cast<void*>(zt_), static_cast<void*>(zs_),
+                    wsamp_}) {
       cudaFree(p);
     }
     if (side_ != nullptr) cudaStreamDestroy(side_);
@@ -77,13 +93,22 @@ class CutlassPath {
   absl::Status Init(const std::vector<int>& side_sms) {
     const int64_t tiles = (v_ + 127) / 128, ld = Ld(chunk_);
     n_tiles_ = tiles;
+    n_sample_ = std::min<int64_t>(absl::GetFlag(FLAGS_ref_sample), v_);
     for (auto [p, bytes] : {std::pair<void**, size_t>{&z_, chunk_ * v_ * 2},
                             {reinterpret_cast<void**>(&tmax_), tiles * ld * 4},
                             {reinterpret_cast<void**>(&tsum_), tiles * ld * 4},
                             {reinterpret_cast<void**>(&lse_), chunk_ * 4},
                             {reinterpret_cast<void**>(&loss_), bt_ * 4},
                             {&gws_, cuda::kGemmWorkspaceBytes},
-                            {&cws_, 1 << 20}}) {
+                            {&cws_, 1 << 20},
+                            {reinterpret_cast<void**>(&ref_), ld * 4},
+                            {reinterpret_cast<void**>(&alpha_), chunk_ * 4},
+                            {&xs_, chunk_ * h_ * 2},
+                            {&dxf_, chunk_ * h_ * 4},
+                            {reinterpret_cast<void**>(&bad_), 4},
+                            {reinterpret_cast<void**>(&zt_), chunk_ * 4},
+                            {reinterpret_cast<void**>(&zs_), chunk_ * std::max(n_sample_, int64_t{1}) * 4},
+                            {&wsamp_, std::max(n_sample_, int64_t{1}) * h_ * 2}}) {
       if (absl::Status s = FromCuda(cudaMalloc(p, bytes), "cudaMalloc"); !s.ok()) return s;
     }
     if (absl::Status s = FromCuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking),
@@ -100,29 +125,69 @@ class CutlassPath {
       }
     }
     side_sms_ = side_sms;
+    if (n_sample_ > 0) {  // rows 0, v / n, 2 v / n, ... of W: the sample's weights
+      const int64_t step = v_ / n_sample_;
+      absl::Status s = FromCuda(cudaMemcpy2D(wsamp_, h_ * 2, w_, step * h_ * 2, h_ * 2,
+                                             n_sample_, cudaMemcpyDeviceToDevice),
+                                "sample W");
+      if (!s.ok()) return s;
+    }
     return BindAll();
   }
 
-  // Enqueues the whole forward + backward: halves < 0 the one-stream schedule, else the row
-  // halves with side_sms_[halves] SMs left to the CE pass.
-  absl::Status Run(int halves) {
+  static constexpr int kSeq = -1, kRefExp = -2;
+
+  // Enqueues the whole forward + backward: kSeq the one-stream schedule, kRefExp the
+  // reference-exp one, else the row halves with side_sms_[schedule] SMs left to the CE pass.
+  absl::Status Run(int schedule) {
     for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
       const int64_t r = std::min(chunk_, bt_ - c0);
-      absl::Status s = halves < 0 ? Seq(c0, r) : Halves(c0, r, halves);
+      absl::Status s = schedule == kSeq      ? Seq(c0, r)
+                       : schedule == kRefExp ? RefExp(c0, r)
+                                             : Halves(c0, r, schedule);
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
   }
 
-  // One phase over every chunk (0 logits + statistics, 1 combine + G): where the time goes.
+  // One phase over every chunk, where the time goes: 0 logits + statistics, 1 combine + G;
+  // 2 the target logits + reference-exp GEMM, 3 its combine and row scalings, 4 its dX GEMM
+  // (fp32 out).
   absl::Status Phase(int phase) {
+    cudaStream_t st = e_.stream();
     for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
       const int64_t r = std::min(chunk_, bt_ - c0);
-      absl::Status s = phase == 0 ? RunKernel(c0, 0, r, 0, e_.stream())
-                                  : CombineAndForm(c0, 0, r, e_.stream());
+      absl::Status s;
+      switch (phase) {
+        case 0: s = RunKernel(c0, 0, r, 0, st, 1); break;
+        case 1: s = CombineAndForm(c0, 0, r, st); break;
+        case 2: s = RefLogits(c0, r); break;
+        case 3: s = RefCombine(c0, r); break;
+        default: s = RefDx(c0, r, false); break;
+      }
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
+  }
+
+  // Picks cuBLASLt's fastest algorithm for the reference-exp dX GEMM (fp32 out: a key of its
+  // own; the dW GEMM's is the chunks' dW, tuned with them).
+  absl::Status TuneRefExp() {
+    for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
+      const int64_t r = std::min(chunk_, bt_ - c0);
+      if (absl::Status s = RefDx(c0, r, true); !s.ok()) return s;
+      if (absl::Status s = SampleLogits(c0, r, true); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // Rows the reference-exp schedule flagged since the last call (S not finite, log S > 80).
+  absl::StatusOr<unsigned int> TakeBad() {
+    unsigned int n = 0;
+    absl::Status s = FromCuda(cudaMemcpy(&n, bad_, 4, cudaMemcpyDeviceToHost), "copy");
+    if (s.ok()) s = FromCuda(cudaMemset(bad_, 0, 4), "memset");
+    if (!s.ok()) return s;
+    return n;
   }
 
   // The mean loss of the last run (every row's term, summed on the host in double).
@@ -137,20 +202,22 @@ class CutlassPath {
   struct Bound {
     int64_t c0, row0, rows;
     int sms;
+    int mode;  // 1 statistics, 2 reference-exp
     std::unique_ptr<CutlassLogits> k;
   };
 
   // The statistics kernel of the ping-pong set, bound to rows [c0 + row0, +rows): it writes z
   // rows [row0, +rows) and the part's own statistics block (Stats).
-  absl::Status Bind(int64_t c0, int64_t row0, int64_t rows, int sms) {
-    for (auto& k : MakePingpongKernels()) {
-      if (!k->Stats()) continue;
+  absl::Status Bind(int64_t c0, int64_t row0, int64_t rows, int sms, int mode = 1) {
+    for (auto& k : mode == 1 ? MakePingpongKernels() : MakeRefExpKernels()) {
+      if (mode == 1 ? !k->Stats() : !k->RefExp()) continue;
       CutlassLogitsArgs a;
       a.x = static_cast<const char*>(x_) + (c0 + row0) * h_ * 2;
       a.w = w_;
       a.z = static_cast<char*>(z_) + row0 * v_ * 2;
       a.tile_max = tmax_ + n_tiles_ * row0;
       a.tile_sum = tsum_ + n_tiles_ * row0;
+      a.row_ref = ref_;
       a.c = rows;
       a.h = h_;
       a.v = v_;
@@ -162,7 +229,7 @@ class CutlassPath {
         return absl::InvalidArgumentError("--order: want raster:swizzle");
       }
       if (absl::Status s = FromString(k->Init(a, cws_)); !s.ok()) return s;
-      bound_.push_back(Bound{c0, row0, rows, sms, std::move(k)});
+      bound_.push_back(Bound{c0, row0, rows, sms, mode, std::move(k)});
       return absl::OkStatus();
     }
     return absl::InternalError("no statistics kernel compiled");
@@ -172,6 +239,7 @@ class CutlassPath {
     for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
       const int64_t r = std::min(chunk_, bt_ - c0);
       if (absl::Status s = Bind(c0, 0, r, 0); !s.ok()) return s;
+      if (absl::Status s = Bind(c0, 0, r, 0, 2); !s.ok()) return s;
       const int64_t half = Half(r);
       for (int sms : side_sms_) {
         const int grid = sms > 0 ? Sms() - sms : 0;
@@ -202,9 +270,10 @@ class CutlassPath {
   static int64_t Ld(int64_t rows) { return (rows + 127) / 128 * 128; }
 
   // The kernel bound to the part (every part the schedules run is bound by BindAll).
-  absl::Status RunKernel(int64_t c0, int64_t row0, int64_t rows, int sms, cudaStream_t st) {
+  absl::Status RunKernel(int64_t c0, int64_t row0, int64_t rows, int sms, cudaStream_t st,
+                         int mode = 1) {
     for (const Bound& b : bound_) {
-      if (b.c0 == c0 && b.row0 == row0 && b.rows == rows && b.sms == sms) {
+      if (b.c0 == c0 && b.row0 == row0 && b.rows == rows && b.sms == sms && b.mode == mode) {
         return FromString(b.k->Run(st));
       }
     }
@@ -244,6 +313,62 @@ class CutlassPath {
     if (absl::Status s = CombineAndForm(c0, 0, r, st); !s.ok()) return s;
     if (absl::Status s = Dx(c0, 0, r); !s.ok()) return s;
     return Dw(c0, r);
+  }
+
+  // The reference-exp schedule's parts (one stream).
+  // zs = the chunk's logits at the sampled vocabulary rows (fp32).
+  absl::Status SampleLogits(int64_t c0, int64_t r, bool tune) {
+    const char* xc = static_cast<const char*>(x_) + c0 * h_ * 2;
+    cudaStream_t st = e_.stream();
+    return tune ? e_.TuneGemm(st, gws_, cuda::kGemmWorkspaceBytes, true, false, n_sample_, r, h_,
+                              1.0f, wsamp_, h_, xc, h_, CUDA_R_16BF, 0.0f, zs_, n_sample_,
+                              CUDA_R_32F)
+                : e_.Gemm(st, gws_, cuda::kGemmWorkspaceBytes, true, false, n_sample_, r, h_,
+                          1.0f, wsamp_, h_, xc, h_, CUDA_R_16BF, 0.0f, zs_, n_sample_,
+                          CUDA_R_32F);
+  }
+  absl::Status RefLogits(int64_t c0, int64_t r) {
+    cudaStream_t st = e_.stream();
+    absl::Status s = FromCuda(TargetLogits(static_cast<const char*>(x_) + c0 * h_ * 2, w_,
+                                           tg_ + c0, r, h_, zt_, st),
+                              "target logits");
+    if (s.ok() && n_sample_ > 0) s = SampleLogits(c0, r, false);
+    if (s.ok()) {
+      s = FromCuda(RowReference(zt_, zs_, r, n_sample_, Ld(r), ref_, st), "reference");
+    }
+    return s.ok() ? RunKernel(c0, 0, r, 0, st, 2) : s;
+  }
+  absl::Status RefCombine(int64_t c0, int64_t r) {
+    cudaStream_t st = e_.stream();
+    absl::Status s = FromCuda(CombineRefExp(tsum_, r, n_tiles_, Ld(r), tg_ + c0, zt_, ref_,
+                                            1.0f / static_cast<float>(bt_), z_, v_, loss_ + c0,
+                                            alpha_, bad_, st),
+                              "combine");
+    if (!s.ok()) return s;
+    return FromCuda(ScaleRows(static_cast<const char*>(x_) + c0 * h_ * 2, false, alpha_, r, h_,
+                              xs_, st),
+                    "scale X");
+  }
+  // dX rows [c0, +r) = diag(alpha) (E' W): the GEMM into fp32, then one rounding to bf16.
+  absl::Status RefDx(int64_t c0, int64_t r, bool tune) {
+    cudaStream_t st = e_.stream();
+    absl::Status s =
+        tune ? e_.TuneGemm(st, gws_, cuda::kGemmWorkspaceBytes, false, false, h_, r, v_, 1.0f, w_,
+                           h_, z_, v_, CUDA_R_16BF, 0.0f, dxf_, h_, CUDA_R_32F)
+             : e_.Gemm(st, gws_, cuda::kGemmWorkspaceBytes, false, false, h_, r, v_, 1.0f, w_, h_,
+                       z_, v_, CUDA_R_16BF, 0.0f, dxf_, h_, CUDA_R_32F);
+    if (!s.ok() || tune) return s;
+    return FromCuda(ScaleRows(dxf_, true, alpha_, r, h_, static_cast<char*>(dx_) + c0 * h_ * 2,
+                              st),
+                    "scale dX");
+  }
+  absl::Status RefExp(int64_t c0, int64_t r) {
+    absl::Status s = RefLogits(c0, r);
+    if (s.ok()) s = RefCombine(c0, r);
+    if (s.ok()) s = RefDx(c0, r, false);
+    if (!s.ok()) return s;
+    return e_.Gemm(e_.stream(), gws_, cuda::kGemmWorkspaceBytes, false, true, h_, v_, r, 1.0f,
+                   xs_, h_, z_, v_, CUDA_R_16BF, c0 > 0 ? 1.0f : 0.0f, dw_, h_, CUDA_R_32F);
   }
 
   // Main stream: logits A, logits B, dX A, dX B, dW; side stream: CE A once logits A is done
@@ -289,6 +414,15 @@ class CutlassPath {
   std::vector<cudaEvent_t> events_;
   std::vector<int> side_sms_;
   std::vector<Bound> bound_;
+  float* ref_ = nullptr;    // (Ld(chunk)) the reference-exp schedule's z_target
+  float* alpha_ = nullptr;  // (chunk) s / S
+  void* xs_ = nullptr;      // (chunk, h) bf16: diag(alpha) X_c
+  void* dxf_ = nullptr;     // (chunk, h) fp32: E' W
+  unsigned int* bad_ = nullptr;
+  int64_t n_sample_ = 0;
+  float* zt_ = nullptr;    // (chunk) target logits
+  float* zs_ = nullptr;    // (chunk, n_sample) the sample's logits
+  void* wsamp_ = nullptr;  // (n_sample, h) bf16: the sampled rows of W
 };
 
 // The accuracy bench_kernel asks of the fused op (report.cc): bf16-level gradients, the loss
@@ -331,6 +465,8 @@ int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
   BENCH_CHECK_CUDA(cudaStreamSynchronize(st));
   absl::StatusOr<double> loss = path.MeanLoss();
   BENCH_CHECK_OK(loss.status());
+  absl::StatusOr<unsigned int> bad = path.TakeBad();  // two runs' worth
+  BENCH_CHECK_OK(bad.status());
   Fp64Errors e;
   std::string error;
   if (!CompareWithFp64(p.bt, p.h, p.v, p.x, p.w, static_cast<const int32_t*>(p.tg), *loss, p.dx,
@@ -338,12 +474,12 @@ int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
     std::fprintf(stderr, "float64 reference: %s\n", error.c_str());
     return 1;
   }
-  const bool ok = mism[0] == 0 && mism[1] == 0 && e.loss_rel <= kLossRel &&
+  const bool ok = *bad == 0 && mism[0] == 0 && mism[1] == 0 && e.loss_rel <= kLossRel &&
                   e.dx_rel_norm <= kGradRelNorm && e.dw_rel_norm <= kGradRelNorm;
   std::printf("  check %-14s loss %.6f (float64 %.6f, rel %.2e), dX rel norm %.2e, dW %.2e, "
-              "rerun words differing dX %llu dW %llu: %s\n",
+              "rerun words differing dX %llu dW %llu, rows flagged %u: %s\n",
               name, *loss, e.ref_loss, e.loss_rel, e.dx_rel_norm, e.dw_rel_norm, mism[0],
-              mism[1], ok ? "ok" : "FAILED");
+              mism[1], *bad, ok ? "ok" : "FAILED");
   return ok ? 0 : 2;
 }
 
@@ -374,6 +510,10 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v) {
       cuda::PlanChunks(bt, v, DType::kBF16, cuda::DefaultChunkBudget(bt, v, DType::kBF16), 0);
   const int64_t chunk = plan.chunk_rows;
   if (AllocateShape(p, st)) return 1;
+  if (const double k = absl::GetFlag(FLAGS_logit_scale); k != 1.0) {
+    // As AllocateProblem fills W (seed 2 there too), times k.
+    BENCH_CHECK_CUDA(FillUniformBf16(p.w, v * h, 2, static_cast<float>(6.0 * k / std::sqrt(double(h))), st));
+  }
   BENCH_CHECK_CUDA(cudaMalloc(&p.ws, plan.workspace_bytes));
   const cuda::DeviceLossArgs args = BenchProblem(bt, h, v, p.x, p.w, p.tg, p.rows, p.dx, p.dw);
   const uint64_t gws = cuda::kGemmWorkspaceBytes;
@@ -386,26 +526,37 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v) {
   CutlassPath path(engine, bt, h, v, chunk, p.x, p.w, static_cast<const int32_t*>(p.tg), p.dx,
                    static_cast<float*>(p.dw));
   BENCH_CHECK_OK(path.Init(side));
-  std::printf("shape BT=%lld H=%lld V=%lld, chunks of %lld rows\n", static_cast<long long>(bt),
-              static_cast<long long>(h), static_cast<long long>(v),
-              static_cast<long long>(chunk));
+  BENCH_CHECK_OK(path.TuneRefExp());
+  BENCH_CHECK_OK(path.TakeBad().status());  // zeroes the counter
+  std::printf("shape BT=%lld H=%lld V=%lld, chunks of %lld rows, logits' standard deviation "
+              "%.3g\n", static_cast<long long>(bt), static_cast<long long>(h),
+              static_cast<long long>(v), static_cast<long long>(chunk),
+              2.0 * absl::GetFlag(FLAGS_logit_scale));
   std::vector<std::string> names = {"tuned 3-GEMM floor", "lossd default", "cutlass seq"};
   std::vector<std::function<absl::Status()>> bodies = {
       [&] { return ChunkedGemms(engine, st, p.fws, gws, bt, h, v, bt, p.x, p.w, p.z, p.dx, p.dw); },
       [&] { return engine.Enqueue(args, plan, p.ws); },
-      [&] { return path.Run(-1); }};
-  int rc = CheckSchedule(path, -1, "cutlass seq", p, st);
+      [&] { return path.Run(CutlassPath::kSeq); }};
+  int rc = CheckSchedule(path, CutlassPath::kSeq, "cutlass seq", p, st);
+  names.push_back("cutlass refexp");
+  bodies.push_back([&] { return path.Run(CutlassPath::kRefExp); });
+  rc = std::max(rc, CheckSchedule(path, CutlassPath::kRefExp, "cutlass refexp", p, st));
   for (size_t i = 0; i < side.size(); ++i) {
     const std::string n = "cutlass halves " + std::to_string(side[i]);
     names.push_back(n);
     bodies.push_back([&path, i] { return path.Run(static_cast<int>(i)); });
     rc = std::max(rc, CheckSchedule(path, static_cast<int>(i), n.c_str(), p, st));
   }
+  if (!absl::GetFlag(FLAGS_time)) return rc;
   const size_t n_schedules = names.size();
-  names.insert(names.end(), {"  its logits + statistics alone", "  its combine + G alone",
+  names.insert(names.end(), {"  seq: logits + statistics alone", "  seq: combine + G alone",
+                             "  refexp: target logits + GEMM alone",
+                             "  refexp: combine + row scalings alone",
+                             "  refexp: dX GEMM (fp32 out) + scale alone",
                              "  chunk dX GEMMs alone", "  chunk dW GEMMs alone"});
-  bodies.push_back([&] { return path.Phase(0); });
-  bodies.push_back([&] { return path.Phase(1); });
+  for (int phase = 0; phase < 5; ++phase) {
+    bodies.push_back([&path, phase] { return path.Phase(phase); });
+  }
   for (int role : {1, 2}) {
     bodies.push_back([&, role] {
       return ChunkedGemms(engine, st, p.fws, gws, bt, h, v, chunk, p.x, p.w, p.z, p.dx, p.dw,

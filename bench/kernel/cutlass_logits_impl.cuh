@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "bench/kernel/cutlass_logits.h"
+#include "bench/kernel/row_ref_exp_node.cuh"
 #include "bench/kernel/row_stats_node.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -22,16 +23,21 @@
 namespace lossd {
 namespace bench {
 
+// kMode: 0 plain logits, 1 logits + per-tile max and sum of exp (Sm90RowTileStats), 2
+// exp(z - ref[row]) + per-tile sums (Sm90RowRefExp). A bool argument reads as 0 or 1.
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          bool kStats>
+          int kMode>
 class CutlassLogitsKernel final : public CutlassLogits {
   using Bf16 = cutlass::bfloat16_t;
   static constexpr int kAlign = 8;  // 16 bytes of bf16
   using Fusion = std::conditional_t<
-      kStats,
+      kMode == 1,
       cutlass::epilogue::fusion::Sm90EVT<Sm90RowTileStats<TileShape>,
                                          cutlass::epilogue::fusion::Sm90AccFetch>,
-      cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>;
+      std::conditional_t<kMode == 2,
+                         cutlass::epilogue::fusion::Sm90EVT<
+                             Sm90RowRefExp<TileShape>, cutlass::epilogue::fusion::Sm90AccFetch>,
+                         cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
@@ -54,7 +60,8 @@ class CutlassLogitsKernel final : public CutlassLogits {
   std::string Name() const override { return name_; }
   int TileM() const override { return cute::size<0>(TileShape{}); }
   int TileN() const override { return cute::size<1>(TileShape{}); }
-  bool Stats() const override { return kStats; }
+  bool Stats() const override { return kMode == 1; }
+  bool RefExp() const override { return kMode == 2; }
 
   size_t WorkspaceBytes(const CutlassLogitsArgs& a) const override {
     return Gemm::get_workspace_size(Arguments(a));
@@ -101,8 +108,10 @@ class CutlassLogitsKernel final : public CutlassLogits {
          static_cast<Bf16*>(a.z),
          cutlass::make_cute_packed_stride(StrideD{}, {m, n, 1})},
         hw};
-    if constexpr (kStats) {
+    if constexpr (kMode == 1) {
       args.epilogue.thread = {{}, {a.tile_max, a.tile_sum, a.ld}};
+    } else if constexpr (kMode == 2) {
+      args.epilogue.thread = {{}, {a.row_ref, a.tile_sum, a.ld}};
     } else {
       args.epilogue.thread.alpha = 1.0f;
       args.epilogue.thread.beta = 0.0f;
