@@ -483,6 +483,31 @@ int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
   return ok ? 0 : 2;
 }
 
+// lossd's default fused op against float64 on the same inputs, printed beside the schedules'
+// checks (the comparison the bar is for: the paths that read bf16 logits share its error).
+int CheckLossd(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a,
+               const cuda::ChunkPlan& plan, Problem& p) {
+  BENCH_CHECK_OK(engine.Enqueue(a, plan, p.ws));
+  std::vector<float> ce(p.bt);
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(engine.stream()));
+  BENCH_CHECK_CUDA(cudaMemcpy(ce.data(), a.row_ce, p.bt * 4, cudaMemcpyDeviceToHost));
+  const double loss = std::accumulate(ce.begin(), ce.end(), 0.0) / static_cast<double>(p.bt);
+  Fp64Errors e;
+  std::string error;
+  if (!CompareWithFp64(p.bt, p.h, p.v, p.x, p.w, static_cast<const int32_t*>(p.tg), loss, p.dx,
+                       static_cast<const float*>(p.dw), 2048, &e, &error)) {
+    std::fprintf(stderr, "float64 reference: %s\n", error.c_str());
+    return 1;
+  }
+  const bool ok = e.loss_rel <= kLossRel && e.dx_rel_norm <= kGradRelNorm &&
+                  e.dw_rel_norm <= kGradRelNorm;
+  std::printf("  check %-14s loss %.6f (float64 %.6f, rel %.2e), dX rel norm %.2e, dW %.2e: "
+              "%s\n",
+              "lossd default", loss, e.ref_loss, e.loss_rel, e.dx_rel_norm, e.dw_rel_norm,
+              ok ? "within the bar" : "OUTSIDE the bar");
+  return 0;
+}
+
 std::vector<int> ParseInts(const std::string& s) {
   std::vector<int> out;
   for (absl::string_view item : absl::StrSplit(s, ',', absl::SkipEmpty())) {
@@ -537,7 +562,8 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v) {
       [&] { return ChunkedGemms(engine, st, p.fws, gws, bt, h, v, bt, p.x, p.w, p.z, p.dx, p.dw); },
       [&] { return engine.Enqueue(args, plan, p.ws); },
       [&] { return path.Run(CutlassPath::kSeq); }};
-  int rc = CheckSchedule(path, CutlassPath::kSeq, "cutlass seq", p, st);
+  int rc = CheckLossd(engine, args, plan, p);
+  rc = std::max(rc, CheckSchedule(path, CutlassPath::kSeq, "cutlass seq", p, st));
   names.push_back("cutlass refexp");
   bodies.push_back([&] { return path.Run(CutlassPath::kRefExp); });
   rc = std::max(rc, CheckSchedule(path, CutlassPath::kRefExp, "cutlass refexp", p, st));
