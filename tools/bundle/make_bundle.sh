@@ -30,6 +30,7 @@ WANT=(
   # Present only where tools/setup_cutlass.sh has installed CUTLASS's headers (sm_90a; its
   # first build takes about 6 minutes on 2 cores).
   //bench/kernel:cutlass_logits_bench
+  //bench/kernel:cutlass_fused_bench
   //kernels/cuda:ce_kernels_test
   //kernels/cuda:nonfinite_test
   //kernels/cuda:cuda_backend_test
