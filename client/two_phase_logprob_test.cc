@@ -262,8 +262,10 @@ TEST_F(TwoPhaseLogprobTest, ExpiredTicketFallsBackFromCopiedInputs) {
   ASSERT_TRUE(f.ok()) << f.status();
   ASSERT_FALSE(f->ticket().empty());
   // The caller reuses its buffers before the backward: the copies are what is sent again.
-  b.x = Random(DType::kBF16, {kBT, kH}, 99, 2.0f);
-  b.targets = RandomTargets(98);
+  const HostTensor other_x = Random(DType::kBF16, {kBT, kH}, 99, 2.0f);
+  const HostTensor other_targets = RandomTargets(98);
+  std::memcpy(b.x.mutable_data(), other_x.data(), other_x.num_bytes());
+  std::memcpy(b.targets.mutable_data(), other_targets.data(), other_targets.num_bytes());
   skew_ns_ += absl::ToInt64Nanoseconds(absl::Minutes(2));  // past keep_ms (60 s)
 
   absl::StatusOr<ComputeResult> g = lp.Backward(*f, original.Gradients());
