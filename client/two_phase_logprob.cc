@@ -330,9 +330,10 @@ absl::StatusOr<ComputeResult> TwoPhaseLogprob::Backward(LogprobForward& forward,
   if (!forward.unsure_.ok() && !call.accumulator.empty()) {
     return absl::AbortedError(absl::StrCat(
         "an earlier backward of this forward into accumulator '", call.accumulator,
-        "' ended unsure (", forward.unsure_.ToString(), ": its reply may be lost after it "
-        "added), and its ticket is gone now, most likely consumed by it: a one-phase call "
-        "could add the micro-batch twice; redo the step (drop the accumulator)"));
+        "' ended unsure (", forward.unsure_.ToString(), ": the server may have added it "
+        "before its reply was lost), and no ticket can tell (gone, most likely consumed by "
+        "it): a one-phase call could add the micro-batch twice; redo the step (drop the "
+        "accumulator)"));
   }
   return OnePhase(forward, grads, opts);
 }
@@ -344,7 +345,11 @@ absl::StatusOr<ComputeResult> TwoPhaseLogprob::OnePhase(LogprobForward& forward,
   one.dlogp = ViewOf(grads.dlogp);
   one.dentropy = ViewOf(grads.dentropy);
   absl::StatusOr<ComputeResult> res = compute_(one, opts);
-  if (res.ok()) Note(&TwoPhaseCounts::one_phase);
+  if (res.ok()) {
+    Note(&TwoPhaseCounts::one_phase);
+  } else if (MayHaveSucceeded(res.status().code())) {
+    forward.unsure_ = res.status();  // a Backward again must not add it twice either
+  }
   return res;
 }
 

@@ -144,9 +144,12 @@ class TwoPhaseLogprob {
   // one-phase call. The result holds what the one-phase call returns (logp, entropy when
   // wanted, dx, dw, db as `call.want` asked; dW and db into the accumulator or head's step
   // where one is named). ABORTED, sending nothing, where an earlier Backward of this forward
-  // into an accumulator failed unsure (its reply lost) and the ticket is gone now: that
-  // backward most likely added, and a one-phase call would add the micro-batch twice (redo
-  // the step). INVALID_ARGUMENT without dlogp and dentropy.
+  // into an accumulator failed unsure (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNKNOWN,
+  // INTERNAL, DATA_LOSS: the server may have added it before the reply was lost) and no
+  // ticket can tell (gone, or a one-phase call failed so): a one-phase call could add the
+  // micro-batch twice (redo the step). A head's step key makes its one-phase call safe to
+  // send again. A Backward that succeeds ends the doubt; a Backward after a successful one
+  // is sent one-phase, and adds again. INVALID_ARGUMENT without dlogp and dentropy.
   absl::StatusOr<ComputeResult> Backward(LogprobForward& forward, const LogprobGradients& grads,
                                          const CallOptions& opts = {});
 

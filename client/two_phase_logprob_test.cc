@@ -38,7 +38,9 @@ HostTensor Random(DType dtype, std::vector<int64_t> shape, uint32_t seed, float 
   HostTensor t = HostTensor::Owned(dtype, std::move(shape));
   std::mt19937 gen(seed);
   std::uniform_real_distribution<float> u(-scale, scale);
-  for (int64_t i = 0; i < t.num_elements(); ++i) StoreFromFloat(t.mutable_data(), dtype, i, u(gen));
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    StoreFromFloat(t.mutable_data(), dtype, i, u(gen));
+  }
   return t;
 }
 
@@ -70,7 +72,9 @@ struct Batch {
         dlogp(Random(DType::kF32, {kBT}, seed + 4, 1.0f)),
         dentropy(Random(DType::kF32, {kBT}, seed + 5, 1.0f)) {}
 
-  HostTensor View(const HostTensor& t) const { return HostTensor::View(t.dtype(), t.shape(), t.data()); }
+  static HostTensor View(const HostTensor& t) {
+    return HostTensor::View(t.dtype(), t.shape(), t.data());
+  }
   // The one-phase call less its upstream gradients, W inline (or by `handle`).
   ComputeRequest Call(const std::string& handle = "") const {
     ComputeRequest r;
@@ -359,6 +363,27 @@ TEST_F(TwoPhaseLogprobTest, UnsureBackwardIntoAnAccumulatorIsNeverSentTwice) {
       ExpectCounts(lp, {.tickets = 2, .gone = 1, .one_phase = 1});
     }
   }
+}
+
+// The same for a one-phase backward (no ticket kept) cut off: not sent again.
+TEST_F(TwoPhaseLogprobTest, AOnePhaseBackwardCutOffIsNotSentAgain) {
+  TwoPhaseOptions o = Options();
+  o.keep_ms = 0;
+  TwoPhaseLogprob lp(client_.get(), o);
+  const Batch b(85);
+  ComputeRequest call = b.Call();
+  call.accumulator = "acc-cut";
+  absl::StatusOr<LogprobForward> f = lp.Forward(call);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->ticket().empty());
+  server_.reset();
+  EXPECT_EQ(lp.Backward(*f, b.Gradients()).status().code(), absl::StatusCode::kUnavailable);
+  StartServer("", 256);
+  absl::StatusOr<ComputeResult> g = lp.Backward(*f, b.Gradients());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kAborted) << g.status();
+  EXPECT_EQ(client_->FetchGradients("acc-cut", false).status().code(),
+            absl::StatusCode::kNotFound);
+  ExpectCounts(lp, {});  // keep_ms 0 is the caller's choice: no forward counts as not kept
 }
 
 TEST_F(TwoPhaseLogprobTest, RefusesWhatTheCallMustNotGive) {
