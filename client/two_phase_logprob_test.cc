@@ -386,6 +386,58 @@ TEST_F(TwoPhaseLogprobTest, AOnePhaseBackwardCutOffIsNotSentAgain) {
   ExpectCounts(lp, {});  // keep_ms 0 is the caller's choice: no forward counts as not kept
 }
 
+// Against a hosted head: the backward adds into the step under the call's (rank,
+// micro_batch); a ticket consumed by a backward whose reply was lost falls back to the
+// one-phase call, which the step key keeps from adding twice. dX is the inline call's.
+TEST_F(TwoPhaseLogprobTest, AHeadsStepKeyMakesTheFallbackAddOnce) {
+  const Batch b(95);
+  CreateHeadRequest head;
+  head.name = "lm";
+  head.w = b.w;  // bf16: the compute copy is these very values
+  head.bias = b.bias;
+  ASSERT_TRUE(client_->CreateHead(head).ok());
+  TwoPhaseLogprob lp(client_.get(), Options());
+  ComputeRequest inline_call = b.Call();
+  inline_call.want.dw = inline_call.want.db = false;
+  ComputeRequest call = inline_call;
+  call.w.reset();
+  call.bias.reset();
+  call.head = "lm";
+  call.head_version = 0;
+  ComputeRequest direct = inline_call;
+  direct.dlogp = Batch::View(b.dlogp);
+  direct.dentropy = Batch::View(b.dentropy);
+  absl::StatusOr<ComputeResult> one = client_->Compute(direct);
+  ASSERT_TRUE(one.ok()) << one.status();
+
+  for (uint64_t mb = 0; mb < 2; ++mb) {
+    call.micro_batch = mb;
+    absl::StatusOr<LogprobForward> f = lp.Forward(call);
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_FALSE(f->ticket().empty());
+    if (mb == 1) {  // its backward ran, and its reply was lost
+      ComputeRequest r;
+      r.kind = LossKind::kLogprob;
+      r.ticket = f->ticket();
+      r.dlogp = Batch::View(b.dlogp);
+      r.dentropy = Batch::View(b.dentropy);
+      r.micro_batch = mb;
+      absl::StatusOr<ComputeResult> ran = client_->Compute(r);
+      ASSERT_TRUE(ran.ok()) << ran.status();
+      EXPECT_TRUE(ran->head_added);
+    }
+    absl::StatusOr<ComputeResult> g = lp.Backward(*f, b.Gradients());
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->head_added, mb == 0);  // the fallback's key was already in the step
+    EXPECT_EQ(Mismatch(g->Find(OutputTensor::kDx), one->Find(OutputTensor::kDx)), "");
+    EXPECT_EQ(Mismatch(g->Find(OutputTensor::kLogp), one->Find(OutputTensor::kLogp)), "");
+  }
+  absl::StatusOr<HeadInfo> info = client_->GetHeadInfo("lm");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->contributions, 2u);
+  ExpectCounts(lp, {.tickets = 2, .two_phase = 1, .gone = 1, .one_phase = 1});
+}
+
 TEST_F(TwoPhaseLogprobTest, RefusesWhatTheCallMustNotGive) {
   TwoPhaseLogprob lp(client_.get(), Options());
   const Batch b(90);
