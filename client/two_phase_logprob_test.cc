@@ -134,9 +134,9 @@ class TwoPhaseLogprobTest : public ::testing::Test {
       absl::MutexLock lock(&mu_);
       log_.push_back(line);
     };
-    o.now = [this] {
+    o.now = [this] {  // stands still but for helper_skew_: the pause never ends by itself
       absl::MutexLock lock(&mu_);
-      return absl::Now() + helper_skew_;
+      return helper_epoch_ + helper_skew_;
     };
     return o;
   }
@@ -197,6 +197,7 @@ class TwoPhaseLogprobTest : public ::testing::Test {
   std::unique_ptr<LossClient> client_;
   absl::Mutex mu_;
   std::vector<std::string> log_;
+  const absl::Time helper_epoch_ = absl::Now();
   absl::Duration helper_skew_ = absl::ZeroDuration();
 };
 
