@@ -1,0 +1,169 @@
+// Tests TwoPhaseLogprob over a PooledClient of three real replicas (pool_test_fixture.h):
+// the backward goes by ticket to the forward's replica and gives the single-server one-phase
+// call's outputs byte for byte; where the pool cannot route it (the ticket's replica stopped;
+// an accumulator placed on another replica) the one-phase call stands in, routed by the
+// pool's own key (the weights moved; the accumulator's replica), with the same outputs.
+#include <string>
+
+#include "client/pool_test_fixture.h"
+#include "client/two_phase_logprob.h"
+
+namespace lossd {
+namespace client {
+namespace {
+
+using ::testing::HasSubstr;
+
+class TwoPhasePoolTest : public PoolTest {
+ protected:
+  void SetUp() override {
+    PoolTest::SetUp();
+    w_ = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
+    absl::StatusOr<PutWeightsResult> put = reference_->PutWeights(w_, nullptr);
+    ASSERT_TRUE(put.ok()) << put.status();
+    reference_handle_ = put->handle;
+  }
+
+  // A weights name whose replica is `i`, put in the pool.
+  std::string WeightsOn(int i) {
+    for (int n = 0;; ++n) {
+      const std::string name = absl::StrCat("w-", n);
+      if (Order(WeightsKey(name)).front() != Endpoint(i)) continue;
+      EXPECT_TRUE(pool_->PutWeights(name, w_, nullptr).ok());
+      return name;
+    }
+  }
+  // The first accumulator name whose rendezvous home is not replica 0.
+  std::string AccumulatorAwayFrom0() const {
+    for (int n = 0;; ++n) {
+      const std::string name = absl::StrCat("acc-", n);
+      if (Order(AccumulatorKey(name)).front() != Endpoint(0)) return name;
+    }
+  }
+
+  // Micro-batch `seed`'s one-phase call less its upstream gradients, against weights `name`.
+  static ComputeRequest Call(uint32_t seed, const std::string& name) {
+    ComputeRequest r = PoolMicroBatch(seed);
+    r.kind = LossKind::kLogprob;
+    r.options.temperature = 0.8f;
+    r.weight_handle = name;
+    r.want.entropy = true;
+    r.want.dx = true;
+    r.want.dw = true;
+    return r;
+  }
+  struct Grads {
+    HostTensor dlogp, dentropy;
+    LogprobGradients View() const {
+      return {HostTensor::View(DType::kF32, dlogp.shape(), dlogp.data()),
+              HostTensor::View(DType::kF32, dentropy.shape(), dentropy.data())};
+    }
+  };
+  static Grads GradientsOf(uint32_t seed) {
+    return {PoolRandomFloats(DType::kF32, {kPoolBT}, 300 + seed, 1.0f),
+            PoolRandomFloats(DType::kF32, {kPoolBT}, 400 + seed, 1.0f)};
+  }
+  // The one-phase call on the single-server reference (dw wanted as `call` wants it).
+  ComputeResult Reference(uint32_t seed, const ComputeRequest& call) {
+    ComputeRequest r = Call(seed, reference_handle_);
+    r.want = call.want;
+    const Grads g = GradientsOf(seed);
+    r.dlogp = g.dlogp;
+    r.dentropy = g.dentropy;
+    absl::StatusOr<ComputeResult> res = reference_->Compute(r);
+    EXPECT_TRUE(res.ok()) << res.status();
+    return res.ok() ? *std::move(res) : ComputeResult{};
+  }
+  static void ExpectSame(const ComputeResult& got, const ComputeResult& want) {
+    ASSERT_EQ(got.outputs.size(), want.outputs.size());
+    for (const auto& [t, tensor] : want.outputs) {
+      EXPECT_EQ(PoolMismatch(got.Find(t), &tensor), "") << OutputTensorName(t);
+    }
+  }
+
+  HostTensor w_;
+  std::string reference_handle_;
+};
+
+TEST_F(TwoPhasePoolTest, TheBackwardGoesByTicketToTheForwardsReplica) {
+  TwoPhaseLogprob lp(pool_.get());
+  for (int i = 0; i < kReplicas; ++i) {
+    const ComputeRequest call = Call(10 + i, WeightsOn(i));
+    absl::StatusOr<LogprobForward> f = lp.Forward(call);
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_FALSE(f->ticket().empty());
+    EXPECT_EQ(pool_->ReplicaOfTicket(f->ticket()), Endpoint(i));
+    const std::map<std::string, uint64_t> before = pool_->counters().calls;
+    const Grads g = GradientsOf(10 + i);
+    absl::StatusOr<ComputeResult> b = lp.Backward(*f, g.View());
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::map<std::string, uint64_t> want = before;
+    ++want[Endpoint(i)];
+    EXPECT_EQ(pool_->counters().calls, want);
+    EXPECT_EQ(EngineOf(i).tickets().count(), 0u);
+    ExpectSame(*b, Reference(10 + i, call));
+  }
+  const TwoPhaseCounts c = lp.counts();
+  EXPECT_EQ(c.tickets, 3u);
+  EXPECT_EQ(c.two_phase, 3u);
+  EXPECT_EQ(c.gone + c.not_kept + c.one_phase, 0u);
+}
+
+TEST_F(TwoPhasePoolTest, AStoppedReplicasTicketFallsBackWhereTheWeightsMoved) {
+  std::vector<std::string> logged;
+  TwoPhaseOptions o;
+  o.log = [&logged](const std::string& line) { logged.push_back(line); };
+  TwoPhaseLogprob lp(pool_.get(), o);
+  const ComputeRequest call = Call(20, WeightsOn(1));
+  absl::StatusOr<LogprobForward> f = lp.Forward(call);
+  ASSERT_TRUE(f.ok()) << f.status();
+  Stop(1);
+  const Grads g = GradientsOf(20);
+  absl::StatusOr<ComputeResult> b = lp.Backward(*f, g.View());
+  ASSERT_TRUE(b.ok()) << b.status();
+  ExpectSame(*b, Reference(20, call));
+  EXPECT_EQ(lp.last_fallback().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(lp.last_fallback().message(), HasSubstr("which is unreachable"));
+  const TwoPhaseCounts c = lp.counts();
+  EXPECT_EQ(c.tickets, 1u);
+  EXPECT_EQ(c.gone, 1u);
+  EXPECT_EQ(c.one_phase, 1u);
+  EXPECT_EQ(c.two_phase, 0u);
+  ASSERT_EQ(logged.size(), 1u);
+  EXPECT_THAT(logged[0], HasSubstr("a ticket was gone at backward"));
+}
+
+TEST_F(TwoPhasePoolTest, AnAccumulatorOnAnotherReplicaTakesTheOnePhaseCall) {
+  TwoPhaseLogprob lp(pool_.get());
+  const std::string acc = AccumulatorAwayFrom0();
+  const std::string w0 = WeightsOn(0);
+  // The accumulator begins at its own home with a first micro-batch.
+  ComputeRequest first = Call(30, w0);
+  const Grads g0 = GradientsOf(30);
+  first.dlogp = g0.dlogp;
+  first.accumulator = acc;
+  first.want.dw = false;
+  ASSERT_TRUE(pool_->Compute(first).ok());
+
+  ComputeRequest call = Call(31, w0);  // its ticket is taken on replica 0
+  call.accumulator = acc;
+  call.want.dw = false;
+  absl::StatusOr<LogprobForward> f = lp.Forward(call);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(pool_->ReplicaOfTicket(f->ticket()), Endpoint(0));
+  const Grads g = GradientsOf(31);
+  absl::StatusOr<ComputeResult> b = lp.Backward(*f, g.View());
+  ASSERT_TRUE(b.ok()) << b.status();
+  ExpectSame(*b, Reference(31, call));
+  EXPECT_EQ(lp.last_fallback().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(lp.last_fallback().message(), HasSubstr("a backward cannot add there"));
+  absl::StatusOr<FetchGradientsResult> sum = pool_->FetchGradients(acc, true);
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  EXPECT_EQ(sum->micro_batches, 2u);  // the first, and the one-phase call: added once
+  EXPECT_EQ(lp.counts().gone, 1u);
+  EXPECT_EQ(lp.counts().one_phase, 1u);
+}
+
+}  // namespace
+}  // namespace client
+}  // namespace lossd
