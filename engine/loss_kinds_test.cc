@@ -458,13 +458,8 @@ TEST_F(KindsTest, AHostedHeadsComputeCopyIsTheStudentOfEveryKind) {
   hs.h = kH;
   hs.master_dtype = DType::kBF16;
   hs.compute_dtype = DType::kBF16;
-  auto c = e_.heads().BeginCreate(hs, "");
-  ASSERT_TRUE(c.ok()) << c.status();
-  ASSERT_TRUE(e_.heads()
-                  .WriteCreate(*c->pending, HeadTensor::kMasterW, 0, student_.w.data(),
-                               student_.w.size())
-                  .ok());
-  ASSERT_TRUE(e_.heads().CommitCreate(std::move(c->pending)).ok());
+  const absl::Status created = CreateHead(e_, hs, student_.w);
+  ASSERT_TRUE(created.ok()) << created;
   uint64_t mb = 0;
   for (LossKind kind : {LossKind::kLogprob, LossKind::kPolicy, LossKind::kDistill}) {
     SCOPED_TRACE(LossKindName(kind));

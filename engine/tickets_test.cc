@@ -342,11 +342,8 @@ TEST_F(TicketsTest, AHeadsTicketAddsToTheForwardsStepAndRefusesOnceTheHeadMovedO
   hs.v = kV;
   hs.h = kH;
   hs.master_dtype = DType::kBF16;
-  auto c = e_.heads().BeginCreate(hs, "");
-  ASSERT_TRUE(c.ok()) << c.status();
-  ASSERT_TRUE(e_.heads().WriteCreate(*c->pending, HeadTensor::kMasterW, 0, rp_.w.data(),
-                                     rp_.w.size()).ok());
-  ASSERT_TRUE(e_.heads().CommitCreate(std::move(c->pending)).ok());
+  const absl::Status created = CreateHead(e_, hs, rp_.w);
+  ASSERT_TRUE(created.ok()) << created;
   auto on_head = [&](uint64_t version) {
     ComputeSpec s = Forward();
     SetInput(&s, InputSlot::kW, {});

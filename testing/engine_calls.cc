@@ -114,6 +114,18 @@ absl::StatusOr<std::string> UploadWeights(Engine& e, DType dtype, int64_t v, int
   return e.CommitWeights(std::move(*p));
 }
 
+absl::Status CreateHead(Engine& e, const HeadSpec& spec, const std::vector<uint8_t>& master_w) {
+  auto c = e.heads().BeginCreate(spec, "");
+  if (!c.ok()) return c.status();
+  if (c->pending == nullptr) {
+    return absl::AlreadyExistsError("head '" + spec.name + "' is already here at its version");
+  }
+  absl::Status s =
+      e.heads().WriteCreate(*c->pending, HeadTensor::kMasterW, 0, master_w.data(), master_w.size());
+  if (!s.ok()) return s;
+  return e.heads().CommitCreate(std::move(c->pending)).status();
+}
+
 ComputeOutcome AddRandomMicroBatch(Engine& engine, const std::string& name) {
   RandomProblemSpec rs;
   rs.bt = 4;

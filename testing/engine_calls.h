@@ -1,7 +1,7 @@
 // Engine-level test helpers (testonly): a Compute spec and its input buffers for a random
-// problem or from any sources, a Compute planned and run to its outcome, a weight upload, one
-// random micro-batch added into a named accumulator, and a wait for jobs already on the
-// executor. Nothing here checks results; the tests that use them do.
+// problem or from any sources, a Compute planned and run to its outcome, a weight upload, a
+// hosted head made, one random micro-batch added into a named accumulator, and a wait for jobs
+// already on the executor. Nothing here checks results; the tests that use them do.
 #ifndef LOSSD_TESTING_ENGINE_CALLS_H_
 #define LOSSD_TESTING_ENGINE_CALLS_H_
 
@@ -50,6 +50,8 @@ absl::StatusOr<std::string> UploadWeights(Engine& e, DType dtype, int64_t v, int
                                           const std::vector<uint8_t>& w,
                                           const std::vector<uint8_t>& bias,
                                           const std::string& owner = "");
+// Creates hosted head `spec` (no owner) from its master W alone; the first step's error.
+absl::Status CreateHead(Engine& e, const HeadSpec& spec, const std::vector<uint8_t>& master_w);
 
 // Runs a (BT=4, H=3, V=5) bf16 Compute whose dW goes into accumulator `name` (created if
 // needed) and returns its outcome; the plan's error as the outcome's status if it is refused.
