@@ -97,12 +97,7 @@ class TicketsTest : public ::testing::Test {
     return s;
   }
   std::shared_ptr<Engine::InputBuffers> Inputs(const ComputePlan& plan) const {
-    const LossProblem p = rp_.problem();
-    InputSources src{};
-    src[static_cast<int>(InputSlot::kX)] = p.x;
-    src[static_cast<int>(InputSlot::kW)] = p.w;
-    src[static_cast<int>(InputSlot::kBias)] = p.bias;
-    src[static_cast<int>(InputSlot::kTargets)] = p.targets;
+    InputSources src = InputSourcesOf(rp_.problem());
     src[static_cast<int>(InputSlot::kDlogp)] = dlogp_.data();
     src[static_cast<int>(InputSlot::kDentropy)] = dentropy_.data();
     return InputBuffersFrom(plan, src);

@@ -62,6 +62,15 @@ std::shared_ptr<Engine::InputBuffers> InputBuffersFor(const RandomProblem& rp,
   return in;
 }
 
+InputSources InputSourcesOf(const LossProblem& p) {
+  InputSources src{};
+  src[static_cast<int>(InputSlot::kX)] = p.x;
+  src[static_cast<int>(InputSlot::kW)] = p.w;
+  src[static_cast<int>(InputSlot::kBias)] = p.bias;
+  src[static_cast<int>(InputSlot::kTargets)] = p.targets;
+  return src;
+}
+
 std::shared_ptr<Engine::InputBuffers> InputBuffersFrom(const ComputePlan& plan,
                                                        const InputSources& src) {
   auto in = std::make_shared<Engine::InputBuffers>();

@@ -32,6 +32,8 @@ std::shared_ptr<Engine::InputBuffers> InputBuffersFor(const RandomProblem& rp,
                                                       const ComputePlan& plan);
 // Where each input's bytes come from, by InputSlot; null for an input the test never sends.
 using InputSources = std::array<const void*, static_cast<int>(InputSlot::kCount)>;
+// The sources of `p`'s X, W, bias (null without one) and targets; the rest null.
+InputSources InputSourcesOf(const LossProblem& p);
 // Every input `plan` sends, `plan.input_bytes` of it copied from `src`. An input the plan
 // sends with no source is a broken test: a gtest failure naming the input (its buffer zeros).
 std::shared_ptr<Engine::InputBuffers> InputBuffersFrom(const ComputePlan& plan,

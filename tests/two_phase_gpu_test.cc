@@ -72,12 +72,7 @@ class TwoPhaseGpuTest : public ::testing::Test {
       o.status = plan.status();
       return o;
     }
-    const LossProblem p = rp_->problem();
-    InputSources src{};
-    src[static_cast<int>(InputSlot::kX)] = p.x;
-    src[static_cast<int>(InputSlot::kW)] = p.w;
-    src[static_cast<int>(InputSlot::kBias)] = p.bias;
-    src[static_cast<int>(InputSlot::kTargets)] = p.targets;
+    InputSources src = InputSourcesOf(rp_->problem());
     src[static_cast<int>(InputSlot::kDlogp)] = dlogp_.data();
     src[static_cast<int>(InputSlot::kDentropy)] = dentropy_.data();
     if (plan_out != nullptr) *plan_out = *plan;
