@@ -8,7 +8,6 @@
 #include <limits>
 #include <future>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,22 +29,6 @@ constexpr uint32_t kAllKinds = LossKindBit(LossKind::kCrossEntropy) |
                                LossKindBit(LossKind::kLogprob) |
                                LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
 
-TensorDesc Desc(DType dt, std::vector<int64_t> shape) {
-  TensorDesc t;
-  t.present = true;
-  t.dtype = dt;
-  t.shape = std::move(shape);
-  return t;
-}
-
-std::vector<float> RandomRows(uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  std::vector<float> r(kBt);
-  for (float& f : r) f = u(g);
-  return r;
-}
-
 // A student problem, a teacher of hidden size kHt over the same rows and vocabulary, and
 // three random per-row vectors; the spec and buffers of a request of any kind over them.
 class KindsTest : public ::testing::Test {
@@ -55,7 +38,7 @@ class KindsTest : public ::testing::Test {
         e_(std::make_unique<KindsBackend>(kAllKinds, seen_), EngineOptions{}),
         student_(RandomProblem::Make(ShapeSpec(kBt, kH, kV))),
         teacher_(RandomProblem::Make(ShapeSpec(kBt, kHt, kV))),
-        a_(RandomRows(11)), b_(RandomRows(12)), c_(RandomRows(13)) {
+        a_(RandomRows(kBt, 11)), b_(RandomRows(kBt, 12)), c_(RandomRows(kBt, 13)) {
     teacher_bias_ = RandomProblem::Make([] {
                       RandomProblemSpec s = ShapeSpec(kBt, kHt, kV);
                       s.bias = true;
@@ -66,22 +49,20 @@ class KindsTest : public ::testing::Test {
   ComputeSpec Spec(LossKind kind) const {
     ComputeSpec s = ComputeSpecFor(student_);
     s.kind = kind;
-    if (kind == LossKind::kPolicy) Set(&s, InputSlot::kAdvantages, Desc(DType::kF32, {kBt}));
+    if (kind == LossKind::kPolicy) {
+      SetInput(&s, InputSlot::kAdvantages, InputDesc(DType::kF32, {kBt}));
+    }
     if (kind == LossKind::kDistill) {
-      Set(&s, InputSlot::kTeacherX, Desc(DType::kBF16, {kBt, kHt}));
-      Set(&s, InputSlot::kTeacherW, Desc(DType::kBF16, {kV, kHt}));
+      SetInput(&s, InputSlot::kTeacherX, InputDesc(DType::kBF16, {kBt, kHt}));
+      SetInput(&s, InputSlot::kTeacherW, InputDesc(DType::kBF16, {kV, kHt}));
     }
     return s;
   }
-  static void Set(ComputeSpec* s, InputSlot slot, TensorDesc t) {
-    s->inputs[static_cast<int>(slot)] = std::move(t);
-  }
-  static void Unset(ComputeSpec* s, InputSlot slot) { Set(s, slot, TensorDesc{}); }
+  static void Unset(ComputeSpec* s, InputSlot slot) { SetInput(s, slot, TensorDesc{}); }
 
   // The buffers of every input `plan` sends, from this fixture's tensors.
   std::shared_ptr<Engine::InputBuffers> Inputs(const ComputePlan& plan) const {
-    auto in = std::make_shared<Engine::InputBuffers>();
-    const void* src[static_cast<int>(InputSlot::kCount)] = {};
+    InputSources src{};
     src[static_cast<int>(InputSlot::kX)] = student_.x.data();
     src[static_cast<int>(InputSlot::kW)] = student_.w.data();
     src[static_cast<int>(InputSlot::kTargets)] = student_.targets.data();
@@ -93,37 +74,19 @@ class KindsTest : public ::testing::Test {
     src[static_cast<int>(InputSlot::kTeacherX)] = teacher_.x.data();
     src[static_cast<int>(InputSlot::kTeacherW)] = teacher_.w.data();
     src[static_cast<int>(InputSlot::kTeacherBias)] = teacher_bias_.data();
-    for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
-      const uint64_t n = plan.input_bytes[i];
-      if (n == 0) continue;
-      (*in)[i] = NewHostBuffer(n);
-      std::memcpy((*in)[i].get(), src[i], n);
-    }
-    return in;
+    return InputBuffersFrom(plan, src);
   }
 
   absl::Status Refusal(const ComputeSpec& spec) { return e_.Plan(spec).status(); }
 
   ComputeOutcome Run(const ComputeSpec& spec) {
-    auto plan = e_.Plan(spec);
-    if (!plan.ok()) {
-      ComputeOutcome o;
-      o.status = plan.status();
-      return o;
-    }
-    return RunSync(e_, *plan, Inputs(*plan));
+    return PlanAndRun(e_, spec, [this](const ComputePlan& plan) { return Inputs(plan); });
   }
 
   // Uploads bf16 weights (V, h) and an optional bias; returns the handle.
   std::string Upload(const std::vector<uint8_t>& w, int64_t h, const std::vector<uint8_t>& bias,
                      const std::string& owner = "") {
-    TensorDesc b;
-    if (!bias.empty()) b = Desc(DType::kBF16, {kV});
-    auto p = e_.BeginPutWeights(Desc(DType::kBF16, {kV, h}), b, owner);
-    EXPECT_TRUE(p.ok()) << p.status();
-    EXPECT_TRUE(e_.WriteWeights(**p, false, 0, w.data(), w.size()).ok());
-    if (!bias.empty()) EXPECT_TRUE(e_.WriteWeights(**p, true, 0, bias.data(), bias.size()).ok());
-    auto handle = e_.CommitWeights(std::move(*p));
+    auto handle = UploadWeights(e_, DType::kBF16, kV, h, w, bias, owner);
     EXPECT_TRUE(handle.ok()) << handle.status();
     return handle.ok() ? *handle : "";
   }
@@ -173,8 +136,8 @@ TEST(LossKindsPlanTest, AdmissionCountsTheKindsWorkspaceAndTheTeachersBytes) {
   ComputeSpec ce = ComputeSpecFor(rp);
   ComputeSpec distill = ce;
   distill.kind = LossKind::kDistill;
-  distill.inputs[static_cast<int>(InputSlot::kTeacherX)] = Desc(DType::kBF16, {kBt, kHt});
-  distill.inputs[static_cast<int>(InputSlot::kTeacherW)] = Desc(DType::kBF16, {kV, kHt});
+  distill.inputs[static_cast<int>(InputSlot::kTeacherX)] = InputDesc(DType::kBF16, {kBt, kHt});
+  distill.inputs[static_cast<int>(InputSlot::kTeacherW)] = InputDesc(DType::kBF16, {kV, kHt});
   auto a = e.Plan(ce);
   auto b = e.Plan(distill);
   ASSERT_TRUE(a.ok()) << a.status();
@@ -204,7 +167,7 @@ TEST(LossKindsPlanTest, TheFeaturesNameEveryKindTheBackendComputes) {
 
 TEST_F(KindsTest, EachKindPlansItsBytesOutputsAndWorkspaceShape) {
   ComputeSpec spec = Spec(LossKind::kLogprob);
-  Set(&spec, InputSlot::kDlogp, Desc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kDlogp, InputDesc(DType::kF32, {kBt}));
   spec.wanted.entropy = true;
   spec.options.temperature = 0.5f;
   auto plan = e_.Plan(spec);
@@ -221,7 +184,7 @@ TEST_F(KindsTest, EachKindPlansItsBytesOutputsAndWorkspaceShape) {
 
   spec = Spec(LossKind::kDistill);
   Unset(&spec, InputSlot::kTargets);
-  Set(&spec, InputSlot::kTeacherBias, Desc(DType::kBF16, {kV}));
+  SetInput(&spec, InputSlot::kTeacherBias, InputDesc(DType::kBF16, {kV}));
   plan = e_.Plan(spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->input_bytes[static_cast<int>(InputSlot::kTargets)], 0u);
@@ -237,14 +200,14 @@ TEST_F(KindsTest, EachKindPlansItsBytesOutputsAndWorkspaceShape) {
 
 TEST_F(KindsTest, AnotherKindsTensorsAndOutputsAreRefusedNamingTheField) {
   ComputeSpec spec = Spec(LossKind::kPolicy);
-  Set(&spec, InputSlot::kDlogp, Desc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kDlogp, InputDesc(DType::kF32, {kBt}));
   ExpectRefused(Refusal(spec), "header.dlogp is for kind logprob; this request's kind is policy");
   spec = Spec(LossKind::kLogprob);
-  Set(&spec, InputSlot::kRefLogp, Desc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kRefLogp, InputDesc(DType::kF32, {kBt}));
   ExpectRefused(Refusal(spec),
                 "header.ref_logp is for kind policy; this request's kind is logprob");
   spec = Spec(LossKind::kCrossEntropy);
-  Set(&spec, InputSlot::kTeacherX, Desc(DType::kBF16, {kBt, kHt}));
+  SetInput(&spec, InputSlot::kTeacherX, InputDesc(DType::kBF16, {kBt, kHt}));
   ExpectRefused(Refusal(spec),
                 "header.teacher_x is for kind distill; this request's kind is cross_entropy");
   spec = Spec(LossKind::kPolicy);
@@ -274,7 +237,7 @@ TEST_F(KindsTest, AnotherKindsTensorsAndOutputsAreRefusedNamingTheField) {
   ExpectRefused(Refusal(spec),
                 "options.label_smoothing 0.1 is for cross_entropy only; kind logprob takes 0");
   spec = Spec(LossKind::kPolicy);
-  Set(&spec, InputSlot::kClassWeights, Desc(DType::kF32, {kV}));
+  SetInput(&spec, InputSlot::kClassWeights, InputDesc(DType::kF32, {kV}));
   ExpectRefused(Refusal(spec),
                 "class_weights is for cross_entropy only; kind policy does not take it");
   spec = Spec(LossKind::kCrossEntropy);
@@ -294,9 +257,9 @@ TEST_F(KindsTest, EachKindsOwnInputsAreCheckedNamingFieldAndValues) {
                 "header.advantages is missing: kind policy needs one advantage per row (BT) "
                 "fp32");
   spec = Spec(LossKind::kPolicy);
-  Set(&spec, InputSlot::kOldLogp, Desc(DType::kF32, {kBt + 1}));
+  SetInput(&spec, InputSlot::kOldLogp, InputDesc(DType::kF32, {kBt + 1}));
   ExpectRefused(Refusal(spec), "old_logp.shape [7] must be (BT) = [6]");
-  Set(&spec, InputSlot::kOldLogp, Desc(DType::kBF16, {kBt}));
+  SetInput(&spec, InputSlot::kOldLogp, InputDesc(DType::kBF16, {kBt}));
   ExpectRefused(Refusal(spec), "old_logp.dtype must be fp32, got bf16");
   spec = Spec(LossKind::kPolicy);
   spec.policy.sequences = 4;
@@ -316,13 +279,13 @@ TEST_F(KindsTest, EachKindsOwnInputsAreCheckedNamingFieldAndValues) {
                 "header.teacher_x is missing: kind distill needs the teacher's hidden states "
                 "(BT, Ht)");
   spec = Spec(LossKind::kDistill);
-  Set(&spec, InputSlot::kTeacherX, Desc(DType::kF32, {kBt, kHt}));
+  SetInput(&spec, InputSlot::kTeacherX, InputDesc(DType::kF32, {kBt, kHt}));
   ExpectRefused(Refusal(spec), "teacher_x.dtype fp32 differs from x.dtype bf16");
-  Set(&spec, InputSlot::kTeacherX, Desc(DType::kBF16, {kBt - 1, kHt}));
+  SetInput(&spec, InputSlot::kTeacherX, InputDesc(DType::kBF16, {kBt - 1, kHt}));
   ExpectRefused(Refusal(spec),
                 "teacher_x.shape [5, 7] must be (BT, Ht) with BT = x.shape[0] = 6");
   spec = Spec(LossKind::kDistill);
-  Set(&spec, InputSlot::kTeacherW, Desc(DType::kBF16, {kV, kHt + 1}));
+  SetInput(&spec, InputSlot::kTeacherW, InputDesc(DType::kBF16, {kV, kHt + 1}));
   ExpectRefused(Refusal(spec),
                 "teacher_w.shape [9, 8] must be (V, Ht) = [9, 7] (the student's V, "
                 "teacher_x's hidden size)");
@@ -331,7 +294,7 @@ TEST_F(KindsTest, EachKindsOwnInputsAreCheckedNamingFieldAndValues) {
                 "header has neither teacher_w nor teacher_weight_handle: kind distill needs "
                 "the teacher's weights");
   spec = Spec(LossKind::kDistill);
-  Set(&spec, InputSlot::kTeacherBias, Desc(DType::kBF16, {kV + 2}));
+  SetInput(&spec, InputSlot::kTeacherBias, InputDesc(DType::kBF16, {kV + 2}));
   ExpectRefused(Refusal(spec), "teacher_bias.shape [11] must be (V) = [9]");
   spec = Spec(LossKind::kLogprob);
   Unset(&spec, InputSlot::kTargets);  // only distill may leave them out
@@ -351,7 +314,7 @@ TEST_F(KindsTest, TheTeachersHandleMustBeTheCallersAndFitTheTeacher) {
             std::string::npos) << denied;
   spec.owner = "alice";
   EXPECT_TRUE(e_.Plan(spec).ok());
-  Set(&spec, InputSlot::kTeacherBias, Desc(DType::kBF16, {kV}));
+  SetInput(&spec, InputSlot::kTeacherBias, InputDesc(DType::kBF16, {kV}));
   ExpectRefused(Refusal(spec),
                 absl::StrCat("header names teacher_weight_handle '", mine,
                              "' and also describes inline teacher_bias; send one or the other "
@@ -368,8 +331,8 @@ TEST_F(KindsTest, TheTeachersHandleMustBeTheCallersAndFitTheTeacher) {
 
 TEST_F(KindsTest, LogprobsInputsReachTheBackendAndItsOutputsComeBack) {
   ComputeSpec spec = Spec(LossKind::kLogprob);
-  Set(&spec, InputSlot::kDlogp, Desc(DType::kF32, {kBt}));
-  Set(&spec, InputSlot::kDentropy, Desc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kDlogp, InputDesc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kDentropy, InputDesc(DType::kF32, {kBt}));
   spec.wanted.entropy = true;
   spec.options.temperature = 0.75f;
   spec.options.grad_scale = 0.5f;
@@ -399,8 +362,8 @@ TEST_F(KindsTest, LogprobsInputsReachTheBackendAndItsOutputsComeBack) {
 
 TEST_F(KindsTest, PolicyIntoAnAccumulatorCarriesItsInputsParamsAndMetrics) {
   ComputeSpec spec = Spec(LossKind::kPolicy);
-  Set(&spec, InputSlot::kOldLogp, Desc(DType::kF32, {kBt}));
-  Set(&spec, InputSlot::kRefLogp, Desc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kOldLogp, InputDesc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kRefLogp, InputDesc(DType::kF32, {kBt}));
   spec.policy.loss_type = PolicyLossType::kGrpo;
   spec.policy.sequences = 2;
   spec.policy.beta = 0.3f;
@@ -459,7 +422,7 @@ TEST_F(KindsTest, DistillTakesTheTeacherByHandleWithItsBiasAndNoTargets) {
 
 TEST_F(KindsTest, AnInlineTeachersNonFiniteValuesAreRefusedNamingTheTensor) {
   ComputeSpec spec = Spec(LossKind::kDistill);
-  Set(&spec, InputSlot::kTeacherBias, Desc(DType::kBF16, {kV}));
+  SetInput(&spec, InputSlot::kTeacherBias, InputDesc(DType::kBF16, {kV}));
   auto plan = e_.Plan(spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
   ComputeOutcome o = RunSync(e_, *plan, Inputs(*plan));
@@ -495,13 +458,8 @@ TEST_F(KindsTest, AHostedHeadsComputeCopyIsTheStudentOfEveryKind) {
   hs.h = kH;
   hs.master_dtype = DType::kBF16;
   hs.compute_dtype = DType::kBF16;
-  auto c = e_.heads().BeginCreate(hs, "");
-  ASSERT_TRUE(c.ok()) << c.status();
-  ASSERT_TRUE(e_.heads()
-                  .WriteCreate(*c->pending, HeadTensor::kMasterW, 0, student_.w.data(),
-                               student_.w.size())
-                  .ok());
-  ASSERT_TRUE(e_.heads().CommitCreate(std::move(c->pending)).ok());
+  const absl::Status created = CreateHead(e_, hs, student_.w);
+  ASSERT_TRUE(created.ok()) << created;
   uint64_t mb = 0;
   for (LossKind kind : {LossKind::kLogprob, LossKind::kPolicy, LossKind::kDistill}) {
     SCOPED_TRACE(LossKindName(kind));

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "testing/engine_calls.h"
 #include "testing/test_util.h"
 #include "engine/engine.h"
 
@@ -28,20 +29,9 @@ RandomProblem Problem() {
   return RandomProblem::Make(s);
 }
 
-TensorDesc Desc(DType dt, std::vector<int64_t> shape) {
-  TensorDesc t;
-  t.present = true;
-  t.dtype = dt;
-  t.shape = std::move(shape);
-  return t;
-}
-
 // Uploads the problem's W under `owner`; returns the handle.
 std::string Upload(Engine& e, const RandomProblem& rp, const std::string& owner) {
-  auto p = e.BeginPutWeights(Desc(DType::kF32, {kV, kH}), TensorDesc{}, owner);
-  EXPECT_TRUE(p.ok()) << p.status();
-  EXPECT_TRUE(e.WriteWeights(**p, false, 0, rp.w.data(), rp.w.size()).ok());
-  auto h = e.CommitWeights(std::move(*p));
+  auto h = UploadWeights(e, DType::kF32, kV, kH, rp.w, {}, owner);
   EXPECT_TRUE(h.ok()) << h.status();
   return *h;
 }
@@ -50,8 +40,8 @@ std::string Upload(Engine& e, const RandomProblem& rp, const std::string& owner)
 absl::Status Compute(Engine& e, const RandomProblem& rp, const std::string& handle,
                      const std::string& acc, const std::string& caller) {
   ComputeSpec c;
-  c.inputs[static_cast<int>(InputSlot::kX)] = Desc(DType::kF32, {kBt, kH});
-  c.inputs[static_cast<int>(InputSlot::kTargets)] = Desc(DType::kI64, {kBt});
+  c.inputs[static_cast<int>(InputSlot::kX)] = InputDesc(DType::kF32, {kBt, kH});
+  c.inputs[static_cast<int>(InputSlot::kTargets)] = InputDesc(DType::kI64, {kBt});
   c.weight_handle = handle;
   c.accumulator = acc;
   c.owner = caller;

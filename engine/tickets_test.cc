@@ -7,7 +7,6 @@
 #include <cstring>
 #include <future>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -28,22 +27,6 @@ constexpr int64_t kBt = 7, kH = 5, kV = 11;
 constexpr char kInstance[] = "0123abcd";
 constexpr int64_t kMs = 1000000;  // ns
 
-TensorDesc Desc(DType dt, std::vector<int64_t> shape) {
-  TensorDesc t;
-  t.present = true;
-  t.dtype = dt;
-  t.shape = std::move(shape);
-  return t;
-}
-
-std::vector<float> RandomRows(uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  std::vector<float> r(kBt);
-  for (float& f : r) f = u(g);
-  return r;
-}
-
 void ExpectStatus(const absl::Status& s, absl::StatusCode code, const std::string& part) {
   EXPECT_EQ(s.code(), code) << s;
   EXPECT_NE(s.message().find(part), std::string::npos) << s;
@@ -61,8 +44,8 @@ class TicketsTest : public ::testing::Test {
           s.seed = 5;
           return s;
         }())),
-        dlogp_(RandomRows(21)),
-        dentropy_(RandomRows(22)) {}
+        dlogp_(RandomRows(kBt, 21)),
+        dentropy_(RandomRows(kBt, 22)) {}
 
   static EngineOptions Options(EngineOptions o, std::atomic<int64_t>* now) {
     o.instance = kInstance;
@@ -75,11 +58,11 @@ class TicketsTest : public ::testing::Test {
   ComputeSpec Spec(const std::string& handle = "") const {
     ComputeSpec s;
     s.kind = LossKind::kLogprob;
-    Set(&s, InputSlot::kX, Desc(DType::kBF16, {kBt, kH}));
-    Set(&s, InputSlot::kTargets, Desc(DType::kI64, {kBt}));
+    SetInput(&s, InputSlot::kX, InputDesc(DType::kBF16, {kBt, kH}));
+    SetInput(&s, InputSlot::kTargets, InputDesc(DType::kI64, {kBt}));
     if (handle.empty()) {
-      Set(&s, InputSlot::kW, Desc(DType::kBF16, {kV, kH}));
-      Set(&s, InputSlot::kBias, Desc(DType::kBF16, {kV}));
+      SetInput(&s, InputSlot::kW, InputDesc(DType::kBF16, {kV, kH}));
+      SetInput(&s, InputSlot::kBias, InputDesc(DType::kBF16, {kV}));
     } else {
       s.weight_handle = handle;
     }
@@ -97,8 +80,8 @@ class TicketsTest : public ::testing::Test {
   // One phase: the same with the upstream gradients and every gradient asked.
   ComputeSpec OnePhase(const std::string& handle = "") const {
     ComputeSpec s = Spec(handle);
-    Set(&s, InputSlot::kDlogp, Desc(DType::kF32, {kBt}));
-    Set(&s, InputSlot::kDentropy, Desc(DType::kF32, {kBt}));
+    SetInput(&s, InputSlot::kDlogp, InputDesc(DType::kF32, {kBt}));
+    SetInput(&s, InputSlot::kDentropy, InputDesc(DType::kF32, {kBt}));
     s.wanted.dx = s.wanted.dw = s.wanted.db = true;
     s.options.grad_scale = 0.5f;
     return s;
@@ -107,44 +90,21 @@ class TicketsTest : public ::testing::Test {
     ComputeSpec s;
     s.kind = LossKind::kLogprob;
     s.ticket = ticket;
-    Set(&s, InputSlot::kDlogp, Desc(DType::kF32, {kBt}));
-    Set(&s, InputSlot::kDentropy, Desc(DType::kF32, {kBt}));
+    SetInput(&s, InputSlot::kDlogp, InputDesc(DType::kF32, {kBt}));
+    SetInput(&s, InputSlot::kDentropy, InputDesc(DType::kF32, {kBt}));
     s.wanted.dx = s.wanted.dw = s.wanted.db = s.wanted.entropy = true;
     s.options.grad_scale = 0.5f;
     return s;
   }
-  static void Set(ComputeSpec* s, InputSlot slot, TensorDesc t) {
-    s->inputs[static_cast<int>(slot)] = std::move(t);
-  }
-
   std::shared_ptr<Engine::InputBuffers> Inputs(const ComputePlan& plan) const {
-    auto in = std::make_shared<Engine::InputBuffers>();
-    const LossProblem p = rp_.problem();
-    const void* src[static_cast<int>(InputSlot::kCount)] = {};
-    src[static_cast<int>(InputSlot::kX)] = p.x;
-    src[static_cast<int>(InputSlot::kW)] = p.w;
-    src[static_cast<int>(InputSlot::kBias)] = p.bias;
-    src[static_cast<int>(InputSlot::kTargets)] = p.targets;
+    InputSources src = InputSourcesOf(rp_.problem());
     src[static_cast<int>(InputSlot::kDlogp)] = dlogp_.data();
     src[static_cast<int>(InputSlot::kDentropy)] = dentropy_.data();
-    for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
-      const uint64_t n = plan.input_bytes[i];
-      if (n == 0) continue;
-      EXPECT_NE(src[i], nullptr) << InputSlotName(static_cast<InputSlot>(i));
-      (*in)[i] = NewHostBuffer(n);
-      std::memcpy((*in)[i].get(), src[i], n);
-    }
-    return in;
+    return InputBuffersFrom(plan, src);
   }
 
   ComputeOutcome Go(const ComputeSpec& spec) {
-    auto plan = e_.Plan(spec);
-    if (!plan.ok()) {
-      ComputeOutcome o;
-      o.status = plan.status();
-      return o;
-    }
-    return RunSync(e_, *plan, Inputs(*plan));
+    return PlanAndRun(e_, spec, [this](const ComputePlan& plan) { return Inputs(plan); });
   }
 
   // A forward that must keep; returns its ticket.
@@ -156,11 +116,7 @@ class TicketsTest : public ::testing::Test {
   }
 
   std::string Upload() {
-    auto p = e_.BeginPutWeights(Desc(DType::kBF16, {kV, kH}), Desc(DType::kBF16, {kV}));
-    EXPECT_TRUE(p.ok()) << p.status();
-    EXPECT_TRUE(e_.WriteWeights(**p, false, 0, rp_.w.data(), rp_.w.size()).ok());
-    EXPECT_TRUE(e_.WriteWeights(**p, true, 0, rp_.bias.data(), rp_.bias.size()).ok());
-    auto h = e_.CommitWeights(std::move(*p));
+    auto h = UploadWeights(e_, DType::kBF16, kV, kH, rp_.w, rp_.bias);
     EXPECT_TRUE(h.ok()) << h.status();
     return h.ok() ? *h : "";
   }
@@ -318,22 +274,22 @@ TEST_F(TicketsTest, ABackwardSendsOnlyTheUpstreamGradients) {
     ExpectStatus(e_.Plan(s).status(), code, part);
   };
   const auto kBad = absl::StatusCode::kInvalidArgument;
-  refused([](ComputeSpec* s) { Set(s, InputSlot::kX, Desc(DType::kBF16, {kBt, kH})); }, kBad,
-          "header.x is sent with header.ticket");
-  refused([](ComputeSpec* s) { Set(s, InputSlot::kW, Desc(DType::kBF16, {kV, kH})); }, kBad,
-          "header.w is sent with header.ticket");
-  refused([](ComputeSpec* s) { Set(s, InputSlot::kTargets, Desc(DType::kI64, {kBt})); }, kBad,
-          "header.targets is sent");
-  refused([](ComputeSpec* s) { Set(s, InputSlot::kBias, Desc(DType::kBF16, {kV})); }, kBad,
-          "header.bias is sent");
+  refused([](ComputeSpec* s) { SetInput(s, InputSlot::kX, InputDesc(DType::kBF16, {kBt, kH})); },
+          kBad, "header.x is sent with header.ticket");
+  refused([](ComputeSpec* s) { SetInput(s, InputSlot::kW, InputDesc(DType::kBF16, {kV, kH})); },
+          kBad, "header.w is sent with header.ticket");
+  refused([](ComputeSpec* s) { SetInput(s, InputSlot::kTargets, InputDesc(DType::kI64, {kBt})); },
+          kBad, "header.targets is sent");
+  refused([](ComputeSpec* s) { SetInput(s, InputSlot::kBias, InputDesc(DType::kBF16, {kV})); },
+          kBad, "header.bias is sent");
   refused([](ComputeSpec* s) { s->weight_handle = "w-0123abcd-1"; }, kBad,
           "header.weight_handle is sent");
   refused([](ComputeSpec* s) { s->keep_ms = 5; }, kBad, "header.keep_ms 5 and header.ticket");
   refused([](ComputeSpec* s) { s->kind = LossKind::kCrossEntropy; }, kBad,
           "this request's kind is cross_entropy");
   refused([](ComputeSpec* s) {
-    Set(s, InputSlot::kDlogp, {});
-    Set(s, InputSlot::kDentropy, {});
+    SetInput(s, InputSlot::kDlogp, {});
+    SetInput(s, InputSlot::kDentropy, {});
   }, kBad, "without header.dlogp or header.dentropy");
   refused([](ComputeSpec* s) {
     s->temperature_set = true;
@@ -365,7 +321,7 @@ TEST_F(TicketsTest, AForwardThatKeepsAsksForNoGradient) {
     edit(&s);
     ExpectStatus(e_.Plan(s).status(), absl::StatusCode::kInvalidArgument, part);
   };
-  refused([](ComputeSpec* s) { Set(s, InputSlot::kDlogp, Desc(DType::kF32, {kBt})); },
+  refused([](ComputeSpec* s) { SetInput(s, InputSlot::kDlogp, InputDesc(DType::kF32, {kBt})); },
           "header.dlogp is sent with header.keep_ms");
   refused([](ComputeSpec* s) { s->wanted.dx = true; }, "header.outputs.dx is asked with");
   refused([](ComputeSpec* s) { s->wanted.dw = true; }, "header.outputs.dw is asked with");
@@ -381,15 +337,12 @@ TEST_F(TicketsTest, AHeadsTicketAddsToTheForwardsStepAndRefusesOnceTheHeadMovedO
   hs.v = kV;
   hs.h = kH;
   hs.master_dtype = DType::kBF16;
-  auto c = e_.heads().BeginCreate(hs, "");
-  ASSERT_TRUE(c.ok()) << c.status();
-  ASSERT_TRUE(e_.heads().WriteCreate(*c->pending, HeadTensor::kMasterW, 0, rp_.w.data(),
-                                     rp_.w.size()).ok());
-  ASSERT_TRUE(e_.heads().CommitCreate(std::move(c->pending)).ok());
+  const absl::Status created = CreateHead(e_, hs, rp_.w);
+  ASSERT_TRUE(created.ok()) << created;
   auto on_head = [&](uint64_t version) {
     ComputeSpec s = Forward();
-    Set(&s, InputSlot::kW, {});
-    Set(&s, InputSlot::kBias, {});
+    SetInput(&s, InputSlot::kW, {});
+    SetInput(&s, InputSlot::kBias, {});
     s.head = "h";
     s.head_version = version;
     return Go(s);
@@ -520,8 +473,8 @@ TEST_F(TicketBudgetTest, AFullStoreRefusesNamingTheNumbersAndFreesOnConsume) {
   EXPECT_FALSE(Keep().empty());
   // A ticket that can never fit is refused by the plan, before any tensor arrives.
   ComputeSpec wide = Forward();
-  Set(&wide, InputSlot::kX, Desc(DType::kBF16, {kBt * 40, kH}));
-  Set(&wide, InputSlot::kTargets, Desc(DType::kI64, {kBt * 40}));
+  SetInput(&wide, InputSlot::kX, InputDesc(DType::kBF16, {kBt * 40, kH}));
+  SetInput(&wide, InputSlot::kTargets, InputDesc(DType::kI64, {kBt * 40}));
   ExpectStatus(e_.Plan(wide).status(), absl::StatusCode::kResourceExhausted,
                "(--ticket_bytes, --max_tickets): send it as a one-phase call");
   ExpectBackwardIsOnePhase(b);

@@ -20,14 +20,6 @@ namespace {
 
 constexpr int64_t kBt = 1000, kH = 256, kV = 5003;  // nothing a multiple of 8 but H
 
-TensorDesc Desc(DType dt, std::vector<int64_t> shape) {
-  TensorDesc t;
-  t.present = true;
-  t.dtype = dt;
-  t.shape = std::move(shape);
-  return t;
-}
-
 class TwoPhaseGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -54,11 +46,11 @@ class TwoPhaseGpuTest : public ::testing::Test {
   ComputeSpec Spec(const std::string& handle, bool keep, bool grads) const {
     ComputeSpec s;
     s.kind = LossKind::kLogprob;
-    s.inputs[static_cast<int>(InputSlot::kX)] = Desc(DType::kBF16, {kBt, kH});
-    s.inputs[static_cast<int>(InputSlot::kTargets)] = Desc(DType::kI64, {kBt});
+    s.inputs[static_cast<int>(InputSlot::kX)] = InputDesc(DType::kBF16, {kBt, kH});
+    s.inputs[static_cast<int>(InputSlot::kTargets)] = InputDesc(DType::kI64, {kBt});
     if (handle.empty()) {
-      s.inputs[static_cast<int>(InputSlot::kW)] = Desc(DType::kBF16, {kV, kH});
-      s.inputs[static_cast<int>(InputSlot::kBias)] = Desc(DType::kBF16, {kV});
+      s.inputs[static_cast<int>(InputSlot::kW)] = InputDesc(DType::kBF16, {kV, kH});
+      s.inputs[static_cast<int>(InputSlot::kBias)] = InputDesc(DType::kBF16, {kV});
     }
     s.weight_handle = handle;
     s.options.temperature = 0.7f;
@@ -66,8 +58,8 @@ class TwoPhaseGpuTest : public ::testing::Test {
     s.wanted.entropy = true;
     s.keep_ms = keep ? 60000 : 0;
     if (grads) {
-      s.inputs[static_cast<int>(InputSlot::kDlogp)] = Desc(DType::kF32, {kBt});
-      s.inputs[static_cast<int>(InputSlot::kDentropy)] = Desc(DType::kF32, {kBt});
+      s.inputs[static_cast<int>(InputSlot::kDlogp)] = InputDesc(DType::kF32, {kBt});
+      s.inputs[static_cast<int>(InputSlot::kDentropy)] = InputDesc(DType::kF32, {kBt});
       s.wanted.dx = s.wanted.dw = s.wanted.db = true;
     }
     return s;
@@ -80,22 +72,11 @@ class TwoPhaseGpuTest : public ::testing::Test {
       o.status = plan.status();
       return o;
     }
-    auto in = std::make_shared<Engine::InputBuffers>();
-    const LossProblem p = rp_->problem();
-    const void* src[static_cast<int>(InputSlot::kCount)] = {};
-    src[static_cast<int>(InputSlot::kX)] = p.x;
-    src[static_cast<int>(InputSlot::kW)] = p.w;
-    src[static_cast<int>(InputSlot::kBias)] = p.bias;
-    src[static_cast<int>(InputSlot::kTargets)] = p.targets;
+    InputSources src = InputSourcesOf(rp_->problem());
     src[static_cast<int>(InputSlot::kDlogp)] = dlogp_.data();
     src[static_cast<int>(InputSlot::kDentropy)] = dentropy_.data();
-    for (int i = 0; i < static_cast<int>(InputSlot::kCount); ++i) {
-      if (plan->input_bytes[i] == 0) continue;
-      (*in)[i] = NewHostBuffer(plan->input_bytes[i]);
-      std::memcpy((*in)[i].get(), src[i], plan->input_bytes[i]);
-    }
     if (plan_out != nullptr) *plan_out = *plan;
-    return RunSync(*e_, *plan, in);
+    return RunSync(*e_, *plan, InputBuffersFrom(*plan, src));
   }
 
   // Forward with keep, its backward, and the one-phase call: the same bits.
@@ -106,8 +87,8 @@ class TwoPhaseGpuTest : public ::testing::Test {
     ComputeSpec back;
     back.kind = LossKind::kLogprob;
     back.ticket = f.ticket;
-    back.inputs[static_cast<int>(InputSlot::kDlogp)] = Desc(DType::kF32, {kBt});
-    back.inputs[static_cast<int>(InputSlot::kDentropy)] = Desc(DType::kF32, {kBt});
+    back.inputs[static_cast<int>(InputSlot::kDlogp)] = InputDesc(DType::kF32, {kBt});
+    back.inputs[static_cast<int>(InputSlot::kDentropy)] = InputDesc(DType::kF32, {kBt});
     back.wanted.dx = back.wanted.dw = back.wanted.db = back.wanted.entropy = true;
     const ComputeOutcome b = Go(back);
     ComputePlan plan;
@@ -134,7 +115,7 @@ class TwoPhaseGpuTest : public ::testing::Test {
 TEST_F(TwoPhaseGpuTest, InlineWeightsKeptOnTheDevice) { ExpectTwoPhaseIsOnePhase(""); }
 
 TEST_F(TwoPhaseGpuTest, AWeightHandle) {
-  auto p = e_->BeginPutWeights(Desc(DType::kBF16, {kV, kH}), Desc(DType::kBF16, {kV}));
+  auto p = e_->BeginPutWeights(InputDesc(DType::kBF16, {kV, kH}), InputDesc(DType::kBF16, {kV}));
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_TRUE(e_->WriteWeights(**p, false, 0, rp_->w.data(), rp_->w.size()).ok());
   ASSERT_TRUE(e_->WriteWeights(**p, true, 0, rp_->bias.data(), rp_->bias.size()).ok());

@@ -28,7 +28,6 @@ import argparse
 import csv
 import importlib.metadata
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +36,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from torch_timing import median_ms, peak_above, peak_start, sync
 
 OPS = ("liger_cute", "liger_triton", "quack", "quack_scaled", "floor", "naive")
 SHAPES = "8192x4096x128256,8192x2304x256000,16384x4096x128256"
@@ -206,29 +207,6 @@ def package_versions():
     return ", ".join(found)
 
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, runs, dev):
-    times = []
-    for _ in range(runs):
-        if dev.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def make_step(f, x, w, y):
     """One forward + backward (or the floor's three GEMMs when f is None)."""
     if f is None:
@@ -280,21 +258,15 @@ def timed(f, x, w, y, args, dev, row):
     x.grad = None
     w.grad = None
     sync(dev)
-    if dev.type == "cuda":
-        # The allocator keeps its cache (the timed runs reuse the warm-up's blocks); the peak
-        # counts tensors alive, which the cache does not change.
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    ms = time_ms(step, args.runs, dev)
+    # The allocator keeps its cache (the timed runs reuse the warm-up's blocks); the peak
+    # counts tensors alive, which the cache does not change.
+    base = peak_start(dev)
+    ms = median_ms(step, args.runs, dev)
     row["ms"] = ms
     row["tflops"] = 6.0 * row["bt"] * row["h"] * row["v"] / ms / 1e9
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-        # The op's own outputs: dX and dW as it returns them (the floor's are bf16).
-        dx_bytes = x.numel() * (x.grad.element_size() if x.grad is not None else 2)
-        dw_bytes = w.numel() * (w.grad.element_size() if w.grad is not None else 2)
-        row["peak_gib"] = peak / 2**30
-        row["beyond_grads_gib"] = (peak - dx_bytes - dw_bytes) / 2**30
+    if base is not None:
+        # Beyond the op's own outputs: dX and dW as it returns them (the floor's are bf16).
+        row["peak_gib"], row["beyond_grads_gib"] = peak_above(dev, base, x, w)
 
 
 def run_shape(op, f_or_error, shape, args, dev):

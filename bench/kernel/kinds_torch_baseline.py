@@ -19,11 +19,11 @@ markdown table. --device cpu runs the same code on the CPU (times only, no memor
 a check of the code at small shapes on a machine without a GPU. --dry-run prints the plan.
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from torch_timing import median_ms, peak_above, peak_start, sync
 
 SHAPES = "8192x4096x128256,8192x2304x256000"
 KINDS = ("cross_entropy", "logprob", "policy", "distill")
@@ -53,28 +53,6 @@ def parse_kinds(text):
     if not kinds:
         raise SystemExit("--kinds is empty")
     return kinds
-
-
-def time_ms(fn, warmup, runs, dev):
-    for _ in range(warmup):
-        fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        if dev.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def head(bt, h, v, dev, gen, dtype=torch.bfloat16):
@@ -153,18 +131,11 @@ def run_kind(kind, bt, h, v, args, dev):
         loss.backward()
         return loss
 
-    peak = beyond = None
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    sync(dev)
+    base = peak_start(dev)
     loss = step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        peak_bytes = torch.cuda.max_memory_allocated() - base
-        grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
-        peak, beyond = peak_bytes / 2**30, (peak_bytes - grads) / 2**30
-    ms = time_ms(step, args.warmup, args.runs, dev)
+    peak, beyond = peak_above(dev, base, x, w)
+    ms = median_ms(step, args.runs, dev, warmup=args.warmup)
     return ms, peak, beyond, float(loss.detach())
 
 

@@ -15,9 +15,8 @@
 #include "gtest/gtest.h"
 #include "core/dtype.h"
 #include "kernels/cpu/logprob_reference.h"
-#include "kernels/cpu/policy_test_inputs.h"
+#include "kernels/cpu/policy_test_util.h"
 #include "kernels/cpu/reference_head.h"
-#include "testing/finite_difference.h"
 
 namespace lossd {
 namespace {
@@ -28,16 +27,10 @@ struct LossCase {
   double dapo_normalizer;
 };
 
-enum KlCase { kNoKl, kKlWithRef, kBetaWithoutRef };
-
 using FdParam = std::tuple<LossCase, bool /*old*/, KlCase, float /*temperature*/,
                            bool /*mask*/, bool /*bias and softcap*/>;
 
 class PolicyFiniteDifferenceTest : public ::testing::TestWithParam<FdParam> {};
-
-// Ratios r_i = exp(logp_i - old_i) placed away from the clip bounds (0.8 and 1.28 below) by
-// far more than a finite-difference step moves them (~0.3%), so the loss is smooth there.
-constexpr double kRatios[8] = {0.55, 0.9, 1.1, 1.45, 0.7, 1.2, 0.95, 1.5};
 
 TEST_P(PolicyFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
   const auto [loss_case, old, kl, temperature, masked, head_options] = GetParam();
@@ -54,18 +47,11 @@ TEST_P(PolicyFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
   o.beta = kl == kNoKl ? 0.0f : 0.3f;
   o.grad_scale = 0.75f;
   if (masked) {
-    in.mask[2] = in.mask[5] = 0;
-    in.targets[2] = in.targets[5] = -1;  // never read on masked rows
+    in.MaskUnread(2);
+    in.MaskUnread(5);
   }
   const std::vector<double> logp = in.CurrentLogprobs(p);
-  std::mt19937 rng(5);
-  std::uniform_real_distribution<float> shift(-0.5f, 0.5f);
-  for (int64_t i = 0; i < in.bt; ++i) {
-    in.old_logp[i] = static_cast<float>(logp[i] - std::log(kRatios[i]));
-    in.ref_logp[i] = static_cast<float>(logp[i]) + shift(rng);
-  }
-  if (!old) p.old_logp = nullptr;
-  if (kl == kBetaWithoutRef) p.ref_logp = nullptr;
+  SetOldAndRefLogprobs(logp, 5, old, kl, &in, &p);
 
   PolicyReferenceOutputs r;
   ASSERT_TRUE(PolicyReference(p, &r).ok());
@@ -75,7 +61,7 @@ TEST_P(PolicyFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
   for (int64_t i = 0; i < in.bt; ++i) {
     if (in.mask[i] == 0) continue;
     EXPECT_NEAR(r.logp[i], logp[i], 1e-15);
-    const double ratio = old ? kRatios[i] : 1.0;
+    const double ratio = old ? kFdRatios[i] : 1.0;
     ASSERT_NEAR(r.ratio[i], ratio, 1e-5);
     const bool c = (ratio < 0.8 && in.advantages[i] < 0) || (ratio > 1.28 && in.advantages[i] > 0);
     clipped += c ? 1 : 0;
@@ -86,29 +72,12 @@ TEST_P(PolicyFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
     ASSERT_GT(clipped, 0);
     ASSERT_LT(clipped, r.tokens);
   }
-  if (kl == kKlWithRef) {
-    EXPECT_GT(r.kl, 1e-3);
-  } else {
-    EXPECT_EQ(r.kl, 0.0);
-  }
+  ExpectKlMetric(r, kl);
 
-  // Without old (reference) log-probs they are the current ones detached: constants to the
-  // gradient. Perturbing X or W would move them too, so the finite differences freeze them at
-  // the current values (fp32-rounded: r = 1 within 1e-7, far inside the bounds).
-  std::vector<float> frozen(in.bt);
-  for (int64_t i = 0; i < in.bt; ++i) frozen[i] = static_cast<float>(logp[i]);
-  PolicyProblem q = p;
-  if (!old) q.old_logp = frozen.data();
-  if (kl == kBetaWithoutRef) q.ref_logp = frozen.data();
-  auto objective = [&]() {
-    PolicyReferenceOutputs f;
-    EXPECT_TRUE(PolicyReference(q, &f).ok());
-    return static_cast<double>(o.grad_scale) * f.loss;
-  };
-  double largest = ExpectGradientMatches("dx", in.x.data(), r.grad.dx, objective);
-  largest = std::max(largest, ExpectGradientMatches("dw", in.w.data(), r.grad.dw, objective));
-  if (head_options) ExpectGradientMatches("db", in.b.data(), r.grad.db, objective);
-  EXPECT_GT(largest, 100 * kFdAtol);  // the comparisons above were not of zeros
+  // Without old (reference) log-probs they are the current ones detached, frozen for the
+  // finite differences (fp32-rounded: r = 1 within 1e-7, far inside the bounds).
+  const FrozenProblem fp(p, logp);
+  ExpectHeadGradientMatches(in, r.grad, head_options, [&] { return ScaledLoss(fp.q); });
   if (masked) {
     for (int64_t k = 0; k < in.h; ++k) EXPECT_EQ(r.grad.dx[2 * in.h + k], 0.0);
     for (int64_t k = 0; k < in.h; ++k) EXPECT_EQ(r.grad.dx[5 * in.h + k], 0.0);
@@ -125,10 +94,8 @@ constexpr LossCase kLossCases[] = {
 
 std::string FdName(const ::testing::TestParamInfo<FdParam>& info) {
   const auto [loss_case, old, kl, temperature, masked, head_options] = info.param;
-  std::string name = std::string(loss_case.name) + (old ? "_old" : "_noold");
-  name += kl == kNoKl ? "_beta0" : kl == kKlWithRef ? "_kl" : "_beta_noref";
-  name += temperature == 1.0f ? "_T1" : "_T08";
-  return name + (masked ? "_mask" : "") + (head_options ? "_bias_softcap" : "");
+  return std::string(loss_case.name) + OldKlName(old, kl) + (temperature == 1.0f ? "_T1" : "_T08") +
+         MaskHeadName(masked, head_options);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -137,19 +104,6 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(kNoKl, kKlWithRef, kBetaWithoutRef),
                        ::testing::Values(1.0f, 0.8f), ::testing::Bool(), ::testing::Bool()),
     FdName);
-
-// Max |a - b| <= tol * max |b|, and b not all zeros.
-void ExpectNearAll(const std::vector<double>& a, const std::vector<double>& b, double tol,
-                   const char* what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  double worst = 0, norm = 0;
-  for (size_t k = 0; k < a.size(); ++k) {
-    worst = std::max(worst, std::fabs(a[k] - b[k]));
-    norm = std::max(norm, std::fabs(b[k]));
-  }
-  EXPECT_GT(norm, 0.0) << what;
-  EXPECT_LE(worst, tol * norm) << what;
-}
 
 // Without old log-probs r = 1 (never clipped) and with beta 0 every token's loss is -A_i, so
 // each normalisation has a closed form in the advantages alone; sequence 1 is fully masked
@@ -350,46 +304,40 @@ TEST(PolicyReferenceTest, DefaultsAreLigers) {
 
 TEST(PolicyReferenceTest, RejectsBadInput) {
   Inputs in(2, 2, 3, 4, 9);
-  auto expect_refused = [&](const PolicyProblem& p, const std::string& substring) {
-    PolicyReferenceOutputs r;
-    const absl::Status st = PolicyReference(p, &r);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << substring;
-    EXPECT_NE(st.message().find(substring), std::string::npos) << st;
-  };
   PolicyProblem p = in.Problem(false);
   PolicyReferenceOutputs ok;
   ASSERT_TRUE(PolicyReference(p, &ok).ok());
   p.options.loss_type = PolicyLossType::kDrGrpo;
-  expect_refused(p, "options.max_completion_length must be > 0 with loss_type dr_grpo");
+  ExpectRefused(p, "options.max_completion_length must be > 0 with loss_type dr_grpo");
   p = in.Problem(false);
   p.options.epsilon_low = -0.1f;
-  expect_refused(p, "options.epsilon_low must be finite and >= 0, got -0.1");
+  ExpectRefused(p, "options.epsilon_low must be finite and >= 0, got -0.1");
   p = in.Problem(false);
   p.options.beta = NAN;
-  expect_refused(p, "options.beta");
+  ExpectRefused(p, "options.beta");
   p = in.Problem(false);
   p.options.temperature = -1.0f;
-  expect_refused(p, "options.temperature must be finite and > 0, got -1");
+  ExpectRefused(p, "options.temperature must be finite and > 0, got -1");
   p = in.Problem(false);
   p.options.dapo_normalizer = -2;
-  expect_refused(p, "options.dapo_normalizer must be finite and >= 0");
+  ExpectRefused(p, "options.dapo_normalizer must be finite and >= 0");
   p = in.Problem(false);
   p.batch = 3;
-  expect_refused(p, "batch must be > 0 and divide the row count 4, got 3");
+  ExpectRefused(p, "batch must be > 0 and divide the row count 4, got 3");
   p = in.Problem(false);
   in.mask[1] = 2;
-  expect_refused(p, "mask[1] must be 0 or 1, got 2");
+  ExpectRefused(p, "mask[1] must be 0 or 1, got 2");
   in.mask[1] = 0;
   in.targets[1] = -100;
   ASSERT_TRUE(PolicyReference(p, &ok).ok());  // a masked row's target is not read
   in.mask[1] = 1;
-  expect_refused(p, "targets[1] = -100 is outside [0, 4) on a row whose mask is 1");
+  ExpectRefused(p, "targets[1] = -100 is outside [0, 4) on a row whose mask is 1");
   in.targets[1] = 0;
   in.old_logp[3] = NAN;
-  expect_refused(p, "old_logp[3] must be finite");
+  ExpectRefused(p, "old_logp[3] must be finite");
   in.old_logp[3] = 0;
   p.advantages = nullptr;
-  expect_refused(p, "advantages must be non-null");
+  ExpectRefused(p, "advantages must be non-null");
 }
 
 }  // namespace

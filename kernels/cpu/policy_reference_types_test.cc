@@ -14,15 +14,14 @@
 #include "core/dtype.h"
 #include "kernels/cpu/logprob_reference.h"
 #include "kernels/cpu/policy_reference.h"
-#include "kernels/cpu/policy_test_inputs.h"
+#include "kernels/cpu/policy_test_util.h"
 #include "kernels/cpu/reference_head.h"
-#include "testing/finite_difference.h"
 
 namespace lossd {
 namespace {
 
 // A loss type with the options it is differenced under. cispo's bound is eps_high itself
-// (1.3 here: the ratios below land on both sides of it); delta 1.35 caps kRatios[3] = 1.45,
+// (1.3 here: kFdRatios land on both sides of it); delta 1.35 caps kFdRatios[3] = 1.45,
 // a token with A < 0, and sits > 1 + eps_high = 1.28 as it must.
 struct TypeCase {
   const char* name;
@@ -40,27 +39,17 @@ constexpr TypeCase kTypeCases[] = {
     {"grpo_delta", PolicyLossType::kGrpo, 0.28f, 1.35f},
 };
 
-enum KlCase { kNoKl, kKlWithRef, kBetaWithoutRef };
-
 using FdParam = std::tuple<TypeCase, bool /*old*/, KlCase, bool /*bias correction*/,
                            bool /*mask*/, bool /*bias and softcap*/>;
 
 class PolicyTypesFiniteDifferenceTest : public ::testing::TestWithParam<FdParam> {};
-
-// Ratios r_i away from every kink (clip bounds 0.8 and 1.28, cispo's 1.3, delta 1.35) by far
-// more than a finite-difference step moves them (~0.3%).
-constexpr double kRatios[8] = {0.55, 0.9, 1.1, 1.45, 0.7, 1.2, 0.95, 1.5};
 
 // The objective finite differences see. cispo's weight min(r, eps_high) is detached, so its
 // gradient is not its loss's: it is differenced as -sum_i w_i sg_i A_i logp_i (sg_i frozen at
 // the reference's ratios) plus the loss with A = 0 (the KL term alone, with its live ratio).
 double Objective(const PolicyProblem& q, const std::vector<double>& frozen_weight,
                  const std::vector<float>& zero_advantages) {
-  if (q.options.loss_type != PolicyLossType::kCispo) {
-    PolicyReferenceOutputs f;
-    EXPECT_TRUE(PolicyReference(q, &f).ok());
-    return static_cast<double>(q.options.grad_scale) * f.loss;
-  }
+  if (q.options.loss_type != PolicyLossType::kCispo) return ScaledLoss(q);
   PolicyProblem kl_only = q;
   kl_only.advantages = zero_advantages.data();
   PolicyReferenceOutputs f;
@@ -87,34 +76,20 @@ TEST_P(PolicyTypesFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
   o.beta = kl == kNoKl ? 0.0f : 0.3f;
   o.grad_scale = 0.75f;
   if (masked) {
-    in.mask[2] = in.mask[5] = 0;
-    in.targets[2] = in.targets[5] = -1;  // never read on masked rows
+    in.MaskUnread(2);
+    in.MaskUnread(5);
   }
   const std::vector<double> logp = in.CurrentLogprobs(p);
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> shift(-0.5f, 0.5f);
-  for (int64_t i = 0; i < in.bt; ++i) {
-    in.old_logp[i] = static_cast<float>(logp[i] - std::log(kRatios[i]));
-    in.ref_logp[i] = static_cast<float>(logp[i]) + shift(rng);
-  }
-  if (!old) p.old_logp = nullptr;
-  if (kl == kBetaWithoutRef) p.ref_logp = nullptr;
+  SetOldAndRefLogprobs(logp, 7, old, kl, &in, &p);
 
   PolicyReferenceOutputs r;
   ASSERT_TRUE(PolicyReference(p, &r).ok());
   EXPECT_EQ(r.tokens, masked ? 6 : 8);
-  if (kl == kKlWithRef) {
-    EXPECT_GT(r.kl, 1e-3);
-  } else {
-    EXPECT_EQ(r.kl, 0.0);
-  }
+  ExpectKlMetric(r, kl);
 
   // As policy_reference_test: absent old / reference log-probs are the current ones, frozen.
-  std::vector<float> frozen(in.bt), zero_advantages(in.bt, 0.0f);
-  for (int64_t i = 0; i < in.bt; ++i) frozen[i] = static_cast<float>(logp[i]);
-  PolicyProblem q = p;
-  if (!old) q.old_logp = frozen.data();
-  if (kl == kBetaWithoutRef) q.ref_logp = frozen.data();
+  const FrozenProblem fp(p, logp);
+  std::vector<float> zero_advantages(in.bt, 0.0f);
   std::vector<double> frozen_weight(in.bt, 0.0);
   if (o.loss_type == PolicyLossType::kCispo) {
     const double n = masked ? 6 : 8;  // dapo's normaliser, the mask count
@@ -123,11 +98,8 @@ TEST_P(PolicyTypesFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
           in.mask[i] * -std::min(r.ratio[i], static_cast<double>(1.3f)) * in.advantages[i] / n;
     }
   }
-  auto objective = [&]() { return Objective(q, frozen_weight, zero_advantages); };
-  double largest = ExpectGradientMatches("dx", in.x.data(), r.grad.dx, objective);
-  largest = std::max(largest, ExpectGradientMatches("dw", in.w.data(), r.grad.dw, objective));
-  if (head_options) ExpectGradientMatches("db", in.b.data(), r.grad.db, objective);
-  EXPECT_GT(largest, 100 * kFdAtol);  // the comparisons above were not of zeros
+  auto objective = [&]() { return Objective(fp.q, frozen_weight, zero_advantages); };
+  ExpectHeadGradientMatches(in, r.grad, head_options, objective);
   // ... and the objective's value is the reference's loss (for cispo too), up to the fp32
   // rounding of the frozen log-probs (r = 1 within 1e-7 there).
   EXPECT_NEAR(objective(), o.grad_scale * r.loss, 1e-6);
@@ -135,10 +107,8 @@ TEST_P(PolicyTypesFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
 
 std::string FdName(const ::testing::TestParamInfo<FdParam>& info) {
   const auto [type_case, old, kl, bias_correction, masked, head_options] = info.param;
-  std::string name = std::string(type_case.name) + (old ? "_old" : "_noold");
-  name += kl == kNoKl ? "_beta0" : kl == kKlWithRef ? "_kl" : "_beta_noref";
-  name += bias_correction ? "_biascorr" : "";
-  return name + (masked ? "_mask" : "") + (head_options ? "_bias_softcap" : "");
+  return std::string(type_case.name) + OldKlName(old, kl) + (bias_correction ? "_biascorr" : "") +
+         MaskHeadName(masked, head_options);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -147,19 +117,6 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(kNoKl, kKlWithRef, kBetaWithoutRef), ::testing::Bool(),
                        ::testing::Bool(), ::testing::Bool()),
     FdName);
-
-// Max |a - b| <= tol * max |b|, and b not all zeros.
-void ExpectNearAll(const std::vector<double>& a, const std::vector<double>& b, double tol,
-                   const char* what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  double worst = 0, norm = 0;
-  for (size_t k = 0; k < a.size(); ++k) {
-    worst = std::max(worst, std::fabs(a[k] - b[k]));
-    norm = std::max(norm, std::fabs(b[k]));
-  }
-  EXPECT_GT(norm, 0.0) << what;
-  EXPECT_LE(worst, tol * norm) << what;
-}
 
 // The logprob reference's gradient for upstream dlogp (what every policy gradient reduces to).
 HeadGradients LogprobGradient(const PolicyProblem& p, const std::vector<double>& dlogp) {
@@ -358,33 +315,27 @@ TEST(PolicyTypesReferenceTest, DefaultsAreLigers) {
 
 TEST(PolicyTypesReferenceTest, RejectsBadOptions) {
   Inputs in(2, 2, 3, 4, 9);
-  auto expect_refused = [&](const PolicyProblem& p, const std::string& substring) {
-    PolicyReferenceOutputs r;
-    const absl::Status st = PolicyReference(p, &r);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << substring;
-    EXPECT_NE(st.message().find(substring), std::string::npos) << st;
-  };
   PolicyProblem p = in.Problem(false);
   p.options.loss_type = static_cast<PolicyLossType>(7);
-  expect_refused(p, "options.loss_type 7 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo");
+  ExpectRefused(p, "options.loss_type 7 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo");
   p = in.Problem(false);
   p.options.sapo_temperature_pos = 0.0f;
-  expect_refused(p, "options.sapo_temperature_pos must be finite and > 0, got 0");
+  ExpectRefused(p, "options.sapo_temperature_pos must be finite and > 0, got 0");
   p = in.Problem(false);
   p.options.sapo_temperature_neg = INFINITY;
-  expect_refused(p, "options.sapo_temperature_neg must be finite and > 0, got inf");
+  ExpectRefused(p, "options.sapo_temperature_neg must be finite and > 0, got inf");
   p = in.Problem(false);
   p.options.delta = 1.1f;
-  expect_refused(p, "options.delta must be 0 (none) or finite and > 1 + epsilon_high = 1.2");
+  ExpectRefused(p, "options.delta must be 0 (none) or finite and > 1 + epsilon_high = 1.2");
   p.options.delta = NAN;
-  expect_refused(p, "options.delta");
+  ExpectRefused(p, "options.delta");
   p.options.delta = 2.0f;
   PolicyReferenceOutputs ok;
   EXPECT_TRUE(PolicyReference(p, &ok).ok());
   p.options.loss_type = PolicyLossType::kSapo;
-  expect_refused(p, "options.delta applies to the clipped loss types; loss_type sapo");
+  ExpectRefused(p, "options.delta applies to the clipped loss types; loss_type sapo");
   p.options.loss_type = PolicyLossType::kCispo;
-  expect_refused(p, "loss_type cispo has no clipped surrogate");
+  ExpectRefused(p, "loss_type cispo has no clipped surrogate");
 }
 
 }  // namespace

@@ -70,7 +70,8 @@ for t in "${TARGETS[@]}"; do
   strip --strip-debug "$OUT/$(basename "$f")"
   FILES+=("$f")
 done
-cp -f bench/kernel/torch_baseline.py bench/kernel/kinds_torch_baseline.py bench/kernel/run_gpu.sh \
+cp -f bench/kernel/torch_baseline.py bench/kernel/kinds_torch_baseline.py \
+  bench/kernel/torch_timing.py bench/kernel/run_gpu.sh \
   bench/service/run_service_bench.sh \
   tools/bundle/gpu_e2e_check.sh tools/bundle/compare_outputs.py \
   tests/bare_metal/per_gpu_gpu_test.sh tests/bare_metal/junit.sh deploy/bare-metal/lossd-gpus.sh "$OUT/"
