@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs the Python client tests, the packaging check (client/python/pkgtest: sdist -> wheel ->
 # fresh venv -> calls against lossd), the live Prometheus test, the promtool unit tests of the
-# alert and recording rules, the deploy/ manifest checks, the bench/plots parser test and
-# Liger-Kernel's fused linear cross-entropy tests (tools/liger_check), each writing a JUnit
-# report into REPORT_DIR (default: a temporary
+# alert and recording rules, the deploy/ manifest checks, the layer and docs checks, the
+# bench/plots parser test and Liger-Kernel's fused linear cross-entropy tests
+# (tools/liger_check), each writing a JUnit report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
 # Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/service/lossd),
 #      LOSSD_SKIP_PIP=1 to skip installing the Python packages below,
@@ -78,6 +78,8 @@ suite "deploy manifests" env JUNIT_XML="$REPORTS/deploy_manifests.xml" \
   tests/prometheus/check_manifests.sh
 suite "layers (every include points down)" python3 -m pytest -q -p no:cacheprovider \
   tools/layers/test_check_layers.py --junitxml="$REPORTS/layers.xml"
+suite "docs (links, flags, metrics, alerts, targets, names)" python3 -m pytest -q \
+  -p no:cacheprovider tools/docs/test_check_docs.py --junitxml="$REPORTS/docs.xml"
 suite "bench plots parser" python3 -m pytest -q -p no:cacheprovider \
   bench/plots/test_plot_results.py --junitxml="$REPORTS/bench_plots.xml"
 # Liger-Kernel's fused linear cross-entropy tests, unmodified, through the torch module (about
