@@ -135,13 +135,21 @@ def check_links(root, files):
     return problems
 
 
+# Files the docs name that are not ours: other projects' (Liger-Kernel's test, gRPC's header)
+# or what a run writes.
+NOT_OUR_FILES = {"test_fused_linear_cross_entropy.py", "proto_utils.h", "service_bench.md"}
+
+# A bare file name of one of these kinds names a file somewhere in the repository.
+FILE_EXTS = (".cc", ".h", ".cu", ".py", ".sh", ".bzl", ".proto", ".yml", ".yaml", ".json",
+             ".md")
 PATHISH = re.compile(r"^\.?[\w-]+(?:/[\w.+-]+)+/?$")
 
 
 def check_paths(root, files):
     """A path in a code span that starts at a folder of the repository (or of the doc's own
-    folder) names something that exists."""
+    folder) names something that exists; a bare source file name, a file somewhere here."""
     problems = []
+    basenames = {os.path.basename(p) for p in source_files(root, FILE_EXTS)}
     top = {d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
            and not d.startswith(("bazel-", "dist"))}
     for rel in files:
@@ -149,6 +157,10 @@ def check_paths(root, files):
         for no, span in code_spans(read(root, rel)):
             for word in re.split(r"[\s=:,;()\[\]'\"]+", span):
                 word = word.rstrip(".")
+                if (re.fullmatch(r"[\w-]+\.(?:" + "|".join(e[1:] for e in FILE_EXTS) + ")", word)
+                        and word not in basenames and word not in NOT_OUR_FILES):
+                    problems.append(f"{rel}:{no}: {word}: no file of that name here")
+                    continue
                 if not PATHISH.match(word) or "//" in word:
                     continue
                 first = word.split("/")[0]

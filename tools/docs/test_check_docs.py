@@ -147,3 +147,11 @@ def test_paths_in_code_spans_must_exist(tmp_path):
         "deploy/k8s/overlays/gpu-double does not exist",
         "tools/docs/nothing.py does not exist",
     ], problems
+
+
+def test_bare_file_names_must_exist_somewhere(tmp_path):
+    path = doc(tmp_path, "`two_phase_logprob_pool_test.cc` and `test_rl_two_phase.py` exist;\n"
+                         "`two_phase_logprob_gone_test.cc` does not.\n")
+    problems = check_docs.check_paths(ROOT, [path])
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "two_phase_logprob_gone_test.cc: no file of that name here"], problems
