@@ -170,14 +170,14 @@ def check_resources(overlay, dep, by_kind, pod, c, args):
 
 
 def check_cpu_budgets(res, args):
-    # On the CPU backend every budget is host memory, and idle pooled buffers come on top
-    # of the admission budget: together they must leave the process room under its limit.
+    # On the CPU backend every budget is host memory (tickets' X is host memory on any
+    # backend), and idle pooled buffers come on top of the admission budget: together they must leave the process room under its limit.
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
     limit = res.get("limits", {}).get("memory", "0")
     limit_bytes = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
     defaults = {"memory_budget_bytes": 8 << 30, "weight_cache_bytes": 4 << 30,
                 "accumulator_bytes": 8 << 30, "head_bytes": 16 << 30,
-                "host_buffer_pool_bytes": 2 << 30}
+                "ticket_bytes": 4 << 30, "host_buffer_pool_bytes": 2 << 30}
     held = sum(int(flag_value(args, f) or d) for f, d in defaults.items())
     check(held <= 0.8 * limit_bytes,
           "CPU overlay: budgets and buffer pool (%d bytes) within 80%% of the memory limit "
