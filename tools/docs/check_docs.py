@@ -526,6 +526,20 @@ def check_bazel_targets(root, files):
     return problems
 
 
+def check_test_names(root, files):
+    """A test or benchmark named bare (`tickets_test`, `:kinds_bench`) is a Bazel target or a
+    script somewhere in the repository."""
+    builds = "".join(read(root, b) for b in source_files(root, ("BUILD", "BUILD.bazel")))
+    stems = {os.path.splitext(os.path.basename(p))[0] for p in source_files(root, (".py", ".sh"))}
+    problems = []
+    for rel in files:
+        for no, line in enumerate(read(root, rel).split("\n"), 1):
+            for name in re.findall(r"`:?([a-z0-9_]+_(?:test|bench))`", line):
+                if f'"{name}"' not in builds and name not in stems:
+                    problems.append(f"{rel}:{no}: {name}: no Bazel target or script of that name")
+    return problems
+
+
 # --------------------------------------------------------------------------------- Python
 
 def proto_names(root):
@@ -577,6 +591,7 @@ def check(root):
     problems += check_metrics(root, docs)
     problems += check_alerts(root)
     problems += check_bazel_targets(root, docs)
+    problems += check_test_names(root, docs)
     problems += check_python_api(root, docs)
     return problems
 

@@ -155,3 +155,11 @@ def test_bare_file_names_must_exist_somewhere(tmp_path):
     problems = check_docs.check_paths(ROOT, [path])
     assert [p.split(": ", 1)[1] for p in problems] == [
         "two_phase_logprob_gone_test.cc: no file of that name here"], problems
+
+
+def test_bare_test_names_must_exist(tmp_path):
+    path = doc(tmp_path, "`tickets_test`, `:kinds_bench`, `lossd_help_test` and `test_rules`;\n"
+                         "`tickets_gone_test` is not.\n")
+    problems = check_docs.check_test_names(ROOT, [path])
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "tickets_gone_test: no Bazel target or script of that name"], problems
