@@ -540,6 +540,22 @@ def check_test_names(root, files):
     return problems
 
 
+def check_env_vars(root, files):
+    """An environment variable of ours (LOSSD_*, LOSSCTL_*, FUZZ_*, LIGER_*) that the docs
+    name is read somewhere outside the docs."""
+    code = "".join(read(root, p) for p in source_files(
+        root, (".sh", ".py", ".cc", ".h", ".service", ".env", ".yaml", ".yml", "BUILD", ".bzl",
+               "Dockerfile", ".target", ".slice", "run"))
+        if not p.startswith("tools/docs/"))  # not this checker's own test cases
+    problems = []
+    for rel in files:
+        for no, line in enumerate(read(root, rel).split("\n"), 1):
+            for var in re.findall(r"\b((?:LOSSD|LOSSCTL|FUZZ|LIGER)_[A-Z0-9_]+)\b", line):
+                if not re.search(r"\b" + var + r"\b", code):
+                    problems.append(f"{rel}:{no}: {var}: no script or program reads it")
+    return problems
+
+
 # --------------------------------------------------------------------------------- Python
 
 def proto_names(root):
@@ -592,6 +608,7 @@ def check(root):
     problems += check_alerts(root)
     problems += check_bazel_targets(root, docs)
     problems += check_test_names(root, docs)
+    problems += check_env_vars(root, docs)
     problems += check_python_api(root, docs)
     return problems
 
