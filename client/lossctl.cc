@@ -17,11 +17,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -164,7 +166,7 @@ Commands:
   compute           one Compute: inputs from --x --w --targets [--bias --class_weights
                     --grad_output] (.npy) or random (--bt --h --v [--dtype]); prints the loss,
                     writes outputs (--want) to --out_dir as <name>.npy; --kind=logprob|
-                    policy|distill computes that loss (docs/rl_losses.md has its flags);
+                    policy|distill computes that loss (docs/rl_clients.md has its flags);
                     --kind=logprob --keep_ms keeps the forward and prints its ticket, and
                     --ticket --dlogp/--dentropy runs that ticket's backward
   bench             --calls Computes at --concurrency on random data; a progress line each
@@ -175,8 +177,8 @@ Commands:
   drop-weights      --handle
   fetch-gradients   --accumulator [--reset] [--out_dir]: the accumulated fp32 dW (and db)
   drop-accumulator  --accumulator
-  list              the caller's own weight handles and accumulators: kind, name, bytes,
-                    seconds since last use, micro-batches
+  list              the caller's own weight handles, accumulators, hosted heads and
+                    tickets: kind, name, bytes, seconds since last use, micro-batches
   health            [--service]: the gRPC health check; exit 0 only when SERVING
   replicas          --replicas [--keys]: the replica pool's view: every replica the targets
                     resolve to and its instance; each key's replica and failover order
@@ -195,7 +197,7 @@ Commands:
 Global flags: --target --deadline_seconds --part_bytes --connections --stripes --metadata
               --tls --tls_ca --tls_cert --tls_key --tls_server_name --auth_token[_file].
 bf16 .npy files hold the raw bits as '<u2'; float64 ones are read as fp32.
-Run with --helpfull for every flag.)";
+Below, every flag; --helpfull adds the libraries' own.)";
 
 absl::Status RunInfo(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
@@ -547,6 +549,14 @@ absl::Status RunDropAccumulator(CommandOutput& out) {
 int main(int argc, char** argv) {
   using namespace lossd::client;  // NOLINT(build/namespaces): main only
   absl::SetProgramUsageMessage(kUsage);
+  // --help lists the flags of every lossctl source (the loss kinds' are in lossctl_kinds.cc),
+  // not only those of the file named after the program.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return file.find("client/lossctl") != absl::string_view::npos;
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const bool head = args.size() >= 2 && std::string(args[1]) == "head";
   if (args.size() != (head ? 3u : 2u)) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/fake_loss_service.h"
 #include "client/lossctl_test_fixture.h"
@@ -310,6 +311,20 @@ TEST_F(LossctlTest, UsageErrors) {
   ExpectFails("put-weights --v=10 --h=4 --bias=" + Path("w.npy"), "--bias goes with --w");
   absl::MutexLock lock(&fake_.mu);
   EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
+}
+
+// --help lists the loss kinds' flags (client/lossctl_kinds.cc) beside lossctl.cc's, as the
+// docs say it lists every flag.
+TEST_F(LossctlTest, HelpListsTheFlagsOfEveryCommand) {
+  const Result r = Lossctl("--help");
+  std::vector<std::string> missing;
+  for (const char* flag : {"--target (", "--range_bytes (", "--kind (", "--temperature (",
+                           "--keep_ms (", "--ticket (", "--loss_type (", "--jsd_beta (",
+                           "--teacher_h ("}) {
+    if (r.output.find(flag) == std::string::npos) missing.push_back(flag);
+  }
+  EXPECT_TRUE(missing.empty()) << absl::StrJoin(missing, " ") << " not in:\n" << r.output;
+  EXPECT_THAT(r.output, HasSubstr("Flags from client/lossctl_kinds.cc"));
 }
 
 TEST_F(LossctlTest, WeightHandleLifecycle) {
