@@ -12,7 +12,8 @@
 - alerts: deploy/README.md's alert table lists exactly the alerts of deploy/prometheus/rules;
 - Bazel targets: every //package:target named has a BUILD rule of that name;
 - Python: every lossd.<name> named resolves in client/python/lossd (lossd.v1.<name> in the
-  proto).
+  proto);
+- names: a file, test, environment variable, C++ type or member named in a code span exists.
 
 Usage: tools/docs/check_docs.py [ROOT]; prints one line per problem, exits 1 if any.
 """
@@ -540,6 +541,24 @@ def check_test_names(root, files):
     return problems
 
 
+def check_code_names(root, files):
+    """A type, message or alert named alone in a code span (`TwoPhaseLogprob`,
+    `PoolOptions::tickets_kept`) is a word of some source file (each part of a C++ name)."""
+    words = set()
+    for p in source_files(root, (".h", ".cc", ".cu", ".cuh", ".py", ".proto", ".sh", ".yml",
+                                 ".yaml")):
+        if not p.startswith("tools/docs/"):
+            words.update(re.findall(r"\w+", read(root, p)))
+    problems = []
+    for rel in files:
+        for no, line in enumerate(read(root, rel).split("\n"), 1):
+            for name in re.findall(r"`([A-Z][A-Za-z0-9]+(?:::[A-Za-z_]\w*)*)`", line):
+                missing = [part for part in name.split("::") if part not in words]
+                if missing:
+                    problems.append(f"{rel}:{no}: {name}: no source names {missing[0]}")
+    return problems
+
+
 def check_env_vars(root, files):
     """An environment variable of ours (LOSSD_*, LOSSCTL_*, FUZZ_*, LIGER_*) that the docs
     name is read somewhere outside the docs."""
@@ -609,6 +628,7 @@ def check(root):
     problems += check_bazel_targets(root, docs)
     problems += check_test_names(root, docs)
     problems += check_env_vars(root, docs)
+    problems += check_code_names(root, docs)
     problems += check_python_api(root, docs)
     return problems
 

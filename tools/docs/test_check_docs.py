@@ -171,3 +171,14 @@ def test_environment_variables_must_be_read_somewhere(tmp_path):
     problems = check_docs.check_env_vars(ROOT, [path])
     assert [p.split(": ", 1)[1] for p in problems] == [
         "LOSSD_TICKET_BYTES: no script or program reads it"], problems
+
+
+def test_code_names_must_exist(tmp_path):
+    path = doc(tmp_path, "`TwoPhaseLogprob`, `PoolOptions::tickets_kept`, `STATE_TICKET`,\n"
+                         "`LossdTicketBudgetNearlyFull`; `TwoPhaseRouter` and\n"
+                         "`PoolOptions::tickets_remembered` are not.\n")
+    problems = check_docs.check_code_names(ROOT, [path])
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "TwoPhaseRouter: no source names TwoPhaseRouter",
+        "PoolOptions::tickets_remembered: no source names tickets_remembered",
+    ], problems
