@@ -210,7 +210,10 @@ cudaError_t ScaleRows(const void* in, bool in_fp32, const float* alpha, int64_t 
                       void* out, cudaStream_t stream) {
   const int64_t n = c * h;
   if (n == 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 8));
+  int sms = 0, dev = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{sms} * 8));
   if (in_fp32) {
     ScaleRowsKernel<true><<<grid, 256, 0, stream>>>(in, alpha, c, h,
                                                     static_cast<__nv_bfloat16*>(out));
