@@ -28,6 +28,9 @@
 #   LOSSD_WEIGHT_CACHE_BYTES, LOSSD_ACCUMULATOR_BYTES, LOSSD_HEAD_BYTES   per instance
 #                             (unset: lossd's per-device defaults on CUDA; on the CPU backend,
 #                             whose stores are host memory, a 1/(2N) share in lossd's ratio)
+#   LOSSD_TICKET_BYTES        per instance, two-phase tickets (host memory, page-locked on CUDA;
+#                             default: lossd's 4 GiB, capped at 1/(16N) of the host and, on
+#                             CUDA, at 1/16 of LOSSD_DEVICE_MEMORY_BUDGET_BYTES)
 #   LOSSD_THREADS             CPU backend threads per instance (default: cores / N)
 #   LOSSD_HEAD_EXPORT_DIR_BASE   hosted heads exported on drain to BASE/I (unset: none)
 #   LOSSD_NUMA_NODES          comma-separated NUMA node per instance: numactl binds CPUs and
@@ -151,6 +154,20 @@ store_default() {  # sevenths of the share, the default's cap
 WEIGHTS=$(bytes LOSSD_WEIGHT_CACHE_BYTES "$(store_default 1 $((4 * GiB)))")
 ACCUMS=$(bytes LOSSD_ACCUMULATOR_BYTES "$(store_default 2 $((8 * GiB)))")
 HEADS=$(bytes LOSSD_HEAD_BYTES "$(store_default 4 $((16 * GiB)))")
+# Two-phase tickets keep each kept forward's X and targets in host memory (page-locked on
+# CUDA) until its backward. Each instance is one lossd on one GPU, so lossd's own default
+# (4 GiB: 64 forwards of 64 MiB, BT=8192 x H=4096 bf16, between logp and dlogp) is sized
+# for it; capped at 1/16 of the instance's share of the host, the share lossd itself gives
+# tickets (its four store defaults, 4 : 8 : 16 : 4 GiB, fill half of its memory). On CUDA the
+# same 1/16 of a device budget, as lossd would scale it: a ticket's inline W is device memory,
+# and a --ticket_bytes given to lossd is checked as it is while its store defaults shrink.
+ticket_default() {
+  local t
+  t=$(min $((4 * GiB)) $((HOST / (16 * N))))
+  if [[ "$BACKEND" != cpu && "${DEVICE_BUDGET:-0}" -gt 0 ]]; then t=$(min "$t" $((DEVICE_BUDGET / 16))); fi
+  echo "$t"
+}
+TICKETS=$(bytes LOSSD_TICKET_BYTES "$(ticket_default)")
 THREADS=""
 if [[ "$BACKEND" == cpu ]]; then
   THREADS=$(bytes LOSSD_THREADS "$(( $(nproc) / N > 0 ? $(nproc) / N : 1 ))")
@@ -199,22 +216,28 @@ argv() {
   [[ -z "$WEIGHTS" ]] || echo "--weight_cache_bytes=$WEIGHTS"
   [[ -z "$ACCUMS" ]] || echo "--accumulator_bytes=$ACCUMS"
   [[ -z "$HEADS" ]] || echo "--head_bytes=$HEADS"
+  echo "--ticket_bytes=$TICKETS"
   [[ -z "$THREADS" ]] || echo "--threads=$THREADS"
   [[ -z "${LOSSD_HEAD_EXPORT_DIR_BASE:-}" ]] || echo "--head_export_dir=$LOSSD_HEAD_EXPORT_DIR_BASE/$i"
   local extra
   for extra in ${LOSSD_EXTRA_FLAGS:-}; do echo "$extra"; done
 }
 
-# Host memory the instances may hold together: admission budgets and buffer pools, plus the
-# stores where the CPU backend keeps them in host memory. Refused when over the host's.
-HOST_SUM=$(((MEMORY_BUDGET + POOL) * N))
-HOST_SUM_WHAT="admission budgets and buffer pools"
+# Host memory the instances may hold together: admission budgets, buffer pools and tickets,
+# plus the stores where the CPU backend keeps them in host memory. Refused when over the
+# host's, naming each setting and its value. Tickets are counted whole (an inline W's copy is
+# device memory on CUDA), as lossd counts them against its stores.
+HOST_PER=$((MEMORY_BUDGET + POOL + TICKETS))
+HOST_PER_WHAT="LOSSD_MEMORY_BUDGET_BYTES=$MEMORY_BUDGET + LOSSD_HOST_BUFFER_POOL_BYTES=$POOL + LOSSD_TICKET_BYTES=$TICKETS"
+HOST_SUM_WHAT="admission budgets, buffer pools and tickets"
 if [[ "$BACKEND" == cpu ]]; then
-  HOST_SUM=$((HOST_SUM + (${WEIGHTS:-0} + ${ACCUMS:-0} + ${HEADS:-0}) * N))
-  HOST_SUM_WHAT="$HOST_SUM_WHAT and stores (CPU backend: host memory)"
+  HOST_PER=$((HOST_PER + ${WEIGHTS:-0} + ${ACCUMS:-0} + ${HEADS:-0}))
+  HOST_PER_WHAT="$HOST_PER_WHAT + LOSSD_WEIGHT_CACHE_BYTES=${WEIGHTS:-0} + LOSSD_ACCUMULATOR_BYTES=${ACCUMS:-0} + LOSSD_HEAD_BYTES=${HEADS:-0}"
+  HOST_SUM_WHAT="admission budgets, buffer pools, tickets and the CPU backend's stores"
 fi
+HOST_SUM=$((HOST_PER * N))
 [[ "$HOST_SUM" -le "$HOST" ]] ||
-  die "$N instances would hold $HOST_SUM bytes of host memory ($HOST_SUM_WHAT), more than the $HOST bytes there are; lower the budgets or set LOSSD_HOST_MEMORY_BYTES"
+  die "$N instances would hold $HOST_SUM bytes of host memory, $N x ($HOST_PER_WHAT), more than the $HOST bytes there are; lower them or set LOSSD_HOST_MEMORY_BYTES"
 
 plan() {
   echo "$N instances, backend $BACKEND, devices by $SELECT, host memory $HOST bytes"
@@ -223,7 +246,7 @@ plan() {
     echo "instance $i: gpu ${GPUS[$i]}, port $((PORT + i))$([[ "$METRICS" -eq 0 ]] ||
       echo ", metrics $((METRICS + i))")$([[ "$HEALTH" -eq 0 ]] || echo ", health $((HEALTH + i))")"
   done
-  echo "per instance: --memory_budget_bytes=$MEMORY_BUDGET --host_buffer_pool_bytes=$POOL"
+  echo "per instance: --memory_budget_bytes=$MEMORY_BUDGET --host_buffer_pool_bytes=$POOL --ticket_bytes=$TICKETS"
   echo "host memory lossd may hold: $HOST_SUM bytes in all ($HOST_SUM_WHAT), of $HOST"
 }
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One lossd per GPU on a host of two GPUs or more: lossd-gpus.sh starts two CUDA instances on
 # GPUs 0 and 1, once selecting the device by CUDA_VISIBLE_DEVICES and once by --cuda_device;
-# each serves a Compute on the CUDA backend, each reports its own device budget, and the
-# driver shows one process on each of the two GPUs (not two on one). With fewer than two
-# GPUs every case reports itself skipped, never passed.
+# each serves a Compute on the CUDA backend, each reports its own device budget and the
+# launcher's --ticket_bytes, and the driver shows one process on each of the two GPUs (not
+# two on one). With fewer than two GPUs every case reports itself skipped, never passed.
 # Args: lossd lossctl lossd-gpus.sh liblossd_cuda.so   (Bazel: tag gpu; the bundle's
 # run_gpu.sh runs it as ./per_gpu_gpu_test.sh ./lossd ./lossctl ./lossd-gpus.sh ./liblossd_cuda.so)
 set -uo pipefail
@@ -87,6 +87,13 @@ EOF
     got=$(curl -fsS "http://127.0.0.1:$((base + 2 + i))/metrics" |
       awk '$1 == "lossd_gpu_memory_budget_bytes" { print $2 }')
     check "instance $i reports its device budget ($got)" same "$got" "$((8 * GiB))"
+    # The launcher's --ticket_bytes (1/16 of the device budget, unless the host is small)
+    # reaches the CUDA instance as given.
+    want=$("$LAUNCHER" --config "$TMP/$mode.env" argv "$i" | sed -n 's/^--ticket_bytes=//p')
+    got=$(curl -fsS "http://127.0.0.1:$((base + 2 + i))/metrics" |
+      awk '$1 == "lossd_ticket_budget_bytes" { print $2 }')
+    check "instance $i runs with the launcher's --ticket_bytes=$want ($got)" \
+      test -n "$want" -a "$got" = "$want"
   done
   after0=$(apps_on 0)
   after1=$(apps_on 1)

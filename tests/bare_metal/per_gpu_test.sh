@@ -44,15 +44,18 @@ LOSSD_PORT_BASE=41000
 LOSSD_METRICS_PORT_BASE=41002
 LOSSD_HOST_MEMORY_BYTES=$((16 * GiB))
 LOSSD_THREADS=1
+LOSSD_TICKET_BYTES=150000000
 EOF
 # 16 GiB shared by 2: admission 16/(4*2) = 2 GiB and pool 16/(8*2) = 1 GiB each; the CPU
-# backend's stores 16/(2*2) = 4 GiB each, split 1 : 2 : 4.
+# backend's stores 16/(2*2) = 4 GiB each, split 1 : 2 : 4; the tickets as given (none of the
+# defaults: 512 MiB here, 128 MiB for the 4 GiB of section 4).
 want_common="--address=0.0.0.0
 --memory_budget_bytes=$((2 * GiB))
 --host_buffer_pool_bytes=$((1 * GiB))
 --weight_cache_bytes=$((16 * GiB / 28))
 --accumulator_bytes=$((16 * GiB * 2 / 28))
 --head_bytes=$((16 * GiB * 4 / 28))
+--ticket_bytes=150000000
 --threads=1"
 for i in 0 1; do
   got=$("$LAUNCHER" --config "$TMP/two.env" argv $i 2>&1)
@@ -89,6 +92,27 @@ for w in --health_port=50152 --head_export_dir=/x/1 --tls_cert=/c.pem --tls_key=
     numactl --cpunodebind=1 --preferred=1; do
   check "renders $w" grep -qxF -e "$w" <<<"$got"
 done
+# The plan shows the tickets and counts them with the CPU backend's stores, for both.
+got=$("$LAUNCHER" --config "$TMP/two.env" plan 2>&1)
+check "plan shows --ticket_bytes: $(tr '\n' ' ' <<<"$got")" \
+  grep -qF -e "--host_buffer_pool_bytes=$GiB --ticket_bytes=150000000" <<<"$got"
+host_sum=$((2 * (3 * GiB + 150000000 + 16 * GiB / 28 + 16 * GiB * 2 / 28 + 16 * GiB * 4 / 28)))
+what="admission budgets, buffer pools, tickets and the CPU backend's stores"
+check "plan counts both instances' tickets in $host_sum bytes" \
+  grep -qF "host memory lossd may hold: $host_sum bytes in all ($what)" <<<"$got"
+# Tickets left unset: lossd's 4 GiB capped at 1/16 of an instance's share of the host and, on
+# CUDA only, at 1/16 of its device budget.
+ticket_default() {  # env assignments...: instance 1's --ticket_bytes
+  env LOSSD_GPUS=0,1 "$@" "$LAUNCHER" argv 1 2>&1 | sed -n 's/^--ticket_bytes=//p'
+}
+check "tickets: min(4 GiB, 64 GiB / 32)" \
+  same "$(ticket_default LOSSD_HOST_MEMORY_BYTES=$((64 * GiB)))" $((2 * GiB))
+check "tickets: 4 GiB on a 2 TiB host" \
+  same "$(ticket_default LOSSD_HOST_MEMORY_BYTES=$((2048 * GiB)))" $((4 * GiB))
+check "tickets: 1/16 of an 8 GiB device budget" same "$(ticket_default \
+  LOSSD_HOST_MEMORY_BYTES=$((2048 * GiB)) LOSSD_DEVICE_MEMORY_BUDGET_BYTES=$((8 * GiB)))" $((GiB / 2))
+check "tickets: the CPU backend has no device budget" same "$(ticket_default LOSSD_BACKEND=cpu \
+  LOSSD_HOST_MEMORY_BYTES=$((2048 * GiB)) LOSSD_DEVICE_MEMORY_BUDGET_BYTES=$((8 * GiB)))" $((4 * GiB))
 got=$("$LAUNCHER" --config "$TMP/two.env" endpoints node7 2>&1)
 check "endpoints: $got" same "$got" "node7:41000,node7:41001"
 finish_case RendersEachInstance "device, ports and budgets as documented"
@@ -121,9 +145,22 @@ check "bad backend" refuses "LOSSD_BACKEND must be cuda, cpu or auto, got 'gpu'"
   LOSSD_GPUS=0 LOSSD_BACKEND=gpu -- plan
 check "a budget not a number" refuses "LOSSD_MEMORY_BUDGET_BYTES must be a byte count, got '8G'" \
   LOSSD_GPUS=0 LOSSD_MEMORY_BUDGET_BYTES=8G -- plan
-check "budgets over the host" refuses "2 instances would hold 20401094656 bytes of host memory" \
+# 2 x (8 + 1.5 GiB + the tickets' default, 16 GiB / 32): 20 GiB.
+check "budgets over the host" refuses "2 instances would hold 21474836480 bytes of host memory" \
   LOSSD_GPUS=0,1 LOSSD_HOST_MEMORY_BYTES=$((16 * GiB)) LOSSD_MEMORY_BUDGET_BYTES=$((8 * GiB)) \
   LOSSD_HOST_BUFFER_POOL_BYTES=$((GiB + GiB / 2)) -- plan
+# Tickets are host memory too: 2 x (4 + 1 + 4 GiB) = 18 GiB of 16, each setting named.
+check "tickets over the host" refuses "2 instances would hold 19327352832 bytes of host memory, \
+2 x (LOSSD_MEMORY_BUDGET_BYTES=4294967296 + LOSSD_HOST_BUFFER_POOL_BYTES=1073741824 + \
+LOSSD_TICKET_BYTES=4294967296), more than the 17179869184 bytes there are" \
+  LOSSD_GPUS=0,1 LOSSD_HOST_MEMORY_BYTES=$((16 * GiB)) LOSSD_MEMORY_BUDGET_BYTES=$((4 * GiB)) \
+  LOSSD_HOST_BUFFER_POOL_BYTES=$GiB LOSSD_TICKET_BYTES=$((4 * GiB)) -- plan
+# The defaulted tickets too: 2 x (6.5 + 1.25 GiB) fits 16 GiB, their 2 x 512 MiB does not.
+check "defaulted tickets over the host" refuses "LOSSD_TICKET_BYTES=536870912), more than the" \
+  LOSSD_GPUS=0,1 LOSSD_HOST_MEMORY_BYTES=$((16 * GiB)) \
+  LOSSD_MEMORY_BUDGET_BYTES=$((6 * GiB + GiB / 2)) LOSSD_HOST_BUFFER_POOL_BYTES=$((GiB + GiB / 4)) -- plan
+check "tickets not a number" refuses "LOSSD_TICKET_BYTES must be a byte count, got '4G'" \
+  LOSSD_GPUS=0 LOSSD_TICKET_BYTES=4G -- plan
 check "NUMA list of the wrong length" refuses "LOSSD_NUMA_NODES has 1 entries for 2 GPUs" \
   LOSSD_GPUS=0,1 LOSSD_NUMA_NODES=0 -- plan
 finish_case RefusesBadConfigurations "every refusal names its variable"
@@ -153,7 +190,7 @@ want="env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=5 numactl --cpunodeb
 /opt/lossd/bin/lossd --backend=cuda --cuda_device=0 --address=0.0.0.0 --port=50056 \
 --metrics_port=9469 --memory_budget_bytes=68719476736 --host_buffer_pool_bytes=8589934592 \
 --device_memory_budget_bytes=128849018880 --weight_cache_bytes=34359738368 \
---accumulator_bytes=34359738368 --head_bytes=34359738368 --head_export_dir=/var/lib/lossd/heads/5 \
+--accumulator_bytes=34359738368 --head_bytes=34359738368 --ticket_bytes=17179869184 --head_export_dir=/var/lib/lossd/heads/5 \
 --drain_seconds=30 --log_format=json "
 check "lossd@5 with the example renders: $got" same "$got" "$want"
 finish_case UnitRendersEachInstance "lossd@5.service runs GPU 5 on ports 50056 / 9469"
@@ -257,6 +294,8 @@ for i in 0 1; do
     same "$(metric $((base + 2 + i)) lossd_memory_budget_bytes)" $((GiB / 2))
   check "instance $i's weight cache budget" \
     same "$(metric $((base + 2 + i)) lossd_weight_cache_budget_bytes)" $((4 * GiB / 28))
+  check "instance $i runs with LOSSD_TICKET_BYTES" \
+    same "$(metric $((base + 2 + i)) lossd_ticket_budget_bytes)" 150000000
 done
 check "two distinct instances (${instance_of[0]} ${instance_of[1]})" \
   test -n "${instance_of[0]}" -a "${instance_of[0]}" != "${instance_of[1]}"
