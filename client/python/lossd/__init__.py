@@ -12,6 +12,7 @@ Many replicas: lossd.connect_pool("dns:///lossd-headless:50051", rank=r) (lossd.
 from lossd.errors import (  # noqa: F401
     AbortedError,
     AlreadyExistsError,
+    ArgumentAssertionError,
     CancelledError,
     ClientClosedError,
     DataLossError,

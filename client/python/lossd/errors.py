@@ -95,6 +95,12 @@ class ClientClosedError(FailedPreconditionError, ValueError):
     channel was, so code that caught that keeps working."""
 
 
+class ArgumentAssertionError(InvalidArgumentError, AssertionError):
+    """A bad argument where the Liger-Kernel module lossd replaces checks it with `assert`:
+    an AssertionError too, so code (and tests) written against that module catch it as
+    before, while lossd callers catch InvalidArgumentError / ValueError as everywhere else."""
+
+
 class ProtocolError(InternalError):
     """The server's reply broke the wire contract (parts out of order, sizes wrong)."""
 

@@ -35,6 +35,30 @@ class CrossEntropyOutput:
     predicted_tokens: Optional[torch.Tensor] = None
 
 
+def _check_liger_arguments(weight, ce_weight, softcap, runtime):
+    """What Liger-Kernel's function asserts (as ArgumentAssertionError), and lossd's own slot
+    for the runtime, where Liger's Function takes ce_impl, ce_mode and chunk_mem_const."""
+    if not hasattr(runtime, "compute"):  # a LossdRuntime, or a test's stand-in for one
+        raise errors.InvalidArgumentError(
+            "runtime must be a lossd.nn.LossdRuntime, got %r: LossdFusedLinearCrossEntropy"
+            "Function.apply takes (..., return_predicted_tokens, chunk_size, runtime) where "
+            "Liger's Function takes ce_impl, ce_mode and chunk_mem_const; call "
+            "lossd_fused_linear_cross_entropy or the module instead" % (runtime,), method="nn")
+    if ce_weight is not None:
+        if ce_weight.dim() != 1 or ce_weight.shape[0] != weight.shape[0]:
+            raise errors.ArgumentAssertionError(
+                "ce_weight must be a tensor of size V = %d, got shape %s" % (
+                    weight.shape[0], tuple(ce_weight.shape)), method="nn")
+        if not torch.is_floating_point(ce_weight):
+            raise errors.ArgumentAssertionError(
+                "ce_weight must have a floating point dtype, got %s" % ce_weight.dtype,
+                method="nn")
+    if softcap is not None and not softcap > 0:
+        # 0 would divide by zero in the softcap; lossd's wire would read it as "off".
+        raise errors.ArgumentAssertionError(
+            "softcap must be greater than 0.0 or None, got %s" % (softcap,), method="nn")
+
+
 def _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
              accum_dtype, input_dtype, chunk_rows, use_token_scaling):
     kw = dict(ignore_index=int(ignore_index), lse_square_scale=float(lse_square_scale),
@@ -89,10 +113,10 @@ def _eager_compute(runtime, x2, weight, t1, bias, opts, wants, needs, dtype):
     return r, noted
 
 
-def _forward_outputs(r, reduction, target, ignore_index, dev, return_z_loss,
+def _forward_outputs(r, reduction, target, ignore_index, dev, dtype, return_z_loss,
                      return_token_accuracy, return_predicted_tokens):
     """(loss, z_loss, accuracy, predictions) as torch tensors on `dev` from a compute's result;
-    None for those not asked for."""
+    None for those not asked for. dtype: the hidden states' (the z-loss's)."""
     if reduction == "none":
         loss = _to_torch(r.per_token_loss, dev).reshape(target.shape)
         z_loss = (_to_torch(r.per_token_z_loss, dev).reshape(target.shape)
@@ -100,15 +124,29 @@ def _forward_outputs(r, reduction, target, ignore_index, dev, return_z_loss,
     else:
         loss = torch.tensor(r.loss, dtype=torch.float32, device=dev)
         z_loss = torch.tensor(r.z_loss, dtype=torch.float32, device=dev) if return_z_loss else None
-    acc_t = (torch.tensor(r.accuracy, dtype=torch.float32, device=dev)
-             if return_token_accuracy else None)
+    if z_loss is not None:
+        z_loss = z_loss.to(dtype)  # Liger's z-loss buffer is in the input's dtype
+    valid = target != ignore_index
+    argmax = None
+    if (return_predicted_tokens or return_token_accuracy) and r.predictions is not None:
+        argmax = _to_torch(r.predictions, dev).reshape(target.shape)
+    acc_t = None
+    if return_token_accuracy and reduction == "none":
+        # Liger's per-token accuracy: 1.0 where the argmax is the target, 0.0 elsewhere and on
+        # ignored rows. The server reports the fraction only; its argmax gives each row's.
+        if argmax is None:
+            raise errors.ProtocolError("the server sent no predictions for the per-token "
+                                       "token_accuracy of reduction 'none'", method="nn")
+        acc_t = ((argmax == target) & valid).to(torch.float32)
+    elif return_token_accuracy:
+        # The fraction over non-ignored rows; 0.0 when all are ignored (Liger's is 0/0, NaN).
+        acc_t = torch.tensor(r.accuracy, dtype=torch.float32, device=dev)
     pred = None
-    if return_predicted_tokens and r.predictions is not None:
+    if return_predicted_tokens and argmax is not None:
         # The server's tensor is the argmax of every row (lossd.proto); Liger's module
         # returns -1 where the target is ignore_index, and this module is its drop-in.
         # The targets are here, so the mapping is exact and needs nothing from the wire.
-        pred = _to_torch(r.predictions, dev).reshape(target.shape)
-        pred = pred.masked_fill(target == ignore_index, -1)
+        pred = argmax.masked_fill(~valid, -1)
     return loss, z_loss, acc_t, pred
 
 
@@ -126,6 +164,7 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
                 use_token_scaling, return_token_accuracy, return_predicted_tokens, chunk_size,
                 runtime, grad_enabled=_NOT_PASSED):
+        _check_liger_arguments(weight, ce_weight, softcap, runtime)
         if reduction not in ("mean", "sum", "none"):
             raise errors.InvalidArgumentError(
                 "reduction must be 'mean', 'sum' or 'none', got %r" % (reduction,))
@@ -156,8 +195,10 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         deferred = any_grad and (reduction == "none" or (acc is not None
                                                          and not runtime.eager_accumulation))
         eager = any_grad and not deferred
+        # reduction 'none' gives a per-token accuracy, made from the server's argmax.
         wants = dict(want_z_loss=bool(return_z_loss), want_accuracy=bool(return_token_accuracy),
-                     want_predictions=bool(return_predicted_tokens))
+                     want_predictions=bool(return_predicted_tokens) or (
+                         bool(return_token_accuracy) and reduction == "none"))
         ctx.noted = None
         if eager:
             r, ctx.noted = _eager_compute(runtime, x2, weight, t1, bias, opts, wants,
@@ -167,7 +208,8 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                                 want_db=False, **opts, **wants)
         dev = _input.device
         loss, z_loss, acc_t, pred = _forward_outputs(r, reduction, target, ignore_index, dev,
-                                                      return_z_loss, return_token_accuracy,
+                                                      _input.dtype, return_z_loss,
+                                                      return_token_accuracy,
                                                       return_predicted_tokens)
         # One call: each call replaces the set marked before.
         ctx.mark_non_differentiable(*[e for e in (z_loss, acc_t, pred) if e is not None])
@@ -256,9 +298,19 @@ def lossd_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight
                                      label_smoothing=0.0, reduction="mean", softcap=None,
                                      return_z_loss=False, accum_dtype=None,
                                      use_token_scaling=False, return_token_accuracy=False,
-                                     return_predicted_tokens=False, chunk_size=None, *,
-                                     runtime=None, **runtime_kwargs):
-    """Functional form; `runtime` (a LossdRuntime) or its keyword arguments say where to go."""
+                                     return_predicted_tokens=False, chunk_mem_const=1, *,
+                                     chunk_size=None, runtime=None, **runtime_kwargs):
+    """Liger-Kernel's liger_fused_linear_cross_entropy (0.8.5), computed by a lossd server.
+
+    Liger's arguments in Liger's order. chunk_mem_const (Liger's budget of transient logits)
+    is checked as Liger checks it and otherwise unused: the server chooses its own chunks.
+    Keyword-only: chunk_size (the server's rows per chunk), and `runtime` (a LossdRuntime) or
+    its keyword arguments, saying where to go."""
+    if isinstance(chunk_mem_const, bool) or not isinstance(chunk_mem_const, int) \
+            or chunk_mem_const < 1:
+        raise errors.InvalidArgumentError(
+            "chunk_mem_const must be a positive integer, got %r" % (chunk_mem_const,),
+            method="nn")
     if runtime is None:
         runtime = LossdRuntime(**runtime_kwargs)
     loss, z_loss, acc, pred = LossdFusedLinearCrossEntropyFunction.apply(
@@ -296,13 +348,13 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
                  grad_scale=1.0, timeout=None, part_bytes=None):
         super().__init__()
         if not 0.0 <= label_smoothing <= 1.0:
-            raise errors.InvalidArgumentError(
+            raise errors.ArgumentAssertionError(
                 "label_smoothing must be between 0.0 and 1.0. Got: %s" % label_smoothing)
         if reduction not in ("mean", "sum", "none"):
-            raise errors.InvalidArgumentError(
+            raise errors.ArgumentAssertionError(
                 "reduction must be 'mean' or 'sum' or 'none'. Got: %s" % reduction)
         if softcap is not None and not softcap > 0:
-            raise errors.InvalidArgumentError(
+            raise errors.ArgumentAssertionError(
                 "softcap must greater than 0.0 or None. Got: %s" % softcap)
         self.ce_weight = ce_weight
         self.ignore_index = ignore_index
@@ -327,8 +379,8 @@ class LossdFusedLinearCrossEntropyLoss(torch.nn.Module):
             _input, lin_weight, target, bias, self.ce_weight, self.ignore_index,
             self.lse_square_scale, self.label_smoothing, self.reduction, self.softcap,
             self.return_z_loss, self.accum_dtype, self.use_token_scaling,
-            self.return_token_accuracy, self.return_predicted_tokens, self.chunk_size,
-            runtime=self.runtime)
+            self.return_token_accuracy, self.return_predicted_tokens,
+            chunk_size=self.chunk_size, runtime=self.runtime)
 
     # Gradient accumulation on the server (accumulator=...).
     def apply_accumulated_gradients(self, lin_weight, bias=None, reset=True):
