@@ -209,7 +209,8 @@ def _check_grpo_arguments(loss_type, importance_sampling_level, sapo_temperature
                 "delta applies to the clipped loss types (%s); loss_type %r has no clipped "
                 "surrogate" % (", ".join(_CLIPPED_LOSS_TYPES), loss_type), method="rl")
     if loss_type == "dr_grpo" and max_completion_length is None:
-        raise errors.InvalidArgumentError(
+        # Liger asserts this (at its forward); lossd checks it at construction.
+        raise errors.ArgumentAssertionError(
             "max_completion_length must be provided for loss_type 'dr_grpo'", method="rl")
     if temperature == 0:
         raise errors.InvalidArgumentError("temperature cannot be 0", method="rl")
@@ -276,7 +277,7 @@ class LossdFusedLinearGRPOLoss(_OnServer):
         if ref_per_token_logps is not None:
             return _fp32(ref_per_token_logps)
         if ref_input is None or ref_weight is None:
-            raise errors.InvalidArgumentError(
+            raise errors.ArgumentAssertionError(  # Liger asserts this
                 "use_ref_model with beta != 0 needs ref_per_token_logps, or ref_input and "
                 "ref_weight", method="rl")
         rx = ref_input.reshape(-1, ref_input.shape[-1])
@@ -344,8 +345,8 @@ class LossdFusedLinearJSD(_OnServer):
                  client=None, server="localhost:50051", cache_weights=True, timeout=None,
                  accumulator=None, grad_scale=1.0, runtime=None):
         super().__init__()
-        if temperature == 0:
-            raise errors.InvalidArgumentError("temperature cannot be 0", method="rl")
+        if temperature == 0:  # Liger asserts this
+            raise errors.ArgumentAssertionError("temperature cannot be 0", method="rl")
         if accum_dtype not in (None, torch.float32):
             raise errors.InvalidArgumentError(
                 "accum_dtype must be None or torch.float32, got %s" % (accum_dtype,),
