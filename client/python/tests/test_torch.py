@@ -302,7 +302,8 @@ def test_numpy_client_takes_torch_tensors(client):
 
 
 def test_same_signature_as_liger():
-    """Liger-Kernel's LigerFusedLinearCrossEntropyLoss arguments, in its order."""
+    """Liger-Kernel 0.8.5's LigerFusedLinearCrossEntropyLoss arguments in its order, then
+    lossd's chunk_size (test_liger_parity.py has the full table)."""
     liger_init = ["ce_weight", "ignore_index", "lse_square_scale", "label_smoothing",
                   "reduction", "softcap", "return_z_loss", "accum_dtype", "use_token_scaling",
                   "return_token_accuracy", "return_predicted_tokens", "chunk_size"]
