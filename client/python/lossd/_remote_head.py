@@ -13,7 +13,7 @@ import torch
 from lossd import errors
 from lossd._heads import OptimizerConfig
 from lossd.client import Client
-from lossd.nn import CrossEntropyOutput, _forward_outputs, _options, _to_torch
+from lossd.nn import CrossEntropyOutput, _forward_outputs, _options, _to_torch, _wants
 
 # Errors after which the same Compute may be sent again: the call may or may not have reached
 # the server, and its (rank, micro-batch) key keeps a second arrival from adding twice.
@@ -298,9 +298,8 @@ class _RemoteHeadFunction(torch.autograd.Function):
         h = hidden.shape[-1]
         x2, t1 = hidden.reshape(-1, h), labels.reshape(-1)
         opts = head.options(hidden.dtype)
-        wants = dict(want_z_loss=bool(head.return_z_loss),
-                     want_accuracy=bool(head.return_token_accuracy),
-                     want_predictions=bool(head.return_predicted_tokens))
+        wants = _wants(head.reduction, head.return_z_loss, head.return_token_accuracy,
+                       head.return_predicted_tokens)
         add = bool(grad_enabled) and head.training
         need_dx = add and ctx.needs_input_grad[0]
         ctx.head, ctx.mode = head, "none"
@@ -316,7 +315,7 @@ class _RemoteHeadFunction(torch.autograd.Function):
                 ctx.save_for_backward(hidden, labels)
                 ctx.opts = opts
         out = _forward_outputs(r, head.reduction, labels, head.ignore_index, hidden.device,
-                               head.return_z_loss, head.return_token_accuracy,
+                               hidden.dtype, head.return_z_loss, head.return_token_accuracy,
                                head.return_predicted_tokens)
         ctx.mark_non_differentiable(*[e for e in out[1:] if e is not None])
         return out

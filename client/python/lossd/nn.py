@@ -113,6 +113,14 @@ def _eager_compute(runtime, x2, weight, t1, bias, opts, wants, needs, dtype):
     return r, noted
 
 
+def _wants(reduction, return_z_loss, return_token_accuracy, return_predicted_tokens):
+    """compute()'s want_* for the return_* flags. reduction 'none' gives a per-token accuracy,
+    made from the server's argmax (_forward_outputs)."""
+    return dict(want_z_loss=bool(return_z_loss), want_accuracy=bool(return_token_accuracy),
+                want_predictions=bool(return_predicted_tokens) or (
+                    bool(return_token_accuracy) and reduction == "none"))
+
+
 def _forward_outputs(r, reduction, target, ignore_index, dev, dtype, return_z_loss,
                      return_token_accuracy, return_predicted_tokens):
     """(loss, z_loss, accuracy, predictions) as torch tensors on `dev` from a compute's result;
@@ -195,10 +203,8 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         deferred = any_grad and (reduction == "none" or (acc is not None
                                                          and not runtime.eager_accumulation))
         eager = any_grad and not deferred
-        # reduction 'none' gives a per-token accuracy, made from the server's argmax.
-        wants = dict(want_z_loss=bool(return_z_loss), want_accuracy=bool(return_token_accuracy),
-                     want_predictions=bool(return_predicted_tokens) or (
-                         bool(return_token_accuracy) and reduction == "none"))
+        wants = _wants(reduction, return_z_loss, return_token_accuracy,
+                       return_predicted_tokens)
         ctx.noted = None
         if eager:
             r, ctx.noted = _eager_compute(runtime, x2, weight, t1, bias, opts, wants,

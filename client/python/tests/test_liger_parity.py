@@ -177,7 +177,7 @@ def test_all_ignored(client):
                                               return_predicted_tokens=True, client=client)
     out = module(w, x, t, b)
     out.loss.backward()
-    assert float(out.loss) == 0.0 and float(out.z_loss) == 0.0
+    assert float(out.loss.detach()) == 0.0 and float(out.z_loss) == 0.0
     assert float(out.token_accuracy) == 0.0
     assert torch.equal(out.predicted_tokens, torch.full_like(t, -1))
     for leaf in (x, w, b):
@@ -223,3 +223,31 @@ def test_rl_argument_errors_are_assertion_errors():
         LossdFusedLinearGRPOLoss(loss_type="dr_grpo", server="127.0.0.1:9")
     with pytest.raises(ValueError, match="max_completion_length"):
         LossdFusedLinearGRPOLoss(loss_type="dr_grpo", server="127.0.0.1:9")
+
+
+@pytest.fixture
+def heads(client):
+    from head_harness import made_heads
+
+    yield from made_heads(client)
+
+
+def test_remote_head_outputs_as_the_module(client, heads):
+    """RemoteLMHead returns the same CrossEntropyOutput as the module: per-token accuracy
+    under reduction 'none', the z-loss in the hidden states' dtype."""
+    from head_harness import make_batch, make_head
+    from lossd.nn import RemoteLMHead
+
+    w, b = make_head(97)
+    mod = RemoteLMHead(heads.name("parity"), w, b, client=client, reduction="none",
+                       lse_square_scale=0.05, return_z_loss=True, return_token_accuracy=True)
+    x, t = make_batch(97)
+    argmax = (x @ w.T + b).argmax(-1)
+    half = torch.rand(t.shape, generator=torch.Generator().manual_seed(6)) < 0.5
+    t = torch.where(half & (t != -100), argmax, t)  # some right, some wrong, some ignored
+    expect = ((argmax == t) & (t != -100)).to(torch.float32)
+    assert 0 < float(expect.sum()) < float((t != -100).sum())
+    with torch.no_grad():
+        out = mod(x, t)
+    assert torch.equal(out.token_accuracy, expect)
+    assert out.z_loss.dtype == x.dtype and out.z_loss.shape == t.shape
