@@ -166,8 +166,10 @@ TEST_F(TwoPhaseHeadTest, AHeadSteppedBetweenForwardAndBackwardIsRefusedAndAddsNo
   absl::StatusOr<ComputeResult> kept = pool_->Compute(raw);
   ASSERT_TRUE(kept.ok()) << kept.status();
   ASSERT_FALSE(kept->ticket.empty());
-  // And through the helper: a forward of micro-batch 5 at version 0, kept.
-  absl::StatusOr<LogprobForward> f = lp.Forward(Call(5, name, 0, 3));
+  // And through the helper: a forward of micro-batch 5 at version 0, kept (the helper views
+  // the call's tensors: it outlives the forward).
+  const ComputeRequest call = Call(5, name, 0, 3);
+  absl::StatusOr<LogprobForward> f = lp.Forward(call);
   ASSERT_TRUE(f.ok()) << f.status();
   ASSERT_FALSE(f->ticket().empty());
   EXPECT_EQ(EngineOf(home).tickets().count(), 2u);
@@ -209,7 +211,8 @@ TEST_F(TwoPhaseHeadTest, AHeadSteppedBetweenForwardAndBackwardIsRefusedAndAddsNo
   // Redone at version 1 through the helper, the micro-batch adds once: step 1 equals the
   // twin's, which took it once as a one-phase call (a refused backward that had added
   // anything would show in the count, the norm and W).
-  absl::StatusOr<LogprobForward> again = lp.Forward(Call(5, name, 1, 3));
+  const ComputeRequest redo = Call(5, name, 1, 3);
+  absl::StatusOr<LogprobForward> again = lp.Forward(redo);
   ASSERT_TRUE(again.ok()) << again.status();
   ASSERT_FALSE(again->ticket().empty());
   absl::StatusOr<ComputeResult> redone = lp.Backward(*again, g.View());
