@@ -167,10 +167,10 @@ def test_bare_test_names_must_exist(tmp_path):
 
 def test_environment_variables_must_be_read_somewhere(tmp_path):
     path = doc(tmp_path, "`LOSSD_HEAD_EXPORT_DIR_BASE`, `LOSSD_BIN` and `FUZZ_SECONDS` are read;\n"
-                         "`LOSSD_TICKET_BYTES` is not.\n")
+                         "`LOSSD_NO_SUCH_SETTING` is not.\n")
     problems = check_docs.check_env_vars(ROOT, [path])
     assert [p.split(": ", 1)[1] for p in problems] == [
-        "LOSSD_TICKET_BYTES: no script or program reads it"], problems
+        "LOSSD_NO_SUCH_SETTING: no script or program reads it"], problems
 
 
 def test_code_names_must_exist(tmp_path):
