@@ -23,6 +23,7 @@
 #include "client/lossd_client.h"
 #include "client/pooled_client.h"
 #include "client/rendezvous.h"
+#include "client/two_phase_logprob.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -69,6 +70,33 @@ inline std::string PoolMismatch(const HostTensor* got, const HostTensor* want) {
     if (got->data()[i] != want->data()[i] && bad++ == 0) first = i;
   }
   return bad == 0 ? "" : absl::StrCat(bad, " bytes differ, first at ", first);
+}
+
+// A hosted head of plain SGD without momentum: its update is lr times the summed gradient, so
+// a micro-batch added twice (or not at all) shows in W, not only in the step's norm. Random
+// fp32 W (seed `seed`) and bias (seed + 1).
+inline CreateHeadRequest PoolSgdHead(const std::string& name, uint32_t seed) {
+  CreateHeadRequest r;
+  r.name = name;
+  r.w = PoolRandomFloats(DType::kF32, {kPoolV, kPoolH}, seed, 0.5f);
+  r.bias = PoolRandomFloats(DType::kF32, {kPoolV}, seed + 1, 0.5f);
+  r.optimizer.kind = Optimizer::kSgd;
+  r.optimizer.lr = 0.05;
+  return r;
+}
+
+// A logprob backward's random upstream gradients for micro-batch `seed`, owned; View() lends
+// them to a TwoPhaseLogprob backward.
+struct PoolLogprobGrads {
+  HostTensor dlogp, dentropy;
+  LogprobGradients View() const {
+    return {HostTensor::View(DType::kF32, dlogp.shape(), dlogp.data()),
+            HostTensor::View(DType::kF32, dentropy.shape(), dentropy.data())};
+  }
+};
+inline PoolLogprobGrads PoolLogprobGradientsOf(uint32_t seed) {
+  return {PoolRandomFloats(DType::kF32, {kPoolBT}, 300 + seed, 1.0f),
+          PoolRandomFloats(DType::kF32, {kPoolBT}, 400 + seed, 1.0f)};
 }
 
 class PoolTest : public ::testing::Test {
@@ -126,6 +154,14 @@ class PoolTest : public ::testing::Test {
   std::vector<std::string> Endpoints() const { return {Endpoint(0), Endpoint(1), Endpoint(2)}; }
   std::vector<std::string> Order(const std::string& key) const {
     return RendezvousOrder(key, Endpoints());
+  }
+  // A head name whose replica is not where the pool's stateless calls go first, so a call
+  // the pool sent by its default route instead of to the head would be seen.
+  std::string HeadAwayFromRank0() const {
+    for (int n = 0;; ++n) {
+      const std::string name = absl::StrCat("lm-", n);
+      if (Order(HeadKey(name)).front() != Order(RankKey(0)).front()) return name;
+    }
   }
 
   void Start(int i) {

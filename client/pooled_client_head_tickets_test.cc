@@ -23,24 +23,8 @@ constexpr uint64_t kMicroBatch = 3;
 
 class PoolHeadTicketsTest : public PoolTest {
  protected:
-  // SGD without momentum: the update is lr times the summed gradient, so a micro-batch added
-  // twice (or not at all) shows in W, not only in the step's norm.
   static CreateHeadRequest NewHead(const std::string& name) {
-    CreateHeadRequest r;
-    r.name = name;
-    r.w = PoolRandomFloats(DType::kF32, {kPoolV, kPoolH}, 61, 0.5f);
-    r.bias = PoolRandomFloats(DType::kF32, {kPoolV}, 62, 0.5f);
-    r.optimizer.kind = Optimizer::kSgd;
-    r.optimizer.lr = 0.05;
-    return r;
-  }
-  // A head name whose replica is not where this pool's stateless calls go first, so a
-  // backward sent by the pool's default route would be seen.
-  std::string HeadAwayFromRank0() const {
-    for (int n = 0;; ++n) {
-      const std::string name = absl::StrCat("lm-", n);
-      if (Order(HeadKey(name)).front() != Order(RankKey(0)).front()) return name;
-    }
+    return PoolSgdHead(name, 61);
   }
   // The micro-batch against `head` at version 0 (forward fields only).
   static ComputeRequest Batch(const std::string& head) {

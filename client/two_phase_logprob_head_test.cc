@@ -22,22 +22,8 @@ constexpr float kTemperature = 0.8f;
 
 class TwoPhaseHeadTest : public PoolTest {
  protected:
-  // SGD without momentum: a micro-batch added twice (or not at all) shows in W.
   static CreateHeadRequest NewHead(const std::string& name) {
-    CreateHeadRequest r;
-    r.name = name;
-    r.w = PoolRandomFloats(DType::kF32, {kPoolV, kPoolH}, 71, 0.5f);
-    r.bias = PoolRandomFloats(DType::kF32, {kPoolV}, 72, 0.5f);
-    r.optimizer.kind = Optimizer::kSgd;
-    r.optimizer.lr = 0.05;
-    return r;
-  }
-  // A head name whose replica is not where the pool's stateless calls go first.
-  std::string HeadAwayFromRank0() const {
-    for (int n = 0;; ++n) {
-      const std::string name = absl::StrCat("lm-", n);
-      if (Order(HeadKey(name)).front() != Order(RankKey(0)).front()) return name;
-    }
+    return PoolSgdHead(name, 71);
   }
   // Micro-batch `seed`'s one-phase call against `head` at `version`, less its gradients.
   static ComputeRequest Call(uint32_t seed, const std::string& head, uint64_t version,
@@ -54,23 +40,12 @@ class TwoPhaseHeadTest : public PoolTest {
     r.want.dw = false;
     return r;
   }
-  struct Grads {
-    HostTensor dlogp, dentropy;
-    LogprobGradients View() const {
-      return {HostTensor::View(DType::kF32, dlogp.shape(), dlogp.data()),
-              HostTensor::View(DType::kF32, dentropy.shape(), dentropy.data())};
-    }
-  };
-  static Grads GradientsOf(uint32_t seed) {
-    return {PoolRandomFloats(DType::kF32, {kPoolBT}, 300 + seed, 1.0f),
-            PoolRandomFloats(DType::kF32, {kPoolBT}, 400 + seed, 1.0f)};
-  }
   // Micro-batch `seed` as one one-phase call through `client` (the pool or the reference).
   template <typename Client>
   static ComputeResult OnePhase(Client& client, uint32_t seed, const std::string& head,
                                 uint64_t version, uint64_t micro_batch) {
     ComputeRequest r = Call(seed, head, version, micro_batch);
-    const Grads g = GradientsOf(seed);
+    const PoolLogprobGrads g = PoolLogprobGradientsOf(seed);
     r.dlogp = g.dlogp;
     r.dentropy = g.dentropy;
     absl::StatusOr<ComputeResult> res = client.Compute(r);
@@ -137,7 +112,7 @@ TEST_F(TwoPhaseHeadTest, TheHelpersBackwardAddsTheMicroBatchOnceOnTheHeadsReplic
   EXPECT_NE(f->result().Find(OutputTensor::kLogp), nullptr);
   EXPECT_EQ(f->result().Find(OutputTensor::kDx), nullptr);
 
-  const Grads g = GradientsOf(5);
+  const PoolLogprobGrads g = PoolLogprobGradientsOf(5);
   absl::StatusOr<ComputeResult> b = lp.Backward(*f, g.View());
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(EngineOf(home).tickets().count(), 0u);  // consumed by the backward
@@ -179,7 +154,7 @@ TEST_F(TwoPhaseHeadTest, AHeadSteppedBetweenForwardAndBackwardIsRefusedAndAddsNo
   OnePhase(*reference_, 7, name, 0, 1);
   StepBothAndCompare(name, 0);
 
-  const Grads g = GradientsOf(5);
+  const PoolLogprobGrads g = PoolLogprobGradientsOf(5);
   ComputeRequest raw_back;
   raw_back.kind = LossKind::kLogprob;
   raw_back.ticket = kept->ticket;

@@ -52,22 +52,11 @@ class TwoPhasePoolTest : public PoolTest {
     r.want.dw = true;
     return r;
   }
-  struct Grads {
-    HostTensor dlogp, dentropy;
-    LogprobGradients View() const {
-      return {HostTensor::View(DType::kF32, dlogp.shape(), dlogp.data()),
-              HostTensor::View(DType::kF32, dentropy.shape(), dentropy.data())};
-    }
-  };
-  static Grads GradientsOf(uint32_t seed) {
-    return {PoolRandomFloats(DType::kF32, {kPoolBT}, 300 + seed, 1.0f),
-            PoolRandomFloats(DType::kF32, {kPoolBT}, 400 + seed, 1.0f)};
-  }
   // The one-phase call on the single-server reference (dw wanted as `call` wants it).
   ComputeResult Reference(uint32_t seed, const ComputeRequest& call) {
     ComputeRequest r = Call(seed, reference_handle_);
     r.want = call.want;
-    const Grads g = GradientsOf(seed);
+    const PoolLogprobGrads g = PoolLogprobGradientsOf(seed);
     r.dlogp = g.dlogp;
     r.dentropy = g.dentropy;
     absl::StatusOr<ComputeResult> res = reference_->Compute(r);
@@ -94,7 +83,7 @@ TEST_F(TwoPhasePoolTest, TheBackwardGoesByTicketToTheForwardsReplica) {
     ASSERT_FALSE(f->ticket().empty());
     EXPECT_EQ(pool_->ReplicaOfTicket(f->ticket()), Endpoint(i));
     const std::map<std::string, uint64_t> before = pool_->counters().calls;
-    const Grads g = GradientsOf(10 + i);
+    const PoolLogprobGrads g = PoolLogprobGradientsOf(10 + i);
     absl::StatusOr<ComputeResult> b = lp.Backward(*f, g.View());
     ASSERT_TRUE(b.ok()) << b.status();
     std::map<std::string, uint64_t> want = before;
@@ -118,7 +107,7 @@ TEST_F(TwoPhasePoolTest, AStoppedReplicasTicketFallsBackWhereTheWeightsMoved) {
   absl::StatusOr<LogprobForward> f = lp.Forward(call);
   ASSERT_TRUE(f.ok()) << f.status();
   Stop(1);
-  const Grads g = GradientsOf(20);
+  const PoolLogprobGrads g = PoolLogprobGradientsOf(20);
   absl::StatusOr<ComputeResult> b = lp.Backward(*f, g.View());
   ASSERT_TRUE(b.ok()) << b.status();
   ExpectSame(*b, Reference(20, call));
@@ -139,7 +128,7 @@ TEST_F(TwoPhasePoolTest, AnAccumulatorOnAnotherReplicaTakesTheOnePhaseCall) {
   const std::string w0 = WeightsOn(0);
   // The accumulator begins at its own home with a first micro-batch.
   ComputeRequest first = Call(30, w0);
-  const Grads g0 = GradientsOf(30);
+  const PoolLogprobGrads g0 = PoolLogprobGradientsOf(30);
   first.dlogp = g0.dlogp;
   first.accumulator = acc;
   first.want.dw = false;
@@ -151,7 +140,7 @@ TEST_F(TwoPhasePoolTest, AnAccumulatorOnAnotherReplicaTakesTheOnePhaseCall) {
   absl::StatusOr<LogprobForward> f = lp.Forward(call);
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(pool_->ReplicaOfTicket(f->ticket()), Endpoint(0));
-  const Grads g = GradientsOf(31);
+  const PoolLogprobGrads g = PoolLogprobGradientsOf(31);
   absl::StatusOr<ComputeResult> b = lp.Backward(*f, g.View());
   ASSERT_TRUE(b.ok()) << b.status();
   ExpectSame(*b, Reference(31, call));
