@@ -142,6 +142,15 @@ __global__ void ScaleRowsKernel(const void* __restrict__ in, const float* __rest
 }
 
 
+// Blocks of 256 threads for `n` items, at most eight a multiprocessor: enough resident
+// threads to keep the memory system busy, and no more (each thread then loops).
+unsigned ResidentGrid(int64_t n) {
+  int sms = 0, dev = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{sms} * 8));
+}
+
 }  // namespace
 
 cudaError_t CombineRowLoss(const float* tile_max, const float* tile_sum, int64_t c,
@@ -161,12 +170,7 @@ cudaError_t FormGradient(void* z, int64_t c, int64_t v, const float* lse,
   if (v % 8 != 0 || reinterpret_cast<uintptr_t>(z) % 16 != 0) return cudaErrorInvalidValue;
   const int64_t n_vec = c * v / 8;
   if (n_vec == 0) return cudaSuccess;
-  int sms = 0, dev = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  // Enough resident threads to keep the memory system busy, and no more: each then loops.
-  const int64_t want = (n_vec + 255) / 256;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(want, int64_t{sms} * 8));
+  const unsigned grid = ResidentGrid(n_vec);
   FormGradientKernel<<<grid, 256, 0, stream>>>(static_cast<uint4*>(z), n_vec, v / 8, lse,
                                                targets, scale);
   return cudaGetLastError();
@@ -210,10 +214,7 @@ cudaError_t ScaleRows(const void* in, bool in_fp32, const float* alpha, int64_t 
                       void* out, cudaStream_t stream) {
   const int64_t n = c * h;
   if (n == 0) return cudaSuccess;
-  int sms = 0, dev = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{sms} * 8));
+  const unsigned grid = ResidentGrid(n);
   if (in_fp32) {
     ScaleRowsKernel<true><<<grid, 256, 0, stream>>>(in, alpha, c, h,
                                                     static_cast<__nv_bfloat16*>(out));

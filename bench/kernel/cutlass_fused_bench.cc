@@ -76,6 +76,22 @@ struct Problem {
   }
 };
 
+// The mean loss, dX and dW now in `p` against the float64 reference; false (said) on a failure.
+bool CompareFp64(Problem& p, double loss, Fp64Errors* e) {
+  std::string error;
+  if (!CompareWithFp64(p.bt, p.h, p.v, p.x, p.w, static_cast<const int32_t*>(p.tg), loss, p.dx,
+                       static_cast<const float*>(p.dw), 2048, e, &error)) {
+    std::fprintf(stderr, "float64 reference: %s\n", error.c_str());
+    return false;
+  }
+  return true;
+}
+
+bool WithinBar(const Fp64Errors& e) {
+  return e.loss_rel <= kLossRel && e.dx_rel_norm <= kGradRelNorm &&
+         e.dw_rel_norm <= kGradRelNorm;
+}
+
 // Runs a schedule of the path twice (outputs poisoned before each), checks the second run's
 // outputs against the first word for word and against float64. 0, or 2 on a failed check.
 int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
@@ -102,14 +118,8 @@ int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
   absl::StatusOr<unsigned int> bad = path.TakeBad();  // two runs' worth
   BENCH_CHECK_OK(bad.status());
   Fp64Errors e;
-  std::string error;
-  if (!CompareWithFp64(p.bt, p.h, p.v, p.x, p.w, static_cast<const int32_t*>(p.tg), *loss, p.dx,
-                       static_cast<const float*>(p.dw), 2048, &e, &error)) {
-    std::fprintf(stderr, "float64 reference: %s\n", error.c_str());
-    return 1;
-  }
-  const bool ok = *bad == 0 && mism[0] == 0 && mism[1] == 0 && e.loss_rel <= kLossRel &&
-                  e.dx_rel_norm <= kGradRelNorm && e.dw_rel_norm <= kGradRelNorm;
+  if (!CompareFp64(p, *loss, &e)) return 1;
+  const bool ok = *bad == 0 && mism[0] == 0 && mism[1] == 0 && WithinBar(e);
   std::printf("  check %-14s loss %.6f (float64 %.6f, rel %.2e), dX rel norm %.2e, dW %.2e, "
               "rerun words differing dX %llu dW %llu, rows flagged %u: %s\n",
               name, *loss, e.ref_loss, e.loss_rel, e.dx_rel_norm, e.dw_rel_norm, mism[0],
@@ -127,14 +137,8 @@ int CheckLossd(cuda::FusedLoss& engine, const cuda::DeviceLossArgs& a,
   BENCH_CHECK_CUDA(cudaMemcpy(ce.data(), a.row_ce, p.bt * 4, cudaMemcpyDeviceToHost));
   const double loss = std::accumulate(ce.begin(), ce.end(), 0.0) / static_cast<double>(p.bt);
   Fp64Errors e;
-  std::string error;
-  if (!CompareWithFp64(p.bt, p.h, p.v, p.x, p.w, static_cast<const int32_t*>(p.tg), loss, p.dx,
-                       static_cast<const float*>(p.dw), 2048, &e, &error)) {
-    std::fprintf(stderr, "float64 reference: %s\n", error.c_str());
-    return 1;
-  }
-  const bool ok = e.loss_rel <= kLossRel && e.dx_rel_norm <= kGradRelNorm &&
-                  e.dw_rel_norm <= kGradRelNorm;
+  if (!CompareFp64(p, loss, &e)) return 1;
+  const bool ok = WithinBar(e);
   std::printf("  check %-14s loss %.6f (float64 %.6f, rel %.2e), dX rel norm %.2e, dW %.2e: "
               "%s\n",
               "lossd default", loss, e.ref_loss, e.loss_rel, e.dx_rel_norm, e.dw_rel_norm,

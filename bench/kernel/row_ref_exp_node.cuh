@@ -15,6 +15,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/numeric_conversion.h"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "bench/kernel/row_stats_node.cuh"  // RowLanes, TileStatBlock, PartitionForRowStats
 
 namespace lossd {
 namespace bench {
@@ -133,41 +134,18 @@ struct Sm90RowRefExp {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(
       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     using namespace cute;
-    // Which lanes of a warp share a row, as in Sm90RowTileStats (row_stats_node.cuh).
-    Layout ref_layout_MN = [&]() {
-      auto mn_shape = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
-      if constexpr (ReferenceSrc) {
-        return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(mn_shape);
-      } else {
-        return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(mn_shape);
-      }
-    }();
-    using W = Int<decltype(args.tiled_copy)::TiledNumThr::value / cutlass::NumThreadsPerWarp>;
-    Layout tv2lane = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_1, _0, _0>>{};
-    Layout ref2lane = composition(tv2lane, ref_layout_MN);
-    Layout lane_layout_MN = make_layout(filter(get<0>(ref2lane)), filter(get<1>(ref2lane)));
-    Layout inv_lane_layout_MN = right_inverse(lane_layout_MN);
-    auto lane_mn = idx2crd(inv_lane_layout_MN(cutlass::canonical_lane_idx()),
-                           shape(lane_layout_MN));
-    Layout tv2warp = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_0, _1, _0>>{};
-    Layout ref2warp = composition(tv2warp, ref_layout_MN);
-    static_assert(decltype(size(filter(get<1>(ref2warp))))::value <= 1,
-                  "Sm90RowRefExp: more than one warp shares a row");
-
+    auto lanes = RowLanes<ReferenceSrc>(args);
+    auto lane_layout_MN = get<0>(lanes);
+    auto lane_mn = get<1>(lanes);
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
-    // The sums: compact and M-major, stride 0 along N inside a tile (tile_sum[n * ld + r]).
-    Layout tile_layout = make_layout(take<0, 2>(args.tile_shape_mnk), make_stride(_1{}, _0{}));
-    Layout all_layout = blocked_product(
-        tile_layout, make_layout(ceil_div(make_shape(M, N, L), shape(tile_layout))));
-    Tensor mSum = make_tensor(make_gmem_ptr(params.tile_sum), all_layout);
-    Tensor gSum = local_tile(mSum, take<0, 2>(args.tile_shape_mnk), make_coord(m, n, l));
+    Tensor gSum = TileStatBlock(params.tile_sum, args);
     // The reference: ref[r] for every column (stride 0 along N and L).
     Tensor mRef = make_tensor(make_gmem_ptr(params.ref),
                               make_layout(make_shape(M, N, L), make_stride(_1{}, _0{}, _0{})));
     Tensor gRef = local_tile(mRef, take<0, 2>(args.tile_shape_mnk), make_coord(m, n, l));
-    Tensor tGsum = sm90_partition_for_epilogue_stats<ReferenceSrc>(gSum, args);
-    Tensor tGref = sm90_partition_for_epilogue_stats<ReferenceSrc>(gRef, args);
+    Tensor tGsum = PartitionForRowStats<ReferenceSrc>(gSum, args);
+    Tensor tGref = PartitionForRowStats<ReferenceSrc>(gRef, args);
     Tensor tRsum = make_tensor_like<float>(tGsum);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), 0 along N
     Tensor tRref = make_tensor_like<float>(tGref);
     fill(tRsum, 0.f);
@@ -181,14 +159,6 @@ struct Sm90RowRefExp {
                                  args.residue_tCcD, tGsum, lane_layout_MN, lane_mn, args.cD,
                                  args.residue_cD);
     return ConsumerStoreCallbacks<decltype(args_tuple)>(cute::move(args_tuple), params);
-  }
-
- private:
-  template <bool ReferenceSrc, class GTensor, class StoreArgs>
-  CUTLASS_DEVICE static auto sm90_partition_for_epilogue_stats(GTensor const& g,
-                                                               StoreArgs const& args) {
-    return cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
-        g, args.epi_tile, args.tiled_copy, args.thread_idx);
   }
 };
 
