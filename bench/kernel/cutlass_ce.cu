@@ -72,76 +72,6 @@ __global__ void FormGradientKernel(uint4* z, int64_t n_vec, int64_t vec_per_row,
   }
 }
 
-__global__ void TargetLogitsKernel(const __nv_bfloat16* __restrict__ x,
-                                   const __nv_bfloat16* __restrict__ w,
-                                   const int32_t* __restrict__ targets, int64_t c, int64_t h,
-                                   float* zt) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (r >= c) return;
-  const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + r * h);
-  const __nv_bfloat162* wr = reinterpret_cast<const __nv_bfloat162*>(w + targets[r] * h);
-  float acc = 0.0f;
-  for (int64_t j = lane; j < h / 2; j += 32) {
-    const float2 a = __bfloat1622float2(xr[j]), b = __bfloat1622float2(wr[j]);
-    acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
-  }
-  for (int d = 16; d > 0; d /= 2) acc += __shfl_down_sync(0xFFFFFFFF, acc, d);
-  if (lane == 0) zt[r] = acc;
-}
-
-__global__ void RowReferenceKernel(const float* __restrict__ zt, const float* __restrict__ zs,
-                                   int64_t c, int64_t n_sample, int64_t ld, float* ref) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (r >= ld) return;
-  if (r >= c) {
-    if (lane == 0) ref[r] = 0.0f;
-    return;
-  }
-  float m = zt[r];
-  for (int64_t j = lane; j < n_sample; j += 32) m = fmaxf(m, zs[r * n_sample + j]);
-  for (int d = 16; d > 0; d /= 2) m = fmaxf(m, __shfl_down_sync(0xFFFFFFFF, m, d));
-  if (lane == 0) ref[r] = m;
-}
-
-__global__ void CombineRefExpKernel(const float* __restrict__ tsum, int64_t c, int64_t n_tiles,
-                                    int64_t ld, const int32_t* __restrict__ targets,
-                                    const float* __restrict__ zt, const float* __restrict__ ref,
-                                    float scale,
-                                    __nv_bfloat16* e, int64_t v, float* loss, float* alpha,
-                                    unsigned int* bad) {
-  __shared__ float ss[kSlices][kRows + 1];
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x;
-  float s = 0.0f;
-  if (r < c) {
-    for (int64_t t = threadIdx.y; t < n_tiles; t += kSlices) s += tsum[t * ld + r];
-  }
-  ss[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y != 0 || r >= c) return;
-  for (int k = 1; k < kSlices; ++k) s += ss[k][threadIdx.x];
-  const float l = logf(s);
-  loss[r] = ref[r] + l - zt[r];
-  alpha[r] = scale / s;
-  e[r * v + targets[r]] = __float2bfloat16_rn(__expf(zt[r] - ref[r]) - s);
-  if (!(l <= 80.0f)) atomicAdd(bad, 1u);  // NaN and inf included
-}
-
-template <bool kFp32>
-__global__ void ScaleRowsKernel(const void* __restrict__ in, const float* __restrict__ alpha,
-                                int64_t c, int64_t h, __nv_bfloat16* out) {
-  const int64_t n = c * h, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const float a = alpha[i / h];
-    const float f = kFp32 ? static_cast<const float*>(in)[i]
-                          : __bfloat162float(static_cast<const __nv_bfloat16*>(in)[i]);
-    out[i] = __float2bfloat16_rn(a * f);
-  }
-}
-
-
 // Blocks of 256 threads for `n` items, at most eight a multiprocessor: enough resident
 // threads to keep the memory system busy, and no more (each thread then loops).
 unsigned ResidentGrid(int64_t n) {
@@ -173,55 +103,6 @@ cudaError_t FormGradient(void* z, int64_t c, int64_t v, const float* lse,
   const unsigned grid = ResidentGrid(n_vec);
   FormGradientKernel<<<grid, 256, 0, stream>>>(static_cast<uint4*>(z), n_vec, v / 8, lse,
                                                targets, scale);
-  return cudaGetLastError();
-}
-
-cudaError_t TargetLogits(const void* x, const void* w, const int32_t* targets, int64_t c,
-                         int64_t h, float* zt, cudaStream_t stream) {
-  if (h % 2 != 0) return cudaErrorInvalidValue;
-  if (c <= 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>((c + 7) / 8);  // 8 warps a block
-  TargetLogitsKernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                               static_cast<const __nv_bfloat16*>(w), targets, c,
-                                               h, zt);
-  return cudaGetLastError();
-}
-
-cudaError_t RowReference(const float* zt, const float* zs, int64_t c, int64_t n_sample,
-                         int64_t ld, float* ref, cudaStream_t stream) {
-  if (ld < c) return cudaErrorInvalidValue;
-  if (ld == 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>((ld + 7) / 8);
-  RowReferenceKernel<<<grid, 256, 0, stream>>>(zt, zs, c, n_sample, ld, ref);
-  return cudaGetLastError();
-}
-
-cudaError_t CombineRefExp(const float* tile_sum, int64_t c, int64_t n_tiles, int64_t ld,
-                          const int32_t* targets, const float* zt, const float* ref,
-                          float scale, void* e, int64_t v, float* loss, float* alpha,
-                          unsigned int* bad, cudaStream_t stream) {
-  if (c <= 0) return cudaSuccess;
-  const dim3 block(kRows, kSlices);
-  const unsigned grid = static_cast<unsigned>((c + kRows - 1) / kRows);
-  CombineRefExpKernel<<<grid, block, 0, stream>>>(tile_sum, c, n_tiles, ld, targets, zt, ref,
-                                                  scale,
-                                                  static_cast<__nv_bfloat16*>(e), v, loss,
-                                                  alpha, bad);
-  return cudaGetLastError();
-}
-
-cudaError_t ScaleRows(const void* in, bool in_fp32, const float* alpha, int64_t c, int64_t h,
-                      void* out, cudaStream_t stream) {
-  const int64_t n = c * h;
-  if (n == 0) return cudaSuccess;
-  const unsigned grid = ResidentGrid(n);
-  if (in_fp32) {
-    ScaleRowsKernel<true><<<grid, 256, 0, stream>>>(in, alpha, c, h,
-                                                    static_cast<__nv_bfloat16*>(out));
-  } else {
-    ScaleRowsKernel<false><<<grid, 256, 0, stream>>>(in, alpha, c, h,
-                                                     static_cast<__nv_bfloat16*>(out));
-  }
   return cudaGetLastError();
 }
 

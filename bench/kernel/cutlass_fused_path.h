@@ -25,7 +25,6 @@
 #include "bench/kernel/cutlass_logits.h"
 #include "kernels/cuda/fused_loss.h"
 
-ABSL_DECLARE_FLAG(int, ref_sample);
 ABSL_DECLARE_FLAG(std::string, order);
 
 namespace lossd {
@@ -50,10 +49,7 @@ class CutlassPath {
         dw_(dw) {}
   ~CutlassPath() {
     for (void* p : {z_, static_cast<void*>(tmax_), static_cast<void*>(tsum_),
-                    static_cast<void*>(lse_), static_cast<void*>(loss_), gws_, cws_,
-                    static_cast<void*>(ref_), static_cast<void*>(alpha_), xs_, dxf_,
-                    static_cast<void*>(bad_), static_cast<void*>(zt_), static_cast<void*>(zs_),
-                    wsamp_}) {
+                    static_cast<void*>(lse_), static_cast<void*>(loss_), gws_, cws_}) {
       cudaFree(p);
     }
     if (side_ != nullptr) cudaStreamDestroy(side_);
@@ -64,22 +60,13 @@ class CutlassPath {
   absl::Status Init(const std::vector<int>& side_sms) {
     const int64_t tiles = (v_ + 127) / 128, ld = Ld(chunk_);
     n_tiles_ = tiles;
-    n_sample_ = std::min<int64_t>(absl::GetFlag(FLAGS_ref_sample), v_);
     for (auto [p, bytes] : {std::pair<void**, size_t>{&z_, chunk_ * v_ * 2},
                             {reinterpret_cast<void**>(&tmax_), tiles * ld * 4},
                             {reinterpret_cast<void**>(&tsum_), tiles * ld * 4},
                             {reinterpret_cast<void**>(&lse_), chunk_ * 4},
                             {reinterpret_cast<void**>(&loss_), bt_ * 4},
                             {&gws_, cuda::kGemmWorkspaceBytes},
-                            {&cws_, 1 << 20},
-                            {reinterpret_cast<void**>(&ref_), ld * 4},
-                            {reinterpret_cast<void**>(&alpha_), chunk_ * 4},
-                            {&xs_, chunk_ * h_ * 2},
-                            {&dxf_, chunk_ * h_ * 4},
-                            {reinterpret_cast<void**>(&bad_), 4},
-                            {reinterpret_cast<void**>(&zt_), chunk_ * 4},
-                            {reinterpret_cast<void**>(&zs_), chunk_ * std::max(n_sample_, int64_t{1}) * 4},
-                            {&wsamp_, std::max(n_sample_, int64_t{1}) * h_ * 2}}) {
+                            {&cws_, 1 << 20}}) {
       if (absl::Status s = FromCuda(cudaMalloc(p, bytes), "cudaMalloc"); !s.ok()) return s;
     }
     if (absl::Status s = FromCuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking),
@@ -96,69 +83,31 @@ class CutlassPath {
       }
     }
     side_sms_ = side_sms;
-    if (n_sample_ > 0) {  // rows 0, v / n, 2 v / n, ... of W: the sample's weights
-      const int64_t step = v_ / n_sample_;
-      absl::Status s = FromCuda(cudaMemcpy2D(wsamp_, h_ * 2, w_, step * h_ * 2, h_ * 2,
-                                             n_sample_, cudaMemcpyDeviceToDevice),
-                                "sample W");
-      if (!s.ok()) return s;
-    }
     return BindAll();
   }
 
-  static constexpr int kSeq = -1, kRefExp = -2;
+  static constexpr int kSeq = -1;
 
-  // Enqueues the whole forward + backward: kSeq the one-stream schedule, kRefExp the
-  // reference-exp one, else the row halves with side_sms_[schedule] SMs left to the CE pass.
+  // Enqueues the whole forward + backward: kSeq the one-stream schedule, else the row halves
+  // with side_sms_[schedule] SMs left to the CE pass.
   absl::Status Run(int schedule) {
     for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
       const int64_t r = std::min(chunk_, bt_ - c0);
-      absl::Status s = schedule == kSeq      ? Seq(c0, r)
-                       : schedule == kRefExp ? RefExp(c0, r)
-                                             : Halves(c0, r, schedule);
+      absl::Status s = schedule == kSeq ? Seq(c0, r) : Halves(c0, r, schedule);
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
   }
 
-  // One phase over every chunk, where the time goes: 0 logits + statistics, 1 combine + G;
-  // 2 the target logits + reference-exp GEMM, 3 its combine and row scalings, 4 its dX GEMM
-  // (fp32 out).
+  // One phase over every chunk, where the time goes: 0 logits + statistics, 1 combine + G.
   absl::Status Phase(int phase) {
     cudaStream_t st = e_.stream();
     for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
       const int64_t r = std::min(chunk_, bt_ - c0);
-      absl::Status s;
-      switch (phase) {
-        case 0: s = RunKernel(c0, 0, r, 0, st, 1); break;
-        case 1: s = CombineAndForm(c0, 0, r, st); break;
-        case 2: s = RefLogits(c0, r); break;
-        case 3: s = RefCombine(c0, r); break;
-        default: s = RefDx(c0, r, false); break;
-      }
+      absl::Status s = phase == 0 ? RunKernel(c0, 0, r, 0, st) : CombineAndForm(c0, 0, r, st);
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
-  }
-
-  // Picks cuBLASLt's fastest algorithm for the reference-exp dX GEMM (fp32 out: a key of its
-  // own; the dW GEMM's is the chunks' dW, tuned with them).
-  absl::Status TuneRefExp() {
-    for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
-      const int64_t r = std::min(chunk_, bt_ - c0);
-      if (absl::Status s = RefDx(c0, r, true); !s.ok()) return s;
-      if (absl::Status s = SampleLogits(c0, r, true); !s.ok()) return s;
-    }
-    return absl::OkStatus();
-  }
-
-  // Rows the reference-exp schedule flagged since the last call (S not finite, log S > 80).
-  absl::StatusOr<unsigned int> TakeBad() {
-    unsigned int n = 0;
-    absl::Status s = FromCuda(cudaMemcpy(&n, bad_, 4, cudaMemcpyDeviceToHost), "copy");
-    if (s.ok()) s = FromCuda(cudaMemset(bad_, 0, 4), "memset");
-    if (!s.ok()) return s;
-    return n;
   }
 
   // The mean loss of the last run (every row's term, summed on the host in double).
@@ -173,22 +122,20 @@ class CutlassPath {
   struct Bound {
     int64_t c0, row0, rows;
     int sms;
-    int mode;  // 1 statistics, 2 reference-exp
     std::unique_ptr<CutlassLogits> k;
   };
 
   // The statistics kernel of the ping-pong set, bound to rows [c0 + row0, +rows): it writes z
   // rows [row0, +rows) and the part's own statistics block (Stats).
-  absl::Status Bind(int64_t c0, int64_t row0, int64_t rows, int sms, int mode = 1) {
-    for (auto& k : mode == 1 ? MakePingpongKernels() : MakeRefExpKernels()) {
-      if (mode == 1 ? !k->Stats() : !k->RefExp()) continue;
+  absl::Status Bind(int64_t c0, int64_t row0, int64_t rows, int sms) {
+    for (auto& k : MakePingpongKernels()) {
+      if (!k->Stats()) continue;
       CutlassLogitsArgs a;
       a.x = static_cast<const char*>(x_) + (c0 + row0) * h_ * 2;
       a.w = w_;
       a.z = static_cast<char*>(z_) + row0 * v_ * 2;
       a.tile_max = tmax_ + n_tiles_ * row0;
       a.tile_sum = tsum_ + n_tiles_ * row0;
-      a.row_ref = ref_;
       a.c = rows;
       a.h = h_;
       a.v = v_;
@@ -200,7 +147,7 @@ class CutlassPath {
         return absl::InvalidArgumentError("--order: want raster:swizzle");
       }
       if (absl::Status s = FromString(k->Init(a, cws_)); !s.ok()) return s;
-      bound_.push_back(Bound{c0, row0, rows, sms, mode, std::move(k)});
+      bound_.push_back(Bound{c0, row0, rows, sms, std::move(k)});
       return absl::OkStatus();
     }
     return absl::InternalError("no statistics kernel compiled");
@@ -210,7 +157,6 @@ class CutlassPath {
     for (int64_t c0 = 0; c0 < bt_; c0 += chunk_) {
       const int64_t r = std::min(chunk_, bt_ - c0);
       if (absl::Status s = Bind(c0, 0, r, 0); !s.ok()) return s;
-      if (absl::Status s = Bind(c0, 0, r, 0, 2); !s.ok()) return s;
       const int64_t half = Half(r);
       for (int sms : side_sms_) {
         const int grid = sms > 0 ? Sms() - sms : 0;
@@ -241,10 +187,9 @@ class CutlassPath {
   static int64_t Ld(int64_t rows) { return (rows + 127) / 128 * 128; }
 
   // The kernel bound to the part (every part the schedules run is bound by BindAll).
-  absl::Status RunKernel(int64_t c0, int64_t row0, int64_t rows, int sms, cudaStream_t st,
-                         int mode = 1) {
+  absl::Status RunKernel(int64_t c0, int64_t row0, int64_t rows, int sms, cudaStream_t st) {
     for (const Bound& b : bound_) {
-      if (b.c0 == c0 && b.row0 == row0 && b.rows == rows && b.sms == sms && b.mode == mode) {
+      if (b.c0 == c0 && b.row0 == row0 && b.rows == rows && b.sms == sms) {
         return FromString(b.k->Run(st));
       }
     }
@@ -284,62 +229,6 @@ class CutlassPath {
     if (absl::Status s = CombineAndForm(c0, 0, r, st); !s.ok()) return s;
     if (absl::Status s = Dx(c0, 0, r); !s.ok()) return s;
     return Dw(c0, r);
-  }
-
-  // The reference-exp schedule's parts (one stream).
-  // zs = the chunk's logits at the sampled vocabulary rows (fp32).
-  absl::Status SampleLogits(int64_t c0, int64_t r, bool tune) {
-    const char* xc = static_cast<const char*>(x_) + c0 * h_ * 2;
-    cudaStream_t st = e_.stream();
-    return tune ? e_.TuneGemm(st, gws_, cuda::kGemmWorkspaceBytes, true, false, n_sample_, r, h_,
-                              1.0f, wsamp_, h_, xc, h_, CUDA_R_16BF, 0.0f, zs_, n_sample_,
-                              CUDA_R_32F)
-                : e_.Gemm(st, gws_, cuda::kGemmWorkspaceBytes, true, false, n_sample_, r, h_,
-                          1.0f, wsamp_, h_, xc, h_, CUDA_R_16BF, 0.0f, zs_, n_sample_,
-                          CUDA_R_32F);
-  }
-  absl::Status RefLogits(int64_t c0, int64_t r) {
-    cudaStream_t st = e_.stream();
-    absl::Status s = FromCuda(TargetLogits(static_cast<const char*>(x_) + c0 * h_ * 2, w_,
-                                           tg_ + c0, r, h_, zt_, st),
-                              "target logits");
-    if (s.ok() && n_sample_ > 0) s = SampleLogits(c0, r, false);
-    if (s.ok()) {
-      s = FromCuda(RowReference(zt_, zs_, r, n_sample_, Ld(r), ref_, st), "reference");
-    }
-    return s.ok() ? RunKernel(c0, 0, r, 0, st, 2) : s;
-  }
-  absl::Status RefCombine(int64_t c0, int64_t r) {
-    cudaStream_t st = e_.stream();
-    absl::Status s = FromCuda(CombineRefExp(tsum_, r, n_tiles_, Ld(r), tg_ + c0, zt_, ref_,
-                                            1.0f / static_cast<float>(bt_), z_, v_, loss_ + c0,
-                                            alpha_, bad_, st),
-                              "combine");
-    if (!s.ok()) return s;
-    return FromCuda(ScaleRows(static_cast<const char*>(x_) + c0 * h_ * 2, false, alpha_, r, h_,
-                              xs_, st),
-                    "scale X");
-  }
-  // dX rows [c0, +r) = diag(alpha) (E' W): the GEMM into fp32, then one rounding to bf16.
-  absl::Status RefDx(int64_t c0, int64_t r, bool tune) {
-    cudaStream_t st = e_.stream();
-    absl::Status s =
-        tune ? e_.TuneGemm(st, gws_, cuda::kGemmWorkspaceBytes, false, false, h_, r, v_, 1.0f, w_,
-                           h_, z_, v_, CUDA_R_16BF, 0.0f, dxf_, h_, CUDA_R_32F)
-             : e_.Gemm(st, gws_, cuda::kGemmWorkspaceBytes, false, false, h_, r, v_, 1.0f, w_, h_,
-                       z_, v_, CUDA_R_16BF, 0.0f, dxf_, h_, CUDA_R_32F);
-    if (!s.ok() || tune) return s;
-    return FromCuda(ScaleRows(dxf_, true, alpha_, r, h_, static_cast<char*>(dx_) + c0 * h_ * 2,
-                              st),
-                    "scale dX");
-  }
-  absl::Status RefExp(int64_t c0, int64_t r) {
-    absl::Status s = RefLogits(c0, r);
-    if (s.ok()) s = RefCombine(c0, r);
-    if (s.ok()) s = RefDx(c0, r, false);
-    if (!s.ok()) return s;
-    return e_.Gemm(e_.stream(), gws_, cuda::kGemmWorkspaceBytes, false, true, h_, v_, r, 1.0f,
-                   xs_, h_, z_, v_, CUDA_R_16BF, c0 > 0 ? 1.0f : 0.0f, dw_, h_, CUDA_R_32F);
   }
 
   // Main stream: logits A, logits B, dX A, dX B, dW; side stream: CE A once logits A is done
@@ -385,15 +274,6 @@ class CutlassPath {
   std::vector<cudaEvent_t> events_;
   std::vector<int> side_sms_;
   std::vector<Bound> bound_;
-  float* ref_ = nullptr;    // (Ld(chunk)) the reference-exp schedule's z_target
-  float* alpha_ = nullptr;  // (chunk) s / S
-  void* xs_ = nullptr;      // (chunk, h) bf16: diag(alpha) X_c
-  void* dxf_ = nullptr;     // (chunk, h) fp32: E' W
-  unsigned int* bad_ = nullptr;
-  int64_t n_sample_ = 0;
-  float* zt_ = nullptr;    // (chunk) target logits
-  float* zs_ = nullptr;    // (chunk, n_sample) the sample's logits
-  void* wsamp_ = nullptr;  // (n_sample, h) bf16: the sampled rows of W
 };
 
 }  // namespace bench

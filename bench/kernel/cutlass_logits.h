@@ -22,8 +22,6 @@ struct CutlassLogitsArgs {
   void* z = nullptr;           // (C, V) bf16 row-major
   float* tile_max = nullptr;   // (ceil(V / tile_n), ld) row-major; used by stats kernels only
   float* tile_sum = nullptr;   // (ceil(V / tile_n), ld) row-major: sum of exp(z - tile_max)
-                               // (exp(z - row_ref) for the reference-exp kernels)
-  const float* row_ref = nullptr;  // (ld): the reference-exp kernels' per-row reference
   int64_t ld = 0;              // C rounded up to tile_m
   int64_t c = 0, h = 0, v = 0;
   int raster = 0;              // the persistent scheduler's order: 0 heuristic, 1 along M, 2 along N
@@ -40,8 +38,7 @@ class CutlassLogits {
   virtual std::string Name() const = 0;
   virtual int TileM() const = 0;
   virtual int TileN() const = 0;
-  virtual bool Stats() const = 0;   // writes z and per-tile max and sum of exp
-  virtual bool RefExp() const = 0;  // writes exp(z - row_ref) and per-tile sums of it
+  virtual bool Stats() const = 0;  // writes z and per-tile max and sum of exp
   virtual size_t WorkspaceBytes(const CutlassLogitsArgs& a) const = 0;
   virtual std::string Init(const CutlassLogitsArgs& a, void* workspace) = 0;
   virtual std::string Run(cudaStream_t stream) = 0;
@@ -51,8 +48,6 @@ class CutlassLogits {
 std::vector<std::unique_ptr<CutlassLogits>> MakeCooperativeKernels();
 std::vector<std::unique_ptr<CutlassLogits>> MakeCooperative256Kernels();
 std::vector<std::unique_ptr<CutlassLogits>> MakePingpongKernels();
-// The ping-pong 128x128x64 kernel writing exp(z - row_ref) (row_ref_exp_node.cuh).
-std::vector<std::unique_ptr<CutlassLogits>> MakeRefExpKernels();
 
 }  // namespace bench
 }  // namespace lossd

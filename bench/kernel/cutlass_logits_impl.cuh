@@ -9,7 +9,6 @@
 #include <type_traits>
 
 #include "bench/kernel/cutlass_logits.h"
-#include "bench/kernel/row_ref_exp_node.cuh"
 #include "bench/kernel/row_stats_node.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -23,8 +22,8 @@
 namespace lossd {
 namespace bench {
 
-// kMode: 0 plain logits, 1 logits + per-tile max and sum of exp (Sm90RowTileStats), 2
-// exp(z - ref[row]) + per-tile sums (Sm90RowRefExp). A bool argument reads as 0 or 1.
+// kMode: 0 plain logits, 1 logits + per-tile max and sum of exp (Sm90RowTileStats). (The
+// reference-exp epilogue became the backend's: kernels/cuda/sm90/ref_exp_gemm.cu.)
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
           int kMode>
 class CutlassLogitsKernel final : public CutlassLogits {
@@ -34,10 +33,7 @@ class CutlassLogitsKernel final : public CutlassLogits {
       kMode == 1,
       cutlass::epilogue::fusion::Sm90EVT<Sm90RowTileStats<TileShape>,
                                          cutlass::epilogue::fusion::Sm90AccFetch>,
-      std::conditional_t<kMode == 2,
-                         cutlass::epilogue::fusion::Sm90EVT<
-                             Sm90RowRefExp<TileShape>, cutlass::epilogue::fusion::Sm90AccFetch>,
-                         cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>>;
+      cutlass::epilogue::fusion::LinearCombination<Bf16, float, void, float>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
@@ -61,7 +57,6 @@ class CutlassLogitsKernel final : public CutlassLogits {
   int TileM() const override { return cute::size<0>(TileShape{}); }
   int TileN() const override { return cute::size<1>(TileShape{}); }
   bool Stats() const override { return kMode == 1; }
-  bool RefExp() const override { return kMode == 2; }
 
   size_t WorkspaceBytes(const CutlassLogitsArgs& a) const override {
     return Gemm::get_workspace_size(Arguments(a));
@@ -110,8 +105,6 @@ class CutlassLogitsKernel final : public CutlassLogits {
         hw};
     if constexpr (kMode == 1) {
       args.epilogue.thread = {{}, {a.tile_max, a.tile_sum, a.ld}};
-    } else if constexpr (kMode == 2) {
-      args.epilogue.thread = {{}, {a.row_ref, a.tile_sum, a.ld}};
     } else {
       args.epilogue.thread.alpha = 1.0f;
       args.epilogue.thread.beta = 0.0f;

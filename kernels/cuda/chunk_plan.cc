@@ -16,6 +16,30 @@ constexpr uint64_t kAlign = 256;
 
 uint64_t RoundUp(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
 
+// The rows a chunk holds: `requested_rows` if set, else the most whose `row_bytes` each fit in
+// `budget_bytes` beside `fixed`, balanced so the chunks are of equal size (a multiple of 64
+// rows where it can be). At least 1.
+int64_t ChunkRows(int64_t bt, uint64_t budget_bytes, uint64_t fixed, uint64_t row_bytes,
+                  int64_t requested_rows) {
+  if (requested_rows > 0) return std::min<int64_t>(requested_rows, std::max<int64_t>(bt, 1));
+  const uint64_t avail = budget_bytes > fixed ? budget_bytes - fixed : 0;
+  const int64_t cmax = std::max<int64_t>(1, static_cast<int64_t>(avail / row_bytes));
+  if (cmax >= bt) return std::max<int64_t>(bt, 1);
+  const int64_t n = (bt + cmax - 1) / cmax;
+  int64_t c = (bt + n - 1) / n;
+  // A multiple of 64 keeps the GEMM tiles full; take it only where it still fits.
+  const int64_t rounded = (c + 63) / 64 * 64;
+  if (c > 64 && rounded <= cmax) c = rounded;
+  return c;
+}
+
+// RefExpLayoutOf's bytes for one more row, ignoring the padding of ld (the plans' estimate).
+uint64_t RefExpRowBytes(int64_t h, int64_t v) {
+  const uint64_t tiles = static_cast<uint64_t>((std::max<int64_t>(v, 1) + 127) / 128);
+  return 3 * 4 * tiles + 3 * 4 + 4 * static_cast<uint64_t>(std::min(kRefExpSample, v)) +
+         6 * static_cast<uint64_t>(h);
+}
+
 }  // namespace
 
 uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype, uint64_t gemm_workspace_bytes) {
@@ -31,28 +55,67 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
                      int64_t requested_rows, Schedule schedule, uint64_t gemm_workspace_bytes) {
   const uint64_t fixed = 2 * RoundUp(gemm_workspace_bytes, kAlign);
   const uint64_t row_bytes = static_cast<uint64_t>(std::max<int64_t>(v, 1)) * DTypeSize(dtype);
-  int64_t c = 0;
-  if (requested_rows > 0) {
-    c = std::min<int64_t>(requested_rows, std::max<int64_t>(bt, 1));
-  } else {
-    const uint64_t avail = budget_bytes > fixed ? budget_bytes - fixed : 0;
-    const int64_t cmax = std::max<int64_t>(1, static_cast<int64_t>(avail / row_bytes));
-    if (cmax >= bt) {
-      c = std::max<int64_t>(bt, 1);
-    } else {
-      const int64_t n = (bt + cmax - 1) / cmax;
-      c = (bt + n - 1) / n;
-      // A multiple of 64 keeps the GEMM tiles full; take it only where it still fits.
-      const int64_t rounded = (c + 63) / 64 * 64;
-      if (c > 64 && rounded <= cmax) c = rounded;
-    }
-  }
+  const int64_t c = ChunkRows(bt, budget_bytes, fixed, row_bytes, requested_rows);
   ChunkPlan plan;
   plan.chunk_rows = c;
   plan.schedule = schedule;
   plan.gemm_workspace_bytes = RoundUp(gemm_workspace_bytes, kAlign);
   plan.workspace_bytes = RoundUp(static_cast<uint64_t>(c) * row_bytes, kAlign) + fixed;
   return plan;
+}
+
+RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v) {
+  RefExpLayout l;
+  l.ld = (std::max<int64_t>(c, 1) + 127) / 128 * 128;
+  l.n_tiles = (std::max<int64_t>(v, 1) + 127) / 128;
+  l.n_sample = std::min(kRefExpSample, std::max<int64_t>(v, 1));
+  const uint64_t ld = static_cast<uint64_t>(l.ld), rows = static_cast<uint64_t>(c);
+  const uint64_t stats = RoundUp(static_cast<uint64_t>(l.n_tiles) * ld * 4, kAlign);
+  uint64_t at = 0;
+  auto take = [&at](uint64_t bytes) {
+    const uint64_t here = at;
+    at += RoundUp(bytes, kAlign);
+    return here;
+  };
+  l.tile_sum = take(stats);
+  l.tile_max = take(stats);
+  l.tile_arg = take(stats);
+  l.ref = take(ld * 4);
+  l.zt = take(rows * 4);
+  l.factor = take(rows * 4);
+  l.zs = take(rows * static_cast<uint64_t>(l.n_sample) * 4);
+  l.w_sample = take(static_cast<uint64_t>(l.n_sample) * h * 2);
+  l.xs = take(rows * h * 2);
+  l.dx32 = take(rows * h * 4);
+  l.bad = take(4);
+  l.gemm = take(kRefExpGemmWorkspaceBytes);
+  l.bytes = at;
+  return l;
+}
+
+ChunkPlan PlanRefExpChunks(int64_t bt, int64_t h, int64_t v, uint64_t budget_bytes,
+                           int64_t requested_rows, uint64_t gemm_workspace_bytes) {
+  const uint64_t gws = RoundUp(gemm_workspace_bytes, kAlign);
+  const RefExpLayout none = RefExpLayoutOf(0, h, v);  // the parts that do not grow with rows
+  const uint64_t fixed = 2 * gws + none.bytes + 128 * RefExpRowBytes(h, v);  // + ld's padding
+  const uint64_t row_bytes =
+      static_cast<uint64_t>(std::max<int64_t>(v, 1)) * 2 + RefExpRowBytes(h, v);
+  const int64_t c = ChunkRows(bt, budget_bytes, fixed, row_bytes, requested_rows);
+  ChunkPlan plan;
+  plan.chunk_rows = c;
+  plan.schedule = Schedule::kRowHalves;
+  plan.gemm_workspace_bytes = gws;
+  plan.ref_exp = true;
+  plan.workspace_bytes = RoundUp(static_cast<uint64_t>(c) * std::max<int64_t>(v, 1) * 2, kAlign) +
+                         2 * gws + RefExpLayoutOf(c, h, v).bytes;
+  return plan;
+}
+
+uint64_t DefaultRefExpBudget(int64_t bt, int64_t h, int64_t v, uint64_t gemm_workspace_bytes) {
+  const uint64_t rows = static_cast<uint64_t>(std::clamp<int64_t>(bt, 1, kMinDefaultChunkRows));
+  const uint64_t logits_budget = DefaultChunkBudget(bt, v, DType::kBF16, gemm_workspace_bytes);
+  const RefExpLayout none = RefExpLayoutOf(0, h, v);
+  return logits_budget + none.bytes + (rows + 128) * RefExpRowBytes(h, v);
 }
 
 GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {

@@ -58,6 +58,10 @@ struct ChunkPlan {
   // (block 0 takes what is left over; the others `block_cols` columns each).
   int32_t blocks = 0;
   int64_t block_cols = 0;
+  // Row chunks through the reference-exp path (fused_loss_ref_exp.cc) where the problem's
+  // options allow it: the workspace also holds RefExpLayoutOf(chunk_rows, h, v) after the two
+  // GEMM workspaces (PlanRefExpChunks).
+  bool ref_exp = false;
 };
 
 // Bytes of cuBLASLt workspace per stream unless the plan says otherwise.
@@ -86,6 +90,34 @@ uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype,
 ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
                      int64_t requested_rows, Schedule schedule = Schedule::kRowHalves,
                      uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
+
+// The reference-exp path's buffers for chunks of c rows, as byte offsets after the chunk buffer
+// and the two GEMM workspaces (each 256-byte aligned): the GEMM's per-(row, column tile) sums,
+// maxima and their columns (ld = c rounded up to the CTA tile), the rows' reference, target
+// logit and gradient factor, the sample's logits, the sampled rows of W, diag(factor) X (bf16),
+// the fp32 dX chunk, the count of flagged rows and the CUTLASS kernel's workspace.
+struct RefExpLayout {
+  int64_t ld = 0, n_tiles = 0, n_sample = 0;
+  uint64_t tile_sum = 0, tile_max = 0, tile_arg = 0, ref = 0, zt = 0, factor = 0, zs = 0,
+           w_sample = 0, xs = 0, dx32 = 0, bad = 0, gemm = 0;
+  uint64_t bytes = 0;  // all of it
+};
+// Vocabulary rows the reference's sample takes (evenly strided), at most V.
+inline constexpr int64_t kRefExpSample = 1024;
+// The CUTLASS kernel's workspace (its persistent scheduler needs none today; checked at Enqueue).
+inline constexpr uint64_t kRefExpGemmWorkspaceBytes = 1ull << 20;
+RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v);
+
+// PlanChunks for the reference-exp path: the chunk buffer and RefExpLayoutOf's per-row buffers
+// share the budget (at V = 256000, H = 2304 they add about 8% a row), with the row halves
+// schedule for the chunks that fall back to the cross-entropy kernel.
+ChunkPlan PlanRefExpChunks(int64_t bt, int64_t h, int64_t v, uint64_t budget_bytes,
+                           int64_t requested_rows,
+                           uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
+// DefaultChunkBudget for the reference-exp path: the same rows of logits, plus their share of
+// RefExpLayoutOf, so the path plans the same chunk as the default one.
+uint64_t DefaultRefExpBudget(int64_t bt, int64_t h, int64_t v,
+                             uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
 
 // The whole-batch layout, for a fresh dW (not added into an accumulator) where it fits:
 // the logits of every row, in vocabulary blocks, live in the fp32 dW buffer itself, block b

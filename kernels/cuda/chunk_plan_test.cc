@@ -1,6 +1,10 @@
 // The chunk plans (host-side arithmetic only): run everywhere the toolkit is, GPU or not.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/fused_loss.h"
@@ -21,6 +25,59 @@ TEST(ChunkPlanTest, FromBudgetAndShape) {
   // fp32 logits take twice the bytes: half the rows.
   EXPECT_EQ(PlanChunks(8192, 128256, DType::kF32, kDefaultChunkBudgetBytes, 0).chunk_rows,
             1024);
+}
+
+// The reference-exp path's buffers: each 256-byte aligned, none overlapping another, every one
+// of its size (the statistics padded to the CTA tile), all within the layout's bytes.
+TEST(RefExpPlanTest, LayoutHoldsEveryBuffer) {
+  for (const auto& [c, h, v] : {std::tuple<int64_t, int64_t, int64_t>{300, 96, 1000},
+                                {2048, 2304, 256000},
+                                {1, 8, 16}}) {
+    const RefExpLayout l = RefExpLayoutOf(c, h, v);
+    EXPECT_EQ(l.ld % 128, 0);
+    EXPECT_GE(l.ld, c);
+    EXPECT_EQ(l.n_tiles, (v + 127) / 128);
+    EXPECT_EQ(l.n_sample, std::min<int64_t>(1024, v));
+    const uint64_t stats = static_cast<uint64_t>(l.n_tiles) * l.ld * 4;
+    // (offset, bytes) in layout order.
+    const std::vector<std::pair<uint64_t, uint64_t>> parts = {
+        {l.tile_sum, stats}, {l.tile_max, stats}, {l.tile_arg, stats},
+        {l.ref, static_cast<uint64_t>(l.ld) * 4}, {l.zt, c * 4u}, {l.factor, c * 4u},
+        {l.zs, static_cast<uint64_t>(c) * l.n_sample * 4},
+        {l.w_sample, static_cast<uint64_t>(l.n_sample) * h * 2},
+        {l.xs, static_cast<uint64_t>(c) * h * 2}, {l.dx32, static_cast<uint64_t>(c) * h * 4},
+        {l.bad, 4}, {l.gemm, kRefExpGemmWorkspaceBytes}};
+    for (size_t i = 0; i < parts.size(); ++i) {
+      EXPECT_EQ(parts[i].first % 256, 0u) << i;
+      const uint64_t end = parts[i].first + parts[i].second;
+      EXPECT_LE(end, i + 1 < parts.size() ? parts[i + 1].first : l.bytes) << i;
+    }
+  }
+}
+
+// Within the budget it is given, and at the default budget the same chunk rows as the default
+// path plans (the chunk's length is what the GEMMs' efficiency depends on).
+TEST(RefExpPlanTest, SharesTheBudgetAndKeepsTheDefaultChunk) {
+  for (const auto& [bt, h, v] : {std::tuple<int64_t, int64_t, int64_t>{8192, 4096, 128256},
+                                 {8192, 2304, 256000},
+                                 {16384, 4096, 128256},
+                                 {300, 96, 1000}}) {
+    SCOPED_TRACE(v);
+    const ChunkPlan base =
+        PlanChunks(bt, v, DType::kBF16, DefaultChunkBudget(bt, v, DType::kBF16), 0);
+    const uint64_t budget = DefaultRefExpBudget(bt, h, v);
+    const ChunkPlan p = PlanRefExpChunks(bt, h, v, budget, 0);
+    EXPECT_TRUE(p.ref_exp);
+    EXPECT_EQ(p.chunk_rows, base.chunk_rows);
+    EXPECT_LE(p.workspace_bytes, budget);
+    // The default path's chunk buffer and GEMM workspaces, and the layout: nothing else.
+    EXPECT_EQ(p.workspace_bytes, base.workspace_bytes + RefExpLayoutOf(p.chunk_rows, h, v).bytes);
+  }
+  // A small budget: fewer rows, still within it; an explicit chunk_rows wins.
+  const ChunkPlan small = PlanRefExpChunks(8192, 2304, 256000, 256ull << 20, 0);
+  EXPECT_LE(small.workspace_bytes, 256ull << 20);
+  EXPECT_GT(small.chunk_rows, 64);
+  EXPECT_EQ(PlanRefExpChunks(8192, 2304, 256000, 256ull << 20, 100).chunk_rows, 100);
 }
 
 // The gradient's scales: alpha times the stored ce (z) scale is the true one, and the stored

@@ -143,6 +143,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   absl::StatusOr<std::unique_ptr<FusedLoss>> engine = FusedLoss::Create(options.device);
   if (!engine.ok()) return engine.status();
   (*engine)->set_autotune(options.autotune_gemms);
+  (*engine)->set_ref_exp(options.ref_exp);
+  b->ref_exp_ = (*engine)->ref_exp();
   absl::MutexLock lock(&b->mu_);
   b->engine_ = *std::move(engine);
   // Non-blocking: the copies must not wait for (or hold up) work on the legacy default stream.
@@ -176,6 +178,11 @@ BackendInfo CudaBackend::Info() {
   return info;
 }
 
+std::pair<int64_t, int64_t> CudaBackend::RefExpCounts() {
+  absl::MutexLock lock(&mu_);
+  return {engine_->ref_exp_chunks(), engine_->ref_exp_fallbacks()};
+}
+
 ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
   const uint64_t budget = options_.chunk_budget_bytes != 0
                               ? options_.chunk_budget_bytes
@@ -190,8 +197,21 @@ ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
   }
   // Distill holds the teacher's logits chunk beside the student's: half the budget each.
   const bool distill = s.kind == LossKind::kDistill;
-  ChunkPlan plan = PlanChunks(s.bt, s.v, s.dtype, distill ? budget / 2 : budget, s.chunk_rows,
-                              options_.schedule);
+  // The reference-exp path's buffers share the budget with the chunk (the default budget
+  // grows by them, so it plans the same chunk rows). Problems whose options it does not cover
+  // (a softcap, label smoothing: not in the shape) run the other path in that workspace.
+  const bool ref_exp = ref_exp_ && s.kind == LossKind::kCrossEntropy &&
+                       s.dtype == DType::kBF16 && !s.has_bias && s.db == GradOut::kNone &&
+                       s.h % 8 == 0 && s.v % 8 == 0 &&
+                       (s.grad_dtype == DType::kBF16 || s.grad_dtype == DType::kF32);
+  ChunkPlan plan =
+      ref_exp ? PlanRefExpChunks(s.bt, s.h, s.v,
+                                 options_.chunk_budget_bytes != 0
+                                     ? options_.chunk_budget_bytes
+                                     : DefaultRefExpBudget(s.bt, s.h, s.v),
+                                 s.chunk_rows)
+              : PlanChunks(s.bt, s.v, s.dtype, distill ? budget / 2 : budget, s.chunk_rows,
+                           options_.schedule);
   if (distill) {
     plan.workspace_bytes +=
         Align(static_cast<uint64_t>(plan.chunk_rows) * s.v * DTypeSize(s.dtype));

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -40,6 +41,10 @@ struct CudaBackendOptions {
   // Use the whole-batch layout (PlanWhole) where it applies: a fresh dW, no chunk_rows asked.
   // Off by default: on an H200 it measured no faster than row chunks (bench/RESULTS.md).
   bool whole_batch = false;
+  // Plan bf16 cross-entropy problems for the reference-exp path (FusedLoss::set_ref_exp) where
+  // the plugin has it and the device is an sm_90 one. The plugin reads LOSSD_CUDA_REF_EXP=0 as
+  // off.
+  bool ref_exp = true;
 };
 
 // Byte counters shared by the backend and every buffer it hands out.
@@ -55,6 +60,11 @@ class CudaBackend : public Backend {
   ~CudaBackend() override;
 
   BackendInfo Info() override;
+  // Whether bf16 cross-entropy problems are planned for the reference-exp path, and the
+  // engine's counts of the chunks it ran and redid (FusedLoss::ref_exp_chunks): for tests,
+  // benchmarks and the logs.
+  bool ref_exp() const { return ref_exp_; }
+  std::pair<int64_t, int64_t> RefExpCounts();
   absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override;
   absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
                              size_t bytes) override;
@@ -97,6 +107,7 @@ class CudaBackend : public Backend {
   // destroyed with a backend that was made: buffers may be freed after it is gone.
   cudaStream_t alloc_stream_ = nullptr;
   bool created_ = false;  // Create succeeded (see the destructor)
+  bool ref_exp_ = false;  // the engine takes the reference-exp path (options and device allow)
   absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
   std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
   // The overlapped path (LossProblem::rows): X rows go up on x_stream_ and dX rows come down

@@ -19,6 +19,7 @@
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fused_loss_internal.h"
+#include "kernels/cuda/ref_exp_gemm.h"
 
 namespace lossd {
 namespace cuda {
@@ -144,6 +145,18 @@ absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
   LOSSD_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&f->lt_));
   LOSSD_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&f->sm_count_, cudaDevAttrMultiProcessorCount, device));
+  // The reference-exp GEMM is sm_90a code: compute capability 9.0 exactly.
+  int major = 0, minor = 0;
+  LOSSD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  LOSSD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major == 9 && minor == 0) f->ref_exp_gemm_ = MakeRefExpGemm();
+  if (f->ref_exp_gemm_ != nullptr) {
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&f->combined_, cudaEventDisableTiming));
+    LOSSD_CUDA_RETURN_IF_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&f->flagged_host_), sizeof(unsigned int)));
+  }
   return f;
 }
 
@@ -155,6 +168,8 @@ FusedLoss::~FusedLoss() {
                         dw_done_[0], dw_done_[1], ce_end_, side_end_, dx_last_}) {
     if (e != nullptr) cudaEventDestroy(e);
   }
+  if (combined_ != nullptr) cudaEventDestroy(combined_);
+  if (flagged_host_ != nullptr) cudaFreeHost(flagged_host_);
   if (side_ != nullptr) cudaStreamDestroy(side_);
   if (ce_ != nullptr) cudaStreamDestroy(ce_);
   if (main_ != nullptr) cudaStreamDestroy(main_);
@@ -196,6 +211,7 @@ absl::Status FusedLoss::Enqueue(const DeviceLossArgs& a, const ChunkPlan& plan, 
   }
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (plan.blocks > 0) return EnqueueWhole(a, plan, workspace);
+  if (plan.ref_exp && ref_exp() && RefExpCovers(a)) return EnqueueRefExp(a, plan, workspace);
   return EnqueueChunks(a, plan, workspace);
 }
 

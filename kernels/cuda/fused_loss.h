@@ -29,6 +29,7 @@ namespace cuda {
 // (fused_loss_gemm.cc).
 struct LtDescriptors;
 struct EventPair;
+class RefExpGemm;  // ref_exp_gemm.h
 
 // Validates targets (each in [0, V) or ignore_index), converts them to int32 with -1 for an
 // ignored row, and sums what the reductions need. INVALID_ARGUMENT names the first bad row.
@@ -171,6 +172,24 @@ class FusedLoss {
   // How many GEMM choices autotuning has timed and kept so far (for tests and benchmarks).
   int64_t tunings() const { return tunings_; }
 
+  // The reference-exp path (fused_loss_ref_exp.cc): no pass over the logits in the backward,
+  // and the softmax taken from the fp32 accumulator rather than bf16 logits. Available where
+  // the CUTLASS kernel is compiled in (ref_exp_gemm.h) and the device is compute capability
+  // 9.0. Enqueue takes it for a plan with ChunkPlan::ref_exp and a problem it covers
+  // (RefExpCovers); on by default, off sends every problem down the other paths.
+  bool ref_exp_available() const { return ref_exp_gemm_ != nullptr; }
+  void set_ref_exp(bool on) { ref_exp_ = on; }
+  bool ref_exp() const { return ref_exp_ && ref_exp_available(); }
+  // Whether the path computes this problem: cross-entropy, bf16, no bias, softcap or label
+  // smoothing (class weights, z-loss, token scaling, every reduction and upstream gradient
+  // are covered), H and V multiples of 8, X and W 16-byte aligned.
+  static bool RefExpCovers(const DeviceLossArgs& a);
+  // Chunks the path has run, and of those how many it redid through the cross-entropy kernel
+  // because a row's exp may have overflowed (a logit ~88 above the row's reference). For
+  // tests, benchmarks and the logs.
+  int64_t ref_exp_chunks() const { return ref_exp_chunks_; }
+  int64_t ref_exp_fallbacks() const { return ref_exp_fallbacks_; }
+
   // Times the candidates for this GEMM on `stream` with these very pointers and keeps the
   // fastest for its key (replacing an earlier choice); later Gemm calls with the same key (and
   // algo_rank 0) use it. D is written (the caller passes a D that may be scratch, or B = 0 with
@@ -222,9 +241,11 @@ class FusedLoss {
     // says.
     const void* bias;
   };
-  // What the steps of one row-chunk Enqueue (fused_loss_chunks.cc) or one whole-batch Enqueue
+  // What the steps of one row-chunk Enqueue (fused_loss_chunks.cc, fused_loss_internal.h), one
+  // reference-exp Enqueue (fused_loss_ref_exp.cc) or one whole-batch Enqueue
   // (fused_loss_whole.cc) share, with the GEMMs and kernels they issue.
   class ChunkPass;
+  class RefExpPass;
   class WholePass;
 
   FusedLoss() = default;
@@ -237,6 +258,12 @@ class FusedLoss {
   absl::Status RowChunk(ChunkPass& c, int64_t c0, int64_t rows);
   absl::Status RowHalvesForward(ChunkPass& c, int64_t c0, int64_t rows);
   absl::Status RowHalvesBackward(ChunkPass& c, int64_t c0, int64_t rows);
+  // The reference-exp path (plan.ref_exp and RefExpCovers): TuneChunks and TuneRefExp
+  // (autotune only), StartChunks, then per chunk RefExpChunk, all on main_ but a chunk that
+  // falls back to RowChunk.
+  absl::Status EnqueueRefExp(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
+  absl::Status TuneRefExp(RefExpPass& r);
+  absl::Status RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows);
   // The whole-batch path (plan.blocks > 0).
   absl::Status EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
   absl::Status TuneWhole(WholePass& w);
@@ -281,6 +308,13 @@ class FusedLoss {
   // Autotuned choices by tuning class (ClassOf), at most kMaxTunedClasses.
   std::map<AlgoKey, cublasLtMatmulAlgo_t> tuned_;
   int64_t tunings_ = 0;
+  // The reference-exp path: its GEMM (null where not compiled in or not an sm_90 device), the
+  // pinned word a chunk's flagged-row count comes back in, the event after the combine.
+  std::unique_ptr<RefExpGemm> ref_exp_gemm_;
+  bool ref_exp_ = true;
+  unsigned int* flagged_host_ = nullptr;
+  cudaEvent_t combined_ = nullptr;
+  int64_t ref_exp_chunks_ = 0, ref_exp_fallbacks_ = 0;
 };
 
 }  // namespace cuda

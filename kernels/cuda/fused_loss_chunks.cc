@@ -19,50 +19,6 @@
 namespace lossd {
 namespace cuda {
 
-// What the steps of one row-chunk Enqueue share: the problem, the plan, the chunk buffer and
-// the two GEMM workspaces, how the vocabulary splits into column halves, and the chunk's GEMMs
-// and kernels. FusedLoss's own steps (fused_loss.h) order them on the streams.
-class FusedLoss::ChunkPass {
- public:
-  ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
-
-  absl::Status CrossEntropy(int64_t c0, int64_t r0, int64_t n);
-  absl::Status LogitsGemm(int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv,
-                          int32_t sms);
-  absl::Status DxGemm(int64_t c0, int64_t rows, int32_t sms);
-  absl::Status DwGemm(int64_t c0, int64_t rows, int64_t v0, int64_t nv, int32_t sms);
-  absl::Status XReady(int64_t c0, int64_t rows);
-  absl::Status DxEnqueued(int64_t c0, int64_t rows);
-  absl::Status DbSum(int64_t rows);
-
-  FusedLoss& f;
-  const DeviceLossArgs& a;
-  const ChunkPlan& plan;
-  size_t elem;
-  cudaDataType ab;
-  GradScales scales;
-  bool want_dw, want_db, write_grad;
-  uint64_t gws;
-  char* logits;  // (C, V) row-major, input dtype: the logits, then G over them
-  char* teacher_logits;  // (C, V) row-major, input dtype: distill's teacher logits, or null
-  void* ws_main;
-  void* ws_side;
-  int32_t rank_logits, rank_dx, rank_dw;
-  bool columns;
-  int64_t vbegin[2], vcount[2];
-  bool gemm_bias, teacher_gemm_bias;
-  int32_t side_sms, main_sms;
-  // In the tuning pass (before any real work) a GEMM whose key is new is timed instead, on
-  // main_ alone; a GEMM with a pinned rank is left as it is.
-  bool tuning = false;
-
- private:
-  // Every chunk GEMM goes through here.
-  absl::Status Gemm(cudaStream_t stream, void* ws, float alpha, const Spec& g, int32_t rank) {
-    return f.RunOrTune(tuning, stream, ws, alpha, g, rank);
-  }
-};
-
 FusedLoss::ChunkPass::ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const ChunkPlan& plan,
                                 void* workspace)
     : f(f), a(a), plan(plan) {
@@ -220,7 +176,8 @@ absl::Status FusedLoss::ChunkPass::DwGemm(int64_t c0, int64_t rows, int64_t v0, 
 // same rows without a wait of its own: it follows ce_done_ (after the CE kernel), which
 // follows logits_done_ on main_, which follows this wait, so it is covered in both schedules.
 absl::Status FusedLoss::ChunkPass::XReady(int64_t c0, int64_t rows) {
-  if (a.hooks == nullptr) return absl::OkStatus();
+  if (a.hooks == nullptr || c0 + rows <= x_ready_rows) return absl::OkStatus();
+  x_ready_rows = c0 + rows;
   absl::StatusOr<cudaEvent_t> arrived = a.hooks->XReady(c0, c0 + rows);
   if (!arrived.ok()) return arrived.status();
   if (*arrived == nullptr) return absl::OkStatus();

@@ -1,14 +1,17 @@
 // Helpers the parts of FusedLoss share (fused_loss*.cc): alignment, pointer arithmetic on
-// device addresses, the cuBLASLt type of a dtype, and a chunk's cross-entropy parameters.
+// device addresses, the cuBLASLt type of a dtype, a chunk's cross-entropy parameters, and the
+// row-chunk pass (which the reference-exp path falls back to).
 // Private to the fused_loss library; never dereferences a device pointer.
 #ifndef LOSSD_KERNELS_CUDA_FUSED_LOSS_INTERNAL_H_
 #define LOSSD_KERNELS_CUDA_FUSED_LOSS_INTERNAL_H_
 
 #include <cublasLt.h>
+#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "core/dtype.h"
 #include "kernels/cuda/ce_kernels.h"
 #include "kernels/cuda/chunk_plan.h"
@@ -64,6 +67,52 @@ CrossEntropyParams RowParams(const DeviceLossArgs& a, const GradScales& scales, 
 
 // The logprob / policy row kernel's parameters for rows [r0, r0 + n); the caller sets logits.
 RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t r0, int64_t n);
+
+// What the steps of one row-chunk Enqueue share: the problem, the plan, the chunk buffer and
+// the two GEMM workspaces, how the vocabulary splits into column halves, and the chunk's GEMMs
+// and kernels. FusedLoss's own steps (fused_loss.h) order them on the streams.
+class FusedLoss::ChunkPass {
+ public:
+  ChunkPass(FusedLoss& f, const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
+
+  absl::Status CrossEntropy(int64_t c0, int64_t r0, int64_t n);
+  absl::Status LogitsGemm(int64_t c0, int64_t r0, int64_t n, int64_t v0, int64_t nv,
+                          int32_t sms);
+  absl::Status DxGemm(int64_t c0, int64_t rows, int32_t sms);
+  absl::Status DwGemm(int64_t c0, int64_t rows, int64_t v0, int64_t nv, int32_t sms);
+  // Rows already waited for are not asked again (a chunk the reference-exp path redoes).
+  absl::Status XReady(int64_t c0, int64_t rows);
+  absl::Status DxEnqueued(int64_t c0, int64_t rows);
+  absl::Status DbSum(int64_t rows);
+
+  FusedLoss& f;
+  const DeviceLossArgs& a;
+  const ChunkPlan& plan;
+  size_t elem;
+  cudaDataType ab;
+  GradScales scales;
+  bool want_dw, want_db, write_grad;
+  uint64_t gws;
+  char* logits;  // (C, V) row-major, input dtype: the logits, then G over them
+  char* teacher_logits;  // (C, V) row-major, input dtype: distill's teacher logits, or null
+  void* ws_main;
+  void* ws_side;
+  int32_t rank_logits, rank_dx, rank_dw;
+  bool columns;
+  int64_t vbegin[2], vcount[2];
+  bool gemm_bias, teacher_gemm_bias;
+  int32_t side_sms, main_sms;
+  // In the tuning pass (before any real work) a GEMM whose key is new is timed instead, on
+  // main_ alone; a GEMM with a pinned rank is left as it is.
+  bool tuning = false;
+  int64_t x_ready_rows = 0;  // rows [0, x_ready_rows) of X are known to be on the device
+
+ private:
+  // Every chunk GEMM goes through here.
+  absl::Status Gemm(cudaStream_t stream, void* ws, float alpha, const Spec& g, int32_t rank) {
+    return f.RunOrTune(tuning, stream, ws, alpha, g, rank);
+  }
+};
 
 }  // namespace cuda
 }  // namespace lossd

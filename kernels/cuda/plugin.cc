@@ -2,6 +2,8 @@
 // table (kernels/plugin_abi.h) over a CudaBackend. The server loads it with dlopen
 // (kernels/plugin_loader.h) so cuBLAS never enters its static link.
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <utility>
 
@@ -20,6 +22,10 @@ absl::StatusOr<std::unique_ptr<lossd::Backend>> CreateCudaBackend(
   o.memory_budget_bytes = opts.memory_budget_bytes;
   o.chunk_budget_bytes = opts.chunk_budget_bytes;
   o.autotune_gemms = opts.fixed_gemm_algorithms == 0;
+  // An operator's way back to the logits GEMM + cross-entropy kernel path for every problem,
+  // without a new ABI field: LOSSD_CUDA_REF_EXP=0 (kernels/cuda/README.md).
+  const char* ref_exp = std::getenv("LOSSD_CUDA_REF_EXP");
+  o.ref_exp = ref_exp == nullptr || std::strcmp(ref_exp, "0") != 0;
   // The backend's "no GPU: " messages pass through unchanged; the loader matches the prefix.
   absl::StatusOr<std::unique_ptr<lossd::cuda::CudaBackend>> b =
       lossd::cuda::CudaBackend::Create(o);

@@ -42,6 +42,7 @@ WANT=(
   //kernels/cuda:optimizer_test
   //kernels/cuda:row_loss_test
   //kernels/cuda:row_loss_paths_test
+  //kernels/cuda:ref_exp_test
   //tests:two_phase_gpu_test
   //bench/service:net_ceiling
   //bench/service:service_bench
@@ -55,6 +56,13 @@ done
 # --dynamic_mode=off: in-repo libraries are linked statically, so test binaries do not depend
 # on Bazel's _solib folders.
 FLAGS=(--dynamic_mode=off "--linkopt=-Wl,-rpath,\$ORIGIN/lib" --linkopt=-Wl,--disable-new-dtags)
+# With CUTLASS's headers installed the plugin (and every test and benchmark over FusedLoss)
+# carries the reference-exp path's sm_90a GEMM (kernels/cuda/sm90); without them, the bundle
+# has the other paths only. LOSSD_SM90=0 leaves it out either way.
+if [[ "${LOSSD_SM90:-1}" != 0 ]] && "${BAZEL[@]}" query //kernels/cuda/sm90:ref_exp_gemm >/dev/null 2>&1; then
+  FLAGS+=(--define=lossd_sm90=1)
+  echo "make_bundle: with the reference-exp path (--define=lossd_sm90=1)"
+fi
 "${BAZEL[@]}" build "${FLAGS[@]}" "${TARGETS[@]}"
 BIN=$("${BAZEL[@]}" info "${FLAGS[@]}" bazel-bin)
 
@@ -107,6 +115,7 @@ done
   echo "commit: $(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)"
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "targets: ${TARGETS[*]}"
+  echo "build flags: ${FLAGS[*]}"
 } > "$OUT/BUNDLE_INFO"
 tar -C "$ROOT/dist" -czf "$ROOT/dist/lossd-bundle.tar.gz" lossd-bundle
 du -sh "$OUT" "$ROOT/dist/lossd-bundle.tar.gz"

@@ -1,28 +1,30 @@
 // An Epilogue Visitor Tree node for CUTLASS's sm90 TMA warp-specialized epilogues that makes
 // the logits GEMM write E = exp(z - ref[row]) instead of z, and for each row of a CTA tile the
-// sum of E over the tile's columns. With ref[row] a logit of the row known before the GEMM (the
+// sum of E over the tile's columns and the tile's largest logit with its column (the row's
+// prediction, first column on ties, once the combining pass has taken the best tile). With ref[row] a logit of the row known before the GEMM (the
 // target's, from a dot product), the backward needs no pass over the logits at all:
 //   p = E / S with S = sum over the row of E (the tile sums combined), so
 //   G = s (p - onehot) = (s / S) (E - S onehot),
 // and E - S onehot differs from E in one element a row. dX = diag(s / S) (E' W) and
-// dW = E'^T (diag(s / S) X) are then plain GEMMs over the stored E' (cutlass_fused_bench).
+// dW = E'^T (diag(s / S) X) are then plain GEMMs over the stored E' (fused_loss_ref_exp.cc).
 // exp is taken of the fp32 accumulator (no bf16 rounding of z first). E overflows only where a
 // logit exceeds ref by more than ~88 (the combining pass sees S = inf and says so). Never
 // reduces across CTA tiles: the combining pass does.
-#ifndef LOSSD_BENCH_KERNEL_ROW_REF_EXP_NODE_CUH_
-#define LOSSD_BENCH_KERNEL_ROW_REF_EXP_NODE_CUH_
+#ifndef LOSSD_KERNELS_CUDA_SM90_ROW_REF_EXP_NODE_CUH_
+#define LOSSD_KERNELS_CUDA_SM90_ROW_REF_EXP_NODE_CUH_
 
 #include "cute/tensor.hpp"
 #include "cutlass/numeric_conversion.h"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
-#include "bench/kernel/row_stats_node.cuh"  // RowLanes, TileStatBlock, PartitionForRowStats
+#include "kernels/cuda/sm90/row_node_util.cuh"
 
 namespace lossd {
-namespace bench {
+namespace cuda {
 
 // CtaTileShapeMNK: the kernel's CTA tile. Reads ref[row] (fp32, ld entries: rows past M are
-// read and ignored) and writes tile_sum[n_tile * ld + row] ((ceil(N / CTA_N), ld) row-major, ld
-// = M rounded up to CTA_M) for every row of every tile in the problem (L = 1).
+// read and ignored) and writes tile_sum[n_tile * ld + row], tile_max[n_tile * ld + row] (the
+// largest fp32 logit) and tile_arg[n_tile * ld + row] (its column) ((ceil(N / CTA_N), ld)
+// row-major, ld = M rounded up to CTA_M) for every row of every tile in the problem (L = 1).
 template <class CtaTileShapeMNK>
 struct Sm90RowRefExp {
   struct SharedStorage {};
@@ -30,6 +32,8 @@ struct Sm90RowRefExp {
   struct Arguments {
     const float* ref = nullptr;  // (ld)
     float* tile_sum = nullptr;   // (ceil(N / CTA_N), ld) row-major
+    float* tile_max = nullptr;   // (ceil(N / CTA_N), ld) row-major
+    int32_t* tile_arg = nullptr;  // (ceil(N / CTA_N), ld) row-major
     int64_t ld = 0;              // M rounded up to CTA_M (checked)
   };
   using Params = Arguments;
@@ -43,8 +47,8 @@ struct Sm90RowRefExp {
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
     auto [M, N, K, L] = cute::append<4>(problem_shape, 1);
     const int64_t tile_m = cute::size<0>(CtaTileShapeMNK{});
-    return L == 1 && args.ref != nullptr &&
-           args.ld == (int64_t(M) + tile_m - 1) / tile_m * tile_m;
+    return L == 1 && args.ref != nullptr && args.tile_sum != nullptr &&
+           args.tile_max != nullptr && args.tile_arg != nullptr && args.ld == (int64_t(M) + tile_m - 1) / tile_m * tile_m;
   }
   template <class ProblemShape>
   static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
@@ -84,18 +88,29 @@ struct Sm90RowRefExp {
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&,
                               int epi_v, int epi_m, int epi_n,
                               cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      auto& [tRref, tRsum, tCcD, residue_tCcD, gSum, lane_layout_MN, lane_mn, cD,
-             residue_cD] = args_tuple;
+      auto& [tRref, tRsum, tRmax, tRarg, tCcD, residue_tCcD, gSum, gMax, gArg, lane_layout_MN,
+             lane_mn, cD, residue_cD, col0] = args_tuple;
       cute::Tensor tRref_mn = tRref(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor tRsum_mn = tRsum(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor tRmax_mn = tRmax(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor tRarg_mn = tRarg(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor tCcD_mn = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
       cutlass::Array<float, FragmentSize> out;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         const int idx = epi_v * FragmentSize + i;
-        const float e = __expf(float(frg_input[i]) - tRref_mn(idx));
+        const float z = float(frg_input[i]);
+        const float e = __expf(z - tRref_mn(idx));
         out[i] = e;
-        if (cute::elem_less(tCcD_mn(idx), residue_tCcD)) tRsum_mn(idx) += e;
+        if (cute::elem_less(tCcD_mn(idx), residue_tCcD)) {
+          tRsum_mn(idx) += e;
+          // The first column on ties, whatever order the fragment visits its columns in.
+          const int32_t col = col0 + int32_t(cute::get<1>(tCcD_mn(idx)));
+          if (z > tRmax_mn(idx) || (z == tRmax_mn(idx) && col < tRarg_mn(idx))) {
+            tRmax_mn(idx) = z;
+            tRarg_mn(idx) = col;
+          }
+        }
       }
       return out;
     }
@@ -104,28 +119,44 @@ struct Sm90RowRefExp {
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
                                VTensor) {
       if (!is_last_iteration) return;
-      auto& [tRref, tRsum, tCcD, residue_tCcD, gSum, lane_layout_MN, lane_mn, cD,
-             residue_cD] = args_tuple;
+      auto& [tRref, tRsum, tRmax, tRarg, tCcD, residue_tCcD, gSum, gMax, gArg, lane_layout_MN,
+             lane_mn, cD, residue_cD, col0] = args_tuple;
       if (!cute::elem_less(cD(cute::_0{}, cute::_0{}), residue_cD)) return;  // tile fully OOB
-      // The lanes that share a row fold their sums into the lane whose N coordinate is 0, in
-      // a fixed order (bit-identical reruns).
+      // The lanes that share a row fold their sums and maxima into the lane whose N
+      // coordinate is 0, in a fixed order (bit-identical reruns).
       cute::Tensor fsum = cute::filter(tRsum);
+      cute::Tensor fmax = cute::filter(tRmax);
+      cute::Tensor farg = cute::filter(tRarg);
       CUTLASS_PRAGMA_UNROLL
       for (int cols = cute::size<1>(lane_layout_MN) / 2; cols > 0; cols /= 2) {
         const int delta = lane_layout_MN(cute::_0{}, cols);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < cute::size(fsum); ++i) {
           fsum(i) += __shfl_down_sync(0xFFFFFFFF, fsum(i), delta);
+          const float m2 = __shfl_down_sync(0xFFFFFFFF, fmax(i), delta);
+          const int32_t a2 = __shfl_down_sync(0xFFFFFFFF, farg(i), delta);
+          if (m2 > fmax(i) || (m2 == fmax(i) && a2 < farg(i))) {
+            fmax(i) = m2;
+            farg(i) = a2;
+          }
         }
       }
       if (cute::get<1>(lane_mn) != 0) return;
       cute::Tensor tGsum = cute::filter_zeros(gSum);
+      cute::Tensor tGmax = cute::filter_zeros(gMax);
+      cute::Tensor tGarg = cute::filter_zeros(gArg);
       cute::Tensor tRsum_f = cute::filter_zeros(tRsum);
+      cute::Tensor tRmax_f = cute::filter_zeros(tRmax);
+      cute::Tensor tRarg_f = cute::filter_zeros(tRarg);
       cute::Tensor tCcD_f = cute::make_tensor(tCcD.data(),
                                               cute::make_layout(tRsum_f.shape(), tCcD.stride()));
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < cute::size(tRsum_f); ++i) {
-        if (cute::elem_less(tCcD_f(i), residue_tCcD)) tGsum(i) = tRsum_f(i);
+        if (cute::elem_less(tCcD_f(i), residue_tCcD)) {
+          tGsum(i) = tRsum_f(i);
+          tGmax(i) = tRmax_f(i);
+          tGarg(i) = tRarg_f(i);
+        }
       }
     }
   };
@@ -140,29 +171,39 @@ struct Sm90RowRefExp {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     Tensor gSum = TileStatBlock(params.tile_sum, args);
+    Tensor gMax = TileStatBlock(params.tile_max, args);
+    Tensor gArg = TileStatBlock(params.tile_arg, args);
     // The reference: ref[r] for every column (stride 0 along N and L).
     Tensor mRef = make_tensor(make_gmem_ptr(params.ref),
                               make_layout(make_shape(M, N, L), make_stride(_1{}, _0{}, _0{})));
     Tensor gRef = local_tile(mRef, take<0, 2>(args.tile_shape_mnk), make_coord(m, n, l));
     Tensor tGsum = PartitionForRowStats<ReferenceSrc>(gSum, args);
+    Tensor tGmax = PartitionForRowStats<ReferenceSrc>(gMax, args);
+    Tensor tGarg = PartitionForRowStats<ReferenceSrc>(gArg, args);
     Tensor tGref = PartitionForRowStats<ReferenceSrc>(gRef, args);
     Tensor tRsum = make_tensor_like<float>(tGsum);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), 0 along N
+    Tensor tRmax = make_tensor_like<float>(tGmax);
+    Tensor tRarg = make_tensor_like<int32_t>(tGarg);
     Tensor tRref = make_tensor_like<float>(tGref);
     fill(tRsum, 0.f);
+    fill(tRmax, -INFINITY);
+    fill(tRarg, INT32_MAX);
     // One load a row this thread holds; rows past M read the padding the caller allocates.
     Tensor tGref_f = filter_zeros(tGref);
     Tensor tRref_f = filter_zeros(tRref);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tRref_f); ++i) tRref_f(i) = tGref_f(i);
 
-    auto args_tuple = make_tuple(cute::move(tRref), cute::move(tRsum), args.tCcD,
-                                 args.residue_tCcD, tGsum, lane_layout_MN, lane_mn, args.cD,
-                                 args.residue_cD);
+    // The tile's first column: tCcD holds coordinates relative to the tile.
+    const int32_t col0 = int32_t(n) * int32_t(size<1>(args.tile_shape_mnk));
+    auto args_tuple = make_tuple(cute::move(tRref), cute::move(tRsum), cute::move(tRmax),
+                                 cute::move(tRarg), args.tCcD, args.residue_tCcD, tGsum, tGmax,
+                                 tGarg, lane_layout_MN, lane_mn, args.cD, args.residue_cD, col0);
     return ConsumerStoreCallbacks<decltype(args_tuple)>(cute::move(args_tuple), params);
   }
 };
 
-}  // namespace bench
+}  // namespace cuda
 }  // namespace lossd
 
-#endif  // LOSSD_BENCH_KERNEL_ROW_REF_EXP_NODE_CUH_
+#endif  // LOSSD_KERNELS_CUDA_SM90_ROW_REF_EXP_NODE_CUH_
