@@ -67,7 +67,7 @@ const OptionCase kCovered[] = {
 // vocabulary wider than the reference's 1024-row sample.
 const Shape kRefExpShapes[] = {
     {"medium", 300, 96, 1000},
-    {"wide", 520, 256, 32008},
+    {"wide", 300, 64, 16392},
 };
 
 class RefExpMatrixTest : public RefExpTest,

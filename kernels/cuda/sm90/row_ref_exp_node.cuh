@@ -194,8 +194,9 @@ struct Sm90RowRefExp {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tRref_f); ++i) tRref_f(i) = tGref_f(i);
 
-    // The tile's first column: tCcD holds coordinates relative to the tile.
-    const int32_t col0 = int32_t(n) * int32_t(size<1>(args.tile_shape_mnk));
+    // tCcD holds coordinates relative to this thread's first element, and residue_tCcD is
+    // (M, N) less that element's global coordinate: so its global column is N - residue's.
+    const int32_t col0 = int32_t(N) - int32_t(get<1>(args.residue_tCcD));
     auto args_tuple = make_tuple(cute::move(tRref), cute::move(tRsum), cute::move(tRmax),
                                  cute::move(tRarg), args.tCcD, args.residue_tCcD, tGsum, tGmax,
                                  tGarg, lane_layout_MN, lane_mn, args.cD, args.residue_cD, col0);
