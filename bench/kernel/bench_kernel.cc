@@ -93,6 +93,7 @@ int SetUpEngine(cuda::FusedLoss& engine) {
     engine.set_algo_rank(static_cast<cuda::GemmRole>(i), ranks[i]);
   }
   engine.set_autotune(absl::GetFlag(FLAGS_autotune));
+  engine.set_ref_exp(absl::GetFlag(FLAGS_ref_exp));
   return 0;
 }
 
@@ -149,7 +150,7 @@ int Main() {
     if (int rc = RunBtSweep(absl::GetFlag(FLAGS_bt_sweep)); rc != 0) return rc;
   }
   if (int rc = MaybeRunHostIo(); rc != 0) return rc;
-  PrintTable(prop, rows);
+  PrintTable(prop, rows, (*engine)->ref_exp());
   const bool accurate = PrintAccuracy(rows);
   for (const Row& r : rows) {
     if (!r.deterministic) return 3;

@@ -46,6 +46,9 @@ ABSL_FLAG(double, logit_scale, 1.0,
           "W's range times this (the problem's logits have standard deviation 2 times it): the "
           "accuracy of the paths that store bf16 logits falls with it, and past ~20 the "
           "reference-exp path redoes chunks whose exp would overflow");
+ABSL_FLAG(int64_t, ref_exp_rows, 0,
+          "rows per chunk of lossd's reference-exp path (0: what its default budget holds, the "
+          "backend's choice); more rows, more memory, fewer dW read-backs");
 ABSL_FLAG(bool, time, true, "time the schedules after checking them (false: checks only)");
 ABSL_FLAG(std::string, order, "1:1",
           "the CUTLASS persistent scheduler's raster:swizzle (raster 0 heuristic, 1 along M, 2 "
@@ -194,7 +197,8 @@ int RunShape(cuda::FusedLoss& engine, int64_t bt, int64_t h, int64_t v) {
     // As AllocateProblem fills W (seed 2 there too), times k.
     BENCH_CHECK_CUDA(FillUniformBf16(p.w, v * h, 2, static_cast<float>(6.0 * k / std::sqrt(double(h))), st));
   }
-  const cuda::ChunkPlan rplan = cuda::PlanRefExpChunks(bt, h, v, cuda::DefaultRefExpBudget(bt, h, v), 0);
+  const cuda::ChunkPlan rplan = cuda::PlanRefExpChunks(
+      bt, h, v, cuda::DefaultRefExpBudget(bt, h, v), absl::GetFlag(FLAGS_ref_exp_rows));
   BENCH_CHECK_CUDA(cudaMalloc(&p.ws, std::max(plan.workspace_bytes, rplan.workspace_bytes)));
   const cuda::DeviceLossArgs args = BenchProblem(bt, h, v, p.x, p.w, p.tg, p.rows, p.dx, p.dw);
   const uint64_t gws = cuda::kGemmWorkspaceBytes;

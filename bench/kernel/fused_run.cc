@@ -48,21 +48,26 @@ int RunCeOnly(cuda::FusedLoss& engine, const Buffers& b, const std::vector<uint6
   return 0;
 }
 
-// The configuration `c` at `budget` (0: the default): *f's settings and *plan. False (said on
-// stderr) where the whole-batch layout does not apply.
+// The configuration `c` at `budget` (0: the default): *f's settings and *plan, row chunks for
+// the reference-exp path where `ref_exp` (as the backend plans them). False (said on stderr)
+// where the whole-batch layout does not apply.
 bool PlanConfig(int64_t bt, int64_t h, int64_t v, uint64_t budget, const Config& c,
-                Row::Fused* out, cuda::ChunkPlan* plan_out) {
+                bool ref_exp, Row::Fused* out, cuda::ChunkPlan* plan_out) {
   Row::Fused& f = *out;
   const uint64_t gws = static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20;
   f.is_default = budget == 0;
   f.budget = f.is_default ? cuda::DefaultChunkBudget(bt, v, DType::kBF16, gws) : budget;
   f.schedule = c.schedule;
   f.side_sms = c.side_sms;
+  if (ref_exp && f.schedule != 2 && f.is_default) {
+    f.budget = cuda::DefaultRefExpBudget(bt, h, v, gws);
+  }
   cuda::ChunkPlan plan =
-      f.schedule == 2
-          ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
-          : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
-                             static_cast<cuda::Schedule>(f.schedule), gws);
+      f.schedule == 2 ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
+      : ref_exp       ? cuda::PlanRefExpChunks(bt, h, v, f.budget, 0, gws)
+                      : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
+                                         static_cast<cuda::Schedule>(f.schedule), gws);
+  if (ref_exp && f.schedule != 2) plan.schedule = static_cast<cuda::Schedule>(f.schedule);
   if (f.schedule == 2 && plan.blocks == 0) {
     std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: whole-batch layout does not apply\n",
                  static_cast<long long>(bt), static_cast<long long>(h),
@@ -243,7 +248,9 @@ int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt,
     const size_t bi = run / schedules.size(), si = run % schedules.size();
     Row::Fused f;
     cuda::ChunkPlan plan;
-    if (!PlanConfig(bt, h, v, budgets[bi], schedules[si], &f, &plan)) continue;
+    if (!PlanConfig(bt, h, v, budgets[bi], schedules[si], engine.ref_exp(), &f, &plan)) {
+      continue;
+    }
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
     const int64_t free_before = FreeBytes();
     void* ws;

@@ -32,6 +32,10 @@ ABSL_FLAG(std::string, csv, "", "also write the results as CSV to this file");
 ABSL_FLAG(bool, autotune, true,
           "time cuBLASLt's candidates for the fused op's GEMMs on first use (the backend's "
           "default); the floor is timed both ways");
+ABSL_FLAG(bool, ref_exp, true,
+          "plan row chunks for the reference-exp path where the engine has it (the backend's "
+          "default; its budget grows by the path's buffers, DefaultRefExpBudget); false: the "
+          "logits GEMM + cross-entropy kernel path");
 ABSL_FLAG(int, gemm_ws_mib, 4, "cuBLASLt workspace per stream (MiB) for the fused op's GEMMs");
 ABSL_FLAG(std::string, algo_ranks, "0,0,0",
           "cuBLASLt heuristic rank for the fused op's logits, dX and dW GEMMs");

@@ -20,6 +20,7 @@ ABSL_DECLARE_FLAG(std::string, side_sms);
 ABSL_DECLARE_FLAG(std::string, host_io);
 ABSL_DECLARE_FLAG(std::string, csv);
 ABSL_DECLARE_FLAG(bool, autotune);
+ABSL_DECLARE_FLAG(bool, ref_exp);
 ABSL_DECLARE_FLAG(int, gemm_ws_mib);
 ABSL_DECLARE_FLAG(std::string, algo_ranks);
 ABSL_DECLARE_FLAG(std::string, bt_sweep);

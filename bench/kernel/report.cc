@@ -64,10 +64,13 @@ void PrintShapeSummary(const Row& r) {
 
 }  // namespace
 
-void PrintTable(const cudaDeviceProp& prop, const std::vector<Row>& rows) {
-  std::printf("GPU: %s (%d SMs), fwd+bwd bf16, median of %d runs after %d warm-up\n\n",
+void PrintTable(const cudaDeviceProp& prop, const std::vector<Row>& rows, bool ref_exp) {
+  std::printf("GPU: %s (%d SMs), fwd+bwd bf16, median of %d runs after %d warm-up; fused "
+              "path: %s\n\n",
               prop.name, prop.multiProcessorCount, absl::GetFlag(FLAGS_runs),
-              absl::GetFlag(FLAGS_warmup));
+              absl::GetFlag(FLAGS_warmup),
+              ref_exp ? "reference-exp (no pass over the logits)"
+                      : "logits GEMM + cross-entropy kernel");
   std::printf("| BT, H, V | 3-GEMM floor | tuned floor | budget | C | schedule | fused "
               "| fused / floor | fused / tuned floor "
               "| TFLOP/s | workspace | measured extra | deterministic | mean loss "

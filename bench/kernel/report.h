@@ -16,7 +16,8 @@ namespace bench {
 
 // The GPU line and the table, one line per configuration and a summary line per shape; the
 // same configurations to --csv when it names a file.
-void PrintTable(const cudaDeviceProp& prop, const std::vector<Row>& rows);
+// ref_exp: the fused op ran the reference-exp path (FusedLoss::ref_exp).
+void PrintTable(const cudaDeviceProp& prop, const std::vector<Row>& rows, bool ref_exp);
 
 // The accuracy table of the rows checked against float64. True when every checked row is
 // within the bar (dX and dW relative norm error 3e-3, the loss 1e-5 relative).
