@@ -213,7 +213,8 @@ def registered_metrics(root):
     return metrics
 
 
-METRIC = re.compile(r"(?<![\w.])((?:lossd|process)_[a-z0-9_]+)(\{[^}]*\})?((?:`?,\s*`_[a-z0-9_]+`?)*)")
+# Not after "=": a Bazel define (`--define=lossd_sm90=1`) or a flag value is no metric.
+METRIC = re.compile(r"(?<![\w.=])((?:lossd|process)_[a-z0-9_]+)(\{[^}]*\})?((?:`?,\s*`_[a-z0-9_]+`?)*)")
 NOT_METRICS = re.compile(r"^lossd_(pb2\w*|client\w*|cuda\w*|metrics|bench\w*|help\w*)$")
 
 
