@@ -7,8 +7,9 @@
 //   the combine (ref_exp_kernels.h): S = the row's sum, lse = ref + log S, the row's loss and
 //         prediction, factor f = a / S and E[t] <- E[t] - (hot / a) S, so that diag(f) E' is
 //         the cross-entropy kernel's gradient G exactly (g_j = a p_j - hot [j == t]);
-//   dX_c = diag(f) (E' W) (the GEMM into fp32, then one rounding) and
-//   dW  += E'^T (diag(f) X_c): plain cuBLASLt GEMMs.
+//   dX_c = diag(f) (E' W) (the GEMM into fp32, then one rounding) on main_ and, beside it on
+//   side_, dW += E'^T (diag(f) X_c): plain cuBLASLt GEMMs; the next chunk's GEMM waits for
+//   this dW before it rewrites E.
 // What is left of the cross-entropy pass (1.3-2.5 ms a call at V = 256000 on an H200) is
 // C-sized work. A row whose largest logit sits more than ~88 above its reference overflows E;
 // the combine counts such rows, and the host reads the count (while the chunk's dX GEMM runs)
@@ -88,7 +89,9 @@ class FusedLoss::RefExpPass {
   float* dx32;
   unsigned int* flagged;
   void* gemm_ws;
-  bool any_fallback = false;  // a chunk went through RowChunk: its dW/db on side_ read the buffer
+  // A chunk's dW (or a fallen-back chunk's dW/db) on side_ still reads the buffer: the next
+  // chunk's GEMM waits for dw_done_[0].
+  bool dw_pending = false;
 };
 
 bool FusedLoss::RefExpCovers(const DeviceLossArgs& a) {
@@ -125,8 +128,7 @@ absl::Status FusedLoss::RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows) {
   ChunkPass& c = r.c;
   const DeviceLossArgs& a = c.a;
   LOSSD_RETURN_IF_ERROR(c.XReady(c0, rows));
-  // A chunk that fell back left its dW/db reading the buffer on side_.
-  if (r.any_fallback) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
+  if (r.dw_pending) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
   const void* x = Offset(a.x, c0 * a.h, 2);
   const int64_t ld = (rows + kRefExpTileM - 1) / kRefExpTileM * kRefExpTileM;
   LOSSD_RETURN_IF_ERROR(CudaStatus(
@@ -173,6 +175,12 @@ absl::Status FusedLoss::RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows) {
   LOSSD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(flagged_host_, r.flagged, sizeof(unsigned int),
                                              cudaMemcpyDeviceToHost, main_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(combined_, main_));
+  if (c.want_dw) {
+    LOSSD_RETURN_IF_ERROR(CudaStatus(
+        LaunchScaleRows(x, kElemBF16, r.factor, rows, a.h, r.xs, kElemBF16, main_),
+        "LaunchScaleRows(X)"));
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));  // E' and xs ready
+  }
   // The dX GEMM goes in before the host looks at the count, so the GPU has it to run while
   // the host waits; a flagged chunk's dX is rewritten by RowChunk below.
   if (a.dx != nullptr) {
@@ -184,20 +192,19 @@ absl::Status FusedLoss::RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows) {
                         a.dx_dtype == DType::kF32 ? kElemF32 : kElemBF16, main_),
         "LaunchScaleRows(dX)"));
   }
-  if (c.want_dw) {
-    LOSSD_RETURN_IF_ERROR(CudaStatus(
-        LaunchScaleRows(x, kElemBF16, r.factor, rows, a.h, r.xs, kElemBF16, main_),
-        "LaunchScaleRows(X)"));
-  }
   ++ref_exp_chunks_;
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(combined_));
   if (*flagged_host_ != 0) {
     ++ref_exp_fallbacks_;
-    r.any_fallback = true;
+    r.dw_pending = true;
     return RowChunk(c, c0, rows);  // rewrites the chunk's row results, dX rows and adds its dW
   }
   if (c.want_dw) {
-    LOSSD_RETURN_IF_ERROR(RunSpec(main_, c.ws_main, c.scales.alpha, r.DwSpec(c0, rows), 0));
+    // Beside the dX GEMM: the two read E' and write different outputs.
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, logits_done_[0], 0));
+    LOSSD_RETURN_IF_ERROR(RunSpec(side_, c.ws_side, c.scales.alpha, r.DwSpec(c0, rows), 0));
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(dw_done_[0], side_));
+    r.dw_pending = true;
   }
   return c.DxEnqueued(c0, rows);
 }
@@ -217,7 +224,7 @@ absl::Status FusedLoss::EnqueueRefExp(const DeviceLossArgs& a, const ChunkPlan& 
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     LOSSD_RETURN_IF_ERROR(RefExpChunk(r, c0, std::min(plan.chunk_rows, a.bt - c0)));
   }
-  // Everything ends on main_ (side_ and ce_ have work only where a chunk fell back).
+  // Everything ends on main_ (ce_ has work only where a chunk fell back).
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(side_end_, side_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, side_end_, 0));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_end_, ce_));

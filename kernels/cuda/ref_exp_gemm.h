@@ -1,6 +1,6 @@
 // The reference-exp logits GEMM: E = exp(X_c W^T - ref[row]) in bf16, straight from the fp32
-// accumulator, with each row tile's sum of E and its largest logit and that logit's column in
-// the epilogue (sm90/row_ref_exp_node.cuh). The backward then needs no pass over the logits
+// accumulator, with each row tile's sum of E and its largest logit (rounded to bf16, as the
+// stored logits of the other paths are) and that logit's first column in the epilogue (sm90/row_ref_exp_node.cuh). The backward then needs no pass over the logits
 // (fused_loss_ref_exp.cc says how). A CUTLASS sm_90a kernel, compiled in only where the plugin
 // is built with --define=lossd_sm90=1 (CUTLASS's headers, tools/setup_cutlass.sh); elsewhere
 // MakeRefExpGemm returns null and the engine keeps its other path. Plain C++ here: no CUTLASS
@@ -28,7 +28,7 @@ struct RefExpGemmArgs {
   void* e = nullptr;            // (c, v) bf16 row-major: exp(z - ref[row])
   const float* ref = nullptr;   // (ld)
   float* tile_sum = nullptr;    // (ceil(v / kRefExpTileN), ld) row-major
-  float* tile_max = nullptr;    // (ceil(v / kRefExpTileN), ld) row-major: largest fp32 logit
+  float* tile_max = nullptr;    // (ceil(v / kRefExpTileN), ld) row-major: largest bf16 logit
   int32_t* tile_arg = nullptr;  // (ceil(v / kRefExpTileN), ld) row-major: its column
   int64_t ld = 0;               // c rounded up to kRefExpTileM
   int64_t c = 0, h = 0, v = 0;  // h and v multiples of 8, x, w and e 16-byte aligned

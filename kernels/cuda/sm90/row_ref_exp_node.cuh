@@ -1,7 +1,8 @@
 // An Epilogue Visitor Tree node for CUTLASS's sm90 TMA warp-specialized epilogues that makes
 // the logits GEMM write E = exp(z - ref[row]) instead of z, and for each row of a CTA tile the
-// sum of E over the tile's columns and the tile's largest logit with its column (the row's
-// prediction, first column on ties, once the combining pass has taken the best tile). With ref[row] a logit of the row known before the GEMM (the
+// sum of E over the tile's columns and the tile's largest logit (rounded to bf16) with its
+// column (the row's prediction, first column on ties, once the combining pass has taken the
+// best tile). With ref[row] a logit of the row known before the GEMM (the
 // target's, from a dot product), the backward needs no pass over the logits at all:
 //   p = E / S with S = sum over the row of E (the tile sums combined), so
 //   G = s (p - onehot) = (s / S) (E - S onehot),
@@ -14,6 +15,7 @@
 #define LOSSD_KERNELS_CUDA_SM90_ROW_REF_EXP_NODE_CUH_
 
 #include "cute/tensor.hpp"
+#include "cutlass/bfloat16.h"
 #include "cutlass/numeric_conversion.h"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 #include "kernels/cuda/sm90/row_node_util.cuh"
@@ -23,8 +25,9 @@ namespace cuda {
 
 // CtaTileShapeMNK: the kernel's CTA tile. Reads ref[row] (fp32, ld entries: rows past M are
 // read and ignored) and writes tile_sum[n_tile * ld + row], tile_max[n_tile * ld + row] (the
-// largest fp32 logit) and tile_arg[n_tile * ld + row] (its column) ((ceil(N / CTA_N), ld)
-// row-major, ld = M rounded up to CTA_M) for every row of every tile in the problem (L = 1).
+// largest logit rounded to bf16) and tile_arg[n_tile * ld + row] (its first column)
+// ((ceil(N / CTA_N), ld) row-major, ld = M rounded up to CTA_M) for every row of every tile in
+// the problem (L = 1).
 template <class CtaTileShapeMNK>
 struct Sm90RowRefExp {
   struct SharedStorage {};
@@ -104,10 +107,13 @@ struct Sm90RowRefExp {
         out[i] = e;
         if (cute::elem_less(tCcD_mn(idx), residue_tCcD)) {
           tRsum_mn(idx) += e;
-          // The first column on ties, whatever order the fragment visits its columns in.
+          // The prediction is the argmax of the logits rounded to bf16, the first column on
+          // ties (whatever order the fragment visits its columns in): what the other paths
+          // and the CPU backend, which store bf16 logits, predict.
+          const float zb = float(cutlass::bfloat16_t(z));
           const int32_t col = col0 + int32_t(cute::get<1>(tCcD_mn(idx)));
-          if (z > tRmax_mn(idx) || (z == tRmax_mn(idx) && col < tRarg_mn(idx))) {
-            tRmax_mn(idx) = z;
+          if (zb > tRmax_mn(idx) || (zb == tRmax_mn(idx) && col < tRarg_mn(idx))) {
+            tRmax_mn(idx) = zb;
             tRarg_mn(idx) = col;
           }
         }
