@@ -91,17 +91,16 @@ bool WithinBar(const Fp64Errors& e) {
          e.dw_rel_norm <= kGradRelNorm;
 }
 
-// Runs a schedule of the path twice (outputs poisoned before each), checks the second run's
-// outputs against the first word for word and against float64. 0, or 2 on a failed check.
-int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
-                  cudaStream_t st) {
+// Runs `run` twice on `st`, dX and dW poisoned before each, and counts the 4-byte words of dX
+// (mism[0]) and dW (mism[1]) the second run wrote differently. 0, or 1 on a failure (said).
+int RunTwice(Problem& p, cudaStream_t st, const std::function<absl::Status()>& run,
+             unsigned long long mism[2]) {
   const size_t dx_bytes = p.bt * p.h * 2, dw_bytes = p.v * p.h * 4;
-  unsigned long long mism[2] = {0, 0};
-  for (int run = 0; run < 2; ++run) {
+  for (int i = 0; i < 2; ++i) {
     BENCH_CHECK_CUDA(cudaMemsetAsync(p.dx, 0xFF, dx_bytes, st));
     BENCH_CHECK_CUDA(cudaMemsetAsync(p.dw, 0xFF, dw_bytes, st));
-    BENCH_CHECK_OK(path.Run(halves));
-    if (run == 0) {
+    BENCH_CHECK_OK(run());
+    if (i == 0) {
       BENCH_CHECK_CUDA(cudaMemcpyAsync(p.ref_dx, p.dx, dx_bytes, cudaMemcpyDeviceToDevice, st));
       BENCH_CHECK_CUDA(cudaMemcpyAsync(p.ref_dw, p.dw, dw_bytes, cudaMemcpyDeviceToDevice, st));
     }
@@ -112,6 +111,15 @@ int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
   BENCH_CHECK_CUDA(CountMismatches(p.dw, p.ref_dw, dw_bytes / 4, p.diff, st));
   BENCH_CHECK_CUDA(cudaMemcpyAsync(&mism[1], p.diff, 8, cudaMemcpyDeviceToHost, st));
   BENCH_CHECK_CUDA(cudaStreamSynchronize(st));
+  return 0;
+}
+
+// Runs a schedule of the path twice (outputs poisoned before each), checks the second run's
+// outputs against the first word for word and against float64. 0, or 2 on a failed check.
+int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
+                  cudaStream_t st) {
+  unsigned long long mism[2] = {0, 0};
+  if (RunTwice(p, st, [&] { return path.Run(halves); }, mism)) return 1;
   absl::StatusOr<double> loss = path.MeanLoss();
   BENCH_CHECK_OK(loss.status());
   Fp64Errors e;
@@ -131,26 +139,11 @@ int CheckSchedule(CutlassPath& path, int halves, const char* name, Problem& p,
 int CheckLossd(cuda::FusedLoss& engine, bool ref_exp, const cuda::DeviceLossArgs& a,
                const cuda::ChunkPlan& plan, void* ws, Problem& p) {
   cudaStream_t st = engine.stream();
-  const size_t dx_bytes = p.bt * p.h * 2, dw_bytes = p.v * p.h * 4;
   engine.set_ref_exp(ref_exp);
   const int64_t chunks0 = engine.ref_exp_chunks(), fallbacks0 = engine.ref_exp_fallbacks();
   unsigned long long mism[2] = {0, 0};
-  for (int run = 0; run < 2; ++run) {
-    BENCH_CHECK_CUDA(cudaMemsetAsync(p.dx, 0xFF, dx_bytes, st));
-    BENCH_CHECK_CUDA(cudaMemsetAsync(p.dw, 0xFF, dw_bytes, st));
-    BENCH_CHECK_OK(engine.Enqueue(a, plan, ws));
-    if (run == 0) {
-      BENCH_CHECK_CUDA(cudaMemcpyAsync(p.ref_dx, p.dx, dx_bytes, cudaMemcpyDeviceToDevice, st));
-      BENCH_CHECK_CUDA(cudaMemcpyAsync(p.ref_dw, p.dw, dw_bytes, cudaMemcpyDeviceToDevice, st));
-    }
-  }
-  BENCH_CHECK_CUDA(CountMismatches(p.dx, p.ref_dx, dx_bytes / 4, p.diff, st));
-  BENCH_CHECK_CUDA(cudaMemcpyAsync(&mism[0], p.diff, 8, cudaMemcpyDeviceToHost, st));
-  BENCH_CHECK_CUDA(cudaStreamSynchronize(st));
-  BENCH_CHECK_CUDA(CountMismatches(p.dw, p.ref_dw, dw_bytes / 4, p.diff, st));
-  BENCH_CHECK_CUDA(cudaMemcpyAsync(&mism[1], p.diff, 8, cudaMemcpyDeviceToHost, st));
+  if (RunTwice(p, st, [&] { return engine.Enqueue(a, plan, ws); }, mism)) return 1;
   std::vector<float> ce(p.bt);
-  BENCH_CHECK_CUDA(cudaStreamSynchronize(st));
   BENCH_CHECK_CUDA(cudaMemcpy(ce.data(), a.row_ce, p.bt * 4, cudaMemcpyDeviceToHost));
   const double loss = std::accumulate(ce.begin(), ce.end(), 0.0) / static_cast<double>(p.bt);
   Fp64Errors e;

@@ -263,7 +263,10 @@ class FusedLoss {
   // falls back to RowChunk.
   absl::Status EnqueueRefExp(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
   absl::Status TuneRefExp(RefExpPass& r);
+  absl::Status RefExpForward(RefExpPass& r, int64_t c0, int64_t rows);
   absl::Status RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows);
+  // Makes main_ wait for everything queued on side_ and ce_: an Enqueue ends on main_.
+  absl::Status JoinStreams();
   // The whole-batch path (plan.blocks > 0).
   absl::Status EnqueueWhole(const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace);
   absl::Status TuneWhole(WholePass& w);

@@ -363,7 +363,10 @@ absl::Status FusedLoss::EnqueueChunks(const DeviceLossArgs& a, const ChunkPlan& 
       LOSSD_RETURN_IF_ERROR(RowChunk(c, c0, rows));
     }
   }
-  // Everything ends on main_.
+  return JoinStreams();
+}
+
+absl::Status FusedLoss::JoinStreams() {
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(side_end_, side_));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, side_end_, 0));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_end_, ce_));

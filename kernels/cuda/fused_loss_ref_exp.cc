@@ -124,11 +124,11 @@ absl::Status FusedLoss::TuneRefExp(RefExpPass& r) {
   return absl::OkStatus();
 }
 
-absl::Status FusedLoss::RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows) {
+// The chunk's forward on main_: the reference, E and its tile statistics, the combine, and
+// the count of flagged rows on its way to flagged_host_ (combined_ says when it is there).
+absl::Status FusedLoss::RefExpForward(RefExpPass& r, int64_t c0, int64_t rows) {
   ChunkPass& c = r.c;
   const DeviceLossArgs& a = c.a;
-  LOSSD_RETURN_IF_ERROR(c.XReady(c0, rows));
-  if (r.dw_pending) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
   const void* x = Offset(a.x, c0 * a.h, 2);
   const int64_t ld = (rows + kRefExpTileM - 1) / kRefExpTileM * kRefExpTileM;
   LOSSD_RETURN_IF_ERROR(CudaStatus(
@@ -174,7 +174,16 @@ absl::Status FusedLoss::RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows) {
   LOSSD_RETURN_IF_ERROR(CudaStatus(LaunchCombineRefExp(p, main_), "LaunchCombineRefExp"));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(flagged_host_, r.flagged, sizeof(unsigned int),
                                              cudaMemcpyDeviceToHost, main_));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(combined_, main_));
+  return CudaStatus(cudaEventRecord(combined_, main_), "cudaEventRecord(combined)");
+}
+
+absl::Status FusedLoss::RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows) {
+  ChunkPass& c = r.c;
+  const DeviceLossArgs& a = c.a;
+  LOSSD_RETURN_IF_ERROR(c.XReady(c0, rows));
+  if (r.dw_pending) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
+  LOSSD_RETURN_IF_ERROR(RefExpForward(r, c0, rows));
+  const void* x = Offset(a.x, c0 * a.h, 2);
   if (c.want_dw) {
     LOSSD_RETURN_IF_ERROR(CudaStatus(
         LaunchScaleRows(x, kElemBF16, r.factor, rows, a.h, r.xs, kElemBF16, main_),
@@ -224,12 +233,7 @@ absl::Status FusedLoss::EnqueueRefExp(const DeviceLossArgs& a, const ChunkPlan& 
   for (int64_t c0 = 0; c0 < a.bt; c0 += plan.chunk_rows) {
     LOSSD_RETURN_IF_ERROR(RefExpChunk(r, c0, std::min(plan.chunk_rows, a.bt - c0)));
   }
-  // Everything ends on main_ (ce_ has work only where a chunk fell back).
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(side_end_, side_));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, side_end_, 0));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(ce_end_, ce_));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, ce_end_, 0));
-  return absl::OkStatus();
+  return JoinStreams();  // ce_ has work only where a chunk fell back
 }
 
 }  // namespace cuda
