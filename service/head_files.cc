@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
@@ -236,13 +237,23 @@ HeadFilesReport ExportHeadsToDir(Engine& engine, const std::string& dir) {
 HeadFilesReport ImportHeadsFromDir(Engine& engine, const std::string& dir) {
   HeadFilesReport report;
   std::error_code ec;
-  std::vector<std::string> paths;
+  std::vector<std::string> paths, stale;
+  const std::string tmp_suffix = absl::StrCat(kSuffix, ".tmp");
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string p = entry.path().string();
-    if (entry.is_regular_file() && p.size() > sizeof(kSuffix) - 1 &&
-        p.compare(p.size() - (sizeof(kSuffix) - 1), std::string::npos, kSuffix) == 0) {
-      paths.push_back(p);
-    }
+    if (!entry.is_regular_file()) continue;
+    if (absl::EndsWith(p, kSuffix) && p.size() > sizeof(kSuffix) - 1) paths.push_back(p);
+    if (absl::EndsWith(p, tmp_suffix)) stale.push_back(p);
+  }
+  // An export still under its temporary name never finished (the process was killed during
+  // the drain): its head was lost then, and the file can only ever be a part of it. Nothing
+  // exports into this folder while lossd starts (one instance a folder).
+  std::sort(stale.begin(), stale.end());
+  for (const std::string& path : stale) {
+    std::filesystem::remove(path, ec);
+    ++report.removed;
+    Log(LogLevel::kWarning, "removed an export that never finished",
+        {{"file", path}, {"deleted", ec ? ec.message() : "yes"}});
   }
   std::sort(paths.begin(), paths.end());  // a stable order in the log
   for (const std::string& path : paths) {

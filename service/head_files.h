@@ -37,6 +37,7 @@ absl::Status ImportHeadFromFile(Engine& engine, const std::string& path, std::st
 struct HeadFilesReport {
   int done = 0;
   int failed = 0;
+  int removed = 0;  // import: unfinished exports (*.lossd-head.tmp) deleted
 };
 
 // Every head, each to HeadFilePath(dir, name); logs each, and each failure (the head is then
@@ -44,7 +45,8 @@ struct HeadFilesReport {
 HeadFilesReport ExportHeadsToDir(Engine& engine, const std::string& dir);
 
 // Every *.lossd-head file in `dir`, each imported, logged and deleted once imported (a file
-// that fails stays, and is logged with the reason). A missing `dir` imports nothing.
+// that fails stays, and is logged with the reason). Every *.lossd-head.tmp (an export a killed
+// drain left unfinished) is deleted and logged. A missing `dir` imports nothing.
 HeadFilesReport ImportHeadsFromDir(Engine& engine, const std::string& dir);
 
 }  // namespace lossd

@@ -1,6 +1,7 @@
 // Tests the drain's export of every hosted head to files and the import at start: a head
 // comes back with its owner, its version and every byte of its state; a file that is cut
-// short or not one of ours is refused (DATA_LOSS) and stays where it is.
+// short or not one of ours is refused (DATA_LOSS) and stays where it is; an unfinished export
+// is removed at start.
 #include "service/head_files.h"
 
 #include <cstdlib>
@@ -131,6 +132,29 @@ TEST(HeadFilesTest, BrokenFilesAreRefusedAndKept) {
   EXPECT_TRUE(std::filesystem::exists(cut));
   EXPECT_TRUE(std::filesystem::exists(HeadFilePath(dir, "junk")));
   EXPECT_EQ(after->heads().count(), 0u) << "a cut-off import leaves no head";
+}
+
+// A drain killed during an export leaves its temporary file: the next start deletes it (it
+// can never be imported) and imports the whole files beside it.
+TEST(HeadFilesTest, UnfinishedExportsAreRemovedAtStart) {
+  const std::string dir = TempDir("unfinished");
+  {
+    auto before = NewEngine("one");
+    MakeHead(*before, "whole", "", 4);
+    ASSERT_TRUE(ExportHeadToFile(*before, "whole", "", HeadFilePath(dir, "whole")).ok());
+  }
+  const std::string tmp = HeadFilePath(dir, "killed") + ".tmp";
+  std::ofstream(tmp, std::ios::binary) << "LOSSDHEAD1\n a drain killed here";
+  const std::string other = (std::filesystem::path(dir) / "notes.tmp").string();
+  std::ofstream(other) << "not ours";
+  auto after = NewEngine("two");
+  const HeadFilesReport r = ImportHeadsFromDir(*after, dir);
+  EXPECT_EQ(r.done, 1);
+  EXPECT_EQ(r.failed, 0);
+  EXPECT_EQ(r.removed, 1);
+  EXPECT_FALSE(std::filesystem::exists(tmp));
+  EXPECT_TRUE(std::filesystem::exists(other)) << "only our own temporary files go";
+  EXPECT_EQ(after->heads().count(), 1u);
 }
 
 }  // namespace

@@ -522,7 +522,10 @@ int Main() {
   if (const std::string dir = absl::GetFlag(FLAGS_head_export_dir); !dir.empty()) {
     const HeadFilesReport r = ImportHeadsFromDir(engine, dir);
     Log(r.failed == 0 ? LogLevel::kInfo : LogLevel::kError, "heads imported",
-        {{"dir", dir}, {"imported", absl::StrCat(r.done)}, {"failed", absl::StrCat(r.failed)}});
+        {{"dir", dir},
+         {"imported", absl::StrCat(r.done)},
+         {"failed", absl::StrCat(r.failed)},
+         {"unfinished_removed", absl::StrCat(r.removed)}});
   }
 
   ServerMetrics metrics([&engine] { return SampleState(engine); });
