@@ -238,6 +238,14 @@ fi
 HOST_SUM=$((HOST_PER * N))
 [[ "$HOST_SUM" -le "$HOST" ]] ||
   die "$N instances would hold $HOST_SUM bytes of host memory, $N x ($HOST_PER_WHAT), more than the $HOST bytes there are; lower them or set LOSSD_HOST_MEMORY_BYTES"
+# On CUDA the stores and the tickets are held against the device budget, as lossd checks at
+# start (service/store_budgets.cc): the stores given here and the tickets must fit it (lossd
+# fits the stores left unset to what remains). Refused here, before any instance starts.
+if [[ "$BACKEND" != cpu && "${DEVICE_BUDGET:-0}" -gt 0 ]]; then
+  DEVICE_SUM=$(( ${WEIGHTS:-0} + ${ACCUMS:-0} + ${HEADS:-0} + TICKETS ))
+  [[ "$DEVICE_SUM" -le "$DEVICE_BUDGET" ]] ||
+    die "each instance would hold $DEVICE_SUM bytes against LOSSD_DEVICE_MEMORY_BUDGET_BYTES=$DEVICE_BUDGET: LOSSD_WEIGHT_CACHE_BYTES=${WEIGHTS:-unset} + LOSSD_ACCUMULATOR_BYTES=${ACCUMS:-unset} + LOSSD_HEAD_BYTES=${HEADS:-unset} + LOSSD_TICKET_BYTES=$TICKETS, all held in device memory between requests; lower them or raise the budget"
+fi
 
 plan() {
   echo "$N instances, backend $BACKEND, devices by $SELECT, host memory $HOST bytes"

@@ -163,6 +163,19 @@ check "tickets not a number" refuses "LOSSD_TICKET_BYTES must be a byte count, g
   LOSSD_GPUS=0 LOSSD_TICKET_BYTES=4G -- plan
 check "NUMA list of the wrong length" refuses "LOSSD_NUMA_NODES has 1 entries for 2 GPUs" \
   LOSSD_GPUS=0,1 LOSSD_NUMA_NODES=0 -- plan
+# On CUDA the stores given and the tickets must fit the device budget: 4 + 8 + 4 GiB of 12.
+check "stores over the device budget" refuses "each instance would hold 17179869184 bytes \
+against LOSSD_DEVICE_MEMORY_BUDGET_BYTES=12884901888: LOSSD_WEIGHT_CACHE_BYTES=4294967296 + \
+LOSSD_ACCUMULATOR_BYTES=8589934592 + LOSSD_HEAD_BYTES=unset + LOSSD_TICKET_BYTES=4294967296" \
+  LOSSD_GPUS=0,1 LOSSD_BACKEND=cuda LOSSD_HOST_MEMORY_BYTES=$((512 * GiB)) \
+  LOSSD_DEVICE_MEMORY_BUDGET_BYTES=$((12 * GiB)) LOSSD_WEIGHT_CACHE_BYTES=$((4 * GiB)) \
+  LOSSD_ACCUMULATOR_BYTES=$((8 * GiB)) LOSSD_TICKET_BYTES=$((4 * GiB)) -- plan
+# The same with the tickets lowered fits (the check counts what is held, nothing more).
+fits() { env "$@" "$LAUNCHER" plan >/dev/null 2>&1; }
+check "stores within the device budget" fits LOSSD_GPUS=0,1 LOSSD_BACKEND=cuda \
+  LOSSD_HOST_MEMORY_BYTES=$((512 * GiB)) LOSSD_DEVICE_MEMORY_BUDGET_BYTES=$((12 * GiB)) \
+  LOSSD_WEIGHT_CACHE_BYTES=$((4 * GiB)) LOSSD_ACCUMULATOR_BYTES=$((7 * GiB)) \
+  LOSSD_TICKET_BYTES=$GiB
 finish_case RefusesBadConfigurations "every refusal names its variable"
 
 # --- 3. The systemd unit and the example configuration ----------------------------------
