@@ -6,6 +6,7 @@
 
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "kernels/backend.h"
 #include "kernels/cuda/ce_kernels.h"
 
 namespace lossd {
@@ -91,6 +92,12 @@ RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v) {
   l.gemm = take(kRefExpGemmWorkspaceBytes);
   l.bytes = at;
   return l;
+}
+
+bool RefExpPlannable(const WorkspaceShape& s) {
+  return s.kind == LossKind::kCrossEntropy && s.dtype == DType::kBF16 && !s.has_bias &&
+         s.db == GradOut::kNone && s.h % 8 == 0 && s.v % 8 == 0 &&
+         (s.grad_dtype == DType::kBF16 || s.grad_dtype == DType::kF32);
 }
 
 ChunkPlan PlanRefExpChunks(int64_t bt, int64_t h, int64_t v, uint64_t budget_bytes,

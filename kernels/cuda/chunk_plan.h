@@ -9,6 +9,7 @@
 
 #include "core/dtype.h"
 #include "core/loss_problem.h"
+#include "kernels/backend.h"
 
 namespace lossd {
 namespace cuda {
@@ -107,6 +108,12 @@ inline constexpr int64_t kRefExpSample = 1024;
 // The CUTLASS kernel's workspace (its persistent scheduler needs none today; checked at Enqueue).
 inline constexpr uint64_t kRefExpGemmWorkspaceBytes = 1ull << 20;
 RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v);
+
+// Whether a problem of this shape is planned for the reference-exp path (where the engine has
+// it): bf16 cross-entropy with no bias (nor its gradient), H and V multiples of 8 (the GEMM's
+// 16-byte rows), gradients in bf16 or fp32. Options the shape does not carry (a softcap, label
+// smoothing) are checked at Enqueue, which takes the other path in the same workspace.
+bool RefExpPlannable(const WorkspaceShape& s);
 
 // PlanChunks for the reference-exp path: the chunk buffer and RefExpLayoutOf's per-row buffers
 // share the budget (at V = 256000, H = 2304 they add about 8% a row), with the row halves

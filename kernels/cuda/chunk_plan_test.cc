@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/chunk_plan.h"
 #include "kernels/cuda/fused_loss.h"
 #include "core/dtype.h"
 
@@ -78,6 +80,38 @@ TEST(RefExpPlanTest, SharesTheBudgetAndKeepsTheDefaultChunk) {
   EXPECT_LE(small.workspace_bytes, 256ull << 20);
   EXPECT_GT(small.chunk_rows, 64);
   EXPECT_EQ(PlanRefExpChunks(8192, 2304, 256000, 256ull << 20, 100).chunk_rows, 100);
+}
+
+// Which shapes are planned for the reference-exp path: bf16 cross-entropy without a bias,
+// H and V multiples of 8, bf16 or fp32 gradients; each other case on its own.
+TEST(RefExpPlanTest, PlannableShapes) {
+  WorkspaceShape s;
+  s.bt = 300;
+  s.h = 96;
+  s.v = 1000;
+  s.want_dx = true;
+  s.dw = GradOut::kAccumulated;
+  EXPECT_TRUE(RefExpPlannable(s));
+  WorkspaceShape f32 = s;
+  f32.grad_dtype = DType::kF32;
+  EXPECT_TRUE(RefExpPlannable(f32));
+  WorkspaceShape streamed = s;
+  streamed.rows_streamed = true;
+  EXPECT_TRUE(RefExpPlannable(streamed));
+  auto without = [&](auto change) {
+    WorkspaceShape t = s;
+    change(t);
+    return RefExpPlannable(t);
+  };
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.dtype = DType::kF16; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.dtype = DType::kF32; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.has_bias = true; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.db = GradOut::kWritten; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.h = 31; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.v = 1001; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.grad_dtype = DType::kF16; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.kind = LossKind::kLogprob; }));
+  EXPECT_FALSE(without([](WorkspaceShape& t) { t.kind = LossKind::kDistill; }));
 }
 
 // The gradient's scales: alpha times the stored ce (z) scale is the true one, and the stored

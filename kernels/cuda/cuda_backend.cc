@@ -200,10 +200,7 @@ ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
   // The reference-exp path's buffers share the budget with the chunk (the default budget
   // grows by them, so it plans the same chunk rows). Problems whose options it does not cover
   // (a softcap, label smoothing: not in the shape) run the other path in that workspace.
-  const bool ref_exp = ref_exp_ && s.kind == LossKind::kCrossEntropy &&
-                       s.dtype == DType::kBF16 && !s.has_bias && s.db == GradOut::kNone &&
-                       s.h % 8 == 0 && s.v % 8 == 0 &&
-                       (s.grad_dtype == DType::kBF16 || s.grad_dtype == DType::kF32);
+  const bool ref_exp = ref_exp_ && RefExpPlannable(s);
   ChunkPlan plan =
       ref_exp ? PlanRefExpChunks(s.bt, s.h, s.v,
                                  options_.chunk_budget_bytes != 0
