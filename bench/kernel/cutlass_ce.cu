@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cuda/ref_exp_kernels.h"  // ResidentGrid
+
 namespace lossd {
 namespace bench {
 namespace {
@@ -72,15 +74,6 @@ __global__ void FormGradientKernel(uint4* z, int64_t n_vec, int64_t vec_per_row,
   }
 }
 
-// Blocks of 256 threads for `n` items, at most eight a multiprocessor: enough resident
-// threads to keep the memory system busy, and no more (each thread then loops).
-unsigned ResidentGrid(int64_t n) {
-  int sms = 0, dev = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{sms} * 8));
-}
-
 }  // namespace
 
 cudaError_t CombineRowLoss(const float* tile_max, const float* tile_sum, int64_t c,
@@ -100,7 +93,7 @@ cudaError_t FormGradient(void* z, int64_t c, int64_t v, const float* lse,
   if (v % 8 != 0 || reinterpret_cast<uintptr_t>(z) % 16 != 0) return cudaErrorInvalidValue;
   const int64_t n_vec = c * v / 8;
   if (n_vec == 0) return cudaSuccess;
-  const unsigned grid = ResidentGrid(n_vec);
+  const unsigned grid = cuda::ResidentGrid(n_vec);
   FormGradientKernel<<<grid, 256, 0, stream>>>(static_cast<uint4*>(z), n_vec, v / 8, lse,
                                                targets, scale);
   return cudaGetLastError();

@@ -120,15 +120,6 @@ __global__ void ScaleRowsKernel(const In* __restrict__ in, const float* __restri
   }
 }
 
-// Blocks of 256 threads for `n` items, at most eight a multiprocessor: enough resident threads
-// to keep the memory system busy (each thread then loops).
-unsigned ResidentGrid(int64_t n) {
-  int sms = 0, dev = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{std::max(sms, 1)} * 8));
-}
-
 template <typename In>
 cudaError_t ScaleRowsTo(const In* in, const float* factor, int64_t c, int64_t h, void* out,
                         int32_t out_elem, cudaStream_t stream) {
@@ -145,6 +136,14 @@ cudaError_t ScaleRowsTo(const In* in, const float* factor, int64_t c, int64_t h,
 }
 
 }  // namespace
+
+unsigned ResidentGrid(int64_t n) {
+  int sms = 0, dev = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return static_cast<unsigned>(
+      std::clamp<int64_t>((n + 255) / 256, 1, int64_t{std::max(sms, 1)} * 8));
+}
 
 cudaError_t LaunchTargetLogits(const void* x, const void* w, const int32_t* targets, int64_t c,
                                int64_t h, float* zt, cudaStream_t stream) {

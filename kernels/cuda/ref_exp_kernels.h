@@ -60,6 +60,11 @@ struct RefExpCombineParams {
 // finite): the caller must not use such a chunk's E. *bad is not zeroed here.
 cudaError_t LaunchCombineRefExp(const RefExpCombineParams& p, cudaStream_t stream);
 
+// Blocks of 256 threads for `n` items of a memory-bound grid-stride kernel, at most eight a
+// multiprocessor of the current device: enough resident threads to keep the memory system
+// busy, and no more (each thread then loops). At least one block.
+unsigned ResidentGrid(int64_t n);
+
 // out[r, :] = factor[r] in[r, :], rounded once to out's type. in: bf16 or fp32; out: bf16 or
 // fp32 (ElemType codes kElemBF16 / kElemF32).
 cudaError_t LaunchScaleRows(const void* in, int32_t in_elem, const float* factor, int64_t c,
