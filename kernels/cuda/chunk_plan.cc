@@ -36,7 +36,8 @@ int64_t ChunkRows(int64_t bt, uint64_t budget_bytes, uint64_t fixed, uint64_t ro
 
 // RefExpLayoutOf's bytes for one more row, ignoring the padding of ld (the plans' estimate).
 uint64_t RefExpRowBytes(int64_t h, int64_t v) {
-  const uint64_t tiles = static_cast<uint64_t>((std::max<int64_t>(v, 1) + 127) / 128);
+  const uint64_t tiles =
+      static_cast<uint64_t>((std::max<int64_t>(v, 1) + kRefExpTileN - 1) / kRefExpTileN);
   return 3 * 4 * tiles + 3 * 4 + 4 * static_cast<uint64_t>(std::min(kRefExpSample, v)) +
          6 * static_cast<uint64_t>(h);
 }
@@ -65,10 +66,14 @@ ChunkPlan PlanChunks(int64_t bt, int64_t v, DType dtype, uint64_t budget_bytes,
   return plan;
 }
 
+int64_t RefExpLd(int64_t rows) {
+  return (rows + kRefExpTileM - 1) / kRefExpTileM * kRefExpTileM;
+}
+
 RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v) {
   RefExpLayout l;
-  l.ld = (std::max<int64_t>(c, 1) + 127) / 128 * 128;
-  l.n_tiles = (std::max<int64_t>(v, 1) + 127) / 128;
+  l.ld = RefExpLd(std::max<int64_t>(c, 1));
+  l.n_tiles = (std::max<int64_t>(v, 1) + kRefExpTileN - 1) / kRefExpTileN;
   l.n_sample = std::min(kRefExpSample, std::max<int64_t>(v, 1));
   const uint64_t ld = static_cast<uint64_t>(l.ld), rows = static_cast<uint64_t>(c);
   const uint64_t stats = RoundUp(static_cast<uint64_t>(l.n_tiles) * ld * 4, kAlign);
@@ -103,8 +108,9 @@ bool RefExpPlannable(const WorkspaceShape& s) {
 ChunkPlan PlanRefExpChunks(int64_t bt, int64_t h, int64_t v, uint64_t budget_bytes,
                            int64_t requested_rows, uint64_t gemm_workspace_bytes) {
   const uint64_t gws = RoundUp(gemm_workspace_bytes, kAlign);
-  const RefExpLayout none = RefExpLayoutOf(0, h, v);  // the parts that do not grow with rows
-  const uint64_t fixed = 2 * gws + none.bytes + 128 * RefExpRowBytes(h, v);  // + ld's padding
+  const RefExpLayout none = RefExpLayoutOf(0, h, v);
+  // The parts that do not grow with rows, and ld's padding of up to a tile of rows.
+  const uint64_t fixed = 2 * gws + none.bytes + kRefExpTileM * RefExpRowBytes(h, v);
   const uint64_t row_bytes =
       static_cast<uint64_t>(std::max<int64_t>(v, 1)) * 2 + RefExpRowBytes(h, v);
   const int64_t c = ChunkRows(bt, budget_bytes, fixed, row_bytes, requested_rows);
@@ -122,7 +128,7 @@ uint64_t DefaultRefExpBudget(int64_t bt, int64_t h, int64_t v, uint64_t gemm_wor
   const uint64_t rows = static_cast<uint64_t>(std::clamp<int64_t>(bt, 1, kMinDefaultChunkRows));
   const uint64_t logits_budget = DefaultChunkBudget(bt, v, DType::kBF16, gemm_workspace_bytes);
   const RefExpLayout none = RefExpLayoutOf(0, h, v);
-  return logits_budget + none.bytes + (rows + 128) * RefExpRowBytes(h, v);
+  return logits_budget + none.bytes + (rows + kRefExpTileM) * RefExpRowBytes(h, v);
 }
 
 GradScales ComputeGradScales(const LossOptions& o, const TargetSummary& s) {

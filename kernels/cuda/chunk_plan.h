@@ -10,6 +10,7 @@
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/ref_exp_gemm.h"  // the GEMM's CTA tile
 
 namespace lossd {
 namespace cuda {
@@ -108,6 +109,9 @@ inline constexpr int64_t kRefExpSample = 1024;
 // The CUTLASS kernel's workspace (its persistent scheduler needs none today; checked at Enqueue).
 inline constexpr uint64_t kRefExpGemmWorkspaceBytes = 1ull << 20;
 RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v);
+// The statistics' leading dimension for a chunk of `rows` rows: rows rounded up to the GEMM's
+// CTA tile (RefExpGemmArgs::ld).
+int64_t RefExpLd(int64_t rows);
 
 // Whether a problem of this shape is planned for the reference-exp path (where the engine has
 // it): bf16 cross-entropy with no bias (nor its gradient), H and V multiples of 8 (the GEMM's

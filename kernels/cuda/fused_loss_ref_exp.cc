@@ -60,15 +60,14 @@ class FusedLoss::RefExpPass {
   // zs^T (n_sample x rows) = W_sample * X_c^T, fp32 out.
   Spec SampleSpec(int64_t c0, int64_t rows) const {
     const DeviceLossArgs& a = c.a;
-    return Spec{true,  false, l.n_sample, rows, a.h,       w_sample, a.h,    Offset(a.x, c0 * a.h, 2),
-                a.h,   c.ab,  0.0f,       zs,   l.n_sample, CUDA_R_32F, c.gws, 0,
-                nullptr};
+    return Spec{true, false, l.n_sample, rows, a.h, w_sample, a.h, Offset(a.x, c0 * a.h, 2),
+                a.h, c.ab, 0.0f, zs, l.n_sample, CUDA_R_32F, c.gws, 0, nullptr};
   }
   // dX32_c^T (H x rows) = W (H x V col-major) * E'^T (V x rows col-major), fp32 out.
   Spec DxSpec(int64_t rows) const {
     const DeviceLossArgs& a = c.a;
-    return Spec{false, false, a.h, rows, a.v,        a.w,   a.h, c.logits, a.v, c.ab, 0.0f, dx32,
-                a.h,   CUDA_R_32F, c.gws, 0, nullptr};
+    return Spec{false, false, a.h, rows, a.v, a.w, a.h, c.logits, a.v, c.ab, 0.0f, dx32, a.h,
+                CUDA_R_32F, c.gws, 0, nullptr};
   }
   // dW^T (H x V) (+)= (diag(f) X_c)^T (H x rows col-major) * E' (rows x V).
   Spec DwSpec(int64_t c0, int64_t rows) const {
@@ -130,7 +129,7 @@ absl::Status FusedLoss::RefExpForward(RefExpPass& r, int64_t c0, int64_t rows) {
   ChunkPass& c = r.c;
   const DeviceLossArgs& a = c.a;
   const void* x = Offset(a.x, c0 * a.h, 2);
-  const int64_t ld = (rows + kRefExpTileM - 1) / kRefExpTileM * kRefExpTileM;
+  const int64_t ld = RefExpLd(rows);
   LOSSD_RETURN_IF_ERROR(CudaStatus(
       LaunchTargetLogits(x, a.w, a.targets + c0, rows, a.h, r.zt, main_), "LaunchTargetLogits"));
   LOSSD_RETURN_IF_ERROR(RunSpec(main_, c.ws_main, 1.0f, r.SampleSpec(c0, rows), 0));
