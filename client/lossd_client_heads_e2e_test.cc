@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
+#include "client/test_tensors.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -30,16 +31,6 @@ using testing_harness::Harness;
 
 constexpr int64_t kV = 67, kH = 24, kBT = 13;  // nothing a multiple of 8
 constexpr double kLr = 0.05;
-
-HostTensor RandomFloats(DType dtype, std::vector<int64_t> shape, uint32_t seed, float scale) {
-  HostTensor t = HostTensor::Owned(dtype, std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    StoreFromFloat(t.mutable_data(), dtype, i, u(gen));
-  }
-  return t;
-}
 
 // The number of bytes that differ between two tensors, and the first of them.
 std::string Mismatch(const HostTensor& got, const HostTensor& want) {
@@ -68,8 +59,8 @@ class HeadsE2eTest : public ::testing::Test {
   CreateHeadRequest Head(const std::string& name, Optimizer kind, DType master = DType::kF32) {
     CreateHeadRequest r;
     r.name = name;
-    r.w = RandomFloats(master, {kV, kH}, 1, 0.5f);
-    r.bias = RandomFloats(master, {kV}, 2, 0.5f);
+    r.w = UniformTensor(master, {kV, kH}, 1, 0.5f);
+    r.bias = UniformTensor(master, {kV}, 2, 0.5f);
     r.optimizer.kind = kind;
     r.optimizer.lr = kLr;
     r.optimizer.amsgrad = kind == Optimizer::kAdamW;
@@ -79,7 +70,7 @@ class HeadsE2eTest : public ::testing::Test {
   // Micro-batch `seed` of a data-parallel step: averaging over 2 ranks is grad_scale 0.5.
   ComputeRequest MicroBatch(uint32_t seed) {
     ComputeRequest r;
-    r.x = RandomFloats(DType::kBF16, {kBT, kH}, 100 + seed, 2.0f);
+    r.x = UniformTensor(DType::kBF16, {kBT, kH}, 100 + seed, 2.0f);
     r.targets = HostTensor::Owned(DType::kI64, {kBT});
     std::mt19937 gen(200 + seed);
     for (int64_t i = 0; i < kBT; ++i) r.targets.mutable_data_as<int64_t>()[i] = gen() % kV;
@@ -299,7 +290,7 @@ TEST_F(HeadsE2eTest, InfoListSkipDropAndRefusals) {
   EXPECT_EQ(Mismatch(after->tensors.at(HeadTensor::kMasterW), master), "");
 
   ComputeRequest fp32 = OnHead(MicroBatch(1), "h", 1, 0, 0);
-  fp32.x = RandomFloats(DType::kF32, {kBT, kH}, 5, 1.0f);
+  fp32.x = UniformTensor(DType::kF32, {kBT, kH}, 5, 1.0f);
   absl::Status s = client_->Compute(fp32).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("does not fit head 'h'"));

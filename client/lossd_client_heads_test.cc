@@ -5,7 +5,6 @@
 // before sending. The fake's step adds 1 to every master value (fake_heads.h).
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +13,7 @@
 #include "client/fake_loss_service.h"
 #include "client/lossd_client.h"
 #include "client/lossd_client_fixture.h"
+#include "client/test_tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.pb.h"
@@ -24,14 +24,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// The heads' tensors: uniform in [-2, 2).
 HostTensor RandomFloats(DType dtype, std::vector<int64_t> shape, uint32_t seed) {
-  HostTensor t = HostTensor::Owned(dtype, std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    StoreFromFloat(t.mutable_data(), dtype, i, u(gen));
-  }
-  return t;
+  return UniformTensor(dtype, std::move(shape), seed, 2.0f);
 }
 
 std::string Bytes(const HostTensor& t) {

@@ -27,6 +27,7 @@
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "client/test_tensors.h"
 #include "testing/server_harness.h"
 
 namespace lossd {
@@ -35,21 +36,10 @@ namespace client {
 inline constexpr int64_t kPoolV = 53, kPoolH = 20, kPoolBT = 11;  // nothing a multiple of 8
 inline constexpr int kReplicas = 3;
 
-inline HostTensor PoolRandomFloats(DType dtype, std::vector<int64_t> shape, uint32_t seed,
-                                   float scale) {
-  HostTensor t = HostTensor::Owned(dtype, std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    StoreFromFloat(t.mutable_data(), dtype, i, u(gen));
-  }
-  return t;
-}
-
 // A micro-batch: random X and targets (one row ignored); dX wanted, dW not.
 inline ComputeRequest PoolMicroBatch(uint32_t seed) {
   ComputeRequest r;
-  r.x = PoolRandomFloats(DType::kBF16, {kPoolBT, kPoolH}, 1000 + seed, 2.0f);
+  r.x = UniformTensor(DType::kBF16, {kPoolBT, kPoolH}, 1000 + seed, 2.0f);
   r.targets = HostTensor::Owned(DType::kI64, {kPoolBT});
   std::mt19937 gen(2000 + seed);
   for (int64_t i = 0; i < kPoolBT; ++i) r.targets.mutable_data_as<int64_t>()[i] = gen() % kPoolV;
@@ -78,8 +68,8 @@ inline std::string PoolMismatch(const HostTensor* got, const HostTensor* want) {
 inline CreateHeadRequest PoolSgdHead(const std::string& name, uint32_t seed) {
   CreateHeadRequest r;
   r.name = name;
-  r.w = PoolRandomFloats(DType::kF32, {kPoolV, kPoolH}, seed, 0.5f);
-  r.bias = PoolRandomFloats(DType::kF32, {kPoolV}, seed + 1, 0.5f);
+  r.w = UniformTensor(DType::kF32, {kPoolV, kPoolH}, seed, 0.5f);
+  r.bias = UniformTensor(DType::kF32, {kPoolV}, seed + 1, 0.5f);
   r.optimizer.kind = Optimizer::kSgd;
   r.optimizer.lr = 0.05;
   return r;
@@ -95,8 +85,8 @@ struct PoolLogprobGrads {
   }
 };
 inline PoolLogprobGrads PoolLogprobGradientsOf(uint32_t seed) {
-  return {PoolRandomFloats(DType::kF32, {kPoolBT}, 300 + seed, 1.0f),
-          PoolRandomFloats(DType::kF32, {kPoolBT}, 400 + seed, 1.0f)};
+  return {UniformTensor(DType::kF32, {kPoolBT}, 300 + seed, 1.0f),
+          UniformTensor(DType::kF32, {kPoolBT}, 400 + seed, 1.0f)};
 }
 
 class PoolTest : public ::testing::Test {

@@ -40,8 +40,8 @@ class PoolHeadTicketsTest : public PoolTest {
   }
   // The upstream gradients (random, never zeros) and what a head's Compute returns: dX.
   static void WithGradients(ComputeRequest* r) {
-    r->dlogp = PoolRandomFloats(DType::kF32, {kPoolBT}, 300 + kSeed, 1.0f);
-    r->dentropy = PoolRandomFloats(DType::kF32, {kPoolBT}, 400 + kSeed, 1.0f);
+    r->dlogp = UniformTensor(DType::kF32, {kPoolBT}, 300 + kSeed, 1.0f);
+    r->dentropy = UniformTensor(DType::kF32, {kPoolBT}, 400 + kSeed, 1.0f);
     r->want.dx = true;
     r->want.dw = false;
   }

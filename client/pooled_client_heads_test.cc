@@ -22,8 +22,8 @@ constexpr char kHead[] = "lm";
 CreateHeadRequest NewHead() {
   CreateHeadRequest r;
   r.name = kHead;
-  r.w = PoolRandomFloats(DType::kF32, {kPoolV, kPoolH}, 31, 0.5f);
-  r.bias = PoolRandomFloats(DType::kF32, {kPoolV}, 32, 0.5f);
+  r.w = UniformTensor(DType::kF32, {kPoolV, kPoolH}, 31, 0.5f);
+  r.bias = UniformTensor(DType::kF32, {kPoolV}, 32, 0.5f);
   r.optimizer.kind = Optimizer::kSgd;
   r.optimizer.lr = 0.05;
   return r;

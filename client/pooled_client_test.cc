@@ -41,7 +41,7 @@ uint32_t RankHomedOn(const std::vector<std::string>& endpoints, int i) {
 }
 
 TEST_F(PoolTest, EveryKeyGoesToItsRendezvousHome) {
-  const HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 7, 0.5f);
+  const HostTensor w = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 7, 0.5f);
   std::map<std::string, uint64_t> want_calls;
   for (uint32_t rank = 0; rank < 12; ++rank) {  // one trainer (and pool) per rank
     std::unique_ptr<PooledClient> pool = NewPool(rank);
@@ -85,7 +85,7 @@ TEST_F(PoolTest, EveryKeyGoesToItsRendezvousHome) {
 }
 
 TEST_F(PoolTest, AStatelessComputeMovesWhenItsReplicaStopsAndComesBackAfterItsRestart) {
-  const HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 8, 0.5f);
+  const HostTensor w = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 8, 0.5f);
   const uint32_t rank = RankHomedOn(Endpoints(), 1);
   std::unique_ptr<PooledClient> pool = NewPool(rank);
   ComputeRequest r = PoolMicroBatch(3);
@@ -123,8 +123,8 @@ TEST_F(PoolTest, AStatelessComputeMovesWhenItsReplicaStopsAndComesBackAfterItsRe
 }
 
 TEST_F(PoolTest, WeightsMoveWithTheirReplicaAndAreUploadedAgainOnce) {
-  HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
-  HostTensor bias = PoolRandomFloats(DType::kBF16, {kPoolV}, 10, 0.5f);
+  HostTensor w = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
+  HostTensor bias = UniformTensor(DType::kBF16, {kPoolV}, 10, 0.5f);
   absl::StatusOr<PutWeightsResult> put = pool_->PutWeights("w0", w, &bias);
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(put->handle, "w0");
@@ -153,12 +153,12 @@ TEST_F(PoolTest, WeightsMoveWithTheirReplicaAndAreUploadedAgainOnce) {
 }
 
 TEST_F(PoolTest, WeightsOnAReplicaRestartedInPlaceAreUploadedThereAgain) {
-  HostTensor w = PoolRandomFloats(DType::kF32, {kPoolV, kPoolH}, 11, 0.5f);
+  HostTensor w = UniformTensor(DType::kF32, {kPoolV, kPoolH}, 11, 0.5f);
   ASSERT_TRUE(pool_->PutWeights("w1", w, nullptr).ok());
   const int home = IndexOf(Order(WeightsKey("w1"))[0]);
   Restart(home);  // a new instance at the same address: NOT_FOUND for the handle
   ComputeRequest r = PoolMicroBatch(4);
-  r.x = PoolRandomFloats(DType::kF32, {kPoolBT, kPoolH}, 12, 2.0f);
+  r.x = UniformTensor(DType::kF32, {kPoolBT, kPoolH}, 12, 2.0f);
   r.weight_handle = "w1";
   absl::StatusOr<ComputeResult> got = pool_->Compute(r);
   ASSERT_TRUE(got.ok()) << got.status();
@@ -169,7 +169,7 @@ TEST_F(PoolTest, WeightsOnAReplicaRestartedInPlaceAreUploadedThereAgain) {
 }
 
 TEST_F(PoolTest, WeightsChangedInPlaceOrNotKeptAreNeverUploadedAgain) {
-  HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 13, 0.5f);
+  HostTensor w = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 13, 0.5f);
   // Three names homed on one replica, kept three ways.
   std::vector<std::string> names;
   const std::string home = Order(WeightsKey("n0")).front();
@@ -178,7 +178,7 @@ TEST_F(PoolTest, WeightsChangedInPlaceOrNotKeptAreNeverUploadedAgain) {
       names.push_back(absl::StrCat("n", k));
     }
   }
-  HostTensor copy_source = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 13, 0.5f);
+  HostTensor copy_source = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 13, 0.5f);
   ASSERT_TRUE(pool_->PutWeights(names[0], w, nullptr).ok());
   ASSERT_TRUE(pool_->PutWeights(names[1], w, nullptr, WeightsRetention::kNone).ok());
   ASSERT_TRUE(pool_->PutWeights(names[2], copy_source, nullptr, WeightsRetention::kCopy).ok());
@@ -203,7 +203,7 @@ TEST_F(PoolTest, WeightsChangedInPlaceOrNotKeptAreNeverUploadedAgain) {
   r.weight_handle = names[2];  // the pool's own copy: provably the bytes uploaded
   got = pool_->Compute(r);
   ASSERT_TRUE(got.ok()) << got.status();
-  const HostTensor original = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 13, 0.5f);
+  const HostTensor original = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 13, 0.5f);
   ExpectSameResult(*got, Reference(*reference_, r, original), "kCopy");
   EXPECT_EQ(Logged("from the pool's copy"), 1);
 
@@ -222,7 +222,7 @@ TEST_F(PoolTest, UnknownWeightsNameIsNotFound) {
   absl::StatusOr<ComputeResult> got = pool_->Compute(r);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(got.status().message()), HasSubstr("PutWeights('never-put', W)"));
-  HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 1, 0.5f);
+  HostTensor w = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 1, 0.5f);
   EXPECT_EQ(pool_->PutWeights("", w, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(pool_->PutWeights(std::string(129, 'a'), w, nullptr).status().message()),
@@ -261,7 +261,7 @@ class AccumulatorLossTest : public PoolTest, public ::testing::WithParamInterfac
 // of three micro-batches.
 TEST_P(AccumulatorLossTest, IsAnErrorUntilDroppedAndTheRedoneStepMatches) {
   const bool restart = GetParam();
-  const HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 21, 0.5f);
+  const HostTensor w = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 21, 0.5f);
   const std::string acc = "rank0-step1";
   ASSERT_TRUE(pool_->PutWeights("w", w, nullptr).ok());
   const std::vector<std::string> order = Order(AccumulatorKey(acc));
@@ -314,7 +314,7 @@ INSTANTIATE_TEST_SUITE_P(StoppedOrRestarted, AccumulatorLossTest, ::testing::Boo
 // replica: the Compute that finds it gone goes on to the next one, and no step is redone.
 TEST_P(AccumulatorLossTest, AnEmptyOneMovesQuietly) {
   const bool restart = GetParam();
-  const HostTensor w = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 22, 0.5f);
+  const HostTensor w = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 22, 0.5f);
   const std::string reset_acc = "rank0-step2";
   const std::vector<std::string> order = Order(AccumulatorKey(reset_acc));
   // A new accumulator homed on the same replica, of a second trainer whose pool has not

@@ -21,7 +21,7 @@ class PoolTicketsTest : public PoolTest {
  protected:
   void SetUp() override {
     PoolTest::SetUp();
-    w_ = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
+    w_ = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
     absl::StatusOr<PutWeightsResult> put = reference_->PutWeights(w_, nullptr);
     ASSERT_TRUE(put.ok()) << put.status();
     reference_handle_ = put->handle;
@@ -65,8 +65,8 @@ class PoolTicketsTest : public PoolTest {
   }
   // The upstream gradients of micro-batch `seed` (random, never zeros).
   static void WithGradients(uint32_t seed, ComputeRequest* r) {
-    r->dlogp = PoolRandomFloats(DType::kF32, {kPoolBT}, 300 + seed, 1.0f);
-    r->dentropy = PoolRandomFloats(DType::kF32, {kPoolBT}, 400 + seed, 1.0f);
+    r->dlogp = UniformTensor(DType::kF32, {kPoolBT}, 300 + seed, 1.0f);
+    r->dentropy = UniformTensor(DType::kF32, {kPoolBT}, 400 + seed, 1.0f);
     r->want.dx = r->want.dw = true;
   }
   static ComputeRequest Backward(const std::string& ticket, uint32_t seed) {

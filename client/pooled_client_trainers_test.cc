@@ -24,7 +24,7 @@ constexpr uint32_t kMicroBatches = 3;
 
 std::string AccOf(int trainer, int step) { return absl::StrCat("t", trainer, "-s", step); }
 HostTensor WeightsOf(int trainer, int step) {
-  return PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 500 + 10 * trainer + step, 0.5f);
+  return UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 500 + 10 * trainer + step, 0.5f);
 }
 uint32_t SeedOf(int trainer, int step, uint32_t mb) { return 700 + 100 * trainer + 10 * step + mb; }
 

@@ -18,7 +18,7 @@ class TwoPhasePoolTest : public PoolTest {
  protected:
   void SetUp() override {
     PoolTest::SetUp();
-    w_ = PoolRandomFloats(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
+    w_ = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
     absl::StatusOr<PutWeightsResult> put = reference_->PutWeights(w_, nullptr);
     ASSERT_TRUE(put.ok()) << put.status();
     reference_handle_ = put->handle;

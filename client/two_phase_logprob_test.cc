@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
+#include "client/test_tensors.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -33,16 +34,6 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kBT = 13, kH = 10, kV = 29;  // nothing a multiple of 8
 constexpr float kTemperature = 0.7f;
-
-HostTensor Random(DType dtype, std::vector<int64_t> shape, uint32_t seed, float scale) {
-  HostTensor t = HostTensor::Owned(dtype, std::move(shape));
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  for (int64_t i = 0; i < t.num_elements(); ++i) {
-    StoreFromFloat(t.mutable_data(), dtype, i, u(gen));
-  }
-  return t;
-}
 
 HostTensor RandomTargets(uint32_t seed) {
   HostTensor t = HostTensor::Owned(DType::kI64, {kBT});
@@ -65,12 +56,12 @@ std::string Mismatch(const HostTensor* got, const HostTensor* want) {
 struct Batch {
   HostTensor x, w, bias, targets, dlogp, dentropy;
   explicit Batch(uint32_t seed)
-      : x(Random(DType::kBF16, {kBT, kH}, seed, 2.0f)),
-        w(Random(DType::kBF16, {kV, kH}, seed + 1, 0.8f)),
-        bias(Random(DType::kBF16, {kV}, seed + 2, 0.5f)),
+      : x(UniformTensor(DType::kBF16, {kBT, kH}, seed, 2.0f)),
+        w(UniformTensor(DType::kBF16, {kV, kH}, seed + 1, 0.8f)),
+        bias(UniformTensor(DType::kBF16, {kV}, seed + 2, 0.5f)),
         targets(RandomTargets(seed + 3)),
-        dlogp(Random(DType::kF32, {kBT}, seed + 4, 1.0f)),
-        dentropy(Random(DType::kF32, {kBT}, seed + 5, 1.0f)) {}
+        dlogp(UniformTensor(DType::kF32, {kBT}, seed + 4, 1.0f)),
+        dentropy(UniformTensor(DType::kF32, {kBT}, seed + 5, 1.0f)) {}
 
   static HostTensor View(const HostTensor& t) {
     return HostTensor::View(t.dtype(), t.shape(), t.data());
@@ -267,7 +258,7 @@ TEST_F(TwoPhaseLogprobTest, ExpiredTicketFallsBackFromCopiedInputs) {
   ASSERT_TRUE(f.ok()) << f.status();
   ASSERT_FALSE(f->ticket().empty());
   // The caller reuses its buffers before the backward: the copies are what is sent again.
-  const HostTensor other_x = Random(DType::kBF16, {kBT, kH}, 99, 2.0f);
+  const HostTensor other_x = UniformTensor(DType::kBF16, {kBT, kH}, 99, 2.0f);
   const HostTensor other_targets = RandomTargets(98);
   std::memcpy(b.x.mutable_data(), other_x.data(), other_x.num_bytes());
   std::memcpy(b.targets.mutable_data(), other_targets.data(), other_targets.num_bytes());
