@@ -7,28 +7,17 @@ the PyTorch 3-GEMM floor (x w^T, g w, g^T x in bf16) as a cross-check of the C++
 Prints a markdown table; --csv also writes CSV.
 """
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
+from torch_timing import median_ms
 
 SHAPES = "1024x1024x32000,8192x4096x128256,8192x2304x256000,16384x4096x128256,32768x4096x128256"
 
 
 def time_ms(fn, warmup, runs):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    """The median of `runs` CUDA-event timings of fn() in milliseconds, after `warmup` calls."""
+    return median_ms(fn, runs, torch.device("cuda"), warmup=warmup)
 
 
 def main():
