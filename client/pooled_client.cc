@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "client/rendezvous.h"
+#include "client/request_views.h"
 
 namespace lossd {
 namespace client {
@@ -29,55 +30,10 @@ size_t Checksum(const HostTensor& w, const std::optional<HostTensor>& bias) {
       {BytesOf(w), bias ? BytesOf(*bias) : absl::string_view()});
 }
 
-HostTensor ViewOf(const HostTensor& t) {
-  return t.is_view() ? t : HostTensor::View(t.dtype(), t.shape(), t.data());
-}
-
-HostTensor CopyOf(const HostTensor& t) {
-  ByteVector bytes(t.data(), t.data() + t.num_bytes());
-  return HostTensor::FromBytes(t.dtype(), t.shape(), std::move(bytes));
-}
-
-std::optional<HostTensor> ViewOf(const std::optional<HostTensor>& t) {
-  if (!t) return std::nullopt;
-  return ViewOf(*t);
-}
-
-// `r` with views of its tensors (no copies of owned ones) and another weight handle. Every
-// field of ComputeRequest is carried over: one left out here is silently not sent.
+// `r` with views of its tensors (no copies of owned ones) and another weight handle.
 ComputeRequest WithHandle(const ComputeRequest& r, const std::string& handle) {
-  ComputeRequest out;
-  out.x = ViewOf(r.x);
-  out.w = ViewOf(r.w);
+  ComputeRequest out = ViewsOf(r);
   out.weight_handle = handle;
-  out.bias = ViewOf(r.bias);
-  out.targets = ViewOf(r.targets);
-  out.class_weights = ViewOf(r.class_weights);
-  out.grad_output = ViewOf(r.grad_output);
-  out.options = r.options;
-  out.grad_dtype = r.grad_dtype;
-  out.want = r.want;
-  out.accumulator = r.accumulator;
-  out.output_into = r.output_into;
-  out.head = r.head;
-  out.head_version = r.head_version;
-  out.rank = r.rank;
-  out.micro_batch = r.micro_batch;
-  out.overlap = r.overlap;
-  out.kind = r.kind;
-  out.dlogp = ViewOf(r.dlogp);
-  out.dentropy = ViewOf(r.dentropy);
-  out.advantages = ViewOf(r.advantages);
-  out.old_logp = ViewOf(r.old_logp);
-  out.ref_logp = ViewOf(r.ref_logp);
-  out.policy = r.policy;
-  out.teacher_x = ViewOf(r.teacher_x);
-  out.teacher_w = ViewOf(r.teacher_w);
-  out.teacher_bias = ViewOf(r.teacher_bias);
-  out.teacher_weight_handle = r.teacher_weight_handle;
-  out.distill = r.distill;
-  out.keep_ms = r.keep_ms;
-  out.ticket = r.ticket;
   return out;
 }
 

@@ -6,26 +6,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/pooled_client.h"
+#include "client/request_views.h"
 
 namespace lossd {
 namespace client {
 namespace {
 
 constexpr char kFeature[] = "logprob_two_phase";
-
-HostTensor ViewOf(const HostTensor& t) {
-  return HostTensor::View(t.dtype(), t.shape(), t.data());
-}
-
-HostTensor CopyOf(const HostTensor& t) {
-  return HostTensor::FromBytes(t.dtype(), t.shape(),
-                               ByteVector(t.data(), t.data() + t.num_bytes()));
-}
-
-std::optional<HostTensor> ViewOf(const std::optional<HostTensor>& t) {
-  if (!t.has_value()) return std::nullopt;
-  return ViewOf(*t);
-}
 
 bool IsGradient(OutputTensor t) {
   return t == OutputTensor::kDx || t == OutputTensor::kDw || t == OutputTensor::kDb;
@@ -40,29 +27,6 @@ std::map<OutputTensor, OutputBuffer> BuffersOf(const ComputeRequest& call, bool 
     if (IsGradient(t) == gradients) out[t] = buffer;
   }
   return out;
-}
-
-// The call with its tensors as views of `call`'s: every field a logprob call takes, no
-// bytes copied. Forward checks that the other kinds' inputs are absent, so none is dropped.
-ComputeRequest ViewsOf(const ComputeRequest& call) {
-  ComputeRequest r;
-  r.kind = call.kind;
-  r.x = ViewOf(call.x);
-  r.w = ViewOf(call.w);
-  r.weight_handle = call.weight_handle;
-  r.bias = ViewOf(call.bias);
-  r.targets = ViewOf(call.targets);
-  r.options = call.options;
-  r.grad_dtype = call.grad_dtype;
-  r.want = call.want;
-  r.accumulator = call.accumulator;
-  r.output_into = call.output_into;
-  r.head = call.head;
-  r.head_version = call.head_version;
-  r.rank = call.rank;
-  r.micro_batch = call.micro_batch;
-  r.overlap = call.overlap;
-  return r;
 }
 
 // What Forward takes: the one-phase logprob call less what the helper sets.
