@@ -226,6 +226,33 @@ class PoolTest : public ::testing::Test {
   std::unique_ptr<PooledClient> pool_;  // before the servers' end: it calls nothing then
 };
 
+// PoolTest with weights W (bf16, V x H) put on the reference server (reference_handle_), and
+// names for the same W put in a pool on the replica a test wants.
+class PoolWeightsTest : public PoolTest {
+ protected:
+  void SetUp() override {
+    PoolTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    w_ = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
+    absl::StatusOr<PutWeightsResult> put = reference_->PutWeights(w_, nullptr);
+    ASSERT_TRUE(put.ok()) << put.status();
+    reference_handle_ = put->handle;
+  }
+
+  // A weights name whose replica is `i`, put in `pool`.
+  std::string WeightsOn(PooledClient& pool, int i) {
+    for (int n = 0;; ++n) {
+      const std::string name = absl::StrCat("w-", n);
+      if (Order(WeightsKey(name)).front() != Endpoint(i)) continue;
+      EXPECT_TRUE(pool.PutWeights(name, w_, nullptr).ok());
+      return name;
+    }
+  }
+
+  HostTensor w_;
+  std::string reference_handle_;
+};
+
 }  // namespace client
 }  // namespace lossd
 

@@ -17,26 +17,8 @@ using ::testing::HasSubstr;
 
 constexpr float kTemperature = 0.8f;
 
-class PoolTicketsTest : public PoolTest {
+class PoolTicketsTest : public PoolWeightsTest {
  protected:
-  void SetUp() override {
-    PoolTest::SetUp();
-    w_ = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
-    absl::StatusOr<PutWeightsResult> put = reference_->PutWeights(w_, nullptr);
-    ASSERT_TRUE(put.ok()) << put.status();
-    reference_handle_ = put->handle;
-  }
-
-  // A weights name whose replica is `i`, put in `pool`.
-  std::string WeightsOn(PooledClient& pool, int i) {
-    for (int n = 0;; ++n) {
-      const std::string name = absl::StrCat("w-", n);
-      if (Order(WeightsKey(name)).front() != Endpoint(i)) continue;
-      EXPECT_TRUE(pool.PutWeights(name, w_, nullptr).ok());
-      return name;
-    }
-  }
-
   // The forward that keeps: micro-batch `seed` against weights `name` ("" = W inline).
   ComputeRequest Forward(uint32_t seed, const std::string& name, uint32_t keep_ms = 60000) {
     ComputeRequest r = PoolMicroBatch(seed);
@@ -103,9 +85,6 @@ class PoolTicketsTest : public PoolTest {
     for (const auto& [endpoint, calls] : pool.counters().calls) n += calls;
     return n;
   }
-
-  HostTensor w_;
-  std::string reference_handle_;
 };
 
 TEST_F(PoolTicketsTest, EachBackwardGoesToTheReplicaOfItsForward) {

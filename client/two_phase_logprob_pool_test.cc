@@ -14,25 +14,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class TwoPhasePoolTest : public PoolTest {
+class TwoPhasePoolTest : public PoolWeightsTest {
  protected:
-  void SetUp() override {
-    PoolTest::SetUp();
-    w_ = UniformTensor(DType::kBF16, {kPoolV, kPoolH}, 9, 0.5f);
-    absl::StatusOr<PutWeightsResult> put = reference_->PutWeights(w_, nullptr);
-    ASSERT_TRUE(put.ok()) << put.status();
-    reference_handle_ = put->handle;
-  }
-
-  // A weights name whose replica is `i`, put in the pool.
-  std::string WeightsOn(int i) {
-    for (int n = 0;; ++n) {
-      const std::string name = absl::StrCat("w-", n);
-      if (Order(WeightsKey(name)).front() != Endpoint(i)) continue;
-      EXPECT_TRUE(pool_->PutWeights(name, w_, nullptr).ok());
-      return name;
-    }
-  }
   // The first accumulator name whose rendezvous home is not replica 0.
   std::string AccumulatorAwayFrom0() const {
     for (int n = 0;; ++n) {
@@ -69,15 +52,12 @@ class TwoPhasePoolTest : public PoolTest {
       EXPECT_EQ(PoolMismatch(got.Find(t), &tensor), "") << OutputTensorName(t);
     }
   }
-
-  HostTensor w_;
-  std::string reference_handle_;
 };
 
 TEST_F(TwoPhasePoolTest, TheBackwardGoesByTicketToTheForwardsReplica) {
   TwoPhaseLogprob lp(pool_.get());
   for (int i = 0; i < kReplicas; ++i) {
-    const ComputeRequest call = Call(10 + i, WeightsOn(i));
+    const ComputeRequest call = Call(10 + i, WeightsOn(*pool_, i));
     absl::StatusOr<LogprobForward> f = lp.Forward(call);
     ASSERT_TRUE(f.ok()) << f.status();
     ASSERT_FALSE(f->ticket().empty());
@@ -103,7 +83,7 @@ TEST_F(TwoPhasePoolTest, AStoppedReplicasTicketFallsBackWhereTheWeightsMoved) {
   TwoPhaseOptions o;
   o.log = [&logged](const std::string& line) { logged.push_back(line); };
   TwoPhaseLogprob lp(pool_.get(), o);
-  const ComputeRequest call = Call(20, WeightsOn(1));
+  const ComputeRequest call = Call(20, WeightsOn(*pool_, 1));
   absl::StatusOr<LogprobForward> f = lp.Forward(call);
   ASSERT_TRUE(f.ok()) << f.status();
   Stop(1);
@@ -125,7 +105,7 @@ TEST_F(TwoPhasePoolTest, AStoppedReplicasTicketFallsBackWhereTheWeightsMoved) {
 TEST_F(TwoPhasePoolTest, AnAccumulatorOnAnotherReplicaTakesTheOnePhaseCall) {
   TwoPhaseLogprob lp(pool_.get());
   const std::string acc = AccumulatorAwayFrom0();
-  const std::string w0 = WeightsOn(0);
+  const std::string w0 = WeightsOn(*pool_, 0);
   // The accumulator begins at its own home with a first micro-batch.
   ComputeRequest first = Call(30, w0);
   const PoolLogprobGrads g0 = PoolLogprobGradientsOf(30);
