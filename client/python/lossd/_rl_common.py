@@ -5,6 +5,7 @@ import torch
 
 from lossd import errors
 from lossd.nn import LossdRuntime, _to_torch
+from lossd.tensors import check_fits_int64
 
 _RUNTIMES = {}  # server address -> the LossdRuntime the functions use when given none
 
@@ -62,4 +63,13 @@ def _flat(hidden, ids):
             "labels of shape %s do not match hidden states %s" % (
                 tuple(ids.shape), tuple(hidden.shape)), method="rl")
     x2 = hidden.reshape(-1, hidden.shape[-1])
-    return x2, (None if ids is None else ids.reshape(-1).to(torch.int64))
+    return x2, (None if ids is None else _int64(ids, "labels"))
+
+
+def _int64(ids, name):
+    """Token ids flattened, as int64, refusing (by `name`, index and value) unsigned 64-bit
+    ids above 2**63 - 1, which torch's cast would wrap to negatives (2**64 - 100 to -100: an
+    ignored row)."""
+    if ids.dtype == getattr(torch, "uint64", None):
+        check_fits_int64(ids.detach().cpu().numpy(), name)
+    return ids.reshape(-1).to(torch.int64)

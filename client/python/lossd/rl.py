@@ -26,7 +26,7 @@ grad_scale = upstream gradient x the runtime's grad_scale, as lossd.nn's deferre
 import torch
 
 from lossd import errors
-from lossd._rl_common import _fp32, _grad, _grad_dtype, _grad_kw, _once, _runtime
+from lossd._rl_common import _fp32, _grad, _grad_dtype, _grad_kw, _int64, _once, _runtime
 from lossd._rl_logprob import DEFAULT_KEEP_MS, LossdLogprobFunction, logprob_entropy
 from lossd._two_phase import check_keep_ms
 from lossd.nn import LossdRuntime
@@ -308,7 +308,7 @@ class LossdFusedLinearGRPOLoss(_OnServer):
             raise errors.InvalidArgumentError(
                 "advantages must be (B) or (B, S) = (%d, %d), got %s" % (
                     bsz, seq, tuple(adv.shape)), method="rl")
-        ids = selected_token_ids.reshape(-1).to(torch.int64)
+        ids = _int64(selected_token_ids, "selected_token_ids")
         ignore = -100
         targets = torch.where(attention_mask.reshape(-1).bool(), ids, torch.full_like(ids, ignore))
         policy = dict(loss_type=self.loss_type, epsilon_low=self.epsilon_low,
@@ -368,7 +368,7 @@ class LossdFusedLinearJSD(_OnServer):
         x2 = student_input.reshape(-1, student_input.shape[-1])
         # The wire takes the teacher's hidden states in X's dtype (its head must be in it too).
         tx = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(x2.dtype)
-        labels = None if shift_labels is None else shift_labels.reshape(-1).to(torch.int64)
+        labels = None if shift_labels is None else _int64(shift_labels, "shift_labels")
         runtime = _runtime(self.runtime, None)
         fp32 = self.accum_dtype == torch.float32
         opts = dict(kind="distill", temperature=float(self.temperature),

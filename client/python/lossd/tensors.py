@@ -154,6 +154,24 @@ def _torch_to_numpy(t):
     return None, t.numpy()
 
 
+def check_fits_int64(arr, name):
+    """Refuses an unsigned 64-bit array holding a value above 2**63 - 1: cast to int64 it would
+    wrap (2**64 - 100 becomes -100, an ignore_index, and its row would silently not count).
+    InvalidArgumentError (a ValueError) naming `name`, the first such index and its value."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind != "u" or arr.dtype.itemsize < 8 or arr.size == 0:
+        return  # every narrower unsigned value fits
+    over = np.flatnonzero(arr.reshape(-1) > np.uint64(np.iinfo(np.int64).max))
+    if over.size:
+        i = int(over[0])
+        index = np.unravel_index(i, arr.shape) if arr.ndim > 1 else (i,)
+        raise InvalidArgumentError(
+            "%s[%s] = %d does not fit int64 (the wire's targets are int32 or int64; at most "
+            "2**63 - 1): %d value(s) of %s are out of range" % (
+                name, ", ".join(str(int(k)) for k in index), int(arr.reshape(-1)[i]),
+                over.size, arr.dtype))
+
+
 def to_wire(value, name, allowed):
     """Returns (pb dtype, shape tuple, C-contiguous little-endian ndarray) for one input tensor.
 
@@ -171,6 +189,7 @@ def to_wire(value, name, allowed):
     if dt is None:
         if arr.dtype.kind in "iu" and set(allowed) <= set(INT_DTYPES) and arr.dtype not in (
                 np.dtype("int32"), np.dtype("int64")):
+            check_fits_int64(arr, name)
             arr = arr.astype(np.int64)  # any integer array (or list) works as targets
         if arr.dtype == np.uint16 and pb.DTYPE_BF16 in allowed:
             raise InvalidArgumentError(
