@@ -3,6 +3,7 @@
 #include <grpc/support/log.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -95,6 +96,12 @@ void GrpcLogLine(gpr_log_func_args* args) {
 
 }  // namespace
 
+LogValue LogValue::Fixed(double x, int decimals) {
+  LogValue v(absl::StrFormat("%.*f", decimals, x));
+  v.number_ = std::isfinite(x);
+  return v;
+}
+
 absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view s) {
   if (s == "text") return LogFormat::kText;
   if (s == "json") return LogFormat::kJson;
@@ -150,18 +157,24 @@ std::string FormatLogBody(LogFormat format, absl::string_view message, const Log
   // Callers pass the level as the first field "level" (Log does).
   std::string out;
   if (format == LogFormat::kJson) {
-    for (const auto& [k, v] : fields) absl::StrAppend(&out, "\"", k, "\":\"", JsonEscape(v), "\",");
+    for (const auto& [k, v] : fields) {
+      if (v.number()) {
+        absl::StrAppend(&out, "\"", k, "\":", v.text(), ",");
+      } else {
+        absl::StrAppend(&out, "\"", k, "\":\"", JsonEscape(v.text()), "\",");
+      }
+    }
     absl::StrAppend(&out, "\"msg\":\"", JsonEscape(message), "\"");
     return out;
   }
   size_t first = 0;
   if (!fields.empty() && fields[0].first == "level") {
-    absl::StrAppend(&out, fields[0].second, " ");
+    absl::StrAppend(&out, fields[0].second.text(), " ");
     first = 1;
   }
   absl::StrAppend(&out, "lossd: ", JsonEscape(message));
   for (size_t i = first; i < fields.size(); ++i) {
-    absl::StrAppend(&out, " ", fields[i].first, "=", TextValue(fields[i].second));
+    absl::StrAppend(&out, " ", fields[i].first, "=", TextValue(fields[i].second.text()));
   }
   return out;
 }
@@ -175,43 +188,75 @@ void Log(LogLevel level, absl::string_view message, const LogFields& fields) {
   s->logger->log(SpdLevel(level), "{}", FormatLogBody(s->format, message, all));
 }
 
-int64_t LogRateLimiter::Admit(const std::string& key, absl::Time now) {
+int64_t LogRateLimiter::Admit(const std::string& key, absl::Time now,
+                              const std::string& overflow) {
   absl::MutexLock lock(&mu_);
-  Window& w = windows_[key];
-  if (now - w.start >= absl::Seconds(1)) {
-    w.start = now;
-    w.admitted = 0;
+  auto it = windows_.find(key);
+  if (it == windows_.end() && windows_.size() >= max_keys_) SweepLocked(now);
+  Window* w = nullptr;
+  if (it != windows_.end()) {
+    w = &it->second;
+  } else if (windows_.size() < max_keys_) {
+    w = &windows_[key];
+  } else {
+    w = &overflow_[overflow.empty() ? key : overflow];
   }
-  if (w.admitted >= per_second_) {
-    ++w.refused;
+  if (now - w->start >= absl::Seconds(1)) {
+    w->start = now;
+    w->admitted = 0;
+  }
+  if (w->admitted >= per_second_) {
+    ++w->refused;
     return -1;
   }
-  ++w.admitted;
-  const int64_t refused = w.refused;
-  w.refused = 0;
+  ++w->admitted;
+  const int64_t refused = w->refused;
+  w->refused = 0;
   return refused;
+}
+
+void LogRateLimiter::SweepLocked(absl::Time now) {
+  if (now - last_sweep_ < absl::Seconds(1)) return;
+  last_sweep_ = now;
+  for (auto it = windows_.begin(); it != windows_.end();) {
+    const Window& w = it->second;
+    if (w.refused == 0 && now - w.start >= absl::Seconds(1)) {
+      windows_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
 }
 
 std::vector<std::pair<std::string, int64_t>> LogRateLimiter::TakeRefused() {
   std::vector<std::pair<std::string, int64_t>> out;
   absl::MutexLock lock(&mu_);
-  for (auto& [key, w] : windows_) {
-    if (w.refused == 0) continue;
-    out.emplace_back(key, w.refused);
-    w.refused = 0;
+  for (auto* table : {&windows_, &overflow_}) {
+    for (auto& [key, w] : *table) {
+      if (w.refused == 0) continue;
+      out.emplace_back(key, w.refused);
+      w.refused = 0;
+    }
   }
   std::sort(out.begin(), out.end());
   return out;
 }
 
+size_t LogRateLimiter::keys() {
+  absl::MutexLock lock(&mu_);
+  return windows_.size() + overflow_.size();
+}
+
 void LogSuppressedCalls() {
   std::shared_ptr<LogState> s = CurrentState();
   for (const auto& [key, n] : s->limiter->TakeRefused()) {
-    const std::vector<std::string> method_code = absl::StrSplit(key, ' ');
+    // LogCall's keys: "method code caller"; neither method nor code has a space.
+    const std::vector<std::string> parts = absl::StrSplit(key, absl::MaxSplits(' ', 2));
     Log(LogLevel::kWarning, "calls failed, lines suppressed",
-        {{"method", method_code[0]},
-         {"code", method_code.size() > 1 ? method_code[1] : ""},
-         {"suppressed", absl::StrCat(n)}});
+        {{"method", parts[0]},
+         {"code", parts.size() > 1 ? parts[1] : ""},
+         {"caller", parts.size() > 2 ? parts[2] : ""},
+         {"suppressed", n}});
   }
 }
 
@@ -219,16 +264,20 @@ void LogCall(const CallRecord& call) {
   std::shared_ptr<LogState> s = CurrentState();
   const std::string peer = LogClipped(call.peer, kMaxPeerBytes);
   if (call.code != "OK") {
-    // One line per (method, code) and window: a client retrying a refused call in a loop
-    // must not fill the disk, yet the operator learns how many were left out.
-    const int64_t suppressed =
-        s->limiter->Admit(absl::StrCat(call.method, " ", call.code), absl::Now());
+    // One line per (method, code, caller) and window: a client retrying a refused call in a
+    // loop must not fill the disk, nor hide another client's refusal, yet the operator
+    // learns how many were left out. Callers past the limiter's table share one window per
+    // method and code ("*").
+    const std::string method_code = absl::StrCat(call.method, " ", call.code, " ");
+    const int64_t suppressed = s->limiter->Admit(
+        absl::StrCat(method_code, LogClipped(call.caller, kMaxPeerBytes)), absl::Now(),
+        absl::StrCat(method_code, "*"));
     if (suppressed >= 0) {
       LogFields f = {{"method", std::string(call.method)},
                      {"peer", peer},
                      {"code", std::string(call.code)},
                      {"message", LogClipped(call.message, kMaxStatusMessageBytes)}};
-      if (suppressed > 0) f.emplace_back("suppressed", absl::StrCat(suppressed));
+      if (suppressed > 0) f.emplace_back("suppressed", suppressed);
       Log(LogLevel::kWarning, "call failed", f);
     }
   }
@@ -237,9 +286,9 @@ void LogCall(const CallRecord& call) {
         {{"method", std::string(call.method)},
          {"peer", peer},
          {"code", std::string(call.code)},
-         {"latency_ms", absl::StrFormat("%.3f", absl::ToDoubleMilliseconds(call.latency))},
-         {"bytes_in", absl::StrCat(call.bytes_in)},
-         {"bytes_out", absl::StrCat(call.bytes_out)}});
+         {"latency_ms", LogValue::Fixed(absl::ToDoubleMilliseconds(call.latency), 3)},
+         {"bytes_in", call.bytes_in},
+         {"bytes_out", call.bytes_out}});
   }
 }
 

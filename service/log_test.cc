@@ -3,10 +3,12 @@
 #include <grpc/grpc.h>
 #include <grpc/support/log.h>
 
+#include <cmath>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -35,6 +37,7 @@ CallRecord Refused(absl::string_view method, absl::string_view message) {
   CallRecord c;
   c.method = method;
   c.peer = "ipv4:127.0.0.1:40000";
+  c.caller = "ipv4:127.0.0.1";
   c.code = "INVALID_ARGUMENT";
   c.message = message;
   c.latency = absl::Milliseconds(3);
@@ -122,7 +125,8 @@ TEST_F(LogTest, BurstIsRateLimitedAndSummarised) {
   lines = Lines();
   ASSERT_EQ(lines.size(), 8u) << out_.str();  // 2 more admitted, then the summary
   EXPECT_THAT(lines[7], HasSubstr(" WARNING lossd: calls failed, lines suppressed "
-                                  "method=Compute code=INVALID_ARGUMENT suppressed=8"));
+                                  "method=Compute code=INVALID_ARGUMENT caller=ipv4:127.0.0.1 "
+                                  "suppressed=8"));
   LogSuppressedCalls();  // reported once
   EXPECT_EQ(Lines().size(), 8u);
 }
@@ -151,6 +155,84 @@ TEST_F(LogTest, AccessLineHasLatencyAndBytes) {
   ASSERT_EQ(lines.size(), 1u) << out_.str();
   EXPECT_THAT(lines[0], HasSubstr(" INFO lossd: call method=PutWeights peer=ipv4:127.0.0.1:40000 "
                                   "code=OK latency_ms=2.500 bytes_in=4096 bytes_out=7"));
+}
+
+TEST_F(LogTest, JsonNumbersAreJsonNumbersAndTextStaysText) {
+  Init({.format = LogFormat::kJson, .access_log = true});
+  CallRecord c = Refused("PutWeights", "");
+  c.code = "OK";
+  c.latency = absl::Microseconds(2500);
+  c.bytes_in = 4096;
+  c.bytes_out = 7;
+  LogCall(c);
+  // A name a client chose that looks like a number stays a string.
+  Log(LogLevel::kInfo, "exported head", {{"head", "123"}, {"count", int64_t{-5}}});
+  auto lines = Lines();
+  ASSERT_EQ(lines.size(), 2u) << out_.str();
+  EXPECT_THAT(lines[0], HasSubstr("\"code\":\"OK\",\"latency_ms\":2.500,\"bytes_in\":4096,"
+                                  "\"bytes_out\":7,\"msg\":\"call\"}"));
+  EXPECT_THAT(lines[1], HasSubstr("\"head\":\"123\",\"count\":-5,"));
+}
+
+TEST(LogValueTest, FixedIsANumberUnlessNotFinite) {
+  EXPECT_TRUE(LogValue::Fixed(1.25, 1).number());
+  EXPECT_EQ(LogValue::Fixed(1.25, 1).text(), "1.2");
+  EXPECT_FALSE(LogValue::Fixed(std::nan(""), 3).number());
+  EXPECT_FALSE(LogValue::Fixed(INFINITY, 3).number());
+  EXPECT_FALSE(LogValue("42").number());
+  EXPECT_TRUE(LogValue(uint64_t{42}).number());
+}
+
+TEST_F(LogTest, JsonSuppressedCountIsANumber) {
+  Init({.format = LogFormat::kJson, .warnings_per_second = 1});
+  for (int i = 0; i < 3; ++i) LogCall(Refused("Compute", "bad"));
+  LogSuppressedCalls();
+  auto lines = Lines();
+  ASSERT_EQ(lines.size(), 2u) << out_.str();
+  EXPECT_THAT(lines[1], HasSubstr("\"caller\":\"ipv4:127.0.0.1\",\"suppressed\":2,"));
+}
+
+// One client's flood of refusals must not hide another's: the limit is per caller too.
+TEST_F(LogTest, OneCallersFloodDoesNotHideAnothersRefusal) {
+  Init({.warnings_per_second = 3});
+  for (int i = 0; i < 50; ++i) {
+    CallRecord c = Refused("Compute", "flood");
+    c.caller = "token:1";
+    LogCall(c);
+  }
+  CallRecord other = Refused("Compute", "the other client's");
+  other.peer = "ipv4:10.0.0.9:5000";
+  other.caller = "ipv4:10.0.0.9";
+  LogCall(other);
+  auto lines = Lines();
+  ASSERT_EQ(lines.size(), 4u) << out_.str();
+  EXPECT_THAT(lines[3], HasSubstr("peer=ipv4:10.0.0.9:5000 code=INVALID_ARGUMENT "
+                                  "message=\"the other client's\""));
+  LogSuppressedCalls();
+  lines = Lines();
+  ASSERT_EQ(lines.size(), 5u) << out_.str();
+  EXPECT_THAT(lines[4], HasSubstr("method=Compute code=INVALID_ARGUMENT caller=token:1 "
+                                  "suppressed=47"));
+}
+
+// However many callers come, the table stays bounded: past it, they share one window.
+TEST(LogRateLimiterTest, TheTableIsBoundedAndOverflowSharesAWindow) {
+  LogRateLimiter limiter(1, /*max_keys=*/4);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(limiter.Admit(absl::StrCat("c", i), t0, "*"), 0);
+  EXPECT_EQ(limiter.Admit("c4", t0, "*"), 0);   // the overflow window's one line
+  EXPECT_EQ(limiter.Admit("c5", t0, "*"), -1);  // shares it
+  for (int i = 6; i < 1000; ++i) limiter.Admit(absl::StrCat("c", i), t0, "*");
+  EXPECT_EQ(limiter.keys(), 5u);
+  EXPECT_EQ(limiter.Admit("c0", t0, "*"), -1);  // a caller in the table keeps its window
+  // A second later the windows that owe nothing make room; c0 (one refusal owed) stays.
+  const absl::Time t1 = t0 + absl::Seconds(1);
+  EXPECT_EQ(limiter.Admit("new", t1, "*"), 0);
+  EXPECT_EQ(limiter.keys(), 3u);  // c0, new and the overflow key
+  EXPECT_EQ(limiter.Admit("c0", t1, "*"), 1);
+  auto refused = limiter.TakeRefused();
+  ASSERT_EQ(refused.size(), 1u);
+  EXPECT_EQ(refused[0], std::make_pair(std::string("*"), int64_t{995}));
 }
 
 TEST_F(LogTest, GrpcLinesAreRouted) {

@@ -456,15 +456,15 @@ void AnnounceStarted(const LossServer& server, const prometheus::Exposer* expose
        {"backend", info.name},
        {"device", info.device},
        {"instance", instance},
-       {"port", absl::StrCat(server.port())},
-       {"metrics_port", absl::StrCat(metrics_port)},
-       {"health_port", absl::StrCat(server.health_port())},
-       {"memory_budget_bytes", absl::StrCat(b.memory_budget_bytes)},
-       {"host_buffer_pool_bytes", absl::StrCat(b.host_buffer_pool_bytes)},
-       {"weight_cache_bytes", absl::StrCat(b.weight_cache_bytes)},
-       {"accumulator_bytes", absl::StrCat(b.accumulator_bytes)},
-       {"head_bytes", absl::StrCat(b.head_bytes)},
-       {"ticket_bytes", absl::StrCat(b.ticket_bytes)},
+       {"port", server.port()},
+       {"metrics_port", metrics_port},
+       {"health_port", server.health_port()},
+       {"memory_budget_bytes", b.memory_budget_bytes},
+       {"host_buffer_pool_bytes", b.host_buffer_pool_bytes},
+       {"weight_cache_bytes", b.weight_cache_bytes},
+       {"accumulator_bytes", b.accumulator_bytes},
+       {"head_bytes", b.head_bytes},
+       {"ticket_bytes", b.ticket_bytes},
        {"flags", NonDefaultFlags()}});
 }
 
@@ -523,9 +523,9 @@ int Main() {
     const HeadFilesReport r = ImportHeadsFromDir(engine, dir);
     Log(r.failed == 0 ? LogLevel::kInfo : LogLevel::kError, "heads imported",
         {{"dir", dir},
-         {"imported", absl::StrCat(r.done)},
-         {"failed", absl::StrCat(r.failed)},
-         {"unfinished_removed", absl::StrCat(r.removed)}});
+         {"imported", r.done},
+         {"failed", r.failed},
+         {"unfinished_removed", r.removed}});
   }
 
   ServerMetrics metrics([&engine] { return SampleState(engine); });

@@ -1,5 +1,7 @@
 #include "service/reactor_common.h"
 
+#include <string>
+
 #include "service/log.h"
 #include "service/status_util.h"
 
@@ -7,6 +9,18 @@ namespace lossd {
 namespace {
 
 void ReleaseOutputs(void* hold) { delete static_cast<SharedOutputs*>(hold); }
+
+// Whom the refusal log's limit counts a failed call against: its principal where the server
+// knows one (a valid token, a verified certificate), else its host (the peer without the
+// port, so that one client's many connections are one caller).
+std::string LogCaller(LossService* service, const grpc::CallbackServerContext& ctx) {
+  std::string principal = service->Principal(&ctx);
+  if (!principal.empty() && principal != "token:none") return principal;
+  std::string peer = ctx.peer();
+  const size_t colon = peer.rfind(':');
+  if (colon != std::string::npos && colon > peer.find(':')) peer.resize(colon);
+  return peer;
+}
 
 }  // namespace
 
@@ -23,7 +37,8 @@ grpc::Status RecordCall(LossService* service, const grpc::CallbackServerContext&
   ServerMetrics* m = service->metrics();
   m->CountRequest(method, GrpcCodeName(g.error_code()));
   m->ObservePhase(method, "total", SecondsSince(started));
-  LogCall({method, ctx.peer(), GrpcCodeName(g.error_code()), g.error_message(),
+  const std::string caller = g.ok() ? std::string() : LogCaller(service, ctx);
+  LogCall({method, ctx.peer(), caller, GrpcCodeName(g.error_code()), g.error_message(),
            absl::Now() - started, bytes_in, bytes_out});
   return g;
 }
