@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -15,6 +16,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -123,37 +126,7 @@ ABSL_FLAG(uint64_t, head_version, 0,
           "compute, head step: the head's version computed against; head create: its version "
           "(steps done) to start at");
 ABSL_FLAG(uint32_t, rank, 0, "compute --head, head step: this trainer's data-parallel rank");
-ABSL_FLAG(uint32_t, world_size, 1, "head step: the ranks of the step's barrier");
 ABSL_FLAG(uint64_t, micro_batch, 0, "compute --head: the micro-batch (with --rank: the retry key)");
-ABSL_FLAG(std::string, optimizer, "adamw", "head create: adamw|sgd (torch.optim's)");
-ABSL_FLAG(std::optional<double>, lr, std::nullopt,
-          "head create: the learning rate (default 1e-3); head step: this step's (default the "
-          "head's)");
-ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
-          "head create: W's weight decay (default torch's: adamw 0.01, sgd 0)");
-ABSL_FLAG(double, bias_weight_decay, 0, "head create: the bias's weight decay");
-ABSL_FLAG(double, momentum, 0, "head create: sgd momentum");
-ABSL_FLAG(double, dampening, 0, "head create: sgd dampening");
-ABSL_FLAG(bool, nesterov, false, "head create: sgd nesterov");
-ABSL_FLAG(double, beta1, 0.9, "head create: adamw beta1");
-ABSL_FLAG(double, beta2, 0.999, "head create: adamw beta2");
-ABSL_FLAG(double, eps, 1e-8, "head create: adamw eps");
-ABSL_FLAG(bool, amsgrad, false, "head create: adamw amsgrad");
-ABSL_FLAG(std::string, compute_dtype, "bf16", "head create: the compute copy's dtype (X's)");
-ABSL_FLAG(std::string, state_dir, "",
-          "head create: a folder of the optimizer's state as .npy (exp_avg_w.npy, ... as head "
-          "export names them), fp32");
-ABSL_FLAG(int64_t, optimizer_step, 0,
-          "head create: updates applied so far (torch's AdamW `step`; sgd: > 0 once the "
-          "momentum buffer holds a value)");
-ABSL_FLAG(std::string, phase, "full", "head step: full|reduce|apply");
-ABSL_FLAG(std::optional<double>, clip_coef, std::nullopt,
-          "head step: multiply the gradient by this (the trainer's clipping)");
-ABSL_FLAG(std::optional<double>, max_norm, std::nullopt,
-          "head step: clip by the head's own gradient norm");
-ABSL_FLAG(bool, skip, false, "head step: drop the step's gradients, W unchanged");
-ABSL_FLAG(int64_t, range_bytes, 256 << 20, "head export: bytes per range stream");
-ABSL_FLAG(std::string, in_dir, "", "head import: a folder head export wrote");
 
 namespace lossd {
 namespace client {
@@ -262,6 +235,7 @@ void PrintResult(const ComputeResult& res, CommandOutput& out) {
               absl::StrCat("nonfinite   ", absl::StrJoin(names, " "),
                            " (NaN or Inf; an accumulator's sum now refuses use until reset)"));
   }
+  out.Table("outputs");
   for (const auto& [id, t] : res.outputs) {
     out.Row("outputs",
             {{"name", std::string(OutputTensorName(id))}, {"tensor", t.DebugString()}},
@@ -281,14 +255,14 @@ absl::Status RunCompute(CommandOutput& out) {
   if (dir.empty()) return absl::OkStatus();
   LOSSD_RETURN_IF_ERROR(MakeDir(dir));
   for (const auto& [id, t] : res.outputs) {
-    LOSSD_RETURN_IF_ERROR(WriteOutput(dir, OutputTensorName(id), t));
+    LOSSD_RETURN_IF_ERROR(WriteOutput(dir, OutputTensorName(id), t, out));
   }
   // The scalars too, so a script can compare them without parsing stdout.
   HostTensor scalars = HostTensor::Owned(DType::kF32, {3});
   scalars.mutable_data_as<float>()[0] = res.loss;
   scalars.mutable_data_as<float>()[1] = res.z_loss;
   scalars.mutable_data_as<float>()[2] = res.accuracy;
-  return WriteOutput(dir, "scalars_loss_zloss_accuracy", scalars);
+  return WriteOutput(dir, "scalars_loss_zloss_accuracy", scalars, out);
 }
 
 double Percentile(std::vector<double> v, double p) {
@@ -383,7 +357,7 @@ absl::Status RunBench(CommandOutput& out) {
   int64_t v = 0;
   LOSSD_ASSIGN_OR_RETURN(auto req, RequestFromFlags(&v));
   const int64_t calls = absl::GetFlag(FLAGS_calls);
-  const int concurrency = std::max(1, absl::GetFlag(FLAGS_concurrency));
+  const int concurrency = absl::GetFlag(FLAGS_concurrency);  // >= 1: CheckFlagRanges
   std::string dropped_handle;
   if (absl::GetFlag(FLAGS_put_weights)) {
     if (!req.w.has_value()) return absl::InvalidArgumentError("--put_weights needs weights");
@@ -480,8 +454,8 @@ absl::Status RunFetchGradients(CommandOutput& out) {
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::OkStatus();
   LOSSD_RETURN_IF_ERROR(MakeDir(dir));
-  LOSSD_RETURN_IF_ERROR(WriteOutput(dir, "dw", g.dw));
-  if (g.db.has_value()) LOSSD_RETURN_IF_ERROR(WriteOutput(dir, "db", *g.db));
+  LOSSD_RETURN_IF_ERROR(WriteOutput(dir, "dw", g.dw, out));
+  if (g.db.has_value()) LOSSD_RETURN_IF_ERROR(WriteOutput(dir, "db", *g.db, out));
   return absl::OkStatus();
 }
 
@@ -504,6 +478,7 @@ absl::Status RunList(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   LOSSD_ASSIGN_OR_RETURN(auto entries, client->List());
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  out.Table("state");
   if (!out.json()) {
     absl::PrintF("%-11s %-40s %14s %10s %s\n", "kind", "name", "bytes", "idle_s",
                  "micro_batches");
@@ -557,7 +532,15 @@ int main(int argc, char** argv) {
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  // Parsed with the usage flags handled here: absl exits 1 after --help, and printing the help
+  // that was asked for is a success.
+  std::vector<char*> args = absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+      absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) {
+    return 0;
+  }
   const bool head = args.size() >= 2 && std::string(args[1]) == "head";
   if (args.size() != (head ? 3u : 2u)) {
     std::fprintf(stderr, "%s\n", kUsage);
@@ -585,7 +568,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   CommandOutput out(command, absl::GetFlag(FLAGS_json));
-  const absl::Status status = head ? RunHead(args[2], out) : it->second(out);
+  absl::Status status = CheckFlagRanges();
+  if (status.ok()) status = head ? RunHead(args[2], out) : it->second(out);
   out.Finish(status);
   if (!status.ok()) {
     std::fprintf(stderr, "lossctl %s: %s: %s\n", command.c_str(),

@@ -19,6 +19,39 @@
 #include "client/npy.h"
 #include "core/status_macros.h"
 
+// The head commands' own flags (--head, --head_version, --rank and --micro_batch are in
+// lossctl.cc: compute --head reads them too).
+ABSL_FLAG(uint32_t, world_size, 1, "head step: the ranks of the step's barrier");
+ABSL_FLAG(std::string, optimizer, "adamw", "head create: adamw|sgd (torch.optim's)");
+ABSL_FLAG(std::optional<double>, lr, std::nullopt,
+          "head create: the learning rate (default 1e-3); head step: this step's (default the "
+          "head's)");
+ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
+          "head create: W's weight decay (default torch's: adamw 0.01, sgd 0)");
+ABSL_FLAG(double, bias_weight_decay, 0, "head create: the bias's weight decay");
+ABSL_FLAG(double, momentum, 0, "head create: sgd momentum");
+ABSL_FLAG(double, dampening, 0, "head create: sgd dampening");
+ABSL_FLAG(bool, nesterov, false, "head create: sgd nesterov");
+ABSL_FLAG(double, beta1, 0.9, "head create: adamw beta1");
+ABSL_FLAG(double, beta2, 0.999, "head create: adamw beta2");
+ABSL_FLAG(double, eps, 1e-8, "head create: adamw eps");
+ABSL_FLAG(bool, amsgrad, false, "head create: adamw amsgrad");
+ABSL_FLAG(std::string, compute_dtype, "bf16", "head create: the compute copy's dtype (X's)");
+ABSL_FLAG(std::string, state_dir, "",
+          "head create: a folder of the optimizer's state as .npy (exp_avg_w.npy, ... as head "
+          "export names them), fp32");
+ABSL_FLAG(int64_t, optimizer_step, 0,
+          "head create: updates applied so far (torch's AdamW `step`; sgd: > 0 once the "
+          "momentum buffer holds a value)");
+ABSL_FLAG(std::string, phase, "full", "head step: full|reduce|apply");
+ABSL_FLAG(std::optional<double>, clip_coef, std::nullopt,
+          "head step: multiply the gradient by this (the trainer's clipping)");
+ABSL_FLAG(std::optional<double>, max_norm, std::nullopt,
+          "head step: clip by the head's own gradient norm");
+ABSL_FLAG(bool, skip, false, "head step: drop the step's gradients, W unchanged");
+ABSL_FLAG(int64_t, range_bytes, 256 << 20, "head export: bytes per range stream");
+ABSL_FLAG(std::string, in_dir, "", "head import: a folder head export wrote");
+
 namespace lossd {
 namespace client {
 namespace {
@@ -203,12 +236,8 @@ absl::Status RunExportCommand(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(std::string head, HeadFlag("export"));
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
   if (dir.empty()) return absl::InvalidArgumentError("head export needs --out_dir");
-  if (absl::GetFlag(FLAGS_range_bytes) <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--range_bytes must be > 0, got ",
-                                                   absl::GetFlag(FLAGS_range_bytes)));
-  }
   ExportHeadOptions o;
-  o.range_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_range_bytes));
+  o.range_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_range_bytes));  // > 0: main checks
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   NpyFolderSink files(dir);
   const absl::Time t0 = absl::Now();
@@ -287,6 +316,7 @@ absl::Status RunList(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   LOSSD_ASSIGN_OR_RETURN(auto entries, client->List());
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  out.Table("heads");
   if (!out.json()) {
     absl::PrintF("%-40s %10s %14s %10s %s\n", "head", "version", "bytes", "idle_s",
                  "contributions");

@@ -1,8 +1,9 @@
 // lossctl's hosted-head commands: `lossctl head create|step|export|import|info|list|drop`,
 // and what `compute --head` needs (the head's shape and dtype for random data). An export
 // is a folder: one .npy per tensor, written as the ranges arrive, and head.txt (the header,
-// "key value" lines), written last; import reads it back. Reads the flags lossctl.cc
-// defines (declared below); never changes what the server computes.
+// "key value" lines), written last; import reads it back. Defines the head commands' flags
+// and reads those lossctl.cc defines (all declared below); never changes what the server
+// computes.
 #ifndef LOSSD_CLIENT_LOSSCTL_HEADS_H_
 #define LOSSD_CLIENT_LOSSCTL_HEADS_H_
 

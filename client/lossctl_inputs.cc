@@ -64,9 +64,6 @@ absl::StatusOr<ClientOptions> OptionsFromFlags() {
   o.target = absl::GetFlag(FLAGS_target);
   const double deadline = absl::GetFlag(FLAGS_deadline_seconds);
   o.deadline = deadline > 0 ? absl::Seconds(deadline) : absl::InfiniteDuration();
-  if (absl::GetFlag(FLAGS_part_bytes) <= 0) {
-    return absl::InvalidArgumentError("--part_bytes must be > 0");
-  }
   o.part_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_part_bytes));
   o.response_part_bytes = static_cast<uint32_t>(absl::GetFlag(FLAGS_response_part_bytes));
   // Room for the largest part either way.
@@ -278,6 +275,13 @@ absl::Status XAndTargetsFromFlags(int64_t v, ComputeRequest* r_out) {
     LOSSD_ASSIGN_OR_RETURN(auto t, ReadNpy(absl::GetFlag(FLAGS_targets)));
     r.targets = std::move(t);
   } else {
+    if (!absl::GetFlag(FLAGS_x).empty()) {
+      // Random targets for real hidden states would give a loss that means nothing.
+      return absl::InvalidArgumentError(absl::StrCat(
+          absl::GetFlag(FLAGS_w).empty() ? "--x is a file" : "--x and --w are files",
+          " but --targets is not given: give --targets (a .npy of the (BT) target ids); "
+          "random targets go only with random X (--bt)"));
+    }
     if (v <= 0) {
       return absl::InvalidArgumentError(
           "random targets need the vocabulary size: give --targets or --v");
@@ -303,6 +307,49 @@ absl::Status HeadFromFlags(ComputeRequest* r) {
 }
 
 }  // namespace
+
+absl::Status CheckFlagRanges() {
+  struct Range {
+    const char* flag;
+    std::string value;  // as given
+    bool ok;
+    const char* range;
+  };
+  auto at_least = [](const char* flag, int64_t v, int64_t lo, const char* range) {
+    return Range{flag, absl::StrCat(v), v >= lo, range};
+  };
+  const double deadline = absl::GetFlag(FLAGS_deadline_seconds);
+  const double ignore = absl::GetFlag(FLAGS_ignore_fraction);
+  const int64_t response_part = absl::GetFlag(FLAGS_response_part_bytes);
+  const Range ranges[] = {
+      {"--deadline_seconds", absl::StrCat(deadline), deadline >= 0 && std::isfinite(deadline),
+       "finite and >= 0 (0 = none)"},
+      at_least("--part_bytes", absl::GetFlag(FLAGS_part_bytes), 1, "> 0"),
+      // The wire field is 32 bits: a larger value would wrap into another.
+      {"--response_part_bytes", absl::StrCat(response_part),
+       response_part == 0 || (response_part >= 1024 && response_part <= UINT32_MAX),
+       "0 (the server's default) or in [1024, 4294967295]"},
+      at_least("--connections", absl::GetFlag(FLAGS_connections), 1, ">= 1"),
+      at_least("--stripes", absl::GetFlag(FLAGS_stripes), 0, ">= 0 (0 = automatic)"),
+      at_least("--bt", absl::GetFlag(FLAGS_bt), 0, ">= 0"),
+      at_least("--h", absl::GetFlag(FLAGS_h), 0, ">= 0"),
+      at_least("--v", absl::GetFlag(FLAGS_v), 0, ">= 0"),
+      at_least("--teacher_h", absl::GetFlag(FLAGS_teacher_h), 0, ">= 0"),
+      // A fraction of the random targets: outside [0, 1] it would silently mean all or none.
+      {"--ignore_fraction", absl::StrCat(ignore), ignore >= 0 && ignore <= 1, "in [0, 1]"},
+      at_least("--calls", absl::GetFlag(FLAGS_calls), 1, ">= 1"),
+      at_least("--concurrency", absl::GetFlag(FLAGS_concurrency), 1, ">= 1"),
+      at_least("--warmup", absl::GetFlag(FLAGS_warmup), 0, ">= 0"),
+      at_least("--range_bytes", absl::GetFlag(FLAGS_range_bytes), 1, "> 0"),
+  };
+  for (const Range& r : ranges) {
+    if (!r.ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(r.flag, " must be ", r.range, ", got ", r.value));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckHeadComputeFlags() {
   if (!absl::GetFlag(FLAGS_weight_handle).empty() || !absl::GetFlag(FLAGS_w).empty() ||
@@ -416,10 +463,12 @@ absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>
 
 std::string Gb(double bytes) { return absl::StrFormat("%.3f GB", bytes / 1e9); }
 
-absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t) {
+absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t,
+                         CommandOutput& out) {
   const std::string path = (std::filesystem::path(dir) / (name + ".npy")).string();
   LOSSD_RETURN_IF_ERROR(WriteNpy(path, t));
-  absl::PrintF("wrote       %s %s\n", path, t.DebugString());
+  out.Row("wrote", {{"path", path}, {"tensor", t.DebugString()}},
+          absl::StrFormat("wrote       %s %s", path, t.DebugString()));
   return absl::OkStatus();
 }
 

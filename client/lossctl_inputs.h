@@ -14,15 +14,18 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/host_tensor.h"
+#include "client/lossctl_output.h"
 #include "client/lossd_client.h"
 
 ABSL_DECLARE_FLAG(std::string, accumulator);
 ABSL_DECLARE_FLAG(std::string, auth_token);
 ABSL_DECLARE_FLAG(std::string, auth_token_file);
 ABSL_DECLARE_FLAG(std::string, bias);
+ABSL_DECLARE_FLAG(int64_t, calls);
 ABSL_DECLARE_FLAG(int64_t, bt);
 ABSL_DECLARE_FLAG(int64_t, chunk_rows);
 ABSL_DECLARE_FLAG(std::string, class_weights);
+ABSL_DECLARE_FLAG(int32_t, concurrency);
 ABSL_DECLARE_FLAG(int32_t, connections);
 ABSL_DECLARE_FLAG(double, deadline_seconds);
 ABSL_DECLARE_FLAG(std::string, dtype);
@@ -43,10 +46,12 @@ ABSL_DECLARE_FLAG(std::string, out_dir);
 ABSL_DECLARE_FLAG(int64_t, part_bytes);
 ABSL_DECLARE_FLAG(uint32_t, rank);
 ABSL_DECLARE_FLAG(std::string, reduction);
+ABSL_DECLARE_FLAG(int64_t, range_bytes);
 ABSL_DECLARE_FLAG(int64_t, response_part_bytes);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(double, softcap);
 ABSL_DECLARE_FLAG(int32_t, stripes);
+ABSL_DECLARE_FLAG(int64_t, teacher_h);
 ABSL_DECLARE_FLAG(std::string, target);
 ABSL_DECLARE_FLAG(std::string, target_dtype);
 ABSL_DECLARE_FLAG(std::string, targets);
@@ -59,6 +64,7 @@ ABSL_DECLARE_FLAG(bool, token_scaling);
 ABSL_DECLARE_FLAG(int64_t, v);
 ABSL_DECLARE_FLAG(std::string, w);
 ABSL_DECLARE_FLAG(bool, wait_for_ready);
+ABSL_DECLARE_FLAG(int64_t, warmup);
 ABSL_DECLARE_FLAG(std::string, want);
 ABSL_DECLARE_FLAG(std::string, weight_handle);
 ABSL_DECLARE_FLAG(bool, with_bias);
@@ -67,6 +73,10 @@ ABSL_DECLARE_FLAG(std::string, x);
 namespace lossd {
 namespace client {
 
+// INVALID_ARGUMENT naming the flag and its value for a number outside its range, of the flags
+// lossctl reads itself (shapes, fractions, counts, bytes, the deadline); the loss and optimizer
+// options go to the server, which checks them and names the field.
+absl::Status CheckFlagRanges();
 // compute --head: INVALID_ARGUMENT when a weight, bias or accumulator flag is given too.
 absl::Status CheckHeadComputeFlags();
 // A float dtype's name (bf16, fp16, fp32, ...) as the flag `flag` gives it.
@@ -95,8 +105,10 @@ absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path);
 
 // "1.234 GB".
 std::string Gb(double bytes);
-// `t` as <dir>/<name>.npy.
-absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t);
+// `t` as <dir>/<name>.npy, listed in `out` (text: a "wrote" line; JSON: the list "wrote"), so
+// that with --json stdout stays one JSON object.
+absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t,
+                         CommandOutput& out);
 absl::Status MakeDir(const std::string& dir);
 
 }  // namespace client

@@ -90,13 +90,18 @@ void CommandOutput::Row(absl::string_view key, JsonFields row, absl::string_view
     PrintLine(text);
     return;
   }
+  Rows(key).push_back(std::move(row));
+}
+
+void CommandOutput::Table(absl::string_view key) {
+  if (json_) Rows(key);
+}
+
+std::vector<JsonFields>& CommandOutput::Rows(absl::string_view key) {
   for (auto& [name, rows] : rows_) {
-    if (name == key) {
-      rows.push_back(std::move(row));
-      return;
-    }
+    if (name == key) return rows;
   }
-  rows_.emplace_back(std::string(key), std::vector<JsonFields>{std::move(row)});
+  return rows_.emplace_back(std::string(key), std::vector<JsonFields>()).second;
 }
 
 void CommandOutput::Progress(const JsonFields& fields, absl::string_view text) {

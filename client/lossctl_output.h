@@ -37,6 +37,9 @@ class CommandOutput {
   void Field(absl::string_view key, JsonValue value, absl::string_view text);
   // A table row: text: `text` now; JSON: an object of `row` appended to the list `key`.
   void Row(absl::string_view key, JsonFields row, absl::string_view text);
+  // JSON: the list `key` is in the object even when no row comes (an empty list, so a script
+  // reads "nothing" the same way as "something"). Text: nothing.
+  void Table(absl::string_view key);
   // Text: `text` now; JSON: {"progress": {fields}} as a line of its own, now.
   void Progress(const JsonFields& fields, absl::string_view text);
   // JSON: prints {"command": ..., "ok": ..., fields..., rows..., "error": {...}} as one line.
@@ -44,6 +47,9 @@ class CommandOutput {
   void Finish(const absl::Status& status);
 
  private:
+  // The list `key`, made (empty, after those made before it) on first use.
+  std::vector<JsonFields>& Rows(absl::string_view key);
+
   std::string command_;
   bool json_;
   JsonFields fields_;

@@ -81,6 +81,37 @@ TEST_F(LossctlTest, JsonOutput) {
                                   "\"error\": {\"code\": \""));
 }
 
+// With --json, stdout is one JSON object whatever the command does: the files --out_dir
+// wrote are listed in it ("wrote"), not printed before it, and an empty list is still there.
+TEST_F(LossctlTest, JsonStdoutIsOneObject) {
+  Result r = Lossctl("compute --bt=6 --h=4 --v=16 --want=dx --json --out_dir=" + Path("out"),
+                     /*stdout_only=*/true);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::StartsWith("{\"command\": \"compute\", \"ok\": true, "));
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat("\"wrote\": [{\"path\": \"", Path("out/dx.npy"),
+                                               "\", \"tensor\": \"bf16[6, 4]\"}, {\"path\": \"",
+                                               Path("out/scalars_loss_zloss_accuracy.npy"))));
+  EXPECT_EQ(Read("out/dx.npy").num_elements(), 24);
+  r = Lossctl("compute --bt=6 --h=4 --v=16 --want=dx --out_dir=" + Path("text"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("wrote       " + Path("text/dx.npy") + " bf16[6, 4]\n"));
+
+  {
+    absl::MutexLock lock(&fake_.mu);
+    fake_.features = {"list_state"};
+  }
+  r = Lossctl("list --json", /*stdout_only=*/true);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, "{\"command\": \"list\", \"ok\": true, \"state\": []}\n");
+  r = Lossctl("head list --json", /*stdout_only=*/true);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, "{\"command\": \"head list\", \"ok\": true, \"heads\": []}\n");
+  r = Lossctl("compute --bt=6 --h=4 --v=16 --want=none --json", /*stdout_only=*/true);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"outputs\": []"));
+}
+
 TEST_F(LossctlTest, Info) {
   Result r = Lossctl("info");
   EXPECT_EQ(r.code, 0) << r.output;
@@ -313,10 +344,74 @@ TEST_F(LossctlTest, UsageErrors) {
   EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
 }
 
+// Inputs from files take their targets from a file: random targets beside real X were used
+// silently and gave a loss that meant nothing.
+TEST_F(LossctlTest, FileInputsNeedTargets) {
+  ASSERT_TRUE(WriteNpy(Path("x.npy"), RandomF32({5, 4}, 7)).ok());
+  ASSERT_TRUE(WriteNpy(Path("w.npy"), RandomF32({10, 4}, 8)).ok());
+  ExpectFails("compute --x=" + Path("x.npy") + " --w=" + Path("w.npy"),
+              "INVALID_ARGUMENT: --x and --w are files but --targets is not given: give "
+              "--targets (a .npy of the (BT) target ids)");
+  ExpectFails("compute --x=" + Path("x.npy") + " --v=10 --h=4",
+              "INVALID_ARGUMENT: --x is a file but --targets is not given");
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_TRUE(fake_.peers.empty());
+}
+
+// A .npy whose header claims far more than the file holds: refused, naming the file, the
+// shape and the sizes (lossctl died of std::bad_alloc allocating the claimed 40 GB first).
+TEST_F(LossctlTest, NpyHeaderLargerThanTheFileIsRefused) {
+  std::string file = EncodeNpyHeader(DType::kF32, {100000, 100000});
+  file += "12345678";
+  FILE* f = std::fopen(Path("huge.npy").c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(std::fwrite(file.data(), 1, file.size(), f), file.size());
+  std::fclose(f);
+  ExpectFails("compute --x=" + Path("huge.npy") + " --v=10 --h=4",
+              absl::StrCat("INVALID_ARGUMENT: ", Path("huge.npy"), " (", file.size(),
+                           " bytes): malformed .npy: shape fp32[100000, 100000] needs "
+                           "40000000000 data bytes, the file holds 8"));
+}
+
+// Numbers lossctl reads itself are checked against their range, naming the flag and the value,
+// before anything is sent.
+TEST_F(LossctlTest, FlagsOutsideTheirRangeAreRefused) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"compute --bt=4 --h=4 --v=8 --ignore_fraction=2",
+       "--ignore_fraction must be in [0, 1], got 2"},
+      {"compute --bt=4 --h=4 --v=8 --ignore_fraction=-0.5",
+       "--ignore_fraction must be in [0, 1], got -0.5"},
+      {"compute --bt=-4 --h=4 --v=8", "--bt must be >= 0, got -4"},
+      {"compute --bt=4 --h=4 --v=8 --deadline_seconds=-1",
+       "--deadline_seconds must be finite and >= 0 (0 = none), got -1"},
+      {"compute --bt=4 --h=4 --v=8 --response_part_bytes=100",
+       "--response_part_bytes must be 0 (the server's default) or in [1024, 4294967295], got 100"},
+      {"compute --bt=4 --h=4 --v=8 --part_bytes=0", "--part_bytes must be > 0, got 0"},
+      {"bench --bt=4 --h=4 --v=8 --calls=0", "--calls must be >= 1, got 0"},
+      {"bench --bt=4 --h=4 --v=8 --concurrency=0", "--concurrency must be >= 1, got 0"},
+      {"bench --bt=4 --h=4 --v=8 --warmup=-1", "--warmup must be >= 0, got -1"},
+      {"info --connections=0", "--connections must be >= 1, got 0"},
+      {"head export --head=lm --out_dir=/tmp/x --range_bytes=0",
+       "--range_bytes must be > 0, got 0"},
+      {"compute --kind=distill --bt=4 --h=4 --v=8 --teacher_h=-3",
+       "--teacher_h must be >= 0, got -3"},
+  };
+  for (const auto& [args, message] : cases) {
+    ExpectFails(args, absl::StrCat("INVALID_ARGUMENT: ", message));
+  }
+  Result r = Lossctl("compute --bt=4 --h=4 --v=8 --ignore_fraction=2 --json", /*stdout_only=*/true);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.output, HasSubstr("\"message\": \"--ignore_fraction must be in [0, 1], got 2\""));
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_TRUE(fake_.peers.empty());  // none of these reached the server
+}
+
 // --help lists the loss kinds' flags (client/lossctl_kinds.cc) beside lossctl.cc's, as the
 // docs say it lists every flag.
 TEST_F(LossctlTest, HelpListsTheFlagsOfEveryCommand) {
   const Result r = Lossctl("--help");
+  EXPECT_EQ(r.code, 0) << r.output;  // the help asked for is a success
+  EXPECT_EQ(Lossctl("--helpfull").code, 0);
   std::vector<std::string> missing;
   for (const char* flag : {"--target (", "--range_bytes (", "--kind (", "--temperature (",
                            "--keep_ms (", "--ticket (", "--loss_type (", "--jsd_beta (",

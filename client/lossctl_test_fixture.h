@@ -65,9 +65,12 @@ class LossctlTest : public ::testing::Test {
     server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   }
 
-  Result Lossctl(const std::string& args) {
-    const std::string cmd = absl::StrCat("client/lossctl --target=127.0.0.1:", port_,
-                                         " --deadline_seconds=30 ", args, " 2>&1");
+  // lossctl's exit code and its stdout, with stderr merged in unless `stdout_only` (what a
+  // script piping --json to a parser reads).
+  Result Lossctl(const std::string& args, bool stdout_only = false) {
+    const std::string cmd =
+        absl::StrCat("client/lossctl --target=127.0.0.1:", port_, " --deadline_seconds=30 ", args,
+                     stdout_only ? " 2>/dev/null" : " 2>&1");
     Result r;
     FILE* p = popen(cmd.c_str(), "r");
     if (p == nullptr) return r;
@@ -88,11 +91,15 @@ class LossctlTest : public ::testing::Test {
     EXPECT_THAT(r.output, HasSubstr(message)) << "lossctl " << args;
   }
 
-  // compute from x.npy and w.npy with --dtype=bf16: X and W go as bf16 (the fake echoes X
-  // as dX, so dX is X rounded to bf16).
+  // compute from x.npy and w.npy (V = 6) with --dtype=bf16: X and W go as bf16 (the fake
+  // echoes X as dX, so dX is X rounded to bf16).
   void ExpectSentAsBf16(const HostTensor& x) {
+    HostTensor t = HostTensor::Owned(DType::kI64, {x.dim(0)});
+    for (int64_t i = 0; i < x.dim(0); ++i) t.mutable_data_as<int64_t>()[i] = i % 6;
+    ASSERT_TRUE(WriteNpy(Path("t.npy"), t).ok());
     Result r = Lossctl(absl::StrCat("compute --x=", Path("x.npy"), " --w=", Path("w.npy"),
-                                    " --v=6 --dtype=bf16 --want=dx --out_dir=", Path("out")));
+                                    " --targets=", Path("t.npy"),
+                                    " --dtype=bf16 --want=dx --out_dir=", Path("out")));
     ASSERT_EQ(r.code, 0) << r.output;
     HostTensor dx = Read("out/dx.npy");
     ASSERT_EQ(dx.dtype(), DType::kBF16);

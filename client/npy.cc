@@ -1,5 +1,7 @@
 #include "client/npy.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -327,6 +329,18 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
   absl::StatusOr<NpyLayout> layout = ParseLayout(head);
   if (!layout.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", layout.status().message()));
+  }
+  // The header's shape against the file's size before anything is allocated: a header that
+  // claims (100000, 100000) in a small file would otherwise ask for 40 GB first.
+  struct stat st;
+  if (fstat(fileno(f.get()), &st) == 0 && S_ISREG(st.st_mode)) {
+    const size_t file_bytes = static_cast<size_t>(st.st_size);
+    const size_t in_file = file_bytes > layout->data_offset ? file_bytes - layout->data_offset : 0;
+    if (in_file != FileDataBytes(*layout)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " (", file_bytes, " bytes): ",
+          DataSizeMismatch(*layout, FileDataBytes(*layout), in_file).message()));
+    }
   }
   if (layout->from_f64) {
     // Converted on read: the doubles pass through a buffer (fp32 files go straight into the

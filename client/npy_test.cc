@@ -251,6 +251,38 @@ TEST(NpyTest, Float64IsReadAsFp32) {
   std::remove(path.c_str());
 }
 
+// A header that claims more data than the file holds is refused from the file's size, before
+// the tensor is allocated (a (100000, 100000) fp32 header is 40 GB; allocating first ended in
+// std::bad_alloc). The message names the file, the shape and both sizes.
+TEST(NpyTest, HugeShapeInASmallFileIsRefusedBeforeAllocating) {
+  struct Case {
+    const char* dict;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (100000, 100000), }",
+       "shape fp32[100000, 100000] needs 40000000000 data bytes, the file holds 8"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (1000000, 1000000), }",
+       "shape fp32[1000000, 1000000] needs 4000000000000 data bytes, the file holds 8"},
+      {"{'descr': '<f8', 'fortran_order': False, 'shape': (1000000, 1000000), }",
+       "shape float64[1000000, 1000000] needs 8000000000000 data bytes, the file holds 8"},
+  };
+  const std::string path = TempPath("huge.npy");
+  for (const Case& c : cases) {
+    const std::string file = WithDict(c.dict, "12345678");
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(file.data(), 1, file.size(), f), file.size());
+    std::fclose(f);
+    absl::StatusOr<HostTensor> t = ReadNpy(path);
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << c.dict;
+    EXPECT_THAT(Message(t.status()), HasSubstr(c.message));
+    EXPECT_THAT(Message(t.status()), HasSubstr(path + " (" + std::to_string(file.size()) +
+                                               " bytes): malformed .npy: shape "));
+  }
+  std::remove(path.c_str());
+}
+
 TEST(NpyTest, MissingFileIsNotFound) {
   absl::StatusOr<HostTensor> t = ReadNpy(TempPath("does_not_exist.npy"));
   EXPECT_EQ(t.status().code(), absl::StatusCode::kNotFound);
