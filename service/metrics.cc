@@ -211,11 +211,15 @@ namespace {
 absl::Mutex g_probes_mu;
 HttpProbes* g_probes ABSL_GUARDED_BY(g_probes_mu) = nullptr;
 
-void Reply(mg_connection* conn, int code, const char* reason, const char* body) {
+// `head`: a HEAD request, answered with GET's status and headers and no body (RFC 9110 9.3.2).
+void Reply(mg_connection* conn, int code, const char* reason, const char* body,
+           bool head = false) {
   mg_printf(conn,
             "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            "Content-Length: %zu\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n%s",
-            code, reason, std::strlen(body), body);
+            "Content-Length: %zu\r\nCache-Control: no-store\r\nConnection: close\r\n%s\r\n%s",
+            code, reason, std::strlen(body),
+            // RFC 9110 15.5.6: a 405 must say which methods the resource takes.
+            code == 405 ? "Allow: GET, HEAD\r\n" : "", head ? "" : body);
 }
 
 // civetweb's http_error: every error reply it would write itself (a malformed request, say)
@@ -235,11 +239,20 @@ int AnswerRequest(mg_connection* conn) {
       info != nullptr && info->local_uri != nullptr ? info->local_uri : "";
   const absl::string_view method =
       info != nullptr && info->request_method != nullptr ? info->request_method : "";
-  if (method != "GET") {
-    Reply(conn, 405, "Method Not Allowed", "method not allowed: GET only\n");
+  const bool head = method == "HEAD";
+  if (method != "GET" && !head) {
+    Reply(conn, 405, "Method Not Allowed", "method not allowed: GET or HEAD only\n");
     return 405;
   }
-  if (uri == "/metrics") return 0;
+  if (uri == "/metrics") {
+    if (!head) return 0;
+    // prometheus-cpp's handler answers GET alone. A HEAD says the scrape would answer,
+    // without collecting (the length is unknown until it has: the header is left out).
+    mg_printf(conn,
+              "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+              "Cache-Control: no-store\r\nConnection: close\r\n\r\n");
+    return 200;
+  }
   std::function<bool()> check;
   {
     absl::MutexLock lock(&g_probes_mu);
@@ -247,14 +260,16 @@ int AnswerRequest(mg_connection* conn) {
     if (g_probes != nullptr && uri == "/readyz") check = g_probes->ready;
   }
   if (!check) {
-    Reply(conn, 404, "Not Found", "not found: lossd serves /metrics, /healthz and /readyz here\n");
+    Reply(conn, 404, "Not Found", "not found: lossd serves /metrics, /healthz and /readyz here\n",
+          head);
     return 404;
   }
   if (check()) {
-    Reply(conn, 200, "OK", "ok\n");
+    Reply(conn, 200, "OK", "ok\n", head);
     return 200;
   }
-  Reply(conn, 503, "Service Unavailable", uri == "/healthz" ? "unhealthy\n" : "not ready\n");
+  Reply(conn, 503, "Service Unavailable", uri == "/healthz" ? "unhealthy\n" : "not ready\n",
+        head);
   return 503;
 }
 
