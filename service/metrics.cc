@@ -110,7 +110,18 @@ class StateCollector : public prometheus::Collectable {
   std::function<StateSample()> sample_;
 };
 
+// Outcomes of CountHeadStep, and the codes LossdHighErrorRatio counts as failed on the
+// server side (with OK, its denominator's usual series).
+constexpr const char* kHeadStepOutcomes[] = {"applied", "skipped", "reduced", "failed"};
+constexpr const char* kAlertedCodes[] = {"OK",          "INTERNAL",           "UNKNOWN",
+                                         "UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
+                                         "DATA_LOSS"};
+
 }  // namespace
+
+const char* const kLossMethods[12] = {
+    "Compute",    "PutWeights", "DropWeights", "FetchGradients", "DropAccumulator", "ServerInfo",
+    "List",       "CreateHead", "Step",        "ExportHead",     "GetHeadInfo",     "DropHead"};
 
 ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
     : registry_(std::make_shared<prometheus::Registry>()),
@@ -162,6 +173,12 @@ ServerMetrics::ServerMetrics(std::function<StateSample()> sample)
       "L2 norm of the summed gradient of the last hosted-head step (any head).");
   head_version_ = UnlabelledGauge(*registry_, "lossd_head_last_version",
                                   "Version of the last hosted head that stepped, after its step.");
+  // The series the rules read, at 0 (see the class comment).
+  for (const char* outcome : kHeadStepOutcomes) head_steps_->Add({{"outcome", outcome}});
+  for (const char* method : kLossMethods) {
+    for (const char* code : kAlertedCodes) requests_->Add({{"method", method}, {"code", code}});
+  }
+  PhaseSeries("Compute", "total");
 }
 
 void ServerMetrics::CountHeadStep(const char* outcome) {
@@ -195,6 +212,11 @@ void ServerMetrics::CountRequest(const std::string& method, const char* code) {
 
 void ServerMetrics::ObservePhase(const std::string& method, const char* phase,
                                  double seconds) {
+  PhaseSeries(method, phase).Observe(seconds);
+}
+
+prometheus::Histogram& ServerMetrics::PhaseSeries(const std::string& method,
+                                                  const char* phase) {
   // Up to 600 s, the default deadline of lossctl, the C++ and the Python client, so a call
   // that runs into it still lands in a finite bucket (the p99 reads "at the deadline", not
   // "+Inf"); 1200 s for callers who raise it. Never destroyed: a static vector would be freed
@@ -202,7 +224,7 @@ void ServerMetrics::ObservePhase(const std::string& method, const char* phase,
   static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
       0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
       1,      2.5,   5,      10,    30,    60,    120,  300, 600,  1200};
-  durations_->Add({{"method", method}, {"phase", phase}}, *kBuckets).Observe(seconds);
+  return durations_->Add({{"method", method}, {"phase", phase}}, *kBuckets);
 }
 
 namespace {

@@ -52,6 +52,15 @@ struct StateSample {
   double healthy = 1;
 };
 
+// The Loss service's methods, as lossd_requests_total{method} names them (the proto's rpc
+// names; metrics_test checks the list against lossd.v1.Loss).
+extern const char* const kLossMethods[12];
+
+// Every labelled series an alert or recording rule reads (deploy/prometheus/rules) exists from
+// the start, at 0: a series that first appears at 1 gives increase() and rate() nothing to
+// compare with, so the first failure after a start would never fire its alert. Those are
+// lossd_requests_total for every method with OK and each code LossdHighErrorRatio counts,
+// lossd_head_steps_total for every outcome, and the Compute total-latency histogram.
 class ServerMetrics {
  public:
   explicit ServerMetrics(std::function<StateSample()> sample);
@@ -87,6 +96,9 @@ class ServerMetrics {
   std::shared_ptr<prometheus::Collectable> process_collector() { return process_; }
 
  private:
+  // The series of `method` and `phase`, created (empty) where it is not yet.
+  prometheus::Histogram& PhaseSeries(const std::string& method, const char* phase);
+
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* durations_;

@@ -4,9 +4,12 @@
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <set>
 #include <string>
 
 #include "gtest/gtest.h"
+#include "proto/lossd/v1/lossd.pb.h"
+#include "prometheus/text_serializer.h"
 
 namespace lossd {
 namespace {
@@ -62,7 +65,54 @@ TEST(ServerMetricsTest, PhasesAreSeparateSeries) {
   EXPECT_EQ(queue.at(0.1), 0u);
   EXPECT_EQ(put.at(30), 0u);
   EXPECT_EQ(put.at(60), 1u);
-  EXPECT_TRUE(Buckets(m, "Compute", "total").empty());
+  EXPECT_TRUE(Buckets(m, "PutWeights", "queue").empty());
+}
+
+// The /metrics text of a fresh registry, as the first scrape after a start reads it.
+std::string FirstScrape(ServerMetrics& m) {
+  return prometheus::TextSerializer().Serialize(m.registry()->Collect());
+}
+
+// LossdHeadStepsFailing is increase(lossd_head_steps_total{outcome="failed"}[15m]) > 0: the
+// series must be scraped at 0 before the first failure, or that failure never shows in
+// increase() (the series would first appear at 1).
+TEST(ServerMetricsTest, EveryAlertedSeriesIsScrapedAtZeroFromTheStart) {
+  ServerMetrics m([] { return StateSample{}; });
+  const std::string text = FirstScrape(m);
+  for (const char* outcome : {"applied", "skipped", "reduced", "failed"}) {
+    EXPECT_NE(text.find(std::string("lossd_head_steps_total{outcome=\"") + outcome + "\"} 0\n"),
+              std::string::npos)
+        << outcome << " missing from:\n" << text;
+  }
+  // LossdHighErrorRatio's codes, for every method.
+  for (const char* method : kLossMethods) {
+    for (const char* code : {"OK", "INTERNAL", "UNKNOWN", "UNAVAILABLE", "RESOURCE_EXHAUSTED",
+                             "DEADLINE_EXCEEDED", "DATA_LOSS"}) {
+      // (prometheus-cpp writes the labels sorted by name.)
+      const std::string series = std::string("lossd_requests_total{code=\"") + code +
+                                 "\",method=\"" + method + "\"} 0\n";
+      EXPECT_NE(text.find(series), std::string::npos) << series;
+    }
+  }
+  // LossdComputeLatencyP99High's buckets.
+  EXPECT_NE(text.find("lossd_request_duration_seconds_count{method=\"Compute\",phase=\"total\"} 0"),
+            std::string::npos);
+
+  // The first failure moves the series the alert reads from 0 to 1.
+  m.CountHeadStep("failed");
+  EXPECT_NE(FirstScrape(m).find("lossd_head_steps_total{outcome=\"failed\"} 1\n"),
+            std::string::npos);
+}
+
+// kLossMethods names every rpc of lossd.v1.Loss, so a new method's series start at 0 too.
+TEST(ServerMetricsTest, LossMethodsAreTheServicesRpcs) {
+  const google::protobuf::ServiceDescriptor* loss =
+      lossd::v1::ComputeRequest::descriptor()->file()->FindServiceByName("Loss");
+  ASSERT_NE(loss, nullptr);
+  std::set<std::string> rpcs, listed;
+  for (int i = 0; i < loss->method_count(); ++i) rpcs.insert(loss->method(i)->name());
+  for (const char* method : kLossMethods) listed.insert(method);
+  EXPECT_EQ(rpcs, listed);
 }
 
 }  // namespace
