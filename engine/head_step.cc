@@ -4,6 +4,7 @@
 // gradient sum's lock, which every Compute on the head holds for its whole run: no Compute
 // sees a half-updated W, and a step runs beside Computes of other heads.
 #include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -146,6 +147,105 @@ absl::Status Update(Backend& b, Head& head, double lr, float coef, int64_t step)
   return absl::OkStatus();
 }
 
+// A call answered without joining the barrier: a retried step's result again, or a refusal.
+// `disagrees`: the call names the step with another version, phase or arguments than the
+// head or the ranks at its barrier, so those ranks cannot complete the step with this one.
+struct Answer {
+  absl::StatusOr<StepResult> result;
+  bool disagrees = false;
+};
+
+std::optional<Answer> AnswerNow(const Head& head, const StepCall& call)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.mu) {
+  const std::string what = HeadWhat(head.name);
+  if (call.version < head.version) {
+    // A retry of the step just completed gets its result again.
+    if (head.last && head.last->first.SameArguments(call)) {
+      StepResult again = head.last->second;
+      again.replayed = true;
+      return Answer{again};
+    }
+    return Answer{absl::FailedPreconditionError(absl::StrCat(
+        what, " is at version ", head.version, "; the step of version ", call.version,
+        " is over"))};
+  }
+  if (call.version > head.version) {
+    return Answer{absl::FailedPreconditionError(absl::StrCat(
+                      what, " is at version ", head.version, ", not ", call.version)),
+                  true};
+  }
+  if (call.phase == StepPhase::kApply && !head.reduced) {
+    return Answer{absl::FailedPreconditionError(absl::StrCat(
+                      "STEP_APPLY of ", what, " version ", call.version,
+                      " before its STEP_REDUCE")),
+                  true};
+  }
+  if (call.phase != StepPhase::kApply && head.reduced) {
+    if (call.phase == StepPhase::kReduce) {
+      StepResult again = *head.reduced;  // a retried reduce
+      again.replayed = true;
+      return Answer{again};
+    }
+    return Answer{absl::FailedPreconditionError(absl::StrCat(
+                      "version ", call.version, " of ", what,
+                      " has been reduced; finish it with STEP_APPLY")),
+                  true};
+  }
+  if (head.barrier && !head.barrier->first.SameArguments(call)) {
+    return Answer{absl::FailedPreconditionError(""), true};  // RefuseEveryRank says how
+  }
+  for (const auto& [rank, other] : head.disagreeing) {
+    if (!other.SameArguments(call)) {
+      return Answer{absl::FailedPreconditionError(""), true};  // RefuseEveryRank says how
+    }
+  }
+  return std::nullopt;
+}
+
+// Refuses a call that disagrees with its step, and with it every rank waiting at the barrier
+// (moved into `refused`), at once rather than after --head_step_timeout: none of them can
+// complete the step with this rank. Nothing ran, so W, the optimizer state, the step's
+// gradient sum and a STEP_REDUCE already done are kept for a Step the ranks agree on. With
+// no rank waiting, the call is remembered, so the next rank to arrive with other arguments
+// is refused at once too, naming it; that rank has then heard of it, so it is forgotten (a
+// retry of both ranks with new, agreed arguments must not be refused for it).
+absl::Status RefuseEveryRank(Head& head, const StepCall& call, const absl::Status& reason,
+                             std::vector<StepDone>& refused)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.mu) {
+  std::string others;
+  if (head.barrier) {
+    std::vector<uint32_t> ranks;
+    for (auto& [rank, d] : head.barrier->waiting) {
+      ranks.push_back(rank);
+      refused.push_back(std::move(d));
+    }
+    others = absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "),
+                          " called it with ", Describe(head.barrier->first),
+                          " and waited at its barrier");
+    head.barrier.reset();
+  } else {
+    for (auto it = head.disagreeing.begin(); it != head.disagreeing.end(); ++it) {
+      if (it->second.SameArguments(call)) continue;
+      others = absl::StrCat("rank ", it->first, " called it with ", Describe(it->second),
+                            " and was refused");
+      head.disagreeing.erase(it);
+      break;
+    }
+  }
+  const bool plain = reason.message().empty();  // only the arguments differ
+  if (others.empty()) {  // no other rank of the step has called yet
+    head.disagreeing[call.rank] = call;
+    return plain ? absl::FailedPreconditionError("every rank of a step must agree") : reason;
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", call.rank, " called Step of ", HeadWhat(head.name), " with ", Describe(call),
+      ", but ", others, plain ? "" : absl::StrCat(" (", reason.message(), ")"),
+      ": every rank of a step must agree, so every rank waiting for it is refused. Nothing "
+      "ran: W, the optimizer state and the step's gradient sum are kept (", HeadWhat(head.name),
+      " is at version ", head.version, "); call Step again on every rank with the same "
+      "arguments"));
+}
+
 }  // namespace
 
 void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone done) {
@@ -158,51 +258,17 @@ void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone d
         HeadWhat(head->name), " failed midway through an update and refuses every call; drop "
         "it and import its last export")));
   }
-  StepDone superseded, launch_done;
-  std::vector<StepDone> waiters;
-  absl::StatusOr<StepResult> answer_now = absl::UnknownError("");
-  bool answer = false;
+  StepDone superseded;
+  std::vector<StepDone> waiters, refused;
+  std::optional<Answer> answer;
   {
     absl::MutexLock lock(&head->mu);
-    if (call.version < head->version) {
-      // A retry of the step just completed gets its result again.
-      if (head->last && head->last->first.SameArguments(call)) {
-        StepResult again = head->last->second;
-        again.replayed = true;
-        answer_now = again;
-      } else {
-        answer_now = absl::FailedPreconditionError(absl::StrCat(
-            HeadWhat(head->name), " is at version ", head->version, "; the step of version ",
-            call.version, " is over"));
-      }
-      answer = true;
-    } else if (call.version > head->version) {
-      answer_now = absl::FailedPreconditionError(absl::StrCat(
-          HeadWhat(head->name), " is at version ", head->version, ", not ", call.version));
-      answer = true;
-    } else if (call.phase == StepPhase::kApply && !head->reduced) {
-      answer_now = absl::FailedPreconditionError(absl::StrCat(
-          "STEP_APPLY of ", HeadWhat(head->name), " version ", call.version,
-          " before its STEP_REDUCE"));
-      answer = true;
-    } else if (call.phase != StepPhase::kApply && head->reduced) {
-      if (call.phase == StepPhase::kReduce) {
-        StepResult again = *head->reduced;  // a retried reduce
-        again.replayed = true;
-        answer_now = again;
-      } else {
-        answer_now = absl::FailedPreconditionError(absl::StrCat(
-            "version ", call.version, " of ", HeadWhat(head->name), " has been reduced; "
-            "finish it with STEP_APPLY"));
-      }
-      answer = true;
-    } else if (head->barrier && !head->barrier->first.SameArguments(call)) {
-      answer_now = absl::FailedPreconditionError(absl::StrCat(
-          "rank ", call.rank, " calls Step of ", HeadWhat(head->name), " with ", Describe(call),
-          " but the ranks already waiting called it with ", Describe(head->barrier->first),
-          "; every rank of a step must agree"));
-      answer = true;
-    } else {
+    head->disagreeing.erase(call.rank);  // this rank's latest call is the one that counts
+    answer = AnswerNow(*head, call);
+    if (answer && answer->disagrees) {
+      answer->result = RefuseEveryRank(*head, call, answer->result.status(), refused);
+    }
+    if (!answer) {
       if (!head->barrier) head->barrier = Head::Barrier{call, absl::Now(), {}};
       auto& waiting = head->barrier->waiting;
       if (auto it = waiting.find(call.rank); it != waiting.end()) {
@@ -216,7 +282,10 @@ void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone d
       }
     }
   }
-  if (answer) return done(std::move(answer_now));
+  if (answer) {
+    for (auto& d : refused) d(answer->result.status());
+    return done(std::move(answer->result));
+  }
   if (superseded) {
     superseded(absl::AbortedError(absl::StrCat("superseded by a later Step call of rank ",
                                                call.rank)));
@@ -298,6 +367,7 @@ void HeadStore::Impl::LaunchPhase(std::shared_ptr<Head> head, StepCall call,
       } else {
         if (applied_or_skipped) {
           ++head->version;
+          head->disagreeing.clear();  // calls of the version that is over
           if (r.applied) ++head->optimizer_step;
           r.version = head->version;
           head->last = std::make_pair(call, r);

@@ -149,6 +149,12 @@ struct Head {
     std::map<uint32_t, std::function<void(absl::StatusOr<StepResult>)>> waiting;  // by rank
   };
   std::optional<Barrier> barrier ABSL_GUARDED_BY(mu);
+  // Step calls of this version refused, with no rank waiting, because they disagree with
+  // the step (another version or phase), by rank: the next rank to arrive with other
+  // arguments is refused at once naming one (which is then forgotten), rather than waiting
+  // out --head_step_timeout for a rank that did call. Forgotten too when that rank calls
+  // again or the version moves.
+  std::map<uint32_t, StepCall> disagreeing ABSL_GUARDED_BY(mu);
   // The current version's REDUCE result (before its APPLY), and the last completed step's
   // result with its call (a retried Step of it gets the same answer).
   std::optional<StepResult> reduced ABSL_GUARDED_BY(mu);
@@ -228,7 +234,9 @@ class HeadStore {
   absl::StatusOr<HeadSummary> CommitCreate(std::unique_ptr<PendingHead> p);
 
   // A rank's Step. `done` is called once, on an executor or watchdog thread, or inline for an
-  // immediate refusal.
+  // immediate refusal. A call that disagrees with the step (version, phase, world_size, lr,
+  // clip, skip) is refused together with every rank waiting at its barrier (FAILED_PRECONDITION
+  // naming both argument sets); nothing runs, W and the step's sum are kept.
   void Step(const StepCall& call, const std::string& caller,
             std::function<void(absl::StatusOr<StepResult>)> done);
 

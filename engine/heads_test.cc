@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -340,24 +341,84 @@ TEST_F(HeadsTest, VersionsAreCheckedAndTheNextVersionWaitsForTheStep) {
   EXPECT_EQ(e_.heads().Info("h", "")->version, 1u);
 }
 
-TEST_F(HeadsTest, RanksThatDisagreeAreRefused) {
+// Every rank of a step hears of a disagreement as soon as it is known, not after
+// --head_step_timeout (10 minutes here); nothing runs and the step's sum is kept for a Step
+// the ranks agree on.
+TEST_F(HeadsTest, RanksThatDisagreeAreAllRefusedAtOnce) {
   ASSERT_TRUE(Create("h", AdamW(), false).ok());
-  std::promise<absl::StatusOr<StepResult>> r0;
-  e_.heads().Step(StepCall{"h", 0, 0, 2}, "",
-                  [&](absl::StatusOr<StepResult> s) { r0.set_value(s); });
-  std::promise<absl::StatusOr<StepResult>> r1;
-  e_.heads().Step(StepCall{"h", 0, 1, 3}, "",
-                  [&](absl::StatusOr<StepResult> s) { r1.set_value(s); });
-  auto s1 = r1.get_future().get();
-  EXPECT_TRUE(Has(s1.status(), absl::StatusCode::kFailedPrecondition, "every rank of a step "
-                  "must agree")) << s1.status();
-  std::promise<absl::StatusOr<StepResult>> r2;
-  e_.heads().Step(StepCall{"h", 0, 5, 2}, "",
-                  [&](absl::StatusOr<StepResult> s) { r2.set_value(s); });
-  EXPECT_TRUE(Has(r2.get_future().get().status(), absl::StatusCode::kInvalidArgument,
+  ASSERT_TRUE(Compute("h", 0, 0, 0, 40, false).status.ok());
+  ASSERT_TRUE(Compute("h", 0, 1, 0, 41, false).status.ok());
+  auto call = [&](StepCall c) {
+    auto p = std::make_shared<std::promise<absl::StatusOr<StepResult>>>();
+    e_.heads().Step(c, "", [p](absl::StatusOr<StepResult> s) { p->set_value(s); });
+    return p->get_future();
+  };
+  auto answer = [](std::future<absl::StatusOr<StepResult>>& f) {
+    if (f.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      return absl::DeadlineExceededError("no answer within 10 s");
+    }
+    return f.get().status();
+  };
+  StepCall a{"h", 0, 0, 2};
+  a.lr = 0.25;
+  StepCall b = a;
+  b.rank = 1;
+  b.lr = 0.5;
+  auto f0 = call(a);
+  auto f1 = call(b);  // another lr: both ranks are refused, each naming both argument sets
+  for (auto* f : {&f0, &f1}) {
+    absl::Status s = answer(*f);
+    EXPECT_TRUE(Has(s, absl::StatusCode::kFailedPrecondition, "lr 0.5") &&
+                Has(s, absl::StatusCode::kFailedPrecondition, "lr 0.25") &&
+                Has(s, absl::StatusCode::kFailedPrecondition, "every rank of a step must agree") &&
+                Has(s, absl::StatusCode::kFailedPrecondition, "gradient sum are kept"))
+        << s;
+  }
+  EXPECT_EQ(e_.heads().Info("h", "")->ranks_waiting, 0u);
+  // Another world_size, and a version ahead of the head's, the same way.
+  f0 = call(a);
+  StepCall wide = a;
+  wide.rank = 1;
+  wide.world_size = 3;
+  EXPECT_TRUE(Has(answer(f1 = call(wide)), absl::StatusCode::kFailedPrecondition,
+                  "world_size 3"));
+  EXPECT_TRUE(Has(answer(f0), absl::StatusCode::kFailedPrecondition, "world_size 3"));
+  StepCall ahead = b;
+  ahead.lr = a.lr;
+  ahead.version = 3;
+  f0 = call(a);
+  EXPECT_TRUE(Has(answer(f1 = call(ahead)), absl::StatusCode::kFailedPrecondition,
+                  "is at version 0, not 3"));
+  EXPECT_TRUE(Has(answer(f0), absl::StatusCode::kFailedPrecondition, "is at version 0, not 3"));
+  // The other order: the rank ahead calls first, so the rank that arrives later is refused
+  // at once, naming it, rather than waiting out the timeout for it.
+  EXPECT_TRUE(Has(answer(f1 = call(ahead)), absl::StatusCode::kFailedPrecondition,
+                  "is at version 0, not 3"));
+  EXPECT_TRUE(Has(answer(f0 = call(a)), absl::StatusCode::kFailedPrecondition,
+                  "rank 1 called it with (version 3"));
+  // A phase the others do not share.
+  StepCall reduce{"h", 0, 0, 2}, apply{"h", 0, 1, 2};
+  reduce.phase = StepPhase::kReduce;
+  apply.phase = StepPhase::kApply;
+  f0 = call(reduce);
+  EXPECT_TRUE(Has(answer(f1 = call(apply)), absl::StatusCode::kFailedPrecondition,
+                  "before its STEP_REDUCE"));
+  EXPECT_TRUE(Has(answer(f0), absl::StatusCode::kFailedPrecondition, "STEP_REDUCE"));
+  EXPECT_TRUE(Has(answer(f1 = call(StepCall{"h", 0, 5, 2})), absl::StatusCode::kInvalidArgument,
                   "rank < world_size"));
-  e_.heads().Step(StepCall{"h", 0, 1, 2}, "", [](absl::StatusOr<StepResult>) {});
-  EXPECT_TRUE(r0.get_future().get().ok());
+  // Agreed at last: the kept sum of both Computes is applied.
+  StepCall agreed = b;
+  agreed.lr = a.lr;
+  f0 = call(a);
+  f1 = call(agreed);
+  for (auto* f : {&f0, &f1}) {
+    ASSERT_EQ(f->wait_for(std::chrono::seconds(10)), std::future_status::ready);
+    auto r = f->get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->applied);
+    EXPECT_EQ(r->contributions, 2u);
+    EXPECT_EQ(r->version, 1u);
+  }
 }
 
 TEST_F(HeadsTest, SkipDropsTheGradientsAndKeepsW) {
