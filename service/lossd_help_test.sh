@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# `lossd --help` lists every flag that service/main.cc defines (Abseil's --help shows only the
-# flags of files named after the program, which main.cc is not, unless main tells it so).
+# `lossd --help` exits 0 and lists every flag that service/main.cc defines (Abseil's --help
+# shows only the flags of files named after the program, which main.cc is not, unless main
+# tells it so).
 set -euo pipefail
 LOSSD=$1
 MAIN=$2
 set +e
 out=$("$LOSSD" --help 2>&1)
+code=$?
 set -e
+# Help asked for is a success: scripts and package checks run `lossd --help`.
+if [ "$code" -ne 0 ]; then
+  echo "lossd --help exited $code, wanted 0"
+  exit 1
+fi
 flags=$(grep -o 'ABSL_FLAG([^,]*, *[a-z_0-9]*' "$MAIN" | sed 's/.*, *//')
 n=0
 missing=0

@@ -10,12 +10,15 @@
 #include <atomic>
 #include <climits>
 #include <cstdio>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
@@ -568,6 +571,16 @@ int main(int argc, char** argv) {
                               lossd::ProbeCudaPlugin(absl::GetFlag(FLAGS_cuda_plugin)));
   };
   absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  // absl::ParseCommandLine exits 1 after --help (as after a bad flag), which tells a script
+  // that asked for help that something failed. Parsed here with the usage flags left to us:
+  // help and version printed as Abseil prints them, exit 0; a bad flag still exits 1 (the
+  // parser itself, naming the flag).
+  absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+      absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) {
+    return 0;
+  }
   return lossd::Main();
 }
