@@ -76,7 +76,25 @@ if ! grep -q "listening on port" <<<"$got"; then
   echo "$got" | head -5
   bad=$((bad + 1))
 fi
+# The default address, 0.0.0.0, in plaintext without tokens: a warning says so; on loopback,
+# none.
+open_warning="WARNING.* gRPC listens on 0\.0\.0\.0:[0-9]+ \(every address of this host\) in"
+open_warning+=" plaintext and without bearer tokens"
+if ! grep -qE "$open_warning" <<<"$got"; then
+  echo "lossd on 0.0.0.0 without TLS or tokens did not warn; printed:"
+  echo "$got" | head -8
+  bad=$((bad + 1))
+fi
+set +e
+got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --address=127.0.0.1 2>&1)
+set -e
+if ! grep -q "listening on port" <<<"$got" || grep -qF "in plaintext and without" <<<"$got"; then
+  echo "lossd on 127.0.0.1 did not start, or warned of an open listener; printed:"
+  echo "$got" | head -8
+  bad=$((bad + 1))
+fi
 if [ "$bad" -ne 0 ]; then
   exit 1
 fi
-echo "lossd refuses 11 out-of-range flag settings, naming each, and starts with --max_part_bytes alone"
+echo "lossd refuses 11 out-of-range flag settings, naming each, starts with --max_part_bytes"
+echo "alone, and warns of a plaintext listener without tokens off loopback only"

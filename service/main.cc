@@ -234,6 +234,7 @@ struct TransportSettings {
   uint32_t response_part_bytes = 0;
   std::shared_ptr<grpc::ServerCredentials> credentials;
   std::shared_ptr<const TokenAuthenticator> auth;  // null: no token needed
+  bool tls = false;
 };
 
 // Flags checked before anything starts: a bad one is named, not found out later. Logs the
@@ -262,6 +263,7 @@ bool CheckTransportFlags(TransportSettings* t) {
     return false;
   }
   t->credentials = *credentials;
+  t->tls = !absl::GetFlag(FLAGS_tls_cert).empty();
   if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
     auto a = TokenAuthenticator::FromFile(absl::GetFlag(FLAGS_auth_tokens_file));
     if (!a.ok()) {
@@ -548,6 +550,11 @@ int Main() {
   auto server = LossServer::Start(&engine, &metrics, so);
   if (!server.ok()) return StartFailed(server.status().ToString());
   AnnounceStarted(**server, exposer.get(), info, eo.instance, budgets);
+  if (const std::string open = OpenListenerWarning(absl::GetFlag(FLAGS_address), (*server)->port(),
+                                                   transport.tls, transport.auth != nullptr);
+      !open.empty()) {
+    Log(LogLevel::kWarning, open);
+  }
   ServeUntilSignalled(signals, **server, engine);
   return 0;
 }

@@ -1,11 +1,14 @@
 #include "service/tls.h"
 
+#include <arpa/inet.h>
+
 #include <fstream>
 #include <sstream>
 
 #include <grpcpp/security/server_credentials.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace lossd {
 
@@ -42,6 +45,24 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(o);
+}
+
+std::string OpenListenerWarning(const std::string& host, int port, bool tls, bool tokens) {
+  if (tls || tokens) return "";
+  const std::string bare(absl::StripSuffix(absl::StripPrefix(host, "["), "]"));
+  in_addr v4{};
+  in6_addr v6{};
+  const bool loopback =
+      bare == "localhost" ||
+      (inet_pton(AF_INET, bare.c_str(), &v4) == 1 && (ntohl(v4.s_addr) >> 24) == 127) ||
+      (inet_pton(AF_INET6, bare.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6));
+  if (loopback) return "";
+  const bool every = bare == "0.0.0.0" || bare == "::" || bare.empty();
+  return absl::StrCat("gRPC listens on ", host, ":", port,
+                      every ? " (every address of this host)" : "",
+                      " in plaintext and without bearer tokens: anyone who can reach the port "
+                      "can call lossd, and tensors cross the network unencrypted. Set "
+                      "--tls_cert and --tls_key, --auth_tokens_file, or --address=127.0.0.1");
 }
 
 }  // namespace lossd

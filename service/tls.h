@@ -1,5 +1,6 @@
 // Server credentials from PEM files: plaintext, TLS (certificate + key) or mutual TLS (plus a
-// client CA: clients must present a certificate it signed).
+// client CA: clients must present a certificate it signed); the warning for a listener open
+// to anyone.
 #ifndef LOSSD_SERVICE_TLS_H_
 #define LOSSD_SERVICE_TLS_H_
 
@@ -20,6 +21,10 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 
 // Reads a whole file; NOT_FOUND naming `what` when it cannot.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, const std::string& what);
+
+// The warning for a gRPC listener anyone who reaches it may call: `host` (--address) is not a
+// loopback address and neither TLS nor bearer tokens are on. Empty where there is none.
+std::string OpenListenerWarning(const std::string& host, int port, bool tls, bool tokens);
 
 }  // namespace lossd
 
