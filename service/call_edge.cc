@@ -11,6 +11,7 @@ CallEdge::CallEdge(LossService* service, grpc::CallbackServerContext* ctx, const
       ctx_(ctx),
       method_(method),
       started_(absl::Now()),
+      request_id_(BeginRequestId(ctx)),
       idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })) {}
 
 absl::Status CallEdge::Enter() {
@@ -20,7 +21,8 @@ absl::Status CallEdge::Enter() {
 }
 
 grpc::Status CallEdge::End(const absl::Status& s, uint64_t bytes_in, uint64_t bytes_out) {
-  grpc::Status g = RecordCall(service_, *ctx_, method_, started_, s, bytes_in, bytes_out);
+  grpc::Status g =
+      RecordCall(service_, *ctx_, method_, request_id_, started_, s, bytes_in, bytes_out);
   if (entered_) service_->Leave(client_);
   return g;
 }

@@ -50,12 +50,14 @@ class CallEdge {
 
   IdleWatch::Entry* idle() const { return idle_.get(); }
   const std::string& client() const { return client_; }
+  const std::string& request_id() const { return request_id_; }
 
  private:
   LossService* const service_;
   grpc::CallbackServerContext* const ctx_;
   const char* const method_;
   const absl::Time started_;
+  const std::string request_id_;  // sent back at once, named in the call's log lines
   const std::shared_ptr<IdleWatch::Entry> idle_;
   bool entered_ = false;
   std::string client_;  // for the per-client in-flight count

@@ -43,6 +43,7 @@ ComputeReactor::ComputeReactor(LossService* service, grpc::CallbackServerContext
       ctx_(ctx),
       engine_(service->engine()),
       started_(absl::Now()),
+      request_id_(BeginRequestId(ctx)),
       idle_(service->idle_watch().Watch([ctx] { ctx->TryCancel(); })),
       admission_(&engine_->budget()),
       contribution_(engine_) {
@@ -415,7 +416,8 @@ void ComputeReactor::FinishOnce(absl::Status s) {
   assembler_.reset();
   outputs_.reset();  // the buffers go back once gRPC has released every slice of them
   admission_.Release();
-  grpc::Status g = RecordCall(service_, *ctx_, "Compute", started_, s, bytes_in, bytes_out);
+  grpc::Status g =
+      RecordCall(service_, *ctx_, "Compute", request_id_, started_, s, bytes_in, bytes_out);
   if (entered_) service_->Leave(client_);
   Finish(g);
 }

@@ -107,6 +107,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   grpc::CallbackServerContext* const ctx_;
   Engine* const engine_;
   const absl::Time started_;
+  const std::string request_id_;  // sent back at once, named in the call's log lines
   const std::shared_ptr<IdleWatch::Entry> idle_;  // armed while waiting for the client
   bool entered_ = true;
   std::string client_;  // for the per-client in-flight count

@@ -277,18 +277,20 @@ void LogCall(const CallRecord& call) {
                      {"peer", peer},
                      {"code", std::string(call.code)},
                      {"message", LogClipped(call.message, kMaxStatusMessageBytes)}};
+      if (!call.request_id.empty()) f.emplace_back("request_id", std::string(call.request_id));
       if (suppressed > 0) f.emplace_back("suppressed", suppressed);
       Log(LogLevel::kWarning, "call failed", f);
     }
   }
   if (s->access_log) {
-    Log(LogLevel::kInfo, "call",
-        {{"method", std::string(call.method)},
-         {"peer", peer},
-         {"code", std::string(call.code)},
-         {"latency_ms", LogValue::Fixed(absl::ToDoubleMilliseconds(call.latency), 3)},
-         {"bytes_in", call.bytes_in},
-         {"bytes_out", call.bytes_out}});
+    LogFields f = {{"method", std::string(call.method)},
+                   {"peer", peer},
+                   {"code", std::string(call.code)},
+                   {"latency_ms", LogValue::Fixed(absl::ToDoubleMilliseconds(call.latency), 3)},
+                   {"bytes_in", call.bytes_in},
+                   {"bytes_out", call.bytes_out}};
+    if (!call.request_id.empty()) f.emplace_back("request_id", std::string(call.request_id));
+    Log(LogLevel::kInfo, "call", f);
   }
 }
 

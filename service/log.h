@@ -115,6 +115,7 @@ class LogRateLimiter {
 // One finished RPC, as its client saw it.
 struct CallRecord {
   absl::string_view method;
+  absl::string_view request_id;  // service/request_id.h ("" in tests: no field)
   absl::string_view peer;    // ctx->peer()
   absl::string_view caller;  // who the refusal limit counts (RecordCall: principal, else host)
   absl::string_view code;  // "INVALID_ARGUMENT" (GrpcCodeName)

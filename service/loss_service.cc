@@ -19,6 +19,7 @@
 #include "service/principal.h"
 #include "service/put_weights_reactor.h"
 #include "service/reactor_common.h"
+#include "service/request_id.h"
 #include "service/step_reactor.h"
 #include "service/tsan_annotations.h"
 #include "wire/unknown_fields.h"
@@ -32,6 +33,7 @@ grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContex
                                 const char* method, const google::protobuf::Message& request,
                                 Body body) {
   const absl::Time started = absl::Now();
+  const std::string request_id = BeginRequestId(ctx);
   std::string client;
   absl::Status s = service->Enter(ctx, method, &client);
   if (s.ok()) {
@@ -39,7 +41,7 @@ grpc::ServerUnaryReactor* Unary(LossService* service, grpc::CallbackServerContex
     if (s.ok()) s = body();
     service->Leave(client);
   }
-  grpc::Status g = RecordCall(service, *ctx, method, started, s, 0, 0);
+  grpc::Status g = RecordCall(service, *ctx, method, request_id, started, s, 0, 0);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(g);
   LOSSD_TSAN_RELEASE(service);  // the call (and the server's shutdown) ends after we return
@@ -72,6 +74,7 @@ static std::string ClientKey(grpc::CallbackServerContext* ctx, bool tokens_check
 
 absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* method,
                                 std::string* client) {
+  LOSSD_RETURN_IF_ERROR(CheckRequestId(ctx->client_metadata()));
   if (options_.auth) {
     LOSSD_RETURN_IF_ERROR(options_.auth->Check(ctx->client_metadata()));
   }
@@ -103,6 +106,7 @@ absl::Status LossService::Enter(grpc::CallbackServerContext* ctx, const char* me
 }
 
 absl::Status LossService::EnterWaiting(grpc::CallbackServerContext* ctx, const char* method) {
+  LOSSD_RETURN_IF_ERROR(CheckRequestId(ctx->client_metadata()));
   if (options_.auth) {
     LOSSD_RETURN_IF_ERROR(options_.auth->Check(ctx->client_metadata()));
   }

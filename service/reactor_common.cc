@@ -31,14 +31,14 @@ grpc::Slice OutputSlice(const SharedOutputs& outputs, const uint8_t* data, size_
 }
 
 grpc::Status RecordCall(LossService* service, const grpc::CallbackServerContext& ctx,
-                        const char* method, absl::Time started, const absl::Status& s,
-                        uint64_t bytes_in, uint64_t bytes_out) {
+                        const char* method, const std::string& request_id, absl::Time started,
+                        const absl::Status& s, uint64_t bytes_in, uint64_t bytes_out) {
   grpc::Status g = ToGrpcStatus(s);
   ServerMetrics* m = service->metrics();
   m->CountRequest(method, GrpcCodeName(g.error_code()));
   m->ObservePhase(method, "total", SecondsSince(started));
   const std::string caller = g.ok() ? std::string() : LogCaller(service, ctx);
-  LogCall({method, ctx.peer(), caller, GrpcCodeName(g.error_code()), g.error_message(),
+  LogCall({method, request_id, ctx.peer(), caller, GrpcCodeName(g.error_code()), g.error_message(),
            absl::Now() - started, bytes_in, bytes_out});
   return g;
 }

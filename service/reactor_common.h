@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -14,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "engine/engine.h"
 #include "service/loss_service.h"
+#include "service/request_id.h"
 
 namespace lossd {
 
@@ -29,10 +31,11 @@ grpc::Slice OutputSlice(const SharedOutputs& outputs, const uint8_t* data, size_
 
 // The end of one call of `method` that began at `started`: maps `s` to the gRPC status to
 // finish with, counts it (lossd_requests_total), observes the call's total time and logs it
-// (service/log.h) with the tensor bytes it took in and sent.
+// (service/log.h) under its `request_id` (BeginRequestId) with the tensor bytes it took in
+// and sent.
 grpc::Status RecordCall(LossService* service, const grpc::CallbackServerContext& ctx,
-                        const char* method, absl::Time started, const absl::Status& s,
-                        uint64_t bytes_in, uint64_t bytes_out);
+                        const char* method, const std::string& request_id, absl::Time started,
+                        const absl::Status& s, uint64_t bytes_in, uint64_t bytes_out);
 
 }  // namespace lossd
 

@@ -15,7 +15,11 @@ namespace lossd {
 
 StepReactor::StepReactor(LossService* service, grpc::CallbackServerContext* ctx,
                          const v1::StepRequest* request, v1::StepResponse* response)
-    : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
+    : service_(service),
+      ctx_(ctx),
+      response_(response),
+      started_(absl::Now()),
+      request_id_(BeginRequestId(ctx)) {
   // A rank waits at the barrier for the others: it takes no in-flight slot (EnterWaiting).
   absl::Status s = service_->EnterWaiting(ctx, "Step");
   if (!s.ok()) {
@@ -31,8 +35,9 @@ absl::Status StepReactor::Start(const v1::StepRequest& request) {
   LOSSD_RETURN_IF_ERROR(RefuseUnknownFields(request, "StepRequest"));
   auto call = StepCallFromWire(request);
   if (!call.ok()) return call.status();
-  LOSSD_RETURN_IF_ERROR(CheckHeadInstance(request.head_instance(),
-                                          service_->options().instance, request.head()));
+  LOSSD_RETURN_IF_ERROR(service_->engine()->heads().CheckInstance(
+      request.head(), request.head_instance(), "StepRequest.head_instance",
+      service_->Principal(ctx_)));
   call_ = std::move(*call);
   // The engine may answer inline (a refusal) or much later from its own threads; `gate`
   // decides who finishes, so the callback never touches a reactor OnCancel has finished.
@@ -94,7 +99,7 @@ void StepReactor::OnDone() {
 }
 
 void StepReactor::FinishNow(const absl::Status& s) {
-  grpc::Status g = RecordCall(service_, *ctx_, "Step", started_, s, 0, 0);
+  grpc::Status g = RecordCall(service_, *ctx_, "Step", request_id_, started_, s, 0, 0);
   if (entered_) service_->LeaveWaiting();
   Finish(g);
 }

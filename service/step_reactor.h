@@ -53,6 +53,7 @@ class StepReactor final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* const ctx_;
   v1::StepResponse* const response_;
   const absl::Time started_;
+  const std::string request_id_;  // sent back at once, named in the call's log lines
   const std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
   bool entered_ = true;
   StepCall call_;       // set in Start, before the engine may call back
