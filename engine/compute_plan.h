@@ -71,6 +71,8 @@ struct ComputeSpec {
   // The caller streams X while the compute runs (ComputeHeader.overlap): planning refuses it
   // with keep_ms or a ticket (plan_ticket.h).
   bool overlap = false;
+  // ComputeHeader.allow_nonfinite_loss: answer a loss that overflowed instead of refusing it.
+  bool allow_nonfinite_loss = false;
 };
 
 struct OutputDesc {
@@ -114,6 +116,8 @@ struct ComputePlan {
   uint32_t keep_ms = 0;
   uint64_t ticket_bytes = 0;
   std::shared_ptr<const Ticket> ticket;
+  // A loss that overflowed is answered, not refused (never with an accumulator or a head).
+  bool allow_nonfinite_loss = false;
   uint64_t host_bytes = 0;       // input and output buffers held on the host
   uint64_t workspace_bytes = 0;  // backend's worst case beyond those
   uint64_t admission_bytes() const { return host_bytes + workspace_bytes; }

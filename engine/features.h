@@ -16,12 +16,16 @@
 namespace lossd {
 
 // Sorted, one line each, with what a client may rely on when it is listed.
-inline constexpr std::array<std::string_view, 6> kServerFeatures = {
+inline constexpr std::array<std::string_view, 7> kServerFeatures = {
     // Hosted heads: CreateHead, Step, ExportHead, GetHeadInfo, DropHead, ComputeHeader.head
     // and its fields, ComputeSummary.head_version / head_added, StateEntry STATE_HEAD.
     "hosted_head",
     // The List RPC: the caller's own weight handles and accumulators, sizes and last use.
     "list_state",
+    // ComputeHeader.allow_nonfinite_loss: a loss that overflowed fp32 from finite inputs is
+    // answered (inf or NaN, with its gradients) instead of refused, except into an
+    // accumulator or a head.
+    "nonfinite_loss",
     // ComputeSummary.nonfinite names the gradients holding NaN or Inf after a Compute, and an
     // accumulator whose sum became non-finite refuses later Computes and fetches
     // (FAILED_PRECONDITION naming the micro-batch) until a reset fetch or a drop.

@@ -45,11 +45,8 @@ absl::Status PlanHead(const ComputeSpec& spec, const TensorDesc& x, HeadStore& h
   }
   if (!spec.head_instance.empty() && spec.head_instance != instance) {
     LOSSD_RETURN_IF_ERROR(CheckIdLength(spec.head_instance, "header.head_instance"));
-    return absl::FailedPreconditionError(absl::StrCat(
-        "header.head_instance '", spec.head_instance, "' is not this server (instance '",
-        instance, "'): head '", ClippedText(spec.head), "' lives on another server instance "
-        "(another replica, or this server before a restart, which lost it unless it was "
-        "exported); import its last export here"));
+    return heads.CheckInstance(spec.head, spec.head_instance, "header.head_instance",
+                               spec.owner);
   }
   LOSSD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, heads.Get(spec.head, spec.owner));
   if (head->broken.load()) {
@@ -218,6 +215,7 @@ absl::Status PlanOptions(const ComputeSpec& spec, const TensorDesc& go, int64_t 
   }
   plan->options = o;
   plan->wanted = spec.wanted;
+  plan->allow_nonfinite_loss = spec.allow_nonfinite_loss;
   plan->grad_dtype = spec.grad_fp32 ? DType::kF32 : plan->dtype;
   return absl::OkStatus();
 }

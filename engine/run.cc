@@ -17,6 +17,7 @@
 #include "core/status_macros.h"
 #include "engine/engine.h"
 #include "engine/finite_check.h"
+#include "engine/overflow_message.h"
 #include "engine/request_checks.h"
 
 namespace lossd {
@@ -154,28 +155,6 @@ void BindOutputs(const ComputePlan& plan, std::vector<HostBuffer>& outputs, Scal
   out->tokens = &s->tokens;
 }
 
-// Finite inputs can still push the loss past fp32 (logits |x . w| > 3.4e38, or a huge
-// lse_square_scale): the request is refused rather than answered with inf or NaN.
-bool LossIsFinite(const ComputePlan& plan, const LossOutputs& out) {
-  const int64_t n = plan.options.reduction == Reduction::kNone ? plan.bt : 1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(out.loss[i])) return false;
-  }
-  return true;
-}
-
-std::string OverflowMessage(const ComputePlan& plan) {
-  if (plan.kind != LossKind::kCrossEntropy) {
-    return absl::StrCat("the loss is not finite (kind ", LossKindName(plan.kind),
-                        "): the logits X W^T (+ b) over the temperature (",
-                        plan.options.temperature, ") or the per-row inputs exceed fp32; scale "
-                        "them down");
-  }
-  return absl::StrCat(
-      "the loss is not finite: the logits X W^T (+ b) or the z-loss (lse_square_scale=",
-      plan.options.z_loss_scale, ") exceed fp32; scale them down");
-}
-
 // The backend's Compute added into `acc` under its lock: refused while the sum is partial or
 // overflowed; any failure leaves it poisoned; a success counts the micro-batch.
 void ComputeIntoAccumulator(Backend& backend, const ComputePlan& plan, const LossProblem& p,
@@ -191,7 +170,7 @@ void ComputeIntoAccumulator(Backend& backend, const ComputePlan& plan, const Los
   r->status = backend.Compute(p, out, &r->stats);
   if (r->status.ok() && !LossIsFinite(plan, out)) {
     r->status = absl::InvalidArgumentError(absl::StrCat(
-        OverflowMessage(plan), " (accumulator '", acc->name, "' received non-finite values "
+        OverflowMessage(backend, plan, p), " (accumulator '", acc->name, "' received non-finite values "
         "and must be dropped)"));
   }
   if (!r->status.ok()) {
@@ -243,7 +222,7 @@ void ComputeIntoHead(Backend& backend, HeadStore& heads, const ComputePlan& plan
   r->status = ValidateLossOutputs(p, out);
   if (r->status.ok()) r->status = backend.Compute(p, out, &r->stats);
   if (r->status.ok() && !LossIsFinite(plan, out)) {
-    r->status = absl::InvalidArgumentError(OverflowMessage(plan));
+    r->status = absl::InvalidArgumentError(OverflowMessage(backend, plan, p));
   }
   if (!r->status.ok()) {
     if (*add) acc.poisoned = true;
@@ -281,7 +260,7 @@ void ComputeHeadForward(Backend& backend, const ComputePlan& plan, const LossPro
   }
   r->status = backend.Compute(p, out, &r->stats);
   if (r->status.ok() && !LossIsFinite(plan, out)) {
-    r->status = absl::InvalidArgumentError(OverflowMessage(plan));
+    r->status = absl::InvalidArgumentError(OverflowMessage(backend, plan, p));
   }
   r->head_version = plan.head_version;
 }
@@ -478,8 +457,10 @@ ComputeOutcome Engine::RunNow(const ComputePlan& plan, InputBuffers& in, bool ch
   } else {
     r.status = backend_->Compute(p, out, &r.stats);
     if (!r.status.ok()) return r;
-    if (!LossIsFinite(plan, out)) {
-      r.status = absl::InvalidArgumentError(OverflowMessage(plan));
+    // Finite inputs can still push the loss past fp32: refused unless the caller asked for
+    // it as computed (a trainer that skips such steps); a sum (accumulator, head) never is.
+    if (!plan.allow_nonfinite_loss && !LossIsFinite(plan, out)) {
+      r.status = absl::InvalidArgumentError(OverflowMessage(*backend_, plan, p));
       return r;
     }
   }

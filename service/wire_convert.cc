@@ -177,6 +177,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
   spec.keep_ms = h.keep_ms();
   spec.ticket = h.ticket();
   spec.overlap = h.overlap();
+  spec.allow_nonfinite_loss = h.allow_nonfinite_loss();
   return spec;
 }
 

@@ -471,7 +471,8 @@ class Client(HeadMethods):
                 head_version=None, rank=0, micro_batch=None, kind="cross_entropy",
                 temperature=None, want_entropy=False, dlogp=None, dentropy=None,
                 advantages=None, old_logp=None, ref_logp=None, policy=None, teacher_x=None,
-                teacher_w=None, teacher_bias=None, distill=None, keep_ms=0, ticket=None):
+                teacher_w=None, teacher_bias=None, distill=None, keep_ms=0, ticket=None,
+                allow_nonfinite_loss=False):
         """Linear + cross-entropy (or another loss kind) forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
@@ -521,6 +522,9 @@ class Client(HeadMethods):
           given; for a ticket taken against a head, rank and micro_batch but not head). An
           expired, consumed or unknown ticket is NotFoundError, one of another server instance
           (a restart, another replica) FailedPreconditionError: send the one-phase call then.
+        allow_nonfinite_loss: a loss that overflows fp32 from finite inputs comes back inf or
+          NaN (result.nonfinite names the gradients holding NaN or Inf) instead of being
+          refused; not into an accumulator or a head (servers listing "nonfinite_loss").
         """
         t_start = time.perf_counter()
         keep_ms = check_keep_ms(keep_ms)
@@ -551,6 +555,9 @@ class Client(HeadMethods):
         if ticket is not None:
             inputs.finish(header, temperature, ignore_index)
         header.keep_ms = keep_ms
+        if allow_nonfinite_loss:
+            self.require_feature("nonfinite_loss", timeout=timeout)
+            header.allow_nonfinite_loss = True
         set_outputs(header, inputs.has_bias, accumulator or head, want_dx=want_dx,
                     want_dw=want_dw, want_db=want_db, want_lse=want_lse, want_z_loss=want_z_loss,
                     want_accuracy=want_accuracy, want_predictions=want_predictions)
