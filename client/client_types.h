@@ -34,7 +34,7 @@ struct ClientOptions {
   // default receive limit would refuse them.
   int max_receive_message_bytes = 256 << 20;
   int max_send_message_bytes = 256 << 20;
-  // Channels to open, each its own TCP connection. One connection tops out near 4.5 GB/s;
+  // Channels to open, each its own TCP connection. One connection tops out near 4.2 GiB/s;
   // concurrent calls round-robin over the channels.
   int connections = 1;
   // Striping: how many connections one big PutWeights or FetchGradients is split over, each

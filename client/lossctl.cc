@@ -143,9 +143,9 @@ Commands:
                     --kind=logprob --keep_ms keeps the forward and prints its ticket, and
                     --ticket --dlogp/--dentropy runs that ticket's backward
   bench             --calls Computes at --concurrency on random data; a progress line each
-                    second, then latency p50/p90/p99, calls/s, tokens/s, GB/s; --put_weights uploads W once; --accumulator
-                    adds every call there, then fetches it with reset (a striped reset
-                    drops it): name one of its own
+                    second, then latency p50/p90/p99, calls/s, tokens/s, GiB/s;
+                    --put_weights uploads W once; --accumulator adds every call there, then
+                    fetches it with reset (a striped reset drops it): name one of its own
   put-weights       upload W [and bias] (--w/--bias or random --v --h); prints the handle
   drop-weights      --handle
   fetch-gradients   --accumulator [--reset] [--out_dir]: the accumulated fp32 dW (and db)
@@ -184,9 +184,9 @@ absl::Status RunInfo(CommandOutput& out) {
   field("backend", info.backend, info.backend);
   field("device", info.device, info.device);
   field("memory_total", info.memory_total_bytes,
-        absl::StrFormat("%d bytes (%s)", info.memory_total_bytes, Gb(info.memory_total_bytes)));
+        absl::StrFormat("%d bytes (%s)", info.memory_total_bytes, Gib(info.memory_total_bytes)));
   field("memory_budget", info.memory_budget_bytes,
-        absl::StrFormat("%d bytes (%s)", info.memory_budget_bytes, Gb(info.memory_budget_bytes)));
+        absl::StrFormat("%d bytes (%s)", info.memory_budget_bytes, Gib(info.memory_budget_bytes)));
   field("memory_in_use", info.memory_in_use_bytes,
         absl::StrFormat("%d bytes", info.memory_in_use_bytes));
   out.Field("weight_cache_bytes", info.weight_cache_bytes,
@@ -214,8 +214,8 @@ void PrintResult(const ComputeResult& res, CommandOutput& out) {
             absl::StrFormat("compute_s   %.6f", res.compute_seconds));
   out.Field("wall_seconds", res.wall_seconds, absl::StrFormat("wall_s      %.6f", res.wall_seconds));
   out.Field("bytes_sent", uint64_t{res.bytes_sent},
-            absl::StrFormat("sent        %s, received %s", Gb(res.bytes_sent),
-                            Gb(res.bytes_received)));
+            absl::StrFormat("sent        %s, received %s", Gib(res.bytes_sent),
+                            Gib(res.bytes_received)));
   out.Field("bytes_received", uint64_t{res.bytes_received}, "");
   if (!absl::GetFlag(FLAGS_head).empty()) {
     out.Field("head_version", uint64_t{res.head_version},
@@ -345,11 +345,10 @@ void PrintBench(const BenchRun& run, int64_t rows, CommandOutput& out) {
   out.Field("calls_per_second", ok / wall, absl::StrFormat("calls/s     %.2f", ok / wall));
   const double tokens = ok * static_cast<double>(rows) / wall;
   out.Field("tokens_per_second", tokens, absl::StrFormat("tokens/s    %.0f", tokens));
-  out.Field("gb_per_second_up", run.sent / wall / 1e9,
-            absl::StrFormat("GB/s        %.3f (up %.3f, down %.3f)",
-                            (run.sent + run.received) / wall / 1e9, run.sent / wall / 1e9,
-                            run.received / wall / 1e9));
-  out.Field("gb_per_second_down", run.received / wall / 1e9, "");
+  const double up = GibPerSecond(run.sent, wall), down = GibPerSecond(run.received, wall);
+  out.Field("gib_per_second_up", up,
+            absl::StrFormat("GiB/s       %.3f (up %.3f, down %.3f)", up + down, up, down));
+  out.Field("gib_per_second_down", down, "");
 }
 
 absl::Status RunBench(CommandOutput& out) {
@@ -367,8 +366,8 @@ absl::Status RunBench(CommandOutput& out) {
     const double s = absl::ToDoubleSeconds(absl::Now() - t0);
     const double bytes = req.w->num_bytes() + (req.bias.has_value() ? req.bias->num_bytes() : 0);
     out.Field("put_weights_seconds", s,
-              absl::StrFormat("put_weights %s in %.3f s (%.3f GB/s) over %d stripe(s), handle %s",
-                              Gb(bytes), s, bytes / s / 1e9, put.stripes, put.handle));
+              absl::StrFormat("put_weights %s in %.3f s (%.3f GiB/s) over %d stripe(s), handle %s",
+                              Gib(bytes), s, GibPerSecond(bytes, s), put.stripes, put.handle));
     req.weight_handle = put.handle;
     dropped_handle = put.handle;
     req.w.reset();
@@ -418,7 +417,8 @@ absl::Status RunPutWeights(CommandOutput& out) {
   out.Field("handle", put.handle, absl::StrFormat("handle      %s", put.handle));
   out.Field("bytes", uint64_t{put.bytes}, absl::StrFormat("bytes       %d (server-side)", put.bytes));
   out.Field("seconds", s,
-            absl::StrFormat("upload      %s in %.3f s (%.3f GB/s)", Gb(bytes), s, bytes / s / 1e9));
+            absl::StrFormat("upload      %s in %.3f s (%.3f GiB/s)", Gib(bytes), s,
+                            GibPerSecond(bytes, s)));
   out.Field("stripes", int64_t{put.stripes}, absl::StrFormat("stripes     %d", put.stripes));
   return absl::OkStatus();
 }
@@ -448,7 +448,8 @@ absl::Status RunFetchGradients(CommandOutput& out) {
   const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   const double bytes = g.dw.num_bytes() + (g.db.has_value() ? g.db->num_bytes() : 0);
   out.Field("seconds", seconds,
-            absl::StrFormat("seconds       %.3f (%.3f GB/s)", seconds, bytes / seconds / 1e9));
+            absl::StrFormat("seconds       %.3f (%.3f GiB/s)", seconds,
+                            GibPerSecond(bytes, seconds)));
   out.Field("stripes", int64_t{g.stripes}, absl::StrFormat("stripes       %d", g.stripes));
   out.Field("ranges", int64_t{g.ranges}, absl::StrFormat("ranges        %d", g.ranges));
   const std::string dir = absl::GetFlag(FLAGS_out_dir);

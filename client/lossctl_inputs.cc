@@ -461,7 +461,12 @@ absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>
   return absl::OkStatus();
 }
 
-std::string Gb(double bytes) { return absl::StrFormat("%.3f GB", bytes / 1e9); }
+// One unit everywhere: the server logs memory in GiB, so lossctl prints sizes and rates in it.
+constexpr double kGib = 1024.0 * 1024.0 * 1024.0;
+
+std::string Gib(double bytes) { return absl::StrFormat("%.2f GiB", bytes / kGib); }
+
+double GibPerSecond(double bytes, double seconds) { return bytes / seconds / kGib; }
 
 absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t,
                          CommandOutput& out) {

@@ -103,8 +103,10 @@ HostTensor RandomFloat(DType dtype, std::vector<int64_t> shape, float scale, uin
 absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::string& name);
 absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path);
 
-// "1.234 GB".
-std::string Gb(double bytes);
+// Bytes in GiB (2^30), as the server's log writes them: "23.54 GiB".
+std::string Gib(double bytes);
+// A rate in GiB/s.
+double GibPerSecond(double bytes, double seconds);
 // `t` as <dir>/<name>.npy, listed in `out` (text: a "wrote" line; JSON: the list "wrote"), so
 // that with --json stdout stays one JSON object.
 absl::Status WriteOutput(const std::string& dir, const std::string& name, const HostTensor& t,

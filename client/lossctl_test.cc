@@ -118,6 +118,13 @@ TEST_F(LossctlTest, Info) {
   EXPECT_THAT(r.output, HasSubstr("backend             cpu"));
   EXPECT_THAT(r.output, HasSubstr("device              fake device"));
   EXPECT_THAT(r.output, HasSubstr("version             0.0-fake"));
+  // Sizes in GiB, the unit of the server's log ("23.54 GiB"), never decimal GB.
+  EXPECT_THAT(r.output, HasSubstr("memory_total        1000 bytes (0.00 GiB)\n"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr(" GB")));
+  r = Lossctl("bench --bt=8 --h=4 --v=16 --calls=2 --warmup=0 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"gib_per_second_up\": "));
+  EXPECT_THAT(r.output, HasSubstr("\"gib_per_second_down\": "));
 }
 
 TEST_F(LossctlTest, ComputeFromNpyFilesWritesEveryOutput) {
@@ -359,7 +366,7 @@ TEST_F(LossctlTest, FileInputsNeedTargets) {
 }
 
 // A .npy whose header claims far more than the file holds: refused, naming the file, the
-// shape and the sizes (lossctl died of std::bad_alloc allocating the claimed 40 GB first).
+// shape and the sizes (lossctl died of std::bad_alloc allocating the claimed 37 GiB first).
 TEST_F(LossctlTest, NpyHeaderLargerThanTheFileIsRefused) {
   std::string file = EncodeNpyHeader(DType::kF32, {100000, 100000});
   file += "12345678";
@@ -478,7 +485,9 @@ TEST_F(LossctlTest, Bench) {
   EXPECT_THAT(r.output, HasSubstr("calls       6 ok, 0 failed"));
   EXPECT_THAT(r.output, HasSubstr("latency_ms  p50 "));
   EXPECT_THAT(r.output, HasSubstr("tokens/s "));
-  EXPECT_THAT(r.output, HasSubstr("GB/s "));
+  EXPECT_THAT(r.output, HasSubstr("GiB/s "));
+  EXPECT_THAT(r.output,
+              ::testing::ContainsRegex("put_weights 0.00 GiB in [0-9.]+ s \\([0-9.]+ GiB/s\\)"));
   absl::MutexLock lock(&fake_.mu);
   EXPECT_EQ(fake_.peers.size(), 2u);   // two connections
   EXPECT_TRUE(fake_.weights.empty());  // the uploaded weights were dropped at the end

@@ -331,7 +331,7 @@ absl::StatusOr<HostTensor> ReadNpy(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", layout.status().message()));
   }
   // The header's shape against the file's size before anything is allocated: a header that
-  // claims (100000, 100000) in a small file would otherwise ask for 40 GB first.
+  // claims (100000, 100000) in a small file would otherwise ask for 37 GiB first.
   struct stat st;
   if (fstat(fileno(f.get()), &st) == 0 && S_ISREG(st.st_mode)) {
     const size_t file_bytes = static_cast<size_t>(st.st_size);

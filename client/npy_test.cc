@@ -252,7 +252,7 @@ TEST(NpyTest, Float64IsReadAsFp32) {
 }
 
 // A header that claims more data than the file holds is refused from the file's size, before
-// the tensor is allocated (a (100000, 100000) fp32 header is 40 GB; allocating first ended in
+// the tensor is allocated (a (100000, 100000) fp32 header is 37 GiB; allocating first ended in
 // std::bad_alloc). The message names the file, the shape and both sizes.
 TEST(NpyTest, HugeShapeInASmallFileIsRefusedBeforeAllocating) {
   struct Case {

@@ -28,7 +28,7 @@ namespace client {
 // Faults in the pages of a freshly allocated receive buffer on a helper thread, front to
 // back, ahead of the copies into it. MADV_POPULATE_WRITE maps pages without touching their
 // contents, so it is safe while received bytes already land. Without it a 2 GiB gradient
-// fetch page-faults inside every receive copy (1.4-1.7 GB/s against 2.4-3.0 into touched
+// fetch page-faults inside every receive copy (1.3-1.6 GiB/s against 2.2-2.8 into touched
 // memory, bench/RESULTS.md). Where the kernel lacks it, it does nothing.
 class PagePopulator {
  public:

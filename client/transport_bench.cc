@@ -137,13 +137,16 @@ int Main() {
           });
         }
         for (auto& t : threads) t.join();
-        const double gbs = conns * bytes / absl::ToDoubleSeconds(absl::Now() - t0) / 1e9;
+        // GiB/s: the one unit lossd and lossctl print sizes and rates in.
+        const double gibs =
+            conns * bytes / absl::ToDoubleSeconds(absl::Now() - t0) / (1024.0 * 1024 * 1024);
         if (failures > 0) return 4;
-        (dir == 0 ? up : down).push_back(gbs);
+        (dir == 0 ? up : down).push_back(gibs);
       }
     }
-    absl::PrintF("connections %d (one %d MiB call on each at once): up %.2f GB/s, down %.2f GB/s\n",
-                 conns, absl::GetFlag(FLAGS_mib), Median(up), Median(down));
+    absl::PrintF(
+        "connections %d (one %d MiB call on each at once): up %.2f GiB/s, down %.2f GiB/s\n",
+        conns, absl::GetFlag(FLAGS_mib), Median(up), Median(down));
   }
   return 0;
 }
