@@ -162,9 +162,7 @@ void LossServer::SetServing(bool serving) {
   }
 }
 
-void LossServer::Shutdown(absl::Duration grace) {
-  if (shut_down_) return;
-  shut_down_ = true;
+void LossServer::StopServing() {
   if (health_.joinable()) {
     // First, so that the health thread cannot turn a draining server SERVING again.
     {
@@ -175,6 +173,12 @@ void LossServer::Shutdown(absl::Duration grace) {
     health_.join();
   }
   SetServing(false);
+}
+
+void LossServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  StopServing();
   engine_->Drain();
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));

@@ -51,8 +51,12 @@ class LossServer {
   int health_port() const { return health_port_; }
   // Marks health SERVING or NOT_SERVING for "" and "lossd.v1.Loss".
   void SetServing(bool serving);
-  // Graceful drain: health NOT_SERVING, refuse new work, let in-flight calls finish until
-  // `grace` has passed, then cancel what is left.
+  // The first step of a drain: health NOT_SERVING on both ports for good (it no longer
+  // follows the backend), while the listener still accepts and every call is still served,
+  // so that load balancers take this server out before it refuses anything.
+  void StopServing();
+  // Graceful drain: StopServing, refuse new work, stop accepting, let in-flight calls finish
+  // until `grace` has passed, then cancel what is left.
   void Shutdown(absl::Duration grace);
   void Wait();
 

@@ -67,9 +67,11 @@ refuse "exceed the cpu backend's host memory of " \
 refuse "--state_idle_ttl must be >= 0 (0 = off); got -1s" --port=0 --state_idle_ttl=-1s
 refuse "--health_port must be in [1, 65535] and not --port, got 70000" --port=0 --health_port=70000
 refuse "--ticket_max_ms must be positive; got 0" --port=0 --ticket_max_ms=0
+refuse "--shutdown_grace must be >= 0; got -1s" --port=0 --shutdown_grace=-1s
 # --max_part_bytes alone is enough: the default --response_part_bytes (4 MiB) follows it down.
 set +e
-got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --max_part_bytes=65536 2>&1)
+got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --max_part_bytes=65536 \
+  --shutdown_grace=0 2>&1)
 set -e
 if ! grep -q "listening on port" <<<"$got"; then
   echo "lossd --max_part_bytes=65536 did not start; printed:"
@@ -86,7 +88,8 @@ if ! grep -qE "$open_warning" <<<"$got"; then
   bad=$((bad + 1))
 fi
 set +e
-got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --address=127.0.0.1 2>&1)
+got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --address=127.0.0.1 \
+  --shutdown_grace=0 2>&1)
 set -e
 if ! grep -q "listening on port" <<<"$got" || grep -qF "in plaintext and without" <<<"$got"; then
   echo "lossd on 127.0.0.1 did not start, or warned of an open listener; printed:"
@@ -96,5 +99,5 @@ fi
 if [ "$bad" -ne 0 ]; then
   exit 1
 fi
-echo "lossd refuses 11 out-of-range flag settings, naming each, starts with --max_part_bytes"
+echo "lossd refuses 12 out-of-range flag settings, naming each, starts with --max_part_bytes"
 echo "alone, and warns of a plaintext listener without tokens off loopback only"

@@ -36,6 +36,7 @@
 #include "engine/instance_id.h"
 #include "service/auth.h"
 #include "service/build_info.h"
+#include "service/drain.h"
 #include "service/head_files.h"
 #include "service/idle_state_sweep.h"
 #include "service/log.h"
@@ -131,7 +132,13 @@ ABSL_FLAG(bool, reflection, false,
 ABSL_FLAG(absl::Duration, state_idle_ttl, absl::ZeroDuration(),
           "Drop weight handles and accumulators no call has named for this long, and log each "
           "(0 = never).");
-ABSL_FLAG(int, drain_seconds, 30, "On SIGTERM/SIGINT, how long in-flight calls may finish.");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
+          "On SIGTERM/SIGINT, how long lossd reports not ready (/readyz 503, gRPC health "
+          "NOT_SERVING) while it still accepts and serves calls, so that load balancers drop "
+          "it first; then the listener closes (a second signal cuts it short; 0 = none).");
+ABSL_FLAG(int, drain_seconds, 30,
+          "After --shutdown_grace, how long in-flight calls may finish before they are "
+          "cancelled.");
 ABSL_FLAG(std::string, log_format, "text",
           "Log lines on stderr: text, or json (one object per line). Each refused or failed "
           "call is a WARNING line (method, peer, code, message), at most 5 a second per "
@@ -197,21 +204,14 @@ int StartFailed(absl::string_view line) {
   return 1;
 }
 
-// Process-wide settings made before any thread starts: malloc's thresholds, and SIGTERM and
-// SIGINT blocked so that Main's wait takes them. Returns the blocked set.
+// Process-wide settings made before lossd starts a thread: malloc's thresholds, and SIGTERM
+// and SIGINT kept for ServeUntilSignalled (TakeStopSignals). Returns their set.
 sigset_t TuneProcess() {
   // gRPC allocates and frees multi-MiB buffers per message; keep glibc from handing them back
   // to the kernel each time (every message would page-fault again).
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, INT_MAX);
-
-  // Signals are taken by a waiting thread, not a handler, so the drain runs in normal code.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  return signals;
+  return TakeStopSignals();
 }
 
 // Starts logging in --log_format (text where that is bad, so the refusal itself is logged).
@@ -244,6 +244,12 @@ bool CheckTransportFlags(TransportSettings* t) {
   if (port < 0 || port > 65535) {
     // getaddrinfo would keep the low 16 bits and bind another port.
     StartFailed(absl::StrCat("INVALID_ARGUMENT: --port must be in [0, 65535], got ", port));
+    return false;
+  }
+  if (const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);
+      grace < absl::ZeroDuration()) {
+    StartFailed(absl::StrCat("INVALID_ARGUMENT: --shutdown_grace must be >= 0; got ",
+                             absl::FormatDuration(grace)));
     return false;
   }
   auto response_part_bytes =
@@ -382,7 +388,8 @@ bool EngineOptionsFromFlags(const Budgets& b, EngineOptions* eo) {
   return true;
 }
 
-// /readyz: the gRPC server is up and not draining (Main sets this), and the backend healthy.
+// /readyz: the gRPC server is up and not draining (ServeUntilSignalled sets it), and the
+// backend healthy.
 std::atomic<bool> accepting{false};
 
 // Starts /metrics, /healthz and /readyz where --metrics_port is not 0 (else leaves *exposer
@@ -473,29 +480,6 @@ void AnnounceStarted(const LossServer& server, const prometheus::Exposer* expose
        {"flags", NonDefaultFlags()}});
 }
 
-// Serves until SIGTERM or SIGINT, then drains for --drain_seconds, exports the heads to
-// --head_export_dir where it is set, and logs it.
-void ServeUntilSignalled(const sigset_t& signals, LossServer& server, Engine& engine) {
-  int sig = 0;
-  accepting = true;
-  sigwait(&signals, &sig);
-  accepting = false;
-  Log(LogLevel::kInfo, "draining",
-      {{"signal", absl::StrCat(sig)},
-       {"drain_seconds", absl::StrCat(absl::GetFlag(FLAGS_drain_seconds))}});
-  const absl::Time drain_started = absl::Now();
-  server.Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
-  LogSuppressedCalls();
-  // After the calls: no Step or Compute can change a head while it is written out.
-  if (const std::string dir = absl::GetFlag(FLAGS_head_export_dir); !dir.empty()) {
-    const HeadFilesReport r = ExportHeadsToDir(engine, dir);
-    Log(r.failed == 0 ? LogLevel::kInfo : LogLevel::kError, "heads exported",
-        {{"dir", dir}, {"exported", absl::StrCat(r.done)}, {"failed", absl::StrCat(r.failed)}});
-  }
-  Log(LogLevel::kInfo, "stopped",
-      {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
-}
-
 int Main() {
   const sigset_t signals = TuneProcess();
   if (!InitLoggingFromFlags()) return 1;
@@ -555,7 +539,11 @@ int Main() {
       !open.empty()) {
     Log(LogLevel::kWarning, open);
   }
-  ServeUntilSignalled(signals, **server, engine);
+  DrainOptions drain;
+  drain.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  drain.drain = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
+  drain.head_export_dir = absl::GetFlag(FLAGS_head_export_dir);
+  ServeUntilSignalled(signals, **server, engine, accepting, drain);
   return 0;
 }
 

@@ -99,20 +99,38 @@ def check_namespaces(dep, objs):
                   "%s/%s in namespace %s" % (o["kind"], o["metadata"]["name"], ns))
 
 
+def duration_seconds(value):
+    """An absl duration flag's value ("5s", "1m30s", "500ms", "0") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"([0-9.]+)(ms|h|m|s)", value or "")
+    if value in (None, "0") or not parts:
+        return 0
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def stop_before_drain(c, args):
+    """Seconds between the kubelet's stop and lossd's drain: a preStop sleep, then
+    --shutdown_grace (lossd's own: not ready while still serving; 5 s left out)."""
+    cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    pre_stop = int(cmd[1]) if len(cmd) == 2 and cmd[0] == "sleep" else 0
+    grace = flag_value(args, "shutdown_grace")
+    return pre_stop + (5 if grace is None else duration_seconds(grace))
+
+
 def check_ports_and_drain(pod, c, ports, args):
     check(ports.get("grpc") == 50051 and ports.get("metrics") == 9464,
           "container ports grpc=50051 and metrics=9464, got %s" % ports)
     check(flag_value(args, "port") == "50051", "--port=50051")
     check(flag_value(args, "metrics_port") == "9464", "--metrics_port=9464")
     drain = int(flag_value(args, "drain_seconds") or 30)
-    pre_stop = 0
-    cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
-    if len(cmd) == 2 and cmd[0] == "sleep":
-        pre_stop = int(cmd[1])
+    before = stop_before_drain(c, args)
+    # Endpoints drop asynchronously after the pod is marked terminating: lossd keeps serving
+    # (not ready) for a few seconds first.
+    check(before >= 3, "--shutdown_grace (plus any preStop) of at least 3 s, got %g" % before)
     grace = pod.get("terminationGracePeriodSeconds", 30)
-    check(grace > drain + pre_stop,
-          "terminationGracePeriodSeconds %d > --drain_seconds %d + preStop %d" % (
-              grace, drain, pre_stop))
+    check(grace > drain + before,
+          "terminationGracePeriodSeconds %d > --drain_seconds %d + --shutdown_grace/preStop %g" % (
+              grace, drain, before))
 
 
 def check_probes(pod, c, ports, args):
@@ -225,15 +243,14 @@ def check_head_export(overlay, dep, by_kind, pod, c, args):
         size = quantity_bytes(spec["resources"]["requests"]["storage"])
         check(size >= head_bytes, "claim %s (%d bytes) holds --head_bytes %d" % (
             claim, size, head_bytes))
-    # The export writes at most --head_bytes, after the preStop pause and the drain.
+    # The export writes at most --head_bytes, after the grace and the drain.
     transfer = head_bytes / HEAD_FILE_BYTES_PER_S
     drain = int(flag_value(args, "drain_seconds") or 30)
-    cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
-    pre_stop = int(cmd[1]) if len(cmd) == 2 and cmd[0] == "sleep" else 0
+    before = stop_before_drain(c, args)
     grace = pod.get("terminationGracePeriodSeconds", 30)
-    need = pre_stop + drain + transfer + EXIT_SECONDS
-    check(grace >= need, "terminationGracePeriodSeconds %d covers preStop %d + drain %d + "
-          "export %.0f + exit %d" % (grace, pre_stop, drain, transfer, EXIT_SECONDS))
+    need = before + drain + transfer + EXIT_SECONDS
+    check(grace >= need, "terminationGracePeriodSeconds %d covers --shutdown_grace/preStop %g + "
+          "drain %d + export %.0f + exit %d" % (grace, before, drain, transfer, EXIT_SECONDS))
     sp = c.get("startupProbe", {})
     window = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)
     check(window >= STARTUP_SECONDS + transfer, "startup probe window %d s covers start-up "
