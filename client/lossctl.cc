@@ -184,9 +184,11 @@ absl::Status RunInfo(CommandOutput& out) {
   field("backend", info.backend, info.backend);
   field("device", info.device, info.device);
   field("memory_total", info.memory_total_bytes,
-        absl::StrFormat("%d bytes (%s)", info.memory_total_bytes, Gib(info.memory_total_bytes)));
+        absl::StrFormat("%d bytes (%s)", info.memory_total_bytes,
+                        BinarySize(info.memory_total_bytes)));
   field("memory_budget", info.memory_budget_bytes,
-        absl::StrFormat("%d bytes (%s)", info.memory_budget_bytes, Gib(info.memory_budget_bytes)));
+        absl::StrFormat("%d bytes (%s)", info.memory_budget_bytes,
+                        BinarySize(info.memory_budget_bytes)));
   field("memory_in_use", info.memory_in_use_bytes,
         absl::StrFormat("%d bytes", info.memory_in_use_bytes));
   out.Field("weight_cache_bytes", info.weight_cache_bytes,
@@ -214,8 +216,8 @@ void PrintResult(const ComputeResult& res, CommandOutput& out) {
             absl::StrFormat("compute_s   %.6f", res.compute_seconds));
   out.Field("wall_seconds", res.wall_seconds, absl::StrFormat("wall_s      %.6f", res.wall_seconds));
   out.Field("bytes_sent", uint64_t{res.bytes_sent},
-            absl::StrFormat("sent        %s, received %s", Gib(res.bytes_sent),
-                            Gib(res.bytes_received)));
+            absl::StrFormat("sent        %s, received %s", BinarySize(res.bytes_sent),
+                            BinarySize(res.bytes_received)));
   out.Field("bytes_received", uint64_t{res.bytes_received}, "");
   if (!absl::GetFlag(FLAGS_head).empty()) {
     out.Field("head_version", uint64_t{res.head_version},
@@ -367,7 +369,8 @@ absl::Status RunBench(CommandOutput& out) {
     const double bytes = req.w->num_bytes() + (req.bias.has_value() ? req.bias->num_bytes() : 0);
     out.Field("put_weights_seconds", s,
               absl::StrFormat("put_weights %s in %.3f s (%.3f GiB/s) over %d stripe(s), handle %s",
-                              Gib(bytes), s, GibPerSecond(bytes, s), put.stripes, put.handle));
+                              BinarySize(bytes), s, GibPerSecond(bytes, s), put.stripes,
+                              put.handle));
     req.weight_handle = put.handle;
     dropped_handle = put.handle;
     req.w.reset();
@@ -417,7 +420,7 @@ absl::Status RunPutWeights(CommandOutput& out) {
   out.Field("handle", put.handle, absl::StrFormat("handle      %s", put.handle));
   out.Field("bytes", uint64_t{put.bytes}, absl::StrFormat("bytes       %d (server-side)", put.bytes));
   out.Field("seconds", s,
-            absl::StrFormat("upload      %s in %.3f s (%.3f GiB/s)", Gib(bytes), s,
+            absl::StrFormat("upload      %s in %.3f s (%.3f GiB/s)", BinarySize(bytes), s,
                             GibPerSecond(bytes, s)));
   out.Field("stripes", int64_t{put.stripes}, absl::StrFormat("stripes     %d", put.stripes));
   return absl::OkStatus();

@@ -114,7 +114,7 @@ void PrintInfo(const HeadInfo& i, CommandOutput& out) {
   out.Field("lr", o.lr, "");
   field("version", uint64_t{i.version}, absl::StrCat(i.version));
   field("optimizer_step", int64_t{i.optimizer_step}, absl::StrCat(i.optimizer_step));
-  field("bytes", uint64_t{i.bytes}, absl::StrFormat("%d (%s)", i.bytes, Gib(i.bytes)));
+  field("bytes", uint64_t{i.bytes}, absl::StrFormat("%d (%s)", i.bytes, BinarySize(i.bytes)));
   field("contributions", uint64_t{i.contributions},
         absl::StrFormat("%d (%d tokens)", i.contributions, i.tokens));
   out.Field("tokens", int64_t{i.tokens}, "");
@@ -266,8 +266,8 @@ absl::Status RunExportCommand(CommandOutput& out) {
                             ShapeString(t.dtype, t.shape)));
   }
   out.Field("bytes", uint64_t{e.bytes},
-            absl::StrFormat("bytes           %s in %.3f s over %d range(s)", Gib(e.bytes), s,
-                            e.ranges));
+            absl::StrFormat("bytes           %s in %.3f s over %d range(s)",
+                            BinarySize(e.bytes), s, e.ranges));
   out.Field("ranges", int64_t{e.ranges}, "");
   return absl::OkStatus();
 }

@@ -464,7 +464,12 @@ absl::Status LoadWeights(std::optional<HostTensor>* w, std::optional<HostTensor>
 // One unit everywhere: the server logs memory in GiB, so lossctl prints sizes and rates in it.
 constexpr double kGib = 1024.0 * 1024.0 * 1024.0;
 
-std::string Gib(double bytes) { return absl::StrFormat("%.2f GiB", bytes / kGib); }
+std::string BinarySize(double bytes) {
+  if (bytes >= kGib) return absl::StrFormat("%.2f GiB", bytes / kGib);
+  if (bytes >= 1024.0 * 1024.0) return absl::StrFormat("%.2f MiB", bytes / (1024.0 * 1024.0));
+  if (bytes >= 1024.0) return absl::StrFormat("%.2f KiB", bytes / 1024.0);
+  return absl::StrFormat("%.0f B", bytes);
+}
 
 double GibPerSecond(double bytes, double seconds) { return bytes / seconds / kGib; }
 

@@ -103,8 +103,9 @@ HostTensor RandomFloat(DType dtype, std::vector<int64_t> shape, float scale, uin
 absl::StatusOr<HostTensor> CastFloat(HostTensor t, DType dtype, const std::string& name);
 absl::StatusOr<std::optional<HostTensor>> ReadOptional(const std::string& path);
 
-// Bytes in GiB (2^30), as the server's log writes them: "23.54 GiB".
-std::string Gib(double bytes);
+// Bytes in binary units, as the server's log writes them: "23.54 GiB", "2.00 MiB",
+// "1.50 KiB", "80 B" (the largest unit the value reaches).
+std::string BinarySize(double bytes);
 // A rate in GiB/s.
 double GibPerSecond(double bytes, double seconds);
 // `t` as <dir>/<name>.npy, listed in `out` (text: a "wrote" line; JSON: the list "wrote"), so

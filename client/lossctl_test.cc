@@ -119,8 +119,11 @@ TEST_F(LossctlTest, Info) {
   EXPECT_THAT(r.output, HasSubstr("device              fake device"));
   EXPECT_THAT(r.output, HasSubstr("version             0.0-fake"));
   // Sizes in GiB, the unit of the server's log ("23.54 GiB"), never decimal GB.
-  EXPECT_THAT(r.output, HasSubstr("memory_total        1000 bytes (0.00 GiB)\n"));
+  EXPECT_THAT(r.output, HasSubstr("memory_total        1000 bytes (1000 B)\n"));
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr(" GB")));
+  r = Lossctl("put-weights --v=1024 --h=1024 --dtype=fp16");  // 2 MiB
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("upload      2.00 MiB in [0-9.]+ s"));
   r = Lossctl("bench --bt=8 --h=4 --v=16 --calls=2 --warmup=0 --json");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("\"gib_per_second_up\": "));
@@ -487,7 +490,7 @@ TEST_F(LossctlTest, Bench) {
   EXPECT_THAT(r.output, HasSubstr("tokens/s "));
   EXPECT_THAT(r.output, HasSubstr("GiB/s "));
   EXPECT_THAT(r.output,
-              ::testing::ContainsRegex("put_weights 0.00 GiB in [0-9.]+ s \\([0-9.]+ GiB/s\\)"));
+              ::testing::ContainsRegex("put_weights 256 B in [0-9.]+ s \\([0-9.]+ GiB/s\\)"));
   absl::MutexLock lock(&fake_.mu);
   EXPECT_EQ(fake_.peers.size(), 2u);   // two connections
   EXPECT_TRUE(fake_.weights.empty());  // the uploaded weights were dropped at the end
