@@ -68,6 +68,13 @@ refuse "--state_idle_ttl must be >= 0 (0 = off); got -1s" --port=0 --state_idle_
 refuse "--health_port must be in [1, 65535] and not --port, got 70000" --port=0 --health_port=70000
 refuse "--ticket_max_ms must be positive; got 0" --port=0 --ticket_max_ms=0
 refuse "--shutdown_grace must be >= 0; got -1s" --port=0 --shutdown_grace=-1s
+# A key that is not the certificate's is named as such (gRPC alone blamed the port).
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+openssl req -x509 -newkey rsa:2048 -nodes -keyout "$tmp/cert.key" -out "$tmp/cert.pem" \
+  -days 2 -subj /CN=localhost >/dev/null 2>&1
+openssl genrsa -out "$tmp/other.key" 2048 >/dev/null 2>&1
+refuse "INVALID_ARGUMENT: --tls_key $tmp/other.key is not the private key of the certificate in \
+--tls_cert $tmp/cert.pem" --port=0 --tls_cert="$tmp/cert.pem" --tls_key="$tmp/other.key"
 # --max_part_bytes alone is enough: the default --response_part_bytes (4 MiB) follows it down.
 set +e
 got=$(timeout 5 "$LOSSD" --backend=cpu --metrics_port=0 --port=0 --max_part_bytes=65536 \
@@ -99,5 +106,5 @@ fi
 if [ "$bad" -ne 0 ]; then
   exit 1
 fi
-echo "lossd refuses 12 out-of-range flag settings, naming each, starts with --max_part_bytes"
-echo "alone, and warns of a plaintext listener without tokens off loopback only"
+echo "lossd refuses 13 bad flag settings, naming each, starts with --max_part_bytes alone, and"
+echo "warns of a plaintext listener without tokens off loopback only"

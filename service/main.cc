@@ -13,6 +13,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
@@ -143,6 +144,10 @@ ABSL_FLAG(std::string, log_format, "text",
           "Log lines on stderr: text, or json (one object per line). Each refused or failed "
           "call is a WARNING line (method, peer, code, message), at most 5 a second per "
           "method and code.");
+ABSL_FLAG(absl::Duration, tls_failure_log_interval, absl::Seconds(10),
+          "TLS handshakes that fail (a plaintext or HTTP client at the TLS port, a client "
+          "certificate refused) are logged as one WARNING per interval, with the count of "
+          "those not logged.");
 ABSL_FLAG(bool, access_log, false,
           "Also log every call: method, peer, code, latency and tensor bytes in and out.");
 
@@ -221,6 +226,7 @@ bool InitLoggingFromFlags() {
   lo.format = format.ok() ? *format : LogFormat::kText;
   lo.access_log = absl::GetFlag(FLAGS_access_log);
   InitLogging(lo);
+  RouteGrpcLogLimitingTlsFailures(absl::GetFlag(FLAGS_tls_failure_log_interval));
   if (!format.ok()) {
     Log(LogLevel::kError, format.status().ToString());
     return false;
@@ -246,11 +252,15 @@ bool CheckTransportFlags(TransportSettings* t) {
     StartFailed(absl::StrCat("INVALID_ARGUMENT: --port must be in [0, 65535], got ", port));
     return false;
   }
-  if (const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);
-      grace < absl::ZeroDuration()) {
-    StartFailed(absl::StrCat("INVALID_ARGUMENT: --shutdown_grace must be >= 0; got ",
-                             absl::FormatDuration(grace)));
-    return false;
+  const std::pair<const char*, absl::Duration> durations[] = {
+      {"shutdown_grace", absl::GetFlag(FLAGS_shutdown_grace)},
+      {"tls_failure_log_interval", absl::GetFlag(FLAGS_tls_failure_log_interval)}};
+  for (const auto& [name, d] : durations) {
+    if (d < absl::ZeroDuration()) {
+      StartFailed(absl::StrCat("INVALID_ARGUMENT: --", name, " must be >= 0; got ",
+                               absl::FormatDuration(d)));
+      return false;
+    }
   }
   auto response_part_bytes =
       CheckPartFlags(absl::GetFlag(FLAGS_max_part_bytes), absl::GetFlag(FLAGS_response_part_bytes),
