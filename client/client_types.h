@@ -62,7 +62,8 @@ struct ClientOptions {
   std::string tls_server_name;
   // When set, every call carries "authorization: Bearer <auth_token>".
   std::string auth_token;
-  // Metadata added to every call.
+  // Metadata added to every call. Not x-request-id (INVALID_ARGUMENT): the client makes a new
+  // one for every call.
   std::vector<std::pair<std::string, std::string>> metadata;
 };
 

@@ -43,6 +43,9 @@ grpc::Status FakeLossService::Compute(
     auto it = ctx->client_metadata().find("authorization");
     last_metadata =
         it == ctx->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size());
+    it = ctx->client_metadata().find("x-request-id");
+    last_request_id =
+        it == ctx->client_metadata().end() ? "" : std::string(it->second.data(), it->second.size());
   }
   if (mode == Mode::kError) return grpc::Status(error_code, error_message);
   absl::Notification* held_now = nullptr;

@@ -79,6 +79,7 @@ class FakeLossService final : public v1::Loss::Service {
   std::map<int, std::string> last_data ABSL_GUARDED_BY(mu);  // each input's bytes, by TensorId
   size_t last_max_part ABSL_GUARDED_BY(mu) = 0;
   std::string last_metadata ABSL_GUARDED_BY(mu);
+  std::string last_request_id ABSL_GUARDED_BY(mu);  // Compute's x-request-id
   std::map<std::string, std::pair<v1::WeightsHeader, Assembler>> weights ABSL_GUARDED_BY(mu);
   struct Accumulator {
     int64_t v = 0, h = 0;

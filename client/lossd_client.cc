@@ -9,6 +9,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client_wire.h"
@@ -94,6 +95,13 @@ absl::StatusOr<std::unique_ptr<LossClient>> LossClient::Create(const ClientOptio
     return absl::InvalidArgumentError(absl::StrCat("stripes must be in [0, ", kMaxStripes,
                                                    "] (0 = the default rule), got ",
                                                    options.stripes));
+  }
+  for (const auto& [key, value] : options.metadata) {
+    if (absl::AsciiStrToLower(key) == kRequestIdKey) {
+      return absl::InvalidArgumentError(
+          "metadata x-request-id: the client makes a new one for every call (each error names "
+          "it, as the server's log line does); leave it out");
+    }
   }
   if (options.stripes > options.connections) {
     return absl::InvalidArgumentError(

@@ -2,7 +2,9 @@
 // weight upload by handle, server-side gradient accumulators, and server info, in plain C++
 // types. Tensor bytes are sent from caller memory without copies and received straight into
 // their output buffers. Never retries a call and never changes a request's semantics: every
-// server error comes back with its gRPC code (1:1 as an absl::StatusCode) and message.
+// server error comes back with its gRPC code (1:1 as an absl::StatusCode) and message. Every
+// call carries a new request id (x-request-id metadata), and its error ends
+// " (request_id <id>)": the server's log lines about the call name the same id.
 //
 //   ClientOptions opts;                      // target localhost:50051, 4 MiB parts
 //   opts.connections = 4;                    // concurrent calls spread over 4 TCP connections;

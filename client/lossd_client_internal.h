@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "client/lossd_client.h"
@@ -25,7 +26,8 @@ struct LossClient::Connection {
 
 namespace internal {
 
-// One unary call on `stub`, on a context that `prepare` sets up (deadline, metadata).
+// One unary call on `stub`, on a context that `prepare` sets up (deadline, metadata), with a
+// new request id, which an error names (WithRequestId).
 template <typename Request, typename Response>
 absl::Status CallUnary(v1::Loss::Stub* stub,
                        grpc::Status (v1::Loss::Stub::*method)(grpc::ClientContext*,
@@ -34,7 +36,9 @@ absl::Status CallUnary(v1::Loss::Stub* stub,
                        const Request& req, Response* resp) {
   grpc::ClientContext ctx;
   prepare(&ctx);
-  return FromGrpcStatus((stub->*method)(&ctx, req, resp));
+  const std::string request_id = NewRequestId();
+  ctx.AddMetadata(kRequestIdKey, request_id);
+  return WithRequestId(FromGrpcStatus((stub->*method)(&ctx, req, resp)), request_id);
 }
 
 }  // namespace internal

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -286,7 +287,43 @@ TEST_P(ErrorCodeTest, ServerCodeAndMessageReachTheCaller) {
   absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
   ASSERT_FALSE(res.ok());
   EXPECT_EQ(static_cast<int>(res.status().code()), static_cast<int>(GetParam()));
-  EXPECT_EQ(res.status().message(), fake_.error_message);
+  absl::MutexLock lock(&fake_.mu);
+  EXPECT_EQ(res.status().message(),
+            absl::StrCat(fake_.error_message, " (request_id ", fake_.last_request_id, ")"));
+}
+
+// Every call carries an id of its own (x-request-id), and its error names the id the server
+// saw, so that the error can be matched with the server's log line.
+TEST_F(LossClientTest, EveryErrorNamesTheRequestIdTheServerSaw) {
+  fake_.error_message = "no such thing";
+  fake_.mode = Mode::kError;  // last: publishes the message to the server's threads
+  auto client = Client(Options());
+  std::set<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<ComputeResult> res = client->Compute(SmallRequest());
+    ASSERT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument) << res.status();
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_THAT(fake_.last_request_id, ::testing::MatchesRegex("[0-9a-f]{16}"));
+    EXPECT_EQ(res.status().message(),
+              absl::StrCat("no such thing (request_id ", fake_.last_request_id, ")"));
+    ids.insert(fake_.last_request_id);
+  }
+  EXPECT_EQ(ids.size(), 3u);  // a new one each call
+  // A unary call's error names its id too.
+  absl::Status drop = client->DropWeights("no-such-handle");
+  EXPECT_EQ(drop.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(drop.message()),
+              ::testing::MatchesRegex("unknown weight handle 'no-such-handle' "
+                                      "\\(request_id [0-9a-f]{16}\\)"));
+}
+
+TEST_F(LossClientTest, MetadataMayNotCarryARequestId) {
+  ClientOptions o = Options();
+  o.metadata = {{"x-request-id", "mine"}};
+  auto client = LossClient::Create(o);
+  ASSERT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(client.status().message()),
+              ::testing::HasSubstr("metadata x-request-id: the client makes a new one"));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -312,7 +349,8 @@ TEST_F(LossClientTest, EarlyErrorWhileSendingALargeTensor) {
     const absl::Time start = absl::Now();
     absl::StatusOr<ComputeResult> res = client->Compute(r);
     EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument) << res.status();
-    EXPECT_EQ(res.status().message(), fake_.error_message);
+    EXPECT_TRUE(absl::StartsWith(res.status().message(), fake_.error_message + " (request_id "))
+        << res.status();
     EXPECT_LT(absl::Now() - start, absl::Seconds(10));
     absl::StatusOr<PutWeightsResult> put = client->PutWeights(*r.w, nullptr);
     ASSERT_TRUE(put.ok()) << put.status();  // the connection is still good

@@ -5,6 +5,10 @@
 #include <thread>
 #include <utility>
 
+#include "absl/random/random.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "grpcpp/support/client_callback.h"
 
 namespace lossd {
@@ -143,6 +147,20 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+std::string NewRequestId() {
+  // One generator per thread: absl::BitGen is not thread-safe, and stripes run on threads.
+  thread_local absl::BitGen gen;
+  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
+}
+
+absl::Status WithRequestId(const absl::Status& s, absl::string_view request_id) {
+  if (s.ok()) return s;
+  absl::Status out(s.code(), absl::StrCat(s.message(), " (request_id ", request_id, ")"));
+  s.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 absl::Status StripeGroup::Run(const std::function<absl::Status(int)>& body) {
   std::vector<std::thread> threads;
   threads.reserve(n_);
@@ -211,11 +229,13 @@ absl::Status RunStream(grpc::GenericStub* stub, const char* method,
                        StripeGroup* group, int stripe, std::function<void()> on_sent) {
   grpc::ClientContext ctx;
   prepare(&ctx);
+  const std::string request_id = NewRequestId();
+  ctx.AddMetadata(kRequestIdKey, request_id);
   if (group != nullptr) group->Register(stripe, &ctx);
   StreamCall stream(std::move(out), std::move(on_message), std::move(on_sent));
   absl::Status status = stream.Run(stub, method, &ctx);
   if (group != nullptr) group->Unregister(stripe);
-  return status;
+  return WithRequestId(status, request_id);
 }
 
 }  // namespace client

@@ -7,10 +7,12 @@
 #define LOSSD_CLIENT_STREAM_CALL_H_
 
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -22,6 +24,17 @@ namespace client {
 // absl::Status with the same code (gRPC and absl codes are numerically equal) and message.
 // (Also declared in client/lossd_client.h, the client's API.)
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// Every call the client makes carries an id of its own in this metadata key; the server
+// names it in its log lines about the call and the client in the call's error, so that the
+// two can be matched (service/request_id.h checks what a server accepts).
+inline constexpr char kRequestIdKey[] = "x-request-id";
+
+// 16 random lowercase hex digits, new for each call.
+std::string NewRequestId();
+
+// `s` with " (request_id <id>)" after its message (same code and payloads); OK stays OK.
+absl::Status WithRequestId(const absl::Status& s, absl::string_view request_id);
 
 // Takes one received message; an error ends the call (it is cancelled) with that error.
 using MessageHandler = std::function<absl::Status(const grpc::ByteBuffer&)>;
@@ -65,7 +78,8 @@ class StripeGroup {
 };
 
 // Runs one streaming call (any of the three streaming kinds: on the wire they are all a
-// stream each way) to its end on a ClientContext of its own, destroyed before this returns:
+// stream each way) to its end on a ClientContext of its own, destroyed before this returns
+// (after `prepare`, it gets a new request id; any error returned names it, WithRequestId):
 // the context holds the call, and the call keeps any slice it did not send (after an early
 // error) until it is destroyed, so a SliceTracker could not finish waiting while it lives.
 // Sends `out` in order and half-closes; hands each reply to `on_message`. Returns the

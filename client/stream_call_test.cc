@@ -3,8 +3,10 @@
 #include "client/stream_call.h"
 
 #include <atomic>
+#include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
@@ -51,6 +53,23 @@ TEST(StripeGroupTest, OnlyAbortedComesBackAsAborted) {
   });
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
   EXPECT_EQ(s.message(), "changed in between");
+}
+
+TEST(WithRequestIdTest, NamesTheIdAfterTheMessageKeepingCodeAndPayloads) {
+  EXPECT_TRUE(WithRequestId(absl::OkStatus(), "abc").ok());
+  absl::Status s = absl::NotFoundError("no accumulator 'a'");
+  s.SetPayload("lossd.test", absl::Cord("p"));
+  absl::Status named = WithRequestId(s, "0123456789abcdef");
+  EXPECT_EQ(named.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(named.message(), "no accumulator 'a' (request_id 0123456789abcdef)");
+  EXPECT_EQ(named.GetPayload("lossd.test"), absl::Cord("p"));
+}
+
+TEST(NewRequestIdTest, SixteenHexDigitsNewEachCall) {
+  const std::string a = NewRequestId();
+  EXPECT_EQ(a.size(), 16u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos) << a;
+  EXPECT_NE(a, NewRequestId());
 }
 
 TEST(FromGrpcStatusTest, KeepsCodeAndMessage) {
