@@ -165,22 +165,42 @@ def test_a_server_without_the_feature_is_told(client):
         c.close()
 
 
-def test_ranks_that_disagree_are_refused_and_the_barrier_waits_for_the_right_call(client, head):
+def test_ranks_that_disagree_are_all_refused_and_the_sum_is_kept(client, head):
+    """The rank already waiting hears of the disagreement at once (not after the server's
+    --head_step_timeout), as the rank that disagrees does; an agreed Step then applies the
+    kept sum."""
     import threading
 
     _, _, x, t = _data(8)
     for r in range(2):
         client.compute(x, None, t, head=head, head_version=0, rank=r, micro_batch=0,
                        grad_scale=0.5)
+
+    def rank0(got):
+        try:
+            got[0] = client.step(head, 0, rank=0, world_size=2, lr=0.1, timeout=60)
+        except lossd.LossdError as e:
+            got[0] = e
+
+    def wait_for_rank0():
+        deadline = time.monotonic() + 30
+        while client.head_info(head).ranks_waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     got = {}
-    first = threading.Thread(target=lambda: got.setdefault(
-        0, client.step(head, 0, rank=0, world_size=2, lr=0.1)))
+    first = threading.Thread(target=rank0, args=(got,))
     first.start()
-    deadline = time.monotonic() + 30
-    while client.head_info(head).ranks_waiting < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_rank0()
     with pytest.raises(lossd.FailedPreconditionError, match="every rank of a step must agree"):
         client.step(head, 0, rank=1, world_size=2, lr=0.2)
+    first.join(30)
+    assert isinstance(got[0], lossd.FailedPreconditionError), got
+    assert "lr 0.2" in str(got[0]) and "lr 0.1" in str(got[0]), got[0]
+    assert client.head_info(head).contributions == 2
+    got = {}
+    first = threading.Thread(target=rank0, args=(got,))
+    first.start()
+    wait_for_rank0()
     got[1] = client.step(head, 0, rank=1, world_size=2, lr=0.1)
     first.join(30)
     assert got[0] == got[1] and got[1].applied and got[1].contributions == 2
