@@ -147,6 +147,41 @@ absl::Status Update(Backend& b, Head& head, double lr, float coef, int64_t step)
   return absl::OkStatus();
 }
 
+// The apply of a completed barrier (STEP_FULL or STEP_APPLY): skip, refuse (nothing to
+// apply, or a sum that is not finite), or update W and clear the step. OK: the version moves.
+absl::Status ApplyOrSkip(Backend& b, Head& head, const StepCall& call, double lr,
+                         int64_t opt_step, StepResult& r, bool& keep_sum)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu) {
+  if (call.skip) return ClearStep(b, head);
+  if (r.contributions == 0) {
+    // torch's optimizers leave a parameter without a gradient as it is; applying an empty
+    // sum would still run weight decay and advance AdamW's step count.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the Step of ", HeadWhat(head.name), " version ", r.version, " has no contributions "
+        "(no Compute added into it, or its gradients were dropped): nothing was applied, so "
+        "W, the optimizer state and the step count are unchanged; redo the step's Computes "
+        "at version ", r.version, " and call Step again, or call Step with skip to move past "
+        "it"));
+  }
+  if (!r.finite) {
+    keep_sum = true;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the summed gradient of ", HeadWhat(head.name), " is not finite (norm ", r.grad_norm,
+        "): nothing was applied; call Step with skip (as GradScaler skips an fp16 step) to "
+        "drop it"));
+  }
+  r.clip_coef = call.clip_coef ? *call.clip_coef
+                : call.max_norm ? ClipCoefOf(*call.max_norm, r.grad_norm)
+                                : 1.0f;
+  absl::Status s = Update(b, head, lr, r.clip_coef, opt_step + 1);
+  if (!s.ok()) {
+    head.broken.store(true);
+    return s;
+  }
+  r.applied = true;
+  return ClearStep(b, head);
+}
+
 // A call answered without joining the barrier: a retried step's result again, or a refusal.
 // `disagrees`: the call names the step with another version, phase or arguments than the
 // head or the ranks at its barrier, so those ranks cannot complete the step with this one.
@@ -335,28 +370,8 @@ void HeadStore::Impl::LaunchPhase(std::shared_ptr<Head> head, StepCall call,
       }
       bool applied_or_skipped = false;
       if (s.ok() && call.phase != StepPhase::kReduce) {
-        if (call.skip) {
-          s = ClearStep(*b, *head);
-          applied_or_skipped = s.ok();
-        } else if (!r.finite) {
-          keep_sum = true;
-          s = absl::FailedPreconditionError(absl::StrCat(
-              "the summed gradient of ", HeadWhat(head->name), " is not finite (norm ",
-              r.grad_norm, "): nothing was applied; call Step with skip (as GradScaler "
-              "skips an fp16 step) to drop it"));
-        } else {
-          r.clip_coef = call.clip_coef ? *call.clip_coef
-                        : call.max_norm ? ClipCoefOf(*call.max_norm, r.grad_norm)
-                                        : 1.0f;
-          s = Update(*b, *head, lr, r.clip_coef, opt_step + 1);
-          if (!s.ok()) {
-            head->broken.store(true);
-          } else {
-            r.applied = true;
-            s = ClearStep(*b, *head);
-            applied_or_skipped = s.ok();
-          }
-        }
+        s = ApplyOrSkip(*b, *head, call, lr, opt_step, r, keep_sum);
+        applied_or_skipped = s.ok();
       } else if (!s.ok() && !head->broken.load()) {
         ClearStep(*b, *head).IgnoreError();  // a dropped step: the poisoned sum goes
       }

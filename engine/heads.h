@@ -236,7 +236,9 @@ class HeadStore {
   // A rank's Step. `done` is called once, on an executor or watchdog thread, or inline for an
   // immediate refusal. A call that disagrees with the step (version, phase, world_size, lr,
   // clip, skip) is refused together with every rank waiting at its barrier (FAILED_PRECONDITION
-  // naming both argument sets); nothing runs, W and the step's sum are kept.
+  // naming both argument sets); nothing runs, W and the step's sum are kept. A STEP_FULL or
+  // STEP_APPLY of a step with no contributions is refused (FAILED_PRECONDITION): W never
+  // moves on nothing (a skip still moves the version on).
   void Step(const StepCall& call, const std::string& caller,
             std::function<void(absl::StatusOr<StepResult>)> done);
 

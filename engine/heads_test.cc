@@ -421,6 +421,49 @@ TEST_F(HeadsTest, RanksThatDisagreeAreAllRefusedAtOnce) {
   }
 }
 
+// A Step with nothing added moves nothing (torch leaves a parameter without a gradient as it
+// is): refused naming the head and the version; a skip still moves past it.
+TEST_F(HeadsTest, AStepWithNoContributionsIsRefusedAndMovesNothing) {
+  ASSERT_TRUE(Create("h", AdamW(), true).ok());  // weight decay 0.1 on W, 0.02 on the bias
+  ASSERT_TRUE(Compute("h", 0, 0, 0, 30, true).status.ok());
+  ASSERT_TRUE(StepAll(StepCall{"h", 0, 0, 1})[0].ok());  // the state is not zero any more
+  const auto before = Export("h");
+  auto full = StepAll(StepCall{"h", 1, 0, 1});
+  EXPECT_TRUE(Has(full[0].status(), absl::StatusCode::kFailedPrecondition,
+                  "the Step of head 'h' version 1 has no contributions") &&
+              Has(full[0].status(), absl::StatusCode::kFailedPrecondition,
+                  "redo the step's Computes at version 1 and call Step again, or call Step "
+                  "with skip"))
+      << full[0].status();
+  // Two phases: the reduce reports the empty sum, the apply is refused.
+  StepCall reduce{"h", 1, 0, 1}, apply{"h", 1, 0, 1};
+  reduce.phase = StepPhase::kReduce;
+  apply.phase = StepPhase::kApply;
+  auto r = StepAll(reduce);
+  ASSERT_TRUE(r[0].ok()) << r[0].status();
+  EXPECT_EQ(r[0]->contributions, 0u);
+  EXPECT_TRUE(Has(StepAll(apply)[0].status(), absl::StatusCode::kFailedPrecondition,
+                  "has no contributions"));
+  auto info = e_.heads().Info("h", "");
+  EXPECT_EQ(info->version, 1u);
+  EXPECT_EQ(info->optimizer_step, 1);
+  EXPECT_EQ(Export("h"), before);  // W, the bias, the optimizer state and the copy
+  StepCall skip{"h", 1, 0, 1};
+  skip.skip = true;
+  auto skipped = StepAll(skip);
+  ASSERT_TRUE(skipped[0].ok()) << skipped[0].status();
+  EXPECT_FALSE(skipped[0]->applied);
+  EXPECT_EQ(skipped[0]->version, 2u);
+  EXPECT_EQ(e_.heads().Info("h", "")->optimizer_step, 1);
+  EXPECT_EQ(Export("h"), before);
+  // The step's Computes redone, the Step applies.
+  ASSERT_TRUE(Compute("h", 2, 0, 0, 31, true).status.ok());
+  auto applied = StepAll(StepCall{"h", 2, 0, 1});
+  ASSERT_TRUE(applied[0].ok()) << applied[0].status();
+  EXPECT_TRUE(applied[0]->applied);
+  EXPECT_EQ(e_.heads().Info("h", "")->optimizer_step, 2);
+}
+
 TEST_F(HeadsTest, SkipDropsTheGradientsAndKeepsW) {
   ASSERT_TRUE(Create("h", AdamW(), true).ok());
   auto before = Export("h");
@@ -511,6 +554,7 @@ TEST_F(HeadsTest, ExportThenImportContinuesBitForBit) {
 TEST_F(HeadsTest, ARangeOfAnOlderVersionIsRefused) {
   ASSERT_TRUE(Create("h", AdamW(), false).ok());
   ASSERT_TRUE(e_.heads().CheckExport("h", 0, 0, 16, "").ok());
+  ASSERT_TRUE(Compute("h", 0, 0, 0, 20, false).status.ok());
   ASSERT_TRUE(StepAll(StepCall{"h", 0, 0, 1})[0].ok());
   EXPECT_TRUE(Has(e_.heads().Export("h", 0, 16, 32, "").status(),
                   absl::StatusCode::kFailedPrecondition, "export again"));

@@ -29,7 +29,9 @@ class RemoteHeadOptimizer(torch.optim.Optimizer):
       head's ranks (it returns once every rank has called it); the head's version then
       advances. `last_result` holds its StepResult. A summed gradient that is not finite is
       refused (FailedPreconditionError) unless a GradScaler is attached; step(skip=True) then
-      drops it, W unchanged.
+      drops it, W unchanged. So is a step with nothing in it (no forward and backward since
+      the last step, or its gradients dropped): W never moves on nothing; redo the step's
+      forward and backward, or step(skip=True) to move past it.
     max_norm: clip the head alone by its own norm (clip_grad_norm_ over the head's weight and
       bias), on the server, in the same one barrier; clip_grad_norm_ below clips backbone and
       head together instead.
@@ -90,15 +92,22 @@ class RemoteHeadOptimizer(torch.optim.Optimizer):
                                 dtype=torch.float32)
             self._clip = float(torch.clamp(self.max_norm / (norm + 1e-6), max=1.0))
         coef = _combine(self._clip, inv)
-        if self._reduced is None and not scaled:
-            # One barrier: reduce and apply together (the server clips by max_norm itself).
-            r = head.step_phase("full", lr=lr, clip_coef=coef, skip=bool(skip),
-                                max_norm=self.max_norm if coef is None else None)
-            skipped = bool(skip)
-        else:
-            red = self.reduce()
-            skipped = bool(skip) or not red.finite
-            r = head.step_phase("apply", lr=lr, clip_coef=coef, skip=skipped)
+        try:
+            if self._reduced is None and not scaled:
+                # One barrier: reduce and apply together (the server clips by max_norm).
+                r = head.step_phase("full", lr=lr, clip_coef=coef, skip=bool(skip),
+                                    max_norm=self.max_norm if coef is None else None)
+                skipped = bool(skip)
+            else:
+                red = self.reduce()
+                skipped = bool(skip) or not red.finite
+                r = head.step_phase("apply", lr=lr, clip_coef=coef, skip=skipped)
+        except errors.LossdError:
+            # A refused apply (an empty step, ranks that disagree, a timeout) leaves the
+            # version where it was; the next step() asks for the reduce again (the server
+            # answers one it still holds), so step(skip=True) can move past it.
+            self._reduced = self._clip = None
+            raise
         if scaled:
             _record_found_inf(scaler, self, skipped)
         head.stepped(r)

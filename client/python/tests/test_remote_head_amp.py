@@ -148,6 +148,37 @@ def test_skip_keeps_w_and_drops_the_gradients(client, heads):
     assert info.contributions == 0 and info.optimizer_step == 0
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_step_with_no_contributions_moves_nothing(client, heads, scaled):
+    """A Step with no Compute in it (a trainer that retries only the Step after its gradients
+    were dropped) is refused naming the head and the version: W, the optimizer state and the
+    step count stay (torch leaves a parameter without a gradient as it is). step(skip=True)
+    then moves past it, under a GradScaler (two phases) too, and the next step applies."""
+    name, w, b = _new_head(client, heads, ADAMW, 26, "empty")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if scaled else None
+    mod = RemoteLMHead(name, client=client, grad_scaler=scaler)
+    opt = mod.optimizer()
+    before = client.export_head(name)
+    with pytest.raises(lossd.FailedPreconditionError,
+                       match="version 0 has no contributions") as e:
+        opt.step()
+    assert "call Step with skip" in str(e.value), e.value
+    after = client.export_head(name)
+    assert after.version == 0 and after.optimizer_step == 0
+    for n in before.tensors:
+        assert np.asarray(before.tensors[n]).tobytes() == np.asarray(
+            after.tensors[n]).tobytes(), "%s changed in a refused empty step" % n
+    opt.step(skip=True)
+    assert not opt.last_result.applied and mod.version == 1
+    assert client.head_info(name).optimizer_step == 0
+    x, t = make_batch(2600)
+    loss = mod(x.requires_grad_(), t)
+    (scaler.scale(loss) if scaled else loss).backward()
+    opt.step()
+    assert opt.last_result.applied and mod.version == 2
+    assert client.head_info(name).optimizer_step == 1
+
+
 @pytest.mark.parametrize("how", ["clip_grad_norm_", "optimizer_max_norm", "max_norm_amp"])
 def test_head_alone_clipped_by_max_norm(client, heads, how):
     """The head clipped by its own norm, as torch's clip_grad_norm_ over its weight and bias:
