@@ -1,0 +1,23 @@
+"""lossd inside the training frameworks people already use. Importing this package imports
+nothing heavy: each framework's hook lives in its own module, loaded on first use, and needs
+that framework installed (`pip install "lossd[integrations]"`).
+
+Hugging Face Transformers (lossd.integrations.transformers):
+
+    from lossd.integrations import apply_lossd
+    model = AutoModelForCausalLM.from_config(config)
+    apply_lossd(model, "lossd:50051")            # the loss (forward with labels) on lossd
+
+docs/integrations.md lists the modes, what each sends per micro-batch and what is not covered.
+"""
+
+
+def apply_lossd(model, client_or_address, mode="loss", **kwargs):
+    """lossd.integrations.transformers.apply_lossd: a Hugging Face causal LM's loss (and, with
+    mode="head", its head) computed by lossd. Imports torch and transformers."""
+    from lossd.integrations import transformers as _hf
+
+    return _hf.apply_lossd(model, client_or_address, mode=mode, **kwargs)
+
+
+__all__ = ["apply_lossd"]
