@@ -61,18 +61,18 @@ void ServeUntilSignalled(const sigset_t& signals, LossServer& server, Engine& en
   // Not ready, on every probe, before anything is refused.
   ready = false;
   server.StopServing();
+  // The fields in the order they had before --shutdown_grace (log queries match them); the
+  // listener closes when the grace is over, which "draining" says, so it has no line of its own.
   Log(LogLevel::kInfo, "draining",
       {{"signal", absl::StrCat(sig)},
-       {"shutdown_grace", absl::FormatDuration(options.shutdown_grace)},
-       {"drain_seconds", absl::StrCat(absl::ToInt64Seconds(options.drain))}});
+       {"drain_seconds", absl::StrCat(absl::ToInt64Seconds(options.drain))},
+       {"shutdown_grace", absl::FormatDuration(options.shutdown_grace)}});
   const absl::Time drain_started = absl::Now();
   if (options.shutdown_grace > absl::ZeroDuration()) {
     if (const int again = WaitGrace(signals, options.shutdown_grace); again != 0) {
       Log(LogLevel::kInfo, "second signal: grace cut short", {{"signal", absl::StrCat(again)}});
     }
   }
-  Log(LogLevel::kInfo, "closing the listener; calls in flight may finish",
-      {{"drain_seconds", absl::StrCat(absl::ToInt64Seconds(options.drain))}});
   server.Shutdown(options.drain);
   LogSuppressedCalls();
   // After the calls: no Step or Compute can change a head while it is written out.
