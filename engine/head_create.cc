@@ -273,6 +273,8 @@ absl::StatusOr<HeadSummary> HeadStore::CommitCreate(std::unique_ptr<PendingHead>
     }
   }
   std::shared_ptr<Head> head = p->head;
+  head->exported_by = p->spec.exported_by;  // before the map publishes the head
+  head->imported_version = p->spec.version;
   {
     absl::MutexLock lock(&head->mu);
     head->version = p->spec.version;

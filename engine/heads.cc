@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "engine/head_internal.h"
+#include "engine/message_bounds.h"
 
 namespace lossd {
 
@@ -174,6 +175,44 @@ HeadSpec HeadStore::SpecOf(const HeadSummary& s) {
 absl::StatusOr<HeadSummary> HeadStore::Info(const std::string& name, const std::string& caller) {
   LOSSD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, impl_->Get(name, caller));
   return Impl::Summarize(*head);
+}
+
+absl::Status HeadStore::CheckInstance(const std::string& name, const std::string& named,
+                                      absl::string_view field, const std::string& caller) {
+  const std::string& instance = impl_->options.instance;
+  if (named.empty() || named == instance) return absl::OkStatus();
+  const std::string what = HeadWhat(ClippedText(name));
+  const std::string wrong = absl::StrCat(field, " '", ClippedText(named),
+                                         "' is not this server (instance '", instance, "'): ");
+  std::shared_ptr<Head> head;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    auto it = impl_->map.find(name);
+    if (it != impl_->map.end() && OwnerAllows(it->second->owner, caller)) head = it->second;
+  }
+  if (head != nullptr && head->exported_by == named) {
+    // A server restarted with --head_export_dir: the caller's head came back with it.
+    return absl::FailedPreconditionError(absl::StrCat(
+        wrong, what, " is here: this server imported it as it started, from the export "
+        "instance '", named, "' wrote as it stopped (--head_export_dir), at version ",
+        head->imported_version, ". Nothing needs importing: call HeadInfo (head_info) for its "
+        "instance and version, and name instance '", instance, "' from now on"));
+  }
+  if (head != nullptr) {
+    uint64_t version;
+    {
+      absl::MutexLock lock(&head->mu);
+      version = head->version;
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        wrong, what, " lived on server instance '", ClippedText(named), "'; a head of that "
+        "name is here (version ", version, "), created or imported since: call HeadInfo "
+        "(head_info) to check that it is the one you mean"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      wrong, what, " lives on server instance '", ClippedText(named), "' (another replica, or "
+      "this server before a restart, which loses every head it had not exported); create or "
+      "import the head here"));
 }
 
 absl::Status HeadStore::Drop(const std::string& name, const std::string& caller) {

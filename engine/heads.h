@@ -66,6 +66,9 @@ struct HeadSpec {
   uint64_t version = 0;
   int64_t optimizer_step = 0;
   bool with_state = false;  // the optimizer's state tensors are sent (else zero)
+  // The server instance that wrote the export this spec imports, where this server imports
+  // its own drain's export at start (--head_export_dir); "" otherwise. For messages only.
+  std::string exported_by;
 };
 
 // One parameter (W or the bias) of a head, all in backend memory.
@@ -128,6 +131,10 @@ struct Head {
   // The current step's non-ignored tokens, readable without grad->mu (which a Compute holds
   // for its whole run).
   std::atomic<int64_t> step_tokens{0};
+  // The instance whose export this head was imported from at start, and the version then
+  // (HeadSpec::exported_by); set before the head is named, never changed.
+  std::string exported_by;
+  uint64_t imported_version = 0;
   // Set when an update failed midway: the master may be half stepped, so the head refuses
   // every later Compute and Step (import its last export).
   std::atomic<bool> broken{false};
@@ -256,6 +263,13 @@ class HeadStore {
   static HeadSpec SpecOf(const HeadSummary& s);
 
   absl::StatusOr<HeadSummary> Info(const std::string& name, const std::string& caller);
+  // OK when `named` (a request's head_instance, the field `field`) is empty or this server's
+  // instance; else FAILED_PRECONDITION. Where head `name` is here, the caller's, imported at
+  // start from the export that instance `named` wrote as it stopped, the message says the
+  // head is here (imported at version N) and to call HeadInfo for this instance; else that
+  // the head lives on another instance.
+  absl::Status CheckInstance(const std::string& name, const std::string& named,
+                             absl::string_view field, const std::string& caller);
   // Forgets the name; waiting Steps and parked Computes fail (NOT_FOUND: dropped).
   absl::Status Drop(const std::string& name, const std::string& caller);
   std::vector<StateInfo> List(const std::string& caller) const;

@@ -577,6 +577,53 @@ TEST_F(HeadsTest, ABadSpecIsRefusedNamingTheField) {
   EXPECT_EQ(e_.heads().bytes(), 0u);
 }
 
+// A call naming the instance whose export this server imported as it started
+// (--head_export_dir) is told that the head is here and what to call, not to import it.
+TEST_F(HeadsTest, ACallNamingTheInstanceAHeadWasImportedFromIsToldItIsHere) {
+  HeadSpec spec;
+  spec.name = "h";
+  spec.v = kV;
+  spec.h = kH;
+  spec.optimizer = Sgd();
+  spec.version = 3;
+  spec.exported_by = "before-restart";
+  auto c = e_.heads().BeginCreate(spec, "");
+  ASSERT_TRUE(c.ok() && c->pending) << c.status();
+  std::vector<float> w(kV * kH, 0.5f);
+  ASSERT_TRUE(e_.heads().WriteCreate(*c->pending, HeadTensor::kMasterW, 0, w.data(),
+                                     w.size() * 4).ok());
+  ASSERT_TRUE(e_.heads().CommitCreate(std::move(c->pending)).ok());
+  ASSERT_TRUE(Create("created-here", Sgd(), false).ok());
+  EXPECT_TRUE(e_.heads().CheckInstance("h", "", "f", "").ok());
+  // A Compute naming the old instance.
+  RandomProblem rp = MicroBatch(10, false);
+  ComputeSpec cs = ComputeSpecFor(rp);
+  cs.inputs[static_cast<int>(InputSlot::kW)].present = false;
+  cs.head = "h";
+  cs.head_version = 3;
+  cs.head_instance = "before-restart";
+  const absl::Status s = e_.Plan(cs).status();
+  EXPECT_TRUE(Has(s, absl::StatusCode::kFailedPrecondition,
+                  "header.head_instance 'before-restart' is not this server") &&
+              Has(s, absl::StatusCode::kFailedPrecondition,
+                  "head 'h' is here: this server imported it as it started, from the export "
+                  "instance 'before-restart' wrote as it stopped (--head_export_dir), at "
+                  "version 3") &&
+              Has(s, absl::StatusCode::kFailedPrecondition, "call HeadInfo (head_info)"))
+      << s;
+  EXPECT_EQ(std::string(s.message()).find("import its last export"), std::string::npos) << s;
+  // Another instance, a head created here, a head not here: not "imported".
+  EXPECT_TRUE(Has(e_.heads().CheckInstance("h", "elsewhere", "f", ""),
+                  absl::StatusCode::kFailedPrecondition,
+                  "lived on server instance 'elsewhere'; a head of that name is here (version "
+                  "3)"));
+  EXPECT_TRUE(Has(e_.heads().CheckInstance("created-here", "before-restart", "f", ""),
+                  absl::StatusCode::kFailedPrecondition, "a head of that name is here"));
+  EXPECT_TRUE(Has(e_.heads().CheckInstance("gone", "before-restart", "f", ""),
+                  absl::StatusCode::kFailedPrecondition,
+                  "head 'gone' lives on server instance 'before-restart'"));
+}
+
 class SmallHeadsTest : public HeadsTest {
  protected:
   static EngineOptions Small() {

@@ -41,10 +41,10 @@ absl::Status ExportHeadReactor::Start(const grpc::ByteBuffer& raw_request) {
       ReadStreamedRequest(raw_request, "ExportHead", service_->options(), &request);
   if (!part_bytes.ok()) return part_bytes.status();
   part_bytes_ = *part_bytes;
-  LOSSD_RETURN_IF_ERROR(
-      CheckHeadInstance(request.head_instance(), service_->options().instance, request.head()));
   head_ = request.head();
   principal_ = service_->Principal(ctx_);
+  LOSSD_RETURN_IF_ERROR(service_->engine()->heads().CheckInstance(
+      head_, request.head_instance(), "ExportHeadRequest.head_instance", principal_));
   if (request.has_version()) version_ = request.version();
   auto range = service_->engine()->heads().CheckExport(
       head_, version_, request.range_begin(), request.range_end(), principal_);

@@ -183,6 +183,7 @@ absl::Status ImportHeadFromFile(Engine& engine, const std::string& path, std::st
   auto spec = HeadSpecFromWire(header.head(), "the file's header.head");
   if (!spec.ok()) return spec.status();
   *name = spec->name;
+  spec->exported_by = header.instance();  // a call naming that instance learns it is here
   auto created = engine.heads().BeginCreate(*spec, *owner);
   if (!created.ok()) return created.status();
   if (created->existing.has_value()) return absl::OkStatus();  // the same head is here

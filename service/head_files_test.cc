@@ -107,6 +107,35 @@ TEST(HeadFilesTest, EveryHeadComesBackWithItsOwnerAndItsBytes) {
   EXPECT_EQ(ExportBytes(*after, "b", ""), b);
 }
 
+// After a restart with --head_export_dir, a call naming the instance before the restart is
+// told that its head is here (imported at its version), not to import it; a caller that
+// does not own the head learns nothing of it.
+TEST(HeadFilesTest, ACallNamingTheInstanceBeforeTheRestartIsToldTheHeadIsHere) {
+  const std::string dir = TempDir("restarted");
+  {
+    auto before = NewEngine("one");
+    MakeHead(*before, "run/a", "p1", 1);
+    ASSERT_EQ(ExportHeadsToDir(*before, dir).done, 1);
+  }
+  auto after = NewEngine("two");
+  ASSERT_EQ(ImportHeadsFromDir(*after, dir).done, 1);
+  const absl::Status s =
+      after->heads().CheckInstance("run/a", "one", "StepRequest.head_instance", "p1");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  for (const std::string want :
+       {"StepRequest.head_instance 'one' is not this server (instance 'two')",
+        "head 'run/a' is here: this server imported it as it started, from the export "
+        "instance 'one' wrote as it stopped (--head_export_dir), at version 5",
+        "call HeadInfo (head_info) for its instance and version, and name instance 'two'"}) {
+    EXPECT_NE(std::string(s.message()).find(want), std::string::npos) << want << "\n" << s;
+  }
+  const absl::Status other =
+      after->heads().CheckInstance("run/a", "one", "StepRequest.head_instance", "p2");
+  EXPECT_NE(std::string(other.message()).find("create or import the head here"),
+            std::string::npos)
+      << other;
+}
+
 TEST(HeadFilesTest, BrokenFilesAreRefusedAndKept) {
   const std::string dir = TempDir("broken");
   {

@@ -415,8 +415,11 @@ TEST_F(HeadServiceTest, StepAndExportRefusals) {
   step.set_world_size(1);
   step.set_head_instance("another-instance");
   v1::StepResponse out;
+  // Head 'h' is here, but no call learned of it as on 'another-instance': the head of that
+  // name here may not be the one the caller means.
   ExpectStatus(Step(h_.stub(), step, &out), grpc::StatusCode::FAILED_PRECONDITION,
-               "head 'h' lives on server instance 'another-instance'");
+               "head 'h' lived on server instance 'another-instance'; a head of that name is "
+               "here (version 0)");
   step.clear_head_instance();
   step.set_phase(static_cast<v1::StepPhase>(7));
   ExpectStatus(Step(h_.stub(), step, &out), grpc::StatusCode::INVALID_ARGUMENT,
@@ -443,7 +446,7 @@ TEST_F(HeadServiceTest, StepAndExportRefusals) {
   ex.set_response_part_bytes(0);
   ex.set_head_instance("another-instance");
   ExpectStatus(Export(h_.stub(), ex).status, grpc::StatusCode::FAILED_PRECONDITION,
-               "lives on server instance 'another-instance'");
+               "ExportHeadRequest.head_instance 'another-instance' is not this server");
   ex.clear_head_instance();
   ex.set_version(5);
   ExpectStatus(Export(h_.stub(), ex).status, grpc::StatusCode::FAILED_PRECONDITION,

@@ -230,16 +230,6 @@ v1::TensorSpec HeadTensorSpec(HeadTensor t, int64_t v, int64_t h, DType copy_dty
   return bias ? TensorSpecToWire(dtype, {v}) : TensorSpecToWire(dtype, {v, h});
 }
 
-absl::Status CheckHeadInstance(const std::string& expected, const std::string& instance,
-                               const std::string& head) {
-  if (expected.empty() || expected == instance) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "head '", ClippedText(head), "' lives on server instance '", ClippedText(expected),
-      "', not on this one ('", instance,
-      "'): another replica, or this server before a restart, which loses every head it had "
-      "not exported; create or import the head here"));
-}
-
 void StateEntryToWire(const StateInfo& s, v1::StateEntry* e) {
   switch (s.kind) {
     case StateInfo::Kind::kWeights: e->set_kind(v1::STATE_WEIGHTS); break;

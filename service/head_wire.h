@@ -46,12 +46,6 @@ v1::TensorId HeadTensorToWire(HeadTensor t);
 // bias's.
 v1::TensorSpec HeadTensorSpec(HeadTensor t, int64_t v, int64_t h, DType copy_dtype);
 
-// A request's head_instance against this server's: empty or equal is OK; else
-// FAILED_PRECONDITION saying the head lives on another instance (or lived here before a
-// restart, which loses heads that were not exported).
-absl::Status CheckHeadInstance(const std::string& expected, const std::string& instance,
-                               const std::string& head);
-
 // List's entry for one piece of state (weight handle, accumulator or head).
 void StateEntryToWire(const StateInfo& s, v1::StateEntry* e);
 

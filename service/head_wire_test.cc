@@ -241,11 +241,7 @@ TEST(HeadWireTest, HeadTensorIds) {
   EXPECT_EQ(b.shape(0), 47);
 }
 
-TEST(HeadWireTest, InstanceAndListEntries) {
-  EXPECT_TRUE(CheckHeadInstance("", "a", "h").ok());
-  EXPECT_TRUE(CheckHeadInstance("a", "a", "h").ok());
-  ExpectRefused(CheckHeadInstance("b", "a", "h"), absl::StatusCode::kFailedPrecondition,
-                "head 'h' lives on server instance 'b', not on this one ('a')");
+TEST(HeadWireTest, ListEntries) {
   StateInfo s;
   s.kind = StateInfo::Kind::kHead;
   s.name = "h";
