@@ -27,6 +27,23 @@ def _grad_kw(runtime, upstream=1.0):
     return dict(accumulator=runtime.accumulator, grad_scale=float(upstream) * runtime.grad_scale)
 
 
+def _nonfinite_kw(runtime, grad_kw):
+    """compute()'s allow_nonfinite_loss for a scalar loss's call: a loss that overflows fp32
+    (a KL term exp(ref_logp - logp) past ~88.7) then comes back inf, with its non-finite
+    gradients, as Liger-Kernel's losses return it for the trainer to skip the step. Not for
+    a call into an accumulator (the server refuses there, naming what overflowed), nor where
+    the server does not list "nonfinite_loss" (asked once per runtime)."""
+    if grad_kw.get("accumulator") is not None:
+        return {}
+    if runtime.nonfinite_loss is None:
+        try:
+            runtime.client.require_feature("nonfinite_loss", timeout=runtime.timeout)
+            runtime.nonfinite_loss = True
+        except errors.UnimplementedError:
+            runtime.nonfinite_loss = False
+    return {"allow_nonfinite_loss": True} if runtime.nonfinite_loss else {}
+
+
 def _grad_dtype(x):
     # fp16 gradients lose small values to underflow before any loss scale is applied (the
     # scalar losses apply the upstream gradient afterwards): fp32, cast on arrival.

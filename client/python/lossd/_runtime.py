@@ -88,6 +88,9 @@ class LossdRuntime:
         self.two_phase_counts = collections.Counter()
         self.two_phase_logged = set()
         self.two_phase_paused_until = 0.0
+        # Whether the server answers a loss that overflowed (feature "nonfinite_loss"), asked
+        # once by lossd.rl's scalar losses (lossd._rl_common._nonfinite_kw); None = not yet.
+        self.nonfinite_loss = None
 
     # -- eager accumulation under activation checkpointing ------------------------------
 

@@ -26,7 +26,8 @@ grad_scale = upstream gradient x the runtime's grad_scale, as lossd.nn's deferre
 import torch
 
 from lossd import errors
-from lossd._rl_common import _fp32, _grad, _grad_dtype, _grad_kw, _int64, _once, _runtime
+from lossd._rl_common import (_fp32, _grad, _grad_dtype, _grad_kw, _int64, _nonfinite_kw, _once,
+                              _runtime)
 from lossd._rl_logprob import DEFAULT_KEEP_MS, LossdLogprobFunction, logprob_entropy
 from lossd._two_phase import check_keep_ms
 from lossd.nn import LossdRuntime
@@ -327,7 +328,7 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                                    advantages=adv.reshape(-1), old_logp=_fp32(old_per_token_logps),
                                    ref_logp=ref, policy=policy, want_dx=want_dx,
                                    want_dw=want_dw, want_db=want_db, grad_dtype=_grad_dtype(x2),
-                                   **grad_kw)
+                                   **_nonfinite_kw(runtime, grad_kw), **grad_kw)
 
         metric_names = ("kl", "clip_fraction") if self.beta != 0 else ("clip_fraction",)
         loss, *metrics = _ScalarLossFunction.apply(x2, lin_weight, bias, call, runtime,
@@ -376,7 +377,7 @@ class LossdFusedLinearJSD(_OnServer):
                     teacher_x=tx, grad_dtype="fp32" if fp32 else _grad_dtype(x2))
 
         def call(want_dx, want_dw, want_db, **grad_kw):
-            kw = dict(opts, **grad_kw)
+            kw = dict(opts, **_nonfinite_kw(runtime, grad_kw), **grad_kw)
             tw, tb = self._teacher(teacher_weight, teacher_bias)
             try:
                 return runtime.compute(x2, student_weight, labels, student_bias, teacher_w=tw,
