@@ -22,8 +22,9 @@ def fetch_whole(client, accumulator, reset, rpb, timeout):
                                    accumulator_instance=client._acc_instance(accumulator))
     asm = Assembler("FetchGradients")
     header = None
+    kw = client._call_kwargs(timeout)
     try:
-        for msg in client._stub.FetchGradients(req, **client._call_kwargs(timeout)):
+        for msg in client._stub.FetchGradients(req, **kw):
             kind = msg.WhichOneof("kind")
             if kind == "header":
                 if header is not None:
@@ -37,7 +38,7 @@ def fetch_whole(client, accumulator, reset, rpb, timeout):
                     raise errors.ProtocolError("part before header", method="FetchGradients")
                 asm.add(msg.part)
     except grpc.RpcError as e:
-        err = errors.from_rpc_error(e, "FetchGradients")
+        err = errors.from_rpc_error(e, "FetchGradients", kw)
         refused = header is None and isinstance(err, errors.ResourceExhaustedError)
     else:
         refused = False
@@ -62,6 +63,7 @@ def fetch_range(client, stub, accumulator, begin, end, rpb, kw, on_header, group
                                    range_begin=begin, range_end=end,
                                    accumulator_instance=client._acc_instance(accumulator))
     header, recv, db_bytes, call = None, None, 0, None
+    kw = errors.with_new_request_id(kw)  # each range is a call of its own
     try:
         call = stub.FetchGradients(req, **kw)
         if group is not None:
@@ -83,7 +85,7 @@ def fetch_range(client, stub, accumulator, begin, end, rpb, kw, on_header, group
                     raise errors.ProtocolError("part before header", method="FetchGradients")
                 recv.add(msg.part, db_bytes)
     except grpc.RpcError as e:
-        raise errors.from_rpc_error(e, "FetchGradients") from None
+        raise errors.from_rpc_error(e, "FetchGradients", kw) from None
     except BaseException:
         if call is not None:
             call.cancel()  # a reply that broke the contract: stop the stream

@@ -276,10 +276,11 @@ class HeadMethods:
 
     def _head_rpc(self, method, request, timeout):
         self.require_feature("hosted_head", timeout=timeout)
+        kw = self._call_kwargs(timeout)
         try:
-            return getattr(self._stub, method)(request, **self._call_kwargs(timeout))
+            return getattr(self._stub, method)(request, **kw)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, method) from None
+            raise errors.from_rpc_error(e, method, kw) from None
 
     def create_head(self, name, w, bias=None, *, optimizer=None, compute_dtype=None, state=None,
                     version=0, optimizer_step=0, timeout=None):
@@ -502,8 +503,9 @@ class HeadMethods:
                                    response_part_bytes=rpb, range_begin=begin, range_end=end,
                                    head_instance=self._head_instance(str(head)))
         header, recv = None, None
+        kw = self._call_kwargs(timeout)
         try:
-            for msg in self._stub.ExportHead(req, **self._call_kwargs(timeout)):
+            for msg in self._stub.ExportHead(req, **kw):
                 kind = msg.WhichOneof("kind")
                 if kind == "header":
                     if header is not None:
@@ -530,7 +532,7 @@ class HeadMethods:
                         raise errors.ProtocolError("part before header", method="ExportHead")
                     recv.add(msg.part)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "ExportHead") from None
+            raise errors.from_rpc_error(e, "ExportHead", kw) from None
         if recv is None:
             raise errors.ProtocolError("no header in reply", method="ExportHead")
         recv.finish()

@@ -104,7 +104,9 @@ class Client(HeadMethods):
       never. At most `connections` (so with one connection striping is off).
     wait_for_ready: wait for the server to become reachable (until the deadline) instead of
       failing fast with UnavailableError.
-    metadata: [(key, value)] added to every call.
+    metadata: [(key, value)] added to every call. Not x-request-id (InvalidArgumentError): the
+      client sends a new one with every call, and every LossdError names it (`request_id`),
+      as the server's log lines about the call do.
     auth_token: a bearer token (servers started with --auth_tokens_file); sent as
       "authorization: Bearer <token>" metadata.
     tls_ca_file / tls_cert_file / tls_key_file: PEM files for TLS (servers started with
@@ -157,6 +159,10 @@ class Client(HeadMethods):
         self.timeout = timeout
         self._wait_ready = bool(wait_for_ready)  # not wait_for_ready: that is a method
         self.metadata = tuple(metadata or ())
+        if any(str(k).lower() == errors.REQUEST_ID_KEY for k, _ in self.metadata):
+            raise errors.InvalidArgumentError(
+                "metadata x-request-id: the client makes a new one for every call (each error "
+                "names it, as the server's log line does); leave it out")
         if auth_token:
             self.metadata += (("authorization", "Bearer %s" % auth_token),)
         if (tls_cert_file is None) != (tls_key_file is None):
@@ -262,10 +268,9 @@ class Client(HeadMethods):
         t = self.timeout if timeout is None else timeout
         if t is not None and t == float("inf"):
             t = None
-        kw = {"timeout": t, "wait_for_ready": self._wait_ready}
-        if self.metadata:
-            kw["metadata"] = self.metadata
-        return kw
+        # A new request id each call: the server logs it and every error names it.
+        return {"timeout": t, "wait_for_ready": self._wait_ready,
+                "metadata": self.metadata + ((errors.REQUEST_ID_KEY, errors.new_request_id()),)}
 
     def wait_for_ready(self, timeout=30.0):
         """Blocks until the channel connects; raises UnavailableError after `timeout` s."""
@@ -282,20 +287,21 @@ class Client(HeadMethods):
 
         self._check_open("Health.Check")
         stub = health_pb2_grpc.HealthStub(self.channel)
+        kw = self._call_kwargs(timeout)
         try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=service),
-                              **self._call_kwargs(timeout))
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), **kw)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "Health.Check") from None
+            raise errors.from_rpc_error(e, "Health.Check", kw) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     # -- RPCs ---------------------------------------------------------------------------
 
     def server_info(self, timeout=None):
+        kw = self._call_kwargs(timeout)
         try:
-            r = self._stub.ServerInfo(pb.ServerInfoRequest(), **self._call_kwargs(timeout))
+            r = self._stub.ServerInfo(pb.ServerInfoRequest(), **kw)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "ServerInfo") from None
+            raise errors.from_rpc_error(e, "ServerInfo", kw) from None
         info = ServerInfo(**{f.name: getattr(r, f.name) for f in dataclasses.fields(ServerInfo)})
         info.features = list(info.features)
         return info
@@ -356,11 +362,12 @@ class Client(HeadMethods):
                                 dtype=dtype_name(wdt), has_bias=barr is not None, stripes=n)
 
         if stripes <= 1:
+            kw = self._call_kwargs(timeout)
             try:
                 r = self._stub.PutWeights(requests(header, 0, warr.nbytes, barr is not None),
-                                          **self._call_kwargs(timeout))
+                                          **kw)
             except grpc.RpcError as e:
-                raise errors.from_rpc_error(e, "PutWeights") from None
+                raise errors.from_rpc_error(e, "PutWeights", kw) from None
             return result(r, 1)
         return result(self._put_weights_striped(header, warr, stripes, requests, barr is not None,
                                                 timeout), stripes)
@@ -371,7 +378,7 @@ class Client(HeadMethods):
         elems = int(warr.size)
         upload_id = secrets.token_hex(16)
         stubs = self._next_stubs(stripes)
-        kw = self._call_kwargs(timeout)
+        kws = [self._call_kwargs(timeout) for _ in range(stripes)]  # an id each
         replies = [None] * stripes
         group = StripeGroup(stripes, _ABORTED_GRACE_S)
         elem = warr.itemsize
@@ -386,12 +393,12 @@ class Client(HeadMethods):
             head.w_begin = begin
             head.w_end = end
             fut = stubs[i].PutWeights.future(
-                requests(head, begin, end, i == 0 and has_bias), **kw)
+                requests(head, begin, end, i == 0 and has_bias), **kws[i])
             group.register(i, fut)
             try:
                 replies[i] = fut.result()
             except grpc.RpcError as e:
-                raise errors.from_rpc_error(e, "PutWeights") from None
+                raise errors.from_rpc_error(e, "PutWeights", kws[i]) from None
             except grpc.FutureCancelledError:
                 raise errors.CancelledError("cancelled: another stripe failed",
                                             method="PutWeights") from None
@@ -404,11 +411,11 @@ class Client(HeadMethods):
         return replies[0]
 
     def drop_weights(self, handle, *, timeout=None):
+        kw = self._call_kwargs(timeout)
         try:
-            self._stub.DropWeights(pb.DropWeightsRequest(handle=str(handle)),
-                                   **self._call_kwargs(timeout))
+            self._stub.DropWeights(pb.DropWeightsRequest(handle=str(handle)), **kw)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "DropWeights") from None
+            raise errors.from_rpc_error(e, "DropWeights", kw) from None
 
     def fetch_gradients(self, accumulator, *, reset=False, response_part_bytes=None,
                         timeout=None):
@@ -441,10 +448,11 @@ class Client(HeadMethods):
         created; everything on a server that checks none), as StateEntry. Needs a server with
         the "list_state" feature (UnimplementedError naming it otherwise)."""
         self.require_feature("list_state", timeout=timeout)
+        kw = self._call_kwargs(timeout)
         try:
-            r = self._stub.List(pb.ListRequest(), **self._call_kwargs(timeout))
+            r = self._stub.List(pb.ListRequest(), **kw)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "List") from None
+            raise errors.from_rpc_error(e, "List", kw) from None
         return [StateEntry(kind=_STATE_KINDS.get(e.kind, str(e.kind)), name=e.name,
                            bytes=e.bytes, last_used_unix_ms=e.last_used_unix_ms,
                            micro_batches=e.micro_batches, version=e.version)
@@ -455,11 +463,11 @@ class Client(HeadMethods):
         server answers: the next compute into that name may begin a new sum anywhere."""
         with self._acc_lock:
             self._acc_instances.pop(accumulator, None)
+        kw = self._call_kwargs(timeout)
         try:
-            self._stub.DropAccumulator(pb.DropAccumulatorRequest(accumulator=accumulator),
-                                       **self._call_kwargs(timeout))
+            self._stub.DropAccumulator(pb.DropAccumulatorRequest(accumulator=accumulator), **kw)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "DropAccumulator") from None
+            raise errors.from_rpc_error(e, "DropAccumulator", kw) from None
 
     def compute(self, x, w, targets, *, bias=None, class_weights=None, grad_output=None,
                 ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
@@ -576,12 +584,13 @@ class Client(HeadMethods):
                                                inputs.has_bias))
         asm = Assembler("Compute", into)
         reader = ReplyReader(asm, overlapped)
+        kw = self._call_kwargs(timeout)
         try:
             for msg in self._stub.Compute(compute_requests(header, inputs.inline, self.part_bytes),
-                                          **self._call_kwargs(timeout)):
+                                          **kw):
                 reader.add(msg)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "Compute") from None
+            raise errors.from_rpc_error(e, "Compute", kw) from None
         summary = reader.finish()
         tensors = asm.finish()
         res = result_of(summary, tensors, into, wall_seconds=time.perf_counter() - t_start,

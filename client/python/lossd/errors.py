@@ -1,25 +1,47 @@
 """Exceptions of the lossd client: one LossdError subclass per gRPC status code.
 
-Every error carries the gRPC code, the server's message and the method. Inputs the client can
-reject before sending raise InvalidArgumentError too (also a ValueError), so callers handle
-bad input one way wherever it is caught.
+Every error carries the gRPC code, the server's message, the method and the call's request
+id. Inputs the client can reject before sending raise InvalidArgumentError too (also a
+ValueError), so callers handle bad input one way wherever it is caught.
 """
+
+import secrets
 
 import grpc
 
+# Every call carries an id of its own in this metadata key; the server names it in its log
+# lines about the call (or makes one where a client sent none) and sends it back.
+REQUEST_ID_KEY = "x-request-id"
+
+
+def new_request_id():
+    """16 random lowercase hex digits, new for each call."""
+    return secrets.token_hex(8)
+
+
+def with_new_request_id(call_kwargs):
+    """A copy of a call's keyword arguments (Client._call_kwargs) with a new request id."""
+    md = tuple(m for m in call_kwargs.get("metadata") or () if m[0] != REQUEST_ID_KEY)
+    return dict(call_kwargs, metadata=md + ((REQUEST_ID_KEY, new_request_id()),))
+
 
 class LossdError(Exception):
-    """A failed lossd call. `code` is a grpc.StatusCode, `message` the server's text."""
+    """A failed lossd call. `code` is a grpc.StatusCode, `message` the server's text,
+    `request_id` the call's id (x-request-id), which the server's log lines about the call
+    name; None for an error raised before any call was made."""
 
     code = grpc.StatusCode.UNKNOWN
+    request_id = None
 
-    def __init__(self, message, code=None, method=None):
+    def __init__(self, message, code=None, method=None, request_id=None):
         if code is not None:
             self.code = code
         self.message = message
         self.method = method
+        self.request_id = request_id
         where = "%s: " % method if method else ""
-        super().__init__("%s%s: %s" % (where, self.code.name, message))
+        rid = " (request_id %s)" % request_id if request_id else ""
+        super().__init__("%s%s: %s%s" % (where, self.code.name, message, rid))
 
     @property
     def code_name(self):
@@ -161,9 +183,37 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(err, method=None):
-    """Turns a grpc.RpcError into the matching LossdError subclass."""
+def _metadata_value(metadata, key):
+    for k, v in metadata or ():
+        if k == key:
+            return v
+    return None
+
+
+def request_id_of(err, call_kwargs=None):
+    """The call's request id: the one the server sent back (its initial metadata, or the
+    trailing metadata of a reply that was only a status), else the one the call sent
+    (`call_kwargs`' metadata; the server never answered), else None."""
+    for name in ("initial_metadata", "trailing_metadata"):
+        get = getattr(err, name, None)
+        if get is None:
+            continue
+        try:
+            rid = _metadata_value(get(), REQUEST_ID_KEY)
+        except Exception:  # noqa: BLE001: an error object without live metadata
+            rid = None
+        if rid:
+            return rid
+    if call_kwargs:
+        return _metadata_value(call_kwargs.get("metadata"), REQUEST_ID_KEY)
+    return None
+
+
+def from_rpc_error(err, method=None, call_kwargs=None):
+    """Turns a grpc.RpcError into the matching LossdError subclass, naming the call's request
+    id (request_id_of; `call_kwargs`: what the call was made with, Client._call_kwargs)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, LossdError)
-    return cls(details or "", code=code, method=method)
+    return cls(details or "", code=code, method=method,
+               request_id=request_id_of(err, call_kwargs))
