@@ -88,18 +88,26 @@ absl::StatusOr<PooledClient::Placement> PooledClient::Route(const std::string& k
       p = it->second;
     }
   }
-  p.endpoint = FirstFor(key, p.excluded);
+  p.endpoint = FirstFor(key, p.previous);
   p.instance.clear();  // not placed: nothing there to lose yet
   return p;
 }
 
-std::string PooledClient::FirstFor(const std::string& key,
-                                   const std::set<std::string>& excluded) {
+std::string PooledClient::FirstFor(const std::string& key, const std::string& lost_on) {
+  return lost_on.empty() ? pool_->Order(key).front() : HomeOrder(key, lost_on).front();
+}
+
+std::vector<std::string> PooledClient::HomeOrder(const std::string& key,
+                                                 const std::string& lost_on) {
+  // Order() first: it resolves again and probes replicas whose down time is over.
   const std::vector<std::string> order = pool_->Order(key);
-  for (const std::string& e : order) {
-    if (excluded.count(e) == 0) return e;
+  std::vector<std::string> up, down;
+  for (std::string& e : OrderAfterLoss(key, order, lost_on)) {
+    (pool_->IsDown(e) ? down : up).push_back(std::move(e));
   }
-  return order.front();
+  up.insert(up.end(), down.begin(), down.end());
+  up.push_back(lost_on);
+  return up;
 }
 
 std::optional<std::string> PooledClient::Lost(const std::string& endpoint,
@@ -158,9 +166,7 @@ absl::Status PooledClient::MarkLost(const std::string& key, const Placement& p,
 }
 
 std::string PooledClient::NextAfterLoss(const std::string& key, const Placement& p) {
-  std::set<std::string> excluded = p.excluded;
-  excluded.insert(p.endpoint);
-  return FirstFor(key, excluded);
+  return FirstFor(key, p.endpoint);
 }
 
 std::string PooledClient::AccumulatorLostMessage(const std::string& acc,
@@ -444,7 +450,7 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeInto(const std::string& key,
       if (!r.ticket.empty()) return TicketGone(r.ticket, p->endpoint, *lost);
       continue;
     }
-    if (!acc) return MarkLost(key, *p, HeadLostMessage(r.head, p->endpoint, *lost));
+    if (!acc) return MarkLost(key, *p, HeadLostMessage(r.head, *p, *lost));
     return MarkLost(key, *p,
                     AccumulatorLostMessage(r.accumulator, p->endpoint, *lost,
                                            NextAfterLoss(key, *p)));

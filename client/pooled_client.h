@@ -31,10 +31,14 @@
 //   last export (PoolOptions::import_rank); Compute, Step and ExportHead of it fail so until
 //   this client's CreateHead, ImportHead or GetHeadInfo finds it again. A pool meeting a head
 //   for the first time looks for it along its order, so it finds a head that moved.
-// An accumulator or head lost on a replica is placed anew on the next one of its order, the
-// replica that lost it passed over even when it is back (restarted): as the Python client
-// does, so every rank of a job looks for an imported head in one place. Weights and ranks,
-// which hold nothing another process looks for, stay on a replica restarted in place.
+// An accumulator or head lost on a replica is placed anew on the replica after it in its
+// order, wrapping around (OrderAfterLoss), never on the one that lost it even when it is back
+// (restarted): a function of the replica list and the lost replica only, computed alike by
+// both clients, so every rank of a job imports and looks for a head in one place whichever
+// rank met the loss first. A CreateHead or ImportHead of a head placed on a replica first asks
+// that replica's instance: one that restarted lost the head, and the call goes to the home
+// after the loss instead of making a second head there. Weights and ranks, which hold nothing
+// another process looks for, stay on a replica restarted in place.
 // A two-phase log-prob backward (ComputeRequest::ticket) goes to the replica whose forward
 // took the ticket (the pool remembers it until ComputeResult::ticket_expires_unix_ms, for the
 // newest PoolOptions::tickets_kept), never to another: no other replica holds the ticket. A
@@ -154,8 +158,8 @@ class PooledClient {
     // is under way (one may have been added just before its replica went).
     bool empty = true;
     int in_flight = 0;
-    // Replicas it was lost on: placed anew, it goes to the next replica of its order (the
-    // same rule in both clients, so that every rank looks for a head where it was imported).
+    // Replicas it was lost on (a two-phase backward's accumulator is not placed there
+    // again). Placed anew, it goes by OrderAfterLoss(`previous`).
     std::set<std::string> excluded;
   };
   struct Weights;
@@ -181,8 +185,12 @@ class PooledClient {
   // Forgets an empty accumulator's replica (to move it) when this is the only Compute into
   // it under way; false when it holds, or may hold, a sum.
   bool MoveIfEmpty(const std::string& key, const std::string& endpoint);
-  // The first of the key's order not in `excluded` (the first at all when every one is).
-  std::string FirstFor(const std::string& key, const std::set<std::string>& excluded);
+  // Where a key not placed goes: the first of its order (replicas marked down last), or,
+  // after it was lost on `lost_on`, the first of HomeOrder.
+  std::string FirstFor(const std::string& key, const std::string& lost_on);
+  // OrderAfterLoss(key, the replicas, lost_on), those marked down last, then `lost_on`
+  // itself (a pool of one replica places it there again).
+  std::vector<std::string> HomeOrder(const std::string& key, const std::string& lost_on);
   // pool_->LostReason; a lost replica takes every weights handle on it along.
   std::optional<std::string> Lost(const std::string& endpoint, const absl::Status& failure,
                                   const std::string& instance);
@@ -210,8 +218,9 @@ class PooledClient {
                                             const CallOptions& call);
   // Where a key lost on `p.endpoint` is placed anew.
   std::string NextAfterLoss(const std::string& key, const Placement& p);
-  std::string HeadLostMessage(const std::string& head, const std::string& endpoint,
-                              const std::string& reason) const;
+  // Names the replica the import goes to: NextAfterLoss.
+  std::string HeadLostMessage(const std::string& head, const Placement& p,
+                              const std::string& reason);
   std::string AccumulatorLostMessage(const std::string& acc, const std::string& endpoint,
                                      const std::string& reason, const std::string& next);
   // Route for a head: a pool meeting a head for the first time looks for it along the head's
@@ -223,10 +232,12 @@ class PooledClient {
   absl::StatusOr<HeadExport> ExportOn(
       const std::string& head, const CallOptions& call,
       const std::function<absl::StatusOr<HeadExport>(LossClient*)>& run);
-  // CreateHead or ImportHead: `create` on the head's replica, the next ones while unreachable.
+  // CreateHead or ImportHead: `create` on the head's replica (where it is, else its home),
+  // the home after the loss where that replica restarted or is unreachable.
   absl::StatusOr<CreateHeadResult> CreateOrImport(
       const std::string& head,
-      const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create);
+      const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create,
+      const CallOptions& call);
 
   // Two-phase tickets (pooled_tickets.cc). A forward that took one (res.ticket set) on
   // `endpoint` remembers it, within PoolOptions::tickets_kept.

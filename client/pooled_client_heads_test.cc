@@ -157,6 +157,63 @@ TEST_P(HeadLossTest, NamesTheImportingRankAndTheRedoneStepMatchesOneServer) {
 
 INSTANTIATE_TEST_SUITE_P(StoppedOrRestarted, HeadLossTest, ::testing::Bool());
 
+// The head's replica restarts between steps (empty, alive, another instance). One rank's pool
+// meets the loss in a Compute; the other's has not when it imports: it must not create a
+// second head on the restarted replica, but import where the first rank's error said, so
+// that one head exists and the redone step completes. Both orders: rank 1 meets the loss and
+// rank 0 imports unaware, or rank 0 meets it and imports and rank 1 imports unaware.
+class HeadRestartTest : public PoolTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(HeadRestartTest, EveryRankImportsOnOneHomeWhicheverMeetsTheLossFirst) {
+  const bool rank0_first = GetParam();
+  std::unique_ptr<PooledClient> rank1 = NewPool(1);
+  PooledClient* rank0 = pool_.get();
+  const std::vector<std::string> order = Order(HeadKey(kHead));
+  const int home = IndexOf(order[0]);
+  const CreateHeadRequest create = NewHead();
+  ASSERT_TRUE(rank0->CreateHead(create).ok());
+  WholeStep(rank0, rank1.get(), 0);  // both pools have placed the head on its home
+  absl::StatusOr<HeadExport> checkpoint = rank0->ExportHead(kHead);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  Restart(home);
+
+  PooledClient* first = rank0_first ? rank0 : rank1.get();
+  absl::StatusOr<ComputeResult> met = first->Compute(HeadBatch(1, rank0_first ? 0 : 1, 0));
+  ASSERT_EQ(met.status().code(), absl::StatusCode::kAborted) << met.status();
+  EXPECT_THAT(std::string(met.status().message()),
+              HasSubstr(absl::StrCat("ImportHead, which goes to replica ", order[1])));
+
+  absl::StatusOr<CreateHeadResult> by0 = rank0->ImportHead(*checkpoint);
+  ASSERT_TRUE(by0.ok()) << by0.status();
+  ASSERT_EQ(rank0->ReplicaOf(HeadKey(kHead)), order[1]);
+  EXPECT_TRUE(by0->created);
+  absl::StatusOr<CreateHeadResult> by1 = rank1->ImportHead(*checkpoint);
+  ASSERT_TRUE(by1.ok()) << by1.status();
+  ASSERT_EQ(rank1->ReplicaOf(HeadKey(kHead)), order[1]);
+  EXPECT_FALSE(by1->created);  // the same head, imported once
+  EXPECT_EQ(EngineOf(home).heads().count(), 0u);
+  EXPECT_EQ(EngineOf(IndexOf(order[1])).heads().count(), 1u);
+  EXPECT_EQ(EngineOf(IndexOf(order[2])).heads().count(), 0u);
+  for (PooledClient* c : {rank0, rank1.get()}) {
+    EXPECT_EQ(c->counters().heads_lost, 1u);  // met once: by the Compute or at the import
+    EXPECT_EQ(c->counters().moves, 1u);
+  }
+
+  WholeStep(rank0, rank1.get(), 1);  // the redone step completes, on one head
+  absl::StatusOr<HeadExport> got = rank1->ExportHead(kHead);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(reference_->CreateHead(create).ok());
+  WholeStep(reference_.get(), reference_.get(), 0);
+  WholeStep(reference_.get(), reference_.get(), 1);
+  absl::StatusOr<HeadExport> want = reference_->ExportHead(kHead);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(got->spec.version, 2u);
+  EXPECT_EQ(PoolMismatch(&got->tensors.at(HeadTensor::kMasterW),
+                         &want->tensors.at(HeadTensor::kMasterW)), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(WhicheverRankMeetsTheLossFirst, HeadRestartTest, ::testing::Bool());
+
 TEST_F(PoolTest, AnUnreachableHeadReplicaAtCreationCreatesItOnTheNext) {
   const std::vector<std::string> order = Order(HeadKey(kHead));
   Stop(IndexOf(order[0]));

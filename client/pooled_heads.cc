@@ -9,15 +9,17 @@
 namespace lossd {
 namespace client {
 
-std::string PooledClient::HeadLostMessage(const std::string& head, const std::string& endpoint,
-                                          const std::string& reason) const {
+std::string PooledClient::HeadLostMessage(const std::string& head, const Placement& p,
+                                          const std::string& reason) {
   return absl::StrCat(
-      "head '", head, "' was on replica ", endpoint, ", which ", reason,
+      "head '", head, "' was on replica ", p.endpoint, ", which ", reason,
       ": its step under way is lost, and the pool never sends a Compute into a head again "
       "elsewhere. Rank ", pool_->options().import_rank,
-      " imports the head from its last export (ImportHead: idempotent by head and version, so "
-      "a second import is harmless); then every rank calls GetHeadInfo for the version and "
-      "redoes the step (its Computes and Step)");
+      " imports the head from its last export (ImportHead, which goes to replica ",
+      NextAfterLoss(HeadKey(head), p),
+      " in every rank's pool; idempotent by head and version, so a second import is "
+      "harmless); then every rank calls GetHeadInfo for the version and redoes the step (its "
+      "Computes and Step)");
 }
 
 absl::StatusOr<PooledClient::Placement> PooledClient::HeadRoute(const std::string& head,
@@ -26,7 +28,15 @@ absl::StatusOr<PooledClient::Placement> PooledClient::HeadRoute(const std::strin
   const std::string key = HeadKey(head);
   absl::StatusOr<Placement> p = Route(key, refuse_lost);
   if (!p.ok() || !p->instance.empty()) return p;
-  for (const std::string& e : pool_->Order(key)) {
+  // A head lost on a replica is looked for on the others only, from its home after the loss:
+  // the replica that lost it holds at best a stale or second copy.
+  std::vector<std::string> look = pool_->Order(key);
+  if (!p->previous.empty()) {
+    look = HomeOrder(key, p->previous);
+    look.pop_back();
+  }
+  for (const std::string& e : look) {
+    if (pool_->IsDown(e)) continue;
     absl::StatusOr<HeadInfo> info = pool_->Client(e)->GetHeadInfo(head, call);
     if (info.ok()) {
       Place(key, e, info->instance, "");
@@ -40,47 +50,66 @@ absl::StatusOr<PooledClient::Placement> PooledClient::HeadRoute(const std::strin
     if (Lost(e, info.status(), "")) continue;
     break;
   }
+  // Found nowhere: its home, unless the lookup just found that one unreachable.
+  if (pool_->IsDown(p->endpoint)) p->endpoint = FirstFor(key, p->previous);
   return p;
 }
 
 absl::StatusOr<CreateHeadResult> PooledClient::CreateOrImport(
     const std::string& head,
-    const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create) {
+    const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create,
+    const CallOptions& call) {
   const std::string key = HeadKey(head);
-  absl::StatusOr<Placement> p = Route(key, false);
-  if (!p.ok()) return p.status();
-  std::vector<std::string> candidates = {p->endpoint};
-  for (std::string& e : pool_->Order(key)) {
-    if (e != p->endpoint) candidates.push_back(std::move(e));
-  }
-  // A whole head (idempotent by version) holds nothing partial: one whose replica is
-  // unreachable is created on the next.
   absl::Status last;
   std::string reason;
-  for (const std::string& e : candidates) {
-    absl::StatusOr<CreateHeadResult> res = create(pool_->Client(e));
+  // A whole head (idempotent by version) holds nothing partial: one whose replica is
+  // unreachable is created on the home after it. Each try loses one replica (or marks one
+  // down), so one try per replica and one more suffice.
+  for (size_t tries = 0; tries <= pool_->endpoints().size(); ++tries) {
+    absl::StatusOr<Placement> placed = Route(key, false);
+    if (!placed.ok()) return placed.status();
+    if (!placed->instance.empty()) {
+      // Placed here before: this pool may not have met the head's loss yet. A replica that
+      // restarted since is empty and would create a second head, beside the one the ranks
+      // that met the loss import on the home after it: ask its instance first.
+      absl::StatusOr<std::string> now = pool_->Instance(placed->endpoint);
+      if (now.ok() && *now != placed->instance) {
+        const std::string lost = absl::StrCat("restarted: it is now server instance '", *now,
+                                              "', not '", placed->instance, "'");
+        (void)MarkLost(key, *placed, HeadLostMessage(head, *placed, lost));
+        reason = absl::StrCat("replica ", placed->endpoint, " ", lost);
+      }
+    }
+    // Not placed (or lost): where a replica already holds it (another rank imported it),
+    // else its home.
+    absl::StatusOr<Placement> p = HeadRoute(head, false, call);
+    if (!p.ok()) return p.status();
+    absl::StatusOr<CreateHeadResult> res = create(pool_->Client(p->endpoint));
     if (res.ok()) {
-      Place(key, e, res->head.instance, reason);
+      Place(key, p->endpoint, res->head.instance, reason);
       return res;
     }
-    std::optional<std::string> lost = Lost(e, res.status(), "");
+    std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
     if (!lost) return res.status();
     last = res.status();
-    reason = absl::StrCat("replica ", e, " ", *lost);
+    reason = absl::StrCat("replica ", p->endpoint, " ", *lost);
+    // A placed head went with its replica; one not placed yet moves on to the next replica
+    // of its order (Order() puts the one just found unreachable last).
+    if (!p->instance.empty()) (void)MarkLost(key, *p, HeadLostMessage(head, *p, *lost));
   }
   return last;
 }
 
 absl::StatusOr<CreateHeadResult> PooledClient::CreateHead(const CreateHeadRequest& request,
                                                           const CallOptions& call) {
-  return CreateOrImport(request.name,
-                        [&](LossClient* c) { return c->CreateHead(request, call); });
+  return CreateOrImport(
+      request.name, [&](LossClient* c) { return c->CreateHead(request, call); }, call);
 }
 
 absl::StatusOr<CreateHeadResult> PooledClient::ImportHead(const HeadExport& exported,
                                                           const CallOptions& call) {
-  return CreateOrImport(exported.spec.name,
-                        [&](LossClient* c) { return c->ImportHead(exported, call); });
+  return CreateOrImport(
+      exported.spec.name, [&](LossClient* c) { return c->ImportHead(exported, call); }, call);
 }
 
 absl::StatusOr<StepResult> PooledClient::Step(const StepRequest& request,
@@ -95,7 +124,7 @@ absl::StatusOr<StepResult> PooledClient::Step(const StepRequest& request,
   }
   std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
-  return MarkLost(key, *p, HeadLostMessage(request.head, p->endpoint, *lost));
+  return MarkLost(key, *p, HeadLostMessage(request.head, *p, *lost));
 }
 
 absl::StatusOr<HeadExport> PooledClient::ExportOn(
@@ -111,7 +140,7 @@ absl::StatusOr<HeadExport> PooledClient::ExportOn(
   }
   std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
-  return MarkLost(key, *p, HeadLostMessage(head, p->endpoint, *lost));
+  return MarkLost(key, *p, HeadLostMessage(head, *p, *lost));
 }
 
 absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
@@ -148,7 +177,7 @@ absl::StatusOr<HeadInfo> PooledClient::GetHeadInfo(const std::string& head,
   if (p->instance.empty()) return res.status();
   std::optional<std::string> lost = Lost(p->endpoint, res.status(), p->instance);
   if (!lost) return res.status();
-  return MarkLost(key, *p, HeadLostMessage(head, p->endpoint, *lost));
+  return MarkLost(key, *p, HeadLostMessage(head, *p, *lost));
 }
 
 absl::Status PooledClient::DropHead(const std::string& head, const CallOptions& call) {

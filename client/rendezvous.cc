@@ -47,6 +47,18 @@ std::vector<std::string> RendezvousOrder(absl::string_view key,
   return out;
 }
 
+std::vector<std::string> OrderAfterLoss(absl::string_view key,
+                                        const std::vector<std::string>& endpoints,
+                                        const std::string& lost_on) {
+  std::vector<std::string> all = endpoints;
+  if (std::find(all.begin(), all.end(), lost_on) == all.end()) all.push_back(lost_on);
+  std::vector<std::string> order = RendezvousOrder(key, all);
+  const auto at = std::find(order.begin(), order.end(), lost_on);
+  std::vector<std::string> out(at + 1, order.end());
+  out.insert(out.end(), order.begin(), at);
+  return out;
+}
+
 std::string WeightsKey(absl::string_view name) { return absl::StrCat("weights:", name); }
 std::string AccumulatorKey(absl::string_view name) { return absl::StrCat("acc:", name); }
 std::string HeadKey(absl::string_view name) { return absl::StrCat("head:", name); }

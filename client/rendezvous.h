@@ -25,6 +25,16 @@ uint64_t RendezvousScore(absl::string_view key, absl::string_view endpoint);
 // home it was, each to its own next endpoint, which spreads them evenly over the rest.
 std::vector<std::string> RendezvousOrder(absl::string_view key,
                                          const std::vector<std::string>& endpoints);
+// Where a key's state goes after it was lost on `lost_on` (unreachable, or restarted: its
+// instance changed): every endpoint but `lost_on`, beginning with the one after it in the
+// key's order over `endpoints` and `lost_on`, wrapping around. A function of the replica list
+// and the replica that lost the state only, so every pool that meets the loss, in whatever
+// order and whatever it saw before, names the same new home; and the replica that lost it is
+// never that home, even when it is back (restarted, empty). Empty when `lost_on` is the only
+// endpoint.
+std::vector<std::string> OrderAfterLoss(absl::string_view key,
+                                        const std::vector<std::string>& endpoints,
+                                        const std::string& lost_on);
 
 // The key strings both clients hash: what owns state names the replica.
 std::string WeightsKey(absl::string_view name);          // "weights:<name>"

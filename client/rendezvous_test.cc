@@ -64,6 +64,23 @@ TEST(RendezvousTest, OrderIsIndependentOfTheListsOrderAndTiesGoToTheSmallerStrin
   EXPECT_TRUE(RendezvousOrder("k", {}).empty());
 }
 
+// Where state goes after a loss: the replica after the lost one in the key's order, wrapping
+// around; the same vectors as the Python client's test (test_pool_route.py).
+TEST(RendezvousTest, OrderAfterLossBeginsAfterTheLostReplicaAndWraps) {
+  // head:lm's order over kThree is .1, .2, .3 (SharedTestVectors).
+  EXPECT_EQ(OrderAfterLoss("head:lm", kThree, kThree[0]), Endpoints({2, 3}));
+  EXPECT_EQ(OrderAfterLoss("head:lm", kThree, kThree[1]), Endpoints({3, 1}));
+  EXPECT_EQ(OrderAfterLoss("head:lm", kThree, kThree[2]), Endpoints({1, 2}));
+  // acc:step-7's is .3, .1, .2.
+  EXPECT_EQ(OrderAfterLoss("acc:step-7", kThree, kThree[2]), Endpoints({1, 2}));
+  EXPECT_EQ(OrderAfterLoss("acc:step-7", kThree, kThree[0]), Endpoints({2, 3}));
+  // A lost replica no longer listed keeps its place in the order: the same answer.
+  const std::vector<std::string> two = {kThree[1], kThree[2]};
+  EXPECT_EQ(OrderAfterLoss("head:lm", two, kThree[0]), Endpoints({2, 3}));
+  EXPECT_EQ(OrderAfterLoss("head:lm", {kThree[0], kThree[2]}, kThree[1]), Endpoints({3, 1}));
+  EXPECT_TRUE(OrderAfterLoss("head:lm", {kThree[0]}, kThree[0]).empty());
+}
+
 // Every kind of key, over 3, 5 and 8 replicas: each replica's share within 10% of even.
 TEST(RendezvousTest, BalanceWithinTenPercentOfEven) {
   for (int n : {3, 5, 8}) {

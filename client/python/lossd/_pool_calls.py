@@ -289,10 +289,19 @@ class PoolCalls:
         replica was lost."""
         key = "head:" + name
         self._locate_head(name)
+        checked = not recover
         for _ in range(self._attempts()):
             rep, home, lost = self._home_of(key)
             if lost:
                 self._head_moved(name, home, lost, recover)
+            elif not checked and home.instance and not home.awaiting_import:
+                # A create or import of a head placed here before, which this pool may not
+                # have met the loss of yet: a replica that restarted since is empty and would
+                # make a second head, beside the one the ranks that met the loss import on the
+                # home after it. Ask its instance first; lost, the head moves there.
+                checked = True
+                if self._check_replica(rep, home) != "alive":
+                    continue
             try:
                 r = self._call(rep, fn)
             except errors.UnavailableError:

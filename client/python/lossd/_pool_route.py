@@ -40,6 +40,19 @@ def rendezvous_order(key, endpoints):
     return sorted(set(endpoints), key=lambda e: (-score(key, e), e))
 
 
+def order_after_loss(key, endpoints, lost_on):
+    """Where a key's state goes after it was lost on `lost_on` (unreachable, or restarted: its
+    instance changed): every endpoint but `lost_on`, beginning with the one after it in the
+    key's order over `endpoints` and `lost_on`, wrapping around. A function of the replica
+    list and the replica that lost the state only, so every pool that meets the loss, in
+    whatever order and whatever it saw before, names the same new home, and the replica that
+    lost it is never that home even when it is back (restarted, empty). Empty when `lost_on`
+    is the only endpoint. The C++ client's OrderAfterLoss is the same function."""
+    order = rendezvous_order(key, set(endpoints) | {lost_on})
+    at = order.index(lost_on)
+    return order[at + 1:] + order[:at]
+
+
 def key_of(kind, name):
     """The pool's key strings: weights:<name>, acc:<name>, head:<name>, rank:<rank>."""
     if kind not in ("weights", "acc", "head", "rank"):
@@ -158,5 +171,5 @@ def resolve(target, resolver):
     return sorted(out)
 
 
-__all__ = ["score", "rendezvous_order", "key_of", "Target", "resolve", "system_resolver",
+__all__ = ["score", "rendezvous_order", "order_after_loss", "key_of", "Target", "resolve", "system_resolver",
            "format_endpoint", "fnv1a64", "splitmix64_finalize"]

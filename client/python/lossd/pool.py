@@ -5,8 +5,12 @@ Routing (rendezvous hashing, lossd._pool_route; the contract shared with the C++
 weights by their client-chosen name ("weights:<name>"), accumulators and hosted heads by name
 ("acc:<name>", "head:<name>"), stateless computes by the trainer's rank ("rank:<rank>"). A key
 with state stays where its state was placed while that replica lives; when it dies (UNAVAILABLE
-and no answer to a probe), restarts (another instance id) or answers NOT_FOUND for a handle it
-held, the key moves to the next replica in its order. What moves with it: weights are uploaded
+and no answer to a probe) or restarts (another instance id), the key moves to the replica after
+it in its order, wrapping around (order_after_loss: the same home in every pool that meets the
+loss, never the replica that lost the state); weights whose handle a replica answers NOT_FOUND
+for move to the next replica of their order. A
+create or import of a head placed before first asks its replica's instance, so a pool that has
+not met a restart yet imports where the others do. What moves with it: weights are uploaded
 again once their bytes check (lossd._pool_weights); an accumulator's partial step and a hosted
 head cannot be, and the caller gets StepLostError / HeadLostError saying what to redo. The
 calls themselves live in lossd._pool_calls.
@@ -22,7 +26,8 @@ import uuid
 from lossd import errors
 from lossd._pool_calls import PoolCalls
 from lossd._pool_tickets import PoolTickets
-from lossd._pool_route import Target, rendezvous_order, resolve, system_resolver
+from lossd._pool_route import (Target, order_after_loss, rendezvous_order, resolve,
+                               system_resolver)
 from lossd._pool_weights import PoolWeights
 from lossd._proto import pb
 from lossd.client import Client
@@ -70,7 +75,8 @@ class _Home:
     def __init__(self, address, instance):
         self.address = address
         self.instance = instance
-        self.excluded = set()  # replicas this key lost its state on (moves skip them)
+        # Replicas this key lost its state on (weights whose handle was NOT_FOUND skip them).
+        self.excluded = set()
         self.dirty = False  # accumulator: added to since its last reset
         self.awaiting_import = False  # head: moved here, not yet imported
 
@@ -362,6 +368,23 @@ class ReplicaPool(PoolCalls, PoolTickets):
                 method="route")
         return pick[0]
 
+    def _home_after_loss(self, key, lost_on):
+        """Where a key lost on `lost_on` goes: the first live replica of order_after_loss (the
+        same in every pool that meets the loss), else `lost_on` itself where it is the only
+        live one (a pool of one replica). Lock held."""
+        after = order_after_loss(key, list(self._replicas), lost_on)
+        for addr in after:
+            rep = self._replicas.get(addr)
+            if rep is not None and not rep.down:
+                return addr
+        rep = self._replicas.get(lost_on)
+        if rep is not None and not rep.down:
+            return lost_on
+        raise errors.UnavailableError(
+            "no live replica for %s: %s lost it and %s %s down" % (
+                key, lost_on, ", ".join(after) or "no other",
+                "is" if len(after) == 1 else "are all"), method="route")
+
     def _note_move(self, key, old, new, why):
         self._counts["moves"] += 1
         log.warning("%s moved from %s to %s: %s", key, old, new, why)
@@ -405,7 +428,7 @@ class ReplicaPool(PoolCalls, PoolTickets):
                 return rep, home, None
             old = home.address
             home.excluded.add(old)
-            home.address = self._first_live(key, home.excluded)
+            home.address = self._home_after_loss(key, old)
             rep = self._replicas[home.address]
             home.instance = rep.instance
             self._note_move(key, old, home.address, "%s %s" % (old, why))

@@ -8,8 +8,8 @@ import logging
 import pytest
 
 import lossd
-from lossd._pool_route import (Target, fnv1a64, rendezvous_order, resolve, score,
-                               splitmix64_finalize)
+from lossd._pool_route import (Target, fnv1a64, order_after_loss, rendezvous_order, resolve,
+                               score, splitmix64_finalize)
 
 EPS = ["127.0.0.1:50051", "127.0.0.2:50051", "127.0.0.3:50051"]
 
@@ -34,6 +34,20 @@ def test_contract_vectors():
         assert "".join(_short(rendezvous_order(key, EPS))) == order, key
     owners = collections.Counter(rendezvous_order("rank:%d" % i, EPS)[0] for i in range(10000))
     assert [owners[e] for e in EPS] == [3344, 3321, 3335]
+
+
+def test_order_after_loss_begins_after_the_lost_replica_and_wraps():
+    # The C++ client's vectors (rendezvous_test.cc): head:lm's order is 1 2 3, acc:step-7's
+    # 3 1 2.
+    assert _short(order_after_loss("head:lm", EPS, EPS[0])) == ["2", "3"]
+    assert _short(order_after_loss("head:lm", EPS, EPS[1])) == ["3", "1"]
+    assert _short(order_after_loss("head:lm", EPS, EPS[2])) == ["1", "2"]
+    assert _short(order_after_loss("acc:step-7", EPS, EPS[2])) == ["1", "2"]
+    assert _short(order_after_loss("acc:step-7", EPS, EPS[0])) == ["2", "3"]
+    # A lost replica no longer listed keeps its place in the order: the same answer.
+    assert _short(order_after_loss("head:lm", EPS[1:], EPS[0])) == ["2", "3"]
+    assert _short(order_after_loss("head:lm", [EPS[0], EPS[2]], EPS[1])) == ["3", "1"]
+    assert order_after_loss("head:lm", EPS[:1], EPS[0]) == []
 
 
 @pytest.mark.parametrize("n_replicas", [3, 4, 8])
