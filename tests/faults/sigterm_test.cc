@@ -291,6 +291,23 @@ TEST(SigtermTest, HeadsAreExportedOnDrainAndImportedByTheNextProcess) {
   EXPECT_EQ(info.version(), 1u);
   EXPECT_EQ(info.optimizer_step(), 1);
   EXPECT_NE(info.instance(), before_header.instance()) << "a new process, a new instance";
+  // A rank still naming the instance before the restart is told the head is here.
+  grpc::ClientContext sctx;
+  v1::StepRequest step;
+  step.set_head("run:1/head");
+  step.set_version(1);
+  step.set_world_size(1);
+  step.set_head_instance(before_header.instance());
+  v1::StepResponse stepped;
+  const grpc::Status ss = stub->Step(&sctx, step, &stepped);
+  EXPECT_EQ(ss.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(ss.error_message().find(absl::StrCat(
+                "head 'run:1/head' is here: this server imported it as it started, from the "
+                "export instance '", before_header.instance(), "' wrote as it stopped "
+                "(--head_export_dir), at version 1")),
+            std::string::npos)
+      << ss.error_message();
+  EXPECT_NE(ss.error_message().find("call HeadInfo (head_info)"), std::string::npos);
   v1::ExportHeader after_header;
   EXPECT_EQ(ExportAll(*stub, "run:1/head", &after_header), before);
   next.Signal(SIGTERM);
