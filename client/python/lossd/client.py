@@ -104,9 +104,8 @@ class Client(HeadMethods):
       never. At most `connections` (so with one connection striping is off).
     wait_for_ready: wait for the server to become reachable (until the deadline) instead of
       failing fast with UnavailableError.
-    metadata: [(key, value)] added to every call. Not x-request-id (InvalidArgumentError): the
-      client sends a new one with every call, and every LossdError names it (`request_id`),
-      as the server's log lines about the call do.
+    metadata: [(key, value)] added to every call; not x-request-id: the client sends a new one
+      each call, which the server logs and every LossdError names (`request_id`).
     auth_token: a bearer token (servers started with --auth_tokens_file); sent as
       "authorization: Bearer <token>" metadata.
     tls_ca_file / tls_cert_file / tls_key_file: PEM files for TLS (servers started with
@@ -159,10 +158,7 @@ class Client(HeadMethods):
         self.timeout = timeout
         self._wait_ready = bool(wait_for_ready)  # not wait_for_ready: that is a method
         self.metadata = tuple(metadata or ())
-        if any(str(k).lower() == errors.REQUEST_ID_KEY for k, _ in self.metadata):
-            raise errors.InvalidArgumentError(
-                "metadata x-request-id: the client makes a new one for every call (each error "
-                "names it, as the server's log line does); leave it out")
+        errors.refuse_request_id_in(self.metadata)
         if auth_token:
             self.metadata += (("authorization", "Bearer %s" % auth_token),)
         if (tls_cert_file is None) != (tls_key_file is None):
@@ -264,13 +260,22 @@ class Client(HeadMethods):
         return min(len(self._stubs), DEFAULT_MAX_STRIPES)
 
     def _call_kwargs(self, timeout):
-        """timeout: None = the client's default; a number of seconds; or float('inf')."""
+        """timeout: None = the client's default; a number of seconds; or float('inf'). With a
+        new request id each call: the server logs it and every error names it."""
         t = self.timeout if timeout is None else timeout
         if t is not None and t == float("inf"):
             t = None
-        # A new request id each call: the server logs it and every error names it.
         return {"timeout": t, "wait_for_ready": self._wait_ready,
                 "metadata": self.metadata + ((errors.REQUEST_ID_KEY, errors.new_request_id()),)}
+
+    def _unary(self, method, request, timeout, stub=None, name=None):
+        """One unary call (of the Loss service unless `stub`); a failure raises the LossdError
+        naming `name` (else `method`) and the call's request id."""
+        kw = self._call_kwargs(timeout)
+        try:
+            return getattr(stub or self._stub, method)(request, **kw)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, name or method, kw) from None
 
     def wait_for_ready(self, timeout=30.0):
         """Blocks until the channel connects; raises UnavailableError after `timeout` s."""
@@ -287,21 +292,14 @@ class Client(HeadMethods):
 
         self._check_open("Health.Check")
         stub = health_pb2_grpc.HealthStub(self.channel)
-        kw = self._call_kwargs(timeout)
-        try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), **kw)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "Health.Check", kw) from None
+        resp = self._unary("Check", health_pb2.HealthCheckRequest(service=service), timeout,
+                           stub=stub, name="Health.Check")
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     # -- RPCs ---------------------------------------------------------------------------
 
     def server_info(self, timeout=None):
-        kw = self._call_kwargs(timeout)
-        try:
-            r = self._stub.ServerInfo(pb.ServerInfoRequest(), **kw)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "ServerInfo", kw) from None
+        r = self._unary("ServerInfo", pb.ServerInfoRequest(), timeout)
         info = ServerInfo(**{f.name: getattr(r, f.name) for f in dataclasses.fields(ServerInfo)})
         info.features = list(info.features)
         return info
@@ -362,12 +360,8 @@ class Client(HeadMethods):
                                 dtype=dtype_name(wdt), has_bias=barr is not None, stripes=n)
 
         if stripes <= 1:
-            kw = self._call_kwargs(timeout)
-            try:
-                r = self._stub.PutWeights(requests(header, 0, warr.nbytes, barr is not None),
-                                          **kw)
-            except grpc.RpcError as e:
-                raise errors.from_rpc_error(e, "PutWeights", kw) from None
+            r = self._unary("PutWeights", requests(header, 0, warr.nbytes, barr is not None),
+                            timeout)
             return result(r, 1)
         return result(self._put_weights_striped(header, warr, stripes, requests, barr is not None,
                                                 timeout), stripes)
@@ -411,11 +405,7 @@ class Client(HeadMethods):
         return replies[0]
 
     def drop_weights(self, handle, *, timeout=None):
-        kw = self._call_kwargs(timeout)
-        try:
-            self._stub.DropWeights(pb.DropWeightsRequest(handle=str(handle)), **kw)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "DropWeights", kw) from None
+        self._unary("DropWeights", pb.DropWeightsRequest(handle=str(handle)), timeout)
 
     def fetch_gradients(self, accumulator, *, reset=False, response_part_bytes=None,
                         timeout=None):
@@ -448,11 +438,7 @@ class Client(HeadMethods):
         created; everything on a server that checks none), as StateEntry. Needs a server with
         the "list_state" feature (UnimplementedError naming it otherwise)."""
         self.require_feature("list_state", timeout=timeout)
-        kw = self._call_kwargs(timeout)
-        try:
-            r = self._stub.List(pb.ListRequest(), **kw)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "List", kw) from None
+        r = self._unary("List", pb.ListRequest(), timeout)
         return [StateEntry(kind=_STATE_KINDS.get(e.kind, str(e.kind)), name=e.name,
                            bytes=e.bytes, last_used_unix_ms=e.last_used_unix_ms,
                            micro_batches=e.micro_batches, version=e.version)
@@ -463,11 +449,8 @@ class Client(HeadMethods):
         server answers: the next compute into that name may begin a new sum anywhere."""
         with self._acc_lock:
             self._acc_instances.pop(accumulator, None)
-        kw = self._call_kwargs(timeout)
-        try:
-            self._stub.DropAccumulator(pb.DropAccumulatorRequest(accumulator=accumulator), **kw)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "DropAccumulator", kw) from None
+        self._unary("DropAccumulator", pb.DropAccumulatorRequest(accumulator=accumulator),
+                    timeout)
 
     def compute(self, x, w, targets, *, bias=None, class_weights=None, grad_output=None,
                 ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,

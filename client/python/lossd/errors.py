@@ -19,6 +19,14 @@ def new_request_id():
     return secrets.token_hex(8)
 
 
+def refuse_request_id_in(metadata):
+    """A client's own metadata may not fix the request id: InvalidArgumentError."""
+    if any(str(k).lower() == REQUEST_ID_KEY for k, _ in metadata):
+        raise InvalidArgumentError(
+            "metadata x-request-id: the client makes a new one for every call (each error "
+            "names it, as the server's log line does); leave it out")
+
+
 def with_new_request_id(call_kwargs):
     """A copy of a call's keyword arguments (Client._call_kwargs) with a new request id."""
     md = tuple(m for m in call_kwargs.get("metadata") or () if m[0] != REQUEST_ID_KEY)
