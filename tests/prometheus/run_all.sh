@@ -8,7 +8,8 @@
 # Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/service/lossd),
 #      LOSSD_SKIP_PIP=1 to skip installing the Python packages below,
 #      LOSSD_TEST_TORCH=1 to pip install torch too (large: about 3 GB with its CUDA wheels;
-#      CI sets it), best effort: where it cannot be installed its tests are skipped.
+#      CI sets it), and with it transformers and accelerate at the pins of the client's
+#      "integrations" extra; best effort: where they cannot be installed their tests are skipped.
 # Needs: apt packages prometheus (promtool too) and kubectl (kustomize), python3 + pip.
 # torch is optional: its tests are skipped where it is not installed.
 set -uo pipefail
@@ -46,10 +47,13 @@ if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
     python3 -m pip install -q torch ||
       echo "run_all: torch could not be installed; the torch tests will be skipped"
   fi
-  # Liger-Kernel's own tests import transformers (its test helpers do).
-  if [[ "${LOSSD_TEST_TORCH:-0}" == "1" && -n "$(missing_of transformers)" ]]; then
-    python3 -m pip install -q transformers ||
-      echo "run_all: transformers could not be installed; the Liger tests will be skipped"
+  # transformers (pinned to the range lossd.integrations is tested against: the
+  # "integrations" extra of client/python/pyproject.toml) and accelerate (Trainer needs it):
+  # test_integrations_transformers.py, and Liger-Kernel's own tests (their helpers import
+  # transformers). pip leaves a version inside the range alone; about 25 s when missing.
+  if [[ "${LOSSD_TEST_TORCH:-0}" == "1" && -z "$(missing_of torch)" ]]; then
+    python3 -m pip install -q "transformers>=4.57,<5.26" "accelerate>=1.1" ||
+      echo "run_all: transformers could not be installed; its tests will be skipped"
   fi
 fi
 
