@@ -13,7 +13,10 @@ import torch
 from lossd import errors
 from lossd._heads import OptimizerConfig
 from lossd.client import Client
-from lossd.nn import CrossEntropyOutput, _forward_outputs, _options, _to_torch, _wants
+from lossd.nn import (CrossEntropyOutput, _forward_outputs, _options, _to_torch, _wants,
+                      compute_dtype)
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Errors after which the same Compute may be sent again: the call may or may not have reached
 # the server, and its (rank, micro-batch) key keeps a second arrival from adding twice.
@@ -283,12 +286,7 @@ class _RemoteHeadFunction(torch.autograd.Function):
             raise errors.InvalidArgumentError(
                 "labels shape %s must be the hidden states' shape %s without its last "
                 "dimension" % (tuple(labels.shape), tuple(hidden.shape)), method="nn")
-        want = head.info.compute_dtype
-        got = str(hidden.dtype).replace("torch.", "")
-        if {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(got) != want:
-            raise errors.InvalidArgumentError(
-                "hidden is %s but head %r computes in %s: cast the hidden states (autocast "
-                "leaves them in the layer's dtype)" % (got, head.name, want), method="nn")
+        cdt = _head_dtype(head, hidden)
         if torch._C._current_graph_task_id() != -1:
             # A forward run again inside backward (activation checkpointing) would add the
             # micro-batch a second time under a new key.
@@ -296,8 +294,8 @@ class _RemoteHeadFunction(torch.autograd.Function):
                 "RemoteLMHead ran inside a backward (activation checkpointing?): keep the "
                 "head's call outside checkpointed regions", method="nn")
         h = hidden.shape[-1]
-        x2, t1 = hidden.reshape(-1, h), labels.reshape(-1)
-        opts = head.options(hidden.dtype)
+        x2, t1 = hidden.reshape(-1, h).to(cdt), labels.reshape(-1)
+        opts = head.options(cdt)
         wants = _wants(head.reduction, head.return_z_loss, head.return_token_accuracy,
                        head.return_predicted_tokens)
         add = bool(grad_enabled) and head.training
@@ -347,10 +345,34 @@ class _RemoteHeadFunction(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
-def _dx_dtype_opts(head, opts, dtype):
-    """Options for a head compute whose dX is divided by grad_scale afterwards: fp32 dX where
-    that division is not exact (grad_scale not a power of two) in a narrower dtype."""
-    if not _is_power_of_two(head.grad_scale) and dtype != torch.float32:
+def _head_dtype(head, hidden):
+    """The dtype `hidden` travels in: the head's compute dtype (its copy's, fixed at creation:
+    create the head with compute_dtype = the autocast dtype to compute as Liger does under
+    autocast). Cast to it under torch.autocast, or where the cast is exact (bf16 or fp16
+    hidden states into an fp32 head); a narrowing cast outside autocast is refused, naming
+    both dtypes."""
+    want = head.info.compute_dtype
+    cdt = _TORCH_DTYPES.get(want)
+    got = hidden.dtype
+    if got == cdt:
+        return cdt
+    autocast = compute_dtype(hidden) != got
+    if cdt is not None and (autocast or (cdt == torch.float32 and got in _TORCH_DTYPES.values())):
+        return cdt
+    raise errors.InvalidArgumentError(
+        "hidden is %s but head %r computes in %s: a narrowing cast outside torch.autocast is "
+        "refused (run the forward under autocast, cast the hidden states, or create the head "
+        "with compute_dtype=%s)" % (str(got).replace("torch.", ""), head.name, want,
+                                    str(got).replace("torch.", "")), method="nn")
+
+
+def _dx_dtype_opts(head, opts, dtype, hidden_dtype=None):
+    """Options for a head compute in `dtype` whose dX is divided by grad_scale afterwards and
+    goes to hidden states of `hidden_dtype` (default: dtype): fp32 dX where that division is
+    not exact (grad_scale not a power of two) in a narrower dtype, or where the hidden states
+    are fp32 and the compute is not (no rounding to the compute dtype first)."""
+    narrower = dtype != torch.float32
+    if narrower and (not _is_power_of_two(head.grad_scale) or hidden_dtype == torch.float32):
         return dict(opts, grad_dtype="fp32")
     return opts
 
@@ -379,7 +401,7 @@ def _eager(head, x2, t1, opts, wants, loss_scale, hidden, need_dx):
     if not expected > 0 or not math.isfinite(expected):
         raise errors.InvalidArgumentError("loss_scale %r times the GradScaler's scale %r must "
                                           "be finite and > 0" % (loss_scale, scaler_scale))
-    kw = _dx_dtype_opts(head, opts, hidden.dtype)
+    kw = _dx_dtype_opts(head, opts, x2.dtype, hidden.dtype)
     kw["grad_scale"] = expected * head.grad_scale
     r = head.head_compute(x2, t1, kw, head.next_key(), want_dx=need_dx, **wants)
     return r, _unscaled_dx(head, r, hidden), expected
@@ -389,14 +411,16 @@ def _deferred(head, hidden, labels, opts, grad_loss, need_dx):
     """Backward's Compute adding dW/db with the actual upstream gradient."""
     scaler_scale = head.loss_scale_of_scaler()
     head._step_scale = scaler_scale  # the scale is in the upstream gradient already
-    kw = _dx_dtype_opts(head, opts, hidden.dtype)
+    cdt = _TORCH_DTYPES[head.info.compute_dtype]
+    kw = _dx_dtype_opts(head, opts, cdt, hidden.dtype)
     if head.reduction == "none":
         kw["grad_output"] = (grad_loss.reshape(-1).to(torch.float32).cpu()
                              * head.grad_scale)
     else:
         kw["grad_scale"] = float(grad_loss) * head.grad_scale
     h = hidden.shape[-1]
-    r = head.head_compute(hidden.reshape(-1, h), labels.reshape(-1), kw, head.next_key(),
+    r = head.head_compute(hidden.reshape(-1, h).to(cdt), labels.reshape(-1), kw,
+                          head.next_key(),
                           want_dx=need_dx)
     return _unscaled_dx(head, r, hidden)
 

@@ -4,7 +4,7 @@ keywords of a call, received gradients as tensors, and the input checks. Imports
 import torch
 
 from lossd import errors
-from lossd.nn import LossdRuntime, _to_torch
+from lossd.nn import LossdRuntime, _to_torch, mixed_grad_fp32
 from lossd.tensors import check_fits_int64
 
 _RUNTIMES = {}  # server address -> the LossdRuntime the functions use when given none
@@ -44,10 +44,14 @@ def _nonfinite_kw(runtime, grad_kw):
     return {"allow_nonfinite_loss": True} if runtime.nonfinite_loss else {}
 
 
-def _grad_dtype(x):
-    # fp16 gradients lose small values to underflow before any loss scale is applied (the
-    # scalar losses apply the upstream gradient afterwards): fp32, cast on arrival.
-    return "fp32" if x.dtype == torch.float16 else None
+def _grad_dtype(cdt, *params):
+    """compute()'s grad_dtype for a compute in `cdt` whose gradients go to `params`: fp32
+    where the compute is fp16 (its gradients would lose small values to underflow before the
+    upstream gradient, applied afterwards, scales them) or a parameter is fp32 and the compute
+    is not (lossd.nn.mixed_grad_fp32); cast to each parameter's dtype on arrival."""
+    if cdt == torch.float16 or mixed_grad_fp32(cdt, *params):
+        return "fp32"
+    return None
 
 
 def _grad(value, like):

@@ -30,7 +30,7 @@ import torch
 from lossd import errors
 from lossd._rl_common import _flat, _fp32, _grad, _grad_dtype, _grad_kw, _once, _runtime
 from lossd._two_phase import check_keep_ms
-from lossd.nn import _to_torch
+from lossd.nn import _to_torch, compute_dtype
 
 log = logging.getLogger("lossd.rl")
 
@@ -70,9 +70,10 @@ def _keeps(runtime):
 
 
 def _forward(runtime, x, weight, labels, bias, temperature, keep_ms):
-    """(ComputeResult of the forward, its ticket or None)."""
+    """(ComputeResult of the forward, its ticket or None). W and the bias travel in x's
+    dtype (the compute dtype)."""
     kw = dict(kind="logprob", temperature=temperature, want_entropy=True, want_dx=False,
-              want_dw=False, want_db=False)
+              want_dw=False, want_db=False, weight_dtype=x.dtype)
     if keep_ms and _keeps(runtime):
         try:
             r = runtime.compute(x, weight, labels, bias, keep_ms=keep_ms, **kw)
@@ -112,13 +113,16 @@ class LossdLogprobFunction(torch.autograd.Function):
     """apply(x (BT, H), weight (V, H), bias or None, labels (BT), temperature, runtime,
     keep_ms=0) -> (logp (BT) fp32, entropy (BT) fp32). keep_ms > 0: the two-phase form (a
     ticket is taken whatever the grad mode; lossd.rl's functions pass 0 where no backward can
-    follow)."""
+    follow). Computed in x's dtype, or under torch.autocast in its dtype (W and the bias cast
+    to it, as Liger's chunked GRPO casts W to the hidden dtype); dX, dW and db come back in
+    x's, weight's and bias's own dtypes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, labels, temperature, runtime, keep_ms=0):
         ctx.set_materialize_grads(False)
-        r, ctx.ticket = _forward(runtime, x, weight, labels, bias, float(temperature),
-                                 check_keep_ms(keep_ms))
+        ctx.cdt = compute_dtype(x)  # autocast is on here (if at all), not in backward
+        r, ctx.ticket = _forward(runtime, x.to(ctx.cdt), weight, labels, bias,
+                                 float(temperature), check_keep_ms(keep_ms))
         ctx.save_for_backward(x, weight, bias, labels)
         ctx.temperature, ctx.runtime = float(temperature), runtime
         dev = x.device
@@ -134,12 +138,15 @@ class LossdLogprobFunction(torch.autograd.Function):
         rt = ctx.runtime
         kw = dict(kind="logprob", dlogp=_fp32(dlogp), dentropy=_fp32(dentropy),
                   want_dx=need_dx, want_dw=need_dw, want_db=bool(need_db and bias is not None),
-                  grad_dtype=_grad_dtype(x), **_grad_kw(rt))
+                  grad_dtype=_grad_dtype(ctx.cdt, x if need_dx else None,
+                                         weight if need_dw else None, bias if need_db else None),
+                  **_grad_kw(rt))
         # A ticket serves one backward: a retained graph's next one sends X.
         ticket, ctx.ticket = ctx.ticket, None
         r = None if ticket is None else _by_ticket(rt, ticket, kw)
         if r is None:
-            r = rt.compute(x, weight, labels, bias, temperature=ctx.temperature, **kw)
+            r = rt.compute(x.to(ctx.cdt), weight, labels, bias, temperature=ctx.temperature,
+                           weight_dtype=ctx.cdt, **kw)
             _note(rt, "one_phase")
         held = rt.accumulator is not None  # dW and db went into it
         return (_grad(r.dx, x) if need_dx else None,

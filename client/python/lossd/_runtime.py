@@ -16,6 +16,13 @@ from lossd.client import Client
 from lossd.tensors import BF16Array
 
 
+def _cast(t, dtype):
+    """t in `dtype` (None, or t's own dtype: t itself), detached: what travels."""
+    if t is None or dtype is None or t.dtype == dtype:
+        return t
+    return t.detach().to(dtype)
+
+
 def _to_torch(value, device):
     """A received ndarray / BF16Array -> torch tensor on `device` (no copy on the host)."""
     if value is None:
@@ -77,6 +84,7 @@ class LossdRuntime:
         self.grad_scale = float(grad_scale)
         self._handle = None
         self._key = None
+        self._dtype = None  # the dtype the cached handle's weights were asked in (None: own)
         # Eager forwards that added to the accumulator and whose backward has not run yet, by
         # micro-batch content: key -> [added, not yet redone; redone]. A forward run again
         # inside backward (activation checkpointing) that matches one of them redoes it.
@@ -184,11 +192,13 @@ class LossdRuntime:
                 return False
         return True
 
-    def weight_ref(self, weight, bias):
-        """A WeightHandle for (weight, bias), uploading when they changed; None = send inline."""
+    def weight_ref(self, weight, bias, dtype=None):
+        """A WeightHandle for (weight, bias), uploading when they changed; None = send inline.
+        dtype: the compute dtype they are uploaded in (cast once per upload, so an fp32 head
+        under bf16 autocast is not uploaded anew each call); None = their own."""
         if not self.cache_weights:
             return None
-        if self._handle is not None and self._key_matches(weight, bias):
+        if self._handle is not None and self._key_matches(weight, bias) and self._dtype == dtype:
             return self._handle
         key = self._key_of(weight, bias)
         self.drop_weights()
@@ -197,8 +207,10 @@ class LossdRuntime:
             # A replica pool: W lives on the accumulator's replica, where its computes go
             # (one upload a step, not two).
             kw["near"] = "acc:" + self.accumulator
-        self._handle = self.client.put_weights(weight, bias, timeout=self.timeout, **kw)
+        self._handle = self.client.put_weights(_cast(weight, dtype), _cast(bias, dtype),
+                                               timeout=self.timeout, **kw)
         self._key = key
+        self._dtype = dtype
         return self._handle
 
     def drop_weights(self):
@@ -209,13 +221,17 @@ class LossdRuntime:
                 pass  # already evicted or the server restarted: nothing left to free
             self._handle = None
             self._key = None
+            self._dtype = None
 
-    def compute(self, x, weight, target, bias, **kw):
-        """client.compute with W by handle when caching, re-uploading once if it was dropped."""
-        ref = self.weight_ref(weight, bias)
+    def compute(self, x, weight, target, bias, *, weight_dtype=None, **kw):
+        """client.compute with W by handle when caching, re-uploading once if it was dropped.
+        weight_dtype: W and the bias travel (or are uploaded) cast to it; None = as they are."""
+        ref = self.weight_ref(weight, bias, weight_dtype)
         try:
             if ref is None:
-                return self.client.compute(x, weight, target, bias=bias, timeout=self.timeout, **kw)
+                return self.client.compute(x, _cast(weight, weight_dtype), target,
+                                           bias=_cast(bias, weight_dtype), timeout=self.timeout,
+                                           **kw)
             return self.client.compute(x, ref, target, timeout=self.timeout, **kw)
         except errors.NotFoundError:
             # Only a handle the server no longer holds is worth an upload; any other error
@@ -224,7 +240,7 @@ class LossdRuntime:
                 raise
             self._handle = None
             self._key = None
-            ref = self.weight_ref(weight, bias)
+            ref = self.weight_ref(weight, bias, weight_dtype)
             return self.client.compute(x, ref, target, timeout=self.timeout, **kw)
 
     # -- accumulator --------------------------------------------------------------------

@@ -4,7 +4,9 @@ head whose parameters and optimizer live on lossd (lossd._remote_head, _remote_h
 
 Same constructor and forward arguments as Liger's module, plus keyword-only connection
 settings. Never materialises the logits locally; tensors on a GPU are copied to the host to
-travel. Importing this module imports torch.
+travel. Importing this module imports torch. Mixed precision: a call computes in the hidden
+states' dtype, or under torch.autocast in its dtype (compute_dtype); W and the bias travel
+cast to it, and every gradient comes back in its own tensor's dtype.
 
 Two ways a call runs (both give the gradients torch would):
   eager    (reduction mean/sum, no server accumulator): one Compute in forward returns the
@@ -23,6 +25,35 @@ import torch
 from lossd import errors
 # Re-exported: lossd.nn.LossdRuntime is public, and the other modules import both from here.
 from lossd._runtime import LossdRuntime, _to_torch  # noqa: F401
+
+
+_WIRE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def compute_dtype(x):
+    """The dtype the head's GEMM runs in for hidden states `x`: under torch.autocast (for x's
+    device type) its dtype, as Liger-Kernel's losses compute there; else x's own. The weight
+    (and bias) travel cast to it, and each gradient comes back in its parameter's dtype."""
+    dev = x.device.type
+    try:
+        on = torch.is_autocast_enabled(dev)
+        dt = torch.get_autocast_dtype(dev)
+    except TypeError:  # torch < 2.4: no device-type argument
+        cpu = dev == "cpu"
+        on = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        dt = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    if on and x.is_floating_point() and dt in _WIRE_FLOATS:
+        return dt
+    return x.dtype
+
+
+def mixed_grad_fp32(cdt, *params):
+    """Whether a compute in `cdt` should return its gradients in fp32 for `params` (None
+    skipped): where one of them is fp32 and the compute is not, so that its gradient is summed
+    and returned in fp32 and cast once, not rounded to cdt first (as Liger's fp32 gradient
+    accumulators for an fp32 head under autocast)."""
+    return cdt != torch.float32 and any(p is not None and p.dtype == torch.float32
+                                        for p in params)
 
 
 @dataclasses.dataclass
@@ -81,7 +112,7 @@ _NOT_PASSED = object()  # LossdFusedLinearCrossEntropyFunction.apply without gra
 
 def _eager_compute(runtime, x2, weight, t1, bias, opts, wants, needs, dtype):
     """The forward's compute when the gradients come with it: (result, the accumulator's
-    note of this micro-batch or None)."""
+    note of this micro-batch or None). dtype: the compute dtype (x2's; W travels in it)."""
     need_dx, need_dw, need_db = needs
     acc = runtime.accumulator
     noted = None
@@ -101,11 +132,11 @@ def _eager_compute(runtime, x2, weight, t1, bias, opts, wants, needs, dtype):
         # Its first forward added dW and db already; this one only gives the
         # backward its saved dX again (scaled alike).
         r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=False,
-                            want_db=False, grad_scale=runtime.grad_scale,
+                            want_db=False, grad_scale=runtime.grad_scale, weight_dtype=dtype,
                             **eager_opts, **wants)
     else:
         r = runtime.compute(x2, weight, t1, bias, want_dx=need_dx, want_dw=need_dw,
-                            want_db=need_db, accumulator=acc,
+                            want_db=need_db, accumulator=acc, weight_dtype=dtype,
                             grad_scale=runtime.grad_scale if acc else None,
                             **eager_opts, **wants)
         if acc is not None:
@@ -191,13 +222,19 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 "ce_weight requires grad, but the loss is not differentiable with respect to "
                 "the class weights: pass ce_weight.detach()", method="nn")
         h = _input.shape[-1]
-        x2 = _input.reshape(-1, h)
+        # Under autocast its dtype, else the hidden states': W and the bias travel cast to it,
+        # and each gradient comes back in its own tensor's dtype (backward).
+        cdt = ctx.cdt = compute_dtype(_input)
+        x2 = _input.reshape(-1, h).to(cdt)
         t1 = target.reshape(-1)
         opts = _options(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
-                        softcap, accum_dtype, _input.dtype, chunk_size, use_token_scaling)
+                        softcap, accum_dtype, cdt, chunk_size, use_token_scaling)
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         need_db = grad_enabled and bias is not None and ctx.needs_input_grad[3]
+        if mixed_grad_fp32(cdt, _input if need_dx else None, weight if need_dw else None,
+                           bias if need_db else None):
+            opts["grad_dtype"] = "fp32"
         any_grad = need_dx or need_dw or need_db
         acc = runtime.accumulator
         deferred = any_grad and (reduction == "none" or (acc is not None
@@ -208,10 +245,10 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.noted = None
         if eager:
             r, ctx.noted = _eager_compute(runtime, x2, weight, t1, bias, opts, wants,
-                                          (need_dx, need_dw, need_db), _input.dtype)
+                                          (need_dx, need_dw, need_db), cdt)
         else:
             r = runtime.compute(x2, weight, t1, bias, want_dx=False, want_dw=False,
-                                want_db=False, **opts, **wants)
+                                want_db=False, weight_dtype=cdt, **opts, **wants)
         dev = _input.device
         loss, z_loss, acc_t, pred = _forward_outputs(r, reduction, target, ignore_index, dev,
                                                       _input.dtype, return_z_loss,
@@ -282,9 +319,9 @@ class LossdFusedLinearCrossEntropyFunction(torch.autograd.Function):
                 kw["grad_output"] = go * runtime.grad_scale if acc else go
             else:
                 kw["grad_scale"] = float(grad_loss.detach()) * (runtime.grad_scale if acc else 1.0)
-            r = runtime.compute(_input.reshape(-1, h), weight, target.reshape(-1), bias,
-                                want_dx=need_dx, want_dw=need_dw, want_db=need_db,
-                                accumulator=acc, **kw)
+            r = runtime.compute(_input.reshape(-1, h).to(ctx.cdt), weight, target.reshape(-1),
+                                bias, want_dx=need_dx, want_dw=need_dw, want_db=need_db,
+                                accumulator=acc, weight_dtype=ctx.cdt, **kw)
             dx = _to_torch(r.dx, _input.device) if need_dx else None
             dw = _to_torch(r.dw, weight.device) if need_dw and acc is None else None
             db = _to_torch(r.db, bias.device) if need_db and acc is None else None

@@ -20,7 +20,11 @@ timeout, or a shared `runtime` (lossd.nn.LossdRuntime). A runtime with a server-
 `accumulator` adds dW and db there instead of returning them (dX still comes back): the
 scalar losses then compute the loss alone in forward and the gradients in backward, with
 grad_scale = upstream gradient x the runtime's grad_scale, as lossd.nn's deferred mode; call
-`apply_accumulated_gradients` before the optimizer step.
+`apply_accumulated_gradients` before the optimizer step. Mixed precision as Liger's: each
+call computes in the hidden states' dtype, or under torch.autocast in its dtype (W, the
+bias, the teacher's and the reference head cast to it), and every gradient comes back in its
+own tensor's dtype. A loss that overflows fp32 comes back inf (servers listing
+"nonfinite_loss"; refused into an accumulator).
 """
 
 import torch
@@ -30,7 +34,7 @@ from lossd._rl_common import (_fp32, _grad, _grad_dtype, _grad_kw, _int64, _nonf
                               _runtime)
 from lossd._rl_logprob import DEFAULT_KEEP_MS, LossdLogprobFunction, logprob_entropy
 from lossd._two_phase import check_keep_ms
-from lossd.nn import LossdRuntime
+from lossd.nn import LossdRuntime, compute_dtype
 
 
 class _OnServer(torch.nn.Module):
@@ -282,9 +286,10 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                 "use_ref_model with beta != 0 needs ref_per_token_logps, or ref_input and "
                 "ref_weight", method="rl")
         rx = ref_input.reshape(-1, ref_input.shape[-1])
-        r = self.other_runtime.compute(rx, ref_weight, ids, ref_bias, kind="logprob",
-                                     temperature=float(self.temperature), want_dx=False,
-                                     want_dw=False, want_db=False)
+        cdt = compute_dtype(rx)
+        r = self.other_runtime.compute(rx.to(cdt), ref_weight, ids, ref_bias, kind="logprob",
+                                       temperature=float(self.temperature), want_dx=False,
+                                       want_dw=False, want_db=False, weight_dtype=cdt)
         return torch.from_numpy(r.logp)
 
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages,
@@ -321,14 +326,20 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                       use_bias_correction_kl=bool(self.use_bias_correction_kl))
         ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
         runtime = _runtime(self.runtime, None)
+        # Liger's chunked GRPO casts W to the hidden states' dtype (under autocast, the
+        # autocast dtype): so does the call, and dX, dW, db come back in their own dtypes.
+        cdt = compute_dtype(x2)
+        xc = x2.detach().to(cdt)
 
         def call(want_dx, want_dw, want_db, **grad_kw):
-            return runtime.compute(x2, lin_weight, targets, bias, kind="policy",
+            gdt = _grad_dtype(cdt, x2 if want_dx else None, lin_weight if want_dw else None,
+                              bias if want_db else None)
+            return runtime.compute(xc, lin_weight, targets, bias, kind="policy",
                                    temperature=float(self.temperature), ignore_index=ignore,
                                    advantages=adv.reshape(-1), old_logp=_fp32(old_per_token_logps),
                                    ref_logp=ref, policy=policy, want_dx=want_dx,
-                                   want_dw=want_dw, want_db=want_db, grad_dtype=_grad_dtype(x2),
-                                   **_nonfinite_kw(runtime, grad_kw), **grad_kw)
+                                   want_dw=want_dw, want_db=want_db, grad_dtype=gdt,
+                                   weight_dtype=cdt, **_nonfinite_kw(runtime, grad_kw), **grad_kw)
 
         metric_names = ("kl", "clip_fraction") if self.beta != 0 else ("clip_fraction",)
         loss, *metrics = _ScalarLossFunction.apply(x2, lin_weight, bias, call, runtime,
@@ -356,39 +367,50 @@ class LossdFusedLinearJSD(_OnServer):
         self.accum_dtype = accum_dtype
         self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
 
-    def _teacher(self, teacher_weight, teacher_bias, refresh=False):
-        """teacher_w and teacher_bias for compute(): its handle when caching, else inline."""
+    def _teacher(self, teacher_weight, teacher_bias, dtype, refresh=False):
+        """teacher_w and teacher_bias for compute(), in the compute dtype: its handle when
+        caching, else inline."""
         t = self.other_runtime
         if refresh:
             t.drop_weights()
-        ref = t.weight_ref(teacher_weight, teacher_bias)
-        return (teacher_weight, teacher_bias) if ref is None else (ref, None)
+        ref = t.weight_ref(teacher_weight, teacher_bias, dtype)
+        if ref is None:
+            return tuple(None if v is None else v.detach().to(dtype)
+                         for v in (teacher_weight, teacher_bias))
+        return ref, None
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight,
                 shift_labels=None, student_bias=None, teacher_bias=None):
         x2 = student_input.reshape(-1, student_input.shape[-1])
-        # The wire takes the teacher's hidden states in X's dtype (its head must be in it too).
-        tx = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(x2.dtype)
+        # Under autocast (which LigerFusedLinearJSD supports) its dtype, else the student's
+        # hidden states': both heads and the teacher's hidden states travel in it (the wire
+        # takes one dtype); dX, dW and db come back in their own dtypes.
+        cdt = compute_dtype(x2)
+        xc = x2.detach().to(cdt)
+        tx = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(cdt)
         labels = None if shift_labels is None else _int64(shift_labels, "shift_labels")
         runtime = _runtime(self.runtime, None)
         fp32 = self.accum_dtype == torch.float32
         opts = dict(kind="distill", temperature=float(self.temperature),
                     ignore_index=int(self.ignore_index), distill={"jsd_beta": float(self.jsd_beta)},
-                    teacher_x=tx, grad_dtype="fp32" if fp32 else _grad_dtype(x2))
+                    teacher_x=tx, weight_dtype=cdt)
 
         def call(want_dx, want_dw, want_db, **grad_kw):
-            kw = dict(opts, **_nonfinite_kw(runtime, grad_kw), **grad_kw)
-            tw, tb = self._teacher(teacher_weight, teacher_bias)
+            gdt = "fp32" if fp32 else _grad_dtype(
+                cdt, x2 if want_dx else None, student_weight if want_dw else None,
+                student_bias if want_db else None)
+            kw = dict(opts, grad_dtype=gdt, **_nonfinite_kw(runtime, grad_kw), **grad_kw)
+            tw, tb = self._teacher(teacher_weight, teacher_bias, cdt)
             try:
-                return runtime.compute(x2, student_weight, labels, student_bias, teacher_w=tw,
+                return runtime.compute(xc, student_weight, labels, student_bias, teacher_w=tw,
                                        teacher_bias=tb, want_dx=want_dx, want_dw=want_dw,
                                        want_db=want_db, **kw)
             except errors.NotFoundError:
-                if tb is not None or tw is teacher_weight:
+                if torch.is_tensor(tw):  # sent inline: nothing was dropped
                     raise
                 # The teacher's handle was dropped (evicted, a restart): upload it once more.
-                tw, tb = self._teacher(teacher_weight, teacher_bias, refresh=True)
-                return runtime.compute(x2, student_weight, labels, student_bias, teacher_w=tw,
+                tw, tb = self._teacher(teacher_weight, teacher_bias, cdt, refresh=True)
+                return runtime.compute(xc, student_weight, labels, student_bias, teacher_w=tw,
                                        teacher_bias=tb, want_dx=want_dx, want_dw=want_dw,
                                        want_db=want_db, **kw)
 
