@@ -399,3 +399,14 @@ def test_a_server_lost_mid_training_is_named(tmp_path):
     with pytest.raises(lossd.UnavailableError) as e:
         model(input_ids=ids, labels=labels)
     assert "lossd server %s:" % srv.address in str(e.value)
+
+
+def test_importing_the_package_imports_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = ("import sys, lossd.integrations; heavy = [m for m in ('torch', 'transformers') "
+            "if m in sys.modules]; assert not heavy, heavy")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
