@@ -1,9 +1,10 @@
-"""Mixed precision through lossd.rl against a real lossd (CPU backend): bf16 hidden states
-with an fp32 head, and fp32 ones under torch.autocast(bfloat16). As Liger-Kernel's chunked
-GRPO (W cast to the hidden dtype) and its JSD under autocast, the call computes in bf16 (the
-autocast dtype, else the hidden states'), and each gradient comes back in its own tensor's
-dtype (dW of an fp32 head in fp32). Compared with the float64 torch reference over the same
-bf16-rounded operands, with conftest's bf16 tolerances. Skipped without torch or the kinds."""
+"""Mixed precision through lossd.rl against a real lossd (CPU backend): bf16 or fp16 hidden
+states with an fp32 head, and fp32 ones under torch.autocast(bfloat16). As Liger-Kernel's
+chunked GRPO (W cast to the hidden dtype) and its JSD under autocast, the call computes in
+the autocast dtype, else the hidden states', everything travels in it, and each gradient
+comes back in its own tensor's dtype (dW of an fp32 head in fp32). Compared with the float64
+torch reference over the same rounded operands, with conftest's tolerance table for the
+compute dtype. Skipped without torch or the kinds."""
 
 import contextlib
 
@@ -19,7 +20,8 @@ from rl_torch_reference import (as64, jsd_loss, log_softmax, logprob_entropy,  #
 
 B, S, H, V, HT = 2, 5, 16, 40, 12
 BF16 = torch.bfloat16
-MODES = ["bf16_hidden", "autocast"]
+MODES = ["bf16_hidden", "fp16_hidden", "autocast"]
+TABLE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class Recording:
@@ -53,8 +55,9 @@ def runtime(client):
         pytest.skip("the server does not compute loss kinds %s" % ", ".join(missing))
     rt = LossdRuntime(client=Recording(client))
     yield rt
-    # Whatever the hidden states' or the heads' dtypes: everything travelled in bf16.
-    assert rt.client.sent == {BF16}, rt.client.sent
+    # Whatever the hidden states' or the heads' dtypes: everything travelled in one dtype,
+    # the compute dtype (each test checks which).
+    assert len(rt.client.sent) == 1, rt.client.sent
     rt.close()
 
 
@@ -63,36 +66,38 @@ def _leaf(shape, seed, dtype, scale=0.6):
     return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_(True)
 
 
-def _ref(t):
-    """`t` as the server computes with it: rounded to bf16, as a float64 leaf (the cast's
+def _ref(t, cdt):
+    """`t` as the server computes with it: rounded to `cdt`, as a float64 leaf (the cast's
     gradient is the identity, so its .grad is the reference for t's)."""
-    return None if t is None else t.detach().to(BF16).double().requires_grad_(True)
+    return None if t is None else t.detach().to(cdt).double().requires_grad_(True)
 
 
 def _mode(mode):
-    """(the hidden states' dtype, the context the forward runs in)."""
+    """(the hidden states' dtype, the context the forward runs in, the compute dtype)."""
     if mode == "autocast":
-        return torch.float32, torch.autocast("cpu", dtype=BF16)
-    return BF16, contextlib.nullcontext()
+        return torch.float32, torch.autocast("cpu", dtype=BF16), BF16
+    dt = {"bf16_hidden": BF16, "fp16_hidden": torch.float16}[mode]
+    return dt, contextlib.nullcontext(), dt
 
 
-def _check_grads(pairs):
-    """Each gradient in its own tensor's dtype, and close to the reference's (bf16 table)."""
+def _check_grads(pairs, cdt):
+    """Each gradient in its own tensor's dtype, and close to the reference's (cdt's table)."""
     for name, t, r in pairs:
         assert t.grad is not None and t.grad.dtype == t.dtype, (name, t.grad, t.dtype)
-        assert_close(name, t.grad.reshape(r.grad.shape), r.grad, "bf16")
+        assert_close(name, t.grad.reshape(r.grad.shape), r.grad, TABLE[cdt])
 
 
-def _check_scalar(name, got, want):
+def _check_scalar(name, got, want, cdt):
     assert got.dtype == torch.float32
-    assert abs(got.item() - want.item()) <= SCALAR_RTOL["bf16"] * max(abs(want.item()), 1e-3), (
+    rtol = SCALAR_RTOL[TABLE[cdt]]
+    assert abs(got.item() - want.item()) <= rtol * max(abs(want.item()), 1e-3), (
         name, got.item(), want.item())
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("keep_ms", [0, 60_000])
 def test_logprobs_and_entropy(runtime, mode, keep_ms):
-    xdt, ctx = _mode(mode)
+    xdt, ctx, cdt = _mode(mode)
     x, w = _leaf((B * S, H), 1, xdt), _leaf((V, H), 2, torch.float32)
     ids = torch.randint(0, V, (B * S,), generator=torch.Generator().manual_seed(3))
     cl, ce = torch.randn(B * S, dtype=torch.float64), torch.randn(B * S, dtype=torch.float64)
@@ -100,17 +105,18 @@ def test_logprobs_and_entropy(runtime, mode, keep_ms):
         logp, entropy = rl.fused_linear_for_ppo(x, w, ids, 0.9, runtime=runtime, keep_ms=keep_ms)
     assert logp.dtype == torch.float32 and entropy.dtype == xdt
     (logp.double() * cl + entropy.double() * ce).sum().backward()
-    rx, rw = _ref(x), _ref(w)
+    rx, rw = _ref(x, cdt), _ref(w, cdt)
     rlogp, rent = logprob_entropy(rx, rw, None, ids, 0.9)
     (rlogp * cl + rent * ce).sum().backward()
-    assert_close("logp", logp, rlogp.detach(), "bf16")
-    assert_close("entropy", entropy.float(), rent.detach(), "bf16")
-    _check_grads([("dx", x, rx), ("dw", w, rw)])
+    assert_close("logp", logp, rlogp.detach(), TABLE[cdt])
+    assert_close("entropy", entropy.float(), rent.detach(), TABLE[cdt])
+    _check_grads([("dx", x, rx), ("dw", w, rw)], cdt)
+    assert runtime.client.sent == {cdt}, runtime.client.sent
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_grpo(runtime, mode):
-    xdt, ctx = _mode(mode)
+    xdt, ctx, cdt = _mode(mode)
     x3, w, b = _leaf((B, S, H), 11, xdt), _leaf((V, H), 12, torch.float32), _leaf((V,), 13,
                                                                                   torch.float32)
     g = torch.Generator().manual_seed(14)
@@ -123,21 +129,22 @@ def test_grpo(runtime, mode):
     with ctx:
         loss, (kl, _) = module(x3, w, ids, mask, adv, bias=b, ref_per_token_logps=ref)
     (2.0 * loss).backward()
-    rx, rw, rb = _ref(x3.reshape(-1, H)), _ref(w), _ref(b)
+    rx, rw, rb = _ref(x3.reshape(-1, H), cdt), _ref(w, cdt), _ref(b, cdt)
     rlogp, _ = logprob_entropy(rx, rw, rb, ids.reshape(-1), 1.0)
     opts = dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.1,
                 max_completion_length=0, dapo_normalizer=0.0)
     rloss, rkl, _ = policy_loss(rlogp, as64(mask).reshape(-1), as64(adv).repeat_interleave(S),
                                 None, as64(ref), opts, B)
     (2.0 * rloss).backward()
-    _check_scalar("loss", loss, rloss)
-    _check_scalar("kl", kl, rkl)
-    _check_grads([("dx", x3, rx), ("dw", w, rw), ("db", b, rb)])
+    _check_scalar("loss", loss, rloss, cdt)
+    _check_scalar("kl", kl, rkl, cdt)
+    _check_grads([("dx", x3, rx), ("dw", w, rw), ("db", b, rb)], cdt)
+    assert runtime.client.sent == {cdt}, runtime.client.sent
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_jsd(runtime, mode):
-    xdt, ctx = _mode(mode)
+    xdt, ctx, cdt = _mode(mode)
     x, w = _leaf((B * S, H), 21, xdt), _leaf((V, H), 22, torch.float32)
     # The teacher in fp32 both ways: its hidden states and head travel in the compute dtype.
     tx, tw = (_leaf(s, 23 + i, torch.float32).detach() for i, s in enumerate([(B * S, HT),
@@ -146,13 +153,15 @@ def test_jsd(runtime, mode):
     with ctx:
         loss = module(x, w, tx, tw, None)
     loss.backward()
-    rx, rw = _ref(x), _ref(w)
+    rx, rw = _ref(x, cdt), _ref(w, cdt)
     keep = torch.ones(B * S, dtype=torch.bool)
     rloss = jsd_loss(log_softmax(rx, rw, None, 1.5),
-                     log_softmax(_ref(tx).detach(), _ref(tw).detach(), None, 1.5), 0.5, keep)
+                     log_softmax(_ref(tx, cdt).detach(), _ref(tw, cdt).detach(), None, 1.5),
+                     0.5, keep)
     rloss.backward()
-    _check_scalar("loss", loss, rloss)
-    _check_grads([("dx", x, rx), ("dw", w, rw)])
+    _check_scalar("loss", loss, rloss, cdt)
+    _check_grads([("dx", x, rx), ("dw", w, rw)], cdt)
+    assert runtime.client.sent == {cdt}, runtime.client.sent
 
 
 def test_an_fp32_head_is_uploaded_once_in_the_compute_dtype(runtime):
@@ -165,4 +174,4 @@ def test_an_fp32_head_is_uploaded_once_in_the_compute_dtype(runtime):
         rl.logprobs_from_hidden(x, w, ids, runtime=runtime).sum().backward()
         handles.append(runtime._handle)
     assert handles[0] is not None and all(h is handles[0] for h in handles)
-    assert w.grad.dtype == torch.float32
+    assert w.grad.dtype == torch.float32 and runtime.client.sent == {BF16}
