@@ -218,6 +218,30 @@ def test_autocast_casts_the_fp32_head_as_nn_linear_does(address):
     assert_close("autocast q_proj grad", inner(model).grad, inner(ref).grad, torch.bfloat16)
 
 
+def test_bf16_backbone_on_an_fp32_head(address):
+    """bf16 hidden states on an fp32 lm_head (the model's own forward refuses the mix): the head
+    is cast to bf16 for the call, and its fp32 gradient is that of the cast, against torch's
+    linear + cross-entropy on the same cast."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    model.lm_head.float()
+    ref = copy.deepcopy(model)
+    apply_lossd(model, address)
+    ids, labels = batch(8)
+    got = model(input_ids=ids, labels=labels).loss
+    got.backward()
+    hidden = ref.model(input_ids=ids).last_hidden_state
+    logits = torch.nn.functional.linear(hidden, ref.lm_head.weight.to(torch.bfloat16)).float()
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+    want.backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    assert_loss("bf16-on-fp32 loss", got, want, torch.bfloat16)
+    assert_close("bf16-on-fp32 lm_head grad", model.lm_head.weight.grad,
+                 ref.lm_head.weight.grad, torch.bfloat16)
+    assert_close("bf16-on-fp32 q_proj grad", inner(model).grad, inner(ref).grad,
+                 torch.bfloat16)
+
+
 def test_torch_compile_around_the_lossd_call(address):
     """torch.compile of the patched model: the lossd call is a graph break, the rest compiles,
     and the loss and gradients are the eager model's."""
@@ -237,10 +261,11 @@ def test_torch_compile_around_the_lossd_call(address):
 
 def _train(model, tmp_path, steps=12, callbacks=(), max_grad_norm=1.0):
     """A dozen optimizer steps of Trainer over 24 synthetic rows, 2 per micro-batch and 2
-    micro-batches per step (so Trainer passes num_items_in_batch); the logged loss per step."""
+    micro-batches per step (so Trainer passes num_items_in_batch); the logged loss per step,
+    and the eval loss over 6 more rows after training."""
     pytest.importorskip("accelerate")  # Trainer's own requirement
     rows = []
-    for i in range(24):
+    for i in range(30):
         ids, labels = batch(100 + i, b=1, t=32)
         rows.append({"input_ids": ids[0], "labels": labels[0]})
     args = transformers.TrainingArguments(
@@ -248,10 +273,11 @@ def _train(model, tmp_path, steps=12, callbacks=(), max_grad_norm=1.0):
         max_steps=steps, learning_rate=3e-3, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
         max_grad_norm=max_grad_norm, optim="adamw_torch", weight_decay=0.0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
-                                   callbacks=list(callbacks))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows[:24],
+                                   eval_dataset=rows[24:], callbacks=list(callbacks))
     trainer.train()
-    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    curve = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return curve, trainer.evaluate()["eval_loss"]
 
 
 # A dozen AdamW steps: rounding differences of the gradients (fp32) move the weights by a
@@ -271,11 +297,13 @@ def test_trainer_loss_curve(address, tmp_path):
     ref = tiny_model("qwen2")
     model = copy.deepcopy(ref)
     patch = apply_lossd(model, address)
-    got = _train(model, tmp_path / "lossd")
-    want = _train(ref, tmp_path / "ref")
+    got, got_eval = _train(model, tmp_path / "lossd")
+    want, want_eval = _train(ref, tmp_path / "ref")
     assert_curves(got, want)
-    # Every micro-batch went through lossd, normalised by Trainer's global token count.
-    assert patch.calls == {"global": 24}
+    assert abs(got_eval - want_eval) <= CURVE_RTOL * abs(want_eval), (got_eval, want_eval)
+    # Every micro-batch went through lossd, normalised by Trainer's global token count: 24 in
+    # training, and the one evaluation batch.
+    assert patch.calls == {"global": 25}
 
 
 # -- the hosted head (mode "head") ---------------------------------------------------------
@@ -330,11 +358,12 @@ def test_hosted_head_under_trainer(address, tmp_path, request):
     patch = apply_lossd(model, address, mode="head", head_name=_head_name(request),
                         optimizer=lossd.OptimizerConfig.adamw(**ADAMW))
     try:
-        got = _train(model, tmp_path / "lossd", callbacks=[patch.trainer_callback()],
-                     max_grad_norm=0.0)
-        want = _train(ref, tmp_path / "ref", max_grad_norm=0.0)
+        got, got_eval = _train(model, tmp_path / "lossd", callbacks=[patch.trainer_callback()],
+                               max_grad_norm=0.0)
+        want, want_eval = _train(ref, tmp_path / "ref", max_grad_norm=0.0)
         assert_curves(got, want)
-        assert patch.calls == {"global": 24}
+        assert abs(got_eval - want_eval) <= CURVE_RTOL * abs(want_eval), (got_eval, want_eval)
+        assert patch.calls == {"global": 25}
         assert patch.head.version == 12
     finally:
         patch.head.drop()
@@ -376,6 +405,9 @@ def test_refusals(address):
     ids, labels = batch(10)
     with pytest.raises(lossd.InvalidArgumentError, match="logits_to_keep=1 with labels"):
         model(input_ids=ids, labels=labels, logits_to_keep=1)
+    # A copy's forward would still be the original's: copy before apply_lossd.
+    with pytest.raises(lossd.FailedPreconditionError, match="copy the model before apply_lossd"):
+        copy.deepcopy(model)
 
 
 def test_an_unreachable_server_is_named():

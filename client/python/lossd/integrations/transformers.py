@@ -207,6 +207,14 @@ class LossdPatch:
                 "%s is for mode \"head\"; this model was patched in mode %r" % (
                     what, self.mode), method="apply_lossd")
 
+    def __deepcopy__(self, memo):
+        # A copied model would keep this forward, bound to the original model, and share the
+        # connection: refuse rather than train the wrong model.
+        raise errors.FailedPreconditionError(
+            "a model patched by apply_lossd cannot be deep-copied (its forward is bound to this "
+            "instance): copy the model before apply_lossd, or call remove() first",
+            method="apply_lossd")
+
     # -- undo ------------------------------------------------------------------------------
 
     def remove(self):
