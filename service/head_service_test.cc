@@ -462,6 +462,37 @@ TEST_F(HeadServiceTest, StepAndExportRefusals) {
   EXPECT_EQ(h_.WaitForIdleMemory(), 0u);
 }
 
+// Ranks that disagree on a Step: the rank already waiting at the barrier gets the same
+// FAILED_PRECONDITION at once (it waited out --head_step_timeout, then its own deadline).
+TEST_F(HeadServiceTest, ARankWaitingAtTheBarrierHearsOfADisagreementAtOnce) {
+  RandomProblem rp = Problem(17);
+  ASSERT_TRUE(
+      CreateHead(h_.stub(), Header("agree", rp, v1::OPTIMIZER_SGD), Masters(rp)).status.ok());
+  ASSERT_TRUE(ComputeOnHead(h_.stub(), rp, "agree", 0, 0).status.ok());
+  v1::StepRequest step;
+  step.set_head("agree");
+  step.set_world_size(2);
+  step.set_lr(0.125);
+  v1::StepResponse r0, r1;
+  grpc::Status s0;
+  std::thread rank0([&, step] { s0 = Step(h_.stub(), step, &r0, 20); });
+  for (int i = 0; i < 300; ++i) {  // rank 0 is at the barrier before rank 1 comes
+    grpc::ClientContext ctx;
+    v1::HeadRequest r;
+    r.set_head("agree");
+    v1::HeadInfo info;
+    if (h_.stub().GetHeadInfo(&ctx, r, &info).ok() && info.ranks_waiting() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  step.set_rank(1);
+  step.set_lr(0.25);
+  const grpc::Status s1 = Step(h_.stub(), step, &r1);
+  rank0.join();
+  ExpectStatus(s1, grpc::StatusCode::FAILED_PRECONDITION, "every rank of a step must agree");
+  ExpectStatus(s0, grpc::StatusCode::FAILED_PRECONDITION, "lr 0.25");
+  ExpectStatus(s0, grpc::StatusCode::FAILED_PRECONDITION, "lr 0.125");
+}
+
 // Ranks waiting at a barrier take no in-flight slot: a job wider than
 // --max_in_flight_per_client (here 1, its ranks one client) still completes its step.
 TEST(HeadServiceLimitsTest, WaitingRanksTakeNoInFlightSlot) {
