@@ -242,6 +242,23 @@ def test_bf16_backbone_on_an_fp32_head(address):
                  torch.bfloat16)
 
 
+def test_gradient_checkpointing(address):
+    """The model's own activation checkpointing (gradient_checkpointing_enable) around the
+    layers, lossd after them: the same loss and gradients as without checkpointing."""
+    ref = tiny_model("llama")
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_lossd(model, address)
+    mbs = [batch(12), batch(13)]
+    count = torch.tensor(sum(int((lab[:, 1:] != -100).sum()) for _, lab in mbs))
+    got, want = run_steps(model, mbs, count), run_steps(ref, mbs, count)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_loss("checkpointed loss %d" % i, g, w, torch.float32)
+    assert_close("checkpointed lm_head grad", model.lm_head.weight.grad,
+                 ref.lm_head.weight.grad, torch.float32)
+    assert_close("checkpointed q_proj grad", inner(model).grad, inner(ref).grad, torch.float32)
+
+
 def test_torch_compile_around_the_lossd_call(address):
     """torch.compile of the patched model: the lossd call is a graph break, the rest compiles,
     and the loss and gradients are the eager model's."""

@@ -287,10 +287,11 @@ def _patched_forward(model, patch, original):
     return forward
 
 
+@torch.compiler.disable
 def _loss_outside_compile(fn, *args, **kwargs):
     # The loss is a gRPC call: under torch.compile it runs eagerly (one graph break), and the
     # base model's graph is compiled as before.
-    return torch.compiler.disable(fn)(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def apply_lossd(model, client_or_address, mode="loss", *, timeout=None, connect_timeout=10.0,
