@@ -459,3 +459,21 @@ def test_importing_the_package_imports_nothing_heavy():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_over_a_replica_pool(cluster):
+    """client_or_address may be a lossd.ReplicaPool (several replicas behind one name): the
+    same loss and gradients as the model's own."""
+    cluster.ensure_all()
+    ref = tiny_model("mistral")
+    model = copy.deepcopy(ref)
+    with lossd.ReplicaPool(cluster.target(), resolver=cluster.resolver, probe_timeout=5,
+                           timeout=60) as pool:
+        apply_lossd(model, pool)
+        mbs = [batch(14), batch(15)]
+        got, want = run_steps(model, mbs, None), run_steps(ref, mbs, None)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_loss("pool loss %d" % i, g, w, torch.float32)
+    assert_close("pool lm_head grad", model.lm_head.weight.grad, ref.lm_head.weight.grad,
+                 torch.float32)
+    assert_close("pool q_proj grad", inner(model).grad, inner(ref).grad, torch.float32)
