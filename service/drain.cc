@@ -5,7 +5,6 @@
 #include <cerrno>
 #include <ctime>
 
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "service/head_files.h"
 #include "service/log.h"
@@ -64,13 +63,13 @@ void ServeUntilSignalled(const sigset_t& signals, LossServer& server, Engine& en
   // The fields in the order they had before --shutdown_grace (log queries match them); the
   // listener closes when the grace is over, which "draining" says, so it has no line of its own.
   Log(LogLevel::kInfo, "draining",
-      {{"signal", absl::StrCat(sig)},
-       {"drain_seconds", absl::StrCat(absl::ToInt64Seconds(options.drain))},
+      {{"signal", sig},
+       {"drain_seconds", absl::ToInt64Seconds(options.drain)},
        {"shutdown_grace", absl::FormatDuration(options.shutdown_grace)}});
   const absl::Time drain_started = absl::Now();
   if (options.shutdown_grace > absl::ZeroDuration()) {
     if (const int again = WaitGrace(signals, options.shutdown_grace); again != 0) {
-      Log(LogLevel::kInfo, "second signal: grace cut short", {{"signal", absl::StrCat(again)}});
+      Log(LogLevel::kInfo, "second signal: grace cut short", {{"signal", again}});
     }
   }
   server.Shutdown(options.drain);
@@ -80,11 +79,11 @@ void ServeUntilSignalled(const sigset_t& signals, LossServer& server, Engine& en
     const HeadFilesReport r = ExportHeadsToDir(engine, options.head_export_dir);
     Log(r.failed == 0 ? LogLevel::kInfo : LogLevel::kError, "heads exported",
         {{"dir", options.head_export_dir},
-         {"exported", absl::StrCat(r.done)},
-         {"failed", absl::StrCat(r.failed)}});
+         {"exported", r.done},
+         {"failed", r.failed}});
   }
   Log(LogLevel::kInfo, "stopped",
-      {{"drained_ms", absl::StrCat(absl::ToInt64Milliseconds(absl::Now() - drain_started))}});
+      {{"drained_ms", absl::ToInt64Milliseconds(absl::Now() - drain_started)}});
 }
 
 }  // namespace lossd
