@@ -65,7 +65,7 @@ void GrpcLogLine(gpr_log_func_args* args) {
                      message),
         {{"source", "grpc"},
          {"file", file},
-         {"not_logged_since_last", absl::StrCat(not_logged)}});
+         {"not_logged_since_last", not_logged}});
     return;
   }
   Log(args->severity == GPR_LOG_SEVERITY_ERROR ? LogLevel::kError : LogLevel::kInfo, message,
