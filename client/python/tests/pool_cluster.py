@@ -76,7 +76,9 @@ class Cluster:
         self.logs[host] = log
         self.procs[host] = subprocess.Popen(
             [self.binary, "--address=%s" % host, "--port=%d" % self.port, "--metrics_port=0",
-             "--backend=cpu", "--threads=1", "--drain_seconds=1"],
+             "--backend=cpu", "--threads=1", "--drain_seconds=1",
+             # a restart here is a test's, not a rollout's: no endpoints to drop first
+             "--shutdown_grace=0"],
             stdout=log, stderr=subprocess.STDOUT)
 
     def wait_serving(self, host, timeout=60.0):

@@ -31,8 +31,8 @@ class Server:
         self.port = free_port()
         self.out_path, self.err_path = tmp_path / "stdout", tmp_path / "stderr"
         self.proc = subprocess.Popen(
-            [find_lossd_binary(), "--port=%d" % self.port, "--backend=cpu", "--metrics_port=0",
-             "--drain_seconds=2"] + flags,
+            [find_lossd_binary(), "--address=127.0.0.1", "--port=%d" % self.port, "--backend=cpu",
+             "--metrics_port=0", "--drain_seconds=2"] + flags,
             stdout=open(self.out_path, "wb"), stderr=open(self.err_path, "wb"))
         with lossd.Client("127.0.0.1:%d" % self.port, timeout=2.0) as c:
             for _ in range(600):
@@ -72,8 +72,9 @@ def test_text_log_names_start_refusals_access_and_stop(tmp_path):
     start = [l for l in log.splitlines() if " INFO lossd: started " in l]
     assert len(start) == 1, log
     for want in ("backend=cpu", "port=%d " % srv.port, "version=", "weight_cache_bytes=",
-                 "memory_budget_bytes=", 'flags="--access_log=true --backend=cpu'
-                 " --drain_seconds=2 --max_bt=4096 --metrics_port=0 --port=%d\"" % srv.port):
+                 "memory_budget_bytes=",
+                 'flags="--access_log=true --address=127.0.0.1 --backend=cpu --drain_seconds=2'
+                 ' --max_bt=4096 --metrics_port=0 --port=%d"' % srv.port):
         assert want in start[0], (want, start[0])
     warnings = [l for l in log.splitlines() if " WARNING lossd: call failed " in l]
     code = err.code.name
