@@ -20,6 +20,7 @@ import time
 import grpc
 
 from lossd import errors
+from lossd._async import AsyncCalls
 from lossd._compute import (Inputs, ReplyReader, check_out, compute_requests, result_of,
                             returned_outputs, set_options, set_outputs, set_outputs_of)
 from lossd._fetch import fetch_striped, fetch_whole
@@ -55,7 +56,6 @@ _REMEMBERED_ACCUMULATORS = 1024  # accumulator instances a client keeps (see _ac
 _ABORTED_GRACE_S = 1.0
 
 
-
 def _open_channels(target, connections, max_message_bytes, tls_server_name, channel_options,
                    credentials):
     """`connections` channels to `target`, each its own TCP connection."""
@@ -83,7 +83,7 @@ def _read_file(path):
         return f.read()
 
 
-class Client(HeadMethods):
+class Client(AsyncCalls, HeadMethods):
     """A connection to one lossd server (or a load-balanced name: see `channel_options`).
     Thread-safe: share one client among threads. The hosted-head methods (create_head, step,
     export_head, import_head, head_info, drop_head) are lossd._heads.HeadMethods'.
@@ -122,6 +122,7 @@ class Client(HeadMethods):
       of X) poisons the named accumulator, as a failed update always does. Per call:
       compute(overlap=...).
     credentials: grpc.ChannelCredentials (instead of the tls_* files); None = plaintext.
+    max_in_flight: calls compute_async / call_async run at once (default 2; lossd._async).
     channel: an existing grpc.Channel to use instead (target and the above are then ignored).
     """
 
@@ -131,7 +132,7 @@ class Client(HeadMethods):
                  auto_stripe_bytes=DEFAULT_AUTO_STRIPE_BYTES, wait_for_ready=False, metadata=None,
                  auth_token=None, tls=False,
                  tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None,
-                 channel_options=None, credentials=None, channel=None, overlap=True):
+                 channel_options=None, credentials=None, channel=None, overlap=True, max_in_flight=2):
         if int(part_bytes) <= 0:
             raise errors.InvalidArgumentError("part_bytes must be positive, got %r" % part_bytes)
         if int(connections) < 1:
@@ -186,6 +187,7 @@ class Client(HeadMethods):
         self._acc_lock = threading.Lock()
         self._features = None  # (version, frozenset of names) from the first server_info
         init_head_state(self)
+        self.init_async(max_in_flight)
         self._closed = False
 
     # -- plumbing -----------------------------------------------------------------------
@@ -194,6 +196,7 @@ class Client(HeadMethods):
         """Closes the channels this client opened (not one it was given). Later calls raise
         ClientClosedError; closing twice is harmless."""
         self._closed = True
+        self.close_async()
         if self._own_channel:
             for c in self._channels:
                 c.close()

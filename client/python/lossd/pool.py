@@ -24,6 +24,7 @@ import time
 import uuid
 
 from lossd import errors
+from lossd._async import DEFAULT_MAX_IN_FLIGHT, AsyncCalls
 from lossd._pool_calls import PoolCalls
 from lossd._pool_tickets import PoolTickets
 from lossd._pool_route import (Target, order_after_loss, rendezvous_order, resolve,
@@ -95,7 +96,7 @@ def _check_number(field, value, positive=True, integer=False):
     return v
 
 
-class ReplicaPool(PoolCalls, PoolTickets):
+class ReplicaPool(AsyncCalls, PoolCalls, PoolTickets):
     """Several lossd replicas used as one, with lossd.Client's methods.
 
     endpoints: "ip:port,ip:port" (or a list): those replicas, hashed by these strings; or one
@@ -113,8 +114,10 @@ class ReplicaPool(PoolCalls, PoolTickets):
     client_factory: (address, **client_kwargs) -> lossd.Client, for tests (default Client).
     client_kwargs: lossd.Client's options for every replica (timeout, part_bytes,
       connections, TLS, auth_token, channel_options, ...); not target or channel.
+      max_in_flight is the pool's own: its compute_async calls running at once (lossd._async).
 
-    Calls: put_weights(w, bias, name=) -> PoolWeights (pass it as w), compute, fetch_gradients,
+    Calls: put_weights(w, bias, name=) -> PoolWeights (pass it as w), compute (compute_async),
+    fetch_gradients,
     drop_accumulator, drop_weights, the hosted-head calls (create_head, import_head, step,
     export_head, head_info, drop_head), server_info, health, require_feature. stats() gives
     the counters; every move and re-upload is logged once on logger "lossd.pool". A two-phase
@@ -142,6 +145,7 @@ class ReplicaPool(PoolCalls, PoolTickets):
                 raise errors.InvalidArgumentError(
                     "%s: a pool opens its own client per replica; give endpoints (and "
                     "channel_options / credentials for the channels)" % field)
+        self.init_async(client_kwargs.pop("max_in_flight", DEFAULT_MAX_IN_FLIGHT))
         self._target = Target(endpoints)
         self._resolver = resolver or system_resolver
         self._clock = clock or time.monotonic
@@ -174,6 +178,7 @@ class ReplicaPool(PoolCalls, PoolTickets):
         return self._target.describe()
 
     def close(self):
+        self.close_async()
         with self._lock:
             self._closed = True
             for rep in self._replicas.values():
