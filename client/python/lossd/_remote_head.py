@@ -229,6 +229,18 @@ class RemoteLMHead(torch.nn.Module):
                 if attempt == self.retries:
                     raise
 
+    def head_compute_async(self, x2, t1, opts, key, *, ready=None, **kw):
+        """head_compute on the client's executor (lossd._async): a concurrent.futures.Future
+        of its result, retried there; the key is the caller's, fixed before the call waits.
+        ready: a torch.cuda.Event the call waits for first (x2 copied to the host by a
+        non_blocking copy), or None."""
+        def call():
+            if ready is not None:
+                ready.synchronize()
+            return self.head_compute(x2, t1, opts, key, **kw)
+
+        return self.client.call_async(call)
+
     def loss_only(self, x2, t1, opts, **kw):
         """A Compute that adds nothing to the step (evaluation, a deferred forward): on a
         weight handle holding this version's compute copy, fetched once per version."""
@@ -390,6 +402,15 @@ def _unscaled_dx(head, r, hidden):
 def _eager(head, x2, t1, opts, wants, loss_scale, hidden, need_dx):
     """Forward's Compute adding dW/db: (result, dX scaled by the expected upstream gradient,
     that upstream gradient)."""
+    kw, expected = eager_options(head, opts, loss_scale, x2.dtype, hidden.dtype)
+    r = head.head_compute(x2, t1, kw, head.next_key(), want_dx=need_dx, **wants)
+    return r, _unscaled_dx(head, r, hidden), expected
+
+
+def eager_options(head, opts, loss_scale, dtype, hidden_dtype):
+    """An eager Compute's options in `dtype` for hidden states of `hidden_dtype`, and the
+    upstream gradient backward must bring (loss_scale times the GradScaler's scale, which
+    this step's Computes are then bound to). lossd.pipeline sends the same."""
     scaler_scale = head.loss_scale_of_scaler()
     if head._step_scale is not None and head._step_scale != scaler_scale:
         raise errors.FailedPreconditionError(
@@ -401,10 +422,9 @@ def _eager(head, x2, t1, opts, wants, loss_scale, hidden, need_dx):
     if not expected > 0 or not math.isfinite(expected):
         raise errors.InvalidArgumentError("loss_scale %r times the GradScaler's scale %r must "
                                           "be finite and > 0" % (loss_scale, scaler_scale))
-    kw = _dx_dtype_opts(head, opts, x2.dtype, hidden.dtype)
+    kw = _dx_dtype_opts(head, opts, dtype, hidden_dtype)
     kw["grad_scale"] = expected * head.grad_scale
-    r = head.head_compute(x2, t1, kw, head.next_key(), want_dx=need_dx, **wants)
-    return r, _unscaled_dx(head, r, hidden), expected
+    return kw, expected
 
 
 def _deferred(head, hidden, labels, opts, grad_loss, need_dx):
