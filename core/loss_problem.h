@@ -107,6 +107,22 @@ inline bool PolicyLossTypeClips(PolicyLossType t) {
   return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo;
 }
 
+// kPolicy's importance-sampling level (Liger's importance_sampling_level): kToken, each
+// token's own ratio r_i = exp(logp_i - old_i); kSequence (GSPO), one ratio per sequence,
+// R_b = exp(sum_{i in b} m_i (logp_i - old_i) / max(1, n_b)), clipped once and weighting
+// every token of b, its gradient flowing through the mean to every token of b. Sequence level
+// with cispo or sapo is refused (as Liger refuses it).
+enum class ImportanceSampling : int32_t { kToken = 0, kSequence = 1 };
+inline constexpr int kImportanceSamplingLevels = 2;
+// "token", "sequence"; "unknown" for a value out of range.
+inline const char* ImportanceSamplingName(ImportanceSampling l) {
+  switch (l) {
+    case ImportanceSampling::kToken: return "token";
+    case ImportanceSampling::kSequence: return "sequence";
+  }
+  return "unknown";
+}
+
 // kPolicy's options; defaults are Liger-Kernel's (LigerFusedLinearGRPOLoss's constructor).
 struct PolicyParams {
   PolicyLossType loss_type = PolicyLossType::kDapo;
@@ -125,6 +141,7 @@ struct PolicyParams {
   // else finite and > 1 + epsilon_high. Refused for cispo and sapo (they have no surrogate).
   float delta = 0.0f;
   bool use_bias_correction_kl = false;  // the KL term times the (unclamped) ratio r
+  ImportanceSampling importance_sampling = ImportanceSampling::kToken;
 };
 
 // kDistill's options; defaults are Liger-Kernel's (LigerFusedLinearJSD's).

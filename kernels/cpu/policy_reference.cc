@@ -55,6 +55,16 @@ absl::Status CheckOptions(const PolicyOptions& o) {
           PolicyLossTypeName(o.loss_type), " has no clipped surrogate"));
     }
   }
+  const int32_t level = static_cast<int32_t>(o.importance_sampling);
+  if (level < 0 || level >= kImportanceSamplingLevels) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.importance_sampling ", level, " is not token (0) or sequence (1)"));
+  }
+  if (o.importance_sampling == ImportanceSampling::kSequence && !PolicyLossTypeClips(o.loss_type)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.importance_sampling sequence applies to the clipped loss types; loss_type ",
+        PolicyLossTypeName(o.loss_type), " takes token-level ratios only"));
+  }
   if (o.loss_type == PolicyLossType::kDrGrpo ? o.max_completion_length <= 0
                                              : o.max_completion_length < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -117,11 +127,13 @@ absl::Status CheckProblem(const PolicyProblem& p) {
 bool Masked(const PolicyProblem& p, int64_t i) { return p.mask != nullptr && p.mask[i] == 0; }
 
 // Each row's weight in the loss (its normaliser, 0 where masked) and the mask count N.
-std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens) {
+std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
+                               std::vector<int64_t>* per_seq_out) {
   const PolicyOptions& o = p.options;
   const int64_t bt = p.head.bt, seq = bt / p.batch;
   const double b = static_cast<double>(p.batch);
-  std::vector<int64_t> per_seq(p.batch, 0);
+  std::vector<int64_t>& per_seq = *per_seq_out;
+  per_seq.assign(p.batch, 0);
   int64_t n = 0;
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
@@ -157,15 +169,18 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens) {
   return w;
 }
 
-// One row's loss terms and dl_i/dlogp_i (before the row weight).
+// One row's loss terms and their derivative in logp_i, in two parts: `dlogp`, the part that
+// does not pass through the ratio (cispo's detached weight times A, the KL term's own), and
+// `dratio`, dl_i/dr times r (dr/dlogp = r): at token level both reach logp_i; at sequence
+// level dratio reaches every token of the sequence through the mean of its log-ratios.
 struct RowTerms {
-  double ratio = 1, loss = 0, kl = 0, dlogp = 0;
+  double ratio = 1, loss = 0, kl = 0, dlogp = 0, dratio = 0;
   bool clipped = false;
 };
 
-// The surrogate pg_i and dpg_i/dlogp_i of the clipped types (dapo, grpo, bnpo, dr_grpo,
-// luspo). On a bound, torch's clamp passes nothing and min's tie gives r A half the gradient;
-// delta's cap passes nothing from r = delta on.
+// The surrogate pg_i and its dratio of the clipped types (dapo, grpo, bnpo, dr_grpo, luspo).
+// On a bound, torch's clamp passes nothing and min's tie gives r A half the gradient; delta's
+// cap passes nothing from r = delta on.
 void ClippedSurrogate(const PolicyOptions& o, double a, RowTerms* r) {
   const double lo = 1.0 - static_cast<double>(o.epsilon_low);
   const double hi = 1.0 + static_cast<double>(o.epsilon_high);
@@ -177,15 +192,15 @@ void ClippedSurrogate(const PolicyOptions& o, double a, RowTerms* r) {
   // q >= c (delta > hi), so the cap matters only where min picks q A: A < 0 and r > hi.
   double share = r->clipped ? 0.0 : (r->ratio == lo || r->ratio == hi) ? 0.5 : 1.0;
   if (capped && a < 0) share = 0.0;
-  r->dlogp = -share * a * r->ratio;
+  r->dratio = -share * a * r->ratio;
 }
 
-RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp) {
+// Row i's terms at ratio `ratio` (its own, or its sequence's).
+RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio) {
   const PolicyOptions& o = p.options;
   const double a = p.advantages[i];
   RowTerms r;
-  // d(r)/d(logp) = r, with or without old log-probs (detached logp: r = 1, slope 1).
-  r.ratio = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
+  r.ratio = ratio;
   if (o.loss_type == PolicyLossType::kCispo) {
     // The weight is detached: its value scales logp's gradient, nothing flows through it.
     const double bound = static_cast<double>(o.epsilon_high);
@@ -200,23 +215,46 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp) {
     const double g = 1.0 / (1.0 + std::exp(-x));
     const double one_minus_g = 1.0 / (1.0 + std::exp(x));  // 1 - g without cancellation
     r.loss = -a * 4.0 / tau * g;
-    r.dlogp = -4.0 * a * r.ratio * g * one_minus_g;
+    r.dratio = -4.0 * a * r.ratio * g * one_minus_g;
   } else {
     ClippedSurrogate(o, a, &r);
   }
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;
     const double k3 = std::exp(d) - d - 1.0;
-    double dkl = 1.0 - std::exp(d);
+    const double dk3 = 1.0 - std::exp(d);
     r.kl = k3;
-    if (o.use_bias_correction_kl) {  // (k3 r)' = k3' r + k3 r
+    r.dlogp += o.beta * dk3;
+    if (o.use_bias_correction_kl) {  // (k3 r)' = k3' r + k3 r'
       r.kl = k3 * r.ratio;
-      dkl = (dkl + k3) * r.ratio;
+      r.dlogp += o.beta * dk3 * (r.ratio - 1.0);
+      r.dratio += o.beta * k3 * r.ratio;
     }
     r.loss += o.beta * r.kl;
-    r.dlogp += o.beta * dkl;
   }
   return r;
+}
+
+// Each row's ratio: its own exp(logp_i - old_i) at token level; at sequence level its
+// sequence's exp of the masked mean log-ratio. Without old log-probs every log-ratio is 0.
+std::vector<double> Ratios(const PolicyProblem& p, const std::vector<double>& logp,
+                           const std::vector<int64_t>& per_seq) {
+  const int64_t bt = p.head.bt, seq = bt / p.batch;
+  std::vector<double> log_ratio(bt, 0.0), ratio(bt, 1.0);
+  for (int64_t i = 0; i < bt; ++i) {
+    if (!Masked(p, i) && p.old_logp != nullptr) log_ratio[i] = logp[i] - p.old_logp[i];
+  }
+  if (p.options.importance_sampling == ImportanceSampling::kToken) {
+    for (int64_t i = 0; i < bt; ++i) ratio[i] = std::exp(log_ratio[i]);
+    return ratio;
+  }
+  for (int64_t b = 0; b < p.batch; ++b) {
+    double sum = 0;
+    for (int64_t i = b * seq; i < (b + 1) * seq; ++i) sum += log_ratio[i];
+    const double r = std::exp(sum / std::max<double>(1.0, static_cast<double>(per_seq[b])));
+    std::fill(ratio.begin() + b * seq, ratio.begin() + (b + 1) * seq, r);
+  }
+  return ratio;
 }
 
 }  // namespace
@@ -233,28 +271,44 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
   out->ratio.assign(bt, 0.0);
   out->dl_dlogp.assign(bt, 0.0);
   out->grad = head.ZeroGradients();
-  const std::vector<double> weight = RowWeights(p, &out->tokens);
+  std::vector<int64_t> per_seq;
+  const std::vector<double> weight = RowWeights(p, &out->tokens, &per_seq);
 
-  double kl_sum = 0;
-  int64_t clipped = 0;
+  // First every row's logp (a sequence's ratio needs all of them), then the terms, then the
+  // gradients: dloss/dlogp_j = w_j dlogp_j + (token level) w_j dratio_j, or (sequence level)
+  // m_j / max(1, n_b) sum_{i in b} w_i dratio_i.
   HeadRow row;
-  std::vector<double> prob, g;
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
     head.Row(i, &row);
-    const int64_t t = LoadAsInt(p.targets, p.target_dtype, i);
-    const double logp = RowLogprob(row, t);
-    const RowTerms r = PolicyRow(p, i, logp);
-    out->logp[i] = logp;
+    out->logp[i] = RowLogprob(row, LoadAsInt(p.targets, p.target_dtype, i));
+  }
+  const std::vector<double> ratio = Ratios(p, out->logp, per_seq);
+  const bool sequence = o.importance_sampling == ImportanceSampling::kSequence;
+  const int64_t seq = bt / p.batch;
+  std::vector<double> coef(bt, 0.0), seq_dratio(p.batch, 0.0);
+  double kl_sum = 0;
+  int64_t clipped = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (Masked(p, i)) continue;
+    const RowTerms r = PolicyRow(p, i, out->logp[i], ratio[i]);
     out->ratio[i] = r.ratio;
-    out->dl_dlogp[i] = r.dlogp;
     out->loss += weight[i] * r.loss;
     kl_sum += r.kl;
     clipped += r.clipped ? 1 : 0;
-    const double dlogp = static_cast<double>(o.grad_scale) * weight[i] * r.dlogp;
+    coef[i] = weight[i] * (r.dlogp + (sequence ? 0.0 : r.dratio));
+    if (sequence) seq_dratio[i / seq] += weight[i] * r.dratio;
+  }
+  std::vector<double> prob, g;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (Masked(p, i)) continue;
+    if (sequence) coef[i] += seq_dratio[i / seq] / std::max<double>(1.0, per_seq[i / seq]);
+    out->dl_dlogp[i] = coef[i] / weight[i];
+    const double dlogp = static_cast<double>(o.grad_scale) * coef[i];
     if (dlogp == 0) continue;
+    head.Row(i, &row);
     Softmax(row, &prob);
-    LogprobLogitGradient(row, prob, t, dlogp, 0.0, &g);
+    LogprobLogitGradient(row, prob, LoadAsInt(p.targets, p.target_dtype, i), dlogp, 0.0, &g);
     head.AddGradients(row, g, &out->grad);
   }
   const double n = std::max(1.0, static_cast<double>(out->tokens));

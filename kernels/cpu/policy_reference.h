@@ -3,14 +3,18 @@
 // Reads the inputs as stored; one row of V logits at a time, in double; never fast.
 //
 // Semantics: those of Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss with
-// importance_sampling_level "token", vllm_is_ratio None, and the reference log-probs given
+// importance_sampling_level "token" or "sequence" (GSPO), vllm_is_ratio None, and the reference log-probs given
 // (not recomputed from ref_input / ref_weight), for its loss types grpo, bnpo, dr_grpo, dapo,
 // cispo, sapo and luspo (not vespo: its weight is a function of the whole sequence's ratios).
 // Rows are B sequences of S tokens, sequence-major (row i = b S + s: Liger's (B, S) tensors
 // flattened). Per row i:
 //   logp_i = log softmax(softcap(x_i W^T + b) / T)_{t_i}      (Liger has no softcap: cap 0)
 //   old_i  = old_logp_i; without old log-probs, logp_i detached (so r_i = 1, dr_i/dlogp_i = 1)
-//   r_i    = exp(logp_i - old_i),   c_i = clamp(r_i, 1 - eps_low, 1 + eps_high)
+//   r_i    = exp(logp_i - old_i)                                  importance_sampling token
+//   r_i    = R_b = exp(sum_{j in b} m_j (logp_j - old_j) / max(1, n_b))   sequence (GSPO), the
+//            same for every token of sequence b, its gradient reaching every logp_j of b:
+//            dR_b/dlogp_j = R_b m_j / max(1, n_b); refused with cispo and sapo (as Liger)
+//   c_i    = clamp(r_i, 1 - eps_low, 1 + eps_high)
 //   pg_i   = -min(q_i A_i, c_i A_i),  q_i = min(r_i, delta) (r_i without delta)  the clipped
 //                                                         types: dapo grpo bnpo dr_grpo luspo
 //   pg_i   = -sg(min(r_i, eps_high)) A_i logp_i                cispo (sg: no gradient; the
@@ -37,8 +41,13 @@
 //                   for the clipped types (r_i before delta); cispo: r_i > eps_high and
 //                   A_i > 0; sapo: never
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
-//   dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i) (+ k3_i, times
-//                   r_i, with the bias correction), and dpg_i:
+//   token level: dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i)
+//                   (+ k3_i, times r_i, with the bias correction), and dpg_i as below.
+//   sequence level: split each row's derivative into the part through its ratio, e_i = dpg_i
+//                   (+ beta k3_i r_i with the bias correction), and the rest, f_i = beta
+//                   (1 - exp(ref_i - logp_i)) (times r_i with the bias correction); then
+//                   dloss/dlogp_j = w_j f_j + m_j / max(1, n_b) sum_{i in b} w_i e_i.
+//   dpg_i:
 //     clipped types: -A_i r_i s_i; s_i = 0 if clipped_i, or if delta caps r_i (r_i >= delta,
 //                    A_i < 0); 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
 //     cispo:         -A_i min(r_i, eps_high)
@@ -89,6 +98,8 @@ struct PolicyOptions {
   // 0 = none; else finite and > 1 + epsilon_high, with a clipped type only.
   float delta = 0.0f;
   bool use_bias_correction_kl = false;
+  // token (Liger's default) or sequence (GSPO); sequence with a clipped type only.
+  ImportanceSampling importance_sampling = ImportanceSampling::kToken;
 };
 
 struct PolicyProblem {
@@ -110,8 +121,9 @@ struct PolicyReferenceOutputs {
   double clip_fraction = 0;
   int64_t tokens = 0;         // N
   std::vector<double> logp;   // (BT) logp_i; 0 where mask 0
-  std::vector<double> ratio;  // (BT) r_i; 0 where mask 0
-  std::vector<double> dl_dlogp;  // (BT) dl_i/dlogp_i, before w_i and grad_scale; 0 where masked
+  std::vector<double> ratio;  // (BT) r_i (sequence level: R_b); 0 where mask 0
+  // (BT) dloss/dlogp_i / w_i, before grad_scale (token level: dl_i/dlogp_i); 0 where masked
+  std::vector<double> dl_dlogp;
   HeadGradients grad;         // of grad_scale * loss
 };
 
