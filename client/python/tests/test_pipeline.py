@@ -8,7 +8,6 @@ refusals. Skipped where torch is not installed or the server has no hosted heads
 
 import threading
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -139,7 +138,8 @@ def _models(dtype=torch.float32):
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
-@pytest.mark.parametrize("case", ["fp32", "label_smoothing_softcap", "grad_scaler", "bf16_autocast"])
+@pytest.mark.parametrize("case", ["fp32", "label_smoothing_softcap", "grad_scaler",
+                                  "bf16_autocast"])
 def test_loss_mode_gives_lossd_nn_synchronous_gradients(client, depth, case):
     kw = dict(label_smoothing=0.1, softcap=15.0) if case == "label_smoothing_softcap" else {}
     ref_trunk, ref_lm = _models()
@@ -249,4 +249,4 @@ def test_refusals(client, heads):
     head.eval()
     with pytest.raises(lossd.FailedPreconditionError, match="eval mode"):
         pipe.accumulate([1], lambda mb: (torch.zeros(3, H), torch.zeros(3, dtype=torch.long)))
-    assert np.isfinite(client.head_info(head.name).contributions)
+    assert client.head_info(head.name).contributions == 0  # every refusal sent nothing
