@@ -36,17 +36,20 @@ from lossd.nn import (CrossEntropyOutput, LossdFusedLinearCrossEntropyLoss, _che
 DEFAULT_DEPTH = 2
 
 
-def _to_host(t):
-    """(t on the host, a torch.cuda.Event the copy completes at, or None). A CUDA tensor is
-    copied into pinned memory without blocking, enqueued before the trunk's next forward on
-    the stream, so the call's upload does not wait for that forward to finish."""
-    if t.device.type != "cuda":
-        return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    buf.copy_(t, non_blocking=True)
+def _to_host(x, t):
+    """(x and t on the host, a torch.cuda.Event both copies complete at, or None). CUDA
+    tensors are copied into pinned memory without blocking, enqueued before the trunk's next
+    forward on the stream, so the call's upload does not wait for that forward to finish."""
+    if x.device.type != "cuda" and t.device.type != "cuda":
+        return x, t, None
+    out = []
+    for a in (x, t):
+        buf = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
+        buf.copy_(a, non_blocking=True)
+        out.append(buf)
     ev = torch.cuda.Event()
     ev.record()
-    return buf, ev
+    return out[0], out[1], ev
 
 
 def upstream_gradient(loss_scale, scaler, device):
@@ -99,8 +102,7 @@ class _HostedStage:
         wants = _wants(head.reduction, head.return_z_loss, head.return_token_accuracy,
                        head.return_predicted_tokens)
         kw, _ = eager_options(head, opts, loss_scale, cdt, hidden.dtype)
-        xh, ready = _to_host(x2)
-        th, _ = _to_host(labels.reshape(-1))
+        xh, th, ready = _to_host(x2, labels.reshape(-1))
         fut = head.head_compute_async(xh, th, kw, head.next_key(), ready=ready,
                                       want_dx=hidden.requires_grad, **wants)
 
@@ -155,8 +157,7 @@ class _LossStage:
         wants = _wants(m.reduction, m.return_z_loss, m.return_token_accuracy,
                        m.return_predicted_tokens)
         rt.weight_ref(weight, bias, cdt)  # uploaded here, once: the calls find it cached
-        xh, ready = _to_host(x2)
-        th, _ = _to_host(labels.reshape(-1))
+        xh, th, ready = _to_host(x2, labels.reshape(-1))
 
         def call():
             if ready is not None:
