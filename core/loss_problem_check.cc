@@ -169,6 +169,17 @@ absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
           absl::StrCat("policy.", name, " must be finite and > 0, got ", value));
     }
   }
+  const int level = static_cast<int>(p.importance_sampling);
+  if (level < 0 || level >= kImportanceSamplingLevels) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.importance_sampling ", level, " is unknown (token 0, sequence 1)"));
+  }
+  if (p.importance_sampling == ImportanceSampling::kSequence && !PolicyLossTypeClips(p.loss_type)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.importance_sampling sequence is for the clipped loss types (dapo, grpo, bnpo, "
+        "dr_grpo, luspo); loss type ", PolicyLossTypeName(p.loss_type),
+        " takes token-level ratios only"));
+  }
   if (p.delta == 0.0f) return absl::OkStatus();
   const double hi = 1.0 + static_cast<double>(p.epsilon_high);
   if (!std::isfinite(p.delta) || !(p.delta > hi)) {

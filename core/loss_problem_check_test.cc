@@ -434,6 +434,27 @@ TEST(LossProblemCheckTest, PolicyTypeOptionsAreRefusedNamingFieldAndValue) {
   EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
 }
 
+TEST(LossProblemCheckTest, SequenceImportanceSamplingIsCheckedOnce) {
+  PolicyParams pp;
+  pp.importance_sampling = ImportanceSampling::kSequence;
+  for (PolicyLossType t : {PolicyLossType::kDapo, PolicyLossType::kGrpo, PolicyLossType::kBnpo,
+                           PolicyLossType::kLuspo}) {
+    pp.loss_type = t;
+    EXPECT_TRUE(CheckPolicyParams(pp, 6).ok()) << PolicyLossTypeName(t);
+  }
+  pp.loss_type = PolicyLossType::kCispo;
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.importance_sampling sequence is for the clipped loss types (dapo, grpo, "
+                "bnpo, dr_grpo, luspo); loss type cispo takes token-level ratios only");
+  pp.loss_type = PolicyLossType::kSapo;
+  ExpectRefused(CheckPolicyParams(pp, 6), "policy.importance_sampling sequence is for the clipped loss types (dapo, grpo, bnpo, "
+                "dr_grpo, luspo); loss type sapo takes token-level ratios only");
+  pp = PolicyParams();
+  pp.importance_sampling = static_cast<ImportanceSampling>(5);
+  ExpectRefused(CheckPolicyParams(pp, 6),
+                "policy.importance_sampling 5 is unknown (token 0, sequence 1)");
+}
+
 TEST(LossProblemCheckTest, DistillParamsAreRefusedNamingFieldAndValue) {
   DistillParams d;
   EXPECT_TRUE(CheckDistillParams(d).ok());
