@@ -46,7 +46,9 @@ inline constexpr std::array<std::string_view, 7> kServerFeatures = {
 // "loss_kind_<name>" ("loss_kind_logprob", "loss_kind_policy", "loss_kind_distill"): the
 // ComputeHeader.kind and its fields are honoured for that kind; with logprob also
 // "logprob_two_phase": ComputeHeader.keep_ms and ticket, ComputeSummary.ticket and
-// ticket_expires_unix_ms, StateEntry STATE_TICKET (engine/tickets.h). Sorted.
+// ticket_expires_unix_ms, StateEntry STATE_TICKET (engine/tickets.h); with policy and
+// kPolicySequenceBit "policy_sequence_importance_sampling": PolicyOptions.importance_sampling
+// IMPORTANCE_SAMPLING_SEQUENCE (GSPO) is computed. Sorted.
 inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
   std::vector<std::string> features(kServerFeatures.begin(), kServerFeatures.end());
   for (int k = 1; k < kLossKinds; ++k) {
@@ -54,6 +56,9 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
     if ((loss_kinds & LossKindBit(kind)) != 0) {
       features.push_back(std::string("loss_kind_") + LossKindName(kind));
       if (kind == LossKind::kLogprob) features.push_back("logprob_two_phase");
+      if (kind == LossKind::kPolicy && (loss_kinds & kPolicySequenceBit) != 0) {
+        features.push_back("policy_sequence_importance_sampling");
+      }
     }
   }
   std::sort(features.begin(), features.end());

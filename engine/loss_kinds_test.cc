@@ -128,6 +128,37 @@ TEST(LossKindsPlanTest, AKindTheBackendLacksIsUnimplementedNamingTheBackend) {
                "cross_entropy, logprob; ServerInfo.features lists loss_kind_<name> for each)");
 }
 
+// Sequence-level importance sampling is a policy option a backend may lack: UNIMPLEMENTED
+// naming the backend and the feature before anything else is checked; planned where the
+// backend sets kPolicySequenceBit, and announced as policy_sequence_importance_sampling.
+TEST(LossKindsPlanTest, SequenceImportanceSamplingNeedsTheBackendsBit) {
+  RandomProblem rp = RandomProblem::Make(ShapeSpec(kBt, kH, kV));
+  ComputeSpec spec = ComputeSpecFor(rp);
+  spec.kind = LossKind::kPolicy;
+  SetInput(&spec, InputSlot::kAdvantages, InputDesc(DType::kF32, {kBt}));
+  spec.policy.importance_sampling = ImportanceSampling::kSequence;
+  spec.policy.sequences = 2;
+  std::shared_ptr<KindsSeen> seen = std::make_shared<KindsSeen>();
+  Engine token_only(std::make_unique<KindsBackend>(kAllKinds, seen), EngineOptions{});
+  ExpectStatus(token_only.Plan(spec).status(), absl::StatusCode::kUnimplemented,
+               "this server's backend 'kinds-fake' does not compute "
+               "header.policy.importance_sampling IMPORTANCE_SAMPLING_SEQUENCE "
+               "(ServerInfo.features lists policy_sequence_importance_sampling where it does)");
+  Engine both(std::make_unique<KindsBackend>(kAllKinds | kPolicySequenceBit, seen),
+              EngineOptions{});
+  auto planned = both.Plan(spec);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_EQ(planned->policy.importance_sampling, ImportanceSampling::kSequence);
+  spec.policy.loss_type = PolicyLossType::kSapo;
+  ExpectRefused(both.Plan(spec).status(), "policy.importance_sampling sequence is for the clipped loss types (dapo, grpo, bnpo, "
+                "dr_grpo, luspo); loss type sapo takes token-level ratios only");
+  const std::vector<std::string> f = ServerFeatures(kAllKinds | kPolicySequenceBit);
+  EXPECT_NE(std::find(f.begin(), f.end(), "policy_sequence_importance_sampling"), f.end());
+  EXPECT_TRUE(std::is_sorted(f.begin(), f.end()));
+  const std::vector<std::string> g = ServerFeatures(kAllKinds);
+  EXPECT_EQ(std::find(g.begin(), g.end(), "policy_sequence_importance_sampling"), g.end());
+}
+
 // Admission counts a kind's own memory: the CPU backend's workspace for distill holds a chunk
 // of teacher logits beside the student's, and the inline teacher's bytes are host bytes.
 TEST(LossKindsPlanTest, AdmissionCountsTheKindsWorkspaceAndTheTeachersBytes) {

@@ -298,7 +298,7 @@ uint64_t WorkspaceBytesOf(Backend& backend, const ComputePlan& plan, bool has_cw
 
 absl::StatusOr<ComputePlan> Engine::Plan(const ComputeSpec& request) {
   ComputePlan plan;
-  LOSSD_RETURN_IF_ERROR(CheckKindServed(request.kind, backend_name_, loss_kinds_));
+  LOSSD_RETURN_IF_ERROR(CheckKindServed(request, backend_name_, loss_kinds_));
   // A two-phase backward's X, targets, weight and options are its ticket's: the rest of the
   // planning reads them from `backward` (the request with the ticket's options).
   ComputeSpec backward;

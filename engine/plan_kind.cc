@@ -189,12 +189,24 @@ absl::Status CheckWantedOutputs(const ComputeSpec& spec) {
 
 }  // namespace
 
-absl::Status CheckKindServed(LossKind kind, const std::string& backend, uint32_t loss_kinds) {
+absl::Status CheckKindServed(const ComputeSpec& spec, const std::string& backend,
+                             uint32_t loss_kinds) {
+  const LossKind kind = spec.kind;
   const int k = static_cast<int>(kind);
   if (k < 0 || k >= kLossKinds) {
     return absl::InvalidArgumentError(absl::StrCat("header.kind ", k, " is unknown"));
   }
-  if ((loss_kinds & LossKindBit(kind)) != 0) return absl::OkStatus();
+  if ((loss_kinds & LossKindBit(kind)) != 0) {
+    if (kind != LossKind::kPolicy ||
+        spec.policy.importance_sampling != ImportanceSampling::kSequence ||
+        (loss_kinds & kPolicySequenceBit) != 0) {
+      return absl::OkStatus();
+    }
+    return absl::UnimplementedError(absl::StrCat(
+        "this server's backend '", backend, "' does not compute header.policy.importance_sampling "
+        "IMPORTANCE_SAMPLING_SEQUENCE (ServerInfo.features lists "
+        "policy_sequence_importance_sampling where it does)"));
+  }
   std::string served;
   for (int i = 0; i < kLossKinds; ++i) {
     if ((loss_kinds & LossKindBit(static_cast<LossKind>(i))) == 0) continue;

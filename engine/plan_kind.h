@@ -15,8 +15,10 @@ namespace lossd {
 
 // INVALID_ARGUMENT for a kind out of range; UNIMPLEMENTED naming `backend` when its
 // `loss_kinds` (BackendInfo) lacks the kind. First of the checks: nothing else about a
-// request matters when the server cannot compute it.
-absl::Status CheckKindServed(LossKind kind, const std::string& backend, uint32_t loss_kinds);
+// request matters when the server cannot compute it. Also UNIMPLEMENTED for a policy request
+// with sequence-level importance sampling where `loss_kinds` lacks kPolicySequenceBit.
+absl::Status CheckKindServed(const ComputeSpec& spec, const std::string& backend,
+                             uint32_t loss_kinds);
 
 // After the student's shape (plan->bt, h, v, dtype) is known: the kind's options (core's
 // CheckKindOptions, CheckPolicyParams, CheckDistillParams), its tensors (another kind's are

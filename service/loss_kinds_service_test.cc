@@ -264,6 +264,18 @@ TEST_F(LossKindsServiceTest, TheServiceRefusesNamingTheHeaderField) {
   EXPECT_NE(r.status.error_message().find("policy.sapo_temperature_pos must be finite and > 0, "
                                           "got -1"),
             std::string::npos) << r.status.error_message();
+  // Sequence-level importance sampling travels to the engine, which hears the fake backend
+  // lacks it (kAllKinds has no kPolicySequenceBit).
+  h = Header(v1::LOSS_KIND_POLICY);
+  *h.mutable_advantages() = F32Rows();
+  h.mutable_policy()->set_importance_sampling(v1::IMPORTANCE_SAMPLING_SEQUENCE);
+  parts = Parts();
+  AddParts(&parts, v1::TENSOR_ADVANTAGES, a_.data(), a_.size() * 4);
+  r = RunCompute(h_.stub(), h, parts);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(r.status.error_message().find("does not compute header.policy.importance_sampling "
+                                          "IMPORTANCE_SAMPLING_SEQUENCE"),
+            std::string::npos) << r.status.error_message();
   // Outputs of another kind.
   h = Header(v1::LOSS_KIND_DISTILL);
   h.mutable_outputs()->set_predictions(true);

@@ -84,6 +84,7 @@ absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
       p.has_sapo_temperature_neg() ? p.sapo_temperature_neg() : defaults.sapo_temperature_neg;
   pp.delta = p.has_delta() ? p.delta() : defaults.delta;
   pp.use_bias_correction_kl = p.use_bias_correction_kl();
+  pp.importance_sampling = static_cast<ImportanceSampling>(p.importance_sampling());
   const v1::DistillOptions& d = h.distill();
   spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : DistillParams().jsd_beta;
   return absl::OkStatus();
