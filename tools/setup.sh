@@ -7,6 +7,7 @@ APT_PACKAGES=(
   bazel-bootstrap pkg-config build-essential
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libopenblas-dev libspdlog-dev
+  libgloo-dev
   python3 python3-pip python3-venv curl
 )
 # Extra packages for the full test suite (Prometheus and manifest checks).

@@ -30,17 +30,23 @@ _LIBS = {
     "openblas": (["openblas"], []),
     # Built against Debian's libfmt: its -D flags (pkg-config --cflags) must reach every user.
     "spdlog": (["spdlog"], []),
+    # Debian's libgloo-dev (a head group's collectives on the CPU backend, engine/head_group*)
+    # ships no .pc file: no modules, its one library named by hand. libgloo.so carries its own
+    # dependencies (ibverbs, hiredis) as DT_NEEDED entries.
+    "gloo": ([], ["-lgloo"]),
 }
 
 def _system_libs_impl(ctx):
     lines = ['package(default_visibility = ["//visibility:public"])', ""]
     for name, (modules, extra) in _LIBS.items():
-        res = ctx.execute(["pkg-config", "--libs"] + modules)
-        if res.return_code != 0:
-            fail("pkg-config --libs %s failed: %s" % (" ".join(modules), res.stderr))
-        flags = res.stdout.strip().split(" ")
+        flags, cflags = [], []
+        if modules:
+            res = ctx.execute(["pkg-config", "--libs"] + modules)
+            if res.return_code != 0:
+                fail("pkg-config --libs %s failed: %s" % (" ".join(modules), res.stderr))
+            flags = res.stdout.strip().split(" ")
+            cflags = ctx.execute(["pkg-config", "--cflags"] + modules).stdout.strip().split(" ")
         flags = [f for f in flags if f] + extra
-        cflags = ctx.execute(["pkg-config", "--cflags"] + modules).stdout.strip().split(" ")
         defines = [f[2:] for f in cflags if f.startswith("-D")]
         lines.append("cc_library(")
         lines.append('    name = "%s",' % name)

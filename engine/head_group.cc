@@ -1,0 +1,239 @@
+// The gloo communicator of a head group: gloo's reduce-scatter (halving-doubling), allgather
+// and allgatherv, and barrier over its TCP transport, rendezvous through a HeadGroupStore.
+// gloo reports failures by throwing; every call is caught here and becomes a Status.
+#include "engine/head_group.h"
+
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gloo/allgather.h"
+#include "gloo/allgatherv.h"
+#include "gloo/barrier.h"
+#include "gloo/reduce_scatter.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/store.h"
+#include "gloo/transport/tcp/device.h"
+
+namespace lossd {
+
+absl::Status MemoryGroupStore::Set(const std::string& key, const std::string& value) {
+  absl::MutexLock lock(&mu_);
+  values_[key] = value;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> MemoryGroupStore::Get(const std::string& key,
+                                                  absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto has = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return values_.count(key) > 0; };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&has), timeout)) {
+    return absl::DeadlineExceededError(absl::StrCat("no member set '", key, "' within ",
+                                                    absl::FormatDuration(timeout)));
+  }
+  return values_[key];
+}
+
+bool MemoryGroupStore::Has(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  return values_.count(key) > 0;
+}
+
+namespace {
+
+std::chrono::milliseconds Millis(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+// gloo's view of a HeadGroupStore, under the group's key prefix. gloo expects a failed
+// wait to throw; connectFullMesh passes the exception up to ConnectGloo, which catches it.
+class StoreAdapter : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(std::shared_ptr<HeadGroupStore> store, std::string prefix, absl::Duration timeout)
+      : store_(std::move(store)), prefix_(std::move(prefix)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    absl::Status s = store_->Set(prefix_ + key, std::string(data.begin(), data.end()));
+    if (!s.ok()) throw std::runtime_error(std::string(s.message()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    absl::StatusOr<std::string> v = store_->Get(prefix_ + key, timeout_);
+    if (!v.ok()) throw std::runtime_error(std::string(v.status().message()));
+    return std::vector<char>(v->begin(), v->end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, Millis(timeout_)); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    const absl::Time end = absl::Now() + absl::Milliseconds(timeout.count());
+    for (const std::string& k : keys) {
+      absl::StatusOr<std::string> v = store_->Get(prefix_ + k, end - absl::Now());
+      if (!v.ok()) throw std::runtime_error(std::string(v.status().message()));
+    }
+  }
+
+ private:
+  std::shared_ptr<HeadGroupStore> store_;
+  const std::string prefix_;
+  const absl::Duration timeout_;
+};
+
+class GlooComm : public HeadComm {
+ public:
+  GlooComm(std::shared_ptr<gloo::Context> ctx, std::shared_ptr<HeadGroupStore> store,
+           HeadGroup group)
+      : ctx_(std::move(ctx)), store_(std::move(store)), group_(std::move(group)) {}
+
+  uint32_t member() const override { return group_.member; }
+  uint32_t size() const override { return group_.size(); }
+
+  absl::Status ReduceScatter(float* buf, int64_t n) override {
+    if (n >= (int64_t{1} << 31)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a head group reduces tensors of fewer than 2^31 elements (gloo's counts are int), "
+          "got ", n));
+    }
+    std::vector<int> counts(size());
+    for (uint32_t m = 0; m < size(); ++m) counts[m] = HeadSliceOf(n, m, size()).n();
+    return Run("reduce-scatter of the summed gradient", [&] {
+      gloo::ReduceScatterHalvingDoubling<float> rs(ctx_, {buf}, static_cast<int>(n), counts);
+      rs.run();
+      // gloo leaves this member's slice at the front of buf; the head keeps slices in place.
+      const HeadSlice s = HeadSliceOf(n, member(), size());
+      if (s.lo != 0) std::memmove(buf + s.lo, buf, s.n() * sizeof(float));
+    });
+  }
+
+  absl::Status AllGather(void* buf, int64_t n, size_t elem_bytes) override {
+    std::vector<size_t> bytes(size());
+    for (uint32_t m = 0; m < size(); ++m) bytes[m] = HeadSliceOf(n, m, size()).n() * elem_bytes;
+    const HeadSlice s = HeadSliceOf(n, member(), size());
+    uint8_t* out = static_cast<uint8_t*>(buf);
+    // gloo copies its input into the output: a separate input, so the two never overlap.
+    std::vector<uint8_t> mine(out + s.lo * elem_bytes, out + s.hi * elem_bytes);
+    return Run("all-gather of the new compute copy", [&] {
+      gloo::AllgathervOptions o(ctx_);
+      o.setInput<uint8_t>(mine.data(), mine.size());
+      o.setOutput<uint8_t>(out, bytes);
+      gloo::allgatherv(o);
+    });
+  }
+
+  absl::StatusOr<std::vector<double>> AllGatherValues(
+      const std::vector<double>& values) override {
+    std::vector<double> in = values, out(values.size() * size());
+    absl::Status s = Run("all-gather of the step's arguments and norms", [&] {
+      gloo::AllgatherOptions o(ctx_);
+      o.setInput<double>(in.data(), in.size());
+      o.setOutput<double>(out.data(), out.size());
+      gloo::allgather(o);
+    });
+    if (!s.ok()) return s;
+    return out;
+  }
+
+  absl::Status Barrier() override {
+    return Run("barrier", [&] {
+      gloo::BarrierOptions o(ctx_);
+      gloo::barrier(o);
+    });
+  }
+
+  void Abort(const std::string& why) override {
+    absl::MutexLock lock(&mu_);
+    if (aborted_.empty()) aborted_ = why;
+  }
+
+ private:
+  // Runs one collective: refused once aborted; each member first marks its arrival in the
+  // store (key <id>/at/<seq>/<member>), so a failure can name the members that never came.
+  template <typename F>
+  absl::Status Run(const char* what, F f) {
+    uint64_t seq;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!aborted_.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "head group '", group_.id, "' was aborted earlier (", aborted_, "); import the "
+            "head's last export into a new group"));
+      }
+      seq = ++seq_;
+    }
+    const std::string at = absl::StrCat(group_.id, "/at/", seq, "/");
+    store_->Set(absl::StrCat(at, member()), "1").IgnoreError();  // only for the message
+    std::string error;
+    try {
+      f();
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::vector<std::string> absent;
+    for (uint32_t m = 0; m < size(); ++m) {
+      if (!store_->Has(absl::StrCat(at, m))) {
+        absent.push_back(absl::StrCat(m, " (", group_.members[m], ")"));
+      }
+    }
+    const std::string why = absl::StrCat(
+        "the ", what, " of head group '", group_.id, "' failed on member ", member(), " (",
+        group_.members[member()], ")",
+        absent.empty() ? std::string(", every member had arrived")
+                       : absl::StrCat(": member", absent.size() > 1 ? "s " : " ",
+                                      absl::StrJoin(absent, ", "), " never arrived"),
+        ": ", error);
+    Abort(why);
+    return absl::UnavailableError(why);
+  }
+
+  std::shared_ptr<gloo::Context> ctx_;
+  std::shared_ptr<HeadGroupStore> store_;
+  const HeadGroup group_;
+  absl::Mutex mu_;
+  std::string aborted_ ABSL_GUARDED_BY(mu_);
+  uint64_t seq_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupStore> store,
+                                                      const HeadGroup& group,
+                                                      const GlooOptions& options) {
+  const uint32_t size = group.size();
+  if (group.members.size() < 2 || group.member >= size || group.id.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a head group needs 2 or more members, this server's index among them and an id; got ",
+        group.members.size(), " members, member ", group.member, ", id '", group.id, "'"));
+  }
+  const std::string joined = absl::StrCat(group.id, "/joined/");
+  try {
+    gloo::transport::tcp::attr attr(options.hostname.c_str());
+    std::shared_ptr<gloo::transport::Device> dev = gloo::transport::tcp::CreateDevice(attr);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(static_cast<int>(group.member),
+                                                           static_cast<int>(size));
+    ctx->setTimeout(Millis(options.timeout));
+    store->Set(absl::StrCat(joined, group.member), "1").IgnoreError();  // only for the message
+    StoreAdapter adapter(store, absl::StrCat(group.id, "/gloo/"), options.timeout);
+    ctx->connectFullMesh(adapter, dev);
+    return std::shared_ptr<HeadComm>(std::make_shared<GlooComm>(ctx, store, group));
+  } catch (const std::exception& e) {
+    std::vector<std::string> absent;
+    for (uint32_t m = 0; m < size; ++m) {
+      if (!store->Has(absl::StrCat(joined, m))) {
+        absent.push_back(absl::StrCat(m, " (", group.members[m], ")"));
+      }
+    }
+    return absl::DeadlineExceededError(absl::StrCat(
+        "member ", group.member, " (", group.members[group.member], ") could not form head "
+        "group '", group.id, "'",
+        absent.empty() ? std::string("")
+                       : absl::StrCat(": member", absent.size() > 1 ? "s " : " ",
+                                      absl::StrJoin(absent, ", "), " never joined within ",
+                                      absl::FormatDuration(options.timeout)),
+        ": ", e.what()));
+  }
+}
+
+}  // namespace lossd

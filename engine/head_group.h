@@ -1,0 +1,119 @@
+// A head group's communicator: the collectives the S members of one hosted head run at its
+// step (reduce-scatter of the summed gradient, all-gather of the new compute copy, a small
+// all-reduce for the norm and the step's counts), over fp32 or byte buffers in host memory.
+// Never hand-written: the gloo implementation below calls gloo's own algorithms over its TCP
+// transport; a CUDA backend's NCCL implementation would sit behind the same interface.
+#ifndef LOSSD_ENGINE_HEAD_GROUP_H_
+#define LOSSD_ENGINE_HEAD_GROUP_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace lossd {
+
+// What CreateHead names for a group: every member's endpoint (as the pool resolves them, in
+// the group's order), which one this server is, and an id the creator chooses for this
+// group's life (the rendezvous keys live under it, so a member that restarts never rejoins
+// an old group by itself). members.size() <= 1 is today's one-server head.
+struct HeadGroup {
+  std::vector<std::string> members;
+  uint32_t member = 0;
+  std::string id;
+  uint32_t size() const { return members.empty() ? 1 : static_cast<uint32_t>(members.size()); }
+  bool operator==(const HeadGroup& o) const {
+    return members == o.members && member == o.member && id == o.id;
+  }
+};
+
+// The member that serves rank `rank`'s Computes and Step: rank % size. Every rank and pool
+// computes it alike from HeadInfo; round robin keeps each member's share within one rank of
+// the others' for any world size.
+inline uint32_t HeadGroupMemberOf(uint32_t rank, uint32_t size) { return rank % size; }
+// How many of ranks [0, world_size) member `member` serves.
+inline uint32_t HeadGroupRanksOf(uint32_t member, uint32_t size, uint32_t world_size) {
+  return world_size / size + (member < world_size % size ? 1 : 0);
+}
+// Member m's slice [lo, hi) of a tensor of n elements: contiguous blocks, balanced to one
+// element, the same on every member.
+struct HeadSlice {
+  int64_t lo = 0, hi = 0;
+  int64_t n() const { return hi - lo; }
+};
+inline HeadSlice HeadSliceOf(int64_t n, uint32_t member, uint32_t size) {
+  return HeadSlice{n * member / size, n * (member + 1) / size};
+}
+
+// The members' collectives. Every member calls each collective in the same order; a call
+// that does not complete within the communicator's timeout fails (UNAVAILABLE naming the
+// collective and the members that had not arrived where the store can tell) and the
+// communicator refuses every later call: a group that failed mid-collective is never reused.
+class HeadComm {
+ public:
+  virtual ~HeadComm() = default;
+  virtual uint32_t member() const = 0;
+  virtual uint32_t size() const = 0;
+  // buf: (n) fp32, the same n on every member. Sums it over the members; afterwards member
+  // m's slice HeadSliceOf(n, m, size) of buf holds that slice of the sum (the rest of buf is
+  // unspecified).
+  virtual absl::Status ReduceScatter(float* buf, int64_t n) = 0;
+  // buf: (n) elements of elem_bytes each, the same n on every member; member m's slice
+  // HeadSliceOf(n, m, size) holds its part. Afterwards every member's buf holds every part.
+  virtual absl::Status AllGather(void* buf, int64_t n, size_t elem_bytes) = 0;
+  // values: (k) per member. Afterwards (k * size) values: member 0's, then member 1's, ...,
+  // on every member (so a sum over them in member order is the same everywhere, bit for bit).
+  virtual absl::StatusOr<std::vector<double>> AllGatherValues(const std::vector<double>& values) = 0;
+  virtual absl::Status Barrier() = 0;
+  // Refuses every later call (a member failed): the communicator is never used again.
+  virtual void Abort(const std::string& why) = 0;
+};
+
+// The key/value store the members rendezvous through. Keys are set once and never change.
+class HeadGroupStore {
+ public:
+  virtual ~HeadGroupStore() = default;
+  virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
+  // The key's value once some member has set it; DEADLINE_EXCEEDED after `timeout`.
+  virtual absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) = 0;
+  // Whether the key is set now (never waits).
+  virtual bool Has(const std::string& key) = 0;
+};
+
+// A store in this process's memory, shared by the members of a test that run as threads.
+class MemoryGroupStore : public HeadGroupStore {
+ public:
+  absl::Status Set(const std::string& key, const std::string& value) override;
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override;
+  bool Has(const std::string& key) override;
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
+};
+
+struct GlooOptions {
+  // The address this member's gloo TCP device listens on (an ephemeral port; the peers learn
+  // it through the store). Must be reachable by every other member.
+  std::string hostname = "127.0.0.1";
+  // Every collective's (and the rendezvous') limit: a member that does not take part within
+  // it fails the collective on every member.
+  absl::Duration timeout = absl::Minutes(1);
+};
+
+// Forms the communicator of `group` (this server is group.member) through `store`, under
+// the key prefix group.id: blocks until every member has joined or options.timeout passed
+// (DEADLINE_EXCEEDED naming the members that never joined).
+absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupStore> store,
+                                                      const HeadGroup& group,
+                                                      const GlooOptions& options);
+
+}  // namespace lossd
+
+#endif  // LOSSD_ENGINE_HEAD_GROUP_H_

@@ -1,0 +1,107 @@
+// The gloo communicator of a head group: three members as threads of this process over TCP on
+// 127.0.0.1, rendezvous through a MemoryGroupStore.
+#include "engine/head_group.h"
+
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace lossd {
+namespace {
+
+using ::testing::HasSubstr;
+
+HeadGroup Group(uint32_t member, uint32_t size, const std::string& id) {
+  HeadGroup g;
+  for (uint32_t m = 0; m < size; ++m) g.members.push_back("127.0.0.1:" + std::to_string(7000 + m));
+  g.member = member;
+  g.id = id;
+  return g;
+}
+
+// Runs f(member) on `size` threads, each with its own communicator of one group.
+void OnEveryMember(uint32_t size, const std::string& id, absl::Duration timeout,
+                   const std::function<void(uint32_t, HeadComm&)>& f) {
+  auto store = std::make_shared<MemoryGroupStore>();
+  std::vector<std::thread> threads;
+  for (uint32_t m = 0; m < size; ++m) {
+    threads.emplace_back([&, m] {
+      GlooOptions o;
+      o.timeout = timeout;
+      auto comm = ConnectGloo(store, Group(m, size, id), o);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      f(m, **comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST(HeadGroupTest, ReduceScatterLeavesEachMemberItsSliceOfTheSum) {
+  for (uint32_t size : {2u, 3u}) {
+    const int64_t n = 1001;  // not a multiple of 2 or 3
+    OnEveryMember(size, "rs" + std::to_string(size), absl::Seconds(20),
+                  [&](uint32_t m, HeadComm& comm) {
+      std::vector<float> buf(n);
+      // Small integers: every order of the sum is exact, so the check is exact.
+      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>((i % 7) * (m + 1));
+      ASSERT_TRUE(comm.ReduceScatter(buf.data(), n).ok());
+      const HeadSlice s = HeadSliceOf(n, m, size);
+      const float members = size * (size + 1) / 2.0f;
+      for (int64_t i = s.lo; i < s.hi; ++i) ASSERT_EQ(buf[i], (i % 7) * members) << i;
+    });
+  }
+}
+
+TEST(HeadGroupTest, AllGatherGivesEveryMemberEverySlice) {
+  const int64_t n = 37;
+  OnEveryMember(3, "ag", absl::Seconds(20), [&](uint32_t m, HeadComm& comm) {
+    std::vector<uint16_t> buf(n, 0xFFFF);
+    const HeadSlice s = HeadSliceOf(n, m, 3);
+    for (int64_t i = s.lo; i < s.hi; ++i) buf[i] = static_cast<uint16_t>(i * 3);
+    ASSERT_TRUE(comm.AllGather(buf.data(), n, sizeof(uint16_t)).ok());
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(buf[i], i * 3) << i;
+    auto values = comm.AllGatherValues({1.0 * m, 10.0 * m});
+    ASSERT_TRUE(values.ok());
+    EXPECT_EQ(*values, (std::vector<double>{0, 0, 1, 10, 2, 20}));
+    EXPECT_TRUE(comm.Barrier().ok());
+  });
+}
+
+TEST(HeadGroupTest, AMemberThatNeverJoinsIsNamed) {
+  auto store = std::make_shared<MemoryGroupStore>();
+  std::vector<absl::Status> got(2);
+  std::vector<std::thread> threads;
+  for (uint32_t m = 0; m < 2; ++m) {
+    threads.emplace_back([&, m] {
+      GlooOptions o;
+      o.timeout = absl::Milliseconds(500);
+      got[m] = ConnectGloo(store, Group(m, 3, "absent"), o).status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : got) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(s.message(), HasSubstr("member 2 (127.0.0.1:7002) never joined")) << s;
+  }
+}
+
+TEST(HeadGroupTest, ACollectiveAMemberNeverJoinsTimesOutNamingItAndAbortsTheGroup) {
+  OnEveryMember(3, "stall", absl::Seconds(1), [&](uint32_t m, HeadComm& comm) {
+    ASSERT_TRUE(comm.Barrier().ok());
+    if (m == 2) return;  // never takes part in the next collective
+    absl::StatusOr<std::vector<double>> got = comm.AllGatherValues({1.0});
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+    EXPECT_THAT(got.status().message(), HasSubstr("member 2 (127.0.0.1:7002) never arrived"));
+    absl::Status again = comm.Barrier();
+    EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+    EXPECT_THAT(again.message(), HasSubstr("was aborted earlier"));
+  });
+}
+
+}  // namespace
+}  // namespace lossd
