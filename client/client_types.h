@@ -65,6 +65,9 @@ struct ClientOptions {
   // Metadata added to every call. Not x-request-id (INVALID_ARGUMENT): the client makes a new
   // one for every call.
   std::vector<std::pair<std::string, std::string>> metadata;
+  // LossClient::ComputeAsync's calls running at once (1-64); further calls wait in order.
+  // Bounds the client's memory of outputs being received.
+  int max_in_flight = 2;
 };
 
 // Per-call overrides of ClientOptions.

@@ -108,10 +108,16 @@ absl::StatusOr<std::unique_ptr<LossClient>> LossClient::Create(const ClientOptio
         absl::StrCat("stripes (", options.stripes, ") needs as many connections, got ",
                      options.connections, ": each stripe is a stream on a connection of its own"));
   }
+  if (options.max_in_flight < 1 || options.max_in_flight > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_in_flight must be in [1, 64] (ComputeAsync's calls at once), got ",
+        options.max_in_flight));
+  }
   return std::unique_ptr<LossClient>(new LossClient(options));
 }
 
-LossClient::LossClient(const ClientOptions& options) : options_(options) {
+LossClient::LossClient(const ClientOptions& options)
+    : options_(options), calls_(std::make_unique<CallQueue>(options.max_in_flight)) {
   for (int i = 0; i < options_.connections; ++i) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(options_.max_receive_message_bytes);
@@ -224,6 +230,28 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
     RememberHeadInstance(r.head, result.instance);
   }
   return result;
+}
+
+void LossClient::ComputeAsync(ComputeRequest request, CallOptions call, ComputeDone done) {
+  // Shared: std::function needs a copyable callable, and an owning request is not cheap to
+  // copy.
+  auto req = std::make_shared<ComputeRequest>(std::move(request));
+  auto fn = std::make_shared<ComputeDone>(std::move(done));
+  CallQueue::Call c;
+  c.run = [this, req, call, fn] { (*fn)(Compute(*req, call)); };
+  c.cancel = [fn] {
+    (*fn)(absl::CancelledError("the client was destroyed before this ComputeAsync started"));
+  };
+  calls_->Add(std::move(c));
+}
+
+std::future<absl::StatusOr<ComputeResult>> LossClient::ComputeAsync(ComputeRequest request,
+                                                                    CallOptions call) {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<ComputeResult>>>();
+  std::future<absl::StatusOr<ComputeResult>> fut = promise->get_future();
+  ComputeAsync(std::move(request), std::move(call),
+               [promise](absl::StatusOr<ComputeResult> r) { promise->set_value(std::move(r)); });
+  return fut;
 }
 
 std::string LossClient::AccumulatorInstance(const std::string& accumulator) const {

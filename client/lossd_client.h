@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -45,6 +46,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/call_queue.h"
 #include "client/client_types.h"
 #include "client/head_types.h"
 #include "client/host_tensor.h"
@@ -85,6 +87,17 @@ class LossClient {
 
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request,
                                         const CallOptions& call = {});
+  // Compute without waiting: `done` gets what Compute would have returned (the same status
+  // codes and messages, the same head keys and accumulator checks), on one of the client's
+  // call threads. At most options().max_in_flight calls run at once, each its own stream;
+  // further calls wait in order. The request's views (caller tensors) must stay alive and
+  // unchanged until `done` runs; `done` must not destroy this client. A client destroyed
+  // first runs its started calls to their end and answers the others CANCELLED.
+  using ComputeDone = std::function<void(absl::StatusOr<ComputeResult>)>;
+  void ComputeAsync(ComputeRequest request, CallOptions call, ComputeDone done);
+  // The same, as a std::future.
+  std::future<absl::StatusOr<ComputeResult>> ComputeAsync(ComputeRequest request,
+                                                          CallOptions call = {});
   // w: (V, H) bf16/fp16/fp32; bias: (V) same dtype, or null.
   // Striped (see ClientOptions::stripes): W is cut into element-aligned byte ranges sent at
   // once, one stream per connection, under one random upload id; the bias goes with the first
@@ -222,6 +235,9 @@ class LossClient {
   absl::Mutex features_mu_;
   std::optional<std::pair<std::string, std::vector<std::string>>> features_
       ABSL_GUARDED_BY(features_mu_);
+  // ComputeAsync's threads; declared last, so destroyed first: its running calls end while
+  // the connections they use still exist.
+  std::unique_ptr<CallQueue> calls_;
 };
 
 // Sets glibc's malloc to keep multi-MiB blocks instead of returning them to the kernel after
