@@ -64,7 +64,8 @@ uint64_t KindExtraBytes(const WorkspaceShape& s, int64_t chunk) {
   // Per row: its results (KindRow below) and its target.
   uint64_t bytes = static_cast<uint64_t>(s.bt) * (kKindRowBytes + 9);
   if (s.kind == LossKind::kPolicy) {  // row weights, coefficients and statistics
-    bytes += static_cast<uint64_t>(s.bt) * (16 + sizeof(HeadRowStats));
+    // (and at sequence level one log-ratio sum and count, and a coefficient, per sequence)
+    bytes += static_cast<uint64_t>(s.bt) * (40 + sizeof(HeadRowStats));
   }
   if (s.kind == LossKind::kDistill) {
     const uint64_t c = chunk, v = s.v, th = s.teacher_h, f = sizeof(float);
@@ -150,13 +151,18 @@ double PolicySurrogate(const PolicyParams& o, double r, double a, double logp, b
   return -std::min(q * a, std::clamp(r, lo, hi) * a);
 }
 
-// Row i's policy terms from its log-prob: the loss l_i, kl_i, whether it is clipped, and
-// dl_i/dlogp_i (in double, as the reference).
-void PolicyTerms(const LossProblem& p, int64_t i, double logp, KindRow* row, double* dlogp) {
+// Row i's policy terms from its log-prob at ratio r: the loss l_i, kl_i, whether it is
+// clipped, and dl_i/dlogp_i (in double, as the reference). At token level r is the row's own
+// and *dlogp the whole derivative; at sequence level (`sequence`) r is its sequence's,
+// *dlogp only the part that does not pass through r (the KL term's own) and *via_ratio the
+// part that does, dl_i/dr times r, which reaches every token of the sequence.
+void PolicyTerms(const LossProblem& p, int64_t i, double logp, double r, bool sequence,
+                 KindRow* row, double* dlogp, double* via_ratio) {
   const PolicyParams& o = p.policy;
   const double a = p.advantages[i];
-  const double r = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
   double loss = PolicySurrogate(o, r, a, logp, &row->clipped, dlogp);
+  *via_ratio = 0;
+  if (sequence) std::swap(*dlogp, *via_ratio);  // the clipped types' surrogate is all via r
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;
     const double k3 = std::exp(d) - d - 1.0;
@@ -164,7 +170,12 @@ void PolicyTerms(const LossProblem& p, int64_t i, double logp, KindRow* row, dou
     row->kl = k3;
     if (o.use_bias_correction_kl) {  // k3 r, and (k3 r)' = (k3' + k3) r
       row->kl = k3 * r;
-      dkl = (dkl + k3) * r;
+      if (sequence) {
+        *via_ratio += o.beta * k3 * r;
+        dkl *= r;
+      } else {
+        dkl = (dkl + k3) * r;
+      }
     }
     loss += o.beta * row->kl;
     *dlogp += o.beta * dkl;
@@ -255,6 +266,8 @@ class KindPass {
     g_scale_ = gs / alpha;
     want_entropy_ =
         out_.entropy != nullptr || (p_.kind == LossKind::kLogprob && p_.dentropy != nullptr);
+    sequence_ = p_.kind == LossKind::kPolicy &&
+                p_.policy.importance_sampling == ImportanceSampling::kSequence;
     rows_.assign(p_.bt, KindRow());
     if (p_.kind == LossKind::kPolicy) {
       stats_.assign(p_.bt, HeadRowStats());
@@ -274,15 +287,26 @@ class KindPass {
     } else {
       pass.row = [this](int64_t i, float* z) { HeadRow(i, z); };
     }
-    for (int64_t c0 = 0; c0 < p_.bt; c0 += k_.chunk) {
-      const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
-      const float* xc = nullptr;
-      LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
-      if (k_.want_grad && p_.kind == LossKind::kPolicy) PolicyGradients(c0, rows_c, &pass);
-      if (k_.want_grad) ChunkBackward(pass, c0, rows_c, xc);
+    if (sequence_) {
+      LOSSD_RETURN_IF_ERROR(SequenceLevel(pass));
+    } else {
+      for (int64_t c0 = 0; c0 < p_.bt; c0 += k_.chunk) {
+        const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
+        const float* xc = nullptr;
+        LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
+        if (k_.want_grad && p_.kind == LossKind::kPolicy) PolicyGradients(c0, rows_c, &pass);
+        if (k_.want_grad) ChunkBackward(pass, c0, rows_c, xc);
+      }
     }
     WriteKindOutputs(p_, out_, rows_, counted_, tokens_);
     return absl::OkStatus();
+  }
+
+  // How many passes over the logits a sequence-level Compute makes: 1 where every chunk
+  // holds whole sequences (or no gradient is wanted), else 2.
+  int64_t SequencePasses() const {
+    const int64_t s = p_.bt / p_.policy.sequences;
+    return (!k_.want_grad || k_.chunk % s == 0 || k_.chunk >= p_.bt) ? 1 : 2;
   }
 
  private:
@@ -330,10 +354,14 @@ class KindPass {
     double dlogp = p_.dlogp != nullptr ? p_.dlogp[i] : 0.0;
     const double dentropy = p_.dentropy != nullptr ? p_.dentropy[i] : 0.0;
     if (p_.kind == LossKind::kPolicy) {
-      // G waits for the chunk's alpha (PolicyGradients).
-      PolicyTerms(p_, i, s.logp, &r, &dlogp);
-      r.loss *= weight_[i];
+      // G waits for the chunk's alpha (PolicyGradients); at sequence level the terms wait for
+      // the sequence's every logp too (SequenceTerms).
       stats_[i] = s;
+      if (sequence_) return;
+      const double r_i = p_.old_logp != nullptr ? std::exp(s.logp - p_.old_logp[i]) : 1.0;
+      double via_ratio = 0;
+      PolicyTerms(p_, i, s.logp, r_i, false, &r, &dlogp, &via_ratio);
+      r.loss *= weight_[i];
       coef_[i] = weight_[i] * dlogp;
       return;
     }
@@ -358,6 +386,73 @@ class KindPass {
         WriteLogprobGradient(kp_, z + r * v_, tg_[i], stats_[i], g_scale * coef_[i], 0.0);
       }
     });
+  }
+
+  // policy at sequence level (GSPO): a sequence's ratio needs every logp of it before any of
+  // its rows' G. Where each chunk holds whole sequences (chunk rows a multiple of S), the
+  // chunk's rows are followed by its sequences' terms, then its G and GEMMs: one pass, as at
+  // token level. Otherwise a forward pass over every chunk (logits GEMM and rows: logp), the
+  // terms of every sequence, then the token level's pass again (logits recomputed, G, dX,
+  // dW): 8 BT H V flops against 6.
+  absl::Status SequenceLevel(CpuChunkPass& pass) {
+    const float* xc = nullptr;
+    if (SequencePasses() == 1) {
+      const bool whole = k_.chunk % (p_.bt / p_.policy.sequences) == 0 || k_.chunk >= p_.bt;
+      for (int64_t c0 = 0; c0 < p_.bt; c0 += k_.chunk) {
+        const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
+        LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
+        if (!whole) continue;  // no gradient: the terms once every row is seen
+        SequenceTerms(c0, rows_c);
+        if (k_.want_grad) {
+          PolicyGradients(c0, rows_c, &pass);
+          ChunkBackward(pass, c0, rows_c, xc);
+        }
+      }
+      if (!whole) SequenceTerms(0, p_.bt);
+      return absl::OkStatus();
+    }
+    for (int64_t c0 = 0; c0 < p_.bt; c0 += k_.chunk) {
+      LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, std::min(k_.chunk, p_.bt - c0), &xc));
+    }
+    SequenceTerms(0, p_.bt);
+    for (int64_t c0 = 0; c0 < p_.bt; c0 += k_.chunk) {
+      const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
+      LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));  // same logp, same stats
+      PolicyGradients(c0, rows_c, &pass);
+      ChunkBackward(pass, c0, rows_c, xc);
+    }
+    return absl::OkStatus();
+  }
+
+  // The sequences of rows [r0, r0 + rows) (whole ones): R_b from the mean of the counted
+  // rows' log-ratios, each row's terms at R_b, and each row's coefficient w_i f_i +
+  // (1 / max(1, n_b)) sum_{j in b} w_j e_j (policy_reference.h's names).
+  void SequenceTerms(int64_t r0, int64_t rows) {
+    const int64_t s = p_.bt / p_.policy.sequences;
+    for (int64_t b0 = r0; b0 < r0 + rows; b0 += s) {
+      double log_ratio = 0;
+      int64_t n = 0;
+      for (int64_t i = b0; i < b0 + s; ++i) {
+        if (tg_[i] < 0) continue;
+        if (p_.old_logp != nullptr) log_ratio += rows_[i].logp - p_.old_logp[i];
+        ++n;
+      }
+      const double ratio = std::exp(log_ratio / std::max<double>(1.0, static_cast<double>(n)));
+      double via_sum = 0;
+      for (int64_t i = b0; i < b0 + s; ++i) {
+        if (tg_[i] < 0) continue;
+        KindRow& r = rows_[i];
+        double dlogp = 0, via_ratio = 0;
+        PolicyTerms(p_, i, r.logp, ratio, true, &r, &dlogp, &via_ratio);
+        r.loss *= weight_[i];
+        coef_[i] = weight_[i] * dlogp;
+        via_sum += weight_[i] * via_ratio;
+      }
+      const double shared = via_sum / std::max<double>(1.0, static_cast<double>(n));
+      for (int64_t i = b0; i < b0 + s; ++i) {
+        if (tg_[i] >= 0) coef_[i] += shared;
+      }
+    }
   }
 
   // distill, before a chunk's rows: the teacher's logits of rows [c0, c0 + rows_c).
@@ -397,6 +492,7 @@ class KindPass {
   std::vector<double> coef_;         // policy: each row's w_i dl_i/dlogp_i
   double g_scale_ = 0;               // grad_scale over the GEMMs' alpha
   bool want_entropy_ = false;
+  bool sequence_ = false;  // policy with sequence-level importance sampling
   std::vector<KindRow> rows_;
   Teacher teacher_;
   int64_t chunk_start_ = 0;  // the first row of the chunk whose teacher logits are in teacher_.z

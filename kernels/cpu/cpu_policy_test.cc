@@ -1,6 +1,7 @@
 // The CPU backend's policy kind against its float64 reference (kernels/cpu/policy_reference.h)
 // over shapes x dtypes x loss types and options, with the tolerance table below; determinism
 // and what the backend refuses.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -45,6 +46,7 @@ struct Case {
   int64_t max_completion_length = 0, chunk_rows = 0;
   float sapo_pos = 1.0f, sapo_neg = 1.05f, delta = 0;
   bool bias_correction = false;
+  bool sequence = false;  // sequence-level importance sampling (GSPO)
 };
 
 std::vector<Case> Cases() {
@@ -145,6 +147,44 @@ std::vector<Case> Cases() {
   c.bias_correction = true;
   c.beta = 0.1f;
   cs.push_back(c);
+  // Sequence level: one pass where the chunk holds whole sequences (the default chunk, 64 for
+  // medium's S = 64), two passes where it does not (7 rows; 32 for medium).
+  c = Case();
+  c.name = "seq_dapo";
+  c.sequence = true;
+  cs.push_back(c);
+  c = Case();
+  c.name = "seq_grpo_t07_chunk7";
+  c.sequence = true;
+  c.type = PolicyLossType::kGrpo;
+  c.temperature = 0.7f;
+  c.eps_high = 0.28f;
+  c.chunk_rows = 7;
+  cs.push_back(c);
+  c = Case();
+  c.name = "seq_bnpo_no_old_chunk64";
+  c.sequence = true;
+  c.type = PolicyLossType::kBnpo;
+  c.old_logp = false;
+  c.chunk_rows = 64;
+  cs.push_back(c);
+  c = Case();
+  c.name = "seq_luspo_bias_corrected_kl_chunk32_accumulate";
+  c.sequence = true;
+  c.type = PolicyLossType::kLuspo;
+  c.bias_correction = c.accumulate = true;
+  c.beta = 0.2f;
+  c.chunk_rows = 32;
+  cs.push_back(c);
+  c = Case();
+  c.name = "seq_dr_grpo_delta_softcap_bias_f32";
+  c.sequence = true;
+  c.type = PolicyLossType::kDrGrpo;
+  c.max_completion_length = 64;
+  c.delta = 1.6f;
+  c.cap = 5;
+  c.bias = c.grad_f32 = true;
+  cs.push_back(c);
   return cs;
 }
 
@@ -173,6 +213,11 @@ struct PolicySetup {
     const std::vector<float> jitter = RandomFloats(s.bt, -0.02f, 0.02f, seed + 3);
     const std::vector<float> ref_d = RandomFloats(s.bt, -0.5f, 0.5f, seed + 4);
     const float log_r[4] = {-0.7f, -0.05f, 0.05f, 0.6f};
+    // Sequence level: each sequence's mean log-ratio shifted by -0.45, 0 or +0.75 (in turn),
+    // so some sequences are clipped (about 0.25 beyond a bound, delta's log 0.47 too) and
+    // some not; a mean of S draws of log_r moves by ~0.46 / sqrt(S) around -0.025.
+    const int64_t seq_len = s.bt / s.sequences;
+    const float seq_shift[3] = {-0.45f, 0.0f, 0.75f};
     for (int64_t i = 0; i < s.bt; ++i) {
       if (c.huge_ratio) {
         advantages[i] = -0.1f - std::abs(advantages[i]);
@@ -180,8 +225,9 @@ struct PolicySetup {
         ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
         continue;
       }
+      const float shift = c.sequence ? seq_shift[(i / seq_len) % 3] : 0.0f;
       old_logp.push_back(static_cast<float>(cur.logp[i]) - log_r[static_cast<int>(pick[i])] -
-                         jitter[i]);
+                         jitter[i] - shift);
       ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
     }
     problem.kind = LossKind::kPolicy;
@@ -195,6 +241,9 @@ struct PolicySetup {
                       c.beta,           s.sequences, c.max_completion_length,
                       c.dapo_normalizer, c.sapo_pos, c.sapo_neg,
                       c.delta,          c.bias_correction};
+    const ImportanceSampling level =
+        c.sequence ? ImportanceSampling::kSequence : ImportanceSampling::kToken;
+    problem.policy.importance_sampling = level;
     PolicyProblem pp;
     pp.head = head;
     pp.batch = s.sequences;
@@ -216,7 +265,8 @@ struct PolicySetup {
                   c.sapo_pos,
                   c.sapo_neg,
                   c.delta,
-                  c.bias_correction};
+                  c.bias_correction,
+                  level};
     if (status.ok()) status = PolicyReference(pp, &ref);
     logits = ComputeRawLogits(head);
   }
@@ -293,8 +343,18 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
   if (got.tokens != ref.tokens) absl::StrAppend(&err, "tokens ", got.tokens, "\n");
   const double n = std::max<double>(1, ref.tokens);
   double loss_bound = 0, kl_bound = 0, coef_err = 0, coef_sum = 0;
+  // Sequence level: a row's loss and coefficient move with every logp of its sequence through
+  // R_b, at most as fast as with the sequence's largest |A| and logp error (either sign of A).
+  const int64_t seq_len = p.bt / p.policy.sequences;
+  std::vector<double> seq_a(p.policy.sequences, 0.0), seq_b(p.policy.sequences, 0.0);
+  for (int64_t i = 0; i < p.bt && c.sequence; ++i) {
+    if (!s.mask[i]) continue;
+    seq_a[i / seq_len] = std::max(seq_a[i / seq_len], double{std::abs(p.advantages[i])});
+    seq_b[i / seq_len] =
+        std::max(seq_b[i / seq_len], 4 * u * s.logits.abs_max[i] * inv_t);
+  }
   for (int64_t i = 0; i < p.bt; ++i) {
-    const double b = 4 * u * s.logits.abs_max[i] * inv_t;
+    const double b = c.sequence ? seq_b[i / seq_len] : 4 * u * s.logits.abs_max[i] * inv_t;
     if (!ArgmaxAcceptable(s.logits, p.v, i, got.predictions[i], u)) {
       absl::StrAppend(&err, "predictions[", i, "] = ", got.predictions[i], "\n");
     }
@@ -306,7 +366,14 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
     const double a = p.advantages[i], r = ref.ratio[i];
     const double e_d =
         p.ref_logp != nullptr && c.beta != 0 ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
-    const RowSlopes slope = PolicyRowSlopes(c, a, r, ref.logp[i], e_d);
+    RowSlopes slope = PolicyRowSlopes(c, a, r, ref.logp[i], e_d);
+    if (c.sequence) {
+      for (double sign : {-1.0, 1.0}) {
+        const RowSlopes other = PolicyRowSlopes(c, sign * seq_a[i / seq_len], r, ref.logp[i], e_d);
+        slope.loss = std::max(slope.loss, other.loss);
+        slope.coef = std::max(slope.coef, other.coef);
+      }
+    }
     const double w = c.type == PolicyLossType::kDrGrpo
                          ? 1.0 / (p.policy.sequences * c.max_completion_length)
                          : 1.0;  // the others' weights are at most 1
@@ -386,6 +453,10 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"policy.max_completion_length",
        [](LossProblem& p) { p.policy.loss_type = PolicyLossType::kDrGrpo; }},
       {"policy.dapo_normalizer", [](LossProblem& p) { p.policy.dapo_normalizer = -1; }},
+      {"policy.importance_sampling", [](LossProblem& p) {
+         p.policy.importance_sampling = ImportanceSampling::kSequence;
+         p.policy.loss_type = PolicyLossType::kSapo;
+       }},
       {"dlogp", [&](LossProblem& p) { p.dlogp = ones.data(); }},
       {"teacher_w", [&](LossProblem& p) { p.teacher_w = ones.data(); }},
       {"options.reduction", [](LossProblem& p) { p.options.reduction = Reduction::kNone; }},
