@@ -64,8 +64,37 @@ def _connect(client_or_address, timeout, connect_timeout):
     return client, address
 
 
+def _family(model):
+    """The supported class `model` is an instance of, by name: its own, or the one FSDP2's
+    fully_shard subclassed (FSDPLlamaForCausalLM derives from LlamaForCausalLM)."""
+    return next((c.__name__ for c in type(model).__mro__ if c.__name__ in FAMILIES), None)
+
+
+def _refuse_sharded(weight, what):
+    """A head whose weight is a DTensor at the loss (fully_shard(model.lm_head) in its own
+    group, or a tensor-parallel head) is refused rather than gathered here: FSDP2 reduces a
+    group's gradients from hooks around that group's own forward, which the lossd loss never
+    calls, so a gather here would leave the head's gradient unreduced across ranks. In the
+    root's group (fully_shard(model) over the layers' groups) FSDP2 has unsharded it already."""
+    cls = type(weight)
+    if not any(c.__name__ == "DTensor" for c in cls.__mro__):
+        return
+    placements = getattr(weight, "placements", "?")
+    raise errors.FailedPreconditionError(
+        "%s: lm_head.weight is a DTensor %s of shape %s (placements %s): lossd needs the whole "
+        "head. Under FSDP2 leave lm_head in the root module's group (fully_shard the layers, "
+        "then the model; do not fully_shard(model.lm_head) on its own), so FSDP2 gathers it "
+        "before the forward and reduce-scatters its gradient; a tensor-parallel (vocabulary-"
+        "sharded) head is not supported" % (what, cls.__name__, tuple(weight.shape),
+                                              placements), method="apply_lossd")
+
+
+def _under_fsdp(model):
+    return any(c.__name__ == "FSDPModule" for c in type(model).__mro__)
+
+
 def _check_model(model, mode):
-    name = type(model).__name__
+    name = _family(model) or type(model).__name__
     if name not in FAMILIES:
         raise errors.InvalidArgumentError(
             "apply_lossd supports %s; got a %s (its forward may do more than base model -> "
@@ -86,7 +115,7 @@ def _check_model(model, mode):
 
 
 def _softcap_of(model):
-    attr = FAMILIES[type(model).__name__]
+    attr = FAMILIES[_family(model)]
     cap = getattr(model.config, attr, None) if attr else None
     return float(cap) if cap else None
 
@@ -151,9 +180,16 @@ class LossdPatch:
     def loss(self, hidden, labels, num_items_in_batch=None, shift_labels=None,
              ignore_index=-100):
         lm_head = self.model.lm_head
+        _refuse_sharded(lm_head.weight, "mode \"loss\"")
         dtype = _compute_dtype(hidden)
         x, w, b = (None if t is None else (t if t.dtype == dtype else t.to(dtype))
                    for t in (hidden, lm_head.weight, lm_head.bias))
+        if _under_fsdp(self.model):
+            # The client reads W through numpy, which pins its storage (not resizable), and
+            # FSDP2 frees the head it gathered by resizing that storage to 0 after backward:
+            # lossd gets a differentiable copy (V x H copied here, sent inline).
+            w, b = (None if t is None else (t.clone() if t is getattr(lm_head, n) else t)
+                    for t, n in ((w, "weight"), (b, "bias")))
         t = _targets(labels, shift_labels, ignore_index, hidden.device)
         reduction = "mean" if num_items_in_batch is None else "sum"
         self.calls["mean" if num_items_in_batch is None else "global"] += 1
@@ -325,6 +361,7 @@ def apply_lossd(model, client_or_address, mode="loss", *, timeout=None, connect_
     if mode == "head":
         from lossd.integrations._hf_head import refuse_tied
 
+        _refuse_sharded(model.lm_head.weight, "mode \"head\" (apply it before fully_shard)")
         refuse_tied(model)
     client, address = _connect(client_or_address, timeout, connect_timeout)
     patch = LossdPatch(model, mode, client, address, softcap)

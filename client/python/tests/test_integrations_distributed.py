@@ -1,0 +1,226 @@
+"""lossd.integrations.transformers under torch.distributed: two processes (gloo, CPU) train a
+tiny Llama built from a config for three steps, under DistributedDataParallel (mode "loss",
+with a per-micro-batch mean and with Trainer's global token count; mode "head") and under
+FSDP2's fully_shard (mode "loss" with the head sharded as a DTensor in the root's group, which
+FSDP2 gathers before the forward; mode "head"). Each run is compared with the same
+distributed run without lossd: every rank's losses, an inner layer and the head equal to fp32
+rounding. A head fully_shard-ed in a group of its own is refused, naming the fix.
+
+This file is also the trainer: run as a script, it is one rank (see _train). Skipped where
+torch (with torch.distributed) or transformers is not installed."""
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PY_ROOT = Path(__file__).resolve().parents[1]
+V, H, B, T, STEPS, WORLD = 256, 32, 2, 24, 3, 2
+# |got - ref| <= ATOL * max|ref| + RTOL * |ref|: the same fp32 math summed in another order
+# (lossd's chunks against torch's one matmul), over three SGD steps.
+RTOL, ATOL, LOSS_RTOL = 1e-4, 2e-5, 1e-5
+
+
+# -- the trainer (one rank; run as a script) -----------------------------------------------
+
+def _model():
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # logits of a few units: the softmax is not flat
+    return model
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    labels = ids.clone()
+    for r in range(B):
+        labels[r, : int(torch.randint(2, 10, (1,), generator=g))] = -100
+    return ids, labels
+
+
+def _full(t):
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train():
+    """One rank: SETUP ddp | fsdp | fsdp_head_alone, LOSSD none | loss | head, COUNT mean |
+    global (num_items_in_batch over both ranks, the loss times the world size before
+    backward, as Trainer does with average_tokens_across_devices). Saves losses and weights."""
+    import torch.distributed as dist
+
+    from lossd.integrations import apply_lossd
+    import lossd
+
+    setup, how, count = os.environ["SETUP"], os.environ["LOSSD"], os.environ["COUNT"]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    patch = None
+    if how != "none":  # before wrapping: the head's weights are whole here
+        kw = {} if how == "loss" else dict(
+            head_name=os.environ["HEAD"], optimizer=lossd.OptimizerConfig.sgd(lr=0.1))
+        patch = apply_lossd(model, os.environ["SERVER"], mode=how, **kw)
+    if setup == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        if setup == "fsdp_head_alone" and how != "head":
+            fully_shard(model.lm_head)
+        fully_shard(model)
+        wrapped = model
+    # SGD: its update is linear in the gradient, so the runs' summation orders stay at
+    # rounding level (AdamW can turn a last-bit difference of a tiny gradient into a step).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    head_opt = patch.head_optimizer() if how == "head" else None
+    losses = []
+    try:
+        for step in range(STEPS):
+            ids, labels = _batch(step, rank)
+            kw = {}
+            if count == "global":
+                n = (labels[:, 1:] != -100).sum()
+                dist.all_reduce(n)
+                kw["num_items_in_batch"] = n
+            out = wrapped(input_ids=ids, labels=labels, **kw)
+            (out.loss * world if count == "global" else out.loss).backward()
+            losses.append(float(out.loss.detach()))
+            opt.step()
+            if head_opt is not None:
+                head_opt.step()
+            opt.zero_grad()
+    except lossd.LossdError as e:
+        torch.save({"error": "%s: %s" % (type(e).__name__, e)}, os.environ["OUT"])
+        dist.destroy_process_group()
+        return
+    head = patch.head.weight() if how == "head" else _full(model.lm_head.weight)
+    torch.save({"losses": losses, "head": head.clone(),
+                "inner": _full(model.model.layers[0].self_attn.q_proj.weight).clone(),
+                "calls": dict(patch.calls) if patch else {}}, os.environ["OUT"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+def _run(tmp_path, server, setup, how, count="mean"):
+    from lossd_servers import free_port
+
+    head = "dist-%s-%s" % (setup, uuid.uuid4().hex[:8])
+    env = dict(os.environ, PYTHONPATH=str(PY_ROOT), SERVER=server, HEAD=head, SETUP=setup,
+               LOSSD=how, COUNT=count, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    procs, outs = [], []
+    for r in range(WORLD):
+        out = tmp_path / ("%s-%s-%s-%d.pt" % (setup, how, count, r))
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, __file__], env=dict(
+            env, RANK=str(r), OUT=str(out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    for p in procs:
+        log = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, "a rank failed (%s, %s, %s):\n%s" % (setup, how, count,
+                                                                       log[-4000:])
+    return [torch.load(o) for o in outs]
+
+
+def _assert_close(name, got, ref):
+    g, r = got.double(), ref.double()
+    err = (g - r).abs()
+    bound = ATOL * float(r.abs().max()) + RTOL * r.abs()
+    assert float(r.abs().max()) > 0, "%s: the reference is all zeros" % name
+    worst = int(torch.argmax(err - bound))
+    assert bool((err <= bound).all()), "%s: %d of %d off; worst got %.7g ref %.7g (max err %.3g)" % (
+        name, int((err > bound).sum()), err.numel(), g.flatten()[worst], r.flatten()[worst],
+        float(err.max()))
+
+
+_REFS = {}
+
+
+def _reference(tmp_path, server, setup, count="mean"):
+    """The same distributed run without lossd (one per setup and count, shared by tests)."""
+    if (setup, count) not in _REFS:
+        _REFS[setup, count] = _run(tmp_path, server, setup, "none", count)
+    return _REFS[setup, count]
+
+
+def _fully_shard_or_skip():
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        pytest.skip("torch without FSDP2's fully_shard")
+
+
+def _compare(got, ref):
+    for rank in range(WORLD):
+        assert "error" not in got[rank], got[rank]["error"]
+        for step, (a, b) in enumerate(zip(got[rank]["losses"], ref[rank]["losses"])):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), "rank %d step %d: loss %.9g, ref %.9g" % (
+                rank, step, a, b)
+        _assert_close("rank %d head" % rank, got[rank]["head"], ref[rank]["head"])
+        _assert_close("rank %d layer 0 q_proj" % rank, got[rank]["inner"], ref[rank]["inner"])
+    # The ranks trained one model: their weights agree (DDP's all-reduce, FSDP's gather).
+    _assert_close("rank 1 against rank 0", got[1]["inner"], got[0]["inner"])
+
+
+@pytest.fixture(scope="module")
+def server(lossd_server):
+    if not torch.distributed.is_available():
+        pytest.skip("torch without its distributed package")
+    return lossd_server.address
+
+
+@pytest.mark.parametrize("how,count", [("loss", "mean"), ("loss", "global"), ("head", "mean")],
+                         ids=["loss-mean", "loss-num_items_in_batch", "head"])
+def test_ddp(server, tmp_path, how, count):
+    if how == "head":
+        from head_harness import require_heads
+        import lossd
+
+        with lossd.Client(server) as c:
+            require_heads(c)
+    got = _run(tmp_path, server, "ddp", how, count)
+    ref = _reference(tmp_path, server, "ddp", count)
+    _compare(got, ref)
+    assert got[0]["calls"] == {"mean" if count == "mean" else "global": STEPS}
+
+
+@pytest.mark.parametrize("how", ["loss", "head"])
+def test_fsdp2_head_in_the_root_group(server, tmp_path, how):
+    """fully_shard over each layer, then the model: the head is a DTensor (Shard(0)) at rest,
+    and FSDP2 has gathered it when the forward reaches lossd; its gradient is reduce-scattered
+    as the model's own loss's would be. In mode "head" there is no local head to shard."""
+    _fully_shard_or_skip()
+    got = _run(tmp_path, server, "fsdp", how)
+    ref = _reference(tmp_path, server, "fsdp")
+    _compare(got, ref)
+
+
+def test_fsdp2_head_in_a_group_of_its_own_is_refused(server, tmp_path):
+    _fully_shard_or_skip()
+    got = _run(tmp_path, server, "fsdp_head_alone", "loss")
+    for r in got:
+        assert r.get("error", "").startswith("FailedPreconditionError"), r
+        assert "lm_head.weight is a DTensor" in r["error"], r["error"]
+        assert "do not fully_shard(model.lm_head) on its own" in r["error"], r["error"]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _train()
