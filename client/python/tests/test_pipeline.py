@@ -250,3 +250,20 @@ def test_refusals(client, heads):
     with pytest.raises(lossd.FailedPreconditionError, match="eval mode"):
         pipe.accumulate([1], lambda mb: (torch.zeros(3, H), torch.zeros(3, dtype=torch.long)))
     assert client.head_info(head.name).contributions == 0  # every refusal sent nothing
+
+
+def test_over_a_replica_pool(client, lossd_server, heads):
+    """The head's calls go through a ReplicaPool's compute_async (routed by the head, as its
+    compute is): the same gradients as the synchronous loop on a plain client."""
+    w, b = make_head(8, v=V, h=H)
+    with lossd.connect_pool(lossd_server.address) as pool:
+        ref_trunk, trunk = Trunk(), Trunk()
+        ref_head = _hosted(client, heads, "sync", w, b)
+        head = _hosted(pool, heads, "pool", w, b)
+        mbs = micro_batches(50)
+        ref_losses = _sync_hosted(ref_trunk, ref_head, mbs, 1.0 / M)
+        losses = Pipeline(head, depth=2).accumulate(mbs, lambda mb: (trunk(mb[0]), mb[1]))
+        assert [float(x) for x in losses] == [float(x) for x in ref_losses]
+        assert_bitwise(grads(trunk), grads(ref_trunk))
+        head.optimizer().step()
+        assert head.optimizer().last_result.contributions == M
