@@ -267,3 +267,36 @@ def test_over_a_replica_pool(client, lossd_server, heads):
         assert_bitwise(grads(trunk), grads(ref_trunk))
         head.optimizer().step()
         assert head.optimizer().last_result.contributions == M
+
+
+def test_a_head_call_retried_in_flight_is_added_once(client, lossd_server, heads):
+    """A call whose reply is lost (UNAVAILABLE after the server added it) is sent again from
+    the client's call thread under the same key: the server answers but adds nothing, and the
+    backbone's gradients are the synchronous loop's."""
+    w, b = make_head(9, v=V, h=H)
+    lossy_client = lossd.Client(lossd_server.address, max_in_flight=2)
+    real = lossy_client.compute
+    answers = []
+    lock = threading.Lock()
+
+    def lossy(*args, **kw):
+        r = real(*args, **kw)
+        with lock:
+            answers.append((kw["micro_batch"], r.head_added))
+            lose = kw["micro_batch"] == 1 and len([a for a in answers if a[0] == 1]) == 1
+        if lose:
+            raise lossd.UnavailableError("reply lost", method="Compute")
+        return r
+
+    lossy_client.compute = lossy
+    ref_trunk, trunk = Trunk(), Trunk()
+    ref_head = _hosted(client, heads, "sync", w, b)
+    head = _hosted(lossy_client, heads, "retry", w, b)
+    mbs = micro_batches(60)
+    _sync_hosted(ref_trunk, ref_head, mbs, 1.0 / M)
+    Pipeline(head, depth=2).accumulate(mbs, lambda mb: (trunk(mb[0]), mb[1]))
+    assert sorted(a for a in answers if a[0] == 1) == [(1, False), (1, True)]
+    assert len(answers) == M + 1
+    assert_bitwise(grads(trunk), grads(ref_trunk))
+    assert client.head_info(head.name).contributions == M
+    lossy_client.close()
