@@ -54,6 +54,10 @@ if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
   if [[ "${LOSSD_TEST_TORCH:-0}" == "1" && -z "$(missing_of torch)" ]]; then
     python3 -m pip install -q "transformers>=4.57,<5.26" "accelerate>=1.1" ||
       echo "run_all: transformers could not be installed; its tests will be skipped"
+    # TRL at the client's "trl" extra (test_integrations_trl.py; it brings datasets): about
+    # 30 s when missing.
+    python3 -m pip install -q "trl>=1.16,<1.17" ||
+      echo "run_all: trl could not be installed; its tests will be skipped"
   fi
 fi
 

@@ -8,6 +8,9 @@ Hugging Face Transformers (lossd.integrations.transformers):
     model = AutoModelForCausalLM.from_config(config)
     apply_lossd(model, "lossd:50051")            # the loss (forward with labels) on lossd
 
+TRL (lossd.integrations.trl): apply_lossd(trainer, "lossd:50051") after building an
+SFTTrainer or GRPOTrainer: its per-token log-probs and entropies come from lossd.
+
 docs/integrations.md lists the modes, what each sends per micro-batch and what is not covered.
 """
 
