@@ -58,6 +58,10 @@ if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
     # 30 s when missing.
     python3 -m pip install -q "trl>=1.16,<1.17" ||
       echo "run_all: trl could not be installed; its tests will be skipped"
+    # verl without its dependencies (ray, vllm, ...): test_integrations_verl.py loads only
+    # its torch fused-kernel modules from the package's files; about 5 s.
+    python3 -m pip install -q --no-deps "verl>=0.9.1,<0.10" ||
+      echo "run_all: verl could not be installed; its tests will be skipped"
   fi
 fi
 

@@ -11,6 +11,9 @@ Hugging Face Transformers (lossd.integrations.transformers):
 TRL (lossd.integrations.trl): apply_lossd(trainer, "lossd:50051") after building an
 SFTTrainer or GRPOTrainer: its per-token log-probs and entropies come from lossd.
 
+verl (lossd.integrations.verl): apply_lossd(actor_module, "lossd:50051") where verl would turn
+on use_fused_kernels: log-probs and entropy at a temperature from lossd.
+
 docs/integrations.md lists the modes, what each sends per micro-batch and what is not covered.
 """
 

@@ -1,0 +1,141 @@
+"""lossd.integrations.verl against verl's own torch implementation of `use_fused_kernels`
+(verl.models.transformers.dense_common.forward_with_torch_backend and
+verl.utils.experimental.torch_functional.FusedLinearForPPO, from the installed package): a
+tiny Llama built from a config, the same forward and a PPO-like loss on top, at temperature
+0.7; the log-probs, the entropies and the gradients of the head and an inner layer equal to
+fp32 rounding.
+
+verl's package __init__ imports ray (verl.protocol), which these tests do not need: the two
+modules are loaded from the installed package's files under empty package shells, so no
+other verl code runs. Skipped where torch, transformers or verl is not installed."""
+
+import copy
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import lossd  # noqa: E402
+from lossd.integrations.verl import apply_lossd  # noqa: E402
+
+V, H, B, T = 300, 32, 3, 20
+RTOL, ATOL = 1e-4, 2e-5
+
+_SHELLS = ("verl", "verl.utils", "verl.utils.experimental", "verl.models",
+           "verl.models.transformers")
+
+
+@pytest.fixture(scope="module")
+def verl_forward():
+    """verl's forward_with_torch_backend, its FusedLinearForPPO import included, without
+    running verl/__init__.py (which imports ray)."""
+    spec = importlib.util.find_spec("verl")  # finds, does not import
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("verl is not installed")
+    root = Path(list(spec.submodule_search_locations)[0])
+    saved = {n: sys.modules.get(n) for n in _SHELLS + (
+        "verl.utils.experimental.torch_functional", "verl.models.transformers.dense_common")}
+    for name in _SHELLS:
+        shell = types.ModuleType(name)
+        shell.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
+        sys.modules[name] = shell
+    try:
+        importlib.import_module("verl.utils.experimental.torch_functional")
+        dense = importlib.import_module("verl.models.transformers.dense_common")
+        yield dense.forward_with_torch_backend
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # logits of a few units: the softmax is not flat
+    return model
+
+
+def assert_close(name, got, ref):
+    assert got is not None, "%s: no gradient" % name
+    g, r = got.detach().double(), ref.detach().double()
+    assert g.shape == r.shape, "%s: shape %s, expected %s" % (name, g.shape, r.shape)
+    err = (g - r).abs()
+    bound = ATOL * float(r.abs().max()) + RTOL * r.abs()
+    worst = int(torch.argmax(err - bound))
+    assert float(r.abs().max()) > 0, "%s: the reference is all zeros" % name
+    assert bool((err <= bound).all()), "%s: %d of %d off; worst got %.7g ref %.7g" % (
+        name, int((err > bound).sum()), err.numel(), g.flatten()[worst], r.flatten()[worst])
+
+
+def ppo_like_loss(out, mask, adv):
+    """A policy-gradient term on the log-probs and an entropy bonus (dlogp and dentropy both
+    non-zero), as verl's actor combines them."""
+    n = mask.sum()
+    return (-(out.log_probs * adv * mask).sum() / n
+            - 0.01 * (out.entropy * mask).sum() / n)
+
+
+@pytest.fixture(scope="module")
+def address(lossd_server):
+    return lossd_server.address
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_kernels_path_equals_verls_torch_backend(address, verl_forward, temperature):
+    ref = tiny_llama()
+    got = copy.deepcopy(ref)
+    patch = apply_lossd(got, address)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[:, -1] = 0  # the rolled label of the last position wraps around
+    adv = torch.randn(B, T, generator=g)
+    want = verl_forward(ref, input_ids=ids, return_dict=True, temperature=temperature)
+    have = got(input_ids=ids, return_dict=True, temperature=temperature)
+    assert have.log_probs.dtype == want.log_probs.dtype == torch.float32
+    assert have.entropy.dtype == want.entropy.dtype
+    assert_close("log_probs", have.log_probs, want.log_probs)
+    assert_close("entropy", have.entropy, want.entropy)
+    ppo_like_loss(want, mask, adv).backward()
+    ppo_like_loss(have, mask, adv).backward()
+    assert_close("lm_head grad", got.lm_head.weight.grad, ref.lm_head.weight.grad)
+    assert_close("layer 0 q_proj grad", got.model.layers[0].self_attn.q_proj.weight.grad,
+                 ref.model.layers[0].self_attn.q_proj.weight.grad)
+    assert patch.calls["ppo"] == 1
+    # The reference model's use (no gradient): the same values, nothing kept for a backward.
+    with torch.no_grad():
+        again = got(input_ids=ids, return_dict=True, temperature=temperature)
+    assert_close("log_probs without grad", again.log_probs, want.log_probs)
+    patch.remove()
+    assert "forward" not in got.__dict__
+
+
+def test_refusals(address):
+    model = tiny_llama()
+    patch = apply_lossd(model, address)
+    with pytest.raises(lossd.FailedPreconditionError, match="already applied"):
+        apply_lossd(model, address)
+    with pytest.raises(lossd.InvalidArgumentError, match="returns a dict only"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    patch.remove()
+    with pytest.raises(lossd.UnavailableError, match="127.0.0.1:1 cannot be reached"):
+        apply_lossd(model, "127.0.0.1:1", connect_timeout=2.0)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(lossd.InvalidArgumentError, match="final_logit_softcapping=30.0"):
+        apply_lossd(model, address)
