@@ -69,7 +69,8 @@ Engine::Engine(std::unique_ptr<Backend> backend, EngineOptions options)
   heads_ = std::make_unique<HeadStore>(
       backend_.get(), &executor_,
       HeadStore::Options{options_.instance, options_.head_bytes, options_.max_heads,
-                         options_.max_v, options_.max_h, options_.head_step_timeout});
+                         options_.max_v, options_.max_h, options_.head_step_timeout,
+                         options_.head_connect_group});
 }
 
 // The heads' watchdog submits to the executor: it stops before the executor joins.

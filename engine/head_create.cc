@@ -2,6 +2,7 @@
 // optimizer's state): validate the spec, reserve --head_bytes, allocate, take the parts in
 // byte order (the master also cast into the compute copy), and name the head once every byte
 // has arrived. A head is never half made: an uncommitted one gives everything back.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -47,6 +48,29 @@ absl::Status CheckOptimizer(const HeadOptimizer& o) {
   return CheckRange(o.eps, 0, inf - 1, "eps");
 }
 
+// A group names 2 to kMaxGroup members, this server's index among them and the group's id.
+absl::Status CheckGroup(const HeadGroup& g) {
+  constexpr size_t kMaxGroup = 1024;
+  if (g.members.empty()) return absl::OkStatus();
+  if (g.members.size() > kMaxGroup || g.member >= g.members.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.group needs 1 to ", kMaxGroup, " members and member < their count, got ",
+        g.members.size(), " members, member ", g.member));
+  }
+  for (size_t i = 0; i < g.members.size(); ++i) {
+    if (g.members[i].empty() || g.members[i].size() > 256) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "head.group.members[", i, "] must be an endpoint of 1 to 256 characters"));
+    }
+  }
+  if (g.members.size() > 1 && (g.id.empty() || g.id.size() > 128)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head.group.id must be 1 to 128 characters for a group of ", g.members.size(),
+        " members (the creator's name for this group's life), got ", g.id.size()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckSpec(const HeadSpec& s, const HeadStore::Options& o) {
   LOSSD_RETURN_IF_ERROR(ValidateHeadName(s.name, "head.name"));
   if (s.v < 1 || s.h < 1 || s.v > o.max_v || s.h > o.max_h) {
@@ -71,6 +95,7 @@ absl::Status CheckSpec(const HeadSpec& s, const HeadStore::Options& o) {
     return absl::InvalidArgumentError(
         "head.with_state is set, but this optimizer keeps no state (SGD without momentum)");
   }
+  LOSSD_RETURN_IF_ERROR(CheckGroup(s.group));
   return CheckOptimizer(s.optimizer);
 }
 
@@ -80,7 +105,9 @@ bool SameHead(Head& head, const HeadSpec& s) {
   absl::MutexLock lock(&head.mu);
   return head.v == s.v && head.h == s.h && head.has_bias == s.has_bias &&
          head.dtype == s.compute_dtype && head.optimizer == s.optimizer &&
-         head.version == s.version && head.optimizer_step == s.optimizer_step;
+         head.version == s.version && head.optimizer_step == s.optimizer_step &&
+         head.group.size() == s.group.size() &&
+         (s.group.size() == 1 || head.group == s.group);
 }
 
 absl::StatusOr<std::unique_ptr<BackendBuffer>> ZeroedBuffer(Backend& b, uint64_t bytes) {
@@ -95,9 +122,11 @@ absl::Status AllocateHead(Backend& b, const HeadSpec& s, Head& head) {
   const int states = s.optimizer.states();
   auto param = [&](HeadParam& p, int64_t n) -> absl::Status {
     p.n = n;
-    LOSSD_ASSIGN_OR_RETURN(p.master, ZeroedBuffer(b, n * 4));
+    p.slice = HeadSliceOf(n, s.group.member, s.group.size());
+    const uint64_t bytes = static_cast<uint64_t>(p.slice.n()) * 4;
+    LOSSD_ASSIGN_OR_RETURN(p.master, ZeroedBuffer(b, bytes));
     for (int i = 0; i < states; ++i) {
-      LOSSD_ASSIGN_OR_RETURN(p.state[i], ZeroedBuffer(b, n * 4));
+      LOSSD_ASSIGN_OR_RETURN(p.state[i], ZeroedBuffer(b, bytes));
     }
     return absl::OkStatus();
   };
@@ -152,6 +181,18 @@ std::vector<std::pair<HeadTensor, uint64_t>> HeadStore::ImportTensors(const Head
 absl::StatusOr<HeadCreation> HeadStore::BeginCreate(const HeadSpec& spec,
                                                    const std::string& owner) {
   LOSSD_RETURN_IF_ERROR(CheckSpec(spec, impl_->options));
+  if (spec.group.size() > 1) {
+    if (!impl_->options.connect_group) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "head.group names ", spec.group.size(), " members, but this server forms no head "
+          "groups (no group transport configured); create the head with one member"));
+    }
+    if (impl_->backend->Info().name != "cpu") {
+      return absl::UnimplementedError(absl::StrCat(
+          "head groups run on the CPU backend (gloo); the ", impl_->backend->Info().name,
+          " backend's (NCCL) is not built yet"));
+    }
+  }
   const uint64_t bytes = HeadBytes(spec);
   HeadCreation out;
   {
@@ -250,7 +291,14 @@ absl::Status HeadStore::WriteCreate(PendingHead& p, HeadTensor t, uint64_t offse
   Head& head = *p.head;
   const uint64_t first = offset / es;  // element index
   Backend& b = *impl_->backend;
-  LOSSD_RETURN_IF_ERROR(b.CopyToBackend(*HeadBuffer(head, t), first * 4, f.data(), n * 4));
+  // Master and state: only this server's slice of the parameter is kept (all of it for S = 1).
+  const HeadParam& param = static_cast<int>(t) % 2 == 0 ? head.w : head.bias;
+  const int64_t lo = std::max<int64_t>(first, param.slice.lo);
+  const int64_t hi = std::min<int64_t>(first + n, param.slice.hi);
+  if (hi > lo) {
+    LOSSD_RETURN_IF_ERROR(b.CopyToBackend(*HeadBuffer(head, t), (lo - param.slice.lo) * 4,
+                                          f.data() + (lo - first), (hi - lo) * 4));
+  }
   if (master) {
     const DType cd = head.dtype;
     std::vector<uint8_t> copy(n * DTypeSize(cd));
@@ -274,6 +322,18 @@ absl::StatusOr<HeadSummary> HeadStore::CommitCreate(std::unique_ptr<PendingHead>
   }
   std::shared_ptr<Head> head = p->head;
   head->exported_by = p->spec.exported_by;  // before the map publishes the head
+  head->group = p->spec.group;
+  if (head->group.size() > 1) {
+    // Every member blocks here until the others have committed too: a group head is named
+    // only once its communicator is formed.
+    absl::StatusOr<std::shared_ptr<HeadComm>> comm = impl_->options.connect_group(head->group);
+    if (!comm.ok()) {
+      return absl::Status(comm.status().code(),
+                          absl::StrCat("forming the group of ", HeadWhat(p->spec.name), ": ",
+                                       comm.status().message()));
+    }
+    head->comm = *std::move(comm);
+  }
   head->imported_version = p->spec.version;
   {
     absl::MutexLock lock(&head->mu);

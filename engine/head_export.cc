@@ -36,12 +36,23 @@ absl::Status CheckVersion(const HeadSummary& s, std::optional<uint64_t> version)
   return absl::OkStatus();
 }
 
+// A group's member holds only its slice of the master and the state: one member's export
+// would be a fraction of the head. Gathering an export over the group is not built yet.
+absl::Status RefuseGroup(const Head& head) {
+  if (head.comm == nullptr) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      HeadWhat(head.name), " is served by a group of ", head.group.size(), " members, each "
+      "holding 1/", head.group.size(), " of its master and optimizer state; exporting a "
+      "group's head is not supported yet"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::pair<uint64_t, uint64_t>> HeadStore::CheckExport(
     const std::string& name, std::optional<uint64_t> version, uint64_t begin, uint64_t end,
     const std::string& caller) {
   LOSSD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, impl_->Get(name, caller));
+  LOSSD_RETURN_IF_ERROR(RefuseGroup(*head));
   const HeadSummary s = Impl::Summarize(*head);
   LOSSD_RETURN_IF_ERROR(CheckVersion(s, version));
   return RangeOf(ExportTensors(s), name, begin, end);
@@ -52,6 +63,7 @@ absl::StatusOr<HeadExportRange> HeadStore::Export(const std::string& name,
                                                   uint64_t begin, uint64_t end,
                                                   const std::string& caller) {
   LOSSD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, impl_->Get(name, caller));
+  LOSSD_RETURN_IF_ERROR(RefuseGroup(*head));
   if (head->broken.load()) {
     return absl::FailedPreconditionError(absl::StrCat(
         HeadWhat(name), " failed midway through an update; its state cannot be exported"));

@@ -64,6 +64,25 @@ std::vector<std::pair<HeadTensor, uint64_t>> ExportTensors(const HeadSummary& he
 // "head 'name'" for messages.
 std::string HeadWhat(const std::string& name);
 
+// A group's step (engine/head_group_step.cc); a one-server head never calls these.
+// A Step call's refusal where the group cannot serve it here: world_size < S, or a rank
+// another member serves (FAILED_PRECONDITION naming that member).
+absl::Status CheckGroupCall(const Head& head, const StepCall& call);
+// The ranks this server's barrier waits for: all of them, or this member's share.
+uint32_t RanksHere(const Head& head, uint32_t world_size);
+// The members compare the step's arguments (FAILED_PRECONDITION naming both sets when they
+// differ; nothing runs) and pool their counts: r.contributions and r.tokens become the
+// group's, `poisoned` true when any member's sum is.
+absl::Status AgreeAcrossGroup(Head& head, const StepCall& call, int64_t opt_step,
+                              bool has_reduced, StepResult& r, bool& poisoned)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu);
+// Reduce-scatters the sum in place (once per step) and returns the group's gradient norm:
+// each member's slice's squares, summed in member order.
+absl::StatusOr<double> GroupGradNorm(Backend& b, Head& head)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu);
+// All-gathers the compute copy after each member updated its slice.
+absl::Status GatherCopy(Head& head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu);
+
 }  // namespace lossd
 
 #endif  // LOSSD_ENGINE_HEAD_INTERNAL_H_

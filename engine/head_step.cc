@@ -82,6 +82,7 @@ absl::Status ClearStep(Backend& b, Head& head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hea
   acc.poisoned = false;
   acc.nonfinite_by.clear();
   ++acc.generation;
+  head.reduced_in_place = false;
   head.keys.clear();
   head.step_tokens.store(0);
   return absl::OkStatus();
@@ -89,6 +90,7 @@ absl::Status ClearStep(Backend& b, Head& head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(hea
 
 // The summed gradient's L2 norm over W and the bias, accumulated in double.
 absl::StatusOr<double> GradNorm(Backend& b, Head& head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu) {
+  if (head.comm != nullptr) return GroupGradNorm(b, head);
   const Accumulator& acc = *head.grad;
   LOSSD_ASSIGN_OR_RETURN(double ss, b.SumOfSquares(static_cast<const float*>(acc.dw->data()),
                                                    head.w.n));
@@ -124,17 +126,20 @@ absl::Status Update(Backend& b, Head& head, double lr, float coef, int64_t step)
   p.amsgrad = o.amsgrad;
   p.step = step;
   p.grad_scale = coef;
+  // This server's slice of each parameter (all of it for a one-server head): the master and
+  // the state hold just the slice, the gradient sum and the compute copy the whole tensor.
   auto one = [&](HeadParam& param, const BackendBuffer* grad, BackendBuffer* copy,
                  double weight_decay) {
     OptimizerTensors t;
-    t.n = param.n;
+    t.n = param.slice.n();
     t.param = static_cast<float*>(param.master->data());
-    t.grad = static_cast<const float*>(const_cast<BackendBuffer*>(grad)->data());
+    t.grad = static_cast<const float*>(const_cast<BackendBuffer*>(grad)->data()) +
+             param.slice.lo;
     for (int i = 0; i < 3; ++i) {
       float* s = param.state[i] ? static_cast<float*>(param.state[i]->data()) : nullptr;
       (i == 0 ? t.state1 : i == 1 ? t.state2 : t.state3) = s;
     }
-    t.copy = copy->data();
+    t.copy = static_cast<uint8_t*>(copy->data()) + param.slice.lo * DTypeSize(head.dtype);
     t.copy_dtype = head.dtype;
     p.weight_decay = weight_decay;
     return b.OptimizerStep(p, t);
@@ -144,6 +149,7 @@ absl::Status Update(Backend& b, Head& head, double lr, float coef, int64_t step)
     LOSSD_RETURN_IF_ERROR(
         one(head.bias, head.grad->db.get(), head.copy->bias.get(), o.bias_weight_decay));
   }
+  if (head.comm != nullptr) return GatherCopy(head);
   return absl::OkStatus();
 }
 
@@ -293,6 +299,9 @@ void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone d
         HeadWhat(head->name), " failed midway through an update and refuses every call; drop "
         "it and import its last export")));
   }
+  if (head->comm != nullptr) {
+    if (absl::Status s = CheckGroupCall(*head, call); !s.ok()) return done(s);
+  }
   StepDone superseded;
   std::vector<StepDone> waiters, refused;
   std::optional<Answer> answer;
@@ -310,7 +319,7 @@ void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone d
         superseded = std::move(it->second);
       }
       waiting[call.rank] = std::move(done);
-      if (waiting.size() == call.world_size) {
+      if (waiting.size() == RanksHere(*head, call.world_size)) {
         head->sealed = true;
         for (auto& [rank, d] : waiting) waiters.push_back(std::move(d));
         head->barrier.reset();
@@ -352,7 +361,15 @@ void HeadStore::Impl::LaunchPhase(std::shared_ptr<Head> head, StepCall call,
         lr = call.lr.value_or(head->optimizer.lr);
         r.version = head->version;
       }
-      if (head->grad->poisoned) {
+      bool poisoned = head->grad->poisoned;
+      if (head->comm != nullptr) {
+        // Before anything runs: a disagreement keeps the sum (as one server's refusal does).
+        s = AgreeAcrossGroup(*head, call, opt_step, reduced.has_value(), r, poisoned);
+        keep_sum = !s.ok() && !head->broken.load();
+      }
+      if (!s.ok()) {
+        // refused or failed above: nothing runs
+      } else if (poisoned) {
         s = absl::FailedPreconditionError(absl::StrCat(
             "a Compute failed while adding into ", HeadWhat(head->name), "'s step, so its sum "
             "cannot be trusted: the step's gradients are dropped; redo the step at version ",
@@ -372,7 +389,7 @@ void HeadStore::Impl::LaunchPhase(std::shared_ptr<Head> head, StepCall call,
       if (s.ok() && call.phase != StepPhase::kReduce) {
         s = ApplyOrSkip(*b, *head, call, lr, opt_step, r, keep_sum);
         applied_or_skipped = s.ok();
-      } else if (!s.ok() && !head->broken.load()) {
+      } else if (!s.ok() && !head->broken.load() && !keep_sum) {
         ClearStep(*b, *head).IgnoreError();  // a dropped step: the poisoned sum goes
       }
       r.step_seconds = absl::ToDoubleSeconds(absl::Now() - start);
@@ -419,7 +436,10 @@ void HeadStore::Impl::Tick(absl::Time now) {
       absl::MutexLock lock(&head->mu);
       if (head->barrier && now - head->barrier->opened > options.step_timeout) {
         std::vector<uint32_t> absent;
+        const uint32_t S = head->group.size();
         for (uint32_t r = 0; r < head->barrier->first.world_size && absent.size() < 16; ++r) {
+          // A group member's barrier waits only for the ranks it serves.
+          if (head->comm != nullptr && HeadGroupMemberOf(r, S) != head->group.member) continue;
           if (head->barrier->waiting.count(r) == 0) absent.push_back(r);
         }
         missing = absl::StrJoin(absent, ", ");

@@ -57,10 +57,15 @@ absl::Status ValidateHeadName(const std::string& name, absl::string_view field) 
 std::string HeadWhat(const std::string& name) { return absl::StrCat("head '", name, "'"); }
 
 uint64_t HeadBytes(const HeadSpec& spec) {
-  const uint64_t n = static_cast<uint64_t>(spec.v) * static_cast<uint64_t>(spec.h) +
-                     (spec.has_bias ? static_cast<uint64_t>(spec.v) : 0);
-  // master + gradient sum + state, fp32, and the compute copy.
-  return n * (4 + 4 + 4 * static_cast<uint64_t>(spec.optimizer.states())) +
+  const int64_t nw = spec.v * spec.h, nb = spec.has_bias ? spec.v : 0;
+  const uint32_t S = spec.group.size(), m = spec.group.member;
+  const uint64_t n = static_cast<uint64_t>(nw + nb);
+  // This member's slices of the master and the state (all of them for S = 1).
+  const uint64_t mine = static_cast<uint64_t>(HeadSliceOf(nw, m, S).n() +
+                                              HeadSliceOf(nb, m, S).n());
+  // master + state (fp32, this member's slice), the gradient sum (fp32) and the compute copy
+  // (whole on every member).
+  return mine * (4 + 4 * static_cast<uint64_t>(spec.optimizer.states())) + n * 4 +
          n * DTypeSize(spec.compute_dtype);
 }
 
@@ -143,6 +148,7 @@ HeadSummary HeadStore::Impl::Summarize(Head& head) {
   s.contributions = head.grad->listed_micro_batches.load();
   s.last_used_ns = head.last_used_ns.load();
   s.tokens = head.step_tokens.load();
+  s.group = head.group;
   absl::MutexLock lock(&head.mu);
   s.version = head.version;
   s.optimizer_step = head.optimizer_step;
@@ -346,6 +352,18 @@ absl::StatusOr<bool> HeadStore::CheckAtRun(Head& head, uint64_t version, uint32_
       return VersionError(head, version, head.version,
                           head.sealed ? "its step is closed (every rank has called Step)"
                                       : "its step was applied while this Compute waited");
+    }
+  }
+  if (head.comm != nullptr) {
+    // A rank's Computes go to one member only: a retry sent to another would add twice.
+    const uint32_t S = head.group.size();
+    const uint32_t serves = HeadGroupMemberOf(rank, S);
+    if (serves != head.group.member) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          HeadWhat(head.name), " is served by a group of ", S, " members; rank ", rank,
+          "'s Computes and Steps go to member ", serves, " (", head.group.members[serves],
+          ", rank % ", S, "), not to member ", head.group.member, " (",
+          head.group.members[head.group.member], "): route by HeadInfo.group"));
     }
   }
   if (head.keys.contains({rank, micro_batch})) return false;

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "engine/accumulators.h"
 #include "engine/executor.h"
+#include "engine/head_group.h"
 #include "engine/host_buffer.h"
 #include "engine/owner.h"
 #include "engine/weight_cache.h"
@@ -69,13 +70,19 @@ struct HeadSpec {
   // The server instance that wrote the export this spec imports, where this server imports
   // its own drain's export at start (--head_export_dir); "" otherwise. For messages only.
   std::string exported_by;
+  // The members serving this head (engine/head_group.h); size() 1: this server alone.
+  HeadGroup group;
 };
 
 // One parameter (W or the bias) of a head, all in backend memory.
 struct HeadParam {
   int64_t n = 0;
-  std::unique_ptr<BackendBuffer> master;                  // (n) fp32
-  std::array<std::unique_ptr<BackendBuffer>, 3> state;    // (n) fp32 each, per HeadOptimizer
+  // The part of the parameter whose master and state this server holds and updates: all of
+  // it for a one-server head, this member's slice HeadSliceOf(n, member, S) in a group
+  // (ZeRO-1: the master and the moments per member fall S-fold).
+  HeadSlice slice;
+  std::unique_ptr<BackendBuffer> master;                  // (slice.n()) fp32
+  std::array<std::unique_ptr<BackendBuffer>, 3> state;    // (slice.n()) fp32 each
 };
 
 struct StepResult {
@@ -124,6 +131,13 @@ struct Head {
   // The current step's gradient sum (not in the AccumulatorStore). Its mu also guards the
   // master, the state, the copy's bytes and `keys`.
   std::shared_ptr<Accumulator> grad;
+  // A group's members and communicator (null for a one-server head); set before the head is
+  // named. Once a collective failed the head is broken (below).
+  HeadGroup group;
+  std::shared_ptr<HeadComm> comm;
+  // A group's step has reduce-scattered the sum in place: each member's slice of grad holds
+  // that slice of the group's sum (a STEP_REDUCE did it; its STEP_APPLY must not again).
+  bool reduced_in_place ABSL_GUARDED_BY(grad->mu) = false;
   HeadParam w, bias;  // bias.n == 0 without a bias
   // (rank, micro-batch) of every Compute added to the current step.
   absl::flat_hash_set<std::pair<uint32_t, uint64_t>> keys ABSL_GUARDED_BY(grad->mu);
@@ -191,6 +205,7 @@ struct HeadSummary {
   int64_t tokens = 0;
   uint32_t ranks_waiting = 0;
   int64_t last_used_ns = 0;
+  HeadGroup group;
 };
 
 class PendingHead;  // below
@@ -218,6 +233,9 @@ class HeadStore {
     size_t max_heads = 64;
     int64_t max_v = 1 << 21, max_h = 1 << 16;  // as the engine's shape limits
     absl::Duration step_timeout = absl::Minutes(10);  // --head_step_timeout
+    // Forms a head group's communicator (blocking until every member joined or it gave up);
+    // unset, a create naming a group of more than one member is refused (FAILED_PRECONDITION).
+    std::function<absl::StatusOr<std::shared_ptr<HeadComm>>(const HeadGroup&)> connect_group;
   };
   HeadStore(Backend* backend, Executor* executor, Options options);
   ~HeadStore();

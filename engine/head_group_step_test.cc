@@ -1,0 +1,334 @@
+// A hosted head served by a group of S engines in this process (threads), over gloo TCP on
+// 127.0.0.1, against one engine's head on the same contributions: rank r's Computes and Step
+// go to member r % S; at Step the members reduce-scatter the sum, update their slices and
+// all-gather the compute copy.
+#include <algorithm>
+#include <cmath>
+#include <future>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/head_group.h"
+#include "engine/heads_test_fixture.h"
+
+namespace lossd {
+namespace heads_testing {
+namespace {
+
+using Results = std::vector<absl::StatusOr<StepResult>>;
+
+// A member's (or the one engine's) head as fp32 host vectors: its master slice, the compute
+// copy's bytes whole.
+struct HeadState {
+  std::vector<float> master_w, master_b;
+  std::vector<uint8_t> copy_w, copy_b;
+  int64_t lo_w = 0, lo_b = 0;
+};
+
+HeadState StateOf(Engine& e, const std::string& name) {
+  auto head = e.heads().Get(name, "");
+  EXPECT_TRUE(head.ok()) << head.status();
+  Head& h = **head;
+  absl::MutexLock lock(&h.grad->mu);
+  HeadState s;
+  auto floats = [](HeadParam& p) {
+    const float* f = static_cast<const float*>(p.master->data());
+    return std::vector<float>(f, f + p.slice.n());
+  };
+  s.master_w = floats(h.w);
+  s.lo_w = h.w.slice.lo;
+  const uint8_t* cw = static_cast<const uint8_t*>(h.copy->w->data());
+  s.copy_w.assign(cw, cw + h.copy->w->size());
+  if (h.has_bias) {
+    s.master_b = floats(h.bias);
+    s.lo_b = h.bias.slice.lo;
+    const uint8_t* cb = static_cast<const uint8_t*>(h.copy->bias->data());
+    s.copy_b.assign(cb, cb + h.copy->bias->size());
+  }
+  return s;
+}
+
+class HeadGroupStepTest : public HeadsTest {
+ protected:
+  // S member engines of one group (a fresh id each time: a new group), gloo timeout `timeout`.
+  void MakeGroup(uint32_t S, absl::Duration timeout = absl::Seconds(20)) {
+    members_.clear();
+    group_.members.clear();
+    for (uint32_t m = 0; m < S; ++m) group_.members.push_back(absl::StrCat("member-", m));
+    group_.id = absl::StrCat("group-", ++groups_made_);
+    auto store = std::make_shared<MemoryGroupStore>();
+    for (uint32_t m = 0; m < S; ++m) {
+      EngineOptions o;
+      o.head_connect_group = [store, timeout](const HeadGroup& g) {
+        GlooOptions go;
+        go.timeout = timeout;
+        return ConnectGloo(store, g, go);
+      };
+      members_.push_back(std::make_unique<Engine>(NewCpuBackend(1), o));
+    }
+  }
+
+  // The head on every member at once (each member's commit waits for the others').
+  std::vector<absl::Status> CreateOnGroup(const std::string& name, HeadOptimizer opt, bool bias) {
+    const uint32_t S = members_.size();
+    std::vector<absl::Status> out(S);
+    std::vector<std::thread> threads;
+    for (uint32_t m = 0; m < S; ++m) {
+      threads.emplace_back([&, m] {
+        RandomProblem w0 = MicroBatch(1, bias);
+        HeadSpec spec;
+        spec.name = name;
+        spec.v = kV;
+        spec.h = kH;
+        spec.has_bias = bias;
+        spec.master_dtype = DType::kBF16;
+        spec.compute_dtype = DType::kBF16;
+        spec.optimizer = opt;
+        spec.group = group_;
+        spec.group.member = m;
+        HeadStore& hs = members_[m]->heads();
+        auto c = hs.BeginCreate(spec, "");
+        if (!c.ok()) { out[m] = c.status(); return; }
+        absl::Status s = hs.WriteCreate(*c->pending, HeadTensor::kMasterW, 0, w0.w.data(),
+                                        w0.w.size());
+        if (s.ok() && bias) {
+          s = hs.WriteCreate(*c->pending, HeadTensor::kMasterBias, 0, w0.bias.data(),
+                             w0.bias.size());
+        }
+        if (s.ok()) s = hs.CommitCreate(std::move(c->pending)).status();
+        out[m] = s;
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
+  // Rank r's micro-batches of step k, on its member and on the one engine.
+  void ComputeStep(const std::string& name, uint64_t version, uint32_t world, int k, bool bias) {
+    const uint32_t S = members_.size();
+    for (uint32_t r = 0; r < world; ++r) {
+      for (uint64_t mb = 0; mb < 2; ++mb) {
+        const uint64_t seed = 1000 * k + 10 * r + mb + 2;
+        ComputeOutcome one = Compute(name, version, r, mb, seed, bias);
+        ASSERT_TRUE(one.status.ok()) << one.status;
+        ComputeOutcome got = ComputeOn(*members_[r % S], name, version, r, mb, seed, bias);
+        ASSERT_TRUE(got.status.ok()) << "rank " << r << ": " << got.status;
+      }
+    }
+  }
+
+  ComputeOutcome ComputeOn(Engine& e, const std::string& head, uint64_t version, uint32_t rank,
+                           uint64_t mb, uint64_t seed, bool bias) {
+    RandomProblem rp = MicroBatch(seed, bias);
+    ComputeSpec spec = ComputeSpecFor(rp);
+    spec.inputs[static_cast<int>(InputSlot::kW)].present = false;
+    spec.options.grad_scale = 0.5f;
+    spec.head = head;
+    spec.head_version = version;
+    spec.rank = rank;
+    spec.micro_batch = mb;
+    auto plan = e.Plan(spec);
+    if (!plan.ok()) {
+      ComputeOutcome o;
+      o.status = plan.status();
+      return o;
+    }
+    return RunSync(e, *plan, InputBuffersFor(rp, *plan));
+  }
+
+  // Every rank's Step, each on its member, at once; `skip_member` sends none for its ranks.
+  Results StepGroup(StepCall call, int skip_member = -1) {
+    const uint32_t S = members_.size();
+    std::vector<std::promise<absl::StatusOr<StepResult>>> p(call.world_size);
+    std::vector<bool> sent(call.world_size, false);
+    for (uint32_t r = 0; r < call.world_size; ++r) {
+      if (static_cast<int>(r % S) == skip_member) continue;
+      StepCall c = call;
+      c.rank = r;
+      sent[r] = true;
+      members_[r % S]->heads().Step(
+          c, "", [&p, r](absl::StatusOr<StepResult> s) { p[r].set_value(s); });
+    }
+    Results out;
+    for (uint32_t r = 0; r < call.world_size; ++r) {
+      if (sent[r]) out.push_back(p[r].get_future().get());
+    }
+    return out;
+  }
+
+  // The members' master slices and compute copies against the one engine's head: the masters
+  // within `ulps` fp32 ulps of the tensor's largest magnitude (the reduction order differs:
+  // members sum their ranks, then gloo's halving-doubling sums the members), the copies the
+  // cast of those masters (so within one bf16 ulp where a master lands near a rounding edge).
+  void ExpectMatchesOneEngine(const std::string& name, double ulps) {
+    HeadState one = StateOf(e_, name);
+    auto check = [&](const std::vector<float>& want_all, const std::vector<float>& got,
+                     int64_t lo, const char* what) {
+      float max_abs = 0;
+      for (float f : want_all) max_abs = std::max(max_abs, std::fabs(f));
+      const double tol = ulps * std::ldexp(1.0, std::ilogb(max_abs) - 23);
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_NEAR(got[i], want_all[lo + i], tol) << what << " element " << lo + i;
+      }
+    };
+    for (auto& m : members_) {
+      HeadState s = StateOf(*m, name);
+      check(one.master_w, s.master_w, s.lo_w, "master_w");
+      check(one.master_b, s.master_b, s.lo_b, "master_b");
+      ASSERT_EQ(s.copy_w.size(), one.copy_w.size());
+    }
+    // Every member holds the same compute copy, bit for bit.
+    HeadState first = StateOf(*members_[0], name);
+    for (auto& m : members_) {
+      HeadState s = StateOf(*m, name);
+      EXPECT_EQ(s.copy_w, first.copy_w);
+      EXPECT_EQ(s.copy_b, first.copy_b);
+    }
+  }
+
+  std::vector<std::unique_ptr<Engine>> members_;
+  HeadGroup group_;
+  int groups_made_ = 0;
+};
+
+TEST_F(HeadGroupStepTest, ThreeMembersAndSixRanksMatchOneEngineAdamWClipSkip) {
+  const bool bias = true;
+  MakeGroup(3);
+  ASSERT_TRUE(Create("h", AdamW(), bias).ok());
+  for (const absl::Status& s : CreateOnGroup("h", AdamW(), bias)) ASSERT_TRUE(s.ok()) << s;
+  StepCall call;
+  call.head = "h";
+  call.world_size = 6;
+  for (int k = 0; k < 3; ++k) {
+    call.version = k;
+    call.max_norm = 0.05;  // small enough to clip
+    call.skip = (k == 1);  // the middle step is skipped everywhere
+    ComputeStep("h", k, 6, k, bias);
+    Results one = StepAll(call);
+    Results got = StepGroup(call);
+    ASSERT_EQ(got.size(), 6u);
+    for (auto& r : got) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_TRUE(one[0].ok()) << one[0].status();
+      EXPECT_EQ(r->version, one[0]->version);
+      EXPECT_EQ(r->applied, one[0]->applied);
+      EXPECT_EQ(r->contributions, one[0]->contributions);
+      EXPECT_EQ(r->tokens, one[0]->tokens);
+      EXPECT_NEAR(r->grad_norm, one[0]->grad_norm, 1e-6 * one[0]->grad_norm);
+      EXPECT_NEAR(r->clip_coef, one[0]->clip_coef, 1e-6);
+      EXPECT_EQ(r->grad_norm, got[0]->grad_norm);  // every member computed the same norm
+    }
+    if (!call.skip) EXPECT_LT(one[0]->clip_coef, 1.0f) << "the test means to clip";
+  }
+  ExpectMatchesOneEngine("h", 2 * 3);
+}
+
+TEST_F(HeadGroupStepTest, TwoMembersAndThreeRanksSgdMatchOneEngineAndRepeatBitForBit) {
+  const bool bias = false;
+  std::vector<HeadState> runs;
+  for (int run = 0; run < 2; ++run) {
+    MakeGroup(2);
+    ASSERT_TRUE(Create(absl::StrCat("s", run), Sgd(), bias).ok());
+    for (const absl::Status& s : CreateOnGroup(absl::StrCat("s", run), Sgd(), bias)) {
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    StepCall call;
+    call.head = absl::StrCat("s", run);
+    call.world_size = 3;
+    for (int k = 0; k < 3; ++k) {
+      call.version = k;
+      call.lr = 0.2 / (k + 1);  // a schedule
+      ComputeStep(call.head, k, 3, k, bias);
+      Results one = StepAll(call);
+      for (auto& r : StepGroup(call)) {
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_TRUE(r->applied);
+        EXPECT_EQ(r->contributions, 6u);
+        EXPECT_NEAR(r->grad_norm, one[0]->grad_norm, 1e-6 * one[0]->grad_norm);
+      }
+    }
+    ExpectMatchesOneEngine(call.head, 2 * 3);
+    runs.push_back(StateOf(*members_[1], call.head));
+  }
+  // The same contributions in the same order: the same bytes.
+  EXPECT_EQ(runs[0].master_w, runs[1].master_w);
+  EXPECT_EQ(runs[0].copy_w, runs[1].copy_w);
+}
+
+TEST_F(HeadGroupStepTest, AMemberWhoseRanksNeverStepIsNamedAndNothingIsApplied) {
+  MakeGroup(3, absl::Seconds(1));
+  for (const absl::Status& s : CreateOnGroup("f", AdamW(), true)) ASSERT_TRUE(s.ok()) << s;
+  for (uint32_t r = 0; r < 3; ++r) {
+    ComputeOutcome o = ComputeOn(*members_[r], "f", 0, r, 0, 7 + r, true);
+    ASSERT_TRUE(o.status.ok()) << o.status;
+  }
+  HeadState before = StateOf(*members_[0], "f");
+  StepCall call;
+  call.head = "f";
+  call.world_size = 3;
+  Results got = StepGroup(call, /*skip_member=*/2);
+  ASSERT_EQ(got.size(), 2u);
+  for (auto& r : got) {
+    EXPECT_TRUE(Has(r.status(), absl::StatusCode::kUnavailable,
+                    "member 2 (member-2) never arrived"))
+        << r.status();
+    EXPECT_TRUE(Has(r.status(), absl::StatusCode::kUnavailable, "into a new group"))
+        << r.status();
+  }
+  HeadState after = StateOf(*members_[0], "f");
+  EXPECT_EQ(after.master_w, before.master_w);
+  EXPECT_EQ(after.copy_w, before.copy_w);
+  // The head refuses from then on: a retried step is never applied.
+  call.rank = 0;
+  std::promise<absl::StatusOr<StepResult>> p;
+  members_[0]->heads().Step(call, "", [&p](absl::StatusOr<StepResult> s) { p.set_value(s); });
+  absl::StatusOr<StepResult> again = p.get_future().get();
+  EXPECT_TRUE(Has(again.status(), absl::StatusCode::kFailedPrecondition, "refuses every call"))
+      << again.status();
+}
+
+TEST_F(HeadGroupStepTest, ARankAtTheWrongMemberIsToldWhichMemberServesIt) {
+  MakeGroup(2);
+  for (const absl::Status& s : CreateOnGroup("w", Sgd(), false)) ASSERT_TRUE(s.ok()) << s;
+  ComputeOutcome o = ComputeOn(*members_[0], "w", 0, 1, 0, 5, false);
+  EXPECT_TRUE(Has(o.status, absl::StatusCode::kFailedPrecondition,
+                  "rank 1's Computes and Steps go to member 1 (member-1, rank % 2)"))
+      << o.status;
+  StepCall call;
+  call.head = "w";
+  call.world_size = 1;
+  std::promise<absl::StatusOr<StepResult>> p;
+  members_[0]->heads().Step(call, "", [&p](absl::StatusOr<StepResult> s) { p.set_value(s); });
+  EXPECT_TRUE(Has(p.get_future().get().status(), absl::StatusCode::kFailedPrecondition,
+                  "world_size must be >= 2, got 1"));
+}
+
+TEST_F(HeadGroupStepTest, AGroupNeedsATransportAndAValidSpec) {
+  HeadSpec spec;
+  spec.name = "g";
+  spec.v = kV;
+  spec.h = kH;
+  spec.optimizer = Sgd();
+  spec.group.members = {"a:1", "b:1"};
+  spec.group.id = "x";
+  auto c = e_.heads().BeginCreate(spec, "");  // e_ has no connect_group
+  EXPECT_TRUE(Has(c.status(), absl::StatusCode::kFailedPrecondition, "forms no head groups"))
+      << c.status();
+  spec.group.member = 2;
+  c = e_.heads().BeginCreate(spec, "");
+  EXPECT_TRUE(Has(c.status(), absl::StatusCode::kInvalidArgument,
+                  "head.group needs 1 to 1024 members and member < their count, got 2 members, "
+                  "member 2"))
+      << c.status();
+  spec.group.member = 0;
+  spec.group.id = "";
+  c = e_.heads().BeginCreate(spec, "");
+  EXPECT_TRUE(Has(c.status(), absl::StatusCode::kInvalidArgument, "head.group.id must be"))
+      << c.status();
+}
+
+}  // namespace
+}  // namespace heads_testing
+}  // namespace lossd
