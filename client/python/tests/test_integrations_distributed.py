@@ -55,24 +55,21 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _train():
-    """One rank: SETUP ddp | fsdp | fsdp_head_alone, LOSSD none | loss | head, COUNT mean |
-    global (num_items_in_batch over both ranks, the loss times the world size before
-    backward, as Trainer does with average_tokens_across_devices). Saves losses and weights."""
-    import torch.distributed as dist
-
+def _job(dist, setup, how, count, server, head_name):
+    """One run of STEPS steps on this rank: SETUP ddp | fsdp | fsdp_head_alone, LOSSD none |
+    loss | head, COUNT mean | global (num_items_in_batch over both ranks, the loss times the
+    world size before backward, as Trainer does with average_tokens_across_devices).
+    Returns its losses and weights, or the lossd error it raised."""
     from lossd.integrations import apply_lossd
     import lossd
 
-    setup, how, count = os.environ["SETUP"], os.environ["LOSSD"], os.environ["COUNT"]
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     patch = None
     if how != "none":  # before wrapping: the head's weights are whole here
         kw = {} if how == "loss" else dict(
-            head_name=os.environ["HEAD"], optimizer=lossd.OptimizerConfig.sgd(lr=0.1))
-        patch = apply_lossd(model, os.environ["SERVER"], mode=how, **kw)
+            head_name=head_name, optimizer=lossd.OptimizerConfig.sgd(lr=0.1))
+        patch = apply_lossd(model, server, mode=how, **kw)
     if setup == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -80,7 +77,7 @@ def _train():
 
         for layer in model.model.layers:
             fully_shard(layer)
-        if setup == "fsdp_head_alone" and how != "head":
+        if setup == "fsdp_head_alone":
             fully_shard(model.lm_head)
         fully_shard(model)
         wrapped = model
@@ -105,38 +102,78 @@ def _train():
                 head_opt.step()
             opt.zero_grad()
     except lossd.LossdError as e:
-        torch.save({"error": "%s: %s" % (type(e).__name__, e)}, os.environ["OUT"])
-        dist.destroy_process_group()
-        return
+        return {"error": "%s: %s" % (type(e).__name__, e)}
+    finally:
+        dist.barrier()
     head = patch.head.weight() if how == "head" else _full(model.lm_head.weight)
-    torch.save({"losses": losses, "head": head.clone(),
-                "inner": _full(model.model.layers[0].self_attn.q_proj.weight).clone(),
-                "calls": dict(patch.calls) if patch else {}}, os.environ["OUT"])
-    dist.barrier()
+    result = {"losses": losses, "head": head.clone(),
+              "inner": _full(model.model.layers[0].self_attn.q_proj.weight).clone(),
+              "calls": dict(patch.calls) if patch else {}}
+    if patch is not None and how == "loss":
+        patch.remove()
+    return result
+
+
+def _train():
+    """One rank: every job of JOBS ("setup/how/count,...") in one process group (one start
+    of torch and transformers for all of them); saves {job: result} to OUT."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results = {}
+    for i, job in enumerate(os.environ["JOBS"].split(",")):
+        setup, how, count = job.split("/")
+        results[job] = _job(dist, setup, how, count, os.environ["SERVER"],
+                            "%s-%d" % (os.environ["HEAD"], i))
+    torch.save(results, os.environ["OUT"])
     dist.destroy_process_group()
 
 
 # -- the tests -----------------------------------------------------------------------------
 
-def _run(tmp_path, server, setup, how, count="mean"):
-    from lossd_servers import free_port
+JOBS = ["ddp/none/mean", "ddp/loss/mean", "ddp/none/global", "ddp/loss/global",
+        "ddp/head/mean", "fsdp/none/mean", "fsdp/loss/mean", "fsdp/head/mean",
+        "fsdp_head_alone/loss/mean"]
 
-    head = "dist-%s-%s" % (setup, uuid.uuid4().hex[:8])
-    env = dict(os.environ, PYTHONPATH=str(PY_ROOT), SERVER=server, HEAD=head, SETUP=setup,
-               LOSSD=how, COUNT=count, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+@pytest.fixture(scope="module")
+def runs(lossd_server, tmp_path_factory):
+    """Every job, run once by two ranks: {job: [rank 0's result, rank 1's]}."""
+    from lossd_servers import free_port
+    import lossd
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch without its distributed package")
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        jobs = list(JOBS)
+    except ImportError:  # torch without FSDP2: the DDP jobs alone
+        jobs = [j for j in JOBS if j.startswith("ddp/")]
+    with lossd.Client(lossd_server.address) as c:
+        if "hosted_head" not in c.server_info().features:
+            jobs = [j for j in jobs if "/head/" not in j]
+    tmp = tmp_path_factory.mktemp("dist")
+    env = dict(os.environ, PYTHONPATH=str(PY_ROOT), SERVER=lossd_server.address,
+               HEAD="dist-%s" % uuid.uuid4().hex[:8], JOBS=",".join(jobs),
+               WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     procs, outs = [], []
     for r in range(WORLD):
-        out = tmp_path / ("%s-%s-%s-%d.pt" % (setup, how, count, r))
-        outs.append(out)
+        outs.append(tmp / ("rank-%d.pt" % r))
         procs.append(subprocess.Popen([sys.executable, __file__], env=dict(
-            env, RANK=str(r), OUT=str(out)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True))
+            env, RANK=str(r), OUT=str(outs[-1])), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
     for p in procs:
-        log = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, "a rank failed (%s, %s, %s):\n%s" % (setup, how, count,
-                                                                       log[-4000:])
-    return [torch.load(o) for o in outs]
+        log = p.communicate(timeout=900)[0]
+        assert p.returncode == 0, "a rank failed:\n%s" % log[-4000:]
+    per_rank = [torch.load(o) for o in outs]
+    return {j: [per_rank[r][j] for r in range(WORLD)] for j in jobs}
+
+
+def _of(runs, job):
+    if job not in runs:
+        pytest.skip("%s not run (no FSDP2, or no hosted heads on this server)" % job)
+    return runs[job]
 
 
 def _assert_close(name, got, ref):
@@ -150,26 +187,10 @@ def _assert_close(name, got, ref):
         float(err.max()))
 
 
-_REFS = {}
-
-
-def _reference(tmp_path, server, setup, count="mean"):
-    """The same distributed run without lossd (one per setup and count, shared by tests)."""
-    if (setup, count) not in _REFS:
-        _REFS[setup, count] = _run(tmp_path, server, setup, "none", count)
-    return _REFS[setup, count]
-
-
-def _fully_shard_or_skip():
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        pytest.skip("torch without FSDP2's fully_shard")
-
-
 def _compare(got, ref):
     for rank in range(WORLD):
         assert "error" not in got[rank], got[rank]["error"]
+        assert "error" not in ref[rank], ref[rank]["error"]
         for step, (a, b) in enumerate(zip(got[rank]["losses"], ref[rank]["losses"])):
             assert abs(a - b) <= LOSS_RTOL * abs(b), "rank %d step %d: loss %.9g, ref %.9g" % (
                 rank, step, a, b)
@@ -179,43 +200,24 @@ def _compare(got, ref):
     _assert_close("rank 1 against rank 0", got[1]["inner"], got[0]["inner"])
 
 
-@pytest.fixture(scope="module")
-def server(lossd_server):
-    if not torch.distributed.is_available():
-        pytest.skip("torch without its distributed package")
-    return lossd_server.address
-
-
 @pytest.mark.parametrize("how,count", [("loss", "mean"), ("loss", "global"), ("head", "mean")],
                          ids=["loss-mean", "loss-num_items_in_batch", "head"])
-def test_ddp(server, tmp_path, how, count):
-    if how == "head":
-        from head_harness import require_heads
-        import lossd
-
-        with lossd.Client(server) as c:
-            require_heads(c)
-    got = _run(tmp_path, server, "ddp", how, count)
-    ref = _reference(tmp_path, server, "ddp", count)
-    _compare(got, ref)
+def test_ddp(runs, how, count):
+    got = _of(runs, "ddp/%s/%s" % (how, count))
+    _compare(got, _of(runs, "ddp/none/%s" % count))
     assert got[0]["calls"] == {"mean" if count == "mean" else "global": STEPS}
 
 
 @pytest.mark.parametrize("how", ["loss", "head"])
-def test_fsdp2_head_in_the_root_group(server, tmp_path, how):
+def test_fsdp2_head_in_the_root_group(runs, how):
     """fully_shard over each layer, then the model: the head is a DTensor (Shard(0)) at rest,
     and FSDP2 has gathered it when the forward reaches lossd; its gradient is reduce-scattered
     as the model's own loss's would be. In mode "head" there is no local head to shard."""
-    _fully_shard_or_skip()
-    got = _run(tmp_path, server, "fsdp", how)
-    ref = _reference(tmp_path, server, "fsdp")
-    _compare(got, ref)
+    _compare(_of(runs, "fsdp/%s/mean" % how), _of(runs, "fsdp/none/mean"))
 
 
-def test_fsdp2_head_in_a_group_of_its_own_is_refused(server, tmp_path):
-    _fully_shard_or_skip()
-    got = _run(tmp_path, server, "fsdp_head_alone", "loss")
-    for r in got:
+def test_fsdp2_head_in_a_group_of_its_own_is_refused(runs):
+    for r in _of(runs, "fsdp_head_alone/loss/mean"):
         assert r.get("error", "").startswith("FailedPreconditionError"), r
         assert "lm_head.weight is a DTensor" in r["error"], r["error"]
         assert "do not fully_shard(model.lm_head) on its own" in r["error"], r["error"]
