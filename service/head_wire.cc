@@ -134,6 +134,9 @@ absl::StatusOr<HeadSpec> HeadSpecFromWire(const v1::HeadHeader& h, absl::string_
   spec.version = h.version();
   spec.optimizer_step = h.optimizer_step();
   spec.with_state = h.with_state();
+  spec.group.members.assign(h.group().members().begin(), h.group().members().end());
+  spec.group.member = h.group().member();
+  spec.group.id = h.group().id();
   return spec;
 }
 
@@ -198,6 +201,12 @@ v1::HeadInfo HeadInfoToWire(const HeadSummary& s, const std::string& instance) {
   i.set_bytes(s.bytes);
   i.set_contributions(s.contributions);
   i.set_tokens(s.tokens);
+  if (s.group.size() > 1) {
+    v1::HeadGroupSpec* g = i.mutable_group();
+    for (const std::string& m : s.group.members) g->add_members(m);
+    g->set_member(s.group.member);
+    g->set_id(s.group.id);
+  }
   i.set_ranks_waiting(s.ranks_waiting);
   i.set_instance(instance);
   i.set_last_used_unix_ms(s.last_used_ns / 1000000);

@@ -171,6 +171,28 @@ TEST(HeadWireTest, HeaderRoundTrips) {
   }
 }
 
+// A head group's members, this server's index and the id reach the engine, and HeadInfo
+// gives them back (every rank routes by them); a one-server head's HeadInfo has no group.
+TEST(HeadWireTest, HeadGroupRoundTrips) {
+  v1::HeadHeader h = AdamWHeader(12, 4);
+  h.mutable_group()->add_members("10.0.0.1:50051");
+  h.mutable_group()->add_members("10.0.0.2:50051");
+  h.mutable_group()->set_member(1);
+  h.mutable_group()->set_id("job-3/head-group");
+  auto spec = HeadSpecFromWire(h, "header");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->group.members, (std::vector<std::string>{"10.0.0.1:50051", "10.0.0.2:50051"}));
+  EXPECT_EQ(spec->group.member, 1u);
+  EXPECT_EQ(spec->group.id, "job-3/head-group");
+  HeadSummary s;
+  s.group = spec->group;
+  v1::HeadInfo info = HeadInfoToWire(s, "i");
+  EXPECT_EQ(info.group().members_size(), 2);
+  EXPECT_EQ(info.group().member(), 1u);
+  EXPECT_EQ(info.group().id(), "job-3/head-group");
+  EXPECT_FALSE(HeadInfoToWire(HeadSummary{}, "i").has_group());
+}
+
 TEST(HeadWireTest, StepRequestAndResponse) {
   v1::StepRequest r;
   r.set_head("h");
