@@ -62,6 +62,11 @@ if [[ "${LOSSD_SKIP_PIP:-0}" != "1" ]]; then
     # its torch fused-kernel modules from the package's files; about 5 s.
     python3 -m pip install -q --no-deps "verl>=0.9.1,<0.10" ||
       echo "run_all: verl could not be installed; its tests will be skipped"
+    # torchtitan without its dependencies (wandb, tensorboard, torchdata, ...), plus what its
+    # Llama 3 and loss import (test_integrations_torchtitan.py); about 8 s.
+    { python3 -m pip install -q --no-deps "torchtitan>=0.3,<0.4" "spmd_types==0.2.3" &&
+      python3 -m pip install -q einops tyro; } ||
+      echo "run_all: torchtitan could not be installed; its tests will be skipped"
   fi
 fi
 

@@ -48,8 +48,11 @@ def verl_forward():
         shell.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
         sys.modules[name] = shell
     try:
-        importlib.import_module("verl.utils.experimental.torch_functional")
-        dense = importlib.import_module("verl.models.transformers.dense_common")
+        try:
+            importlib.import_module("verl.utils.experimental.torch_functional")
+            dense = importlib.import_module("verl.models.transformers.dense_common")
+        except ImportError as e:
+            pytest.skip("verl's fused-kernel modules do not import: %s" % e)
         yield dense.forward_with_torch_backend
     finally:
         for name, mod in saved.items():

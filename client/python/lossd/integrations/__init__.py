@@ -14,6 +14,9 @@ SFTTrainer or GRPOTrainer: its per-token log-probs and entropies come from lossd
 verl (lossd.integrations.verl): apply_lossd(actor_module, "lossd:50051") where verl would turn
 on use_fused_kernels: log-probs and entropy at a temperature from lossd.
 
+torchtitan (lossd.integrations.torchtitan): apply_lossd(trainer, "lossd:50051") sets its
+loss_fn to lossd's cross-entropy on the last hidden state and lm_head.
+
 docs/integrations.md lists the modes, what each sends per micro-batch and what is not covered.
 """
 
