@@ -27,7 +27,9 @@ import lossd  # noqa: E402
 from lossd.integrations.verl import apply_lossd  # noqa: E402
 
 V, H, B, T = 300, 32, 3, 20
-RTOL, ATOL = 1e-4, 2e-5
+# (rtol, atol): fp32, the same math summed in another order; under bf16 autocast, both round
+# X and W to bf16 (2^-8 relative) and differ in where the logits are accumulated.
+TOL = {None: (1e-4, 2e-5), torch.bfloat16: (5e-2, 2e-2)}
 
 _SHELLS = ("verl", "verl.utils", "verl.utils.experimental", "verl.models",
            "verl.models.transformers")
@@ -74,12 +76,13 @@ def tiny_llama():
     return model
 
 
-def assert_close(name, got, ref):
+def assert_close(name, got, ref, tol=TOL[None]):
+    rtol, atol = tol
     assert got is not None, "%s: no gradient" % name
     g, r = got.detach().double(), ref.detach().double()
     assert g.shape == r.shape, "%s: shape %s, expected %s" % (name, g.shape, r.shape)
     err = (g - r).abs()
-    bound = ATOL * float(r.abs().max()) + RTOL * r.abs()
+    bound = atol * float(r.abs().max()) + rtol * r.abs()
     worst = int(torch.argmax(err - bound))
     assert float(r.abs().max()) > 0, "%s: the reference is all zeros" % name
     assert bool((err <= bound).all()), "%s: %d of %d off; worst got %.7g ref %.7g" % (
@@ -127,6 +130,31 @@ def test_fused_kernels_path_equals_verls_torch_backend(address, verl_forward, te
     assert_close("log_probs without grad", again.log_probs, want.log_probs)
     patch.remove()
     assert "forward" not in got.__dict__
+
+
+def test_under_bf16_autocast(address, verl_forward):
+    """verl's actor runs the forward under autocast: both compute the head in bf16 (lossd
+    casts X and W to it, as nn.Linear would), log-probs in fp32; the gradients come back in
+    the parameters' fp32."""
+    ref = tiny_llama()
+    got = copy.deepcopy(ref)
+    apply_lossd(got, address)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[:, -1] = 0
+    adv = torch.randn(B, T, generator=g)
+    tol = TOL[torch.bfloat16]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = verl_forward(ref, input_ids=ids, return_dict=True, temperature=0.7)
+        have = got(input_ids=ids, return_dict=True, temperature=0.7)
+    assert have.log_probs.dtype == want.log_probs.dtype == torch.float32
+    assert_close("log_probs (bf16)", have.log_probs, want.log_probs, tol)
+    assert_close("entropy (bf16)", have.entropy.float(), want.entropy.float(), tol)
+    ppo_like_loss(want, mask, adv).backward()
+    ppo_like_loss(have, mask, adv).backward()
+    assert got.lm_head.weight.grad.dtype == torch.float32
+    assert_close("lm_head grad (bf16)", got.lm_head.weight.grad, ref.lm_head.weight.grad, tol)
 
 
 def test_refusals(address):
