@@ -44,6 +44,17 @@ bool MemoryGroupStore::Has(const std::string& key) {
   return values_.count(key) > 0;
 }
 
+absl::Status MemoryGroupStore::Delete(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  values_.erase(key);
+  return absl::OkStatus();
+}
+
+size_t MemoryGroupStore::size() {
+  absl::MutexLock lock(&mu_);
+  return values_.size();
+}
+
 namespace {
 
 std::chrono::milliseconds Millis(absl::Duration d) {
@@ -167,6 +178,12 @@ class GlooComm : public HeadComm {
     std::string error;
     try {
       f();
+      // Every member took part in this collective, so each had passed the one before: no
+      // member can still need this member's mark of it. The store holds O(S) marks, not one
+      // per collective run.
+      if (seq > 1) {
+        store_->Delete(absl::StrCat(group_.id, "/at/", seq - 1, "/", member())).IgnoreError();
+      }
       return absl::OkStatus();
     } catch (const std::exception& e) {
       error = e.what();

@@ -84,6 +84,8 @@ class HeadGroupStore {
   virtual absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) = 0;
   // Whether the key is set now (never waits).
   virtual bool Has(const std::string& key) = 0;
+  // Forgets the key (absent: OK).
+  virtual absl::Status Delete(const std::string& key) = 0;
 };
 
 // A store in this process's memory, shared by the members of a test that run as threads.
@@ -92,6 +94,8 @@ class MemoryGroupStore : public HeadGroupStore {
   absl::Status Set(const std::string& key, const std::string& value) override;
   absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override;
   bool Has(const std::string& key) override;
+  absl::Status Delete(const std::string& key) override;
+  size_t size();
 
  private:
   absl::Mutex mu_;

@@ -72,6 +72,27 @@ TEST(HeadGroupTest, AllGatherGivesEveryMemberEverySlice) {
   });
 }
 
+// Each member's arrival marks are forgotten once the next collective completed: a long run's
+// store does not grow with its steps.
+TEST(HeadGroupTest, TheStoreDoesNotGrowWithTheCollectivesRun) {
+  auto store = std::make_shared<MemoryGroupStore>();
+  std::vector<size_t> sizes(2);
+  std::vector<std::thread> threads;
+  for (uint32_t m = 0; m < 2; ++m) {
+    threads.emplace_back([&, m] {
+      auto comm = ConnectGloo(store, Group(m, 2, "grow"), GlooOptions{});
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      for (int i = 0; i < 3; ++i) ASSERT_TRUE((*comm)->Barrier().ok());
+      ASSERT_TRUE((*comm)->Barrier().ok());
+      if (m == 0) sizes[0] = store->size();
+      for (int i = 0; i < 50; ++i) ASSERT_TRUE((*comm)->Barrier().ok());
+      if (m == 0) sizes[1] = store->size();
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_LE(sizes[1], sizes[0] + 2);  // at most each member's latest mark beyond
+}
+
 TEST(HeadGroupTest, AMemberThatNeverJoinsIsNamed) {
   auto store = std::make_shared<MemoryGroupStore>();
   std::vector<absl::Status> got(2);

@@ -188,6 +188,37 @@ absl::Status ApplyOrSkip(Backend& b, Head& head, const StepCall& call, double lr
   return ClearStep(b, head);
 }
 
+// Everything before the apply: in a group, the members' agreement and pooled counts; then
+// the refusal of a sum a failed Compute poisoned, the norm a STEP_REDUCE already found (for its
+// STEP_APPLY), or the norm. `keep_sum`: refused with nothing run, so the sum stays.
+absl::Status NormOf(Backend& b, Head& head, const StepCall& call, int64_t opt_step,
+                    const std::optional<StepResult>& reduced, StepResult& r, bool& keep_sum)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu) {
+  bool poisoned = head.grad->poisoned;
+  if (head.comm != nullptr) {
+    // Before anything runs: a disagreement keeps the sum (as one server's refusal does).
+    absl::Status s = AgreeAcrossGroup(head, call, opt_step, reduced.has_value(), r, poisoned);
+    keep_sum = !s.ok() && !head.broken.load();
+    if (!s.ok()) return s;
+  }
+  if (poisoned) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a Compute failed while adding into ", HeadWhat(head.name), "'s step, so its sum "
+        "cannot be trusted: the step's gradients are dropped; redo the step at version ",
+        r.version));
+  }
+  if (call.phase == StepPhase::kApply && reduced) {
+    r.grad_norm = reduced->grad_norm;
+    r.finite = reduced->finite;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<double> norm = GradNorm(b, head);
+  if (!norm.ok()) return norm.status();
+  r.grad_norm = *norm;
+  r.finite = std::isfinite(*norm);
+  return absl::OkStatus();
+}
+
 // A call answered without joining the barrier: a retried step's result again, or a refusal.
 // `disagrees`: the call names the step with another version, phase or arguments than the
 // head or the ranks at its barrier, so those ranks cannot complete the step with this one.
@@ -361,30 +392,7 @@ void HeadStore::Impl::LaunchPhase(std::shared_ptr<Head> head, StepCall call,
         lr = call.lr.value_or(head->optimizer.lr);
         r.version = head->version;
       }
-      bool poisoned = head->grad->poisoned;
-      if (head->comm != nullptr) {
-        // Before anything runs: a disagreement keeps the sum (as one server's refusal does).
-        s = AgreeAcrossGroup(*head, call, opt_step, reduced.has_value(), r, poisoned);
-        keep_sum = !s.ok() && !head->broken.load();
-      }
-      if (!s.ok()) {
-        // refused or failed above: nothing runs
-      } else if (poisoned) {
-        s = absl::FailedPreconditionError(absl::StrCat(
-            "a Compute failed while adding into ", HeadWhat(head->name), "'s step, so its sum "
-            "cannot be trusted: the step's gradients are dropped; redo the step at version ",
-            r.version));
-      } else if (call.phase == StepPhase::kApply && reduced) {
-        r.grad_norm = reduced->grad_norm;
-        r.finite = reduced->finite;
-      } else {
-        absl::StatusOr<double> norm = GradNorm(*b, *head);
-        s = norm.status();
-        if (s.ok()) {
-          r.grad_norm = *norm;
-          r.finite = std::isfinite(*norm);
-        }
-      }
+      s = NormOf(*b, *head, call, opt_step, reduced, r, keep_sum);
       bool applied_or_skipped = false;
       if (s.ok() && call.phase != StepPhase::kReduce) {
         s = ApplyOrSkip(*b, *head, call, lr, opt_step, r, keep_sum);
