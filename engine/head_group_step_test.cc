@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <future>
+#include <iostream>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -164,13 +165,15 @@ class HeadGroupStepTest : public HeadsTest {
   // cast of those masters (so within one bf16 ulp where a master lands near a rounding edge).
   void ExpectMatchesOneEngine(const std::string& name, double ulps) {
     HeadState one = StateOf(e_, name);
+    double worst = 0;  // ulps of the tensor's largest magnitude, for the log
     auto check = [&](const std::vector<float>& want_all, const std::vector<float>& got,
                      int64_t lo, const char* what) {
       float max_abs = 0;
       for (float f : want_all) max_abs = std::max(max_abs, std::fabs(f));
-      const double tol = ulps * std::ldexp(1.0, std::ilogb(max_abs) - 23);
+      const double ulp = std::ldexp(1.0, std::ilogb(max_abs) - 23);
       for (size_t i = 0; i < got.size(); ++i) {
-        ASSERT_NEAR(got[i], want_all[lo + i], tol) << what << " element " << lo + i;
+        ASSERT_NEAR(got[i], want_all[lo + i], ulps * ulp) << what << " element " << lo + i;
+        worst = std::max(worst, std::fabs(got[i] - want_all[lo + i]) / ulp);
       }
     };
     for (auto& m : members_) {
@@ -179,6 +182,8 @@ class HeadGroupStepTest : public HeadsTest {
       check(one.master_b, s.master_b, s.lo_b, "master_b");
       ASSERT_EQ(s.copy_w.size(), one.copy_w.size());
     }
+    std::cout << name << ": the members' masters are within " << worst
+              << " ulps of the one engine's (largest magnitude's ulp)\n";
     // Every member holds the same compute copy, bit for bit.
     HeadState first = StateOf(*members_[0], name);
     for (auto& m : members_) {
