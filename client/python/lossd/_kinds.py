@@ -33,7 +33,9 @@ class PolicyOptions:
     the count to divide by (Liger's num_items_in_batch / world size). sapo_temperature_pos /
     _neg: sapo's gate temperatures where A > 0 / A <= 0. delta: None (or 0) = none, else the
     clipped types' cap on the ratio (> 1 + epsilon_high). use_bias_correction_kl: the KL term
-    times the ratio."""
+    times the ratio. importance_sampling: "token" (each token's own ratio) or "sequence"
+    (GSPO: one ratio per sequence, the clipped types only; servers listing
+    "policy_sequence_importance_sampling")."""
 
     loss_type: str = "dapo"
     epsilon_low: float = 0.2
@@ -46,6 +48,11 @@ class PolicyOptions:
     sapo_temperature_neg: float = 1.05
     delta: float = None
     use_bias_correction_kl: bool = False
+    importance_sampling: str = "token"
+
+
+IMPORTANCE_SAMPLING = {"token": pb.IMPORTANCE_SAMPLING_TOKEN,
+                       "sequence": pb.IMPORTANCE_SAMPLING_SEQUENCE}
 
 
 @dataclasses.dataclass
@@ -114,6 +121,13 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
             use_bias_correction_kl=bool(p.use_bias_correction_kl)))
         if p.delta is not None:
             header.policy.delta = float(p.delta)
+        if p.importance_sampling not in IMPORTANCE_SAMPLING:
+            raise errors.InvalidArgumentError(
+                "policy.importance_sampling must be one of %s, got %r" % (
+                    ", ".join(IMPORTANCE_SAMPLING), p.importance_sampling))
+        # Token level leaves the field unset: an older server reads the request as before.
+        if p.importance_sampling != "token":
+            header.policy.importance_sampling = IMPORTANCE_SAMPLING[p.importance_sampling]
     elif policy is not None:
         raise errors.InvalidArgumentError("policy options go with kind 'policy', not %r" % kind)
     if kind == "distill":

@@ -191,11 +191,14 @@ def _check_grpo_arguments(loss_type, importance_sampling_level, sapo_temperature
     if loss_type not in _GRPO_LOSS_TYPES:
         raise errors.InvalidArgumentError("Unknown loss type: %s (lossd computes %s)" % (
             loss_type, ", ".join(_GRPO_LOSS_TYPES)), method="rl")
-    if importance_sampling_level != "token":
-        raise errors.InvalidArgumentError(
-            "importance_sampling_level %r is not supported by lossd: token-level importance "
-            "sampling only (importance_sampling_level='token')" % (importance_sampling_level,),
-            method="rl")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise errors.InvalidArgumentError(  # Liger's message
+            "Unknown importance sampling level: %s. Possible values are 'token' and "
+            "'sequence'." % (importance_sampling_level,), method="rl")
+    if importance_sampling_level == "sequence" and loss_type not in _CLIPPED_LOSS_TYPES:
+        raise errors.InvalidArgumentError(  # Liger raises it at its forward
+            "Sequence-level importance sampling is not supported for loss_type='%s'. Use "
+            "importance_sampling_level='token' instead." % (loss_type,), method="rl")
     for name, value in (("sapo_temperature_pos", sapo_temperature_pos),
                         ("sapo_temperature_neg", sapo_temperature_neg)):
         if not value > 0:
@@ -226,10 +229,11 @@ class LossdFusedLinearGRPOLoss(_OnServer):
     forward arguments; forward returns (loss, metrics), metrics = (mean KL, clip fraction)
     when beta != 0, else (clip fraction,). Loss types dapo (default), grpo, bnpo, dr_grpo,
     cispo, sapo and luspo with sapo_temperature_pos / _neg, delta and use_bias_correction_kl,
-    token-level importance sampling; `compiled`, `chunk_size` and the vespo_* arguments are
-    taken and unused. Refused (InvalidArgumentError, a ValueError): loss_type 'vespo',
-    sequence-level importance sampling, vllm_is_ratio, and delta with cispo or sapo (which
-    Liger ignores). luspo counts masked tokens out (Liger's token-level luspo counts them in).
+    token- or sequence-level importance sampling (GSPO, the clipped types; servers listing
+    "policy_sequence_importance_sampling"); `compiled`, `chunk_size` and the vespo_* arguments
+    are taken and unused. Refused (InvalidArgumentError, a ValueError): loss_type 'vespo',
+    sequence level with cispo or sapo (as Liger), vllm_is_ratio, and delta with cispo or sapo
+    (which Liger ignores). luspo counts masked tokens out (Liger's token-level luspo counts them in).
     advantages may be per sequence (B) as Liger's or per token (B, S)."""
 
     def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1,
@@ -323,9 +327,13 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                       dapo_normalizer=self._dapo_normalizer(attention_mask, num_items_in_batch),
                       sapo_temperature_pos=self.sapo_temperature_pos,
                       sapo_temperature_neg=self.sapo_temperature_neg, delta=self.delta,
-                      use_bias_correction_kl=bool(self.use_bias_correction_kl))
+                      use_bias_correction_kl=bool(self.use_bias_correction_kl),
+                      importance_sampling=self.importance_sampling_level)
         ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
         runtime = _runtime(self.runtime, None)
+        if self.importance_sampling_level == "sequence":
+            runtime.client.require_feature("policy_sequence_importance_sampling",
+                                           timeout=runtime.timeout)
         # Liger's chunked GRPO casts W to the hidden states' dtype (under autocast, the
         # autocast dtype): so does the call, and dX, dW, db come back in their own dtypes.
         cdt = compute_dtype(x2)

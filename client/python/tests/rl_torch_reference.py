@@ -43,14 +43,20 @@ def logprob_entropy(x, w, b, targets, temperature, ignore_index=-100):
 
 
 def policy_loss(logp, mask, adv, old, ref, opts, bsz):
-    """Liger-Kernel 0.8.5's GRPO loss with token-level ratios: (loss, mean KL, clip fraction).
-    opts: the PolicyOptions fields (a dict; the fields past dapo_normalizer may be absent)."""
+    """Liger-Kernel 0.8.5's GRPO loss: (loss, mean KL, clip fraction); token-level ratios, or
+    with opts["importance_sampling"] == "sequence" one per sequence (GSPO: the exp of the mean
+    of its masked log-ratios). opts: the PolicyOptions fields (a dict; the fields past
+    dapo_normalizer may be absent)."""
     logp, mask, adv = (a.reshape(bsz, -1) for a in (logp, mask, adv))
     old = old.reshape(bsz, -1) if old is not None else logp.detach()
     ref = ref.reshape(bsz, -1) if ref is not None else logp.detach()
     lo, hi = 1 - opts["epsilon_low"], 1 + opts["epsilon_high"]
     kind = opts["loss_type"]
     coef1 = torch.exp(logp - old)
+    if opts.get("importance_sampling", "token") == "sequence":
+        mean = ((logp - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+            min=1.0)
+        coef1 = torch.exp(mean).expand_as(logp)
     if kind == "cispo":  # the weight min(r, eps_high) detached; the bound is eps_high itself
         weight = torch.clamp(coef1, max=opts["epsilon_high"]).detach()
         per_token = -weight * adv * logp
@@ -107,7 +113,7 @@ class ReferenceClient:
     them), a compute naming a ticket computes from them and consumes it, and one naming a
     ticket not held is NotFoundError. features: what require_feature finds."""
 
-    def __init__(self, features=("logprob_two_phase",)):
+    def __init__(self, features=("logprob_two_phase", "policy_sequence_importance_sampling")):
         self.calls = []  # the keyword arguments of every compute
         self.features = set(features)
         self.tickets = {}  # ticket -> the forward's (x, w, targets, bias, temperature)

@@ -278,10 +278,11 @@ def test_grpo_other_loss_types_match_torch(backend, case):
     (dict(loss_type="vespo"), "loss_type 'vespo' is not supported by lossd: its weight is a "
                               "function of the whole sequence's log-ratios"),
     (dict(loss_type="ppo"), "Unknown loss type: ppo"),
-    (dict(importance_sampling_level="sequence"), "importance_sampling_level 'sequence' is not "
-                                                 "supported by lossd"),
+    (dict(importance_sampling_level="group"), "Unknown importance sampling level: group"),
     (dict(loss_type="cispo", importance_sampling_level="sequence"),
-     "importance_sampling_level 'sequence'"),
+     "Sequence-level importance sampling is not supported for loss_type='cispo'"),
+    (dict(loss_type="sapo", importance_sampling_level="sequence"),
+     "Sequence-level importance sampling is not supported for loss_type='sapo'"),
     (dict(sapo_temperature_pos=0.0), "sapo_temperature_pos must be positive, got 0.0"),
     (dict(sapo_temperature_neg=-1), "sapo_temperature_neg must be positive, got -1"),
     (dict(delta=-2.0), "delta must be positive, got -2.0"),
@@ -438,6 +439,92 @@ def test_grpo_other_loss_types_match_ligers_module(backend, case):
     expect_close("clip_fraction", metrics[-1], lmetrics[-1], rtol=1e-6, atol=0)
     for name, got, want in zip(("dx", "dw", "db"), grads, lgrads):
         expect_close(name, got, want, rtol=0, atol=tol)
+
+
+def sequence_level_inputs(seed):
+    """A (B, S) problem whose sequences' mean log-ratios sit at -0.5, 0.05, 0.45 and -0.1
+    (+- 0.05 per token): two sequences clipped (bounds log 0.8, log 1.3), two not, none near."""
+    x3, w, b = leaves((B, S, H), (V, H), (V,), seed=seed, scale=0.7)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) > 0.2).to(torch.int64)
+    mask[:, 0] = 1
+    adv = torch.tensor([-0.8, 0.6, 1.1, -0.4])
+    with torch.no_grad():
+        cur, _ = logprob_entropy(as64(x3).reshape(-1, H), as64(w), as64(b), ids.reshape(-1), 1.2)
+    shift = torch.tensor([-0.5, 0.05, 0.45, -0.1], dtype=DT).repeat_interleave(S)
+    noise = 0.1 * torch.rand(B * S, generator=g, dtype=DT) - 0.05
+    old = (cur - shift - noise).reshape(B, S).float()
+    ref = (cur + 0.2 * torch.randn(B * S, generator=g, dtype=DT)).reshape(B, S).float()
+    return x3, w, b, ids, mask, adv, old, ref
+
+
+@needs("policy")
+@pytest.mark.parametrize("loss_type, kw", [
+    ("dapo", {}), ("grpo", dict(use_bias_correction_kl=True)), ("bnpo", dict(delta=1.5)),
+    ("dr_grpo", {}), ("luspo", {})])
+def test_grpo_sequence_level_matches_torch(backend, loss_type, kw):
+    """importance_sampling_level="sequence" (GSPO) against torch float64 autograd of Liger's
+    formulas: one ratio per sequence, its gradient through the mean of the log-ratios."""
+    make, fake = backend
+    if fake is None and "policy_sequence_importance_sampling" not in set(
+            make().client.server_info().features):
+        pytest.skip("the server does not compute sequence-level importance sampling")
+    x3, w, b, ids, mask, adv, old, ref = sequence_level_inputs(91)
+    args = dict(beta=0.05, epsilon_low=0.2, epsilon_high=0.3, loss_type=loss_type,
+                max_completion_length=S + 1, temperature=1.2, **kw)
+    module = rl.LossdFusedLinearGRPOLoss(importance_sampling_level="sequence", runtime=make(),
+                                         **args)
+    loss, (kl, clip) = module(x3, w, ids, mask, adv, bias=b, ref_per_token_logps=ref,
+                              old_per_token_logps=old)
+    (2.0 * loss).backward()
+    rx, rw, rb = ref_leaves(x3.reshape(-1, H), w, b)
+    rlogp, _ = logprob_entropy(rx, rw, rb, ids.reshape(-1), 1.2)
+    opts = dict(dapo_normalizer=0.0, importance_sampling="sequence",
+                **{k: v for k, v in args.items() if k != "temperature"})
+    rloss, rkl, rclip = policy_loss(rlogp, as64(mask).reshape(-1), as64(adv).repeat_interleave(S),
+                                    as64(old), as64(ref), opts, B)
+    (2.0 * rloss).backward()
+    expect_close("loss", loss, rloss.detach())
+    expect_close("kl", kl, rkl, atol=1e-4)
+    expect_close("clip_fraction", clip, rclip, rtol=1e-6, atol=0)
+    assert 0 < clip.item() < 1, "some sequences clip, some do not"
+    expect_grads([("dx", x3, rx), ("dw", w, rw), ("db", b, rb)])
+    if fake is not None:
+        assert fake.calls[-1]["policy"]["importance_sampling"] == "sequence"
+
+
+@needs("policy")
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_grpo_sequence_level_matches_ligers_module(backend, loss_type):
+    """The same arguments, importance_sampling_level="sequence", given to Liger-Kernel
+    0.8.5's LigerFusedLinearGRPOLoss (CPU, compiled=False) and to ours (2e-5 of each output's
+    largest value: Liger's log-probs are float32)."""
+    from test_rl_reference_torch import import_liger
+    grpo = import_liger("liger_kernel.chunked_loss.grpo_loss")
+    make, fake = backend
+    if fake is None and "policy_sequence_importance_sampling" not in set(
+            make().client.server_info().features):
+        pytest.skip("the server does not compute sequence-level importance sampling")
+    x3, w, b, ids, mask, adv, old, ref = sequence_level_inputs(95)
+    args = dict(beta=0.05, epsilon_low=0.2, epsilon_high=0.3, loss_type=loss_type,
+                max_completion_length=S + 1, temperature=1.2, compiled=False,
+                importance_sampling_level="sequence")
+    results = []
+    for module in (rl.LossdFusedLinearGRPOLoss(runtime=make(), **args),
+                   grpo.LigerFusedLinearGRPOLoss(**args)):
+        now = [t.detach().clone().requires_grad_(True) for t in (x3, w, b)]
+        loss, metrics = module(now[0], now[1], ids, mask, adv, bias=now[2],
+                               ref_per_token_logps=ref, old_per_token_logps=old,
+                               num_items_in_batch=30)
+        loss.backward()
+        results.append((loss.detach(), [m.detach() for m in metrics], [t.grad for t in now]))
+    (loss, metrics, grads), (lloss, lmetrics, lgrads) = results
+    expect_close("loss", loss, lloss, rtol=0, atol=2e-5)
+    expect_close("kl", metrics[0], lmetrics[0], rtol=0, atol=2e-5)
+    expect_close("clip_fraction", metrics[1], lmetrics[1], rtol=1e-6, atol=0)
+    for name, got, want in zip(("dx", "dw", "db"), grads, lgrads):
+        expect_close(name, got, want, rtol=0, atol=2e-5)
 
 
 @needs("policy", "distill", "logprob")
