@@ -64,6 +64,9 @@ enum class Reduction : int32_t { kMean = 0, kSum = 1, kNone = 2 };
 enum class LossKind : int32_t { kCrossEntropy = 0, kLogprob = 1, kPolicy = 2, kDistill = 3 };
 inline constexpr int kLossKinds = 4;
 inline constexpr uint32_t LossKindBit(LossKind k) { return 1u << static_cast<int>(k); }
+// Bits of a backend's loss_kinds (BackendInfo) above the kinds' own: options of a kind that a
+// backend may compute or not. kPolicySequenceBit: kPolicy with ImportanceSampling::kSequence.
+inline constexpr uint32_t kPolicySequenceBit = 1u << 16;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
