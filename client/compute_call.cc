@@ -196,6 +196,11 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
     p->set_sapo_temperature_neg(r.policy.sapo_temperature_neg);
     if (r.policy.delta != 0.0f) p->set_delta(r.policy.delta);
     p->set_use_bias_correction_kl(r.policy.use_bias_correction_kl);
+    // Token level (the default) is left unset, so an older server reads the request as before.
+    if (r.policy.importance_sampling != ImportanceSampling::kToken) {
+      p->set_importance_sampling(
+          static_cast<v1::PolicyImportanceSampling>(r.policy.importance_sampling));
+    }
   }
   if (r.kind == LossKind::kDistill) h->mutable_distill()->set_jsd_beta(r.distill.jsd_beta);
   const std::pair<const std::optional<HostTensor>*, v1::TensorSpec* (v1::ComputeHeader::*)()>

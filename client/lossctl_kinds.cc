@@ -38,6 +38,9 @@ ABSL_FLAG(double, delta, 0,
           "policy: two-sided clipping of the clipped types, r capped at delta (0 = none; "
           "else > 1 + epsilon_high)");
 ABSL_FLAG(bool, use_bias_correction_kl, false, "policy: the KL term times the ratio");
+ABSL_FLAG(std::string, importance_sampling, "token",
+          "policy: token (each token's own ratio) or sequence (GSPO: one ratio per sequence, "
+          "the clipped loss types; servers listing policy_sequence_importance_sampling)");
 ABSL_FLAG(double, jsd_beta, 0.5, "distill: 0 forward KL, 1 reverse KL, between: generalised JSD");
 ABSL_FLAG(std::string, teacher_x, "", "distill: .npy of the teacher's hidden states (BT, Ht)");
 ABSL_FLAG(std::string, teacher_w, "", "distill: .npy of the teacher's head (V, Ht)");
@@ -80,6 +83,16 @@ absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
       "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo, got '", s, "'"));
 }
 
+absl::StatusOr<ImportanceSampling> ParseImportanceSampling(const std::string& s) {
+  for (int l = 0; l < kImportanceSamplingLevels; ++l) {
+    if (s == ImportanceSamplingName(static_cast<ImportanceSampling>(l))) {
+      return static_cast<ImportanceSampling>(l);
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--importance_sampling must be token or sequence, got '", s, "'"));
+}
+
 // Flags given that the kind does not read: refused, since they would be silently ignored.
 absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
   struct Given {
@@ -108,6 +121,8 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
        absl::GetFlag(FLAGS_sapo_temperature_neg) != 1.05},
       {LossKind::kPolicy, "--delta", absl::GetFlag(FLAGS_delta) != 0},
       {LossKind::kPolicy, "--use_bias_correction_kl", absl::GetFlag(FLAGS_use_bias_correction_kl)},
+      {LossKind::kPolicy, "--importance_sampling",
+       absl::GetFlag(FLAGS_importance_sampling) != "token"},
       {LossKind::kDistill, "--jsd_beta", absl::GetFlag(FLAGS_jsd_beta) != 0.5},
       {LossKind::kDistill, "--teacher_x", !absl::GetFlag(FLAGS_teacher_x).empty()},
       {LossKind::kDistill, "--teacher_w", !absl::GetFlag(FLAGS_teacher_w).empty()},
@@ -149,6 +164,8 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
   r->policy.sapo_temperature_neg = static_cast<float>(absl::GetFlag(FLAGS_sapo_temperature_neg));
   r->policy.delta = static_cast<float>(absl::GetFlag(FLAGS_delta));
   r->policy.use_bias_correction_kl = absl::GetFlag(FLAGS_use_bias_correction_kl);
+  LOSSD_ASSIGN_OR_RETURN(r->policy.importance_sampling,
+                         ParseImportanceSampling(absl::GetFlag(FLAGS_importance_sampling)));
   LOSSD_ASSIGN_OR_RETURN(r->advantages, Fp32Input(absl::GetFlag(FLAGS_advantages), "advantages"));
   if (!r->advantages.has_value()) {
     r->advantages = RandomFloat(DType::kF32, {r->x.dim(0)}, 1.0f, absl::GetFlag(FLAGS_seed) + 4);

@@ -282,6 +282,15 @@ TEST_F(LossctlTest, LossKindsFlagsReachTheHeader) {
     EXPECT_FLOAT_EQ(p.delta(), 1.5f);
     EXPECT_FLOAT_EQ(p.sapo_temperature_neg(), 1.05f);
     EXPECT_FALSE(p.use_bias_correction_kl());
+    EXPECT_EQ(p.importance_sampling(), v1::IMPORTANCE_SAMPLING_TOKEN);
+  }
+  r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --sequences=2 "
+              "--importance_sampling=sequence");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    EXPECT_EQ(fake_.last_header.policy().importance_sampling(),
+              v1::IMPORTANCE_SAMPLING_SEQUENCE);
   }
   r = Lossctl("compute --kind=distill --jsd_beta=0.25 --bt=5 --h=4 --v=9 --teacher_h=3");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -304,6 +313,10 @@ TEST_F(LossctlTest, LossKindsUsageErrors) {
               "ratios");
   ExpectFails("compute --kind=logprob --delta=1.5 --use_bias_correction_kl --bt=4 --h=4 --v=4",
               "--kind=logprob does not take --delta (policy), --use_bias_correction_kl (policy)");
+  ExpectFails("compute --kind=policy --importance_sampling=group --bt=4 --h=4 --v=4",
+              "--importance_sampling must be token or sequence, got 'group'");
+  ExpectFails("compute --kind=logprob --importance_sampling=sequence --bt=4 --h=4 --v=4",
+              "--kind=logprob does not take --importance_sampling (policy)");
   ExpectFails("compute --kind=logprob --beta=0.1 --teacher_h=3 --bt=4 --h=4 --v=4",
               "--kind=logprob does not take --beta (policy), --teacher_h (distill)");
   ExpectFails("compute --dlogp=x.npy --bt=4 --h=4 --v=4",
