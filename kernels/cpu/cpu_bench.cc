@@ -2,7 +2,9 @@
 // seconds and achieved GFLOP/s against the 6 BT H V FLOPs of the three GEMMs (distill: 8, with
 // the teacher's logits GEMM at the student's hidden size).
 // Usage: cpu_bench [BT H V [dtype(bf16|fp16|fp32) [threads [reps [chunk_rows
-//                  [kind(cross_entropy|logprob|policy|distill)]]]]]]
+//                  [kind(cross_entropy|logprob|policy|policy_seq|distill) [S]]]]]]]
+// policy_seq: sequence-level importance sampling over sequences of S rows (default 512):
+// one pass over the logits where chunk_rows is a multiple of S, else two.
 #include <algorithm>
 #include <chrono>
 #include <ctime>
@@ -55,9 +57,18 @@ int main(int argc, char** argv) {
   if (kind == "logprob") {
     p.kind = lossd::LossKind::kLogprob;
     p.dlogp = p.dentropy = per_token.data();
-  } else if (kind == "policy") {
+  } else if (kind == "policy" || kind == "policy_seq") {
     p.kind = lossd::LossKind::kPolicy;
     p.advantages = per_token.data();
+    if (kind == "policy_seq") {
+      const int64_t seq = argc > 9 ? std::atoll(argv[9]) : 512;
+      if (seq <= 0 || bt % seq != 0) {
+        std::fprintf(stderr, "S=%lld must divide BT\n", static_cast<long long>(seq));
+        return 2;
+      }
+      p.policy.sequences = bt / seq;
+      p.policy.importance_sampling = lossd::ImportanceSampling::kSequence;
+    }
   } else if (kind == "distill") {
     p.kind = lossd::LossKind::kDistill;
     p.teacher_h = h;
