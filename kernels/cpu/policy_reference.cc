@@ -118,8 +118,15 @@ absl::Status CheckProblem(const PolicyProblem& p) {
   const int64_t bt = p.head.bt;
   for (const auto& [values, name] : {std::make_pair(p.advantages, "advantages"),
                                      std::make_pair(p.old_logp, "old_logp"),
-                                     std::make_pair(p.ref_logp, "ref_logp")}) {
+                                     std::make_pair(p.ref_logp, "ref_logp"),
+                                     std::make_pair(p.is_ratio, "is_ratio")}) {
     if (absl::Status s = CheckFinite(values, bt, name); !s.ok()) return s;
+  }
+  for (int64_t i = 0; p.is_ratio != nullptr && i < bt; ++i) {
+    if (!(p.is_ratio[i] >= 0.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("is_ratio[", i, "] must be >= 0, got ", p.is_ratio[i]));
+    }
   }
   return absl::OkStatus();
 }
@@ -218,6 +225,12 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio)
     r.dratio = -4.0 * a * r.ratio * g * one_minus_g;
   } else {
     ClippedSurrogate(o, a, &r);
+  }
+  if (p.is_ratio != nullptr) {  // the rollout correction scales pg_i, before the KL term
+    const double rho = p.is_ratio[i];
+    r.loss *= rho;
+    r.dlogp *= rho;
+    r.dratio *= rho;
   }
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;

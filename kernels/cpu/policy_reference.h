@@ -3,7 +3,8 @@
 // Reads the inputs as stored; one row of V logits at a time, in double; never fast.
 //
 // Semantics: those of Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss with
-// importance_sampling_level "token" or "sequence" (GSPO), vllm_is_ratio None, and the reference log-probs given
+// importance_sampling_level "token" or "sequence" (GSPO), vllm_is_ratio per token or None,
+// and the reference log-probs given
 // (not recomputed from ref_input / ref_weight), for its loss types grpo, bnpo, dr_grpo, dapo,
 // cispo, sapo and luspo (not vespo: its weight is a function of the whole sequence's ratios).
 // Rows are B sequences of S tokens, sequence-major (row i = b S + s: Liger's (B, S) tensors
@@ -21,6 +22,8 @@
 //                                                              bound is eps_high itself)
 //   pg_i   = -A_i (4 / tau_i) sigmoid(tau_i (r_i - 1)),        sapo; tau_i = sapo_temperature_pos
 //                                                              if A_i > 0, else _neg
+//   pg_i  *= rho_i      with is_ratio (Liger's vllm_is_ratio: the trainer/rollout correction,
+//                       already truncated by the caller; a constant: no gradient through it)
 //   kl_i   = exp(ref_i - logp_i) - (ref_i - logp_i) - 1        (the k3 estimator of KL(pi||ref);
 //            without reference log-probs ref_i = logp_i detached: kl_i = 0 and no gradient),
 //            times r_i with use_bias_correction_kl (r unclamped, with its gradient)
@@ -111,6 +114,7 @@ struct PolicyProblem {
   const float* advantages = nullptr;  // (BT) per token, finite
   const float* old_logp = nullptr;   // (BT) finite; null = the current log-probs, detached
   const float* ref_logp = nullptr;   // (BT) finite; null = no reference (KL 0)
+  const float* is_ratio = nullptr;   // (BT) finite, >= 0: rho_i; null = 1
   PolicyOptions options;
 };
 
