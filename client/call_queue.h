@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A FIFO of calls run on at most `threads` threads of its own, started as calls come: how
 // LossClient::ComputeAsync keeps at most ClientOptions::max_in_flight calls running while the
 // caller's thread goes on. Adding a call never blocks; the queue never runs a call twice and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the C++ client's calls take and return, in plain C++ types: the client's options, a
 // Compute's request (tensors as caller-memory views, loss options, wanted outputs, where to
 // land them) and every call's result. Data only: nothing here talks to a server or includes

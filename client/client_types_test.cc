@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OutputTensorName: the names the client's messages and lossctl's output files use.
 #include "client/client_types.h"
 

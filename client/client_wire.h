@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C++ client's side of the wire: its plain types to and from lossd.v1 messages (dtypes,
 // reductions, tensor specs), the names of tensors in messages, and the outgoing parts of a
 // tensor (whole elements, caller memory, no copy). Never opens a call; never owns tensor

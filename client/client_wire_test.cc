@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The client's wire conversions: dtypes both ways, tensor names in messages, and the
 // outgoing parts of a tensor (whole elements, in byte order, covering it exactly).
 #include "client/client_wire.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One Compute call of the C++ client, apart from the transport: the checks of a
 // ComputeRequest made before anything is sent, the ComputeHeader and the parts it sends
 // (small tensors and W first, X last), and ComputeReplyReader, which takes the reply's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The hosted heads of the fake lossd service (client/fake_loss_service.h), for client tests:
 // it keeps what CreateHead sent (the master as fp32), answers Info, List and Drop, checks the
 // version, instance and idempotency key of a Compute naming a head, and exports in byte

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fake lossd service for client tests, served over real gRPC: it reassembles what a client
 // sends (refusing out-of-order parts), echoes inputs back as outputs (dx = x's bytes, dw = w's
 // bytes, lse = targets as fp32, predictions = targets; for kind logprob logp = -targets and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The streams of one FetchGradients call in the C++ client: the whole accumulator on one
 // stream, a one-value look that learns its size and counters, and byte ranges of dW | db on
 // several streams at once, each received straight into place and checked against the wire

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The hosted-head calls of the C++ client apart from LossClient: the checks of a CreateHead
 // and a Step made before anything is sent, the messages they send, the conversions of what
 // comes back, and the CreateHead stream (ExportHead's are in head_export.h). Never retries

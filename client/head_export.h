@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ExportHead in the C++ client: a head's tensors streamed in byte ranges of their
 // concatenation, each range its own stream, received part by part into a sink (files, caller
 // buffers, allocated tensors) so neither the server nor the client needs the whole export in

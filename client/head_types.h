@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the C++ client's hosted-head calls take and return, in plain C++ types: the optimizer
 // (torch's arguments and defaults), a head to create or import, a Step and its result, an
 // export and its tensors, a head's description. Data only: nothing here talks to a server or

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The standard gRPC health check (grpc.health.v1.Health/Check) over a generic call, so the
 // client needs no generated health stubs. Encodes and parses the two one-field messages by
 // hand; never blocks past the context's deadline.

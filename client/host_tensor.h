@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A plain host tensor for the lossd client: a dtype, a shape, and either owned bytes or a view
 // of caller memory. Never talks to the network, never converts dtypes, never copies a view.
 #ifndef LOSSD_CLIENT_HOST_TENSOR_H_

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossctl: the command-line client of lossd. Inspects a server, runs one Compute from .npy
 // files or random data and saves what comes back, benchmarks many Computes, and manages
 // weight handles and gradient accumulators. Never changes what the server computes.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossctl's hosted-head commands: `lossctl head create|step|export|import|info|list|drop`,
 // and what `compute --head` needs (the head's shape and dtype for random data). An export
 // is a folder: one .npy per tensor, written as the ranges arrive, and head.txt (the header,

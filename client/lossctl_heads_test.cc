@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossctl's hosted-head commands (head create|step|export|import|info|list|drop) against the
 // fake lossd; the other commands are in lossctl_test.cc.
 #include <string>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What lossctl builds from its flags: the client and its connection options, a Compute
 // request from .npy files or random data, the weights alone (put-weights), and where outputs
 // are written. Reads the flags lossctl.cc defines (declared below); talks to no server.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossctl's flags of the loss kinds other than cross-entropy (`lossctl compute --kind=logprob|
 // policy|distill`): the kind, its temperature and options, and its inputs from .npy files or
 // random data; and the lines a policy result adds. Defines the flags it reads; talks to no

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What a lossctl command prints on stdout: aligned "key value" lines for people, each printed
 // as it comes, or with --json one JSON object when the command ends (progress as JSON lines
 // before it), so a script reads results without parsing text. Strings are escaped; NaN and

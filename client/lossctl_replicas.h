@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossctl's `replicas` command: the replica pool's view of its targets, as a trainer's pool
 // would see them (client/pooled_client.h): every replica they resolve to, whether it answers
 // and as which instance, and where given keys live. Reads the flags lossctl.cc defines;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs the lossctl binary against a fake lossd service: exit codes, printed results, .npy
 // outputs, and that every flag reaches the request header.
 #include <sys/wait.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fixture of lossctl's tests (lossctl_test.cc, lossctl_heads_test.cc): a fake lossd over
 // real gRPC, lossctl run as a child process against it, and a scratch directory per test.
 #ifndef LOSSD_CLIENT_LOSSCTL_TEST_FIXTURE_H_

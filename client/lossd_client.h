@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C++ client of the lossd service: Compute (linear + cross-entropy loss and gradients),
 // weight upload by handle, server-side gradient accumulators, and server info, in plain C++
 // types. Tensor bytes are sent from caller memory without copies and received straight into

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests LossClient::ComputeAsync against the in-process fake lossd service over real loopback
 // gRPC: the result and the errors are Compute's, two calls run at once (one held by the fake
 // while the other completes), max_in_flight 1 keeps them in order, the callback runs off the

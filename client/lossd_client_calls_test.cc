@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the client's calls but Compute against an in-process fake lossd service over real
 // loopback gRPC (weight handles, accumulators and their instances, ServerInfo, RequireFeature),
 // and its channels: metadata, one connection per channel, an unreachable server, TLS.

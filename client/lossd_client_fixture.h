@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fixture of the C++ client's tests against the in-process fake lossd service
 // (client/fake_loss_service.h) over real loopback gRPC, and their random test tensors (every
 // tensor distinct, so an echo that mixes tensors up shows). Test-only; never linked into the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // LossClient's hosted-head calls (CreateHead .. DropHead) and the head -> instance memory
 // they keep; the tensor calls are in lossd_client.cc.
 #include <string>

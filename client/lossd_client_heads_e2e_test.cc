@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the client's hosted-head calls end to end against a real lossd server (engine, CPU
 // backend, gRPC on loopback, in this process): create, Compute on the head from two ranks,
 // the Step barrier, export in ranges, import and continue, info, list, drop, and the

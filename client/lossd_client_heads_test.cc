@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the client's hosted-head calls against the in-process fake lossd service over real
 // loopback gRPC: what CreateHead, Step, ExportHead, GetHeadInfo, DropHead and a Compute naming
 // a head put on the wire, what they make of the answers, the feature check, the head's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What LossClient's own source files share and nobody else sees: the per-connection stubs and
 // the unary-call helper. lossd_client.cc holds the tensor calls, lossd_client_heads.cc the
 // hosted head's.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the C++ client's requests of the loss kinds other than cross-entropy (logprob, policy,
 // distill) against the in-process fake lossd service over real loopback gRPC: the header's
 // kind, temperature and options, the new input tensors arriving whole (X last), the outputs

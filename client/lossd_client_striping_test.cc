@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the client's striping against a real lossd server (engine, CPU backend, gRPC on
 // loopback, in this process): a weight upload split over several connections, gradients
 // fetched by byte range, the reset that drops the accumulator, failures half way, and the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the client's Compute against an in-process fake lossd service over real loopback gRPC:
 // part splitting and ordering, caller buffers, response validation, status propagation,
 // deadlines, non-finite outputs; and the checks of ClientOptions.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Reads and writes NumPy .npy files (format versions 1.0, 2.0 and 3.0, C order, little-endian)
 // as HostTensors. Never reads Fortran-order or big-endian data; converts element types only in
 // one case: float64 ('<f8', NumPy's default float) is read as fp32, rounded to nearest, and a

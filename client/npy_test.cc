@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests .npy encoding against NumPy's own byte layout, round trips through memory and files,
 // and rejection of malformed files.
 #include "client/npy.h"

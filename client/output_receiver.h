@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Where the C++ client's received tensors land: buffers prepared ahead of a reply
 // (OutputPrefetcher: allocated and paged in while the server computes; PagePopulator: pages
 // faulted in on a helper thread), and TensorReceiver, which takes announced tensors part by

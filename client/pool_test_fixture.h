@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fixture of the pool's end-to-end tests: three real lossd servers (engine, CPU backend,
 // gRPC) in the test process on 127.0.0.1, .2 and .3 with one port, as three replicas behind a
 // name would be, plus a fourth on 127.0.0.4 (never in the pool) that computes the

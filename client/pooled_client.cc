@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PooledClient: placement, weights and accumulators (hosted heads in pooled_heads.cc).
 #include "client/pooled_client.h"
 

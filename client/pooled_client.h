@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A client of a pool of lossd replicas: the same calls as LossClient, each sent to the
 // replica that holds its state, chosen by rendezvous hashing (client/rendezvous.h) of what
 // owns the state: a hosted head, else an accumulator, else a weights name, else the trainer's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pooled client against the fake service (fake_loss_service.h), which can fail a
 // Compute with any code while it still answers: a call's own error comes back unchanged
 // (no probe counts it as a lost replica), a stateless Compute cut off (UNAVAILABLE) is sent

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pooled client's two-phase log-prob against a hosted head, with three real
 // replicas (pool_test_fixture.h): the kept forward names the head and goes to its replica,
 // which issues the ticket; the backward (ticket, rank and micro_batch only) goes there too,

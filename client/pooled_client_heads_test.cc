@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pooled client's hosted heads against three real replicas (pool_test_fixture.h):
 // two ranks (two pools, as two trainer processes) train a head on its rendezvous home; its
 // replica is stopped (or restarted) mid-step; both ranks hear an error naming rank 0 as the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pooled client against three real replicas (pool_test_fixture.h): every key on its
 // rendezvous home, as the servers' own state shows; stateless Computes and weights moving
 // when their replica stops, W uploaded again exactly once per moved handle and only from

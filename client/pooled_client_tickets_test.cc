@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pooled client's two-phase log-prob routing against three real replicas
 // (pool_test_fixture.h): each backward goes to the replica whose forward took its ticket,
 // among tickets on every replica, and gives the one-phase call's gradients byte for byte; a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Many trainers over three real replicas (pool_test_fixture.h), each its own pool as its own
 // process would be: every step uploads the trainer's W under its name, sums three
 // micro-batches into the step's accumulator and fetches it. One replica is stopped in the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PooledClient: the hosted-head calls, each on the head's replica. A Compute into a head is
 // in pooled_client.cc (ComputeInto), with the accumulators'.
 #include <utility>

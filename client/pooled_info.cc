@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PooledClient: the calls that describe replicas rather than touch state (ServerInfo, List).
 #include <map>
 #include <string>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PooledClient: two-phase log-prob tickets. A ticket lives on the replica whose forward took
 // it, so its backward goes there and nowhere else (another replica would answer NOT_FOUND,
 // having never held it). The pool remembers each ticket's replica until the expiry the server

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Rendezvous (highest random weight) hashing of the replica pool: which replica a key's state
 // lives on, and where it goes next when that replica is lost. The C++ and Python clients
 // compute the same scores (docs/replica_pool.md), so a C++ and a Python trainer of one job

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pool's rendezvous hashing: the shared test vectors both clients assert
 // (docs/replica_pool.md), balance over many keys, and that losing a replica moves only the
 // keys it held.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The replicas of a pool and what the pool knows of them: the endpoints its targets resolve
 // to (again every reresolve_period, and at once after a replica is unreachable), one
 // LossClient per endpoint, which replicas are down, each replica's server instance, and the

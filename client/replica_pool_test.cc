@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pool's replicas without servers: the checks of PoolOptions (each naming its
 // field), resolution at creation, again after the period (an injected clock) and at once
 // after a replica is found unreachable (a closed port on loopback), and that a replica found

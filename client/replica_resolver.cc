@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "client/replica_resolver.h"
 
 #include <arpa/inet.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The replica pool's names: parses a pool's targets and turns them into replica endpoints,
 // the strings both clients hash. A list "host:port,host:port" names its replicas as written
 // (IP literals in canonical form; host names are not resolved, so every trainer must spell

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the pool's targets: a list named as written, a name alone resolved, every refusal
 // (naming the field and the entry), endpoint strings (IPv6 in brackets), resolution through
 // an injected resolver (every address one replica, duplicates merged) and getaddrinfo.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Views and copies of a caller's request, for the client's helpers that send a call again in
 // another form (the pool with its own weight handle, TwoPhaseLogprob's forward and backward):
 // every field of ComputeRequest carried over in one place, so a field added to it later is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How the C++ client drives its streaming calls: one stream to its end (RunStream: sends
 // every message while it reads the replies, handing each to a handler on the caller's thread)
 // and a group of streams striped over several connections (StripeGroup: a thread each, the

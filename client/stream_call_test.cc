@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StripeGroup's verdict over its stripes (every stripe runs, and the error that comes back is
 // the first real one, not a sibling's ABORTED, else the first error), and FromGrpcStatus.
 #include "client/stream_call.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Random test tensors for the C++ client's tests: floats drawn uniformly from [-scale, scale)
 // by a seeded generator and stored in the tensor's dtype, so a test's inputs are random,
 // distinct by seed, and the same on every run. Test-only; never linked into the client.

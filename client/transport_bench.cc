@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Measures the client library's own transport ceiling, apart from any real server: PutWeights
 // into, and FetchGradients out of, a sink service that only counts bytes (typed protobuf on the
 // server side). Runs the sink in this process or another (--serve_port / --target). Never

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The two-phase log-prob with its fallback, over a LossClient or a PooledClient: Forward
 // returns the log-probs and keeps X on the server under a ticket; Backward sends only dlogp
 // and dentropy under it, and where the ticket cannot serve sends ONE one-phase call (X, the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests TwoPhaseLogprob against the fake service (fake_loss_service.h), for servers the real
 // one is not: one that does not list "logprob_two_phase" (no ticket is asked for; the
 // backward sends X), and one that lists it but answers a kept forward without a ticket (its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests TwoPhaseLogprob over a PooledClient of three real replicas (pool_test_fixture.h)
 // against a hosted head on one of them: the kept forward and its backward go to the head's
 // replica, the backward adds the micro-batch into the head's step once (the stepped W equals,

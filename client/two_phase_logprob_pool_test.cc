@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests TwoPhaseLogprob over a PooledClient of three real replicas (pool_test_fixture.h):
 // the backward goes by ticket to the forward's replica and gives the single-server one-phase
 // call's outputs byte for byte; where the pool cannot route it (the ticket's replica stopped;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests TwoPhaseLogprob against a real server (engine + CPU backend + gRPC in the test
 // process): the two-phase path gives the one-phase call's outputs byte for byte; a ticket
 // consumed, expired or issued by a restarted server falls back to the one-phase call, which

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Element types lossd moves and computes with, and exact host-side conversions for the 16-bit
 // float formats. Never depends on CUDA, gRPC or protobuf.
 #ifndef LOSSD_CORE_DTYPE_H_

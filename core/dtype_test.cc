@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of core/dtype.h: bf16 and fp16 conversions against known bit patterns (round to
 // nearest even, subnormals, overflow, infinities, NaN), exhaustive round trips, and random
 // floats against independent oracles (F16C hardware for fp16, exact scaling for bf16).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one validation of a loss problem (loss_problem.h): shapes, dtypes, pointers, memory
 // kinds, option ranges, the grad_output and reduction rules, and the target range. The engine
 // runs it on every problem before a backend sees it; backends and the CPU reference assume a

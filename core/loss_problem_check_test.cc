@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one validation of a loss problem: a valid problem passes, and each rule refuses with
 // INVALID_ARGUMENT and the message a client reads (the option and target ones) or one naming
 // the field. The option rules come in the order the engine reports them.

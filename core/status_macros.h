@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one set of early-return helpers for absl::Status code in lossd (this Abseil has no
 // status_macros.h). Used by every layer; adds nothing to a status it passes on. The CUDA and
 // cuBLAS error macros, which turn runtime codes into a Status, stay in kernels/cuda.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The status macros: an error returns at once, an OK status or value goes on.
 #include "core/status_macros.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A Compute's contribution to an accumulator: the micro-batch the engine added into it
 // (ComputeOutcome.added_to), held by the call until the client is known to have heard the
 // call's OK. A contribution whose call fails, or whose OK never reached the client, leaves

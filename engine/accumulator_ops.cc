@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine's accumulator operations: the instance check, fetches of the sum (whole or a byte
 // range, with or without a reset), the undo of a reset whose data never reached the client,
 // the partial-sum mark of a failed call, and drop. Every read and change of a sum holds the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Named server-side fp32 gradient accumulators (dW, db) kept across the micro-batches of one
 // optimizer step, so a trainer sends W once and fetches dW once per step. Never evicted: an
 // accumulator holds accepted work, so a full store refuses new names instead.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One call's place in the memory budget (MemoryBudget): asks for the call's bytes once, may
 // be withdrawn while it waits, and gives back what was granted when released or destroyed,
 // so a granted reservation cannot outlive its call. Never blocks and never decides how many

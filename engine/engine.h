@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine: validation -> admission -> backend. Turns a ComputeSpec into a checked plan,
 // admits it by the memory budget, runs it on the executor and hands back plain results; holds
 // the weight cache and the gradient accumulators. Knows nothing of gRPC or protobuf.

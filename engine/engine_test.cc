@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine-level tests (no gRPC): validation messages, data checks and the accumulator's
 // failure rule, run against the CPU backend with the float64 reference as the oracle.
 #include "engine/engine.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fixed pool of threads that runs compute jobs in submission order. Reactors hand their GPU
 // or CPU work here so that no gRPC thread ever blocks on compute.
 #ifndef LOSSD_ENGINE_EXECUTOR_H_

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What one FetchGradients call holds while it streams: the checked range, its admission (the
 // host copy of the range comes out of the memory budget, like a Compute's buffers, so
 // fetches in parallel wait for memory instead of running the host out of it), the snapshot,

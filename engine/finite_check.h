@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The --check_finite test of float tensors (bf16, fp16, fp32): finds the first NaN or Inf and
 // names it. Reads raw bits at any byte alignment, so a part of a tensor can be checked as it
 // arrives, off the compute's critical path. Never modifies the data; other dtypes pass.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The --check_finite test: the first NaN or Inf of a range is named by its index in the
 // whole tensor, wherever it lies in the blocks or the tail, for every float dtype.
 #include "engine/finite_check.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Creating a head, or importing one (an export of this server or another, or a torch
 // optimizer's state): validate the spec, reserve --head_bytes, allocate, take the parts in
 // byte order (the master also cast into the compute copy), and name the head once every byte

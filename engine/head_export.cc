@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A head's export: byte ranges of the concatenation of its master, optimizer state and
 // compute copy (HeadStore::ExportTensors order), copied under the gradient sum's lock, which
 // an update holds: every range shows one version, and ranges of another version are refused.

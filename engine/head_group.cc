@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The gloo communicator of a head group: gloo's reduce-scatter (halving-doubling), allgather
 // and allgatherv, and barrier over its TCP transport, rendezvous through a HeadGroupStore.
 // gloo reports failures by throwing; every call is caught here and becomes a Status.

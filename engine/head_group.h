@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A head group's communicator: the collectives the S members of one hosted head run at its
 // step (reduce-scatter of the summed gradient, all-gather of the new compute copy, a small
 // all-reduce for the norm and the step's counts), over fp32 or byte buffers in host memory.

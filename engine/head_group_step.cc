@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The parts of a hosted head's step that differ in a group of S members (ZeRO-1): the members
 // agree on the step's arguments and pool its counts, reduce-scatter the summed gradient in
 // place, and sum the slices' squares into the group's norm, all with the group's collectives

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A hosted head served by a group of S engines in this process (threads), over gloo TCP on
 // 127.0.0.1, against one engine's head on the same contributions: rank r's Computes and Step
 // go to member r % S; at Step the members reduce-scatter the sum, update their slices and

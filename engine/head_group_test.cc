@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The gloo communicator of a head group: three members as threads of this process over TCP on
 // 127.0.0.1, rendezvous through a MemoryGroupStore.
 #include "engine/head_group.h"

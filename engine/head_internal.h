@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HeadStore's insides, shared by its files (heads.cc: the store, head_create.cc: create and
 // import, head_step.cc: the barrier and the update, head_export.cc: export). Not for use
 // outside engine/heads*.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The step of a hosted head: a barrier over the step's ranks (Step), the phase it launches on
 // the executor (the gradient norm, the optimizer update, the compute copy's refresh), and the
 // watchdog that ends barriers whose ranks never all arrive. The update runs under the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Step barrier of a hosted head in the engine (CPU backend, no gRPC): versions and the
 // next version's Computes waiting for the step, ranks that disagree, an empty step, skip,
 // reduce then apply, a rank that never arrives.

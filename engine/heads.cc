@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The head store: names, owners, the budget, Info / List / Drop / the idle TTL, the watchdog,
 // and the two hooks of the Compute path (admission by version, the idempotency key).
 #include "engine/heads.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Hosted heads: an LM head whose fp32 master weights, optimizer state and compute copy live on
 // this server. Every data-parallel rank's Compute adds its dW/db into the head's current step
 // (a gradient sum, idempotent by (rank, micro-batch)); Step is a barrier over the step's ranks

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Hosted heads in the engine (CPU backend, no gRPC): the step's sum equals an accumulator's
 // of the same micro-batches bit for bit, the update equals the backend's optimizer step on
 // that sum (and the float64 reference within the fp32 table), idempotency keys, export and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fixture of the hosted heads' engine tests (heads_test: the store, the update, export
 // and import; head_step_test: the Step barrier): an engine on the CPU backend, a head over a
 // random W0, Computes of random micro-batches into it, every rank's Step at once, exports as

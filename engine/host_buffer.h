@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host byte buffers for requests and responses, drawn from a process-wide pool of recently
 // freed buffers of the same size, and from a backend's pinned memory where it has any. Never
 // zero-filled (every user overwrites a buffer in full); knows nothing of requests or backends

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host buffer pool: large buffers are reused by size within the cap and come from (and go
 // back to) a backend's pinned memory where one is set; small and oversized ones bypass it.
 #include "engine/host_buffer.h"

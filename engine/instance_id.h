@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A server instance's identity, written into every weight handle ("w-<instance>-<n>") and
 // accumulator reply: 8 lowercase hex digits, drawn at start. Only parses and makes ids; never
 // decides what a request may do with one.

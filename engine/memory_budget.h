@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Admission by memory: a request runs only when its worst-case bytes fit in the budget.
 // Requests that do not fit yet wait in FIFO order (no starvation: a large request at the head
 // is not overtaken); one that could never fit is refused at once. Never blocks a caller.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bounds on what a refusal may echo of a request: a shape prints its first dimensions and
 // its rank, a client-chosen string its first characters and its length, and a whole status
 // message stops near 1 KiB. A message never grows with what the client sent: a 200k-dim

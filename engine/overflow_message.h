@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Why a Compute's loss came out non-finite from finite inputs, in words that name what to
 // scale down: for a policy loss, the KL term's exp(ref_logp - logp) or the importance ratio's
 // exp(logp - old_logp) at the first row whose exponent overflows fp32 (found by a log-prob

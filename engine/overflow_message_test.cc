@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A loss that overflows fp32 from finite inputs, through the engine on the CPU backend: the
 // refusal names what overflowed (a policy's KL term or importance ratio at its row, with its
 // inputs; else the logits), and ComputeSpec::allow_nonfinite_loss answers it instead, with

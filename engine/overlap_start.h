@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // When an overlapped Compute (ComputeHeader.overlap) may start: the policy alone, as a pure
 // function of what has arrived and how busy the executor is. Never starts anything itself.
 #ifndef LOSSD_ENGINE_OVERLAP_START_H_

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Who may use server state (weight handles, accumulators): the principal that created it.
 // A principal is an opaque string the service derives from the call's credential (a bearer
 // token's index in the token file, or the verified mTLS identity); "" where none is checked.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the engine's ownership of state: a weight handle and an accumulator made under one
 // principal are refused (PERMISSION_DENIED) to another for every use, fetch and drop, and
 // served to their owner; state made without a principal stays anyone's. ListState reports a

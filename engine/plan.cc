@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine::Plan: a ComputeSpec (what the client described) checked into a ComputePlan (shapes,
 // the weights, the options, the accumulator, byte counts, the backend's workspace). Reads no
 // tensor data and changes no state: a refused request leaves nothing behind.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The loss kind's part of Engine::Plan (plan.cc): whether the backend computes the kind, the
 // kind's options and its own tensors (the per-row fp32 inputs, the distill teacher inline or
 // by weight handle), their byte counts and the outputs only it returns. Reads no tensor data.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The two-phase log-prob's part of Engine::Plan (plan.cc): the forward that keeps a ticket
 // (ComputeSpec::keep_ms) and the backward that names one (ComputeSpec::ticket). Checks what
 // each may send and ask for, naming the header field; reads no tensor data and changes no

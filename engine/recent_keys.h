@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The last N keys remembered, each with a value, the oldest forgotten first: what a
 // long-running server keeps of things that ended (weight handles, striped upload ids) without
 // growing for ever. Not thread-safe: its owner's lock guards it.

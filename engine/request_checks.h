@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's checks of what a request describes, shared by its planning, weight uploads
 // and accumulator calls: tensor descriptions (rank, positive dimensions, a bounded element
 // count, float dtypes), the length of ids echoed in messages, and the refusal of a partial

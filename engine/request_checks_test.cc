@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's request checks: each refusal names the client's field, with its shape printed
 // bounded, and the ids echoed in messages are bounded too.
 #include "engine/request_checks.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The data size of the parts a Compute or FetchGradients response is split into, from what
 // the request asks for (0: the server's default), checked here once. Knows nothing of gRPC;
 // never sends anything.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The rows of one overlapped Compute (ComputeHeader.overlap): the receiver reports how many
 // rows of X are in and checked, the backend waits for the rows it needs, and the sender hears
 // of dX rows as they become final. Holds no tensor memory and knows nothing of gRPC.

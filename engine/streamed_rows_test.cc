@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StreamedRows: WaitX returns once the rows are in, gives the receiver's failure, and gives up
 // at the stall limit and at the deadline; DxReady forwards increasing row counts only.
 #include "engine/streamed_rows.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Two-phase log-prob tickets: what a LOSS_KIND_LOGPROB forward with keep_ms > 0 keeps on the
 // server for its backward (X, the targets, the weight, the loss-shaping options, the owner),
 // within a byte budget and a count, until a TTL. A backward that succeeds consumes its ticket;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The two-phase log-prob through the engine on the CPU backend: a forward with keep_ms keeps a
 // ticket, its backward (dlogp, dentropy only) gives the bits of a one-phase call; the TTL on
 // an injected clock, the budget and count, consumption, a retry after a failed backward, the

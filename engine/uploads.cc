@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine's weight uploads: PutWeights (begin, parts in order, commit) and striped uploads
 // (one upload over several streams, each a disjoint byte range of W). Every part is checked
 // (whole elements, inside its tensor, finite) before it is copied to the backend; a

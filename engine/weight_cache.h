@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Weights uploaded once and referenced by handle: held in backend memory within a byte
 // budget, least recently used evicted first. Knows nothing of gRPC.
 // An entry in use by a running request stays alive (shared ownership) even when evicted, so

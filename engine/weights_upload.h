@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One PutWeights stream's side of a weight upload: a plain upload (the parts of W and of the
 // bias each in order; Engine::WriteWeights checks them) or one stripe of a striped upload (its
 // parts in order, without gaps or overlaps, inside its own range of W; the bias only on the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The interface every compute backend implements (cpu/ reference-quality CPU, cuda/ GPU).
 // A backend receives a validated LossProblem; it never sees gRPC or protobuf, and it never
 // aborts: every failure is a Status (RESOURCE_EXHAUSTED for out-of-memory).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ShapeOf: the shape-only view of a problem that Backend::WorkspaceBytes plans from.
 #include "kernels/backend.h"
 

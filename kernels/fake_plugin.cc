@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Stand-ins for liblossd_cuda.so in plugin_loader_test, one per build flag, so the whole C
 // boundary is tested without a GPU:
 //   FAKE_PLUGIN_NO_ENTRY  exports no entry point at all;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How much host memory this process may use: the smaller of the machine's physical memory
 // (/proc/meminfo) and the limit of the memory cgroup it runs in (cgroup v2 memory.max, v1
 // memory.limit_in_bytes, the tightest along the path to the root), so that budgets derived

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ReadHostMemoryLimit against injected /proc and cgroup files: v2, v1, hybrid, nested limits, "no
 // limit" spellings, a container that sees the host's cgroup path, and missing files.
 #include "kernels/host_memory.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The optimizer step of a hosted head (engine/heads.h), as one elementwise pass a backend runs
 // over resident fp32 buffers: torch.optim.SGD and torch.optim.AdamW (foreach=False,
 // fused=False) applied to a summed gradient, then the compute copy refreshed as the cast of

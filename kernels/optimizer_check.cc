@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kernels/optimizer_check.h"
 
 #include <cmath>

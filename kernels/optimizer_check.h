@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The checks every backend runs before an optimizer step (kernels/optimizer.h): the scalars
 // torch would accept and the buffers the chosen update reads and writes. Never looks at the
 // data, and never decides what a head's defaults are (the engine does).

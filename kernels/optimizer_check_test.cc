@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CheckOptimizerStep and CheckSumOfSquares: each refusal's code and the field its message
 // names, and the edge cases that must pass (n = 0 with null buffers, no copy).
 #include "kernels/optimizer_check.h"

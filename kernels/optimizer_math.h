@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fp32 arithmetic of one optimizer step for one element (kernels/optimizer.h), shared by
 // the CPU backend and the CUDA kernel so both round alike: the same operations in the same
 // order, each rounded to fp32 on its own. Never contracts a multiply and an add into an FMA.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // optimizer_math's host build: its bf16 cast (the one the CUDA kernel writes the compute copy
 // with) equals core/dtype.h's FloatToBf16 on a sweep of bit patterns that covers every
 // exponent, NaNs and infinities, and the rounding halfway cases; and the NaN-propagating max.

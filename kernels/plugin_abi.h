@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The backend plugin ABI: what crosses dlopen between the server and a backend plugin
  * (liblossd_cuda.so). Plain C: fixed-width integers, plain-data structs, opaque handles and
  * function pointers; no C++ type, no exception and no allocator ever crosses it. Compiles as

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Conversions between the plugin ABI's plain C structs (kernels/plugin_abi.h) and lossd's C++
 // ones (kernels/backend.h, core/loss_problem.h), used on both sides of dlopen. Field by
 // field, nothing rounded; never allocates beyond a status message, never touches a buffer a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The plugin ABI's conversions: every field survives a round trip through its C struct, and a
 // status crosses as its code and message (cut to the caller's buffer).
 #include "kernels/plugin_abi_convert.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The server side of the plugin ABI (kernels/plugin_abi.h): a lossd::Backend over a plugin's
 // table of C functions, so the engine keeps using Backend whatever library serves it. Turns
 // each C++ call into its C structs and each returned code and message back into an

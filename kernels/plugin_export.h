@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The plugin side of the plugin ABI (kernels/plugin_abi.h): a table of C functions over the
 // lossd::Backend a plugin's factory makes, each turning its C arguments into the Backend's
 // C++ ones and the resulting absl::Status into a code and a message. A plugin's

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # A plugin exports its entry point and nothing else (its version script): no C++ symbol of
 # the backend, Abseil or the CUDA runtime can clash with the server's across dlopen.
 # Usage: plugin_exports_test.sh PLUGIN.so

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Loads the CUDA backend from its plugin shared library (liblossd_cuda.so) with dlopen, so a
 // binary that serves metrics never links cuBLAS statically (cuBLAS's static TLS leaves
 // civetweb's small thread stacks too little room), and checks that the plugin speaks this

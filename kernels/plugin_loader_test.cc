@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the CUDA plugin loader and the plugin ABI that need neither CUDA nor the plugin: the
 // search order, the status codes for a missing, broken or mismatched plugin file, and every
 // function of the C table (fake_plugin.cc's CPU backend behind it) against the CPU backend

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bearer-token authentication for the Loss service: the client sends
 // "authorization: Bearer <token>"; tokens come from a file (one per line, '#' comments).
 // Comparison takes the same time whatever the token, and refusals never echo the token.

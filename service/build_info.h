@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What `lossd --version` prints: the release, the commit the build came from (Bazel stamping,
 // tools/workspace_status.sh), the build mode, and what the CUDA plugin beside the binary says
 // of itself. Starts no GPU and no server.

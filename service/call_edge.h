@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the streamed calls' reactors (CreateHead, PutWeights, ExportHead, FetchGradients) do
 // alike at the call's edge, whatever the call computes: the client counted in and out of the
 // service, the idle watch that cancels a stalled stream, the end recorded once; the state

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Assembles the tensor parts of one Compute stream into host buffers: checks that each part
 // names an input the header sends, fits its size limit, continues its tensor exactly where
 // the last part ended, and does not run past the shape; then that every tensor is complete.

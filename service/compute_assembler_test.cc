@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests ComputeAssembler: parts copied into place from pieces, order and size refusals, and the
 // part-by-part NaN/Inf test (element-exact across part boundaries that split an element).
 #include "service/compute_assembler.h"

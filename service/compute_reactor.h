@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Compute call: header -> admission -> parts -> compute (on the engine's executor) ->
 // summary + output parts, or, overlapped (ComputeHeader.overlap), parts, compute and dX parts
 // at once. A state machine with one State; it reads, calls the engine (plan, admission,

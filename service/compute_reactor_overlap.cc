@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The overlapped half of ComputeReactor (ComputeHeader.overlap): reads, the compute and
 // writes at once (see compute_reactor.h). Apart from compute_reactor.cc to keep each file
 // readable at once; the same class, the same State.

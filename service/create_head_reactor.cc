@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "service/create_head_reactor.h"
 
 #include <utility>

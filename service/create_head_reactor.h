@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CreateHead call: a HeadHeader, then the head's tensors as TENSOR_HEAD_* parts (each
 // tensor in byte order) copied straight into the memory the engine's HeadStore allocated;
 // at the end of the stream the store names the head. Creating a head that is already here at

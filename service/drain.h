@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossd's stop on SIGTERM or SIGINT, in the order a load balancer needs: not ready first
 // (/readyz 503, gRPC health NOT_SERVING on every port) while calls are still taken for a
 // grace period, so that endpoints drop this server before it refuses anything; then the

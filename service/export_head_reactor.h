@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The ExportHead call: the range is checked by the engine's HeadStore (CheckExport), a window
 // of it at a time is admitted in the memory budget (as a fetch's host copy is, so exports in
 // parallel wait for memory instead of running the host out of it), copied on the executor

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "service/fetch_gradients_reactor.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The FetchGradients call: the request is checked and admitted by the engine's FetchLease,
 // the snapshot is taken on the executor (after every Compute queued before it), then
 // streamed as a header and DW / DB parts. A state machine with one State: it reads the

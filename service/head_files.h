@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A rolling restart without losing hosted heads (--head_export_dir): on drain every head is
 // exported to a file of its own, and at start every file found is imported for its owner and
 // deleted once imported. Goes through the engine's HeadStore (Export; BeginCreate, WriteCreate,

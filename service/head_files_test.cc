@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the drain's export of every hosted head to files and the import at start: a head
 // comes back with its owner, its version and every byte of its state; a file that is cut
 // short or not one of ours is refused (DATA_LOSS) and stays where it is; an unfinished export

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests hosted heads through the Loss service over real gRPC on loopback (the CPU backend):
 // create -> Compute on the head -> Step -> export -> import under a new name -> info -> list
 // -> drop, the update checked against the gradient an inline Compute returns, the import

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Conversions between the hosted-head messages of lossd.v1 (HeadHeader, StepRequest,
 // StepResponse, HeadInfo, ExportHeader, the TENSOR_HEAD_* ids) and engine/heads.h's plain
 // types. Resolves torch's optimizer defaults and refuses what the engine's types cannot say

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the hosted-head wire conversions: torch's optimizer defaults, every refusal (code and
 // the field it names), and that what goes out (an export's header, HeadInfo, StepResponse)
 // reads back as what came in.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The idle TTL of server state (--state_idle_ttl): a timer thread that drops weight handles
 // and accumulators no call has named for the TTL, whoever owns them, and logs each one. It
 // only forgets names: memory a running call holds goes when that call lets go.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the idle TTL sweep: state named within the TTL stays, state left alone past it is
 // dropped by the timer thread and logged (kind, name, size, idle time, the flag), and the
 // sweep stops promptly when destroyed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Cancels streams on which lossd waits for its client for a while (--stream_idle_timeout):
 // nothing arrives, or a response message is not taken. A client that opens a Compute or a
 // PutWeights and then stalls, or that stops reading a Compute's or a FetchGradients' results,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossd's log: one spdlog logger writing text or JSON lines to stderr, gRPC's own log lines
 // routed into it, and one line per refused or failed call (WARNING, rate-limited per method,
 // code and caller) plus an optional access line per call. Every value is escaped and every

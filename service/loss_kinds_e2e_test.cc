@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The loss kinds end to end: a real server over the CPU backend, requests on the wire, and
 // every output compared with the float64 references (kernels/cpu/*_reference.h): logprob's
 // logp, entropy, loss and gradients, and policy's loss, metrics and gradients over every

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "service/loss_server.h"
 
 #include <netinet/in.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Builds and runs the gRPC server: the Loss service, grpc.health.v1 and (when asked for)
 // server reflection, with message limits raised for tensor parts. Used by main and by the end-to-end tests.
 #ifndef LOSSD_SERVICE_LOSS_SERVER_H_

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The lossd.v1.Loss gRPC service on the callback API: thin reactors that assemble stream
 // parts into host buffers, hand validated work to the engine (whose executor runs the
 // compute, so no reactor ever blocks on it), stream results back, and record metrics at the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the raw (byte-buffer) methods of the Loss service over real gRPC on loopback: bytes
 // that are not the method's message are refused with INVALID_ARGUMENT, and the parts sent as
 // slices of the output buffers are protobuf's own encoding, byte for byte what a typed client

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The drain's order, seen from outside the real binary (//service:lossd, CPU backend): after
 // SIGTERM, /readyz answers 503 and gRPC health says NOT_SERVING on the main port and on
 // --health_port at once, while a call on a new connection is still served through

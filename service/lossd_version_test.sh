@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `lossd --version` is lossd's own (not Abseil's "Debug build" line): the release, the commit
 # it was built from, the build mode and what the CUDA plugin says of itself; exit 0, and no
 # server started.

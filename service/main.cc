@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossd: the loss service. Parses flags, picks a backend (CUDA where a GPU is present, else
 // CPU), starts the gRPC server and the metrics exposer, and drains gracefully on SIGTERM or
 // SIGINT. The CUDA backend is loaded as a plugin (dlopen) so that cuBLAS never sits in this

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossd's Prometheus metrics (prometheus-cpp), recorded at the edge by the transport: base
 // units, `lossd_` prefix. Counters and histograms are updated per request; gauges of server
 // state (memory, cache, accumulators, health) are read at scrape time through a callback, so

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The metrics port as an HTTP server: /healthz and /readyz follow their functions, HEAD is
 // answered as GET without a body, a 405 names the methods allowed, every other path or method
 // and a malformed request get an answer (Debian's civetweb crashed the

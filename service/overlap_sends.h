@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The send order of an overlapped Compute (ComputeHeader.overlap) and when it may finish:
 // dX parts as the backend reports its rows final; once the compute is done the rest of dX,
 // every other output in plan order, then the final summary; and the finish only when no

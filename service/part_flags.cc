@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "service/part_flags.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The start-up check of the part-size flags (--max_part_bytes and --response_part_bytes),
 // where a default that follows from another flag is made to follow it. Only compares
 // numbers; never reads the flags itself.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Derives a call's principal: the opaque owner string the engine keys state ownership on
 // (engine/owner.h). Never returns a secret: a token becomes its index in the token
 // file. Reads the call's metadata and TLS context only; holds nothing.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the token side of a call's principal: TokenAuthenticator::TokenIndex names the
 // token's place among the file's tokens, never the token, and -1 for anything else.
 #include <map>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The process metrics every Prometheus user expects of a server, with the conventional names
 // (process_cpu_seconds_total, process_resident_memory_bytes, process_virtual_memory_bytes,
 // process_open_fds, process_max_fds, process_start_time_seconds), read from /proc at scrape

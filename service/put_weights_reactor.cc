@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "service/put_weights_reactor.h"
 
 #include <utility>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The PutWeights call: a header, then W (and bias) parts copied straight into backend
 // memory. A striped upload (header.upload_id set) is one of several streams; the engine's
 // WeightsUpload joins them and checks each stripe's part order, and this reactor waits,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the reactors share at the edge: the zero-copy response slices over output buffers,
 // and the end of a call (its status mapped once, counted, timed and logged). Never decides
 // anything about a call: the reactors and the engine do.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Server reflection on a ServerBuilder: off unless asked for, and behind the bearer token
 // where tokens are checked. Debian's libgrpc++_reflection registers its plugin with every
 // ServerBuilder when it is loaded, so "not initialising it" does not turn it off: the plugin

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests that every Loss RPC refuses a request carrying a field this server does not know
 // (INVALID_ARGUMENT naming the message and field number) and keeps serving afterwards.
 #include <grpcpp/grpcpp.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A call's request id: the client's `x-request-id` metadata where it sent one (checked), else
 // one the server makes. The server sends it back in the response's initial metadata and names
 // it in every log line about the call, so that a client's error and the server's line match.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the request id over real gRPC on loopback: the client's x-request-id comes back in the
 // response's metadata and is named in the call's log line (unary and streamed calls, OK and
 // refused); a call without one gets an id the server made; a malformed one is refused with

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "service/state_sample.h"
 
 #include "engine/host_buffer.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's state as the gauges /metrics reads on each scrape (ServerMetrics' sampler).
 #ifndef LOSSD_SERVICE_STATE_SAMPLE_H_
 #define LOSSD_SERVICE_STATE_SAMPLE_H_

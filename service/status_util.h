@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one conversion from absl::Status (engine, backends) to grpc::Status (the wire), by an
 // explicit switch so that every code maps on purpose.
 #ifndef LOSSD_SERVICE_STATUS_UTIL_H_

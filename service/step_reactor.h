@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Step call: a unary reactor that hands the rank's StepCall to the engine's HeadStore
 // and finishes when the barrier's result comes back, possibly minutes later (the other ranks
 // arrive, or --head_step_timeout passes), on whatever thread the engine calls back on. Never

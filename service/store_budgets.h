@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The start-up check of the budgets of what lossd keeps in backend memory between requests
 // (the weight cache, the gradient accumulators and the hosted heads) against the memory the
 // backend has.

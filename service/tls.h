@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Server credentials from PEM files: plaintext, TLS (certificate + key) or mutual TLS (plus a
 // client CA: clients must present a certificate it signed); the key checked against the
 // certificate at start, and gRPC's per-connection TLS failures logged at a bounded rate.

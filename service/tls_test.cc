@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The TLS set-up at start (a key that is not the certificate's is named as such, not as a port
 // that cannot listen), the warning for a listener open to anyone, and gRPC's per-connection
 // TLS failures logged as one rate-limited WARNING instead of an ERROR per connection.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Happens-before annotations for ThreadSanitizer at hand-offs whose ordering is made inside an
 // uninstrumented system library (e.g. gRPC runs a reactor's OnDone only after every other
 // reaction has returned, but may run OnCancel from its own uninstrumented code). They only

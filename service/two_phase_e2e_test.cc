@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The two-phase log-prob over the wire, through a real server on the CPU backend: a forward
 // with keep_ms returns logp, entropy and a ticket (listed as STATE_TICKET, counted in
 // /metrics); its backward sends only dlogp and dentropy and gets the bits of a one-phase call;

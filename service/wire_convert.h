@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Conversions between the wire (lossd.v1 protobuf messages) and the engine's plain types.
 // Every refusal names the header field and the value it got.
 #ifndef LOSSD_SERVICE_WIRE_CONVERT_H_

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A gRPC byte buffer's bytes as one string, for tests that compare what goes on the wire.
 // Test-only; copies, never keeps or changes the buffer.
 #ifndef LOSSD_TESTING_BYTE_BUFFERS_H_

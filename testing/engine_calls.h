@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine-level test helpers (testonly): a Compute spec and its input buffers for a random
 // problem or from any sources, a Compute planned and run to its outcome, a weight upload, a
 // hosted head made, one random micro-batch added into a named accumulator, and a wait for jobs

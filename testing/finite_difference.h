@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Central finite differences of a float64 objective in inputs stored as fp32, for the
 // references' gradient tests: every element compared (each comparison asserted), and the
 // largest analytic magnitude returned so a test can show its check was not of zeros alone.

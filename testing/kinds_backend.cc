@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "testing/kinds_backend.h"
 
 #include <cstring>

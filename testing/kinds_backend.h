@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A backend for the loss kinds' plumbing tests (testonly): it claims the kinds it is given
 // (BackendInfo::loss_kinds), keeps resident memory in a CPU backend, computes cross-entropy
 // there, and for every other kind records what the engine handed it (the kind, options,

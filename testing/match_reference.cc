@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MatchesReference and the first-order error bounds it compares with (test_util.h): the
 // float64 reference against a backend's outputs, each quantity within its own bound.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the optimizer step tests share (the CPU backend's against the float64 oracle, the CUDA
 // backend's against the CPU backend's): every option combination of SGD and AdamW, random
 // buffers, the parameters of each step of a run, and an fp32-vs-double comparison with its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the two plugin tests share (kernels/plugin_loader_test through the fake CPU plugin,
 // kernels/cuda/plugin_compute_test through the CUDA one), so that the same Compute runs through
 // the plugin and through the backend called directly: the option case that sets every option

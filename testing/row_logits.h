@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The raw logits of one row (x_i W^T + b) in double, from a problem's stored inputs, and the
 // softcap applied to one: what test_util's generator and comparisons share. Test-only, private
 // to //testing:test_util; never a reference of its own (kernels/cpu/reference is that).

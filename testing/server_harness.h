@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test harness: a real lossd server (engine + CPU backend + gRPC on loopback + /metrics) in
 // the test process, and a raw client that speaks the wire directly so tests control every
 // message (including the malformed ones). Test-only.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared test helpers for every backend: a random problem generator (host buffers it owns),
 // poisoned host output buffers, the tolerance table per dtype, and comparisons against the
 // float64 reference that report mismatch count, worst index and max abs/rel error.

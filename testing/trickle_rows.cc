@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // TrickleRows (test_util.h): X's rows released to a streamed compute in uneven steps from a
 // thread of its own, and the checks of what the compute asked for.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C++ client's loss kinds end to end against the real server (engine + CPU backend, gRPC
 // on loopback, in the test process), checked against the float64 references
 // (kernels/cpu/*_reference.h) in fp32: logprob with upstream gradients and entropy, policy

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // End to end over real gRPC on loopback, bad input: every refusal is checked for its exact
 // code and a message naming the field and the values, and the server must answer a valid
 // request afterwards and hold no memory for the refused one.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // End to end over real gRPC on loopback: cancellation, idle streams, stalled readers and
 // deadlines free everything a request holds, and the server keeps serving.
 #include <algorithm>

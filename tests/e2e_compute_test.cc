@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // End to end over real gRPC on loopback, valid requests: a lossd server in this process (CPU
 // backend) and raw wire clients; every result is compared with the float64 reference, bit for
 // bit where the design promises it (weights by handle, accumulation, the same request twice).

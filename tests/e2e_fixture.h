@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the end-to-end tests share (test-only): the small odd-shaped problem they all start
 // from, the check that a server still serves after a refusal, and E2eTest, one in-process
 // server per test binary for the tests that need no limit of their own. It never configures

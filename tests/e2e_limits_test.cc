@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // End to end over real gRPC on loopback, the server's limits: accumulators, the memory budget
 // (FetchGradients' host copies included, and a reset fetch undone), request bytes, parts per
 // request, in-flight calls per client, and draining. Each test starts its own server with the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossctl's two-phase log-prob against the real server (engine + CPU backend in the test
 // process): `compute --kind=logprob --keep_ms` prints a ticket, `compute --ticket --dlogp`
 // writes the gradients the one-phase `compute --kind=logprob --dlogp` writes, bit for bit; the

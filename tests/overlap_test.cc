@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The overlapped Compute (ComputeHeader.overlap) end to end over real gRPC on loopback, CPU
 // backend: the server computes chunks and sends dX while X is still arriving, the response
 // order is preliminary summary, parts, final summary, and the results are bit-identical to

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // TLS, mutual TLS and bearer tokens over real loopback gRPC, with certificates made at test
 // time by openssl: right credentials pass; wrong, missing and expired ones are refused, and a
 // refusal never echoes the token.

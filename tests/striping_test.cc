@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Striping over several connections: a weight upload split into stripes (each its own
 // stream on its own channel) and gradients fetched by byte range; a stripe cut off half way
 // aborts the upload and leaves no handle.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The two-phase log-prob on the CUDA backend (the plugin, as the server loads it), through the
 // engine: the backward of a ticket gives the bits of the one-phase call with the same dlogp
 // and dentropy, with W inline (the ticket's copy in device memory, the one-phase call's W

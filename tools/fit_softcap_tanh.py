@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Fits the polynomial of kernels/cuda/softcap_tanh.h: tanh(y) = y + y^3 P(y^2) on |y| < 1.
 
 P has degree 6. Each coefficient in turn is fitted for the least maximum relative error of the

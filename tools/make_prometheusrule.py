@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Writes deploy/k8s/components/prometheus-operator/prometheusrule.yaml from the rule files
 in deploy/prometheus/rules/: an operator-managed Prometheus reads rules only from
 PrometheusRule objects, and the two copies must say the same (tests/prometheus/check_k8s.py

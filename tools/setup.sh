@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs what lossd needs to build and test on Debian 12, idempotently: only missing
 # packages are installed, so a second run is quick. Needs root (or sudo) for apt-get.
 set -euo pipefail

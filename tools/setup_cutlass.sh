@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs CUTLASS's C++ headers (the nvidia-cutlass 4.2.0.0 wheel, which carries cute/ and
 # cutlass/ under cutlass_library/source/include) into a known folder for @cutlass
 # (third_party/cutlass). Only the sm_90a experiments need it; the default build and CI do not.

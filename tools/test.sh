@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Quick start, command 2: installs what is missing and runs every test that runs without a
 # GPU: the Bazel tests (GPU tests, tagged `gpu`, are built but skipped), the Python client
 # tests against a live server, the Prometheus test, the manifest checks and a bounded fuzz

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Sums JUnit XML reports (GoogleTest's, Bazel's and pytest's) into one line:
 "N passed, N failed, N skipped". Exits non-zero when anything failed or nothing ran."""
 import argparse

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Bazel's --workspace_status_command (.bazelrc): the commit a build comes from, for
 # `lossd --version`. Stable keys only, so an unchanged tree does not relink. Outside a git
 # checkout (a source tarball, an image build's context) it takes $LOSSD_COMMIT where set

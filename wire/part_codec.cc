@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "wire/part_codec.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Encodes and decodes lossd's streamed messages (ComputeRequest/Response, PutWeightsRequest,
 // FetchGradientsResponse: a oneof of a header at field 1 and a TensorPart at field 2) directly
 // as gRPC byte buffers. A sent part references the caller's bytes without a copy; a received

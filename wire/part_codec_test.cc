@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests the hand-written stream message codec against protobuf's own encoder and parser.
 #include "wire/part_codec.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Refuses a request message that carries fields this server does not know: proto3 parsing
 // keeps them aside silently, so a client asking for a newer option would otherwise get the
 // old behaviour without a word. Checks nested messages too; never looks at field values.

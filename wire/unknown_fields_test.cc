@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests RefuseUnknownFields on lossd.v1 messages: a field the schema lacks, at the top or in a
 // nested message, is named with its path, type and number; a message without one passes.
 #include "wire/unknown_fields.h"

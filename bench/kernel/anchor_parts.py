@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Packs the anchors' wheel sets into parts small enough for one transfer each to a GPU host.
 
 The anchors need two CUDA-DSL stacks that cannot share a folder (Liger-Kernel on DSL 4.8.1,

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """One in-process anchor of the kernel benchmark, timed at bench_kernel's shapes on the inputs
 of torch_baseline.py (bf16, forward + backward).
 

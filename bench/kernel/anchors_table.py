@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The side-by-side table of lossd and the in-process anchors, from the results of one or more
 calls on a GPU host.
 

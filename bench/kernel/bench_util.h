@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device helpers for the kernel benchmark only: random fills and a byte-exact comparison.
 // Never linked into the server.
 #ifndef LOSSD_BENCH_KERNEL_BENCH_UTIL_H_

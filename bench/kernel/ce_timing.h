@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The kernel benchmark's cross-entropy kernels timed alone over the fused op's chunks (the
 // one-read and the two-pass kernel), beside a device copy of the same bytes. Times; never
 // checks what the kernels compute.

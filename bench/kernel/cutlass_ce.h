@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The cross-entropy pass of the fused path issue 26 measures after the CUTLASS spike's go: the
 // logits GEMM's epilogue has already written each row tile's max and sum of exp
 // (row_stats_node.cuh), so what is left of the pass is (1) combining a row's tile statistics

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "bench/kernel/cutlass_check.h"
 
 #include <cuda_bf16.h>

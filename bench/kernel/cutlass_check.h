@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device helpers of cutlass_logits_bench: the reference per-tile statistics (from the stored
 // bf16 logits, in double), the pass that combines per-tile statistics into each row's log-sum-exp,
 // and the target-logit gather. Plain kernels for any sm_80+; never linked into the server.

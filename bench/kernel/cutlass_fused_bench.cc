@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fused path after issue 26's go: forward + backward of the mean cross-entropy of X W^T
 // with the logits GEMM a CUTLASS sm_90a ping-pong kernel that writes each row tile's max and
 // sum of exp in its epilogue (cutlass_logits.h), so the CE pass only combines statistics and

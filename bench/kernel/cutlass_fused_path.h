@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fused path of cutlass_fused_bench (the schedules that file's header describes), on one
 // shape's device buffers: the CUTLASS logits kernels bound per chunk and part, the CE pieces of
 // cutlass_ce.h and lossd's cuBLASLt dX and dW GEMMs, enqueued on lossd's stream (the timed

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The logits GEMM z = X W^T (bf16 in, fp32 accumulate, bf16 out) as CUTLASS 3.x sm_90a
 // kernels, with or without the per-(row, column tile) max and sum of exp in their epilogue
 // (row_stats_node.cuh): the spike of issue 26 that bench/kernel/cutlass_logits_bench times

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The go/no-go spike of issue 26: one chunk's logits GEMM z = X_c W^T (bf16, fp32 accumulate)
 // through lossd's cuBLASLt layer (its heuristic's first choice and its autotuned choice) beside
 // CUTLASS 3.x sm_90a kernels, plain and with the per-(row, column tile) max and sum of exp in

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The cooperative (two consumer warpgroups on one tile) configurations of cutlass_logits.h.
 #include "bench/kernel/cutlass_logits_impl.cuh"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The cooperative configurations with 256-row tiles (each consumer warpgroup 128 rows) of
 // cutlass_logits.h; a file of their own so nvcc compiles them beside the others.
 #include "bench/kernel/cutlass_logits_impl.cuh"

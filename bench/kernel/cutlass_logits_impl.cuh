@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUTLASS 3.x kernels behind cutlass_logits.h: one template over the tile, cluster and
 // schedule, instantiated by the cutlass_logits_*.cu files (one per schedule, so nvcc compiles
 // them in parallel). X is CUTLASS's A (M = C rows, K-major), W is B (N = V columns, K-major),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The ping-pong (two consumer warpgroups on alternate tiles, one's epilogue under the other's
 // mainloop) configurations of cutlass_logits.h.
 #include "bench/kernel/cutlass_logits_impl.cuh"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The kernel benchmark's two optional runs beside the table: a moving BT on one fresh
 // autotuning engine (--bt_sweep) and the CUDA backend's whole Compute from host memory
 // (--host_io). Each prints its own lines to stdout; neither changes the table's rows.

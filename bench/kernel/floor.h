@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The 3-GEMM cuBLAS floor the fused op is measured against, and the same three GEMMs over the
 // fused op's chunks (no cross-entropy): what the fused op would cost if the GEMMs were all it
 // did. Enqueues and times GEMMs; never checks their results.

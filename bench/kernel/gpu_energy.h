@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The GPU's energy counter (NVML's total energy since the driver loaded, in millijoules), for
 // benchmarks that ask what a piece of work costs in joules rather than in milliseconds: at the
 // board's power cap the two are tied (time = energy / cap), so work that overlaps in time

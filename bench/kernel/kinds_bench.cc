@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Times each loss kind's fused op (FusedLoss::Enqueue, the device entry point the CUDA backend
 // runs, with the chunk plan CudaBackend::Plan gives the kind) against the GEMM floor of the
 // same work, measured in the same rounds: cross-entropy (the anchor), logprob with entropy and

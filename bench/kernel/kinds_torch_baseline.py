@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Naive PyTorch baseline of the loss kinds, at the shapes and settings of kinds_bench.
 
 Each kind as a trainer would write it without a fused kernel: the logits materialised in

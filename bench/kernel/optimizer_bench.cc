@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Times a hosted head's optimizer step on the GPU (kernels/cuda/optimizer.h) against the HBM
 // time of the bytes it must move: a device-to-device cudaMemcpy, in the same process, that
 // reads and writes as many bytes in all as the step does. Also times the gradient's sum of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The kernel benchmark's checks of the fused op's outputs at full size: determinism (two runs,
 // dX and dW compared word for word after the second's outputs were poisoned) and, with
 // --check_fp64, the loss, dX and dW against the float64 reference. Checks what was computed;

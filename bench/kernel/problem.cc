@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "bench/kernel/problem.h"
 
 #include <cuda_runtime_api.h>

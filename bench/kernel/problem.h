@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The kernel benchmark's problem: random bf16 X and W, random targets, dX, an fp32 dW and the
 // row results on the device, and the fused op's arguments over them (bf16, mean reduction,
 // every target counted). Allocates and describes; never times or checks anything.

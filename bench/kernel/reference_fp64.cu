@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "bench/kernel/reference_fp64.h"
 
 #include <cublas_v2.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The benchmark's accuracy check at its own shapes: a float64 reference of the mean
 // cross-entropy of bf16 X W^T (no bias, no options: the benchmark's problem) computed on the
 // device with DGEMMs over row chunks, and the fused op's loss, dX and dW compared with it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The kernel benchmark's report on stdout: the table of the fused op against its floor at
 // every shape, budget and schedule (and the same rows as CSV with --csv), then the float64
 // accuracy table. Prints what was measured; measures nothing.

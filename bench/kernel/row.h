@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the kernel benchmark measured at one shape (a Row: the fused op at each budget and
 // schedule, beside its floor, and the shape's parts alone and checks) and one timed
 // configuration of the fused op. Plain data; the report prints it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An Epilogue Visitor Tree node for CUTLASS's sm90 TMA warp-specialized epilogues: for each
 // row of a CTA tile it writes the max and the sum of exp(z - max) over the tile's columns, so a
 // later pass combines per-tile statistics instead of reading the logits again. The statistics

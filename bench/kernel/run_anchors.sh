@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On a GPU host, from the repository root: lossd's kernel benchmark and the in-process anchors
 # (bench/kernel/anchors_bench.py), each op in its own process, timed back to back, and one
 # table of every call made so far on this host.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs on a GPU host from inside the bundle (tools/bundle/make_bundle.sh): every GPU test, the
 # kernel benchmark, the optimizer step's benchmark, the loss kinds' benchmark and the naive
 # PyTorch baselines. Writes into OUT_DIR gpu.txt, one log per test binary (and

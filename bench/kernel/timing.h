@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How the kernel benchmark times and meters work it enqueues on a CUDA stream: CUDA events in
 // rounds (every body at the same clock), the median of each, and the board's energy over a
 // long back-to-back run. Times what it is given; never checks what the work computes. Its

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Naive PyTorch baseline for the kernel benchmark, at the same shapes as bench_kernel.
 
 Forward + backward of `cross_entropy((x @ w.T).float(), y)` in bf16 inputs, timed with CUDA

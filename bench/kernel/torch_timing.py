@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Timing and peak memory of one PyTorch step, for the benchmark scripts beside this file
 (anchors_bench.py, kinds_torch_baseline.py). They import it by its bare name: Python puts a
 script's own folder first on its path, so it is found wherever the scripts run from (the

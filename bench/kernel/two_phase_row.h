@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What kinds_bench's two-phase logprob row states, from its timings: the flops of both phases
 // (the forward's logits GEMM, the backward's logits again, dX and dW: 8 BT H V) against the
 // 6 BT H V of the GEMM floor and of a one-phase logprob with known upstream gradients, and the

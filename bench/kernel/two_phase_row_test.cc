@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The two-phase row's arithmetic and text on the CPU (kinds_bench itself needs a GPU): the
 // flops, each ratio from the times given, and the numbers in the printed line.
 #include "bench/kernel/two_phase_row.h"

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PNG plots of the kernel benchmark numbers recorded in bench/RESULTS.md: time and peak extra
 device memory against BT and against V, lossd's fused kernel beside the 3-GEMM floor and the
 naive PyTorch baseline, plus one bar chart of every shape.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """plot_results.py parses the tables bench_kernel and torch_baseline.py print (made-up numbers
 below, in their exact layout) and writes the PNGs."""
 

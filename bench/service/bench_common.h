@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The vocabulary of the service benchmark: a shape, the data it sends (bf16 X and W from a
 // shared buffer pool, written once so no first-touch faults show inside a timed call), a
 // measured point and a measured transfer, the run's settings, and the number formats of the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One client, one connection, back-to-back Computes with W by handle and dX only: the call
 // that a micro-batch of a trainer makes. Prints each call's wall time and the server's
 // compute_seconds, then medians and the wire rate (X up + dX down over the time the call did

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Transport ceilings over loopback for the service benchmark: plain TCP (send/recv of a byte
 // count on N connections) and a bare gRPC byte stream (generic ByteBuffer messages, no
 // protobuf: the sender references its memory, the receiver copies each message once into a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Trainer simulator for pipelined head calls (lossd.pipeline): per micro-batch a trunk of
 configurable time T (forward T/3, backward 2T/3), then the hosted head's call; step time of M
 micro-batches against T, for pipeline depths 1 (today's synchronous loop), 2 and 3.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Byte-level helpers for the service benchmark: lossd's streamed messages as gRPC byte buffers
 // (the client library's framing: a sent part references the caller's bytes, a received part is
 // copied once to its destination), one blocking streaming-call runner, and channels that each

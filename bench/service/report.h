@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The service benchmark's markdown report: the loopback ceilings beside lossd's transfers, the
 // server's compute time per shape, end to end per micro-batch against its bound, and the
 // targets with pass/fail. Formats what was measured; measures nothing and calls no server.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One measured point of the service benchmark: `clients` threads, each with its own
 // connection, computing one shape in one mode (W inline, by handle, or into an accumulator
 // with or without the per-step striped fetch). Times calls and steps; never checks results.

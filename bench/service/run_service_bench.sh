@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The service benchmark in one run: loopback ceilings (net_ceiling), then a lossd started here
 # (free ports, budgets sized for W = 128256 x 4096 bf16 and 16 clients) measured end to end
 # (service_bench), then lossd stopped. Writes into OUT_DIR: ceilings.txt/.log, lossd.log,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs the whole service benchmark in --quick mode (CPU backend, tiny shapes) against the
 # built lossd and checks that it ends cleanly with a complete report: every section, every
 # transfer and point without an error, and a pass/fail verdict for every target.

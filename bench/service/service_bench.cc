@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // End-to-end benchmark of a running lossd: weight upload and gradient download on one
 // connection and striped, Compute per micro-batch with W inline, W by handle, and a handle
 // plus a server-side accumulator (one striped FetchGradients per step), at 1..N concurrent

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Striped weight upload and ranged gradient download for the service benchmark, on N channels
 // (N TCP connections) with lossd's raw wire format: PutWeights as N streams that each send one
 // byte range of W (upload_id/stripes/w_begin/w_end), FetchGradients as N byte ranges of dW|db.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The transfer half of the service benchmark: PutWeights of a shape's bf16 W and FetchGradients
 // of its fp32 dW, on one connection and striped (raw client) and through LossClient, timed.
 // Checks only that the striped paths carry the same bytes as the plain ones (a striped W

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Builds the lossd wheel and sdist. Everything but the build-time steps is in pyproject.toml.
 
 - The wheel carries lossd/v1/lossd.binpb, lossd.proto's serialized descriptor, which protoc

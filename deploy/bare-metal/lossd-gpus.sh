@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # One lossd per GPU on one host: renders each instance's command line (device, ports, memory
 # budgets) from one configuration, starts one instance (systemd's lossd@.service calls
 # `exec I`) or all of them (`run`, for hosts or containers without systemd), and prints the

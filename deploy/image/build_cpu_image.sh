@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the CPU-only lossd image from deploy/Dockerfile on a Debian 12 base made here with
 # mmdebstrap from Debian's archive (no container registry needed), with podman.
 #   deploy/image/build_cpu_image.sh [IMAGE]        (default localhost/lossd:cpu)

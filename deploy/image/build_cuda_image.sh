@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the CUDA lossd image from deploy/Dockerfile on its default nvidia/cuda bases, with
 # podman, only where both bases are present locally or can be pulled; otherwise says which one
 # is missing and exits 3 (nothing built), so a machine without a registry skips it plainly.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Smoke test of a CPU-only lossd image (deploy/image/build_cpu_image.sh makes one): starts it
 # with podman, runs `lossctl compute` against it (the image's lossctl, and the host's where
 # LOSSCTL names one), reads /metrics, checks it runs as uid 10001, then stops it with SIGTERM

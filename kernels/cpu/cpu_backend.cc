@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "core/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend: chunked linear + cross-entropy on OpenBLAS sgemm plus a multithreaded
 // row pass, for bf16/fp16/fp32 inputs and every LossOptions. It never materialises BT x V
 // logits (one C x V fp32 chunk at a time), and its results never depend on the thread count.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's interface around a Compute, each against the plain Compute or the
 // float64 reference: accumulators across micro-batches, the non-finite statistics, partial
 // outputs, weights in backend memory, refusals of invalid problems, its buffers, and the

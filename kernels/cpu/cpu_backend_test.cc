@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend against the float64 reference: a matrix of shapes x dtypes x options, edge
 // cases, determinism, chunk-size invariance and the overlapped path (the interface around a
 // Compute is cpu_backend_api_test).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Times CpuBackend::Compute (forward + backward, all outputs) on random inputs and prints
 // seconds and achieved GFLOP/s against the 6 BT H V FLOPs of the three GEMMs (distill: 8, with
 // the teacher's logits GEMM at the student's hidden size).

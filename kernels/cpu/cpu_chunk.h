@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One chunk of the CPU backend's Compute: the logits GEMM, the row pass and the gradient
 // GEMMs over C rows, in tasks whose bounds depend on the shape only, so the results never
 // depend on the thread count. It never allocates a buffer (the caller's CpuWorkspace holds them)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Element conversion for the CPU backend: fp32 from and to the stored dtypes (bf16, fp16,
 // fp32), rounding to nearest even, serially or in parallel blocks on a CpuTaskPool. It never
 // allocates; block bounds depend on the element count only, never on the thread count.

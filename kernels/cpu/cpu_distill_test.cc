@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's distill kind against its float64 reference (kernels/cpu/distill_reference.h)
 // over shapes x dtypes x options, with the tolerance table below; determinism, the teacher's
 // own hidden size, and what the backend refuses.

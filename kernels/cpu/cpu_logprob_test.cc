@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's logprob kind against its float64 reference (kernels/cpu/logprob_reference.h)
 // over shapes x dtypes x options, with the tolerance table below; determinism, chunking, the
 // overlapped path, accumulators, and what the backend refuses.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's worker threads: a fixed pool, started once, that runs the tasks [0, n) of
 // one parallel step on the workers and the calling thread. It never decides what a task
 // computes, so results never depend on which thread runs a task or how many threads there are.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The float64 reference of the `distill` loss kind: a generalised Jensen-Shannon divergence
 // between a student head's and a teacher head's distributions, and the student's dX, dW, db
 // (the teacher gets no gradient). Reads the inputs as stored; one row at a time, in double.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 distillation (JSD) reference: the student's gradients against central
 // finite differences of its own loss for every combination of jsd_beta, temperature, labels and
 // biases; and hand-checkable cases (beta 0 and 1 are the two KLs computed directly, beta 1/2 is

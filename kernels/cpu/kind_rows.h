@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's row functions for the loss kinds beyond cross-entropy (logprob, policy,
 // distill; core/loss_problem.h): for one row of x W^T in fp32, the stored logits (bias, the
 // rounding to the input dtype, softcap, 1/T), their log-sum-exp and what each kind needs of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test helpers for the loss kinds beyond cross-entropy (logprob, policy, distill) against their
 // float64 references: poisoned output buffers with every kind's outputs, random per-token
 // inputs, the logits' sizes the tolerances are made of, the gradients' comparison, and the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The float64 reference of the `logprob` loss kind: per token, at temperature T, the log-
 // probability of the target and the entropy of the softmax, and, given upstream gradients of
 // both, dX, dW and db. Reads the inputs as stored; one row of V logits at a time, in double.

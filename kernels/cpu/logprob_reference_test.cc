@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 log-prob / entropy reference: every gradient against central finite
 // differences of its own outputs over every option combination, and hand-checkable cases
 // (T = 1 is minus the cross-entropy reference's per-token loss; T = 2 is W / 2; entropies).

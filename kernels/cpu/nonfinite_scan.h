@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host scan for NaN and Inf in a float tensor (bf16, fp16, fp32), by the exponent bits alone,
 // so the compiler vectorises it and it reads each byte once. Never writes, never allocates.
 #ifndef LOSSD_KERNELS_CPU_NONFINITE_SCAN_H_

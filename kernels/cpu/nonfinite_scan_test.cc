@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests AnyNonFinite: random finite values (the largest finite ones included) pass in every
 // float dtype; one NaN, +Inf or -Inf at the first, a middle or the last element is found, and
 // only inside the range asked about.

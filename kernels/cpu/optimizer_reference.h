@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The float64 oracle of one optimizer step (kernels/optimizer.h): torch.optim.SGD and
 // torch.optim.AdamW's single-tensor update, every value and scalar in double. It never
 // validates (callers pass a checked OptimizerParams) and never rounds to fp32.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 optimizer oracle: steps worked out by hand for one to three elements
 // per option (the arithmetic is written beside each expectation), then properties that tie
 // the options together (lr = 0, weight decay alone, nesterov, the gradient scale).

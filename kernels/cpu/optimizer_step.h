@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's optimizer step and gradient norm (kernels/optimizer.h) over host fp32
 // buffers, split into fixed blocks on the CPU task pool. Never validates (the backend runs
 // CheckOptimizerStep first) and never allocates.

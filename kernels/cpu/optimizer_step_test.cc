@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's optimizer step against the float64 oracle: every option combination of
 // SGD and AdamW (testing/optimizer_cases.h), odd sizes, several steps with the state carried,
 // errors within the fp32 table; the compute copy the exact cast of the master; results the

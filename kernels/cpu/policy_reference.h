@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The float64 reference of the fused policy loss (GRPO / PPO-clip with a KL penalty to a
 // reference policy) on a linear head: the loss, Liger-Kernel's two metrics, and dX, dW, db.
 // Reads the inputs as stored; one row of V logits at a time, in double; never fast.

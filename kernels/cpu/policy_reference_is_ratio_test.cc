@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 policy-loss reference's rollout correction is_ratio (Liger's
 // vllm_is_ratio: a per-token factor on the policy term, not on the KL term): the gradient
 // against central finite differences for every loss type at both importance-sampling levels,

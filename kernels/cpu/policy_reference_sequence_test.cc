@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 policy-loss reference's sequence-level importance sampling (GSPO,
 // Liger's importance_sampling_level "sequence"): the gradient against central finite
 // differences over every clipped loss type, delta, old log-probs, KL term, bias-corrected KL,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 policy-loss reference: the gradient against central finite differences
 // of its own loss for every combination of loss type, old log-probs, KL term, temperature,
 // mask and head options; and hand-checkable cases (the normalisations in closed form, clipped

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 policy-loss reference's loss types cispo, sapo and luspo and its options
 // delta and use_bias_correction_kl: the gradient against central finite differences for every
 // combination of those with old log-probs, KL term, mask and head options; and hand-checkable

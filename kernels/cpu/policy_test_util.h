@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test-only: what the float64 policy reference's tests (policy_reference_test.cc,
 // policy_reference_types_test.cc) share: random fp32 inputs of a policy problem, never
 // zero-filled; the finite-difference cases' old and reference log-probs, frozen problem and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The float64 reference of linear + cross-entropy: the oracle every backend is tested against.
 // Reads the inputs as stored (bf16/fp16 widened exactly), computes in double, one row of V
 // logits at a time; it never materialises BT x V, never rounds logits, and is never fast.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Writes, as JSON on stdout, the float64 logprob, policy and distill references' outputs on
 // small random problems over every option combination, with their inputs: what
 // client/python/tests/test_rl_reference_torch.py checks against torch autograd (and against

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The linear head that the float64 references other than cross-entropy share (log-probs,
 // the policy loss, distillation): per row, z = softcap(x W^T + b) / T from the inputs as stored
 // (bf16/fp16 widened exactly), and the way back from dL/dz to dX, dW, db. Test oracle code:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tests of the float64 reference: a hand-computed case, and every gradient against central
 // finite differences of its own loss (so the gradient formula is checked independently).
 #include "kernels/cpu/reference.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Arithmetic the CPU backend's row functions share (row_pass for cross-entropy, kind_rows for
 // the other loss kinds): a vectorisable exp for non-positive arguments and the lane count of
 // their partial sums. Header-only so that it inlines into every target_clones variant.

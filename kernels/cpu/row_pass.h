@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's row pass: for one row of logits (x W^T in fp32), the bias, the rounding to
 // the input dtype, softcap, max, log-sum-exp, loss, z-loss and argmax, and G = dL/dz written
 // over the row. Pure arithmetic on one row: it never allocates, never reads another row, and

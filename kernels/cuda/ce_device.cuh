@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device helpers of the cross-entropy kernels (ce_kernels.cu, one_read_kernel.cu) and the small
 // column kernels (column_kernels.cu): dtype conversion, vector loads and stores, the row
 // statistics and their block reduction, uncontracted fp32 arithmetic, the softcap and the

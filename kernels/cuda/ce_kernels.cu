@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device code of the fused linear + cross-entropy; see ce_kernels.h for the math and contract.
 // The two-pass cross-entropy kernel, and the launcher that picks it or the one-read kernel
 // (one_read_kernel.cu); the helpers both share are in ce_device.cuh, the column sum and cast

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device kernels of the fused linear + cross-entropy, behind plain POD parameter structs and
 // host launchers: the per-row cross-entropy (forward statistics and the logits gradient written
 // in place over the stored logits), the bias-gradient column sum and the accumulator cast.

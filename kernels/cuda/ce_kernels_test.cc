@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the cross-entropy kernel alone: bf16 logits and the same values given as fp32
 // must give bit-identical statistics and identically rounded gradients (the fp32-compute
 // path), and both must match a float64 computation of the same formulas.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The small kernels beside the cross-entropy: the fixed-order column sum that accumulates db,
 // the fp32-to-storage cast of the gradients, and the softcap's tanh for its tests.
 #include <cuda_bf16.h>

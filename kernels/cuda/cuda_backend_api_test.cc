@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the CUDA backend's interface around a Compute: weights and accumulators
 // already on the device, the non-finite statistics, an all-ignored and an empty batch, bad
 // input, out-of-memory (and serving on after it), and what Info reports.

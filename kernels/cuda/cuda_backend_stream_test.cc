@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the CUDA backend's overlapped path (LossProblem::rows): X arriving while the
 // Compute runs gives the whole problem's bytes in both schedules, dX leaves chunk by chunk, a
 // failed row wait ends the Compute with its status, and an empty batch waits for nothing.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the CUDA backend against the float64 reference: every option and dtype over
 // tiny, odd, medium and realistic shapes, outputs poisoned before each run; determinism; both
 // schedules, the whole-batch layout, autotuning; agreement with the CPU backend. The interface

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CudaBackend's memory: device buffers from the stream-ordered pool, counted against the
 // budget (AllocateDevice), the copies and zeroing of Backend's buffer interface, and pinned
 // host memory for the engine's buffers.

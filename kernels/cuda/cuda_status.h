@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Turns CUDA runtime and cuBLASLt return codes into absl::Status values that name the failed
 // call. Out-of-memory becomes RESOURCE_EXHAUSTED, no usable GPU UNAVAILABLE, anything else
 // INTERNAL; nothing here aborts or throws. Its two macros are for CUDA and cuBLAS return codes

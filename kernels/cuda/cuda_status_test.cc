@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The status codes CUDA and cuBLASLt failures turn into (host code only: runs wherever the
 // toolkit is, GPU or not). Requests are validated before any device call, so only memory and
 // a missing GPU are the caller's business; everything else is lossd's and INTERNAL.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the CUDA backend's GPU tests share (cuda_backend_test, cuda_backend_api_test,
 // cuda_backend_stream_test): one backend per test binary, the fixture that skips without a
 // GPU, and the shapes and option sets of their problems. Test-only; never runs a Compute.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test-only: puts the current CUDA context into a sticky error on purpose, so that tests can
 // check what the backend does after a device fault. Never linked into the server or plugin.
 #ifndef LOSSD_KERNELS_CUDA_DEVICE_FAULT_H_

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One CudaBackend Compute's host-device traffic: the call's device buffers, the uploads of
 // the inputs, the device outputs, the copies and casts of the results back (with the
 // non-finite checks of the final outputs), and the host reductions of the per-row statistics.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The two-pass distill kernel (row_loss_kernels.h's distill math) and its launch: one block
 // per row, three reads of the student's row (statistics, the divergence and sum d, the
 // gradient) and two of the teacher's. LaunchRowLoss runs it where the one-read distill kernel

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one-read distill kernel (row_loss_kernels.h's distill math) and its launch; LaunchRowLoss
 // (row_loss_kernels.cu) picks it where row_loss_launch.h's RowLossCluster says it applies. A row
 // is split over a cluster of blocks as in cross-entropy's one-read kernel, each block staging

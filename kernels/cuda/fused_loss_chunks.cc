@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The row-chunk path of FusedLoss::Enqueue: per chunk of C rows, the logits GEMM, the
 // cross-entropy kernel, the dX GEMM and the dW/db accumulation, spread over main_, ce_ and
 // side_ by the plan's schedule (row halves or column halves), after an optional tuning pass.

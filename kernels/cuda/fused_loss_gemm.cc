@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // FusedLoss's GEMM layer: one cuBLASLt matmul per Spec, its algorithm chosen once per problem
 // key (the heuristic's, or autotuned per tuning class) so that every run of a key is the same.
 #include <cublasLt.h>

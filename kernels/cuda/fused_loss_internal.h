@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers the parts of FusedLoss share (fused_loss*.cc): alignment, pointer arithmetic on
 // device addresses, the cuBLASLt type of a dtype, a chunk's cross-entropy parameters, and the
 // row-chunk pass (which the reference-exp path falls back to).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The whole-batch path of FusedLoss::Enqueue (ChunkPlan::blocks > 0): the logits of every row,
 // in vocabulary blocks, live in the fp32 dW buffer itself (chunk_plan.h, PlanWhole); the two
 // row halves' logits GEMMs, CE kernels and dX GEMMs, then one dW GEMM per block over all rows.

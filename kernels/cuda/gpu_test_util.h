@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the GPU tests share: whether this machine has a usable GPU, so that a test skips
 // (GTEST_SKIP) rather than fails without one. Asks the CUDA runtime for the device count only;
 // never creates a context on purpose or touches device memory.

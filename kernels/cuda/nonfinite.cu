@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The non-finite check's kernel: a grid-stride read of 32-bit words, each tested for an
 // all-ones exponent in both 16-bit halves (bf16, fp16) or as a whole (fp32).
 #include "kernels/cuda/nonfinite.h"

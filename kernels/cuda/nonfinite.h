@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A device check for NaN and Inf in a float tensor (bf16, fp16, fp32), run after a Compute on
 // its outputs: it reads each element once, by its exponent bits, and ORs a bit into a flag
 // word. Never allocates memory and never synchronises.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU test of LaunchNonFiniteCheck: random finite values (the largest finite ones included)
 // leave the flags alone in every float dtype, at 16-byte aligned and merely 4-byte aligned
 // addresses and odd lengths; one NaN, +Inf or -Inf at the first, a middle or the last element

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the one-read kernels share (the cross-entropy's, one_read_kernel.cu; the loss kinds',
 // row_one_read_kernel.cu and distill_one_read_kernel.cu): the block size, the halves of a
 // cluster barrier, the 2^x of one instruction, the wait for a thread's asynchronous copies, and

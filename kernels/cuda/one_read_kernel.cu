@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one-read cross-entropy kernel (ce_kernels.h's contract; chosen by LaunchCrossEntropy,
 // ce_kernels.cu): a row split over a cluster of blocks that exchange their statistics through
 // distributed shared memory, so each row is read from memory once. Its launch and the device's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one-read cross-entropy kernel's launch, for ce_kernels.cu's LaunchCrossEntropy (not part
 // of ce_kernels.h's public contract): the same CrossEntropyParams, a row split over a cluster
 // of `cluster` blocks (CrossEntropyCluster chose it). Never checks the problem itself.

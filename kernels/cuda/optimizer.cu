@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The optimizer step's elementwise kernel (one per optimizer and copy dtype) and the
 // two-pass sum of squares.
 #include "kernels/cuda/optimizer.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device kernels of a hosted head's optimizer step (kernels/optimizer.h) and of the squared
 // norm of its gradient. The step runs kernels/optimizer_math.h's fp32 code per element, so it
 // rounds exactly as the CPU backend does; the sum is deterministic (fixed grid, fixed trees,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's optimizer step and sum of squares (GPU host only). The step must equal
 // the CPU backend's bit for bit: both run kernels/optimizer_math.h's code, one IEEE
 // round-to-nearest operation at a time (the device through __fmul_rn and friends, so no FMA;

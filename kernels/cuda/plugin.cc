@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The entry point of liblossd_cuda.so, the only symbol the plugin exports: the plugin ABI's
 // table (kernels/plugin_abi.h) over a CudaBackend. The server loads it with dlopen
 // (kernels/plugin_loader.h) so cuBLAS never enters its static link.

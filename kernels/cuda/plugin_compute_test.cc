@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend through the plugin ABI (liblossd_cuda.so loaded by the server's loader)
 // against the same backend linked in and called directly, on a GPU host: the same bits for
 // every output and optimizer step, the same statistics, the same workspace sizes, the same

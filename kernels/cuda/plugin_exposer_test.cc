@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Regression test for the cuBLAS / civetweb trap: with the CUDA plugin (and so cuBLAS)
 // loaded into the process, a prometheus-cpp Exposer must still start and serve /metrics.
 // Linked statically, cuBLAS's TLS leaves civetweb's 100 KiB thread stacks too small and the

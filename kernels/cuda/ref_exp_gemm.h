@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The reference-exp logits GEMM: E = exp(X_c W^T - ref[row]) in bf16, straight from the fp32
 // accumulator, with each row tile's sum of E and its largest logit (rounded to bf16, as the
 // stored logits of the other paths are) and that logit's first column in the epilogue (sm90/row_ref_exp_node.cuh). The backward then needs no pass over the logits

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The build without CUTLASS (the default, and CI's): no reference-exp GEMM, so FusedLoss keeps
 // its logits GEMM + cross-entropy kernel path for every problem.
 #include <memory>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device helpers of the loss kinds' row kernels (row_loss_kernels.h's math): the online softmax
 // statistics with the entropy's sum, their merge (reduced by ce_device.cuh's BlockReduce), an
 // element's final logit and chain factor, policy's coefficient, distillation's element terms

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host side of the logprob and policy loss kinds in a CudaBackend Compute: their per-row
 // inputs on the device (with the coefficients' power of two taken out, as the cross-entropy
 // takes its scales out of G), and their outputs from the per-row statistics the row kernel

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host side of the CUDA backend's logprob, policy and distill kinds, without a GPU: the
 // reductions from per-row results (fed the float64 references' own per-row values, rounded to
 // fp32 as the device writes them) against the references' losses and metrics; policy's row

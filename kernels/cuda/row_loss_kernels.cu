@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The loss kinds' launch (row_loss_kernels.h), which picks a kernel, and the two-pass logprob /
 // policy kernel: one block per row, two reads of the row (statistics, then the gradient), as
 // the cross-entropy's two-pass kernel. Where the one-read kernels apply (row_loss_launch.h's

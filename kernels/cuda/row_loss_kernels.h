@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The per-row kernel of the logprob and policy loss kinds (core/loss_problem.h; the float64
 // references kernels/cpu/logprob_reference.h and policy_reference.h are the math): over one
 // chunk of stored logits u (input dtype), per row at temperature T,

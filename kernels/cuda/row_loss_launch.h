@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The loss kinds' kernel launches, for row_loss_kernels.cu's LaunchRowLoss (not part of
 // row_loss_kernels.h's public contract): the same RowLossParams; the one-read kernels split a
 // row over a cluster of `cluster` blocks (RowLossCluster chose it). None checks the problem.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the CUDA backend's logprob, policy and distill kinds along its other paths:
 // both chunk schedules, the weights (the teacher's too) and the accumulators in backend memory,
 // and rows of X that arrive while the Compute runs. Each comparison prints its largest errors.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the CUDA backend's logprob, policy and distill loss kinds against the float64
 // references (row_loss_test_cases.h says how they are bounded): every case over tiny, odd and
 // medium shapes in bf16, fp16 and fp32, outputs poisoned before each run; a realistic

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The error bounds of the GPU tests of the logprob, policy and distill kinds
 // (row_loss_test_cases.h says the model): each kind's expected results from its float64
 // reference, with the first-order bounds of what the stored logits' rounding, G's storage, the

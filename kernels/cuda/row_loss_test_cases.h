@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the GPU tests of the CUDA backend's logprob, policy and distill loss kinds share
 // (row_loss_test, row_loss_paths_test): the cases, their problems, and the comparison with the
 // float64 references (kernels/cpu/logprob_reference.h, policy_reference.h,

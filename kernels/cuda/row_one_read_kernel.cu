@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one-read logprob / policy kernel (row_loss_kernels.h's math) and its launch; LaunchRowLoss
 // (row_loss_kernels.cu) picks it where row_loss_launch.h's RowLossCluster says it applies. As
 // cross-entropy's one-read kernel (one_read_kernel.cu): a row is split over a cluster of

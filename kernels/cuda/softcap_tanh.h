@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tanh in fp32 for the softcap, as the cross-entropy kernels compute it. CUDA's tanhf evaluates
 // both of its forms for every element (a polynomial and an exponential with a reciprocal: about
 // 17 instructions, two of them on the multi-function unit), and the softcap takes it twice an

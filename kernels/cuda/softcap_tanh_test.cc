@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The softcap's tanh (softcap_tanh.h) on the host, against long double tanhl. The polynomial
 // gives the same bits here as on the GPU (fmaf and round-to-nearest products only), so its
 // bound is the GPU's; the exponential form runs here with exact exp2f and division, so this

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU test, in a process of its own: after a sticky device error (a trap in a kernel) the
 // CUDA backend reports itself unhealthy, and every entry point answers UNAVAILABLE at once
 // instead of calling into the broken context and failing INTERNAL. The context cannot be

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kernels/cuda/streamed_chunk_hooks.h"
 
 #include <cuda_runtime_api.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's hooks for the overlapped path (LossProblem::rows): X rows go up to the
 // device as the RowStream releases them, and dX rows come down chunk by chunk, each on its own
 // copy stream beside the engine's GEMMs. It never allocates device memory and never computes.

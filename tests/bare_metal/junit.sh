@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # shellcheck shell=bash
 # JUnit cases for the shell tests of this folder (sourced). Each case is recorded as passed,
 # failed or skipped; `junit_write SUITE` writes $XML_OUTPUT_FILE (Bazel's report; else

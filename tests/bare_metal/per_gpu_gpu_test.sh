@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # One lossd per GPU on a host of two GPUs or more: lossd-gpus.sh starts two CUDA instances on
 # GPUs 0 and 1, once selecting the device by CUDA_VISIBLE_DEVICES and once by --cuda_device;
 # each serves a Compute on the CUDA backend, each reports its own device budget and the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # One lossd per GPU on a host (deploy/bare-metal), without a GPU: lossd-gpus.sh renders each
 # instance's device, ports and memory budgets as documented (docs/scale_out.md), refuses bad
 # configurations naming the variable, the systemd unit runs it per instance, and two lossd

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # lossd in a real 1 GiB memory cgroup (v2, or v1 where the machine has it): the CPU backend's
 # defaults follow the limit, so a Compute that needs more than the container holds is refused
 # with RESOURCE_EXHAUSTED at once (before, the 8 GiB default admitted it and the kernel

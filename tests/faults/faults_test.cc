@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fault injection over real gRPC on loopback (CPU backend): clients that vanish mid-upload
 // and mid-download, a backend that fails half way through adding into an accumulator, LRU
 // eviction of a weight handle, and a server restart between the micro-batches of one step.

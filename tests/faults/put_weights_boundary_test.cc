@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Regression: PutWeights parts that split a tensor element. --check_finite once read each
 // part as if it started an element, so a NaN whose bytes straddled two parts was stored and a
 // finite upload split at an odd byte could be refused as "non-finite" (found by //tests/fuzz

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // SIGTERM during load on the real server binary (//service:lossd, CPU backend, free ports):
 // while clients run computes, the process gets SIGTERM. Every call must end OK with the full,
 // correct result (bit-identical to the answer before the signal) or fail with UNAVAILABLE or

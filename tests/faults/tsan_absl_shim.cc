@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ThreadSanitizer support for the system's Abseil (built without TSan): interposes the
 // out-of-line absl::Mutex / CondVar / Notification entry points, calls the real ones and tells
 // TSan about the happens-before edges they create (release before unlocking or waiting,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ThreadSanitizer support for the system's gRPC (built without TSan): tells TSan about the one
 // ordering gRPC guarantees to its users, that everything done before starting a batch of
 // operations happens before that batch's completion is delivered (a callback reactor's

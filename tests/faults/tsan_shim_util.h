@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the ThreadSanitizer shims (tsan_absl_shim.cc, tsan_grpc_shim.cc) share: TSan's
 // annotation entry points and the lookup of the real function a shim stands in front of.
 // Only for --config=tsan builds; never part of a production binary.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the lossd fuzz targets with clang (libFuzzer + ASan + UBSan) straight from the repo's
 # sources and the system's libraries, replays every committed regression input, then fuzzes
 # each target for a bounded time from the committed seed corpus.

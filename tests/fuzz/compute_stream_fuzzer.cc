@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fuzz target: one Compute stream as the server sees it. The input is a list of records (see
 // fuzz_env.h), each one received message; the first must be the header. As in the raw
 // Compute method, every record arrives as a gRPC byte buffer (split into slices at places

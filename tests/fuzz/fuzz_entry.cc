@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The libFuzzer entry of one lossd fuzz target, chosen at compile time with
 // -DLOSSD_FUZZ_ENTRY=lossd::fuzz::<Name>OneInput (see build_and_run.sh).
 #include <cstddef>

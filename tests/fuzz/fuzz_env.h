@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What every lossd fuzz target shares: one engine on the CPU backend with small limits (so no
 // input can ask for a large allocation), weights preloaded under a known handle, the record
 // framing of fuzz inputs, and the checks that turn a broken promise into a crash the fuzzer

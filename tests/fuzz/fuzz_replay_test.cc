@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Replays every committed fuzz input (the seed corpus and the regressions, one file each)
 // through its target with the ordinary toolchain, so CI re-checks them on every run without
 // clang or libFuzzer (and under --config=asan with the sanitizers). Each input runs in a child

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fuzz target: option handling. The input is one serialized lossd.v1.ComputeHeader; it goes
 // through ComputeSpecFromWire and Engine::Plan. A header the engine accepts is then run with
 // valid inputs made up here (finite values, targets in range or ignore_index) drawn from a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fuzz target: the PutWeights path. The input is a list of records (see fuzz_env.h), each
 // parsed as a lossd.v1.PutWeightsRequest, fed through what the PutWeights reactor does with
 // them (TensorDescFromWire -> Engine::BeginPutWeights -> WriteWeights per part ->

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Writes the committed seed corpus of the lossd fuzz targets: small valid requests over every
 // dtype, reduction and option, and invalid ones (bad shapes, parts out of order or past their
 // tensor, NaN, targets out of range, streams cut short), one file each, into

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks of deploy/ that no schema knows: how the rendered Kubernetes objects fit together
 (selectors match pod labels, probes hit the gRPC port, grace period covers the drain, GPU only
 in the GPU overlay), the PodMonitor's required fields, the Grafana dashboard (every query

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Static checks of everything under deploy/: YAML lint, Prometheus config and rules (promtool,
 # including rule unit tests), Kustomize rendering of every overlay, a schema check of the
 # rendered Kubernetes objects (kubernetes-validate), structural checks no schema knows

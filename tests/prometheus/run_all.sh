@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs the Python client tests, the packaging check (client/python/pkgtest: sdist -> wheel ->
 # fresh venv -> calls against lossd), the live Prometheus test, the promtool unit tests of the
 # alert and recording rules, the deploy/ manifest checks, the layer and docs checks, the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end: a real Prometheus server scrapes a real lossd every second, with lossd's alert and
 recording rules loaded; the test makes calls with the Python client and reads the metrics
 back through Prometheus's HTTP API.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """promtool unit tests of deploy/prometheus/rules, one JUnit case per test group, and a check
 that every alert and recording rule has one: an alert fires in some group (with its texts
 checked), a recording rule is evaluated by some promql_expr_test. promtool itself never says

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossd soak: many concurrent clients against an in-process server (default) or a running
 // lossd (--target=127.0.0.1:PORT), for --duration seconds; prints the report and exits 1 on
 // any unexpected outcome, wrong result or memory growth beyond --rss_growth_mib.

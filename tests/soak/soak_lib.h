@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A bounded soak of a lossd server over loopback: many concurrent clients mixing valid
 // computes (inline and by handle, with and without a server accumulator), invalid requests
 // (each with its exact expected code), cancellations, deadlines and weight uploads, for a set

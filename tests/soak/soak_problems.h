@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the soak's clients share and check with (test-only): the valid problems they draw
 // from, each with its requests and its checked answer, bit-for-bit comparison of replies, a
 // whole FetchGradients, status code names and this process's RSS. Never runs load itself.

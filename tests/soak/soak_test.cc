@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The soak, short: 20 s of the full mix (valid, invalid, cancelled, deadlines, uploads) from
 // 4 clients against an in-process server. Every outcome must be the expected one and nothing
 // may be left behind. The 10-minute run is //tests/soak:soak (not run by CI).

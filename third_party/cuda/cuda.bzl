@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuda_library: compiles .cu files with nvcc (sm_80, sm_90, PTX for later) into a static library.
 
 There are no CUDA rules for Bazel offline, so each .cu becomes one genrule calling nvcc. The

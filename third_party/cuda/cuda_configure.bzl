@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Finds the CUDA Toolkit (default /usr/local/cuda, or $CUDA_PATH) without downloading anything.
 
 Generates @local_cuda with:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Finds CUTLASS's C++ headers (cute/ and cutlass/) installed by tools/setup_cutlass.sh.
 
 Generates @cutlass with:

@@ -1,2 +1,3 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 exit 0

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A repository of cc_library targets for the system's packages, generated with pkg-config.
 
 Hand-written -l flags break (Abseil's library names are not what one would guess), so every

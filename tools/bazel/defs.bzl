@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shorthands for the rules most of lossd's BUILD files are made of.
 
 lossd_cc_library(name): the library <name>.h + <name>.cc (one cc_library per pair).

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Compares one case of gpu_e2e_check.sh: CASE_DIR/cuda_overlap_true, cuda_overlap_false and
 cpu_overlap_false, each the .npy outputs of one lossctl compute with inputs of INPUT_DTYPE.
 The two CUDA runs must be bit-identical (overlap changes when bytes move, never what is

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # End to end on a GPU host, from inside the bundle: lossd on the CUDA backend and lossd on the
 # CPU backend, the same lossctl computes sent to both, overlapped and not. Checks that the
 # CUDA answers with and without overlap are bit-identical, and that CUDA and CPU agree to the

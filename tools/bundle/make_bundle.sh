@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds lossd with Bazel and assembles a portable bundle for a GPU host that lacks the build
 # dependencies: dist/lossd-bundle/ (binaries, liblossd_cuda.so, run_gpu.sh, the torch
 # baselines, and lib/ with every shared library they need except glibc, libstdc++/libgcc and

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks the facts the user-facing docs state against the code they describe.
 
 - links: every relative link of a tracked Markdown file names an existing file or folder, and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reading the docs and the sources for check_docs.py: files, fenced blocks, code spans,
 Markdown tables."""
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """check_docs.py's checks of the programs' facts: lossd's and lossctl's flags, their
 defaults and lossctl's commands, lossd's metrics and their labels, the alert table."""
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """check_docs.py on the real docs (no problem) and on small docs that break each rule."""
 import os
 import sys

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Fails on any #include that points up or sideways across lossd's layers.
 
 The layers, bottom to top (README.md draws the map):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """check_layers.py on the real tree (no violation) and on small trees that break each rule."""
 import os
 import sys

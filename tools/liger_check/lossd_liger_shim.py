@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A pytest plugin that runs Liger-Kernel's own fused linear cross-entropy tests against lossd.
 
 Loaded with `-p lossd_liger_shim` (run.sh beside this file does it), before pytest imports the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs Liger-Kernel's own fused linear cross-entropy tests
 # (test/transformers/test_fused_linear_cross_entropy.py of its sdist, unmodified) against lossd's
 # Python client: lossd_liger_shim.py starts a lossd server and points Liger's three entry points

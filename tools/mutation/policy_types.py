@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Mutation check of the policy loss types' tests (cispo, sapo, luspo, delta, the
 bias-corrected KL): breaks each formula in turn, in the float64 reference and in the CPU
 backend, runs the test that owns it, and requires that test to fail. A mutation the tests

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Trains remote_head_train.py's small language model with its head hosted on lossd twice, from
 the same weights on the same batches: once with the synchronous gradient-accumulation loop
 (each micro-batch's forward, head call, backward, one after another), once with

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Trains a small language model twice, once with its LM head hosted on lossd
 (lossd.nn.RemoteLMHead: the head's weights and AdamW state live on the server, a step moves
 only the hidden states up and dX down) and once with the same head as a local torch layer,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd: client for the lossd fused linear + cross-entropy service.
 
     import lossd

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Calls that return a concurrent.futures.Future instead of blocking: Client.compute_async and
 ReplicaPool.compute_async, and call_async for any sequence of a client's calls (a retried
 hosted-head Compute). A mixin over the synchronous methods; it never changes what a call

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One compute() call of the lossd client, apart from the transport: the ComputeHeader and the
 tensors it sends (small ones first, X last), the checks of caller output buffers made before
 anything is sent, and the reading of the reply's summaries and parts into a ComputeResult.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The streams of one fetch_gradients call of the lossd client: the whole accumulator on one
 stream, or a one-value look at its size and counters followed by byte ranges of dW | db on
 several streams at once, each received straight into place and checked against the wire

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hosted heads in the lossd client (feature "hosted_head"): the server keeps an LM head's fp32
 master weights, its optimizer state and a compute copy; Computes naming the head add their
 dW/db into its current step, and Step applies the summed gradient once.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The loss kinds other than cross-entropy in one compute() request: logprob (per-token
 log-probabilities and entropy at a temperature, with optional upstream gradients), policy
 (GRPO / PPO-clip with LigerFusedLinearGRPOLoss's semantics) and distill (generalised JSD

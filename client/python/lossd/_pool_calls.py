@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The calls of lossd.ReplicaPool (a mixin over its routing in lossd.pool): computes routed by
 what owns their state, accumulators, hosted heads, and the calls any replica answers.
 

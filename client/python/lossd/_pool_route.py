@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where a replica pool sends a key: rendezvous hashing, and the replicas a target names.
 
 The hashing and the key strings are a contract shared with the C++ client (docs/replica_pool.md):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Two-phase log-prob tickets in lossd.ReplicaPool (a mixin, with lossd._pool_calls): a
 ticket lives on the replica whose forward took it, so its backward must go there.
 

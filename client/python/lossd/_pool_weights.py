@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Named weights in a replica pool: the caller's W (and bias) as given to put_weights, a
 checksum of the bytes uploaded, and the handle each replica holds.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Loads the wire messages as `pb` and the Loss service's stub as `pb_grpc`.
 
 Both are built at import by the installed protobuf and grpcio from lossd.proto's descriptor

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Makes lossd.proto's serialized FileDescriptorProto (lossd/v1/lossd.binpb), from which
 lossd.v1.lossd_pb2 builds the message classes at import, and finds it again at import.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A hosted LM head as a torch module (lossd.nn.RemoteLMHead): the head's parameters, its
 optimizer state and the sum of every data-parallel rank's gradient live on lossd; forward sends
 X and the labels, backward hands dX to the hidden states, and the step runs on the server.

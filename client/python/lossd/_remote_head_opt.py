@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The optimizer of a hosted head (lossd.nn.RemoteHeadOptimizer), a torch.optim.Optimizer whose
 step is lossd's Step barrier, and clip_grad_norm_ over a local backbone plus the head.
 

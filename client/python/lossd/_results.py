@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the lossd client's calls return: plain dataclasses, no I/O.
 
 lossd.client re-exports every name here; import them from lossd (or lossd.client).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What lossd.rl's losses share: the runtime a function uses when given none, the gradient
 keywords of a call, received gradients as tensors, and the input checks. Imports torch."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.rl's per-token log-probs and entropy as a torch.autograd.Function, in one phase or
 two (docs/rl_clients.md). Imports torch.
 

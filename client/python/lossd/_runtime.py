@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the torch modules share with one lossd server: LossdRuntime (the connection, the
 weight cache, the server accumulator and the micro-batch bookkeeping of one loss module) and
 the conversion of received arrays into torch tensors. Split from lossd.nn, which re-exports

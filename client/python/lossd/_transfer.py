@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The lossd client's transfer machinery: outgoing TensorPart messages, striping over several
 streams at once, and receivers that put reply parts in place while checking the wire contract
 (order, offsets, sizes). Knows lossd's messages, never opens a call of its own.

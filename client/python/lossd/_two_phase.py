@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The two-phase log-prob in compute() (feature "logprob_two_phase"; lossd.proto's
 ComputeHeader.keep_ms and ticket, whose comment is the contract). A forward sets keep_ms: the
 server keeps what the backward needs (X, the targets, the weight) under a ticket for that long

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The numpy-level lossd client: one method per RPC of lossd.v1.Loss, plus health checks.
 
 Tensors go out as TensorPart messages of at most `part_bytes` bytes each, in byte order, and

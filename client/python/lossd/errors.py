@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Exceptions of the lossd client: one LossdError subclass per gRPC status code.
 
 Every error carries the gRPC code, the server's message, the method and the call's request

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch integration: a drop-in for Liger-Kernel's LigerFusedLinearCrossEntropyLoss that runs
 the linear + cross-entropy (forward and backward) on a lossd server; and RemoteLMHead, an LM
 head whose parameters and optimizer live on lossd (lossd._remote_head, _remote_head_opt).

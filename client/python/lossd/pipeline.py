@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Pipelined gradient accumulation for PyTorch: the head's remote call of micro-batch k runs
 while the trunk (the backbone) computes micro-batch k+1's forward and k-1's backward, so the
 trainer stops waiting for its head once per micro-batch. The head is the last stage of a

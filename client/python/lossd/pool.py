@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A pool of lossd replicas (lossd.ReplicaPool): one lossd.Client per replica, every call
 routed by what owns its state, and failover that never adds anything twice.
 

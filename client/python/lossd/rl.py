@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch: RL and distillation losses over the LM head on a lossd server (docs/rl_losses.md).
 
 - Per-token log-probabilities and entropy from hidden states and the head, with the calling

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Host tensors <-> wire bytes: dtype mapping, and bf16 for numpy, which has no bf16 type.
 
 A bf16 tensor is held as its raw uint16 bit patterns in a BF16Array (or passed as a torch

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the lossd sdist from the checkout, a wheel from that sdist alone, installs the wheel
 # into a fresh virtual environment of PYTHON (default python3) and runs smoke.py in it against
 # a live lossd. Fails if any of it writes into the checkout (build/, *.egg-info, a descriptor).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The wheel in fresh virtual environments of Python 3.9 to 3.13, each at the oldest releases
 # of grpcio, protobuf and numpy that have wheels for that Python (the declared floors where
 # they do) and at the newest: check_package.sh (sdist -> wheel -> venv -> smoke.py against a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Checks an installed lossd package against a live lossd: run with the interpreter of the
 virtual environment it was installed into, from outside the checkout.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The packaging check as one JUnit case: check_package.sh builds the sdist, a wheel from it
 alone, installs it into a fresh virtual environment of this interpreter and runs smoke.py
 against a live lossd ($LOSSD_BIN, else $(bazel info bazel-bin)/service/lossd), and fails if

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fixtures: a real lossd server (CPU backend, free port) for the whole session, a client for
 it, and the comparison helper with one tolerance table per dtype.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the hosted-head tests share: random heads and micro-batches, simulated data-parallel
 ranks (threads, each with its own RemoteLMHead on one head, their Computes in a fixed order),
 the summed gradient the server applied (the same Computes, in the same order, into an

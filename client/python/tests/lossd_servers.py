@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the Python client tests and the Prometheus end-to-end test both need to start a real
 lossd: a free loopback port and the lossd binary ($LOSSD_BIN, else
 $(bazel info bazel-bin)/service/lossd; skipped without one unless LOSSD_BIN is set, then a

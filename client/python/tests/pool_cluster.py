@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Three CPU lossd replicas on 127.0.0.1, 127.0.0.2 and 127.0.0.3, one port, named through an
 injected resolver (a name resolving to the three), for the replica pool's tests. Each can be
 killed (SIGKILL) and restarted on the same address and port (a new instance id)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The loss kinds in torch float64 autograd, written from docs/rl_losses.md (the same formulas
 test_rl_reference_torch.py checks the float64 references against): the oracle of the
 lossd.rl tests. And ReferenceClient: a stand-in for lossd.Client whose compute() answers

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The in-process anchors' benchmark (bench/kernel/anchors_bench.py), its table
 (anchors_table.py) and the packing of its wheel parts (anchor_parts.py): flags, the correctness
 check refusing wrong results, the CSV and markdown writers, the merged table's ratios, and the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bench/kernel/run_anchors.sh end to end on the CPU, with stand-in wheel sets of the real
 names (tiny packages whose ops compute the naive loss): anchor_parts.py packs them into parts
 with each tree cut into pieces, two calls stage the parts between them, and each call installs

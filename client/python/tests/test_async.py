@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Client.compute_async and ReplicaPool.compute_async (lossd._async): a concurrent.futures.Future
 of the same result the synchronous call returns, several calls of one client in flight at
 once, at most max_in_flight of them, cancel before a call starts, done-callbacks, and every

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The numpy client against a real lossd (CPU backend), compared with a float64 numpy reference
 of the math in core/loss_problem.h."""
 

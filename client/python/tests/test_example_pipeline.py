@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Runs examples/pipeline_train.py (the synchronous gradient-accumulation loop and
 lossd.pipeline's, both with a hosted head, the two loss curves compared) against the test
 server: 60 steps with two calls in flight (the curves to rounding, the loss falling by more

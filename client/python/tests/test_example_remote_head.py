@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Runs examples/remote_head_train.py (a small model trained with its head on lossd and with a
 local head, the two loss curves compared) for 60 steps against the test server. Skipped where
 torch is not installed or the server has no hosted heads."""

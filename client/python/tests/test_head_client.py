@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The numpy-level hosted-head calls of lossd.Client: create, compute with the idempotency
 key, step, export in ranges, import, info, list, drop, and the refusals (client-side checks
 name the field; a server without the feature is told apart). Needs no torch."""

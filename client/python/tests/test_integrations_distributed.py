@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.integrations.transformers under torch.distributed: two processes (gloo, CPU) train a
 tiny Llama built from a config for three steps, under DistributedDataParallel (mode "loss",
 with a per-micro-batch mean and with Trainer's global token count; mode "head") and under

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.integrations.torchtitan against torchtitan's own Llama 3 and its CrossEntropyLoss
 (from the installed package): a tiny Llama 3 from torchtitan's debug configuration, its
 forward with _skip_lm_head (apply_lossd) and lossd's loss against its own forward and loss,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.integrations.transformers against the real transformers package: tiny causal LMs of
 each supported family, built from configs here (random weights, synthetic tokens, nothing
 downloaded), patched with apply_lossd and compared with an untouched copy of the same model

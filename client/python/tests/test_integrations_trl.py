@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.integrations.trl against the real TRL package: a tiny Llama built from a config and a
 word-level tokenizer built here (random weights, synthetic text, nothing downloaded), trained
 a few steps by SFTTrainer and by GRPOTrainer (generation by the model itself, a reward

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.integrations.verl against verl's own torch implementation of `use_fused_kernels`
 (verl.models.transformers.dense_common.forward_with_torch_backend and
 verl.utils.experimental.torch_functional.FusedLinearForPPO, from the installed package): a

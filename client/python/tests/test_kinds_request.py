@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The request of compute()'s loss kinds (logprob, policy, distill), built without a server:
 the header's kind, temperature, options and tensor specs, the parts' order (X last, the
 teacher's head first), what the call returns, and the checks made before anything is sent.

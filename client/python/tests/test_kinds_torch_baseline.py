@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The naive PyTorch baseline of the loss kinds (bench/kernel/kinds_torch_baseline.py) computes
 what it says: each kind's loss and its gradients dX and dW, in fp32 on the CPU at a small shape,
 against rl_torch_reference.py's float64 formulas (the oracle of the lossd.rl tests) on the same

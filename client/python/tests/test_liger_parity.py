@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd's drop-ins against Liger-Kernel 0.8.5: the signatures (a table transcribed from that
 release's source, since Liger needs triton and a GPU to import), and each behaviour where the
 two once differed: the functional form's chunk_mem_const, per-token accuracy under reduction

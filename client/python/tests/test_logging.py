@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd's log as an operator reads it (service/log.h): the start-up line, a WARNING per refused
 call naming method, peer, code and message, JSON lines that stay valid with a client's quotes
 and newlines, the rate limit on a burst of refusals, the access log, and drain and stop."""

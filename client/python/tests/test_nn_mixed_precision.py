@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Mixed precision through lossd.nn against a real lossd (CPU backend).
 
 LossdFusedLinearCrossEntropyLoss: bf16 hidden states with an fp32 head (and bias), and fp32

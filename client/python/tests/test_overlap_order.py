@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The client's checks of an overlapped Compute's reply order (preliminary summary, parts,
 final summary), against an in-process fake server that gets the order wrong in each way. The
 live-server tests cover the right order; these need no lossd binary."""

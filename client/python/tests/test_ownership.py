@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """State ownership, List and the idle TTL against lossd: a weight handle and an accumulator
 belong to the credential that made them (a bearer token, or a verified client certificate);
 another one is refused (PERMISSION_DENIED) for every use, fetch and drop, and list_state shows

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.pipeline.Pipeline against the synchronous loop it replaces, on the CPU backend: the
 backbone's gradients (and the loss mode's dW, db) bit for bit those of RemoteLMHead's and
 lossd.nn's synchronous paths at depth 1, 2 and 3, with a GradScaler and under bf16 autocast;

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.pipeline under real torch.distributed data parallelism: two processes (gloo, CPU),
 DistributedDataParallel over the backbone, one hosted head per run that rank 0 creates, three
 micro-batches a rank. The pipelined run (depth 2: no_sync on the first two, the all-reduce in

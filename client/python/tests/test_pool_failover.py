@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The replica pool over three real lossd replicas (CPU backend) on 127.0.0.1-3 and one port,
 named through an injected resolver: several trainers (ranks as threads, each with its own
 pool, as separate processes would have) train with weights by handle, accumulators and one

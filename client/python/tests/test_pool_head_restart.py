@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A hosted head's replica is SIGKILLed and started again (empty, alive, a new instance) between
 steps, with two trainers (one pool each). One rank's pool meets the loss in a compute; the
 other's has not when it imports: it must not make a second head on the restarted replica but

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The torch modules over a lossd.ReplicaPool (client=pool): LossdFusedLinearCrossEntropyLoss
 with a server accumulator, and RemoteLMHead, each losing its replica mid-training and
 recovering as the errors say (drop the accumulator and redo the step; import the head from

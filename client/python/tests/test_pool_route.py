@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The replica pool's routing without servers: the hashing contract shared with the C++ client
 (its test vectors), balance over many keys, what losing a replica moves, how targets are
 read and resolved, and the options' validation."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Named weights in a replica pool over three real replicas: W goes up again after a failover
 only when the caller's tensors still hold the bytes first uploaded (or the pool kept a copy);
 a handle the server answers NOT_FOUND for moves its key; a clean accumulator moves without an

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.nn.RemoteLMHead and RemoteHeadOptimizer against a local torch head: K steps with 2-3
 simulated data-parallel ranks (threads, one head), after each step the server's master,
 optimizer state and compute copy against torch.optim.SGD / AdamW (foreach=False,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A hosted head with torch.amp.GradScaler, with clip_grad_norm_ over backbone plus head (the
 two-phase Step), with a skipped step, and moved from a running torch optimizer: each against
 a local torch head given the same gradients. Skipped where torch is not installed or the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RemoteLMHead under real torch.distributed data parallelism: two processes (gloo, CPU),
 DistributedDataParallel over the backbone only, one hosted head that rank 0 creates. Three
 steps must equal one process that backpropagates both ranks' batches as two micro-batches

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Two lossd replicas behind a balancer that spreads TCP connections, as a Kubernetes ClusterIP
 Service does: a client with two connections reaches both. An accumulator's sum must not be
 split between them: the replica that did not begin it refuses the compute, and the sum on the

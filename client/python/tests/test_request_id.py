@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The request id as a trainer and an operator meet it: every call sends a new x-request-id,
 a failed call's LossdError names it (`request_id`, and in its text), and the server's log line
 about that call names the same id; metadata that would fix one id for every call is refused."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Mixed precision through lossd.rl against a real lossd (CPU backend): bf16 or fp16 hidden
 states with an fp32 head, and fp32 ones under torch.autocast(bfloat16). As Liger-Kernel's
 chunked GRPO (W cast to the hidden dtype) and its JSD under autocast, the call computes in

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A policy loss whose KL term overflows fp32 (ref_logp - logp far above log(FLT_MAX) = 88.72
 at one token), against a real lossd: lossd.rl's GRPO module returns what Liger-Kernel's does,
 loss = inf and a non-finite dX, for the trainer to skip the step; the numpy client gets the

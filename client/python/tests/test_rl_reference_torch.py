@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The float64 references of the logprob, policy (GRPO/DAPO) and distill (JSD) losses
 (kernels/cpu/*_reference.h) against torch autograd implementations of the same formulas, CPU,
 float64, on every case kernels/cpu:reference_cases writes (every option combination); and, where

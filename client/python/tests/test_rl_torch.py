@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.rl against torch float64 autograd: the verl-style log-prob and entropy helpers, the
 GRPO loss module (LigerFusedLinearGRPOLoss's arguments) and the JSD module
 (LigerFusedLinearJSD's), forward values and dX, dW, db, on CPU in float32 inputs.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.rl's two-phase log-probs (keep_ms: the server keeps X under a ticket, backward sends
 only dlogp and dentropy) against torch float64 autograd and against the one-phase form, and
 each way back to the one-phase call: a ticket gone at backward, a retained graph's second

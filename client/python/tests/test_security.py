@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """TLS, mutual TLS and bearer tokens from the client's side, against a lossd started with
 --tls_cert/--tls_key/--tls_client_ca/--auth_tokens_file and certificates made at test time."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Striping against a real lossd (CPU backend): put_weights split over several connections,
 fetch_gradients by byte range, the reset that drops the accumulator, a failure half way, and
 the default rule for how many stripes a transfer gets."""

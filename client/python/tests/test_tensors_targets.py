@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Targets that do not fit int64 (the wire's widest target dtype) are refused by the client,
 naming the argument, the index and the value, instead of wrapping: uint64 2**64 - 100 cast to
 int64 is -100, an ignore_index, and its row would silently not count. Needs no server."""

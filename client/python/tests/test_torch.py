@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """LossdFusedLinearCrossEntropyLoss against torch's own linear + cross_entropy (float64,
 autograd) forward and backward, for every option. Skipped where torch is not installed."""
 

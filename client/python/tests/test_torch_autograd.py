@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """LossdFusedLinearCrossEntropyLoss under autograd's harder paths: grad modes, retained graphs,
 double backward, activation checkpointing, and the micro-batch keys that keep a server-side
 accumulator from adding a micro-batch twice (or missing one). Skipped where torch is not

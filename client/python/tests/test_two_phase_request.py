@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """compute()'s two-phase log-prob requests (keep_ms, ticket) against an in-process fake server
 that records what arrives: the forward's keep_ms, a backward's header (the ticket, no X, W,
 bias or targets, the options the ticket holds left unset) and tensors (dlogp and dentropy

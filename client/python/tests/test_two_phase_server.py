@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The two-phase log-prob through real lossd servers (CPU backend; skipped where a server lacks
 the feature "logprob_two_phase"): compute(keep_ms=) and compute(ticket=) against the
 one-phase call, tickets in List until their backward or their expiry, a hosted head's ticket,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The float64 oracle of the torch tests: torch's own linear + cross_entropy (autograd, with
 Liger's options: z-loss, label smoothing, softcap, class weights, token scaling), and the
 random leaf tensors the tests feed both it and lossd. Import it after

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The reference-exp logits GEMM of ref_exp_gemm.h as a CUTLASS 3.x sm_90a kernel: X is
 // CUTLASS's A (M = c rows, K-major), W is B (N = v columns, K-major), E is D (row-major), the
 // "TN" GEMM both operands' TMA loads prefer; a ping-pong warp-specialized 128 x 128 x 64 tile

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the row-statistics Epilogue Visitor Tree nodes of CUTLASS's sm90 TMA warp-specialized
 // epilogues share (row_ref_exp_node.cuh here, bench/kernel/row_stats_node.cuh): which lanes of
 // a warp hold one row, where a CTA tile's per-row statistics live, and a thread's share of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An Epilogue Visitor Tree node for CUTLASS's sm90 TMA warp-specialized epilogues that makes
 // the logits GEMM write E = exp(z - ref[row]) instead of z, and for each row of a CTA tile the
 // sum of E over the tile's columns and the tile's largest logit (rounded to bf16) with its

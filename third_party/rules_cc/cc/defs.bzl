@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Offline stand-in for rules_cc: re-exports Bazel 4's native C++ rules."""
 
 def cc_binary(**kwargs):

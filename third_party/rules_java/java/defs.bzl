@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Offline stand-in for rules_java: re-exports Bazel 4's native Java rules."""
 
 def java_binary(**kwargs):

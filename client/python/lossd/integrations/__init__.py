@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd inside the training frameworks people already use. Importing this package imports
 nothing heavy: each framework's hook lives in its own module, loaded on first use, and needs
 that framework installed (`pip install "lossd[integrations]"`).

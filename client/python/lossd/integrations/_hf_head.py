@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Mode "head" of lossd.integrations.transformers: the module that stands in for a causal LM's
 lm_head once lossd hosts it, and the Trainer callback that steps the hosted head. Imports torch
 and transformers; never holds the head's weights as parameters (nothing here is trained

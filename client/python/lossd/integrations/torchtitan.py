@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd inside torchtitan: apply_lossd(trainer_or_model, server) makes torchtitan's loss (its
 CrossEntropyLoss: the sum over the tokens not ignored, divided by the step's global count of
 valid tokens) come from lossd's fused linear cross-entropy on the last hidden state and the

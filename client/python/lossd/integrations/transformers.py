@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd inside Hugging Face Transformers: apply_lossd(model, server) makes a causal LM's forward
 with labels compute its loss through lossd's fused linear cross-entropy (mode "loss": the head
 stays a parameter of the model, on the trainer) or through a hosted head (mode "head": the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd inside TRL: apply_lossd(trainer, server) makes an SFTTrainer's or GRPOTrainer's per-token
 log-probabilities and entropies come from lossd instead of TRL's chunked log-softmax.
 

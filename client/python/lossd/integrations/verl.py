@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd inside verl: apply_lossd(model, server) serves the path behind verl's
 `use_fused_kernels` (the actor's and the reference's log-probs and entropy at a temperature,
 from the hidden states and the head, the logits never formed) from lossd.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The lossd.v1 messages and enums, built at import by the installed protobuf runtime from
 lossd.proto's serialized descriptor (lossd.binpb, which protoc writes when the package is
 built; lossd._protogen finds it).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The lossd.v1.Loss service for grpcio: LossStub (client), LossServicer and
 add_LossServicer_to_server (a server, for tests), made from the service's descriptor.
 
