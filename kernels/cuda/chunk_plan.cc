@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kernels/cuda/chunk_plan.h"
 
 #include <algorithm>
@@ -38,7 +39,7 @@ int64_t ChunkRows(int64_t bt, uint64_t budget_bytes, uint64_t fixed, uint64_t ro
 uint64_t RefExpRowBytes(int64_t h, int64_t v) {
   const uint64_t tiles =
       static_cast<uint64_t>((std::max<int64_t>(v, 1) + kRefExpTileN - 1) / kRefExpTileN);
-  return 3 * 4 * tiles + 3 * 4 + 4 * static_cast<uint64_t>(std::min(kRefExpSample, v)) +
+  return 3 * 4 * tiles + 6 * 4 + 4 * static_cast<uint64_t>(std::min(kRefExpSample, v)) +
          6 * static_cast<uint64_t>(h);
 }
 
@@ -93,8 +94,19 @@ RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v) {
   l.w_sample = take(static_cast<uint64_t>(l.n_sample) * h * 2);
   l.xs = take(rows * h * 2);
   l.dx32 = take(rows * h * 4);
-  l.bad = take(4);
+  l.bad = take(16);
   l.gemm = take(kRefExpGemmWorkspaceBytes);
+  l.row_bad = take(ld * 4);
+  l.row_max = take(ld * 4);
+  l.redo_idx = take(ld * 4);
+  l.redo_ref = take((kRefExpRedoMax + kRefExpTileM) * 4);
+  const uint64_t redo_rows = static_cast<uint64_t>(kRefExpRedoRows);
+  const uint64_t redo_stats = static_cast<uint64_t>(l.n_tiles) * kRefExpTileM * 4;
+  l.redo_x = take(redo_rows * h * 2);
+  l.redo_e = take(redo_rows * static_cast<uint64_t>(std::max<int64_t>(v, 1)) * 2);
+  l.redo_sum = take(redo_stats);
+  l.redo_max = take(redo_stats);
+  l.redo_arg = take(redo_stats);
   l.bytes = at;
   return l;
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Chunk planning for the GPU engine: how many rows a chunk holds within a device-memory
 // budget, the whole-batch layout where it fits, where a chunk splits into row halves, and the
 // gradient's scales. Host arithmetic only: it never touches the GPU, never allocates device
@@ -102,10 +103,21 @@ struct RefExpLayout {
   int64_t ld = 0, n_tiles = 0, n_sample = 0;
   uint64_t tile_sum = 0, tile_max = 0, tile_arg = 0, ref = 0, zt = 0, factor = 0, zs = 0,
            w_sample = 0, xs = 0, dx32 = 0, bad = 0, gemm = 0;
+  // The per-row redo of flagged rows (fused_loss_ref_exp.cc): each row's flag and largest
+  // logit, the flagged rows' list and references, and one batch of kRefExpRedoRows rows' X,
+  // E and tile statistics (leading dimension kRefExpTileM).
+  uint64_t row_bad = 0, row_max = 0, redo_idx = 0, redo_ref = 0, redo_x = 0, redo_e = 0,
+           redo_sum = 0, redo_max = 0, redo_arg = 0;
   uint64_t bytes = 0;  // all of it
 };
 // Vocabulary rows the reference's sample takes (evenly strided), at most V.
 inline constexpr int64_t kRefExpSample = 1024;
+// Flagged rows (a logit more than ~88 above the row's reference) are recomputed in batches of
+// kRefExpRedoRows with their own largest logit as the reference, up to kRefExpRedoMax rows a
+// chunk; a chunk with more, or with a row of non-finite logits, is redone whole by the
+// cross-entropy kernel.
+inline constexpr int64_t kRefExpRedoRows = 32;
+inline constexpr int64_t kRefExpRedoMax = 256;
 // The CUTLASS kernel's workspace (its persistent scheduler needs none today; checked at Enqueue).
 inline constexpr uint64_t kRefExpGemmWorkspaceBytes = 1ull << 20;
 RefExpLayout RefExpLayoutOf(int64_t c, int64_t h, int64_t v);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The chunk plans (host-side arithmetic only): run everywhere the toolkit is, GPU or not.
 #include <algorithm>
 #include <cmath>
@@ -48,7 +49,15 @@ TEST(RefExpPlanTest, LayoutHoldsEveryBuffer) {
         {l.zs, static_cast<uint64_t>(c) * l.n_sample * 4},
         {l.w_sample, static_cast<uint64_t>(l.n_sample) * h * 2},
         {l.xs, static_cast<uint64_t>(c) * h * 2}, {l.dx32, static_cast<uint64_t>(c) * h * 4},
-        {l.bad, 4}, {l.gemm, kRefExpGemmWorkspaceBytes}};
+        {l.bad, 12}, {l.gemm, kRefExpGemmWorkspaceBytes},
+        {l.row_bad, static_cast<uint64_t>(l.ld) * 4}, {l.row_max, static_cast<uint64_t>(l.ld) * 4},
+        {l.redo_idx, static_cast<uint64_t>(l.ld) * 4},
+        {l.redo_ref, (kRefExpRedoMax + kRefExpTileM) * 4u},
+        {l.redo_x, static_cast<uint64_t>(kRefExpRedoRows) * h * 2},
+        {l.redo_e, static_cast<uint64_t>(kRefExpRedoRows) * v * 2},
+        {l.redo_sum, static_cast<uint64_t>(l.n_tiles) * kRefExpTileM * 4},
+        {l.redo_max, static_cast<uint64_t>(l.n_tiles) * kRefExpTileM * 4},
+        {l.redo_arg, static_cast<uint64_t>(l.n_tiles) * kRefExpTileM * 4}};
     for (size_t i = 0; i < parts.size(); ++i) {
       EXPECT_EQ(parts[i].first % 256, 0u) << i;
       const uint64_t end = parts[i].first + parts[i].second;
@@ -175,7 +184,6 @@ TEST(ChunkPlanTest, DefaultBudgetHoldsTwoThousandRows) {
   EXPECT_EQ(DefaultChunkBudget(8192, 4000000, DType::kBF16), kMaxDefaultChunkBudgetBytes);
   EXPECT_EQ(DefaultChunkBudget(1, 8, DType::kBF16), kDefaultChunkBudgetBytes);
 }
-
 
 TEST(ChunkPlanTest, RowSplitHalvesFromFiveHundredTwelveRows) {
   EXPECT_EQ(RowSplit(511), 511);  // one piece

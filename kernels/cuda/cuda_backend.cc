@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kernels/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
@@ -178,9 +179,13 @@ BackendInfo CudaBackend::Info() {
   return info;
 }
 
-std::pair<int64_t, int64_t> CudaBackend::RefExpCounts() {
+CudaBackend::RefExpCounters CudaBackend::RefExpCounts() {
   absl::MutexLock lock(&mu_);
-  return {engine_->ref_exp_chunks(), engine_->ref_exp_fallbacks()};
+  RefExpCounters c;
+  c.chunks = engine_->ref_exp_chunks();
+  c.redone_rows = engine_->ref_exp_redone_rows();
+  c.chunk_fallbacks = engine_->ref_exp_fallbacks();
+  return c;
 }
 
 ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {

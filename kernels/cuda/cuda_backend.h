@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // lossd::Backend on one CUDA GPU: copies a LossProblem's host tensors to the device (weights
 // and accumulators may already be there), runs the chunked fused linear + cross-entropy
 // (fused_loss.h) and copies the results back. Never aborts; out-of-memory is
@@ -61,10 +62,13 @@ class CudaBackend : public Backend {
 
   BackendInfo Info() override;
   // Whether bf16 cross-entropy problems are planned for the reference-exp path, and the
-  // engine's counts of the chunks it ran and redid (FusedLoss::ref_exp_chunks): for tests,
-  // benchmarks and the logs.
+  // engine's counts of the chunks it ran, the rows it redid and the chunks it redid whole
+  // (FusedLoss::ref_exp_chunks): for tests, benchmarks and the logs.
   bool ref_exp() const { return ref_exp_; }
-  std::pair<int64_t, int64_t> RefExpCounts();
+  struct RefExpCounters {
+    int64_t chunks = 0, redone_rows = 0, chunk_fallbacks = 0;
+  };
+  RefExpCounters RefExpCounts();
   absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override;
   absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
                              size_t bytes) override;

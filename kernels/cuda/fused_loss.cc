@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // FusedLoss's set-up and its entry point; the GEMM layer is in fused_loss_gemm.cc, the
 // row-chunk path in fused_loss_chunks.cc, the whole-batch path in fused_loss_whole.cc.
 #include "kernels/cuda/fused_loss.h"
@@ -155,7 +156,7 @@ absl::StatusOr<std::unique_ptr<FusedLoss>> FusedLoss::Create(int device) {
   if (f->ref_exp_gemm_ != nullptr) {
     LOSSD_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&f->combined_, cudaEventDisableTiming));
     LOSSD_CUDA_RETURN_IF_ERROR(
-        cudaMallocHost(reinterpret_cast<void**>(&f->flagged_host_), sizeof(unsigned int)));
+        cudaMallocHost(reinterpret_cast<void**>(&f->flagged_host_), 3 * sizeof(unsigned int)));
   }
   return f;
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The GPU engine of the fused linear + cross-entropy on device pointers: takes a chunk plan
 // (chunk_plan.h) and enqueues per chunk the logits GEMM (cuBLASLt), the fused cross-entropy
 // kernel (gradient in place over the logits), the dX GEMM and the fixed-order fp32 dW/db
@@ -29,7 +30,8 @@ namespace cuda {
 // (fused_loss_gemm.cc).
 struct LtDescriptors;
 struct EventPair;
-class RefExpGemm;  // ref_exp_gemm.h
+class RefExpGemm;         // ref_exp_gemm.h
+struct RefExpGemmArgs;    // ref_exp_gemm.h
 
 // Validates targets (each in [0, V) or ignore_index), converts them to int32 with -1 for an
 // ignored row, and sums what the reductions need. INVALID_ARGUMENT names the first bad row.
@@ -179,16 +181,22 @@ class FusedLoss {
   // (RefExpCovers); on by default, off sends every problem down the other paths.
   bool ref_exp_available() const { return ref_exp_gemm_ != nullptr; }
   void set_ref_exp(bool on) { ref_exp_ = on; }
+  // Vocabulary rows the reference's sample takes, 1 to kRefExpSample (the default; the layout
+  // always holds kRefExpSample): fewer make the sample's GEMM cheaper and flag more rows for
+  // the per-row redo. For benchmarks.
+  void set_ref_exp_sample(int64_t n) { ref_exp_sample_ = n; }
   bool ref_exp() const { return ref_exp_ && ref_exp_available(); }
   // Whether the path computes this problem: cross-entropy, bf16, no bias, softcap or label
   // smoothing (class weights, z-loss, token scaling, every reduction and upstream gradient
   // are covered), H and V multiples of 8, X and W 16-byte aligned.
   static bool RefExpCovers(const DeviceLossArgs& a);
-  // Chunks the path has run, and of those how many it redid through the cross-entropy kernel
-  // because a row's exp may have overflowed (a logit ~88 above the row's reference). For
-  // tests, benchmarks and the logs.
+  // Chunks the path has run; rows it recomputed with their own largest logit as the
+  // reference because their exp may have overflowed (a logit ~88 above the row's reference);
+  // and chunks it redid whole through the cross-entropy kernel (more than kRefExpRedoMax such
+  // rows, or a row of non-finite logits). For tests, benchmarks and the logs.
   int64_t ref_exp_chunks() const { return ref_exp_chunks_; }
   int64_t ref_exp_fallbacks() const { return ref_exp_fallbacks_; }
+  int64_t ref_exp_redone_rows() const { return ref_exp_redone_rows_; }
 
   // Times the candidates for this GEMM on `stream` with these very pointers and keeps the
   // fastest for its key (replacing an earlier choice); later Gemm calls with the same key (and
@@ -265,6 +273,9 @@ class FusedLoss {
   absl::Status TuneRefExp(RefExpPass& r);
   absl::Status RefExpForward(RefExpPass& r, int64_t c0, int64_t rows);
   absl::Status RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows);
+  absl::Status RunRefExpGemm(const RefExpGemmArgs& g, void* workspace);
+  absl::Status RefExpScaledDx(RefExpPass& r, int64_t c0, int64_t rows);
+  absl::Status RefExpRedoRows(RefExpPass& r, int64_t c0, int64_t rows, int64_t n);
   // Makes main_ wait for everything queued on side_ and ce_: an Enqueue ends on main_.
   absl::Status JoinStreams();
   // The whole-batch path (plan.blocks > 0).
@@ -315,9 +326,10 @@ class FusedLoss {
   // pinned word a chunk's flagged-row count comes back in, the event after the combine.
   std::unique_ptr<RefExpGemm> ref_exp_gemm_;
   bool ref_exp_ = true;
+  int64_t ref_exp_sample_ = kRefExpSample;
   unsigned int* flagged_host_ = nullptr;
   cudaEvent_t combined_ = nullptr;
-  int64_t ref_exp_chunks_ = 0, ref_exp_fallbacks_ = 0;
+  int64_t ref_exp_chunks_ = 0, ref_exp_fallbacks_ = 0, ref_exp_redone_rows_ = 0;
 };
 
 }  // namespace cuda

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The reference-exp path of FusedLoss::Enqueue (a plan with ChunkPlan::ref_exp, a problem
 // RefExpCovers): a backward with no pass over the logits. Per chunk of C rows, on main_:
 //   zt  = each row's target logit (a dot product a row), zs = its logits at kRefExpSample evenly
@@ -12,9 +13,12 @@
 //   this dW before it rewrites E.
 // What is left of the cross-entropy pass (1.3-2.5 ms a call at V = 256000 on an H200) is
 // C-sized work. A row whose largest logit sits more than ~88 above its reference overflows E;
-// the combine counts such rows, and the host reads the count (while the chunk's dX GEMM runs)
-// before it adds the chunk's dW: a flagged chunk is redone by RowChunk, whose results replace
-// the chunk's, so a caller sees the same outputs either way up to rounding.
+// the combine flags such rows, LaunchCompactFlagged lists them, and the host reads the counts
+// (while the chunk's dX GEMM runs) before it adds the chunk's dW: the flagged rows alone are
+// recomputed with their own largest logit as the reference (RefExpRedoRows) and the chunk's dX
+// redone; a chunk with more than kRefExpRedoMax of them, or a row of non-finite logits, is
+// redone whole by RowChunk, whose results replace the chunk's. A caller sees the same outputs
+// either way up to rounding.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -42,6 +46,7 @@ class FusedLoss::RefExpPass {
  public:
   RefExpPass(FusedLoss& f, const DeviceLossArgs& a, const ChunkPlan& plan, void* workspace)
       : c(f, a, plan, workspace), l(RefExpLayoutOf(plan.chunk_rows, a.h, a.v)) {
+    l.n_sample = std::clamp<int64_t>(f.ref_exp_sample_, 1, l.n_sample);
     base = static_cast<char*>(c.ws_side) + c.gws;
     tile_sum = reinterpret_cast<float*>(base + l.tile_sum);
     tile_max = reinterpret_cast<float*>(base + l.tile_max);
@@ -55,6 +60,15 @@ class FusedLoss::RefExpPass {
     dx32 = reinterpret_cast<float*>(base + l.dx32);
     flagged = reinterpret_cast<unsigned int*>(base + l.bad);
     gemm_ws = base + l.gemm;
+    row_bad = reinterpret_cast<int32_t*>(base + l.row_bad);
+    row_max = reinterpret_cast<float*>(base + l.row_max);
+    redo_idx = reinterpret_cast<int32_t*>(base + l.redo_idx);
+    redo_ref = reinterpret_cast<float*>(base + l.redo_ref);
+    redo_x = base + l.redo_x;
+    redo_e = base + l.redo_e;
+    redo_sum = reinterpret_cast<float*>(base + l.redo_sum);
+    redo_max = reinterpret_cast<float*>(base + l.redo_max);
+    redo_arg = reinterpret_cast<int32_t*>(base + l.redo_arg);
   }
 
   // zs^T (n_sample x rows) = W_sample * X_c^T, fp32 out.
@@ -77,6 +91,23 @@ class FusedLoss::RefExpPass {
                 CUDA_R_32F, c.gws, 0, nullptr};
   }
 
+  // The combine's parameters for the chunk (the forward's and the redo's).
+  RefExpCombineParams Combine(int64_t c0, int64_t rows) const {
+    RefExpCombineParams p;
+    p.ce = RowParams(c.a, c.scales, /*write_grad=*/true, c0, rows);
+    p.tile_sum = tile_sum;
+    p.tile_max = tile_max;
+    p.tile_arg = tile_arg;
+    p.n_tiles = l.n_tiles;
+    p.ld = RefExpLd(rows);
+    p.zt = zt;
+    p.ref = ref;
+    p.e = c.logits;
+    p.factor = factor;
+    p.bad = flagged;
+    return p;
+  }
+
   ChunkPass c;
   RefExpLayout l;
   char* base;
@@ -86,8 +117,13 @@ class FusedLoss::RefExpPass {
   void* w_sample;
   void* xs;
   float* dx32;
-  unsigned int* flagged;
+  unsigned int* flagged;  // [0] the combine's count, [1] and [2] LaunchCompactFlagged's
   void* gemm_ws;
+  int32_t *row_bad, *redo_idx;
+  float *row_max, *redo_ref;
+  void *redo_x, *redo_e;
+  float *redo_sum, *redo_max;
+  int32_t* redo_arg;
   // A chunk's dW (or a fallen-back chunk's dW/db) on side_ still reads the buffer: the next
   // chunk's GEMM waits for dw_done_[0].
   bool dw_pending = false;
@@ -148,64 +184,127 @@ absl::Status FusedLoss::RefExpForward(RefExpPass& r, int64_t c0, int64_t rows) {
   g.c = rows;
   g.h = a.h;
   g.v = a.v;
+  LOSSD_RETURN_IF_ERROR(RunRefExpGemm(g, r.gemm_ws));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(r.flagged, 0, sizeof(unsigned int), main_));
+  RefExpCombineParams p = r.Combine(c0, rows);
+  p.row_bad = r.row_bad;
+  p.row_max = r.row_max;
+  LOSSD_RETURN_IF_ERROR(CudaStatus(LaunchCombineRefExp(p, main_), "LaunchCombineRefExp"));
+  LOSSD_RETURN_IF_ERROR(CudaStatus(
+      LaunchCompactFlagged(r.row_bad, r.row_max, rows, r.redo_idx, r.redo_ref,
+                           kRefExpRedoMax + kRefExpTileM, r.flagged + 1, main_),
+      "LaunchCompactFlagged"));
+  LOSSD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(flagged_host_, r.flagged, 3 * sizeof(unsigned int),
+                                             cudaMemcpyDeviceToHost, main_));
+  return CudaStatus(cudaEventRecord(combined_, main_), "cudaEventRecord(combined)");
+}
+
+absl::Status FusedLoss::RunRefExpGemm(const RefExpGemmArgs& g, void* workspace) {
   if (ref_exp_gemm_->WorkspaceBytes(g) > kRefExpGemmWorkspaceBytes) {
     return absl::InternalError(absl::StrCat("cuda: the reference-exp GEMM wants ",
                                             ref_exp_gemm_->WorkspaceBytes(g),
                                             " bytes of workspace; the plan holds ",
                                             kRefExpGemmWorkspaceBytes));
   }
-  if (const std::string err = ref_exp_gemm_->Run(g, r.gemm_ws, main_); !err.empty()) {
+  if (const std::string err = ref_exp_gemm_->Run(g, workspace, main_); !err.empty()) {
     return absl::InternalError(absl::StrCat("cuda: ", err));
   }
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(r.flagged, 0, sizeof(unsigned int), main_));
-  RefExpCombineParams p;
-  p.ce = RowParams(a, c.scales, /*write_grad=*/true, c0, rows);
-  p.tile_sum = r.tile_sum;
-  p.tile_max = r.tile_max;
-  p.tile_arg = r.tile_arg;
-  p.n_tiles = r.l.n_tiles;
-  p.ld = ld;
-  p.zt = r.zt;
-  p.ref = r.ref;
-  p.e = c.logits;
-  p.factor = r.factor;
-  p.bad = r.flagged;
-  LOSSD_RETURN_IF_ERROR(CudaStatus(LaunchCombineRefExp(p, main_), "LaunchCombineRefExp"));
-  LOSSD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(flagged_host_, r.flagged, sizeof(unsigned int),
-                                             cudaMemcpyDeviceToHost, main_));
-  return CudaStatus(cudaEventRecord(combined_, main_), "cudaEventRecord(combined)");
+  return absl::OkStatus();
+}
+
+// On main_: xs = diag(f) X_c for the dW GEMM (logits_done_[0] says E' and xs are ready), and
+// dX_c = diag(f) (E' W) through the fp32 dX chunk.
+absl::Status FusedLoss::RefExpScaledDx(RefExpPass& r, int64_t c0, int64_t rows) {
+  ChunkPass& c = r.c;
+  const DeviceLossArgs& a = c.a;
+  if (c.want_dw) {
+    LOSSD_RETURN_IF_ERROR(CudaStatus(LaunchScaleRows(Offset(a.x, c0 * a.h, 2), kElemBF16,
+                                                     r.factor, rows, a.h, r.xs, kElemBF16, main_),
+                                     "LaunchScaleRows(X)"));
+    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));
+  }
+  if (a.dx == nullptr) return absl::OkStatus();
+  LOSSD_RETURN_IF_ERROR(RunSpec(main_, c.ws_main, c.scales.alpha, r.DxSpec(rows), 0));
+  const size_t dx_elem = DTypeSize(a.dx_dtype);
+  return CudaStatus(LaunchScaleRows(r.dx32, kElemF32, r.factor, rows, a.h,
+                                    static_cast<char*>(a.dx) + c0 * a.h * dx_elem,
+                                    a.dx_dtype == DType::kF32 ? kElemF32 : kElemBF16, main_),
+                    "LaunchScaleRows(dX)");
+}
+
+// The chunk's `n` flagged rows (redo_idx, redo_ref from LaunchCompactFlagged), on main_ after
+// the chunk's first dX: in batches of kRefExpRedoRows, their X rows gathered, the same GEMM
+// with the row's largest logit as its reference (exp(z - max) <= 1: nothing overflows), E rows,
+// tile statistics and references put back in the chunk's; then the combine over those rows.
+// Each row's GEMM is the same K loop whatever its place: reruns are bit-identical.
+absl::Status FusedLoss::RefExpRedoRows(RefExpPass& r, int64_t c0, int64_t rows, int64_t n) {
+  const DeviceLossArgs& a = r.c.a;
+  const void* x = Offset(a.x, c0 * a.h, 2);
+  for (int64_t b = 0; b < n; b += kRefExpRedoRows) {
+    const int64_t m = std::min(kRefExpRedoRows, n - b);
+    LOSSD_RETURN_IF_ERROR(CudaStatus(
+        LaunchGatherRows(x, r.redo_idx + b, m, a.h, r.redo_x, main_), "LaunchGatherRows"));
+    RefExpGemmArgs g;
+    g.x = r.redo_x;
+    g.w = a.w;
+    g.e = r.redo_e;
+    g.ref = r.redo_ref + b;
+    g.tile_sum = r.redo_sum;
+    g.tile_max = r.redo_max;
+    g.tile_arg = r.redo_arg;
+    g.ld = RefExpLd(m);
+    g.c = m;
+    g.h = a.h;
+    g.v = a.v;
+    LOSSD_RETURN_IF_ERROR(RunRefExpGemm(g, r.gemm_ws));
+    RefExpScatter s;
+    s.idx = r.redo_idx + b;
+    s.n = m;
+    s.v = a.v;
+    s.n_tiles = r.l.n_tiles;
+    s.ld_redo = g.ld;
+    s.ld = RefExpLd(rows);
+    s.e_redo = r.redo_e;
+    s.sum_redo = r.redo_sum;
+    s.max_redo = r.redo_max;
+    s.arg_redo = r.redo_arg;
+    s.ref_redo = r.redo_ref + b;
+    s.e = r.c.logits;
+    s.tile_sum = r.tile_sum;
+    s.tile_max = r.tile_max;
+    s.tile_arg = r.tile_arg;
+    s.ref = r.ref;
+    LOSSD_RETURN_IF_ERROR(CudaStatus(LaunchScatterRedo(s, main_), "LaunchScatterRedo"));
+  }
+  RefExpCombineParams p = r.Combine(c0, rows);
+  p.only_rows = r.redo_idx;
+  p.n_only = n;
+  return CudaStatus(LaunchCombineRefExp(p, main_), "LaunchCombineRefExp(redo)");
 }
 
 absl::Status FusedLoss::RefExpChunk(RefExpPass& r, int64_t c0, int64_t rows) {
   ChunkPass& c = r.c;
-  const DeviceLossArgs& a = c.a;
   LOSSD_RETURN_IF_ERROR(c.XReady(c0, rows));
   if (r.dw_pending) LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(main_, dw_done_[0], 0));
   LOSSD_RETURN_IF_ERROR(RefExpForward(r, c0, rows));
-  const void* x = Offset(a.x, c0 * a.h, 2);
-  if (c.want_dw) {
-    LOSSD_RETURN_IF_ERROR(CudaStatus(
-        LaunchScaleRows(x, kElemBF16, r.factor, rows, a.h, r.xs, kElemBF16, main_),
-        "LaunchScaleRows(X)"));
-    LOSSD_CUDA_RETURN_IF_ERROR(cudaEventRecord(logits_done_[0], main_));  // E' and xs ready
-  }
-  // The dX GEMM goes in before the host looks at the count, so the GPU has it to run while
-  // the host waits; a flagged chunk's dX is rewritten by RowChunk below.
-  if (a.dx != nullptr) {
-    LOSSD_RETURN_IF_ERROR(RunSpec(main_, c.ws_main, c.scales.alpha, r.DxSpec(rows), 0));
-    const size_t dx_elem = DTypeSize(a.dx_dtype);
-    LOSSD_RETURN_IF_ERROR(CudaStatus(
-        LaunchScaleRows(r.dx32, kElemF32, r.factor, rows, a.h,
-                        static_cast<char*>(a.dx) + c0 * a.h * dx_elem,
-                        a.dx_dtype == DType::kF32 ? kElemF32 : kElemBF16, main_),
-        "LaunchScaleRows(dX)"));
-  }
+  // The dX GEMM goes in before the host looks at the counts, so the GPU has it to run while
+  // the host waits; a flagged chunk's dX is rewritten below.
+  LOSSD_RETURN_IF_ERROR(RefExpScaledDx(r, c0, rows));
   ++ref_exp_chunks_;
   LOSSD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(combined_));
-  if (*flagged_host_ != 0) {
-    ++ref_exp_fallbacks_;
-    r.dw_pending = true;
-    return RowChunk(c, c0, rows);  // rewrites the chunk's row results, dX rows and adds its dW
+  const unsigned int redo = flagged_host_[1], hopeless = flagged_host_[2];
+  if (redo + hopeless != 0) {
+    if (hopeless == 0 && redo <= kRefExpRedoMax) {
+      // The flagged rows alone, with their own largest logit as the reference; the rest of
+      // the chunk is kept. Then the chunk's xs and dX again, over the mended E'.
+      LOSSD_RETURN_IF_ERROR(RefExpRedoRows(r, c0, rows, redo));
+      ref_exp_redone_rows_ += redo;
+      LOSSD_RETURN_IF_ERROR(RefExpScaledDx(r, c0, rows));
+    } else {
+      ++ref_exp_fallbacks_;
+      r.dw_pending = true;
+      return RowChunk(c, c0, rows);  // rewrites the chunk's row results, dX rows, adds its dW
+    }
   }
   if (c.want_dw) {
     // Beside the dX GEMM: the two read E' and write different outputs.

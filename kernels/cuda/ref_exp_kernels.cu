@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kernels/cuda/ref_exp_kernels.h"
 
 #include <cuda_bf16.h>
@@ -66,11 +67,14 @@ __global__ void CombineRefExpKernel(const RefExpCombineParams p) {
   __shared__ float ss[kCombineSlices][kCombineRows + 1];
   __shared__ float sm[kCombineSlices][kCombineRows + 1];
   __shared__ int32_t sa[kCombineSlices][kCombineRows + 1];
-  const int64_t c = p.ce.rows, ld = p.ld;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kCombineRows + threadIdx.x;
+  const int64_t ld = p.ld;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kCombineRows + threadIdx.x;
+  // With only_rows the block's threads take listed rows; c bounds the list instead.
+  const int64_t c = p.only_rows != nullptr ? p.n_only : p.ce.rows;
+  const int64_t r = p.only_rows != nullptr && j < c ? p.only_rows[j] : j;
   float s = 0.0f, m = -INFINITY;
   int32_t arg = INT32_MAX;
-  if (r < c) {
+  if (j < c) {
     for (int64_t t = threadIdx.y; t < p.n_tiles; t += kCombineSlices) {
       s += p.tile_sum[t * ld + r];
       ArgMaxMerge(m, arg, p.tile_max[t * ld + r], p.tile_arg[t * ld + r]);
@@ -80,7 +84,7 @@ __global__ void CombineRefExpKernel(const RefExpCombineParams p) {
   sm[threadIdx.y][threadIdx.x] = m;
   sa[threadIdx.y][threadIdx.x] = arg;
   __syncthreads();
-  if (threadIdx.y != 0 || r >= c) return;
+  if (threadIdx.y != 0 || j >= c) return;
   for (int k = 1; k < kCombineSlices; ++k) {
     s += ss[k][threadIdx.x];
     ArgMaxMerge(m, arg, sm[k][threadIdx.x], sa[k][threadIdx.x]);
@@ -91,7 +95,12 @@ __global__ void CombineRefExpKernel(const RefExpCombineParams p) {
   // A row of NaN logits has no maximum: its first column, as a kernel reading them would say.
   p.ce.row_pred[r] = arg == INT32_MAX ? 0 : arg;
   // E may have overflowed (a logit more than ~88 above the reference) or S be useless.
-  if (!(log_s <= 80.0f) || !isfinite(lse)) atomicAdd(p.bad, 1u);
+  const bool bad = !(log_s <= 80.0f) || !isfinite(lse);
+  if (bad) atomicAdd(p.bad, 1u);
+  if (p.row_bad != nullptr) {
+    p.row_bad[r] = bad ? (isfinite(m) ? 1 : 2) : 0;
+    p.row_max[r] = m;
+  }
   const int32_t t = p.ce.targets[r];
   if (t < 0) {
     p.ce.row_ce[r] = 0.0f;
@@ -108,6 +117,79 @@ __global__ void CombineRefExpKernel(const RefExpCombineParams p) {
   const float hot_share = terms.a != 0.0f ? terms.hot / terms.a : 0.0f;
   __nv_bfloat16* e = static_cast<__nv_bfloat16*>(p.e);
   e[r * p.ce.v + t] = __float2bfloat16_rn(expf(p.zt[r] - p.ref[r]) - hot_share * s);
+}
+
+constexpr int kCompactThreads = 1024;
+
+// One block: the flagged rows in ascending order, a block-wide prefix count per 1024 rows.
+__global__ void CompactFlaggedKernel(const int32_t* __restrict__ row_bad,
+                                     const float* __restrict__ row_max, int64_t c,
+                                     int32_t* idx, float* ref_redo, int64_t ref_len,
+                                     unsigned int* counts) {
+  __shared__ int warp_sums[kCompactThreads / 32];
+  __shared__ int base_s;
+  __shared__ unsigned int hopeless_s;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    base_s = 0;
+    hopeless_s = 0;
+  }
+  __syncthreads();
+  for (int64_t r0 = 0; r0 < c; r0 += kCompactThreads) {
+    const int64_t r = r0 + threadIdx.x;
+    const int32_t b = r < c ? row_bad[r] : 0;
+    if (b == 2) atomicAdd(&hopeless_s, 1u);
+    const unsigned mask = __ballot_sync(0xFFFFFFFF, b == 1);
+    if (lane == 0) warp_sums[warp] = __popc(mask);
+    __syncthreads();
+    int before = base_s;
+    for (int k = 0; k < warp; ++k) before += warp_sums[k];
+    before += __popc(mask & ((1u << lane) - 1));
+    if (b == 1) {
+      idx[before] = static_cast<int32_t>(r);
+      if (before < ref_len) ref_redo[before] = row_max[r];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int k = 0; k < kCompactThreads / 32; ++k) base_s += warp_sums[k];
+    }
+    __syncthreads();
+  }
+  const int k = base_s;
+  for (int64_t i = k + threadIdx.x; i < ref_len; i += kCompactThreads) ref_redo[i] = 0.0f;
+  if (threadIdx.x == 0) {
+    counts[0] = static_cast<unsigned int>(k);
+    counts[1] = hopeless_s;
+  }
+}
+
+__global__ void GatherRowsKernel(const uint4* __restrict__ src, const int32_t* __restrict__ idx,
+                                 int64_t n, int64_t vecs, uint4* dst) {
+  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) {
+    const uint4* s = src + static_cast<int64_t>(idx[i]) * vecs;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < vecs;
+         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      dst[i * vecs + j] = s[j];
+    }
+  }
+}
+
+__global__ void ScatterRedoKernel(const RefExpScatter s) {
+  const int64_t vecs = s.v / 8;
+  const uint4* src = static_cast<const uint4*>(s.e_redo);
+  uint4* dst = static_cast<uint4*>(s.e);
+  for (int64_t i = blockIdx.y; i < s.n; i += gridDim.y) {
+    const int64_t r = s.idx[i];
+    const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t j = tid; j < vecs; j += stride) dst[r * vecs + j] = src[i * vecs + j];
+    for (int64_t t = tid; t < s.n_tiles; t += stride) {
+      s.tile_sum[t * s.ld + r] = s.sum_redo[t * s.ld_redo + i];
+      s.tile_max[t * s.ld + r] = s.max_redo[t * s.ld_redo + i];
+      s.tile_arg[t * s.ld + r] = s.arg_redo[t * s.ld_redo + i];
+    }
+    if (tid == 0) s.ref[r] = s.ref_redo[i];
+  }
 }
 
 template <typename In, typename Out>
@@ -170,10 +252,43 @@ cudaError_t LaunchCombineRefExp(const RefExpCombineParams& p, cudaStream_t strea
       p.ce.elem != kElemBF16 || p.ld < p.ce.rows) {
     return cudaErrorInvalidValue;
   }
-  if (p.ce.rows <= 0) return cudaSuccess;
+  if ((p.row_bad == nullptr) != (p.row_max == nullptr)) return cudaErrorInvalidValue;
+  const int64_t n = p.only_rows != nullptr ? p.n_only : p.ce.rows;
+  if (n <= 0) return cudaSuccess;
   const dim3 block(kCombineRows, kCombineSlices);
-  const unsigned grid = static_cast<unsigned>((p.ce.rows + kCombineRows - 1) / kCombineRows);
+  const unsigned grid = static_cast<unsigned>((n + kCombineRows - 1) / kCombineRows);
   CombineRefExpKernel<<<grid, block, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCompactFlagged(const int32_t* row_bad, const float* row_max, int64_t c,
+                                 int32_t* idx, float* ref_redo, int64_t ref_len,
+                                 unsigned int* counts, cudaStream_t stream) {
+  if (c < 0 || ref_len < 0) return cudaErrorInvalidValue;
+  CompactFlaggedKernel<<<1, kCompactThreads, 0, stream>>>(row_bad, row_max, c, idx, ref_redo,
+                                                          ref_len, counts);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherRows(const void* src, const int32_t* idx, int64_t n, int64_t cols,
+                             void* dst, cudaStream_t stream) {
+  if (cols % 8 != 0) return cudaErrorInvalidValue;
+  if (n <= 0 || cols == 0) return cudaSuccess;
+  const int64_t vecs = cols / 8;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((vecs + 255) / 256, 64)),
+                  static_cast<unsigned>(std::min<int64_t>(n, 65535)));
+  GatherRowsKernel<<<grid, 256, 0, stream>>>(static_cast<const uint4*>(src), idx, n, vecs,
+                                             static_cast<uint4*>(dst));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScatterRedo(const RefExpScatter& s, cudaStream_t stream) {
+  if (s.v % 8 != 0 || s.ld_redo < s.n) return cudaErrorInvalidValue;
+  if (s.n <= 0) return cudaSuccess;
+  const int64_t work = std::max(s.v / 8, s.n_tiles);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, 64)),
+                  static_cast<unsigned>(std::min<int64_t>(s.n, 65535)));
+  ScatterRedoKernel<<<grid, 256, 0, stream>>>(s);
   return cudaGetLastError();
 }
 

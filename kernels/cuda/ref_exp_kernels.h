@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The small kernels around the reference-exp logits GEMM (ref_exp_gemm.h), which leave no pass
 // over the logits in the backward (fused_loss_ref_exp.cc): the target's logit and the row's
 // reference before the GEMM, the combine of its tile statistics into the row's results and
@@ -49,6 +50,15 @@ struct RefExpCombineParams {
   void* e = nullptr;           // (c, v) bf16: E, one element a row rewritten
   float* factor = nullptr;     // (c) out: a_r / S_r (0 for an ignored row)
   unsigned int* bad = nullptr;  // incremented once a row whose results cannot be trusted
+  // (c) out, where set: 0 for a good row, 1 for a flagged row that a redo with its own largest
+  // logit as the reference fixes (that logit is finite), 2 for one it cannot (a non-finite
+  // largest logit: non-finite inputs); and the row's largest logit (tile_max's maximum).
+  int32_t* row_bad = nullptr;
+  float* row_max = nullptr;
+  // Where set, the combine runs over these n_only rows of the chunk only (the redone rows,
+  // RefExpRedoRows); the others are left as they are.
+  const int32_t* only_rows = nullptr;
+  int64_t n_only = 0;
 };
 
 // For each row r: S = the sum of its tile sums (a fixed order), lse = ref + log S, row_pred =
@@ -59,6 +69,33 @@ struct RefExpCombineParams {
 // *bad counts rows whose E may have overflowed or whose sum is not finite (log S > 80, or not
 // finite): the caller must not use such a chunk's E. *bad is not zeroed here.
 cudaError_t LaunchCombineRefExp(const RefExpCombineParams& p, cudaStream_t stream);
+
+// The flagged rows of a chunk, for the per-row redo (fused_loss_ref_exp.cc): idx[0..k) the rows
+// with row_bad == 1 in ascending order, ref_redo[i] = row_max[idx[i]] for i < k and 0 up to
+// ref_len, counts[0] = k and counts[1] = the rows with row_bad == 2. One block; deterministic.
+cudaError_t LaunchCompactFlagged(const int32_t* row_bad, const float* row_max, int64_t c,
+                                 int32_t* idx, float* ref_redo, int64_t ref_len,
+                                 unsigned int* counts, cudaStream_t stream);
+
+// dst[i, :] = src[idx[i], :] for i < n, rows of `cols` bf16 (cols a multiple of 8, 16-byte
+// aligned rows).
+cudaError_t LaunchGatherRows(const void* src, const int32_t* idx, int64_t n, int64_t cols,
+                             void* dst, cudaStream_t stream);
+
+// The redo's results into the chunk's: for i < n and r = idx[i], E row r <- e_redo row i (v
+// bf16), its tile statistics (n_tiles entries, leading dimensions ld_redo and ld) and
+// ref[r] <- ref_redo[i].
+struct RefExpScatter {
+  const int32_t* idx = nullptr;
+  int64_t n = 0, v = 0, n_tiles = 0, ld_redo = 0, ld = 0;
+  const void* e_redo = nullptr;
+  const float *sum_redo = nullptr, *max_redo = nullptr, *ref_redo = nullptr;
+  const int32_t* arg_redo = nullptr;
+  void* e = nullptr;
+  float *tile_sum = nullptr, *tile_max = nullptr, *ref = nullptr;
+  int32_t* tile_arg = nullptr;
+};
+cudaError_t LaunchScatterRedo(const RefExpScatter& s, cudaStream_t stream);
 
 // Blocks of 256 threads for `n` items of a memory-bound grid-stride kernel, at most eight a
 // multiprocessor of the current device: enough resident threads to keep the memory system
