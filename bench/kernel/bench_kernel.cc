@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Times the fused linear + cross-entropy (forward + backward, bf16, all tensors on the GPU)
 // against the 3-GEMM cuBLAS floor at the same shapes in the same process: median of CUDA-event
 // timings after warm-up, on random data. Also reports the chunk workspace (peak extra device
@@ -22,6 +23,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "bench/kernel/extra_runs.h"
 #include "bench/kernel/fused_run.h"
 #include "bench/kernel/gpu_energy.h"
@@ -46,12 +48,14 @@ bool ParseShape(absl::string_view s, int64_t* bt, int64_t* h, int64_t* v) {
 int ParseBudgets(std::vector<uint64_t>* out) {
   std::vector<uint64_t>& budgets = *out;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_budgets_mib), ',')) {
-    uint64_t mib = 0;
-    if (!absl::SimpleAtoi(b, &mib)) {
+    uint64_t n = 0;
+    // "4096r": chunks of 4096 rows (the default budget's plan with the rows asked for).
+    const bool rows = absl::ConsumeSuffix(&b, "r");
+    if (!absl::SimpleAtoi(b, &n) || (rows && (n == 0 || n >= kRowsBudget))) {
       std::fprintf(stderr, "bad --budgets_mib entry '%s'\n", std::string(b).c_str());
       return 2;
     }
-    budgets.push_back(mib << 20);
+    budgets.push_back(rows ? kRowsBudget | n : n << 20);
   }
   return 0;
 }
@@ -94,6 +98,7 @@ int SetUpEngine(cuda::FusedLoss& engine) {
   }
   engine.set_autotune(absl::GetFlag(FLAGS_autotune));
   engine.set_ref_exp(absl::GetFlag(FLAGS_ref_exp));
+  engine.set_ref_exp_sample(absl::GetFlag(FLAGS_ref_exp_sample));
   return 0;
 }
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "bench/kernel/fused_run.h"
 
 #include <cuda_runtime_api.h>
@@ -55,18 +56,22 @@ bool PlanConfig(int64_t bt, int64_t h, int64_t v, uint64_t budget, const Config&
                 bool ref_exp, Row::Fused* out, cuda::ChunkPlan* plan_out) {
   Row::Fused& f = *out;
   const uint64_t gws = static_cast<uint64_t>(absl::GetFlag(FLAGS_gemm_ws_mib)) << 20;
-  f.is_default = budget == 0;
+  const int64_t rows =
+      (budget & kRowsBudget) != 0 ? static_cast<int64_t>(budget & ~kRowsBudget) : 0;
+  if (rows > 0) budget = 0;
+  f.is_default = budget == 0 && rows == 0;
   f.budget = f.is_default ? cuda::DefaultChunkBudget(bt, v, DType::kBF16, gws) : budget;
   f.schedule = c.schedule;
   f.side_sms = c.side_sms;
-  if (ref_exp && f.schedule != 2 && f.is_default) {
+  if (ref_exp && f.schedule != 2 && budget == 0) {
     f.budget = cuda::DefaultRefExpBudget(bt, h, v, gws);
   }
   cuda::ChunkPlan plan =
       f.schedule == 2 ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
-      : ref_exp       ? cuda::PlanRefExpChunks(bt, h, v, f.budget, 0, gws)
-                      : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, 0,
+      : ref_exp       ? cuda::PlanRefExpChunks(bt, h, v, f.budget, rows, gws)
+                      : cuda::PlanChunks(bt, v, DType::kBF16, f.budget, rows,
                                          static_cast<cuda::Schedule>(f.schedule), gws);
+  if (rows > 0) f.budget = plan.workspace_bytes;
   if (ref_exp && f.schedule != 2) plan.schedule = static_cast<cuda::Schedule>(f.schedule);
   if (f.schedule == 2 && plan.blocks == 0) {
     std::fprintf(stderr, "  %lldx%lldx%lld budget %llu MiB: whole-batch layout does not apply\n",

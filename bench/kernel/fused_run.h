@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One shape of the kernel benchmark: the fused op at every budget and schedule, each timed in
 // the same rounds as the 3-GEMM floor (cuBLASLt's first choices, and tuned), with its measured
 // extra memory, where its time goes (its GEMMs alone, the CE kernels alone), and at the first
@@ -13,6 +14,9 @@
 
 namespace lossd {
 namespace bench {
+
+// A --budgets_mib entry "Nr" (N rows a chunk) is kept as kRowsBudget | N.
+inline constexpr uint64_t kRowsBudget = 1ull << 62;
 
 // `engine` runs the fused op and the tuned floor; `floor_engine`, never tuned, the floor with
 // cuBLASLt's first choices. A budget of 0 is the backend's default for the shape. 0, or 1 on a

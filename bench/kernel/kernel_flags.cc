@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "bench/kernel/kernel_flags.h"
 
 #include "absl/flags/flag.h"
@@ -10,7 +11,7 @@ ABSL_FLAG(int, runs, 20, "timed runs per measurement (median reported)");
 ABSL_FLAG(int, warmup, 3, "untimed runs first");
 ABSL_FLAG(std::string, budgets_mib, "0,1024",
           "chunk budgets (MiB) to time the fused op at; 0 = the backend's default for the shape "
-          "(DefaultChunkBudget)");
+          "(DefaultChunkBudget); Nr = chunks of N rows");
 ABSL_FLAG(std::string, schedules, "0,1,2",
           "schedules to time (0 row halves, 1 column halves, 2 the whole-batch layout where it "
           "applies)");
@@ -36,6 +37,9 @@ ABSL_FLAG(bool, ref_exp, true,
           "plan row chunks for the reference-exp path where the engine has it (the backend's "
           "default; its budget grows by the path's buffers, DefaultRefExpBudget); false: the "
           "logits GEMM + cross-entropy kernel path");
+ABSL_FLAG(int, ref_exp_sample, 1024,
+          "vocabulary rows the reference-exp path's reference samples (1 to 1024): its C x n "
+          "GEMM a chunk");
 ABSL_FLAG(int, gemm_ws_mib, 4, "cuBLASLt workspace per stream (MiB) for the fused op's GEMMs");
 ABSL_FLAG(std::string, algo_ranks, "0,0,0",
           "cuBLASLt heuristic rank for the fused op's logits, dX and dW GEMMs");

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The kernel benchmark's command-line flags, defined once (kernel_flags.cc) and read by each
 // measurement. Declarations only: what each flag does is written beside its definition.
 #ifndef LOSSD_BENCH_KERNEL_KERNEL_FLAGS_H_
@@ -21,6 +22,7 @@ ABSL_DECLARE_FLAG(std::string, host_io);
 ABSL_DECLARE_FLAG(std::string, csv);
 ABSL_DECLARE_FLAG(bool, autotune);
 ABSL_DECLARE_FLAG(bool, ref_exp);
+ABSL_DECLARE_FLAG(int, ref_exp_sample);
 ABSL_DECLARE_FLAG(int, gemm_ws_mib);
 ABSL_DECLARE_FLAG(std::string, algo_ranks);
 ABSL_DECLARE_FLAG(std::string, bt_sweep);
