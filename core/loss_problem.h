@@ -67,6 +67,8 @@ inline constexpr uint32_t LossKindBit(LossKind k) { return 1u << static_cast<int
 // Bits of a backend's loss_kinds (BackendInfo) above the kinds' own: options of a kind that a
 // backend may compute or not. kPolicySequenceBit: kPolicy with ImportanceSampling::kSequence.
 inline constexpr uint32_t kPolicySequenceBit = 1u << 16;
+// kPolicyIsRatioBit: kPolicy with LossProblem::is_ratio.
+inline constexpr uint32_t kPolicyIsRatioBit = 1u << 17;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
@@ -227,6 +229,9 @@ struct LossProblem {
   const float* advantages = nullptr;
   const float* old_logp = nullptr;
   const float* ref_logp = nullptr;
+  // kPolicy: (BT) fp32, host, finite and >= 0: rho_i on the policy term (Liger's
+  // vllm_is_ratio); null = 1. A backend computes it only with kPolicyIsRatioBit.
+  const float* is_ratio = nullptr;
   PolicyParams policy;
   // kDistill: the teacher head, same BT and V as the student, hidden size teacher_h, X's dtype.
   int64_t teacher_h = 0;

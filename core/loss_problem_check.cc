@@ -52,6 +52,7 @@ absl::Status CheckKindInputs(const LossProblem& p) {
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.advantages, "advantages", k, {LossKind::kPolicy}));
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.old_logp, "old_logp", k, {LossKind::kPolicy}));
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.ref_logp, "ref_logp", k, {LossKind::kPolicy}));
+  LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.is_ratio, "is_ratio", k, {LossKind::kPolicy}));
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_x, "teacher_x", k, {LossKind::kDistill}));
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_w, "teacher_w", k, {LossKind::kDistill}));
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_bias, "teacher_bias", k, {LossKind::kDistill}));

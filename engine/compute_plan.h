@@ -21,7 +21,7 @@ namespace lossd {
 enum class InputSlot : int {
   kX = 0, kW, kBias, kTargets, kClassWeights, kGradOutput,
   kDlogp, kDentropy, kAdvantages, kOldLogp, kRefLogp, kTeacherX, kTeacherW, kTeacherBias,
-  kCount
+  kIsRatio, kCount
 };
 // Outputs a Compute may return (the order they are sent is the plan's).
 enum class OutputSlot : int {

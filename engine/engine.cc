@@ -29,6 +29,7 @@ const char* InputSlotName(InputSlot s) {
     case InputSlot::kTeacherX: return "teacher_x";
     case InputSlot::kTeacherW: return "teacher_w";
     case InputSlot::kTeacherBias: return "teacher_bias";
+    case InputSlot::kIsRatio: return "is_ratio";
     case InputSlot::kCount: break;
   }
   return "unknown";

@@ -48,7 +48,8 @@ inline constexpr std::array<std::string_view, 7> kServerFeatures = {
 // "logprob_two_phase": ComputeHeader.keep_ms and ticket, ComputeSummary.ticket and
 // ticket_expires_unix_ms, StateEntry STATE_TICKET (engine/tickets.h); with policy and
 // kPolicySequenceBit "policy_sequence_importance_sampling": PolicyOptions.importance_sampling
-// IMPORTANCE_SAMPLING_SEQUENCE (GSPO) is computed. Sorted.
+// IMPORTANCE_SAMPLING_SEQUENCE (GSPO) is computed; with kPolicyIsRatioBit "policy_is_ratio":
+// ComputeHeader.is_ratio (TENSOR_IS_RATIO) is honoured. Sorted.
 inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
   std::vector<std::string> features(kServerFeatures.begin(), kServerFeatures.end());
   for (int k = 1; k < kLossKinds; ++k) {
@@ -58,6 +59,9 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
       if (kind == LossKind::kLogprob) features.push_back("logprob_two_phase");
       if (kind == LossKind::kPolicy && (loss_kinds & kPolicySequenceBit) != 0) {
         features.push_back("policy_sequence_importance_sampling");
+      }
+      if (kind == LossKind::kPolicy && (loss_kinds & kPolicyIsRatioBit) != 0) {
+        features.push_back("policy_is_ratio");
       }
     }
   }

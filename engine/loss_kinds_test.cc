@@ -159,6 +159,35 @@ TEST(LossKindsPlanTest, SequenceImportanceSamplingNeedsTheBackendsBit) {
   EXPECT_EQ(std::find(g.begin(), g.end(), "policy_sequence_importance_sampling"), g.end());
 }
 
+// The rollout correction is_ratio: a policy tensor (BT) fp32, refused for other kinds, and
+// UNIMPLEMENTED where the backend lacks kPolicyIsRatioBit; announced as policy_is_ratio.
+TEST(LossKindsPlanTest, IsRatioNeedsTheBackendsBit) {
+  RandomProblem rp = RandomProblem::Make(ShapeSpec(kBt, kH, kV));
+  ComputeSpec spec = ComputeSpecFor(rp);
+  spec.kind = LossKind::kPolicy;
+  SetInput(&spec, InputSlot::kAdvantages, InputDesc(DType::kF32, {kBt}));
+  SetInput(&spec, InputSlot::kIsRatio, InputDesc(DType::kF32, {kBt}));
+  std::shared_ptr<KindsSeen> seen = std::make_shared<KindsSeen>();
+  Engine without(std::make_unique<KindsBackend>(kAllKinds, seen), EngineOptions{});
+  ExpectStatus(without.Plan(spec).status(), absl::StatusCode::kUnimplemented,
+               "this server's backend 'kinds-fake' does not compute header.is_ratio "
+               "(ServerInfo.features lists policy_is_ratio where it does)");
+  Engine with(std::make_unique<KindsBackend>(kAllKinds | kPolicyIsRatioBit, seen),
+              EngineOptions{});
+  auto planned = with.Plan(spec);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_EQ(planned->input_bytes[static_cast<int>(InputSlot::kIsRatio)], kBt * 4u);
+  SetInput(&spec, InputSlot::kIsRatio, InputDesc(DType::kF32, {kBt + 1}));
+  ExpectRefused(with.Plan(spec).status(), "is_ratio.shape [7] must be (BT) = [6]");
+  SetInput(&spec, InputSlot::kIsRatio, InputDesc(DType::kF32, {kBt}));
+  spec.kind = LossKind::kLogprob;
+  spec.inputs[static_cast<int>(InputSlot::kAdvantages)] = TensorDesc();
+  ExpectRefused(with.Plan(spec).status(),
+                "header.is_ratio is for kind policy; this request's kind is logprob");
+  const std::vector<std::string> f = ServerFeatures(kAllKinds | kPolicyIsRatioBit);
+  EXPECT_NE(std::find(f.begin(), f.end(), "policy_is_ratio"), f.end());
+}
+
 // Admission counts a kind's own memory: the CPU backend's workspace for distill holds a chunk
 // of teacher logits beside the student's, and the inline teacher's bytes are host bytes.
 TEST(LossKindsPlanTest, AdmissionCountsTheKindsWorkspaceAndTheTeachersBytes) {

@@ -19,7 +19,7 @@ constexpr double kFp32ExpMax = 88.72283935546875;
 std::vector<float> RowLogp(Backend& backend, const LossProblem& p) {
   LossProblem q = p;
   q.kind = LossKind::kLogprob;
-  q.dlogp = q.dentropy = q.advantages = q.old_logp = q.ref_logp = nullptr;
+  q.dlogp = q.dentropy = q.advantages = q.old_logp = q.ref_logp = q.is_ratio = nullptr;
   q.grad_output = nullptr;
   std::vector<float> logp(p.bt), loss(p.bt);
   int64_t tokens = 0;

@@ -28,7 +28,7 @@ absl::Status OtherKinds(const char* field, LossKind owner, LossKind kind) {
                                                  LossKindName(kind)));
 }
 
-// The per-row fp32 inputs (dlogp, dentropy, advantages, old_logp, ref_logp): only the kind
+// The per-row fp32 inputs (dlogp, dentropy, advantages, old_logp, ref_logp, is_ratio): only the kind
 // they belong to, (BT) fp32; policy's advantages are required.
 absl::Status PlanRowInputs(const ComputeSpec& spec, ComputePlan* plan) {
   struct Row {
@@ -39,7 +39,8 @@ absl::Status PlanRowInputs(const ComputeSpec& spec, ComputePlan* plan) {
                       {InputSlot::kDentropy, LossKind::kLogprob},
                       {InputSlot::kAdvantages, LossKind::kPolicy},
                       {InputSlot::kOldLogp, LossKind::kPolicy},
-                      {InputSlot::kRefLogp, LossKind::kPolicy}};
+                      {InputSlot::kRefLogp, LossKind::kPolicy},
+                      {InputSlot::kIsRatio, LossKind::kPolicy}};
   for (const Row& r : rows) {
     const TensorDesc& t = Input(spec, r.slot);
     const char* name = InputSlotName(r.slot);
@@ -197,6 +198,12 @@ absl::Status CheckKindServed(const ComputeSpec& spec, const std::string& backend
     return absl::InvalidArgumentError(absl::StrCat("header.kind ", k, " is unknown"));
   }
   if ((loss_kinds & LossKindBit(kind)) != 0) {
+    if (kind == LossKind::kPolicy && spec.inputs[static_cast<int>(InputSlot::kIsRatio)].present &&
+        (loss_kinds & kPolicyIsRatioBit) == 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "this server's backend '", backend, "' does not compute header.is_ratio "
+          "(ServerInfo.features lists policy_is_ratio where it does)"));
+    }
     if (kind != LossKind::kPolicy ||
         spec.policy.importance_sampling != ImportanceSampling::kSequence ||
         (loss_kinds & kPolicySequenceBit) != 0) {

@@ -37,6 +37,7 @@ void SetKindInputs(const ComputePlan& plan, Engine::InputBuffers& in, LossProble
   p->advantages = f32(InputSlot::kAdvantages);
   p->old_logp = f32(InputSlot::kOldLogp);
   p->ref_logp = f32(InputSlot::kRefLogp);
+  p->is_ratio = f32(InputSlot::kIsRatio);
   p->policy = plan.policy;
   p->distill = plan.distill;
   if (plan.kind != LossKind::kDistill) return;
@@ -110,11 +111,20 @@ absl::Status CheckInputsFinite(const ComputePlan& plan, Engine::InputBuffers& in
                                               plan.v, "class_weights", 0));
   }
   const InputSlot rows[] = {InputSlot::kGradOutput, InputSlot::kDlogp, InputSlot::kDentropy,
-                            InputSlot::kAdvantages, InputSlot::kOldLogp, InputSlot::kRefLogp};
+                            InputSlot::kAdvantages, InputSlot::kOldLogp, InputSlot::kRefLogp,
+                            InputSlot::kIsRatio};
   for (InputSlot s : rows) {
     if (buf(s) == nullptr) continue;
     LOSSD_RETURN_IF_ERROR(
         CheckFiniteElements(buf(s), DType::kF32, 0, plan.bt, InputSlotName(s), 0));
+  }
+  if (const auto* rho = reinterpret_cast<const float*>(buf(InputSlot::kIsRatio)); rho != nullptr) {
+    for (int64_t i = 0; i < plan.bt; ++i) {  // a ratio: a negative one flips the term's sign
+      if (!(rho[i] >= 0.0f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("is_ratio[", i, "] = ", rho[i], " must be >= 0 (a truncated ratio)"));
+      }
+    }
   }
   if (plan.kind != LossKind::kDistill) return absl::OkStatus();
   const uint64_t ht = static_cast<uint64_t>(plan.teacher_h);

@@ -93,6 +93,7 @@ absl::Status ComputeAssembler::CheckNewElements(int i) {
     case InputSlot::kAdvantages:
     case InputSlot::kOldLogp:
     case InputSlot::kRefLogp:
+    case InputSlot::kIsRatio:
       dtype = DType::kF32;
       break;
     default:

@@ -276,6 +276,17 @@ TEST_F(LossKindsServiceTest, TheServiceRefusesNamingTheHeaderField) {
   EXPECT_NE(r.status.error_message().find("does not compute header.policy.importance_sampling "
                                           "IMPORTANCE_SAMPLING_SEQUENCE"),
             std::string::npos) << r.status.error_message();
+  // So does is_ratio (no kPolicyIsRatioBit either).
+  h = Header(v1::LOSS_KIND_POLICY);
+  *h.mutable_advantages() = F32Rows();
+  *h.mutable_is_ratio() = F32Rows();
+  parts = Parts();
+  AddParts(&parts, v1::TENSOR_ADVANTAGES, a_.data(), a_.size() * 4);
+  AddParts(&parts, v1::TENSOR_IS_RATIO, b_.data(), b_.size() * 4);
+  r = RunCompute(h_.stub(), h, parts);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(r.status.error_message().find("does not compute header.is_ratio"),
+            std::string::npos) << r.status.error_message();
   // Outputs of another kind.
   h = Header(v1::LOSS_KIND_DISTILL);
   h.mutable_outputs()->set_predictions(true);

@@ -113,6 +113,7 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
       {InputSlot::kAdvantages, h.has_advantages(), &h.advantages(), "header.advantages"},
       {InputSlot::kOldLogp, h.has_old_logp(), &h.old_logp(), "header.old_logp"},
       {InputSlot::kRefLogp, h.has_ref_logp(), &h.ref_logp(), "header.ref_logp"},
+      {InputSlot::kIsRatio, h.has_is_ratio(), &h.is_ratio(), "header.is_ratio"},
       {InputSlot::kTeacherX, h.has_teacher_x(), &h.teacher_x(), "header.teacher_x"},
       {InputSlot::kTeacherW, h.has_teacher_w(), &h.teacher_w(), "header.teacher_w"},
       {InputSlot::kTeacherBias, h.has_teacher_bias(), &h.teacher_bias(),
@@ -195,6 +196,7 @@ absl::StatusOr<InputSlot> InputSlotFromWire(v1::TensorId id) {
     case v1::TENSOR_ADVANTAGES: return InputSlot::kAdvantages;
     case v1::TENSOR_OLD_LOGP: return InputSlot::kOldLogp;
     case v1::TENSOR_REF_LOGP: return InputSlot::kRefLogp;
+    case v1::TENSOR_IS_RATIO: return InputSlot::kIsRatio;
     case v1::TENSOR_TEACHER_X: return InputSlot::kTeacherX;
     case v1::TENSOR_TEACHER_W: return InputSlot::kTeacherW;
     case v1::TENSOR_TEACHER_BIAS: return InputSlot::kTeacherBias;
