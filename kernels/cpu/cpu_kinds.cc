@@ -161,6 +161,10 @@ void PolicyTerms(const LossProblem& p, int64_t i, double logp, double r, bool se
   const PolicyParams& o = p.policy;
   const double a = p.advantages[i];
   double loss = PolicySurrogate(o, r, a, logp, &row->clipped, dlogp);
+  if (p.is_ratio != nullptr) {  // the rollout correction, on the policy term only
+    loss *= p.is_ratio[i];
+    *dlogp *= p.is_ratio[i];
+  }
   *via_ratio = 0;
   if (sequence) std::swap(*dlogp, *via_ratio);  // the clipped types' surrogate is all via r
   if (o.beta != 0.0f && p.ref_logp != nullptr) {

@@ -18,7 +18,8 @@ namespace lossd {
 // The kinds this backend computes (BackendInfo::loss_kinds).
 inline constexpr uint32_t kCpuLossKinds =
     LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
-    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill) | kPolicySequenceBit;
+    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
+    kPolicyIsRatioBit;
 
 // INVALID_ARGUMENT for what this backend does not compute: an unknown kind, one outside
 // kCpuLossKinds, and outputs it does not write for a kind (entropy for policy; logp and entropy

@@ -138,7 +138,8 @@ TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
   const BackendInfo info = NewCpuBackend(1)->Info();
   EXPECT_EQ(info.loss_kinds, LossKindBit(LossKind::kCrossEntropy) |
                                  LossKindBit(LossKind::kLogprob) | LossKindBit(LossKind::kPolicy) |
-                                 LossKindBit(LossKind::kDistill) | kPolicySequenceBit);
+                                 LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
+                                 kPolicyIsRatioBit);
 }
 
 }  // namespace

@@ -47,6 +47,7 @@ struct Case {
   float sapo_pos = 1.0f, sapo_neg = 1.05f, delta = 0;
   bool bias_correction = false;
   bool sequence = false;  // sequence-level importance sampling (GSPO)
+  bool is_ratio = false;  // the rollout correction, random in [0.2, 2)
 };
 
 std::vector<Case> Cases() {
@@ -185,6 +186,25 @@ std::vector<Case> Cases() {
   c.cap = 5;
   c.bias = c.grad_f32 = true;
   cs.push_back(c);
+  c = Case();
+  c.name = "is_ratio_sapo_chunk7";
+  c.is_ratio = true;
+  c.type = PolicyLossType::kSapo;
+  c.chunk_rows = 7;
+  cs.push_back(c);
+  c = Case();
+  c.name = "is_ratio_cispo_bias_corrected_kl";
+  c.is_ratio = c.bias_correction = true;
+  c.type = PolicyLossType::kCispo;
+  c.eps_high = 1.3f;
+  c.beta = 0.2f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "is_ratio_seq_grpo_chunk32";
+  c.is_ratio = c.sequence = true;
+  c.type = PolicyLossType::kGrpo;
+  c.chunk_rows = 32;
+  cs.push_back(c);
   return cs;
 }
 
@@ -244,6 +264,10 @@ struct PolicySetup {
     const ImportanceSampling level =
         c.sequence ? ImportanceSampling::kSequence : ImportanceSampling::kToken;
     problem.policy.importance_sampling = level;
+    if (c.is_ratio) {
+      is_ratio = RandomFloats(s.bt, 0.2f, 2.0f, seed + 5);
+      problem.is_ratio = is_ratio.data();
+    }
     PolicyProblem pp;
     pp.head = head;
     pp.batch = s.sequences;
@@ -253,6 +277,7 @@ struct PolicySetup {
     pp.advantages = problem.advantages;
     pp.old_logp = problem.old_logp;
     pp.ref_logp = problem.ref_logp;
+    pp.is_ratio = problem.is_ratio;
     pp.options = {c.type,
                   c.eps_low,
                   c.eps_high,
@@ -280,7 +305,7 @@ struct PolicySetup {
   RandomProblem random;
   LossProblem problem;
   HeadInputs head;
-  std::vector<float> advantages, old_logp, ref_logp;
+  std::vector<float> advantages, old_logp, ref_logp, is_ratio;
   std::vector<uint8_t> mask;
   PolicyReferenceOutputs ref;
   absl::Status status;
@@ -349,7 +374,8 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
   std::vector<double> seq_a(p.policy.sequences, 0.0), seq_b(p.policy.sequences, 0.0);
   for (int64_t i = 0; i < p.bt && c.sequence; ++i) {
     if (!s.mask[i]) continue;
-    seq_a[i / seq_len] = std::max(seq_a[i / seq_len], double{std::abs(p.advantages[i])});
+    const double rho = p.is_ratio != nullptr ? p.is_ratio[i] : 1.0;
+    seq_a[i / seq_len] = std::max(seq_a[i / seq_len], std::abs(p.advantages[i] * rho));
     seq_b[i / seq_len] =
         std::max(seq_b[i / seq_len], 4 * u * s.logits.abs_max[i] * inv_t);
   }
@@ -363,7 +389,9 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
       continue;
     }
     check(absl::StrCat("logp[", i, "]"), got.logp[i], ref.logp[i], b);
-    const double a = p.advantages[i], r = ref.ratio[i];
+    // The rollout correction scales the policy term's slopes as it scales A.
+    const double a = p.advantages[i] * (p.is_ratio != nullptr ? p.is_ratio[i] : 1.0);
+    const double r = ref.ratio[i];
     const double e_d =
         p.ref_logp != nullptr && c.beta != 0 ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
     RowSlopes slope = PolicyRowSlopes(c, a, r, ref.logp[i], e_d);
