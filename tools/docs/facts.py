@@ -214,8 +214,9 @@ def registered_metrics(root):
     return metrics
 
 
-# Not after "=": a Bazel define (`--define=lossd_sm90=1`) or a flag value is no metric.
-METRIC = re.compile(r"(?<![\w.=])((?:lossd|process)_[a-z0-9_]+)(\{[^}]*\})?((?:`?,\s*`_[a-z0-9_]+`?)*)")
+# Not after "=" or "-": a Bazel define (`--define=lossd_sm90=1`), a flag value or a flag's own
+# name (`--lossd_bin`) is no metric.
+METRIC = re.compile(r"(?<![\w.=-])((?:lossd|process)_[a-z0-9_]+)(\{[^}]*\})?((?:`?,\s*`_[a-z0-9_]+`?)*)")
 NOT_METRICS = re.compile(r"^lossd_(pb2\w*|client\w*|cuda\w*|metrics|bench\w*|help\w*)$")
 
 
