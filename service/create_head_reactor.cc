@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "service/create_head_reactor.h"
 
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -106,12 +107,26 @@ absl::Status CreateHeadReactor::OnEnd() {
     FinishOnce(absl::OkStatus());
     return absl::OkStatus();
   }
+  if (pending_->spec.group.size() > 1) {
+    // Forming a group blocks until every member has joined (up to --head_group_timeout):
+    // never on a gRPC thread. No read or callback of this reactor touches pending_ any more,
+    // and the server's shutdown waits for the Finish this thread gives.
+    std::thread([this] { Commit(); }).detach();
+    return absl::OkStatus();
+  }
+  Commit();
+  return absl::OkStatus();
+}
+
+void CreateHeadReactor::Commit() {
   auto summary = service_->engine()->heads().CommitCreate(std::move(pending_));
-  if (!summary.ok()) return summary.status();
-  *response_->mutable_head() = HeadInfoToWire(*summary, instance);
+  if (!summary.ok()) {
+    FinishOnce(summary.status());
+    return;
+  }
+  *response_->mutable_head() = HeadInfoToWire(*summary, service_->options().instance);
   response_->set_created(true);
   FinishOnce(absl::OkStatus());
-  return absl::OkStatus();
 }
 
 void CreateHeadReactor::FinishOnce(const absl::Status& s) {

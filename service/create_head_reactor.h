@@ -40,6 +40,8 @@ class CreateHeadReactor final : public grpc::ServerReadReactor<v1::CreateHeadReq
   absl::Status OnHeader(const v1::HeadHeader& h);
   absl::Status OnPart(const v1::TensorPart& part);
   absl::Status OnEnd();
+  // Names the head (CommitCreate) and finishes the call; a group's runs on its own thread.
+  void Commit();
   absl::Status Cancelled() const;
   void FinishOnce(const absl::Status& s);
 

@@ -83,6 +83,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(Engine* engine,
       options.address,
       options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &s->port_);
   builder.RegisterService(s->service_.get());
+  if (options.head_group_service != nullptr) builder.RegisterService(options.head_group_service);
   ConfigureReflection(&builder, options.reflection, options.service.auth);
   // gRPC sets SO_REUSEPORT by default: a second lossd on the same port would start and
   // silently take a share of its connections. Off, the second one fails to bind.

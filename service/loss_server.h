@@ -38,6 +38,9 @@ struct LossServerOptions {
   // `credentials` is TLS: it mirrors the main server's health, drain included, and serves
   // nothing else (no Loss service, no reflection).
   std::string health_address;
+  // Served beside the Loss service on the same port and credentials (the head group
+  // rendezvous, service/head_group_store.h); null: none. Outlives the server.
+  grpc::Service* head_group_service = nullptr;
 };
 
 class LossServer {

@@ -42,6 +42,7 @@
 #include "service/head_files.h"
 #include "service/idle_state_sweep.h"
 #include "service/log.h"
+#include "service/head_group_store.h"
 #include "service/loss_server.h"
 #include "service/metrics.h"
 #include "service/part_flags.h"
@@ -83,6 +84,16 @@ ABSL_FLAG(absl::Duration, head_step_timeout, absl::Minutes(10),
           "Longest a hosted head's Step barrier waits for its last rank; then every waiting "
           "rank gets DEADLINE_EXCEEDED and the step's gradients are dropped (in line with "
           "torch.distributed's default collective timeout for NCCL).");
+ABSL_FLAG(std::string, head_group_address, "",
+          "Turns head groups on: the address this server's gloo TCP listener binds (an "
+          "ephemeral port) and every other member must reach; empty: groups refused.");
+ABSL_FLAG(absl::Duration, head_group_timeout, absl::ZeroDuration(),
+          "How long forming a head group (and each of its collectives) waits for every member; "
+          "0 = --head_step_timeout.");
+ABSL_FLAG(std::string, head_group_token_file, "",
+          "Bearer token (first line) this server presents to member 0's group rendezvous.");
+ABSL_FLAG(std::string, head_group_tls_ca, "",
+          "PEM roots verifying member 0's TLS certificate; empty: plaintext to member 0.");
 ABSL_FLAG(uint64_t, ticket_bytes, 4ull << 30,
           "Budget of two-phase log-prob tickets (a forward's X, targets and inline W kept for "
           "its backward); a forward that does not fit is refused (RESOURCE_EXHAUSTED).");
@@ -424,6 +435,18 @@ bool StartHttpEndpoints(Engine& engine, ServerMetrics& metrics,
   return true;
 }
 
+// Head groups (--head_group_address, service/head_group_store.h). Logs the refusal and
+// returns false on a bad flag.
+bool HeadGroupsFromFlags(const TransportSettings& t, EngineOptions* eo,
+                         std::unique_ptr<GroupStoreService>* service) {
+  absl::Status s = ConfigureHeadGroups(
+      {absl::GetFlag(FLAGS_head_group_address), absl::GetFlag(FLAGS_head_group_timeout),
+       absl::GetFlag(FLAGS_head_group_token_file), absl::GetFlag(FLAGS_head_group_tls_ca)},
+      t.auth, eo, service);
+  if (!s.ok()) StartFailed(s.ToString());
+  return s.ok();
+}
+
 // The gRPC server's options from the flags; logs the refusal and returns false on a bad
 // --stream_idle_timeout or --health_port.
 bool ServerOptionsFromFlags(const TransportSettings& t, const std::string& instance,
@@ -505,6 +528,8 @@ int Main() {
   if (!FitStoreBudgets(info, &budgets)) return 1;
   EngineOptions eo;
   if (!EngineOptionsFromFlags(budgets, &eo)) return 1;
+  std::unique_ptr<GroupStoreService> group_store;  // outlives the server
+  if (!HeadGroupsFromFlags(transport, &eo, &group_store)) return 1;
   const absl::Duration state_ttl = absl::GetFlag(FLAGS_state_idle_ttl);
   if (state_ttl < absl::ZeroDuration()) {
     return StartFailed(absl::StrCat("--state_idle_ttl must be >= 0 (0 = off); got ",
@@ -540,6 +565,7 @@ int Main() {
 
   LossServerOptions so;
   if (!ServerOptionsFromFlags(transport, eo.instance, &so)) return 1;
+  so.head_group_service = group_store.get();
   // Health follows the backend (so.health_poll, every second): a sticky device error turns it
   // NOT_SERVING.
   auto server = LossServer::Start(&engine, &metrics, so);
