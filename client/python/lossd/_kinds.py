@@ -91,7 +91,7 @@ def _fp32_input(header, inline, value, name, tid):
 
 def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentropy,
              advantages, old_logp, ref_logp, teacher_x, teacher_w, teacher_bias,
-             want_entropy):
+             want_entropy, is_ratio=None):
     """The kind's fields into `header` and its tensors into `inline` (the Inputs' list, whose
     last entry is X: everything goes before it, the teacher's head first with the big
     tensors, since the server needs all but X in place before X's rows arrive; a two-phase
@@ -164,6 +164,9 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
     _fp32_input(header, inline, advantages, "advantages", pb.TENSOR_ADVANTAGES)
     _fp32_input(header, inline, old_logp, "old_logp", pb.TENSOR_OLD_LOGP)
     _fp32_input(header, inline, ref_logp, "ref_logp", pb.TENSOR_REF_LOGP)
+    if is_ratio is not None and kind != "policy":
+        raise errors.InvalidArgumentError("is_ratio goes with kind 'policy', not %r" % kind)
+    _fp32_input(header, inline, is_ratio, "is_ratio", pb.TENSOR_IS_RATIO)
     if teacher_x is not None:
         dt, shape, arr = to_wire(teacher_x, "teacher_x", FLOAT_DTYPES)
         header.teacher_x.CopyFrom(pb.TensorSpec(dtype=dt, shape=shape))

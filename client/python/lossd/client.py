@@ -467,7 +467,7 @@ class Client(AsyncCalls, HeadMethods):
                 temperature=None, want_entropy=False, dlogp=None, dentropy=None,
                 advantages=None, old_logp=None, ref_logp=None, policy=None, teacher_x=None,
                 teacher_w=None, teacher_bias=None, distill=None, keep_ms=0, ticket=None,
-                allow_nonfinite_loss=False):
+                allow_nonfinite_loss=False, is_ratio=None):
         """Linear + cross-entropy (or another loss kind) forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
@@ -520,6 +520,8 @@ class Client(AsyncCalls, HeadMethods):
         allow_nonfinite_loss: a loss that overflows fp32 from finite inputs comes back inf or
           NaN (result.nonfinite names the gradients holding NaN or Inf) instead of being
           refused; not into an accumulator or a head (servers listing "nonfinite_loss").
+        is_ratio: kind "policy": fp32 (BT), finite and >= 0, each token's rollout correction
+          (Liger's vllm_is_ratio) on its policy term (servers listing "policy_is_ratio").
         """
         t_start = time.perf_counter()
         keep_ms = check_keep_ms(keep_ms)
@@ -534,7 +536,7 @@ class Client(AsyncCalls, HeadMethods):
                 x=x, w=w, targets=targets, bias=bias, class_weights=class_weights,
                 grad_output=grad_output, advantages=advantages, old_logp=old_logp,
                 ref_logp=ref_logp, policy=policy, teacher_x=teacher_x, teacher_w=teacher_w,
-                teacher_bias=teacher_bias, distill=distill, head=head))
+                teacher_bias=teacher_bias, distill=distill, head=head, is_ratio=is_ratio))
             head_fields = inputs.head_fields(head_version, rank, micro_batch)
         if keep_ms or ticket is not None:
             self.require_feature("logprob_two_phase", timeout=timeout)
@@ -542,7 +544,9 @@ class Client(AsyncCalls, HeadMethods):
         set_kind(header, inputs.inline, kind=kind, temperature=temperature, policy=policy,
                  distill=distill, dlogp=dlogp, dentropy=dentropy, advantages=advantages,
                  old_logp=old_logp, ref_logp=ref_logp, teacher_x=teacher_x, teacher_w=teacher_w,
-                 teacher_bias=teacher_bias, want_entropy=want_entropy)
+                 teacher_bias=teacher_bias, want_entropy=want_entropy, is_ratio=is_ratio)
+        if is_ratio is not None:
+            self.require_feature("policy_is_ratio", timeout=timeout)
         set_options(header, inputs.xdt, ignore_index=ignore_index, reduction=reduction,
                     label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                     softcap=softcap, grad_dtype=grad_dtype, grad_scale=grad_scale,

@@ -233,8 +233,9 @@ class LossdFusedLinearGRPOLoss(_OnServer):
     token- or sequence-level importance sampling (GSPO, the clipped types; servers listing
     "policy_sequence_importance_sampling"); `compiled`, `chunk_size` and the vespo_* arguments
     are taken and unused. Refused (InvalidArgumentError, a ValueError): loss_type 'vespo',
-    sequence level with cispo or sapo (as Liger), vllm_is_ratio, and delta with cispo or sapo
-    (which Liger ignores). luspo counts masked tokens out (Liger's token-level luspo counts them in).
+    sequence level with cispo or sapo (as Liger), and delta with cispo or sapo (which Liger
+    ignores). vllm_is_ratio ((B, S) or (B, 1)) multiplies each token's policy term (servers
+    listing "policy_is_ratio"). luspo counts masked tokens out (Liger's token-level luspo counts them in).
     advantages may be per sequence (B) as Liger's or per token (B, S)."""
 
     def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1,
@@ -300,8 +301,6 @@ class LossdFusedLinearGRPOLoss(_OnServer):
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages,
                 bias=None, ref_per_token_logps=None, old_per_token_logps=None, ref_input=None,
                 ref_weight=None, ref_bias=None, vllm_is_ratio=None, num_items_in_batch=None):
-        if vllm_is_ratio is not None:
-            raise errors.InvalidArgumentError("vllm_is_ratio is not supported", method="rl")
         if selected_token_ids.dim() != 2 or attention_mask.shape != selected_token_ids.shape:
             raise errors.InvalidArgumentError(
                 "selected_token_ids and attention_mask must be (B, S) alike, got %s and %s" % (
@@ -330,8 +329,17 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                       sapo_temperature_neg=self.sapo_temperature_neg, delta=self.delta,
                       use_bias_correction_kl=bool(self.use_bias_correction_kl),
                       importance_sampling=self.importance_sampling_level)
-        ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
         runtime = _runtime(self.runtime, None)
+        rho = None
+        if vllm_is_ratio is not None:  # Liger's (B, S) or (B, 1), repeated over the tokens
+            rho = vllm_is_ratio.detach().to(torch.float32)
+            if rho.dim() != 2 or rho.shape[0] != bsz or rho.shape[1] not in (1, seq):
+                raise errors.InvalidArgumentError(
+                    "vllm_is_ratio must be (B, S) = (%d, %d) or (B, 1), got %s" % (
+                        bsz, seq, tuple(rho.shape)), method="rl")
+            rho = rho.expand(bsz, seq).reshape(-1)
+            runtime.client.require_feature("policy_is_ratio", timeout=runtime.timeout)
+        ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
         if self.importance_sampling_level == "sequence":
             runtime.client.require_feature("policy_sequence_importance_sampling",
                                            timeout=runtime.timeout)
@@ -346,7 +354,7 @@ class LossdFusedLinearGRPOLoss(_OnServer):
             return runtime.compute(xc, lin_weight, targets, bias, kind="policy",
                                    temperature=float(self.temperature), ignore_index=ignore,
                                    advantages=adv.reshape(-1), old_logp=_fp32(old_per_token_logps),
-                                   ref_logp=ref, policy=policy, want_dx=want_dx,
+                                   ref_logp=ref, policy=policy, is_ratio=rho, want_dx=want_dx,
                                    want_dw=want_dw, want_db=want_db, grad_dtype=gdt,
                                    weight_dtype=cdt, **_nonfinite_kw(runtime, grad_kw), **grad_kw)
 

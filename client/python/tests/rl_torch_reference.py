@@ -43,7 +43,7 @@ def logprob_entropy(x, w, b, targets, temperature, ignore_index=-100):
     return logp, entropy
 
 
-def policy_loss(logp, mask, adv, old, ref, opts, bsz):
+def policy_loss(logp, mask, adv, old, ref, opts, bsz, is_ratio=None):
     """Liger-Kernel 0.8.5's GRPO loss: (loss, mean KL, clip fraction); token-level ratios, or
     with opts["importance_sampling"] == "sequence" one per sequence (GSPO: the exp of the mean
     of its masked log-ratios). opts: the PolicyOptions fields (a dict; the fields past
@@ -73,6 +73,8 @@ def policy_loss(logp, mask, adv, old, ref, opts, bsz):
         capped = torch.clamp(coef1, max=opts["delta"]) if opts.get("delta") else coef1
         per_token = -torch.min(capped * adv, coef2 * adv)
         clipped = ((coef1 < lo) & (adv < 0)) | ((coef1 > hi) & (adv > 0))
+    if is_ratio is not None:  # Liger's vllm_is_ratio, on the policy term before the KL term
+        per_token = per_token * is_ratio.reshape(bsz, -1)
     kl = torch.exp(ref - logp) - (ref - logp) - 1
     if opts.get("use_bias_correction_kl"):
         kl = kl * coef1
@@ -114,7 +116,8 @@ class ReferenceClient:
     them), a compute naming a ticket computes from them and consumes it, and one naming a
     ticket not held is NotFoundError. features: what require_feature finds."""
 
-    def __init__(self, features=("logprob_two_phase", "policy_sequence_importance_sampling")):
+    def __init__(self, features=("logprob_two_phase", "policy_sequence_importance_sampling",
+                                 "policy_is_ratio")):
         self.calls = []  # the keyword arguments of every compute
         self.features = set(features)
         self.tickets = {}  # ticket -> the forward's (x, w, targets, bias, temperature)
@@ -148,12 +151,12 @@ class ReferenceClient:
                 ignore_index=-100, want_entropy=False, dlogp=None, dentropy=None,
                 advantages=None, old_logp=None, ref_logp=None, policy=None, teacher_x=None,
                 teacher_w=None, teacher_bias=None, distill=None, want_dx=True, want_dw=True,
-                want_db=None, grad_dtype=None, timeout=None):
+                want_db=None, grad_dtype=None, timeout=None, is_ratio=None):
         self.calls.append(dict(kind=kind, temperature=temperature, want_dx=want_dx,
                                want_dw=want_dw, want_db=want_db, grad_dtype=grad_dtype,
                                has_dlogp=dlogp is not None, has_ref=ref_logp is not None,
                                has_old=old_logp is not None, policy=policy, distill=distill,
-                               has_targets=targets is not None))
+                               has_targets=targets is not None, has_is_ratio=is_ratio is not None))
         t = 1.0 if temperature is None else float(temperature)
         x, w, b = (as64(a) for a in (x, w, bias))
         for a in (x, w, b):
@@ -176,7 +179,8 @@ class ReferenceClient:
             mask = (tg != ignore_index).to(DT)
             logp, _ = logprob_entropy(x, w, b, tg, t, ignore_index)
             loss, kl, clip = policy_loss(logp, mask, as64(advantages), as64(old_logp),
-                                         as64(ref_logp), policy, int(policy["sequences"]))
+                                         as64(ref_logp), policy, int(policy["sequences"]),
+                                         as64(is_ratio))
             res.loss, res.kl, res.clip_fraction = loss.item(), kl.item(), clip.item()
             objective = loss
         elif kind == "distill":
