@@ -47,6 +47,15 @@ _PHASES = {"full": pb.STEP_FULL, "reduce": pb.STEP_REDUCE, "apply": pb.STEP_APPL
 DEFAULT_EXPORT_RANGE_BYTES = 64 << 20
 
 
+def _group_spec(group):
+    """A HeadGroupSpec from create_head's `group` dict (lossd checks its values)."""
+    if not isinstance(group, dict) or set(group) - {"members", "member", "id"}:
+        raise errors.InvalidArgumentError(
+            "group must be a dict of members, member and id, got %r" % (group,))
+    return pb.HeadGroupSpec(members=[str(m) for m in group.get("members", ())],
+                            member=int(group.get("member", 0)), id=str(group.get("id", "")))
+
+
 @dataclasses.dataclass
 class OptimizerConfig:
     """The optimizer a hosted head steps with: torch.optim.SGD or torch.optim.AdamW
@@ -284,7 +293,7 @@ class HeadMethods:
             raise errors.from_rpc_error(e, method, kw) from None
 
     def create_head(self, name, w, bias=None, *, optimizer=None, compute_dtype=None, state=None,
-                    version=0, optimizer_step=0, timeout=None):
+                    version=0, optimizer_step=0, group=None, timeout=None):
         """Creates hosted head `name` from W (V, H) and an optional bias (V): fp32, or bf16 /
         fp16 (the fp32 master is then their upcast). Returns its HeadInfo.
 
@@ -298,6 +307,9 @@ class HeadMethods:
           SGD with momentum > 0 once its momentum buffer holds a value.
         Creating a head that exists with the same shape, optimizer and version changes nothing
         (HeadInfo.created False: an import repeated); another version is AlreadyExistsError.
+        group: for a head served by S >= 2 lossd (docs/hosted_head.md "Head groups"), a dict
+          {"members": [endpoint, ...], "member": this server's index, "id": the group's id};
+          each member gets its own create_head (at once: each returns once all have joined).
         """
         self.require_feature("hosted_head", timeout=timeout)
         opt = OptimizerConfig.of(optimizer).check()
@@ -316,6 +328,8 @@ class HeadMethods:
                                compute_dtype=cdt, optimizer=opt.to_proto(),
                                version=int(version), optimizer_step=int(optimizer_step),
                                with_state=state is not None)
+        if group is not None:
+            header.group.CopyFrom(_group_spec(group))
         sends = [(pb.TENSOR_HEAD_MASTER_W, warr)]
         if bias is not None:
             bdt, bshape, barr = to_wire(bias, "bias", FLOAT_DTYPES)
@@ -340,9 +354,10 @@ class HeadMethods:
         self._remember_head(r.head.name, r.head.instance)
         return _head_info(r.head, created=r.created)
 
-    def import_head(self, export, name=None, *, timeout=None):
+    def import_head(self, export, name=None, *, group=None, timeout=None):
         """Creates a head from a HeadExport (export_head's, or a checkpoint's), under its own
-        name or `name`: it resumes exactly where the export was taken."""
+        name or `name`: it resumes exactly where the export was taken. group: as create_head's
+        (every member takes the whole export and keeps its slices)."""
         t = export.tensors
         opt = OptimizerConfig.of(export.optimizer)
         state = {}
@@ -356,7 +371,7 @@ class HeadMethods:
                                 # none: the server refuses an empty state.
                                 state=state if opt.state_names() else None,
                                 version=export.version, optimizer_step=export.optimizer_step,
-                                timeout=timeout)
+                                group=group, timeout=timeout)
 
     def step(self, head, version, *, rank=0, world_size=1, phase="full", lr=None,
              clip_coef=None, max_norm=None, skip=False, timeout=None):
