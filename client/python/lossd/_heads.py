@@ -170,7 +170,9 @@ def _head_info(m, created=True):
                     optimizer_step=m.optimizer_step, bytes=m.bytes,
                     contributions=m.contributions, tokens=m.tokens,
                     ranks_waiting=m.ranks_waiting, instance=m.instance,
-                    last_used_unix_ms=m.last_used_unix_ms, created=created)
+                    last_used_unix_ms=m.last_used_unix_ms, created=created,
+                    group={"members": list(m.group.members), "member": m.group.member,
+                           "id": m.group.id} if len(m.group.members) > 1 else None)
 
 
 def _state_parts(optimizer, state, has_bias):

@@ -139,6 +139,9 @@ class HeadInfo:
     instance: str
     last_used_unix_ms: int
     created: bool = True  # create_head: False when the same head at the same version was there
+    # A head group's {"members": [...], "member": m, "id": ...} (None: one server); rank r's
+    # Computes and Steps go to members[r % len(members)].
+    group: Any = None
 
 
 @dataclasses.dataclass

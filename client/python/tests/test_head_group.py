@@ -127,6 +127,8 @@ def test_a_group_of_three_matches_one_server(members):
         for m in range(S)])
     for m, info in enumerate(infos):
         assert info.created and info.version == 0
+        assert info.group == {"members": addrs, "member": m, "id": gid}
+    assert clients[1].head_info(name).group["member"] == 1
     clients[0].create_head(ref, w, b, optimizer=opt)
 
     worst = 0.0
