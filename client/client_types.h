@@ -158,6 +158,9 @@ struct ComputeRequest {
   std::optional<HostTensor> advantages;
   std::optional<HostTensor> old_logp;
   std::optional<HostTensor> ref_logp;
+  // The rollout correction (Liger's vllm_is_ratio), (BT) fp32 >= 0; servers listing
+  // policy_is_ratio.
+  std::optional<HostTensor> is_ratio;
   PolicyParams policy;  // Liger-Kernel's defaults
   // kDistill: the teacher's hidden states (BT, Ht) in x's dtype, and its head: teacher_w
   // (V, Ht) inline (with an optional teacher_bias (V)) or a PutWeights handle (which carries

@@ -154,7 +154,7 @@ absl::Status ValidateKindInputs(const ComputeRequest& r) {
   const std::pair<const std::optional<HostTensor>*, const char*> inputs[] = {
       {&r.dlogp, "dlogp"},         {&r.dentropy, "dentropy"},   {&r.advantages, "advantages"},
       {&r.old_logp, "old_logp"},   {&r.ref_logp, "ref_logp"},   {&r.teacher_x, "teacher_x"},
-      {&r.teacher_w, "teacher_w"}, {&r.teacher_bias, "teacher_bias"}};
+      {&r.teacher_w, "teacher_w"}, {&r.teacher_bias, "teacher_bias"}, {&r.is_ratio, "is_ratio"}};
   for (const auto& [t, name] : inputs) {
     if (t->has_value()) LOSSD_RETURN_IF_ERROR((*t)->Validate(name));
   }
@@ -210,6 +210,7 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
                  {&r.advantages, &v1::ComputeHeader::mutable_advantages},
                  {&r.old_logp, &v1::ComputeHeader::mutable_old_logp},
                  {&r.ref_logp, &v1::ComputeHeader::mutable_ref_logp},
+                 {&r.is_ratio, &v1::ComputeHeader::mutable_is_ratio},
                  {&r.teacher_x, &v1::ComputeHeader::mutable_teacher_x},
                  {&r.teacher_w, &v1::ComputeHeader::mutable_teacher_w},
                  {&r.teacher_bias, &v1::ComputeHeader::mutable_teacher_bias}};
@@ -232,7 +233,8 @@ absl::Status ValidateBackward(const ComputeRequest& r) {
       {!r.head.empty(), "head"},
       {r.class_weights.has_value(), "class_weights"},
       {r.grad_output.has_value(), "grad_output"},
-      {r.advantages.has_value() || r.old_logp.has_value() || r.ref_logp.has_value(),
+      {r.advantages.has_value() || r.old_logp.has_value() || r.ref_logp.has_value() ||
+           r.is_ratio.has_value(),
        "a policy input"},
       {r.teacher_x.has_value() || r.teacher_w.has_value() || r.teacher_bias.has_value() ||
            !r.teacher_weight_handle.empty(),
@@ -404,7 +406,8 @@ void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracke
   const std::pair<const std::optional<HostTensor>*, v1::TensorId> rows[] = {
       {&r.dlogp, v1::TENSOR_DLOGP},       {&r.dentropy, v1::TENSOR_DENTROPY},
       {&r.advantages, v1::TENSOR_ADVANTAGES}, {&r.old_logp, v1::TENSOR_OLD_LOGP},
-      {&r.ref_logp, v1::TENSOR_REF_LOGP}, {&r.teacher_x, v1::TENSOR_TEACHER_X}};
+      {&r.ref_logp, v1::TENSOR_REF_LOGP}, {&r.is_ratio, v1::TENSOR_IS_RATIO},
+      {&r.teacher_x, v1::TENSOR_TEACHER_X}};
   for (const auto& [t, id] : rows) {
     if (t->has_value()) AppendParts(id, **t, pb, tracker, out, bytes);
   }

@@ -86,6 +86,7 @@ grpc::Status FakeLossService::Compute(
       {v1::TENSOR_ADVANTAGES, &h.advantages()},
       {v1::TENSOR_OLD_LOGP, &h.old_logp()},
       {v1::TENSOR_REF_LOGP, &h.ref_logp()},
+      {v1::TENSOR_IS_RATIO, &h.is_ratio()},
       {v1::TENSOR_TEACHER_X, &h.teacher_x()},
       {v1::TENSOR_TEACHER_W, &h.teacher_w()},
       {v1::TENSOR_TEACHER_BIAS, &h.teacher_bias()}};

@@ -25,6 +25,8 @@ ABSL_FLAG(std::string, advantages, "",
           "policy: .npy of the per-token advantages (BT), fp32 (default: random in (-1, 1))");
 ABSL_FLAG(std::string, old_logp, "", "policy: .npy of the old policy's log-probs (BT), fp32");
 ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (BT), fp32");
+ABSL_FLAG(std::string, is_ratio, "",
+          "policy: .npy of the rollout correction (Liger's vllm_is_ratio) (BT), fp32 >= 0");
 ABSL_FLAG(std::string, loss_type, "dapo", "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo");
 ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
 ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
@@ -108,6 +110,7 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
       {LossKind::kPolicy, "--advantages", !absl::GetFlag(FLAGS_advantages).empty()},
       {LossKind::kPolicy, "--old_logp", !absl::GetFlag(FLAGS_old_logp).empty()},
       {LossKind::kPolicy, "--ref_logp", !absl::GetFlag(FLAGS_ref_logp).empty()},
+      {LossKind::kPolicy, "--is_ratio", !absl::GetFlag(FLAGS_is_ratio).empty()},
       {LossKind::kPolicy, "--loss_type", absl::GetFlag(FLAGS_loss_type) != "dapo"},
       {LossKind::kPolicy, "--epsilon_low", absl::GetFlag(FLAGS_epsilon_low) != 0.2},
       {LossKind::kPolicy, "--epsilon_high", absl::GetFlag(FLAGS_epsilon_high) != 0.2},
@@ -173,6 +176,7 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
   }
   LOSSD_ASSIGN_OR_RETURN(r->old_logp, Fp32Input(absl::GetFlag(FLAGS_old_logp), "old_logp"));
   LOSSD_ASSIGN_OR_RETURN(r->ref_logp, Fp32Input(absl::GetFlag(FLAGS_ref_logp), "ref_logp"));
+  LOSSD_ASSIGN_OR_RETURN(r->is_ratio, Fp32Input(absl::GetFlag(FLAGS_is_ratio), "is_ratio"));
   return absl::OkStatus();
 }
 

@@ -244,7 +244,7 @@ TEST_F(LossctlTest, LossKindsFlagsReachTheHeader) {
   }
   r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --loss_type=grpo --epsilon_low=0.1 "
               "--epsilon_high=0.3 --beta=0 --sequences=3 --advantages=" + Path("adv.npy") +
-              " --old_logp=" + Path("old.npy") + " --json");
+              " --old_logp=" + Path("old.npy") + " --is_ratio=" + Path("old.npy") + " --json");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("\"kl\": 0.375"));
   EXPECT_THAT(r.output, HasSubstr("\"clip_fraction\": 0.0625"));
@@ -260,6 +260,9 @@ TEST_F(LossctlTest, LossKindsFlagsReachTheHeader) {
     EXPECT_EQ(h.policy().sequences(), 3);
     EXPECT_EQ(fake_.last_data[v1::TENSOR_ADVANTAGES].size(), 24u);
     EXPECT_EQ(0, std::memcmp(fake_.last_data[v1::TENSOR_OLD_LOGP].data(), old.data(), 24));
+    // The same file as the rollout correction: its bytes travel as TENSOR_IS_RATIO.
+    EXPECT_EQ(h.is_ratio().shape(0), 6);
+    EXPECT_EQ(0, std::memcmp(fake_.last_data[v1::TENSOR_IS_RATIO].data(), old.data(), 24));
   }
   r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --loss_type=sapo "
               "--sapo_temperature_pos=2 --sapo_temperature_neg=0.5 --use_bias_correction_kl");
@@ -314,6 +317,8 @@ TEST_F(LossctlTest, LossKindsUsageErrors) {
               "ratios");
   ExpectFails("compute --kind=logprob --delta=1.5 --use_bias_correction_kl --bt=4 --h=4 --v=4",
               "--kind=logprob does not take --delta (policy), --use_bias_correction_kl (policy)");
+  ExpectFails("compute --kind=logprob --is_ratio=x.npy --bt=4 --h=4 --v=4",
+              "--kind=logprob does not take --is_ratio (policy)");
   ExpectFails("compute --kind=policy --importance_sampling=group --bt=4 --h=4 --v=4",
               "--importance_sampling must be token or sequence, got 'group'");
   ExpectFails("compute --kind=logprob --importance_sampling=sequence --bt=4 --h=4 --v=4",

@@ -49,6 +49,7 @@ ComputeRequest ViewsOf(const ComputeRequest& r) {
   out.advantages = ViewOf(r.advantages);
   out.old_logp = ViewOf(r.old_logp);
   out.ref_logp = ViewOf(r.ref_logp);
+  out.is_ratio = ViewOf(r.is_ratio);
   out.policy = r.policy;
   out.teacher_x = ViewOf(r.teacher_x);
   out.teacher_w = ViewOf(r.teacher_w);
