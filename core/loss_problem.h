@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The plain-data contract between the engine and every backend: one linear + cross-entropy
 // problem (views of caller-owned buffers plus options) and where its results go. Knows nothing
 // of gRPC, protobuf or CUDA; owns no memory.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A Compute request as the engine sees it: plain shapes, dtypes and options (converted from
 // the wire by the transport), and the validated plan made from it. No gRPC, no protobuf.
 #ifndef LOSSD_ENGINE_COMPUTE_PLAN_H_

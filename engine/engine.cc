@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Engine's life (construction, drain), the names of its slots and its state listing. The
 // rest of the class lives beside it, one file per seam: plan.cc (a request checked into a
 // plan), run.cc (the compute on the executor), uploads.cc (weight uploads),

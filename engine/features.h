@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The feature names ServerInfo announces: one per addition to lossd.v1 that an older server
 // would not honour. Never reuse or rename a name; a client tests for one before it sends the
 // field the feature adds (an older server refuses unknown fields, see wire_convert).

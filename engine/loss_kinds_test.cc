@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The loss kinds through the engine (no gRPC): Plan's refusals, each naming the field and its
 // values; the byte counts, outputs and workspace shape of each kind; and each kind's inputs
 // reaching the backend and its outputs coming back, with weight handles (the teacher's too),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "engine/overflow_message.h"
 
 #include <cmath>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine::Run and what it runs on the executor: the checks that need the bytes (the one
 // validation's target range, --check_finite), the backend's Compute into the outputs or into
 // an accumulator, and the summary. No gRPC; the caller's done callback gets every outcome.

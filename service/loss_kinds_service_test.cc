@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The loss kinds over the wire, through a real server (testing/server_harness) whose backend
 // records what it is handed (testing/kinds_backend.h): ServerInfo's features, each kind's
 // header fields and tensors reaching the backend, its outputs and summary fields coming back

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's loss kinds beyond cross-entropy (logprob, policy, distill;
 // core/loss_problem.h, whose float64 references are the oracle): the same chunked head as
 // cross-entropy (cpu_chunk: the logits GEMM, a row function, the gradient GEMMs) with the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Edge cases of the CPU backend's loss kinds beyond cross-entropy: every row ignored, no rows
 // at all, and the kinds listed in BackendInfo.
 #include <cmath>

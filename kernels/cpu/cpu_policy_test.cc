@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU backend's policy kind against its float64 reference (kernels/cpu/policy_reference.h)
 // over shapes x dtypes x loss types and options, with the tolerance table below; determinism
 // and what the backend refuses.

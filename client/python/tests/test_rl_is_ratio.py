@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """lossd.rl's GRPO loss with Liger's vllm_is_ratio (the trainer / rollout correction, a
 per-token factor on the policy term, sent as the policy kind's is_ratio): against torch
 float64 autograd of Liger's formulas and against Liger-Kernel 0.8.5's own module, through the
