@@ -37,7 +37,8 @@ command -v "$CXX" >/dev/null || { echo "FUZZ FAIL build: $CXX not found (apt-get
 PKGS="protobuf grpc++ openblas gtest absl_status absl_statusor absl_strings absl_str_format \
 absl_synchronization absl_time absl_hash absl_raw_hash_set"
 CFLAGS_PKG="$(pkg-config --cflags $PKGS)"
-LIBS_PKG="$(pkg-config --libs $PKGS)"
+# gloo (engine/head_group.cc) ships no .pc file: linked by name, as @system//:gloo does.
+LIBS_PKG="$(pkg-config --libs $PKGS) -lgloo"
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-sanitize=vptr"
 CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $CFLAGS_PKG"
 
