@@ -12,6 +12,7 @@ from pool_cluster import HOSTS
 torch = pytest.importorskip("torch")
 
 from lossd.nn import LossdFusedLinearCrossEntropyLoss, RemoteLMHead  # noqa: E402
+from lossd._pool_route import order_after_loss  # noqa: E402
 
 BT, H, V, STEPS, MB = 8, 8, 16, 3, 2
 
@@ -82,7 +83,9 @@ def test_loss_module_with_an_accumulator_redoes_a_lost_step(cluster):
         # W went to the accumulator's replica: one upload a step, plus the step redone.
         # One upload a step; the step's W went up again once where its key moved, and once
         # more where the accumulator's next replica is not its W's.
-        w_next = [a for a in pool.order(wkey[0]) if a != killed[0]][0]
+        # W lost with its replica goes where every pool sends state lost there: the first
+        # replica after the lost one in W's own order (order_after_loss).
+        w_next = order_after_loss(wkey[0], pool.order(wkey[0]), killed[0])[0]
         apart = w_next != pool.home("acc:nn-acc")
         assert (st.moves, st.reuploads, st.uploads) == (2, 1, STEPS + 1 + apart), st
     for k in ref:
