@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -35,6 +36,27 @@ absl::Status CheckProblem(const DistillProblem& p) {
   if (p.labels != nullptr && p.label_dtype != DType::kI32 && p.label_dtype != DType::kI64) {
     return absl::InvalidArgumentError(
         absl::StrCat("labels: dtype must be int32 or int64, got ", DTypeName(p.label_dtype)));
+  }
+  const std::pair<const char*, float> weights[] = {{"weight_hard_loss", o.weight_hard_loss},
+                                                   {"weight_soft_loss", o.weight_soft_loss}};
+  for (const auto& [name, value] : weights) {
+    if (!(value >= 0.0f) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("options.", name, " must be finite and >= 0, got ", value));
+    }
+  }
+  if (o.weight_hard_loss == 0.0f) return absl::OkStatus();
+  if (p.labels == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.weight_hard_loss ", o.weight_hard_loss, " needs labels (the hard targets)"));
+  }
+  for (int64_t i = 0; i < p.student.bt; ++i) {
+    const int64_t t = LoadAsInt(p.labels, p.label_dtype, i);
+    if (t != o.ignore_index && (t < 0 || t >= p.student.v)) {
+      return absl::InvalidArgumentError(absl::StrCat("labels[", i, "] = ", t,
+                                                     " is outside [0, V=", p.student.v,
+                                                     ") and is not ignore_index"));
+    }
   }
   return absl::OkStatus();
 }
@@ -70,6 +92,23 @@ double RowDivergence(double beta, const HeadRow& s, const HeadRow& t,
   return row;
 }
 
+// The hard-label term of row i with label t: ce = lse(u) - u_t at temperature 1 (u = z T),
+// and its gradient in z, scale * (softmax(u)_j - [j = t]) * T (z = u / T), added into g.
+double AddHardLoss(const HeadRow& s, int64_t t, double temperature, double scale,
+                   std::vector<double>* g) {  // (V)
+  const size_t v = s.z.size();
+  double m = -INFINITY;
+  for (double zj : s.z) m = std::max(m, zj * temperature);
+  double sum = 0;
+  for (double zj : s.z) sum += std::exp(zj * temperature - m);
+  const double lse = m + std::log(sum);
+  for (size_t j = 0; j < v; ++j) {
+    const double pj = std::exp(s.z[j] * temperature - lse);
+    (*g)[j] += scale * temperature * (pj - (static_cast<int64_t>(j) == t ? 1.0 : 0.0));
+  }
+  return lse - s.z[t] * temperature;
+}
+
 }  // namespace
 
 absl::Status DistillReference(const DistillProblem& p, DistillReferenceOutputs* out) {
@@ -86,9 +125,10 @@ absl::Status DistillReference(const DistillProblem& p, DistillReferenceOutputs* 
   if (out->tokens == 0) return absl::OkStatus();
   const double scale = static_cast<double>(o.grad_scale) / static_cast<double>(out->tokens);
 
+  const double w_hard = o.weight_hard_loss, w_soft = o.weight_soft_loss;
   HeadRow s, t;
   std::vector<double> d, q, g;
-  double total = 0;
+  double total = 0, hard = 0;
   for (int64_t i = 0; i < bt; ++i) {
     if (Ignored(p, i)) continue;
     student.Row(i, &s);
@@ -100,10 +140,17 @@ absl::Status DistillReference(const DistillProblem& p, DistillReferenceOutputs* 
     double d_sum = 0;
     for (double dj : d) d_sum += dj;
     g.resize(d.size());
-    for (size_t j = 0; j < d.size(); ++j) g[j] = scale * (d[j] - q[j] * d_sum);
+    for (size_t j = 0; j < d.size(); ++j) g[j] = scale * w_soft * (d[j] - q[j] * d_sum);
+    if (w_hard != 0.0) {
+      hard += AddHardLoss(s, LoadAsInt(p.labels, p.label_dtype, i), o.temperature,
+                          scale * w_hard, &g);
+    }
     student.AddGradients(s, g, &out->grad);
   }
-  out->loss = total / static_cast<double>(out->tokens);
+  const double n = static_cast<double>(out->tokens);
+  out->soft_loss = total / n;
+  out->hard_loss = hard / n;
+  out->loss = w_hard * out->hard_loss + w_soft * out->soft_loss;
   return absl::OkStatus();
 }
 

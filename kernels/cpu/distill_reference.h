@@ -15,10 +15,17 @@
 // not to the KLs.) loss = sum_i row_i / n, n = the rows whose label is not
 // ignore_index (every row without labels); an all-ignored problem gives loss 0. Labels are
 // only compared with ignore_index (any other value is fine). No T^2 factor, as in Liger.
+// With the hard-label term (Liger-Kernel's LigerFusedLinearJSDLoss: weight_hard_loss w_h and
+// weight_soft_loss w_s), the loss is
+//   loss = (w_h sum_i ce_i + w_s sum_i row_i) / n,   ce_i = lse(u_i) - u_it   (u = x W^T + b)
+// the cross-entropy of the label at temperature 1 (Liger takes it from the logits before they
+// are divided by T); every counted row's label must then lie in [0, V). w_h 0, w_s 1 (the
+// defaults) is the divergence alone, LigerFusedLinearJSD's loss.
 // Gradient of grad_scale * loss, with d_j = d row_i / d log Q_j:
 //   beta 0: d_j = -P_j;   beta 1: d_j = Q_j (log Q_j - log P_j + 1);
 //   else:   d_j = (1 - beta) Q_j (log Q_j - log M_j)
-//   d row_i / d z_j = d_j - Q_j sum_k d_k, then 1/T and the student head.
+//   d row_i / d z_j = d_j - Q_j sum_k d_k, then 1/T and the student head;
+//   d ce_i / d u_j = softmax(u_i)_j - [j = t_i].
 #ifndef LOSSD_KERNELS_CPU_DISTILL_REFERENCE_H_
 #define LOSSD_KERNELS_CPU_DISTILL_REFERENCE_H_
 
@@ -38,6 +45,10 @@ struct DistillOptions {
   float temperature = 1.0f;  // T: finite, > 0
   int64_t ignore_index = kDefaultIgnoreIndex;
   float grad_scale = kDefaultGradScale;  // upstream gradient of the loss: finite
+  // The hard-label cross-entropy's and the divergence's weights: finite, >= 0. Liger's
+  // LigerFusedLinearJSDLoss defaults to 0.5 each; these defaults are the divergence alone.
+  float weight_hard_loss = 0.0f;
+  float weight_soft_loss = 1.0f;
 };
 
 struct DistillProblem {
@@ -52,6 +63,8 @@ struct DistillReferenceOutputs {
   double loss = 0;
   int64_t tokens = 0;             // n
   std::vector<double> row_loss;   // (BT) row_i before the division; 0 on ignored rows
+  double soft_loss = 0;           // sum_i row_i / n
+  double hard_loss = 0;           // sum_i ce_i / n (0 when w_h is 0)
   HeadGradients grad;             // the student's, of grad_scale * loss
 };
 
