@@ -70,6 +70,8 @@ inline constexpr uint32_t LossKindBit(LossKind k) { return 1u << static_cast<int
 inline constexpr uint32_t kPolicySequenceBit = 1u << 16;
 // kPolicyIsRatioBit: kPolicy with LossProblem::is_ratio.
 inline constexpr uint32_t kPolicyIsRatioBit = 1u << 17;
+// kDistillWeightsBit: kDistill with weight_hard_loss / weight_soft_loss other than (0, 1).
+inline constexpr uint32_t kDistillWeightsBit = 1u << 20;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
@@ -153,7 +155,17 @@ struct PolicyParams {
 // kDistill's options; defaults are Liger-Kernel's (LigerFusedLinearJSD's).
 struct DistillParams {
   float jsd_beta = 0.5f;  // in [0, 1]: 0 forward KL(P || Q), 1 reverse KL(Q || P)
+  // LigerFusedLinearJSDLoss's hard-label term: loss = (w_h sum_i ce_i + w_s sum_i jsd_i) / n,
+  // ce_i the label's cross-entropy at temperature 1. Finite, >= 0; w_h != 0 needs targets in
+  // [0, V). The defaults (0, 1) are the divergence alone (LigerFusedLinearJSD's); a backend
+  // computes other weights only with kDistillWeightsBit.
+  float weight_hard_loss = 0.0f;
+  float weight_soft_loss = 1.0f;
 };
+// Whether `d` asks for more than the divergence alone (kDistillWeightsBit).
+inline bool DistillWeighted(const DistillParams& d) {
+  return !(d.weight_hard_loss == 0.0f && d.weight_soft_loss == 1.0f);
+}
 
 // Every option's default, in this one place: LossOptions starts from them, the service fills an
 // option a request leaves unset with them, and lossctl's flags, the clients and the proto's

@@ -237,7 +237,25 @@ absl::Status CheckDistillParams(const DistillParams& d) {
     return absl::InvalidArgumentError(
         absl::StrCat("distill.jsd_beta must be in [0, 1], got ", d.jsd_beta));
   }
+  const std::pair<const char*, float> weights[] = {{"weight_hard_loss", d.weight_hard_loss},
+                                                   {"weight_soft_loss", d.weight_soft_loss}};
+  for (const auto& [name, value] : weights) {
+    if (!(value >= 0.0f) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("distill.", name, " must be finite and >= 0, got ", value));
+    }
+  }
   return absl::OkStatus();
+}
+
+absl::Status CheckDistillTargets(const LossProblem& p) {
+  if (p.distill.weight_hard_loss == 0.0f) return absl::OkStatus();  // they mark rows only
+  if (p.targets == nullptr && p.bt > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("targets are missing: distill.weight_hard_loss ", p.distill.weight_hard_loss,
+                     " needs the labels of its cross-entropy term"));
+  }
+  return CheckTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index);
 }
 
 absl::Status CheckChunkRows(const LossOptions& o) {
@@ -295,7 +313,10 @@ absl::Status ValidateLossInputs(const LossProblem& p) {
                                          p.grad_output != nullptr));
   LOSSD_RETURN_IF_ERROR(CheckLossOptions(p.options, p.grad_output != nullptr));
   if (p.kind == LossKind::kPolicy) LOSSD_RETURN_IF_ERROR(CheckPolicyParams(p.policy, p.bt));
-  if (distill) return CheckDistillParams(p.distill);
+  if (distill) {
+    LOSSD_RETURN_IF_ERROR(CheckDistillParams(p.distill));
+    return CheckDistillTargets(p);
+  }
   return CheckTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index);
 }
 

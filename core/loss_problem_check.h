@@ -39,19 +39,23 @@ absl::Status CheckKindOptions(LossKind kind, const LossOptions& o, bool has_clas
 // finite and >= 0; sequences > 0 dividing bt; max_completion_length > 0 for dr_grpo (>= 0
 // otherwise); dapo_normalizer finite and >= 0.
 absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt);
-// kDistill's options: jsd_beta in [0, 1].
+// kDistill's options: jsd_beta in [0, 1]; weight_hard_loss and weight_soft_loss finite and
+// >= 0.
 absl::Status CheckDistillParams(const DistillParams& d);
 
 // Every target in [0, v) or ignore_index.
 absl::Status CheckTargets(const void* targets,  // (bt) target_dtype, host
                           DType target_dtype, int64_t bt, int64_t v, int64_t ignore_index);
+// kDistill's targets: with weight_hard_loss != 0 present and each in [0, v) or ignore_index
+// (CheckTargets); else only compared with ignore_index, any value.
+absl::Status CheckDistillTargets(const LossProblem& p);
 
 // The inputs of `p`: bt >= 0, h > 0, v > 0; a float dtype and an int32/int64 target dtype;
 // x, w and targets non-null (x and targets may be null when bt = 0; targets also for
 // kDistill); known memory kinds; the kind's inputs (its own present as it requires, another
 // kind's absent; kDistill's teacher_h > 0, teacher_x and teacher_w non-null); the options
 // (CheckKindOptions, CheckLossOptions and the kind's params); then the targets (CheckTargets;
-// kDistill's are only compared with ignore_index), the only data it reads.
+// kDistill's CheckDistillTargets), the only data it reads.
 absl::Status ValidateLossInputs(const LossProblem& p);
 // Where the results of `p` go: a gradient dtype of fp32 or the input dtype, no db (written or
 // accumulated) without a bias, a known accumulator memory kind. Which outputs a kind has is

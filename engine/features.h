@@ -50,7 +50,8 @@ inline constexpr std::array<std::string_view, 7> kServerFeatures = {
 // ticket_expires_unix_ms, StateEntry STATE_TICKET (engine/tickets.h); with policy and
 // kPolicySequenceBit "policy_sequence_importance_sampling": PolicyOptions.importance_sampling
 // IMPORTANCE_SAMPLING_SEQUENCE (GSPO) is computed; with kPolicyIsRatioBit "policy_is_ratio":
-// ComputeHeader.is_ratio (TENSOR_IS_RATIO) is honoured. Sorted.
+// ComputeHeader.is_ratio (TENSOR_IS_RATIO) is honoured; with distill and kDistillWeightsBit
+// "distill_hard_loss": DistillOptions.weight_hard_loss / weight_soft_loss are honoured. Sorted.
 inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
   std::vector<std::string> features(kServerFeatures.begin(), kServerFeatures.end());
   for (int k = 1; k < kLossKinds; ++k) {
@@ -63,6 +64,9 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
       }
       if (kind == LossKind::kPolicy && (loss_kinds & kPolicyIsRatioBit) != 0) {
         features.push_back("policy_is_ratio");
+      }
+      if (kind == LossKind::kDistill && (loss_kinds & kDistillWeightsBit) != 0) {
+        features.push_back("distill_hard_loss");
       }
     }
   }

@@ -148,6 +148,11 @@ absl::Status CheckShapeLimits(const ComputePlan& plan, const EngineOptions& o) {
 absl::Status PlanTargetsAndClassWeights(const TensorDesc& targets, const TensorDesc& cw,
                                         ComputePlan* plan) {
   if (!targets.present && plan->kind == LossKind::kDistill) {
+    if (plan->distill.weight_hard_loss != 0.0f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.targets is missing: distill.weight_hard_loss ", plan->distill.weight_hard_loss,
+          " needs the labels of its cross-entropy term"));
+    }
     plan->has_targets = false;
     return absl::OkStatus();
   }

@@ -189,6 +189,18 @@ absl::Status CheckWantedOutputs(const ComputeSpec& spec) {
   return absl::OkStatus();
 }
 
+// kDistill's options beyond the divergence of a teacher head, each behind its backend bit.
+absl::Status CheckDistillServed(const ComputeSpec& spec, const std::string& backend,
+                                uint32_t loss_kinds) {
+  if (DistillWeighted(spec.distill) && (loss_kinds & kDistillWeightsBit) == 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "this server's backend '", backend, "' does not compute header.distill.weight_hard_loss "
+        "/ weight_soft_loss other than (0, 1) (ServerInfo.features lists distill_hard_loss "
+        "where it does)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckKindServed(const ComputeSpec& spec, const std::string& backend,
@@ -197,6 +209,9 @@ absl::Status CheckKindServed(const ComputeSpec& spec, const std::string& backend
   const int k = static_cast<int>(kind);
   if (k < 0 || k >= kLossKinds) {
     return absl::InvalidArgumentError(absl::StrCat("header.kind ", k, " is unknown"));
+  }
+  if (kind == LossKind::kDistill && (loss_kinds & LossKindBit(kind)) != 0) {
+    return CheckDistillServed(spec, backend, loss_kinds);
   }
   if ((loss_kinds & LossKindBit(kind)) != 0) {
     if (kind == LossKind::kPolicy && spec.inputs[static_cast<int>(InputSlot::kIsRatio)].present &&

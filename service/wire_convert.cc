@@ -87,7 +87,12 @@ absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
   pp.use_bias_correction_kl = p.use_bias_correction_kl();
   pp.importance_sampling = static_cast<ImportanceSampling>(p.importance_sampling());
   const v1::DistillOptions& d = h.distill();
-  spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : DistillParams().jsd_beta;
+  const DistillParams distill_defaults;
+  spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : distill_defaults.jsd_beta;
+  spec->distill.weight_hard_loss =
+      d.has_weight_hard_loss() ? d.weight_hard_loss() : distill_defaults.weight_hard_loss;
+  spec->distill.weight_soft_loss =
+      d.has_weight_soft_loss() ? d.weight_soft_loss() : distill_defaults.weight_soft_loss;
   return absl::OkStatus();
 }
 
