@@ -190,3 +190,161 @@ def test_refusals(address, tmp_path):
     soft.model.config.final_logit_softcapping = 30.0
     with pytest.raises(lossd.InvalidArgumentError, match="final_logit_softcapping=30.0"):
         apply_lossd(soft, address)
+
+
+# -- item 6: autocast with a bf16 backbone on an fp32 head, torch.compile, a lost server --------
+
+# The Transformers tests' bf16 table: both runs round X and W to bf16 and accumulate the logits
+# in fp32, in another order and tiling (2^-8 relative on logits of a few units).
+BF16 = dict(loss_rtol=1e-2, rtol=5e-2, atol=2e-2)
+FP32 = dict(loss_rtol=LOSS_RTOL, rtol=RTOL, atol=ATOL)
+
+
+def assert_near(name, got, ref, tol):
+    g, r = got.detach().double(), ref.detach().double()
+    assert g.shape == r.shape, "%s: shape %s, expected %s" % (name, g.shape, r.shape)
+    assert float(r.abs().max()) > 0, "%s: the reference is all zeros" % name
+    err = (g - r).abs()
+    bound = tol["atol"] * float(r.abs().max()) + tol["rtol"] * r.abs()
+    worst = int(torch.argmax(err - bound))
+    assert bool((err <= bound).all()), "%s: %d of %d off; worst got %.7g ref %.7g" % (
+        name, int((err > bound).sum()), err.numel(), g.flatten()[worst], r.flatten()[worst])
+
+
+def _pair(kind, tmp_path, address, model_fn, bf16=False):
+    """(reference trainer, trainer through lossd) of `kind` ("sft" or "grpo") over two
+    identical models from model_fn(tokenizer); nothing is trained."""
+    tok = tokenizer()
+    out = []
+    for name in ("ref", "lossd"):
+        model = model_fn(tok)
+        if kind == "sft":
+            args = trl.SFTConfig(per_device_train_batch_size=4, max_length=32,
+                                 **common_args(tmp_path, kind + name, bf16=bf16))
+            trainer = trl.SFTTrainer(model=model, args=args, processing_class=tok,
+                                     train_dataset=datasets.Dataset.from_dict({"text": texts(4, 1)}))
+        else:
+            args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4,
+                                  max_completion_length=8, temperature=0.7, beta=0.0,
+                                  **common_args(tmp_path, kind + name, bf16=bf16))
+            trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_len, args=args,
+                                      processing_class=tok, train_dataset=datasets.Dataset.from_dict(
+                                          {"prompt": texts(4, 2, 3, 6)}))
+        out.append(trainer)
+    return out[0], out[1], apply_lossd(out[1], address)
+
+
+def _inputs(seed, b=3, t=16):
+    """Token ids (no special tokens), an attention mask with right padding on one row, and
+    labels with a prompt of a few ignored positions per row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 4 + len(WORDS), (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[-1, -4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    for r in range(b):
+        labels[r, : 2 + r] = -100
+    return ids, mask, labels
+
+
+def _sft_path(model, inputs, count):
+    """SFTTrainer's call (compute_loss's): the fused head with labels and the global count;
+    a loss on log p and the entropy, so both upstream gradients are not zero."""
+    ids, mask, labels = inputs
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True,
+                num_items_in_batch=count)
+    (out.loss - 0.01 * (out.entropy * out.label_mask).sum() / count).backward()
+    return out
+
+
+def _grpo_path(trainer, model, inputs, keep=8):
+    """GRPOTrainer's log-prob path: _get_per_token_logps_and_entropies under the trainer's
+    accelerator autocast, the last `keep` positions scored; a loss on both outputs."""
+    ids, mask, _ = inputs
+    logp, ent, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep,
+                                                              compute_entropy=True)
+    m = mask[:, -keep:]
+    adv = torch.linspace(-1.0, 1.0, ids.shape[0]).unsqueeze(1)
+    (-(logp * adv * m).sum() / m.sum() - 0.01 * (ent * m).sum() / m.sum()).backward()
+    return logp, ent
+
+
+def _compare_sft(ref, got, tol):
+    assert_near("log_probs", got.log_probs, ref.log_probs, tol)
+    assert_near("entropy", got.entropy.float(), ref.entropy.float(), tol)
+    assert abs(float(got.loss) - float(ref.loss)) <= tol["loss_rtol"] * abs(float(ref.loss))
+    assert torch.equal(got.is_top1, ref.is_top1), (got.is_top1, ref.is_top1)
+
+
+def _compare_grads(got, ref, tol):
+    assert got.lm_head.weight.grad.dtype == ref.lm_head.weight.grad.dtype
+    assert_near("lm_head grad", got.lm_head.weight.grad, ref.lm_head.weight.grad, tol)
+    assert_near("layer 0 q_proj grad", got.model.layers[0].self_attn.q_proj.weight.grad,
+                ref.model.layers[0].self_attn.q_proj.weight.grad, tol)
+
+
+def _bf16_backbone(tok):
+    model = tiny_llama(tok).to(torch.bfloat16)
+    model.lm_head.float()  # the head kept in fp32, as a mixed-precision trainer keeps it
+    return model
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_autocast_bf16_backbone_fp32_head(address, tmp_path, kind):
+    """A bf16 backbone (bf16 hidden states) on an fp32 head, under torch.autocast(bf16) (TRL's
+    bf16=True): TRL's chunked log-softmax casts W to bf16 and accumulates in fp32, as lossd
+    does; log p, the entropy, SFT's is_top1 and the gradients (the head's in fp32) equal TRL's
+    own to bf16 rounding."""
+    ref, got, patch = _pair(kind, tmp_path, address, _bf16_backbone, bf16=True)
+    inputs = _inputs(21)
+    if kind == "sft":
+        count = torch.tensor(int((inputs[2][:, 1:] != -100).sum()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = _sft_path(ref.model, inputs, count)
+            have = _sft_path(got.model, inputs, count)
+        assert have.log_probs.dtype == want.log_probs.dtype
+        _compare_sft(want, have, BF16)
+    else:
+        want = _grpo_path(ref, ref.model, inputs)
+        have = _grpo_path(got, got.model, inputs)
+        assert_near("log_probs", have[0], want[0], BF16)
+        assert_near("entropy", have[1].float(), want[1].float(), BF16)
+    assert patch.calls["model"] == 1, patch.calls
+    _compare_grads(got.model, ref.model, BF16)
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_torch_compile_around_the_fused_head(address, tmp_path, kind):
+    """torch.compile of the trainer's model (aot_eager): the lossd call is a graph break, the
+    backbone compiles; the values and gradients are TRL's eager ones to fp32 rounding."""
+    ref, got, patch = _pair(kind, tmp_path, address, tiny_llama)
+    compiled = torch.compile(got.model, backend="aot_eager")
+    inputs = _inputs(22)
+    if kind == "sft":
+        count = torch.tensor(int((inputs[2][:, 1:] != -100).sum()))
+        _compare_sft(_sft_path(ref.model, inputs, count), _sft_path(compiled, inputs, count),
+                     FP32)
+    else:
+        want, have = _grpo_path(ref, ref.model, inputs), _grpo_path(got, compiled, inputs)
+        assert_near("log_probs", have[0], want[0], FP32)
+        assert_near("entropy", have[1], want[1], FP32)
+    assert patch.calls["model"] == 1, patch.calls
+    _compare_grads(got.model, ref.model, FP32)
+
+
+def test_a_server_lost_mid_training_is_named(tmp_path):
+    """The server goes away after apply_lossd: the next fused-head call raises
+    UnavailableError naming its address."""
+    from conftest import LossdProcess
+    from lossd_servers import find_lossd_binary
+
+    srv = LossdProcess(find_lossd_binary(), str(tmp_path / "lossd.log"))
+    try:
+        _, got, _ = _pair("sft", tmp_path, srv.address, tiny_llama)
+        inputs = _inputs(23)
+        _sft_path(got.model, inputs, torch.tensor(10))
+    finally:
+        srv.stop()
+    with pytest.raises(lossd.UnavailableError) as e:
+        _sft_path(got.model, inputs, torch.tensor(10))
+    assert "lossd server %s:" % srv.address in str(e.value)
