@@ -45,8 +45,10 @@ uint64_t RefExpRowBytes(int64_t h, int64_t v) {
 
 }  // namespace
 
-uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype, uint64_t gemm_workspace_bytes) {
-  const uint64_t rows = static_cast<uint64_t>(std::clamp<int64_t>(bt, 1, kMinDefaultChunkRows));
+uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype, uint64_t gemm_workspace_bytes,
+                            int64_t min_rows) {
+  const uint64_t rows =
+      static_cast<uint64_t>(std::clamp<int64_t>(bt, 1, std::max<int64_t>(min_rows, 1)));
   const uint64_t want = RoundUp(rows * static_cast<uint64_t>(std::max<int64_t>(v, 1)) *
                                     DTypeSize(dtype),
                                 kAlign) +
@@ -136,9 +138,12 @@ ChunkPlan PlanRefExpChunks(int64_t bt, int64_t h, int64_t v, uint64_t budget_byt
   return plan;
 }
 
-uint64_t DefaultRefExpBudget(int64_t bt, int64_t h, int64_t v, uint64_t gemm_workspace_bytes) {
-  const uint64_t rows = static_cast<uint64_t>(std::clamp<int64_t>(bt, 1, kMinDefaultChunkRows));
-  const uint64_t logits_budget = DefaultChunkBudget(bt, v, DType::kBF16, gemm_workspace_bytes);
+uint64_t DefaultRefExpBudget(int64_t bt, int64_t h, int64_t v, uint64_t gemm_workspace_bytes,
+                             int64_t min_rows) {
+  const uint64_t rows =
+      static_cast<uint64_t>(std::clamp<int64_t>(bt, 1, std::max<int64_t>(min_rows, 1)));
+  const uint64_t logits_budget =
+      DefaultChunkBudget(bt, v, DType::kBF16, gemm_workspace_bytes, min_rows);
   const RefExpLayout none = RefExpLayoutOf(0, h, v);
   return logits_budget + none.bytes + (rows + kRefExpTileM) * RefExpRowBytes(h, v);
 }

@@ -74,17 +74,21 @@ inline constexpr uint64_t kDefaultChunkBudgetBytes = 512ull << 20;
 // Wide vocabularies: the default budget grows to hold this many rows of logits (or all of BT),
 // up to kMaxDefaultChunkBudgetBytes.
 inline constexpr int64_t kMinDefaultChunkRows = 2048;
+// The rows an H100's default budget holds (device_tuning.h: measured fastest there).
+inline constexpr int64_t kH100DefaultChunkRows = 4096;
 inline constexpr uint64_t kMaxDefaultChunkBudgetBytes = 2048ull << 20;
 
 // The budget the backend plans with when none is given: kDefaultChunkBudgetBytes, or where
 // that holds fewer than kMinDefaultChunkRows rows of logits (V above about 128K for 16-bit
-// logits), enough for min(BT, kMinDefaultChunkRows) rows, at most kMaxDefaultChunkBudgetBytes.
+// logits), enough for min(BT, min_rows) rows, at most kMaxDefaultChunkBudgetBytes. `min_rows`
+// is kMinDefaultChunkRows unless the device's tuning says otherwise (device_tuning.h).
 // Why rows and not bytes: every chunk after the first reads and writes back the fp32 dW
 // (8 V H bytes against the chunk's 6 C V H flops), so the share of that traffic depends on C
 // alone, whatever V is; at (8192, 2304, 256000) 1024-row chunks measured 5-6% slower than
 // 2048-row ones (bench/RESULTS.md).
 uint64_t DefaultChunkBudget(int64_t bt, int64_t v, DType dtype,
-                            uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
+                            uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes,
+                            int64_t min_rows = kMinDefaultChunkRows);
 
 // The largest chunk whose C x V logits buffer (input dtype) and GEMM workspaces fit in
 // `budget_bytes`, balanced so the chunks are of equal size (a multiple of 64 rows where it
@@ -140,7 +144,8 @@ ChunkPlan PlanRefExpChunks(int64_t bt, int64_t h, int64_t v, uint64_t budget_byt
 // DefaultChunkBudget for the reference-exp path: the same rows of logits, plus their share of
 // RefExpLayoutOf, so the path plans the same chunk as the default one.
 uint64_t DefaultRefExpBudget(int64_t bt, int64_t h, int64_t v,
-                             uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes);
+                             uint64_t gemm_workspace_bytes = kGemmWorkspaceBytes,
+                             int64_t min_rows = kMinDefaultChunkRows);
 
 // The whole-batch layout, for a fresh dW (not added into an accumulator) where it fits:
 // the logits of every row, in vocabulary blocks, live in the fp32 dW buffer itself, block b

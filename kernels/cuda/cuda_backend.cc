@@ -144,8 +144,12 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   absl::StatusOr<std::unique_ptr<FusedLoss>> engine = FusedLoss::Create(options.device);
   if (!engine.ok()) return engine.status();
   (*engine)->set_autotune(options.autotune_gemms);
-  (*engine)->set_ref_exp(options.ref_exp);
+  const DeviceTuning tuning = TuneForDevice(prop.name, prop.major, prop.minor, options.ref_exp);
+  (*engine)->set_ref_exp(tuning.ref_exp);
   b->ref_exp_ = (*engine)->ref_exp();
+  b->default_chunk_rows_ =
+      options.default_chunk_rows > 0 ? options.default_chunk_rows : tuning.default_chunk_rows;
+  b->tuning_reason_ = tuning.reason;
   absl::MutexLock lock(&b->mu_);
   b->engine_ = *std::move(engine);
   // Non-blocking: the copies must not wait for (or hold up) work on the legacy default stream.
@@ -191,7 +195,8 @@ CudaBackend::RefExpCounters CudaBackend::RefExpCounts() {
 ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
   const uint64_t budget = options_.chunk_budget_bytes != 0
                               ? options_.chunk_budget_bytes
-                              : DefaultChunkBudget(s.bt, s.v, s.dtype);
+                              : DefaultChunkBudget(s.bt, s.v, s.dtype, kGemmWorkspaceBytes,
+                                                   default_chunk_rows_);
   // A fresh dW (not an accumulator) lends its memory to the logits: no fp32 re-reads. Not
   // with rows still arriving: every whole-batch GEMM reads all of X.
   // The other loss kinds' row kernel takes contiguous rows only.
@@ -210,7 +215,9 @@ ChunkPlan CudaBackend::Plan(const WorkspaceShape& s) const {
       ref_exp ? PlanRefExpChunks(s.bt, s.h, s.v,
                                  options_.chunk_budget_bytes != 0
                                      ? options_.chunk_budget_bytes
-                                     : DefaultRefExpBudget(s.bt, s.h, s.v),
+                                     : DefaultRefExpBudget(s.bt, s.h, s.v,
+                                                           kGemmWorkspaceBytes,
+                                                           default_chunk_rows_),
                                  s.chunk_rows)
               : PlanChunks(s.bt, s.v, s.dtype, distill ? budget / 2 : budget, s.chunk_rows,
                            options_.schedule);

@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/device_tuning.h"
 #include "kernels/cuda/fused_loss.h"
 #include "core/loss_problem.h"
 
@@ -43,9 +44,12 @@ struct CudaBackendOptions {
   // Off by default: on an H200 it measured no faster than row chunks (bench/RESULTS.md).
   bool whole_batch = false;
   // Plan bf16 cross-entropy problems for the reference-exp path (FusedLoss::set_ref_exp) where
-  // the plugin has it and the device is an sm_90 one. The plugin reads LOSSD_CUDA_REF_EXP=0 as
-  // off.
-  bool ref_exp = true;
+  // the plugin has it and the device is an sm_90 one: by default where the device's tuning
+  // takes it (device_tuning.h: not on an H100), or forced. The plugin reads
+  // LOSSD_CUDA_REF_EXP=0 / =1 as off / on.
+  RefExpChoice ref_exp = RefExpChoice::kPerDevice;
+  // Rows the default chunk budget holds; 0 = the device's tuning (2048, 4096 on an H100).
+  int64_t default_chunk_rows = 0;
 };
 
 // Byte counters shared by the backend and every buffer it hands out.
@@ -65,6 +69,10 @@ class CudaBackend : public Backend {
   // engine's counts of the chunks it ran, the rows it redid and the chunks it redid whole
   // (FusedLoss::ref_exp_chunks): for tests, benchmarks and the logs.
   bool ref_exp() const { return ref_exp_; }
+  // Rows a default chunk budget holds on this device, and why this path and chunk were chosen
+  // (device_tuning.h), for tests, the logs and BackendInfo.
+  int64_t default_chunk_rows() const { return default_chunk_rows_; }
+  const std::string& tuning_reason() const { return tuning_reason_; }
   struct RefExpCounters {
     int64_t chunks = 0, redone_rows = 0, chunk_fallbacks = 0;
   };
@@ -112,6 +120,8 @@ class CudaBackend : public Backend {
   cudaStream_t alloc_stream_ = nullptr;
   bool created_ = false;  // Create succeeded (see the destructor)
   bool ref_exp_ = false;  // the engine takes the reference-exp path (options and device allow)
+  int64_t default_chunk_rows_ = kMinDefaultChunkRows;
+  std::string tuning_reason_;
   absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
   std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
   // The overlapped path (LossProblem::rows): X rows go up on x_stream_ and dX rows come down

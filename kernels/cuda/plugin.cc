@@ -23,10 +23,10 @@ absl::StatusOr<std::unique_ptr<lossd::Backend>> CreateCudaBackend(
   o.memory_budget_bytes = opts.memory_budget_bytes;
   o.chunk_budget_bytes = opts.chunk_budget_bytes;
   o.autotune_gemms = opts.fixed_gemm_algorithms == 0;
-  // An operator's way back to the logits GEMM + cross-entropy kernel path for every problem,
-  // without a new ABI field: LOSSD_CUDA_REF_EXP=0 (kernels/cuda/README.md).
-  const char* ref_exp = std::getenv("LOSSD_CUDA_REF_EXP");
-  o.ref_exp = ref_exp == nullptr || std::strcmp(ref_exp, "0") != 0;
+  // An operator's override of the device's default path, without a new ABI field:
+  // LOSSD_CUDA_REF_EXP=0 (the logits GEMM + cross-entropy kernel path for every problem) or =1
+  // (the reference-exp path wherever it covers the problem) (kernels/cuda/README.md).
+  o.ref_exp = lossd::cuda::RefExpChoiceFromEnv(std::getenv("LOSSD_CUDA_REF_EXP"));
   // The backend's "no GPU: " messages pass through unchanged; the loader matches the prefix.
   absl::StatusOr<std::unique_ptr<lossd::cuda::CudaBackend>> b =
       lossd::cuda::CudaBackend::Create(o);
