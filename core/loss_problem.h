@@ -72,6 +72,14 @@ inline constexpr uint32_t kPolicySequenceBit = 1u << 16;
 inline constexpr uint32_t kPolicyIsRatioBit = 1u << 17;
 // kDistillWeightsBit: kDistill with weight_hard_loss / weight_soft_loss other than (0, 1).
 inline constexpr uint32_t kDistillWeightsBit = 1u << 20;
+// verl's menu (PolicyParams below): kPolicyKlEstimatorBit, a kl_estimator other than kK3 or
+// kl_straight_through; kPolicyEntropyBit, entropy_coeff != 0; kPolicyAggregationBit, an
+// aggregation other than kLossType; kPolicyGpgBit, loss type gpg. Bits 24 and up, apart
+// from the 16-23 other kinds' options take.
+inline constexpr uint32_t kPolicyKlEstimatorBit = 1u << 24;
+inline constexpr uint32_t kPolicyEntropyBit = 1u << 25;
+inline constexpr uint32_t kPolicyAggregationBit = 1u << 26;
+inline constexpr uint32_t kPolicyGpgBit = 1u << 27;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
@@ -83,8 +91,9 @@ inline const char* LossKindName(LossKind k) {
   return "unknown";
 }
 
-// kPolicy's loss types (LigerFusedLinearGRPOLoss's loss_type; dapo is its default). Liger's
-// vespo is not one: its weight needs every token of a sequence before any gradient.
+// kPolicy's loss types (LigerFusedLinearGRPOLoss's loss_type; dapo is its default; gpg is
+// verl's, -A logp with dapo's normalisation). Liger's vespo is not one: its weight needs
+// every token of a sequence before any gradient.
 enum class PolicyLossType : int32_t {
   kDapo = 0,
   kGrpo = 1,
@@ -93,10 +102,11 @@ enum class PolicyLossType : int32_t {
   kCispo = 4,
   kSapo = 5,
   kLuspo = 6,
+  kGpg = 7,
 };
-inline constexpr int kPolicyLossTypes = 7;
-// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo"; "unknown" for a value out of
-// range.
+inline constexpr int kPolicyLossTypes = 8;
+// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg"; "unknown" for a value
+// out of range.
 inline const char* PolicyLossTypeName(PolicyLossType t) {
   switch (t) {
     case PolicyLossType::kDapo: return "dapo";
@@ -106,13 +116,59 @@ inline const char* PolicyLossTypeName(PolicyLossType t) {
     case PolicyLossType::kCispo: return "cispo";
     case PolicyLossType::kSapo: return "sapo";
     case PolicyLossType::kLuspo: return "luspo";
+    case PolicyLossType::kGpg: return "gpg";
   }
   return "unknown";
 }
 // Whether a loss type takes the clipped surrogate -min(r A, clamp(r) A) (and so delta):
-// every type but cispo and sapo.
+// every type but cispo, sapo and gpg.
 inline bool PolicyLossTypeClips(PolicyLossType t) {
-  return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo;
+  return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo && t != PolicyLossType::kGpg;
+}
+
+// kPolicy's per-token estimator of KL(pi || ref) in the beta term, with d_i = logp_i - ref_i
+// (Schulman's k1, k2, k3; verl's kl_loss_type names them): kK3, Liger's and the default,
+// exp(-d) + d - 1; kK1, d; kK2, d^2 / 2; kAbs, |d|; kLowVarKl, verl's "k3" / "low_var_kl":
+// k3 of d clamped to [-20, 20], the value clamped to <= 10 (no gradient where a clamp holds).
+enum class KlEstimator : int32_t { kK3 = 0, kK1 = 1, kK2 = 2, kAbs = 3, kLowVarKl = 4 };
+inline constexpr int kKlEstimators = 5;
+// "k3", "k1", "k2", "abs", "low_var_kl"; "unknown" for a value out of range.
+inline const char* KlEstimatorName(KlEstimator e) {
+  switch (e) {
+    case KlEstimator::kK3: return "k3";
+    case KlEstimator::kK1: return "k1";
+    case KlEstimator::kK2: return "k2";
+    case KlEstimator::kAbs: return "abs";
+    case KlEstimator::kLowVarKl: return "low_var_kl";
+  }
+  return "unknown";
+}
+
+// kPolicy's aggregation of the per-token losses (verl's loss_agg_mode), m_i the mask, n_b
+// sequence b's mask count, G the sequences with n_b > 0 (or the normaliser given), L the
+// loss_scale_factor (or S): kLossType, the loss type's own (the default); kTokenMean,
+// sum m l / D (D = dapo_normalizer, else the mask count); kSeqMeanTokenSum, sum_b (sum_{i in b}
+// m l) / G; kSeqMeanTokenMean, sum_b (sum_{i in b} m l / n_b) / G; kSeqMeanTokenSumNorm,
+// seq-mean-token-sum / L.
+enum class PolicyAggregation : int32_t {
+  kLossType = 0,
+  kTokenMean = 1,
+  kSeqMeanTokenSum = 2,
+  kSeqMeanTokenMean = 3,
+  kSeqMeanTokenSumNorm = 4,
+};
+inline constexpr int kPolicyAggregations = 5;
+// "loss_type", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+// "seq-mean-token-sum-norm" (verl's spelling); "unknown" for a value out of range.
+inline const char* PolicyAggregationName(PolicyAggregation a) {
+  switch (a) {
+    case PolicyAggregation::kLossType: return "loss_type";
+    case PolicyAggregation::kTokenMean: return "token-mean";
+    case PolicyAggregation::kSeqMeanTokenSum: return "seq-mean-token-sum";
+    case PolicyAggregation::kSeqMeanTokenMean: return "seq-mean-token-mean";
+    case PolicyAggregation::kSeqMeanTokenSumNorm: return "seq-mean-token-sum-norm";
+  }
+  return "unknown";
 }
 
 // kPolicy's importance-sampling level (Liger's importance_sampling_level): kToken, each
@@ -150,6 +206,17 @@ struct PolicyParams {
   float delta = 0.0f;
   bool use_bias_correction_kl = false;  // the KL term times the (unclamped) ratio r
   ImportanceSampling importance_sampling = ImportanceSampling::kToken;
+  // verl's menu. The KL term's estimator; with kl_straight_through (verl's '+' suffix, "k3+")
+  // its value with k2's gradient d. A backend computes these with kPolicyKlEstimatorBit.
+  KlEstimator kl_estimator = KlEstimator::kK3;
+  bool kl_straight_through = false;
+  // The entropy bonus: l_i -= entropy_coeff H_i (H_i the entropy at T, aggregated as the rest
+  // is, as verl's entropy_coeff). Finite; kPolicyEntropyBit.
+  float entropy_coeff = 0.0f;
+  // How the per-token losses are aggregated; kPolicyAggregationBit. dapo_normalizer is D for
+  // kTokenMean and G (sequences) for the seq-mean modes (0 = this call's count).
+  PolicyAggregation aggregation = PolicyAggregation::kLossType;
+  double loss_scale_factor = 0;  // L of kSeqMeanTokenSumNorm: 0 = S; else finite, > 0
 };
 
 // kDistill's options; defaults are Liger-Kernel's (LigerFusedLinearJSD's).

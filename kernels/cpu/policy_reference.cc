@@ -15,11 +15,36 @@
 namespace lossd {
 namespace {
 
+// The options of verl's menu: the KL estimator, the entropy bonus, the aggregation.
+absl::Status CheckVerlOptions(const PolicyOptions& o) {
+  const int32_t estimator = static_cast<int32_t>(o.kl_estimator);
+  if (estimator < 0 || estimator >= kKlEstimators) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.kl_estimator ", estimator, " is not k3, k1, k2, abs or low_var_kl"));
+  }
+  if (!std::isfinite(o.entropy_coeff)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.entropy_coeff must be finite, got ", o.entropy_coeff));
+  }
+  const int32_t aggregation = static_cast<int32_t>(o.aggregation);
+  if (aggregation < 0 || aggregation >= kPolicyAggregations) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.aggregation ", aggregation, " is not loss_type, token-mean, seq-mean-token-sum, "
+        "seq-mean-token-mean or seq-mean-token-sum-norm"));
+  }
+  if (!(o.loss_scale_factor >= 0) || !std::isfinite(o.loss_scale_factor)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.loss_scale_factor must be finite and >= 0 (0 = S), got ", o.loss_scale_factor));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckOptions(const PolicyOptions& o) {
   const int32_t type = static_cast<int32_t>(o.loss_type);
   if (type < 0 || type >= kPolicyLossTypes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "options.loss_type ", type, " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo"));
+        "options.loss_type ", type,
+        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo or gpg"));
   }
   const struct {
     const char* name;
@@ -81,7 +106,7 @@ absl::Status CheckOptions(const PolicyOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.grad_scale must be finite, got ", o.grad_scale));
   }
-  return absl::OkStatus();
+  return CheckVerlOptions(o);
 }
 
 // Mask values, and the targets of the rows that count (the others are never read).
@@ -134,6 +159,38 @@ absl::Status CheckProblem(const PolicyProblem& p) {
 
 bool Masked(const PolicyProblem& p, int64_t i) { return p.mask != nullptr && p.mask[i] == 0; }
 
+// The row weights of an aggregation other than the loss type's (verl's loss_agg_mode), from
+// the per-sequence mask counts and N; 0 where masked.
+void AggregationWeights(const PolicyProblem& p, const std::vector<int64_t>& per_seq, int64_t n,
+                        std::vector<double>* w) {
+  const PolicyOptions& o = p.options;
+  const int64_t bt = p.head.bt, seq = bt / p.batch;
+  double g = 0;  // sequences with a counted token
+  for (int64_t c : per_seq) g += c > 0 ? 1 : 0;
+  if (o.dapo_normalizer > 0) g = o.dapo_normalizer;
+  g = std::max(1.0, g);
+  const double l = o.loss_scale_factor > 0 ? o.loss_scale_factor : static_cast<double>(seq);
+  for (int64_t i = 0; i < bt; ++i) {
+    if (Masked(p, i)) continue;
+    switch (o.aggregation) {
+      case PolicyAggregation::kLossType:  // not reached: RowWeights' own
+      case PolicyAggregation::kTokenMean:
+        (*w)[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
+                                                            : static_cast<double>(n));
+        break;
+      case PolicyAggregation::kSeqMeanTokenSum:
+        (*w)[i] = 1.0 / g;
+        break;
+      case PolicyAggregation::kSeqMeanTokenMean:  // a counted row's n_b >= 1
+        (*w)[i] = 1.0 / (g * static_cast<double>(per_seq[i / seq]));
+        break;
+      case PolicyAggregation::kSeqMeanTokenSumNorm:
+        (*w)[i] = 1.0 / (g * l);
+        break;
+    }
+  }
+}
+
 // Each row's weight in the loss (its normaliser, 0 where masked) and the mask count N.
 std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
                                std::vector<int64_t>* per_seq_out) {
@@ -151,6 +208,10 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
   *tokens = n;
   const double n_clamped = std::max(1.0, static_cast<double>(n));
   std::vector<double> w(bt, 0.0);
+  if (o.aggregation != PolicyAggregation::kLossType) {
+    AggregationWeights(p, per_seq, n, &w);
+    return w;
+  }
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
     switch (o.loss_type) {
@@ -169,6 +230,7 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
         break;
       case PolicyLossType::kDapo:
       case PolicyLossType::kCispo:
+      case PolicyLossType::kGpg:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(n));
         break;
@@ -183,8 +245,40 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
 // level dratio reaches every token of the sequence through the mean of its log-ratios.
 struct RowTerms {
   double ratio = 1, loss = 0, kl = 0, dlogp = 0, dratio = 0;
+  double dentropy = 0;  // dl_i/dH_i: the entropy bonus's -entropy_coeff
   bool clipped = false;
 };
+
+// The KL estimator K at d = logp - ref and the gradient the term passes to logp (k2's, d,
+// with the straight-through option).
+void KlEstimate(const PolicyOptions& o, double d, double* k, double* dk) {
+  switch (o.kl_estimator) {
+    case KlEstimator::kK3:
+      *k = std::exp(-d) + d - 1.0;
+      *dk = 1.0 - std::exp(-d);
+      break;
+    case KlEstimator::kK1:
+      *k = d;
+      *dk = 1.0;
+      break;
+    case KlEstimator::kK2:
+      *k = 0.5 * d * d;
+      *dk = d;
+      break;
+    case KlEstimator::kAbs:
+      *k = std::abs(d);
+      *dk = d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0;
+      break;
+    case KlEstimator::kLowVarKl: {  // verl clamps ref - logp = -d, then the value
+      const double c = std::clamp(-d, -20.0, 20.0);
+      const double k3 = std::exp(c) - c - 1.0;
+      *k = std::min(k3, 10.0);
+      *dk = (std::abs(d) <= 20.0 && k3 <= 10.0) ? 1.0 - std::exp(c) : 0.0;
+      break;
+    }
+  }
+  if (o.kl_straight_through) *dk = d;
+}
 
 // The surrogate pg_i and its dratio of the clipped types (dapo, grpo, bnpo, dr_grpo, luspo).
 // On a bound, torch's clamp passes nothing and min's tie gives r A half the gradient; delta's
@@ -204,12 +298,16 @@ void ClippedSurrogate(const PolicyOptions& o, double a, RowTerms* r) {
 }
 
 // Row i's terms at ratio `ratio` (its own, or its sequence's).
-RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio) {
+RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio,
+                   double entropy) {
   const PolicyOptions& o = p.options;
   const double a = p.advantages[i];
   RowTerms r;
   r.ratio = ratio;
-  if (o.loss_type == PolicyLossType::kCispo) {
+  if (o.loss_type == PolicyLossType::kGpg) {
+    r.loss = -a * logp;
+    r.dlogp = -a;
+  } else if (o.loss_type == PolicyLossType::kCispo) {
     // The weight is detached: its value scales logp's gradient, nothing flows through it.
     const double bound = static_cast<double>(o.epsilon_high);
     const double weight = std::min(r.ratio, bound);
@@ -234,17 +332,20 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio)
     r.dratio *= rho;
   }
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
-    const double d = p.ref_logp[i] - logp;
-    const double k3 = std::exp(d) - d - 1.0;
-    const double dk3 = 1.0 - std::exp(d);
-    r.kl = k3;
-    r.dlogp += o.beta * dk3;
-    if (o.use_bias_correction_kl) {  // (k3 r)' = k3' r + k3 r'
-      r.kl = k3 * r.ratio;
-      r.dlogp += o.beta * dk3 * (r.ratio - 1.0);
-      r.dratio += o.beta * k3 * r.ratio;
+    double k = 0, dk = 0;
+    KlEstimate(o, logp - p.ref_logp[i], &k, &dk);
+    r.kl = k;
+    r.dlogp += o.beta * dk;
+    if (o.use_bias_correction_kl) {  // (K r)' = K' r + K r'
+      r.kl = k * r.ratio;
+      r.dlogp += o.beta * dk * (r.ratio - 1.0);
+      r.dratio += o.beta * k * r.ratio;
     }
     r.loss += o.beta * r.kl;
+  }
+  if (o.entropy_coeff != 0.0f) {
+    r.loss -= static_cast<double>(o.entropy_coeff) * entropy;
+    r.dentropy = -static_cast<double>(o.entropy_coeff);
   }
   return r;
 }
@@ -284,6 +385,7 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
   out->logp.assign(bt, 0.0);
   out->ratio.assign(bt, 0.0);
   out->dl_dlogp.assign(bt, 0.0);
+  out->kl_token.assign(bt, 0.0);
   out->grad = head.ZeroGradients();
   std::vector<int64_t> per_seq;
   const std::vector<double> weight = RowWeights(p, &out->tokens, &per_seq);
@@ -292,37 +394,44 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
   // gradients: dloss/dlogp_j = w_j dlogp_j + (token level) w_j dratio_j, or (sequence level)
   // m_j / max(1, n_b) sum_{i in b} w_i dratio_i.
   HeadRow row;
+  std::vector<double> prob, g, entropy(bt, 0.0);
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
     head.Row(i, &row);
     out->logp[i] = RowLogprob(row, LoadAsInt(p.targets, p.target_dtype, i));
+    if (o.entropy_coeff != 0.0f) {
+      Softmax(row, &prob);
+      entropy[i] = RowEntropy(row, prob);
+    }
   }
   const std::vector<double> ratio = Ratios(p, out->logp, per_seq);
   const bool sequence = o.importance_sampling == ImportanceSampling::kSequence;
   const int64_t seq = bt / p.batch;
-  std::vector<double> coef(bt, 0.0), seq_dratio(p.batch, 0.0);
+  std::vector<double> coef(bt, 0.0), seq_dratio(p.batch, 0.0), dentropy(bt, 0.0);
   double kl_sum = 0;
   int64_t clipped = 0;
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
-    const RowTerms r = PolicyRow(p, i, out->logp[i], ratio[i]);
+    const RowTerms r = PolicyRow(p, i, out->logp[i], ratio[i], entropy[i]);
     out->ratio[i] = r.ratio;
     out->loss += weight[i] * r.loss;
+    out->kl_token[i] = r.kl;
+    dentropy[i] = weight[i] * r.dentropy;
     kl_sum += r.kl;
     clipped += r.clipped ? 1 : 0;
     coef[i] = weight[i] * (r.dlogp + (sequence ? 0.0 : r.dratio));
     if (sequence) seq_dratio[i / seq] += weight[i] * r.dratio;
   }
-  std::vector<double> prob, g;
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
     if (sequence) coef[i] += seq_dratio[i / seq] / std::max<double>(1.0, per_seq[i / seq]);
     out->dl_dlogp[i] = coef[i] / weight[i];
     const double dlogp = static_cast<double>(o.grad_scale) * coef[i];
-    if (dlogp == 0) continue;
+    const double dh = static_cast<double>(o.grad_scale) * dentropy[i];
+    if (dlogp == 0 && dh == 0) continue;
     head.Row(i, &row);
     Softmax(row, &prob);
-    LogprobLogitGradient(row, prob, LoadAsInt(p.targets, p.target_dtype, i), dlogp, 0.0, &g);
+    LogprobLogitGradient(row, prob, LoadAsInt(p.targets, p.target_dtype, i), dlogp, dh, &g);
     head.AddGradients(row, g, &out->grad);
   }
   const double n = std::max(1.0, static_cast<double>(out->tokens));

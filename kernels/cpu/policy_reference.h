@@ -25,16 +25,34 @@
 //                                                              if A_i > 0, else _neg
 //   pg_i  *= rho_i      with is_ratio (Liger's vllm_is_ratio: the trainer/rollout correction,
 //                       already truncated by the caller; a constant: no gradient through it)
-//   kl_i   = exp(ref_i - logp_i) - (ref_i - logp_i) - 1        (the k3 estimator of KL(pi||ref);
-//            without reference log-probs ref_i = logp_i detached: kl_i = 0 and no gradient),
-//            times r_i with use_bias_correction_kl (r unclamped, with its gradient)
-//   l_i    = pg_i + beta kl_i                                    (the KL term only if beta != 0)
+//   pg_i   = -A_i logp_i                                         gpg (verl's; no ratio)
+//   kl_i   = K(d_i), d_i = logp_i - ref_i, K the kl_estimator (without reference log-probs
+//            ref_i = logp_i detached: kl_i = 0 and no gradient):
+//              k3 (default, Liger's)  exp(-d) + d - 1            dK/dd = 1 - exp(-d)
+//              k1                     d                           1
+//              k2                     d^2 / 2                     d
+//              abs                    |d|                         sign(d) (0 at 0, as torch)
+//              low_var_kl (verl's k3) min(10, exp(-c) + c - 1),   1 - exp(-c) where d is in
+//                                     c = clamp(d, -20, 20)       [-20, 20] and the value
+//                                                                 <= 10, else 0
+//            with kl_straight_through (verl's "k3+") the value is K's, the gradient k2's: d.
+//            Times r_i with use_bias_correction_kl (r unclamped, with its gradient)
+//   H_i    = -sum_j p_ij log p_ij, the entropy at T              (only if entropy_coeff != 0)
+//   l_i    = pg_i + beta kl_i - entropy_coeff H_i                (the KL term only if beta != 0)
 // With mask m_i in {0, 1}, N = sum_i m_i, n_b = the mask count of sequence b:
 //   grpo, sapo  loss = (1/B) sum_b (sum_{i in b} m_i l_i) / max(1, n_b)
 //   bnpo        loss = sum_i m_i l_i / max(1, N)
 //   dr_grpo     loss = sum_i m_i l_i / (B max_completion_length)
 //   dapo, cispo loss = sum_i m_i l_i / max(1, D)    D = dapo_normalizer if > 0, else N
 //   luspo       loss = sum_i m_i n_{b(i)} l_i / (B S)
+//   gpg         as dapo
+// With an aggregation (verl's loss_agg_mode) other than loss_type, it replaces the type's:
+//   token-mean               loss = sum_i m_i l_i / max(1, D)        D as dapo's
+//   seq-mean-token-sum       loss = sum_b sum_{i in b} m_i l_i / max(1, G)
+//   seq-mean-token-mean      loss = sum_b (sum_{i in b} m_i l_i / n_b) / max(1, G)
+//   seq-mean-token-sum-norm  loss = sum_b sum_{i in b} m_i l_i / (max(1, G) L)
+//   G = dapo_normalizer if > 0 (verl's global_batch_size / dp_size), else the sequences with
+//   n_b > 0; L = loss_scale_factor if > 0, else S (verl's horizon, loss_mask.shape[-1]).
 // (Liger's D is num_items_in_batch / world_size when given, else the mask count all-reduced
 // over the ranks / world_size; one call sees one rank, so a caller wanting either sends D.)
 // Metrics, as Liger computes them (always over max(1, N), whatever the loss type):
@@ -43,7 +61,7 @@
 //   clip_fraction = sum_i m_i clipped_i / max(1, N),
 //                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
 //                   for the clipped types (r_i before delta); cispo: r_i > eps_high and
-//                   A_i > 0; sapo: never
+//                   A_i > 0; sapo, gpg: never
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
 //   token level: dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i)
 //                   (+ k3_i, times r_i, with the bias correction), and dpg_i as below.
@@ -51,7 +69,9 @@
 //                   (+ beta k3_i r_i with the bias correction), and the rest, f_i = beta
 //                   (1 - exp(ref_i - logp_i)) (times r_i with the bias correction); then
 //                   dloss/dlogp_j = w_j f_j + m_j / max(1, n_b) sum_{i in b} w_i e_i.
+//   The entropy term's gradient: dloss/dH_i = -entropy_coeff w_i, whatever the level.
 //   dpg_i:
+//     gpg:           -A_i
 //     clipped types: -A_i r_i s_i; s_i = 0 if clipped_i, or if delta caps r_i (r_i >= delta,
 //                    A_i < 0); 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
 //     cispo:         -A_i min(r_i, eps_high)
@@ -104,6 +124,11 @@ struct PolicyOptions {
   bool use_bias_correction_kl = false;
   // token (Liger's default) or sequence (GSPO); sequence with a clipped type only.
   ImportanceSampling importance_sampling = ImportanceSampling::kToken;
+  KlEstimator kl_estimator = KlEstimator::kK3;
+  bool kl_straight_through = false;  // K's value, k2's gradient (verl's '+')
+  float entropy_coeff = 0.0f;        // finite
+  PolicyAggregation aggregation = PolicyAggregation::kLossType;
+  double loss_scale_factor = 0;      // seq-mean-token-sum-norm's L: 0 = S, else finite, > 0
 };
 
 struct PolicyProblem {
@@ -125,6 +150,7 @@ struct PolicyReferenceOutputs {
   bool has_kl = false;  // beta != 0 (Liger returns the KL metric only then)
   double clip_fraction = 0;
   int64_t tokens = 0;         // N
+  std::vector<double> kl_token;  // (BT) kl_i (bias-corrected when asked); 0 where mask 0
   std::vector<double> logp;   // (BT) logp_i; 0 where mask 0
   std::vector<double> ratio;  // (BT) r_i (sequence level: R_b); 0 where mask 0
   // (BT) dloss/dlogp_i / w_i, before grad_scale (token level: dl_i/dlogp_i); 0 where masked
