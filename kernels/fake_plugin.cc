@@ -3,7 +3,9 @@
 // boundary is tested without a GPU:
 //   FAKE_PLUGIN_NO_ENTRY  exports no entry point at all;
 //   FAKE_PLUGIN_V1        exports what a version 1 plugin did (LossdCudaAbiVersion, 1);
-//   FAKE_PLUGIN_NEXT_ABI  an entry point that speaks the next ABI version only;
+//   FAKE_PLUGIN_V5        what a version 5 plugin (before major.minor) answers: 5, no table;
+//   FAKE_PLUGIN_NEXT_MAJOR an entry point that speaks the next ABI major only;
+//   FAKE_PLUGIN_NEWER_MINOR a plugin of this major and the next minor, table and all;
 //   FAKE_PLUGIN_CPU       the real table (kernels/plugin_export.h) over the CPU backend, with
 //                         "pinned" host memory from malloc. Device -1 has "no GPU"; device
 //                         -2 fails otherwise.
@@ -57,12 +59,35 @@ extern "C" __attribute__((visibility("default"))) const LossdBackendApi* LossdPl
   return lossd::ServePluginApi(abi_version, plugin_abi_version, &CreateFake);
 }
 
-#elif defined(FAKE_PLUGIN_NEXT_ABI)
+#elif defined(FAKE_PLUGIN_V5) || defined(FAKE_PLUGIN_NEXT_MAJOR)
 
 extern "C" __attribute__((visibility("default"))) const LossdBackendApi* LossdPluginGetApi(
     uint32_t, uint32_t* plugin_abi_version) {
-  if (plugin_abi_version != nullptr) *plugin_abi_version = LOSSD_PLUGIN_ABI_VERSION + 1;
+#if defined(FAKE_PLUGIN_V5)
+  if (plugin_abi_version != nullptr) *plugin_abi_version = 5;
+#else
+  if (plugin_abi_version != nullptr) {
+    *plugin_abi_version = LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR + 1, 0);
+  }
+#endif
   return nullptr;
+}
+
+#elif defined(FAKE_PLUGIN_NEWER_MINOR)
+
+// A newer minor's table is longer than this server's; nothing in it is ever called.
+struct NewerTable {
+  LossdBackendApi api;
+  void* added_by_the_next_minor;
+};
+
+extern "C" __attribute__((visibility("default"))) const LossdBackendApi* LossdPluginGetApi(
+    uint32_t, uint32_t* plugin_abi_version) {
+  constexpr uint32_t kNewer =
+      LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR, LOSSD_PLUGIN_ABI_CURRENT_MINOR + 1);
+  static const NewerTable table = {{sizeof(NewerTable), kNewer}, nullptr};
+  if (plugin_abi_version != nullptr) *plugin_abi_version = kNewer;
+  return &table.api;
 }
 
 #elif defined(FAKE_PLUGIN_V1)

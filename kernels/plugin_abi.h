@@ -5,15 +5,40 @@
  * C and as C++; says nothing of how either side implements it (kernels/plugin_export.h serves
  * it over a lossd::Backend, kernels/plugin_backend.h is a lossd::Backend over it).
  *
- * A plugin exports one symbol, LossdPluginGetApi. The server asks it for the ABI version it
- * was built for; the plugin answers with its table of functions for that version, or with null
- * when it speaks another one, and in both cases writes the version it speaks, so the server
- * can name both. Version 1 was a C++ lossd::Backend* across dlopen (LossdCudaAbiVersion);
- * version 3 added the hosted head's optimizer_step and sum_of_squares; version 4 the loss kinds
- * (logprob, policy, distill): their inputs, options and outputs, and which kinds a backend
- * computes; version 5 the policy loss types cispo, sapo and luspo and their options.
- * Bump LOSSD_PLUGIN_ABI_VERSION whenever a struct or a function below changes; a new
- * function goes at the end of LossdBackendApi, whose struct_size tells how far a table goes.
+ * A plugin exports one symbol, LossdPluginGetApi. The server asks it with the ABI version it
+ * speaks; the plugin answers with its table of functions when the majors agree, else with
+ * null, and in both cases writes the version it speaks, so the server can name both.
+ *
+ * Versions are major.minor (LOSSD_PLUGIN_ABI_VERSION packs them). The server loads a plugin
+ * of its own major and a minor no newer than its own; it refuses any other, naming both
+ * versions. An older minor loads because everything a minor adds goes at the end: a field at
+ * the end of a struct, a function at the end of LossdBackendApi (whose struct_size tells how
+ * far a plugin's table goes), a new value of an enumeration. So, under a MINOR bump:
+ *   - a field appended to a struct the plugin writes (LossdBackendInfo, LossdStats): the server
+ *     zeroes the struct first, so from an older plugin the field reads 0, which must mean
+ *     absent (the value before the field existed);
+ *   - a field appended to a struct the server fills (LossdProblem, LossdOutputs,
+ *     LossdWorkspaceShape, LossdCudaOptions): an older plugin never reads it, so the server
+ *     must not count on it there (a capability the plugin reports, as loss_kinds, or the
+ *     plugin's minor, tells it may);
+ *   - a function appended to LossdBackendApi: the server calls it only where struct_size
+ *     covers it, and does without (or refuses, naming the plugin's version) where not;
+ *   - a new enumeration value that a plugin of an older minor refuses (INVALID_ARGUMENT or
+ *     UNIMPLEMENTED), or that a reported capability guards.
+ * Anything else bumps the MAJOR (and resets the minor to 0): a field or function removed,
+ * moved, resized or given another type or meaning, a field inserted before the end, a
+ * changed entry point. Each field and function after 6.0 says the minor that added it, and
+ * sits under #if LOSSD_PLUGIN_ABI_MINOR >= N: defining LOSSD_PLUGIN_ABI_MINOR to an older
+ * minor before including this header builds a plugin of that minor (structs of that minor's
+ * size; kernels/BUILD builds such a plugin for the loader's test). The server is always built
+ * at the current minor.
+ *
+ * History, before major.minor (one number, refused now; a number below 1 << 16 is one of
+ * these): 1 was a C++ lossd::Backend* across dlopen (LossdCudaAbiVersion); 3 added the hosted
+ * head's optimizer_step and sum_of_squares; 4 the loss kinds (logprob, policy, distill): their
+ * inputs, options and outputs, and which kinds a backend computes; 5 the policy loss types
+ * cispo, sapo and luspo and their options. 6.0: version 5's structs and functions, versioned
+ * major.minor (the entry point answers every minor of its major).
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -25,7 +50,25 @@
 extern "C" {
 #endif
 
-#define LOSSD_PLUGIN_ABI_VERSION 5u
+/* major.minor packed into 32 bits: (major << 16) | minor. */
+#define LOSSD_PLUGIN_ABI_MAJOR 6u
+#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 0u
+#ifndef LOSSD_PLUGIN_ABI_MINOR
+#define LOSSD_PLUGIN_ABI_MINOR LOSSD_PLUGIN_ABI_CURRENT_MINOR
+#endif
+#if LOSSD_PLUGIN_ABI_MINOR > LOSSD_PLUGIN_ABI_CURRENT_MINOR
+#error "LOSSD_PLUGIN_ABI_MINOR is newer than this header"
+#endif
+#define LOSSD_PLUGIN_ABI_VERSION_OF(major, minor) \
+  ((uint32_t)(((uint32_t)(major) << 16) | (uint32_t)(minor)))
+#define LOSSD_PLUGIN_ABI_VERSION \
+  LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR, LOSSD_PLUGIN_ABI_MINOR)
+/* A version's major and minor; a number from before major.minor (below 1 << 16) is its own
+ * major, minor 0. */
+#define LOSSD_PLUGIN_ABI_MAJOR_OF(version) \
+  ((uint32_t)(version) >> 16 == 0 ? (uint32_t)(version) : (uint32_t)(version) >> 16)
+#define LOSSD_PLUGIN_ABI_MINOR_OF(version) \
+  ((uint32_t)(version) >> 16 == 0 ? 0u : (uint32_t)(version) & 0xFFFFu)
 #define LOSSD_PLUGIN_ENTRY_SYMBOL "LossdPluginGetApi"
 /* What a version 1 plugin exported instead: uint32_t LossdCudaAbiVersion(void). */
 #define LOSSD_PLUGIN_V1_VERSION_SYMBOL "LossdCudaAbiVersion"
@@ -264,11 +307,11 @@ typedef struct LossdBackend LossdBackend;
 typedef struct LossdBuffer LossdBuffer;
 typedef struct LossdHostMemory LossdHostMemory;
 
-/* The functions of one ABI version. Functions that return int32_t return the status code
+/* The functions of one ABI major. Functions that return int32_t return the status code
  * they also write into *status. Every function is thread-safe as lossd::Backend's are. */
 typedef struct LossdBackendApi {
   uint32_t struct_size; /* sizeof(LossdBackendApi) the plugin was built with */
-  uint32_t abi_version; /* LOSSD_PLUGIN_ABI_VERSION the plugin was built with */
+  uint32_t abi_version; /* LOSSD_PLUGIN_ABI_VERSION the plugin was built with (major.minor) */
 
   /* A new backend in *backend, or an error (the no-GPU prefix above when there is none). */
   int32_t (*create)(const LossdCudaOptions* options, LossdBackend** backend,
@@ -307,8 +350,9 @@ typedef struct LossdBackendApi {
                             LossdStatus* status);
 } LossdBackendApi;
 
-/* The entry point's type: the table for abi_version, or null when the plugin does not speak
- * it; *plugin_abi_version gets the version the plugin speaks either way. */
+/* The entry point's type: the plugin's table when abi_version (the server's) has the plugin's
+ * major, whatever its minor (the server checks the minors), else null; *plugin_abi_version
+ * gets the version the plugin speaks either way. */
 typedef const LossdBackendApi* (*LossdPluginGetApiFn)(uint32_t abi_version,
                                                       uint32_t* plugin_abi_version);
 

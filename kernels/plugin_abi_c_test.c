@@ -17,7 +17,13 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 5u, "the ABI version is 5");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 0u,
+                    "the ABI version is 6.0");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60000u, "major.minor packed as major << 16");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR_OF(0x60002u) == 6u
+                        && LOSSD_PLUGIN_ABI_MINOR_OF(0x60002u) == 2u
+                        && LOSSD_PLUGIN_ABI_MAJOR_OF(5u) == 5u && LOSSD_PLUGIN_ABI_MINOR_OF(5u) == 0u,
+                    "a version's major and minor; a number from before major.minor is a major");
   failures += Check(strcmp(LOSSD_PLUGIN_ENTRY_SYMBOL, "LossdPluginGetApi") == 0,
                     "the entry point's name");
   failures += Check(strcmp(LOSSD_CUDA_NO_GPU_PREFIX, "no GPU: ") == 0, "the no-GPU prefix");

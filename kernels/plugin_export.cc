@@ -163,7 +163,9 @@ constexpr LossdBackendApi kApi = {
 const LossdBackendApi* ServePluginApi(uint32_t abi_version, uint32_t* plugin_abi_version,
                                       PluginBackendFactory factory) {
   if (plugin_abi_version != nullptr) *plugin_abi_version = LOSSD_PLUGIN_ABI_VERSION;
-  if (abi_version != LOSSD_PLUGIN_ABI_VERSION) return nullptr;
+  // Any minor of this major: the server decides whether ours is old enough for it
+  // (plugin_abi.h), and it can name both versions only if it gets the table's.
+  if (LOSSD_PLUGIN_ABI_MAJOR_OF(abi_version) != LOSSD_PLUGIN_ABI_MAJOR) return nullptr;
   g_factory.store(factory);
   return &kApi;
 }

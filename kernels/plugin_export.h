@@ -20,9 +20,10 @@ namespace lossd {
 using PluginBackendFactory =
     absl::StatusOr<std::unique_ptr<Backend>> (*)(const LossdCudaOptions& options);
 
-// What LossdPluginGetApi returns: the table for version LOSSD_PLUGIN_ABI_VERSION, whose create
-// calls `factory`, or null for any other version; *plugin_abi_version (when not null) gets
-// LOSSD_PLUGIN_ABI_VERSION either way. One factory per shared library: every call must pass
+// What LossdPluginGetApi returns: the table of LOSSD_PLUGIN_ABI_VERSION (the minor this file
+// was built at), whose create calls `factory`, when `abi_version` has this major (any minor);
+// null for another major; *plugin_abi_version (when not null) gets LOSSD_PLUGIN_ABI_VERSION
+// either way. One factory per shared library: every call must pass
 // the same one.
 const LossdBackendApi* ServePluginApi(uint32_t abi_version, uint32_t* plugin_abi_version,
                                       PluginBackendFactory factory);

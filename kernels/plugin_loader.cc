@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -41,7 +42,7 @@ struct OpenedPlugin {
   std::string path;
   void* handle = nullptr;
   uint32_t abi_version = 0;
-  // The table for LOSSD_PLUGIN_ABI_VERSION; null when the plugin speaks another version.
+  // The plugin's table when it speaks this server's major (any minor); else null.
   const LossdBackendApi* api = nullptr;
 };
 
@@ -81,24 +82,31 @@ absl::StatusOr<OpenedPlugin> OpenPlugin(const std::string& path_or_empty) {
   }
   return absl::FailedPreconditionError(absl::StrCat(
       p.path, " exports no ", LOSSD_PLUGIN_ENTRY_SYMBOL,
-      ": it is not a lossd plugin of a versioned ABI; this server needs ABI version ",
-      LOSSD_PLUGIN_ABI_VERSION));
+      ": it is not a lossd plugin of a versioned ABI; ", PluginAbiAccepted()));
 }
 
-// Every function of a version-2 table, present.
-absl::Status CheckTable(const std::string& path, const LossdBackendApi& api) {
-  if (api.struct_size < sizeof(LossdBackendApi) || api.abi_version != LOSSD_PLUGIN_ABI_VERSION) {
+// The table of a plugin this server loads (PluginAbiLoadable(version)): it says the version
+// the entry point said, reaches at least to the last function of 6.0 and no further than this
+// server's own table (an older minor's table is shorter; a function a later minor adds is
+// called only where struct_size covers it), and has every function of 6.0.
+absl::Status CheckTable(const std::string& path, uint32_t version, const LossdBackendApi& api) {
+  constexpr size_t kMajorTableBytes =
+      offsetof(LossdBackendApi, sum_of_squares) + sizeof(LossdBackendApi::sum_of_squares);
+  if (api.abi_version != version || api.struct_size < kMajorTableBytes ||
+      api.struct_size > sizeof(LossdBackendApi)) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, " returned a table of ", api.struct_size, " bytes for ABI version ",
-        api.abi_version, "; this server needs ", sizeof(LossdBackendApi),
-        " bytes for version ", LOSSD_PLUGIN_ABI_VERSION));
+        PluginAbiVersionText(api.abi_version), " (its entry point said ",
+        PluginAbiVersionText(version), "); this server reads ", kMajorTableBytes, " to ",
+        sizeof(LossdBackendApi), " bytes of a table of ABI ", LOSSD_PLUGIN_ABI_MAJOR, ".x"));
   }
   const bool complete = api.create != nullptr && api.destroy != nullptr && api.info != nullptr &&
                         api.allocate != nullptr && api.free_buffer != nullptr &&
                         api.copy_to_backend != nullptr && api.copy_from_backend != nullptr &&
                         api.zero != nullptr && api.workspace_bytes != nullptr &&
                         api.compute != nullptr && api.host_memory != nullptr &&
-                        api.host_alloc != nullptr && api.host_free != nullptr;
+                        api.host_alloc != nullptr && api.host_free != nullptr &&
+                        api.optimizer_step != nullptr && api.sum_of_squares != nullptr;
   if (!complete) {
     return absl::FailedPreconditionError(
         absl::StrCat(path, " returned a table with a function missing"));
@@ -107,6 +115,24 @@ absl::Status CheckTable(const std::string& path, const LossdBackendApi& api) {
 }
 
 }  // namespace
+
+std::string PluginAbiVersionText(uint32_t abi_version) {
+  if (abi_version >> 16 == 0) return absl::StrCat(abi_version);
+  return absl::StrCat(LOSSD_PLUGIN_ABI_MAJOR_OF(abi_version), ".",
+                      LOSSD_PLUGIN_ABI_MINOR_OF(abi_version));
+}
+
+bool PluginAbiLoadable(uint32_t abi_version) {
+  return LOSSD_PLUGIN_ABI_MAJOR_OF(abi_version) == LOSSD_PLUGIN_ABI_MAJOR &&
+         LOSSD_PLUGIN_ABI_MINOR_OF(abi_version) <= LOSSD_PLUGIN_ABI_MINOR &&
+         abi_version >> 16 != 0;
+}
+
+std::string PluginAbiAccepted() {
+  return absl::StrCat("this server speaks ", PluginAbiVersionText(LOSSD_PLUGIN_ABI_VERSION),
+                      " and loads plugins of ABI ", LOSSD_PLUGIN_ABI_MAJOR, ".0 to ",
+                      PluginAbiVersionText(LOSSD_PLUGIN_ABI_VERSION));
+}
 
 absl::StatusOr<CudaPluginProbe> ProbeCudaPlugin(const std::string& path_or_empty) {
   absl::StatusOr<OpenedPlugin> p = OpenPlugin(path_or_empty);
@@ -135,13 +161,13 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(const std::string& path
   absl::StatusOr<OpenedPlugin> opened = OpenPlugin(path_or_empty);
   if (!opened.ok()) return opened.status();
   const std::string& chosen = opened->path;
-  if (opened->abi_version != LOSSD_PLUGIN_ABI_VERSION || opened->api == nullptr) {
+  if (!PluginAbiLoadable(opened->abi_version) || opened->api == nullptr) {
     return absl::FailedPreconditionError(
-        absl::StrCat(chosen, " was built for plugin ABI version ", opened->abi_version,
-                     "; this server needs version ", LOSSD_PLUGIN_ABI_VERSION));
+        absl::StrCat(chosen, " was built for plugin ABI version ",
+                     PluginAbiVersionText(opened->abi_version), "; ", PluginAbiAccepted()));
   }
   const LossdBackendApi* api = opened->api;
-  if (absl::Status st = CheckTable(chosen, *api); !st.ok()) return st;
+  if (absl::Status st = CheckTable(chosen, opened->abi_version, *api); !st.ok()) return st;
   StatusBuffer st;
   LossdBackend* backend = nullptr;
   const int32_t code = api->create(&options, &backend, st.get());

@@ -33,22 +33,33 @@ std::vector<std::string> CudaPluginCandidates(const std::string& path);
 // What a plugin found on disk says of itself, without starting a GPU.
 struct CudaPluginProbe {
   std::string path;       // the candidate that exists
-  uint32_t abi_version;   // the plugin ABI version it speaks
+  uint32_t abi_version;   // the plugin ABI version it speaks (LOSSD_PLUGIN_ABI_VERSION_OF)
 };
+
+// "6.1" for a major.minor version; "5" for a version from before major.minor.
+std::string PluginAbiVersionText(uint32_t abi_version);
+
+// Whether this server loads a plugin of `abi_version`: the same major, a minor no newer than
+// its own (plugin_abi.h says why).
+bool PluginAbiLoadable(uint32_t abi_version);
+
+// What this server's refusal says of itself: "this server speaks 6.1 and loads plugins of ABI
+// 6.0 to 6.1".
+std::string PluginAbiAccepted();
 
 // dlopens the first candidate that exists and reads its ABI version: what its
 // LossdPluginGetApi says, or for a version 1 plugin what its LossdCudaAbiVersion says.
 // NOT_FOUND: no candidate exists. FAILED_PRECONDITION: it could not be loaded (e.g. cuBLAS
-// missing) or exports neither symbol. A version that differs from LOSSD_PLUGIN_ABI_VERSION is
-// returned, not refused, so a caller such as `lossd --version` can say which it is.
+// missing) or exports neither symbol. A version this server does not load is returned, not
+// refused, so a caller such as `lossd --version` can say which it is.
 absl::StatusOr<CudaPluginProbe> ProbeCudaPlugin(const std::string& path_or_empty);
 
 // dlopens the first candidate that exists and creates a backend through its table of
 // functions (a lossd::Backend over the C ABI: kernels/plugin_backend.h). NOT_FOUND: no
 // candidate file exists. UNAVAILABLE: the plugin loaded but there is no usable GPU (message
 // starts with "no GPU: "). FAILED_PRECONDITION: the file could not be loaded, lacks the entry
-// point, was built for another ABI version (the message names both numbers) or returned a
-// table short of a function. INTERNAL: create failed otherwise. The library stays loaded for
+// point, was built for an ABI version this server does not load (another major, or a newer
+// minor; the message names both versions) or returned a table short of a function of 6.0. INTERNAL: create failed otherwise. The library stays loaded for
 // the life of the process (the backend's code lives in it).
 absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(const std::string& path_or_empty,
                                                          const LossdCudaOptions& options);

@@ -71,7 +71,7 @@ TEST(PluginLoaderTest, BrokenPluginIsFailedPrecondition) {
 }
 
 // The fake plugins' paths (fake_plugin.cc says what each is), from the test's arguments.
-std::string g_no_entry, g_v1, g_next_abi, g_cpu;
+std::string g_no_entry, g_v1, g_v5, g_next_major, g_newer_minor, g_cpu;
 
 std::string Absolute(const std::string& path) {
   char* real = realpath(path.c_str(), nullptr);
@@ -80,31 +80,56 @@ std::string Absolute(const std::string& path) {
   return out;
 }
 
+// This server's version and what it loads, as its refusals say them.
+std::string Accepted() {
+  return absl::StrCat("this server speaks ", LOSSD_PLUGIN_ABI_MAJOR, ".",
+                      LOSSD_PLUGIN_ABI_CURRENT_MINOR, " and loads plugins of ABI ",
+                      LOSSD_PLUGIN_ABI_MAJOR, ".0 to ", LOSSD_PLUGIN_ABI_MAJOR, ".",
+                      LOSSD_PLUGIN_ABI_CURRENT_MINOR);
+}
+
+TEST(PluginLoaderTest, VersionsAreMajorDotMinor) {
+  EXPECT_EQ(LOSSD_PLUGIN_ABI_VERSION,
+            (LOSSD_PLUGIN_ABI_MAJOR << 16) | LOSSD_PLUGIN_ABI_CURRENT_MINOR);
+  EXPECT_EQ(PluginAbiVersionText(LOSSD_PLUGIN_ABI_VERSION_OF(6, 0)), "6.0");
+  EXPECT_EQ(PluginAbiVersionText(LOSSD_PLUGIN_ABI_VERSION_OF(7, 12)), "7.12");
+  EXPECT_EQ(PluginAbiVersionText(5), "5");  // before major.minor
+  EXPECT_EQ(LOSSD_PLUGIN_ABI_MAJOR_OF(5u), 5u);
+  EXPECT_EQ(LOSSD_PLUGIN_ABI_MINOR_OF(5u), 0u);
+  // Every minor of this major up to this server's own loads; nothing else does.
+  for (uint32_t minor = 0; minor <= LOSSD_PLUGIN_ABI_CURRENT_MINOR; ++minor) {
+    EXPECT_TRUE(PluginAbiLoadable(LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR, minor)));
+  }
+  EXPECT_FALSE(PluginAbiLoadable(
+      LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR, LOSSD_PLUGIN_ABI_CURRENT_MINOR + 1)));
+  EXPECT_FALSE(PluginAbiLoadable(LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR + 1, 0)));
+  EXPECT_FALSE(PluginAbiLoadable(LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR - 1, 0)));
+  EXPECT_FALSE(PluginAbiLoadable(5));
+  EXPECT_FALSE(PluginAbiLoadable(LOSSD_PLUGIN_ABI_MAJOR));  // a bare number is never major.minor
+}
+
 TEST(PluginLoaderTest, PluginWithoutTheEntryPointIsRefused) {
   auto b = LoadCudaBackend(Absolute(g_no_entry), DefaultCudaOptions());
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find(
-                absl::StrCat("exports no LossdPluginGetApi: it is not a lossd plugin of a "
-                             "versioned ABI; this server needs ABI version ",
-                             LOSSD_PLUGIN_ABI_VERSION)),
+  EXPECT_NE(b.status().message().find(absl::StrCat(
+                "exports no LossdPluginGetApi: it is not a lossd plugin of a versioned ABI; ",
+                Accepted())),
             std::string::npos)
       << b.status();
   EXPECT_TRUE(absl::IsFailedPrecondition(ProbeCudaPlugin(Absolute(g_no_entry)).status()));
 }
 
-// The plugin at `path` was built for ABI `version`, not this server's: loading it is
-// refused with FAILED_PRECONDITION naming both versions, while the probe reports the number
-// rather than refusing (--version prints it), with the plugin's path.
-void ExpectOtherAbiRefused(const std::string& path, uint32_t version) {
+// The plugin at `path` was built for ABI `version` (`text` as the server writes it), one this
+// server does not load: loading it is refused with FAILED_PRECONDITION naming both versions,
+// while the probe reports the number rather than refusing (--version prints it), with the
+// plugin's path.
+void ExpectOtherAbiRefused(const std::string& path, uint32_t version, const std::string& text) {
   auto b = LoadCudaBackend(path, DefaultCudaOptions());
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(b.status())) << b.status();
-  EXPECT_NE(b.status().message().find(absl::StrCat("was built for plugin ABI version ", version,
-                                                   "; this server needs version ",
-                                                   LOSSD_PLUGIN_ABI_VERSION)),
-            std::string::npos)
-      << b.status();
+  EXPECT_EQ(b.status().message(),
+            absl::StrCat(path, " was built for plugin ABI version ", text, "; ", Accepted()));
   absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(path);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->abi_version, version);
@@ -112,28 +137,49 @@ void ExpectOtherAbiRefused(const std::string& path, uint32_t version) {
 }
 
 TEST(PluginLoaderTest, VersionOnePluginIsRefusedNamingBothVersions) {
-  ExpectOtherAbiRefused(Absolute(g_v1), 1);
+  ExpectOtherAbiRefused(Absolute(g_v1), 1, "1");
 }
 
-TEST(PluginLoaderTest, PluginOfAnotherAbiIsRefusedNamingBothVersions) {
-  ExpectOtherAbiRefused(Absolute(g_next_abi), LOSSD_PLUGIN_ABI_VERSION + 1);
+TEST(PluginLoaderTest, VersionFivePluginIsRefusedNamingBothVersions) {
+  ExpectOtherAbiRefused(Absolute(g_v5), 5, "5");
 }
 
-// The entry point itself: a table for its own version only, and its version either way.
-TEST(PluginLoaderTest, EntryPointAnswersItsOwnVersionOnly) {
+TEST(PluginLoaderTest, PluginOfAnotherMajorIsRefusedNamingBothVersions) {
+  ExpectOtherAbiRefused(Absolute(g_next_major),
+                        LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR + 1, 0),
+                        absl::StrCat(LOSSD_PLUGIN_ABI_MAJOR + 1, ".0"));
+}
+
+// A newer minor's plugin would read the server's structs past their end: refused too.
+TEST(PluginLoaderTest, PluginOfANewerMinorIsRefusedNamingBothVersions) {
+  ExpectOtherAbiRefused(
+      Absolute(g_newer_minor),
+      LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR, LOSSD_PLUGIN_ABI_CURRENT_MINOR + 1),
+      absl::StrCat(LOSSD_PLUGIN_ABI_MAJOR, ".", LOSSD_PLUGIN_ABI_CURRENT_MINOR + 1));
+}
+
+// The entry point itself: its table for any minor of its major, null for another major, and
+// its own version either way.
+TEST(PluginLoaderTest, EntryPointAnswersEveryMinorOfItsMajor) {
   void* handle = dlopen(Absolute(g_cpu).c_str(), RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(handle, nullptr) << dlerror();
   auto get = reinterpret_cast<LossdPluginGetApiFn>(dlsym(handle, LOSSD_PLUGIN_ENTRY_SYMBOL));
   ASSERT_NE(get, nullptr);
   uint32_t version = 0;
-  EXPECT_EQ(get(LOSSD_PLUGIN_ABI_VERSION + 1, &version), nullptr);
+  EXPECT_EQ(get(LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR + 1, 0), &version), nullptr);
   EXPECT_EQ(version, LOSSD_PLUGIN_ABI_VERSION);
   version = 0;
-  const LossdBackendApi* api = get(LOSSD_PLUGIN_ABI_VERSION, &version);
-  ASSERT_NE(api, nullptr);
+  EXPECT_EQ(get(5, &version), nullptr);
   EXPECT_EQ(version, LOSSD_PLUGIN_ABI_VERSION);
-  EXPECT_EQ(api->abi_version, LOSSD_PLUGIN_ABI_VERSION);
-  EXPECT_EQ(api->struct_size, sizeof(LossdBackendApi));
+  for (uint32_t minor : {0u, LOSSD_PLUGIN_ABI_CURRENT_MINOR, 99u}) {
+    version = 0;
+    const LossdBackendApi* api =
+        get(LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR, minor), &version);
+    ASSERT_NE(api, nullptr) << minor;
+    EXPECT_EQ(version, LOSSD_PLUGIN_ABI_VERSION);
+    EXPECT_EQ(api->abi_version, LOSSD_PLUGIN_ABI_VERSION);
+    EXPECT_EQ(api->struct_size, sizeof(LossdBackendApi));
+  }
   absl::StatusOr<CudaPluginProbe> p = ProbeCudaPlugin(Absolute(g_cpu));
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION);
@@ -394,13 +440,16 @@ TEST_F(FakePluginTest, FailedRowWaitCrossesBack) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: %s NO_ENTRY.so V1.so NEXT_ABI.so CPU.so\n", argv[0]);
+  if (argc != 7) {
+    std::fprintf(stderr, "usage: %s NO_ENTRY.so V1.so V5.so NEXT_MAJOR.so NEWER_MINOR.so CPU.so\n",
+                 argv[0]);
     return 2;
   }
   lossd::g_no_entry = argv[1];
   lossd::g_v1 = argv[2];
-  lossd::g_next_abi = argv[3];
-  lossd::g_cpu = argv[4];
+  lossd::g_v5 = argv[3];
+  lossd::g_next_major = argv[4];
+  lossd::g_newer_minor = argv[5];
+  lossd::g_cpu = argv[6];
   return RUN_ALL_TESTS();
 }

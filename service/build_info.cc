@@ -22,11 +22,11 @@ std::string VersionText(const BuildInfo& build, const absl::StatusOr<CudaPluginP
   std::string cuda;
   if (!plugin.ok()) {
     cuda = absl::StrCat("none usable (", plugin.status().message(), ")");
-  } else if (plugin->abi_version != LOSSD_PLUGIN_ABI_VERSION) {
-    cuda = absl::StrCat(plugin->path, ", ABI version ", plugin->abi_version,
-                        ": NOT loadable, this server needs ABI version ", LOSSD_PLUGIN_ABI_VERSION);
+  } else if (!PluginAbiLoadable(plugin->abi_version)) {
+    cuda = absl::StrCat(plugin->path, ", ABI version ", PluginAbiVersionText(plugin->abi_version),
+                        ": NOT loadable, ", PluginAbiAccepted());
   } else {
-    cuda = absl::StrCat(plugin->path, ", ABI version ", plugin->abi_version);
+    cuda = absl::StrCat(plugin->path, ", ABI version ", PluginAbiVersionText(plugin->abi_version));
   }
   return absl::StrCat("lossd ", build.version, "\ncommit: ", build.commit,
                       "\nbuild: ", build.mode, "\ncuda plugin: ", cuda, "\n");

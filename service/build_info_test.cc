@@ -30,11 +30,18 @@ TEST(BuildInfoTest, VersionTextSaysWhatThePluginIs) {
   const std::string ok = VersionText(b, CudaPluginProbe{"/x/liblossd_cuda.so", LOSSD_PLUGIN_ABI_VERSION});
   EXPECT_EQ(ok, absl::StrCat("lossd 9.9.9\ncommit: 0123456789ab\nbuild: opt (NDEBUG: assertions "
                              "off)\ncuda plugin: /x/liblossd_cuda.so, ABI version ",
-                             LOSSD_PLUGIN_ABI_VERSION, "\n"));
-  EXPECT_THAT(VersionText(b, CudaPluginProbe{"/y.so", LOSSD_PLUGIN_ABI_VERSION + 1}),
-              HasSubstr(absl::StrCat("cuda plugin: /y.so, ABI version ", LOSSD_PLUGIN_ABI_VERSION + 1,
-                                     ": NOT loadable, this server needs ABI version ",
-                                     LOSSD_PLUGIN_ABI_VERSION)));
+                             LOSSD_PLUGIN_ABI_MAJOR, ".", LOSSD_PLUGIN_ABI_CURRENT_MINOR, "\n"));
+  const std::string server =
+      absl::StrCat(LOSSD_PLUGIN_ABI_MAJOR, ".", LOSSD_PLUGIN_ABI_CURRENT_MINOR);
+  const uint32_t next_major = LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR + 1, 0);
+  EXPECT_THAT(
+      VersionText(b, CudaPluginProbe{"/y.so", next_major}),
+      HasSubstr(absl::StrCat("cuda plugin: /y.so, ABI version ", LOSSD_PLUGIN_ABI_MAJOR + 1,
+                             ".0: NOT loadable, this server speaks ", server,
+                             " and loads plugins of ABI ", LOSSD_PLUGIN_ABI_MAJOR, ".0 to ",
+                             server)));
+  EXPECT_THAT(VersionText(b, CudaPluginProbe{"/z.so", 5}),
+              HasSubstr("cuda plugin: /z.so, ABI version 5: NOT loadable, this server speaks "));
   EXPECT_THAT(VersionText(b, absl::NotFoundError("CUDA plugin not found; tried /a")),
               HasSubstr("cuda plugin: none usable (CUDA plugin not found; tried /a)"));
 }

@@ -18,7 +18,7 @@ expect '^lossd [0-9]+\.[0-9]+\.[0-9]+$'
 expect '^commit: ([0-9a-f]{12}(-dirty)?|unknown \(built outside a git checkout\))$'
 expect '^build: (opt|fastbuild|dbg) \((NDEBUG: assertions off|assertions on)\)$'
 # Built with the toolkit, the plugin travels in the runfiles; without it there is none.
-expect '^cuda plugin: (.*liblossd_cuda\.so, ABI version [0-9]+|none usable \(.*\))$'
+expect '^cuda plugin: (.*liblossd_cuda\.so, ABI version [0-9]+\.[0-9]+|none usable \(.*\))$'
 if grep -q "Debug build" <<<"$out"; then
   echo "lossd --version printed Abseil's default text"
   fail=1

@@ -557,8 +557,9 @@ int Main() {
   {
     const BuildInfo build = GetBuildInfo();
     absl::StatusOr<CudaPluginProbe> plugin = ProbeCudaPlugin(absl::GetFlag(FLAGS_cuda_plugin));
-    metrics.SetBuildInfo(build.version, build.commit, info.name,
-                         plugin.ok() ? absl::StrCat("abi", plugin->abi_version) : "none");
+    const std::string abi =
+        plugin.ok() ? absl::StrCat("abi", PluginAbiVersionText(plugin->abi_version)) : "none";
+    metrics.SetBuildInfo(build.version, build.commit, info.name, abi);
   }
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!StartHttpEndpoints(engine, metrics, &exposer)) return 1;
