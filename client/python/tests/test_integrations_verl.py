@@ -171,3 +171,84 @@ def test_refusals(address):
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(lossd.InvalidArgumentError, match="final_logit_softcapping=30.0"):
         apply_lossd(model, address)
+
+
+# -- item 6: a bf16 backbone on an fp32 head, torch.compile, a lost server ------------------
+
+def _pair_and_inputs(address, seed, model_fn=tiny_llama):
+    ref = model_fn()
+    got = copy.deepcopy(ref)
+    patch = apply_lossd(got, address)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[:, -1] = 0
+    return ref, got, patch, ids, mask, torch.randn(B, T, generator=g)
+
+
+def _bf16_backbone():
+    model = tiny_llama().to(torch.bfloat16)
+    model.lm_head.float()  # the head kept in fp32
+    return model
+
+
+def test_bf16_backbone_on_an_fp32_head_under_autocast(address, verl_forward):
+    """bf16 hidden states from a bf16 backbone on an fp32 head, under autocast (verl's actor
+    runs its forward in one): lossd computes the head in bf16 with fp32 accumulation and
+    returns the fp32 head's gradient in fp32. verl's own FusedLinearForPPO fails on this mix
+    in backward (its backward runs outside autocast: bf16 X times fp32 W), so the reference
+    is verl's on the head cast to bf16 as autocast casts it (the gradient of the cast is the
+    fp32 head's); log p, the entropy and the gradients agree to bf16 rounding."""
+    ref, got, patch, ids, mask, adv = _pair_and_inputs(address, 6, _bf16_backbone)
+    ref.lm_head.to(torch.bfloat16)
+    tol = TOL[torch.bfloat16]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = verl_forward(ref, input_ids=ids, return_dict=True, temperature=0.7)
+        have = got(input_ids=ids, return_dict=True, temperature=0.7)
+    assert have.log_probs.dtype == want.log_probs.dtype
+    assert_close("log_probs (bf16 backbone)", have.log_probs, want.log_probs, tol)
+    assert_close("entropy (bf16 backbone)", have.entropy.float(), want.entropy.float(), tol)
+    ppo_like_loss(want, mask, adv).backward()
+    ppo_like_loss(have, mask, adv).backward()
+    assert got.lm_head.weight.grad.dtype == torch.float32
+    assert_close("lm_head grad (bf16 backbone)", got.lm_head.weight.grad,
+                 ref.lm_head.weight.grad, tol)
+    assert_close("layer 0 q_proj grad (bf16 backbone)",
+                 got.model.layers[0].self_attn.q_proj.weight.grad,
+                 ref.model.layers[0].self_attn.q_proj.weight.grad, tol)
+    assert patch.calls["ppo"] == 1
+
+
+def test_torch_compile_around_the_lossd_call(address, verl_forward):
+    """torch.compile of the patched model (aot_eager): the lossd call is a graph break, the
+    backbone compiles; log p, the entropy and the gradients are verl's eager ones."""
+    ref, got, patch, ids, mask, adv = _pair_and_inputs(address, 7)
+    compiled = torch.compile(got, backend="aot_eager")
+    want = verl_forward(ref, input_ids=ids, return_dict=True, temperature=0.7)
+    have = compiled(input_ids=ids, return_dict=True, temperature=0.7)
+    assert_close("log_probs (compiled)", have.log_probs, want.log_probs)
+    assert_close("entropy (compiled)", have.entropy, want.entropy)
+    ppo_like_loss(want, mask, adv).backward()
+    ppo_like_loss(have, mask, adv).backward()
+    assert_close("lm_head grad (compiled)", got.lm_head.weight.grad, ref.lm_head.weight.grad)
+    assert_close("layer 0 q_proj grad (compiled)",
+                 got.model.layers[0].self_attn.q_proj.weight.grad,
+                 ref.model.layers[0].self_attn.q_proj.weight.grad)
+    assert patch.calls["ppo"] == 1
+
+
+def test_a_server_lost_mid_training_is_named(tmp_path):
+    from conftest import LossdProcess
+    from lossd_servers import find_lossd_binary
+
+    srv = LossdProcess(find_lossd_binary(), str(tmp_path / "lossd.log"))
+    try:
+        model = tiny_llama()
+        apply_lossd(model, srv.address)
+        ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(8))
+        model(input_ids=ids, return_dict=True).log_probs.sum().backward()
+    finally:
+        srv.stop()
+    with pytest.raises(lossd.UnavailableError) as e:
+        model(input_ids=ids, return_dict=True)
+    assert "lossd server %s:" % srv.address in str(e.value)
