@@ -5,10 +5,11 @@ forward with _skip_lm_head (apply_lossd) and lossd's loss against its own forwar
 with and without the global valid-token count: the loss and the gradients of the head and
 of the last hidden state equal to fp32 rounding.
 
-torchtitan's decoders attend through FlexAttention, which has no backward on CPU: the
-backbone runs without gradient here and the comparison starts at its last hidden state (the
-part lossd replaces); a training run of several steps needs a GPU. Skipped where torch or
-torchtitan is not installed."""
+torchtitan's decoders attend through FlexAttention, which has no backward on CPU: the first
+tests run the backbone without gradient and compare from its last hidden state (the part
+lossd replaces); the later ones (training steps, autocast, torch.compile) put a causal SDPA
+stand-in for FlexAttention into both models, so the whole model trains on CPU. Skipped where
+torch or torchtitan is not installed."""
 
 import copy
 
@@ -97,3 +98,146 @@ def test_refusals(address):
         apply_lossd(torch.nn.Linear(2, 2), address)
     with pytest.raises(lossd.UnavailableError, match="127.0.0.1:1 cannot be reached"):
         apply_lossd(model, "127.0.0.1:1", connect_timeout=2.0)
+
+
+# -- training steps, autocast, torch.compile, a lost server -------------------------------------
+
+class CausalSDPA(torch.nn.Module):
+    """A stand-in for torchtitan's FlexAttention (no backward on CPU), put in both the
+    reference and the lossd model: causal scaled-dot-product attention, which is torchtitan's
+    block-causal mask for one document per row (positions 0..T-1). (B, L, N, H) in and out,
+    as torchtitan's inner attentions."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kw):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def trainable_llama3():
+    model = tiny_llama3()
+    for layer in model.layers.values():
+        layer.attention.inner_attention = CausalSDPA()
+    return model
+
+
+def micro_batches(seed, n=2):
+    """(ids, labels) per micro-batch, labels with an ignored prefix of a few positions."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, 2048, (B, T), generator=g)
+        labels = torch.roll(ids, -1, dims=1)
+        labels[:, -1] = -100
+        labels[i % B, : 3 + 4 * i] = -100
+        out.append((ids, labels))
+    return out
+
+
+def step_losses(model, loss_fn, batches):
+    """One optimizer step's forward and backward as torchtitan's _forward_backward_body runs
+    it: the step's global valid-token count, each micro-batch's loss(pred, labels, count)
+    backpropagated; returns the losses."""
+    gvt = torch.tensor(float(sum(int((lab != -100).sum()) for _, lab in batches)))
+    losses = []
+    for ids, labels in batches:
+        loss, _ = loss_fn(model(ids), labels, gvt)
+        loss.backward()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_training_steps_against_its_own_loss(address):
+    """Three optimizer steps of two micro-batches (torchtitan's global valid-token
+    normaliser, its gradient clipping at 1.0, SGD so rounding stays rounding): every
+    micro-batch's loss and the trained head and inner layer equal the run on torchtitan's
+    own model head and CrossEntropyLoss to fp32 rounding."""
+    ref = trainable_llama3()
+    got = copy.deepcopy(ref)
+    loss_fn = apply_lossd(got, address)
+    own = CrossEntropyLoss(CrossEntropyLoss.Config())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, got)]
+    for step in range(3):
+        batches = micro_batches(30 + step)
+        want = step_losses(ref, own, batches)
+        have = step_losses(got, loss_fn, batches)
+        for i, (h, w) in enumerate(zip(have, want)):
+            assert abs(h - w) <= LOSS_RTOL * abs(w), "step %d micro-batch %d: %.9g, ref %.9g" % (
+                step, i, h, w)
+        for m, opt in zip((ref, got), opts):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    assert loss_fn.calls["loss"] == 6
+    assert_close("trained lm_head", got.lm_head.weight, ref.lm_head.weight)
+    assert_close("trained layer 0 wo", got.layers["0"].attention.wo.weight,
+                 ref.layers["0"].attention.wo.weight)
+
+
+# The Transformers tests' bf16 table: torchtitan's lm_head rounds the logits to bf16 under
+# autocast, lossd accumulates them in fp32 (2^-8 relative on logits of a few units).
+BF16_RTOL, BF16_ATOL, BF16_LOSS_RTOL = 5e-2, 2e-2, 1e-2
+
+
+def test_autocast_bf16_hidden_states_on_an_fp32_head(address):
+    """A bf16 backbone (bf16 hidden states) on an fp32 head under torch.autocast(bf16), as
+    torchtitan's train context enables it without FSDP: lossd casts X and W to bf16 as
+    nn.Linear does under autocast; the loss and the gradients (the head's in fp32) equal
+    torchtitan's own to bf16 rounding."""
+    ref = trainable_llama3().to(torch.bfloat16)
+    ref.lm_head.float()
+    got = copy.deepcopy(ref)
+    loss_fn = apply_lossd(got, address)
+    batches = micro_batches(40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = step_losses(ref, CrossEntropyLoss(CrossEntropyLoss.Config()), batches)
+        have = step_losses(got, loss_fn, batches)
+    for h, w in zip(have, want):
+        assert abs(h - w) <= BF16_LOSS_RTOL * abs(w), (have, want)
+    assert got.lm_head.weight.grad.dtype == torch.float32
+    for name, g, r in (("lm_head grad", got.lm_head.weight.grad, ref.lm_head.weight.grad),
+                       ("layer 0 wo grad", got.layers["0"].attention.wo.weight.grad,
+                        ref.layers["0"].attention.wo.weight.grad)):
+        g, r = g.double(), r.double()
+        bound = BF16_ATOL * float(r.abs().max()) + BF16_RTOL * r.abs()
+        assert bool(((g - r).abs() <= bound).all()), "%s: %d of %d off" % (
+            name, int(((g - r).abs() > bound).sum()), r.numel())
+
+
+def test_torch_compile_around_the_lossd_call(address):
+    """torch.compile (aot_eager) of the model and its loss together, as torchtitan compiles
+    both: the lossd call is a graph break; the loss and the gradients are the eager run's."""
+    ref = trainable_llama3()
+    got = copy.deepcopy(ref)
+    loss_fn = apply_lossd(got, address)
+    own = CrossEntropyLoss(CrossEntropyLoss.Config())
+    compiled = torch.compile(lambda ids, labels, gvt: loss_fn(got(ids), labels, gvt),
+                             backend="aot_eager")
+    batches = micro_batches(50)
+    want = step_losses(ref, own, batches)
+    have = step_losses(lambda ids: ids, lambda ids, labels, gvt: compiled(ids, labels, gvt),
+                       batches)
+    for h, w in zip(have, want):
+        assert abs(h - w) <= LOSS_RTOL * abs(w), (have, want)
+    assert loss_fn.calls["loss"] == 2
+    assert_close("compiled lm_head grad", got.lm_head.weight.grad, ref.lm_head.weight.grad)
+    assert_close("compiled layer 0 wo grad", got.layers["0"].attention.wo.weight.grad,
+                 ref.layers["0"].attention.wo.weight.grad)
+
+
+def test_a_server_lost_mid_training_is_named(tmp_path):
+    from conftest import LossdProcess
+    from lossd_servers import find_lossd_binary
+
+    srv = LossdProcess(find_lossd_binary(), str(tmp_path / "lossd.log"))
+    try:
+        model = trainable_llama3()
+        loss_fn = apply_lossd(model, srv.address)
+        batches = micro_batches(60, n=1)
+        step_losses(model, loss_fn, batches)
+    finally:
+        srv.stop()
+    with pytest.raises(lossd.UnavailableError) as e:
+        step_losses(model, loss_fn, batches)
+    assert "lossd server %s:" % srv.address in str(e.value)
