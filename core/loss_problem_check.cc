@@ -160,6 +160,37 @@ absl::Status CheckKindOptions(LossKind kind, const LossOptions& o, bool has_clas
   return absl::OkStatus();
 }
 
+// verl's menu: the KL estimator, the entropy bonus, the aggregation and its L.
+absl::Status CheckPolicyVerlParams(const PolicyParams& p) {
+  const int estimator = static_cast<int>(p.kl_estimator);
+  if (estimator < 0 || estimator >= kKlEstimators) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.kl_estimator ", estimator, " is unknown (k3 0, k1 1, k2 2, abs 3, low_var_kl 4)"));
+  }
+  if (!std::isfinite(p.entropy_coeff)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.entropy_coeff must be finite, got ", p.entropy_coeff));
+  }
+  const int aggregation = static_cast<int>(p.aggregation);
+  if (aggregation < 0 || aggregation >= kPolicyAggregations) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.aggregation ", aggregation, " is unknown (loss_type 0, token-mean 1, "
+        "seq-mean-token-sum 2, seq-mean-token-mean 3, seq-mean-token-sum-norm 4)"));
+  }
+  if (!(p.loss_scale_factor >= 0) || !std::isfinite(p.loss_scale_factor)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.loss_scale_factor must be finite and >= 0 (0 = the sequence length S), got ",
+        p.loss_scale_factor));
+  }
+  if (p.loss_scale_factor != 0 && p.aggregation != PolicyAggregation::kSeqMeanTokenSumNorm) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.loss_scale_factor ", p.loss_scale_factor,
+        " is for aggregation seq-mean-token-sum-norm; this request's is ",
+        PolicyAggregationName(p.aggregation)));
+  }
+  return absl::OkStatus();
+}
+
 // The options of the loss types beyond dapo, grpo, bnpo and dr_grpo.
 absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
   const std::pair<const char*, float> temperatures[] = {
@@ -182,6 +213,7 @@ absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
         "dr_grpo, luspo); loss type ", PolicyLossTypeName(p.loss_type),
         " takes token-level ratios only"));
   }
+  LOSSD_RETURN_IF_ERROR(CheckPolicyVerlParams(p));
   if (p.delta == 0.0f) return absl::OkStatus();
   const double hi = 1.0 + static_cast<double>(p.epsilon_high);
   if (!std::isfinite(p.delta) || !(p.delta > hi)) {
@@ -202,7 +234,7 @@ absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
   if (t < 0 || t >= kPolicyLossTypes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.loss_type ", t,
-        " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6)"));
+        " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6, gpg 7)"));
   }
   const std::pair<const char*, float> ranges[] = {
       {"epsilon_low", p.epsilon_low}, {"epsilon_high", p.epsilon_high}, {"beta", p.beta}};

@@ -344,7 +344,7 @@ TEST(LossProblemCheckTest, PolicyParamsAreRefusedNamingFieldAndValue) {
   pp.loss_type = static_cast<PolicyLossType>(9);
   ExpectRefused(CheckPolicyParams(pp, 6),
                 "policy.loss_type 9 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6)");
+                "sapo 5, luspo 6, gpg 7)");
   pp = PolicyParams();
   pp.epsilon_low = -0.1f;
   ExpectRefused(CheckPolicyParams(pp, 6), "policy.epsilon_low must be finite and >= 0, got -0.1");
@@ -392,10 +392,10 @@ TEST(LossProblemCheckTest, PolicyTypeOptionsAreRefusedNamingFieldAndValue) {
     pp.loss_type = t;
     EXPECT_TRUE(CheckPolicyParams(pp, 6).ok()) << PolicyLossTypeName(t);
   }
-  pp.loss_type = static_cast<PolicyLossType>(7);
+  pp.loss_type = static_cast<PolicyLossType>(8);
   ExpectRefused(CheckPolicyParams(pp, 6),
-                "policy.loss_type 7 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6)");
+                "policy.loss_type 8 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6, gpg 7)");
   pp = PolicyParams();
   pp.sapo_temperature_pos = 0.0f;
   ExpectRefused(CheckPolicyParams(pp, 6),
@@ -454,6 +454,49 @@ TEST(LossProblemCheckTest, SequenceImportanceSamplingIsCheckedOnce) {
   pp.importance_sampling = static_cast<ImportanceSampling>(5);
   ExpectRefused(CheckPolicyParams(pp, 6),
                 "policy.importance_sampling 5 is unknown (token 0, sequence 1)");
+}
+
+TEST(LossProblemCheckTest, VerlOptionsAreCheckedOnce) {
+  PolicyParams pp;
+  pp.loss_type = PolicyLossType::kGpg;
+  pp.kl_estimator = KlEstimator::kLowVarKl;
+  pp.kl_straight_through = true;
+  pp.entropy_coeff = -0.01f;
+  pp.aggregation = PolicyAggregation::kSeqMeanTokenSumNorm;
+  pp.loss_scale_factor = 4096;
+  EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
+  PolicyParams bad = pp;
+  bad.kl_estimator = static_cast<KlEstimator>(7);
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.kl_estimator 7 is unknown (k3 0, k1 1, k2 2, abs 3, low_var_kl 4)");
+  bad = pp;
+  bad.entropy_coeff = std::nanf("");
+  ExpectRefused(CheckPolicyParams(bad, 6), "policy.entropy_coeff must be finite, got nan");
+  bad = pp;
+  bad.aggregation = static_cast<PolicyAggregation>(5);
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.aggregation 5 is unknown (loss_type 0, token-mean 1, seq-mean-token-sum "
+                "2, seq-mean-token-mean 3, seq-mean-token-sum-norm 4)");
+  bad = pp;
+  bad.loss_scale_factor = -1;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.loss_scale_factor must be finite and >= 0 (0 = the sequence length S), "
+                "got -1");
+  bad = pp;
+  bad.aggregation = PolicyAggregation::kTokenMean;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.loss_scale_factor 4096 is for aggregation seq-mean-token-sum-norm; this "
+                "request's is token-mean");
+  bad = pp;
+  bad.importance_sampling = ImportanceSampling::kSequence;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.importance_sampling sequence is for the clipped loss types (dapo, grpo, "
+                "bnpo, dr_grpo, luspo); loss type gpg takes token-level ratios only");
+  bad = pp;
+  bad.delta = 3.0f;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, "
+                "dr_grpo, luspo); loss type gpg has no clipped surrogate");
 }
 
 TEST(LossProblemCheckTest, DistillParamsAreRefusedNamingFieldAndValue) {

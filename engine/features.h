@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/loss_problem.h"
@@ -50,8 +51,12 @@ inline constexpr std::array<std::string_view, 7> kServerFeatures = {
 // ticket_expires_unix_ms, StateEntry STATE_TICKET (engine/tickets.h); with policy and
 // kPolicySequenceBit "policy_sequence_importance_sampling": PolicyOptions.importance_sampling
 // IMPORTANCE_SAMPLING_SEQUENCE (GSPO) is computed; with kPolicyIsRatioBit "policy_is_ratio":
-// ComputeHeader.is_ratio (TENSOR_IS_RATIO) is honoured; with distill and kDistillWeightsBit
-// "distill_hard_loss": DistillOptions.weight_hard_loss / weight_soft_loss are honoured. Sorted.
+// ComputeHeader.is_ratio (TENSOR_IS_RATIO) is honoured; verl's menu, each with its bit:
+// "policy_kl_estimator" (PolicyOptions.kl_estimator, kl_straight_through),
+// "policy_entropy_bonus" (entropy_coeff), "policy_aggregation" (aggregation,
+// loss_scale_factor), "policy_loss_type_gpg" (POLICY_LOSS_GPG); with distill and
+// kDistillWeightsBit "distill_hard_loss": DistillOptions.weight_hard_loss / weight_soft_loss
+// are honoured. Sorted.
 inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
   std::vector<std::string> features(kServerFeatures.begin(), kServerFeatures.end());
   for (int k = 1; k < kLossKinds; ++k) {
@@ -64,6 +69,14 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
       }
       if (kind == LossKind::kPolicy && (loss_kinds & kPolicyIsRatioBit) != 0) {
         features.push_back("policy_is_ratio");
+      }
+      const std::pair<uint32_t, const char*> verl[] = {
+          {kPolicyKlEstimatorBit, "policy_kl_estimator"},
+          {kPolicyEntropyBit, "policy_entropy_bonus"},
+          {kPolicyAggregationBit, "policy_aggregation"},
+          {kPolicyGpgBit, "policy_loss_type_gpg"}};
+      for (const auto& [bit, name] : verl) {
+        if (kind == LossKind::kPolicy && (loss_kinds & bit) != 0) features.push_back(name);
       }
       if (kind == LossKind::kDistill && (loss_kinds & kDistillWeightsBit) != 0) {
         features.push_back("distill_hard_loss");

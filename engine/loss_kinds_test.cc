@@ -189,6 +189,65 @@ TEST(LossKindsPlanTest, IsRatioNeedsTheBackendsBit) {
   EXPECT_NE(std::find(f.begin(), f.end(), "policy_is_ratio"), f.end());
 }
 
+// verl's menu: each option is UNIMPLEMENTED, naming its field and feature, on a backend
+// without its bit, and planned with it; the features name each bit.
+TEST(LossKindsPlanTest, VerlOptionsNeedTheBackendsBits) {
+  RandomProblem rp = RandomProblem::Make(ShapeSpec(kBt, kH, kV));
+  ComputeSpec base = ComputeSpecFor(rp);
+  base.kind = LossKind::kPolicy;
+  SetInput(&base, InputSlot::kAdvantages, InputDesc(DType::kF32, {kBt}));
+  const struct {
+    uint32_t bit;
+    void (*set)(PolicyParams*);
+    const char* message;
+  } cases[] = {
+      {kPolicyKlEstimatorBit, [](PolicyParams* p) { p->kl_estimator = KlEstimator::kLowVarKl; },
+       "does not compute header.policy.kl_estimator low_var_kl (ServerInfo.features lists "
+       "policy_kl_estimator where it does)"},
+      {kPolicyKlEstimatorBit, [](PolicyParams* p) { p->kl_straight_through = true; },
+       "does not compute header.policy.kl_estimator k3 with kl_straight_through "
+       "(ServerInfo.features lists policy_kl_estimator where it does)"},
+      {kPolicyEntropyBit, [](PolicyParams* p) { p->entropy_coeff = 0.01f; },
+       "does not compute header.policy.entropy_coeff 0.01 (ServerInfo.features lists "
+       "policy_entropy_bonus where it does)"},
+      {kPolicyAggregationBit,
+       [](PolicyParams* p) { p->aggregation = PolicyAggregation::kSeqMeanTokenMean; },
+       "does not compute header.policy.aggregation seq-mean-token-mean (ServerInfo.features "
+       "lists policy_aggregation where it does)"},
+      {kPolicyGpgBit, [](PolicyParams* p) { p->loss_type = PolicyLossType::kGpg; },
+       "does not compute header.policy.loss_type gpg (ServerInfo.features lists "
+       "policy_loss_type_gpg where it does)"},
+  };
+  std::shared_ptr<KindsSeen> seen = std::make_shared<KindsSeen>();
+  const uint32_t all_verl =
+      kPolicyKlEstimatorBit | kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit;
+  for (const auto& c : cases) {
+    ComputeSpec spec = base;
+    c.set(&spec.policy);
+    Engine without(std::make_unique<KindsBackend>(kAllKinds | (all_verl & ~c.bit), seen),
+                   EngineOptions{});
+    ExpectStatus(without.Plan(spec).status(), absl::StatusCode::kUnimplemented,
+                 absl::StrCat("this server's backend 'kinds-fake' ", c.message));
+    Engine with(std::make_unique<KindsBackend>(kAllKinds | c.bit, seen), EngineOptions{});
+    auto planned = with.Plan(spec);
+    EXPECT_TRUE(planned.ok()) << planned.status();
+  }
+  // Validated once, before the backend is asked.
+  ComputeSpec bad = base;
+  bad.policy.loss_scale_factor = 8;
+  Engine with(std::make_unique<KindsBackend>(kAllKinds | all_verl, seen), EngineOptions{});
+  ExpectRefused(with.Plan(bad).status(),
+                "policy.loss_scale_factor 8 is for aggregation seq-mean-token-sum-norm; this "
+                "request's is loss_type");
+  const std::vector<std::string> f = ServerFeatures(kAllKinds | all_verl);
+  for (const char* name : {"policy_kl_estimator", "policy_entropy_bonus", "policy_aggregation",
+                           "policy_loss_type_gpg"}) {
+    EXPECT_NE(std::find(f.begin(), f.end(), name), f.end()) << name;
+    const std::vector<std::string> none = ServerFeatures(kAllKinds);
+    EXPECT_EQ(std::find(none.begin(), none.end(), name), none.end()) << name;
+  }
+}
+
 // Admission counts a kind's own memory: the CPU backend's workspace for distill holds a chunk
 // of teacher logits beside the student's, and the inline teacher's bytes are host bytes.
 TEST(LossKindsPlanTest, AdmissionCountsTheKindsWorkspaceAndTheTeachersBytes) {

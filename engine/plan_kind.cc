@@ -201,6 +201,44 @@ absl::Status CheckDistillServed(const ComputeSpec& spec, const std::string& back
   return absl::OkStatus();
 }
 
+// The policy options a backend computes only with their bit in loss_kinds: UNIMPLEMENTED
+// naming the first one asked for that it lacks, its field and the feature that announces it.
+absl::Status CheckPolicyOptionsServed(const ComputeSpec& spec, const std::string& backend,
+                                      uint32_t loss_kinds) {
+  const PolicyParams& p = spec.policy;
+  const struct {
+    uint32_t bit;
+    bool asked;
+    std::string what;
+    const char* feature;
+  } options[] = {
+      {kPolicyIsRatioBit, spec.inputs[static_cast<int>(InputSlot::kIsRatio)].present,
+       "header.is_ratio", "policy_is_ratio"},
+      {kPolicySequenceBit, p.importance_sampling == ImportanceSampling::kSequence,
+       "header.policy.importance_sampling IMPORTANCE_SAMPLING_SEQUENCE",
+       "policy_sequence_importance_sampling"},
+      {kPolicyGpgBit, p.loss_type == PolicyLossType::kGpg, "header.policy.loss_type gpg",
+       "policy_loss_type_gpg"},
+      {kPolicyKlEstimatorBit,
+       p.kl_estimator != KlEstimator::kK3 || p.kl_straight_through,
+       absl::StrCat("header.policy.kl_estimator ", KlEstimatorName(p.kl_estimator),
+                    p.kl_straight_through ? " with kl_straight_through" : ""),
+       "policy_kl_estimator"},
+      {kPolicyEntropyBit, p.entropy_coeff != 0.0f,
+       absl::StrCat("header.policy.entropy_coeff ", p.entropy_coeff), "policy_entropy_bonus"},
+      {kPolicyAggregationBit, p.aggregation != PolicyAggregation::kLossType,
+       absl::StrCat("header.policy.aggregation ", PolicyAggregationName(p.aggregation)),
+       "policy_aggregation"},
+  };
+  for (const auto& o : options) {
+    if (!o.asked || (loss_kinds & o.bit) != 0) continue;
+    return absl::UnimplementedError(absl::StrCat(
+        "this server's backend '", backend, "' does not compute ", o.what,
+        " (ServerInfo.features lists ", o.feature, " where it does)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckKindServed(const ComputeSpec& spec, const std::string& backend,
@@ -214,21 +252,8 @@ absl::Status CheckKindServed(const ComputeSpec& spec, const std::string& backend
     return CheckDistillServed(spec, backend, loss_kinds);
   }
   if ((loss_kinds & LossKindBit(kind)) != 0) {
-    if (kind == LossKind::kPolicy && spec.inputs[static_cast<int>(InputSlot::kIsRatio)].present &&
-        (loss_kinds & kPolicyIsRatioBit) == 0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "this server's backend '", backend, "' does not compute header.is_ratio "
-          "(ServerInfo.features lists policy_is_ratio where it does)"));
-    }
-    if (kind != LossKind::kPolicy ||
-        spec.policy.importance_sampling != ImportanceSampling::kSequence ||
-        (loss_kinds & kPolicySequenceBit) != 0) {
-      return absl::OkStatus();
-    }
-    return absl::UnimplementedError(absl::StrCat(
-        "this server's backend '", backend, "' does not compute header.policy.importance_sampling "
-        "IMPORTANCE_SAMPLING_SEQUENCE (ServerInfo.features lists "
-        "policy_sequence_importance_sampling where it does)"));
+    if (kind != LossKind::kPolicy) return absl::OkStatus();
+    return CheckPolicyOptionsServed(spec, backend, loss_kinds);
   }
   std::string served;
   for (int i = 0; i < kLossKinds; ++i) {

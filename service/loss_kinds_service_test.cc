@@ -288,6 +288,28 @@ TEST_F(LossKindsServiceTest, TheServiceRefusesNamingTheHeaderField) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
   EXPECT_NE(r.status.error_message().find("does not compute header.is_ratio"),
             std::string::npos) << r.status.error_message();
+  // verl's menu reaches the engine from the wire: the KL estimator (the first the fake
+  // backend lacks), then gpg.
+  h = Header(v1::LOSS_KIND_POLICY);
+  *h.mutable_advantages() = F32Rows();
+  h.mutable_policy()->set_kl_estimator(v1::KL_ESTIMATOR_ABS);
+  h.mutable_policy()->set_entropy_coeff(0.5f);
+  h.mutable_policy()->set_aggregation(v1::AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM);
+  h.mutable_policy()->set_loss_scale_factor(3);
+  parts = Parts();
+  AddParts(&parts, v1::TENSOR_ADVANTAGES, a_.data(), a_.size() * 4);
+  r = RunCompute(h_.stub(), h, parts);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(r.status.error_message().find("does not compute header.policy.kl_estimator abs "
+                                          "(ServerInfo.features lists policy_kl_estimator"),
+            std::string::npos) << r.status.error_message();
+  h = Header(v1::LOSS_KIND_POLICY);
+  *h.mutable_advantages() = F32Rows();
+  h.mutable_policy()->set_loss_type(v1::POLICY_LOSS_GPG);
+  r = RunCompute(h_.stub(), h, parts);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(r.status.error_message().find("does not compute header.policy.loss_type gpg"),
+            std::string::npos) << r.status.error_message();
   // Outputs of another kind.
   h = Header(v1::LOSS_KIND_DISTILL);
   h.mutable_outputs()->set_predictions(true);

@@ -86,6 +86,11 @@ absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
   pp.delta = p.has_delta() ? p.delta() : defaults.delta;
   pp.use_bias_correction_kl = p.use_bias_correction_kl();
   pp.importance_sampling = static_cast<ImportanceSampling>(p.importance_sampling());
+  pp.kl_estimator = static_cast<KlEstimator>(p.kl_estimator());
+  pp.kl_straight_through = p.kl_straight_through();
+  pp.entropy_coeff = p.entropy_coeff();
+  pp.aggregation = static_cast<PolicyAggregation>(p.aggregation());
+  pp.loss_scale_factor = p.loss_scale_factor();
   const v1::DistillOptions& d = h.distill();
   const DistillParams distill_defaults;
   spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : distill_defaults.jsd_beta;
