@@ -2,6 +2,7 @@
 // The CPU backend's distill kind against its float64 reference (kernels/cpu/distill_reference.h)
 // over shapes x dtypes x options, with the tolerance table below; determinism, the teacher's
 // own hidden size, and what the backend refuses.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -36,6 +37,7 @@ const Shape kShapes[] = {{"tiny", 2, 3, 4, 5},
 struct Case {
   const char* name;
   float jsd_beta = 0.5f, temperature = 1, grad_scale = 1;
+  float w_hard = 0, w_soft = 1;  // LigerFusedLinearJSDLoss's weight_hard_loss / _soft_loss
   bool labels = true, bias = false, teacher_bias = false, grad_f32 = false, accumulate = false;
   double ignore = 0.1;
   int64_t chunk_rows = 0;
@@ -74,6 +76,28 @@ std::vector<Case> Cases() {
   c.grad_scale = 0.7f;
   c.chunk_rows = 11;
   cs.push_back(c);
+  // The hard-label term (its cross-entropy at temperature 1 whatever T).
+  c = Case();
+  c.name = "hard_jsd";
+  c.w_hard = c.w_soft = 0.5f;
+  cs.push_back(c);
+  c = Case();
+  c.name = "hard_only_t2_bias";
+  c.w_hard = 1;
+  c.w_soft = 0;
+  c.temperature = 2;
+  c.bias = true;
+  cs.push_back(c);
+  c = Case();
+  c.name = "hard_forward_kl_t07_chunked_i32";
+  c.jsd_beta = 0;
+  c.w_hard = 0.3f;
+  c.w_soft = 1.2f;
+  c.temperature = 0.7f;
+  c.ignore = 0.3;
+  c.chunk_rows = 11;
+  c.target_dtype = DType::kI32;
+  cs.push_back(c);
   return cs;
 }
 
@@ -95,6 +119,8 @@ struct DistillSetup {
     problem.teacher_w = teacher_w.data();
     problem.teacher_bias = teacher_bias.empty() ? nullptr : teacher_bias.data();
     problem.distill.jsd_beta = c.jsd_beta;
+    problem.distill.weight_hard_loss = c.w_hard;
+    problem.distill.weight_soft_loss = c.w_soft;
     student = HeadInputs{s.bt, s.h, s.v, dtype, problem.x, problem.w, problem.bias};
     teacher = HeadInputs{
         s.bt, s.teacher_h, s.v, dtype, problem.teacher_x, problem.teacher_w, problem.teacher_bias};
@@ -103,7 +129,8 @@ struct DistillSetup {
     dp.teacher = teacher;
     dp.labels = problem.targets;
     dp.label_dtype = problem.target_dtype;
-    dp.options = {c.jsd_beta, c.temperature, problem.options.ignore_index, c.grad_scale};
+    dp.options = {c.jsd_beta, c.temperature, problem.options.ignore_index, c.grad_scale,
+                  c.w_hard, c.w_soft};
     status = DistillReference(dp, &ref);
     student_logits = ComputeRawLogits(student);
     teacher_logits = ComputeRawLogits(teacher);
@@ -158,12 +185,15 @@ double StudentLse(const DistillSetup& s, int64_t i, double t) {
 
 // Every output against the reference. With a_i, at_i the student's and the teacher's
 // max_j |u_ij| (the logits' rounding moves z_j by at most u a_i / T), the row's divergence has
-// slopes summing to at most 2 (1 + M_i) on each side, M_i = LogRatioMass; 2x margin:
-//   row_i:     4 u (a_i + at_i) / T (1 + M_i); the loss their mean, + 1e-5 (1 + |loss|)
+// slopes summing to at most 2 (1 + M_i) on each side, M_i = LogRatioMass, and the hard term's
+// cross-entropy (of u, no 1/T) at most 2; 2x margin:
+//   row_i:     w_s 4 u (a_i + at_i) / T (1 + M_i) + w_h 4 u a_i; the loss their mean,
+//              + 1e-5 (1 + |loss|)
 //   lse_i:     4 u a_i / T
-//   gradients: relative norm GradientTolerance(g_rel = 2 u rms_i(r_i + rt_i)(1 + M_i) / T),
-//              r_i = rms_j |u_ij|: a row's rounding errors are independent, so they move G
-//              in quadrature (the max-based bound, over 1 for 16-bit, could never fail)
+//   gradients: relative norm GradientTolerance(g_rel = 2 u rms_i e_i), e_i the larger of the
+//              parts' (r_i + rt_i)(1 + M_i) / T (with w_s) and 2 r_i (with w_h), r_i =
+//              rms_j |u_ij|: a row's rounding errors are independent, so they move G in
+//              quadrature (the max-based bound, over 1 for 16-bit, could never fail)
 ::testing::AssertionResult MatchesDistillReference(const DistillSetup& s, const Case& c,
                                                    const KindOutputs& got) {
   const LossProblem& p = s.problem;
@@ -186,8 +216,10 @@ double StudentLse(const DistillSetup& s, int64_t i, double t) {
     }
     if (!s.Counted(i)) continue;
     const double mass = LogRatioMass(s, i, c.temperature);
-    mass_rms.push_back((s.student_logits.rms[i] + s.teacher_logits.rms[i]) * (1 + mass));
-    loss_bound += 4 * u * (a + at) * inv_t * (1 + mass);
+    const double soft = (s.student_logits.rms[i] + s.teacher_logits.rms[i]) * (1 + mass) * inv_t;
+    const double hard = 2 * s.student_logits.rms[i];
+    mass_rms.push_back(std::max(c.w_soft != 0 ? soft : 0.0, c.w_hard != 0 ? hard : 0.0));
+    loss_bound += c.w_soft * 4 * u * (a + at) * inv_t * (1 + mass) + c.w_hard * 4 * u * a;
     if (p.targets != nullptr && got.predictions[i] == LoadAsInt(p.targets, p.target_dtype, i)) {
       ++correct;
     }
@@ -199,7 +231,7 @@ double StudentLse(const DistillSetup& s, int64_t i, double t) {
   const double acc = ref.tokens > 0 ? static_cast<double>(correct) / ref.tokens : 0.0;
   if (!(std::abs(got.accuracy - acc) <= 1e-7))
     absl::StrAppend(&err, "accuracy ", got.accuracy, "\n");
-  const double g_rel = 2 * u * Rms(mass_rms) * inv_t;
+  const double g_rel = 2 * u * Rms(mass_rms);
   const double tol = GradientTolerance(p, got.grad_dtype, g_rel);
   return KindVerdict(
       err, GradientsMatch(p, got, ref.grad, 1.0, tol),

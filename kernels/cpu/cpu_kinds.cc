@@ -331,9 +331,15 @@ class KindPass {
   }
 
   // The largest coefficient of a row's gradient before grad_scale and 1/T: |dlogp| +
-  // |dentropy|; distill's 1 / tokens (policy's are each chunk's own: PolicyGradients).
+  // |dentropy|; distill's 1 / tokens times the larger of its terms' weights, the hard one's
+  // times T (it has no 1/T); policy's are each chunk's own: PolicyGradients.
   double MaxRowScale() const {
-    if (p_.kind == LossKind::kDistill) return tokens_ != 0 ? 1.0 / tokens_ : 0.0;
+    if (p_.kind == LossKind::kDistill) {
+      const DistillParams& d = p_.distill;
+      const double w = std::max<double>(d.weight_soft_loss,
+                                        double{d.weight_hard_loss} * p_.options.temperature);
+      return tokens_ != 0 ? w / tokens_ : 0.0;
+    }
     double m = 0;
     for (int64_t i = 0; i < p_.bt; ++i) {
       if (!counted_[i]) continue;
@@ -476,11 +482,17 @@ class KindPass {
     float* zt = teacher_.z.data() + (i - chunk_start_) * v_;
     const double k = tokens_ != 0 ? g_scale_ / static_cast<double>(tokens_) : 0.0;
     const bool grad = k_.want_grad && counted_[i];
-    const DistillRowResult d = DistillRow(kp_, teacher_kp_, z, zt, p_.distill.jsd_beta, k, grad);
+    const DistillParams& o = p_.distill;
+    DistillRowTerms terms{o.jsd_beta, o.weight_soft_loss, 0.0, -1};
+    if (counted_[i] && o.weight_hard_loss != 0.0f) {  // its labels are in [0, V) (validated)
+      terms.w_hard = o.weight_hard_loss;
+      terms.label = LoadAsInt(p_.targets, p_.target_dtype, i);
+    }
+    const DistillRowResult d = DistillRow(kp_, teacher_kp_, z, zt, terms, k, grad);
     KindRow& r = rows_[i];
     r.lse = d.lse;
     r.argmax = d.argmax;
-    r.loss = counted_[i] ? d.divergence : 0.0;
+    r.loss = counted_[i] ? terms.w_soft * d.divergence + terms.w_hard * d.hard : 0.0;
     if (k_.want_grad && !counted_[i]) std::fill(z, z + v_, 0.0f);
   }
 

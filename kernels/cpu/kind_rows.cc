@@ -134,17 +134,38 @@ inline __attribute__((always_inline)) JsdTerm Jsd(float lq, float lp, float beta
   return {beta * p * (lp - lm) + dq, dq, q};
 }
 
+namespace {
+
+// The hard-label term's log-sum-exp of the unscaled logits z T (the max of z times T, T > 0):
+// Liger takes the label's cross-entropy before the division by the temperature.
+inline __attribute__((always_inline)) double UnscaledLse(const float* z, int64_t v, float t,
+                                                         float z_max) {
+  const float m = z_max * t;
+  float acc[kLanes] = {0};
+  for (int64_t j = 0; j < v; ++j) acc[j % kLanes] += ExpNonPositive(z[j] * t - m);
+  double sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  return static_cast<double>(m) + std::log(sum);
+}
+
+}  // namespace
+
 LOSSD_CPU_TARGET_CLONES
 DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher, float* zs,
-                            float* zt, double jsd_beta, double k, bool want_grad) {
+                            float* zt, const DistillRowTerms& terms, double k, bool want_grad) {
   const int64_t v = student.v;
   HeadRowStats ss, ts;
   MakeLogits(student, zs);
   MaxAndLogSum(zs, v, &ss);
   MakeLogits(teacher, zt);
   MaxAndLogSum(zt, v, &ts);
+  const double jsd_beta = terms.jsd_beta;
   const int mode = jsd_beta == 0.0 ? 0 : jsd_beta == 1.0 ? 1 : 2;
   const float beta = static_cast<float>(jsd_beta);
+  const bool hard = terms.w_hard != 0.0;
+  const float t = student.temperature;
+  // At T 1 the unscaled logits are z: the student's own statistics.
+  const double lse1 = !hard ? 0.0 : t == 1.0f ? ss.lse : UnscaledLse(zs, v, t, ss.max);
   const float ms = ss.max, lss = ss.log_sum, mt = ts.max, lst = ts.log_sum;
   // The row's divergence and sum_k d_k, in kLanes partial sums.
   float row[kLanes] = {0}, dsum[kLanes] = {0};
@@ -161,13 +182,25 @@ DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& t
   }
   res.lse = ss.lse;
   res.argmax = ss.argmax;
+  if (hard) res.hard = lse1 - static_cast<double>(zs[terms.label]) * t;
   if (!want_grad) return res;
-  // d row / d z_j = d_j - q_j sum_k d_k (through the student's log-softmax), then 1/T.
-  const float kf = static_cast<float>(k / static_cast<double>(student.temperature));
+  // d row / d z_j = d_j - q_j sum_k d_k (through the student's log-softmax), then 1/T; the
+  // hard term's d ce / d u_j = softmax(z T)_j - [j = label].
+  const float kf = static_cast<float>(k * terms.w_soft / static_cast<double>(t));
   const float ds = static_cast<float>(d_total);
-  for (int64_t j = 0; j < v; ++j) {
-    const JsdTerm r = Jsd((zs[j] - ms) - lss, (zt[j] - mt) - lst, beta, mode);
-    zs[j] = kf * (r.d - r.q * ds);
+  if (!hard) {
+    for (int64_t j = 0; j < v; ++j) {
+      const JsdTerm r = Jsd((zs[j] - ms) - lss, (zt[j] - mt) - lst, beta, mode);
+      zs[j] = kf * (r.d - r.q * ds);
+    }
+  } else {
+    const float kh = static_cast<float>(k * terms.w_hard);
+    const float l1 = static_cast<float>(lse1);
+    for (int64_t j = 0; j < v; ++j) {
+      const JsdTerm r = Jsd((zs[j] - ms) - lss, (zt[j] - mt) - lst, beta, mode);
+      zs[j] = kf * (r.d - r.q * ds) + kh * ExpNonPositive(zs[j] * t - l1);
+    }
+    zs[terms.label] -= kh;
   }
   RoundInPlace(zs, v, student.dtype);
   return res;

@@ -48,17 +48,28 @@ void WriteLogprobGradient(const KindRowParams& kp, float* z, int64_t t, const He
 // What DistillRow reports.
 struct DistillRowResult {
   double divergence = 0;  // the row's generalised JSD
+  double hard = 0;        // the label's cross-entropy at temperature 1 (with a hard term)
   double lse = 0;         // the student's
   int64_t argmax = 0;     // the student's
 };
 
+// A distillation row's terms: the divergence's weight, and the hard-label term's with its
+// label (distill_reference.h: LigerFusedLinearJSDLoss's weight_soft_loss / weight_hard_loss).
+struct DistillRowTerms {
+  double jsd_beta = 0.5;
+  double w_soft = 1;
+  double w_hard = 0;  // 0: no hard term
+  int64_t label = -1;  // in [0, V) where w_hard != 0
+};
+
 // One distillation row: zs (V) the student's x W^T, zt (V) the teacher's, both in fp32 and
 // turned into their logits in place (no softcap); the row's divergence at jsd_beta (the
-// reference's three cases), and, when want_grad, zs overwritten with k * d row / d u (u: the
-// student's raw logits, so 1/T is applied here; k carries 1 / tokens, the upstream gradient and
-// the GEMMs' alpha), rounded to the input dtype.
+// reference's three cases) and with w_hard the label's cross-entropy of the unscaled logits
+// (z T); when want_grad, zs overwritten with k d(w_soft row + w_hard ce) / d u (u: the
+// student's raw logits, so 1/T is applied here; k carries 1 / tokens, the upstream gradient
+// and the GEMMs' alpha), rounded to the input dtype.
 DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher, float* zs,
-                            float* zt, double jsd_beta, double k, bool want_grad);
+                            float* zt, const DistillRowTerms& terms, double k, bool want_grad);
 
 }  // namespace lossd
 
