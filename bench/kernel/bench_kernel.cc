@@ -21,7 +21,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "bench/kernel/extra_runs.h"
@@ -31,6 +33,7 @@
 #include "bench/kernel/report.h"
 #include "bench/kernel/row.h"
 #include "bench/kernel/timing.h"
+#include "kernels/cuda/device_tuning.h"
 #include "kernels/cuda/fused_loss.h"
 
 namespace lossd {
@@ -84,6 +87,9 @@ int ParseSchedules(std::vector<Config>* out) {
   return 0;
 }
 
+// Whether --ref_exp was on the command line (main reads argv): absent, the device's default.
+bool g_ref_exp_given = false;
+
 // --algo_ranks and --autotune onto the fused op's engine. 0, or 2 for bad ranks.
 int SetUpEngine(cuda::FusedLoss& engine) {
   std::vector<std::string> r = absl::StrSplit(absl::GetFlag(FLAGS_algo_ranks), ',');
@@ -97,7 +103,16 @@ int SetUpEngine(cuda::FusedLoss& engine) {
     engine.set_algo_rank(static_cast<cuda::GemmRole>(i), ranks[i]);
   }
   engine.set_autotune(absl::GetFlag(FLAGS_autotune));
-  engine.set_ref_exp(absl::GetFlag(FLAGS_ref_exp));
+  // The device's default path and chunk rows, as the backend takes them, unless --ref_exp says.
+  cudaDeviceProp prop;
+  BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const cuda::RefExpChoice choice = !g_ref_exp_given           ? cuda::RefExpChoice::kPerDevice
+                                    : absl::GetFlag(FLAGS_ref_exp) ? cuda::RefExpChoice::kOn
+                                                                   : cuda::RefExpChoice::kOff;
+  const cuda::DeviceTuning tuning = cuda::TuneForDevice(prop.name, prop.major, prop.minor, choice);
+  std::fprintf(stderr, "device defaults: %s\n", tuning.reason.c_str());
+  engine.set_ref_exp(tuning.ref_exp);
+  SetDefaultChunkRows(tuning.default_chunk_rows);
   engine.set_ref_exp_sample(absl::GetFlag(FLAGS_ref_exp_sample));
   return 0;
 }
@@ -169,6 +184,12 @@ int Main() {
 }  // namespace lossd
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view a = argv[i];
+    for (absl::string_view f : {"--ref_exp", "--noref_exp", "-ref_exp", "-noref_exp"}) {
+      if (a == f || absl::StartsWith(a, absl::StrCat(f, "="))) lossd::bench::g_ref_exp_given = true;
+    }
+  }
   absl::ParseCommandLine(argc, argv);
   return lossd::bench::Main();
 }

@@ -22,6 +22,8 @@ namespace lossd {
 namespace bench {
 namespace {
 
+int64_t g_default_rows = cuda::kMinDefaultChunkRows;
+
 // A shape and its device buffers (AllocateProblem's).
 struct Buffers {
   int64_t bt, h, v;
@@ -35,7 +37,9 @@ int RunCeOnly(cuda::FusedLoss& engine, const Buffers& b, const std::vector<uint6
   void *x = b.x, *w = b.w, *dx = b.dx, *dw = b.dw, *rows = b.rows, *tg = b.tg;
   const cuda::DeviceLossArgs a = BenchProblem(bt, h, v, x, w, tg, rows, dx, dw);
   const uint64_t budget =
-      budgets[0] != 0 ? budgets[0] : cuda::DefaultChunkBudget(bt, v, DType::kBF16);
+      budgets[0] != 0 ? budgets[0]
+                      : cuda::DefaultChunkBudget(bt, v, DType::kBF16, cuda::kGemmWorkspaceBytes,
+                                                 g_default_rows);
   const cuda::ChunkPlan plan = cuda::PlanChunks(bt, v, DType::kBF16, budget, 0);
   void* ws;
   BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
@@ -60,11 +64,12 @@ bool PlanConfig(int64_t bt, int64_t h, int64_t v, uint64_t budget, const Config&
       (budget & kRowsBudget) != 0 ? static_cast<int64_t>(budget & ~kRowsBudget) : 0;
   if (rows > 0) budget = 0;
   f.is_default = budget == 0 && rows == 0;
-  f.budget = f.is_default ? cuda::DefaultChunkBudget(bt, v, DType::kBF16, gws) : budget;
+  f.budget =
+      f.is_default ? cuda::DefaultChunkBudget(bt, v, DType::kBF16, gws, g_default_rows) : budget;
   f.schedule = c.schedule;
   f.side_sms = c.side_sms;
   if (ref_exp && f.schedule != 2 && budget == 0) {
-    f.budget = cuda::DefaultRefExpBudget(bt, h, v, gws);
+    f.budget = cuda::DefaultRefExpBudget(bt, h, v, gws, g_default_rows);
   }
   cuda::ChunkPlan plan =
       f.schedule == 2 ? cuda::PlanWhole(bt, h, v, DType::kBF16, true, DType::kBF16, f.budget, gws)
@@ -210,6 +215,8 @@ void LogConfig(int64_t bt, int64_t h, int64_t v, const Row::Fused& f) {
 }
 
 }  // namespace
+
+void SetDefaultChunkRows(int64_t rows) { g_default_rows = rows; }
 
 int RunShape(cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine, int64_t bt, int64_t h,
              int64_t v,

@@ -18,6 +18,10 @@ namespace bench {
 // A --budgets_mib entry "Nr" (N rows a chunk) is kept as kRowsBudget | N.
 inline constexpr uint64_t kRowsBudget = 1ull << 62;
 
+// Rows the default budget holds (DefaultChunkBudget's min_rows): the device's tuning, set once
+// by bench_kernel before any shape runs, as CudaBackend plans it.
+void SetDefaultChunkRows(int64_t rows);
+
 // `engine` runs the fused op and the tuned floor; `floor_engine`, never tuned, the floor with
 // cuBLASLt's first choices. A budget of 0 is the backend's default for the shape. 0, or 1 on a
 // failure (printed).

@@ -34,9 +34,11 @@ ABSL_FLAG(bool, autotune, true,
           "time cuBLASLt's candidates for the fused op's GEMMs on first use (the backend's "
           "default); the floor is timed both ways");
 ABSL_FLAG(bool, ref_exp, true,
-          "plan row chunks for the reference-exp path where the engine has it (the backend's "
-          "default; its budget grows by the path's buffers, DefaultRefExpBudget); false: the "
-          "logits GEMM + cross-entropy kernel path");
+          "true: plan row chunks for the reference-exp path where the engine has it (its budget "
+          "grows by the path's buffers, DefaultRefExpBudget); false: the logits GEMM + "
+          "cross-entropy kernel path. Not given: the device's default as the backend takes it "
+          "(kernels/cuda/device_tuning.h: the other path with 4096-row default chunks on an "
+          "H100)");
 ABSL_FLAG(int, ref_exp_sample, 1024,
           "vocabulary rows the reference-exp path's reference samples (1 to 1024): its C x n "
           "GEMM a chunk");
