@@ -4,6 +4,8 @@
 # clocks, power, temperature and throttle reasons every 100 ms beside every step (steps.txt
 # says when each began), then the steps named in STEPS, in order:
 #   tests   the GPU tests (one log each, tests.txt the counts)
+#   default bench_kernel at the three reference shapes as the backend plans them on this device
+#           (device_tuning.h: the path and the default chunk rows), at DEFAULT_BUDGETS
 #   ref     bench_kernel at the three reference shapes, the reference-exp path, at the budgets
 #           in REF_BUDGETS (MiB; 0 = the backend's default)
 #   other   the same for the other path (logits GEMM + cross-entropy kernel) at OTHER_BUDGETS
@@ -35,10 +37,15 @@ for s in ${STEPS:-ref other sample fused wide}; do
           "$(grep -E '^\[  FAILED  \] [0-9]+ test' "$OUT/$t.log")" >> "$OUT/tests.txt"
         grep -E '^\[  FAILED  \] [A-Za-z]' "$OUT/$t.log" | sort -u | head -20 >> "$OUT/tests.txt"
       done ;;
+    default)
+      step "bench_kernel device defaults budgets ${DEFAULT_BUDGETS:-0}"
+      timeout "${T_DEFAULT:-150}" ./bench_kernel --shapes="$SHAPES" --runs="$RUNS" --warmup=2 \
+        --schedules=0 --budgets_mib="${DEFAULT_BUDGETS:-0}" \
+        --csv="$OUT/bench_default.csv" > "$OUT/bench_default.log" 2>&1 ;;
     ref)
       step "bench_kernel ref_exp=true budgets ${REF_BUDGETS:-0,1300,2700,5000}"
       timeout "${T_REF:-200}" ./bench_kernel --shapes="$SHAPES" --runs="$RUNS" --warmup=2 \
-        --schedules=0 --budgets_mib="${REF_BUDGETS:-0,1300,2700,5000}" \
+        --schedules=0 --budgets_mib="${REF_BUDGETS:-0,1300,2700,5000}" --ref_exp=true \
         --csv="$OUT/bench_ref.csv" > "$OUT/bench_ref.log" 2>&1 ;;
     other)
       step "bench_kernel ref_exp=false budgets ${OTHER_BUDGETS:-0,2700}"
