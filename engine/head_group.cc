@@ -71,7 +71,10 @@ class StoreAdapter : public gloo::rendezvous::Store {
   void set(const std::string& key, const std::vector<char>& data) override {
     absl::Status s = store_->Set(prefix_ + key, std::string(data.begin(), data.end()));
     if (!s.ok()) throw std::runtime_error(std::string(s.message()));
+    set_.push_back(prefix_ + key);
   }
+  // The keys this member set (its addresses), for ForgetKeys.
+  const std::vector<std::string>& keys_set() const { return set_; }
   std::vector<char> get(const std::string& key) override {
     absl::StatusOr<std::string> v = store_->Get(prefix_ + key, timeout_);
     if (!v.ok()) throw std::runtime_error(std::string(v.status().message()));
@@ -91,13 +94,30 @@ class StoreAdapter : public gloo::rendezvous::Store {
   std::shared_ptr<HeadGroupStore> store_;
   const std::string prefix_;
   const absl::Duration timeout_;
+  std::vector<std::string> set_;
 };
+
+// Deletes this member's rendezvous keys, once every member has read them (the group formed
+// and passed a barrier) or the forming failed: an export forms a communicator under the same
+// prefix again when it is retried, and must not find the addresses of a failed attempt.
+// (The joined mark stays after a failure: the other members name who never joined by it.)
+void ForgetKeys(HeadGroupStore& store, const StoreAdapter& adapter) {
+  for (const std::string& k : adapter.keys_set()) store.Delete(k).IgnoreError();
+}
 
 class GlooComm : public HeadComm {
  public:
   GlooComm(std::shared_ptr<gloo::Context> ctx, std::shared_ptr<HeadGroupStore> store,
            HeadGroup group)
       : ctx_(std::move(ctx)), store_(std::move(store)), group_(std::move(group)) {}
+
+  // The last collective's arrival mark: no member needs it once this one is gone.
+  ~GlooComm() override {
+    absl::MutexLock lock(&mu_);
+    if (seq_ > 0 && aborted_.empty()) {  // an aborted group's store may be gone with it
+      store_->Delete(absl::StrCat(group_.id, "/at/", seq_, "/", member())).IgnoreError();
+    }
+  }
 
   uint32_t member() const override { return group_.member; }
   uint32_t size() const override { return group_.size(); }
@@ -226,6 +246,7 @@ absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupS
         group.members.size(), " members, member ", group.member, ", id '", group.id, "'"));
   }
   const std::string joined = absl::StrCat(group.id, "/joined/");
+  StoreAdapter adapter(store, absl::StrCat(group.id, "/gloo/"), options.timeout);
   try {
     gloo::transport::tcp::attr attr(options.hostname.c_str());
     std::shared_ptr<gloo::transport::Device> dev = gloo::transport::tcp::CreateDevice(attr);
@@ -233,10 +254,17 @@ absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupS
                                                            static_cast<int>(size));
     ctx->setTimeout(Millis(options.timeout));
     store->Set(absl::StrCat(joined, group.member), "1").IgnoreError();  // only for the message
-    StoreAdapter adapter(store, absl::StrCat(group.id, "/gloo/"), options.timeout);
     ctx->connectFullMesh(adapter, dev);
+    // A member returns from connectFullMesh once its own pairs are connected, which a peer
+    // may do before reading this member's address: only after a barrier has every member
+    // read every key.
+    gloo::BarrierOptions formed(ctx);
+    gloo::barrier(formed);
+    ForgetKeys(*store, adapter);
+    store->Delete(absl::StrCat(joined, group.member)).IgnoreError();
     return std::shared_ptr<HeadComm>(std::make_shared<GlooComm>(ctx, store, group));
   } catch (const std::exception& e) {
+    ForgetKeys(*store, adapter);
     std::vector<std::string> absent;
     for (uint32_t m = 0; m < size; ++m) {
       if (!store->Has(absl::StrCat(joined, m))) {

@@ -5,6 +5,7 @@
 // all-gather the compute copy.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <future>
 #include <iostream>
 #include <memory>
@@ -314,11 +315,43 @@ TEST_F(HeadGroupStepTest, AnExportOfOneServerImportsIntoAGroupAndContinues) {
     EXPECT_NEAR(r->grad_norm, one[0]->grad_norm, 1e-6 * one[0]->grad_norm);
   }
   ExpectMatchesOneEngine("x", 2);
-  // The group's head cannot be exported yet: it says so rather than export a slice.
-  auto refused = members_[0]->heads().Export("x", std::nullopt, 0, 0, "");
-  EXPECT_TRUE(Has(refused.status(), absl::StatusCode::kUnimplemented,
-                  "exporting a group's head is not supported yet"))
-      << refused.status();
+  // The group's export, asked of every member at once: one whole head, the same bytes from
+  // each member, whose master and state are the members' parts (their slices) side by side.
+  std::vector<absl::StatusOr<HeadExportRange>> whole;  // move-only: one by one
+  for (uint32_t m = 0; m < 3; ++m) whole.emplace_back(absl::UnknownError("not run"));
+  std::vector<std::thread> exporters;
+  for (uint32_t m = 0; m < 3; ++m) {
+    exporters.emplace_back([&, m] {
+      whole[m] = members_[m]->heads().Export("x", std::nullopt, 0, 0, "");
+    });
+  }
+  for (auto& t : exporters) t.join();
+  for (uint32_t m = 0; m < 3; ++m) {
+    ASSERT_TRUE(whole[m].ok()) << whole[m].status();
+    EXPECT_EQ(whole[m]->head.version, 3u);
+    ASSERT_EQ(whole[m]->end, whole[0]->end);
+    EXPECT_EQ(std::memcmp(whole[m]->data.get(), whole[0]->data.get(), whole[0]->end), 0) << m;
+  }
+  uint64_t at = 0;
+  for (const auto& [t, bytes] : whole[0]->tensors) {
+    if (t == HeadTensor::kCopyW || t == HeadTensor::kCopyBias) break;  // the copies come last
+    const int64_t n = static_cast<int64_t>(bytes / 4);
+    for (uint32_t m = 0; m < 3; ++m) {
+      auto part = members_[m]->heads().Export("x", std::nullopt, 0, 0, "",
+                                              HeadExportScope::kMemberPart);
+      ASSERT_TRUE(part.ok()) << part.status();
+      uint64_t in_part = 0;  // t's first byte in the part
+      for (const auto& [pt, pbytes] : part->tensors) {
+        if (pt == t) break;
+        in_part += pbytes;
+      }
+      const HeadSlice s = HeadSliceOf(n, m, 3);
+      EXPECT_EQ(std::memcmp(whole[0]->data.get() + at + s.lo * 4,
+                            part->data.get() + in_part, s.n() * 4), 0)
+          << HeadTensorName(t) << " member " << m;
+    }
+    at += bytes;
+  }
 }
 
 TEST_F(HeadGroupStepTest, AMemberWhoseRanksNeverStepIsNamedAndNothingIsApplied) {

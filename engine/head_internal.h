@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -83,6 +84,15 @@ absl::StatusOr<double> GroupGradNorm(Backend& b, Head& head)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu);
 // All-gathers the compute copy after each member updated its slice.
 absl::Status GatherCopy(Head& head) ABSL_EXCLUSIVE_LOCKS_REQUIRED(head.grad->mu);
+
+// A group's export (engine/head_group_export.cc).
+// The whole master and state of `head` at its current version (`version`, where set, must be
+// it), gathered from every member over a communicator of the export's own, so a failure
+// never touches the head's. Reused while the version stays; takes head.grad->mu itself.
+absl::StatusOr<std::shared_ptr<const GatheredHead>> GatherForExport(
+    HeadStore::Impl& store, Head& head, std::optional<uint64_t> version);
+// The tensors of this member's part of a group's head, in export order: (slice) fp32 each.
+std::vector<std::pair<HeadTensor, uint64_t>> PartTensors(Head& head);
 
 }  // namespace lossd
 

@@ -409,6 +409,7 @@ void HeadStore::Impl::LaunchPhase(std::shared_ptr<Head> head, StepCall call,
         if (applied_or_skipped) {
           ++head->version;
           head->disagreeing.clear();  // calls of the version that is over
+          head->gathered.reset();     // a group export's gather of the version that is over
           if (r.applied) ++head->optimizer_step;
           r.version = head->version;
           head->last = std::make_pair(call, r);

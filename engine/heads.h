@@ -86,6 +86,21 @@ struct HeadParam {
   std::array<std::unique_ptr<BackendBuffer>, 3> state;    // (slice.n()) fp32 each
 };
 
+// A group's whole master and optimizer state at one version, gathered from every member
+// for an export (engine/head_group_export.cc), so each byte range of one export reads the
+// same bytes without another collective. Host memory: 4 B a parameter per fp32 tensor.
+struct GatheredHead {
+  uint64_t version = 0;
+  // By HeadTensor: the master and state tensors the head has, whole (the copy is not here:
+  // every member holds it whole already).
+  std::array<std::vector<float>, static_cast<int>(HeadTensor::kCount)> tensors;
+};
+
+// What an export holds: the whole head (a one-server head's, or a group's, gathered from
+// every member), or only this member's ZeRO-1 part of a group's head: its slices of the
+// master and the optimizer state, which is what a group member writes on drain.
+enum class HeadExportScope { kWhole, kMemberPart };
+
 struct StepResult {
   uint64_t version = 0;  // after the call
   double grad_norm = 0;
@@ -153,6 +168,9 @@ struct Head {
   // Set when an update failed midway: the master may be half stepped, so the head refuses
   // every later Compute and Step (import its last export).
   std::atomic<bool> broken{false};
+  // A group's export (engine/head_group_export.cc): export_mu lets one gather run at a
+  // time on this member; `gathered` (under mu) is the last one, dropped when the version moves.
+  absl::Mutex export_mu;
 
   // The step's bookkeeping: the version, the barrier, Computes waiting for the next version.
   absl::Mutex mu;
@@ -190,6 +208,7 @@ struct Head {
   };
   std::vector<Parked> parked ABSL_GUARDED_BY(mu);
   bool dropped ABSL_GUARDED_BY(mu) = false;
+  std::shared_ptr<const GatheredHead> gathered ABSL_GUARDED_BY(mu);
 };
 
 // A head's description for Info, List and export headers.
@@ -271,13 +290,18 @@ class HeadStore {
   // The bytes [begin, end) of the head's export concatenation at `version` (unset: the
   // current one), (0, 0) = all. CheckExport resolves the range without copying (the caller
   // reserves its host bytes first); Export copies it under the head's lock.
-  absl::StatusOr<std::pair<uint64_t, uint64_t>> CheckExport(const std::string& name,
-                                                            std::optional<uint64_t> version,
-                                                            uint64_t begin, uint64_t end,
-                                                            const std::string& caller);
+  // A group's head: the whole export (kWhole) is a collective of the group: the first range
+  // of a version on each member gathers every member's slices (it waits, up to the group's
+  // timeout, for every member to be asked for the same version; a failure leaves the head
+  // as it was). kMemberPart (only for a group's head): this member's slices alone, no
+  // collective; its tensors are the master and the state, each (slice) fp32.
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> CheckExport(
+      const std::string& name, std::optional<uint64_t> version, uint64_t begin, uint64_t end,
+      const std::string& caller, HeadExportScope scope = HeadExportScope::kWhole);
   absl::StatusOr<HeadExportRange> Export(const std::string& name,
                                          std::optional<uint64_t> version, uint64_t begin,
-                                         uint64_t end, const std::string& caller);
+                                         uint64_t end, const std::string& caller,
+                                         HeadExportScope scope = HeadExportScope::kWhole);
   // The export header's HeadSpec: what CreateHead takes to import this head as it is now.
   static HeadSpec SpecOf(const HeadSummary& s);
 

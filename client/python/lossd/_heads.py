@@ -437,12 +437,87 @@ class HeadMethods:
         one, from head_info): a step in between makes the server refuse the later ranges
         (FailedPreconditionError), and the export is to be taken again. tensors: None (all), or
         the names (HEAD_TENSOR_NAMES) to fetch, e.g. ("copy_w", "copy_bias"): only their bytes
-        travel, and the result holds only those the head has."""
+        travel, and the result holds only those the head has.
+        A head group's head (HeadInfo.group): the members gather their slices into one whole
+        export, which any group size (or one server) imports; every member is asked at once,
+        each through a client of its own made with this client's settings (a client made on a
+        channel of its own passes no TLS credentials to them)."""
         if int(range_bytes) < 4:
             raise errors.InvalidArgumentError("range_bytes must be >= 4, got %r" % range_bytes)
+        info = self.head_info(head, timeout=timeout)
         if version is None:
-            version = self.head_info(head, timeout=timeout).version
+            version = info.version
         rpb = self.response_part_bytes if response_part_bytes is None else response_part_bytes
+        one = lambda: self._export_one(head, version, tensors, range_bytes, rpb,  # noqa: E731
+                                       timeout)
+        if info.group and len(info.group["members"]) > 1:
+            return self._export_group(head, version, info.group, rpb, one, timeout)
+        return one()
+
+    def _export_group(self, head, version, group, rpb, one, timeout):
+        """A group's export (docs/hosted_head.md "Head groups"): the first range of a version
+        on each member gathers every member's slices (a collective), so every member is asked
+        at once: this client's member streams the whole export (`one`), each other member
+        gets a 4-byte look on a client of its own with this client's settings. Once this
+        member's export is whole, every member took part; a look's error then says nothing
+        more and is dropped, and this member's error is the one raised."""
+        me = int(group["member"])
+        threads = []
+
+        def look(target):
+            try:
+                with self._group_peer(target) as c:
+                    c._export_range(head, version, 0, 4, int(rpb), None, timeout)
+            except Exception:  # noqa: BLE001 -- this member's export says what failed
+                pass
+
+        for m, target in enumerate(group["members"]):
+            if m != me:
+                threads.append(threading.Thread(target=look, args=(target,), daemon=True))
+                threads[-1].start()
+        try:
+            return one()
+        finally:
+            for t in threads:
+                t.join()
+
+    def _group_peer(self, target):
+        """A Client of another member of a head's group, with this client's settings and
+        credentials (its own channel: close it)."""
+        from lossd.client import Client  # lossd.client imports this module
+
+        return Client(str(target), **self._peer_options)
+
+    def import_head_into_group(self, export, members, group_id, name=None, *, timeout=None):
+        """Imports a HeadExport into a new head group (a recovery: import the last export into
+        a new group, or another group size): import_head on every member at once, each naming
+        `members`, its index and `group_id` (a new id: a group is never reused). This client's
+        target may be one of `members` or none of them; each member gets a client of its own.
+        Returns the members' HeadInfos, in member order."""
+        members = [str(m) for m in members]
+        out, errs = [None] * len(members), [None] * len(members)
+
+        def one(m):
+            try:
+                with self._group_peer(members[m]) as c:
+                    out[m] = c.import_head(export, name, timeout=timeout, group={
+                        "members": members, "member": m, "id": str(group_id)})
+            except Exception as e:  # noqa: BLE001 -- raised below, the first member's first
+                errs[m] = e
+
+        threads = [threading.Thread(target=one, args=(m,), daemon=True)
+                   for m in range(len(members))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in errs:
+            if e is not None:
+                raise e
+        return out
+
+    def _export_one(self, head, version, tensors, range_bytes, rpb, timeout):
+        """export_head from this client's server alone."""
         # A 4-byte look: the header lists the concatenation's tensors, so their sizes.
         look = self._export_range(head, version, 0, 4, int(rpb), None, timeout)
         layout, arrays, total = self._export_layout(look, wanted=tensors)

@@ -170,6 +170,12 @@ class Client(AsyncCalls, HeadMethods):
                 root_certificates=_read_file(tls_ca_file),
                 private_key=_read_file(tls_key_file),
                 certificate_chain=_read_file(tls_cert_file))
+        # What a client of another member of a head group is made with (lossd._heads).
+        self._peer_options = dict(
+            part_bytes=part_bytes, response_part_bytes=response_part_bytes, timeout=timeout,
+            max_message_bytes=max_message_bytes, metadata=self.metadata,
+            channel_options=channel_options, credentials=credentials,
+            tls_server_name=tls_server_name)
         self._own_channel = channel is None
         if channel is None:
             channels = _open_channels(target, connections, max_message_bytes, tls_server_name,
