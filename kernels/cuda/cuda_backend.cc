@@ -24,6 +24,7 @@
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/cuda/optimizer.h"
+#include "kernels/cuda/policy_sequence.h"
 #include "kernels/cuda/row_loss_io.h"
 #include "kernels/cuda/streamed_chunk_hooks.h"
 #include "core/dtype.h"
@@ -179,7 +180,8 @@ BackendInfo CudaBackend::Info() {
   info.memory_budget_bytes = options_.memory_budget_bytes;
   info.healthy = healthy_.load();
   info.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
-                    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
+                    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill) |
+                    kPolicySequenceBit | kPolicyIsRatioBit;
   return info;
 }
 
@@ -384,7 +386,16 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   }
 
   const int64_t tunings_before = engine_->tunings();
-  LOSSD_RETURN_IF_ERROR(engine_->Enqueue(a, plan, *workspace));
+  // Policy at sequence level: a forward pass first, then this Enqueue runs as logprob with
+  // the coefficients it gave, unless no gradient is wanted (policy_sequence.h).
+  const bool sequence = PolicySequenceLevel(p);
+  if (sequence) {
+    LOSSD_RETURN_IF_ERROR(
+        EnqueueSequenceForward(*engine_, buffers, p, targets32, plan, *workspace, &a));
+  }
+  if (!sequence || WantsGradient(a)) {
+    LOSSD_RETURN_IF_ERROR(engine_->Enqueue(a, plan, *workspace));
+  }
   const int64_t tunings = engine_->tunings() - tunings_before;
 
   // Results back to the host, on the same stream (into the vectors declared before `drain`).

@@ -113,6 +113,7 @@ RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t 
   p.advantages = at(in.advantages);
   p.old_logp = at(in.old_logp);
   p.ref_logp = at(in.ref_logp);
+  p.is_ratio = at(in.is_ratio);
   p.epsilon_low = in.epsilon_low;
   p.epsilon_high = in.epsilon_high;
   p.beta = in.beta;

@@ -68,6 +68,7 @@ struct RowLossInputs {
   const float* advantages = nullptr;    // (BT) policy
   const float* old_logp = nullptr;      // (BT) policy, or null
   const float* ref_logp = nullptr;      // (BT) policy, or null
+  const float* is_ratio = nullptr;      // (BT) policy, or null (1)
   float epsilon_low = 0, epsilon_high = 0, beta = 0;
   int32_t loss_type = 0;  // lossd::PolicyLossType
   float sapo_temperature_pos = 1, sapo_temperature_neg = 1, delta = 0;

@@ -127,6 +127,8 @@ __device__ double PolicyCoefficient(const RowLossParams& p, int64_t i, double lo
     const double share = clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
     dl = -share * a * r;
   }
+  // The rollout correction: a constant on the surrogate's term (not the KL term's).
+  if (p.is_ratio != nullptr) dl *= static_cast<double>(p.is_ratio[i]);
   if (p.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = static_cast<double>(p.ref_logp[i]) - logp;
     double dkl = 1.0 - exp(d);

@@ -38,17 +38,20 @@ absl::Status UploadScaled(CallBuffers& m, const std::vector<double>& x, double a
   return UploadRow(m, f.data(), static_cast<int64_t>(f.size()), dst);
 }
 
-// One policy row's loss terms from its logp (policy_reference.h's PolicyRow, without the
-// gradient, which the row kernel computes on the device).
+// One policy row's loss terms from its logp at ratio r (its own, or its sequence's):
+// policy_reference.h's PolicyRow. At token level the row kernel computes the gradient on the
+// device; at sequence level (clipped types only) the host needs its two parts: `own`, the
+// derivative in logp_i apart from the ratio (the KL term's), and `via_ratio`, dl_i/dr times r,
+// which reaches every row of the sequence through the mean of its log-ratios.
 struct PolicyTerms {
   double loss = 0, kl = 0;
   bool clipped = false;
+  double own = 0, via_ratio = 0;
 };
 
-PolicyTerms PolicyRowTerms(const LossProblem& p, int64_t i, double logp) {
+PolicyTerms PolicyRowTerms(const LossProblem& p, int64_t i, double logp, double r) {
   const PolicyParams& o = p.policy;
   const double a = p.advantages[i];
-  const double r = p.old_logp != nullptr ? std::exp(logp - p.old_logp[i]) : 1.0;
   PolicyTerms t;
   if (o.loss_type == PolicyLossType::kCispo) {  // -sg(min(r, eps_high)) A logp
     const double bound = static_cast<double>(o.epsilon_high);
@@ -64,14 +67,63 @@ PolicyTerms PolicyRowTerms(const LossProblem& p, int64_t i, double logp) {
     const double q = o.delta != 0.0f ? std::min(r, static_cast<double>(o.delta)) : r;
     t.loss = -std::min(q * a, std::clamp(r, lo, hi) * a);
     t.clipped = (r < lo && a < 0) || (r > hi && a > 0);
+    // torch's gradient (row_loss_device.cuh's PolicyCoefficient): none where clipped or where
+    // delta caps r with A < 0, half on a bound.
+    const bool capped = o.delta != 0.0f && r >= static_cast<double>(o.delta) && a < 0;
+    const double share = t.clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+    t.via_ratio = -share * a * r;
+  }
+  if (p.is_ratio != nullptr) {  // the rollout correction, on the surrogate's term only
+    t.loss *= p.is_ratio[i];
+    t.via_ratio *= p.is_ratio[i];
   }
   if (o.beta != 0.0f && p.ref_logp != nullptr) {
     const double d = p.ref_logp[i] - logp;
-    t.kl = std::exp(d) - d - 1.0;
-    if (o.use_bias_correction_kl) t.kl *= r;
+    const double k3 = std::exp(d) - d - 1.0;
+    t.kl = k3;
+    t.own = o.beta * (1.0 - std::exp(d));
+    if (o.use_bias_correction_kl) {  // k3 r: (k3 r)' = k3' r + k3 r'
+      t.kl = k3 * r;
+      t.own *= r;
+      t.via_ratio += o.beta * k3 * r;
+    }
     t.loss += o.beta * t.kl;
   }
   return t;
+}
+
+// Each row's ratio from the logp the device wrote: exp(logp_i - old_i) at token level, its
+// sequence's exp(sum of the counted rows' logp_j - old_j / max(1, n_b)) at sequence level
+// (1 without old log-probs); 1 on ignored rows.
+std::vector<double> PolicyRatios(const LossProblem& p, const std::vector<int32_t>& targets32,
+                                 const std::vector<float>& logp) {
+  const int64_t bt = p.bt;
+  std::vector<double> ratio(bt, 1.0);
+  if (p.old_logp == nullptr) return ratio;
+  auto log_ratio = [&](int64_t i) {
+    return static_cast<double>(logp[i]) - static_cast<double>(p.old_logp[i]);
+  };
+  if (p.policy.importance_sampling != ImportanceSampling::kSequence) {
+    for (int64_t i = 0; i < bt; ++i) {
+      if (targets32[i] >= 0) ratio[i] = std::exp(log_ratio(i));
+    }
+    return ratio;
+  }
+  const int64_t s = bt / std::max<int64_t>(1, p.policy.sequences);
+  for (int64_t b0 = 0; b0 < bt; b0 += s) {
+    double sum = 0;
+    int64_t n = 0;
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (targets32[i] < 0) continue;
+      sum += log_ratio(i);
+      ++n;
+    }
+    const double r = std::exp(sum / std::max<double>(1.0, static_cast<double>(n)));
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (targets32[i] >= 0) ratio[i] = r;
+    }
+  }
+  return ratio;
 }
 
 // Distill's teacher (X; W and bias unless in backend memory) and its coefficients.
@@ -139,7 +191,9 @@ uint64_t RowLossInputBytes(const WorkspaceShape& s) {
     case LossKind::kLogprob:
       return 2 * row;  // the two coefficients
     case LossKind::kPolicy:
-      return 4 * row;  // weights, advantages, old and reference log-probs
+      // weights, advantages, old and reference log-probs, is_ratio (at sequence level only
+      // the coefficients: policy_sequence.h)
+      return 5 * row;
     case LossKind::kDistill: {
       const uint64_t th = static_cast<uint64_t>(s.teacher_h), v = static_cast<uint64_t>(s.v);
       const uint64_t elem = DTypeSize(s.dtype);
@@ -196,6 +250,45 @@ std::vector<double> PolicyRowWeights(const PolicyParams& o,
   return w;
 }
 
+std::vector<double> SequenceCoefficients(const LossProblem& p,
+                                         const std::vector<int32_t>& targets32,
+                                         const std::vector<float>& logp) {
+  const int64_t bt = p.bt;
+  int64_t tokens = 0;
+  const std::vector<double> w = PolicyRowWeights(p.policy, targets32, &tokens);
+  const std::vector<double> ratio = PolicyRatios(p, targets32, logp);
+  const double gs = p.options.grad_scale;
+  std::vector<double> c(bt, 0.0);
+  const int64_t s = bt / std::max<int64_t>(1, p.policy.sequences);
+  for (int64_t b0 = 0; b0 < bt; b0 += s) {
+    // dloss/dlogp_j = w_j own_j + m_j / max(1, n_b) sum_{i in b} w_i via_ratio_i
+    double via = 0;
+    int64_t n = 0;
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (targets32[i] < 0) continue;
+      const PolicyTerms t = PolicyRowTerms(p, i, logp[i], ratio[i]);
+      c[i] = w[i] * t.own;
+      via += w[i] * t.via_ratio;
+      ++n;
+    }
+    const double shared = via / std::max<double>(1.0, static_cast<double>(n));
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (targets32[i] >= 0) c[i] = gs * (c[i] + shared);
+    }
+  }
+  return c;
+}
+
+absl::Status UploadSequenceCoefficients(CallBuffers& m, const std::vector<double>& c,
+                                        RowLossInputs* in) {
+  double largest = 0;
+  for (double x : c) largest = std::max(largest, std::fabs(x));
+  const double alpha = PowerOfTwoAbove(largest);
+  *in = RowLossInputs();
+  in->alpha = static_cast<float>(alpha);
+  return UploadScaled(m, c, alpha, &in->coef_logp);
+}
+
 absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
                                  const std::vector<int32_t>& targets32, DeviceLossArgs* a) {
   a->kind = p.kind;
@@ -204,6 +297,11 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
   const double gs = p.options.grad_scale;
   RowLossInputs& in = a->row_loss;
   if (p.kind == LossKind::kDistill) return UploadTeacher(m, p, targets32, &in);
+  // Sequence level: the coefficients come after a forward pass (EnqueueSequenceForward).
+  if (p.kind == LossKind::kPolicy &&
+      p.policy.importance_sampling == ImportanceSampling::kSequence) {
+    return absl::OkStatus();
+  }
   // The coefficients before alpha: grad_scale times dlogp / dentropy (logprob) or times the
   // row's weight (policy), 0 on ignored rows, so that the largest sets alpha.
   std::vector<double> c1(bt, 0.0), c2(bt, 0.0);
@@ -229,6 +327,7 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
     LOSSD_RETURN_IF_ERROR(UploadRow(m, p.advantages, bt, &in.advantages));
     LOSSD_RETURN_IF_ERROR(UploadRow(m, p.old_logp, bt, &in.old_logp));
     LOSSD_RETURN_IF_ERROR(UploadRow(m, p.ref_logp, bt, &in.ref_logp));
+    LOSSD_RETURN_IF_ERROR(UploadRow(m, p.is_ratio, bt, &in.is_ratio));
     in.epsilon_low = p.policy.epsilon_low;
     in.epsilon_high = p.policy.epsilon_high;
     in.beta = p.policy.beta;
@@ -253,15 +352,18 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
   const std::vector<float>& entropy = host.zl;
   double loss = 0, kl = 0;
   int64_t tokens = 0, correct = 0, clipped = 0;
-  std::vector<double> weight;
-  if (p.kind == LossKind::kPolicy) weight = PolicyRowWeights(p.policy, targets32, &tokens);
+  std::vector<double> weight, ratio;
+  if (p.kind == LossKind::kPolicy) {
+    weight = PolicyRowWeights(p.policy, targets32, &tokens);
+    ratio = PolicyRatios(p, targets32, logp);
+  }
   tokens = 0;
   for (int64_t i = 0; i < bt; ++i) {
     if (targets32[i] < 0) continue;
     ++tokens;
     if (host.pred[i] == targets32[i]) ++correct;
     if (p.kind == LossKind::kPolicy) {
-      const PolicyTerms t = PolicyRowTerms(p, i, logp[i]);
+      const PolicyTerms t = PolicyRowTerms(p, i, logp[i], ratio[i]);
       loss += weight[i] * t.loss;
       kl += t.kl;
       clipped += t.clipped ? 1 : 0;

@@ -39,14 +39,30 @@ std::vector<double> PolicyRowWeights(const PolicyParams& o,
                                      const std::vector<int32_t>& targets32,  // (BT)
                                      int64_t* tokens);
 
+// Policy at sequence level (GSPO; clipped loss types): every row's grad_scale dloss/dlogp_i
+// from the logp of a forward pass (0 on ignored rows), policy_reference.h's
+//   w_j own_j + (1 / max(1, n_b)) sum_{i in b} w_i via_ratio_i
+// with each sequence's ratio R_b = exp(mean of its counted rows' logp_i - old_i), and
+// is_ratio's rho_i on the surrogate's part. In double, in row order.
+std::vector<double> SequenceCoefficients(const LossProblem& p,
+                                         const std::vector<int32_t>& targets32,  // (BT)
+                                         const std::vector<float>& logp);        // (BT)
+
+// Sets *in to the logprob kind's inputs for coefficients c (BT): c / alpha uploaded as
+// coef_logp, alpha the power of two above the largest |c_i|.
+absl::Status UploadSequenceCoefficients(CallBuffers& m, const std::vector<double>& c,
+                                        RowLossInputs* in);
+
 // Sets a->kind and a->row_loss: the coefficients scaled by grad_scale / alpha, the policy's
-// inputs and distill's teacher, uploaded. Nothing for cross-entropy.
+// inputs and distill's teacher, uploaded. Nothing for cross-entropy, nor for policy at
+// sequence level but the kind (its coefficients wait for a forward pass: policy_sequence.h).
 absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
                                  const std::vector<int32_t>& targets32,  // (BT) -1 if ignored
                                  DeviceLossArgs* a);
 
 // The kind's outputs from the per-row statistics (host.ce holds logp_i, or distill's row
-// divergence; host.zl H_i): loss, logp, entropy, kl, clip_fraction, and lse (the student's),
+// divergence; host.zl H_i): loss, logp, entropy, kl, clip_fraction (policy at either
+// importance-sampling level, with is_ratio), and lse (the student's),
 // predictions, accuracy and tokens as for cross-entropy; z_loss, which these kinds do not
 // have, is 0.
 void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,

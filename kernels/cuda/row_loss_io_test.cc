@@ -2,9 +2,11 @@
 // The host side of the CUDA backend's logprob, policy and distill kinds, without a GPU: the
 // reductions from per-row results (fed the float64 references' own per-row values, rounded to
 // fp32 as the device writes them) against the references' losses and metrics; policy's row
-// weights; distill's rows; the kinds' device bytes.
+// weights; policy's coefficients at sequence level and is_ratio; distill's rows; the kinds'
+// device bytes.
 #include "kernels/cuda/row_loss_io.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -223,6 +225,146 @@ TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
   EXPECT_EQ(checked, 36);
 }
 
+// Policy with is_ratio at token level (every type) and at sequence level (the clipped types,
+// with and without is_ratio): the loss and metrics, and at sequence level every row's
+// coefficient grad_scale dloss/dlogp_i (SequenceCoefficients, what the gradient pass runs
+// with), against the reference. The three sequences' mean log-ratios sit below 1 - eps_low,
+// above 1 + eps_high and between, so each clip branch is taken.
+TEST(RowLossIoTest, PolicySequenceLevelAndIsRatioMatchTheReference) {
+  const Head head(6);
+  LogprobProblem lp;
+  lp.head = head.inputs();
+  lp.targets = head.targets.data();
+  LogprobReferenceOutputs lref;
+  ASSERT_TRUE(LogprobReference(lp, &lref).ok());
+  std::vector<uint8_t> mask(kBt);
+  for (int64_t i = 0; i < kBt; ++i) mask[i] = head.targets[i] != -100;
+  constexpr int64_t kSeqs = 3, kS = kBt / kSeqs;
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> uni(-1.0, 1.0);
+  std::vector<float> adv(kBt), old_logp(kBt), ref_logp(kBt), rho(kBt);
+  const double mean_log_ratio[kSeqs] = {-0.4, 0.35, 0.05};
+  for (int64_t b = 0; b < kSeqs; ++b) {
+    std::vector<double> d(kS);
+    double sum = 0;
+    int64_t n = 0;
+    for (int64_t s = 0; s < kS; ++s) {
+      d[s] = 0.3 * uni(rng);
+      if (!mask[b * kS + s]) continue;
+      sum += d[s];
+      ++n;
+    }
+    for (int64_t s = 0; s < kS; ++s) {
+      const int64_t i = b * kS + s;
+      d[s] += mean_log_ratio[b] - sum / static_cast<double>(n);  // the counted rows' mean
+      old_logp[i] = static_cast<float>(lref.logp[i] - d[s]);
+    }
+  }
+  for (int64_t i = 0; i < kBt; ++i) {
+    adv[i] = static_cast<float>(uni(rng));
+    ref_logp[i] = static_cast<float>(lref.logp[i] + 0.3 * uni(rng));
+    rho[i] = static_cast<float>(1.0 + 0.8 * uni(rng));  // in [0.2, 1.8]
+  }
+  const struct {
+    PolicyLossType type;
+    float eps_high, delta;
+    bool bias_correction;
+  } configs[] = {{PolicyLossType::kDapo, 0.2f, 0, false},
+                 {PolicyLossType::kGrpo, 0.2f, 0, false},
+                 {PolicyLossType::kBnpo, 0.2f, 0, false},
+                 {PolicyLossType::kDrGrpo, 0.2f, 0, false},
+                 {PolicyLossType::kCispo, 1.3f, 0, false},
+                 {PolicyLossType::kSapo, 0.2f, 0, true},
+                 {PolicyLossType::kLuspo, 0.2f, 0, false},
+                 {PolicyLossType::kLuspo, 0.2f, 1.45f, true},
+                 {PolicyLossType::kDapo, 0.2f, 1.45f, true}};
+  int checked = 0, clipped_cases = 0;
+  for (const bool sequence : {false, true}) {
+    for (const auto& config : configs) {
+      const PolicyLossType type = config.type;
+      const bool clips = type != PolicyLossType::kCispo && type != PolicyLossType::kSapo;
+      if (sequence && !clips) continue;  // refused, as Liger refuses it
+      for (int inputs = 0; inputs < 8; ++inputs) {
+        const bool with_rho = (inputs & 4) != 0;
+        if (!sequence && !with_rho) continue;  // the token level's own test above
+        PolicyProblem pp;
+        pp.head = head.inputs();
+        pp.batch = kSeqs;
+        pp.targets = head.targets.data();
+        pp.mask = mask.data();
+        pp.advantages = adv.data();
+        pp.old_logp = inputs & 1 ? old_logp.data() : nullptr;
+        pp.ref_logp = inputs & 2 ? ref_logp.data() : nullptr;
+        pp.is_ratio = with_rho ? rho.data() : nullptr;
+        PolicyOptions& o = pp.options;
+        o.loss_type = type;
+        o.max_completion_length = type == PolicyLossType::kDrGrpo ? 16 : 0;
+        o.beta = 0.2f;
+        o.epsilon_high = config.eps_high;
+        o.sapo_temperature_pos = 1.7f;
+        o.sapo_temperature_neg = 0.6f;
+        o.delta = config.delta;
+        o.use_bias_correction_kl = config.bias_correction;
+        o.grad_scale = 0.7f;
+        o.importance_sampling =
+            sequence ? ImportanceSampling::kSequence : ImportanceSampling::kToken;
+        PolicyReferenceOutputs ref;
+        const absl::Status st = PolicyReference(pp, &ref);
+        ASSERT_TRUE(st.ok()) << st;
+        LossProblem p = head.problem(LossKind::kPolicy);
+        p.advantages = pp.advantages;
+        p.old_logp = pp.old_logp;
+        p.ref_logp = pp.ref_logp;
+        p.is_ratio = pp.is_ratio;
+        p.policy.loss_type = type;
+        p.policy.sequences = kSeqs;
+        p.policy.max_completion_length = o.max_completion_length;
+        p.policy.beta = o.beta;
+        p.policy.epsilon_high = o.epsilon_high;
+        p.policy.sapo_temperature_pos = o.sapo_temperature_pos;
+        p.policy.sapo_temperature_neg = o.sapo_temperature_neg;
+        p.policy.delta = o.delta;
+        p.policy.use_bias_correction_kl = o.use_bias_correction_kl;
+        p.policy.importance_sampling = o.importance_sampling;
+        SCOPED_TRACE(testing::Message()
+                     << PolicyLossTypeName(type) << (sequence ? " sequence" : " token")
+                     << " old " << (inputs & 1) << " ref " << (inputs & 2) / 2 << " is_ratio "
+                     << with_rho << " delta " << config.delta << " bias-corrected KL "
+                     << config.bias_correction);
+        Outputs out;
+        WriteRowLossOutputs(p, out.view(), head.targets32(), RowsOf(ref.logp, {}, lref.lse));
+        ExpectClose(ref.loss, out.loss, "loss");
+        ExpectClose(ref.kl, out.kl, "kl");
+        EXPECT_EQ(out.clip_fraction, static_cast<float>(ref.clip_fraction));
+        clipped_cases += ref.clip_fraction > 0 ? 1 : 0;
+        ++checked;
+        if (!sequence) continue;
+        // The coefficients from logp as the device writes it (fp32), against grad_scale w_i
+        // times the reference's dloss/dlogp_i / w_i.
+        std::vector<float> logp(kBt);
+        for (int64_t i = 0; i < kBt; ++i) logp[i] = static_cast<float>(ref.logp[i]);
+        const std::vector<double> c = SequenceCoefficients(p, head.targets32(), logp);
+        int64_t tokens = 0;
+        const std::vector<double> w = PolicyRowWeights(p.policy, head.targets32(), &tokens);
+        ASSERT_EQ(c.size(), static_cast<size_t>(kBt));
+        double scale = 0;
+        for (int64_t i = 0; i < kBt; ++i) {
+          scale = std::max(scale, std::fabs(w[i] * ref.dl_dlogp[i]));
+        }
+        EXPECT_GT(scale, 0.0) << "every coefficient is 0: a weak case";
+        for (int64_t i = 0; i < kBt; ++i) {
+          const double want = 0.7 * w[i] * ref.dl_dlogp[i];
+          EXPECT_NEAR(c[i], want, 1e-5 * (std::fabs(want) + 0.7 * scale))
+              << "row " << i << " (sequence " << i / kS << ", masked " << !mask[i] << ")";
+        }
+      }
+    }
+  }
+  // token: 9 types x 4 inputs with is_ratio; sequence: 7 clipped configs x 8 inputs.
+  EXPECT_EQ(checked, 36 + 56);
+  EXPECT_GT(clipped_cases, 40) << "few cases clip a row: the clip branches are weakly covered";
+}
+
 TEST(RowLossIoTest, DistillLossIsTheMeanOfTheRowsThatCount) {
   const Head student(4), teacher(5);
   DistillProblem dp;
@@ -278,7 +420,7 @@ TEST(RowLossIoTest, DeviceBytesOfEachKind) {
   s.kind = LossKind::kLogprob;
   EXPECT_EQ(RowLossInputBytes(s), 2 * Align(4000));
   s.kind = LossKind::kPolicy;
-  EXPECT_EQ(RowLossInputBytes(s), 4 * Align(4000));
+  EXPECT_EQ(RowLossInputBytes(s), 5 * Align(4000));
   s.kind = LossKind::kDistill;
   s.teacher_h = 96;
   s.teacher_w_memory = Memory::kHost;

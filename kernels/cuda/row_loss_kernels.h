@@ -8,9 +8,11 @@
 //   g_ij = [ c_i ([j = t] - p_ij) - e_i p_ij (z_ij - lse_i + H_i) ] (1/T) softcap'(u_ij + b_j)
 // with logprob's c_i = dlogp_i, e_i = dentropy_i (each already times grad_scale / alpha), and
 // policy's c_i = w_i dl_i/dlogp_i (e_i = 0) computed here from logp_i: the loss type's
-// surrogate (clipped, cispo's or sapo's) and the KL term of policy_reference.h, in double,
-// times the row's weight w_i (its loss normaliser, times grad_scale / alpha) which the host
-// computes from the mask.
+// surrogate (clipped, cispo's or sapo's, times is_ratio's rho_i where given) and the KL term
+// of policy_reference.h, in double, times the row's weight w_i (its loss normaliser, times
+// grad_scale / alpha) which the host computes from the mask. (Policy at sequence level runs
+// as logprob: its c_i needs the whole sequence's logp, so the host computes it between a
+// forward pass and this kernel's gradient pass; policy_sequence.h.)
 // alpha, a power of two, is the caller's: it comes back in the dX/dW/db GEMMs' alpha, so
 // small coefficients do not underflow a 16-bit G. A row is read once by a cluster of blocks
 // (the one-read kernels) or by one block (the two-pass kernels, where the one-read kernels do
@@ -56,6 +58,7 @@ struct RowLossParams {
   const float* advantages;
   const float* old_logp;  // null: the current log-probs detached (ratio 1)
   const float* ref_logp;  // null: no KL term
+  const float* is_ratio;  // rho_i on the surrogate's term, not the KL's (vllm_is_ratio); null: 1
   float epsilon_low, epsilon_high, beta;
   int32_t loss_type;  // lossd::PolicyLossType: 4 cispo, 5 sapo, any other the clipped surrogate
   float sapo_temperature_pos, sapo_temperature_neg;

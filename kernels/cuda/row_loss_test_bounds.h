@@ -195,6 +195,82 @@ inline std::vector<double> PolicyWeights(const PolicyProblem& pp, const std::vec
   return w;
 }
 
+// Policy at sequence level (policy_reference.h): c_j = gs (w_j f_j + (1 / max(1, n_b))
+// sum_{i in b} w_i e_i) depends on every logp of sequence b through log R_b, the mean of its
+// counted rows' log-ratios, whose error is at most their bounds' mean dbar_b (0 without old
+// log-probs: R_b is then 1 whatever logp is). First order, with d_j row j's own bound:
+//   |dc_j| / |gs| <= w_j (|df_j/dlogp_j| d_j + |df_j/dlog R| dbar_b)
+//                  + (1 / max(1, n_b)) sum_{i in b} w_i (|de_i/dlog R| dbar_b + |de_i/dlogp_i| d_i)
+// handed to FirstOrderBounds as the slope |dc_j| / d_j. The loss (and the kl metric) move with
+// logp_k directly and through log R_b, a mean: as a sum over independent rows k (ScalarBound's
+// model), row k's entry is (E_b / max(1, n_b) + w_k |dl_k/dlogp_k|) d_k, where E_b =
+// sum_{i in b} w_i |dl_i/dlog R| (0 without old log-probs).
+struct SequenceErrors {
+  std::vector<double> c_slope, loss, kl;
+};
+
+inline SequenceErrors PolicySequenceErrors(const LossProblem& p, const PolicyReferenceOutputs& ref,
+                                           const std::vector<uint8_t>& mask,
+                                           const std::vector<double>& weight,
+                                           const std::vector<double>& d, double n) {
+  const PolicyParams& o = p.policy;
+  const int64_t s = p.bt / o.sequences;
+  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+  const bool kl = p.ref_logp != nullptr && o.beta != 0.0f, bc = o.use_bias_correction_kl;
+  const double beta = o.beta, gs = std::fabs(static_cast<double>(p.options.grad_scale));
+  SequenceErrors out;
+  out.c_slope.assign(p.bt, 0.0);
+  for (int64_t b0 = 0; b0 < p.bt; b0 += s) {
+    double dbar = 0, shared = 0, loss_r = 0, kl_r_sum = 0;
+    std::vector<double> loss_own(s, 0.0), kl_own_err(s, 0.0);
+    int64_t nb = 0;
+    for (int64_t i = b0; i < b0 + s; ++i) nb += mask[i];
+    for (int64_t i = b0; i < b0 + s && p.old_logp != nullptr; ++i) dbar += mask[i] ? d[i] : 0.0;
+    dbar /= std::max<double>(1.0, static_cast<double>(nb));
+    std::vector<double> f_own(s, 0.0), f_r(s, 0.0);
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (!mask[i]) continue;
+      const double a = p.advantages[i], r = ref.ratio[i];
+      const double rho = p.is_ratio != nullptr ? p.is_ratio[i] : 1.0;
+      const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
+      const bool capped = o.delta != 0.0f && r >= o.delta && a < 0;
+      const double share = clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
+      double e_r = rho * share * std::fabs(a) * r, e_own = 0, kl_own = 0, kl_r = 0;
+      if (p.ref_logp != nullptr) {
+        const double ek = std::exp(p.ref_logp[i] - ref.logp[i]);
+        const double k3 = ek - std::log(ek) - 1.0;
+        kl_own = std::fabs(1.0 - ek) * (bc ? r : 1.0);
+        kl_r = bc ? k3 * r : 0.0;
+        if (kl) {
+          e_r += beta * kl_r;
+          e_own = bc ? beta * std::fabs(1.0 - ek) * r : 0.0;
+          f_own[i - b0] = beta * ek * (bc ? r : 1.0);
+          f_r[i - b0] = bc ? beta * std::fabs(1.0 - ek) * r : 0.0;
+        }
+      }
+      shared += weight[i] * (e_r * dbar + e_own * d[i]);
+      if (p.old_logp != nullptr) {
+        loss_r += weight[i] * (rho * share * std::fabs(a) * r + (kl ? beta * kl_r : 0.0));
+        kl_r_sum += kl_r;
+      }
+      loss_own[i - b0] = weight[i] * (kl ? beta * kl_own : 0.0);
+      kl_own_err[i - b0] = kl_own;
+    }
+    const double n_b = std::max<double>(1.0, static_cast<double>(nb));
+    shared /= n_b;
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (!mask[i]) continue;
+      out.loss.push_back((loss_r / n_b + loss_own[i - b0]) * d[i]);
+      out.kl.push_back((kl_r_sum / n_b + kl_own_err[i - b0]) * d[i] / n);
+      if (!(d[i] > 0)) continue;
+      const double err = weight[i] * (f_own[i - b0] * d[i] + f_r[i - b0] * dbar) + shared;
+      out.c_slope[i] = gs * err / d[i];
+    }
+  }
+  return out;
+}
+
 inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   std::vector<uint8_t> mask(p.bt);
   for (int64_t i = 0; i < p.bt; ++i) {
@@ -209,6 +285,7 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   pp.advantages = p.advantages;
   pp.old_logp = p.old_logp;
   pp.ref_logp = p.ref_logp;
+  pp.is_ratio = p.is_ratio;
   PolicyOptions& o = pp.options;
   o.loss_type = p.policy.loss_type;
   o.epsilon_low = p.policy.epsilon_low;
@@ -223,6 +300,7 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   o.sapo_temperature_neg = p.policy.sapo_temperature_neg;
   o.delta = p.policy.delta;
   o.use_bias_correction_kl = p.policy.use_bias_correction_kl;
+  o.importance_sampling = p.policy.importance_sampling;
   PolicyReferenceOutputs ref;
   EXPECT_TRUE(PolicyReference(pp, &ref).ok());
   Expected e;
@@ -250,18 +328,20 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
     // dl_i/dlogp_i is the reference's, and the slope of l_i itself but for cispo, whose
     // detached weight min(r, eh) moves its loss -min(r, eh) A logp by r A logp more.
     const double a = p.advantages[i], r = ref.ratio[i], dl = ref.dl_dlogp[i];
+    // is_ratio's rho_i scales the surrogate's term (its value and slopes), not the KL's.
+    const double rho = p.is_ratio != nullptr ? p.is_ratio[i] : 1.0;
     double slope = 0, value_slope = std::fabs(dl);
     if (o.loss_type == PolicyLossType::kCispo) {  // its coefficient -min(r, eh) A
-      slope = r < o.epsilon_high ? std::fabs(a) * r : 0.0;
+      slope = rho * (r < o.epsilon_high ? std::fabs(a) * r : 0.0);
       value_slope += slope * std::fabs(ref.logp[i]);
     } else if (o.loss_type == PolicyLossType::kSapo) {  // sigmoid's first two derivatives <= 1/4
       const double tau = a > 0 ? o.sapo_temperature_pos : o.sapo_temperature_neg;
-      slope = std::fabs(a) * r * (1.0 + tau * r);
+      slope = rho * std::fabs(a) * r * (1.0 + tau * r);
     } else {
       const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
       const bool capped = o.delta != 0.0f && r >= o.delta && a < 0;
       const double share = clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-      slope = share * std::fabs(a) * r;
+      slope = rho * share * std::fabs(a) * r;
     }
     if (p.ref_logp != nullptr) {
       const double ek = std::exp(p.ref_logp[i] - ref.logp[i]);
@@ -278,19 +358,38 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
     k.c_slope.push_back(std::fabs(gs) * weight[i] * slope);
     loss_slope[i] = weight[i] * value_slope;
   }
-  const HeadBounds b = FirstOrderBounds(p, k, tol.logit_u);
+  HeadBounds b = FirstOrderBounds(p, k, tol.logit_u);
   RowBounds(b, tol, &e);
   std::vector<double> loss_errors, kl_errors;
   for (int64_t i = 0; i < p.bt; ++i) {
     loss_errors.push_back(loss_slope[i] * b.logp[i]);
     kl_errors.push_back(kl_slope[i] * b.logp[i] / n);
   }
+  if (o.importance_sampling == ImportanceSampling::kSequence) {
+    // logp's bounds do not depend on the coefficients: G's bound again with the slopes
+    // through each sequence's ratio.
+    SequenceErrors s = PolicySequenceErrors(p, ref, mask, weight, b.logp, n);
+    k.c_slope = s.c_slope;
+    b.grad_rel = FirstOrderBounds(p, k, tol.logit_u).grad_rel;
+    loss_errors = s.loss;
+    kl_errors = s.kl;
+  }
   e.loss_bound = ScalarBound(loss_errors, e.loss, tol);
   e.kl_bound = ScalarBound(kl_errors, e.kl, tol);
   // The clip decisions are stable only where logp's error stays inside the ratios' distance
-  // from the bounds (MakeProblem).
-  for (int64_t i = 0; i < p.bt; ++i) {
-    EXPECT_LT(e.logp_bound[i], kClipMargin) << "row " << i << ": a clip decision may flip";
+  // from the bounds (MakeProblem): each row's, or at sequence level the mean over its
+  // sequence's counted rows (log R_b's error).
+  const int64_t s = o.importance_sampling == ImportanceSampling::kSequence
+                        ? p.bt / p.policy.sequences
+                        : 1;
+  for (int64_t b0 = 0; b0 < p.bt; b0 += s) {
+    double sum = 0, count = 0;
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      sum += mask[i] ? e.logp_bound[i] : 0.0;
+      count += mask[i];
+    }
+    EXPECT_LT(sum / std::max(1.0, count), kClipMargin)
+        << (s > 1 ? "sequence " : "row ") << b0 / s << ": a clip decision may flip";
   }
   e.grad_tol = GradTolerance(p, tol, b.grad_rel);
   return e;

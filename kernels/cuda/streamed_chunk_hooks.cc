@@ -16,8 +16,10 @@ namespace lossd {
 namespace cuda {
 
 absl::StatusOr<cudaEvent_t> StreamedChunkHooks::XReady(int64_t row0, int64_t row1) {
-  LOSSD_RETURN_IF_ERROR(rows_->WaitX(row1));
+  // Rows already copied were waited for: not asked again (a second pass over the chunks,
+  // policy_sequence.h), so the RowStream sees non-decreasing WaitX calls.
   if (row1 <= uploaded_) return nullptr;
+  LOSSD_RETURN_IF_ERROR(rows_->WaitX(row1));
   if (uploaded_ == 0) {
     // The first rows go up after everything main_ holds so far: the zero fill of X and the
     // autotuning trials that read it (fused_loss_chunks.cc, the tuning pass), so neither a trial

@@ -43,6 +43,7 @@ WANT=(
   //kernels/cuda:optimizer_test
   //kernels/cuda:row_loss_test
   //kernels/cuda:row_loss_paths_test
+  //kernels/cuda:policy_sequence_test
   //kernels/cuda:ref_exp_test
   //tests:two_phase_gpu_test
   //bench/service:net_ceiling

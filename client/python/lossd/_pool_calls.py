@@ -12,6 +12,7 @@ import dataclasses
 import time
 
 from lossd import errors
+from lossd._pool_group import member_of
 from lossd._pool_weights import PoolWeights
 from lossd._results import WeightHandle
 
@@ -31,13 +32,13 @@ def _forget(client, kind, name):
 _IMPORT_WAIT_S = 60.0
 
 
-def _import_idempotent(client, export, name, timeout):
+def _import_idempotent(client, export, name, timeout, group=None):
     """client.import_head, where another rank's import of the same export running at once
     is success: every rank may import after a HeadLostError. The server refuses a create while
     another is under way (ALREADY_EXISTS); wait for that one, and take its head where it has the
-    export's version."""
+    export's version (and, into a group, the same group id)."""
     try:
-        return client.import_head(export, name, timeout=timeout)
+        return client.import_head(export, name, group=group, timeout=timeout)
     except errors.AlreadyExistsError as refused:
         deadline = time.monotonic() + _IMPORT_WAIT_S
         while True:
@@ -48,8 +49,9 @@ def _import_idempotent(client, export, name, timeout):
                     raise refused from None
                 time.sleep(0.05)  # the other create is still streaming its tensors
                 continue
-            if info.version != export.version:
-                raise refused from None  # another version: not this import's to take
+            if info.version != export.version or (
+                    group is not None and (info.group or {}).get("id") != group["id"]):
+                raise refused from None  # another version or group: not this import's
             return dataclasses.replace(info, created=False)
 
 
@@ -70,8 +72,17 @@ class PoolCalls:
                 "its put_weights returned (or W itself)")
         pw = w if isinstance(w, PoolWeights) else None
         if head is not None:
-            r = self._head_call(str(head), lambda c: c.compute(
-                x, w, targets, accumulator=accumulator, head=head, timeout=timeout, **kw))
+            fn = lambda c: c.compute(  # noqa: E731
+                x, w, targets, accumulator=accumulator, head=head, timeout=timeout, **kw)
+            group = self._locate_head(str(head))
+            if group is not None:
+                # A group's head: rank r goes to members[r % S] (lossd._pool_group).
+                rank = int(kw.get("rank", 0))
+                m = member_of(rank, len(group["members"]))
+                r = self._group_call(str(head), group, m, fn, rank=rank)
+                self._note_ticket(r, group["members"][m])
+                return r
+            r = self._head_call(str(head), fn)
             self._note_head_ticket(r, str(head))
             return r
         ticket = kw.get("ticket")
@@ -263,26 +274,42 @@ class PoolCalls:
 
     # -- hosted heads -----------------------------------------------------------------------
 
-    def _locate_head(self, name):
+    def _locate_head(self, name, look=()):
         """A head this pool has not used yet goes where it already is (the first replica in
         its order holding it: where the other ranks' pools moved it), else to its first live
-        replica."""
+        replica. Returns its group (lossd._pool_group) where a head group serves it, learnt
+        from the HeadInfo of the replica found holding it; None for a one-server head. look:
+        replicas to ask first (a group's members, when learning the group again)."""
         key = "head:" + name
+        group = self._group(name)
+        if group is not None and not look:
+            return group
         with self._lock:
-            if key in self._homes:
-                return
-        for addr in self.order(key):
+            if key in self._homes and not look:
+                return None
+        order = self.order(key)
+        for addr in list(look) + [a for a in order if a not in look]:
             with self._lock:
                 rep = self._replicas.get(addr)
             if rep is None or rep.down:
                 continue
             try:
-                self._call(rep, lambda c: c.head_info(name, timeout=self.probe_timeout))
+                info = self._call(rep, lambda c: c.head_info(name, timeout=self.probe_timeout))
             except (errors.NotFoundError, errors.UnavailableError,
                     errors.DeadlineExceededError):
                 continue
+            if info.group:
+                return self._learn_group(name, info)
+            self._forget_group(name)
+            with self._lock:
+                home = self._homes.get(key)
+                if home is not None and home.address != addr:
+                    self._homes.pop(key)  # found elsewhere: an import moved it
             self._home_of(key, at=addr)
-            return
+            return None
+        if look:
+            self._forget_group(name)  # no member holds it any more
+        return None
 
     def _head_call(self, name, fn, recover=False):
         """fn(client) on the head's replica. recover (create, import): goes to the head's
@@ -354,40 +381,83 @@ class PoolCalls:
             head=name, replica=old, moved_to=home.address, import_rank=self.import_rank,
             method="head")
 
-    def create_head(self, name, w, bias=None, **kw):
+    def create_head(self, name, w, bias=None, *, group=None, **kw):
         """lossd.Client.create_head on the head's replica (where it already is, else the
-        first in its order)."""
+        first in its order). group: {"members": [replica, ...], "id": ...} (both optional:
+        the pool's replicas, a new id): a head group, created on every member at once
+        (lossd._pool_group); returns member 0's HeadInfo."""
         self._maybe_resolve()
+        if group is not None:
+            return self._create_in_group(str(name), group, lambda c, g: c.create_head(
+                name, w, bias, group=g, **kw))
+        self._forget_group(str(name))
         return self._head_call(str(name), lambda c: c.create_head(name, w, bias, **kw),
                                recover=True)
 
-    def import_head(self, export, name=None, *, timeout=None):
+    def import_head(self, export, name=None, *, group=None, timeout=None):
         """lossd.Client.import_head on the head's current replica: the recovery after a
-        HeadLostError (idempotent by head and version)."""
+        HeadLostError (idempotent by head and version). group: as create_head's (the
+        recovery of a group's head: a new group, of live members, with a new id)."""
         self._maybe_resolve()
         n = str(name or export.name)
+        if group is not None:
+            return self._create_in_group(n, group, lambda c, g: _import_idempotent(
+                c, export, n, timeout, g))
+        self._forget_group(n)
         return self._head_call(n, lambda c: _import_idempotent(c, export, n, timeout),
                                recover=True)
 
     def step(self, head, version, **kw):
+        """lossd.Client.step on the head's replica; for a group's head on member rank % S."""
         self._maybe_resolve()
-        return self._head_call(str(head), lambda c: c.step(head, version, **kw))
+        fn = lambda c: c.step(head, version, **kw)  # noqa: E731
+        group = self._locate_head(str(head))
+        if group is not None:
+            rank = int(kw.get("rank", 0))
+            return self._group_call(str(head), group, member_of(rank, len(group["members"])),
+                                    fn, rank=rank)
+        return self._head_call(str(head), fn)
 
     def export_head(self, head, **kw):
+        """lossd.Client.export_head on the head's replica; for a group's head on member 0."""
         self._maybe_resolve()
-        return self._head_call(str(head), lambda c: c.export_head(head, **kw))
+        fn = lambda c: c.export_head(head, **kw)  # noqa: E731
+        group = self._locate_head(str(head))
+        if group is not None:
+            return self._group_call(str(head), group, 0, fn)
+        return self._head_call(str(head), fn)
 
     def head_info(self, head, **kw):
+        """lossd.Client.head_info on the head's replica. A group's head is asked of its
+        members (this pool's rank's first) and its group learnt again from the answer: after
+        an import into a new group, every rank's head_info finds the new one."""
         self._maybe_resolve()
-        return self._head_call(str(head), lambda c: c.head_info(head, **kw))
+        name = str(head)
+        group = self._locate_head(name)
+        if group is not None:
+            S = len(group["members"])
+            m = member_of(self.rank, S)
+            group = self._locate_head(name, look=group["members"][m:] + group["members"][:m])
+        if group is not None:
+            m = member_of(self.rank, len(group["members"]))
+            info = self._group_call(name, group, m, lambda c: c.head_info(head, **kw))
+            self._learn_group(name, info)
+            return info
+        return self._head_call(name, lambda c: c.head_info(head, **kw))
 
     def drop_head(self, head, **kw):
-        """Drops the head on its replica (nothing to drop where that replica was lost)."""
+        """Drops the head on its replica, or on every member of its group (nothing to drop
+        where that replica was lost)."""
         self._maybe_resolve()
-        try:
-            self._head_call(str(head), lambda c: c.drop_head(head, **kw), recover=True)
-        except errors.NotFoundError:
-            pass
+        group = self._locate_head(str(head))
+        if group is not None:
+            self._group_drop(str(head), group, kw)
+        else:
+            try:
+                self._head_call(str(head), lambda c: c.drop_head(head, **kw), recover=True)
+            except errors.NotFoundError:
+                pass
+        self._forget_group(str(head))
         with self._lock:
             self._homes.pop("head:" + str(head), None)
 

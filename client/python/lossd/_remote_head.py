@@ -47,7 +47,10 @@ class RemoteLMHead(torch.nn.Module):
     name: the head's name on the server (1-128 of [A-Za-z0-9._:/-]).
     client: a lossd.Client, or a lossd.ReplicaPool (every call goes to the head's replica;
       where that replica is lost, forward or the step raises HeadLostError: load_export(the
-      last export) and redo the step).
+      last export) and redo the step). Over a pool, a head served by a head group sends this
+      rank's Computes and Steps to member rank % S of its group.
+    group: with a ReplicaPool and weights, create the head as a head group of the pool's
+      replicas: {"members": [...], "id": ...} (both optional), as ReplicaPool.create_head.
     weight, bias: the initial (V, H) weight and (V) bias to create the head from (fp32, or
       bf16/fp16: the fp32 master is their upcast); None attaches to an existing head. With
       torch.distributed initialised rank 0 creates and every rank waits at a barrier;
@@ -81,7 +84,8 @@ class RemoteLMHead(torch.nn.Module):
                  ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
                  use_token_scaling=False, return_token_accuracy=False,
-                 return_predicted_tokens=False, chunk_size=None, retries=2, timeout=None):
+                 return_predicted_tokens=False, chunk_size=None, retries=2, group=None,
+                 timeout=None):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise errors.InvalidArgumentError(
@@ -120,21 +124,26 @@ class RemoteLMHead(torch.nn.Module):
         # that requires grad, so backward reaches the head even where the hidden states do
         # not need a gradient (a frozen backbone), and the head's gradient is added.
         self._anchor = torch.zeros((), requires_grad=True)
+        if group is not None and not getattr(self.client, "is_pool", False):
+            raise errors.InvalidArgumentError(
+                "group: a head group is created through a lossd.ReplicaPool of its members "
+                "(client=ReplicaPool(...)), not one lossd.Client", method="nn")
         if weight is not None:
             self._create(weight, bias, optimizer, compute_dtype, state, version, optimizer_step,
-                         dist is not None)
+                         dist is not None, group)
         self.info = self.client.head_info(self.name, timeout=timeout)
         self.version = self.info.version
 
     def _create(self, weight, bias, optimizer, compute_dtype, state, version, optimizer_step,
-                distributed):
+                distributed, group):
         if not distributed or self.rank == 0:
             cdt = compute_dtype if compute_dtype is not None else weight.dtype
+            kw = {} if group is None else {"group": group}
             self.client.create_head(self.name, weight.detach(),
                                     None if bias is None else bias.detach(),
                                     optimizer=optimizer, compute_dtype=cdt, state=state,
                                     version=version, optimizer_step=optimizer_step,
-                                    timeout=self.timeout)
+                                    timeout=self.timeout, **kw)
         if distributed:
             torch.distributed.barrier()
 
@@ -184,17 +193,24 @@ class RemoteLMHead(torch.nn.Module):
         return self.client.export_head(self.name, version=self.version, tensors=tensors,
                                        timeout=self.timeout)
 
-    def load_export(self, export):
+    def load_export(self, export, group=None):
         """Makes the head the export's (a checkpoint): rank 0 (or a module without
         torch.distributed) imports it, dropping a head of that name at another version
-        first; every rank then computes against the export's version."""
+        first; every rank then computes against the export's version. group (over a
+        ReplicaPool): the head group to import into, {"members": [...], "id": ...}; a head
+        served by a group is imported into a new group of the same members by default (after
+        a member was lost, name the live ones)."""
         dist = _dist_rank_world()
+        if group is None and getattr(self.client, "is_pool", False) and self.info.group:
+            # A group's id is used once: an import makes a new group.
+            group = {"members": list(self.info.group["members"])}
+        kw = {} if group is None else {"group": group}
         if dist is None or self.rank == 0:
             try:
-                self.client.import_head(export, self.name, timeout=self.timeout)
+                self.client.import_head(export, self.name, timeout=self.timeout, **kw)
             except errors.AlreadyExistsError:
                 self.client.drop_head(self.name, timeout=self.timeout)
-                self.client.import_head(export, self.name, timeout=self.timeout)
+                self.client.import_head(export, self.name, timeout=self.timeout, **kw)
         if dist is not None:
             torch.distributed.barrier()
         self.info = self.client.head_info(self.name, timeout=self.timeout)

@@ -13,8 +13,10 @@ for move to the next replica of their order. A
 create or import of a head placed before first asks its replica's instance, so a pool that has
 not met a restart yet imports where the others do. What moves with it: weights are uploaded
 again once their bytes check (lossd._pool_weights); an accumulator's partial step and a hosted
-head cannot be, and the caller gets StepLostError / HeadLostError saying what to redo. The
-calls themselves live in lossd._pool_calls.
+head cannot be, and the caller gets StepLostError / HeadLostError saying what to redo. A head
+served by a head group (HeadInfo.group) has no one home: rank r's Computes and Steps go to
+members[r % S], and a member lost takes the head with it (lossd._pool_group). The calls
+themselves live in lossd._pool_calls.
 """
 
 import collections
@@ -27,6 +29,7 @@ import uuid
 from lossd import errors
 from lossd._async import DEFAULT_MAX_IN_FLIGHT, AsyncCalls
 from lossd._pool_calls import PoolCalls
+from lossd._pool_group import PoolGroups
 from lossd._pool_tickets import PoolTickets
 from lossd._pool_route import (Target, order_after_loss, rendezvous_order, resolve,
                                system_resolver)
@@ -97,7 +100,7 @@ def _check_number(field, value, positive=True, integer=False):
     return v
 
 
-class ReplicaPool(AsyncCalls, PoolCalls, PoolTickets):
+class ReplicaPool(AsyncCalls, PoolCalls, PoolGroups, PoolTickets):
     """Several lossd replicas used as one, with lossd.Client's methods.
 
     endpoints: "ip:port,ip:port" (or a list): those replicas, hashed by these strings; or one
@@ -120,7 +123,8 @@ class ReplicaPool(AsyncCalls, PoolCalls, PoolTickets):
     Calls: put_weights(w, bias, name=) -> PoolWeights (pass it as w), compute (compute_async),
     fetch_gradients,
     drop_accumulator, drop_weights, the hosted-head calls (create_head, import_head, step,
-    export_head, head_info, drop_head), server_info, health, require_feature. stats() gives
+    export_head, head_info, drop_head; create_head and import_head take group= to make a head
+    group of the pool's replicas), server_info, health, require_feature. stats() gives
     the counters; every move and re-upload is logged once on logger "lossd.pool". A two-phase
     log-prob's backward (compute(ticket=)) goes to the replica that took the ticket, or fails
     with NotFoundError where that cannot be (lossd._pool_tickets).
@@ -160,6 +164,7 @@ class ReplicaPool(AsyncCalls, PoolCalls, PoolTickets):
         self._resolve_lock = threading.Lock()
         self._replicas = {}  # address -> _Replica
         self._homes = {}  # key -> _Home (keys with state)
+        self._head_groups = {}  # head name -> its group (lossd._pool_group)
         self._last_route = {}  # stateless key -> the replica it went to last
         self._weights = {}  # name -> PoolWeights
         self._tickets = collections.OrderedDict()  # two-phase ticket -> its replica's address

@@ -1,0 +1,250 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU tests of the CUDA backend's policy kind at sequence level (GSPO: a forward pass, the
+// coefficients on the host, then the gradient pass as logprob; policy_sequence.h) and with
+// is_ratio (the rollout correction on the surrogate's term, in the row kernel at token level),
+// against the float64 reference (kernels/cpu/policy_reference.h) within the bounds of
+// row_loss_test_bounds.h: the policy cases of row_loss_test_cases.h at either level, over
+// tiny, odd and medium shapes in bf16, fp16 and fp32; a realistic vocabulary in chunks that
+// cut sequences; no gradient wanted (one pass); a bit-identical rerun; streamed rows. Each
+// comparison prints its largest errors.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/dtype.h"
+#include "core/loss_problem.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/logprob_reference.h"
+#include "kernels/cuda/cuda_test_fixture.h"
+#include "kernels/cuda/row_loss_test_cases.h"
+#include "testing/test_util.h"
+
+namespace lossd {
+namespace cuda {
+namespace {
+
+// A policy case of kCases (by index) at token or sequence level, with or without is_ratio.
+struct SequenceCase {
+  int base;
+  bool sequence, is_ratio;
+};
+
+// kCases: 3 dapo (bias), 4 grpo (masked, no old log-probs, T and softcap), 5 bnpo (no KL,
+// chunks of 7, accumulated), 6 dr_grpo (fp32 gradients), 7 dapo (normaliser 1e4), 11 cispo,
+// 12 sapo (bias-corrected KL), 13 luspo (delta, chunks of 7, accumulated), 14 grpo (delta,
+// bias-corrected KL, fp32 gradients). Sequence level is for the clipped types only.
+constexpr SequenceCase kSequenceCases[] = {
+    {3, true, false},  {4, true, false},  {5, true, true},   {6, true, false},
+    {7, true, true},   {13, true, true},  {14, true, false}, {14, true, true},
+    {3, false, true},  {11, false, true}, {12, false, true}, {13, false, true},
+};
+constexpr int kNumSequenceCases =
+    static_cast<int>(sizeof(kSequenceCases) / sizeof(kSequenceCases[0]));
+
+std::string CaseName(const SequenceCase& c) {
+  return std::string(kCases[c.base].name) + (c.sequence ? "_sequence" : "_token") +
+         (c.is_ratio ? "_is_ratio" : "");
+}
+
+// The row problem of the base case, and is_ratio's values.
+struct SequenceProblem {
+  RowProblem rp;
+  std::vector<float> rho;
+};
+
+// MakeProblem's problem; at sequence level each sequence's old log-probs are shifted together
+// so that the mean log-ratio of its counted rows (log R_b) lies a random kClipMargin or more
+// from every kink (the clip bounds, delta), so no clip decision can flip on logp's error;
+// rho_i in [0.2, 1.8] with some exact zeros.
+SequenceProblem MakeSequenceProblem(const SequenceCase& c, const Shape& shape, DType dtype,
+                                    uint64_t seed) {
+  const RowCase& rc = kCases[c.base];
+  SequenceProblem sp{MakeProblem(rc, shape, dtype, seed), {}};
+  LossProblem& p = sp.rp.p;
+  std::mt19937_64 rng(seed * 104729 + 3);
+  std::uniform_real_distribution<double> uni(-1.0, 1.0);
+  if (c.is_ratio) {
+    for (int64_t i = 0; i < p.bt; ++i) {
+      sp.rho.push_back(i % 11 == 5 ? 0.0f : static_cast<float>(1.0 + 0.8 * uni(rng)));
+    }
+    p.is_ratio = sp.rho.data();
+  }
+  if (!c.sequence) return sp;
+  p.policy.importance_sampling = ImportanceSampling::kSequence;
+  LogprobProblem lp;
+  lp.head = HeadInputs{p.bt, p.h, p.v, p.dtype, p.x, p.w, p.bias};
+  lp.targets = p.targets;
+  lp.target_dtype = p.target_dtype;
+  lp.options.temperature = p.options.temperature;
+  lp.options.softcap = p.options.softcap;
+  lp.options.ignore_index = p.options.ignore_index;
+  LogprobReferenceOutputs lref;
+  EXPECT_TRUE(LogprobReference(lp, &lref).ok());
+  std::vector<double> kinks = {std::log(1.0 - rc.eps_low), std::log(1.0 + rc.eps_high)};
+  if (rc.delta != 0) kinks.push_back(std::log(rc.delta));
+  auto near_kink = [&](double d) {
+    for (double k : kinks) {
+      if (std::fabs(d - k) < kClipMargin) return true;
+    }
+    return false;
+  };
+  std::vector<float>& old = sp.rp.old_logp;  // p.old_logp views it (or is null)
+  const int64_t s = p.bt / p.policy.sequences;
+  for (int64_t b0 = 0; b0 < p.bt; b0 += s) {
+    double sum = 0;
+    int64_t n = 0;
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (LoadAsInt(p.targets, p.target_dtype, i) == p.options.ignore_index) continue;
+      sum += lref.logp[i] - old[i];
+      ++n;
+    }
+    double target = 0;
+    do {
+      target = 0.7 * uni(rng);
+    } while (near_kink(target));
+    const double shift = target - (n > 0 ? sum / static_cast<double>(n) : 0.0);
+    for (int64_t i = b0; i < b0 + s; ++i) old[i] = static_cast<float>(old[i] - shift);
+  }
+  return sp;
+}
+
+using MatrixParam = std::tuple<int, int, DType>;
+
+class PolicySequenceMatrixTest : public CudaTest,
+                                 public testing::WithParamInterface<MatrixParam> {};
+
+TEST_P(PolicySequenceMatrixTest, MatchesReference) {
+  const Shape& shape = kShapes[std::get<0>(GetParam())];
+  const SequenceCase& sc = kSequenceCases[std::get<1>(GetParam())];
+  const RowCase& c = kCases[sc.base];
+  const DType dtype = std::get<2>(GetParam());
+  SequenceProblem sp =
+      MakeSequenceProblem(sc, shape, dtype, 71 + shape.v + std::get<1>(GetParam()));
+  const LossProblem& p = sp.rp.p;
+  const DType grad_dtype = c.grad_f32 ? DType::kF32 : dtype;
+  const Tolerance tol = ToleranceFor(dtype, grad_dtype);
+  const Expected e = ExpectOf(sp.rp, tol);
+  RowOutputs out(p, grad_dtype, c.accumulate);
+  LossStats stats;
+  const absl::Status st = ValidateThenCompute(*backend_, p, out.outputs(c.kind), &stats);
+  ASSERT_TRUE(st.ok()) << CaseName(sc) << ": " << st;
+  if (c.chunk_rows > 0) {
+    EXPECT_EQ(stats.chunk_rows, std::min(c.chunk_rows, shape.bt));
+  }
+  std::printf("  %s %s %s (%lld sequences):\n", shape.name, CaseName(sc).c_str(),
+              std::string(DTypeName(dtype)).c_str(),
+              static_cast<long long>(p.policy.sequences));
+  ExpectMatches(p, e, out, c.accumulate);
+}
+
+std::string MatrixName(const testing::TestParamInfo<MatrixParam>& info) {
+  return std::string(kShapes[std::get<0>(info.param)].name) + "_" +
+         CaseName(kSequenceCases[std::get<1>(info.param)]) + "_" +
+         std::string(DTypeName(std::get<2>(info.param)));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCases, PolicySequenceMatrixTest,
+                         testing::Combine(testing::Range(0, 3),
+                                          testing::Range(0, kNumSequenceCases),
+                                          testing::Values(DType::kBF16, DType::kF16,
+                                                          DType::kF32)),
+                         MatrixName);
+
+// A realistic vocabulary in chunks of 96 rows over sequences of 64: chunks that cut
+// sequences, so every sequence's ratio needs rows of two chunks.
+TEST_F(CudaTest, PolicySequenceRealisticWidthMatchesReference) {
+  for (const SequenceCase& sc : {kSequenceCases[0], kSequenceCases[7]}) {
+    SequenceProblem sp = MakeSequenceProblem(sc, {"real", 256, 128, 32000}, DType::kBF16, 5);
+    sp.rp.p.options.chunk_rows = 96;
+    ASSERT_EQ(sp.rp.p.policy.sequences, 4);
+    const RowCase& c = kCases[sc.base];
+    const DType grad = c.grad_f32 ? DType::kF32 : DType::kBF16;
+    const Expected e = ExpectOf(sp.rp, ToleranceFor(DType::kBF16, grad));
+    RowOutputs out(sp.rp.p, grad, c.accumulate);
+    const absl::Status st =
+        ValidateThenCompute(*backend_, sp.rp.p, out.outputs(c.kind), nullptr);
+    ASSERT_TRUE(st.ok()) << CaseName(sc) << ": " << st;
+    std::printf("  real %s bf16:\n", CaseName(sc).c_str());
+    ExpectMatches(sp.rp.p, e, out, c.accumulate);
+  }
+}
+
+// No gradient wanted: the forward pass alone gives the loss, logp and metrics.
+TEST_F(CudaTest, PolicySequenceWithoutGradientsMatchesReference) {
+  const SequenceCase& sc = kSequenceCases[7];
+  SequenceProblem sp = MakeSequenceProblem(sc, kShapes[2], DType::kBF16, 17);
+  const Expected e = ExpectOf(sp.rp, ToleranceFor(DType::kBF16, DType::kBF16));
+  RowOutputs out(sp.rp.p, DType::kBF16, false);
+  LossOutputs o = out.outputs(LossKind::kPolicy);
+  o.dx = nullptr;
+  o.dw = nullptr;
+  o.db = nullptr;
+  const absl::Status st = ValidateThenCompute(*backend_, sp.rp.p, o, nullptr);
+  ASSERT_TRUE(st.ok()) << CaseName(sc) << " without gradients: " << st;
+  std::printf("  medium %s bf16, no gradients:\n", CaseName(sc).c_str());
+  ExpectScalar("loss", e.loss, out.base.loss[0], e.loss_bound);
+  ExpectRows("logp", e.logp, out.logp.data(), e.logp_bound);
+  ExpectScalar("kl", e.kl, out.kl, e.kl_bound);
+  const double half_ulp =
+      e.clip_fraction > 0 ? std::ldexp(1.0, std::ilogb(e.clip_fraction) - 24) : 0.0;
+  ExpectScalar("clip_fraction", e.clip_fraction, out.clip_fraction, half_ulp);
+}
+
+// The same request twice gives the same bits (two passes, a host step between them).
+TEST_F(CudaTest, PolicySequenceSameRequestTwiceIsBitIdentical) {
+  for (const SequenceCase& sc : {kSequenceCases[0], kSequenceCases[5]}) {
+    SequenceProblem sp = MakeSequenceProblem(sc, kShapes[2], DType::kBF16, 9);
+    sp.rp.p.options.chunk_rows = 64;
+    const RowCase& c = kCases[sc.base];
+    RowOutputs a(sp.rp.p, DType::kBF16, c.accumulate), b(sp.rp.p, DType::kBF16, c.accumulate);
+    ASSERT_TRUE(ValidateThenCompute(*backend_, sp.rp.p, a.outputs(c.kind), nullptr).ok());
+    ASSERT_TRUE(ValidateThenCompute(*backend_, sp.rp.p, b.outputs(c.kind), nullptr).ok());
+    EXPECT_TRUE(BitIdentical(a.base, b.base)) << CaseName(sc);
+    EXPECT_EQ(0, std::memcmp(a.logp.data(), b.logp.data(), a.logp.size() * 4)) << CaseName(sc);
+    EXPECT_EQ(0, std::memcmp(&a.kl, &b.kl, 4)) << CaseName(sc);
+    EXPECT_EQ(0, std::memcmp(&a.clip_fraction, &b.clip_fraction, 4)) << CaseName(sc);
+  }
+}
+
+// Rows of X that arrive while the Compute runs (the forward pass waits for them; the gradient
+// pass finds them on the device) give the bits of the whole X; WaitX is asked non-decreasing
+// rows and dX leaves chunk by chunk, as at token level.
+TEST_F(CudaTest, PolicySequenceStreamedRowsGiveTheSameBits) {
+  for (const SequenceCase& sc : {kSequenceCases[0], kSequenceCases[5]}) {
+    SequenceProblem sp = MakeSequenceProblem(sc, kShapes[2], DType::kBF16, 61);
+    sp.rp.p.options.chunk_rows = 64;
+    const RowCase& c = kCases[sc.base];
+    RowOutputs want(sp.rp.p, DType::kBF16, c.accumulate);
+    RowOutputs got(sp.rp.p, DType::kBF16, c.accumulate);
+    ASSERT_TRUE(ValidateThenCompute(*backend_, sp.rp.p, want.outputs(c.kind), nullptr).ok());
+    TrickleRows rows(sp.rp.p, TrickleRows::Spec{});
+    const LossProblem streamed = rows.Streamed(sp.rp.p);
+    const absl::Status st =
+        ValidateThenCompute(*backend_, streamed, got.outputs(c.kind), nullptr);
+    ASSERT_TRUE(st.ok()) << CaseName(sc) << ": " << st;
+    EXPECT_TRUE(BitIdentical(want.base, got.base)) << CaseName(sc);
+    EXPECT_EQ(0, std::memcmp(want.logp.data(), got.logp.data(), want.logp.size() * 4));
+    EXPECT_EQ(0, std::memcmp(&want.kl, &got.kl, 4));
+    EXPECT_EQ(0, std::memcmp(&want.clip_fraction, &got.clip_fraction, 4));
+    EXPECT_TRUE(rows.CallsAreValid(sp.rp.p.bt, 5)) << CaseName(sc);  // one DxReady per chunk
+  }
+}
+
+TEST_F(CudaTest, PolicySequenceAndIsRatioAreComputed) {
+  EXPECT_NE(backend_->Info().loss_kinds & kPolicySequenceBit, 0u)
+      << "the backend does not announce sequence-level importance sampling";
+  EXPECT_NE(backend_->Info().loss_kinds & kPolicyIsRatioBit, 0u)
+      << "the backend does not announce is_ratio";
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace lossd
