@@ -58,10 +58,16 @@ IMPORTANCE_SAMPLING = {"token": pb.IMPORTANCE_SAMPLING_TOKEN,
 
 @dataclasses.dataclass
 class DistillOptions:
-    """Options of kind "distill"; the default is LigerFusedLinearJSD's. jsd_beta: 0 forward
-    KL(teacher || student), 1 reverse KL, in between the generalised JSD."""
+    """Options of kind "distill"; the defaults are LigerFusedLinearJSD's. jsd_beta: 0 forward
+    KL(teacher || student), 1 reverse KL, in between the generalised JSD. weight_hard_loss /
+    weight_soft_loss: LigerFusedLinearJSDLoss's, loss = weight_hard_loss x the labels'
+    cross-entropy (temperature 1) + weight_soft_loss x the divergence, each over the counted
+    rows; other than (0, 1) on servers listing "distill_hard_loss" (a hard weight needs the
+    targets, each in [0, V) or ignore_index)."""
 
     jsd_beta: float = 0.5
+    weight_hard_loss: float = 0.0
+    weight_soft_loss: float = 1.0
 
 
 def _options_of(value, cls, name):
@@ -132,7 +138,12 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
     elif policy is not None:
         raise errors.InvalidArgumentError("policy options go with kind 'policy', not %r" % kind)
     if kind == "distill":
-        header.distill.jsd_beta = float(_options_of(distill, DistillOptions, "distill").jsd_beta)
+        d = _options_of(distill, DistillOptions, "distill")
+        header.distill.jsd_beta = float(d.jsd_beta)
+        # The default weights stay unset: an older server reads the request as before.
+        if (float(d.weight_hard_loss), float(d.weight_soft_loss)) != (0.0, 1.0):
+            header.distill.weight_hard_loss = float(d.weight_hard_loss)
+            header.distill.weight_soft_loss = float(d.weight_soft_loss)
     elif distill is not None:
         raise errors.InvalidArgumentError("distill options go with kind 'distill', not %r" % kind)
     x_part = inline.pop() if header.HasField("x") else None  # X stays last

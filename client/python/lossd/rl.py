@@ -8,7 +8,9 @@
   entropy_from_logits, with the logits never formed).
 - `LossdFusedLinearGRPOLoss`: LigerFusedLinearGRPOLoss's constructor and forward arguments;
   forward returns (loss, metrics).
-- `LossdFusedLinearJSD`: LigerFusedLinearJSD's constructor and forward arguments.
+- `LossdFusedLinearJSD`: LigerFusedLinearJSD's constructor and forward arguments;
+  `LossdFusedLinearJSDLoss` and `fused_linear_jsd_loss`: LigerFusedLinearJSDLoss's and its
+  function's, with the hard-label term (lossd._rl_distill).
 
 Autograd through them gives dX, dW and db, computed by the server. The log-prob helpers run
 forward only (the upstream gradient of a log-prob is not known then) and backward sends the
@@ -384,6 +386,10 @@ class LossdFusedLinearJSD(_OnServer):
         self.accum_dtype = accum_dtype
         self._setup(runtime, client, server, cache_weights, timeout, accumulator, grad_scale)
 
+    def _distill_options(self, runtime):
+        """The request's DistillOptions (LossdFusedLinearJSDLoss adds its weights)."""
+        return {"jsd_beta": float(self.jsd_beta)}
+
     def _teacher(self, teacher_weight, teacher_bias, dtype, refresh=False):
         """teacher_w and teacher_bias for compute(), in the compute dtype: its handle when
         caching, else inline."""
@@ -409,7 +415,7 @@ class LossdFusedLinearJSD(_OnServer):
         runtime = _runtime(self.runtime, None)
         fp32 = self.accum_dtype == torch.float32
         opts = dict(kind="distill", temperature=float(self.temperature),
-                    ignore_index=int(self.ignore_index), distill={"jsd_beta": float(self.jsd_beta)},
+                    ignore_index=int(self.ignore_index), distill=self._distill_options(runtime),
                     teacher_x=tx, weight_dtype=cdt)
 
         def call(want_dx, want_dw, want_db, **grad_kw):
@@ -435,6 +441,9 @@ class LossdFusedLinearJSD(_OnServer):
         return loss
 
 
+from lossd._rl_distill import LossdFusedLinearJSDLoss, fused_linear_jsd_loss  # noqa: E402
+
 __all__ = ["fused_linear_for_ppo", "LossdFusedLinearForPPO", "linear_cross_entropy",
            "logprobs_from_hidden", "entropy_from_hidden", "LossdLogprobFunction",
-           "LossdFusedLinearGRPOLoss", "LossdFusedLinearJSD"]
+           "LossdFusedLinearGRPOLoss", "LossdFusedLinearJSD", "LossdFusedLinearJSDLoss",
+           "fused_linear_jsd_loss"]

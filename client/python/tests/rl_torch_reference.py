@@ -108,6 +108,13 @@ def jsd_loss(lq, lp, beta, keep):
     return (rows * keep).sum() / keep.sum().clamp(min=1)
 
 
+def hard_loss(x, w, b, labels, keep):
+    """LigerFusedLinearJSDLoss's hard term: the labels' cross-entropy of the logits at
+    temperature 1, summed over kept rows over their count."""
+    logp, _ = logprob_entropy(x, w, b, torch.where(keep, labels, -100), 1.0)
+    return -logp.sum() / keep.sum().clamp(min=1)
+
+
 class ReferenceClient:
     """compute() of the loss kinds in float64 torch autograd; results as lossd's (numpy).
 
@@ -117,7 +124,7 @@ class ReferenceClient:
     ticket not held is NotFoundError. features: what require_feature finds."""
 
     def __init__(self, features=("logprob_two_phase", "policy_sequence_importance_sampling",
-                                 "policy_is_ratio")):
+                                 "policy_is_ratio", "distill_hard_loss")):
         self.calls = []  # the keyword arguments of every compute
         self.features = set(features)
         self.tickets = {}  # ticket -> the forward's (x, w, targets, bias, temperature)
@@ -189,6 +196,10 @@ class ReferenceClient:
             keep = (torch.ones(x.shape[0], dtype=torch.bool) if tg is None
                     else tg != ignore_index)
             objective = jsd_loss(lq, lp, distill["jsd_beta"], keep)
+            w_hard = distill.get("weight_hard_loss", 0.0)
+            w_soft = distill.get("weight_soft_loss", 1.0)
+            if (w_hard, w_soft) != (0.0, 1.0):
+                objective = w_hard * hard_loss(x, w, b, tg, keep) + w_soft * objective
             res.loss = objective.item()
         else:
             raise ValueError("ReferenceClient computes the RL kinds only, not %r" % kind)
