@@ -203,7 +203,16 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
           static_cast<v1::PolicyImportanceSampling>(r.policy.importance_sampling));
     }
   }
-  if (r.kind == LossKind::kDistill) h->mutable_distill()->set_jsd_beta(r.distill.jsd_beta);
+  if (r.kind == LossKind::kDistill) {
+    v1::DistillOptions* d = h->mutable_distill();
+    d->set_jsd_beta(r.distill.jsd_beta);
+    // The default weights (the divergence alone) stay unset: an older server reads the
+    // request as before.
+    if (DistillWeighted(r.distill)) {
+      d->set_weight_hard_loss(r.distill.weight_hard_loss);
+      d->set_weight_soft_loss(r.distill.weight_soft_loss);
+    }
+  }
   const std::pair<const std::optional<HostTensor>*, v1::TensorSpec* (v1::ComputeHeader::*)()>
       specs[] = {{&r.dlogp, &v1::ComputeHeader::mutable_dlogp},
                  {&r.dentropy, &v1::ComputeHeader::mutable_dentropy},

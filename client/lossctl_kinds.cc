@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, importance_sampling, "token",
           "policy: token (each token's own ratio) or sequence (GSPO: one ratio per sequence, "
           "the clipped loss types; servers listing policy_sequence_importance_sampling)");
 ABSL_FLAG(double, jsd_beta, 0.5, "distill: 0 forward KL, 1 reverse KL, between: generalised JSD");
+ABSL_FLAG(double, weight_hard_loss, 0.0,
+          "distill: weight of the targets' cross-entropy (temperature 1), "
+          "LigerFusedLinearJSDLoss's; needs the targets");
+ABSL_FLAG(double, weight_soft_loss, 1.0, "distill: weight of the divergence");
 ABSL_FLAG(std::string, teacher_x, "", "distill: .npy of the teacher's hidden states (BT, Ht)");
 ABSL_FLAG(std::string, teacher_w, "", "distill: .npy of the teacher's head (V, Ht)");
 ABSL_FLAG(std::string, teacher_bias, "", "distill: .npy of the teacher's bias (V)");
@@ -128,6 +132,8 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
       {LossKind::kPolicy, "--importance_sampling",
        absl::GetFlag(FLAGS_importance_sampling) != "token"},
       {LossKind::kDistill, "--jsd_beta", absl::GetFlag(FLAGS_jsd_beta) != 0.5},
+      {LossKind::kDistill, "--weight_hard_loss", absl::GetFlag(FLAGS_weight_hard_loss) != 0},
+      {LossKind::kDistill, "--weight_soft_loss", absl::GetFlag(FLAGS_weight_soft_loss) != 1},
       {LossKind::kDistill, "--teacher_x", !absl::GetFlag(FLAGS_teacher_x).empty()},
       {LossKind::kDistill, "--teacher_w", !absl::GetFlag(FLAGS_teacher_w).empty()},
       {LossKind::kDistill, "--teacher_bias", !absl::GetFlag(FLAGS_teacher_bias).empty()},
@@ -184,6 +190,8 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
 // wants), the head by handle, or random (--teacher_h).
 absl::Status DistillFromFlags(int64_t v, ComputeRequest* r) {
   r->distill.jsd_beta = static_cast<float>(absl::GetFlag(FLAGS_jsd_beta));
+  r->distill.weight_hard_loss = static_cast<float>(absl::GetFlag(FLAGS_weight_hard_loss));
+  r->distill.weight_soft_loss = static_cast<float>(absl::GetFlag(FLAGS_weight_soft_loss));
   r->teacher_weight_handle = absl::GetFlag(FLAGS_teacher_weight_handle);
   const DType dt = r->x.dtype();
   const int64_t th = absl::GetFlag(FLAGS_teacher_h);

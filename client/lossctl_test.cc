@@ -305,6 +305,25 @@ TEST_F(LossctlTest, LossKindsFlagsReachTheHeader) {
   EXPECT_EQ(h.teacher_x().shape(1), 3);
   EXPECT_EQ(h.teacher_w().shape(0), 9);
   EXPECT_EQ(h.teacher_x().dtype(), h.x().dtype());
+  EXPECT_FALSE(h.distill().has_weight_hard_loss());  // the defaults stay unset
+  EXPECT_FALSE(h.distill().has_weight_soft_loss());
+}
+
+// LigerFusedLinearJSDLoss's hard-label term: the weights travel in DistillOptions; they are
+// distill's flags only.
+TEST_F(LossctlTest, DistillWeightsTravelAndAreDistillsOnly) {
+  Result r = Lossctl(
+      "compute --kind=distill --weight_hard_loss=0.25 --weight_soft_loss=0.75 --bt=5 --h=4 "
+      "--v=9 --teacher_h=3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::DistillOptions& d = fake_.last_header.distill();
+    EXPECT_FLOAT_EQ(d.weight_hard_loss(), 0.25f);
+    EXPECT_FLOAT_EQ(d.weight_soft_loss(), 0.75f);
+  }
+  ExpectFails("compute --kind=logprob --weight_hard_loss=0.5 --bt=4 --h=4 --v=4",
+              "--kind=logprob does not take --weight_hard_loss (distill)");
 }
 
 TEST_F(LossctlTest, LossKindsUsageErrors) {
