@@ -72,6 +72,8 @@ inline constexpr uint32_t kPolicySequenceBit = 1u << 16;
 inline constexpr uint32_t kPolicyIsRatioBit = 1u << 17;
 // kDistillWeightsBit: kDistill with weight_hard_loss / weight_soft_loss other than (0, 1).
 inline constexpr uint32_t kDistillWeightsBit = 1u << 20;
+// kDistillTopkBit: kDistill from the teacher's top-k log-probs (LossProblem::teacher_topk).
+inline constexpr uint32_t kDistillTopkBit = 1u << 21;
 // verl's menu (PolicyParams below): kPolicyKlEstimatorBit, a kl_estimator other than kK3 or
 // kl_straight_through; kPolicyEntropyBit, entropy_coeff != 0; kPolicyAggregationBit, an
 // aggregation other than kLossType; kPolicyGpgBit, loss type gpg. Bits 24 and up, apart
@@ -219,6 +221,31 @@ struct PolicyParams {
   double loss_scale_factor = 0;  // L of kSeqMeanTokenSumNorm: 0 = S; else finite, > 0
 };
 
+// kDistill from the teacher's top-k log-probs (LossProblem::teacher_topk): what the divergence
+// does with the teacher's mass outside its k ids (kernels/cpu/distill_reference.h has the
+// formulas). kBucket, the default: one event more, the tail, the teacher's 1 - sum_k p_k
+// (at least 0) against the student's mass outside the ids: a divergence of both
+// distributions coarsened to k + 1 events, 0 only where the student gives each id the
+// teacher's probability. kRenormalize: both renormalised over the k ids (the student's mass
+// outside them gets no gradient). kNone: the k terms as they are, unnormalised (verl's
+// forward_kl_topk).
+enum class DistillTopkTail : int32_t { kBucket = 0, kRenormalize = 1, kNone = 2 };
+inline constexpr int kDistillTopkTails = 3;
+// "bucket", "renormalize", "none"; "unknown" for a value out of range.
+inline const char* DistillTopkTailName(DistillTopkTail t) {
+  switch (t) {
+    case DistillTopkTail::kBucket: return "bucket";
+    case DistillTopkTail::kRenormalize: return "renormalize";
+    case DistillTopkTail::kNone: return "none";
+  }
+  return "unknown";
+}
+// The largest k a request may send (vLLM's default max_logprobs is 20, verl's topk 128).
+inline constexpr int64_t kMaxDistillTopk = 1024;
+// With kBucket, how far above 1 a row's k probabilities may sum (log-probs rounded to fp32);
+// the tail is max(0, 1 - sum).
+inline constexpr double kDistillTopkMassSlack = 1e-3;
+
 // kDistill's options; defaults are Liger-Kernel's (LigerFusedLinearJSD's).
 struct DistillParams {
   float jsd_beta = 0.5f;  // in [0, 1]: 0 forward KL(P || Q), 1 reverse KL(Q || P)
@@ -228,6 +255,7 @@ struct DistillParams {
   // computes other weights only with kDistillWeightsBit.
   float weight_hard_loss = 0.0f;
   float weight_soft_loss = 1.0f;
+  DistillTopkTail topk_tail = DistillTopkTail::kBucket;  // with LossProblem::teacher_topk
 };
 // Whether `d` asks for more than the divergence alone (kDistillWeightsBit).
 inline bool DistillWeighted(const DistillParams& d) {
@@ -319,6 +347,14 @@ struct LossProblem {
   const void* teacher_w = nullptr;     // (V, teacher_h), in teacher_w_memory
   Memory teacher_w_memory = Memory::kHost;
   const void* teacher_bias = nullptr;  // (V), in teacher_w_memory; null = none
+  // kDistill from the teacher's top-k instead of its head (then teacher_h 0, no teacher_x,
+  // teacher_w or teacher_bias): per row k ids, (BT, k) teacher_topk_id_dtype (int32 or int64),
+  // and their log-probs (BT, k) fp32, host; 0 < k <= min(V, kMaxDistillTopk). 0 = a teacher
+  // head. A backend computes it only with kDistillTopkBit.
+  int64_t teacher_topk = 0;
+  const void* teacher_topk_ids = nullptr;
+  DType teacher_topk_id_dtype = DType::kI64;
+  const float* teacher_topk_logp = nullptr;
   DistillParams distill;
   // Null: X is complete. Else X (host) fills in while the Compute runs; see RowStream. Every
   // other input is complete before Compute is called.

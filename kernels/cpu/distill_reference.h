@@ -21,6 +21,17 @@
 // the cross-entropy of the label at temperature 1 (Liger takes it from the logits before they
 // are divided by T); every counted row's label must then lie in [0, V). w_h 0, w_s 1 (the
 // defaults) is the divergence alone, LigerFusedLinearJSD's loss.
+// From the teacher's top-k instead of its head (ids S = s_1..s_k of row i and their log-probs
+// lp_a, taken as sent: T divides the student's logits only), the same three divergences over
+// events e with teacher and student log-probs (log p_e, log q_e), by topk_tail:
+//   bucket (default): e = each id (lp_a, log Q_{s_a}) and the tail (log(1 - sum_a exp lp_a),
+//                     log sum_{j not in S} Q_j), the tail's p clamped at 0; no tail when k = V
+//   renormalize:      e = each id, (lp_a - lse(lp), z_{s_a} - lse_{j in S}(z_j))
+//   none:             e = each id (lp_a, log Q_{s_a}), unnormalised (verl's forward_kl_topk)
+// row_i = sum_e f(p_e, q_e) with the per-event forms of the three cases (an event of p = 0
+// adds nothing to the forward KL or the JSD's teacher side); d_e = d row / d log q_e as below,
+// then d log q_e / dz_j: [j = s_a] - Q_j for an id (renormalize: [j = s_a] - Q'_j [j in S]),
+// [j not in S] Q_j / q_tail - Q_j for the tail.
 // Gradient of grad_scale * loss, with d_j = d row_i / d log Q_j:
 //   beta 0: d_j = -P_j;   beta 1: d_j = Q_j (log Q_j - log P_j + 1);
 //   else:   d_j = (1 - beta) Q_j (log Q_j - log M_j)
@@ -49,11 +60,18 @@ struct DistillOptions {
   // LigerFusedLinearJSDLoss defaults to 0.5 each; these defaults are the divergence alone.
   float weight_hard_loss = 0.0f;
   float weight_soft_loss = 1.0f;
+  DistillTopkTail topk_tail = DistillTopkTail::kBucket;  // with a top-k teacher
 };
 
 struct DistillProblem {
   HeadInputs student;  // X (BT, H), W (V, H), bias (V) or null
   HeadInputs teacher;  // Xt (BT, Ht), Wt (V, Ht), bias (V) or null: the same BT and V
+  // The teacher as its top-k instead of a head (then `teacher` is unused): k > 0 ids per row
+  // and their log-probs; 0 = the head.
+  int64_t topk = 0;
+  const void* topk_ids = nullptr;     // (BT, k) topk_id_dtype: int32 or int64
+  DType topk_id_dtype = DType::kI64;
+  const float* topk_logp = nullptr;   // (BT, k)
   const void* labels = nullptr;     // (BT) label_dtype; null = every row counts
   DType label_dtype = DType::kI64;  // kI32 or kI64
   DistillOptions options;
