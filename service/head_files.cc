@@ -74,26 +74,41 @@ absl::StatusOr<std::string> ReadRecord(std::FILE* f, const std::string& path,
 absl::StatusOr<HeadExportRange> ExportOnExecutor(Engine& engine, const std::string& name,
                                                  std::optional<uint64_t> version,
                                                  uint64_t begin, uint64_t end,
-                                                 const std::string& owner) {
+                                                 const std::string& owner,
+                                                 HeadExportScope scope) {
   absl::StatusOr<HeadExportRange> r = absl::UnknownError("not run");
   absl::Notification done;
   engine.Submit([&] {
-    r = engine.heads().Export(name, version, begin, end, owner);
+    r = engine.heads().Export(name, version, begin, end, owner, scope);
     done.Notify();
   });
   done.WaitForNotification();
   return r;
 }
 
-// Writes the header of the export `first` (its first window) begins.
+// Writes the header of the export `first` (its first window) begins. A member's part names
+// its group (members, this member, id) and lists each tensor as its (slice) fp32 slice.
 absl::Status WriteHeader(std::FILE* f, const HeadExportRange& first, uint64_t total,
                          const std::string& owner, const std::string& path,
-                         const std::string& instance) {
+                         const std::string& instance, HeadExportScope scope) {
   v1::ExportHeader h;
   *h.mutable_head() = HeadHeaderToWire(HeadStore::SpecOf(first.head));
+  const bool part = scope == HeadExportScope::kMemberPart;
+  if (part) {
+    v1::HeadGroupSpec* g = h.mutable_head()->mutable_group();
+    for (const std::string& m : first.head.group.members) g->add_members(m);
+    g->set_member(first.head.group.member);
+    g->set_id(first.head.group.id);
+  }
   for (const auto& [tensor, bytes] : first.tensors) {
     h.add_tensors(HeadTensorToWire(tensor));
-    *h.add_specs() = HeadTensorSpec(tensor, first.head.v, first.head.h, first.head.dtype);
+    if (part) {
+      v1::TensorSpec* spec = h.add_specs();
+      spec->set_dtype(v1::DTYPE_FP32);
+      spec->add_shape(static_cast<int64_t>(bytes / 4));
+    } else {
+      *h.add_specs() = HeadTensorSpec(tensor, first.head.v, first.head.h, first.head.dtype);
+    }
   }
   h.set_range_begin(0);
   h.set_range_end(total);
@@ -118,24 +133,33 @@ std::string HeadFilePath(const std::string& dir, const std::string& head) {
   return (std::filesystem::path(dir) / absl::StrCat(file, kSuffix)).string();
 }
 
+std::string GroupPartPath(const std::string& dir, const std::string& head, uint32_t member,
+                          uint32_t size) {
+  std::string path = HeadFilePath(dir, head);
+  path.resize(path.size() - (sizeof(kSuffix) - 1));
+  return absl::StrCat(path, ".member-", member, "-of-", size, kSuffix);
+}
+
 absl::Status ExportHeadToFile(Engine& engine, const std::string& name, const std::string& owner,
-                              const std::string& path, uint64_t window_bytes) {
+                              const std::string& path, uint64_t window_bytes,
+                              HeadExportScope scope) {
   const std::string tmp = absl::StrCat(path, ".tmp");
   File f(std::fopen(tmp.c_str(), "wb"));
   if (f == nullptr) return IoError("creating", tmp);
-  auto range = engine.heads().CheckExport(name, std::nullopt, 0, 0, owner);
+  auto range = engine.heads().CheckExport(name, std::nullopt, 0, 0, owner, scope);
   absl::Status s = range.status();
   std::optional<uint64_t> version;
   for (uint64_t at = 0; s.ok() && at < range->second;) {
     const uint64_t end = std::min(range->second, at + window_bytes);
-    auto r = ExportOnExecutor(engine, name, version, at, end, owner);
+    auto r = ExportOnExecutor(engine, name, version, at, end, owner, scope);
     if (!r.ok()) {
       s = r.status();
       break;
     }
     if (!version.has_value()) {
       version = r->head.version;
-      s = WriteHeader(f.get(), *r, range->second, owner, tmp, engine.options().instance);
+      s = WriteHeader(f.get(), *r, range->second, owner, tmp, engine.options().instance,
+                      scope);
     }
     if (s.ok()) s = WriteAll(f.get(), r->data.get(), r->end - r->begin, tmp);
     at = r->end;
@@ -181,6 +205,15 @@ absl::Status ImportHeadFromFile(Engine& engine, const std::string& path, std::st
         path, " holds ", ec ? 0 : size, " bytes; its header describes ", data_at, " + ", total,
         " (a file cut short, or not written whole)"));
   }
+  if (const v1::HeadGroupSpec& g = header.head().group(); g.members_size() > 1) {
+    // A member never rejoins a group by itself, and its part is not a head.
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is member ", g.member(), "'s part (of ", g.members_size(), ") of head '",
+        header.head().name(), "' of group '", g.id(), "' at version ", header.head().version(),
+        ", written as that member stopped: it is not imported by itself (a member never "
+        "rejoins a group, and a part is not a head). Assemble the group's parts (Python: "
+        "lossd.head_files.read_head_files) and import the head into a new group or one server"));
+  }
   auto spec = HeadSpecFromWire(header.head(), "the file's header.head");
   if (!spec.ok()) return spec.status();
   *name = spec->name;
@@ -222,8 +255,16 @@ HeadFilesReport ExportHeadsToDir(Engine& engine, const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   for (const auto& [name, owner] : engine.heads().Owners()) {
-    const std::string path = HeadFilePath(dir, name);
-    const absl::Status s = ExportHeadToFile(engine, name, owner, path);
+    // A group's member writes what it holds, its part: the group's other members may be
+    // gone or still serving, and a gather needs them all.
+    auto info = engine.heads().Info(name, owner);
+    const bool part = info.ok() && info->group.size() > 1;
+    const std::string path =
+        part ? GroupPartPath(dir, name, info->group.member, info->group.size())
+             : HeadFilePath(dir, name);
+    const absl::Status s =
+        ExportHeadToFile(engine, name, owner, path, 64ull << 20,
+                         part ? HeadExportScope::kMemberPart : HeadExportScope::kWhole);
     if (s.ok()) {
       ++report.done;
       Log(LogLevel::kInfo, "exported head", {{"head", name}, {"file", path}});

@@ -26,13 +26,22 @@ namespace lossd {
 // %3A and %25, and ".lossd-head" appended.
 std::string HeadFilePath(const std::string& dir, const std::string& head);
 
+// The file member `member` of a group of `size` writes its part of head `head` to, in `dir`:
+// HeadFilePath's name with ".member-<member>-of-<size>" before ".lossd-head".
+std::string GroupPartPath(const std::string& dir, const std::string& head, uint32_t member,
+                          uint32_t size);
+
 // Exports head `name` (owned by `owner`) at its current version to `path`, a window of
-// `window_bytes` at a time, each copied on the engine's executor.
+// `window_bytes` at a time, each copied on the engine's executor. kMemberPart: a group
+// member's part (its slices of the master and the state; the header names the group and
+// lists each tensor as a (slice) fp32 vector).
 absl::Status ExportHeadToFile(Engine& engine, const std::string& name, const std::string& owner,
-                              const std::string& path, uint64_t window_bytes = 64ull << 20);
+                              const std::string& path, uint64_t window_bytes = 64ull << 20,
+                              HeadExportScope scope = HeadExportScope::kWhole);
 
 // Imports the head in `path` for the owner the file names; sets *name. A head already here
-// at the same version is OK (nothing changes). Never deletes the file.
+// at the same version is OK (nothing changes). Never deletes the file. A group member's part
+// is never imported (FAILED_PRECONDITION saying what it is and what to do with it).
 absl::Status ImportHeadFromFile(Engine& engine, const std::string& path, std::string* name);
 
 struct HeadFilesReport {
@@ -41,8 +50,9 @@ struct HeadFilesReport {
   int removed = 0;  // import: unfinished exports (*.lossd-head.tmp) deleted
 };
 
-// Every head, each to HeadFilePath(dir, name); logs each, and each failure (the head is then
-// lost with the process). Creates `dir` where it is missing.
+// Every head, each to HeadFilePath(dir, name) (a group's head: this member's part, to
+// GroupPartPath); logs each, and each failure (the head is then lost with the process).
+// Creates `dir` where it is missing.
 HeadFilesReport ExportHeadsToDir(Engine& engine, const std::string& dir);
 
 // Every *.lossd-head file in `dir`, each imported, logged and deleted once imported (a file

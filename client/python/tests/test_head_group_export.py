@@ -277,3 +277,54 @@ def test_an_export_asked_of_one_member_only_fails_and_leaves_the_head(members):
     assert "The head is unchanged; export again" in msg, msg
     _run(head, 0, 1, [0])
     assert head.export().version == 1
+
+
+def test_each_member_writes_its_part_on_drain_and_never_rejoins(tmp_path):
+    """With --head_export_dir, a group's member that drains (SIGTERM) writes its part (its
+    slices of the master and the state) to <head>.member-<m>-of-3.lossd-head in its own
+    folder. Started again, it imports no part (a member never rejoins a group, a part is no
+    head) and keeps the file; lossd.head_files.read_head_files puts the three parts together
+    into the head as it was, bit for bit, which a new group imports and steps on."""
+    import lossd.head_files
+
+    g = Members(tmp_path, extra=["--head_export_dir=%s" % (tmp_path / "export-{m}")])
+    try:
+        w, b, opt = _start_state(13)
+        head = _create(g, 3, w, b, opt)
+        _run(head, 0, 2, list(range(WORLD)))
+        want = head.export()
+        for p in g.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in g.procs:
+            assert p.wait(timeout=30) == 0
+        parts = [str(tmp_path / ("export-%d" % m) / ("%s.member-%d-of-3.lossd-head" % (
+            head.name, m))) for m in range(MEMBERS)]
+        for m in range(MEMBERS):
+            assert os.listdir(str(tmp_path / ("export-%d" % m))) == [os.path.basename(parts[m])]
+            g.start(m)
+        for m in range(MEMBERS):
+            _wait_serving(g.procs[m], g.addrs[m])
+            with pytest.raises(lossd.NotFoundError):
+                g.clients[m].head_info(head.name)
+            assert os.path.exists(parts[m])  # kept: not imported
+        log = (tmp_path / "member-2.log").read_text(errors="replace")
+        assert "is member 2's part (of 3) of head '%s'" % head.name in log
+        assert "a member never rejoins a group" in log
+        got = lossd.head_files.read_head_files(reversed(parts))
+        assert (got.name, got.version, got.optimizer_step) == (head.name, 2, 2)
+        assert sorted(got.tensors) == sorted(n for n in want.tensors if not
+                                             n.startswith("copy_"))
+        for n, arr in got.tensors.items():
+            assert np.array_equal(_bits(arr), _bits(want.tensors[n])), n
+        with pytest.raises(lossd.InvalidArgumentError) as e:
+            lossd.head_files.read_head_files(parts[:2])
+        assert "the parts of member(s) 2 are missing" in str(e.value)
+        infos = g.clients[0].import_head_into_group(got, g.addrs[:2], "g-%s" % uuid.uuid4().hex)
+        assert [i.group["member"] for i in infos] == [0, 1]
+        moved = Head(g, head.name, 2)
+        for m in range(2):  # these clients knew the head on the instances that stopped
+            assert g.clients[m].head_info(head.name).group["members"] == g.addrs[:2]
+        _same(moved.export(), want)
+        _run(moved, 2, 3, list(range(WORLD)))
+    finally:
+        g.close()
