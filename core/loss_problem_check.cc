@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/distill_topk_check.h"
 #include "core/status_macros.h"
 
 namespace lossd {
@@ -37,6 +38,32 @@ absl::Status CheckOnlyFor(const void* ptr, const char* field, LossKind kind,
                                                  LossKindName(kind)));
 }
 
+// kDistill's top-k teacher and no head beside it (its values: CheckDistillTopk, once the
+// options have passed).
+absl::Status CheckTopkTeacherInputs(const LossProblem& p) {
+  if (p.teacher_x != nullptr || p.teacher_w != nullptr || p.teacher_bias != nullptr ||
+      p.teacher_h != 0) {
+    return absl::InvalidArgumentError(
+        "loss problem: kind distill takes a teacher head or its top-k, not both");
+  }
+  return absl::OkStatus();
+}
+
+DistillTopkView TopkViewOf(const LossProblem& p) {
+  DistillTopkView t;
+  t.bt = p.bt;
+  t.v = p.v;
+  t.k = p.teacher_topk;
+  t.ids = p.teacher_topk_ids;
+  t.id_dtype = p.teacher_topk_id_dtype;
+  t.logp = p.teacher_topk_logp;
+  t.targets = p.targets;
+  t.target_dtype = p.target_dtype;
+  t.ignore_index = p.options.ignore_index;
+  t.params = p.distill;
+  return t;
+}
+
 // The inputs each kind has of its own: another kind's are refused (never silently ignored),
 // its required ones must be there.
 absl::Status CheckKindInputs(const LossProblem& p) {
@@ -57,10 +84,15 @@ absl::Status CheckKindInputs(const LossProblem& p) {
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_x, "teacher_x", k, {LossKind::kDistill}));
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_w, "teacher_w", k, {LossKind::kDistill}));
   LOSSD_RETURN_IF_ERROR(CheckOnlyFor(p.teacher_bias, "teacher_bias", k, {LossKind::kDistill}));
+  LOSSD_RETURN_IF_ERROR(
+      CheckOnlyFor(p.teacher_topk_ids, "teacher_topk_ids", k, {LossKind::kDistill}));
+  LOSSD_RETURN_IF_ERROR(
+      CheckOnlyFor(p.teacher_topk_logp, "teacher_topk_logp", k, {LossKind::kDistill}));
   if (k == LossKind::kPolicy && p.bt > 0 && p.advantages == nullptr) {
     return absl::InvalidArgumentError("loss problem: kind policy needs advantages");
   }
   if (k != LossKind::kDistill) return absl::OkStatus();
+  if (p.teacher_topk != 0) return CheckTopkTeacherInputs(p);
   if (p.teacher_h <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("loss problem: kind distill needs teacher_h > 0; got ", p.teacher_h));
@@ -347,7 +379,8 @@ absl::Status ValidateLossInputs(const LossProblem& p) {
   if (p.kind == LossKind::kPolicy) LOSSD_RETURN_IF_ERROR(CheckPolicyParams(p.policy, p.bt));
   if (distill) {
     LOSSD_RETURN_IF_ERROR(CheckDistillParams(p.distill));
-    return CheckDistillTargets(p);
+    LOSSD_RETURN_IF_ERROR(CheckDistillTargets(p));
+    return p.teacher_topk != 0 ? CheckDistillTopk(TopkViewOf(p)) : absl::OkStatus();
   }
   return CheckTargets(p.targets, p.target_dtype, p.bt, p.v, p.options.ignore_index);
 }

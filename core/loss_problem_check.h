@@ -55,7 +55,8 @@ absl::Status CheckDistillTargets(const LossProblem& p);
 // kDistill); known memory kinds; the kind's inputs (its own present as it requires, another
 // kind's absent; kDistill's teacher_h > 0, teacher_x and teacher_w non-null); the options
 // (CheckKindOptions, CheckLossOptions and the kind's params); then the targets (CheckTargets;
-// kDistill's CheckDistillTargets), the only data it reads.
+// kDistill's CheckDistillTargets) and a top-k teacher's ids and log-probs (CheckDistillTopk),
+// the only data it reads.
 absl::Status ValidateLossInputs(const LossProblem& p);
 // Where the results of `p` go: a gradient dtype of fp32 or the input dtype, no db (written or
 // accumulated) without a bias, a known accumulator memory kind. Which outputs a kind has is

@@ -22,7 +22,7 @@ namespace lossd {
 enum class InputSlot : int {
   kX = 0, kW, kBias, kTargets, kClassWeights, kGradOutput,
   kDlogp, kDentropy, kAdvantages, kOldLogp, kRefLogp, kTeacherX, kTeacherW, kTeacherBias,
-  kIsRatio, kCount
+  kIsRatio, kTeacherTopkIds, kTeacherTopkLogp, kCount
 };
 // Outputs a Compute may return (the order they are sent is the plan's).
 enum class OutputSlot : int {
@@ -101,6 +101,9 @@ struct ComputePlan {
   bool teacher_has_bias = false;
   std::shared_ptr<const WeightEntry> teacher_weights;
   std::string teacher_weight_handle;
+  // kDistill from the teacher's top-k instead (teacher_h 0): k ids per row and their dtype.
+  int64_t teacher_topk = 0;
+  DType teacher_topk_id_dtype = DType::kI64;
   // Bytes expected per input slot on the stream (0 = not sent in this stream).
   std::array<uint64_t, static_cast<int>(InputSlot::kCount)> input_bytes{};
   std::vector<OutputDesc> outputs;  // tensors returned after the summary, in order

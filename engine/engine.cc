@@ -31,6 +31,8 @@ const char* InputSlotName(InputSlot s) {
     case InputSlot::kTeacherW: return "teacher_w";
     case InputSlot::kTeacherBias: return "teacher_bias";
     case InputSlot::kIsRatio: return "is_ratio";
+    case InputSlot::kTeacherTopkIds: return "teacher_topk_ids";
+    case InputSlot::kTeacherTopkLogp: return "teacher_topk_logp";
     case InputSlot::kCount: break;
   }
   return "unknown";

@@ -56,7 +56,8 @@ inline constexpr std::array<std::string_view, 7> kServerFeatures = {
 // "policy_entropy_bonus" (entropy_coeff), "policy_aggregation" (aggregation,
 // loss_scale_factor), "policy_loss_type_gpg" (POLICY_LOSS_GPG); with distill and
 // kDistillWeightsBit "distill_hard_loss": DistillOptions.weight_hard_loss / weight_soft_loss
-// are honoured. Sorted.
+// are honoured; with kDistillTopkBit "distill_topk": ComputeHeader.teacher_topk_ids /
+// teacher_topk_logp (a top-k teacher) and DistillOptions.topk_tail are honoured. Sorted.
 inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
   std::vector<std::string> features(kServerFeatures.begin(), kServerFeatures.end());
   for (int k = 1; k < kLossKinds; ++k) {
@@ -80,6 +81,9 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
       }
       if (kind == LossKind::kDistill && (loss_kinds & kDistillWeightsBit) != 0) {
         features.push_back("distill_hard_loss");
+      }
+      if (kind == LossKind::kDistill && (loss_kinds & kDistillTopkBit) != 0) {
+        features.push_back("distill_topk");
       }
     }
   }

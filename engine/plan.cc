@@ -286,6 +286,7 @@ uint64_t WorkspaceBytesOf(Backend& backend, const ComputePlan& plan, bool has_cw
   shape.want_dx = plan.wanted.dx;
   shape.kind = plan.kind;
   shape.teacher_h = plan.teacher_h;
+  shape.teacher_topk = plan.teacher_topk;
   shape.teacher_w_memory = plan.teacher_weights ? Memory::kBackend : Memory::kHost;
   shape.want_entropy = plan.wanted.entropy;
   // A head's forward that keeps a ticket adds nothing to its step.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "engine/plan_kind.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -128,14 +129,81 @@ absl::Status PlanTeacherInline(const ComputeSpec& spec, ComputePlan* plan) {
   return absl::OkStatus();
 }
 
-// kDistill's teacher: teacher_x (BT, Ht) of X's dtype, and its W inline or by handle. Other
-// kinds take none of it.
+// kDistill's teacher as its top-k: ids (BT, k) int32 or int64 and log-probs (BT, k) fp32,
+// k in [1, min(V, kMaxDistillTopk)], and no teacher head beside them.
+absl::Status PlanTeacherTopk(const ComputeSpec& spec, ComputePlan* plan) {
+  const TensorDesc& ids = Input(spec, InputSlot::kTeacherTopkIds);
+  const TensorDesc& lp = Input(spec, InputSlot::kTeacherTopkLogp);
+  const InputSlot head[] = {InputSlot::kTeacherX, InputSlot::kTeacherW, InputSlot::kTeacherBias};
+  for (InputSlot s : head) {
+    if (Input(spec, s).present) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header has teacher_topk_ids / teacher_topk_logp and also ", InputSlotName(s),
+          ": send the teacher's top-k or its head, not both"));
+    }
+  }
+  if (!spec.teacher_weight_handle.empty()) {
+    return absl::InvalidArgumentError(
+        "header has teacher_topk_ids / teacher_topk_logp and also teacher_weight_handle: send "
+        "the teacher's top-k or its head, not both");
+  }
+  if (!ids.present || !lp.present) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.", ids.present ? "teacher_topk_logp" : "teacher_topk_ids",
+        " is missing: a top-k teacher sends both its ids and their log-probs (BT, k)"));
+  }
+  LOSSD_RETURN_IF_ERROR(CheckShape(ids, "teacher_topk_ids", 2));
+  LOSSD_RETURN_IF_ERROR(CheckShape(lp, "teacher_topk_logp", 2));
+  const int64_t k = ids.shape[1], max_k = std::min(plan->v, kMaxDistillTopk);
+  if (ids.shape[0] != plan->bt || k < 1 || k > max_k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "teacher_topk_ids.shape ", ShapeString(ids.shape), " must be (BT, k) with BT = ",
+        plan->bt, " and k in [1, ", max_k, "] (at most V = ", plan->v, " and ",
+        kMaxDistillTopk, ")"));
+  }
+  if (lp.shape != ids.shape) {
+    return absl::InvalidArgumentError(absl::StrCat("teacher_topk_logp.shape ",
+                                                   ShapeString(lp.shape),
+                                                   " must equal teacher_topk_ids.shape ",
+                                                   ShapeString(ids.shape)));
+  }
+  if (ids.dtype != DType::kI32 && ids.dtype != DType::kI64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "teacher_topk_ids.dtype must be int32 or int64, got ", DTypeName(ids.dtype)));
+  }
+  if (lp.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("teacher_topk_logp.dtype must be fp32, got ", DTypeName(lp.dtype)));
+  }
+  const uint64_t n = static_cast<uint64_t>(plan->bt) * static_cast<uint64_t>(k);
+  Bytes(plan, InputSlot::kTeacherTopkIds) = n * DTypeSize(ids.dtype);
+  Bytes(plan, InputSlot::kTeacherTopkLogp) = n * 4;
+  plan->teacher_topk = k;
+  plan->teacher_topk_id_dtype = ids.dtype;
+  return absl::OkStatus();
+}
+
+bool HasTopk(const ComputeSpec& spec) {
+  return Input(spec, InputSlot::kTeacherTopkIds).present ||
+         Input(spec, InputSlot::kTeacherTopkLogp).present;
+}
+
+// kDistill's teacher: teacher_x (BT, Ht) of X's dtype, and its W inline or by handle; or its
+// top-k. Other kinds take none of it.
 absl::Status PlanTeacher(const ComputeSpec& spec, int64_t max_h, WeightCache& weights,
                          ComputePlan* plan) {
   const TensorDesc& tx = Input(spec, InputSlot::kTeacherX);
+  if (spec.kind == LossKind::kDistill && HasTopk(spec)) return PlanTeacherTopk(spec, plan);
+  if (spec.kind == LossKind::kDistill && spec.distill.topk_tail != DistillTopkTail::kBucket) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.distill.topk_tail ", DistillTopkTailName(spec.distill.topk_tail),
+        " is for a top-k teacher (teacher_topk_ids, teacher_topk_logp); this request sends "
+        "a teacher head"));
+  }
   if (spec.kind != LossKind::kDistill) {
     const InputSlot slots[] = {InputSlot::kTeacherX, InputSlot::kTeacherW,
-                               InputSlot::kTeacherBias};
+                               InputSlot::kTeacherBias, InputSlot::kTeacherTopkIds,
+                               InputSlot::kTeacherTopkLogp};
     for (InputSlot s : slots) {
       if (Input(spec, s).present) {
         return OtherKinds(InputSlotName(s), LossKind::kDistill, spec.kind);
@@ -196,6 +264,12 @@ absl::Status CheckDistillServed(const ComputeSpec& spec, const std::string& back
     return absl::UnimplementedError(absl::StrCat(
         "this server's backend '", backend, "' does not compute header.distill.weight_hard_loss "
         "/ weight_soft_loss other than (0, 1) (ServerInfo.features lists distill_hard_loss "
+        "where it does)"));
+  }
+  if (HasTopk(spec) && (loss_kinds & kDistillTopkBit) == 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "this server's backend '", backend, "' does not compute a top-k teacher "
+        "(header.teacher_topk_ids, teacher_topk_logp; ServerInfo.features lists distill_topk "
         "where it does)"));
   }
   return absl::OkStatus();

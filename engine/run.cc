@@ -42,6 +42,13 @@ void SetKindInputs(const ComputePlan& plan, Engine::InputBuffers& in, LossProble
   p->policy = plan.policy;
   p->distill = plan.distill;
   if (plan.kind != LossKind::kDistill) return;
+  if (plan.teacher_topk > 0) {
+    p->teacher_topk = plan.teacher_topk;
+    p->teacher_topk_ids = in[static_cast<int>(InputSlot::kTeacherTopkIds)].get();
+    p->teacher_topk_id_dtype = plan.teacher_topk_id_dtype;
+    p->teacher_topk_logp = f32(InputSlot::kTeacherTopkLogp);
+    return;
+  }
   p->teacher_h = plan.teacher_h;
   p->teacher_x = in[static_cast<int>(InputSlot::kTeacherX)].get();
   if (plan.teacher_weights) {
@@ -127,7 +134,8 @@ absl::Status CheckInputsFinite(const ComputePlan& plan, Engine::InputBuffers& in
       }
     }
   }
-  if (plan.kind != LossKind::kDistill) return absl::OkStatus();
+  // A top-k teacher's log-probs are the one validation's (CheckDistillTopk: counted rows only).
+  if (plan.kind != LossKind::kDistill || plan.teacher_topk > 0) return absl::OkStatus();
   const uint64_t ht = static_cast<uint64_t>(plan.teacher_h);
   LOSSD_RETURN_IF_ERROR(CheckFiniteElements(buf(InputSlot::kTeacherX), plan.dtype, 0,
                                             plan.bt * ht, "teacher_x", plan.teacher_h));

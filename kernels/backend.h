@@ -74,6 +74,7 @@ struct WorkspaceShape {
   Memory accum_memory = Memory::kHost;  // where the accumulators live
   LossKind kind = LossKind::kCrossEntropy;
   int64_t teacher_h = 0;                    // kDistill: the teacher's hidden size
+  int64_t teacher_topk = 0;                 // kDistill: k of a top-k teacher (then no head)
   Memory teacher_w_memory = Memory::kHost;  // kDistill: where the teacher's W lives
   bool want_entropy = false;                // kLogprob: LossOutputs::entropy
 };
@@ -103,6 +104,7 @@ inline WorkspaceShape ShapeOf(const LossProblem& p, const LossOutputs& out) {
   s.accum_memory = out.accum_memory;
   s.kind = p.kind;
   s.teacher_h = p.kind == LossKind::kDistill ? p.teacher_h : 0;
+  s.teacher_topk = p.kind == LossKind::kDistill ? p.teacher_topk : 0;
   s.teacher_w_memory = p.teacher_w_memory;
   s.want_entropy = out.entropy != nullptr;
   return s;

@@ -95,6 +95,7 @@ absl::Status ComputeAssembler::CheckNewElements(int i) {
     case InputSlot::kOldLogp:
     case InputSlot::kRefLogp:
     case InputSlot::kIsRatio:
+    case InputSlot::kTeacherTopkLogp:
       dtype = DType::kF32;
       break;
     default:

@@ -98,6 +98,8 @@ absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
       d.has_weight_hard_loss() ? d.weight_hard_loss() : distill_defaults.weight_hard_loss;
   spec->distill.weight_soft_loss =
       d.has_weight_soft_loss() ? d.weight_soft_loss() : distill_defaults.weight_soft_loss;
+  // Out of range: passed on for the one validation to refuse by its number.
+  spec->distill.topk_tail = static_cast<DistillTopkTail>(d.topk_tail());
   return absl::OkStatus();
 }
 
@@ -129,6 +131,10 @@ absl::StatusOr<ComputeSpec> ComputeSpecFromWire(const v1::ComputeHeader& h) {
       {InputSlot::kTeacherW, h.has_teacher_w(), &h.teacher_w(), "header.teacher_w"},
       {InputSlot::kTeacherBias, h.has_teacher_bias(), &h.teacher_bias(),
        "header.teacher_bias"},
+      {InputSlot::kTeacherTopkIds, h.has_teacher_topk_ids(), &h.teacher_topk_ids(),
+       "header.teacher_topk_ids"},
+      {InputSlot::kTeacherTopkLogp, h.has_teacher_topk_logp(), &h.teacher_topk_logp(),
+       "header.teacher_topk_logp"},
   };
   for (const Field& f : fields) {
     auto t = TensorDescFromWire(f.present, *f.spec, f.name);
@@ -208,6 +214,8 @@ absl::StatusOr<InputSlot> InputSlotFromWire(v1::TensorId id) {
     case v1::TENSOR_OLD_LOGP: return InputSlot::kOldLogp;
     case v1::TENSOR_REF_LOGP: return InputSlot::kRefLogp;
     case v1::TENSOR_IS_RATIO: return InputSlot::kIsRatio;
+    case v1::TENSOR_TEACHER_TOPK_IDS: return InputSlot::kTeacherTopkIds;
+    case v1::TENSOR_TEACHER_TOPK_LOGP: return InputSlot::kTeacherTopkLogp;
     case v1::TENSOR_TEACHER_X: return InputSlot::kTeacherX;
     case v1::TENSOR_TEACHER_W: return InputSlot::kTeacherW;
     case v1::TENSOR_TEACHER_BIAS: return InputSlot::kTeacherBias;
