@@ -180,8 +180,8 @@ BackendInfo CudaBackend::Info() {
   info.memory_budget_bytes = options_.memory_budget_bytes;
   info.healthy = healthy_.load();
   info.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
-                    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill) |
-                    kPolicySequenceBit | kPolicyIsRatioBit;
+                    LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
+  if (!options_.served_over_plugin_abi) info.loss_kinds |= kPolicySequenceBit | kPolicyIsRatioBit;
   return info;
 }
 

@@ -50,6 +50,11 @@ struct CudaBackendOptions {
   RefExpChoice ref_exp = RefExpChoice::kPerDevice;
   // Rows the default chunk budget holds; 0 = the device's tuning (2048, 4096 on an H100).
   int64_t default_chunk_rows = 0;
+  // Served through the plugin ABI (plugin.cc), which carries neither LossProblem::is_ratio
+  // nor PolicyParams::importance_sampling: Info then does not announce them
+  // (kPolicySequenceBit, kPolicyIsRatioBit), so the server refuses them rather than computing
+  // the token level without the ratio. Called directly, the backend computes both.
+  bool served_over_plugin_abi = false;
 };
 
 // Byte counters shared by the backend and every buffer it hands out.

@@ -12,17 +12,20 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/logprob_reference.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_test_fixture.h"
 #include "kernels/cuda/row_loss_test_cases.h"
 #include "testing/test_util.h"
@@ -238,11 +241,20 @@ TEST_F(CudaTest, PolicySequenceStreamedRowsGiveTheSameBits) {
   }
 }
 
-TEST_F(CudaTest, PolicySequenceAndIsRatioAreComputed) {
+// Called directly the backend announces both; served through the plugin ABI, which carries
+// neither input, it announces neither (the server then refuses them).
+TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   EXPECT_NE(backend_->Info().loss_kinds & kPolicySequenceBit, 0u)
       << "the backend does not announce sequence-level importance sampling";
   EXPECT_NE(backend_->Info().loss_kinds & kPolicyIsRatioBit, 0u)
       << "the backend does not announce is_ratio";
+  CudaBackendOptions o;
+  o.served_over_plugin_abi = true;
+  absl::StatusOr<std::unique_ptr<CudaBackend>> served = CudaBackend::Create(o);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ((*served)->Info().loss_kinds & (kPolicySequenceBit | kPolicyIsRatioBit), 0u)
+      << "announced over the plugin ABI, which does not carry is_ratio or importance_sampling";
+  EXPECT_NE((*served)->Info().loss_kinds & LossKindBit(LossKind::kPolicy), 0u);
 }
 
 }  // namespace
