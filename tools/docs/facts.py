@@ -31,7 +31,7 @@ def absl_flags(root, rels):
 
 
 def server_flags(root):
-    flags = absl_flags(root, ["service/main.cc"])
+    flags = absl_flags(root, ["service/flags.cc"])
     flags.update({n: None for n in ABSL_BUILTIN})
     return flags
 
@@ -147,8 +147,8 @@ def check_flag_tables(root, files):
 def check_flags_documented(root):
     """Every flag of lossd is in docs/operating.md."""
     text = read(root, "docs/operating.md")
-    return [f"docs/operating.md: lossd --{name} (service/main.cc) is not documented"
-            for name in sorted(absl_flags(root, ["service/main.cc"]))
+    return [f"docs/operating.md: lossd --{name} (service/flags.cc) is not documented"
+            for name in sorted(absl_flags(root, ["service/flags.cc"]))
             if not re.search(r"--" + name + r"\b", text)]
 
 
