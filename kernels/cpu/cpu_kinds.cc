@@ -15,6 +15,7 @@
 #include "kernels/cpu/cpu_chunk.h"
 #include "kernels/cpu/cpu_convert.h"
 #include "kernels/cpu/kind_rows.h"
+#include "kernels/cpu/policy_rows.h"
 
 namespace lossd {
 namespace {
@@ -83,109 +84,6 @@ namespace {
 // the largest per-row scale of G, within 2^[-100, 100].
 double AlphaOf(double max_scale) {
   return std::clamp(PowerOfTwoAbove(max_scale), std::ldexp(1.0, -100), std::ldexp(1.0, 100));
-}
-
-// Policy's row weights: each row's normaliser by loss type, 0 where masked (target ignored).
-std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_t>& counted,
-                                  int64_t tokens) {
-  const PolicyParams& o = p.policy;
-  const int64_t bt = p.bt, seq = bt / o.sequences;
-  const double b = static_cast<double>(o.sequences);
-  std::vector<int64_t> per_seq(o.sequences, 0);
-  for (int64_t i = 0; i < bt; ++i) per_seq[i / seq] += counted[i];
-  std::vector<double> w(bt, 0.0);
-  for (int64_t i = 0; i < bt; ++i) {
-    if (!counted[i]) continue;
-    switch (o.loss_type) {
-      case PolicyLossType::kGrpo:
-      case PolicyLossType::kSapo:
-        w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[i / seq])));
-        break;
-      case PolicyLossType::kLuspo:
-        w[i] = static_cast<double>(per_seq[i / seq]) / static_cast<double>(bt);
-        break;
-      case PolicyLossType::kBnpo:
-        w[i] = 1.0 / std::max(1.0, static_cast<double>(tokens));
-        break;
-      case PolicyLossType::kDrGrpo:
-        w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
-        break;
-      case PolicyLossType::kDapo:
-      case PolicyLossType::kCispo:
-        w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
-                                                         : static_cast<double>(tokens));
-        break;
-    }
-  }
-  return w;
-}
-
-// The policy surrogate of row i (ratio r, advantage a, its log-prob) and its derivative in
-// logp, by loss type (policy_reference.h has the formulas). On a clamp bound r A gets half the
-// gradient and delta's cap none, as torch's clamp and min give them.
-double PolicySurrogate(const PolicyParams& o, double r, double a, double logp, bool* clipped,
-                       double* dlogp) {
-  if (o.loss_type == PolicyLossType::kCispo) {  // the weight min(r, eps_high) is detached
-    const double weight = std::min(r, static_cast<double>(o.epsilon_high));
-    *clipped = r > static_cast<double>(o.epsilon_high) && a > 0;
-    *dlogp = -weight * a;
-    return -weight * a * logp;
-  }
-  if (o.loss_type == PolicyLossType::kSapo) {
-    const double tau =
-        static_cast<double>(a > 0 ? o.sapo_temperature_pos : o.sapo_temperature_neg);
-    const double g = 1.0 / (1.0 + std::exp(-tau * (r - 1.0)));
-    const double g_rest = 1.0 / (1.0 + std::exp(tau * (r - 1.0)));  // 1 - g, no cancellation
-    *clipped = false;
-    *dlogp = -4.0 * a * r * g * g_rest;
-    return -a * 4.0 / tau * g;
-  }
-  const double lo = 1.0 - static_cast<double>(o.epsilon_low);
-  const double hi = 1.0 + static_cast<double>(o.epsilon_high);
-  const bool capped = o.delta != 0.0f && r >= static_cast<double>(o.delta);
-  const double q = capped ? static_cast<double>(o.delta) : r;
-  *clipped = (r < lo && a < 0) || (r > hi && a > 0);
-  // delta > hi, so the cap only matters where min picks q A (A < 0).
-  const bool none = *clipped || (capped && a < 0);
-  const double share = none ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-  *dlogp = -share * a * r;
-  return -std::min(q * a, std::clamp(r, lo, hi) * a);
-}
-
-// Row i's policy terms from its log-prob at ratio r: the loss l_i, kl_i, whether it is
-// clipped, and dl_i/dlogp_i (in double, as the reference). At token level r is the row's own
-// and *dlogp the whole derivative; at sequence level (`sequence`) r is its sequence's,
-// *dlogp only the part that does not pass through r (the KL term's own) and *via_ratio the
-// part that does, dl_i/dr times r, which reaches every token of the sequence.
-void PolicyTerms(const LossProblem& p, int64_t i, double logp, double r, bool sequence,
-                 KindRow* row, double* dlogp, double* via_ratio) {
-  const PolicyParams& o = p.policy;
-  const double a = p.advantages[i];
-  double loss = PolicySurrogate(o, r, a, logp, &row->clipped, dlogp);
-  if (p.is_ratio != nullptr) {  // the rollout correction, on the policy term only
-    loss *= p.is_ratio[i];
-    *dlogp *= p.is_ratio[i];
-  }
-  *via_ratio = 0;
-  if (sequence) std::swap(*dlogp, *via_ratio);  // the clipped types' surrogate is all via r
-  if (o.beta != 0.0f && p.ref_logp != nullptr) {
-    const double d = p.ref_logp[i] - logp;
-    const double k3 = std::exp(d) - d - 1.0;
-    double dkl = 1.0 - std::exp(d);
-    row->kl = k3;
-    if (o.use_bias_correction_kl) {  // k3 r, and (k3 r)' = (k3' + k3) r
-      row->kl = k3 * r;
-      if (sequence) {
-        *via_ratio += o.beta * k3 * r;
-        dkl *= r;
-      } else {
-        dkl = (dkl + k3) * r;
-      }
-    }
-    loss += o.beta * row->kl;
-    *dlogp += o.beta * dkl;
-  }
-  row->loss = loss;
 }
 
 // The teacher's head for distill: W and bias in fp32, and per chunk its X in fp32 and logits.
@@ -269,8 +167,9 @@ class KindPass {
     const double gs = o.grad_scale;
     const double alpha = AlphaOf(std::abs(gs) * MaxRowScale() / o.temperature);
     g_scale_ = gs / alpha;
-    want_entropy_ =
-        out_.entropy != nullptr || (p_.kind == LossKind::kLogprob && p_.dentropy != nullptr);
+    want_entropy_ = out_.entropy != nullptr ||
+                    (p_.kind == LossKind::kLogprob && p_.dentropy != nullptr) ||
+                    (p_.kind == LossKind::kPolicy && p_.policy.entropy_coeff != 0.0f);
     sequence_ = p_.kind == LossKind::kPolicy &&
                 p_.policy.importance_sampling == ImportanceSampling::kSequence;
     rows_.assign(p_.bt, KindRow());
@@ -370,10 +269,9 @@ class KindPass {
       stats_[i] = s;
       if (sequence_) return;
       const double r_i = p_.old_logp != nullptr ? std::exp(s.logp - p_.old_logp[i]) : 1.0;
-      double via_ratio = 0;
-      PolicyTerms(p_, i, s.logp, r_i, false, &r, &dlogp, &via_ratio);
-      r.loss *= weight_[i];
-      coef_[i] = weight_[i] * dlogp;
+      const PolicyRowTerms t = PolicyTerms(p_, i, s.logp, s.entropy, r_i, false);
+      TakeTerms(t, i);
+      coef_[i] = weight_[i] * t.dlogp;
       return;
     }
     if (k_.want_grad) WriteLogprobGradient(kp_, z, t, s, g_scale_ * dlogp, g_scale_ * dentropy);
@@ -383,8 +281,12 @@ class KindPass {
   // are seen (an fp16 G of e^12 A would overflow), so the GEMMs' alpha is the chunk's own,
   // from its largest coefficient; then each counted row's G over its logits.
   void PolicyGradients(int64_t c0, int64_t rows_c, CpuChunkPass* pass) {
+    // The entropy bonus's coefficient of row i is -entropy_coeff w_i (dl/dH_i times w_i).
+    const double ec = -static_cast<double>(p_.policy.entropy_coeff);
     double m = 0;
-    for (int64_t i = c0; i < c0 + rows_c; ++i) m = std::max(m, std::abs(coef_[i]));
+    for (int64_t i = c0; i < c0 + rows_c; ++i) {
+      m = std::max(m, std::abs(coef_[i]) + std::abs(ec * weight_[i]));
+    }
     const double gs = p_.options.grad_scale;
     pass->g_alpha = AlphaOf(std::abs(gs) * m / p_.options.temperature);
     const double g_scale = gs / pass->g_alpha;
@@ -394,7 +296,8 @@ class KindPass {
       for (int64_t r = task * kRows; r < std::min(rows_c, (task + 1) * kRows); ++r) {
         const int64_t i = c0 + r;
         if (tg_[i] < 0) continue;  // zeroed by HeadRow
-        WriteLogprobGradient(kp_, z + r * v_, tg_[i], stats_[i], g_scale * coef_[i], 0.0);
+        WriteLogprobGradient(kp_, z + r * v_, tg_[i], stats_[i], g_scale * coef_[i],
+                             g_scale * ec * weight_[i]);
       }
     });
   }
@@ -452,18 +355,24 @@ class KindPass {
       double via_sum = 0;
       for (int64_t i = b0; i < b0 + s; ++i) {
         if (tg_[i] < 0) continue;
-        KindRow& r = rows_[i];
-        double dlogp = 0, via_ratio = 0;
-        PolicyTerms(p_, i, r.logp, ratio, true, &r, &dlogp, &via_ratio);
-        r.loss *= weight_[i];
-        coef_[i] = weight_[i] * dlogp;
-        via_sum += weight_[i] * via_ratio;
+        const PolicyRowTerms t = PolicyTerms(p_, i, rows_[i].logp, rows_[i].entropy, ratio, true);
+        TakeTerms(t, i);
+        coef_[i] = weight_[i] * t.dlogp;
+        via_sum += weight_[i] * t.via_ratio;
       }
       const double shared = via_sum / std::max<double>(1.0, static_cast<double>(n));
       for (int64_t i = b0; i < b0 + s; ++i) {
         if (tg_[i] >= 0) coef_[i] += shared;
       }
     }
+  }
+
+  // policy: row i's results from its terms, its loss weighted.
+  void TakeTerms(const PolicyRowTerms& t, int64_t i) {
+    KindRow& r = rows_[i];
+    r.loss = weight_[i] * t.loss;
+    r.kl = t.kl;
+    r.clipped = t.clipped;
   }
 
   // distill, before a chunk's rows: the teacher's logits of rows [c0, c0 + rows_c).

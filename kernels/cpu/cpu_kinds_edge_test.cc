@@ -140,7 +140,8 @@ TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
   EXPECT_EQ(info.loss_kinds, LossKindBit(LossKind::kCrossEntropy) |
                                  LossKindBit(LossKind::kLogprob) | LossKindBit(LossKind::kPolicy) |
                                  LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
-                                 kPolicyIsRatioBit | kDistillWeightsBit);
+                                 kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit |
+                                 kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit);
 }
 
 }  // namespace

@@ -49,7 +49,63 @@ struct Case {
   bool bias_correction = false;
   bool sequence = false;  // sequence-level importance sampling (GSPO)
   bool is_ratio = false;  // the rollout correction, random in [0.2, 2)
+  // verl's menu.
+  KlEstimator kl = KlEstimator::kK3;
+  bool kl_st = false;
+  float entropy = 0;
+  PolicyAggregation agg = PolicyAggregation::kLossType;
+  double loss_scale_factor = 0;
 };
+
+// The cases of verl's menu: every KL estimator (and straight-through), the entropy bonus, the
+// four aggregations and gpg, at token and sequence level, chunked and not.
+void AddVerlCases(std::vector<Case>* cs) {
+  Case c;
+  c.name = "gpg_k1_entropy";
+  c.type = PolicyLossType::kGpg;
+  c.kl = KlEstimator::kK1;
+  c.beta = 0.1f;
+  c.entropy = 0.05f;
+  cs->push_back(c);
+  c = Case();
+  c.name = "k2_seq_mean_token_mean_bias";
+  c.kl = KlEstimator::kK2;
+  c.beta = 0.2f;
+  c.agg = PolicyAggregation::kSeqMeanTokenMean;
+  c.bias = true;
+  cs->push_back(c);
+  c = Case();
+  c.name = "abs_seq_mean_token_sum_chunk7";
+  c.kl = KlEstimator::kAbs;
+  c.agg = PolicyAggregation::kSeqMeanTokenSum;
+  c.chunk_rows = 7;
+  cs->push_back(c);
+  c = Case();
+  c.name = "low_var_kl_st_bias_corrected_sum_norm";
+  c.kl = KlEstimator::kLowVarKl;
+  c.kl_st = c.bias_correction = true;
+  c.beta = 0.3f;
+  c.agg = PolicyAggregation::kSeqMeanTokenSumNorm;
+  c.loss_scale_factor = 3;
+  cs->push_back(c);
+  c = Case();
+  c.name = "seq_grpo_k3_st_entropy_token_mean_chunk32";
+  c.sequence = c.kl_st = true;
+  c.type = PolicyLossType::kGrpo;
+  c.entropy = 0.02f;
+  c.agg = PolicyAggregation::kTokenMean;
+  c.dapo_normalizer = 50;
+  c.chunk_rows = 32;
+  cs->push_back(c);
+  c = Case();
+  c.name = "sapo_entropy_softcap_t08_f32";
+  c.type = PolicyLossType::kSapo;
+  c.entropy = 0.05f;
+  c.cap = 5;
+  c.temperature = 0.8f;
+  c.grad_f32 = true;
+  cs->push_back(c);
+}
 
 std::vector<Case> Cases() {
   std::vector<Case> cs;
@@ -206,6 +262,7 @@ std::vector<Case> Cases() {
   c.type = PolicyLossType::kGrpo;
   c.chunk_rows = 32;
   cs.push_back(c);
+  AddVerlCases(&cs);
   return cs;
 }
 
@@ -265,6 +322,11 @@ struct PolicySetup {
     const ImportanceSampling level =
         c.sequence ? ImportanceSampling::kSequence : ImportanceSampling::kToken;
     problem.policy.importance_sampling = level;
+    problem.policy.kl_estimator = c.kl;
+    problem.policy.kl_straight_through = c.kl_st;
+    problem.policy.entropy_coeff = c.entropy;
+    problem.policy.aggregation = c.agg;
+    problem.policy.loss_scale_factor = c.loss_scale_factor;
     if (c.is_ratio) {
       is_ratio = RandomFloats(s.bt, 0.2f, 2.0f, seed + 5);
       problem.is_ratio = is_ratio.data();
@@ -292,7 +354,12 @@ struct PolicySetup {
                   c.sapo_neg,
                   c.delta,
                   c.bias_correction,
-                  level};
+                  level,
+                  c.kl,
+                  c.kl_st,
+                  c.entropy,
+                  c.agg,
+                  c.loss_scale_factor};
     if (status.ok()) status = PolicyReference(pp, &ref);
     logits = ComputeRawLogits(head);
   }
@@ -321,7 +388,9 @@ struct RowSlopes {
 RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double e_d) {
   RowSlopes s;
   const double abs_a = std::abs(a);
-  if (c.type == PolicyLossType::kCispo) {  // -min(r, eh) A logp; its coefficient -min(r, eh) A
+  if (c.type == PolicyLossType::kGpg) {  // -A logp; its coefficient -A, a constant
+    s.loss = abs_a;
+  } else if (c.type == PolicyLossType::kCispo) {  // -min(r, eh) A logp; coefficient -min(r, eh) A
     s.loss = abs_a * r * (1 + std::abs(logp));
     s.coef = r < c.eps_high ? abs_a * r : 0.0;
   } else if (c.type == PolicyLossType::kSapo) {  // |d^2 sigmoid| <= |d sigmoid| <= 1/4
@@ -337,14 +406,39 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
     s.coef = abs_a * r * share;
   }
   const double k3 = e_d - std::log(e_d) - 1;
-  if (c.bias_correction) {  // k3 r: slope (|1 - e_d| + k3) r; its coefficient's (2 + e_d + k3) r
-    s.loss += c.beta * (std::abs(1 - e_d) + k3) * r;
-    s.coef += c.beta * (2 + e_d + k3) * r;
+  if (c.kl == KlEstimator::kK3 && !c.kl_st) {
+    if (c.bias_correction) {  // k3 r: slope (|1 - e_d| + k3) r; coefficient's (2 + e_d + k3) r
+      s.loss += c.beta * (std::abs(1 - e_d) + k3) * r;
+      s.coef += c.beta * (2 + e_d + k3) * r;
+    } else {
+      s.loss += c.beta * std::abs(1 - e_d);
+      s.coef += c.beta * e_d;
+    }
+    return s;
+  }
+  // The estimator K at d = -log e_d: its value kv, slope kp; the gradient g it passes (k2's d
+  // with straight-through) and g's slope gp.
+  const double d = -std::log(e_d);
+  double kv = k3, kp = std::abs(1 - e_d), g = kp, gp = e_d;  // k3, low_var_kl (unclamped here)
+  if (c.kl == KlEstimator::kK1) kv = std::abs(d), kp = g = 1, gp = 0;
+  if (c.kl == KlEstimator::kK2) kv = d * d / 2, kp = g = std::abs(d), gp = 1;
+  if (c.kl == KlEstimator::kAbs) kv = std::abs(d), kp = g = 1, gp = 0;
+  if (c.kl_st) g = std::abs(d), gp = 1;
+  if (c.bias_correction) {  // K r: slope (kp + kv) r; coefficient g r + K r: (gp + g + kp + kv) r
+    s.loss += c.beta * (kp + kv) * r;
+    s.coef += c.beta * (gp + g + kp + kv) * r;
   } else {
-    s.loss += c.beta * std::abs(1 - e_d);
-    s.coef += c.beta * e_d;
+    s.loss += c.beta * kp;
+    s.coef += c.beta * gp;
   }
   return s;
+}
+
+// The case's KL term alone (gpg's surrogate, whose slope is |A|, at A = 0 adds nothing).
+Case KlPart(const Case& c) {
+  Case k = c;
+  k.type = PolicyLossType::kGpg;
+  return k;
 }
 
 // Every output against the reference. Per row, b_i = 4 u a_i / T bounds the error of logp_i
@@ -406,10 +500,12 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
     const double w = c.type == PolicyLossType::kDrGrpo
                          ? 1.0 / (p.policy.sequences * c.max_completion_length)
                          : 1.0;  // the others' weights are at most 1
-    loss_bound += w * slope.loss * b;
-    // The KL metric's row term k3 (times r when bias-corrected) moves as the loss's KL part.
-    const double k3 = e_d - std::log(e_d) - 1;
-    kl_bound += (c.bias_correction ? (std::abs(1 - e_d) + k3) * r : std::abs(1 - e_d)) * b / n;
+    // The entropy bonus: H_i moves with the logits' error by at most (1 + 2 log V) b_i.
+    const double h_slope = std::abs(c.entropy) * (1 + 2 * std::log(static_cast<double>(p.v)));
+    loss_bound += w * (slope.loss + h_slope) * b;
+    // The KL metric's row term K (times r when bias-corrected) moves as the loss's KL part.
+    const RowSlopes kl_only = PolicyRowSlopes(KlPart(c), 0.0, r, ref.logp[i], e_d);
+    kl_bound += kl_only.loss / std::max(1e-30, double{c.beta}) * b / n;
     // The row's coefficient dl/dlogp (the reference's) and its error from logp's (b_i, and
     // fp32's on lse): where its terms nearly cancel, its relative error is far above logp's.
     coef_sum += std::abs(ref.dl_dlogp[i]);
@@ -476,7 +572,10 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 3; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 0; }},
       {"policy.loss_type",
-       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(7); }},
+       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(8); }},
+      {"policy.kl_estimator",
+       [](LossProblem& p) { p.policy.kl_estimator = static_cast<KlEstimator>(5); }},
+      {"policy.loss_scale_factor", [](LossProblem& p) { p.policy.loss_scale_factor = 2; }},
       {"policy.epsilon_low", [](LossProblem& p) { p.policy.epsilon_low = -0.1f; }},
       {"policy.beta", [](LossProblem& p) { p.policy.beta = INFINITY; }},
       {"policy.max_completion_length",
