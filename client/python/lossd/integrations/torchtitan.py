@@ -19,7 +19,7 @@ import torch
 from lossd import errors
 from lossd.nn import LossdRuntime, lossd_fused_linear_cross_entropy
 from lossd.integrations.transformers import (
-    _compute_dtype, _connect, _named, _refuse_sharded, _under_fsdp)
+    _compute_dtype, _connect, _named, _refuse_sharded, _under_fsdp, _zero3)
 
 IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX
 
@@ -62,6 +62,7 @@ class LossdLoss:
                     pred.shape[-1], self.lm_head.weight.shape[-1]), method="apply_lossd")
         w, b = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         _refuse_sharded(w, "torchtitan's loss")
+        zero3 = _zero3(w, "torchtitan's loss")
         dtype = _compute_dtype(pred)
         x, w, b = (None if t is None else (t if t.dtype == dtype else t.to(dtype))
                    for t in (pred, w, b))
@@ -71,7 +72,8 @@ class LossdLoss:
         self.calls["loss"] += 1
         h = x.shape[-1]
         loss = _named(self.address, _loss_outside_compile, x.reshape(-1, h), w,
-                      labels.reshape(-1), b, self._runtime_for(w is not self.lm_head.weight))
+                      labels.reshape(-1), b,
+                      self._runtime_for(zero3 or w is not self.lm_head.weight))
         if global_valid_tokens is not None:
             loss = loss / global_valid_tokens
         return loss, {}

@@ -65,6 +65,16 @@ def _connect(client_or_address, timeout, connect_timeout):
     return client, address
 
 
+def _inline_runtime(owner):
+    """owner's second LossdRuntime, which sends W inline (made on first use from
+    owner.client and owner.runtime's timeout; owner.remove() closes it)."""
+    rt = getattr(owner, "_inline", None)
+    if rt is None:
+        rt = owner._inline = LossdRuntime(client=owner.client, cache_weights=False,
+                                          timeout=owner.runtime.timeout)
+    return rt
+
+
 def _family(model):
     """The supported class `model` is an instance of, by name: its own, or the one FSDP2's
     fully_shard subclassed (FSDPLlamaForCausalLM derives from LlamaForCausalLM)."""
@@ -92,6 +102,29 @@ def _refuse_sharded(weight, what):
 
 def _under_fsdp(model):
     return any(c.__name__ == "FSDPModule" for c in type(model).__mro__)
+
+
+def _zero3(weight, what):
+    """Whether `weight` is a DeepSpeed ZeRO-3 parameter (it carries ds_status; deepspeed is
+    not imported). Inside the model's forward ZeRO-3 gathers a parameter read there (its
+    ZeROOrderedDict registers it as the running module's external parameter, so its gradient
+    is reduce-scattered as the module's own): the loss gets the whole head. Such a head must
+    travel inline: ZeRO-3 gathers it anew into a buffer each forward (param.data = buffer),
+    which keeps the Parameter's version counter, so a buffer reused at the same address with
+    the stepped values would match a cached handle's fingerprint and the server would use the
+    old head. A head still partitioned (read outside any forward) is refused."""
+    status = getattr(weight, "ds_status", None)
+    if status is None:
+        return False
+    if getattr(status, "name", str(status)) != "AVAILABLE" or weight.numel() == 0:
+        raise errors.FailedPreconditionError(
+            "%s: lm_head.weight is a DeepSpeed ZeRO-3 parameter still partitioned (status %s, "
+            "local shape %s, whole shape %s): lossd needs the whole head. Compute the loss "
+            "inside the model's forward (ZeRO-3 gathers the head there), or wrap the call in "
+            "deepspeed.zero.GatheredParameters([lm_head.weight]) and reduce its gradient "
+            "yourself" % (what, getattr(status, "name", status), tuple(weight.shape),
+                          tuple(getattr(weight, "ds_shape", ()))), method="apply_lossd")
+    return True
 
 
 def _check_model(model, mode):
@@ -182,6 +215,7 @@ class LossdPatch:
              ignore_index=-100):
         lm_head = self.model.lm_head
         _refuse_sharded(lm_head.weight, "mode \"loss\"")
+        zero3 = _zero3(lm_head.weight, "mode \"loss\"")
         dtype = _compute_dtype(hidden)
         x, w, b = (None if t is None else (t if t.dtype == dtype else t.to(dtype))
                    for t in (hidden, lm_head.weight, lm_head.bias))
@@ -196,7 +230,7 @@ class LossdPatch:
         self.calls["mean" if num_items_in_batch is None else "global"] += 1
         loss = _named(self.address, lossd_fused_linear_cross_entropy, x, w, t, b,
                       ignore_index=ignore_index, reduction=reduction, softcap=self.softcap,
-                      runtime=self._runtime_for(w is not lm_head.weight))
+                      runtime=self._runtime_for(zero3 or w is not lm_head.weight))
         return loss if num_items_in_batch is None else _normalise(loss, num_items_in_batch)
 
     # -- mode "head" ----------------------------------------------------------------------
@@ -363,6 +397,7 @@ def apply_lossd(model, client_or_address, mode="loss", *, timeout=None, connect_
         from lossd.integrations._hf_head import refuse_tied
 
         _refuse_sharded(model.lm_head.weight, "mode \"head\" (apply it before fully_shard)")
+        _zero3(model.lm_head.weight, "mode \"head\" (apply it before deepspeed.initialize)")
         refuse_tied(model)
     client, address = _connect(client_or_address, timeout, connect_timeout)
     patch = LossdPatch(model, mode, client, address, softcap)

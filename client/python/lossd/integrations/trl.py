@@ -26,7 +26,7 @@ from lossd import errors
 from lossd._rl_logprob import DEFAULT_KEEP_MS, logprob_entropy
 from lossd.nn import LossdRuntime, lossd_fused_linear_cross_entropy
 from lossd.integrations.transformers import (
-    _connect, _named, _refuse_sharded, _under_fsdp)
+    _connect, _inline_runtime, _named, _refuse_sharded, _under_fsdp, _zero3)
 
 # The trainers whose fused-head calls are covered, by class name, and whether their metrics
 # read is_top1 (SFTTrainer's mean_token_accuracy).
@@ -104,6 +104,7 @@ class TrlPatch:
         self.models = []
         self.calls = collections.Counter()
         self._saved = []
+        self._inline = None  # the runtime sending W inline (a ZeRO-3 head), made on first use
 
     def remove(self):
         """Puts TRL's fused forwards back and frees the cached head."""
@@ -111,13 +112,16 @@ class TrlPatch:
             model.forward = forward
             model._lossd_trl_patch = None
         self._saved = []
-        self.runtime.close()
+        for rt in (self.runtime, self._inline):
+            if rt is not None:
+                rt.close()
 
 
 def _per_token(patch, x, lm_head, labels, temperature, top1, fp32_head):
     """(log p, entropy, is_top1 or None) of the rows x (N, H) against labels (N)."""
     w, b = lm_head.weight, lm_head.bias
     _refuse_sharded(w, "TRL's fused LM head")
+    runtime = _inline_runtime(patch) if _zero3(w, "TRL's fused LM head") else patch.runtime
     if _under_fsdp(patch.model_of_call):
         # As transformers.LossdPatch.loss: FSDP2 frees the gathered head's storage, which
         # the client's numpy view would have pinned.
@@ -126,14 +130,14 @@ def _per_token(patch, x, lm_head, labels, temperature, top1, fp32_head):
         x = x.float()
     with torch.autocast(x.device.type, enabled=not fp32_head and
                         torch.is_autocast_enabled(x.device.type)):
-        logp, entropy = logprob_entropy(x, w, labels, temperature, b, patch.runtime, None,
+        logp, entropy = logprob_entropy(x, w, labels, temperature, b, runtime, None,
                                         patch.keep_ms)
         is_top1 = None
         if top1:
             with torch.no_grad():  # the argmax does not depend on the temperature
                 out = lossd_fused_linear_cross_entropy(
                     x.detach(), w.detach(), labels, None if b is None else b.detach(),
-                    reduction="none", return_predicted_tokens=True, runtime=patch.runtime)
+                    reduction="none", return_predicted_tokens=True, runtime=runtime)
             is_top1 = out.predicted_tokens.to(labels.device) == labels
     return logp, entropy, is_top1
 

@@ -32,7 +32,7 @@ from lossd._rl_logprob import DEFAULT_KEEP_MS
 from lossd.nn import LossdRuntime
 from lossd.rl import fused_linear_for_ppo
 from lossd.integrations.transformers import (
-    _connect, _named, _refuse_sharded, _under_fsdp)
+    _connect, _inline_runtime, _named, _refuse_sharded, _under_fsdp, _zero3)
 
 
 @dataclass
@@ -52,6 +52,7 @@ class VerlPatch:
         self.runtime, self.keep_ms = runtime, keep_ms
         self.calls = collections.Counter()
         self._saved = None
+        self._inline = None  # the runtime sending W inline (a ZeRO-3 head), made on first use
 
     def remove(self):
         model = self.model
@@ -62,19 +63,22 @@ class VerlPatch:
         else:
             del model.forward  # the class's forward again
         model._lossd_verl_patch = None
-        self.runtime.close()
+        for rt in (self.runtime, self._inline):
+            if rt is not None:
+                rt.close()
 
     def per_token(self, hidden, rolled, temperature):
         lm_head = self.model.lm_head
         w, b = lm_head.weight, lm_head.bias
         _refuse_sharded(w, "verl's fused kernels")
+        runtime = _inline_runtime(self) if _zero3(w, "verl's fused kernels") else self.runtime
         if _under_fsdp(self.model):
             # As lossd.integrations.transformers: FSDP2 frees the gathered head's storage,
             # which the client's numpy view would have pinned.
             w, b = w.clone(), None if b is None else b.clone()
         self.calls["ppo"] += 1
         return _named(self.address, fused_linear_for_ppo, hidden, w, rolled, temperature,
-                      bias=b, runtime=self.runtime, keep_ms=self.keep_ms)
+                      bias=b, runtime=runtime, keep_ms=self.keep_ms)
 
 
 @torch.compiler.disable
