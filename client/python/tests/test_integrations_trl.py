@@ -348,3 +348,21 @@ def test_a_server_lost_mid_training_is_named(tmp_path):
     with pytest.raises(lossd.UnavailableError) as e:
         _sft_path(got.model, inputs, torch.tensor(10))
     assert "lossd server %s:" % srv.address in str(e.value)
+
+
+def test_the_head_goes_once_per_version(address, tmp_path):
+    """SFTTrainer's call sends the head twice (log p, then is_top1) under one cached handle:
+    W is uploaded once while unchanged, and once more after the optimizer changed it."""
+    _, got, patch = _pair("sft", tmp_path, address, tiny_llama)
+    client = patch.runtime.client
+    uploads = []
+    put = client.put_weights
+    client.put_weights = lambda *a, **k: uploads.append(1) or put(*a, **k)
+    inputs = _inputs(24)
+    for _ in range(2):
+        _sft_path(got.model, inputs, torch.tensor(10))
+    assert len(uploads) == 1, "W uploaded %d times for one version" % len(uploads)
+    with torch.no_grad():
+        got.model.lm_head.weight.mul_(0.5)  # an optimizer step, in place
+    _sft_path(got.model, inputs, torch.tensor(10))
+    assert len(uploads) == 2, "W uploaded %d times for two versions" % len(uploads)

@@ -134,10 +134,12 @@ def _per_token(patch, x, lm_head, labels, temperature, top1, fp32_head):
                                         patch.keep_ms)
         is_top1 = None
         if top1:
-            with torch.no_grad():  # the argmax does not depend on the temperature
+            # The argmax does not depend on the temperature. W itself (not a detached alias,
+            # a new tensor the weight cache would not know) so its cached handle serves.
+            with torch.no_grad():
                 out = lossd_fused_linear_cross_entropy(
-                    x.detach(), w.detach(), labels, None if b is None else b.detach(),
-                    reduction="none", return_predicted_tokens=True, runtime=runtime)
+                    x.detach(), w, labels, b, reduction="none", return_predicted_tokens=True,
+                    runtime=runtime)
             is_top1 = out.predicted_tokens.to(labels.device) == labels
     return logp, entropy, is_top1
 
