@@ -16,6 +16,9 @@
 // gradients on the kept inputs: logits again, dX, dW), timed together in the same rounds as the
 // floor and the one-phase logprob, so the 8-against-6 BT H V cost is measured
 // (two_phase_row.h states it).
+// With policy among the kinds and --policy_sequence=S, the row "policy_seq": the policy kind at
+// sequence level over sequences of S rows as the CUDA backend runs it (policy_sequence.h), its
+// host step timed too, against the same 6 BT H V floor (its GEMMs are 8 BT H V: ~1.33x).
 // Reads --shapes, --runs and --warmup (kernel_flags.h; its other flags are bench_kernel's) and
 // its own flags below. Exit codes: 0; 1 on a failed call; 2 on a bad flag; 3 when a per-row
 // statistic came out non-finite.
@@ -45,7 +48,9 @@
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/cuda/policy_sequence.h"
 
 ABSL_FLAG(std::string, kinds, "cross_entropy,logprob,policy,distill",
           "loss kinds to time, in this order (cross_entropy, logprob, policy, distill)");
@@ -53,6 +58,9 @@ ABSL_FLAG(double, temperature, 1.0, "temperature T of logprob, policy and distil
 ABSL_FLAG(int64_t, teacher_h, 0, "distill's teacher hidden size (0: the student's H)");
 ABSL_FLAG(bool, two_phase, true,
           "with logprob in --kinds: also time the two-phase logprob (forward, then backward)");
+ABSL_FLAG(int64_t, policy_sequence, 0,
+          "with policy in --kinds and S > 0 dividing BT: also time the policy kind at sequence "
+          "level over sequences of S rows (the row policy_seq)");
 
 namespace lossd {
 namespace bench {
@@ -367,6 +375,62 @@ int RunTwoPhase(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
   return 0;
 }
 
+// The policy kind at sequence level over sequences of `seq` rows, as CudaBackend::Compute runs
+// it: EnqueueSequenceForward (the forward pass, logp to the host, the coefficients uploaded),
+// then the gradient pass; in the same rounds as the floor and the tuned floor.
+int RunPolicySequence(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
+                      cuda::FusedLoss& floor_engine, const ShapeBuffers& b, int64_t seq,
+                      KindRow* row) {
+  cudaStream_t stream = engine.stream();
+  std::vector<float> adv(b.bt), old(b.bt), ref(b.bt);
+  std::vector<int32_t> targets32(b.bt);
+  BENCH_CHECK_CUDA(cudaMemcpy(adv.data(), b.advantages, b.bt * 4, cudaMemcpyDeviceToHost));
+  BENCH_CHECK_CUDA(cudaMemcpy(old.data(), b.old_logp, b.bt * 4, cudaMemcpyDeviceToHost));
+  BENCH_CHECK_CUDA(cudaMemcpy(ref.data(), b.ref_logp, b.bt * 4, cudaMemcpyDeviceToHost));
+  BENCH_CHECK_CUDA(cudaMemcpy(targets32.data(), b.tg, b.bt * 4, cudaMemcpyDeviceToHost));
+  LossProblem p;
+  p.bt = b.bt, p.h = b.h, p.v = b.v;
+  p.kind = LossKind::kPolicy;
+  p.advantages = adv.data();
+  p.old_logp = old.data();
+  p.ref_logp = ref.data();
+  p.policy.sequences = b.bt / seq;
+  p.policy.importance_sampling = ImportanceSampling::kSequence;
+  const cuda::ChunkPlan plan = backend.Plan(ShapeFor(LossKind::kPolicy, b));
+  void* ws = nullptr;
+  BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
+  std::vector<std::unique_ptr<BackendBuffer>> held;
+  cuda::CallBuffers m([&backend](uint64_t n) { return backend.Allocate(n); }, &held, stream);
+  const float temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
+  std::vector<std::function<absl::Status()>> bodies = {
+      [&]() { return Floor(floor_engine, stream, b, false, false); },
+      [&]() { return Floor(engine, stream, b, false, false); },
+      [&]() -> absl::Status {
+        cuda::DeviceLossArgs a = ArgsOf(LossKind::kPolicy, b, temperature);
+        absl::Status s = cuda::EnqueueSequenceForward(engine, m, p, targets32, plan, ws, &a);
+        return s.ok() ? engine.Enqueue(a, plan, ws) : s;
+      }};
+  std::vector<double> ms;
+  if (TimeRoundsMs(stream, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_runs), bodies,
+                   &ms)) {
+    return 1;
+  }
+  BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+  BENCH_CHECK_CUDA(cudaFree(ws));
+  row->bt = b.bt, row->h = b.h, row->v = b.v;
+  row->kind = "policy_seq";
+  row->chunk_rows = plan.chunk_rows;
+  row->schedule = static_cast<int>(plan.schedule);
+  row->workspace = plan.workspace_bytes;
+  row->flop = 6.0 * b.bt * b.v * b.h;
+  row->floor_ms = ms[0], row->tuned_floor_ms = ms[1], row->ms = ms[2];
+  std::fprintf(stderr, "  %lldx%lldx%lld policy_seq (S %lld): C=%lld %.2f ms (floor %.2f)\n",
+               static_cast<long long>(b.bt), static_cast<long long>(b.h),
+               static_cast<long long>(b.v), static_cast<long long>(seq),
+               static_cast<long long>(plan.chunk_rows), row->ms, row->floor_ms);
+  return 0;
+}
+
 // The shape's buffers for the kinds asked for.
 int AllocateShape(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
                   const std::vector<LossKind>& kinds, ShapeBuffers* b) {
@@ -507,6 +571,12 @@ int Main() {
         TwoPhaseTimes t;
         if (RunTwoPhase(**backend, **engine, **floor_engine, b, &t)) return 1;
         two_phase.push_back(t);
+      }
+      const int64_t seq = absl::GetFlag(FLAGS_policy_sequence);
+      if (k == LossKind::kPolicy && seq > 0 && b.bt % seq == 0) {
+        KindRow seq_row;
+        if (RunPolicySequence(**backend, **engine, **floor_engine, b, seq, &seq_row)) return 1;
+        rows.push_back(seq_row);
       }
     }
     if (FreeShape(b)) return 1;
