@@ -28,7 +28,8 @@ for s in ${STEPS:-ref other sample fused wide}; do
     tests)
       for t in plugin_exposer_test plugin_compute_test ce_kernels_test nonfinite_test \
           cuda_backend_test cuda_backend_api_test cuda_backend_stream_test sticky_error_test \
-          optimizer_test row_loss_test row_loss_paths_test two_phase_gpu_test ref_exp_test; do
+          optimizer_test row_loss_test row_loss_paths_test two_phase_gpu_test ref_exp_test \
+          policy_sequence_test; do
         [ -x "./$t" ] || { echo "$t: absent" >> "$OUT/tests.txt"; continue; }
         step "test $t"
         timeout "${T_TEST:-150}" "./$t" > "$OUT/$t.log" 2>&1; code=$?

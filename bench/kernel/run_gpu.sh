@@ -18,7 +18,7 @@ rc=0
 cat "$OUTDIR/gpu.txt"
 for t in plugin_exposer_test plugin_compute_test ce_kernels_test nonfinite_test cuda_backend_test \
     cuda_backend_api_test cuda_backend_stream_test sticky_error_test optimizer_test \
-    row_loss_test row_loss_paths_test two_phase_gpu_test ref_exp_test; do
+    row_loss_test row_loss_paths_test two_phase_gpu_test ref_exp_test policy_sequence_test; do
   [ -x "./$t" ] || { echo "$t: absent"; continue; }
   timeout "${TEST_TIMEOUT:-200}" "./$t" ${GTEST_ARGS:-} > "$OUTDIR/$t.log" 2>&1
   code=$?
