@@ -254,6 +254,7 @@ struct ServerInfoResult {
   uint32_t max_in_flight = 0;
   uint32_t accumulators = 0;
   std::vector<std::string> features;  // see engine/features.h
+  std::string compute_path;  // the backend's compute path; empty from an older server
 };
 
 // One weight handle, accumulator or hosted head of the caller's, as List reports it.

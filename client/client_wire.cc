@@ -118,6 +118,7 @@ ServerInfoResult ServerInfoFromProto(const v1::ServerInfoResponse& resp) {
   info.max_in_flight = resp.max_in_flight();
   info.accumulators = resp.accumulators();
   info.features.assign(resp.features().begin(), resp.features().end());
+  info.compute_path = resp.compute_path();
   return info;
 }
 

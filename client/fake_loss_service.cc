@@ -403,6 +403,7 @@ grpc::Status FakeLossService::ServerInfo(grpc::ServerContext* ctx, const v1::Ser
   resp->set_instance("fake-instance");
   resp->set_backend("cpu");
   resp->set_device("fake device");
+  resp->set_compute_path("cpu");
   resp->set_memory_total_bytes(1000);
   resp->set_max_part_bytes(16 << 20);
   resp->set_max_bt(1 << 20);

@@ -184,6 +184,9 @@ absl::Status RunInfo(CommandOutput& out) {
   field("instance", info.instance, info.instance);
   field("backend", info.backend, info.backend);
   field("device", info.device, info.device);
+  // An older server sends none: "(not reported)" in text, "" in JSON.
+  field("compute_path", info.compute_path,
+        info.compute_path.empty() ? "(not reported)" : info.compute_path);
   field("memory_total", info.memory_total_bytes,
         absl::StrFormat("%d bytes (%s)", info.memory_total_bytes,
                         BinarySize(info.memory_total_bytes)));

@@ -62,7 +62,8 @@ TEST_F(LossctlTest, JsonOutput) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, ::testing::StartsWith("{\"command\": \"info\", \"ok\": true, "
                                               "\"target\": \"127.0.0.1:"));
-  EXPECT_THAT(r.output, HasSubstr("\"backend\": \"cpu\", \"device\": \"fake device\""));
+  EXPECT_THAT(r.output, HasSubstr("\"backend\": \"cpu\", \"device\": \"fake device\", "
+                                  "\"compute_path\": \"cpu\""));
   EXPECT_THAT(r.output, ::testing::EndsWith("}\n"));
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
   r = Lossctl("compute --bt=6 --h=4 --v=16 --want=dx --json");
@@ -117,7 +118,8 @@ TEST_F(LossctlTest, Info) {
   Result r = Lossctl("info");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("backend             cpu"));
-  EXPECT_THAT(r.output, HasSubstr("device              fake device"));
+  EXPECT_THAT(r.output, HasSubstr("device              fake device\n"));
+  EXPECT_THAT(r.output, HasSubstr("compute_path        cpu\n"));
   EXPECT_THAT(r.output, HasSubstr("version             0.0-fake"));
   // Sizes in GiB, the unit of the server's log ("23.54 GiB"), never decimal GB.
   EXPECT_THAT(r.output, HasSubstr("memory_total        1000 bytes (1000 B)\n"));

@@ -48,6 +48,10 @@ struct BackendInfo {
   // LossKindBit of every LossKind this backend computes; others are refused by the engine
   // (UNIMPLEMENTED, naming the backend) before any tensor is read.
   uint32_t loss_kinds = LossKindBit(LossKind::kCrossEntropy);
+  // The compute path a Compute takes, for operators (ServerInfo.compute_path): the CPU
+  // backend's name; on the CUDA backend the cross-entropy path the device chose (reference-exp
+  // or row-chunk) and its default chunk rows. Empty: not reported (a plugin of ABI 6.0).
+  std::string compute_path;
 };
 
 // Whether a Compute writes a gradient, adds it into an fp32 accumulator, or skips it.

@@ -38,7 +38,8 @@
  * head's optimizer_step and sum_of_squares; 4 the loss kinds (logprob, policy, distill): their
  * inputs, options and outputs, and which kinds a backend computes; 5 the policy loss types
  * cispo, sapo and luspo and their options. 6.0: version 5's structs and functions, versioned
- * major.minor (the entry point answers every minor of its major).
+ * major.minor (the entry point answers every minor of its major). 6.1: LossdBackendInfo's
+ * compute_path.
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -52,7 +53,7 @@ extern "C" {
 
 /* major.minor packed into 32 bits: (major << 16) | minor. */
 #define LOSSD_PLUGIN_ABI_MAJOR 6u
-#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 0u
+#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 1u
 #ifndef LOSSD_PLUGIN_ABI_MINOR
 #define LOSSD_PLUGIN_ABI_MINOR LOSSD_PLUGIN_ABI_CURRENT_MINOR
 #endif
@@ -244,6 +245,11 @@ typedef struct LossdBackendInfo {
   uint64_t memory_budget_bytes;
   int32_t healthy; /* 0 after a sticky device error */
   uint32_t loss_kinds; /* version 4: bit (1 << LOSSD_LOSS_*) of every kind it computes */
+#if LOSSD_PLUGIN_ABI_MINOR >= 1
+  /* 6.1: lossd::BackendInfo::compute_path, the path a Compute takes; empty (all zero, as from
+   * a 6.0 plugin) = not reported. */
+  char compute_path[128];
+#endif
 } LossdBackendInfo;
 
 /* What a Compute's workspace depends on (lossd::WorkspaceShape): shapes and which buffers

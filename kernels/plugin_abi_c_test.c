@@ -17,9 +17,13 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 0u,
-                    "the ABI version is 6.0");
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60000u, "major.minor packed as major << 16");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 1u,
+                    "the ABI version is 6.1");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60001u, "major.minor packed as major << 16");
+  /* 6.1's field comes after every field of 6.0. */
+  failures += Check(offsetof(LossdBackendInfo, compute_path)
+                        > offsetof(LossdBackendInfo, loss_kinds),
+                    "6.1's compute_path at the end of LossdBackendInfo");
   failures += Check(LOSSD_PLUGIN_ABI_MAJOR_OF(0x60002u) == 6u
                         && LOSSD_PLUGIN_ABI_MINOR_OF(0x60002u) == 2u
                         && LOSSD_PLUGIN_ABI_MAJOR_OF(5u) == 5u && LOSSD_PLUGIN_ABI_MINOR_OF(5u) == 0u,

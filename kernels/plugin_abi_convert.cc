@@ -311,6 +311,9 @@ LossdBackendInfo ToC(const BackendInfo& i) {
   LossdBackendInfo c{};
   CopyCut(i.name, c.name, sizeof(c.name));
   CopyCut(i.device, c.device, sizeof(c.device));
+#if LOSSD_PLUGIN_ABI_MINOR >= 1
+  CopyCut(i.compute_path, c.compute_path, sizeof(c.compute_path));
+#endif
   VisitInfoNumbers(i, c, IntoC());
   return c;
 }
@@ -320,6 +323,9 @@ BackendInfo FromC(const LossdBackendInfo& c) {
   // The arrays are NUL-terminated by ToC; strnlen guards a plugin that did not.
   i.name.assign(c.name, strnlen(c.name, sizeof(c.name)));
   i.device.assign(c.device, strnlen(c.device, sizeof(c.device)));
+#if LOSSD_PLUGIN_ABI_MINOR >= 1
+  i.compute_path.assign(c.compute_path, strnlen(c.compute_path, sizeof(c.compute_path)));
+#endif
   VisitInfoNumbers(i, c, OutOfC());
   return i;
 }

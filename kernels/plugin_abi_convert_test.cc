@@ -321,6 +321,7 @@ TEST(PluginAbiConvertTest, InfoRoundTripsAndLongNamesAreCut) {
   i.memory_budget_bytes = 5;
   i.healthy = false;
   i.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kPolicy);
+  i.compute_path = "reference-exp for bf16 cross-entropy (row-chunk otherwise), 2048-row chunks";
   const BackendInfo r = FromC(ToC(i));
   EXPECT_EQ(r.name, "cuda");
   EXPECT_EQ(r.device, "NVIDIA H200");
@@ -331,8 +332,11 @@ TEST(PluginAbiConvertTest, InfoRoundTripsAndLongNamesAreCut) {
   EXPECT_EQ(r.memory_budget_bytes, 5u);
   EXPECT_FALSE(r.healthy);
   EXPECT_EQ(r.loss_kinds, 5u);
+  EXPECT_EQ(r.compute_path, i.compute_path);
   i.device = std::string(1000, 'd');
+  i.compute_path = std::string(1000, 'p');
   EXPECT_EQ(FromC(ToC(i)).device, std::string(255, 'd'));
+  EXPECT_EQ(FromC(ToC(i)).compute_path, std::string(127, 'p'));
 }
 
 }  // namespace

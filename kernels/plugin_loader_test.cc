@@ -71,7 +71,7 @@ TEST(PluginLoaderTest, BrokenPluginIsFailedPrecondition) {
 }
 
 // The fake plugins' paths (fake_plugin.cc says what each is), from the test's arguments.
-std::string g_no_entry, g_v1, g_v5, g_next_major, g_newer_minor, g_cpu;
+std::string g_no_entry, g_v1, g_v5, g_next_major, g_newer_minor, g_cpu, g_cpu_6_0;
 
 std::string Absolute(const std::string& path) {
   char* real = realpath(path.c_str(), nullptr);
@@ -185,6 +185,40 @@ TEST(PluginLoaderTest, EntryPointAnswersEveryMinorOfItsMajor) {
   EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION);
 }
 
+// A plugin built at the minor before this server's (6.0) loads and computes: the functions
+// and fields of 6.0 cross as they did, and a field its minor lacks (6.1's compute_path) reads
+// as absent, not as whatever lies past the end of its struct.
+TEST(PluginLoaderTest, PluginOfAnOlderMinorLoadsAndComputes) {
+  ASSERT_GE(LOSSD_PLUGIN_ABI_CURRENT_MINOR, 1u);
+  const std::string path = Absolute(g_cpu_6_0);
+  absl::StatusOr<CudaPluginProbe> probe = ProbeCudaPlugin(path);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  EXPECT_EQ(probe->abi_version, LOSSD_PLUGIN_ABI_VERSION_OF(LOSSD_PLUGIN_ABI_MAJOR, 0));
+  absl::StatusOr<std::unique_ptr<Backend>> b = LoadCudaBackend(path, DefaultCudaOptions());
+  ASSERT_TRUE(b.ok()) << b.status();
+  Backend& plugin = **b;
+  CpuBackend direct(2);
+  const BackendInfo got = plugin.Info(), want = direct.Info();
+  EXPECT_EQ(got.name, "cpu");
+  EXPECT_EQ(got.device, want.device);
+  EXPECT_EQ(got.loss_kinds, want.loss_kinds);
+  EXPECT_TRUE(got.healthy);
+  EXPECT_EQ(want.compute_path, "cpu");
+  EXPECT_EQ(got.compute_path, "");
+  const RandomProblem rp = RandomProblem::Make(
+      SpecOf(47, 31, 123, DType::kBF16, CombinedOptions(Reduction::kMean, 10), 1.0f, 61));
+  const LossProblem p = rp.problem();
+  HostOutputs want_out(p, DType::kBF16), got_out(p, DType::kBF16);
+  LossStats want_stats, got_stats;
+  ASSERT_TRUE(direct.Compute(p, want_out.outputs(), &want_stats).ok());
+  const absl::Status st = plugin.Compute(p, got_out.outputs(), &got_stats);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(BitIdentical(want_out, got_out));
+  ExpectSameStats(got_stats, want_stats, "6.0 plugin");
+  EXPECT_EQ(plugin.WorkspaceBytes(ShapeOf(p, got_out.outputs())),
+            direct.WorkspaceBytes(ShapeOf(p, want_out.outputs())));
+}
+
 // What loading the fake CPU plugin on `device` returns (its status).
 absl::Status LoadStatusOnDevice(int32_t device) {
   LossdCudaOptions o = DefaultCudaOptions();
@@ -220,6 +254,8 @@ TEST_F(FakePluginTest, InfoCrosses) {
   const BackendInfo got = plugin_->Info();
   const BackendInfo want = direct_.Info();
   EXPECT_EQ(got.name, "cpu");
+  EXPECT_EQ(want.compute_path, "cpu");
+  EXPECT_EQ(got.compute_path, want.compute_path);  // ABI 6.1's field
   EXPECT_EQ(got.device, want.device);
   EXPECT_EQ(got.memory_total_bytes, want.memory_total_bytes);
   EXPECT_NE(got.loss_kinds, 0u);
@@ -440,8 +476,10 @@ TEST_F(FakePluginTest, FailedRowWaitCrossesBack) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  if (argc != 7) {
-    std::fprintf(stderr, "usage: %s NO_ENTRY.so V1.so V5.so NEXT_MAJOR.so NEWER_MINOR.so CPU.so\n",
+  if (argc != 8) {
+    std::fprintf(stderr,
+                 "usage: %s NO_ENTRY.so V1.so V5.so NEXT_MAJOR.so NEWER_MINOR.so CPU.so "
+                 "CPU_6_0.so\n",
                  argv[0]);
     return 2;
   }
@@ -451,5 +489,6 @@ int main(int argc, char** argv) {
   lossd::g_next_major = argv[4];
   lossd::g_newer_minor = argv[5];
   lossd::g_cpu = argv[6];
+  lossd::g_cpu_6_0 = argv[7];
   return RUN_ALL_TESTS();
 }

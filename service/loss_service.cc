@@ -176,6 +176,7 @@ grpc::ServerUnaryReactor* LossService::ServerInfo(grpc::CallbackServerContext* c
     r->set_instance(options_.instance);
     r->set_backend(b.name);
     r->set_device(b.device);
+    r->set_compute_path(b.compute_path);
     r->set_memory_total_bytes(b.memory_total_bytes);
     r->set_memory_budget_bytes(o.memory_budget_bytes);
     r->set_memory_in_use_bytes(engine_->budget().in_use());

@@ -201,6 +201,7 @@ TEST_F(E2eTest, ServerInfoDescribesTheServer) {
   v1::ServerInfoResponse info;
   ASSERT_TRUE(h_->stub().ServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok());
   EXPECT_EQ(info.backend(), "cpu");
+  EXPECT_EQ(info.compute_path(), "cpu");  // the CPU backend's BackendInfo, field 17
   EXPECT_FALSE(info.instance().empty());
   EXPECT_EQ(info.memory_budget_bytes(), h_->engine().options().memory_budget_bytes);
   EXPECT_GT(info.max_part_bytes(), 0u);

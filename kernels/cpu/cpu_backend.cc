@@ -171,6 +171,7 @@ BackendInfo CpuBackend::Info() {
   info.memory_held_bytes = static_cast<uint64_t>(std::max<int64_t>(0, memory_->held.load()));
   info.healthy = true;
   info.loss_kinds = kCpuLossKinds;
+  info.compute_path = "cpu";  // one path: OpenBLAS row chunks
   return info;
 }
 

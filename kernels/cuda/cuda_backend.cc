@@ -167,6 +167,13 @@ BackendInfo CudaBackend::Info() {
   BackendInfo info;
   info.name = "cuda";
   info.device = device_name_;
+  // The choice Create made (device_tuning.h), not a per-shape plan: the reference-exp path
+  // takes the bf16 cross-entropy problems it covers, the row-chunk path the rest.
+  info.compute_path = absl::StrCat(
+      ref_exp_ ? "reference-exp for bf16 cross-entropy (row-chunk otherwise)" : "row-chunk",
+      options_.chunk_budget_bytes != 0
+          ? absl::StrCat(", chunks of a ", options_.chunk_budget_bytes >> 20, " MiB budget")
+          : absl::StrCat(", ", default_chunk_rows_, "-row chunks"));
   size_t free_bytes = 0, total_bytes = 0;
   if (cudaSetDevice(options_.device) == cudaSuccess &&
       cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {

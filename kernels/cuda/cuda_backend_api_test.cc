@@ -233,6 +233,38 @@ TEST_F(CudaTest, InfoReportsTheDevice) {
   EXPECT_EQ(backend_->Info().memory_budget_bytes, 0u);  // the fixture's: none
 }
 
+// Info names the path Create chose and its chunk rows (ServerInfo.compute_path).
+TEST_F(CudaTest, InfoNamesTheActivePath) {
+  CudaBackendOptions o;
+  o.ref_exp = RefExpChoice::kOff;
+  o.default_chunk_rows = 1024;
+  auto off = CudaBackend::Create(o);
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ((*off)->Info().compute_path, "row-chunk, 1024-row chunks");
+  o.ref_exp = RefExpChoice::kOn;
+  auto on = CudaBackend::Create(o);
+  ASSERT_TRUE(on.ok()) << on.status();
+  // On where the plugin has the CUTLASS GEMM and the device is sm_90; row-chunk elsewhere.
+  EXPECT_EQ((*on)->Info().compute_path,
+            (*on)->ref_exp()
+                ? "reference-exp for bf16 cross-entropy (row-chunk otherwise), 1024-row chunks"
+                : "row-chunk, 1024-row chunks");
+  o.chunk_budget_bytes = 256u << 20;
+  auto budget = CudaBackend::Create(o);
+  ASSERT_TRUE(budget.ok()) << budget.status();
+  EXPECT_EQ((*budget)->Info().compute_path,
+            (*budget)->ref_exp()
+                ? "reference-exp for bf16 cross-entropy (row-chunk otherwise), chunks of a 256 "
+                  "MiB budget"
+                : "row-chunk, chunks of a 256 MiB budget");
+  // The shared backend's: the device's own default.
+  const std::string mine = backend_->Info().compute_path;
+  EXPECT_EQ(mine.rfind(backend_->ref_exp() ? "reference-exp" : "row-chunk", 0), 0u) << mine;
+  EXPECT_NE(mine.find(absl::StrCat(", ", backend_->default_chunk_rows(), "-row chunks")),
+            std::string::npos)
+      << mine;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace lossd

@@ -105,6 +105,9 @@ TEST_F(PluginComputeTest, InfoAndHostMemory) {
   EXPECT_EQ(got.device, want.device);
   EXPECT_EQ(got.memory_total_bytes, want.memory_total_bytes);
   EXPECT_TRUE(got.healthy);
+  // ABI 6.1's field crosses: the path the device chose.
+  EXPECT_FALSE(got.compute_path.empty());
+  EXPECT_EQ(got.compute_path, want.compute_path);
   HostMemory* m = plugin_->host_memory();
   ASSERT_NE(m, nullptr);
   void* p = m->Allocate(1 << 20);

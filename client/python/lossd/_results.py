@@ -99,6 +99,9 @@ class ServerInfo:
     max_in_flight: int
     accumulators: int
     features: list = dataclasses.field(default_factory=list)  # see require_feature
+    # The backend's compute path ("cpu", or the CUDA path and its chunk rows); "" from an
+    # older server.
+    compute_path: str = ""
 
 
 @dataclasses.dataclass

@@ -411,6 +411,11 @@ def test_server_info_and_health(client):
     assert info.max_part_bytes >= 1 and info.max_bt > 0 and info.max_h > 0 and info.max_v > 0
     assert info.memory_budget_bytes > 0
     assert "refuse_unknown_fields" in info.features
+    # The backend's compute path: the CPU backend's name, or the CUDA path and its chunk rows.
+    if BACKEND == "cpu":
+        assert info.compute_path == "cpu"
+    else:
+        assert info.compute_path.startswith(("reference-exp", "row-chunk")), info.compute_path
 
 
 def test_a_closed_client_raises_its_own_error(lossd_server):
