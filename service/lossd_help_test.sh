@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# `lossd --help` exits 0 and lists every flag that service/main.cc defines (Abseil's --help
-# shows only the flags of files named after the program, which main.cc is not, unless main
+# `lossd --help` exits 0 and lists every flag that service/flags.cc defines (Abseil's --help
+# shows only the flags of files named after the program, which flags.cc is not, unless main
 # tells it so).
 set -euo pipefail
 LOSSD=$1

@@ -88,7 +88,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend() {
 std::string NonDefaultFlags() {
   std::vector<std::string> set;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (!absl::EndsWith(flag->Filename(), "service/main.cc")) continue;
+    if (!absl::EndsWith(flag->Filename(), "service/flags.cc")) continue;
     if (flag->CurrentValue() == flag->DefaultValue()) continue;
     set.push_back(absl::StrCat("--", name, "=", flag->CurrentValue()));
   }
@@ -479,10 +479,10 @@ int Main() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("fused linear + cross-entropy as a gRPC service");
   // --help lists the flags of the files named after the program (lossd.cc, lossd_main.cc);
-  // lossd's flags are all in this file, so it counts as the program's.
+  // lossd's flags are all in service/flags.cc, so it counts as the program's.
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "service/main.cc");
+    return absl::EndsWith(file, "service/flags.cc");
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   // --version: Abseil calls this after parsing every flag, so --cuda_plugin names the plugin
