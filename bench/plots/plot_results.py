@@ -14,7 +14,16 @@ from the first table that has them (RESULTS.md's headline: the backend's default
 fastest row. The floor's memory is not measured: it is drawn as the BT x V bf16 logits it must
 hold. Where no two shapes differ only in V, the V plots take one BT and let H vary (marked on
 the axis), and time is drawn relative to the floor.
-Never invents numbers: writes no plot when the file holds no such table.
+Never invents numbers: writes no plot when the file holds no such table. A table under a
+heading that names another GPU than the file's `GPU:` line (the H100 round in an H200 file) is
+left out of these plots.
+
+anchors.png, the picture of the top-level README: the last measured "In-process anchors beside
+lossd" section of the file (its heading names the GPU and the date), lossd beside the other
+fused ops timed in the same process (Liger-Kernel, QuACK) and naive PyTorch: time against the
+PyTorch 3-GEMM floor of the same call (the slower ratio where an op was timed twice), and
+device memory beyond the inputs and the op's own outputs (lossd's measured extra from the
+section's table; the others' "beyond dX, dW" from the bench/results/anchors_*.md it cites).
 
 Usage: plot_results.py [--results bench/RESULTS.md] [--out bench/plots]
 """
@@ -87,10 +96,31 @@ def split_row(line):
     return [c.strip() for c in cells]
 
 
+GPU_MODEL_RE = re.compile(r"\b[A-Z]{1,3}\d{2,4}\b")
+
+
+def other_gpu_lines(lines, gpu):
+    """The lines with every section whose heading (or a heading above it) names a GPU model
+    other than the file's ("one H100 80GB HBM3" in an H200 file) blanked, so that one GPU's
+    tables are never drawn with another's."""
+    if not gpu:
+        return lines
+    out, stack = [], []  # stack: (level, names another GPU) of the headings above a line
+    for line in lines:
+        m = re.match(r"^(#+)\s", line)
+        if m:
+            level = len(m.group(1))
+            stack = [h for h in stack if h[0] < level]
+            stack.append((level, any(g not in gpu for g in GPU_MODEL_RE.findall(line))))
+        out.append("" if any(other for _, other in stack) else line)
+    return out
+
+
 def parse_results(text):
-    """Returns {(bt, h, v): {quantity: value}}; times in ms, memory in bytes."""
+    """Returns {(bt, h, v): {quantity: value}}; times in ms, memory in bytes. Tables under a
+    heading that names another GPU than the file's `GPU:` line are left out."""
     data = defaultdict(dict)
-    lines = text.splitlines()
+    lines = other_gpu_lines(text.splitlines(), gpu_name(text))
     table_index = 0
     i = 0
     while i < len(lines):
@@ -269,6 +299,204 @@ def plot_all_shapes(plt, data, path, gpu=""):
     plt.close(fig)
 
 
+# The in-process anchors (RESULTS.md's "In-process anchors beside lossd" sections): which op a
+# column of their table holds, in the order the picture draws them, with the op's id in the
+# per-call tables of the bench/results file the section cites.
+ANCHOR_OPS = [("floor", "PyTorch 3-GEMM floor", "tab:gray"),
+              ("lossd", "lossd", "tab:blue"),
+              ("liger_cute", "Liger CuTe-DSL op", "tab:orange"),
+              ("liger_triton", "Liger Triton op", "tab:olive"),
+              ("quack", "QuACK chunked", "tab:purple"),
+              ("quack_scaled", "QuACK scaled-exp", "tab:pink"),
+              ("naive", "naive PyTorch", "tab:red")]
+ANCHOR_HEADING_RE = re.compile(r"^(#+)\s*In-process anchors beside lossd\b(.*)$")
+BYTES_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)\b")
+
+
+def anchor_op(name):
+    """Header text of an anchors table -> the op's id, or None."""
+    n = name.lower()
+    if "floor" in n:
+        return "floor"
+    if "lossd" in n:
+        return "lossd"
+    if "liger" in n:
+        return "liger_cute" if "cute" in n else "liger_triton" if "triton" in n else None
+    if "quack" in n:
+        return "quack_scaled" if "scaled" in n else "quack"
+    return "naive" if "naive" in n else None
+
+
+def anchor_cell(cell):
+    """"39.13 (1.042x), 39.25 (1.041x); 510 MiB" -> {"ratio": the slower timing's ratio to the
+    floor of its call, "mem": bytes or None}; "37.55 / 37.70" (a floor) -> {"ms": the first};
+    a cell with no timing ("not timed (below)") -> None."""
+    ratios = [float(r) for r in re.findall(r"\((\d+(?:\.\d+)?)x\)", cell)]
+    mem = BYTES_RE.search(cell)
+    mem = float(mem.group(1)) * BYTE_UNITS[mem.group(2).lower()] if mem else None
+    if ratios:
+        return {"ratio": max(ratios), "mem": mem}
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(ms)?\s*(/|\[|;|$)", cell)
+    return {"ms": float(m.group(1)), "mem": mem} if m else None
+
+
+def parse_anchor_sections(text):
+    """Every measured anchors section of RESULTS.md, in file order: {"heading", "gpu", "date",
+    "cited" (the bench/results/*.md it cites, or None), "shapes", "ops": {op: {shape: cell}}}.
+    A section whose table has no floor column (the how-to-run one) is left out."""
+    lines = text.splitlines()
+    sections = []
+    for i, line in enumerate(lines):
+        m = ANCHOR_HEADING_RE.match(line)
+        if not m:
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if re.match(
+            r"^#{1,%d}\s" % len(m.group(1)), lines[j])), len(lines))
+        body = lines[i + 1:end]
+        table = parse_anchor_table(body)
+        if table is None:
+            continue
+        shapes, ops = table
+        gpu = re.search(r"\b((?:NVIDIA )?[A-Z]{1,3}\d{2,4}[A-Za-z]?(?: \d+GB)?)\b", m.group(2))
+        date = re.search(r"\d{4}-\d{2}-\d{2}", m.group(2))
+        cited = re.search(r"bench/results/anchors_[\w.-]+\.md", "\n".join(body))
+        name = gpu.group(1) if gpu else ""
+        sections.append({"heading": line.lstrip("#").strip(),
+                         "gpu": name if not name or name.startswith("NVIDIA") else
+                         "NVIDIA " + name,
+                         "date": date.group(0) if date else "",
+                         "cited": cited.group(0) if cited else None,
+                         "shapes": shapes, "ops": ops})
+    return sections
+
+
+def parse_anchor_table(body):
+    """The first table in `body` whose first column is a shape and that has a floor column:
+    (shapes, {op: {shape: cell}}), or None."""
+    for i, line in enumerate(body[:-1]):
+        if not (line.strip().startswith("|") and re.match(r"^\s*\|?\s*:?-{3,}", body[i + 1])):
+            continue
+        header = split_row(line)
+        ops = [anchor_op(h) for h in header]
+        if "floor" not in ops or "bt" not in header[0].lower():
+            continue
+        shapes, found = [], defaultdict(dict)
+        for row in body[i + 2:]:
+            if not row.strip().startswith("|"):
+                break
+            cells = split_row(row)
+            m = SHAPE_RE.match(cells[0])
+            if not m:
+                continue
+            shape = tuple(int(g) for g in m.groups())
+            shapes.append(shape)
+            for cell, op in zip(cells[1:], ops[1:]):
+                parsed = anchor_cell(cell) if op else None
+                if parsed is not None:
+                    found[op][shape] = parsed
+        return shapes, dict(found)
+    return None
+
+
+def parse_beyond_outputs(text):
+    """The per-call table of a bench/results/anchors_*.md file -> {(op, shape): bytes}: each
+    op's peak device memory beyond the inputs and its own dX and dW ("beyond dX, dW", GiB), the
+    quantity lossd's measured extra is; the largest over the calls that measured it."""
+    out = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        header = [h.lower() for h in split_row(line)] if line.strip().startswith("|") else []
+        if "op" not in header or not any(h.startswith("beyond") for h in header):
+            continue
+        col_op, col_shape = header.index("op"), header.index("bt, h, v")
+        col_mem = next(k for k, h in enumerate(header) if h.startswith("beyond"))
+        for row in lines[i + 2:]:
+            if not row.strip().startswith("|"):
+                break
+            cells = split_row(row)
+            m = SHAPE_RE.match(cells[col_shape])
+            value = NUM_RE.match(cells[col_mem])
+            if m and value:
+                key = (cells[col_op], tuple(int(g) for g in m.groups()))
+                gib = float(value.group(1)) * 2 ** 30
+                out[key] = max(gib, out.get(key, 0.0))
+    return out
+
+
+def anchor_figure_data(section, beyond):
+    """{op: {shape: {"ratio", "mem"}}} for the picture: time against the floor of the same
+    call (the floor 1.0), memory beyond the inputs and the op's outputs (lossd's from
+    RESULTS.md, which measures that; the others' from the cited per-call table)."""
+    data = {}
+    for op, _, _ in ANCHOR_OPS:
+        per_shape = {}
+        for shape in section["shapes"]:
+            cell = section["ops"].get(op, {}).get(shape)
+            if cell is None:
+                continue
+            ratio = 1.0 if op == "floor" else cell.get("ratio")
+            mem = cell["mem"] if op == "lossd" else beyond.get((op, shape))
+            if ratio is not None:
+                per_shape[shape] = {"ratio": ratio, "mem": mem}
+        if per_shape:
+            data[op] = per_shape
+    return data
+
+
+def plot_anchors(plt, section, data, path):
+    """Two panels of bars, one group a shape: time / the floor, and extra memory (log)."""
+    shapes = section["shapes"]
+    ops = [o for o in ANCHOR_OPS if o[0] in data]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120)
+    width = 0.8 / len(ops)
+    for ax, quantity in zip(axes, ("ratio", "mem")):
+        for j, (op, label, color) in enumerate(ops):
+            for i, shape in enumerate(shapes):
+                x = i + (j - (len(ops) - 1) / 2.0) * width
+                value = data[op].get(shape, {}).get(quantity)
+                if value is None:
+                    ax.text(x, 1.0 if quantity == "ratio" else 0.05, "not timed",
+                            rotation=90, ha="center", va="bottom", fontsize=6, color=color)
+                    continue
+                y = value if quantity == "ratio" else value / 2 ** 30
+                ax.bar(x, y, width, color=color, label=label if i == 0 else None)
+                ax.text(x, y, "%.2f" % y if quantity == "ratio" or y < 1 else "%.1f" % y,
+                        ha="center",
+                        va="bottom", fontsize=6)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(["BT %d\nH %d\nV %d" % s for s in shapes], fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].axhline(1.0, color="tab:gray", linestyle="--", linewidth=0.8)
+    axes[0].set_ylim(0.9, None)
+    axes[0].set_ylabel("time / 3-GEMM floor of the same call")
+    axes[0].set_title("Forward + backward time (lower is better)", fontsize=10)
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("GiB beyond inputs and outputs")
+    axes[1].set_title("Extra device memory (lower is better)", fontsize=10)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("Fused linear + cross-entropy, bf16, in one process on one %s (%s)"
+                 % (section["gpu"] or "GPU", section["date"]), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def anchors_for_figure(text, results_path):
+    """The last measured anchors section of RESULTS.md and its figure data, or (None, None)."""
+    sections = parse_anchor_sections(text)
+    if not sections:
+        return None, None
+    section = sections[-1]
+    beyond = {}
+    if section["cited"]:
+        # The cited path is the repository's (bench/results/...); RESULTS.md lives in bench/.
+        cited = os.path.join(os.path.dirname(os.path.abspath(results_path)),
+                             section["cited"].split("/", 1)[1])
+        if os.path.isfile(cited):
+            beyond = parse_beyond_outputs(open(cited, encoding="utf-8").read())
+    return section, anchor_figure_data(section, beyond)
+
+
 def main(argv=None):
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -299,6 +527,11 @@ def main(argv=None):
     path = os.path.join(args.out, "all_shapes.png")
     plot_all_shapes(plt, data, path, gpu)
     written.append(path)
+    section, anchors = anchors_for_figure(text, args.results)
+    if anchors:
+        path = os.path.join(args.out, "anchors.png")
+        plot_anchors(plt, section, anchors, path)
+        written.append(path)
     for s in sorted(data):
         print("  %s: %s" % ("x".join(map(str, s)), ", ".join(
             "%s=%.4g" % (k, v) for k, v in sorted(data[s].items()))))
