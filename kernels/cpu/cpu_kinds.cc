@@ -69,7 +69,11 @@ uint64_t KindExtraBytes(const WorkspaceShape& s, int64_t chunk) {
     // (and at sequence level one log-ratio sum and count, and a coefficient, per sequence)
     bytes += static_cast<uint64_t>(s.bt) * (40 + sizeof(HeadRowStats));
   }
-  if (s.kind == LossKind::kDistill) {
+  // A top-k teacher's rows are read in place; each row keeps its state for its G.
+  if (s.kind == LossKind::kDistill && s.teacher_topk > 0) {
+    bytes += static_cast<uint64_t>(s.bt) * sizeof(TopkRowState);
+  }
+  if (s.kind == LossKind::kDistill && s.teacher_topk == 0) {
     const uint64_t c = chunk, v = s.v, th = s.teacher_h, f = sizeof(float);
     bytes += c * v * f;                                            // the teacher's logits chunk
     bytes += v * f;                                                // its bias in fp32
@@ -182,7 +186,10 @@ class KindPass {
     std::vector<RowResult> unused_rows;
     CpuChunkPass pass{p_,  out_,  k_.pool,     k_.ws,     unused_rp,  tg_,          0.0,
                       0.0, alpha, unused_rows, k_.x_copy, k_.want_dx, k_.dx_scratch};
-    if (p_.kind == LossKind::kDistill) {
+    if (p_.kind == LossKind::kDistill && p_.teacher_topk > 0) {
+      topk_state_.assign(p_.bt, TopkRowState());
+      pass.row = [this](int64_t i, float* z) { DistillTopkRowAt(i, z); };
+    } else if (p_.kind == LossKind::kDistill) {
       LOSSD_RETURN_IF_ERROR(SetUpTeacher(p_, k_, &teacher_));
       teacher_kp_ = kp_;
       teacher_kp_.bias = p_.teacher_bias != nullptr ? teacher_.bias_f.data() : nullptr;
@@ -199,6 +206,7 @@ class KindPass {
         const float* xc = nullptr;
         LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
         if (k_.want_grad && p_.kind == LossKind::kPolicy) PolicyGradients(c0, rows_c, &pass);
+        if (k_.want_grad && !topk_state_.empty()) TopkGradients(c0, rows_c, &pass);
         if (k_.want_grad) ChunkBackward(pass, c0, rows_c, xc);
       }
     }
@@ -387,16 +395,73 @@ class KindPass {
     chunk_start_ = c0;
   }
 
-  void DistillRowAt(int64_t i, float* z) {
-    float* zt = teacher_.z.data() + (i - chunk_start_) * v_;
-    const double k = tokens_ != 0 ? g_scale_ / static_cast<double>(tokens_) : 0.0;
-    const bool grad = k_.want_grad && counted_[i];
+  // distill's terms of row i: the divergence's, and the hard label's where it counts.
+  DistillRowTerms DistillTermsOf(int64_t i) const {
     const DistillParams& o = p_.distill;
     DistillRowTerms terms{o.jsd_beta, o.weight_soft_loss, 0.0, -1};
     if (counted_[i] && o.weight_hard_loss != 0.0f) {  // its labels are in [0, V) (validated)
       terms.w_hard = o.weight_hard_loss;
       terms.label = LoadAsInt(p_.targets, p_.target_dtype, i);
     }
+    return terms;
+  }
+
+  // Row i of a top-k teacher: its k ids and log-probs, read in place.
+  TopkTeacherRow TopkRowOf(int64_t i) const {
+    const int64_t n = p_.teacher_topk;
+    const size_t id_bytes = DTypeSize(p_.teacher_topk_id_dtype);
+    return TopkTeacherRow{static_cast<const char*>(p_.teacher_topk_ids) + i * n * id_bytes,
+                          p_.teacher_topk_id_dtype, p_.teacher_topk_logp + i * n, n,
+                          p_.distill.topk_tail};
+  }
+
+  // distill from the teacher's top-k: a counted row's state (validated: an ignored row's ids
+  // and log-probs are never read, so it takes only its statistics and a zero gradient); its
+  // G waits for the chunk's alpha (TopkGradients).
+  void DistillTopkRowAt(int64_t i, float* z) {
+    KindRow& r = rows_[i];
+    if (!counted_[i]) {
+      const HeadRowStats s = HeadRowForward(kp_, z, -1, false);
+      r.lse = s.lse;
+      r.argmax = s.argmax;
+      if (k_.want_grad) std::fill(z, z + v_, 0.0f);
+      return;
+    }
+    const DistillRowTerms terms = DistillTermsOf(i);
+    const TopkRowState& st = topk_state_[i] = DistillTopkForward(kp_, z, TopkRowOf(i), terms);
+    r.lse = st.stats.lse;
+    r.argmax = st.stats.argmax;
+    r.loss = terms.w_soft * st.divergence + terms.w_hard * st.hard;
+  }
+
+  // distill from the top-k, after a chunk's rows: a row's G can lie far below the a-priori
+  // 1 / tokens (a flat student spreads it over V), where an fp16 G would lose its digits; so
+  // the GEMMs' alpha is the chunk's own, from its rows' bounds, then each counted row's G.
+  void TopkGradients(int64_t c0, int64_t rows_c, CpuChunkPass* pass) {
+    double m = 0;
+    for (int64_t i = c0; i < c0 + rows_c; ++i) {
+      if (counted_[i]) m = std::max(m, topk_state_[i].g_bound);
+    }
+    const double gs = p_.options.grad_scale;
+    const double n = std::max<double>(1.0, static_cast<double>(tokens_));
+    pass->g_alpha = AlphaOf(std::abs(gs) * m / n);
+    const double k = gs / pass->g_alpha / n;
+    float* z = k_.ws.z_buf.data();
+    constexpr int64_t kRows = 8;  // rows per task
+    k_.pool.Run(CeilDiv(rows_c, kRows), [&](int64_t task) {
+      for (int64_t r = task * kRows; r < std::min(rows_c, (task + 1) * kRows); ++r) {
+        const int64_t i = c0 + r;
+        if (!counted_[i]) continue;  // zeroed by DistillTopkRowAt
+        WriteTopkGradient(kp_, z + r * v_, TopkRowOf(i), DistillTermsOf(i), topk_state_[i], k);
+      }
+    });
+  }
+
+  void DistillRowAt(int64_t i, float* z) {
+    float* zt = teacher_.z.data() + (i - chunk_start_) * v_;
+    const double k = tokens_ != 0 ? g_scale_ / static_cast<double>(tokens_) : 0.0;
+    const bool grad = k_.want_grad && counted_[i];
+    const DistillRowTerms terms = DistillTermsOf(i);
     const DistillRowResult d = DistillRow(kp_, teacher_kp_, z, zt, terms, k, grad);
     KindRow& r = rows_[i];
     r.lse = d.lse;
@@ -416,6 +481,7 @@ class KindPass {
   std::vector<double> weight_;       // policy's row weights
   std::vector<HeadRowStats> stats_;  // policy: each row's statistics, for its G
   std::vector<double> coef_;         // policy: each row's w_i dl_i/dlogp_i
+  std::vector<TopkRowState> topk_state_;  // distill from a top-k teacher: each row's, for its G
   double g_scale_ = 0;               // grad_scale over the GEMMs' alpha
   bool want_entropy_ = false;
   bool sequence_ = false;  // policy with sequence-level importance sampling

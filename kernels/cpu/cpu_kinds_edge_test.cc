@@ -141,7 +141,8 @@ TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
                                  LossKindBit(LossKind::kLogprob) | LossKindBit(LossKind::kPolicy) |
                                  LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
                                  kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit |
-                                 kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit);
+                                 kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
+                                 kDistillTopkBit);
 }
 
 }  // namespace

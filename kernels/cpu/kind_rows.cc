@@ -206,4 +206,142 @@ DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& t
   return res;
 }
 
+namespace {
+
+// One event's share of the divergence at beta and d = its derivative in log q, in double (the
+// reference's EventTerm): an event of teacher probability 0 (an empty tail) adds nothing to
+// the forward KL or to the JSD's teacher side.
+inline double TopkEvent(double beta, double log_p, double log_q, double* d) {
+  const double p = std::exp(log_p), q = std::exp(log_q);
+  if (beta == 0.0) {
+    *d = -p;
+    return p == 0.0 ? 0.0 : p * (log_p - log_q);
+  }
+  if (beta == 1.0) {
+    *d = q * (log_q - log_p + 1.0);
+    return q * (log_q - log_p);
+  }
+  const double m = std::max(log_p, log_q);
+  const double log_m =
+      m + std::log(beta * std::exp(log_p - m) + (1.0 - beta) * std::exp(log_q - m));
+  *d = (1.0 - beta) * q * (log_q - log_m);
+  return (p == 0.0 ? 0.0 : beta * p * (log_p - log_m)) + (1.0 - beta) * q * (log_q - log_m);
+}
+
+template <typename T>
+double LogSumExpOf(const T* x, int64_t n) {
+  double m = -INFINITY, sum = 0;
+  for (int64_t a = 0; a < n; ++a) m = std::max(m, static_cast<double>(x[a]));
+  for (int64_t a = 0; a < n; ++a) sum += std::exp(static_cast<double>(x[a]) - m);
+  return m + std::log(sum);
+}
+
+// Row state's events: d_a for each id (lp_a and log q_a from the state), in double.
+inline void TopkEvents(const TopkTeacherRow& t, const float* saved, const TopkRowState& st,
+                       double beta, double* d) {
+  for (int64_t a = 0; a < t.k; ++a) {
+    TopkEvent(beta, t.logp[a] - st.lse_p, saved[a] - st.lse_q, &d[a]);
+  }
+}
+
+}  // namespace
+
+LOSSD_CPU_TARGET_CLONES
+TopkRowState DistillTopkForward(const KindRowParams& student, float* zs, const TopkTeacherRow& t,
+                                const DistillRowTerms& terms) {
+  const int64_t v = student.v, n = t.k;
+  TopkRowState st;
+  MakeLogits(student, zs);
+  MaxAndLogSum(zs, v, &st.stats);
+  int64_t id[kMaxDistillTopk];
+  float saved[kMaxDistillTopk];  // the ids' logits
+  for (int64_t a = 0; a < n; ++a) {
+    id[a] = LoadAsInt(t.ids, t.id_dtype, static_cast<size_t>(a));
+    saved[a] = zs[id[a]];
+  }
+  const bool renormalize = t.tail == DistillTopkTail::kRenormalize;
+  st.lse_q = renormalize ? LogSumExpOf(saved, n) : st.stats.lse;
+  st.lse_p = renormalize ? LogSumExpOf(t.logp, n) : 0.0;
+  const double beta = terms.jsd_beta;
+  double p_sum = 0;
+  double d[kMaxDistillTopk];
+  for (int64_t a = 0; a < n; ++a) {
+    st.divergence += TopkEvent(beta, t.logp[a] - st.lse_p, saved[a] - st.lse_q, &d[a]);
+    st.d_sum += d[a];
+    p_sum += std::exp(static_cast<double>(t.logp[a]));
+  }
+  if (t.tail == DistillTopkTail::kBucket && n < v) {
+    // The student's mass outside the ids, summed directly (1 - the ids' sum would cancel):
+    // their logits set to -inf add ExpNonPositive's floor, ~1e-38 each, then come back.
+    for (int64_t a = 0; a < n; ++a) zs[id[a]] = -INFINITY;
+    float acc[kLanes] = {0};
+    for (int64_t j = 0; j < v; ++j) acc[j % kLanes] += ExpNonPositive(zs[j] - st.stats.max);
+    for (int64_t a = 0; a < n; ++a) zs[id[a]] = saved[a];
+    double rest = 0;
+    for (int l = 0; l < kLanes; ++l) rest += acc[l];
+    const double log_q_tail = static_cast<double>(st.stats.max) + std::log(rest) - st.stats.lse;
+    const double p_tail = std::max(0.0, 1.0 - p_sum);
+    double d_tail = 0;
+    st.divergence +=
+        TopkEvent(beta, p_tail > 0 ? std::log(p_tail) : -INFINITY, log_q_tail, &d_tail);
+    st.d_sum += d_tail;
+    st.e_tail = d_tail / std::exp(log_q_tail);
+  }
+  const float temp = student.temperature;
+  if (terms.w_hard != 0.0) {
+    st.lse1 = temp == 1.0f ? st.stats.lse : UnscaledLse(zs, v, temp, st.stats.max);
+    st.hard = st.lse1 - static_cast<double>(zs[terms.label]) * temp;
+  }
+  // |G_j| / k: the ids' |d_a - q_a sum d| exactly; the rest's q_j |e_tail - sum d| with the
+  // largest q; the hard term's at most 1.
+  double g_ids = 0;
+  for (int64_t a = 0; a < n; ++a) {
+    g_ids = std::max(g_ids, std::abs(d[a] - std::exp(saved[a] - st.lse_q) * st.d_sum));
+  }
+  const double rest_coef = renormalize ? 0.0 : std::abs(st.e_tail - st.d_sum);
+  const double q_max = std::exp(-static_cast<double>(st.stats.log_sum));
+  st.g_bound = terms.w_soft / temp * std::max(g_ids, rest_coef * q_max) + terms.w_hard;
+  return st;
+}
+
+LOSSD_CPU_TARGET_CLONES
+void WriteTopkGradient(const KindRowParams& student, float* zs, const TopkTeacherRow& t,
+                       const DistillRowTerms& terms, const TopkRowState& st, double k) {
+  const int64_t v = student.v, n = t.k;
+  int64_t id[kMaxDistillTopk];
+  float saved[kMaxDistillTopk];
+  double d[kMaxDistillTopk];
+  for (int64_t a = 0; a < n; ++a) {
+    id[a] = LoadAsInt(t.ids, t.id_dtype, static_cast<size_t>(a));
+    saved[a] = zs[id[a]];
+  }
+  TopkEvents(t, saved, st, terms.jsd_beta, d);
+  // An id's d log q / dz_j = [j = id] - q_j (renormalize: - Q'_j over the ids only); the
+  // tail's [j not an id] q_j / q_tail - q_j. So every j not an id takes q_j (e_tail - sum d)
+  // (renormalize: 0), and each id d_a - q_a sum d; the hard term adds softmax(z T) - onehot.
+  const bool hard = terms.w_hard != 0.0;
+  const float temp = student.temperature;
+  const float kf = static_cast<float>(k * terms.w_soft / static_cast<double>(temp));
+  const float kh = static_cast<float>(k * terms.w_hard);
+  const bool renormalize = t.tail == DistillTopkTail::kRenormalize;
+  const float rest_coef = renormalize ? 0.0f : static_cast<float>(st.e_tail - st.d_sum);
+  const float ms = st.stats.max, ls = st.stats.log_sum, l1 = static_cast<float>(st.lse1);
+  if (!hard) {
+    for (int64_t j = 0; j < v; ++j) zs[j] = kf * rest_coef * ExpNonPositive((zs[j] - ms) - ls);
+  } else {
+    for (int64_t j = 0; j < v; ++j) {
+      zs[j] = kf * rest_coef * ExpNonPositive((zs[j] - ms) - ls) +
+              kh * ExpNonPositive(zs[j] * temp - l1);
+    }
+  }
+  for (int64_t a = 0; a < n; ++a) {
+    const double q = std::exp(static_cast<double>(saved[a]) - st.lse_q);
+    double g = static_cast<double>(kf) * (d[a] - q * st.d_sum);
+    if (hard) g += static_cast<double>(kh) * std::exp(static_cast<double>(saved[a]) * temp - st.lse1);
+    zs[id[a]] = static_cast<float>(g);
+  }
+  if (hard) zs[terms.label] -= kh;
+  RoundInPlace(zs, v, student.dtype);
+}
+
 }  // namespace lossd

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 
@@ -70,6 +71,37 @@ struct DistillRowTerms {
 // and the GEMMs' alpha), rounded to the input dtype.
 DistillRowResult DistillRow(const KindRowParams& student, const KindRowParams& teacher, float* zs,
                             float* zt, const DistillRowTerms& terms, double k, bool want_grad);
+
+// One row of a top-k teacher: its k ids and their log-probs (the teacher's, as sent).
+struct TopkTeacherRow {
+  const void* ids = nullptr;     // (k) id_dtype: int32 or int64, each in [0, V), distinct
+  DType id_dtype = DType::kI64;
+  const float* logp = nullptr;   // (k), finite
+  int64_t k = 0;                 // in [1, min(V, kMaxDistillTopk)]
+  DistillTopkTail tail = DistillTopkTail::kBucket;
+};
+
+// A top-k teacher's row in two steps, so that the GEMMs' alpha can come from the chunk's rows
+// (a top-k row's G can lie far below its a-priori bound, where an fp16 G would lose its
+// digits): DistillTopkForward turns zs (V, the student's x W^T in fp32) into its logits and
+// returns the row's state (distill_reference.h's events by the tail's treatment, in double,
+// the student's mass outside the ids summed directly, the hard term); WriteTopkGradient then
+// overwrites the logits with k d(w_soft row + w_hard ce) / d u, rounded to the input dtype.
+// No allocation: a row's k ids, logits and derivatives sit on the stack.
+struct TopkRowState {
+  HeadRowStats stats;     // the student's (lse, max, log_sum, argmax)
+  double divergence = 0;  // the row's
+  double hard = 0;        // the label's cross-entropy at T 1 (with a hard term)
+  double lse_q = 0, lse_p = 0;  // what the ids' log q and log p are taken against
+  double d_sum = 0;       // sum over the events of d row / d log q
+  double e_tail = 0;      // the tail's d row / d log q_tail over q_tail (bucket)
+  double lse1 = 0;        // the unscaled logits' log-sum-exp (with a hard term)
+  double g_bound = 0;     // max_j |G_j| / k is at most this
+};
+TopkRowState DistillTopkForward(const KindRowParams& student, float* zs, const TopkTeacherRow& t,
+                                const DistillRowTerms& terms);
+void WriteTopkGradient(const KindRowParams& student, float* zs, const TopkTeacherRow& t,
+                       const DistillRowTerms& terms, const TopkRowState& st, double k);
 
 }  // namespace lossd
 
