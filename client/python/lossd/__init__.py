@@ -51,6 +51,7 @@ from lossd.client import (  # noqa: F401
     StepResult,
     WeightHandle,
     connect,
+    verl_policy_options,
 )
 
 from lossd.pool import PoolStats, PoolWeights, ReplicaPool, connect_pool  # noqa: F401,E402

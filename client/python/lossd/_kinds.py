@@ -21,7 +21,17 @@ KINDS = {"cross_entropy": pb.LOSS_KIND_CROSS_ENTROPY, "logprob": pb.LOSS_KIND_LO
 LOSS_TYPES = {"dapo": pb.POLICY_LOSS_DAPO, "grpo": pb.POLICY_LOSS_GRPO,
               "bnpo": pb.POLICY_LOSS_BNPO, "dr_grpo": pb.POLICY_LOSS_DR_GRPO,
               "cispo": pb.POLICY_LOSS_CISPO, "sapo": pb.POLICY_LOSS_SAPO,
-              "luspo": pb.POLICY_LOSS_LUSPO}
+              "luspo": pb.POLICY_LOSS_LUSPO, "gpg": pb.POLICY_LOSS_GPG}
+KL_ESTIMATORS = {"k3": pb.KL_ESTIMATOR_K3, "k1": pb.KL_ESTIMATOR_K1, "k2": pb.KL_ESTIMATOR_K2,
+                 "abs": pb.KL_ESTIMATOR_ABS, "low_var_kl": pb.KL_ESTIMATOR_LOW_VAR_KL}
+AGGREGATIONS = {"loss_type": pb.AGGREGATION_LOSS_TYPE, "token-mean": pb.AGGREGATION_TOKEN_MEAN,
+                "seq-mean-token-sum": pb.AGGREGATION_SEQ_MEAN_TOKEN_SUM,
+                "seq-mean-token-mean": pb.AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
+                "seq-mean-token-sum-norm": pb.AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM}
+# verl's kl_loss_type names (a trailing "+" is the straight-through variant). verl's "k3" is
+# its clamped low_var_kl, not Liger's k3 (this client's "k3").
+VERL_KL = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
+           "low_var_kl": "low_var_kl", "k3": "low_var_kl"}
 
 
 @dataclasses.dataclass
@@ -36,7 +46,18 @@ class PolicyOptions:
     clipped types' cap on the ratio (> 1 + epsilon_high). use_bias_correction_kl: the KL term
     times the ratio. importance_sampling: "token" (each token's own ratio) or "sequence"
     (GSPO: one ratio per sequence, the clipped types only; servers listing
-    "policy_sequence_importance_sampling")."""
+    "policy_sequence_importance_sampling").
+
+    verl's menu (each on servers listing the feature named): kl_estimator, the beta term's
+    estimator of KL(pi || ref) at d = logp - ref_logp: "k3" (exp(-d) + d - 1, Liger's, the
+    default), "k1" (d), "k2" (d^2 / 2), "abs" (|d|), "low_var_kl" (verl's k3: clamped);
+    kl_straight_through: its value with k2's gradient (verl's "k3+"); "policy_kl_estimator".
+    entropy_coeff: the bonus, loss_i -= entropy_coeff * entropy_i; "policy_entropy_bonus".
+    aggregation: "loss_type" (the loss type's own) or verl's loss_agg_mode "token-mean",
+    "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm" (dapo_normalizer is
+    then the global token count, or sequence count for the seq-mean modes; loss_scale_factor
+    the -norm mode's divisor, 0 = the sequence length); "policy_aggregation". loss_type "gpg":
+    verl's -A logp; "policy_loss_type_gpg". verl_policy_options() maps verl's names."""
 
     loss_type: str = "dapo"
     epsilon_low: float = 0.2
@@ -50,6 +71,60 @@ class PolicyOptions:
     delta: float = None
     use_bias_correction_kl: bool = False
     importance_sampling: str = "token"
+    kl_estimator: str = "k3"
+    kl_straight_through: bool = False
+    entropy_coeff: float = 0.0
+    aggregation: str = "loss_type"
+    loss_scale_factor: float = 0.0
+
+
+def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=None,
+                        clip_ratio_high=None, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+                        kl_loss_type="low_var_kl", kl_loss_coef=0.0, entropy_coeff=0.0,
+                        sequences=1, global_normalizer=0.0, loss_scale_factor=None):
+    """PolicyOptions for verl's actor settings (its names and defaults): policy_loss
+    "vanilla" (PPO with dual clip: clip_ratio_c is the ratio's cap where A < 0, lossd's delta)
+    or "gpg"; loss_agg_mode; kl_loss_type (a trailing "+" for the straight-through variant)
+    with kl_loss_coef as beta (use_kl_loss off: 0); entropy_coeff; global_normalizer: verl's
+    batch_num_tokens (token-mean) or global_batch_size (seq-mean modes) over dp_size, 0 = this
+    call's count. Raises InvalidArgumentError naming a name that is not built."""
+    if policy_loss not in ("vanilla", "gpg"):
+        raise errors.InvalidArgumentError(
+            "verl policy_loss %r is not built (vanilla and gpg are; docs/rl_clients.md lists "
+            "verl's names)" % policy_loss)
+    base = kl_loss_type[:-1] if kl_loss_type.endswith("+") else kl_loss_type
+    if base not in VERL_KL:
+        raise errors.InvalidArgumentError("verl kl_loss_type must be one of %s (with an "
+                                          "optional '+'), got %r" % (", ".join(VERL_KL),
+                                                                     kl_loss_type))
+    if loss_agg_mode not in AGGREGATIONS or loss_agg_mode == "loss_type":
+        raise errors.InvalidArgumentError("verl loss_agg_mode must be one of %s, got %r" % (
+            ", ".join(a for a in AGGREGATIONS if a != "loss_type"), loss_agg_mode))
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    vanilla = policy_loss == "vanilla"
+    return PolicyOptions(
+        loss_type="dapo" if vanilla else "gpg", epsilon_low=low, epsilon_high=high,
+        beta=kl_loss_coef, sequences=sequences, dapo_normalizer=global_normalizer,
+        delta=clip_ratio_c if vanilla else None, kl_estimator=VERL_KL[base],
+        kl_straight_through=kl_loss_type.endswith("+") and VERL_KL[base] != "k2",
+        entropy_coeff=entropy_coeff, aggregation=loss_agg_mode,
+        loss_scale_factor=(loss_scale_factor or 0.0)
+        if loss_agg_mode == "seq-mean-token-sum-norm" else 0.0)
+
+
+def policy_features(header):
+    """The features a policy header's verl-menu fields need (a server without one answers
+    UNIMPLEMENTED; asking first gives the clearer error)."""
+    if header.kind != pb.LOSS_KIND_POLICY:
+        return []
+    p = header.policy
+    wanted = [(p.loss_type == pb.POLICY_LOSS_GPG, "policy_loss_type_gpg"),
+              (p.kl_estimator != pb.KL_ESTIMATOR_K3 or p.kl_straight_through,
+               "policy_kl_estimator"),
+              (p.entropy_coeff != 0, "policy_entropy_bonus"),
+              (p.aggregation != pb.AGGREGATION_LOSS_TYPE, "policy_aggregation")]
+    return [name for need, name in wanted if need]
 
 
 IMPORTANCE_SAMPLING = {"token": pb.IMPORTANCE_SAMPLING_TOKEN,
@@ -95,6 +170,20 @@ def _fp32_input(header, inline, value, name, tid):
     inline.append((tid, arr))
 
 
+def _set_verl_options(msg, p):
+    """verl's menu into PolicyOptions `msg`; defaults stay unset, so an older server reads a
+    request without them as before."""
+    for name, table, value in (("kl_estimator", KL_ESTIMATORS, p.kl_estimator),
+                               ("aggregation", AGGREGATIONS, p.aggregation)):
+        if value not in table:
+            raise errors.InvalidArgumentError("policy.%s must be one of %s, got %r" % (
+                name, ", ".join(table), value))
+        setattr(msg, name, table[value])
+    msg.kl_straight_through = bool(p.kl_straight_through)
+    msg.entropy_coeff = float(p.entropy_coeff)
+    msg.loss_scale_factor = float(p.loss_scale_factor)
+
+
 def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentropy,
              advantages, old_logp, ref_logp, teacher_x, teacher_w, teacher_bias,
              want_entropy, is_ratio=None):
@@ -135,6 +224,7 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
         # Token level leaves the field unset: an older server reads the request as before.
         if p.importance_sampling != "token":
             header.policy.importance_sampling = IMPORTANCE_SAMPLING[p.importance_sampling]
+        _set_verl_options(header.policy, p)
     elif policy is not None:
         raise errors.InvalidArgumentError("policy options go with kind 'policy', not %r" % kind)
     if kind == "distill":

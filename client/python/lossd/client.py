@@ -26,7 +26,8 @@ from lossd._compute import (Inputs, ReplyReader, check_out, compute_requests, re
                             returned_outputs, set_options, set_outputs, set_outputs_of)
 from lossd._fetch import fetch_striped, fetch_whole
 from lossd._heads import HeadMethods, OptimizerConfig, init_head_state
-from lossd._kinds import DistillOptions, PolicyOptions, set_kind  # noqa: F401 - re-exported
+from lossd._kinds import (DistillOptions, PolicyOptions, policy_features,  # noqa: F401
+                          set_kind, verl_policy_options)
 from lossd._proto import pb, pb_grpc
 from lossd._results import (  # noqa: F401 - re-exported: lossd.client.X stays importable
     _STATE_KINDS, ComputeResult, Gradients, HeadExport, HeadInfo, ServerInfo, StateEntry,
@@ -553,6 +554,8 @@ class Client(AsyncCalls, HeadMethods):
                  teacher_bias=teacher_bias, want_entropy=want_entropy, is_ratio=is_ratio)
         if is_ratio is not None:
             self.require_feature("policy_is_ratio", timeout=timeout)
+        for feature in policy_features(header):
+            self.require_feature(feature, timeout=timeout)
         set_options(header, inputs.xdt, ignore_index=ignore_index, reduction=reduction,
                     label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                     softcap=softcap, grad_dtype=grad_dtype, grad_scale=grad_scale,
@@ -607,5 +610,5 @@ def connect(target="localhost:50051", **kwargs) -> Client:
 
 __all__ = ["Client", "ComputeResult", "WeightHandle", "Gradients", "ServerInfo", "StateEntry",
            "HeadInfo", "HeadExport", "StepResult", "OptimizerConfig", "PolicyOptions",
-           "DistillOptions", "connect",
+           "DistillOptions", "verl_policy_options", "connect",
            "DEFAULT_PART_BYTES"]

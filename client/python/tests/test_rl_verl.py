@@ -1,0 +1,262 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The policy kind's verl menu (KL estimators and their straight-through variants, the entropy
+bonus, the four aggregation modes with verl's global counts and loss_scale_factor, dual-clip
+PPO, gpg) through a CPU server and lossd.verl_policy_options, against two oracles applied to
+float64 autograd log-probs of the same head: the formulas written out below in torch float64
+(always), and verl's own torch functions from the installed package
+(verl.trainer.ppo.core_algos: kl_penalty, agg_loss, compute_policy_loss_vanilla,
+compute_policy_loss_gpg) where verl is installed.
+
+verl's package __init__ imports ray and its core_algos imports verl's configs; neither is
+needed here, so the functions' source is read from the installed file and run with torch and
+verl's own masked_sum / masked_mean (from verl/utils/torch_functional.py), nothing else.
+Skipped where torch is not installed (the verl cases where verl is not)."""
+
+import ast
+import importlib.util
+import types
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import lossd  # noqa: E402
+from conftest import assert_close, assert_scalar  # noqa: E402
+
+B, S, H, V, T = 3, 8, 24, 61, 0.9
+
+
+def _functions(path, names, namespace):
+    """Runs the top-level functions `names` of the file at `path` in `namespace`, decorators
+    dropped (verl's register_policy_loss, deprecated)."""
+    tree = ast.parse(Path(path).read_text())
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in names:
+            node.decorator_list = []
+            found.append(node)
+    missing = set(names) - {n.name for n in found}
+    if missing:
+        pytest.skip("verl's core_algos lacks %s" % ", ".join(sorted(missing)))
+    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+class _Formulas:
+    """verl's formulas in float64 torch, written from its documented definitions: d = logp -
+    ref; k1 d, abs |d|, k2 d^2/2, low_var_kl clamp(e^x - x - 1, +-10) at x = clamp(-d, +-20),
+    '+' the value with k2's gradient; PPO's clipped ratio with the dual clip c where A < 0;
+    gpg -A logp; the modes over the masked (B, S) matrix with verl's global counts."""
+
+    @staticmethod
+    def kl_penalty(logp, ref, kind):
+        base = kind.rstrip("+")
+        d = logp - ref
+        x = torch.clamp(-d, -20, 20)
+        low_var = torch.clamp(x.exp() - x - 1, -10, 10)
+        value = {"kl": d, "k1": d, "abs": d.abs(), "mse": d * d / 2, "k2": d * d / 2,
+                 "low_var_kl": low_var, "k3": low_var}[base]  # verl's k3 is low_var_kl
+        if kind.endswith("+"):
+            k2 = d * d / 2
+            return k2 - k2.detach() + value.detach()
+        return value
+
+    @staticmethod
+    def agg_loss(mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                 loss_scale_factor=None):
+        per_seq = (mat * mask).sum(-1)
+        counts = mask.sum(-1)
+        kept = (counts > 0).double()
+        if mode == "token-mean":
+            n = mask.sum() if batch_num_tokens is None else batch_num_tokens
+            return per_seq.sum() / n * dp_size
+        g = kept.sum() if global_batch_size is None else global_batch_size
+        if mode == "seq-mean-token-mean":
+            return (per_seq / counts.clamp(min=1) * kept).sum() / g * dp_size
+        loss = (per_seq * kept).sum() / g * dp_size
+        if mode == "seq-mean-token-sum-norm":
+            loss = loss / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
+
+    @classmethod
+    def compute_policy_loss_vanilla(cls, old, logp, a, mask, mode, config):
+        r = torch.exp(torch.clamp(logp - old, -20, 20))
+        clipped = torch.clamp(r, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+        pg = torch.maximum(-a * r, -a * clipped)
+        pg = torch.where(a < 0, torch.minimum(pg, -a * config.clip_ratio_c), pg)
+        return cls.agg_loss(pg, mask, mode, **config.global_batch_info), {}
+
+    @classmethod
+    def compute_policy_loss_gpg(cls, old, logp, a, mask, mode, config):
+        return cls.agg_loss(-a * logp, mask, mode, **config.global_batch_info), {}
+
+
+@pytest.fixture(scope="module", params=["formulas", "verl"])
+def verl(request):
+    if request.param == "formulas":
+        return _Formulas
+    spec = importlib.util.find_spec("verl")  # finds, does not import
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("verl is not installed")
+    root = Path(list(spec.submodule_search_locations)[0])
+    tf = _functions(root / "utils" / "torch_functional.py", ["masked_sum", "masked_mean"],
+                    {"torch": torch, "Optional": Optional})
+    verl_f = types.SimpleNamespace(masked_sum=tf["masked_sum"], masked_mean=tf["masked_mean"])
+
+    class AlgoConfig:  # what the functions' isinstance checks compare against
+        pass
+
+    ns = {"torch": torch, "verl_F": verl_f, "Optional": Optional, "Any": Any,
+          "AlgoConfig": AlgoConfig, "ActorConfig": object}
+    return types.SimpleNamespace(**_functions(
+        root / "trainer" / "ppo" / "core_algos.py",
+        ["kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss_vanilla",
+         "compute_policy_loss_gpg"], ns))
+
+
+class _Config(dict):
+    """verl's ActorConfig as its policy losses read it."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+
+def _inputs(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B * S, H)).astype(np.float32)
+    w = (rng.standard_normal((V, H)) / 3).astype(np.float32)
+    ids = rng.integers(0, V, size=(B, S))
+    mask = np.ones((B, S), dtype=bool)
+    mask[0, 6:] = False  # a shorter completion
+    mask[2, 3] = False
+    adv = rng.standard_normal((B, S)).astype(np.float32)
+    # log-ratios over both clip bounds, and a few beyond the dual clip's 3 with A < 0
+    log_r = rng.choice([-0.6, -0.05, 0.05, 0.5, 1.4], size=(B, S)) + rng.uniform(-.02, .02, (B, S))
+    ref_d = rng.uniform(-0.6, 0.6, size=(B, S))
+    return x, w, ids, mask, adv, log_r, ref_d
+
+
+def _reference(verl, seed, opts):
+    """verl's loss on float64 autograd log-probs; returns the inputs lossd gets and the loss,
+    dX, dW."""
+    x, w, ids, mask, adv, log_r, ref_d = _inputs(seed)
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    logits = (tx @ tw.T / T).reshape(B, S, V)
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    old = (logp.detach() - torch.tensor(log_r)).float().double()  # as sent: fp32
+    ref = (logp.detach() + torch.tensor(ref_d)).float().double()
+    m = torch.tensor(mask, dtype=torch.float64)
+    a = torch.tensor(adv, dtype=torch.float64)
+    mode = opts["loss_agg_mode"]
+    info = opts.get("global_batch_info", {})
+    config = _Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                     clip_ratio_c=opts.get("clip_ratio_c", 3.0), global_batch_info=info)
+    if opts["policy_loss"] == "gpg":
+        pg, _ = verl.compute_policy_loss_gpg(old, logp, a, m, mode, config)
+    else:
+        pg, _ = verl.compute_policy_loss_vanilla(old, logp, a, m, mode, config)
+    loss = pg
+    if opts.get("kl_loss_coef", 0):
+        kld = verl.kl_penalty(logp, ref, opts["kl_loss_type"])
+        loss = loss + opts["kl_loss_coef"] * verl.agg_loss(kld, m, mode, **info)
+    if opts.get("entropy_coeff", 0):
+        loss = loss - opts["entropy_coeff"] * verl.agg_loss(entropy, m, mode, **info)
+    loss.backward()
+    targets = np.where(mask, ids, -100).reshape(-1)
+    sent = dict(x=x, w=w, targets=targets, advantages=adv.reshape(-1),
+                old_logp=old.float().numpy().reshape(-1), ref_logp=ref.float().numpy().reshape(-1))
+    return sent, float(loss.detach()), tx.grad.numpy(), tw.grad.numpy()
+
+
+CASES = [
+    dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
+         kl_loss_coef=0.1, entropy_coeff=0.01),
+    dict(policy_loss="vanilla", loss_agg_mode="seq-mean-token-sum", kl_loss_type="k1",
+         kl_loss_coef=0.2),
+    dict(policy_loss="vanilla", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k2",
+         kl_loss_coef=0.3, entropy_coeff=0.05),
+    dict(policy_loss="vanilla", loss_agg_mode="seq-mean-token-sum-norm", kl_loss_type="abs",
+         kl_loss_coef=0.1),
+    dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="k3+",
+         kl_loss_coef=0.2, clip_ratio_c=2.0),
+    dict(policy_loss="vanilla", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k1+",
+         kl_loss_coef=0.2),
+    dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="abs+",
+         kl_loss_coef=0.2, entropy_coeff=0.02),
+    dict(policy_loss="gpg", loss_agg_mode="token-mean", kl_loss_type="kl", kl_loss_coef=0.1),
+    dict(policy_loss="gpg", loss_agg_mode="seq-mean-token-sum-norm", kl_loss_type="mse",
+         kl_loss_coef=0.1, entropy_coeff=0.03),
+    # one data-parallel rank of two: verl's global counts (the whole batch's), lossd's
+    # dapo_normalizer = count / dp_size; and a fixed loss_scale_factor
+    dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
+         kl_loss_coef=0.1, entropy_coeff=0.01,
+         global_batch_info=dict(dp_size=2, batch_num_tokens=44)),
+    dict(policy_loss="vanilla", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k1",
+         kl_loss_coef=0.2, global_batch_info=dict(dp_size=2, global_batch_size=7)),
+    dict(policy_loss="gpg", loss_agg_mode="seq-mean-token-sum-norm", kl_loss_type="abs",
+         kl_loss_coef=0.1, global_batch_info=dict(dp_size=2, global_batch_size=5,
+                                                  loss_scale_factor=13)),
+]
+
+
+def _global_normalizer(opts):
+    info = opts.get("global_batch_info", {})
+    count = info.get("batch_num_tokens" if opts["loss_agg_mode"] == "token-mean"
+                     else "global_batch_size")
+    return 0.0 if count is None else count / info.get("dp_size", 1)
+
+
+@pytest.mark.parametrize("opts", CASES, ids=lambda o: "%s_%s_%s%s%s" % (
+    o["policy_loss"], o["loss_agg_mode"], o["kl_loss_type"],
+    "_entropy" if o.get("entropy_coeff") else "", "_global" if "global_batch_info" in o else ""))
+def test_policy_matches_verls_functions(verl, client, opts):
+    sent, loss, dx, dw = _reference(verl, 5, opts)
+    policy = lossd.verl_policy_options(
+        policy_loss=opts["policy_loss"], clip_ratio=0.2, clip_ratio_high=0.28,
+        clip_ratio_c=opts.get("clip_ratio_c", 3.0), loss_agg_mode=opts["loss_agg_mode"],
+        kl_loss_type=opts["kl_loss_type"], kl_loss_coef=opts["kl_loss_coef"],
+        entropy_coeff=opts.get("entropy_coeff", 0.0), sequences=B,
+        global_normalizer=_global_normalizer(opts),
+        loss_scale_factor=opts.get("global_batch_info", {}).get("loss_scale_factor"))
+    r = client.compute(sent["x"], sent["w"], sent["targets"], kind="policy", temperature=T,
+                       advantages=sent["advantages"], old_logp=sent["old_logp"],
+                       ref_logp=sent["ref_logp"], policy=policy)
+    assert_scalar("loss", r.loss, loss, "fp32")
+    assert_close("dx", r.dx, dx, "fp32")
+    assert_close("dw", r.dw, dw, "fp32")
+
+
+def test_dual_clip_caps_negative_advantages(verl, client):
+    """The dual clip changes the loss here (some A < 0 tokens have r above clip_ratio_c), so
+    the case above checks it and not a no-op."""
+    opts = dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="kl")
+    _, capped, _, _ = _reference(verl, 5, dict(opts, clip_ratio_c=2.0))
+    _, loose, _, _ = _reference(verl, 5, dict(opts, clip_ratio_c=1e9))
+    assert capped < loose - 1e-3
+
+
+def test_verl_names_that_are_not_built_are_refused():
+    with pytest.raises(lossd.InvalidArgumentError, match="verl policy_loss 'clip_cov' is not"):
+        lossd.verl_policy_options(policy_loss="clip_cov")
+    with pytest.raises(lossd.InvalidArgumentError, match="kl_loss_type must be one of"):
+        lossd.verl_policy_options(kl_loss_type="full")
+    with pytest.raises(lossd.InvalidArgumentError, match="loss_agg_mode must be one of"):
+        lossd.verl_policy_options(loss_agg_mode="token-sum")
+    p = lossd.verl_policy_options(kl_loss_type="k3+", loss_agg_mode="seq-mean-token-sum-norm",
+                                  loss_scale_factor=4096)
+    assert (p.kl_estimator, p.kl_straight_through, p.delta, p.loss_scale_factor) == (
+        "low_var_kl", True, 3.0, 4096)
+
+
+def test_unknown_option_values_are_refused_before_sending(client):
+    x, w, ids, mask, adv, _, _ = _inputs(3)
+    for field, value in (("kl_estimator", "k4"), ("aggregation", "token-sum")):
+        with pytest.raises(lossd.InvalidArgumentError, match="policy.%s must be one of" % field):
+            client.compute(x, w, ids.reshape(-1), kind="policy", advantages=adv.reshape(-1),
+                           policy={field: value})
