@@ -9,7 +9,9 @@
 #   lossd-gpus.sh [--config FILE] argv I        instance I's command, one word per line
 #   lossd-gpus.sh [--config FILE] exec I        replaces itself with instance I
 #   lossd-gpus.sh [--config FILE] run           starts every instance, forwards SIGTERM/SIGINT
-#   lossd-gpus.sh [--config FILE] endpoints [HOST]   "HOST:port,HOST:port,..."
+#   lossd-gpus.sh [--config FILE] endpoints [HOST...]   "HOST:port,HOST:port,...": this host's
+#                                               instances, or those of every HOST in order (the
+#                                               member list of a head group across hosts)
 #
 # Configuration: environment variables (a --config file is sourced first; systemd reads the
 # same file as its EnvironmentFile). Instance I drives the I-th entry of LOSSD_GPUS.
@@ -37,6 +39,16 @@
 #   LOSSD_NUMA_NODES          comma-separated NUMA node per instance: numactl binds CPUs and
 #                             prefers that node's memory (unset: no binding)
 #   LOSSD_EXTRA_FLAGS         more lossd flags for every instance (TLS, tokens, logging)
+# Head groups (one hosted head served by several instances, docs/hosted_head.md "Head groups"):
+#   LOSSD_HEAD_GROUP_ADDRESS  turns them on: the address each instance's gloo listener binds
+#                             (--head_group_address; an ephemeral port) and the other members
+#                             dial: 127.0.0.1 for groups of this host's instances alone, the
+#                             host's own routable address for groups across hosts (unset: off)
+#   LOSSD_HEAD_GROUP_TIMEOUT  --head_group_timeout, e.g. 120s (unset: --head_step_timeout)
+#   LOSSD_HEAD_GROUP_TOKEN_FILE, LOSSD_HEAD_GROUP_TLS_CA   absolute paths: the bearer token and
+#                             the CA roots an instance presents to / verifies member 0 with
+#   LOSSD_HEAD_GROUP_SIZE     members of the largest group these instances serve (default: N);
+#                             only for the plan's sizing of LOSSD_HEAD_BYTES
 set -euo pipefail
 
 die() {
@@ -183,6 +195,35 @@ if [[ -n "${LOSSD_NUMA_NODES:-}" ]]; then
     die "LOSSD_NUMA_NODES is set but numactl is not installed"
 fi
 
+# Head groups: every instance gets the same gloo address (a member of another host dials it),
+# which must be one a peer can dial, never a wildcard.
+GROUP_ADDRESS=${LOSSD_HEAD_GROUP_ADDRESS:-}
+GROUP_TIMEOUT=${LOSSD_HEAD_GROUP_TIMEOUT:-}
+GROUP_TOKEN=${LOSSD_HEAD_GROUP_TOKEN_FILE:-}
+GROUP_CA=${LOSSD_HEAD_GROUP_TLS_CA:-}
+if [[ -z "$GROUP_ADDRESS" ]]; then
+  for v in LOSSD_HEAD_GROUP_TIMEOUT LOSSD_HEAD_GROUP_TOKEN_FILE LOSSD_HEAD_GROUP_TLS_CA; do
+    [[ -z "${!v:-}" ]] ||
+      die "$v is set but LOSSD_HEAD_GROUP_ADDRESS is not: head groups are off without it"
+  done
+else
+  [[ "$GROUP_ADDRESS" =~ ^[0-9A-Za-z._:-]+$ ]] ||
+    die "LOSSD_HEAD_GROUP_ADDRESS must be a host name or an IP address, got '$GROUP_ADDRESS'"
+  case "$GROUP_ADDRESS" in
+    0.0.0.0 | :: | "[::]")
+      die "LOSSD_HEAD_GROUP_ADDRESS=$GROUP_ADDRESS is a wildcard: the other members dial this address; give 127.0.0.1 (one host) or the host's routable address" ;;
+  esac
+fi
+[[ -z "$GROUP_TIMEOUT" || "$GROUP_TIMEOUT" =~ ^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$ ]] ||
+  die "LOSSD_HEAD_GROUP_TIMEOUT must be a duration such as 120s or 2m, got '$GROUP_TIMEOUT'"
+for v in LOSSD_HEAD_GROUP_TOKEN_FILE LOSSD_HEAD_GROUP_TLS_CA; do
+  [[ -z "${!v:-}" || "${!v}" == /* ]] || die "$v must be an absolute path, got '${!v}'"
+done
+GROUP_SIZE=${LOSSD_HEAD_GROUP_SIZE:-$N}
+if ! is_uint "$GROUP_SIZE" || [[ "$GROUP_SIZE" -lt 1 ]]; then
+  die "LOSSD_HEAD_GROUP_SIZE must be a member count of 1 or more, got '$GROUP_SIZE'"
+fi
+
 check_instance() {  # I
   if ! is_uint "$1" || [[ "$1" -ge $N ]]; then
     die "instance must be in [0, $((N - 1))] (one per entry of LOSSD_GPUS=$gpus_csv), got '$1'"
@@ -220,6 +261,10 @@ argv() {
   echo "--ticket_bytes=$TICKETS"
   [[ -z "$THREADS" ]] || echo "--threads=$THREADS"
   [[ -z "${LOSSD_HEAD_EXPORT_DIR_BASE:-}" ]] || echo "--head_export_dir=$LOSSD_HEAD_EXPORT_DIR_BASE/$i"
+  [[ -z "$GROUP_ADDRESS" ]] || echo "--head_group_address=$GROUP_ADDRESS"
+  [[ -z "$GROUP_TIMEOUT" ]] || echo "--head_group_timeout=$GROUP_TIMEOUT"
+  [[ -z "$GROUP_TOKEN" ]] || echo "--head_group_token_file=$GROUP_TOKEN"
+  [[ -z "$GROUP_CA" ]] || echo "--head_group_tls_ca=$GROUP_CA"
   local extra
   for extra in ${LOSSD_EXTRA_FLAGS:-}; do echo "$extra"; done
 }
@@ -257,6 +302,26 @@ plan() {
   done
   echo "per instance: --memory_budget_bytes=$MEMORY_BUDGET --host_buffer_pool_bytes=$POOL --ticket_bytes=$TICKETS"
   echo "host memory lossd may hold: $HOST_SUM bytes in all ($HOST_SUM_WHAT), of $HOST"
+  [[ -z "$GROUP_ADDRESS" ]] || plan_groups
+}
+
+# What a head group changes (docs/hosted_head.md "Memory per member"): a member keeps 1/S of
+# the fp32 master and the optimizer state (ZeRO-1) but the whole gradient sum and compute
+# copy. With AdamW and a bf16 copy a parameter takes 4 + 4 + 2 + 8 = 18 B on one server and
+# 6 + 12 / S B on each of S members, so --head_bytes holds 3 S / (S + 2) times the head.
+# Beside --head_bytes a member holds, for its largest head, gloo's two receive buffers of the
+# fp32 gradient while a step reduce-scatters (8 B a parameter) and an export's gather of the
+# whole master and AdamW state (12 B) until the head's version moves: 20 B a parameter at
+# most (host memory on the CPU backend).
+plan_groups() {
+  local ports
+  ports=$(tr -s '\t ' ' ' </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo "?")
+  echo "head groups: gloo listeners on $GROUP_ADDRESS, ephemeral TCP ports ($ports here: net.ipv4.ip_local_port_range); every member dials member 0's gRPC port and every other member's listener"
+  if [[ -n "$HEADS" ]]; then
+    local params=$((HEADS * GROUP_SIZE / (6 * GROUP_SIZE + 12)))
+    echo "head sizing (AdamW, bf16 copy): --head_bytes=$HEADS holds a head of $((HEADS / 18)) parameters on one instance, $params as a member of a group of $GROUP_SIZE (6 + 12/$GROUP_SIZE B a parameter)"
+    echo "beside --head_bytes a member holds up to $((params * 20)) bytes more for that head while a step reduce-scatters with an export's gather kept (20 B a parameter; host memory on the CPU backend), not in the sums above"
+  fi
 }
 
 run_all() {
@@ -306,8 +371,14 @@ case "${1:-}" in
     exec "${cmd[@]}" ;;
   run) plan >&2 && run_all ;;
   endpoints)
-    host=${2:-$(hostname -f 2>/dev/null || hostname)}
-    for ((i = 0; i < N; i++)); do printf '%s%s:%d' "$([[ $i -eq 0 ]] || echo ,)" "$host" $((PORT + i)); done
+    # Several hosts (each with this configuration): their instances in the order given, the
+    # member list of a group across them (member m = the m-th endpoint).
+    shift
+    [[ $# -gt 0 ]] || set -- "$(hostname -f 2>/dev/null || hostname)"
+    sep=""
+    for host in "$@"; do
+      for ((i = 0; i < N; i++)); do printf '%s%s:%d' "$sep" "$host" $((PORT + i)); sep=,; done
+    done
     echo ;;
-  *) die "usage: lossd-gpus.sh [--config FILE] plan | argv I | exec I | run | endpoints [HOST]" ;;
+  *) die "usage: lossd-gpus.sh [--config FILE] plan | argv I | exec I | run | endpoints [HOST...]" ;;
 esac

@@ -179,6 +179,56 @@ check "stores within the device budget" fits LOSSD_GPUS=0,1 LOSSD_BACKEND=cuda \
   LOSSD_TICKET_BYTES=$GiB
 finish_case RefusesBadConfigurations "every refusal names its variable"
 
+# --- 2b. Head groups: the group flags per instance, the member list across hosts, sizing ---
+got=$(LOSSD_GPUS=0,1 LOSSD_HEAD_GROUP_ADDRESS=10.0.0.11 LOSSD_HEAD_GROUP_TIMEOUT=600s \
+  LOSSD_HEAD_GROUP_TOKEN_FILE=/etc/lossd/head-group.token LOSSD_HEAD_GROUP_TLS_CA=/etc/lossd/ca.pem \
+  LOSSD_EXTRA_FLAGS=--log_format=json "$LAUNCHER" argv 1 2>&1)
+check "an instance's group flags, before the extra flags: $(tr '\n' ' ' <<<"$got")" \
+  same "$(tail -5 <<<"$got")" "--head_group_address=10.0.0.11
+--head_group_timeout=600s
+--head_group_token_file=/etc/lossd/head-group.token
+--head_group_tls_ca=/etc/lossd/ca.pem
+--log_format=json"
+got=$(LOSSD_GPUS=0,1 "$LAUNCHER" argv 0 2>&1)
+check "no group flag without LOSSD_HEAD_GROUP_ADDRESS" bash -c "! grep -q -- --head_group <<<'$got'"
+got=$("$LAUNCHER" --config "$TMP/two.env" endpoints node1 node2 2>&1)
+check "a group's members across two hosts, in order: $got" \
+  same "$got" "node1:41000,node1:41001,node2:41000,node2:41001"
+# The CPU backend's head store of two.env, 16 GiB x 4/28 each: 18 B a parameter alone (AdamW,
+# bf16 copy), 6 + 12/S as a member (S = 2 by default: this host's instances; 16 given).
+heads=$((16 * GiB * 4 / 28))
+got=$(env LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 "$LAUNCHER" --config "$TMP/two.env" plan 2>&1)
+check "the plan sizes heads for a group of this host's 2: $(tr '\n' ' ' <<<"$got")" grep -qF \
+  "holds a head of $((heads / 18)) parameters on one instance, $((heads / 12)) as a member of a group of 2" <<<"$got"
+check "the plan counts a member's step and export buffers beside --head_bytes" grep -qF \
+  "beside --head_bytes a member holds up to $((heads / 12 * 20)) bytes more for that head" <<<"$got"
+check "the plan names the gloo address and the port range" \
+  grep -qF "head groups: gloo listeners on 127.0.0.1, ephemeral TCP ports" <<<"$got"
+got=$(env LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_SIZE=16 "$LAUNCHER" --config "$TMP/two.env" plan 2>&1)
+check "the plan sizes heads for LOSSD_HEAD_GROUP_SIZE=16" grep -qF \
+  "$((heads * 16 / 108)) as a member of a group of 16 (6 + 12/16 B a parameter)" <<<"$got"
+check "a wildcard gloo address" refuses "LOSSD_HEAD_GROUP_ADDRESS=0.0.0.0 is a wildcard" \
+  LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=0.0.0.0 -- plan
+check "group settings without the address" refuses \
+  "LOSSD_HEAD_GROUP_TOKEN_FILE is set but LOSSD_HEAD_GROUP_ADDRESS is not" \
+  LOSSD_GPUS=0 LOSSD_HEAD_GROUP_TOKEN_FILE=/t -- plan
+check "a timeout that is no duration" refuses \
+  "LOSSD_HEAD_GROUP_TIMEOUT must be a duration such as 120s or 2m, got '600'" \
+  LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_TIMEOUT=600 -- plan
+check "a relative CA path" refuses "LOSSD_HEAD_GROUP_TLS_CA must be an absolute path, got 'ca.pem'" \
+  LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_TLS_CA=ca.pem -- plan
+check "a group of no members" refuses "LOSSD_HEAD_GROUP_SIZE must be a member count of 1 or more, got '0'" \
+  LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_SIZE=0 -- plan
+# The example's commented block, turned on: lossd@5 of a host of a 16-member group.
+sed 's/^#LOSSD_HEAD_GROUP_/LOSSD_HEAD_GROUP_/' "$EXAMPLE_ENV" >"$TMP/group.env"
+echo "LOSSD_HOST_MEMORY_BYTES=$((2048 * GiB))" >>"$TMP/group.env"
+got=$("$LAUNCHER" --config "$TMP/group.env" argv 5 2>&1 | tail -5 | tr '\n' ' ')
+check "the example's group block renders on lossd@5: $got" same "$got" "--head_group_address=10.0.0.11 \
+--head_group_timeout=600s --head_group_token_file=/etc/lossd/head-group.token --drain_seconds=30 --log_format=json "
+check "the example's group block plans a group of 16" \
+  bash -c "'$LAUNCHER' --config '$TMP/group.env' plan | grep -qF 'as a member of a group of 16'"
+finish_case RendersHeadGroups "group flags, members across hosts, sizing, refusals"
+
 # --- 3. The systemd unit and the example configuration ----------------------------------
 check "ExecStart runs the launcher per instance" grep -qx "ExecStart=/opt/lossd/bin/lossd-gpus.sh exec %i" "$UNIT"
 check "EnvironmentFile is the example's path" grep -qx "EnvironmentFile=/etc/lossd/lossd-gpus.env" "$UNIT"
@@ -262,6 +312,9 @@ start_two() {  # base: starts the launcher, waits for both listening lines; 0 wh
     -e "s/^LOSSD_METRICS_PORT_BASE=.*/LOSSD_METRICS_PORT_BASE=$(($1 + 2))/" \
     -e "s/^LOSSD_HOST_MEMORY_BYTES=.*/LOSSD_HOST_MEMORY_BYTES=$((4 * GiB))/" \
     "$TMP/two.env" >"$TMP/run.env"
+  # Head groups on, as a host of a one-host group has them (forming a group of lossd
+  # processes on 127.0.0.1 is client/python/tests/test_head_group.py's).
+  printf '%s\n' LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_TIMEOUT=20s >>"$TMP/run.env"
   "$LAUNCHER" --config "$TMP/run.env" run >"$TMP/run.out" 2>"$TMP/run.err" &
   launcher_pid=$!
   local _
@@ -314,6 +367,11 @@ done
 check "two distinct instances (${instance_of[0]} ${instance_of[1]})" \
   test -n "${instance_of[0]}" -a "${instance_of[0]}" != "${instance_of[1]}"
 check "instance 1 was started with --cuda_device=1" grep -q -- "--cuda_device=1" "$TMP/run.err"
+for i in 0 1; do
+  p=$(sed -n "s/^lossd-gpus: instance $i (gpu $i) pid \([0-9]*\)$/\1/p" "$TMP/run.err")
+  check "instance $i (pid $p) serves with --head_group_address=127.0.0.1" \
+    grep -qxF -e --head_group_address=127.0.0.1 <(tr '\0' '\n' <"/proc/${p:-0}/cmdline")
+done
 # Two Computes on instance 0, one on instance 1: each /metrics counts only its own.
 for port in "$base" "$base" $((base + 1)); do
   out=$("$LOSSCTL" --target="127.0.0.1:$port" --deadline_seconds=120 compute --bt=64 --h=32 \
