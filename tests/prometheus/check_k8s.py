@@ -60,15 +60,19 @@ def check_k8s(overlay, path):
     by_kind = {}
     for o in objs:
         by_kind.setdefault(o["kind"], []).append(o)
-    check(len(by_kind.get("Deployment", [])) == 1, "one Deployment")
-    if not by_kind.get("Deployment"):
+    # One workload: a Deployment, or for a head group a StatefulSet (its members are named).
+    workload = GROUP_OVERLAYS.get(overlay, {}).get("kind", "Deployment")
+    check(len(by_kind.get(workload, [])) == 1, "one %s" % workload)
+    check(sum(len(by_kind.get(k, [])) for k in ("Deployment", "StatefulSet")) == 1,
+          "one workload (Deployment or StatefulSet) in all")
+    if not by_kind.get(workload):
         return
-    dep = by_kind["Deployment"][0]
+    dep = by_kind[workload][0]
     check_namespaces(dep, objs)
     tpl = dep["spec"]["template"]
     labels = tpl["metadata"]["labels"]
     check(matches(dep["spec"]["selector"]["matchLabels"], labels),
-          "Deployment selector matches its pod labels")
+          "%s selector matches its pod labels" % workload)
     pod = tpl["spec"]
     containers = pod["containers"]
     check(len(containers) == 1, "one container")
@@ -83,6 +87,7 @@ def check_k8s(overlay, path):
     check_security(pod, c)
     check_resources(overlay, dep, by_kind, pod, c, args)
     check_head_export(overlay, dep, by_kind, pod, c, args)
+    check_head_group(overlay, dep, by_kind, labels, pod, c, args)
     check_services(by_kind, labels, ports)
     check_podmonitors(by_kind.get("PodMonitor", []), labels, ports)
     if by_kind.get("PodMonitor"):
@@ -182,15 +187,30 @@ def check_resources(overlay, dep, by_kind, pod, c, args):
         check(len(by_kind.get("PodMonitor", [])) == 1, "GPU overlay has a PodMonitor")
     elif overlay == "gpu-single":
         check(gpu_req == "1" and backend == "cuda", "gpu-single: one GPU, --backend=cuda")
-    elif overlay == "dev-cpu":
+    elif overlay in ("dev-cpu", "cpu-group"):
         check(gpu_req is None, "CPU overlay requests no GPU")
         check(backend == "cpu", "CPU overlay runs --backend=cpu")
-        check_cpu_budgets(res, args)
+        members = dep["spec"].get("replicas", 1) if overlay in GROUP_OVERLAYS else 1
+        check_cpu_budgets(res, args, members)
 
 
-def check_cpu_budgets(res, args):
+def group_extra_per_head_byte(members):
+    """What a member of a group of `members` holds beside --head_bytes, per byte of it, at
+    the worst optimizer (k state tensors) and copy dtype (c B): during a step gloo's
+    ReduceScatterHalvingDoubling holds two receive buffers the size of the whole fp32
+    gradient (8 B a parameter), and an export's gather keeps the whole fp32 master and
+    optimizer state (4 + 4 k B) until the head's version moves; a member's store holds
+    4 + c (gradient sum, copy) + (4 + 4 k) / S B a parameter (the head store's HeadBytes)."""
+    if members <= 1:
+        return 0.0
+    return max((8 + 4 + 4 * k) / (4 + c + (4 + 4 * k) / members)
+               for k in (0, 1, 2, 3) for c in (2, 4))
+
+
+def check_cpu_budgets(res, args, members=1):
     # On the CPU backend every budget is host memory (tickets' X is host memory on any
     # backend), and idle pooled buffers come on top of the admission budget: together they must leave the process room under its limit.
+    # A group's member also holds buffers beside its head store (group_extra_per_head_byte).
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
     limit = res.get("limits", {}).get("memory", "0")
     limit_bytes = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
@@ -198,9 +218,84 @@ def check_cpu_budgets(res, args):
                 "accumulator_bytes": 8 << 30, "head_bytes": 16 << 30,
                 "ticket_bytes": 4 << 30, "host_buffer_pool_bytes": 2 << 30}
     held = sum(int(flag_value(args, f) or d) for f, d in defaults.items())
+    heads = int(flag_value(args, "head_bytes") or defaults["head_bytes"])
+    held += int(heads * group_extra_per_head_byte(members))
     check(held <= 0.8 * limit_bytes,
-          "CPU overlay: budgets and buffer pool (%d bytes) within 80%% of the memory limit "
-          "(%s)" % (held, limit))
+          "CPU overlay: budgets and buffer pool%s (%d bytes) within 80%% of the memory limit "
+          "(%s)" % (" and a group member's step and export buffers" if members > 1 else "",
+                    held, limit))
+
+
+# Overlays that deploy a head group (docs/hosted_head.md "Deploying a group").
+GROUP_OVERLAYS = {"cpu-group": {"kind": "StatefulSet"}}
+
+
+def check_head_group(overlay, sts, by_kind, labels, pod, c, args):
+    """A head group's members: stable names through the headless Service, gloo's listener on
+    the pod's own address, and a NetworkPolicy (if any) that lets the members reach each
+    other's ephemeral gloo ports and member 0's gRPC port."""
+    address = flag_value(args, "head_group_address")
+    if overlay not in GROUP_OVERLAYS:
+        check(address is None, "--head_group_address in a group overlay alone, got %r" % address)
+        return
+    spec = sts["spec"]
+    headless = [s["metadata"]["name"] for s in by_kind.get("Service", [])
+                if s["spec"].get("clusterIP") == "None"]
+    check(spec.get("serviceName") in headless,
+          "StatefulSet serviceName %r is the headless Service %s (members' stable names)" % (
+              spec.get("serviceName"), headless))
+    check(spec.get("replicas", 1) >= 2, "a group of 2 members or more, got %s" %
+          spec.get("replicas", 1))
+    check(spec.get("podManagementPolicy") == "Parallel",
+          "members start in parallel (podManagementPolicy: Parallel)")
+    check(spec.get("updateStrategy", {}).get("type") == "OnDelete",
+          "members are replaced only when deleted (updateStrategy OnDelete): a restart ends "
+          "the group's heads")
+    # gloo binds the address and the other members dial it: the pod's IP, from the API.
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+           for e in c.get("env", [])}
+    var = re.fullmatch(r"\$\((\w+)\)", address or "")
+    check(var is not None and env.get(var.group(1)) == "status.podIP",
+          "--head_group_address is $(VAR) of an env VAR from status.podIP, got %r" % address)
+    check(duration_seconds(flag_value(args, "head_group_timeout")) > 0,
+          "--head_group_timeout set")
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    for np in by_kind.get("NetworkPolicy", []):
+        check_group_network_policy(np, labels, ports)
+
+
+def check_group_network_policy(np, labels, ports):
+    name = np["metadata"]["name"]
+    spec = np["spec"]
+    if not matches(spec.get("podSelector", {}).get("matchLabels", {}), labels) or \
+            "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+        return
+    rules = spec.get("ingress", [])
+
+    def port_open(rule, port):  # rule lets TCP `port` in (a named port or a range)
+        if not rule.get("ports"):
+            return True
+        for p in rule["ports"]:
+            if p.get("protocol", "TCP") != "TCP":
+                continue
+            lo = ports.get(p["port"], p["port"]) if "port" in p else 1
+            hi = p.get("endPort", lo) if "port" in p else 65535
+            if isinstance(lo, int) and lo <= port <= hi:
+                return True
+        return False
+
+    def from_members(rule):
+        return not rule.get("from") or any(
+            matches(f.get("podSelector", {}).get("matchLabels", {}), labels)
+            and "namespaceSelector" not in f for f in rule["from"])
+
+    check(any(port_open(r, 50051) and not r.get("from") for r in rules),
+          "NetworkPolicy %s admits trainers on the gRPC port" % name)
+    # Member 0's store is on its gRPC port; gloo listens on an ephemeral port (Linux's
+    # default range 32768-60999; a pod may set another).
+    for port in (50051, 32768, 45000, 60999, 65535):
+        check(any(port_open(r, port) and from_members(r) for r in rules),
+              "NetworkPolicy %s lets the members reach each other's TCP port %d" % (name, port))
 
 
 # What the grace period and the startup probe allow for the head export and import: a

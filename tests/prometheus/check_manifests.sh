@@ -104,10 +104,10 @@ run_check "promtool test rules (alert unit tests)" \
   promtool test rules "$DEPLOY"/prometheus/tests/*.yml
 run_check "PrometheusRule matches the rule files" \
   python3 "$ROOT/tools/make_prometheusrule.py" --check
-for overlay in dev-cpu gpu-prod gpu-prod-tls gpu-single; do
+for overlay in dev-cpu gpu-prod gpu-prod-tls gpu-single cpu-group; do
   run_check "kustomize build overlays/$overlay" render "$overlay"
   run_check "kubernetes-validate $overlay (k8s $KUBE_VERSION, strict)" schema "$overlay"
-  run_check "structure $overlay (selectors, probes, grace, GPU, PodMonitor, head export)" \
+  run_check "structure $overlay (selectors, probes, grace, GPU, PodMonitor, head export, head group)" \
     python3 "$HERE/check_k8s.py" k8s "$overlay" "$WORK/$overlay.yaml"
 done
 run_check "kustomize build base" sh -c "kubectl kustomize '$DEPLOY/k8s/base' > /dev/null"
