@@ -7,12 +7,19 @@ FSDP2 gathers before the forward; mode "head"). Each run is compared with the sa
 distributed run without lossd: every rank's losses, an inner layer and the head equal to fp32
 rounding. A head fully_shard-ed in a group of its own is refused, naming the fix.
 
+lossd.integrations.verl under FSDP2 too (verl trains its actor under FSDP): with the head in
+the root's group, three steps of a policy-gradient loss with an entropy bonus on the log-probs
+and entropies at temperature 0.7 equal verl's own forward_with_torch_backend under the same
+sharding (losses, head, inner layer); under verl 0.9.1's own FSDP2 wrapping (an untied lm_head
+in a group of its own) the head is refused, naming the fix.
+
 This file is also the trainer: run as a script, it is one rank (see _train). Skipped where
 torch (with torch.distributed) or transformers is not installed."""
 
 import os
 import subprocess
 import sys
+import types
 import uuid
 from pathlib import Path
 
@@ -56,32 +63,72 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _job(dist, setup, how, count, server, head_name):
-    """One run of STEPS steps on this rank: SETUP ddp | fsdp | fsdp_head_alone, LOSSD none |
-    loss | head, COUNT mean | global (num_items_in_batch over both ranks, the loss times the
-    world size before backward, as Trainer does with average_tokens_across_devices).
-    Returns its losses and weights, or the lossd error it raised."""
+def _patch(model, setup, how, server, head_name):
+    """Before wrapping (the head's weights are whole here): lossd's Transformers integration
+    in mode `how`, or for setup verl_*, verl's forward (how "none") or lossd's (how "loss")."""
+    import lossd
+
+    if setup.startswith("verl"):
+        if how == "none":  # as verl's patch_forward_with_backends, on this instance
+            from test_integrations_verl import load_verl_forward
+
+            model.forward = types.MethodType(load_verl_forward()[0], model)
+            return None
+        from lossd.integrations.verl import apply_lossd as apply_verl
+
+        return apply_verl(model, server)
+    if how == "none":
+        return None
     from lossd.integrations import apply_lossd
+
+    kw = {} if how == "loss" else dict(
+        head_name=head_name, optimizer=lossd.OptimizerConfig.sgd(lr=0.1))
+    return apply_lossd(model, server, mode=how, **kw)
+
+
+def _wrap(model, setup):
+    if setup == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if setup == "fsdp_head_alone":
+        fully_shard(model.lm_head)
+    if setup == "verl_policy":
+        # verl 0.9.1's apply_fsdp2 (_select_fsdp2_wrap_targets): the decoder layers, the
+        # embedding and an untied lm_head each in a group of their own, then the model.
+        fully_shard(model.model.embed_tokens)
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    return model
+
+
+def _verl_loss(wrapped, ids, labels, step, rank):
+    """verl's actor's use of the fused path: log-probs and entropies at temperature 0.7, a
+    policy-gradient term with an entropy bonus (dlogp and dentropy both non-zero) over the
+    response tokens (the last position's rolled label is the first token: masked)."""
+    from test_integrations_verl import ppo_like_loss
+
+    g = torch.Generator().manual_seed(7 + 100 * step + rank)
+    mask = (labels != -100).float()
+    mask[:, -1] = 0
+    out = wrapped(input_ids=ids, return_dict=True, temperature=0.7)
+    return ppo_like_loss(out, mask, torch.randn(B, T, generator=g))
+
+
+def _job(dist, setup, how, count, server, head_name):
+    """One run of STEPS steps on this rank: SETUP ddp | fsdp | fsdp_head_alone | verl_fsdp |
+    verl_policy, LOSSD none | loss | head, COUNT mean | global (num_items_in_batch over both
+    ranks, the loss times the world size before backward, as Trainer does with
+    average_tokens_across_devices). Returns its losses and weights, or the lossd error it
+    raised."""
     import lossd
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
-    patch = None
-    if how != "none":  # before wrapping: the head's weights are whole here
-        kw = {} if how == "loss" else dict(
-            head_name=head_name, optimizer=lossd.OptimizerConfig.sgd(lr=0.1))
-        patch = apply_lossd(model, server, mode=how, **kw)
-    if setup == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        if setup == "fsdp_head_alone":
-            fully_shard(model.lm_head)
-        fully_shard(model)
-        wrapped = model
+    patch = _patch(model, setup, how, server, head_name)
+    wrapped = _wrap(model, setup)
     # SGD: its update is linear in the gradient, so the runs' summation orders stay at
     # rounding level (AdamW can turn a last-bit difference of a tiny gradient into a step).
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
@@ -90,14 +137,19 @@ def _job(dist, setup, how, count, server, head_name):
     try:
         for step in range(STEPS):
             ids, labels = _batch(step, rank)
-            kw = {}
-            if count == "global":
-                n = (labels[:, 1:] != -100).sum()
-                dist.all_reduce(n)
-                kw["num_items_in_batch"] = n
-            out = wrapped(input_ids=ids, labels=labels, **kw)
-            (out.loss * world if count == "global" else out.loss).backward()
-            losses.append(float(out.loss.detach()))
+            if setup.startswith("verl"):
+                loss = _verl_loss(wrapped, ids, labels, step, rank)
+                loss.backward()
+                losses.append(float(loss.detach()))
+            else:
+                kw = {}
+                if count == "global":
+                    n = (labels[:, 1:] != -100).sum()
+                    dist.all_reduce(n)
+                    kw["num_items_in_batch"] = n
+                out = wrapped(input_ids=ids, labels=labels, **kw)
+                (out.loss * world if count == "global" else out.loss).backward()
+                losses.append(float(out.loss.detach()))
             opt.step()
             if head_opt is not None:
                 head_opt.step()
@@ -110,7 +162,7 @@ def _job(dist, setup, how, count, server, head_name):
     result = {"losses": losses, "head": head.clone(),
               "inner": _full(model.model.layers[0].self_attn.q_proj.weight).clone(),
               "calls": dict(patch.calls) if patch else {}}
-    if patch is not None and how == "loss":
+    if patch is not None and how == "loss" and not setup.startswith("verl"):
         patch.remove()
     return result
 
@@ -135,6 +187,18 @@ def _train():
 JOBS = ["ddp/none/mean", "ddp/loss/mean", "ddp/none/global", "ddp/loss/global",
         "ddp/head/mean", "fsdp/none/mean", "fsdp/loss/mean", "fsdp/head/mean",
         "fsdp_head_alone/loss/mean"]
+VERL_JOBS = ["verl_fsdp/none/mean", "verl_fsdp/loss/mean", "verl_policy/loss/mean"]
+
+
+def _verl_loads():
+    """Whether verl's fused-kernel modules load here (they are loaded, then put back)."""
+    from test_integrations_verl import _restore, load_verl_forward
+
+    try:
+        _restore(load_verl_forward()[1])
+        return True
+    except ImportError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +211,7 @@ def runs(lossd_server, tmp_path_factory):
         pytest.skip("torch without its distributed package")
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
-        jobs = list(JOBS)
+        jobs = list(JOBS) + (VERL_JOBS if _verl_loads() else [])
     except ImportError:  # torch without FSDP2: the DDP jobs alone
         jobs = [j for j in JOBS if j.startswith("ddp/")]
     with lossd.Client(lossd_server.address) as c:
@@ -173,7 +237,7 @@ def runs(lossd_server, tmp_path_factory):
 
 def _of(runs, job):
     if job not in runs:
-        pytest.skip("%s not run (no FSDP2, or no hosted heads on this server)" % job)
+        pytest.skip("%s not run (no FSDP2, no verl, or no hosted heads on this server)" % job)
     return runs[job]
 
 
@@ -221,6 +285,25 @@ def test_fsdp2_head_in_a_group_of_its_own_is_refused(runs):
     for r in _of(runs, "fsdp_head_alone/loss/mean"):
         assert r.get("error", "").startswith("FailedPreconditionError"), r
         assert "lm_head.weight is a DTensor" in r["error"], r["error"]
+        assert "do not fully_shard(model.lm_head) on its own" in r["error"], r["error"]
+
+
+
+def test_verl_under_fsdp2_with_the_head_in_the_root_group(runs):
+    """verl's use_fused_kernels path through lossd under fully_shard (the layers, then the
+    model): FSDP2 gathers the head for the root's forward, lossd computes log p and the
+    entropy, FSDP2 reduce-scatters the head's gradient: verl's own run's numbers."""
+    got = _of(runs, "verl_fsdp/loss/mean")
+    _compare(got, _of(runs, "verl_fsdp/none/mean"))
+    assert got[0]["calls"] == {"ppo": STEPS}
+
+
+def test_verl_under_its_own_fsdp2_wrapping_is_refused(runs):
+    """verl 0.9.1 wraps an untied lm_head in an FSDP2 group of its own, whose forward the
+    fused path never calls: the head is still a sharded DTensor there. Refused, naming it."""
+    for r in _of(runs, "verl_policy/loss/mean"):
+        assert r.get("error", "").startswith("FailedPreconditionError"), r
+        assert "verl's fused kernels: lm_head.weight is a DTensor" in r["error"], r["error"]
         assert "do not fully_shard(model.lm_head) on its own" in r["error"], r["error"]
 
 

@@ -36,13 +36,14 @@ _SHELLS = ("verl", "verl.utils", "verl.utils.experimental", "verl.models",
            "verl.models.transformers")
 
 
-@pytest.fixture(scope="module")
-def verl_forward():
+def load_verl_forward():
     """verl's forward_with_torch_backend, its FusedLinearForPPO import included, without
-    running verl/__init__.py (which imports ray)."""
+    running verl/__init__.py (which imports ray): empty package shells stand in for verl's
+    packages. Returns (forward, the sys.modules entries replaced, to restore); raises
+    ImportError where verl is not installed or its modules do not import."""
     spec = importlib.util.find_spec("verl")  # finds, does not import
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("verl is not installed")
+        raise ImportError("verl is not installed")
     root = Path(list(spec.submodule_search_locations)[0])
     saved = {n: sys.modules.get(n) for n in _SHELLS + (
         "verl.utils.experimental.torch_functional", "verl.models.transformers.dense_common")}
@@ -51,18 +52,32 @@ def verl_forward():
         shell.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
         sys.modules[name] = shell
     try:
-        try:
-            importlib.import_module("verl.utils.experimental.torch_functional")
-            dense = importlib.import_module("verl.models.transformers.dense_common")
-        except ImportError as e:
-            pytest.skip("verl's fused-kernel modules do not import: %s" % e)
-        yield dense.forward_with_torch_backend
+        importlib.import_module("verl.utils.experimental.torch_functional")
+        dense = importlib.import_module("verl.models.transformers.dense_common")
+    except ImportError as e:
+        _restore(saved)
+        raise ImportError("verl's fused-kernel modules do not import: %s" % e) from None
+    return dense.forward_with_torch_backend, saved
+
+
+def _restore(saved):
+    for name, mod in saved.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+
+
+@pytest.fixture(scope="module")
+def verl_forward():
+    try:
+        forward, saved = load_verl_forward()
+    except ImportError as e:
+        pytest.skip(str(e))
+    try:
+        yield forward
     finally:
-        for name, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = mod
+        _restore(saved)
 
 
 def tiny_llama():
