@@ -79,6 +79,8 @@ v1::PolicyLossType ToProto(PolicyLossType t) {
       return v1::POLICY_LOSS_SAPO;
     case PolicyLossType::kLuspo:
       return v1::POLICY_LOSS_LUSPO;
+    case PolicyLossType::kGpg:
+      return v1::POLICY_LOSS_GPG;
   }
   return static_cast<v1::PolicyLossType>(static_cast<int>(t));
 }

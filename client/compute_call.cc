@@ -176,6 +176,16 @@ absl::Status ValidateKindInputs(const ComputeRequest& r) {
   return absl::OkStatus();
 }
 
+// verl's menu (docs/rl_losses.md). The core enums carry the wire's values; at its default each
+// field is off the wire (proto3), so an older server reads the request as before.
+void SetVerlFields(const PolicyParams& policy, v1::PolicyOptions* p) {
+  p->set_kl_estimator(static_cast<v1::PolicyKlEstimator>(policy.kl_estimator));
+  p->set_kl_straight_through(policy.kl_straight_through);
+  p->set_entropy_coeff(policy.entropy_coeff);
+  p->set_aggregation(static_cast<v1::PolicyAggregation>(policy.aggregation));
+  p->set_loss_scale_factor(policy.loss_scale_factor);
+}
+
 // The loss kind's fields of the header. Left unset for plain cross-entropy at T = 1, so such
 // a request reads as it always has to a server that predates the kinds.
 void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
@@ -202,6 +212,7 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
       p->set_importance_sampling(
           static_cast<v1::PolicyImportanceSampling>(r.policy.importance_sampling));
     }
+    SetVerlFields(r.policy, p);
   }
   if (r.kind == LossKind::kDistill) {
     v1::DistillOptions* d = h->mutable_distill();

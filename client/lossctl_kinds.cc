@@ -27,7 +27,9 @@ ABSL_FLAG(std::string, old_logp, "", "policy: .npy of the old policy's log-probs
 ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (BT), fp32");
 ABSL_FLAG(std::string, is_ratio, "",
           "policy: .npy of the rollout correction (Liger's vllm_is_ratio) (BT), fp32 >= 0");
-ABSL_FLAG(std::string, loss_type, "dapo", "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo");
+ABSL_FLAG(std::string, loss_type, "dapo",
+          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg (gpg: verl's -A logp; servers "
+          "listing policy_loss_type_gpg)");
 ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
 ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
 ABSL_FLAG(double, beta, 0.04, "policy: KL coefficient");
@@ -44,6 +46,23 @@ ABSL_FLAG(bool, use_bias_correction_kl, false, "policy: the KL term times the ra
 ABSL_FLAG(std::string, importance_sampling, "token",
           "policy: token (each token's own ratio) or sequence (GSPO: one ratio per sequence, "
           "the clipped loss types; servers listing policy_sequence_importance_sampling)");
+ABSL_FLAG(std::string, kl_estimator, "k3",
+          "policy: the KL term's estimator at d = logp - ref_logp: k3 (exp(-d) + d - 1, "
+          "Liger's), k1 (d), k2 (d^2 / 2), abs (|d|) or low_var_kl (verl's k3, clamped); "
+          "servers listing policy_kl_estimator");
+ABSL_FLAG(bool, kl_straight_through, false,
+          "policy: the estimator's value with k2's gradient (verl's '+' suffix); servers "
+          "listing policy_kl_estimator");
+ABSL_FLAG(double, entropy_coeff, 0,
+          "policy: the entropy bonus, each token's loss minus this times its entropy; servers "
+          "listing policy_entropy_bonus");
+ABSL_FLAG(std::string, aggregation, "loss_type",
+          "policy: loss_type (the loss type's own normaliser) or verl's loss_agg_mode: "
+          "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm "
+          "(--dapo_normalizer is then the global token or sequence count); servers listing "
+          "policy_aggregation");
+ABSL_FLAG(double, loss_scale_factor, 0,
+          "policy: seq-mean-token-sum-norm's divisor (0 = the sequence length)");
 ABSL_FLAG(double, jsd_beta, 0.5, "distill: 0 forward KL, 1 reverse KL, between: generalised JSD");
 ABSL_FLAG(double, weight_hard_loss, 0.0,
           "distill: weight of the targets' cross-entropy (temperature 1), "
@@ -87,7 +106,21 @@ absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
         "(docs/rl_losses.md)");
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo, got '", s, "'"));
+      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo or gpg, got '", s,
+      "'"));
+}
+
+// An enum flag by its core names (KlEstimatorName, PolicyAggregationName): the error lists them.
+template <typename E>
+absl::StatusOr<E> ParseNamed(const std::string& s, const char* flag, int count,
+                             const char* (*name)(E)) {
+  std::vector<std::string> names;
+  for (int i = 0; i < count; ++i) {
+    if (s == name(static_cast<E>(i))) return static_cast<E>(i);
+    names.push_back(name(static_cast<E>(i)));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(flag, " must be one of ",
+                                                 absl::StrJoin(names, ", "), ", got '", s, "'"));
 }
 
 absl::StatusOr<ImportanceSampling> ParseImportanceSampling(const std::string& s) {
@@ -131,6 +164,11 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
       {LossKind::kPolicy, "--use_bias_correction_kl", absl::GetFlag(FLAGS_use_bias_correction_kl)},
       {LossKind::kPolicy, "--importance_sampling",
        absl::GetFlag(FLAGS_importance_sampling) != "token"},
+      {LossKind::kPolicy, "--kl_estimator", absl::GetFlag(FLAGS_kl_estimator) != "k3"},
+      {LossKind::kPolicy, "--kl_straight_through", absl::GetFlag(FLAGS_kl_straight_through)},
+      {LossKind::kPolicy, "--entropy_coeff", absl::GetFlag(FLAGS_entropy_coeff) != 0},
+      {LossKind::kPolicy, "--aggregation", absl::GetFlag(FLAGS_aggregation) != "loss_type"},
+      {LossKind::kPolicy, "--loss_scale_factor", absl::GetFlag(FLAGS_loss_scale_factor) != 0},
       {LossKind::kDistill, "--jsd_beta", absl::GetFlag(FLAGS_jsd_beta) != 0.5},
       {LossKind::kDistill, "--weight_hard_loss", absl::GetFlag(FLAGS_weight_hard_loss) != 0},
       {LossKind::kDistill, "--weight_soft_loss", absl::GetFlag(FLAGS_weight_soft_loss) != 1},
@@ -176,6 +214,15 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
   r->policy.use_bias_correction_kl = absl::GetFlag(FLAGS_use_bias_correction_kl);
   LOSSD_ASSIGN_OR_RETURN(r->policy.importance_sampling,
                          ParseImportanceSampling(absl::GetFlag(FLAGS_importance_sampling)));
+  LOSSD_ASSIGN_OR_RETURN(r->policy.kl_estimator,
+                         ParseNamed(absl::GetFlag(FLAGS_kl_estimator), "--kl_estimator",
+                                    kKlEstimators, &KlEstimatorName));
+  r->policy.kl_straight_through = absl::GetFlag(FLAGS_kl_straight_through);
+  r->policy.entropy_coeff = static_cast<float>(absl::GetFlag(FLAGS_entropy_coeff));
+  LOSSD_ASSIGN_OR_RETURN(r->policy.aggregation,
+                         ParseNamed(absl::GetFlag(FLAGS_aggregation), "--aggregation",
+                                    kPolicyAggregations, &PolicyAggregationName));
+  r->policy.loss_scale_factor = absl::GetFlag(FLAGS_loss_scale_factor);
   LOSSD_ASSIGN_OR_RETURN(r->advantages, Fp32Input(absl::GetFlag(FLAGS_advantages), "advantages"));
   if (!r->advantages.has_value()) {
     r->advantages = RandomFloat(DType::kF32, {r->x.dim(0)}, 1.0f, absl::GetFlag(FLAGS_seed) + 4);

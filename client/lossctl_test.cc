@@ -328,11 +328,52 @@ TEST_F(LossctlTest, DistillWeightsTravelAndAreDistillsOnly) {
               "--kind=logprob does not take --weight_hard_loss (distill)");
 }
 
+// verl's menu: the estimator, straight-through, entropy bonus, aggregation, its divisor and
+// gpg travel in PolicyOptions; left at their defaults they stay unset; policy's flags only.
+TEST_F(LossctlTest, VerlPolicyOptionsTravelAndArePolicysOnly) {
+  Result r = Lossctl(
+      "compute --kind=policy --bt=6 --h=4 --v=9 --sequences=2 --loss_type=gpg "
+      "--kl_estimator=low_var_kl --kl_straight_through --entropy_coeff=0.03 "
+      "--aggregation=seq-mean-token-sum-norm --loss_scale_factor=4096");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::PolicyOptions& p = fake_.last_header.policy();
+    EXPECT_EQ(p.loss_type(), v1::POLICY_LOSS_GPG);
+    EXPECT_EQ(p.kl_estimator(), v1::KL_ESTIMATOR_LOW_VAR_KL);
+    EXPECT_TRUE(p.kl_straight_through());
+    EXPECT_FLOAT_EQ(p.entropy_coeff(), 0.03f);
+    EXPECT_EQ(p.aggregation(), v1::AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM);
+    EXPECT_EQ(p.loss_scale_factor(), 4096);
+  }
+  r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --kl_estimator=k1 "
+              "--aggregation=token-mean");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::PolicyOptions& p = fake_.last_header.policy();
+    EXPECT_EQ(p.kl_estimator(), v1::KL_ESTIMATOR_K1);
+    EXPECT_EQ(p.aggregation(), v1::AGGREGATION_TOKEN_MEAN);
+    EXPECT_FALSE(p.kl_straight_through());
+    EXPECT_EQ(p.entropy_coeff(), 0.0f);
+  }
+  ExpectFails("compute --kind=policy --kl_estimator=k4 --bt=4 --h=4 --v=4",
+              "--kl_estimator must be one of k3, k1, k2, abs, low_var_kl, got 'k4'");
+  ExpectFails("compute --kind=policy --aggregation=token-sum --bt=4 --h=4 --v=4",
+              "--aggregation must be one of loss_type, token-mean, seq-mean-token-sum, "
+              "seq-mean-token-mean, seq-mean-token-sum-norm, got 'token-sum'");
+  ExpectFails("compute --kind=logprob --entropy_coeff=0.1 --kl_straight_through --bt=4 --h=4 "
+              "--v=4",
+              "--kind=logprob does not take --kl_straight_through (policy), --entropy_coeff "
+              "(policy)");
+}
+
 TEST_F(LossctlTest, LossKindsUsageErrors) {
   ExpectFails("compute --kind=ppo --bt=4 --h=4 --v=4",
               "--kind must be cross_entropy, logprob, policy or distill, got 'ppo'");
   ExpectFails("compute --kind=policy --loss_type=ppo --bt=4 --h=4 --v=4",
-              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo or luspo, got 'ppo'");
+              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo or gpg, got "
+              "'ppo'");
   ExpectFails("compute --kind=policy --loss_type=vespo --bt=4 --h=4 --v=4",
               "--loss_type vespo is not computed: its weight depends on a whole sequence's "
               "ratios");
