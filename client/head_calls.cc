@@ -141,6 +141,13 @@ absl::Status ValidateCreateHead(const CreateHeadRequest& r) {
         absl::StrCat("optimizer_step must be >= 0, got ", r.optimizer_step));
   }
   LOSSD_RETURN_IF_ERROR(ValidateOptimizer(r.optimizer));
+  if (!r.group.members.empty() && r.group.member >= r.group.size()) {
+    // The server checks the rest of the group (the id, the endpoints); an index out of range
+    // would route this member's ranks nowhere.
+    return absl::InvalidArgumentError(absl::StrCat("group.member must be < ", r.group.size(),
+                                                   " (the members given), got ",
+                                                   r.group.member));
+  }
   return ValidateState(r);
 }
 
@@ -213,6 +220,12 @@ v1::HeadHeader HeadHeaderOf(const CreateHeadRequest& r) {
   h.set_version(r.version);
   h.set_optimizer_step(r.optimizer_step);
   h.set_with_state(!r.state.empty());
+  if (!r.group.members.empty()) {
+    v1::HeadGroupSpec* g = h.mutable_group();
+    for (const std::string& m : r.group.members) g->add_members(m);
+    g->set_member(r.group.member);
+    g->set_id(r.group.id);
+  }
   return h;
 }
 
@@ -257,6 +270,16 @@ absl::StatusOr<HeadInfo> HeadInfoFromProto(const v1::HeadInfo& h) {
   i.ranks_waiting = h.ranks_waiting();
   i.instance = h.instance();
   i.last_used_unix_ms = h.last_used_unix_ms();
+  if (h.group().members_size() > 1) {
+    i.group.members.assign(h.group().members().begin(), h.group().members().end());
+    i.group.member = h.group().member();
+    i.group.id = h.group().id();
+    if (i.group.member >= i.group.size()) {
+      return absl::InternalError(absl::StrCat("server described head '", h.name(),
+                                              "' as member ", i.group.member, " of a group of ",
+                                              i.group.size()));
+    }
+  }
   return i;
 }
 

@@ -74,6 +74,21 @@ bool IsBiasTensor(HeadTensor t);
 // momentum buffer; SGD without none.
 std::vector<HeadTensor> StateTensors(const OptimizerOptions& o, bool bias);
 
+// A head group (docs/hosted_head.md "Head groups"): S lossd instances serving one head, each
+// with 1/S of its master and optimizer state. Rank r's Computes and Steps go to member
+// HeadGroupMemberOf(r, S). Empty members: one server (no group).
+struct HeadGroup {
+  std::vector<std::string> members;  // every member's endpoint, as the trainers' pools name it
+  uint32_t member = 0;               // this server's index in members
+  std::string id;                    // the group's id: new for every group (never reused)
+
+  size_t size() const { return members.size(); }
+};
+// The member serving `rank` in a group of `size` members (round robin; the server's rule).
+inline uint32_t HeadGroupMemberOf(uint32_t rank, size_t size) {
+  return size == 0 ? 0 : static_cast<uint32_t>(rank % size);
+}
+
 // A head as CreateHead takes it and an export describes it (HeadHeader).
 struct HeadSpec {
   std::string name;  // 1 to 128 of [A-Za-z0-9._:/-]
@@ -101,6 +116,9 @@ struct CreateHeadRequest {
   // The optimizer's state, fp32, keyed by kExpAvgW ... kMaxExpAvgSqBias: empty = zeros (a new
   // head); else exactly StateTensors(optimizer, bias), each of its parameter's shape.
   std::map<HeadTensor, HostTensor> state;
+  // A head group: every member gets this request with its own `member` (at once: each call
+  // returns once all have joined). PooledClient fills `member` in itself.
+  HeadGroup group;
 };
 
 // A head as Info, List and CreateHead describe it.
@@ -118,6 +136,7 @@ struct HeadInfo {
   uint32_t ranks_waiting = 0;  // ranks that have called Step for the current version
   std::string instance;
   int64_t last_used_unix_ms = 0;
+  HeadGroup group;  // the head group serving it (empty members: one server)
 };
 
 struct CreateHeadResult {

@@ -174,6 +174,10 @@ class LossClient {
   // CreateHead from an export: the head resumes exactly where it was exported.
   absl::StatusOr<CreateHeadResult> ImportHead(const HeadExport& exported,
                                               const CallOptions& call = {});
+  // The same into a head group (this server is group.member; every member gets the whole
+  // export and keeps its slices): the recovery after a member was lost, with a new group id.
+  absl::StatusOr<CreateHeadResult> ImportHead(const HeadExport& exported, const HeadGroup& group,
+                                              const CallOptions& call = {});
   absl::StatusOr<HeadInfo> GetHeadInfo(const std::string& head, const CallOptions& call = {});
   // Also forgets the head's instance, whatever the server answers.
   absl::Status DropHead(const std::string& head, const CallOptions& call = {});

@@ -52,6 +52,14 @@ absl::StatusOr<CreateHeadResult> LossClient::ImportHead(const HeadExport& e,
   return CreateHead(r, call);
 }
 
+absl::StatusOr<CreateHeadResult> LossClient::ImportHead(const HeadExport& e,
+                                                        const HeadGroup& group,
+                                                        const CallOptions& call) {
+  LOSSD_ASSIGN_OR_RETURN(CreateHeadRequest r, ImportRequestOf(e));
+  r.group = group;
+  return CreateHead(r, call);
+}
+
 absl::StatusOr<StepResult> LossClient::Step(const StepRequest& r, const CallOptions& call) {
   LOSSD_RETURN_IF_ERROR(ValidateStep(r));
   LOSSD_RETURN_IF_ERROR(RequireFeature(kHostedHeadFeature, call));

@@ -160,6 +160,10 @@ class PoolTest : public ::testing::Test {
     o.host = absl::StrCat("127.0.0.", i + 1);
     o.port = port_;
     o.engine.instance = absl::StrCat("replica", i + 1, "-", generation_++);
+    if (head_groups_) {  // lossd --head_group_address=<its host> (gloo listens there)
+      o.head_group_address = o.host;
+      o.head_group_timeout = absl::Seconds(20);
+    }
     servers_[i] = std::make_unique<testing_harness::Harness>(o);
     ASSERT_TRUE(servers_[i]->started());
   }
@@ -218,6 +222,7 @@ class PoolTest : public ::testing::Test {
 
   int port_ = 0;
   int generation_ = 0;
+  bool head_groups_ = false;  // set before SetUp: the replicas form head groups
   std::unique_ptr<testing_harness::Harness> servers_[kReplicas];
   std::unique_ptr<testing_harness::Harness> reference_server_;
   std::unique_ptr<LossClient> reference_;

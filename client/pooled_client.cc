@@ -364,7 +364,10 @@ absl::StatusOr<ComputeResult> PooledClient::ComputeOn(const std::string& endpoin
 absl::StatusOr<ComputeResult> PooledClient::Compute(const ComputeRequest& r,
                                                     const CallOptions& call) {
   if (!r.ticket.empty()) return ComputeTicket(r, call);
-  if (!r.head.empty()) return ComputeInto(HeadKey(r.head), r, call);
+  if (!r.head.empty()) {
+    if (std::optional<GroupRoute> g = GroupFor(r.head, call)) return ComputeInGroup(*g, r, call);
+    return ComputeInto(HeadKey(r.head), r, call);
+  }
   if (!r.accumulator.empty()) return ComputeInto(AccumulatorKey(r.accumulator), r, call);
   return ComputeStateless(r.weight_handle.empty() ? RankKey(pool_->options().rank)
                                                    : WeightsKey(r.weight_handle),

@@ -112,9 +112,22 @@ class PooledClient {
 
   // Hosted heads, on the head's replica. CreateHead and ImportHead go to the next replica
   // when the head's is unreachable (a whole head, idempotent by version: nothing partial).
+  // A head served by a head group (HeadInfo::group, learnt from CreateHead, ImportHead,
+  // GetHeadInfo or the first call's lookup) has no one replica: rank r's Computes and Steps
+  // go to members[HeadGroupMemberOf(r, S)] and nowhere else; a member lost is ABORTED naming
+  // it and saying to import the last export into a new group; a member answering that the
+  // rank is another's (FAILED_PRECONDITION "go to member") is returned, never resent.
+  // CreateHead with request.group.members set creates the head on every member at once
+  // (each its index; the members must be this pool's replicas; group.member is ignored) and
+  // returns member 0's answer; ImportHead with a group likewise (a new id after a loss).
+  // ExportHead of a group's head asks every member at once (member 0 streams it); DropHead
+  // drops it on every member; GetHeadInfo learns the group again (after an import into a
+  // new group) and asks the member of PoolOptions::rank.
   absl::StatusOr<CreateHeadResult> CreateHead(const CreateHeadRequest& request,
                                               const CallOptions& call = {});
   absl::StatusOr<CreateHeadResult> ImportHead(const HeadExport& exported,
+                                              const CallOptions& call = {});
+  absl::StatusOr<CreateHeadResult> ImportHead(const HeadExport& exported, const HeadGroup& group,
                                               const CallOptions& call = {});
   absl::StatusOr<StepResult> Step(const StepRequest& request, const CallOptions& call = {});
   absl::StatusOr<HeadExport> ExportHead(const std::string& head,
@@ -240,6 +253,46 @@ class PooledClient {
       const std::function<absl::StatusOr<CreateHeadResult>(LossClient*)>& create,
       const CallOptions& call);
 
+  // Head groups (pooled_groups.cc). A head's group and the server instance each member held
+  // it on when this pool heard of it.
+  struct GroupRoute {
+    HeadGroup group;
+    std::vector<std::string> instances;  // by member; "" where not known
+  };
+  // The head's group: known, or looked for where the head is unplaced (GetHeadInfo along
+  // its order; a one-server head found so is placed there). nullopt: not a group's head.
+  std::optional<GroupRoute> GroupFor(const std::string& head, const CallOptions& call);
+  // Records info.group for `head` (a group's head has no placement); `instances`: every
+  // member's, from a create (else kept where the group is the same one).
+  GroupRoute LearnGroup(const std::string& head, const HeadInfo& info,
+                        std::vector<std::string> instances);
+  void ForgetGroup(const std::string& head);
+  std::string MemberLostMessage(const std::string& head, const GroupRoute& g, uint32_t m,
+                                const std::string& reason);
+  // `run` on member m's client. rank >= 0: the rank routed there (a member answering that it
+  // is another's is returned with the pool's view). A lost member: ABORTED, counted.
+  template <typename T>
+  absl::StatusOr<T> OnMember(const std::string& head, const GroupRoute& g, uint32_t m,
+                             int64_t rank,
+                             const std::function<absl::StatusOr<T>(LossClient*)>& run);
+  absl::StatusOr<ComputeResult> ComputeInGroup(const GroupRoute& g, const ComputeRequest& r,
+                                               const CallOptions& call);
+  absl::StatusOr<StepResult> StepInGroup(const GroupRoute& g, const StepRequest& r,
+                                         const CallOptions& call);
+  absl::StatusOr<HeadInfo> InfoInGroup(const std::string& head, const CallOptions& call);
+  absl::StatusOr<HeadExport> ExportInGroup(
+      const std::string& head, const GroupRoute& g, const ExportHeadOptions& options,
+      const CallOptions& call,
+      const std::function<absl::StatusOr<HeadExport>(LossClient*, const ExportHeadOptions&)>&
+          run);
+  // `create` on every member at once, each with its own index; member 0's result.
+  absl::StatusOr<CreateHeadResult> CreateInGroup(
+      const std::string& head, const HeadGroup& group,
+      const std::function<absl::StatusOr<CreateHeadResult>(LossClient*, const HeadGroup&)>&
+          create);
+  absl::Status DropInGroup(const std::string& head, const GroupRoute& g,
+                           const CallOptions& call);
+
   // Two-phase tickets (pooled_tickets.cc). A forward that took one (res.ticket set) on
   // `endpoint` remembers it, within PoolOptions::tickets_kept.
   void NoteTicket(const ComputeResult& res, const std::string& endpoint);
@@ -258,6 +311,7 @@ class PooledClient {
   std::unique_ptr<ReplicaPool> pool_;
   mutable absl::Mutex mu_;
   std::map<std::string, Placement> placed_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, GroupRoute> groups_ ABSL_GUARDED_BY(mu_);  // head -> its group
   std::map<std::string, std::shared_ptr<Weights>> weights_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, TicketHome> tickets_ ABSL_GUARDED_BY(mu_);
   // (expiry, ticket) of every entry of tickets_: the first expires first.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // PooledClient: the hosted-head calls, each on the head's replica. A Compute into a head is
-// in pooled_client.cc (ComputeInto), with the accumulators'.
+// in pooled_client.cc (ComputeInto), with the accumulators'; a head group's calls are in
+// pooled_groups.cc.
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -103,18 +104,47 @@ absl::StatusOr<CreateHeadResult> PooledClient::CreateOrImport(
 
 absl::StatusOr<CreateHeadResult> PooledClient::CreateHead(const CreateHeadRequest& request,
                                                           const CallOptions& call) {
+  if (request.group.size() > 1) {
+    return CreateInGroup(request.name, request.group,
+                         [&](LossClient* c, const HeadGroup& mine) {
+                           CreateHeadRequest r = request;
+                           r.group = mine;
+                           return c->CreateHead(r, call);
+                         });
+  }
+  ForgetGroup(request.name);
+  if (request.group.size() == 1) {
+    // A group of one is a one-server head, placed on that member.
+    CreateHeadRequest r = request;
+    r.group = {};
+    Place(HeadKey(r.name), request.group.members[0], "", "");
+    return CreateOrImport(r.name, [&](LossClient* c) { return c->CreateHead(r, call); }, call);
+  }
   return CreateOrImport(
       request.name, [&](LossClient* c) { return c->CreateHead(request, call); }, call);
 }
 
 absl::StatusOr<CreateHeadResult> PooledClient::ImportHead(const HeadExport& exported,
                                                           const CallOptions& call) {
+  ForgetGroup(exported.spec.name);
   return CreateOrImport(
       exported.spec.name, [&](LossClient* c) { return c->ImportHead(exported, call); }, call);
 }
 
+absl::StatusOr<CreateHeadResult> PooledClient::ImportHead(const HeadExport& exported,
+                                                          const HeadGroup& group,
+                                                          const CallOptions& call) {
+  if (group.size() <= 1) return ImportHead(exported, call);
+  return CreateInGroup(exported.spec.name, group, [&](LossClient* c, const HeadGroup& mine) {
+    return c->ImportHead(exported, mine, call);
+  });
+}
+
 absl::StatusOr<StepResult> PooledClient::Step(const StepRequest& request,
                                               const CallOptions& call) {
+  if (std::optional<GroupRoute> g = GroupFor(request.head, call)) {
+    return StepInGroup(*g, request, call);
+  }
   const std::string key = HeadKey(request.head);
   absl::StatusOr<Placement> p = HeadRoute(request.head, true, call);
   if (!p.ok()) return p.status();
@@ -147,12 +177,24 @@ absl::StatusOr<HeadExport> PooledClient::ExportOn(
 absl::StatusOr<HeadExport> PooledClient::ExportHead(const std::string& head,
                                                     const ExportHeadOptions& options,
                                                     const CallOptions& call) {
+  if (std::optional<GroupRoute> g = GroupFor(head, call)) {
+    return ExportInGroup(head, *g, options, call,
+                         [&](LossClient* c, const ExportHeadOptions& o) {
+                           return c->ExportHead(head, o, call);
+                         });
+  }
   return ExportOn(head, call, [&](LossClient* c) { return c->ExportHead(head, options, call); });
 }
 
 absl::StatusOr<HeadExport> PooledClient::ExportHeadTo(
     const std::string& head, const std::function<absl::Status(const HeadExport&)>& on_layout,
     const HeadExportSink& sink, const ExportHeadOptions& options, const CallOptions& call) {
+  if (std::optional<GroupRoute> g = GroupFor(head, call)) {
+    return ExportInGroup(head, *g, options, call,
+                         [&](LossClient* c, const ExportHeadOptions& o) {
+                           return c->ExportHeadTo(head, on_layout, sink, o, call);
+                         });
+  }
   return ExportOn(head, call, [&](LossClient* c) {
     return c->ExportHeadTo(head, on_layout, sink, options, call);
   });
@@ -160,11 +202,18 @@ absl::StatusOr<HeadExport> PooledClient::ExportHeadTo(
 
 absl::StatusOr<HeadInfo> PooledClient::GetHeadInfo(const std::string& head,
                                                    const CallOptions& call) {
+  if (GroupFor(head, call).has_value()) return InfoInGroup(head, call);
   const std::string key = HeadKey(head);
   // Finding it again (where an import put it) clears a loss.
   absl::StatusOr<Placement> p = HeadRoute(head, false, call);
   if (!p.ok()) return p.status();
   absl::StatusOr<HeadInfo> res = pool_->Client(p->endpoint)->GetHeadInfo(head, call);
+  if (res.ok() && res->group.size() > 1) {
+    // Created again as a group's head (by another trainer) where this pool placed one
+    // server's: route by the group from now on.
+    LearnGroup(head, *res, {});
+    return res;
+  }
   if (res.ok()) {
     Place(key, p->endpoint, res->instance, p->previous.empty() ? "" : "found there again");
     return res;
@@ -182,6 +231,7 @@ absl::StatusOr<HeadInfo> PooledClient::GetHeadInfo(const std::string& head,
 }
 
 absl::Status PooledClient::DropHead(const std::string& head, const CallOptions& call) {
+  if (std::optional<GroupRoute> g = GroupFor(head, call)) return DropInGroup(head, *g, call);
   const std::string key = HeadKey(head);
   absl::StatusOr<Placement> p = Route(key, false);
   if (!p.ok()) return p.status();

@@ -64,6 +64,15 @@ Harness::Harness(HarnessOptions o) {
   if (o.engine.instance.empty()) o.engine.instance = absl::StrCat("test", counter++);
   o.service.instance = o.engine.instance;
   o.service.version = "test";
+  if (!o.head_group_address.empty()) {
+    const absl::Status s = ConfigureHeadGroups(
+        {o.head_group_address, o.head_group_timeout, "", ""}, nullptr, &o.engine,
+        &group_service_);
+    if (!s.ok()) {
+      ADD_FAILURE() << s;
+      return;
+    }
+  }
   engine_ = std::make_unique<Engine>(o.backend ? o.backend() : NewCpuBackend(o.cpu_threads),
                                      o.engine);
   Engine* e = engine_.get();
@@ -86,6 +95,7 @@ Harness::Harness(HarnessOptions o) {
   so.credentials = o.server_credentials;
   so.reflection = o.reflection;
   so.health_address = o.health_address;
+  so.head_group_service = group_service_.get();
   auto server = LossServer::Start(engine_.get(), metrics_.get(), so);
   if (!server.ok()) {
     ADD_FAILURE() << server.status();

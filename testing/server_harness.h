@@ -17,6 +17,7 @@
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "prometheus/exposer.h"
 #include "engine/engine.h"
+#include "service/head_group_store.h"
 #include "service/loss_server.h"
 #include "service/metrics.h"
 
@@ -36,6 +37,11 @@ struct HarnessOptions {
   // several servers can share one port on distinct addresses); port 0 picks a free one.
   std::string host = "127.0.0.1";
   int port = 0;
+  // Where set, the server forms head groups (lossd's --head_group_address): gloo listens on
+  // this address, and the server serves the group rendezvous (HeadGroupRendezvous) beside
+  // Loss. head_group_timeout: --head_group_timeout.
+  std::string head_group_address;
+  absl::Duration head_group_timeout = absl::Seconds(30);
 };
 
 class Harness {
@@ -60,6 +66,7 @@ class Harness {
 
  private:
   std::string host_;
+  std::unique_ptr<GroupStoreService> group_service_;  // before the server (it outlives it)
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<LossServer> server_;
