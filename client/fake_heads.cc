@@ -145,6 +145,8 @@ void FakeHeads::InfoLocked(const Head& head, v1::HeadInfo* info) const {
   info->set_ranks_waiting(head.waiting.size());
   info->set_instance(instance_);
   info->set_last_used_unix_ms(3);
+  // As lossd: a group's head names its group (one server's names none).
+  if (h.group().members_size() > 1) *info->mutable_group() = h.group();
 }
 
 void FakeHeads::ApplyLocked(Head& head, const v1::StepRequest& req, v1::StepResponse* resp) {

@@ -159,12 +159,14 @@ Commands:
   head create       --head: a hosted head from --w [--bias] (.npy) or random (--v --h
                     [--with_bias]), --compute_dtype, --optimizer=adamw|sgd and its flags
                     (--lr ...), [--state_dir --optimizer_step --head_version]
+                    [--group_members --group_member --group_id: one member of a head group]
   head step         --head --head_version [--rank --world_size --phase --lr --clip_coef |
                     --max_norm --skip]: one rank's step; returns when every rank has called
   head export       --head --out_dir [--range_bytes]: <tensor>.npy each, then head.txt
-  head import       --in_dir [--head: another name]: create the head again as exported
-  head info|drop    --head
-  head list         the caller's heads: version, bytes, idle seconds, contributions
+  head import       --in_dir [--head: another name] [--group_members ...: into a group]:
+                    create the head again as exported
+  head info|drop    --head [--world_size: a group's head shows each rank's member]
+  head list         the caller's heads: version, bytes, idle seconds, contributions, group
   compute --head    --head_version [--rank --micro_batch]: a Compute on a hosted head (V, H
                     and the dtype from its info when not given)
 

@@ -22,7 +22,9 @@
 
 // The head commands' own flags (--head, --head_version, --rank and --micro_batch are in
 // lossctl.cc: compute --head reads them too).
-ABSL_FLAG(uint32_t, world_size, 1, "head step: the ranks of the step's barrier");
+ABSL_FLAG(uint32_t, world_size, 1,
+          "head step: the ranks of the step's barrier; head info: of a group's head, also "
+          "show each rank's member");
 ABSL_FLAG(std::string, optimizer, "adamw", "head create: adamw|sgd (torch.optim's)");
 ABSL_FLAG(std::optional<double>, lr, std::nullopt,
           "head create: the learning rate (default 1e-3); head step: this step's (default the "
@@ -52,6 +54,12 @@ ABSL_FLAG(std::optional<double>, max_norm, std::nullopt,
 ABSL_FLAG(bool, skip, false, "head step: drop the step's gradients, W unchanged");
 ABSL_FLAG(int64_t, range_bytes, 256 << 20, "head export: bytes per range stream");
 ABSL_FLAG(std::string, in_dir, "", "head import: a folder head export wrote");
+ABSL_FLAG(std::vector<std::string>, group_members, {},
+          "head create|import: a head group's members, endpoint,endpoint,... (the same list "
+          "sent to every member, each with its --group_member; empty: one server)");
+ABSL_FLAG(uint32_t, group_member, 0, "head create|import: this server's index in --group_members");
+ABSL_FLAG(std::string, group_id, "",
+          "head create|import: the head group's id (a new one for every group)");
 
 namespace lossd {
 namespace client {
@@ -91,6 +99,31 @@ absl::StatusOr<OptimizerOptions> OptimizerFromFlags() {
   return o;
 }
 
+// --group_members, --group_member, --group_id: empty for one server.
+absl::StatusOr<HeadGroup> GroupFromFlags() {
+  HeadGroup g;
+  g.members = absl::GetFlag(FLAGS_group_members);
+  g.member = absl::GetFlag(FLAGS_group_member);
+  g.id = absl::GetFlag(FLAGS_group_id);
+  if (g.members.empty()) {
+    if (g.member != 0 || !g.id.empty()) {
+      return absl::InvalidArgumentError(
+          "--group_member and --group_id name a head group: give its --group_members too");
+    }
+    return g;
+  }
+  if (g.member >= g.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("--group_member must be < ", g.size(),
+                                                   " (the --group_members given), got ",
+                                                   g.member));
+  }
+  if (g.id.empty() && g.size() > 1) {
+    return absl::InvalidArgumentError(
+        "--group_members needs --group_id (a new id for every group)");
+  }
+  return g;
+}
+
 void PrintInfo(const HeadInfo& i, CommandOutput& out) {
   auto field = [&](const char* key, JsonValue v, const std::string& text) {
     out.Field(key, std::move(v), absl::StrFormat("%-15s %s", key, text));
@@ -121,6 +154,38 @@ void PrintInfo(const HeadInfo& i, CommandOutput& out) {
   out.Field("tokens", int64_t{i.tokens}, "");
   field("ranks_waiting", uint64_t{i.ranks_waiting}, absl::StrCat(i.ranks_waiting));
   field("instance", i.instance, i.instance);
+  if (i.group.size() > 1) {
+    const size_t S = i.group.size();
+    field("group", i.group.members,
+          absl::StrFormat("member %d of %d, id %s; rank r's Computes and Steps go to member "
+                          "r %% %d:",
+                          i.group.member, S, i.group.id, S));
+    // With --world_size, each member's line names its ranks too (the rule above, worked out
+    // for that job, so an operator sees which trainers a member's loss would stop).
+    const uint32_t world = absl::GetFlag(FLAGS_world_size);
+    for (size_t m = 0; !out.json() && m < S; ++m) {
+      std::vector<uint32_t> ranks;
+      for (uint32_t r = 0; world > 1 && r < world; ++r) {
+        if (HeadGroupMemberOf(r, S) == m) ranks.push_back(r);
+      }
+      absl::PrintF("%-15s %d %s%s%s\n", "", m, i.group.members[m],
+                   m == i.group.member ? " (this server)" : "",
+                   world <= 1 ? ""
+                   : ranks.empty()
+                       ? ", no rank"
+                       : absl::StrCat(ranks.size() == 1 ? ", rank " : ", ranks ",
+                                      absl::StrJoin(ranks, ", ")));
+    }
+    out.Field("group_member", uint64_t{i.group.member}, "");
+    out.Field("group_id", i.group.id, "");
+    if (world > 1) {
+      std::vector<std::string> rank_members;  // rank r's member's endpoint, by rank
+      for (uint32_t r = 0; r < world; ++r) {
+        rank_members.push_back(i.group.members[HeadGroupMemberOf(r, S)]);
+      }
+      out.Field("rank_members", std::move(rank_members), "");
+    }
+  }
 }
 
 absl::Status RunCreate(CommandOutput& out) {
@@ -136,6 +201,7 @@ absl::Status RunCreate(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(r.compute_dtype,
                          ParseFloatDType("--compute_dtype", absl::GetFlag(FLAGS_compute_dtype)));
   LOSSD_ASSIGN_OR_RETURN(r.optimizer, OptimizerFromFlags());
+  LOSSD_ASSIGN_OR_RETURN(r.group, GroupFromFlags());
   r.version = absl::GetFlag(FLAGS_head_version);
   r.optimizer_step = absl::GetFlag(FLAGS_optimizer_step);
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
@@ -296,8 +362,9 @@ absl::Status RunImport(CommandOutput& out) {
                            ReadNpy(PathIn(dir, absl::StrCat(HeadTensorName(t), ".npy"))));
     e.tensors.emplace(t, std::move(tensor));
   }
+  LOSSD_ASSIGN_OR_RETURN(HeadGroup group, GroupFromFlags());
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
-  LOSSD_ASSIGN_OR_RETURN(CreateHeadResult res, client->ImportHead(e));
+  LOSSD_ASSIGN_OR_RETURN(CreateHeadResult res, client->ImportHead(e, group));
   out.Field("created", res.created,
             res.created ? "created         yes"
                         : "created         no: the same head at the same version was there");
@@ -319,17 +386,33 @@ absl::Status RunList(CommandOutput& out) {
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());
   out.Table("heads");
   if (!out.json()) {
-    absl::PrintF("%-40s %10s %14s %10s %s\n", "head", "version", "bytes", "idle_s",
-                 "contributions");
+    absl::PrintF("%-40s %10s %14s %10s %13s %s\n", "head", "version", "bytes", "idle_s",
+                 "contributions", "group");
   }
   for (const StateEntry& e : entries) {
     if (e.kind != StateEntry::Kind::kHead) continue;
     const double idle_s = (now_ms - e.last_used_unix_ms) / 1e3;
-    out.Row("heads",
-            {{"name", e.name}, {"version", uint64_t{e.version}}, {"bytes", uint64_t{e.bytes}},
-             {"idle_seconds", idle_s}, {"contributions", uint64_t{e.micro_batches}}},
-            absl::StrFormat("%-40s %10d %14d %10.1f %d", e.name, e.version, e.bytes, idle_s,
-                            e.micro_batches));
+    JsonFields row = {{"name", e.name}, {"version", uint64_t{e.version}},
+                      {"bytes", uint64_t{e.bytes}}, {"idle_seconds", idle_s},
+                      {"contributions", uint64_t{e.micro_batches}}};
+    std::string text = absl::StrFormat("%-40s %10d %14d %10.1f %13d", e.name, e.version,
+                                       e.bytes, idle_s, e.micro_batches);
+    // The listing names no group: a head's own info does (one call per head; a head dropped
+    // in between is listed without one).
+    absl::StatusOr<HeadInfo> info = client->GetHeadInfo(e.name);
+    if (!info.ok() && info.status().code() != absl::StatusCode::kNotFound) {
+      return info.status();
+    }
+    if (info.ok() && info->group.size() > 1) {
+      const HeadGroup& g = info->group;
+      row.push_back({"group", g.members});
+      row.push_back({"group_member", uint64_t{g.member}});
+      row.push_back({"group_id", g.id});
+      absl::StrAppendFormat(&text, " member %d of %d, id %s", g.member, g.size(), g.id);
+    } else {
+      absl::StrAppend(&text, " -");
+    }
+    out.Row("heads", std::move(row), text);
   }
   return absl::OkStatus();
 }

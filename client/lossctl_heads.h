@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/status/status.h"
@@ -45,6 +46,9 @@ ABSL_DECLARE_FLAG(bool, skip);
 ABSL_DECLARE_FLAG(int64_t, range_bytes);
 ABSL_DECLARE_FLAG(std::string, in_dir);
 ABSL_DECLARE_FLAG(std::string, out_dir);
+ABSL_DECLARE_FLAG(std::vector<std::string>, group_members);
+ABSL_DECLARE_FLAG(uint32_t, group_member);
+ABSL_DECLARE_FLAG(std::string, group_id);
 
 namespace lossd {
 namespace client {

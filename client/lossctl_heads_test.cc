@@ -99,7 +99,7 @@ TEST_F(LossctlTest, HeadLifecycle) {
   EXPECT_THAT(r.output, HasSubstr("\"version\": 1, \"optimizer_step\": 1, "));
   r = Lossctl("head list");
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_THAT(r.output, ::testing::ContainsRegex("\nh1 +1 +[0-9]+ +[-0-9.]+ 0\n"));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\nh1 +1 +[0-9]+ +[-0-9.]+ +0 -\n"));
   EXPECT_THAT(r.output, ::testing::ContainsRegex("\nh2 +1 "));
   r = Lossctl("list");
   EXPECT_THAT(r.output, ::testing::ContainsRegex("head +h1 +[0-9]+ +[-0-9.]+ 0 \\(version 1\\)"));
@@ -131,6 +131,76 @@ TEST_F(LossctlTest, HeadCreateFromState) {
             std::string(reinterpret_cast<const char*>(momentum.data()), momentum.num_bytes()));
   EXPECT_EQ(fake_.heads.Tensor("s", v1::TENSOR_HEAD_MASTER_W),
             std::string(reinterpret_cast<const char*>(w.data()), w.num_bytes()));
+}
+
+// A head group: create and import name it (members, this member, id) and info shows it, with
+// the member each rank's Computes and Steps go to.
+TEST_F(LossctlTest, HeadGroupIsSentAndShown) {
+  {
+    absl::MutexLock lock(&fake_.mu);
+    fake_.features = {"hosted_head", "list_state"};
+  }
+  Result r = Lossctl("head create --head=g --v=5 --h=3 --group_members=10.0.0.1:7,10.0.0.2:7,"
+                     "10.0.0.3:7 --group_member=1 --group_id=job-17");
+  ASSERT_EQ(r.code, 0) << r.output;
+  v1::HeadHeader h = fake_.heads.last_create_header();
+  ASSERT_EQ(h.group().members_size(), 3);
+  EXPECT_EQ(h.group().members(2), "10.0.0.3:7");
+  EXPECT_EQ(h.group().member(), 1u);
+  EXPECT_EQ(h.group().id(), "job-17");
+  EXPECT_THAT(r.output, HasSubstr("group           member 1 of 3, id job-17; rank r's Computes "
+                                  "and Steps go to member r % 3:\n"));
+  EXPECT_THAT(r.output, HasSubstr("                1 10.0.0.2:7 (this server)\n"));
+  r = Lossctl("head info --head=g --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"group\": [\"10.0.0.1:7\", \"10.0.0.2:7\", \"10.0.0.3:7\"], "
+                                  "\"group_member\": 1, \"group_id\": \"job-17\""));
+  // One server's head shows no group.
+  ASSERT_EQ(Lossctl("head create --head=one --v=5 --h=3").code, 0);
+  r = Lossctl("head info --head=one");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("group")));
+  EXPECT_FALSE(fake_.heads.last_create_header().has_group());
+  // With --world_size, each member's ranks (r % 3) beside it.
+  r = Lossctl("head info --head=g --world_size=5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("                0 10.0.0.1:7, ranks 0, 3\n"
+                                  "                1 10.0.0.2:7 (this server), ranks 1, 4\n"
+                                  "                2 10.0.0.3:7, rank 2\n"));
+  r = Lossctl("head info --head=g --world_size=2 --json");
+  EXPECT_THAT(r.output, HasSubstr("\"rank_members\": [\"10.0.0.1:7\", \"10.0.0.2:7\"]"));
+  r = Lossctl("head info --head=g --world_size=2");
+  EXPECT_THAT(r.output, HasSubstr("                2 10.0.0.3:7, no rank\n"));
+  // The list shows each head's group (this member of it), "-" for one server's.
+  r = Lossctl("head list");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\ng +0 +[0-9]+ +[-0-9.]+ +0 member 1 of 3, "
+                                                 "id job-17\n"));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\none +0 +[0-9]+ +[-0-9.]+ +0 -\n"));
+  r = Lossctl("head list --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("\"contributions\": 0, \"group\": [\"10.0.0.1:7\", "
+                                  "\"10.0.0.2:7\", \"10.0.0.3:7\"], \"group_member\": 1, "
+                                  "\"group_id\": \"job-17\"}"));
+  // An import into a new group.
+  ASSERT_EQ(Lossctl("head export --head=g --out_dir=" + Path("g")).code, 0);
+  ASSERT_EQ(Lossctl("head drop --head=g").code, 0);
+  r = Lossctl("head import --in_dir=" + Path("g") + " --group_members=10.0.0.1:7,10.0.0.3:7 "
+              "--group_id=job-18");
+  ASSERT_EQ(r.code, 0) << r.output;
+  h = fake_.heads.last_create_header();
+  ASSERT_EQ(h.group().members_size(), 2);
+  EXPECT_EQ(h.group().member(), 0u);
+  EXPECT_EQ(h.group().id(), "job-18");
+  EXPECT_TRUE(h.with_state());
+  EXPECT_THAT(r.output, HasSubstr("member 0 of 2, id job-18"));
+
+  ExpectFails("head create --head=x --v=3 --h=2 --group_members=a:1,b:2 --group_member=2 "
+              "--group_id=i", "--group_member must be < 2 (the --group_members given), got 2");
+  ExpectFails("head create --head=x --v=3 --h=2 --group_members=a:1,b:2",
+              "--group_members needs --group_id");
+  ExpectFails("head create --head=x --v=3 --h=2 --group_id=i",
+              "--group_member and --group_id name a head group: give its --group_members too");
 }
 
 TEST_F(LossctlTest, HeadUsageErrors) {
