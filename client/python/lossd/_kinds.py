@@ -2,7 +2,8 @@
 """The loss kinds other than cross-entropy in one compute() request: logprob (per-token
 log-probabilities and entropy at a temperature, with optional upstream gradients), policy
 (GRPO / PPO-clip with LigerFusedLinearGRPOLoss's semantics) and distill (generalised JSD
-against a teacher head, LigerFusedLinearJSD's semantics). docs/rl_losses.md has the math.
+against a teacher head, LigerFusedLinearJSD's semantics, or against the teacher's top-k
+log-probs). docs/rl_losses.md has the math.
 
 Builds the header's kind, temperature, PolicyOptions / DistillOptions and the specs and parts
 of the kind's tensors. Which kind takes which input, and every value's range, are the
@@ -14,7 +15,7 @@ import dataclasses
 from lossd import errors
 from lossd._proto import pb
 from lossd._results import WeightHandle
-from lossd.tensors import FLOAT_DTYPES, to_wire
+from lossd.tensors import FLOAT_DTYPES, INT_DTYPES, to_wire
 
 KINDS = {"cross_entropy": pb.LOSS_KIND_CROSS_ENTROPY, "logprob": pb.LOSS_KIND_LOGPROB,
          "policy": pb.LOSS_KIND_POLICY, "distill": pb.LOSS_KIND_DISTILL}
@@ -129,6 +130,8 @@ def policy_features(header):
 
 IMPORTANCE_SAMPLING = {"token": pb.IMPORTANCE_SAMPLING_TOKEN,
                        "sequence": pb.IMPORTANCE_SAMPLING_SEQUENCE}
+TOPK_TAILS = {"bucket": pb.TOPK_TAIL_BUCKET, "renormalize": pb.TOPK_TAIL_RENORMALIZE,
+              "none": pb.TOPK_TAIL_NONE}
 
 
 @dataclasses.dataclass
@@ -138,11 +141,15 @@ class DistillOptions:
     weight_soft_loss: LigerFusedLinearJSDLoss's, loss = weight_hard_loss x the labels'
     cross-entropy (temperature 1) + weight_soft_loss x the divergence, each over the counted
     rows; other than (0, 1) on servers listing "distill_hard_loss" (a hard weight needs the
-    targets, each in [0, V) or ignore_index)."""
+    targets, each in [0, V) or ignore_index). topk_tail: with a top-k teacher
+    (teacher_topk_ids / teacher_topk_logp), the teacher's mass outside its k ids: "bucket"
+    (one more event against the student's mass outside them), "renormalize" (both over the
+    k ids) or "none" (the k terms alone, verl's forward_kl_topk); docs/rl_losses.md."""
 
     jsd_beta: float = 0.5
     weight_hard_loss: float = 0.0
     weight_soft_loss: float = 1.0
+    topk_tail: str = "bucket"
 
 
 def _options_of(value, cls, name):
@@ -186,7 +193,7 @@ def _set_verl_options(msg, p):
 
 def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentropy,
              advantages, old_logp, ref_logp, teacher_x, teacher_w, teacher_bias,
-             want_entropy, is_ratio=None):
+             want_entropy, is_ratio=None, teacher_topk_ids=None, teacher_topk_logp=None):
     """The kind's fields into `header` and its tensors into `inline` (the Inputs' list, whose
     last entry is X: everything goes before it, the teacher's head first with the big
     tensors, since the server needs all but X in place before X's rows arrive; a two-phase
@@ -234,6 +241,11 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
         if (float(d.weight_hard_loss), float(d.weight_soft_loss)) != (0.0, 1.0):
             header.distill.weight_hard_loss = float(d.weight_hard_loss)
             header.distill.weight_soft_loss = float(d.weight_soft_loss)
+        if d.topk_tail not in TOPK_TAILS:
+            raise errors.InvalidArgumentError("distill.topk_tail must be one of %s, got %r" % (
+                ", ".join(TOPK_TAILS), d.topk_tail))
+        if d.topk_tail != "bucket":  # the default stays unset, as the weights'
+            header.distill.topk_tail = TOPK_TAILS[d.topk_tail]
     elif distill is not None:
         raise errors.InvalidArgumentError("distill options go with kind 'distill', not %r" % kind)
     x_part = inline.pop() if header.HasField("x") else None  # X stays last
@@ -256,9 +268,14 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
             front.append((pb.TENSOR_TEACHER_BIAS, arr))
     elif teacher_bias is not None:
         raise errors.InvalidArgumentError("teacher_bias goes with an inline teacher_w")
-    if kind == "distill" and teacher_w is None:
+    topk = teacher_topk_ids is not None or teacher_topk_logp is not None
+    if topk and kind != "distill":
         raise errors.InvalidArgumentError(
-            "kind 'distill' needs the teacher's head: teacher_w (an array or a weight handle)")
+            "teacher_topk_ids / teacher_topk_logp go with kind 'distill', not %r" % kind)
+    if kind == "distill" and teacher_w is None and not topk:
+        raise errors.InvalidArgumentError(
+            "kind 'distill' needs the teacher's head (teacher_w: an array or a weight handle) "
+            "or its top-k (teacher_topk_ids and teacher_topk_logp)")
     inline[:0] = front
     _fp32_input(header, inline, dlogp, "dlogp", pb.TENSOR_DLOGP)
     _fp32_input(header, inline, dentropy, "dentropy", pb.TENSOR_DENTROPY)
@@ -268,6 +285,14 @@ def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentr
     if is_ratio is not None and kind != "policy":
         raise errors.InvalidArgumentError("is_ratio goes with kind 'policy', not %r" % kind)
     _fp32_input(header, inline, is_ratio, "is_ratio", pb.TENSOR_IS_RATIO)
+    # The top-k teacher's shapes, values and pairing are the server's to check (one set of
+    # rules); here only the wire dtypes.
+    if teacher_topk_ids is not None:
+        dt, shape, arr = to_wire(teacher_topk_ids, "teacher_topk_ids", INT_DTYPES)
+        header.teacher_topk_ids.CopyFrom(pb.TensorSpec(dtype=dt, shape=shape))
+        inline.append((pb.TENSOR_TEACHER_TOPK_IDS, arr))
+    _fp32_input(header, inline, teacher_topk_logp, "teacher_topk_logp",
+                pb.TENSOR_TEACHER_TOPK_LOGP)
     if teacher_x is not None:
         dt, shape, arr = to_wire(teacher_x, "teacher_x", FLOAT_DTYPES)
         header.teacher_x.CopyFrom(pb.TensorSpec(dtype=dt, shape=shape))

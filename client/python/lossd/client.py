@@ -474,7 +474,8 @@ class Client(AsyncCalls, HeadMethods):
                 temperature=None, want_entropy=False, dlogp=None, dentropy=None,
                 advantages=None, old_logp=None, ref_logp=None, policy=None, teacher_x=None,
                 teacher_w=None, teacher_bias=None, distill=None, keep_ms=0, ticket=None,
-                allow_nonfinite_loss=False, is_ratio=None):
+                allow_nonfinite_loss=False, is_ratio=None, teacher_topk_ids=None,
+                teacher_topk_logp=None):
         """Linear + cross-entropy (or another loss kind) forward and backward on the server.
 
         x: (BT, H) bf16 / fp16 / fp32 (BF16Array, numpy array, or torch tensor).
@@ -515,7 +516,11 @@ class Client(AsyncCalls, HeadMethods):
           completion mask is 0; advantages, old_logp, ref_logp fp32 (BT); policy: a
           PolicyOptions or dict), result.kl and result.clip_fraction; "distill": JSD against
           the teacher (teacher_x (BT, Ht), teacher_w (V, Ht) or its WeightHandle, teacher_bias;
-          distill: a DistillOptions or dict; targets only mark ignored rows and may be None).
+          distill: a DistillOptions or dict; targets only mark ignored rows and may be None),
+          or instead of the teacher's head its top-k (servers listing "distill_topk"):
+          teacher_topk_ids (BT, k) int32 or int64 and teacher_topk_logp (BT, k) fp32, the
+          teacher's k most likely ids per row and their log-probs, distill.topk_tail saying
+          what stands for the rest.
         keep_ms, ticket: the two-phase logprob (servers listing "logprob_two_phase";
           lossd._two_phase). A forward with keep_ms > 0 (and no upstream gradients, no
           gradients wanted) returns result.ticket, kept that long (result.ticket_expires_unix_ms);
@@ -543,7 +548,8 @@ class Client(AsyncCalls, HeadMethods):
                 x=x, w=w, targets=targets, bias=bias, class_weights=class_weights,
                 grad_output=grad_output, advantages=advantages, old_logp=old_logp,
                 ref_logp=ref_logp, policy=policy, teacher_x=teacher_x, teacher_w=teacher_w,
-                teacher_bias=teacher_bias, distill=distill, head=head, is_ratio=is_ratio))
+                teacher_bias=teacher_bias, distill=distill, head=head, is_ratio=is_ratio,
+                teacher_topk_ids=teacher_topk_ids, teacher_topk_logp=teacher_topk_logp))
             head_fields = inputs.head_fields(head_version, rank, micro_batch)
         if keep_ms or ticket is not None:
             self.require_feature("logprob_two_phase", timeout=timeout)
@@ -551,9 +557,12 @@ class Client(AsyncCalls, HeadMethods):
         set_kind(header, inputs.inline, kind=kind, temperature=temperature, policy=policy,
                  distill=distill, dlogp=dlogp, dentropy=dentropy, advantages=advantages,
                  old_logp=old_logp, ref_logp=ref_logp, teacher_x=teacher_x, teacher_w=teacher_w,
-                 teacher_bias=teacher_bias, want_entropy=want_entropy, is_ratio=is_ratio)
+                 teacher_bias=teacher_bias, want_entropy=want_entropy, is_ratio=is_ratio,
+                 teacher_topk_ids=teacher_topk_ids, teacher_topk_logp=teacher_topk_logp)
         if is_ratio is not None:
             self.require_feature("policy_is_ratio", timeout=timeout)
+        if teacher_topk_ids is not None or teacher_topk_logp is not None:
+            self.require_feature("distill_topk", timeout=timeout)
         for feature in policy_features(header):
             self.require_feature(feature, timeout=timeout)
         set_options(header, inputs.xdt, ignore_index=ignore_index, reduction=reduction,
