@@ -69,10 +69,7 @@ absl::StatusOr<HeadExportRange> HeadStore::Export(const std::string& name,
                                                   const std::string& caller,
                                                   HeadExportScope scope) {
   LOSSD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, impl_->Get(name, caller));
-  if (head->broken.load()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        HeadWhat(name), " failed midway through an update; its state cannot be exported"));
-  }
+  LOSSD_RETURN_IF_ERROR(CheckNotBroken(*head));  // its state cannot be exported
   // A group's whole export reads the master and the state from every member's slices,
   // gathered once per version (a collective: before this member's lock is taken).
   std::shared_ptr<const GatheredHead> gathered;

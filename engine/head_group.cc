@@ -9,6 +9,7 @@
 #include <exception>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -106,10 +107,12 @@ void ForgetKeys(HeadGroupStore& store, const StoreAdapter& adapter) {
 }
 
 class GlooComm : public HeadComm {
+  using Ctx = std::shared_ptr<gloo::Context>;
+
  public:
   GlooComm(std::shared_ptr<gloo::Context> ctx, std::shared_ptr<HeadGroupStore> store,
            HeadGroup group)
-      : ctx_(std::move(ctx)), store_(std::move(store)), group_(std::move(group)) {}
+      : store_(std::move(store)), group_(std::move(group)), ctx_(std::move(ctx)) {}
 
   // The last collective's arrival mark: no member needs it once this one is gone.
   ~GlooComm() override {
@@ -130,8 +133,8 @@ class GlooComm : public HeadComm {
     }
     std::vector<int> counts(size());
     for (uint32_t m = 0; m < size(); ++m) counts[m] = HeadSliceOf(n, m, size()).n();
-    return Run("reduce-scatter of the summed gradient", [&] {
-      gloo::ReduceScatterHalvingDoubling<float> rs(ctx_, {buf}, static_cast<int>(n), counts);
+    return Run("reduce-scatter of the summed gradient", [&](const Ctx& ctx) {
+      gloo::ReduceScatterHalvingDoubling<float> rs(ctx, {buf}, static_cast<int>(n), counts);
       rs.run();
       // gloo leaves this member's slice at the front of buf; the head keeps slices in place.
       const HeadSlice s = HeadSliceOf(n, member(), size());
@@ -146,8 +149,8 @@ class GlooComm : public HeadComm {
     uint8_t* out = static_cast<uint8_t*>(buf);
     // gloo copies its input into the output: a separate input, so the two never overlap.
     std::vector<uint8_t> mine(out + s.lo * elem_bytes, out + s.hi * elem_bytes);
-    return Run("all-gather of the new compute copy", [&] {
-      gloo::AllgathervOptions o(ctx_);
+    return Run("all-gather of the new compute copy", [&](const Ctx& ctx) {
+      gloo::AllgathervOptions o(ctx);
       o.setInput<uint8_t>(mine.data(), mine.size());
       o.setOutput<uint8_t>(out, bytes);
       gloo::allgatherv(o);
@@ -157,8 +160,8 @@ class GlooComm : public HeadComm {
   absl::StatusOr<std::vector<double>> AllGatherValues(
       const std::vector<double>& values) override {
     std::vector<double> in = values, out(values.size() * size());
-    absl::Status s = Run("all-gather of the step's arguments and norms", [&] {
-      gloo::AllgatherOptions o(ctx_);
+    absl::Status s = Run("all-gather of the step's arguments and norms", [&](const Ctx& ctx) {
+      gloo::AllgatherOptions o(ctx);
       o.setInput<double>(in.data(), in.size());
       o.setOutput<double>(out.data(), out.size());
       gloo::allgather(o);
@@ -168,23 +171,44 @@ class GlooComm : public HeadComm {
   }
 
   absl::Status Barrier() override {
-    return Run("barrier", [&] {
-      gloo::BarrierOptions o(ctx_);
+    return Run("barrier", [&](const Ctx& ctx) {
+      gloo::BarrierOptions o(ctx);
       gloo::barrier(o);
     });
   }
 
+  // Publishes the reason for the members that come to a collective later (they read it from
+  // the store and name it), and closes every connection of this member: gloo closes only the
+  // one that failed, and a member that comes later must fail at once on any of them, never
+  // wait out the timeout on a connection this member no longer reads.
   void Abort(const std::string& why) override {
+    Ctx closing;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!aborted_.empty()) return;
+      aborted_ = why;
+      closing.swap(ctx_);
+    }
+    store_->Set(AbortedKey(member()), why).IgnoreError();  // best effort: it may be gone
+  }
+
+  std::string AbortReason() const override {
     absl::MutexLock lock(&mu_);
-    if (aborted_.empty()) aborted_ = why;
+    return aborted_;
   }
 
  private:
+  std::string AbortedKey(uint32_t m) const {
+    return absl::StrCat(group_.id, "/aborted/", m);
+  }
+
   // Runs one collective: refused once aborted; each member first marks its arrival in the
   // store (key <id>/at/<seq>/<member>), so a failure can name the members that never came.
+  // f runs on its own reference to the context: an Abort elsewhere closes it only after.
   template <typename F>
   absl::Status Run(const char* what, F f) {
     uint64_t seq;
+    Ctx ctx;
     {
       absl::MutexLock lock(&mu_);
       if (!aborted_.empty()) {
@@ -193,12 +217,13 @@ class GlooComm : public HeadComm {
             "head's last export into a new group"));
       }
       seq = ++seq_;
+      ctx = ctx_;
     }
     const std::string at = absl::StrCat(group_.id, "/at/", seq, "/");
     store_->Set(absl::StrCat(at, member()), "1").IgnoreError();  // only for the message
     std::string error;
     try {
-      f();
+      f(ctx);
       // Every member took part in this collective, so each had passed the one before: no
       // member can still need this member's mark of it. The store holds O(S) marks, not one
       // per collective run.
@@ -209,27 +234,54 @@ class GlooComm : public HeadComm {
     } catch (const std::exception& e) {
       error = e.what();
     }
-    std::vector<std::string> absent;
-    for (uint32_t m = 0; m < size(); ++m) {
-      if (!store_->Has(absl::StrCat(at, m))) {
-        absent.push_back(absl::StrCat(m, " (", group_.members[m], ")"));
-      }
-    }
+    ctx.reset();
     const std::string why = absl::StrCat(
         "the ", what, " of head group '", group_.id, "' failed on member ", member(), " (",
-        group_.members[member()], ")",
-        absent.empty() ? std::string(", every member had arrived")
-                       : absl::StrCat(": member", absent.size() > 1 ? "s " : " ",
-                                      absl::StrJoin(absent, ", "), " never arrived"),
-        ": ", error);
+        group_.members[member()], ")", Who(at), ": ", error);
     Abort(why);
     return absl::UnavailableError(why);
   }
 
-  std::shared_ptr<gloo::Context> ctx_;
+  // What the store tells of the other members after a collective failed: those that had
+  // left the group (a collective of theirs failed earlier: their reason names the member
+  // lost), those that never arrived at this one, or that the store itself is gone.
+  std::string Who(const std::string& at) {
+    std::vector<std::string> left, absent;
+    for (uint32_t m = 0; m < size(); ++m) {
+      if (m == member()) continue;
+      const std::string name = absl::StrCat(m, " (", group_.members[m], ")");
+      absl::StatusOr<std::string> why = store_->Get(AbortedKey(m), absl::ZeroDuration());
+      if (why.ok()) {
+        left.push_back(absl::StrCat("member ", name, " left the group before (", *why, ")"));
+        continue;
+      }
+      // A key not set reads as DEADLINE_EXCEEDED (Get never waits here); any other error is
+      // the store's own.
+      absl::StatusOr<std::string> came = why;
+      if (absl::IsDeadlineExceeded(why.status())) {
+        came = store_->Get(absl::StrCat(at, m), absl::ZeroDuration());
+      }
+      if (absl::IsDeadlineExceeded(came.status())) {
+        absent.push_back(name);
+      } else if (!came.ok()) {
+        // lossd keeps the store on member 0: when it cannot answer, member 0 is the one lost.
+        return absl::StrCat(": the group's store (member 0, ", group_.members[0], ") cannot "
+                            "be reached, so it cannot tell which members arrived: ",
+                            came.status().message());
+      }
+    }
+    if (!absent.empty()) {
+      left.push_back(absl::StrCat("member", absent.size() > 1 ? "s " : " ",
+                                  absl::StrJoin(absent, ", "), " never arrived"));
+    }
+    return left.empty() ? std::string(", every member had arrived")
+                        : absl::StrCat(": ", absl::StrJoin(left, "; "));
+  }
+
   std::shared_ptr<HeadGroupStore> store_;
   const HeadGroup group_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
+  Ctx ctx_ ABSL_GUARDED_BY(mu_);  // null once aborted
   std::string aborted_ ABSL_GUARDED_BY(mu_);
   uint64_t seq_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -53,9 +53,11 @@ inline HeadSlice HeadSliceOf(int64_t n, uint32_t member, uint32_t size) {
 }
 
 // The members' collectives. Every member calls each collective in the same order; a call
-// that does not complete within the communicator's timeout fails (UNAVAILABLE naming the
-// collective and the members that had not arrived where the store can tell) and the
-// communicator refuses every later call: a group that failed mid-collective is never reused.
+// that does not complete within the communicator's timeout, or that loses a peer's
+// connection, fails: UNAVAILABLE naming the collective and what the store tells of the other
+// members (those that left the group before, with their reason; those that never arrived;
+// or that the store itself cannot be reached). The communicator then aborts: it refuses
+// every later call, so a group that failed mid-collective is never reused.
 class HeadComm {
  public:
   virtual ~HeadComm() = default;
@@ -72,8 +74,13 @@ class HeadComm {
   // on every member (so a sum over them in member order is the same everywhere, bit for bit).
   virtual absl::StatusOr<std::vector<double>> AllGatherValues(const std::vector<double>& values) = 0;
   virtual absl::Status Barrier() = 0;
-  // Refuses every later call (a member failed): the communicator is never used again.
+  // Refuses every later call (a member failed): the communicator is never used again. Its
+  // connections close and `why` is left in the store, so a member that comes to a collective
+  // later fails at once and names it.
   virtual void Abort(const std::string& why) = 0;
+  // Why it was aborted (the first reason: the collective that failed and the members that
+  // never arrived); empty while it works.
+  virtual std::string AbortReason() const = 0;
 };
 
 // The key/value store the members rendezvous through. Keys are set once and never change.

@@ -382,8 +382,23 @@ TEST_F(HeadGroupStepTest, AMemberWhoseRanksNeverStepIsNamedAndNothingIsApplied) 
   std::promise<absl::StatusOr<StepResult>> p;
   members_[0]->heads().Step(call, "", [&p](absl::StatusOr<StepResult> s) { p.set_value(s); });
   absl::StatusOr<StepResult> again = p.get_future().get();
-  EXPECT_TRUE(Has(again.status(), absl::StatusCode::kFailedPrecondition, "refuses every call"))
-      << again.status();
+  // It says which group, which collective, who never arrived and what to do, on every call.
+  const std::string why = absl::StrCat(
+      "head 'f' of head group '", group_.id, "' refuses every call: the all-gather of the "
+      "step's arguments and norms of head group '", group_.id, "' failed on member 0 "
+      "(member-0): member 2 (member-2) never arrived");
+  const std::string what = "drop it and import its last export into a new group";
+  for (const std::string& want : {why, what}) {
+    EXPECT_TRUE(Has(again.status(), absl::StatusCode::kFailedPrecondition, want))
+        << again.status();
+  }
+  ComputeOutcome o = ComputeOn(*members_[0], "f", 0, 0, 1, 11, true);
+  EXPECT_TRUE(Has(o.status, absl::StatusCode::kFailedPrecondition, why)) << o.status;
+  EXPECT_TRUE(Has(o.status, absl::StatusCode::kFailedPrecondition, what)) << o.status;
+  auto e = members_[0]->heads().Export("f", std::nullopt, 0, 0, "",
+                                       HeadExportScope::kMemberPart);
+  EXPECT_TRUE(Has(e.status(), absl::StatusCode::kFailedPrecondition, why)) << e.status();
+  EXPECT_EQ(StateOf(*members_[0], "f").master_w, before.master_w);
 }
 
 TEST_F(HeadGroupStepTest, ARankAtTheWrongMemberIsToldWhichMemberServesIt) {

@@ -3,12 +3,16 @@
 // 127.0.0.1, rendezvous through a MemoryGroupStore.
 #include "engine/head_group.h"
 
+#include <atomic>
 #include <cstring>
 #include <functional>
+#include <iostream>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -129,6 +133,90 @@ TEST(HeadGroupTest, ACollectiveAMemberNeverJoinsTimesOutNamingItAndAbortsTheGrou
     EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
     EXPECT_THAT(again.message(), HasSubstr("was aborted earlier"));
   });
+}
+
+// A member whose collective failed leaves the group at once: a member that comes to the
+// next collective later fails without waiting out the timeout, and its error carries why
+// (the member that never arrived), read from the store.
+TEST(HeadGroupTest, AMemberArrivingAfterTheGroupFailedIsToldAtOnceWhoWasLost) {
+  const absl::Duration timeout = absl::Seconds(4);
+  absl::Notification member0_failed, member1_done;
+  absl::Duration member1_took;
+  OnEveryMember(3, "late", timeout, [&](uint32_t m, HeadComm& comm) {
+    ASSERT_TRUE(comm.Barrier().ok());
+    if (m == 2) {  // stalled: its connections stay open, it takes no part
+      member1_done.WaitForNotificationWithTimeout(absl::Seconds(60));
+      return;
+    }
+    if (m == 1) member0_failed.WaitForNotificationWithTimeout(absl::Seconds(60));
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<double>> got = comm.AllGatherValues({1.0});
+    const absl::Status& s = got.status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    if (m == 0) {
+      EXPECT_THAT(s.message(), HasSubstr("members 1 (127.0.0.1:7001), 2 (127.0.0.1:7002) "
+                                         "never arrived"))
+          << s;
+      member0_failed.Notify();
+    } else {
+      member1_took = absl::Now() - start;
+      EXPECT_THAT(s.message(), HasSubstr("failed on member 1 (127.0.0.1:7001): member 0 "
+                                         "(127.0.0.1:7000) left the group before (the "
+                                         "all-gather of the step's arguments and norms of "
+                                         "head group 'late' failed on member 0"))
+          << s;
+      EXPECT_THAT(s.message(), HasSubstr("); member 2 (127.0.0.1:7002) never arrived")) << s;
+      member1_done.Notify();
+    }
+    EXPECT_EQ(comm.AbortReason(), s.message());
+  });
+  EXPECT_LT(member1_took, timeout / 2);  // measured: milliseconds
+  std::cout << "member 1 failed " << member1_took << " after it arrived\n";
+}
+
+// A store that stops answering (lossd keeps it on member 0: member 0 was lost).
+class CutStore : public HeadGroupStore {
+ public:
+  absl::Status Set(const std::string& k, const std::string& v) override {
+    return cut_ ? Gone() : inner_.Set(k, v);
+  }
+  absl::StatusOr<std::string> Get(const std::string& k, absl::Duration t) override {
+    if (cut_) return Gone();
+    return inner_.Get(k, t);
+  }
+  bool Has(const std::string& k) override { return !cut_ && inner_.Has(k); }
+  absl::Status Delete(const std::string& k) override {
+    return cut_ ? Gone() : inner_.Delete(k);
+  }
+  std::atomic<bool> cut_{false};
+
+ private:
+  static absl::Status Gone() { return absl::UnavailableError("connection refused"); }
+  MemoryGroupStore inner_;
+};
+
+TEST(HeadGroupTest, AStoreThatCannotBeReachedIsSaidNotGuessed) {
+  auto store = std::make_shared<CutStore>();
+  absl::Notification formed;
+  absl::Status got;
+  std::thread member0([&] {
+    auto comm = ConnectGloo(store, Group(0, 2, "cut"), GlooOptions{});
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    formed.WaitForNotification();
+  });  // member 0 goes, and its connections with it
+  GlooOptions o;
+  o.timeout = absl::Seconds(4);
+  auto comm = ConnectGloo(store, Group(1, 2, "cut"), o);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  store->cut_ = true;
+  formed.Notify();
+  member0.join();
+  got = (*comm)->Barrier();
+  EXPECT_EQ(got.code(), absl::StatusCode::kUnavailable) << got;
+  EXPECT_THAT(got.message(), HasSubstr("failed on member 1 (127.0.0.1:7001): the group's store "
+                                       "(member 0, 127.0.0.1:7000) cannot be reached, so it "
+                                       "cannot tell which members arrived: connection refused"))
+      << got;
 }
 
 }  // namespace

@@ -326,11 +326,7 @@ void HeadStore::Step(const StepCall& call, const std::string& caller, StepDone d
   auto got = impl_->Get(call.head, caller);
   if (!got.ok()) return done(got.status());
   std::shared_ptr<Head> head = *std::move(got);
-  if (head->broken.load()) {
-    return done(absl::FailedPreconditionError(absl::StrCat(
-        HeadWhat(head->name), " failed midway through an update and refuses every call; drop "
-        "it and import its last export")));
-  }
+  if (absl::Status s = CheckNotBroken(*head); !s.ok()) return done(s);
   if (head->comm != nullptr) {
     if (absl::Status s = CheckGroupCall(*head, call); !s.ok()) return done(s);
   }

@@ -57,6 +57,22 @@ absl::Status ValidateHeadName(const std::string& name, absl::string_view field) 
 
 std::string HeadWhat(const std::string& name) { return absl::StrCat("head '", name, "'"); }
 
+absl::Status CheckNotBroken(const Head& head) {
+  if (!head.broken.load()) return absl::OkStatus();
+  const std::string why = head.comm != nullptr ? head.comm->AbortReason() : std::string();
+  if (why.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        HeadWhat(head.name), " failed midway through an update and refuses every call; drop "
+        "it and import its last export"));
+  }
+  // A group's member is never reused once a collective failed: the members may disagree on
+  // what ran, and a member that comes back starts with nothing.
+  return absl::FailedPreconditionError(absl::StrCat(
+      HeadWhat(head.name), " of head group '", head.group.id, "' refuses every call: ", why,
+      ". Nothing is applied twice: drop it and import its last export into a new group (a new "
+      "id, with the members that are up)"));
+}
+
 uint64_t HeadBytes(const HeadSpec& spec) {
   const int64_t nw = spec.v * spec.h, nb = spec.has_bias ? spec.v : 0;
   const uint32_t S = spec.group.size(), m = spec.group.member;

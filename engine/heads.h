@@ -356,6 +356,11 @@ class PendingHead {
   std::vector<uint64_t> received;                         // bytes so far, per expected
 };
 
+// OK for a head that works; for a broken one (an update failed midway, or its group's
+// collective failed) FAILED_PRECONDITION saying why where it is known and what to do: import
+// its last export (a group's: into a new group).
+absl::Status CheckNotBroken(const Head& head);
+
 // Head names: as accumulator names, 1 to 128 characters of [A-Za-z0-9._:/-].
 absl::Status ValidateHeadName(const std::string& name, absl::string_view field);
 

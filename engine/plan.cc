@@ -50,11 +50,7 @@ absl::Status PlanHead(const ComputeSpec& spec, const TensorDesc& x, HeadStore& h
                                spec.owner);
   }
   LOSSD_ASSIGN_OR_RETURN(std::shared_ptr<Head> head, heads.Get(spec.head, spec.owner));
-  if (head->broken.load()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "head '", spec.head, "' failed midway through an update and refuses every call; drop "
-        "it and import its last export"));
-  }
+  LOSSD_RETURN_IF_ERROR(CheckNotBroken(*head));
   plan->weights = head->copy;
   plan->v = head->v;
   plan->has_bias = head->has_bias;
