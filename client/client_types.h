@@ -169,6 +169,11 @@ struct ComputeRequest {
   std::optional<HostTensor> teacher_w;
   std::optional<HostTensor> teacher_bias;
   std::string teacher_weight_handle;
+  // Or, instead of the teacher's head and hidden states, its top-k (servers listing
+  // distill_topk): per row its k most likely ids, (BT, k) int32 or int64, and their
+  // log-probs, (BT, k) fp32; distill.topk_tail says what stands for the rest.
+  std::optional<HostTensor> teacher_topk_ids;
+  std::optional<HostTensor> teacher_topk_logp;
   DistillParams distill;  // Liger-Kernel's defaults
 
   // Two-phase kLogprob (servers listing "logprob_two_phase"), for a trainer whose upstream

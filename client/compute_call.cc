@@ -154,7 +154,8 @@ absl::Status ValidateKindInputs(const ComputeRequest& r) {
   const std::pair<const std::optional<HostTensor>*, const char*> inputs[] = {
       {&r.dlogp, "dlogp"},         {&r.dentropy, "dentropy"},   {&r.advantages, "advantages"},
       {&r.old_logp, "old_logp"},   {&r.ref_logp, "ref_logp"},   {&r.teacher_x, "teacher_x"},
-      {&r.teacher_w, "teacher_w"}, {&r.teacher_bias, "teacher_bias"}, {&r.is_ratio, "is_ratio"}};
+      {&r.teacher_w, "teacher_w"}, {&r.teacher_bias, "teacher_bias"}, {&r.is_ratio, "is_ratio"},
+      {&r.teacher_topk_ids, "teacher_topk_ids"}, {&r.teacher_topk_logp, "teacher_topk_logp"}};
   for (const auto& [t, name] : inputs) {
     if (t->has_value()) LOSSD_RETURN_IF_ERROR((*t)->Validate(name));
   }
@@ -168,10 +169,12 @@ absl::Status ValidateKindInputs(const ComputeRequest& r) {
         "teacher_bias goes with an inline teacher_w; a teacher weight handle carries its own "
         "bias");
   }
+  const bool topk = r.teacher_topk_ids.has_value() || r.teacher_topk_logp.has_value();
   if (r.kind == LossKind::kDistill && !r.teacher_w.has_value() &&
-      r.teacher_weight_handle.empty()) {
+      r.teacher_weight_handle.empty() && !topk) {
     return absl::InvalidArgumentError(
-        "kind distill needs the teacher's head: teacher_w or teacher_weight_handle");
+        "kind distill needs the teacher's head: teacher_w or teacher_weight_handle (or its "
+        "top-k: teacher_topk_ids and teacher_topk_logp)");
   }
   return absl::OkStatus();
 }
@@ -223,6 +226,9 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
       d->set_weight_hard_loss(r.distill.weight_hard_loss);
       d->set_weight_soft_loss(r.distill.weight_soft_loss);
     }
+    if (r.distill.topk_tail != DistillTopkTail::kBucket) {  // the default stays unset too
+      d->set_topk_tail(static_cast<v1::DistillTopkTail>(r.distill.topk_tail));
+    }
   }
   const std::pair<const std::optional<HostTensor>*, v1::TensorSpec* (v1::ComputeHeader::*)()>
       specs[] = {{&r.dlogp, &v1::ComputeHeader::mutable_dlogp},
@@ -233,7 +239,9 @@ void SetKindFields(const ComputeRequest& r, v1::ComputeHeader* h) {
                  {&r.is_ratio, &v1::ComputeHeader::mutable_is_ratio},
                  {&r.teacher_x, &v1::ComputeHeader::mutable_teacher_x},
                  {&r.teacher_w, &v1::ComputeHeader::mutable_teacher_w},
-                 {&r.teacher_bias, &v1::ComputeHeader::mutable_teacher_bias}};
+                 {&r.teacher_bias, &v1::ComputeHeader::mutable_teacher_bias},
+                 {&r.teacher_topk_ids, &v1::ComputeHeader::mutable_teacher_topk_ids},
+                 {&r.teacher_topk_logp, &v1::ComputeHeader::mutable_teacher_topk_logp}};
   for (const auto& [t, spec] : specs) {
     if (t->has_value()) FillSpec(**t, (h->*spec)());
   }
@@ -257,7 +265,8 @@ absl::Status ValidateBackward(const ComputeRequest& r) {
            r.is_ratio.has_value(),
        "a policy input"},
       {r.teacher_x.has_value() || r.teacher_w.has_value() || r.teacher_bias.has_value() ||
-           !r.teacher_weight_handle.empty(),
+           !r.teacher_weight_handle.empty() || r.teacher_topk_ids.has_value() ||
+           r.teacher_topk_logp.has_value(),
        "a distill input"},
       {r.keep_ms != 0, "keep_ms"}};
   for (const auto& [given, field] : kept) {
@@ -427,7 +436,8 @@ void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracke
       {&r.dlogp, v1::TENSOR_DLOGP},       {&r.dentropy, v1::TENSOR_DENTROPY},
       {&r.advantages, v1::TENSOR_ADVANTAGES}, {&r.old_logp, v1::TENSOR_OLD_LOGP},
       {&r.ref_logp, v1::TENSOR_REF_LOGP}, {&r.is_ratio, v1::TENSOR_IS_RATIO},
-      {&r.teacher_x, v1::TENSOR_TEACHER_X}};
+      {&r.teacher_x, v1::TENSOR_TEACHER_X}, {&r.teacher_topk_ids, v1::TENSOR_TEACHER_TOPK_IDS},
+      {&r.teacher_topk_logp, v1::TENSOR_TEACHER_TOPK_LOGP}};
   for (const auto& [t, id] : rows) {
     if (t->has_value()) AppendParts(id, **t, pb, tracker, out, bytes);
   }

@@ -89,7 +89,9 @@ grpc::Status FakeLossService::Compute(
       {v1::TENSOR_IS_RATIO, &h.is_ratio()},
       {v1::TENSOR_TEACHER_X, &h.teacher_x()},
       {v1::TENSOR_TEACHER_W, &h.teacher_w()},
-      {v1::TENSOR_TEACHER_BIAS, &h.teacher_bias()}};
+      {v1::TENSOR_TEACHER_BIAS, &h.teacher_bias()},
+      {v1::TENSOR_TEACHER_TOPK_IDS, &h.teacher_topk_ids()},
+      {v1::TENSOR_TEACHER_TOPK_LOGP, &h.teacher_topk_logp()}};
   for (const auto& [id, spec] : inputs) {
     const size_t want = spec->dtype() == v1::DTYPE_UNSPECIFIED ? 0 : SpecBytes(*spec);
     if (in.data[id].size() != want) {

@@ -55,6 +55,8 @@ ComputeRequest ViewsOf(const ComputeRequest& r) {
   out.teacher_w = ViewOf(r.teacher_w);
   out.teacher_bias = ViewOf(r.teacher_bias);
   out.teacher_weight_handle = r.teacher_weight_handle;
+  out.teacher_topk_ids = ViewOf(r.teacher_topk_ids);
+  out.teacher_topk_logp = ViewOf(r.teacher_topk_logp);
   out.distill = r.distill;
   out.keep_ms = r.keep_ms;
   out.ticket = r.ticket;

@@ -57,7 +57,9 @@ absl::Status CheckCall(const ComputeRequest& call, uint32_t keep_ms) {
       {call.teacher_x.has_value(), "teacher_x"},
       {call.teacher_w.has_value(), "teacher_w"},
       {call.teacher_bias.has_value(), "teacher_bias"},
-      {!call.teacher_weight_handle.empty(), "teacher_weight_handle"}};
+      {!call.teacher_weight_handle.empty(), "teacher_weight_handle"},
+      {call.teacher_topk_ids.has_value(), "teacher_topk_ids"},
+      {call.teacher_topk_logp.has_value(), "teacher_topk_logp"}};
   for (const auto& [given, field] : others) {
     if (given) {
       return absl::InvalidArgumentError(

@@ -2,8 +2,10 @@
 // The C++ client's loss kinds end to end against the real server (engine + CPU backend, gRPC
 // on loopback, in the test process), checked against the float64 references
 // (kernels/cpu/*_reference.h) in fp32: logprob with upstream gradients and entropy, policy
-// through a weight handle and into an accumulator, distill with the teacher's head by handle.
+// through a weight handle and into an accumulator, distill with the teacher's head by handle
+// and from the teacher's top-k (ComputeRequest::teacher_topk_ids / _logp).
 // Skipped where the server's backend does not list the kind.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -347,6 +349,90 @@ TEST_F(KindsE2eTest, DistillWithTheTeacherByHandle) {
     EXPECT_NEAR(res->loss, want.loss, kRel * std::fabs(want.loss) + 1e-6);
     ExpectOutput("dx", *res, OutputTensor::kDx, want.grad.dx);
     ExpectOutput("dw", *res, OutputTensor::kDw, want.grad.dw);
+  }
+}
+
+// A teacher's top-k per row (no teacher head): the k most likely ids of random logits over V,
+// in an order turned per row, and their log-probs, fp32; the ids as int32 or int64.
+struct TopkTeacher {
+  static constexpr int64_t kK = 4;
+  TopkTeacher(uint32_t seed, DType id_dtype)
+      : ids(HostTensor::Owned(id_dtype, {kBT, kK})),
+        logp(HostTensor::Owned(DType::kF32, {kBT, kK})) {
+    const HostTensor z = Floats({kBT, kV}, seed, 3.0f);
+    std::vector<int64_t> order(kV);
+    for (int64_t i = 0; i < kBT; ++i) {
+      const float* zi = z.data_as<float>() + i * kV;
+      double m = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < kV; ++j) m = std::max(m, static_cast<double>(zi[j]));
+      for (int64_t j = 0; j < kV; ++j) sum += std::exp(zi[j] - m);
+      for (int64_t j = 0; j < kV; ++j) order[j] = j;
+      std::partial_sort(order.begin(), order.begin() + kK, order.end(),
+                        [&](int64_t a, int64_t b) { return zi[a] > zi[b]; });
+      std::rotate(order.begin(), order.begin() + i % kK, order.begin() + kK);
+      for (int64_t a = 0; a < kK; ++a) {
+        if (id_dtype == DType::kI32) {
+          ids.mutable_data_as<int32_t>()[i * kK + a] = static_cast<int32_t>(order[a]);
+        } else {
+          ids.mutable_data_as<int64_t>()[i * kK + a] = order[a];
+        }
+        logp.mutable_data_as<float>()[i * kK + a] =
+            static_cast<float>(zi[order[a]] - m - std::log(sum));
+      }
+    }
+  }
+  HostTensor ids, logp;
+};
+
+TEST_F(KindsE2eTest, DistillFromTheTeachersTopk) {
+  absl::StatusOr<ServerInfoResult> info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  if (std::find(info->features.begin(), info->features.end(), "distill_topk") ==
+      info->features.end()) {
+    GTEST_SKIP() << "no distill_topk";
+  }
+  struct Case {
+    DistillTopkTail tail;
+    float jsd_beta;
+    DType id_dtype;
+  };
+  for (const Case& c : {Case{DistillTopkTail::kBucket, 0.0f, DType::kI64},
+                        Case{DistillTopkTail::kBucket, 1.0f, DType::kI32},
+                        Case{DistillTopkTail::kRenormalize, 0.5f, DType::kI64},
+                        Case{DistillTopkTail::kNone, 0.0f, DType::kI32}}) {
+    SCOPED_TRACE(absl::StrCat(DistillTopkTailName(c.tail), " jsd_beta ", c.jsd_beta));
+    const TopkTeacher t(50, c.id_dtype);
+    ComputeRequest r;
+    r.kind = LossKind::kDistill;
+    r.x = Floats({kBT, kH}, 51, 1.0f);
+    r.w = Floats({kV, kH}, 52, 0.8f);
+    r.bias = Floats({kV}, 53, 0.5f);
+    r.want.db = true;
+    r.targets = Targets(54, {1, 8});
+    r.teacher_topk_ids = t.ids;
+    r.teacher_topk_logp = t.logp;
+    r.distill.jsd_beta = c.jsd_beta;
+    r.distill.topk_tail = c.tail;
+    r.options.temperature = 1.3f;
+    absl::StatusOr<ComputeResult> res = client_->Compute(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    DistillProblem p;
+    p.student = Head(r.x, *r.w, &*r.bias);
+    p.topk = TopkTeacher::kK;
+    p.topk_ids = t.ids.data();
+    p.topk_id_dtype = c.id_dtype;
+    p.topk_logp = t.logp.data_as<float>();
+    p.labels = r.targets.data();
+    p.options.jsd_beta = c.jsd_beta;
+    p.options.temperature = 1.3f;
+    p.options.topk_tail = c.tail;
+    DistillReferenceOutputs want;
+    ASSERT_TRUE(DistillReference(p, &want).ok());
+    EXPECT_GT(want.loss, 0.0);
+    EXPECT_NEAR(res->loss, want.loss, kRel * std::fabs(want.loss) + 1e-6);
+    ExpectOutput("dx", *res, OutputTensor::kDx, want.grad.dx);
+    ExpectOutput("dw", *res, OutputTensor::kDw, want.grad.dw);
+    ExpectOutput("db", *res, OutputTensor::kDb, want.grad.db);
   }
 }
 
