@@ -178,9 +178,9 @@ class GlooComm : public HeadComm {
   }
 
   // Publishes the reason for the members that come to a collective later (they read it from
-  // the store and name it), and closes every connection of this member: gloo closes only the
-  // one that failed, and a member that comes later must fail at once on any of them, never
-  // wait out the timeout on a connection this member no longer reads.
+  // the store and name it), and closes every connection of this member: whatever failed (a
+  // timeout, a peer's closed connection, a transport error), a member that comes later must
+  // fail at once, never wait out the timeout on a connection this member no longer reads.
   void Abort(const std::string& why) override {
     Ctx closing;
     {
