@@ -69,6 +69,14 @@ ABSL_FLAG(double, weight_hard_loss, 0.0,
           "LigerFusedLinearJSDLoss's; needs the targets");
 ABSL_FLAG(double, weight_soft_loss, 1.0, "distill: weight of the divergence");
 ABSL_FLAG(std::string, teacher_x, "", "distill: .npy of the teacher's hidden states (BT, Ht)");
+ABSL_FLAG(std::string, teacher_topk_ids, "",
+          "distill without a teacher head: .npy of the teacher's top-k ids (BT, k), int32 or "
+          "int64 (with --teacher_topk_logp; servers listing distill_topk)");
+ABSL_FLAG(std::string, teacher_topk_logp, "",
+          "distill: .npy of the log-probs of --teacher_topk_ids (BT, k), sent as fp32");
+ABSL_FLAG(std::string, topk_tail, "bucket",
+          "distill from the top-k: the teacher's mass outside its k ids, bucket (one more "
+          "event), renormalize (both over the ids) or none (the k terms alone)");
 ABSL_FLAG(std::string, teacher_w, "", "distill: .npy of the teacher's head (V, Ht)");
 ABSL_FLAG(std::string, teacher_bias, "", "distill: .npy of the teacher's bias (V)");
 ABSL_FLAG(std::string, teacher_weight_handle, "",
@@ -173,6 +181,10 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
       {LossKind::kDistill, "--weight_hard_loss", absl::GetFlag(FLAGS_weight_hard_loss) != 0},
       {LossKind::kDistill, "--weight_soft_loss", absl::GetFlag(FLAGS_weight_soft_loss) != 1},
       {LossKind::kDistill, "--teacher_x", !absl::GetFlag(FLAGS_teacher_x).empty()},
+      {LossKind::kDistill, "--teacher_topk_ids", !absl::GetFlag(FLAGS_teacher_topk_ids).empty()},
+      {LossKind::kDistill, "--teacher_topk_logp",
+       !absl::GetFlag(FLAGS_teacher_topk_logp).empty()},
+      {LossKind::kDistill, "--topk_tail", absl::GetFlag(FLAGS_topk_tail) != "bucket"},
       {LossKind::kDistill, "--teacher_w", !absl::GetFlag(FLAGS_teacher_w).empty()},
       {LossKind::kDistill, "--teacher_bias", !absl::GetFlag(FLAGS_teacher_bias).empty()},
       {LossKind::kDistill, "--teacher_weight_handle",
@@ -233,13 +245,31 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
   return absl::OkStatus();
 }
 
-// The teacher: hidden states and head from .npy files (cast to X's dtype, as the server
-// wants), the head by handle, or random (--teacher_h).
+// A top-k teacher from .npy files: its ids as stored (the server takes int32 or int64 and
+// names any other dtype) and their log-probs in fp32. Whether one was given.
+absl::StatusOr<bool> TopkFromFlags(ComputeRequest* r) {
+  LOSSD_ASSIGN_OR_RETURN(r->distill.topk_tail,
+                         ParseNamed(absl::GetFlag(FLAGS_topk_tail), "--topk_tail",
+                                    kDistillTopkTails, &DistillTopkTailName));
+  LOSSD_ASSIGN_OR_RETURN(r->teacher_topk_ids, ReadOptional(absl::GetFlag(FLAGS_teacher_topk_ids)));
+  LOSSD_ASSIGN_OR_RETURN(r->teacher_topk_logp,
+                         Fp32Input(absl::GetFlag(FLAGS_teacher_topk_logp), "teacher_topk_logp"));
+  if (r->teacher_topk_ids.has_value() != r->teacher_topk_logp.has_value()) {
+    return absl::InvalidArgumentError(
+        "--kind=distill: a top-k teacher takes both --teacher_topk_ids and --teacher_topk_logp");
+  }
+  return r->teacher_topk_ids.has_value();
+}
+
+// The teacher: its top-k (TopkFromFlags), or hidden states and head from .npy files (cast to
+// X's dtype, as the server wants), the head by handle, or random (--teacher_h).
 absl::Status DistillFromFlags(int64_t v, ComputeRequest* r) {
   r->distill.jsd_beta = static_cast<float>(absl::GetFlag(FLAGS_jsd_beta));
   r->distill.weight_hard_loss = static_cast<float>(absl::GetFlag(FLAGS_weight_hard_loss));
   r->distill.weight_soft_loss = static_cast<float>(absl::GetFlag(FLAGS_weight_soft_loss));
   r->teacher_weight_handle = absl::GetFlag(FLAGS_teacher_weight_handle);
+  LOSSD_ASSIGN_OR_RETURN(const bool topk, TopkFromFlags(r));
+  if (topk) return absl::OkStatus();  // a teacher head beside it is refused by the server
   const DType dt = r->x.dtype();
   const int64_t th = absl::GetFlag(FLAGS_teacher_h);
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
