@@ -14,11 +14,8 @@
 #include <sstream>
 #include <thread>
 
-#include <grpcpp/generic/generic_stub.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/health_check.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
 #include "service/state_sample.h"
@@ -171,18 +168,6 @@ double MetricValue(const std::string& page, const std::string& name,
   while (std::getline(in, line)) {
     if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size()));
   }
-  return -1;
-}
-
-int HealthStatus(const std::shared_ptr<grpc::Channel>& channel) {
-  // The whole server (an empty service name), as the clients ask.
-  grpc::GenericStub generic(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  absl::StatusOr<std::string> status = client::CheckHealth(generic, &ctx, "");
-  if (!status.ok()) return -1;
-  if (*status == "SERVING") return 1;
-  if (*status == "NOT_SERVING") return 2;
   return -1;
 }
 

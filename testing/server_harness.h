@@ -86,10 +86,6 @@ struct ComputeReply {
   std::map<int, std::vector<uint8_t>> tensors;  // by v1::TensorId
 };
 
-// grpc.health.v1.Health/Check for the whole server: 1 SERVING, 2 NOT_SERVING, -1 when the
-// call fails or the answer is not one of those.
-int HealthStatus(const std::shared_ptr<grpc::Channel>& channel);
-
 // Wire messages for a RandomProblem: header (with inline W unless handle is given) and parts.
 v1::ComputeHeader HeaderFor(const RandomProblem& rp, const std::string& weight_handle = "");
 std::vector<v1::ComputeRequest> PartsFor(const RandomProblem& rp, size_t part_bytes,

@@ -13,6 +13,7 @@
 #include "testing/server_harness.h"
 #include "testing/test_util.h"
 #include "tests/e2e_fixture.h"
+#include "tests/health_status.h"
 
 namespace lossd {
 namespace {

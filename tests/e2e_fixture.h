@@ -20,7 +20,6 @@ using testing_harness::ComputeReply;
 using testing_harness::Harness;
 using testing_harness::HarnessOptions;
 using testing_harness::HeaderFor;
-using testing_harness::HealthStatus;
 using testing_harness::MetricValue;
 using testing_harness::PartsFor;
 using testing_harness::ReplyMatchesReference;

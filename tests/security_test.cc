@@ -13,6 +13,7 @@
 #include "service/auth.h"
 #include "service/tls.h"
 #include "testing/server_harness.h"
+#include "tests/health_status.h"
 
 namespace lossd {
 namespace {
@@ -210,7 +211,7 @@ TEST(SecurityTest, ReflectionIsOffByDefaultAndNeedsTheTokenWhenOn) {
   EXPECT_TRUE(allowed.ok()) << allowed.error_message();
   EXPECT_NE(replies.find("lossd.v1.Loss"), std::string::npos) << "no service list";
   // Health still needs none, and the Loss service still wants its token.
-  EXPECT_EQ(testing_harness::HealthStatus(h.channel()), 1);
+  EXPECT_EQ(HealthStatus(h.channel()), 1);
   EXPECT_EQ(Info(h.stub()).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_TRUE(Info(h.stub(), "trainer-token-1").ok());
 }
@@ -250,7 +251,7 @@ TEST(SecurityTest, APlaintextHealthPortServesHealthAloneBehindTls) {
   ASSERT_NE(h.server().health_port(), h.port());
   auto plain = grpc::CreateChannel(absl::StrCat("127.0.0.1:", h.server().health_port()),
                                    grpc::InsecureChannelCredentials());
-  EXPECT_EQ(testing_harness::HealthStatus(plain), 1);  // SERVING
+  EXPECT_EQ(HealthStatus(plain), 1);  // SERVING
   // Only health: the Loss service and reflection are not there.
   v1::Loss::Stub loss_on_health_port(plain);
   EXPECT_EQ(Info(loss_on_health_port).error_code(), grpc::StatusCode::UNIMPLEMENTED);
@@ -259,9 +260,9 @@ TEST(SecurityTest, APlaintextHealthPortServesHealthAloneBehindTls) {
   EXPECT_TRUE(replies.empty());
   // It follows the server's health, and the main port still wants TLS.
   h.server().SetServing(false);
-  EXPECT_EQ(testing_harness::HealthStatus(plain), 2);  // NOT_SERVING
+  EXPECT_EQ(HealthStatus(plain), 2);  // NOT_SERVING
   h.server().SetServing(true);
-  EXPECT_EQ(testing_harness::HealthStatus(plain), 1);
+  EXPECT_EQ(HealthStatus(plain), 1);
   auto tls = h.NewStub(Tls(c));
   EXPECT_TRUE(Info(*tls).ok());
   EXPECT_EQ(Info(*h.NewStub(grpc::InsecureChannelCredentials())).error_code(),

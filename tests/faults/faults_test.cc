@@ -25,6 +25,7 @@
 #include "service/loss_server.h"
 #include "service/metrics.h"
 #include "testing/server_harness.h"
+#include "tests/health_status.h"
 
 namespace lossd {
 namespace {
@@ -32,7 +33,6 @@ namespace {
 using testing_harness::ComputeReply;
 using testing_harness::Harness;
 using testing_harness::HarnessOptions;
-using testing_harness::HealthStatus;
 using testing_harness::HeaderFor;
 using testing_harness::PartsFor;
 using testing_harness::RunCompute;
