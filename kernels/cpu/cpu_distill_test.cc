@@ -18,8 +18,8 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/distill_reference.h"
-#include "kernels/cpu/kind_test_util.h"
 #include "kernels/cpu/reference_head.h"
+#include "testing/cpu/kind_test_util.h"
 #include "testing/test_util.h"
 
 namespace lossd {

@@ -13,7 +13,7 @@
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/kind_test_util.h"
+#include "testing/cpu/kind_test_util.h"
 #include "testing/test_util.h"
 
 namespace lossd {

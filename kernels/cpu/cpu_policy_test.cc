@@ -16,10 +16,10 @@
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/kind_test_util.h"
 #include "kernels/cpu/logprob_reference.h"
 #include "kernels/cpu/policy_reference.h"
 #include "kernels/cpu/reference_head.h"
+#include "testing/cpu/kind_test_util.h"
 #include "testing/test_util.h"
 
 namespace lossd {

@@ -14,8 +14,8 @@
 #include "gtest/gtest.h"
 #include "core/dtype.h"
 #include "kernels/cpu/policy_reference.h"
-#include "kernels/cpu/policy_test_util.h"
 #include "kernels/cpu/reference_head.h"
+#include "testing/cpu/policy_test_util.h"
 
 namespace lossd {
 namespace {

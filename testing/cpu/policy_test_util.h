@@ -3,8 +3,8 @@
 // policy_reference_types_test.cc) share: random fp32 inputs of a policy problem, never
 // zero-filled; the finite-difference cases' old and reference log-probs, frozen problem and
 // gradient check; and the comparisons and refusal check of their hand cases.
-#ifndef LOSSD_KERNELS_CPU_POLICY_TEST_UTIL_H_
-#define LOSSD_KERNELS_CPU_POLICY_TEST_UTIL_H_
+#ifndef LOSSD_TESTING_CPU_POLICY_TEST_UTIL_H_
+#define LOSSD_TESTING_CPU_POLICY_TEST_UTIL_H_
 
 #include <cstdint>
 #include <functional>
@@ -130,4 +130,4 @@ void ExpectRefused(const PolicyProblem& p, const std::string& substring);
 
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CPU_POLICY_TEST_UTIL_H_
+#endif  // LOSSD_TESTING_CPU_POLICY_TEST_UTIL_H_

@@ -4,8 +4,8 @@
 // inputs, the logits' sizes the tolerances are made of, the gradients' comparison, and the
 // cases every kind's test runs alike (the matrix's compute-and-compare, determinism, streamed
 // rows, refusals).
-#ifndef LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
-#define LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
+#ifndef LOSSD_TESTING_CPU_KIND_TEST_UTIL_H_
+#define LOSSD_TESTING_CPU_KIND_TEST_UTIL_H_
 
 #include <cstdint>
 #include <functional>
@@ -131,4 +131,4 @@ void ExpectRefusals(const LossProblem& p, const std::vector<Refusal>& refusals,
 
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CPU_KIND_TEST_UTIL_H_
+#endif  // LOSSD_TESTING_CPU_KIND_TEST_UTIL_H_

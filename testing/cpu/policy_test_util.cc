@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "kernels/cpu/policy_test_util.h"
+#include "testing/cpu/policy_test_util.h"
 
 #include <algorithm>
 #include <cmath>

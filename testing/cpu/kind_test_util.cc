@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "kernels/cpu/kind_test_util.h"
+#include "testing/cpu/kind_test_util.h"
 
 #include <algorithm>
 #include <cmath>
