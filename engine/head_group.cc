@@ -181,16 +181,7 @@ class GlooComm : public HeadComm {
   // the store and name it), and closes every connection of this member: whatever failed (a
   // timeout, a peer's closed connection, a transport error), a member that comes later must
   // fail at once, never wait out the timeout on a connection this member no longer reads.
-  void Abort(const std::string& why) override {
-    Ctx closing;
-    {
-      absl::MutexLock lock(&mu_);
-      if (!aborted_.empty()) return;
-      aborted_ = why;
-      closing.swap(ctx_);
-    }
-    store_->Set(AbortedKey(member()), why).IgnoreError();  // best effort: it may be gone
-  }
+  void Abort(const std::string& why) override { AbortAndTell(why, /*store_answers=*/true); }
 
   std::string AbortReason() const override {
     absl::MutexLock lock(&mu_);
@@ -198,6 +189,19 @@ class GlooComm : public HeadComm {
   }
 
  private:
+  // Abort; the reason goes to the store only where it answers (a stalled store would hold
+  // this member's error for the store call's own deadline).
+  void AbortAndTell(const std::string& why, bool store_answers) {
+    Ctx closing;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!aborted_.empty()) return;
+      aborted_ = why;
+      closing.swap(ctx_);
+    }
+    if (store_answers) store_->Set(AbortedKey(member()), why).IgnoreError();  // best effort
+  }
+
   std::string AbortedKey(uint32_t m) const {
     return absl::StrCat(group_.id, "/aborted/", m);
   }
@@ -220,7 +224,8 @@ class GlooComm : public HeadComm {
       ctx = ctx_;
     }
     const std::string at = absl::StrCat(group_.id, "/at/", seq, "/");
-    store_->Set(absl::StrCat(at, member()), "1").IgnoreError();  // only for the message
+    // Only for the message; a mark that could not be set says the store is gone.
+    absl::Status marked = store_->Set(absl::StrCat(at, member()), "1");
     std::string error;
     try {
       f(ctx);
@@ -235,17 +240,27 @@ class GlooComm : public HeadComm {
       error = e.what();
     }
     ctx.reset();
+    bool store_answers = true;
     const std::string why = absl::StrCat(
         "the ", what, " of head group '", group_.id, "' failed on member ", member(), " (",
-        group_.members[member()], ")", Who(at), ": ", error);
-    Abort(why);
+        group_.members[member()], ")", Who(at, marked, store_answers), ": ", error);
+    AbortAndTell(why, store_answers);
     return absl::UnavailableError(why);
   }
 
   // What the store tells of the other members after a collective failed: those that had
   // left the group (a collective of theirs failed earlier: their reason names the member
-  // lost), those that never arrived at this one, or that the store itself is gone.
-  std::string Who(const std::string& at) {
+  // lost), those that never arrived at this one, or that the store itself is gone. First it
+  // reads this member's own mark of this collective: a store that cannot return it (a
+  // remote store past its call's deadline also says DEADLINE_EXCEEDED) cannot tell who came.
+  std::string Who(const std::string& at, absl::Status marked, bool& store_answers) {
+    if (marked.ok()) {
+      marked = store_->Get(absl::StrCat(at, member()), absl::ZeroDuration()).status();
+    }
+    if (!marked.ok()) {
+      store_answers = false;
+      return StoreGone(marked);
+    }
     std::vector<std::string> left, absent;
     for (uint32_t m = 0; m < size(); ++m) {
       if (m == member()) continue;
@@ -264,10 +279,8 @@ class GlooComm : public HeadComm {
       if (absl::IsDeadlineExceeded(came.status())) {
         absent.push_back(name);
       } else if (!came.ok()) {
-        // lossd keeps the store on member 0: when it cannot answer, member 0 is the one lost.
-        return absl::StrCat(": the group's store (member 0, ", group_.members[0], ") cannot "
-                            "be reached, so it cannot tell which members arrived: ",
-                            came.status().message());
+        store_answers = false;
+        return StoreGone(came.status());
       }
     }
     if (!absent.empty()) {
@@ -276,6 +289,12 @@ class GlooComm : public HeadComm {
     }
     return left.empty() ? std::string(", every member had arrived")
                         : absl::StrCat(": ", absl::StrJoin(left, "; "));
+  }
+
+  // lossd keeps the store on member 0: when it cannot answer, member 0 is the one lost.
+  std::string StoreGone(const absl::Status& s) const {
+    return absl::StrCat(": the group's store (member 0, ", group_.members[0], ") cannot be "
+                        "reached, so it cannot tell which members arrived: ", s.message());
   }
 
   std::shared_ptr<HeadGroupStore> store_;

@@ -174,11 +174,13 @@ TEST(HeadGroupTest, AMemberArrivingAfterTheGroupFailedIsToldAtOnceWhoWasLost) {
   std::cout << "member 1 failed " << member1_took << " after it arrived\n";
 }
 
-// A store that stops answering (lossd keeps it on member 0: member 0 was lost).
+// A store that stops answering (lossd keeps it on member 0: member 0 was lost, or stalls):
+// every call, or only the reads, fail with `code`. A remote store past its call's deadline
+// says DEADLINE_EXCEEDED, as a key that is not set does.
 class CutStore : public HeadGroupStore {
  public:
   absl::Status Set(const std::string& k, const std::string& v) override {
-    return cut_ ? Gone() : inner_.Set(k, v);
+    return cut_ && !reads_only_ ? Gone() : inner_.Set(k, v);
   }
   absl::StatusOr<std::string> Get(const std::string& k, absl::Duration t) override {
     if (cut_) return Gone();
@@ -186,37 +188,47 @@ class CutStore : public HeadGroupStore {
   }
   bool Has(const std::string& k) override { return !cut_ && inner_.Has(k); }
   absl::Status Delete(const std::string& k) override {
-    return cut_ ? Gone() : inner_.Delete(k);
+    return cut_ && !reads_only_ ? Gone() : inner_.Delete(k);
   }
   std::atomic<bool> cut_{false};
+  bool reads_only_ = false;
+  absl::StatusCode code_ = absl::StatusCode::kUnavailable;
 
  private:
-  static absl::Status Gone() { return absl::UnavailableError("connection refused"); }
+  absl::Status Gone() const { return absl::Status(code_, "the store did not answer"); }
   MemoryGroupStore inner_;
 };
 
 TEST(HeadGroupTest, AStoreThatCannotBeReachedIsSaidNotGuessed) {
-  auto store = std::make_shared<CutStore>();
-  absl::Notification formed;
-  absl::Status got;
-  std::thread member0([&] {
-    auto comm = ConnectGloo(store, Group(0, 2, "cut"), GlooOptions{});
+  // Lost: nothing reaches it. Stalled after this member's arrival was marked: its reads run
+  // past their deadline, which must not read as members that never arrived.
+  for (bool stalled : {false, true}) {
+    auto store = std::make_shared<CutStore>();
+    store->reads_only_ = stalled;
+    store->code_ = stalled ? absl::StatusCode::kDeadlineExceeded
+                           : absl::StatusCode::kUnavailable;
+    const std::string id = stalled ? "stalled" : "cut";
+    absl::Notification formed;
+    std::thread member0([&] {
+      auto comm = ConnectGloo(store, Group(0, 2, id), GlooOptions{});
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      formed.WaitForNotification();
+    });  // member 0 goes, and its connections with it
+    GlooOptions o;
+    o.timeout = absl::Seconds(4);
+    auto comm = ConnectGloo(store, Group(1, 2, id), o);
     ASSERT_TRUE(comm.ok()) << comm.status();
-    formed.WaitForNotification();
-  });  // member 0 goes, and its connections with it
-  GlooOptions o;
-  o.timeout = absl::Seconds(4);
-  auto comm = ConnectGloo(store, Group(1, 2, "cut"), o);
-  ASSERT_TRUE(comm.ok()) << comm.status();
-  store->cut_ = true;
-  formed.Notify();
-  member0.join();
-  got = (*comm)->Barrier();
-  EXPECT_EQ(got.code(), absl::StatusCode::kUnavailable) << got;
-  EXPECT_THAT(got.message(), HasSubstr("failed on member 1 (127.0.0.1:7001): the group's store "
-                                       "(member 0, 127.0.0.1:7000) cannot be reached, so it "
-                                       "cannot tell which members arrived: connection refused"))
-      << got;
+    store->cut_ = true;
+    formed.Notify();
+    member0.join();
+    const absl::Status got = (*comm)->Barrier();
+    EXPECT_EQ(got.code(), absl::StatusCode::kUnavailable) << got;
+    EXPECT_THAT(got.message(), HasSubstr("failed on member 1 (127.0.0.1:7001): the group's "
+                                         "store (member 0, 127.0.0.1:7000) cannot be reached, "
+                                         "so it cannot tell which members arrived: the store "
+                                         "did not answer"))
+        << got;
+  }
 }
 
 }  // namespace
