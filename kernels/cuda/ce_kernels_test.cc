@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/cuda/gpu_test_util.h"
 #include "kernels/cuda/softcap_tanh.h"
 #include "core/dtype.h"
+#include "testing/cuda/gpu_test_util.h"
 
 namespace lossd {
 namespace cuda {

@@ -25,8 +25,8 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
-#include "kernels/cuda/cuda_test_fixture.h"
 #include "kernels/cuda/fused_loss.h"
+#include "testing/cuda/cuda_test_fixture.h"
 #include "testing/test_util.h"
 
 namespace lossd {

@@ -25,9 +25,9 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/reference.h"
+#include "testing/cuda/cuda_test_fixture.h"
 #include "testing/test_util.h"
 #include "kernels/cuda/fused_loss.h"
-#include "kernels/cuda/cuda_test_fixture.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 

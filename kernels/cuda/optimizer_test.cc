@@ -24,8 +24,8 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/optimizer_reference.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/gpu_test_util.h"
 #include "kernels/optimizer.h"
+#include "testing/cuda/gpu_test_util.h"
 #include "testing/optimizer_cases.h"
 
 namespace lossd {

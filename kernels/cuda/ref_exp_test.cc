@@ -20,7 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/cuda_test_fixture.h"
+#include "testing/cuda/cuda_test_fixture.h"
 #include "testing/test_util.h"
 
 namespace lossd {

@@ -16,8 +16,8 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/cuda_test_fixture.h"
-#include "kernels/cuda/row_loss_test_cases.h"
+#include "testing/cuda/cuda_test_fixture.h"
+#include "testing/cuda/row_loss_test_cases.h"
 #include "testing/test_util.h"
 
 namespace lossd {

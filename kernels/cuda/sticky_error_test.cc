@@ -15,11 +15,11 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/reference.h"
+#include "testing/cuda/device_fault.h"
+#include "testing/cuda/gpu_test_util.h"
 #include "testing/test_util.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/gpu_test_util.h"
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/cuda/device_fault.h"
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 

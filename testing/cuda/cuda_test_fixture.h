@@ -2,8 +2,8 @@
 // What the CUDA backend's GPU tests share (cuda_backend_test, cuda_backend_api_test,
 // cuda_backend_stream_test): one backend per test binary, the fixture that skips without a
 // GPU, and the shapes and option sets of their problems. Test-only; never runs a Compute.
-#ifndef LOSSD_KERNELS_CUDA_CUDA_TEST_FIXTURE_H_
-#define LOSSD_KERNELS_CUDA_CUDA_TEST_FIXTURE_H_
+#ifndef LOSSD_TESTING_CUDA_CUDA_TEST_FIXTURE_H_
+#define LOSSD_TESTING_CUDA_CUDA_TEST_FIXTURE_H_
 
 #include <cstdint>
 #include <memory>
@@ -13,7 +13,7 @@
 #include "core/loss_problem.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/gpu_test_util.h"
+#include "testing/cuda/gpu_test_util.h"
 #include "testing/test_util.h"
 
 namespace lossd {
@@ -96,4 +96,4 @@ inline CudaBackendOptions FixedSchedule(Schedule schedule) {
 }  // namespace cuda
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CUDA_CUDA_TEST_FIXTURE_H_
+#endif  // LOSSD_TESTING_CUDA_CUDA_TEST_FIXTURE_H_

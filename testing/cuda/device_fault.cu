@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "kernels/cuda/device_fault.h"
+#include "testing/cuda/device_fault.h"
 
 namespace lossd {
 namespace cuda {

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Test-only: puts the current CUDA context into a sticky error on purpose, so that tests can
 // check what the backend does after a device fault. Never linked into the server or plugin.
-#ifndef LOSSD_KERNELS_CUDA_DEVICE_FAULT_H_
-#define LOSSD_KERNELS_CUDA_DEVICE_FAULT_H_
+#ifndef LOSSD_TESTING_CUDA_DEVICE_FAULT_H_
+#define LOSSD_TESTING_CUDA_DEVICE_FAULT_H_
 
 #include <cuda_runtime_api.h>
 
@@ -17,4 +17,4 @@ cudaError_t TrapOnDevice(cudaStream_t stream);
 }  // namespace cuda
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CUDA_DEVICE_FAULT_H_
+#endif  // LOSSD_TESTING_CUDA_DEVICE_FAULT_H_

@@ -2,8 +2,8 @@
 // What the GPU tests share: whether this machine has a usable GPU, so that a test skips
 // (GTEST_SKIP) rather than fails without one. Asks the CUDA runtime for the device count only;
 // never creates a context on purpose or touches device memory.
-#ifndef LOSSD_KERNELS_CUDA_GPU_TEST_UTIL_H_
-#define LOSSD_KERNELS_CUDA_GPU_TEST_UTIL_H_
+#ifndef LOSSD_TESTING_CUDA_GPU_TEST_UTIL_H_
+#define LOSSD_TESTING_CUDA_GPU_TEST_UTIL_H_
 
 #include <cuda_runtime_api.h>
 
@@ -20,4 +20,4 @@ inline bool HaveGpu() {
 }  // namespace cuda
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CUDA_GPU_TEST_UTIL_H_
+#endif  // LOSSD_TESTING_CUDA_GPU_TEST_UTIL_H_

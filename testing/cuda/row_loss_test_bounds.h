@@ -3,8 +3,8 @@
 // (row_loss_test_cases.h says the model): each kind's expected results from its float64
 // reference, with the first-order bounds of what the stored logits' rounding, G's storage, the
 // gradient dtype and fp32 arithmetic can change. Test-only.
-#ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_BOUNDS_H_
-#define LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_BOUNDS_H_
+#ifndef LOSSD_TESTING_CUDA_ROW_LOSS_TEST_BOUNDS_H_
+#define LOSSD_TESTING_CUDA_ROW_LOSS_TEST_BOUNDS_H_
 
 #include <algorithm>
 #include <cmath>
@@ -436,4 +436,4 @@ inline Expected ExpectDistill(const LossProblem& p, const LogitStats& stats,
 }  // namespace cuda
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_BOUNDS_H_
+#endif  // LOSSD_TESTING_CUDA_ROW_LOSS_TEST_BOUNDS_H_

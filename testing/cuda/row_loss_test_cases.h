@@ -17,8 +17,8 @@
 // Policy's ratios are drawn away from the clip bounds by more than logp's bound, so every
 // clipping decision is stable and the clip fraction must match exactly.
 // Test-only; never runs a Compute.
-#ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_CASES_H_
-#define LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_CASES_H_
+#ifndef LOSSD_TESTING_CUDA_ROW_LOSS_TEST_CASES_H_
+#define LOSSD_TESTING_CUDA_ROW_LOSS_TEST_CASES_H_
 
 #include <algorithm>
 #include <cmath>
@@ -41,8 +41,8 @@
 #include "kernels/cpu/policy_reference.h"
 #include "kernels/cpu/reference_head.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/cuda_test_fixture.h"
-#include "kernels/cuda/row_loss_test_bounds.h"
+#include "testing/cuda/cuda_test_fixture.h"
+#include "testing/cuda/row_loss_test_bounds.h"
 #include "testing/test_util.h"
 
 namespace lossd {
@@ -308,4 +308,4 @@ inline Expected ExpectOf(const RowProblem& rp, const Tolerance& tol) {
 }  // namespace cuda
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CUDA_ROW_LOSS_TEST_CASES_H_
+#endif  // LOSSD_TESTING_CUDA_ROW_LOSS_TEST_CASES_H_
