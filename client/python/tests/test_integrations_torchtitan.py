@@ -241,3 +241,39 @@ def test_a_server_lost_mid_training_is_named(tmp_path):
     with pytest.raises(lossd.UnavailableError) as e:
         step_losses(model, loss_fn, batches)
     assert "lossd server %s:" % srv.address in str(e.value)
+
+
+def test_a_zero3_head_goes_inline_and_a_partitioned_one_is_refused(address):
+    """torchtitan calls its loss after the model returned, outside any forward: under
+    DeepSpeed ZeRO-3 the head would be partitioned there, and lossd refuses it naming the
+    fix; one gathered around the call (ds_status AVAILABLE; a parameter carrying ds_status
+    stands in) travels inline, as ZeRO-3 refills its buffer in place keeping the Parameter's
+    version counter: with the buffer refilled between two calls both equal torchtitan's own
+    loss on the head of the time."""
+    import types
+
+    ref = tiny_llama3()
+    got = copy.deepcopy(ref)
+    loss_fn = apply_lossd(got, address)
+    buf = got.lm_head.weight.detach().clone()
+    got.lm_head.weight.data = buf
+    got.lm_head.weight.ds_status = types.SimpleNamespace(name="AVAILABLE")
+    got.lm_head.weight.ds_shape = tuple(buf.shape)
+    own = CrossEntropyLoss(CrossEntropyLoss.Config())
+    (ids, labels), = micro_batches(70, n=1)
+    h = torch.randn(B, T, buf.shape[1], generator=torch.Generator().manual_seed(71))
+    for i in range(2):
+        if i:
+            with torch.no_grad():
+                buf.mul_(0.5)  # in place, through the buffer: the Parameter's version stays
+                ref.lm_head.weight.mul_(0.5)
+        want, _ = own(ref.lm_head(h), labels, None)
+        have, _ = loss_fn(h, labels)
+        assert abs(float(have) - float(want)) <= LOSS_RTOL * abs(float(want)), (
+            i, float(have), float(want))
+    assert loss_fn.runtime._handle is None, "a ZeRO-3 head went by cached handle"
+    got.lm_head.weight.ds_status.name = "NOT_AVAILABLE"
+    with pytest.raises(lossd.FailedPreconditionError) as e:
+        loss_fn(h, labels)
+    assert "torchtitan's loss: lm_head.weight is a DeepSpeed ZeRO-3 parameter still " \
+        "partitioned (status NOT_AVAILABLE" in str(e.value), str(e.value)

@@ -366,3 +366,62 @@ def test_the_head_goes_once_per_version(address, tmp_path):
         got.model.lm_head.weight.mul_(0.5)  # an optimizer step, in place
     _sft_path(got.model, inputs, torch.tensor(10))
     assert len(uploads) == 2, "W uploaded %d times for two versions" % len(uploads)
+
+
+def test_under_autocast_the_head_goes_once_per_version_in_bf16(address, tmp_path):
+    """A bf16 backbone on an fp32 head under autocast (TRL's bf16=True): lossd casts the
+    head to bf16 once per version, uploads it under one handle for both of SFTTrainer's
+    calls, and does not upload it again until the optimizer changes it."""
+    _, got, patch = _pair("sft", tmp_path, address, _bf16_backbone, bf16=True)
+    client = patch.runtime.client
+    uploads = []
+    put = client.put_weights
+    client.put_weights = lambda w, *a, **k: uploads.append(w.dtype) or put(w, *a, **k)
+    inputs = _inputs(25)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            _sft_path(got.model, inputs, torch.tensor(10))
+        assert len(uploads) == 1, "W uploaded %d times for one version" % len(uploads)
+        with torch.no_grad():
+            got.model.lm_head.weight.mul_(0.5)  # an optimizer step, in place
+        _sft_path(got.model, inputs, torch.tensor(10))
+    assert len(uploads) == 2, "W uploaded %d times for two versions" % len(uploads)
+    assert all("bf16" in str(d) or "bfloat16" in str(d) for d in uploads), uploads
+
+
+def _as_zero3(param, status="AVAILABLE"):
+    """What lossd.integrations reads of a ZeRO-3 parameter (deepspeed is not imported)."""
+    import types
+
+    param.ds_status = types.SimpleNamespace(name=status)
+    param.ds_shape = tuple(param.shape)
+
+
+def test_a_zero3_head_goes_inline_and_a_partitioned_one_is_refused(address, tmp_path):
+    """Under ZeRO-3 (accelerate's DeepSpeed plugin) the fused-head call runs inside the
+    model's forward, where ZeRO-3 gathers the head into a buffer each forward
+    (param.data = buffer) and keeps the Parameter's version counter: a buffer refilled in
+    place with the stepped head would match a cached handle, so a ZeRO-3 head travels
+    inline. A parameter carrying ds_status stands in: its buffer refilled in place between
+    two calls, both give TRL's own log p, entropy and is_top1; a head still partitioned is
+    refused, naming the fix."""
+    ref, got, patch = _pair("sft", tmp_path, address, tiny_llama)
+    buf = got.model.lm_head.weight.detach().clone()
+    got.model.lm_head.weight.data = buf
+    _as_zero3(got.model.lm_head.weight)
+    inputs = _inputs(26)
+    count = torch.tensor(int((inputs[2][:, 1:] != -100).sum()))
+    for i in range(2):
+        if i:
+            with torch.no_grad():
+                buf.mul_(0.5)  # in place, through the buffer: the Parameter's version stays
+                ref.model.lm_head.weight.mul_(0.5)
+        _compare_sft(_sft_path(ref.model, inputs, count), _sft_path(got.model, inputs, count),
+                     FP32)
+    assert patch.runtime._handle is None, "a ZeRO-3 head went by cached handle"
+    assert patch.calls["model"] == 2, patch.calls
+    got.model.lm_head.weight.ds_status.name = "NOT_AVAILABLE"
+    with pytest.raises(lossd.FailedPreconditionError) as e:
+        _sft_path(got.model, inputs, count)
+    assert "TRL's fused LM head: lm_head.weight is a DeepSpeed ZeRO-3 parameter still " \
+        "partitioned (status NOT_AVAILABLE" in str(e.value), str(e.value)

@@ -234,6 +234,26 @@ def test_bf16_backbone_on_an_fp32_head_under_autocast(address, verl_forward):
     assert patch.calls["ppo"] == 1
 
 
+def test_under_autocast_the_head_goes_once_per_version_in_bf16(address):
+    """The fp32 head under bf16 autocast is cast and uploaded once per version (a cached
+    handle in bf16), not per micro-batch: two forwards and backwards, one upload; another
+    after an in-place step."""
+    _, got, patch, ids, mask, adv = _pair_and_inputs(address, 10, _bf16_backbone)
+    client = patch.runtime.client
+    uploads = []
+    put = client.put_weights
+    client.put_weights = lambda w, *a, **k: uploads.append(w.dtype) or put(w, *a, **k)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            ppo_like_loss(got(input_ids=ids, return_dict=True, temperature=0.7), mask,
+                          adv).backward()
+        assert len(uploads) == 1, "W uploaded %d times for one version" % len(uploads)
+        with torch.no_grad():
+            got.lm_head.weight.mul_(0.5)  # an optimizer step, in place
+        got(input_ids=ids, return_dict=True, temperature=0.7)
+    assert uploads == [torch.bfloat16] * 2, uploads
+
+
 def test_torch_compile_around_the_lossd_call(address, verl_forward):
     """torch.compile of the patched model (aot_eager): the lossd call is a graph break, the
     backbone compiles; log p, the entropy and the gradients are verl's eager ones."""
@@ -267,3 +287,44 @@ def test_a_server_lost_mid_training_is_named(tmp_path):
     with pytest.raises(lossd.UnavailableError) as e:
         model(input_ids=ids, return_dict=True)
     assert "lossd server %s:" % srv.address in str(e.value)
+
+
+# -- under DeepSpeed ZeRO-3: a parameter carrying ds_status stands in for ZeRO-3's ------------
+
+def _as_zero3(param, status="AVAILABLE"):
+    """What lossd.integrations reads of a ZeRO-3 parameter (deepspeed is not imported)."""
+    param.ds_status = types.SimpleNamespace(name=status)
+    param.ds_shape = tuple(param.shape)
+
+
+def test_a_zero3_head_goes_inline_and_a_partitioned_one_is_refused(address, verl_forward):
+    """ZeRO-3 gathers the head into a buffer each forward (param.data = buffer), keeping the
+    Parameter's version counter: a buffer refilled in place with the stepped head would match
+    a cached handle, so a ZeRO-3 head travels inline. Here the buffer is refilled in place
+    between two forwards; both give verl's own log p and entropy for the head of the time.
+    A head still partitioned where lossd reads it is refused, naming the fix."""
+    ref, got, patch, ids, mask, adv = _pair_and_inputs(address, 9)
+    buf = got.lm_head.weight.detach().clone()
+    got.lm_head.weight.data = buf
+    _as_zero3(got.lm_head.weight)
+    for i in range(2):
+        if i:
+            with torch.no_grad():
+                buf.mul_(0.5)  # in place, through the buffer: the Parameter's version stays
+                ref.lm_head.weight.mul_(0.5)
+        want = verl_forward(ref, input_ids=ids, return_dict=True, temperature=0.7)
+        have = got(input_ids=ids, return_dict=True, temperature=0.7)
+        assert_close("log_probs (forward %d)" % i, have.log_probs, want.log_probs)
+        assert_close("entropy (forward %d)" % i, have.entropy, want.entropy)
+    ppo_like_loss(want, mask, adv).backward()
+    ppo_like_loss(have, mask, adv).backward()
+    assert_close("lm_head grad (ZeRO-3 stand-in)", got.lm_head.weight.grad,
+                 ref.lm_head.weight.grad)
+    assert patch.runtime._handle is None, "a ZeRO-3 head went by cached handle"
+    assert patch.calls["ppo"] == 2
+    got.lm_head.weight.ds_status.name = "NOT_AVAILABLE"
+    with pytest.raises(lossd.FailedPreconditionError) as e:
+        got(input_ids=ids, return_dict=True, temperature=0.7)
+    assert "verl's fused kernels: lm_head.weight is a DeepSpeed ZeRO-3 parameter still " \
+        "partitioned (status NOT_AVAILABLE" in str(e.value), str(e.value)
+    assert "deepspeed.zero.GatheredParameters" in str(e.value), str(e.value)
