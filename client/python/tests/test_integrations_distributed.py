@@ -63,6 +63,30 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _weights(wrapped, model, patch, how):
+    """(head, inner layer) whole on this rank: FSDP1 holds them in flat shards outside its
+    forward, summon_full_params gathers them."""
+    head = (lambda: patch.head.weight()) if how == "head" else (
+        lambda: _full(model.lm_head.weight).clone())
+    inner = lambda: _full(model.model.layers[0].self_attn.q_proj.weight).clone()  # noqa: E731
+    if type(wrapped).__name__ == "FullyShardedDataParallel":
+        with type(wrapped).summon_full_params(wrapped):
+            return head(), inner()
+    return head(), inner()
+
+
+_VERL = []
+
+
+def _verl_forward():
+    """verl's forward_with_torch_backend, loaded once in this rank (its package shells stay)."""
+    if not _VERL:
+        from test_integrations_verl import load_verl_forward
+
+        _VERL.append(load_verl_forward()[0])
+    return _VERL[0]
+
+
 def _patch(model, setup, how, server, head_name):
     """Before wrapping (the head's weights are whole here): lossd's Transformers integration
     in mode `how`, or for setup verl_*, verl's forward (how "none") or lossd's (how "loss")."""
@@ -70,9 +94,7 @@ def _patch(model, setup, how, server, head_name):
 
     if setup.startswith("verl"):
         if how == "none":  # as verl's patch_forward_with_backends, on this instance
-            from test_integrations_verl import load_verl_forward
-
-            model.forward = types.MethodType(load_verl_forward()[0], model)
+            model.forward = types.MethodType(_verl_forward(), model)
             return None
         from lossd.integrations.verl import apply_lossd as apply_verl
 
@@ -89,6 +111,18 @@ def _patch(model, setup, how, server, head_name):
 def _wrap(model, setup):
     if setup == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    if setup.endswith("fsdp1"):
+        import functools
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        # FSDP1 wrapped by decoder layer, the head in the root's unit: accelerate's default
+        # (use_orig_params) for Trainer, verl's strategy "fsdp" (use_orig_params false).
+        policy = functools.partial(transformer_auto_wrap_policy,
+                                   transformer_layer_cls={type(model.model.layers[0])})
+        return FullyShardedDataParallel(model, auto_wrap_policy=policy,
+                                        use_orig_params=not setup.startswith("verl"),
+                                        device_id=torch.device("cpu"))
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
@@ -131,7 +165,7 @@ def _job(dist, setup, how, count, server, head_name):
     wrapped = _wrap(model, setup)
     # SGD: its update is linear in the gradient, so the runs' summation orders stay at
     # rounding level (AdamW can turn a last-bit difference of a tiny gradient into a step).
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, foreach=False)
     head_opt = patch.head_optimizer() if how == "head" else None
     losses = []
     try:
@@ -158,9 +192,8 @@ def _job(dist, setup, how, count, server, head_name):
         return {"error": "%s: %s" % (type(e).__name__, e)}
     finally:
         dist.barrier()
-    head = patch.head.weight() if how == "head" else _full(model.lm_head.weight)
-    result = {"losses": losses, "head": head.clone(),
-              "inner": _full(model.model.layers[0].self_attn.q_proj.weight).clone(),
+    head, inner = _weights(wrapped, model, patch, how)
+    result = {"losses": losses, "head": head.clone(), "inner": inner,
               "calls": dict(patch.calls) if patch else {}}
     if patch is not None and how == "loss" and not setup.startswith("verl"):
         patch.remove()
@@ -186,8 +219,9 @@ def _train():
 
 JOBS = ["ddp/none/mean", "ddp/loss/mean", "ddp/none/global", "ddp/loss/global",
         "ddp/head/mean", "fsdp/none/mean", "fsdp/loss/mean", "fsdp/head/mean",
-        "fsdp_head_alone/loss/mean"]
-VERL_JOBS = ["verl_fsdp/none/mean", "verl_fsdp/loss/mean", "verl_policy/loss/mean"]
+        "fsdp_head_alone/loss/mean", "fsdp1/none/mean", "fsdp1/loss/mean"]
+VERL_JOBS = ["verl_fsdp/none/mean", "verl_fsdp/loss/mean", "verl_policy/loss/mean",
+             "verl_fsdp1/none/mean", "verl_fsdp1/loss/mean"]
 
 
 def _verl_loads():
@@ -281,6 +315,15 @@ def test_fsdp2_head_in_the_root_group(runs, how):
     _compare(_of(runs, "fsdp/%s/mean" % how), _of(runs, "fsdp/none/mean"))
 
 
+def test_fsdp1_head_in_the_root_unit(runs):
+    """FSDP1 (FullyShardedDataParallel, use_orig_params as accelerate sets it for Trainer),
+    wrapped by decoder layer: the head is a view into the root unit's flat parameter, which
+    FSDP1 frees after backward by resizing its storage; lossd gets a copy."""
+    got = _of(runs, "fsdp1/loss/mean")
+    _compare(got, _of(runs, "fsdp1/none/mean"))
+    assert got[0]["calls"] == {"mean": STEPS}
+
+
 def test_fsdp2_head_in_a_group_of_its_own_is_refused(runs):
     for r in _of(runs, "fsdp_head_alone/loss/mean"):
         assert r.get("error", "").startswith("FailedPreconditionError"), r
@@ -295,6 +338,15 @@ def test_verl_under_fsdp2_with_the_head_in_the_root_group(runs):
     entropy, FSDP2 reduce-scatters the head's gradient: verl's own run's numbers."""
     got = _of(runs, "verl_fsdp/loss/mean")
     _compare(got, _of(runs, "verl_fsdp/none/mean"))
+    assert got[0]["calls"] == {"ppo": STEPS}
+
+
+def test_verl_under_fsdp1(runs):
+    """verl's strategy "fsdp" (FSDP1, use_orig_params false, wrapped by decoder layer): the
+    head is a plain view into the root unit's flat parameter in the forward; lossd copies
+    it (FSDP1 frees that storage after backward) and the run is verl's own."""
+    got = _of(runs, "verl_fsdp1/loss/mean")
+    _compare(got, _of(runs, "verl_fsdp1/none/mean"))
     assert got[0]["calls"] == {"ppo": STEPS}
 
 

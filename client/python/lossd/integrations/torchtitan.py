@@ -66,8 +66,9 @@ class LossdLoss:
         dtype = _compute_dtype(pred)
         x, w, b = (None if t is None else (t if t.dtype == dtype else t.to(dtype))
                    for t in (pred, w, b))
-        if self.model is not None and _under_fsdp(self.model) and w is self.lm_head.weight:
-            # As lossd.integrations.transformers: FSDP2 frees the gathered head's storage.
+        if (self.model is not None and _under_fsdp(self.model, self.lm_head.weight)
+                and w is self.lm_head.weight):
+            # As lossd.integrations.transformers: FSDP frees the gathered head's storage.
             w, b = w.clone(), None if b is None else b.clone()
         self.calls["loss"] += 1
         h = x.shape[-1]

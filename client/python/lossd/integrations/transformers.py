@@ -100,8 +100,17 @@ def _refuse_sharded(weight, what):
                                               placements), method="apply_lossd")
 
 
-def _under_fsdp(model):
-    return any(c.__name__ == "FSDPModule" for c in type(model).__mro__)
+def _under_fsdp(model, weight=None):
+    """Whether the head's storage belongs to FSDP, which frees it by resizing it to 0 after
+    backward: under FSDP2 the model is an FSDPModule (the head gathered for the root's
+    forward); under FSDP1 the head is a view into a FlatParameter (the original parameter,
+    use_orig_params, or a plain view of it otherwise: both carry or view one marked
+    _fsdp_flattened). The client reads a tensor through numpy, which pins its storage (not
+    resizable), so such a head goes to lossd as a copy."""
+    if any(c.__name__ == "FSDPModule" for c in type(model).__mro__):
+        return True
+    return weight is not None and any(
+        getattr(t, "_fsdp_flattened", False) for t in (weight, weight._base) if t is not None)
 
 
 def _zero3(weight, what):
@@ -219,9 +228,9 @@ class LossdPatch:
         dtype = _compute_dtype(hidden)
         x, w, b = (None if t is None else (t if t.dtype == dtype else t.to(dtype))
                    for t in (hidden, lm_head.weight, lm_head.bias))
-        if _under_fsdp(self.model):
+        if _under_fsdp(self.model, lm_head.weight):
             # The client reads W through numpy, which pins its storage (not resizable), and
-            # FSDP2 frees the head it gathered by resizing that storage to 0 after backward:
+            # FSDP frees the head it gathered by resizing that storage to 0 after backward:
             # lossd gets a differentiable copy (V x H copied here, sent inline).
             w, b = (None if t is None else (t.clone() if t is getattr(lm_head, n) else t)
                     for t, n in ((w, "weight"), (b, "bias")))

@@ -122,10 +122,11 @@ def _per_token(patch, x, lm_head, labels, temperature, top1, fp32_head):
     w, b = lm_head.weight, lm_head.bias
     _refuse_sharded(w, "TRL's fused LM head")
     runtime = _inline_runtime(patch) if _zero3(w, "TRL's fused LM head") else patch.runtime
-    if _under_fsdp(patch.model_of_call):
-        # As transformers.LossdPatch.loss: FSDP2 frees the gathered head's storage, which
-        # the client's numpy view would have pinned.
+    if _under_fsdp(patch.model_of_call, w):
+        # As transformers.LossdPatch.loss: FSDP frees the gathered head's storage, which
+        # the client's numpy view would have pinned. The copy is new each call: inline.
         w, b = w.clone(), None if b is None else b.clone()
+        runtime = _inline_runtime(patch)
     if fp32_head:  # TRL's cast_lm_head_to_fp32: the projection in fp32, outside autocast
         x = x.float()
     with torch.autocast(x.device.type, enabled=not fp32_head and

@@ -72,10 +72,12 @@ class VerlPatch:
         w, b = lm_head.weight, lm_head.bias
         _refuse_sharded(w, "verl's fused kernels")
         runtime = _inline_runtime(self) if _zero3(w, "verl's fused kernels") else self.runtime
-        if _under_fsdp(self.model):
-            # As lossd.integrations.transformers: FSDP2 frees the gathered head's storage,
-            # which the client's numpy view would have pinned.
+        if _under_fsdp(self.model, w):
+            # As lossd.integrations.transformers: FSDP frees the gathered head's storage,
+            # which the client's numpy view would have pinned. The copy is new each call:
+            # inline.
             w, b = w.clone(), None if b is None else b.clone()
+            runtime = _inline_runtime(self)
         self.calls["ppo"] += 1
         return _named(self.address, fused_linear_for_ppo, hidden, w, rolled, temperature,
                       bias=b, runtime=runtime, keep_ms=self.keep_ms)
