@@ -5,11 +5,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/host_tensor.h"
-#include "client/lossctl_test_fixture.h"
 #include "client/npy.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/client/lossctl_test_fixture.h"
 
 namespace lossd {
 namespace client {

@@ -17,10 +17,10 @@
 #include "absl/strings/str_cat.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
-#include "client/test_tensors.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/client/test_tensors.h"
 #include "testing/server_harness.h"
 
 namespace lossd {

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/fake_loss_service.h"
 #include "client/lossd_client.h"
-#include "client/lossd_client_fixture.h"
-#include "client/test_tensors.h"
+#include "testing/client/fake_loss_service.h"
+#include "testing/client/lossd_client_fixture.h"
+#include "testing/client/test_tensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.pb.h"

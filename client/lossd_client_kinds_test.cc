@@ -11,9 +11,9 @@
 
 #include "absl/synchronization/mutex.h"
 #include "client/compute_call.h"
-#include "client/fake_loss_service.h"
 #include "client/lossd_client.h"
-#include "client/lossd_client_fixture.h"
+#include "testing/client/fake_loss_service.h"
+#include "testing/client/lossd_client_fixture.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.pb.h"

@@ -7,11 +7,11 @@
 // ServerInfo and List over a replica that is gone.
 #include <string>
 
-#include "client/lossd_client_fixture.h"
 #include "client/pooled_client.h"
 #include "client/rendezvous.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/client/lossd_client_fixture.h"
 
 namespace lossd {
 namespace client {

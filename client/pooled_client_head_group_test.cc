@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "client/pool_test_fixture.h"
+#include "testing/client/pool_test_fixture.h"
 
 namespace lossd {
 namespace client {

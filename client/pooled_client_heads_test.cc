@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "client/pool_test_fixture.h"
+#include "testing/client/pool_test_fixture.h"
 
 namespace lossd {
 namespace client {

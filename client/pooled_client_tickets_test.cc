@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "client/pool_test_fixture.h"
+#include "testing/client/pool_test_fixture.h"
 
 namespace lossd {
 namespace client {

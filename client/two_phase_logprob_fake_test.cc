@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "client/lossd_client_fixture.h"
 #include "gmock/gmock.h"
+#include "testing/client/lossd_client_fixture.h"
 
 namespace lossd {
 namespace client {

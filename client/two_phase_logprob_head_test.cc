@@ -10,8 +10,8 @@
 // adds once.
 #include <string>
 
-#include "client/pool_test_fixture.h"
 #include "client/two_phase_logprob.h"
+#include "testing/client/pool_test_fixture.h"
 
 namespace lossd {
 namespace client {

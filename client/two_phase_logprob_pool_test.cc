@@ -6,8 +6,8 @@
 // pool's own key (the weights moved; the accumulator's replica), with the same outputs.
 #include <string>
 
-#include "client/pool_test_fixture.h"
 #include "client/two_phase_logprob.h"
+#include "testing/client/pool_test_fixture.h"
 
 namespace lossd {
 namespace client {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "client/fake_heads.h"
+#include "testing/client/fake_heads.h"
 
 #include <cstring>
 #include <tuple>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "client/fake_loss_service.h"
+#include "testing/client/fake_loss_service.h"
 
 #include <cstring>
 #include <vector>

@@ -5,8 +5,8 @@
 // entropy = dentropy's or dlogp's bytes, else ones; for kind policy kl 0.375 and
 // clip_fraction 0.0625), keeps hosted heads (fake_heads.h),
 // and can be told to misbehave. It computes no loss; the real server's tests own the math.
-#ifndef LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
-#define LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
+#ifndef LOSSD_TESTING_CLIENT_FAKE_LOSS_SERVICE_H_
+#define LOSSD_TESTING_CLIENT_FAKE_LOSS_SERVICE_H_
 
 #include <atomic>
 #include <cstddef>
@@ -19,10 +19,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "client/fake_heads.h"
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "lossd/v1/lossd.pb.h"
+#include "testing/client/fake_heads.h"
 
 namespace lossd {
 namespace client {
@@ -120,7 +120,7 @@ class FakeLossService final : public v1::Loss::Service {
   grpc::Status List(grpc::ServerContext*, const v1::ListRequest*,
                     v1::ListResponse* resp) override;
 
-  // Hosted heads (client/fake_heads.h). Its instance is "fake-instance" until a test sets
+  // Hosted heads (testing/client/fake_heads.h). Its instance is "fake-instance" until a test sets
   // another with heads.set_instance.
   FakeHeads heads;
   grpc::Status CreateHead(grpc::ServerContext*, grpc::ServerReader<v1::CreateHeadRequest>* reader,
@@ -148,4 +148,4 @@ class FakeLossService final : public v1::Loss::Service {
 }  // namespace client
 }  // namespace lossd
 
-#endif  // LOSSD_CLIENT_FAKE_LOSS_SERVICE_H_
+#endif  // LOSSD_TESTING_CLIENT_FAKE_LOSS_SERVICE_H_

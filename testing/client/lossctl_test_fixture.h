@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fixture of lossctl's tests (lossctl_test.cc, lossctl_heads_test.cc): a fake lossd over
 // real gRPC, lossctl run as a child process against it, and a scratch directory per test.
-#ifndef LOSSD_CLIENT_LOSSCTL_TEST_FIXTURE_H_
-#define LOSSD_CLIENT_LOSSCTL_TEST_FIXTURE_H_
+#ifndef LOSSD_TESTING_CLIENT_LOSSCTL_TEST_FIXTURE_H_
+#define LOSSD_TESTING_CLIENT_LOSSCTL_TEST_FIXTURE_H_
 
 #include <sys/wait.h>
 
@@ -16,13 +16,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/fake_loss_service.h"
 #include "client/host_tensor.h"
 #include "client/npy.h"
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "testing/client/fake_loss_service.h"
 
 namespace lossd {
 namespace client {
@@ -129,4 +129,4 @@ class LossctlTest : public ::testing::Test {
 }  // namespace client
 }  // namespace lossd
 
-#endif  // LOSSD_CLIENT_LOSSCTL_TEST_FIXTURE_H_
+#endif  // LOSSD_TESTING_CLIENT_LOSSCTL_TEST_FIXTURE_H_

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fixture of the C++ client's tests against the in-process fake lossd service
-// (client/fake_loss_service.h) over real loopback gRPC, and their random test tensors (every
+// (testing/client/fake_loss_service.h) over real loopback gRPC, and their random test tensors (every
 // tensor distinct, so an echo that mixes tensors up shows). Test-only; never linked into the
 // client.
-#ifndef LOSSD_CLIENT_LOSSD_CLIENT_FIXTURE_H_
-#define LOSSD_CLIENT_LOSSD_CLIENT_FIXTURE_H_
+#ifndef LOSSD_TESTING_CLIENT_LOSSD_CLIENT_FIXTURE_H_
+#define LOSSD_TESTING_CLIENT_LOSSD_CLIENT_FIXTURE_H_
 
 #include <cstdint>
 #include <cstring>
@@ -14,11 +14,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/fake_loss_service.h"
 #include "client/host_tensor.h"
 #include "client/lossd_client.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "testing/client/fake_loss_service.h"
 
 namespace lossd {
 namespace client {
@@ -94,4 +94,4 @@ class LossClientTest : public ::testing::Test {
 }  // namespace client
 }  // namespace lossd
 
-#endif  // LOSSD_CLIENT_LOSSD_CLIENT_FIXTURE_H_
+#endif  // LOSSD_TESTING_CLIENT_LOSSD_CLIENT_FIXTURE_H_

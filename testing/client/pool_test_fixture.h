@@ -3,8 +3,8 @@
 // gRPC) in the test process on 127.0.0.1, .2 and .3 with one port, as three replicas behind a
 // name would be, plus a fourth on 127.0.0.4 (never in the pool) that computes the
 // single-server reference. Replicas are stopped and restarted (a new instance) at will.
-#ifndef LOSSD_CLIENT_POOL_TEST_FIXTURE_H_
-#define LOSSD_CLIENT_POOL_TEST_FIXTURE_H_
+#ifndef LOSSD_TESTING_CLIENT_POOL_TEST_FIXTURE_H_
+#define LOSSD_TESTING_CLIENT_POOL_TEST_FIXTURE_H_
 
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -28,7 +28,7 @@
 #include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "client/test_tensors.h"
+#include "testing/client/test_tensors.h"
 #include "testing/server_harness.h"
 
 namespace lossd {
@@ -262,4 +262,4 @@ class PoolWeightsTest : public PoolTest {
 }  // namespace client
 }  // namespace lossd
 
-#endif  // LOSSD_CLIENT_POOL_TEST_FIXTURE_H_
+#endif  // LOSSD_TESTING_CLIENT_POOL_TEST_FIXTURE_H_

@@ -2,8 +2,8 @@
 // Random test tensors for the C++ client's tests: floats drawn uniformly from [-scale, scale)
 // by a seeded generator and stored in the tensor's dtype, so a test's inputs are random,
 // distinct by seed, and the same on every run. Test-only; never linked into the client.
-#ifndef LOSSD_CLIENT_TEST_TENSORS_H_
-#define LOSSD_CLIENT_TEST_TENSORS_H_
+#ifndef LOSSD_TESTING_CLIENT_TEST_TENSORS_H_
+#define LOSSD_TESTING_CLIENT_TEST_TENSORS_H_
 
 #include <cstdint>
 #include <random>
@@ -30,4 +30,4 @@ inline HostTensor UniformTensor(DType dtype, std::vector<int64_t> shape, uint32_
 }  // namespace client
 }  // namespace lossd
 
-#endif  // LOSSD_CLIENT_TEST_TENSORS_H_
+#endif  // LOSSD_TESTING_CLIENT_TEST_TENSORS_H_
