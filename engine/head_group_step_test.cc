@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/head_group.h"
-#include "engine/heads_test_fixture.h"
+#include "testing/heads_test_fixture.h"
 
 namespace lossd {
 namespace heads_testing {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/heads_test_fixture.h"
 #include "gtest/gtest.h"
+#include "testing/heads_test_fixture.h"
 
 namespace lossd {
 namespace {

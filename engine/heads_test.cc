@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/heads_test_fixture.h"
 #include "gtest/gtest.h"
+#include "testing/heads_test_fixture.h"
 
 namespace lossd {
 namespace {

@@ -3,8 +3,8 @@
 // and import; head_step_test: the Step barrier): an engine on the CPU backend, a head over a
 // random W0, Computes of random micro-batches into it, every rank's Step at once, exports as
 // host bytes. Test-only; never linked into the server.
-#ifndef LOSSD_ENGINE_HEADS_TEST_FIXTURE_H_
-#define LOSSD_ENGINE_HEADS_TEST_FIXTURE_H_
+#ifndef LOSSD_TESTING_HEADS_TEST_FIXTURE_H_
+#define LOSSD_TESTING_HEADS_TEST_FIXTURE_H_
 
 #include <cstring>
 #include <future>
@@ -210,4 +210,4 @@ class SmallHeadsTest : public HeadsTest {
 }  // namespace heads_testing
 }  // namespace lossd
 
-#endif  // LOSSD_ENGINE_HEADS_TEST_FIXTURE_H_
+#endif  // LOSSD_TESTING_HEADS_TEST_FIXTURE_H_
