@@ -82,10 +82,7 @@ absl::Status PlanTicketHead(const ComputeSpec& spec, const Ticket& t, ComputePla
     return absl::NotFoundError(absl::StrCat("head '", t.head_name, "' of ticket '", t.id,
                                             "' was dropped; resend X as a one-phase call"));
   }
-  if (head->broken.load()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "head '", t.head_name, "' failed midway through an update and refuses every call"));
-  }
+  LOSSD_RETURN_IF_ERROR(CheckNotBroken(*head));  // a group's says which collective failed
   if (now != t.head_version) {
     return absl::FailedPreconditionError(absl::StrCat(
         "ticket '", t.id, "' was computed against head '", t.head_name, "' at version ",
