@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Stand-ins for liblossd_cuda.so in plugin_loader_test, one per build flag, so the whole C
-// boundary is tested without a GPU:
+// Stand-ins for liblossd_cuda.so in kernels/plugin_loader_test, one per build flag, so the
+// whole C boundary is tested without a GPU:
 //   FAKE_PLUGIN_NO_ENTRY  exports no entry point at all;
 //   FAKE_PLUGIN_V1        exports what a version 1 plugin did (LossdCudaAbiVersion, 1);
 //   FAKE_PLUGIN_V5        what a version 5 plugin (before major.minor) answers: 5, no table;
