@@ -277,10 +277,12 @@ def test_torch_compile_around_the_lossd_call(address):
 
 # -- Trainer -------------------------------------------------------------------------------
 
-def _train(model, tmp_path, steps=12, callbacks=(), max_grad_norm=1.0):
-    """A dozen optimizer steps of Trainer over 24 synthetic rows, 2 per micro-batch and 2
-    micro-batches per step (so Trainer passes num_items_in_batch); the logged loss per step,
-    and the eval loss over 6 more rows after training."""
+TRAINER_STEPS = 24  # "a few dozen": 48 micro-batches through lossd per run
+
+def _train(model, tmp_path, steps=TRAINER_STEPS, callbacks=(), max_grad_norm=1.0):
+    """Two dozen optimizer steps of Trainer over 24 synthetic rows (four epochs), 2 per
+    micro-batch and 2 micro-batches per step (so Trainer passes num_items_in_batch); the
+    logged loss per step, and the eval loss over 6 more rows after training."""
     pytest.importorskip("accelerate")  # Trainer's own requirement
     rows = []
     for i in range(30):
@@ -298,13 +300,13 @@ def _train(model, tmp_path, steps=12, callbacks=(), max_grad_norm=1.0):
     return curve, trainer.evaluate()["eval_loss"]
 
 
-# A dozen AdamW steps: rounding differences of the gradients (fp32) move the weights by a
+# Two dozen AdamW steps: rounding differences of the gradients (fp32) move the weights by a
 # few ulps of lr-sized updates each step; the logged losses stay within this.
 CURVE_RTOL = 1e-4
 
 
 def assert_curves(got, want):
-    assert len(got) == len(want) and len(want) >= 10, (got, want)
+    assert len(got) == len(want) == TRAINER_STEPS, (got, want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w) <= CURVE_RTOL * abs(w), "step %d: loss %.8g with lossd, %.8g " \
             "without (curves %s against %s)" % (i, g, w, got, want)
@@ -319,9 +321,9 @@ def test_trainer_loss_curve(address, tmp_path):
     want, want_eval = _train(ref, tmp_path / "ref")
     assert_curves(got, want)
     assert abs(got_eval - want_eval) <= CURVE_RTOL * abs(want_eval), (got_eval, want_eval)
-    # Every micro-batch went through lossd, normalised by Trainer's global token count: 24 in
-    # training, and the one evaluation batch.
-    assert patch.calls == {"global": 25}
+    # Every micro-batch went through lossd, normalised by Trainer's global token count: two
+    # per step in training, and the one evaluation batch.
+    assert patch.calls == {"global": 2 * TRAINER_STEPS + 1}
 
 
 # -- the hosted head (mode "head") ---------------------------------------------------------
@@ -381,8 +383,8 @@ def test_hosted_head_under_trainer(address, tmp_path, request):
         want, want_eval = _train(ref, tmp_path / "ref", max_grad_norm=0.0)
         assert_curves(got, want)
         assert abs(got_eval - want_eval) <= CURVE_RTOL * abs(want_eval), (got_eval, want_eval)
-        assert patch.calls == {"global": 25}
-        assert patch.head.version == 12
+        assert patch.calls == {"global": 2 * TRAINER_STEPS + 1}
+        assert patch.head.version == TRAINER_STEPS
     finally:
         patch.head.drop()
 
