@@ -11,7 +11,9 @@ lossd.integrations.verl under FSDP2 too (verl trains its actor under FSDP): with
 the root's group, three steps of a policy-gradient loss with an entropy bonus on the log-probs
 and entropies at temperature 0.7 equal verl's own forward_with_torch_backend under the same
 sharding (losses, head, inner layer); under verl 0.9.1's own FSDP2 wrapping (an untied lm_head
-in a group of its own) the head is refused, naming the fix.
+in a group of its own) the head is refused, naming the fix. And torchtitan's loss under
+FSDP2 as torchtitan groups the model ([norm, lm_head] unsharded after the forward): three steps
+equal to its own head and CrossEntropyLoss; with the head resharded after the forward, refused.
 
 This file is also the trainer: run as a script, it is one rank (see _train). Skipped where
 torch (with torch.distributed) or transformers is not installed."""
@@ -200,6 +202,48 @@ def _job(dist, setup, how, count, server, head_name):
     return result
 
 
+def _torchtitan_job(dist, setup, how, server):
+    """torchtitan's Llama 3 debug model (a causal SDPA in place of FlexAttention, which has no
+    CPU backward) under FSDP2 as torchtitan's apply_fsdp groups it: each layer, the
+    embedding, [norm, lm_head] together, then the model; [norm, lm_head] not resharded after
+    forward (torchtitan's default policy; setup tt_always: resharded, its "always"). Three
+    steps of two micro-batches as its trainer runs them (the global valid-token count,
+    clipping at 1.0, SGD), its own head and CrossEntropyLoss (how "none") or LossdLoss."""
+    import lossd
+    from torch.distributed.fsdp import fully_shard
+    import test_integrations_torchtitan as tt
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    rank = dist.get_rank()
+    model = tt.trainable_llama3()
+    if how == "none":
+        loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+    else:
+        from lossd.integrations.torchtitan import apply_lossd as apply_torchtitan
+
+        loss_fn = apply_torchtitan(model, server)
+    for layer in model.layers.values():
+        fully_shard(layer)
+    fully_shard(model.tok_embeddings)
+    fully_shard([model.norm, model.lm_head], reshard_after_forward=setup == "tt_always")
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+    losses = []
+    try:
+        for step in range(STEPS):
+            losses += tt.step_losses(model, loss_fn, tt.micro_batches(30 + step + 10 * rank))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    except lossd.LossdError as e:
+        return {"error": "%s: %s" % (type(e).__name__, e)}
+    finally:
+        dist.barrier()
+    return {"losses": losses, "head": _full(model.lm_head.weight).clone(),
+            "inner": _full(model.layers["0"].attention.wo.weight).clone(),
+            "calls": dict(loss_fn.calls) if how != "none" else {}}
+
+
 def _train():
     """One rank: every job of JOBS ("setup/how/count,...") in one process group (one start
     of torch and transformers for all of them); saves {job: result} to OUT."""
@@ -209,6 +253,9 @@ def _train():
     results = {}
     for i, job in enumerate(os.environ["JOBS"].split(",")):
         setup, how, count = job.split("/")
+        if setup.startswith("tt_"):
+            results[job] = _torchtitan_job(dist, setup, how, os.environ["SERVER"])
+            continue
         results[job] = _job(dist, setup, how, count, os.environ["SERVER"],
                             "%s-%d" % (os.environ["HEAD"], i))
     torch.save(results, os.environ["OUT"])
@@ -222,6 +269,19 @@ JOBS = ["ddp/none/mean", "ddp/loss/mean", "ddp/none/global", "ddp/loss/global",
         "fsdp_head_alone/loss/mean", "fsdp1/none/mean", "fsdp1/loss/mean"]
 VERL_JOBS = ["verl_fsdp/none/mean", "verl_fsdp/loss/mean", "verl_policy/loss/mean",
              "verl_fsdp1/none/mean", "verl_fsdp1/loss/mean"]
+
+
+TORCHTITAN_JOBS = ["tt_fsdp/none/mean", "tt_fsdp/loss/mean", "tt_always/loss/mean"]
+
+
+def _torchtitan_loads():
+    """Whether torchtitan's Llama 3 and loss import here."""
+    try:
+        import torchtitan.components.loss  # noqa: F401
+        import torchtitan.models.llama3  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def _verl_loads():
@@ -245,7 +305,8 @@ def runs(lossd_server, tmp_path_factory):
         pytest.skip("torch without its distributed package")
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
-        jobs = list(JOBS) + (VERL_JOBS if _verl_loads() else [])
+        jobs = (list(JOBS) + (VERL_JOBS if _verl_loads() else [])
+                + (TORCHTITAN_JOBS if _torchtitan_loads() else []))
     except ImportError:  # torch without FSDP2: the DDP jobs alone
         jobs = [j for j in JOBS if j.startswith("ddp/")]
     with lossd.Client(lossd_server.address) as c:
@@ -271,7 +332,8 @@ def runs(lossd_server, tmp_path_factory):
 
 def _of(runs, job):
     if job not in runs:
-        pytest.skip("%s not run (no FSDP2, no verl, or no hosted heads on this server)" % job)
+        pytest.skip("%s not run (no FSDP2, no verl or torchtitan, or no hosted heads on this "
+                    "server)" % job)
     return runs[job]
 
 
@@ -357,6 +419,25 @@ def test_verl_under_its_own_fsdp2_wrapping_is_refused(runs):
         assert r.get("error", "").startswith("FailedPreconditionError"), r
         assert "verl's fused kernels: lm_head.weight is a DTensor" in r["error"], r["error"]
         assert "do not fully_shard(model.lm_head) on its own" in r["error"], r["error"]
+
+
+
+def test_torchtitan_under_fsdp2(runs):
+    """torchtitan's loss is called after the model returned, reading lm_head.weight: in its
+    FSDP2 grouping [norm, lm_head] stay unsharded after the forward, so lossd gets the whole
+    head (copied) and FSDP2 reduce-scatters its gradient when backward reaches the group:
+    every micro-batch's loss and the trained weights equal torchtitan's own head and loss."""
+    got = _of(runs, "tt_fsdp/loss/mean")
+    _compare(got, _of(runs, "tt_fsdp/none/mean"))
+    assert got[0]["calls"] == {"loss": 2 * STEPS}
+
+
+def test_torchtitan_with_the_head_resharded_after_forward_is_refused(runs):
+    """With [norm, lm_head] resharded after the forward (torchtitan's policy "always") the
+    head is a sharded DTensor when the loss reads it: refused, naming it."""
+    for r in _of(runs, "tt_always/loss/mean"):
+        assert r.get("error", "").startswith("FailedPreconditionError"), r
+        assert "torchtitan's loss: lm_head.weight is a DTensor" in r["error"], r["error"]
 
 
 if __name__ == "__main__":
