@@ -1,10 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// The hosted heads of the fake lossd service (testing/client/fake_loss_service.h), for client tests:
-// it keeps what CreateHead sent (the master as fp32), answers Info, List and Drop, checks the
-// version, instance and idempotency key of a Compute naming a head, and exports in byte
-// ranges. Its Step is no optimizer: an applied step adds 1 to every master value, so a test
-// sees that it ran; a barrier over world_size ranks is real. The real server's tests own the
-// math.
+// The hosted heads of the fake lossd service (testing/client/fake_loss_service.h), for client
+// tests: it keeps what CreateHead sent (the master as fp32), answers Info, List and Drop, checks
+// the version, instance and idempotency key of a Compute naming a head, and exports in byte ranges.
+// Its Step is no optimizer: an applied step adds 1 to every master value, so a test sees that it
+// ran; a barrier over world_size ranks is real. The real server's tests own the math.
 #ifndef LOSSD_TESTING_CLIENT_FAKE_HEADS_H_
 #define LOSSD_TESTING_CLIENT_FAKE_HEADS_H_
 

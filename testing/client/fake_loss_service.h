@@ -120,8 +120,8 @@ class FakeLossService final : public v1::Loss::Service {
   grpc::Status List(grpc::ServerContext*, const v1::ListRequest*,
                     v1::ListResponse* resp) override;
 
-  // Hosted heads (testing/client/fake_heads.h). Its instance is "fake-instance" until a test sets
-  // another with heads.set_instance.
+  // Hosted heads (testing/client/fake_heads.h). Its instance is "fake-instance" until a test
+  // sets another with heads.set_instance.
   FakeHeads heads;
   grpc::Status CreateHead(grpc::ServerContext*, grpc::ServerReader<v1::CreateHeadRequest>* reader,
                           v1::CreateHeadResponse* resp) override {

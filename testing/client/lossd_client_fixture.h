@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The fixture of the C++ client's tests against the in-process fake lossd service
-// (testing/client/fake_loss_service.h) over real loopback gRPC, and their random test tensors (every
-// tensor distinct, so an echo that mixes tensors up shows). Test-only; never linked into the
-// client.
+// (testing/client/fake_loss_service.h) over real loopback gRPC, and their random test tensors
+// (every tensor distinct, so an echo that mixes tensors up shows). Test-only; never linked into
+// the client.
 #ifndef LOSSD_TESTING_CLIENT_LOSSD_CLIENT_FIXTURE_H_
 #define LOSSD_TESTING_CLIENT_LOSSD_CLIENT_FIXTURE_H_
 
