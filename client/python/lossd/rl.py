@@ -337,6 +337,7 @@ class LossdFusedLinearGRPOLoss(_OnServer):
         rho = None
         if vllm_is_ratio is not None:  # Liger's (B, S) or (B, 1), repeated over the tokens
             rho = vllm_is_ratio.detach().to(torch.float32)
+            rho = rho.unsqueeze(1) if rho.dim() == 1 else rho  # Liger's (B,) is its (B, 1)
             if rho.dim() != 2 or rho.shape[0] != bsz or rho.shape[1] not in (1, seq):
                 raise errors.InvalidArgumentError(
                     "vllm_is_ratio must be (B, S) = (%d, %d) or (B, 1), got %s" % (
