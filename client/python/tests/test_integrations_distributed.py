@@ -14,6 +14,7 @@ sharding (losses, head, inner layer); under verl 0.9.1's own FSDP2 wrapping (an 
 in a group of its own) the head is refused, naming the fix. And torchtitan's loss under
 FSDP2 as torchtitan groups the model ([norm, lm_head] unsharded after the forward): three steps
 equal to its own head and CrossEntropyLoss; with the head resharded after the forward, refused.
+And TRL's SFTTrainer over the two ranks (accelerate's DDP) against its own fused head.
 
 This file is also the trainer: run as a script, it is one rank (see _train). Skipped where
 torch (with torch.distributed) or transformers is not installed."""
@@ -244,6 +245,31 @@ def _torchtitan_job(dist, setup, how, server):
             "calls": dict(loss_fn.calls) if how != "none" else {}}
 
 
+def _trl_job(how, server, out_dir):
+    """TRL's SFTTrainer under DDP (accelerate on this process group: two CPU ranks, the
+    model wrapped in DistributedDataParallel), 3 steps of gradient accumulation 2 as
+    test_integrations_trl's single-process run, with lossd's fused-head call (how "loss") or
+    TRL's own (how "none"): the logged losses and the trained weights."""
+    import test_integrations_trl as tt
+    from lossd.integrations.trl import apply_lossd as apply_trl
+
+    tok = tt.tokenizer()
+    model = tt.tiny_llama(tok)
+    args = tt.trl.SFTConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                            max_length=32, packing=False,
+                            **tt.common_args(Path(out_dir), "sft-ddp-" + how))
+    trainer = tt.trl.SFTTrainer(model=model, args=args, processing_class=tok,
+                                train_dataset=tt.datasets.Dataset.from_dict(
+                                    {"text": tt.texts(24, 1)}))
+    patch = apply_trl(trainer, server) if how == "loss" else None
+    trainer.train()
+    return {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "head": model.lm_head.weight.detach().clone(),
+            "inner": model.model.layers[0].self_attn.q_proj.weight.detach().clone(),
+            "wrapper": type(trainer.model_wrapped).__name__,
+            "calls": dict(patch.calls) if patch else {}}
+
+
 def _train():
     """One rank: every job of JOBS ("setup/how/count,...") in one process group (one start
     of torch and transformers for all of them); saves {job: result} to OUT."""
@@ -255,6 +281,9 @@ def _train():
         setup, how, count = job.split("/")
         if setup.startswith("tt_"):
             results[job] = _torchtitan_job(dist, setup, how, os.environ["SERVER"])
+            continue
+        if setup == "trl_ddp":
+            results[job] = _trl_job(how, os.environ["SERVER"], os.environ["OUT"] + ".d")
             continue
         results[job] = _job(dist, setup, how, count, os.environ["SERVER"],
                             "%s-%d" % (os.environ["HEAD"], i))
@@ -272,6 +301,19 @@ VERL_JOBS = ["verl_fsdp/none/mean", "verl_fsdp/loss/mean", "verl_policy/loss/mea
 
 
 TORCHTITAN_JOBS = ["tt_fsdp/none/mean", "tt_fsdp/loss/mean", "tt_always/loss/mean"]
+
+
+TRL_JOBS = ["trl_ddp/none/mean", "trl_ddp/loss/mean"]
+
+
+def _trl_loads():
+    try:
+        import accelerate  # noqa: F401
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def _torchtitan_loads():
@@ -306,7 +348,8 @@ def runs(lossd_server, tmp_path_factory):
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
         jobs = (list(JOBS) + (VERL_JOBS if _verl_loads() else [])
-                + (TORCHTITAN_JOBS if _torchtitan_loads() else []))
+                + (TORCHTITAN_JOBS if _torchtitan_loads() else [])
+                + (TRL_JOBS if _trl_loads() else []))
     except ImportError:  # torch without FSDP2: the DDP jobs alone
         jobs = [j for j in JOBS if j.startswith("ddp/")]
     with lossd.Client(lossd_server.address) as c:
@@ -332,8 +375,8 @@ def runs(lossd_server, tmp_path_factory):
 
 def _of(runs, job):
     if job not in runs:
-        pytest.skip("%s not run (no FSDP2, no verl or torchtitan, or no hosted heads on this "
-                    "server)" % job)
+        pytest.skip("%s not run (no FSDP2, no verl, torchtitan or TRL, or no hosted heads on "
+                    "this server)" % job)
     return runs[job]
 
 
@@ -438,6 +481,17 @@ def test_torchtitan_with_the_head_resharded_after_forward_is_refused(runs):
     for r in _of(runs, "tt_always/loss/mean"):
         assert r.get("error", "").startswith("FailedPreconditionError"), r
         assert "torchtitan's loss: lm_head.weight is a DTensor" in r["error"], r["error"]
+
+
+
+def test_trl_sft_trainer_under_ddp(runs):
+    """SFTTrainer launched over two ranks (accelerate wraps the model in DDP): the fused-head
+    call through lossd gives dW into lm_head.weight.grad, which DDP all-reduces; the logged
+    losses and the trained weights equal the same DDP run of TRL's own fused head."""
+    got = _of(runs, "trl_ddp/loss/mean")
+    _compare(got, _of(runs, "trl_ddp/none/mean"))
+    assert [r["wrapper"] for r in got] == ["DistributedDataParallel"] * WORLD, got
+    assert got[0]["calls"] == {"model": 2 * STEPS}
 
 
 if __name__ == "__main__":
