@@ -3,7 +3,7 @@
 # Runs the Python client tests, the packaging check (client/python/pkgtest: sdist -> wheel ->
 # fresh venv -> calls against lossd), the live Prometheus test, the promtool unit tests of the
 # alert and recording rules, the deploy/ manifest checks, the layer and docs checks, the
-# bench/plots parser test and Liger-Kernel's fused linear cross-entropy tests
+# bench/plots parser test and Liger-Kernel's fused linear cross-entropy, GRPO and JSD tests
 # (tools/liger_check), each writing a JUnit report into REPORT_DIR (default: a temporary
 # folder), and prints PASS/FAIL per suite. Usage: tests/prometheus/run_all.sh [REPORT_DIR]
 # Env: LOSSD_BIN (the lossd binary; default $(bazel info bazel-bin)/service/lossd),
@@ -107,4 +107,7 @@ suite "bench plots parser" python3 -m pytest -q -p no:cacheprovider \
 # Liger-Kernel's fused linear cross-entropy tests, unmodified, through the torch module (about
 # 2 min on 2 cores); a skipped case where torch, transformers or Liger's sdist is missing.
 suite "liger fused linear cross-entropy" tools/liger_check/run.sh "$REPORTS/liger_flce.xml"
+# Liger-Kernel's GRPO and JSD loss tests, unmodified, through lossd.rl (880 of their 1676
+# cases, the large test_correctness shape left out: about 2 min on 2 cores); skipped as above.
+suite "liger GRPO and JSD losses" tools/liger_check/run_rl.sh "$REPORTS/liger_rl.xml"
 exit $status

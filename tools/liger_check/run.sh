@@ -14,37 +14,13 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 JUNIT=${1:-}
-VERSION=${LIGER_VERSION:-0.8.5}
 TEST_REL=test/transformers/test_fused_linear_cross_entropy.py
 
-skip() {
-  echo "SKIP liger fused linear cross-entropy tests: $1"
-  if [[ -n "$JUNIT" ]]; then
-    cat >"$JUNIT" <<XML
-<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="liger_flce" tests="1" skipped="1" failures="0" errors="0">
-<testcase classname="liger_flce" name="test_fused_linear_cross_entropy"><skipped message="$1"/></testcase>
-</testsuite></testsuites>
-XML
-  fi
-  exit 0
-}
+# shellcheck source=liger_sdist.sh
+source "$HERE/liger_sdist.sh"
+skip() { liger_skip "liger fused linear cross-entropy tests" liger_flce "$JUNIT" "$1"; }
 
-SDIST=${LIGER_SDIST:-}
-if [[ -z "$SDIST" ]]; then
-  CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/lossd/liger
-  SDIST=$CACHE/liger_kernel-$VERSION
-  if [[ ! -f "$SDIST/$TEST_REL" ]]; then
-    mkdir -p "$CACHE"
-    # The source distribution, which carries the tests (the wheel does not); not built.
-    python3 -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
-      "liger-kernel==$VERSION" -d "$CACHE" >/dev/null 2>&1 || true
-    archive=$(ls "$CACHE"/liger_kernel-"$VERSION".tar.gz 2>/dev/null | head -1)
-    [[ -n "$archive" ]] || skip "liger-kernel $VERSION's sdist could not be fetched"
-    tar -xzf "$archive" -C "$CACHE" || skip "liger-kernel $VERSION's sdist could not be unpacked"
-  fi
-fi
-[[ -f "$SDIST/$TEST_REL" ]] || skip "no $TEST_REL under $SDIST"
+liger_sdist "$TEST_REL" || skip "$LIGER_WHY"
 python3 -c "import torch, transformers, pytest" 2>/dev/null ||
   skip "torch, transformers or pytest is not installed"
 
