@@ -72,10 +72,6 @@ DIVERGENCES = {
         "on purpose: lossd refuses the sequence level with cispo or sapo at construction, with Liger's "
         "message and a ValueError; Liger raises at forward, and the test constructs outside "
         "pytest.raises (docs/rl_clients.md: GRPO's argument checks run at construction)",
-    "test_ref_per_token_logps_preferred_over_ref_input":
-        "not built: lossd uses ref_per_token_logps over ref_input as Liger does, but gives no "
-        "UserWarning 'Using ref_per_token_logps' (the loss is the same; the test asks for the "
-        "warning)",
 }
 
 # luspo: lossd leaves masked tokens out of the loss; Liger's multiplies each token by its

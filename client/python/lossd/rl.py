@@ -32,6 +32,8 @@ own tensor's dtype. A loss that overflows fp32 comes back inf (servers listing
 "nonfinite_loss"; refused into an accumulator).
 """
 
+import warnings
+
 import torch
 
 from lossd import errors
@@ -290,6 +292,9 @@ class LossdFusedLinearGRPOLoss(_OnServer):
         if self.beta == 0 or not self.use_ref_model:
             return None
         if ref_per_token_logps is not None:
+            if ref_input is not None:  # Liger warns the same: the given log-probs win
+                warnings.warn("Both ref_per_token_logps and ref_input are provided. Using "
+                              "ref_per_token_logps.")
             return _fp32(ref_per_token_logps)
         if ref_input is None or ref_weight is None:
             raise errors.ArgumentAssertionError(  # Liger asserts this
