@@ -114,7 +114,36 @@ inline WorkspaceShape ShapeOf(const LossProblem& p, const LossOutputs& out) {
   return s;
 }
 
+// A communicator among the backends of a head group's S members (NCCL on the CUDA backend),
+// over buffers this backend allocated. Every member calls each collective in the same order.
+// Member m's slice of an n-element tensor is [n * m / S, n * (m + 1) / S) (the engine's
+// HeadSliceOf). A collective that does not finish within the timeout given at connect, or
+// that loses a peer, fails (UNAVAILABLE naming what the backend saw) and aborts the
+// communicator: every later call fails at once. A failed collective leaves the buffer's
+// contents unspecified.
+class BackendComm {
+ public:
+  virtual ~BackendComm() = default;
+  // buf: n fp32 elements, the same n on every member. Afterwards member m's slice of buf
+  // holds that slice of the sum over the members (the rest of buf is unspecified).
+  virtual absl::Status ReduceScatter(float* buf, int64_t n) = 0;
+  // buf: n elements of elem_bytes each, the same n on every member; member m's slice holds
+  // its part. Afterwards every member's buf holds every part.
+  virtual absl::Status AllGather(void* buf, int64_t n, size_t elem_bytes) = 0;
+  // Ends any collective in flight (it fails) and refuses every later one. Safe from another
+  // thread while a collective runs; idempotent.
+  virtual void Abort() = 0;
+};
+
+// NCCL's communicator id is 128 opaque bytes; member 0 makes it, the others receive it.
+inline constexpr size_t kBackendCommIdBytes = 128;
+
 class Backend {
+ protected:
+  static absl::Status NoComm() {
+    return absl::UnimplementedError("this backend has no collectives of its own");
+  }
+
  public:
   virtual ~Backend() = default;
 
@@ -152,6 +181,23 @@ class Backend {
 
   // This backend's pinned host memory, or null when ordinary memory is as good (CPU).
   virtual HostMemory* host_memory() { return nullptr; }
+
+  // Head groups' collectives on this backend's memory. CommAvailable says whether this
+  // backend can form one (the CUDA backend: NCCL's library loads), before a head's tensors
+  // are uploaded; NewCommId makes the id member 0 hands the others (kBackendCommIdBytes);
+  // ConnectComm joins the communicator of `size` members as `rank`, blocking until every
+  // member has joined, or failing after timeout_ms (DEADLINE_EXCEEDED). UNIMPLEMENTED where
+  // the backend has none: the CPU backend's groups run on gloo over host memory, in the
+  // engine (engine/head_group.h).
+  virtual absl::Status CommAvailable() { return NoComm(); }
+  virtual absl::StatusOr<std::string> NewCommId() { return NoComm(); }
+  virtual absl::StatusOr<std::unique_ptr<BackendComm>> ConnectComm(const std::string& id,
+                                                                   uint32_t size,
+                                                                   uint32_t rank,
+                                                                   int64_t timeout_ms) {
+    (void)id, (void)size, (void)rank, (void)timeout_ms;
+    return NoComm();
+  }
 };
 
 }  // namespace lossd
