@@ -56,7 +56,7 @@ struct EngineOptions {
   absl::Duration head_step_timeout = absl::Minutes(10);  // a Step barrier's longest wait
   // Forms a head group's communicator (HeadStore::Options::connect_group); unset: this server
   // serves one-server heads only.
-  std::function<absl::StatusOr<std::shared_ptr<HeadComm>>(const HeadGroup&)> head_connect_group;
+  ConnectHeadGroupFn head_connect_group;
   // Overlapped Computes: the longest the backend waits for the next rows of X (it holds the
   // device meanwhile) before the call fails with DEADLINE_EXCEEDED.
   absl::Duration overlap_stall = absl::Seconds(10);

@@ -188,10 +188,14 @@ absl::StatusOr<HeadCreation> HeadStore::BeginCreate(const HeadSpec& spec,
           "head.group names ", spec.group.size(), " members, but this server forms no head "
           "groups (no group transport configured); create the head with one member"));
     }
-    if (impl_->backend->Info().name != "cpu") {
-      return absl::UnimplementedError(absl::StrCat(
-          "head groups run on the CPU backend (gloo); the ", impl_->backend->Info().name,
-          " backend's (NCCL) is not built yet"));
+    // Asked before a byte of the head is uploaded: a device backend's groups run on its own
+    // collectives (NCCL), which it may lack (no library, an older plugin).
+    if (const std::string name = impl_->backend->Info().name; name != "cpu") {
+      if (absl::Status s = impl_->backend->CommAvailable(); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("a head group on the ", name, " backend runs "
+                                                   "on its collectives, which it cannot form: ",
+                                                   s.message()));
+      }
     }
   }
   const uint64_t bytes = HeadBytes(spec);
@@ -327,7 +331,7 @@ absl::StatusOr<HeadSummary> HeadStore::CommitCreate(std::unique_ptr<PendingHead>
   if (head->group.size() > 1) {
     // Every member blocks here until the others have committed too: a group head is named
     // only once its communicator is formed.
-    absl::StatusOr<std::shared_ptr<HeadComm>> comm = impl_->options.connect_group(head->group);
+    absl::StatusOr<std::shared_ptr<HeadComm>> comm = impl_->options.connect_group(head->group, impl_->backend);
     if (!comm.ok()) {
       return absl::Status(comm.status().code(),
                           absl::StrCat("forming the group of ", HeadWhat(p->spec.name), ": ",

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -14,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "engine/head_group_marked.h"
 #include "gloo/allgather.h"
 #include "gloo/allgatherv.h"
 #include "gloo/barrier.h"
@@ -106,24 +108,13 @@ void ForgetKeys(HeadGroupStore& store, const StoreAdapter& adapter) {
   for (const std::string& k : adapter.keys_set()) store.Delete(k).IgnoreError();
 }
 
-class GlooComm : public HeadComm {
+class GlooComm : public MarkedComm {
   using Ctx = std::shared_ptr<gloo::Context>;
 
  public:
   GlooComm(std::shared_ptr<gloo::Context> ctx, std::shared_ptr<HeadGroupStore> store,
            HeadGroup group)
-      : store_(std::move(store)), group_(std::move(group)), ctx_(std::move(ctx)) {}
-
-  // The last collective's arrival mark: no member needs it once this one is gone.
-  ~GlooComm() override {
-    absl::MutexLock lock(&mu_);
-    if (seq_ > 0 && aborted_.empty()) {  // an aborted group's store may be gone with it
-      store_->Delete(absl::StrCat(group_.id, "/at/", seq_, "/", member())).IgnoreError();
-    }
-  }
-
-  uint32_t member() const override { return group_.member; }
-  uint32_t size() const override { return group_.size(); }
+      : MarkedComm(std::move(store), std::move(group)), ctx_(std::move(ctx)) {}
 
   absl::Status ReduceScatter(float* buf, int64_t n) override {
     if (n >= (int64_t{1} << 31)) {
@@ -133,7 +124,7 @@ class GlooComm : public HeadComm {
     }
     std::vector<int> counts(size());
     for (uint32_t m = 0; m < size(); ++m) counts[m] = HeadSliceOf(n, m, size()).n();
-    return Run("reduce-scatter of the summed gradient", [&](const Ctx& ctx) {
+    return Gloo("reduce-scatter of the summed gradient", [&](const Ctx& ctx) {
       gloo::ReduceScatterHalvingDoubling<float> rs(ctx, {buf}, static_cast<int>(n), counts);
       rs.run();
       // gloo leaves this member's slice at the front of buf; the head keeps slices in place.
@@ -149,7 +140,7 @@ class GlooComm : public HeadComm {
     uint8_t* out = static_cast<uint8_t*>(buf);
     // gloo copies its input into the output: a separate input, so the two never overlap.
     std::vector<uint8_t> mine(out + s.lo * elem_bytes, out + s.hi * elem_bytes);
-    return Run("all-gather of the new compute copy", [&](const Ctx& ctx) {
+    return Gloo("all-gather of the new compute copy", [&](const Ctx& ctx) {
       gloo::AllgathervOptions o(ctx);
       o.setInput<uint8_t>(mine.data(), mine.size());
       o.setOutput<uint8_t>(out, bytes);
@@ -160,7 +151,7 @@ class GlooComm : public HeadComm {
   absl::StatusOr<std::vector<double>> AllGatherValues(
       const std::vector<double>& values) override {
     std::vector<double> in = values, out(values.size() * size());
-    absl::Status s = Run("all-gather of the step's arguments and norms", [&](const Ctx& ctx) {
+    absl::Status s = Gloo("all-gather of the step's arguments and norms", [&](const Ctx& ctx) {
       gloo::AllgatherOptions o(ctx);
       o.setInput<double>(in.data(), in.size());
       o.setOutput<double>(out.data(), out.size());
@@ -171,138 +162,45 @@ class GlooComm : public HeadComm {
   }
 
   absl::Status Barrier() override {
-    return Run("barrier", [&](const Ctx& ctx) {
+    return Gloo("barrier", [&](const Ctx& ctx) {
       gloo::BarrierOptions o(ctx);
       gloo::barrier(o);
     });
   }
 
-  // Publishes the reason for the members that come to a collective later (they read it from
-  // the store and name it), and closes every connection of this member: whatever failed (a
-  // timeout, a peer's closed connection, a transport error), a member that comes later must
-  // fail at once, never wait out the timeout on a connection this member no longer reads.
-  void Abort(const std::string& why) override { AbortAndTell(why, /*store_answers=*/true); }
-
-  std::string AbortReason() const override {
-    absl::MutexLock lock(&mu_);
-    return aborted_;
-  }
-
  private:
-  // Abort; the reason goes to the store only where it answers (a stalled store would hold
-  // this member's error for the store call's own deadline).
-  void AbortAndTell(const std::string& why, bool store_answers) {
+  // Closes every connection of this member (a collective running on another thread keeps
+  // its own reference until it returns).
+  void CloseTransport() override {
     Ctx closing;
-    {
-      absl::MutexLock lock(&mu_);
-      if (!aborted_.empty()) return;
-      aborted_ = why;
-      closing.swap(ctx_);
-    }
-    if (store_answers) store_->Set(AbortedKey(member()), why).IgnoreError();  // best effort
+    absl::MutexLock lock(&mu_);
+    closing.swap(ctx_);
   }
 
-  std::string AbortedKey(uint32_t m) const {
-    return absl::StrCat(group_.id, "/aborted/", m);
+  // One gloo collective under MarkedComm::Run. op runs on its own reference to the context:
+  // an Abort elsewhere closes it only after. gloo reports failures by throwing; the
+  // reference is dropped before Run names who failed, so the peers see the connections
+  // close at once.
+  absl::Status Gloo(const char* what, const std::function<void(const Ctx&)>& op) {
+    return Run(what, [&]() -> absl::Status {
+      Ctx ctx;
+      {
+        absl::MutexLock lock(&mu_);
+        ctx = ctx_;
+      }
+      if (ctx == nullptr) return absl::FailedPreconditionError("the communicator was closed");
+      try {
+        op(ctx);
+        return absl::OkStatus();
+      } catch (const std::exception& e) {
+        ctx.reset();
+        return absl::UnavailableError(e.what());
+      }
+    });
   }
 
-  // Runs one collective: refused once aborted; each member first marks its arrival in the
-  // store (key <id>/at/<seq>/<member>), so a failure can name the members that never came.
-  // f runs on its own reference to the context: an Abort elsewhere closes it only after.
-  template <typename F>
-  absl::Status Run(const char* what, F f) {
-    uint64_t seq;
-    Ctx ctx;
-    {
-      absl::MutexLock lock(&mu_);
-      if (!aborted_.empty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "head group '", group_.id, "' was aborted earlier (", aborted_, "); import the "
-            "head's last export into a new group"));
-      }
-      seq = ++seq_;
-      ctx = ctx_;
-    }
-    const std::string at = absl::StrCat(group_.id, "/at/", seq, "/");
-    // Only for the message; a mark that could not be set says the store is gone.
-    absl::Status marked = store_->Set(absl::StrCat(at, member()), "1");
-    std::string error;
-    try {
-      f(ctx);
-      // Every member took part in this collective, so each had passed the one before: no
-      // member can still need this member's mark of it. The store holds O(S) marks, not one
-      // per collective run.
-      if (seq > 1) {
-        store_->Delete(absl::StrCat(group_.id, "/at/", seq - 1, "/", member())).IgnoreError();
-      }
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    ctx.reset();
-    bool store_answers = true;
-    const std::string why = absl::StrCat(
-        "the ", what, " of head group '", group_.id, "' failed on member ", member(), " (",
-        group_.members[member()], ")", Who(at, marked, store_answers), ": ", error);
-    AbortAndTell(why, store_answers);
-    return absl::UnavailableError(why);
-  }
-
-  // What the store tells of the other members after a collective failed: those that had
-  // left the group (a collective of theirs failed earlier: their reason names the member
-  // lost), those that never arrived at this one, or that the store itself is gone. First it
-  // reads this member's own mark of this collective: a store that cannot return it (a
-  // remote store past its call's deadline also says DEADLINE_EXCEEDED) cannot tell who came.
-  std::string Who(const std::string& at, absl::Status marked, bool& store_answers) {
-    if (marked.ok()) {
-      marked = store_->Get(absl::StrCat(at, member()), absl::ZeroDuration()).status();
-    }
-    if (!marked.ok()) {
-      store_answers = false;
-      return StoreGone(marked);
-    }
-    std::vector<std::string> left, absent;
-    for (uint32_t m = 0; m < size(); ++m) {
-      if (m == member()) continue;
-      const std::string name = absl::StrCat(m, " (", group_.members[m], ")");
-      absl::StatusOr<std::string> why = store_->Get(AbortedKey(m), absl::ZeroDuration());
-      if (why.ok()) {
-        left.push_back(absl::StrCat("member ", name, " left the group before (", *why, ")"));
-        continue;
-      }
-      // A key not set reads as DEADLINE_EXCEEDED (Get never waits here); any other error is
-      // the store's own.
-      absl::StatusOr<std::string> came = why;
-      if (absl::IsDeadlineExceeded(why.status())) {
-        came = store_->Get(absl::StrCat(at, m), absl::ZeroDuration());
-      }
-      if (absl::IsDeadlineExceeded(came.status())) {
-        absent.push_back(name);
-      } else if (!came.ok()) {
-        store_answers = false;
-        return StoreGone(came.status());
-      }
-    }
-    if (!absent.empty()) {
-      left.push_back(absl::StrCat("member", absent.size() > 1 ? "s " : " ",
-                                  absl::StrJoin(absent, ", "), " never arrived"));
-    }
-    return left.empty() ? std::string(", every member had arrived")
-                        : absl::StrCat(": ", absl::StrJoin(left, "; "));
-  }
-
-  // lossd keeps the store on member 0: when it cannot answer, member 0 is the one lost.
-  std::string StoreGone(const absl::Status& s) const {
-    return absl::StrCat(": the group's store (member 0, ", group_.members[0], ") cannot be "
-                        "reached, so it cannot tell which members arrived: ", s.message());
-  }
-
-  std::shared_ptr<HeadGroupStore> store_;
-  const HeadGroup group_;
-  mutable absl::Mutex mu_;
+  absl::Mutex mu_;
   Ctx ctx_ ABSL_GUARDED_BY(mu_);  // null once aborted
-  std::string aborted_ ABSL_GUARDED_BY(mu_);
-  uint64_t seq_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace

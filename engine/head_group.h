@@ -8,6 +8,7 @@
 #define LOSSD_ENGINE_HEAD_GROUP_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +20,8 @@
 #include "absl/time/time.h"
 
 namespace lossd {
+
+class Backend;
 
 // What CreateHead names for a group: every member's endpoint (as the pool resolves them, in
 // the group's order), which one this server is, and an id the creator chooses for this
@@ -125,6 +128,31 @@ struct GlooOptions {
 absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupStore> store,
                                                       const HeadGroup& group,
                                                       const GlooOptions& options);
+
+// What forms a group's communicator for buffers in `memory_of`'s memory (null: host memory,
+// as an export's gather uses), blocking until every member joined or it gave up. The
+// service makes one from its store and transport (ConnectHeadGroup picks the collectives).
+using ConnectHeadGroupFn = std::function<absl::StatusOr<std::shared_ptr<HeadComm>>(
+    const HeadGroup&, Backend* memory_of)>;
+
+// Forms the communicator of `group` on `backend`'s own collectives (NCCL on the CUDA
+// backend; Backend::ConnectComm): member 0 makes the communicator's id and hands it to the
+// others through `store` (under group.id), then every member joins, all within `timeout`
+// (DEADLINE_EXCEEDED naming the members that never joined). Its collectives take buffers in
+// `backend`'s memory (Allocate's), which must outlive the communicator. A group of one
+// member forms one too (the same code path as S > 1, with nothing to exchange).
+absl::StatusOr<std::shared_ptr<HeadComm>> ConnectBackendComm(Backend& backend,
+                                                             std::shared_ptr<HeadGroupStore> store,
+                                                             const HeadGroup& group,
+                                                             absl::Duration timeout);
+
+// The communicator a head group uses for buffers in `memory_of`'s memory: on the CPU backend
+// (its memory is the host's) or for host memory (memory_of null: an export's gather), gloo
+// over TCP; on any other backend, that backend's own (ConnectBackendComm).
+absl::StatusOr<std::shared_ptr<HeadComm>> ConnectHeadGroup(Backend* memory_of,
+                                                           std::shared_ptr<HeadGroupStore> store,
+                                                           const HeadGroup& group,
+                                                           const GlooOptions& options);
 
 }  // namespace lossd
 

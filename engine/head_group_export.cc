@@ -93,7 +93,8 @@ absl::StatusOr<std::shared_ptr<const GatheredHead>> GatherForExport(
   // different versions never meet (and time out), never mix their slices.
   HeadGroup group = head.group;
   group.id = absl::StrCat(head.group.id, "/export/", g->version);
-  absl::StatusOr<std::shared_ptr<HeadComm>> comm = store.options.connect_group(group);
+  // The slices are gathered in host memory (the export's), so over the host's transport.
+  absl::StatusOr<std::shared_ptr<HeadComm>> comm = store.options.connect_group(group, nullptr);
   if (!comm.ok()) return ExportFailed(head, g->version, comm.status());
   // Every member formed this communicator for the same version (its key prefix), so the
   // slices below are of one step on every member.

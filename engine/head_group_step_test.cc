@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/head_group.h"
+#include "testing/gloo_backend_comm.h"
 #include "testing/heads_test_fixture.h"
 
 namespace lossd {
@@ -56,20 +57,30 @@ HeadState StateOf(Engine& e, const std::string& name) {
 class HeadGroupStepTest : public HeadsTest {
  protected:
   // S member engines of one group (a fresh id each time: a new group), gloo timeout `timeout`.
-  void MakeGroup(uint32_t S, absl::Duration timeout = absl::Seconds(20)) {
+  // device: each member's backend is a GlooBackedDevice, so the group runs on the backend's
+  // own collectives (the path NCCL takes on the CUDA backend), picked by ConnectHeadGroup.
+  void MakeGroup(uint32_t S, absl::Duration timeout = absl::Seconds(20), bool device = false) {
     members_.clear();
+    devices_.clear();
     group_.members.clear();
     for (uint32_t m = 0; m < S; ++m) group_.members.push_back(absl::StrCat("member-", m));
     group_.id = absl::StrCat("group-", ++groups_made_);
     auto store = std::make_shared<MemoryGroupStore>();
+    auto device_comms = std::make_shared<MemoryGroupStore>();
     for (uint32_t m = 0; m < S; ++m) {
       EngineOptions o;
-      o.head_connect_group = [store, timeout](const HeadGroup& g) {
+      o.head_connect_group = [store, timeout](const HeadGroup& g, Backend* memory_of) {
         GlooOptions go;
         go.timeout = timeout;
-        return ConnectGloo(store, g, go);
+        return ConnectHeadGroup(memory_of, store, g, go);
       };
-      members_.push_back(std::make_unique<Engine>(NewCpuBackend(1), o));
+      std::unique_ptr<Backend> b = NewCpuBackend(1);
+      if (device) {
+        auto d = std::make_unique<GlooBackedDevice>(std::move(b), device_comms);
+        devices_.push_back(d.get());
+        b = std::move(d);
+      }
+      members_.push_back(std::make_unique<Engine>(std::move(b), o));
     }
   }
 
@@ -196,6 +207,7 @@ class HeadGroupStepTest : public HeadsTest {
   }
 
   std::vector<std::unique_ptr<Engine>> members_;
+  std::vector<GlooBackedDevice*> devices_;  // members_' backends, where MakeGroup(device)
   HeadGroup group_;
   int groups_made_ = 0;
 };
@@ -230,6 +242,63 @@ TEST_F(HeadGroupStepTest, ThreeMembersAndSixRanksMatchOneEngineAdamWClipSkip) {
     if (!call.skip) EXPECT_LT(one[0]->clip_coef, 1.0f) << "the test means to clip";
   }
   ExpectMatchesOneEngine("h", 2 * 3);
+}
+
+// The same group on a backend's own collectives (as the CUDA backend's NCCL): the gradient's
+// reduce-scatter and the copy's all-gather run on the backend's buffers, the step's values
+// through its staging buffer; the results match the one engine's as gloo's do.
+TEST_F(HeadGroupStepTest, ABackendsOwnCollectivesServeTheGroupAlike) {
+  const bool bias = true;
+  MakeGroup(3, absl::Seconds(20), /*device=*/true);
+  ASSERT_TRUE(Create("d", AdamW(), bias).ok());
+  for (const absl::Status& s : CreateOnGroup("d", AdamW(), bias)) ASSERT_TRUE(s.ok()) << s;
+  for (GlooBackedDevice* d : devices_) EXPECT_EQ(d->connects(), 1);
+  StepCall call;
+  call.head = "d";
+  call.world_size = 4;
+  for (int k = 0; k < 3; ++k) {
+    call.version = k;
+    call.max_norm = 0.05;
+    ComputeStep("d", k, 4, k, bias);
+    Results one = StepAll(call);
+    Results got = StepGroup(call);
+    ASSERT_EQ(got.size(), 4u);
+    ASSERT_TRUE(one[0].ok()) << one[0].status();
+    for (auto& r : got) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(r->applied);
+      EXPECT_EQ(r->contributions, one[0]->contributions);
+      EXPECT_EQ(r->tokens, one[0]->tokens);
+      EXPECT_NEAR(r->grad_norm, one[0]->grad_norm, 1e-6 * one[0]->grad_norm);
+      EXPECT_EQ(r->grad_norm, got[0]->grad_norm);
+    }
+    EXPECT_LT(one[0]->clip_coef, 1.0f) << "the test means to clip";
+  }
+  ExpectMatchesOneEngine("d", 2 * 3);
+  // No other communicator was formed for the steps: every collective ran on the device's.
+  for (GlooBackedDevice* d : devices_) EXPECT_EQ(d->connects(), 1);
+}
+
+// A device backend that cannot form its collectives (no NCCL library) refuses a group's
+// create before any tensor is uploaded, naming the backend and why.
+TEST_F(HeadGroupStepTest, ABackendWithoutCollectivesRefusesAGroupAtOnce) {
+  MakeGroup(2, absl::Seconds(20), /*device=*/true);
+  devices_[0]->set_unavailable(true);
+  HeadSpec spec;
+  spec.name = "n";
+  spec.v = kV;
+  spec.h = kH;
+  spec.master_dtype = DType::kBF16;
+  spec.compute_dtype = DType::kBF16;
+  spec.optimizer = Sgd();
+  spec.group = group_;
+  auto c = members_[0]->heads().BeginCreate(spec, "");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+  EXPECT_NE(c.status().message().find("gloo-backed-device backend"), std::string::npos)
+      << c.status();
+  EXPECT_NE(c.status().message().find("the test's collectives are off"), std::string::npos)
+      << c.status();
 }
 
 TEST_F(HeadGroupStepTest, TwoMembersAndThreeRanksSgdMatchOneEngineAndRepeatBitForBit) {

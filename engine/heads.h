@@ -255,7 +255,7 @@ class HeadStore {
     absl::Duration step_timeout = absl::Minutes(10);  // --head_step_timeout
     // Forms a head group's communicator (blocking until every member joined or it gave up);
     // unset, a create naming a group of more than one member is refused (FAILED_PRECONDITION).
-    std::function<absl::StatusOr<std::shared_ptr<HeadComm>>(const HeadGroup&)> connect_group;
+    ConnectHeadGroupFn connect_group;
   };
   HeadStore(Backend* backend, Executor* executor, Options options);
   ~HeadStore();

@@ -203,17 +203,17 @@ absl::StatusOr<GroupStoreClientOptions> GroupStoreClientFromFiles(const std::str
   return o;
 }
 
-std::function<absl::StatusOr<std::shared_ptr<HeadComm>>(const HeadGroup&)> MakeConnectGroup(
-    std::shared_ptr<HeadGroupStore> local, GroupStoreClientOptions client, GlooOptions gloo) {
-  return [local = std::move(local), client = std::move(client),
-          gloo](const HeadGroup& g) -> absl::StatusOr<std::shared_ptr<HeadComm>> {
+ConnectHeadGroupFn MakeConnectGroup(std::shared_ptr<HeadGroupStore> local,
+                                    GroupStoreClientOptions client, GlooOptions gloo) {
+  return [local = std::move(local), client = std::move(client), gloo](
+             const HeadGroup& g, Backend* memory_of) -> absl::StatusOr<std::shared_ptr<HeadComm>> {
     std::shared_ptr<HeadGroupStore> store = local;
     if (g.member != 0 && !g.members.empty()) {
       GroupStoreClientOptions o = client;
       o.target = g.members[0];
       store = MakeRpcGroupStore(o);
     }
-    return ConnectGloo(std::move(store), g, gloo);
+    return ConnectHeadGroup(memory_of, std::move(store), g, gloo);
   };
 }
 

@@ -75,8 +75,9 @@ absl::StatusOr<GroupStoreClientOptions> GroupStoreClientFromFiles(const std::str
 
 // EngineOptions::head_connect_group for this server: member 0 forms the group through
 // `local` (its own GroupStoreService's store), the others through member 0's service, with
-// `client`'s credentials (its target is set per group).
-std::function<absl::StatusOr<std::shared_ptr<HeadComm>>(const HeadGroup&)> MakeConnectGroup(
+// `client`'s credentials (its target is set per group); gloo over TCP (`gloo`) or the
+// backend's own collectives, as ConnectHeadGroup picks them.
+ConnectHeadGroupFn MakeConnectGroup(
     std::shared_ptr<HeadGroupStore> local, GroupStoreClientOptions client, GlooOptions gloo);
 
 // lossd's head group flags.
