@@ -39,7 +39,8 @@
  * inputs, options and outputs, and which kinds a backend computes; 5 the policy loss types
  * cispo, sapo and luspo and their options. 6.0: version 5's structs and functions, versioned
  * major.minor (the entry point answers every minor of its major). 6.1: LossdBackendInfo's
- * compute_path.
+ * compute_path. 6.2: a head group's communicator (lossd::Backend's CommAvailable, NewCommId,
+ * ConnectComm and lossd::BackendComm's methods): the comm_* functions and LossdComm.
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -53,7 +54,7 @@ extern "C" {
 
 /* major.minor packed into 32 bits: (major << 16) | minor. */
 #define LOSSD_PLUGIN_ABI_MAJOR 6u
-#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 1u
+#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 2u
 #ifndef LOSSD_PLUGIN_ABI_MINOR
 #define LOSSD_PLUGIN_ABI_MINOR LOSSD_PLUGIN_ABI_CURRENT_MINOR
 #endif
@@ -312,6 +313,11 @@ typedef struct LossdOptimizerTensors {
 typedef struct LossdBackend LossdBackend;
 typedef struct LossdBuffer LossdBuffer;
 typedef struct LossdHostMemory LossdHostMemory;
+/* 6.2: a head group's communicator (lossd::BackendComm), from comm_connect. */
+typedef struct LossdComm LossdComm;
+
+/* 6.2: the size of a communicator's id (lossd::kBackendCommIdBytes, NCCL's ncclUniqueId). */
+#define LOSSD_COMM_ID_BYTES 128
 
 /* The functions of one ABI major. Functions that return int32_t return the status code
  * they also write into *status. Every function is thread-safe as lossd::Backend's are. */
@@ -354,6 +360,29 @@ typedef struct LossdBackendApi {
    * (lossd::Backend::SumOfSquares); *sum is 0 on error. */
   int32_t (*sum_of_squares)(LossdBackend* backend, const float* data, int64_t n, double* sum,
                             LossdStatus* status);
+
+#if LOSSD_PLUGIN_ABI_MINOR >= 2
+  /* 6.2: a head group's collectives on the backend's memory (kernels/backend.h says what each
+   * does and returns). A server calls them only where struct_size covers them. */
+  /* lossd::Backend::CommAvailable: 0 when the backend can form a communicator. */
+  int32_t (*comm_available)(LossdBackend* backend, LossdStatus* status);
+  /* lossd::Backend::NewCommId: LOSSD_COMM_ID_BYTES bytes into id; id is left alone on error. */
+  int32_t (*comm_new_id)(LossdBackend* backend, uint8_t* id, LossdStatus* status);
+  /* lossd::Backend::ConnectComm: id holds LOSSD_COMM_ID_BYTES bytes; *comm is the new
+   * communicator (destroy it with comm_destroy), null on error. Blocks until every member
+   * has joined or timeout_ms has passed. */
+  int32_t (*comm_connect)(LossdBackend* backend, const uint8_t* id, uint32_t size, uint32_t rank,
+                          int64_t timeout_ms, LossdComm** comm, LossdStatus* status);
+  /* lossd::BackendComm::ReduceScatter over buf: (n) fp32 in backend memory. */
+  int32_t (*comm_reduce_scatter)(LossdComm* comm, float* buf, int64_t n, LossdStatus* status);
+  /* lossd::BackendComm::AllGather over buf: (n, elem_bytes) bytes in backend memory. */
+  int32_t (*comm_all_gather)(LossdComm* comm, void* buf, int64_t n, size_t elem_bytes,
+                             LossdStatus* status);
+  /* lossd::BackendComm::Abort: safe from another thread while a collective runs on comm. */
+  void (*comm_abort)(LossdComm* comm);
+  /* Frees comm (after its collectives have returned); it may outlive its backend. */
+  void (*comm_destroy)(LossdComm* comm);
+#endif
 } LossdBackendApi;
 
 /* The entry point's type: the plugin's table when abi_version (the server's) has the plugin's

@@ -17,9 +17,9 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 1u,
-                    "the ABI version is 6.1");
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60001u, "major.minor packed as major << 16");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 2u,
+                    "the ABI version is 6.2");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60002u, "major.minor packed as major << 16");
   /* 6.1's field comes after every field of 6.0. */
   failures += Check(offsetof(LossdBackendInfo, compute_path)
                         > offsetof(LossdBackendInfo, loss_kinds),
@@ -36,11 +36,25 @@ int main(void) {
   failures += Check(sizeof(api.struct_size) == 4 && sizeof(api.abi_version) == 4,
                     "32-bit version fields");
   failures += Check(api.create == NULL && status.code == 0, "plain data");
-  /* Version 3's functions come last, after every function of version 2. */
+  /* Version 3's functions come after every function of version 2, and 6.2's after them, in
+   * the order a plugin fills them, at the end of the table. */
   failures += Check(offsetof(LossdBackendApi, optimizer_step) > offsetof(LossdBackendApi, host_free)
                         && offsetof(LossdBackendApi, sum_of_squares) + sizeof(api.sum_of_squares)
+                               == offsetof(LossdBackendApi, comm_available),
+                    "version 3's functions after version 2's, before 6.2's");
+  failures += Check(offsetof(LossdBackendApi, comm_new_id) > offsetof(LossdBackendApi, comm_available)
+                        && offsetof(LossdBackendApi, comm_connect)
+                               > offsetof(LossdBackendApi, comm_new_id)
+                        && offsetof(LossdBackendApi, comm_reduce_scatter)
+                               > offsetof(LossdBackendApi, comm_connect)
+                        && offsetof(LossdBackendApi, comm_all_gather)
+                               > offsetof(LossdBackendApi, comm_reduce_scatter)
+                        && offsetof(LossdBackendApi, comm_abort)
+                               > offsetof(LossdBackendApi, comm_all_gather)
+                        && offsetof(LossdBackendApi, comm_destroy) + sizeof(api.comm_destroy)
                                == sizeof(LossdBackendApi),
-                    "version 3's functions at the end of the table");
+                    "6.2's comm functions at the end of the table, in order");
+  failures += Check(LOSSD_COMM_ID_BYTES == 128, "a communicator id is NCCL's 128 bytes");
   failures += Check(LOSSD_OPTIMIZER_SGD == 0 && LOSSD_OPTIMIZER_ADAMW == 1, "optimizer kinds");
   /* lossd::LossKind's and PolicyLossType's values. */
   failures += Check(LOSSD_LOSS_CROSS_ENTROPY == 0 && LOSSD_LOSS_LOGPROB == 1

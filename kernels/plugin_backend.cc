@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/const_init.h"
@@ -19,6 +20,8 @@
 
 namespace lossd {
 namespace {
+
+static_assert(LOSSD_COMM_ID_BYTES == kBackendCommIdBytes, "the ABI carries NCCL's id size");
 
 // A buffer the plugin allocated; freed through the plugin, which may outlive the backend.
 class PluginBuffer final : public BackendBuffer {
@@ -57,6 +60,49 @@ int32_t WaitX(void* ctx, int64_t rows, LossdStatus* status) {
 }
 
 void DxReady(void* ctx, int64_t rows) { static_cast<RowStream*>(ctx)->DxReady(rows); }
+
+// A head group's communicator made by the plugin's comm_connect (ABI 6.2); destroyed
+// through the plugin, which may outlive the backend.
+class PluginComm final : public BackendComm {
+ public:
+  PluginComm(const LossdBackendApi* api, LossdComm* handle) : api_(api), handle_(handle) {}
+  ~PluginComm() override { api_->comm_destroy(handle_); }
+
+  absl::Status ReduceScatter(float* buf, int64_t n) override {
+    StatusBuffer st;
+    return st.ToStatus(api_->comm_reduce_scatter(handle_, buf, n, st.get()));
+  }
+  absl::Status AllGather(void* buf, int64_t n, size_t elem_bytes) override {
+    StatusBuffer st;
+    return st.ToStatus(api_->comm_all_gather(handle_, buf, n, elem_bytes, st.get()));
+  }
+  void Abort() override { api_->comm_abort(handle_); }
+
+ private:
+  const LossdBackendApi* const api_;
+  LossdComm* const handle_;
+};
+
+// Whether the plugin's table reaches 6.2's comm_* functions (an older minor's table stops
+// before them: plugin_abi.h) and has each of them.
+bool HasComm(const LossdBackendApi* api) {
+  constexpr size_t kCommTableBytes =
+      offsetof(LossdBackendApi, comm_destroy) + sizeof(LossdBackendApi::comm_destroy);
+  return api->struct_size >= kCommTableBytes && api->comm_available != nullptr &&
+         api->comm_new_id != nullptr && api->comm_connect != nullptr &&
+         api->comm_reduce_scatter != nullptr && api->comm_all_gather != nullptr &&
+         api->comm_abort != nullptr && api->comm_destroy != nullptr;
+}
+
+// What every comm call answers on a plugin without them: the engine names it to the client.
+absl::Status NoPluginComm(const LossdBackendApi* api, const char* call) {
+  const uint32_t v = api->abi_version;
+  return absl::UnimplementedError(absl::StrCat(
+      "plugin backend: ", call, ": the plugin speaks ABI ", LOSSD_PLUGIN_ABI_MAJOR_OF(v), ".",
+      LOSSD_PLUGIN_ABI_MINOR_OF(v), ", which carries no head-group collectives; head groups on "
+      "it need a plugin of ABI 6.2 or newer (rebuild liblossd_cuda.so from this server's "
+      "source)"));
+}
 
 absl::Status NotOurs(const char* call) {
   return absl::InvalidArgumentError(
@@ -159,6 +205,43 @@ class PluginBackend final : public Backend {
   }
 
   HostMemory* host_memory() override { return host_memory_; }
+
+  absl::Status CommAvailable() override {
+    if (!HasComm(api_)) return NoPluginComm(api_, "CommAvailable");
+    StatusBuffer st;
+    return st.ToStatus(api_->comm_available(handle_, st.get()));
+  }
+
+  absl::StatusOr<std::string> NewCommId() override {
+    if (!HasComm(api_)) return NoPluginComm(api_, "NewCommId");
+    uint8_t id[LOSSD_COMM_ID_BYTES] = {0};
+    StatusBuffer st;
+    const int32_t code = api_->comm_new_id(handle_, id, st.get());
+    if (code != 0) return st.ToStatus(code);
+    return std::string(reinterpret_cast<const char*>(id), sizeof(id));
+  }
+
+  absl::StatusOr<std::unique_ptr<BackendComm>> ConnectComm(const std::string& id, uint32_t size,
+                                                           uint32_t rank,
+                                                           int64_t timeout_ms) override {
+    if (!HasComm(api_)) return NoPluginComm(api_, "ConnectComm");
+    // The C side reads exactly LOSSD_COMM_ID_BYTES from id.
+    if (id.size() != LOSSD_COMM_ID_BYTES) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plugin backend: ConnectComm: a communicator id is ", LOSSD_COMM_ID_BYTES,
+          " bytes (NewCommId's); got ", id.size()));
+    }
+    LossdComm* comm = nullptr;
+    StatusBuffer st;
+    const int32_t code =
+        api_->comm_connect(handle_, reinterpret_cast<const uint8_t*>(id.data()), size, rank,
+                           timeout_ms, &comm, st.get());
+    if (code != 0) return st.ToStatus(code);
+    if (comm == nullptr) {
+      return absl::InternalError("plugin backend: ConnectComm: the plugin returned no comm");
+    }
+    return std::unique_ptr<BackendComm>(new PluginComm(api_, comm));
+  }
 
  private:
   const LossdBackendApi* const api_;

@@ -14,8 +14,11 @@
 namespace lossd {
 
 // A Backend over `backend`, made by `api`'s create; destroys it when destroyed. `api` (a
-// table of the version this server speaks, every function present) must outlive it and every
-// buffer it hands out; the plugin's library stays loaded for the life of the process.
+// table of this server's major and a minor no newer than its own, every function of 6.0
+// present) must outlive it and every buffer and communicator it hands out; the plugin's
+// library stays loaded for the life of the process. A function a later minor added is called
+// only where the table's struct_size covers it: on a table older than 6.2, CommAvailable,
+// NewCommId and ConnectComm are UNIMPLEMENTED, naming the plugin's ABI version.
 std::unique_ptr<Backend> NewPluginBackend(const LossdBackendApi* api, LossdBackend* backend);
 
 }  // namespace lossd

@@ -1,15 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kernels/plugin_export.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "core/loss_problem.h"
 #include "kernels/backend.h"
 #include "kernels/optimizer.h"
@@ -23,6 +26,11 @@ struct LossdBackend {
 struct LossdBuffer {
   std::unique_ptr<lossd::BackendBuffer> impl;
 };
+#if LOSSD_PLUGIN_ABI_MINOR >= 2
+struct LossdComm {
+  std::unique_ptr<lossd::BackendComm> impl;
+};
+#endif
 
 namespace lossd {
 namespace {
@@ -138,6 +146,50 @@ int32_t SumOfSquares(LossdBackend* backend, const float* data, int64_t n, double
   return WriteStatus(absl::OkStatus(), status);
 }
 
+#if LOSSD_PLUGIN_ABI_MINOR >= 2
+int32_t CommAvailable(LossdBackend* backend, LossdStatus* status) {
+  return WriteStatus(backend->impl->CommAvailable(), status);
+}
+
+int32_t CommNewId(LossdBackend* backend, uint8_t* id, LossdStatus* status) {
+  absl::StatusOr<std::string> made = backend->impl->NewCommId();
+  if (!made.ok()) return WriteStatus(made.status(), status);
+  // The C side reads exactly LOSSD_COMM_ID_BYTES: an id of another size cannot cross.
+  if (made->size() != LOSSD_COMM_ID_BYTES) {
+    return WriteStatus(absl::InternalError(absl::StrCat(
+                           "plugin: the backend's NewCommId made an id of ", made->size(),
+                           " bytes; the plugin ABI carries ", LOSSD_COMM_ID_BYTES)),
+                       status);
+  }
+  std::copy(made->begin(), made->end(), id);
+  return WriteStatus(absl::OkStatus(), status);
+}
+
+int32_t CommConnect(LossdBackend* backend, const uint8_t* id, uint32_t size, uint32_t rank,
+                    int64_t timeout_ms, LossdComm** comm, LossdStatus* status) {
+  *comm = nullptr;
+  const std::string id_bytes(reinterpret_cast<const char*>(id), LOSSD_COMM_ID_BYTES);
+  absl::StatusOr<std::unique_ptr<BackendComm>> c =
+      backend->impl->ConnectComm(id_bytes, size, rank, timeout_ms);
+  if (!c.ok()) return WriteStatus(c.status(), status);
+  *comm = new LossdComm{std::move(*c)};
+  return WriteStatus(absl::OkStatus(), status);
+}
+
+int32_t CommReduceScatter(LossdComm* comm, float* buf, int64_t n, LossdStatus* status) {
+  return WriteStatus(comm->impl->ReduceScatter(buf, n), status);
+}
+
+int32_t CommAllGather(LossdComm* comm, void* buf, int64_t n, size_t elem_bytes,
+                      LossdStatus* status) {
+  return WriteStatus(comm->impl->AllGather(buf, n, elem_bytes), status);
+}
+
+void CommAbort(LossdComm* comm) { comm->impl->Abort(); }
+
+void CommDestroy(LossdComm* comm) { delete comm; }
+#endif
+
 constexpr LossdBackendApi kApi = {
     sizeof(LossdBackendApi),
     LOSSD_PLUGIN_ABI_VERSION,
@@ -156,6 +208,15 @@ constexpr LossdBackendApi kApi = {
     &HostFree,
     &OptimizerStep,
     &SumOfSquares,
+#if LOSSD_PLUGIN_ABI_MINOR >= 2
+    &CommAvailable,
+    &CommNewId,
+    &CommConnect,
+    &CommReduceScatter,
+    &CommAllGather,
+    &CommAbort,
+    &CommDestroy,
+#endif
 };
 
 }  // namespace

@@ -185,7 +185,7 @@ TEST(PluginLoaderTest, EntryPointAnswersEveryMinorOfItsMajor) {
   EXPECT_EQ(p->abi_version, LOSSD_PLUGIN_ABI_VERSION);
 }
 
-// A plugin built at the minor before this server's (6.0) loads and computes: the functions
+// A plugin built at an older minor than this server's (6.0) loads and computes: the functions
 // and fields of 6.0 cross as they did, and a field its minor lacks (6.1's compute_path) reads
 // as absent, not as whatever lies past the end of its struct.
 TEST(PluginLoaderTest, PluginOfAnOlderMinorLoadsAndComputes) {
@@ -217,6 +217,17 @@ TEST(PluginLoaderTest, PluginOfAnOlderMinorLoadsAndComputes) {
   ExpectSameStats(got_stats, want_stats, "6.0 plugin");
   EXPECT_EQ(plugin.WorkspaceBytes(ShapeOf(p, got_out.outputs())),
             direct.WorkspaceBytes(ShapeOf(p, want_out.outputs())));
+  // 6.2's comm functions lie past the end of its table: never called, UNIMPLEMENTED naming
+  // the plugin's version and the one head groups need.
+  for (const absl::Status& comm :
+       {plugin.CommAvailable(), plugin.NewCommId().status(),
+        plugin.ConnectComm(std::string(kBackendCommIdBytes, 'x'), 2, 0, 1000).status()}) {
+    EXPECT_TRUE(absl::IsUnimplemented(comm)) << comm;
+    EXPECT_NE(comm.message().find("the plugin speaks ABI 6.0, which carries no head-group "
+                                  "collectives; head groups on it need a plugin of ABI 6.2"),
+              std::string::npos)
+        << comm;
+  }
 }
 
 // What loading the fake CPU plugin on `device` returns (its status).
@@ -308,6 +319,17 @@ TEST_F(FakePluginTest, ErrorsKeepTheirCodeAndMessage) {
   absl::StatusOr<std::unique_ptr<BackendBuffer>> huge = plugin_->Allocate(~size_t{0} - 8);
   ASSERT_FALSE(huge.ok());
   EXPECT_EQ(huge.status(), direct_.Allocate(~size_t{0} - 8).status());
+}
+
+// The CPU backend has no collectives of its own (its groups run on gloo in the engine): a
+// plugin of 6.2 carries its UNIMPLEMENTED across, word for word.
+TEST_F(FakePluginTest, CommOfABackendWithoutOneCrossesAsUnimplemented) {
+  EXPECT_EQ(plugin_->CommAvailable(), direct_.CommAvailable());
+  EXPECT_EQ(plugin_->NewCommId().status(), direct_.NewCommId().status());
+  const std::string id(kBackendCommIdBytes, 'x');
+  EXPECT_EQ(plugin_->ConnectComm(id, 2, 1, 1000).status(),
+            direct_.ConnectComm(id, 2, 1, 1000).status());
+  EXPECT_TRUE(absl::IsUnimplemented(plugin_->CommAvailable()));
 }
 
 TEST_F(FakePluginTest, HostMemoryCrosses) {
