@@ -43,8 +43,8 @@ std::string PluginAbiVersionText(uint32_t abi_version);
 // its own (plugin_abi.h says why).
 bool PluginAbiLoadable(uint32_t abi_version);
 
-// What this server's refusal says of itself: "this server speaks 6.1 and loads plugins of ABI
-// 6.0 to 6.1".
+// What this server's refusal says of itself: "this server speaks 6.2 and loads plugins of ABI
+// 6.0 to 6.2".
 std::string PluginAbiAccepted();
 
 // dlopens the first candidate that exists and reads its ABI version: what its
