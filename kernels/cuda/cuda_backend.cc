@@ -23,6 +23,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/cuda/nccl_comm.h"
 #include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/policy_sequence.h"
 #include "kernels/cuda/row_loss_io.h"
@@ -321,6 +322,24 @@ absl::StatusOr<double> CudaBackend::SumOfSquares(const float* data, int64_t n) {
       cudaMemcpy(&sum, partial + kSumOfSquaresBlocks, sizeof(double), cudaMemcpyDeviceToHost),
       "cudaMemcpy(sum of squares to host)")));
   return sum;
+}
+
+absl::Status CudaBackend::CommAvailable() {
+  if (!healthy_) return Unhealthy("CommAvailable");
+  return NcclAvailable();
+}
+
+absl::StatusOr<std::string> CudaBackend::NewCommId() {
+  if (!healthy_) return Unhealthy("NewCommId");
+  return NcclNewCommId();
+}
+
+absl::StatusOr<std::unique_ptr<BackendComm>> CudaBackend::ConnectComm(const std::string& id,
+                                                                      uint32_t size,
+                                                                      uint32_t rank,
+                                                                      int64_t timeout_ms) {
+  if (!healthy_) return Unhealthy("ConnectComm");
+  return NcclConnect(options_.device, id, size, rank, timeout_ms);
 }
 
 absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs& out,

@@ -98,6 +98,14 @@ class CudaBackend : public Backend {
   absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) override;
   // Page-locked memory (cudaHostAlloc, portable to every context); lives for the process.
   HostMemory* host_memory() override;
+  // Head groups on NCCL, dlopened at run time (nccl_comm.h: LOSSD_NCCL_LIBRARY, else
+  // libnccl.so.2); the communicator runs on this backend's device, on a stream of its own.
+  // An unhealthy backend refuses them as it refuses a Compute.
+  absl::Status CommAvailable() override;
+  absl::StatusOr<std::string> NewCommId() override;
+  absl::StatusOr<std::unique_ptr<BackendComm>> ConnectComm(const std::string& id, uint32_t size,
+                                                           uint32_t rank,
+                                                           int64_t timeout_ms) override;
 
   // The chunk plan Compute would use for a problem of this shape.
   ChunkPlan Plan(const WorkspaceShape& shape) const;
