@@ -26,10 +26,16 @@ smi=$!
 for s in ${STEPS:-ref other sample fused wide}; do
   case $s in
     tests)
+      # nccl_comm_test needs NCCL: torch's where LOSSD_NCCL_LIBRARY is unset (kernels/cuda/README.md).
+      if [ -z "${LOSSD_NCCL_LIBRARY:-}" ]; then
+        nccl=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null)
+        [ -f "$nccl/lib/libnccl.so.2" ] && export LOSSD_NCCL_LIBRARY=$nccl/lib/libnccl.so.2
+      fi
+      echo "LOSSD_NCCL_LIBRARY=${LOSSD_NCCL_LIBRARY:-}" >> "$OUT/tests.txt"
       for t in plugin_exposer_test plugin_compute_test ce_kernels_test nonfinite_test \
           cuda_backend_test cuda_backend_api_test cuda_backend_stream_test sticky_error_test \
           optimizer_test row_loss_test row_loss_paths_test two_phase_gpu_test ref_exp_test \
-          policy_sequence_test; do
+          policy_sequence_test nccl_comm_test; do
         [ -x "./$t" ] || { echo "$t: absent" >> "$OUT/tests.txt"; continue; }
         step "test $t"
         timeout "${T_TEST:-150}" "./$t" > "$OUT/$t.log" 2>&1; code=$?

@@ -45,6 +45,7 @@ WANT=(
   //kernels/cuda:row_loss_paths_test
   //kernels/cuda:policy_sequence_test
   //kernels/cuda:ref_exp_test
+  //kernels/cuda:nccl_comm_test
   //tests:two_phase_gpu_test
   //bench/service:net_ceiling
   //bench/service:service_bench
