@@ -23,6 +23,7 @@ into --out. Targets (issue 36): depth 2 <= 1.05 x the bound at every ratio.
 
 import argparse
 import csv
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -33,7 +34,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "client" / "python"))  # run from a checkout
+if importlib.util.find_spec("lossd") is None:  # run from a checkout, not an installed client
+    sys.path.insert(0, str(HERE.parents[1] / "client" / "python"))
 
 import lossd  # noqa: E402
 from lossd.nn import RemoteLMHead  # noqa: E402
