@@ -132,17 +132,18 @@ std::string RandomUploadId() {
 }
 
 void AppendRange(v1::TensorId id, const HostTensor& t, size_t begin, size_t end,
-                 size_t part_bytes, SliceTracker* tracker, std::vector<grpc::ByteBuffer>* out,
+                 size_t part_bytes, wire::SliceTracker* tracker, std::vector<grpc::ByteBuffer>* out,
                  uint64_t* bytes) {
   const size_t elem = DTypeSize(t.dtype());
   const size_t step = std::max(elem, part_bytes - part_bytes % elem);
   for (size_t off = begin; off < end; off += step) {
-    out->push_back(EncodePart(id, off, t.data() + off, std::min(step, end - off), tracker));
+    out->push_back(wire::EncodePart(id, off, t.data() + off, std::min(step, end - off), tracker));
   }
   *bytes += end - begin;
 }
 
-void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
+void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes,
+                 wire::SliceTracker* tracker,
                  std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
   AppendRange(id, t, 0, t.num_bytes(), part_bytes, tracker, out, bytes);
 }

@@ -2,7 +2,7 @@
 // The C++ client's side of the wire: its plain types to and from lossd.v1 messages (dtypes,
 // reductions, tensor specs), the names of tensors in messages, and the outgoing parts of a
 // tensor (whole elements, caller memory, no copy). Never opens a call; never owns tensor
-// memory (the SliceTracker keeps the caller's bytes pinned until gRPC lets go).
+// memory (the wire::SliceTracker keeps the caller's bytes pinned until gRPC lets go).
 #ifndef LOSSD_CLIENT_CLIENT_WIRE_H_
 #define LOSSD_CLIENT_CLIENT_WIRE_H_
 
@@ -52,9 +52,10 @@ std::string RandomUploadId();
 // The same for the bytes [begin, end) of a tensor (whole elements), offsets into the tensor.
 // *bytes grows by the data bytes appended.
 void AppendRange(v1::TensorId id, const HostTensor& t, size_t begin, size_t end,
-                 size_t part_bytes, SliceTracker* tracker, std::vector<grpc::ByteBuffer>* out,
+                 size_t part_bytes, wire::SliceTracker* tracker, std::vector<grpc::ByteBuffer>* out,
                  uint64_t* bytes);
-void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
+void AppendParts(v1::TensorId id, const HostTensor& t, size_t part_bytes,
+                 wire::SliceTracker* tracker,
                  std::vector<grpc::ByteBuffer>* out, uint64_t* bytes);
 
 }  // namespace client

@@ -38,7 +38,7 @@ TEST(ClientWireTest, PartsAreWholeElementsInByteOrder) {
   // 7 fp32 values in parts of at most 10 bytes: 8, 8, 8, 4 (never half an element).
   std::vector<float> data(7, 1.0f);
   const HostTensor t = HostTensor::View(DType::kF32, {7}, data.data());
-  SliceTracker tracker;
+  wire::SliceTracker tracker;
   std::vector<grpc::ByteBuffer> out;
   uint64_t bytes = 0;
   AppendParts(v1::TENSOR_X, t, 10, &tracker, &out, &bytes);
@@ -46,9 +46,9 @@ TEST(ClientWireTest, PartsAreWholeElementsInByteOrder) {
   EXPECT_EQ(bytes, 28u);
   std::vector<uint64_t> offsets;
   for (const grpc::ByteBuffer& b : out) {
-    StreamFrame f;
+    wire::StreamFrame f;
     ASSERT_TRUE(f.Parse(b).ok());
-    ASSERT_EQ(f.kind(), StreamFrame::Kind::kPart);
+    ASSERT_EQ(f.kind(), wire::StreamFrame::Kind::kPart);
     EXPECT_EQ(f.tensor(), v1::TENSOR_X);
     offsets.push_back(f.offset());
   }
@@ -57,7 +57,7 @@ TEST(ClientWireTest, PartsAreWholeElementsInByteOrder) {
   out.clear();
   AppendRange(v1::TENSOR_W, t, 8, 20, 1 << 20, &tracker, &out, &bytes);
   ASSERT_EQ(out.size(), 1u);
-  StreamFrame f;
+  wire::StreamFrame f;
   ASSERT_TRUE(f.Parse(out[0]).ok());
   EXPECT_EQ(f.offset(), 8u);
   EXPECT_EQ(f.data_size(), 12u);

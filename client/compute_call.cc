@@ -412,7 +412,7 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
   return head;
 }
 
-void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracker* tracker,
+void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, wire::SliceTracker* tracker,
                          std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
   const size_t pb = part_bytes;
   if (r.w.has_value()) AppendParts(v1::TENSOR_W, *r.w, pb, tracker, out, bytes);
@@ -462,14 +462,14 @@ void PrefetchOutputs(const ComputeRequest& r, OutputPrefetcher* prefetched) {
 absl::Status ComputeReplyReader::OnMessage(const grpc::ByteBuffer& msg) {
   absl::Status parsed = frame_.Parse(msg);
   if (!parsed.ok()) return absl::InternalError(parsed.message());
-  if (frame_.kind() == StreamFrame::Kind::kPart) {
+  if (frame_.kind() == wire::StreamFrame::Kind::kPart) {
     if (!have_summary_) return absl::InternalError("server sent a part before its summary");
     if (have_results_ && overlap_) {
       return absl::InternalError("server sent a part after its final summary");
     }
     return receiver_.Accept(frame_);
   }
-  if (frame_.kind() != StreamFrame::Kind::kHeader) {
+  if (frame_.kind() != wire::StreamFrame::Kind::kHeader) {
     return absl::InternalError("server sent a ComputeResponse with neither summary nor part");
   }
   return OnSummary();

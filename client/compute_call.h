@@ -45,7 +45,7 @@ v1::ComputeRequest ComputeHeaderOf(const ComputeRequest& r, const std::string& i
 // Appends the parts of every input: small tensors and the weight first, X last (a server can
 // start on the first rows of X while the rest is still arriving, but needs everything else
 // for that). *bytes grows by the data bytes.
-void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, SliceTracker* tracker,
+void AppendComputeInputs(const ComputeRequest& r, size_t part_bytes, wire::SliceTracker* tracker,
                          std::vector<grpc::ByteBuffer>* out, uint64_t* bytes);
 
 // dX (and dW with inline weights) have shapes known before the reply: allocates buffers for
@@ -77,7 +77,7 @@ class ComputeReplyReader {
   const bool overlap_;
   ComputeResult* const result_;
   OutputPrefetcher* const prefetched_;
-  StreamFrame frame_;
+  wire::StreamFrame frame_;
   TensorReceiver receiver_;
   bool have_summary_ = false;  // the outputs are announced
   bool have_results_ = false;  // the final summary arrived

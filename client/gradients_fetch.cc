@@ -70,8 +70,8 @@ absl::Status CheckSameGradients(const std::string& name, const v1::GradientsHead
 absl::Status GradientsStream::OnMessage(const grpc::ByteBuffer& msg) {
   absl::Status parsed = frame_.Parse(msg);
   if (!parsed.ok()) return absl::InternalError(parsed.message());
-  if (frame_.kind() == StreamFrame::Kind::kHeader) return OnHeader();
-  if (frame_.kind() != StreamFrame::Kind::kPart) {
+  if (frame_.kind() == wire::StreamFrame::Kind::kHeader) return OnHeader();
+  if (frame_.kind() != wire::StreamFrame::Kind::kPart) {
     return absl::InternalError("server sent a message with neither header nor part");
   }
   if (!have_header_) return absl::InternalError("server sent a part before its header");
@@ -150,7 +150,7 @@ std::vector<grpc::ByteBuffer> GradientsFetch::Request(bool reset, uint64_t begin
   req.set_range_begin(begin);
   req.set_range_end(end);
   std::vector<grpc::ByteBuffer> out;
-  out.push_back(EncodeMessage(req));
+  out.push_back(wire::EncodeMessage(req));
   return out;
 }
 

@@ -67,7 +67,7 @@ class GradientsStream {
 
   uint64_t begin_, end_;
   HeaderFn on_header_;
-  StreamFrame frame_;
+  wire::StreamFrame frame_;
   bool have_header_ = false;
   v1::GradientsHeader header_;
   uint64_t dw_bytes_ = 0, db_bytes_ = 0;

@@ -94,7 +94,8 @@ absl::Status ValidateState(const CreateHeadRequest& r) {
 }
 
 // Appends tensor `t`'s parts under head tensor id `id`.
-void AppendHeadParts(HeadTensor id, const HostTensor& t, size_t part_bytes, SliceTracker* tracker,
+void AppendHeadParts(HeadTensor id, const HostTensor& t, size_t part_bytes,
+                     wire::SliceTracker* tracker,
                      std::vector<grpc::ByteBuffer>* out, uint64_t* bytes) {
   AppendParts(static_cast<v1::TensorId>(id), t, part_bytes, tracker, out, bytes);
 }
@@ -320,10 +321,10 @@ absl::StatusOr<CreateHeadResult> RunCreateHead(grpc::GenericStub* stub,
   LOSSD_RETURN_IF_ERROR(ValidateCreateHead(r));
   v1::CreateHeadRequest head;
   *head.mutable_header() = HeadHeaderOf(r);
-  SliceTracker tracker;  // outlives the stream: gRPC may hold the caller's bytes until then
+  wire::SliceTracker tracker;  // outlives the stream: gRPC may hold the caller's bytes until then
   uint64_t sent = 0;
   std::vector<grpc::ByteBuffer> out;
-  out.push_back(EncodeMessage(head));
+  out.push_back(wire::EncodeMessage(head));
   AppendHeadParts(HeadTensor::kMasterW, r.w, part_bytes, &tracker, &out, &sent);
   if (r.bias.has_value()) {
     AppendHeadParts(HeadTensor::kMasterBias, *r.bias, part_bytes, &tracker, &out, &sent);
@@ -337,7 +338,7 @@ absl::StatusOr<CreateHeadResult> RunCreateHead(grpc::GenericStub* stub,
   int replies = 0;
   auto on_message = [&](const grpc::ByteBuffer& msg) -> absl::Status {
     if (++replies > 1) return absl::InternalError("server sent more than one CreateHead reply");
-    absl::Status s = DecodeMessage(msg, &reply);
+    absl::Status s = wire::DecodeMessage(msg, &reply);
     return s.ok() ? s : absl::InternalError(s.message());
   };
   const absl::Status status = RunStream(stub, kCreateHeadMethod, prepare, std::move(out),

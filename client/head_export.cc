@@ -41,8 +41,8 @@ class ExportRangeStream {
   absl::Status OnMessage(const grpc::ByteBuffer& msg) {
     absl::Status parsed = frame_.Parse(msg);
     if (!parsed.ok()) return absl::InternalError(parsed.message());
-    if (frame_.kind() == StreamFrame::Kind::kHeader) return OnHeader();
-    if (frame_.kind() != StreamFrame::Kind::kPart) {
+    if (frame_.kind() == wire::StreamFrame::Kind::kHeader) return OnHeader();
+    if (frame_.kind() != wire::StreamFrame::Kind::kPart) {
       return absl::InternalError("server sent an ExportHead message with neither header nor part");
     }
     if (!have_header_) return absl::InternalError("server sent a part before its ExportHeader");
@@ -69,7 +69,7 @@ class ExportRangeStream {
   uint64_t next_;  // the next expected byte of the concatenation
   const HeadExportSink* const sink_;
   const v1::ExportHeader* const expect_;
-  StreamFrame frame_;
+  wire::StreamFrame frame_;
   bool have_header_ = false;
   v1::ExportHeader header_;
   std::vector<uint64_t> start_, size_;  // each announced tensor's place in the concatenation
@@ -167,7 +167,7 @@ std::vector<grpc::ByteBuffer> ExportRequest(const ExportCall& call,
   req.set_range_end(end);
   req.set_head_instance(call.instance);
   std::vector<grpc::ByteBuffer> out;
-  out.push_back(EncodeMessage(req));
+  out.push_back(wire::EncodeMessage(req));
   return out;
 }
 

@@ -55,7 +55,7 @@ absl::Status RunPutWeightsStream(grpc::GenericStub* stub,
   int replies = 0;
   auto on_message = [&](const grpc::ByteBuffer& msg) -> absl::Status {
     if (++replies > 1) return absl::InternalError("server sent more than one PutWeights reply");
-    absl::Status s = DecodeMessage(msg, reply);
+    absl::Status s = wire::DecodeMessage(msg, reply);
     return s.ok() ? s : absl::InternalError(s.message());
   };
   LOSSD_RETURN_IF_ERROR(
@@ -208,10 +208,10 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
 
   // The tracker outlives the call: it waits (in its destructor too) until gRPC lets go of
   // the caller's memory.
-  SliceTracker tracker;
+  wire::SliceTracker tracker;
   ComputeResult result;
   std::vector<grpc::ByteBuffer> out;
-  out.push_back(EncodeMessage(head));
+  out.push_back(wire::EncodeMessage(head));
   AppendComputeInputs(r, options_.part_bytes, &tracker, &out, &result.bytes_sent);
   OutputPrefetcher prefetched;  // dX's (and dW's) buffers get ready meanwhile
   PrefetchOutputs(r, &prefetched);
@@ -302,10 +302,10 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeights(const HostTensor& w, con
   v1::PutWeightsRequest head;
   FillSpec(w, head.mutable_header()->mutable_w());
   if (bias != nullptr) FillSpec(*bias, head.mutable_header()->mutable_bias());
-  SliceTracker tracker;
+  wire::SliceTracker tracker;
   uint64_t sent = 0;
   std::vector<grpc::ByteBuffer> out;
-  out.push_back(EncodeMessage(head));
+  out.push_back(wire::EncodeMessage(head));
   AppendParts(v1::TENSOR_W, w, options_.part_bytes, &tracker, &out, &sent);
   if (bias != nullptr) {
     AppendParts(v1::TENSOR_BIAS, *bias, options_.part_bytes, &tracker, &out, &sent);
@@ -339,10 +339,10 @@ absl::StatusOr<PutWeightsResult> LossClient::PutWeightsStriped(const HostTensor&
     h->set_stripes(static_cast<uint32_t>(stripes));
     h->set_w_begin(begin);
     h->set_w_end(end);
-    SliceTracker tracker;
+    wire::SliceTracker tracker;
     uint64_t sent = 0;
     std::vector<grpc::ByteBuffer> out;
-    out.push_back(EncodeMessage(head));
+    out.push_back(wire::EncodeMessage(head));
     AppendRange(v1::TENSOR_W, w, begin, end, options_.part_bytes, &tracker, &out, &sent);
     if (i == 0 && bias != nullptr) {
       AppendParts(v1::TENSOR_BIAS, *bias, options_.part_bytes, &tracker, &out, &sent);

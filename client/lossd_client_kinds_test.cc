@@ -321,16 +321,16 @@ TEST(ComputeInputsTest, EverythingElseIsSentBeforeX) {
   r.old_logp = RandomTensor(DType::kF32, {4}, 69);
   r.ref_logp = RandomTensor(DType::kF32, {4}, 70);
   r.dentropy = RandomTensor(DType::kF32, {4}, 71);
-  SliceTracker tracker;
+  wire::SliceTracker tracker;
   std::vector<grpc::ByteBuffer> out;
   uint64_t bytes = 0;
   AppendComputeInputs(r, 8, &tracker, &out, &bytes);
   std::vector<int32_t> order;
   uint64_t data = 0;
   for (const grpc::ByteBuffer& b : out) {
-    StreamFrame f;
+    wire::StreamFrame f;
     ASSERT_TRUE(f.Parse(b).ok());
-    ASSERT_EQ(f.kind(), StreamFrame::Kind::kPart);
+    ASSERT_EQ(f.kind(), wire::StreamFrame::Kind::kPart);
     data += f.data_size();
     if (order.empty() || order.back() != f.tensor()) order.push_back(f.tensor());
   }

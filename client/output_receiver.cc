@@ -125,7 +125,7 @@ absl::Status TensorReceiver::Announce(int32_t id, DType dtype, std::vector<int64
   return absl::OkStatus();
 }
 
-absl::Status TensorReceiver::Accept(const StreamFrame& f) {
+absl::Status TensorReceiver::Accept(const wire::StreamFrame& f) {
   Incoming* in = nullptr;
   for (Incoming& i : incoming_) {
     if (i.id == f.tensor()) in = &i;

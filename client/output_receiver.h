@@ -94,7 +94,7 @@ class TensorReceiver {
   absl::Status Announce(int32_t id, DType dtype, std::vector<int64_t> shape,
                         const OutputBuffer* into, OutputPrefetcher* prefetched = nullptr);
   // One part (a parsed kPart frame) of an announced tensor.
-  absl::Status Accept(const StreamFrame& f);
+  absl::Status Accept(const wire::StreamFrame& f);
   // DATA_LOSS unless every announced tensor arrived whole.
   absl::Status CheckComplete() const;
 

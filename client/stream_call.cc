@@ -72,7 +72,7 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(&done_));
     // gRPC has released these by now, except for slices the transport still holds (the
-    // caller's SliceTracker waits for those).
+    // caller's wire::SliceTracker waits for those).
     out_.clear();
     queue_.clear();
     if (!handler_status.ok()) return handler_status;

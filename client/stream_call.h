@@ -82,7 +82,7 @@ class StripeGroup {
 // stream each way) to its end on a ClientContext of its own, destroyed before this returns
 // (after `prepare`, it gets a new request id; any error returned names it, WithRequestId):
 // the context holds the call, and the call keeps any slice it did not send (after an early
-// error) until it is destroyed, so a SliceTracker could not finish waiting while it lives.
+// error) until it is destroyed, so a wire::SliceTracker could not finish waiting while it lives.
 // Sends `out` in order and half-closes; hands each reply to `on_message`. Returns the
 // handler's first error, else the call's status. With a group, the call is stripe `stripe`
 // of it, which may cancel it. on_sent (nullable): called once, on a gRPC thread, when the last

@@ -106,7 +106,7 @@ template <typename Request>
 absl::StatusOr<uint32_t> ReadStreamedRequest(const grpc::ByteBuffer& raw, const char* method,
                                              const ServiceOptions& o, Request* request) {
   const std::string& type = Request::descriptor()->name();
-  if (!client::DecodeMessage(raw, request).ok()) {
+  if (!wire::DecodeMessage(raw, request).ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the ", method, " request is not a valid ", type));
   }

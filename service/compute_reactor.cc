@@ -27,7 +27,7 @@ std::string TensorIdName(int32_t id) {
 }  // namespace
 
 absl::Status ComputeReactor::ParseComputeFrame(const grpc::ByteBuffer& message,
-                                              client::StreamFrame* frame) {
+                                              wire::StreamFrame* frame) {
   if (absl::Status s = frame->Parse(message); !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("a Compute message is not a ComputeRequest: ", s.message()));
@@ -181,10 +181,10 @@ void ComputeReactor::Write() {
 
 absl::Status ComputeReactor::OnHeader() {
   if (service_->options().compute_header_hook) service_->options().compute_header_hook();
-  if (frame_.kind() != client::StreamFrame::Kind::kHeader) {
+  if (frame_.kind() != wire::StreamFrame::Kind::kHeader) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the first message of a Compute stream must be a header, got ",
-        frame_.kind() == client::StreamFrame::Kind::kPart
+        frame_.kind() == wire::StreamFrame::Kind::kPart
             ? absl::StrCat("a part of ", TensorIdName(frame_.tensor()))
             : std::string("a message with neither header nor part")));
   }
@@ -249,10 +249,10 @@ void ComputeReactor::OnAdmitted(absl::Status s) {
 }
 
 absl::Status ComputeReactor::OnPart() {
-  if (frame_.kind() == client::StreamFrame::Kind::kHeader) {
+  if (frame_.kind() == wire::StreamFrame::Kind::kHeader) {
     return absl::InvalidArgumentError("the Compute stream carries a second header");
   }
-  if (frame_.kind() != client::StreamFrame::Kind::kPart) {
+  if (frame_.kind() != wire::StreamFrame::Kind::kPart) {
     return absl::InvalidArgumentError("a Compute message carries neither header nor part");
   }
   return assembler_->Accept(frame_.tensor(), frame_.offset(), frame_.data_pieces(),
@@ -277,7 +277,7 @@ absl::Status ComputeReactor::EndOfStream() {
   inputs_ = assembler_->buffers();
   const bool checked = assembler_->finite_checked();
   assembler_.reset();
-  frame_ = client::StreamFrame();  // drops the last received message
+  frame_ = wire::StreamFrame();  // drops the last received message
   engine_->Run(
       plan_, inputs_, [this](ComputeOutcome outcome) { OnComputed(std::move(outcome)); },
       absl::FromChrono(ctx_->deadline()), checked, OverlapIo{},
@@ -315,7 +315,7 @@ void ComputeReactor::OnComputed(ComputeOutcome outcome) {
     SetStateLocked(State::kSending);
   }
   send_started_ = absl::Now();
-  response_ = client::EncodeMessage(response);
+  response_ = wire::EncodeMessage(response);
   Write();
 }
 
@@ -395,7 +395,7 @@ void ComputeReactor::SendNext() {
 // response_part_bytes_ and not past `end`; returns its size.
 uint64_t ComputeReactor::EncodeOutputPart(size_t i, uint64_t offset, uint64_t end) {
   const uint64_t n = std::min<uint64_t>(response_part_bytes_, end - offset);
-  response_ = client::EncodePartSlice(OutputSlotToWire(plan_->outputs[i].slot), offset,
+  response_ = wire::EncodePartSlice(OutputSlotToWire(plan_->outputs[i].slot), offset,
                                       OutputSlice(outputs_, (*outputs_)[i].get() + offset, n));
   bytes_out_ += n;
   return n;

@@ -5,7 +5,7 @@
 // run, the accumulator contribution) and writes. It never blocks a gRPC thread and holds no
 // policy of its own: what is admitted, when an overlapped compute starts and what becomes of
 // an accumulator's sum on failure are the engine's.
-// Served as a raw method: request parts are parsed in place (client::StreamFrame) and copied
+// Served as a raw method: request parts are parsed in place (wire::StreamFrame) and copied
 // once, straight into the request's host buffer; response parts are slices of the output
 // buffers, so lossd copies no returned byte (see bench/service/README.md, copy counts).
 #ifndef LOSSD_SERVICE_COMPUTE_REACTOR_H_
@@ -71,7 +71,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   // Parses one Compute stream message into `frame`, refusing fields this server does not
   // know.
   static absl::Status ParseComputeFrame(const grpc::ByteBuffer& message,
-                                        client::StreamFrame* frame);
+                                        wire::StreamFrame* frame);
   void HandleCancel();
   absl::Status Cancelled() const;
   absl::Status WriteFailed() const;
@@ -127,7 +127,7 @@ class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   std::shared_ptr<StreamedRows> rows_;  // set once, on the reactor's thread, under mu_
 
   grpc::ByteBuffer request_;
-  client::StreamFrame frame_;  // request_ parsed in place
+  wire::StreamFrame frame_;  // request_ parsed in place
   grpc::ByteBuffer response_;
   std::shared_ptr<const ComputePlan> plan_;
   std::shared_ptr<Engine::InputBuffers> inputs_;

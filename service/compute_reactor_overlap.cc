@@ -39,7 +39,7 @@ void ComputeReactor::StartOverlap() {
                                             response_part_bytes_);
     sends_->WriteStarted();
     sends_->SetHandlingRead(true);
-    response_ = client::EncodeMessage(response);
+    response_ = wire::EncodeMessage(response);
   }
   Write();
   // Nothing but X to wait for (BT = 0 and every other input empty): start at once.
@@ -189,7 +189,7 @@ void ComputeReactor::Progress(absl::FunctionRef<void()> update) {
         write = true;
         break;
       case OverlapSends::Step::Kind::kFinalSummary:
-        response_ = client::EncodeMessage(final_summary_);
+        response_ = wire::EncodeMessage(final_summary_);
         write = true;
         break;
       case OverlapSends::Step::Kind::kFinish:

@@ -143,7 +143,7 @@ void ExportHeadReactor::SendHeader(const HeadExportRange& r) {
   h->set_range_begin(begin_);
   h->set_range_end(end_);
   h->set_instance(service_->options().instance);
-  response_ = client::EncodeMessage(response);
+  response_ = wire::EncodeMessage(response);
   Write();
 }
 
@@ -166,7 +166,7 @@ void ExportHeadReactor::SendNext() {
   while (i + 2 < starts_.size() && starts_[i + 1].second <= offset_) ++i;
   const uint64_t tensor_end = std::min(window_end_, starts_[i + 1].second);
   const uint64_t n = std::min<uint64_t>(part_bytes_, tensor_end - offset_);
-  response_ = client::EncodePartSlice(
+  response_ = wire::EncodePartSlice(
       HeadTensorToWire(starts_[i].first), offset_ - starts_[i].second,
       OutputSlice(window_, (*window_)[0].get() + (offset_ - window_begin_), n));
   offset_ += n;

@@ -106,7 +106,7 @@ void FetchGradientsReactor::TakeSnapshot() {
   h->set_instance(service_->options().instance);
   offset_ = g.begin;
   state_.Set(State::kSending);
-  response_ = client::EncodeMessage(response);
+  response_ = wire::EncodeMessage(response);
   Write();
 }
 
@@ -123,7 +123,7 @@ void FetchGradientsReactor::SendNext() {
   const uint64_t tensor_end = in_db ? g.end : std::min(g.end, dw_bytes);
   const uint64_t n = std::min<uint64_t>(part_bytes_, tensor_end - offset_);
   const SharedOutputs& data = lease_->data();
-  response_ = client::EncodePartSlice(
+  response_ = wire::EncodePartSlice(
       in_db ? v1::TENSOR_DB : v1::TENSOR_DW, in_db ? offset_ - dw_bytes : offset_,
       OutputSlice(data, (*data)[0].get() + (offset_ - g.begin), n));
   offset_ += n;

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 
 namespace lossd {
-namespace client {
+namespace wire {
 namespace {
 
 constexpr int kWireVarint = 0;
@@ -286,5 +286,5 @@ absl::Status StreamFrame::Parse(const grpc::ByteBuffer& buffer) {
   return absl::OkStatus();
 }
 
-}  // namespace client
+}  // namespace wire
 }  // namespace lossd

@@ -20,7 +20,7 @@
 #include "grpcpp/support/slice.h"
 
 namespace lossd {
-namespace client {
+namespace wire {
 
 // Field numbers shared by every streamed lossd message.
 constexpr int kStreamHeaderField = 1;
@@ -106,7 +106,7 @@ class StreamFrame {
   std::vector<std::pair<const uint8_t*, size_t>> data_;  // pieces of the part data, in order
 };
 
-}  // namespace client
+}  // namespace wire
 }  // namespace lossd
 
 #endif  // LOSSD_WIRE_PART_CODEC_H_

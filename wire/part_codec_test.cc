@@ -14,7 +14,7 @@
 #include "testing/byte_buffers.h"
 
 namespace lossd {
-namespace client {
+namespace wire {
 namespace {
 
 // The same bytes as a buffer cut into slices at random places (gRPC hands received messages
@@ -244,5 +244,5 @@ TEST(DecodeMessageTest, ParsesAndRejects) {
 }
 
 }  // namespace
-}  // namespace client
+}  // namespace wire
 }  // namespace lossd

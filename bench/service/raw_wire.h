@@ -27,20 +27,20 @@ namespace bench {
 
 // The framing is the client library's (wire/part_codec.h): parts that borrow the caller's
 // bytes, small messages, and received frames parsed without copying their data.
-using ReceivedFrame = client::StreamFrame;
-constexpr int kBenchHeaderField = client::kStreamHeaderField;
-constexpr int kBenchPartField = client::kStreamPartField;
+using ReceivedFrame = wire::StreamFrame;
+constexpr int kBenchHeaderField = wire::kStreamHeaderField;
+constexpr int kBenchPartField = wire::kStreamPartField;
 
 // A part borrowing `data` (size bytes) for the rest of the process: the benchmark's buffers
 // live that long, so nothing tracks when gRPC lets go of them.
 inline grpc::ByteBuffer EncodeBorrowedPart(int32_t tensor, uint64_t offset,
                                            const void* data,  // (size) bytes
                                            size_t size) {
-  return client::EncodePart(tensor, offset, data, size, /*tracker=*/nullptr);
+  return wire::EncodePart(tensor, offset, data, size, /*tracker=*/nullptr);
 }
 
 inline grpc::ByteBuffer EncodeSmallMessage(const google::protobuf::MessageLite& message) {
-  return client::EncodeMessage(message);
+  return wire::EncodeMessage(message);
 }
 
 // Runs one streaming call (client, server or bidi streaming: on the wire all are a stream

@@ -3,7 +3,7 @@
 // fuzz_env.h), each one received message; the first must be the header. As in the raw
 // Compute method, every record arrives as a gRPC byte buffer (split into slices at places
 // the record's bytes choose, empty slices included) and is parsed in place by
-// client::StreamFrame; protobuf's own parse of the same bytes is the oracle for what it
+// wire::StreamFrame; protobuf's own parse of the same bytes is the oracle for what it
 // finds. Then ComputeSpecFromWire -> Engine::Plan -> admission -> ComputeAssembler::Accept
 // (pieces, NaN/Inf checked part by part) for every part -> CheckComplete -> Engine::Run
 // (skipping its own NaN/Inf scan, as the server does), as the reactor drives them. Promises
@@ -72,43 +72,43 @@ grpc::ByteBuffer AsReceived(absl::string_view record) {
 
 // Parses `record` in place into `frame` as the raw Compute method does; when protobuf parses
 // the same bytes too, both must have found the same message.
-absl::Status ParseFrame(absl::string_view record, client::StreamFrame* frame) {
+absl::Status ParseFrame(absl::string_view record, wire::StreamFrame* frame) {
   const grpc::ByteBuffer buffer = AsReceived(record);
   absl::Status parsed = frame->Parse(buffer);
   if (!parsed.ok()) {
-    CheckCleanError(parsed, "StreamFrame::Parse");
+    CheckCleanError(parsed, "wire::StreamFrame::Parse");
     return parsed;
   }
   v1::ComputeRequest m;
   if (!m.ParseFromArray(record.data(), static_cast<int>(record.size()))) return parsed;
-  using Kind = client::StreamFrame::Kind;
+  using Kind = wire::StreamFrame::Kind;
   switch (m.kind_case()) {
     case v1::ComputeRequest::kHeader: {
-      Check(frame->kind() == Kind::kHeader, "protobuf parses a header, StreamFrame does not");
+      Check(frame->kind() == Kind::kHeader, "protobuf parses a header, wire::StreamFrame does not");
       v1::ComputeHeader header;
       Check(header.ParseFromString(frame->header_bytes()),
-            "the header bytes StreamFrame found do not parse");
+            "the header bytes wire::StreamFrame found do not parse");
       Check(header.SerializeAsString() == m.header().SerializeAsString(),
-            "StreamFrame's header differs from protobuf's");
+            "wire::StreamFrame's header differs from protobuf's");
       break;
     }
     case v1::ComputeRequest::kPart: {
-      Check(frame->kind() == Kind::kPart, "protobuf parses a part, StreamFrame does not");
+      Check(frame->kind() == Kind::kPart, "protobuf parses a part, wire::StreamFrame does not");
       const v1::TensorPart& p = m.part();
       Check(frame->tensor() == static_cast<int32_t>(p.tensor()),
-            "StreamFrame's part tensor differs from protobuf's");
+            "wire::StreamFrame's part tensor differs from protobuf's");
       Check(frame->offset() == p.offset(), "StreamFrame's part offset differs from protobuf's");
       Check(frame->data_size() == p.data().size(),
-            "StreamFrame's part size differs from protobuf's");
+            "wire::StreamFrame's part size differs from protobuf's");
       std::string data;
       for (const auto& piece : frame->data_pieces()) {
         data.append(reinterpret_cast<const char*>(piece.first), piece.second);
       }
-      Check(data == p.data(), "StreamFrame's part data pieces differ from protobuf's data");
+      Check(data == p.data(), "wire::StreamFrame's part data pieces differ from protobuf's data");
       break;
     }
     default:
-      Check(frame->kind() == Kind::kNone, "StreamFrame finds a member protobuf does not");
+      Check(frame->kind() == Kind::kNone, "wire::StreamFrame finds a member protobuf does not");
   }
   return parsed;
 }
@@ -296,10 +296,10 @@ bool Admit(Engine& engine, const ComputePlan& plan) {
 // to the started compute). False when a record fails the stream.
 bool FeedParts(const std::vector<absl::string_view>& records, bool overlap,
                const std::shared_ptr<const ComputePlan>& plan, ComputeAssembler& assembler,
-               client::StreamFrame* frame, Overlapped* ov) {
+               wire::StreamFrame* frame, Overlapped* ov) {
   for (size_t i = 1; i < records.size(); ++i) {
     absl::Status s = ParseFrame(records[i], frame);  // an error fails the call
-    if (s.ok() && frame->kind() != client::StreamFrame::Kind::kPart) {
+    if (s.ok() && frame->kind() != wire::StreamFrame::Kind::kPart) {
       // A second header or an empty message: the reactor refuses it.
       s = absl::InvalidArgumentError("not a part");
     }
@@ -370,9 +370,9 @@ void ComputeStreamOneInput(const uint8_t* data, size_t size) {
   Engine& engine = *env.engine;
   const std::vector<absl::string_view> records = SplitRecords(data, size, 256);
   if (records.empty()) return;
-  client::StreamFrame frame;
+  wire::StreamFrame frame;
   if (!ParseFrame(records[0], &frame).ok()) return;  // the reactor refuses the call
-  if (frame.kind() != client::StreamFrame::Kind::kHeader) return;  // refused as well
+  if (frame.kind() != wire::StreamFrame::Kind::kHeader) return;  // refused as well
   v1::ComputeHeader header;
   if (!header.ParseFromString(frame.header_bytes())) return;
 
