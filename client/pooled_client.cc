@@ -68,7 +68,9 @@ absl::StatusOr<std::unique_ptr<PooledClient>> PooledClient::Create(const PoolOpt
   return std::unique_ptr<PooledClient>(new PooledClient(*std::move(pool)));
 }
 
-PooledClient::PooledClient(std::unique_ptr<ReplicaPool> pool) : pool_(std::move(pool)) {}
+PooledClient::PooledClient(std::unique_ptr<ReplicaPool> pool)
+    : pool_(std::move(pool)),
+      calls_(std::make_unique<CallQueue>(pool_->options().client.max_in_flight)) {}
 PooledClient::~PooledClient() = default;
 
 std::string PooledClient::ReplicaOf(const std::string& key) const {

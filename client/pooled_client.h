@@ -53,6 +53,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -65,6 +66,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "client/call_queue.h"
 #include "client/lossd_client.h"
 #include "client/replica_pool.h"
 
@@ -105,6 +107,16 @@ class PooledClient {
   // the accumulator).
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request,
                                         const CallOptions& call = {});
+  // Compute without waiting (pipelined calls, docs/pipelining.md): `done` gets what Compute
+  // would have returned (the same routing, retries, moves and errors), on one of the pool's
+  // call threads. At most PoolOptions::client.max_in_flight calls run at once; further calls
+  // wait in order. The request's views must stay alive and unchanged until `done` runs;
+  // `done` must not destroy this pool. A pool destroyed first runs its started calls to their
+  // end and answers the others CANCELLED.
+  void ComputeAsync(ComputeRequest request, CallOptions call, LossClient::ComputeDone done);
+  // The same, as a std::future.
+  std::future<absl::StatusOr<ComputeResult>> ComputeAsync(ComputeRequest request,
+                                                          CallOptions call = {});
   absl::StatusOr<FetchGradientsResult> FetchGradients(const std::string& accumulator,
                                                       bool reset, const CallOptions& call = {});
   // Forgets the accumulator (also a lost one: the trainer has heard and will redo the step).
@@ -316,6 +328,9 @@ class PooledClient {
   std::map<std::string, TicketHome> tickets_ ABSL_GUARDED_BY(mu_);
   // (expiry, ticket) of every entry of tickets_: the first expires first.
   std::set<std::pair<int64_t, std::string>> ticket_expiry_ ABSL_GUARDED_BY(mu_);
+  // ComputeAsync's threads; declared last, so destroyed first: its running calls end while
+  // the pool and its replicas' clients still exist.
+  std::unique_ptr<CallQueue> calls_;
 };
 
 }  // namespace client
