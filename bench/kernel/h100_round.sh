@@ -35,7 +35,7 @@ for s in ${STEPS:-ref other sample fused wide}; do
       for t in plugin_exposer_test plugin_compute_test ce_kernels_test nonfinite_test \
           cuda_backend_test cuda_backend_api_test cuda_backend_stream_test sticky_error_test \
           optimizer_test row_loss_test row_loss_paths_test two_phase_gpu_test ref_exp_test \
-          policy_sequence_test nccl_comm_test; do
+          policy_sequence_test nccl_comm_test head_group_nccl_gpu_test; do
         [ -x "./$t" ] || { echo "$t: absent" >> "$OUT/tests.txt"; continue; }
         step "test $t"
         timeout "${T_TEST:-150}" "./$t" > "$OUT/$t.log" 2>&1; code=$?

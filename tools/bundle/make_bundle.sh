@@ -47,6 +47,7 @@ WANT=(
   //kernels/cuda:ref_exp_test
   //kernels/cuda:nccl_comm_test
   //tests:two_phase_gpu_test
+  //tests:head_group_nccl_gpu_test
   //bench/service:net_ceiling
   //bench/service:service_bench
 )
