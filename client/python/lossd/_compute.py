@@ -11,7 +11,7 @@ from lossd import errors
 from lossd._proto import pb
 from lossd._kinds import kind_outputs
 from lossd._results import ComputeResult, WeightHandle
-from lossd._transfer import parts
+from lossd._wire import encoded_parts
 from lossd.tensors import (FLOAT_DTYPES, INT_DTYPES, BF16Array, dtype_name, numpy_dtype,
                            parse_dtype, to_wire)
 
@@ -88,11 +88,11 @@ class Inputs:
 
 
 def compute_requests(header, inline, part_bytes):
-    """The request stream: the header, then each tensor's parts in `inline`'s order."""
-    yield pb.ComputeRequest(header=header)
+    """The request stream as wire bytes (lossd._wire.compute_call sends them as they are):
+    the header, then each tensor's parts in `inline`'s order."""
+    yield pb.ComputeRequest(header=header).SerializeToString()
     for tid, arr in inline:
-        for p in parts(tid, arr, part_bytes):
-            yield pb.ComputeRequest(part=p)
+        yield from encoded_parts(tid, arr, part_bytes)
 
 
 def set_options(header, xdt, *, ignore_index, reduction, label_smoothing, lse_square_scale,

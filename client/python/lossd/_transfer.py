@@ -219,9 +219,11 @@ class Assembler:
                     "output buffer for tensor %d: needs %d writable C-contiguous bytes, has %d%s"
                     % (tensor_id, nbytes, mv.nbytes, " (read-only)" if mv.readonly else ""),
                     method=self.method)
-            self.bufs[tensor_id] = mv.cast("B")
+            self.bufs[tensor_id] = np.asarray(mv.cast("B"))
         else:
-            self.bufs[tensor_id] = bytearray(nbytes)
+            # Not zero-filled (a bytearray would be, holding the GIL): every byte is written
+            # before finish() hands it out.
+            self.bufs[tensor_id] = np.empty(nbytes, np.uint8)
         self.filled[tensor_id] = 0
 
     def add(self, part):
@@ -236,7 +238,8 @@ class Assembler:
         if end > len(buf):
             raise errors.ProtocolError("tensor %d: %d bytes, more than its %d" % (
                 t, end, len(buf)), method=self.method)
-        buf[got:end] = part.data
+        # numpy's copy releases the GIL for large parts; a memoryview's would hold it.
+        buf[got:end] = np.frombuffer(part.data, np.uint8)
         self.filled[t] = end
         self.received += len(part.data)
 

@@ -36,6 +36,7 @@ from lossd._transfer import (  # noqa: F401 - re-exported, as above
     MAX_FETCH_RANGES, Assembler, StripeGroup, fetch_ranges_within)
 from lossd._transfer import parts as _parts  # the name tests import
 from lossd._two_phase import TicketInputs, check_keep_ms
+from lossd._wire import compute_call
 from lossd.tensors import FLOAT_DTYPES, dtype_name, to_wire
 
 # Data bytes per TensorPart message (the wire contract's default bound).
@@ -186,6 +187,8 @@ class Client(AsyncCalls, HeadMethods):
         self._channels = channels
         self.channel = channels[0]
         self._stubs = [pb_grpc.LossStub(c) for c in channels]
+        for stub, c in zip(self._stubs, channels):
+            stub.compute_wire = compute_call(c)  # Compute's parts encoded by hand (lossd._wire)
         self._next = itertools.count()
         self._next_lock = threading.Lock()
         # Accumulator name -> the server instance its sum began on (at most
@@ -595,8 +598,8 @@ class Client(AsyncCalls, HeadMethods):
         reader = ReplyReader(asm, overlapped)
         kw = self._call_kwargs(timeout)
         try:
-            for msg in self._stub.Compute(compute_requests(header, inputs.inline, self.part_bytes),
-                                          **kw):
+            requests = compute_requests(header, inputs.inline, self.part_bytes)
+            for msg in self._stub.compute_wire(requests, **kw):
                 reader.add(msg)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e, "Compute", kw) from None
