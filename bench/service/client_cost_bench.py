@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--client", help="import lossd from this folder")
     p.add_argument("--sections", default="steps,calls,raw,trainer")
+    p.add_argument("--pin", action="store_true",
+                   help="the lossd it starts on the last core, this process on the others: "
+                        "the trainer row then sees less of the server's CPU")
     return p.parse_args(argv)
 
 
@@ -267,9 +270,12 @@ def start_lossd(binary):
     port = free_port()
     # glibc's MALLOC_* settings are the client's to try (see RESULTS.md), not the server's.
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    proc = subprocess.Popen([binary, "--port=%d" % port, "--backend=cpu", "--metrics_port=0",
-                             "--drain_seconds=1"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=env)
+    cmd = [binary, "--port=%d" % port, "--backend=cpu", "--metrics_port=0", "--drain_seconds=1"]
+    if ARGS.pin:
+        last = max(os.sched_getaffinity(0))
+        cmd = ["taskset", "-c", str(last)] + cmd + ["--threads=1"]
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {last})
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return proc, "127.0.0.1:%d" % port
 
 
