@@ -210,7 +210,8 @@ def to_wire(value, name, allowed):
 
 
 def from_wire(dt, shape, buf):
-    """Wraps received bytes (a bytearray) as an ndarray (or BF16Array for bf16), no copy."""
+    """Wraps received bytes (a bytearray or uint8 ndarray) as an ndarray (or BF16Array for
+    bf16), no copy."""
     if dt not in _NUMPY:
         raise InvalidArgumentError("server sent a tensor of dtype %s" % dtype_name(dt))
     arr = np.frombuffer(buf, dtype=_NUMPY[dt]).reshape(shape)
