@@ -101,7 +101,7 @@ CudaBackend::CudaBackend(const CudaBackendOptions& options)
 
 CudaBackend::~CudaBackend() {
   absl::MutexLock lock(&mu_);
-  engine_.reset();
+  fused_.reset();
   // Teardown errors have no caller to go to.
   cudaSetDevice(options_.device);
   // The allocation stream outlives a backend that was made (its buffers may outlive it and
@@ -143,17 +143,17 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   LOSSD_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithFlags(&b->alloc_stream_, cudaStreamNonBlocking));
-  absl::StatusOr<std::unique_ptr<FusedLoss>> engine = FusedLoss::Create(options.device);
-  if (!engine.ok()) return engine.status();
-  (*engine)->set_autotune(options.autotune_gemms);
+  absl::StatusOr<std::unique_ptr<FusedLoss>> fused = FusedLoss::Create(options.device);
+  if (!fused.ok()) return fused.status();
+  (*fused)->set_autotune(options.autotune_gemms);
   const DeviceTuning tuning = TuneForDevice(prop.name, prop.major, prop.minor, options.ref_exp);
-  (*engine)->set_ref_exp(tuning.ref_exp);
-  b->ref_exp_ = (*engine)->ref_exp();
+  (*fused)->set_ref_exp(tuning.ref_exp);
+  b->ref_exp_ = (*fused)->ref_exp();
   b->default_chunk_rows_ =
       options.default_chunk_rows > 0 ? options.default_chunk_rows : tuning.default_chunk_rows;
   b->tuning_reason_ = tuning.reason;
   absl::MutexLock lock(&b->mu_);
-  b->engine_ = *std::move(engine);
+  b->fused_ = *std::move(fused);
   // Non-blocking: the copies must not wait for (or hold up) work on the legacy default stream.
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->x_stream_, cudaStreamNonBlocking));
   LOSSD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->dx_stream_, cudaStreamNonBlocking));
@@ -196,9 +196,9 @@ BackendInfo CudaBackend::Info() {
 CudaBackend::RefExpCounters CudaBackend::RefExpCounts() {
   absl::MutexLock lock(&mu_);
   RefExpCounters c;
-  c.chunks = engine_->ref_exp_chunks();
-  c.redone_rows = engine_->ref_exp_redone_rows();
-  c.chunk_fallbacks = engine_->ref_exp_fallbacks();
+  c.chunks = fused_->ref_exp_chunks();
+  c.redone_rows = fused_->ref_exp_redone_rows();
+  c.chunk_fallbacks = fused_->ref_exp_fallbacks();
   return c;
 }
 
@@ -370,7 +370,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
 
   const int64_t bt = p.bt, h = p.h;
   const size_t elem = DTypeSize(p.dtype), gsize = DTypeSize(out.grad_dtype);
-  cudaStream_t stream = engine_->stream();
+  cudaStream_t stream = fused_->stream();
   LOSSD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
 
   // The overlapped path's hooks, when p.rows is set, and the host vectors the results are
@@ -379,7 +379,7 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
   std::optional<StreamedChunkHooks> streamed;
   HostRows host(bt);
   // Every buffer lives until the end of this call. On an error path work may still be queued
-  // on the engine's streams (and, overlapped, on the copy streams, host functions included):
+  // on the fused loss's streams (and, overlapped, on the copy streams, host functions included):
   // wait for the device before the buffers go back to the pool (declared after `held`, so it
   // runs first).
   std::vector<std::unique_ptr<BackendBuffer>> held;
@@ -411,18 +411,18 @@ absl::Status CudaBackend::ComputeLocked(const LossProblem& p, const LossOutputs&
     a.hooks = &*streamed;
   }
 
-  const int64_t tunings_before = engine_->tunings();
+  const int64_t tunings_before = fused_->tunings();
   // Policy at sequence level: a forward pass first, then this Enqueue runs as logprob with
   // the coefficients it gave, unless no gradient is wanted (policy_sequence.h).
   const bool sequence = PolicySequenceLevel(p);
   if (sequence) {
     LOSSD_RETURN_IF_ERROR(
-        EnqueueSequenceForward(*engine_, buffers, p, targets32, plan, *workspace, &a));
+        EnqueueSequenceForward(*fused_, buffers, p, targets32, plan, *workspace, &a));
   }
   if (!sequence || WantsGradient(a)) {
-    LOSSD_RETURN_IF_ERROR(engine_->Enqueue(a, plan, *workspace));
+    LOSSD_RETURN_IF_ERROR(fused_->Enqueue(a, plan, *workspace));
   }
-  const int64_t tunings = engine_->tunings() - tunings_before;
+  const int64_t tunings = fused_->tunings() - tunings_before;
 
   // Results back to the host, on the same stream (into the vectors declared before `drain`).
   LOSSD_RETURN_IF_ERROR(

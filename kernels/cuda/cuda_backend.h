@@ -71,7 +71,7 @@ class CudaBackend : public Backend {
 
   BackendInfo Info() override;
   // Whether bf16 cross-entropy problems are planned for the reference-exp path, and the
-  // engine's counts of the chunks it ran, the rows it redid and the chunks it redid whole
+  // fused loss's counts of the chunks it ran, the rows it redid and the chunks it redid whole
   // (FusedLoss::ref_exp_chunks): for tests, benchmarks and the logs.
   bool ref_exp() const { return ref_exp_; }
   // Rows a default chunk budget holds on this device, and why this path and chunk were chosen
@@ -132,13 +132,13 @@ class CudaBackend : public Backend {
   // destroyed with a backend that was made: buffers may be freed after it is gone.
   cudaStream_t alloc_stream_ = nullptr;
   bool created_ = false;  // Create succeeded (see the destructor)
-  bool ref_exp_ = false;  // the engine takes the reference-exp path (options and device allow)
+  bool ref_exp_ = false;  // the fused loss takes the reference-exp path (options and device allow)
   int64_t default_chunk_rows_ = kMinDefaultChunkRows;
   std::string tuning_reason_;
-  absl::Mutex mu_;  // one Compute at a time: the engine's streams and cuBLASLt choices
-  std::unique_ptr<FusedLoss> engine_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex mu_;  // one Compute at a time: the fused loss's streams and cuBLASLt choices
+  std::unique_ptr<FusedLoss> fused_ ABSL_GUARDED_BY(mu_);
   // The overlapped path (LossProblem::rows): X rows go up on x_stream_ and dX rows come down
-  // on dx_stream_, beside the engine's streams, so neither copy waits behind a GEMM.
+  // on dx_stream_, beside the fused loss's streams, so neither copy waits behind a GEMM.
   cudaStream_t x_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   cudaStream_t dx_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   cudaEvent_t x_start_ ABSL_GUARDED_BY(mu_) = nullptr;   // main_ before the first X rows

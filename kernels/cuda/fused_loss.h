@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The GPU engine of the fused linear + cross-entropy on device pointers: takes a chunk plan
+// The GPU half of the fused linear + cross-entropy on device pointers: takes a chunk plan
 // (chunk_plan.h) and enqueues per chunk the logits GEMM (cuBLASLt), the fused cross-entropy
 // kernel (gradient in place over the logits), the dX GEMM and the fixed-order fp32 dW/db
 // accumulation. Owns its streams, events and cuBLASLt handle; never allocates device memory
