@@ -8,10 +8,16 @@
 
 #include <deque>
 #include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 
 namespace lossd {
@@ -44,6 +50,35 @@ class CallQueue {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
 };
+
+// Runs `call` on one of `queue`'s threads and hands what it returns to `done` there; where the
+// queue goes before the call starts, `done` gets CANCELLED saying that `owner` was destroyed
+// first. What LossClient::ComputeAsync and PooledClient::ComputeAsync share.
+template <typename Result>
+void AddCall(CallQueue& queue, std::function<Result()> call,
+             std::function<void(Result)> done, const std::string& owner) {
+  // Shared: std::function needs a copyable callable, and what the call owns (a request) is
+  // not cheap to copy.
+  auto fn = std::make_shared<std::function<void(Result)>>(std::move(done));
+  CallQueue::Call c;
+  c.run = [call = std::move(call), fn] { (*fn)(call()); };
+  c.cancel = [fn, owner] {
+    (*fn)(absl::CancelledError(
+        absl::StrCat("the ", owner, " was destroyed before this ComputeAsync started")));
+  };
+  queue.Add(std::move(c));
+}
+
+// The same, with a std::future for the result.
+template <typename Result>
+std::future<Result> AddCall(CallQueue& queue, std::function<Result()> call,
+                            const std::string& owner) {
+  auto promise = std::make_shared<std::promise<Result>>();
+  std::future<Result> fut = promise->get_future();
+  AddCall<Result>(queue, std::move(call),
+                  [promise](Result r) { promise->set_value(std::move(r)); }, owner);
+  return fut;
+}
 
 }  // namespace client
 }  // namespace lossd

@@ -234,25 +234,16 @@ absl::StatusOr<ComputeResult> LossClient::Compute(const ComputeRequest& r,
 }
 
 void LossClient::ComputeAsync(ComputeRequest request, CallOptions call, ComputeDone done) {
-  // Shared: std::function needs a copyable callable, and an owning request is not cheap to
-  // copy.
   auto req = std::make_shared<ComputeRequest>(std::move(request));
-  auto fn = std::make_shared<ComputeDone>(std::move(done));
-  CallQueue::Call c;
-  c.run = [this, req, call, fn] { (*fn)(Compute(*req, call)); };
-  c.cancel = [fn] {
-    (*fn)(absl::CancelledError("the client was destroyed before this ComputeAsync started"));
-  };
-  calls_->Add(std::move(c));
+  AddCall<absl::StatusOr<ComputeResult>>(
+      *calls_, [this, req, call] { return Compute(*req, call); }, std::move(done), "client");
 }
 
 std::future<absl::StatusOr<ComputeResult>> LossClient::ComputeAsync(ComputeRequest request,
                                                                     CallOptions call) {
-  auto promise = std::make_shared<std::promise<absl::StatusOr<ComputeResult>>>();
-  std::future<absl::StatusOr<ComputeResult>> fut = promise->get_future();
-  ComputeAsync(std::move(request), std::move(call),
-               [promise](absl::StatusOr<ComputeResult> r) { promise->set_value(std::move(r)); });
-  return fut;
+  auto req = std::make_shared<ComputeRequest>(std::move(request));
+  return AddCall<absl::StatusOr<ComputeResult>>(
+      *calls_, [this, req, call] { return Compute(*req, call); }, "client");
 }
 
 std::string LossClient::AccumulatorInstance(const std::string& accumulator) const {

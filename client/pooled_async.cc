@@ -5,6 +5,7 @@
 #include <memory>
 #include <utility>
 
+#include "client/call_queue.h"
 #include "client/pooled_client.h"
 
 namespace lossd {
@@ -12,25 +13,16 @@ namespace client {
 
 void PooledClient::ComputeAsync(ComputeRequest request, CallOptions call,
                                 LossClient::ComputeDone done) {
-  // Shared: std::function needs a copyable callable, and an owning request is not cheap to
-  // copy.
   auto req = std::make_shared<ComputeRequest>(std::move(request));
-  auto fn = std::make_shared<LossClient::ComputeDone>(std::move(done));
-  CallQueue::Call c;
-  c.run = [this, req, call, fn] { (*fn)(Compute(*req, call)); };
-  c.cancel = [fn] {
-    (*fn)(absl::CancelledError("the pool was destroyed before this ComputeAsync started"));
-  };
-  calls_->Add(std::move(c));
+  AddCall<absl::StatusOr<ComputeResult>>(
+      *calls_, [this, req, call] { return Compute(*req, call); }, std::move(done), "pool");
 }
 
 std::future<absl::StatusOr<ComputeResult>> PooledClient::ComputeAsync(ComputeRequest request,
                                                                       CallOptions call) {
-  auto promise = std::make_shared<std::promise<absl::StatusOr<ComputeResult>>>();
-  std::future<absl::StatusOr<ComputeResult>> fut = promise->get_future();
-  ComputeAsync(std::move(request), std::move(call),
-               [promise](absl::StatusOr<ComputeResult> r) { promise->set_value(std::move(r)); });
-  return fut;
+  auto req = std::make_shared<ComputeRequest>(std::move(request));
+  return AddCall<absl::StatusOr<ComputeResult>>(
+      *calls_, [this, req, call] { return Compute(*req, call); }, "pool");
 }
 
 }  // namespace client
