@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -19,6 +20,18 @@ struct Target {
   bool known = true;  // false: an input was missing
   bool info = false;  // printed for comparison, not counted
 };
+
+// The GPU-busy target of one point: device compute x calls over the wall, at least 85%.
+Target BusyTarget(const Point& p, std::string what, bool info = false) {
+  Target x;
+  x.what = std::move(what);
+  x.info = info;
+  x.known = p.error.empty() && p.window_seconds > 0;
+  x.needed = ">= 85%";
+  x.measured = x.known ? Pct(p.Busy()) : "missing";
+  x.pass = x.known && p.Busy() >= 0.85;
+  return x;
+}
 
 // The transfers by name, as the report and the targets look them up.
 constexpr char kPutRaw[] = "PutWeights, raw client";
@@ -304,42 +317,28 @@ void ReportWriter::HeadTarget(const Point& p, std::vector<Target>* targets) cons
       p.shape.v != points_.back().shape.v) {
     return;
   }
-  Target busy;
-  busy.what = absl::StrCat("GPU busy, ", p.clients, " ranks, ", p.shape.Name(),
-                           ", hosted head (device compute x calls / wall)");
-  busy.known = p.error.empty() && p.window_seconds > 0;
-  busy.needed = ">= 85%";
-  busy.measured = busy.known ? Pct(p.Busy()) : "missing";
-  busy.pass = busy.known && p.Busy() >= 0.85;
-  targets->push_back(busy);
+  targets->push_back(BusyTarget(p, absl::StrCat("GPU busy, ", p.clients, " ranks, ",
+                                                p.shape.Name(),
+                                                ", hosted head (device compute x calls / wall)")));
 }
 
 void ReportWriter::BusyTargets(std::vector<Target>* targets) const {
   for (const Point& p : points_) {
     if (p.mode != Mode::kAccumNoFetch) continue;
-    Target x;
-    x.what = absl::StrCat("GPU busy, ", p.clients, " clients, ", p.shape.Name(),
-                          ", handle + accumulator (device compute x calls / wall)");
-    x.known = p.error.empty() && p.window_seconds > 0;
-    x.needed = ">= 85%";
-    x.measured = x.known ? Pct(p.Busy()) : "missing";
-    x.pass = x.known && p.Busy() >= 0.85;
-    targets->push_back(x);
+    targets->push_back(
+        BusyTarget(p, absl::StrCat("GPU busy, ", p.clients, " clients, ", p.shape.Name(),
+                                   ", handle + accumulator (device compute x calls / wall)")));
   }
   for (const Point& p : points_) {
     if (p.mode != Mode::kAccum || p.clients != busy_clients_ || points_.empty() ||
         p.shape.bt != points_.back().shape.bt || p.shape.v != points_.back().shape.v) {
       continue;
     }
-    Target x;
-    x.what = absl::StrCat("GPU busy, ", p.clients, " clients, ", p.shape.Name(),
-                          ", handle + accumulator with the per-step fetch");
-    x.info = true;
-    x.known = p.error.empty() && p.window_seconds > 0;
-    x.needed = ">= 85%";
-    x.measured = x.known ? Pct(p.Busy()) : "missing";
-    x.pass = x.known && p.Busy() >= 0.85;
-    targets->push_back(x);
+    targets->push_back(BusyTarget(p,
+                                  absl::StrCat("GPU busy, ", p.clients, " clients, ",
+                                               p.shape.Name(),
+                                               ", handle + accumulator with the per-step fetch"),
+                                  /*info=*/true));
   }
 }
 
