@@ -13,6 +13,7 @@
 #include "client/client_wire.h"
 #include "client/stream_call.h"
 #include "core/status_macros.h"
+#include "wire/optimizer_config.h"
 #include "wire/part_codec.h"
 
 namespace lossd {
@@ -177,22 +178,7 @@ absl::Status ValidateStep(const StepRequest& r) {
 }
 
 v1::OptimizerConfig OptimizerToProto(const OptimizerOptions& o) {
-  v1::OptimizerConfig c;
-  c.set_kind(o.kind == Optimizer::kSgd ? v1::OPTIMIZER_SGD : v1::OPTIMIZER_ADAMW);
-  c.set_lr(o.lr);
-  c.set_weight_decay(o.WeightDecay());
-  c.set_bias_weight_decay(o.bias_weight_decay);
-  if (o.kind == Optimizer::kSgd) {
-    c.set_momentum(o.momentum);
-    c.set_dampening(o.dampening);
-    c.set_nesterov(o.nesterov);
-  } else {
-    c.set_beta1(o.beta1);
-    c.set_beta2(o.beta2);
-    c.set_eps(o.eps);
-    c.set_amsgrad(o.amsgrad);
-  }
-  return c;
+  return OptimizerConfigOf(o.kind == Optimizer::kSgd, o.WeightDecay(), o);
 }
 
 OptimizerOptions OptimizerFromProto(const v1::OptimizerConfig& c) {

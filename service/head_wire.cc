@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/message_bounds.h"
 #include "service/wire_convert.h"
+#include "wire/optimizer_config.h"
 
 namespace lossd {
 namespace {
@@ -70,24 +71,7 @@ absl::StatusOr<HeadOptimizer> OptimizerFromWire(const v1::OptimizerConfig& c,
 }
 
 v1::OptimizerConfig OptimizerToWire(const HeadOptimizer& o) {
-  v1::OptimizerConfig c;
-  const bool sgd = o.kind == OptimizerKind::kSgd;
-  c.set_kind(sgd ? v1::OPTIMIZER_SGD : v1::OPTIMIZER_ADAMW);
-  c.set_lr(o.lr);
-  c.set_weight_decay(o.weight_decay);
-  c.set_bias_weight_decay(o.bias_weight_decay);
-  if (sgd) {
-    c.set_momentum(o.momentum);
-    c.set_dampening(o.dampening);
-    c.set_nesterov(o.nesterov);
-  } else {
-    // Only AdamW's own fields: an SGD config with betas would be refused on import.
-    c.set_beta1(o.beta1);
-    c.set_beta2(o.beta2);
-    c.set_eps(o.eps);
-    c.set_amsgrad(o.amsgrad);
-  }
-  return c;
+  return OptimizerConfigOf(o.kind == OptimizerKind::kSgd, o.weight_decay, o);
 }
 
 absl::StatusOr<HeadSpec> HeadSpecFromWire(const v1::HeadHeader& h, absl::string_view field) {
