@@ -35,22 +35,9 @@ LOSSD_ROW_INLINE void MakeLogits(const KindRowParams& kp, float* z) {
 
 // Max (first index reaching it) and log sum_j exp(z_j - max), in kLanes partial sums.
 LOSSD_ROW_INLINE void MaxAndLogSum(const float* z, int64_t v, HeadRowStats* s) {
-  float m = z[0];
   int64_t arg = 0;
-  for (int64_t j = 1; j < v; ++j) {
-    if (z[j] > m) {
-      m = z[j];
-      arg = j;
-    }
-  }
-  float acc[kLanes] = {0};
-  int64_t j = 0;
-  for (; j + kLanes <= v; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += ExpNonPositive(z[j + l] - m);
-  }
-  for (int l = 0; j < v; ++j, ++l) acc[l] += ExpNonPositive(z[j] - m);
-  double sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  const float m = RowMax(z, v, &arg);
+  const double sum = SumExpBelowMax(z, v, m);
   s->max = m;
   s->argmax = arg;
   s->log_sum = static_cast<float>(std::log(sum));

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Arithmetic the CPU backend's row functions share (row_pass for cross-entropy, kind_rows for
-// the other loss kinds): a vectorisable exp for non-positive arguments and the lane count of
-// their partial sums. Header-only so that it inlines into every target_clones variant.
+// the other loss kinds): a vectorisable exp for non-positive arguments, the lane count of
+// their partial sums, and a row's max and sum of exp below it. Header-only so that it inlines into every target_clones variant.
 #ifndef LOSSD_KERNELS_CPU_ROW_MATH_H_
 #define LOSSD_KERNELS_CPU_ROW_MATH_H_
 
@@ -35,6 +35,37 @@ inline __attribute__((always_inline)) float ExpNonPositive(float x) {
 
 // Independent fp32 partial sums per row reduction: vectorisable, and more accurate.
 inline constexpr int kLanes = 16;
+
+// The max of z (v >= 1) and, in *arg, the first index reaching it.
+inline __attribute__((always_inline)) float RowMax(const float* z,  // (v)
+                                                   int64_t v, int64_t* arg) {
+  float m = z[0];
+  int64_t a = 0;  // a local, not *arg, so the loop keeps it in a register
+  for (int64_t j = 1; j < v; ++j) {
+    if (z[j] > m) {
+      m = z[j];
+      a = j;
+    }
+  }
+  *arg = a;
+  return m;
+}
+
+// sum_j exp(z_j - m) for m = max_j z_j, in kLanes fp32 partial sums added in double. Two passes
+// (max, then this) rather than an online max/sum: the row is in cache, and the exact max needs
+// no rescaling.
+inline __attribute__((always_inline)) double SumExpBelowMax(const float* z,  // (v)
+                                                            int64_t v, float m) {
+  float acc[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += ExpNonPositive(z[j + l] - m);
+  }
+  for (int l = 0; j < v; ++j, ++l) acc[l] += ExpNonPositive(z[j] - m);
+  double sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  return sum;
+}
 
 }  // namespace lossd
 

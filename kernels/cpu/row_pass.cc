@@ -89,26 +89,8 @@ RowResult RowPass(const RowPassParams& rp, float* z, int64_t t, double sc, doubl
     const float cap = static_cast<float>(rp.cap), inv = static_cast<float>(1.0 / rp.cap);
     for (int64_t j = 0; j < v; ++j) z[j] = cap * std::tanh(z[j] * inv);
   }
-  // Max and the first index reaching it. Two passes (max, then the sum of exp) rather than an
-  // online max/sum: the row is in cache, and the exact max needs no rescaling.
-  float m = z[0];
-  int64_t arg = 0;
-  for (int64_t j = 1; j < v; ++j) {
-    if (z[j] > m) {
-      m = z[j];
-      arg = j;
-    }
-  }
-  res.argmax = arg;
-  // sum_j exp(z_j - m).
-  float acc[kLanes] = {0};
-  int64_t j = 0;
-  for (; j + kLanes <= v; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += ExpNonPositive(z[j + l] - m);
-  }
-  for (int l = 0; j < v; ++j, ++l) acc[l] += ExpNonPositive(z[j] - m);
-  double sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  const float m = RowMax(z, v, &res.argmax);
+  const double sum = SumExpBelowMax(z, v, m);
   const double lse = m + std::log(sum);
   res.lse = static_cast<float>(lse);
   if (t < 0) {
