@@ -65,6 +65,8 @@ class RawStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::B
   }
 
  private:
+  // The same as client/stream_call.cc's StartNextWrite on purpose: the raw client measures the
+  // wire without any client code.
   void WriteNext() {
     if (next_ + 1 < out_.size()) {
       StartWrite(&out_[next_]);

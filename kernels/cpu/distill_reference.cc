@@ -119,7 +119,7 @@ double RowDivergence(double beta, const HeadRow& s, const HeadRow& t,
 // One event's share of the divergence at beta (0 forward KL, 1 reverse, else the JSD through
 // M = beta p + (1 - beta) q) and d = its derivative in log q. An event the teacher gives
 // probability 0 (log_p -inf: an empty tail) adds nothing to the forward KL or to the JSD's
-// teacher side.
+// teacher side. A copy of kind_rows.cc's on purpose: the oracle shares no code with the backend.
 double EventTerm(double beta, double log_p, double log_q, double* d) {
   const double p = std::exp(log_p), q = std::exp(log_q);
   if (beta == 0.0) {

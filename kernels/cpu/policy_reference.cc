@@ -192,6 +192,8 @@ void AggregationWeights(const PolicyProblem& p, const std::vector<int64_t>& per_
 }
 
 // Each row's weight in the loss (its normaliser, 0 where masked) and the mask count N.
+// A copy of policy_rows.cc's PolicyWeights on purpose: the float64 oracle shares no code with
+// the backend it checks.
 std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
                                std::vector<int64_t>* per_seq_out) {
   const PolicyOptions& o = p.options;
