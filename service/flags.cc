@@ -51,6 +51,10 @@ ABSL_FLAG(std::string, head_group_token_file, "",
           "Bearer token (first line) this server presents to member 0's group rendezvous.");
 ABSL_FLAG(std::string, head_group_tls_ca, "",
           "PEM roots verifying member 0's TLS certificate; empty: plaintext to member 0.");
+ABSL_FLAG(std::string, head_group_tls_cert, "",
+          "PEM client certificate (chain) this server presents to member 0 where member 0 "
+          "asks for one (--tls_client_ca); with --head_group_tls_key and --head_group_tls_ca.");
+ABSL_FLAG(std::string, head_group_tls_key, "", "PEM private key of --head_group_tls_cert.");
 ABSL_FLAG(uint64_t, ticket_bytes, 4ull << 30,
           "Budget of two-phase log-prob tickets (a forward's X, targets and inline W kept for "
           "its backward); a forward that does not fit is refused (RESOURCE_EXHAUSTED).");

@@ -35,6 +35,8 @@ ABSL_DECLARE_FLAG(std::string, head_group_address);
 ABSL_DECLARE_FLAG(absl::Duration, head_group_timeout);
 ABSL_DECLARE_FLAG(std::string, head_group_token_file);
 ABSL_DECLARE_FLAG(std::string, head_group_tls_ca);
+ABSL_DECLARE_FLAG(std::string, head_group_tls_cert);
+ABSL_DECLARE_FLAG(std::string, head_group_tls_key);
 ABSL_DECLARE_FLAG(uint64_t, ticket_bytes);
 ABSL_DECLARE_FLAG(uint32_t, max_tickets);
 ABSL_DECLARE_FLAG(int64_t, ticket_max_ms);

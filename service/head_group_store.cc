@@ -184,8 +184,19 @@ absl::StatusOr<std::string> ReadFlagFile(const std::string& path, const char* fl
 }
 }  // namespace
 
-absl::StatusOr<GroupStoreClientOptions> GroupStoreClientFromFiles(const std::string& token_file,
-                                                                  const std::string& tls_ca_file) {
+absl::StatusOr<GroupStoreClientOptions> GroupStoreClientFromFiles(
+    const std::string& token_file, const std::string& tls_ca_file,
+    const std::string& tls_cert_file, const std::string& tls_key_file) {
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--head_group_tls_cert and --head_group_tls_key go together (this member's client "
+        "certificate and its key), got '", tls_cert_file, "' and '", tls_key_file, "'"));
+  }
+  if (!tls_cert_file.empty() && tls_ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--head_group_tls_cert needs --head_group_tls_ca: a client certificate is presented "
+        "over TLS only");
+  }
   GroupStoreClientOptions o;
   if (!token_file.empty()) {
     absl::StatusOr<std::string> t = ReadFlagFile(token_file, "head_group_token_file");
@@ -198,6 +209,14 @@ absl::StatusOr<GroupStoreClientOptions> GroupStoreClientFromFiles(const std::str
     if (!ca.ok()) return ca.status();
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = *ca;
+    if (!tls_cert_file.empty()) {
+      absl::StatusOr<std::string> cert = ReadFlagFile(tls_cert_file, "head_group_tls_cert");
+      if (!cert.ok()) return cert.status();
+      absl::StatusOr<std::string> key = ReadFlagFile(tls_key_file, "head_group_tls_key");
+      if (!key.ok()) return key.status();
+      ssl.pem_cert_chain = *cert;
+      ssl.pem_private_key = *key;
+    }
     o.credentials = grpc::SslCredentials(ssl);
   }
   return o;
@@ -232,7 +251,7 @@ absl::Status ConfigureHeadGroups(const HeadGroupFlags& flags,
   }
   if (gloo.timeout == absl::ZeroDuration()) gloo.timeout = eo->head_step_timeout;
   absl::StatusOr<GroupStoreClientOptions> client =
-      GroupStoreClientFromFiles(flags.token_file, flags.tls_ca);
+      GroupStoreClientFromFiles(flags.token_file, flags.tls_ca, flags.tls_cert, flags.tls_key);
   if (!client.ok()) return client.status();
   *service = std::make_unique<GroupStoreService>(std::move(auth));
   eo->head_connect_group = MakeConnectGroup((*service)->store(), std::move(*client), gloo);

@@ -68,10 +68,13 @@ struct GroupStoreClientOptions {
 std::shared_ptr<HeadGroupStore> MakeRpcGroupStore(const GroupStoreClientOptions& options);
 
 // The credentials a member presents to member 0: the bearer token in `token_file` (its first
-// line; "" = none) and TLS verified against the PEM roots in `tls_ca_file` ("" = plaintext).
-// INVALID_ARGUMENT naming the flag where a file cannot be read or is empty.
-absl::StatusOr<GroupStoreClientOptions> GroupStoreClientFromFiles(const std::string& token_file,
-                                                                  const std::string& tls_ca_file);
+// line; "" = none), TLS verified against the PEM roots in `tls_ca_file` ("" = plaintext), and
+// for a member 0 that asks for client certificates (--tls_client_ca) the PEM certificate
+// chain and key this member presents (both or neither, and only with TLS). INVALID_ARGUMENT
+// naming the flag where a file cannot be read or is empty, or the flags do not go together.
+absl::StatusOr<GroupStoreClientOptions> GroupStoreClientFromFiles(
+    const std::string& token_file, const std::string& tls_ca_file,
+    const std::string& tls_cert_file = "", const std::string& tls_key_file = "");
 
 // EngineOptions::head_connect_group for this server: member 0 forms the group through
 // `local` (its own GroupStoreService's store), the others through member 0's service, with
@@ -86,6 +89,8 @@ struct HeadGroupFlags {
   absl::Duration timeout;  // --head_group_timeout; 0: eo->head_step_timeout
   std::string token_file;  // --head_group_token_file
   std::string tls_ca;      // --head_group_tls_ca
+  std::string tls_cert;    // --head_group_tls_cert: this member's client certificate (mTLS)
+  std::string tls_key;     // --head_group_tls_key
 };
 
 // Where flags.address is set: makes the rendezvous service (`auth` as the Loss service's) and

@@ -3,6 +3,7 @@
 // read it through MakeRpcGroupStore, and three members form a gloo communicator through it.
 #include "service/head_group_store.h"
 
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -165,6 +166,36 @@ TEST(HeadGroupStore, TheFlagsAreChecked) {
       ConfigureHeadGroups({"127.0.0.1", absl::ZeroDuration(), "", ""}, nullptr, &eo, &service)
           .ok());
   EXPECT_NE(service, nullptr);
+  EXPECT_TRUE(eo.head_connect_group);
+}
+
+// A member's client certificate for a member 0 that asks for one (mutual TLS): the
+// certificate and its key together, over TLS only, and files that can be read.
+TEST(HeadGroupStore, TheClientCertificateFlagsGoTogether) {
+  const std::string dir = ::testing::TempDir();
+  const std::string pem = dir + "/head_group_store_test.pem";
+  { std::ofstream(pem) << "-----BEGIN CERTIFICATE-----\nnot checked here\n"; }
+  EngineOptions eo;
+  std::unique_ptr<GroupStoreService> service;
+  auto configure = [&](std::string ca, std::string cert, std::string key) {
+    return ConfigureHeadGroups({"127.0.0.1", absl::ZeroDuration(), "", ca, cert, key}, nullptr,
+                               &eo, &service);
+  };
+  absl::Status s = configure(pem, pem, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--head_group_tls_cert and --head_group_tls_key go together"),
+            std::string::npos) << s;
+  s = configure(pem, "", pem);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = configure("", pem, pem);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--head_group_tls_cert needs --head_group_tls_ca"),
+            std::string::npos) << s;
+  s = configure(pem, pem, "/nonexistent/key.pem");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--head_group_tls_key: /nonexistent/key.pem cannot be read"),
+            std::string::npos) << s;
+  EXPECT_TRUE(configure(pem, pem, pem).ok());  // the PEM's contents are gRPC's to check
   EXPECT_TRUE(eo.head_connect_group);
 }
 

@@ -329,7 +329,8 @@ bool HeadGroupsFromFlags(const TransportSettings& t, EngineOptions* eo,
                          std::unique_ptr<GroupStoreService>* service) {
   absl::Status s = ConfigureHeadGroups(
       {absl::GetFlag(FLAGS_head_group_address), absl::GetFlag(FLAGS_head_group_timeout),
-       absl::GetFlag(FLAGS_head_group_token_file), absl::GetFlag(FLAGS_head_group_tls_ca)},
+       absl::GetFlag(FLAGS_head_group_token_file), absl::GetFlag(FLAGS_head_group_tls_ca),
+       absl::GetFlag(FLAGS_head_group_tls_cert), absl::GetFlag(FLAGS_head_group_tls_key)},
       t.auth, eo, service);
   if (!s.ok()) StartFailed(s.ToString());
   return s.ok();

@@ -47,6 +47,8 @@
 #   LOSSD_HEAD_GROUP_TIMEOUT  --head_group_timeout, e.g. 120s (unset: --head_step_timeout)
 #   LOSSD_HEAD_GROUP_TOKEN_FILE, LOSSD_HEAD_GROUP_TLS_CA   absolute paths: the bearer token and
 #                             the CA roots an instance presents to / verifies member 0 with
+#   LOSSD_HEAD_GROUP_TLS_CERT, LOSSD_HEAD_GROUP_TLS_KEY    absolute paths: the client certificate
+#                             and key an instance presents to a member 0 that asks for one
 #   LOSSD_HEAD_GROUP_SIZE     members of the largest group these instances serve (default: N);
 #                             only for the plan's sizing of LOSSD_HEAD_BYTES
 set -euo pipefail
@@ -201,8 +203,11 @@ GROUP_ADDRESS=${LOSSD_HEAD_GROUP_ADDRESS:-}
 GROUP_TIMEOUT=${LOSSD_HEAD_GROUP_TIMEOUT:-}
 GROUP_TOKEN=${LOSSD_HEAD_GROUP_TOKEN_FILE:-}
 GROUP_CA=${LOSSD_HEAD_GROUP_TLS_CA:-}
+GROUP_CERT=${LOSSD_HEAD_GROUP_TLS_CERT:-}
+GROUP_KEY=${LOSSD_HEAD_GROUP_TLS_KEY:-}
 if [[ -z "$GROUP_ADDRESS" ]]; then
-  for v in LOSSD_HEAD_GROUP_TIMEOUT LOSSD_HEAD_GROUP_TOKEN_FILE LOSSD_HEAD_GROUP_TLS_CA; do
+  for v in LOSSD_HEAD_GROUP_TIMEOUT LOSSD_HEAD_GROUP_TOKEN_FILE LOSSD_HEAD_GROUP_TLS_CA \
+      LOSSD_HEAD_GROUP_TLS_CERT LOSSD_HEAD_GROUP_TLS_KEY; do
     [[ -z "${!v:-}" ]] ||
       die "$v is set but LOSSD_HEAD_GROUP_ADDRESS is not: head groups are off without it"
   done
@@ -216,9 +221,13 @@ else
 fi
 [[ -z "$GROUP_TIMEOUT" || "$GROUP_TIMEOUT" =~ ^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$ ]] ||
   die "LOSSD_HEAD_GROUP_TIMEOUT must be a duration such as 120s or 2m, got '$GROUP_TIMEOUT'"
-for v in LOSSD_HEAD_GROUP_TOKEN_FILE LOSSD_HEAD_GROUP_TLS_CA; do
+for v in LOSSD_HEAD_GROUP_TOKEN_FILE LOSSD_HEAD_GROUP_TLS_CA LOSSD_HEAD_GROUP_TLS_CERT \
+    LOSSD_HEAD_GROUP_TLS_KEY; do
   [[ -z "${!v:-}" || "${!v}" == /* ]] || die "$v must be an absolute path, got '${!v}'"
 done
+if [[ -n "$GROUP_CERT" && -z "$GROUP_KEY" ]] || [[ -z "$GROUP_CERT" && -n "$GROUP_KEY" ]]; then
+  die "LOSSD_HEAD_GROUP_TLS_CERT and LOSSD_HEAD_GROUP_TLS_KEY go together"
+fi
 GROUP_SIZE=${LOSSD_HEAD_GROUP_SIZE:-$N}
 if ! is_uint "$GROUP_SIZE" || [[ "$GROUP_SIZE" -lt 1 ]]; then
   die "LOSSD_HEAD_GROUP_SIZE must be a member count of 1 or more, got '$GROUP_SIZE'"
@@ -265,6 +274,8 @@ argv() {
   [[ -z "$GROUP_TIMEOUT" ]] || echo "--head_group_timeout=$GROUP_TIMEOUT"
   [[ -z "$GROUP_TOKEN" ]] || echo "--head_group_token_file=$GROUP_TOKEN"
   [[ -z "$GROUP_CA" ]] || echo "--head_group_tls_ca=$GROUP_CA"
+  [[ -z "$GROUP_CERT" ]] || echo "--head_group_tls_cert=$GROUP_CERT"
+  [[ -z "$GROUP_KEY" ]] || echo "--head_group_tls_key=$GROUP_KEY"
   local extra
   for extra in ${LOSSD_EXTRA_FLAGS:-}; do echo "$extra"; done
 }

@@ -182,12 +182,15 @@ finish_case RefusesBadConfigurations "every refusal names its variable"
 # --- 2b. Head groups: the group flags per instance, the member list across hosts, sizing ---
 got=$(LOSSD_GPUS=0,1 LOSSD_HEAD_GROUP_ADDRESS=10.0.0.11 LOSSD_HEAD_GROUP_TIMEOUT=600s \
   LOSSD_HEAD_GROUP_TOKEN_FILE=/etc/lossd/head-group.token LOSSD_HEAD_GROUP_TLS_CA=/etc/lossd/ca.pem \
+  LOSSD_HEAD_GROUP_TLS_CERT=/etc/lossd/member.pem LOSSD_HEAD_GROUP_TLS_KEY=/etc/lossd/member.key \
   LOSSD_EXTRA_FLAGS=--log_format=json "$LAUNCHER" argv 1 2>&1)
 check "an instance's group flags, before the extra flags: $(tr '\n' ' ' <<<"$got")" \
-  same "$(tail -5 <<<"$got")" "--head_group_address=10.0.0.11
+  same "$(tail -7 <<<"$got")" "--head_group_address=10.0.0.11
 --head_group_timeout=600s
 --head_group_token_file=/etc/lossd/head-group.token
 --head_group_tls_ca=/etc/lossd/ca.pem
+--head_group_tls_cert=/etc/lossd/member.pem
+--head_group_tls_key=/etc/lossd/member.key
 --log_format=json"
 got=$(LOSSD_GPUS=0,1 "$LAUNCHER" argv 0 2>&1)
 check "no group flag without LOSSD_HEAD_GROUP_ADDRESS" bash -c "! grep -q -- --head_group <<<'$got'"
@@ -217,6 +220,9 @@ check "a timeout that is no duration" refuses \
   LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_TIMEOUT=600 -- plan
 check "a relative CA path" refuses "LOSSD_HEAD_GROUP_TLS_CA must be an absolute path, got 'ca.pem'" \
   LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_TLS_CA=ca.pem -- plan
+check "a client certificate without its key" refuses \
+  "LOSSD_HEAD_GROUP_TLS_CERT and LOSSD_HEAD_GROUP_TLS_KEY go together" \
+  LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_TLS_CERT=/etc/m.pem -- plan
 check "a group of no members" refuses "LOSSD_HEAD_GROUP_SIZE must be a member count of 1 or more, got '0'" \
   LOSSD_GPUS=0 LOSSD_HEAD_GROUP_ADDRESS=127.0.0.1 LOSSD_HEAD_GROUP_SIZE=0 -- plan
 # The example's commented block, turned on: lossd@5 of a host of a 16-member group.
