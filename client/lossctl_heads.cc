@@ -188,6 +188,14 @@ void PrintInfo(const HeadInfo& i, CommandOutput& out) {
   }
 }
 
+// What create and import print: whether the head is new, then its info.
+void PrintCreated(const CreateHeadResult& res, CommandOutput& out) {
+  out.Field("created", res.created,
+            res.created ? "created         yes"
+                        : "created         no: the same head at the same version was there");
+  PrintInfo(res.head, out);
+}
+
 absl::Status RunCreate(CommandOutput& out) {
   CreateHeadRequest r;
   LOSSD_ASSIGN_OR_RETURN(r.name, HeadFlag("create"));
@@ -215,10 +223,7 @@ absl::Status RunCreate(CommandOutput& out) {
   }
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   LOSSD_ASSIGN_OR_RETURN(CreateHeadResult res, client->CreateHead(r));
-  out.Field("created", res.created,
-            res.created ? "created         yes"
-                        : "created         no: the same head at the same version was there");
-  PrintInfo(res.head, out);
+  PrintCreated(res, out);
   return absl::OkStatus();
 }
 
@@ -365,10 +370,7 @@ absl::Status RunImport(CommandOutput& out) {
   LOSSD_ASSIGN_OR_RETURN(HeadGroup group, GroupFromFlags());
   LOSSD_ASSIGN_OR_RETURN(auto client, ClientFromFlags());
   LOSSD_ASSIGN_OR_RETURN(CreateHeadResult res, client->ImportHead(e, group));
-  out.Field("created", res.created,
-            res.created ? "created         yes"
-                        : "created         no: the same head at the same version was there");
-  PrintInfo(res.head, out);
+  PrintCreated(res, out);
   return absl::OkStatus();
 }
 
