@@ -32,28 +32,11 @@ class StateCollector : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     const StateSample s = sample_();
     std::vector<prometheus::MetricFamily> out;
-    // One unlabelled series of `type`; the text serializer reads the value from the member
-    // that matches the type, so only that one is set.
-    auto family = [&](prometheus::MetricType type, const char* name, const char* help,
-                      double v) {
-      prometheus::MetricFamily f;
-      f.name = name;
-      f.help = help;
-      f.type = type;
-      prometheus::ClientMetric m;
-      if (type == prometheus::MetricType::Counter) {
-        m.counter.value = v;
-      } else {
-        m.gauge.value = v;
-      }
-      f.metric.push_back(m);
-      out.push_back(std::move(f));
-    };
     auto gauge = [&](const char* name, const char* help, double v) {
-      family(prometheus::MetricType::Gauge, name, help, v);
+      AddUnlabelledFamily(&out, name, help, prometheus::MetricType::Gauge, v);
     };
     auto counter = [&](const char* name, const char* help, double v) {
-      family(prometheus::MetricType::Counter, name, help, v);
+      AddUnlabelledFamily(&out, name, help, prometheus::MetricType::Counter, v);
     };
     gauge("lossd_memory_in_use_bytes", "Bytes admitted for requests in flight (host buffers "
           "and backend workspace).", s.memory_in_use_bytes);

@@ -27,8 +27,19 @@ bool ReadFile(const std::string& path, std::string* out) {
   return true;
 }
 
-void Add(std::vector<prometheus::MetricFamily>* out, const char* name, const char* help,
-         prometheus::MetricType type, double v) {
+// The fields of /proc/<pid>/stat after the command name, which may itself hold spaces and
+// parentheses: field 3 (state) is fields[0].
+std::vector<std::string> StatFields(const std::string& stat) {
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return {};
+  return absl::StrSplit(absl::StripAsciiWhitespace(stat.substr(close + 1)), ' ',
+                        absl::SkipEmpty());
+}
+
+}  // namespace
+
+void AddUnlabelledFamily(std::vector<prometheus::MetricFamily>* out, const char* name,
+                         const char* help, prometheus::MetricType type, double v) {
   prometheus::MetricFamily f;
   f.name = name;
   f.help = help;
@@ -42,17 +53,6 @@ void Add(std::vector<prometheus::MetricFamily>* out, const char* name, const cha
   f.metric.push_back(m);
   out->push_back(std::move(f));
 }
-
-// The fields of /proc/<pid>/stat after the command name, which may itself hold spaces and
-// parentheses: field 3 (state) is fields[0].
-std::vector<std::string> StatFields(const std::string& stat) {
-  const size_t close = stat.rfind(')');
-  if (close == std::string::npos) return {};
-  return absl::StrSplit(absl::StripAsciiWhitespace(stat.substr(close + 1)), ' ',
-                        absl::SkipEmpty());
-}
-
-}  // namespace
 
 ProcessCollector::ProcessCollector(std::string proc)
     : proc_(std::move(proc)),
@@ -71,12 +71,13 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
         absl::SimpleAtod(f[19], &start) && absl::SimpleAtod(f[20], &vsize) &&
         absl::SimpleAtod(f[21], &rss) && ticks_per_second_ > 0) {
       const double hz = static_cast<double>(ticks_per_second_);
-      Add(&out, "process_cpu_seconds_total", "User and system CPU time spent, in seconds.",
-          MetricType::Counter, (utime + stime) / hz);
-      Add(&out, "process_resident_memory_bytes", "Resident memory size in bytes.",
-          MetricType::Gauge, rss * static_cast<double>(page_bytes_));
-      Add(&out, "process_virtual_memory_bytes", "Virtual memory size in bytes.",
-          MetricType::Gauge, vsize);
+      AddUnlabelledFamily(&out, "process_cpu_seconds_total",
+                          "User and system CPU time spent, in seconds.", MetricType::Counter,
+                          (utime + stime) / hz);
+      AddUnlabelledFamily(&out, "process_resident_memory_bytes", "Resident memory size in bytes.",
+                          MetricType::Gauge, rss * static_cast<double>(page_bytes_));
+      AddUnlabelledFamily(&out, "process_virtual_memory_bytes", "Virtual memory size in bytes.",
+                          MetricType::Gauge, vsize);
       // starttime counts ticks since boot; /proc/stat's btime is the boot's Unix time.
       std::string system_stat;
       if (ReadFile(proc_ + "/stat", &system_stat)) {
@@ -84,9 +85,9 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
           double btime = 0;
           if (absl::ConsumePrefix(&line, "btime ") &&
               absl::SimpleAtod(absl::StripAsciiWhitespace(line), &btime)) {
-            Add(&out, "process_start_time_seconds",
-                "Start time of the process since the Unix epoch, in seconds.",
-                MetricType::Gauge, btime + start / hz);
+            AddUnlabelledFamily(&out, "process_start_time_seconds",
+                                "Start time of the process since the Unix epoch, in seconds.",
+                                MetricType::Gauge, btime + start / hz);
           }
         }
       }
@@ -100,7 +101,7 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
       if (e->d_name[0] != '.' && own != e->d_name) ++n;
     }
     closedir(d);
-    Add(&out, "process_open_fds", "Open file descriptors.", MetricType::Gauge, n);
+    AddUnlabelledFamily(&out, "process_open_fds", "Open file descriptors.", MetricType::Gauge, n);
   }
   if (ReadFile(proc_ + "/self/limits", &text)) {
     for (absl::string_view line : absl::StrSplit(text, '\n')) {
@@ -109,8 +110,9 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
           absl::StrSplit(absl::StripAsciiWhitespace(line), ' ', absl::SkipEmpty());
       double soft = 0;
       if (!w.empty() && absl::SimpleAtod(w[0], &soft)) {
-        Add(&out, "process_max_fds", "Most open file descriptors allowed (the soft limit).",
-            MetricType::Gauge, soft);
+        AddUnlabelledFamily(&out, "process_max_fds",
+                            "Most open file descriptors allowed (the soft limit).",
+                            MetricType::Gauge, soft);
       }
     }
   }

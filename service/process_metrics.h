@@ -15,6 +15,11 @@
 
 namespace lossd {
 
+// Appends to `out` a family of one unlabelled series of `type` (Gauge or Counter) with value
+// `v`: what a collector that computes its values at scrape time returns.
+void AddUnlabelledFamily(std::vector<prometheus::MetricFamily>* out, const char* name,
+                         const char* help, prometheus::MetricType type, double v);
+
 class ProcessCollector : public prometheus::Collectable {
  public:
   // `proc` is the /proc mount; tests point it at a folder of their own ("self/stat",
