@@ -194,7 +194,7 @@ def registered_metrics(root):
         if not rel.endswith(".cc") or rel.endswith("_test.cc"):
             continue
         text = read(root, "service/" + rel)
-        for m in re.finditer(r'(?:\(\s*\*?\w*\s*,?\s*|gauge\(|counter\(|Add\(&out,\s*|'
+        for m in re.finditer(r'(?:\(\s*\*?\w*\s*,?\s*|gauge\(|counter\(|Add\w*\(&out,\s*|'
                              r'Name\()\s*"((?:lossd|process)_\w+)"', text):
             name = m.group(1)
             end = re.compile(r";\s*\n").search(text, m.end())
