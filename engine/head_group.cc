@@ -5,9 +5,11 @@
 #include "engine/head_group.h"
 
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -208,6 +210,11 @@ class GlooComm : public MarkedComm {
 absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupStore> store,
                                                       const HeadGroup& group,
                                                       const GlooOptions& options) {
+  // gloo's TCP transport writes to its sockets without MSG_NOSIGNAL: a peer that closed
+  // its connections mid-collective (a member lost, or one that left) would raise SIGPIPE and
+  // kill this member instead of failing the collective with EPIPE, which names who was lost.
+  static std::once_flag ignore_sigpipe;
+  std::call_once(ignore_sigpipe, [] { std::signal(SIGPIPE, SIG_IGN); });
   const uint32_t size = group.size();
   if (group.members.size() < 2 || group.member >= size || group.id.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
