@@ -40,7 +40,11 @@
  * cispo, sapo and luspo and their options. 6.0: version 5's structs and functions, versioned
  * major.minor (the entry point answers every minor of its major). 6.1: LossdBackendInfo's
  * compute_path. 6.2: a head group's communicator (lossd::Backend's CommAvailable, NewCommId,
- * ConnectComm and lossd::BackendComm's methods): the comm_* functions and LossdComm.
+ * ConnectComm and lossd::BackendComm's methods): the comm_* functions and LossdComm. 6.3: the
+ * policy kind's rollout correction (is_ratio), importance-sampling level and verl's options
+ * (the KL estimator and straight-through, entropy_coeff, the aggregation and its
+ * loss_scale_factor) at the end of LossdProblem, and the loss type gpg; a plugin that computes
+ * them says so in loss_kinds' option bits (core/loss_problem.h's kPolicy*Bit).
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -54,7 +58,7 @@ extern "C" {
 
 /* major.minor packed into 32 bits: (major << 16) | minor. */
 #define LOSSD_PLUGIN_ABI_MAJOR 6u
-#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 2u
+#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 3u
 #ifndef LOSSD_PLUGIN_ABI_MINOR
 #define LOSSD_PLUGIN_ABI_MINOR LOSSD_PLUGIN_ABI_CURRENT_MINOR
 #endif
@@ -107,6 +111,19 @@ extern "C" {
 #define LOSSD_POLICY_CISPO 4 /* version 5, as the two below */
 #define LOSSD_POLICY_SAPO 5
 #define LOSSD_POLICY_LUSPO 6
+#define LOSSD_POLICY_GPG 7 /* 6.3 */
+#define LOSSD_IMPORTANCE_SAMPLING_TOKEN 0 /* 6.3, as the values below */
+#define LOSSD_IMPORTANCE_SAMPLING_SEQUENCE 1
+#define LOSSD_KL_K3 0
+#define LOSSD_KL_K1 1
+#define LOSSD_KL_K2 2
+#define LOSSD_KL_ABS 3
+#define LOSSD_KL_LOW_VAR_KL 4
+#define LOSSD_AGGREGATION_LOSS_TYPE 0
+#define LOSSD_AGGREGATION_TOKEN_MEAN 1
+#define LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_SUM 2
+#define LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_MEAN 3
+#define LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM 4
 
 /* The outcome of a call. code: 0 is OK, anything else a canonical status code (absl's and
  * gRPC's numbers: 3 INVALID_ARGUMENT, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE ...). The caller
@@ -203,6 +220,18 @@ typedef struct LossdProblem {
   const void* teacher_w;       /* (V, teacher_h) dtype, in teacher_w_memory */
   const void* teacher_bias;    /* (V) dtype, in teacher_w_memory; null = none */
   LossdDistillParams distill;
+#if LOSSD_PLUGIN_ABI_MINOR >= 3
+  /* 6.3: the policy kind's options beyond version 5's (core/loss_problem.h's PolicyParams). A
+   * plugin of an older minor never reads them: the server sends them only to a plugin whose
+   * loss_kinds has the option's bit. */
+  const float* is_ratio;       /* (BT) host; policy; null = 1 */
+  int32_t importance_sampling; /* LOSSD_IMPORTANCE_SAMPLING_* */
+  int32_t kl_estimator;        /* LOSSD_KL_* */
+  int32_t kl_straight_through; /* 0 or 1 */
+  float entropy_coeff;
+  int32_t aggregation;         /* LOSSD_AGGREGATION_* */
+  double loss_scale_factor;    /* 0 = the sequence length */
+#endif
 } LossdProblem;
 
 /* Where the results go (lossd::LossOutputs); host memory unless noted, null = not wanted. */

@@ -17,9 +17,14 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 2u,
-                    "the ABI version is 6.2");
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60002u, "major.minor packed as major << 16");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 3u,
+                    "the ABI version is 6.3");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60003u, "major.minor packed as major << 16");
+  /* 6.3's fields come after every field of 6.2. */
+  failures += Check(offsetof(LossdProblem, is_ratio) > offsetof(LossdProblem, distill)
+                        && offsetof(LossdProblem, loss_scale_factor)
+                               > offsetof(LossdProblem, aggregation),
+                    "6.3's policy options at the end of LossdProblem");
   /* 6.1's field comes after every field of 6.0. */
   failures += Check(offsetof(LossdBackendInfo, compute_path)
                         > offsetof(LossdBackendInfo, loss_kinds),

@@ -8,9 +8,36 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "core/loss_problem.h"
 
 namespace lossd {
 namespace {
+
+// The ABI's enumeration values are core/loss_problem.h's (Cast moves them by value).
+static_assert(LOSSD_POLICY_LUSPO == static_cast<int>(PolicyLossType::kLuspo) &&
+                  LOSSD_POLICY_GPG == static_cast<int>(PolicyLossType::kGpg) &&
+                  kPolicyLossTypes == LOSSD_POLICY_GPG + 1,
+              "LOSSD_POLICY_* are PolicyLossType's values");
+static_assert(LOSSD_IMPORTANCE_SAMPLING_SEQUENCE ==
+                      static_cast<int>(ImportanceSampling::kSequence) &&
+                  kImportanceSamplingLevels == 2,
+              "LOSSD_IMPORTANCE_SAMPLING_* are ImportanceSampling's values");
+static_assert(LOSSD_KL_K3 == static_cast<int>(KlEstimator::kK3) &&
+                  LOSSD_KL_K1 == static_cast<int>(KlEstimator::kK1) &&
+                  LOSSD_KL_K2 == static_cast<int>(KlEstimator::kK2) &&
+                  LOSSD_KL_ABS == static_cast<int>(KlEstimator::kAbs) &&
+                  LOSSD_KL_LOW_VAR_KL == static_cast<int>(KlEstimator::kLowVarKl) &&
+                  kKlEstimators == 5,
+              "LOSSD_KL_* are KlEstimator's values");
+static_assert(LOSSD_AGGREGATION_TOKEN_MEAN == static_cast<int>(PolicyAggregation::kTokenMean) &&
+                  LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_SUM ==
+                      static_cast<int>(PolicyAggregation::kSeqMeanTokenSum) &&
+                  LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_MEAN ==
+                      static_cast<int>(PolicyAggregation::kSeqMeanTokenMean) &&
+                  LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM ==
+                      static_cast<int>(PolicyAggregation::kSeqMeanTokenSumNorm) &&
+                  kPolicyAggregations == 5,
+              "LOSSD_AGGREGATION_* are PolicyAggregation's values");
 
 // NUL-terminated `s` in dst[0, capacity), cut to fit.
 void CopyCut(absl::string_view s, char* dst, size_t capacity) {
@@ -126,6 +153,15 @@ void VisitProblem(P& p, C& c, Move move) {
   move(p.teacher_w, c.teacher_w);
   move(p.teacher_bias, c.teacher_bias);
   move(p.distill.jsd_beta, c.distill.jsd_beta);
+#if LOSSD_PLUGIN_ABI_MINOR >= 3
+  move(p.is_ratio, c.is_ratio);
+  move(p.policy.importance_sampling, c.importance_sampling);
+  move(p.policy.kl_estimator, c.kl_estimator);
+  move(p.policy.kl_straight_through, c.kl_straight_through);
+  move(p.policy.entropy_coeff, c.entropy_coeff);
+  move(p.policy.aggregation, c.aggregation);
+  move(p.policy.loss_scale_factor, c.loss_scale_factor);
+#endif
 }
 
 template <typename O, typename C, typename Move>

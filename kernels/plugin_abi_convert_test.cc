@@ -125,6 +125,13 @@ LossProblem EveryFieldSet(float* f, int64_t* i) {
   p.teacher_w_memory = Memory::kBackend;
   p.teacher_bias = &f[0];
   p.distill.jsd_beta = 0.25f;
+  p.is_ratio = &f[2];
+  p.policy.importance_sampling = ImportanceSampling::kSequence;
+  p.policy.kl_estimator = KlEstimator::kLowVarKl;
+  p.policy.kl_straight_through = true;
+  p.policy.entropy_coeff = -0.125f;
+  p.policy.aggregation = PolicyAggregation::kSeqMeanTokenSumNorm;
+  p.policy.loss_scale_factor = 48.5;
   return p;
 }
 
@@ -173,6 +180,17 @@ TEST(PluginAbiConvertTest, ProblemRoundTrips) {
   EXPECT_EQ(r.policy.max_completion_length, 11);
   EXPECT_EQ(r.policy.dapo_normalizer, 2.5);
   EXPECT_EQ(c.policy.use_bias_correction_kl, 1);
+  EXPECT_EQ(r.is_ratio, p.is_ratio);
+  EXPECT_EQ(c.importance_sampling, LOSSD_IMPORTANCE_SAMPLING_SEQUENCE);
+  EXPECT_EQ(r.policy.importance_sampling, ImportanceSampling::kSequence);
+  EXPECT_EQ(c.kl_estimator, LOSSD_KL_LOW_VAR_KL);
+  EXPECT_EQ(r.policy.kl_estimator, KlEstimator::kLowVarKl);
+  EXPECT_EQ(c.kl_straight_through, 1);
+  EXPECT_TRUE(r.policy.kl_straight_through);
+  EXPECT_EQ(r.policy.entropy_coeff, -0.125f);
+  EXPECT_EQ(c.aggregation, LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM);
+  EXPECT_EQ(r.policy.aggregation, PolicyAggregation::kSeqMeanTokenSumNorm);
+  EXPECT_EQ(r.policy.loss_scale_factor, 48.5);
   EXPECT_EQ(r.policy.sapo_temperature_pos, 1.5f);
   EXPECT_EQ(r.policy.sapo_temperature_neg, 0.75f);
   EXPECT_EQ(r.policy.delta, 1.75f);

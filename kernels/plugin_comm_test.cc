@@ -175,7 +175,7 @@ class PluginCommTest : public ::testing::Test {
 
 TEST_F(PluginCommTest, TheTableReachesTheCommFunctions) {
   EXPECT_EQ(api_->struct_size, sizeof(LossdBackendApi));
-  EXPECT_EQ(LOSSD_PLUGIN_ABI_MINOR_OF(api_->abi_version), 2u);
+  EXPECT_EQ(LOSSD_PLUGIN_ABI_MINOR_OF(api_->abi_version), LOSSD_PLUGIN_ABI_CURRENT_MINOR);
   for (const void* f :
        {reinterpret_cast<const void*>(api_->comm_available),
         reinterpret_cast<const void*>(api_->comm_new_id),

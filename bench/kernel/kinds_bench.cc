@@ -51,6 +51,7 @@
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
 #include "kernels/cuda/policy_sequence.h"
+#include "kernels/policy_rows.h"
 
 ABSL_FLAG(std::string, kinds, "cross_entropy,logprob,policy,distill",
           "loss kinds to time, in this order (cross_entropy, logprob, policy, distill)");
@@ -181,9 +182,7 @@ cuda::DeviceLossArgs ArgsOf(LossKind kind, const ShapeBuffers& b, float temperat
     in.advantages = b.advantages;
     in.old_logp = b.old_logp;
     in.ref_logp = b.ref_logp;
-    in.epsilon_low = defaults.epsilon_low;
-    in.epsilon_high = defaults.epsilon_high;
-    in.beta = defaults.beta;
+    in.policy = PolicyRowOptionsOf(defaults);
     in.alpha = b.policy_alpha;
   } else {
     a.targets = b.counted;

@@ -15,7 +15,7 @@
 #include "kernels/cpu/cpu_chunk.h"
 #include "kernels/cpu/cpu_convert.h"
 #include "kernels/cpu/kind_rows.h"
-#include "kernels/cpu/policy_rows.h"
+#include "kernels/policy_rows.h"
 
 namespace lossd {
 namespace {

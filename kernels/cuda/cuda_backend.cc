@@ -189,7 +189,10 @@ BackendInfo CudaBackend::Info() {
   info.healthy = healthy_.load();
   info.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
                     LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
-  if (!options_.served_over_plugin_abi) info.loss_kinds |= kPolicySequenceBit | kPolicyIsRatioBit;
+  if (!options_.served_over_plugin_abi) {
+    info.loss_kinds |= kPolicySequenceBit | kPolicyIsRatioBit | kPolicyKlEstimatorBit |
+                       kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit;
+  }
   return info;
 }
 

@@ -50,10 +50,13 @@ struct CudaBackendOptions {
   RefExpChoice ref_exp = RefExpChoice::kPerDevice;
   // Rows the default chunk budget holds; 0 = the device's tuning (2048, 4096 on an H100).
   int64_t default_chunk_rows = 0;
-  // Served through the plugin ABI (plugin.cc), which carries neither LossProblem::is_ratio
-  // nor PolicyParams::importance_sampling: Info then does not announce them
-  // (kPolicySequenceBit, kPolicyIsRatioBit), so the server refuses them rather than computing
-  // the token level without the ratio. Called directly, the backend computes both.
+  // Served through a plugin ABI older than 6.3 (plugin.cc built at an older minor), which
+  // carries neither LossProblem::is_ratio, PolicyParams::importance_sampling nor verl's
+  // options (the KL estimator, entropy_coeff, the aggregation, gpg): Info then does not
+  // announce them (kPolicySequenceBit,
+  // kPolicyIsRatioBit, kPolicyKlEstimatorBit, kPolicyEntropyBit, kPolicyAggregationBit,
+  // kPolicyGpgBit), so the server refuses them rather than computing without them. Called
+  // directly, the backend computes them all.
   bool served_over_plugin_abi = false;
 };
 

@@ -114,14 +114,7 @@ RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t 
   p.old_logp = at(in.old_logp);
   p.ref_logp = at(in.ref_logp);
   p.is_ratio = at(in.is_ratio);
-  p.epsilon_low = in.epsilon_low;
-  p.epsilon_high = in.epsilon_high;
-  p.beta = in.beta;
-  p.loss_type = in.loss_type;
-  p.sapo_temperature_pos = in.sapo_temperature_pos;
-  p.sapo_temperature_neg = in.sapo_temperature_neg;
-  p.delta = in.delta;
-  p.use_bias_correction_kl = in.use_bias_correction_kl ? 1 : 0;
+  p.policy = in.policy;
   p.teacher_bias = in.teacher_bias;
   p.jsd_beta = in.jsd_beta;
   p.distill_coef = in.distill_coef;

@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/loss_problem.h"
 #include "kernels/cuda/chunk_plan.h"
+#include "kernels/policy_math.h"
 
 namespace lossd {
 namespace cuda {
@@ -63,16 +64,15 @@ class ChunkHooks {
 // device memory, and the power of two alpha that the host took out of their coefficients.
 struct RowLossInputs {
   const float* coef_logp = nullptr;     // (BT) logprob: grad_scale dlogp_i / alpha, or null
-  const float* coef_entropy = nullptr;  // (BT) logprob: grad_scale dentropy_i / alpha, or null
+  const float* coef_entropy = nullptr;  // (BT) logprob: grad_scale dentropy_i / alpha (policy: above), or null
   const float* row_weight = nullptr;    // (BT) policy: grad_scale w_i / alpha (0 if masked)
   const float* advantages = nullptr;    // (BT) policy
   const float* old_logp = nullptr;      // (BT) policy, or null
   const float* ref_logp = nullptr;      // (BT) policy, or null
   const float* is_ratio = nullptr;      // (BT) policy, or null (1)
-  float epsilon_low = 0, epsilon_high = 0, beta = 0;
-  int32_t loss_type = 0;  // lossd::PolicyLossType
-  float sapo_temperature_pos = 1, sapo_temperature_neg = 1, delta = 0;
-  bool use_bias_correction_kl = false;
+  // Policy's row options (kernels/policy_math.h); the entropy bonus reaches G through
+  // coef_entropy (grad_scale w_i (-entropy_coeff) / alpha), for policy as for logprob.
+  policy_math::RowOptions policy;
   float alpha = 1;  // the dX, dW and db GEMMs' alpha
   // Distill: the teacher head (X's dtype; row-chunk plans whose workspace holds a second
   // logits buffer after the two GEMM workspaces), jsd_beta, and grad_scale / (n alpha).

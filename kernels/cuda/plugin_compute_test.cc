@@ -2,8 +2,9 @@
 // The CUDA backend through the plugin ABI (liblossd_cuda.so loaded by the server's loader)
 // against the same backend linked in and called directly, on a GPU host: the same bits for
 // every output and optimizer step, the same statistics, the same workspace sizes, the same
-// info. Both run with fixed GEMM algorithms, so a difference can only come from the C
+// info, the policy options of ABI 6.3. Both run with fixed GEMM algorithms, so a difference can only come from the C
 // boundary.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "kernels/optimizer.h"
 #include "kernels/plugin_loader.h"
 #include "testing/optimizer_cases.h"
+#include "testing/cuda/row_loss_test_cases.h"
 #include "testing/plugin_cases.h"
 #include "testing/test_util.h"
 
@@ -108,6 +110,12 @@ TEST_F(PluginComputeTest, InfoAndHostMemory) {
   // ABI 6.1's field crosses: the path the device chose.
   EXPECT_FALSE(got.compute_path.empty());
   EXPECT_EQ(got.compute_path, want.compute_path);
+  // ABI 6.3 carries the policy's options, so the plugin announces what the backend computes.
+  EXPECT_EQ(got.loss_kinds, want.loss_kinds);
+  for (uint32_t bit : {kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit,
+                       kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit}) {
+    EXPECT_NE(got.loss_kinds & bit, 0u) << "bit " << bit << " not announced";
+  }
   HostMemory* m = plugin_->host_memory();
   ASSERT_NE(m, nullptr);
   void* p = m->Allocate(1 << 20);
@@ -147,6 +155,38 @@ TEST_F(PluginComputeTest, ComputeIsTheDirectBackendsBitForBit) {
         EXPECT_TRUE(BitIdentical(want, got)) << where;
         ExpectSameStats(got_stats, want_stats, where);
       }
+    }
+  }
+}
+
+// The policy options ABI 6.3 added, through the table: verl's menu (row_loss_test_cases.h's
+// cases 15-18), sequence-level importance sampling and is_ratio give the direct backend's bits.
+TEST_F(PluginComputeTest, PolicyOptionsCrossBitForBit) {
+  const cuda::Shape& shape = cuda::kShapes[2];  // 300 rows: 4 sequences
+  std::vector<float> rho;
+  for (int k = 15; k < cuda::kNumCases; ++k) {
+    for (const bool sequence : {false, true}) {
+      const cuda::RowCase& c = cuda::kCases[k];
+      if (sequence && !PolicyLossTypeClips(c.loss_type)) continue;
+      cuda::RowProblem rp = cuda::MakeProblem(c, shape, DType::kBF16, 300 + k);
+      LossProblem& p = rp.p;
+      rho.assign(p.bt, 0.0f);
+      for (int64_t i = 0; i < p.bt; ++i) rho[i] = 0.25f + 0.125f * static_cast<float>(i % 13);
+      p.is_ratio = rho.data();
+      if (sequence) p.policy.importance_sampling = ImportanceSampling::kSequence;
+      const DType g = c.grad_f32 ? DType::kF32 : DType::kBF16;
+      cuda::RowOutputs want(p, g, c.accumulate), got(p, g, c.accumulate);
+      const std::string where = absl::StrCat(c.name, sequence ? " sequence" : " token");
+      LossStats want_stats, got_stats;
+      ASSERT_TRUE(direct_->Compute(p, want.outputs(p.kind), &want_stats).ok()) << where;
+      const absl::Status st = plugin_->Compute(p, got.outputs(p.kind), &got_stats);
+      ASSERT_TRUE(st.ok()) << where << ": " << st;
+      EXPECT_TRUE(BitIdentical(want.base, got.base)) << where;
+      EXPECT_EQ(std::memcmp(want.logp.data(), got.logp.data(), p.bt * 4), 0) << where;
+      EXPECT_EQ(std::memcmp(&want.kl, &got.kl, 4), 0) << where;
+      EXPECT_EQ(std::memcmp(&want.clip_fraction, &got.clip_fraction, 4), 0) << where;
+      EXPECT_FALSE(std::isnan(want.kl)) << where;
+      ExpectSameStats(got_stats, want_stats, where);
     }
   }
 }

@@ -45,7 +45,8 @@ absl::Status EnqueueSequenceForward(FusedLoss& engine, CallBuffers& m, const Los
   // Step 2. Pass 3 writes the row statistics again from the same logits: the loss and metrics
   // are reduced from those (WriteRowLossOutputs), the gradient's coefficients from these.
   a->kind = LossKind::kLogprob;
-  return UploadSequenceCoefficients(m, SequenceCoefficients(p, targets32, logp), &a->row_loss);
+  return UploadSequenceCoefficients(m, SequenceCoefficients(p, targets32, logp),
+                                    EntropyCoefficients(p, targets32), &a->row_loss);
 }
 
 }  // namespace cuda

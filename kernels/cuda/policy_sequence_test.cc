@@ -43,11 +43,15 @@ struct SequenceCase {
 // kCases: 3 dapo (bias), 4 grpo (masked, no old log-probs, T and softcap), 5 bnpo (no KL,
 // chunks of 7, accumulated), 6 dr_grpo (fp32 gradients), 7 dapo (normaliser 1e4), 11 cispo,
 // 12 sapo (bias-corrected KL), 13 luspo (delta, chunks of 7, accumulated), 14 grpo (delta,
-// bias-corrected KL, fp32 gradients). Sequence level is for the clipped types only.
+// bias-corrected KL, fp32 gradients); verl's menu: 15 gpg (k1, entropy bonus), 16 dapo (k2,
+// seq-mean-token-mean), 17 grpo (abs, token-mean, entropy, bias-corrected), 18 luspo
+// (low_var_kl straight-through, seq-mean-token-sum-norm, entropy, chunks of 7). Sequence level
+// is for the clipped types only.
 constexpr SequenceCase kSequenceCases[] = {
     {3, true, false},  {4, true, false},  {5, true, true},   {6, true, false},
     {7, true, true},   {13, true, true},  {14, true, false}, {14, true, true},
     {3, false, true},  {11, false, true}, {12, false, true}, {13, false, true},
+    {15, false, true}, {16, true, false}, {17, true, true},  {18, true, false},
 };
 constexpr int kNumSequenceCases =
     static_cast<int>(sizeof(kSequenceCases) / sizeof(kSequenceCases[0]));
@@ -241,8 +245,8 @@ TEST_F(CudaTest, PolicySequenceStreamedRowsGiveTheSameBits) {
   }
 }
 
-// Called directly the backend announces both; served through the plugin ABI, which carries
-// neither input, it announces neither (the server then refuses them).
+// Called directly the backend announces both; served through a plugin ABI older than 6.3, which
+// carries neither input, it announces neither (the server then refuses them), nor verl's menu.
 TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   EXPECT_NE(backend_->Info().loss_kinds & kPolicySequenceBit, 0u)
       << "the backend does not announce sequence-level importance sampling";
@@ -254,6 +258,10 @@ TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_EQ((*served)->Info().loss_kinds & (kPolicySequenceBit | kPolicyIsRatioBit), 0u)
       << "announced over the plugin ABI, which does not carry is_ratio or importance_sampling";
+  const uint32_t menu =
+      kPolicyKlEstimatorBit | kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit;
+  EXPECT_EQ(backend_->Info().loss_kinds & menu, menu) << "verl's menu not announced";
+  EXPECT_EQ((*served)->Info().loss_kinds & menu, 0u) << "verl's menu announced before ABI 6.3";
   EXPECT_NE((*served)->Info().loss_kinds & LossKindBit(LossKind::kPolicy), 0u);
 }
 

@@ -17,6 +17,7 @@
 #include "kernels/cuda/ce_device.cuh"
 #include "kernels/cuda/row_loss_kernels.h"
 #include "kernels/cuda/softcap_tanh.h"
+#include "kernels/policy_math.h"
 
 namespace lossd {
 namespace cuda {
@@ -103,39 +104,16 @@ __device__ __forceinline__ float Logit(const RowLossParams& p, const T* row, int
   return Mul(z, p.inv_temperature);
 }
 
-// Policy's dloss/dlogp_i of one row (policy_reference.h's PolicyRow), in double.
-constexpr int32_t kPolicyCispo = 4;  // lossd::PolicyLossType::kCispo
-constexpr int32_t kPolicySapo = 5;   // lossd::PolicyLossType::kSapo
-
+// Policy's dloss/dlogp_i of one row at token level (kernels/policy_math.h's Terms), in
+// double; the entropy bonus's part comes as e_i.
 __device__ double PolicyCoefficient(const RowLossParams& p, int64_t i, double logp) {
-  const double a = p.advantages[i];
   const double r = p.old_logp != nullptr ? exp(logp - static_cast<double>(p.old_logp[i])) : 1.0;
-  double dl;
-  if (p.loss_type == kPolicyCispo) {  // the weight min(r, eps_high) is detached
-    dl = -fmin(r, static_cast<double>(p.epsilon_high)) * a;
-  } else if (p.loss_type == kPolicySapo) {
-    const double tau = a > 0 ? p.sapo_temperature_pos : p.sapo_temperature_neg;
-    const double x = tau * (r - 1.0);
-    dl = -4.0 * a * r / ((1.0 + exp(-x)) * (1.0 + exp(x)));  // -4 A r g (1 - g)
-  } else {
-    const double lo = 1.0 - static_cast<double>(p.epsilon_low);
-    const double hi = 1.0 + static_cast<double>(p.epsilon_high);
-    const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
-    // delta's cap (delta > hi) matters only where min picks the capped r A: A < 0.
-    const bool capped = p.delta != 0.0f && r >= static_cast<double>(p.delta) && a < 0;
-    // torch's gradient on a bound: clamp passes none, min splits its tie into halves.
-    const double share = clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-    dl = -share * a * r;
-  }
-  // The rollout correction: a constant on the surrogate's term (not the KL term's).
-  if (p.is_ratio != nullptr) dl *= static_cast<double>(p.is_ratio[i]);
-  if (p.beta != 0.0f && p.ref_logp != nullptr) {
-    const double d = static_cast<double>(p.ref_logp[i]) - logp;
-    double dkl = 1.0 - exp(d);
-    if (p.use_bias_correction_kl != 0) dkl = (dkl + (exp(d) - d - 1.0)) * r;  // (k3 r)'
-    dl += static_cast<double>(p.beta) * dkl;
-  }
-  return dl;
+  const double rho = p.is_ratio != nullptr ? static_cast<double>(p.is_ratio[i]) : 1.0;
+  const bool has_ref = p.ref_logp != nullptr;
+  const double ref = has_ref ? static_cast<double>(p.ref_logp[i]) : 0.0;
+  return policy_math::Terms(p.policy, logp, 0.0, r, static_cast<double>(p.advantages[i]), rho,
+                            has_ref, ref, false)
+      .dlogp;
 }
 
 // Sums of two values over the block, in a fixed tree (as BlockReduce).

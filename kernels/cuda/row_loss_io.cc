@@ -16,6 +16,7 @@
 #include "kernels/cuda/chunk_plan.h"
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
+#include "kernels/policy_rows.h"
 
 namespace lossd {
 namespace cuda {
@@ -38,58 +39,15 @@ absl::Status UploadScaled(CallBuffers& m, const std::vector<double>& x, double a
   return UploadRow(m, f.data(), static_cast<int64_t>(f.size()), dst);
 }
 
-// One policy row's loss terms from its logp at ratio r (its own, or its sequence's):
-// policy_reference.h's PolicyRow. At token level the row kernel computes the gradient on the
-// device; at sequence level (clipped types only) the host needs its two parts: `own`, the
-// derivative in logp_i apart from the ratio (the KL term's), and `via_ratio`, dl_i/dr times r,
-// which reaches every row of the sequence through the mean of its log-ratios.
-struct PolicyTerms {
-  double loss = 0, kl = 0;
-  bool clipped = false;
-  double own = 0, via_ratio = 0;
-};
-
-PolicyTerms PolicyRowTerms(const LossProblem& p, int64_t i, double logp, double r) {
-  const PolicyParams& o = p.policy;
-  const double a = p.advantages[i];
-  PolicyTerms t;
-  if (o.loss_type == PolicyLossType::kCispo) {  // -sg(min(r, eps_high)) A logp
-    const double bound = static_cast<double>(o.epsilon_high);
-    t.loss = -std::min(r, bound) * a * logp;
-    t.clipped = r > bound && a > 0;
-  } else if (o.loss_type == PolicyLossType::kSapo) {  // -A (4 / tau) sigmoid(tau (r - 1))
-    const double tau =
-        static_cast<double>(a > 0 ? o.sapo_temperature_pos : o.sapo_temperature_neg);
-    t.loss = -a * 4.0 / tau / (1.0 + std::exp(-tau * (r - 1.0)));
-  } else {
-    const double lo = 1.0 - static_cast<double>(o.epsilon_low);
-    const double hi = 1.0 + static_cast<double>(o.epsilon_high);
-    const double q = o.delta != 0.0f ? std::min(r, static_cast<double>(o.delta)) : r;
-    t.loss = -std::min(q * a, std::clamp(r, lo, hi) * a);
-    t.clipped = (r < lo && a < 0) || (r > hi && a > 0);
-    // torch's gradient (row_loss_device.cuh's PolicyCoefficient): none where clipped or where
-    // delta caps r with A < 0, half on a bound.
-    const bool capped = o.delta != 0.0f && r >= static_cast<double>(o.delta) && a < 0;
-    const double share = t.clipped || capped ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
-    t.via_ratio = -share * a * r;
+// Row i counts (targets32[i] >= 0), as PolicyWeights takes it.
+std::vector<uint8_t> CountedRows(const std::vector<int32_t>& targets32, int64_t* tokens) {
+  std::vector<uint8_t> counted(targets32.size(), 0);
+  *tokens = 0;
+  for (size_t i = 0; i < targets32.size(); ++i) {
+    counted[i] = targets32[i] >= 0 ? 1 : 0;
+    *tokens += counted[i];
   }
-  if (p.is_ratio != nullptr) {  // the rollout correction, on the surrogate's term only
-    t.loss *= p.is_ratio[i];
-    t.via_ratio *= p.is_ratio[i];
-  }
-  if (o.beta != 0.0f && p.ref_logp != nullptr) {
-    const double d = p.ref_logp[i] - logp;
-    const double k3 = std::exp(d) - d - 1.0;
-    t.kl = k3;
-    t.own = o.beta * (1.0 - std::exp(d));
-    if (o.use_bias_correction_kl) {  // k3 r: (k3 r)' = k3' r + k3 r'
-      t.kl = k3 * r;
-      t.own *= r;
-      t.via_ratio += o.beta * k3 * r;
-    }
-    t.loss += o.beta * t.kl;
-  }
-  return t;
+  return counted;
 }
 
 // Each row's ratio from the logp the device wrote: exp(logp_i - old_i) at token level, its
@@ -206,48 +164,20 @@ uint64_t RowLossInputBytes(const WorkspaceShape& s) {
   }
 }
 
-std::vector<double> PolicyRowWeights(const PolicyParams& o,
+std::vector<double> PolicyRowWeights(const LossProblem& p,
                                      const std::vector<int32_t>& targets32, int64_t* tokens) {
-  const int64_t bt = static_cast<int64_t>(targets32.size());
-  const int64_t sequences = std::max<int64_t>(1, o.sequences);
-  const int64_t seq = std::max<int64_t>(1, bt / sequences);
-  const double b = static_cast<double>(sequences);
-  std::vector<int64_t> per_seq(sequences, 0);
-  int64_t n = 0;
-  for (int64_t i = 0; i < bt; ++i) {
-    if (targets32[i] < 0) continue;
-    ++per_seq[std::min(i / seq, sequences - 1)];
-    ++n;
-  }
-  *tokens = n;
-  const double n_clamped = std::max(1.0, static_cast<double>(n));
-  std::vector<double> w(bt, 0.0);
-  for (int64_t i = 0; i < bt; ++i) {
-    if (targets32[i] < 0) continue;
-    switch (o.loss_type) {
-      case PolicyLossType::kGrpo:
-      case PolicyLossType::kSapo:
-        w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[std::min(
-                                            i / seq, sequences - 1)])));
-        break;
-      case PolicyLossType::kLuspo:  // its sequence's mask count over B S
-        w[i] = static_cast<double>(per_seq[std::min(i / seq, sequences - 1)]) /
-               static_cast<double>(bt);
-        break;
-      case PolicyLossType::kBnpo:
-        w[i] = 1.0 / n_clamped;
-        break;
-      case PolicyLossType::kDrGrpo:
-        w[i] = 1.0 / (b * static_cast<double>(o.max_completion_length));
-        break;
-      case PolicyLossType::kDapo:
-      case PolicyLossType::kCispo:
-        w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
-                                                         : static_cast<double>(n));
-        break;
-    }
-  }
-  return w;
+  const std::vector<uint8_t> counted = CountedRows(targets32, tokens);
+  return PolicyWeights(p, counted, *tokens);
+}
+
+std::vector<double> EntropyCoefficients(const LossProblem& p,
+                                        const std::vector<int32_t>& targets32) {
+  if (p.policy.entropy_coeff == 0.0f) return {};
+  int64_t tokens = 0;
+  std::vector<double> e = PolicyRowWeights(p, targets32, &tokens);
+  const double k = -p.options.grad_scale * static_cast<double>(p.policy.entropy_coeff);
+  for (double& x : e) x *= k;
+  return e;
 }
 
 std::vector<double> SequenceCoefficients(const LossProblem& p,
@@ -255,7 +185,7 @@ std::vector<double> SequenceCoefficients(const LossProblem& p,
                                          const std::vector<float>& logp) {
   const int64_t bt = p.bt;
   int64_t tokens = 0;
-  const std::vector<double> w = PolicyRowWeights(p.policy, targets32, &tokens);
+  const std::vector<double> w = PolicyRowWeights(p, targets32, &tokens);
   const std::vector<double> ratio = PolicyRatios(p, targets32, logp);
   const double gs = p.options.grad_scale;
   std::vector<double> c(bt, 0.0);
@@ -266,8 +196,8 @@ std::vector<double> SequenceCoefficients(const LossProblem& p,
     int64_t n = 0;
     for (int64_t i = b0; i < b0 + s; ++i) {
       if (targets32[i] < 0) continue;
-      const PolicyTerms t = PolicyRowTerms(p, i, logp[i], ratio[i]);
-      c[i] = w[i] * t.own;
+      const PolicyRowTerms t = PolicyTerms(p, i, logp[i], 0.0, ratio[i], true);
+      c[i] = w[i] * t.dlogp;
       via += w[i] * t.via_ratio;
       ++n;
     }
@@ -280,13 +210,16 @@ std::vector<double> SequenceCoefficients(const LossProblem& p,
 }
 
 absl::Status UploadSequenceCoefficients(CallBuffers& m, const std::vector<double>& c,
-                                        RowLossInputs* in) {
+                                        const std::vector<double>& e, RowLossInputs* in) {
   double largest = 0;
   for (double x : c) largest = std::max(largest, std::fabs(x));
+  for (double x : e) largest = std::max(largest, std::fabs(x));
   const double alpha = PowerOfTwoAbove(largest);
   *in = RowLossInputs();
   in->alpha = static_cast<float>(alpha);
-  return UploadScaled(m, c, alpha, &in->coef_logp);
+  LOSSD_RETURN_IF_ERROR(UploadScaled(m, c, alpha, &in->coef_logp));
+  if (!e.empty()) LOSSD_RETURN_IF_ERROR(UploadScaled(m, e, alpha, &in->coef_entropy));
+  return absl::OkStatus();
 }
 
 absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
@@ -308,8 +241,9 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
   double largest = 0;
   if (p.kind == LossKind::kPolicy) {
     int64_t tokens = 0;
-    c1 = PolicyRowWeights(p.policy, targets32, &tokens);
+    c1 = PolicyRowWeights(p, targets32, &tokens);
     for (double& w : c1) w *= gs;
+    if (p.policy.entropy_coeff != 0.0f) c2 = EntropyCoefficients(p, targets32);
   } else {
     for (int64_t i = 0; i < bt; ++i) {
       if (targets32[i] < 0) continue;
@@ -328,14 +262,10 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
     LOSSD_RETURN_IF_ERROR(UploadRow(m, p.old_logp, bt, &in.old_logp));
     LOSSD_RETURN_IF_ERROR(UploadRow(m, p.ref_logp, bt, &in.ref_logp));
     LOSSD_RETURN_IF_ERROR(UploadRow(m, p.is_ratio, bt, &in.is_ratio));
-    in.epsilon_low = p.policy.epsilon_low;
-    in.epsilon_high = p.policy.epsilon_high;
-    in.beta = p.policy.beta;
-    in.loss_type = static_cast<int32_t>(p.policy.loss_type);
-    in.sapo_temperature_pos = p.policy.sapo_temperature_pos;
-    in.sapo_temperature_neg = p.policy.sapo_temperature_neg;
-    in.delta = p.policy.delta;
-    in.use_bias_correction_kl = p.policy.use_bias_correction_kl;
+    in.policy = PolicyRowOptionsOf(p.policy);
+    if (p.policy.entropy_coeff != 0.0f) {
+      LOSSD_RETURN_IF_ERROR(UploadScaled(m, c2, alpha, &in.coef_entropy));
+    }
     return absl::OkStatus();
   }
   if (p.dlogp != nullptr) LOSSD_RETURN_IF_ERROR(UploadScaled(m, c1, alpha, &in.coef_logp));
@@ -354,7 +284,7 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
   int64_t tokens = 0, correct = 0, clipped = 0;
   std::vector<double> weight, ratio;
   if (p.kind == LossKind::kPolicy) {
-    weight = PolicyRowWeights(p.policy, targets32, &tokens);
+    weight = PolicyRowWeights(p, targets32, &tokens);
     ratio = PolicyRatios(p, targets32, logp);
   }
   tokens = 0;
@@ -363,7 +293,7 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
     ++tokens;
     if (host.pred[i] == targets32[i]) ++correct;
     if (p.kind == LossKind::kPolicy) {
-      const PolicyTerms t = PolicyRowTerms(p, i, logp[i], ratio[i]);
+      const PolicyRowTerms t = PolicyTerms(p, i, logp[i], entropy[i], ratio[i], false);
       loss += weight[i] * t.loss;
       kl += t.kl;
       clipped += t.clipped ? 1 : 0;

@@ -33,11 +33,16 @@ absl::StatusOr<TargetSummary> DistillRows(const LossProblem& p,
 // teacher X (and W and bias when they are not in backend memory).
 uint64_t RowLossInputBytes(const WorkspaceShape& s);
 
-// Policy's per-row loss normaliser w_i (policy_reference.h: 0 where masked) from the mask
-// targets32[i] >= 0, and the mask count N in *tokens.
-std::vector<double> PolicyRowWeights(const PolicyParams& o,
+// Policy's per-row weight w_i (kernels/policy_rows.h: its normaliser by loss type or
+// aggregation, 0 where masked) from the mask targets32[i] >= 0, and the mask count N in *tokens.
+std::vector<double> PolicyRowWeights(const LossProblem& p,
                                      const std::vector<int32_t>& targets32,  // (BT)
                                      int64_t* tokens);
+
+// Policy's entropy-bonus coefficients e_i = grad_scale w_i (-entropy_coeff), what G takes from
+// the row's entropy; empty where entropy_coeff is 0.
+std::vector<double> EntropyCoefficients(const LossProblem& p,
+                                        const std::vector<int32_t>& targets32);  // (BT)
 
 // Policy at sequence level (GSPO; clipped loss types): every row's grad_scale dloss/dlogp_i
 // from the logp of a forward pass (0 on ignored rows), policy_reference.h's
@@ -48,10 +53,11 @@ std::vector<double> SequenceCoefficients(const LossProblem& p,
                                          const std::vector<int32_t>& targets32,  // (BT)
                                          const std::vector<float>& logp);        // (BT)
 
-// Sets *in to the logprob kind's inputs for coefficients c (BT): c / alpha uploaded as
-// coef_logp, alpha the power of two above the largest |c_i|.
+// Sets *in to the logprob kind's inputs for coefficients c and e (BT; e may be empty): c / alpha
+// uploaded as coef_logp, e / alpha as coef_entropy, alpha the power of two above the largest
+// |c_i|, |e_i|.
 absl::Status UploadSequenceCoefficients(CallBuffers& m, const std::vector<double>& c,
-                                        RowLossInputs* in);
+                                        const std::vector<double>& e, RowLossInputs* in);
 
 // Sets a->kind and a->row_loss: the coefficients scaled by grad_scale / alpha, the policy's
 // inputs and distill's teacher, uploaded. Nothing for cross-entropy, nor for policy at

@@ -211,7 +211,7 @@ TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
       EXPECT_EQ(out.tokens, ref.tokens);
       // bnpo's weights are a mean's: they sum to 1.
       int64_t tokens = 0;
-      const std::vector<double> w = PolicyRowWeights(p.policy, head.targets32(), &tokens);
+      const std::vector<double> w = PolicyRowWeights(p, head.targets32(), &tokens);
       EXPECT_EQ(tokens, ref.tokens);
       double w_sum = 0;
       for (double x : w) w_sum += x;
@@ -345,7 +345,7 @@ TEST(RowLossIoTest, PolicySequenceLevelAndIsRatioMatchTheReference) {
         for (int64_t i = 0; i < kBt; ++i) logp[i] = static_cast<float>(ref.logp[i]);
         const std::vector<double> c = SequenceCoefficients(p, head.targets32(), logp);
         int64_t tokens = 0;
-        const std::vector<double> w = PolicyRowWeights(p.policy, head.targets32(), &tokens);
+        const std::vector<double> w = PolicyRowWeights(p, head.targets32(), &tokens);
         ASSERT_EQ(c.size(), static_cast<size_t>(kBt));
         double scale = 0;
         for (int64_t i = 0; i < kBt; ++i) {
@@ -363,6 +363,128 @@ TEST(RowLossIoTest, PolicySequenceLevelAndIsRatioMatchTheReference) {
   // token: 9 types x 4 inputs with is_ratio; sequence: 7 clipped configs x 8 inputs.
   EXPECT_EQ(checked, 36 + 56);
   EXPECT_GT(clipped_cases, 40) << "few cases clip a row: the clip branches are weakly covered";
+}
+
+// verl's menu (the KL estimators and straight-through, the entropy bonus, the aggregation
+// modes, gpg) at token level and, for the clipped types, at sequence level: the loss and the
+// kl metric from the rows' logp and entropy; every row's entropy coefficient
+// -grad_scale w_i entropy_coeff; at sequence level every row's logp coefficient (what the
+// gradient pass runs with), each against the reference.
+TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
+  const Head head(8);
+  LogprobProblem lp;
+  lp.head = head.inputs();
+  lp.targets = head.targets.data();
+  LogprobReferenceOutputs lref;
+  ASSERT_TRUE(LogprobReference(lp, &lref).ok());
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> uni(-1.0, 1.0);
+  std::vector<float> adv(kBt), old_logp(kBt), ref_logp(kBt);
+  for (int64_t i = 0; i < kBt; ++i) {
+    adv[i] = static_cast<float>(uni(rng));
+    old_logp[i] = static_cast<float>(lref.logp[i] - 0.4 * uni(rng));
+    ref_logp[i] = static_cast<float>(lref.logp[i] + 0.5 * uni(rng));
+  }
+  const struct {
+    PolicyLossType type;
+    KlEstimator kl;
+    bool st;
+    float entropy;
+    PolicyAggregation agg;
+  } configs[] = {
+      {PolicyLossType::kGpg, KlEstimator::kK1, false, 0.05f, PolicyAggregation::kLossType},
+      {PolicyLossType::kDapo, KlEstimator::kK2, false, 0.0f, PolicyAggregation::kSeqMeanTokenMean},
+      {PolicyLossType::kGrpo, KlEstimator::kAbs, false, 0.02f, PolicyAggregation::kTokenMean},
+      {PolicyLossType::kLuspo, KlEstimator::kLowVarKl, true, -0.03f,
+       PolicyAggregation::kSeqMeanTokenSumNorm},
+      {PolicyLossType::kBnpo, KlEstimator::kK3, true, 0.01f, PolicyAggregation::kSeqMeanTokenSum},
+  };
+  constexpr int64_t kSeqs = 3;
+  int checked = 0;
+  for (const bool sequence : {false, true}) {
+    for (const auto& config : configs) {
+      if (sequence && !PolicyLossTypeClips(config.type)) continue;  // refused
+      for (const bool bias_correction : {false, true}) {
+        PolicyProblem pp;
+        pp.head = head.inputs();
+        pp.batch = kSeqs;
+        pp.targets = head.targets.data();
+        std::vector<uint8_t> mask(kBt);
+        for (int64_t i = 0; i < kBt; ++i) mask[i] = head.targets[i] != -100;
+        pp.mask = mask.data();
+        pp.advantages = adv.data();
+        pp.old_logp = old_logp.data();
+        pp.ref_logp = ref_logp.data();
+        PolicyOptions& o = pp.options;
+        o.loss_type = config.type;
+        o.beta = 0.2f;
+        o.use_bias_correction_kl = bias_correction;
+        o.kl_estimator = config.kl;
+        o.kl_straight_through = config.st;
+        o.entropy_coeff = config.entropy;
+        o.aggregation = config.agg;
+        o.loss_scale_factor = config.agg == PolicyAggregation::kSeqMeanTokenSumNorm ? 5.0 : 0.0;
+        o.grad_scale = 0.7f;
+        o.importance_sampling =
+            sequence ? ImportanceSampling::kSequence : ImportanceSampling::kToken;
+        PolicyReferenceOutputs ref;
+        const absl::Status st = PolicyReference(pp, &ref);
+        ASSERT_TRUE(st.ok()) << st;
+        LossProblem p = head.problem(LossKind::kPolicy);
+        p.advantages = pp.advantages;
+        p.old_logp = pp.old_logp;
+        p.ref_logp = pp.ref_logp;
+        p.policy.loss_type = o.loss_type;
+        p.policy.sequences = kSeqs;
+        p.policy.beta = o.beta;
+        p.policy.use_bias_correction_kl = bias_correction;
+        p.policy.kl_estimator = o.kl_estimator;
+        p.policy.kl_straight_through = o.kl_straight_through;
+        p.policy.entropy_coeff = o.entropy_coeff;
+        p.policy.aggregation = o.aggregation;
+        p.policy.loss_scale_factor = o.loss_scale_factor;
+        p.policy.importance_sampling = o.importance_sampling;
+        SCOPED_TRACE(testing::Message()
+                     << PolicyLossTypeName(o.loss_type) << (sequence ? " sequence " : " token ")
+                     << KlEstimatorName(o.kl_estimator) << (o.kl_straight_through ? "+" : "")
+                     << " entropy " << o.entropy_coeff << " "
+                     << PolicyAggregationName(o.aggregation) << " bias-corrected "
+                     << bias_correction);
+        Outputs out;
+        WriteRowLossOutputs(p, out.view(), head.targets32(),
+                            RowsOf(ref.logp, lref.entropy, lref.lse));
+        ExpectClose(ref.loss, out.loss, "loss");
+        // k1's terms have either sign: the metric's error is relative to the mean of |kl_i|.
+        double kl_scale = 0;
+        for (double k : ref.kl_token) kl_scale += std::fabs(k);
+        kl_scale /= std::max<double>(1.0, static_cast<double>(ref.tokens));
+        EXPECT_NEAR(out.kl, ref.kl, 1e-5 * (kl_scale + 1e-3)) << "kl";
+        EXPECT_EQ(out.clip_fraction, static_cast<float>(ref.clip_fraction));
+        int64_t tokens = 0;
+        const std::vector<double> w = PolicyRowWeights(p, head.targets32(), &tokens);
+        const std::vector<double> e = EntropyCoefficients(p, head.targets32());
+        ASSERT_EQ(e.size(), config.entropy != 0.0f ? static_cast<size_t>(kBt) : 0u);
+        for (size_t i = 0; i < e.size(); ++i) {
+          const double want = -static_cast<double>(p.options.grad_scale) * w[i] * config.entropy;
+          EXPECT_NEAR(e[i], want, 1e-15) << "row " << i;
+        }
+        ++checked;
+        if (!sequence) continue;
+        std::vector<float> logp(kBt);
+        for (int64_t i = 0; i < kBt; ++i) logp[i] = static_cast<float>(ref.logp[i]);
+        const std::vector<double> c = SequenceCoefficients(p, head.targets32(), logp);
+        ASSERT_EQ(c.size(), static_cast<size_t>(kBt));
+        double scale = 0;
+        for (int64_t i = 0; i < kBt; ++i) scale = std::max(scale, std::fabs(w[i] * ref.dl_dlogp[i]));
+        EXPECT_GT(scale, 0.0) << "every coefficient is 0: a weak case";
+        for (int64_t i = 0; i < kBt; ++i) {
+          const double want = 0.7 * w[i] * ref.dl_dlogp[i];
+          EXPECT_NEAR(c[i], want, 1e-5 * (std::fabs(want) + 0.7 * scale)) << "row " << i;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 5 + 2 * 4);  // token: every config; sequence: the clipped four
 }
 
 TEST(RowLossIoTest, DistillLossIsTheMeanOfTheRowsThatCount) {

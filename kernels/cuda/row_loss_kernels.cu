@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(kThreads) RowLossKernel(RowLossParams p) {
         if (w != 0.0f) c = static_cast<float>(w * PolicyCoefficient(p, i, logp));
       } else {
         c = p.coef_logp != nullptr ? p.coef_logp[i] : 0.0f;
-        e = p.coef_entropy != nullptr ? p.coef_entropy[i] : 0.0f;
       }
+      e = p.coef_entropy != nullptr ? p.coef_entropy[i] : 0.0f;
     }
     p.row_lse[i] = lse;
     p.row_logp[i] = logp;

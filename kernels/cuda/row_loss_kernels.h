@@ -7,10 +7,11 @@
 // and the gradient written in place over the logits, in the input dtype:
 //   g_ij = [ c_i ([j = t] - p_ij) - e_i p_ij (z_ij - lse_i + H_i) ] (1/T) softcap'(u_ij + b_j)
 // with logprob's c_i = dlogp_i, e_i = dentropy_i (each already times grad_scale / alpha), and
-// policy's c_i = w_i dl_i/dlogp_i (e_i = 0) computed here from logp_i: the loss type's
-// surrogate (clipped, cispo's or sapo's, times is_ratio's rho_i where given) and the KL term
-// of policy_reference.h, in double, times the row's weight w_i (its loss normaliser, times
-// grad_scale / alpha) which the host computes from the mask. (Policy at sequence level runs
+// policy's c_i = w_i dl_i/dlogp_i computed here from logp_i by kernels/policy_math.h: the loss
+// type's surrogate (times is_ratio's rho_i where given) and the KL estimator's term, in
+// double, times the row's weight w_i (its loss normaliser or aggregation weight, times
+// grad_scale / alpha) which the host computes from the mask; policy's e_i, the entropy
+// bonus's -entropy_coeff w_i, comes from the host as logprob's does. (Policy at sequence level runs
 // as logprob: its c_i needs the whole sequence's logp, so the host computes it between a
 // forward pass and this kernel's gradient pass; policy_sequence.h.)
 // alpha, a power of two, is the caller's: it comes back in the dX/dW/db GEMMs' alpha, so
@@ -32,6 +33,8 @@
 
 #include <cstdint>
 
+#include "kernels/policy_math.h"
+
 namespace lossd {
 namespace cuda {
 
@@ -50,7 +53,7 @@ struct RowLossParams {
   float inv_temperature;   // 1 / T
   int32_t kind;            // kRowLossLogprob or kRowLossPolicy
   int32_t write_grad;      // 0: statistics only, logits left as they are
-  // Logprob: c_i and e_i (each null = zeros).
+  // Logprob: c_i and e_i (each null = zeros); policy: e_i, its entropy bonus's (null = none).
   const float* coef_logp;
   const float* coef_entropy;
   // Policy: w_i (0 on masked rows), A_i, and the optional old and reference log-probs.
@@ -59,11 +62,7 @@ struct RowLossParams {
   const float* old_logp;  // null: the current log-probs detached (ratio 1)
   const float* ref_logp;  // null: no KL term
   const float* is_ratio;  // rho_i on the surrogate's term, not the KL's (vllm_is_ratio); null: 1
-  float epsilon_low, epsilon_high, beta;
-  int32_t loss_type;  // lossd::PolicyLossType: 4 cispo, 5 sapo, any other the clipped surrogate
-  float sapo_temperature_pos, sapo_temperature_neg;
-  float delta;                     // the clipped types' cap on r; 0 = none
-  int32_t use_bias_correction_kl;  // 1: the KL term times r
+  policy_math::RowOptions policy;  // the loss type, clip bounds, KL estimator and the rest
   // Distill: the teacher's logits (rows, v) elem, its bias (or null) and the options.
   const void* teacher_logits;
   const void* teacher_bias;

@@ -66,8 +66,8 @@ __device__ __forceinline__ void WarpCombineQ(float& m, float& s, float& q, int& 
 }
 #endif
 
-// kCap: softcap on; kEnt: the entropy's upstream gradient may be nonzero (logprob with
-// coef_entropy), else e_i = 0 and its term is left out. At least three blocks a multiprocessor
+// kCap: softcap on; kEnt: the entropy's upstream gradient may be nonzero (logprob's or
+// policy's coef_entropy), else e_i = 0 and its term is left out. At least three blocks a multiprocessor
 // (64 KB of shared memory each in bf16), as cross-entropy's one-read kernel, except with kEnt:
 // its gradient loop needs about 56 registers, and bound to 40 it spilled 84-220 bytes a thread
 // (ptxas), so it runs two. The bias and an ignored row are decided once a block, outside the
@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(kOneReadThreads, kEnt ? 2 : 3)
           if (w != 0.0f) c = static_cast<float>(w * PolicyCoefficient(p, row, logp));
         } else {
           c = p.coef_logp != nullptr ? p.coef_logp[row] : 0.0f;
-          if constexpr (kEnt) e = p.coef_entropy[row];
         }
+        if constexpr (kEnt) e = p.coef_entropy[row];
       }
       if (rank == 0) {
         p.row_lse[row] = lse;
@@ -296,7 +296,8 @@ cudaError_t LaunchK(const RowLossParams& p, int cluster, cudaStream_t stream) {
 template <typename T>
 cudaError_t LaunchT(const RowLossParams& p, int cluster, cudaStream_t stream) {
   const bool cap = p.softcap > 0.0f;
-  const bool ent = p.kind == kRowLossLogprob && p.coef_entropy != nullptr;
+  const bool ent =
+      (p.kind == kRowLossLogprob || p.kind == kRowLossPolicy) && p.coef_entropy != nullptr;
   if (cap && ent) return LaunchK<T, true, true>(p, cluster, stream);
   if (cap) return LaunchK<T, true, false>(p, cluster, stream);
   if (ent) return LaunchK<T, false, true>(p, cluster, stream);

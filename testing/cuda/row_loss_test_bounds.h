@@ -171,7 +171,8 @@ inline Expected ExpectLogprob(const LossProblem& p, const Tolerance& tol) {
   return e;
 }
 
-// Policy's row weights w_i (policy_reference.h's normalisers; 0 where masked).
+// Policy's row weights w_i (policy_reference.h's normalisers, or verl's aggregation; 0 where
+// masked).
 inline std::vector<double> PolicyWeights(const PolicyProblem& pp, const std::vector<uint8_t>& mask,
                                          double n) {
   const PolicyOptions& o = pp.options;
@@ -179,8 +180,28 @@ inline std::vector<double> PolicyWeights(const PolicyProblem& pp, const std::vec
   const double b = static_cast<double>(pp.batch);
   std::vector<double> per_seq(pp.batch, 0.0), w(bt, 0.0);
   for (int64_t i = 0; i < bt; ++i) per_seq[i / seq] += mask[i];
+  double g = 0;
+  for (double c : per_seq) g += c > 0 ? 1.0 : 0.0;
+  g = std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer : g);
+  const double l = o.loss_scale_factor > 0 ? o.loss_scale_factor : static_cast<double>(seq);
   for (int64_t i = 0; i < bt; ++i) {
     if (!mask[i]) continue;
+    switch (o.aggregation) {
+      case PolicyAggregation::kLossType:
+        break;
+      case PolicyAggregation::kTokenMean:
+        w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer : n);
+        continue;
+      case PolicyAggregation::kSeqMeanTokenSum:
+        w[i] = 1.0 / g;
+        continue;
+      case PolicyAggregation::kSeqMeanTokenMean:
+        w[i] = 1.0 / (g * per_seq[i / seq]);
+        continue;
+      case PolicyAggregation::kSeqMeanTokenSumNorm:
+        w[i] = 1.0 / (g * l);
+        continue;
+    }
     const PolicyLossType t = o.loss_type;
     w[i] = 1.0 / n;  // bnpo
     if (t == PolicyLossType::kGrpo || t == PolicyLossType::kSapo) {
@@ -188,7 +209,7 @@ inline std::vector<double> PolicyWeights(const PolicyProblem& pp, const std::vec
     }
     if (t == PolicyLossType::kLuspo) w[i] = per_seq[i / seq] / static_cast<double>(bt);
     if (t == PolicyLossType::kDrGrpo) w[i] = 1.0 / (b * o.max_completion_length);
-    if (t == PolicyLossType::kDapo || t == PolicyLossType::kCispo) {
+    if (t == PolicyLossType::kDapo || t == PolicyLossType::kCispo || t == PolicyLossType::kGpg) {
       w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer : n);
     }
   }
@@ -301,6 +322,11 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   o.delta = p.policy.delta;
   o.use_bias_correction_kl = p.policy.use_bias_correction_kl;
   o.importance_sampling = p.policy.importance_sampling;
+  o.kl_estimator = p.policy.kl_estimator;
+  o.kl_straight_through = p.policy.kl_straight_through;
+  o.entropy_coeff = p.policy.entropy_coeff;
+  o.aggregation = p.policy.aggregation;
+  o.loss_scale_factor = p.policy.loss_scale_factor;
   PolicyReferenceOutputs ref;
   EXPECT_TRUE(PolicyReference(pp, &ref).ok());
   Expected e;
@@ -318,8 +344,10 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   const double hi = 1.0 + static_cast<double>(o.epsilon_high);
   RowCoefficients k;
   std::vector<double> loss_slope(p.bt, 0.0), kl_slope(p.bt, 0.0);
+  // The entropy bonus's coefficient, a constant of the row: e_i = -gs w_i entropy_coeff.
+  const double ec = p.policy.entropy_coeff;
   for (int64_t i = 0; i < p.bt; ++i) {
-    k.e.push_back(0.0);
+    k.e.push_back(mask[i] ? -gs * weight[i] * ec : 0.0);
     if (!mask[i]) {
       k.c.push_back(0.0);
       k.c_slope.push_back(0.0);
@@ -337,6 +365,8 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
     } else if (o.loss_type == PolicyLossType::kSapo) {  // sigmoid's first two derivatives <= 1/4
       const double tau = a > 0 ? o.sapo_temperature_pos : o.sapo_temperature_neg;
       slope = rho * std::fabs(a) * r * (1.0 + tau * r);
+    } else if (o.loss_type == PolicyLossType::kGpg) {  // -A logp: a constant coefficient
+      slope = 0.0;
     } else {
       const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
       const bool capped = o.delta != 0.0f && r >= o.delta && a < 0;
@@ -346,12 +376,31 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
     if (p.ref_logp != nullptr) {
       const double ek = std::exp(p.ref_logp[i] - ref.logp[i]);
       const double k3 = ek - std::log(ek) - 1.0;
-      // The KL term k3 (times r when bias-corrected) and its coefficient 1 - ek (or
-      // (1 - ek + k3) r): their slopes in logp.
-      kl_slope[i] = o.use_bias_correction_kl ? (std::fabs(1.0 - ek) + k3) * r
-                                             : std::fabs(1.0 - ek);
-      if (o.beta != 0.0f) {
-        slope += o.beta * (o.use_bias_correction_kl ? (2.0 + ek + k3) * r : ek);
+      if (o.kl_estimator == KlEstimator::kK3 && !o.kl_straight_through) {
+        // The KL term k3 (times r when bias-corrected) and its coefficient 1 - ek (or
+        // (1 - ek + k3) r): their slopes in logp.
+        kl_slope[i] = o.use_bias_correction_kl ? (std::fabs(1.0 - ek) + k3) * r
+                                               : std::fabs(1.0 - ek);
+        if (o.beta != 0.0f) {
+          slope += o.beta * (o.use_bias_correction_kl ? (2.0 + ek + k3) * r : ek);
+        }
+      } else {
+        // The estimator K at d = logp - ref: its value kv and slope kp, the gradient g it
+        // passes (k2's d with straight-through) and g's slope gp; low_var_kl is k3 inside its
+        // clamps (|d| stays far below 20 here). Bias-corrected, K r: slope (kp + kv) r, and
+        // its coefficient g r + K r moves by (gp + g + kp + kv) r.
+        const double d = ref.logp[i] - p.ref_logp[i];
+        double kv = k3, kp = std::fabs(1.0 - ek), g = kp, gp = ek;
+        if (o.kl_estimator == KlEstimator::kK1 || o.kl_estimator == KlEstimator::kAbs) {
+          kv = std::fabs(d), kp = 1.0, g = 1.0, gp = 0.0;
+        } else if (o.kl_estimator == KlEstimator::kK2) {
+          kv = d * d / 2, kp = std::fabs(d), g = std::fabs(d), gp = 1.0;
+        }
+        if (o.kl_straight_through) g = std::fabs(d), gp = 1.0;
+        kl_slope[i] = o.use_bias_correction_kl ? (kp + kv) * r : kp;
+        if (o.beta != 0.0f) {
+          slope += o.beta * (o.use_bias_correction_kl ? (gp + g + kp + kv) * r : gp);
+        }
       }
     }
     k.c.push_back(gs * weight[i] * dl);
@@ -374,6 +423,8 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
     loss_errors = s.loss;
     kl_errors = s.kl;
   }
+  // The entropy bonus's term -entropy_coeff w_i H_i moves with H_i's own bound.
+  for (int64_t i = 0; i < p.bt; ++i) loss_errors[i] += std::fabs(ec) * weight[i] * b.entropy[i];
   e.loss_bound = ScalarBound(loss_errors, e.loss, tol);
   e.kl_bound = ScalarBound(kl_errors, e.kl, tol);
   // The clip decisions are stable only where logp's error stays inside the ratios' distance

@@ -69,6 +69,12 @@ struct RowCase {
   bool no_targets = false;      // distill: every row counts
   float sapo_pos = 1.0f, sapo_neg = 1.05f, delta = 0.0f;  // policy's other loss types
   bool bias_correction = false;
+  // verl's menu (PolicyParams): the KL estimator, the entropy bonus, the aggregation.
+  KlEstimator kl = KlEstimator::kK3;
+  bool kl_st = false;
+  float entropy_coeff = 0.0f;
+  PolicyAggregation aggregation = PolicyAggregation::kLossType;
+  double loss_scale_factor = 0;
 };
 
 inline const RowCase kCases[] = {
@@ -109,6 +115,23 @@ inline const RowCase kCases[] = {
     {"policy_grpo_delta_bias_corrected_kl_f32", LossKind::kPolicy, 1.0f, 0.0f, false, 0.1, 0,
      true, false, true, false, PolicyLossType::kGrpo, true, true, 0.2f, 0.2f, 0.1f, 0, 0.7f,
      0.5f, 0, false, false, 1.0f, 1.05f, 1.4f, true},
+    // verl's menu (15-18): gpg, the KL estimators and straight-through, the entropy bonus and
+    // the four aggregation modes.
+    {"policy_gpg_k1_entropy", LossKind::kPolicy, 1.0f, 0.0f, true, 0.1, 0, false, false, true,
+     false, PolicyLossType::kGpg, true, true, 0.2f, 0.2f, 0.1f, 0, 0.7f, 0.5f, 0, false, false,
+     1.0f, 1.05f, 0.0f, false, KlEstimator::kK1, false, 0.05f},
+    {"policy_dapo_k2_seq_mean_token_mean_temp_cap", LossKind::kPolicy, 0.8f, 4.0f, false, 0.25,
+     0, false, false, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.28f, 0.1f, 0,
+     0.7f, 0.5f, 0, false, false, 1.0f, 1.05f, 0.0f, false, KlEstimator::kK2, false, 0.0f,
+     PolicyAggregation::kSeqMeanTokenMean},
+    {"policy_grpo_abs_token_mean_entropy_bias_corrected_f32", LossKind::kPolicy, 1.0f, 0.0f,
+     true, 0.1, 0, true, false, true, false, PolicyLossType::kGrpo, true, true, 0.2f, 0.2f,
+     0.1f, 0, 0.7f, 0.5f, 0, false, false, 1.0f, 1.05f, 0.0f, true, KlEstimator::kAbs, false,
+     0.02f, PolicyAggregation::kTokenMean},
+    {"policy_luspo_low_var_kl_st_seq_mean_token_sum_norm_chunked_accum", LossKind::kPolicy,
+     1.0f, 0.0f, true, 0.2, 7, false, true, true, false, PolicyLossType::kLuspo, true, true,
+     0.2f, 0.2f, 0.1f, 0, 0.7f, 0.5f, 0, false, false, 1.0f, 1.05f, 1.5f, false,
+     KlEstimator::kLowVarKl, true, -0.03f, PolicyAggregation::kSeqMeanTokenSumNorm, 48.0},
 };
 inline constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
 
@@ -189,7 +212,12 @@ inline RowProblem MakeProblem(const RowCase& c, const Shape& shape, DType dtype,
       d = 0.7 * uni(rng);
     } while (near_kink(d));
     r.old_logp.push_back(static_cast<float>(lref.logp[i] - d));
-    r.ref_logp.push_back(static_cast<float>(lref.logp[i] + 0.3 * normal(rng)));
+    // abs's kink at logp = ref is kept kClipMargin away, as the ratios' are.
+    double k = 0;
+    do {
+      k = 0.3 * normal(rng);
+    } while (c.kl == KlEstimator::kAbs && std::fabs(k) < kClipMargin);
+    r.ref_logp.push_back(static_cast<float>(lref.logp[i] + k));
   }
   p.advantages = r.advantages.data();
   if (c.old_logp) p.old_logp = r.old_logp.data();
@@ -205,6 +233,11 @@ inline RowProblem MakeProblem(const RowCase& c, const Shape& shape, DType dtype,
   p.policy.sapo_temperature_neg = c.sapo_neg;
   p.policy.delta = c.delta;
   p.policy.use_bias_correction_kl = c.bias_correction;
+  p.policy.kl_estimator = c.kl;
+  p.policy.kl_straight_through = c.kl_st;
+  p.policy.entropy_coeff = c.entropy_coeff;
+  p.policy.aggregation = c.aggregation;
+  p.policy.loss_scale_factor = c.loss_scale_factor;
   return r;
 }
 
