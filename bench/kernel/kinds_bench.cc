@@ -16,6 +16,9 @@
 // gradients on the kept inputs: logits again, dX, dW), timed together in the same rounds as the
 // floor and the one-phase logprob, so the 8-against-6 BT H V cost is measured
 // (two_phase_row.h states it).
+// With policy among the kinds and --policy_verl, the row "policy_verl": policy with verl's
+// k2 estimator and an entropy bonus (its e_i per row, the one-read kernel's entropy variant);
+// the aggregation modes change only the host's row weights, so they cost nothing here.
 // With policy among the kinds and --policy_sequence=S, the row "policy_seq": the policy kind at
 // sequence level over sequences of S rows as the CUDA backend runs it (policy_sequence.h), its
 // host step timed too, against the same 6 BT H V floor (its GEMMs are 8 BT H V: ~1.33x).
@@ -62,6 +65,9 @@ ABSL_FLAG(bool, two_phase, true,
 ABSL_FLAG(int64_t, policy_sequence, 0,
           "with policy in --kinds and S > 0 dividing BT: also time the policy kind at sequence "
           "level over sequences of S rows (the row policy_seq)");
+ABSL_FLAG(bool, policy_verl, true,
+          "with policy in --kinds: also time the policy kind with verl's options (the row "
+          "policy_verl: k2 KL estimator, entropy bonus 0.01)");
 
 namespace lossd {
 namespace bench {
@@ -82,7 +88,8 @@ struct ShapeBuffers {
   int32_t* counted = nullptr;                    // distill: every row counts (0)
   // Per-row inputs: logprob's coefficients, policy's weights, advantages, old and ref logp.
   float *coef_logp = nullptr, *coef_entropy = nullptr, *row_weight = nullptr,
-        *advantages = nullptr, *old_logp = nullptr, *ref_logp = nullptr;
+        *advantages = nullptr, *old_logp = nullptr, *ref_logp = nullptr,
+        *policy_entropy = nullptr;
   float logprob_alpha = 1, policy_alpha = 1;
 };
 
@@ -154,7 +161,7 @@ int MakePolicyInputs(const std::vector<float>& logp, ShapeBuffers* b) {
   const double w = 1.0 / static_cast<double>(b->bt);
   const double alpha = PowerOfTwoAbove(w);
   std::vector<float> weight(b->bt, static_cast<float>(w / alpha)), adv(b->bt), old(b->bt),
-      ref(b->bt);
+      ref(b->bt), entropy(b->bt, static_cast<float>(-0.01 * w / alpha));
   for (int64_t i = 0; i < b->bt; ++i) {
     adv[i] = u(rng);
     old[i] = logp[i] + near(rng);
@@ -162,7 +169,8 @@ int MakePolicyInputs(const std::vector<float>& logp, ShapeBuffers* b) {
   }
   b->policy_alpha = static_cast<float>(alpha);
   return Upload(weight, &b->row_weight) || Upload(adv, &b->advantages) ||
-         Upload(old, &b->old_logp) || Upload(ref, &b->ref_logp);
+         Upload(old, &b->old_logp) || Upload(ref, &b->ref_logp) ||
+         Upload(entropy, &b->policy_entropy);
 }
 
 // The fused op's arguments for `kind` on the shape's buffers (dX bf16, a fresh fp32 dW).
@@ -249,11 +257,14 @@ int RowMean(const ShapeBuffers& b, double* mean, bool* finite) {
 
 // One kind at one shape: plan, workspace, the floor, tuned floor and fused op in the same
 // rounds, the memory measured across them and the sanity statistic.
+// With `args`, those arguments instead of the kind's own (ArgsOf).
 int RunKind(cuda::CudaBackend& backend, cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine,
-            LossKind kind, const ShapeBuffers& b, KindRow* row, bool* finite) {
+            LossKind kind, const ShapeBuffers& b, KindRow* row, bool* finite,
+            const cuda::DeviceLossArgs* args = nullptr) {
   cudaStream_t stream = engine.stream();
   const bool teacher = kind == LossKind::kDistill;
-  const cuda::DeviceLossArgs a = ArgsOf(kind, b, absl::GetFlag(FLAGS_temperature));
+  const cuda::DeviceLossArgs a =
+      args != nullptr ? *args : ArgsOf(kind, b, absl::GetFlag(FLAGS_temperature));
   const cuda::ChunkPlan plan = backend.Plan(ShapeFor(kind, b));
   row->bt = b.bt, row->h = b.h, row->v = b.v;
   row->kind = LossKindName(kind);
@@ -471,7 +482,7 @@ int FreeShape(const ShapeBuffers& b) {
                   static_cast<void*>(b.counted), static_cast<void*>(b.coef_logp),
                   static_cast<void*>(b.coef_entropy), static_cast<void*>(b.row_weight),
                   static_cast<void*>(b.advantages), static_cast<void*>(b.old_logp),
-                  static_cast<void*>(b.ref_logp)}) {
+                  static_cast<void*>(b.ref_logp), static_cast<void*>(b.policy_entropy)}) {
     if (p != nullptr) BENCH_CHECK_CUDA(cudaFree(p));
   }
   return 0;
@@ -570,6 +581,17 @@ int Main() {
         TwoPhaseTimes t;
         if (RunTwoPhase(**backend, **engine, **floor_engine, b, &t)) return 1;
         two_phase.push_back(t);
+      }
+      if (k == LossKind::kPolicy && absl::GetFlag(FLAGS_policy_verl)) {
+        cuda::DeviceLossArgs a = ArgsOf(k, b, absl::GetFlag(FLAGS_temperature));
+        a.row_loss.policy.kl_estimator = policy_math::kK2;
+        a.row_loss.policy.entropy_coeff = 0.01f;
+        a.row_loss.coef_entropy = b.policy_entropy;
+        KindRow verl_row;
+        if (RunKind(**backend, **engine, **floor_engine, k, b, &verl_row, &finite, &a)) return 1;
+        verl_row.kind = "policy_verl";
+        all_finite = all_finite && finite;
+        rows.push_back(verl_row);
       }
       const int64_t seq = absl::GetFlag(FLAGS_policy_sequence);
       if (k == LossKind::kPolicy && seq > 0 && b.bt % seq == 0) {
