@@ -97,6 +97,35 @@ void ExpectClose(double ref, double got, const char* what) {
   EXPECT_NEAR(got, ref, 1e-5 * (std::fabs(ref) + 1e-3)) << what;
 }
 
+// The policy problem of `pp` on `head` as the backend takes it (grad_scale stays the head's).
+LossProblem PolicyProblemOf(const Head& head, const PolicyProblem& pp) {
+  LossProblem p = head.problem(LossKind::kPolicy);
+  p.advantages = pp.advantages;
+  p.old_logp = pp.old_logp;
+  p.ref_logp = pp.ref_logp;
+  p.is_ratio = pp.is_ratio;
+  const PolicyOptions& o = pp.options;
+  PolicyParams& q = p.policy;
+  q.loss_type = o.loss_type;
+  q.epsilon_low = o.epsilon_low;
+  q.epsilon_high = o.epsilon_high;
+  q.beta = o.beta;
+  q.sequences = pp.batch;
+  q.max_completion_length = o.max_completion_length;
+  q.dapo_normalizer = o.dapo_normalizer;
+  q.sapo_temperature_pos = o.sapo_temperature_pos;
+  q.sapo_temperature_neg = o.sapo_temperature_neg;
+  q.delta = o.delta;
+  q.use_bias_correction_kl = o.use_bias_correction_kl;
+  q.importance_sampling = o.importance_sampling;
+  q.kl_estimator = o.kl_estimator;
+  q.kl_straight_through = o.kl_straight_through;
+  q.entropy_coeff = o.entropy_coeff;
+  q.aggregation = o.aggregation;
+  q.loss_scale_factor = o.loss_scale_factor;
+  return p;
+}
+
 TEST(RowLossIoTest, LogprobLossIsTheUpstreamGradientsDotTheRows) {
   const Head head(1);
   std::vector<float> dlogp(kBt), dentropy(kBt);
@@ -187,20 +216,7 @@ TEST(RowLossIoTest, PolicyLossAndMetricsMatchTheReference) {
       pp.options.use_bias_correction_kl = config.bias_correction;
       PolicyReferenceOutputs ref;
       ASSERT_TRUE(PolicyReference(pp, &ref).ok());
-      LossProblem p = head.problem(LossKind::kPolicy);
-      p.advantages = pp.advantages;
-      p.old_logp = pp.old_logp;
-      p.ref_logp = pp.ref_logp;
-      p.policy.loss_type = type;
-      p.policy.sequences = pp.batch;
-      p.policy.max_completion_length = pp.options.max_completion_length;
-      p.policy.dapo_normalizer = pp.options.dapo_normalizer;
-      p.policy.beta = pp.options.beta;
-      p.policy.epsilon_high = pp.options.epsilon_high;
-      p.policy.sapo_temperature_pos = pp.options.sapo_temperature_pos;
-      p.policy.sapo_temperature_neg = pp.options.sapo_temperature_neg;
-      p.policy.delta = pp.options.delta;
-      p.policy.use_bias_correction_kl = pp.options.use_bias_correction_kl;
+      const LossProblem p = PolicyProblemOf(head, pp);
       Outputs out;
       WriteRowLossOutputs(p, out.view(), head.targets32(), RowsOf(ref.logp, {}, lref.lse));
       const char* name = PolicyLossTypeName(type);
@@ -311,21 +327,7 @@ TEST(RowLossIoTest, PolicySequenceLevelAndIsRatioMatchTheReference) {
         PolicyReferenceOutputs ref;
         const absl::Status st = PolicyReference(pp, &ref);
         ASSERT_TRUE(st.ok()) << st;
-        LossProblem p = head.problem(LossKind::kPolicy);
-        p.advantages = pp.advantages;
-        p.old_logp = pp.old_logp;
-        p.ref_logp = pp.ref_logp;
-        p.is_ratio = pp.is_ratio;
-        p.policy.loss_type = type;
-        p.policy.sequences = kSeqs;
-        p.policy.max_completion_length = o.max_completion_length;
-        p.policy.beta = o.beta;
-        p.policy.epsilon_high = o.epsilon_high;
-        p.policy.sapo_temperature_pos = o.sapo_temperature_pos;
-        p.policy.sapo_temperature_neg = o.sapo_temperature_neg;
-        p.policy.delta = o.delta;
-        p.policy.use_bias_correction_kl = o.use_bias_correction_kl;
-        p.policy.importance_sampling = o.importance_sampling;
+        const LossProblem p = PolicyProblemOf(head, pp);
         SCOPED_TRACE(testing::Message()
                      << PolicyLossTypeName(type) << (sequence ? " sequence" : " token")
                      << " old " << (inputs & 1) << " ref " << (inputs & 2) / 2 << " is_ratio "
@@ -430,20 +432,7 @@ TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
         PolicyReferenceOutputs ref;
         const absl::Status st = PolicyReference(pp, &ref);
         ASSERT_TRUE(st.ok()) << st;
-        LossProblem p = head.problem(LossKind::kPolicy);
-        p.advantages = pp.advantages;
-        p.old_logp = pp.old_logp;
-        p.ref_logp = pp.ref_logp;
-        p.policy.loss_type = o.loss_type;
-        p.policy.sequences = kSeqs;
-        p.policy.beta = o.beta;
-        p.policy.use_bias_correction_kl = bias_correction;
-        p.policy.kl_estimator = o.kl_estimator;
-        p.policy.kl_straight_through = o.kl_straight_through;
-        p.policy.entropy_coeff = o.entropy_coeff;
-        p.policy.aggregation = o.aggregation;
-        p.policy.loss_scale_factor = o.loss_scale_factor;
-        p.policy.importance_sampling = o.importance_sampling;
+        const LossProblem p = PolicyProblemOf(head, pp);
         SCOPED_TRACE(testing::Message()
                      << PolicyLossTypeName(o.loss_type) << (sequence ? " sequence " : " token ")
                      << KlEstimatorName(o.kl_estimator) << (o.kl_straight_through ? "+" : "")
