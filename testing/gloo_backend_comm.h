@@ -11,46 +11,24 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "engine/head_group.h"
 #include "kernels/backend.h"
+#include "testing/forwarding_backend.h"
 
 namespace lossd {
 
-class GlooBackedDevice : public Backend {
+class GlooBackedDevice : public ForwardingBackend {
  public:
   // `comms`: where the members' gloo rendezvous (one store for every member of a test).
   GlooBackedDevice(std::unique_ptr<Backend> inner, std::shared_ptr<HeadGroupStore> comms)
-      : inner_(std::move(inner)), comms_(std::move(comms)) {}
+      : ForwardingBackend(std::move(inner)), comms_(std::move(comms)) {}
 
   BackendInfo Info() override {
-    BackendInfo i = inner_->Info();
+    BackendInfo i = ForwardingBackend::Info();
     i.name = "gloo-backed-device";
     return i;
-  }
-  absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override {
-    return inner_->Allocate(bytes);
-  }
-  absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
-                             size_t bytes) override {
-    return inner_->CopyToBackend(dst, offset, src, bytes);
-  }
-  absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
-                               size_t bytes) override {
-    return inner_->CopyFromBackend(src, offset, dst, bytes);
-  }
-  absl::Status Zero(BackendBuffer& buf) override { return inner_->Zero(buf); }
-  uint64_t WorkspaceBytes(const WorkspaceShape& shape) override {
-    return inner_->WorkspaceBytes(shape);
-  }
-  absl::Status Compute(const LossProblem& p, const LossOutputs& out, LossStats* stats) override {
-    return inner_->Compute(p, out, stats);
-  }
-  absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) override {
-    return inner_->OptimizerStep(p, t);
-  }
-  absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) override {
-    return inner_->SumOfSquares(data, n);
   }
 
   absl::Status CommAvailable() override;
@@ -64,7 +42,6 @@ class GlooBackedDevice : public Backend {
   void set_unavailable(bool v) { unavailable_ = v; }
 
  private:
-  std::unique_ptr<Backend> inner_;
   std::shared_ptr<HeadGroupStore> comms_;
   std::atomic<int> connects_{0};
   bool unavailable_ = false;

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "testing/forwarding_backend.h"
 #include "testing/test_util.h"
 #include "service/loss_server.h"
 #include "service/metrics.h"
@@ -174,33 +175,18 @@ TEST_F(ClientKilledTest, ClientGoneWhileResultsAreSentFreesEverything) {
 // A backend that forwards to the CPU backend and, when armed, fails a Compute half way
 // through: it has already added garbage into half of the dW accumulator, as a device fault
 // or an out-of-memory in the middle of a chunk loop would.
-class FailingBackend : public Backend {
+class FailingBackend : public ForwardingBackend {
  public:
-  explicit FailingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  explicit FailingBackend(std::unique_ptr<Backend> inner) : ForwardingBackend(std::move(inner)) {}
   void ArmFailure() { armed_.store(true); }
 
   // Reports the backend unhealthy, as a sticky device error would.
   void SetHealthy(bool healthy) { healthy_.store(healthy); }
 
   BackendInfo Info() override {
-    BackendInfo info = inner_->Info();
+    BackendInfo info = ForwardingBackend::Info();
     info.healthy = info.healthy && healthy_.load();
     return info;
-  }
-  absl::StatusOr<std::unique_ptr<BackendBuffer>> Allocate(size_t bytes) override {
-    return inner_->Allocate(bytes);
-  }
-  absl::Status CopyToBackend(BackendBuffer& dst, size_t offset, const void* src,
-                             size_t bytes) override {
-    return inner_->CopyToBackend(dst, offset, src, bytes);
-  }
-  absl::Status CopyFromBackend(const BackendBuffer& src, size_t offset, void* dst,
-                               size_t bytes) override {
-    return inner_->CopyFromBackend(src, offset, dst, bytes);
-  }
-  absl::Status Zero(BackendBuffer& buf) override { return inner_->Zero(buf); }
-  uint64_t WorkspaceBytes(const WorkspaceShape& shape) override {
-    return inner_->WorkspaceBytes(shape);
   }
   absl::Status Compute(const LossProblem& p, const LossOutputs& out,
                        LossStats* stats) override {
@@ -210,17 +196,10 @@ class FailingBackend : public Backend {
       }
       return absl::InternalError("injected fault half way through the chunk loop");
     }
-    return inner_->Compute(p, out, stats);
-  }
-  absl::Status OptimizerStep(const OptimizerParams& p, const OptimizerTensors& t) override {
-    return inner_->OptimizerStep(p, t);
-  }
-  absl::StatusOr<double> SumOfSquares(const float* data, int64_t n) override {
-    return inner_->SumOfSquares(data, n);
+    return ForwardingBackend::Compute(p, out, stats);
   }
 
  private:
-  std::unique_ptr<Backend> inner_;
   std::atomic<bool> armed_{false};
   std::atomic<bool> healthy_{true};
 };
