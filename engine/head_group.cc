@@ -221,7 +221,7 @@ absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupS
         "a head group needs 2 or more members, this server's index among them and an id; got ",
         group.members.size(), " members, member ", group.member, ", id '", group.id, "'"));
   }
-  const std::string joined = absl::StrCat(group.id, "/joined/");
+  JoinMarks joins(*store, group);
   StoreAdapter adapter(store, absl::StrCat(group.id, "/gloo/"), options.timeout);
   try {
     gloo::transport::tcp::attr attr(options.hostname.c_str());
@@ -229,7 +229,7 @@ absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupS
     auto ctx = std::make_shared<gloo::rendezvous::Context>(static_cast<int>(group.member),
                                                            static_cast<int>(size));
     ctx->setTimeout(Millis(options.timeout));
-    store->Set(absl::StrCat(joined, group.member), "1").IgnoreError();  // only for the message
+    joins.Mark();
     ctx->connectFullMesh(adapter, dev);
     // A member returns from connectFullMesh once its own pairs are connected, which a peer
     // may do before reading this member's address: only after a barrier has every member
@@ -237,24 +237,13 @@ absl::StatusOr<std::shared_ptr<HeadComm>> ConnectGloo(std::shared_ptr<HeadGroupS
     gloo::BarrierOptions formed(ctx);
     gloo::barrier(formed);
     ForgetKeys(*store, adapter);
-    store->Delete(absl::StrCat(joined, group.member)).IgnoreError();
+    joins.Clear();
     return std::shared_ptr<HeadComm>(std::make_shared<GlooComm>(ctx, store, group));
   } catch (const std::exception& e) {
     ForgetKeys(*store, adapter);
-    std::vector<std::string> absent;
-    for (uint32_t m = 0; m < size; ++m) {
-      if (!store->Has(absl::StrCat(joined, m))) {
-        absent.push_back(absl::StrCat(m, " (", group.members[m], ")"));
-      }
-    }
     return absl::DeadlineExceededError(absl::StrCat(
-        "member ", group.member, " (", group.members[group.member], ") could not form head "
-        "group '", group.id, "'",
-        absent.empty() ? std::string("")
-                       : absl::StrCat(": member", absent.size() > 1 ? "s " : " ",
-                                      absl::StrJoin(absent, ", "), " never joined within ",
-                                      absl::FormatDuration(options.timeout)),
-        ": ", e.what()));
+        "member ", NamedMember(group, group.member), " could not form head group '", group.id,
+        "'", joins.NeverJoined(options.timeout), ": ", e.what()));
   }
 }
 

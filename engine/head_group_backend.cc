@@ -78,10 +78,6 @@ class BackendHeadComm : public MarkedComm {
   std::unique_ptr<BackendBuffer> staging_ ABSL_GUARDED_BY(staging_mu_);
 };
 
-std::string Named(const HeadGroup& g, uint32_t m) {
-  return absl::StrCat(m, " (", g.members[m], ")");
-}
-
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<HeadComm>> ConnectBackendComm(Backend& backend,
@@ -95,9 +91,9 @@ absl::StatusOr<std::shared_ptr<HeadComm>> ConnectBackendComm(Backend& backend,
         group.members.size(), " members, member ", group.member, ", id '", group.id, "'"));
   }
   const absl::Time end = absl::Now() + timeout;
-  const std::string joined = absl::StrCat(group.id, "/joined/");
+  JoinMarks joins(*store, group);
   const std::string id_key = absl::StrCat(group.id, "/comm_id");
-  store->Set(absl::StrCat(joined, group.member), "1").IgnoreError();  // only for the message
+  joins.Mark();
   absl::StatusOr<std::string> id;
   if (group.member == 0) {
     id = backend.NewCommId();
@@ -116,27 +112,18 @@ absl::StatusOr<std::shared_ptr<HeadComm>> ConnectBackendComm(Backend& backend,
     comm = id.status();
   }
   if (!comm.ok()) {
-    std::vector<std::string> absent;
-    for (uint32_t m = 0; m < size; ++m) {
-      if (!store->Has(absl::StrCat(joined, m))) absent.push_back(Named(group, m));
-    }
     if (group.member == 0) store->Delete(id_key).IgnoreError();  // a retry makes a new one
     return absl::Status(
         absl::IsDeadlineExceeded(comm.status()) ? absl::StatusCode::kDeadlineExceeded
                                                 : comm.status().code(),
-        absl::StrCat("member ", Named(group, group.member), " could not form head group '",
-                     group.id, "' on the backend's collectives",
-                     absent.empty() ? std::string("")
-                                    : absl::StrCat(": member", absent.size() > 1 ? "s " : " ",
-                                                   absl::StrJoin(absent, ", "),
-                                                   " never joined within ",
-                                                   absl::FormatDuration(timeout)),
-                     ": ", comm.status().message()));
+        absl::StrCat("member ", NamedMember(group, group.member), " could not form head group '",
+                     group.id, "' on the backend's collectives", joins.NeverJoined(timeout), ": ",
+                     comm.status().message()));
   }
   // Joining returns on every member only once all have joined, so every member has read the
   // id: it can go, with this member's mark.
   if (group.member == 0) store->Delete(id_key).IgnoreError();
-  store->Delete(absl::StrCat(joined, group.member)).IgnoreError();
+  joins.Clear();
   return std::shared_ptr<HeadComm>(
       std::make_shared<BackendHeadComm>(backend, *std::move(comm), std::move(store), group));
 }

@@ -10,6 +10,29 @@
 
 namespace lossd {
 
+JoinMarks::JoinMarks(HeadGroupStore& store, const HeadGroup& group)
+    : store_(store), group_(group) {}
+
+std::string JoinMarks::Key(uint32_t m) const { return absl::StrCat(group_.id, "/joined/", m); }
+
+void JoinMarks::Mark() { store_.Set(Key(group_.member), "1").IgnoreError(); }  // for messages
+
+void JoinMarks::Clear() { store_.Delete(Key(group_.member)).IgnoreError(); }
+
+std::string JoinMarks::NeverJoined(absl::Duration timeout) const {
+  std::vector<std::string> absent;
+  for (uint32_t m = 0; m < group_.size(); ++m) {
+    if (!store_.Has(Key(m))) absent.push_back(NamedMember(group_, m));
+  }
+  if (absent.empty()) return "";
+  return absl::StrCat(": member", absent.size() > 1 ? "s " : " ", absl::StrJoin(absent, ", "),
+                      " never joined within ", absl::FormatDuration(timeout));
+}
+
+std::string NamedMember(const HeadGroup& group, uint32_t m) {
+  return absl::StrCat(m, " (", group.members[m], ")");
+}
+
 MarkedComm::MarkedComm(std::shared_ptr<HeadGroupStore> store, HeadGroup group)
     : store_(std::move(store)), group_(std::move(group)) {}
 

@@ -14,9 +14,32 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "engine/head_group.h"
 
 namespace lossd {
+
+// A member's join mark while it forms a group's communicator (gloo's or the backend's): set
+// before it waits for the others, cleared once formed; kept after a failure, so the members
+// that failed can name the ones that never came.
+class JoinMarks {
+ public:
+  JoinMarks(HeadGroupStore& store, const HeadGroup& group);
+  void Mark();
+  void Clear();
+  // ": member 2 (host:port) never joined within 30s" (members ... for several), or "" where
+  // every member marked its join.
+  std::string NeverJoined(absl::Duration timeout) const;
+
+ private:
+  std::string Key(uint32_t m) const;
+
+  HeadGroupStore& store_;
+  const HeadGroup& group_;
+};
+
+// "2 (host:port)": member m and its address, as messages name a member.
+std::string NamedMember(const HeadGroup& group, uint32_t m);
 
 class MarkedComm : public HeadComm {
  public:
