@@ -43,7 +43,8 @@
  * ConnectComm and lossd::BackendComm's methods): the comm_* functions and LossdComm. 6.3: the
  * policy kind's rollout correction (is_ratio), importance-sampling level and verl's options
  * (the KL estimator and straight-through, entropy_coeff, the aggregation and its
- * loss_scale_factor) at the end of LossdProblem, and the loss type gpg; a plugin that computes
+ * loss_scale_factor) and distill's weight_hard_loss / weight_soft_loss at the end of
+ * LossdProblem, and the loss type gpg; a plugin that computes
  * them says so in loss_kinds' option bits (core/loss_problem.h's kPolicy*Bit).
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -231,6 +232,9 @@ typedef struct LossdProblem {
   float entropy_coeff;
   int32_t aggregation;         /* LOSSD_AGGREGATION_* */
   double loss_scale_factor;    /* 0 = the sequence length */
+  /* 6.3: distill's hard-label term (LossdDistillParams' neighbours, core's DistillParams). */
+  float distill_weight_hard_loss; /* 0: the divergence alone */
+  float distill_weight_soft_loss; /* 1: the divergence alone */
 #endif
 } LossdProblem;
 

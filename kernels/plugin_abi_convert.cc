@@ -161,6 +161,8 @@ void VisitProblem(P& p, C& c, Move move) {
   move(p.policy.entropy_coeff, c.entropy_coeff);
   move(p.policy.aggregation, c.aggregation);
   move(p.policy.loss_scale_factor, c.loss_scale_factor);
+  move(p.distill.weight_hard_loss, c.distill_weight_hard_loss);
+  move(p.distill.weight_soft_loss, c.distill_weight_soft_loss);
 #endif
 }
 

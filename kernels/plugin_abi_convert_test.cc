@@ -132,6 +132,8 @@ LossProblem EveryFieldSet(float* f, int64_t* i) {
   p.policy.entropy_coeff = -0.125f;
   p.policy.aggregation = PolicyAggregation::kSeqMeanTokenSumNorm;
   p.policy.loss_scale_factor = 48.5;
+  p.distill.weight_hard_loss = 0.375f;
+  p.distill.weight_soft_loss = 0.625f;
   return p;
 }
 
@@ -191,6 +193,8 @@ TEST(PluginAbiConvertTest, ProblemRoundTrips) {
   EXPECT_EQ(c.aggregation, LOSSD_AGGREGATION_SEQ_MEAN_TOKEN_SUM_NORM);
   EXPECT_EQ(r.policy.aggregation, PolicyAggregation::kSeqMeanTokenSumNorm);
   EXPECT_EQ(r.policy.loss_scale_factor, 48.5);
+  EXPECT_EQ(r.distill.weight_hard_loss, 0.375f);
+  EXPECT_EQ(r.distill.weight_soft_loss, 0.625f);
   EXPECT_EQ(r.policy.sapo_temperature_pos, 1.5f);
   EXPECT_EQ(r.policy.sapo_temperature_neg, 0.75f);
   EXPECT_EQ(r.policy.delta, 1.75f);

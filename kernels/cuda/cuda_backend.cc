@@ -191,7 +191,8 @@ BackendInfo CudaBackend::Info() {
                     LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
   if (!options_.served_over_plugin_abi) {
     info.loss_kinds |= kPolicySequenceBit | kPolicyIsRatioBit | kPolicyKlEstimatorBit |
-                       kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit;
+                       kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
+                       kDistillWeightsBit;
   }
   return info;
 }

@@ -51,12 +51,12 @@ struct CudaBackendOptions {
   // Rows the default chunk budget holds; 0 = the device's tuning (2048, 4096 on an H100).
   int64_t default_chunk_rows = 0;
   // Served through a plugin ABI older than 6.3 (plugin.cc built at an older minor), which
-  // carries neither LossProblem::is_ratio, PolicyParams::importance_sampling nor verl's
-  // options (the KL estimator, entropy_coeff, the aggregation, gpg): Info then does not
-  // announce them (kPolicySequenceBit,
-  // kPolicyIsRatioBit, kPolicyKlEstimatorBit, kPolicyEntropyBit, kPolicyAggregationBit,
-  // kPolicyGpgBit), so the server refuses them rather than computing without them. Called
-  // directly, the backend computes them all.
+  // carries neither LossProblem::is_ratio, PolicyParams::importance_sampling, verl's options
+  // (the KL estimator, entropy_coeff, the aggregation, gpg) nor distill's weights: Info then
+  // does not announce them (kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit,
+  // kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit, kDistillWeightsBit), so the
+  // server refuses them rather than computing without them. Called directly, the backend
+  // computes them all.
   bool served_over_plugin_abi = false;
 };
 

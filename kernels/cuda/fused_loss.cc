@@ -118,6 +118,7 @@ RowLossParams RowLossParamsOf(const DeviceLossArgs& a, bool write_grad, int64_t 
   p.teacher_bias = in.teacher_bias;
   p.jsd_beta = in.jsd_beta;
   p.distill_coef = in.distill_coef;
+  p.hard_coef = in.hard_coef;
   p.row_lse = a.row_lse + r0;
   p.row_logp = a.row_ce + r0;
   p.row_entropy = a.row_z + r0;

@@ -81,7 +81,8 @@ struct RowLossInputs {
   const void* teacher_w = nullptr;     // (V, teacher_h)
   const void* teacher_bias = nullptr;  // (V), or null
   float jsd_beta = 0;
-  float distill_coef = 0;
+  float distill_coef = 0;  // w_s grad_scale / (n alpha)
+  float hard_coef = 0;     // w_h grad_scale / (n alpha); targets then hold the labels
 };
 
 // Every tensor lives in device memory.

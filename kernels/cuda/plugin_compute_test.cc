@@ -113,7 +113,8 @@ TEST_F(PluginComputeTest, InfoAndHostMemory) {
   // ABI 6.3 carries the policy's options, so the plugin announces what the backend computes.
   EXPECT_EQ(got.loss_kinds, want.loss_kinds);
   for (uint32_t bit : {kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit,
-                       kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit}) {
+                       kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit,
+                       kDistillWeightsBit}) {
     EXPECT_NE(got.loss_kinds & bit, 0u) << "bit " << bit << " not announced";
   }
   HostMemory* m = plugin_->host_memory();
@@ -159,20 +160,22 @@ TEST_F(PluginComputeTest, ComputeIsTheDirectBackendsBitForBit) {
   }
 }
 
-// The policy options ABI 6.3 added, through the table: verl's menu (row_loss_test_cases.h's
-// cases 15-18), sequence-level importance sampling and is_ratio give the direct backend's bits.
+// The options ABI 6.3 added, through the table: verl's menu (row_loss_test_cases.h's cases
+// 15-18), sequence-level importance sampling, is_ratio, and distill's weights (19, 20) give the
+// direct backend's bits.
 TEST_F(PluginComputeTest, PolicyOptionsCrossBitForBit) {
   const cuda::Shape& shape = cuda::kShapes[2];  // 300 rows: 4 sequences
   std::vector<float> rho;
   for (int k = 15; k < cuda::kNumCases; ++k) {
     for (const bool sequence : {false, true}) {
       const cuda::RowCase& c = cuda::kCases[k];
-      if (sequence && !PolicyLossTypeClips(c.loss_type)) continue;
+      const bool policy = c.kind == LossKind::kPolicy;
+      if (sequence && (!policy || !PolicyLossTypeClips(c.loss_type))) continue;
       cuda::RowProblem rp = cuda::MakeProblem(c, shape, DType::kBF16, 300 + k);
       LossProblem& p = rp.p;
       rho.assign(p.bt, 0.0f);
       for (int64_t i = 0; i < p.bt; ++i) rho[i] = 0.25f + 0.125f * static_cast<float>(i % 13);
-      p.is_ratio = rho.data();
+      if (policy) p.is_ratio = rho.data();
       if (sequence) p.policy.importance_sampling = ImportanceSampling::kSequence;
       const DType g = c.grad_f32 ? DType::kF32 : DType::kBF16;
       cuda::RowOutputs want(p, g, c.accumulate), got(p, g, c.accumulate);
@@ -182,10 +185,13 @@ TEST_F(PluginComputeTest, PolicyOptionsCrossBitForBit) {
       const absl::Status st = plugin_->Compute(p, got.outputs(p.kind), &got_stats);
       ASSERT_TRUE(st.ok()) << where << ": " << st;
       EXPECT_TRUE(BitIdentical(want.base, got.base)) << where;
-      EXPECT_EQ(std::memcmp(want.logp.data(), got.logp.data(), p.bt * 4), 0) << where;
-      EXPECT_EQ(std::memcmp(&want.kl, &got.kl, 4), 0) << where;
-      EXPECT_EQ(std::memcmp(&want.clip_fraction, &got.clip_fraction, 4), 0) << where;
-      EXPECT_FALSE(std::isnan(want.kl)) << where;
+      if (policy) {
+        EXPECT_EQ(std::memcmp(want.logp.data(), got.logp.data(), p.bt * 4), 0) << where;
+        EXPECT_EQ(std::memcmp(&want.kl, &got.kl, 4), 0) << where;
+        EXPECT_EQ(std::memcmp(&want.clip_fraction, &got.clip_fraction, 4), 0) << where;
+        EXPECT_FALSE(std::isnan(want.kl)) << where;
+      }
+      EXPECT_FALSE(std::isnan(want.base.loss[0])) << where;
       ExpectSameStats(got_stats, want_stats, where);
     }
   }

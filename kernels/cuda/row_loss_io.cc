@@ -106,13 +106,16 @@ absl::Status UploadTeacher(CallBuffers& m, const LossProblem& p,
   }
   int64_t n = 0;
   for (int32_t t : targets32) n += t >= 0 ? 1 : 0;
-  // G = (grad_scale / n) (d - Q sum d) / T: the power of two above grad_scale / n goes into
-  // the GEMMs' alpha.
+  // G = (grad_scale / n) (w_s (d - Q sum d) / T + w_h (softmax(u) - onehot)): the power of
+  // two above the larger coefficient goes into the GEMMs' alpha.
   const double c = n > 0 ? static_cast<double>(p.options.grad_scale) / static_cast<double>(n)
                          : 0.0;
-  const double alpha = PowerOfTwoAbove(std::fabs(c));
+  const double soft = c * static_cast<double>(p.distill.weight_soft_loss);
+  const double hard = c * static_cast<double>(p.distill.weight_hard_loss);
+  const double alpha = PowerOfTwoAbove(std::max(std::fabs(soft), std::fabs(hard)));
   in->alpha = static_cast<float>(alpha);
-  in->distill_coef = static_cast<float>(c / alpha);
+  in->distill_coef = static_cast<float>(soft / alpha);
+  in->hard_coef = static_cast<float>(hard / alpha);
   in->jsd_beta = p.distill.jsd_beta;
   return absl::OkStatus();
 }
@@ -131,11 +134,15 @@ absl::StatusOr<TargetSummary> DistillRows(const LossProblem& p,
   }
   TargetSummary s;
   targets32->assign(p.bt, 0);
+  // The hard-label term reads each counted row's label (in [0, V): core's check); the
+  // divergence alone only whether the row counts.
+  const bool labels = p.distill.weight_hard_loss != 0.0f;
   for (int64_t i = 0; i < p.bt; ++i) {
-    if (p.targets != nullptr &&
-        LoadAsInt(p.targets, p.target_dtype, i) == p.options.ignore_index) {
+    const int64_t t = p.targets != nullptr ? LoadAsInt(p.targets, p.target_dtype, i) : 0;
+    if (p.targets != nullptr && t == p.options.ignore_index) {
       (*targets32)[i] = -1;
     } else {
+      if (labels) (*targets32)[i] = static_cast<int32_t>(t);
       ++s.tokens;
     }
   }
@@ -298,7 +305,11 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
       kl += t.kl;
       clipped += t.clipped ? 1 : 0;
     } else if (p.kind == LossKind::kDistill) {
-      loss += logp[i];  // the row's divergence
+      // The row's divergence and (with the hard term) its label's cross-entropy.
+      loss += static_cast<double>(p.distill.weight_soft_loss) * logp[i];
+      if (p.distill.weight_hard_loss != 0.0f) {
+        loss += static_cast<double>(p.distill.weight_hard_loss) * entropy[i];
+      }
     } else {
       if (p.dlogp != nullptr) loss += static_cast<double>(p.dlogp[i]) * logp[i];
       if (p.dentropy != nullptr) loss += static_cast<double>(p.dentropy[i]) * entropy[i];

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -497,6 +498,48 @@ TEST(RowLossIoTest, DistillLossIsTheMeanOfTheRowsThatCount) {
   // Distill has no logp or entropy output: left as they were.
   EXPECT_TRUE(std::isnan(out.logp[0]));
   EXPECT_TRUE(std::isnan(out.entropy[0]));
+}
+
+// The hard-label term (weight_hard_loss != 0): DistillRows hands each counted row's label to
+// the kernel, and the loss is (w_h sum ce_i + w_s sum row_i) / n, ce_i the label's
+// cross-entropy at temperature 1 (the kernel writes it where logprob's entropy goes), the
+// divergence at T = 2, against the reference.
+TEST(RowLossIoTest, DistillHardTermTakesTheLabelsAndWeighsBothTerms) {
+  const Head student(4), teacher(5);
+  LogprobProblem lp;
+  lp.head = student.inputs();
+  lp.targets = student.targets.data();
+  LogprobReferenceOutputs lref;  // at temperature 1: ce_i = -logp_i
+  ASSERT_TRUE(LogprobReference(lp, &lref).ok());
+  std::vector<double> ce(kBt);
+  for (int64_t i = 0; i < kBt; ++i) ce[i] = -lref.logp[i];
+  for (const auto& w : {std::pair<float, float>{0.5f, 0.5f}, {1.0f, 0.25f}}) {
+    DistillProblem dp;
+    dp.student = student.inputs();
+    dp.teacher = teacher.inputs();
+    dp.labels = student.targets.data();
+    dp.options.temperature = 2.0f;
+    dp.options.weight_hard_loss = w.first;
+    dp.options.weight_soft_loss = w.second;
+    DistillReferenceOutputs ref;
+    ASSERT_TRUE(DistillReference(dp, &ref).ok());
+    EXPECT_GT(ref.hard_loss, 0.0) << "no hard term: a weak case";
+    LossProblem p = student.problem(LossKind::kDistill);
+    p.options.temperature = 2.0f;
+    p.distill.weight_hard_loss = w.first;
+    p.distill.weight_soft_loss = w.second;
+    std::vector<int32_t> rows32;
+    absl::StatusOr<TargetSummary> s = DistillRows(p, &rows32);
+    ASSERT_TRUE(s.ok()) << s.status();
+    for (int64_t i = 0; i < kBt; ++i) {
+      EXPECT_EQ(rows32[i], student.targets[i] == -100 ? -1 : student.targets[i]) << i;
+    }
+    Outputs out;
+    WriteRowLossOutputs(p, out.view(), rows32,
+                        RowsOf(ref.row_loss, ce, std::vector<double>(kBt, 1.0)));
+    ExpectClose(ref.loss, out.loss, "loss");
+    EXPECT_EQ(out.tokens, ref.tokens);
+  }
 }
 
 // Targets only mark ignored rows: any other value counts, out of range or negative; none:

@@ -81,6 +81,7 @@ int RowLossCluster(const RowLossParams& p) {
   // choice, and with it the summation order, depends on V (and the GPU) alone.
   if (p.v % 8 != 0 || p.v <= 0) return 0;
   const bool distill = p.kind == kRowLossDistill;
+  if (distill && p.hard_coef != 0.0f) return 0;  // the hard-label term: two-pass kernel only
   for (const void* ptr : {static_cast<const void*>(p.logits), p.bias,
                           distill ? p.teacher_logits : nullptr, distill ? p.teacher_bias : nullptr}) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return 0;

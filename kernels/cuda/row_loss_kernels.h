@@ -22,8 +22,10 @@
 //
 // Distill (distill_reference.h): the teacher's logits u_t come in a second chunk buffer; with
 // Q = softmax(z), P = softmax(z_t) per row, the generalised JSD row_i (written into row_logp)
-// and, with d_j = d row_i / d log Q_j, g_ij = c (d_j - Q_ij sum_k d_k) / T, c = grad_scale /
-// (n alpha) on rows that count (n of them), 0 on ignored ones. The one-read kernel reads each
+// and, with d_j = d row_i / d log Q_j, g_ij = c (d_j - Q_ij sum_k d_k) / T, c = w_s grad_scale /
+// (n alpha) on rows that count (n of them), 0 on ignored ones; with the hard-label term
+// (LigerFusedLinearJSDLoss' weight_hard_loss w_h) g_ij gains h (softmax(u_i)_j - [j = t_i]),
+// h = w_h grad_scale / (n alpha), u the logits at temperature 1. The one-read kernel reads each
 // row once; the two-pass kernel reads the student row three times (statistics, the divergence
 // and sum d, the gradient) and the teacher's twice.
 #ifndef LOSSD_KERNELS_CUDA_ROW_LOSS_KERNELS_H_
@@ -67,7 +69,11 @@ struct RowLossParams {
   const void* teacher_logits;
   const void* teacher_bias;
   float jsd_beta;
-  float distill_coef;  // c above
+  float distill_coef;  // c above, times weight_soft_loss
+  // The hard-label term's w_h grad_scale / (n alpha) (0: none): targets then hold the labels,
+  // row_entropy gets each row's ce_i = lse(u) - u_t at temperature 1, and G gains
+  // hard_coef (softmax(u)_j - [j = t]). Only the two-pass kernel computes it.
+  float hard_coef;
   // Per row, always written (0 logp and entropy on ignored rows; lse on every row).
   float* row_lse;
   float* row_logp;     // distill: the row's divergence

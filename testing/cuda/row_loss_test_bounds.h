@@ -461,25 +461,35 @@ inline Expected ExpectDistill(const LossProblem& p, const LogitStats& stats,
   dp.options.temperature = p.options.temperature;
   dp.options.ignore_index = p.options.ignore_index;
   dp.options.grad_scale = p.options.grad_scale;
+  dp.options.weight_hard_loss = p.distill.weight_hard_loss;
+  dp.options.weight_soft_loss = p.distill.weight_soft_loss;
   DistillReferenceOutputs ref;
   EXPECT_TRUE(DistillReference(dp, &ref).ok());
   Expected e;
   e.loss = ref.loss;
   const double inv_t = 1.0 / p.options.temperature;
   const double n = std::max<double>(1.0, static_cast<double>(ref.tokens));
+  // The hard term's cross-entropy at temperature 1 moves by at most |du_t| + sum p |du| <= 2
+  // of the raw logits' rounding.
+  const double ws = p.distill.weight_soft_loss, wh = p.distill.weight_hard_loss;
   std::vector<double> row_errors;
   for (int64_t i = 0; i < p.bt; ++i) {
     const double zm = tol.logit_u * (stats.row_abs_max[i] + teacher_stats.row_abs_max[i] + 2) *
                       inv_t;
-    row_errors.push_back((2 + 2 * ref.row_loss[i]) * zm / n);
+    const double um = tol.logit_u * (stats.row_abs_max[i] + 1);
+    row_errors.push_back((ws * (2 + 2 * ref.row_loss[i]) * zm + wh * 2 * um) / n);
   }
   e.loss_bound = ScalarBound(row_errors, e.loss, tol);
   e.grad = ref.grad;
   // A coarse bound of G's relative error (the JSD's gradient through both heads' rounding):
   // twice the two heads' rms logit rounding.
+  // With the hard term, its softmax(u)'s relative error (twice the raw logits' rms rounding)
+  // adds to the soft term's.
   const double grad_rel =
-      2 * tol.logit_u * (stats.rms_row_abs_max + teacher_stats.rms_row_abs_max + 2) * inv_t +
-      tol.logit_u;
+      (ws != 0 ? 2 * tol.logit_u * (stats.rms_row_abs_max + teacher_stats.rms_row_abs_max + 2) *
+                     inv_t
+               : 0.0) +
+      (wh != 0 ? 2 * tol.logit_u * (stats.rms_row_abs_max + 1) : 0.0) + tol.logit_u;
   e.grad_tol = GradTolerance(p, tol, grad_rel);
   return e;
 }

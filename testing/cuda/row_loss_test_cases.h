@@ -75,6 +75,8 @@ struct RowCase {
   float entropy_coeff = 0.0f;
   PolicyAggregation aggregation = PolicyAggregation::kLossType;
   double loss_scale_factor = 0;
+  // Distill's hard-label term (LigerFusedLinearJSDLoss' weights).
+  float w_hard = 0.0f, w_soft = 1.0f;
 };
 
 inline const RowCase kCases[] = {
@@ -132,6 +134,16 @@ inline const RowCase kCases[] = {
      1.0f, 0.0f, true, 0.2, 7, false, true, true, false, PolicyLossType::kLuspo, true, true,
      0.2f, 0.2f, 0.1f, 0, 0.7f, 0.5f, 0, false, false, 1.0f, 1.05f, 1.5f, false,
      KlEstimator::kLowVarKl, true, -0.03f, PolicyAggregation::kSeqMeanTokenSumNorm, 48.0},
+    // Distill with the hard-label term (19, 20): Liger's JSD-loss default weights at T 2, and
+    // a hard-heavy forward KL.
+    {"distill_hard_soft_half_temp2_biases_ignore", LossKind::kDistill, 2.0f, 0.0f, true, 0.1, 0,
+     false, false, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 0.7f,
+     0.5f, 0, true, false, 1.0f, 1.05f, 0.0f, false, KlEstimator::kK3, false, 0.0f,
+     PolicyAggregation::kLossType, 0, 0.5f, 0.5f},
+    {"distill_hard_forward_kl_chunked_accum_f32", LossKind::kDistill, 1.0f, 0.0f, false, 0.2, 7,
+     true, true, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 0.7f,
+     0.0f, 0, false, false, 1.0f, 1.05f, 0.0f, false, KlEstimator::kK3, false, 0.0f,
+     PolicyAggregation::kLossType, 0, 1.0f, 0.25f},
 };
 inline constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
 
@@ -182,6 +194,8 @@ inline RowProblem MakeProblem(const RowCase& c, const Shape& shape, DType dtype,
     p.teacher_w = r.teacher->w.data();
     p.teacher_bias = c.teacher_bias ? r.teacher->bias.data() : nullptr;
     p.distill.jsd_beta = c.jsd_beta;
+    p.distill.weight_hard_loss = c.w_hard;
+    p.distill.weight_soft_loss = c.w_soft;
     if (c.no_targets) p.targets = nullptr;
     return r;
   }
