@@ -44,6 +44,7 @@
 #include "bench/kernel/bench_util.h"
 #include "bench/kernel/floor.h"
 #include "bench/kernel/kernel_flags.h"
+#include "bench/kernel/kinds_table.h"
 #include "bench/kernel/problem.h"
 #include "bench/kernel/timing.h"
 #include "bench/kernel/two_phase_row.h"
@@ -75,8 +76,6 @@ namespace {
 
 constexpr const char* kDefaultShapes = "8192x4096x128256,8192x2304x256000";
 constexpr uint64_t kFloorWsBytes = 32ull << 20;
-// Distill's extra device memory goal at (8192, 4096, 128256).
-constexpr int64_t kDistillGoalBytes = int64_t{1} << 30;
 
 // One shape's device buffers, shared by every kind.
 struct ShapeBuffers {
@@ -91,18 +90,6 @@ struct ShapeBuffers {
         *advantages = nullptr, *old_logp = nullptr, *ref_logp = nullptr,
         *policy_entropy = nullptr;
   float logprob_alpha = 1, policy_alpha = 1;
-};
-
-// What one kind measured at one shape.
-struct KindRow {
-  int64_t bt = 0, h = 0, v = 0;
-  std::string kind;
-  int64_t chunk_rows = 0;
-  int schedule = 0;
-  double floor_ms = 0, tuned_floor_ms = 0, ms = 0, flop = 0;
-  uint64_t workspace = 0;
-  int64_t measured_extra = 0;
-  double row_mean = 0;
 };
 
 bool ParseShape(absl::string_view s, int64_t* bt, int64_t* h, int64_t* v) {
@@ -385,6 +372,20 @@ int RunTwoPhase(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
   return 0;
 }
 
+// The row policy_verl: the policy kind with verl's k2 estimator and an entropy bonus of 0.01
+// (its e_i per row), on the policy row's inputs.
+int RunPolicyVerl(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
+                  cuda::FusedLoss& floor_engine, const ShapeBuffers& b, KindRow* row,
+                  bool* finite) {
+  cuda::DeviceLossArgs a = ArgsOf(LossKind::kPolicy, b, absl::GetFlag(FLAGS_temperature));
+  a.row_loss.policy.kl_estimator = policy_math::kK2;
+  a.row_loss.policy.entropy_coeff = 0.01f;
+  a.row_loss.coef_entropy = b.policy_entropy;
+  if (RunKind(backend, engine, floor_engine, LossKind::kPolicy, b, row, finite, &a)) return 1;
+  row->kind = "policy_verl";
+  return 0;
+}
+
 // The policy kind at sequence level over sequences of `seq` rows, as CudaBackend::Compute runs
 // it: EnqueueSequenceForward (the forward pass, logp to the host, the coefficients uploaded),
 // then the gradient pass; in the same rounds as the floor and the tuned floor.
@@ -496,31 +497,8 @@ void PrintTable(const cudaDeviceProp& prop, const std::vector<KindRow>& rows,
               prop.name, absl::GetFlag(FLAGS_runs), absl::GetFlag(FLAGS_warmup),
               absl::GetFlag(FLAGS_temperature),
               absl::GetFlag(FLAGS_teacher_h) > 0 ? "as given" : "= H");
-  std::printf("| BT, H, V | kind | C | schedule | floor | tuned floor | fused | fused / floor "
-              "| fused / tuned floor | TFLOP/s | workspace | peak extra (measured) | row mean "
-              "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (const KindRow& r : rows) {
-    std::printf("| %lld, %lld, %lld | %s | %lld | %s | %.2f ms | %.2f ms | %.2f ms | %.3fx | "
-                "%.3fx | %.0f | %.0f MiB | %.0f MiB | %.4f |\n",
-                static_cast<long long>(r.bt), static_cast<long long>(r.h),
-                static_cast<long long>(r.v), r.kind.c_str(),
-                static_cast<long long>(r.chunk_rows), r.schedule == 0 ? "rows" : "columns",
-                r.floor_ms, r.tuned_floor_ms, r.ms, r.ms / r.floor_ms, r.ms / r.tuned_floor_ms,
-                r.flop / (r.ms * 1e9), r.workspace / 1048576.0, r.measured_extra / 1048576.0,
-                r.row_mean);
-  }
-  std::printf("\nfloor: the kind's GEMMs unchunked (logits, dX, dW; distill adds the teacher's "
-              "logits), 6 BT H V flops (distill 2 BT V (3 H + Ht)); row mean: cross_entropy the "
-              "row loss, logprob and policy log p(target), distill the row divergence\n");
+  PrintKindRows(rows);
   for (const TwoPhaseTimes& t : two_phase) std::printf("%s\n", TwoPhaseLine(t).c_str());
-  for (const KindRow& r : rows) {
-    if (r.kind == "distill" && r.bt == 8192 && r.h == 4096 && r.v == 128256) {
-      std::printf("distill extra device memory at (8192, 4096, 128256): %.0f MiB measured, "
-                  "%.0f MiB planned; goal <= 1024 MiB: %s\n",
-                  r.measured_extra / 1048576.0, r.workspace / 1048576.0,
-                  r.measured_extra <= kDistillGoalBytes ? "met" : "NOT met");
-    }
-  }
 }
 
 int Main() {
@@ -583,13 +561,8 @@ int Main() {
         two_phase.push_back(t);
       }
       if (k == LossKind::kPolicy && absl::GetFlag(FLAGS_policy_verl)) {
-        cuda::DeviceLossArgs a = ArgsOf(k, b, absl::GetFlag(FLAGS_temperature));
-        a.row_loss.policy.kl_estimator = policy_math::kK2;
-        a.row_loss.policy.entropy_coeff = 0.01f;
-        a.row_loss.coef_entropy = b.policy_entropy;
         KindRow verl_row;
-        if (RunKind(**backend, **engine, **floor_engine, k, b, &verl_row, &finite, &a)) return 1;
-        verl_row.kind = "policy_verl";
+        if (RunPolicyVerl(**backend, **engine, **floor_engine, b, &verl_row, &finite)) return 1;
         all_finite = all_finite && finite;
         rows.push_back(verl_row);
       }
