@@ -2,12 +2,16 @@
 """What the Python client tests and the Prometheus end-to-end test both need to start a real
 lossd: a free loopback port and the lossd binary ($LOSSD_BIN, else
 $(bazel info bazel-bin)/service/lossd; skipped without one unless LOSSD_BIN is set, then a
-missing binary is a failure). find_built_binary finds the tests' other built tools alike."""
+missing binary is a failure). find_built_binary finds the tests' other built tools alike. And
+what the tests that start several lossd share: start_lossd, wait_serving, stop_all, and
+run_all for calls that must run at once (a head group's members, a step's ranks)."""
 
 import os
 import shutil
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +71,74 @@ def make_test_pki(d, clients, ca_name="lossd-test-ca"):
         openssl("x509", "-req", "-in", "%s.csr" % name, "-CA", "ca.pem", "-CAkey", "ca.key",
                 "-CAcreateserial", "-out", "%s.pem" % name, "-days", "1", "-extfile",
                 "%s.ext" % name)
+
+
+def start_lossd(binary, port, log, *flags):
+    """lossd on 127.0.0.1:`port` (the CPU backend, one thread, quick to drain and stop, no
+    metrics port) with `flags` added, its output into the open file `log`."""
+    return subprocess.Popen(
+        [binary, "--address=127.0.0.1", "--port=%d" % port, "--metrics_port=0",
+         "--backend=cpu", "--threads=1", "--drain_seconds=1", "--shutdown_grace=0", *flags],
+        stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_serving(proc, address=None, client=None, timeout=60.0):
+    """Waits until the lossd `proc` answers SERVING, asked through `client` (one with TLS,
+    say), else through a plain client of `address`; fails if it exits or the time runs out."""
+    import lossd  # the Prometheus test imports this file without the client installed
+
+    own = client is None
+    c = lossd.Client(address, timeout=2.0) if own else client
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert proc.poll() is None, "lossd on %s exited with %s" % (address, proc.returncode)
+            try:
+                if c.health() == "SERVING":
+                    return
+            except lossd.LossdError:
+                pass
+            assert time.monotonic() < deadline, "lossd on %s not serving" % address
+            time.sleep(0.1)
+    finally:
+        if own:
+            c.close()
+
+
+def stop_all(procs, clients=(), logs=()):
+    """Closes `clients`, stops `procs` (terminate, then kill after 15 s) and closes `logs`."""
+    for c in clients:
+        c.close()
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+
+
+def run_all(fns, raise_first=True):
+    """Runs fns at once, each on a thread (a head group's members join together; a step's
+    ranks meet at its barrier), and returns their results in order. An exception is
+    re-raised (the first) where raise_first, else returned in its function's place."""
+    out, errs = [None] * len(fns), []
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except Exception as e:  # noqa: BLE001 (re-raised or returned below)
+            errs.append(e)
+            out[i] = e
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errs and raise_first:
+        raise errs[0]
+    return out

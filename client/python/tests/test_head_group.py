@@ -4,16 +4,14 @@ groups"): created on every member at once (each returns once all three have join
 member 0's rendezvous), three trainer ranks each sending its Computes and Step to member
 rank % 3, AdamW steps compared with a one-server head on member 0 fed the same Computes."""
 
-import subprocess
-import threading
-import time
 import uuid
 
 import numpy as np
 import pytest
 
 import lossd
-from lossd_servers import find_lossd_binary, free_port
+from lossd_servers import (find_lossd_binary, free_port, run_all, start_lossd, stop_all,
+                           wait_serving)
 
 S, WORLD, STEPS = 3, 3, 3
 # The engine's test holds the masters to 2 fp32 ulps of the largest value per step
@@ -24,25 +22,12 @@ V, H, BT = 37, 12, 9
 
 
 def _start(binary, port, log):
-    return subprocess.Popen(
-        [binary, "--address=127.0.0.1", "--port=%d" % port, "--metrics_port=0",
-         "--backend=cpu", "--threads=1", "--drain_seconds=1", "--shutdown_grace=0",
-         "--head_group_address=127.0.0.1", "--head_group_timeout=15s"],
-        stdout=log, stderr=subprocess.STDOUT)
+    return start_lossd(binary, port, log, "--head_group_address=127.0.0.1",
+                       "--head_group_timeout=15s")
 
 
-def _wait_serving(proc, address, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    with lossd.Client(address, timeout=2.0) as c:
-        while True:
-            assert proc.poll() is None, "lossd on %s exited with %s" % (address, proc.returncode)
-            try:
-                if c.health() == "SERVING":
-                    return
-            except lossd.LossdError:
-                pass
-            assert time.monotonic() < deadline, "lossd on %s not serving" % address
-            time.sleep(0.1)
+_wait_serving = wait_serving
+_all = run_all  # a group's members join together; a step's ranks meet at a barrier
 
 
 @pytest.fixture(scope="module")
@@ -64,36 +49,7 @@ def members(tmp_path_factory):
         for c in clients:
             c.close()
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-
-
-def _all(fns):
-    """Runs fns at once (a group's members join together; a step's ranks meet at a barrier)."""
-    out, errs = [None] * len(fns), []
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except Exception as e:  # noqa: BLE001 (re-raised below)
-            errs.append(e)
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errs:
-        raise errs[0]
-    return out
+        stop_all(procs, logs=logs)
 
 
 def _data(seed):

@@ -7,8 +7,6 @@ RemoteHeadOptimizer.state_dict of a group's head; what a member writes as it dra
 import os
 import signal
 import subprocess
-import threading
-import time
 import uuid
 
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 
 import lossd
 from lossd.tensors import BF16Array
-from lossd_servers import find_lossd_binary, free_port
+from lossd_servers import find_lossd_binary, free_port, run_all, start_lossd, wait_serving
 
 MEMBERS, WORLD = 3, 6  # WORLD >= every S used, so each member serves a rank
 V, H, BT = 37, 12, 9
@@ -24,25 +22,12 @@ TIMEOUT = "15s"  # --head_group_timeout
 
 
 def _start(binary, port, log, *extra):
-    return subprocess.Popen(
-        [binary, "--address=127.0.0.1", "--port=%d" % port, "--metrics_port=0",
-         "--backend=cpu", "--threads=1", "--drain_seconds=1", "--shutdown_grace=0",
-         "--head_group_address=127.0.0.1", "--head_group_timeout=" + TIMEOUT] + list(extra),
-        stdout=log, stderr=subprocess.STDOUT)
+    return start_lossd(binary, port, log, "--head_group_address=127.0.0.1",
+                       "--head_group_timeout=" + TIMEOUT, *extra)
 
 
-def _wait_serving(proc, address, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    with lossd.Client(address, timeout=2.0) as c:
-        while True:
-            assert proc.poll() is None, "lossd on %s exited with %s" % (address, proc.returncode)
-            try:
-                if c.health() == "SERVING":
-                    return
-            except lossd.LossdError:
-                pass
-            assert time.monotonic() < deadline, "lossd on %s not serving" % address
-            time.sleep(0.1)
+_wait_serving = wait_serving
+_all = run_all  # a group's members join together; a step's ranks meet at a barrier
 
 
 class Members:
@@ -91,27 +76,6 @@ def members(tmp_path_factory):
         yield g
     finally:
         g.close()
-
-
-def _all(fns):
-    """Runs fns at once (a group's members join together; a step's ranks meet at a barrier);
-    re-raises the first error."""
-    out, errs = [None] * len(fns), []
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except Exception as e:  # noqa: BLE001 (re-raised below)
-            errs.append(e)
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errs:
-        raise errs[0]
-    return out
 
 
 class Head:

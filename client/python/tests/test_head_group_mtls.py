@@ -4,36 +4,21 @@ the other members present theirs to member 0's rendezvous (--head_group_tls_cert
 --head_group_tls_key) and the group forms and steps; without one, forming the group fails on
 every member, naming the group, and nothing is created."""
 
-import subprocess
-import threading
-import time
 import uuid
 
 import numpy as np
 import pytest
 
 import lossd
-from lossd_servers import find_lossd_binary, free_port, make_test_pki
+from lossd_servers import (find_lossd_binary, free_port, make_test_pki, run_all, start_lossd,
+                           stop_all, wait_serving)
 
 V, H, BT = 29, 8, 6
 
 
 def _all(fns):
-    out, errs = [None] * len(fns), []
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except Exception as e:  # noqa: BLE001 (returned to the caller)
-            errs.append(e)
-            out[i] = e
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out
+    """Runs fns at once; an exception comes back in its function's place."""
+    return run_all(fns, raise_first=False)
 
 
 @pytest.fixture(scope="module")
@@ -60,42 +45,18 @@ def _group(pki, tmp, member_cert):
         port = free_port()
         addrs.append("127.0.0.1:%d" % port)
         logs.append(open(str(tmp / ("member-%d.log" % m)), "wb"))
-        procs.append(subprocess.Popen(
-            [binary, "--address=127.0.0.1", "--port=%d" % port, "--metrics_port=0",
-             "--backend=cpu", "--threads=1", "--drain_seconds=1", "--shutdown_grace=0"] + flags,
-            stdout=logs[-1], stderr=subprocess.STDOUT))
+        procs.append(start_lossd(binary, port, logs[-1], *flags))
     clients = [lossd.Client(a, timeout=60.0, **tls) for a in addrs]
     try:
-        for p, c in zip(procs, clients):
-            deadline = time.monotonic() + 60
-            while True:
-                assert p.poll() is None, "lossd exited with %s" % p.returncode
-                try:
-                    if c.health() == "SERVING":
-                        break
-                except lossd.LossdError:
-                    pass
-                assert time.monotonic() < deadline, "lossd not serving"
-                time.sleep(0.1)
+        for p, a, c in zip(procs, addrs, clients):
+            wait_serving(p, a, client=c)
         return procs, addrs, clients, logs
     except BaseException:
         _stop(procs, clients, logs)
         raise
 
 
-def _stop(procs, clients, logs):
-    for c in clients:
-        c.close()
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
+_stop = stop_all
 
 
 def test_members_with_client_certificates_form_and_step_the_group(pki, tmp_path):
