@@ -13,6 +13,8 @@
   function's, with the hard-label term (lossd._rl_distill).
 - `LossdTopkDistillLoss` and `topk_distill_loss`: distillation from the teacher's top-k ids
   and log-probs, no teacher head (lossd._rl_distill_topk).
+- `verl_kl_penalty`: the per-token KL estimate by verl's names, from log-probs the trainer
+  has (lossd._rl_kl; no server).
 
 Autograd through them gives dX, dW and db, computed by the server. The log-prob helpers run
 forward only (the upstream gradient of a log-prob is not known then) and backward sends the
@@ -451,8 +453,10 @@ class LossdFusedLinearJSD(_OnServer):
 
 from lossd._rl_distill import LossdFusedLinearJSDLoss, fused_linear_jsd_loss  # noqa: E402
 from lossd._rl_distill_topk import LossdTopkDistillLoss, topk_distill_loss  # noqa: E402
+from lossd._rl_kl import verl_kl_penalty  # noqa: E402
 
 __all__ = ["fused_linear_for_ppo", "LossdFusedLinearForPPO", "linear_cross_entropy",
            "logprobs_from_hidden", "entropy_from_hidden", "LossdLogprobFunction",
            "LossdFusedLinearGRPOLoss", "LossdFusedLinearJSD", "LossdFusedLinearJSDLoss",
-           "fused_linear_jsd_loss", "LossdTopkDistillLoss", "topk_distill_loss"]
+           "fused_linear_jsd_loss", "LossdTopkDistillLoss", "topk_distill_loss",
+           "verl_kl_penalty"]

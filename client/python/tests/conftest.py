@@ -30,6 +30,8 @@ BACKEND = os.environ.get("LOSSD_TEST_BACKEND", "cpu")
 # fp32: fp32 accumulation over short sums. fp16/bf16: logits and outputs rounded to the
 # input dtype (2^-11 and 2^-8 relative), errors scaling with |logit| ~ 3-10.
 TOLERANCES = {
+    # fp64: float64 against float64, the same formulas in another order of operations.
+    "fp64": dict(rtol=1e-12, atol=1e-15),
     "fp32": dict(rtol=1e-4, atol=1e-5),
     "fp16": dict(rtol=1e-2, atol=2e-3),
     "bf16": dict(rtol=5e-2, atol=1.5e-2),

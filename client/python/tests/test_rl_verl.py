@@ -260,3 +260,41 @@ def test_unknown_option_values_are_refused_before_sending(client):
         with pytest.raises(lossd.InvalidArgumentError, match="policy.%s must be one of" % field):
             client.compute(x, w, ids.reshape(-1), kind="policy", advantages=adv.reshape(-1),
                            policy={field: value})
+
+
+@pytest.mark.parametrize("name", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+",
+                                  "abs+", "k2+", "low_var_kl+", "k3+"])
+def test_kl_penalty_matches_verls(verl, name):
+    """lossd.rl.verl_kl_penalty, the per-token estimate as its own output, against verl's
+    kl_penalty: the values and both arguments' gradients in float64, over log-ratios that reach
+    low_var_kl's clamps (|d| > 20 and e^x - x - 1 > 10) on some tokens."""
+    from lossd import rl
+
+    rng = np.random.default_rng(11)
+    d = rng.standard_normal((B, S)) * 2.0
+    d[0, :3] = [25.0, -25.0, -13.0]  # both clamps of x, and the value's
+    base = rng.standard_normal((B, S)) - 3.0
+    got_lp = torch.tensor(base + d, dtype=torch.float64, requires_grad=True)
+    got_ref = torch.tensor(base, dtype=torch.float64, requires_grad=True)
+    want_lp = got_lp.detach().clone().requires_grad_(True)
+    want_ref = got_ref.detach().clone().requires_grad_(True)
+    got = rl.verl_kl_penalty(got_lp, got_ref, name)
+    want = verl.kl_penalty(want_lp, want_ref, name)
+    assert got.shape == want.shape == (B, S)
+    assert_close("kl", got.detach().numpy(), want.detach().numpy(), "fp64")
+    upstream = torch.tensor(rng.standard_normal((B, S)))
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    assert_close("dlogp", got_lp.grad.numpy(), want_lp.grad.numpy(), "fp64")
+    assert_close("dref", got_ref.grad.numpy(), want_ref.grad.numpy(), "fp64")
+    assert float(got_lp.grad.abs().sum()) > 0
+
+
+def test_kl_penalty_refuses_unknown_names_and_shapes():
+    from lossd import rl
+
+    x = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(lossd.InvalidArgumentError, match="kl_penalty must be one of"):
+        rl.verl_kl_penalty(x, x, "full")
+    with pytest.raises(lossd.InvalidArgumentError, match="logp has shape"):
+        rl.verl_kl_penalty(x, torch.zeros(4, dtype=torch.float64), "kl")
