@@ -50,7 +50,7 @@ CXXFLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer $SAN -I$ROOT -I$BUILD/gen $C
 # kernels/cpu/reference_cases.cc) would clash with libFuzzer's main.
 LAYER_SRCS=$(cd "$ROOT" && ls core/*.cc engine/*.cc kernels/cpu/*.cc | grep -v -e '_test\.cc$' -e '_bench\.cc$' |
   while read -r f; do grep -q '^int main(' "$f" || echo "$f"; done)
-SRCS_COVERED="$LAYER_SRCS kernels/host_memory.cc kernels/optimizer_check.cc
+SRCS_COVERED="$LAYER_SRCS kernels/host_memory.cc kernels/optimizer_check.cc kernels/policy_rows.cc
 wire/part_codec.cc service/wire_convert.cc service/compute_assembler.cc
 testing/test_util.cc testing/match_reference.cc testing/trickle_rows.cc tests/fuzz/fuzz_env.cc
 tests/fuzz/compute_stream_fuzzer.cc tests/fuzz/options_fuzzer.cc tests/fuzz/put_weights_fuzzer.cc"
