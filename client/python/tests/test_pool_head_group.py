@@ -8,14 +8,13 @@ into a new group of the same members), a member answering "go to member" (raised
 elsewhere), and a member SIGKILLed (HeadLostError naming it)."""
 
 import signal
-import subprocess
 import uuid
 
 import numpy as np
 import pytest
 
 import lossd
-from lossd_servers import find_lossd_binary, free_port
+from lossd_servers import find_lossd_binary, free_port, stop_all
 from test_head_group import (BT, DX_ULPS_PER_STEP, H, S, V, _all, _data, _fp32_close, _start,
                              _wait_serving, members)  # noqa: F401 (members: the fixture)
 
@@ -235,13 +234,4 @@ def test_a_member_killed_is_named_and_nothing_is_resent(tmp_path):
             pools[1].step(name, 0, rank=1, world_size=2)
     finally:
         _close(pools)
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        for log in logs:
-            log.close()
+        stop_all(procs, logs=logs)  # the killed member is already gone: terminate skips it
