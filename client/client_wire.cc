@@ -81,6 +81,8 @@ v1::PolicyLossType ToProto(PolicyLossType t) {
       return v1::POLICY_LOSS_LUSPO;
     case PolicyLossType::kGpg:
       return v1::POLICY_LOSS_GPG;
+    case PolicyLossType::kGeoMean:
+      return v1::POLICY_LOSS_GEO_MEAN;
   }
   return static_cast<v1::PolicyLossType>(static_cast<int>(t));
 }

@@ -28,8 +28,8 @@ ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (B
 ABSL_FLAG(std::string, is_ratio, "",
           "policy: .npy of the rollout correction (Liger's vllm_is_ratio) (BT), fp32 >= 0");
 ABSL_FLAG(std::string, loss_type, "dapo",
-          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg (gpg: verl's -A logp; servers "
-          "listing policy_loss_type_gpg)");
+          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg|geo_mean (gpg: verl's -A logp, "
+          "geo_mean: verl's GMPO; servers listing policy_loss_type_gpg / _geo_mean)");
 ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
 ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
 ABSL_FLAG(double, beta, 0.04, "policy: KL coefficient");
@@ -114,7 +114,8 @@ absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
         "(docs/rl_losses.md)");
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo or gpg, got '", s,
+      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg or geo_mean, got '",
+      s,
       "'"));
 }
 

@@ -372,8 +372,8 @@ TEST_F(LossctlTest, LossKindsUsageErrors) {
   ExpectFails("compute --kind=ppo --bt=4 --h=4 --v=4",
               "--kind must be cross_entropy, logprob, policy or distill, got 'ppo'");
   ExpectFails("compute --kind=policy --loss_type=ppo --bt=4 --h=4 --v=4",
-              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo or gpg, got "
-              "'ppo'");
+              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg or geo_mean, "
+              "got 'ppo'");
   ExpectFails("compute --kind=policy --loss_type=vespo --bt=4 --h=4 --v=4",
               "--loss_type vespo is not computed: its weight depends on a whole sequence's "
               "ratios");

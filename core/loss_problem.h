@@ -76,12 +76,13 @@ inline constexpr uint32_t kDistillWeightsBit = 1u << 20;
 inline constexpr uint32_t kDistillTopkBit = 1u << 21;
 // verl's menu (PolicyParams below): kPolicyKlEstimatorBit, a kl_estimator other than kK3 or
 // kl_straight_through; kPolicyEntropyBit, entropy_coeff != 0; kPolicyAggregationBit, an
-// aggregation other than kLossType; kPolicyGpgBit, loss type gpg. Bits 24 and up, apart
-// from the 16-23 other kinds' options take.
+// aggregation other than kLossType; kPolicyGpgBit, loss type gpg; kPolicyGeoMeanBit, loss type
+// geo_mean. Bits 24 and up, apart from the 16-23 other kinds' options take.
 inline constexpr uint32_t kPolicyKlEstimatorBit = 1u << 24;
 inline constexpr uint32_t kPolicyEntropyBit = 1u << 25;
 inline constexpr uint32_t kPolicyAggregationBit = 1u << 26;
 inline constexpr uint32_t kPolicyGpgBit = 1u << 27;
+inline constexpr uint32_t kPolicyGeoMeanBit = 1u << 28;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
@@ -94,8 +95,11 @@ inline const char* LossKindName(LossKind k) {
 }
 
 // kPolicy's loss types (LigerFusedLinearGRPOLoss's loss_type; dapo is its default; gpg is
-// verl's, -A logp with dapo's normalisation). Liger's vespo is not one: its weight needs
-// every token of a sequence before any gradient.
+// verl's, -A logp with dapo's normalisation; geo_mean is verl's GMPO: each token's log-ratio
+// clipped to [-epsilon_low, epsilon_high] on the side its advantage's sign picks, each
+// sequence's geometric mean R_b = exp(mean of those), the loss the mean over the B sequences
+// of -mean(A)_b R_b; kernels/cpu/policy_reference.h has the formulas). Liger's vespo is not
+// one: its weight needs every token of a sequence before any gradient.
 enum class PolicyLossType : int32_t {
   kDapo = 0,
   kGrpo = 1,
@@ -105,10 +109,11 @@ enum class PolicyLossType : int32_t {
   kSapo = 5,
   kLuspo = 6,
   kGpg = 7,
+  kGeoMean = 8,
 };
-inline constexpr int kPolicyLossTypes = 8;
-// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg"; "unknown" for a value
-// out of range.
+inline constexpr int kPolicyLossTypes = 9;
+// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg", "geo_mean"; "unknown"
+// for a value out of range.
 inline const char* PolicyLossTypeName(PolicyLossType t) {
   switch (t) {
     case PolicyLossType::kDapo: return "dapo";
@@ -119,13 +124,15 @@ inline const char* PolicyLossTypeName(PolicyLossType t) {
     case PolicyLossType::kSapo: return "sapo";
     case PolicyLossType::kLuspo: return "luspo";
     case PolicyLossType::kGpg: return "gpg";
+    case PolicyLossType::kGeoMean: return "geo_mean";
   }
   return "unknown";
 }
 // Whether a loss type takes the clipped surrogate -min(r A, clamp(r) A) (and so delta):
-// every type but cispo, sapo and gpg.
+// every type but cispo, sapo, gpg and geo_mean (which clips each token's log-ratio instead).
 inline bool PolicyLossTypeClips(PolicyLossType t) {
-  return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo && t != PolicyLossType::kGpg;
+  return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo &&
+         t != PolicyLossType::kGpg && t != PolicyLossType::kGeoMean;
 }
 
 // kPolicy's per-token estimator of KL(pi || ref) in the beta term, with d_i = logp_i - ref_i
@@ -220,6 +227,13 @@ struct PolicyParams {
   PolicyAggregation aggregation = PolicyAggregation::kLossType;
   double loss_scale_factor = 0;  // L of kSeqMeanTokenSumNorm: 0 = S; else finite, > 0
 };
+
+// Whether a policy Compute needs each sequence's every log-prob before any of its rows'
+// gradient: sequence-level importance sampling (GSPO) and geo_mean's geometric mean.
+inline bool PolicyBySequence(const PolicyParams& p) {
+  return p.importance_sampling == ImportanceSampling::kSequence ||
+         p.loss_type == PolicyLossType::kGeoMean;
+}
 
 // kDistill from the teacher's top-k log-probs (LossProblem::teacher_topk): what the divergence
 // does with the teacher's mass outside its k ids (kernels/cpu/distill_reference.h has the

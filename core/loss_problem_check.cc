@@ -223,6 +223,22 @@ absl::Status CheckPolicyVerlParams(const PolicyParams& p) {
   return absl::OkStatus();
 }
 
+// geo_mean takes each sequence's geometric mean of its own token ratios: no second
+// importance-sampling level over it, and no ratio-weighted KL (its KL term is verl's, apart).
+absl::Status CheckGeoMeanParams(const PolicyParams& p) {
+  if (p.importance_sampling != ImportanceSampling::kToken) {
+    return absl::InvalidArgumentError(
+        "policy.importance_sampling sequence does not apply to loss type geo_mean, which "
+        "clips each token's log-ratio and takes each sequence's geometric mean itself");
+  }
+  if (p.use_bias_correction_kl) {
+    return absl::InvalidArgumentError(
+        "policy.use_bias_correction_kl does not apply to loss type geo_mean (its KL term "
+        "is verl's, not weighted by a ratio)");
+  }
+  return absl::OkStatus();
+}
+
 // The options of the loss types beyond dapo, grpo, bnpo and dr_grpo.
 absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
   const std::pair<const char*, float> temperatures[] = {
@@ -239,7 +255,10 @@ absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.importance_sampling ", level, " is unknown (token 0, sequence 1)"));
   }
-  if (p.importance_sampling == ImportanceSampling::kSequence && !PolicyLossTypeClips(p.loss_type)) {
+  if (p.loss_type == PolicyLossType::kGeoMean) {
+    LOSSD_RETURN_IF_ERROR(CheckGeoMeanParams(p));
+  } else if (p.importance_sampling == ImportanceSampling::kSequence &&
+             !PolicyLossTypeClips(p.loss_type)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.importance_sampling sequence is for the clipped loss types (dapo, grpo, bnpo, "
         "dr_grpo, luspo); loss type ", PolicyLossTypeName(p.loss_type),
@@ -266,7 +285,8 @@ absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
   if (t < 0 || t >= kPolicyLossTypes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.loss_type ", t,
-        " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6, gpg 7)"));
+        " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6, gpg 7, "
+        "geo_mean 8)"));
   }
   const std::pair<const char*, float> ranges[] = {
       {"epsilon_low", p.epsilon_low}, {"epsilon_high", p.epsilon_high}, {"beta", p.beta}};

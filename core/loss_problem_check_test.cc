@@ -341,10 +341,10 @@ TEST(LossProblemCheckTest, EachKindsInputsAreRefusedForTheOthersAndRequiredForIt
 TEST(LossProblemCheckTest, PolicyParamsAreRefusedNamingFieldAndValue) {
   PolicyParams pp;
   EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
-  pp.loss_type = static_cast<PolicyLossType>(9);
+  pp.loss_type = static_cast<PolicyLossType>(10);
   ExpectRefused(CheckPolicyParams(pp, 6),
-                "policy.loss_type 9 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6, gpg 7)");
+                "policy.loss_type 10 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6, gpg 7, geo_mean 8)");
   pp = PolicyParams();
   pp.epsilon_low = -0.1f;
   ExpectRefused(CheckPolicyParams(pp, 6), "policy.epsilon_low must be finite and >= 0, got -0.1");
@@ -392,10 +392,10 @@ TEST(LossProblemCheckTest, PolicyTypeOptionsAreRefusedNamingFieldAndValue) {
     pp.loss_type = t;
     EXPECT_TRUE(CheckPolicyParams(pp, 6).ok()) << PolicyLossTypeName(t);
   }
-  pp.loss_type = static_cast<PolicyLossType>(8);
+  pp.loss_type = static_cast<PolicyLossType>(9);
   ExpectRefused(CheckPolicyParams(pp, 6),
-                "policy.loss_type 8 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6, gpg 7)");
+                "policy.loss_type 9 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6, gpg 7, geo_mean 8)");
   pp = PolicyParams();
   pp.sapo_temperature_pos = 0.0f;
   ExpectRefused(CheckPolicyParams(pp, 6),
@@ -497,6 +497,32 @@ TEST(LossProblemCheckTest, VerlOptionsAreCheckedOnce) {
   ExpectRefused(CheckPolicyParams(bad, 6),
                 "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, "
                 "dr_grpo, luspo); loss type gpg has no clipped surrogate");
+}
+
+// geo_mean takes verl's options; not a second importance-sampling level, delta or the
+// ratio-weighted KL.
+TEST(LossProblemCheckTest, GeoMeanRefusesSequenceLevelDeltaAndBiasCorrection) {
+  PolicyParams pp;
+  pp.loss_type = PolicyLossType::kGeoMean;
+  pp.kl_estimator = KlEstimator::kLowVarKl;
+  pp.entropy_coeff = 0.01f;
+  pp.aggregation = PolicyAggregation::kTokenMean;
+  EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
+  PolicyParams bad = pp;
+  bad.importance_sampling = ImportanceSampling::kSequence;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.importance_sampling sequence does not apply to loss type geo_mean, which "
+                "clips each token's log-ratio and takes each sequence's geometric mean itself");
+  bad = pp;
+  bad.use_bias_correction_kl = true;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.use_bias_correction_kl does not apply to loss type geo_mean (its KL term "
+                "is verl's, not weighted by a ratio)");
+  bad = pp;
+  bad.delta = 3.0f;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, "
+                "dr_grpo, luspo); loss type geo_mean has no clipped surrogate");
 }
 
 TEST(LossProblemCheckTest, DistillParamsAreRefusedNamingFieldAndValue) {

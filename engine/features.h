@@ -75,7 +75,8 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
           {kPolicyKlEstimatorBit, "policy_kl_estimator"},
           {kPolicyEntropyBit, "policy_entropy_bonus"},
           {kPolicyAggregationBit, "policy_aggregation"},
-          {kPolicyGpgBit, "policy_loss_type_gpg"}};
+          {kPolicyGpgBit, "policy_loss_type_gpg"},
+          {kPolicyGeoMeanBit, "policy_loss_type_geo_mean"}};
       for (const auto& [bit, name] : verl) {
         if (kind == LossKind::kPolicy && (loss_kinds & bit) != 0) features.push_back(name);
       }

@@ -217,10 +217,14 @@ TEST(LossKindsPlanTest, VerlOptionsNeedTheBackendsBits) {
       {kPolicyGpgBit, [](PolicyParams* p) { p->loss_type = PolicyLossType::kGpg; },
        "does not compute header.policy.loss_type gpg (ServerInfo.features lists "
        "policy_loss_type_gpg where it does)"},
+      {kPolicyGeoMeanBit, [](PolicyParams* p) { p->loss_type = PolicyLossType::kGeoMean; },
+       "does not compute header.policy.loss_type geo_mean (ServerInfo.features lists "
+       "policy_loss_type_geo_mean where it does)"},
   };
   std::shared_ptr<KindsSeen> seen = std::make_shared<KindsSeen>();
   const uint32_t all_verl =
-      kPolicyKlEstimatorBit | kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit;
+      kPolicyKlEstimatorBit | kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
+      kPolicyGeoMeanBit;
   for (const auto& c : cases) {
     ComputeSpec spec = base;
     c.set(&spec.policy);

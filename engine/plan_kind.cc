@@ -293,6 +293,8 @@ absl::Status CheckPolicyOptionsServed(const ComputeSpec& spec, const std::string
        "policy_sequence_importance_sampling"},
       {kPolicyGpgBit, p.loss_type == PolicyLossType::kGpg, "header.policy.loss_type gpg",
        "policy_loss_type_gpg"},
+      {kPolicyGeoMeanBit, p.loss_type == PolicyLossType::kGeoMean,
+       "header.policy.loss_type geo_mean", "policy_loss_type_geo_mean"},
       {kPolicyKlEstimatorBit,
        p.kl_estimator != KlEstimator::kK3 || p.kl_straight_through,
        absl::StrCat("header.policy.kl_estimator ", KlEstimatorName(p.kl_estimator),

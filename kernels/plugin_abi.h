@@ -45,7 +45,8 @@
  * (the KL estimator and straight-through, entropy_coeff, the aggregation and its
  * loss_scale_factor) and distill's weight_hard_loss / weight_soft_loss at the end of
  * LossdProblem, and the loss type gpg; a plugin that computes
- * them says so in loss_kinds' option bits (core/loss_problem.h's kPolicy*Bit).
+ * them says so in loss_kinds' option bits (core/loss_problem.h's kPolicy*Bit). 6.4: the loss
+ * type geo_mean (LOSSD_POLICY_GEO_MEAN, announced by kPolicyGeoMeanBit).
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -59,7 +60,7 @@ extern "C" {
 
 /* major.minor packed into 32 bits: (major << 16) | minor. */
 #define LOSSD_PLUGIN_ABI_MAJOR 6u
-#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 3u
+#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 4u
 #ifndef LOSSD_PLUGIN_ABI_MINOR
 #define LOSSD_PLUGIN_ABI_MINOR LOSSD_PLUGIN_ABI_CURRENT_MINOR
 #endif
@@ -113,6 +114,7 @@ extern "C" {
 #define LOSSD_POLICY_SAPO 5
 #define LOSSD_POLICY_LUSPO 6
 #define LOSSD_POLICY_GPG 7 /* 6.3 */
+#define LOSSD_POLICY_GEO_MEAN 8 /* 6.4 */
 #define LOSSD_IMPORTANCE_SAMPLING_TOKEN 0 /* 6.3, as the values below */
 #define LOSSD_IMPORTANCE_SAMPLING_SEQUENCE 1
 #define LOSSD_KL_K3 0

@@ -17,9 +17,11 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 3u,
-                    "the ABI version is 6.3");
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60003u, "major.minor packed as major << 16");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 4u,
+                    "the ABI version is 6.4");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60004u, "major.minor packed as major << 16");
+  /* 6.4 adds an enumeration value only: geo_mean after gpg. */
+  failures += Check(LOSSD_POLICY_GEO_MEAN == LOSSD_POLICY_GPG + 1, "geo_mean follows gpg");
   /* 6.3's fields come after every field of 6.2. */
   failures += Check(offsetof(LossdProblem, is_ratio) > offsetof(LossdProblem, distill)
                         && offsetof(LossdProblem, loss_scale_factor)

@@ -16,7 +16,8 @@ namespace {
 // The ABI's enumeration values are core/loss_problem.h's (Cast moves them by value).
 static_assert(LOSSD_POLICY_LUSPO == static_cast<int>(PolicyLossType::kLuspo) &&
                   LOSSD_POLICY_GPG == static_cast<int>(PolicyLossType::kGpg) &&
-                  kPolicyLossTypes == LOSSD_POLICY_GPG + 1,
+                  LOSSD_POLICY_GEO_MEAN == static_cast<int>(PolicyLossType::kGeoMean) &&
+                  kPolicyLossTypes == LOSSD_POLICY_GEO_MEAN + 1,
               "LOSSD_POLICY_* are PolicyLossType's values");
 static_assert(LOSSD_IMPORTANCE_SAMPLING_SEQUENCE ==
                       static_cast<int>(ImportanceSampling::kSequence) &&

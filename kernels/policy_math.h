@@ -24,7 +24,7 @@ namespace policy_math {
 
 // lossd::PolicyLossType's values.
 inline constexpr int32_t kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3, kCispo = 4, kSapo = 5,
-                         kLuspo = 6, kGpg = 7;
+                         kLuspo = 6, kGpg = 7, kGeoMean = 8;
 // lossd::KlEstimator's values.
 inline constexpr int32_t kK3 = 0, kK1 = 1, kK2 = 2, kAbs = 3, kLowVarKl = 4;
 
@@ -60,6 +60,10 @@ struct RowTerms {
 LOSSD_POLICY_FN double Surrogate(const RowOptions& o, double r, double a, double logp,
                                  bool* clipped, double* dlogp) {
   *clipped = false;
+  if (o.loss_type == kGeoMean) {  // no per-token surrogate: its sequence's term (GeoMeanLogRatio)
+    *dlogp = 0;
+    return 0;
+  }
   if (o.loss_type == kGpg) {  // -A logp: no ratio
     *dlogp = -a;
     return -a * logp;
@@ -88,6 +92,20 @@ LOSSD_POLICY_FN double Surrogate(const RowOptions& o, double r, double a, double
   const double share = none ? 0.0 : (r == lo || r == hi) ? 0.5 : 1.0;
   *dlogp = -share * a * r;
   return -fmin(q * a, fmin(fmax(r, lo), hi) * a);
+}
+
+// geo_mean (verl's GMPO): the log-ratio d = logp - old clipped to [-eps_low, eps_high] on the
+// side the advantage's sign s picks, s min(s d, s clamp(d)), and its slope in d: 0 where a = 0
+// or the clamp holds (*clipped), else 1 (on the tie s d = s clamp(d) torch's min gives each
+// side half and clamp passes its half whole).
+LOSSD_POLICY_FN double GeoMeanLogRatio(const RowOptions& o, double d, double a, bool* clipped,
+                                       double* slope) {
+  const double c = fmin(fmax(d, -static_cast<double>(o.epsilon_low)),
+                        static_cast<double>(o.epsilon_high));
+  const double s = a > 0 ? 1.0 : a < 0 ? -1.0 : 0.0;
+  *clipped = s * d > s * c;
+  *slope = (s == 0.0 || *clipped) ? 0.0 : 1.0;
+  return s * fmin(s * d, s * c);
 }
 
 // The KL estimator at d = logp - ref and the gradient its term passes to logp (k2's, d, when

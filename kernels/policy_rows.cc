@@ -54,7 +54,9 @@ static_assert(pm::kDapo == static_cast<int32_t>(PolicyLossType::kDapo) &&
               pm::kCispo == static_cast<int32_t>(PolicyLossType::kCispo) &&
               pm::kSapo == static_cast<int32_t>(PolicyLossType::kSapo) &&
               pm::kLuspo == static_cast<int32_t>(PolicyLossType::kLuspo) &&
-              pm::kGpg == static_cast<int32_t>(PolicyLossType::kGpg) && kPolicyLossTypes == 8);
+              pm::kGpg == static_cast<int32_t>(PolicyLossType::kGpg) &&
+              pm::kGeoMean == static_cast<int32_t>(PolicyLossType::kGeoMean) &&
+              kPolicyLossTypes == 9);
 static_assert(pm::kK3 == static_cast<int32_t>(KlEstimator::kK3) &&
               pm::kK1 == static_cast<int32_t>(KlEstimator::kK1) &&
               pm::kK2 == static_cast<int32_t>(KlEstimator::kK2) &&
@@ -96,6 +98,7 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
     switch (o.loss_type) {
       case PolicyLossType::kGrpo:
       case PolicyLossType::kSapo:
+      case PolicyLossType::kGeoMean:  // its KL and entropy terms (PolicySequenceRows)
         w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[i / seq])));
         break;
       case PolicyLossType::kLuspo:
@@ -124,6 +127,71 @@ PolicyRowTerms PolicyTerms(const LossProblem& p, int64_t i, double logp, double 
   return policy_math::Terms(PolicyRowOptionsOf(p.policy), logp, entropy, r, p.advantages[i],
                             p.is_ratio != nullptr ? p.is_ratio[i] : 1.0, has_ref,
                             has_ref ? p.ref_logp[i] : 0.0, sequence);
+}
+
+void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const double* weight,
+                        const double* logp, const double* entropy, int64_t b0,
+                        PolicySequenceRow* rows) {
+  const PolicyParams& po = p.policy;
+  const policy_math::RowOptions o = PolicyRowOptionsOf(po);
+  const int64_t s = p.bt / po.sequences;
+  const bool geo = po.loss_type == PolicyLossType::kGeoMean;
+  const bool has_ref = p.ref_logp != nullptr;
+  const bool has_entropy = po.entropy_coeff != 0.0f;
+  // The sequence's sums: log-ratios (geo_mean's clipped), advantages, log rho.
+  double sum = 0, sum_a = 0, sum_log_rho = 0;
+  int64_t n = 0;
+  for (int64_t k = 0; k < s; ++k) {
+    const int64_t i = b0 + k;
+    rows[k] = PolicySequenceRow();
+    if (!counted[i]) continue;
+    const double d = p.old_logp != nullptr ? logp[i] - static_cast<double>(p.old_logp[i]) : 0.0;
+    if (geo) {
+      double slope = 0;
+      sum += policy_math::GeoMeanLogRatio(o, d, p.advantages[i], &rows[k].terms.clipped, &slope);
+      rows[k].coef = slope;  // for now: g_i
+      sum_a += p.advantages[i];
+      if (p.is_ratio != nullptr) sum_log_rho += std::log(static_cast<double>(p.is_ratio[i]) + 1e-10);
+    } else {
+      sum += d;
+    }
+    ++n;
+  }
+  const double nb = std::max(1.0, static_cast<double>(n));
+  const double ratio = std::exp(sum / nb);
+  double via = 0;  // GSPO: sum_{j in b} w_j e_j
+  // geo_mean's (1/B) pg_b, pg_b = -mean(A)_b R_b rho_b (verl's geometric mean of rho).
+  const double pg_b = geo ? -(sum_a / nb) * ratio *
+                                (p.is_ratio != nullptr ? std::exp(sum_log_rho / nb) : 1.0) /
+                                static_cast<double>(po.sequences)
+                          : 0.0;
+  for (int64_t k = 0; k < s; ++k) {
+    const int64_t i = b0 + k;
+    if (!counted[i]) continue;
+    PolicySequenceRow& r = rows[k];
+    const double h = has_entropy ? entropy[i] : 0.0;
+    const double ref = has_ref ? static_cast<double>(p.ref_logp[i]) : 0.0;
+    r.ratio = ratio;
+    if (geo) {  // its KL and entropy terms per token; its policy term the sequence's
+      const bool clipped = r.terms.clipped;
+      const double g = r.coef;
+      r.terms = policy_math::Terms(o, logp[i], h, ratio, p.advantages[i], 1.0, has_ref, ref,
+                                   false);
+      r.terms.clipped = clipped;
+      r.loss = weight[i] * r.terms.loss + pg_b / nb;
+      r.coef = weight[i] * r.terms.dlogp + pg_b * g / nb;
+      continue;
+    }
+    r.terms = policy_math::Terms(o, logp[i], h, ratio, p.advantages[i],
+                                 p.is_ratio != nullptr ? p.is_ratio[i] : 1.0, has_ref, ref, true);
+    r.loss = weight[i] * r.terms.loss;
+    r.coef = weight[i] * r.terms.dlogp;
+    via += weight[i] * r.terms.via_ratio;
+  }
+  if (geo) return;
+  for (int64_t k = 0; k < s; ++k) {
+    if (counted[b0 + k]) rows[k].coef += via / nb;
+  }
 }
 
 }  // namespace lossd

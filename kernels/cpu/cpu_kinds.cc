@@ -174,8 +174,7 @@ class KindPass {
     want_entropy_ = out_.entropy != nullptr ||
                     (p_.kind == LossKind::kLogprob && p_.dentropy != nullptr) ||
                     (p_.kind == LossKind::kPolicy && p_.policy.entropy_coeff != 0.0f);
-    sequence_ = p_.kind == LossKind::kPolicy &&
-                p_.policy.importance_sampling == ImportanceSampling::kSequence;
+    sequence_ = p_.kind == LossKind::kPolicy && PolicyBySequence(p_.policy);
     rows_.assign(p_.bt, KindRow());
     if (p_.kind == LossKind::kPolicy) {
       stats_.assign(p_.bt, HeadRowStats());
@@ -346,31 +345,28 @@ class KindPass {
     return absl::OkStatus();
   }
 
-  // The sequences of rows [r0, r0 + rows) (whole ones): R_b from the mean of the counted
-  // rows' log-ratios, each row's terms at R_b, and each row's coefficient w_i f_i +
-  // (1 / max(1, n_b)) sum_{j in b} w_j e_j (policy_reference.h's names).
+  // The sequences of rows [r0, r0 + rows) (whole ones): each row's terms, loss share and
+  // coefficient from its sequence's every logp (policy_rows.h's PolicySequenceRows).
   void SequenceTerms(int64_t r0, int64_t rows) {
     const int64_t s = p_.bt / p_.policy.sequences;
+    seq_logp_.resize(p_.bt);
+    seq_entropy_.resize(p_.bt);
+    for (int64_t i = r0; i < r0 + rows; ++i) {
+      seq_logp_[i] = rows_[i].logp;
+      seq_entropy_[i] = rows_[i].entropy;
+    }
+    std::vector<PolicySequenceRow> seq(s);
     for (int64_t b0 = r0; b0 < r0 + rows; b0 += s) {
-      double log_ratio = 0;
-      int64_t n = 0;
-      for (int64_t i = b0; i < b0 + s; ++i) {
+      PolicySequenceRows(p_, counted_.data(), weight_.data(), seq_logp_.data(),
+                         seq_entropy_.data(), b0, seq.data());
+      for (int64_t k = 0; k < s; ++k) {
+        const int64_t i = b0 + k;
         if (tg_[i] < 0) continue;
-        if (p_.old_logp != nullptr) log_ratio += rows_[i].logp - p_.old_logp[i];
-        ++n;
-      }
-      const double ratio = std::exp(log_ratio / std::max<double>(1.0, static_cast<double>(n)));
-      double via_sum = 0;
-      for (int64_t i = b0; i < b0 + s; ++i) {
-        if (tg_[i] < 0) continue;
-        const PolicyRowTerms t = PolicyTerms(p_, i, rows_[i].logp, rows_[i].entropy, ratio, true);
-        TakeTerms(t, i);
-        coef_[i] = weight_[i] * t.dlogp;
-        via_sum += weight_[i] * t.via_ratio;
-      }
-      const double shared = via_sum / std::max<double>(1.0, static_cast<double>(n));
-      for (int64_t i = b0; i < b0 + s; ++i) {
-        if (tg_[i] >= 0) coef_[i] += shared;
+        KindRow& r = rows_[i];
+        r.loss = seq[k].loss;
+        r.kl = seq[k].terms.kl;
+        r.clipped = seq[k].terms.clipped;
+        coef_[i] = seq[k].coef;
       }
     }
   }
@@ -481,6 +477,7 @@ class KindPass {
   std::vector<double> weight_;       // policy's row weights
   std::vector<HeadRowStats> stats_;  // policy: each row's statistics, for its G
   std::vector<double> coef_;         // policy: each row's w_i dl_i/dlogp_i
+  std::vector<double> seq_logp_, seq_entropy_;  // policy by sequence: the rows' logp and H
   std::vector<TopkRowState> topk_state_;  // distill from a top-k teacher: each row's, for its G
   double g_scale_ = 0;               // grad_scale over the GEMMs' alpha
   bool want_entropy_ = false;

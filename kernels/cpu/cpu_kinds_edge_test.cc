@@ -142,7 +142,7 @@ TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
                                  LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
                                  kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit |
                                  kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
-                                 kDistillTopkBit);
+                                 kPolicyGeoMeanBit | kDistillTopkBit);
 }
 
 }  // namespace

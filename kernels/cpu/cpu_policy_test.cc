@@ -105,6 +105,28 @@ void AddVerlCases(std::vector<Case>* cs) {
   c.temperature = 0.8f;
   c.grad_f32 = true;
   cs->push_back(c);
+  // geo_mean (verl's GMPO): the token log-ratios (PolicySetup: -0.7, -0.05, 0.05, 0.6) sit
+  // 0.15 and more from its bounds -0.2 and 0.2, clipped on their advantage's side.
+  c = Case();
+  c.name = "geo_mean";
+  c.type = PolicyLossType::kGeoMean;
+  cs->push_back(c);
+  c = Case();
+  c.name = "geo_mean_is_ratio_entropy_token_mean_chunk7";
+  c.type = PolicyLossType::kGeoMean;
+  c.is_ratio = true;
+  c.entropy = 0.05f;
+  c.agg = PolicyAggregation::kTokenMean;
+  c.chunk_rows = 7;
+  cs->push_back(c);
+  c = Case();
+  c.name = "geo_mean_no_old_low_var_kl_f32";
+  c.type = PolicyLossType::kGeoMean;
+  c.old_logp = false;
+  c.kl = KlEstimator::kLowVarKl;
+  c.beta = 0.2f;
+  c.grad_f32 = true;
+  cs->push_back(c);
 }
 
 std::vector<Case> Cases() {
@@ -390,6 +412,10 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
   const double abs_a = std::abs(a);
   if (c.type == PolicyLossType::kGpg) {  // -A logp; its coefficient -A, a constant
     s.loss = abs_a;
+  } else if (c.type == PolicyLossType::kGeoMean) {
+    // (1/B) -mean(A) R rho, R's slope in each logp_i R / n_b; a is the sequence's bound
+    s.loss = abs_a * r;
+    s.coef = abs_a * r;
   } else if (c.type == PolicyLossType::kCispo) {  // -min(r, eh) A logp; coefficient -min(r, eh) A
     s.loss = abs_a * r * (1 + std::abs(logp));
     s.coef = r < c.eps_high ? abs_a * r : 0.0;
@@ -463,19 +489,27 @@ Case KlPart(const Case& c) {
   if (got.tokens != ref.tokens) absl::StrAppend(&err, "tokens ", got.tokens, "\n");
   const double n = std::max<double>(1, ref.tokens);
   double loss_bound = 0, kl_bound = 0, coef_err = 0, coef_sum = 0;
-  // Sequence level: a row's loss and coefficient move with every logp of its sequence through
-  // R_b, at most as fast as with the sequence's largest |A| and logp error (either sign of A).
+  // Sequence level and geo_mean: a row's loss and coefficient move with every logp of its
+  // sequence through R_b, at most as fast as with the sequence's largest |A| (geo_mean's
+  // times its largest rho, bounding |mean(A)| times rho's geometric mean) and logp error
+  // (either sign of A).
+  const bool by_sequence = c.sequence || c.type == PolicyLossType::kGeoMean;
   const int64_t seq_len = p.bt / p.policy.sequences;
-  std::vector<double> seq_a(p.policy.sequences, 0.0), seq_b(p.policy.sequences, 0.0);
-  for (int64_t i = 0; i < p.bt && c.sequence; ++i) {
+  std::vector<double> seq_a(p.policy.sequences, 0.0), seq_b(p.policy.sequences, 0.0),
+      seq_rho(p.policy.sequences, 0.0);
+  for (int64_t i = 0; i < p.bt && by_sequence; ++i) {
     if (!s.mask[i]) continue;
     const double rho = p.is_ratio != nullptr ? p.is_ratio[i] : 1.0;
-    seq_a[i / seq_len] = std::max(seq_a[i / seq_len], std::abs(p.advantages[i] * rho));
-    seq_b[i / seq_len] =
-        std::max(seq_b[i / seq_len], 4 * u * s.logits.abs_max[i] * inv_t);
+    const int64_t b = i / seq_len;
+    seq_a[b] = std::max(seq_a[b], std::abs(p.advantages[i] * (c.sequence ? rho : 1.0)));
+    seq_rho[b] = std::max(seq_rho[b], rho);
+    seq_b[b] = std::max(seq_b[b], 4 * u * s.logits.abs_max[i] * inv_t);
+  }
+  for (int64_t b = 0; b < p.policy.sequences && !c.sequence && by_sequence; ++b) {
+    seq_a[b] *= seq_rho[b];
   }
   for (int64_t i = 0; i < p.bt; ++i) {
-    const double b = c.sequence ? seq_b[i / seq_len] : 4 * u * s.logits.abs_max[i] * inv_t;
+    const double b = by_sequence ? seq_b[i / seq_len] : 4 * u * s.logits.abs_max[i] * inv_t;
     if (!ArgmaxAcceptable(s.logits, p.v, i, got.predictions[i], u)) {
       absl::StrAppend(&err, "predictions[", i, "] = ", got.predictions[i], "\n");
     }
@@ -490,7 +524,7 @@ Case KlPart(const Case& c) {
     const double e_d =
         p.ref_logp != nullptr && c.beta != 0 ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
     RowSlopes slope = PolicyRowSlopes(c, a, r, ref.logp[i], e_d);
-    if (c.sequence) {
+    if (by_sequence) {
       for (double sign : {-1.0, 1.0}) {
         const RowSlopes other = PolicyRowSlopes(c, sign * seq_a[i / seq_len], r, ref.logp[i], e_d);
         slope.loss = std::max(slope.loss, other.loss);
@@ -572,7 +606,7 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 3; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 0; }},
       {"policy.loss_type",
-       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(8); }},
+       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(9); }},
       {"policy.kl_estimator",
        [](LossProblem& p) { p.policy.kl_estimator = static_cast<KlEstimator>(5); }},
       {"policy.loss_scale_factor", [](LossProblem& p) { p.policy.loss_scale_factor = 2; }},

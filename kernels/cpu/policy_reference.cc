@@ -44,7 +44,7 @@ absl::Status CheckOptions(const PolicyOptions& o) {
   if (type < 0 || type >= kPolicyLossTypes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.loss_type ", type,
-        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo or gpg"));
+        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg or geo_mean"));
   }
   const struct {
     const char* name;
@@ -85,6 +85,12 @@ absl::Status CheckOptions(const PolicyOptions& o) {
   if (level < 0 || level >= kImportanceSamplingLevels) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.importance_sampling ", level, " is not token (0) or sequence (1)"));
+  }
+  if (o.loss_type == PolicyLossType::kGeoMean &&
+      (o.importance_sampling != ImportanceSampling::kToken || o.use_bias_correction_kl)) {
+    return absl::InvalidArgumentError(
+        "options.importance_sampling sequence and options.use_bias_correction_kl do not apply "
+        "to loss_type geo_mean");
   }
   if (o.importance_sampling == ImportanceSampling::kSequence && !PolicyLossTypeClips(o.loss_type)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -219,6 +225,7 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
     switch (o.loss_type) {
       case PolicyLossType::kGrpo:
       case PolicyLossType::kSapo:
+      case PolicyLossType::kGeoMean:  // its KL and entropy terms; its policy term: GeoMeanTerm
         w[i] = 1.0 / (b * std::max(1.0, static_cast<double>(per_seq[i / seq])));
         break;
       case PolicyLossType::kLuspo:  // Liger divides by B times its (B, S) tensors' S
@@ -306,7 +313,9 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio,
   const double a = p.advantages[i];
   RowTerms r;
   r.ratio = ratio;
-  if (o.loss_type == PolicyLossType::kGpg) {
+  if (o.loss_type == PolicyLossType::kGeoMean) {
+    // No per-token policy term: GeoMeanTerm adds the sequences'.
+  } else if (o.loss_type == PolicyLossType::kGpg) {
     r.loss = -a * logp;
     r.dlogp = -a;
   } else if (o.loss_type == PolicyLossType::kCispo) {
@@ -374,6 +383,49 @@ std::vector<double> Ratios(const PolicyProblem& p, const std::vector<double>& lo
   return ratio;
 }
 
+// geo_mean's policy term (verl's GMPO), written from its formulas: per sequence with a
+// counted row, R_b from the mean of the sign-clipped log-ratios, the mean advantage and the
+// rollout correction's geometric mean; (1/B) pg_b added to the loss and (1/B) pg_b g_i / n_b to
+// each row's dloss/dlogp (before grad_scale); the rows' ratio R_b; the clipped rows counted.
+void GeoMeanTerm(const PolicyProblem& p, const std::vector<double>& logp,
+                 const std::vector<int64_t>& per_seq, PolicyReferenceOutputs* out,
+                 std::vector<double>* coef, int64_t* clipped) {
+  const PolicyOptions& o = p.options;
+  const int64_t seq = p.head.bt / p.batch;
+  const double lo = o.epsilon_low, hi = o.epsilon_high, b = static_cast<double>(p.batch);
+  std::vector<double> g(seq);
+  for (int64_t s = 0; s < p.batch; ++s) {
+    const double n = static_cast<double>(per_seq[s]);
+    if (n == 0) continue;
+    double sum_e = 0, sum_a = 0, sum_log_rho = 0;
+    for (int64_t k = 0; k < seq; ++k) {
+      const int64_t i = s * seq + k;
+      g[k] = 0;
+      if (Masked(p, i)) continue;
+      const double a = p.advantages[i];
+      const double d = p.old_logp != nullptr ? logp[i] - p.old_logp[i] : 0.0;
+      const double c = std::clamp(d, -lo, hi);
+      const double sign = a > 0 ? 1.0 : a < 0 ? -1.0 : 0.0;
+      const bool clip = sign * d > sign * c;  // min picks the clamped value
+      sum_e += sign * std::min(sign * d, sign * c);
+      sum_a += a;
+      if (p.is_ratio != nullptr) sum_log_rho += std::log(p.is_ratio[i] + 1e-10);
+      g[k] = (sign == 0 || clip) ? 0.0 : 1.0;
+      *clipped += clip ? 1 : 0;
+    }
+    const double ratio = std::exp(sum_e / n);
+    const double rho = p.is_ratio != nullptr ? std::exp(sum_log_rho / n) : 1.0;
+    const double pg = -(sum_a / n) * ratio * rho;
+    out->loss += pg / b;
+    for (int64_t k = 0; k < seq; ++k) {
+      const int64_t i = s * seq + k;
+      if (Masked(p, i)) continue;
+      out->ratio[i] = ratio;
+      (*coef)[i] += pg / b * g[k] / n;
+    }
+  }
+}
+
 }  // namespace
 
 
@@ -423,6 +475,9 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
     clipped += r.clipped ? 1 : 0;
     coef[i] = weight[i] * (r.dlogp + (sequence ? 0.0 : r.dratio));
     if (sequence) seq_dratio[i / seq] += weight[i] * r.dratio;
+  }
+  if (o.loss_type == PolicyLossType::kGeoMean) {
+    GeoMeanTerm(p, out->logp, per_seq, out, &coef, &clipped);
   }
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;

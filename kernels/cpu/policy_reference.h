@@ -26,6 +26,18 @@
 //   pg_i  *= rho_i      with is_ratio (Liger's vllm_is_ratio: the trainer/rollout correction,
 //                       already truncated by the caller; a constant: no gradient through it)
 //   pg_i   = -A_i logp_i                                         gpg (verl's; no ratio)
+//   geo_mean (verl's GMPO) has no pg_i of its own but a term per sequence b with n_b > 0:
+//     d_i = logp_i - old_i, c_i = clamp(d_i, -eps_low, eps_high), s_i = sign(A_i),
+//     e_i = s_i min(s_i d_i, s_i c_i)                 (the log-ratio clipped on A's side)
+//     R_b = exp(sum_{i in b} m_i e_i / n_b),  Abar_b = sum_{i in b} m_i A_i / n_b,
+//     rho_b = exp(sum_{i in b} m_i log(rho_i + 1e-10) / n_b)   (with is_ratio, verl's
+//             geometric mean of the correction; else 1)
+//     pg_b = -Abar_b R_b rho_b; the loss's policy term (1/B) sum_b pg_b, every sequence in B
+//     (an empty one gives 0), whatever the aggregation, which weights only the KL and entropy
+//     terms below (geo_mean's own: grpo's). Its gradient: dloss/dlogp_i gains
+//     (1/B) pg_b g_i / n_b, g_i = 0 where A_i = 0 or clipped_i, else 1 (on the tie s d = s c
+//     torch's min halves the gradient and clamp passes the other half whole). verl divides by
+//     n_b + 1e-8, here by n_b. Refused: sequence level, use_bias_correction_kl.
 //   kl_i   = K(d_i), d_i = logp_i - ref_i, K the kl_estimator (without reference log-probs
 //            ref_i = logp_i detached: kl_i = 0 and no gradient):
 //              k3 (default, Liger's)  exp(-d) + d - 1            dK/dd = 1 - exp(-d)
@@ -40,7 +52,7 @@
 //   H_i    = -sum_j p_ij log p_ij, the entropy at T              (only if entropy_coeff != 0)
 //   l_i    = pg_i + beta kl_i - entropy_coeff H_i                (the KL term only if beta != 0)
 // With mask m_i in {0, 1}, N = sum_i m_i, n_b = the mask count of sequence b:
-//   grpo, sapo  loss = (1/B) sum_b (sum_{i in b} m_i l_i) / max(1, n_b)
+//   grpo, sapo  loss = (1/B) sum_b (sum_{i in b} m_i l_i) / max(1, n_b)   (geo_mean's too)
 //   bnpo        loss = sum_i m_i l_i / max(1, N)
 //   dr_grpo     loss = sum_i m_i l_i / (B max_completion_length)
 //   dapo, cispo loss = sum_i m_i l_i / max(1, D)    D = dapo_normalizer if > 0, else N
@@ -61,7 +73,8 @@
 //   clip_fraction = sum_i m_i clipped_i / max(1, N),
 //                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
 //                   for the clipped types (r_i before delta); cispo: r_i > eps_high and
-//                   A_i > 0; sapo, gpg: never
+//                   A_i > 0; geo_mean: (d_i > eps_high and A_i > 0) or (d_i < -eps_low and
+//                   A_i < 0); sapo, gpg: never
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
 //   token level: dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i)
 //                   (+ k3_i, times r_i, with the bias correction), and dpg_i as below.
@@ -152,7 +165,7 @@ struct PolicyReferenceOutputs {
   int64_t tokens = 0;         // N
   std::vector<double> kl_token;  // (BT) kl_i (bias-corrected when asked); 0 where mask 0
   std::vector<double> logp;   // (BT) logp_i; 0 where mask 0
-  std::vector<double> ratio;  // (BT) r_i (sequence level: R_b); 0 where mask 0
+  std::vector<double> ratio;  // (BT) r_i (sequence level, geo_mean: R_b); 0 where mask 0
   // (BT) dloss/dlogp_i / w_i, before grad_scale (token level: dl_i/dlogp_i); 0 where masked
   std::vector<double> dl_dlogp;
   HeadGradients grad;         // of grad_scale * loss

@@ -189,11 +189,13 @@ BackendInfo CudaBackend::Info() {
   info.healthy = healthy_.load();
   info.loss_kinds = LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
                     LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill);
-  if (!options_.served_over_plugin_abi) {
+  const int32_t minor = options_.plugin_abi_minor;
+  if (minor < 0 || minor >= 3) {
     info.loss_kinds |= kPolicySequenceBit | kPolicyIsRatioBit | kPolicyKlEstimatorBit |
                        kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
                        kDistillWeightsBit;
   }
+  if (minor < 0 || minor >= 4) info.loss_kinds |= kPolicyGeoMeanBit;
   return info;
 }
 

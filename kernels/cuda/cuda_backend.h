@@ -50,14 +50,15 @@ struct CudaBackendOptions {
   RefExpChoice ref_exp = RefExpChoice::kPerDevice;
   // Rows the default chunk budget holds; 0 = the device's tuning (2048, 4096 on an H100).
   int64_t default_chunk_rows = 0;
-  // Served through a plugin ABI older than 6.3 (plugin.cc built at an older minor), which
-  // carries neither LossProblem::is_ratio, PolicyParams::importance_sampling, verl's options
-  // (the KL estimator, entropy_coeff, the aggregation, gpg) nor distill's weights: Info then
-  // does not announce them (kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit,
-  // kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit, kDistillWeightsBit), so the
-  // server refuses them rather than computing without them. Called directly, the backend
-  // computes them all.
-  bool served_over_plugin_abi = false;
+  // The plugin ABI minor (of major 6) the backend is served through (plugin.cc's
+  // LOSSD_PLUGIN_ABI_MINOR), or -1: called directly, when it computes everything it can. Before
+  // 6.3 the ABI carries neither LossProblem::is_ratio, PolicyParams::importance_sampling,
+  // verl's options (the KL estimator, entropy_coeff, the aggregation, gpg) nor distill's
+  // weights; before 6.4 not the loss type geo_mean. Info then does not announce them
+  // (kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit, kPolicyEntropyBit,
+  // kPolicyAggregationBit, kPolicyGpgBit, kDistillWeightsBit; kPolicyGeoMeanBit), so the
+  // server refuses them rather than computing without them.
+  int32_t plugin_abi_minor = -1;
 };
 
 // Byte counters shared by the backend and every buffer it hands out.

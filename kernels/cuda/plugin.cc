@@ -24,8 +24,9 @@ absl::StatusOr<std::unique_ptr<lossd::Backend>> CreateCudaBackend(
   o.chunk_budget_bytes = opts.chunk_budget_bytes;
   o.autotune_gemms = opts.fixed_gemm_algorithms == 0;
   // Before 6.3 the ABI carried neither is_ratio, the importance-sampling level nor verl's
-  // options (cuda_backend.h); a plugin built at an older minor does not announce them.
-  o.served_over_plugin_abi = LOSSD_PLUGIN_ABI_MINOR < 3;
+  // options, before 6.4 not geo_mean (cuda_backend.h); a plugin built at an older minor does
+  // not announce them.
+  o.plugin_abi_minor = static_cast<int32_t>(LOSSD_PLUGIN_ABI_MINOR);
   // An operator's override of the device's default path, without a new ABI field:
   // LOSSD_CUDA_REF_EXP=0 (the logits GEMM + cross-entropy kernel path for every problem) or =1
   // (the reference-exp path wherever it covers the problem) (kernels/cuda/README.md).

@@ -16,8 +16,7 @@ namespace lossd {
 namespace cuda {
 
 bool PolicySequenceLevel(const LossProblem& p) {
-  return p.kind == LossKind::kPolicy &&
-         p.policy.importance_sampling == ImportanceSampling::kSequence;
+  return p.kind == LossKind::kPolicy && PolicyBySequence(p.policy);
 }
 
 bool WantsGradient(const DeviceLossArgs& a) {

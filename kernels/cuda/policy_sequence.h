@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The policy kind at sequence level (GSPO, PolicyParams::importance_sampling kSequence) in a
-// CudaBackend Compute. A sequence's ratio R_b needs every logp of it before any of its rows'
-// G, and a chunk need not hold whole sequences, so the Compute makes two passes over the
+// The policy kind by sequence (PolicyBySequence: GSPO's importance_sampling kSequence, and
+// geo_mean's geometric mean) in a CudaBackend Compute. A sequence's ratio R_b needs every logp
+// of it before any of its rows' G, and a chunk need not hold whole sequences, so the Compute
+// makes two passes over the
 // chunks with the kernels the logprob kind already runs:
 //   1. a forward pass: the logits GEMM and the row kernel's statistics (logp_i), no G, no
 //      GEMMs after it; logp comes back to the host (4 BT bytes);
@@ -27,7 +28,7 @@
 namespace lossd {
 namespace cuda {
 
-// Whether `p` is the policy kind at sequence level.
+// Whether `p` is the policy kind by sequence.
 bool PolicySequenceLevel(const LossProblem& p);
 
 // Whether `a` asks for any gradient (dX, dW or db).

@@ -253,7 +253,7 @@ TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   EXPECT_NE(backend_->Info().loss_kinds & kPolicyIsRatioBit, 0u)
       << "the backend does not announce is_ratio";
   CudaBackendOptions o;
-  o.served_over_plugin_abi = true;
+  o.plugin_abi_minor = 2;
   absl::StatusOr<std::unique_ptr<CudaBackend>> served = CudaBackend::Create(o);
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_EQ((*served)->Info().loss_kinds & (kPolicySequenceBit | kPolicyIsRatioBit), 0u)
@@ -263,6 +263,13 @@ TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   EXPECT_EQ(backend_->Info().loss_kinds & menu, menu) << "verl's menu not announced";
   EXPECT_EQ((*served)->Info().loss_kinds & menu, 0u) << "verl's menu announced before ABI 6.3";
   EXPECT_NE((*served)->Info().loss_kinds & LossKindBit(LossKind::kPolicy), 0u);
+  EXPECT_NE(backend_->Info().loss_kinds & kPolicyGeoMeanBit, 0u) << "geo_mean not announced";
+  o.plugin_abi_minor = 3;
+  served = CudaBackend::Create(o);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ((*served)->Info().loss_kinds & menu, menu) << "verl's menu not announced at ABI 6.3";
+  EXPECT_EQ((*served)->Info().loss_kinds & kPolicyGeoMeanBit, 0u)
+      << "geo_mean announced before ABI 6.4";
 }
 
 }  // namespace

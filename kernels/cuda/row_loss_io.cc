@@ -50,38 +50,38 @@ std::vector<uint8_t> CountedRows(const std::vector<int32_t>& targets32, int64_t*
   return counted;
 }
 
-// Each row's ratio from the logp the device wrote: exp(logp_i - old_i) at token level, its
-// sequence's exp(sum of the counted rows' logp_j - old_j / max(1, n_b)) at sequence level
-// (1 without old log-probs); 1 on ignored rows.
+// Each row's token-level ratio exp(logp_i - old_i) from the logp the device wrote (1 without
+// old log-probs, and on ignored rows).
 std::vector<double> PolicyRatios(const LossProblem& p, const std::vector<int32_t>& targets32,
                                  const std::vector<float>& logp) {
-  const int64_t bt = p.bt;
-  std::vector<double> ratio(bt, 1.0);
+  std::vector<double> ratio(p.bt, 1.0);
   if (p.old_logp == nullptr) return ratio;
-  auto log_ratio = [&](int64_t i) {
-    return static_cast<double>(logp[i]) - static_cast<double>(p.old_logp[i]);
-  };
-  if (p.policy.importance_sampling != ImportanceSampling::kSequence) {
-    for (int64_t i = 0; i < bt; ++i) {
-      if (targets32[i] >= 0) ratio[i] = std::exp(log_ratio(i));
-    }
-    return ratio;
-  }
-  const int64_t s = bt / std::max<int64_t>(1, p.policy.sequences);
-  for (int64_t b0 = 0; b0 < bt; b0 += s) {
-    double sum = 0;
-    int64_t n = 0;
-    for (int64_t i = b0; i < b0 + s; ++i) {
-      if (targets32[i] < 0) continue;
-      sum += log_ratio(i);
-      ++n;
-    }
-    const double r = std::exp(sum / std::max<double>(1.0, static_cast<double>(n)));
-    for (int64_t i = b0; i < b0 + s; ++i) {
-      if (targets32[i] >= 0) ratio[i] = r;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    if (targets32[i] >= 0) {
+      ratio[i] = std::exp(static_cast<double>(logp[i]) - static_cast<double>(p.old_logp[i]));
     }
   }
   return ratio;
+}
+
+// A policy Compute by sequence (PolicyBySequence): every row's PolicySequenceRows, from the
+// logp (and entropy, where its bonus is on) the device wrote.
+std::vector<PolicySequenceRow> SequenceRows(const LossProblem& p,
+                                            const std::vector<int32_t>& targets32,
+                                            const std::vector<float>& logp,
+                                            const std::vector<float>* entropy) {
+  int64_t tokens = 0;
+  const std::vector<uint8_t> counted = CountedRows(targets32, &tokens);
+  const std::vector<double> w = PolicyWeights(p, counted, tokens);
+  const std::vector<double> lp(logp.begin(), logp.end());
+  std::vector<double> h(p.bt, 0.0);
+  if (entropy != nullptr) h.assign(entropy->begin(), entropy->end());
+  std::vector<PolicySequenceRow> rows(p.bt);
+  const int64_t s = p.bt / std::max<int64_t>(1, p.policy.sequences);
+  for (int64_t b0 = 0; b0 < p.bt; b0 += s) {
+    PolicySequenceRows(p, counted.data(), w.data(), lp.data(), h.data(), b0, rows.data() + b0);
+  }
+  return rows;
 }
 
 // Distill's teacher (X; W and bias unless in backend memory) and its coefficients.
@@ -190,28 +190,12 @@ std::vector<double> EntropyCoefficients(const LossProblem& p,
 std::vector<double> SequenceCoefficients(const LossProblem& p,
                                          const std::vector<int32_t>& targets32,
                                          const std::vector<float>& logp) {
-  const int64_t bt = p.bt;
-  int64_t tokens = 0;
-  const std::vector<double> w = PolicyRowWeights(p, targets32, &tokens);
-  const std::vector<double> ratio = PolicyRatios(p, targets32, logp);
+  // The entropy bonus's coefficient is EntropyCoefficients' (no entropy value needed here).
+  const std::vector<PolicySequenceRow> rows = SequenceRows(p, targets32, logp, nullptr);
   const double gs = p.options.grad_scale;
-  std::vector<double> c(bt, 0.0);
-  const int64_t s = bt / std::max<int64_t>(1, p.policy.sequences);
-  for (int64_t b0 = 0; b0 < bt; b0 += s) {
-    // dloss/dlogp_j = w_j own_j + m_j / max(1, n_b) sum_{i in b} w_i via_ratio_i
-    double via = 0;
-    int64_t n = 0;
-    for (int64_t i = b0; i < b0 + s; ++i) {
-      if (targets32[i] < 0) continue;
-      const PolicyRowTerms t = PolicyTerms(p, i, logp[i], 0.0, ratio[i], true);
-      c[i] = w[i] * t.dlogp;
-      via += w[i] * t.via_ratio;
-      ++n;
-    }
-    const double shared = via / std::max<double>(1.0, static_cast<double>(n));
-    for (int64_t i = b0; i < b0 + s; ++i) {
-      if (targets32[i] >= 0) c[i] = gs * (c[i] + shared);
-    }
+  std::vector<double> c(p.bt, 0.0);
+  for (int64_t i = 0; i < p.bt; ++i) {
+    if (targets32[i] >= 0) c[i] = gs * rows[i].coef;
   }
   return c;
 }
@@ -238,10 +222,7 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
   RowLossInputs& in = a->row_loss;
   if (p.kind == LossKind::kDistill) return UploadTeacher(m, p, targets32, &in);
   // Sequence level: the coefficients come after a forward pass (EnqueueSequenceForward).
-  if (p.kind == LossKind::kPolicy &&
-      p.policy.importance_sampling == ImportanceSampling::kSequence) {
-    return absl::OkStatus();
-  }
+  if (p.kind == LossKind::kPolicy && PolicyBySequence(p.policy)) return absl::OkStatus();
   // The coefficients before alpha: grad_scale times dlogp / dentropy (logprob) or times the
   // row's weight (policy), 0 on ignored rows, so that the largest sets alpha.
   std::vector<double> c1(bt, 0.0), c2(bt, 0.0);
@@ -290,7 +271,10 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
   double loss = 0, kl = 0;
   int64_t tokens = 0, correct = 0, clipped = 0;
   std::vector<double> weight, ratio;
-  if (p.kind == LossKind::kPolicy) {
+  std::vector<PolicySequenceRow> by_sequence;
+  if (p.kind == LossKind::kPolicy && PolicyBySequence(p.policy)) {
+    by_sequence = SequenceRows(p, targets32, logp, &entropy);
+  } else if (p.kind == LossKind::kPolicy) {
     weight = PolicyRowWeights(p, targets32, &tokens);
     ratio = PolicyRatios(p, targets32, logp);
   }
@@ -299,7 +283,11 @@ void WriteRowLossOutputs(const LossProblem& p, const LossOutputs& out,
     if (targets32[i] < 0) continue;
     ++tokens;
     if (host.pred[i] == targets32[i]) ++correct;
-    if (p.kind == LossKind::kPolicy) {
+    if (!by_sequence.empty()) {
+      loss += by_sequence[i].loss;
+      kl += by_sequence[i].terms.kl;
+      clipped += by_sequence[i].terms.clipped ? 1 : 0;
+    } else if (p.kind == LossKind::kPolicy) {
       const PolicyRowTerms t = PolicyTerms(p, i, logp[i], entropy[i], ratio[i], false);
       loss += weight[i] * t.loss;
       kl += t.kl;

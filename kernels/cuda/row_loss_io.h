@@ -44,11 +44,9 @@ std::vector<double> PolicyRowWeights(const LossProblem& p,
 std::vector<double> EntropyCoefficients(const LossProblem& p,
                                         const std::vector<int32_t>& targets32);  // (BT)
 
-// Policy at sequence level (GSPO; clipped loss types): every row's grad_scale dloss/dlogp_i
-// from the logp of a forward pass (0 on ignored rows), policy_reference.h's
-//   w_j own_j + (1 / max(1, n_b)) sum_{i in b} w_i via_ratio_i
-// with each sequence's ratio R_b = exp(mean of its counted rows' logp_i - old_i), and
-// is_ratio's rho_i on the surrogate's part. In double, in row order.
+// Policy by sequence (PolicyBySequence: GSPO's sequence level, geo_mean): every row's
+// grad_scale dloss/dlogp_i from the logp of a forward pass (0 on ignored rows), in double, by
+// kernels/policy_rows.h's PolicySequenceRows (the CPU backend's too).
 std::vector<double> SequenceCoefficients(const LossProblem& p,
                                          const std::vector<int32_t>& targets32,  // (BT)
                                          const std::vector<float>& logp);        // (BT)

@@ -22,7 +22,8 @@ KINDS = {"cross_entropy": pb.LOSS_KIND_CROSS_ENTROPY, "logprob": pb.LOSS_KIND_LO
 LOSS_TYPES = {"dapo": pb.POLICY_LOSS_DAPO, "grpo": pb.POLICY_LOSS_GRPO,
               "bnpo": pb.POLICY_LOSS_BNPO, "dr_grpo": pb.POLICY_LOSS_DR_GRPO,
               "cispo": pb.POLICY_LOSS_CISPO, "sapo": pb.POLICY_LOSS_SAPO,
-              "luspo": pb.POLICY_LOSS_LUSPO, "gpg": pb.POLICY_LOSS_GPG}
+              "luspo": pb.POLICY_LOSS_LUSPO, "gpg": pb.POLICY_LOSS_GPG,
+              "geo_mean": pb.POLICY_LOSS_GEO_MEAN}
 KL_ESTIMATORS = {"k3": pb.KL_ESTIMATOR_K3, "k1": pb.KL_ESTIMATOR_K1, "k2": pb.KL_ESTIMATOR_K2,
                  "abs": pb.KL_ESTIMATOR_ABS, "low_var_kl": pb.KL_ESTIMATOR_LOW_VAR_KL}
 AGGREGATIONS = {"loss_type": pb.AGGREGATION_LOSS_TYPE, "token-mean": pb.AGGREGATION_TOKEN_MEAN,
@@ -58,7 +59,11 @@ class PolicyOptions:
     "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm" (dapo_normalizer is
     then the global token count, or sequence count for the seq-mean modes; loss_scale_factor
     the -norm mode's divisor, 0 = the sequence length); "policy_aggregation". loss_type "gpg":
-    verl's -A logp; "policy_loss_type_gpg". verl_policy_options() maps verl's names."""
+    verl's -A logp; "policy_loss_type_gpg". loss_type "geo_mean": verl's GMPO (each token's
+    log-ratio clipped to [-epsilon_low, epsilon_high] on its advantage's side, the mean over
+    the sequences of -mean(A) times the sequence's geometric-mean ratio; the aggregation then
+    weights only the KL and entropy terms); "policy_loss_type_geo_mean".
+    verl_policy_options() maps verl's names."""
 
     loss_type: str = "dapo"
     epsilon_low: float = 0.2
@@ -84,15 +89,16 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
                         kl_loss_type="low_var_kl", kl_loss_coef=0.0, entropy_coeff=0.0,
                         sequences=1, global_normalizer=0.0, loss_scale_factor=None):
     """PolicyOptions for verl's actor settings (its names and defaults): policy_loss
-    "vanilla" (PPO with dual clip: clip_ratio_c is the ratio's cap where A < 0, lossd's delta)
-    or "gpg"; loss_agg_mode; kl_loss_type (a trailing "+" for the straight-through variant)
+    "vanilla" (PPO with dual clip: clip_ratio_c is the ratio's cap where A < 0, lossd's delta),
+    "gpg" or "geo_mean" (GMPO: clip_ratio(_low/_high) bound each token's log-ratio; no dual
+    clip; loss_agg_mode aggregates its KL and entropy terms only, as in verl); loss_agg_mode; kl_loss_type (a trailing "+" for the straight-through variant)
     with kl_loss_coef as beta (use_kl_loss off: 0); entropy_coeff; global_normalizer: verl's
     batch_num_tokens (token-mean) or global_batch_size (seq-mean modes) over dp_size, 0 = this
     call's count. Raises InvalidArgumentError naming a name that is not built."""
-    if policy_loss not in ("vanilla", "gpg"):
+    if policy_loss not in ("vanilla", "gpg", "geo_mean"):
         raise errors.InvalidArgumentError(
-            "verl policy_loss %r is not built (vanilla and gpg are; docs/rl_clients.md lists "
-            "verl's names)" % policy_loss)
+            "verl policy_loss %r is not built (vanilla, gpg and geo_mean are; "
+            "docs/rl_clients.md lists verl's names)" % policy_loss)
     base = kl_loss_type[:-1] if kl_loss_type.endswith("+") else kl_loss_type
     if base not in VERL_KL:
         raise errors.InvalidArgumentError("verl kl_loss_type must be one of %s (with an "
@@ -105,7 +111,7 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     vanilla = policy_loss == "vanilla"
     return PolicyOptions(
-        loss_type="dapo" if vanilla else "gpg", epsilon_low=low, epsilon_high=high,
+        loss_type="dapo" if vanilla else policy_loss, epsilon_low=low, epsilon_high=high,
         beta=kl_loss_coef, sequences=sequences, dapo_normalizer=global_normalizer,
         delta=clip_ratio_c if vanilla else None, kl_estimator=VERL_KL[base],
         kl_straight_through=kl_loss_type.endswith("+") and VERL_KL[base] != "k2",
@@ -121,6 +127,7 @@ def policy_features(header):
         return []
     p = header.policy
     wanted = [(p.loss_type == pb.POLICY_LOSS_GPG, "policy_loss_type_gpg"),
+              (p.loss_type == pb.POLICY_LOSS_GEO_MEAN, "policy_loss_type_geo_mean"),
               (p.kl_estimator != pb.KL_ESTIMATOR_K3 or p.kl_straight_through,
                "policy_kl_estimator"),
               (p.entropy_coeff != 0, "policy_entropy_bonus"),

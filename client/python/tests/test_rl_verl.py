@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The policy kind's verl menu (KL estimators and their straight-through variants, the entropy
 bonus, the four aggregation modes with verl's global counts and loss_scale_factor, dual-clip
-PPO, gpg) through a CPU server and lossd.verl_policy_options, against two oracles applied to
+PPO, gpg, geo_mean with and without rollout weights) through a CPU server and lossd.verl_policy_options, against two oracles applied to
 float64 autograd log-probs of the same head: the formulas written out below in torch float64
 (always), and verl's own torch functions from the installed package
 (verl.trainer.ppo.core_algos: kl_penalty, agg_loss, compute_policy_loss_vanilla,
-compute_policy_loss_gpg) where verl is installed.
+compute_policy_loss_gpg, compute_policy_loss_geo_mean) where verl is installed.
 
 verl's package __init__ imports ray and its core_algos imports verl's configs; neither is
 needed here, so the functions' source is read from the installed file and run with torch and
@@ -49,7 +49,9 @@ class _Formulas:
     """verl's formulas in float64 torch, written from its documented definitions: d = logp -
     ref; k1 d, abs |d|, k2 d^2/2, low_var_kl clamp(e^x - x - 1, +-10) at x = clamp(-d, +-20),
     '+' the value with k2's gradient; PPO's clipped ratio with the dual clip c where A < 0;
-    gpg -A logp; the modes over the masked (B, S) matrix with verl's global counts."""
+    gpg -A logp; geo_mean (GMPO) the mean over sequences of -mean(A) exp(mean of the
+    log-ratios clipped on A's side), the rollout weights' geometric mean beside; the modes over
+    the masked (B, S) matrix with verl's global counts."""
 
     @staticmethod
     def kl_penalty(logp, ref, kind):
@@ -93,6 +95,18 @@ class _Formulas:
     def compute_policy_loss_gpg(cls, old, logp, a, mask, mode, config):
         return cls.agg_loss(-a * logp, mask, mode, **config.global_batch_info), {}
 
+    @staticmethod
+    def compute_policy_loss_geo_mean(old, logp, a, mask, mode, config, rollout_is_weights=None):
+        d = logp - old
+        s = torch.sign(a)
+        e = s * torch.minimum(s * d, s * torch.clamp(d, -config.clip_ratio_low,
+                                                     config.clip_ratio_high))
+        n = mask.sum(-1)
+        pg = -((a * mask).sum(-1) / n) * torch.exp((e * mask).sum(-1) / n)
+        if rollout_is_weights is not None:
+            pg = pg * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(-1) / n)
+        return pg.mean(), {}
+
 
 @pytest.fixture(scope="module", params=["formulas", "verl"])
 def verl(request):
@@ -114,7 +128,7 @@ def verl(request):
     return types.SimpleNamespace(**_functions(
         root / "trainer" / "ppo" / "core_algos.py",
         ["kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss_vanilla",
-         "compute_policy_loss_gpg"], ns))
+         "compute_policy_loss_gpg", "compute_policy_loss_geo_mean"], ns))
 
 
 class _Config(dict):
@@ -157,7 +171,14 @@ def _reference(verl, seed, opts):
     info = opts.get("global_batch_info", {})
     config = _Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
                      clip_ratio_c=opts.get("clip_ratio_c", 3.0), global_batch_info=info)
-    if opts["policy_loss"] == "gpg":
+    rho = None
+    if opts.get("is_ratio"):  # rollout correction weights, per token
+        rho = np.random.default_rng(seed + 1).uniform(0.2, 2.0, (B, S)).astype(np.float32)
+    if opts["policy_loss"] == "geo_mean":
+        pg, _ = verl.compute_policy_loss_geo_mean(
+            old, logp, a, m, mode, config,
+            rollout_is_weights=None if rho is None else torch.tensor(rho, dtype=torch.float64))
+    elif opts["policy_loss"] == "gpg":
         pg, _ = verl.compute_policy_loss_gpg(old, logp, a, m, mode, config)
     else:
         pg, _ = verl.compute_policy_loss_vanilla(old, logp, a, m, mode, config)
@@ -170,7 +191,8 @@ def _reference(verl, seed, opts):
     loss.backward()
     targets = np.where(mask, ids, -100).reshape(-1)
     sent = dict(x=x, w=w, targets=targets, advantages=adv.reshape(-1),
-                old_logp=old.float().numpy().reshape(-1), ref_logp=ref.float().numpy().reshape(-1))
+                old_logp=old.float().numpy().reshape(-1), ref_logp=ref.float().numpy().reshape(-1),
+                is_ratio=None if rho is None else rho.reshape(-1))
     return sent, float(loss.detach()), tx.grad.numpy(), tw.grad.numpy()
 
 
@@ -192,6 +214,11 @@ CASES = [
     dict(policy_loss="gpg", loss_agg_mode="token-mean", kl_loss_type="kl", kl_loss_coef=0.1),
     dict(policy_loss="gpg", loss_agg_mode="seq-mean-token-sum-norm", kl_loss_type="mse",
          kl_loss_coef=0.1, entropy_coeff=0.03),
+    # geo_mean: its own mean over the sequences, loss_agg_mode aggregating the KL and entropy
+    dict(policy_loss="geo_mean", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
+         kl_loss_coef=0.1, entropy_coeff=0.01),
+    dict(policy_loss="geo_mean", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k2",
+         kl_loss_coef=0.2, is_ratio=True),
     # one data-parallel rank of two: verl's global counts (the whole batch's), lossd's
     # dapo_normalizer = count / dp_size; and a fixed loss_scale_factor
     dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
@@ -214,7 +241,8 @@ def _global_normalizer(opts):
 
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: "%s_%s_%s%s%s" % (
     o["policy_loss"], o["loss_agg_mode"], o["kl_loss_type"],
-    "_entropy" if o.get("entropy_coeff") else "", "_global" if "global_batch_info" in o else ""))
+    "_entropy" if o.get("entropy_coeff") else "", "_global" if "global_batch_info" in o else "")
+    + ("_is_ratio" if o.get("is_ratio") else ""))
 def test_policy_matches_verls_functions(verl, client, opts):
     sent, loss, dx, dw = _reference(verl, 5, opts)
     policy = lossd.verl_policy_options(
@@ -226,7 +254,7 @@ def test_policy_matches_verls_functions(verl, client, opts):
         loss_scale_factor=opts.get("global_batch_info", {}).get("loss_scale_factor"))
     r = client.compute(sent["x"], sent["w"], sent["targets"], kind="policy", temperature=T,
                        advantages=sent["advantages"], old_logp=sent["old_logp"],
-                       ref_logp=sent["ref_logp"], policy=policy)
+                       ref_logp=sent["ref_logp"], is_ratio=sent["is_ratio"], policy=policy)
     assert_scalar("loss", r.loss, loss, "fp32")
     assert_close("dx", r.dx, dx, "fp32")
     assert_close("dw", r.dw, dw, "fp32")
@@ -252,6 +280,8 @@ def test_verl_names_that_are_not_built_are_refused():
                                   loss_scale_factor=4096)
     assert (p.kl_estimator, p.kl_straight_through, p.delta, p.loss_scale_factor) == (
         "low_var_kl", True, 3.0, 4096)
+    g = lossd.verl_policy_options(policy_loss="geo_mean", clip_ratio=0.4)
+    assert (g.loss_type, g.epsilon_low, g.epsilon_high, g.delta) == ("geo_mean", 0.4, 0.4, None)
 
 
 def test_unknown_option_values_are_refused_before_sending(client):
