@@ -477,6 +477,87 @@ TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
   EXPECT_EQ(checked, 2 * 5 + 2 * 4);  // token: every config; sequence: the clipped four
 }
 
+// geo_mean (verl's GMPO) through the host code a CUDA Compute runs by sequence: the loss, kl
+// and clip fraction from the rows' logp and entropy, and every row's logp coefficient (what
+// the gradient pass runs with), against the reference; with the KL term, the entropy bonus,
+// an aggregation and the rollout weights.
+TEST(RowLossIoTest, PolicyGeoMeanMatchesTheReference) {
+  const Head head(9);
+  LogprobProblem lp;
+  lp.head = head.inputs();
+  lp.targets = head.targets.data();
+  LogprobReferenceOutputs lref;
+  ASSERT_TRUE(LogprobReference(lp, &lref).ok());
+  std::mt19937_64 rng(13);
+  std::uniform_real_distribution<double> uni(-1.0, 1.0);
+  std::vector<float> adv(kBt), old_logp(kBt), ref_logp(kBt), rho(kBt);
+  for (int64_t i = 0; i < kBt; ++i) {
+    adv[i] = static_cast<float>(uni(rng));
+    old_logp[i] = static_cast<float>(lref.logp[i] - 0.5 * uni(rng));  // both bounds passed
+    ref_logp[i] = static_cast<float>(lref.logp[i] + 0.5 * uni(rng));
+    rho[i] = static_cast<float>(1.1 + 0.9 * uni(rng));
+  }
+  const struct {
+    KlEstimator kl;
+    float beta, entropy;
+    PolicyAggregation agg;
+    bool is_ratio;
+  } configs[] = {
+      {KlEstimator::kK3, 0.2f, 0.0f, PolicyAggregation::kLossType, false},
+      {KlEstimator::kLowVarKl, 0.1f, 0.05f, PolicyAggregation::kTokenMean, true},
+      {KlEstimator::kK2, 0.0f, 0.0f, PolicyAggregation::kSeqMeanTokenMean, true},
+  };
+  for (const auto& config : configs) {
+    PolicyProblem pp;
+    pp.head = head.inputs();
+    pp.batch = 3;
+    pp.targets = head.targets.data();
+    std::vector<uint8_t> mask(kBt);
+    for (int64_t i = 0; i < kBt; ++i) mask[i] = head.targets[i] != -100;
+    pp.mask = mask.data();
+    pp.advantages = adv.data();
+    pp.old_logp = old_logp.data();
+    pp.ref_logp = ref_logp.data();
+    pp.is_ratio = config.is_ratio ? rho.data() : nullptr;
+    PolicyOptions& o = pp.options;
+    o.loss_type = PolicyLossType::kGeoMean;
+    o.epsilon_high = 0.28f;
+    o.beta = config.beta;
+    o.kl_estimator = config.kl;
+    o.entropy_coeff = config.entropy;
+    o.aggregation = config.agg;
+    o.grad_scale = 0.7f;
+    PolicyReferenceOutputs ref;
+    const absl::Status st = PolicyReference(pp, &ref);
+    ASSERT_TRUE(st.ok()) << st;
+    const LossProblem p = PolicyProblemOf(head, pp);
+    SCOPED_TRACE(testing::Message() << KlEstimatorName(o.kl_estimator) << " beta " << o.beta
+                                    << " entropy " << o.entropy_coeff << " "
+                                    << PolicyAggregationName(o.aggregation) << " is_ratio "
+                                    << config.is_ratio);
+    EXPECT_GT(ref.clip_fraction, 0.0) << "no row clipped: a weak case";
+    Outputs out;
+    WriteRowLossOutputs(p, out.view(), head.targets32(),
+                        RowsOf(ref.logp, lref.entropy, lref.lse));
+    ExpectClose(ref.loss, out.loss, "loss");
+    if (config.beta != 0.0f) ExpectClose(ref.kl, out.kl, "kl");
+    EXPECT_EQ(out.clip_fraction, static_cast<float>(ref.clip_fraction));
+    std::vector<float> logp(kBt);
+    for (int64_t i = 0; i < kBt; ++i) logp[i] = static_cast<float>(ref.logp[i]);
+    int64_t tokens = 0;
+    const std::vector<double> w = PolicyRowWeights(p, head.targets32(), &tokens);
+    const std::vector<double> c = SequenceCoefficients(p, head.targets32(), logp);
+    ASSERT_EQ(c.size(), static_cast<size_t>(kBt));
+    double scale = 0;
+    for (int64_t i = 0; i < kBt; ++i) scale = std::max(scale, std::fabs(w[i] * ref.dl_dlogp[i]));
+    EXPECT_GT(scale, 0.0) << "every coefficient is 0: a weak case";
+    for (int64_t i = 0; i < kBt; ++i) {
+      const double want = 0.7 * w[i] * ref.dl_dlogp[i];
+      EXPECT_NEAR(c[i], want, 1e-5 * (std::fabs(want) + 0.7 * scale)) << "row " << i;
+    }
+  }
+}
+
 TEST(RowLossIoTest, DistillLossIsTheMeanOfTheRowsThatCount) {
   const Head student(4), teacher(5);
   DistillProblem dp;

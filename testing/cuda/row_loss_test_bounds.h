@@ -292,6 +292,44 @@ inline SequenceErrors PolicySequenceErrors(const LossProblem& p, const PolicyRef
   return out;
 }
 
+// geo_mean (policy_reference.h): c_j = gs (w_j f_j + P_b g_j / n_b), P_b = -(1/B) mean(A)_b
+// R_b rho_b, where R_b moves with the mean of the sequence's clipped log-ratios, each by at
+// most its logp's bound d_k (not at all without old log-probs: R_b is then 1). First order,
+//   |dc_j| <= |gs| (w_j |df_j/dlogp_j| d_j + |P_b| / n_b dbar_b)     (g_j <= 1)
+// the first part (the KL term's) already in *c_slope; the loss's row k entry
+// (|P_b| / n_b + w_k beta |dK_k/dlogp_k|) d_k.
+inline void GeoMeanErrors(const LossProblem& p, const PolicyReferenceOutputs& ref,
+                          const std::vector<uint8_t>& mask, const std::vector<double>& weight,
+                          const std::vector<double>& kl_slope, const std::vector<double>& d,
+                          std::vector<double>* c_slope, std::vector<double>* loss) {
+  const PolicyParams& o = p.policy;
+  const int64_t s = p.bt / o.sequences;
+  const double gs = std::fabs(static_cast<double>(p.options.grad_scale));
+  const double beta = p.ref_logp != nullptr ? static_cast<double>(o.beta) : 0.0;
+  const bool moves = p.old_logp != nullptr;
+  loss->assign(p.bt, 0.0);
+  for (int64_t b0 = 0; b0 < p.bt; b0 += s) {
+    double nb = 0, sum_a = 0, sum_log_rho = 0, dbar = 0, ratio = 1;
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (!mask[i]) continue;
+      nb += 1;
+      sum_a += p.advantages[i];
+      if (p.is_ratio != nullptr) sum_log_rho += std::log(p.is_ratio[i] + 1e-10);
+      dbar += d[i];
+      ratio = ref.ratio[i];
+    }
+    if (nb == 0) continue;
+    dbar = moves ? dbar / nb : 0.0;
+    const double rho = p.is_ratio != nullptr ? std::exp(sum_log_rho / nb) : 1.0;
+    const double pg = std::fabs(sum_a / nb) * ratio * rho / static_cast<double>(o.sequences);
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (!mask[i]) continue;
+      (*loss)[i] = ((moves ? pg / nb : 0.0) + weight[i] * beta * kl_slope[i]) * d[i];
+      if (d[i] > 0) (*c_slope)[i] += gs * pg / nb * dbar / d[i];
+    }
+  }
+}
+
 inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   std::vector<uint8_t> mask(p.bt);
   for (int64_t i = 0; i < p.bt; ++i) {
@@ -367,6 +405,8 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
       slope = rho * std::fabs(a) * r * (1.0 + tau * r);
     } else if (o.loss_type == PolicyLossType::kGpg) {  // -A logp: a constant coefficient
       slope = 0.0;
+    } else if (o.loss_type == PolicyLossType::kGeoMean) {  // its sequences': GeoMeanErrors
+      slope = 0.0;
     } else {
       const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
       const bool capped = o.delta != 0.0f && r >= o.delta && a < 0;
@@ -422,6 +462,10 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
     b.grad_rel = FirstOrderBounds(p, k, tol.logit_u).grad_rel;
     loss_errors = s.loss;
     kl_errors = s.kl;
+  }
+  if (o.loss_type == PolicyLossType::kGeoMean) {
+    GeoMeanErrors(p, ref, mask, weight, kl_slope, b.logp, &k.c_slope, &loss_errors);
+    b.grad_rel = FirstOrderBounds(p, k, tol.logit_u).grad_rel;
   }
   // The entropy bonus's term -entropy_coeff w_i H_i moves with H_i's own bound.
   for (int64_t i = 0; i < p.bt; ++i) loss_errors[i] += std::fabs(ec) * weight[i] * b.entropy[i];

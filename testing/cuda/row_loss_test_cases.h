@@ -144,6 +144,13 @@ inline const RowCase kCases[] = {
      true, true, true, false, PolicyLossType::kDapo, true, true, 0.2f, 0.2f, 0.04f, 0, 0.7f,
      0.0f, 0, false, false, 1.0f, 1.05f, 0.0f, false, KlEstimator::kK3, false, 0.0f,
      PolicyAggregation::kLossType, 0, 1.0f, 0.25f},
+    // verl's geo_mean (GMPO): the CUDA backend runs it by sequence (policy_sequence.h).
+    {"policy_geo_mean_bias", LossKind::kPolicy, 1.0f, 0.0f, true, 0.1, 0, false, false, true,
+     false, PolicyLossType::kGeoMean, true, true, 0.2f, 0.28f, 0.04f},
+    {"policy_geo_mean_low_var_kl_token_mean_entropy_temp_chunked_accum", LossKind::kPolicy,
+     0.8f, 0.0f, false, 0.2, 7, false, true, true, false, PolicyLossType::kGeoMean, true, true,
+     0.2f, 0.2f, 0.1f, 0, 0.7f, 0.5f, 0, false, false, 1.0f, 1.05f, 0.0f, false,
+     KlEstimator::kLowVarKl, false, 0.03f, PolicyAggregation::kTokenMean},
 };
 inline constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
 
@@ -209,8 +216,10 @@ inline RowProblem MakeProblem(const RowCase& c, const Shape& shape, DType dtype,
   lp.options.ignore_index = p.options.ignore_index;
   LogprobReferenceOutputs lref;
   EXPECT_TRUE(LogprobReference(lp, &lref).ok());
-  // The ratio's kinks: the clip bounds, cispo's own bound (eps_high) and delta's cap.
+  // The ratio's kinks: the clip bounds, cispo's own bound (eps_high) and delta's cap;
+  // geo_mean's bounds are on the log-ratio itself.
   std::vector<double> kinks = {std::log(1.0 - c.eps_low), std::log(1.0 + c.eps_high)};
+  if (c.loss_type == PolicyLossType::kGeoMean) kinks = {-c.eps_low, c.eps_high};
   if (c.loss_type == PolicyLossType::kCispo) kinks.push_back(std::log(c.eps_high));
   if (c.delta != 0) kinks.push_back(std::log(c.delta));
   auto near_kink = [&](double d) {
