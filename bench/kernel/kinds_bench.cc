@@ -21,7 +21,9 @@
 // the aggregation modes change only the host's row weights, so they cost nothing here.
 // With policy among the kinds and --policy_sequence=S, the row "policy_seq": the policy kind at
 // sequence level over sequences of S rows as the CUDA backend runs it (policy_sequence.h), its
-// host step timed too, against the same 6 BT H V floor (its GEMMs are 8 BT H V: ~1.33x).
+// host step timed too, against the same 6 BT H V floor (its GEMMs are 8 BT H V: ~1.33x); and
+// the row "policy_geo_mean": the loss type geo_mean over the same sequences, the same path.
+// --chunk_budget_mib plans every kind with that budget instead of the backend's default.
 // Reads --shapes, --runs and --warmup (kernel_flags.h; its other flags are bench_kernel's) and
 // its own flags below. Exit codes: 0; 1 on a failed call; 2 on a bad flag; 3 when a per-row
 // statistic came out non-finite.
@@ -65,7 +67,11 @@ ABSL_FLAG(bool, two_phase, true,
           "with logprob in --kinds: also time the two-phase logprob (forward, then backward)");
 ABSL_FLAG(int64_t, policy_sequence, 0,
           "with policy in --kinds and S > 0 dividing BT: also time the policy kind at sequence "
-          "level over sequences of S rows (the row policy_seq)");
+          "level over sequences of S rows (the row policy_seq), and the loss type geo_mean over "
+          "the same sequences (the row policy_geo_mean)");
+ABSL_FLAG(int64_t, chunk_budget_mib, 0,
+          "the backend's chunk budget in MiB for every kind's plan (0: its default for the "
+          "shape and GPU; distill holds two logits chunks in it)");
 ABSL_FLAG(bool, policy_verl, true,
           "with policy in --kinds: also time the policy kind with verl's options (the row "
           "policy_verl: k2 KL estimator, entropy bonus 0.01)");
@@ -391,7 +397,7 @@ int RunPolicyVerl(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
 // then the gradient pass; in the same rounds as the floor and the tuned floor.
 int RunPolicySequence(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
                       cuda::FusedLoss& floor_engine, const ShapeBuffers& b, int64_t seq,
-                      KindRow* row) {
+                      PolicyLossType type, KindRow* row) {
   cudaStream_t stream = engine.stream();
   std::vector<float> adv(b.bt), old(b.bt), ref(b.bt);
   std::vector<int32_t> targets32(b.bt);
@@ -406,7 +412,9 @@ int RunPolicySequence(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
   p.old_logp = old.data();
   p.ref_logp = ref.data();
   p.policy.sequences = b.bt / seq;
-  p.policy.importance_sampling = ImportanceSampling::kSequence;
+  p.policy.loss_type = type;  // geo_mean: by sequence at token level (PolicyBySequence)
+  p.policy.importance_sampling = type == PolicyLossType::kGeoMean ? ImportanceSampling::kToken
+                                                                   : ImportanceSampling::kSequence;
   const cuda::ChunkPlan plan = backend.Plan(ShapeFor(LossKind::kPolicy, b));
   void* ws = nullptr;
   BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
@@ -429,15 +437,15 @@ int RunPolicySequence(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
   BENCH_CHECK_CUDA(cudaFree(ws));
   row->bt = b.bt, row->h = b.h, row->v = b.v;
-  row->kind = "policy_seq";
+  row->kind = type == PolicyLossType::kGeoMean ? "policy_geo_mean" : "policy_seq";
   row->chunk_rows = plan.chunk_rows;
   row->schedule = static_cast<int>(plan.schedule);
   row->workspace = plan.workspace_bytes;
   row->flop = 6.0 * b.bt * b.v * b.h;
   row->floor_ms = ms[0], row->tuned_floor_ms = ms[1], row->ms = ms[2];
-  std::fprintf(stderr, "  %lldx%lldx%lld policy_seq (S %lld): C=%lld %.2f ms (floor %.2f)\n",
+  std::fprintf(stderr, "  %lldx%lldx%lld %s (S %lld): C=%lld %.2f ms (floor %.2f)\n",
                static_cast<long long>(b.bt), static_cast<long long>(b.h),
-               static_cast<long long>(b.v), static_cast<long long>(seq),
+               static_cast<long long>(b.v), row->kind.c_str(), static_cast<long long>(seq),
                static_cast<long long>(plan.chunk_rows), row->ms, row->floor_ms);
   return 0;
 }
@@ -520,7 +528,14 @@ int Main() {
                          "--teacher_h >= 0, --runs >= 1, --warmup >= 1 (the first autotunes)\n");
     return 2;
   }
-  auto backend = cuda::CudaBackend::Create(cuda::CudaBackendOptions{});  // for its Plan
+  cuda::CudaBackendOptions backend_options;  // for its Plan
+  if (absl::GetFlag(FLAGS_chunk_budget_mib) < 0) {
+    std::fprintf(stderr, "bad flags: --chunk_budget_mib >= 0\n");
+    return 2;
+  }
+  backend_options.chunk_budget_bytes =
+      static_cast<uint64_t>(absl::GetFlag(FLAGS_chunk_budget_mib)) << 20;
+  auto backend = cuda::CudaBackend::Create(backend_options);
   auto engine = cuda::FusedLoss::Create(0);
   // The floor with cuBLASLt's first choices: an engine whose algorithm cache is never tuned.
   auto floor_engine = cuda::FusedLoss::Create(0);
@@ -568,9 +583,13 @@ int Main() {
       }
       const int64_t seq = absl::GetFlag(FLAGS_policy_sequence);
       if (k == LossKind::kPolicy && seq > 0 && b.bt % seq == 0) {
-        KindRow seq_row;
-        if (RunPolicySequence(**backend, **engine, **floor_engine, b, seq, &seq_row)) return 1;
-        rows.push_back(seq_row);
+        for (PolicyLossType type : {PolicyLossType::kDapo, PolicyLossType::kGeoMean}) {
+          KindRow seq_row;
+          if (RunPolicySequence(**backend, **engine, **floor_engine, b, seq, type, &seq_row)) {
+            return 1;
+          }
+          rows.push_back(seq_row);
+        }
       }
     }
     if (FreeShape(b)) return 1;
