@@ -15,6 +15,10 @@
   and log-probs, no teacher head (lossd._rl_distill_topk).
 - `verl_kl_penalty`: the per-token KL estimate by verl's names, from log-probs the trainer
   has (lossd._rl_kl; no server).
+- `rollout_is_weights` and `rollout_rejection_mask`: the rollout correction (truncated or
+  IcePop importance weights per token or sequence, for is_ratio; rejection of tokens or
+  sequences by their divergence from the rollout), by verl's names (lossd._rl_rollout; no
+  server).
 
 Autograd through them gives dX, dW and db, computed by the server. The log-prob helpers run
 forward only (the upstream gradient of a log-prob is not known then) and backward sends the
@@ -454,9 +458,10 @@ class LossdFusedLinearJSD(_OnServer):
 from lossd._rl_distill import LossdFusedLinearJSDLoss, fused_linear_jsd_loss  # noqa: E402
 from lossd._rl_distill_topk import LossdTopkDistillLoss, topk_distill_loss  # noqa: E402
 from lossd._rl_kl import verl_kl_penalty  # noqa: E402
+from lossd._rl_rollout import rollout_is_weights, rollout_rejection_mask  # noqa: E402
 
 __all__ = ["fused_linear_for_ppo", "LossdFusedLinearForPPO", "linear_cross_entropy",
            "logprobs_from_hidden", "entropy_from_hidden", "LossdLogprobFunction",
            "LossdFusedLinearGRPOLoss", "LossdFusedLinearJSD", "LossdFusedLinearJSDLoss",
            "fused_linear_jsd_loss", "LossdTopkDistillLoss", "topk_distill_loss",
-           "verl_kl_penalty"]
+           "verl_kl_penalty", "rollout_is_weights", "rollout_rejection_mask"]
