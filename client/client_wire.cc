@@ -83,6 +83,8 @@ v1::PolicyLossType ToProto(PolicyLossType t) {
       return v1::POLICY_LOSS_GPG;
     case PolicyLossType::kGeoMean:
       return v1::POLICY_LOSS_GEO_MEAN;
+    case PolicyLossType::kKlCov:
+      return v1::POLICY_LOSS_KL_COV;
   }
   return static_cast<v1::PolicyLossType>(static_cast<int>(t));
 }

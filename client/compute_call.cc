@@ -187,6 +187,10 @@ void SetVerlFields(const PolicyParams& policy, v1::PolicyOptions* p) {
   p->set_entropy_coeff(policy.entropy_coeff);
   p->set_aggregation(static_cast<v1::PolicyAggregation>(policy.aggregation));
   p->set_loss_scale_factor(policy.loss_scale_factor);
+  if (policy.loss_type == PolicyLossType::kKlCov) {  // else unset: an older server reads on
+    p->set_kl_cov_ratio(policy.kl_cov_ratio);
+    p->set_ppo_kl_coef(policy.ppo_kl_coef);
+  }
 }
 
 // The loss kind's fields of the header. Left unset for plain cross-entropy at T = 1, so such

@@ -28,8 +28,9 @@ ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (B
 ABSL_FLAG(std::string, is_ratio, "",
           "policy: .npy of the rollout correction (Liger's vllm_is_ratio) (BT), fp32 >= 0");
 ABSL_FLAG(std::string, loss_type, "dapo",
-          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg|geo_mean (gpg: verl's -A logp, "
-          "geo_mean: verl's GMPO; servers listing policy_loss_type_gpg / _geo_mean)");
+          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg|geo_mean|kl_cov (gpg: verl's -A "
+          "logp, geo_mean: verl's GMPO, kl_cov: verl's KL-Cov; servers listing "
+          "policy_loss_type_gpg / _geo_mean / _kl_cov)");
 ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
 ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
 ABSL_FLAG(double, beta, 0.04, "policy: KL coefficient");
@@ -63,6 +64,9 @@ ABSL_FLAG(std::string, aggregation, "loss_type",
           "policy_aggregation");
 ABSL_FLAG(double, loss_scale_factor, 0,
           "policy: seq-mean-token-sum-norm's divisor (0 = the sequence length)");
+ABSL_FLAG(double, kl_cov_ratio, 0.0002,
+          "policy, loss type kl_cov: the share of tokens penalised, in (0, 1]");
+ABSL_FLAG(double, ppo_kl_coef, 1.0, "policy, loss type kl_cov: the penalty's coefficient");
 ABSL_FLAG(double, jsd_beta, 0.5, "distill: 0 forward KL, 1 reverse KL, between: generalised JSD");
 ABSL_FLAG(double, weight_hard_loss, 0.0,
           "distill: weight of the targets' cross-entropy (temperature 1), "
@@ -114,8 +118,8 @@ absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
         "(docs/rl_losses.md)");
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg or geo_mean, got '",
-      s,
+      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean or "
+      "kl_cov, got '", s,
       "'"));
 }
 
@@ -178,6 +182,8 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
       {LossKind::kPolicy, "--entropy_coeff", absl::GetFlag(FLAGS_entropy_coeff) != 0},
       {LossKind::kPolicy, "--aggregation", absl::GetFlag(FLAGS_aggregation) != "loss_type"},
       {LossKind::kPolicy, "--loss_scale_factor", absl::GetFlag(FLAGS_loss_scale_factor) != 0},
+      {LossKind::kPolicy, "--kl_cov_ratio", absl::GetFlag(FLAGS_kl_cov_ratio) != 0.0002},
+      {LossKind::kPolicy, "--ppo_kl_coef", absl::GetFlag(FLAGS_ppo_kl_coef) != 1.0},
       {LossKind::kDistill, "--jsd_beta", absl::GetFlag(FLAGS_jsd_beta) != 0.5},
       {LossKind::kDistill, "--weight_hard_loss", absl::GetFlag(FLAGS_weight_hard_loss) != 0},
       {LossKind::kDistill, "--weight_soft_loss", absl::GetFlag(FLAGS_weight_soft_loss) != 1},
@@ -236,6 +242,8 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
                          ParseNamed(absl::GetFlag(FLAGS_aggregation), "--aggregation",
                                     kPolicyAggregations, &PolicyAggregationName));
   r->policy.loss_scale_factor = absl::GetFlag(FLAGS_loss_scale_factor);
+  r->policy.kl_cov_ratio = absl::GetFlag(FLAGS_kl_cov_ratio);
+  r->policy.ppo_kl_coef = static_cast<float>(absl::GetFlag(FLAGS_ppo_kl_coef));
   LOSSD_ASSIGN_OR_RETURN(r->advantages, Fp32Input(absl::GetFlag(FLAGS_advantages), "advantages"));
   if (!r->advantages.has_value()) {
     r->advantages = RandomFloat(DType::kF32, {r->x.dim(0)}, 1.0f, absl::GetFlag(FLAGS_seed) + 4);

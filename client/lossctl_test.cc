@@ -356,6 +356,17 @@ TEST_F(LossctlTest, VerlPolicyOptionsTravelAndArePolicysOnly) {
     EXPECT_EQ(p.aggregation(), v1::AGGREGATION_TOKEN_MEAN);
     EXPECT_FALSE(p.kl_straight_through());
     EXPECT_EQ(p.entropy_coeff(), 0.0f);
+    EXPECT_FALSE(p.has_kl_cov_ratio());  // kl_cov's own, sent with it only
+  }
+  r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --loss_type=kl_cov --kl_cov_ratio=0.25 "
+              "--ppo_kl_coef=0.5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::PolicyOptions& p = fake_.last_header.policy();
+    EXPECT_EQ(p.loss_type(), v1::POLICY_LOSS_KL_COV);
+    EXPECT_EQ(p.kl_cov_ratio(), 0.25);
+    EXPECT_FLOAT_EQ(p.ppo_kl_coef(), 0.5f);
   }
   ExpectFails("compute --kind=policy --kl_estimator=k4 --bt=4 --h=4 --v=4",
               "--kl_estimator must be one of k3, k1, k2, abs, low_var_kl, got 'k4'");
@@ -372,8 +383,8 @@ TEST_F(LossctlTest, LossKindsUsageErrors) {
   ExpectFails("compute --kind=ppo --bt=4 --h=4 --v=4",
               "--kind must be cross_entropy, logprob, policy or distill, got 'ppo'");
   ExpectFails("compute --kind=policy --loss_type=ppo --bt=4 --h=4 --v=4",
-              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg or geo_mean, "
-              "got 'ppo'");
+              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean or "
+              "kl_cov, got 'ppo'");
   ExpectFails("compute --kind=policy --loss_type=vespo --bt=4 --h=4 --v=4",
               "--loss_type vespo is not computed: its weight depends on a whole sequence's "
               "ratios");

@@ -77,12 +77,14 @@ inline constexpr uint32_t kDistillTopkBit = 1u << 21;
 // verl's menu (PolicyParams below): kPolicyKlEstimatorBit, a kl_estimator other than kK3 or
 // kl_straight_through; kPolicyEntropyBit, entropy_coeff != 0; kPolicyAggregationBit, an
 // aggregation other than kLossType; kPolicyGpgBit, loss type gpg; kPolicyGeoMeanBit, loss type
-// geo_mean. Bits 24 and up, apart from the 16-23 other kinds' options take.
+// geo_mean; kPolicyKlCovBit, loss type kl_cov. Bits 24 and up, apart from the 16-23 other
+// kinds' options take.
 inline constexpr uint32_t kPolicyKlEstimatorBit = 1u << 24;
 inline constexpr uint32_t kPolicyEntropyBit = 1u << 25;
 inline constexpr uint32_t kPolicyAggregationBit = 1u << 26;
 inline constexpr uint32_t kPolicyGpgBit = 1u << 27;
 inline constexpr uint32_t kPolicyGeoMeanBit = 1u << 28;
+inline constexpr uint32_t kPolicyKlCovBit = 1u << 29;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
@@ -98,8 +100,10 @@ inline const char* LossKindName(LossKind k) {
 // verl's, -A logp with dapo's normalisation; geo_mean is verl's GMPO: each token's log-ratio
 // clipped to [-epsilon_low, epsilon_high] on the side its advantage's sign picks, each
 // sequence's geometric mean R_b = exp(mean of those), the loss the mean over the B sequences
-// of -mean(A)_b R_b; kernels/cpu/policy_reference.h has the formulas). Liger's vespo is not
-// one: its weight needs every token of a sequence before any gradient.
+// of -mean(A)_b R_b; kl_cov is verl's KL-Cov: -A r, plus ppo_kl_coef |logp - old| on the
+// kl_cov_ratio share of the call's tokens with the largest covariance of A and logp;
+// kernels/cpu/policy_reference.h has the formulas). Liger's vespo is not one: its weight needs
+// every token of a sequence before any gradient.
 enum class PolicyLossType : int32_t {
   kDapo = 0,
   kGrpo = 1,
@@ -110,10 +114,11 @@ enum class PolicyLossType : int32_t {
   kLuspo = 6,
   kGpg = 7,
   kGeoMean = 8,
+  kKlCov = 9,
 };
-inline constexpr int kPolicyLossTypes = 9;
-// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg", "geo_mean"; "unknown"
-// for a value out of range.
+inline constexpr int kPolicyLossTypes = 10;
+// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg", "geo_mean", "kl_cov";
+// "unknown" for a value out of range.
 inline const char* PolicyLossTypeName(PolicyLossType t) {
   switch (t) {
     case PolicyLossType::kDapo: return "dapo";
@@ -125,14 +130,17 @@ inline const char* PolicyLossTypeName(PolicyLossType t) {
     case PolicyLossType::kLuspo: return "luspo";
     case PolicyLossType::kGpg: return "gpg";
     case PolicyLossType::kGeoMean: return "geo_mean";
+    case PolicyLossType::kKlCov: return "kl_cov";
   }
   return "unknown";
 }
 // Whether a loss type takes the clipped surrogate -min(r A, clamp(r) A) (and so delta):
-// every type but cispo, sapo, gpg and geo_mean (which clips each token's log-ratio instead).
+// every type but cispo, sapo, gpg, geo_mean (which clips each token's log-ratio instead) and
+// kl_cov (which penalises instead of clipping).
 inline bool PolicyLossTypeClips(PolicyLossType t) {
   return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo &&
-         t != PolicyLossType::kGpg && t != PolicyLossType::kGeoMean;
+         t != PolicyLossType::kGpg && t != PolicyLossType::kGeoMean &&
+         t != PolicyLossType::kKlCov;
 }
 
 // kPolicy's per-token estimator of KL(pi || ref) in the beta term, with d_i = logp_i - ref_i
@@ -226,13 +234,22 @@ struct PolicyParams {
   // kTokenMean and G (sequences) for the seq-mean modes (0 = this call's count).
   PolicyAggregation aggregation = PolicyAggregation::kLossType;
   double loss_scale_factor = 0;  // L of kSeqMeanTokenSumNorm: 0 = S; else finite, > 0
+  // kl_cov (verl's defaults): the share of the call's counted tokens penalised, in (0, 1]
+  // (at least one token), and the penalty's coefficient, finite and >= 0.
+  double kl_cov_ratio = 0.0002;
+  float ppo_kl_coef = 1.0f;
 };
 
-// Whether a policy Compute needs each sequence's every log-prob before any of its rows'
-// gradient: sequence-level importance sampling (GSPO) and geo_mean's geometric mean.
+// Whether a policy Compute needs a group of rows' every log-prob before any of its rows'
+// gradient: each sequence's for sequence-level importance sampling (GSPO) and geo_mean's
+// geometric mean; the whole call's for kl_cov's covariance.
 inline bool PolicyBySequence(const PolicyParams& p) {
   return p.importance_sampling == ImportanceSampling::kSequence ||
-         p.loss_type == PolicyLossType::kGeoMean;
+         p.loss_type == PolicyLossType::kGeoMean || p.loss_type == PolicyLossType::kKlCov;
+}
+// The rows of such a group: the whole call (bt) for kl_cov, else one sequence's.
+inline int64_t PolicyGroupRows(const PolicyParams& p, int64_t bt) {
+  return p.loss_type == PolicyLossType::kKlCov ? bt : bt / (p.sequences > 0 ? p.sequences : 1);
 }
 
 // kDistill from the teacher's top-k log-probs (LossProblem::teacher_topk): what the divergence

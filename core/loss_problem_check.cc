@@ -223,18 +223,33 @@ absl::Status CheckPolicyVerlParams(const PolicyParams& p) {
   return absl::OkStatus();
 }
 
-// geo_mean takes each sequence's geometric mean of its own token ratios: no second
-// importance-sampling level over it, and no ratio-weighted KL (its KL term is verl's, apart).
-absl::Status CheckGeoMeanParams(const PolicyParams& p) {
+// geo_mean takes each sequence's geometric mean of its own token ratios, kl_cov each token's
+// ratio: no second importance-sampling level over them, and no ratio-weighted KL (their KL
+// term is verl's, apart). kl_cov's share and coefficient.
+absl::Status CheckGeoMeanKlCovParams(const PolicyParams& p) {
+  const char* type = PolicyLossTypeName(p.loss_type);
   if (p.importance_sampling != ImportanceSampling::kToken) {
-    return absl::InvalidArgumentError(
-        "policy.importance_sampling sequence does not apply to loss type geo_mean, which "
-        "clips each token's log-ratio and takes each sequence's geometric mean itself");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.importance_sampling sequence does not apply to loss type ", type,
+        p.loss_type == PolicyLossType::kGeoMean
+            ? ", which clips each token's log-ratio and takes each sequence's geometric mean "
+              "itself"
+            : ", which takes each token's own ratio"));
   }
   if (p.use_bias_correction_kl) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.use_bias_correction_kl does not apply to loss type ", type,
+        " (its KL term is verl's, not weighted by a ratio)"));
+  }
+  if (p.loss_type != PolicyLossType::kKlCov) return absl::OkStatus();
+  if (!(p.kl_cov_ratio > 0 && p.kl_cov_ratio <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.kl_cov_ratio must be in (0, 1] (the share of tokens penalised), got ",
+        p.kl_cov_ratio));
+  }
+  if (!(p.ppo_kl_coef >= 0.0f) || !std::isfinite(p.ppo_kl_coef)) {
     return absl::InvalidArgumentError(
-        "policy.use_bias_correction_kl does not apply to loss type geo_mean (its KL term "
-        "is verl's, not weighted by a ratio)");
+        absl::StrCat("policy.ppo_kl_coef must be finite and >= 0, got ", p.ppo_kl_coef));
   }
   return absl::OkStatus();
 }
@@ -255,8 +270,8 @@ absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.importance_sampling ", level, " is unknown (token 0, sequence 1)"));
   }
-  if (p.loss_type == PolicyLossType::kGeoMean) {
-    LOSSD_RETURN_IF_ERROR(CheckGeoMeanParams(p));
+  if (p.loss_type == PolicyLossType::kGeoMean || p.loss_type == PolicyLossType::kKlCov) {
+    LOSSD_RETURN_IF_ERROR(CheckGeoMeanKlCovParams(p));
   } else if (p.importance_sampling == ImportanceSampling::kSequence &&
              !PolicyLossTypeClips(p.loss_type)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -286,7 +301,7 @@ absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.loss_type ", t,
         " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6, gpg 7, "
-        "geo_mean 8)"));
+        "geo_mean 8, kl_cov 9)"));
   }
   const std::pair<const char*, float> ranges[] = {
       {"epsilon_low", p.epsilon_low}, {"epsilon_high", p.epsilon_high}, {"beta", p.beta}};

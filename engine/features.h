@@ -76,7 +76,8 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
           {kPolicyEntropyBit, "policy_entropy_bonus"},
           {kPolicyAggregationBit, "policy_aggregation"},
           {kPolicyGpgBit, "policy_loss_type_gpg"},
-          {kPolicyGeoMeanBit, "policy_loss_type_geo_mean"}};
+          {kPolicyGeoMeanBit, "policy_loss_type_geo_mean"},
+          {kPolicyKlCovBit, "policy_loss_type_kl_cov"}};
       for (const auto& [bit, name] : verl) {
         if (kind == LossKind::kPolicy && (loss_kinds & bit) != 0) features.push_back(name);
       }

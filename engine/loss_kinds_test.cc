@@ -220,11 +220,14 @@ TEST(LossKindsPlanTest, VerlOptionsNeedTheBackendsBits) {
       {kPolicyGeoMeanBit, [](PolicyParams* p) { p->loss_type = PolicyLossType::kGeoMean; },
        "does not compute header.policy.loss_type geo_mean (ServerInfo.features lists "
        "policy_loss_type_geo_mean where it does)"},
+      {kPolicyKlCovBit, [](PolicyParams* p) { p->loss_type = PolicyLossType::kKlCov; },
+       "does not compute header.policy.loss_type kl_cov (ServerInfo.features lists "
+       "policy_loss_type_kl_cov where it does)"},
   };
   std::shared_ptr<KindsSeen> seen = std::make_shared<KindsSeen>();
   const uint32_t all_verl =
       kPolicyKlEstimatorBit | kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
-      kPolicyGeoMeanBit;
+      kPolicyGeoMeanBit | kPolicyKlCovBit;
   for (const auto& c : cases) {
     ComputeSpec spec = base;
     c.set(&spec.policy);

@@ -24,7 +24,7 @@ namespace policy_math {
 
 // lossd::PolicyLossType's values.
 inline constexpr int32_t kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3, kCispo = 4, kSapo = 5,
-                         kLuspo = 6, kGpg = 7, kGeoMean = 8;
+                         kLuspo = 6, kGpg = 7, kGeoMean = 8, kKlCov = 9;
 // lossd::KlEstimator's values.
 inline constexpr int32_t kK3 = 0, kK1 = 1, kK2 = 2, kAbs = 3, kLowVarKl = 4;
 
@@ -63,6 +63,10 @@ LOSSD_POLICY_FN double Surrogate(const RowOptions& o, double r, double a, double
   if (o.loss_type == kGeoMean) {  // no per-token surrogate: its sequence's term (GeoMeanLogRatio)
     *dlogp = 0;
     return 0;
+  }
+  if (o.loss_type == kKlCov) {  // -A r, unclipped (its penalty: PolicySequenceRows)
+    *dlogp = -a * r;
+    return -a * r;
   }
   if (o.loss_type == kGpg) {  // -A logp: no ratio
     *dlogp = -a;

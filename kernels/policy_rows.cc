@@ -56,7 +56,8 @@ static_assert(pm::kDapo == static_cast<int32_t>(PolicyLossType::kDapo) &&
               pm::kLuspo == static_cast<int32_t>(PolicyLossType::kLuspo) &&
               pm::kGpg == static_cast<int32_t>(PolicyLossType::kGpg) &&
               pm::kGeoMean == static_cast<int32_t>(PolicyLossType::kGeoMean) &&
-              kPolicyLossTypes == 9);
+              pm::kKlCov == static_cast<int32_t>(PolicyLossType::kKlCov) &&
+              kPolicyLossTypes == 10);
 static_assert(pm::kK3 == static_cast<int32_t>(KlEstimator::kK3) &&
               pm::kK1 == static_cast<int32_t>(KlEstimator::kK1) &&
               pm::kK2 == static_cast<int32_t>(KlEstimator::kK2) &&
@@ -113,6 +114,7 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
       case PolicyLossType::kDapo:
       case PolicyLossType::kCispo:
       case PolicyLossType::kGpg:
+      case PolicyLossType::kKlCov:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(tokens));
         break;
@@ -129,10 +131,65 @@ PolicyRowTerms PolicyTerms(const LossProblem& p, int64_t i, double logp, double 
                             has_ref ? p.ref_logp[i] : 0.0, sequence);
 }
 
+namespace {
+
+// kl_cov over the whole call: each counted row's own ratio and terms, the penalty
+// ppo_kl_coef |d| (times rho) on the k rows of largest covariance (policy_reference.h's P).
+void KlCovRows(const LossProblem& p, const uint8_t* counted, const double* weight,
+               const double* logp, const double* entropy, PolicySequenceRow* rows) {
+  const PolicyParams& po = p.policy;
+  const policy_math::RowOptions o = PolicyRowOptionsOf(po);
+  std::vector<int64_t> order;
+  double mean_a = 0, mean_l = 0;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    rows[i] = PolicySequenceRow();
+    if (!counted[i]) continue;
+    order.push_back(i);
+    mean_a += p.advantages[i];
+    mean_l += logp[i];
+  }
+  if (order.empty()) return;
+  const double n = static_cast<double>(order.size());
+  mean_a /= n;
+  mean_l /= n;
+  std::vector<double> cov(p.bt, 0.0);
+  for (int64_t i : order) cov[i] = (p.advantages[i] - mean_a) * (logp[i] - mean_l);
+  const size_t k = std::max<size_t>(1, static_cast<size_t>(n * po.kl_cov_ratio));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cov[x] > cov[y]; });
+  std::vector<uint8_t> chosen(p.bt, 0);
+  for (size_t j = 0; j < k && j < order.size(); ++j) chosen[order[j]] = 1;
+  const bool has_ref = p.ref_logp != nullptr;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    if (!counted[i]) continue;
+    PolicySequenceRow& r = rows[i];
+    const double d = p.old_logp != nullptr ? logp[i] - static_cast<double>(p.old_logp[i]) : 0.0;
+    const double rho = p.is_ratio != nullptr ? p.is_ratio[i] : 1.0;
+    r.ratio = std::exp(d);
+    r.terms = policy_math::Terms(o, logp[i], po.entropy_coeff != 0.0f ? entropy[i] : 0.0,
+                                 r.ratio, p.advantages[i], rho, has_ref,
+                                 has_ref ? static_cast<double>(p.ref_logp[i]) : 0.0, false);
+    if (chosen[i]) {
+      const double c = rho * static_cast<double>(po.ppo_kl_coef);
+      r.terms.loss += c * std::fabs(d);
+      r.terms.dlogp += c * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0);
+      r.terms.clipped = true;
+    }
+    r.loss = weight[i] * r.terms.loss;
+    r.coef = weight[i] * r.terms.dlogp;
+  }
+}
+
+}  // namespace
+
 void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const double* weight,
                         const double* logp, const double* entropy, int64_t b0,
                         PolicySequenceRow* rows) {
   const PolicyParams& po = p.policy;
+  if (po.loss_type == PolicyLossType::kKlCov) {
+    KlCovRows(p, counted, weight, logp, entropy, rows);
+    return;
+  }
   const policy_math::RowOptions o = PolicyRowOptionsOf(po);
   const int64_t s = p.bt / po.sequences;
   const bool geo = po.loss_type == PolicyLossType::kGeoMean;

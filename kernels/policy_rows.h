@@ -30,8 +30,8 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
 PolicyRowTerms PolicyTerms(const LossProblem& p, int64_t i, double logp, double entropy, double r,
                            bool sequence);
 
-// One row of a sequence of a policy Compute by sequence (PolicyBySequence: GSPO's sequence
-// ratio, geo_mean's geometric mean).
+// One row of a group of a policy Compute by sequence (PolicyBySequence: GSPO's sequence
+// ratio, geo_mean's geometric mean; kl_cov's whole call).
 struct PolicySequenceRow {
   PolicyRowTerms terms;  // its terms at its sequence's ratio (clipped: the row's own)
   double ratio = 1;      // its sequence's R_b
@@ -44,9 +44,10 @@ struct PolicySequenceRow {
 // kernels/cpu/policy_reference.h): GSPO's R_b = exp(mean of logp - old), each row's
 // coefficient w_i f_i + (1 / max(1, n_b)) sum_{j in b} w_j e_j; geo_mean's R_b from the
 // clipped log-ratios, its policy term (1/B) pg_b spread as (1/B) pg_b g_i / n_b, its KL and
-// entropy terms by w_i. counted, weight (PolicyWeights), logp and entropy (read only with
-// entropy_coeff != 0) are per row of the whole problem; rows gets S entries (an uncounted
-// row's left at its defaults).
+// entropy terms by w_i; kl_cov's group is the whole call (b0 0, PolicyGroupRows): each row
+// at its own ratio, the penalty on the rows of largest covariance. counted, weight
+// (PolicyWeights), logp and entropy (read only with entropy_coeff != 0) are per row of the
+// whole problem; rows gets PolicyGroupRows entries (an uncounted row's left at its defaults).
 void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const double* weight,
                         const double* logp, const double* entropy, int64_t b0,
                         PolicySequenceRow* rows);

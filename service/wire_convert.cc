@@ -91,6 +91,8 @@ absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
   pp.entropy_coeff = p.entropy_coeff();
   pp.aggregation = static_cast<PolicyAggregation>(p.aggregation());
   pp.loss_scale_factor = p.loss_scale_factor();
+  pp.kl_cov_ratio = p.has_kl_cov_ratio() ? p.kl_cov_ratio() : defaults.kl_cov_ratio;
+  pp.ppo_kl_coef = p.has_ppo_kl_coef() ? p.ppo_kl_coef() : defaults.ppo_kl_coef;
   const v1::DistillOptions& d = h.distill();
   const DistillParams distill_defaults;
   spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : distill_defaults.jsd_beta;

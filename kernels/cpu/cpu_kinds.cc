@@ -216,7 +216,7 @@ class KindPass {
   // How many passes over the logits a sequence-level Compute makes: 1 where every chunk
   // holds whole sequences (or no gradient is wanted), else 2.
   int64_t SequencePasses() const {
-    const int64_t s = p_.bt / p_.policy.sequences;
+    const int64_t s = PolicyGroupRows(p_.policy, p_.bt);
     return (!k_.want_grad || k_.chunk % s == 0 || k_.chunk >= p_.bt) ? 1 : 2;
   }
 
@@ -318,7 +318,8 @@ class KindPass {
   absl::Status SequenceLevel(CpuChunkPass& pass) {
     const float* xc = nullptr;
     if (SequencePasses() == 1) {
-      const bool whole = k_.chunk % (p_.bt / p_.policy.sequences) == 0 || k_.chunk >= p_.bt;
+      const bool whole =
+          k_.chunk % PolicyGroupRows(p_.policy, p_.bt) == 0 || k_.chunk >= p_.bt;
       for (int64_t c0 = 0; c0 < p_.bt; c0 += k_.chunk) {
         const int64_t rows_c = std::min(k_.chunk, p_.bt - c0);
         LOSSD_RETURN_IF_ERROR(ChunkForward(pass, c0, rows_c, &xc));
@@ -348,7 +349,7 @@ class KindPass {
   // The sequences of rows [r0, r0 + rows) (whole ones): each row's terms, loss share and
   // coefficient from its sequence's every logp (policy_rows.h's PolicySequenceRows).
   void SequenceTerms(int64_t r0, int64_t rows) {
-    const int64_t s = p_.bt / p_.policy.sequences;
+    const int64_t s = PolicyGroupRows(p_.policy, p_.bt);
     seq_logp_.resize(p_.bt);
     seq_entropy_.resize(p_.bt);
     for (int64_t i = r0; i < r0 + rows; ++i) {

@@ -21,7 +21,8 @@ inline constexpr uint32_t kCpuLossKinds =
     LossKindBit(LossKind::kCrossEntropy) | LossKindBit(LossKind::kLogprob) |
     LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
     kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit | kPolicyEntropyBit |
-    kPolicyAggregationBit | kPolicyGpgBit | kPolicyGeoMeanBit | kDistillTopkBit;
+    kPolicyAggregationBit | kPolicyGpgBit | kPolicyGeoMeanBit | kPolicyKlCovBit |
+    kDistillTopkBit;
 
 // INVALID_ARGUMENT for what this backend does not compute: an unknown kind, one outside
 // kCpuLossKinds, and outputs it does not write for a kind (entropy for policy; logp and entropy

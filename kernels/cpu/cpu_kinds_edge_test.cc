@@ -142,7 +142,7 @@ TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
                                  LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
                                  kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit |
                                  kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
-                                 kPolicyGeoMeanBit | kDistillTopkBit);
+                                 kPolicyGeoMeanBit | kPolicyKlCovBit | kDistillTopkBit);
 }
 
 }  // namespace

@@ -44,7 +44,7 @@ absl::Status CheckOptions(const PolicyOptions& o) {
   if (type < 0 || type >= kPolicyLossTypes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.loss_type ", type,
-        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg or geo_mean"));
+        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean or kl_cov"));
   }
   const struct {
     const char* name;
@@ -86,11 +86,18 @@ absl::Status CheckOptions(const PolicyOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.importance_sampling ", level, " is not token (0) or sequence (1)"));
   }
-  if (o.loss_type == PolicyLossType::kGeoMean &&
+  if ((o.loss_type == PolicyLossType::kGeoMean || o.loss_type == PolicyLossType::kKlCov) &&
       (o.importance_sampling != ImportanceSampling::kToken || o.use_bias_correction_kl)) {
-    return absl::InvalidArgumentError(
+    return absl::InvalidArgumentError(absl::StrCat(
         "options.importance_sampling sequence and options.use_bias_correction_kl do not apply "
-        "to loss_type geo_mean");
+        "to loss_type ", PolicyLossTypeName(o.loss_type)));
+  }
+  if (o.loss_type == PolicyLossType::kKlCov &&
+      (!(o.kl_cov_ratio > 0 && o.kl_cov_ratio <= 1) || !(o.ppo_kl_coef >= 0.0f) ||
+       !std::isfinite(o.ppo_kl_coef))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.kl_cov_ratio must be in (0, 1] and options.ppo_kl_coef finite and >= 0, got ",
+        o.kl_cov_ratio, " and ", o.ppo_kl_coef));
   }
   if (o.importance_sampling == ImportanceSampling::kSequence && !PolicyLossTypeClips(o.loss_type)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -240,6 +247,7 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
       case PolicyLossType::kDapo:
       case PolicyLossType::kCispo:
       case PolicyLossType::kGpg:
+      case PolicyLossType::kKlCov:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(n));
         break;
@@ -306,15 +314,25 @@ void ClippedSurrogate(const PolicyOptions& o, double a, RowTerms* r) {
   r->dratio = -share * a * r->ratio;
 }
 
-// Row i's terms at ratio `ratio` (its own, or its sequence's).
+// Row i's terms at ratio `ratio` (its own, or its sequence's); `penalised`: kl_cov's P.
 RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio,
-                   double entropy) {
+                   double entropy, bool penalised) {
   const PolicyOptions& o = p.options;
   const double a = p.advantages[i];
   RowTerms r;
   r.ratio = ratio;
   if (o.loss_type == PolicyLossType::kGeoMean) {
     // No per-token policy term: GeoMeanTerm adds the sequences'.
+  } else if (o.loss_type == PolicyLossType::kKlCov) {
+    r.loss = -a * r.ratio;
+    r.dratio = -a * r.ratio;
+    if (penalised) {
+      const double d = p.old_logp != nullptr ? logp - p.old_logp[i] : 0.0;
+      const double c = o.ppo_kl_coef;
+      r.loss += c * std::abs(d);
+      r.dlogp += c * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0);
+      r.clipped = true;
+    }
   } else if (o.loss_type == PolicyLossType::kGpg) {
     r.loss = -a * logp;
     r.dlogp = -a;
@@ -426,6 +444,32 @@ void GeoMeanTerm(const PolicyProblem& p, const std::vector<double>& logp,
   }
 }
 
+// kl_cov's P: the k = max(1, floor(N ratio)) counted rows with the largest covariance
+// (A_i - mean A)(logp_i - mean logp), ties to the lower row; empty without counted rows.
+std::vector<bool> KlCovPenalised(const PolicyProblem& p, const std::vector<double>& logp) {
+  const int64_t bt = p.head.bt;
+  std::vector<bool> chosen(bt, false);
+  std::vector<int64_t> rows;
+  double mean_a = 0, mean_l = 0;
+  for (int64_t i = 0; i < bt; ++i) {
+    if (Masked(p, i)) continue;
+    rows.push_back(i);
+    mean_a += p.advantages[i];
+    mean_l += logp[i];
+  }
+  if (rows.empty()) return chosen;
+  const double n = static_cast<double>(rows.size());
+  mean_a /= n;
+  mean_l /= n;
+  std::vector<double> cov(bt, 0.0);
+  for (int64_t i : rows) cov[i] = (p.advantages[i] - mean_a) * (logp[i] - mean_l);
+  const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * p.options.kl_cov_ratio));
+  std::stable_sort(rows.begin(), rows.end(),
+                   [&](int64_t x, int64_t y) { return cov[x] > cov[y]; });
+  for (int64_t j = 0; j < k && j < static_cast<int64_t>(rows.size()); ++j) chosen[rows[j]] = true;
+  return chosen;
+}
+
 }  // namespace
 
 
@@ -459,6 +503,9 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
     }
   }
   const std::vector<double> ratio = Ratios(p, out->logp, per_seq);
+  const std::vector<bool> penalised = o.loss_type == PolicyLossType::kKlCov
+                                          ? KlCovPenalised(p, out->logp)
+                                          : std::vector<bool>(bt, false);
   const bool sequence = o.importance_sampling == ImportanceSampling::kSequence;
   const int64_t seq = bt / p.batch;
   std::vector<double> coef(bt, 0.0), seq_dratio(p.batch, 0.0), dentropy(bt, 0.0);
@@ -466,7 +513,7 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
   int64_t clipped = 0;
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
-    const RowTerms r = PolicyRow(p, i, out->logp[i], ratio[i], entropy[i]);
+    const RowTerms r = PolicyRow(p, i, out->logp[i], ratio[i], entropy[i], penalised[i]);
     out->ratio[i] = r.ratio;
     out->loss += weight[i] * r.loss;
     out->kl_token[i] = r.kl;

@@ -38,6 +38,11 @@
 //     (1/B) pg_b g_i / n_b, g_i = 0 where A_i = 0 or clipped_i, else 1 (on the tie s d = s c
 //     torch's min halves the gradient and clamp passes the other half whole). verl divides by
 //     n_b + 1e-8, here by n_b. Refused: sequence level, use_bias_correction_kl.
+//   pg_i   = -A_i r_i + [i in P] c |d_i|,  d_i = logp_i - old_i      kl_cov (verl's KL-Cov; no
+//            clipping): P the k = max(1, floor(N kl_cov_ratio)) counted tokens with the largest
+//            cov_i = (A_i - mean A)(logp_i - mean logp) (means over the counted tokens, logp
+//            detached; ties to the lower row), c = ppo_kl_coef; d|d|/dd = sign(d) (0 at 0).
+//            dapo's normaliser. Refused: sequence level, delta, use_bias_correction_kl.
 //   kl_i   = K(d_i), d_i = logp_i - ref_i, K the kl_estimator (without reference log-probs
 //            ref_i = logp_i detached: kl_i = 0 and no gradient):
 //              k3 (default, Liger's)  exp(-d) + d - 1            dK/dd = 1 - exp(-d)
@@ -74,7 +79,7 @@
 //                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
 //                   for the clipped types (r_i before delta); cispo: r_i > eps_high and
 //                   A_i > 0; geo_mean: (d_i > eps_high and A_i > 0) or (d_i < -eps_low and
-//                   A_i < 0); sapo, gpg: never
+//                   A_i < 0); kl_cov: i in P; sapo, gpg: never
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
 //   token level: dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i)
 //                   (+ k3_i, times r_i, with the bias correction), and dpg_i as below.
@@ -142,6 +147,8 @@ struct PolicyOptions {
   float entropy_coeff = 0.0f;        // finite
   PolicyAggregation aggregation = PolicyAggregation::kLossType;
   double loss_scale_factor = 0;      // seq-mean-token-sum-norm's L: 0 = S, else finite, > 0
+  double kl_cov_ratio = 0.0002;      // kl_cov: in (0, 1]
+  float ppo_kl_coef = 1.0f;          // kl_cov: finite, >= 0
 };
 
 struct PolicyProblem {

@@ -77,7 +77,7 @@ std::vector<PolicySequenceRow> SequenceRows(const LossProblem& p,
   std::vector<double> h(p.bt, 0.0);
   if (entropy != nullptr) h.assign(entropy->begin(), entropy->end());
   std::vector<PolicySequenceRow> rows(p.bt);
-  const int64_t s = p.bt / std::max<int64_t>(1, p.policy.sequences);
+  const int64_t s = PolicyGroupRows(p.policy, p.bt);
   for (int64_t b0 = 0; b0 < p.bt; b0 += s) {
     PolicySequenceRows(p, counted.data(), w.data(), lp.data(), h.data(), b0, rows.data() + b0);
   }

@@ -23,7 +23,7 @@ LOSS_TYPES = {"dapo": pb.POLICY_LOSS_DAPO, "grpo": pb.POLICY_LOSS_GRPO,
               "bnpo": pb.POLICY_LOSS_BNPO, "dr_grpo": pb.POLICY_LOSS_DR_GRPO,
               "cispo": pb.POLICY_LOSS_CISPO, "sapo": pb.POLICY_LOSS_SAPO,
               "luspo": pb.POLICY_LOSS_LUSPO, "gpg": pb.POLICY_LOSS_GPG,
-              "geo_mean": pb.POLICY_LOSS_GEO_MEAN}
+              "geo_mean": pb.POLICY_LOSS_GEO_MEAN, "kl_cov": pb.POLICY_LOSS_KL_COV}
 KL_ESTIMATORS = {"k3": pb.KL_ESTIMATOR_K3, "k1": pb.KL_ESTIMATOR_K1, "k2": pb.KL_ESTIMATOR_K2,
                  "abs": pb.KL_ESTIMATOR_ABS, "low_var_kl": pb.KL_ESTIMATOR_LOW_VAR_KL}
 AGGREGATIONS = {"loss_type": pb.AGGREGATION_LOSS_TYPE, "token-mean": pb.AGGREGATION_TOKEN_MEAN,
@@ -62,8 +62,10 @@ class PolicyOptions:
     verl's -A logp; "policy_loss_type_gpg". loss_type "geo_mean": verl's GMPO (each token's
     log-ratio clipped to [-epsilon_low, epsilon_high] on its advantage's side, the mean over
     the sequences of -mean(A) times the sequence's geometric-mean ratio; the aggregation then
-    weights only the KL and entropy terms); "policy_loss_type_geo_mean".
-    verl_policy_options() maps verl's names."""
+    weights only the KL and entropy terms); "policy_loss_type_geo_mean". loss_type "kl_cov":
+    verl's KL-Cov (-A r unclipped, plus ppo_kl_coef |logp - old_logp| on the kl_cov_ratio share
+    of the call's tokens with the largest covariance of A and logp; dapo's normalisation);
+    "policy_loss_type_kl_cov". verl_policy_options() maps verl's names."""
 
     loss_type: str = "dapo"
     epsilon_low: float = 0.2
@@ -82,22 +84,26 @@ class PolicyOptions:
     entropy_coeff: float = 0.0
     aggregation: str = "loss_type"
     loss_scale_factor: float = 0.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
 
 
 def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=None,
                         clip_ratio_high=None, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                         kl_loss_type="low_var_kl", kl_loss_coef=0.0, entropy_coeff=0.0,
-                        sequences=1, global_normalizer=0.0, loss_scale_factor=None):
+                        sequences=1, global_normalizer=0.0, loss_scale_factor=None,
+                        kl_cov_ratio=0.0002, ppo_kl_coef=1.0):
     """PolicyOptions for verl's actor settings (its names and defaults): policy_loss
     "vanilla" (PPO with dual clip: clip_ratio_c is the ratio's cap where A < 0, lossd's delta),
-    "gpg" or "geo_mean" (GMPO: clip_ratio(_low/_high) bound each token's log-ratio; no dual
-    clip; loss_agg_mode aggregates its KL and entropy terms only, as in verl); loss_agg_mode; kl_loss_type (a trailing "+" for the straight-through variant)
+    "gpg", "geo_mean" (GMPO: clip_ratio(_low/_high) bound each token's log-ratio; no dual
+    clip; loss_agg_mode aggregates its KL and entropy terms only, as in verl) or "kl_cov"
+    (KL-Cov, with verl's policy_loss.kl_cov_ratio and ppo_kl_coef; no clipping); loss_agg_mode; kl_loss_type (a trailing "+" for the straight-through variant)
     with kl_loss_coef as beta (use_kl_loss off: 0); entropy_coeff; global_normalizer: verl's
     batch_num_tokens (token-mean) or global_batch_size (seq-mean modes) over dp_size, 0 = this
     call's count. Raises InvalidArgumentError naming a name that is not built."""
-    if policy_loss not in ("vanilla", "gpg", "geo_mean"):
+    if policy_loss not in ("vanilla", "gpg", "geo_mean", "kl_cov"):
         raise errors.InvalidArgumentError(
-            "verl policy_loss %r is not built (vanilla, gpg and geo_mean are; "
+            "verl policy_loss %r is not built (vanilla, gpg, geo_mean and kl_cov are; "
             "docs/rl_clients.md lists verl's names)" % policy_loss)
     base = kl_loss_type[:-1] if kl_loss_type.endswith("+") else kl_loss_type
     if base not in VERL_KL:
@@ -117,7 +123,8 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
         kl_straight_through=kl_loss_type.endswith("+") and VERL_KL[base] != "k2",
         entropy_coeff=entropy_coeff, aggregation=loss_agg_mode,
         loss_scale_factor=(loss_scale_factor or 0.0)
-        if loss_agg_mode == "seq-mean-token-sum-norm" else 0.0)
+        if loss_agg_mode == "seq-mean-token-sum-norm" else 0.0,
+        kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef)
 
 
 def policy_features(header):
@@ -128,6 +135,7 @@ def policy_features(header):
     p = header.policy
     wanted = [(p.loss_type == pb.POLICY_LOSS_GPG, "policy_loss_type_gpg"),
               (p.loss_type == pb.POLICY_LOSS_GEO_MEAN, "policy_loss_type_geo_mean"),
+              (p.loss_type == pb.POLICY_LOSS_KL_COV, "policy_loss_type_kl_cov"),
               (p.kl_estimator != pb.KL_ESTIMATOR_K3 or p.kl_straight_through,
                "policy_kl_estimator"),
               (p.entropy_coeff != 0, "policy_entropy_bonus"),
@@ -196,6 +204,9 @@ def _set_verl_options(msg, p):
     msg.kl_straight_through = bool(p.kl_straight_through)
     msg.entropy_coeff = float(p.entropy_coeff)
     msg.loss_scale_factor = float(p.loss_scale_factor)
+    if p.loss_type == "kl_cov":  # kl_cov's own: unset otherwise
+        msg.kl_cov_ratio = float(p.kl_cov_ratio)
+        msg.ppo_kl_coef = float(p.ppo_kl_coef)
 
 
 def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentropy,

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The policy kind's verl menu (KL estimators and their straight-through variants, the entropy
 bonus, the four aggregation modes with verl's global counts and loss_scale_factor, dual-clip
-PPO, gpg, geo_mean with and without rollout weights) through a CPU server and lossd.verl_policy_options, against two oracles applied to
+PPO, gpg, geo_mean with and without rollout weights, kl_cov) through a CPU server and lossd.verl_policy_options, against two oracles applied to
 float64 autograd log-probs of the same head: the formulas written out below in torch float64
 (always), and verl's own torch functions from the installed package
 (verl.trainer.ppo.core_algos: kl_penalty, agg_loss, compute_policy_loss_vanilla,
-compute_policy_loss_gpg, compute_policy_loss_geo_mean) where verl is installed.
+compute_policy_loss_gpg, compute_policy_loss_geo_mean, compute_policy_loss_kl_cov) where
+verl is installed.
 
 verl's package __init__ imports ray and its core_algos imports verl's configs; neither is
 needed here, so the functions' source is read from the installed file and run with torch and
@@ -107,6 +108,22 @@ class _Formulas:
             pg = pg * torch.exp((torch.log(rollout_is_weights + 1e-10) * mask).sum(-1) / n)
         return pg.mean(), {}
 
+    @classmethod
+    def compute_policy_loss_kl_cov(cls, old, logp, a, mask, mode, config, rollout_is_weights=None):
+        d = logp - old
+        r = torch.exp(d)
+        valid = mask > 0
+        la, ll = a[valid].detach(), logp[valid].detach()
+        cov = torch.full_like(a, float("-inf"))
+        cov[valid] = (la - la.mean()) * (ll - ll.mean())
+        k = max(1, int(la.numel() * config.policy_loss.kl_cov_ratio))
+        chosen = torch.zeros(a.numel(), dtype=torch.bool)
+        chosen[torch.topk(cov.reshape(-1), k).indices] = True
+        pg = -a * r + chosen.reshape(a.shape) * config.policy_loss.ppo_kl_coef * d.abs()
+        if rollout_is_weights is not None:
+            pg = pg * rollout_is_weights
+        return cls.agg_loss(pg, mask, mode, **config.global_batch_info), {}
+
 
 @pytest.fixture(scope="module", params=["formulas", "verl"])
 def verl(request):
@@ -128,7 +145,8 @@ def verl(request):
     return types.SimpleNamespace(**_functions(
         root / "trainer" / "ppo" / "core_algos.py",
         ["kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss_vanilla",
-         "compute_policy_loss_gpg", "compute_policy_loss_geo_mean"], ns))
+         "compute_policy_loss_gpg", "compute_policy_loss_geo_mean",
+         "compute_policy_loss_kl_cov"], ns))
 
 
 class _Config(dict):
@@ -170,12 +188,18 @@ def _reference(verl, seed, opts):
     mode = opts["loss_agg_mode"]
     info = opts.get("global_batch_info", {})
     config = _Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                     clip_ratio_c=opts.get("clip_ratio_c", 3.0), global_batch_info=info)
+                     clip_ratio_c=opts.get("clip_ratio_c", 3.0), global_batch_info=info,
+                     policy_loss=_Config(kl_cov_ratio=opts.get("kl_cov_ratio", 0.0002),
+                                         ppo_kl_coef=opts.get("ppo_kl_coef", 1.0)))
     rho = None
     if opts.get("is_ratio"):  # rollout correction weights, per token
         rho = np.random.default_rng(seed + 1).uniform(0.2, 2.0, (B, S)).astype(np.float32)
     if opts["policy_loss"] == "geo_mean":
         pg, _ = verl.compute_policy_loss_geo_mean(
+            old, logp, a, m, mode, config,
+            rollout_is_weights=None if rho is None else torch.tensor(rho, dtype=torch.float64))
+    elif opts["policy_loss"] == "kl_cov":
+        pg, _ = verl.compute_policy_loss_kl_cov(
             old, logp, a, m, mode, config,
             rollout_is_weights=None if rho is None else torch.tensor(rho, dtype=torch.float64))
     elif opts["policy_loss"] == "gpg":
@@ -219,6 +243,11 @@ CASES = [
          kl_loss_coef=0.1, entropy_coeff=0.01),
     dict(policy_loss="geo_mean", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k2",
          kl_loss_coef=0.2, is_ratio=True),
+    # kl_cov: a fifth of the tokens penalised (verl's 0.0002 picks one of these 21)
+    dict(policy_loss="kl_cov", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
+         kl_loss_coef=0.1, kl_cov_ratio=0.2, ppo_kl_coef=0.5),
+    dict(policy_loss="kl_cov", loss_agg_mode="seq-mean-token-sum", kl_loss_type="k1",
+         kl_loss_coef=0.1, entropy_coeff=0.02, is_ratio=True),
     # one data-parallel rank of two: verl's global counts (the whole batch's), lossd's
     # dapo_normalizer = count / dp_size; and a fixed loss_scale_factor
     dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
@@ -251,7 +280,8 @@ def test_policy_matches_verls_functions(verl, client, opts):
         kl_loss_type=opts["kl_loss_type"], kl_loss_coef=opts["kl_loss_coef"],
         entropy_coeff=opts.get("entropy_coeff", 0.0), sequences=B,
         global_normalizer=_global_normalizer(opts),
-        loss_scale_factor=opts.get("global_batch_info", {}).get("loss_scale_factor"))
+        loss_scale_factor=opts.get("global_batch_info", {}).get("loss_scale_factor"),
+        kl_cov_ratio=opts.get("kl_cov_ratio", 0.0002), ppo_kl_coef=opts.get("ppo_kl_coef", 1.0))
     r = client.compute(sent["x"], sent["w"], sent["targets"], kind="policy", temperature=T,
                        advantages=sent["advantages"], old_logp=sent["old_logp"],
                        ref_logp=sent["ref_logp"], is_ratio=sent["is_ratio"], policy=policy)
