@@ -46,8 +46,8 @@ struct SequenceCase {
 // bias-corrected KL, fp32 gradients); verl's menu: 15 gpg (k1, entropy bonus), 16 dapo (k2,
 // seq-mean-token-mean), 17 grpo (abs, token-mean, entropy, bias-corrected), 18 luspo
 // (low_var_kl straight-through, seq-mean-token-sum-norm, entropy, chunks of 7); geo_mean, by
-// sequence itself: 21 (bias), 22 (low_var_kl, token-mean, entropy, T, chunks of 7,
-// accumulated). Sequence level is for the clipped types only.
+// sequence itself: 21 (bias), 22 (low_var_kl, token-mean, entropy, T and softcap, chunks of
+// 7, accumulated). Sequence level is for the clipped types only.
 constexpr SequenceCase kSequenceCases[] = {
     {3, true, false},  {4, true, false},  {5, true, true},   {6, true, false},
     {7, true, true},   {13, true, true},  {14, true, false}, {14, true, true},

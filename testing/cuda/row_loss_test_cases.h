@@ -147,8 +147,8 @@ inline const RowCase kCases[] = {
     // verl's geo_mean (GMPO): the CUDA backend runs it by sequence (policy_sequence.h).
     {"policy_geo_mean_bias", LossKind::kPolicy, 1.0f, 0.0f, true, 0.1, 0, false, false, true,
      false, PolicyLossType::kGeoMean, true, true, 0.2f, 0.28f, 0.04f},
-    {"policy_geo_mean_low_var_kl_token_mean_entropy_temp_chunked_accum", LossKind::kPolicy,
-     0.8f, 0.0f, false, 0.2, 7, false, true, true, false, PolicyLossType::kGeoMean, true, true,
+    {"policy_geo_mean_low_var_kl_token_mean_entropy_temp_cap_chunked_accum", LossKind::kPolicy,
+     0.8f, 4.0f, false, 0.2, 7, false, true, true, false, PolicyLossType::kGeoMean, true, true,
      0.2f, 0.2f, 0.1f, 0, 0.7f, 0.5f, 0, false, false, 1.0f, 1.05f, 0.0f, false,
      KlEstimator::kLowVarKl, false, 0.03f, PolicyAggregation::kTokenMean},
 };
