@@ -46,7 +46,8 @@
  * loss_scale_factor) and distill's weight_hard_loss / weight_soft_loss at the end of
  * LossdProblem, and the loss type gpg; a plugin that computes
  * them says so in loss_kinds' option bits (core/loss_problem.h's kPolicy*Bit). 6.4: the loss
- * type geo_mean (LOSSD_POLICY_GEO_MEAN, announced by kPolicyGeoMeanBit).
+ * types geo_mean and kl_cov (LOSSD_POLICY_GEO_MEAN, _KL_COV, announced by kPolicyGeoMeanBit,
+ * kPolicyKlCovBit) and kl_cov's kl_cov_ratio and ppo_kl_coef at the end of LossdProblem.
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -114,7 +115,8 @@ extern "C" {
 #define LOSSD_POLICY_SAPO 5
 #define LOSSD_POLICY_LUSPO 6
 #define LOSSD_POLICY_GPG 7 /* 6.3 */
-#define LOSSD_POLICY_GEO_MEAN 8 /* 6.4 */
+#define LOSSD_POLICY_GEO_MEAN 8 /* 6.4, as the one below */
+#define LOSSD_POLICY_KL_COV 9
 #define LOSSD_IMPORTANCE_SAMPLING_TOKEN 0 /* 6.3, as the values below */
 #define LOSSD_IMPORTANCE_SAMPLING_SEQUENCE 1
 #define LOSSD_KL_K3 0
@@ -237,6 +239,11 @@ typedef struct LossdProblem {
   /* 6.3: distill's hard-label term (LossdDistillParams' neighbours, core's DistillParams). */
   float distill_weight_hard_loss; /* 0: the divergence alone */
   float distill_weight_soft_loss; /* 1: the divergence alone */
+#endif
+#if LOSSD_PLUGIN_ABI_MINOR >= 4
+  /* 6.4: the loss type kl_cov's options (read with LOSSD_POLICY_KL_COV only). */
+  double kl_cov_ratio; /* (0, 1] */
+  float ppo_kl_coef;   /* >= 0 */
 #endif
 } LossdProblem;
 

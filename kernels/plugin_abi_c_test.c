@@ -20,8 +20,14 @@ int main(void) {
   failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 4u,
                     "the ABI version is 6.4");
   failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60004u, "major.minor packed as major << 16");
-  /* 6.4 adds an enumeration value only: geo_mean after gpg. */
-  failures += Check(LOSSD_POLICY_GEO_MEAN == LOSSD_POLICY_GPG + 1, "geo_mean follows gpg");
+  /* 6.4: geo_mean and kl_cov after gpg, kl_cov's options at the end of LossdProblem. */
+  failures += Check(LOSSD_POLICY_GEO_MEAN == LOSSD_POLICY_GPG + 1
+                        && LOSSD_POLICY_KL_COV == LOSSD_POLICY_GEO_MEAN + 1,
+                    "geo_mean and kl_cov follow gpg");
+  failures += Check(offsetof(LossdProblem, kl_cov_ratio)
+                        > offsetof(LossdProblem, distill_weight_soft_loss)
+                        && offsetof(LossdProblem, ppo_kl_coef) > offsetof(LossdProblem, kl_cov_ratio),
+                    "6.4's kl_cov options at the end of LossdProblem");
   /* 6.3's fields come after every field of 6.2. */
   failures += Check(offsetof(LossdProblem, is_ratio) > offsetof(LossdProblem, distill)
                         && offsetof(LossdProblem, loss_scale_factor)

@@ -17,8 +17,8 @@ namespace {
 static_assert(LOSSD_POLICY_LUSPO == static_cast<int>(PolicyLossType::kLuspo) &&
                   LOSSD_POLICY_GPG == static_cast<int>(PolicyLossType::kGpg) &&
                   LOSSD_POLICY_GEO_MEAN == static_cast<int>(PolicyLossType::kGeoMean) &&
-                  // kl_cov (9) does not cross: the CUDA backend does not compute it
-                  kPolicyLossTypes == LOSSD_POLICY_GEO_MEAN + 2,
+                  LOSSD_POLICY_KL_COV == static_cast<int>(PolicyLossType::kKlCov) &&
+                  kPolicyLossTypes == LOSSD_POLICY_KL_COV + 1,
               "LOSSD_POLICY_* are PolicyLossType's values");
 static_assert(LOSSD_IMPORTANCE_SAMPLING_SEQUENCE ==
                       static_cast<int>(ImportanceSampling::kSequence) &&
@@ -165,6 +165,10 @@ void VisitProblem(P& p, C& c, Move move) {
   move(p.policy.loss_scale_factor, c.loss_scale_factor);
   move(p.distill.weight_hard_loss, c.distill_weight_hard_loss);
   move(p.distill.weight_soft_loss, c.distill_weight_soft_loss);
+#endif
+#if LOSSD_PLUGIN_ABI_MINOR >= 4
+  move(p.policy.kl_cov_ratio, c.kl_cov_ratio);
+  move(p.policy.ppo_kl_coef, c.ppo_kl_coef);
 #endif
 }
 

@@ -134,6 +134,8 @@ LossProblem EveryFieldSet(float* f, int64_t* i) {
   p.policy.loss_scale_factor = 48.5;
   p.distill.weight_hard_loss = 0.375f;
   p.distill.weight_soft_loss = 0.625f;
+  p.policy.kl_cov_ratio = 0.0625;
+  p.policy.ppo_kl_coef = 0.875f;
   return p;
 }
 
@@ -195,6 +197,9 @@ TEST(PluginAbiConvertTest, ProblemRoundTrips) {
   EXPECT_EQ(r.policy.loss_scale_factor, 48.5);
   EXPECT_EQ(r.distill.weight_hard_loss, 0.375f);
   EXPECT_EQ(r.distill.weight_soft_loss, 0.625f);
+  EXPECT_EQ(c.kl_cov_ratio, 0.0625);
+  EXPECT_EQ(r.policy.kl_cov_ratio, 0.0625);
+  EXPECT_EQ(r.policy.ppo_kl_coef, 0.875f);
   EXPECT_EQ(r.policy.sapo_temperature_pos, 1.5f);
   EXPECT_EQ(r.policy.sapo_temperature_neg, 0.75f);
   EXPECT_EQ(r.policy.delta, 1.75f);

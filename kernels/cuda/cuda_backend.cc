@@ -195,7 +195,7 @@ BackendInfo CudaBackend::Info() {
                        kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
                        kDistillWeightsBit;
   }
-  if (minor < 0 || minor >= 4) info.loss_kinds |= kPolicyGeoMeanBit;
+  if (minor < 0 || minor >= 4) info.loss_kinds |= kPolicyGeoMeanBit | kPolicyKlCovBit;
   return info;
 }
 

@@ -115,7 +115,7 @@ TEST_F(PluginComputeTest, InfoAndHostMemory) {
   EXPECT_EQ(got.loss_kinds, want.loss_kinds);
   for (uint32_t bit : {kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit,
                        kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit,
-                       kDistillWeightsBit, kPolicyGeoMeanBit}) {
+                       kDistillWeightsBit, kPolicyGeoMeanBit, kPolicyKlCovBit}) {
     EXPECT_NE(got.loss_kinds & bit, 0u) << "bit " << bit << " not announced";
   }
   HostMemory* m = plugin_->host_memory();

@@ -186,6 +186,63 @@ TEST_F(CudaTest, PolicySequenceRealisticWidthMatchesReference) {
   }
 }
 
+// Whether kl_cov's choice is decidable: its k-th and (k+1)-th covariances (A_i - mean A)(logp_i
+// - mean logp) further apart than logp's bounds can move them (e.logp_bound, its mean for the
+// mean); else the backend may choose either and the case tests nothing.
+bool KlCovChoiceIsStable(const LossProblem& p, const Expected& e) {
+  std::vector<int64_t> rows;
+  double mean_a = 0, mean_l = 0, mean_b = 0;
+  for (int64_t i = 0; i < p.bt; ++i) {
+    if (LoadAsInt(p.targets, p.target_dtype, i) == p.options.ignore_index) continue;
+    rows.push_back(i);
+    mean_a += p.advantages[i], mean_l += e.logp[i], mean_b += e.logp_bound[i];
+  }
+  const double n = static_cast<double>(rows.size());
+  const size_t k = std::max<size_t>(1, static_cast<size_t>(n * p.policy.kl_cov_ratio));
+  if (rows.size() <= k) return true;
+  mean_a /= n, mean_l /= n, mean_b /= n;
+  std::vector<std::pair<double, double>> cov;  // (value, its bound)
+  for (int64_t i : rows) {
+    cov.push_back({(p.advantages[i] - mean_a) * (e.logp[i] - mean_l),
+                   std::fabs(p.advantages[i] - mean_a) * (e.logp_bound[i] + mean_b)});
+  }
+  std::sort(cov.rbegin(), cov.rend());
+  return cov[k - 1].first - cov[k].first > cov[k - 1].second + cov[k].second;
+}
+
+// kl_cov (verl's KL-Cov) by group, the whole call: a tenth of the tokens penalised, chunks of
+// 24 rows (two passes), with and without the rollout weights; fp32 must be decidable, bf16 is
+// skipped where it is not.
+TEST_F(CudaTest, PolicyKlCovMatchesReference) {
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const bool is_ratio : {false, true}) {
+      const RowCase& rc = kCases[3];  // policy_dapo, a bias: its loss type replaced below
+      SequenceProblem sp = MakeSequenceProblem({3, false, is_ratio}, kShapes[2], dtype, 29);
+      LossProblem& p = sp.rp.p;
+      p.policy.loss_type = PolicyLossType::kKlCov;
+      p.policy.kl_cov_ratio = 0.1;
+      p.policy.ppo_kl_coef = 0.5f;
+      p.options.chunk_rows = 24;
+      const Expected e = ExpectOf(sp.rp, ToleranceFor(dtype, dtype));
+      if (!KlCovChoiceIsStable(p, e)) {
+        ASSERT_NE(dtype, DType::kF32) << "kl_cov's choice undecidable in fp32";
+        std::printf("  kl_cov %s: the choice is undecidable, skipped\n",
+                    std::string(DTypeName(dtype)).c_str());
+        continue;
+      }
+      RowOutputs out(p, dtype, false);
+      LossStats stats;
+      const absl::Status st = ValidateThenCompute(*backend_, p, out.outputs(rc.kind), &stats);
+      ASSERT_TRUE(st.ok()) << "kl_cov: " << st;
+      EXPECT_EQ(stats.chunk_rows, 24);
+      std::printf("  medium kl_cov %s%s:\n", std::string(DTypeName(dtype)).c_str(),
+                  is_ratio ? " is_ratio" : "");
+      ExpectMatches(p, e, out, false);
+      EXPECT_GT(e.clip_fraction, 0.0);  // the penalised share
+    }
+  }
+}
+
 // No gradient wanted: the forward pass alone gives the loss, logp and metrics.
 TEST_F(CudaTest, PolicySequenceWithoutGradientsMatchesReference) {
   const SequenceCase& sc = kSequenceCases[7];
@@ -266,12 +323,13 @@ TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   EXPECT_EQ((*served)->Info().loss_kinds & menu, 0u) << "verl's menu announced before ABI 6.3";
   EXPECT_NE((*served)->Info().loss_kinds & LossKindBit(LossKind::kPolicy), 0u);
   EXPECT_NE(backend_->Info().loss_kinds & kPolicyGeoMeanBit, 0u) << "geo_mean not announced";
+  EXPECT_NE(backend_->Info().loss_kinds & kPolicyKlCovBit, 0u) << "kl_cov not announced";
   o.plugin_abi_minor = 3;
   served = CudaBackend::Create(o);
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_EQ((*served)->Info().loss_kinds & menu, menu) << "verl's menu not announced at ABI 6.3";
-  EXPECT_EQ((*served)->Info().loss_kinds & kPolicyGeoMeanBit, 0u)
-      << "geo_mean announced before ABI 6.4";
+  EXPECT_EQ((*served)->Info().loss_kinds & (kPolicyGeoMeanBit | kPolicyKlCovBit), 0u)
+      << "geo_mean or kl_cov announced before ABI 6.4";
 }
 
 }  // namespace

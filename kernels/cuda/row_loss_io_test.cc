@@ -124,6 +124,8 @@ LossProblem PolicyProblemOf(const Head& head, const PolicyProblem& pp) {
   q.entropy_coeff = o.entropy_coeff;
   q.aggregation = o.aggregation;
   q.loss_scale_factor = o.loss_scale_factor;
+  q.kl_cov_ratio = o.kl_cov_ratio;
+  q.ppo_kl_coef = o.ppo_kl_coef;
   return p;
 }
 
@@ -477,11 +479,11 @@ TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
   EXPECT_EQ(checked, 2 * 5 + 2 * 4);  // token: every config; sequence: the clipped four
 }
 
-// geo_mean (verl's GMPO) through the host code a CUDA Compute runs by sequence: the loss, kl
-// and clip fraction from the rows' logp and entropy, and every row's logp coefficient (what
-// the gradient pass runs with), against the reference; with the KL term, the entropy bonus,
-// an aggregation and the rollout weights.
-TEST(RowLossIoTest, PolicyGeoMeanMatchesTheReference) {
+// geo_mean (verl's GMPO) and kl_cov (verl's KL-Cov) through the host code a CUDA Compute runs
+// by group: the loss, kl and clip fraction from the rows' logp and entropy, and every row's logp
+// coefficient (what the gradient pass runs with), against the reference; with the KL term, the
+// entropy bonus, an aggregation and the rollout weights.
+TEST(RowLossIoTest, PolicyGeoMeanAndKlCovMatchTheReference) {
   const Head head(9);
   LogprobProblem lp;
   lp.head = head.inputs();
@@ -498,14 +500,21 @@ TEST(RowLossIoTest, PolicyGeoMeanMatchesTheReference) {
     rho[i] = static_cast<float>(1.1 + 0.9 * uni(rng));
   }
   const struct {
+    PolicyLossType type;
     KlEstimator kl;
     float beta, entropy;
     PolicyAggregation agg;
     bool is_ratio;
   } configs[] = {
-      {KlEstimator::kK3, 0.2f, 0.0f, PolicyAggregation::kLossType, false},
-      {KlEstimator::kLowVarKl, 0.1f, 0.05f, PolicyAggregation::kTokenMean, true},
-      {KlEstimator::kK2, 0.0f, 0.0f, PolicyAggregation::kSeqMeanTokenMean, true},
+      {PolicyLossType::kGeoMean, KlEstimator::kK3, 0.2f, 0.0f, PolicyAggregation::kLossType,
+       false},
+      {PolicyLossType::kGeoMean, KlEstimator::kLowVarKl, 0.1f, 0.05f,
+       PolicyAggregation::kTokenMean, true},
+      {PolicyLossType::kGeoMean, KlEstimator::kK2, 0.0f, 0.0f,
+       PolicyAggregation::kSeqMeanTokenMean, true},
+      {PolicyLossType::kKlCov, KlEstimator::kK3, 0.2f, 0.0f, PolicyAggregation::kLossType, false},
+      {PolicyLossType::kKlCov, KlEstimator::kK1, 0.1f, 0.05f, PolicyAggregation::kSeqMeanTokenSum,
+       true},
   };
   for (const auto& config : configs) {
     PolicyProblem pp;
@@ -520,8 +529,10 @@ TEST(RowLossIoTest, PolicyGeoMeanMatchesTheReference) {
     pp.ref_logp = ref_logp.data();
     pp.is_ratio = config.is_ratio ? rho.data() : nullptr;
     PolicyOptions& o = pp.options;
-    o.loss_type = PolicyLossType::kGeoMean;
+    o.loss_type = config.type;
     o.epsilon_high = 0.28f;
+    o.kl_cov_ratio = 0.2;
+    o.ppo_kl_coef = 0.6f;
     o.beta = config.beta;
     o.kl_estimator = config.kl;
     o.entropy_coeff = config.entropy;
@@ -531,7 +542,8 @@ TEST(RowLossIoTest, PolicyGeoMeanMatchesTheReference) {
     const absl::Status st = PolicyReference(pp, &ref);
     ASSERT_TRUE(st.ok()) << st;
     const LossProblem p = PolicyProblemOf(head, pp);
-    SCOPED_TRACE(testing::Message() << KlEstimatorName(o.kl_estimator) << " beta " << o.beta
+    SCOPED_TRACE(testing::Message() << PolicyLossTypeName(o.loss_type) << " "
+                                    << KlEstimatorName(o.kl_estimator) << " beta " << o.beta
                                     << " entropy " << o.entropy_coeff << " "
                                     << PolicyAggregationName(o.aggregation) << " is_ratio "
                                     << config.is_ratio);

@@ -204,12 +204,14 @@ inline std::vector<double> PolicyWeights(const PolicyProblem& pp, const std::vec
     }
     const PolicyLossType t = o.loss_type;
     w[i] = 1.0 / n;  // bnpo
-    if (t == PolicyLossType::kGrpo || t == PolicyLossType::kSapo) {
+    if (t == PolicyLossType::kGrpo || t == PolicyLossType::kSapo ||
+        t == PolicyLossType::kGeoMean) {
       w[i] = 1.0 / (b * std::max(1.0, per_seq[i / seq]));
     }
     if (t == PolicyLossType::kLuspo) w[i] = per_seq[i / seq] / static_cast<double>(bt);
     if (t == PolicyLossType::kDrGrpo) w[i] = 1.0 / (b * o.max_completion_length);
-    if (t == PolicyLossType::kDapo || t == PolicyLossType::kCispo || t == PolicyLossType::kGpg) {
+    if (t == PolicyLossType::kDapo || t == PolicyLossType::kCispo || t == PolicyLossType::kGpg ||
+        t == PolicyLossType::kKlCov) {
       w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer : n);
     }
   }
@@ -365,6 +367,8 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   o.entropy_coeff = p.policy.entropy_coeff;
   o.aggregation = p.policy.aggregation;
   o.loss_scale_factor = p.policy.loss_scale_factor;
+  o.kl_cov_ratio = p.policy.kl_cov_ratio;
+  o.ppo_kl_coef = p.policy.ppo_kl_coef;
   PolicyReferenceOutputs ref;
   EXPECT_TRUE(PolicyReference(pp, &ref).ok());
   Expected e;
@@ -407,6 +411,8 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
       slope = 0.0;
     } else if (o.loss_type == PolicyLossType::kGeoMean) {  // its sequences': GeoMeanErrors
       slope = 0.0;
+    } else if (o.loss_type == PolicyLossType::kKlCov) {  // -A r unclipped (+ c sign(d))
+      slope = rho * std::fabs(a) * r;
     } else {
       const bool clipped = (r < lo && a < 0) || (r > hi && a > 0);
       const bool capped = o.delta != 0.0f && r >= o.delta && a < 0;
