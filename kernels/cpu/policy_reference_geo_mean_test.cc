@@ -76,12 +76,6 @@ INSTANTIATE_TEST_SUITE_P(
                                          PolicyAggregation::kTokenMean)),
     GeoName);
 
-PolicyReferenceOutputs RunReference(const PolicyProblem& p) {
-  PolicyReferenceOutputs r;
-  EXPECT_TRUE(PolicyReference(p, &r).ok());
-  return r;
-}
-
 // With bounds no log-ratio reaches, R_b is GSPO's sequence ratio exp(mean(logp - old)), and the
 // loss the mean over the sequences of -mean(A)_b R_b.
 TEST(PolicyGeoMeanReferenceTest, UnclippedRatioIsTheSequencesGeometricMean) {
@@ -97,7 +91,7 @@ TEST(PolicyGeoMeanReferenceTest, UnclippedRatioIsTheSequencesGeometricMean) {
   gspo.options.loss_type = PolicyLossType::kGrpo;
   gspo.options.importance_sampling = ImportanceSampling::kSequence;
   p.options.loss_type = PolicyLossType::kGeoMean;
-  const PolicyReferenceOutputs geo = RunReference(p), seq = RunReference(gspo);
+  const PolicyReferenceOutputs geo = RunPolicyReference(p), seq = RunPolicyReference(gspo);
   double want = 0;
   for (int64_t b = 0; b < 2; ++b) {
     double a = 0, n = 0;
@@ -123,7 +117,7 @@ TEST(PolicyGeoMeanReferenceTest, WithoutOldLogprobsTheLossIsMinusTheMeanAdvantag
   p.options.loss_type = PolicyLossType::kGeoMean;
   p.options.beta = 0.0f;
   p.old_logp = nullptr;
-  const PolicyReferenceOutputs r = RunReference(p);
+  const PolicyReferenceOutputs r = RunPolicyReference(p);
   double want = 0;
   double mean[2] = {0, 0};
   for (int64_t i = 0; i < in.bt; ++i) mean[i / 4] += in.advantages[i] / 4.0;
@@ -154,7 +148,7 @@ TEST(PolicyGeoMeanReferenceTest, ClippedRowsPassNoGradientAndAreCounted) {
     in.old_logp[i] = static_cast<float>(logp[i] - d[i]);
     in.advantages[i] = a[i];
   }
-  const PolicyReferenceOutputs r = RunReference(p);
+  const PolicyReferenceOutputs r = RunPolicyReference(p);
   EXPECT_NEAR(r.clip_fraction, 0.5, 1e-15);
   EXPECT_EQ(r.dl_dlogp[0], 0.0);
   EXPECT_EQ(r.dl_dlogp[2], 0.0);

@@ -68,12 +68,6 @@ INSTANTIATE_TEST_SUITE_P(Options, PolicyKlCovFiniteDifferenceTest,
                                                               PolicyAggregation::kSeqMeanTokenMean)),
                          KlCovName);
 
-PolicyReferenceOutputs RunReference(const PolicyProblem& p) {
-  PolicyReferenceOutputs r;
-  EXPECT_TRUE(PolicyReference(p, &r).ok());
-  return r;
-}
-
 // The penalised rows are the k with the largest (A - mean A)(logp - mean logp), k = max(1,
 // floor(N ratio)); the loss is dapo's mean of -A r plus c |d| on them.
 TEST(PolicyKlCovReferenceTest, PenalisesTheLargestCovariances) {
@@ -86,7 +80,7 @@ TEST(PolicyKlCovReferenceTest, PenalisesTheLargestCovariances) {
   p.options.ppo_kl_coef = 2.0f;
   const std::vector<double> logp = in.CurrentLogprobs(p);
   SetOldAndRefLogprobs(logp, 53, true, kNoKl, &in, &p);
-  const PolicyReferenceOutputs r = RunReference(p);
+  const PolicyReferenceOutputs r = RunPolicyReference(p);
   double mean_a = 0, mean_l = 0, n = 0;
   for (int64_t i = 0; i < in.bt; ++i) {
     if (!in.mask[i]) continue;
@@ -114,7 +108,7 @@ TEST(PolicyKlCovReferenceTest, PenalisesTheLargestCovariances) {
   // The smallest ratio still penalises one row.
   PolicyProblem q = p;
   q.options.kl_cov_ratio = 1e-6;
-  EXPECT_NEAR(RunReference(q).clip_fraction, 1.0 / n, 1e-15);
+  EXPECT_NEAR(RunPolicyReference(q).clip_fraction, 1.0 / n, 1e-15);
 }
 
 TEST(PolicyKlCovReferenceTest, RejectsBadOptions) {

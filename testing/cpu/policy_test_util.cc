@@ -70,6 +70,13 @@ void ExpectNearAll(const std::vector<double>& a, const std::vector<double>& b, d
   EXPECT_LE(worst, tol * norm) << what;
 }
 
+PolicyReferenceOutputs RunPolicyReference(const PolicyProblem& p) {
+  PolicyReferenceOutputs r;
+  const absl::Status st = PolicyReference(p, &r);
+  EXPECT_TRUE(st.ok()) << st;
+  return r;
+}
+
 void ExpectRefused(const PolicyProblem& p, const std::string& substring) {
   PolicyReferenceOutputs r;
   const absl::Status st = PolicyReference(p, &r);

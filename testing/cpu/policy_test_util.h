@@ -128,6 +128,9 @@ void ExpectNearAll(const std::vector<double>& a, const std::vector<double>& b, d
 // EXPECTs the reference to refuse `p` with INVALID_ARGUMENT, its message holding `substring`.
 void ExpectRefused(const PolicyProblem& p, const std::string& substring);
 
+// The reference's outputs of `p`, EXPECTing it accepted.
+PolicyReferenceOutputs RunPolicyReference(const PolicyProblem& p);
+
 }  // namespace lossd
 
 #endif  // LOSSD_TESTING_CPU_POLICY_TEST_UTIL_H_
