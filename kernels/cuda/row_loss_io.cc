@@ -231,7 +231,10 @@ absl::Status UploadRowLossInputs(CallBuffers& m, const LossProblem& p,
     int64_t tokens = 0;
     c1 = PolicyRowWeights(p, targets32, &tokens);
     for (double& w : c1) w *= gs;
-    if (p.policy.entropy_coeff != 0.0f) c2 = EntropyCoefficients(p, targets32);
+    // The entropy bonus's e_i = -entropy_coeff grad_scale w_i (EntropyCoefficients'), from the
+    // weights already here.
+    const double ec = p.policy.entropy_coeff;
+    for (int64_t i = 0; ec != 0 && i < bt; ++i) c2[i] = -ec * c1[i];
   } else {
     for (int64_t i = 0; i < bt; ++i) {
       if (targets32[i] < 0) continue;

@@ -44,7 +44,9 @@ TEST_P(RowLossMatrixTest, MatchesReference) {
     GTEST_SKIP() << "this build's validation refuses distill without targets: " << st;
   }
   ASSERT_TRUE(st.ok()) << st;
-  if (c.chunk_rows > 0) EXPECT_EQ(stats.chunk_rows, std::min(c.chunk_rows, shape.bt));
+  if (c.chunk_rows > 0) {
+    EXPECT_EQ(stats.chunk_rows, std::min(c.chunk_rows, shape.bt));
+  }
   std::printf("  %s %s %s:\n", shape.name, c.name, std::string(DTypeName(dtype)).c_str());
   ExpectMatches(p, e, out, c.accumulate);
 }
