@@ -370,6 +370,46 @@ TEST(RowLossIoTest, PolicySequenceLevelAndIsRatioMatchTheReference) {
   EXPECT_GT(clipped_cases, 40) << "few cases clip a row: the clip branches are weakly covered";
 }
 
+// A policy problem's per-row inputs over `head`: the current log-probs (the logprob
+// reference's), advantages in (-1, 1), old log-probs within `spread` of the current ones,
+// reference ones within 0.5, rollout weights in (0.2, 2), and the counted rows' mask.
+struct PolicyRows {
+  LogprobReferenceOutputs lref;
+  std::vector<float> adv, old_logp, ref_logp, rho;
+  std::vector<uint8_t> mask;
+
+  PolicyRows(const Head& head, uint64_t seed, double spread) {
+    LogprobProblem lp;
+    lp.head = head.inputs();
+    lp.targets = head.targets.data();
+    EXPECT_TRUE(LogprobReference(lp, &lref).ok());
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<double> uni(-1.0, 1.0);
+    for (int64_t i = 0; i < kBt; ++i) {
+      adv.push_back(static_cast<float>(uni(rng)));
+      old_logp.push_back(static_cast<float>(lref.logp[i] - spread * uni(rng)));
+      ref_logp.push_back(static_cast<float>(lref.logp[i] + 0.5 * uni(rng)));
+      rho.push_back(static_cast<float>(1.1 + 0.9 * uni(rng)));
+      mask.push_back(head.targets[i] != -100);
+    }
+  }
+
+  // A problem of `batch` sequences over these rows (with the rollout weights if `with_rho`);
+  // its options the reference's defaults.
+  PolicyProblem Problem(const Head& head, int64_t batch, bool with_rho) const {
+    PolicyProblem pp;
+    pp.head = head.inputs();
+    pp.batch = batch;
+    pp.targets = head.targets.data();
+    pp.mask = mask.data();
+    pp.advantages = adv.data();
+    pp.old_logp = old_logp.data();
+    pp.ref_logp = ref_logp.data();
+    pp.is_ratio = with_rho ? rho.data() : nullptr;
+    return pp;
+  }
+};
+
 // verl's menu (the KL estimators and straight-through, the entropy bonus, the aggregation
 // modes, gpg) at token level and, for the clipped types, at sequence level: the loss and the
 // kl metric from the rows' logp and entropy; every row's entropy coefficient
@@ -377,19 +417,8 @@ TEST(RowLossIoTest, PolicySequenceLevelAndIsRatioMatchTheReference) {
 // gradient pass runs with), each against the reference.
 TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
   const Head head(8);
-  LogprobProblem lp;
-  lp.head = head.inputs();
-  lp.targets = head.targets.data();
-  LogprobReferenceOutputs lref;
-  ASSERT_TRUE(LogprobReference(lp, &lref).ok());
-  std::mt19937_64 rng(11);
-  std::uniform_real_distribution<double> uni(-1.0, 1.0);
-  std::vector<float> adv(kBt), old_logp(kBt), ref_logp(kBt);
-  for (int64_t i = 0; i < kBt; ++i) {
-    adv[i] = static_cast<float>(uni(rng));
-    old_logp[i] = static_cast<float>(lref.logp[i] - 0.4 * uni(rng));
-    ref_logp[i] = static_cast<float>(lref.logp[i] + 0.5 * uni(rng));
-  }
+  const PolicyRows rows(head, 11, 0.4);
+  const LogprobReferenceOutputs& lref = rows.lref;
   const struct {
     PolicyLossType type;
     KlEstimator kl;
@@ -410,16 +439,7 @@ TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
     for (const auto& config : configs) {
       if (sequence && !PolicyLossTypeClips(config.type)) continue;  // refused
       for (const bool bias_correction : {false, true}) {
-        PolicyProblem pp;
-        pp.head = head.inputs();
-        pp.batch = kSeqs;
-        pp.targets = head.targets.data();
-        std::vector<uint8_t> mask(kBt);
-        for (int64_t i = 0; i < kBt; ++i) mask[i] = head.targets[i] != -100;
-        pp.mask = mask.data();
-        pp.advantages = adv.data();
-        pp.old_logp = old_logp.data();
-        pp.ref_logp = ref_logp.data();
+        PolicyProblem pp = rows.Problem(head, kSeqs, false);
         PolicyOptions& o = pp.options;
         o.loss_type = config.type;
         o.beta = 0.2f;
@@ -485,20 +505,8 @@ TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
 // entropy bonus, an aggregation and the rollout weights.
 TEST(RowLossIoTest, PolicyGeoMeanAndKlCovMatchTheReference) {
   const Head head(9);
-  LogprobProblem lp;
-  lp.head = head.inputs();
-  lp.targets = head.targets.data();
-  LogprobReferenceOutputs lref;
-  ASSERT_TRUE(LogprobReference(lp, &lref).ok());
-  std::mt19937_64 rng(13);
-  std::uniform_real_distribution<double> uni(-1.0, 1.0);
-  std::vector<float> adv(kBt), old_logp(kBt), ref_logp(kBt), rho(kBt);
-  for (int64_t i = 0; i < kBt; ++i) {
-    adv[i] = static_cast<float>(uni(rng));
-    old_logp[i] = static_cast<float>(lref.logp[i] - 0.5 * uni(rng));  // both bounds passed
-    ref_logp[i] = static_cast<float>(lref.logp[i] + 0.5 * uni(rng));
-    rho[i] = static_cast<float>(1.1 + 0.9 * uni(rng));
-  }
+  const PolicyRows rows(head, 13, 0.5);  // log-ratios past both clip bounds
+  const LogprobReferenceOutputs& lref = rows.lref;
   const struct {
     PolicyLossType type;
     KlEstimator kl;
@@ -517,17 +525,7 @@ TEST(RowLossIoTest, PolicyGeoMeanAndKlCovMatchTheReference) {
        true},
   };
   for (const auto& config : configs) {
-    PolicyProblem pp;
-    pp.head = head.inputs();
-    pp.batch = 3;
-    pp.targets = head.targets.data();
-    std::vector<uint8_t> mask(kBt);
-    for (int64_t i = 0; i < kBt; ++i) mask[i] = head.targets[i] != -100;
-    pp.mask = mask.data();
-    pp.advantages = adv.data();
-    pp.old_logp = old_logp.data();
-    pp.ref_logp = ref_logp.data();
-    pp.is_ratio = config.is_ratio ? rho.data() : nullptr;
+    PolicyProblem pp = rows.Problem(head, 3, config.is_ratio);
     PolicyOptions& o = pp.options;
     o.loss_type = config.type;
     o.epsilon_high = 0.28f;
