@@ -198,15 +198,18 @@ void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const doub
   // The sequence's sums: log-ratios (geo_mean's clipped), advantages, log rho.
   double sum = 0, sum_a = 0, sum_log_rho = 0;
   int64_t n = 0;
+  // geo_mean: each row's slope g_i of its clipped log-ratio, and whether the clip held.
+  std::vector<double> slope(geo ? s : 0, 0.0);
+  std::vector<uint8_t> clipped(geo ? s : 0, 0);
   for (int64_t k = 0; k < s; ++k) {
     const int64_t i = b0 + k;
     rows[k] = PolicySequenceRow();
     if (!counted[i]) continue;
     const double d = p.old_logp != nullptr ? logp[i] - static_cast<double>(p.old_logp[i]) : 0.0;
     if (geo) {
-      double slope = 0;
-      sum += policy_math::GeoMeanLogRatio(o, d, p.advantages[i], &rows[k].terms.clipped, &slope);
-      rows[k].coef = slope;  // for now: g_i
+      bool clip = false;
+      sum += policy_math::GeoMeanLogRatio(o, d, p.advantages[i], &clip, &slope[k]);
+      clipped[k] = clip ? 1 : 0;
       sum_a += p.advantages[i];
       if (p.is_ratio != nullptr) sum_log_rho += std::log(static_cast<double>(p.is_ratio[i]) + 1e-10);
     } else {
@@ -230,13 +233,11 @@ void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const doub
     const double ref = has_ref ? static_cast<double>(p.ref_logp[i]) : 0.0;
     r.ratio = ratio;
     if (geo) {  // its KL and entropy terms per token; its policy term the sequence's
-      const bool clipped = r.terms.clipped;
-      const double g = r.coef;
       r.terms = policy_math::Terms(o, logp[i], h, ratio, p.advantages[i], 1.0, has_ref, ref,
                                    false);
-      r.terms.clipped = clipped;
+      r.terms.clipped = clipped[k] != 0;
       r.loss = weight[i] * r.terms.loss + pg_b / nb;
-      r.coef = weight[i] * r.terms.dlogp + pg_b * g / nb;
+      r.coef = weight[i] * r.terms.dlogp + pg_b * slope[k] / nb;
       continue;
     }
     r.terms = policy_math::Terms(o, logp[i], h, ratio, p.advantages[i],
