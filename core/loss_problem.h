@@ -77,14 +77,15 @@ inline constexpr uint32_t kDistillTopkBit = 1u << 21;
 // verl's menu (PolicyParams below): kPolicyKlEstimatorBit, a kl_estimator other than kK3 or
 // kl_straight_through; kPolicyEntropyBit, entropy_coeff != 0; kPolicyAggregationBit, an
 // aggregation other than kLossType; kPolicyGpgBit, loss type gpg; kPolicyGeoMeanBit, loss type
-// geo_mean; kPolicyKlCovBit, loss type kl_cov. Bits 24 and up, apart from the 16-23 other
-// kinds' options take.
+// geo_mean; kPolicyKlCovBit, loss type kl_cov; kPolicyVespoBit, loss type vespo. Bits 24 and
+// up, apart from the 16-23 other kinds' options take.
 inline constexpr uint32_t kPolicyKlEstimatorBit = 1u << 24;
 inline constexpr uint32_t kPolicyEntropyBit = 1u << 25;
 inline constexpr uint32_t kPolicyAggregationBit = 1u << 26;
 inline constexpr uint32_t kPolicyGpgBit = 1u << 27;
 inline constexpr uint32_t kPolicyGeoMeanBit = 1u << 28;
 inline constexpr uint32_t kPolicyKlCovBit = 1u << 29;
+inline constexpr uint32_t kPolicyVespoBit = 1u << 30;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
@@ -101,9 +102,9 @@ inline const char* LossKindName(LossKind k) {
 // clipped to [-epsilon_low, epsilon_high] on the side its advantage's sign picks, each
 // sequence's geometric mean R_b = exp(mean of those), the loss the mean over the B sequences
 // of -mean(A)_b R_b; kl_cov is verl's KL-Cov: -A r, plus ppo_kl_coef |logp - old| on the
-// kl_cov_ratio share of the call's tokens with the largest covariance of A and logp;
-// kernels/cpu/policy_reference.h has the formulas). Liger's vespo is not one: its weight needs
-// every token of a sequence before any gradient.
+// kl_cov_ratio share of the call's tokens with the largest covariance of A and logp; vespo is
+// Liger's and TRL's: -phi A logp with phi a detached gamma weight of the sequence's summed
+// log-ratio, dapo's normalisation; kernels/cpu/policy_reference.h has the formulas).
 enum class PolicyLossType : int32_t {
   kDapo = 0,
   kGrpo = 1,
@@ -115,10 +116,11 @@ enum class PolicyLossType : int32_t {
   kGpg = 7,
   kGeoMean = 8,
   kKlCov = 9,
+  kVespo = 10,
 };
-inline constexpr int kPolicyLossTypes = 10;
-// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg", "geo_mean", "kl_cov";
-// "unknown" for a value out of range.
+inline constexpr int kPolicyLossTypes = 11;
+// "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg", "geo_mean", "kl_cov",
+// "vespo"; "unknown" for a value out of range.
 inline const char* PolicyLossTypeName(PolicyLossType t) {
   switch (t) {
     case PolicyLossType::kDapo: return "dapo";
@@ -131,16 +133,17 @@ inline const char* PolicyLossTypeName(PolicyLossType t) {
     case PolicyLossType::kGpg: return "gpg";
     case PolicyLossType::kGeoMean: return "geo_mean";
     case PolicyLossType::kKlCov: return "kl_cov";
+    case PolicyLossType::kVespo: return "vespo";
   }
   return "unknown";
 }
 // Whether a loss type takes the clipped surrogate -min(r A, clamp(r) A) (and so delta):
-// every type but cispo, sapo, gpg, geo_mean (which clips each token's log-ratio instead) and
-// kl_cov (which penalises instead of clipping).
+// every type but cispo, sapo, gpg, geo_mean (which clips each token's log-ratio instead),
+// kl_cov (which penalises instead of clipping) and vespo (which weights instead).
 inline bool PolicyLossTypeClips(PolicyLossType t) {
   return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo &&
          t != PolicyLossType::kGpg && t != PolicyLossType::kGeoMean &&
-         t != PolicyLossType::kKlCov;
+         t != PolicyLossType::kKlCov && t != PolicyLossType::kVespo;
 }
 
 // kPolicy's per-token estimator of KL(pi || ref) in the beta term, with d_i = logp_i - ref_i
@@ -238,14 +241,22 @@ struct PolicyParams {
   // (at least one token), and the penalty's coefficient, finite and >= 0.
   double kl_cov_ratio = 0.0002;
   float ppo_kl_coef = 1.0f;
+  // vespo's gamma weight phi(w) = exp(lambda + k log w - lambda w) (phi(1) = 1), (k, lambda)
+  // by the sign of the row's advantage: (k_pos, lambda_pos) where A >= 0, else the _neg pair
+  // (Liger's and TRL's defaults). k finite; lambda finite and >= 0, used as max(lambda, 1e-4).
+  float vespo_k_pos = 2.0f;
+  float vespo_lambda_pos = 3.0f;
+  float vespo_k_neg = 3.0f;
+  float vespo_lambda_neg = 2.0f;
 };
 
 // Whether a policy Compute needs a group of rows' every log-prob before any of its rows'
-// gradient: each sequence's for sequence-level importance sampling (GSPO) and geo_mean's
-// geometric mean; the whole call's for kl_cov's covariance.
+// gradient: each sequence's for sequence-level importance sampling (GSPO), geo_mean's
+// geometric mean and vespo's weight; the whole call's for kl_cov's covariance.
 inline bool PolicyBySequence(const PolicyParams& p) {
   return p.importance_sampling == ImportanceSampling::kSequence ||
-         p.loss_type == PolicyLossType::kGeoMean || p.loss_type == PolicyLossType::kKlCov;
+         p.loss_type == PolicyLossType::kGeoMean || p.loss_type == PolicyLossType::kKlCov ||
+         p.loss_type == PolicyLossType::kVespo;
 }
 // The rows of such a group: the whole call (bt) for kl_cov, else one sequence's.
 inline int64_t PolicyGroupRows(const PolicyParams& p, int64_t bt) {

@@ -254,6 +254,27 @@ absl::Status CheckGeoMeanKlCovParams(const PolicyParams& p) {
   return absl::OkStatus();
 }
 
+// vespo's gamma shapes and rates (checked with vespo only, as kl_cov's are).
+absl::Status CheckVespoParams(const PolicyParams& p) {
+  const std::pair<const char*, float> shapes[] = {{"vespo_k_pos", p.vespo_k_pos},
+                                                  {"vespo_k_neg", p.vespo_k_neg}};
+  for (const auto& [name, value] : shapes) {
+    if (!std::isfinite(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy.", name, " must be finite, got ", value));
+    }
+  }
+  const std::pair<const char*, float> rates[] = {{"vespo_lambda_pos", p.vespo_lambda_pos},
+                                                 {"vespo_lambda_neg", p.vespo_lambda_neg}};
+  for (const auto& [name, value] : rates) {
+    if (!(value >= 0.0f) || !std::isfinite(value)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.", name, " must be finite and >= 0 (a gamma rate), got ", value));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The options of the loss types beyond dapo, grpo, bnpo and dr_grpo.
 absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
   const std::pair<const char*, float> temperatures[] = {
@@ -272,6 +293,11 @@ absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
   }
   if (p.loss_type == PolicyLossType::kGeoMean || p.loss_type == PolicyLossType::kKlCov) {
     LOSSD_RETURN_IF_ERROR(CheckGeoMeanKlCovParams(p));
+  } else if (p.loss_type == PolicyLossType::kVespo &&
+             p.importance_sampling != ImportanceSampling::kToken) {
+    return absl::InvalidArgumentError(
+        "policy.importance_sampling sequence does not apply to loss type vespo, whose weight is "
+        "its sequence's already (as Liger's)");
   } else if (p.importance_sampling == ImportanceSampling::kSequence &&
              !PolicyLossTypeClips(p.loss_type)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -279,6 +305,7 @@ absl::Status CheckPolicyTypeParams(const PolicyParams& p) {
         "dr_grpo, luspo); loss type ", PolicyLossTypeName(p.loss_type),
         " takes token-level ratios only"));
   }
+  if (p.loss_type == PolicyLossType::kVespo) LOSSD_RETURN_IF_ERROR(CheckVespoParams(p));
   LOSSD_RETURN_IF_ERROR(CheckPolicyVerlParams(p));
   if (p.delta == 0.0f) return absl::OkStatus();
   const double hi = 1.0 + static_cast<double>(p.epsilon_high);
@@ -301,7 +328,7 @@ absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.loss_type ", t,
         " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6, gpg 7, "
-        "geo_mean 8, kl_cov 9)"));
+        "geo_mean 8, kl_cov 9, vespo 10)"));
   }
   const std::pair<const char*, float> ranges[] = {
       {"epsilon_low", p.epsilon_low}, {"epsilon_high", p.epsilon_high}, {"beta", p.beta}};

@@ -341,10 +341,10 @@ TEST(LossProblemCheckTest, EachKindsInputsAreRefusedForTheOthersAndRequiredForIt
 TEST(LossProblemCheckTest, PolicyParamsAreRefusedNamingFieldAndValue) {
   PolicyParams pp;
   EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
-  pp.loss_type = static_cast<PolicyLossType>(11);
+  pp.loss_type = static_cast<PolicyLossType>(12);
   ExpectRefused(CheckPolicyParams(pp, 6),
-                "policy.loss_type 11 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9)");
+                "policy.loss_type 12 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9, vespo 10)");
   pp = PolicyParams();
   pp.epsilon_low = -0.1f;
   ExpectRefused(CheckPolicyParams(pp, 6), "policy.epsilon_low must be finite and >= 0, got -0.1");
@@ -392,10 +392,10 @@ TEST(LossProblemCheckTest, PolicyTypeOptionsAreRefusedNamingFieldAndValue) {
     pp.loss_type = t;
     EXPECT_TRUE(CheckPolicyParams(pp, 6).ok()) << PolicyLossTypeName(t);
   }
-  pp.loss_type = static_cast<PolicyLossType>(10);
+  pp.loss_type = static_cast<PolicyLossType>(11);
   ExpectRefused(CheckPolicyParams(pp, 6),
-                "policy.loss_type 10 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9)");
+                "policy.loss_type 11 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9, vespo 10)");
   pp = PolicyParams();
   pp.sapo_temperature_pos = 0.0f;
   ExpectRefused(CheckPolicyParams(pp, 6),
@@ -523,6 +523,39 @@ TEST(LossProblemCheckTest, GeoMeanRefusesSequenceLevelDeltaAndBiasCorrection) {
   ExpectRefused(CheckPolicyParams(bad, 6),
                 "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, "
                 "dr_grpo, luspo); loss type geo_mean has no clipped surrogate");
+}
+
+// vespo takes the ratio-weighted KL and verl's options (as Liger, which weights the KL by the
+// token ratio); not a sequence level, delta, a non-finite shape or a negative rate.
+TEST(LossProblemCheckTest, VespoRefusesSequenceLevelDeltaAndBadGammaParameters) {
+  PolicyParams pp;
+  pp.loss_type = PolicyLossType::kVespo;
+  pp.use_bias_correction_kl = true;
+  pp.aggregation = PolicyAggregation::kSeqMeanTokenMean;
+  pp.vespo_lambda_neg = 0.0f;  // a rate of 0 is taken (Liger's floor 1e-4 applies)
+  EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
+  PolicyParams bad = pp;
+  bad.importance_sampling = ImportanceSampling::kSequence;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.importance_sampling sequence does not apply to loss type vespo, whose "
+                "weight is its sequence's already (as Liger's)");
+  bad = pp;
+  bad.delta = 3.0f;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.delta caps the ratio of the clipped loss types (dapo, grpo, bnpo, "
+                "dr_grpo, luspo); loss type vespo has no clipped surrogate");
+  bad = pp;
+  bad.vespo_k_neg = INFINITY;
+  ExpectRefused(CheckPolicyParams(bad, 6), "policy.vespo_k_neg must be finite, got inf");
+  bad = pp;
+  bad.vespo_lambda_pos = -0.5f;
+  ExpectRefused(CheckPolicyParams(bad, 6),
+                "policy.vespo_lambda_pos must be finite and >= 0 (a gamma rate), got -0.5");
+  bad = pp;  // checked with vespo only, as kl_cov's options are with kl_cov
+  bad.loss_type = PolicyLossType::kDapo;
+  bad.use_bias_correction_kl = false;
+  bad.vespo_lambda_pos = -0.5f;
+  EXPECT_TRUE(CheckPolicyParams(bad, 6).ok());
 }
 
 TEST(LossProblemCheckTest, DistillParamsAreRefusedNamingFieldAndValue) {

@@ -77,7 +77,8 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
           {kPolicyAggregationBit, "policy_aggregation"},
           {kPolicyGpgBit, "policy_loss_type_gpg"},
           {kPolicyGeoMeanBit, "policy_loss_type_geo_mean"},
-          {kPolicyKlCovBit, "policy_loss_type_kl_cov"}};
+          {kPolicyKlCovBit, "policy_loss_type_kl_cov"},
+          {kPolicyVespoBit, "policy_loss_type_vespo"}};
       for (const auto& [bit, name] : verl) {
         if (kind == LossKind::kPolicy && (loss_kinds & bit) != 0) features.push_back(name);
       }

@@ -297,6 +297,8 @@ absl::Status CheckPolicyOptionsServed(const ComputeSpec& spec, const std::string
        "header.policy.loss_type geo_mean", "policy_loss_type_geo_mean"},
       {kPolicyKlCovBit, p.loss_type == PolicyLossType::kKlCov, "header.policy.loss_type kl_cov",
        "policy_loss_type_kl_cov"},
+      {kPolicyVespoBit, p.loss_type == PolicyLossType::kVespo, "header.policy.loss_type vespo",
+       "policy_loss_type_vespo"},
       {kPolicyKlEstimatorBit,
        p.kl_estimator != KlEstimator::kK3 || p.kl_straight_through,
        absl::StrCat("header.policy.kl_estimator ", KlEstimatorName(p.kl_estimator),

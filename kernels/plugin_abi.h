@@ -48,6 +48,8 @@
  * them says so in loss_kinds' option bits (core/loss_problem.h's kPolicy*Bit). 6.4: the loss
  * types geo_mean and kl_cov (LOSSD_POLICY_GEO_MEAN, _KL_COV, announced by kPolicyGeoMeanBit,
  * kPolicyKlCovBit) and kl_cov's kl_cov_ratio and ppo_kl_coef at the end of LossdProblem.
+ * 6.5: the loss type vespo (LOSSD_POLICY_VESPO, announced by kPolicyVespoBit) and its gamma
+ * shapes and rates at the end of LossdProblem.
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -61,7 +63,7 @@ extern "C" {
 
 /* major.minor packed into 32 bits: (major << 16) | minor. */
 #define LOSSD_PLUGIN_ABI_MAJOR 6u
-#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 4u
+#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 5u
 #ifndef LOSSD_PLUGIN_ABI_MINOR
 #define LOSSD_PLUGIN_ABI_MINOR LOSSD_PLUGIN_ABI_CURRENT_MINOR
 #endif
@@ -117,6 +119,7 @@ extern "C" {
 #define LOSSD_POLICY_GPG 7 /* 6.3 */
 #define LOSSD_POLICY_GEO_MEAN 8 /* 6.4, as the one below */
 #define LOSSD_POLICY_KL_COV 9
+#define LOSSD_POLICY_VESPO 10 /* 6.5 */
 #define LOSSD_IMPORTANCE_SAMPLING_TOKEN 0 /* 6.3, as the values below */
 #define LOSSD_IMPORTANCE_SAMPLING_SEQUENCE 1
 #define LOSSD_KL_K3 0
@@ -244,6 +247,14 @@ typedef struct LossdProblem {
   /* 6.4: the loss type kl_cov's options (read with LOSSD_POLICY_KL_COV only). */
   double kl_cov_ratio; /* (0, 1] */
   float ppo_kl_coef;   /* >= 0 */
+#endif
+#if LOSSD_PLUGIN_ABI_MINOR >= 5
+  /* 6.5: the loss type vespo's gamma weight (read with LOSSD_POLICY_VESPO only): shapes k
+   * (finite) and rates lambda (finite, >= 0), for advantages >= 0 and < 0. */
+  float vespo_k_pos;
+  float vespo_lambda_pos;
+  float vespo_k_neg;
+  float vespo_lambda_neg;
 #endif
 } LossdProblem;
 

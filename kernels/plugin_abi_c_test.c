@@ -17,9 +17,15 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 4u,
-                    "the ABI version is 6.4");
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60004u, "major.minor packed as major << 16");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 5u,
+                    "the ABI version is 6.5");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60005u, "major.minor packed as major << 16");
+  /* 6.5: vespo after kl_cov, its gamma parameters after 6.4's fields. */
+  failures += Check(LOSSD_POLICY_VESPO == LOSSD_POLICY_KL_COV + 1, "vespo follows kl_cov");
+  failures += Check(offsetof(LossdProblem, vespo_k_pos) > offsetof(LossdProblem, ppo_kl_coef)
+                        && offsetof(LossdProblem, vespo_lambda_neg)
+                               > offsetof(LossdProblem, vespo_k_neg),
+                    "6.5's vespo options at the end of LossdProblem");
   /* 6.4: geo_mean and kl_cov after gpg, kl_cov's options at the end of LossdProblem. */
   failures += Check(LOSSD_POLICY_GEO_MEAN == LOSSD_POLICY_GPG + 1
                         && LOSSD_POLICY_KL_COV == LOSSD_POLICY_GEO_MEAN + 1,

@@ -18,7 +18,8 @@ static_assert(LOSSD_POLICY_LUSPO == static_cast<int>(PolicyLossType::kLuspo) &&
                   LOSSD_POLICY_GPG == static_cast<int>(PolicyLossType::kGpg) &&
                   LOSSD_POLICY_GEO_MEAN == static_cast<int>(PolicyLossType::kGeoMean) &&
                   LOSSD_POLICY_KL_COV == static_cast<int>(PolicyLossType::kKlCov) &&
-                  kPolicyLossTypes == LOSSD_POLICY_KL_COV + 1,
+                  LOSSD_POLICY_VESPO == static_cast<int>(PolicyLossType::kVespo) &&
+                  kPolicyLossTypes == LOSSD_POLICY_VESPO + 1,
               "LOSSD_POLICY_* are PolicyLossType's values");
 static_assert(LOSSD_IMPORTANCE_SAMPLING_SEQUENCE ==
                       static_cast<int>(ImportanceSampling::kSequence) &&
@@ -169,6 +170,12 @@ void VisitProblem(P& p, C& c, Move move) {
 #if LOSSD_PLUGIN_ABI_MINOR >= 4
   move(p.policy.kl_cov_ratio, c.kl_cov_ratio);
   move(p.policy.ppo_kl_coef, c.ppo_kl_coef);
+#endif
+#if LOSSD_PLUGIN_ABI_MINOR >= 5
+  move(p.policy.vespo_k_pos, c.vespo_k_pos);
+  move(p.policy.vespo_lambda_pos, c.vespo_lambda_pos);
+  move(p.policy.vespo_k_neg, c.vespo_k_neg);
+  move(p.policy.vespo_lambda_neg, c.vespo_lambda_neg);
 #endif
 }
 

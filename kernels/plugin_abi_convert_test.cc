@@ -136,6 +136,10 @@ LossProblem EveryFieldSet(float* f, int64_t* i) {
   p.distill.weight_soft_loss = 0.625f;
   p.policy.kl_cov_ratio = 0.0625;
   p.policy.ppo_kl_coef = 0.875f;
+  p.policy.vespo_k_pos = 1.25f;  // none of them the default
+  p.policy.vespo_lambda_pos = 2.75f;
+  p.policy.vespo_k_neg = -0.5f;
+  p.policy.vespo_lambda_neg = 0.25f;
   return p;
 }
 
@@ -200,6 +204,11 @@ TEST(PluginAbiConvertTest, ProblemRoundTrips) {
   EXPECT_EQ(c.kl_cov_ratio, 0.0625);
   EXPECT_EQ(r.policy.kl_cov_ratio, 0.0625);
   EXPECT_EQ(r.policy.ppo_kl_coef, 0.875f);
+  EXPECT_EQ(c.vespo_lambda_pos, 2.75f);
+  EXPECT_EQ(r.policy.vespo_k_pos, 1.25f);
+  EXPECT_EQ(r.policy.vespo_lambda_pos, 2.75f);
+  EXPECT_EQ(r.policy.vespo_k_neg, -0.5f);
+  EXPECT_EQ(r.policy.vespo_lambda_neg, 0.25f);
   EXPECT_EQ(r.policy.sapo_temperature_pos, 1.5f);
   EXPECT_EQ(r.policy.sapo_temperature_neg, 0.75f);
   EXPECT_EQ(r.policy.delta, 1.75f);

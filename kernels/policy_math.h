@@ -24,7 +24,8 @@ namespace policy_math {
 
 // lossd::PolicyLossType's values.
 inline constexpr int32_t kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3, kCispo = 4, kSapo = 5,
-                         kLuspo = 6, kGpg = 7, kGeoMean = 8, kKlCov = 9;
+                         kLuspo = 6, kGpg = 7, kGeoMean = 8, kKlCov = 9,
+                         kVespo = 10;
 // lossd::KlEstimator's values.
 inline constexpr int32_t kK3 = 0, kK1 = 1, kK2 = 2, kAbs = 3, kLowVarKl = 4;
 
@@ -60,7 +61,9 @@ struct RowTerms {
 LOSSD_POLICY_FN double Surrogate(const RowOptions& o, double r, double a, double logp,
                                  bool* clipped, double* dlogp) {
   *clipped = false;
-  if (o.loss_type == kGeoMean) {  // no per-token surrogate: its sequence's term (GeoMeanLogRatio)
+  if (o.loss_type == kGeoMean || o.loss_type == kVespo) {
+    // No surrogate of r: geo_mean's is its sequence's (GeoMeanLogRatio), vespo's its
+    // sequence's weight times logp (VespoWeight).
     *dlogp = 0;
     return 0;
   }
@@ -110,6 +113,18 @@ LOSSD_POLICY_FN double GeoMeanLogRatio(const RowOptions& o, double d, double a, 
   *clipped = s * d > s * c;
   *slope = (s == 0.0 || *clipped) ? 0.0 : 1.0;
   return s * fmin(s * d, s * c);
+}
+
+// vespo's gamma weight of a sequence from u, its summed log-ratio (each counted token's
+// clamped to [-20, 20]) plus its summed log rollout correction (each row's clamped to
+// [log 1e-8, 20]): log w = clamp(u, log 1e-8, 20), phi = exp(lambda + k log w - lambda w) with
+// lambda at least 1e-4, 0 where that is not finite (Liger's nan_to_num). phi(1) = 1. It is a
+// constant of the gradient: the row's policy term is -phi A logp.
+LOSSD_POLICY_FN double VespoWeight(double u, double k, double lambda) {
+  const double log_w = fmin(fmax(u, log(1e-8)), 20.0);
+  const double l = fmax(lambda, 1e-4);
+  const double phi = exp(l + k * log_w - l * exp(log_w));
+  return phi < HUGE_VAL ? phi : 0.0;  // phi >= 0: false for inf and NaN alike
 }
 
 // The KL estimator at d = logp - ref and the gradient its term passes to logp (k2's, d, when

@@ -57,7 +57,8 @@ static_assert(pm::kDapo == static_cast<int32_t>(PolicyLossType::kDapo) &&
               pm::kGpg == static_cast<int32_t>(PolicyLossType::kGpg) &&
               pm::kGeoMean == static_cast<int32_t>(PolicyLossType::kGeoMean) &&
               pm::kKlCov == static_cast<int32_t>(PolicyLossType::kKlCov) &&
-              kPolicyLossTypes == 10);
+              pm::kVespo == static_cast<int32_t>(PolicyLossType::kVespo) &&
+              kPolicyLossTypes == 11);
 static_assert(pm::kK3 == static_cast<int32_t>(KlEstimator::kK3) &&
               pm::kK1 == static_cast<int32_t>(KlEstimator::kK1) &&
               pm::kK2 == static_cast<int32_t>(KlEstimator::kK2) &&
@@ -115,6 +116,7 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
       case PolicyLossType::kCispo:
       case PolicyLossType::kGpg:
       case PolicyLossType::kKlCov:
+      case PolicyLossType::kVespo:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(tokens));
         break;
@@ -180,6 +182,47 @@ void KlCovRows(const LossProblem& p, const uint8_t* counted, const double* weigh
   }
 }
 
+// vespo over one sequence [b0, b0 + S): u the sum of its counted rows' log-ratios (each
+// clamped to [-20, 20]) and, with is_ratio, of every row's log rho (clamped to [log 1e-8, 20],
+// counted or not, as Liger sums its vllm_is_ratio unmasked); each counted row's policy term
+// -phi A logp with phi = VespoWeight(u) at its advantage's (k, lambda), a constant of the
+// gradient; its KL and entropy terms at its own ratio.
+void VespoRows(const LossProblem& p, const uint8_t* counted, const double* weight,
+               const double* logp, const double* entropy, int64_t b0, PolicySequenceRow* rows) {
+  const PolicyParams& po = p.policy;
+  const policy_math::RowOptions o = PolicyRowOptionsOf(po);
+  const int64_t s = p.bt / po.sequences;
+  auto log_ratio = [&](int64_t i) {
+    return p.old_logp != nullptr ? logp[i] - static_cast<double>(p.old_logp[i]) : 0.0;
+  };
+  double u = 0;
+  for (int64_t k = 0; k < s; ++k) {
+    const int64_t i = b0 + k;
+    rows[k] = PolicySequenceRow();
+    if (p.is_ratio != nullptr) {
+      u += std::clamp(std::log(static_cast<double>(p.is_ratio[i])), std::log(1e-8), 20.0);
+    }
+    if (counted[i]) u += std::clamp(log_ratio(i), -20.0, 20.0);
+  }
+  const bool has_ref = p.ref_logp != nullptr;
+  for (int64_t k = 0; k < s; ++k) {
+    const int64_t i = b0 + k;
+    if (!counted[i]) continue;
+    PolicySequenceRow& r = rows[k];
+    const double a = p.advantages[i];
+    const double phi = a >= 0 ? policy_math::VespoWeight(u, po.vespo_k_pos, po.vespo_lambda_pos)
+                              : policy_math::VespoWeight(u, po.vespo_k_neg, po.vespo_lambda_neg);
+    r.ratio = std::exp(log_ratio(i));
+    r.terms = policy_math::Terms(o, logp[i], po.entropy_coeff != 0.0f ? entropy[i] : 0.0,
+                                 r.ratio, a, 1.0, has_ref,
+                                 has_ref ? static_cast<double>(p.ref_logp[i]) : 0.0, false);
+    r.terms.loss -= phi * a * logp[i];
+    r.terms.dlogp -= phi * a;
+    r.loss = weight[i] * r.terms.loss;
+    r.coef = weight[i] * r.terms.dlogp;
+  }
+}
+
 }  // namespace
 
 void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const double* weight,
@@ -188,6 +231,10 @@ void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const doub
   const PolicyParams& po = p.policy;
   if (po.loss_type == PolicyLossType::kKlCov) {
     KlCovRows(p, counted, weight, logp, entropy, rows);
+    return;
+  }
+  if (po.loss_type == PolicyLossType::kVespo) {
+    VespoRows(p, counted, weight, logp, entropy, b0, rows);
     return;
   }
   const policy_math::RowOptions o = PolicyRowOptionsOf(po);

@@ -45,9 +45,11 @@ struct PolicySequenceRow {
 // coefficient w_i f_i + (1 / max(1, n_b)) sum_{j in b} w_j e_j; geo_mean's R_b from the
 // clipped log-ratios, its policy term (1/B) pg_b spread as (1/B) pg_b g_i / n_b, its KL and
 // entropy terms by w_i; kl_cov's group is the whole call (b0 0, PolicyGroupRows): each row
-// at its own ratio, the penalty on the rows of largest covariance. counted, weight
-// (PolicyWeights), logp and entropy (read only with entropy_coeff != 0) are per row of the
-// whole problem; rows gets PolicyGroupRows entries (an uncounted row's left at its defaults).
+// at its own ratio, the penalty on the rows of largest covariance; vespo's rows each at their
+// own ratio, their policy term -phi A logp with phi their sequence's constant gamma weight.
+// counted, weight (PolicyWeights), logp and entropy (read only with entropy_coeff != 0) are
+// per row of the whole problem; rows gets PolicyGroupRows entries (an uncounted row's left at
+// its defaults).
 void PolicySequenceRows(const LossProblem& p, const uint8_t* counted, const double* weight,
                         const double* logp, const double* entropy, int64_t b0,
                         PolicySequenceRow* rows);

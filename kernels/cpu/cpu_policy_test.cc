@@ -20,6 +20,7 @@
 #include "kernels/cpu/policy_reference.h"
 #include "kernels/cpu/reference_head.h"
 #include "testing/cpu/kind_test_util.h"
+#include "testing/cpu/policy_test_util.h"
 #include "testing/test_util.h"
 
 namespace lossd {
@@ -57,6 +58,10 @@ struct Case {
   double loss_scale_factor = 0;
   double kl_cov_ratio = 0.0002;  // kl_cov's
   float ppo_kl_coef = 1.0f;
+  float vespo[4] = {2.0f, 3.0f, 3.0f, 2.0f};  // vespo's k_pos, lambda_pos, k_neg, lambda_neg
+  // The old log-probs' log-ratios times this: vespo sums a sequence's, and at 1 a 64-token
+  // sequence's sum would put its weight at 0 or its floor, where nothing is tested.
+  float log_r_scale = 1.0f;
 };
 
 // The cases of verl's menu: every KL estimator (and straight-through), the entropy bonus, the
@@ -145,6 +150,32 @@ void AddVerlCases(std::vector<Case>* cs) {
   c.entropy = 0.03f;
   c.agg = PolicyAggregation::kSeqMeanTokenMean;
   c.chunk_rows = 9;
+  cs->push_back(c);
+  // vespo: log-ratios a twentieth of the others' (a sequence's sum within a few units of 0);
+  // the rollout correction (summed into the weight, not applied again), the bias-corrected KL
+  // and chunks; without old log-probs phi = 1.
+  c = Case();
+  c.name = "vespo";
+  c.type = PolicyLossType::kVespo;
+  c.log_r_scale = 0.05f;
+  cs->push_back(c);
+  c = Case();
+  c.name = "vespo_is_ratio_bias_corrected_kl_entropy_chunk7";
+  c.type = PolicyLossType::kVespo;
+  c.log_r_scale = 0.05f;
+  c.is_ratio = c.bias_correction = true;
+  c.beta = 0.2f;
+  c.entropy = 0.03f;
+  c.chunk_rows = 7;
+  c.vespo[0] = 1.5f;
+  c.vespo[3] = 2.5f;
+  cs->push_back(c);
+  c = Case();
+  c.name = "vespo_no_old_seq_mean_token_sum_f32";
+  c.type = PolicyLossType::kVespo;
+  c.old_logp = false;
+  c.agg = PolicyAggregation::kSeqMeanTokenSum;
+  c.grad_f32 = true;
   cs->push_back(c);
 }
 
@@ -345,8 +376,8 @@ struct PolicySetup {
         continue;
       }
       const float shift = c.sequence ? seq_shift[(i / seq_len) % 3] : 0.0f;
-      old_logp.push_back(static_cast<float>(cur.logp[i]) - log_r[static_cast<int>(pick[i])] -
-                         jitter[i] - shift);
+      old_logp.push_back(static_cast<float>(cur.logp[i]) -
+                         c.log_r_scale * (log_r[static_cast<int>(pick[i])] + jitter[i]) - shift);
       ref_logp.push_back(static_cast<float>(cur.logp[i]) + ref_d[i]);
     }
     problem.kind = LossKind::kPolicy;
@@ -370,11 +401,14 @@ struct PolicySetup {
     problem.policy.loss_scale_factor = c.loss_scale_factor;
     problem.policy.kl_cov_ratio = c.kl_cov_ratio;
     problem.policy.ppo_kl_coef = c.ppo_kl_coef;
+    problem.policy.vespo_k_pos = c.vespo[0];
+    problem.policy.vespo_lambda_pos = c.vespo[1];
+    problem.policy.vespo_k_neg = c.vespo[2];
+    problem.policy.vespo_lambda_neg = c.vespo[3];
     if (c.is_ratio) {
       is_ratio = RandomFloats(s.bt, 0.2f, 2.0f, seed + 5);
       problem.is_ratio = is_ratio.data();
     }
-    PolicyProblem pp;
     pp.head = head;
     pp.batch = s.sequences;
     pp.targets = problem.targets;
@@ -405,6 +439,10 @@ struct PolicySetup {
                   c.loss_scale_factor};
     pp.options.kl_cov_ratio = c.kl_cov_ratio;
     pp.options.ppo_kl_coef = c.ppo_kl_coef;
+    pp.options.vespo_k_pos = c.vespo[0];
+    pp.options.vespo_lambda_pos = c.vespo[1];
+    pp.options.vespo_k_neg = c.vespo[2];
+    pp.options.vespo_lambda_neg = c.vespo[3];
     if (status.ok()) status = PolicyReference(pp, &ref);
     logits = ComputeRawLogits(head);
   }
@@ -420,6 +458,7 @@ struct PolicySetup {
   HeadInputs head;
   std::vector<float> advantages, old_logp, ref_logp, is_ratio;
   std::vector<uint8_t> mask;
+  PolicyProblem pp;  // the reference's problem, on the vectors above
   PolicyReferenceOutputs ref;
   absl::Status status;
   RawLogits logits;
@@ -534,6 +573,15 @@ Case KlPart(const Case& c) {
   for (int64_t b = 0; b < p.policy.sequences && !c.sequence && by_sequence; ++b) {
     seq_a[b] *= seq_rho[b];
   }
+  // vespo: its policy term -phi A logp apart (the rows' slopes below are its KL term's).
+  const bool vespo = c.type == PolicyLossType::kVespo;
+  std::vector<double> row_b(p.bt, 0.0), phi, dphi;
+  for (int64_t i = 0; i < p.bt && vespo; ++i) row_b[i] = 4 * u * s.logits.abs_max[i] * inv_t;
+  if (vespo) {
+    const VespoWeights vw = VespoWeightsOf(s.pp, ref.logp, row_b);
+    phi = vw.phi;
+    dphi = vw.dphi;
+  }
   for (int64_t i = 0; i < p.bt; ++i) {
     const double b = by_sequence ? seq_b[i / seq_len] : 4 * u * s.logits.abs_max[i] * inv_t;
     if (!ArgmaxAcceptable(s.logits, p.v, i, got.predictions[i], u)) {
@@ -549,7 +597,7 @@ Case KlPart(const Case& c) {
     const double r = ref.ratio[i];
     const double e_d =
         p.ref_logp != nullptr && c.beta != 0 ? std::exp(p.ref_logp[i] - ref.logp[i]) : 1.0;
-    RowSlopes slope = PolicyRowSlopes(c, a, r, ref.logp[i], e_d);
+    RowSlopes slope = PolicyRowSlopes(vespo ? KlPart(c) : c, vespo ? 0.0 : a, r, ref.logp[i], e_d);
     if (by_sequence) {
       for (double sign : {-1.0, 1.0}) {
         const RowSlopes other = PolicyRowSlopes(c, sign * seq_a[i / seq_len], r, ref.logp[i], e_d);
@@ -563,6 +611,11 @@ Case KlPart(const Case& c) {
     // The entropy bonus: H_i moves with the logits' error by at most (1 + 2 log V) b_i.
     const double h_slope = std::abs(c.entropy) * (1 + 2 * std::log(static_cast<double>(p.v)));
     loss_bound += w * (slope.loss + h_slope) * b;
+    if (vespo) {  // -phi A logp: logp's error times phi, and phi's times |logp|
+      const double abs_a = std::abs(p.advantages[i]);
+      loss_bound += abs_a * (phi[i] * b + std::abs(ref.logp[i]) * dphi[i]);
+      coef_err += abs_a * dphi[i];
+    }
     // The KL metric's row term K (times r when bias-corrected) moves as the loss's KL part.
     const RowSlopes kl_only = PolicyRowSlopes(KlPart(c), 0.0, r, ref.logp[i], e_d);
     kl_bound += kl_only.loss / std::max(1e-30, double{c.beta}) * b / n;
@@ -667,7 +720,7 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 3; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 0; }},
       {"policy.loss_type",
-       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(10); }},
+       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(11); }},
       {"policy.kl_estimator",
        [](LossProblem& p) { p.policy.kl_estimator = static_cast<KlEstimator>(5); }},
       {"policy.loss_scale_factor", [](LossProblem& p) { p.policy.loss_scale_factor = 2; }},

@@ -44,7 +44,7 @@ absl::Status CheckOptions(const PolicyOptions& o) {
   if (type < 0 || type >= kPolicyLossTypes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.loss_type ", type,
-        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean or kl_cov"));
+        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean, kl_cov or vespo"));
   }
   const struct {
     const char* name;
@@ -98,6 +98,15 @@ absl::Status CheckOptions(const PolicyOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.kl_cov_ratio must be in (0, 1] and options.ppo_kl_coef finite and >= 0, got ",
         o.kl_cov_ratio, " and ", o.ppo_kl_coef));
+  }
+  if (o.loss_type == PolicyLossType::kVespo &&
+      (!std::isfinite(o.vespo_k_pos) || !std::isfinite(o.vespo_k_neg) ||
+       !(o.vespo_lambda_pos >= 0.0f) || !std::isfinite(o.vespo_lambda_pos) ||
+       !(o.vespo_lambda_neg >= 0.0f) || !std::isfinite(o.vespo_lambda_neg))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.vespo_k_pos and _k_neg must be finite, options.vespo_lambda_pos and "
+        "_lambda_neg finite and >= 0, got ", o.vespo_k_pos, ", ", o.vespo_k_neg, ", ",
+        o.vespo_lambda_pos, ", ", o.vespo_lambda_neg));
   }
   if (o.importance_sampling == ImportanceSampling::kSequence && !PolicyLossTypeClips(o.loss_type)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -248,6 +257,7 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
       case PolicyLossType::kCispo:
       case PolicyLossType::kGpg:
       case PolicyLossType::kKlCov:
+      case PolicyLossType::kVespo:
         w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer
                                                          : static_cast<double>(n));
         break;
@@ -314,15 +324,25 @@ void ClippedSurrogate(const PolicyOptions& o, double a, RowTerms* r) {
   r->dratio = -share * a * r->ratio;
 }
 
-// Row i's terms at ratio `ratio` (its own, or its sequence's); `penalised`: kl_cov's P.
+// What a row's group gives its terms: kl_cov's membership of P, vespo's weight phi_i.
+struct GroupTerm {
+  bool penalised = false;
+  double phi = 0;
+};
+
+// Row i's terms at ratio `ratio` (its own, or its sequence's).
 RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio,
-                   double entropy, bool penalised) {
+                   double entropy, const GroupTerm& group) {
   const PolicyOptions& o = p.options;
   const double a = p.advantages[i];
+  const bool penalised = group.penalised;
   RowTerms r;
   r.ratio = ratio;
   if (o.loss_type == PolicyLossType::kGeoMean) {
     // No per-token policy term: GeoMeanTerm adds the sequences'.
+  } else if (o.loss_type == PolicyLossType::kVespo) {
+    r.loss = -group.phi * a * logp;  // phi detached: a constant of the gradient
+    r.dlogp = -group.phi * a;
   } else if (o.loss_type == PolicyLossType::kKlCov) {
     r.loss = -a * r.ratio;
     r.dratio = -a * r.ratio;
@@ -354,7 +374,8 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio,
   } else {
     ClippedSurrogate(o, a, &r);
   }
-  if (p.is_ratio != nullptr) {  // the rollout correction scales pg_i, before the KL term
+  // The rollout correction scales pg_i, before the KL term (vespo's is inside phi).
+  if (p.is_ratio != nullptr && o.loss_type != PolicyLossType::kVespo) {
     const double rho = p.is_ratio[i];
     r.loss *= rho;
     r.dlogp *= rho;
@@ -470,6 +491,34 @@ std::vector<bool> KlCovPenalised(const PolicyProblem& p, const std::vector<doubl
   return chosen;
 }
 
+// vespo's weights (Liger's get_gamma_weights, written from its formula): per sequence b,
+// u_b = sum_{i in b, m_i = 1} clamp(d_i, -20, 20) + sum_{i in b} clamp(log rho_i, log 1e-8, 20),
+// log w_b = clamp(u_b, log 1e-8, 20); phi_i = exp(l_i + k_i log w_b - l_i w_b) with (k_i, l_i)
+// the _pos pair where A_i >= 0, else the _neg one, l_i at least 1e-4; 0 if not finite.
+std::vector<GroupTerm> VespoWeights(const PolicyProblem& p, const std::vector<double>& logp) {
+  const PolicyOptions& o = p.options;
+  const int64_t bt = p.head.bt, seq = bt / p.batch;
+  std::vector<GroupTerm> group(bt);
+  const double floor = std::log(1e-8);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    double u = 0;
+    for (int64_t i = b * seq; i < (b + 1) * seq; ++i) {
+      if (p.is_ratio != nullptr) u += std::clamp(std::log(double{p.is_ratio[i]}), floor, 20.0);
+      if (Masked(p, i) || p.old_logp == nullptr) continue;
+      u += std::clamp(logp[i] - p.old_logp[i], -20.0, 20.0);
+    }
+    const double log_w = std::clamp(u, floor, 20.0), w = std::exp(log_w);
+    for (int64_t i = b * seq; i < (b + 1) * seq; ++i) {
+      const bool pos = p.advantages[i] >= 0;
+      const double k = pos ? o.vespo_k_pos : o.vespo_k_neg;
+      const double l = std::max(1e-4, double{pos ? o.vespo_lambda_pos : o.vespo_lambda_neg});
+      const double phi = std::exp(l + k * log_w - l * w);
+      group[i].phi = std::isfinite(phi) ? phi : 0.0;
+    }
+  }
+  return group;
+}
+
 }  // namespace
 
 
@@ -503,9 +552,13 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
     }
   }
   const std::vector<double> ratio = Ratios(p, out->logp, per_seq);
-  const std::vector<bool> penalised = o.loss_type == PolicyLossType::kKlCov
-                                          ? KlCovPenalised(p, out->logp)
-                                          : std::vector<bool>(bt, false);
+  std::vector<GroupTerm> group(bt);
+  if (o.loss_type == PolicyLossType::kKlCov) {
+    const std::vector<bool> penalised = KlCovPenalised(p, out->logp);
+    for (int64_t i = 0; i < bt; ++i) group[i].penalised = penalised[i];
+  } else if (o.loss_type == PolicyLossType::kVespo) {
+    group = VespoWeights(p, out->logp);
+  }
   const bool sequence = o.importance_sampling == ImportanceSampling::kSequence;
   const int64_t seq = bt / p.batch;
   std::vector<double> coef(bt, 0.0), seq_dratio(p.batch, 0.0), dentropy(bt, 0.0);
@@ -513,7 +566,7 @@ absl::Status PolicyReference(const PolicyProblem& p, PolicyReferenceOutputs* out
   int64_t clipped = 0;
   for (int64_t i = 0; i < bt; ++i) {
     if (Masked(p, i)) continue;
-    const RowTerms r = PolicyRow(p, i, out->logp[i], ratio[i], entropy[i], penalised[i]);
+    const RowTerms r = PolicyRow(p, i, out->logp[i], ratio[i], entropy[i], group[i]);
     out->ratio[i] = r.ratio;
     out->loss += weight[i] * r.loss;
     out->kl_token[i] = r.kl;

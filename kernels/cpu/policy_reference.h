@@ -7,7 +7,7 @@
 // importance_sampling_level "token" or "sequence" (GSPO), vllm_is_ratio per token or None,
 // and the reference log-probs given
 // (not recomputed from ref_input / ref_weight), for its loss types grpo, bnpo, dr_grpo, dapo,
-// cispo, sapo and luspo (not vespo: its weight is a function of the whole sequence's ratios).
+// cispo, sapo, luspo and vespo.
 // Rows are B sequences of S tokens, sequence-major (row i = b S + s: Liger's (B, S) tensors
 // flattened). Per row i:
 //   logp_i = log softmax(softcap(x_i W^T + b) / T)_{t_i}      (Liger has no softcap: cap 0)
@@ -43,6 +43,15 @@
 //            cov_i = (A_i - mean A)(logp_i - mean logp) (means over the counted tokens, logp
 //            detached; ties to the lower row), c = ppo_kl_coef; d|d|/dd = sign(d) (0 at 0).
 //            dapo's normaliser. Refused: sequence level, delta, use_bias_correction_kl.
+//   pg_i   = -sg(phi_i) A_i logp_i                              vespo (Liger's and TRL's): per
+//            sequence b, u_b = sum_{i in b} m_i clamp(d_i, -20, 20), d_i = logp_i - old_i,
+//            plus with is_ratio sum_{i in b} clamp(log rho_i, log 1e-8, 20) over every row of b,
+//            masked or not (Liger sums vllm_is_ratio unmasked; rho is not applied again);
+//            log w_b = clamp(u_b, log 1e-8, 20), w_b = exp(log w_b);
+//            phi_i = exp(l_i + k_i log w_b - l_i w_b) (phi = 1 at w = 1), (k_i, l_i) =
+//            (vespo_k_pos, vespo_lambda_pos) where A_i >= 0, else the _neg pair, l_i at least
+//            1e-4; 0 where not finite. sg: phi is a constant of the gradient (dpg_i = -phi_i
+//            A_i). dapo's normaliser. Refused: sequence level, delta.
 //   kl_i   = K(d_i), d_i = logp_i - ref_i, K the kl_estimator (without reference log-probs
 //            ref_i = logp_i detached: kl_i = 0 and no gradient):
 //              k3 (default, Liger's)  exp(-d) + d - 1            dK/dd = 1 - exp(-d)
@@ -61,6 +70,7 @@
 //   bnpo        loss = sum_i m_i l_i / max(1, N)
 //   dr_grpo     loss = sum_i m_i l_i / (B max_completion_length)
 //   dapo, cispo loss = sum_i m_i l_i / max(1, D)    D = dapo_normalizer if > 0, else N
+//               (vespo's too)
 //   luspo       loss = sum_i m_i n_{b(i)} l_i / (B S)
 //   gpg         as dapo
 // With an aggregation (verl's loss_agg_mode) other than loss_type, it replaces the type's:
@@ -79,7 +89,7 @@
 //                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
 //                   for the clipped types (r_i before delta); cispo: r_i > eps_high and
 //                   A_i > 0; geo_mean: (d_i > eps_high and A_i > 0) or (d_i < -eps_low and
-//                   A_i < 0); kl_cov: i in P; sapo, gpg: never
+//                   A_i < 0); kl_cov: i in P; sapo, gpg, vespo: never
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
 //   token level: dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i)
 //                   (+ k3_i, times r_i, with the bias correction), and dpg_i as below.
@@ -93,6 +103,7 @@
 //     clipped types: -A_i r_i s_i; s_i = 0 if clipped_i, or if delta caps r_i (r_i >= delta,
 //                    A_i < 0); 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
 //     cispo:         -A_i min(r_i, eps_high)
+//     vespo:         -A_i phi_i
 //     sapo:          -4 A_i r_i g_i (1 - g_i), g_i = sigmoid(tau_i (r_i - 1))
 //   dloss/dz_ij   = dloss/dlogp_i ([j = t_i] - p_ij), then 1/T, the softcap, and the head.
 // The half is torch's (2.15, checked by client/python/tests/test_rl_reference_torch.py): on a
@@ -149,6 +160,11 @@ struct PolicyOptions {
   double loss_scale_factor = 0;      // seq-mean-token-sum-norm's L: 0 = S, else finite, > 0
   double kl_cov_ratio = 0.0002;      // kl_cov: in (0, 1]
   float ppo_kl_coef = 1.0f;          // kl_cov: finite, >= 0
+  // vespo's gamma shapes (finite) and rates (finite, >= 0), for A >= 0 and A < 0.
+  float vespo_k_pos = 2.0f;
+  float vespo_lambda_pos = 3.0f;
+  float vespo_k_neg = 3.0f;
+  float vespo_lambda_neg = 2.0f;
 };
 
 struct PolicyProblem {

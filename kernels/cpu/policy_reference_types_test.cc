@@ -317,8 +317,8 @@ TEST(PolicyTypesReferenceTest, DefaultsAreLigers) {
 TEST(PolicyTypesReferenceTest, RejectsBadOptions) {
   Inputs in(2, 2, 3, 4, 9);
   PolicyProblem p = in.Problem(false);
-  p.options.loss_type = static_cast<PolicyLossType>(10);
-  ExpectRefused(p, "options.loss_type 10 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo");
+  p.options.loss_type = static_cast<PolicyLossType>(11);
+  ExpectRefused(p, "options.loss_type 11 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo");
   p = in.Problem(false);
   p.options.sapo_temperature_pos = 0.0f;
   ExpectRefused(p, "options.sapo_temperature_pos must be finite and > 0, got 0");

@@ -196,6 +196,7 @@ BackendInfo CudaBackend::Info() {
                        kDistillWeightsBit;
   }
   if (minor < 0 || minor >= 4) info.loss_kinds |= kPolicyGeoMeanBit | kPolicyKlCovBit;
+  if (minor < 0 || minor >= 5) info.loss_kinds |= kPolicyVespoBit;
   return info;
 }
 

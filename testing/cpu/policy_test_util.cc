@@ -84,4 +84,47 @@ void ExpectRefused(const PolicyProblem& p, const std::string& substring) {
   EXPECT_NE(st.message().find(substring), std::string::npos) << st;
 }
 
+namespace {
+
+double VespoPhi(double u, double k, double lambda) {
+  const double lw = std::clamp(u, std::log(1e-8), 20.0);
+  const double l = std::max(lambda, 1e-4);
+  return std::exp(l + k * lw - l * std::exp(lw));
+}
+
+}  // namespace
+
+VespoWeights VespoWeightsOf(const PolicyProblem& p, const std::vector<double>& logp,
+                            const std::vector<double>& logp_bound) {
+  const PolicyOptions& o = p.options;
+  const int64_t bt = p.head.bt, s = bt / p.batch;
+  VespoWeights out;
+  out.phi.assign(bt, 0.0);
+  out.dphi.assign(bt, 0.0);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    double u = 0, e = 0;
+    for (int64_t i = b * s; i < (b + 1) * s; ++i) {
+      if (p.is_ratio != nullptr) {
+        u += std::clamp(std::log(double{p.is_ratio[i]}), std::log(1e-8), 20.0);
+      }
+      if ((p.mask != nullptr && p.mask[i] == 0) || p.old_logp == nullptr) continue;
+      u += std::clamp(logp[i] - p.old_logp[i], -20.0, 20.0);
+      e += logp_bound.empty() ? 0.0 : logp_bound[i];
+    }
+    for (int64_t i = b * s; i < (b + 1) * s; ++i) {
+      const bool pos = p.advantages[i] >= 0;
+      const double k = pos ? o.vespo_k_pos : o.vespo_k_neg;
+      const double l = pos ? o.vespo_lambda_pos : o.vespo_lambda_neg;
+      const double at = VespoPhi(u, k, l);
+      double d = std::max(std::fabs(VespoPhi(u - e, k, l) - at),
+                          std::fabs(VespoPhi(u + e, k, l) - at));
+      const double peak = std::log(k / std::max(l, 1e-4));
+      if (k > 0 && std::fabs(peak - u) <= e) d = std::max(d, std::fabs(VespoPhi(peak, k, l) - at));
+      out.phi[i] = at;
+      out.dphi[i] = d;
+    }
+  }
+  return out;
+}
+
 }  // namespace lossd

@@ -131,6 +131,17 @@ void ExpectRefused(const PolicyProblem& p, const std::string& substring);
 // The reference's outputs of `p`, EXPECTing it accepted.
 PolicyReferenceOutputs RunPolicyReference(const PolicyProblem& p);
 
+// vespo's weight of every row, phi_i (Liger's get_gamma_weights, written again for the tests),
+// at the log-probs `logp`, and dphi_i, how far it can move while each counted row's logp moves
+// by at most logp_bound_j (empty: 0). phi moves with its sequence's u through every counted
+// row's log-ratio (not without old log-probs); it is unimodal in u, its peak at
+// log w = log(k / lambda), so over |u' - u| <= e its largest move is at an end or the peak.
+struct VespoWeights {
+  std::vector<double> phi, dphi;
+};
+VespoWeights VespoWeightsOf(const PolicyProblem& p, const std::vector<double>& logp,
+                            const std::vector<double>& logp_bound);
+
 }  // namespace lossd
 
 #endif  // LOSSD_TESTING_CPU_POLICY_TEST_UTIL_H_
