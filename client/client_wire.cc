@@ -85,6 +85,8 @@ v1::PolicyLossType ToProto(PolicyLossType t) {
       return v1::POLICY_LOSS_GEO_MEAN;
     case PolicyLossType::kKlCov:
       return v1::POLICY_LOSS_KL_COV;
+    case PolicyLossType::kVespo:
+      return v1::POLICY_LOSS_VESPO;
   }
   return static_cast<v1::PolicyLossType>(static_cast<int>(t));
 }

@@ -191,6 +191,12 @@ void SetVerlFields(const PolicyParams& policy, v1::PolicyOptions* p) {
     p->set_kl_cov_ratio(policy.kl_cov_ratio);
     p->set_ppo_kl_coef(policy.ppo_kl_coef);
   }
+  if (policy.loss_type == PolicyLossType::kVespo) {  // likewise
+    p->set_vespo_k_pos(policy.vespo_k_pos);
+    p->set_vespo_lambda_pos(policy.vespo_lambda_pos);
+    p->set_vespo_k_neg(policy.vespo_k_neg);
+    p->set_vespo_lambda_neg(policy.vespo_lambda_neg);
+  }
 }
 
 // The loss kind's fields of the header. Left unset for plain cross-entropy at T = 1, so such

@@ -28,9 +28,9 @@ ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (B
 ABSL_FLAG(std::string, is_ratio, "",
           "policy: .npy of the rollout correction (Liger's vllm_is_ratio) (BT), fp32 >= 0");
 ABSL_FLAG(std::string, loss_type, "dapo",
-          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg|geo_mean|kl_cov (gpg: verl's -A "
-          "logp, geo_mean: verl's GMPO, kl_cov: verl's KL-Cov; servers listing "
-          "policy_loss_type_gpg / _geo_mean / _kl_cov)");
+          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg|geo_mean|kl_cov|vespo (gpg: verl's "
+          "-A logp, geo_mean: verl's GMPO, kl_cov: verl's KL-Cov, vespo: Liger's; servers "
+          "listing policy_loss_type_gpg / _geo_mean / _kl_cov / _vespo)");
 ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
 ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
 ABSL_FLAG(double, beta, 0.04, "policy: KL coefficient");
@@ -67,6 +67,12 @@ ABSL_FLAG(double, loss_scale_factor, 0,
 ABSL_FLAG(double, kl_cov_ratio, 0.0002,
           "policy, loss type kl_cov: the share of tokens penalised, in (0, 1]");
 ABSL_FLAG(double, ppo_kl_coef, 1.0, "policy, loss type kl_cov: the penalty's coefficient");
+ABSL_FLAG(double, vespo_k_pos, 2.0, "policy, loss type vespo: the gamma shape where A >= 0");
+ABSL_FLAG(double, vespo_lambda_pos, 3.0,
+          "policy, loss type vespo: the gamma rate where A >= 0 (>= 0)");
+ABSL_FLAG(double, vespo_k_neg, 3.0, "policy, loss type vespo: the gamma shape where A < 0");
+ABSL_FLAG(double, vespo_lambda_neg, 2.0,
+          "policy, loss type vespo: the gamma rate where A < 0 (>= 0)");
 ABSL_FLAG(double, jsd_beta, 0.5, "distill: 0 forward KL, 1 reverse KL, between: generalised JSD");
 ABSL_FLAG(double, weight_hard_loss, 0.0,
           "distill: weight of the targets' cross-entropy (temperature 1), "
@@ -112,15 +118,9 @@ absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
       return static_cast<PolicyLossType>(t);
     }
   }
-  if (s == "vespo") {
-    return absl::InvalidArgumentError(
-        "--loss_type vespo is not computed: its weight depends on a whole sequence's ratios "
-        "(docs/rl_losses.md)");
-  }
   return absl::InvalidArgumentError(absl::StrCat(
-      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean or "
-      "kl_cov, got '", s,
-      "'"));
+      "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean, "
+      "kl_cov or vespo, got '", s, "'"));
 }
 
 // An enum flag by its core names (KlEstimatorName, PolicyAggregationName): the error lists them.
@@ -184,6 +184,10 @@ absl::Status CheckFlagsOfOtherKinds(LossKind kind) {
       {LossKind::kPolicy, "--loss_scale_factor", absl::GetFlag(FLAGS_loss_scale_factor) != 0},
       {LossKind::kPolicy, "--kl_cov_ratio", absl::GetFlag(FLAGS_kl_cov_ratio) != 0.0002},
       {LossKind::kPolicy, "--ppo_kl_coef", absl::GetFlag(FLAGS_ppo_kl_coef) != 1.0},
+      {LossKind::kPolicy, "--vespo_k_pos", absl::GetFlag(FLAGS_vespo_k_pos) != 2.0},
+      {LossKind::kPolicy, "--vespo_lambda_pos", absl::GetFlag(FLAGS_vespo_lambda_pos) != 3.0},
+      {LossKind::kPolicy, "--vespo_k_neg", absl::GetFlag(FLAGS_vespo_k_neg) != 3.0},
+      {LossKind::kPolicy, "--vespo_lambda_neg", absl::GetFlag(FLAGS_vespo_lambda_neg) != 2.0},
       {LossKind::kDistill, "--jsd_beta", absl::GetFlag(FLAGS_jsd_beta) != 0.5},
       {LossKind::kDistill, "--weight_hard_loss", absl::GetFlag(FLAGS_weight_hard_loss) != 0},
       {LossKind::kDistill, "--weight_soft_loss", absl::GetFlag(FLAGS_weight_soft_loss) != 1},
@@ -244,6 +248,10 @@ absl::Status PolicyFromFlags(ComputeRequest* r) {
   r->policy.loss_scale_factor = absl::GetFlag(FLAGS_loss_scale_factor);
   r->policy.kl_cov_ratio = absl::GetFlag(FLAGS_kl_cov_ratio);
   r->policy.ppo_kl_coef = static_cast<float>(absl::GetFlag(FLAGS_ppo_kl_coef));
+  r->policy.vespo_k_pos = static_cast<float>(absl::GetFlag(FLAGS_vespo_k_pos));
+  r->policy.vespo_lambda_pos = static_cast<float>(absl::GetFlag(FLAGS_vespo_lambda_pos));
+  r->policy.vespo_k_neg = static_cast<float>(absl::GetFlag(FLAGS_vespo_k_neg));
+  r->policy.vespo_lambda_neg = static_cast<float>(absl::GetFlag(FLAGS_vespo_lambda_neg));
   LOSSD_ASSIGN_OR_RETURN(r->advantages, Fp32Input(absl::GetFlag(FLAGS_advantages), "advantages"));
   if (!r->advantages.has_value()) {
     r->advantages = RandomFloat(DType::kF32, {r->x.dim(0)}, 1.0f, absl::GetFlag(FLAGS_seed) + 4);

@@ -367,7 +367,23 @@ TEST_F(LossctlTest, VerlPolicyOptionsTravelAndArePolicysOnly) {
     EXPECT_EQ(p.loss_type(), v1::POLICY_LOSS_KL_COV);
     EXPECT_EQ(p.kl_cov_ratio(), 0.25);
     EXPECT_FLOAT_EQ(p.ppo_kl_coef(), 0.5f);
+    EXPECT_FALSE(p.has_vespo_k_pos());  // vespo's own, sent with it only
   }
+  r = Lossctl("compute --kind=policy --bt=6 --h=4 --v=9 --loss_type=vespo --vespo_k_pos=1.5 "
+              "--vespo_lambda_neg=0.5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    absl::MutexLock lock(&fake_.mu);
+    const v1::PolicyOptions& p = fake_.last_header.policy();
+    EXPECT_EQ(p.loss_type(), v1::POLICY_LOSS_VESPO);
+    EXPECT_FLOAT_EQ(p.vespo_k_pos(), 1.5f);
+    EXPECT_FLOAT_EQ(p.vespo_lambda_pos(), 3.0f);  // the defaults go along, explicit
+    EXPECT_FLOAT_EQ(p.vespo_k_neg(), 3.0f);
+    EXPECT_FLOAT_EQ(p.vespo_lambda_neg(), 0.5f);
+    EXPECT_FALSE(p.has_kl_cov_ratio());
+  }
+  ExpectFails("compute --kind=logprob --vespo_k_neg=1 --bt=4 --h=4 --v=4",
+              "--kind=logprob does not take --vespo_k_neg (policy)");
   ExpectFails("compute --kind=policy --kl_estimator=k4 --bt=4 --h=4 --v=4",
               "--kl_estimator must be one of k3, k1, k2, abs, low_var_kl, got 'k4'");
   ExpectFails("compute --kind=policy --aggregation=token-sum --bt=4 --h=4 --v=4",
@@ -383,11 +399,8 @@ TEST_F(LossctlTest, LossKindsUsageErrors) {
   ExpectFails("compute --kind=ppo --bt=4 --h=4 --v=4",
               "--kind must be cross_entropy, logprob, policy or distill, got 'ppo'");
   ExpectFails("compute --kind=policy --loss_type=ppo --bt=4 --h=4 --v=4",
-              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean or "
-              "kl_cov, got 'ppo'");
-  ExpectFails("compute --kind=policy --loss_type=vespo --bt=4 --h=4 --v=4",
-              "--loss_type vespo is not computed: its weight depends on a whole sequence's "
-              "ratios");
+              "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean, "
+              "kl_cov or vespo, got 'ppo'");
   ExpectFails("compute --kind=logprob --delta=1.5 --use_bias_correction_kl --bt=4 --h=4 --v=4",
               "--kind=logprob does not take --delta (policy), --use_bias_correction_kl (policy)");
   ExpectFails("compute --kind=logprob --is_ratio=x.npy --bt=4 --h=4 --v=4",

@@ -93,6 +93,10 @@ absl::Status KindFromWire(const v1::ComputeHeader& h, ComputeSpec* spec) {
   pp.loss_scale_factor = p.loss_scale_factor();
   pp.kl_cov_ratio = p.has_kl_cov_ratio() ? p.kl_cov_ratio() : defaults.kl_cov_ratio;
   pp.ppo_kl_coef = p.has_ppo_kl_coef() ? p.ppo_kl_coef() : defaults.ppo_kl_coef;
+  pp.vespo_k_pos = p.has_vespo_k_pos() ? p.vespo_k_pos() : defaults.vespo_k_pos;
+  pp.vespo_lambda_pos = p.has_vespo_lambda_pos() ? p.vespo_lambda_pos() : defaults.vespo_lambda_pos;
+  pp.vespo_k_neg = p.has_vespo_k_neg() ? p.vespo_k_neg() : defaults.vespo_k_neg;
+  pp.vespo_lambda_neg = p.has_vespo_lambda_neg() ? p.vespo_lambda_neg() : defaults.vespo_lambda_neg;
   const v1::DistillOptions& d = h.distill();
   const DistillParams distill_defaults;
   spec->distill.jsd_beta = d.has_jsd_beta() ? d.jsd_beta() : distill_defaults.jsd_beta;

@@ -22,8 +22,8 @@
 // With policy among the kinds and --policy_sequence=S, the row "policy_seq": the policy kind at
 // sequence level over sequences of S rows as the CUDA backend runs it (policy_sequence.h), its
 // host step timed too, against the same 6 BT H V floor (its GEMMs are 8 BT H V: ~1.33x); and
-// the rows "policy_geo_mean" and "policy_kl_cov": those loss types over the same rows, the same
-// path (kl_cov's group is the whole call, verl's default share 0.0002).
+// the rows "policy_geo_mean", "policy_kl_cov" and "policy_vespo": those loss types over the same
+// rows, the same path (kl_cov's group is the whole call, verl's default share 0.0002).
 // --chunk_budget_mib plans every kind with that budget instead of the backend's default.
 // Reads --shapes, --runs and --warmup (kernel_flags.h; its other flags are bench_kernel's) and
 // its own flags below. Exit codes: 0; 1 on a failed call; 2 on a bad flag; 3 when a per-row
@@ -413,7 +413,7 @@ int RunPolicySequence(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
   p.old_logp = old.data();
   p.ref_logp = ref.data();
   p.policy.sequences = b.bt / seq;
-  p.policy.loss_type = type;  // geo_mean, kl_cov: by group at token level (PolicyBySequence)
+  p.policy.loss_type = type;  // the others by group at token level (PolicyBySequence)
   p.policy.importance_sampling = type == PolicyLossType::kDapo ? ImportanceSampling::kSequence
                                                                : ImportanceSampling::kToken;
   const cuda::ChunkPlan plan = backend.Plan(ShapeFor(LossKind::kPolicy, b));
@@ -438,9 +438,8 @@ int RunPolicySequence(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
   BENCH_CHECK_CUDA(cudaFree(ws));
   row->bt = b.bt, row->h = b.h, row->v = b.v;
-  row->kind = type == PolicyLossType::kGeoMean ? "policy_geo_mean"
-              : type == PolicyLossType::kKlCov  ? "policy_kl_cov"
-                                                : "policy_seq";
+  row->kind = type == PolicyLossType::kDapo ? std::string("policy_seq")
+                                            : std::string("policy_") + PolicyLossTypeName(type);
   row->chunk_rows = plan.chunk_rows;
   row->schedule = static_cast<int>(plan.schedule);
   row->workspace = plan.workspace_bytes;
@@ -587,7 +586,8 @@ int Main() {
       const int64_t seq = absl::GetFlag(FLAGS_policy_sequence);
       if (k == LossKind::kPolicy && seq > 0 && b.bt % seq == 0) {
         for (PolicyLossType type :
-             {PolicyLossType::kDapo, PolicyLossType::kGeoMean, PolicyLossType::kKlCov}) {
+             {PolicyLossType::kDapo, PolicyLossType::kGeoMean, PolicyLossType::kKlCov,
+              PolicyLossType::kVespo}) {
           KindRow seq_row;
           if (RunPolicySequence(**backend, **engine, **floor_engine, b, seq, type, &seq_row)) {
             return 1;

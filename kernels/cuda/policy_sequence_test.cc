@@ -243,6 +243,47 @@ TEST_F(CudaTest, PolicyKlCovMatchesReference) {
   }
 }
 
+// vespo (Liger's) by sequence: each sequence's weight from its summed log-ratios, here a
+// twentieth of policy_dapo's (a sequence's sum within a few units of 0, where phi is neither
+// 0 nor its floor), chunks of 24 rows that cut the sequences, with and without rollout
+// weights in [0.74, 1.25] (summed into the weight, every row's), the bias-corrected KL.
+TEST_F(CudaTest, PolicyVespoMatchesReference) {
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const bool is_ratio : {false, true}) {
+      const RowCase& rc = kCases[3];  // policy_dapo, a bias: its loss type replaced below
+      SequenceProblem sp = MakeSequenceProblem({3, false, is_ratio}, kShapes[2], dtype, 37);
+      LossProblem& p = sp.rp.p;
+      p.policy.loss_type = PolicyLossType::kVespo;
+      p.policy.use_bias_correction_kl = true;
+      p.policy.vespo_k_pos = 1.5f;
+      p.policy.vespo_lambda_neg = 2.5f;
+      p.options.chunk_rows = 24;
+      for (float& r : sp.rho) r = 0.8f + 0.45f * (r - 0.2f) / 1.6f;  // 0 and [0.2, 1.8]: 0.74..1.25
+      LogprobProblem lp;
+      lp.head = HeadInputs{p.bt, p.h, p.v, p.dtype, p.x, p.w, p.bias};
+      lp.targets = p.targets;
+      lp.target_dtype = p.target_dtype;
+      lp.options = {p.options.temperature, p.options.softcap, p.options.ignore_index};
+      LogprobReferenceOutputs cur;
+      ASSERT_TRUE(LogprobReference(lp, &cur).ok());
+      for (int64_t i = 0; i < p.bt; ++i) {
+        float& old = sp.rp.old_logp[i];
+        old = static_cast<float>(cur.logp[i] - 0.05 * (cur.logp[i] - old));
+      }
+      const Expected e = ExpectOf(sp.rp, ToleranceFor(dtype, dtype));
+      RowOutputs out(p, dtype, false);
+      LossStats stats;
+      const absl::Status st = ValidateThenCompute(*backend_, p, out.outputs(rc.kind), &stats);
+      ASSERT_TRUE(st.ok()) << "vespo: " << st;
+      EXPECT_EQ(stats.chunk_rows, 24);
+      std::printf("  medium vespo %s%s:\n", std::string(DTypeName(dtype)).c_str(),
+                  is_ratio ? " is_ratio" : "");
+      ExpectMatches(p, e, out, false);
+      EXPECT_EQ(e.clip_fraction, 0.0);  // vespo never clips
+    }
+  }
+}
+
 // No gradient wanted: the forward pass alone gives the loss, logp and metrics.
 TEST_F(CudaTest, PolicySequenceWithoutGradientsMatchesReference) {
   const SequenceCase& sc = kSequenceCases[7];
@@ -330,6 +371,13 @@ TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   EXPECT_EQ((*served)->Info().loss_kinds & menu, menu) << "verl's menu not announced at ABI 6.3";
   EXPECT_EQ((*served)->Info().loss_kinds & (kPolicyGeoMeanBit | kPolicyKlCovBit), 0u)
       << "geo_mean or kl_cov announced before ABI 6.4";
+  EXPECT_NE(backend_->Info().loss_kinds & kPolicyVespoBit, 0u) << "vespo not announced";
+  o.plugin_abi_minor = 4;
+  served = CudaBackend::Create(o);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ((*served)->Info().loss_kinds & (kPolicyGeoMeanBit | kPolicyKlCovBit),
+            kPolicyGeoMeanBit | kPolicyKlCovBit);
+  EXPECT_EQ((*served)->Info().loss_kinds & kPolicyVespoBit, 0u) << "vespo announced before 6.5";
 }
 
 }  // namespace

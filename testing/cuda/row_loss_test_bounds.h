@@ -18,6 +18,7 @@
 #include "kernels/cpu/logprob_reference.h"
 #include "kernels/cpu/policy_reference.h"
 #include "kernels/cpu/reference_head.h"
+#include "testing/cpu/policy_test_util.h"
 #include "testing/test_util.h"
 
 namespace lossd {
@@ -211,7 +212,7 @@ inline std::vector<double> PolicyWeights(const PolicyProblem& pp, const std::vec
     if (t == PolicyLossType::kLuspo) w[i] = per_seq[i / seq] / static_cast<double>(bt);
     if (t == PolicyLossType::kDrGrpo) w[i] = 1.0 / (b * o.max_completion_length);
     if (t == PolicyLossType::kDapo || t == PolicyLossType::kCispo || t == PolicyLossType::kGpg ||
-        t == PolicyLossType::kKlCov) {
+        t == PolicyLossType::kKlCov || t == PolicyLossType::kVespo) {
       w[i] = 1.0 / std::max(1.0, o.dapo_normalizer > 0 ? o.dapo_normalizer : n);
     }
   }
@@ -332,6 +333,31 @@ inline void GeoMeanErrors(const LossProblem& p, const PolicyReferenceOutputs& re
   }
 }
 
+// vespo (policy_reference.h): c_j = gs w_j (-phi_j A_j + beta dK_j), phi_j its sequence's
+// weight, which moves with every counted logp of the sequence through u by at most dphi_j
+// (testing/cpu's VespoWeightsOf; 0 without old log-probs). The KL part is already in
+// *c_slope; |dc_j| gains |gs| w_j |A_j| dphi_j. The loss's -phi A logp moves by w_j |A_j|
+// (phi_j d_j, in the row's own entry, and |logp_j| dphi_j): the latter one entry per sequence,
+// its rows' errors being one u's.
+inline void VespoErrors(const LossProblem& p, const PolicyProblem& pp,
+                        const PolicyReferenceOutputs& ref, const std::vector<uint8_t>& mask,
+                        const std::vector<double>& weight, const std::vector<double>& d,
+                        std::vector<double>* c_slope, std::vector<double>* loss) {
+  const VespoWeights vw = VespoWeightsOf(pp, ref.logp, d);
+  const int64_t s = p.bt / p.policy.sequences;
+  const double gs = std::fabs(static_cast<double>(p.options.grad_scale));
+  for (int64_t b0 = 0; b0 < p.bt; b0 += s) {
+    double together = 0;
+    for (int64_t i = b0; i < b0 + s; ++i) {
+      if (!mask[i]) continue;
+      const double a = std::fabs(static_cast<double>(p.advantages[i]));
+      together += weight[i] * a * std::fabs(ref.logp[i]) * vw.dphi[i];
+      if (d[i] > 0) (*c_slope)[i] += gs * weight[i] * a * vw.dphi[i] / d[i];
+    }
+    loss->push_back(together);
+  }
+}
+
 inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   std::vector<uint8_t> mask(p.bt);
   for (int64_t i = 0; i < p.bt; ++i) {
@@ -369,6 +395,10 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   o.loss_scale_factor = p.policy.loss_scale_factor;
   o.kl_cov_ratio = p.policy.kl_cov_ratio;
   o.ppo_kl_coef = p.policy.ppo_kl_coef;
+  o.vespo_k_pos = p.policy.vespo_k_pos;
+  o.vespo_lambda_pos = p.policy.vespo_lambda_pos;
+  o.vespo_k_neg = p.policy.vespo_k_neg;
+  o.vespo_lambda_neg = p.policy.vespo_lambda_neg;
   PolicyReferenceOutputs ref;
   EXPECT_TRUE(PolicyReference(pp, &ref).ok());
   Expected e;
@@ -410,6 +440,8 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
     } else if (o.loss_type == PolicyLossType::kGpg) {  // -A logp: a constant coefficient
       slope = 0.0;
     } else if (o.loss_type == PolicyLossType::kGeoMean) {  // its sequences': GeoMeanErrors
+      slope = 0.0;
+    } else if (o.loss_type == PolicyLossType::kVespo) {  // phi's move: VespoErrors
       slope = 0.0;
     } else if (o.loss_type == PolicyLossType::kKlCov) {  // -A r unclipped (+ c sign(d))
       slope = rho * std::fabs(a) * r;
@@ -471,6 +503,10 @@ inline Expected ExpectPolicy(const LossProblem& p, const Tolerance& tol) {
   }
   if (o.loss_type == PolicyLossType::kGeoMean) {
     GeoMeanErrors(p, ref, mask, weight, kl_slope, b.logp, &k.c_slope, &loss_errors);
+    b.grad_rel = FirstOrderBounds(p, k, tol.logit_u).grad_rel;
+  }
+  if (o.loss_type == PolicyLossType::kVespo) {
+    VespoErrors(p, pp, ref, mask, weight, b.logp, &k.c_slope, &loss_errors);
     b.grad_rel = FirstOrderBounds(p, k, tol.logit_u).grad_rel;
   }
   // The entropy bonus's term -entropy_coeff w_i H_i moves with H_i's own bound.

@@ -59,8 +59,6 @@ LIGER_INTERNALS = {
 # Options lossd does not build: (argument, value) -> why. Checked on every module and
 # function call before lossd is called; the test then reports itself skipped.
 UNBUILT = {
-    ("loss_type", "vespo"): "its weight is a function of the whole sequence's log-ratios "
-                            "(issue 39 item 1)",
     ("return_soft_hard_loss", True): "the server returns the weighted loss only",
 }
 

@@ -23,7 +23,8 @@ LOSS_TYPES = {"dapo": pb.POLICY_LOSS_DAPO, "grpo": pb.POLICY_LOSS_GRPO,
               "bnpo": pb.POLICY_LOSS_BNPO, "dr_grpo": pb.POLICY_LOSS_DR_GRPO,
               "cispo": pb.POLICY_LOSS_CISPO, "sapo": pb.POLICY_LOSS_SAPO,
               "luspo": pb.POLICY_LOSS_LUSPO, "gpg": pb.POLICY_LOSS_GPG,
-              "geo_mean": pb.POLICY_LOSS_GEO_MEAN, "kl_cov": pb.POLICY_LOSS_KL_COV}
+              "geo_mean": pb.POLICY_LOSS_GEO_MEAN, "kl_cov": pb.POLICY_LOSS_KL_COV,
+              "vespo": pb.POLICY_LOSS_VESPO}
 KL_ESTIMATORS = {"k3": pb.KL_ESTIMATOR_K3, "k1": pb.KL_ESTIMATOR_K1, "k2": pb.KL_ESTIMATOR_K2,
                  "abs": pb.KL_ESTIMATOR_ABS, "low_var_kl": pb.KL_ESTIMATOR_LOW_VAR_KL}
 AGGREGATIONS = {"loss_type": pb.AGGREGATION_LOSS_TYPE, "token-mean": pb.AGGREGATION_TOKEN_MEAN,
@@ -65,7 +66,11 @@ class PolicyOptions:
     weights only the KL and entropy terms); "policy_loss_type_geo_mean". loss_type "kl_cov":
     verl's KL-Cov (-A r unclipped, plus ppo_kl_coef |logp - old_logp| on the kl_cov_ratio share
     of the call's tokens with the largest covariance of A and logp; dapo's normalisation);
-    "policy_loss_type_kl_cov". verl_policy_options() maps verl's names."""
+    "policy_loss_type_kl_cov". loss_type "vespo": Liger's and TRL's (-phi A logp, phi a
+    detached gamma weight of the sequence's summed log-ratio and summed log is_ratio, by the
+    advantage's sign: vespo_k_pos / vespo_lambda_pos where A >= 0, the _neg pair where A < 0;
+    is_ratio enters phi only; dapo's normalisation); "policy_loss_type_vespo".
+    verl_policy_options() maps verl's names."""
 
     loss_type: str = "dapo"
     epsilon_low: float = 0.2
@@ -86,6 +91,10 @@ class PolicyOptions:
     loss_scale_factor: float = 0.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=None,
@@ -136,6 +145,7 @@ def policy_features(header):
     wanted = [(p.loss_type == pb.POLICY_LOSS_GPG, "policy_loss_type_gpg"),
               (p.loss_type == pb.POLICY_LOSS_GEO_MEAN, "policy_loss_type_geo_mean"),
               (p.loss_type == pb.POLICY_LOSS_KL_COV, "policy_loss_type_kl_cov"),
+              (p.loss_type == pb.POLICY_LOSS_VESPO, "policy_loss_type_vespo"),
               (p.kl_estimator != pb.KL_ESTIMATOR_K3 or p.kl_straight_through,
                "policy_kl_estimator"),
               (p.entropy_coeff != 0, "policy_entropy_bonus"),
@@ -207,6 +217,9 @@ def _set_verl_options(msg, p):
     if p.loss_type == "kl_cov":  # kl_cov's own: unset otherwise
         msg.kl_cov_ratio = float(p.kl_cov_ratio)
         msg.ppo_kl_coef = float(p.ppo_kl_coef)
+    if p.loss_type == "vespo":  # vespo's own: likewise
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            setattr(msg, name, float(getattr(p, name)))
 
 
 def set_kind(header, inline, *, kind, temperature, policy, distill, dlogp, dentropy,

@@ -187,8 +187,20 @@ class _ScalarLossFunction(torch.autograd.Function):
         return (*(None if g is None else g * grad_loss.to(g.dtype) for g in grads), *rest)
 
 
-_GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
+_GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 _CLIPPED_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "luspo")  # those delta applies to
+
+
+def _rows_of_ratio(rho, bsz, seq, vespo):
+    """Liger's vllm_is_ratio, (B, S) or (B, 1), as one value per row. A (B, 1) one repeats
+    over the sequence's tokens, each of which it multiplies; with vespo, whose server sums
+    each row's clamped log ratio into the sequence's weight, it goes on the sequence's first
+    row and 1 (log 0) on the others, so it counts once, as Liger's (B, 1) does."""
+    if rho.shape[1] == seq or not vespo:
+        return rho.expand(bsz, seq).reshape(-1)
+    rows = torch.ones(bsz, seq, dtype=rho.dtype, device=rho.device)
+    rows[:, 0] = rho[:, 0]
+    return rows.reshape(-1)
 
 
 def _check_grpo_arguments(loss_type, importance_sampling_level, sapo_temperature_pos,
@@ -196,11 +208,6 @@ def _check_grpo_arguments(loss_type, importance_sampling_level, sapo_temperature
                           temperature):
     """LigerFusedLinearGRPOLoss's constructor checks (its messages, as ValueErrors), and
     what lossd does not compute, refused by the argument's name."""
-    if loss_type == "vespo":
-        raise errors.InvalidArgumentError(
-            "loss_type 'vespo' is not supported by lossd: its weight is a function of the "
-            "whole sequence's log-ratios, which a per-token pass does not have; use one of "
-            "%s" % ", ".join(_GRPO_LOSS_TYPES), method="rl")
     if loss_type not in _GRPO_LOSS_TYPES:
         raise errors.InvalidArgumentError("Unknown loss type: %s (lossd computes %s)" % (
             loss_type, ", ".join(_GRPO_LOSS_TYPES)), method="rl")
@@ -241,13 +248,15 @@ class LossdFusedLinearGRPOLoss(_OnServer):
     """LigerFusedLinearGRPOLoss (Liger-Kernel 0.8.5) on the server: the same constructor and
     forward arguments; forward returns (loss, metrics), metrics = (mean KL, clip fraction)
     when beta != 0, else (clip fraction,). Loss types dapo (default), grpo, bnpo, dr_grpo,
-    cispo, sapo and luspo with sapo_temperature_pos / _neg, delta and use_bias_correction_kl,
+    cispo, sapo, luspo and vespo (servers listing "policy_loss_type_vespo", with the vespo_*
+    gamma parameters) with sapo_temperature_pos / _neg, delta and use_bias_correction_kl,
     token- or sequence-level importance sampling (GSPO, the clipped types; servers listing
-    "policy_sequence_importance_sampling"); `compiled`, `chunk_size` and the vespo_* arguments
-    are taken and unused. Refused (InvalidArgumentError, a ValueError): loss_type 'vespo',
-    sequence level with cispo or sapo (as Liger), and delta with cispo or sapo (which Liger
-    ignores). vllm_is_ratio ((B, S) or (B, 1)) multiplies each token's policy term (servers
-    listing "policy_is_ratio"). luspo counts masked tokens out (Liger's token-level luspo counts them in).
+    "policy_sequence_importance_sampling"); `compiled` and `chunk_size` are taken and unused.
+    Refused (InvalidArgumentError, a ValueError): sequence level with cispo, sapo or vespo (as
+    Liger), and delta with them (which Liger ignores). vllm_is_ratio ((B, S) or (B, 1))
+    multiplies each token's policy term (servers listing "policy_is_ratio"); with vespo it
+    enters the sequence's weight instead, as Liger's: a (B, S) one summed over every token,
+    masked or not, a (B, 1) one once per sequence. luspo counts masked tokens out (Liger's token-level luspo counts them in).
     advantages may be per sequence (B) as Liger's or per token (B, S)."""
 
     def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1,
@@ -277,9 +286,9 @@ class LossdFusedLinearGRPOLoss(_OnServer):
 
     def _dapo_normalizer(self, mask, num_items_in_batch):
         """Liger's per-process dapo normaliser: num_items_in_batch / world size, else the
-        mask count summed over ranks / world size; at least 1 (dapo and cispo). 0 for the
-        other types."""
-        if self.loss_type not in ("dapo", "cispo"):
+        mask count summed over ranks / world size; at least 1 (dapo, cispo and vespo). 0 for
+        the other types."""
+        if self.loss_type not in ("dapo", "cispo", "vespo"):
             return 0.0
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -344,6 +353,9 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                       sapo_temperature_neg=self.sapo_temperature_neg, delta=self.delta,
                       use_bias_correction_kl=bool(self.use_bias_correction_kl),
                       importance_sampling=self.importance_sampling_level)
+        if self.loss_type == "vespo":
+            policy.update(vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,
+                          vespo_k_neg=self.vespo_k_neg, vespo_lambda_neg=self.vespo_lambda_neg)
         runtime = _runtime(self.runtime, None)
         rho = None
         if vllm_is_ratio is not None:  # Liger's (B, S) or (B, 1), repeated over the tokens
@@ -353,7 +365,7 @@ class LossdFusedLinearGRPOLoss(_OnServer):
                 raise errors.InvalidArgumentError(
                     "vllm_is_ratio must be (B, S) = (%d, %d) or (B, 1), got %s" % (
                         bsz, seq, tuple(rho.shape)), method="rl")
-            rho = rho.expand(bsz, seq).reshape(-1)
+            rho = _rows_of_ratio(rho, bsz, seq, self.loss_type == "vespo")
             runtime.client.require_feature("policy_is_ratio", timeout=runtime.timeout)
         ref = self._ref_logps(ref_per_token_logps, ref_input, ref_weight, ref_bias, ids, bsz)
         if self.importance_sampling_level == "sequence":

@@ -68,12 +68,27 @@ def policy_loss(logp, mask, adv, old, ref, opts, bsz, is_ratio=None):
         per_token = -torch.where(adv > 0, gate(opts.get("sapo_temperature_pos", 1.0)),
                                  gate(opts.get("sapo_temperature_neg", 1.05))) * adv
         clipped = torch.zeros_like(adv, dtype=torch.bool)
+    elif kind == "vespo":  # Liger's get_gamma_weights, detached; vllm_is_ratio inside it
+        floor = float(np.log(1e-8))
+        u = (torch.clamp(logp - old, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+        if is_ratio is not None:  # every token's, masked or not; a (B, 1) one once
+            u = u + torch.clamp(torch.log(is_ratio.reshape(bsz, -1)), floor, 20.0).sum(
+                -1, keepdim=True)
+        log_w = torch.clamp(u, floor, 20.0)
+        pos = adv >= 0
+        k = torch.where(pos, opts.get("vespo_k_pos", 2.0), opts.get("vespo_k_neg", 3.0))
+        lam = torch.where(pos, opts.get("vespo_lambda_pos", 3.0),
+                          opts.get("vespo_lambda_neg", 2.0)).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
+        per_token = -phi * adv * logp
+        clipped = torch.zeros_like(adv, dtype=torch.bool)
     else:
         coef2 = torch.clamp(coef1, lo, hi)
         capped = torch.clamp(coef1, max=opts["delta"]) if opts.get("delta") else coef1
         per_token = -torch.min(capped * adv, coef2 * adv)
         clipped = ((coef1 < lo) & (adv < 0)) | ((coef1 > hi) & (adv > 0))
-    if is_ratio is not None:  # Liger's vllm_is_ratio, on the policy term before the KL term
+    if is_ratio is not None and kind != "vespo":  # on the policy term before the KL term
         per_token = per_token * is_ratio.reshape(bsz, -1)
     kl = torch.exp(ref - logp) - (ref - logp) - 1
     if opts.get("use_bias_correction_kl"):
@@ -89,7 +104,7 @@ def policy_loss(logp, mask, adv, old, ref, opts, bsz, is_ratio=None):
         loss = (per_token * mask).sum() / (bsz * opts["max_completion_length"])
     elif kind == "luspo":  # each token times its sequence's mask count, over B S
         loss = (per_token * mask * mask.sum(-1, keepdim=True)).sum() / mask.numel()
-    else:  # dapo, cispo
+    else:  # dapo, cispo, vespo
         d = opts["dapo_normalizer"] if opts["dapo_normalizer"] > 0 else mask.sum()
         loss = (per_token * mask).sum() / torch.clamp(torch.as_tensor(d, dtype=DT), min=1.0)
     return loss, (kl.detach() * mask).sum() / n, (clipped * mask).sum() / n

@@ -159,7 +159,7 @@ def test_distill_teacher_by_handle():
 
 @pytest.mark.parametrize("kind, kw, message", [
     ("ppo", {}, "kind must be one of cross_entropy, logprob, policy, distill, got 'ppo'"),
-    ("policy", {"policy": {"loss_type": "vespo"}}, "policy.loss_type must be one of"),
+    ("policy", {"policy": {"loss_type": "ppo"}}, "policy.loss_type must be one of"),
     ("policy", {"policy": {"clip": 0.2}}, "policy: unknown option clip"),
     ("policy", {"policy": 0.2}, "policy must be a PolicyOptions or a dict, got float"),
     ("logprob", {"policy": {}}, "policy options go with kind 'policy', not 'logprob'"),

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """lossd.rl's GRPO loss with Liger's vllm_is_ratio (the trainer / rollout correction, a
-per-token factor on the policy term, sent as the policy kind's is_ratio): against torch
+per-token factor on the policy term, or with vespo a term of the sequence's weight, sent as
+the policy kind's is_ratio): against torch
 float64 autograd of Liger's formulas and against Liger-Kernel 0.8.5's own module, through the
 float64 reference client and a server listing "policy_is_ratio" (test_rl_torch's backends).
 """
@@ -29,7 +30,8 @@ def factors(shape, seed):
 @needs("policy")
 @pytest.mark.parametrize("loss_type, level, per_sequence", [
     ("dapo", "token", False), ("cispo", "token", False), ("sapo", "token", True),
-    ("grpo", "sequence", False), ("luspo", "token", False)])
+    ("grpo", "sequence", False), ("luspo", "token", False), ("vespo", "token", False),
+    ("vespo", "token", True)])
 def test_is_ratio_matches_torch(backend, loss_type, level, per_sequence):
     make, fake = backend
     skip_without_feature(make, fake)
@@ -49,7 +51,9 @@ def test_is_ratio_matches_torch(backend, loss_type, level, per_sequence):
                    if k not in ("temperature", "importance_sampling_level")})
     rloss, rkl, rclip = policy_loss(rlogp, as64(mask).reshape(-1), as64(adv).repeat_interleave(S),
                                     as64(old), as64(ref), opts, B,
-                                    as64(rho.expand(B, S)).reshape(-1))
+                                    # vespo sums Liger's (B, 1) once: it goes as it is
+                                    as64(rho if loss_type == "vespo" else rho.expand(B, S)
+                                         ).reshape(-1))
     (2.0 * rloss).backward()
     expect_close("loss", loss, rloss.detach())
     expect_close("kl", kl, rkl, atol=1e-4)

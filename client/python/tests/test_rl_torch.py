@@ -222,6 +222,9 @@ OTHER_TYPES = [
     (dict(loss_type="luspo", epsilon_high=0.28, beta=0.04, delta=1.45), (1.45,)),
     (dict(loss_type="grpo", epsilon_high=0.28, beta=0.1, delta=1.4,
           use_bias_correction_kl=True), (1.4,)),
+    (dict(loss_type="vespo", beta=0.0), ()),
+    (dict(loss_type="vespo", beta=0.1, use_bias_correction_kl=True, vespo_k_pos=1.5,
+          vespo_lambda_pos=2.0, vespo_k_neg=2.5, vespo_lambda_neg=1.0), ()),
 ]
 
 
@@ -265,19 +268,21 @@ def test_grpo_other_loss_types_match_torch(backend, case):
     if kw["beta"]:
         expect_close("kl", metrics[0], rkl, atol=1e-4)
     expect_close("clip_fraction", metrics[-1], rclip, rtol=1e-6, atol=0)
-    if kw["loss_type"] != "sapo":
+    if kw["loss_type"] not in ("sapo", "vespo"):  # they never clip
         assert 0 < metrics[-1].item() < 1, "some tokens clip, some do not"
     expect_grads([("dx", x3, rx), ("dw", w, rw), ("db", b, rb)])
     if fake is not None:
         sent = fake.calls[-1]["policy"]
-        for name in ("loss_type", "delta", "use_bias_correction_kl", "sapo_temperature_pos"):
+        for name in ("loss_type", "delta", "use_bias_correction_kl", "sapo_temperature_pos",
+                     "vespo_k_pos", "vespo_lambda_neg"):
             if name in kw:
                 assert sent[name] == kw[name], name
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(loss_type="vespo"), "loss_type 'vespo' is not supported by lossd: its weight is a "
-                              "function of the whole sequence's log-ratios"),
+    (dict(loss_type="vespo", importance_sampling_level="sequence"),
+     "Sequence-level importance sampling is not supported for loss_type='vespo'"),
+    (dict(loss_type="vespo", delta=2.0), "delta applies to the clipped loss types"),
     (dict(loss_type="ppo"), "Unknown loss type: ppo"),
     (dict(importance_sampling_level="group"), "Unknown importance sampling level: group"),
     (dict(loss_type="cispo", importance_sampling_level="sequence"),
@@ -398,8 +403,16 @@ def test_grpo_module_matches_ligers_module(backend, loss_type):
         expect_close(name, got, want, rtol=0, atol=tol)
 
 
+# vespo's loss is a cancelling sum of terms phi A logp whose weight phi moves with the
+# sequence's summed log-ratios: Liger's fp32 module sits ~4e-5 of the loss from float64 here,
+# past this test's 2e-5. Liger's own vespo cases (tools/liger_check, its tolerances) and the
+# float64 comparisons above check it instead.
+LIGER_MODULE_TYPES = [c for c in OTHER_TYPES if c[0]["loss_type"] != "vespo"]
+
+
 @needs("policy")
-@pytest.mark.parametrize("case", OTHER_TYPES, ids=[other_type_id(c) for c in OTHER_TYPES])
+@pytest.mark.parametrize("case", LIGER_MODULE_TYPES,
+                         ids=[other_type_id(c) for c in LIGER_MODULE_TYPES])
 def test_grpo_other_loss_types_match_ligers_module(backend, case):
     """As above for cispo, sapo, luspo, delta and use_bias_correction_kl. luspo's mask is all
     ones: Liger's token-level luspo counts masked tokens in, lossd's leaves them out."""
