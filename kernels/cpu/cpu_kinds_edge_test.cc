@@ -142,7 +142,8 @@ TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
                                  LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
                                  kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit |
                                  kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
-                                 kPolicyGeoMeanBit | kPolicyKlCovBit | kDistillTopkBit);
+                                 kPolicyGeoMeanBit | kPolicyKlCovBit | kPolicyVespoBit |
+                                 kDistillTopkBit);
 }
 
 }  // namespace

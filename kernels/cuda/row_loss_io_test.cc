@@ -126,6 +126,10 @@ LossProblem PolicyProblemOf(const Head& head, const PolicyProblem& pp) {
   q.loss_scale_factor = o.loss_scale_factor;
   q.kl_cov_ratio = o.kl_cov_ratio;
   q.ppo_kl_coef = o.ppo_kl_coef;
+  q.vespo_k_pos = o.vespo_k_pos;
+  q.vespo_lambda_pos = o.vespo_lambda_pos;
+  q.vespo_k_neg = o.vespo_k_neg;
+  q.vespo_lambda_neg = o.vespo_lambda_neg;
   return p;
 }
 
@@ -499,11 +503,11 @@ TEST(RowLossIoTest, PolicyVerlMenuMatchesTheReference) {
   EXPECT_EQ(checked, 2 * 5 + 2 * 4);  // token: every config; sequence: the clipped four
 }
 
-// geo_mean (verl's GMPO) and kl_cov (verl's KL-Cov) through the host code a CUDA Compute runs
-// by group: the loss, kl and clip fraction from the rows' logp and entropy, and every row's logp
+// geo_mean (verl's GMPO), kl_cov (verl's KL-Cov) and vespo (Liger's) through the host code a
+// CUDA Compute runs by group: the loss, kl and clip fraction from the rows' logp and entropy, and every row's logp
 // coefficient (what the gradient pass runs with), against the reference; with the KL term, the
 // entropy bonus, an aggregation and the rollout weights.
-TEST(RowLossIoTest, PolicyGeoMeanAndKlCovMatchTheReference) {
+TEST(RowLossIoTest, PolicyGeoMeanKlCovAndVespoMatchTheReference) {
   const Head head(9);
   const PolicyRows rows(head, 13, 0.5);  // log-ratios past both clip bounds
   const LogprobReferenceOutputs& lref = rows.lref;
@@ -523,6 +527,9 @@ TEST(RowLossIoTest, PolicyGeoMeanAndKlCovMatchTheReference) {
       {PolicyLossType::kKlCov, KlEstimator::kK3, 0.2f, 0.0f, PolicyAggregation::kLossType, false},
       {PolicyLossType::kKlCov, KlEstimator::kK1, 0.1f, 0.05f, PolicyAggregation::kSeqMeanTokenSum,
        true},
+      {PolicyLossType::kVespo, KlEstimator::kK3, 0.2f, 0.0f, PolicyAggregation::kLossType, true},
+      {PolicyLossType::kVespo, KlEstimator::kAbs, 0.1f, 0.05f,
+       PolicyAggregation::kSeqMeanTokenMean, false},
   };
   for (const auto& config : configs) {
     PolicyProblem pp = rows.Problem(head, 3, config.is_ratio);
@@ -531,6 +538,8 @@ TEST(RowLossIoTest, PolicyGeoMeanAndKlCovMatchTheReference) {
     o.epsilon_high = 0.28f;
     o.kl_cov_ratio = 0.2;
     o.ppo_kl_coef = 0.6f;
+    o.vespo_k_pos = 1.5f;  // not the defaults, so a swapped pair shows
+    o.vespo_lambda_neg = 2.5f;
     o.beta = config.beta;
     o.kl_estimator = config.kl;
     o.entropy_coeff = config.entropy;
@@ -545,7 +554,11 @@ TEST(RowLossIoTest, PolicyGeoMeanAndKlCovMatchTheReference) {
                                     << " entropy " << o.entropy_coeff << " "
                                     << PolicyAggregationName(o.aggregation) << " is_ratio "
                                     << config.is_ratio);
-    EXPECT_GT(ref.clip_fraction, 0.0) << "no row clipped: a weak case";
+    if (config.type == PolicyLossType::kVespo) {
+      EXPECT_EQ(ref.clip_fraction, 0.0);  // it never clips
+    } else {
+      EXPECT_GT(ref.clip_fraction, 0.0) << "no row clipped: a weak case";
+    }
     Outputs out;
     WriteRowLossOutputs(p, out.view(), head.targets32(),
                         RowsOf(ref.logp, lref.entropy, lref.lse));
