@@ -47,6 +47,7 @@
 #include "bench/kernel/bench_util.h"
 #include "bench/kernel/floor.h"
 #include "bench/kernel/kernel_flags.h"
+#include "bench/kernel/kinds_bench_shape.h"
 #include "bench/kernel/kinds_table.h"
 #include "bench/kernel/problem.h"
 #include "bench/kernel/timing.h"
@@ -57,7 +58,6 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device_io.h"
 #include "kernels/cuda/fused_loss.h"
-#include "kernels/cuda/policy_sequence.h"
 #include "kernels/policy_rows.h"
 
 ABSL_FLAG(std::string, kinds, "cross_entropy,logprob,policy,distill",
@@ -82,23 +82,6 @@ namespace bench {
 namespace {
 
 constexpr const char* kDefaultShapes = "8192x4096x128256,8192x2304x256000";
-constexpr uint64_t kFloorWsBytes = 32ull << 20;
-
-// One shape's device buffers, shared by every kind.
-struct ShapeBuffers {
-  int64_t bt = 0, h = 0, v = 0, th = 0;
-  void *x = nullptr, *w = nullptr, *dx = nullptr, *dw = nullptr, *rows = nullptr,
-       *tg = nullptr;
-  void *fz = nullptr, *fws = nullptr;           // the floor's logits and workspace
-  void *tx = nullptr, *tw = nullptr, *ftz = nullptr;  // distill: teacher X, W, floor logits
-  int32_t* counted = nullptr;                    // distill: every row counts (0)
-  // Per-row inputs: logprob's coefficients, policy's weights, advantages, old and ref logp.
-  float *coef_logp = nullptr, *coef_entropy = nullptr, *row_weight = nullptr,
-        *advantages = nullptr, *old_logp = nullptr, *ref_logp = nullptr,
-        *policy_entropy = nullptr;
-  float logprob_alpha = 1, policy_alpha = 1;
-};
-
 bool ParseShape(absl::string_view s, int64_t* bt, int64_t* h, int64_t* v) {
   std::vector<std::string> parts = absl::StrSplit(s, 'x');
   return parts.size() == 3 && absl::SimpleAtoi(parts[0], bt) && absl::SimpleAtoi(parts[1], h) &&
@@ -167,6 +150,24 @@ int MakePolicyInputs(const std::vector<float>& logp, ShapeBuffers* b) {
          Upload(entropy, &b->policy_entropy);
 }
 
+// The mean of the per-row statistic in row_ce (see the top of the file); false if any row's
+// is not finite.
+int RowMean(const ShapeBuffers& b, double* mean, bool* finite) {
+  std::vector<float> host(b.bt);
+  const float* row_ce = static_cast<const float*>(b.rows) + b.bt;
+  BENCH_CHECK_CUDA(cudaMemcpy(host.data(), row_ce, b.bt * 4, cudaMemcpyDeviceToHost));
+  double sum = 0;
+  *finite = true;
+  for (float f : host) {
+    *finite = *finite && std::isfinite(f);
+    sum += f;
+  }
+  *mean = sum / static_cast<double>(b.bt);
+  return 0;
+}
+
+}  // namespace
+
 // The fused op's arguments for `kind` on the shape's buffers (dX bf16, a fresh fp32 dW).
 cuda::DeviceLossArgs ArgsOf(LossKind kind, const ShapeBuffers& b, float temperature) {
   cuda::DeviceLossArgs a = BenchProblem(b.bt, b.h, b.v, b.x, b.w, b.tg, b.rows, b.dx, b.dw);
@@ -233,28 +234,12 @@ absl::Status Floor(cuda::FusedLoss& e, cudaStream_t stream, const ShapeBuffers& 
                        b.th, b.tx, b.th, CUDA_R_16BF, 0.0f, b.ftz, b.v, CUDA_R_16BF);
 }
 
-// The mean of the per-row statistic in row_ce (see the top of the file); false if any row's
-// is not finite.
-int RowMean(const ShapeBuffers& b, double* mean, bool* finite) {
-  std::vector<float> host(b.bt);
-  const float* row_ce = static_cast<const float*>(b.rows) + b.bt;
-  BENCH_CHECK_CUDA(cudaMemcpy(host.data(), row_ce, b.bt * 4, cudaMemcpyDeviceToHost));
-  double sum = 0;
-  *finite = true;
-  for (float f : host) {
-    *finite = *finite && std::isfinite(f);
-    sum += f;
-  }
-  *mean = sum / static_cast<double>(b.bt);
-  return 0;
-}
-
 // One kind at one shape: plan, workspace, the floor, tuned floor and fused op in the same
 // rounds, the memory measured across them and the sanity statistic.
 // With `args`, those arguments instead of the kind's own (ArgsOf).
 int RunKind(cuda::CudaBackend& backend, cuda::FusedLoss& engine, cuda::FusedLoss& floor_engine,
             LossKind kind, const ShapeBuffers& b, KindRow* row, bool* finite,
-            const cuda::DeviceLossArgs* args = nullptr) {
+            const cuda::DeviceLossArgs* args) {
   cudaStream_t stream = engine.stream();
   const bool teacher = kind == LossKind::kDistill;
   const cuda::DeviceLossArgs a =
@@ -305,6 +290,8 @@ int RunKind(cuda::CudaBackend& backend, cuda::FusedLoss& engine, cuda::FusedLoss
                row->tuned_floor_ms);
   return 0;
 }
+
+namespace {
 
 // A forward-only logprob pass (no gradients) at the shape: the current log-probs, from which
 // policy's old and reference log-probs are drawn.
@@ -376,79 +363,6 @@ int RunTwoPhase(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
     return 1;
   }
   std::fprintf(stderr, "  %s\n", TwoPhaseLine(*t).c_str());
-  return 0;
-}
-
-// The row policy_verl: the policy kind with verl's k2 estimator and an entropy bonus of 0.01
-// (its e_i per row), on the policy row's inputs.
-int RunPolicyVerl(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
-                  cuda::FusedLoss& floor_engine, const ShapeBuffers& b, KindRow* row,
-                  bool* finite) {
-  cuda::DeviceLossArgs a = ArgsOf(LossKind::kPolicy, b, absl::GetFlag(FLAGS_temperature));
-  a.row_loss.policy.kl_estimator = policy_math::kK2;
-  a.row_loss.policy.entropy_coeff = 0.01f;
-  a.row_loss.coef_entropy = b.policy_entropy;
-  if (RunKind(backend, engine, floor_engine, LossKind::kPolicy, b, row, finite, &a)) return 1;
-  row->kind = "policy_verl";
-  return 0;
-}
-
-// The policy kind at sequence level over sequences of `seq` rows, as CudaBackend::Compute runs
-// it: EnqueueSequenceForward (the forward pass, logp to the host, the coefficients uploaded),
-// then the gradient pass; in the same rounds as the floor and the tuned floor.
-int RunPolicySequence(cuda::CudaBackend& backend, cuda::FusedLoss& engine,
-                      cuda::FusedLoss& floor_engine, const ShapeBuffers& b, int64_t seq,
-                      PolicyLossType type, KindRow* row) {
-  cudaStream_t stream = engine.stream();
-  std::vector<float> adv(b.bt), old(b.bt), ref(b.bt);
-  std::vector<int32_t> targets32(b.bt);
-  BENCH_CHECK_CUDA(cudaMemcpy(adv.data(), b.advantages, b.bt * 4, cudaMemcpyDeviceToHost));
-  BENCH_CHECK_CUDA(cudaMemcpy(old.data(), b.old_logp, b.bt * 4, cudaMemcpyDeviceToHost));
-  BENCH_CHECK_CUDA(cudaMemcpy(ref.data(), b.ref_logp, b.bt * 4, cudaMemcpyDeviceToHost));
-  BENCH_CHECK_CUDA(cudaMemcpy(targets32.data(), b.tg, b.bt * 4, cudaMemcpyDeviceToHost));
-  LossProblem p;
-  p.bt = b.bt, p.h = b.h, p.v = b.v;
-  p.kind = LossKind::kPolicy;
-  p.advantages = adv.data();
-  p.old_logp = old.data();
-  p.ref_logp = ref.data();
-  p.policy.sequences = b.bt / seq;
-  p.policy.loss_type = type;  // the others by group at token level (PolicyBySequence)
-  p.policy.importance_sampling = type == PolicyLossType::kDapo ? ImportanceSampling::kSequence
-                                                               : ImportanceSampling::kToken;
-  const cuda::ChunkPlan plan = backend.Plan(ShapeFor(LossKind::kPolicy, b));
-  void* ws = nullptr;
-  BENCH_CHECK_CUDA(cudaMalloc(&ws, plan.workspace_bytes));
-  std::vector<std::unique_ptr<BackendBuffer>> held;
-  cuda::CallBuffers m([&backend](uint64_t n) { return backend.Allocate(n); }, &held, stream);
-  const float temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
-  std::vector<std::function<absl::Status()>> bodies = {
-      [&]() { return Floor(floor_engine, stream, b, false, false); },
-      [&]() { return Floor(engine, stream, b, false, false); },
-      [&]() -> absl::Status {
-        cuda::DeviceLossArgs a = ArgsOf(LossKind::kPolicy, b, temperature);
-        absl::Status s = cuda::EnqueueSequenceForward(engine, m, p, targets32, plan, ws, &a);
-        return s.ok() ? engine.Enqueue(a, plan, ws) : s;
-      }};
-  std::vector<double> ms;
-  if (TimeRoundsMs(stream, absl::GetFlag(FLAGS_warmup), absl::GetFlag(FLAGS_runs), bodies,
-                   &ms)) {
-    return 1;
-  }
-  BENCH_CHECK_CUDA(cudaDeviceSynchronize());
-  BENCH_CHECK_CUDA(cudaFree(ws));
-  row->bt = b.bt, row->h = b.h, row->v = b.v;
-  row->kind = type == PolicyLossType::kDapo ? std::string("policy_seq")
-                                            : std::string("policy_") + PolicyLossTypeName(type);
-  row->chunk_rows = plan.chunk_rows;
-  row->schedule = static_cast<int>(plan.schedule);
-  row->workspace = plan.workspace_bytes;
-  row->flop = 6.0 * b.bt * b.v * b.h;
-  row->floor_ms = ms[0], row->tuned_floor_ms = ms[1], row->ms = ms[2];
-  std::fprintf(stderr, "  %lldx%lldx%lld %s (S %lld): C=%lld %.2f ms (floor %.2f)\n",
-               static_cast<long long>(b.bt), static_cast<long long>(b.h),
-               static_cast<long long>(b.v), row->kind.c_str(), static_cast<long long>(seq),
-               static_cast<long long>(plan.chunk_rows), row->ms, row->floor_ms);
   return 0;
 }
 
