@@ -101,19 +101,25 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
                         clip_ratio_high=None, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                         kl_loss_type="low_var_kl", kl_loss_coef=0.0, entropy_coeff=0.0,
                         sequences=1, global_normalizer=0.0, loss_scale_factor=None,
-                        kl_cov_ratio=0.0002, ppo_kl_coef=1.0):
+                        kl_cov_ratio=0.0002, ppo_kl_coef=1.0, tau_pos=1.0, tau_neg=1.05):
     """PolicyOptions for verl's actor settings (its names and defaults): policy_loss
     "vanilla" (PPO with dual clip: clip_ratio_c is the ratio's cap where A < 0, lossd's delta),
     "gpg", "geo_mean" (GMPO: clip_ratio(_low/_high) bound each token's log-ratio; no dual
-    clip; loss_agg_mode aggregates its KL and entropy terms only, as in verl) or "kl_cov"
-    (KL-Cov, with verl's policy_loss.kl_cov_ratio and ppo_kl_coef; no clipping); loss_agg_mode; kl_loss_type (a trailing "+" for the straight-through variant)
-    with kl_loss_coef as beta (use_kl_loss off: 0); entropy_coeff; global_normalizer: verl's
-    batch_num_tokens (token-mean) or global_batch_size (seq-mean modes) over dp_size, 0 = this
-    call's count. Raises InvalidArgumentError naming a name that is not built."""
-    if policy_loss not in ("vanilla", "gpg", "geo_mean", "kl_cov"):
+    clip; loss_agg_mode aggregates its KL and entropy terms only, as in verl), "kl_cov"
+    (KL-Cov, with verl's policy_loss.kl_cov_ratio and ppo_kl_coef; no clipping), "gspo"
+    (lossd's sequence-level importance sampling; no dual clip; advantages constant over each
+    sequence, as GRPO's are, give verl's gradient) or "sapo" (its gate temperatures tau_pos and
+    tau_neg; verl aggregates sapo's term by seq-mean-token-mean whatever loss_agg_mode says,
+    so a KL or entropy term needs loss_agg_mode "seq-mean-token-mean" too); loss_agg_mode;
+    kl_loss_type (a trailing "+" for the straight-through variant) with kl_loss_coef as beta
+    (use_kl_loss off: 0); entropy_coeff; global_normalizer: verl's batch_num_tokens
+    (token-mean) or global_batch_size (seq-mean modes) over dp_size, 0 = this call's count.
+    Raises InvalidArgumentError naming a name that is not built."""
+    built = ("vanilla", "gpg", "geo_mean", "kl_cov", "gspo", "sapo")
+    if policy_loss not in built:
         raise errors.InvalidArgumentError(
-            "verl policy_loss %r is not built (vanilla, gpg, geo_mean and kl_cov are; "
-            "docs/rl_clients.md lists verl's names)" % policy_loss)
+            "verl policy_loss %r is not built (%s are; docs/rl_clients.md lists verl's names)"
+            % (policy_loss, ", ".join(built)))
     base = kl_loss_type[:-1] if kl_loss_type.endswith("+") else kl_loss_type
     if base not in VERL_KL:
         raise errors.InvalidArgumentError("verl kl_loss_type must be one of %s (with an "
@@ -122,13 +128,24 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
     if loss_agg_mode not in AGGREGATIONS or loss_agg_mode == "loss_type":
         raise errors.InvalidArgumentError("verl loss_agg_mode must be one of %s, got %r" % (
             ", ".join(a for a in AGGREGATIONS if a != "loss_type"), loss_agg_mode))
+    if policy_loss == "sapo" and loss_agg_mode != "seq-mean-token-mean":
+        if kl_loss_coef or entropy_coeff:
+            raise errors.InvalidArgumentError(
+                "verl's sapo aggregates its term by seq-mean-token-mean and the KL and entropy "
+                "terms by loss_agg_mode %r; lossd aggregates a call one way: pass "
+                "loss_agg_mode='seq-mean-token-mean'" % loss_agg_mode)
+        loss_agg_mode = "seq-mean-token-mean"
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     vanilla = policy_loss == "vanilla"
+    loss_type = {"vanilla": "dapo", "gspo": "dapo"}.get(policy_loss, policy_loss)
     return PolicyOptions(
-        loss_type="dapo" if vanilla else policy_loss, epsilon_low=low, epsilon_high=high,
+        loss_type=loss_type, epsilon_low=low, epsilon_high=high,
         beta=kl_loss_coef, sequences=sequences, dapo_normalizer=global_normalizer,
-        delta=clip_ratio_c if vanilla else None, kl_estimator=VERL_KL[base],
+        delta=clip_ratio_c if vanilla else None,
+        importance_sampling="sequence" if policy_loss == "gspo" else "token",
+        sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg,
+        kl_estimator=VERL_KL[base],
         kl_straight_through=kl_loss_type.endswith("+") and VERL_KL[base] != "k2",
         entropy_coeff=entropy_coeff, aggregation=loss_agg_mode,
         loss_scale_factor=(loss_scale_factor or 0.0)

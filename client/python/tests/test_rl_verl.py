@@ -51,8 +51,11 @@ class _Formulas:
     ref; k1 d, abs |d|, k2 d^2/2, low_var_kl clamp(e^x - x - 1, +-10) at x = clamp(-d, +-20),
     '+' the value with k2's gradient; PPO's clipped ratio with the dual clip c where A < 0;
     gpg -A logp; geo_mean (GMPO) the mean over sequences of -mean(A) exp(mean of the
-    log-ratios clipped on A's side), the rollout weights' geometric mean beside; the modes over
-    the masked (B, S) matrix with verl's global counts."""
+    log-ratios clipped on A's side), the rollout weights' geometric mean beside; GSPO's
+    sequence ratio (the paper's: exp of the masked mean log-ratio, its gradient through the
+    mean, log-ratio capped at 10) clipped as PPO's; SAPO's gate sigmoid(tau (r - 1)) 4 / tau,
+    tau by A's sign, always by seq-mean-token-mean; the modes over the masked (B, S) matrix
+    with verl's global counts."""
 
     @staticmethod
     def kl_penalty(logp, ref, kind):
@@ -91,6 +94,22 @@ class _Formulas:
         pg = torch.maximum(-a * r, -a * clipped)
         pg = torch.where(a < 0, torch.minimum(pg, -a * config.clip_ratio_c), pg)
         return cls.agg_loss(pg, mask, mode, **config.global_batch_info), {}
+
+    @classmethod
+    def compute_policy_loss_gspo(cls, old, logp, a, mask, mode, config):
+        n = mask.sum(-1, keepdim=True).clamp(min=1)
+        r = torch.exp(torch.clamp(((logp - old) * mask).sum(-1, keepdim=True) / n, max=10.0))
+        clipped = torch.clamp(r, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+        pg = torch.maximum(-a * r, -a * clipped)
+        return cls.agg_loss(pg, mask, mode, **config.global_batch_info), {}
+
+    @classmethod
+    def compute_policy_loss_sapo(cls, old, logp, a, mask, mode, config):
+        r = torch.exp(torch.clamp(logp - old, -20, 20))
+        tau = torch.where(a > 0, torch.full_like(a, config.tau_pos),
+                          torch.full_like(a, config.tau_neg))
+        pg = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+        return cls.agg_loss(pg, mask, "seq-mean-token-mean", **config.global_batch_info), {}
 
     @classmethod
     def compute_policy_loss_gpg(cls, old, logp, a, mask, mode, config):
@@ -146,7 +165,8 @@ def verl(request):
         root / "trainer" / "ppo" / "core_algos.py",
         ["kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss_vanilla",
          "compute_policy_loss_gpg", "compute_policy_loss_geo_mean",
-         "compute_policy_loss_kl_cov"], ns))
+         "compute_policy_loss_kl_cov", "compute_policy_loss_gspo",
+         "compute_policy_loss_sapo"], ns))
 
 
 class _Config(dict):
@@ -183,6 +203,8 @@ def _reference(verl, seed, opts):
     entropy = -(logsm.exp() * logsm).sum(-1)
     old = (logp.detach() - torch.tensor(log_r)).float().double()  # as sent: fp32
     ref = (logp.detach() + torch.tensor(ref_d)).float().double()
+    if opts.get("sequence_advantages"):  # GRPO's: one per sequence, repeated over its tokens
+        adv = np.repeat(adv[:, :1], S, axis=1)
     m = torch.tensor(mask, dtype=torch.float64)
     a = torch.tensor(adv, dtype=torch.float64)
     mode = opts["loss_agg_mode"]
@@ -190,7 +212,8 @@ def _reference(verl, seed, opts):
     config = _Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28,
                      clip_ratio_c=opts.get("clip_ratio_c", 3.0), global_batch_info=info,
                      policy_loss=_Config(kl_cov_ratio=opts.get("kl_cov_ratio", 0.0002),
-                                         ppo_kl_coef=opts.get("ppo_kl_coef", 1.0)))
+                                         ppo_kl_coef=opts.get("ppo_kl_coef", 1.0)),
+                     tau_pos=opts.get("tau_pos", 1.0), tau_neg=opts.get("tau_neg", 1.05))
     rho = None
     if opts.get("is_ratio"):  # rollout correction weights, per token
         rho = np.random.default_rng(seed + 1).uniform(0.2, 2.0, (B, S)).astype(np.float32)
@@ -204,6 +227,10 @@ def _reference(verl, seed, opts):
             rollout_is_weights=None if rho is None else torch.tensor(rho, dtype=torch.float64))
     elif opts["policy_loss"] == "gpg":
         pg, _ = verl.compute_policy_loss_gpg(old, logp, a, m, mode, config)
+    elif opts["policy_loss"] == "gspo":
+        pg, _ = verl.compute_policy_loss_gspo(old, logp, a, m, mode, config)
+    elif opts["policy_loss"] == "sapo":
+        pg, _ = verl.compute_policy_loss_sapo(old, logp, a, m, mode, config)
     else:
         pg, _ = verl.compute_policy_loss_vanilla(old, logp, a, m, mode, config)
     loss = pg
@@ -248,6 +275,16 @@ CASES = [
          kl_loss_coef=0.1, kl_cov_ratio=0.2, ppo_kl_coef=0.5),
     dict(policy_loss="kl_cov", loss_agg_mode="seq-mean-token-sum", kl_loss_type="k1",
          kl_loss_coef=0.1, entropy_coeff=0.02, is_ratio=True),
+    # gspo: sequence-level ratios, GRPO's per-sequence advantages (with per-token ones verl's
+    # stop-gradient form gives each token its own share, lossd the sequence's mean)
+    dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", kl_loss_type="low_var_kl",
+         kl_loss_coef=0.1, entropy_coeff=0.01, sequence_advantages=True),
+    dict(policy_loss="gspo", loss_agg_mode="token-mean", kl_loss_type="k1", kl_loss_coef=0.2,
+         sequence_advantages=True),
+    # sapo: its gate temperatures; its term by seq-mean-token-mean whatever loss_agg_mode says
+    dict(policy_loss="sapo", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k2",
+         kl_loss_coef=0.1, entropy_coeff=0.02, tau_pos=1.3, tau_neg=0.7),
+    dict(policy_loss="sapo", loss_agg_mode="token-mean", kl_loss_type="k1", kl_loss_coef=0.0),
     # one data-parallel rank of two: verl's global counts (the whole batch's), lossd's
     # dapo_normalizer = count / dp_size; and a fixed loss_scale_factor
     dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
@@ -281,7 +318,8 @@ def test_policy_matches_verls_functions(verl, client, opts):
         entropy_coeff=opts.get("entropy_coeff", 0.0), sequences=B,
         global_normalizer=_global_normalizer(opts),
         loss_scale_factor=opts.get("global_batch_info", {}).get("loss_scale_factor"),
-        kl_cov_ratio=opts.get("kl_cov_ratio", 0.0002), ppo_kl_coef=opts.get("ppo_kl_coef", 1.0))
+        kl_cov_ratio=opts.get("kl_cov_ratio", 0.0002), ppo_kl_coef=opts.get("ppo_kl_coef", 1.0),
+        tau_pos=opts.get("tau_pos", 1.0), tau_neg=opts.get("tau_neg", 1.05))
     r = client.compute(sent["x"], sent["w"], sent["targets"], kind="policy", temperature=T,
                        advantages=sent["advantages"], old_logp=sent["old_logp"],
                        ref_logp=sent["ref_logp"], is_ratio=sent["is_ratio"], policy=policy)
@@ -312,6 +350,11 @@ def test_verl_names_that_are_not_built_are_refused():
         "low_var_kl", True, 3.0, 4096)
     g = lossd.verl_policy_options(policy_loss="geo_mean", clip_ratio=0.4)
     assert (g.loss_type, g.epsilon_low, g.epsilon_high, g.delta) == ("geo_mean", 0.4, 0.4, None)
+    q = lossd.verl_policy_options(policy_loss="gspo")
+    assert (q.loss_type, q.importance_sampling, q.delta) == ("dapo", "sequence", None)
+    with pytest.raises(lossd.InvalidArgumentError, match="verl's sapo aggregates its term by "
+                                                         "seq-mean-token-mean"):
+        lossd.verl_policy_options(policy_loss="sapo", kl_loss_coef=0.1)
 
 
 def test_unknown_option_values_are_refused_before_sending(client):
