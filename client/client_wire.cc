@@ -87,6 +87,8 @@ v1::PolicyLossType ToProto(PolicyLossType t) {
       return v1::POLICY_LOSS_KL_COV;
     case PolicyLossType::kVespo:
       return v1::POLICY_LOSS_VESPO;
+    case PolicyLossType::kCispoClamp:
+      return v1::POLICY_LOSS_CISPO_CLAMP;
   }
   return static_cast<v1::PolicyLossType>(static_cast<int>(t));
 }

@@ -28,9 +28,10 @@ ABSL_FLAG(std::string, ref_logp, "", "policy: .npy of the reference log-probs (B
 ABSL_FLAG(std::string, is_ratio, "",
           "policy: .npy of the rollout correction (Liger's vllm_is_ratio) (BT), fp32 >= 0");
 ABSL_FLAG(std::string, loss_type, "dapo",
-          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg|geo_mean|kl_cov|vespo (gpg: verl's "
-          "-A logp, geo_mean: verl's GMPO, kl_cov: verl's KL-Cov, vespo: Liger's; servers "
-          "listing policy_loss_type_gpg / _geo_mean / _kl_cov / _vespo)");
+          "policy: dapo|grpo|bnpo|dr_grpo|cispo|sapo|luspo|gpg|geo_mean|kl_cov|vespo|cispo_clamp "
+          "(gpg: verl's -A logp, geo_mean: verl's GMPO, kl_cov: verl's KL-Cov, vespo: Liger's, "
+          "cispo_clamp: verl's cispo; servers listing policy_loss_type_gpg / _geo_mean / "
+          "_kl_cov / _vespo / _cispo_clamp)");
 ABSL_FLAG(double, epsilon_low, 0.2, "policy: lower clip range");
 ABSL_FLAG(double, epsilon_high, 0.2, "policy: upper clip range");
 ABSL_FLAG(double, beta, 0.04, "policy: KL coefficient");
@@ -120,7 +121,7 @@ absl::StatusOr<PolicyLossType> ParseLossType(const std::string& s) {
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean, "
-      "kl_cov or vespo, got '", s, "'"));
+      "kl_cov, vespo or cispo_clamp, got '", s, "'"));
 }
 
 // An enum flag by its core names (KlEstimatorName, PolicyAggregationName): the error lists them.

@@ -400,7 +400,7 @@ TEST_F(LossctlTest, LossKindsUsageErrors) {
               "--kind must be cross_entropy, logprob, policy or distill, got 'ppo'");
   ExpectFails("compute --kind=policy --loss_type=ppo --bt=4 --h=4 --v=4",
               "--loss_type must be dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean, "
-              "kl_cov or vespo, got 'ppo'");
+              "kl_cov, vespo or cispo_clamp, got 'ppo'");
   ExpectFails("compute --kind=logprob --delta=1.5 --use_bias_correction_kl --bt=4 --h=4 --v=4",
               "--kind=logprob does not take --delta (policy), --use_bias_correction_kl (policy)");
   ExpectFails("compute --kind=logprob --is_ratio=x.npy --bt=4 --h=4 --v=4",

@@ -77,8 +77,9 @@ inline constexpr uint32_t kDistillTopkBit = 1u << 21;
 // verl's menu (PolicyParams below): kPolicyKlEstimatorBit, a kl_estimator other than kK3 or
 // kl_straight_through; kPolicyEntropyBit, entropy_coeff != 0; kPolicyAggregationBit, an
 // aggregation other than kLossType; kPolicyGpgBit, loss type gpg; kPolicyGeoMeanBit, loss type
-// geo_mean; kPolicyKlCovBit, loss type kl_cov; kPolicyVespoBit, loss type vespo. Bits 24 and
-// up, apart from the 16-23 other kinds' options take.
+// geo_mean; kPolicyKlCovBit, loss type kl_cov; kPolicyVespoBit, loss type vespo;
+// kPolicyCispoClampBit, loss type cispo_clamp. Bits 24 and up, apart from the 16-23 other
+// kinds' options take.
 inline constexpr uint32_t kPolicyKlEstimatorBit = 1u << 24;
 inline constexpr uint32_t kPolicyEntropyBit = 1u << 25;
 inline constexpr uint32_t kPolicyAggregationBit = 1u << 26;
@@ -86,6 +87,7 @@ inline constexpr uint32_t kPolicyGpgBit = 1u << 27;
 inline constexpr uint32_t kPolicyGeoMeanBit = 1u << 28;
 inline constexpr uint32_t kPolicyKlCovBit = 1u << 29;
 inline constexpr uint32_t kPolicyVespoBit = 1u << 30;
+inline constexpr uint32_t kPolicyCispoClampBit = 1u << 31;
 // "cross_entropy", "logprob", "policy", "distill"; "unknown" for a value out of range.
 inline const char* LossKindName(LossKind k) {
   switch (k) {
@@ -104,7 +106,9 @@ inline const char* LossKindName(LossKind k) {
 // of -mean(A)_b R_b; kl_cov is verl's KL-Cov: -A r, plus ppo_kl_coef |logp - old| on the
 // kl_cov_ratio share of the call's tokens with the largest covariance of A and logp; vespo is
 // Liger's and TRL's: -phi A logp with phi a detached gamma weight of the sequence's summed
-// log-ratio, dapo's normalisation; kernels/cpu/policy_reference.h has the formulas).
+// log-ratio, dapo's normalisation; cispo_clamp is verl's cispo (and the CISPO paper's): -sg(w)
+// A logp with w = clamp(r, 1 - epsilon_low, 1 + epsilon_high), where Liger's cispo takes
+// min(r, epsilon_high); kernels/cpu/policy_reference.h has the formulas).
 enum class PolicyLossType : int32_t {
   kDapo = 0,
   kGrpo = 1,
@@ -117,10 +121,11 @@ enum class PolicyLossType : int32_t {
   kGeoMean = 8,
   kKlCov = 9,
   kVespo = 10,
+  kCispoClamp = 11,
 };
-inline constexpr int kPolicyLossTypes = 11;
+inline constexpr int kPolicyLossTypes = 12;
 // "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "gpg", "geo_mean", "kl_cov",
-// "vespo"; "unknown" for a value out of range.
+// "vespo", "cispo_clamp"; "unknown" for a value out of range.
 inline const char* PolicyLossTypeName(PolicyLossType t) {
   switch (t) {
     case PolicyLossType::kDapo: return "dapo";
@@ -134,16 +139,19 @@ inline const char* PolicyLossTypeName(PolicyLossType t) {
     case PolicyLossType::kGeoMean: return "geo_mean";
     case PolicyLossType::kKlCov: return "kl_cov";
     case PolicyLossType::kVespo: return "vespo";
+    case PolicyLossType::kCispoClamp: return "cispo_clamp";
   }
   return "unknown";
 }
 // Whether a loss type takes the clipped surrogate -min(r A, clamp(r) A) (and so delta):
-// every type but cispo, sapo, gpg, geo_mean (which clips each token's log-ratio instead),
-// kl_cov (which penalises instead of clipping) and vespo (which weights instead).
+// every type but cispo and cispo_clamp (which clip a detached weight), sapo, gpg, geo_mean
+// (which clips each token's log-ratio instead), kl_cov (which penalises instead of clipping)
+// and vespo (which weights instead).
 inline bool PolicyLossTypeClips(PolicyLossType t) {
   return t != PolicyLossType::kCispo && t != PolicyLossType::kSapo &&
          t != PolicyLossType::kGpg && t != PolicyLossType::kGeoMean &&
-         t != PolicyLossType::kKlCov && t != PolicyLossType::kVespo;
+         t != PolicyLossType::kKlCov && t != PolicyLossType::kVespo &&
+         t != PolicyLossType::kCispoClamp;
 }
 
 // kPolicy's per-token estimator of KL(pi || ref) in the beta term, with d_i = logp_i - ref_i

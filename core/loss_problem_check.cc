@@ -328,7 +328,7 @@ absl::Status CheckPolicyParams(const PolicyParams& p, int64_t bt) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.loss_type ", t,
         " is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, sapo 5, luspo 6, gpg 7, "
-        "geo_mean 8, kl_cov 9, vespo 10)"));
+        "geo_mean 8, kl_cov 9, vespo 10, cispo_clamp 11)"));
   }
   const std::pair<const char*, float> ranges[] = {
       {"epsilon_low", p.epsilon_low}, {"epsilon_high", p.epsilon_high}, {"beta", p.beta}};

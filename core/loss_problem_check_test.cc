@@ -341,10 +341,10 @@ TEST(LossProblemCheckTest, EachKindsInputsAreRefusedForTheOthersAndRequiredForIt
 TEST(LossProblemCheckTest, PolicyParamsAreRefusedNamingFieldAndValue) {
   PolicyParams pp;
   EXPECT_TRUE(CheckPolicyParams(pp, 6).ok());
-  pp.loss_type = static_cast<PolicyLossType>(12);
+  pp.loss_type = static_cast<PolicyLossType>(13);
   ExpectRefused(CheckPolicyParams(pp, 6),
-                "policy.loss_type 12 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9, vespo 10)");
+                "policy.loss_type 13 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9, vespo 10, cispo_clamp 11)");
   pp = PolicyParams();
   pp.epsilon_low = -0.1f;
   ExpectRefused(CheckPolicyParams(pp, 6), "policy.epsilon_low must be finite and >= 0, got -0.1");
@@ -392,10 +392,10 @@ TEST(LossProblemCheckTest, PolicyTypeOptionsAreRefusedNamingFieldAndValue) {
     pp.loss_type = t;
     EXPECT_TRUE(CheckPolicyParams(pp, 6).ok()) << PolicyLossTypeName(t);
   }
-  pp.loss_type = static_cast<PolicyLossType>(11);
+  pp.loss_type = static_cast<PolicyLossType>(12);
   ExpectRefused(CheckPolicyParams(pp, 6),
-                "policy.loss_type 11 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
-                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9, vespo 10)");
+                "policy.loss_type 12 is unknown (dapo 0, grpo 1, bnpo 2, dr_grpo 3, cispo 4, "
+                "sapo 5, luspo 6, gpg 7, geo_mean 8, kl_cov 9, vespo 10, cispo_clamp 11)");
   pp = PolicyParams();
   pp.sapo_temperature_pos = 0.0f;
   ExpectRefused(CheckPolicyParams(pp, 6),

@@ -78,7 +78,8 @@ inline std::vector<std::string> ServerFeatures(uint32_t loss_kinds) {
           {kPolicyGpgBit, "policy_loss_type_gpg"},
           {kPolicyGeoMeanBit, "policy_loss_type_geo_mean"},
           {kPolicyKlCovBit, "policy_loss_type_kl_cov"},
-          {kPolicyVespoBit, "policy_loss_type_vespo"}};
+          {kPolicyVespoBit, "policy_loss_type_vespo"},
+          {kPolicyCispoClampBit, "policy_loss_type_cispo_clamp"}};
       for (const auto& [bit, name] : verl) {
         if (kind == LossKind::kPolicy && (loss_kinds & bit) != 0) features.push_back(name);
       }

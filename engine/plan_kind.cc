@@ -299,6 +299,8 @@ absl::Status CheckPolicyOptionsServed(const ComputeSpec& spec, const std::string
        "policy_loss_type_kl_cov"},
       {kPolicyVespoBit, p.loss_type == PolicyLossType::kVespo, "header.policy.loss_type vespo",
        "policy_loss_type_vespo"},
+      {kPolicyCispoClampBit, p.loss_type == PolicyLossType::kCispoClamp,
+       "header.policy.loss_type cispo_clamp", "policy_loss_type_cispo_clamp"},
       {kPolicyKlEstimatorBit,
        p.kl_estimator != KlEstimator::kK3 || p.kl_straight_through,
        absl::StrCat("header.policy.kl_estimator ", KlEstimatorName(p.kl_estimator),

@@ -49,7 +49,8 @@
  * types geo_mean and kl_cov (LOSSD_POLICY_GEO_MEAN, _KL_COV, announced by kPolicyGeoMeanBit,
  * kPolicyKlCovBit) and kl_cov's kl_cov_ratio and ppo_kl_coef at the end of LossdProblem.
  * 6.5: the loss type vespo (LOSSD_POLICY_VESPO, announced by kPolicyVespoBit) and its gamma
- * shapes and rates at the end of LossdProblem.
+ * shapes and rates at the end of LossdProblem. 6.6: the loss type cispo_clamp
+ * (LOSSD_POLICY_CISPO_CLAMP, announced by kPolicyCispoClampBit); no new field.
  */
 #ifndef LOSSD_KERNELS_PLUGIN_ABI_H_
 #define LOSSD_KERNELS_PLUGIN_ABI_H_
@@ -63,7 +64,7 @@ extern "C" {
 
 /* major.minor packed into 32 bits: (major << 16) | minor. */
 #define LOSSD_PLUGIN_ABI_MAJOR 6u
-#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 5u
+#define LOSSD_PLUGIN_ABI_CURRENT_MINOR 6u
 #ifndef LOSSD_PLUGIN_ABI_MINOR
 #define LOSSD_PLUGIN_ABI_MINOR LOSSD_PLUGIN_ABI_CURRENT_MINOR
 #endif
@@ -120,6 +121,7 @@ extern "C" {
 #define LOSSD_POLICY_GEO_MEAN 8 /* 6.4, as the one below */
 #define LOSSD_POLICY_KL_COV 9
 #define LOSSD_POLICY_VESPO 10 /* 6.5 */
+#define LOSSD_POLICY_CISPO_CLAMP 11 /* 6.6 */
 #define LOSSD_IMPORTANCE_SAMPLING_TOKEN 0 /* 6.3, as the values below */
 #define LOSSD_IMPORTANCE_SAMPLING_SEQUENCE 1
 #define LOSSD_KL_K3 0

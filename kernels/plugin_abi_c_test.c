@@ -17,9 +17,12 @@ int main(void) {
   int failures = 0;
   memset(&api, 0, sizeof(api));
   memset(&status, 0, sizeof(status));
-  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 5u,
-                    "the ABI version is 6.5");
-  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60005u, "major.minor packed as major << 16");
+  failures += Check(LOSSD_PLUGIN_ABI_MAJOR == 6u && LOSSD_PLUGIN_ABI_CURRENT_MINOR == 6u,
+                    "the ABI version is 6.6");
+  failures += Check(LOSSD_PLUGIN_ABI_VERSION == 0x60006u, "major.minor packed as major << 16");
+  /* 6.6: cispo_clamp after vespo. */
+  failures += Check(LOSSD_POLICY_CISPO_CLAMP == LOSSD_POLICY_VESPO + 1,
+                    "cispo_clamp follows vespo");
   /* 6.5: vespo after kl_cov, its gamma parameters after 6.4's fields. */
   failures += Check(LOSSD_POLICY_VESPO == LOSSD_POLICY_KL_COV + 1, "vespo follows kl_cov");
   failures += Check(offsetof(LossdProblem, vespo_k_pos) > offsetof(LossdProblem, ppo_kl_coef)

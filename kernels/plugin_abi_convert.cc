@@ -19,7 +19,8 @@ static_assert(LOSSD_POLICY_LUSPO == static_cast<int>(PolicyLossType::kLuspo) &&
                   LOSSD_POLICY_GEO_MEAN == static_cast<int>(PolicyLossType::kGeoMean) &&
                   LOSSD_POLICY_KL_COV == static_cast<int>(PolicyLossType::kKlCov) &&
                   LOSSD_POLICY_VESPO == static_cast<int>(PolicyLossType::kVespo) &&
-                  kPolicyLossTypes == LOSSD_POLICY_VESPO + 1,
+                  LOSSD_POLICY_CISPO_CLAMP == static_cast<int>(PolicyLossType::kCispoClamp) &&
+                  kPolicyLossTypes == LOSSD_POLICY_CISPO_CLAMP + 1,
               "LOSSD_POLICY_* are PolicyLossType's values");
 static_assert(LOSSD_IMPORTANCE_SAMPLING_SEQUENCE ==
                       static_cast<int>(ImportanceSampling::kSequence) &&

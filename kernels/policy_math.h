@@ -25,7 +25,7 @@ namespace policy_math {
 // lossd::PolicyLossType's values.
 inline constexpr int32_t kDapo = 0, kGrpo = 1, kBnpo = 2, kDrGrpo = 3, kCispo = 4, kSapo = 5,
                          kLuspo = 6, kGpg = 7, kGeoMean = 8, kKlCov = 9,
-                         kVespo = 10;
+                         kVespo = 10, kCispoClamp = 11;
 // lossd::KlEstimator's values.
 inline constexpr int32_t kK3 = 0, kK1 = 1, kK2 = 2, kAbs = 3, kLowVarKl = 4;
 
@@ -74,6 +74,14 @@ LOSSD_POLICY_FN double Surrogate(const RowOptions& o, double r, double a, double
   if (o.loss_type == kGpg) {  // -A logp: no ratio
     *dlogp = -a;
     return -a * logp;
+  }
+  if (o.loss_type == kCispoClamp) {  // -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp
+    const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+    const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+    const double weight = fmin(fmax(r, lo), hi);
+    *clipped = r < lo || r > hi;  // verl's clip fraction: any clamped token, either sign of A
+    *dlogp = -weight * a;
+    return -weight * a * logp;
   }
   if (o.loss_type == kCispo) {  // -sg(min(r, eps_high)) A logp
     const double weight = fmin(r, static_cast<double>(o.epsilon_high));

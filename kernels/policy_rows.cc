@@ -58,7 +58,8 @@ static_assert(pm::kDapo == static_cast<int32_t>(PolicyLossType::kDapo) &&
               pm::kGeoMean == static_cast<int32_t>(PolicyLossType::kGeoMean) &&
               pm::kKlCov == static_cast<int32_t>(PolicyLossType::kKlCov) &&
               pm::kVespo == static_cast<int32_t>(PolicyLossType::kVespo) &&
-              kPolicyLossTypes == 11);
+              pm::kCispoClamp == static_cast<int32_t>(PolicyLossType::kCispoClamp) &&
+              kPolicyLossTypes == 12);
 static_assert(pm::kK3 == static_cast<int32_t>(KlEstimator::kK3) &&
               pm::kK1 == static_cast<int32_t>(KlEstimator::kK1) &&
               pm::kK2 == static_cast<int32_t>(KlEstimator::kK2) &&
@@ -114,6 +115,7 @@ std::vector<double> PolicyWeights(const LossProblem& p, const std::vector<uint8_
         break;
       case PolicyLossType::kDapo:
       case PolicyLossType::kCispo:
+      case PolicyLossType::kCispoClamp:
       case PolicyLossType::kGpg:
       case PolicyLossType::kKlCov:
       case PolicyLossType::kVespo:

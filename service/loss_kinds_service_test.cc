@@ -325,6 +325,11 @@ TEST_F(LossKindsServiceTest, TheServiceRefusesNamingTheHeaderField) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
   EXPECT_NE(r.status.error_message().find("does not compute header.policy.loss_type vespo"),
             std::string::npos) << r.status.error_message();
+  h.mutable_policy()->set_loss_type(v1::POLICY_LOSS_CISPO_CLAMP);
+  r = RunCompute(h_.stub(), h, parts);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(r.status.error_message().find("does not compute header.policy.loss_type cispo_clamp"),
+            std::string::npos) << r.status.error_message();
   // Outputs of another kind.
   h = Header(v1::LOSS_KIND_DISTILL);
   h.mutable_outputs()->set_predictions(true);

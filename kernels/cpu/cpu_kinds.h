@@ -22,7 +22,7 @@ inline constexpr uint32_t kCpuLossKinds =
     LossKindBit(LossKind::kPolicy) | LossKindBit(LossKind::kDistill) | kPolicySequenceBit |
     kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit | kPolicyEntropyBit |
     kPolicyAggregationBit | kPolicyGpgBit | kPolicyGeoMeanBit | kPolicyKlCovBit |
-    kPolicyVespoBit | kDistillTopkBit;
+    kPolicyVespoBit | kPolicyCispoClampBit | kDistillTopkBit;
 
 // INVALID_ARGUMENT for what this backend does not compute: an unknown kind, one outside
 // kCpuLossKinds, and outputs it does not write for a kind (entropy for policy; logp and entropy

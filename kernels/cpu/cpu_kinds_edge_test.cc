@@ -143,7 +143,7 @@ TEST(CpuKindsEdgeTest, InfoListsEveryKindComputed) {
                                  kPolicyIsRatioBit | kDistillWeightsBit | kPolicyKlEstimatorBit |
                                  kPolicyEntropyBit | kPolicyAggregationBit | kPolicyGpgBit |
                                  kPolicyGeoMeanBit | kPolicyKlCovBit | kPolicyVespoBit |
-                                 kDistillTopkBit);
+                                 kPolicyCispoClampBit | kDistillTopkBit);
 }
 
 }  // namespace

@@ -154,6 +154,15 @@ void AddVerlCases(std::vector<Case>* cs) {
   // vespo: log-ratios a twentieth of the others' (a sequence's sum within a few units of 0);
   // the rollout correction (summed into the weight, not applied again), the bias-corrected KL
   // and chunks; without old log-probs phi = 1.
+  // cispo_clamp (verl's cispo): the weight clamped on both sides, the rollout correction, KL.
+  c = Case();
+  c.name = "cispo_clamp_is_ratio_k2_chunk9";
+  c.type = PolicyLossType::kCispoClamp;
+  c.is_ratio = true;
+  c.kl = KlEstimator::kK2;
+  c.beta = 0.1f;
+  c.chunk_rows = 9;
+  cs->push_back(c);
   c = Case();
   c.name = "vespo";
   c.type = PolicyLossType::kVespo;
@@ -481,6 +490,11 @@ RowSlopes PolicyRowSlopes(const Case& c, double a, double r, double logp, double
     // (1/B) -mean(A) R rho, R's slope in each logp_i R / n_b; a is the sequence's bound
     s.loss = abs_a * r;
     s.coef = abs_a * r;
+  } else if (c.type == PolicyLossType::kCispoClamp) {  // -clamp(r) A logp; coefficient -clamp(r) A
+    const bool inside = r > 1 - c.eps_low && r < 1 + c.eps_high;
+    s.loss = abs_a * std::max(r, std::clamp(r, 1.0 - c.eps_low, 1.0 + c.eps_high)) *
+             (1 + std::abs(logp));
+    s.coef = inside ? abs_a * r : 0.0;
   } else if (c.type == PolicyLossType::kCispo) {  // -min(r, eh) A logp; coefficient -min(r, eh) A
     s.loss = abs_a * r * (1 + std::abs(logp));
     s.coef = r < c.eps_high ? abs_a * r : 0.0;
@@ -720,7 +734,7 @@ TEST(CpuPolicyTest, RefusesWhatItCannotCompute) {
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 3; }},
       {"policy.sequences", [](LossProblem& p) { p.policy.sequences = 0; }},
       {"policy.loss_type",
-       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(11); }},
+       [](LossProblem& p) { p.policy.loss_type = static_cast<PolicyLossType>(12); }},
       {"policy.kl_estimator",
        [](LossProblem& p) { p.policy.kl_estimator = static_cast<KlEstimator>(5); }},
       {"policy.loss_scale_factor", [](LossProblem& p) { p.policy.loss_scale_factor = 2; }},

@@ -44,7 +44,8 @@ absl::Status CheckOptions(const PolicyOptions& o) {
   if (type < 0 || type >= kPolicyLossTypes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "options.loss_type ", type,
-        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean, kl_cov or vespo"));
+        " is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, gpg, geo_mean, kl_cov, vespo or "
+        "cispo_clamp"));
   }
   const struct {
     const char* name;
@@ -255,6 +256,7 @@ std::vector<double> RowWeights(const PolicyProblem& p, int64_t* tokens,
         break;
       case PolicyLossType::kDapo:
       case PolicyLossType::kCispo:
+      case PolicyLossType::kCispoClamp:
       case PolicyLossType::kGpg:
       case PolicyLossType::kKlCov:
       case PolicyLossType::kVespo:
@@ -363,6 +365,14 @@ RowTerms PolicyRow(const PolicyProblem& p, int64_t i, double logp, double ratio,
     r.loss = -weight * a * logp;
     r.dlogp = -weight * a;
     r.clipped = r.ratio > bound && a > 0;
+  } else if (o.loss_type == PolicyLossType::kCispoClamp) {
+    // As cispo, the weight detached; clamped to [1 - eps_low, 1 + eps_high] (verl's).
+    const double lo = 1.0 - static_cast<double>(o.epsilon_low);
+    const double hi = 1.0 + static_cast<double>(o.epsilon_high);
+    const double weight = std::clamp(r.ratio, lo, hi);
+    r.loss = -weight * a * logp;
+    r.dlogp = -weight * a;
+    r.clipped = r.ratio < lo || r.ratio > hi;
   } else if (o.loss_type == PolicyLossType::kSapo) {
     const double tau = static_cast<double>(a > 0 ? o.sapo_temperature_pos
                                                  : o.sapo_temperature_neg);

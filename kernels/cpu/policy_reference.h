@@ -21,6 +21,8 @@
 //                                                         types: dapo grpo bnpo dr_grpo luspo
 //   pg_i   = -sg(min(r_i, eps_high)) A_i logp_i                cispo (sg: no gradient; the
 //                                                              bound is eps_high itself)
+//   pg_i   = -sg(clamp(r_i, 1 - eps_low, 1 + eps_high)) A_i logp_i   cispo_clamp (verl's
+//                                                              cispo, the CISPO paper's)
 //   pg_i   = -A_i (4 / tau_i) sigmoid(tau_i (r_i - 1)),        sapo; tau_i = sapo_temperature_pos
 //                                                              if A_i > 0, else _neg
 //   pg_i  *= rho_i      with is_ratio (Liger's vllm_is_ratio: the trainer/rollout correction,
@@ -70,7 +72,7 @@
 //   bnpo        loss = sum_i m_i l_i / max(1, N)
 //   dr_grpo     loss = sum_i m_i l_i / (B max_completion_length)
 //   dapo, cispo loss = sum_i m_i l_i / max(1, D)    D = dapo_normalizer if > 0, else N
-//               (vespo's too)
+//               (vespo's and cispo_clamp's too)
 //   luspo       loss = sum_i m_i n_{b(i)} l_i / (B S)
 //   gpg         as dapo
 // With an aggregation (verl's loss_agg_mode) other than loss_type, it replaces the type's:
@@ -88,8 +90,9 @@
 //   clip_fraction = sum_i m_i clipped_i / max(1, N),
 //                   clipped_i = (r_i < 1 - eps_low and A_i < 0) or (r_i > 1 + eps_high and A_i > 0)
 //                   for the clipped types (r_i before delta); cispo: r_i > eps_high and
-//                   A_i > 0; geo_mean: (d_i > eps_high and A_i > 0) or (d_i < -eps_low and
-//                   A_i < 0); kl_cov: i in P; sapo, gpg, vespo: never
+//                   A_i > 0; cispo_clamp: r_i outside [1 - eps_low, 1 + eps_high], either
+//                   sign of A_i (verl's); geo_mean: (d_i > eps_high and A_i > 0) or
+//                   (d_i < -eps_low and A_i < 0); kl_cov: i in P; sapo, gpg, vespo: never
 // Gradients, of grad_scale * loss (w_i: row i's normaliser above, m_i / max(1, n_b) / B etc.):
 //   token level: dloss/dlogp_i = w_i (dpg_i + beta dkl_i), dkl_i = 1 - exp(ref_i - logp_i)
 //                   (+ k3_i, times r_i, with the bias correction), and dpg_i as below.
@@ -103,6 +106,7 @@
 //     clipped types: -A_i r_i s_i; s_i = 0 if clipped_i, or if delta caps r_i (r_i >= delta,
 //                    A_i < 0); 1/2 if r_i is exactly 1 - eps_low or 1 + eps_high; else 1
 //     cispo:         -A_i min(r_i, eps_high)
+//     cispo_clamp:   -A_i clamp(r_i, 1 - eps_low, 1 + eps_high)
 //     vespo:         -A_i phi_i
 //     sapo:          -4 A_i r_i g_i (1 - g_i), g_i = sigmoid(tau_i (r_i - 1))
 //   dloss/dz_ij   = dloss/dlogp_i ([j = t_i] - p_ij), then 1/T, the softcap, and the head.

@@ -33,6 +33,7 @@ struct TypeCase {
 
 constexpr TypeCase kTypeCases[] = {
     {"cispo", PolicyLossType::kCispo, 1.3f, 0.0f},
+    {"cispo_clamp", PolicyLossType::kCispoClamp, 0.28f, 0.0f},  // clamped to [0.8, 1.28]
     {"sapo", PolicyLossType::kSapo, 0.28f, 0.0f},
     {"luspo", PolicyLossType::kLuspo, 0.28f, 0.0f},
     {"luspo_delta", PolicyLossType::kLuspo, 0.28f, 1.35f},
@@ -45,12 +46,17 @@ using FdParam = std::tuple<TypeCase, bool /*old*/, KlCase, bool /*bias correctio
 
 class PolicyTypesFiniteDifferenceTest : public ::testing::TestWithParam<FdParam> {};
 
-// The objective finite differences see. cispo's weight min(r, eps_high) is detached, so its
-// gradient is not its loss's: it is differenced as -sum_i w_i sg_i A_i logp_i (sg_i frozen at
-// the reference's ratios) plus the loss with A = 0 (the KL term alone, with its live ratio).
+// The objective finite differences see. cispo's weight min(r, eps_high) (cispo_clamp's
+// clamp(r, 1 - eps_low, 1 + eps_high)) is detached, so its gradient is not its loss's: it is
+// differenced as -sum_i w_i sg_i A_i logp_i (sg_i frozen at the reference's ratios) plus the
+// loss with A = 0 (the KL term alone, with its live ratio).
+bool DetachedWeight(PolicyLossType t) {
+  return t == PolicyLossType::kCispo || t == PolicyLossType::kCispoClamp;
+}
+
 double Objective(const PolicyProblem& q, const std::vector<double>& frozen_weight,
                  const std::vector<float>& zero_advantages) {
-  if (q.options.loss_type != PolicyLossType::kCispo) return ScaledLoss(q);
+  if (!DetachedWeight(q.options.loss_type)) return ScaledLoss(q);
   PolicyProblem kl_only = q;
   kl_only.advantages = zero_advantages.data();
   PolicyReferenceOutputs f;
@@ -92,11 +98,14 @@ TEST_P(PolicyTypesFiniteDifferenceTest, GradientMatchesFiniteDifferences) {
   const FrozenProblem fp(p, logp);
   std::vector<float> zero_advantages(in.bt, 0.0f);
   std::vector<double> frozen_weight(in.bt, 0.0);
-  if (o.loss_type == PolicyLossType::kCispo) {
+  if (DetachedWeight(o.loss_type)) {
     const double n = masked ? 6 : 8;  // dapo's normaliser, the mask count
     for (int64_t i = 0; i < in.bt; ++i) {
-      frozen_weight[i] =
-          in.mask[i] * -std::min(r.ratio[i], static_cast<double>(1.3f)) * in.advantages[i] / n;
+      const double w = o.loss_type == PolicyLossType::kCispo
+                           ? std::min(r.ratio[i], static_cast<double>(1.3f))
+                           : std::clamp(r.ratio[i], 1.0 - static_cast<double>(0.2f),
+                                        1.0 + static_cast<double>(0.28f));
+      frozen_weight[i] = in.mask[i] * -w * in.advantages[i] / n;
     }
   }
   auto objective = [&]() { return Objective(fp.q, frozen_weight, zero_advantages); };
@@ -182,6 +191,30 @@ TEST(PolicyTypesReferenceTest, CispoInClosedForm) {
   }
   EXPECT_NEAR(r.loss, loss, 1e-14);
   EXPECT_EQ(clipped, 1);
+  EXPECT_DOUBLE_EQ(r.clip_fraction, clipped / 7.0);
+  ExpectGradientOf(h.p, r, dlogp);
+}
+
+// cispo_clamp (verl's cispo): -clamp(r, 1 - eps_low, 1 + eps_high) A logp over the mask
+// count, the weight detached; clipped wherever the clamp holds, either sign of A (bounds 0.8
+// and 1.2: rows 0, 3, 4 and 7 of the seven counted).
+TEST(PolicyTypesReferenceTest, CispoClampInClosedForm) {
+  HandCase h(PolicyLossType::kCispoClamp);
+  PolicyReferenceOutputs r;
+  ASSERT_TRUE(PolicyReference(h.p, &r).ok());
+  double loss = 0;
+  int clipped = 0;
+  std::vector<double> dlogp(h.in.bt, 0.0);
+  const double lo = 1.0 - static_cast<double>(0.2f), hi = 1.0 + static_cast<double>(0.2f);
+  for (int64_t i = 0; i < h.in.bt; ++i) {
+    if (h.in.mask[i] == 0) continue;
+    const double w = std::clamp(h.Ratio(i), lo, hi);
+    loss += -w * h.in.advantages[i] * h.logp[i] / 7;
+    dlogp[i] = -1.25 * w * h.in.advantages[i] / 7;
+    clipped += h.Ratio(i) < lo || h.Ratio(i) > hi ? 1 : 0;
+  }
+  EXPECT_NEAR(r.loss, loss, 1e-14);
+  EXPECT_EQ(clipped, 4);
   EXPECT_DOUBLE_EQ(r.clip_fraction, clipped / 7.0);
   ExpectGradientOf(h.p, r, dlogp);
 }
@@ -317,8 +350,8 @@ TEST(PolicyTypesReferenceTest, DefaultsAreLigers) {
 TEST(PolicyTypesReferenceTest, RejectsBadOptions) {
   Inputs in(2, 2, 3, 4, 9);
   PolicyProblem p = in.Problem(false);
-  p.options.loss_type = static_cast<PolicyLossType>(11);
-  ExpectRefused(p, "options.loss_type 11 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo");
+  p.options.loss_type = static_cast<PolicyLossType>(12);
+  ExpectRefused(p, "options.loss_type 12 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo");
   p = in.Problem(false);
   p.options.sapo_temperature_pos = 0.0f;
   ExpectRefused(p, "options.sapo_temperature_pos must be finite and > 0, got 0");

@@ -298,8 +298,8 @@ TEST(PolicyVerlReferenceTest, RejectsBadOptions) {
   q.options.importance_sampling = ImportanceSampling::kSequence;
   ExpectRefused(q, "loss_type gpg takes token-level ratios only");
   q = p;
-  q.options.loss_type = static_cast<PolicyLossType>(11);
-  ExpectRefused(q, "options.loss_type 11 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo");
+  q.options.loss_type = static_cast<PolicyLossType>(12);
+  ExpectRefused(q, "options.loss_type 12 is not dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo");
 }
 
 }  // namespace

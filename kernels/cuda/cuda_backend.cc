@@ -197,6 +197,7 @@ BackendInfo CudaBackend::Info() {
   }
   if (minor < 0 || minor >= 4) info.loss_kinds |= kPolicyGeoMeanBit | kPolicyKlCovBit;
   if (minor < 0 || minor >= 5) info.loss_kinds |= kPolicyVespoBit;
+  if (minor < 0 || minor >= 6) info.loss_kinds |= kPolicyCispoClampBit;
   return info;
 }
 

@@ -54,11 +54,11 @@ struct CudaBackendOptions {
   // LOSSD_PLUGIN_ABI_MINOR), or -1: called directly, when it computes everything it can. Before
   // 6.3 the ABI carries neither LossProblem::is_ratio, PolicyParams::importance_sampling,
   // verl's options (the KL estimator, entropy_coeff, the aggregation, gpg) nor distill's
-  // weights; before 6.4 not the loss types geo_mean and kl_cov, before 6.5 not vespo. Info
-  // then does not announce them (kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit,
-  // kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit, kDistillWeightsBit;
-  // kPolicyGeoMeanBit, kPolicyKlCovBit; kPolicyVespoBit), so the server refuses them rather
-  // than computing without them.
+  // weights; before 6.4 not the loss types geo_mean and kl_cov, before 6.5 not vespo, before
+  // 6.6 not cispo_clamp. Info then does not announce them (kPolicySequenceBit,
+  // kPolicyIsRatioBit, kPolicyKlEstimatorBit, kPolicyEntropyBit, kPolicyAggregationBit,
+  // kPolicyGpgBit, kDistillWeightsBit; kPolicyGeoMeanBit, kPolicyKlCovBit; kPolicyVespoBit;
+  // kPolicyCispoClampBit), so the server refuses them rather than computing without them.
   int32_t plugin_abi_minor = -1;
 };
 

@@ -24,8 +24,8 @@ absl::StatusOr<std::unique_ptr<lossd::Backend>> CreateCudaBackend(
   o.chunk_budget_bytes = opts.chunk_budget_bytes;
   o.autotune_gemms = opts.fixed_gemm_algorithms == 0;
   // Before 6.3 the ABI carried neither is_ratio, the importance-sampling level nor verl's
-  // options, before 6.4 not geo_mean and kl_cov, before 6.5 not vespo (cuda_backend.h); a
-  // plugin built at an older minor does not announce them.
+  // options, before 6.4 not geo_mean and kl_cov, before 6.5 not vespo, before 6.6 not
+  // cispo_clamp (cuda_backend.h); a plugin built at an older minor does not announce them.
   o.plugin_abi_minor = static_cast<int32_t>(LOSSD_PLUGIN_ABI_MINOR);
   // An operator's override of the device's default path, without a new ABI field:
   // LOSSD_CUDA_REF_EXP=0 (the logits GEMM + cross-entropy kernel path for every problem) or =1

@@ -110,13 +110,13 @@ TEST_F(PluginComputeTest, InfoAndHostMemory) {
   // ABI 6.1's field crosses: the path the device chose.
   EXPECT_FALSE(got.compute_path.empty());
   EXPECT_EQ(got.compute_path, want.compute_path);
-  // ABI 6.3 carries the policy's options, 6.4 geo_mean and kl_cov, 6.5 vespo, so the plugin
-  // announces what the backend computes.
+  // ABI 6.3 carries the policy's options, 6.4 geo_mean and kl_cov, 6.5 vespo, 6.6
+  // cispo_clamp, so the plugin announces what the backend computes.
   EXPECT_EQ(got.loss_kinds, want.loss_kinds);
   for (uint32_t bit : {kPolicySequenceBit, kPolicyIsRatioBit, kPolicyKlEstimatorBit,
                        kPolicyEntropyBit, kPolicyAggregationBit, kPolicyGpgBit,
                        kDistillWeightsBit, kPolicyGeoMeanBit, kPolicyKlCovBit,
-                       kPolicyVespoBit}) {
+                       kPolicyVespoBit, kPolicyCispoClampBit}) {
     EXPECT_NE(got.loss_kinds & bit, 0u) << "bit " << bit << " not announced";
   }
   HostMemory* m = plugin_->host_memory();

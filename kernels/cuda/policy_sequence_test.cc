@@ -378,6 +378,13 @@ TEST_F(CudaTest, PolicySequenceAndIsRatioAreAnnouncedOnlyWhereTheyArrive) {
   EXPECT_EQ((*served)->Info().loss_kinds & (kPolicyGeoMeanBit | kPolicyKlCovBit),
             kPolicyGeoMeanBit | kPolicyKlCovBit);
   EXPECT_EQ((*served)->Info().loss_kinds & kPolicyVespoBit, 0u) << "vespo announced before 6.5";
+  EXPECT_NE(backend_->Info().loss_kinds & kPolicyCispoClampBit, 0u) << "cispo_clamp not announced";
+  o.plugin_abi_minor = 5;
+  served = CudaBackend::Create(o);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ((*served)->Info().loss_kinds & (kPolicyVespoBit | kPolicyCispoClampBit),
+            kPolicyVespoBit)
+      << "vespo not announced at 6.5, or cispo_clamp before 6.6";
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ LOSS_TYPES = {"dapo": pb.POLICY_LOSS_DAPO, "grpo": pb.POLICY_LOSS_GRPO,
               "cispo": pb.POLICY_LOSS_CISPO, "sapo": pb.POLICY_LOSS_SAPO,
               "luspo": pb.POLICY_LOSS_LUSPO, "gpg": pb.POLICY_LOSS_GPG,
               "geo_mean": pb.POLICY_LOSS_GEO_MEAN, "kl_cov": pb.POLICY_LOSS_KL_COV,
-              "vespo": pb.POLICY_LOSS_VESPO}
+              "vespo": pb.POLICY_LOSS_VESPO, "cispo_clamp": pb.POLICY_LOSS_CISPO_CLAMP}
 KL_ESTIMATORS = {"k3": pb.KL_ESTIMATOR_K3, "k1": pb.KL_ESTIMATOR_K1, "k2": pb.KL_ESTIMATOR_K2,
                  "abs": pb.KL_ESTIMATOR_ABS, "low_var_kl": pb.KL_ESTIMATOR_LOW_VAR_KL}
 AGGREGATIONS = {"loss_type": pb.AGGREGATION_LOSS_TYPE, "token-mean": pb.AGGREGATION_TOKEN_MEAN,
@@ -69,7 +69,9 @@ class PolicyOptions:
     "policy_loss_type_kl_cov". loss_type "vespo": Liger's and TRL's (-phi A logp, phi a
     detached gamma weight of the sequence's summed log-ratio and summed log is_ratio, by the
     advantage's sign: vespo_k_pos / vespo_lambda_pos where A >= 0, the _neg pair where A < 0;
-    is_ratio enters phi only; dapo's normalisation); "policy_loss_type_vespo".
+    is_ratio enters phi only; dapo's normalisation); "policy_loss_type_vespo". loss_type
+    "cispo_clamp": verl's cispo (-sg(clamp(r, 1 - epsilon_low, 1 + epsilon_high)) A logp, where
+    "cispo" is Liger's -sg(min(r, epsilon_high)) A logp); "policy_loss_type_cispo_clamp".
     verl_policy_options() maps verl's names."""
 
     loss_type: str = "dapo"
@@ -108,14 +110,15 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
     clip; loss_agg_mode aggregates its KL and entropy terms only, as in verl), "kl_cov"
     (KL-Cov, with verl's policy_loss.kl_cov_ratio and ppo_kl_coef; no clipping), "gspo"
     (lossd's sequence-level importance sampling; no dual clip; advantages constant over each
-    sequence, as GRPO's are, give verl's gradient) or "sapo" (its gate temperatures tau_pos and
-    tau_neg; verl aggregates sapo's term by seq-mean-token-mean whatever loss_agg_mode says,
+    sequence, as GRPO's are, give verl's gradient), "cispo" (lossd's cispo_clamp: the
+    detached weight clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) or "sapo" (its gate
+    temperatures tau_pos and tau_neg; verl aggregates sapo's term by seq-mean-token-mean whatever loss_agg_mode says,
     so a KL or entropy term needs loss_agg_mode "seq-mean-token-mean" too); loss_agg_mode;
     kl_loss_type (a trailing "+" for the straight-through variant) with kl_loss_coef as beta
     (use_kl_loss off: 0); entropy_coeff; global_normalizer: verl's batch_num_tokens
     (token-mean) or global_batch_size (seq-mean modes) over dp_size, 0 = this call's count.
     Raises InvalidArgumentError naming a name that is not built."""
-    built = ("vanilla", "gpg", "geo_mean", "kl_cov", "gspo", "sapo")
+    built = ("vanilla", "gpg", "geo_mean", "kl_cov", "gspo", "sapo", "cispo")
     if policy_loss not in built:
         raise errors.InvalidArgumentError(
             "verl policy_loss %r is not built (%s are; docs/rl_clients.md lists verl's names)"
@@ -138,7 +141,8 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     vanilla = policy_loss == "vanilla"
-    loss_type = {"vanilla": "dapo", "gspo": "dapo"}.get(policy_loss, policy_loss)
+    loss_type = {"vanilla": "dapo", "gspo": "dapo", "cispo": "cispo_clamp"}.get(policy_loss,
+                                                                                policy_loss)
     return PolicyOptions(
         loss_type=loss_type, epsilon_low=low, epsilon_high=high,
         beta=kl_loss_coef, sequences=sequences, dapo_normalizer=global_normalizer,
@@ -163,6 +167,7 @@ def policy_features(header):
               (p.loss_type == pb.POLICY_LOSS_GEO_MEAN, "policy_loss_type_geo_mean"),
               (p.loss_type == pb.POLICY_LOSS_KL_COV, "policy_loss_type_kl_cov"),
               (p.loss_type == pb.POLICY_LOSS_VESPO, "policy_loss_type_vespo"),
+              (p.loss_type == pb.POLICY_LOSS_CISPO_CLAMP, "policy_loss_type_cispo_clamp"),
               (p.kl_estimator != pb.KL_ESTIMATOR_K3 or p.kl_straight_through,
                "policy_kl_estimator"),
               (p.entropy_coeff != 0, "policy_entropy_bonus"),

@@ -54,8 +54,8 @@ class _Formulas:
     log-ratios clipped on A's side), the rollout weights' geometric mean beside; GSPO's
     sequence ratio (the paper's: exp of the masked mean log-ratio, its gradient through the
     mean, log-ratio capped at 10) clipped as PPO's; SAPO's gate sigmoid(tau (r - 1)) 4 / tau,
-    tau by A's sign, always by seq-mean-token-mean; the modes over the masked (B, S) matrix
-    with verl's global counts."""
+    tau by A's sign, always by seq-mean-token-mean; CISPO's -sg(clamp(r, 1 - low, 1 + high)) A
+    logp; the modes over the masked (B, S) matrix with verl's global counts."""
 
     @staticmethod
     def kl_penalty(logp, ref, kind):
@@ -101,6 +101,15 @@ class _Formulas:
         r = torch.exp(torch.clamp(((logp - old) * mask).sum(-1, keepdim=True) / n, max=10.0))
         clipped = torch.clamp(r, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
         pg = torch.maximum(-a * r, -a * clipped)
+        return cls.agg_loss(pg, mask, mode, **config.global_batch_info), {}
+
+    @classmethod
+    def compute_policy_loss_cispo(cls, old, logp, a, mask, mode, config, rollout_is_weights=None):
+        r = torch.exp(logp - old)
+        weight = torch.clamp(r, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high).detach()
+        pg = -weight * a * logp
+        if rollout_is_weights is not None:
+            pg = pg * rollout_is_weights
         return cls.agg_loss(pg, mask, mode, **config.global_batch_info), {}
 
     @classmethod
@@ -160,13 +169,13 @@ def verl(request):
         pass
 
     ns = {"torch": torch, "verl_F": verl_f, "Optional": Optional, "Any": Any,
-          "AlgoConfig": AlgoConfig, "ActorConfig": object}
+          "AlgoConfig": AlgoConfig, "ActorConfig": object, "DictConfig": object}
     return types.SimpleNamespace(**_functions(
         root / "trainer" / "ppo" / "core_algos.py",
         ["kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss_vanilla",
          "compute_policy_loss_gpg", "compute_policy_loss_geo_mean",
          "compute_policy_loss_kl_cov", "compute_policy_loss_gspo",
-         "compute_policy_loss_sapo"], ns))
+         "compute_policy_loss_sapo", "compute_policy_loss_cispo"], ns))
 
 
 class _Config(dict):
@@ -231,6 +240,10 @@ def _reference(verl, seed, opts):
         pg, _ = verl.compute_policy_loss_gspo(old, logp, a, m, mode, config)
     elif opts["policy_loss"] == "sapo":
         pg, _ = verl.compute_policy_loss_sapo(old, logp, a, m, mode, config)
+    elif opts["policy_loss"] == "cispo":
+        pg, _ = verl.compute_policy_loss_cispo(
+            old, logp, a, m, mode, config,
+            rollout_is_weights=None if rho is None else torch.tensor(rho, dtype=torch.float64))
     else:
         pg, _ = verl.compute_policy_loss_vanilla(old, logp, a, m, mode, config)
     loss = pg
@@ -285,6 +298,11 @@ CASES = [
     dict(policy_loss="sapo", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k2",
          kl_loss_coef=0.1, entropy_coeff=0.02, tau_pos=1.3, tau_neg=0.7),
     dict(policy_loss="sapo", loss_agg_mode="token-mean", kl_loss_type="k1", kl_loss_coef=0.0),
+    # cispo: the detached weight clamped on both sides (lossd's cispo_clamp)
+    dict(policy_loss="cispo", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
+         kl_loss_coef=0.1, entropy_coeff=0.01),
+    dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-sum", kl_loss_type="k2",
+         kl_loss_coef=0.2, is_ratio=True),
     # one data-parallel rank of two: verl's global counts (the whole batch's), lossd's
     # dapo_normalizer = count / dp_size; and a fixed loss_scale_factor
     dict(policy_loss="vanilla", loss_agg_mode="token-mean", kl_loss_type="low_var_kl",
