@@ -207,13 +207,15 @@ void VespoRows(const LossProblem& p, const uint8_t* counted, const double* weigh
     if (counted[i]) u += std::clamp(log_ratio(i), -20.0, 20.0);
   }
   const bool has_ref = p.ref_logp != nullptr;
+  // The sequence's two weights, by the advantage's sign.
+  const double phi_pos = policy_math::VespoWeight(u, po.vespo_k_pos, po.vespo_lambda_pos);
+  const double phi_neg = policy_math::VespoWeight(u, po.vespo_k_neg, po.vespo_lambda_neg);
   for (int64_t k = 0; k < s; ++k) {
     const int64_t i = b0 + k;
     if (!counted[i]) continue;
     PolicySequenceRow& r = rows[k];
     const double a = p.advantages[i];
-    const double phi = a >= 0 ? policy_math::VespoWeight(u, po.vespo_k_pos, po.vespo_lambda_pos)
-                              : policy_math::VespoWeight(u, po.vespo_k_neg, po.vespo_lambda_neg);
+    const double phi = a >= 0 ? phi_pos : phi_neg;
     r.ratio = std::exp(log_ratio(i));
     r.terms = policy_math::Terms(o, logp[i], po.entropy_coeff != 0.0f ? entropy[i] : 0.0,
                                  r.ratio, a, 1.0, has_ref,

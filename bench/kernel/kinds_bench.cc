@@ -68,8 +68,8 @@ ABSL_FLAG(bool, two_phase, true,
           "with logprob in --kinds: also time the two-phase logprob (forward, then backward)");
 ABSL_FLAG(int64_t, policy_sequence, 0,
           "with policy in --kinds and S > 0 dividing BT: also time the policy kind at sequence "
-          "level over sequences of S rows (the row policy_seq), and the loss types geo_mean and "
-          "kl_cov over the same rows (policy_geo_mean, policy_kl_cov)");
+          "level over sequences of S rows (the row policy_seq), and the loss types geo_mean, "
+          "kl_cov and vespo over the same rows (policy_geo_mean, policy_kl_cov, policy_vespo)");
 ABSL_FLAG(int64_t, chunk_budget_mib, 0,
           "the backend's chunk budget in MiB for every kind's plan (0: its default for the "
           "shape and GPU; distill holds two logits chunks in it)");

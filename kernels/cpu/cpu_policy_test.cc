@@ -151,9 +151,6 @@ void AddVerlCases(std::vector<Case>* cs) {
   c.agg = PolicyAggregation::kSeqMeanTokenMean;
   c.chunk_rows = 9;
   cs->push_back(c);
-  // vespo: log-ratios a twentieth of the others' (a sequence's sum within a few units of 0);
-  // the rollout correction (summed into the weight, not applied again), the bias-corrected KL
-  // and chunks; without old log-probs phi = 1.
   // cispo_clamp (verl's cispo): the weight clamped on both sides, the rollout correction, KL.
   c = Case();
   c.name = "cispo_clamp_is_ratio_k2_chunk9";
@@ -163,6 +160,9 @@ void AddVerlCases(std::vector<Case>* cs) {
   c.beta = 0.1f;
   c.chunk_rows = 9;
   cs->push_back(c);
+  // vespo: log-ratios a twentieth of the others' (a sequence's sum within a few units of 0);
+  // the rollout correction (summed into the weight, not applied again), the bias-corrected KL
+  // and chunks; without old log-probs phi = 1.
   c = Case();
   c.name = "vespo";
   c.type = PolicyLossType::kVespo;

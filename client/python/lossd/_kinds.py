@@ -112,8 +112,9 @@ def verl_policy_options(*, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low
     (lossd's sequence-level importance sampling; no dual clip; advantages constant over each
     sequence, as GRPO's are, give verl's gradient), "cispo" (lossd's cispo_clamp: the
     detached weight clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) or "sapo" (its gate
-    temperatures tau_pos and tau_neg; verl aggregates sapo's term by seq-mean-token-mean whatever loss_agg_mode says,
-    so a KL or entropy term needs loss_agg_mode "seq-mean-token-mean" too); loss_agg_mode;
+    temperatures tau_pos and tau_neg; verl aggregates sapo's term by seq-mean-token-mean
+    whatever loss_agg_mode says, so a KL or entropy term needs loss_agg_mode
+    "seq-mean-token-mean" too); loss_agg_mode;
     kl_loss_type (a trailing "+" for the straight-through variant) with kl_loss_coef as beta
     (use_kl_loss off: 0); entropy_coeff; global_normalizer: verl's batch_num_tokens
     (token-mean) or global_batch_size (seq-mean modes) over dp_size, 0 = this call's count.
